@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  make demo   and   make test
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): requirements-lock.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-lock.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/detdata demo --out demo_out
+
+lint: $(STAMP)
+	$(BIN)/ruff check detdata tests benchmarks examples
+	$(BIN)/mypy detdata
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q -n 2 tests
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,46 @@
+"""detdata: exactly reproducible, resumable data loading for LLM pretraining.
+
+Bytes identity (blake3 manifests), order as a function of (seed, global index),
+exact seeded mixtures, and one-integer resume. See DESIGN.md for the contracts.
+"""
+
+from detdata._dataset import ArrayDataset, Batch, Dataset, OrderedStream, Stream
+from detdata._errors import (
+    ConfigError,
+    DetdataError,
+    FormatError,
+    ManifestError,
+    RegistryError,
+    StateError,
+    StorageError,
+    VerificationError,
+)
+from detdata._formats import Format
+from detdata._manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
+from detdata._order import GlobalOrder
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayDataset",
+    "Batch",
+    "ConfigError",
+    "Dataset",
+    "DetdataError",
+    "Format",
+    "FormatError",
+    "GlobalOrder",
+    "Manifest",
+    "ManifestError",
+    "OrderedStream",
+    "RegistryError",
+    "ShardEntry",
+    "StateError",
+    "StorageError",
+    "Stream",
+    "VerificationError",
+    "Verify",
+    "__version__",
+    "build_manifest",
+    "hash_files",
+]

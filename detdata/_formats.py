@@ -1,0 +1,140 @@
+"""Shard formats: detection, sample counts and schema fingerprints.
+
+A "sample" at the manifest level is one token (1-D token files) or one row
+(tables). Datasets build larger samples (token windows) on top.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from detdata._errors import ConfigError, FormatError
+from detdata._hashing import digest_bytes
+
+
+class Format(str, enum.Enum):
+    """Shard formats detdata understands."""
+
+    NPY = "npy"
+    BIN = "bin"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+
+TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
+TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW)
+_SUFFIXES: Final = {".npy": Format.NPY, ".bin": Format.BIN, ".parquet": Format.PARQUET,
+                    ".arrow": Format.ARROW, ".feather": Format.ARROW, ".ipc": Format.ARROW}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardLayout:
+    """What a format inspection finds in a shard (everything except its digests)."""
+
+    num_samples: int
+    dtype: str | None = None
+    data_offset: int | None = None
+    schema: str | None = None
+    row_groups: tuple[int, ...] | None = None
+
+
+def parse_format(value: str | Format) -> Format:
+    """``Format`` from a name, with a clear error for unknown names."""
+    try:
+        return Format(value)
+    except ValueError:
+        names = ", ".join(f.value for f in Format)
+        raise ConfigError(f"unknown shard format {value!r}; expected one of: {names}") from None
+
+
+def detect_format(path: str) -> Format:
+    """Format from a file suffix; raises `FormatError` naming the file when unknown."""
+    for suffix, fmt in _SUFFIXES.items():
+        if path.endswith(suffix):
+            return fmt
+    raise FormatError(f"{path}: cannot tell the format from the suffix; pass format= "
+                      f"(one of {', '.join(f.value for f in Format)})")
+
+
+def check_token_dtype(dtype: str | None, *, where: str) -> str:
+    """Canonical numpy dtype name for token shards (little-endian on disk)."""
+    if dtype is None:
+        raise ConfigError(f"{where}: raw .bin shards need a declared dtype, e.g. dtype='uint16'")
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        raise ConfigError(f"{where}: unknown dtype {dtype!r}; expected one of {TOKEN_DTYPES}") from None
+    if name not in TOKEN_DTYPES:
+        raise ConfigError(f"{where}: dtype {name} is not a token dtype; expected one of {TOKEN_DTYPES}")
+    return name
+
+
+def schema_fingerprint(schema: pa.Schema) -> str:
+    """``b3:`` digest of the schema's field names, types and nullability (metadata ignored)."""
+    fields = [[f.name, str(f.type), f.nullable] for f in schema]
+    return digest_bytes(json.dumps(fields, separators=(",", ":")).encode())
+
+
+def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Format,
+                  dtype: str | None = None, *, rel: str) -> ShardLayout:
+    """Read a shard's header/footer and return its layout; errors name ``rel``."""
+    if fmt is Format.NPY:
+        return _inspect_npy(fs, path, size, rel)
+    if fmt is Format.BIN:
+        name = check_token_dtype(dtype, where=rel)
+        itemsize = np.dtype(name).itemsize
+        if size % itemsize:
+            raise FormatError(f"shard {rel}: {size} bytes is not a multiple of the {name} item "
+                              f"size {itemsize}; hint: check the declared dtype")
+        return ShardLayout(num_samples=size // itemsize, dtype=name, data_offset=0)
+    if fmt is Format.PARQUET:
+        with fs.open(path, "rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+            groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+            return ShardLayout(num_samples=meta.num_rows, schema=schema_fingerprint(meta.schema.to_arrow_schema()),
+                               row_groups=groups)
+    with fs.open(path, "rb") as fh:
+        try:
+            reader = ipc.open_file(fh)
+        except pa.ArrowInvalid as exc:
+            raise FormatError(f"shard {rel}: not an Arrow IPC file ({exc}); hint: write it with "
+                              "pyarrow.ipc.new_file / feather v2") from None
+        groups = tuple(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        return ShardLayout(num_samples=sum(groups), schema=schema_fingerprint(reader.schema),
+                           row_groups=groups)
+
+
+def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> ShardLayout:
+    with fs.open(path, "rb") as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            header: tuple[Any, ...]
+            if version == (1, 0):
+                header = np.lib.format.read_array_header_1_0(fh)
+            else:
+                header = np.lib.format.read_array_header_2_0(fh)
+        except ValueError as exc:
+            raise FormatError(f"shard {rel}: not a valid .npy file ({exc})") from None
+        offset = fh.tell()
+    shape, fortran, dtype = header
+    if len(shape) != 1:
+        raise FormatError(f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
+                          "hint: save tokens with np.save(path, tokens.reshape(-1))")
+    if dtype.byteorder == ">" or dtype.name not in TOKEN_DTYPES:
+        raise FormatError(f"shard {rel}: dtype {dtype.str} is not a little-endian token dtype "
+                          f"({', '.join(TOKEN_DTYPES)})")
+    expected = offset + shape[0] * dtype.itemsize
+    if expected != size:
+        raise FormatError(f"shard {rel}: header says {shape[0]} x {dtype.name} "
+                          f"({expected} bytes) but the file has {size} bytes")
+    del fortran
+    return ShardLayout(num_samples=int(shape[0]), dtype=dtype.name, data_offset=offset)

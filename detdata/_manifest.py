@@ -1,0 +1,392 @@
+"""Content-addressed shard manifests (DESIGN.md section 1).
+
+A manifest is a JSON document: a format version, a canonically sorted list of
+shards (relative path, bytes, blake3, quick digest, sample count, format and
+format details) and free user metadata. Its id is ``b3:`` + blake3 of the
+canonical JSON of that body (sorted keys, no whitespace, UTF-8). The root URL
+the shards live under is *not* part of the body, so moving data keeps the id.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from detdata._errors import ConfigError, ManifestError, VerificationError
+from detdata._formats import Format, ShardLayout, detect_format, inspect_shard, parse_format
+from detdata._hashing import full_digest_file, quick_digest_file
+from detdata._storage import check_relative_path, filesystem, is_url, join
+
+FORMAT_VERSION: Final = 1
+KIND: Final = "detdata.manifest"
+ID_PREFIX: Final = "b3:"
+
+# JSON keys (named constants so the schema lives in one place).
+K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
+    "kind", "format_version", "shards", "metadata", "id", "root")
+_SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
+_SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
+
+
+class Verify(str, enum.Enum):
+    """How much of the bytes to check when opening a manifest."""
+
+    OFF = "off"
+    QUICK = "quick"
+    FULL = "full"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the bytes an id is computed over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One shard of a manifest. ``num_samples`` counts tokens (token files) or rows (tables)."""
+
+    path: str
+    bytes: int
+    blake3: str
+    quick: str
+    num_samples: int
+    format: Format
+    dtype: str | None = None
+    data_offset: int | None = None
+    schema: str | None = None
+    row_groups: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "bytes": self.bytes, "blake3": self.blake3,
+                               "quick": self.quick, "num_samples": self.num_samples,
+                               "format": self.format.value}
+        for key in _SHARD_OPTIONAL:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> ShardEntry:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: expected an object, found {type(obj).__name__}")
+        missing = [k for k in _SHARD_REQUIRED if k not in obj]
+        unknown = sorted(set(obj) - set(_SHARD_REQUIRED) - set(_SHARD_OPTIONAL))
+        if missing or unknown:
+            raise ManifestError(f"{where}: missing fields {missing}, unknown fields {unknown}")
+        path = check_relative_path(obj["path"], where=where)
+        for key in ("bytes", "num_samples"):
+            _check_int(obj[key], f"{where} ({path}) field {key!r}")
+        for key in ("blake3", "quick"):
+            _check_digest(obj[key], f"{where} ({path}) field {key!r}")
+        try:
+            fmt = Format(obj["format"])
+        except ValueError:
+            raise ManifestError(f"{where} ({path}): unknown format {obj['format']!r}") from None
+        groups = obj.get("row_groups")
+        if groups is not None:
+            if not isinstance(groups, list):
+                raise ManifestError(f"{where} ({path}): row_groups must be a list")
+            for g in groups:
+                _check_int(g, f"{where} ({path}) row_groups")
+            groups = tuple(groups)
+        offset = obj.get("data_offset")
+        if offset is not None:
+            _check_int(offset, f"{where} ({path}) field 'data_offset'")
+        for key in ("dtype", "schema"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
+        return cls(path=path, bytes=obj["bytes"], blake3=obj["blake3"], quick=obj["quick"],
+                   num_samples=obj["num_samples"], format=fmt, dtype=obj.get("dtype"),
+                   data_offset=offset, schema=obj.get("schema"), row_groups=groups)
+
+
+def _check_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
+    return value
+
+
+def _check_digest(value: object, where: str) -> str:
+    if not (isinstance(value, str) and value.startswith(ID_PREFIX) and len(value) == 67
+            and all(c in "0123456789abcdef" for c in value[3:])):
+        raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """An immutable, content-addressed list of shards under a root URL."""
+
+    shards: tuple[ShardEntry, ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    root: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = [s.path for s in self.shards]
+        if paths != sorted(paths):
+            object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.path)))
+            paths.sort()
+        dupes = sorted({p for p, q in itertools.pairwise(paths) if p == q})
+        if dupes:
+            raise ManifestError(f"duplicate shard paths in manifest: {dupes}")
+        try:
+            canonical_json(dict(self.metadata))
+        except (TypeError, ValueError) as exc:
+            raise ManifestError(f"manifest metadata must be plain JSON: {exc}") from None
+
+    # identity -------------------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        """The JSON object the id is computed over (no root, no id)."""
+        return {K_KIND: KIND, K_VERSION: FORMAT_VERSION,
+                K_SHARDS: [s.to_json() for s in self.shards], K_METADATA: dict(self.metadata)}
+
+    @property
+    def id(self) -> str:
+        """``b3:<hex>`` of the canonical JSON body; independent of the root URL."""
+        from detdata._hashing import digest_bytes
+        return digest_bytes(canonical_json(self.body()))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def with_root(self, root: str) -> Manifest:
+        """The same manifest (same id) pointing at another root."""
+        return Manifest(shards=self.shards, metadata=self.metadata, root=root)
+
+    def url(self, shard: ShardEntry) -> str:
+        """Full URL/path of a shard under this manifest's root."""
+        if self.root is None:
+            raise ConfigError("this manifest has no root; pass root= to Manifest.load or use with_root()")
+        return self.root.rstrip("/") + "/" + shard.path
+
+    # persistence ------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        doc = self.body()
+        doc[K_ID] = self.id
+        if self.root is not None:
+            doc[K_ROOT] = self.root
+        return doc
+
+    def save(self, path: str, **storage_options: Any) -> str:
+        """Write the manifest as JSON (atomically on local disk); returns its id."""
+        from detdata._atomic import atomic_write_bytes
+        data = json.dumps(self.to_json(), sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
+        atomic_write_bytes(path, data, **storage_options)
+        return self.id
+
+    @classmethod
+    def from_json(cls, doc: object, *, root: str | None = None, where: str = "manifest") -> Manifest:
+        """Parse and validate a manifest document (no storage access)."""
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{where}: expected a JSON object, found {type(doc).__name__}")
+        if doc.get(K_KIND) != KIND:
+            raise ManifestError(f"{where}: field 'kind' must be {KIND!r}, found {doc.get(K_KIND)!r}")
+        version = doc.get(K_VERSION)
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"{where}: unknown format_version {version!r}; this detdata reads "
+                                f"version {FORMAT_VERSION}; hint: upgrade detdata")
+        unknown = sorted(set(doc) - {K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT})
+        if unknown:
+            raise ManifestError(f"{where}: unknown top-level fields {unknown}")
+        shards_doc, metadata = doc.get(K_SHARDS), doc.get(K_METADATA, {})
+        if not isinstance(shards_doc, list):
+            raise ManifestError(f"{where}: field 'shards' must be a list")
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: field 'metadata' must be an object")
+        shards = tuple(ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc))
+        stored_root = doc.get(K_ROOT)
+        if stored_root is not None and not isinstance(stored_root, str):
+            raise ManifestError(f"{where}: field 'root' must be a string")
+        manifest = cls(shards=shards, metadata=metadata, root=root if root is not None else stored_root)
+        if [s.path for s in shards] != [s.path for s in manifest.shards]:
+            raise ManifestError(f"{where}: shards are not sorted by path (canonical order)")
+        claimed = doc.get(K_ID)
+        if claimed is not None and claimed != manifest.id:
+            raise ManifestError(f"{where}: id mismatch: the file says {claimed} but its content "
+                                f"hashes to {manifest.id}; the manifest was edited or corrupted")
+        return manifest
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, root: str | None = None, where: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{where}: malformed JSON ({exc})") from None
+        return cls.from_json(doc, root=root, where=where)
+
+    @classmethod
+    def load(cls, path: str, *, root: str | None = None, verify: str | Verify = Verify.QUICK,
+             threads: int = 8, **storage_options: Any) -> Manifest:
+        """Read a manifest file/URL and verify the shards under its root.
+
+        ``root`` overrides the stored root; without either, the manifest file's
+        directory is used. ``verify``: ``"quick"`` (default: sizes and quick
+        digests), ``"full"`` (re-hash every byte) or ``"off"`` (named explicitly).
+        """
+        mode = _parse_verify(verify)
+        fs, fpath = filesystem(path, **storage_options)
+        try:
+            with fs.open(fpath, "rb") as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            raise ManifestError(f"manifest file not found: {path}") from None
+        manifest = cls.loads(text, root=root, where=f"manifest {path}")
+        if manifest.root is None:
+            manifest = manifest.with_root(path.rsplit("/", 1)[0] if "/" in path else ".")
+        if mode is not Verify.OFF:
+            manifest.verify(mode, threads=threads, **storage_options)
+        return manifest
+
+    # verification -----------------------------------------------------------
+    def verify(self, mode: str | Verify = Verify.QUICK, *, threads: int = 8,
+               progress: bool | None = None, **storage_options: Any) -> None:
+        """Check the bytes under the root; raise `VerificationError` at the first bad shard.
+
+        Every shard is checked; the error names the first (in path order) that
+        failed, with the field, expected and found values.
+        """
+        mode = _parse_verify(mode)
+        if mode is Verify.OFF:
+            return
+        if self.root is None:
+            raise ConfigError("cannot verify a manifest without a root")
+        fs, root = filesystem(self.root, **storage_options)
+
+        def check(shard: ShardEntry) -> VerificationError | None:
+            return _verify_shard(fs, join(root, shard.path), shard, mode, self.root or "")
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            results = list(_progress(pool.map(check, self.shards), len(self.shards),
+                                     "verifying", progress))
+        for err in results:
+            if err is not None:
+                raise err
+
+
+def _parse_verify(value: str | Verify) -> Verify:
+    try:
+        return Verify(value)
+    except ValueError:
+        raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
+
+
+def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str) -> VerificationError | None:
+    where = f"shard {shard.path} (under {root})"
+    try:
+        size = int(fs.size(path))
+    except FileNotFoundError:
+        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes",
+                                 shard=shard.path, field="exists", expected=True, found=False)
+    if size != shard.bytes:
+        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {size} "
+                                 "(truncated or rewritten?)", shard=shard.path, field="bytes",
+                                 expected=shard.bytes, found=size)
+    quick = quick_digest_file(fs, path, size)
+    if quick != shard.quick:
+        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {quick}",
+                                 shard=shard.path, field="quick", expected=shard.quick, found=quick)
+    if mode is Verify.FULL:
+        full = full_digest_file(fs, path)
+        if full != shard.blake3:
+            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {full}",
+                                     shard=shard.path, field="blake3", expected=shard.blake3, found=full)
+    return None
+
+
+def _progress(it: Iterable[Any], total: int, desc: str, progress: bool | None) -> Iterable[Any]:
+    show = sys.stderr.isatty() if progress is None else progress
+    if not show:
+        return it
+    from tqdm import tqdm
+    return tqdm(it, total=total, desc=desc, unit="shard")
+
+
+def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
+    if pattern is None:
+        found = [p for p in fs.find(root) if not p.endswith(".json")]
+    else:
+        found = fs.glob(join(root, pattern))
+        found = [p for p in found if not fs.isdir(p)]
+    prefix = root.rstrip("/") + "/"
+    rels = sorted(p[len(prefix):] if p.startswith(prefix) else p.lstrip("/") for p in found)
+    if fmt is None and pattern is None:
+        rels = [r for r in rels if _known_suffix(r)]
+    return rels
+
+
+def _known_suffix(rel: str) -> bool:
+    try:
+        detect_format(rel)
+    except Exception:
+        return False
+    return True
+
+
+def build_manifest(root: str, *, pattern: str | None = None, format: str | Format | None = None,
+                   dtype: str | None = None, metadata: Mapping[str, Any] | None = None,
+                   paths: Sequence[str] | None = None, threads: int = 8,
+                   progress: bool | None = None, **storage_options: Any) -> Manifest:
+    """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
+
+    Shards are ``paths`` (relative) if given, else files matching the glob
+    ``pattern`` (default: every file with a known suffix, recursively), sorted
+    by relative path. ``format`` overrides suffix detection; ``.bin`` needs
+    ``dtype``. Shards are hashed in ``threads`` parallel threads, each streamed in
+    bounded memory. ``metadata`` (tokenizer hash, description...) is part of the id.
+    """
+    fs, rootpath = filesystem(root, **storage_options)
+    fmt = parse_format(format) if format is not None else None
+    if paths is not None:
+        rels = sorted(check_relative_path(p, where="paths") for p in paths)
+    else:
+        if not fs.exists(rootpath):
+            raise ConfigError(f"root {root!r} does not exist")
+        rels = _list_shards(fs, rootpath, pattern, fmt)
+    if not rels:
+        raise ConfigError(f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
+                          "path and pattern, e.g. pattern='**/*.npy'")
+
+    def build(rel: str) -> ShardEntry:
+        return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        entries = list(_progress(pool.map(build, rels), len(rels), "hashing", progress))
+    canonical_root = root if is_url(root) else os.path.abspath(root)
+    return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical_root)
+
+
+def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | None) -> ShardEntry:
+    shard_format = fmt if fmt is not None else detect_format(rel)
+    size = int(fs.size(path))
+    layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
+    return ShardEntry(path=rel, bytes=size, blake3=full_digest_file(fs, path),
+                      quick=quick_digest_file(fs, path, size), num_samples=layout.num_samples,
+                      format=shard_format, dtype=layout.dtype, data_offset=layout.data_offset,
+                      schema=layout.schema, row_groups=layout.row_groups)
+
+
+def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any) -> list[tuple[str, int, str]]:
+    """``(path, bytes, b3:<hex>)`` for each file or URL, hashed in parallel."""
+    def one(p: str) -> tuple[str, int, str]:
+        fs, fpath = filesystem(p, **storage_options)
+        return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return list(pool.map(one, paths))
+
+
+ProgressFn = Callable[[int], None]
