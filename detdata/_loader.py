@@ -1,0 +1,292 @@
+"""`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
+
+It is built on torch's public ``DataLoader``: a sampler yields the positions of
+this rank's micro batches (`Layout`), a map-style dataset turns a whole array of
+positions into one batch with one batched read (`Stream.fetch`), and torch
+handles workers, prefetching and pinning. The loader counts samples *delivered*
+to the caller; its state is that count plus identity fields (`LoaderState`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from detdata._dataset import Batch, Dataset, IntArray, Stream, as_stream
+from detdata._errors import ConfigError, StateError
+from detdata._layout import Layout
+from detdata._order import check_count, check_seed
+from detdata._rng import sample_rng, seed_globals, worker_seed
+from detdata._state import (
+    K_MIXTURE,
+    K_SEED,
+    LoaderState,
+    check_allow,
+    environment,
+    identity_fields,
+    mismatch_message,
+)
+from detdata._trace import TraceWriter
+
+Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
+    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack."""
+    n = len(positions)
+    outs = []
+    for i in range(n):
+        sample = {k: v[i] for k, v in batch.items()}
+        result = transform(sample, sample_rng(seed, int(positions[i])))
+        if not isinstance(result, Mapping):
+            raise ConfigError(f"transform must return a mapping of column -> array, got "
+                              f"{type(result).__name__} for position {int(positions[i])}")
+        outs.append(result)
+    return {k: np.stack([np.asarray(o[k]) for o in outs]) for k in outs[0]}
+
+
+class PositionDataset(tud.Dataset[Batch]):
+    """Map-style dataset whose "index" is an array of global positions (one batch)."""
+
+    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
+        self.stream = stream
+        self.transform = transform
+        self.seed = seed
+
+    def __getitem__(self, positions: IntArray) -> Batch:  # type: ignore[override]
+        batch = self.stream.fetch(positions)
+        if self.transform is not None:
+            batch = apply_transform(batch, positions, self.transform, self.seed)
+        return batch
+
+    def __len__(self) -> int:
+        raise TypeError("PositionDataset is indexed by position arrays and has no length")
+
+
+class MicroBatchSampler(tud.Sampler[IntArray]):
+    """Yields this rank's position arrays, one per micro step, from a start position."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+
+    def __iter__(self) -> Iterator[IntArray]:
+        per = self.layout.samples_per_micro_step
+        j = self.start // per
+        while self.stop is None or j * per < self.stop:
+            yield self.layout.positions(j)
+            j += 1
+
+    def __len__(self) -> int:
+        if self.stop is None:
+            raise TypeError("the stream is infinite (total_samples=None) and has no length")
+        per = self.layout.samples_per_micro_step
+        return max(0, (self.stop - self.start) // per)
+
+
+def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    seed_globals(worker_seed(seed, rank, worker_id))
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def _to_torch(batch: Any) -> Any:
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_torch(v) for k, v in batch.items()}
+    return batch
+
+
+class DataLoader:
+    """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
+
+    Each iteration yields this rank's next micro batch (``micro_batch_size``
+    samples, positions in order) as a dict of tensors. Global positions are
+    assigned as in DESIGN.md section 4, so the samples of a step never depend on
+    ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
+    infinite (epochs continue) unless ``total_samples`` is given.
+
+    ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
+    delivered to the callers of all ranks (prefetched batches are not counted).
+    """
+
+    def __init__(
+        self,
+        data: Dataset | Stream,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        collate_fn: Callable[[Batch], Any] | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        transform: Transform | None = None,
+        total_samples: int | None = None,
+        trace: str | os.PathLike[str] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | None = None,
+        timeout: float = 0,
+        allow_on_resume: Iterable[str] = (),
+    ) -> None:
+        self.seed = check_seed(seed)
+        default_rank, default_world = _default_rank_world()
+        self.layout = Layout.create(global_batch_size, micro_batch_size,
+                                    default_world if world_size is None else world_size,
+                                    default_rank if rank is None else rank)
+        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
+        if total_samples is not None:
+            total_samples = check_count(total_samples, "total_samples", minimum=0)
+            if total_samples % self.layout.global_batch_size:
+                raise ConfigError(f"total_samples {total_samples} is not a multiple of global_batch_size "
+                                  f"{self.layout.global_batch_size}; the last step would be partial")
+        self.total_samples = total_samples
+        self._stream = as_stream(data, self.seed)
+        self._transform = transform
+        self._collate_fn = collate_fn
+        self._torch_kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers, "pin_memory": pin_memory, "timeout": timeout,
+            "persistent_workers": persistent_workers and self.num_workers > 0,
+            "multiprocessing_context": multiprocessing_context if self.num_workers > 0 else None,
+            "worker_init_fn": functools.partial(_init_worker, self.seed, self.layout.rank, worker_init_fn),
+        }
+        if self.num_workers > 0 and prefetch_factor is not None:
+            self._torch_kwargs["prefetch_factor"] = prefetch_factor
+        self._allow = check_allow(allow_on_resume)
+        self._consumed = 0
+        self._generation = 0
+        self._torch_loader: tud.DataLoader[Any] | None = None
+        self._sampler: MicroBatchSampler | None = None
+        self._trace = TraceWriter(trace, self.layout.rank) if trace is not None else None
+
+    # ------------------------------------------------------------------ info
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples delivered so far (all ranks), i.e. the next step's first position."""
+        return self._consumed
+
+    @property
+    def stream(self) -> Stream:
+        return self._stream
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.layout.global_batch_size
+
+    @property
+    def step(self) -> int:
+        """Index of the global step the next micro batch belongs to."""
+        return self._consumed // self.layout.global_batch_size
+
+    def __len__(self) -> int:
+        """Remaining micro batches of this rank (only with ``total_samples``)."""
+        if self.total_samples is None:
+            raise TypeError("this DataLoader is infinite (total_samples=None) and has no length")
+        return max(0, (self.total_samples - self._consumed) // self.layout.samples_per_micro_step)
+
+    def positions_of_next(self) -> IntArray:
+        """Positions of the micro batch the next iteration will deliver on this rank."""
+        return self.layout.positions(self._consumed // self.layout.samples_per_micro_step)
+
+    # ------------------------------------------------------------- iteration
+    def _build(self) -> tud.DataLoader[Any]:
+        self._sampler = MicroBatchSampler(self.layout, self._consumed, self.total_samples)
+        dataset = PositionDataset(self._stream, self._transform, self.seed)
+        return tud.DataLoader(dataset, batch_size=None, sampler=self._sampler,
+                              collate_fn=self._collate_fn or _to_torch, **self._torch_kwargs)
+
+    def _loader_from_here(self) -> tud.DataLoader[Any]:
+        if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
+            self._torch_loader = self._build()
+        else:
+            assert self._sampler is not None  # built together with the loader
+            self._sampler.start = self._consumed
+        return self._torch_loader
+
+    def __iter__(self) -> Iterator[Any]:
+        self._generation += 1
+        generation = self._generation
+        per = self.layout.samples_per_micro_step
+        for batch in self._loader_from_here():
+            if generation != self._generation:
+                return  # state was loaded or a new iterator started: this one is stale
+            if self._trace is not None:
+                step, positions = self.step, self.positions_of_next()
+                self._consumed += per
+                self._trace.add(step, positions, batch, self._consumed % self.global_batch_size == 0)
+            else:
+                self._consumed += per
+            yield batch
+
+    # ----------------------------------------------------------------- state
+    def _fields(self) -> dict[str, Any]:
+        return identity_fields(self._stream.identity(), self.seed, self.layout.global_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: samples delivered plus identity, layout and environment."""
+        layout = {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size,
+                  "num_workers": self.num_workers}
+        state = LoaderState(samples_consumed=self._consumed, fields=self._fields(),
+                            stream=self._stream.identity(), layout=layout, env=environment())
+        return state.to_json()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any] | str, *, allow: Iterable[str] = ()) -> None:
+        """Resume at the saved position in O(1).
+
+        Differences in checked fields (manifests, data, seed, algorithm,
+        mixture, global batch) are refused with a `StateError` listing each,
+        unless named in ``allow`` (or ``allow_on_resume``). An allowed mixture
+        change continues each source from its consumed count (`Mixture.continue_from`).
+        Layout may differ if the position is a micro-step boundary of this layout.
+        """
+        saved = LoaderState.from_json(state_dict)
+        allowed = self._allow | check_allow(allow)
+        current = self._fields()
+        diffs = saved.differences(current)
+        refused = [d for d in diffs if d not in allowed]
+        if refused:
+            raise StateError(mismatch_message(refused, saved.fields, current), fields=tuple(refused))
+        if self.total_samples is not None and saved.samples_consumed > self.total_samples:
+            raise StateError(f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
+                             f"total_samples {self.total_samples}")
+        self.layout.check_resume_position(saved.samples_consumed)
+        if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
+            self._stream = self._continue_mixture(saved, diffs)
+        self._consumed = saved.samples_consumed
+        self._generation += 1
+        self._torch_loader = None
+
+    def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
+        cont = getattr(self._stream, "continue_from", None)
+        if cont is None:
+            raise StateError("the saved state has a mixture but this loader's data is not a Mixture",
+                             fields=(K_MIXTURE,))
+        if K_SEED in diffs:
+            raise StateError("cannot change the mixture and the seed in the same resume", fields=(K_SEED,))
+        stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
+        return stream
+
+    def close(self) -> None:
+        """Stop workers and close the trace file."""
+        self._generation += 1
+        self._torch_loader = None
+        if self._trace is not None:
+            self._trace.close()
