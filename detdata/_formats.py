@@ -98,7 +98,11 @@ def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Form
         return ShardLayout(num_samples=size // itemsize, dtype=name, data_offset=0)
     if fmt is Format.PARQUET:
         with fs.open(path, "rb") as fh:
-            meta = pq.ParquetFile(fh).metadata
+            try:
+                meta = pq.ParquetFile(fh).metadata
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise FormatError(f"shard {rel}: not a valid Parquet file ({exc}); hint: check "
+                                  "the file or the declared format") from None
             groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
             return ShardLayout(num_samples=meta.num_rows, schema=schema_fingerprint(meta.schema.to_arrow_schema()),
                                row_groups=groups)

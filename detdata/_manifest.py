@@ -10,6 +10,7 @@ the shards live under is *not* part of the body, so moving data keeps the id.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import json
 import os
@@ -17,10 +18,18 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from detdata._errors import ConfigError, ManifestError, VerificationError
-from detdata._formats import Format, ShardLayout, detect_format, inspect_shard, parse_format
+from detdata._errors import ConfigError, ManifestError, StorageError, VerificationError
+from detdata._formats import (
+    TABLE_FORMATS,
+    TOKEN_DTYPES,
+    Format,
+    ShardLayout,
+    detect_format,
+    inspect_shard,
+    parse_format,
+)
 from detdata._hashing import full_digest_file, quick_digest_file
 from detdata._storage import check_relative_path, filesystem, is_url, join
 
@@ -104,9 +113,24 @@ class ShardEntry:
         for key in ("dtype", "schema"):
             if obj.get(key) is not None and not isinstance(obj[key], str):
                 raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
+        _check_format_fields(fmt, obj, f"{where} ({path})")
         return cls(path=path, bytes=obj["bytes"], blake3=obj["blake3"], quick=obj["quick"],
                    num_samples=obj["num_samples"], format=fmt, dtype=obj.get("dtype"),
                    data_offset=offset, schema=obj.get("schema"), row_groups=groups)
+
+
+def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
+    """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
+    if fmt in TABLE_FORMATS:
+        if obj.get("schema") is None:
+            raise ManifestError(f"{where}: {fmt.value} shard without field 'schema' (the schema "
+                                "fingerprint); hint: rebuild the manifest with build_manifest")
+        return
+    if obj.get("dtype") not in TOKEN_DTYPES:
+        raise ManifestError(f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
+                            f"{fmt.value} shard, found {obj.get('dtype')!r}")
+    if obj.get("data_offset") is None:
+        raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
 
 
 def _check_int(value: object, where: str) -> int:
@@ -137,11 +161,9 @@ class Manifest:
             paths.sort()
         dupes = sorted({p for p, q in itertools.pairwise(paths) if p == q})
         if dupes:
-            raise ManifestError(f"duplicate shard paths in manifest: {dupes}")
-        try:
-            canonical_json(dict(self.metadata))
-        except (TypeError, ValueError) as exc:
-            raise ManifestError(f"manifest metadata must be plain JSON: {exc}") from None
+            raise ManifestError(f"duplicate shard paths in manifest: {dupes}; hint: each shard "
+                                "may be listed once")
+        object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
 
     # identity -------------------------------------------------------------
     def body(self) -> dict[str, Any]:
@@ -149,9 +171,12 @@ class Manifest:
         return {K_KIND: KIND, K_VERSION: FORMAT_VERSION,
                 K_SHARDS: [s.to_json() for s in self.shards], K_METADATA: dict(self.metadata)}
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
-        """``b3:<hex>`` of the canonical JSON body; independent of the root URL."""
+        """``b3:<hex>`` of the canonical JSON body; independent of the root URL.
+
+        Computed once per (immutable) manifest and cached.
+        """
         from detdata._hashing import digest_bytes
         return digest_bytes(canonical_json(self.body()))
 
@@ -182,9 +207,18 @@ class Manifest:
         return doc
 
     def save(self, path: str, **storage_options: Any) -> str:
-        """Write the manifest as JSON (atomically on local disk); returns its id."""
+        """Write the manifest as JSON (atomically on local disk); returns its id.
+
+        The root is stored for convenience (it is not part of the id). When both
+        are local and the file is saved inside the root directory, the root is
+        stored relative to the file (e.g. ``"."``), so moving the directory with
+        the manifest in it keeps it loadable.
+        """
         from detdata._atomic import atomic_write_bytes
-        data = json.dumps(self.to_json(), sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
+        doc = self.to_json()
+        if self.root is not None:
+            doc[K_ROOT] = _portable_root(self.root, path)
+        data = json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
         atomic_write_bytes(path, data, **storage_options)
         return self.id
 
@@ -223,9 +257,13 @@ class Manifest:
     @classmethod
     def loads(cls, text: str | bytes, *, root: str | None = None, where: str = "manifest") -> Manifest:
         try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{where}: malformed JSON ({exc})") from None
+            doc = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKeyError as exc:
+            raise ManifestError(f"{where}: malformed JSON: duplicate key {exc.key!r} in an "
+                                "object; hint: a manifest must be written by detdata") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: malformed JSON ({exc}); hint: manifests are the JSON "
+                                "files written by Manifest.save / `detdata manifest build`") from None
         return cls.from_json(doc, root=root, where=where)
 
     @classmethod
@@ -233,7 +271,8 @@ class Manifest:
              threads: int = 8, **storage_options: Any) -> Manifest:
         """Read a manifest file/URL and verify the shards under its root.
 
-        ``root`` overrides the stored root; without either, the manifest file's
+        ``root`` overrides the stored root; a relative stored root is relative
+        to the manifest file's directory; without either, the manifest file's
         directory is used. ``verify``: ``"quick"`` (default: sizes and quick
         digests), ``"full"`` (re-hash every byte) or ``"off"`` (named explicitly).
         """
@@ -245,8 +284,8 @@ class Manifest:
         except FileNotFoundError:
             raise ManifestError(f"manifest file not found: {path}") from None
         manifest = cls.loads(text, root=root, where=f"manifest {path}")
-        if manifest.root is None:
-            manifest = manifest.with_root(path.rsplit("/", 1)[0] if "/" in path else ".")
+        if root is None:
+            manifest = manifest.with_root(_resolve_root(manifest.root, path))
         if mode is not Verify.OFF:
             manifest.verify(mode, threads=threads, **storage_options)
         return manifest
@@ -312,7 +351,73 @@ def _progress(it: Iterable[Any], total: int, desc: str, progress: bool | None) -
     if not show:
         return it
     from tqdm import tqdm
-    return tqdm(it, total=total, desc=desc, unit="shard")
+    return cast(Iterable[Any], tqdm(it, total=total, desc=desc, unit="shard"))
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook refusing duplicate keys (the last one would silently win)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _normalise_metadata(metadata: object) -> dict[str, Any]:
+    """A detached plain-JSON copy of ``metadata`` (string keys), or `ManifestError`."""
+    if not isinstance(metadata, Mapping):
+        raise ManifestError(f"manifest metadata must be a mapping, found {type(metadata).__name__}")
+    bad = [k for k in metadata if not isinstance(k, str)]
+    if bad:
+        raise ManifestError(f"manifest metadata keys must be strings, found {bad!r}")
+    try:
+        return cast(dict[str, Any], json.loads(canonical_json(dict(metadata))))
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"manifest metadata must be plain JSON (str, int, float, bool, None, "
+                            f"lists, objects): {exc}") from None
+
+
+def _local(path: str) -> str | None:
+    """The local filesystem path for ``path`` / ``file://`` URLs, else None."""
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return None if is_url(path) else path
+
+
+def _portable_root(root: str, manifest_path: str) -> str:
+    """``root`` as stored in a file at ``manifest_path`` (relative when the file is inside it)."""
+    local_root, local_file = _local(root), _local(manifest_path)
+    if local_root is None or local_file is None:
+        return root
+    rel = os.path.relpath(os.path.abspath(local_root), os.path.dirname(os.path.abspath(local_file)))
+    if all(part in (".", "..") for part in rel.split(os.sep)):
+        return rel.replace(os.sep, "/")
+    return root
+
+
+def _resolve_root(stored: str | None, manifest_path: str) -> str:
+    """The root to read shards from: stored absolute/URL as is, else relative to the file."""
+    local_file = _local(manifest_path)
+    if local_file is not None:
+        base = os.path.dirname(os.path.abspath(local_file))
+        if stored is None:
+            return base
+        if is_url(stored) or os.path.isabs(stored):
+            return stored
+        return os.path.normpath(os.path.join(base, stored))
+    base = manifest_path.rsplit("/", 1)[0]
+    if stored is None or stored == ".":
+        return base
+    if is_url(stored) or stored.startswith("/"):
+        return stored
+    return base + "/" + stored
 
 
 def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
@@ -322,7 +427,11 @@ def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) ->
         found = fs.glob(join(root, pattern))
         found = [p for p in found if not fs.isdir(p)]
     prefix = root.rstrip("/") + "/"
-    rels = sorted(p[len(prefix):] if p.startswith(prefix) else p.lstrip("/") for p in found)
+    outside = [p for p in found if not p.startswith(prefix)]
+    if outside:
+        raise ConfigError(f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
+                          f"root {root!r}; hint: use a pattern relative to the root")
+    rels = sorted(p[len(prefix):] for p in found)
     if fmt is None and pattern is None:
         rels = [r for r in rels if _known_suffix(r)]
     return rels
@@ -371,7 +480,11 @@ def build_manifest(root: str, *, pattern: str | None = None, format: str | Forma
 
 def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | None) -> ShardEntry:
     shard_format = fmt if fmt is not None else detect_format(rel)
-    size = int(fs.size(path))
+    try:
+        size = int(fs.size(path))
+    except FileNotFoundError:
+        raise StorageError(f"shard {rel}: file not found at {path}; hint: check the root and "
+                           "the relative paths") from None
     layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
     return ShardEntry(path=rel, bytes=size, blake3=full_digest_file(fs, path),
                       quick=quick_digest_file(fs, path, size), num_samples=layout.num_samples,
@@ -383,7 +496,12 @@ def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any
     """``(path, bytes, b3:<hex>)`` for each file or URL, hashed in parallel."""
     def one(p: str) -> tuple[str, int, str]:
         fs, fpath = filesystem(p, **storage_options)
-        return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
+        try:
+            if fs.isdir(fpath):
+                raise StorageError(f"{p}: is a directory; hint: pass files, e.g. {p}/*.npy")
+            return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
+        except FileNotFoundError:
+            raise StorageError(f"{p}: file not found; hint: check the path") from None
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return list(pool.map(one, paths))
