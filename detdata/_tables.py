@@ -1,0 +1,415 @@
+"""Rows of Parquet / Arrow IPC shards as samples.
+
+A `TableRows` dataset numbers the rows of every shard of a manifest in path
+order. ``read(ids)`` maps ids to ``(shard, row group, row in group)`` with one
+``np.searchsorted`` over the manifest's row-group sizes, sorts them so that each
+needed row group is visited once, decodes it (selected columns only) or takes
+it from a per-process LRU cache, gathers the wanted rows with a numpy fancy
+index, and scatters the rows back into the requested order.
+
+Columns become numpy arrays: primitive columns 1-D; fixed-size lists and lists
+whose rows all have one length 2-D ``(rows, length)`` (flattened values +
+reshape, no per-row Python); strings/binary 1-D object arrays. Lists of varying
+length are a `FormatError` unless the column is named in ``ragged`` (then an
+object array of 1-D arrays, a slow path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from detdata._dataset import Batch, IntArray, check_ids
+from detdata._errors import ConfigError, FormatError
+from detdata._formats import TABLE_FORMATS, Format
+from detdata._manifest import Manifest, ShardEntry, Verify
+from detdata._storage import filesystem, join
+from detdata._tokens import check_positive_int, resolve_manifest
+
+Columns = dict[str, np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A decoded row group: one numpy array per selected column, and its size in bytes."""
+
+    columns: Columns
+    nbytes: int
+
+
+class RowGroupCache:
+    """LRU of decoded row groups bounded by count and by bytes.
+
+    ``put`` evicts least recently used groups until both ``len(self) <=
+    max_groups`` and ``self.nbytes <= max_bytes``; a single group larger than
+    ``max_bytes`` is not cached at all. ``max_groups == 0`` disables caching.
+    """
+
+    def __init__(self, max_groups: int, max_bytes: int) -> None:
+        self.max_groups = max_groups
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[tuple[int, int], _Group] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Cached (shard, group) keys, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
+    def get(self, key: tuple[int, int]) -> _Group | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def put(self, key: tuple[int, int], item: _Group) -> None:
+        if self.max_groups == 0 or item.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self._items[key] = item
+            self.nbytes += item.nbytes
+            while len(self._items) > self.max_groups or self.nbytes > self.max_bytes:
+                _, evicted = self._items.popitem(last=False)
+                self.nbytes -= evicted.nbytes
+
+
+class TableRows:
+    """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
+
+    All shards must share one schema fingerprint (`FormatError` naming two
+    shards and the differing fields otherwise). ``columns`` selects columns
+    (default: all, in schema order). Decoded row groups are kept in an LRU per
+    process of at most ``cache_row_groups`` groups and ``cache_bytes`` bytes.
+    ``ragged`` names list columns to return as object arrays of 1-D arrays
+    when their rows differ in length. Pickles carry the manifest and
+    parameters only; readers and caches are re-opened lazily per process.
+    """
+
+    def __init__(self, manifest: Manifest | str, columns: Sequence[str] | None = None, *,
+                 cache_row_groups: int = 8, cache_bytes: int = 1 << 30,
+                 ragged: Sequence[str] = (), verify: str | Verify = Verify.QUICK,
+                 root: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.manifest = resolve_manifest(manifest, verify=verify, root=root,
+                                         storage_options=self.storage_options)
+        self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
+        self.cache_bytes = check_positive_int(cache_bytes, "cache_bytes", minimum=0)
+        shards = self.manifest.shards
+        if not shards:
+            raise ConfigError(f"manifest {self.manifest.id} has no shards; TableRows needs table shards")
+        for shard in shards:
+            _check_table_shard(shard)
+        self._check_same_schema()
+        schema = self._read_schema(0)
+        self.columns: tuple[str, ...] = _select_columns(schema, columns, shards[0].path)
+        self.ragged: tuple[str, ...] = _check_ragged(schema, self.columns, ragged)
+        for name in self.columns:
+            _check_column_type(schema.field(name), shards[0].path)
+        self._num = self.manifest.num_samples
+        if self._num == 0:
+            raise ConfigError(f"manifest {self.manifest.id}: {len(shards)} shard(s) with 0 rows; "
+                              "the dataset is empty")
+        self._build_index()
+        self._reset_process_state()
+
+    # construction helpers --------------------------------------------------
+    def _check_same_schema(self) -> None:
+        shards = self.manifest.shards
+        first = shards[0]
+        for index, shard in enumerate(shards[1:], start=1):
+            if shard.schema != first.schema:
+                diff = _schema_diff(self._read_schema(0), self._read_schema(index))
+                raise FormatError(f"shards {first.path} and {shard.path} have different schemas "
+                                  f"({first.schema} vs {shard.schema}); differing fields: {diff}; "
+                                  "hint: rewrite the shards with one schema or build separate "
+                                  "manifests and mix them")
+
+    def _read_schema(self, index: int) -> pa.Schema:
+        shard = self.manifest.shards[index]
+        fs, root = filesystem(self.manifest.root or "", **self.storage_options)
+        with fs.open(join(root, shard.path), "rb") as fh:
+            if shard.format is Format.PARQUET:
+                return pq.ParquetFile(fh).schema_arrow
+            return ipc.open_file(fh).schema
+
+    def _build_index(self) -> None:
+        sizes = [s.row_groups or () for s in self.manifest.shards]
+        flat = np.asarray([g for groups in sizes for g in groups], dtype=np.int64)
+        self._group_starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64)
+        self._group_shard = np.repeat(np.arange(len(sizes), dtype=np.int64),
+                                      [len(groups) for groups in sizes])
+        first = np.concatenate([[0], np.cumsum([len(groups) for groups in sizes])[:-1]])
+        self._shard_first_group = first.astype(np.int64)
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        self._root_path = ""
+        self._readers: dict[int, Any] = {}
+        self.cache = RowGroupCache(self.cache_row_groups, self.cache_bytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_fs", "_readers", "cache", "_pid", "_group_starts", "_group_shard",
+                    "_shard_first_group"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._build_index()
+        self._reset_process_state()
+
+    # Dataset protocol --------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Total rows over all shards."""
+        return self._num
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and the selected columns."""
+        ident: dict[str, Any] = {"type": "table_rows", "manifest": self.manifest.id,
+                                 "columns": list(self.columns), "num_samples": self._num}
+        if self.ragged:
+            ident["ragged"] = list(self.ragged)
+        return ident
+
+    def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
+        """``(shard, row group in shard, row in group)`` int64 arrays for row ids (checked)."""
+        arr = check_ids(ids, self._num, self._what())
+        group = np.searchsorted(self._group_starts, arr, side="right").astype(np.int64) - 1
+        shard = self._group_shard[group]
+        return shard, group - self._shard_first_group[shard], arr - self._group_starts[group]
+
+    def read(self, ids: npt.ArrayLike) -> Batch:
+        """One array per selected column, rows in exactly the order of ``ids``.
+
+        Each needed row group is decoded (or taken from the cache) once per call.
+        """
+        arr = check_ids(ids, self._num, self._what())
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        order = np.argsort(arr, kind="stable")
+        sorted_ids = arr[order]
+        group = np.searchsorted(self._group_starts, sorted_ids, side="right").astype(np.int64) - 1
+        rows = sorted_ids - self._group_starts[group]
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1, [group.size]])
+        pieces: dict[str, list[np.ndarray[Any, Any]]] = {c: [] for c in self.columns}
+        for a, b in itertools.pairwise(cuts.tolist()):
+            decoded = self._group(int(group[a]))
+            for name in self.columns:
+                pieces[name].append(decoded.columns[name][rows[a:b]])
+        return {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
+
+    # reading -----------------------------------------------------------------
+    def _what(self) -> str:
+        return f"TableRows({self.manifest.id[:15]}…)"
+
+    def _assemble(self, name: str, parts: list[np.ndarray[Any, Any]],
+                  order: IntArray) -> np.ndarray[Any, Any]:
+        if not parts:
+            return self._empty(name)
+        widths = {p.shape[1:] for p in parts}
+        if len(widths) > 1:
+            raise FormatError(f"column {name!r}: rows of one batch come from row groups with "
+                              f"different list lengths {sorted(w[0] for w in widths)}; hint: pad "
+                              "the column to one length, or name it in ragged=")
+        stacked = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        out = np.empty_like(stacked)
+        out[order] = stacked
+        return out
+
+    def _empty(self, name: str) -> np.ndarray[Any, Any]:
+        """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
+        first = int(np.searchsorted(self._group_starts, 0, side="right")) - 1
+        return self._group(first).columns[name][:0]
+
+    def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        if self._fs is None:
+            self._fs, self._root_path = filesystem(self.manifest.root or "", **self.storage_options)
+        return self._fs, self._root_path
+
+    def _reader(self, shard: int) -> Any:
+        reader = self._readers.get(shard)
+        if reader is None:
+            fs, root = self._filesystem()
+            entry = self.manifest.shards[shard]
+            path = join(root, entry.path)
+            local = isinstance(fs, LocalFileSystem)
+            if entry.format is Format.PARQUET:
+                reader = pq.ParquetFile(path if local else fs.open(path, "rb"), memory_map=local)
+            else:
+                reader = ipc.open_file(pa.memory_map(path) if local else fs.open(path, "rb"))
+            self._readers[shard] = reader
+        return reader
+
+    def _group(self, global_group: int) -> _Group:
+        shard = int(self._group_shard[global_group])
+        local = global_group - int(self._shard_first_group[shard])
+        key = (shard, local)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        decoded = self._decode(shard, local)
+        self.cache.put(key, decoded)
+        return decoded
+
+    def _decode(self, shard: int, group: int) -> _Group:
+        entry = self.manifest.shards[shard]
+        reader = self._reader(shard)
+        if entry.format is Format.PARQUET:
+            table = reader.read_row_group(group, columns=list(self.columns))
+            arrays = {n: table.column(n).combine_chunks() for n in self.columns}
+        else:
+            batch = reader.get_batch(group)
+            arrays = {n: batch.column(n) for n in self.columns}
+        expected = (entry.row_groups or ())[group]
+        columns: Columns = {}
+        for name, array in arrays.items():
+            if len(array) != expected:
+                raise FormatError(f"shard {entry.path} row group {group}: {len(array)} rows, the "
+                                  f"manifest says {expected}; hint: rebuild the manifest")
+            where = f"shard {entry.path} row group {group} column {name!r}"
+            columns[name] = to_numpy(array, where, ragged=name in self.ragged)
+        nbytes = sum(int(a.nbytes) for a in arrays.values())
+        return _Group(columns, nbytes)
+
+
+def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray[Any, Any]:
+    """One column as numpy: 1-D for scalars, 2-D for equal-length lists, object if ``ragged``.
+
+    Numeric columns and list values must have no nulls (`FormatError` naming
+    ``where``). Lists of varying length are a `FormatError` unless ``ragged``.
+    """
+    kind = array.type
+    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _list_to_numpy(array, where, ragged)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
+            or pa.types.is_large_binary(kind):
+        return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
+    if array.null_count:
+        raise FormatError(f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
+                          "fill nulls when writing the shards")
+    return np.asarray(array.to_numpy(zero_copy_only=False))
+
+
+def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any, Any]:
+    if array.null_count:
+        raise FormatError(f"{where}: {array.null_count} null list(s); hint: write empty lists "
+                          "or pad instead of nulls")
+    values = array.flatten()
+    if values.null_count:
+        raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
+    flat = np.asarray(values.to_numpy(zero_copy_only=False))
+    rows = len(array)
+    if pa.types.is_fixed_size_list(array.type):
+        lengths = np.full(rows, array.type.list_size, dtype=np.int64)
+    else:
+        offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+        lengths = np.diff(offsets)
+    if ragged:
+        return _object_rows(flat, lengths)
+    if rows and int(lengths.min()) != int(lengths.max()):
+        raise FormatError(f"{where}: list lengths vary from {int(lengths.min())} to "
+                          f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
+                          "pad/pack to one length, store a fixed_size_list, or name the column in "
+                          "ragged= to get an object array")
+    width = int(lengths[0]) if rows else 0
+    return flat.reshape(rows, width)
+
+
+def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
+    """Object array of 1-D views (the explicitly requested slow path for ragged lists)."""
+    out = np.empty(len(lengths), dtype=object)
+    bounds = np.cumsum(lengths)[:-1]
+    for i, part in enumerate(np.split(flat, bounds)):
+        out[i] = part
+    return out
+
+
+def _check_table_shard(shard: ShardEntry) -> None:
+    if shard.format not in TABLE_FORMATS:
+        raise FormatError(f"shard {shard.path}: format {shard.format.value!r} is not a table "
+                          "format (parquet, arrow); hint: use TokenWindows for token shards")
+    if shard.row_groups is None or sum(shard.row_groups) != shard.num_samples:
+        raise FormatError(f"shard {shard.path}: row_groups {shard.row_groups} do not add up to "
+                          f"{shard.num_samples} rows; hint: rebuild the manifest")
+
+
+def _select_columns(schema: pa.Schema, columns: Sequence[str] | None, shard: str) -> tuple[str, ...]:
+    if columns is None:
+        return tuple(schema.names)
+    if isinstance(columns, str):
+        raise ConfigError(f"columns must be a sequence of names, got the string {columns!r}; "
+                          f"hint: columns=[{columns!r}]")
+    chosen = tuple(columns)
+    missing = [c for c in chosen if c not in schema.names]
+    if missing or not chosen or len(set(chosen)) != len(chosen):
+        raise ConfigError(f"columns {list(chosen)}: unknown {missing} or empty/duplicated; "
+                          f"shard {shard} has columns {schema.names}")
+    return chosen
+
+
+def _check_ragged(schema: pa.Schema, columns: tuple[str, ...], ragged: Sequence[str]) -> tuple[str, ...]:
+    names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
+    for name in names:
+        kind = schema.field(name).type if name in schema.names else None
+        if name not in columns or kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise ConfigError(f"ragged names {name!r}, which is not a selected list column; "
+                              f"selected columns: {list(columns)}")
+    return names
+
+
+def _check_column_type(field: pa.Field, shard: str) -> None:
+    kind = field.type
+    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        kind = kind.value_type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            raise FormatError(f"shard {shard} column {field.name!r}: lists of {kind} are not "
+                              "supported (only lists of numbers/booleans); hint: drop it via columns=")
+        return
+    simple = (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+              or pa.types.is_temporal(kind) or pa.types.is_string(kind)
+              or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+              or pa.types.is_large_binary(kind))
+    if not simple:
+        raise FormatError(f"shard {shard} column {field.name!r}: type {kind} is not supported; "
+                          "hint: select other columns via columns=")
+
+
+def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
+    """Human-readable list of fields that differ between two schemas."""
+    out = []
+    for name in dict.fromkeys([*a.names, *b.names]):
+        fa = a.field(name) if name in a.names else None
+        fb = b.field(name) if name in b.names else None
+        if fa is None or fb is None:
+            out.append(f"{name!r} only in the {'first' if fb is None else 'second'}")
+        elif (fa.type, fa.nullable) != (fb.type, fb.nullable):
+            out.append(f"{name!r}: {fa.type}{'' if fa.nullable else ' not null'} vs "
+                       f"{fb.type}{'' if fb.nullable else ' not null'}")
+    if not out and a.names != b.names:
+        out.append(f"column order {a.names} vs {b.names}")
+    return "; ".join(out) or "none found (fingerprints differ)"
