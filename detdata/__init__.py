@@ -16,8 +16,10 @@ from detdata._errors import (
     VerificationError,
 )
 from detdata._formats import Format
+from detdata._loader import DataLoader
 from detdata._manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
 from detdata._order import GlobalOrder
+from detdata._state import Stateful
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,7 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "ConfigError",
+    "DataLoader",
     "Dataset",
     "DetdataError",
     "Format",
@@ -36,6 +39,7 @@ __all__ = [
     "RegistryError",
     "ShardEntry",
     "StateError",
+    "Stateful",
     "StorageError",
     "Stream",
     "VerificationError",
