@@ -1,0 +1,366 @@
+"""A registry of manifests: content-addressed objects plus named, versioned references.
+
+Layout under the registry root (a local directory or any fsspec URL)::
+
+    manifests/<hex>.json            one manifest per id ``b3:<hex>`` (no root; immutable)
+    refs/<name>/<version>.json      the reference ``name@version`` and its history
+    .lock                           (local only) serialises writers
+
+Contracts:
+
+* Manifests are stored by id and never change; storing an id that exists is a
+  no-op. Reading one re-hashes it, so a corrupted object is refused.
+* A reference ``name@version`` points at one id and remembers every id (and
+  root) it pointed at, in order. Registering the same id again is idempotent;
+  pointing an existing reference at a different id needs ``force=True``.
+* A bare ``name`` resolves to its *latest* version: the version whose reference
+  was created most recently (creation time, ties broken by version string).
+  Re-pointing a version with ``force`` does not make it the latest.
+* Writes are atomic (temp file + rename locally, one PUT on object stores). On a
+  local registry, writers of different processes are serialised by an
+  ``fcntl`` lock, so concurrent registrations leave it consistent and lose no
+  history. Object stores have no lock: concurrent writers of the *same*
+  reference are last-writer-wins there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from detdata._atomic import atomic_write_bytes
+from detdata._errors import DetdataError, ManifestError, RegistryError
+from detdata._manifest import Manifest, canonical_json
+from detdata._storage import filesystem, is_url
+
+ENV_VAR: Final = "DETDATA_REGISTRY"
+REF_KIND: Final = "detdata.ref"
+REF_VERSION: Final = 1
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ID_RE: Final = re.compile(r"^b3:[0-9a-f]{64}$")
+_LOCK_TIMEOUT_S: Final = 60.0
+
+
+def default_root() -> str:
+    """``$DETDATA_REGISTRY``, else ``$XDG_CACHE_HOME/detdata/registry`` (``~/.cache`` by default)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "detdata", "registry")
+
+
+def split_name(name: object) -> tuple[str, str | None]:
+    """``"wiki-en@v3"`` -> ``("wiki-en", "v3")``; ``"wiki-en"`` -> ``("wiki-en", None)``.
+
+    Raises `RegistryError` for anything else (names and versions: a letter or
+    digit, then letters, digits, ``.``, ``_``, ``-``; at most 128 characters each).
+    """
+    if not isinstance(name, str):
+        raise RegistryError(f"registry name must be a string, got {name!r}")
+    base, sep, version = name.partition("@")
+    if not NAME_RE.match(base) or (sep and not VERSION_RE.match(version)):
+        raise RegistryError(f"invalid registry name {name!r}; hint: use 'name@version' such as "
+                            "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
+                            "letter or digit)")
+    return base, (version if sep else None)
+
+
+def full_name(name: object) -> tuple[str, str]:
+    """Like `split_name` but the version is required."""
+    base, version = split_name(name)
+    if version is None:
+        raise RegistryError(f"registry name {name!r} has no version; hint: register as "
+                            f"'{base}@v1' (resolve accepts a bare name for the latest version)")
+    return base, version
+
+
+def check_id(manifest_id: object) -> str:
+    """``manifest_id`` if it looks like ``b3:<64 hex>``, else `RegistryError`."""
+    if not isinstance(manifest_id, str) or not ID_RE.match(manifest_id):
+        raise RegistryError(f"invalid manifest id {manifest_id!r}; expected 'b3:' + 64 hex digits")
+    return manifest_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefEvent:
+    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``) at ``time_ns``."""
+
+    name: str
+    id: str
+    root: str | None
+    time_ns: int
+    forced: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "root": self.root, "time_ns": self.time_ns, "forced": self.forced}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ref:
+    name: str
+    created_ns: int
+    history: tuple[RefEvent, ...]
+
+    @property
+    def current(self) -> RefEvent:
+        return self.history[-1]
+
+    def to_bytes(self) -> bytes:
+        doc = {"kind": REF_KIND, "format_version": REF_VERSION, "name": self.name,
+               "created_ns": self.created_ns, "id": self.current.id, "root": self.current.root,
+               "history": [e.to_json() for e in self.history]}
+        return json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> _Ref:
+        try:
+            doc = json.loads(data)
+            if doc["kind"] != REF_KIND or doc["format_version"] != REF_VERSION or doc["name"] != name:
+                raise ValueError(f"kind/format_version/name {doc['kind']!r}/"
+                                 f"{doc['format_version']!r}/{doc['name']!r}")
+            events = tuple(RefEvent(name=name, id=check_id(e["id"]), root=e["root"],
+                                    time_ns=int(e["time_ns"]), forced=bool(e["forced"]))
+                           for e in doc["history"])
+            if not events or events[-1].id != doc["id"]:
+                raise ValueError("empty history or 'id' is not the last history entry")
+            return cls(name=name, created_ns=int(doc["created_ns"]), history=events)
+        except (ValueError, KeyError, TypeError, RegistryError) as exc:
+            raise RegistryError(f"reference {name!r} is corrupted ({exc}); hint: re-register it "
+                                "with force=True") from None
+
+
+class Registry:
+    """Manifests by id and names ``name@version`` -> id, under a local directory or fsspec URL.
+
+    ``root``: the argument, else ``$DETDATA_REGISTRY``, else the user cache dir
+    (see `default_root`). See the module docstring for the contracts.
+    """
+
+    def __init__(self, root: str | None = None, **storage_options: Any) -> None:
+        self.root = (root or default_root()).rstrip("/") or "/"
+        self._options = storage_options
+        self._fs, self._path = filesystem(self.root, **storage_options)
+        self._local = not is_url(self.root) or self.root.startswith("file://")
+
+    def __repr__(self) -> str:
+        return f"Registry({self.root!r})"
+
+    # paths -----------------------------------------------------------------
+    def _url(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _fspath(self, *parts: str) -> str:
+        return "/".join((self._path.rstrip("/"), *parts))
+
+    def _object(self, manifest_id: str) -> str:
+        return f"{manifest_id[3:]}.json"
+
+    # public API ------------------------------------------------------------
+    def register(self, name: str, manifest_or_path: Manifest | str, *, force: bool = False,
+                 verify: str = "quick") -> str:
+        """Store the manifest and point ``name@version`` at its id; return the id.
+
+        A path is loaded with ``Manifest.load(path, verify=verify)``. Registering
+        the id a name already points at is a no-op (if the root changed, the new
+        root is recorded). Pointing it at a different id raises `RegistryError`
+        unless ``force=True``, which appends to the name's history.
+        """
+        base, version = full_name(name)
+        manifest = self._as_manifest(manifest_or_path, verify)
+        self._put_object(manifest)
+        with self._lock():
+            return self._point(f"{base}@{version}", base, version, manifest, force)
+
+    def resolve(self, name_or_id: str, *, verify: str = "quick", root: str | None = None) -> Manifest:
+        """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
+
+        A name's manifest carries the root it was registered with (``root``
+        overrides it) and is verified with ``verify`` (``quick`` by default, as
+        on every open). An id alone has no root: it is returned without root and
+        unverified unless ``root`` is given.
+        """
+        if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
+            manifest = self.get(name_or_id)
+            if root is None:
+                return manifest
+            return self._verified(manifest.with_root(root), verify, name_or_id)
+        event = self._current(name_or_id)
+        manifest = self.get(event.id)
+        chosen = root if root is not None else event.root
+        if chosen is None:
+            return manifest
+        return self._verified(manifest.with_root(chosen), verify, name_or_id)
+
+    def get(self, manifest_id: str) -> Manifest:
+        """The stored manifest with this id (no root), re-hashed to check it is intact."""
+        check_id(manifest_id)
+        path = self._fspath("manifests", self._object(manifest_id))
+        try:
+            data = self._fs.cat_file(path)
+        except FileNotFoundError:
+            raise RegistryError(f"manifest {manifest_id} is not in registry {self.root}; hint: "
+                                "register it first (`detdata register MANIFEST NAME`)") from None
+        try:
+            manifest = Manifest.loads(data, where=f"registry object {manifest_id}")
+        except ManifestError as exc:
+            raise RegistryError(f"registry object {manifest_id} in {self.root} is corrupted: "
+                                f"{exc}; hint: delete it and register the manifest again") from None
+        if manifest.id != manifest_id:
+            raise RegistryError(f"registry object {manifest_id} in {self.root} holds manifest "
+                                f"{manifest.id}; hint: delete it and register again")
+        return manifest
+
+    def history(self, name: str) -> tuple[RefEvent, ...]:
+        """Every id ``name@version`` pointed at, oldest first.
+
+        A bare ``name`` gives the history of all its versions, ordered by time.
+        """
+        base, version = split_name(name)
+        if version is not None:
+            return self._ref(base, version).history
+        refs = self._refs_of(base)
+        return tuple(sorted((e for r in refs for e in r.history), key=lambda e: (e.time_ns, e.name)))
+
+    def names(self) -> list[str]:
+        """All ``name@version`` references, sorted."""
+        base = self._fspath("refs")
+        try:
+            found = self._fs.find(base)
+        except FileNotFoundError:
+            return []
+        out = []
+        for path in found:
+            rel = path[len(base.rstrip("/")) + 1:] if path.startswith(base) else path
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1].endswith(".json"):
+                out.append(f"{parts[0]}@{parts[1][:-5]}")
+        return sorted(out)
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of bare ``name``, oldest first (the last one is what ``name`` resolves to)."""
+        base, version = split_name(name)
+        if version is not None:
+            raise RegistryError(f"versions() takes a bare name, got {name!r}; hint: pass "
+                                f"{base!r}")
+        return [r.name.partition("@")[2] for r in self._refs_of(base)]
+
+    # internals -------------------------------------------------------------
+    def _as_manifest(self, manifest_or_path: Manifest | str, verify: str) -> Manifest:
+        if isinstance(manifest_or_path, Manifest):
+            return manifest_or_path
+        if isinstance(manifest_or_path, str):
+            return Manifest.load(manifest_or_path, verify=verify, **self._options)
+        raise RegistryError(f"register() takes a Manifest or a manifest path, got "
+                            f"{type(manifest_or_path).__name__}")
+
+    def _put_object(self, manifest: Manifest) -> None:
+        """Store ``manifest`` (without root) under its id; a no-op when present."""
+        url = self._url("manifests", self._object(manifest.id))
+        if self._fs.exists(self._fspath("manifests", self._object(manifest.id))):
+            return
+        doc = manifest.body()
+        doc["id"] = manifest.id
+        atomic_write_bytes(url, canonical_json(doc) + b"\n", **self._options)
+
+    def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
+        ref = self._find_ref(base, version)
+        now = time.time_ns()
+        event = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=False)
+        if ref is None:
+            new = _Ref(name=name, created_ns=now, history=(event,))
+        elif ref.current.id == manifest.id:
+            if ref.current.root == manifest.root or manifest.root is None:
+                return manifest.id
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
+        elif not force:
+            raise RegistryError(f"{name} already points at {ref.current.id}, not {manifest.id}; "
+                                "registered names are immutable; hint: register a new version "
+                                f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
+                                "it (the old id stays in its history)")
+        else:
+            forced = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True)
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
+        atomic_write_bytes(self._url("refs", base, f"{version}.json"), new.to_bytes(),
+                           **self._options)
+        return manifest.id
+
+    def _find_ref(self, base: str, version: str) -> _Ref | None:
+        """The reference ``base@version``, or None when it does not exist."""
+        name = f"{base}@{version}"
+        try:
+            data = self._fs.cat_file(self._fspath("refs", base, f"{version}.json"))
+        except FileNotFoundError:
+            return None
+        return _Ref.from_bytes(data, name)
+
+    def _ref(self, base: str, version: str) -> _Ref:
+        """The reference ``base@version``; `RegistryError` listing known versions if absent."""
+        ref = self._find_ref(base, version)
+        if ref is not None:
+            return ref
+        try:
+            hint = f"known versions of {base!r}: {self.versions(base)}"
+        except RegistryError:
+            hint = f"register it first (`detdata register MANIFEST {base}@{version}`)"
+        raise RegistryError(f"name {base}@{version} is not in registry {self.root}; hint: {hint}")
+
+    def _refs_of(self, base: str) -> list[_Ref]:
+        """The references of bare ``base``, oldest created first; `RegistryError` if none."""
+        try:
+            found = self._fs.ls(self._fspath("refs", base), detail=False)
+        except FileNotFoundError:
+            found = []
+        versions = [str(p).rsplit("/", 1)[-1][:-5] for p in found if str(p).endswith(".json")]
+        refs = [r for v in versions if (r := self._find_ref(base, v)) is not None]
+        if not refs:
+            raise RegistryError(f"name {base!r} is not in registry {self.root}; hint: "
+                                f"`detdata register MANIFEST {base}@v1`")
+        return sorted(refs, key=lambda r: (r.created_ns, r.name))
+
+    def _current(self, name: str) -> RefEvent:
+        base, version = split_name(name)
+        if version is None:
+            return self._refs_of(base)[-1].current
+        return self._ref(base, version).current
+
+    def _verified(self, manifest: Manifest, verify: str, what: str) -> Manifest:
+        try:
+            manifest.verify(verify)
+        except DetdataError as exc:
+            exc.add_note(f"(resolving {what} from registry {self.root})")
+            raise
+        return manifest
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Serialise writers of a local registry across processes (no-op on object stores)."""
+        if not self._local:
+            yield
+            return
+        import fcntl
+        directory = self._path
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RegistryError(f"registry {self.root} is locked by another writer for "
+                                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
+                                            "for a hung process") from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)
