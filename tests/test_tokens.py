@@ -1,0 +1,314 @@
+"""TokenWindows over real .npy / .bin token shards (local and a non-local fsspec root)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import pickle
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detdata._dataset import Dataset
+from detdata._errors import ConfigError, FormatError
+from detdata._manifest import Manifest, build_manifest
+from detdata._tokens import TokenWindows
+
+SEQ = 7
+LENGTHS = (101, 57, 8, 200)  # 8 tokens = exactly one labelled window of 7
+
+
+def random_tokens(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
+    info = np.iinfo(dtype)
+    lo = max(int(info.min), -(2**40))
+    hi = min(int(info.max), 2**40)
+    if dtype == "uint32":
+        lo = 2**31  # values that do not fit int32: widening to int64 must keep them
+    return rng.integers(lo, hi, size=n, endpoint=True).astype(dtype)
+
+
+def write_npy_shards(root: Path, dtype: str, lengths: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = [random_tokens(rng, dtype, n) for n in lengths]
+    for i, arr in enumerate(arrays):
+        np.save(root / f"shard-{i:02d}.npy", arr)
+    return arrays
+
+
+def reference_windows(arrays: list[np.ndarray], seq_len: int, labels: bool) -> list[np.ndarray]:
+    """Per-sample slicing of the original arrays, shard by shard in path order."""
+    width = seq_len + int(labels)
+    out = []
+    for arr in arrays:
+        w = 0
+        while w * seq_len + width <= len(arr):
+            out.append(arr[w * seq_len: w * seq_len + width])
+            w += 1
+    return out
+
+
+@pytest.fixture(scope="module", params=["uint16", "uint32", "int32", "int64"])
+def npy_data(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[TokenWindows, list[np.ndarray]]:
+    dtype = request.param
+    root = tmp_path_factory.mktemp(f"npy-{dtype}")
+    arrays = write_npy_shards(root, dtype, LENGTHS, seed=len(dtype))
+    return TokenWindows(build_manifest(str(root)), SEQ), arrays
+
+
+EXPECTED_OUT = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
+
+ids_lists = st.lists(st.integers(0, 10**6), min_size=0, max_size=70)
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=ids_lists)
+def test_read_matches_per_sample_reference(npy_data: tuple[TokenWindows, list[np.ndarray]],
+                                           raw: list[int]) -> None:
+    ds, arrays = npy_data
+    ref = reference_windows(arrays, SEQ, labels=True)
+    ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
+    got = ds.read(ids)["tokens"]
+    assert got.shape == (len(raw), SEQ + 1)
+    assert got.dtype == np.dtype(EXPECTED_OUT[arrays[0].dtype.name])
+    expected = np.stack([ref[i] for i in ids]) if len(ids) else np.empty((0, SEQ + 1))
+    np.testing.assert_array_equal(got, expected.astype(np.int64))
+
+
+def test_counts_and_identity(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
+    ds, arrays = npy_data
+    assert ds.windows_per_shard == tuple((n - 1) // SEQ for n in LENGTHS)
+    assert ds.num_samples == len(reference_windows(arrays, SEQ, labels=True))
+    assert isinstance(ds, Dataset)
+    ident = ds.identity()
+    assert ident == {"type": "token_windows", "manifest": ds.manifest.id, "seq_len": SEQ,
+                     "labels": True, "out_dtype": EXPECTED_OUT[arrays[0].dtype.name],
+                     "num_samples": ds.num_samples}
+
+
+def test_duplicates_and_reverse_order(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
+    ds, arrays = npy_data
+    ref = reference_windows(arrays, SEQ, labels=True)
+    ids = np.concatenate([np.arange(ds.num_samples)[::-1], [3, 3, 3, 0, ds.num_samples - 1]])
+    got = ds.read(ids)["tokens"]
+    for row, i in zip(got, ids, strict=True):
+        np.testing.assert_array_equal(row, ref[i])
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_windows_never_cross_shards(tmp_path: Path, labels: bool) -> None:
+    # shard k holds k * 10_000 + arange(n): a window is one contiguous run inside one shard
+    lengths = (50, 15, 9, 33)
+    for k, n in enumerate(lengths):
+        np.save(tmp_path / f"s{k}.npy", (k * 10_000 + np.arange(n)).astype(np.int32))
+    ds = TokenWindows(build_manifest(str(tmp_path)), 8, labels=labels)
+    width = 8 + int(labels)
+    assert ds.windows_per_shard == tuple((n - int(labels)) // 8 for n in lengths)
+    ids = np.arange(ds.num_samples)
+    rows = ds.read(ids)["tokens"]
+    shard, window = ds.locate(ids)
+    np.testing.assert_array_equal(rows[:, 0], shard * 10_000 + window * 8)
+    np.testing.assert_array_equal(np.diff(rows, axis=1), np.ones((len(ids), width - 1)))
+    last_token = rows[:, -1] - shard * 10_000
+    assert np.all(last_token < np.asarray(lengths)[shard])
+
+
+def test_bin_shards_with_dtype(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    arrays = [random_tokens(rng, "uint16", n) for n in (64, 99)]
+    for i, arr in enumerate(arrays):
+        arr.tofile(tmp_path / f"part{i}.bin")
+    ds = TokenWindows(build_manifest(str(tmp_path), dtype="uint16"), 16, labels=False)
+    ref = reference_windows(arrays, 16, labels=False)
+    assert ds.num_samples == 64 // 16 + 99 // 16 == len(ref)
+    ids = rng.integers(0, ds.num_samples, size=40)
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], np.stack([ref[i] for i in ids]))
+
+
+def test_mixed_dtypes_widen_to_common_type(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(20, dtype=np.uint16))
+    np.save(tmp_path / "b.npy", np.arange(20, dtype=np.uint32) + 2**31)
+    ds = TokenWindows(build_manifest(str(tmp_path)), 9)
+    out = ds.read(np.array([2, 0]))["tokens"]
+    assert out.dtype == np.int64
+    np.testing.assert_array_equal(out[0], np.arange(10) + 2**31)  # a.npy holds 2 windows
+    np.testing.assert_array_equal(out[1], np.arange(10))
+
+
+def test_out_dtype_explicit_and_range_checked(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.array([1, 2, 3, 70_000, 5], dtype=np.int64))
+    manifest = build_manifest(str(tmp_path))
+    wide = TokenWindows(manifest, 2, out_dtype="int64")
+    assert wide.read(np.array([0]))["tokens"].dtype == np.int64
+    narrow = TokenWindows(manifest, 2, out_dtype="uint16")
+    np.testing.assert_array_equal(narrow.read(np.array([0]))["tokens"], [[1, 2, 3]])
+    with pytest.raises(FormatError, match=r"a\.npy.*70000.*uint16"):
+        narrow.read(np.array([1]))
+    with pytest.raises(ConfigError, match="integer"):
+        TokenWindows(manifest, 2, out_dtype="float32")
+
+
+def test_short_shard_is_an_error_naming_it(tmp_path: Path) -> None:
+    np.save(tmp_path / "long.npy", np.arange(100, dtype=np.int32))
+    np.save(tmp_path / "tiny.npy", np.arange(8, dtype=np.int32))
+    manifest = build_manifest(str(tmp_path))
+    with pytest.raises(FormatError, match=r"tiny\.npy.*8 tokens.*seq_len=8.*allow_short_shards"):
+        TokenWindows(manifest, 8)
+    ds = TokenWindows(manifest, 8, allow_short_shards=True)
+    assert ds.windows_per_shard == (12, 0)
+    shard, _ = ds.locate(np.arange(ds.num_samples))
+    assert set(shard.tolist()) == {0}
+    # without labels 8 tokens make exactly one window
+    assert TokenWindows(manifest, 8, labels=False).windows_per_shard == (12, 1)
+
+
+def test_zero_window_shard_in_the_middle_is_skipped(tmp_path: Path) -> None:
+    for name, n in (("a", 20), ("b", 3), ("c", 20)):
+        np.save(tmp_path / f"{name}.npy", (ord(name) * 1000 + np.arange(n)).astype(np.int32))
+    ds = TokenWindows(build_manifest(str(tmp_path)), 4, allow_short_shards=True)
+    assert ds.windows_per_shard == (4, 0, 4)
+    rows = ds.read(np.arange(8))["tokens"]
+    assert np.all(rows[:4] // 1000 == ord("a")) and np.all(rows[4:] // 1000 == ord("c"))
+
+
+def test_empty_dataset_is_an_error(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(5, dtype=np.int32))
+    with pytest.raises(ConfigError, match="empty"):
+        TokenWindows(build_manifest(str(tmp_path)), 8, allow_short_shards=True)
+    empty = Manifest(shards=(), root=str(tmp_path))
+    with pytest.raises(ConfigError, match="no shards"):
+        TokenWindows(empty, 8)
+
+
+@pytest.mark.parametrize("bad", [[-1], [10**9], [[0, 1]], [0.5]])
+def test_bad_ids_are_config_errors(npy_data: tuple[TokenWindows, list[np.ndarray]], bad: Any) -> None:
+    ds, _ = npy_data
+    with pytest.raises(ConfigError):
+        ds.read(np.asarray(bad))
+    with pytest.raises(ConfigError):
+        ds.locate(np.asarray(bad))
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(50, dtype=np.int32))
+    manifest = build_manifest(str(tmp_path))
+    for seq_len in (0, -3, True, 2.5):
+        with pytest.raises(ConfigError, match="seq_len"):
+            TokenWindows(manifest, seq_len)  # type: ignore[arg-type]
+
+
+def test_table_shards_are_refused(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"x": [1, 2, 3]}), tmp_path / "t.parquet")
+    with pytest.raises(FormatError, match=r"t\.parquet.*TableRows"):
+        TokenWindows(build_manifest(str(tmp_path)), 2)
+
+
+def test_empty_ids_give_an_empty_batch(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
+    ds, _ = npy_data
+    out = ds.read(np.array([], dtype=np.int64))["tokens"]
+    assert out.shape == (0, SEQ + 1)
+
+
+def test_pickle_after_use_is_small_and_reads(tmp_path: Path) -> None:
+    arrays = write_npy_shards(tmp_path, "int32", (40_000, 30_000))
+    ds = TokenWindows(build_manifest(str(tmp_path)), 64)
+    ids = np.array([5, 900, 2, 700, 5])
+    before = ds.read(ids)["tokens"]
+    blob = pickle.dumps(ds)
+    assert len(blob) < 4096 < sum(a.nbytes for a in arrays) // 10
+    clone = pickle.loads(blob)
+    np.testing.assert_array_equal(clone.read(ids)["tokens"], before)
+    assert clone.identity() == ds.identity()
+
+
+def _read_in_child(ds: TokenWindows, ids: np.ndarray) -> np.ndarray:
+    return ds.read(ids)["tokens"]
+
+
+def test_forked_worker_reads_the_same(tmp_path: Path) -> None:
+    write_npy_shards(tmp_path, "uint16", (500, 300))
+    ds = TokenWindows(build_manifest(str(tmp_path)), 16)
+    ids = np.array([40, 1, 33, 1])
+    expected = ds.read(ids)["tokens"]  # memmaps now open in the parent
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        got = pool.submit(_read_in_child, ds, ids).result()
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    name = f"/detdata-tokens-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    yield f"memory://{name}"
+    if fs.exists(name):
+        fs.rm(name, recursive=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TokenWindows, TokenWindows]]:
+    """One local dataset and the same bytes under a memory:// (non-local fsspec) root."""
+    root = tmp_path_factory.mktemp("pair")
+    write_npy_shards(root, "uint16", (90, 41, 300), seed=9)
+    (root / "raw.bin").write_bytes(np.arange(77, dtype=np.uint16).tobytes())
+    local = TokenWindows(build_manifest(str(root), dtype="uint16"), 10)
+    fs = fsspec.filesystem("memory")
+    mem = f"/detdata-tokens-{uuid.uuid4().hex}"
+    for path in sorted(root.iterdir()):
+        fs.pipe(f"{mem}/{path.name}", path.read_bytes())
+    remote_manifest = build_manifest(f"memory://{mem}", dtype="uint16")
+    assert remote_manifest.id == local.manifest.id
+    yield local, TokenWindows(remote_manifest, 10)
+    fs.rm(mem, recursive=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(raw=ids_lists)
+def test_remote_root_matches_local(pair: tuple[TokenWindows, TokenWindows], raw: list[int]) -> None:
+    local, remote = pair
+    assert remote.num_samples == local.num_samples == 8 + 4 + 29 + 7
+    ids = np.asarray(raw, dtype=np.int64) % local.num_samples
+    np.testing.assert_array_equal(remote.read(ids)["tokens"], local.read(ids)["tokens"])
+
+
+def test_remote_reads_are_one_cat_ranges_call(pair: tuple[TokenWindows, TokenWindows],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    local, remote = pair
+    calls: list[int] = []
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat_ranges
+
+    def counting(self: Any, paths: list[str], *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(paths))
+        return original(self, paths, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_ranges", counting)
+    ids = np.array([0, 40, 3, 3, 39, 12, 0])
+    np.testing.assert_array_equal(remote.read(ids)["tokens"], local.read(ids)["tokens"])
+    assert calls == [len(set(ids.tolist()))]  # one call, duplicates fetched once
+
+
+def test_remote_pickle_round_trip(memory_root: str) -> None:
+    fs = fsspec.filesystem("memory")
+    tokens = np.arange(1000, dtype=np.int32)
+    fs.pipe(f"{memory_root[len('memory://'):]}/a.npy", _npy_bytes(tokens))
+    ds = TokenWindows(build_manifest(memory_root), 100)
+    ids = np.array([8, 0, 4])
+    clone = pickle.loads(pickle.dumps(ds))
+    np.testing.assert_array_equal(clone.read(ids)["tokens"], np.stack([tokens[i * 100: i * 100 + 101] for i in ids]))
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    import io
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
