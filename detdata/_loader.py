@@ -121,6 +121,10 @@ class DataLoader:
     ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
     infinite (epochs continue) unless ``total_samples`` is given.
 
+    With ``device`` set (e.g. ``"cuda"``), batches arrive on that device through
+    reused pinned buffers and a side stream, ``device_prefetch`` batches ahead;
+    those are not counted until yielded.
+
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
     """
@@ -146,6 +150,8 @@ class DataLoader:
         multiprocessing_context: str | None = None,
         timeout: float = 0,
         allow_on_resume: Iterable[str] = (),
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
     ) -> None:
         self.seed = check_seed(seed)
         default_rank, default_world = _default_rank_world()
@@ -171,6 +177,8 @@ class DataLoader:
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
+        self.device = device
+        self.device_prefetch = check_count(device_prefetch, "device_prefetch", minimum=1, maximum=64)
         self._consumed = 0
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
@@ -225,7 +233,11 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        for batch in self._loader_from_here():
+        batches: Iterable[Any] = self._loader_from_here()
+        if self.device is not None:
+            from detdata._device import device_batches
+            batches = device_batches(iter(batches), self.device, self.device_prefetch)
+        for batch in batches:
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
             if self._trace is not None:
