@@ -22,6 +22,7 @@ EXIT_USAGE: Final = 2
 # Modules that define ``register(subparsers)``; each sub-command sets ``func(args) -> int``.
 COMMAND_MODULES: Final = (
     "detdata._cli_manifest",
+    "detdata._cli_trace",
 )
 
 

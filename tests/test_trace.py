@@ -1,0 +1,73 @@
+"""Traces and `detdata diff` (issue 3): digests, layout invariance, first differing step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import detdata
+from detdata._trace import read_trace
+from tests.resume_checker import take
+
+
+def _ds(offset: int = 0) -> detdata.ArrayDataset:
+    x = np.arange(400 * 5, dtype=np.int32).reshape(400, 5)
+    x[123, 2] += offset
+    return detdata.ArrayDataset({"x": x})
+
+
+def _trace(path: Path, micro: int, workers: int = 0, resume_at: int | None = None, offset: int = 0,
+           steps: int = 20) -> list[dict[str, object]]:
+    dl = detdata.DataLoader(_ds(offset), global_batch_size=8, micro_batch_size=micro, seed=4, trace=path,
+                            num_workers=workers)
+    if resume_at is not None:
+        first = detdata.DataLoader(_ds(offset), global_batch_size=8, micro_batch_size=micro, seed=4)
+        list(take(first, resume_at * 8 // micro))
+        dl.load_state_dict(first.state_dict())
+        steps -= resume_at
+    list(take(dl, steps * 8 // micro))
+    dl.close()
+    return read_trace(path)
+
+
+def _diff(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "detdata.cli", "diff", str(a), str(b)],
+                          capture_output=True, text=True, check=False)
+
+
+def test_trace_records_are_micro_batch_and_worker_invariant(tmp_path: Path) -> None:
+    a = _trace(tmp_path / "a.jsonl", micro=8)
+    b = _trace(tmp_path / "b.jsonl", micro=2, workers=2)
+    assert len(a) == 20 and a == b
+    assert [r["first_position"] for r in a] == [8 * s for s in range(20)]
+    assert _diff(tmp_path / "a.jsonl", tmp_path / "b.jsonl").returncode == 0
+
+
+def test_resumed_trace_equals_straight_suffix(tmp_path: Path) -> None:
+    straight = _trace(tmp_path / "s.jsonl", micro=4)
+    resumed = _trace(tmp_path / "r.jsonl", micro=4, resume_at=7)
+    assert resumed == straight[7:]
+
+
+def test_diff_names_first_differing_step(tmp_path: Path) -> None:
+    clean = _trace(tmp_path / "clean.jsonl", micro=4)
+    _trace(tmp_path / "bad.jsonl", micro=4, offset=1)  # sample 123 changed
+    order = detdata.GlobalOrder(400, 4)
+    step_of_123 = int(np.flatnonzero(order.ids(np.arange(160)) == 123)[0]) // 8
+    result = _diff(tmp_path / "clean.jsonl", tmp_path / "bad.jsonl")
+    assert result.returncode == 1
+    assert f"first difference at step {step_of_123} " in result.stdout
+    assert "batch_b3" in result.stdout and "positions_b3" not in result.stdout.split("\n")[0]
+    assert len(clean) == 20
+
+
+def test_diff_reports_missing_steps_and_bad_files(tmp_path: Path) -> None:
+    _trace(tmp_path / "long.jsonl", micro=8, steps=6)
+    _trace(tmp_path / "short.jsonl", micro=8, steps=4)
+    result = _diff(tmp_path / "long.jsonl", tmp_path / "short.jsonl")
+    assert result.returncode == 1 and "step 4" in result.stdout and "missing in B" in result.stdout
+    missing = _diff(tmp_path / "long.jsonl", tmp_path / "nope.jsonl")
+    assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
