@@ -66,7 +66,7 @@ class PositionDataset(tud.Dataset[Batch]):
         self.transform = transform
         self.seed = seed
 
-    def __getitem__(self, positions: IntArray) -> Batch:  # type: ignore[override]
+    def __getitem__(self, positions: IntArray) -> Batch:
         batch = self.stream.fetch(positions)
         if self.transform is not None:
             batch = apply_transform(batch, positions, self.transform, self.seed)
@@ -218,8 +218,9 @@ class DataLoader:
     def _build(self) -> tud.DataLoader[Any]:
         self._sampler = MicroBatchSampler(self.layout, self._consumed, self.total_samples)
         dataset = PositionDataset(self._stream, self._transform, self.seed)
-        return tud.DataLoader(dataset, batch_size=None, sampler=self._sampler,
-                              collate_fn=self._collate_fn or _to_torch, **self._torch_kwargs)
+        collate: Callable[[Any], Any] = self._collate_fn or _to_torch
+        return tud.DataLoader(dataset, batch_size=None, sampler=self._sampler, collate_fn=collate,
+                              **self._torch_kwargs)
 
     def _loader_from_here(self) -> tud.DataLoader[Any]:
         if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
