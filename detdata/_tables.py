@@ -211,6 +211,8 @@ class TableRows:
         arr = check_ids(ids, self._num, self._what())
         if self._pid != os.getpid():
             self._reset_process_state()
+        if arr.size == 0:
+            return {name: self._empty(name) for name in self.columns}
         order = np.argsort(arr, kind="stable")
         sorted_ids = arr[order]
         group = np.searchsorted(self._group_starts, sorted_ids, side="right").astype(np.int64) - 1
@@ -229,8 +231,6 @@ class TableRows:
 
     def _assemble(self, name: str, parts: list[np.ndarray[Any, Any]],
                   order: IntArray) -> np.ndarray[Any, Any]:
-        if not parts:
-            return self._empty(name)
         widths = {p.shape[1:] for p in parts}
         if len(widths) > 1:
             raise FormatError(f"column {name!r}: rows of one batch come from row groups with "

@@ -1,0 +1,288 @@
+"""TableRows over real Parquet (several row groups) and Arrow IPC shards."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detdata._dataset import Dataset
+from detdata._errors import ConfigError, FormatError
+from detdata._manifest import build_manifest
+from detdata._tables import RowGroupCache, TableRows, _Group
+
+WIDTH = 12
+SHARD_ROWS = (130, 47, 211)
+GROUP_ROWS = 32  # several row groups per shard, the last one shorter
+
+Reference = dict[str, np.ndarray]
+
+
+def make_columns(rng: np.random.Generator, start: int, rows: int) -> dict[str, np.ndarray]:
+    return {"row": np.arange(start, start + rows, dtype=np.int64),
+            "tokens": rng.integers(-(2**31), 2**31 - 1, size=(rows, WIDTH), dtype=np.int32),
+            "fixed": rng.integers(0, 1000, size=(rows, 3), dtype=np.int32),
+            "score": rng.random(rows).astype(np.float32),
+            "text": np.asarray([f"doc-{start + i}" for i in range(rows)], dtype=object)}
+
+
+def to_table(cols: dict[str, np.ndarray]) -> pa.Table:
+    rows = len(cols["row"])
+    return pa.table({
+        "row": cols["row"],
+        "tokens": pa.ListArray.from_arrays(np.arange(0, (rows + 1) * WIDTH, WIDTH, dtype=np.int32),
+                                           pa.array(cols["tokens"].reshape(-1))),
+        "fixed": pa.FixedSizeListArray.from_arrays(pa.array(cols["fixed"].reshape(-1)), 3),
+        "score": cols["score"],
+        "text": pa.array(cols["text"].tolist(), pa.string()),
+    })
+
+
+def write_shards(root: Path, fmt: str, seed: int = 0) -> Reference:
+    """Write the shards; return the concatenated original columns (the reference)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    parts, start = [], 0
+    for i, rows in enumerate(SHARD_ROWS):
+        cols = make_columns(rng, start, rows)
+        table = to_table(cols)
+        if fmt == "parquet":
+            pq.write_table(table, root / f"part-{i}.parquet", row_group_size=GROUP_ROWS)
+        else:
+            with ipc.new_file(root / f"part-{i}.arrow", table.schema) as writer:
+                for batch in table.to_batches(max_chunksize=GROUP_ROWS):
+                    writer.write_batch(batch)
+        parts.append(cols)
+        start += rows
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+@pytest.fixture(scope="module", params=["parquet", "arrow"])
+def tables(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[TableRows, Reference]:
+    root = tmp_path_factory.mktemp(request.param)
+    ref = write_shards(root, request.param)
+    return TableRows(build_manifest(str(root)), cache_row_groups=4), ref
+
+
+def per_sample(ref: Reference, name: str, ids: np.ndarray) -> list[Any]:
+    """The straightforward reference: one slice of the original array per id."""
+    return [ref[name][i] for i in ids]
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=st.lists(st.integers(0, 10**6), min_size=1, max_size=70))
+def test_read_matches_per_sample_reference(tables: tuple[TableRows, Reference], raw: list[int]) -> None:
+    ds, ref = tables
+    ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
+    batch = ds.read(ids)
+    assert list(batch) == ["row", "tokens", "fixed", "score", "text"]
+    assert batch["tokens"].shape == (len(ids), WIDTH) and batch["tokens"].dtype == np.int32
+    assert batch["fixed"].shape == (len(ids), 3)
+    for name in batch:
+        np.testing.assert_array_equal(batch[name], np.stack(per_sample(ref, name, ids)))
+    assert len(ds.cache) <= 4
+
+
+def test_counts_identity_and_locate(tables: tuple[TableRows, Reference]) -> None:
+    ds, _ = tables
+    assert ds.num_samples == sum(SHARD_ROWS)
+    assert isinstance(ds, Dataset)
+    assert ds.identity() == {"type": "table_rows", "manifest": ds.manifest.id,
+                             "columns": ["row", "tokens", "fixed", "score", "text"],
+                             "num_samples": sum(SHARD_ROWS)}
+    shard, group, row = ds.locate(np.array([0, 31, 32, 129, 130, 176, 177, 387]))
+    assert shard.tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert group.tolist() == [0, 0, 1, 4, 0, 1, 0, 6]
+    assert row.tolist() == [0, 31, 0, 1, 0, 14, 0, 18]
+
+
+def test_every_row_in_reverse_with_duplicates(tables: tuple[TableRows, Reference]) -> None:
+    ds, ref = tables
+    ids = np.concatenate([np.arange(ds.num_samples)[::-1], [5, 5, 0, 5]])
+    batch = ds.read(ids)
+    np.testing.assert_array_equal(batch["row"], ids)
+    np.testing.assert_array_equal(batch["tokens"], ref["tokens"][ids])
+
+
+def test_selected_columns_only(tmp_path: Path) -> None:
+    ref = write_shards(tmp_path, "parquet", seed=3)
+    ds = TableRows(build_manifest(str(tmp_path)), ["tokens", "row"])
+    batch = ds.read(np.array([200, 7]))
+    assert list(batch) == ["tokens", "row"]
+    np.testing.assert_array_equal(batch["tokens"], ref["tokens"][[200, 7]])
+    assert ds.identity()["columns"] == ["tokens", "row"]
+    group = ds.cache.get(ds.cache.keys()[0])
+    assert group is not None and sorted(group.columns) == ["row", "tokens"]
+    with pytest.raises(ConfigError, match=r"nope.*part-0\.parquet"):
+        TableRows(ds.manifest, ["tokens", "nope"])
+    with pytest.raises(ConfigError, match="sequence"):
+        TableRows(ds.manifest, "tokens")
+
+
+def test_empty_ids_keep_column_shapes(tables: tuple[TableRows, Reference]) -> None:
+    ds, _ = tables
+    batch = ds.read(np.array([], dtype=np.int64))
+    assert batch["tokens"].shape == (0, WIDTH) and batch["tokens"].dtype == np.int32
+    assert batch["score"].shape == (0,)
+
+
+def test_cache_is_bounded_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_shards(tmp_path, "parquet", seed=1)
+    ds = TableRows(build_manifest(str(tmp_path)), cache_row_groups=3)
+    decodes: list[tuple[int, int]] = []
+    original = ds._decode
+
+    def counting(shard: int, group: int) -> _Group:
+        decodes.append((shard, group))
+        return original(shard, group)
+
+    monkeypatch.setattr(ds, "_decode", counting)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 40)))
+        ds.read(ids)
+        assert len(ds.cache) <= 3
+    # within a call each needed row group is decoded at most once, even with no cache hits
+    decodes.clear()
+    ids = np.arange(0, ds.num_samples, 5)
+    ds.read(ids)
+    shard, group, _ = ds.locate(ids)
+    assert len(decodes) == len(set(decodes)) == len(set(zip(shard.tolist(), group.tolist(), strict=True)))
+    # a repeated small read hits the cache
+    ds.read(np.array([1, 2]))
+    decodes.clear()
+    ds.read(np.array([2, 1, 3]))
+    assert decodes == []
+
+
+def test_cache_byte_bound(tmp_path: Path) -> None:
+    write_shards(tmp_path, "arrow", seed=2)
+    manifest = build_manifest(str(tmp_path))
+    probe = TableRows(manifest, ["tokens"], cache_row_groups=100)
+    probe.read(np.array([0]))
+    one = probe.cache.nbytes
+    assert one > 0
+    bound = int(2.5 * one)  # the first group is a full one: at most 2 full groups fit
+    ds = TableRows(manifest, ["tokens"], cache_row_groups=100, cache_bytes=bound)
+    starts = range(0, ds.num_samples, 16)
+    for start in starts:
+        ds.read(np.array([start]))
+        assert 0 < ds.cache.nbytes <= bound
+    assert 2 <= len(ds.cache) < len(starts) // 2
+    too_small = TableRows(manifest, ["tokens"], cache_bytes=one - 1)
+    np.testing.assert_array_equal(too_small.read(np.array([0]))["tokens"], probe.read(np.array([0]))["tokens"])
+    assert len(too_small.cache) == 0  # a group larger than the byte bound is not kept
+    off = TableRows(manifest, ["tokens"], cache_row_groups=0)
+    off.read(np.arange(100))
+    assert len(off.cache) == 0
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    cache = RowGroupCache(max_groups=2, max_bytes=10**9)
+    item = _Group({}, 10)
+    cache.put((0, 0), item)
+    cache.put((0, 1), item)
+    assert cache.get((0, 0)) is item  # (0, 1) is now the least recently used
+    cache.put((1, 0), item)
+    assert cache.keys() == [(0, 0), (1, 0)]
+    assert cache.nbytes == 20
+
+
+def test_mismatched_schemas_name_both_shards_and_field(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"a": pa.array([1, 2], pa.int64()), "b": [1.0, 2.0]}), tmp_path / "x.parquet")
+    pq.write_table(pa.table({"a": pa.array([1, 2], pa.int32()), "b": [1.0, 2.0]}), tmp_path / "y.parquet")
+    with pytest.raises(FormatError, match=r"x\.parquet and y\.parquet.*'a': int64 vs int32"):
+        TableRows(build_manifest(str(tmp_path)))
+
+
+def test_missing_field_is_named(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"a": [1, 2], "b": [1.0, 2.0]}), tmp_path / "x.parquet")
+    pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "y.parquet")
+    with pytest.raises(FormatError, match=r"x\.parquet and y\.parquet.*'b' only in the first"):
+        TableRows(build_manifest(str(tmp_path)))
+
+
+def ragged_table(lengths: list[int], start: int = 0) -> tuple[pa.Table, list[np.ndarray]]:
+    rows = [np.arange(start + 100 * i, start + 100 * i + n, dtype=np.int32) for i, n in enumerate(lengths)]
+    return pa.table({"ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32()))}), rows
+
+
+def test_variable_length_lists_are_refused_or_object(tmp_path: Path) -> None:
+    table, rows = ragged_table([3, 5, 0, 2, 7])
+    pq.write_table(table, tmp_path / "r.parquet", row_group_size=2)
+    manifest = build_manifest(str(tmp_path))
+    strict = TableRows(manifest)
+    with pytest.raises(FormatError, match=r"r\.parquet.*'ids'.*vary from 3 to 5.*ragged="):
+        strict.read(np.array([0, 1]))
+    loose = TableRows(manifest, ragged=["ids"])
+    ids = np.array([4, 0, 2, 4, 1])
+    out = loose.read(ids)["ids"]
+    assert out.dtype == object and out.shape == (5,)
+    for got, i in zip(out, ids, strict=True):
+        np.testing.assert_array_equal(got, rows[i])
+    assert loose.identity()["ragged"] == ["ids"]
+    with pytest.raises(ConfigError, match="ragged"):
+        TableRows(manifest, ragged=["nope"])
+
+
+def test_equal_lengths_per_group_but_different_across_groups(tmp_path: Path) -> None:
+    table, _ = ragged_table([4, 4, 6, 6])
+    pq.write_table(table, tmp_path / "w.parquet", row_group_size=2)
+    ds = TableRows(build_manifest(str(tmp_path)))
+    assert ds.read(np.array([1, 0]))["ids"].shape == (2, 4)
+    assert ds.read(np.array([3]))["ids"].shape == (1, 6)
+    with pytest.raises(FormatError, match=r"'ids'.*\[4, 6\]"):
+        ds.read(np.array([0, 3]))
+
+
+def test_nulls_in_numeric_column_are_refused(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"x": pa.array([1, None, 3], pa.int64())}), tmp_path / "n.parquet")
+    ds = TableRows(build_manifest(str(tmp_path)))
+    with pytest.raises(FormatError, match=r"n\.parquet.*'x'.*1 null"):
+        ds.read(np.array([0]))
+
+
+def test_unsupported_column_type_is_refused(tmp_path: Path) -> None:
+    struct = pa.array([{"a": 1}, {"a": 2}])
+    pq.write_table(pa.table({"s": struct, "x": [1, 2]}), tmp_path / "s.parquet")
+    manifest = build_manifest(str(tmp_path))
+    with pytest.raises(FormatError, match=r"s\.parquet.*'s'.*not supported"):
+        TableRows(manifest)
+    np.testing.assert_array_equal(TableRows(manifest, ["x"]).read(np.array([1, 0]))["x"], [2, 1])
+
+
+def test_errors_for_ids_empty_and_token_shards(tables: tuple[TableRows, Reference], tmp_path: Path) -> None:
+    ds, _ = tables
+    for bad in ([-1], [sum(SHARD_ROWS)], [[1]], [1.5]):
+        with pytest.raises(ConfigError):
+            ds.read(np.asarray(bad))
+    pq.write_table(pa.table({"x": pa.array([], pa.int64())}), tmp_path / "e.parquet")
+    with pytest.raises(ConfigError, match="empty"):
+        TableRows(build_manifest(str(tmp_path)))
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.int32))
+    with pytest.raises(FormatError, match=r"t\.npy.*TokenWindows"):
+        TableRows(build_manifest(str(tmp_path), pattern="*.npy"))
+
+
+def test_pickle_after_use_is_small_and_reads(tmp_path: Path) -> None:
+    ref = write_shards(tmp_path, "parquet", seed=4)
+    ds = TableRows(build_manifest(str(tmp_path)))
+    ids = np.array([300, 3, 150, 3])
+    before = ds.read(ids)
+    assert len(ds.cache) > 0
+    blob = pickle.dumps(ds)
+    assert len(blob) < 4096 < ref["tokens"].nbytes
+    clone = pickle.loads(blob)
+    assert len(clone.cache) == 0
+    after = clone.read(ids)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name])
