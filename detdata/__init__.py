@@ -19,6 +19,7 @@ from detdata._formats import Format
 from detdata._loader import DataLoader
 from detdata._manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
 from detdata._order import GlobalOrder
+from detdata._sampler import DeterministicBatchSampler
 from detdata._state import Stateful
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DataLoader",
     "Dataset",
+    "DeterministicBatchSampler",
     "DetdataError",
     "Format",
     "FormatError",

@@ -1,0 +1,100 @@
+"""`DeterministicBatchSampler`: detdata's position logic for loaders you keep.
+
+Pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader`` or torchdata's
+``StatefulDataLoader`` over your own map-style dataset. Each item is this
+rank's micro batch as a list of sample ids, exactly the ids detdata's own
+DataLoader would read at those positions (DESIGN.md sections 2 and 4).
+
+State is the same one integer: global samples consumed. ``StatefulDataLoader``
+snapshots the sampler when it dispatches a batch, so its saved state matches
+the batches it delivered. With the vanilla DataLoader (which prefetches and
+keeps no state) use `state_after(batches_delivered)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+
+from detdata._errors import StateError
+from detdata._layout import Layout
+from detdata._loader import _default_rank_world
+from detdata._order import ALGORITHM, GlobalOrder, check_count, check_seed
+
+SAMPLER_KIND: Final = "detdata.sampler_state"
+SAMPLER_VERSION: Final = 1
+_CHECKED: Final = ("seed", "num_samples", "algorithm", "global_batch_size")
+
+
+class DeterministicBatchSampler:
+    """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on."""
+
+    def __init__(self, num_samples: int, *, global_batch_size: int, micro_batch_size: int | None = None,
+                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                 total_samples: int | None = None) -> None:
+        default_rank, default_world = _default_rank_world()
+        self.order = GlobalOrder(num_samples, check_seed(seed))
+        self.layout = Layout.create(global_batch_size, micro_batch_size,
+                                    default_world if world_size is None else world_size,
+                                    default_rank if rank is None else rank)
+        self.total_samples = None if total_samples is None else check_count(total_samples, "total_samples",
+                                                                             minimum=0)
+        self._start = 0
+        self._yielded = 0  # micro batches yielded by the current iterator
+
+    @property
+    def samples_consumed(self) -> int:
+        """Global position after the micro batches yielded so far."""
+        return self._start + self._yielded * self.layout.samples_per_micro_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._start = self.samples_consumed
+        self._yielded = 0
+        per = self.layout.samples_per_micro_step
+        j = self._start // per
+        while self.total_samples is None or j * per < self.total_samples:
+            ids = self.order.ids(self.layout.positions(j))
+            self._yielded += 1
+            j += 1
+            yield ids.tolist()
+
+    def __len__(self) -> int:
+        if self.total_samples is None:
+            raise TypeError("infinite sampler (total_samples=None) has no length")
+        return max(0, (self.total_samples - self.samples_consumed) // self.layout.samples_per_micro_step)
+
+    def _state(self, consumed: int) -> dict[str, Any]:
+        return {"kind": SAMPLER_KIND, "format_version": SAMPLER_VERSION, "samples_consumed": consumed,
+                "seed": self.order.seed, "num_samples": self.order.num_samples, "algorithm": ALGORITHM,
+                "global_batch_size": self.layout.global_batch_size,
+                "layout": {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State after the micro batches this sampler has yielded (use with StatefulDataLoader)."""
+        return self._state(self.samples_consumed)
+
+    def state_after(self, batches_delivered: int) -> dict[str, Any]:
+        """State after ``batches_delivered`` micro batches of the current iterator reached the caller."""
+        n = check_count(batches_delivered, "batches_delivered", minimum=0)
+        return self._state(self._start + n * self.layout.samples_per_micro_step)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the saved position; checked fields must match (listed when they don't)."""
+        if not isinstance(state, Mapping) or state.get("kind") != SAMPLER_KIND:
+            raise StateError(f"not a detdata sampler state (kind must be {SAMPLER_KIND!r})")
+        if state.get("format_version") != SAMPLER_VERSION:
+            raise StateError(f"unknown sampler state format_version {state.get('format_version')!r}")
+        current = self._state(0)
+        diffs = [k for k in _CHECKED if state.get(k) != current[k]]
+        if diffs:
+            detail = "; ".join(f"{k}: saved {state.get(k)!r}, current {current[k]!r}" for k in diffs)
+            raise StateError(f"sampler state does not match: {detail}", fields=tuple(diffs))
+        consumed = state.get("samples_consumed")
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise StateError(f"samples_consumed must be a non-negative integer, found {consumed!r}",
+                             fields=("samples_consumed",))
+        self.layout.check_resume_position(consumed)
+        self._start, self._yielded = consumed, 0
+
+

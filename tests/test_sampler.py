@@ -1,0 +1,78 @@
+"""DeterministicBatchSampler inside torch's DataLoader and torchdata's StatefulDataLoader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import detdata
+from detdata._sampler import DeterministicBatchSampler
+from tests.resume_checker import digest
+
+N = 300
+
+
+class Rows(tud.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": i, "x": torch.arange(4) + 10 * i}
+
+
+def detdata_ids(count: int, seed: int = 5) -> list[list[int]]:
+    ds = detdata.ArrayDataset({"id": np.arange(N)})
+    dl = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, seed=seed)
+    it = iter(dl)
+    return [next(it)["id"].tolist() for _ in range(count)]
+
+
+def test_same_ids_as_detdata_loader_in_vanilla_dataloader() -> None:
+    sampler = DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=4, seed=5)
+    dl = tud.DataLoader(Rows(), batch_sampler=sampler, num_workers=2)
+    got = [b["id"].tolist() for _, b in zip(range(12), dl, strict=False)]
+    assert got == detdata_ids(12)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resume_gives_exact_next_batch(workers: int) -> None:
+    def make() -> StatefulDataLoader:
+        sampler = DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=4, seed=5)
+        return StatefulDataLoader(Rows(), batch_sampler=sampler, num_workers=workers)
+    straight = [digest(b) for _, b in zip(range(20), make(), strict=False)]
+    dl = make()
+    it = iter(dl)
+    for _ in range(7):
+        next(it)
+    state = dl.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [digest(b) for _, b in zip(range(13), resumed, strict=False)]
+    assert rest == straight[7:]
+
+
+def test_state_after_for_vanilla_loader_and_reshard() -> None:
+    ranks = [DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=2, seed=5, rank=r, world_size=2)
+             for r in range(2)]
+    iters = [iter(s) for s in ranks]
+    for it in iters:
+        for _ in range(6):
+            next(it)
+    state = ranks[0].state_after(4)  # the training loop consumed 4 micro batches = 2 steps
+    assert state["samples_consumed"] == 16
+    single = DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=8, seed=5)
+    single.load_state_dict(state)
+    assert next(iter(single)) == sum(detdata_ids(6)[4:6], [])
+
+
+def test_mismatched_state_lists_fields() -> None:
+    a = DeterministicBatchSampler(N, global_batch_size=8, seed=5)
+    b = DeterministicBatchSampler(N + 1, global_batch_size=16, seed=5)
+    with pytest.raises(detdata.StateError) as err:
+        b.load_state_dict(a.state_dict())
+    assert set(err.value.fields) == {"num_samples", "global_batch_size"}
