@@ -23,6 +23,7 @@ EXIT_USAGE: Final = 2
 COMMAND_MODULES: Final = (
     "detdata._cli_manifest",
     "detdata._cli_trace",
+    "detdata._cli_demo",
     "detdata._cli_mix",
 )
 
