@@ -18,9 +18,13 @@ from detdata._errors import (
 from detdata._formats import Format
 from detdata._loader import DataLoader
 from detdata._manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
+from detdata._mixture import Mixture
 from detdata._order import GlobalOrder
+from detdata._registry import Registry
 from detdata._sampler import DeterministicBatchSampler
 from detdata._state import Stateful
+from detdata._tables import TableRows
+from detdata._tokens import TokenWindows
 
 __version__ = "0.1.0"
 
@@ -30,20 +34,24 @@ __all__ = [
     "ConfigError",
     "DataLoader",
     "Dataset",
-    "DeterministicBatchSampler",
     "DetdataError",
+    "DeterministicBatchSampler",
     "Format",
     "FormatError",
     "GlobalOrder",
     "Manifest",
     "ManifestError",
+    "Mixture",
     "OrderedStream",
+    "Registry",
     "RegistryError",
     "ShardEntry",
     "StateError",
     "Stateful",
     "StorageError",
     "Stream",
+    "TableRows",
+    "TokenWindows",
     "VerificationError",
     "Verify",
     "__version__",
