@@ -280,8 +280,8 @@ class TableRows:
         entry = self.manifest.shards[shard]
         reader = self._reader(shard)
         if entry.format is Format.PARQUET:
-            table = reader.read_row_group(group, columns=list(self.columns))
-            arrays = {n: table.column(n).combine_chunks() for n in self.columns}
+            table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
+            arrays = {n: _one_chunk(table.column(n)) for n in self.columns}
         else:
             batch = reader.get_batch(group)
             arrays = {n: batch.column(n) for n in self.columns}
@@ -293,8 +293,14 @@ class TableRows:
                                   f"manifest says {expected}; hint: rebuild the manifest")
             where = f"shard {entry.path} row group {group} column {name!r}"
             columns[name] = to_numpy(array, where, ragged=name in self.ragged)
-        nbytes = sum(int(a.nbytes) for a in arrays.values())
+        nbytes = sum(int(arrays[n].nbytes) if c.dtype == object else int(c.nbytes)
+                     for n, c in columns.items())
         return _Group(columns, nbytes)
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array (no copy when it already is a single chunk)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray[Any, Any]:
@@ -319,16 +325,18 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
     if array.null_count:
         raise FormatError(f"{where}: {array.null_count} null list(s); hint: write empty lists "
                           "or pad instead of nulls")
-    values = array.flatten()
-    if values.null_count:
-        raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-    flat = np.asarray(values.to_numpy(zero_copy_only=False))
     rows = len(array)
     if pa.types.is_fixed_size_list(array.type):
-        lengths = np.full(rows, array.type.list_size, dtype=np.int64)
+        size = array.type.list_size
+        lengths = np.full(rows, size, dtype=np.int64)
+        values = array.values.slice(array.offset * size, rows * size)
     else:
         offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
         lengths = np.diff(offsets)
+        values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count:
+        raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
+    flat = np.asarray(values.to_numpy(zero_copy_only=False))
     if ragged:
         return _object_rows(flat, lengths)
     if rows and int(lengths.min()) != int(lengths.max()):
@@ -336,7 +344,10 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
                           f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
                           "pad/pack to one length, store a fixed_size_list, or name the column in "
                           "ragged= to get an object array")
-    width = int(lengths[0]) if rows else 0
+    if pa.types.is_fixed_size_list(array.type):
+        width = int(array.type.list_size)
+    else:
+        width = int(lengths[0]) if rows else 0
     return flat.reshape(rows, width)
 
 

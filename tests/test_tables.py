@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from detdata._dataset import Dataset
 from detdata._errors import ConfigError, FormatError
 from detdata._manifest import build_manifest
-from detdata._tables import RowGroupCache, TableRows, _Group
+from detdata._tables import RowGroupCache, TableRows, _Group, to_numpy
 
 WIDTH = 12
 SHARD_ROWS = (130, 47, 211)
@@ -286,3 +286,17 @@ def test_pickle_after_use_is_small_and_reads(tmp_path: Path) -> None:
     after = clone.read(ids)
     for name in before:
         np.testing.assert_array_equal(after[name], before[name])
+
+
+def test_to_numpy_respects_slices_of_list_arrays() -> None:
+    rows = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    lists = pa.array(rows, pa.list_(pa.int32()))
+    fixed = pa.array(rows, pa.list_(pa.int32(), 2))
+    for array in (lists, fixed):
+        np.testing.assert_array_equal(to_numpy(array.slice(2, 3), "t"), rows[2:5])
+    assert to_numpy(fixed.slice(1, 0), "t").shape == (0, 2)
+    assert to_numpy(lists.slice(1, 0), "t").shape == (0, 0)  # no row to tell the length
+    ragged = pa.array([[1], [2, 3], [4, 5, 6]], pa.list_(pa.int64())).slice(1, 2)
+    parts = to_numpy(ragged, "t", ragged=True)
+    assert [p.tolist() for p in parts] == [[2, 3], [4, 5, 6]]
+    np.testing.assert_array_equal(to_numpy(pa.array([1.5, 2.5]).slice(1), "t"), [2.5])
