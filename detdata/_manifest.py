@@ -282,7 +282,8 @@ class Manifest:
             with fs.open(fpath, "rb") as fh:
                 text = fh.read()
         except FileNotFoundError:
-            raise ManifestError(f"manifest file not found: {path}") from None
+            raise ManifestError(f"manifest file not found: {path}; hint: check the path "
+                                "(or URL) of the manifest JSON") from None
         manifest = cls.loads(text, root=root, where=f"manifest {path}")
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))

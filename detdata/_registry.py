@@ -66,7 +66,7 @@ def split_name(name: object) -> tuple[str, str | None]:
     if not isinstance(name, str):
         raise RegistryError(f"registry name must be a string, got {name!r}")
     base, sep, version = name.partition("@")
-    if not NAME_RE.match(base) or (sep and not VERSION_RE.match(version)):
+    if not NAME_RE.fullmatch(base) or (sep and not VERSION_RE.fullmatch(version)):
         raise RegistryError(f"invalid registry name {name!r}; hint: use 'name@version' such as "
                             "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
                             "letter or digit)")
@@ -84,7 +84,7 @@ def full_name(name: object) -> tuple[str, str]:
 
 def check_id(manifest_id: object) -> str:
     """``manifest_id`` if it looks like ``b3:<64 hex>``, else `RegistryError`."""
-    if not isinstance(manifest_id, str) or not ID_RE.match(manifest_id):
+    if not isinstance(manifest_id, str) or not ID_RE.fullmatch(manifest_id):
         raise RegistryError(f"invalid manifest id {manifest_id!r}; expected 'b3:' + 64 hex digits")
     return manifest_id
 

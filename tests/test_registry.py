@@ -1,0 +1,254 @@
+"""Registry: content-addressed manifests, named versions, history, atomicity, concurrency."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from detdata._errors import ManifestError, RegistryError, VerificationError
+from detdata._manifest import Manifest, build_manifest
+from detdata._registry import Registry, default_root, split_name
+
+
+@pytest.fixture
+def manifest(token_shards: Path) -> Manifest:
+    return build_manifest(str(token_shards), metadata={"tokenizer": "t1"})
+
+
+@pytest.fixture
+def other(token_shards: Path) -> Manifest:
+    return build_manifest(str(token_shards), metadata={"tokenizer": "t2"})
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    return Registry(str(tmp_path / "registry"))
+
+
+def test_register_resolve_get(registry: Registry, manifest: Manifest) -> None:
+    assert registry.register("wiki-en@v1", manifest) == manifest.id
+    resolved = registry.resolve("wiki-en@v1")
+    assert resolved.id == manifest.id and resolved.root == manifest.root
+    assert resolved.shards == manifest.shards and resolved.metadata == manifest.metadata
+    by_id = registry.get(manifest.id)
+    assert by_id.id == manifest.id and by_id.root is None
+    assert registry.resolve(manifest.id).id == manifest.id
+    assert registry.names() == ["wiki-en@v1"]
+
+
+def test_objects_are_content_addressed_json(registry: Registry, manifest: Manifest) -> None:
+    registry.register("a@v1", manifest)
+    obj = Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json"
+    doc = json.loads(obj.read_bytes())
+    assert doc["id"] == manifest.id and "root" not in doc
+    assert Manifest.loads(obj.read_bytes()).id == manifest.id
+
+
+def test_registration_is_idempotent(registry: Registry, manifest: Manifest) -> None:
+    registry.register("ds@v1", manifest)
+    ref = Path(registry.root) / "refs" / "ds" / "v1.json"
+    before = ref.read_bytes()
+    assert registry.register("ds@v1", manifest) == manifest.id
+    assert ref.read_bytes() == before
+    assert len(registry.history("ds@v1")) == 1
+
+
+def test_new_root_for_same_id_is_recorded(registry: Registry, manifest: Manifest,
+                                         tmp_path: Path) -> None:
+    registry.register("ds@v1", manifest)
+    registry.register("ds@v1", manifest.with_root(str(tmp_path / "moved")))
+    events = registry.history("ds@v1")
+    assert [e.root for e in events] == [manifest.root, str(tmp_path / "moved")]
+    assert not any(e.forced for e in events)
+    assert registry.resolve("ds@v1", verify="off").root == str(tmp_path / "moved")
+
+
+def test_repointing_needs_force(registry: Registry, manifest: Manifest, other: Manifest) -> None:
+    registry.register("ds@v1", manifest)
+    with pytest.raises(RegistryError, match=f"ds@v1 already points at {manifest.id}, not "
+                                            f"{other.id}.*force=True"):
+        registry.register("ds@v1", other)
+    assert registry.resolve("ds@v1").id == manifest.id
+    assert registry.register("ds@v1", other, force=True) == other.id
+    assert registry.resolve("ds@v1").id == other.id
+    events = registry.history("ds@v1")
+    assert [(e.id, e.forced) for e in events] == [(manifest.id, False), (other.id, True)]
+    assert registry.get(manifest.id).id == manifest.id  # the old object is still there
+
+
+def test_bare_name_is_latest_created_version(registry: Registry, manifest: Manifest,
+                                             other: Manifest) -> None:
+    registry.register("ds@v2", manifest)
+    registry.register("ds@v10", other)
+    assert registry.resolve("ds").id == other.id
+    assert registry.versions("ds") == ["v2", "v10"]
+    registry.register("ds@v2", other, force=True)  # re-pointing does not make v2 the latest
+    registry.register("ds@v10", manifest, force=True)
+    assert registry.resolve("ds").id == manifest.id
+    history = registry.history("ds")
+    assert [(e.name, e.id) for e in history] == [("ds@v2", manifest.id), ("ds@v10", other.id),
+                                                  ("ds@v2", other.id), ("ds@v10", manifest.id)]
+    assert registry.names() == ["ds@v10", "ds@v2"]
+
+
+def test_register_from_path(registry: Registry, manifest: Manifest, tmp_path: Path) -> None:
+    manifest.save(str(tmp_path / "m.json"))
+    assert registry.register("ds@v1", str(tmp_path / "m.json")) == manifest.id
+    assert registry.resolve("ds@v1").root == manifest.root
+
+
+def test_resolve_verifies_shards(registry: Registry, manifest: Manifest,
+                                 token_shards: Path) -> None:
+    registry.register("ds@v1", manifest)
+    victim = token_shards / "shard-001.npy"
+    victim.write_bytes(victim.read_bytes()[:-2])
+    with pytest.raises(VerificationError, match=r"shard-001\.npy") as info:
+        registry.resolve("ds@v1")
+    assert any("ds@v1" in note for note in info.value.__notes__)
+    assert registry.resolve("ds@v1", verify="off").id == manifest.id
+    with pytest.raises(ManifestError, match=r"manifest file not found: .*nope\.json"):
+        registry.register("ds@v2", str(token_shards / "nope.json"))
+    assert registry.names() == ["ds@v1"]
+
+
+@pytest.mark.parametrize("name", ["", "@v1", "ds@", "ds@v1@v2", "-ds@v1", "ds@.v1", "d s@v1",
+                                  "ds/x@v1", "../x@v1", "ds@..", "x" * 129 + "@v1", "ds@v1\n"])
+def test_invalid_names(registry: Registry, manifest: Manifest, name: str) -> None:
+    with pytest.raises(RegistryError, match="invalid registry name"):
+        registry.register(name, manifest)
+
+
+def test_register_needs_a_version(registry: Registry, manifest: Manifest) -> None:
+    with pytest.raises(RegistryError, match=r"has no version.*'ds@v1'"):
+        registry.register("ds", manifest)
+    assert split_name("wiki-en@v3.1_rc-2") == ("wiki-en", "v3.1_rc-2")
+
+
+def test_unknown_names_and_ids(registry: Registry, manifest: Manifest) -> None:
+    with pytest.raises(RegistryError, match="name 'nope' is not in registry"):
+        registry.resolve("nope")
+    registry.register("ds@v1", manifest)
+    with pytest.raises(RegistryError, match=r"ds@v9 is not in registry.*known versions.*'v1'"):
+        registry.resolve("ds@v9")
+    missing = "b3:" + "0" * 64
+    with pytest.raises(RegistryError, match=f"manifest {missing} is not in registry"):
+        registry.get(missing)
+    with pytest.raises(RegistryError, match="invalid manifest id 'b3:zz'"):
+        registry.get("b3:zz")
+    assert Registry(registry.root + "-empty").names() == []
+
+
+def test_corrupted_object_is_refused(registry: Registry, manifest: Manifest,
+                                     other: Manifest) -> None:
+    registry.register("ds@v1", manifest)
+    obj = Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json"
+    doc = json.loads(obj.read_bytes())
+    doc["metadata"]["tokenizer"] = "tampered"
+    obj.write_text(json.dumps(doc))
+    with pytest.raises(RegistryError, match=f"registry object {manifest.id} .*corrupted"):
+        registry.resolve("ds@v1")
+    other_doc = dict(other.body(), id=other.id)  # a valid manifest under the wrong name
+    obj.write_text(json.dumps(other_doc))
+    with pytest.raises(RegistryError, match=f"holds manifest {other.id}"):
+        registry.get(manifest.id)
+
+
+def test_corrupted_ref_is_refused(registry: Registry, manifest: Manifest) -> None:
+    registry.register("ds@v1", manifest)
+    (Path(registry.root) / "refs" / "ds" / "v1.json").write_text("{not json")
+    with pytest.raises(RegistryError, match="reference 'ds@v1' is corrupted"):
+        registry.resolve("ds@v1")
+
+
+def test_default_root_env_and_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       manifest: Manifest) -> None:
+    monkeypatch.setenv("DETDATA_REGISTRY", str(tmp_path / "from-env"))
+    assert Registry().root == str(tmp_path / "from-env")
+    assert Registry(str(tmp_path / "arg")).root == str(tmp_path / "arg")
+    Registry().register("ds@v1", manifest)
+    assert (tmp_path / "from-env" / "refs" / "ds" / "v1.json").exists()
+    monkeypatch.delenv("DETDATA_REGISTRY")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_root() == str(tmp_path / "cache" / "detdata" / "registry")
+
+
+def test_fsspec_url_registry(manifest: Manifest, other: Manifest) -> None:
+    reg = Registry(f"memory://detdata-registry-{uuid.uuid4().hex}")
+    reg.register("ds@v1", manifest)
+    reg.register("ds@v2", other)
+    assert reg.names() == ["ds@v1", "ds@v2"]
+    assert reg.resolve("ds").id == other.id
+    assert reg.resolve("ds@v1").id == manifest.id
+    with pytest.raises(RegistryError, match="already points at"):
+        reg.register("ds@v1", other)
+
+
+def test_file_url_registry_is_the_same_directory(tmp_path: Path, manifest: Manifest) -> None:
+    Registry("file://" + str(tmp_path / "r")).register("ds@v1", manifest)
+    assert Registry(str(tmp_path / "r")).resolve("ds@v1").id == manifest.id
+
+
+# ---------------------------------------------------------------- concurrency
+def _worker(root: str, docs: list[str], index: int, rounds: int, barrier: Any, out: Any) -> None:
+    """Spawned worker: race for one name, then force-register a shared name ``rounds`` times."""
+    manifest = Manifest.loads(docs[index], root=f"/data/{index}")
+    reg = Registry(root)
+    barrier.wait()
+    reg.register(f"own{index}@v1", manifest)
+    try:
+        reg.register("contested@v1", manifest)
+        out.put((index, "won"))
+    except RegistryError:
+        out.put((index, "refused"))
+    barrier.wait()
+    for r in range(rounds):  # each registration has a unique root, so each appends one event
+        forced = Manifest.loads(docs[(index + r) % len(docs)], root=f"/data/p{index}/r{r}")
+        reg.register("hot@v1", forced, force=True)
+
+
+def _manifest_docs(token_shards: Path, count: int) -> list[str]:
+    return [json.dumps(build_manifest(str(token_shards), metadata={"i": i}).to_json())
+            for i in range(count)]
+
+
+@pytest.mark.multiproc
+def test_concurrent_processes_leave_registry_consistent(tmp_path: Path,
+                                                        token_shards: Path) -> None:
+    ctx = mp.get_context("spawn")
+    root = str(tmp_path / "registry")
+    procs, rounds = 3, 8
+    docs = _manifest_docs(token_shards, procs)
+    ids = [Manifest.loads(d).id for d in docs]
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(root, docs, i, rounds, barrier, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert [w.exitcode for w in workers] == [0] * procs
+    results = dict(out.get(timeout=10) for _ in range(procs))
+    reg = Registry(root)
+    # exactly one process won the contested name; the others were refused, nothing overwritten
+    winners = [i for i, r in results.items() if r == "won"]
+    assert len(winners) == 1
+    assert reg.resolve("contested@v1", verify="off").id == ids[winners[0]]
+    assert len(reg.history("contested@v1")) == 1
+    # forced re-pointing: every registration appended exactly one event (no lost update)
+    hot = reg.history("hot@v1")
+    assert len(hot) == procs * rounds
+    assert sorted(e.root or "" for e in hot) == sorted(
+        f"/data/p{i}/r{r}" for i in range(procs) for r in range(rounds))
+    assert reg.resolve("hot@v1", verify="off").id == hot[-1].id
+    assert sorted(reg.names()) == sorted(["contested@v1", "hot@v1",
+                                          *(f"own{i}@v1" for i in range(procs))])
+    for name in reg.names():
+        reg.resolve(name, verify="off")  # every ref points at an intact object
+    leftovers = [f for _, _, files in os.walk(root) for f in files if f.startswith(".tmp-")]
+    assert leftovers == []
