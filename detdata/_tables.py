@@ -168,11 +168,12 @@ class TableRows:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self._readers: dict[int, Any] = {}
+        self._io_lock = threading.Lock()
         self.cache = RowGroupCache(self.cache_row_groups, self.cache_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_fs", "_readers", "cache", "_pid", "_group_starts", "_group_shard",
+        for key in ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
                     "_shard_first_group"):
             state.pop(key, None)
         return state
@@ -278,13 +279,14 @@ class TableRows:
 
     def _decode(self, shard: int, group: int) -> _Group:
         entry = self.manifest.shards[shard]
-        reader = self._reader(shard)
-        if entry.format is Format.PARQUET:
-            table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
-            arrays = {n: _one_chunk(table.column(n)) for n in self.columns}
-        else:
-            batch = reader.get_batch(group)
-            arrays = {n: batch.column(n) for n in self.columns}
+        with self._io_lock:  # remote readers share one seekable handle per shard
+            reader = self._reader(shard)
+            if entry.format is Format.PARQUET:
+                table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
+                arrays = {n: _one_chunk(table.column(n)) for n in self.columns}
+            else:
+                batch = reader.get_batch(group)
+                arrays = {n: batch.column(n) for n in self.columns}
         expected = (entry.row_groups or ())[group]
         columns: Columns = {}
         for name, array in arrays.items():

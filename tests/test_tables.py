@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import pickle
+import uuid
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -300,3 +303,43 @@ def test_to_numpy_respects_slices_of_list_arrays() -> None:
     parts = to_numpy(ragged, "t", ragged=True)
     assert [p.tolist() for p in parts] == [[2, 3], [4, 5, 6]]
     np.testing.assert_array_equal(to_numpy(pa.array([1.5, 2.5]).slice(1), "t"), [2.5])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_remote_root_matches_reference(tmp_path: Path, fmt: str) -> None:
+    ref = write_shards(tmp_path, fmt, seed=6)
+    fs = fsspec.filesystem("memory")
+    mem = f"/detdata-tables-{uuid.uuid4().hex}"
+    try:
+        for path in sorted(tmp_path.iterdir()):
+            fs.pipe(f"{mem}/{path.name}", path.read_bytes())
+        manifest = build_manifest(f"memory://{mem}")
+        assert manifest.id == build_manifest(str(tmp_path)).id
+        ds = pickle.loads(pickle.dumps(TableRows(manifest, ["tokens", "text"], cache_row_groups=2)))
+        ids = np.random.default_rng(0).integers(0, ds.num_samples, size=50)
+        batch = ds.read(ids)
+        np.testing.assert_array_equal(batch["tokens"], np.stack(per_sample(ref, "tokens", ids)))
+        np.testing.assert_array_equal(batch["text"], np.stack(per_sample(ref, "text", ids)))
+    finally:
+        fs.rm(mem, recursive=True)
+
+
+def _child(ds: TableRows, ids: np.ndarray, queue: Any) -> None:
+    queue.put((ds.read(ids)["tokens"], len(ds.cache)))
+
+
+def test_forked_worker_gets_its_own_readers_and_cache(tmp_path: Path) -> None:
+    ref = write_shards(tmp_path, "parquet", seed=7)
+    ds = TableRows(build_manifest(str(tmp_path)), ["tokens"])
+    ds.read(np.arange(0, ds.num_samples, 40))  # readers and a full cache in the parent
+    assert len(ds.cache) == 8
+    ids = np.array([387, 0, 200, 0])
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(ds, ids, queue))  # inherited, not pickled
+    proc.start()
+    got, child_cache = queue.get(timeout=30)
+    proc.join(timeout=30)
+    np.testing.assert_array_equal(got, ref["tokens"][ids])
+    shard, group, _ = ds.locate(ids)
+    assert child_cache == len(set(zip(shard.tolist(), group.tolist(), strict=True))) == 3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import multiprocessing as mp
 import pickle
 import uuid
@@ -231,18 +230,24 @@ def test_pickle_after_use_is_small_and_reads(tmp_path: Path) -> None:
     assert clone.identity() == ds.identity()
 
 
-def _read_in_child(ds: TokenWindows, ids: np.ndarray) -> np.ndarray:
-    return ds.read(ids)["tokens"]
+def _child(ds: TokenWindows, ids: np.ndarray, queue: Any) -> None:
+    queue.put((ds.read(ids)["tokens"], sorted(ds._views)))
 
 
-def test_forked_worker_reads_the_same(tmp_path: Path) -> None:
+def test_forked_worker_reopens_memmaps(tmp_path: Path) -> None:
     write_npy_shards(tmp_path, "uint16", (500, 300))
     ds = TokenWindows(build_manifest(str(tmp_path)), 16)
-    ids = np.array([40, 1, 33, 1])
-    expected = ds.read(ids)["tokens"]  # memmaps now open in the parent
-    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
-        got = pool.submit(_read_in_child, ds, ids).result()
-    np.testing.assert_array_equal(got, expected)
+    ds.read(np.array([0, 40]))  # memmaps of both shards now open in the parent
+    assert sorted(ds._views) == [0, 1]
+    ids = np.array([40, 33, 35, 33])  # all in shard 1 (shard 0 holds 31 windows)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(ds, ids, queue))  # inherited, not pickled
+    proc.start()
+    got, child_views = queue.get(timeout=30)
+    proc.join(timeout=30)
+    np.testing.assert_array_equal(got, ds.read(ids)["tokens"])
+    assert child_views == [1]  # the child dropped the inherited maps and opened only shard 1
 
 
 @pytest.fixture
