@@ -36,6 +36,8 @@ class CountDataset:
     """A dataset known only by its size: enough to compute a mixture's assignment (no reads)."""
 
     def __init__(self, num_samples: int, *, name: str) -> None:
+        if isinstance(num_samples, int) and num_samples == 0:
+            raise ConfigError(f"source {name!r} is empty (num_samples == 0); hint: drop it from the config")
         self._n = check_count(num_samples, f"source {name!r} num_samples")
         self.name = name
 

@@ -149,14 +149,19 @@ def ref_for(m: Mixture, schedule: Sequence[tuple[int, Mapping[str, Any]]]) -> Re
 def configs(draw: st.DrawFn, max_sources: int = 6, max_phases: int = 3) -> dict[str, Any]:
     num = draw(st.integers(1, max_sources))
     names = [f"s{i}" for i in range(num)]
-    starts = [0] + sorted(draw(st.sets(st.integers(1, 3000), max_size=max_phases - 1)))
-    schedule = [(s, {n: draw(st.integers(1, 50)) for n in names}) for s in starts]
+    starts = [0, *sorted(draw(st.sets(st.integers(1, 3000), max_size=max_phases - 1)))]
+    schedule = []
+    for s in starts:
+        weights = {n: draw(st.integers(0, 50)) for n in names}
+        if not any(weights.values()):
+            weights[names[0]] = 1
+        schedule.append((s, weights))
     sizes = {n: draw(st.integers(1, 500)) for n in names}
     return {"sources": sized(**sizes), "schedule": schedule, "seed": draw(st.integers(0, MASK))}
 
 
 def build(cfg: Mapping[str, Any]) -> Mixture:
-    return Mixture(cfg["sources"], seed=cfg["seed"], schedule=cfg["schedule"])
+    return Mixture(cfg["sources"], seed=cfg["seed"], schedule=cfg["schedule"], allow_zero=True)
 
 
 def sha(*arrays: np.ndarray) -> str:

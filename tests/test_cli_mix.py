@@ -1,0 +1,103 @@
+"""``detdata mix`` through the real console entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from detdata._cli_mix import CountDataset
+from detdata._mixture import Mixture
+
+CONFIG: dict[str, Any] = {
+    "seed": 1234,
+    "sources": {"web": {"num_samples": 1_000_000}, "code": {"num_samples": 5000}, "math": {"num_samples": 3}},
+    "schedule": [[0, {"web": 0.7, "code": "0.2", "math": "1/10"}], [40, {"web": 1, "code": 1, "math": 0}]],
+    "allow_zero": True,
+}
+
+
+def detdata_exe() -> str:
+    exe = Path(sys.executable).parent / "detdata"
+    if not exe.exists():
+        pytest.fail(f"console entry point {exe} missing; run `make setup` (pip install -e .)")
+    return str(exe)
+
+
+def run_mix(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([detdata_exe(), "mix", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(CONFIG), encoding="utf-8")
+    return path
+
+
+def expected_lines(at: int, count: int) -> list[str]:
+    sources = {n: CountDataset(s["num_samples"], name=n) for n, s in CONFIG["sources"].items()}
+    m = Mixture(sources, seed=CONFIG["seed"], schedule=CONFIG["schedule"], allow_zero=True)
+    positions = np.arange(at, at + count)
+    src, idx, ids = m.locate(positions)
+    return [f"{g}\t{m.source_names[s]}\t{i}\t{d}"
+            for g, s, i, d in zip(positions.tolist(), src.tolist(), idx.tolist(), ids.tolist(), strict=True)]
+
+
+def test_mix_prints_assignment_deterministically(config_file: Path) -> None:
+    first = run_mix(config_file, "--at", "30", "--count", "25")
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[0] == "position\tsource\tindex_in_source\tsample_id"
+    assert lines[1:] == expected_lines(30, 25)
+    after_change = [line.split("\t")[1] for line in lines[1:] if int(line.split("\t")[0]) >= 40]
+    assert after_change and "math" not in after_change  # weight 0 from position 40
+    again = run_mix(config_file, "--at", "0", "--count", "100")  # another process, another window
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[31:56] == lines[1:]
+    assert again.stdout.splitlines()[1:] == expected_lines(0, 100)
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"schedule": [[0, {"web": -1, "code": 1, "math": 1}]]}, "negative"),
+    ({"sources": {"web": {"num_samples": 0}}, "schedule": [[0, {"web": 1}]]}, "'web' is empty"),
+    ({"colour": "blue"}, "unknown key"),
+])
+def test_mix_bad_config(tmp_path: Path, change: dict[str, Any], needle: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**CONFIG, **change}), encoding="utf-8")
+    proc = run_mix(path)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and proc.stdout == ""
+
+
+def test_mix_unreadable_config(tmp_path: Path) -> None:
+    missing = run_mix(tmp_path / "missing.json")
+    assert missing.returncode == 2 and "cannot read mix config" in missing.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json", encoding="utf-8")
+    proc = run_mix(broken)
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+
+
+def test_mix_config_errors_in_process(tmp_path: Path) -> None:
+    """The remaining config checks, without paying for a process start each."""
+    from detdata._cli_mix import mixture_from_config
+    from detdata._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="exactly one of"):
+        mixture_from_config({**CONFIG, "weights": {"web": 1}})
+    with pytest.raises(ConfigError, match="num_samples"):
+        mixture_from_config({**CONFIG, "sources": {"web": {"path": "x"}}})
+    with pytest.raises(ConfigError, match="seed"):
+        mixture_from_config({k: v for k, v in CONFIG.items() if k != "seed"})
+    with pytest.raises(ConfigError, match="allow_zero"):
+        mixture_from_config({**CONFIG, "allow_zero": "yes"})
+    with pytest.raises(ConfigError, match="no data to read"):
+        mixture_from_config(CONFIG).fetch(np.arange(4))
