@@ -1,0 +1,1 @@
+"""detdata benchmarks (run modules with ``python -m benchmarks.<name>``; results in ``results/``)."""
