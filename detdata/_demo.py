@@ -17,7 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -102,11 +102,13 @@ class TinyGPT(nn.Module):
         layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(dim, 256)
+        self.mask: torch.Tensor
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) + self.pos[: x.shape[1]]
-        return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+        out: torch.Tensor = self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+        return out
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -154,7 +156,7 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optim.step()
         losses.append(float(loss))
         step += 1
@@ -190,11 +192,11 @@ def replay_check(out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for old in (out / "runs").glob("*"):
         old.unlink()
-    base = {"out": str(out), "steps": steps, "seed": seed}
-    a = _spawn(RunConfig(**base, tag="A"))
-    b = _spawn(RunConfig(**base, tag="B"))
-    _spawn(RunConfig(**base, tag="C", world_size=2, stop_at=stop_at))
-    c = _spawn(RunConfig(**base, tag="C", world_size=1, resume=True))
+    base = RunConfig(out=str(out), steps=steps, seed=seed)
+    a = _spawn(replace(base, tag="A"))
+    b = _spawn(replace(base, tag="B"))
+    _spawn(replace(base, tag="C", world_size=2, stop_at=stop_at))
+    c = _spawn(replace(base, tag="C", world_size=1, resume=True))
     ta, tb, tc = (merged_trace(out, t) for t in ("A", "B", "C"))
     return {"weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
             "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
