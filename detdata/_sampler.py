@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-
 from detdata._errors import StateError
 from detdata._layout import Layout
 from detdata._loader import _default_rank_world
