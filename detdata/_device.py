@@ -211,10 +211,14 @@ class PinnedBufferPool:
         """Host buffers allocated so far (pinned when ``pin``)."""
         self._in_use = False
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every host buffer currently held (all slots, all keys)."""
+        return [b for s in self._slots for b in s.buffers.values()]
+
     @property
     def reserved_bytes(self) -> int:
         """Bytes of host memory currently held by the buffers of all slots."""
-        return sum(b.numel() for s in self._slots for b in s.buffers.values())
+        return sum(b.numel() for b in self.buffers())
 
     def wait(self, slot: int) -> None:
         """Block until the last copy out of ``slot``'s buffers has completed."""
