@@ -101,6 +101,7 @@ _M1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _M2: Final = np.uint64(0x94D049BB133111EB)
 _U64: Final = (1 << 64) - 1
 _J: Final = np.arange(BLOCK, dtype=np.int64)
+_SMALL: Final = 32  # up to this many block boundaries, the tree runs on Python ints
 
 WeightLike = int | float | str | Fraction | decimal.Decimal | np.integer[Any] | np.floating[Any]
 ScheduleLike = Sequence[tuple[int, Mapping[str, WeightLike]]]
@@ -244,12 +245,29 @@ def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, 
     return tuple(nodes)
 
 
+def _tree_counts_small(phase: Phase, totals: Sequence[int]) -> IntArray:
+    """`_tree_counts` with Python ints: cheaper than numpy for a few boundaries."""
+    out = np.empty((len(totals), len(phase.weights)), dtype=np.int64)
+    for row, total in enumerate(totals):
+        arriving = {1: total}
+        for node in phase.nodes:
+            t = arriving.pop(node.node_id)
+            left = (t * node.a + node.phi) // node.b if node.b else 0
+            for (child, leaf), value in ((node.left, left), (node.right, t - left)):
+                if leaf >= 0:
+                    out[row, leaf] = value
+                else:
+                    arriving[child] = value
+    return out
+
+
 def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
     """``C_s(T)`` for each ``T`` in ``totals`` (block boundaries): shape ``(len(totals), S)``."""
-    out = np.empty((totals.size, len(phase.weights)), dtype=np.int64)
     if not phase.nodes:
-        out[:, 0] = totals
-        return out
+        return totals.astype(np.int64).reshape(-1, 1)
+    if totals.size <= _SMALL:
+        return _tree_counts_small(phase, totals.tolist())
+    out = np.empty((totals.size, len(phase.weights)), dtype=np.int64)
     arriving: dict[int, IntArray] = {1: totals}
     for node in phase.nodes:
         t = arriving.pop(node.node_id)
@@ -269,18 +287,19 @@ def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
 def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[IntArray, IntArray]:
     """For blocks ``(nb,)`` with per-source counts ``(nb, S)``: source and within-source rank, ``(nb, 16)``."""
     nb, num_sources = counts.shape
+    rows = np.arange(nb, dtype=np.int64)[:, None]
     ctr = (blocks[:, None] * BLOCK + _J[None, :] + 1).astype(np.uint64)
-    hashes = _splitmix64(np.uint64(phase.key) + ctr * _GAMMA)
-    by_hash = np.argsort(hashes, axis=1, kind="stable")
+    by_hash = np.argsort(_splitmix64(np.uint64(phase.key) + ctr * _GAMMA), axis=1, kind="stable")
     by_rank = np.repeat(np.tile(np.arange(num_sources, dtype=np.int64), nb), counts.reshape(-1))
-    src = np.empty((nb, BLOCK), dtype=np.int64)
-    np.put_along_axis(src, by_hash, by_rank.reshape(nb, BLOCK), axis=1)
-    grouped = np.argsort(src, axis=1, kind="stable")  # by source, position order inside
-    first = np.cumsum(counts, axis=1) - counts
-    group_start = np.take_along_axis(first, np.take_along_axis(src, grouped, axis=1), axis=1)
-    within = np.empty((nb, BLOCK), dtype=np.int64)
-    np.put_along_axis(within, grouped, _J[None, :] - group_start, axis=1)
-    return src, within
+    src = np.empty(nb * BLOCK, dtype=np.int64)
+    src[(by_hash + rows * BLOCK).reshape(-1)] = by_rank  # the r-th smallest hash gets by_rank[r]
+    src = src.reshape(nb, BLOCK)
+    grouped = np.argsort(src, axis=1, kind="stable") + rows * BLOCK  # by source, position order inside
+    first = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # block rank where each source starts
+    within = np.empty(nb * BLOCK, dtype=np.int64)
+    flat = grouped.reshape(-1)
+    within[flat] = np.tile(_J, nb) - first[src.reshape(-1)[flat] + (flat // BLOCK) * num_sources]
+    return src, within.reshape(nb, BLOCK)
 
 
 def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
@@ -432,30 +451,38 @@ class Mixture:
                 f"phases={len(self.phases)}, algorithm={ALGORITHM!r})")
 
     # -------------------------------------------------------------- mapping
-    def locate(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
-        """``(source_index, index_in_source, sample_id)`` for each global position (same shape).
+    def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
+        """``(source_index, index_in_source)`` for each global position (same shape), no sample ids.
 
-        ``source_index`` indexes `source_names`; ``sample_id`` is the id in that source's dataset.
         Cost: O(sources) per distinct 16-position block touched, plus O(1) per position.
         """
         pos = _check_positions(positions)
         flat = pos.reshape(-1)
+        if len(self.phases) == 1:
+            src, index = _locate_in_phase(self.phases[0], flat)
+            return src.reshape(pos.shape), index.reshape(pos.shape)
         src = np.empty(flat.size, dtype=np.int64)
         index = np.empty(flat.size, dtype=np.int64)
-        if len(self.phases) == 1:
-            src[:], index[:] = _locate_in_phase(self.phases[0], flat)
-        else:
-            which = np.searchsorted(self._starts, flat, side="right") - 1
-            for p in np.unique(which):
-                sel = which == p
-                phase = self.phases[int(p)]
-                src[sel], index[sel] = _locate_in_phase(phase, flat[sel] - phase.start)
-        ids = np.empty(flat.size, dtype=np.int64)
+        which = np.searchsorted(self._starts, flat, side="right") - 1
+        for p in np.unique(which):
+            sel = which == p
+            phase = self.phases[int(p)]
+            src[sel], index[sel] = _locate_in_phase(phase, flat[sel] - phase.start)
+        return src.reshape(pos.shape), index.reshape(pos.shape)
+
+    def locate(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
+        """``(source_index, index_in_source, sample_id)`` for each global position (same shape).
+
+        ``source_index`` indexes `source_names`; ``sample_id`` is the id in that source's
+        dataset: ``GlobalOrder(n_s, source_seeds[name]).ids(index_in_source)``.
+        """
+        src, index = self.assign(positions)
+        ids = np.empty(src.shape, dtype=np.int64)
         for s, name in enumerate(self.source_names):
             sel = src == s
             if sel.any():
                 ids[sel] = self.orders[name].ids(index[sel])
-        return src.reshape(pos.shape), index.reshape(pos.shape), ids.reshape(pos.shape)
+        return src, index, ids
 
     def sample_ids(self, positions: IntArray) -> IntArray:
         """Sample ids (within their source; pair them with ``locate(...)[0]``) of ``positions``."""
