@@ -499,13 +499,18 @@ def test_full_hash_streams_in_bounded_memory(tmp_path: Path) -> None:
 def test_shards_are_hashed_in_parallel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_token_shards(tmp_path, (10, 10, 10, 10))
     threads: set[int] = set()
-    barrier = threading.Barrier(2, timeout=5)
+    calls: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(2, timeout=10)
     real = manifest_mod.full_digest_file
 
     def spy(fs: Any, path: str) -> str:
-        threads.add(threading.get_ident())
-        if len(threads) <= 2:
-            barrier.wait()  # two shards must be in flight at the same time
+        with lock:
+            threads.add(threading.get_ident())
+            calls.append(path)
+            first_two = len(calls) <= 2
+        if first_two:
+            barrier.wait()  # the first two shards must be hashed at the same time
         return real(fs, path)
 
     monkeypatch.setattr(manifest_mod, "full_digest_file", spy)
