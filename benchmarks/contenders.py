@@ -1,0 +1,353 @@
+"""One benchmark run in this (child) process: build a loader, time it, validate what it delivers.
+
+Run by `benchmarks.throughput` as ``python -m benchmarks.contenders SPEC_JSON``;
+writes one JSON result to ``spec["out"]``. Contenders:
+
+* ``vanilla``: ``torch.utils.data.DataLoader(shuffle=True)`` over a map-style
+  dataset whose ``__getitem__`` reads ONE sample (a row of an ``np.load(mmap_mode="r")``
+  shard, or one row of a pyarrow table read from Parquet), default collate.
+* ``vanilla-batched``: the same DataLoader, the dataset has a hand-written
+  batched ``__getitems__`` (one numpy gather / one ``take`` per shard).
+* ``stateful``: torchdata ``StatefulDataLoader`` over the per-sample dataset.
+* ``detdata``: ``detdata.DataLoader`` over ``TokenWindows`` / ``TableRows``.
+* ``detdata-threads``: detdata's stream read through `detdata._threads.threaded_batches`
+  (a thread pool in the main process instead of worker processes; a prototype,
+  not yet a ``DataLoader`` option).
+
+Timing excludes imports and the check of each batch (timed and subtracted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import itertools
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.utils.data as tud
+
+from benchmarks.bench_data import SEQ, check_epochs, check_rows, data_files, shuffle_scores
+
+CONTENDERS = ("vanilla", "vanilla-batched", "stateful", "detdata", "detdata-threads")
+OPTIONAL = {"mosaicml-streaming": "streaming", "grain": "grain", "litdata": "litdata"}
+
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+# ----------------------------------------------------------------- vanilla datasets
+class NpySamples(tud.Dataset[Any]):
+    """One window per ``__getitem__`` from ``np.load(mmap_mode="r")`` shards (opened lazily)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = [str(p) for p in paths]
+        counts = [int(np.load(p, mmap_mode="r").shape[0]) // SEQ for p in self.paths]
+        self.starts = list(itertools.accumulate([0, *counts[:-1]]))
+        self.n = sum(counts)
+        self.arrays: list[np.ndarray[Any, Any]] | None = None
+
+    def _open(self) -> list[np.ndarray[Any, Any]]:
+        if self.arrays is None:
+            self.arrays = [np.load(p, mmap_mode="r").reshape(-1, SEQ) for p in self.paths]
+        return self.arrays
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        arrays = self._open()
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return np.array(arrays[shard][index - self.starts[shard]])
+
+
+class NpyBatched(NpySamples):
+    """`NpySamples` plus a hand-written ``__getitems__``: one fancy-index gather per shard."""
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        arrays = self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        shard = np.searchsorted(np.asarray(self.starts), idx, side="right") - 1
+        out = np.empty((idx.size, SEQ), dtype=np.int32)
+        for s in np.unique(shard):
+            mask = shard == s
+            out[mask] = arrays[int(s)][idx[mask] - self.starts[int(s)]]
+        return torch.from_numpy(out)
+
+
+class ParquetSamples(tud.Dataset[Any]):
+    """One row per ``__getitem__`` from pyarrow tables read (memory-mapped) from the shards.
+
+    The Arrow-table-per-shard approach (as in HF datasets): tables are read once
+    per process, then each sample is one ``ListScalar`` -> numpy conversion.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        import pyarrow.parquet as pq
+        self.paths = [str(p) for p in paths]
+        counts = [pq.ParquetFile(p).metadata.num_rows for p in self.paths]
+        self.starts = list(itertools.accumulate([0, *counts[:-1]]))
+        self.n = sum(counts)
+        self.columns: list[Any] | None = None
+
+    def _open(self) -> list[Any]:
+        if self.columns is None:
+            import pyarrow.parquet as pq
+            self.columns = [pq.read_table(p, columns=["tokens"], memory_map=True).column("tokens")
+                            for p in self.paths]
+        return self.columns
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        columns = self._open()
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return np.array(columns[shard][index - self.starts[shard]].values.to_numpy())
+
+
+class ParquetBatched(ParquetSamples):
+    """`ParquetSamples` plus a hand-written ``__getitems__``: one ``take`` per shard.
+
+    Each shard's column is combined into one chunk when opened (``take`` on a
+    many-chunk column would concatenate the chunks on every call).
+    """
+
+    def _open(self) -> list[Any]:
+        if self.columns is None:
+            self.columns = [c.combine_chunks() for c in super()._open()]
+        return self.columns
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        import pyarrow as pa
+        columns = self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        shard = np.searchsorted(np.asarray(self.starts), idx, side="right") - 1
+        out = np.empty((idx.size, SEQ), dtype=np.int32)
+        for s in np.unique(shard):
+            mask = shard == s
+            taken = columns[int(s)].take(pa.array(idx[mask] - self.starts[int(s)]))
+            out[mask] = taken.flatten().to_numpy().reshape(-1, SEQ)
+        return torch.from_numpy(out)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+# ---------------------------------------------------------------------- run helpers
+def rows_of(batch: Any) -> npt.NDArray[Any]:
+    if isinstance(batch, dict):
+        batch = batch["tokens"]
+    if isinstance(batch, torch.Tensor):
+        return batch.numpy()
+    return np.asarray(batch)
+
+
+class Runner:
+    """Builds one contender from a spec and yields its batches (epochs continue)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.name: str = spec["contender"]
+        self.kind: str = spec["data"]
+        self.root = Path(spec["root"])
+        self.workers: int = spec["workers"]
+        self.batch: int = spec["batch"]
+        self.seed: int = spec["seed"]
+        self.expected_first: npt.NDArray[np.int64] | None = None  # ids the first batch must have
+        self.positions: Callable[[int], npt.NDArray[np.int64]] | None = None  # detdata: exact order
+        self.num_samples = 0
+        self._cleanup: list[Any] = []
+
+    # vanilla / stateful -------------------------------------------------------
+    def _map_dataset(self, batched: bool) -> tud.Dataset[Any]:
+        files = data_files(self.root, self.kind)
+        if self.kind == "tokens":
+            return NpyBatched(files) if batched else NpySamples(files)
+        return ParquetBatched(files) if batched else ParquetSamples(files)
+
+    def _torch_loader(self, batched: bool, stateful: bool) -> Any:
+        ds = self._map_dataset(batched)
+        self.num_samples = len(ds)  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = {"batch_size": self.batch, "shuffle": True, "drop_last": True,
+                                  "num_workers": self.workers,
+                                  "generator": torch.Generator().manual_seed(self.seed)}
+        if self.workers:
+            kwargs["persistent_workers"] = True
+        if batched:
+            kwargs["collate_fn"] = _identity
+        if stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+            return StatefulDataLoader(ds, **kwargs)
+        return tud.DataLoader(ds, **kwargs)
+
+    def _epochs(self, loader: Any) -> Iterator[Any]:
+        while True:
+            yield from loader
+
+    def batches(self, resume_at: int | None) -> Iterator[Any]:
+        name = self.name
+        if name in ("vanilla", "vanilla-batched"):
+            loader = self._torch_loader(name == "vanilla-batched", stateful=False)
+            self._cleanup.append(loader)
+            it = self._epochs(loader)
+            if resume_at:
+                for _ in range(resume_at // self.batch):  # the vanilla way: replay and discard
+                    next(it)
+            return it
+        if name == "stateful":
+            loader = self._torch_loader(False, stateful=True)
+            self._cleanup.append(loader)
+            if resume_at:
+                saved = torch.load(self.spec["state_path"], weights_only=False)
+                loader.load_state_dict(saved["state"])
+                self.expected_first = np.asarray(saved["next_ids"], dtype=np.int64)
+            return self._epochs(loader)
+        return self._detdata(resume_at)
+
+    def _detdata_dataset(self) -> Any:
+        from detdata._tables import TableRows
+        from detdata._tokens import TokenWindows
+        manifest = str(self.root / self.kind / "manifest.json")
+        if self.kind == "tokens":
+            return TokenWindows(manifest, SEQ, labels=False)
+        groups = sum(len(s.row_groups or ()) for s in
+                     __import__("detdata").Manifest.load(manifest, verify="off").shards)
+        # cache every row group (the vanilla Parquet loaders hold whole tables in memory too)
+        return TableRows(manifest, ["tokens"], cache_row_groups=groups, cache_bytes=8 << 30)
+
+    def _detdata(self, resume_at: int | None) -> Iterator[Any]:
+        import detdata
+        from detdata._dataset import OrderedStream
+        ds = self._detdata_dataset()
+        self.num_samples = ds.num_samples
+        stream = OrderedStream(ds, self.seed)
+        start = resume_at or 0
+        self.positions = lambda k: np.arange(start + k * self.batch, start + (k + 1) * self.batch,
+                                             dtype=np.int64)
+        self.order_ids = stream.sample_ids
+        if self.name == "detdata-threads":
+            from detdata._threads import threaded_batches
+
+            def fetch(pos: npt.NDArray[np.int64]) -> dict[str, torch.Tensor]:
+                return {k: torch.from_numpy(v) for k, v in stream.fetch(pos).items()}
+
+            pos_iter = (np.arange(p, p + self.batch, dtype=np.int64)
+                        for p in itertools.count(start, self.batch))
+            gen = threaded_batches(fetch, pos_iter, num_threads=self.workers, prefetch=2 * self.workers)
+            self._cleanup.append(gen)
+            return gen
+        loader = detdata.DataLoader(ds, global_batch_size=self.batch, seed=self.seed,
+                                    num_workers=self.workers, persistent_workers=self.workers > 0)
+        self._cleanup.append(loader)
+        if resume_at:
+            state = loader.state_dict()
+            state["samples_consumed"] = resume_at
+            loader.load_state_dict(state)
+        return iter(loader)
+
+    def close(self) -> None:
+        for obj in self._cleanup:
+            if hasattr(obj, "close"):
+                obj.close()
+        self._cleanup.clear()
+        gc.collect()
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    mode = spec.get("mode", "run")
+    resume_at: int | None = spec.get("resume_at")
+    runner = Runner(spec)
+    if mode == "prepare":  # StatefulDataLoader: save a state at resume_at and the next ids
+        return prepare_stateful(runner, resume_at or 0)
+    t0 = time.perf_counter()
+    it = runner.batches(resume_at)
+    first = next(it)
+    ttfb = time.perf_counter() - t0
+    n = runner.num_samples
+    all_ids = [check_rows(rows_of(first), n)]
+    result: dict[str, Any] = {"ttfb_s": ttfb, "num_samples": n}
+    exact = check_exact(runner, 0, all_ids[0])
+    if runner.expected_first is not None and exact is None:
+        exact = bool(np.array_equal(all_ids[0], runner.expected_first))
+    delivered, check_s = 0, 0.0
+    budget: float = spec["budget_s"]
+    max_samples = int(spec.get("max_epochs", 8) * n)
+    t_start = time.perf_counter()
+    k = 0
+    while budget > 0 and delivered < max_samples:
+        batch = next(it)
+        delivered += runner.batch
+        k += 1
+        tc = time.perf_counter()
+        ids = check_rows(rows_of(batch), n)
+        all_ids.append(ids)
+        if runner.positions is not None and k % 16 == 0:
+            ok = check_exact(runner, k, ids)
+            exact = ok if exact is None else (exact and bool(ok))
+        check_s += time.perf_counter() - tc
+        if tc - t_start >= budget:
+            break
+    elapsed = time.perf_counter() - t_start - check_s
+    del it
+    runner.close()
+    ids_all = np.concatenate(all_ids)
+    check_epochs(ids_all, resume_at or 0, n)
+    result.update({
+        "samples": delivered, "seconds": elapsed, "check_s": check_s,
+        "samples_per_s": delivered / elapsed if delivered else None,
+        "validated": True, "exact_order": exact,
+        "peak_rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    })
+    if ids_all.size >= 1024:
+        result.update(shuffle_scores(ids_all))
+    return result
+
+
+def check_exact(runner: Runner, k: int, ids: npt.NDArray[np.int64]) -> bool | None:
+    """detdata: batch ``k`` holds exactly the ids of its positions (None for other contenders)."""
+    if runner.positions is None:
+        return None
+    return bool(np.array_equal(ids, runner.order_ids(runner.positions(k))))
+
+
+def prepare_stateful(runner: Runner, resume_at: int) -> dict[str, Any]:
+    loader = runner._torch_loader(False, stateful=True)
+    it = iter(loader)
+    for _ in range(resume_at // runner.batch):
+        next(it)
+    state = loader.state_dict()
+    next_ids = check_rows(rows_of(next(it)), runner.num_samples)
+    torch.save({"state": state, "next_ids": next_ids.tolist()}, runner.spec["state_path"])
+    del it, loader
+    return {"prepared": True}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    torch.set_num_threads(1)
+    try:
+        result = run(spec)
+        result["ok"] = True
+    except Exception as exc:  # reported, never hidden: the parent marks the run failed
+        import traceback
+        result = {"ok": False, "validated": False, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+    result["pid"] = os.getpid()
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
