@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 import struct
 import sys
 from collections.abc import Mapping, Sequence
@@ -505,6 +506,14 @@ def test_fetch_rows_in_position_order() -> None:
         assert np.array_equal(batch["y"][row], expect["y"][0])
     assert np.array_equal(m.sample_ids(positions), ids)
     assert m.fetch(np.empty(0, dtype=np.int64))["x"].shape == (0,)
+
+
+def test_pickle_round_trip_for_worker_processes() -> None:
+    m = Mixture(sized(a=10, b=20), seed=3, schedule=[(0, {"a": 1, "b": 2}), (50, {"a": 5, "b": 1})])
+    clone = pickle.loads(pickle.dumps(m))
+    positions = np.arange(0, 500, 7)
+    assert sha(*clone.locate(positions)) == sha(*m.locate(positions))
+    assert clone.fingerprint() == m.fingerprint()
 
 
 def test_fetch_mismatched_columns() -> None:
