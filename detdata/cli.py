@@ -25,6 +25,7 @@ COMMAND_MODULES: Final = (
     "detdata._cli_trace",
     "detdata._cli_demo",
     "detdata._cli_mix",
+    "detdata._cli_bench",
 )
 
 
