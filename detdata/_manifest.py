@@ -31,7 +31,18 @@ from detdata._formats import (
     parse_format,
 )
 from detdata._hashing import full_digest_file, quick_digest_file
-from detdata._storage import check_relative_path, filesystem, is_url, join
+from detdata._retry import RetryPolicy, check_policy
+from detdata._storage import (
+    check_relative_path,
+    filesystem,
+    full_digest_retrying,
+    is_local_fs,
+    is_url,
+    join,
+    quick_digest_retrying,
+    read_file_retrying,
+    size_retrying,
+)
 
 FORMAT_VERSION: Final = 1
 KIND: Final = "detdata.manifest"
@@ -249,6 +260,9 @@ class Manifest:
         if [s.path for s in shards] != [s.path for s in manifest.shards]:
             raise ManifestError(f"{where}: shards are not sorted by path (canonical order)")
         claimed = doc.get(K_ID)
+        if K_ID in doc and not isinstance(claimed, str):
+            raise ManifestError(f"{where}: field 'id' must be a string 'b3:<64 hex>' (or absent), "
+                                f"found {claimed!r:.80}; the manifest was edited or corrupted")
         if claimed is not None and claimed != manifest.id:
             raise ManifestError(f"{where}: id mismatch: the file says {claimed} but its content "
                                 f"hashes to {manifest.id}; the manifest was edited or corrupted")
@@ -268,19 +282,21 @@ class Manifest:
 
     @classmethod
     def load(cls, path: str, *, root: str | None = None, verify: str | Verify = Verify.QUICK,
-             threads: int = 8, **storage_options: Any) -> Manifest:
+             threads: int = 8, retry: RetryPolicy | None = None,
+             **storage_options: Any) -> Manifest:
         """Read a manifest file/URL and verify the shards under its root.
 
         ``root`` overrides the stored root; a relative stored root is relative
         to the manifest file's directory; without either, the manifest file's
         directory is used. ``verify``: ``"quick"`` (default: sizes and quick
         digests), ``"full"`` (re-hash every byte) or ``"off"`` (named explicitly).
+        Remote reads retry under ``retry`` (a `RetryPolicy`; `StorageError`
+        naming the URL at its deadline).
         """
         mode = _parse_verify(verify)
-        fs, fpath = filesystem(path, **storage_options)
         try:
-            with fs.open(fpath, "rb") as fh:
-                text = fh.read()
+            text = read_file_retrying(path, policy=check_policy(retry), what="manifest read",
+                                      **storage_options)
         except FileNotFoundError:
             raise ManifestError(f"manifest file not found: {path}; hint: check the path "
                                 "(or URL) of the manifest JSON") from None
@@ -288,12 +304,13 @@ class Manifest:
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
         if mode is not Verify.OFF:
-            manifest.verify(mode, threads=threads, **storage_options)
+            manifest.verify(mode, threads=threads, retry=retry, **storage_options)
         return manifest
 
     # verification -----------------------------------------------------------
     def verify(self, mode: str | Verify = Verify.QUICK, *, threads: int = 8,
-               progress: bool | None = None, **storage_options: Any) -> None:
+               progress: bool | None = None, retry: RetryPolicy | None = None,
+               **storage_options: Any) -> None:
         """Check the bytes under the root; raise `VerificationError` at the first bad shard.
 
         Every shard is checked; the error names the first (in path order) that
@@ -305,9 +322,13 @@ class Manifest:
         if self.root is None:
             raise ConfigError("cannot verify a manifest without a root")
         fs, root = filesystem(self.root, **storage_options)
+        policy = check_policy(retry)
 
         def check(shard: ShardEntry) -> VerificationError | None:
-            return _verify_shard(fs, join(root, shard.path), shard, mode, self.root or "")
+            if is_local_fs(fs):
+                return _verify_shard(fs, join(root, shard.path), shard, mode, self.root or "")
+            return _verify_remote(fs, join(root, shard.path), shard, mode, self.url(shard),
+                                  policy)
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             results = list(_progress(pool.map(check, self.shards), len(self.shards),
@@ -329,7 +350,8 @@ def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str
     try:
         size = int(fs.size(path))
     except FileNotFoundError:
-        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes",
+        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
+                                 "was deleted or renamed, or the root is wrong (pass root=)",
                                  shard=shard.path, field="exists", expected=True, found=False)
     if size != shard.bytes:
         return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {size} "
@@ -341,6 +363,32 @@ def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str
                                  shard=shard.path, field="quick", expected=shard.quick, found=quick)
     if mode is Verify.FULL:
         full = full_digest_file(fs, path)
+        if full != shard.blake3:
+            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {full}",
+                                     shard=shard.path, field="blake3", expected=shard.blake3, found=full)
+    return None
+
+
+def _verify_remote(fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str,
+                   policy: RetryPolicy) -> VerificationError | None:
+    """`_verify_shard` for remote stores: timed-out, retried range reads (never a hang)."""
+    where = f"shard {shard.path} ({url})"
+    try:
+        size = size_retrying(fs, path, policy=policy, shard=shard.path, url=url)
+    except FileNotFoundError:
+        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
+                                 "was deleted or renamed, or the root is wrong (pass root=)",
+                                 shard=shard.path, field="exists", expected=True, found=False)
+    if size != shard.bytes:
+        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {size} "
+                                 "(truncated or rewritten?)", shard=shard.path, field="bytes",
+                                 expected=shard.bytes, found=size)
+    quick = quick_digest_retrying(fs, path, size, policy=policy, shard=shard.path, url=url)
+    if quick != shard.quick:
+        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {quick}",
+                                 shard=shard.path, field="quick", expected=shard.quick, found=quick)
+    if mode is Verify.FULL:
+        full = full_digest_retrying(fs, path, size, policy=policy, shard=shard.path, url=url)
         if full != shard.blake3:
             return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {full}",
                                      shard=shard.path, field="blake3", expected=shard.blake3, found=full)
@@ -449,7 +497,8 @@ def _known_suffix(rel: str) -> bool:
 def build_manifest(root: str, *, pattern: str | None = None, format: str | Format | None = None,
                    dtype: str | None = None, metadata: Mapping[str, Any] | None = None,
                    paths: Sequence[str] | None = None, threads: int = 8,
-                   progress: bool | None = None, **storage_options: Any) -> Manifest:
+                   progress: bool | None = None, retry: RetryPolicy | None = None,
+                   **storage_options: Any) -> Manifest:
     """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
 
     Shards are ``paths`` (relative) if given, else files matching the glob
@@ -470,8 +519,14 @@ def build_manifest(root: str, *, pattern: str | None = None, format: str | Forma
         raise ConfigError(f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
                           "path and pattern, e.g. pattern='**/*.npy'")
 
+    policy = check_policy(retry)
+
     def build(rel: str) -> ShardEntry:
-        return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+        if is_local_fs(fs):
+            return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+        url = root.rstrip("/") + "/" + rel
+        return policy.run(lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
+                          what="hashing", shard=rel, url=url)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         entries = list(_progress(pool.map(build, rels), len(rels), "hashing", progress))

@@ -21,6 +21,10 @@ Contracts:
   ``fcntl`` lock, so concurrent registrations leave it consistent and lose no
   history. Object stores have no lock: concurrent writers of the *same*
   reference are last-writer-wins there.
+* On remote roots (``s3://``, ``gs://``, ...) every read and write retries
+  under ``retry`` (a `RetryPolicy`; writes are whole-object PUTs of immutable
+  or complete content, so repeating one is safe) and listings bypass fsspec's
+  listing cache, so a reference written by another process is seen at once.
 """
 
 from __future__ import annotations
@@ -30,14 +34,17 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from detdata._atomic import atomic_write_bytes
 from detdata._errors import DetdataError, ManifestError, RegistryError
 from detdata._manifest import Manifest, canonical_json
-from detdata._storage import filesystem, is_url
+from detdata._retry import RetryPolicy, check_policy
+from detdata._storage import call_fs, filesystem, is_url
+
+T = TypeVar("T")
 
 ENV_VAR: Final = "DETDATA_REGISTRY"
 REF_KIND: Final = "detdata.ref"
@@ -123,18 +130,40 @@ class _Ref:
     def from_bytes(cls, data: bytes, name: str) -> _Ref:
         try:
             doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
             if doc["kind"] != REF_KIND or doc["format_version"] != REF_VERSION or doc["name"] != name:
                 raise ValueError(f"kind/format_version/name {doc['kind']!r}/"
                                  f"{doc['format_version']!r}/{doc['name']!r}")
-            events = tuple(RefEvent(name=name, id=check_id(e["id"]), root=e["root"],
-                                    time_ns=int(e["time_ns"]), forced=bool(e["forced"]))
+            if not isinstance(doc["history"], list):
+                raise ValueError("field 'history' must be a list")
+            events = tuple(RefEvent(name=name, id=check_id(e["id"]), root=_check_root(e["root"]),
+                                    time_ns=_check_ns(e["time_ns"]), forced=_check_bool(e["forced"]))
                            for e in doc["history"])
             if not events or events[-1].id != doc["id"]:
                 raise ValueError("empty history or 'id' is not the last history entry")
-            return cls(name=name, created_ns=int(doc["created_ns"]), history=events)
-        except (ValueError, KeyError, TypeError, RegistryError) as exc:
+            return cls(name=name, created_ns=_check_ns(doc["created_ns"]), history=events)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, RegistryError) as exc:
             raise RegistryError(f"reference {name!r} is corrupted ({exc}); hint: re-register it "
                                 "with force=True") from None
+
+
+def _check_root(value: object) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"a history root must be a non-empty string or null, found {value!r:.60}")
+    return value
+
+
+def _check_ns(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a time must be a non-negative integer (ns), found {value!r:.60}")
+    return value
+
+
+def _check_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"field 'forced' must be true or false, found {value!r:.60}")
+    return value
 
 
 class Registry:
@@ -144,11 +173,14 @@ class Registry:
     (see `default_root`). See the module docstring for the contracts.
     """
 
-    def __init__(self, root: str | None = None, **storage_options: Any) -> None:
+    def __init__(self, root: str | None = None, *, retry: RetryPolicy | None = None,
+                 **storage_options: Any) -> None:
         self.root = (root or default_root()).rstrip("/") or "/"
         self._options = storage_options
+        self.retry = check_policy(retry)
         self._fs, self._path = filesystem(self.root, **storage_options)
         self._local = not is_url(self.root) or self.root.startswith("file://")
+        self._protocol = self.root.split("://", 1)[0] if is_url(self.root) else "file"
 
     def __repr__(self) -> str:
         return f"Registry({self.root!r})"
@@ -162,6 +194,32 @@ class Registry:
 
     def _object(self, manifest_id: str) -> str:
         return f"{manifest_id[3:]}.json"
+
+    # remote robustness -------------------------------------------------------
+    def _io(self, what: str, path: str, fn: Callable[[float | None], T]) -> T:
+        """``fn(timeout)`` once on local roots; retried under ``self.retry`` on remote ones."""
+        if self._local:
+            return fn(None)
+        url = f"{self._protocol}://{path}" if "://" not in path else path
+        return self.retry.run(fn, what=f"registry {what}", shard="-", url=url)
+
+    def _cat(self, path: str) -> bytes:
+        return bytes(self._io("read", path,
+                              lambda t: call_fs(self._fs, "cat_file", path, timeout=t)))
+
+    def _fresh(self, path: str) -> None:
+        """Drop fsspec's cached listing of ``path`` (object stores cache ``ls``)."""
+        if not self._local:
+            self._fs.invalidate_cache(path)
+
+    def _write(self, url: str, data: bytes) -> None:
+        self._io("write", url, lambda _t: atomic_write_bytes(url, data, **self._options))
+
+    def _data_options(self, manifest: Manifest) -> dict[str, Any]:
+        """Storage options for a manifest's root: the registry's own when on the same store."""
+        root = manifest.root or ""
+        protocol = root.split("://", 1)[0] if is_url(root) else "file"
+        return dict(self._options) if protocol == self._protocol else {}
 
     # public API ------------------------------------------------------------
     def register(self, name: str, manifest_or_path: Manifest | str, *, force: bool = False,
@@ -204,7 +262,7 @@ class Registry:
         check_id(manifest_id)
         path = self._fspath("manifests", self._object(manifest_id))
         try:
-            data = self._fs.cat_file(path)
+            data = self._cat(path)
         except FileNotFoundError:
             raise RegistryError(f"manifest {manifest_id} is not in registry {self.root}; hint: "
                                 "register it first (`detdata register MANIFEST NAME`)") from None
@@ -232,8 +290,9 @@ class Registry:
     def names(self) -> list[str]:
         """All ``name@version`` references, sorted."""
         base = self._fspath("refs")
+        self._fresh(base)
         try:
-            found = self._fs.find(base)
+            found = self._io("listing", base, lambda _t: self._fs.find(base))
         except FileNotFoundError:
             return []
         out = []
@@ -257,18 +316,20 @@ class Registry:
         if isinstance(manifest_or_path, Manifest):
             return manifest_or_path
         if isinstance(manifest_or_path, str):
-            return Manifest.load(manifest_or_path, verify=verify, **self._options)
+            return Manifest.load(manifest_or_path, verify=verify, retry=self.retry, **self._options)
         raise RegistryError(f"register() takes a Manifest or a manifest path, got "
                             f"{type(manifest_or_path).__name__}")
 
     def _put_object(self, manifest: Manifest) -> None:
         """Store ``manifest`` (without root) under its id; a no-op when present."""
         url = self._url("manifests", self._object(manifest.id))
-        if self._fs.exists(self._fspath("manifests", self._object(manifest.id))):
+        path = self._fspath("manifests", self._object(manifest.id))
+        self._fresh(path)
+        if self._io("lookup", path, lambda _t: self._fs.exists(path)):
             return
         doc = manifest.body()
         doc["id"] = manifest.id
-        atomic_write_bytes(url, canonical_json(doc) + b"\n", **self._options)
+        self._write(url, canonical_json(doc) + b"\n")
 
     def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
         ref = self._find_ref(base, version)
@@ -288,15 +349,14 @@ class Registry:
         else:
             forced = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True)
             new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
-        atomic_write_bytes(self._url("refs", base, f"{version}.json"), new.to_bytes(),
-                           **self._options)
+        self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
         return manifest.id
 
     def _find_ref(self, base: str, version: str) -> _Ref | None:
         """The reference ``base@version``, or None when it does not exist."""
         name = f"{base}@{version}"
         try:
-            data = self._fs.cat_file(self._fspath("refs", base, f"{version}.json"))
+            data = self._cat(self._fspath("refs", base, f"{version}.json"))
         except FileNotFoundError:
             return None
         return _Ref.from_bytes(data, name)
@@ -314,8 +374,10 @@ class Registry:
 
     def _refs_of(self, base: str) -> list[_Ref]:
         """The references of bare ``base``, oldest created first; `RegistryError` if none."""
+        folder = self._fspath("refs", base)
+        self._fresh(folder)
         try:
-            found = self._fs.ls(self._fspath("refs", base), detail=False)
+            found = self._io("listing", folder, lambda _t: self._fs.ls(folder, detail=False))
         except FileNotFoundError:
             found = []
         versions = [str(p).rsplit("/", 1)[-1][:-5] for p in found if str(p).endswith(".json")]
@@ -333,7 +395,7 @@ class Registry:
 
     def _verified(self, manifest: Manifest, verify: str, what: str) -> Manifest:
         try:
-            manifest.verify(verify)
+            manifest.verify(verify, retry=self.retry, **self._data_options(manifest))
         except DetdataError as exc:
             exc.add_note(f"(resolving {what} from registry {self.root})")
             raise

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import posixpath
 import re
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from detdata._errors import ManifestError
+
+if TYPE_CHECKING:
+    from detdata._retry import RetryPolicy
+
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -46,3 +51,149 @@ def check_relative_path(rel: object, *, where: str) -> str:
 def join(root: str, rel: str) -> str:
     """Join a root path (inside its filesystem) and a checked relative path."""
     return posixpath.join(root, rel) if root not in ("", "/") else f"{root}{rel}" if root else rel
+
+
+# ---------------------------------------------------------------------------
+# Remote reads: attempt timeouts, retries, exact lengths.
+# ---------------------------------------------------------------------------
+
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local file system (memmaps and direct opens are possible)."""
+    from fsspec.implementations.local import LocalFileSystem
+    return isinstance(fs, LocalFileSystem)
+
+
+def call_fs(fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: float | None,
+            **kwargs: Any) -> Any:
+    """``fs.<method>(*args, **kwargs)``, cancelled after ``timeout`` s on async file systems.
+
+    fsspec's asynchronous back ends (s3fs, gcsfs, http) run ``fs._<method>`` on
+    their event loop; here it is wrapped in ``asyncio.wait_for`` so a stalled
+    connection cannot hang a reader (raises ``FSTimeoutError``, a TimeoutError).
+    Synchronous file systems are called directly.
+    """
+    from fsspec.asyn import AsyncFileSystem, sync
+    if (timeout is not None and isinstance(fs, AsyncFileSystem) and not fs.asynchronous
+            and hasattr(fs, "_" + method)):
+        return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=timeout, **kwargs)
+    return getattr(fs, method)(*args, **kwargs)
+
+
+def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *,
+               timeout: float | None) -> bytes:
+    """Exactly bytes ``[start, end)`` of ``path``; `ShortRead` (transient) otherwise."""
+    from detdata._retry import ShortRead
+    if end <= start:
+        return b""
+    data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
+    if len(data) != end - start:
+        raise ShortRead(f"asked for bytes [{start}, {end}) of {path} ({end - start} bytes), got "
+                        f"{len(data)} (connection cut short, or a server that ignores Range)")
+    return bytes(data)
+
+
+def read_ranges_retrying(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
+                         ends: list[int], *, policy: RetryPolicy, shards: list[str],
+                         urls: list[str], what: str = "range read") -> list[bytes]:
+    """Bytes ``[start, end)`` of each path, fetched with one ``cat_ranges`` call per attempt.
+
+    Ranges that failed (per-range errors, short reads, a timed-out attempt) are
+    fetched again after a backoff, the others are kept; the result is exact or a
+    `RetriesExhausted` naming the first failing shard and URL. A permanent error
+    (missing object, permission denied) raises `StorageError` naming it at once.
+    """
+    from detdata._errors import StorageError
+    from detdata._retry import ShortRead, is_transient
+    out: list[bytes | None] = [None] * len(paths)
+    pending = list(range(len(paths)))
+
+    def attempt(timeout: float | None) -> None:
+        nonlocal pending
+        batch = [paths[i] for i in pending]
+        blobs = call_fs(fs, "cat_ranges", batch, [starts[i] for i in pending],
+                        [ends[i] for i in pending], timeout=timeout)
+        failed: list[int] = []
+        first: BaseException | None = None
+        for i, blob in zip(pending, blobs, strict=True):
+            if isinstance(blob, BaseException):
+                err: BaseException = blob
+            elif len(blob) != ends[i] - starts[i]:
+                err = ShortRead(f"asked for bytes [{starts[i]}, {ends[i]}) of {urls[i]} "
+                                f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
+                                "short, or a server that ignores Range)")
+            else:
+                out[i] = bytes(blob)
+                continue
+            if not is_transient(err):
+                raise StorageError(f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                                   f"{type(err).__name__}: {err}; hint: the object is missing or "
+                                   "not readable; check the root URL, credentials and that the "
+                                   "store still holds the manifest's shards") from err
+            failed.append(i)
+            first = first or err
+        pending = failed
+        if first is not None:
+            raise first
+
+    if pending:
+        policy.run(attempt, what=f"{what} of {len(paths)} range(s)",
+                   shard=lambda: shards[pending[0]], url=lambda: urls[pending[0]])
+    return [b for b in out if b is not None]
+
+
+
+def size_retrying(fs: fsspec.AbstractFileSystem, path: str, *, policy: RetryPolicy, shard: str,
+                  url: str) -> int:
+    """``fs.size(path)`` with retries (``FileNotFoundError`` passes through at once)."""
+    return int(policy.run(lambda t: call_fs(fs, "size", path, timeout=t),
+                          what="size lookup", shard=shard, url=url))
+
+
+def range_retrying(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *,
+                   policy: RetryPolicy, shard: str, url: str) -> bytes:
+    """Exactly bytes ``[start, end)`` of ``path``, retried under ``policy``."""
+    return policy.run(lambda t: read_range(fs, path, start, end, timeout=t),
+                      what=f"reading bytes [{start}, {end})", shard=shard, url=url)
+
+
+def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, size: int, *, policy: RetryPolicy,
+                shard: str, url: str, chunk: int = 8 << 20) -> Iterator[bytes]:
+    """The ``size`` bytes of ``path`` in ``chunk``-byte range reads, each retried on its own.
+
+    Bounded memory; a failure costs one chunk, not the whole download.
+    """
+    for start in range(0, size, chunk):
+        yield range_retrying(fs, path, start, min(size, start + chunk), policy=policy,
+                             shard=shard, url=url)
+
+
+def quick_digest_retrying(fs: fsspec.AbstractFileSystem, path: str, size: int, *,
+                          policy: RetryPolicy, shard: str, url: str) -> str:
+    """`quick_digest_parts` of a remote file from two retried range reads (head, tail)."""
+    from detdata._hashing import QUICK_SPAN, quick_digest_parts
+    span = min(size, QUICK_SPAN)
+    head = range_retrying(fs, path, 0, span, policy=policy, shard=shard, url=url)
+    tail = range_retrying(fs, path, size - span, size, policy=policy, shard=shard, url=url)
+    return quick_digest_parts(size, head, tail)
+
+
+def full_digest_retrying(fs: fsspec.AbstractFileSystem, path: str, size: int, *,
+                         policy: RetryPolicy, shard: str, url: str) -> str:
+    """``b3:<hex>`` of every byte of a remote file, streamed in retried chunks."""
+    import blake3
+
+    from detdata._hashing import CHUNK, PREFIX
+    hasher = blake3.blake3()
+    for data in iter_chunks(fs, path, size, policy=policy, shard=shard, url=url, chunk=CHUNK):
+        hasher.update(data)
+    return PREFIX + hasher.hexdigest()
+
+
+def read_file_retrying(path_or_url: str, *, policy: RetryPolicy, what: str,
+                       **storage_options: Any) -> bytes:
+    """Every byte of a small file/URL (manifests, registry objects), retried under ``policy``."""
+    fs, fpath = filesystem(path_or_url, **storage_options)
+    if is_local_fs(fs):
+        return bytes(fs.cat_file(fpath))
+    return bytes(policy.run(lambda t: call_fs(fs, "cat_file", fpath, timeout=t),
+                            what=what, shard="-", url=path_or_url))

@@ -12,6 +12,11 @@ whose rows all have one length 2-D ``(rows, length)`` (flattened values +
 reshape, no per-row Python); strings/binary 1-D object arrays. Lists of varying
 length are a `FormatError` unless the column is named in ``ragged`` (then an
 object array of 1-D arrays, a slow path).
+
+Remote roots: reads of a row group retry with backoff under ``retry`` (a
+`RetryPolicy`; a failed attempt re-opens the shard). With ``cache_dir``, whole
+shards are copied into a bounded, blake3-verified local `ShardCache` first and
+read with the local (memory-mapped) readers.
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from detdata._cache import ShardCache
 from detdata._dataset import Batch, IntArray, check_ids
-from detdata._errors import ConfigError, FormatError
+from detdata._errors import ConfigError, FormatError, StorageError
 from detdata._formats import TABLE_FORMATS, Format
 from detdata._manifest import Manifest, ShardEntry, Verify
+from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import filesystem, join
-from detdata._tokens import check_positive_int, resolve_manifest
+from detdata._tokens import check_cache_args, check_positive_int, resolve_manifest
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
@@ -104,16 +111,26 @@ class TableRows:
     ``ragged`` names list columns to return as object arrays of 1-D arrays
     when their rows differ in length. Pickles carry the manifest and
     parameters only; readers and caches are re-opened lazily per process.
+
+    Remote roots: ``retry`` (a `RetryPolicy`) governs reads; ``cache_dir``
+    (with ``shard_cache_bytes``, default 16 GiB, on disk) copies whole shards
+    into a verified local `ShardCache` (``cache_bytes`` bounds the decoded row
+    groups in memory). Neither changes the rows read.
     """
 
     def __init__(self, manifest: Manifest | str, columns: Sequence[str] | None = None, *,
                  cache_row_groups: int = 8, cache_bytes: int = 1 << 30,
                  ragged: Sequence[str] = (), verify: str | Verify = Verify.QUICK,
                  root: str | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 retry: RetryPolicy | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 shard_cache_bytes: int | None = None) -> None:
         self.storage_options = dict(storage_options or {})
+        self.retry = check_policy(retry)
+        self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
         self.manifest = resolve_manifest(manifest, verify=verify, root=root,
-                                         storage_options=self.storage_options)
+                                         storage_options=self.storage_options, retry=self.retry)
         self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
         self.cache_bytes = check_positive_int(cache_bytes, "cache_bytes", minimum=0)
         shards = self.manifest.shards
@@ -149,10 +166,17 @@ class TableRows:
     def _read_schema(self, index: int) -> pa.Schema:
         shard = self.manifest.shards[index]
         fs, root = filesystem(self.manifest.root or "", **self.storage_options)
-        with fs.open(join(root, shard.path), "rb") as fh:
-            if shard.format is Format.PARQUET:
-                return pq.ParquetFile(fh).schema_arrow
-            return ipc.open_file(fh).schema
+
+        def read(_timeout: float | None) -> pa.Schema:
+            with fs.open(join(root, shard.path), "rb") as fh:
+                if shard.format is Format.PARQUET:
+                    return pq.ParquetFile(fh).schema_arrow
+                return ipc.open_file(fh).schema
+
+        if isinstance(fs, LocalFileSystem):
+            return read(None)
+        return self.retry.run(read, what="schema read", shard=shard.path,
+                              url=self.manifest.url(shard))
 
     def _build_index(self) -> None:
         sizes = [s.row_groups or () for s in self.manifest.shards]
@@ -168,13 +192,15 @@ class TableRows:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self._readers: dict[int, Any] = {}
+        self._reader_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
+        self._shard_cache: ShardCache | None = None
         self._io_lock = threading.Lock()
         self.cache = RowGroupCache(self.cache_row_groups, self.cache_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
-                    "_shard_first_group"):
+                    "_shard_first_group", "_reader_files", "_shard_cache"):
             state.pop(key, None)
         return state
 
@@ -252,6 +278,20 @@ class TableRows:
             self._fs, self._root_path = filesystem(self.manifest.root or "", **self.storage_options)
         return self._fs, self._root_path
 
+    @property
+    def shard_cache(self) -> ShardCache | None:
+        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
+        if self.cache_dir is None:
+            return None
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._shard_cache is None:
+            self._shard_cache = ShardCache(self.cache_dir, self.shard_cache_bytes, retry=self.retry)
+        return self._shard_cache
+
+    def _uses_cache(self) -> bool:
+        return self.cache_dir is not None and not isinstance(self._filesystem()[0], LocalFileSystem)
+
     def _reader(self, shard: int) -> Any:
         reader = self._readers.get(shard)
         if reader is None:
@@ -259,12 +299,52 @@ class TableRows:
             entry = self.manifest.shards[shard]
             path = join(root, entry.path)
             local = isinstance(fs, LocalFileSystem)
-            if entry.format is Format.PARQUET:
+            if self._uses_cache():
+                reader = self._open_cached(shard)
+            elif entry.format is Format.PARQUET:
                 reader = pq.ParquetFile(path if local else fs.open(path, "rb"), memory_map=local)
             else:
                 reader = ipc.open_file(pa.memory_map(path) if local else fs.open(path, "rb"))
             self._readers[shard] = reader
         return reader
+
+    def _open_cached(self, shard: int) -> Any:
+        """A local reader over the verified cached copy of ``shard`` (filled if needed)."""
+        cache = self.shard_cache
+        assert cache is not None  # only called with cache_dir
+        fs, root = self._filesystem()
+        entry = self.manifest.shards[shard]
+        for _ in range(5):
+            path = cache.path(entry, fs, join(root, entry.path), self.manifest.url(entry))
+            try:
+                source = pa.memory_map(path)  # maps the inode, even if it is evicted later
+                inode = os.stat(path).st_ino
+            except FileNotFoundError:
+                continue  # evicted by another process between fill and open: fetch again
+            self._reader_files[shard] = (path, inode)
+            if entry.format is Format.PARQUET:
+                return pq.ParquetFile(source)
+            return ipc.open_file(source)
+        raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
+                           "evicted 5 times before it could be opened; hint: raise "
+                           "shard_cache_bytes (other processes share this cache)")
+
+    def _drop_replaced_reader(self, shard: int) -> None:
+        """Forget the reader of ``shard`` if its cached copy was evicted or replaced."""
+        known = self._reader_files.get(shard)
+        if known is None:
+            return
+        try:
+            same = os.stat(known[0]).st_ino == known[1]
+        except FileNotFoundError:
+            same = False
+        if same:
+            cache = self.shard_cache
+            if cache is not None:
+                cache.touch(known[0])
+        else:
+            self._readers.pop(shard, None)
+            self._reader_files.pop(shard, None)
 
     def _group(self, global_group: int) -> _Group:
         shard = int(self._group_shard[global_group])
@@ -277,16 +357,32 @@ class TableRows:
         self.cache.put(key, decoded)
         return decoded
 
+    def _read_arrays(self, shard: int, group: int) -> dict[str, Any]:
+        entry = self.manifest.shards[shard]
+        reader = self._reader(shard)
+        if entry.format is Format.PARQUET:
+            table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
+            return {n: _one_chunk(table.column(n)) for n in self.columns}
+        batch = reader.get_batch(group)
+        return {n: batch.column(n) for n in self.columns}
+
     def _decode(self, shard: int, group: int) -> _Group:
         entry = self.manifest.shards[shard]
         with self._io_lock:  # remote readers share one seekable handle per shard
-            reader = self._reader(shard)
-            if entry.format is Format.PARQUET:
-                table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
-                arrays = {n: _one_chunk(table.column(n)) for n in self.columns}
+            if isinstance(self._filesystem()[0], LocalFileSystem):
+                arrays = self._read_arrays(shard, group)
+            elif self._uses_cache():
+                self._drop_replaced_reader(shard)
+                arrays = self._read_arrays(shard, group)
             else:
-                batch = reader.get_batch(group)
-                arrays = {n: batch.column(n) for n in self.columns}
+                def attempt(_timeout: float | None) -> dict[str, Any]:
+                    try:
+                        return self._read_arrays(shard, group)
+                    except Exception:
+                        self._readers.pop(shard, None)  # re-open on the next attempt
+                        raise
+                arrays = self.retry.run(attempt, what=f"row group {group} read",
+                                        shard=entry.path, url=self.manifest.url(entry))
         expected = (entry.row_groups or ())[group]
         columns: Columns = {}
         for name, array in arrays.items():

@@ -12,15 +12,18 @@ tail tokens are dropped. Window ids are numbered shard by shard in manifest
 Reading: ``read(ids)`` maps ids to shards with one ``np.searchsorted`` over the
 cumulative window counts, then per touched shard does ONE fancy-index gather
 from a strided 2-D view of a read-only memmap (local roots) or, for remote
-fsspec roots, ONE ``fs.cat_ranges`` call for the whole batch. Memmaps and file
-systems are opened lazily per process and dropped when pickled.
+fsspec roots, ONE ``fs.cat_ranges`` call for the whole batch (failed ranges are
+retried with backoff under ``retry``, a `RetryPolicy`). With ``cache_dir``,
+remote shards are instead copied whole into a bounded, blake3-verified local
+`ShardCache` and read through the memmap path. Memmaps, caches and file systems
+are opened lazily per process and dropped when pickled.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -28,17 +31,22 @@ import numpy as np
 import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
+from detdata._cache import ShardCache
 from detdata._dataset import Batch, IntArray, check_ids
 from detdata._errors import ConfigError, FormatError, StorageError
 from detdata._formats import TOKEN_DTYPES, Format
 from detdata._manifest import Manifest, ShardEntry, Verify
-from detdata._storage import filesystem, join
+from detdata._retry import RetryPolicy, check_policy
+from detdata._storage import filesystem, join, read_ranges_retrying
+
+DEFAULT_CACHE_BYTES = 16 << 30
 
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
 
 
 def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: str | None,
-                     storage_options: Mapping[str, Any]) -> Manifest:
+                     storage_options: Mapping[str, Any],
+                     retry: RetryPolicy | None = None) -> Manifest:
     """A verified `Manifest` from an object or a path/URL.
 
     A path is loaded with ``Manifest.load(path, root=root, verify=verify)``; a
@@ -46,14 +54,14 @@ def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: st
     ``verify`` (``"quick"`` by default; ``"off"`` skips it).
     """
     if isinstance(manifest, str):
-        return Manifest.load(manifest, root=root, verify=verify, **storage_options)
+        return Manifest.load(manifest, root=root, verify=verify, retry=retry, **storage_options)
     if not isinstance(manifest, Manifest):
         raise ConfigError(f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}")
     if root is not None:
         manifest = manifest.with_root(root)
     if manifest.root is None:
         raise ConfigError("the manifest has no root; hint: pass root= or use Manifest.with_root()")
-    manifest.verify(verify, **storage_options)
+    manifest.verify(verify, retry=retry, **storage_options)
     return manifest
 
 
@@ -65,21 +73,33 @@ def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
 
 
 def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
-                ends: list[int]) -> list[bytes]:
-    """Bytes ``[start, end)`` of each path, fetched with one ``fs.cat_ranges`` call.
+                ends: list[int], *, retry: RetryPolicy | None = None,
+                shards: list[str] | None = None, urls: list[str] | None = None) -> list[bytes]:
+    """Bytes ``[start, end)`` of each path: one ``fs.cat_ranges`` call per attempt.
 
-    The single place remote token bytes are read (a verified local cache hooks in
-    here). Raises `StorageError` naming the first URL when the store fails.
+    The single place uncached remote token bytes are read. Failed or short
+    ranges are read again with backoff under ``retry``; when the deadline
+    passes, `StorageError` names the shard and URL and the last error.
     """
-    try:
-        blobs = fs.cat_ranges(paths, starts, ends)
-    except Exception as exc:
-        raise StorageError(f"reading {len(paths)} byte ranges failed (first: {paths[0]}): "
-                           f"{type(exc).__name__}: {exc}") from exc
-    for path, blob in zip(paths, blobs, strict=True):
-        if isinstance(blob, BaseException):
-            raise StorageError(f"reading {path} failed: {type(blob).__name__}: {blob}") from blob
-    return list(blobs)
+    return read_ranges_retrying(fs, paths, starts, ends, policy=check_policy(retry),
+                                shards=shards if shards is not None else paths,
+                                urls=urls if urls is not None else paths,
+                                what="token range read")
+
+
+def check_cache_args(cache_dir: str | os.PathLike[str] | None,
+                     cache_bytes: int | None) -> tuple[str | None, int]:
+    """``(cache_dir as str or None, cache_bytes)``; `ConfigError` for bad values."""
+    if cache_dir is None:
+        if cache_bytes is not None:
+            raise ConfigError("cache_bytes was given without cache_dir; hint: pass "
+                              "cache_dir='/local/dir' to cache remote shards")
+        return None, DEFAULT_CACHE_BYTES
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(f"cache_dir must be a local directory path, got {cache_dir!r}")
+    size = DEFAULT_CACHE_BYTES if cache_bytes is None else check_positive_int(cache_bytes,
+                                                                               "cache_bytes")
+    return os.fspath(cache_dir), size
 
 
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
@@ -105,15 +125,25 @@ class TokenWindows:
     ``ids``. A shard too short for one window raises `FormatError` unless
     ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
     `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
+
+    Remote roots: ``retry`` (a `RetryPolicy`) governs every read; with
+    ``cache_dir`` (and ``cache_bytes``, default 16 GiB) whole shards are copied
+    into a verified, bounded local `ShardCache` and read from there. Neither
+    changes the data read, so neither is part of ``identity()``.
     """
 
     def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
                  out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
                  allow_short_shards: bool = False, root: str | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 retry: RetryPolicy | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 cache_bytes: int | None = None) -> None:
         self.storage_options = dict(storage_options or {})
+        self.retry = check_policy(retry)
+        self.cache_dir, self.cache_bytes = check_cache_args(cache_dir, cache_bytes)
         self.manifest = resolve_manifest(manifest, verify=verify, root=root,
-                                         storage_options=self.storage_options)
+                                         storage_options=self.storage_options, retry=self.retry)
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
         self.window = self.seq_len + int(self.labels)
@@ -154,11 +184,14 @@ class TokenWindows:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self._views: dict[int, np.ndarray[Any, Any]] = {}
+        self._cache: ShardCache | None = None
+        self._view_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
 
     # pickling: parameters and manifest only, no memmaps or handles -----------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets"):
+        for key in ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
+                    "_view_files"):
             state.pop(key, None)
         return state
 
@@ -192,6 +225,8 @@ class TokenWindows:
             fs = self._filesystem()
             if isinstance(fs, LocalFileSystem):
                 self._gather_local(arr, out)
+            elif self.cache_dir is not None:
+                self._gather_local(arr, out, cached=True)
             else:
                 self._gather_remote(fs, arr, out)
         return {"tokens": out}
@@ -210,14 +245,83 @@ class TokenWindows:
             self._fs, self._root_path = filesystem(root, **self.storage_options)
         return self._fs
 
+    @property
+    def cache(self) -> ShardCache | None:
+        """This process's `ShardCache` (None without ``cache_dir``)."""
+        if self.cache_dir is None:
+            return None
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._cache is None:
+            self._cache = ShardCache(self.cache_dir, self.cache_bytes, retry=self.retry)
+        return self._cache
+
+    def _cached_path(self, shard: int) -> str:
+        """A verified local copy of ``shard`` (filled on first use); drops maps of evicted copies."""
+        cache = self.cache
+        assert cache is not None  # only called with cache_dir
+        entry = self.manifest.shards[shard]
+        fills = cache.stats.fills
+        path = cache.path(entry, self._filesystem(), join(self._root_path, entry.path),
+                          self.manifest.url(entry))
+        if cache.stats.fills != fills:  # a fill may have evicted copies this process maps
+            for other in [s for s in self._view_files if s != shard]:
+                self._drop_if_replaced(other)
+        return path
+
+    def _drop_if_replaced(self, shard: int) -> bool:
+        """Forget the map of ``shard`` if its cached copy was evicted or replaced."""
+        path, inode = self._view_files[shard]
+        try:
+            same = os.stat(path).st_ino == inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._views.pop(shard, None)
+            self._view_files.pop(shard, None)
+        return not same
+
+    def _refresh_cached(self, shards: Iterable[int]) -> None:
+        """Before a batch: re-open shards whose cached copy changed; refresh their LRU time."""
+        cache = self.cache
+        assert cache is not None
+        for shard in shards:
+            if shard in self._view_files and not self._drop_if_replaced(shard):
+                cache.touch(self._view_files[shard][0])
+
+    def _map_cached(self, shard: int, dtype: np.dtype[Any]) -> tuple[Any, str, int]:
+        """Memmap of the cached copy of ``shard``: ``(map, path, inode)``.
+
+        The map is made from the file we opened, so a copy evicted by another
+        process between the fill and the open is simply fetched again.
+        """
+        entry = self.manifest.shards[shard]
+        for _ in range(5):
+            path = self._cached_path(shard)
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
+            except FileNotFoundError:
+                continue
+            with fh:
+                mm = np.memmap(fh, dtype=dtype, mode="r", offset=int(self._offsets[shard]),
+                               shape=(entry.num_samples,))
+                return mm, path, os.fstat(fh.fileno()).st_ino
+        raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
+                           "evicted 5 times before it could be opened; hint: raise cache_bytes "
+                           "(other processes share this cache)")
+
     def _view(self, shard: int) -> np.ndarray[Any, Any]:
         view = self._views.get(shard)
         if view is None:
             entry = self.manifest.shards[shard]
             dtype = np.dtype(self._dtypes[shard])
-            path = join(self._root_path, entry.path)
-            mm = np.memmap(path, dtype=dtype, mode="r", offset=int(self._offsets[shard]),
-                           shape=(entry.num_samples,))
+            if self.cache_dir is not None and not isinstance(self._filesystem(), LocalFileSystem):
+                mm, path, inode = self._map_cached(shard, dtype)
+                self._view_files[shard] = (path, inode)
+            else:
+                path = join(self._root_path, entry.path)
+                mm = np.memmap(path, dtype=dtype, mode="r", offset=int(self._offsets[shard]),
+                               shape=(entry.num_samples,))
             view = np.lib.stride_tricks.as_strided(
                 mm, shape=(self.windows_per_shard[shard], self.window),
                 strides=(self.seq_len * dtype.itemsize, dtype.itemsize), writeable=False)
@@ -235,8 +339,11 @@ class TokenWindows:
         spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise(bounds.tolist())]
         return order, local, spans
 
-    def _gather_local(self, ids: IntArray, out: np.ndarray[Any, Any]) -> None:
+    def _gather_local(self, ids: IntArray, out: np.ndarray[Any, Any], *,
+                      cached: bool = False) -> None:
         order, local, spans = self._groups(ids)
+        if cached:
+            self._refresh_cached(shard for shard, _, _ in spans)
         for shard, a, b in spans:
             block = self._view(shard)[local[a:b]]
             self._check_range(block, shard)
@@ -252,8 +359,13 @@ class TokenWindows:
         size = self._itemsize[shard_of]
         starts = self._offsets[shard_of] + local * self.seq_len * size
         ends = starts + self.window * size
-        urls = np.asarray([join(self._root_path, s.path) for s in self.manifest.shards], dtype=object)
-        blobs = read_ranges(fs, urls[shard_of].tolist(), starts.tolist(), ends.tolist())
+        shards = self.manifest.shards
+        paths = np.asarray([join(self._root_path, s.path) for s in shards], dtype=object)
+        names = np.asarray([s.path for s in shards], dtype=object)
+        urls = np.asarray([self.manifest.url(s) for s in shards], dtype=object)
+        blobs = read_ranges(fs, paths[shard_of].tolist(), starts.tolist(), ends.tolist(),
+                            retry=self.retry, shards=names[shard_of].tolist(),
+                            urls=urls[shard_of].tolist())
         rows = np.empty((uniq.size, self.window), dtype=self.out_dtype)
         for shard, a, b in spans:
             data = b"".join(blobs[a:b])
