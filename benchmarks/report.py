@@ -24,16 +24,18 @@ def markdown(doc: dict[str, Any]) -> str:
         f"disk): `.npy` token shards ({s['data']['shards']} shards), Parquet `list<int32>` "
         f"({s['data']['shards']} shards, row groups of {s['data']['row_group']}, snappy). "
         f"Batch {s['batch']}, shuffled; {s['repeats']} interleaved round(s), each run in its own "
-        f"process; medians. Throughput = steady state over {s['budget_s']} s after the first batch.",
+        f"process; medians. Throughput = steady state over {s['budget_s']} s after the first batch "
+        f"and {s['warmup']} warm-up batches.",
         "",
         f"Ceilings (same run): memcpy {_f(c.get('memcpy_gbs'), '.2f')} GB/s, page-cache read "
         f"{_f(c.get('page_cache_read_gbs'), '.2f')} GB/s, random 2 KiB-row gather from a warm "
         f"memmap {_f(c.get('random_row_gather_gbs'), '.2f')} GB/s.",
         "",
         "| data | loader | workers | samples/s | MB/s | x vanilla | % page cache | first batch (fresh) "
+        f"| first {s['warmup'] + 1} batches "
         f"| first batch, resume @{s['resume_at']:,} | resume @1e9 | peak RSS main / workers (MB) "
         "| shuffle rho / adjacent | validated |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in doc["summary"]:
         how = {"vanilla": " (skip)", "vanilla-batched": " (skip)", "stateful": " (state)",
@@ -48,6 +50,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['data']} | {r['label']} | {r['workers']} | {_f(r['samples_per_s'], ',.0f')} "
             f"| {_f(r['mb_per_s'], ',.0f')} | {_f(r['x_vanilla'], '.2f')} "
             f"| {_f(r['frac_page_cache'], '.1f', 100)}% | {_f(r['ttfb_fresh_s'], '.1f', 1e3)} ms "
+            f"| {_f(r['warmup_s'], '.0f', 1e3)} ms "
             f"| {resume} | {far} | {_f(r['peak_rss_main_mb'], '.0f')} / "
             f"{_f(r['peak_rss_worker_mb'], '.0f')} | {_f(r['spearman'], '.3f')} / "
             f"{_f(r['adjacent'], '.4f')} | {valid} |")

@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3; smoke 1)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of steady-state loading per throughput run (default 1.5; smoke 0.2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="batches after the first one, before the throughput window (32; smoke 4)")
     p.add_argument("--resume-at", type=int, default=None, help="resume position (40000; smoke 1024)")
     p.add_argument("--workers", default="0,2", help="num_workers values (default 0,2)")
     p.add_argument("--resume-workers", default=None,
@@ -95,7 +97,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"smoke": smoke, "data": spec, "workers": workers, "resume_workers": resume_workers,
             "resume_at": resume_at, "far": FAR, "contenders": contenders, "batch": args.batch,
             "seed": args.seed, "repeats": args.repeats or (1 if smoke else 3),
-            "budget_s": args.budget if args.budget is not None else (0.2 if smoke else 1.5)}
+            "budget_s": args.budget if args.budget is not None else (0.2 if smoke else 1.5),
+            "warmup": args.warmup if args.warmup is not None else (4 if smoke else 32)}
 
 
 # --------------------------------------------------------------------- child runs
@@ -156,7 +159,8 @@ def build_tasks(cfg: dict[str, Any], root: Path, states: Path) -> list[dict[str,
                 if name == "detdata-threads" and nw == 0:
                     continue  # a pool of 0 threads is the plain detdata loader
                 tasks.append({**base, "kind_of_run": "throughput", "contender": name, "data": kind,
-                              "workers": nw, "budget_s": cfg["budget_s"], "resume_at": None})
+                              "workers": nw, "budget_s": cfg["budget_s"], "resume_at": None,
+                              "warmup_batches": cfg["warmup"]})
         for nw in cfg["resume_workers"]:
             for name in cfg["contenders"]:
                 if name == "detdata-threads":
@@ -217,6 +221,8 @@ def summarize(cfg: dict[str, Any], runs: list[dict[str, Any]], ceilings: dict[st
                 row["mb_per_s"] = sps * BYTES_PER_SAMPLE / 1e6 if sps else None
                 row["frac_page_cache"] = (row["mb_per_s"] / 1e3 / page_cache) if sps and page_cache else None
                 row["ttfb_fresh_s"] = _median([r.get("ttfb_s") for r in tput])
+                row["warmup_s"] = _median([r["ttfb_s"] + r["warmup_s"] for r in tput
+                                           if r.get("ttfb_s") is not None and "warmup_s" in r])
                 row["peak_rss_main_mb"] = _median([r.get("peak_rss_main_mb") for r in tput])
                 row["peak_rss_worker_mb"] = _median([r.get("peak_rss_worker_mb") for r in tput])
                 row["spearman"] = _median([r.get("spearman") for r in tput])

@@ -39,6 +39,7 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--row-group", int, "Parquet rows per row group (default 1024; smoke 256)"),
     ("--repeats", int, "interleaved rounds of every run (default 3; smoke 1)"),
     ("--budget", float, "seconds of steady-state loading per throughput run (default 1.5)"),
+    ("--warmup", int, "batches before the throughput window (default 32; smoke 4)"),
     ("--resume-at", int, "resume position (default 40000; smoke 1024)"),
     ("--workers", str, "num_workers values, comma separated (default 0,2)"),
     ("--resume-workers", str, "num_workers values for resume runs (default: --workers)"),
