@@ -101,7 +101,12 @@ class OrderedStream:
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = check_seed(seed)
-        self.order = GlobalOrder(dataset.num_samples, self.seed)
+        n = dataset.num_samples
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) <= 0:
+            raise ConfigError(f"dataset {type(dataset).__name__} is empty (num_samples == {n}); "
+                              "there is nothing to order or load; hint: check the manifest / "
+                              "dataset construction")
+        self.order = GlobalOrder(n, self.seed)
 
     def sample_ids(self, positions: IntArray) -> IntArray:
         return self.order.ids(positions)

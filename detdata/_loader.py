@@ -123,7 +123,8 @@ class DataLoader:
 
     With ``device`` set (e.g. ``"cuda"``), batches arrive on that device through
     reused pinned buffers and a side stream, ``device_prefetch`` batches ahead;
-    those are not counted until yielded.
+    those are not counted until yielded. ``pin_memory`` is then ignored: the
+    device path pins into its own reused buffers.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
@@ -177,8 +178,12 @@ class DataLoader:
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
-        self.device = device
-        self.device_prefetch = check_count(device_prefetch, "device_prefetch", minimum=1, maximum=64)
+        from detdata._device import check_depth, check_device
+        self.device = None if device is None else check_device(device)
+        self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
+        if self.device is not None:
+            # the device path stages into its own reused pinned buffers; torch pinning would copy twice
+            self._torch_kwargs["pin_memory"] = False
         self._consumed = 0
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
@@ -238,7 +243,16 @@ class DataLoader:
         if self.device is not None:
             from detdata._device import device_batches
             batches = device_batches(iter(batches), self.device, self.device_prefetch)
-        for batch in batches:
+        iterator = iter(batches)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception as exc:
+                if generation == self._generation:
+                    exc.add_note(self._failure_note())
+                raise
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
             if self._trace is not None:
@@ -248,6 +262,14 @@ class DataLoader:
             else:
                 self._consumed += per
             yield batch
+
+    def _failure_note(self) -> str:
+        """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
+        positions = self.positions_of_next()
+        return (f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "
+                f"fetching the micro batch at global positions [{int(positions[0])}, "
+                f"{int(positions[-1])}] of step {self.step}; samples_consumed is still "
+                f"{self._consumed}, so state_dict() resumes at this batch)")
 
     # ----------------------------------------------------------------- state
     def _fields(self) -> dict[str, Any]:

@@ -149,8 +149,8 @@ class _Ref:
 
 
 def _check_root(value: object) -> str | None:
-    if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"a history root must be a non-empty string or null, found {value!r:.60}")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"a history root must be a string or null, found {value!r:.60}")
     return value
 
 

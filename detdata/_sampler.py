@@ -20,6 +20,7 @@ from detdata._errors import StateError
 from detdata._layout import Layout
 from detdata._loader import _default_rank_world
 from detdata._order import ALGORITHM, GlobalOrder, check_count, check_seed
+from detdata._state import MAX_POSITION
 
 SAMPLER_KIND: Final = "detdata.sampler_state"
 SAMPLER_VERSION: Final = 1
@@ -90,9 +91,13 @@ class DeterministicBatchSampler:
             detail = "; ".join(f"{k}: saved {state.get(k)!r}, current {current[k]!r}" for k in diffs)
             raise StateError(f"sampler state does not match: {detail}", fields=tuple(diffs))
         consumed = state.get("samples_consumed")
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise StateError(f"samples_consumed must be a non-negative integer, found {consumed!r}",
-                             fields=("samples_consumed",))
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed < MAX_POSITION:
+            raise StateError(f"sampler state field 'samples_consumed' must be an integer in "
+                             f"[0, 2**62), found {consumed!r}", fields=("samples_consumed",))
+        if self.total_samples is not None and consumed > self.total_samples:
+            raise StateError(f"sampler state samples_consumed {consumed} is beyond this sampler's "
+                             f"total_samples {self.total_samples}; hint: resume with the "
+                             "total_samples the state was saved with", fields=("samples_consumed",))
         self.layout.check_resume_position(consumed)
         self._start, self._yielded = consumed, 0
 

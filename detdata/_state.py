@@ -19,6 +19,7 @@ from detdata._hashing import digest_bytes
 from detdata._manifest import canonical_json
 
 STATE_VERSION: Final = 1
+MAX_POSITION: Final = 1 << 62  # exclusive: orders and mixtures address positions below 2**62
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"
@@ -109,8 +110,10 @@ class LoaderState:
         if isinstance(state, (str, bytes)):
             try:
                 state = json.loads(state)
-            except ValueError as exc:
-                raise StateError(f"loader state is not valid JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:
+                raise StateError(f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
+                                 "hint: pass the object DataLoader.state_dict() returned, or "
+                                 "its JSON text") from None
         if not isinstance(state, Mapping):
             raise StateError(f"loader state must be a JSON object, got {type(state).__name__}")
         if state.get(K_KIND) != KIND:
@@ -126,14 +129,41 @@ class LoaderState:
         if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
             raise StateError(f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
                              f"found {consumed!r}", fields=(K_CONSUMED,))
+        if consumed >= MAX_POSITION:
+            raise StateError(f"loader state field {K_CONSUMED!r} is {consumed}, beyond the last "
+                             f"addressable global position 2**62 - 1; the state was edited or "
+                             "corrupted", fields=(K_CONSUMED,))
         stream = state[K_STREAM]
         if not isinstance(stream, Mapping):
             raise StateError("loader state field 'stream' must be an object", fields=(K_STREAM,))
         layout, env = state.get(K_LAYOUT, {}), state.get(K_ENV, {})
         if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
             raise StateError("loader state fields 'layout' and 'environment' must be objects")
-        return cls(samples_consumed=consumed, fields={k: state[k] for k in CHECKED_FIELDS},
-                   stream=stream, layout=layout, env=env)
+        parsed = cls(samples_consumed=consumed, fields={k: state[k] for k in CHECKED_FIELDS},
+                     stream=stream, layout=layout, env=env)
+        parsed._check_consistent()
+        return parsed
+
+    def _check_consistent(self) -> None:
+        """The checked fields must be the ones derived from the saved ``stream`` identity.
+
+        A state whose fields disagree with its own stream was edited by hand or
+        corrupted; resuming from it (in particular continuing a mixture from
+        the saved schedule) would silently use the wrong history.
+        """
+        try:
+            derived = identity_fields(self.stream, self.fields[K_SEED], self.fields[K_GLOBAL_BATCH])
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise StateError(f"loader state field 'stream' is not a plain JSON identity ({exc})",
+                             fields=(K_STREAM,)) from None
+        bad = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(derived.get(k))]
+        if bad:
+            detail = "; ".join(f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
+                               f"{derived.get(k)!r:.80}" for k in bad)
+            raise StateError(f"loader state is inconsistent: field(s) {bad} do not match its own "
+                             f"'stream' identity ({detail}); the state was edited or corrupted; "
+                             "hint: use the state exactly as DataLoader.state_dict() returned it",
+                             fields=tuple(bad))
 
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
@@ -141,13 +171,22 @@ class LoaderState:
 
 
 def _norm(value: Any) -> Any:
-    return json.loads(json.dumps(value))
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def check_allow(allow: Iterable[str]) -> frozenset[str]:
     """Validate ``allow=`` field names."""
-    names = frozenset(allow)
-    unknown = sorted(names - set(CHECKED_FIELDS))
+    if isinstance(allow, (str, bytes)):
+        raise StateError(f"allow= takes a list of field names, got the string {allow!r}; "
+                         f"hint: allow=[{allow!r}]")
+    try:
+        names = frozenset(allow)
+    except TypeError:
+        raise StateError(f"allow= takes a list of field names, got {allow!r:.80}") from None
+    unknown = sorted(repr(n) if not isinstance(n, str) else n for n in names - set(CHECKED_FIELDS))
     if unknown:
         raise StateError(f"allow= names unknown fields {unknown}; allowed names are {list(CHECKED_FIELDS)}")
     return names
