@@ -1,0 +1,70 @@
+"""Data-parallel training under torchrun; state saved with torch.distributed.checkpoint.
+
+    torchrun --nproc-per-node 2 examples/torchrun_dp.py --workdir /tmp/dp --steps 6
+    torchrun --nproc-per-node 1 examples/torchrun_dp.py --workdir /tmp/dp --steps 12   # resumes at 1 rank
+
+Each rank reads its slice of every global step (rank and world size come from
+torch.distributed). Resuming at another world size continues the same global
+stream as long as the global batch divides by micro batch x world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _corpus import write_token_shards
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import detdata
+
+GLOBAL_BATCH = 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default="/tmp/detdata-dp")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = Path(args.workdir)
+    if rank == 0 and not (work / "manifest.json").exists():
+        detdata.build_manifest(str(write_token_shards(work / "shards"))).save(str(work / "manifest.json"))
+    dist.barrier()
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Embedding(512, 32), nn.Linear(32, 512)))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    dataset = detdata.TokenWindows(str(work / "manifest.json"), seq_len=32)
+    loader = detdata.DataLoader(dataset, global_batch_size=GLOBAL_BATCH, seed=5,
+                                micro_batch_size=GLOBAL_BATCH // world)
+    state = {"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()}
+    if (work / "ckpt").exists():
+        dcp.load(state, checkpoint_id=str(work / "ckpt"))
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+    start = loader.step
+    for batch in loader:
+        if loader.step > args.steps:
+            break
+        tokens = batch["tokens"].long()
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    dcp.save({"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()},
+             checkpoint_id=str(work / "ckpt"))
+    if rank == 0:
+        print(json.dumps({"world_size": world, "from_step": start, "to_step": loader.step,
+                          "samples_consumed": loader.samples_consumed}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
