@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Final
 
 import blake3
 import numpy as np
-import torch
 
 TRACE_VERSION: Final = 1
 
 
 def _columns(batch: Any, prefix: str = "") -> Iterator[tuple[str, np.ndarray]]:
     """Flatten a delivered batch (tensors/arrays in dicts, lists, tuples) into named arrays."""
-    if isinstance(batch, torch.Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(batch, torch.Tensor):
         yield prefix or "_", batch.detach().cpu().contiguous().numpy()
     elif isinstance(batch, np.ndarray):
         yield prefix or "_", np.ascontiguousarray(batch)
