@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from detdata._errors import ConfigError, FormatError
 from detdata._hashing import digest_bytes
+from detdata._memo import ChunkMemo
 from detdata._order import ALGORITHM, GlobalOrder, check_seed
 
 Batch = dict[str, np.ndarray]
@@ -107,12 +108,18 @@ class OrderedStream:
                               "there is nothing to order or load; hint: check the manifest / "
                               "dataset construction")
         self.order = GlobalOrder(n, self.seed)
+        self._memo = ChunkMemo(self._ids)
+
+    def _ids(self, positions: IntArray) -> tuple[IntArray]:
+        return (self.order.ids(positions),)
 
     def sample_ids(self, positions: IntArray) -> IntArray:
-        return self.order.ids(positions)
+        """Sample ids at ``positions`` (same shape); chunk-cached, identical to ``order.ids``."""
+        pos = np.asarray(positions)
+        return self._memo(pos)[0].reshape(pos.shape)
 
     def fetch(self, positions: IntArray) -> Batch:
-        return self.dataset.read(self.order.ids(positions))
+        return self.dataset.read(self.sample_ids(positions).reshape(-1))
 
     def identity(self) -> dict[str, Any]:
         return {"type": "ordered", "algorithm": ALGORITHM, "seed": self.seed,

@@ -89,6 +89,7 @@ import numpy.typing as npt
 from detdata._dataset import Batch, Dataset, IntArray
 from detdata._errors import ConfigError, FormatError
 from detdata._hashing import digest_bytes
+from detdata._memo import ChunkMemo
 from detdata._order import ALGORITHM as ORDER_ALGORITHM
 from detdata._order import GlobalOrder, check_count, check_seed
 
@@ -444,6 +445,7 @@ class Mixture:
         self.source_seeds = {n: source_seed(self.seed, n) for n in self.source_names}
         self.orders = {n: GlobalOrder(self.sources[n].num_samples, self.source_seeds[n])
                        for n in self.source_names}
+        self._memo = ChunkMemo(self.locate)
 
     def __repr__(self) -> str:
         weights = {n: _rational(f) for n, f in zip(self.source_names, self.phases[0].fractions(), strict=True)}
@@ -489,8 +491,12 @@ class Mixture:
         return self.locate(positions)[2]
 
     def fetch(self, positions: IntArray) -> Batch:
-        """The samples at ``positions``, rows in position order: one batched read per source."""
-        src, _, ids = self.locate(np.asarray(positions).reshape(-1))
+        """The samples at ``positions``, rows in position order: one batched read per source.
+
+        Positions are resolved through a per-process chunk cache of `locate`
+        (identical values; amortised O(1) per position for loader-style requests).
+        """
+        src, _, ids = self._memo(np.asarray(positions, dtype=np.int64).reshape(-1))
         parts: dict[int, Batch] = {}
         for s in np.unique(src):
             name = self.source_names[int(s)]
