@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import servers
+from tests.faultproxy import FaultProxy
 
 
 def write_token_shards(root: Path, sizes: tuple[int, ...] = (1000, 2500, 40),
@@ -27,3 +31,33 @@ def token_shards(tmp_path: Path) -> Path:
     root = tmp_path / "data"
     write_token_shards(root)
     return root
+
+
+# --- real storage servers for the remote tests (tests/servers.py) -----------------------
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.S3Server]:
+    """One SeaweedFS (S3) on 127.0.0.1 for the whole run (shared by xdist workers)."""
+    yield from servers.shared_server("seaweedfs", tmp_path_factory, servers.start_seaweedfs,
+                                     servers.S3Server, grace_s=3.0)
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.HttpServer]:
+    """One nginx (HTTP with Range support) on 127.0.0.1 for the whole run."""
+    yield from servers.shared_server("nginx", tmp_path_factory, servers.start_nginx,
+                                     servers.HttpServer, grace_s=5.0)
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[[int], FaultProxy]]:
+    """Factory: ``fault_proxy(target_port)`` starts a `FaultProxy`; all are stopped afterwards."""
+    started: list[FaultProxy] = []
+
+    def make(port: int) -> FaultProxy:
+        proxy = FaultProxy(port).start()
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in started:
+        proxy.stop()
