@@ -35,13 +35,17 @@ def test_mixture_fetch_equals_locate(start: int, width: int, seed: int) -> None:
     assert np.array_equal(mix.fetch(positions)["x"], expected)
 
 
-def test_cache_is_bounded_and_not_pickled() -> None:
-    calls: list[int] = []
+calls: list[int] = []
 
-    def fn(p: np.ndarray) -> tuple[np.ndarray]:
-        calls.append(len(p))
-        return (p * 2,)
-    memo = ChunkMemo(fn, chunk=100, slots=2)
+
+def _double(p: np.ndarray) -> tuple[np.ndarray]:
+    calls.append(len(p))
+    return (p * 2,)
+
+
+def test_cache_is_bounded_and_not_pickled() -> None:
+    calls.clear()
+    memo = ChunkMemo(_double, chunk=100, slots=2)
     for start in range(0, 1000, 10):
         assert np.array_equal(memo(np.arange(start, start + 10))[0], np.arange(start, start + 10) * 2)
     assert calls == [100] * 10  # each chunk computed once
