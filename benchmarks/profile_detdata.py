@@ -100,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     ids = [stream.order.ids(b) for b in batches]
     for b, want in zip(batches, ids, strict=True):
         assert np.array_equal(blocks.ids(b), want)
+    ds.read(ids[0])  # opens the file system (views need the root)
     views = [ds._view(s) for s in range(len(ds.windows_per_shard))]
     starts = np.asarray(ds._starts)
     out = np.empty((64, SEQ), dtype=np.int32)
     sorted_take_gather(views, starts, ids[0], out)
     assert np.array_equal(check_rows(out, ds.num_samples), ids[0])
 
-    it = iter(range(n))
+    it = iter(range(10 * n))
     rows = {
         "order.ids (64 positions)": per_call_us(lambda: stream.order.ids(batches[next(it) % n]), n),
     }

@@ -89,12 +89,19 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                 vals.append((row["samples_per_s"] or 0) if row else 0)
             xs = [i + j * width for i in range(len(names))]
             ax.bar(xs, vals, width, label=f"num_workers={nw}")
+        per_sample = doc["settings"]["bytes_per_sample"]
+        for key, style, text in (("page_cache_read_gbs", "--", "page-cache read"),
+                                 ("random_row_gather_gbs", ":", "random 2 KiB-row gather")):
+            gbs = doc["ceilings"].get(key)
+            if gbs:
+                ax.axhline(gbs * 1e9 / per_sample, color="gray", linestyle=style,
+                           label=f"ceiling: {text}")
         ax.set_xticks([i + width * (len(workers) - 1) / 2 for i in range(len(names))])
         ax.set_xticklabels(names, rotation=25, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("samples/s (log)")
         ax.set_title(f"{kind}: throughput (batch {doc['settings']['batch']})")
-        ax.legend()
+        ax.legend(fontsize=8)
     ax = axes[-1]
     labels, fresh, resume, far = [], [], [], []
     for r in rows:
