@@ -104,6 +104,22 @@ def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, 
         user_init(worker_id)
 
 
+def _dead_workers(torch_iter: object, wait_s: float = 1.0) -> list[int]:
+    """Pids of the worker processes of a torch DataLoader iterator that have exited.
+
+    Uses the iterator's ``_workers`` list (multiprocessing iterators only; an
+    empty list otherwise). A worker whose sockets just closed may still be
+    exiting, so each still-running one is given a share of ``wait_s`` to finish.
+    """
+    workers = list(getattr(torch_iter, "_workers", None) or [])
+    dead = []
+    for worker in workers:
+        worker.join(timeout=wait_s / max(1, len(workers)))
+        if worker.exitcode is not None:
+            dead.append(int(worker.pid))
+    return dead
+
+
 def _to_torch(batch: Any) -> Any:
     if isinstance(batch, np.ndarray):
         return torch.from_numpy(batch)
@@ -239,16 +255,27 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        batches: Iterable[Any] = self._loader_from_here()
+        torch_iter = iter(self._loader_from_here())
+        iterator: Iterator[Any] = torch_iter
         if self.device is not None:
             from detdata._device import device_batches
-            batches = device_batches(iter(batches), self.device, self.device_prefetch)
-        iterator = iter(batches)
+            iterator = device_batches(torch_iter, self.device, self.device_prefetch)
         while True:
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
+            except (ConnectionError, EOFError) as exc:
+                # torch passes batches between processes over sockets: a worker that died
+                # (os._exit, OOM kill) can surface as a bare connection error. Name it.
+                dead = _dead_workers(torch_iter)
+                if not dead:
+                    raise
+                err = RuntimeError(f"DataLoader worker (pid(s) {dead}) exited unexpectedly while "
+                                   f"handing over a batch ({type(exc).__name__}: {exc}); hint: "
+                                   "rerun with num_workers=0 to see the error in the main process")
+                err.add_note(self._failure_note())
+                raise err from exc
             except Exception as exc:
                 if generation == self._generation:
                     exc.add_note(self._failure_note())

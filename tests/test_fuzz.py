@@ -30,7 +30,6 @@ from detdata._manifest import Manifest, build_manifest
 from detdata._registry import Registry
 from detdata._sampler import DeterministicBatchSampler
 from detdata._state import CHECKED_FIELDS, LoaderState
-from tests.conftest import write_token_shards
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -126,6 +125,13 @@ def must_be_documented(exc: BaseException, *allowed: type[BaseException]) -> Non
 
 
 # ------------------------------------------------------------------ fixtures
+def write_token_shards(root: Path, sizes: tuple[int, ...]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i, size in enumerate(sizes):
+        np.save(root / f"shard-{i:03d}.npy", rng.integers(0, 50_000, size=size).astype(np.uint16))
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fuzz") / "data"
