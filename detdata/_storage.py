@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 import re
 from collections.abc import Iterator
@@ -79,6 +80,36 @@ def call_fs(fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: flo
     return getattr(fs, method)(*args, **kwargs)
 
 
+def cat_ranges_each(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
+                    ends: list[int], *, timeout: float | None) -> list[Any]:
+    """``fs.cat_ranges(paths, starts, ends)`` with per-range errors returned in place.
+
+    On fsspec's asynchronous file systems each range gets its own ``timeout``
+    (one stalled connection fails only its own ranges, the others are kept);
+    at most ``fs.batch_size`` (default 128) requests are in flight. Other file
+    systems get one plain ``cat_ranges`` call.
+    """
+    from fsspec.asyn import AsyncFileSystem, sync
+    if timeout is None or not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
+        return list(fs.cat_ranges(paths, starts, ends))
+    limit = max(1, int(getattr(fs, "batch_size", None) or 128))
+
+    async def run_all() -> list[Any]:
+        gate = asyncio.Semaphore(limit)
+
+        async def one(path: str, start: int, end: int) -> Any:
+            async with gate:
+                return await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout)
+
+        return list(await asyncio.gather(*(one(p, a, b) for p, a, b in
+                                           zip(paths, starts, ends, strict=True)),
+                                         return_exceptions=True))
+
+    # outer bound: every wave of `limit` ranges may take `timeout`, plus slack
+    waves = -(-len(paths) // limit)
+    return list(sync(fs.loop, run_all, timeout=timeout * waves + 5.0))
+
+
 def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *,
                timeout: float | None) -> bytes:
     """Exactly bytes ``[start, end)`` of ``path``; `ShortRead` (transient) otherwise."""
@@ -110,8 +141,8 @@ def read_ranges_retrying(fs: fsspec.AbstractFileSystem, paths: list[str], starts
     def attempt(timeout: float | None) -> None:
         nonlocal pending
         batch = [paths[i] for i in pending]
-        blobs = call_fs(fs, "cat_ranges", batch, [starts[i] for i in pending],
-                        [ends[i] for i in pending], timeout=timeout)
+        blobs = cat_ranges_each(fs, batch, [starts[i] for i in pending],
+                                [ends[i] for i in pending], timeout=timeout)
         failed: list[int] = []
         first: BaseException | None = None
         for i, blob in zip(pending, blobs, strict=True):
