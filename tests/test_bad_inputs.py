@@ -21,6 +21,7 @@
 | state from another dataset / seed           | StateError (fields)    | test_state_from_elsewhere[dataset / seed]        |
 | state of another format / algorithm version | StateError             | test_state_from_elsewhere[format-version / alg.] |
 | state edited inconsistently                 | StateError             | test_state_from_elsewhere[edited-stream]         |
+| state from another mixture (weights)        | StateError ('mixture') | test_state_from_another_mixture                  |
 | negative position                           | StateError             | test_bad_position[negative]                      |
 | position past total_samples (mixture too)   | StateError             | test_bad_position[past-total*]                   |
 | position past the addressable 2**62         | StateError             | test_bad_position[past-2**62]                    |
@@ -413,6 +414,28 @@ def test_bad_position(make: Callable[[], DataLoader], position: int, pattern: st
         state["samples_consumed"] = loader.total_samples
         loader.load_state_dict(state)
         assert list(loader) == []
+
+
+def test_state_from_another_mixture() -> None:
+    """Other weights are refused naming 'mixture'; allowed by name, every source continues exactly."""
+    saved_loader = _mixture_loader(None)
+    state = _state_after(saved_loader, 5)  # 40 positions: inside the second phase
+    sources = saved_loader.stream.sources  # type: ignore[attr-defined]
+    reweighted = DataLoader(detdata.Mixture(sources, {"a": 1, "b": 4}, seed=4), global_batch_size=8,
+                            seed=4)
+    with pytest.raises(StateError, match=r"mixture: saved 'b3:[0-9a-f]{64}', current 'b3:") as info:
+        reweighted.load_state_dict(state)
+    assert info.value.fields == ("mixture",)
+    reweighted.load_state_dict(state, allow=["mixture"])
+    old = _mixture_loader(None).stream
+    new = reweighted.stream
+    assert isinstance(old, detdata.Mixture) and isinstance(new, detdata.Mixture)
+    before = old.consumed(40)
+    src, index, _ = new.locate(np.arange(40, 400))
+    for s, name in enumerate(new.source_names):  # no sample index repeated or skipped
+        mine = index[src == s]
+        assert np.array_equal(mine, np.arange(before[name], before[name] + mine.size))
+    assert np.array_equal(new.locate(np.arange(40))[0], old.locate(np.arange(40))[0])
 
 
 def test_mixture_schedule_resumes_past_its_last_phase_start() -> None:

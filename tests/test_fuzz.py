@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,9 @@ def test_manifest_mutations_fail_cleanly_or_keep_identity(manifest_doc: dict[str
         text = json.dumps(doc)
     except ValueError:
         return  # not representable as JSON text (cannot come from a file)
-    for parse in (lambda: Manifest.from_json(doc), lambda: Manifest.loads(text)):
+    parsers: list[Callable[[], Manifest]] = [lambda: Manifest.from_json(doc),
+                                             lambda: Manifest.loads(text)]
+    for parse in parsers:
         try:
             parsed = parse()
         except Exception as exc:
@@ -328,7 +330,7 @@ def test_sampler_load_state_dict_mutations(data: st.DataObject) -> None:
     next(it)
     next(it)
     valid = base.state_dict()
-    state = data.draw(mutated(valid) | JSONISH)
+    state: Any = data.draw(mutated(valid) | JSONISH)
     sampler = _sampler()
     try:
         sampler.load_state_dict(state)
