@@ -9,6 +9,7 @@ to the caller; its state is that count plus identity fields (`LoaderState`).
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -120,6 +121,36 @@ def _dead_workers(torch_iter: object, wait_s: float = 1.0) -> list[int]:
     return dead
 
 
+class WorkerMode(str, enum.Enum):
+    """Where ``num_workers`` readers run.
+
+    ``PROCESS`` (default, as torch): worker processes; each seeds python/numpy/torch
+    globals from a hash of (seed, rank, worker). ``THREAD``: threads of the main
+    process; batched numpy/pyarrow reads release the GIL and batches need no
+    inter-process transfer (much faster for small samples on few cores), but
+    global generators are shared and not re-seeded: transforms must use the
+    ``rng`` they are handed (which is identical in both modes).
+    """
+
+    PROCESS = "process"
+    THREAD = "thread"
+
+
+def _parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
+    try:
+        return WorkerMode(value)
+    except ValueError:
+        raise ConfigError(f"worker_mode must be 'process' or 'thread', got {value!r}") from None
+
+
+def _pin(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, Mapping):
+        return {k: _pin(v) for k, v in batch.items()}
+    return batch
+
+
 def _to_torch(batch: Any) -> Any:
     if isinstance(batch, np.ndarray):
         return torch.from_numpy(batch)
@@ -169,6 +200,7 @@ class DataLoader:
         allow_on_resume: Iterable[str] = (),
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        worker_mode: str | WorkerMode = WorkerMode.PROCESS,
     ) -> None:
         self.seed = check_seed(seed)
         default_rank, default_world = _default_rank_world()
@@ -194,6 +226,9 @@ class DataLoader:
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
+        self.worker_mode = _parse_worker_mode(worker_mode)
+        self._pin_memory = bool(pin_memory)
+        self._prefetch_factor = 2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
         from detdata._device import check_depth, check_device
         self.device = None if device is None else check_device(device)
         self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
@@ -251,11 +286,31 @@ class DataLoader:
             self._sampler.start = self._consumed
         return self._torch_loader
 
+    @property
+    def _threaded(self) -> bool:
+        return self.worker_mode is WorkerMode.THREAD and self.num_workers > 0
+
+    def _thread_batches(self) -> Iterator[Any]:
+        """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
+        from detdata._threads import threaded_batches
+        dataset = PositionDataset(self._stream, self._transform, self.seed)
+        collate: Callable[[Any], Any] = self._collate_fn or _to_torch
+        pin = self._pin_memory and torch.cuda.is_available() and self.device is None
+
+        def fetch(positions: IntArray) -> Any:
+            batch = collate(dataset[positions])
+            return _pin(batch) if pin else batch
+
+        sampler = MicroBatchSampler(self.layout, self._consumed, self.total_samples)
+        return threaded_batches(fetch, iter(sampler), self.num_workers,
+                                self.num_workers * self._prefetch_factor)
+
     def __iter__(self) -> Iterator[Any]:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        torch_iter = iter(self._loader_from_here())
+        torch_iter: Iterator[Any] = (self._thread_batches() if self._threaded
+                                     else iter(self._loader_from_here()))
         iterator: Iterator[Any] = torch_iter
         if self.device is not None:
             from detdata._device import device_batches

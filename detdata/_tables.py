@@ -275,7 +275,9 @@ class TableRows:
 
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
         if self._fs is None:
-            self._fs, self._root_path = filesystem(self.manifest.root or "", **self.storage_options)
+            fs, root_path = filesystem(self.manifest.root or "", **self.storage_options)
+            self._root_path = root_path  # before _fs: reader threads test _fs first
+            self._fs = fs
         return self._fs, self._root_path
 
     @property

@@ -242,7 +242,9 @@ class TokenWindows:
             root = self.manifest.root
             if root is None:
                 raise ConfigError("the manifest has no root; hint: pass root=")
-            self._fs, self._root_path = filesystem(root, **self.storage_options)
+            fs, root_path = filesystem(root, **self.storage_options)
+            self._root_path = root_path  # before _fs: reader threads test _fs first
+            self._fs = fs
         return self._fs
 
     @property

@@ -290,3 +290,40 @@ def test_same_seed_same_bytes_different_seed_differs() -> None:
     c = run_digests(DataLoader(dataset(), global_batch_size=8, seed=2), 5)
     assert a == b and a != c
     assert digest({"x": torch.zeros(1)}) != digest({"x": torch.ones(1)})
+
+
+def test_thread_workers_same_bytes_and_resume() -> None:
+    def make(mode: str, workers: int) -> DataLoader:
+        return DataLoader(dataset(), global_batch_size=16, micro_batch_size=4, seed=8, num_workers=workers,
+                          worker_mode=mode, transform=_noisy)
+    states: list[dict[str, Any]] = []
+    reference = run_digests(make("process", 0), 24)
+    assert run_digests(make("thread", 2), 24, states) == reference
+    for k in (0, 5, 13):
+        resumed = make("thread", 3)
+        resumed.load_state_dict(states[k])
+        assert run_digests(resumed, 24 - k - 1) == reference[k + 1:]
+
+
+def test_thread_worker_error_names_positions_and_keeps_state() -> None:
+    class Failing:
+        num_samples = N
+        def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+            if (ids == 7).any():
+                raise OSError("disk gone")
+            return {"id": ids}
+        def identity(self) -> dict[str, Any]:
+            return {"type": "failing"}
+    dl = DataLoader(Failing(), global_batch_size=4, seed=0, num_workers=2, worker_mode="thread")
+    order = detdata.GlobalOrder(N, 0)
+    bad_step = int(np.flatnonzero(order.ids(np.arange(N)) == 7)[0]) // 4
+    with pytest.raises(OSError, match="disk gone") as err:
+        for _ in dl:
+            pass
+    assert dl.samples_consumed == bad_step * 4
+    assert f"[{bad_step * 4}" in "".join(getattr(err.value, "__notes__", []))
+
+
+def test_worker_mode_validated() -> None:
+    with pytest.raises(detdata.ConfigError, match="worker_mode"):
+        DataLoader(dataset(), global_batch_size=8, worker_mode="fibers")
