@@ -1,9 +1,12 @@
 """`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
 
-It is built on torch's public ``DataLoader``: a sampler yields the positions of
-this rank's micro batches (`Layout`), a map-style dataset turns a whole array of
-positions into one batch with one batched read (`Stream.fetch`), and torch
-handles workers, prefetching and pinning. The loader counts samples *delivered*
+A sampler yields the positions of this rank's micro batches (`Layout`) and a
+map-style dataset turns a whole array of positions into one batch with one
+batched read (`Stream.fetch`). With process workers these go to torch's public
+``DataLoader``, which handles workers, prefetching and pinning; with
+``num_workers=0`` the same sampler, dataset and collate run inline (torch's
+per-batch plumbing cost more than the read), and ``worker_mode="thread"`` runs
+them on reader threads. The loader counts samples *delivered*
 to the caller; its state is that count plus identity fields (`LoaderState`).
 """
 
@@ -290,9 +293,7 @@ class DataLoader:
     def _threaded(self) -> bool:
         return self.worker_mode is WorkerMode.THREAD and self.num_workers > 0
 
-    def _thread_batches(self) -> Iterator[Any]:
-        """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
-        from detdata._threads import threaded_batches
+    def _fetcher(self) -> Callable[[IntArray], Any]:
         dataset = PositionDataset(self._stream, self._transform, self.seed)
         collate: Callable[[Any], Any] = self._collate_fn or _to_torch
         pin = self._pin_memory and torch.cuda.is_available() and self.device is None
@@ -300,7 +301,18 @@ class DataLoader:
         def fetch(positions: IntArray) -> Any:
             batch = collate(dataset[positions])
             return _pin(batch) if pin else batch
+        return fetch
 
+    def _inline_batches(self) -> Iterator[Any]:
+        """``num_workers=0``: the same dataset and collate as torch's loader, without its per-batch plumbing."""
+        fetch = self._fetcher()
+        for positions in MicroBatchSampler(self.layout, self._consumed, self.total_samples):
+            yield fetch(positions)
+
+    def _thread_batches(self) -> Iterator[Any]:
+        """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
+        from detdata._threads import threaded_batches
+        fetch = self._fetcher()
         sampler = MicroBatchSampler(self.layout, self._consumed, self.total_samples)
         return threaded_batches(fetch, iter(sampler), self.num_workers,
                                 self.num_workers * self._prefetch_factor)
@@ -309,8 +321,13 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        torch_iter: Iterator[Any] = (self._thread_batches() if self._threaded
-                                     else iter(self._loader_from_here()))
+        torch_iter: Iterator[Any]
+        if self.num_workers == 0:
+            torch_iter = self._inline_batches()
+        elif self._threaded:
+            torch_iter = self._thread_batches()
+        else:
+            torch_iter = iter(self._loader_from_here())
         iterator: Iterator[Any] = torch_iter
         if self.device is not None:
             from detdata._device import device_batches
