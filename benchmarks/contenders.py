@@ -236,23 +236,10 @@ class Runner:
         self.positions = lambda k: np.arange(start + k * self.batch, start + (k + 1) * self.batch,
                                              dtype=np.int64)
         self.order_ids = stream.sample_ids
-        if self.name == "detdata-threads":
-            from detdata._threads import threaded_batches
-
-            def fetch(pos: npt.NDArray[np.int64]) -> dict[str, torch.Tensor]:
-                return {k: torch.from_numpy(v) for k, v in stream.fetch(pos).items()}
-
-            # Open the file system once before the threads start: the lazy `_filesystem()` of
-            # TokenWindows/TableRows assigns (_fs, _root_path) as a tuple, so a second thread can
-            # see _fs set while _root_path is still "" (a race to fix before worker_mode="thread").
-            ds._filesystem()
-            pos_iter = (np.arange(p, p + self.batch, dtype=np.int64)
-                        for p in itertools.count(start, self.batch))
-            gen = threaded_batches(fetch, pos_iter, num_threads=self.workers, prefetch=2 * self.workers)
-            self._cleanup.append(gen)
-            return gen
+        mode = "thread" if self.name == "detdata-threads" else "process"
         loader = detdata.DataLoader(ds, global_batch_size=self.batch, seed=self.seed,
-                                    num_workers=self.workers, persistent_workers=self.workers > 0)
+                                    num_workers=self.workers, persistent_workers=self.workers > 0,
+                                    worker_mode=mode)
         self._cleanup.append(loader)
         if resume_at:
             state = loader.state_dict()

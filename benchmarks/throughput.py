@@ -46,7 +46,7 @@ LABELS = {
     "vanilla-batched": "torch DataLoader, hand-written __getitems__",
     "stateful": "torchdata StatefulDataLoader, per-sample",
     "detdata": "detdata.DataLoader",
-    "detdata-threads": "detdata stream + threaded_batches (prototype)",
+    "detdata-threads": "detdata.DataLoader, worker_mode='thread'",
 }
 OPTIONAL = {"mosaicml-streaming": "streaming", "grain": "grain", "litdata": "litdata"}
 PRELOAD = ["numpy", "torch", "torch.utils.data", "pyarrow", "pyarrow.parquet", "detdata",
