@@ -271,9 +271,16 @@ class TokenWindows:
                 self._drop_if_replaced(other)
         return path
 
-    def _drop_if_replaced(self, shard: int) -> bool:
-        """Forget the map of ``shard`` if its cached copy was evicted or replaced."""
-        path, inode = self._view_files[shard]
+    def _drop_if_replaced(self, shard: int) -> str | None:
+        """Forget the map of ``shard`` if its cached copy was evicted or replaced.
+
+        Returns the copy's path when the map is still current (safe with reader threads:
+        a concurrent drop just means the next use re-opens the copy).
+        """
+        known = self._view_files.get(shard)
+        if known is None:
+            return None
+        path, inode = known
         try:
             same = os.stat(path).st_ino == inode
         except FileNotFoundError:
@@ -281,15 +288,17 @@ class TokenWindows:
         if not same:
             self._views.pop(shard, None)
             self._view_files.pop(shard, None)
-        return not same
+            return None
+        return path
 
     def _refresh_cached(self, shards: Iterable[int]) -> None:
         """Before a batch: re-open shards whose cached copy changed; refresh their LRU time."""
         cache = self.cache
         assert cache is not None
         for shard in shards:
-            if shard in self._view_files and not self._drop_if_replaced(shard):
-                cache.touch(self._view_files[shard][0])
+            path = self._drop_if_replaced(shard)
+            if path is not None:
+                cache.touch(path)
 
     def _map_cached(self, shard: int, dtype: np.dtype[Any]) -> tuple[Any, str, int]:
         """Memmap of the cached copy of ``shard``: ``(map, path, inode)``.
