@@ -14,7 +14,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 240) -> str:
+def _run(args: list[str], tmp_path: Path, timeout: int = 600) -> str:
     env = {**os.environ, "DETDATA_REGISTRY": str(tmp_path / "registry"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
