@@ -3,7 +3,9 @@
 Pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader`` or torchdata's
 ``StatefulDataLoader`` over your own map-style dataset. Each item is this
 rank's micro batch as a list of sample ids, exactly the ids detdata's own
-DataLoader would read at those positions (DESIGN.md sections 2 and 4).
+DataLoader would read at those positions (DESIGN.md sections 2 and 4). Given a
+`Mixture` instead of a sample count, each item is a list of
+``(source_name, sample_id)`` pairs (section 3), for a dataset that dispatches by source.
 
 State is the same one integer: global samples consumed. ``StatefulDataLoader``
 snapshots the sampler when it dispatches a batch, so its saved state matches
@@ -16,25 +18,33 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from detdata._errors import StateError
+from detdata._dataset import IntArray
+from detdata._errors import ConfigError, StateError
 from detdata._layout import Layout
 from detdata._loader import _default_rank_world
+from detdata._mixture import Mixture
 from detdata._order import ALGORITHM, GlobalOrder, check_count, check_seed
 from detdata._state import MAX_POSITION
 
 SAMPLER_KIND: Final = "detdata.sampler_state"
 SAMPLER_VERSION: Final = 1
-_CHECKED: Final = ("seed", "num_samples", "algorithm", "global_batch_size")
+_CHECKED: Final = ("seed", "num_samples", "mixture", "algorithm", "global_batch_size")
 
 
 class DeterministicBatchSampler:
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on."""
 
-    def __init__(self, num_samples: int, *, global_batch_size: int, micro_batch_size: int | None = None,
+    def __init__(self, num_samples: int | Mixture, *, global_batch_size: int, micro_batch_size: int | None = None,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None,
                  total_samples: int | None = None) -> None:
         default_rank, default_world = _default_rank_world()
-        self.order = GlobalOrder(num_samples, check_seed(seed))
+        self.mixture: Mixture | None = None
+        self.order: GlobalOrder | None = None
+        if isinstance(num_samples, Mixture):
+            self.mixture, self.seed = num_samples, num_samples.seed
+        else:
+            self.seed = check_seed(seed)
+            self.order = GlobalOrder(num_samples, self.seed)
         self.layout = Layout.create(global_batch_size, micro_batch_size,
                                     default_world if world_size is None else world_size,
                                     default_rank if rank is None else rank)
@@ -48,16 +58,25 @@ class DeterministicBatchSampler:
         """Global position after the micro batches yielded so far."""
         return self._start + self._yielded * self.layout.samples_per_micro_step
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def _items(self, positions: IntArray) -> list[Any]:
+        if self.order is not None:
+            return list(self.order.ids(positions).tolist())
+        if self.mixture is None:
+            raise ConfigError("DeterministicBatchSampler has neither an order nor a mixture")
+        src, _, ids = self.mixture.locate(positions)
+        names = self.mixture.source_names
+        return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
+
+    def __iter__(self) -> Iterator[list[Any]]:
         self._start = self.samples_consumed
         self._yielded = 0
         per = self.layout.samples_per_micro_step
         j = self._start // per
         while self.total_samples is None or j * per < self.total_samples:
-            ids = self.order.ids(self.layout.positions(j))
+            items = self._items(self.layout.positions(j))
             self._yielded += 1
             j += 1
-            yield ids.tolist()
+            yield items
 
     def __len__(self) -> int:
         if self.total_samples is None:
@@ -66,7 +85,9 @@ class DeterministicBatchSampler:
 
     def _state(self, consumed: int) -> dict[str, Any]:
         return {"kind": SAMPLER_KIND, "format_version": SAMPLER_VERSION, "samples_consumed": consumed,
-                "seed": self.order.seed, "num_samples": self.order.num_samples, "algorithm": ALGORITHM,
+                "seed": self.seed, "num_samples": None if self.order is None else self.order.num_samples,
+                "mixture": None if self.mixture is None else self.mixture.fingerprint(),
+                "algorithm": ALGORITHM if self.mixture is None else f"{ALGORITHM}+{self.mixture.algorithm}",
                 "global_batch_size": self.layout.global_batch_size,
                 "layout": {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size}}
 

@@ -77,3 +77,22 @@ def test_mismatched_state_lists_fields() -> None:
     with pytest.raises(detdata.StateError) as err:
         b.load_state_dict(a.state_dict())
     assert set(err.value.fields) == {"num_samples", "global_batch_size"}
+
+
+def test_mixture_sampler_yields_source_and_id_like_the_loader() -> None:
+    sources = {"a": detdata.ArrayDataset({"x": np.arange(50)}), "b": detdata.ArrayDataset({"x": np.arange(30) + 1000})}
+    mix = detdata.Mixture(sources, {"a": "0.6", "b": "0.4"}, seed=4)
+    sampler = DeterministicBatchSampler(mix, global_batch_size=8, micro_batch_size=4)
+    items = [b for _, b in zip(range(6), sampler, strict=False)]
+    loader = detdata.DataLoader(mix, global_batch_size=8, micro_batch_size=4)
+    it = iter(loader)
+    for batch in items:
+        expected = next(it)["x"].tolist()
+        assert [i if s == "a" else i + 1000 for s, i in batch] == expected
+    state = sampler.state_dict()
+    assert state["mixture"] == mix.fingerprint() and state["num_samples"] is None
+    other = DeterministicBatchSampler(detdata.Mixture(sources, {"a": "0.5", "b": "0.5"}, seed=4),
+                                      global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(detdata.StateError) as err:
+        other.load_state_dict(state)
+    assert err.value.fields == ("mixture",)
