@@ -9,9 +9,12 @@ token. Windows never cross shard boundaries; a shard of ``T`` tokens holds
 tail tokens are dropped. Window ids are numbered shard by shard in manifest
 (path) order.
 
-Reading: ``read(ids)`` maps ids to shards with one ``np.searchsorted`` over the
-cumulative window counts, then per touched shard does ONE fancy-index gather
-from a strided 2-D view of a read-only memmap (local roots) or, for remote
+Reading: ``read(ids)`` checks the ids once (min/max), and when they all fall in
+one shard does ONE fancy-index gather from a strided 2-D view of that shard's
+read-only memmap straight into the result. Otherwise it maps ids to shards with
+one ``np.searchsorted`` over the cumulative window counts, groups them by shard
+(stable argsort of the shard index), does one gather per touched shard into a
+buffer and one scatter into the result (local roots) or, for remote
 fsspec roots, ONE ``fs.cat_ranges`` call for the whole batch (failed ranges are
 retried with backoff under ``retry``, a `RetryPolicy`). With ``cache_dir``,
 remote shards are instead copied whole into a bounded, blake3-verified local
@@ -21,6 +24,7 @@ are opened lazily per process and dropped when pickled.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -178,6 +182,11 @@ class TokenWindows:
         self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
         self._offsets = np.asarray([s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64)
+        self._start_list: list[int] = self._starts.tolist()
+        # per shard: does a cast to out_dtype narrow (values must be range-checked)?
+        self._narrowing: tuple[bool, ...] = tuple(
+            not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes)
+        self._one_dtype = len(set(self._dtypes)) == 1
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -191,7 +200,7 @@ class TokenWindows:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
-                    "_view_files"):
+                    "_view_files", "_start_list", "_narrowing", "_one_dtype"):
             state.pop(key, None)
         return state
 
@@ -219,16 +228,22 @@ class TokenWindows:
 
     def read(self, ids: npt.ArrayLike) -> Batch:
         """``{"tokens": (len(ids), window)}``: one batched read, rows in the order of ``ids``."""
-        arr = check_ids(ids, self._num, self._what())
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            arr = check_ids(arr, self._num, self._what())  # raises the error
+        arr = arr.astype(np.int64, copy=False)
+        if not arr.size:
+            return {"tokens": np.empty((0, self.window), dtype=self.out_dtype)}
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self._num:
+            check_ids(arr, self._num, self._what())  # raises the error
+        fs = self._filesystem()
+        if isinstance(fs, LocalFileSystem):
+            return {"tokens": self._gather_local(arr, lo, hi)}
+        if self.cache_dir is not None:
+            return {"tokens": self._gather_local(arr, lo, hi, cached=True)}
         out = np.empty((arr.size, self.window), dtype=self.out_dtype)
-        if arr.size:
-            fs = self._filesystem()
-            if isinstance(fs, LocalFileSystem):
-                self._gather_local(arr, out)
-            elif self.cache_dir is not None:
-                self._gather_local(arr, out, cached=True)
-            else:
-                self._gather_remote(fs, arr, out)
+        self._gather_remote(fs, arr, out)
         return {"tokens": out}
 
     # reading -----------------------------------------------------------------
@@ -350,15 +365,60 @@ class TokenWindows:
         spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise(bounds.tolist())]
         return order, local, spans
 
-    def _gather_local(self, ids: IntArray, out: np.ndarray[Any, Any], *,
-                      cached: bool = False) -> None:
-        order, local, spans = self._groups(ids)
+    def _gather_local(self, ids: IntArray, lo: int, hi: int, *,
+                      cached: bool = False) -> np.ndarray[Any, Any]:
+        """The windows ``ids`` (all in ``[lo, hi]``) from the shard memmaps, in ``out_dtype``.
+
+        One fancy-index gather per touched shard (``take`` would first copy a whole
+        overlapping window view). Ids of a single shard are gathered straight into the
+        result; otherwise ids are grouped by shard (stable argsort of the shard index),
+        gathered into one buffer shard run by shard run, and scattered once.
+        """
+        first = bisect.bisect_right(self._start_list, lo) - 1
+        last = bisect.bisect_right(self._start_list, hi) - 1
+        if first == last:
+            if cached:
+                self._refresh_cached((first,))
+            start = self._start_list[first]
+            view = self._views.get(first)
+            block = (self._view(first) if view is None else view)[ids - start if start else ids]
+            if block.dtype == self.out_dtype:
+                return block
+            if self._narrowing[first]:
+                self._check_range(block, first)
+            return block.astype(self.out_dtype)
+        shard = self._starts.searchsorted(ids, "right") - 1
+        order = shard.argsort(kind="stable")
+        shard = shard[order]
+        local = ids[order] - self._starts[shard]
+        cuts = ((shard[1:] != shard[:-1]).nonzero()[0] + 1).tolist()
+        spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise([0, *cuts, ids.size])]
         if cached:
-            self._refresh_cached(shard for shard, _, _ in spans)
-        for shard, a, b in spans:
-            block = self._view(shard)[local[a:b]]
-            self._check_range(block, shard)
-            out[order[a:b]] = block
+            self._refresh_cached(s for s, _, _ in spans)
+        uniform = self._one_dtype  # gather in the shards' dtype, cast once in the scatter
+        tmp = np.empty((ids.size, self.window),
+                       dtype=self._dtypes[0] if uniform else self.out_dtype)
+        views = self._views
+        for s, a, b in spans:
+            view = views.get(s)
+            block = (self._view(s) if view is None else view)[local[a:b]]
+            if not uniform and self._narrowing[s]:
+                self._check_range(block, s)
+            tmp[a:b] = block
+        if uniform and self._narrowing[0]:
+            self._check_ranges(tmp, spans)
+        out = np.empty((ids.size, self.window), dtype=self.out_dtype)
+        out[order] = tmp
+        return out
+
+    def _check_ranges(self, rows: np.ndarray[Any, Any], spans: list[tuple[int, int, int]]) -> None:
+        """`_check_range` for each shard run ``rows[a:b]`` (one min/max when all fit)."""
+        info = np.iinfo(self.out_dtype)
+        if int(rows.min()) >= info.min and int(rows.max()) <= info.max:
+            return
+        for s, a, b in spans:  # something is out of range: name the first shard, as a loop would
+            if self._narrowing[s]:
+                self._check_range(rows[a:b], s)
 
     def _gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray,
                        out: np.ndarray[Any, Any]) -> None:
@@ -392,7 +452,7 @@ class TokenWindows:
 
     def _check_range(self, block: np.ndarray[Any, Any], shard: int) -> None:
         """Refuse values that a narrowing ``out_dtype`` cast would wrap (vectorised)."""
-        if np.can_cast(self._dtypes[shard], self.out_dtype, casting="safe") or block.size == 0:
+        if not self._narrowing[shard] or block.size == 0:
             return
         info = np.iinfo(self.out_dtype)
         lo, hi = int(block.min()), int(block.max())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import pickle
 import uuid
@@ -317,3 +318,67 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr)
     return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[np.ndarray]]:
+    """Shards of different dtypes in one manifest (uint16, int64, int32, uint16)."""
+    root = tmp_path_factory.mktemp("npy-mixed")
+    rng = np.random.default_rng(11)
+    arrays = [rng.integers(0, 60_000, size=n).astype(dt)
+              for n, dt in zip((90, 41, 64, 150), ("uint16", "int64", "int32", "uint16"), strict=True)]
+    for i, arr in enumerate(arrays):
+        np.save(root / f"m-{i}.npy", arr)
+    return root, arrays
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=ids_lists, out_dtype=st.sampled_from([None, "int32", "int64", "uint16"]))
+def test_mixed_dtype_shards_match_reference(mixed_data: tuple[Path, list[np.ndarray]],
+                                            raw: list[int], out_dtype: str | None) -> None:
+    root, arrays = mixed_data
+    ds = TokenWindows(build_manifest(str(root)), SEQ, out_dtype=out_dtype)
+    ref = reference_windows(arrays, SEQ, labels=True)
+    ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
+    got = ds.read(ids)["tokens"]
+    assert got.dtype == np.dtype(out_dtype or "int64") and got.shape == (len(raw), SEQ + 1)
+    assert got.flags.c_contiguous and got.flags.writeable
+    for row, i in zip(got, ids.tolist(), strict=True):
+        np.testing.assert_array_equal(row, ref[i])
+
+
+def test_single_shard_batches_and_whole_dataset(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
+    ds, arrays = npy_data
+    ref = np.stack(reference_windows(arrays, SEQ, labels=True))
+    starts = np.concatenate([[0], np.cumsum(ds.windows_per_shard)])
+    for a, b in itertools.pairwise(starts.tolist()):
+        ids = np.arange(a, b)[::-1].copy()  # one shard, reversed, then with duplicates
+        for batch in (ids, np.concatenate([ids, ids[:3]])):
+            got = ds.read(batch)["tokens"]
+            assert got.dtype == np.dtype(EXPECTED_OUT[arrays[0].dtype.name]) and got.flags.owndata
+            np.testing.assert_array_equal(got, ref[batch])
+    every = np.random.default_rng(3).permutation(ds.num_samples)
+    np.testing.assert_array_equal(ds.read(every)["tokens"], ref[every])
+    np.testing.assert_array_equal(ds.read(every.astype(np.uint32))["tokens"], ref[every])
+
+
+def test_narrowing_check_names_the_first_offending_shard(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.array([1, 2, 3, 4, 5], dtype=np.int64))
+    np.save(tmp_path / "b.npy", np.array([6, 7, 70_000, 9, 10], dtype=np.int64))
+    np.save(tmp_path / "c.npy", np.array([11, -1, 13, 14, 15], dtype=np.int64))
+    np.save(tmp_path / "d.npy", np.array([16, 17, 18, 19, 20], dtype=np.uint16))
+    narrow = TokenWindows(build_manifest(str(tmp_path)), 2, out_dtype="uint16")
+    # windows: a 0-1, b 2-3, c 4-5, d 6-7
+    np.testing.assert_array_equal(narrow.read(np.array([7, 0, 6, 1]))["tokens"],
+                                  [[18, 19, 20], [1, 2, 3], [16, 17, 18], [3, 4, 5]])
+    for ids, shard, values in (([4, 2], "b", r"\[6, 70000\]"), ([5, 3, 0], "b", r"\[9, 70000\]"),
+                               ([4, 7, 0], "c", r"\[-1, 13\]"), ([4], "c", r"\[-1, 13\]"),
+                               ([3], "b", r"\[9, 70000\]")):
+        with pytest.raises(FormatError, match=rf"{shard}\.npy.*{values}.*uint16"):
+            narrow.read(np.array(ids))
+    np.testing.assert_array_equal(narrow.read(np.array([5, 6]))["tokens"], [[13, 14, 15], [16, 17, 18]])
+    with pytest.raises(ConfigError, match=r"ids must be in \[0, 8\)"):
+        narrow.read(np.array([8, 0]))
+    with pytest.raises(ConfigError, match="1-D integer"):
+        narrow.read(np.array([0.0]))
+    assert narrow.read(np.array([], dtype=np.int64))["tokens"].shape == (0, 3)
