@@ -1,11 +1,20 @@
 """Rows of Parquet / Arrow IPC shards as samples.
 
 A `TableRows` dataset numbers the rows of every shard of a manifest in path
-order. ``read(ids)`` maps ids to ``(shard, row group, row in group)`` with one
-``np.searchsorted`` over the manifest's row-group sizes, sorts them so that each
-needed row group is visited once, decodes it (selected columns only) or takes
-it from a per-process LRU cache, gathers the wanted rows with a numpy fancy
-index, and scatters the rows back into the requested order.
+order. ``read(ids)`` maps ids to ``(row group, row in group)`` with one
+``np.searchsorted`` over the manifest's row-group sizes. When the per-process
+cache (`GroupSlots`) holds every needed row group in its slots, the batch is one
+``take`` per column, rows already in the requested order. Otherwise the ids are
+sorted so that each needed row group is visited once, it is decoded (selected
+columns only) or taken from the cache, the wanted rows are gathered with a numpy
+fancy index, and scattered back into the requested order.
+
+Shuffled reads touch row groups all over the dataset: a 64-row batch over 128 row
+groups needs ~50 of them. Unless the cache holds the working set (for a global
+shuffle: every row group; ``cache_row_groups`` and ``cache_bytes`` large enough),
+nearly every batch decodes most of its row groups (milliseconds each for Parquet).
+With a cache that small, prefer small row groups or Arrow IPC shards (memory-mapped,
+no decode).
 
 Columns become numpy arrays: primitive columns 1-D; fixed-size lists and lists
 whose rows all have one length 2-D ``(rows, length)`` (flattened values +
@@ -58,7 +67,8 @@ class _Group:
 
 
 class RowGroupCache:
-    """LRU of decoded row groups bounded by count and by bytes.
+    """LRU of decoded row groups bounded by count and by bytes (the reference contract
+    that `GroupSlots`, the cache `TableRows` uses, follows).
 
     ``put`` evicts least recently used groups until both ``len(self) <=
     max_groups`` and ``self.nbytes <= max_bytes``; a single group larger than
@@ -101,13 +111,259 @@ class RowGroupCache:
                 self.nbytes -= evicted.nbytes
 
 
+@dataclass
+class _Entry:
+    """A cached group: its slot (``-1``: kept as its own arrays in ``group``), rows and charge."""
+
+    slot: int
+    rows: int
+    nbytes: int
+    group: _Group | None
+
+
+class GroupSlots:
+    """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU
+    (the `RowGroupCache` contract) whose groups live in slots of shared column arrays.
+
+    Bounds, as for `RowGroupCache`: at most ``max_groups`` groups and ``max_bytes``
+    bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
+    used groups until both hold; a group charged more than ``max_bytes`` is not kept;
+    ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
+
+    Storage: when every row group of the manifest fits both bounds (at the slot charge
+    below: the dataset can be cached whole, the working set of shuffled reads), groups
+    are copied into slots of one array per column, ``rows_per_slot`` rows (the largest
+    row group of the manifest) per slot, so a batch whose groups are all cached is ONE
+    ``take`` per column (`gather`), rows already in the requested order. A group in a
+    slot is charged the slot's bytes (``rows_per_slot`` rows even when the group is
+    shorter; 8 bytes a row for object columns) plus the Arrow bytes of its string/ragged
+    values. The slot arrays grow by doubling up to one slot per row group of the
+    manifest, which fits in ``max_bytes`` (``pool_bytes``; it can be up to twice the
+    slot bytes of the groups cached so far, never above ``max_bytes``). Otherwise (a
+    smaller cache: most of a shuffled batch's groups must be decoded anyway, and a copy
+    would only add to that), and for a group whose columns do not match the slot layout
+    (a list column of another width; the slots are then given up), groups are kept as
+    their own arrays, charged their own bytes, as `RowGroupCache` does. Slots of evicted
+    groups are reused, so a `_Group` from ``get`` is only valid until the next ``put``.
+    Thread-safe: gathers and slot changes hold one lock.
+    """
+
+    def __init__(self, max_groups: int, max_bytes: int, *, group_shard: IntArray,
+                 shard_first_group: IntArray, rows_per_slot: int) -> None:
+        self.max_groups = max_groups
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.rows_per_slot = rows_per_slot
+        self._group_shard = group_shard
+        self._first = shard_first_group
+        total = int(group_shard.size)
+        self._total = max(total, 1)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU first, unless _dirty
+        self._stamp = np.full(total, -1, dtype=np.int64)  # last use: tick * total + group
+        self._dirty = False  # slot gathers set stamps only; the order is rebuilt when needed
+        self._slot_of = np.full(total, -1, dtype=np.int64)
+        self._tick = 0
+        self._layout: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] | None = None
+        self._slot_bytes = 0
+        self._max_slots = 0
+        self._pool: dict[str, np.ndarray[Any, Any]] = {}
+        self._slots = 0  # allocated
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    # the RowGroupCache interface -------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the slot arrays allocated so far (0 without slots; ``<= max_bytes``)."""
+        return self._slots * self._slot_bytes
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Cached (shard, group) keys, least recently used first."""
+        with self._lock:
+            self._order()
+            return [self._key(g) for g in self._entries]
+
+    def get(self, key: tuple[int, int]) -> _Group | None:
+        """The cached group (marked most recently used), or None."""
+        g = self._global(key)
+        with self._lock:
+            entry = self._entries.get(g)
+            if entry is None:
+                return None
+            self._touch(g)
+            if entry.group is not None:
+                return entry.group
+            a = entry.slot * self.rows_per_slot
+            return _Group({n: col[a:a + entry.rows] for n, col in self._pool.items()}, entry.nbytes)
+
+    def put(self, key: tuple[int, int], item: _Group) -> None:
+        """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
+        if self.max_groups == 0:
+            return
+        g = self._global(key)
+        rows = _rows(item)
+        with self._lock:
+            pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
+            charge = item.nbytes
+            if pooled:
+                fixed = sum(int(c.nbytes) for c in item.columns.values() if c.dtype != object)
+                charge = self._slot_bytes + item.nbytes - fixed
+            if charge > self.max_bytes:
+                return
+            entries = self._entries
+            old = entries.pop(g, None)
+            if old is not None:
+                self._forget(g, old)
+            if len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes:
+                self._order()
+                while entries and (len(entries) >= self.max_groups
+                                   or self.nbytes + charge > self.max_bytes):
+                    self._forget(*entries.popitem(last=False))  # least recently used first
+            entry = _Entry(-1, rows, charge, item)
+            if pooled:
+                entry = _Entry(self._alloc_slot(), rows, charge, None)
+                a = entry.slot * self.rows_per_slot
+                for name, col in self._pool.items():
+                    col[a:a + rows] = item.columns[name]
+                self._slot_of[g] = entry.slot
+            entries[g] = entry  # the most recently used
+            self.nbytes += charge
+            self._stamp[g] = self._tick * self._total + g
+            self._tick += 1
+
+    # batch reads --------------------------------------------------------------
+    def gather(self, groups: IntArray, rows: IntArray,
+               columns: Sequence[str]) -> dict[str, np.ndarray[Any, Any]] | None:
+        """Rows ``rows`` of global row groups ``groups`` (non-empty), one ``take`` per column,
+        in the given order; None (nothing touched) unless every group is in a slot."""
+        with self._lock:
+            if not self._pool:
+                return None
+            slots = self._slot_of[groups]
+            if int(slots.min()) < 0:
+                return None
+            # LRU: the groups of a batch are used in ascending group order
+            self._stamp[groups] = self._tick * self._total + groups
+            self._tick += 1
+            self._dirty = True
+            index = slots * self.rows_per_slot + rows
+            return {name: self._pool[name].take(index, axis=0) for name in columns}
+
+    def take_rows(self, group: int, rows: IntArray) -> Columns | None:
+        """Copies of ``rows`` of one cached global row group (marked used), or None."""
+        with self._lock:
+            entry = self._entries.get(group)
+            if entry is None:
+                return None
+            self._touch(group)
+            if entry.group is not None:
+                return {n: c[rows] for n, c in entry.group.columns.items()}
+            index = rows + entry.slot * self.rows_per_slot
+            return {n: c.take(index, axis=0) for n, c in self._pool.items()}
+
+    # internals (called with the lock held) -------------------------------------
+    def _global(self, key: tuple[int, int]) -> int:
+        return int(self._first[key[0]]) + int(key[1])
+
+    def _key(self, g: int) -> tuple[int, int]:
+        shard = int(self._group_shard[g])
+        return shard, g - int(self._first[shard])
+
+    def _touch(self, g: int) -> None:
+        self._stamp[g] = self._tick * self._total + g
+        self._tick += 1
+        if not self._dirty:
+            self._entries.move_to_end(g)
+
+    def _order(self) -> None:
+        """Put ``_entries`` back in LRU order after slot gathers (which only set stamps)."""
+        if self._dirty:
+            for g in sorted(self._entries, key=self._stamp.__getitem__):
+                self._entries.move_to_end(g)  # in place: callers may hold the dict
+            self._dirty = False
+
+    def _fits(self, item: _Group, rows: int) -> bool:
+        """Does ``item`` go into a slot? The first group fixes the layout and whether slots
+        are used at all: only when every row group of the manifest fits both bounds."""
+        if self._layout is None:
+            layout = {n: (c.dtype, tuple(c.shape[1:])) for n, c in item.columns.items()}
+            row_bytes = sum(d.itemsize * int(np.prod(shape, dtype=np.int64))
+                            for d, shape in layout.values())
+            self._slot_bytes = self.rows_per_slot * row_bytes
+            total = int(self._group_shard.size)
+            fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
+            self._max_slots = total if min(self.max_groups, fit) >= total else 0
+            self._layout = layout
+        if self._max_slots == 0:
+            return False
+        if rows <= self.rows_per_slot and item.columns.keys() == self._layout.keys() and all(
+                item.columns[n].dtype == d and tuple(item.columns[n].shape[1:]) == shape
+                for n, (d, shape) in self._layout.items()):
+            return True
+        self._unpool()  # e.g. a list column of another width: no slots from now on
+        return False
+
+    def _unpool(self) -> None:
+        """Turn every group in a slot into its own arrays (charged their own bytes); drop the slots."""
+        for g, entry in self._entries.items():
+            if entry.slot < 0:
+                continue
+            a = entry.slot * self.rows_per_slot
+            columns = {n: col[a:a + entry.rows].copy() for n, col in self._pool.items()}
+            fixed = sum(int(c.nbytes) for c in columns.values() if c.dtype != object)
+            charge = entry.nbytes - self._slot_bytes + fixed
+            self.nbytes += charge - entry.nbytes
+            self._entries[g] = _Entry(-1, entry.rows, charge, _Group(columns, charge))
+            self._slot_of[g] = -1
+        self._pool = {}
+        self._free = []
+        self._slots = 0
+        self._max_slots = 0
+
+    def _alloc_slot(self) -> int:
+        if not self._free:
+            assert self._layout is not None and self._slots < self._max_slots  # bounds imply it
+            grown = min(self._max_slots, max(4, 2 * self._slots))
+            for name, (dtype, shape) in self._layout.items():
+                col = np.empty((grown * self.rows_per_slot, *shape), dtype=dtype)
+                old = self._pool.get(name)
+                if old is not None:
+                    col[:old.shape[0]] = old
+                self._pool[name] = col
+            self._free = list(range(grown - 1, self._slots - 1, -1))
+            self._slots = grown
+        return self._free.pop()
+
+    def _forget(self, g: int, entry: _Entry) -> None:
+        """Account for ``entry`` (group ``g``) having left ``_entries``; free its slot."""
+        self.nbytes -= entry.nbytes
+        if entry.slot >= 0:
+            self._slot_of[g] = -1
+            a = entry.slot * self.rows_per_slot
+            for col in self._pool.values():
+                if col.dtype == object:
+                    col[a:a + self.rows_per_slot] = None  # drop the references
+            self._free.append(entry.slot)
+
+
+def _rows(item: _Group) -> int:
+    return len(next(iter(item.columns.values()))) if item.columns else 0
+
+
 class TableRows:
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
     All shards must share one schema fingerprint (`FormatError` naming two
     shards and the differing fields otherwise). ``columns`` selects columns
     (default: all, in schema order). Decoded row groups are kept in an LRU per
-    process of at most ``cache_row_groups`` groups and ``cache_bytes`` bytes.
+    process (`GroupSlots`, ``self.cache``) of at most ``cache_row_groups`` groups and
+    ``cache_bytes`` bytes. When every row group of the manifest fits both bounds
+    (each charged the size of the largest row group), cached groups sit in slots of
+    one array per column and a batch of cached rows is one gather per column; for
+    shuffled reads, size the cache for that (see the module docstring).
     ``ragged`` names list columns to return as object arrays of 1-D arrays
     when their rows differ in length. Pickles carry the manifest and
     parameters only; readers and caches are re-opened lazily per process.
@@ -186,6 +442,7 @@ class TableRows:
                                       [len(groups) for groups in sizes])
         first = np.concatenate([[0], np.cumsum([len(groups) for groups in sizes])[:-1]])
         self._shard_first_group = first.astype(np.int64)
+        self._max_group_rows = int(flat.max()) if flat.size else 0
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -195,12 +452,15 @@ class TableRows:
         self._reader_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
         self._shard_cache: ShardCache | None = None
         self._io_lock = threading.Lock()
-        self.cache = RowGroupCache(self.cache_row_groups, self.cache_bytes)
+        self.cache = GroupSlots(self.cache_row_groups, self.cache_bytes,
+                                group_shard=self._group_shard,
+                                shard_first_group=self._shard_first_group,
+                                rows_per_slot=self._max_group_rows)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
-                    "_shard_first_group", "_reader_files", "_shard_cache"):
+                    "_shard_first_group", "_reader_files", "_shard_cache", "_max_group_rows"):
             state.pop(key, None)
         return state
 
@@ -233,13 +493,20 @@ class TableRows:
     def read(self, ids: npt.ArrayLike) -> Batch:
         """One array per selected column, rows in exactly the order of ``ids``.
 
-        Each needed row group is decoded (or taken from the cache) once per call.
+        When every needed row group is cached, one gather per column from the slot
+        arrays; otherwise each needed row group is decoded (or taken from the
+        cache) once per call, in group order.
         """
         arr = check_ids(ids, self._num, self._what())
         if self._pid != os.getpid():
             self._reset_process_state()
         if arr.size == 0:
             return {name: self._empty(name) for name in self.columns}
+        if self.cache.pool_bytes:
+            group = self._group_starts.searchsorted(arr, "right") - 1
+            fast = self.cache.gather(group, arr - self._group_starts[group], self.columns)
+            if fast is not None:
+                return fast
         order = np.argsort(arr, kind="stable")
         sorted_ids = arr[order]
         group = np.searchsorted(self._group_starts, sorted_ids, side="right").astype(np.int64) - 1
@@ -247,9 +514,16 @@ class TableRows:
         cuts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1, [group.size]])
         pieces: dict[str, list[np.ndarray[Any, Any]]] = {c: [] for c in self.columns}
         for a, b in itertools.pairwise(cuts.tolist()):
-            decoded = self._group(int(group[a]))
+            g = int(group[a])
+            part = self.cache.take_rows(g, rows[a:b])
+            if part is None:
+                shard = int(self._group_shard[g])
+                local = g - int(self._shard_first_group[shard])
+                decoded = self._decode(shard, local)
+                part = {name: decoded.columns[name][rows[a:b]] for name in self.columns}
+                self.cache.put((shard, local), decoded)
             for name in self.columns:
-                pieces[name].append(decoded.columns[name][rows[a:b]])
+                pieces[name].append(part[name])
         return {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
 
     # reading -----------------------------------------------------------------
@@ -271,7 +545,7 @@ class TableRows:
     def _empty(self, name: str) -> np.ndarray[Any, Any]:
         """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
         first = int(np.searchsorted(self._group_starts, 0, side="right")) - 1
-        return self._group(first).columns[name][:0]
+        return self._group(first).columns[name][:0].copy()
 
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
         if self._fs is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,155 @@ def test_forked_worker_gets_its_own_readers_and_cache(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got, ref["tokens"][ids])
     shard, group, _ = ds.locate(ids)
     assert child_cache == len(set(zip(shard.tolist(), group.tolist(), strict=True))) == 3
+
+
+# GroupSlots: the TableRows cache (slots of shared column arrays) ---------------------------
+
+def _model_step(model: RowGroupCache, ds: TableRows, ids: np.ndarray, charge: int) -> None:
+    """What a RowGroupCache would do for ``ds.read(ids)``: each needed group, ascending."""
+    shard, group, _ = ds.locate(ids)
+    for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
+        if model.get(key) is None:
+            model.put(key, _Group({}, charge))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_whole_dataset_cache_reads_by_slots(tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = write_shards(tmp_path, fmt, seed=8)
+    manifest = build_manifest(str(tmp_path))
+    groups = sum(len(s.row_groups or ()) for s in manifest.shards)
+    ds = TableRows(manifest, ["row", "tokens", "fixed", "score"], cache_row_groups=groups)
+    decodes: list[tuple[int, int]] = []
+    original = ds._decode
+
+    def counting(shard: int, group: int) -> _Group:
+        decodes.append((shard, group))
+        return original(shard, group)
+
+    monkeypatch.setattr(ds, "_decode", counting)
+    slot = GROUP_ROWS * (8 + 4 * WIDTH + 4 * 3 + 4)  # rows_per_slot x row bytes
+    model = RowGroupCache(max_groups=groups, max_bytes=10**12)
+    rng = np.random.default_rng(1)
+    for step in range(60):
+        ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 50)))
+        batch = ds.read(ids)
+        _model_step(model, ds, ids, slot)
+        for name in batch:
+            np.testing.assert_array_equal(batch[name], ref[name][ids])
+            assert batch[name].dtype == ref[name].dtype and batch[name].flags.c_contiguous
+        assert ds.cache.keys() == model.keys()  # LRU order, slot gathers included
+        assert ds.cache.nbytes == len(ds.cache) * slot <= ds.cache.pool_bytes <= ds.cache_bytes
+        if step == 30:
+            ds.read(np.arange(ds.num_samples))
+            _model_step(model, ds, np.arange(ds.num_samples), slot)
+            decodes.clear()
+    assert decodes == []  # the whole dataset is cached: every later batch is one gather per column
+    assert ds.cache.pool_bytes == groups * slot
+    group = ds.cache.get(ds.cache.keys()[0])
+    assert group is not None and sorted(group.columns) == ["fixed", "row", "score", "tokens"]
+
+
+def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
+    ref = write_shards(tmp_path, "parquet", seed=9)
+    manifest = build_manifest(str(tmp_path))
+    groups = sum(len(s.row_groups or ()) for s in manifest.shards)
+    for kwargs in ({"cache_row_groups": groups - 1}, {"cache_row_groups": 3},
+                   {"cache_bytes": (groups - 1) * GROUP_ROWS * 8 * (1 + WIDTH // 2)}):
+        ds = TableRows(manifest, ["row", "tokens"], **kwargs)
+        full = ds.cache_bytes >= groups * GROUP_ROWS * 8 * (1 + WIDTH // 2)
+        model = RowGroupCache(max_groups=ds.cache_row_groups, max_bytes=ds.cache_bytes)
+        rng = np.random.default_rng(2)
+        for _ in range(40):
+            ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 30)))
+            batch = ds.read(ids)
+            np.testing.assert_array_equal(batch["row"], ids)
+            np.testing.assert_array_equal(batch["tokens"], ref["tokens"][ids])
+            if full:  # only the count bound evicts: same order as the reference LRU
+                shard, group, _ = ds.locate(ids)
+                for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
+                    if model.get(key) is None:
+                        model.put(key, _Group({}, 1))
+                assert ds.cache.keys() == model.keys()
+            assert len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.cache_bytes
+        assert ds.cache.pool_bytes == 0  # no slots unless the whole manifest fits
+
+
+def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> None:
+    """Slots are used (every group fits at the slot charge) but the strings' bytes do not all fit:
+    groups are evicted, their slots reused; data stays right and both bounds hold."""
+    ref = write_shards(tmp_path, "arrow", seed=10)
+    manifest = build_manifest(str(tmp_path))
+    groups = sum(len(s.row_groups or ()) for s in manifest.shards)
+    slot = GROUP_ROWS * (8 + 8)  # int64 row + an object pointer
+    ds = TableRows(manifest, ["row", "text"], cache_row_groups=groups, cache_bytes=groups * slot + 2000)
+    rng = np.random.default_rng(3)
+    evicted = False
+    for step in range(200):
+        ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 40)))
+        batch = ds.read(ids)
+        np.testing.assert_array_equal(batch["row"], ids)
+        assert batch["text"].tolist() == ref["text"][ids].tolist()
+        assert ds.cache.nbytes <= ds.cache_bytes and ds.cache.pool_bytes <= ds.cache_bytes
+        evicted |= len(ds.cache) < groups
+        if step % 4:
+            continue  # let slot gathers and evicting decodes follow each other unobserved
+        cached = ds.cache.keys()
+        assert len(cached) == len(ds.cache) == int((ds.cache._slot_of >= 0).sum())
+        charges = 0
+        for key in cached:
+            got = ds.cache.get(key)
+            assert got is not None and got.nbytes >= slot
+            charges += got.nbytes
+            first = int(ds._group_starts[ds._shard_first_group[key[0]] + key[1]])
+            np.testing.assert_array_equal(got.columns["row"], np.arange(first, first + len(got.columns["row"])))
+        assert charges == ds.cache.nbytes
+    assert evicted and ds.cache.pool_bytes > 0
+    pool_text = ds.cache._pool["text"]
+    cached = ds.cache.keys()
+    live = {int(ds.cache._slot_of[ds._shard_first_group[k[0]] + k[1]]) for k in cached}
+    for free in set(range(ds.cache._slots)) - live:  # evicted slots hold no references
+        assert all(v is None for v in pool_text[free * GROUP_ROWS:(free + 1) * GROUP_ROWS])
+
+
+def test_other_width_group_gives_up_slots(tmp_path: Path) -> None:
+    table, rows = ragged_table([4, 4, 6, 6, 4, 4])
+    pq.write_table(table, tmp_path / "w.parquet", row_group_size=2)
+    ds = TableRows(build_manifest(str(tmp_path)))
+    np.testing.assert_array_equal(ds.read(np.array([1, 0, 5]))["ids"], [rows[1], rows[0], rows[5]])
+    assert ds.cache.pool_bytes > 0 and len(ds.cache) == 2
+    before = ds.cache.nbytes
+    np.testing.assert_array_equal(ds.read(np.array([3, 2]))["ids"], [rows[3], rows[2]])
+    assert ds.cache.pool_bytes == 0 and len(ds.cache) == 3
+    assert ds.cache.nbytes == before + 2 * 6 * 4  # the copied groups are charged their own bytes
+    np.testing.assert_array_equal(ds.read(np.array([5, 1, 4]))["ids"], [rows[5], rows[1], rows[4]])
+    with pytest.raises(FormatError, match=r"'ids'.*\[4, 6\]"):
+        ds.read(np.array([0, 3]))
+
+
+def test_slots_under_reader_threads(tmp_path: Path) -> None:
+    ref = write_shards(tmp_path, "arrow", seed=12)
+    manifest = build_manifest(str(tmp_path))
+    groups = sum(len(s.row_groups or ()) for s in manifest.shards)
+    ds = TableRows(manifest, ["row", "tokens", "text"], cache_row_groups=groups,
+                   cache_bytes=groups * GROUP_ROWS * (8 + 4 * WIDTH + 8) + 3000)  # strings force evictions
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 40)))
+                batch = ds.read(ids)
+                np.testing.assert_array_equal(batch["row"], ids)
+                np.testing.assert_array_equal(batch["tokens"], ref["tokens"][ids])
+                assert batch["text"].tolist() == ref["text"][ids].tolist()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors[0]
+    assert ds.cache.nbytes <= ds.cache_bytes and ds.cache.pool_bytes <= ds.cache_bytes
