@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import bisect
 import decimal
+import itertools
 import json
 import math
 import struct
@@ -497,15 +498,26 @@ class Mixture:
         (identical values; amortised O(1) per position for loader-style requests).
         """
         src, _, ids = self._memo(np.asarray(positions, dtype=np.int64).reshape(-1))
-        parts: dict[int, Batch] = {}
-        for s in np.unique(src):
-            name = self.source_names[int(s)]
-            parts[int(s)] = self.sources[name].read(ids[src == s])
-        if not parts:
+        if src.size == 0:
             return self.sources[self.source_names[0]].read(np.empty(0, dtype=np.int64))
-        return self._assemble(src, parts)
+        first = int(src[0])
+        runs: list[tuple[int, IntArray | None]]
+        if len(self.source_names) == 1 or not (src != first).any():
+            runs = [(first, None)]  # one source: every row, in order
+            parts = {first: self.sources[self.source_names[first]].read(ids)}
+        else:  # group positions by source: stable, so each source's ids stay in position order
+            order = src.argsort(kind="stable")
+            by_source = src[order]
+            cuts = ((by_source[1:] != by_source[:-1]).nonzero()[0] + 1).tolist()
+            runs = [(int(by_source[a]), order[a:b])
+                    for a, b in itertools.pairwise([0, *cuts, src.size])]
+            parts = {s: self.sources[self.source_names[s]].read(ids[rows]) for s, rows in runs}
+        return self._assemble(src.size, runs, parts)
 
-    def _assemble(self, src: IntArray, parts: Mapping[int, Batch]) -> Batch:
+    def _assemble(self, size: int, runs: Sequence[tuple[int, IntArray | None]],
+                  parts: Mapping[int, Batch]) -> Batch:
+        """One output array per column, each source's rows scattered to its positions
+        (``rows`` of a run; None: all of them)."""
         first_s, first = next(iter(parts.items()))
         for s, batch in parts.items():
             if set(batch) != set(first):
@@ -514,15 +526,18 @@ class Mixture:
                                   f"{sorted(first)} vs {sorted(batch)}")
         out: Batch = {}
         for col, ref in first.items():
-            arr = np.empty((src.size, *ref.shape[1:]), dtype=ref.dtype)
-            for s, batch in parts.items():
-                value = np.asarray(batch[col])
+            arr = np.empty((size, *ref.shape[1:]), dtype=ref.dtype)
+            for s, rows in runs:
+                value = np.asarray(parts[s][col])
                 if value.dtype != ref.dtype or value.shape[1:] != ref.shape[1:]:
                     raise FormatError(
                         f"Mixture column {col!r}: source {self.source_names[s]!r} gives {value.dtype} "
                         f"{value.shape[1:]}, source {self.source_names[first_s]!r} gives {ref.dtype} "
                         f"{ref.shape[1:]}; hint: make every source produce the same dtype and shape")
-                arr[src == s] = value
+                if rows is None:
+                    arr[...] = value
+                else:
+                    arr[rows] = value
             out[col] = arr
         return out
 
