@@ -90,20 +90,52 @@ def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return z
 
 
+_S30: Final = np.uint64(30)
+_S27: Final = np.uint64(27)
+_S31: Final = np.uint64(31)
+
+
+def _mix_into(z: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:
+    """`_mix` on ``z`` in place, with ``tmp`` (same shape) as scratch: no allocations."""
+    np.right_shift(z, _S30, out=tmp)
+    z ^= tmp
+    z *= _M1
+    np.right_shift(z, _S27, out=tmp)
+    z ^= tmp
+    z *= _M2
+    np.right_shift(z, _S31, out=tmp)
+    z ^= tmp
+
+
+@functools.lru_cache(maxsize=1024)
+def _keys_u64(keys: tuple[int, ...]) -> tuple[np.uint64, ...]:
+    return tuple(np.uint64(k) for k in keys)
+
+
 def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt.NDArray[np.uint64]:
+    """``E(x)`` (module docstring, step 4): ``ROUNDS`` Feistel rounds, in scratch buffers."""
     lo_bits = bits // 2
     lo_mask = np.uint64((1 << lo_bits) - 1)
     hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
     shift = np.uint64(lo_bits)
     lo = x & lo_mask
     hi = x >> shift
-    for r, key in enumerate(keys):
-        k = np.uint64(key)
-        if r % 2 == 0:
-            hi ^= _mix(lo ^ k) & hi_mask
-        else:
-            lo ^= _mix(hi ^ k) & lo_mask
-    return (hi << shift) | lo
+    z = np.empty_like(lo)
+    tmp = np.empty_like(lo)
+    for r, k in enumerate(_keys_u64(keys)):
+        if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
+            np.bitwise_xor(lo, k, out=z)
+            _mix_into(z, tmp)
+            z &= hi_mask
+            hi ^= z
+        else:  # lo ^= F(k, hi) & lo_mask
+            np.bitwise_xor(hi, k, out=z)
+            _mix_into(z, tmp)
+            z &= lo_mask
+            lo ^= z
+    hi <<= shift
+    hi |= lo
+    return hi
 
 
 def domain_bits(n: int) -> int:
@@ -176,20 +208,18 @@ class GlobalOrder:
         if pos.size and int(pos.min()) < 0:
             raise ConfigError(f"positions must be >= 0, found {int(pos.min())}")
         pos = pos.astype(np.uint64, copy=False)
-        n = np.uint64(self.num_samples)
-        epochs = pos // n
-        local = pos - epochs * n
+        epochs, local = np.divmod(pos, np.uint64(self.num_samples))
         out = np.empty(pos.shape, dtype=np.uint64)
         flat_e, flat_l, flat_o = epochs.reshape(-1), local.reshape(-1), out.reshape(-1)
         for start in range(0, flat_o.size, _CHUNK):
             stop = start + _CHUNK
             flat_o[start:stop] = self._chunk(flat_e[start:stop], flat_l[start:stop])
-        return out.astype(np.int64)
+        return out.view(np.int64)  # ids < n < 2**62: the same bits, no copy
 
     def _chunk(self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         first = int(epochs[0])
         if bool((epochs == first).all()):
-            return permute(local.copy(), self.num_samples, self.seed, first)
+            return permute(local, self.num_samples, self.seed, first)  # never writes its input
         out = np.empty_like(local)
         for epoch in np.unique(epochs):
             sel = epochs == epoch

@@ -295,3 +295,15 @@ def test_bad_positions_raise_config_error() -> None:
         order[5:]
     with pytest.raises(ConfigError):
         order[-1]
+
+
+def test_ids_leave_inputs_alone_and_return_fresh_int64() -> None:
+    order = GlobalOrder(1000, 5)  # 1000 < 2**10: cycle walking happens
+    for dtype in (np.int64, np.uint64, np.int32):
+        pos = np.arange(0, 3000, 7).astype(dtype)
+        before = pos.copy()
+        a, b = order.ids(pos), order.ids(pos)
+        np.testing.assert_array_equal(pos, before)
+        assert a.dtype == np.int64 and a.flags.writeable and not np.shares_memory(a, b)
+        np.testing.assert_array_equal(a, [order[int(g)] for g in before])
+    assert order.ids(np.int64(7)).shape == () and int(order.ids(np.int64(7))) == order[7]
