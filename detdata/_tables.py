@@ -111,7 +111,7 @@ class RowGroupCache:
                 self.nbytes -= evicted.nbytes
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     """A cached group: its slot (``-1``: kept as its own arrays in ``group``), rows and charge."""
 
@@ -201,9 +201,12 @@ class GroupSlots:
 
     def put(self, key: tuple[int, int], item: _Group) -> None:
         """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
+        self.insert(self._global(key), item)
+
+    def insert(self, g: int, item: _Group) -> None:
+        """`put` by global row group index."""
         if self.max_groups == 0:
             return
-        g = self._global(key)
         rows = _rows(item)
         with self._lock:
             pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
@@ -518,10 +521,9 @@ class TableRows:
             part = self.cache.take_rows(g, rows[a:b])
             if part is None:
                 shard = int(self._group_shard[g])
-                local = g - int(self._shard_first_group[shard])
-                decoded = self._decode(shard, local)
+                decoded = self._decode(shard, g - int(self._shard_first_group[shard]))
                 part = {name: decoded.columns[name][rows[a:b]] for name in self.columns}
-                self.cache.put((shard, local), decoded)
+                self.cache.insert(g, decoded)
             for name in self.columns:
                 pieces[name].append(part[name])
         return {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
