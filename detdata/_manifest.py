@@ -346,52 +346,44 @@ def _parse_verify(value: str | Verify) -> Verify:
 
 
 def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str) -> VerificationError | None:
-    where = f"shard {shard.path} (under {root})"
-    try:
-        size = int(fs.size(path))
-    except FileNotFoundError:
-        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
-                                 "was deleted or renamed, or the root is wrong (pass root=)",
-                                 shard=shard.path, field="exists", expected=True, found=False)
-    if size != shard.bytes:
-        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {size} "
-                                 "(truncated or rewritten?)", shard=shard.path, field="bytes",
-                                 expected=shard.bytes, found=size)
-    quick = quick_digest_file(fs, path, size)
-    if quick != shard.quick:
-        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {quick}",
-                                 shard=shard.path, field="quick", expected=shard.quick, found=quick)
-    if mode is Verify.FULL:
-        full = full_digest_file(fs, path)
-        if full != shard.blake3:
-            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {full}",
-                                     shard=shard.path, field="blake3", expected=shard.blake3, found=full)
-    return None
+    return _check_bytes(shard, mode, f"shard {shard.path} (under {root})",
+                        size=lambda: int(fs.size(path)),
+                        quick=lambda size: quick_digest_file(fs, path, size),
+                        full=lambda size: full_digest_file(fs, path))
 
 
 def _verify_remote(fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str,
                    policy: RetryPolicy) -> VerificationError | None:
     """`_verify_shard` for remote stores: timed-out, retried range reads (never a hang)."""
-    where = f"shard {shard.path} ({url})"
+    name = shard.path
+    return _check_bytes(shard, mode, f"shard {name} ({url})",
+                        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
+                        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+                        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url))
+
+
+def _check_bytes(shard: ShardEntry, mode: Verify, where: str, *, size: Callable[[], int],
+                 quick: Callable[[int], str], full: Callable[[int], str]) -> VerificationError | None:
+    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None."""
     try:
-        size = size_retrying(fs, path, policy=policy, shard=shard.path, url=url)
+        found_size = size()
     except FileNotFoundError:
         return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
                                  "was deleted or renamed, or the root is wrong (pass root=)",
                                  shard=shard.path, field="exists", expected=True, found=False)
-    if size != shard.bytes:
-        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {size} "
+    if found_size != shard.bytes:
+        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {found_size} "
                                  "(truncated or rewritten?)", shard=shard.path, field="bytes",
-                                 expected=shard.bytes, found=size)
-    quick = quick_digest_retrying(fs, path, size, policy=policy, shard=shard.path, url=url)
-    if quick != shard.quick:
-        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {quick}",
-                                 shard=shard.path, field="quick", expected=shard.quick, found=quick)
+                                 expected=shard.bytes, found=found_size)
+    found_quick = quick(found_size)
+    if found_quick != shard.quick:
+        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {found_quick}",
+                                 shard=shard.path, field="quick", expected=shard.quick, found=found_quick)
     if mode is Verify.FULL:
-        full = full_digest_retrying(fs, path, size, policy=policy, shard=shard.path, url=url)
-        if full != shard.blake3:
-            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {full}",
-                                     shard=shard.path, field="blake3", expected=shard.blake3, found=full)
+        found_full = full(found_size)
+        if found_full != shard.blake3:
+            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {found_full}",
+                                     shard=shard.path, field="blake3", expected=shard.blake3, found=found_full)
     return None
 
 

@@ -92,15 +92,13 @@ from detdata._errors import ConfigError, FormatError
 from detdata._hashing import digest_bytes
 from detdata._memo import ChunkMemo
 from detdata._order import ALGORITHM as ORDER_ALGORITHM
-from detdata._order import GlobalOrder, check_count, check_seed
+from detdata._order import GlobalOrder, check_count, check_seed, mix64
 
 ALGORITHM: Final = "mixture-v1"
 BLOCK: Final = 16
 MAX_TOTAL_WEIGHT: Final = 1 << 31  # exclusive
 MAX_POSITION: Final = 1 << 62  # exclusive
 _GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
-_M1: Final = np.uint64(0xBF58476D1CE4E5B9)
-_M2: Final = np.uint64(0x94D049BB133111EB)
 _U64: Final = (1 << 64) - 1
 _J: Final = np.arange(BLOCK, dtype=np.int64)
 _SMALL: Final = 32  # up to this many block boundaries, the tree runs on Python ints
@@ -122,16 +120,6 @@ def source_seed(seed: int, name: str) -> int:
     data = b"detdata:source-seed-v1" + struct.pack("<Q", check_seed(seed)) + name.encode("utf-8")
     value: int = struct.unpack("<Q", blake3.blake3(data).digest(length=8))[0]
     return value
-
-
-def _splitmix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64 finaliser, in place on ``z`` (which is returned)."""
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return z
 
 
 # ------------------------------------------------------------------ weights
@@ -291,7 +279,7 @@ def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[Int
     nb, num_sources = counts.shape
     rows = np.arange(nb, dtype=np.int64)[:, None]
     ctr = (blocks[:, None] * BLOCK + _J[None, :] + 1).astype(np.uint64)
-    by_hash = np.argsort(_splitmix64(np.uint64(phase.key) + ctr * _GAMMA), axis=1, kind="stable")
+    by_hash = np.argsort(mix64(np.uint64(phase.key) + ctr * _GAMMA), axis=1, kind="stable")
     by_rank = np.repeat(np.tile(np.arange(num_sources, dtype=np.int64), nb), counts.reshape(-1))
     src = np.empty(nb * BLOCK, dtype=np.int64)
     src[(by_hash + rows * BLOCK).reshape(-1)] = by_rank  # the r-th smallest hash gets by_rank[r]

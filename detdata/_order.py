@@ -80,7 +80,7 @@ def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     return struct.unpack(f"<{ROUNDS}Q", material)
 
 
-def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+def mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64 finaliser, in place on ``z`` (which is returned)."""
     z ^= z >> np.uint64(30)
     z *= _M1
@@ -96,7 +96,7 @@ _S31: Final = np.uint64(31)
 
 
 def _mix_into(z: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:
-    """`_mix` on ``z`` in place, with ``tmp`` (same shape) as scratch: no allocations."""
+    """`mix64` on ``z`` in place, with ``tmp`` (same shape) as scratch: no allocations."""
     np.right_shift(z, _S30, out=tmp)
     z ^= tmp
     z *= _M1
