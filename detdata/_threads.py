@@ -26,18 +26,19 @@ import numpy.typing as npt
 from detdata._errors import ConfigError
 
 T = TypeVar("T")
-Positions = npt.NDArray[np.int64]
+Positions = npt.NDArray[np.int64] | list[npt.NDArray[np.int64]]
+P = TypeVar("P", bound=Positions)
 
 
 def describe_positions(positions: Positions) -> str:
-    """Short text naming a position array: ``[first..last] (n positions)``."""
-    arr = np.asarray(positions)
+    """Short text naming a position array (or a group of them): ``[first..last] (n positions)``."""
+    arr = np.concatenate(positions) if isinstance(positions, list) and positions else np.asarray(positions)
     if arr.size == 0:
         return "[] (0 positions)"
     return f"[{int(arr.flat[0])}..{int(arr.flat[-1])}] ({arr.size} positions)"
 
 
-def threaded_batches(fetch: Callable[[Positions], T], positions: Iterator[Positions],
+def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
                      num_threads: int, prefetch: int) -> Iterator[T]:
     """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
 
@@ -53,10 +54,10 @@ def threaded_batches(fetch: Callable[[Positions], T], positions: Iterator[Positi
     return _generate(fetch, positions, num_threads, prefetch)
 
 
-def _generate(fetch: Callable[[Positions], T], positions: Iterator[Positions],
+def _generate(fetch: Callable[[P], T], positions: Iterator[P],
               num_threads: int, prefetch: int) -> Iterator[T]:
     source = iter(positions)
-    pending: collections.deque[tuple[Positions, Future[T]]] = collections.deque()
+    pending: collections.deque[tuple[P, Future[T]]] = collections.deque()
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="detdata-read")
     exhausted = False
     source_error: BaseException | None = None

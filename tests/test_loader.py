@@ -327,3 +327,40 @@ def test_thread_worker_error_names_positions_and_keeps_state() -> None:
 def test_worker_mode_validated() -> None:
     with pytest.raises(detdata.ConfigError, match="worker_mode"):
         DataLoader(dataset(), global_batch_size=8, worker_mode="fibers")
+
+
+@pytest.mark.parametrize("read_ahead", [1, 3, 4, 64])
+def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
+    def make(ra: int, **kw: Any) -> DataLoader:
+        return DataLoader(dataset(), global_batch_size=16, micro_batch_size=4, seed=6, read_ahead=ra,
+                          total_samples=16 * 7, **kw)
+    reference = [digest(b) for b in make(1)]
+    assert len(reference) == 28
+    assert [digest(b) for b in make(read_ahead)] == reference
+    assert [digest(b) for b in make(read_ahead, num_workers=2, worker_mode="thread")] == reference
+    seen: list[int] = []
+    collated = make(read_ahead, collate_fn=lambda b: seen.append(len(b["id"])) or b)
+    assert len(list(collated)) == 28 and set(seen) == {4}
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: str) -> None:
+    class FailsAt:
+        num_samples = N
+        def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+            if (ids == bad_id).any():
+                raise OSError(f"cannot read sample {bad_id}")
+            return {"id": ids}
+        def identity(self) -> dict[str, Any]:
+            return {"type": "fails-at"}
+    order = detdata.GlobalOrder(N, 2)
+    bad_position = 4 * 9 + 2  # third sample of micro batch 9: inside the 3rd group of 4
+    bad_id = int(order[bad_position])
+    dl = DataLoader(FailsAt(), global_batch_size=4, seed=2, read_ahead=4,
+                    num_workers=2 if mode == "thread" else 0, worker_mode=mode)
+    delivered = []
+    with pytest.raises(OSError, match="cannot read sample"):
+        for batch in dl:
+            delivered.append(batch["id"].tolist())
+    assert len(delivered) == 9 and dl.samples_consumed == 36
+    assert delivered[-1] == order.ids(np.arange(32, 36)).tolist()
