@@ -25,7 +25,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"({s['data']['shards']} shards, row groups of {s['data']['row_group']}, snappy). "
         f"Batch {s['batch']}, shuffled; {s['repeats']} interleaved round(s), each run in its own "
         f"process; medians. Throughput = steady state over {s['budget_s']} s after the first batch "
-        f"and {s['warmup']} warm-up batches.",
+        f"and {s['warmup']} warm-up batches, wall time with no check time subtracted (the timed "
+        f"loop copies each row's first token, which identifies and checks the sample; warm-up "
+        f"and 64 later batches are checked token by token, untimed).",
         "",
         f"Ceilings (same run): memcpy {_f(c.get('memcpy_gbs'), '.2f')} GB/s, page-cache read "
         f"{_f(c.get('page_cache_read_gbs'), '.2f')} GB/s, random 2 KiB-row gather from a warm "
