@@ -53,7 +53,12 @@ from detdata._formats import TABLE_FORMATS, Format
 from detdata._manifest import Manifest, ShardEntry, Verify
 from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import filesystem, join
-from detdata._tokens import check_cache_args, check_positive_int, resolve_manifest
+from detdata._tokens import (
+    check_cache_args,
+    check_cache_verify,
+    check_positive_int,
+    resolve_manifest,
+)
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
@@ -372,7 +377,8 @@ class TableRows:
     parameters only; readers and caches are re-opened lazily per process.
 
     Remote roots: ``retry`` (a `RetryPolicy`) governs reads; ``cache_dir``
-    (with ``shard_cache_bytes``, default 16 GiB, on disk) copies whole shards
+    (with ``shard_cache_bytes``, default 16 GiB, on disk; ``cache_verify="full"`` re-hashes a
+    cached copy on open) copies whole shards
     into a verified local `ShardCache` (``cache_bytes`` bounds the decoded row
     groups in memory). Neither changes the rows read.
     """
@@ -384,10 +390,11 @@ class TableRows:
                  storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 shard_cache_bytes: int | None = None) -> None:
+                 shard_cache_bytes: int | None = None, cache_verify: str = "quick") -> None:
         self.storage_options = dict(storage_options or {})
         self.retry = check_policy(retry)
         self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
+        self.cache_verify = check_cache_verify(cache_verify)
         self.manifest = resolve_manifest(manifest, verify=verify, root=root,
                                          storage_options=self.storage_options, retry=self.retry)
         self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
@@ -564,7 +571,7 @@ class TableRows:
         if self._pid != os.getpid():
             self._reset_process_state()
         if self._shard_cache is None:
-            self._shard_cache = ShardCache(self.cache_dir, self.shard_cache_bytes, retry=self.retry)
+            self._shard_cache = ShardCache(self.cache_dir, self.shard_cache_bytes, retry=self.retry, verify_on_open=self.cache_verify)
         return self._shard_cache
 
     def _uses_cache(self) -> bool:

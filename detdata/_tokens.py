@@ -91,6 +91,14 @@ def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[in
                                 what="token range read")
 
 
+def check_cache_verify(value: object) -> str:
+    """``cache_verify``: how a cached shard copy is re-checked on open (``quick`` or ``full``)."""
+    if value not in ("quick", "full"):
+        raise ConfigError(f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
+                          f"the whole copy on open), got {value!r}")
+    return str(value)
+
+
 def check_cache_args(cache_dir: str | os.PathLike[str] | None,
                      cache_bytes: int | None) -> tuple[str | None, int]:
     """``(cache_dir as str or None, cache_bytes)``; `ConfigError` for bad values."""
@@ -131,7 +139,8 @@ class TokenWindows:
     `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
 
     Remote roots: ``retry`` (a `RetryPolicy`) governs every read; with
-    ``cache_dir`` (and ``cache_bytes``, default 16 GiB) whole shards are copied
+    ``cache_dir`` (and ``cache_bytes``, default 16 GiB; ``cache_verify="full"`` re-hashes a
+    cached copy whenever it is opened instead of checking size + first/last MiB) whole shards are copied
     into a verified, bounded local `ShardCache` and read from there. Neither
     changes the data read, so neither is part of ``identity()``.
     """
@@ -142,10 +151,11 @@ class TokenWindows:
                  storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 cache_bytes: int | None = None) -> None:
+                 cache_bytes: int | None = None, cache_verify: str = "quick") -> None:
         self.storage_options = dict(storage_options or {})
         self.retry = check_policy(retry)
         self.cache_dir, self.cache_bytes = check_cache_args(cache_dir, cache_bytes)
+        self.cache_verify = check_cache_verify(cache_verify)
         self.manifest = resolve_manifest(manifest, verify=verify, root=root,
                                          storage_options=self.storage_options, retry=self.retry)
         self.seq_len = check_positive_int(seq_len, "seq_len")
@@ -270,7 +280,7 @@ class TokenWindows:
         if self._pid != os.getpid():
             self._reset_process_state()
         if self._cache is None:
-            self._cache = ShardCache(self.cache_dir, self.cache_bytes, retry=self.retry)
+            self._cache = ShardCache(self.cache_dir, self.cache_bytes, retry=self.retry, verify_on_open=self.cache_verify)
         return self._cache
 
     def _cached_path(self, shard: int) -> str:

@@ -241,3 +241,20 @@ def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: 
         ShardCache("s3://bucket/cache", 100)
     with pytest.raises(ConfigError, match="verify_on_open"):
         ShardCache(tmp_path, 100, verify_on_open="none")
+
+
+def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
+        http_server: HttpServer, tmp_path: Path) -> None:
+    directory, url = http_server.new_dir()
+    np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB > 2 x 1 MiB
+    manifest = build_manifest(url)
+    ids = np.arange(0, 6000, 997)
+    first = TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="full")
+    expected = first.read(ids)["tokens"].copy()
+    (copy,) = objects(tmp_path / "c")
+    flip_byte(copy, 1_600_000)  # middle of the file: invisible to the quick open check
+    again = TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="full")
+    np.testing.assert_array_equal(again.read(ids)["tokens"], expected)
+    assert again.cache is not None and again.cache.stats.corrupt == 1
+    with pytest.raises(ConfigError, match="cache_verify"):
+        TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="sometimes")
