@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 from typing import Final, overload
 
 import blake3
@@ -71,13 +72,32 @@ def check_count(n: object, what: str, *, minimum: int = 1, maximum: int = MAX_SA
     return value
 
 
+_KEY_PREFIX: Final = b"detdata:" + ALGORITHM.encode()
+_KEY_BYTES: Final = 8 * ROUNDS
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_material(seed: int, epoch: int) -> bytes:
+    """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``.
+
+    Cached separately from `round_keys` (and larger) so that a multi-epoch
+    request of one chunk (e.g. 4096 positions of a small source) finds its keys
+    again on the next call without converting them through Python ints.
+    """
+    return blake3.blake3(_KEY_PREFIX + struct.pack("<QQ", seed, epoch)).digest(length=_KEY_BYTES)
+
+
 @functools.lru_cache(maxsize=1024)
 def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     """The ``ROUNDS`` 64-bit round keys of ``feistel-v1`` for ``(seed, epoch)``."""
-    material = blake3.blake3(
-        b"detdata:" + ALGORITHM.encode() + struct.pack("<QQ", seed, epoch)
-    ).digest(length=8 * ROUNDS)
-    return struct.unpack(f"<{ROUNDS}Q", material)
+    return struct.unpack(f"<{ROUNDS}Q", _key_material(seed, epoch))
+
+
+def _key_table(seed: int, epochs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table: row ``r`` is ``k_r``."""
+    material = b"".join([_key_material(seed, e) for e in epochs.tolist()])
+    table = np.frombuffer(material, dtype="<u8").reshape(epochs.size, ROUNDS)
+    return np.ascontiguousarray(table.T, dtype=np.uint64)  # native order, one row per round
 
 
 def mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -114,6 +134,14 @@ def _keys_u64(keys: tuple[int, ...]) -> tuple[np.uint64, ...]:
 
 def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt.NDArray[np.uint64]:
     """``E(x)`` (module docstring, step 4): ``ROUNDS`` Feistel rounds, in scratch buffers."""
+    return _feistel(x, _keys_u64(keys), bits)
+
+
+def _feistel(x: npt.NDArray[np.uint64],
+             keys: Sequence[np.uint64] | npt.NDArray[np.uint64],
+             bits: int) -> npt.NDArray[np.uint64]:
+    """``E(x)`` with round key ``keys[r]`` per round: a scalar (one epoch for all of ``x``)
+    or an array shaped like ``x`` (each element's own epoch key), xored element-wise."""
     lo_bits = bits // 2
     lo_mask = np.uint64((1 << lo_bits) - 1)
     hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
@@ -122,7 +150,7 @@ def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt
     hi = x >> shift
     z = np.empty_like(lo)
     tmp = np.empty_like(lo)
-    for r, k in enumerate(_keys_u64(keys)):
+    for r, k in enumerate(keys):
         if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
             np.bitwise_xor(lo, k, out=z)
             _mix_into(z, tmp)
@@ -156,6 +184,32 @@ def permute(indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int) -> n
         walked = _encrypt(out[pending], keys, bits)
         out[pending] = walked
         pending = pending[walked >= limit]
+    return out
+
+
+def permute_epochs(indices: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int,
+                   seed: int) -> npt.NDArray[np.uint64]:
+    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised.
+
+    The same bits as calling `permute` once per distinct epoch: keys are derived
+    once per distinct epoch, gathered into per-element key rows, and the Feistel
+    rounds and cycle walking run on all elements at once (the pending subset
+    carries its own keys).
+    """
+    if n == 1:
+        return np.zeros_like(indices)
+    unique, inverse = np.unique(epochs, return_inverse=True)
+    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
+    bits = domain_bits(n)
+    out = _feistel(indices, keys, bits)
+    limit = np.uint64(n)
+    pending = np.flatnonzero(out >= limit)
+    keys = keys[:, pending]
+    while pending.size:
+        walked = _feistel(out[pending], keys, bits)
+        out[pending] = walked
+        more = walked >= limit
+        pending, keys = pending[more], keys[:, more]
     return out
 
 
@@ -220,11 +274,7 @@ class GlobalOrder:
         first = int(epochs[0])
         if bool((epochs == first).all()):
             return permute(local, self.num_samples, self.seed, first)  # never writes its input
-        out = np.empty_like(local)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            out[sel] = permute(local[sel], self.num_samples, self.seed, int(epoch))
-        return out
+        return permute_epochs(local, epochs, self.num_samples, self.seed)
 
     def epoch_of(self, position: int) -> int:
         """The epoch a global position falls in."""

@@ -14,9 +14,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from detdata._errors import ConfigError
-from detdata._order import ALGORITHM, MAX_SAMPLES, ROUNDS, GlobalOrder, round_keys
+from detdata._order import (
+    ALGORITHM,
+    MAX_SAMPLES,
+    ROUNDS,
+    GlobalOrder,
+    _key_table,
+    permute,
+    permute_epochs,
+    round_keys,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "order_feistel_v1.json"
 M64 = (1 << 64) - 1
@@ -215,6 +225,106 @@ def test_multidimensional_positions_keep_shape() -> None:
     got = order.ids(pos)
     assert got.shape == (3, 4, 5) and got.dtype == np.int64
     np.testing.assert_array_equal(got.reshape(-1), order.ids(pos.reshape(-1)))
+
+
+# --------------------------------------------------------------------------
+# Multi-epoch requests (vectorised over epochs) == one epoch at a time
+# --------------------------------------------------------------------------
+def scalar_ids(order: GlobalOrder, positions: np.ndarray) -> np.ndarray:
+    """One `order[g]` per position: each a single-epoch request (the per-epoch path)."""
+    flat = [order[int(g)] for g in positions.reshape(-1)]
+    return np.array(flat, dtype=np.int64).reshape(positions.shape)
+
+
+small_or_any_n = st.one_of(st.integers(1, 4), st.integers(1, 200), ns)
+
+
+def test_key_table_matches_round_keys() -> None:
+    epochs = np.array([0, 1, 7, 7, 2**40, 2**64 - 1], dtype=np.uint64)
+    for seed in (0, 5, M64):
+        table = _key_table(seed, epochs)
+        assert table.shape == (ROUNDS, epochs.size) and table.dtype == np.uint64
+        for j, epoch in enumerate(epochs.tolist()):
+            assert table[:, j].tolist() == list(round_keys(seed, epoch)) == ref_keys(seed, epoch)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=small_or_any_n, seed=seeds,
+       positions=st.lists(st.integers(0, MAX_POS), min_size=2, max_size=40))
+def test_multi_epoch_matches_scalar_and_reference(n: int, seed: int, positions: list[int]) -> None:
+    pos = np.array(positions, dtype=np.int64)
+    got = GlobalOrder(n, seed).ids(pos)
+    np.testing.assert_array_equal(got, scalar_ids(GlobalOrder(n, seed), pos))
+    assert got.tolist() == [ref_id(n, seed, g) for g in positions]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 8), seed=seeds, offsets=st.lists(st.integers(0, 10**6), min_size=2, max_size=30))
+def test_tiny_n_huge_positions(n: int, seed: int, offsets: list[int]) -> None:
+    positions = [MAX_POS - d for d in offsets] + offsets
+    got = GlobalOrder(n, seed).ids(np.array(positions, dtype=np.int64))
+    assert got.tolist() == [ref_id(n, seed, g) for g in positions]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), seed=seeds, first=st.integers(0, 10**9), epochs=st.integers(1, 12),
+       perm_seed=st.integers(0, 2**32 - 1))
+def test_shuffled_full_epochs_are_permutations(n: int, seed: int, first: int, epochs: int,
+                                               perm_seed: int) -> None:
+    """Whole epochs requested in shuffled order (cycle walking on mixed keys): each epoch
+    is a permutation and equals its single-epoch request."""
+    order = GlobalOrder(n, seed)
+    pos = np.arange(first * n, (first + epochs) * n, dtype=np.int64)
+    shuffled = np.random.default_rng(perm_seed).permutation(pos)
+    got = np.empty_like(pos)
+    got[shuffled - pos[0]] = order.ids(shuffled)
+    per_epoch = got.reshape(epochs, n)
+    for e in range(epochs):
+        start = (first + e) * n
+        np.testing.assert_array_equal(per_epoch[e], order.ids(np.arange(start, start + n)))
+        np.testing.assert_array_equal(np.sort(per_epoch[e]), np.arange(n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=small_or_any_n, seed=seeds,
+       pos=hnp.arrays(np.int64, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+                      elements=st.integers(0, MAX_POS)))
+def test_multi_epoch_any_shape(n: int, seed: int, pos: np.ndarray) -> None:
+    order = GlobalOrder(n, seed)
+    got = order.ids(pos)
+    assert got.shape == pos.shape and got.dtype == np.int64
+    np.testing.assert_array_equal(got, scalar_ids(order, pos))
+    np.testing.assert_array_equal(got.reshape(-1), order.ids(pos.reshape(-1)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 70, 1000, 10**6])
+def test_mixed_single_and_multi_epoch_chunks(n: int) -> None:
+    """Arrays longer than one vectorised pass: single-epoch passes (fast path) next to
+    multi-epoch passes give the same ids as separate requests."""
+    order = GlobalOrder(n, 99)
+    rng = np.random.default_rng(n)
+    same_epoch = np.full(70_000, 5 * n, dtype=np.int64) + rng.integers(0, n, 70_000)
+    spread = rng.integers(0, 10**12, 300)
+    pos = np.concatenate([same_epoch, spread, same_epoch[:10], spread[::-1]])
+    got = order.ids(pos)
+    np.testing.assert_array_equal(got[:70_000], order.ids(same_epoch))
+    np.testing.assert_array_equal(got[70_000:70_300], scalar_ids(order, spread))
+    np.testing.assert_array_equal(got[70_300:70_310], got[:10])
+    np.testing.assert_array_equal(got[70_310:], got[70_000:70_300][::-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5000), seed=seeds,
+       items=st.lists(st.tuples(st.integers(0, 4999), st.integers(0, 2**64 - 1)), min_size=1, max_size=50))
+def test_permute_epochs_matches_permute(n: int, seed: int, items: list[tuple[int, int]]) -> None:
+    local = np.array([i % n for i, _ in items], dtype=np.uint64)
+    epochs = np.array([e for _, e in items], dtype=np.uint64)
+    before = local.copy(), epochs.copy()
+    got = permute_epochs(local, epochs, n, seed)
+    want = [int(permute(local[j: j + 1], n, seed, int(epochs[j]))[0]) for j in range(local.size)]
+    assert got.tolist() == want
+    np.testing.assert_array_equal(local, before[0])
+    np.testing.assert_array_equal(epochs, before[1])
 
 
 # --------------------------------------------------------------------------
