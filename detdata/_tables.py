@@ -51,6 +51,7 @@ from detdata._dataset import Batch, IntArray, check_ids
 from detdata._errors import ConfigError, FormatError, StorageError
 from detdata._formats import TABLE_FORMATS, Format
 from detdata._manifest import Manifest, ShardEntry, Verify
+from detdata._process_local import ProcessLocal
 from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import filesystem, join
 from detdata._tokens import (
@@ -361,7 +362,7 @@ def _rows(item: _Group) -> int:
     return len(next(iter(item.columns.values()))) if item.columns else 0
 
 
-class TableRows:
+class TableRows(ProcessLocal):
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
     All shards must share one schema fingerprint (`FormatError` naming two
@@ -382,6 +383,10 @@ class TableRows:
     into a verified local `ShardCache` (``cache_bytes`` bounds the decoded row
     groups in memory). Neither changes the rows read.
     """
+
+    # pickling: parameters and manifest only, no readers, caches or locks
+    _TRANSIENT = ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
+                  "_shard_first_group", "_reader_files", "_shard_cache", "_max_group_rows")
 
     def __init__(self, manifest: Manifest | str, columns: Sequence[str] | None = None, *,
                  cache_row_groups: int = 8, cache_bytes: int = 1 << 30,
@@ -466,18 +471,6 @@ class TableRows:
                                 group_shard=self._group_shard,
                                 shard_first_group=self._shard_first_group,
                                 rows_per_slot=self._max_group_rows)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
-                    "_shard_first_group", "_reader_files", "_shard_cache", "_max_group_rows"):
-            state.pop(key, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._build_index()
-        self._reset_process_state()
 
     # Dataset protocol --------------------------------------------------------
     @property

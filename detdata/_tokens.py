@@ -40,6 +40,7 @@ from detdata._dataset import Batch, IntArray, check_ids
 from detdata._errors import ConfigError, FormatError, StorageError
 from detdata._formats import TOKEN_DTYPES, Format
 from detdata._manifest import Manifest, ShardEntry, Verify
+from detdata._process_local import ProcessLocal
 from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import filesystem, join, read_ranges_retrying
 
@@ -126,7 +127,7 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     return dt
 
 
-class TokenWindows:
+class TokenWindows(ProcessLocal):
     """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
 
     ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
@@ -144,6 +145,10 @@ class TokenWindows:
     into a verified, bounded local `ShardCache` and read from there. Neither
     changes the data read, so neither is part of ``identity()``.
     """
+
+    # pickling: parameters and manifest only, no memmaps or handles
+    _TRANSIENT = ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
+                  "_view_files", "_start_list", "_narrowing", "_one_dtype")
 
     def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
                  out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
@@ -205,19 +210,6 @@ class TokenWindows:
         self._views: dict[int, np.ndarray[Any, Any]] = {}
         self._cache: ShardCache | None = None
         self._view_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
-
-    # pickling: parameters and manifest only, no memmaps or handles -----------
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
-                    "_view_files", "_start_list", "_narrowing", "_one_dtype"):
-            state.pop(key, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._build_index()
-        self._reset_process_state()
 
     # Dataset protocol --------------------------------------------------------
     @property
