@@ -11,6 +11,7 @@ stream as long as the global batch divides by micro batch x world size.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -32,8 +33,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    try:
+        summary = train(Path(args.workdir), args.steps)
+        if dist.get_rank() == 0:
+            print(json.dumps(summary), flush=True)
+    finally:
+        # The model (and its DDP reducer) must be gone before the process group is destroyed:
+        # a reducer that drops the last reference to a gloo group does so while holding the GIL
+        # and can deadlock with gloo's worker thread (pytorch/pytorch#56297). train() returned,
+        # so its locals are unreachable; collect any cycles now.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(work: Path, steps: int) -> dict[str, int]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    work = Path(args.workdir)
     if rank == 0 and not (work / "manifest.json").exists():
         detdata.build_manifest(str(write_token_shards(work / "shards"))).save(str(work / "manifest.json"))
     dist.barrier()
@@ -51,7 +65,7 @@ def main() -> None:
         optim.load_state_dict(state["optim"])
     start = loader.step
     for batch in loader:
-        if loader.step > args.steps:
+        if loader.step > steps:
             break
         tokens = batch["tokens"].long()
         loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -60,10 +74,8 @@ def main() -> None:
         optim.step()
     dcp.save({"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()},
              checkpoint_id=str(work / "ckpt"))
-    if rank == 0:
-        print(json.dumps({"world_size": world, "from_step": start, "to_step": loader.step,
-                          "samples_consumed": loader.samples_consumed}))
-    dist.destroy_process_group()
+    return {"world_size": world, "from_step": start, "to_step": loader.step,
+            "samples_consumed": loader.samples_consumed}
 
 
 if __name__ == "__main__":

@@ -52,10 +52,11 @@ def test_keep_your_loader(tmp_path: Path) -> None:
 
 def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"]
+    # Each launch takes ~5 s; a short timeout turns a distributed hang into a quick failure.
     two = _run([*base, "--nproc-per-node", "2", "--master-port", str(_port()), "torchrun_dp.py",
-                "--workdir", str(tmp_path), "--steps", "3"], tmp_path)
+                "--workdir", str(tmp_path), "--steps", "3"], tmp_path, timeout=180)
     one = _run([*base, "--nproc-per-node", "1", "--master-port", str(_port()), "torchrun_dp.py",
-                "--workdir", str(tmp_path), "--steps", "6"], tmp_path)
+                "--workdir", str(tmp_path), "--steps", "6"], tmp_path, timeout=180)
     a, b = (json.loads(x.strip().splitlines()[-1]) for x in (two, one))
     assert (a["world_size"], b["world_size"]) == (2, 1)
     assert b["from_step"] == a["to_step"] and b["samples_consumed"] > a["samples_consumed"]
