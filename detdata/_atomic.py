@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import Any, Final
 
 from detdata._storage import filesystem, is_url
+
+TEMP_PREFIX: Final = ".tmp-"
+"""Unpublished local writes are named ``TEMP_PREFIX + random`` in the target's directory."""
 
 
 def atomic_write_bytes(path: str, data: bytes, **storage_options: Any) -> None:
@@ -21,7 +24,7 @@ def atomic_write_bytes(path: str, data: bytes, **storage_options: Any) -> None:
     local = path[len("file://"):] if path.startswith("file://") else path
     directory = os.path.dirname(os.path.abspath(local))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -21,6 +21,10 @@ Contracts:
   ``fcntl`` lock, so concurrent registrations leave it consistent and lose no
   history. Object stores have no lock: concurrent writers of the *same*
   reference are last-writer-wins there.
+* A local writer killed mid-write (kill -9, power loss) can leave an unpublished
+  ``.tmp-*`` file; nothing ever reads one. Each later `register` removes those
+  in the directories it writes once they are older than ``STALE_TEMP_S``
+  (a live write takes milliseconds), so they do not accumulate.
 * On remote roots (``s3://``, ``gs://``, ...) every read and write retries
   under ``retry`` (a `RetryPolicy`; writes are whole-object PUTs of immutable
   or complete content, so repeating one is safe) and listings bypass fsspec's
@@ -38,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from detdata._atomic import atomic_write_bytes
+from detdata._atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata._errors import DetdataError, ManifestError, RegistryError
 from detdata._manifest import Manifest, canonical_json
 from detdata._retry import RetryPolicy, check_policy
@@ -53,6 +57,7 @@ NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ID_RE: Final = re.compile(r"^b3:[0-9a-f]{64}$")
 _LOCK_TIMEOUT_S: Final = 60.0
+STALE_TEMP_S: Final = 600.0
 
 
 def default_root() -> str:
@@ -235,6 +240,7 @@ class Registry:
         manifest = self._as_manifest(manifest_or_path, verify)
         self._put_object(manifest)
         with self._lock():
+            self._sweep_temps(("manifests",), ("refs", base))
             return self._point(f"{base}@{version}", base, version, manifest, force)
 
     def resolve(self, name_or_id: str, *, verify: str = "quick", root: str | None = None) -> Manifest:
@@ -400,6 +406,28 @@ class Registry:
             exc.add_note(f"(resolving {what} from registry {self.root})")
             raise
         return manifest
+
+    def _sweep_temps(self, *folders: tuple[str, ...]) -> None:
+        """Remove unpublished temp files older than ``STALE_TEMP_S`` (local roots only).
+
+        Called under the writer lock; the age test also spares a concurrent
+        ``_put_object``, which writes outside the lock.
+        """
+        if not self._local:
+            return
+        cutoff = time.time() - STALE_TEMP_S
+        for parts in folders:
+            folder = self._fspath(*parts)
+            try:
+                entries = list(os.scandir(folder))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:

@@ -10,7 +10,8 @@ what a later run would read:
   content and is one of the manifests the child writes (old or new, never a mix);
 * every object in the registry parses and re-hashes to its file name, every
   reference parses and resolves to an intact object, and any other file left
-  behind is an unpublished ``.tmp-*`` file that nothing reads;
+  behind is an unpublished ``.tmp-*`` file that nothing reads (later registers
+  sweep stale ones: tests/test_registry.py);
 * a later register / resolve works (the kernel released the killed writer's lock).
 
 `test_checks_detect_half_written_files` shows the checks are not vacuous: the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from detdata._errors import ManifestError, RegistryError, VerificationError
 from detdata._manifest import Manifest, build_manifest
-from detdata._registry import Registry, default_root, split_name
+from detdata._registry import STALE_TEMP_S, Registry, default_root, split_name
 
 
 @pytest.fixture
@@ -252,3 +253,27 @@ def test_concurrent_processes_leave_registry_consistent(tmp_path: Path,
         reg.resolve(name, verify="off")  # every ref points at an intact object
     leftovers = [f for _, _, files in os.walk(root) for f in files if f.startswith(".tmp-")]
     assert leftovers == []
+
+
+def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(registry: Registry,
+                                                                 manifest: Manifest) -> None:
+    """A writer killed mid-write leaves ``.tmp-*`` files; later registers remove the stale ones."""
+    root = Path(registry.root)
+    registry.register("ds@v1", manifest)
+    stale_dirs = [root / "manifests", root / "refs" / "ds"]
+    stale = [d / ".tmp-killed" for d in stale_dirs]
+    fresh = [d / ".tmp-in-flight" for d in stale_dirs]
+    old = time.time() - STALE_TEMP_S - 60
+    for path in stale:
+        path.write_bytes(b"{half")
+        os.utime(path, (old, old))
+    for path in fresh:
+        path.write_bytes(b"{half")
+    unrelated = root / "refs" / "ds" / "notes.txt"  # not ours: never touched
+    unrelated.write_text("keep")
+    os.utime(unrelated, (old, old))
+    registry.register("ds@v2", manifest)
+    assert [p.exists() for p in stale] == [False, False]
+    assert [p.exists() for p in fresh] == [True, True]
+    assert unrelated.exists()
+    assert registry.resolve("ds@v2").id == manifest.id
