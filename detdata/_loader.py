@@ -16,6 +16,8 @@ import enum
 import functools
 import itertools
 import os
+import pickle
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +106,21 @@ class MicroBatchSampler(tud.Sampler[IntArray]):
         return max(0, (self.stop - self.start) // per)
 
 
+class GroupSampler(tud.Sampler[list[IntArray]]):
+    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from ``start``."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+        self.size = size
+
+    def __iter__(self) -> Iterator[list[IntArray]]:
+        micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
+        while group := list(itertools.islice(micro, self.size)):
+            yield group
+
+
 def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
     seed_globals(worker_seed(seed, rank, worker_id))
     if user_init is not None:
@@ -138,15 +155,85 @@ class ReadAhead:
         if self.error is not None:
             raise self.error
 
+    def pin_memory(self) -> ReadAhead:
+        """Called by torch's pin-memory thread for groups coming from worker processes."""
+        return ReadAhead([_pin(b) for b in self.batches], self.error)
 
-def _one_by_one(group: list[IntArray], read: Callable[[IntArray], Any]) -> ReadAhead:
-    done: list[Any] = []
-    for positions in group:
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be pickled.
+
+    A worker process returns a failed group's error as a value (the batches before
+    it are delivered first), so it must survive pickling; tracebacks do not.
+    """
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        clone: BaseException = RuntimeError(f"{type(exc).__name__}: {exc}")
+    else:
+        clone = exc
+    clone.add_note(f"(raised in DataLoader worker process {os.getpid()}):\n{text}")
+    return clone
+
+
+def _rows(batch: Any, a: int, b: int) -> Any:
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[a:b]
+    if isinstance(batch, Mapping):
+        return {k: _rows(v, a, b) for k, v in batch.items()}
+    return batch
+
+
+class GroupReader(tud.Dataset[ReadAhead]):
+    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
+
+    With the default collate the group becomes one tensor per column and each
+    micro batch is a view of it: one allocation, one pinning and (from a worker
+    process) one shared-memory transfer per group instead of per micro batch.
+    If the group read fails, it is read again one micro batch at a time, so every
+    micro batch before the failing one is still delivered and the error is raised
+    exactly at the batch that cannot be read.
+    """
+
+    def __init__(self, dataset: PositionDataset, collate_fn: Callable[[Batch], Any] | None,
+                 pin: bool, in_worker: bool) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.pin = pin
+        self.in_worker = in_worker
+
+    def _finish(self, raw: Any) -> Any:
+        batch = _to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        return _pin(batch) if self.pin else batch
+
+    def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
+        done: list[Any] = []
+        for positions in group:
+            try:
+                done.append(self._finish(self.dataset[positions]))
+            except Exception as exc:
+                return ReadAhead(done, _portable(exc) if self.in_worker else exc)
+        return ReadAhead(done, None)
+
+    def __getitem__(self, group: list[IntArray]) -> ReadAhead:
+        if len(group) == 1:
+            return self._one_by_one(group)
         try:
-            done.append(read(positions))
-        except Exception as exc:
-            return ReadAhead(done, exc)
-    return ReadAhead(done, None)
+            raw = self.dataset[np.concatenate(group)]
+        except Exception:
+            return self._one_by_one(group)
+        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
+        if self.collate_fn is None:
+            whole = self._finish(raw)
+            return ReadAhead([_rows(whole, a, b) for a, b in bounds], None)
+        return ReadAhead([self._finish(_rows(raw, a, b)) for a, b in bounds], None)
+
+    def __call__(self, group: list[IntArray]) -> ReadAhead:
+        return self[group]
+
+    def __len__(self) -> int:
+        raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
 
 
 class WorkerMode(str, enum.Enum):
@@ -179,6 +266,10 @@ def _pin(batch: Any) -> Any:
     return batch
 
 
+def _identity(item: Any) -> Any:
+    return item
+
+
 def _to_torch(batch: Any) -> Any:
     if isinstance(batch, np.ndarray):
         return torch.from_numpy(batch)
@@ -201,10 +292,15 @@ class DataLoader:
     those are not counted until yielded. ``pin_memory`` is then ignored: the
     device path pins into its own reused buffers.
 
-    ``read_ahead`` (inline and thread modes): this many consecutive micro batches
-    of the rank are read with one batched read and then split, which amortises
-    the fixed per-read cost (bytes and order are unchanged; a failing group is
-    re-read batch by batch so the error surfaces exactly at the unreadable batch).
+    ``read_ahead`` (default 16): this many consecutive micro batches of the rank
+    are read with one batched read and then split, which amortises the fixed
+    per-read cost and, with worker processes, the fixed per-transfer cost (with
+    the default collate a group crosses the process boundary as one tensor per
+    column). Bytes and order never depend on it. A group that fails to read is
+    re-read batch by batch, so the error surfaces exactly at the unreadable batch
+    and every batch before it is delivered. A worker process that hangs or dies
+    takes its whole group with it (the state still counts only delivered
+    batches). With workers, ``prefetch_factor`` counts groups per worker.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
@@ -234,7 +330,7 @@ class DataLoader:
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         worker_mode: str | WorkerMode = WorkerMode.PROCESS,
-        read_ahead: int = 4,
+        read_ahead: int = 16,
     ) -> None:
         self.seed = check_seed(seed)
         default_rank, default_world = _default_rank_world()
@@ -273,7 +369,7 @@ class DataLoader:
         self._consumed = 0
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
-        self._sampler: MicroBatchSampler | None = None
+        self._sampler: GroupSampler | None = None
         self._trace = TraceWriter(trace, self.layout.rank) if trace is not None else None
 
     # ------------------------------------------------------------------ info
@@ -307,11 +403,9 @@ class DataLoader:
 
     # ------------------------------------------------------------- iteration
     def _build(self) -> tud.DataLoader[Any]:
-        self._sampler = MicroBatchSampler(self.layout, self._consumed, self.total_samples)
-        dataset = PositionDataset(self._stream, self._transform, self.seed)
-        collate: Callable[[Any], Any] = self._collate_fn or _to_torch
-        return tud.DataLoader(dataset, batch_size=None, sampler=self._sampler, collate_fn=collate,
-                              **self._torch_kwargs)
+        self._sampler = GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead)
+        return tud.DataLoader(self._reader(in_worker=True), batch_size=None, sampler=self._sampler,
+                              collate_fn=_identity, **self._torch_kwargs)
 
     def _loader_from_here(self) -> tud.DataLoader[Any]:
         if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
@@ -325,49 +419,26 @@ class DataLoader:
     def _threaded(self) -> bool:
         return self.worker_mode is WorkerMode.THREAD and self.num_workers > 0
 
-    def _fetcher(self) -> Callable[[list[IntArray]], ReadAhead]:
-        """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
-
-        If the group read fails, the group is read again one micro batch at a time, so
-        every micro batch before the failing one is still delivered and the error is
-        raised exactly at the batch that cannot be read.
-        """
-        dataset = PositionDataset(self._stream, self._transform, self.seed)
-        collate: Callable[[Any], Any] = self._collate_fn or _to_torch
-        pin = self._pin_memory and torch.cuda.is_available() and self.device is None
-
-        def finish(raw: Batch) -> Any:
-            batch = collate(raw)
-            return _pin(batch) if pin else batch
-
-        def fetch(group: list[IntArray]) -> ReadAhead:
-            if len(group) == 1:
-                return ReadAhead([finish(dataset[group[0]])], None)
-            try:
-                raw = dataset[np.concatenate(group)]
-            except Exception:
-                return _one_by_one(group, lambda p: finish(dataset[p]))
-            bounds = np.cumsum([0] + [len(p) for p in group]).tolist()
-            return ReadAhead([finish({k: v[a:b] for k, v in raw.items()})
-                              for a, b in itertools.pairwise(bounds)], None)
-        return fetch
+    def _reader(self, *, in_worker: bool) -> GroupReader:
+        # worker processes: torch's pin-memory thread pins in the main process (ReadAhead.pin_memory)
+        pin = (not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None)
+        return GroupReader(PositionDataset(self._stream, self._transform, self.seed), self._collate_fn,
+                           pin, in_worker)
 
     def _groups(self) -> Iterator[list[IntArray]]:
-        micro = iter(MicroBatchSampler(self.layout, self._consumed, self.total_samples))
-        while group := list(itertools.islice(micro, self.read_ahead)):
-            yield group
+        return iter(GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead))
 
     def _inline_batches(self) -> Iterator[Any]:
-        """``num_workers=0``: the same dataset and collate as torch's loader, without its per-batch plumbing."""
-        fetch = self._fetcher()
+        """``num_workers=0``: the same reader as the workers', without torch's per-batch plumbing."""
+        read = self._reader(in_worker=False)
         for group in self._groups():
-            yield from fetch(group).deliver()
+            yield from read(group).deliver()
 
     def _thread_batches(self) -> Iterator[Any]:
         """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
         from detdata._threads import threaded_batches
-        groups = threaded_batches(self._fetcher(), self._groups(), self.num_workers,
-                                  max(1, self.num_workers * self._prefetch_factor // self.read_ahead))
+        groups = threaded_batches(self._reader(in_worker=False), self._groups(), self.num_workers,
+                                  self.num_workers * self._prefetch_factor)
         for result in groups:
             yield from result.deliver()
 
@@ -375,17 +446,18 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        torch_iter: Iterator[Any]
+        torch_iter: Iterator[Any] = iter(())  # torch's iterator (process workers only)
         if self.num_workers == 0:
-            torch_iter = self._inline_batches()
+            batches = self._inline_batches()
         elif self._threaded:
-            torch_iter = self._thread_batches()
+            batches = self._thread_batches()
         else:
             torch_iter = iter(self._loader_from_here())
-        iterator: Iterator[Any] = torch_iter
+            batches = (b for group in torch_iter for b in group.deliver())
+        iterator: Iterator[Any] = batches
         if self.device is not None:
             from detdata._device import device_batches
-            iterator = device_batches(torch_iter, self.device, self.device_prefetch)
+            iterator = device_batches(batches, self.device, self.device_prefetch)
         while True:
             try:
                 batch = next(iterator)
@@ -419,10 +491,14 @@ class DataLoader:
     def _failure_note(self) -> str:
         """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
         positions = self.positions_of_next()
+        grouped = ""
+        if self.num_workers > 0 and not self._threaded and self.read_ahead > 1:
+            grouped = (f"; worker processes read groups of {self.read_ahead} micro batches, so a "
+                       "worker that hung or died did so somewhere in the group starting here")
         return (f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "
                 f"fetching the micro batch at global positions [{int(positions[0])}, "
                 f"{int(positions[-1])}] of step {self.step}; samples_consumed is still "
-                f"{self._consumed}, so state_dict() resumes at this batch)")
+                f"{self._consumed}, so state_dict() resumes at this batch{grouped})")
 
     # ----------------------------------------------------------------- state
     def _fields(self) -> dict[str, Any]:

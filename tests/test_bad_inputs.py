@@ -491,7 +491,7 @@ _CHILD = textwrap.dedent("""
 
     mode, workers = sys.argv[1], int(sys.argv[2])
     dl = detdata.DataLoader(Fragile(mode), global_batch_size=8, micro_batch_size=4, seed=SEED,
-                            num_workers=workers, timeout=2 if workers else 0)
+                            num_workers=workers, timeout=2 if workers else 0, read_ahead=4)
     delivered, start = 0, time.monotonic()
     try:
         for _ in dl:
@@ -529,14 +529,17 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
     if mode == "raise":
         assert out["type"] == "FormatError"  # the original detdata error type, re-raised
         assert "bad-shard.npy" in out["message"]
-        if workers:
-            assert "in DataLoader worker process" in out["message"]
+        if workers:  # the worker's traceback travels as a note
+            assert any("in DataLoader worker process" in n and "Traceback" in n for n in out["notes"])
         assert out["delivered"] == 5
         assert any("global positions [20, 23] of step 2" in n for n in out["notes"]), out["notes"]
     elif mode == "exit":
         assert out["type"] == "RuntimeError"
         assert "exited unexpectedly" in out["message"] and "pid" in out["message"]
     else:
+        # a worker process reads groups of read_ahead=4 micro batches: the group holding micro
+        # batch 5 (4..7) is the one that times out, so micro batch 4 is the next undelivered one
         assert out["type"] == "RuntimeError" and "timed out after 2 seconds" in out["message"]
-        assert out["delivered"] == 5
-        assert any("global positions [20, 23]" in n for n in out["notes"]), out["notes"]
+        assert out["delivered"] == 4
+        assert any("global positions [16, 19]" in n and "groups of 4 micro batches" in n
+                   for n in out["notes"]), out["notes"]

@@ -142,7 +142,7 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
         return {k: torch.from_numpy(v) for k, v in batch.items()}
 
     straight = run_digests(loader(), 12)
-    dl = loader(device="cpu", device_prefetch=3, collate_fn=collate)
+    dl = loader(device="cpu", device_prefetch=3, collate_fn=collate, read_ahead=1)  # one read per pull
     it = iter(dl)
     got = [digest(next(it)) for _ in range(5)]
     assert got == straight[:5]

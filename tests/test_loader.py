@@ -338,12 +338,13 @@ def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
     assert len(reference) == 28
     assert [digest(b) for b in make(read_ahead)] == reference
     assert [digest(b) for b in make(read_ahead, num_workers=2, worker_mode="thread")] == reference
+    assert [digest(b) for b in make(read_ahead, num_workers=2)] == reference  # worker processes
     seen: list[int] = []
     collated = make(read_ahead, collate_fn=lambda b: seen.append(len(b["id"])) or b)
     assert len(list(collated)) == 28 and set(seen) == {4}
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["inline", "process", "thread"])
 def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: str) -> None:
     class FailsAt:
         num_samples = N
@@ -357,10 +358,66 @@ def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: 
     bad_position = 4 * 9 + 2  # third sample of micro batch 9: inside the 3rd group of 4
     bad_id = int(order[bad_position])
     dl = DataLoader(FailsAt(), global_batch_size=4, seed=2, read_ahead=4,
-                    num_workers=2 if mode == "thread" else 0, worker_mode=mode)
+                    num_workers=0 if mode == "inline" else 2,
+                    worker_mode="thread" if mode == "thread" else "process")
     delivered = []
     with pytest.raises(OSError, match="cannot read sample"):
         for batch in dl:
             delivered.append(batch["id"].tolist())
     assert len(delivered) == 9 and dl.samples_consumed == 36
     assert delivered[-1] == order.ids(np.arange(32, 36)).tolist()
+
+
+class _Unpicklable(Exception):
+    def __init__(self, shard: str, detail: str) -> None:  # two required args: pickling fails
+        super().__init__(f"{shard}: {detail}")
+        self.handle = lambda: None
+
+
+class _RaisesUnpicklable:
+    num_samples = N
+
+    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        if (ids == 5).any():
+            raise _Unpicklable("shard-3.npy", "checksum mismatch")
+        return {"id": ids}
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "raises-unpicklable"}
+
+
+def test_unpicklable_worker_error_still_reaches_the_main_process() -> None:
+    """A worker's error travels as a value (after the group's earlier batches): unpicklable ones become text."""
+    dl = DataLoader(_RaisesUnpicklable(), global_batch_size=4, seed=0, num_workers=2)
+    with pytest.raises(RuntimeError, match=r"_Unpicklable: shard-3\.npy: checksum mismatch") as err:
+        for _ in dl:
+            pass
+    notes = "".join(getattr(err.value, "__notes__", []))
+    assert "in DataLoader worker process" in notes and "Traceback" in notes
+    position = int(np.flatnonzero(detdata.GlobalOrder(N, 0).ids(np.arange(N)) == 5)[0])
+    assert dl.samples_consumed == position // 4 * 4  # every batch before the failing one delivered
+
+
+def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
+    """With the default collate, the micro batches of a group are views of one transferred tensor."""
+    dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=4, num_workers=2, read_ahead=4)
+    batches = list(take(dl, 8))
+    storages = [b["x"].untyped_storage().data_ptr() for b in batches]
+    assert len(set(storages[:4])) == 1 and len(set(storages[4:])) == 1 and storages[0] != storages[4]
+    reference = list(take(DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=4), 8))
+    assert [digest(b) for b in batches] == [digest(b) for b in reference]
+
+
+def test_persistent_workers_resume_mid_group() -> None:
+    """Loading a state between iterations restarts the persistent workers' groups at that position."""
+    def make() -> DataLoader:
+        return DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=9, num_workers=2,
+                          persistent_workers=True, read_ahead=4)
+    reference = [digest(b) for b in take(make(), 24)]
+    dl = make()
+    for _ in take(dl, 7):  # stop inside the second group of 4
+        pass
+    state = dl.state_dict()
+    assert [digest(b) for b in take(dl, 5)] == reference[7:12]  # a new epoch of iter() continues
+    dl.load_state_dict(state)
+    assert [digest(b) for b in take(dl, 17)] == reference[7:]
