@@ -219,15 +219,15 @@ class GroupReader(tud.Dataset[ReadAhead]):
     def __getitem__(self, group: list[IntArray]) -> ReadAhead:
         if len(group) == 1:
             return self._one_by_one(group)
+        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
         try:
             raw = self.dataset[np.concatenate(group)]
+            if self.collate_fn is None:
+                whole = self._finish(raw)
+                return ReadAhead([_rows(whole, a, b) for a, b in bounds], None)
+            return ReadAhead([self._finish(_rows(raw, a, b)) for a, b in bounds], None)
         except Exception:
-            return self._one_by_one(group)
-        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
-        if self.collate_fn is None:
-            whole = self._finish(raw)
-            return ReadAhead([_rows(whole, a, b) for a, b in bounds], None)
-        return ReadAhead([self._finish(_rows(raw, a, b)) for a, b in bounds], None)
+            return self._one_by_one(group)  # locate the failing batch; deliver those before it
 
     def __call__(self, group: list[IntArray]) -> ReadAhead:
         return self[group]
@@ -300,7 +300,8 @@ class DataLoader:
     re-read batch by batch, so the error surfaces exactly at the unreadable batch
     and every batch before it is delivered. A worker process that hangs or dies
     takes its whole group with it (the state still counts only delivered
-    batches). With workers, ``prefetch_factor`` counts groups per worker.
+    batches). With workers, ``prefetch_factor`` counts groups per worker and
+    ``timeout`` applies to each group.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).

@@ -421,3 +421,23 @@ def test_persistent_workers_resume_mid_group() -> None:
     assert [digest(b) for b in take(dl, 5)] == reference[7:12]  # a new epoch of iter() continues
     dl.load_state_dict(state)
     assert [digest(b) for b in take(dl, 17)] == reference[7:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_failure_inside_a_group_surfaces_at_its_batch(workers: int) -> None:
+    """A collate_fn that fails on one micro batch: the batches before it in the group are delivered."""
+    order = detdata.GlobalOrder(N, 8)
+    bad_id = int(order[4 * 6 + 1])  # micro batch 6, inside the first group of 16
+
+    def collate(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        if bad_id in batch["id"].tolist():
+            raise ValueError(f"cannot collate sample {bad_id}")
+        return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+    dl = DataLoader(dataset(), global_batch_size=4, seed=8, collate_fn=collate, num_workers=workers)
+    delivered = []
+    with pytest.raises(ValueError, match=f"cannot collate sample {bad_id}"):
+        for batch in dl:
+            delivered.append(batch["id"].tolist())
+    assert len(delivered) == 6 and dl.samples_consumed == 24
+    assert delivered[-1] == order.ids(np.arange(20, 24)).tolist()
