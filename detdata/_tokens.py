@@ -148,7 +148,7 @@ class TokenWindows(ProcessLocal):
 
     # pickling: parameters and manifest only, no memmaps or handles
     _TRANSIENT = ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
-                  "_view_files", "_start_list", "_narrowing", "_one_dtype")
+                  "_view_files", "_start_list", "_narrowing")
 
     def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
                  out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
@@ -201,7 +201,6 @@ class TokenWindows(ProcessLocal):
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         self._narrowing: tuple[bool, ...] = tuple(
             not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes)
-        self._one_dtype = len(set(self._dtypes)) == 1
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -373,8 +372,9 @@ class TokenWindows(ProcessLocal):
 
         One fancy-index gather per touched shard (``take`` would first copy a whole
         overlapping window view). Ids of a single shard are gathered straight into the
-        result; otherwise ids are grouped by shard (stable argsort of the shard index),
-        gathered into one buffer shard run by shard run, and scattered once.
+        result; otherwise ids are grouped by shard (stable argsort of the shard index)
+        and each shard's rows are gathered and scattered straight into the result
+        (a staging buffer plus one big scatter measured ~3.7x slower for 1024 rows).
         """
         first = bisect.bisect_right(self._start_list, lo) - 1
         last = bisect.bisect_right(self._start_list, hi) - 1
@@ -397,30 +397,15 @@ class TokenWindows(ProcessLocal):
         spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise([0, *cuts, ids.size])]
         if cached:
             self._refresh_cached(s for s, _, _ in spans)
-        uniform = self._one_dtype  # gather in the shards' dtype, cast once in the scatter
-        tmp = np.empty((ids.size, self.window),
-                       dtype=self._dtypes[0] if uniform else self.out_dtype)
+        out = np.empty((ids.size, self.window), dtype=self.out_dtype)
         views = self._views
         for s, a, b in spans:
             view = views.get(s)
             block = (self._view(s) if view is None else view)[local[a:b]]
-            if not uniform and self._narrowing[s]:
-                self._check_range(block, s)
-            tmp[a:b] = block
-        if uniform and self._narrowing[0]:
-            self._check_ranges(tmp, spans)
-        out = np.empty((ids.size, self.window), dtype=self.out_dtype)
-        out[order] = tmp
-        return out
-
-    def _check_ranges(self, rows: np.ndarray[Any, Any], spans: list[tuple[int, int, int]]) -> None:
-        """`_check_range` for each shard run ``rows[a:b]`` (one min/max when all fit)."""
-        info = np.iinfo(self.out_dtype)
-        if int(rows.min()) >= info.min and int(rows.max()) <= info.max:
-            return
-        for s, a, b in spans:  # something is out of range: name the first shard, as a loop would
             if self._narrowing[s]:
-                self._check_range(rows[a:b], s)
+                self._check_range(block, s)
+            out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
+        return out
 
     def _gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray,
                        out: np.ndarray[Any, Any]) -> None:
