@@ -108,7 +108,7 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
     with pytest.raises(StorageError, match=r"shard gone\.npy .*missing or not readable"):
         read_ranges(fs, [f"{url}/gone.npy"], [0], [10], retry=RetryPolicy(deadline_s=10),
                     shards=["gone.npy"], urls=[f"{url}/gone.npy"])
-    assert time.monotonic() - start < 2.0  # a 404 is permanent: no 10 s of retries
+    assert time.monotonic() - start < 3.0  # a 404 is permanent: no 10 s of retries
 
 
 # ------------------------------------------------------ manifests on remote roots
@@ -215,7 +215,7 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
     assert isinstance(err, StorageError)
     assert err.shard == "shard-00.npy" and err.url == url
     assert f"shard shard-00.npy at {url}" in str(err) and "last error" in str(err)
-    assert elapsed <= policy.deadline_s + 0.3
+    assert elapsed <= policy.deadline_s + 1.0  # bounded by the deadline (slack: a loaded CI box)
     # attempts (aiohttp may reconnect at once inside one attempt: accepts < 15 ms apart are
     # one attempt) are spaced by exactly the policy's backoff for this URL
     times = [t for i, t in enumerate(proxy.stats.accept_times)
@@ -224,7 +224,7 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
     gaps = np.diff(times)
     expected = np.asarray([policy.delay(url, n) for n in range(len(gaps))])
     assert np.all(gaps >= expected - 0.005), (gaps, expected)
-    assert np.all(gaps <= expected + 0.25), (gaps, expected)
+    assert np.all(gaps <= expected + 0.5), (gaps, expected)
     assert expected[-1] > 3 * expected[0]  # it backed off exponentially
     assert sum("retrying in" in r.getMessage() for r in caplog.records) == err.attempts - 1
 
@@ -240,7 +240,7 @@ def test_s3_resets_fail_cache_fill_and_manifest_read_naming_url(
     start = time.monotonic()
     with pytest.raises(StorageError, match=rf"shard shard-01\.npy at {s3_root}/shard-01\.npy"):
         ds.read(np.array([100]))  # shard-00 holds 96 windows
-    assert time.monotonic() - start <= FAST.deadline_s + 0.6
+    assert time.monotonic() - start <= FAST.deadline_s + 1.5
     assert list((tmp_path / "cache" / "objects").iterdir()) == []  # nothing half-filled
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
     with pytest.raises(StorageError, match=rf"manifest read .* at {s3_root}/manifest\.json"):
