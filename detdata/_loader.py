@@ -301,7 +301,9 @@ class DataLoader:
     and every batch before it is delivered. A worker process that hangs or dies
     takes its whole group with it (the state still counts only delivered
     batches). With workers, ``prefetch_factor`` counts groups per worker and
-    ``timeout`` applies to each group.
+    ``timeout`` applies to each group. Memory in flight is about ``read_ahead``
+    x micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower
+    ``read_ahead`` for large samples (images, long documents in big micro batches).
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
