@@ -7,7 +7,9 @@ A "sample" at the manifest level is one token (1-D token files) or one row
 from __future__ import annotations
 
 import enum
+import io
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -117,18 +119,44 @@ def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Form
                            row_groups=groups)
 
 
+# numpy parses .npy headers with ast.literal_eval, and CPython 3.11's AST builder keeps its
+# recursion depth in interpreter-wide state: two threads parsing at once can fail with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905; seen here
+# when manifests hashed shards in parallel threads). Header bytes are read without the lock;
+# only the parse is serialised.
+_NPY_PARSE_LOCK: Final = threading.Lock()
+_NPY_MAX_HEADER: Final = 1 << 20
+
+
+def _read_npy_header(fh: Any) -> tuple[tuple[Any, ...], int]:
+    """``(shape, fortran_order, dtype)`` and the data offset of the .npy file open in ``fh``."""
+    prefix = fh.read(8)  # magic (6) + version (2)
+    if len(prefix) < 8 or prefix[:6] != b"\x93NUMPY":
+        raise ValueError("the magic string is not 'x93NUMPY'")
+    width = 2 if prefix[6] == 1 else 4
+    size_bytes = fh.read(width)
+    size = int.from_bytes(size_bytes, "little") if len(size_bytes) == width else -1
+    if not 0 <= size <= _NPY_MAX_HEADER:
+        raise ValueError(f"header length {size} is not in [0, {_NPY_MAX_HEADER}]")
+    body = fh.read(size)
+    if len(body) != size:
+        raise ValueError(f"the header is truncated ({len(body)} of {size} bytes)")
+    raw = io.BytesIO(prefix + size_bytes + body)
+    with _NPY_PARSE_LOCK:
+        version = np.lib.format.read_magic(raw)
+        if version == (1, 0):
+            header: tuple[Any, ...] = np.lib.format.read_array_header_1_0(raw)
+        else:
+            header = np.lib.format.read_array_header_2_0(raw)
+    return header, raw.tell()
+
+
 def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> ShardLayout:
     with fs.open(path, "rb") as fh:
         try:
-            version = np.lib.format.read_magic(fh)
-            header: tuple[Any, ...]
-            if version == (1, 0):
-                header = np.lib.format.read_array_header_1_0(fh)
-            else:
-                header = np.lib.format.read_array_header_2_0(fh)
+            header, offset = _read_npy_header(fh)
         except ValueError as exc:
             raise FormatError(f"shard {rel}: not a valid .npy file ({exc})") from None
-        offset = fh.tell()
     shape, fortran, dtype = header
     if len(shape) != 1:
         raise FormatError(f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "

@@ -527,3 +527,42 @@ def test_progress_bar_only_when_asked_or_tty(token_shards: Path,
     build_manifest(str(token_shards), progress=True)
     err = capsys.readouterr().err
     assert "hashing" in err and "3/3" in err
+
+
+def test_npy_headers_are_parsed_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashing threads never parse .npy headers concurrently (CPython 3.11's ast is not
+    thread-safe: python/cpython#106905 made a parallel build fail with SystemError here)."""
+    import time
+
+    for i in range(16):
+        np.save(tmp_path / f"s{i:02d}.npy", np.arange(10 + i, dtype=np.uint16))
+    real = np.lib.format.read_array_header_1_0
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def watched(fp: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.005)  # widen the window a concurrent parse would need
+        try:
+            return real(fp, *args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(np.lib.format, "read_array_header_1_0", watched)
+    built = build_manifest(str(tmp_path), threads=8)
+    assert len(built.shards) == 16 and peak[0] == 1
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_header_versions_and_truncation(tmp_path: Path, version: tuple[int, int]) -> None:
+    data = np.arange(1000, dtype=np.uint32)
+    with open(tmp_path / "a.npy", "wb") as fh:
+        np.lib.format.write_array(fh, data, version=version)
+    entry = build_manifest(str(tmp_path)).shards[0]
+    assert entry.num_samples == 1000 and entry.dtype == "uint32"
+    raw = (tmp_path / "a.npy").read_bytes()
+    (tmp_path / "a.npy").write_bytes(raw[:20])  # cut inside the header
+    with pytest.raises(FormatError, match=r"shard a\.npy: not a valid \.npy file \(the header is truncated"):
+        build_manifest(str(tmp_path))
