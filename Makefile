@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup services demo test lint bench clean
 
 $(STAMP): requirements-lock.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check detdata tests benchmarks examples
 	$(BIN)/mypy detdata
 
-test: $(STAMP) lint
+# nginx for the HTTP range-read tests (apt; SeaweedFS and the GCS emulator come from the lock
+# file). Best effort here so that `make test` works without root; CI (.ci/run) requires it.
+services:
+	@bash .ci/services.sh || echo "make: could not install nginx; the HTTP remote tests will skip (loudly)"
+
+test: $(STAMP) lint services
 	$(BIN)/python -m pytest -q -n 2 tests
 
 bench: $(STAMP)
