@@ -69,6 +69,10 @@ def is_transient(exc: BaseException) -> bool:
     """Whether waiting and reading again may succeed (network, timeouts, 5xx, short reads)."""
     if isinstance(exc, DetdataError):
         return isinstance(exc, ShortRead)
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        # fsspec's HTTP info() reports *any* failure of its HEAD/GET as FileNotFoundError
+        # raised from the real error: a reset connection is not a missing file
+        return not isinstance(exc.__cause__, FileNotFoundError) and is_transient(exc.__cause__)
     if isinstance(exc, _PERMANENT):
         return False
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError, ShortRead)):

@@ -111,6 +111,26 @@ def test_backoff_is_deterministic_exponential_jittered_and_capped() -> None:
     assert np.array_equal(np.random.get_state()[1], state[1])
 
 
+def test_not_found_raised_from_a_network_error_is_transient() -> None:
+    """fsspec's HTTP ``info`` turns a reset HEAD/GET into FileNotFoundError(url) from the reset."""
+    import aiohttp
+
+    from detdata._retry import is_transient
+
+    def wrapped(cause: BaseException) -> FileNotFoundError:
+        try:
+            raise FileNotFoundError("http://h/x.npy") from cause
+        except FileNotFoundError as exc:
+            return exc
+
+    assert is_transient(wrapped(ConnectionResetError(104, "Connection reset by peer")))
+    assert is_transient(wrapped(TimeoutError()))
+    not_found = aiohttp.ClientResponseError(None, (), status=404)  # type: ignore[arg-type]
+    assert not is_transient(wrapped(not_found))
+    assert not is_transient(FileNotFoundError("x"))
+    assert not is_transient(wrapped(FileNotFoundError("inner")))
+
+
 def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
     _, url = http_root
     fs, _ = filesystem(url)
