@@ -29,10 +29,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
+T = TypeVar("T")
 S3_KEY = "detdata-test-key"
 S3_SECRET = "detdata-test-secret-0123456789"
 S3_BUCKET = "detdata-tests"
@@ -95,6 +96,25 @@ def _http_answers(url: str) -> bool:
         return False
 
 
+def _launch(args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a server in its own session (stopped later by PID), output to ``log_path``."""
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=cwd)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], server: T, ready: Callable[[T], bool], *,
+                timeout: float, poll: float) -> bool:
+    """Poll ``ready(server)`` until it holds (True), the process exits or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready(server):
+            return True
+        time.sleep(poll)
+    return False
+
+
 def _find_binary(name: str, extra: tuple[str, ...], hint: str) -> str:
     for candidate in (shutil.which(name), *extra):
         if candidate and os.access(candidate, os.X_OK):
@@ -145,17 +165,12 @@ def start_seaweedfs(workdir: Path) -> S3Server:
         if len(str(data)) < 80:  # unix socket paths are limited to ~108 bytes
             args += [f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-        log = open(data / "weed.log", "wb")  # noqa: SIM115 (handed to the child)
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=data)
-        log.close()
+        proc = _launch(args, data / "weed.log", env=env, cwd=data)
         server = S3Server(endpoint=f"http://127.0.0.1:{p[0]}", port=p[0], bucket=S3_BUCKET,
                           key=S3_KEY, secret=S3_SECRET, pid=proc.pid, workdir=str(data))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _http_answers(server.endpoint + "/") and _s3_accepts_writes(server):
-                return server
-            time.sleep(0.1)
+        if _wait_ready(proc, server, lambda s: _http_answers(s.endpoint + "/") and _s3_accepts_writes(s),
+                       timeout=60, poll=0.1):
+            return server
         last = (data / "weed.log").read_text(errors="replace")[-3000:]
         stop_pid(proc.pid, 2)
     raise RuntimeError(f"SeaweedFS did not start; last log:\n{last}")
@@ -232,17 +247,11 @@ def start_nginx(workdir: Path) -> HttpServer:
         user = "user root;" if os.geteuid() == 0 else ""  # pytest temp dirs are 0700
         conf = work / "nginx.conf"
         conf.write_text(NGINX_CONF.format(user=user, work=work, port=port, docroot=docroot))
-        log = open(work / "stderr.log", "wb")  # noqa: SIM115 (handed to the child)
-        proc = subprocess.Popen([nginx, "-e", str(work / "error.log"), "-p", str(work),
-                                 "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        log.close()
+        proc = _launch([nginx, "-e", str(work / "error.log"), "-p", str(work), "-c", str(conf)],
+                       work / "stderr.log")
         server = HttpServer(port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _http_answers(server.base + "/"):
-                return server
-            time.sleep(0.05)
+        if _wait_ready(proc, server, lambda s: _http_answers(s.base + "/"), timeout=20, poll=0.05):
+            return server
         last = (work / "stderr.log").read_text(errors="replace") + (
             (work / "error.log").read_text(errors="replace") if (work / "error.log").exists() else "")
         stop_pid(proc.pid, 2)
@@ -279,18 +288,12 @@ def start_gcs_emulator(workdir: Path) -> GcsServer:
         data = workdir / f"gcs-{uuid.uuid4().hex[:8]}"
         data.mkdir(parents=True)
         port = free_ports(1)[0]
-        log = open(data / "gcs.log", "wb")  # noqa: SIM115 (handed to the child)
-        proc = subprocess.Popen([exe, "-d", str(data / "store"), "start", "--port", str(port),
-                                 "-H", "127.0.0.1", "--default-bucket", GCS_BUCKET, "-q"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        proc = _launch([exe, "-d", str(data / "store"), "start", "--port", str(port), "-H",
+                        "127.0.0.1", "--default-bucket", GCS_BUCKET, "-q"], data / "gcs.log")
         server = GcsServer(endpoint=f"http://127.0.0.1:{port}", port=port, bucket=GCS_BUCKET,
                            pid=proc.pid, workdir=str(data))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _gcs_bucket_ready(server):
-                return server
-            time.sleep(0.1)
+        if _wait_ready(proc, server, _gcs_bucket_ready, timeout=30, poll=0.1):
+            return server
         last = (data / "gcs.log").read_text(errors="replace")[-3000:]
         stop_pid(proc.pid, 2)
     raise RuntimeError(f"gcp-storage-emulator did not start; last log:\n{last}")

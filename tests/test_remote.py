@@ -65,14 +65,19 @@ def local_manifest(local_root: Path) -> Manifest:
     return build_manifest(str(local_root), pattern="*.npy")
 
 
+def upload_copy(protocol: str, bucket: str, options: dict[str, Any], local_root: Path) -> str:
+    """Copy every file under ``local_root`` to ``<protocol>://<bucket>/<uuid>``; return that URL."""
+    fs = fsspec.filesystem(protocol, **options)
+    prefix = f"{bucket}/{uuid.uuid4().hex[:12]}"
+    for path in sorted(local_root.rglob("*.*")):
+        fs.pipe_file(f"{prefix}/{path.relative_to(local_root).as_posix()}", path.read_bytes())
+    return f"{protocol}://{prefix}"
+
+
 @pytest.fixture(scope="module")
 def s3_root(s3_server: S3Server, local_root: Path) -> str:
     """The same files under ``s3://bucket/<uuid>``."""
-    fs = fsspec.filesystem("s3", **s3_server.storage_options())
-    prefix = f"{s3_server.bucket}/{uuid.uuid4().hex[:12]}"
-    for path in sorted(local_root.rglob("*.*")):
-        fs.pipe_file(f"{prefix}/{path.relative_to(local_root).as_posix()}", path.read_bytes())
-    return f"s3://{prefix}"
+    return upload_copy("s3", s3_server.bucket, s3_server.storage_options(), local_root)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +91,7 @@ def http_root(http_server: HttpServer, local_root: Path) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def gs_root(gcs_server: GcsServer, local_root: Path) -> str:
     """The same files under ``gs://bucket/<uuid>`` on the GCS emulator."""
-    fs = fsspec.filesystem("gs", **gcs_server.storage_options())
-    prefix = f"{gcs_server.bucket}/{uuid.uuid4().hex[:12]}"
-    for path in sorted(local_root.rglob("*.*")):
-        fs.pipe_file(f"{prefix}/{path.relative_to(local_root).as_posix()}", path.read_bytes())
-    return f"gs://{prefix}"
+    return upload_copy("gs", gcs_server.bucket, gcs_server.storage_options(), local_root)
 
 
 def proxied(url: str, server_port: int, proxy: FaultProxy) -> str:
@@ -142,46 +143,28 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
 
 
 # ------------------------------------------------------ manifests on remote roots
-def test_s3_manifest_build_save_load_verify_same_id(s3_server: S3Server, s3_root: str,
-                                                    local_manifest: Manifest) -> None:
-    opts = s3_server.storage_options()
-    built = build_manifest(s3_root, pattern="*.npy", **opts)
-    assert built.id == local_manifest.id and built.root == s3_root
-    built.save(f"{s3_root}/manifest.json", **opts)
-    loaded = Manifest.load(f"{s3_root}/manifest.json", verify="full", **opts)
-    assert loaded.id == local_manifest.id
-    assert loaded.root == s3_root
-    # a rewritten object (same size, other bytes) is refused, naming the shard
-    fs = fsspec.filesystem("s3", **opts)
-    victim = f"{s3_root[5:]}/shard-03.npy"
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_bucket_manifest_build_save_load_verify_same_id(store: str, request: pytest.FixtureRequest,
+                                                        local_manifest: Manifest) -> None:
+    """s3:// on SeaweedFS and gs:// through gcsfs on gcp-storage-emulator: same id as local."""
+    server: S3Server | GcsServer = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    root: str = request.getfixturevalue(f"{store}_root")
+    opts = server.storage_options()
+    built = build_manifest(root, pattern="*.npy", **opts)
+    assert built.id == local_manifest.id and built.root == root
+    built.save(f"{root}/manifest.json", **opts)
+    loaded = Manifest.load(f"{root}/manifest.json", verify="full", **opts)
+    assert loaded.id == local_manifest.id and loaded.root == root
+    # a rewritten object (same size, one byte flipped in the middle) is refused, naming the shard
+    fs = fsspec.filesystem(store, **opts)
+    victim = f"{root[5:]}/shard-03.npy"
     original = fs.cat_file(victim)
+    middle = len(original) // 2
     try:
-        fs.pipe_file(victim, original[:-4] + b"\0\0\0\0")
-        with pytest.raises(VerificationError, match=r"shard-03\.npy .*quick digest mismatch") as info:
-            Manifest.load(f"{s3_root}/manifest.json", **opts)
-        assert info.value.shard == "shard-03.npy" and info.value.expected == built.shards[3].quick
-    finally:
-        fs.pipe_file(victim, original)
-
-
-def test_gs_manifest_build_save_load_verify_same_id(gcs_server: GcsServer, gs_root: str,
-                                                    local_manifest: Manifest) -> None:
-    """gs:// through gcsfs against a real GCS JSON-API server (gcp-storage-emulator)."""
-    opts = gcs_server.storage_options()
-    built = build_manifest(gs_root, pattern="*.npy", **opts)
-    assert built.id == local_manifest.id and built.root == gs_root
-    built.save(f"{gs_root}/manifest.json", **opts)
-    loaded = Manifest.load(f"{gs_root}/manifest.json", verify="full", **opts)
-    assert loaded.id == local_manifest.id and loaded.root == gs_root
-    fs = fsspec.filesystem("gs", **opts)
-    victim = f"{gs_root[5:]}/shard-01.npy"
-    original = fs.cat_file(victim)
-    try:  # one flipped byte in the middle of the object is refused, naming the shard
-        middle = len(original) // 2
         fs.pipe_file(victim, original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1:])
-        with pytest.raises(VerificationError, match=r"shard-01\.npy .*mismatch") as info:
-            Manifest.load(f"{gs_root}/manifest.json", verify="full", **opts)
-        assert info.value.shard == "shard-01.npy"
+        with pytest.raises(VerificationError, match=r"shard-03\.npy .*quick digest mismatch") as info:
+            Manifest.load(f"{root}/manifest.json", **opts)
+        assert info.value.shard == "shard-03.npy" and info.value.expected == built.shards[3].quick
     finally:
         fs.pipe_file(victim, original)
 
