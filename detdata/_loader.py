@@ -127,22 +127,6 @@ def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, 
         user_init(worker_id)
 
 
-def _dead_workers(torch_iter: object, wait_s: float = 1.0) -> list[int]:
-    """Pids of the worker processes of a torch DataLoader iterator that have exited.
-
-    Uses the iterator's ``_workers`` list (multiprocessing iterators only; an
-    empty list otherwise). A worker whose sockets just closed may still be
-    exiting, so each still-running one is given a share of ``wait_s`` to finish.
-    """
-    workers = list(getattr(torch_iter, "_workers", None) or [])
-    dead = []
-    for worker in workers:
-        worker.join(timeout=wait_s / max(1, len(workers)))
-        if worker.exitcode is not None:
-            dead.append(int(worker.pid))
-    return dead
-
-
 @dataclass(frozen=True)
 class ReadAhead:
     """Micro batches of one group read, and the error that stopped the group (if any)."""
@@ -422,6 +406,10 @@ class DataLoader:
     def _threaded(self) -> bool:
         return self.worker_mode is WorkerMode.THREAD and self.num_workers > 0
 
+    @property
+    def _process_workers(self) -> bool:
+        return self.num_workers > 0 and not self._threaded
+
     def _reader(self, *, in_worker: bool) -> GroupReader:
         # worker processes: torch's pin-memory thread pins in the main process (ReadAhead.pin_memory)
         pin = (not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None)
@@ -449,14 +437,12 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         per = self.layout.samples_per_micro_step
-        torch_iter: Iterator[Any] = iter(())  # torch's iterator (process workers only)
         if self.num_workers == 0:
             batches = self._inline_batches()
         elif self._threaded:
             batches = self._thread_batches()
         else:
-            torch_iter = iter(self._loader_from_here())
-            batches = (b for group in torch_iter for b in group.deliver())
+            batches = (b for group in self._loader_from_here() for b in group.deliver())
         iterator: Iterator[Any] = batches
         if self.device is not None:
             from detdata._device import device_batches
@@ -466,20 +452,14 @@ class DataLoader:
                 batch = next(iterator)
             except StopIteration:
                 return
-            except (ConnectionError, EOFError) as exc:
-                # torch passes batches between processes over sockets: a worker that died
-                # (os._exit, OOM kill) can surface as a bare connection error. Name it.
-                dead = _dead_workers(torch_iter)
-                if not dead:
-                    raise
-                err = RuntimeError(f"DataLoader worker (pid(s) {dead}) exited unexpectedly while "
-                                   f"handing over a batch ({type(exc).__name__}: {exc}); hint: "
-                                   "rerun with num_workers=0 to see the error in the main process")
-                err.add_note(self._failure_note())
-                raise err from exc
             except Exception as exc:
                 if generation == self._generation:
                     exc.add_note(self._failure_note())
+                    if isinstance(exc, (ConnectionError, EOFError)) and self._process_workers:
+                        exc.add_note("hint: torch hands batches over from worker processes through "
+                                     "sockets; unless the dataset itself raised this, a worker "
+                                     "process probably died mid hand-over (OOM killer?); rerun "
+                                     "with num_workers=0 to see any error in the main process")
                 raise
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
@@ -495,7 +475,7 @@ class DataLoader:
         """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
         positions = self.positions_of_next()
         grouped = ""
-        if self.num_workers > 0 and not self._threaded and self.read_ahead > 1:
+        if self._process_workers and self.read_ahead > 1:
             grouped = (f"; worker processes read groups of {self.read_ahead} micro batches, so a "
                        "worker that hung or died did so somewhere in the group starting here")
         return (f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "

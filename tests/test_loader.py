@@ -441,3 +441,30 @@ def test_collate_failure_inside_a_group_surfaces_at_its_batch(workers: int) -> N
             delivered.append(batch["id"].tolist())
     assert len(delivered) == 6 and dl.samples_consumed == 24
     assert delivered[-1] == order.ids(np.arange(20, 24)).tolist()
+
+
+class _ConnectionDrops:
+    num_samples = N
+
+    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        if (ids == 9).any():
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return {"id": ids}
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "connection-drops"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_connection_errors_carry_position_note_and_worker_hint(workers: int) -> None:
+    """A connection error reaching the loop (e.g. a worker dying mid hand-over) keeps the state
+    exact and says where it happened; with worker processes it also hints at a dead worker."""
+    dl = DataLoader(_ConnectionDrops(), global_batch_size=4, seed=0, num_workers=workers)
+    with pytest.raises(ConnectionResetError) as err:
+        for _ in dl:
+            pass
+    position = int(np.flatnonzero(detdata.GlobalOrder(N, 0).ids(np.arange(N)) == 9)[0])
+    assert dl.samples_consumed == position // 4 * 4
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert f"global positions [{position // 4 * 4}" in notes
+    assert ("worker process probably died" in notes) == (workers > 0)
