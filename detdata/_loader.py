@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from detdata._collate import to_torch
 from detdata._dataset import Batch, Dataset, IntArray, Stream, as_stream
 from detdata._errors import ConfigError, StateError
 from detdata._layout import Layout
@@ -39,6 +40,7 @@ from detdata._state import (
     environment,
     identity_fields,
     mismatch_message,
+    transform_identity,
 )
 from detdata._trace import TraceWriter
 
@@ -53,17 +55,48 @@ def _default_rank_world() -> tuple[int, int]:
 
 
 def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
-    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack."""
-    n = len(positions)
-    outs = []
-    for i in range(n):
+    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack.
+
+    Every sample's output must have the keys of the first one (a key missing
+    or extra at one position is refused, naming it); each column is restacked
+    with `restack`.
+    """
+    outs: list[Mapping[str, Any]] = []
+    for i in range(len(positions)):
         sample = {k: v[i] for k, v in batch.items()}
         result = transform(sample, sample_rng(seed, int(positions[i])))
         if not isinstance(result, Mapping):
             raise ConfigError(f"transform must return a mapping of column -> array, got "
                               f"{type(result).__name__} for position {int(positions[i])}")
+        if outs and result.keys() != outs[0].keys():
+            raise ConfigError(f"transform returned keys {sorted(map(str, result))} at position "
+                              f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
+                              f"{int(positions[0])}; every sample must have the same keys; hint: "
+                              "return every key for every sample (a placeholder if needed)")
         outs.append(result)
-    return {k: np.stack([np.asarray(o[k]) for o in outs]) for k in outs[0]}
+    return {k: restack(k, [o[k] for o in outs], positions) for k in outs[0]} if outs else batch
+
+
+def restack(key: str, values: list[Any], positions: IntArray) -> np.ndarray:
+    """One batch column from per-sample values: stacked when shapes and dtypes agree.
+
+    Values of differing shapes (ragged rows, strings) become a 1-D object array
+    of per-sample arrays, as `TableRows` delivers ragged columns; differing
+    dtypes are refused, naming the column and both positions.
+    """
+    arrays = [np.asarray(v) for v in values]
+    first = arrays[0]
+    for i, arr in enumerate(arrays):
+        if arr.dtype != first.dtype:
+            raise ConfigError(f"transform output {key!r} has dtype {arr.dtype} at position "
+                              f"{int(positions[i])} but {first.dtype} at position "
+                              f"{int(positions[0])}; hint: cast every sample to one dtype")
+    if all(a.shape == first.shape for a in arrays) and first.dtype != object:
+        return np.stack(arrays)
+    out = np.empty(len(arrays), dtype=object)
+    for i, arr in enumerate(arrays):
+        out[i] = arr
+    return out
 
 
 class PositionDataset(tud.Dataset[Batch]):
@@ -188,7 +221,7 @@ class GroupReader(tud.Dataset[ReadAhead]):
         self.in_worker = in_worker
 
     def _finish(self, raw: Any) -> Any:
-        batch = _to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
         return _pin(batch) if self.pin else batch
 
     def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
@@ -235,6 +268,50 @@ class WorkerMode(str, enum.Enum):
     THREAD = "thread"
 
 
+def _check_torch_args(*, num_workers: object, prefetch_factor: object, persistent_workers: object,
+                      timeout: object, multiprocessing_context: object,
+                      callables: Mapping[str, object]) -> None:
+    """Refuse at construction what torch would refuse late (or silently ignore)."""
+    for name, fn in callables.items():
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}")
+    if not isinstance(persistent_workers, bool):
+        raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
+    no_workers = isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
+    if no_workers and prefetch_factor is not None:
+        raise ConfigError("prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
+                          "worker); hint: drop prefetch_factor or set num_workers")
+    if no_workers and persistent_workers:
+        raise ConfigError("persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers")
+    if no_workers and multiprocessing_context is not None:
+        raise ConfigError("multiprocessing_context needs num_workers > 0 (there are no worker "
+                          "processes to start); hint: drop it or set num_workers")
+    if multiprocessing_context is not None and isinstance(multiprocessing_context, str):
+        import multiprocessing
+        methods = multiprocessing.get_all_start_methods()
+        if multiprocessing_context not in methods:
+            raise ConfigError(f"multiprocessing_context {multiprocessing_context!r} is not a start "
+                              f"method of this platform; expected one of {methods}")
+    elif multiprocessing_context is not None and not hasattr(multiprocessing_context, "Process"):
+        raise ConfigError(f"multiprocessing_context must be a start method name or a multiprocessing "
+                          f"context, got {type(multiprocessing_context).__name__}")
+
+
+def _check_thread_mode(worker_mode: object, num_workers: object, **process_only: object) -> None:
+    """Thread mode refuses the arguments that only mean something for worker processes."""
+    if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
+        return
+    unused = {"persistent_workers": False, "timeout": 0, "multiprocessing_context": None,
+              "worker_init_fn": None}
+    given = sorted(k for k, v in process_only.items() if v != unused[k])
+    if given:
+        raise ConfigError(f"worker_mode='thread' runs reads on threads of this process and would ignore "
+                          f"{given} (they only apply to worker processes); hint: drop them, or use "
+                          "worker_mode='process'")
+
+
 def _parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
     try:
         return WorkerMode(value)
@@ -252,14 +329,6 @@ def _pin(batch: Any) -> Any:
 
 def _identity(item: Any) -> Any:
     return item
-
-
-def _to_torch(batch: Any) -> Any:
-    if isinstance(batch, np.ndarray):
-        return torch.from_numpy(batch)
-    if isinstance(batch, Mapping):
-        return {k: _to_torch(v) for k, v in batch.items()}
-    return batch
 
 
 class DataLoader:
@@ -318,8 +387,20 @@ class DataLoader:
         device_prefetch: int = 2,
         worker_mode: str | WorkerMode = WorkerMode.PROCESS,
         read_ahead: int = 16,
+        transform_id: str | None = None,
     ) -> None:
         self.seed = check_seed(seed)
+        _check_torch_args(num_workers=num_workers, prefetch_factor=prefetch_factor,
+                          persistent_workers=persistent_workers, timeout=timeout,
+                          multiprocessing_context=multiprocessing_context,
+                          callables={"transform": transform, "collate_fn": collate_fn,
+                                     "worker_init_fn": worker_init_fn})
+        _check_thread_mode(worker_mode, num_workers, persistent_workers=persistent_workers,
+                           timeout=timeout, multiprocessing_context=multiprocessing_context,
+                           worker_init_fn=worker_init_fn)
+        if transform_id is not None and (not isinstance(transform_id, str) or not transform_id):
+            raise ConfigError(f"transform_id must be a non-empty string naming the transform's "
+                              f"version (e.g. 'tokenize-v3'), got {transform_id!r}")
         default_rank, default_world = _default_rank_world()
         self.layout = Layout.create(global_batch_size, micro_batch_size,
                                     default_world if world_size is None else world_size,
@@ -332,8 +413,10 @@ class DataLoader:
                                   f"{self.layout.global_batch_size}; the last step would be partial")
         self.total_samples = total_samples
         self._stream = as_stream(data, self.seed)
+        self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
         self._transform = transform
         self._collate_fn = collate_fn
+        self._transform_name = transform_identity(transform_id, transform, collate_fn)
         self._torch_kwargs: dict[str, Any] = {
             "num_workers": self.num_workers, "pin_memory": pin_memory, "timeout": timeout,
             "persistent_workers": persistent_workers and self.num_workers > 0,
@@ -433,20 +516,48 @@ class DataLoader:
         for result in groups:
             yield from result.deliver()
 
+    def _batches(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            return self._inline_batches()
+        if self._threaded:
+            return self._thread_batches()
+        return (b for group in self._loader_from_here() for b in group.deliver())
+
     def __iter__(self) -> Iterator[Any]:
+        """This rank's micro batches from ``samples_consumed`` on.
+
+        A batch is counted (and traced) only once it reaches the caller: any
+        failure before that (read, transform, collate, device copy, trace, an
+        interrupt) leaves ``samples_consumed`` at that batch. Leaving the loop
+        early (``break``, an exception) closes the readers at once; after an
+        abnormal end, persistent worker processes are replaced on the next
+        iteration (torch's iterator may be mid-transfer).
+        """
         self._generation += 1
         generation = self._generation
-        per = self.layout.samples_per_micro_step
-        if self.num_workers == 0:
-            batches = self._inline_batches()
-        elif self._threaded:
-            batches = self._thread_batches()
-        else:
-            batches = (b for group in self._loader_from_here() for b in group.deliver())
+        batches = self._batches()
         iterator: Iterator[Any] = batches
         if self.device is not None:
             from detdata._device import device_batches
             iterator = device_batches(batches, self.device, self.device_prefetch)
+        clean = False
+        try:
+            for batch in self._deliver(iterator, generation):
+                yield batch
+            clean = True
+        except GeneratorExit:
+            clean = True  # the caller stopped early (break): nothing is in flight in a broken state
+            raise
+        finally:
+            for it in (iterator, batches):
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            if not clean and generation == self._generation:
+                self._torch_loader = None  # persistent workers may be mid-transfer: start fresh
+
+    def _deliver(self, iterator: Iterator[Any], generation: int) -> Iterator[Any]:
+        per = self.layout.samples_per_micro_step
         while True:
             try:
                 batch = next(iterator)
@@ -463,12 +574,10 @@ class DataLoader:
                 raise
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
-            if self._trace is not None:
-                step, positions = self.step, self.positions_of_next()
-                self._consumed += per
-                self._trace.add(step, positions, batch, self._consumed % self.global_batch_size == 0)
-            else:
-                self._consumed += per
+            if self._trace is not None:  # before counting: a failed trace write delivers nothing
+                self._trace.add(self.step, self.positions_of_next(), batch,
+                                (self._consumed + per) % self.global_batch_size == 0)
+            self._consumed += per
             yield batch
 
     def _failure_note(self) -> str:
@@ -485,7 +594,10 @@ class DataLoader:
 
     # ----------------------------------------------------------------- state
     def _fields(self) -> dict[str, Any]:
-        return identity_fields(self._stream.identity(), self.seed, self.layout.global_batch_size)
+        identity = self._stream.identity()
+        stream_seed = None if self._wrapped else identity.get("seed")
+        return identity_fields(identity, self.seed, self.layout.global_batch_size,
+                               stream_seed=stream_seed, transform=self._transform_name)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: samples delivered plus identity, layout and environment."""

@@ -35,15 +35,19 @@ class DeterministicBatchSampler:
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on."""
 
     def __init__(self, num_samples: int | Mixture, *, global_batch_size: int, micro_batch_size: int | None = None,
-                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                 seed: int | None = None, rank: int | None = None, world_size: int | None = None,
                  total_samples: int | None = None) -> None:
         default_rank, default_world = _default_rank_world()
         self.mixture: Mixture | None = None
         self.order: GlobalOrder | None = None
         if isinstance(num_samples, Mixture):
+            if seed is not None and seed != num_samples.seed:
+                raise ConfigError(f"DeterministicBatchSampler: seed={seed!r} would be ignored: a "
+                                  f"Mixture orders its sources with its own seed ({num_samples.seed}); "
+                                  "hint: drop seed=, or build the Mixture with seed=" f"{seed!r}")
             self.mixture, self.seed = num_samples, num_samples.seed
         else:
-            self.seed = check_seed(seed)
+            self.seed = check_seed(0 if seed is None else seed)
             self.order = GlobalOrder(num_samples, self.seed)
         self.layout = Layout.create(global_batch_size, micro_batch_size,
                                     default_world if world_size is None else world_size,

@@ -18,25 +18,35 @@ from detdata._errors import StateError
 from detdata._hashing import digest_bytes
 from detdata._manifest import canonical_json
 
-STATE_VERSION: Final = 1
+STATE_VERSION: Final = 2
+#: Older versions this detdata still reads (fields added since are derived: see `_upgrade`).
+READABLE_VERSIONS: Final = (1, 2)
 MAX_POSITION: Final = 1 << 62  # exclusive: orders and mixtures address positions below 2**62
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"
 K_CONSUMED: Final = "samples_consumed"
 K_SEED: Final = "seed"
+K_STREAM_SEED: Final = "stream_seed"
 K_MANIFESTS: Final = "manifests"
 K_DATA: Final = "data"
 K_ALGORITHM: Final = "algorithm"
 K_MIXTURE: Final = "mixture"
 K_GLOBAL_BATCH: Final = "global_batch_size"
+K_TRANSFORM: Final = "transform"
 K_STREAM: Final = "stream"
 K_LAYOUT: Final = "layout"
 K_ENV: Final = "environment"
 
 #: Fields that must match on resume unless named in ``allow=``.
-CHECKED_FIELDS: Final = (K_MANIFESTS, K_DATA, K_SEED, K_ALGORITHM, K_MIXTURE, K_GLOBAL_BATCH)
+#: ``seed`` is the loader's own seed (per-sample transform randomness, and the order of a plain
+#: dataset the loader wraps itself); ``stream_seed`` is the seed of a stream handed to the
+#: loader (a `Mixture`'s or an `OrderedStream`'s own), None when the loader ordered the dataset.
+#: ``transform`` names what user code does to samples (see `transform_identity`).
+CHECKED_FIELDS: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_MIXTURE,
+                         K_GLOBAL_BATCH, K_TRANSFORM)
 _REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM)
+#: Top-level stream identity keys checked through their own field instead of ``data``.
 _TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
 
 
@@ -63,18 +73,51 @@ def _collect(obj: Any, key: str) -> list[str]:
     return found
 
 
-def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int) -> dict[str, Any]:
-    """The checked fields derived from a stream identity."""
+def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int, *,
+                    stream_seed: int | None, transform: str | None) -> dict[str, Any]:
+    """The checked fields derived from a stream identity and the loader's own inputs.
+
+    Every input that can change a delivered byte lands in exactly one field:
+    nested parameters (dataset parameters, source identities, nested seeds) in
+    ``data``; the top-level seed in ``seed`` (loader-wrapped dataset) or
+    ``stream_seed`` (a stream the caller built), so each is allowed by its own name.
+    """
     data = {k: v for k, v in identity.items() if k not in _TOP_LEVEL_VOLATILE}
     is_mixture = identity.get("type") == "mixture"
     return {
         K_MANIFESTS: sorted(set(_collect(identity, "manifest") + _collect(identity, "digest"))),
         K_DATA: digest_bytes(canonical_json(data)),
         K_SEED: seed,
+        K_STREAM_SEED: stream_seed,
         K_ALGORITHM: sorted(set(_collect(identity, "algorithm"))),
         K_MIXTURE: digest_bytes(canonical_json(identity.get("schedule"))) if is_mixture else None,
         K_GLOBAL_BATCH: global_batch,
+        K_TRANSFORM: transform,
     }
+
+
+def transform_identity(transform_id: str | None, transform: object, collate_fn: object) -> str | None:
+    """The checked ``transform`` field: what user code does to samples after the read.
+
+    ``transform_id`` (a user-chosen name such as ``"tokenize-v3"``) wins when given.
+    Otherwise the qualified names of the transform and collate functions are
+    recorded: a renamed or swapped function is refused on resume, an edited body
+    is not (give a ``transform_id`` and change it when the code changes).
+    None when neither is set.
+    """
+    if transform_id is not None:
+        return f"id:{transform_id}"
+    parts = [f"{role}:{callable_name(fn)}" for role, fn in (("transform", transform),
+                                                            ("collate_fn", collate_fn)) if fn is not None]
+    return "+".join(parts) or None
+
+
+def callable_name(fn: object) -> str:
+    """``module.qualname`` of a function (through `functools.partial`), else its type's."""
+    inner = getattr(fn, "func", fn)  # functools.partial
+    module = getattr(inner, "__module__", None) or type(inner).__module__
+    qual = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"{module}.{qual}"
 
 
 def environment() -> dict[str, str]:
@@ -119,9 +162,11 @@ class LoaderState:
         if state.get(K_KIND) != KIND:
             raise StateError(f"not a detdata loader state: field 'kind' is {state.get(K_KIND)!r}, "
                              f"expected {KIND!r}")
-        if state.get(K_VERSION) != STATE_VERSION:
+        if state.get(K_VERSION) not in READABLE_VERSIONS or isinstance(state.get(K_VERSION), bool):
             raise StateError(f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
-                             f"detdata reads {STATE_VERSION}; hint: upgrade detdata")
+                             f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata")
+        if state[K_VERSION] == 1:
+            state = _upgrade_v1(state)
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -152,11 +197,14 @@ class LoaderState:
         the saved schedule) would silently use the wrong history.
         """
         try:
-            derived = identity_fields(self.stream, self.fields[K_SEED], self.fields[K_GLOBAL_BATCH])
+            derived = identity_fields(self.stream, self.fields[K_SEED], self.fields[K_GLOBAL_BATCH],
+                                      stream_seed=self.fields[K_STREAM_SEED],
+                                      transform=self.fields[K_TRANSFORM])
         except (TypeError, ValueError, RecursionError) as exc:
             raise StateError(f"loader state field 'stream' is not a plain JSON identity ({exc})",
                              fields=(K_STREAM,)) from None
         bad = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(derived.get(k))]
+        bad += self._seed_mismatch()
         if bad:
             detail = "; ".join(f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
                                f"{derived.get(k)!r:.80}" for k in bad)
@@ -165,9 +213,32 @@ class LoaderState:
                              "hint: use the state exactly as DataLoader.state_dict() returned it",
                              fields=tuple(bad))
 
+    def _seed_mismatch(self) -> list[str]:
+        """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped it."""
+        own = self.stream.get("seed")
+        expected = self.fields[K_SEED] if self.fields[K_STREAM_SEED] is None else self.fields[K_STREAM_SEED]
+        if own is None or _norm(own) == _norm(expected):
+            return []
+        return [K_STREAM_SEED]
+
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
         return [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))]
+
+
+def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-1 state in format 2: ``stream_seed`` derived from its stream, no transform recorded.
+
+    Format 1 checked only the loader's seed; a stream's own seed lived in the
+    saved ``stream`` identity alone, so it is recovered from there.
+    """
+    out = dict(state)
+    stream = state.get(K_STREAM)
+    own = stream.get("seed") if isinstance(stream, Mapping) else None
+    out[K_STREAM_SEED] = None if own is None or _norm(own) == _norm(state.get(K_SEED)) else own
+    out[K_TRANSFORM] = None
+    out[K_VERSION] = STATE_VERSION
+    return out
 
 
 def _norm(value: Any) -> Any:
