@@ -640,7 +640,11 @@ class DataLoader:
                              fields=(K_MIXTURE,))
         if K_SEED in diffs:
             raise StateError("cannot change the mixture and the seed in the same resume", fields=(K_SEED,))
-        stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
+        try:
+            stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
+        except ConfigError as exc:
+            raise StateError(f"allowed mixture change cannot be applied: {exc}",
+                             fields=(K_MIXTURE,)) from None
         return stream
 
     def close(self) -> None:
