@@ -513,8 +513,11 @@ class DataLoader:
         from detdata._threads import threaded_batches
         groups = threaded_batches(self._reader(in_worker=False), self._groups(), self.num_workers,
                                   self.num_workers * self._prefetch_factor)
-        for result in groups:
-            yield from result.deliver()
+        try:
+            for result in groups:
+                yield from result.deliver()
+        finally:
+            groups.close()  # an error raised here must not leave the readers to the garbage collector
 
     def _batches(self) -> Iterator[Any]:
         if self.num_workers == 0:

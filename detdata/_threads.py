@@ -16,7 +16,7 @@ hangs and no thread outlives it.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -39,7 +39,7 @@ def describe_positions(positions: Positions) -> str:
 
 
 def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
-                     num_threads: int, prefetch: int) -> Iterator[T]:
+                     num_threads: int, prefetch: int) -> Generator[T, None, None]:
     """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
 
     At most ``prefetch`` (``>= 1``) reads are submitted ahead of the consumer;
@@ -55,7 +55,7 @@ def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
 
 
 def _generate(fetch: Callable[[P], T], positions: Iterator[P],
-              num_threads: int, prefetch: int) -> Iterator[T]:
+              num_threads: int, prefetch: int) -> Generator[T, None, None]:
     source = iter(positions)
     pending: collections.deque[tuple[P, Future[T]]] = collections.deque()
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="detdata-read")

@@ -1,0 +1,163 @@
+"""Arguments: checked at construction as torch checks them, nothing ignored silently;
+interrupts and errors leave a loader that continues exactly (or a clear error)."""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import detdata
+from tests.resume_checker import digest, take
+
+N = 300
+
+
+def data() -> detdata.ArrayDataset:
+    ids = np.arange(N, dtype=np.int64)
+    return detdata.ArrayDataset({"id": ids, "x": (ids * 5).astype(np.int32)})
+
+
+def loader(**kw: Any) -> detdata.DataLoader:
+    base: dict[str, Any] = {"global_batch_size": 8, "micro_batch_size": 4, "seed": 2}
+    return detdata.DataLoader(kw.pop("data", None) or data(), **{**base, **kw})
+
+
+BAD: list[tuple[str, dict[str, Any], str]] = [
+    ("timeout<0", {"num_workers": 2, "timeout": -1}, "timeout must be a number of seconds >= 0"),
+    ("timeout-str", {"num_workers": 2, "timeout": "5"}, "timeout must be a number"),
+    ("mp-context", {"num_workers": 2, "multiprocessing_context": "fork-server"},
+     "multiprocessing_context 'fork-server' is not a start method"),
+    ("mp-context-type", {"num_workers": 2, "multiprocessing_context": 3}, "multiprocessing_context must"),
+    ("mp-context-no-workers", {"multiprocessing_context": "spawn"}, "multiprocessing_context needs num_workers"),
+    ("transform", {"transform": "tokenize"}, "transform must be callable"),
+    ("collate", {"collate_fn": 3}, "collate_fn must be callable"),
+    ("worker-init", {"num_workers": 1, "worker_init_fn": "init"}, "worker_init_fn must be callable"),
+    ("prefetch-no-workers", {"prefetch_factor": 4}, "prefetch_factor needs num_workers > 0"),
+    ("persistent-no-workers", {"persistent_workers": True}, "persistent_workers=True needs num_workers"),
+    ("persistent-not-bool", {"num_workers": 1, "persistent_workers": "yes"}, "persistent_workers must be"),
+    ("thread-persistent", {"num_workers": 2, "worker_mode": "thread", "persistent_workers": True},
+     r"would ignore \['persistent_workers'\]"),
+    ("thread-init-timeout", {"num_workers": 2, "worker_mode": "thread", "timeout": 3,
+                             "worker_init_fn": print}, r"would ignore \['timeout', 'worker_init_fn'\]"),
+    ("thread-mp", {"num_workers": 2, "worker_mode": "thread", "multiprocessing_context": "spawn"},
+     r"would ignore \['multiprocessing_context'\]"),
+    ("worker-mode", {"num_workers": 2, "worker_mode": "greenlet"}, "worker_mode must be"),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_loader_argument_refused_at_construction(case: str, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(detdata.ConfigError, match=message):
+        loader(**kwargs)
+
+
+def test_unwritable_trace_path_refused_at_construction(tmp_path: Any) -> None:
+    with pytest.raises(detdata.ConfigError, match=str(tmp_path)):
+        loader(trace=tmp_path)  # a directory
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(detdata.ConfigError, match="trace"):
+        loader(trace=blocker / "trace.jsonl")  # parent is a file
+
+
+def test_thread_mode_with_zero_workers_accepts_process_defaults() -> None:
+    """worker_mode='thread' with num_workers=0 reads inline: nothing is ignored, nothing refused."""
+    a = [digest(b) for b in take(loader(worker_mode="thread"), 6)]
+    assert a == [digest(b) for b in take(loader(), 6)]
+
+
+def test_sampler_refuses_a_seed_the_mixture_would_ignore() -> None:
+    mix = detdata.Mixture({"a": data(), "b": data()}, {"a": "0.5", "b": "0.5"}, seed=4)
+    with pytest.raises(detdata.ConfigError, match=r"seed=999 would be ignored.*own seed \(4\)"):
+        detdata.DeterministicBatchSampler(mix, global_batch_size=8, seed=999)
+    same = detdata.DeterministicBatchSampler(mix, global_batch_size=8, seed=4)
+    assert same.seed == 4
+
+
+def _reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("detdata-read")]
+
+
+class FailsAt:
+    def __init__(self, bad: int) -> None:
+        self.inner, self.bad = data(), bad
+
+    @property
+    def num_samples(self) -> int:
+        return N
+
+    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        if self.bad in ids.tolist():
+            raise LookupError(f"bad sample {self.bad}")
+        time.sleep(0.002)
+        return self.inner.read(ids)
+
+    def identity(self) -> dict[str, Any]:
+        return self.inner.identity()
+
+
+def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
+    gc.disable()  # the threads must end without the garbage collector's help
+    try:
+        bad = int(detdata.GlobalOrder(N, 2).ids(np.array([30]))[0])
+        dl = loader(data=FailsAt(bad), num_workers=2, worker_mode="thread", read_ahead=2)
+        with pytest.raises(LookupError):
+            for _ in dl:
+                pass
+        assert _reader_threads() == []
+        dl2 = loader(num_workers=2, worker_mode="thread")
+        with pytest.raises(ZeroDivisionError):
+            for _ in dl2:
+                assert _reader_threads()
+                raise ZeroDivisionError("the training step failed")
+        assert _reader_threads() == []
+    finally:
+        gc.enable()
+
+
+class Slow:
+    """Reads take a while, so an interrupt lands inside torch's wait for a worker's batch."""
+
+    def __init__(self) -> None:
+        self.inner = data()
+
+    @property
+    def num_samples(self) -> int:
+        return N
+
+    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        time.sleep(0.03)
+        return self.inner.read(ids)
+
+    def identity(self) -> dict[str, Any]:
+        return self.inner.identity()
+
+
+def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly() -> None:
+    """The notebook pattern: Ctrl-C mid-iteration, then ``for batch in loader`` again."""
+    reference = [digest(b) for b in take(loader(), 24)]
+    dl = loader(data=Slow(), num_workers=2, persistent_workers=True, read_ahead=1)
+    batches: list[Any] = []
+    for delay in (0.005, 0.02, 0.045, 0.0):
+        it = iter(dl)
+        batches.append(next(it))
+        timer = threading.Timer(delay, _thread.interrupt_main)
+        timer.start()
+        try:
+            for batch in it:
+                batches.append(batch)  # no interrupt check between receiving and keeping it
+        except KeyboardInterrupt:
+            pass
+        finally:
+            timer.cancel()
+        assert dl.samples_consumed == len(batches) * 4
+    assert len(batches) < 24
+    batches += list(take(dl, 24 - len(batches)))
+    assert [digest(b) for b in batches] == reference
+    dl.close()
