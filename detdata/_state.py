@@ -126,7 +126,7 @@ def environment() -> dict[str, str]:
     import torch
 
     from detdata import __version__
-    return {"detdata": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+    return {"detdata": __version__, "torch": str(torch.__version__), "numpy": str(numpy.__version__),
             "python": sys.version.split()[0], "platform": platform.platform()}
 
 

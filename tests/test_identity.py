@@ -347,3 +347,26 @@ def test_transform_id_must_be_a_non_empty_string(corpus: Corpus) -> None:
     for bad in ("", 3):
         with pytest.raises(detdata.ConfigError, match="transform_id"):
             build(replace(BASE["tokens"], transform=add_one, transform_id=bad), corpus)  # type: ignore[arg-type]
+
+
+def test_state_leaves_are_json_plain_and_load_with_weights_only(corpus: Corpus, tmp_path: Any) -> None:
+    """Every leaf is str/int/float/bool/None (no str subclasses such as torch's TorchVersion)."""
+    from dataclasses import replace
+    loader = build(replace(BASE["mixture"], transform=add_one), corpus)
+    list(take(loader, 2))
+    state = loader.state_dict()
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                assert type(k) is str, f"{where}: key {k!r}"
+                walk(v, f"{where}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+        else:
+            assert type(node) in (str, int, float, bool, type(None)), f"{where}: {type(node).__name__}"
+
+    walk(state, "state")
+    torch.save({"loader": state}, tmp_path / "ckpt.pt")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"] == state
