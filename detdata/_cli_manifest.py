@@ -3,7 +3,8 @@
 
 Each command prints its result on stdout (ids, JSON or one value per line) and
 returns an exit code; errors are raised as `DetdataError` and mapped by
-`detdata.cli.main` (verification failure -> 1, anything else -> 2).
+`detdata.cli.main` (verification failure -> 1, storage failure -> 3, anything else
+-> 2). Paths named on the command line are checked before any work starts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from detdata._errors import ConfigError
 from detdata._manifest import Manifest, Verify, build_manifest, hash_files
-from detdata._order import GlobalOrder, check_count
+from detdata._order import GlobalOrder, check_count, check_seed
 from detdata._registry import Registry
 from detdata._storage import is_url
 
@@ -59,12 +60,42 @@ def _add_manifest(subparsers: Any) -> None:
     build.set_defaults(func=_cmd_build)
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """A local output path must be writable as a file: not a folder, not under a file (before any work)."""
+    if is_url(path):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; hint: give a file name, e.g. "
+                          f"{os.path.join(path, 'manifest.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder; hint: choose another path")
+
+
+def _check_local(path: str, what: str, *, folder: bool) -> None:
+    """A local path named on the command line exists and is a folder (or a file)."""
+    if is_url(path):
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"{what} {path}: not found; hint: check the path")
+    if folder and not os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a file, not a folder; hint: pass the folder holding the shards")
+    if not folder and os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a directory, not a file; hint: pass files, e.g. {path}/*.npy")
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     metadata: dict[str, str] = {}
     for key, value in args.meta:
         if key in metadata:
             raise ConfigError(f"--meta {key}= given twice; hint: each key once")
         metadata[key] = value
+    check_output_file(args.output, "-o")  # before hours of hashing
+    if not is_url(args.root) and os.path.isfile(args.root):
+        raise ConfigError(f"ROOT {args.root} is a file, not a folder; hint: pass the folder holding the "
+                          "shards (and --pattern to pick files)")
     manifest = build_manifest(args.root, pattern=args.pattern, format=args.format, dtype=args.dtype,
                               metadata=metadata, threads=check_count(args.threads, "--threads"))
     manifest.save(args.output)
@@ -84,6 +115,9 @@ def _add_verify(subparsers: Any) -> None:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     mode = Verify.FULL if args.full else Verify.QUICK
+    _check_local(args.manifest, "MANIFEST", folder=False)
+    if args.root is not None:
+        _check_local(args.root, "--root", folder=True)
     manifest = Manifest.load(args.manifest, root=args.root, verify=mode)
     print(f"ok {manifest.id} ({len(manifest.shards)} shards, {manifest.total_bytes} bytes, "
           f"verify={mode.value}, root={manifest.root})")
@@ -97,6 +131,8 @@ def _add_hash(subparsers: Any) -> None:
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
+    for path in args.files:
+        _check_local(path, "FILE", folder=False)
     for path, size, digest in hash_files(args.files):
         print(f"{digest}  {size}  {path}")
     return 0
@@ -118,7 +154,15 @@ def _add_register(subparsers: Any) -> None:
     parser.set_defaults(func=_cmd_register)
 
 
+def _check_registry(path: str | None) -> None:
+    if path is not None and not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--registry {path} is a file, not a folder; hint: a registry is a folder "
+                          "(created if missing): pass a new or existing registry folder")
+
+
 def _cmd_register(args: argparse.Namespace) -> int:
+    _check_registry(args.registry)
+    _check_local(args.manifest, "MANIFEST", folder=False)
     print(Registry(args.registry).register(args.name, args.manifest, force=args.force,
                                            verify=args.verify))
     return 0
@@ -134,6 +178,7 @@ def _add_inspect(subparsers: Any) -> None:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     target: str = args.target
+    _check_registry(args.registry)
     extra: dict[str, Any] = {}
     if target.startswith("b3:"):
         manifest = Registry(args.registry).get(target)
@@ -171,7 +216,7 @@ def _add_order(subparsers: Any) -> None:
 
 
 def _cmd_order(args: argparse.Namespace) -> int:
-    order = GlobalOrder(args.n, args.seed)
+    order = GlobalOrder(check_count(args.n, "--n"), check_seed(args.seed, "--seed"))
     count = check_count(args.count, "--count", maximum=_MAX_ORDER_COUNT)
     start = check_count(args.at, "--at", minimum=0, maximum=(1 << 63) - 1 - count)
     ids = order.ids(np.arange(start, start + count, dtype=np.int64))

@@ -45,6 +45,10 @@ class CountDataset:
     def num_samples(self) -> int:
         return self._n
 
+    def schema(self) -> dict[str, str]:
+        """No columns: a count-only source is never read (`Mixture` asks before reading sample 0)."""
+        return {}
+
     def read(self, ids: IntArray) -> Batch:
         raise ConfigError(f"source {self.name!r} is described by num_samples only and has no data to read; "
                           f"hint: build the Mixture over real datasets to fetch samples")
@@ -62,6 +66,10 @@ def load_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read mix config {path!r}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"mix config {path!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"mix config {path!r} is not UTF-8 text (byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"mix config {path!r} is not usable JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"mix config {path!r} must be a JSON object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - _CONFIG_KEYS)

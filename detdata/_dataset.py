@@ -72,7 +72,7 @@ class ArrayDataset:
     def __init__(self, columns: Mapping[str, npt.ArrayLike], *, name: str = "arrays") -> None:
         if not columns:
             raise ConfigError("ArrayDataset needs at least one column")
-        self.columns = {k: np.ascontiguousarray(v) for k, v in columns.items()}
+        self.columns = {k: _frozen_copy(v) for k, v in columns.items()}
         lengths = {k: len(v) for k, v in self.columns.items()}
         if len(set(lengths.values())) != 1:
             raise FormatError(f"ArrayDataset columns differ in length: {lengths}")
@@ -80,7 +80,7 @@ class ArrayDataset:
         if self._n == 0:
             raise ConfigError(f"ArrayDataset {name!r} is empty")
         self.name = name
-        parts = b"".join(k.encode() + str(v.dtype).encode() + str(v.shape).encode() + v.tobytes()
+        parts = b"".join(k.encode() + str(v.dtype).encode() + str(v.shape).encode() + _content(v)
                          for k, v in sorted(self.columns.items()))
         self._digest = digest_bytes(parts)
 
@@ -89,11 +89,50 @@ class ArrayDataset:
         return self._n
 
     def read(self, ids: IntArray) -> Batch:
+        """Fresh arrays (object columns: fresh copies of their elements too); nothing aliases the data."""
         idx = check_ids(ids, self._n, f"ArrayDataset {self.name!r}")
-        return {k: v[idx] for k, v in self.columns.items()}
+        return {k: _owned(v[idx]) for k, v in self.columns.items()}
 
     def identity(self) -> dict[str, Any]:
         return {"type": "arrays", "name": self.name, "digest": self._digest, "num_samples": self._n}
+
+
+def _frozen_copy(values: npt.ArrayLike) -> np.ndarray:
+    """A private, read-only copy: later edits of the caller's array cannot change the data
+    behind the identity digest, and object elements are copied as well."""
+    arr = np.array(values, copy=True, order="C")
+    if arr.dtype == object:
+        arr = _owned(arr)
+    arr.setflags(write=False)
+    return arr
+
+
+def _content(column: np.ndarray) -> bytes:
+    """The bytes a column's digest covers: its buffer, or for object columns each element's
+    type, dtype, shape and bytes (an object buffer holds pointers, which differ per process)."""
+    if column.dtype != object:
+        return column.tobytes()
+    parts = []
+    for value in column.flat:
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            parts.append(f"nd:{value.dtype.str}{value.shape}:".encode() + value.tobytes())
+        elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
+            parts.append(f"{type(value).__name__}:{value!r}".encode())
+        else:
+            raise FormatError(f"ArrayDataset: object column holds a {type(value).__name__}; only numeric "
+                              "arrays, str, bytes, numbers and None can be digested; hint: convert it")
+        parts.append(b"\0")
+    return b"".join(parts)
+
+
+def _owned(column: np.ndarray) -> np.ndarray:
+    """``column`` with each ndarray element of an object column copied (numeric gathers copy already)."""
+    if column.dtype != object:
+        return column
+    out = np.empty(column.shape, dtype=object)
+    for i, value in enumerate(column.flat):
+        out.flat[i] = value.copy() if isinstance(value, np.ndarray) else value
+    return out
 
 
 class OrderedStream:

@@ -143,7 +143,10 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         state = json.loads((out / "runs" / f"{cfg.tag}.loader.json").read_text())
         for dl in loaders:
             dl.load_state_dict(state)
-    trace = TraceWriter(out / "runs" / f"{cfg.tag}.{'resumed' if cfg.resume else 'first'}.trace.jsonl", 0)
+    trace = TraceWriter(out / "runs" / f"{cfg.tag}.trace.jsonl", 0, global_batch_size=cfg.global_batch,
+                        samples_per_micro_step=cfg.global_batch)
+    if cfg.resume:
+        trace.restore(loaders[0].samples_consumed)  # the resumed run appends to the same trace
     iters = [iter(dl) for dl in loaders]
     step, last = loaders[0].step, cfg.stop_at if cfg.stop_at is not None else cfg.steps
     losses = []
@@ -152,7 +155,7 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         positions = np.concatenate([dl.positions_of_next() - dl.layout.samples_per_micro_step
                                     for dl in loaders])
         tokens = torch.cat([p["tokens"] for p in parts]).long()
-        trace.add(step, positions, {"tokens": tokens}, step_done=True)
+        trace.add(step * cfg.global_batch, positions, {"tokens": tokens})
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
@@ -176,15 +179,6 @@ def _spawn(cfg: RunConfig) -> dict[str, Any]:
     return result
 
 
-def merged_trace(out: Path, tag: str) -> list[dict[str, Any]]:
-    runs = out / "runs"
-    records = read_trace(runs / f"{tag}.first.trace.jsonl")
-    resumed = runs / f"{tag}.resumed.trace.jsonl"
-    if resumed.exists():
-        records += read_trace(resumed)
-    return records
-
-
 def replay_check(out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234) -> dict[str, Any]:
     """Three runs in fresh processes; compares final weights and data traces bytewise."""
     if not 0 < stop_at < steps:
@@ -197,7 +191,7 @@ def replay_check(out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1
     b = _spawn(replace(base, tag="B"))
     _spawn(replace(base, tag="C", world_size=2, stop_at=stop_at))
     c = _spawn(replace(base, tag="C", world_size=1, resume=True))
-    ta, tb, tc = (merged_trace(out, t) for t in ("A", "B", "C"))
+    ta, tb, tc = (read_trace(out / "runs" / f"{t}.trace.jsonl") for t in ("A", "B", "C"))
     return {"weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
             "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
             "first_divergent_step_A_B": first_difference(ta, tb),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Final
@@ -68,16 +69,47 @@ def detect_format(path: str) -> Format:
 
 
 def check_token_dtype(dtype: str | None, *, where: str) -> str:
-    """Canonical numpy dtype name for token shards (little-endian on disk)."""
+    """Canonical numpy dtype name for token shards; token bytes are little-endian on disk.
+
+    A manifest's ``dtype`` is a plain name (``uint16``...) meaning little-endian,
+    so a big-endian declaration (``">u2"``) is refused here rather than recorded
+    as ``uint16`` and read with its bytes swapped.
+    """
     if dtype is None:
         raise ConfigError(f"{where}: raw .bin shards need a declared dtype, e.g. dtype='uint16'")
     try:
-        name = np.dtype(dtype).name
+        parsed = np.dtype(dtype)
     except TypeError:
         raise ConfigError(f"{where}: unknown dtype {dtype!r}; expected one of {TOKEN_DTYPES}") from None
+    name = parsed.name
     if name not in TOKEN_DTYPES:
         raise ConfigError(f"{where}: dtype {name} is not a token dtype; expected one of {TOKEN_DTYPES}")
+    if _declares_big_endian(dtype, parsed):
+        raise ConfigError(f"{where}: dtype {dtype!r} is big-endian; detdata token shards are "
+                          f"little-endian (a manifest records only {name!r}, which would read "
+                          "these bytes swapped); hint: convert the file, e.g. "
+                          f"np.fromfile(path, {parsed.str!r}).astype({parsed.newbyteorder('<').str!r})"
+                          ".tofile(new_path), or declare the little-endian dtype if the bytes "
+                          "are little-endian")
     return name
+
+
+def _declares_big_endian(declared: object, parsed: np.dtype[Any]) -> bool:
+    """Whether a declared token dtype asks for big-endian bytes (plain names mean little)."""
+    if isinstance(declared, str):
+        mark = declared.strip()[:1]
+        return mark in (">", "!") or (mark == "=" and sys.byteorder == "big")
+    return is_big_endian(parsed)
+
+
+def is_big_endian(dtype: np.dtype[Any]) -> bool:
+    """True when multi-byte ``dtype`` stores its most significant byte first (on any host)."""
+    return dtype.itemsize > 1 and dtype.str[0] == ">"
+
+
+def disk_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of token bytes on disk for manifest dtype ``name``: little-endian."""
+    return np.dtype(name).newbyteorder("<")
 
 
 def schema_fingerprint(schema: pa.Schema) -> str:
@@ -93,6 +125,7 @@ def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Form
         return _inspect_npy(fs, path, size, rel)
     if fmt is Format.BIN:
         name = check_token_dtype(dtype, where=rel)
+        _refuse_container(fs, path, size, rel)
         itemsize = np.dtype(name).itemsize
         if size % itemsize:
             raise FormatError(f"shard {rel}: {size} bytes is not a multiple of the {name} item "
@@ -161,12 +194,49 @@ def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) 
     if len(shape) != 1:
         raise FormatError(f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
                           "hint: save tokens with np.save(path, tokens.reshape(-1))")
-    if dtype.byteorder == ">" or dtype.name not in TOKEN_DTYPES:
+    if is_big_endian(dtype) or dtype.name not in TOKEN_DTYPES:
         raise FormatError(f"shard {rel}: dtype {dtype.str} is not a little-endian token dtype "
-                          f"({', '.join(TOKEN_DTYPES)})")
+                          f"({', '.join(TOKEN_DTYPES)}); hint: save little-endian tokens, e.g. "
+                          "np.save(path, tokens.astype('<u2'))")
     expected = offset + shape[0] * dtype.itemsize
     if expected != size:
         raise FormatError(f"shard {rel}: header says {shape[0]} x {dtype.name} "
                           f"({expected} bytes) but the file has {size} bytes")
     del fortran
     return ShardLayout(num_samples=int(shape[0]), dtype=dtype.name, data_offset=offset)
+
+
+_PARQUET_MAGIC: Final = b"PAR1"
+_ARROW_MAGIC: Final = b"ARROW1"
+
+
+def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> None:
+    """`FormatError` when a shard declared raw ``bin`` is really a .npy, Parquet or Arrow file.
+
+    Read as raw tokens, such a file would deliver its header bytes as tokens. A
+    file counts as one only if its start *and* structure say so (a .npy header
+    that parses; Parquet / Arrow magic at both ends), so raw token files whose
+    first tokens happen to spell a magic string are not refused.
+    """
+    with fs.open(path, "rb") as fh:
+        head = fh.read(8)
+        kind = None
+        if head[:6] == b"\x93NUMPY":
+            fh.seek(0)
+            try:
+                _read_npy_header(fh)
+                kind = "npy"
+            except ValueError:
+                kind = None
+        elif size >= 12 and head[:6] == _ARROW_MAGIC:
+            fh.seek(size - 6)
+            kind = "arrow" if fh.read(6) == _ARROW_MAGIC else None
+        elif size >= 8 and head[:4] == _PARQUET_MAGIC:
+            fh.seek(size - 4)
+            kind = "parquet" if fh.read(4) == _PARQUET_MAGIC else None
+    if kind is not None:
+        what = {"npy": "a .npy", "arrow": "an Arrow IPC", "parquet": "a Parquet"}[kind]
+        raise FormatError(f"shard {rel}: declared format 'bin' (raw tokens) but it is {what} "
+                          f"file (it starts with {head[:6]!r}); read as raw tokens its header "
+                          f"would become tokens; hint: pass format='{kind}', or leave format= "
+                          "out to detect the format from the file suffix")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from detdata._collate import to_torch
+from detdata._collate import is_ragged, restack, to_torch
 from detdata._dataset import Batch, Dataset, IntArray, Stream, as_stream
 from detdata._errors import ConfigError, StateError
 from detdata._layout import Layout
@@ -59,7 +59,7 @@ def apply_transform(batch: Batch, positions: IntArray, transform: Transform, see
 
     Every sample's output must have the keys of the first one (a key missing
     or extra at one position is refused, naming it); each column is restacked
-    with `restack`.
+    with `detdata._collate.restack`.
     """
     outs: list[Mapping[str, Any]] = []
     for i in range(len(positions)):
@@ -74,29 +74,9 @@ def apply_transform(batch: Batch, positions: IntArray, transform: Transform, see
                               f"{int(positions[0])}; every sample must have the same keys; hint: "
                               "return every key for every sample (a placeholder if needed)")
         outs.append(result)
-    return {k: restack(k, [o[k] for o in outs], positions) for k in outs[0]} if outs else batch
-
-
-def restack(key: str, values: list[Any], positions: IntArray) -> np.ndarray:
-    """One batch column from per-sample values: stacked when shapes and dtypes agree.
-
-    Values of differing shapes (ragged rows, strings) become a 1-D object array
-    of per-sample arrays, as `TableRows` delivers ragged columns; differing
-    dtypes are refused, naming the column and both positions.
-    """
-    arrays = [np.asarray(v) for v in values]
-    first = arrays[0]
-    for i, arr in enumerate(arrays):
-        if arr.dtype != first.dtype:
-            raise ConfigError(f"transform output {key!r} has dtype {arr.dtype} at position "
-                              f"{int(positions[i])} but {first.dtype} at position "
-                              f"{int(positions[0])}; hint: cast every sample to one dtype")
-    if all(a.shape == first.shape for a in arrays) and first.dtype != object:
-        return np.stack(arrays)
-    out = np.empty(len(arrays), dtype=object)
-    for i, arr in enumerate(arrays):
-        out[i] = arr
-    return out
+    if not outs:
+        return batch
+    return {k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k))) for k in outs[0]}
 
 
 class PositionDataset(tud.Dataset[Batch]):
@@ -195,7 +175,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _rows(batch: Any, a: int, b: int) -> Any:
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
+    if isinstance(batch, (torch.Tensor, np.ndarray, list)):
         return batch[a:b]
     if isinstance(batch, Mapping):
         return {k: _rows(v, a, b) for k, v in batch.items()}
@@ -324,6 +304,8 @@ def _pin(batch: Any) -> Any:
         return batch.pin_memory()
     if isinstance(batch, Mapping):
         return {k: _pin(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_pin(v) for v in batch]
     return batch
 
 
@@ -440,7 +422,9 @@ class DataLoader:
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
-        self._trace = TraceWriter(trace, self.layout.rank) if trace is not None else None
+        self._trace = (TraceWriter(trace, self.layout.rank, global_batch_size=self.layout.global_batch_size,
+                                   samples_per_micro_step=self.layout.samples_per_micro_step)
+                       if trace is not None else None)
 
     # ------------------------------------------------------------------ info
     @property
@@ -545,8 +529,7 @@ class DataLoader:
             iterator = device_batches(batches, self.device, self.device_prefetch)
         clean = False
         try:
-            for batch in self._deliver(iterator, generation):
-                yield batch
+            yield from self._deliver(iterator, generation)
             clean = True
         except GeneratorExit:
             clean = True  # the caller stopped early (break): nothing is in flight in a broken state
@@ -578,8 +561,7 @@ class DataLoader:
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
             if self._trace is not None:  # before counting: a failed trace write delivers nothing
-                self._trace.add(self.step, self.positions_of_next(), batch,
-                                (self._consumed + per) % self.global_batch_size == 0)
+                self._trace.add(self._consumed, self.positions_of_next(), batch)
             self._consumed += per
             yield batch
 
@@ -633,6 +615,8 @@ class DataLoader:
         if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
             self._stream = self._continue_mixture(saved, diffs)
         self._consumed = saved.samples_consumed
+        if self._trace is not None:
+            self._trace.restore(self._consumed)
         self._generation += 1
         self._torch_loader = None
 

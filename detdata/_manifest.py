@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import os
+import posixpath
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,14 +35,18 @@ from detdata._hashing import full_digest_file, quick_digest_file
 from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import (
     check_relative_path,
+    check_shard_name,
     filesystem,
     full_digest_retrying,
+    is_http,
     is_local_fs,
     is_url,
     join,
     quick_digest_retrying,
     read_file_retrying,
     size_retrying,
+    unquote_path,
+    url_join,
 )
 
 FORMAT_VERSION: Final = 1
@@ -204,10 +209,10 @@ class Manifest:
         return Manifest(shards=self.shards, metadata=self.metadata, root=root)
 
     def url(self, shard: ShardEntry) -> str:
-        """Full URL/path of a shard under this manifest's root."""
+        """Full URL/path of a shard under this manifest's root (percent-encoded for HTTP(S))."""
         if self.root is None:
             raise ConfigError("this manifest has no root; pass root= to Manifest.load or use with_root()")
-        return self.root.rstrip("/") + "/" + shard.path
+        return url_join(self.root, shard.path)
 
     # persistence ------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -224,14 +229,24 @@ class Manifest:
         are local and the file is saved inside the root directory, the root is
         stored relative to the file (e.g. ``"."``), so moving the directory with
         the manifest in it keeps it loadable.
+
+        The document is first parsed back with the loader's own checks
+        (`Manifest.from_json`), so a manifest that loading would refuse (say, built
+        by hand with an unsafe shard path or dtype) raises `ManifestError` and
+        nothing is written.
         """
         from detdata._atomic import atomic_write_bytes
         doc = self.to_json()
         if self.root is not None:
             doc[K_ROOT] = _portable_root(self.root, path)
+        self.check_loadable(where=f"manifest to save at {path}")
         data = json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
         atomic_write_bytes(path, data, **storage_options)
         return self.id
+
+    def check_loadable(self, *, where: str = "manifest") -> None:
+        """`ManifestError` unless the loader accepts this manifest's document (writers call it)."""
+        Manifest.from_json(self.to_json(), where=where)
 
     @classmethod
     def from_json(cls, doc: object, *, root: str | None = None, where: str = "manifest") -> Manifest:
@@ -300,6 +315,10 @@ class Manifest:
         except FileNotFoundError:
             raise ManifestError(f"manifest file not found: {path}; hint: check the path "
                                 "(or URL) of the manifest JSON") from None
+        except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+            raise ManifestError(f"cannot read manifest {path}: {type(exc).__name__}: "
+                                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                                "(e.g. DIR/manifest.json), readable by this user") from None
         manifest = cls.loads(text, root=root, where=f"manifest {path}")
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
@@ -462,20 +481,28 @@ def _resolve_root(stored: str | None, manifest_path: str) -> str:
 
 
 def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
+    """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`).
+
+    HTTP listings give percent-encoded URLs; their paths are decoded, so a manifest
+    built over HTTP holds the same file names (and id) as one built from the files.
+    """
     if pattern is None:
         found = [p for p in fs.find(root) if not p.endswith(".json")]
     else:
-        found = fs.glob(join(root, pattern))
+        found = fs.glob(posixpath.join(root, pattern) if root not in ("", "/") else root + pattern)
         found = [p for p in found if not fs.isdir(p)]
     prefix = root.rstrip("/") + "/"
     outside = [p for p in found if not p.startswith(prefix)]
     if outside:
         raise ConfigError(f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
                           f"root {root!r}; hint: use a pattern relative to the root")
-    rels = sorted(p[len(prefix):] for p in found)
+    rels = [p[len(prefix):] for p in found]
+    if is_http(root):
+        rels = [unquote_path(r) for r in rels]
+    rels.sort()
     if fmt is None and pattern is None:
         rels = [r for r in rels if _known_suffix(r)]
-    return rels
+    return [check_shard_name(r, root=root) for r in rels]
 
 
 def _known_suffix(rel: str) -> bool:
@@ -502,7 +529,7 @@ def build_manifest(root: str, *, pattern: str | None = None, format: str | Forma
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
     if paths is not None:
-        rels = sorted(check_relative_path(p, where="paths") for p in paths)
+        rels = sorted(check_shard_name(p, root=root) for p in paths)
     else:
         if not fs.exists(rootpath):
             raise ConfigError(f"root {root!r} does not exist")
@@ -516,7 +543,7 @@ def build_manifest(root: str, *, pattern: str | None = None, format: str | Forma
     def build(rel: str) -> ShardEntry:
         if is_local_fs(fs):
             return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
-        url = root.rstrip("/") + "/" + rel
+        url = url_join(root, rel)
         return policy.run(lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
                           what="hashing", shard=rel, url=url)
 

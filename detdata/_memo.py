@@ -6,11 +6,13 @@ positions at a time, nearly contiguous. `ChunkMemo` evaluates the map on whole
 aligned chunks of positions once and answers from the cached chunks; a request
 spanning more than ``slots`` chunks (random access) is computed directly. The
 values are identical either way: this is a cache, never a different algorithm.
-The cache is per process and never pickled.
+The cache is per process and never pickled; it is thread-safe (reader threads
+share it), and the arrays it returns are new (editing them never changes the cache).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
@@ -31,21 +33,30 @@ class ChunkMemo:
         self.chunk = chunk
         self.slots = slots
         self._cache: OrderedDict[int, tuple[IntArray, ...]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = OrderedDict()
+        del state["_lock"]
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _chunk(self, c: int) -> tuple[IntArray, ...]:
-        hit = self._cache.get(c)
-        if hit is not None:
-            self._cache.move_to_end(c)
-            return hit
+        with self._lock:  # get + move_to_end raced with another thread's eviction (KeyError)
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+                return hit
         values = self.fn(np.arange(c * self.chunk, (c + 1) * self.chunk, dtype=np.int64))
-        self._cache[c] = values
-        while len(self._cache) > self.slots:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[c] = values
+            self._cache.move_to_end(c)
+            while len(self._cache) > self.slots:
+                self._cache.popitem(last=False)
         return values
 
     def __call__(self, positions: IntArray) -> tuple[IntArray, ...]:

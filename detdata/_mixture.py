@@ -87,6 +87,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from detdata._collate import describe_column, same_kind
 from detdata._dataset import Batch, Dataset, IntArray
 from detdata._errors import ConfigError, FormatError
 from detdata._hashing import digest_bytes
@@ -372,6 +373,54 @@ def _check_sources(sources: object) -> dict[str, Dataset]:
     return out
 
 
+def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
+    """Column -> `describe_column` of what ``dataset`` delivers: its ``schema()`` if it has
+    one that answers in that form (without reading samples, e.g. `TableRows`), else
+    described from ``read([0])`` (a ``schema()`` of another kind, say a pyarrow schema, is
+    not ours to interpret)."""
+    schema = getattr(dataset, "schema", None)
+    if callable(schema):
+        found = schema()
+        if isinstance(found, Mapping) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+            return dict(found)
+    try:
+        batch = dataset.read(np.zeros(1, dtype=np.int64))
+    except Exception as exc:
+        exc.add_note(f"(while reading sample 0 of Mixture source {name!r} to learn its columns)")
+        raise
+    if not isinstance(batch, Mapping):
+        raise ConfigError(f"Mixture source {name!r}: read must return a mapping of column -> "
+                          f"array, got {type(batch).__name__}")
+    return {str(k): describe_column(v) for k, v in batch.items()}
+
+
+def _common_columns(sources: Mapping[str, Dataset]) -> dict[str, str]:
+    """The columns every source delivers (`source_columns`), or `FormatError` naming each
+    source that differs from the first (by name) and each differing column."""
+    found = {name: source_columns(name, data) for name, data in sources.items()}
+    first, *others = found
+    ref = found[first]
+    problems = []
+    for name in others:
+        cols = found[name]
+        diffs = [f"column {c!r}: {first!r} gives {ref.get(c, 'nothing')}, {name!r} gives "
+                 f"{cols.get(c, 'nothing')}"
+                 for c in dict.fromkeys([*ref, *cols])
+                 if c not in ref or c not in cols or not same_kind(ref[c], cols[c])]
+        if diffs:
+            problems.append(f"sources {first!r} and {name!r}: " + "; ".join(diffs))
+        else:  # keep the most specific description ('str' over 'object': all None so far)
+            ref = {c: cols[c] if t == "object" else t for c, t in ref.items()}
+    if problems:
+        raise FormatError("Mixture sources deliver different columns (a batch would change dtype "
+                          "or shape with the sources it draws from, or fail mid-run): "
+                          + " | ".join(problems) + "; hint: make every source deliver the same "
+                          "columns with the same dtype and shape (TokenWindows out_dtype= and "
+                          "seq_len=, TableRows columns=)")
+    return ref
+
+
 def _check_schedule(schedule: object) -> list[tuple[int, Mapping[str, object]]]:
     if isinstance(schedule, (str, bytes, Mapping)) or not isinstance(schedule, Iterable):
         raise ConfigError(f"schedule must be a list of (start_position, weights) pairs, got {schedule!r:.80}")
@@ -413,6 +462,14 @@ class Mixture:
     ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed`` and
     ``continue_from``. See the module docstring for the exact algorithm and the
     proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.
+
+    Every source must deliver the same columns with the same dtype, trailing shape
+    and object kind (str, bytes, ragged ``list<dtype>``): checked at construction from
+    each source's ``schema()`` (`TableRows`) or else its ``read([0])``, with a
+    `FormatError` naming both sources and each differing column; ``columns`` holds
+    the result, and every read is checked against it (a `FormatError` naming the
+    source instead of a batch whose dtype depends on the sources it draws from).
+    `fetch` returns new arrays (nothing aliases a source's memory).
     """
 
     algorithm: Final = ALGORITHM
@@ -434,6 +491,7 @@ class Mixture:
         self.source_seeds = {n: source_seed(self.seed, n) for n in self.source_names}
         self.orders = {n: GlobalOrder(self.sources[n].num_samples, self.source_seeds[n])
                        for n in self.source_names}
+        self.columns: dict[str, str] = _common_columns(self.sources)
         self._memo = ChunkMemo(self.locate)
 
     def __repr__(self) -> str:
@@ -504,30 +562,37 @@ class Mixture:
 
     def _assemble(self, size: int, runs: Sequence[tuple[int, IntArray | None]],
                   parts: Mapping[int, Batch]) -> Batch:
-        """One output array per column, each source's rows scattered to its positions
-        (``rows`` of a run; None: all of them)."""
-        first_s, first = next(iter(parts.items()))
+        """One new output array per column, each source's rows scattered to its positions
+        (``rows`` of a run; None: all of them). Every part must hold exactly the columns
+        `columns` found at construction (`FormatError` naming the source otherwise), so
+        a batch's dtypes never depend on which sources it happens to draw from."""
         for s, batch in parts.items():
-            if set(batch) != set(first):
-                raise FormatError(f"Mixture sources {self.source_names[first_s]!r} and "
-                                  f"{self.source_names[s]!r} have different columns: "
-                                  f"{sorted(first)} vs {sorted(batch)}")
+            self._check_part(self.source_names[s], batch)
+        first = next(iter(parts.values()))
         out: Batch = {}
         for col, ref in first.items():
             arr = np.empty((size, *ref.shape[1:]), dtype=ref.dtype)
             for s, rows in runs:
                 value = np.asarray(parts[s][col])
-                if value.dtype != ref.dtype or value.shape[1:] != ref.shape[1:]:
-                    raise FormatError(
-                        f"Mixture column {col!r}: source {self.source_names[s]!r} gives {value.dtype} "
-                        f"{value.shape[1:]}, source {self.source_names[first_s]!r} gives {ref.dtype} "
-                        f"{ref.shape[1:]}; hint: make every source produce the same dtype and shape")
                 if rows is None:
                     arr[...] = value
                 else:
                     arr[rows] = value
             out[col] = arr
         return out
+
+    def _check_part(self, name: str, batch: Batch) -> None:
+        if set(batch) != set(self.columns):
+            raise FormatError(f"Mixture source {name!r} read columns {sorted(batch)}, but the "
+                              f"sources were found at construction to have {sorted(self.columns)}; "
+                              "hint: a dataset's read must always return the same columns")
+        for col, expected in self.columns.items():
+            found = describe_column(batch[col])
+            if not same_kind(found, expected):
+                raise FormatError(f"Mixture source {name!r} column {col!r}: read gave {found}, "
+                                  f"but the sources were found at construction to give {expected}; "
+                                  "hint: a dataset's read must always give one dtype and shape "
+                                  "per column")
 
     def consumed(self, position: int) -> dict[str, int]:
         """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from detdata._atomic import TEMP_PREFIX, atomic_write_bytes
-from detdata._errors import DetdataError, ManifestError, RegistryError
+from detdata._errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata._manifest import Manifest, canonical_json
 from detdata._retry import RetryPolicy, check_policy
 from detdata._storage import call_fs, filesystem, is_url
@@ -153,6 +153,21 @@ class _Ref:
                                 "with force=True") from None
 
 
+def _check_registry_root(root: object) -> str:
+    """The registry root to use for the ``root`` argument (``None``: `default_root`)."""
+    if root is None:
+        return default_root()
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str):
+        raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
+    if not root.strip():
+        raise ConfigError(f"Registry(root={root!r}): the registry root is empty; hint: pass a "
+                          "directory or URL, or root=None for the default "
+                          f"(${ENV_VAR}, else ~/.cache/detdata/registry)")
+    return root
+
+
 def _check_root(value: object) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"a history root must be a string or null, found {value!r:.60}")
@@ -174,13 +189,16 @@ def _check_bool(value: object) -> bool:
 class Registry:
     """Manifests by id and names ``name@version`` -> id, under a local directory or fsspec URL.
 
-    ``root``: the argument, else ``$DETDATA_REGISTRY``, else the user cache dir
-    (see `default_root`). See the module docstring for the contracts.
+    ``root``: the argument (a path, ``os.PathLike`` or URL), else (``None``)
+    ``$DETDATA_REGISTRY``, else the user cache dir (see `default_root`); an empty
+    or blank ``root`` is a `ConfigError`, never the default. Storage failures
+    other than "not found" (a directory where a file belongs, permissions) are
+    `RegistryError` naming the path. See the module docstring for the contracts.
     """
 
-    def __init__(self, root: str | None = None, *, retry: RetryPolicy | None = None,
-                 **storage_options: Any) -> None:
-        self.root = (root or default_root()).rstrip("/") or "/"
+    def __init__(self, root: str | os.PathLike[str] | None = None, *,
+                 retry: RetryPolicy | None = None, **storage_options: Any) -> None:
+        self.root = _check_registry_root(root).rstrip("/") or "/"
         self._options = storage_options
         self.retry = check_policy(retry)
         self._fs, self._path = filesystem(self.root, **storage_options)
@@ -202,11 +220,28 @@ class Registry:
 
     # remote robustness -------------------------------------------------------
     def _io(self, what: str, path: str, fn: Callable[[float | None], T]) -> T:
-        """``fn(timeout)`` once on local roots; retried under ``self.retry`` on remote ones."""
-        if self._local:
-            return fn(None)
-        url = f"{self._protocol}://{path}" if "://" not in path else path
-        return self.retry.run(fn, what=f"registry {what}", shard="-", url=url)
+        """``fn(timeout)`` once on local roots; retried under ``self.retry`` on remote ones.
+
+        ``FileNotFoundError`` passes through (callers treat it as "absent"); any other
+        ``OSError`` (a directory where a file belongs, permission denied...) becomes a
+        `RegistryError` naming the path.
+        """
+        try:
+            if self._local:
+                return fn(None)
+            url = f"{self._protocol}://{path}" if "://" not in path else path
+            return self.retry.run(fn, what=f"registry {what}", shard="-", url=url)
+        except (FileNotFoundError, DetdataError):
+            raise
+        except OSError as exc:
+            raise self._os_error(what, path, exc) from exc
+
+    def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
+        return RegistryError(f"registry {self.root}: {what} of {path} failed: "
+                             f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+                             "files are written only by detdata: remove or repair whatever is "
+                             "in their place (a directory, a file where a folder belongs) and "
+                             "check permissions")
 
     def _cat(self, path: str) -> bytes:
         return bytes(self._io("read", path,
@@ -333,6 +368,7 @@ class Registry:
         self._fresh(path)
         if self._io("lookup", path, lambda _t: self._fs.exists(path)):
             return
+        manifest.check_loadable(where=f"manifest {manifest.id} to register")
         doc = manifest.body()
         doc["id"] = manifest.id
         self._write(url, canonical_json(doc) + b"\n")
@@ -387,7 +423,20 @@ class Registry:
         except FileNotFoundError:
             found = []
         versions = [str(p).rsplit("/", 1)[-1][:-5] for p in found if str(p).endswith(".json")]
-        refs = [r for v in versions if (r := self._find_ref(base, v)) is not None]
+        refs = []
+        for v in sorted(versions):
+            try:
+                ref = self._find_ref(base, v)
+            except RegistryError as exc:
+                others = [f"{base}@{o}" for o in sorted(versions) if o != v]
+                detail = str(exc).split("; hint: ", 1)[0]
+                raise RegistryError(
+                    f"name {base!r}: its versions (and so its latest) cannot be listed in "
+                    f"registry {self.root}: {detail}; hint: resolve an explicit version"
+                    f"{' such as ' + others[-1] if others else ''}, or repair {base}@{v} "
+                    "(re-register it with force=True)") from None
+            if ref is not None:
+                refs.append(ref)
         if not refs:
             raise RegistryError(f"name {base!r} is not in registry {self.root}; hint: "
                                 f"`detdata register MANIFEST {base}@v1`")
@@ -420,8 +469,8 @@ class Registry:
             folder = self._fspath(*parts)
             try:
                 entries = list(os.scandir(folder))
-            except FileNotFoundError:
-                continue
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # nothing to sweep (a file in the way fails the write, named)
             for entry in entries:
                 if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
                     continue
@@ -437,8 +486,12 @@ class Registry:
             return
         import fcntl
         directory = self._path
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.path.join(directory, ".lock")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._os_error("locking", lock, exc) from exc
         try:
             deadline = time.monotonic() + _LOCK_TIMEOUT_S
             while True:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import posixpath
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import quote, unquote
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -31,27 +33,122 @@ def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSy
     return fs, path.rstrip("/") if path != "/" else path
 
 
+PATH_RULES: Final = ("shard paths are relative POSIX paths in UTF-8: '/'-separated, no '.', "
+                     "'..' or empty segments, no backslash, not starting with '/', '~' or a "
+                     "drive letter such as 'd:', no NUL")
+
+
+def path_problem(rel: object) -> str | None:
+    """Why ``rel`` cannot be a shard path of a manifest, or None when it can.
+
+    The one rule for shard paths, used both where manifests are built and where
+    they are loaded, so `build_manifest` never writes a path that loading refuses.
+    Refused: non-strings and ``""``; text that is not valid UTF-8 (a file name
+    whose bytes are not UTF-8 decodes to lone surrogates); URLs; paths starting
+    with ``/``, ``~`` or a drive letter (``d:``); backslashes; ``.``, ``..`` and
+    empty segments; NUL. Other characters (spaces, ``#``, ``?``, ``%``, non-ASCII
+    letters) are allowed: URLs escape them (`url_join`).
+    """
+    if not isinstance(rel, str) or not rel:
+        return f"shard path must be a non-empty string, got {rel!r}"
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raw: object = os.fsencode(rel) if _surrogates_only(rel) else rel
+        return (f"shard path {raw!r} is not valid UTF-8 (manifests are UTF-8 JSON; a file "
+                "name in another encoding cannot be stored)")
+    why = _absolute_reason(rel)
+    if why is not None:
+        return (f"shard path {rel!r} is absolute or a URL ({why}); manifests hold only paths "
+                "relative to their root")
+    if any(p in ("", ".", "..") for p in rel.split("/")) or "\x00" in rel:
+        return (f"shard path {rel!r} is not a normalised relative path ('..', '.', empty "
+                "segments are refused so no path escapes the root)")
+    return None
+
+
+def _surrogates_only(text: str) -> bool:
+    """True when ``text`` encodes with ``surrogateescape`` (a non-UTF-8 file name)."""
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _absolute_reason(rel: str) -> str | None:
+    if is_url(rel):
+        return "a URL"
+    if rel.startswith("/"):
+        return "it starts with '/'"
+    if rel.startswith("~"):
+        return "it starts with '~', a home directory"
+    if re.match(r"^[A-Za-z]:", rel):
+        return f"it starts with the drive {rel[:2]!r}"
+    if "\\" in rel:
+        return "it contains a backslash, a Windows path separator"
+    return None
+
+
 def check_relative_path(rel: object, *, where: str) -> str:
     """Validate a shard path stored in a manifest: relative, normalised, inside the root.
 
-    Refuses absolute paths, URLs, backslashes, ``..``/``.`` segments and empty
-    segments, so a manifest can never make detdata read outside its root.
+    `ManifestError` (prefixed with ``where``) for anything `path_problem` refuses,
+    so a manifest can never make detdata read outside its root.
     """
-    if not isinstance(rel, str) or not rel:
-        raise ManifestError(f"{where}: shard path must be a non-empty string, got {rel!r}")
-    if is_url(rel) or rel.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", rel) or "\\" in rel:
-        raise ManifestError(f"{where}: shard path {rel!r} is absolute or a URL; manifests hold "
-                            "only paths relative to their root")
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts) or "\x00" in rel:
-        raise ManifestError(f"{where}: shard path {rel!r} is not a normalised relative path "
-                            "('..', '.', empty segments are refused so no path escapes the root)")
+    problem = path_problem(rel)
+    if problem is not None:
+        raise ManifestError(f"{where}: {problem}")
+    assert isinstance(rel, str)
     return rel
 
 
+def check_shard_name(rel: object, *, root: str) -> str:
+    """``rel`` (a file found under ``root`` while building) if a manifest can hold it.
+
+    Else `ManifestError` naming the file, why, and a hint: the builder refuses
+    exactly what `check_relative_path` refuses on load.
+    """
+    problem = path_problem(rel)
+    if problem is not None:
+        raise ManifestError(f"cannot list the file {rel!r} under {root!r} in a manifest: "
+                            f"{problem}; hint: rename the file ({PATH_RULES}), or pass "
+                            "pattern= / paths= that leave it out")
+    assert isinstance(rel, str)
+    return rel
+
+
+def is_http(path: str) -> bool:
+    """True for ``http://`` / ``https://`` URLs (whose paths are percent-encoded)."""
+    return path.startswith(("http://", "https://"))
+
+
+def quote_path(rel: str) -> str:
+    """``rel`` percent-encoded segment by segment (``/`` kept) for use in an HTTP URL."""
+    return "/".join(quote(part, safe="") for part in rel.split("/"))
+
+
+def unquote_path(rel: str) -> str:
+    """Inverse of `quote_path`; invalid UTF-8 escapes become lone surrogates (then refused)."""
+    return "/".join(unquote(part, errors="surrogateescape") for part in rel.split("/"))
+
+
 def join(root: str, rel: str) -> str:
-    """Join a root path (inside its filesystem) and a checked relative path."""
+    """Join a root path (inside its filesystem) and a checked relative shard path.
+
+    For HTTP(S) roots (fsspec's HTTP file system addresses files by URL) the
+    shard path is percent-encoded, so names with ``#``, ``?``, ``%`` or spaces
+    reach the file they name (unescaped, ``#`` would start a fragment and
+    ``%41`` would fetch ``A``).
+    """
+    if is_http(root):
+        rel = quote_path(rel)
     return posixpath.join(root, rel) if root not in ("", "/") else f"{root}{rel}" if root else rel
+
+
+def url_join(root_url: str, rel: str) -> str:
+    """The URL of shard ``rel`` under ``root_url`` (percent-encoded for HTTP(S) roots)."""
+    return root_url.rstrip("/") + "/" + (quote_path(rel) if is_http(root_url) else rel)
 
 
 # ---------------------------------------------------------------------------

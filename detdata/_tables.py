@@ -18,9 +18,13 @@ no decode).
 
 Columns become numpy arrays: primitive columns 1-D; fixed-size lists and lists
 whose rows all have one length 2-D ``(rows, length)`` (flattened values +
-reshape, no per-row Python); strings/binary 1-D object arrays. Lists of varying
-length are a `FormatError` unless the column is named in ``ragged`` (then an
-object array of 1-D arrays, a slow path).
+reshape, no per-row Python); strings/binary 1-D object arrays; timestamps, dates
+and durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of
+varying length are a `FormatError` unless the column is named in ``ragged`` (then
+an object array of 1-D arrays, a slow path). Nothing returned aliases the cache:
+gathers copy, and the rows of ragged columns (cached as read-only views) are
+copied for each batch. ``schema()`` says what each column holds; detdata's
+default collate turns each kind into torch objects (`detdata._collate`).
 
 Remote roots: reads of a row group retry with backoff under ``retry`` (a
 `RetryPolicy`; a failed attempt re-opens the shard). With ``cache_dir``, whole
@@ -47,6 +51,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata._cache import ShardCache
+from detdata._collate import describe_column, describe_dtype
 from detdata._dataset import Batch, IntArray, check_ids
 from detdata._errors import ConfigError, FormatError, StorageError
 from detdata._formats import TABLE_FORMATS, Format
@@ -415,6 +420,8 @@ class TableRows(ProcessLocal):
         self.ragged: tuple[str, ...] = _check_ragged(schema, self.columns, ragged)
         for name in self.columns:
             _check_column_type(schema.field(name), shards[0].path)
+        self._types: dict[str, str | None] = {
+            n: _arrow_kind(schema.field(n).type, n in self.ragged) for n in self.columns}
         self._num = self.manifest.num_samples
         if self._num == 0:
             raise ConfigError(f"manifest {self.manifest.id}: {len(shards)} shard(s) with 0 rows; "
@@ -498,7 +505,9 @@ class TableRows(ProcessLocal):
 
         When every needed row group is cached, one gather per column from the slot
         arrays; otherwise each needed row group is decoded (or taken from the
-        cache) once per call, in group order.
+        cache) once per call, in group order. Every array returned (and every row
+        of a ragged column) is new memory owned by the batch: editing it never
+        changes what a later read returns.
         """
         arr = check_ids(ids, self._num, self._what())
         if self._pid != os.getpid():
@@ -509,7 +518,7 @@ class TableRows(ProcessLocal):
             group = self._group_starts.searchsorted(arr, "right") - 1
             fast = self.cache.gather(group, arr - self._group_starts[group], self.columns)
             if fast is not None:
-                return fast
+                return self._own(fast)
         order = np.argsort(arr, kind="stable")
         sorted_ids = arr[order]
         group = np.searchsorted(self._group_starts, sorted_ids, side="right").astype(np.int64) - 1
@@ -526,7 +535,30 @@ class TableRows(ProcessLocal):
                 self.cache.insert(g, decoded)
             for name in self.columns:
                 pieces[name].append(part[name])
-        return {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
+        return self._own({name: self._assemble(name, parts, order) for name, parts in pieces.items()})
+
+    def _own(self, batch: Batch) -> Batch:
+        """``batch`` with the rows of ragged columns copied (gathers copy the object arrays
+        only: their rows would still be the cached row group's arrays)."""
+        for name in self.ragged:
+            batch[name] = _copy_rows(batch[name])
+        return batch
+
+    def schema(self) -> dict[str, str]:
+        """Column -> what `read` delivers in it (`detdata._collate.describe_column` form).
+
+        ``'int64'``, ``'float32 (3,)'`` (fixed-size lists), ``'datetime64[ms]'``
+        (timestamps; dates ``'datetime64[D]'``), ``'timedelta64[us]'``, ``'str'``,
+        ``'bytes'``, ``'list<int32>'`` (ragged), ``'time'`` (time of day). From the
+        Arrow schema, except the width of a variable-length list column not named in
+        ``ragged``, which is read from row 0 (lists of another width in other row
+        groups are a `FormatError` when read, see `to_numpy`).
+        """
+        if any(t is None for t in self._types.values()):
+            first = self.read(np.zeros(1, dtype=np.int64))
+            self._types = {n: describe_column(first[n]) if t is None else t
+                           for n, t in self._types.items()}
+        return {n: str(t) for n, t in self._types.items()}
 
     # reading -----------------------------------------------------------------
     def _what(self) -> str:
@@ -728,12 +760,43 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
 
 
 def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
-    """Object array of 1-D views (the explicitly requested slow path for ragged lists)."""
+    """Object array of 1-D read-only views (the explicitly requested slow path for ragged
+    lists). Read-only: these rows are cached; `TableRows.read` delivers copies."""
+    flat.flags.writeable = False
     out = np.empty(len(lengths), dtype=object)
     bounds = np.cumsum(lengths)[:-1]
     for i, part in enumerate(np.split(flat, bounds)):
         out[i] = part
     return out
+
+
+def _copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
+    out = np.empty(len(column), dtype=object)
+    for i, row in enumerate(column.tolist()):
+        out[i] = row.copy()
+    return out
+
+
+def _arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
+    """`describe_column` of what `to_numpy` makes of an Arrow type (None: a list width
+    that only the data knows)."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "str"
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "bytes"
+    if pa.types.is_time(kind):
+        return "time"
+    if pa.types.is_fixed_size_list(kind):
+        return describe_dtype(_numpy_dtype(kind.value_type), (kind.list_size,))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return f"list<{_numpy_dtype(kind.value_type).name}>" if ragged else None
+    return describe_dtype(_numpy_dtype(kind))
+
+
+def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
+    """The dtype `to_numpy` gives a column of Arrow type ``kind`` (converted the same way)."""
+    return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
 
 
 def _check_table_shard(shard: ShardEntry) -> None:
@@ -777,6 +840,10 @@ def _check_column_type(field: pa.Field, shard: str) -> None:
             raise FormatError(f"shard {shard} column {field.name!r}: lists of {kind} are not "
                               "supported (only lists of numbers/booleans); hint: drop it via columns=")
         return
+    if pa.types.is_interval(kind):  # pyarrow's to_numpy crashes the process on intervals
+        raise FormatError(f"shard {shard} column {field.name!r}: interval type {kind} is not "
+                          "supported; hint: store it as integer columns (months, days, nanoseconds) "
+                          "or drop it via columns=")
     simple = (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
               or pa.types.is_temporal(kind) or pa.types.is_string(kind)
               or pa.types.is_large_string(kind) or pa.types.is_binary(kind)

@@ -11,7 +11,7 @@ tail tokens are dropped. Window ids are numbered shard by shard in manifest
 
 Reading: ``read(ids)`` checks the ids once (min/max), and when they all fall in
 one shard does ONE fancy-index gather from a strided 2-D view of that shard's
-read-only memmap straight into the result. Otherwise it maps ids to shards with
+read-only memory map straight into the result. Otherwise it maps ids to shards with
 one ``np.searchsorted`` over the cumulative window counts, groups them by shard
 (stable argsort of the shard index), does one gather per touched shard into a
 buffer and one scatter into the result (local roots) or, for remote
@@ -20,12 +20,20 @@ retried with backoff under ``retry``, a `RetryPolicy`). With ``cache_dir``,
 remote shards are instead copied whole into a bounded, blake3-verified local
 `ShardCache` and read through the memmap path. Memmaps, caches and file systems
 are opened lazily per process and dropped when pickled.
+
+Before touching a shard's mapping, every read checks that the mapped file still
+has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
+truncated during the run is a `VerificationError` naming it, expected and found
+sizes, instead of a SIGBUS that kills the process. Not caught: a truncation
+racing with the read itself, and bytes rewritten in place at the same size
+(verification happens when the manifest is opened).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -36,9 +44,10 @@ import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata._cache import ShardCache
+from detdata._collate import describe_dtype
 from detdata._dataset import Batch, IntArray, check_ids
-from detdata._errors import ConfigError, FormatError, StorageError
-from detdata._formats import TOKEN_DTYPES, Format
+from detdata._errors import ConfigError, FormatError, StorageError, VerificationError
+from detdata._formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata._manifest import Manifest, ShardEntry, Verify
 from detdata._process_local import ProcessLocal
 from detdata._retry import RetryPolicy, check_policy
@@ -124,6 +133,10 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
         raise ConfigError(f"out_dtype {out_dtype!r} is not a numpy dtype; hint: 'int32' or 'int64'") from None
     if dt.kind not in "iu":
         raise ConfigError(f"out_dtype must be an integer dtype, got {dt.name}; hint: 'int32' or 'int64'")
+    if not dt.isnative:
+        raise ConfigError(f"out_dtype {out_dtype!r} is not in this machine's byte order; batches "
+                          "become torch tensors, which hold native byte order only; hint: pass "
+                          f"{dt.name!r}")
     return dt
 
 
@@ -147,8 +160,8 @@ class TokenWindows(ProcessLocal):
     """
 
     # pickling: parameters and manifest only, no memmaps or handles
-    _TRANSIENT = ("_fs", "_views", "_pid", "_starts", "_itemsize", "_offsets", "_cache",
-                  "_view_files", "_start_list", "_narrowing")
+    _TRANSIENT = ("_fs", "_views", "_maps", "_pid", "_starts", "_itemsize", "_offsets",
+                  "_cache", "_view_files", "_start_list", "_narrowing", "_sizes")
 
     def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
                  out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
@@ -197,6 +210,7 @@ class TokenWindows(ProcessLocal):
         self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
         self._offsets = np.asarray([s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64)
+        self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
         self._start_list: list[int] = self._starts.tolist()
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         self._narrowing: tuple[bool, ...] = tuple(
@@ -207,6 +221,8 @@ class TokenWindows(ProcessLocal):
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self._views: dict[int, np.ndarray[Any, Any]] = {}
+        # shard -> (the mapping under its view, the file it maps): for the size checks
+        self._maps: dict[int, tuple[mmap.mmap, str]] = {}
         self._cache: ShardCache | None = None
         self._view_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
 
@@ -215,6 +231,10 @@ class TokenWindows(ProcessLocal):
     def num_samples(self) -> int:
         """Number of windows over all shards."""
         return self._num
+
+    def schema(self) -> dict[str, str]:
+        """Column -> what `read` delivers (`detdata._collate.describe_column` form), without a read."""
+        return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and windowing parameters."""
@@ -303,6 +323,7 @@ class TokenWindows(ProcessLocal):
             same = False
         if not same:
             self._views.pop(shard, None)
+            self._maps.pop(shard, None)
             self._view_files.pop(shard, None)
             return None
         return path
@@ -316,8 +337,8 @@ class TokenWindows(ProcessLocal):
             if path is not None:
                 cache.touch(path)
 
-    def _map_cached(self, shard: int, dtype: np.dtype[Any]) -> tuple[Any, str, int]:
-        """Memmap of the cached copy of ``shard``: ``(map, path, inode)``.
+    def _map_cached(self, shard: int) -> tuple[mmap.mmap, str, int]:
+        """Mapping of the cached copy of ``shard``: ``(mapping, path, inode)``.
 
         The map is made from the file we opened, so a copy evicted by another
         process between the fill and the open is simply fetched again.
@@ -330,29 +351,66 @@ class TokenWindows(ProcessLocal):
             except FileNotFoundError:
                 continue
             with fh:
-                mm = np.memmap(fh, dtype=dtype, mode="r", offset=int(self._offsets[shard]),
-                               shape=(entry.num_samples,))
-                return mm, path, os.fstat(fh.fileno()).st_ino
+                return self._map_file(shard, fh, path), path, os.fstat(fh.fileno()).st_ino
         raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
                            "evicted 5 times before it could be opened; hint: raise cache_bytes "
                            "(other processes share this cache)")
 
-    def _view(self, shard: int) -> np.ndarray[Any, Any]:
+    def _map_file(self, shard: int, fh: Any, path: str) -> mmap.mmap:
+        """A read-only mapping of the whole open file ``fh`` (size-checked first)."""
+        self._check_size(shard, os.fstat(fh.fileno()).st_size, path)
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _check_size(self, shard: int, found: int, path: str) -> None:
+        """`VerificationError` when a mapped shard file is shorter than the manifest says.
+
+        Touching a mapped page past the end of a truncated file kills the process with
+        SIGBUS, so every read checks the file's size first (one ``fstat`` per shard).
+        """
+        expected = self._sizes[shard]
+        if found < expected:
+            name = self.manifest.shards[shard].path
+            raise VerificationError(
+                f"shard {name} ({path}): the file was truncated while this run read it: the "
+                f"manifest says {expected} bytes, the file now has {found}; reading on would "
+                "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
+                "and resume from the last saved state", shard=name, field="bytes",
+                expected=expected, found=found)
+
+    def _checked_view(self, shard: int) -> np.ndarray[Any, Any]:
+        """The strided window view of ``shard``, after checking its file still has every byte."""
         view = self._views.get(shard)
-        if view is None:
-            entry = self.manifest.shards[shard]
-            dtype = np.dtype(self._dtypes[shard])
-            if self.cache_dir is not None and not isinstance(self._filesystem(), LocalFileSystem):
-                mm, path, inode = self._map_cached(shard, dtype)
-                self._view_files[shard] = (path, inode)
-            else:
-                path = join(self._root_path, entry.path)
-                mm = np.memmap(path, dtype=dtype, mode="r", offset=int(self._offsets[shard]),
-                               shape=(entry.num_samples,))
-            view = np.lib.stride_tricks.as_strided(
-                mm, shape=(self.windows_per_shard[shard], self.window),
-                strides=(self.seq_len * dtype.itemsize, dtype.itemsize), writeable=False)
-            self._views[shard] = view
+        mapped = self._maps.get(shard)
+        if view is None or mapped is None:
+            return self._view(shard)
+        self._check_size(shard, mapped[0].size(), mapped[1])
+        return view
+
+    def _view(self, shard: int) -> np.ndarray[Any, Any]:
+        entry = self.manifest.shards[shard]
+        dtype = disk_dtype(self._dtypes[shard])
+        if self.cache_dir is not None and not isinstance(self._filesystem(), LocalFileSystem):
+            mapping, path, inode = self._map_cached(shard)
+            self._view_files[shard] = (path, inode)
+        else:
+            path = join(self._root_path, entry.path)
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
+            except FileNotFoundError:
+                raise VerificationError(
+                    f"shard {entry.path} ({path}): missing; it was verified when the dataset "
+                    "was opened, then deleted or renamed; hint: restore it and resume from the "
+                    "last saved state", shard=entry.path, field="exists", expected=True,
+                    found=False) from None
+            with fh:
+                mapping = self._map_file(shard, fh, path)
+        tokens = np.frombuffer(mapping, dtype=dtype, count=entry.num_samples,
+                               offset=int(self._offsets[shard]))
+        view = np.lib.stride_tricks.as_strided(
+            tokens, shape=(self.windows_per_shard[shard], self.window),
+            strides=(self.seq_len * dtype.itemsize, dtype.itemsize), writeable=False)
+        self._maps[shard] = (mapping, path)
+        self._views[shard] = view
         return view
 
     def _groups(self, ids: IntArray) -> tuple[IntArray, IntArray, list[tuple[int, int, int]]]:
@@ -382,8 +440,7 @@ class TokenWindows(ProcessLocal):
             if cached:
                 self._refresh_cached((first,))
             start = self._start_list[first]
-            view = self._views.get(first)
-            block = (self._view(first) if view is None else view)[ids - start if start else ids]
+            block = self._checked_view(first)[ids - start if start else ids]
             if block.dtype == self.out_dtype:
                 return block
             if self._narrowing[first]:
@@ -398,10 +455,8 @@ class TokenWindows(ProcessLocal):
         if cached:
             self._refresh_cached(s for s, _, _ in spans)
         out = np.empty((ids.size, self.window), dtype=self.out_dtype)
-        views = self._views
         for s, a, b in spans:
-            view = views.get(s)
-            block = (self._view(s) if view is None else view)[local[a:b]]
+            block = self._checked_view(s)[local[a:b]]
             if self._narrowing[s]:
                 self._check_range(block, s)
             out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
@@ -432,7 +487,8 @@ class TokenWindows(ProcessLocal):
                 raise StorageError(f"shard {self.manifest.shards[shard].path}: expected {expected} "
                                    f"bytes for {b - a} windows, got {len(data)}; the file is "
                                    "shorter than the manifest says (rewritten?)")
-            block = np.frombuffer(data, dtype=self._dtypes[shard]).reshape(b - a, self.window)
+            block = np.frombuffer(data, dtype=disk_dtype(self._dtypes[shard])).reshape(
+                b - a, self.window)
             self._check_range(block, shard)
             rows[a:b] = block
         out[...] = rows[inverse.reshape(-1)]

@@ -3,7 +3,6 @@ interrupts and errors leave a loader that continues exactly (or a clear error)."
 
 from __future__ import annotations
 
-import _thread
 import gc
 import threading
 import time
@@ -121,43 +120,66 @@ def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
         gc.enable()
 
 
-class Slow:
-    """Reads take a while, so an interrupt lands inside torch's wait for a worker's batch."""
+_CTRL_C_SCRIPT = r"""
+import os, signal, sys, threading, time
+import numpy as np
+import detdata
+from tests.resume_checker import digest, take
 
-    def __init__(self) -> None:
-        self.inner = data()
+N = 300
+ids = np.arange(N, dtype=np.int64)
+plain = detdata.ArrayDataset({"id": ids, "x": (ids * 5).astype(np.int32)})
 
-    @property
-    def num_samples(self) -> int:
-        return N
 
-    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+class Slow:  # reads take a while, so the interrupt lands while torch waits for a worker
+    num_samples = N
+
+    def read(self, i):
         time.sleep(0.03)
-        return self.inner.read(ids)
+        return plain.read(i)
 
-    def identity(self) -> dict[str, Any]:
-        return self.inner.identity()
+    def identity(self):
+        return plain.identity()
 
 
-def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly() -> None:
-    """The notebook pattern: Ctrl-C mid-iteration, then ``for batch in loader`` again."""
-    reference = [digest(b) for b in take(loader(), 24)]
-    dl = loader(data=Slow(), num_workers=2, persistent_workers=True, read_ahead=1)
-    batches: list[Any] = []
-    for delay in (0.005, 0.02, 0.045, 0.0):
-        it = iter(dl)
-        batches.append(next(it))
-        timer = threading.Timer(delay, _thread.interrupt_main)
+def make(data, **kw):
+    return detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=2, **kw)
+
+
+reference = [digest(b) for b in take(make(plain), 24)]
+dl = make(Slow(), num_workers=2, persistent_workers=True, read_ahead=1)
+batches = []
+for delay in (0.05, 0.1, 0.02):
+    it = iter(dl)
+    batches.append(next(it))
+    # a terminal's Ctrl-C: SIGINT to the whole process group, worker processes included
+    timer = threading.Timer(delay, lambda: os.killpg(0, signal.SIGINT))
+    try:  # the loader is infinite: only the interrupt ends this loop
         timer.start()
-        try:
-            for batch in it:
-                batches.append(batch)  # no interrupt check between receiving and keeping it
-        except KeyboardInterrupt:
-            pass
-        finally:
-            timer.cancel()
-        assert dl.samples_consumed == len(batches) * 4
-    assert len(batches) < 24
-    batches += list(take(dl, 24 - len(batches)))
-    assert [digest(b) for b in batches] == reference
-    dl.close()
+        for b in it:
+            batches.append(b)  # no interrupt check between receiving and keeping it
+    except KeyboardInterrupt:
+        pass
+    timer.join()
+    assert dl.samples_consumed == len(batches) * 4, (dl.samples_consumed, len(batches))
+assert len(batches) < 24
+batches += list(take(dl, 24 - len(batches)))
+assert [digest(b) for b in batches] == reference, "not the uninterrupted stream"
+print("EXACT", len(batches))
+"""
+
+
+def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(tmp_path: Any) -> None:
+    """The notebook pattern: Ctrl-C (SIGINT to the process group, so the worker processes get it
+    too) mid-iteration, then ``for batch in loader`` again: continues exactly. Run in its own
+    session so the signal reaches nothing but that process and its workers."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
+                          timeout=240, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0 and "EXACT 24" in proc.stdout, proc.stderr[-3000:]

@@ -80,8 +80,8 @@ class Stage:
                     fire()
                 if self.name == "device":  # a meta tensor cannot be copied out: the staging fails
                     out["meta"] = torch.empty(2, device="meta")
-                if self.name == "trace-hash":  # the trace hashes non-tensors by repr()
-                    out["odd"] = ExplodingRepr(exc)
+                if self.name == "trace-hash":  # hashing the batch for the trace fails
+                    out["odd"] = ExplodingList(exc)
             return out
 
         if self.name == "transform":
@@ -96,11 +96,14 @@ class Stage:
         raise AssertionError(self.name)
 
 
-class ExplodingRepr:
+class ExplodingList(list[int]):
+    """A batch leaf whose hashing fails: the trace asks its length, and that raises."""
+
     def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__([1, 2])
         self.exc = exc
 
-    def __repr__(self) -> str:
+    def __len__(self) -> int:
         raise self.exc("trace-hash failure")
 
 
@@ -133,7 +136,7 @@ def delivered_until_failure(loader: detdata.DataLoader, limit: int) -> tuple[lis
 
 def check_exact_after_failure(layout: tuple[int, int, int, int, str, int], stage: Stage, bad_pos: int,
                               tmp: str, total: int = 12) -> None:
-    world, rank, micro, workers, mode, ra = layout
+    world, _, micro, *_ = layout
     reference = [plain(b) for b in take(make(*layout), total)]
     order = detdata.GlobalOrder(N, 9)
     bad = int(order.ids(np.array([bad_pos]))[0])

@@ -232,7 +232,7 @@ def test_byte_changing_parameter_is_refused_naming_its_field(
         assert name in str(info.value)
     assert loader.samples_consumed == 0  # a refused state leaves the loader untouched
     if fields == {"data", "mixture"}:  # other sources: a weight continuation cannot apply
-        with pytest.raises(detdata.StateError, match="sources removed: .'code'.; sources added"):
+        with pytest.raises(detdata.StateError, match=r"sources removed: .'code'.; sources added"):
             loader.load_state_dict(state, allow=sorted(fields))
         assert loader.samples_consumed == 0
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -566,3 +567,34 @@ def test_npy_header_versions_and_truncation(tmp_path: Path, version: tuple[int, 
     (tmp_path / "a.npy").write_bytes(raw[:20])  # cut inside the header
     with pytest.raises(FormatError, match=r"shard a\.npy: not a valid \.npy file \(the header is truncated"):
         build_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("bad_path", ["bad\udcff.npy", "\ud800.npy"], ids=["non-utf8-file-name",
+                                                                         "lone-surrogate"])
+def test_path_that_is_not_utf8_is_a_manifest_error(token_shards: Path, bad_path: str) -> None:
+    """JSON can escape a lone surrogate, but no UTF-8 manifest can hold it: refused by name
+    (never a raw UnicodeEncodeError while computing the id)."""
+    doc = _saved_doc(token_shards)
+    doc["shards"][0]["path"] = bad_path
+    del doc["id"]
+    text = json.dumps(doc)  # ASCII JSON with \\udcff escapes
+    with pytest.raises(ManifestError, match=r"shard #0.*not valid UTF-8"):
+        Manifest.loads(text)
+
+
+@pytest.mark.parametrize("what", ["directory", "file-as-folder"])
+def test_loading_a_directory_or_through_a_file_is_a_manifest_error(token_shards: Path,
+                                                                   what: str) -> None:
+    path = token_shards if what == "directory" else token_shards / "shard-000.npy" / "m.json"
+    with pytest.raises(ManifestError, match=r"cannot read manifest .*hint:"):
+        Manifest.load(str(path))
+
+
+def test_http_shard_urls_are_percent_encoded(token_shards: Path) -> None:
+    manifest = build_manifest(str(token_shards))
+    entry = manifest.shards[0]
+    odd = dataclasses.replace(entry, path="sub dir/a#b?c%41.npy")
+    http = Manifest(shards=(odd,), root="http://h:1/data")
+    assert http.url(odd) == "http://h:1/data/sub%20dir/a%23b%3Fc%2541.npy"
+    s3 = Manifest(shards=(odd,), root="s3://bucket/data")  # object keys are not URL-encoded
+    assert s3.url(odd) == "s3://bucket/data/sub dir/a#b?c%41.npy"

@@ -14,6 +14,7 @@ import math
 import pickle
 import struct
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -599,3 +600,58 @@ def _write_golden() -> None:
 
 if __name__ == "__main__" and "--write-golden" in sys.argv:
     _write_golden()
+
+
+def test_position_memo_under_reader_threads() -> None:
+    """Reader threads (worker_mode="thread") share a Mixture and its position memo
+    (`ChunkMemo`). A cache hit raced with another thread's eviction and raised KeyError:
+    here the other thread is made to run exactly between the lookup and the LRU update."""
+    import threading
+    from collections import OrderedDict
+
+    from detdata._memo import ChunkMemo
+
+    memo = ChunkMemo(lambda p: (p * 3 + 1,), chunk=16, slots=1)
+
+    class SwitchAfterHit(OrderedDict[int, Any]):
+        armed = False
+
+        def get(self, key: int, default: Any = None) -> Any:
+            value = super().get(key, default)
+            if value is not None and self.armed:
+                self.armed = False
+                rival = threading.Thread(target=memo, args=(np.arange(40, 43),))  # evicts chunk 0
+                rival.start()
+                rival.join(timeout=0.5)  # a lock held across lookup + update makes it wait
+            return value
+
+    memo._cache = SwitchAfterHit()
+    p = np.arange(3, 6, dtype=np.int64)
+    memo(p)
+    memo._cache.armed = True
+    assert np.array_equal(memo(p)[0], p * 3 + 1)
+    time.sleep(0.1)
+    assert np.array_equal(memo(np.arange(40, 43))[0], np.arange(40, 43) * 3 + 1)
+    errors: list[str] = []
+
+    def hammer(seed: int) -> None:  # and the plain stress version of the same race
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(5000):
+                start = int(rng.integers(0, 48))
+                q = np.arange(start, start + 3, dtype=np.int64)
+                if not np.array_equal(memo(q)[0], q * 3 + 1):
+                    errors.append("wrong values")
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    memo._cache = OrderedDict()
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    m = Mixture(sized(a=1000, b=300), {"a": 2, "b": 1}, seed=12)
+    q = np.arange(5000, 5100, dtype=np.int64)
+    assert np.array_equal(pickle.loads(pickle.dumps(m)).fetch(q)["id"], m.locate(q)[2])

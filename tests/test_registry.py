@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 
-from detdata._errors import ManifestError, RegistryError, VerificationError
+from detdata._errors import (
+    ConfigError,
+    ManifestError,
+    RegistryError,
+    VerificationError,
+)
 from detdata._manifest import Manifest, build_manifest
 from detdata._registry import STALE_TEMP_S, Registry, default_root, split_name
 
@@ -277,3 +282,89 @@ def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(registry: Regist
     assert [p.exists() for p in fresh] == [True, True]
     assert unrelated.exists()
     assert registry.resolve("ds@v2").id == manifest.id
+
+
+# ------------------------------------------------------------ bad roots and damaged files
+@pytest.mark.parametrize("root", ["", "   ", "\t"])
+def test_empty_root_is_refused_not_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               root: str) -> None:
+    monkeypatch.setenv("DETDATA_REGISTRY", str(tmp_path / "default"))
+    with pytest.raises(ConfigError, match=r"Registry\(root=.*empty.*hint: .*root=None"):
+        Registry(root)
+    assert not (tmp_path / "default").exists()
+    assert Registry(None).root == str(tmp_path / "default")  # None still means the default
+    assert Registry(tmp_path / "as-path").root == str(tmp_path / "as-path")  # os.PathLike
+
+
+def test_corrupted_old_object_does_not_block_newer_versions(registry: Registry,
+                                                            manifest: Manifest,
+                                                            other: Manifest) -> None:
+    registry.register("ds@v1", manifest)
+    registry.register("ds@v2", other)
+    (Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json").write_text("garbage")
+    assert registry.resolve("ds@v2").id == other.id
+    assert registry.resolve("ds").id == other.id  # the latest needs only the references
+    assert registry.versions("ds") == ["v1", "v2"]
+    with pytest.raises(RegistryError, match=f"registry object {manifest.id} .*corrupted"):
+        registry.resolve("ds@v1")
+
+
+def test_corrupted_old_reference_names_it_and_leaves_explicit_versions_readable(
+        registry: Registry, manifest: Manifest, other: Manifest) -> None:
+    """The latest of a name cannot be decided while one of its references is unreadable
+    (it might be the latest): refused naming that reference; explicit versions still resolve."""
+    registry.register("ds@v1", manifest)
+    registry.register("ds@v2", other)
+    (Path(registry.root) / "refs" / "ds" / "v1.json").write_text("{not json")
+    assert registry.resolve("ds@v2").id == other.id
+    with pytest.raises(RegistryError, match=r"name 'ds'.*ds@v1.*corrupted.*hint: resolve an "
+                                            r"explicit version such as ds@v2"):
+        registry.resolve("ds")
+
+
+def _dir_at_ref(root: Path, manifest: Manifest) -> Path:
+    path = root / "refs" / "ds" / "v2.json"
+    path.mkdir(parents=True)
+    return path
+
+
+def _dir_at_object(root: Path, manifest: Manifest) -> Path:
+    path = root / "manifests" / f"{manifest.id[3:]}.json"
+    path.unlink()
+    path.mkdir()
+    return path
+
+
+def _file_at_refs_folder(root: Path, manifest: Manifest) -> Path:
+    path = root / "refs" / "other"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a folder")
+    return path
+
+
+@pytest.mark.parametrize(("damage", "action"), [
+    (_dir_at_ref, "resolve:ds@v2"), (_dir_at_ref, "resolve:ds"), (_dir_at_ref, "register:ds@v2"),
+    (_dir_at_ref, "history:ds@v2"), (_dir_at_object, "resolve:ds@v1"),
+    (_dir_at_object, "get"), (_file_at_refs_folder, "register:other@v1"),
+    (_file_at_refs_folder, "resolve:other@v1")])
+def test_damaged_registry_paths_are_registry_errors_naming_the_path(
+        registry: Registry, manifest: Manifest, damage: Any, action: str) -> None:
+    registry.register("ds@v1", manifest)
+    path = damage(Path(registry.root), manifest)
+    verb, _, name = action.partition(":")
+    call = {"resolve": lambda: registry.resolve(name), "get": lambda: registry.get(manifest.id),
+            "register": lambda: registry.register(name, manifest),
+            "history": lambda: registry.history(name)}[verb]
+    with pytest.raises(RegistryError) as info:
+        call()
+    message = str(info.value)
+    assert path.name in message and "hint:" in message, message
+
+
+def test_registry_root_that_is_a_file_is_a_registry_error(tmp_path: Path,
+                                                          manifest: Manifest) -> None:
+    root = tmp_path / "registry"
+    root.write_text("I am a file")
+    with pytest.raises(RegistryError, match=r"registry.*hint:"):
+        Registry(str(root)).register("ds@v1", manifest)
+    assert root.read_text() == "I am a file"

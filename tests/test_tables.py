@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import multiprocessing as mp
 import pickle
 import threading
@@ -15,13 +16,24 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detdata._dataset import Dataset
 from detdata._errors import ConfigError, FormatError
+from detdata._loader import DataLoader
 from detdata._manifest import build_manifest
 from detdata._tables import RowGroupCache, TableRows, _Group, to_numpy
+from tests.test_aliasing import (
+    RAGGED,
+    ROWS,
+    check_rows,
+    plain_numpy,
+    plain_torch,
+    snapshot,
+    write_kinds,
+)
 
 WIDTH = 12
 SHARD_ROWS = (130, 47, 211)
@@ -496,3 +508,147 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
         thread.join(timeout=120)
     assert not errors, errors[0]
     assert ds.cache.nbytes <= ds.cache_bytes and ds.cache.pool_bytes <= ds.cache_bytes
+
+
+# ------------------------------------------------------------------ column kinds in the loader
+KIND_SCHEMA = {  # what each Arrow type of tests.test_aliasing.write_kinds reads as
+    "id": "int64", "source": "int8", "f32": "float32", "flag": "bool", "u16": "uint16",
+    "fixed": "int32 (3,)", "equal": "int16 (4,)", "ragged": "list<int64>",
+    "ragged_bool": "list<bool>", "ragged_f": "list<float32>", "text": "str", "blob": "bytes",
+    "ts": "datetime64[ms]", "ts_tz": "datetime64[us]", "day": "datetime64[D]",
+    "dur": "timedelta64[s]",
+}
+KIND_TORCH = {  # default collate: column -> tensor dtype and trailing shape, or list item type
+    "id": (torch.int64, ()), "source": (torch.int8, ()), "f32": (torch.float32, ()),
+    "flag": (torch.bool, ()), "u16": (torch.uint16, ()), "fixed": (torch.int32, (3,)),
+    "equal": (torch.int16, (4,)), "ragged": torch.int64, "ragged_bool": torch.bool,
+    "ragged_f": torch.float32, "text": str, "blob": bytes, "ts": (torch.int64, ()),
+    "ts_tz": (torch.int64, ()), "day": (torch.int64, ()), "dur": (torch.int64, ()),
+}
+
+
+def test_schema_says_what_read_delivers(tmp_path: Path) -> None:
+    ref = write_kinds(tmp_path / "t")
+    ds = TableRows(build_manifest(str(tmp_path / "t")), ragged=list(RAGGED))
+    assert ds.schema() == KIND_SCHEMA
+    batch = ds.read(np.arange(ROWS))
+    for name, kind in KIND_SCHEMA.items():
+        if kind == "str":
+            assert all(v is None or isinstance(v, str) for v in batch[name]), name
+        elif kind == "bytes":
+            assert all(isinstance(v, bytes) for v in batch[name]), name
+        elif kind.startswith("list<"):
+            assert all(v.dtype == np.dtype(kind[5:-1]) and v.ndim == 1 for v in batch[name]), name
+        else:
+            dtype, _, shape = kind.partition(" ")
+            assert batch[name].dtype == np.dtype(dtype), name
+            assert str(batch[name].shape[1:]) == (shape or "()"), name
+    assert check_rows(snapshot(batch, plain_numpy), {0: ref}) == ROWS
+    narrow = TableRows(build_manifest(str(tmp_path / "t")), columns=["equal", "ts"])
+    assert narrow.schema() == {"equal": "int16 (4,)", "ts": "datetime64[ms]"}
+
+
+@pytest.mark.parametrize("read_ahead", [1, 16])
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_every_column_kind_through_the_default_collate(tmp_path: Path, mode: str,
+                                                       read_ahead: int) -> None:
+    """Numbers -> tensors, lists -> 2-D tensors, ragged -> lists of 1-D tensors, strings and
+    binary -> lists, timestamps -> int64 raw counts: each row equals the writer's."""
+    ref = write_kinds(tmp_path / "t")
+    ds = TableRows(build_manifest(str(tmp_path / "t")), ragged=list(RAGGED))
+    loader = DataLoader(ds, global_batch_size=6, seed=8, total_samples=2 * ROWS,
+                        read_ahead=read_ahead, num_workers=2 if mode == "thread" else 0,
+                        worker_mode="thread")
+    delivered = 0
+    for batch in loader:
+        assert list(batch) == list(KIND_TORCH)
+        for name, kind in KIND_TORCH.items():
+            value = batch[name]
+            if isinstance(kind, tuple):
+                assert isinstance(value, torch.Tensor) and value.dtype == kind[0], name
+                assert tuple(value.shape) == (6, *kind[1]), name
+            elif kind in (str, bytes):
+                assert isinstance(value, list) and len(value) == 6, name
+                assert all(v is None or isinstance(v, kind) for v in value), name
+            else:
+                assert isinstance(value, list) and len(value) == 6, name
+                assert all(isinstance(v, torch.Tensor) and v.dtype == kind and v.ndim == 1
+                           for v in value), name
+        delivered += check_rows(snapshot(batch, plain_torch), {0: ref})
+    assert delivered == 2 * ROWS
+
+
+def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
+    """Raw counts since 1970-01-01 UTC, checked against the calendar, not against the reader."""
+    root = tmp_path / "t"
+    root.mkdir()
+    when = [dt.datetime(2024, 2, 29, 12, 30, 1, 500_000, tzinfo=dt.timezone.utc),
+            dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)]
+    pq.write_table(pa.table({"ms": pa.array(when, pa.timestamp("ms")),
+                             "us_tz": pa.array(when, pa.timestamp("us", tz="Europe/Paris")),
+                             "day": pa.array([w.date() for w in when], pa.date32())}),
+                   root / "t.parquet")
+    ds = TableRows(build_manifest(str(root)))
+    assert ds.schema() == {"ms": "datetime64[ms]", "us_tz": "datetime64[us]", "day": "datetime64[D]"}
+    seen = {}
+    for batch in DataLoader(ds, global_batch_size=2, seed=0, total_samples=2):
+        order = np.argsort(batch["ms"].numpy())
+        seen = {k: [v.tolist()[i] for i in order] for k, v in batch.items()}
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    assert seen["ms"] == [-1000, int((when[0] - epoch).total_seconds() * 1000)]
+    assert seen["us_tz"] == [-1_000_000, int((when[0] - epoch).total_seconds() * 10**6)]
+    assert seen["day"] == [-1, (when[0].date() - epoch.date()).days]
+
+
+def test_time_of_day_column_is_refused_by_the_default_collate_naming_it(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    root.mkdir()
+    pq.write_table(pa.table({"n": np.arange(4), "clock": pa.array([1, 2, 3, 4], pa.time64("us"))}),
+                   root / "t.parquet")
+    ds = TableRows(build_manifest(str(root)))
+    assert ds.schema() == {"n": "int64", "clock": "time"}
+    with pytest.raises(ConfigError, match=r"column 'clock'.*hint: pass collate_fn="):
+        next(iter(DataLoader(ds, global_batch_size=2, seed=0)))
+    rows = [r for b in DataLoader(ds, global_batch_size=2, seed=0, total_samples=4,
+                                  collate_fn=lambda b: list(zip(b["n"].tolist(), b["clock"].tolist(),
+                                                                strict=True)))
+            for r in b]
+    assert sorted(rows) == [(i, dt.time(0, 0, 0, i + 1)) for i in range(4)]
+
+
+def test_interval_column_is_refused_naming_it(tmp_path: Path) -> None:
+    """pyarrow crashes the process converting intervals to numpy: refuse when opening."""
+    root = tmp_path / "t"
+    root.mkdir()
+    table = pa.table({"n": np.arange(3), "span": pa.array([(1, 2, 3)] * 3, pa.month_day_nano_interval())})
+    with ipc.new_file(root / "t.arrow", table.schema) as writer:
+        writer.write_table(table)
+    manifest = build_manifest(str(root))
+    with pytest.raises(FormatError, match=r"column 'span'.*interval.*hint"):
+        TableRows(manifest)
+    assert TableRows(manifest, columns=["n"]).read(np.arange(3))["n"].tolist() == [0, 1, 2]
+
+
+def test_transform_over_ragged_string_and_binary_columns(tmp_path: Path) -> None:
+    """Per-sample outputs are restacked by kind: a ragged column stays ragged even in batches
+    whose rows happen to have one length; strings of any length and bytes with trailing
+    NULs come through unchanged; each row equals the writer's row, transformed."""
+    ref = write_kinds(tmp_path / "t")
+    ds = TableRows(build_manifest(str(tmp_path / "t")), columns=["id", "ragged", "text", "blob"],
+                   ragged=["ragged"])
+
+    def transform(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        return {"id": sample["id"], "ragged": sample["ragged"][::-1] * 2,
+                "text": sample["text"], "blob": sample["blob"] + b"\x00"}
+
+    rows, equal_length_batches = [], 0
+    for batch in DataLoader(ds, global_batch_size=2, seed=4, total_samples=4 * ROWS,
+                            transform=transform):
+        assert isinstance(batch["ragged"], list)
+        equal_length_batches += len({len(r) for r in batch["ragged"]}) == 1
+        rows += snapshot(batch, plain_torch)
+    assert equal_length_batches > 0  # the case where np.stack would have made a 2-D tensor
+    for row in rows:
+        want = ref[row["id"]]
+        assert row == {"id": want["id"], "ragged": [2 * v for v in want["ragged"][::-1]],
+                       "text": want["text"], "blob": want["blob"] + b"\x00"}

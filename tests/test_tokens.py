@@ -382,3 +382,83 @@ def test_narrowing_check_names_the_first_offending_shard(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="1-D integer"):
         narrow.read(np.array([0.0]))
     assert narrow.read(np.array([], dtype=np.int64))["tokens"].shape == (0, 3)
+
+
+# --------------------------------------------------------- shard truncated during a run
+_TRUNCATE_CHILD = r'''
+import json, os, sys
+import fsspec
+import numpy as np
+from detdata import TokenWindows, VerificationError, build_manifest
+
+root, case = sys.argv[1], sys.argv[2]
+seq = 16
+if case == "cached":
+    fs = fsspec.filesystem("memory")
+    for name in sorted(os.listdir(root)):
+        with open(os.path.join(root, name), "rb") as fh:
+            fs.pipe_file(f"/trunc/{name}", fh.read())
+    ds = TokenWindows(build_manifest("memory://trunc"), seq, cache_dir=os.path.join(root, "..", "c"))
+else:
+    ds = TokenWindows(build_manifest(root), seq)
+victim = ds.manifest.shards[1]
+last = ds.windows_per_shard[0] + ds.windows_per_shard[1] - 1   # the last window of shard 1
+ids = {"single": [last, last - 1], "multi": [0, last, 1], "before-first-read": [last],
+       "cached": [last, 2]}[case]
+first = None
+if case != "before-first-read":
+    first = ds.read(np.asarray(ids))["tokens"].tolist()
+path = (ds.cache.object_path(victim) if case == "cached"
+        else os.path.join(root, victim.path))
+os.truncate(path, 4096)
+try:
+    ds.read(np.asarray(ids))
+    out = {"outcome": "no error"}
+except VerificationError as exc:
+    out = {"outcome": "VerificationError", "message": str(exc), "shard": exc.shard,
+           "expected": exc.expected, "found": exc.found}
+out["first"], out["ids"], out["size"] = first, ids, victim.bytes
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("case", ["single", "multi", "before-first-read", "cached"])
+def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, case: str) -> None:
+    """A memory-mapped shard truncated between two reads: the next read raises a
+    `VerificationError` naming the shard, expected and found sizes. Run in a child process,
+    so a SIGBUS (what touching the mapping past the new end does) fails this test instead of
+    killing pytest."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import detdata
+    root = tmp_path / "data"
+    arrays = write_npy_shards(root, "uint16", (3000, 60_000, 2000), seed=5)
+    repo = Path(detdata.__file__).resolve().parent.parent  # the detdata this test imported
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_CHILD, str(root), case], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (f"child died with {proc.returncode} (-7 is SIGBUS)", proc.stderr)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["first"] is not None:  # the read before the truncation delivered the written tokens
+        windows = [(s, w) for s, a in enumerate(arrays) for w in range((a.size - 1) // 16)]
+        want = [arrays[s][w * 16: w * 16 + 17].tolist() for s, w in (windows[i] for i in out["ids"])]
+        assert out["first"] == want
+    assert out["outcome"] == "VerificationError", out
+    name = "shard-01.npy"
+    assert out["shard"] == name and out["expected"] == out["size"] and out["found"] == 4096
+    assert name in out["message"] and "truncated" in out["message"] and "hint:" in out["message"]
+    assert f"{out['size']} bytes" in out["message"] and "4096" in out["message"]
+
+
+def test_shard_deleted_after_opening_is_a_named_error(tmp_path: Path) -> None:
+    from detdata._errors import VerificationError
+    arrays = write_npy_shards(tmp_path / "data", "uint16", (300, 400), seed=2)
+    ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ)
+    np.testing.assert_array_equal(ds.read(np.array([0]))["tokens"][0], arrays[0][:SEQ + 1])
+    (tmp_path / "data" / "shard-01.npy").unlink()
+    with pytest.raises(VerificationError, match=r"shard-01\.npy.*missing.*hint:") as info:
+        ds.read(np.array([ds.num_samples - 1]))
+    assert info.value.shard == "shard-01.npy" and info.value.field == "exists"
