@@ -62,6 +62,7 @@ from detdata._storage import filesystem, join
 from detdata._tokens import (
     check_cache_args,
     check_cache_verify,
+    check_not_truncated,
     check_positive_int,
     resolve_manifest,
 )
@@ -676,13 +677,27 @@ class TableRows(ProcessLocal):
         batch = reader.get_batch(group)
         return {n: batch.column(n) for n in self.columns}
 
+    def _check_mapped(self, shard: int, path: str) -> None:
+        """A memory-mapped shard (local, or its cached copy) still has every byte (else SIGBUS)."""
+        if not path:
+            return  # not opened yet: the reader opens (and pyarrow checks) the file as it is
+        entry = self.manifest.shards[shard]
+        try:
+            found = os.stat(path).st_size
+        except FileNotFoundError:
+            found = 0
+        check_not_truncated(entry.path, path, entry.bytes, found)
+
     def _decode(self, shard: int, group: int) -> _Group:
         entry = self.manifest.shards[shard]
         with self._io_lock:  # remote readers share one seekable handle per shard
-            if isinstance(self._filesystem()[0], LocalFileSystem):
+            fs, root = self._filesystem()
+            if isinstance(fs, LocalFileSystem):
+                self._check_mapped(shard, join(root, entry.path))
                 arrays = self._read_arrays(shard, group)
             elif self._uses_cache():
                 self._drop_replaced_reader(shard)
+                self._check_mapped(shard, self._reader_files.get(shard, ("", 0))[0])
                 arrays = self._read_arrays(shard, group)
             else:
                 def attempt(_timeout: float | None) -> dict[str, Any]:

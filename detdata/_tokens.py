@@ -140,6 +140,17 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     return dt
 
 
+def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
+    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than expected."""
+    if found < expected:
+        raise VerificationError(
+            f"shard {name} ({path}): the file was truncated while this run read it: the "
+            f"manifest says {expected} bytes, the file now has {found}; reading on would "
+            "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
+            "and resume from the last saved state", shard=name, field="bytes",
+            expected=expected, found=found)
+
+
 class TokenWindows(ProcessLocal):
     """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
 
@@ -367,15 +378,7 @@ class TokenWindows(ProcessLocal):
         Touching a mapped page past the end of a truncated file kills the process with
         SIGBUS, so every read checks the file's size first (one ``fstat`` per shard).
         """
-        expected = self._sizes[shard]
-        if found < expected:
-            name = self.manifest.shards[shard].path
-            raise VerificationError(
-                f"shard {name} ({path}): the file was truncated while this run read it: the "
-                f"manifest says {expected} bytes, the file now has {found}; reading on would "
-                "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
-                "and resume from the last saved state", shard=name, field="bytes",
-                expected=expected, found=found)
+        check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
 
     def _checked_view(self, shard: int) -> np.ndarray[Any, Any]:
         """The strided window view of ``shard``, after checking its file still has every byte."""

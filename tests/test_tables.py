@@ -652,3 +652,56 @@ def test_transform_over_ragged_string_and_binary_columns(tmp_path: Path) -> None
         want = ref[row["id"]]
         assert row == {"id": want["id"], "ragged": [2 * v for v in want["ragged"][::-1]],
                        "text": want["text"], "blob": want["blob"] + b"\x00"}
+
+
+_TRUNCATE_TABLE_CHILD = r'''
+import json, os, sys
+import numpy as np
+import detdata
+root, fmt = sys.argv[1], sys.argv[2]
+ds = detdata.TableRows(detdata.build_manifest(root, pattern="*." + fmt), cache_row_groups=1)
+first = ds.read(np.array([0]))["x"].tolist()
+path = os.path.join(root, "t." + fmt)
+with open(path, "r+b") as fh:
+    fh.truncate(os.path.getsize(path) // 2)
+try:
+    ds.read(np.array([ds.num_samples - 1]))
+    out = {"outcome": "read"}
+except detdata.VerificationError as exc:
+    out = {"outcome": "VerificationError", "shard": exc.shard, "message": str(exc)}
+print(json.dumps({"first": first, **out}))
+'''
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, fmt: str) -> None:
+    """Parquet and Arrow shards are memory-mapped: a truncation between two reads is named at
+    the next row-group decode (a child process, so a SIGBUS fails the test, not pytest)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    import detdata
+    root = tmp_path / "data"
+    root.mkdir()
+    table = pa.table({"x": np.arange(40_000, dtype=np.int64), "y": np.arange(40_000, dtype=np.float64)})
+    if fmt == "parquet":
+        pq.write_table(table, root / "t.parquet", row_group_size=10_000)
+    else:
+        with ipc.new_file(str(root / "t.arrow"), table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=10_000):
+                writer.write_batch(batch)
+    repo = Path(detdata.__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_TABLE_CHILD, str(root), fmt],
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (f"child died with {proc.returncode} (-7 is SIGBUS)", proc.stderr)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["first"] == [0]  # the writer's first row, read before the truncation
+    assert out["outcome"] == "VerificationError", out
+    assert out["shard"] == f"t.{fmt}" and "truncated" in out["message"] and "hint:" in out["message"]
