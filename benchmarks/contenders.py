@@ -10,7 +10,7 @@ writes one JSON result to ``spec["out"]``. Contenders:
   batched ``__getitems__`` (one numpy gather / one ``take`` per shard).
 * ``stateful``: torchdata ``StatefulDataLoader`` over the per-sample dataset.
 * ``detdata``: ``detdata.DataLoader`` over ``TokenWindows`` / ``TableRows``.
-* ``detdata-threads``: detdata's stream read through `detdata._threads.threaded_batches`
+* ``detdata-threads``: detdata's stream read through `detdata.loading.threads.threaded_batches`
   (a thread pool in the main process instead of worker processes; a prototype,
   not yet a ``DataLoader`` option).
 
@@ -218,8 +218,8 @@ class Runner:
         return self._detdata(resume_at)
 
     def _detdata_dataset(self) -> Any:
-        from detdata._tables import TableRows
-        from detdata._tokens import TokenWindows
+        from detdata.datasets.tables import TableRows
+        from detdata.datasets.tokens import TokenWindows
         manifest = str(self.root / self.kind / "manifest.json")
         if self.kind == "tokens":
             return TokenWindows(manifest, SEQ, labels=False)
@@ -230,7 +230,7 @@ class Runner:
 
     def _detdata(self, resume_at: int | None) -> Iterator[Any]:
         import detdata
-        from detdata._dataset import OrderedStream
+        from detdata.datasets.base import OrderedStream
         ds = self._detdata_dataset()
         self.num_samples = ds.num_samples
         stream = OrderedStream(ds, self.seed)
@@ -240,7 +240,8 @@ class Runner:
         self.order_ids = stream.sample_ids
         mode = "thread" if self.name == "detdata-threads" else "process"
         loader = detdata.DataLoader(ds, global_batch_size=self.batch, seed=self.seed,
-                                    num_workers=self.workers, persistent_workers=self.workers > 0,
+                                    num_workers=self.workers,
+                                    persistent_workers=self.workers > 0 and mode == "process",
                                     worker_mode=mode)
         self._cleanup.append(loader)
         if resume_at:

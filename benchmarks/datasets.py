@@ -28,9 +28,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from detdata._manifest import build_manifest
-from detdata._tables import TableRows
-from detdata._tokens import TokenWindows
+from detdata.datasets.tables import TableRows
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.manifest import build_manifest
 
 SEQ = 512
 BATCH = 64

@@ -46,7 +46,7 @@ import torch
 import torch.utils.data as tud
 
 import detdata
-from detdata._device import PinnedBufferPool, check_device, device_batches
+from detdata.loading.device import PinnedBufferPool, check_device, device_batches
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_feed.json"
 
@@ -126,8 +126,8 @@ def write_shards(root: Path, shards: int, tokens: int) -> list[Path]:
 def detdata_dataset(root: Path, paths: list[Path], seq_len: int) -> tuple[Any, str]:
     """`TokenWindows` over the shards, or an in-memory `ArrayDataset` if that is unusable."""
     try:
-        from detdata._manifest import build_manifest
-        from detdata._tokens import TokenWindows
+        from detdata.datasets.tokens import TokenWindows
+        from detdata.identity.manifest import build_manifest
         return TokenWindows(build_manifest(str(root), progress=False), seq_len), "TokenWindows"
     except Exception as exc:  # fall back, but say so in the results
         print(f"note: TokenWindows unusable ({type(exc).__name__}: {exc}); using ArrayDataset",

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from detdata._cli_mix import CountDataset
-from detdata._mixture import Mixture
+from detdata.cli.mix import CountDataset
+from detdata.datasets.mixture import Mixture
 
 RESULTS = Path(__file__).parent / "results" / "mixture.json"
 TARGET = 10**9

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from detdata._order import ALGORITHM, GlobalOrder
+from detdata.order.feistel import ALGORITHM, GlobalOrder
 
 RESULTS = Path(__file__).parent / "results" / "order.json"
 BATCH = 1 << 16

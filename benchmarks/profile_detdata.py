@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.data_dir)
     generate(root, DataSpec(16384, 8, 1024))
     import detdata
-    from detdata._dataset import OrderedStream
-    from detdata._tokens import TokenWindows
+    from detdata.datasets.base import OrderedStream
+    from detdata.datasets.tokens import TokenWindows
 
     n = args.batches
     ds = TokenWindows(str(root / "tokens" / "manifest.json"), SEQ, labels=False)

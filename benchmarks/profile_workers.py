@@ -9,7 +9,7 @@ batch of ``--kb`` KiB (default 128 KiB = 64 samples x 2 KiB):
   memory segment per tensor, a file descriptor passed over a socket, queues);
 * the same with a numpy array instead of a tensor (pickled by value), and with
   torch's ``file_system`` sharing strategy (no file descriptor passing);
-* ``threads=2``: `detdata._threads.threaded_batches` doing the same work;
+* ``threads=2``: `detdata.loading.threads.threaded_batches` doing the same work;
 
 and the top functions of a cProfile of the main process for ``workers=2``.
 """
@@ -63,7 +63,7 @@ def loader(nbytes: int, workers: int, as_tensor: bool) -> Iterator[Any]:
 
 
 def threads(nbytes: int, n: int) -> Iterator[Any]:
-    from detdata._threads import threaded_batches
+    from detdata.loading.threads import threaded_batches
     ds = Copies(nbytes, True)
     fetch: Callable[[np.ndarray], Any] = lambda pos: ds[int(pos[0])]  # noqa: E731
     positions = (np.arange(k, k + 1) for k in range(1 << 30))

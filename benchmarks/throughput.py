@@ -50,7 +50,7 @@ LABELS = {
 }
 OPTIONAL = {"mosaicml-streaming": "streaming", "grain": "grain", "litdata": "litdata"}
 PRELOAD = ["numpy", "torch", "torch.utils.data", "pyarrow", "pyarrow.parquet", "detdata",
-           "detdata._tokens", "detdata._tables", "detdata._threads",
+           "detdata.datasets.tokens", "detdata.datasets.tables", "detdata.loading.threads",
            "torchdata.stateful_dataloader", "benchmarks.contenders", "benchmarks.ceilings"]
 
 

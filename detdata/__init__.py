@@ -1,35 +1,39 @@
 """detdata: exactly reproducible, resumable data loading for LLM pretraining.
 
 Bytes identity (blake3 manifests), order as a function of (seed, global index),
-exact seeded mixtures, and one-integer resume. See DESIGN.md for the contracts.
+exact seeded mixtures, and one-integer resume. See docs/design.md for the contracts.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from detdata._dataset import ArrayDataset, Batch, Dataset, OrderedStream, Stream
-from detdata._errors import (
+from detdata.base.errors import (
     ConfigError,
     DetdataError,
     FormatError,
     ManifestError,
     RegistryError,
+    RetriesExhausted,
     StateError,
     StorageError,
     VerificationError,
 )
-from detdata._formats import Format
-from detdata._manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
-from detdata._mixture import Mixture
-from detdata._order import GlobalOrder
-from detdata._registry import RefEvent, Registry
-from detdata._state import Stateful
-from detdata._tables import TableRows
-from detdata._tokens import TokenWindows
+from detdata.base.version import VERSION
+from detdata.datasets.base import ArrayDataset, Batch, Dataset, OrderedStream, Stream
+from detdata.datasets.mixture import Mixture
+from detdata.datasets.tables import TableRows
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.formats import Format
+from detdata.identity.manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
+from detdata.identity.registry import RefEvent, Registry
+from detdata.loading.state import Stateful
+from detdata.order.feistel import GlobalOrder
+from detdata.storage.retry import RetryPolicy
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 # torch is imported only when the loader is first used (the CLI and manifest tools stay fast).
-_LAZY = {"DataLoader": "detdata._loader", "DeterministicBatchSampler": "detdata._sampler"}
+_LAZY = {"DataLoader": "detdata.loading.loader", "DeterministicBatchSampler": "detdata.loading.sampler",
+         "WorkerMode": "detdata.loading.loader"}
 
 
 def __getattr__(name: str) -> Any:
@@ -42,8 +46,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from detdata._loader import DataLoader
-    from detdata._sampler import DeterministicBatchSampler
+    from detdata.loading.loader import DataLoader, WorkerMode
+    from detdata.loading.sampler import DeterministicBatchSampler
 
 __all__ = [
     "ArrayDataset",
@@ -63,6 +67,8 @@ __all__ = [
     "RefEvent",
     "Registry",
     "RegistryError",
+    "RetriesExhausted",
+    "RetryPolicy",
     "ShardEntry",
     "StateError",
     "Stateful",
@@ -72,6 +78,7 @@ __all__ = [
     "TokenWindows",
     "VerificationError",
     "Verify",
+    "WorkerMode",
     "__version__",
     "build_manifest",
     "hash_files",

@@ -67,7 +67,7 @@ from detdata import (
     VerificationError,
     build_manifest,
 )
-from detdata._sampler import DeterministicBatchSampler
+from detdata.loading.sampler import DeterministicBatchSampler
 
 REPO = Path(__file__).resolve().parent.parent
 BIG = 1_200_000  # uint16 tokens: 2.4 MB, so the middle byte is outside the quick digest's head/tail MiB

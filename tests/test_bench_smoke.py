@@ -39,8 +39,8 @@ def test_benchmark_smoke_run_validates_every_contender(tmp_path: Path) -> None:
 
 
 def test_detdata_bench_forwards_its_options_with_absolute_paths(tmp_path: Path) -> None:
-    from detdata._cli_bench import bench_argv, find_checkout
-    from detdata.cli import build_parser
+    from detdata.cli.bench import bench_argv, find_checkout
+    from detdata.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--smoke", "--out", "res", "--repeats", "2"])
     argv = bench_argv(args)

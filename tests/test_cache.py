@@ -19,12 +19,12 @@ import fsspec
 import numpy as np
 import pytest
 
-from detdata._cache import ShardCache
-from detdata._errors import ConfigError, VerificationError
-from detdata._manifest import Manifest, build_manifest
-from detdata._retry import RetryPolicy
-from detdata._tables import TableRows
-from detdata._tokens import TokenWindows
+from detdata.base.errors import ConfigError, VerificationError
+from detdata.datasets.tables import TableRows
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.manifest import Manifest, build_manifest
+from detdata.storage.cache import ShardCache
+from detdata.storage.retry import RetryPolicy
 from tests.faultproxy import FaultProxy, schedule
 from tests.servers import HttpServer
 

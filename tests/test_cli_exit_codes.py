@@ -101,7 +101,7 @@ def test_storage_and_unexpected_errors_are_mapped(monkeypatch: pytest.MonkeyPatc
     """In-process (``cli.main``, the console's entry point): errors a subprocess cannot provoke."""
     target = tmp_path / "f.bin"
     target.write_bytes(b"x")
-    monkeypatch.setattr("detdata._cli_manifest.hash_files", _raise(exc))
+    monkeypatch.setattr("detdata.cli.manifest.hash_files", _raise(exc))
     assert cli.main(["hash", str(target)]) == code
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and "Traceback" not in err
@@ -148,7 +148,7 @@ def test_demo_never_deletes_a_folder_it_did_not_create(tmp_path: Path) -> None:
 
 
 def test_demo_folder_marker_lets_it_clear_only_its_own_output(tmp_path: Path) -> None:
-    from detdata._cli_demo import MARKER, prepare_out
+    from detdata.cli.demo import MARKER, prepare_out
     out = tmp_path / "new" / "demo_out"
     prepare_out(out, clear=True)  # created, marked
     assert [p.name for p in out.iterdir()] == [MARKER]

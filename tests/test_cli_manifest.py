@@ -1,7 +1,7 @@
 """The ``detdata`` console command: manifest build, verify, hash, register, inspect, order.
 
 The must-show flows run the real console script in a subprocess; edge cases go
-through ``detdata.cli.main`` in-process (same parser, same exit-code mapping)
+through ``detdata.cli.main.main`` in-process (same parser, same exit-code mapping)
 to keep the suite fast.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from detdata import cli
-from detdata._manifest import Manifest, build_manifest
-from detdata._order import GlobalOrder
+from detdata.identity.manifest import Manifest, build_manifest
+from detdata.order.feistel import GlobalOrder
 from tests.conftest import write_token_shards
 
 MiB = 1 << 20
@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 def console() -> list[str]:
     script = Path(sys.executable).parent / "detdata"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "detdata.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "detdata.cli.main"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,7 +37,7 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``detdata.cli.main`` in-process: (exit code, stdout, stderr); argparse exits included."""
+    """``detdata.cli.main.main`` in-process: (exit code, stdout, stderr); argparse exits included."""
     try:
         code = cli.main(list(args))
     except SystemExit as exc:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from detdata._cli_mix import CountDataset
-from detdata._mixture import Mixture
+from detdata.cli.mix import CountDataset
+from detdata.datasets.mixture import Mixture
 
 CONFIG: dict[str, Any] = {
     "seed": 1234,
@@ -88,8 +88,8 @@ def test_mix_unreadable_config(tmp_path: Path) -> None:
 
 def test_mix_config_errors_in_process(tmp_path: Path) -> None:
     """The remaining config checks, without paying for a process start each."""
-    from detdata._cli_mix import mixture_from_config
-    from detdata._errors import ConfigError
+    from detdata.base.errors import ConfigError
+    from detdata.cli.mix import mixture_from_config
 
     with pytest.raises(ConfigError, match="exactly one of"):
         mixture_from_config({**CONFIG, "weights": {"web": 1}})

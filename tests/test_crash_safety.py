@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from detdata import Manifest, ManifestError, Registry, RegistryError, ShardEntry, build_manifest
-from detdata._formats import Format
+from detdata.identity.formats import Format
 
 BIG_SHARDS = 1200
 KILLS = 6

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import detdata
-from detdata._device import PinnedBufferPool, device_batches
-from detdata._loader import DataLoader
+from detdata.loading.device import PinnedBufferPool, device_batches
+from detdata.loading.loader import DataLoader
 from tests.resume_checker import check_resume_everywhere, digest, run_digests, take
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

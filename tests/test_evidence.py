@@ -66,7 +66,7 @@ def fresh_process(manifest: str, trace: Path, *, micro: int, batches: int, state
 
 
 def diff(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "detdata.cli", "diff", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "detdata.cli.main", "diff", *map(str, args)],
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -296,7 +296,7 @@ def test_bfloat16_batches_are_traced_by_their_raw_bytes(tmp_path: Path) -> None:
 
 
 def test_micro_batch_and_worker_invariance(tmp_path: Path) -> None:
-    from detdata._trace import read_trace, step_digests
+    from detdata.loading.trace import read_trace, step_digests
     a = straight(tmp_path / "a.jsonl", steps=10, micro=8)
     b = straight(tmp_path / "b.jsonl", steps=10, micro=2, num_workers=2)
     c = straight(tmp_path / "c.jsonl", steps=10, micro=1, num_workers=2, worker_mode="thread")

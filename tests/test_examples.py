@@ -63,7 +63,7 @@ def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
 
 
 def test_replay_check_command(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "detdata.cli", "replay-check", "--out", str(tmp_path / "d"),
+    done = subprocess.run([sys.executable, "-m", "detdata.cli.main", "replay-check", "--out", str(tmp_path / "d"),
                            "--steps", "6", "--stop-at", "3"], capture_output=True, text=True, timeout=400,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]

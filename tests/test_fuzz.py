@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import detdata
-from detdata._manifest import Manifest, build_manifest
-from detdata._registry import Registry
-from detdata._sampler import DeterministicBatchSampler
-from detdata._state import CHECKED_FIELDS, LoaderState
+from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.registry import Registry
+from detdata.loading.sampler import DeterministicBatchSampler
+from detdata.loading.state import CHECKED_FIELDS, LoaderState
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

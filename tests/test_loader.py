@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import detdata
-from detdata._loader import DataLoader
+from detdata.loading.loader import DataLoader
 from tests.resume_checker import batch_bytes, check_resume_everywhere, digest, run_digests, take
 
 N = 1000  # samples

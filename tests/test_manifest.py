@@ -21,16 +21,16 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-import detdata._manifest as manifest_mod
-from detdata._errors import (
+import detdata.identity.manifest as manifest_mod
+from detdata.base.errors import (
     ConfigError,
     FormatError,
     ManifestError,
     StorageError,
     VerificationError,
 )
-from detdata._formats import Format
-from detdata._manifest import Manifest, build_manifest, canonical_json, hash_files
+from detdata.identity.formats import Format
+from detdata.identity.manifest import Manifest, build_manifest, canonical_json, hash_files
 from tests.conftest import write_token_shards
 
 MiB = 1 << 20

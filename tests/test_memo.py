@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import detdata
-from detdata._memo import ChunkMemo
+from detdata.order.memo import ChunkMemo
 
 
 def _mixture() -> detdata.Mixture:

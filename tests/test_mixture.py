@@ -26,10 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from detdata._dataset import ArrayDataset, Stream
-from detdata._errors import ConfigError, FormatError
-from detdata._mixture import Mixture
-from detdata._order import GlobalOrder
+from detdata.base.errors import ConfigError, FormatError
+from detdata.datasets.base import ArrayDataset, Stream
+from detdata.datasets.mixture import Mixture
+from detdata.order.feistel import GlobalOrder
 
 GOLDEN = Path(__file__).parent / "golden" / "mixture_v1.json"
 MASK = (1 << 64) - 1
@@ -609,7 +609,7 @@ def test_position_memo_under_reader_threads() -> None:
     import threading
     from collections import OrderedDict
 
-    from detdata._memo import ChunkMemo
+    from detdata.order.memo import ChunkMemo
 
     memo = ChunkMemo(lambda p: (p * 3 + 1,), chunk=16, slots=1)
 

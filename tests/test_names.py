@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detdata import Manifest, ManifestError, TokenWindows, build_manifest
-from detdata._registry import Registry
-from detdata._tables import TableRows
-from detdata.cli import main
+from detdata.cli.main import main
+from detdata.datasets.tables import TableRows
+from detdata.identity.registry import Registry
 from tests.servers import HttpServer
 
 SEQ = 4

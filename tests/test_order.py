@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from detdata._errors import ConfigError
-from detdata._order import (
+from detdata.base.errors import ConfigError
+from detdata.order.feistel import (
     ALGORITHM,
     MAX_SAMPLES,
     ROUNDS,

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from detdata._errors import (
+from detdata.base.errors import (
     ConfigError,
     ManifestError,
     RegistryError,
     VerificationError,
 )
-from detdata._manifest import Manifest, build_manifest
-from detdata._registry import STALE_TEMP_S, Registry, default_root, split_name
+from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.registry import STALE_TEMP_S, Registry, default_root, split_name
 
 
 @pytest.fixture

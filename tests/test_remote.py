@@ -24,14 +24,14 @@ import pyarrow.parquet as pq
 import pytest
 
 import detdata
-from detdata._errors import StorageError, VerificationError
-from detdata._manifest import Manifest, build_manifest
-from detdata._registry import Registry
-from detdata._retry import RetriesExhausted, RetryPolicy
-from detdata._storage import filesystem
-from detdata._tables import TableRows
-from detdata._tokens import TokenWindows, read_ranges
-from detdata._trace import first_difference, read_trace, step_digests
+from detdata.base.errors import StorageError, VerificationError
+from detdata.datasets.tables import TableRows
+from detdata.datasets.tokens import TokenWindows, read_ranges
+from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.registry import Registry
+from detdata.loading.trace import first_difference, read_trace, step_digests
+from detdata.storage.fs import filesystem
+from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
 from tests.resume_checker import run_digests
 from tests.servers import GcsServer, HttpServer, S3Server
@@ -116,7 +116,7 @@ def test_not_found_raised_from_a_network_error_is_transient() -> None:
     """fsspec's HTTP ``info`` turns a reset HEAD/GET into FileNotFoundError(url) from the reset."""
     import aiohttp
 
-    from detdata._retry import is_transient
+    from detdata.storage.retry import is_transient
 
     def wrapped(cause: BaseException) -> FileNotFoundError:
         try:

@@ -11,7 +11,7 @@ import torch.utils.data as tud
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import detdata
-from detdata._sampler import DeterministicBatchSampler
+from detdata.loading.sampler import DeterministicBatchSampler
 from tests.resume_checker import digest
 
 N = 300

@@ -20,11 +20,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detdata._dataset import Dataset
-from detdata._errors import ConfigError, FormatError
-from detdata._loader import DataLoader
-from detdata._manifest import build_manifest
-from detdata._tables import RowGroupCache, TableRows, _Group, to_numpy
+from detdata.base.errors import ConfigError, FormatError
+from detdata.datasets.base import Dataset
+from detdata.datasets.tables import RowGroupCache, TableRows, _Group, to_numpy
+from detdata.identity.manifest import build_manifest
+from detdata.loading.loader import DataLoader
 from tests.test_aliasing import (
     RAGGED,
     ROWS,
@@ -582,8 +582,8 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
     """Raw counts since 1970-01-01 UTC, checked against the calendar, not against the reader."""
     root = tmp_path / "t"
     root.mkdir()
-    when = [dt.datetime(2024, 2, 29, 12, 30, 1, 500_000, tzinfo=dt.timezone.utc),
-            dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)]
+    when = [dt.datetime(2024, 2, 29, 12, 30, 1, 500_000, tzinfo=dt.UTC),
+            dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.UTC)]
     pq.write_table(pa.table({"ms": pa.array(when, pa.timestamp("ms")),
                              "us_tz": pa.array(when, pa.timestamp("us", tz="Europe/Paris")),
                              "day": pa.array([w.date() for w in when], pa.date32())}),
@@ -594,7 +594,7 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
     for batch in DataLoader(ds, global_batch_size=2, seed=0, total_samples=2):
         order = np.argsort(batch["ms"].numpy())
         seen = {k: [v.tolist()[i] for i in order] for k, v in batch.items()}
-    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
     assert seen["ms"] == [-1000, int((when[0] - epoch).total_seconds() * 1000)]
     assert seen["us_tz"] == [-1_000_000, int((when[0] - epoch).total_seconds() * 10**6)]
     assert seen["day"] == [-1, (when[0].date() - epoch.date()).days]

@@ -1,4 +1,4 @@
-"""`detdata._threads.threaded_batches`: order, errors with positions, no hang, cleanup."""
+"""`detdata.loading.threads.threaded_batches`: order, errors with positions, no hang, cleanup."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from detdata._errors import ConfigError
-from detdata._threads import threaded_batches
+from detdata.base.errors import ConfigError
+from detdata.loading.threads import threaded_batches
 
 B = 8
 
@@ -129,7 +129,7 @@ def test_bad_arguments_are_refused(threads: object, prefetch: object) -> None:
 
 def test_detdata_stream_read_from_threads_matches_the_serial_read(token_shards) -> None:  # type: ignore[no-untyped-def]
     import detdata
-    from detdata._tokens import TokenWindows
+    from detdata.datasets.tokens import TokenWindows
 
     ds = TokenWindows(detdata.build_manifest(str(token_shards), progress=False), 16)
     stream = detdata.OrderedStream(ds, seed=7)

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detdata._dataset import Dataset
-from detdata._errors import ConfigError, FormatError
-from detdata._manifest import Manifest, build_manifest
-from detdata._tokens import TokenWindows
+from detdata.base.errors import ConfigError, FormatError
+from detdata.datasets.base import Dataset
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.manifest import Manifest, build_manifest
 
 SEQ = 7
 LENGTHS = (101, 57, 8, 200)  # 8 tokens = exactly one labelled window of 7
@@ -454,7 +454,7 @@ def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path
 
 
 def test_shard_deleted_after_opening_is_a_named_error(tmp_path: Path) -> None:
-    from detdata._errors import VerificationError
+    from detdata.base.errors import VerificationError
     arrays = write_npy_shards(tmp_path / "data", "uint16", (300, 400), seed=2)
     ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ)
     np.testing.assert_array_equal(ds.read(np.array([0]))["tokens"][0], arrays[0][:SEQ + 1])

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import detdata
-from detdata._trace import read_trace, step_digests
+from detdata.loading.trace import read_trace, step_digests
 from tests.resume_checker import take
 
 
@@ -37,7 +37,7 @@ def _trace(path: Path, micro: int, workers: int = 0, resume_at: int | None = Non
 
 
 def _diff(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "detdata.cli", "diff", str(a), str(b)],
+    return subprocess.run([sys.executable, "-m", "detdata.cli.main", "diff", str(a), str(b)],
                           capture_output=True, text=True, check=False)
 
 

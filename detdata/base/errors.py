@@ -1,0 +1,68 @@
+"""The exception tree. Every error detdata raises on purpose derives from `DetdataError`.
+
+Each class also derives from the built-in that fits, so callers that catch
+`ValueError` / `OSError` keep working. Messages say what went wrong, where
+(which shard, field, position) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class DetdataError(Exception):
+    """Root of every error detdata raises on purpose."""
+
+
+class ConfigError(DetdataError, ValueError):
+    """An argument or configuration value is invalid (bad weights, batch sizes, seeds...)."""
+
+
+class ManifestError(DetdataError, ValueError):
+    """A manifest is malformed, unsafe, of an unknown version, or its id does not match."""
+
+
+class VerificationError(DetdataError, ValueError):
+    """Shard bytes on storage do not match the manifest (size, quick digest or blake3)."""
+
+    def __init__(self, message: str, *, shard: str = "", field: str = "",
+                 expected: object = None, found: object = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.field = field
+        self.expected = expected
+        self.found = found
+
+
+class FormatError(DetdataError, ValueError):
+    """A shard's content does not fit its declared format (dtype, schema, shape)."""
+
+
+class RegistryError(DetdataError, ValueError):
+    """A registry name is unknown, malformed, or would be re-pointed without `force`."""
+
+
+class StateError(DetdataError, ValueError):
+    """A loader state is malformed or does not match the loader it is loaded into."""
+
+    def __init__(self, message: str, *, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class StorageError(DetdataError, OSError):
+    """Reading or writing storage failed after retries (names the shard and URL)."""
+
+
+class RetriesExhausted(StorageError):
+    """A storage read kept failing until its deadline (or a permanent error after retries)."""
+
+    def __init__(self, message: str, *, shard: str, url: str, attempts: int,
+                 last_error: BaseException) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.url = url
+        self.attempts = attempts
+        self.last_error = last_error
+
+
+class ShortRead(StorageError):
+    """A read returned fewer (or more) bytes than asked for: transient, retried."""

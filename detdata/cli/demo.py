@@ -1,0 +1,131 @@
+"""``detdata demo`` and ``detdata replay-check``.
+
+Both check every argument before touching the disk. Their ``--out`` folder is
+marked with a `MARKER` file when they create (or adopt an empty) folder; they
+clear or reuse only folders that carry it, and refuse any other non-empty folder
+without deleting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from detdata.base.errors import ConfigError
+
+MARKER: Final = ".detdata-demo"
+_MARKER_TEXT: Final = ("This folder was created by `detdata demo` / `detdata replay-check`; they clear or "
+                       "reuse only folders holding this file.\n")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="build a small corpus, train a tiny GPT with interrupt/resume/reshard proof")
+    p.add_argument("--out", default="demo_out", help="working folder: created, or cleared if an earlier "
+                   f"demo made it (it holds {MARKER}); any other non-empty folder is refused")
+    p.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
+    p.add_argument("--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)")
+    p.set_defaults(func=run_demo)
+    r = sub.add_parser("replay-check", help="three fresh-process runs (A, B, interrupted+resumed C); "
+                       "exit 1 if weights or data traces differ")
+    r.add_argument("--out", default="demo_out", help="folder holding a demo corpus (built if the folder is "
+                   f"new or empty; else it must hold {MARKER})")
+    r.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
+    r.add_argument("--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)")
+    r.set_defaults(func=run_replay_check)
+
+
+def check_run_args(steps: int, stop_at: int) -> None:
+    """``--steps`` and ``--stop-at`` before anything is written."""
+    if steps < 2:
+        raise ConfigError(f"--steps must be at least 2 (run C stops in the middle), got {steps}")
+    if not 0 < stop_at < steps:
+        raise ConfigError(f"--stop-at must be between 1 and --steps - 1 = {steps - 1}, got {stop_at}")
+
+
+def _refuse(out: Path, what: str) -> ConfigError:
+    return ConfigError(f"--out {out}: {what}; refusing to write there; hint: pass a new or empty folder "
+                       f"(e.g. --out demo_out2), or delete {out} yourself if it is an old demo output")
+
+
+def prepare_out(out: Path, *, clear: bool) -> None:
+    """Make ``out`` ours: create it (or adopt it if empty) with `MARKER`; clear it if asked.
+
+    A non-empty folder without the marker, or a path that is not a folder, is
+    refused with a `ConfigError` naming it; nothing is deleted then.
+    """
+    if out.exists() and not out.is_dir():
+        raise _refuse(out, "is not a folder")
+    if out.is_dir():
+        entries = os.listdir(out)
+        if entries and MARKER not in entries:
+            raise _refuse(out, f"is a non-empty folder that detdata did not create (no {MARKER} file in it)")
+        if clear:
+            for name in entries:
+                if name != MARKER:
+                    _remove(out / name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text(_MARKER_TEXT, encoding="utf-8")
+    except OSError as exc:
+        raise _refuse(out, f"cannot create it ({exc.strerror or exc})") from None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _print_check(check: dict[str, Any]) -> int:
+    print(f"final weights blake3: A {check['weights']['A'][:16]}  B {check['weights']['B'][:16]}  "
+          f"C (stopped at {check['stop_at']} on 2 ranks, resumed on 1) {check['weights']['C'][:16]}")
+    for pair in ("A_B", "A_C"):
+        diff = check[f"first_divergent_step_{pair}"]
+        print(f"first divergent data step {pair.replace('_', ' vs ')}: "
+              + ("none" if diff is None else f"step {diff['step']} ({diff['reason']})"))
+    ok = check["weights_identical"] and check["first_divergent_step_A_B"] is None \
+        and check["first_divergent_step_A_C"] is None
+    print("replay check: " + ("PASS (bitwise identical)" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    check_run_args(args.steps, args.stop_at)
+    from detdata.cli.demo_run import build_corpus, loader_throughput, replay_check
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    prepare_out(out, clear=True)
+    ids = build_corpus(out)
+    print("== detdata demo ==")
+    for name, mid in ids.items():
+        print(f"registered demo-{name}@v1 -> {mid}")
+    check = replay_check(out, steps=args.steps, stop_at=args.stop_at)
+    print(f"trained {check['steps']} steps on the mixture {json.dumps(_weights())}: "
+          f"loss {check['first_loss']:.3f} -> {check['final_loss']:.3f}")
+    code = _print_check(check)
+    print(f"loader throughput (mixture of 3 sources, global batch 64, seq 64): "
+          f"{loader_throughput(out):,.0f} samples/s")
+    (out / "report.json").write_text(json.dumps({"manifests": ids, **check}, indent=1, default=str))
+    print(f"report: {out / 'report.json'}  ({time.perf_counter() - t0:.0f} s)")
+    return code
+
+
+def _weights() -> dict[str, str]:
+    from detdata.cli.demo_run import WEIGHTS
+    return dict(WEIGHTS)
+
+
+def run_replay_check(args: argparse.Namespace) -> int:
+    check_run_args(args.steps, args.stop_at)
+    from detdata.cli.demo_run import build_corpus, replay_check
+    out = Path(args.out)
+    prepare_out(out, clear=False)
+    if not (out / "registry").exists():
+        build_corpus(out)
+    return _print_check(replay_check(out, steps=args.steps, stop_at=args.stop_at))

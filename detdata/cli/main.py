@@ -1,0 +1,130 @@
+"""The ``detdata`` console command.
+
+Each area registers its sub-commands from its own module (``detdata.cli.*``)
+listed in `COMMAND_MODULES`. Every failure ends in one ``detdata: ...`` message
+on stderr and an exit code (`EPILOG`); a Python traceback is shown only with
+``--traceback``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+from detdata.base.errors import DetdataError, StorageError, VerificationError
+
+EXIT_OK: Final = 0
+EXIT_FAIL: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_STORAGE: Final = 3
+EXIT_INTERRUPTED: Final = 130
+EXIT_BROKEN_PIPE: Final = 141
+
+EPILOG: Final = """\
+exit codes:
+  0  success (verify: bytes match; diff: identical)
+  1  the answer is "no": a verification failed (verify, register) or a difference was
+     found (diff, replay-check; bench: a contender's bytes did not validate); nothing
+     else exits 1
+  2  usage or input error: bad arguments, a missing, unreadable or malformed input file
+     (manifest, trace, state, config), an output path that cannot be used, a refused
+     configuration; also an internal error (a bug: rerun with --traceback and report it)
+  3  storage error: reading or writing storage failed (after retries for remote storage),
+     e.g. a network failure, a remote object that cannot be read, a full disk
+  130 interrupted (Ctrl-C); 141 output pipe closed (e.g. `detdata order ... | head`)
+"""
+
+# Modules that define ``register(subparsers)``; each sub-command sets ``func(args) -> int``.
+COMMAND_MODULES: Final = (
+    "detdata.cli.manifest",
+    "detdata.cli.trace",
+    "detdata.cli.demo",
+    "detdata.cli.mix",
+    "detdata.cli.bench",
+)
+
+#: OSErrors that mean "this path (given by the user) cannot be used": a usage error.
+_PATH_ERRNOS: Final = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                                 errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EROFS})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="detdata", description=__doc__.splitlines()[0] if __doc__ else None,
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, show the Python traceback too (for bug reports)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _message(exc: BaseException) -> str:
+    notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str)]
+    return " ".join([str(exc) or type(exc).__name__, *notes])
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for an exception that ended a command (see `EPILOG`)."""
+    if isinstance(exc, VerificationError):
+        return EXIT_FAIL
+    if isinstance(exc, StorageError):
+        return EXIT_STORAGE
+    if isinstance(exc, DetdataError):
+        return EXIT_USAGE
+    if isinstance(exc, OSError):
+        return EXIT_USAGE if exc.errno in _PATH_ERRNOS else EXIT_STORAGE
+    return EXIT_USAGE
+
+
+def _report(exc: BaseException) -> int:
+    code = exit_code(exc)
+    if isinstance(exc, VerificationError):
+        kind = "verification failed"
+    elif isinstance(exc, DetdataError):
+        kind = "error"
+    elif isinstance(exc, OSError):
+        kind = "storage error" if code == EXIT_STORAGE else "error"
+        where = " ".join(repr(f) for f in (exc.filename, exc.filename2) if f is not None)
+        print(f"detdata: {kind}: {where + ': ' if where else ''}{exc.strerror or exc}", file=sys.stderr)
+        return code
+    else:
+        kind = f"internal error ({type(exc).__name__}; a bug in detdata: rerun with --traceback and report it)"
+    print(f"detdata: {kind}: {_message(exc)}", file=sys.stderr)
+    return code
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the exit-time flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        print("detdata: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:
+        if args.traceback:
+            raise
+        return _report(exc)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

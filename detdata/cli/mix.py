@@ -1,0 +1,125 @@
+"""``detdata mix``: show which source, index in source and sample each global position reads.
+
+Config (JSON)::
+
+    {"seed": 1234,
+     "sources": {"web": {"num_samples": 1000000}, "code": {"num_samples": 50000}},
+     "weights": {"web": 0.7, "code": "3/10"},          # or:
+     "schedule": [[0, {"web": 1, "code": 1}], [100000, {"web": 3, "code": 1}]],
+     "allow_zero": false}                                # optional
+
+Exactly one of ``weights`` / ``schedule``. Output: a header line, then one
+tab-separated line per position: ``position source index_in_source sample_id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from detdata.base.errors import ConfigError
+from detdata.datasets.base import Batch, IntArray
+from detdata.datasets.mixture import MAX_POSITION, Mixture
+from detdata.order.feistel import check_count
+
+HEADER: Final = "position\tsource\tindex_in_source\tsample_id"
+_CHUNK: Final = 1 << 16
+_CONFIG_KEYS: Final = frozenset({"seed", "sources", "weights", "schedule", "allow_zero"})
+
+
+class CountDataset:
+    """A dataset known only by its size: enough to compute a mixture's assignment (no reads)."""
+
+    def __init__(self, num_samples: int, *, name: str) -> None:
+        if isinstance(num_samples, int) and num_samples == 0:
+            raise ConfigError(f"source {name!r} is empty (num_samples == 0); hint: drop it from the config")
+        self._n = check_count(num_samples, f"source {name!r} num_samples")
+        self.name = name
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    def schema(self) -> dict[str, str]:
+        """No columns: a count-only source is never read (`Mixture` asks before reading sample 0)."""
+        return {}
+
+    def read(self, ids: IntArray) -> Batch:
+        raise ConfigError(f"source {self.name!r} is described by num_samples only and has no data to read; "
+                          f"hint: build the Mixture over real datasets to fetch samples")
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "count", "num_samples": self._n}
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """Read and shape-check a mix config file (JSON object)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read mix config {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"mix config {path!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"mix config {path!r} is not UTF-8 text (byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"mix config {path!r} is not usable JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"mix config {path!r} must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"mix config {path!r}: unknown key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    return doc
+
+
+def mixture_from_config(doc: Mapping[str, Any]) -> Mixture:
+    """A `Mixture` over `CountDataset` sources described by a mix config."""
+    if "seed" not in doc:
+        raise ConfigError("mix config needs a 'seed' (integer)")
+    sources = doc.get("sources")
+    if not isinstance(sources, dict) or not sources:
+        raise ConfigError("mix config needs 'sources': {name: {\"num_samples\": int}, ...}")
+    datasets = {}
+    for name, spec in sources.items():
+        if not isinstance(spec, dict) or set(spec) != {"num_samples"}:
+            raise ConfigError(f"mix config source {name!r} must be {{\"num_samples\": int}}, got {spec!r:.80}")
+        datasets[name] = CountDataset(spec["num_samples"], name=name)
+    allow_zero = doc.get("allow_zero", False)
+    if not isinstance(allow_zero, bool):
+        raise ConfigError(f"mix config 'allow_zero' must be true or false, got {allow_zero!r}")
+    return Mixture(datasets, doc.get("weights"), seed=doc["seed"], schedule=doc.get("schedule"),
+                   allow_zero=allow_zero)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the assignment of positions ``[at, at + count)``."""
+    mixture = mixture_from_config(load_config(args.config))
+    at = check_count(args.at, "--at", minimum=0, maximum=MAX_POSITION - 1)
+    count = check_count(args.count, "--count", minimum=0, maximum=MAX_POSITION - at)
+    out = sys.stdout
+    out.write(HEADER + "\n")
+    names = mixture.source_names
+    for start in range(at, at + count, _CHUNK):
+        positions = np.arange(start, min(start + _CHUNK, at + count), dtype=np.int64)
+        src, index, ids = mixture.locate(positions)
+        out.write("".join(f"{g}\t{names[s]}\t{i}\t{d}\n"
+                          for g, s, i, d in zip(positions.tolist(), src.tolist(), index.tolist(),
+                                                ids.tolist(), strict=True)))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``mix`` sub-command."""
+    parser = subparsers.add_parser(
+        "mix", help="show the source, index in source and sample id of global positions of a mixture",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="mix config JSON file")
+    parser.add_argument("--at", type=int, default=0, help="first global position (default 0)")
+    parser.add_argument("--count", type=int, default=16, help="number of positions (default 16)")
+    parser.set_defaults(func=run)

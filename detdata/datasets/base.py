@@ -1,0 +1,175 @@
+"""The two protocols everything composes through.
+
+* A `Dataset` reads samples by id: ``read(ids) -> Batch`` with one batched read,
+  rows in exactly the order of ``ids``.
+* A `Stream` reads samples by *global position*: ``fetch(positions) -> Batch``.
+  `OrderedStream` turns a dataset into a stream with `GlobalOrder`;
+  `detdata.Mixture` is a stream over several datasets.
+
+A `Batch` is a dict of column name -> numpy array whose first axis is the batch.
+``identity()`` returns plain JSON that pins what the data is (manifest ids and
+parameters); it enters the loader state and the resume checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError, FormatError
+from detdata.base.hashing import digest_bytes
+from detdata.order.feistel import ALGORITHM, GlobalOrder, check_seed
+from detdata.order.memo import ChunkMemo
+
+Batch = dict[str, np.ndarray]
+IntArray = npt.NDArray[np.int64]
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """Samples addressed by id in ``[0, num_samples)``."""
+
+    @property
+    def num_samples(self) -> int: ...
+
+    def read(self, ids: IntArray) -> Batch: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """Samples addressed by global position ``>= 0`` (an infinite, seeded stream)."""
+
+    def fetch(self, positions: IntArray) -> Batch: ...
+
+    def sample_ids(self, positions: IntArray) -> IntArray: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+
+def check_ids(ids: npt.ArrayLike, num_samples: int, what: str) -> IntArray:
+    """``ids`` as a 1-D int64 array, every value in ``[0, num_samples)``."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ConfigError(f"{what}: ids must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_samples):
+        raise ConfigError(f"{what}: ids must be in [0, {num_samples}), found "
+                          f"[{int(arr.min())}, {int(arr.max())}]")
+    return arr
+
+
+class ArrayDataset:
+    """An in-memory dataset of equal-length columns (tests, small examples).
+
+    Its identity includes a blake3 of every column's bytes, dtype and shape.
+    """
+
+    def __init__(self, columns: Mapping[str, npt.ArrayLike], *, name: str = "arrays") -> None:
+        if not columns:
+            raise ConfigError("ArrayDataset needs at least one column")
+        self.columns = {k: _frozen_copy(v) for k, v in columns.items()}
+        lengths = {k: len(v) for k, v in self.columns.items()}
+        if len(set(lengths.values())) != 1:
+            raise FormatError(f"ArrayDataset columns differ in length: {lengths}")
+        self._n = next(iter(lengths.values()))
+        if self._n == 0:
+            raise ConfigError(f"ArrayDataset {name!r} is empty")
+        self.name = name
+        parts = b"".join(k.encode() + str(v.dtype).encode() + str(v.shape).encode() + _content(v)
+                         for k, v in sorted(self.columns.items()))
+        self._digest = digest_bytes(parts)
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    def read(self, ids: IntArray) -> Batch:
+        """Fresh arrays (object columns: fresh copies of their elements too); nothing aliases the data."""
+        idx = check_ids(ids, self._n, f"ArrayDataset {self.name!r}")
+        return {k: _owned(v[idx]) for k, v in self.columns.items()}
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "arrays", "name": self.name, "digest": self._digest, "num_samples": self._n}
+
+
+def _frozen_copy(values: npt.ArrayLike) -> np.ndarray:
+    """A private, read-only copy: later edits of the caller's array cannot change the data
+    behind the identity digest, and object elements are copied as well."""
+    arr = np.array(values, copy=True, order="C")
+    if arr.dtype == object:
+        arr = _owned(arr)
+    arr.setflags(write=False)
+    return arr
+
+
+def _content(column: np.ndarray) -> bytes:
+    """The bytes a column's digest covers: its buffer, or for object columns each element's
+    type, dtype, shape and bytes (an object buffer holds pointers, which differ per process)."""
+    if column.dtype != object:
+        return column.tobytes()
+    parts = []
+    for value in column.flat:
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            parts.append(f"nd:{value.dtype.str}{value.shape}:".encode() + value.tobytes())
+        elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
+            parts.append(f"{type(value).__name__}:{value!r}".encode())
+        else:
+            raise FormatError(f"ArrayDataset: object column holds a {type(value).__name__}; only numeric "
+                              "arrays, str, bytes, numbers and None can be digested; hint: convert it")
+        parts.append(b"\0")
+    return b"".join(parts)
+
+
+def _owned(column: np.ndarray) -> np.ndarray:
+    """``column`` with each ndarray element of an object column copied (numeric gathers copy already)."""
+    if column.dtype != object:
+        return column
+    out = np.empty(column.shape, dtype=object)
+    for i, value in enumerate(column.flat):
+        out.flat[i] = value.copy() if isinstance(value, np.ndarray) else value
+    return out
+
+
+class OrderedStream:
+    """A dataset read in `GlobalOrder`: position ``g`` -> ``dataset.read(order.ids(g))``."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = check_seed(seed)
+        n = dataset.num_samples
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) <= 0:
+            raise ConfigError(f"dataset {type(dataset).__name__} is empty (num_samples == {n}); "
+                              "there is nothing to order or load; hint: check the manifest / "
+                              "dataset construction")
+        self.order = GlobalOrder(n, self.seed)
+        self._memo = ChunkMemo(self._ids)
+
+    def _ids(self, positions: IntArray) -> tuple[IntArray]:
+        return (self.order.ids(positions),)
+
+    def sample_ids(self, positions: IntArray) -> IntArray:
+        """Sample ids at ``positions`` (same shape); chunk-cached, identical to ``order.ids``."""
+        pos = np.asarray(positions)
+        return self._memo(pos)[0].reshape(pos.shape)
+
+    def fetch(self, positions: IntArray) -> Batch:
+        return self.dataset.read(self.sample_ids(positions).reshape(-1))
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "ordered", "algorithm": ALGORITHM, "seed": self.seed,
+                "dataset": self.dataset.identity()}
+
+
+def as_stream(data: Dataset | Stream, seed: int) -> Stream:
+    """A `Stream` for ``data``: streams pass through, datasets get `GlobalOrder` under ``seed``."""
+    if isinstance(data, Stream) and hasattr(data, "fetch"):
+        return data
+    if isinstance(data, Dataset):
+        return OrderedStream(data, seed)
+    raise ConfigError(f"expected a detdata Dataset (num_samples, read, identity) or Stream "
+                      f"(fetch, sample_ids, identity), got {type(data).__name__}")

@@ -1,0 +1,525 @@
+"""Fixed-length token windows over ``.npy`` / ``.bin`` token shards.
+
+A `TokenWindows` dataset cuts every token shard of a manifest into windows of
+``seq_len`` tokens. With ``labels=True`` (default) a window carries one extra
+token for next-token labels, so window ``w`` of a shard covers tokens
+``[w * seq_len, w * seq_len + seq_len + 1)`` and consecutive windows share one
+token. Windows never cross shard boundaries; a shard of ``T`` tokens holds
+``(T - 1) // seq_len`` windows with labels (``T // seq_len`` without) and its
+tail tokens are dropped. Window ids are numbered shard by shard in manifest
+(path) order.
+
+Reading: ``read(ids)`` checks the ids once (min/max), and when they all fall in
+one shard does ONE fancy-index gather from a strided 2-D view of that shard's
+read-only memory map straight into the result. Otherwise it maps ids to shards with
+one ``np.searchsorted`` over the cumulative window counts, groups them by shard
+(stable argsort of the shard index), does one gather per touched shard into a
+buffer and one scatter into the result (local roots) or, for remote
+fsspec roots, ONE ``fs.cat_ranges`` call for the whole batch (failed ranges are
+retried with backoff under ``retry``, a `RetryPolicy`). With ``cache_dir``,
+remote shards are instead copied whole into a bounded, blake3-verified local
+`ShardCache` and read through the memmap path. Memmaps, caches and file systems
+are opened lazily per process and dropped when pickled.
+
+Before touching a shard's mapping, every read checks that the mapped file still
+has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
+truncated during the run is a `VerificationError` naming it, expected and found
+sizes, instead of a SIGBUS that kills the process. Not caught: a truncation
+racing with the read itself, and bytes rewritten in place at the same size
+(verification happens when the manifest is opened).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import mmap
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import fsspec
+import numpy as np
+import numpy.typing as npt
+from fsspec.implementations.local import LocalFileSystem
+
+from detdata.base.errors import ConfigError, FormatError, StorageError, VerificationError
+from detdata.datasets.base import Batch, IntArray, check_ids
+from detdata.datasets.columns import describe_dtype
+from detdata.datasets.process_local import ProcessLocal
+from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
+from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.storage.cache import ShardCache
+from detdata.storage.fs import filesystem, join, read_ranges_retrying
+from detdata.storage.retry import RetryPolicy, check_policy
+
+DEFAULT_CACHE_BYTES = 16 << 30
+
+_WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
+
+
+def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: str | None,
+                     storage_options: Mapping[str, Any],
+                     retry: RetryPolicy | None = None) -> Manifest:
+    """A verified `Manifest` from an object or a path/URL.
+
+    A path is loaded with ``Manifest.load(path, root=root, verify=verify)``; a
+    `Manifest` object is re-rooted at ``root`` if given and then verified with
+    ``verify`` (``"quick"`` by default; ``"off"`` skips it).
+    """
+    if isinstance(manifest, str):
+        return Manifest.load(manifest, root=root, verify=verify, retry=retry, **storage_options)
+    if not isinstance(manifest, Manifest):
+        raise ConfigError(f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}")
+    if root is not None:
+        manifest = manifest.with_root(root)
+    if manifest.root is None:
+        raise ConfigError("the manifest has no root; hint: pass root= or use Manifest.with_root()")
+    manifest.verify(verify, retry=retry, **storage_options)
+    return manifest
+
+
+def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum`` (bools refused), else `ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
+                ends: list[int], *, retry: RetryPolicy | None = None,
+                shards: list[str] | None = None, urls: list[str] | None = None) -> list[bytes]:
+    """Bytes ``[start, end)`` of each path: one ``fs.cat_ranges`` call per attempt.
+
+    The single place uncached remote token bytes are read. Failed or short
+    ranges are read again with backoff under ``retry``; when the deadline
+    passes, `StorageError` names the shard and URL and the last error.
+    """
+    return read_ranges_retrying(fs, paths, starts, ends, policy=check_policy(retry),
+                                shards=shards if shards is not None else paths,
+                                urls=urls if urls is not None else paths,
+                                what="token range read")
+
+
+def check_cache_verify(value: object) -> str:
+    """``cache_verify``: how a cached shard copy is re-checked on open (``quick`` or ``full``)."""
+    if value not in ("quick", "full"):
+        raise ConfigError(f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
+                          f"the whole copy on open), got {value!r}")
+    return str(value)
+
+
+def check_cache_args(cache_dir: str | os.PathLike[str] | None,
+                     cache_bytes: int | None) -> tuple[str | None, int]:
+    """``(cache_dir as str or None, cache_bytes)``; `ConfigError` for bad values."""
+    if cache_dir is None:
+        if cache_bytes is not None:
+            raise ConfigError("cache_bytes was given without cache_dir; hint: pass "
+                              "cache_dir='/local/dir' to cache remote shards")
+        return None, DEFAULT_CACHE_BYTES
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(f"cache_dir must be a local directory path, got {cache_dir!r}")
+    size = DEFAULT_CACHE_BYTES if cache_bytes is None else check_positive_int(cache_bytes,
+                                                                               "cache_bytes")
+    return os.fspath(cache_dir), size
+
+
+def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
+    if out_dtype is None:
+        return np.result_type(*(np.dtype(_WIDEN[d]) for d in shard_dtypes))
+    try:
+        dt = np.dtype(out_dtype)
+    except TypeError:
+        raise ConfigError(f"out_dtype {out_dtype!r} is not a numpy dtype; hint: 'int32' or 'int64'") from None
+    if dt.kind not in "iu":
+        raise ConfigError(f"out_dtype must be an integer dtype, got {dt.name}; hint: 'int32' or 'int64'")
+    if not dt.isnative:
+        raise ConfigError(f"out_dtype {out_dtype!r} is not in this machine's byte order; batches "
+                          "become torch tensors, which hold native byte order only; hint: pass "
+                          f"{dt.name!r}")
+    return dt
+
+
+def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
+    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than expected."""
+    if found < expected:
+        raise VerificationError(
+            f"shard {name} ({path}): the file was truncated while this run read it: the "
+            f"manifest says {expected} bytes, the file now has {found}; reading on would "
+            "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
+            "and resume from the last saved state", shard=name, field="bytes",
+            expected=expected, found=found)
+
+
+class TokenWindows(ProcessLocal):
+    """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
+
+    ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
+    ``labels`` (``T // seq_len`` without); tail tokens that do not fill a window
+    are dropped and windows never cross shards. ``read(ids)`` returns
+    ``{"tokens": (len(ids), seq_len + labels)}`` in ``out_dtype`` (default: int32
+    and int64 kept, uint16 -> int32, uint32 -> int64), rows in the order of
+    ``ids``. A shard too short for one window raises `FormatError` unless
+    ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
+    `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
+
+    Remote roots: ``retry`` (a `RetryPolicy`) governs every read; with
+    ``cache_dir`` (and ``cache_bytes``, default 16 GiB; ``cache_verify="full"`` re-hashes a
+    cached copy whenever it is opened instead of checking size + first/last MiB) whole shards are copied
+    into a verified, bounded local `ShardCache` and read from there. Neither
+    changes the data read, so neither is part of ``identity()``.
+    """
+
+    # pickling: parameters and manifest only, no memmaps or handles
+    _TRANSIENT = ("_fs", "_views", "_maps", "_pid", "_starts", "_itemsize", "_offsets",
+                  "_cache", "_view_files", "_start_list", "_narrowing", "_sizes")
+
+    def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
+                 out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
+                 allow_short_shards: bool = False, root: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 retry: RetryPolicy | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 cache_bytes: int | None = None, cache_verify: str = "quick") -> None:
+        self.storage_options = dict(storage_options or {})
+        self.retry = check_policy(retry)
+        self.cache_dir, self.cache_bytes = check_cache_args(cache_dir, cache_bytes)
+        self.cache_verify = check_cache_verify(cache_verify)
+        self.manifest = resolve_manifest(manifest, verify=verify, root=root,
+                                         storage_options=self.storage_options, retry=self.retry)
+        self.seq_len = check_positive_int(seq_len, "seq_len")
+        self.labels = bool(labels)
+        self.window = self.seq_len + int(self.labels)
+        shards = self.manifest.shards
+        if not shards:
+            raise ConfigError(f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards")
+        self._dtypes = tuple(_check_token_shard(s) for s in shards)
+        self.out_dtype = _resolve_out_dtype(out_dtype, self._dtypes)
+        counts = [self._count(s, allow_short_shards) for s in shards]
+        self.windows_per_shard: tuple[int, ...] = tuple(counts)
+        self._num = sum(counts)
+        if self._num == 0:
+            raise ConfigError(f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
+                              f"(labels={self.labels}) in {len(shards)} shard(s); the dataset is "
+                              "empty; hint: use a smaller seq_len")
+        self._build_index()
+        self._reset_process_state()
+
+    # construction helpers --------------------------------------------------
+    def _count(self, shard: ShardEntry, allow_short: bool) -> int:
+        tokens = shard.num_samples
+        count = max(0, (tokens - int(self.labels)) // self.seq_len)
+        if count == 0 and not allow_short:
+            raise FormatError(f"shard {shard.path}: {tokens} tokens is too short for one window of "
+                              f"seq_len={self.seq_len} (needs {self.window} tokens with "
+                              f"labels={self.labels}); hint: pass allow_short_shards=True to skip "
+                              "such shards, or use a smaller seq_len")
+        return count
+
+    def _build_index(self) -> None:
+        counts = np.asarray(self.windows_per_shard, dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
+        self._offsets = np.asarray([s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64)
+        self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
+        self._start_list: list[int] = self._starts.tolist()
+        # per shard: does a cast to out_dtype narrow (values must be range-checked)?
+        self._narrowing: tuple[bool, ...] = tuple(
+            not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes)
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        self._root_path = ""
+        self._views: dict[int, np.ndarray[Any, Any]] = {}
+        # shard -> (the mapping under its view, the file it maps): for the size checks
+        self._maps: dict[int, tuple[mmap.mmap, str]] = {}
+        self._cache: ShardCache | None = None
+        self._view_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
+
+    # Dataset protocol --------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Number of windows over all shards."""
+        return self._num
+
+    def schema(self) -> dict[str, str]:
+        """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without a read."""
+        return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and windowing parameters."""
+        return {"type": "token_windows", "manifest": self.manifest.id, "seq_len": self.seq_len,
+                "labels": self.labels, "out_dtype": self.out_dtype.name, "num_samples": self._num}
+
+    def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray]:
+        """``(shard_index, window_in_shard)`` int64 arrays for window ids (checked)."""
+        arr = check_ids(ids, self._num, self._what())
+        shard = np.searchsorted(self._starts, arr, side="right").astype(np.int64) - 1
+        return shard, arr - self._starts[shard]
+
+    def read(self, ids: npt.ArrayLike) -> Batch:
+        """``{"tokens": (len(ids), window)}``: one batched read, rows in the order of ``ids``."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            arr = check_ids(arr, self._num, self._what())  # raises the error
+        arr = arr.astype(np.int64, copy=False)
+        if not arr.size:
+            return {"tokens": np.empty((0, self.window), dtype=self.out_dtype)}
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self._num:
+            check_ids(arr, self._num, self._what())  # raises the error
+        fs = self._filesystem()
+        if isinstance(fs, LocalFileSystem):
+            return {"tokens": self._gather_local(arr, lo, hi)}
+        if self.cache_dir is not None:
+            return {"tokens": self._gather_local(arr, lo, hi, cached=True)}
+        out = np.empty((arr.size, self.window), dtype=self.out_dtype)
+        self._gather_remote(fs, arr, out)
+        return {"tokens": out}
+
+    # reading -----------------------------------------------------------------
+    def _what(self) -> str:
+        return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"
+
+    def _filesystem(self) -> fsspec.AbstractFileSystem:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._fs is None:
+            root = self.manifest.root
+            if root is None:
+                raise ConfigError("the manifest has no root; hint: pass root=")
+            fs, root_path = filesystem(root, **self.storage_options)
+            self._root_path = root_path  # before _fs: reader threads test _fs first
+            self._fs = fs
+        return self._fs
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """This process's `ShardCache` (None without ``cache_dir``)."""
+        if self.cache_dir is None:
+            return None
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._cache is None:
+            self._cache = ShardCache(self.cache_dir, self.cache_bytes, retry=self.retry, verify_on_open=self.cache_verify)
+        return self._cache
+
+    def _cached_path(self, shard: int) -> str:
+        """A verified local copy of ``shard`` (filled on first use); drops maps of evicted copies."""
+        cache = self.cache
+        assert cache is not None  # only called with cache_dir
+        entry = self.manifest.shards[shard]
+        fills = cache.stats.fills
+        path = cache.path(entry, self._filesystem(), join(self._root_path, entry.path),
+                          self.manifest.url(entry))
+        if cache.stats.fills != fills:  # a fill may have evicted copies this process maps
+            for other in [s for s in self._view_files if s != shard]:
+                self._drop_if_replaced(other)
+        return path
+
+    def _drop_if_replaced(self, shard: int) -> str | None:
+        """Forget the map of ``shard`` if its cached copy was evicted or replaced.
+
+        Returns the copy's path when the map is still current (safe with reader threads:
+        a concurrent drop just means the next use re-opens the copy).
+        """
+        known = self._view_files.get(shard)
+        if known is None:
+            return None
+        path, inode = known
+        try:
+            same = os.stat(path).st_ino == inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._views.pop(shard, None)
+            self._maps.pop(shard, None)
+            self._view_files.pop(shard, None)
+            return None
+        return path
+
+    def _refresh_cached(self, shards: Iterable[int]) -> None:
+        """Before a batch: re-open shards whose cached copy changed; refresh their LRU time."""
+        cache = self.cache
+        assert cache is not None
+        for shard in shards:
+            path = self._drop_if_replaced(shard)
+            if path is not None:
+                cache.touch(path)
+
+    def _map_cached(self, shard: int) -> tuple[mmap.mmap, str, int]:
+        """Mapping of the cached copy of ``shard``: ``(mapping, path, inode)``.
+
+        The map is made from the file we opened, so a copy evicted by another
+        process between the fill and the open is simply fetched again.
+        """
+        entry = self.manifest.shards[shard]
+        for _ in range(5):
+            path = self._cached_path(shard)
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
+            except FileNotFoundError:
+                continue
+            with fh:
+                return self._map_file(shard, fh, path), path, os.fstat(fh.fileno()).st_ino
+        raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
+                           "evicted 5 times before it could be opened; hint: raise cache_bytes "
+                           "(other processes share this cache)")
+
+    def _map_file(self, shard: int, fh: Any, path: str) -> mmap.mmap:
+        """A read-only mapping of the whole open file ``fh`` (size-checked first)."""
+        self._check_size(shard, os.fstat(fh.fileno()).st_size, path)
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _check_size(self, shard: int, found: int, path: str) -> None:
+        """`VerificationError` when a mapped shard file is shorter than the manifest says.
+
+        Touching a mapped page past the end of a truncated file kills the process with
+        SIGBUS, so every read checks the file's size first (one ``fstat`` per shard).
+        """
+        check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
+
+    def _checked_view(self, shard: int) -> np.ndarray[Any, Any]:
+        """The strided window view of ``shard``, after checking its file still has every byte."""
+        view = self._views.get(shard)
+        mapped = self._maps.get(shard)
+        if view is None or mapped is None:
+            return self._view(shard)
+        self._check_size(shard, mapped[0].size(), mapped[1])
+        return view
+
+    def _view(self, shard: int) -> np.ndarray[Any, Any]:
+        entry = self.manifest.shards[shard]
+        dtype = disk_dtype(self._dtypes[shard])
+        if self.cache_dir is not None and not isinstance(self._filesystem(), LocalFileSystem):
+            mapping, path, inode = self._map_cached(shard)
+            self._view_files[shard] = (path, inode)
+        else:
+            path = join(self._root_path, entry.path)
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
+            except FileNotFoundError:
+                raise VerificationError(
+                    f"shard {entry.path} ({path}): missing; it was verified when the dataset "
+                    "was opened, then deleted or renamed; hint: restore it and resume from the "
+                    "last saved state", shard=entry.path, field="exists", expected=True,
+                    found=False) from None
+            with fh:
+                mapping = self._map_file(shard, fh, path)
+        tokens = np.frombuffer(mapping, dtype=dtype, count=entry.num_samples,
+                               offset=int(self._offsets[shard]))
+        view = np.lib.stride_tricks.as_strided(
+            tokens, shape=(self.windows_per_shard[shard], self.window),
+            strides=(self.seq_len * dtype.itemsize, dtype.itemsize), writeable=False)
+        self._maps[shard] = (mapping, path)
+        self._views[shard] = view
+        return view
+
+    def _groups(self, ids: IntArray) -> tuple[IntArray, IntArray, list[tuple[int, int, int]]]:
+        """Sort ids (grouped by shard, ascending inside) -> (order, local ids, [(shard, a, b)])."""
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        shard = np.searchsorted(self._starts, sorted_ids, side="right").astype(np.int64) - 1
+        local = sorted_ids - self._starts[shard]
+        cuts = np.flatnonzero(np.diff(shard)) + 1
+        bounds = np.concatenate([[0], cuts, [shard.size]])
+        spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise(bounds.tolist())]
+        return order, local, spans
+
+    def _gather_local(self, ids: IntArray, lo: int, hi: int, *,
+                      cached: bool = False) -> np.ndarray[Any, Any]:
+        """The windows ``ids`` (all in ``[lo, hi]``) from the shard memmaps, in ``out_dtype``.
+
+        One fancy-index gather per touched shard (``take`` would first copy a whole
+        overlapping window view). Ids of a single shard are gathered straight into the
+        result; otherwise ids are grouped by shard (stable argsort of the shard index)
+        and each shard's rows are gathered and scattered straight into the result
+        (a staging buffer plus one big scatter measured ~3.7x slower for 1024 rows).
+        """
+        first = bisect.bisect_right(self._start_list, lo) - 1
+        last = bisect.bisect_right(self._start_list, hi) - 1
+        if first == last:
+            if cached:
+                self._refresh_cached((first,))
+            start = self._start_list[first]
+            block = self._checked_view(first)[ids - start if start else ids]
+            if block.dtype == self.out_dtype:
+                return block
+            if self._narrowing[first]:
+                self._check_range(block, first)
+            return block.astype(self.out_dtype)
+        shard = self._starts.searchsorted(ids, "right") - 1
+        order = shard.argsort(kind="stable")
+        shard = shard[order]
+        local = ids[order] - self._starts[shard]
+        cuts = ((shard[1:] != shard[:-1]).nonzero()[0] + 1).tolist()
+        spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise([0, *cuts, ids.size])]
+        if cached:
+            self._refresh_cached(s for s, _, _ in spans)
+        out = np.empty((ids.size, self.window), dtype=self.out_dtype)
+        for s, a, b in spans:
+            block = self._checked_view(s)[local[a:b]]
+            if self._narrowing[s]:
+                self._check_range(block, s)
+            out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
+        return out
+
+    def _gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray,
+                       out: np.ndarray[Any, Any]) -> None:
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        _, local, spans = self._groups(uniq)
+        shard_of = np.empty(uniq.size, dtype=np.int64)
+        for shard, a, b in spans:
+            shard_of[a:b] = shard
+        size = self._itemsize[shard_of]
+        starts = self._offsets[shard_of] + local * self.seq_len * size
+        ends = starts + self.window * size
+        shards = self.manifest.shards
+        paths = np.asarray([join(self._root_path, s.path) for s in shards], dtype=object)
+        names = np.asarray([s.path for s in shards], dtype=object)
+        urls = np.asarray([self.manifest.url(s) for s in shards], dtype=object)
+        blobs = read_ranges(fs, paths[shard_of].tolist(), starts.tolist(), ends.tolist(),
+                            retry=self.retry, shards=names[shard_of].tolist(),
+                            urls=urls[shard_of].tolist())
+        rows = np.empty((uniq.size, self.window), dtype=self.out_dtype)
+        for shard, a, b in spans:
+            data = b"".join(blobs[a:b])
+            expected = (b - a) * self.window * int(self._itemsize[shard])
+            if len(data) != expected:
+                raise StorageError(f"shard {self.manifest.shards[shard].path}: expected {expected} "
+                                   f"bytes for {b - a} windows, got {len(data)}; the file is "
+                                   "shorter than the manifest says (rewritten?)")
+            block = np.frombuffer(data, dtype=disk_dtype(self._dtypes[shard])).reshape(
+                b - a, self.window)
+            self._check_range(block, shard)
+            rows[a:b] = block
+        out[...] = rows[inverse.reshape(-1)]
+
+    def _check_range(self, block: np.ndarray[Any, Any], shard: int) -> None:
+        """Refuse values that a narrowing ``out_dtype`` cast would wrap (vectorised)."""
+        if not self._narrowing[shard] or block.size == 0:
+            return
+        info = np.iinfo(self.out_dtype)
+        lo, hi = int(block.min()), int(block.max())
+        if lo < info.min or hi > info.max:
+            raise FormatError(f"shard {self.manifest.shards[shard].path}: token values in "
+                              f"[{lo}, {hi}] do not fit out_dtype {self.out_dtype.name} "
+                              f"[{info.min}, {info.max}]; hint: use a wider out_dtype (e.g. int64)")
+
+
+def _check_token_shard(shard: ShardEntry) -> str:
+    """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a consistent size."""
+    if shard.format not in (Format.NPY, Format.BIN):
+        raise FormatError(f"shard {shard.path}: format {shard.format.value!r} is not a token format "
+                          "(npy, bin); hint: use TableRows for parquet/arrow shards")
+    if shard.dtype not in TOKEN_DTYPES:
+        raise FormatError(f"shard {shard.path}: dtype {shard.dtype!r} is not a token dtype "
+                          f"({', '.join(TOKEN_DTYPES)})")
+    offset = shard.data_offset or 0
+    expected = offset + shard.num_samples * np.dtype(shard.dtype).itemsize
+    if expected != shard.bytes:
+        raise FormatError(f"shard {shard.path}: manifest says {shard.num_samples} x {shard.dtype} "
+                          f"after a {offset}-byte header ({expected} bytes) but {shard.bytes} bytes; "
+                          "hint: rebuild the manifest")
+    return shard.dtype

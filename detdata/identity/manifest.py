@@ -1,0 +1,585 @@
+"""Content-addressed shard manifests (DESIGN.md section 1).
+
+A manifest is a JSON document: a format version, a canonically sorted list of
+shards (relative path, bytes, blake3, quick digest, sample count, format and
+format details) and free user metadata. Its id is ``b3:`` + blake3 of the
+canonical JSON of that body (sorted keys, no whitespace, UTF-8). The root URL
+the shards live under is *not* part of the body, so moving data keeps the id.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import json
+import os
+import posixpath
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+from detdata.base.errors import ConfigError, ManifestError, StorageError, VerificationError
+from detdata.base.hashing import full_digest_file, quick_digest_file
+from detdata.identity.formats import (
+    TABLE_FORMATS,
+    TOKEN_DTYPES,
+    Format,
+    ShardLayout,
+    detect_format,
+    inspect_shard,
+    parse_format,
+)
+from detdata.storage.fs import (
+    check_relative_path,
+    check_shard_name,
+    filesystem,
+    full_digest_retrying,
+    is_http,
+    is_local_fs,
+    is_url,
+    join,
+    quick_digest_retrying,
+    read_file_retrying,
+    size_retrying,
+    unquote_path,
+    url_join,
+)
+from detdata.storage.retry import RetryPolicy, check_policy
+
+FORMAT_VERSION: Final = 1
+KIND: Final = "detdata.manifest"
+ID_PREFIX: Final = "b3:"
+
+# JSON keys (named constants so the schema lives in one place).
+K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
+    "kind", "format_version", "shards", "metadata", "id", "root")
+_SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
+_SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
+
+
+class Verify(str, enum.Enum):
+    """How much of the bytes to check when opening a manifest."""
+
+    OFF = "off"
+    QUICK = "quick"
+    FULL = "full"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the bytes an id is computed over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One shard of a manifest. ``num_samples`` counts tokens (token files) or rows (tables)."""
+
+    path: str
+    bytes: int
+    blake3: str
+    quick: str
+    num_samples: int
+    format: Format
+    dtype: str | None = None
+    data_offset: int | None = None
+    schema: str | None = None
+    row_groups: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "bytes": self.bytes, "blake3": self.blake3,
+                               "quick": self.quick, "num_samples": self.num_samples,
+                               "format": self.format.value}
+        for key in _SHARD_OPTIONAL:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> ShardEntry:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: expected an object, found {type(obj).__name__}")
+        missing = [k for k in _SHARD_REQUIRED if k not in obj]
+        unknown = sorted(set(obj) - set(_SHARD_REQUIRED) - set(_SHARD_OPTIONAL))
+        if missing or unknown:
+            raise ManifestError(f"{where}: missing fields {missing}, unknown fields {unknown}")
+        path = check_relative_path(obj["path"], where=where)
+        for key in ("bytes", "num_samples"):
+            _check_int(obj[key], f"{where} ({path}) field {key!r}")
+        for key in ("blake3", "quick"):
+            _check_digest(obj[key], f"{where} ({path}) field {key!r}")
+        try:
+            fmt = Format(obj["format"])
+        except ValueError:
+            raise ManifestError(f"{where} ({path}): unknown format {obj['format']!r}") from None
+        groups = obj.get("row_groups")
+        if groups is not None:
+            if not isinstance(groups, list):
+                raise ManifestError(f"{where} ({path}): row_groups must be a list")
+            for g in groups:
+                _check_int(g, f"{where} ({path}) row_groups")
+            groups = tuple(groups)
+        offset = obj.get("data_offset")
+        if offset is not None:
+            _check_int(offset, f"{where} ({path}) field 'data_offset'")
+        for key in ("dtype", "schema"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
+        _check_format_fields(fmt, obj, f"{where} ({path})")
+        return cls(path=path, bytes=obj["bytes"], blake3=obj["blake3"], quick=obj["quick"],
+                   num_samples=obj["num_samples"], format=fmt, dtype=obj.get("dtype"),
+                   data_offset=offset, schema=obj.get("schema"), row_groups=groups)
+
+
+def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
+    """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
+    if fmt in TABLE_FORMATS:
+        if obj.get("schema") is None:
+            raise ManifestError(f"{where}: {fmt.value} shard without field 'schema' (the schema "
+                                "fingerprint); hint: rebuild the manifest with build_manifest")
+        return
+    if obj.get("dtype") not in TOKEN_DTYPES:
+        raise ManifestError(f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
+                            f"{fmt.value} shard, found {obj.get('dtype')!r}")
+    if obj.get("data_offset") is None:
+        raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
+
+
+def _check_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
+    return value
+
+
+def _check_digest(value: object, where: str) -> str:
+    if not (isinstance(value, str) and value.startswith(ID_PREFIX) and len(value) == 67
+            and all(c in "0123456789abcdef" for c in value[3:])):
+        raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """An immutable, content-addressed list of shards under a root URL."""
+
+    shards: tuple[ShardEntry, ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    root: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = [s.path for s in self.shards]
+        if paths != sorted(paths):
+            object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.path)))
+            paths.sort()
+        dupes = sorted({p for p, q in itertools.pairwise(paths) if p == q})
+        if dupes:
+            raise ManifestError(f"duplicate shard paths in manifest: {dupes}; hint: each shard "
+                                "may be listed once")
+        object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
+
+    # identity -------------------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        """The JSON object the id is computed over (no root, no id)."""
+        return {K_KIND: KIND, K_VERSION: FORMAT_VERSION,
+                K_SHARDS: [s.to_json() for s in self.shards], K_METADATA: dict(self.metadata)}
+
+    @functools.cached_property
+    def id(self) -> str:
+        """``b3:<hex>`` of the canonical JSON body; independent of the root URL.
+
+        Computed once per (immutable) manifest and cached.
+        """
+        from detdata.base.hashing import digest_bytes
+        return digest_bytes(canonical_json(self.body()))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def with_root(self, root: str) -> Manifest:
+        """The same manifest (same id) pointing at another root."""
+        return Manifest(shards=self.shards, metadata=self.metadata, root=root)
+
+    def url(self, shard: ShardEntry) -> str:
+        """Full URL/path of a shard under this manifest's root (percent-encoded for HTTP(S))."""
+        if self.root is None:
+            raise ConfigError("this manifest has no root; pass root= to Manifest.load or use with_root()")
+        return url_join(self.root, shard.path)
+
+    # persistence ------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        doc = self.body()
+        doc[K_ID] = self.id
+        if self.root is not None:
+            doc[K_ROOT] = self.root
+        return doc
+
+    def save(self, path: str, **storage_options: Any) -> str:
+        """Write the manifest as JSON (atomically on local disk); returns its id.
+
+        The root is stored for convenience (it is not part of the id). When both
+        are local and the file is saved inside the root directory, the root is
+        stored relative to the file (e.g. ``"."``), so moving the directory with
+        the manifest in it keeps it loadable.
+
+        The document is first parsed back with the loader's own checks
+        (`Manifest.from_json`), so a manifest that loading would refuse (say, built
+        by hand with an unsafe shard path or dtype) raises `ManifestError` and
+        nothing is written.
+        """
+        from detdata.storage.atomic import atomic_write_bytes
+        doc = self.to_json()
+        if self.root is not None:
+            doc[K_ROOT] = _portable_root(self.root, path)
+        self.check_loadable(where=f"manifest to save at {path}")
+        data = json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
+        atomic_write_bytes(path, data, **storage_options)
+        return self.id
+
+    def check_loadable(self, *, where: str = "manifest") -> None:
+        """`ManifestError` unless the loader accepts this manifest's document (writers call it)."""
+        Manifest.from_json(self.to_json(), where=where)
+
+    @classmethod
+    def from_json(cls, doc: object, *, root: str | None = None, where: str = "manifest") -> Manifest:
+        """Parse and validate a manifest document (no storage access)."""
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{where}: expected a JSON object, found {type(doc).__name__}")
+        if doc.get(K_KIND) != KIND:
+            raise ManifestError(f"{where}: field 'kind' must be {KIND!r}, found {doc.get(K_KIND)!r}")
+        version = doc.get(K_VERSION)
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"{where}: unknown format_version {version!r}; this detdata reads "
+                                f"version {FORMAT_VERSION}; hint: upgrade detdata")
+        unknown = sorted(set(doc) - {K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT})
+        if unknown:
+            raise ManifestError(f"{where}: unknown top-level fields {unknown}")
+        shards_doc, metadata = doc.get(K_SHARDS), doc.get(K_METADATA, {})
+        if not isinstance(shards_doc, list):
+            raise ManifestError(f"{where}: field 'shards' must be a list")
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: field 'metadata' must be an object")
+        shards = tuple(ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc))
+        stored_root = doc.get(K_ROOT)
+        if stored_root is not None and not isinstance(stored_root, str):
+            raise ManifestError(f"{where}: field 'root' must be a string")
+        manifest = cls(shards=shards, metadata=metadata, root=root if root is not None else stored_root)
+        if [s.path for s in shards] != [s.path for s in manifest.shards]:
+            raise ManifestError(f"{where}: shards are not sorted by path (canonical order)")
+        claimed = doc.get(K_ID)
+        if K_ID in doc and not isinstance(claimed, str):
+            raise ManifestError(f"{where}: field 'id' must be a string 'b3:<64 hex>' (or absent), "
+                                f"found {claimed!r:.80}; the manifest was edited or corrupted")
+        if claimed is not None and claimed != manifest.id:
+            raise ManifestError(f"{where}: id mismatch: the file says {claimed} but its content "
+                                f"hashes to {manifest.id}; the manifest was edited or corrupted")
+        return manifest
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, root: str | None = None, where: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKeyError as exc:
+            raise ManifestError(f"{where}: malformed JSON: duplicate key {exc.key!r} in an "
+                                "object; hint: a manifest must be written by detdata") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: malformed JSON ({exc}); hint: manifests are the JSON "
+                                "files written by Manifest.save / `detdata manifest build`") from None
+        return cls.from_json(doc, root=root, where=where)
+
+    @classmethod
+    def load(cls, path: str, *, root: str | None = None, verify: str | Verify = Verify.QUICK,
+             threads: int = 8, retry: RetryPolicy | None = None,
+             **storage_options: Any) -> Manifest:
+        """Read a manifest file/URL and verify the shards under its root.
+
+        ``root`` overrides the stored root; a relative stored root is relative
+        to the manifest file's directory; without either, the manifest file's
+        directory is used. ``verify``: ``"quick"`` (default: sizes and quick
+        digests), ``"full"`` (re-hash every byte) or ``"off"`` (named explicitly).
+        Remote reads retry under ``retry`` (a `RetryPolicy`; `StorageError`
+        naming the URL at its deadline).
+        """
+        mode = _parse_verify(verify)
+        try:
+            text = read_file_retrying(path, policy=check_policy(retry), what="manifest read",
+                                      **storage_options)
+        except FileNotFoundError:
+            raise ManifestError(f"manifest file not found: {path}; hint: check the path "
+                                "(or URL) of the manifest JSON") from None
+        except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+            raise ManifestError(f"cannot read manifest {path}: {type(exc).__name__}: "
+                                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                                "(e.g. DIR/manifest.json), readable by this user") from None
+        manifest = cls.loads(text, root=root, where=f"manifest {path}")
+        if root is None:
+            manifest = manifest.with_root(_resolve_root(manifest.root, path))
+        if mode is not Verify.OFF:
+            manifest.verify(mode, threads=threads, retry=retry, **storage_options)
+        return manifest
+
+    # verification -----------------------------------------------------------
+    def verify(self, mode: str | Verify = Verify.QUICK, *, threads: int = 8,
+               progress: bool | None = None, retry: RetryPolicy | None = None,
+               **storage_options: Any) -> None:
+        """Check the bytes under the root; raise `VerificationError` at the first bad shard.
+
+        Every shard is checked; the error names the first (in path order) that
+        failed, with the field, expected and found values.
+        """
+        mode = _parse_verify(mode)
+        if mode is Verify.OFF:
+            return
+        if self.root is None:
+            raise ConfigError("cannot verify a manifest without a root")
+        fs, root = filesystem(self.root, **storage_options)
+        policy = check_policy(retry)
+
+        def check(shard: ShardEntry) -> VerificationError | None:
+            if is_local_fs(fs):
+                return _verify_shard(fs, join(root, shard.path), shard, mode, self.root or "")
+            return _verify_remote(fs, join(root, shard.path), shard, mode, self.url(shard),
+                                  policy)
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            results = list(_progress(pool.map(check, self.shards), len(self.shards),
+                                     "verifying", progress))
+        for err in results:
+            if err is not None:
+                raise err
+
+
+def _parse_verify(value: str | Verify) -> Verify:
+    try:
+        return Verify(value)
+    except ValueError:
+        raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
+
+
+def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str) -> VerificationError | None:
+    return _check_bytes(shard, mode, f"shard {shard.path} (under {root})",
+                        size=lambda: int(fs.size(path)),
+                        quick=lambda size: quick_digest_file(fs, path, size),
+                        full=lambda size: full_digest_file(fs, path))
+
+
+def _verify_remote(fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str,
+                   policy: RetryPolicy) -> VerificationError | None:
+    """`_verify_shard` for remote stores: timed-out, retried range reads (never a hang)."""
+    name = shard.path
+    return _check_bytes(shard, mode, f"shard {name} ({url})",
+                        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
+                        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+                        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url))
+
+
+def _check_bytes(shard: ShardEntry, mode: Verify, where: str, *, size: Callable[[], int],
+                 quick: Callable[[int], str], full: Callable[[int], str]) -> VerificationError | None:
+    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None."""
+    try:
+        found_size = size()
+    except FileNotFoundError:
+        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
+                                 "was deleted or renamed, or the root is wrong (pass root=)",
+                                 shard=shard.path, field="exists", expected=True, found=False)
+    if found_size != shard.bytes:
+        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {found_size} "
+                                 "(truncated or rewritten?)", shard=shard.path, field="bytes",
+                                 expected=shard.bytes, found=found_size)
+    found_quick = quick(found_size)
+    if found_quick != shard.quick:
+        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {found_quick}",
+                                 shard=shard.path, field="quick", expected=shard.quick, found=found_quick)
+    if mode is Verify.FULL:
+        found_full = full(found_size)
+        if found_full != shard.blake3:
+            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {found_full}",
+                                     shard=shard.path, field="blake3", expected=shard.blake3, found=found_full)
+    return None
+
+
+def _progress(it: Iterable[Any], total: int, desc: str, progress: bool | None) -> Iterable[Any]:
+    show = sys.stderr.isatty() if progress is None else progress
+    if not show:
+        return it
+    from tqdm import tqdm
+    return cast(Iterable[Any], tqdm(it, total=total, desc=desc, unit="shard"))
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook refusing duplicate keys (the last one would silently win)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _normalise_metadata(metadata: object) -> dict[str, Any]:
+    """A detached plain-JSON copy of ``metadata`` (string keys), or `ManifestError`."""
+    if not isinstance(metadata, Mapping):
+        raise ManifestError(f"manifest metadata must be a mapping, found {type(metadata).__name__}")
+    bad = [k for k in metadata if not isinstance(k, str)]
+    if bad:
+        raise ManifestError(f"manifest metadata keys must be strings, found {bad!r}")
+    try:
+        return cast(dict[str, Any], json.loads(canonical_json(dict(metadata))))
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"manifest metadata must be plain JSON (str, int, float, bool, None, "
+                            f"lists, objects): {exc}") from None
+
+
+def _local(path: str) -> str | None:
+    """The local filesystem path for ``path`` / ``file://`` URLs, else None."""
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return None if is_url(path) else path
+
+
+def _portable_root(root: str, manifest_path: str) -> str:
+    """``root`` as stored in a file at ``manifest_path`` (relative when the file is inside it)."""
+    local_root, local_file = _local(root), _local(manifest_path)
+    if local_root is None or local_file is None:
+        return root
+    rel = os.path.relpath(os.path.abspath(local_root), os.path.dirname(os.path.abspath(local_file)))
+    if all(part in (".", "..") for part in rel.split(os.sep)):
+        return rel.replace(os.sep, "/")
+    return root
+
+
+def _resolve_root(stored: str | None, manifest_path: str) -> str:
+    """The root to read shards from: stored absolute/URL as is, else relative to the file."""
+    local_file = _local(manifest_path)
+    if local_file is not None:
+        base = os.path.dirname(os.path.abspath(local_file))
+        if stored is None:
+            return base
+        if is_url(stored) or os.path.isabs(stored):
+            return stored
+        return os.path.normpath(os.path.join(base, stored))
+    base = manifest_path.rsplit("/", 1)[0]
+    if stored is None or stored == ".":
+        return base
+    if is_url(stored) or stored.startswith("/"):
+        return stored
+    return base + "/" + stored
+
+
+def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
+    """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`).
+
+    HTTP listings give percent-encoded URLs; their paths are decoded, so a manifest
+    built over HTTP holds the same file names (and id) as one built from the files.
+    """
+    if pattern is None:
+        found = [p for p in fs.find(root) if not p.endswith(".json")]
+    else:
+        found = fs.glob(posixpath.join(root, pattern) if root not in ("", "/") else root + pattern)
+        found = [p for p in found if not fs.isdir(p)]
+    prefix = root.rstrip("/") + "/"
+    outside = [p for p in found if not p.startswith(prefix)]
+    if outside:
+        raise ConfigError(f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
+                          f"root {root!r}; hint: use a pattern relative to the root")
+    rels = [p[len(prefix):] for p in found]
+    if is_http(root):
+        rels = [unquote_path(r) for r in rels]
+    rels.sort()
+    if fmt is None and pattern is None:
+        rels = [r for r in rels if _known_suffix(r)]
+    return [check_shard_name(r, root=root) for r in rels]
+
+
+def _known_suffix(rel: str) -> bool:
+    try:
+        detect_format(rel)
+    except Exception:
+        return False
+    return True
+
+
+def build_manifest(root: str, *, pattern: str | None = None, format: str | Format | None = None,
+                   dtype: str | None = None, metadata: Mapping[str, Any] | None = None,
+                   paths: Sequence[str] | None = None, threads: int = 8,
+                   progress: bool | None = None, retry: RetryPolicy | None = None,
+                   **storage_options: Any) -> Manifest:
+    """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
+
+    Shards are ``paths`` (relative) if given, else files matching the glob
+    ``pattern`` (default: every file with a known suffix, recursively), sorted
+    by relative path. ``format`` overrides suffix detection; ``.bin`` needs
+    ``dtype``. Shards are hashed in ``threads`` parallel threads, each streamed in
+    bounded memory. ``metadata`` (tokenizer hash, description...) is part of the id.
+    """
+    fs, rootpath = filesystem(root, **storage_options)
+    fmt = parse_format(format) if format is not None else None
+    if paths is not None:
+        rels = sorted(check_shard_name(p, root=root) for p in paths)
+    else:
+        if not fs.exists(rootpath):
+            raise ConfigError(f"root {root!r} does not exist")
+        rels = _list_shards(fs, rootpath, pattern, fmt)
+    if not rels:
+        raise ConfigError(f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
+                          "path and pattern, e.g. pattern='**/*.npy'")
+
+    policy = check_policy(retry)
+
+    def build(rel: str) -> ShardEntry:
+        if is_local_fs(fs):
+            return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+        url = url_join(root, rel)
+        return policy.run(lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
+                          what="hashing", shard=rel, url=url)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        entries = list(_progress(pool.map(build, rels), len(rels), "hashing", progress))
+    canonical_root = root if is_url(root) else os.path.abspath(root)
+    return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical_root)
+
+
+def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | None) -> ShardEntry:
+    shard_format = fmt if fmt is not None else detect_format(rel)
+    try:
+        size = int(fs.size(path))
+    except FileNotFoundError:
+        raise StorageError(f"shard {rel}: file not found at {path}; hint: check the root and "
+                           "the relative paths") from None
+    layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
+    return ShardEntry(path=rel, bytes=size, blake3=full_digest_file(fs, path),
+                      quick=quick_digest_file(fs, path, size), num_samples=layout.num_samples,
+                      format=shard_format, dtype=layout.dtype, data_offset=layout.data_offset,
+                      schema=layout.schema, row_groups=layout.row_groups)
+
+
+def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any) -> list[tuple[str, int, str]]:
+    """``(path, bytes, b3:<hex>)`` for each file or URL, hashed in parallel."""
+    def one(p: str) -> tuple[str, int, str]:
+        fs, fpath = filesystem(p, **storage_options)
+        try:
+            if fs.isdir(fpath):
+                raise StorageError(f"{p}: is a directory; hint: pass files, e.g. {p}/*.npy")
+            return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
+        except FileNotFoundError:
+            raise StorageError(f"{p}: file not found; hint: check the path") from None
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return list(pool.map(one, paths))
+
+
+ProgressFn = Callable[[int], None]

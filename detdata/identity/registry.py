@@ -1,0 +1,509 @@
+"""A registry of manifests: content-addressed objects plus named, versioned references.
+
+Layout under the registry root (a local directory or any fsspec URL)::
+
+    manifests/<hex>.json            one manifest per id ``b3:<hex>`` (no root; immutable)
+    refs/<name>/<version>.json      the reference ``name@version`` and its history
+    .lock                           (local only) serialises writers
+
+Contracts:
+
+* Manifests are stored by id and never change; storing an id that exists is a
+  no-op. Reading one re-hashes it, so a corrupted object is refused.
+* A reference ``name@version`` points at one id and remembers every id (and
+  root) it pointed at, in order. Registering the same id again is idempotent;
+  pointing an existing reference at a different id needs ``force=True``.
+* A bare ``name`` resolves to its *latest* version: the version whose reference
+  was created most recently (creation time, ties broken by version string).
+  Re-pointing a version with ``force`` does not make it the latest.
+* Writes are atomic (temp file + rename locally, one PUT on object stores). On a
+  local registry, writers of different processes are serialised by an
+  ``fcntl`` lock, so concurrent registrations leave it consistent and lose no
+  history. Object stores have no lock: concurrent writers of the *same*
+  reference are last-writer-wins there.
+* A local writer killed mid-write (kill -9, power loss) can leave an unpublished
+  ``.tmp-*`` file; nothing ever reads one. Each later `register` removes those
+  in the directories it writes once they are older than ``STALE_TEMP_S``
+  (a live write takes milliseconds), so they do not accumulate.
+* On remote roots (``s3://``, ``gs://``, ...) every read and write retries
+  under ``retry`` (a `RetryPolicy`; writes are whole-object PUTs of immutable
+  or complete content, so repeating one is safe) and listings bypass fsspec's
+  listing cache, so a reference written by another process is seen at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
+from detdata.identity.manifest import Manifest, canonical_json
+from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
+from detdata.storage.fs import call_fs, filesystem, is_url
+from detdata.storage.retry import RetryPolicy, check_policy
+
+T = TypeVar("T")
+
+ENV_VAR: Final = "DETDATA_REGISTRY"
+REF_KIND: Final = "detdata.ref"
+REF_VERSION: Final = 1
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ID_RE: Final = re.compile(r"^b3:[0-9a-f]{64}$")
+_LOCK_TIMEOUT_S: Final = 60.0
+STALE_TEMP_S: Final = 600.0
+
+
+def default_root() -> str:
+    """``$DETDATA_REGISTRY``, else ``$XDG_CACHE_HOME/detdata/registry`` (``~/.cache`` by default)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "detdata", "registry")
+
+
+def split_name(name: object) -> tuple[str, str | None]:
+    """``"wiki-en@v3"`` -> ``("wiki-en", "v3")``; ``"wiki-en"`` -> ``("wiki-en", None)``.
+
+    Raises `RegistryError` for anything else (names and versions: a letter or
+    digit, then letters, digits, ``.``, ``_``, ``-``; at most 128 characters each).
+    """
+    if not isinstance(name, str):
+        raise RegistryError(f"registry name must be a string, got {name!r}")
+    base, sep, version = name.partition("@")
+    if not NAME_RE.fullmatch(base) or (sep and not VERSION_RE.fullmatch(version)):
+        raise RegistryError(f"invalid registry name {name!r}; hint: use 'name@version' such as "
+                            "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
+                            "letter or digit)")
+    return base, (version if sep else None)
+
+
+def full_name(name: object) -> tuple[str, str]:
+    """Like `split_name` but the version is required."""
+    base, version = split_name(name)
+    if version is None:
+        raise RegistryError(f"registry name {name!r} has no version; hint: register as "
+                            f"'{base}@v1' (resolve accepts a bare name for the latest version)")
+    return base, version
+
+
+def check_id(manifest_id: object) -> str:
+    """``manifest_id`` if it looks like ``b3:<64 hex>``, else `RegistryError`."""
+    if not isinstance(manifest_id, str) or not ID_RE.fullmatch(manifest_id):
+        raise RegistryError(f"invalid manifest id {manifest_id!r}; expected 'b3:' + 64 hex digits")
+    return manifest_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefEvent:
+    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``) at ``time_ns``."""
+
+    name: str
+    id: str
+    root: str | None
+    time_ns: int
+    forced: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "root": self.root, "time_ns": self.time_ns, "forced": self.forced}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ref:
+    name: str
+    created_ns: int
+    history: tuple[RefEvent, ...]
+
+    @property
+    def current(self) -> RefEvent:
+        return self.history[-1]
+
+    def to_bytes(self) -> bytes:
+        doc = {"kind": REF_KIND, "format_version": REF_VERSION, "name": self.name,
+               "created_ns": self.created_ns, "id": self.current.id, "root": self.current.root,
+               "history": [e.to_json() for e in self.history]}
+        return json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> _Ref:
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
+            if doc["kind"] != REF_KIND or doc["format_version"] != REF_VERSION or doc["name"] != name:
+                raise ValueError(f"kind/format_version/name {doc['kind']!r}/"
+                                 f"{doc['format_version']!r}/{doc['name']!r}")
+            if not isinstance(doc["history"], list):
+                raise ValueError("field 'history' must be a list")
+            events = tuple(RefEvent(name=name, id=check_id(e["id"]), root=_check_root(e["root"]),
+                                    time_ns=_check_ns(e["time_ns"]), forced=_check_bool(e["forced"]))
+                           for e in doc["history"])
+            if not events or events[-1].id != doc["id"]:
+                raise ValueError("empty history or 'id' is not the last history entry")
+            return cls(name=name, created_ns=_check_ns(doc["created_ns"]), history=events)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, RegistryError) as exc:
+            raise RegistryError(f"reference {name!r} is corrupted ({exc}); hint: re-register it "
+                                "with force=True") from None
+
+
+def _check_registry_root(root: object) -> str:
+    """The registry root to use for the ``root`` argument (``None``: `default_root`)."""
+    if root is None:
+        return default_root()
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str):
+        raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
+    if not root.strip():
+        raise ConfigError(f"Registry(root={root!r}): the registry root is empty; hint: pass a "
+                          "directory or URL, or root=None for the default "
+                          f"(${ENV_VAR}, else ~/.cache/detdata/registry)")
+    return root
+
+
+def _check_root(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"a history root must be a string or null, found {value!r:.60}")
+    return value
+
+
+def _check_ns(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a time must be a non-negative integer (ns), found {value!r:.60}")
+    return value
+
+
+def _check_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"field 'forced' must be true or false, found {value!r:.60}")
+    return value
+
+
+class Registry:
+    """Manifests by id and names ``name@version`` -> id, under a local directory or fsspec URL.
+
+    ``root``: the argument (a path, ``os.PathLike`` or URL), else (``None``)
+    ``$DETDATA_REGISTRY``, else the user cache dir (see `default_root`); an empty
+    or blank ``root`` is a `ConfigError`, never the default. Storage failures
+    other than "not found" (a directory where a file belongs, permissions) are
+    `RegistryError` naming the path. See the module docstring for the contracts.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *,
+                 retry: RetryPolicy | None = None, **storage_options: Any) -> None:
+        self.root = _check_registry_root(root).rstrip("/") or "/"
+        self._options = storage_options
+        self.retry = check_policy(retry)
+        self._fs, self._path = filesystem(self.root, **storage_options)
+        self._local = not is_url(self.root) or self.root.startswith("file://")
+        self._protocol = self.root.split("://", 1)[0] if is_url(self.root) else "file"
+
+    def __repr__(self) -> str:
+        return f"Registry({self.root!r})"
+
+    # paths -----------------------------------------------------------------
+    def _url(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _fspath(self, *parts: str) -> str:
+        return "/".join((self._path.rstrip("/"), *parts))
+
+    def _object(self, manifest_id: str) -> str:
+        return f"{manifest_id[3:]}.json"
+
+    # remote robustness -------------------------------------------------------
+    def _io(self, what: str, path: str, fn: Callable[[float | None], T]) -> T:
+        """``fn(timeout)`` once on local roots; retried under ``self.retry`` on remote ones.
+
+        ``FileNotFoundError`` passes through (callers treat it as "absent"); any other
+        ``OSError`` (a directory where a file belongs, permission denied...) becomes a
+        `RegistryError` naming the path.
+        """
+        try:
+            if self._local:
+                return fn(None)
+            url = f"{self._protocol}://{path}" if "://" not in path else path
+            return self.retry.run(fn, what=f"registry {what}", shard="-", url=url)
+        except (FileNotFoundError, DetdataError):
+            raise
+        except OSError as exc:
+            raise self._os_error(what, path, exc) from exc
+
+    def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
+        return RegistryError(f"registry {self.root}: {what} of {path} failed: "
+                             f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+                             "files are written only by detdata: remove or repair whatever is "
+                             "in their place (a directory, a file where a folder belongs) and "
+                             "check permissions")
+
+    def _cat(self, path: str) -> bytes:
+        return bytes(self._io("read", path,
+                              lambda t: call_fs(self._fs, "cat_file", path, timeout=t)))
+
+    def _fresh(self, path: str) -> None:
+        """Drop fsspec's cached listing of ``path`` (object stores cache ``ls``)."""
+        if not self._local:
+            self._fs.invalidate_cache(path)
+
+    def _write(self, url: str, data: bytes) -> None:
+        self._io("write", url, lambda _t: atomic_write_bytes(url, data, **self._options))
+
+    def _data_options(self, manifest: Manifest) -> dict[str, Any]:
+        """Storage options for a manifest's root: the registry's own when on the same store."""
+        root = manifest.root or ""
+        protocol = root.split("://", 1)[0] if is_url(root) else "file"
+        return dict(self._options) if protocol == self._protocol else {}
+
+    # public API ------------------------------------------------------------
+    def register(self, name: str, manifest_or_path: Manifest | str, *, force: bool = False,
+                 verify: str = "quick") -> str:
+        """Store the manifest and point ``name@version`` at its id; return the id.
+
+        A path is loaded with ``Manifest.load(path, verify=verify)``. Registering
+        the id a name already points at is a no-op (if the root changed, the new
+        root is recorded). Pointing it at a different id raises `RegistryError`
+        unless ``force=True``, which appends to the name's history.
+        """
+        base, version = full_name(name)
+        manifest = self._as_manifest(manifest_or_path, verify)
+        self._put_object(manifest)
+        with self._lock():
+            self._sweep_temps(("manifests",), ("refs", base))
+            return self._point(f"{base}@{version}", base, version, manifest, force)
+
+    def resolve(self, name_or_id: str, *, verify: str = "quick", root: str | None = None) -> Manifest:
+        """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
+
+        A name's manifest carries the root it was registered with (``root``
+        overrides it) and is verified with ``verify`` (``quick`` by default, as
+        on every open). An id alone has no root: it is returned without root and
+        unverified unless ``root`` is given.
+        """
+        if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
+            manifest = self.get(name_or_id)
+            if root is None:
+                return manifest
+            return self._verified(manifest.with_root(root), verify, name_or_id)
+        event = self._current(name_or_id)
+        manifest = self.get(event.id)
+        chosen = root if root is not None else event.root
+        if chosen is None:
+            return manifest
+        return self._verified(manifest.with_root(chosen), verify, name_or_id)
+
+    def get(self, manifest_id: str) -> Manifest:
+        """The stored manifest with this id (no root), re-hashed to check it is intact."""
+        check_id(manifest_id)
+        path = self._fspath("manifests", self._object(manifest_id))
+        try:
+            data = self._cat(path)
+        except FileNotFoundError:
+            raise RegistryError(f"manifest {manifest_id} is not in registry {self.root}; hint: "
+                                "register it first (`detdata register MANIFEST NAME`)") from None
+        try:
+            manifest = Manifest.loads(data, where=f"registry object {manifest_id}")
+        except ManifestError as exc:
+            raise RegistryError(f"registry object {manifest_id} in {self.root} is corrupted: "
+                                f"{exc}; hint: delete it and register the manifest again") from None
+        if manifest.id != manifest_id:
+            raise RegistryError(f"registry object {manifest_id} in {self.root} holds manifest "
+                                f"{manifest.id}; hint: delete it and register again")
+        return manifest
+
+    def history(self, name: str) -> tuple[RefEvent, ...]:
+        """Every id ``name@version`` pointed at, oldest first.
+
+        A bare ``name`` gives the history of all its versions, ordered by time.
+        """
+        base, version = split_name(name)
+        if version is not None:
+            return self._ref(base, version).history
+        refs = self._refs_of(base)
+        return tuple(sorted((e for r in refs for e in r.history), key=lambda e: (e.time_ns, e.name)))
+
+    def names(self) -> list[str]:
+        """All ``name@version`` references, sorted."""
+        base = self._fspath("refs")
+        self._fresh(base)
+        try:
+            found = self._io("listing", base, lambda _t: self._fs.find(base))
+        except FileNotFoundError:
+            return []
+        out = []
+        for path in found:
+            rel = path[len(base.rstrip("/")) + 1:] if path.startswith(base) else path
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1].endswith(".json"):
+                out.append(f"{parts[0]}@{parts[1][:-5]}")
+        return sorted(out)
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of bare ``name``, oldest first (the last one is what ``name`` resolves to)."""
+        base, version = split_name(name)
+        if version is not None:
+            raise RegistryError(f"versions() takes a bare name, got {name!r}; hint: pass "
+                                f"{base!r}")
+        return [r.name.partition("@")[2] for r in self._refs_of(base)]
+
+    # internals -------------------------------------------------------------
+    def _as_manifest(self, manifest_or_path: Manifest | str, verify: str) -> Manifest:
+        if isinstance(manifest_or_path, Manifest):
+            return manifest_or_path
+        if isinstance(manifest_or_path, str):
+            return Manifest.load(manifest_or_path, verify=verify, retry=self.retry, **self._options)
+        raise RegistryError(f"register() takes a Manifest or a manifest path, got "
+                            f"{type(manifest_or_path).__name__}")
+
+    def _put_object(self, manifest: Manifest) -> None:
+        """Store ``manifest`` (without root) under its id; a no-op when present."""
+        url = self._url("manifests", self._object(manifest.id))
+        path = self._fspath("manifests", self._object(manifest.id))
+        self._fresh(path)
+        if self._io("lookup", path, lambda _t: self._fs.exists(path)):
+            return
+        manifest.check_loadable(where=f"manifest {manifest.id} to register")
+        doc = manifest.body()
+        doc["id"] = manifest.id
+        self._write(url, canonical_json(doc) + b"\n")
+
+    def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
+        ref = self._find_ref(base, version)
+        now = time.time_ns()
+        event = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=False)
+        if ref is None:
+            new = _Ref(name=name, created_ns=now, history=(event,))
+        elif ref.current.id == manifest.id:
+            if ref.current.root == manifest.root or manifest.root is None:
+                return manifest.id
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
+        elif not force:
+            raise RegistryError(f"{name} already points at {ref.current.id}, not {manifest.id}; "
+                                "registered names are immutable; hint: register a new version "
+                                f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
+                                "it (the old id stays in its history)")
+        else:
+            forced = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True)
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
+        self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
+        return manifest.id
+
+    def _find_ref(self, base: str, version: str) -> _Ref | None:
+        """The reference ``base@version``, or None when it does not exist."""
+        name = f"{base}@{version}"
+        try:
+            data = self._cat(self._fspath("refs", base, f"{version}.json"))
+        except FileNotFoundError:
+            return None
+        return _Ref.from_bytes(data, name)
+
+    def _ref(self, base: str, version: str) -> _Ref:
+        """The reference ``base@version``; `RegistryError` listing known versions if absent."""
+        ref = self._find_ref(base, version)
+        if ref is not None:
+            return ref
+        try:
+            hint = f"known versions of {base!r}: {self.versions(base)}"
+        except RegistryError:
+            hint = f"register it first (`detdata register MANIFEST {base}@{version}`)"
+        raise RegistryError(f"name {base}@{version} is not in registry {self.root}; hint: {hint}")
+
+    def _refs_of(self, base: str) -> list[_Ref]:
+        """The references of bare ``base``, oldest created first; `RegistryError` if none."""
+        folder = self._fspath("refs", base)
+        self._fresh(folder)
+        try:
+            found = self._io("listing", folder, lambda _t: self._fs.ls(folder, detail=False))
+        except FileNotFoundError:
+            found = []
+        versions = [str(p).rsplit("/", 1)[-1][:-5] for p in found if str(p).endswith(".json")]
+        refs = []
+        for v in sorted(versions):
+            try:
+                ref = self._find_ref(base, v)
+            except RegistryError as exc:
+                others = [f"{base}@{o}" for o in sorted(versions) if o != v]
+                detail = str(exc).split("; hint: ", 1)[0]
+                raise RegistryError(
+                    f"name {base!r}: its versions (and so its latest) cannot be listed in "
+                    f"registry {self.root}: {detail}; hint: resolve an explicit version"
+                    f"{' such as ' + others[-1] if others else ''}, or repair {base}@{v} "
+                    "(re-register it with force=True)") from None
+            if ref is not None:
+                refs.append(ref)
+        if not refs:
+            raise RegistryError(f"name {base!r} is not in registry {self.root}; hint: "
+                                f"`detdata register MANIFEST {base}@v1`")
+        return sorted(refs, key=lambda r: (r.created_ns, r.name))
+
+    def _current(self, name: str) -> RefEvent:
+        base, version = split_name(name)
+        if version is None:
+            return self._refs_of(base)[-1].current
+        return self._ref(base, version).current
+
+    def _verified(self, manifest: Manifest, verify: str, what: str) -> Manifest:
+        try:
+            manifest.verify(verify, retry=self.retry, **self._data_options(manifest))
+        except DetdataError as exc:
+            exc.add_note(f"(resolving {what} from registry {self.root})")
+            raise
+        return manifest
+
+    def _sweep_temps(self, *folders: tuple[str, ...]) -> None:
+        """Remove unpublished temp files older than ``STALE_TEMP_S`` (local roots only).
+
+        Called under the writer lock; the age test also spares a concurrent
+        ``_put_object``, which writes outside the lock.
+        """
+        if not self._local:
+            return
+        cutoff = time.time() - STALE_TEMP_S
+        for parts in folders:
+            folder = self._fspath(*parts)
+            try:
+                entries = list(os.scandir(folder))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # nothing to sweep (a file in the way fails the write, named)
+            for entry in entries:
+                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Serialise writers of a local registry across processes (no-op on object stores)."""
+        if not self._local:
+            yield
+            return
+        import fcntl
+        directory = self._path
+        lock = os.path.join(directory, ".lock")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._os_error("locking", lock, exc) from exc
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RegistryError(f"registry {self.root} is locked by another writer for "
+                                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
+                                            "for a hung process") from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)

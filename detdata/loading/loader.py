@@ -1,0 +1,642 @@
+"""`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
+
+A sampler yields the positions of this rank's micro batches (`Layout`) and a
+map-style dataset turns a whole array of positions into one batch with one
+batched read (`Stream.fetch`). With process workers these go to torch's public
+``DataLoader``, which handles workers, prefetching and pinning; with
+``num_workers=0`` the same sampler, dataset and collate run inline (torch's
+per-batch plumbing cost more than the read), and ``worker_mode="thread"`` runs
+them on reader threads. The loader counts samples *delivered*
+to the caller; its state is that count plus identity fields (`LoaderState`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import os
+import pickle
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from detdata.base.errors import ConfigError, StateError
+from detdata.datasets.base import Batch, Dataset, IntArray, Stream, as_stream
+from detdata.datasets.columns import is_ragged, restack, to_torch
+from detdata.loading.layout import Layout
+from detdata.loading.state import (
+    K_MIXTURE,
+    K_SEED,
+    LoaderState,
+    check_allow,
+    environment,
+    identity_fields,
+    mismatch_message,
+    transform_identity,
+)
+from detdata.loading.trace import TraceWriter
+from detdata.order.feistel import check_count, check_seed
+from detdata.order.rng import sample_rng, seed_globals, worker_seed
+
+Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
+    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack.
+
+    Every sample's output must have the keys of the first one (a key missing
+    or extra at one position is refused, naming it); each column is restacked
+    with `detdata.datasets.columns.restack`.
+    """
+    outs: list[Mapping[str, Any]] = []
+    for i in range(len(positions)):
+        sample = {k: v[i] for k, v in batch.items()}
+        result = transform(sample, sample_rng(seed, int(positions[i])))
+        if not isinstance(result, Mapping):
+            raise ConfigError(f"transform must return a mapping of column -> array, got "
+                              f"{type(result).__name__} for position {int(positions[i])}")
+        if outs and result.keys() != outs[0].keys():
+            raise ConfigError(f"transform returned keys {sorted(map(str, result))} at position "
+                              f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
+                              f"{int(positions[0])}; every sample must have the same keys; hint: "
+                              "return every key for every sample (a placeholder if needed)")
+        outs.append(result)
+    if not outs:
+        return batch
+    return {k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k))) for k in outs[0]}
+
+
+class PositionDataset(tud.Dataset[Batch]):
+    """Map-style dataset whose "index" is an array of global positions (one batch)."""
+
+    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
+        self.stream = stream
+        self.transform = transform
+        self.seed = seed
+
+    def __getitem__(self, positions: IntArray) -> Batch:
+        batch = self.stream.fetch(positions)
+        if self.transform is not None:
+            batch = apply_transform(batch, positions, self.transform, self.seed)
+        return batch
+
+    def __len__(self) -> int:
+        raise TypeError("PositionDataset is indexed by position arrays and has no length")
+
+
+class MicroBatchSampler(tud.Sampler[IntArray]):
+    """Yields this rank's position arrays, one per micro step, from a start position."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+
+    def __iter__(self) -> Iterator[IntArray]:
+        per = self.layout.samples_per_micro_step
+        j = self.start // per
+        while self.stop is None or j * per < self.stop:
+            yield self.layout.positions(j)
+            j += 1
+
+    def __len__(self) -> int:
+        if self.stop is None:
+            raise TypeError("the stream is infinite (total_samples=None) and has no length")
+        per = self.layout.samples_per_micro_step
+        return max(0, (self.stop - self.start) // per)
+
+
+class GroupSampler(tud.Sampler[list[IntArray]]):
+    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from ``start``."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+        self.size = size
+
+    def __iter__(self) -> Iterator[list[IntArray]]:
+        micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
+        while group := list(itertools.islice(micro, self.size)):
+            yield group
+
+
+def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    seed_globals(worker_seed(seed, rank, worker_id))
+    if user_init is not None:
+        user_init(worker_id)
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """Micro batches of one group read, and the error that stopped the group (if any)."""
+
+    batches: list[Any]
+    error: BaseException | None
+
+    def deliver(self) -> Iterator[Any]:
+        yield from self.batches
+        if self.error is not None:
+            raise self.error
+
+    def pin_memory(self) -> ReadAhead:
+        """Called by torch's pin-memory thread for groups coming from worker processes."""
+        return ReadAhead([_pin(b) for b in self.batches], self.error)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be pickled.
+
+    A worker process returns a failed group's error as a value (the batches before
+    it are delivered first), so it must survive pickling; tracebacks do not.
+    """
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        clone: BaseException = RuntimeError(f"{type(exc).__name__}: {exc}")
+    else:
+        clone = exc
+    clone.add_note(f"(raised in DataLoader worker process {os.getpid()}):\n{text}")
+    return clone
+
+
+def _rows(batch: Any, a: int, b: int) -> Any:
+    if isinstance(batch, (torch.Tensor, np.ndarray, list)):
+        return batch[a:b]
+    if isinstance(batch, Mapping):
+        return {k: _rows(v, a, b) for k, v in batch.items()}
+    return batch
+
+
+class GroupReader(tud.Dataset[ReadAhead]):
+    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
+
+    With the default collate the group becomes one tensor per column and each
+    micro batch is a view of it: one allocation, one pinning and (from a worker
+    process) one shared-memory transfer per group instead of per micro batch.
+    If the group read fails, it is read again one micro batch at a time, so every
+    micro batch before the failing one is still delivered and the error is raised
+    exactly at the batch that cannot be read.
+    """
+
+    def __init__(self, dataset: PositionDataset, collate_fn: Callable[[Batch], Any] | None,
+                 pin: bool, in_worker: bool) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.pin = pin
+        self.in_worker = in_worker
+
+    def _finish(self, raw: Any) -> Any:
+        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        return _pin(batch) if self.pin else batch
+
+    def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
+        done: list[Any] = []
+        for positions in group:
+            try:
+                done.append(self._finish(self.dataset[positions]))
+            except Exception as exc:
+                return ReadAhead(done, _portable(exc) if self.in_worker else exc)
+        return ReadAhead(done, None)
+
+    def __getitem__(self, group: list[IntArray]) -> ReadAhead:
+        if len(group) == 1:
+            return self._one_by_one(group)
+        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
+        try:
+            raw = self.dataset[np.concatenate(group)]
+            if self.collate_fn is None:
+                whole = self._finish(raw)
+                return ReadAhead([_rows(whole, a, b) for a, b in bounds], None)
+            return ReadAhead([self._finish(_rows(raw, a, b)) for a, b in bounds], None)
+        except Exception:
+            return self._one_by_one(group)  # locate the failing batch; deliver those before it
+
+    def __call__(self, group: list[IntArray]) -> ReadAhead:
+        return self[group]
+
+    def __len__(self) -> int:
+        raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
+
+
+class WorkerMode(str, enum.Enum):
+    """Where ``num_workers`` readers run.
+
+    ``PROCESS`` (default, as torch): worker processes; each seeds python/numpy/torch
+    globals from a hash of (seed, rank, worker). ``THREAD``: threads of the main
+    process; batched numpy/pyarrow reads release the GIL and batches need no
+    inter-process transfer (much faster for small samples on few cores), but
+    global generators are shared and not re-seeded: transforms must use the
+    ``rng`` they are handed (which is identical in both modes).
+    """
+
+    PROCESS = "process"
+    THREAD = "thread"
+
+
+def _check_torch_args(*, num_workers: object, prefetch_factor: object, persistent_workers: object,
+                      timeout: object, multiprocessing_context: object,
+                      callables: Mapping[str, object]) -> None:
+    """Refuse at construction what torch would refuse late (or silently ignore)."""
+    for name, fn in callables.items():
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}")
+    if not isinstance(persistent_workers, bool):
+        raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
+    no_workers = isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
+    if no_workers and prefetch_factor is not None:
+        raise ConfigError("prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
+                          "worker); hint: drop prefetch_factor or set num_workers")
+    if no_workers and persistent_workers:
+        raise ConfigError("persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers")
+    if no_workers and multiprocessing_context is not None:
+        raise ConfigError("multiprocessing_context needs num_workers > 0 (there are no worker "
+                          "processes to start); hint: drop it or set num_workers")
+    if multiprocessing_context is not None and isinstance(multiprocessing_context, str):
+        import multiprocessing
+        methods = multiprocessing.get_all_start_methods()
+        if multiprocessing_context not in methods:
+            raise ConfigError(f"multiprocessing_context {multiprocessing_context!r} is not a start "
+                              f"method of this platform; expected one of {methods}")
+    elif multiprocessing_context is not None and not hasattr(multiprocessing_context, "Process"):
+        raise ConfigError(f"multiprocessing_context must be a start method name or a multiprocessing "
+                          f"context, got {type(multiprocessing_context).__name__}")
+
+
+def _check_thread_mode(worker_mode: object, num_workers: object, **process_only: object) -> None:
+    """Thread mode refuses the arguments that only mean something for worker processes."""
+    if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
+        return
+    unused = {"persistent_workers": False, "timeout": 0, "multiprocessing_context": None,
+              "worker_init_fn": None}
+    given = sorted(k for k, v in process_only.items() if v != unused[k])
+    if given:
+        raise ConfigError(f"worker_mode='thread' runs reads on threads of this process and would ignore "
+                          f"{given} (they only apply to worker processes); hint: drop them, or use "
+                          "worker_mode='process'")
+
+
+def _parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
+    try:
+        return WorkerMode(value)
+    except ValueError:
+        raise ConfigError(f"worker_mode must be 'process' or 'thread', got {value!r}") from None
+
+
+def _pin(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, Mapping):
+        return {k: _pin(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_pin(v) for v in batch]
+    return batch
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class DataLoader:
+    """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
+
+    Each iteration yields this rank's next micro batch (``micro_batch_size``
+    samples, positions in order) as a dict of tensors. Global positions are
+    assigned as in DESIGN.md section 4, so the samples of a step never depend on
+    ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
+    infinite (epochs continue) unless ``total_samples`` is given.
+
+    With ``device`` set (e.g. ``"cuda"``), batches arrive on that device through
+    reused pinned buffers and a side stream, ``device_prefetch`` batches ahead;
+    those are not counted until yielded. ``pin_memory`` is then ignored: the
+    device path pins into its own reused buffers.
+
+    ``read_ahead`` (default 16): this many consecutive micro batches of the rank
+    are read with one batched read and then split, which amortises the fixed
+    per-read cost and, with worker processes, the fixed per-transfer cost (with
+    the default collate a group crosses the process boundary as one tensor per
+    column). Bytes and order never depend on it. A group that fails to read is
+    re-read batch by batch, so the error surfaces exactly at the unreadable batch
+    and every batch before it is delivered. A worker process that hangs or dies
+    takes its whole group with it (the state still counts only delivered
+    batches). With workers, ``prefetch_factor`` counts groups per worker and
+    ``timeout`` applies to each group. Memory in flight is about ``read_ahead``
+    x micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower
+    ``read_ahead`` for large samples (images, long documents in big micro batches).
+
+    ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
+    delivered to the callers of all ranks (prefetched batches are not counted).
+    """
+
+    def __init__(
+        self,
+        data: Dataset | Stream,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        collate_fn: Callable[[Batch], Any] | None = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        transform: Transform | None = None,
+        total_samples: int | None = None,
+        trace: str | os.PathLike[str] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | None = None,
+        timeout: float = 0,
+        allow_on_resume: Iterable[str] = (),
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
+        worker_mode: str | WorkerMode = WorkerMode.PROCESS,
+        read_ahead: int = 16,
+        transform_id: str | None = None,
+    ) -> None:
+        self.seed = check_seed(seed)
+        _check_torch_args(num_workers=num_workers, prefetch_factor=prefetch_factor,
+                          persistent_workers=persistent_workers, timeout=timeout,
+                          multiprocessing_context=multiprocessing_context,
+                          callables={"transform": transform, "collate_fn": collate_fn,
+                                     "worker_init_fn": worker_init_fn})
+        _check_thread_mode(worker_mode, num_workers, persistent_workers=persistent_workers,
+                           timeout=timeout, multiprocessing_context=multiprocessing_context,
+                           worker_init_fn=worker_init_fn)
+        if transform_id is not None and (not isinstance(transform_id, str) or not transform_id):
+            raise ConfigError(f"transform_id must be a non-empty string naming the transform's "
+                              f"version (e.g. 'tokenize-v3'), got {transform_id!r}")
+        default_rank, default_world = _default_rank_world()
+        self.layout = Layout.create(global_batch_size, micro_batch_size,
+                                    default_world if world_size is None else world_size,
+                                    default_rank if rank is None else rank)
+        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
+        if total_samples is not None:
+            total_samples = check_count(total_samples, "total_samples", minimum=0)
+            if total_samples % self.layout.global_batch_size:
+                raise ConfigError(f"total_samples {total_samples} is not a multiple of global_batch_size "
+                                  f"{self.layout.global_batch_size}; the last step would be partial")
+        self.total_samples = total_samples
+        self._stream = as_stream(data, self.seed)
+        self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
+        self._transform = transform
+        self._collate_fn = collate_fn
+        self._transform_name = transform_identity(transform_id, transform, collate_fn)
+        self._torch_kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers, "pin_memory": pin_memory, "timeout": timeout,
+            "persistent_workers": persistent_workers and self.num_workers > 0,
+            "multiprocessing_context": multiprocessing_context if self.num_workers > 0 else None,
+            "worker_init_fn": functools.partial(_init_worker, self.seed, self.layout.rank, worker_init_fn),
+        }
+        if self.num_workers > 0 and prefetch_factor is not None:
+            self._torch_kwargs["prefetch_factor"] = prefetch_factor
+        self._allow = check_allow(allow_on_resume)
+        self.worker_mode = _parse_worker_mode(worker_mode)
+        self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
+        self._pin_memory = bool(pin_memory)
+        self._prefetch_factor = 2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
+        from detdata.loading.device import check_depth, check_device
+        self.device = None if device is None else check_device(device)
+        self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
+        if self.device is not None:
+            # the device path stages into its own reused pinned buffers; torch pinning would copy twice
+            self._torch_kwargs["pin_memory"] = False
+        self._consumed = 0
+        self._generation = 0
+        self._torch_loader: tud.DataLoader[Any] | None = None
+        self._sampler: GroupSampler | None = None
+        self._trace = (TraceWriter(trace, self.layout.rank, global_batch_size=self.layout.global_batch_size,
+                                   samples_per_micro_step=self.layout.samples_per_micro_step)
+                       if trace is not None else None)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples delivered so far (all ranks), i.e. the next step's first position."""
+        return self._consumed
+
+    @property
+    def stream(self) -> Stream:
+        return self._stream
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.layout.global_batch_size
+
+    @property
+    def step(self) -> int:
+        """Index of the global step the next micro batch belongs to."""
+        return self._consumed // self.layout.global_batch_size
+
+    def __len__(self) -> int:
+        """Remaining micro batches of this rank (only with ``total_samples``)."""
+        if self.total_samples is None:
+            raise TypeError("this DataLoader is infinite (total_samples=None) and has no length")
+        return max(0, (self.total_samples - self._consumed) // self.layout.samples_per_micro_step)
+
+    def positions_of_next(self) -> IntArray:
+        """Positions of the micro batch the next iteration will deliver on this rank."""
+        return self.layout.positions(self._consumed // self.layout.samples_per_micro_step)
+
+    # ------------------------------------------------------------- iteration
+    def _build(self) -> tud.DataLoader[Any]:
+        self._sampler = GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead)
+        return tud.DataLoader(self._reader(in_worker=True), batch_size=None, sampler=self._sampler,
+                              collate_fn=_identity, **self._torch_kwargs)
+
+    def _loader_from_here(self) -> tud.DataLoader[Any]:
+        if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
+            self._torch_loader = self._build()
+        else:
+            assert self._sampler is not None  # built together with the loader
+            self._sampler.start = self._consumed
+        return self._torch_loader
+
+    @property
+    def _threaded(self) -> bool:
+        return self.worker_mode is WorkerMode.THREAD and self.num_workers > 0
+
+    @property
+    def _process_workers(self) -> bool:
+        return self.num_workers > 0 and not self._threaded
+
+    def _reader(self, *, in_worker: bool) -> GroupReader:
+        # worker processes: torch's pin-memory thread pins in the main process (ReadAhead.pin_memory)
+        pin = (not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None)
+        return GroupReader(PositionDataset(self._stream, self._transform, self.seed), self._collate_fn,
+                           pin, in_worker)
+
+    def _groups(self) -> Iterator[list[IntArray]]:
+        return iter(GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead))
+
+    def _inline_batches(self) -> Iterator[Any]:
+        """``num_workers=0``: the same reader as the workers', without torch's per-batch plumbing."""
+        read = self._reader(in_worker=False)
+        for group in self._groups():
+            yield from read(group).deliver()
+
+    def _thread_batches(self) -> Iterator[Any]:
+        """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
+        from detdata.loading.threads import threaded_batches
+        groups = threaded_batches(self._reader(in_worker=False), self._groups(), self.num_workers,
+                                  self.num_workers * self._prefetch_factor)
+        try:
+            for result in groups:
+                yield from result.deliver()
+        finally:
+            groups.close()  # an error raised here must not leave the readers to the garbage collector
+
+    def _batches(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            return self._inline_batches()
+        if self._threaded:
+            return self._thread_batches()
+        return (b for group in self._loader_from_here() for b in group.deliver())
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's micro batches from ``samples_consumed`` on.
+
+        A batch is counted (and traced) only once it reaches the caller: any
+        failure before that (read, transform, collate, device copy, trace, an
+        interrupt) leaves ``samples_consumed`` at that batch. Leaving the loop
+        early (``break``, an exception) closes the readers at once; after an
+        abnormal end, persistent worker processes are replaced on the next
+        iteration (torch's iterator may be mid-transfer).
+        """
+        self._generation += 1
+        generation = self._generation
+        batches = self._batches()
+        iterator: Iterator[Any] = batches
+        if self.device is not None:
+            from detdata.loading.device import device_batches
+            iterator = device_batches(batches, self.device, self.device_prefetch)
+        clean = False
+        try:
+            yield from self._deliver(iterator, generation)
+            clean = True
+        except GeneratorExit:
+            clean = True  # the caller stopped early (break): nothing is in flight in a broken state
+            raise
+        finally:
+            for it in (iterator, batches):
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            if not clean and generation == self._generation:
+                self._torch_loader = None  # persistent workers may be mid-transfer: start fresh
+
+    def _deliver(self, iterator: Iterator[Any], generation: int) -> Iterator[Any]:
+        per = self.layout.samples_per_micro_step
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception as exc:
+                if generation == self._generation:
+                    exc.add_note(self._failure_note())
+                    if isinstance(exc, (ConnectionError, EOFError)) and self._process_workers:
+                        exc.add_note("hint: torch hands batches over from worker processes through "
+                                     "sockets; unless the dataset itself raised this, a worker "
+                                     "process probably died mid hand-over (OOM killer?); rerun "
+                                     "with num_workers=0 to see any error in the main process")
+                raise
+            if generation != self._generation:
+                return  # state was loaded or a new iterator started: this one is stale
+            if self._trace is not None:  # before counting: a failed trace write delivers nothing
+                self._trace.add(self._consumed, self.positions_of_next(), batch)
+            self._consumed += per
+            yield batch
+
+    def _failure_note(self) -> str:
+        """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
+        positions = self.positions_of_next()
+        grouped = ""
+        if self._process_workers and self.read_ahead > 1:
+            grouped = (f"; worker processes read groups of {self.read_ahead} micro batches, so a "
+                       "worker that hung or died did so somewhere in the group starting here")
+        return (f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "
+                f"fetching the micro batch at global positions [{int(positions[0])}, "
+                f"{int(positions[-1])}] of step {self.step}; samples_consumed is still "
+                f"{self._consumed}, so state_dict() resumes at this batch{grouped})")
+
+    # ----------------------------------------------------------------- state
+    def _fields(self) -> dict[str, Any]:
+        identity = self._stream.identity()
+        stream_seed = None if self._wrapped else identity.get("seed")
+        return identity_fields(identity, self.seed, self.layout.global_batch_size,
+                               stream_seed=stream_seed, transform=self._transform_name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: samples delivered plus identity, layout and environment."""
+        layout = {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size,
+                  "num_workers": self.num_workers}
+        state = LoaderState(samples_consumed=self._consumed, fields=self._fields(),
+                            stream=self._stream.identity(), layout=layout, env=environment())
+        return state.to_json()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any] | str, *, allow: Iterable[str] = ()) -> None:
+        """Resume at the saved position in O(1).
+
+        Differences in checked fields (manifests, data, seed, algorithm,
+        mixture, global batch) are refused with a `StateError` listing each,
+        unless named in ``allow`` (or ``allow_on_resume``). An allowed mixture
+        change continues each source from its consumed count (`Mixture.continue_from`).
+        Layout may differ if the position is a micro-step boundary of this layout.
+        """
+        saved = LoaderState.from_json(state_dict)
+        allowed = self._allow | check_allow(allow)
+        current = self._fields()
+        diffs = saved.differences(current)
+        refused = [d for d in diffs if d not in allowed]
+        if refused:
+            raise StateError(mismatch_message(refused, saved.fields, current), fields=tuple(refused))
+        if self.total_samples is not None and saved.samples_consumed > self.total_samples:
+            raise StateError(f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
+                             f"total_samples {self.total_samples}")
+        self.layout.check_resume_position(saved.samples_consumed)
+        if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
+            self._stream = self._continue_mixture(saved, diffs)
+        self._consumed = saved.samples_consumed
+        if self._trace is not None:
+            self._trace.restore(self._consumed)
+        self._generation += 1
+        self._torch_loader = None
+
+    def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
+        cont = getattr(self._stream, "continue_from", None)
+        if cont is None:
+            raise StateError("the saved state has a mixture but this loader's data is not a Mixture",
+                             fields=(K_MIXTURE,))
+        if K_SEED in diffs:
+            raise StateError("cannot change the mixture and the seed in the same resume", fields=(K_SEED,))
+        try:
+            stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
+        except ConfigError as exc:
+            raise StateError(f"allowed mixture change cannot be applied: {exc}",
+                             fields=(K_MIXTURE,)) from None
+        return stream
+
+    def close(self) -> None:
+        """Stop workers and close the trace file."""
+        self._generation += 1
+        self._torch_loader = None
+        if self._trace is not None:
+            self._trace.close()

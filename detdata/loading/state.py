@@ -1,0 +1,270 @@
+"""Loader state: one JSON object, versioned, compared field by field on resume.
+
+The state counts samples *delivered* to the caller (global, all ranks), never
+what was prefetched. Checked fields must match on resume unless allowed by name;
+layout and environment are informational.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, runtime_checkable
+
+from detdata.base.errors import StateError
+from detdata.base.hashing import digest_bytes
+from detdata.identity.manifest import canonical_json
+
+STATE_VERSION: Final = 2
+#: Older versions this detdata still reads (fields added since are derived: see `_upgrade`).
+READABLE_VERSIONS: Final = (1, 2)
+MAX_POSITION: Final = 1 << 62  # exclusive: orders and mixtures address positions below 2**62
+K_VERSION: Final = "format_version"
+K_KIND: Final = "kind"
+KIND: Final = "detdata.loader_state"
+K_CONSUMED: Final = "samples_consumed"
+K_SEED: Final = "seed"
+K_STREAM_SEED: Final = "stream_seed"
+K_MANIFESTS: Final = "manifests"
+K_DATA: Final = "data"
+K_ALGORITHM: Final = "algorithm"
+K_MIXTURE: Final = "mixture"
+K_GLOBAL_BATCH: Final = "global_batch_size"
+K_TRANSFORM: Final = "transform"
+K_STREAM: Final = "stream"
+K_LAYOUT: Final = "layout"
+K_ENV: Final = "environment"
+
+#: Fields that must match on resume unless named in ``allow=``.
+#: ``seed`` is the loader's own seed (per-sample transform randomness, and the order of a plain
+#: dataset the loader wraps itself); ``stream_seed`` is the seed of a stream handed to the
+#: loader (a `Mixture`'s or an `OrderedStream`'s own), None when the loader ordered the dataset.
+#: ``transform`` names what user code does to samples (see `transform_identity`).
+CHECKED_FIELDS: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_MIXTURE,
+                         K_GLOBAL_BATCH, K_TRANSFORM)
+_REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM)
+#: Top-level stream identity keys checked through their own field instead of ``data``.
+_TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with resumable state (the torch.distributed.checkpoint protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def _collect(obj: Any, key: str) -> list[str]:
+    found: list[str] = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if k == key and isinstance(v, str):
+                found.append(v)
+            else:
+                found.extend(_collect(v, key))
+    elif isinstance(obj, list):
+        for v in obj:
+            found.extend(_collect(v, key))
+    return found
+
+
+def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int, *,
+                    stream_seed: int | None, transform: str | None) -> dict[str, Any]:
+    """The checked fields derived from a stream identity and the loader's own inputs.
+
+    Every input that can change a delivered byte lands in exactly one field:
+    nested parameters (dataset parameters, source identities, nested seeds) in
+    ``data``; the top-level seed in ``seed`` (loader-wrapped dataset) or
+    ``stream_seed`` (a stream the caller built), so each is allowed by its own name.
+    """
+    data = {k: v for k, v in identity.items() if k not in _TOP_LEVEL_VOLATILE}
+    is_mixture = identity.get("type") == "mixture"
+    return {
+        K_MANIFESTS: sorted(set(_collect(identity, "manifest") + _collect(identity, "digest"))),
+        K_DATA: digest_bytes(canonical_json(data)),
+        K_SEED: seed,
+        K_STREAM_SEED: stream_seed,
+        K_ALGORITHM: sorted(set(_collect(identity, "algorithm"))),
+        K_MIXTURE: digest_bytes(canonical_json(identity.get("schedule"))) if is_mixture else None,
+        K_GLOBAL_BATCH: global_batch,
+        K_TRANSFORM: transform,
+    }
+
+
+def transform_identity(transform_id: str | None, transform: object, collate_fn: object) -> str | None:
+    """The checked ``transform`` field: what user code does to samples after the read.
+
+    ``transform_id`` (a user-chosen name such as ``"tokenize-v3"``) wins when given.
+    Otherwise the qualified names of the transform and collate functions are
+    recorded: a renamed or swapped function is refused on resume, an edited body
+    is not (give a ``transform_id`` and change it when the code changes).
+    None when neither is set.
+    """
+    if transform_id is not None:
+        return f"id:{transform_id}"
+    parts = [f"{role}:{callable_name(fn)}" for role, fn in (("transform", transform),
+                                                            ("collate_fn", collate_fn)) if fn is not None]
+    return "+".join(parts) or None
+
+
+def callable_name(fn: object) -> str:
+    """``module.qualname`` of a function (through `functools.partial`), else its type's."""
+    inner = getattr(fn, "func", fn)  # functools.partial
+    module = getattr(inner, "__module__", None) or type(inner).__module__
+    qual = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"{module}.{qual}"
+
+
+def environment() -> dict[str, str]:
+    """Library versions and platform (informational only)."""
+    import numpy
+    import torch
+
+    from detdata.base.version import VERSION
+    return {"detdata": VERSION, "torch": str(torch.__version__), "numpy": str(numpy.__version__),
+            "python": sys.version.split()[0], "platform": platform.platform()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderState:
+    """Parsed, validated loader state."""
+
+    samples_consumed: int
+    fields: Mapping[str, Any]
+    stream: Mapping[str, Any]
+    layout: Mapping[str, Any]
+    env: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {K_KIND: KIND, K_VERSION: STATE_VERSION, K_CONSUMED: self.samples_consumed}
+        out.update(self.fields)
+        out[K_STREAM] = dict(self.stream)
+        out[K_LAYOUT] = dict(self.layout)
+        out[K_ENV] = dict(self.env)
+        return out
+
+    @classmethod
+    def from_json(cls, state: object) -> LoaderState:
+        if isinstance(state, (str, bytes)):
+            try:
+                state = json.loads(state)
+            except (ValueError, RecursionError) as exc:
+                raise StateError(f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
+                                 "hint: pass the object DataLoader.state_dict() returned, or "
+                                 "its JSON text") from None
+        if not isinstance(state, Mapping):
+            raise StateError(f"loader state must be a JSON object, got {type(state).__name__}")
+        if state.get(K_KIND) != KIND:
+            raise StateError(f"not a detdata loader state: field 'kind' is {state.get(K_KIND)!r}, "
+                             f"expected {KIND!r}")
+        if state.get(K_VERSION) not in READABLE_VERSIONS or isinstance(state.get(K_VERSION), bool):
+            raise StateError(f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
+                             f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata")
+        if state[K_VERSION] == 1:
+            state = _upgrade_v1(state)
+        missing = [k for k in _REQUIRED if k not in state]
+        if missing:
+            raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
+        consumed = state[K_CONSUMED]
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise StateError(f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
+                             f"found {consumed!r}", fields=(K_CONSUMED,))
+        if consumed >= MAX_POSITION:
+            raise StateError(f"loader state field {K_CONSUMED!r} is {consumed}, beyond the last "
+                             f"addressable global position 2**62 - 1; the state was edited or "
+                             "corrupted", fields=(K_CONSUMED,))
+        stream = state[K_STREAM]
+        if not isinstance(stream, Mapping):
+            raise StateError("loader state field 'stream' must be an object", fields=(K_STREAM,))
+        layout, env = state.get(K_LAYOUT, {}), state.get(K_ENV, {})
+        if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
+            raise StateError("loader state fields 'layout' and 'environment' must be objects")
+        parsed = cls(samples_consumed=consumed, fields={k: state[k] for k in CHECKED_FIELDS},
+                     stream=stream, layout=layout, env=env)
+        parsed._check_consistent()
+        return parsed
+
+    def _check_consistent(self) -> None:
+        """The checked fields must be the ones derived from the saved ``stream`` identity.
+
+        A state whose fields disagree with its own stream was edited by hand or
+        corrupted; resuming from it (in particular continuing a mixture from
+        the saved schedule) would silently use the wrong history.
+        """
+        try:
+            derived = identity_fields(self.stream, self.fields[K_SEED], self.fields[K_GLOBAL_BATCH],
+                                      stream_seed=self.fields[K_STREAM_SEED],
+                                      transform=self.fields[K_TRANSFORM])
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise StateError(f"loader state field 'stream' is not a plain JSON identity ({exc})",
+                             fields=(K_STREAM,)) from None
+        bad = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(derived.get(k))]
+        bad += self._seed_mismatch()
+        if bad:
+            detail = "; ".join(f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
+                               f"{derived.get(k)!r:.80}" for k in bad)
+            raise StateError(f"loader state is inconsistent: field(s) {bad} do not match its own "
+                             f"'stream' identity ({detail}); the state was edited or corrupted; "
+                             "hint: use the state exactly as DataLoader.state_dict() returned it",
+                             fields=tuple(bad))
+
+    def _seed_mismatch(self) -> list[str]:
+        """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped it."""
+        own = self.stream.get("seed")
+        expected = self.fields[K_SEED] if self.fields[K_STREAM_SEED] is None else self.fields[K_STREAM_SEED]
+        if own is None or _norm(own) == _norm(expected):
+            return []
+        return [K_STREAM_SEED]
+
+    def differences(self, current: Mapping[str, Any]) -> list[str]:
+        """Names of checked fields whose saved value differs from ``current``."""
+        return [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))]
+
+
+def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-1 state in format 2: ``stream_seed`` derived from its stream, no transform recorded.
+
+    Format 1 checked only the loader's seed; a stream's own seed lived in the
+    saved ``stream`` identity alone, so it is recovered from there.
+    """
+    out = dict(state)
+    stream = state.get(K_STREAM)
+    own = stream.get("seed") if isinstance(stream, Mapping) else None
+    out[K_STREAM_SEED] = None if own is None or _norm(own) == _norm(state.get(K_SEED)) else own
+    out[K_TRANSFORM] = None
+    out[K_VERSION] = STATE_VERSION
+    return out
+
+
+def _norm(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
+
+
+def check_allow(allow: Iterable[str]) -> frozenset[str]:
+    """Validate ``allow=`` field names."""
+    if isinstance(allow, (str, bytes)):
+        raise StateError(f"allow= takes a list of field names, got the string {allow!r}; "
+                         f"hint: allow=[{allow!r}]")
+    try:
+        names = frozenset(allow)
+    except TypeError:
+        raise StateError(f"allow= takes a list of field names, got {allow!r:.80}") from None
+    unknown = sorted(repr(n) if not isinstance(n, str) else n for n in names - set(CHECKED_FIELDS))
+    if unknown:
+        raise StateError(f"allow= names unknown fields {unknown}; allowed names are {list(CHECKED_FIELDS)}")
+    return names
+
+
+def mismatch_message(diffs: list[str], saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    lines = [f"  {k}: saved {saved.get(k)!r}, current {current.get(k)!r}" for k in diffs]
+    return ("loader state does not match this loader; differing fields:\n" + "\n".join(lines)
+            + f"\nhint: resume with the same data/seed/batch, or pass allow={diffs!r} to accept "
+            "the change knowingly")

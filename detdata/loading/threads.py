@@ -1,0 +1,97 @@
+"""Order-preserving thread pool for batch reads (an alternative to worker processes).
+
+Process workers hand every batch to the main process through pickling and a
+shared-memory segment per tensor; for small batches that transfer costs more
+than the read itself. A batched read here is mostly numpy gathers and file I/O,
+which release the GIL, so a few threads in the main process overlap reads
+with the consumer and with each other, and batches need no transfer at all.
+
+`threaded_batches` keeps at most ``prefetch`` batches in flight, yields them in
+exactly the order of ``positions``, and re-raises a failed read in the caller
+with the failing positions noted on the exception. Closing (or dropping) the
+generator cancels reads not yet started and waits for running ones, so nothing
+hangs and no thread outlives it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError
+
+T = TypeVar("T")
+Positions = npt.NDArray[np.int64] | list[npt.NDArray[np.int64]]
+P = TypeVar("P", bound=Positions)
+
+
+def describe_positions(positions: Positions) -> str:
+    """Short text naming a position array (or a group of them): ``[first..last] (n positions)``."""
+    arr = np.concatenate(positions) if isinstance(positions, list) and positions else np.asarray(positions)
+    if arr.size == 0:
+        return "[] (0 positions)"
+    return f"[{int(arr.flat[0])}..{int(arr.flat[-1])}] ({arr.size} positions)"
+
+
+def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
+                     num_threads: int, prefetch: int) -> Generator[T, None, None]:
+    """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
+
+    At most ``prefetch`` (``>= 1``) reads are submitted ahead of the consumer;
+    ``positions`` is pulled lazily from the calling thread only (it may be
+    infinite). An exception from ``fetch`` is raised from this generator when its
+    batch is due, with a note naming the positions; an exception from
+    ``positions`` is raised as is, after the batches before it were yielded.
+    """
+    for value, name, minimum in ((num_threads, "num_threads", 1), (prefetch, "prefetch", 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return _generate(fetch, positions, num_threads, prefetch)
+
+
+def _generate(fetch: Callable[[P], T], positions: Iterator[P],
+              num_threads: int, prefetch: int) -> Generator[T, None, None]:
+    source = iter(positions)
+    pending: collections.deque[tuple[P, Future[T]]] = collections.deque()
+    pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="detdata-read")
+    exhausted = False
+    source_error: BaseException | None = None
+
+    def submit_next() -> None:
+        nonlocal exhausted, source_error
+        if exhausted:
+            return
+        try:
+            pos = next(source)
+        except StopIteration:
+            exhausted = True
+            return
+        except BaseException as exc:  # raised after the batches submitted before it
+            exhausted, source_error = True, exc
+            return
+        pending.append((pos, pool.submit(fetch, pos)))
+
+    try:
+        while len(pending) < prefetch and not exhausted:
+            submit_next()
+        while pending:
+            pos, future = pending.popleft()
+            try:
+                result = future.result()
+            except Exception as exc:
+                exc.add_note(f"detdata: while reading positions {describe_positions(pos)} "
+                             "in a reader thread")
+                raise
+            submit_next()
+            yield result
+        if source_error is not None:
+            raise source_error
+    finally:
+        for _, future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)

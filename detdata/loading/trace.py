@@ -1,0 +1,712 @@
+"""Delivery evidence: one JSONL record per delivered micro batch, and the diff of two traces.
+
+**Record** (format version 2), written by `TraceWriter` when a micro batch is
+delivered::
+
+    {"v": 2, "rank": 0, "step": 7, "at": 56, "next": 60, "gbs": 8,
+     "pos": [[56, 2]], "cols": {"x": "<i4[5]"}, "batch_b3": {"x": "<64 hex>"},
+     "restored": true}                       # only on the first record after a restore
+
+``at`` is the loader's ``samples_consumed`` before the batch and ``next`` after
+it (every rank of a step shares them); ``step`` is ``at // gbs``; ``pos`` lists
+the batch's positions as ``[first, count]`` runs. ``cols`` describes each leaf
+of the batch (dtype and trailing shape) and ``batch_b3`` holds, per leaf, the sum
+modulo 2**256 of one blake3 digest per sample, each taken over the leaf's name,
+description, the sample's position (int64 LE) and the sample's bytes. Because
+every sample is bound to its position and sums combine in any grouping, the
+records of one global step add up to the same digests whatever the micro batch
+size, the number of workers or (when the ranks' records are read together) the
+world size. Tensors whose dtype numpy lacks (bfloat16, float8) are hashed by
+their raw bytes and described by the torch dtype name.
+
+**Timeline.** A trace file is read in order, per rank, as a run's deliveries. A
+record flagged ``restored`` follows a `TraceWriter.restore` (the loader's
+``load_state_dict``): the run went back (or forward) to ``at``, and the records at
+or after it are superseded by what follows; replayed positions must carry the
+same bytes as before, else the trace holds a *conflict*. A record whose ``at``
+does not continue its rank's previous record without a restore (a fresh loader
+appending at position 0 to a trace of 41 steps: its state was not loaded) is a
+*discontinuity*, reported at the step the run should have delivered next.
+
+**Diff.** `compare` assembles each trace per global step from its final records
+(all ranks) and compares the steps' positions and summed digests; the first
+difference is the smallest step with a difference or with a conflict or
+discontinuity in either trace, whatever the order of the records in the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError, FormatError, StorageError
+
+TRACE_VERSION: Final = 2
+_TAG: Final = b"detdata-trace-v2\0"
+_MOD: Final = 1 << 256
+_HEX_LEN: Final = 64
+_SCALARS: Final = (str, bytes, bool, int, float, type(None))
+
+# ----------------------------------------------------------------- digests
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """One leaf of a batch: per-sample ``rows`` (n byte strings) or one batch-level ``blob``."""
+
+    name: str
+    meta: str
+    rows: Sequence[Any] | np.ndarray | None = None
+    blob: bytes = b""
+
+
+def _scalar_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"b" + value
+    return b"r" + repr(value).encode()  # bool, int, float, None: repr is exact
+
+
+def _tensor_array(tensor: Any, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """A torch tensor as (contiguous numpy array, dtype text, shape); raw bytes if numpy lacks the dtype."""
+    import torch
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        raise ConfigError(f"trace: batch leaf {name!r} is a {t.layout} tensor; only dense tensors can be "
+                          "digested; hint: return dense tensors from collate_fn, or trace=None")
+    try:
+        t = t.cpu().resolve_conj().resolve_neg().contiguous()
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ConfigError(f"trace: cannot copy batch leaf {name!r} ({t.dtype} on {t.device}) to the "
+                          f"host to digest it: {exc}") from None
+    shape = tuple(t.shape)
+    try:
+        arr = t.numpy()
+        return arr, arr.dtype.str, shape
+    except (TypeError, RuntimeError):
+        pass  # bfloat16, float8, ...: numpy has no such dtype; hash the raw bytes
+    try:
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise ConfigError(f"trace: cannot read the bytes of batch leaf {name!r} ({t.dtype}): {exc}; "
+                          "hint: convert it in collate_fn, or trace=None") from None
+    return raw, str(t.dtype), shape
+
+
+def _is_array(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor))
+
+
+def _sample_array_bytes(value: Any, name: str) -> bytes:
+    """One sample's array as bytes that include its dtype and shape (so [1, 2] != [[1], [2]])."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise ConfigError(f"trace: batch leaf {name!r} is a numpy object array; hint: return "
+                              "numeric arrays, or trace=None")
+        arr, dtype, shape = np.ascontiguousarray(value), value.dtype.str, value.shape
+    else:
+        arr, dtype, shape = _tensor_array(value, name)
+    return f"{dtype}{list(shape)}:".encode() + arr.tobytes()
+
+
+def _array_leaf(name: str, arr: np.ndarray, dtype: str, shape: tuple[int, ...], n: int) -> _Leaf:
+    """Per-sample rows when the first axis has one entry per position, else one batch-level blob."""
+    if arr.dtype.hasobject:
+        raise ConfigError(f"trace: batch leaf {name!r} is a numpy object array; its bytes are pointers, "
+                          "not data; hint: return numeric or string arrays, or trace=None")
+    arr = np.ascontiguousarray(arr)
+    if shape and shape[0] == n:
+        return _Leaf(name, f"{dtype}{list(shape[1:])}", rows=arr.reshape(n, -1).view(np.uint8))
+    return _Leaf(name, f"batch:{dtype}{list(shape)}", blob=arr.tobytes())
+
+
+def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
+    """Flatten a delivered batch (tensors/arrays/scalars in dicts, lists, tuples) into leaves."""
+    torch = sys.modules.get("torch")
+    label = name or "_"
+    if torch is not None and isinstance(batch, torch.Tensor):
+        yield _array_leaf(label, *_tensor_array(batch, label), n)
+    elif isinstance(batch, np.ndarray):
+        yield _array_leaf(label, batch, batch.dtype.str, batch.shape, n)
+    elif isinstance(batch, Mapping):
+        for key in sorted(batch, key=str):
+            yield from _leaves(batch[key], n, f"{name}.{key}" if name else str(key))
+    elif isinstance(batch, (list, tuple)):
+        if len(batch) == n and n > 0 and all(isinstance(v, _SCALARS) for v in batch):
+            yield _Leaf(label, "list", rows=[_scalar_bytes(v) for v in batch])
+        elif len(batch) == n and n > 0 and all(_is_array(v) for v in batch):
+            # one array per sample (ragged rows): per-sample digests, so steps stay micro-batch invariant
+            yield _Leaf(label, "list:arrays", rows=[_sample_array_bytes(v, f"{label}[{i}]")
+                                                    for i, v in enumerate(batch)])
+        else:
+            for i, item in enumerate(batch):
+                yield from _leaves(item, n, f"{name}[{i}]")
+    elif isinstance(batch, _SCALARS):
+        yield _Leaf(label, "batch:scalar", blob=_scalar_bytes(batch))
+    else:
+        raise ConfigError(f"trace: cannot digest batch leaf {label!r} of type {type(batch).__name__}; "
+                          "traces digest tensors, numpy arrays, str/bytes/numbers and dicts, lists "
+                          "and tuples of them; hint: return those from collate_fn, or trace=None")
+
+
+def leaf_digest(leaf_name: str, meta: str, positions: npt.NDArray[np.int64],
+                rows: Sequence[Any] | np.ndarray | None, blob: bytes = b"") -> int:
+    """The digest sum of one leaf over a micro batch (see the module docstring)."""
+    prefix = _TAG + leaf_name.encode() + b"\0" + meta.encode() + b"\0"
+    if rows is None:
+        return int.from_bytes(blake3.blake3(prefix + positions.astype("<i8").tobytes() + blob).digest(),
+                              "little")
+    total = 0
+    for pos, row in zip(positions.tolist(), rows, strict=True):
+        hasher = blake3.blake3(prefix + pos.to_bytes(8, "little", signed=True))
+        hasher.update(row)
+        total += int.from_bytes(hasher.digest(), "little")
+    return total % _MOD
+
+
+def batch_digests(positions: npt.NDArray[np.int64], batch: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """(leaf name -> description, leaf name -> digest sum) of one delivered micro batch."""
+    cols: dict[str, str] = {}
+    sums: dict[str, int] = {}
+    for leaf in _leaves(batch, len(positions)):
+        if leaf.name in cols:
+            raise ConfigError(f"trace: two batch leaves are both named {leaf.name!r} (keys that print "
+                              "alike); hint: use distinct string keys")
+        cols[leaf.name] = leaf.meta
+        sums[leaf.name] = leaf_digest(leaf.name, leaf.meta, positions, leaf.rows, leaf.blob)
+    return cols, sums
+
+
+def position_runs(positions: npt.NDArray[np.int64]) -> list[list[int]]:
+    """``[first, count]`` runs of consecutive ascending positions, in order."""
+    runs: list[list[int]] = []
+    for p in positions.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return runs
+
+
+# ------------------------------------------------------------------ writer
+
+
+def _open_append(path: str) -> int:
+    """Open (creating parent folders) a trace file for appending; ConfigError naming it."""
+    if "://" in path:
+        raise ConfigError(f"trace path {path!r} is a URL; traces are written to local files; hint: "
+                          "write the trace locally and upload it")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise ConfigError(f"trace path {path!r} is a directory; hint: pass a file name such as "
+                          f"{os.path.join(path, 'trace.jsonl')!r}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot open trace file {path!r} for appending: {exc.strerror or exc}; "
+                          "hint: pass a writable file path") from None
+
+
+class TraceWriter:
+    """Appends one record per delivered micro batch to a JSONL file (format: module docstring).
+
+    Rank ``r > 0`` writes ``{path}.rank{r}``. The constructor opens the file for
+    appending (creating parent folders) and raises `ConfigError` naming the path
+    when it cannot (a directory, an unwritable place, a URL).
+
+    Protocol for the loader: ``add(samples_consumed, positions, batch)`` for each
+    micro batch *before* it is counted and delivered (if it raises, nothing was
+    written: the batch must not be delivered); ``restore(samples_consumed)`` after
+    a state was loaded (``load_state_dict``); ``close()`` at the end.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], rank: int, *, global_batch_size: int,
+                 samples_per_micro_step: int) -> None:
+        p = os.fspath(path)
+        self.path = p if rank == 0 else f"{p}.rank{rank}"
+        self.rank = rank
+        self.global_batch_size = global_batch_size
+        self.samples_per_micro_step = samples_per_micro_step
+        self._restored = False
+        self._fd: int | None = _open_append(self.path)
+
+    def restore(self, samples_consumed: int) -> None:
+        """The run continues at ``samples_consumed`` (a loaded state): flags the next record."""
+        del samples_consumed  # the next record's ``at`` says where; the flag says it was on purpose
+        self._restored = True
+
+    def add(self, samples_consumed: int, positions: npt.NDArray[np.int64], batch: Any) -> None:
+        """Record the micro batch about to be delivered (``samples_consumed`` before counting it)."""
+        if self._fd is None:
+            raise ConfigError(f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
+                              "deliver more batches with its trace")
+        at = int(samples_consumed)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not len(positions):
+            raise ConfigError(f"trace {self.path!r}: a micro batch without positions cannot be recorded")
+        cols, sums = batch_digests(positions, batch)
+        record: dict[str, Any] = {
+            "v": TRACE_VERSION, "rank": self.rank, "step": at // self.global_batch_size, "at": at,
+            "next": at + self.samples_per_micro_step, "gbs": self.global_batch_size,
+            "pos": position_runs(positions), "cols": cols,
+            "batch_b3": {k: f"{v:064x}" for k, v in sums.items()}}
+        if self._restored:
+            record["restored"] = True
+        self._append((json.dumps(record, sort_keys=True) + "\n").encode())
+        self._restored = False
+
+    def _append(self, line: bytes) -> None:
+        assert self._fd is not None
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # leave no partial line behind
+                os.ftruncate(self._fd, start)
+            raise StorageError(f"cannot append to trace file {self.path!r}: {exc.strerror or exc}; the "
+                               "batch was not delivered; hint: free disk space or move the trace") from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError, TypeError):  # interpreter shutdown
+                os.close(fd)
+
+
+# ------------------------------------------------------------------ reader
+
+
+@dataclass(frozen=True)
+class Record:
+    """One parsed trace record; ``where`` is ``file:line``."""
+
+    where: str
+    rank: int
+    step: int
+    at: int
+    next: int
+    gbs: int
+    runs: tuple[tuple[int, int], ...]
+    cols: Mapping[str, str]
+    sums: Mapping[str, int]
+    restored: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"v": TRACE_VERSION, "rank": self.rank, "step": self.step, "at": self.at,
+                               "next": self.next, "gbs": self.gbs, "pos": [list(r) for r in self.runs],
+                               "cols": dict(self.cols),
+                               "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()}}
+        if self.restored:
+            out["restored"] = True
+        return out
+
+    def describe(self) -> str:
+        return f"{self.where}: " + json.dumps(self.to_json(), sort_keys=True)
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _bad(where: str, what: str) -> FormatError:
+    return FormatError(f"{where}: {what}; hint: traces are the JSONL files written by "
+                       "DataLoader(trace=...) with this detdata version")
+
+
+def _runs(where: str, pos: Any, at: int, nxt: int) -> tuple[tuple[int, int], ...]:
+    if not isinstance(pos, list) or not pos:
+        raise _bad(where, f"field 'pos' must be a non-empty list of [first, count], found {pos!r:.60}")
+    runs = []
+    for run in pos:
+        if not (isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1], 1)):
+            raise _bad(where, f"field 'pos' must hold [first, count] pairs of integers, found {run!r:.60}")
+        if run[0] < at or run[0] + run[1] > nxt:
+            raise _bad(where, f"positions {run} lie outside the record's samples [at, next) = [{at}, {nxt})")
+        runs.append((run[0], run[1]))
+    return tuple(runs)
+
+
+def _digests(where: str, cols: Any, sums: Any) -> tuple[dict[str, str], dict[str, int]]:
+    if not isinstance(cols, dict) or not all(isinstance(v, str) for v in cols.values()):
+        raise _bad(where, "field 'cols' must be an object of leaf name -> description strings")
+    if not isinstance(sums, dict) or sorted(sums) != sorted(cols):
+        raise _bad(where, "field 'batch_b3' must have one digest per leaf named in 'cols'")
+    out = {}
+    for name, text in sums.items():
+        if not (isinstance(text, str) and len(text) == _HEX_LEN
+                and all(c in "0123456789abcdef" for c in text)):
+            raise _bad(where, f"batch_b3[{name!r}] must be 64 lowercase hex digits, found {text!r:.80}")
+        out[name] = int(text, 16)
+    return dict(cols), out
+
+
+def parse_record(doc: Any, where: str) -> Record:
+    """Validate one decoded JSON line into a `Record` (`FormatError` naming ``where``)."""
+    if not isinstance(doc, dict):
+        raise _bad(where, f"expected a JSON object, found {type(doc).__name__}")
+    version = doc.get("v")
+    if version != TRACE_VERSION or isinstance(version, bool):
+        raise _bad(where, f"trace format version {version!r}; this detdata reads version {TRACE_VERSION} "
+                   "(version 1 traces held one record per step and cannot be compared; re-record)")
+    for key, minimum in (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)):
+        if not _is_int(doc.get(key), minimum):
+            raise _bad(where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}")
+    at, nxt, gbs = doc["at"], doc["next"], doc["gbs"]
+    if nxt <= at or doc["step"] != at // gbs:
+        raise _bad(where, f"inconsistent fields: at={at}, next={nxt}, gbs={gbs}, step={doc['step']} "
+                   "(expected next > at and step == at // gbs)")
+    restored = doc.get("restored", False)
+    if not isinstance(restored, bool):
+        raise _bad(where, f"field 'restored' must be true or false, found {restored!r:.60}")
+    cols, sums = _digests(where, doc.get("cols"), doc.get("batch_b3"))
+    return Record(where=where, rank=doc["rank"], step=doc["step"], at=at, next=nxt, gbs=gbs,
+                  runs=_runs(where, doc.get("pos"), at, nxt), cols=cols, sums=sums, restored=restored)
+
+
+def _decode(raw: bytes, where: str, last: bool) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(where, f"not UTF-8 text (byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _bad(where, "JSON nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        if last:
+            raise _bad(where, f"truncated last record ({exc.msg}; the file does not end with a "
+                       "newline: was the writer killed mid-write?)") from None
+        raise _bad(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+        raise _bad(where, f"not a usable JSON value ({exc})") from None
+
+
+def read_trace(path: str | os.PathLike[str]) -> list[Record]:
+    """Records of a trace file, in file order; `FormatError` naming ``file:line`` if malformed.
+
+    Missing or unreadable files raise `ConfigError` naming the path.
+    """
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"trace file not found: {p}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"trace path {p} is a directory; hint: pass the trace file inside it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
+    lines = data.split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        where = f"{p}:{number}"
+        last = number == len(lines)  # only a last line without its newline can be cut short
+        records.append(parse_record(_decode(raw, where, last), where))
+    return records
+
+
+# -------------------------------------------------------------- assembling
+
+
+def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of ``[start, end)`` intervals, sorted and merged."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _spans(records: Sequence[Record]) -> list[tuple[int, int]]:
+    return _merged([(first, first + n) for r in records for first, n in r.runs])
+
+
+def _text(spans: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in spans[:4]) + (" ..." if len(spans) > 4 else "")
+
+
+@dataclass(frozen=True)
+class Block:
+    """Records of two sides whose positions overlap transitively (compared as one unit)."""
+
+    left: tuple[Record, ...]
+    right: tuple[Record, ...]
+
+    @property
+    def start(self) -> int:
+        return min(first for r in (*self.left, *self.right) for first, _ in r.runs)
+
+
+def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
+    """Connected groups of records (either side) with overlapping positions, by first position."""
+    items = [*((r, 0) for r in left), *((r, 1) for r in right)]
+    parent = list(range(len(items)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    spans = sorted((first, first + n, i) for i, (rec, _) in enumerate(items) for first, n in rec.runs)
+    reach, owner = -1, -1
+    for start, end, i in spans:
+        if start < reach:  # overlaps the group being swept
+            parent[find(i)] = find(owner)
+            reach = max(reach, end)
+        else:
+            reach, owner = end, i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(items)):
+        groups.setdefault(find(i), []).append(i)
+    out = [Block(tuple(items[i][0] for i in g if items[i][1] == 0),
+                 tuple(items[i][0] for i in g if items[i][1] == 1)) for g in groups.values()]
+    return sorted(out, key=lambda b: b.start)
+
+
+def _summed(records: Sequence[Record]) -> tuple[dict[str, str], dict[str, int], list[str]]:
+    """(leaf descriptions, digest sums, leaves described differently by different records)."""
+    cols: dict[str, str] = {}
+    sums: dict[str, int] = {}
+    clashes = []
+    for rec in records:
+        for name, meta in rec.cols.items():
+            if cols.setdefault(name, meta) != meta and name not in clashes:
+                clashes.append(name)
+            sums[name] = (sums.get(name, 0) + rec.sums[name]) % _MOD
+    for name in cols:
+        if any(name not in rec.cols for rec in records) and name not in clashes:
+            clashes.append(name)
+    return cols, sums, clashes
+
+
+def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str | None:
+    """Why the two sides of a block differ (None when they delivered the same samples)."""
+    left, right = _spans(block.left), _spans(block.right)
+    if left != right:
+        only_a = _minus(left, right)
+        only_b = _minus(right, left)
+        parts = [f"positions {_text(s)} only in {side}" for s, side in zip((only_a, only_b), sides, strict=True) if s]
+        return "positions differ: " + "; ".join(parts)
+    cols_a, sums_a, clash_a = _summed(block.left)
+    cols_b, sums_b, clash_b = _summed(block.right)
+    if clash_a or clash_b:
+        return f"leaves described differently within a step: {sorted({*clash_a, *clash_b})}"
+    if cols_a != cols_b:
+        return f"batch leaves differ: {sides[0]} {cols_a} vs {sides[1]} {cols_b}"
+    changed = [name for name in sorted(sums_a) if sums_a[name] != sums_b[name]]
+    if changed:
+        batch = [n for n in changed if cols_a[n].startswith("batch:")]
+        hint = (f" (leaves {batch} are batch-level values, not per sample: they depend on the micro "
+                "batch size)") if batch else ""
+        return f"differs: batch_b3 of leaf {changed} at positions {_text(left)}{hint}"
+    return None
+
+
+def _minus(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Positions in intervals ``a`` and not in ``b`` (both merged)."""
+    out = []
+    for start, end in a:
+        cur = start
+        for bs, be in b:
+            if be <= cur or bs >= end:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A difference: at ``step``, on ``rank``; ``records`` are (label, record) pairs to show."""
+
+    step: int
+    rank: int
+    kind: str  # "conflict", "discontinuity", "overlap", "missing", "differs"
+    reason: str
+    records: tuple[tuple[str, Record], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "kind": self.kind, "reason": self.reason,
+                "records": [[label, rec.to_json() | {"where": rec.where}] for label, rec in self.records]}
+
+
+_PRIORITY: Final = {"conflict": 0, "discontinuity": 1, "overlap": 2, "missing": 3, "differs": 4}
+
+
+@dataclass
+class Trace:
+    """A trace assembled per global step: the final records and its own inconsistencies."""
+
+    steps: dict[int, list[Record]] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _conflicts(label: str, rank: int, generation: list[Record], final: list[Record]) -> Iterator[Finding]:
+    """Records delivered before a restore whose positions were delivered again with other bytes."""
+    by_step: dict[int, tuple[list[Record], list[Record]]] = {}
+    for rec in generation:
+        by_step.setdefault(rec.step, ([], []))[0].append(rec)
+    for rec in final:
+        if rec.step in by_step:
+            by_step[rec.step][1].append(rec)
+    for step, (before, after) in sorted(by_step.items()):
+        for block in blocks(before, after):
+            if not block.left or not block.right or _spans(block.left) != _spans(block.right):
+                continue  # not delivered again (or not comparable as one unit): nothing to check
+            why = block_difference(block, ("before", "after"))
+            if why is not None:
+                shown = (*((f"{label} first", r) for r in block.left[:2]),
+                         *((f"{label} again", r) for r in block.right[:2]))
+                yield Finding(step, rank, "conflict",
+                              f"conflict in {label}: positions {_text(_spans(block.left))} of rank {rank} "
+                              f"were delivered twice with different bytes ({why})", shown)
+
+
+def assemble(records: Sequence[Record], label: str = "A") -> Trace:
+    """Replay a trace's records in file order into its final records per step (module docstring)."""
+    current: dict[int, list[Record]] = {}
+    generations: dict[int, list[list[Record]]] = {}
+    trace = Trace()
+    for rec in records:
+        mine = current.setdefault(rec.rank, [])
+        prev = mine[-1] if mine else None
+        if prev is not None and not rec.restored and rec.at != prev.next:
+            expected = prev.next // prev.gbs
+            trace.findings.append(Finding(
+                expected, rec.rank, "discontinuity",
+                f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} (step "
+                f"{rec.step}) right after samples_consumed {prev.next} (step {expected}) without a "
+                "restore; a fresh loader appended to this trace without load_state_dict (data cursor "
+                "not restored?), or two runs share the file",
+                ((f"{label} before", prev), (f"{label} then", rec))))
+        if rec.restored or (prev is not None and rec.at != prev.next):
+            keep = [r for r in mine if r.next <= rec.at]  # delivered wholly before the new position
+            if len(keep) < len(mine):
+                generations.setdefault(rec.rank, []).append([r for r in mine if r.next > rec.at])
+                current[rec.rank] = mine = keep
+        mine.append(rec)
+    for rank, gens in generations.items():
+        for gen in gens:
+            trace.findings.extend(_conflicts(label, rank, gen, current[rank]))
+    for mine in current.values():
+        for rec in mine:
+            trace.steps.setdefault(rec.step, []).append(rec)
+    for step, recs in sorted(trace.steps.items()):
+        trace.findings.extend(_overlaps(label, step, recs))
+    return trace
+
+
+def _overlaps(label: str, step: int, records: list[Record]) -> Iterator[Finding]:
+    """Positions delivered by two ranks in one step (each rank's own final records never overlap)."""
+    spans = sorted(((first, first + n, k) for k, rec in enumerate(records) for first, n in rec.runs))
+    reach, owner = -1, 0
+    for start, end, k in spans:
+        if start < reach:
+            a, b = records[owner], records[k]
+            yield Finding(step, min(a.rank, b.rank), "overlap",
+                          f"overlap in {label}: positions [{start}, {min(end, reach)}) of step {step} "
+                          f"were delivered twice, by rank {a.rank} and by rank {b.rank} (ranks built with "
+                          "different world sizes, data sharded twice, or rank files of different runs?)",
+                          ((f"{label} rank {a.rank}", a), (f"{label} rank {b.rank}", b)))
+            return
+        reach, owner = end, k
+
+
+def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
+    """Per global step: merged positions, leaf descriptions and summed digests of the final records.
+
+    Two runs that delivered the same samples at the same positions give equal
+    values whatever their micro batch size, workers, resumes and replays.
+    """
+    out = {}
+    for step, recs in sorted(assemble(records).steps.items()):
+        cols, sums, _ = _summed(recs)
+        out[step] = {"positions": [list(s) for s in _spans(recs)], "cols": cols,
+                     "batch_b3": {k: f"{v:064x}" for k, v in sorted(sums.items())}}
+    return out
+
+
+# ------------------------------------------------------------------ diffing
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """All differences between two traces (sorted: the first is the first divergence)."""
+
+    findings: tuple[Finding, ...]
+    steps_compared: int
+
+    @property
+    def first(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    @property
+    def steps_differing(self) -> int:
+        return len({f.step for f in self.findings})
+
+
+def _cross(step: int, a: list[Record], b: list[Record]) -> Finding | None:
+    if not a or not b:
+        have = a or b
+        return Finding(step, min(r.rank for r in have), "missing",
+                       f"missing in {'A' if not a else 'B'}",
+                       tuple((("A" if a else "B"), r) for r in have[:2]))
+    for block in blocks(a, b):
+        why = block_difference(block)
+        if why is not None:
+            rank = min(r.rank for r in (*block.left, *block.right))
+            return Finding(step, rank, "differs", why,
+                           (*(("A", r) for r in block.left[:2]), *(("B", r) for r in block.right[:2])))
+    return None
+
+
+def compare(a: Sequence[Record], b: Sequence[Record], *, start: int = 0,
+            stop: int | None = None) -> Comparison:
+    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence first."""
+    ta, tb = assemble(a, "A"), assemble(b, "B")
+
+    def inside(step: int) -> bool:
+        return step >= start and (stop is None or step < stop)
+
+    findings = [f for f in (*ta.findings, *tb.findings) if inside(f.step)]
+    steps = sorted(s for s in set(ta.steps) | set(tb.steps) if inside(s))
+    for step in steps:
+        found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []))
+        if found is not None:
+            findings.append(found)
+    findings.sort(key=lambda f: (f.step, _PRIORITY[f.kind], f.rank))
+    return Comparison(tuple(findings), len(steps))
+
+
+def first_difference(a: Sequence[Record], b: Sequence[Record], *, start: int = 0,
+                     stop: int | None = None) -> dict[str, Any] | None:
+    """The first divergence of two traces as JSON (``step``, ``rank``, ``kind``, ``reason``,
+    ``records``), or None when they delivered the same samples in every compared step."""
+    found = compare(a, b, start=start, stop=stop).first
+    return None if found is None else found.to_json()

@@ -1,0 +1,281 @@
+"""Order as a function: global position -> sample id, per index, O(1) memory.
+
+Algorithm ``feistel-v1`` (exact definition; a re-implementation in any language
+must reproduce the golden vectors in ``tests/golden/order_feistel_v1.json``):
+
+Inputs: ``n`` (1 <= n < 2**62 samples), ``seed`` (0 <= seed < 2**64), global
+position ``g >= 0``. All arithmetic is on unsigned 64-bit integers, wrapping.
+
+1. ``epoch = g // n``, ``i = g % n``. If ``n == 1`` the answer is 0.
+2. Round keys: ``K = blake3(b"detdata:feistel-v1" + u64le(seed) + u64le(epoch))``
+   extended (XOF) to ``8 * ROUNDS`` bytes; key ``k_r`` is bytes ``[8r, 8r+8)``
+   read little-endian. ``ROUNDS = 8``.
+3. Domain: ``bits = max(2, bit_length(n - 1))``, ``lo_bits = bits // 2``,
+   ``hi_bits = bits - lo_bits``. A value ``x < 2**bits`` is split into
+   ``lo = x & (2**lo_bits - 1)`` and ``hi = x >> lo_bits``.
+4. One encryption ``E(x)``: for ``r`` in ``0..ROUNDS-1``: if ``r`` is even,
+   ``hi ^= F(k_r, lo) & (2**hi_bits - 1)``, else ``lo ^= F(k_r, hi) & (2**lo_bits - 1)``;
+   then ``x = (hi << lo_bits) | lo``. Each round is invertible, so ``E`` is a
+   bijection on ``[0, 2**bits)``.
+5. ``F(k, v) = mix(v ^ k)`` with the splitmix64 finaliser:
+   ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31``.
+6. Cycle walking: ``y = E(i)``; while ``y >= n``: ``y = E(y)``. The result ``y``
+   is the sample id. Because ``2**bits < 2n`` (for n > 2), the expected number
+   of encryptions is below 2.
+
+Keys depend on ``(algorithm, seed, epoch)`` through blake3 only: seed ``s`` at
+epoch 1 and seed ``s + 1`` at epoch 0 are unrelated permutations.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Sequence
+from typing import Final, overload
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError
+
+ALGORITHM: Final = "feistel-v1"
+ROUNDS: Final = 8
+MAX_SAMPLES: Final = 1 << 62
+_MAX_SEED: Final = 1 << 64
+_M1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_M2: Final = np.uint64(0x94D049BB133111EB)
+_CHUNK: Final = 65536  # positions per vectorised pass: keeps temporaries in cache
+
+IntArray = npt.NDArray[np.int64]
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """Return ``seed`` as an int in ``[0, 2**64)`` or raise `ConfigError`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed!r} "
+                          f"({type(seed).__name__}); hint: pass a plain int such as 1234")
+    value = int(seed)
+    if not 0 <= value < _MAX_SEED:
+        raise ConfigError(f"{what} must be in [0, 2**64), got {value}")
+    return value
+
+
+def check_count(n: object, what: str, *, minimum: int = 1, maximum: int = MAX_SAMPLES - 1) -> int:
+    """Return ``n`` as an int in ``[minimum, maximum]`` or raise `ConfigError`."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer, got {n!r} ({type(n).__name__})")
+    value = int(n)
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{what} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+_KEY_PREFIX: Final = b"detdata:" + ALGORITHM.encode()
+_KEY_BYTES: Final = 8 * ROUNDS
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_material(seed: int, epoch: int) -> bytes:
+    """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``.
+
+    Cached separately from `round_keys` (and larger) so that a multi-epoch
+    request of one chunk (e.g. 4096 positions of a small source) finds its keys
+    again on the next call without converting them through Python ints.
+    """
+    return blake3.blake3(_KEY_PREFIX + struct.pack("<QQ", seed, epoch)).digest(length=_KEY_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)
+def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
+    """The ``ROUNDS`` 64-bit round keys of ``feistel-v1`` for ``(seed, epoch)``."""
+    return struct.unpack(f"<{ROUNDS}Q", _key_material(seed, epoch))
+
+
+def _key_table(seed: int, epochs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table: row ``r`` is ``k_r``."""
+    material = b"".join([_key_material(seed, e) for e in epochs.tolist()])
+    table = np.frombuffer(material, dtype="<u8").reshape(epochs.size, ROUNDS)
+    return np.ascontiguousarray(table.T, dtype=np.uint64)  # native order, one row per round
+
+
+def mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64 finaliser, in place on ``z`` (which is returned)."""
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+_S30: Final = np.uint64(30)
+_S27: Final = np.uint64(27)
+_S31: Final = np.uint64(31)
+
+
+def _mix_into(z: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:
+    """`mix64` on ``z`` in place, with ``tmp`` (same shape) as scratch: no allocations."""
+    np.right_shift(z, _S30, out=tmp)
+    z ^= tmp
+    z *= _M1
+    np.right_shift(z, _S27, out=tmp)
+    z ^= tmp
+    z *= _M2
+    np.right_shift(z, _S31, out=tmp)
+    z ^= tmp
+
+
+@functools.lru_cache(maxsize=1024)
+def _keys_u64(keys: tuple[int, ...]) -> tuple[np.uint64, ...]:
+    return tuple(np.uint64(k) for k in keys)
+
+
+def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt.NDArray[np.uint64]:
+    """``E(x)`` (module docstring, step 4): ``ROUNDS`` Feistel rounds, in scratch buffers."""
+    return _feistel(x, _keys_u64(keys), bits)
+
+
+def _feistel(x: npt.NDArray[np.uint64],
+             keys: Sequence[np.uint64] | npt.NDArray[np.uint64],
+             bits: int) -> npt.NDArray[np.uint64]:
+    """``E(x)`` with round key ``keys[r]`` per round: a scalar (one epoch for all of ``x``)
+    or an array shaped like ``x`` (each element's own epoch key), xored element-wise."""
+    lo_bits = bits // 2
+    lo_mask = np.uint64((1 << lo_bits) - 1)
+    hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
+    shift = np.uint64(lo_bits)
+    lo = x & lo_mask
+    hi = x >> shift
+    z = np.empty_like(lo)
+    tmp = np.empty_like(lo)
+    for r, k in enumerate(keys):
+        if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
+            np.bitwise_xor(lo, k, out=z)
+            _mix_into(z, tmp)
+            z &= hi_mask
+            hi ^= z
+        else:  # lo ^= F(k, hi) & lo_mask
+            np.bitwise_xor(hi, k, out=z)
+            _mix_into(z, tmp)
+            z &= lo_mask
+            lo ^= z
+    hi <<= shift
+    hi |= lo
+    return hi
+
+
+def domain_bits(n: int) -> int:
+    """Number of bits of the Feistel domain used for ``n`` samples."""
+    return max(2, (n - 1).bit_length())
+
+
+def permute(indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int) -> npt.NDArray[np.uint64]:
+    """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
+    if n == 1:
+        return np.zeros_like(indices)
+    keys = round_keys(seed, epoch)
+    bits = domain_bits(n)
+    out = _encrypt(indices, keys, bits)
+    limit = np.uint64(n)
+    pending = np.flatnonzero(out >= limit)
+    while pending.size:
+        walked = _encrypt(out[pending], keys, bits)
+        out[pending] = walked
+        pending = pending[walked >= limit]
+    return out
+
+
+def permute_epochs(indices: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int,
+                   seed: int) -> npt.NDArray[np.uint64]:
+    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised.
+
+    The same bits as calling `permute` once per distinct epoch: keys are derived
+    once per distinct epoch, gathered into per-element key rows, and the Feistel
+    rounds and cycle walking run on all elements at once (the pending subset
+    carries its own keys).
+    """
+    if n == 1:
+        return np.zeros_like(indices)
+    unique, inverse = np.unique(epochs, return_inverse=True)
+    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
+    bits = domain_bits(n)
+    out = _feistel(indices, keys, bits)
+    limit = np.uint64(n)
+    pending = np.flatnonzero(out >= limit)
+    keys = keys[:, pending]
+    while pending.size:
+        walked = _feistel(out[pending], keys, bits)
+        out[pending] = walked
+        more = walked >= limit
+        pending, keys = pending[more], keys[:, more]
+    return out
+
+
+class GlobalOrder:
+    """Global position -> sample id for ``num_samples`` samples under ``seed``.
+
+    Position ``g`` maps to ``perm(seed, epoch=g // n)(g % n)`` with ``perm`` the
+    ``feistel-v1`` bijection (see module docstring). Nothing of size ``n`` is
+    ever stored; any position costs the same.
+    """
+
+    algorithm: Final = ALGORITHM
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = check_count(num_samples, "num_samples")
+        self.seed = check_seed(seed)
+
+    def __repr__(self) -> str:
+        return f"GlobalOrder(num_samples={self.num_samples}, seed={self.seed}, algorithm={ALGORITHM!r})"
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, GlobalOrder) and other.num_samples == self.num_samples
+                and other.seed == self.seed)
+
+    def __hash__(self) -> int:
+        return hash((ALGORITHM, self.num_samples, self.seed))
+
+    @overload
+    def __getitem__(self, position: int) -> int: ...
+    @overload
+    def __getitem__(self, position: slice) -> IntArray: ...
+
+    def __getitem__(self, position: int | slice) -> int | IntArray:
+        if isinstance(position, slice):
+            if position.stop is None:
+                raise ConfigError("GlobalOrder slices need a stop: the order is infinite")
+            start, stop, step = position.start or 0, position.stop, position.step or 1
+            return self.ids(np.arange(start, stop, step, dtype=np.int64))
+        g = check_count(position, "position", minimum=0, maximum=(1 << 63) - 1)
+        return int(self.ids(np.array([g], dtype=np.int64))[0])
+
+    def ids(self, positions: npt.ArrayLike) -> IntArray:
+        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
+        pos = np.asarray(positions)
+        if pos.dtype.kind not in "iu":
+            raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
+        if pos.size and int(pos.min()) < 0:
+            raise ConfigError(f"positions must be >= 0, found {int(pos.min())}")
+        pos = pos.astype(np.uint64, copy=False)
+        epochs, local = np.divmod(pos, np.uint64(self.num_samples))
+        out = np.empty(pos.shape, dtype=np.uint64)
+        flat_e, flat_l, flat_o = epochs.reshape(-1), local.reshape(-1), out.reshape(-1)
+        for start in range(0, flat_o.size, _CHUNK):
+            stop = start + _CHUNK
+            flat_o[start:stop] = self._chunk(flat_e[start:stop], flat_l[start:stop])
+        return out.view(np.int64)  # ids < n < 2**62: the same bits, no copy
+
+    def _chunk(self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        first = int(epochs[0])
+        if bool((epochs == first).all()):
+            return permute(local, self.num_samples, self.seed, first)  # never writes its input
+        return permute_epochs(local, epochs, self.num_samples, self.seed)
+
+    def epoch_of(self, position: int) -> int:
+        """The epoch a global position falls in."""
+        return position // self.num_samples

@@ -1,0 +1,174 @@
+"""Retries for storage reads: exponential backoff, deterministic jitter, a deadline.
+
+`RetryPolicy.run(fn, ...)` calls ``fn(attempt_timeout)`` until it returns, a
+*permanent* error is raised (missing object, permission denied, bad input:
+re-raised unchanged), or the deadline passes; then it raises `RetriesExhausted`
+(a `StorageError`) naming the operation, the shard, the URL, the number of
+attempts, the time spent and the last error.
+
+Backoff before attempt ``n + 1`` is ``min(max_delay_s, base_delay_s * 2**n)``
+scaled by a jitter factor in ``[0.5, 1)``. The factor is blake3 of
+``(key, n)`` -- the key is the URL being read -- so readers of different objects
+spread out, while the same read always waits the same way: no global random
+generator is touched or consumed, and nothing here can change which bytes are
+delivered (retries only ever re-read immutable, manifest-checked bytes).
+
+``deadline_s`` bounds one operation (a batch of range reads, one chunk of a
+cache fill, one manifest/registry read): a read that makes progress gets a new
+budget for its next chunk, a read that fails or stalls for ``deadline_s`` fails.
+``attempt_timeout_s`` cancels a single attempt that stalls (enforced for
+fsspec's asynchronous file systems: s3, gcs, http).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+import blake3
+
+from detdata.base.errors import ConfigError, DetdataError, RetriesExhausted, ShortRead
+
+T = TypeVar("T")
+log: Final = logging.getLogger("detdata.retry")
+JITTER_ALGORITHM: Final = "detdata:retry-jitter-v1"
+
+# Errors that say "this will not get better by waiting" (re-raised at once).
+_PERMANENT: Final = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                     FileExistsError)
+_RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
+_BOTO_TRANSIENT: Final = frozenset({
+    "HTTPClientError", "ConnectionError", "EndpointConnectionError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ConnectionClosedError", "IncompleteReadError",
+    "ResponseStreamingError", "ProxyConnectionError"})
+_BOTO_CODES: Final = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
+                                "Throttling", "ThrottlingException", "RequestTimeTooSkewed"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting and reading again may succeed (network, timeouts, 5xx, short reads)."""
+    if isinstance(exc, DetdataError):
+        return isinstance(exc, ShortRead)
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        # fsspec's HTTP info() reports *any* failure of its HEAD/GET as FileNotFoundError
+        # raised from the real error: a reset connection is not a missing file
+        return not isinstance(exc.__cause__, FileNotFoundError) and is_transient(exc.__cause__)
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError, ShortRead)):
+        return True
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 400 <= status < 600:  # aiohttp ClientResponseError
+        return status in _RETRY_STATUS
+    module = type(exc).__module__ or ""
+    if module.startswith("aiohttp"):
+        return True  # ClientPayloadError, ServerDisconnectedError, ClientOSError, ...
+    if module.startswith("botocore") or module.startswith("aiobotocore"):
+        name = type(exc).__name__
+        if name in _BOTO_TRANSIENT:
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code in _BOTO_CODES or (isinstance(http, int) and http in _RETRY_STATUS)
+        return False
+    # EIO-style errors from fsspec back ends, pyarrow's ArrowIOError
+    return isinstance(exc, OSError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How storage reads retry. Defaults suit object stores; tests use short deadlines.
+
+    ``deadline_s``: total time one operation may take, retries included.
+    ``attempt_timeout_s``: time one attempt may take before it is cancelled
+    (None: only the client's own timeouts apply). ``base_delay_s`` /
+    ``max_delay_s``: exponential backoff bounds. ``max_attempts``: optional cap
+    on attempts (None: until the deadline).
+    """
+
+    deadline_s: float = 120.0
+    attempt_timeout_s: float | None = 30.0
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+    max_attempts: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "base_delay_s", "max_delay_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"RetryPolicy.{name} must be a number >= 0, got {value!r}")
+        t = self.attempt_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ConfigError(f"RetryPolicy.attempt_timeout_s must be > 0 or None, got {t!r}")
+        m = self.max_attempts
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"RetryPolicy.max_attempts must be an integer >= 1 or None, got {m!r}")
+        if self.max_delay_s < self.base_delay_s:
+            raise ConfigError(f"RetryPolicy.max_delay_s ({self.max_delay_s}) must be >= "
+                              f"base_delay_s ({self.base_delay_s})")
+
+    def delay(self, key: str, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (0-based) of the read named ``key``."""
+        cap = min(self.max_delay_s, self.base_delay_s * (2.0 ** min(attempt, 60)))
+        digest = blake3.blake3(f"{JITTER_ALGORITHM}|{key}|{attempt}".encode()).digest()
+        fraction = int.from_bytes(digest[:8], "little") / 2.0**64
+        return cap * (0.5 + 0.5 * fraction)
+
+    def run(self, fn: Callable[[float | None], T], *, what: str, shard: str | Callable[[], str],
+            url: str | Callable[[], str], key: str | None = None, clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], None] = time.sleep) -> T:
+        """``fn(attempt_timeout)`` with retries; see the module docstring.
+
+        ``shard`` and ``url`` name what is read in messages (callables are asked
+        at each failure, for reads whose culprit changes between attempts).
+        ``key`` seeds the jitter (default: the URL at the first failure).
+        """
+        start = clock()
+        attempt = 0
+        while True:
+            remaining = self.deadline_s - (clock() - start)
+            timeout = self.attempt_timeout_s
+            if timeout is not None:
+                timeout = max(0.05, min(timeout, remaining))
+            try:
+                return fn(timeout)
+            except BaseException as exc:
+                if not isinstance(exc, Exception) or not is_transient(exc):
+                    raise
+                last = exc
+            attempt += 1
+            elapsed = clock() - start
+            shard_now = shard() if callable(shard) else shard
+            url_now = url() if callable(url) else url
+            key = key or url_now
+            wait = self.delay(key, attempt - 1)
+            out_of_time = elapsed + wait >= self.deadline_s
+            if out_of_time or (self.max_attempts is not None and attempt >= self.max_attempts):
+                raise RetriesExhausted(
+                    f"{what} failed for shard {shard_now} at {url_now}: {attempt} attempt(s) in "
+                    f"{elapsed:.2f}s (deadline {self.deadline_s:g}s); last error: "
+                    f"{type(last).__name__}: {last}; hint: check that the store is reachable "
+                    "and the object exists; a slow store may need a longer "
+                    "RetryPolicy(deadline_s=..., attempt_timeout_s=...)",
+                    shard=shard_now, url=url_now, attempts=attempt, last_error=last) from last
+            log.warning("detdata: %s (shard %s, %s) failed on attempt %d: %s: %s; retrying in "
+                        "%.3fs", what, shard_now, url_now, attempt, type(last).__name__, last, wait)
+            sleep(wait)
+
+
+DEFAULT_RETRY: Final = RetryPolicy()
+
+
+def check_policy(policy: RetryPolicy | None) -> RetryPolicy:
+    """``policy`` or the default; `ConfigError` for anything else."""
+    if policy is None:
+        return DEFAULT_RETRY
+    if not isinstance(policy, RetryPolicy):
+        raise ConfigError(f"retry must be a detdata RetryPolicy, got {type(policy).__name__}")
+    return policy

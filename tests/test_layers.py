@@ -1,0 +1,123 @@
+"""The package's layers: each folder imports only from the layers below it, and the public
+surface is pinned.
+
+Every ``import`` of a detdata module anywhere in a module (top level or inside a
+function: a lazy import is still a dependency) is checked against the layer table.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import detdata
+
+PACKAGE = pathlib.Path(detdata.__file__).resolve().parent
+
+#: layer of each folder; a module may import its own layer and the layers listed for it
+LAYERS = ("base", "storage", "identity", "order", "datasets", "loading", "integrations", "cli")
+#: pure layers import less than "everything below"
+ALLOWED = {
+    "base": {"base"},
+    "storage": {"base", "storage"},
+    "identity": {"base", "storage", "identity"},
+    "order": {"base", "order"},  # pure functions: no storage, no identity, no datasets
+    "datasets": {"base", "storage", "identity", "order", "datasets"},
+    "loading": {"base", "storage", "identity", "order", "datasets", "loading"},
+    "integrations": {"base", "storage", "identity", "order", "datasets", "loading", "integrations"},
+    "cli": set(LAYERS) | {"detdata"},  # the CLI may use the public surface too
+}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, absolute detdata module) for every import in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}:{node.lineno}: relative import; use absolute detdata.* imports")
+    return [(line, mod) for line, mod in out if mod == "detdata" or mod.startswith("detdata.")]
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "detdata"
+
+
+def test_every_module_lives_in_a_layer_folder() -> None:
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert loose == [], f"modules outside the layer folders: {loose}"
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert set(folders) <= set(LAYERS), folders
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if len(rel.parts) == 1:
+            continue  # detdata/__init__.py: the public surface imports every layer
+        layer = rel.parts[0]
+        for line, module in _imports(path):
+            target = _layer(module)
+            if target not in ALLOWED[layer]:
+                bad.append(f"detdata/{rel}:{line} ({layer}) imports {module} ({target})")
+    assert bad == [], "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        name = ".".join(("detdata", *rel.parts)).removesuffix(".__init__")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # import time only
+        deps = set()
+        for node in top:
+            mods = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.Import) else []
+            deps |= {m for m in mods if m.startswith("detdata.")}
+        graph[name] = deps
+    seen: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        seen[node] = 1
+        for dep in graph.get(node, ()):
+            if seen.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack, node, dep]))
+            if dep not in seen:
+                visit(dep, [*stack, node])
+        seen[node] = 2
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [])
+
+
+PUBLIC = [
+    "ArrayDataset", "Batch", "ConfigError", "DataLoader", "Dataset", "DetdataError",
+    "DeterministicBatchSampler", "Format", "FormatError", "GlobalOrder", "Manifest",
+    "ManifestError", "Mixture", "OrderedStream", "RefEvent", "Registry", "RegistryError",
+    "RetriesExhausted", "RetryPolicy", "ShardEntry", "StateError", "Stateful", "StorageError",
+    "Stream", "TableRows", "TokenWindows", "VerificationError", "Verify", "WorkerMode",
+    "__version__", "build_manifest", "hash_files",
+]
+
+
+def test_public_surface_is_pinned_sorted_and_importable() -> None:
+    assert detdata.__all__ == sorted(detdata.__all__)
+    assert detdata.__all__ == PUBLIC
+    for name in detdata.__all__:
+        assert getattr(detdata, name) is not None
+
+
+def test_errors_subclass_the_root_and_a_builtin() -> None:
+    for name in ("ConfigError", "FormatError", "ManifestError", "RegistryError", "StateError",
+                 "StorageError", "VerificationError", "RetriesExhausted"):
+        cls = getattr(detdata, name)
+        assert issubclass(cls, detdata.DetdataError), name
+        assert any(issubclass(cls, b) for b in (ValueError, OSError, RuntimeError, TimeoutError)), name
