@@ -17,8 +17,9 @@ from detdata.base.errors import (
     StorageError,
     VerificationError,
 )
+from detdata.base.types import Batch
 from detdata.base.version import VERSION
-from detdata.datasets.base import ArrayDataset, Batch, Dataset, OrderedStream, Stream
+from detdata.datasets.base import ArrayDataset, Dataset, OrderedStream, Stream
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows

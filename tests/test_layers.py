@@ -121,3 +121,32 @@ def test_errors_subclass_the_root_and_a_builtin() -> None:
         cls = getattr(detdata, name)
         assert issubclass(cls, detdata.DetdataError), name
         assert any(issubclass(cls, b) for b in (ValueError, OSError, RuntimeError, TimeoutError)), name
+
+
+def _torch_imports(path: pathlib.Path) -> tuple[list[int], list[int]]:
+    """(lines importing torch at module level, lines importing it inside a function)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    outer, inner = [], []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            (outer if id(node) in top else inner).append(node.lineno)
+    return outer, inner
+
+
+def test_torch_stays_out_of_the_pure_layers() -> None:
+    """base/ and order/ never import torch; storage/, identity/ and datasets/ only lazily
+    (the CLI's manifest tools and a dataset built without a loader start without it)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if len(rel.parts) == 1:
+            continue
+        outer, inner = _torch_imports(path)
+        if rel.parts[0] in ("base", "order") and (outer or inner):
+            bad.append(f"detdata/{rel}:{(outer + inner)[0]} imports torch")
+        if rel.parts[0] in ("storage", "identity", "datasets") and outer:
+            bad.append(f"detdata/{rel}:{outer[0]} imports torch at module level")
+    assert bad == [], bad

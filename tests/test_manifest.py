@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import detdata.identity.manifest as manifest_mod
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import (
     ConfigError,
     FormatError,
@@ -30,7 +31,7 @@ from detdata.base.errors import (
     VerificationError,
 )
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, build_manifest, canonical_json, hash_files
+from detdata.identity.manifest import Manifest, build_manifest, hash_files
 from tests.conftest import write_token_shards
 
 MiB = 1 << 20

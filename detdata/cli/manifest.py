@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
 from detdata.identity.manifest import Manifest, Verify, build_manifest, hash_files
 from detdata.identity.registry import Registry
-from detdata.order.feistel import GlobalOrder, check_count, check_seed
+from detdata.order.feistel import GlobalOrder
 from detdata.storage.fs import is_url
 
 _MAX_ORDER_COUNT = 10_000_000

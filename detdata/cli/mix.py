@@ -22,10 +22,10 @@ from typing import Any, Final
 
 import numpy as np
 
+from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
-from detdata.datasets.base import Batch, IntArray
-from detdata.datasets.mixture import MAX_POSITION, Mixture
-from detdata.order.feistel import check_count
+from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.datasets.mixture import Mixture
 
 HEADER: Final = "position\tsource\tindex_in_source\tsample_id"
 _CHUNK: Final = 1 << 16

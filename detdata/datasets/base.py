@@ -19,13 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
-from detdata.order.feistel import ALGORITHM, GlobalOrder, check_seed
+from detdata.base.types import Batch, IntArray
+from detdata.order.feistel import ALGORITHM, GlobalOrder
 from detdata.order.memo import ChunkMemo
-
-Batch = dict[str, np.ndarray]
-IntArray = npt.NDArray[np.int64]
 
 
 @runtime_checkable

@@ -77,28 +77,28 @@ import decimal
 import itertools
 import json
 import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final
 
-import blake3
 import numpy as np
 import numpy.typing as npt
 
+from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
-from detdata.datasets.base import Batch, Dataset, IntArray
+from detdata.base.keys import derive_u64
+from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.datasets.base import Dataset
 from detdata.datasets.columns import describe_column, same_kind
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
-from detdata.order.feistel import GlobalOrder, check_count, check_seed, mix64
+from detdata.order.feistel import GlobalOrder, mix64
 from detdata.order.memo import ChunkMemo
 
 ALGORITHM: Final = "mixture-v1"
 BLOCK: Final = 16
 MAX_TOTAL_WEIGHT: Final = 1 << 31  # exclusive
-MAX_POSITION: Final = 1 << 62  # exclusive
 _GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
 _U64: Final = (1 << 64) - 1
 _J: Final = np.arange(BLOCK, dtype=np.int64)
@@ -111,16 +111,12 @@ ScheduleLike = Sequence[tuple[int, Mapping[str, WeightLike]]]
 # ------------------------------------------------------------------ hashing
 def _u64(tag: bytes, *words: int) -> int:
     """First 8 bytes (little-endian) of blake3(tag + u64le(word)...)."""
-    data = tag + struct.pack(f"<{len(words)}Q", *words)
-    value: int = struct.unpack("<Q", blake3.blake3(data).digest(length=8))[0]
-    return value
+    return derive_u64(tag, *words)
 
 
 def source_seed(seed: int, name: str) -> int:
     """The seed of source ``name``'s own `GlobalOrder` under root ``seed`` (blake3, never arithmetic)."""
-    data = b"detdata:source-seed-v1" + struct.pack("<Q", check_seed(seed)) + name.encode("utf-8")
-    value: int = struct.unpack("<Q", blake3.blake3(data).digest(length=8))[0]
-    return value
+    return derive_u64(b"detdata:source-seed-v1", check_seed(seed), tail=name.encode("utf-8"))
 
 
 # ------------------------------------------------------------------ weights

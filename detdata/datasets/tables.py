@@ -50,15 +50,16 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, FormatError, StorageError
-from detdata.datasets.base import Batch, IntArray, check_ids
+from detdata.base.types import Batch, IntArray
+from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column, describe_dtype
 from detdata.datasets.process_local import ProcessLocal
 from detdata.datasets.tokens import (
     check_cache_args,
     check_cache_verify,
     check_not_truncated,
-    check_positive_int,
     resolve_manifest,
 )
 from detdata.identity.formats import TABLE_FORMATS, Format

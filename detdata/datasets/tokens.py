@@ -43,8 +43,10 @@ import numpy as np
 import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
+from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, FormatError, StorageError, VerificationError
-from detdata.datasets.base import Batch, IntArray, check_ids
+from detdata.base.types import Batch, IntArray
+from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
 from detdata.datasets.process_local import ProcessLocal
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
@@ -77,13 +79,6 @@ def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: st
         raise ConfigError("the manifest has no root; hint: pass root= or use Manifest.with_root()")
     manifest.verify(verify, retry=retry, **storage_options)
     return manifest
-
-
-def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum`` (bools refused), else `ConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],

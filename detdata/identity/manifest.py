@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError, StorageError, VerificationError
 from detdata.base.hashing import full_digest_file, quick_digest_file
 from detdata.identity.formats import (
@@ -66,12 +67,6 @@ class Verify(str, enum.Enum):
     OFF = "off"
     QUICK = "quick"
     FULL = "full"
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: the bytes an id is computed over."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,8 +42,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
-from detdata.identity.manifest import Manifest, canonical_json
+from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
 from detdata.storage.retry import RetryPolicy, check_policy

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
-from detdata.order.feistel import check_count
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ import functools
 import itertools
 import os
 import pickle
+import random
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
-from detdata.datasets.base import Batch, Dataset, IntArray, Stream, as_stream
+from detdata.base.types import Batch, IntArray
+from detdata.datasets.base import Dataset, Stream, as_stream
 from detdata.datasets.columns import is_ragged, restack, to_torch
 from detdata.loading.layout import Layout
 from detdata.loading.state import (
@@ -41,8 +44,7 @@ from detdata.loading.state import (
     transform_identity,
 )
 from detdata.loading.trace import TraceWriter
-from detdata.order.feistel import check_count, check_seed
-from detdata.order.rng import sample_rng, seed_globals, worker_seed
+from detdata.order.rng import sample_rng, worker_seed
 
 Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
 
@@ -132,6 +134,13 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
         micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
         while group := list(itertools.islice(micro, self.size)):
             yield group
+
+
+def seed_globals(seed64: int) -> None:
+    """Seed python, numpy-legacy and torch global generators from one 64-bit value."""
+    random.seed(seed64)
+    np.random.seed(seed64 % (1 << 32))
+    torch.manual_seed(seed64 % (1 << 63))
 
 
 def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:

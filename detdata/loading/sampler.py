@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
+from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
-from detdata.datasets.base import IntArray
+from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
 from detdata.loading.layout import Layout
 from detdata.loading.loader import _default_rank_world
-from detdata.loading.state import MAX_POSITION
-from detdata.order.feistel import ALGORITHM, GlobalOrder, check_count, check_seed
+from detdata.order.feistel import ALGORITHM, GlobalOrder
 
 SAMPLER_KIND: Final = "detdata.sampler_state"
 SAMPLER_VERSION: Final = 1

@@ -14,14 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import StateError
 from detdata.base.hashing import digest_bytes
-from detdata.identity.manifest import canonical_json
+from detdata.base.types import MAX_POSITION
 
 STATE_VERSION: Final = 2
 #: Older versions this detdata still reads (fields added since are derived: see `_upgrade`).
 READABLE_VERSIONS: Final = (1, 2)
-MAX_POSITION: Final = 1 << 62  # exclusive: orders and mixtures address positions below 2**62
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"

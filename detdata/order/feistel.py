@@ -34,43 +34,20 @@ import struct
 from collections.abc import Sequence
 from typing import Final, overload
 
-import blake3
 import numpy as np
 import numpy.typing as npt
 
+from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
+from detdata.base.keys import derive
+from detdata.base.types import MAX_POSITION, IntArray
 
 ALGORITHM: Final = "feistel-v1"
 ROUNDS: Final = 8
-MAX_SAMPLES: Final = 1 << 62
-_MAX_SEED: Final = 1 << 64
+MAX_SAMPLES: Final = MAX_POSITION
 _M1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _M2: Final = np.uint64(0x94D049BB133111EB)
 _CHUNK: Final = 65536  # positions per vectorised pass: keeps temporaries in cache
-
-IntArray = npt.NDArray[np.int64]
-
-
-def check_seed(seed: object, what: str = "seed") -> int:
-    """Return ``seed`` as an int in ``[0, 2**64)`` or raise `ConfigError`."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed!r} "
-                          f"({type(seed).__name__}); hint: pass a plain int such as 1234")
-    value = int(seed)
-    if not 0 <= value < _MAX_SEED:
-        raise ConfigError(f"{what} must be in [0, 2**64), got {value}")
-    return value
-
-
-def check_count(n: object, what: str, *, minimum: int = 1, maximum: int = MAX_SAMPLES - 1) -> int:
-    """Return ``n`` as an int in ``[minimum, maximum]`` or raise `ConfigError`."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer, got {n!r} ({type(n).__name__})")
-    value = int(n)
-    if not minimum <= value <= maximum:
-        raise ConfigError(f"{what} must be in [{minimum}, {maximum}], got {value}")
-    return value
-
 
 _KEY_PREFIX: Final = b"detdata:" + ALGORITHM.encode()
 _KEY_BYTES: Final = 8 * ROUNDS
@@ -84,7 +61,7 @@ def _key_material(seed: int, epoch: int) -> bytes:
     request of one chunk (e.g. 4096 positions of a small source) finds its keys
     again on the next call without converting them through Python ints.
     """
-    return blake3.blake3(_KEY_PREFIX + struct.pack("<QQ", seed, epoch)).digest(length=_KEY_BYTES)
+    return derive(_KEY_PREFIX, seed, epoch, length=_KEY_BYTES)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
+from detdata.base.types import IntArray
+
 Fn = Callable[[IntArray], tuple[IntArray, ...]]
 CHUNK: Final = 4096
 

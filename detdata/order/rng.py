@@ -4,25 +4,23 @@
   blake3(``"detdata:sample-rng-v1"``, seed, position). The same global position
   gets the same random stream on any rank, worker or resume.
 * `worker_seed(seed, rank, worker)`: a 64-bit seed for the global generators of
-  one worker process (python ``random``, numpy legacy, torch), for libraries
-  that insist on global state.
+  one worker process (python ``random``, numpy legacy, torch; seeded by
+  `detdata.loading.loader`), for libraries that insist on global state.
 """
 
 from __future__ import annotations
 
-import random
-import struct
 from typing import Final
 
-import blake3
 import numpy as np
-import torch
+
+from detdata.base.keys import derive
 
 SAMPLE_RNG: Final = "sample-rng-v1"
 
 
 def _hash_u64s(tag: str, *values: int, length: int = 8) -> bytes:
-    return blake3.blake3(f"detdata:{tag}".encode() + struct.pack(f"<{len(values)}Q", *values)).digest(length=length)
+    return derive(f"detdata:{tag}".encode(), *values, length=length)
 
 
 def sample_rng(seed: int, position: int) -> np.random.Generator:
@@ -34,10 +32,3 @@ def sample_rng(seed: int, position: int) -> np.random.Generator:
 def worker_seed(seed: int, rank: int, worker: int) -> int:
     """64-bit seed for worker ``worker`` of rank ``rank``."""
     return int.from_bytes(_hash_u64s("worker-seed-v1", seed, rank, worker), "little")
-
-
-def seed_globals(seed64: int) -> None:
-    """Seed python, numpy-legacy and torch global generators from one 64-bit value."""
-    random.seed(seed64)
-    np.random.seed(seed64 % (1 << 32))
-    torch.manual_seed(seed64 % (1 << 63))

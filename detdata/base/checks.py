@@ -1,0 +1,44 @@
+"""Argument validators: the one home for the checks every constructor makes.
+
+Each returns the value as a plain ``int`` or raises `ConfigError` naming the
+argument, what was expected and what was found. Bools are never integers here.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+
+from detdata.base.errors import ConfigError
+from detdata.base.types import MAX_POSITION
+
+_MAX_SEED: Final = 1 << 64
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """Return ``seed`` as an int in ``[0, 2**64)`` or raise `ConfigError`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed!r} "
+                          f"({type(seed).__name__}); hint: pass a plain int such as 1234")
+    value = int(seed)
+    if not 0 <= value < _MAX_SEED:
+        raise ConfigError(f"{what} must be in [0, 2**64), got {value}")
+    return value
+
+
+def check_count(n: object, what: str, *, minimum: int = 1, maximum: int = MAX_POSITION - 1) -> int:
+    """Return ``n`` as an int in ``[minimum, maximum]`` or raise `ConfigError`."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer, got {n!r} ({type(n).__name__})")
+    value = int(n)
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{what} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum`` (bools refused), else `ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -1,0 +1,24 @@
+"""Key derivation: the one primitive every seed, round key and sample key comes from.
+
+``derive(tag, *words, tail=b"", length=8)`` is blake3's XOF over ``tag`` (a domain
+tag such as ``b"detdata:feistel-v1"``), the words as unsigned 64-bit little-endian
+integers, then ``tail``. Seeds are derived by hashing, never by arithmetic, so
+``(seed s, epoch 1)`` is unrelated to ``(seed s + 1, epoch 0)``. The byte layouts
+are pinned by the golden vectors of the algorithms that use them.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import blake3
+
+
+def derive(tag: bytes, *words: int, tail: bytes = b"", length: int = 8) -> bytes:
+    """``length`` bytes of blake3(tag || u64le(words...) || tail)."""
+    return blake3.blake3(tag + struct.pack(f"<{len(words)}Q", *words) + tail).digest(length=length)
+
+
+def derive_u64(tag: bytes, *words: int, tail: bytes = b"") -> int:
+    """The first 8 derived bytes as a little-endian unsigned integer."""
+    return int.from_bytes(derive(tag, *words, tail=tail), "little")
