@@ -333,3 +333,25 @@ def test_default_collate_copies_read_only_arrays(mode: str) -> None:
         assert batch["when"].tolist() == data.store[ids, 0].tolist()  # seconds since 1970
         batch["x"].fill_(-1)
     assert (data.store == np.arange(120, dtype=np.int32).reshape(-1, 4)).all()
+
+
+@pytest.mark.parametrize(("workers", "mode", "pin"), [(0, "process", False), (2, "thread", False),
+                                                      (1, "process", False), (0, "process", True)])
+def test_a_delivered_batch_owns_its_memory(tmp_path: Path, workers: int, mode: str, pin: bool) -> None:
+    """DESIGN section 4: keeping one batch does not keep its read-ahead group alive, and
+    ``torch.save(batch)`` writes the batch's own bytes, not the group's."""
+    import torch
+
+    import detdata
+    data = detdata.ArrayDataset({"x": np.arange(4096, dtype=np.int64),
+                                 "y": np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)})
+    loader = detdata.DataLoader(data, global_batch_size=4, read_ahead=16, num_workers=workers,
+                                worker_mode=mode, pin_memory=pin, total_samples=64)
+    for batch in loader:
+        for key, value in batch.items():
+            assert value.untyped_storage().nbytes() == value.nbytes, (key, value.shape)
+    torch.save(batch, tmp_path / "b.pt")
+    solo = detdata.DataLoader(data, global_batch_size=4, read_ahead=1, total_samples=4)
+    torch.save(next(iter(solo)), tmp_path / "solo.pt")
+    kept, own = (tmp_path / "b.pt").stat().st_size, (tmp_path / "solo.pt").stat().st_size
+    assert own > 4 * 1024 and kept < 1.5 * own  # a view of its group would write 16x

@@ -12,6 +12,7 @@ exactly the uninterrupted base run.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -370,3 +371,65 @@ def test_state_leaves_are_json_plain_and_load_with_weights_only(corpus: Corpus, 
     walk(state, "state")
     torch.save({"loader": state}, tmp_path / "ckpt.pt")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"] == state
+
+
+def scale(sample: dict[str, np.ndarray], rng: np.random.Generator, *, k: int) -> dict[str, np.ndarray]:
+    return {key: v * k for key, v in sample.items()}
+
+
+class Scale:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __call__(self, sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {key: v * self.k for key, v in sample.items()}
+
+
+def collate_times(k: int) -> Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]]:
+    return functools.partial(_collate_times, k=k)
+
+
+def _collate_times(batch: dict[str, np.ndarray], *, k: int) -> dict[str, torch.Tensor]:
+    return {key: torch.from_numpy(np.ascontiguousarray(v)) * k for key, v in batch.items()}
+
+
+PARAMETRISED = [
+    ("partial arguments", {"transform": functools.partial(scale, k=1)},
+     {"transform": functools.partial(scale, k=1000)}),
+    ("callable object attributes", {"transform": Scale(1)}, {"transform": Scale(7)}),
+    ("collate swapped under one transform_id", {"transform": add_one, "transform_id": "tok-v1",
+                                                "collate_fn": collate_times(1)},
+     {"transform": add_one, "transform_id": "tok-v1", "collate_fn": collate_times(100)}),
+]
+
+
+@pytest.mark.parametrize(("case", "over", "change"), PARAMETRISED, ids=[p[0] for p in PARAMETRISED])
+def test_reparametrised_transform_or_collate_is_refused(corpus: Corpus, case: str, over: dict[str, Any],
+                                                        change: dict[str, Any]) -> None:
+    """Same function, other bound parameters: other bytes, so the `transform` field differs."""
+    from dataclasses import replace
+    a = replace(BASE["tokens"], **over)
+    b = replace(BASE["tokens"], **change)
+    state, base_next = saved_state(a, corpus)
+    assert fresh_suffix(b, corpus) != base_next
+    with pytest.raises(detdata.StateError) as info:
+        build(b, corpus).load_state_dict(state)
+    assert info.value.fields == ("transform",)
+    same = build(replace(BASE["tokens"], **over), corpus)  # equal parameters: accepted
+    same.load_state_dict(state)
+    assert steps_bytes(same, COMPARE) == base_next
+
+
+@pytest.mark.parametrize("kind", ["mixture", "ordered"])
+def test_format_1_state_with_equal_seeds_resumes_the_same_loader(corpus: Corpus, kind: str) -> None:
+    """The common setup (stream seed == loader seed) saved in format 1 resumes the same loader."""
+    from dataclasses import replace
+    config = replace(BASE[kind], stream_seed=5, seed=5)
+    state, base_next = saved_state(config, corpus)
+    old = {k: v for k, v in state.items() if k not in ("stream_seed", "transform")}
+    old["format_version"] = 1
+    loader = build(config, corpus)
+    loader.load_state_dict(old)
+    assert steps_bytes(loader, COMPARE) == base_next
+    with pytest.raises(detdata.StateError, match="stream_seed"):
+        build(replace(config, stream_seed=6), corpus).load_state_dict(old)

@@ -196,3 +196,40 @@ def test_transform_dtype_changing_at_one_position_is_refused() -> None:
     message = str(err.value)
     assert "'y'" in message and "float64" in message and "float32" in message
     assert f"position {BAD_POSITION}" in message
+
+
+@pytest.mark.parametrize(("read_ahead", "workers", "mode"), [(1, 0, "process"), (16, 0, "process"),
+                                                             (16, 2, "thread"), (4, 2, "process")])
+def test_transform_output_changing_between_micro_batches_is_refused(read_ahead: int, workers: int,
+                                                                    mode: str) -> None:
+    """Keys or dtypes that change from one micro batch to another (one sample per batch here,
+    so each batch is self-consistent) are refused before the odd batch is delivered or counted."""
+    import detdata
+    ids = np.arange(100, dtype=np.int64)
+    bad = int(detdata.GlobalOrder(100, 0).ids(np.array([6]))[0])
+
+    def transform(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, Any]:
+        odd = int(sample["x"]) == bad
+        out: dict[str, Any] = {"x": sample["x"].astype(np.int32 if odd else np.int64)}
+        if odd:
+            out["extra"] = np.int64(1)
+        return out
+
+    loader = detdata.DataLoader(detdata.ArrayDataset({"x": ids}), global_batch_size=1, seed=0,
+                                transform=transform, read_ahead=read_ahead, num_workers=workers,
+                                worker_mode=mode, total_samples=40)
+    got = []
+    with pytest.raises(detdata.ConfigError, match=r"transform output changed at the micro batch of "
+                                                  r"positions \[6, 6\]"):
+        for batch in loader:
+            got.append(int(batch["x"][0]))
+    assert got == detdata.GlobalOrder(100, 0).ids(np.arange(6)).tolist()
+    assert loader.samples_consumed == 6
+
+
+def test_mixture_of_sources_in_other_byte_orders_is_refused() -> None:
+    import detdata
+    be = detdata.ArrayDataset({"x": np.arange(16, dtype=">i4")}, name="be")
+    le = detdata.ArrayDataset({"x": np.arange(100, 116, dtype="<i4")}, name="le")
+    with pytest.raises(detdata.FormatError, match=r"'be' gives int32 \[>\], 'le' gives int32"):
+        detdata.Mixture({"be": be, "le": le}, {"be": 1, "le": 1}, seed=0)

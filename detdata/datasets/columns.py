@@ -52,8 +52,13 @@ _TEMPORAL = "Mm"
 
 # ------------------------------------------------------------------ describing columns
 def describe_dtype(dtype: np.dtype[Any], shape: Sequence[int] = ()) -> str:
-    """``'int32'``, ``'float32 (3,)'``, ``'datetime64[ms]'``: a numpy dtype name and trailing shape."""
-    return dtype.name if not len(shape) else f"{dtype.name} {tuple(int(s) for s in shape)}"
+    """``'int32'``, ``'float32 (3,)'``, ``'datetime64[ms]'``: a numpy dtype name and trailing shape.
+
+    A non-native byte order is part of the description (``'int32 [>]'``), so two sources
+    that store the same values in other byte orders never pass as the same column type.
+    """
+    name = dtype.name if dtype.isnative else f"{dtype.name} [{dtype.byteorder}]"
+    return name if not len(shape) else f"{name} {tuple(int(s) for s in shape)}"
 
 
 def _element_kind(value: object) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import logging
 import os
 import pickle
 import random
@@ -45,6 +46,8 @@ from detdata.loading.state import (
 )
 from detdata.loading.trace import TraceWriter
 from detdata.order.rng import sample_rng, worker_seed
+
+log = logging.getLogger("detdata.loader")
 
 Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
 
@@ -157,7 +160,9 @@ class ReadAhead:
     error: BaseException | None
 
     def deliver(self) -> Iterator[Any]:
-        yield from self.batches
+        """Each micro batch, owning its memory (a view of the group is copied out of it)."""
+        for batch in self.batches:
+            yield owned(batch)
         if self.error is not None:
             raise self.error
 
@@ -183,11 +188,46 @@ def _portable(exc: BaseException) -> BaseException:
     return clone
 
 
+def _schema(batch: Any) -> dict[str, str] | str:
+    """Keys and element types of a delivered batch (shapes excluded: a collate may pad)."""
+    if not isinstance(batch, Mapping):
+        return type(batch).__name__
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[str(key)] = str(value.dtype)
+        elif isinstance(value, np.ndarray):
+            out[str(key)] = value.dtype.str
+        else:
+            out[str(key)] = type(value).__name__
+    return dict(sorted(out.items()))
+
+
 def _rows(batch: Any, a: int, b: int) -> Any:
+    """Rows ``[a, b)`` of every column (views; see `owned`)."""
     if isinstance(batch, (torch.Tensor, np.ndarray, list)):
         return batch[a:b]
     if isinstance(batch, Mapping):
         return {k: _rows(v, a, b) for k, v in batch.items()}
+    return batch
+
+
+def owned(batch: Any) -> Any:
+    """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
+
+    DESIGN.md section 4: a delivered batch owns its memory, so keeping one batch
+    never keeps its group alive (16x its size with the default ``read_ahead``) and
+    ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
+    storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.clone() if batch.untyped_storage().nbytes() > batch.nbytes else batch
+    if isinstance(batch, np.ndarray):
+        return batch.copy() if batch.base is not None else batch
+    if isinstance(batch, list):
+        return [owned(v) for v in batch]
+    if isinstance(batch, Mapping):
+        return {k: owned(v) for k, v in batch.items()}
     return batch
 
 
@@ -229,11 +269,20 @@ class GroupReader(tud.Dataset[ReadAhead]):
         try:
             raw = self.dataset[np.concatenate(group)]
             if self.collate_fn is None:
-                whole = self._finish(raw)
-                return ReadAhead([_rows(whole, a, b) for a, b in bounds], None)
-            return ReadAhead([self._finish(_rows(raw, a, b)) for a, b in bounds], None)
-        except Exception:
-            return self._one_by_one(group)  # locate the failing batch; deliver those before it
+                # one tensor per column for the group: one transfer from a worker process;
+                # the micro batches are copied out of it when delivered (or when pinned)
+                whole = to_torch(raw)
+                parts = [_rows(whole, a, b) for a, b in bounds]
+                return ReadAhead([_pin(p) for p in parts] if self.pin else parts, None)
+            return ReadAhead([self._finish(owned(_rows(raw, a, b))) for a, b in bounds], None)
+        except Exception as exc:
+            result = self._one_by_one(group)  # locate the failing batch; deliver those before it
+            if result.error is None:
+                log.warning("detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
+                            "each of its micro batches read on its own: delivered them; a transient "
+                            "error, or batches that cannot be concatenated", len(group),
+                            type(exc).__name__, exc)
+            return result
 
     def __call__(self, group: list[IntArray]) -> ReadAhead:
         return self[group]
@@ -428,6 +477,7 @@ class DataLoader:
             # the device path stages into its own reused pinned buffers; torch pinning would copy twice
             self._torch_kwargs["pin_memory"] = False
         self._consumed = 0
+        self._schema: dict[str, str] | str | None = None  # of the first transformed batch
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
@@ -569,10 +619,30 @@ class DataLoader:
                 raise
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
+            if self._transform is not None:
+                self._check_schema(batch)
             if self._trace is not None:  # before counting: a failed trace write delivers nothing
                 self._trace.add(self._consumed, self.positions_of_next(), batch)
             self._consumed += per
             yield batch
+
+    def _check_schema(self, batch: Any) -> None:
+        """Batches of a transformed stream keep the keys and dtypes of the first one delivered.
+
+        A transform whose output keys or dtypes depend on the sample is refused within a
+        micro batch by `apply_transform`; across micro batches (and worker processes) it
+        is caught here, before the batch is counted.
+        """
+        found = _schema(batch)
+        if self._schema is None:
+            self._schema = found
+            return
+        if found != self._schema:
+            positions = self.positions_of_next()
+            raise ConfigError(f"transform output changed at the micro batch of positions "
+                              f"[{int(positions[0])}, {int(positions[-1])}]: {found} where earlier "
+                              f"batches had {self._schema}; hint: return the same keys with the "
+                              "same dtypes for every sample")
 
     def _failure_note(self) -> str:
         """Where a failed fetch happened: rank, step and positions of the undelivered batch."""

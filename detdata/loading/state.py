@@ -7,6 +7,7 @@ layout and environment are informational.
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import sys
@@ -99,25 +100,60 @@ def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int, *
 def transform_identity(transform_id: str | None, transform: object, collate_fn: object) -> str | None:
     """The checked ``transform`` field: what user code does to samples after the read.
 
-    ``transform_id`` (a user-chosen name such as ``"tokenize-v3"``) wins when given.
-    Otherwise the qualified names of the transform and collate functions are
-    recorded: a renamed or swapped function is refused on resume, an edited body
-    is not (give a ``transform_id`` and change it when the code changes).
-    None when neither is set.
+    ``transform_id`` (a user-chosen name such as ``"tokenize-v3"``) names the
+    transform when given; otherwise its `callable_name` does. ``collate_fn`` is
+    always recorded by its `callable_name`. So a swapped, renamed or re-parametrised
+    function (other `functools.partial` arguments, a callable object with other
+    plain attributes) is refused on resume; an edited function body is not: give a
+    ``transform_id`` and change it when the code changes. None when neither is set.
     """
+    parts = []
     if transform_id is not None:
-        return f"id:{transform_id}"
-    parts = [f"{role}:{callable_name(fn)}" for role, fn in (("transform", transform),
-                                                            ("collate_fn", collate_fn)) if fn is not None]
+        parts.append(f"id:{transform_id}")
+    elif transform is not None:
+        parts.append(f"transform:{callable_name(transform)}")
+    if collate_fn is not None:
+        parts.append(f"collate_fn:{callable_name(collate_fn)}")
     return "+".join(parts) or None
 
 
 def callable_name(fn: object) -> str:
-    """``module.qualname`` of a function (through `functools.partial`), else its type's."""
-    inner = getattr(fn, "func", fn)  # functools.partial
+    """``module.qualname`` of a function or a callable object's class, plus its parameters.
+
+    Parameters are a `functools.partial`'s bound arguments, or a callable object's
+    attributes (``vars``). Plain JSON values enter as a blake3 of their canonical
+    JSON (``[b3:...]``); any other value by its type only (``<Tokenizer>``), since
+    its repr may hold memory addresses that differ per process.
+    """
+    params: list[Any] = []
+    inner = fn
+    while isinstance(inner, functools.partial):
+        params.append({"args": [_plain(a) for a in inner.args],
+                       "keywords": {k: _plain(v) for k, v in sorted(inner.keywords.items())}})
+        inner = inner.func
+    is_function = hasattr(inner, "__code__") or isinstance(inner, type)
     module = getattr(inner, "__module__", None) or type(inner).__module__
-    qual = getattr(inner, "__qualname__", None) or type(inner).__qualname__
-    return f"{module}.{qual}"
+    qual = getattr(inner, "__qualname__", None) if is_function else None
+    qual = qual or type(inner).__qualname__
+    if not is_function and hasattr(inner, "__dict__"):
+        params.append({k: _plain(v) for k, v in sorted(vars(inner).items())})
+    name = f"{module}.{qual}"
+    if params:
+        name += f"[{digest_bytes(canonical_json(params))[:19]}]"
+    return name
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if it is plain JSON (recursively), else ``"<TypeName>"``."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v) for k, v in value.items()}
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def environment() -> dict[str, str]:
@@ -139,6 +175,7 @@ class LoaderState:
     stream: Mapping[str, Any]
     layout: Mapping[str, Any]
     env: Mapping[str, Any]
+    upgraded_from: int | None = None  # the format version read, when older than STATE_VERSION
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {K_KIND: KIND, K_VERSION: STATE_VERSION, K_CONSUMED: self.samples_consumed}
@@ -165,8 +202,9 @@ class LoaderState:
         if state.get(K_VERSION) not in READABLE_VERSIONS or isinstance(state.get(K_VERSION), bool):
             raise StateError(f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
                              f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata")
+        upgraded_from = None
         if state[K_VERSION] == 1:
-            state = _upgrade_v1(state)
+            state, upgraded_from = _upgrade_v1(state), 1
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -185,7 +223,7 @@ class LoaderState:
         if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
             raise StateError("loader state fields 'layout' and 'environment' must be objects")
         parsed = cls(samples_consumed=consumed, fields={k: state[k] for k in CHECKED_FIELDS},
-                     stream=stream, layout=layout, env=env)
+                     stream=stream, layout=layout, env=env, upgraded_from=upgraded_from)
         parsed._check_consistent()
         return parsed
 
@@ -223,7 +261,16 @@ class LoaderState:
 
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
-        return [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))]
+        return [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))
+                and not self._format1_seed_equal(k, current)]
+
+    def _format1_seed_equal(self, key: str, current: Mapping[str, Any]) -> bool:
+        """A format-1 state cannot say whether the caller or the loader built its stream when
+        both seeds were equal (``stream_seed`` is then None): a caller-built stream with
+        that same seed is the same order."""
+        return (key == K_STREAM_SEED and self.upgraded_from == 1
+                and self.fields.get(K_STREAM_SEED) is None
+                and _norm(current.get(K_STREAM_SEED)) == _norm(self.fields.get(K_SEED)))
 
 
 def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
