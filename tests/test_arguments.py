@@ -183,3 +183,25 @@ def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(t
                           timeout=240, start_new_session=True,
                           env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0 and "EXACT 24" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_close_stops_the_workers_of_a_live_iterator(persistent: bool) -> None:
+    """``close()`` does what it says even while an iterator is suspended mid-epoch; the loader
+    can then be iterated again and continues exactly."""
+    import multiprocessing
+    reference = [digest(b) for b in take(loader(), 6)]
+    dl = loader(num_workers=2, persistent_workers=persistent)
+    it = iter(dl)
+    got = [digest(next(it)) for _ in range(3)]
+    assert multiprocessing.active_children()
+    dl.close()
+    deadline = time.monotonic() + 30
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    with pytest.raises(StopIteration):
+        next(it)  # the closed iterator is finished
+    got += [digest(b) for b in take(dl, 3)]
+    assert got == reference
+    dl.close()

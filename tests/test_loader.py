@@ -257,7 +257,7 @@ def test_resume_off_micro_step_boundary_refused() -> None:
     dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=2)
     list(take(dl, 1))
     other = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4)
-    with pytest.raises(detdata.ConfigError, match="micro-step boundary"):
+    with pytest.raises(detdata.StateError, match="micro-step boundary"):
         other.load_state_dict(dl.state_dict())
 
 

@@ -5,7 +5,7 @@ nested in dicts, lists and tuples) and yields the same batches, same structure,
 same bytes, with every CPU tensor moved to ``device``. `DataLoader` calls it
 between torch's DataLoader and its counting loop, so a batch this module has
 prefetched but not yet yielded is not counted as consumed: saving the state at
-any point and resuming continues with exactly the next batch (DESIGN.md 5).
+any point and resuming continues with exactly the next batch (docs/design.md section 5).
 
 CUDA path, per batch pulled from the source::
 

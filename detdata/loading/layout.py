@@ -1,4 +1,4 @@
-"""Which global positions each rank reads at each micro step (DESIGN.md section 4).
+"""Which global positions each rank reads at each micro step (docs/design.md section 4).
 
 Step ``t`` with global batch ``B`` covers positions ``[c, c + B)`` where ``c``
 is the number of samples consumed before it. With ``D`` ranks and micro batch
@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.checks import check_count
-from detdata.base.errors import ConfigError
+from detdata.base.errors import ConfigError, StateError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +69,9 @@ class Layout:
     def check_resume_position(self, consumed: int) -> None:
         """A resume position must fall on a micro-step boundary of this layout."""
         if consumed % self.samples_per_micro_step:
-            raise ConfigError(
+            raise StateError(
                 f"cannot resume at samples_consumed={consumed} with micro_batch_size "
                 f"{self.micro_batch_size} x world_size {self.world_size}: not a micro-step boundary "
                 f"({consumed} % {self.samples_per_micro_step} != 0); hint: resume with the layout it was "
-                f"saved with, or save at a global step boundary (a multiple of {self.global_batch_size})")
+                f"saved with, or save at a global step boundary (a multiple of {self.global_batch_size})",
+                fields=("samples_consumed",))

@@ -20,7 +20,8 @@ import os
 import pickle
 import random
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,12 +118,6 @@ class MicroBatchSampler(tud.Sampler[IntArray]):
             yield self.layout.positions(j)
             j += 1
 
-    def __len__(self) -> int:
-        if self.stop is None:
-            raise TypeError("the stream is infinite (total_samples=None) and has no length")
-        per = self.layout.samples_per_micro_step
-        return max(0, (self.stop - self.start) // per)
-
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
     """Yields groups of up to ``size`` consecutive micro batches (position arrays) from ``start``."""
@@ -215,7 +210,7 @@ def _rows(batch: Any, a: int, b: int) -> Any:
 def owned(batch: Any) -> Any:
     """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
 
-    DESIGN.md section 4: a delivered batch owns its memory, so keeping one batch
+    docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
     never keeps its group alive (16x its size with the default ``read_ahead``) and
     ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
     storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
@@ -376,7 +371,7 @@ class DataLoader:
 
     Each iteration yields this rank's next micro batch (``micro_batch_size``
     samples, positions in order) as a dict of tensors. Global positions are
-    assigned as in DESIGN.md section 4, so the samples of a step never depend on
+    assigned as in docs/design.md section 4, so the samples of a step never depend on
     ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
     infinite (epochs continue) unless ``total_samples`` is given.
 
@@ -476,6 +471,7 @@ class DataLoader:
         if self.device is not None:
             # the device path stages into its own reused pinned buffers; torch pinning would copy twice
             self._torch_kwargs["pin_memory"] = False
+        self._live: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
         self._consumed = 0
         self._schema: dict[str, str] | str | None = None  # of the first transformed batch
         self._generation = 0
@@ -570,6 +566,12 @@ class DataLoader:
         return (b for group in self._loader_from_here() for b in group.deliver())
 
     def __iter__(self) -> Iterator[Any]:
+        """This rank's micro batches from ``samples_consumed`` on (see `_iterate`)."""
+        iterator = self._iterate()
+        self._live.add(iterator)
+        return iterator
+
+    def _iterate(self) -> Generator[Any, None, None]:
         """This rank's micro batches from ``samples_consumed`` on.
 
         A batch is counted (and traced) only once it reaches the caller: any
@@ -714,8 +716,12 @@ class DataLoader:
         return stream
 
     def close(self) -> None:
-        """Stop workers and close the trace file."""
+        """End every live iterator (their reader threads and worker processes stop now),
+        drop persistent workers and close the trace file. The loader can be iterated again."""
         self._generation += 1
+        for iterator in list(self._live):
+            iterator.close()
+        self._live.clear()
         self._torch_loader = None
         if self._trace is not None:
             self._trace.close()

@@ -3,7 +3,7 @@
 Pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader`` or torchdata's
 ``StatefulDataLoader`` over your own map-style dataset. Each item is this
 rank's micro batch as a list of sample ids, exactly the ids detdata's own
-DataLoader would read at those positions (DESIGN.md sections 2 and 4). Given a
+DataLoader would read at those positions (docs/design.md sections 2 and 4). Given a
 `Mixture` instead of a sample count, each item is a list of
 ``(source_name, sample_id)`` pairs (section 3), for a dataset that dispatches by source.
 

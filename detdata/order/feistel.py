@@ -252,7 +252,3 @@ class GlobalOrder:
         if bool((epochs == first).all()):
             return permute(local, self.num_samples, self.seed, first)  # never writes its input
         return permute_epochs(local, epochs, self.num_samples, self.seed)
-
-    def epoch_of(self, position: int) -> int:
-        """The epoch a global position falls in."""
-        return position // self.num_samples
