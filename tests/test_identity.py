@@ -433,3 +433,13 @@ def test_format_1_state_with_equal_seeds_resumes_the_same_loader(corpus: Corpus,
     assert steps_bytes(loader, COMPARE) == base_next
     with pytest.raises(detdata.StateError, match="stream_seed"):
         build(replace(config, stream_seed=6), corpus).load_state_dict(old)
+
+
+def test_array_dataset_identity_is_unambiguous() -> None:
+    """Column names, dtypes, shapes and bytes are framed: other columns never share a digest."""
+    a = detdata.ArrayDataset({"k": np.array([1], np.int8), "z": np.array([2], np.int8)})
+    b = detdata.ArrayDataset({"kint8(1,)\x01z": np.array([2], np.int8)})
+    c = detdata.ArrayDataset({"k": np.array([1, 2], np.int8)})
+    d = detdata.ArrayDataset({"k": np.array([[1, 2]], np.int8)})
+    digests = {x.identity()["digest"] for x in (a, b, c, d)}
+    assert len(digests) == 4

@@ -227,9 +227,37 @@ def test_transform_output_changing_between_micro_batches_is_refused(read_ahead: 
     assert loader.samples_consumed == 6
 
 
+class _RawSource:
+    """A user dataset handing out its arrays as stored (here: big-endian)."""
+
+    def __init__(self, values: np.ndarray, name: str) -> None:
+        self.values, self.name = values, name
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.values)
+
+    def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {"x": self.values[ids]}
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "raw", "name": self.name}
+
+
 def test_mixture_of_sources_in_other_byte_orders_is_refused() -> None:
     import detdata
-    be = detdata.ArrayDataset({"x": np.arange(16, dtype=">i4")}, name="be")
-    le = detdata.ArrayDataset({"x": np.arange(100, 116, dtype="<i4")}, name="le")
+    be = _RawSource(np.arange(16, dtype=">i4"), "be")
+    le = _RawSource(np.arange(100, 116, dtype="<i4"), "le")
     with pytest.raises(detdata.FormatError, match=r"'be' gives int32 \[>\], 'le' gives int32"):
         detdata.Mixture({"be": be, "le": le}, {"be": 1, "le": 1}, seed=0)
+
+
+def test_array_dataset_delivers_big_endian_input_as_native_values() -> None:
+    import detdata
+    values = np.arange(100, 116, dtype=">i4")
+    ds = detdata.ArrayDataset({"x": values})
+    got = ds.read(np.arange(16))["x"]
+    assert got.dtype.isnative and got.tolist() == values.tolist()
+    mixed = detdata.Mixture({"be": ds, "le": detdata.ArrayDataset({"x": np.arange(16, dtype="<i4")})},
+                            {"be": 1, "le": 1}, seed=0)
+    assert mixed.fetch(np.arange(8))["x"].dtype == np.dtype("<i4")

@@ -3,8 +3,8 @@
 * A `Dataset` reads samples by id: ``read(ids) -> Batch`` with one batched read,
   rows in exactly the order of ``ids``.
 * A `Stream` reads samples by *global position*: ``fetch(positions) -> Batch``.
-  `OrderedStream` turns a dataset into a stream with `GlobalOrder`;
-  `detdata.Mixture` is a stream over several datasets.
+  `OrderedStream` (`detdata.datasets.streams`) turns a dataset into a stream
+  with `GlobalOrder`; `detdata.Mixture` is a stream over several datasets.
 
 A `Batch` is a dict of column name -> numpy array whose first axis is the batch.
 ``identity()`` returns plain JSON that pins what the data is (manifest ids and
@@ -14,17 +14,18 @@ parameters); it enters the loader state and the resume checks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
-from detdata.order.feistel import ALGORITHM, GlobalOrder
-from detdata.order.memo import ChunkMemo
+
+if TYPE_CHECKING:  # re-exported (temporary): they moved to detdata.datasets.streams
+    from detdata.datasets.streams import OrderedStream as OrderedStream
+    from detdata.datasets.streams import as_stream as as_stream
 
 
 @runtime_checkable
@@ -79,9 +80,9 @@ class ArrayDataset:
         if self._n == 0:
             raise ConfigError(f"ArrayDataset {name!r} is empty")
         self.name = name
-        parts = b"".join(k.encode() + str(v.dtype).encode() + str(v.shape).encode() + _content(v)
-                         for k, v in sorted(self.columns.items()))
-        self._digest = digest_bytes(parts)
+        self._digest = digest_bytes(b"".join(_framed(k.encode(), v.dtype.str.encode(),
+                                                     str(v.shape).encode(), _content(v))
+                                             for k, v in sorted(self.columns.items())))
 
     @property
     def num_samples(self) -> int:
@@ -96,10 +97,18 @@ class ArrayDataset:
         return {"type": "arrays", "name": self.name, "digest": self._digest, "num_samples": self._n}
 
 
+def _framed(*fields: bytes) -> bytes:
+    """Each field prefixed by its length: no two different column lists give the same bytes."""
+    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
+
+
 def _frozen_copy(values: npt.ArrayLike) -> np.ndarray:
-    """A private, read-only copy: later edits of the caller's array cannot change the data
-    behind the identity digest, and object elements are copied as well."""
+    """A private, read-only copy in native byte order: later edits of the caller's array cannot
+    change the data behind the identity digest, object elements are copied as well, and a
+    big-endian input delivers its values (never its bytes reinterpreted)."""
     arr = np.array(values, copy=True, order="C")
+    if arr.dtype != object and not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.dtype == object:
         arr = _owned(arr)
     arr.setflags(write=False)
@@ -134,41 +143,13 @@ def _owned(column: np.ndarray) -> np.ndarray:
     return out
 
 
-class OrderedStream:
-    """A dataset read in `GlobalOrder`: position ``g`` -> ``dataset.read(order.ids(g))``."""
-
-    def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset = dataset
-        self.seed = check_seed(seed)
-        n = dataset.num_samples
-        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) <= 0:
-            raise ConfigError(f"dataset {type(dataset).__name__} is empty (num_samples == {n}); "
-                              "there is nothing to order or load; hint: check the manifest / "
-                              "dataset construction")
-        self.order = GlobalOrder(n, self.seed)
-        self._memo = ChunkMemo(self._ids)
-
-    def _ids(self, positions: IntArray) -> tuple[IntArray]:
-        return (self.order.ids(positions),)
-
-    def sample_ids(self, positions: IntArray) -> IntArray:
-        """Sample ids at ``positions`` (same shape); chunk-cached, identical to ``order.ids``."""
-        pos = np.asarray(positions)
-        return self._memo(pos)[0].reshape(pos.shape)
-
-    def fetch(self, positions: IntArray) -> Batch:
-        return self.dataset.read(self.sample_ids(positions).reshape(-1))
-
-    def identity(self) -> dict[str, Any]:
-        return {"type": "ordered", "algorithm": ALGORITHM, "seed": self.seed,
-                "dataset": self.dataset.identity()}
+_MOVED = frozenset({"OrderedStream", "as_stream"})
 
 
-def as_stream(data: Dataset | Stream, seed: int) -> Stream:
-    """A `Stream` for ``data``: streams pass through, datasets get `GlobalOrder` under ``seed``."""
-    if isinstance(data, Stream) and hasattr(data, "fetch"):
-        return data
-    if isinstance(data, Dataset):
-        return OrderedStream(data, seed)
-    raise ConfigError(f"expected a detdata Dataset (num_samples, read, identity) or Stream "
-                      f"(fetch, sample_ids, identity), got {type(data).__name__}")
+def __getattr__(name: str) -> Any:
+    """`OrderedStream` and `as_stream` from their new home, `detdata.datasets.streams`
+    (imported on first use: streams imports this module, so a top-level import would be a cycle)."""
+    if name in _MOVED:
+        from detdata.datasets import streams
+        return getattr(streams, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
