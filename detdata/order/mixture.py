@@ -1,0 +1,475 @@
+"""The ``mixture-v1`` algorithm as pure functions: global position -> source, index in source.
+
+Global position ``g`` -> ``(source index, index in that source's own stream)``,
+computed per position with nothing of size ``n`` stored; `detdata.Mixture`
+(`detdata.datasets.mixture`) turns it into a `Stream` over datasets. Exact definition (a re-implementation in any language must
+reproduce the golden vectors in ``tests/golden/mixture_v1.json``):
+
+**Sources.** Sources are named; ``source index`` ``s`` is the position of the
+name in the names sorted by Unicode code point (Python ``sorted``). Source ``s``
+reads its samples in its own `GlobalOrder` (``feistel-v1``) over its
+``num_samples`` under the derived seed
+``u64le⁻¹(blake3(b"detdata:source-seed-v1" + u64le(seed) + utf8(name))[:8])``.
+Index ``i`` in a source's stream is sample ``GlobalOrder(n_s, seed_s).ids(i)``:
+past ``n_s`` the source simply continues into its next epoch, so the source's
+epoch is ``i // n_s`` and ``consumed(P)[name] // n_s`` epochs of it are complete
+after ``P`` positions. A source's order depends on the root seed and its name
+only: adding, removing or reweighting other sources never changes it.
+
+**Weights.** Each weight (int, `fractions.Fraction`, `decimal.Decimal`, str as
+accepted by ``Fraction(str)`` such as ``"0.25"`` or ``"1/3"``, or float read as
+``Fraction(repr(w))``, i.e. its shortest decimal) becomes an exact rational;
+they are scaled by the lcm of their denominators and divided by the gcd, giving
+positive integers ``w_s`` with total ``W < 2**31``. ``p_s = w_s / W``.
+
+**Schedule.** Phases ``(start_i, weights_i)``, ``start_0 = 0``, strictly
+increasing; phase ``i`` covers positions ``[start_i, start_{i+1})``. Phase-local
+position ``t = g - start_i``. ``offset_i[s]`` is the number of samples of ``s``
+consumed by positions ``[0, start_i)``, so each source's stream continues across
+a phase change without repeating or skipping anything.
+
+**Counts.** ``C_s(T)`` (samples of ``s`` among the first ``T`` phase-local
+positions at block boundaries) comes from a balanced binary tree over the source
+indices: a node covers ``[lo, hi)``; if ``hi - lo > 1`` its left child covers
+``[lo, mid)`` with ``mid = lo + ceil((hi - lo) / 2)`` and its right child
+``[mid, hi)``; node ids are heap numbers (root 1, children ``2k`` and ``2k+1``).
+With ``a`` the weight of the left child, ``b`` the node's weight and ``T`` the
+count arriving at the node (``T`` at the root), the left child gets
+``floor((T*a + phi) / b)`` computed as ``q*a + (r*a + phi) // b`` with
+``T = q*b + r`` (no int64 overflow), the right child the rest; ``b == 0`` gives
+0 to both. ``phi = u64le⁻¹(blake3(b"detdata:mixture-v1:phi" + u64le(seed) +
+u64le(phase index) + u64le(node id))[:8]) mod b``.
+
+**Blocks.** Phase-local positions are cut in blocks of ``L = 16``; block ``k``
+holds ``c_s = C_s(16(k+1)) - C_s(16k)`` positions of each source (they sum to
+16). Block position ``j`` gets the hash
+``h_j = splitmix64(key + (16k + j + 1) * 0x9E3779B97F4A7C15 mod 2**64)`` with
+``key = u64le⁻¹(blake3(b"detdata:mixture-v1:block" + u64le(seed) +
+u64le(phase index))[:8])`` and ``splitmix64(z)``: ``z ^= z >> 30;
+z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31``
+(all mod 2**64). Sorting the 16 positions by ``(h_j, j)``, the first ``c_0`` get
+source 0, the next ``c_1`` source 1, and so on. The index in source of position
+``16k + j`` with source ``s`` is ``offset_i[s] + C_s(16k) + #{j' < j in the
+block with source s}`` (in position order, so after any prefix each source has
+consumed a prefix of its own stream).
+
+**Bound.** Within one phase, with ``d`` the depth of the tree
+(``ceil(log2 S)``) and ``count_s(T)`` the number of positions of ``s`` among the
+first ``T`` phase-local positions, for every ``T >= 0``::
+
+    |count_s(T) - p_s * T| < d + 16 * p_s * (1 - p_s)   (<= d + 4)
+
+(and ``count_s(T) == p_s * T`` exactly when ``S == 1``). Proof sketch: each tree
+level adds an error in ``(-1, 1)`` and scales the parent's by ``a/b <= 1``, so
+``e(T) = C_s(T) - p_s T`` is in ``(-d, d)`` at block boundaries. Inside a block,
+``T = 16k + j``, the prefix holds ``x`` of the block's ``c`` positions of ``s``
+with ``max(0, c - (16 - j)) <= x <= min(c, j)``; substituting ``c = 16 p_s +
+e(16k+16) - e(16k)`` gives ``count_s - p_s T < d + min(j (1 - p_s), (16 - j) p_s)``
+and ``> -d - min(j p_s, (16 - j)(1 - p_s))``, both at most ``16 p_s (1 - p_s)``
+beyond ``d``. Across a schedule the deviation from the piecewise-linear target
+is below the sum of the per-phase bounds of the phases reached.
+"""
+
+from __future__ import annotations
+
+import bisect
+import decimal
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.checks import check_count, check_seed
+from detdata.base.errors import ConfigError
+from detdata.base.keys import derive_u64
+from detdata.base.types import MAX_POSITION, IntArray
+from detdata.order.feistel import mix64
+
+ALGORITHM: Final = "mixture-v1"
+BLOCK: Final = 16
+MAX_TOTAL_WEIGHT: Final = 1 << 31  # exclusive
+_GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
+_J: Final = np.arange(BLOCK, dtype=np.int64)
+_SMALL: Final = 32  # up to this many block boundaries, the tree runs on Python ints
+
+WeightLike = int | float | str | Fraction | decimal.Decimal | np.integer[Any] | np.floating[Any]
+ScheduleLike = Sequence[tuple[int, Mapping[str, WeightLike]]]
+#: One phase as exact proportions: ``(start, p_s in sorted-name order)``.
+PhaseSpec = tuple[int, tuple[Fraction, ...]]
+
+
+# ------------------------------------------------------------------ seeds
+def source_seed(seed: int, name: str) -> int:
+    """The seed of source ``name``'s own `GlobalOrder` under root ``seed`` (blake3, never arithmetic)."""
+    return derive_u64(b"detdata:source-seed-v1", check_seed(seed), tail=name.encode("utf-8"))
+
+
+# ------------------------------------------------------------------ weights
+def to_fraction(value: object, where: str) -> Fraction:
+    """``value`` as an exact rational (sign not checked), or `ConfigError` naming ``where``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{where}: a weight cannot be a bool ({value!r}); hint: use 1 or 0")
+    if isinstance(value, (float, np.floating)) and not math.isfinite(float(value)):
+        raise ConfigError(f"{where}: weight {value!r} is not finite")
+    if isinstance(value, decimal.Decimal) and not value.is_finite():
+        raise ConfigError(f"{where}: weight {value!r} is not finite")
+    try:
+        if isinstance(value, (int, np.integer)):
+            return Fraction(int(value))
+        if isinstance(value, Fraction):
+            return value
+        if isinstance(value, (float, np.floating)):
+            return Fraction(repr(float(value)))
+        if isinstance(value, (decimal.Decimal, str)):
+            return Fraction(value.strip() if isinstance(value, str) else value)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"{where}: cannot read weight {value!r} as an exact number ({exc}); "
+                          f"hint: use an int, a decimal string like '0.25' or a ratio like '1/3'") from None
+    raise ConfigError(f"{where}: weight {value!r} has unsupported type {type(value).__name__}; "
+                      f"hint: use int, float, str, fractions.Fraction or decimal.Decimal")
+
+
+def normalize_weights(weights: Mapping[str, object], names: Sequence[str], *, allow_zero: bool,
+                      where: str = "weights") -> tuple[int, ...]:
+    """Exact integer weights in ``names`` order, divided by their gcd, total ``< 2**31``."""
+    if not isinstance(weights, Mapping):
+        raise ConfigError(f"{where} must be a mapping of source name -> weight, got {type(weights).__name__}")
+    unknown = sorted(str(k) for k in weights if k not in names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown source(s) {unknown}; the sources are {list(names)}")
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise ConfigError(f"{where}: no weight for source(s) {missing}; hint: give every source a "
+                          f"weight (a weight of 0 needs allow_zero=True)")
+    fracs = [to_fraction(weights[n], f"{where}[{n!r}]") for n in names]
+    for name, f in zip(names, fracs, strict=True):
+        if f < 0:
+            raise ConfigError(f"{where}[{name!r}]: weight {f} is negative")
+        if f == 0 and not allow_zero:
+            raise ConfigError(f"{where}[{name!r}]: weight is 0; hint: remove the source or pass "
+                              f"allow_zero=True (the source then never appears in this phase)")
+    if all(f == 0 for f in fracs):
+        raise ConfigError(f"{where}: every weight is 0; at least one source needs a positive weight")
+    scale = math.lcm(*(f.denominator for f in fracs))
+    ints = [int(f * scale) for f in fracs]
+    g = math.gcd(*ints)
+    ints = [v // g for v in ints]
+    total = sum(ints)
+    if total >= MAX_TOTAL_WEIGHT:
+        raise ConfigError(f"{where}: the exact integer weights sum to {total} >= 2**31 "
+                          f"(weights {dict(zip(names, map(str, fracs), strict=True))}); hint: round the weights, "
+                          f"e.g. to integers or to a few decimal places, or give ratios like '1/3'")
+    return tuple(ints)
+
+
+# ------------------------------------------------------------------ phases
+@dataclass(frozen=True, kw_only=True)
+class _Node:
+    """One internal tree node: splits the count arriving at ``node_id`` between two children."""
+
+    node_id: int
+    left: tuple[int, int]  # (child node id, source index if the child is a leaf else -1)
+    right: tuple[int, int]
+    a: int
+    b: int
+    phi: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One schedule phase: exact integer weights (sorted-name order) from ``start`` on.
+
+    ``offsets[s]`` is the number of samples of source ``s`` consumed before ``start``.
+    """
+
+    index: int
+    start: int
+    weights: tuple[int, ...]
+    offsets: tuple[int, ...]
+    nodes: tuple[_Node, ...]
+    key: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights)
+
+    def fractions(self) -> tuple[Fraction, ...]:
+        return tuple(Fraction(w, self.total) for w in self.weights)
+
+
+def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, ...]:
+    """The internal nodes of the balanced tree, parents before children (none for one source)."""
+    nodes: list[_Node] = []
+    if len(weights) == 1:
+        return ()
+    stack = [(1, 0, len(weights))]
+    while stack:
+        node_id, lo, hi = stack.pop()
+        mid = lo + (hi - lo + 1) // 2
+        a, b = sum(weights[lo:mid]), sum(weights[lo:hi])
+        phi = derive_u64(b"detdata:mixture-v1:phi", seed, phase, node_id) % b if b else 0
+        children = []
+        for child_id, clo, chi in ((2 * node_id, lo, mid), (2 * node_id + 1, mid, hi)):
+            children.append((child_id, clo if chi - clo == 1 else -1))
+            if chi - clo > 1:
+                stack.append((child_id, clo, chi))
+        nodes.append(_Node(node_id=node_id, left=children[0], right=children[1], a=a, b=b, phi=phi))
+    return tuple(nodes)
+
+
+def _tree_counts_small(phase: Phase, totals: Sequence[int]) -> IntArray:
+    """`_tree_counts` with Python ints: cheaper than numpy for a few boundaries."""
+    out = np.empty((len(totals), len(phase.weights)), dtype=np.int64)
+    for row, total in enumerate(totals):
+        arriving = {1: total}
+        for node in phase.nodes:
+            t = arriving.pop(node.node_id)
+            left = (t * node.a + node.phi) // node.b if node.b else 0
+            for (child, leaf), value in ((node.left, left), (node.right, t - left)):
+                if leaf >= 0:
+                    out[row, leaf] = value
+                else:
+                    arriving[child] = value
+    return out
+
+
+def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
+    """``C_s(T)`` for each ``T`` in ``totals`` (block boundaries): shape ``(len(totals), S)``."""
+    if not phase.nodes:
+        return totals.astype(np.int64).reshape(-1, 1)
+    if totals.size <= _SMALL:
+        return _tree_counts_small(phase, totals.tolist())
+    out = np.empty((totals.size, len(phase.weights)), dtype=np.int64)
+    arriving: dict[int, IntArray] = {1: totals}
+    for node in phase.nodes:
+        t = arriving.pop(node.node_id)
+        if node.b == 0:
+            left = np.zeros_like(t)
+        else:
+            q, r = np.divmod(t, node.b)
+            left = q * node.a + (r * node.a + node.phi) // node.b
+        for (child, leaf), value in ((node.left, left), (node.right, t - left)):
+            if leaf >= 0:
+                out[:, leaf] = value
+            else:
+                arriving[child] = value
+    return out
+
+
+def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[IntArray, IntArray]:
+    """For blocks ``(nb,)`` with per-source counts ``(nb, S)``: source and within-source rank, ``(nb, 16)``."""
+    nb, num_sources = counts.shape
+    rows = np.arange(nb, dtype=np.int64)[:, None]
+    ctr = (blocks[:, None] * BLOCK + _J[None, :] + 1).astype(np.uint64)
+    by_hash = np.argsort(mix64(np.uint64(phase.key) + ctr * _GAMMA), axis=1, kind="stable")
+    by_rank = np.repeat(np.tile(np.arange(num_sources, dtype=np.int64), nb), counts.reshape(-1))
+    src = np.empty(nb * BLOCK, dtype=np.int64)
+    src[(by_hash + rows * BLOCK).reshape(-1)] = by_rank  # the r-th smallest hash gets by_rank[r]
+    src = src.reshape(nb, BLOCK)
+    grouped = np.argsort(src, axis=1, kind="stable") + rows * BLOCK  # by source, position order inside
+    first = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # block rank where each source starts
+    within = np.empty(nb * BLOCK, dtype=np.int64)
+    flat = grouped.reshape(-1)
+    within[flat] = np.tile(_J, nb) - first[src.reshape(-1)[flat] + (flat // BLOCK) * num_sources]
+    return src, within.reshape(nb, BLOCK)
+
+
+def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
+    """``np.unique(values, return_inverse=True)`` with an O(n) path for non-decreasing input."""
+    if values.size and bool((values[1:] >= values[:-1]).all()):
+        new = np.empty(values.size, dtype=bool)
+        new[0] = True
+        np.not_equal(values[1:], values[:-1], out=new[1:])
+        return values[new], np.cumsum(new) - 1
+    uniq, inverse = np.unique(values, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
+def _boundary_counts(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray]:
+    """``C(16k)`` and per-block counts for sorted unique ``blocks``, both ``(nb, S)``."""
+    if blocks.size and int(blocks[-1]) - int(blocks[0]) == blocks.size - 1:  # contiguous
+        bounds = _tree_counts(phase, np.arange(int(blocks[0]), int(blocks[-1]) + 2, dtype=np.int64) * BLOCK)
+        return bounds[:-1], np.diff(bounds, axis=0)
+    both = _tree_counts(phase, np.concatenate((blocks, blocks + 1)) * BLOCK)
+    start = both[: blocks.size]
+    return start, both[blocks.size:] - start
+
+
+def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]:
+    """Source index and index in source for phase-local positions ``local`` (1-D)."""
+    blocks, inverse = _unique_sorted(local >> 4)
+    start, counts = _boundary_counts(phase, blocks)
+    src_blk, within_blk = _block_layout(phase, blocks, counts)
+    j = local & (BLOCK - 1)
+    src = src_blk[inverse, j]
+    offsets = np.asarray(phase.offsets, dtype=np.int64)
+    index = offsets[src] + start[inverse, src] + within_blk[inverse, j]
+    return src, index
+
+
+def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
+    """Samples of each source among the first ``length`` phase-local positions."""
+    k, j = divmod(length, BLOCK)
+    blocks = np.array([k], dtype=np.int64)
+    start, counts = _boundary_counts(phase, blocks)
+    total = start[0].copy()
+    if j:
+        src, _ = _block_layout(phase, blocks, counts)
+        total += np.bincount(src[0, :j], minlength=len(phase.weights))
+    return tuple(int(v) for v in total)
+
+
+def build_phases(seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]) -> tuple[Phase, ...]:
+    """The phases starting at ``starts`` with integer ``weights``, each with its offsets (samples
+    of each source consumed before it) and its tree and block key under ``seed``."""
+    phases: list[Phase] = []
+    offsets = (0,) * len(weights[0])
+    for index, (start, w) in enumerate(zip(starts, weights, strict=True)):
+        phase = Phase(index=index, start=start, weights=w, offsets=offsets,
+                      nodes=_build_nodes(w, seed, index), key=derive_u64(b"detdata:mixture-v1:block", seed, index))
+        phases.append(phase)
+        if index + 1 < len(starts):
+            used = _phase_prefix_counts(phase, starts[index + 1] - start)
+            offsets = tuple(o + u for o, u in zip(offsets, used, strict=True))
+    return tuple(phases)
+
+
+# ------------------------------------------------------------------ validation
+def check_schedule(schedule: object) -> list[tuple[int, Mapping[str, object]]]:
+    """``schedule`` as ``[(start, weights), ...]``: pairs, first start 0, starts strictly
+    increasing and in ``[0, 2**62)`` (the weights are not read here), else `ConfigError`."""
+    if isinstance(schedule, (str, bytes, Mapping)) or not isinstance(schedule, Iterable):
+        raise ConfigError(f"schedule must be a list of (start_position, weights) pairs, got {schedule!r:.80}")
+    phases: list[tuple[int, Mapping[str, object]]] = []
+    for i, item in enumerate(schedule):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ConfigError(f"schedule[{i}] must be a (start_position, weights) pair, got {item!r:.80}")
+        start = check_count(item[0], f"schedule[{i}] start", minimum=0, maximum=MAX_POSITION - 1)
+        if i == 0 and start != 0:
+            raise ConfigError(f"schedule[0] must start at position 0, got {start}")
+        if phases and start <= phases[-1][0]:
+            raise ConfigError(f"schedule[{i}] start {start} is not after schedule[{i - 1}] start "
+                              f"{phases[-1][0]}; starts must strictly increase")
+        phases.append((start, item[1]))
+    if not phases:
+        raise ConfigError("schedule is empty; hint: start it with (0, {name: weight, ...})")
+    return phases
+
+
+def check_positions(positions: npt.ArrayLike) -> IntArray:
+    """``positions`` (any shape) as int64, every value in ``[0, 2**62)``, else `ConfigError`."""
+    pos = np.asarray(positions)
+    if pos.dtype.kind not in "iu":
+        raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
+    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= MAX_POSITION):
+        raise ConfigError(f"positions must be in [0, 2**62), found [{int(pos.min())}, {int(pos.max())}]")
+    return pos.astype(np.int64, copy=False)
+
+
+# ------------------------------------------------------------------ the schedule
+@dataclass(frozen=True)
+class Schedule:
+    """A mixture's phases: the source and index in source of every global position.
+
+    Pure: built from the root seed and exact integer weights only (no datasets);
+    sources are the indices ``0..S-1`` of the sorted source names.
+    """
+
+    phases: tuple[Phase, ...]
+    _starts: IntArray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starts", np.array([p.start for p in self.phases], dtype=np.int64))
+
+    @classmethod
+    def build(cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]) -> Schedule:
+        """The schedule of phases at ``starts`` (checked by `check_schedule`) with integer
+        ``weights`` (from `normalize_weights`) under root ``seed``."""
+        return cls(build_phases(seed, starts, weights))
+
+    def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
+        """``(source_index, index_in_source)`` for each global position (same shape).
+
+        Cost: O(sources) per distinct 16-position block touched, plus O(1) per position.
+        """
+        pos = check_positions(positions)
+        flat = pos.reshape(-1)
+        if len(self.phases) == 1:
+            src, index = _locate_in_phase(self.phases[0], flat)
+            return src.reshape(pos.shape), index.reshape(pos.shape)
+        src = np.empty(flat.size, dtype=np.int64)
+        index = np.empty(flat.size, dtype=np.int64)
+        which = np.searchsorted(self._starts, flat, side="right") - 1
+        for p in np.unique(which):
+            sel = which == p
+            phase = self.phases[int(p)]
+            src[sel], index[sel] = _locate_in_phase(phase, flat[sel] - phase.start)
+        return src.reshape(pos.shape), index.reshape(pos.shape)
+
+    def _phase_of(self, position: int) -> Phase:
+        starts: list[int] = self._starts.tolist()
+        return self.phases[bisect.bisect_right(starts, position) - 1]
+
+    def phase_at(self, position: int) -> Phase:
+        """The phase in effect at global ``position`` (in ``[0, 2**62)``)."""
+        return self._phase_of(check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1))
+
+    def consumed(self, position: int) -> tuple[int, ...]:
+        """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""
+        p = check_count(position, "position", minimum=0, maximum=MAX_POSITION)
+        phase = self._phase_of(p)
+        used = _phase_prefix_counts(phase, p - phase.start)
+        return tuple(o + u for o, u in zip(phase.offsets, used, strict=True))
+
+    def proportions(self) -> tuple[PhaseSpec, ...]:
+        """``(start, exact p_s)`` of each phase."""
+        return tuple((p.start, p.fractions()) for p in self.phases)
+
+
+# ------------------------------------------------------------------ schedules as JSON
+def rational(f: Fraction) -> str:
+    """``"p/q"`` (always with a denominator): how proportions are written in identities."""
+    return f"{f.numerator}/{f.denominator}"
+
+
+def schedule_to_json(schedule: Schedule, names: Sequence[str]) -> list[list[Any]]:
+    """``[[start, {name: "p/q"}], ...]`` with the exact normalised proportions."""
+    return [[start, {n: rational(f) for n, f in zip(names, fracs, strict=True)}]
+            for start, fracs in schedule.proportions()]
+
+
+def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ...]:
+    """The proportions of a saved `schedule_to_json` over the sources ``names`` (sorted), or
+    `ConfigError` (each phase must weight exactly ``names``, non-negative, not all zero)."""
+    phases = []
+    for i, (start, start_weights) in enumerate(check_schedule(doc)):
+        if not isinstance(start_weights, Mapping) or sorted(start_weights) != list(names):
+            raise ConfigError(f"saved mixture schedule[{i}] does not weight exactly the sources {list(names)}")
+        fracs = [to_fraction(start_weights[n], f"saved schedule[{i}][{n!r}]") for n in names]
+        if any(f < 0 for f in fracs) or sum(fracs) <= 0:
+            raise ConfigError(f"saved mixture schedule[{i}] has negative or all-zero weights")
+        phases.append((start, tuple(f / sum(fracs) for f in fracs)))
+    return tuple(phases)
+
+
+# ------------------------------------------------------------------ continuing
+def continue_schedule(saved: Sequence[PhaseSpec], mine: Sequence[PhaseSpec], position: int) -> list[PhaseSpec]:
+    """The saved schedule's phases before ``position``, then ``mine`` from ``position`` on.
+
+    The phase of ``mine`` in effect at ``position`` starts there, unless the saved
+    phase in effect already has those proportions (and started before it): then that
+    phase simply continues. Phase indices, keys and offsets of the saved phases before
+    ``position`` are unchanged, so every earlier position keeps its source and index.
+    """
+    p = check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1)
+    past = [(s, w) for s, w in saved if s < p]
+    in_effect = [(s, w) for s, w in saved if s <= p][-1]
+    current = [w for s, w in mine if s <= p][-1]
+    future = [(s, w) for s, w in mine if s > p]
+    if not (in_effect[0] < p and tuple(in_effect[1]) == current):
+        past.append((p, current))
+    return past + future
