@@ -21,7 +21,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-import detdata.identity.manifest as manifest_mod
+import detdata.identity.build as manifest_mod
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import (
     ConfigError,

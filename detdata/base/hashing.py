@@ -1,30 +1,31 @@
-"""blake3 digests of shard bytes: full content (streamed, bounded memory) and quick digest."""
+"""blake3 digests: the ``b3:<hex>`` format, digests of bytes and the quick digest.
+
+Pure functions of bytes (no storage access): reading files to digest them is
+`detdata.identity.hashing` (local) and `detdata.storage.fs` (remote, retried).
+"""
 
 from __future__ import annotations
 
 import struct
-from typing import Final
+from typing import Final, TypeGuard
 
 import blake3
-import fsspec
 
 CHUNK: Final = 8 << 20
 QUICK_SPAN: Final = 1 << 20
 PREFIX: Final = "b3:"
-
-
-def full_digest_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """``b3:<hex>`` blake3 of every byte of ``path``, read in 8 MiB chunks."""
-    hasher = blake3.blake3()
-    with fs.open(path, "rb", block_size=CHUNK) as fh:
-        while chunk := fh.read(CHUNK):
-            hasher.update(chunk)
-    return PREFIX + hasher.hexdigest()
+_HEX: Final = frozenset("0123456789abcdef")
 
 
 def digest_bytes(data: bytes) -> str:
     """``b3:<hex>`` of a bytes object."""
     return PREFIX + blake3.blake3(data).hexdigest()
+
+
+def is_digest(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a digest string: ``b3:`` then 64 lowercase hex digits."""
+    return (isinstance(value, str) and len(value) == len(PREFIX) + 64
+            and value.startswith(PREFIX) and _HEX.issuperset(value[len(PREFIX):]))
 
 
 def quick_digest_parts(size: int, head: bytes, tail: bytes) -> str:
@@ -33,13 +34,3 @@ def quick_digest_parts(size: int, head: bytes, tail: bytes) -> str:
     hasher.update(head)
     hasher.update(tail)
     return PREFIX + hasher.hexdigest()
-
-
-def quick_digest_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str:
-    """Quick digest of ``path`` of known ``size`` with two range reads (head, tail)."""
-    span = min(size, QUICK_SPAN)
-    with fs.open(path, "rb", block_size=QUICK_SPAN) as fh:
-        head = fh.read(span)
-        fh.seek(size - span)
-        tail = fh.read(span)
-    return quick_digest_parts(size, head, tail)

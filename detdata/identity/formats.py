@@ -59,11 +59,19 @@ def parse_format(value: str | Format) -> Format:
         raise ConfigError(f"unknown shard format {value!r}; expected one of: {names}") from None
 
 
-def detect_format(path: str) -> Format:
-    """Format from a file suffix; raises `FormatError` naming the file when unknown."""
+def suffix_format(path: str) -> Format | None:
+    """The format a file suffix names, or None when the suffix is not a known one."""
     for suffix, fmt in _SUFFIXES.items():
         if path.endswith(suffix):
             return fmt
+    return None
+
+
+def detect_format(path: str) -> Format:
+    """Format from a file suffix; raises `FormatError` naming the file when unknown."""
+    fmt = suffix_format(path)
+    if fmt is not None:
+        return fmt
     raise FormatError(f"{path}: cannot tell the format from the suffix; pass format= "
                       f"(one of {', '.join(f.value for f in Format)})")
 

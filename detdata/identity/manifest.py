@@ -1,10 +1,15 @@
-"""Content-addressed shard manifests (DESIGN.md section 1).
+"""Content-addressed shard manifests: the model (docs/design.md section 1).
 
 A manifest is a JSON document: a format version, a canonically sorted list of
 shards (relative path, bytes, blake3, quick digest, sample count, format and
 format details) and free user metadata. Its id is ``b3:`` + blake3 of the
 canonical JSON of that body (sorted keys, no whitespace, UTF-8). The root URL
 the shards live under is *not* part of the body, so moving data keeps the id.
+
+This module holds the model: its fields and id, JSON in and out (documents are
+untrusted: every field is validated, shard paths included), load and save.
+Building a manifest from files is `detdata.identity.build`; checking bytes
+against one is `detdata.identity.verify` (`Manifest.verify` delegates to it).
 """
 
 from __future__ import annotations
@@ -14,51 +19,38 @@ import functools
 import itertools
 import json
 import os
-import posixpath
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from detdata.base.canonical import canonical_json
-from detdata.base.errors import ConfigError, ManifestError, StorageError, VerificationError
-from detdata.base.hashing import full_digest_file, quick_digest_file
-from detdata.identity.formats import (
-    TABLE_FORMATS,
-    TOKEN_DTYPES,
-    Format,
-    ShardLayout,
-    detect_format,
-    inspect_shard,
-    parse_format,
-)
-from detdata.storage.fs import (
-    check_relative_path,
-    check_shard_name,
-    filesystem,
-    full_digest_retrying,
-    is_http,
-    is_local_fs,
-    is_url,
-    join,
-    quick_digest_retrying,
-    read_file_retrying,
-    size_retrying,
-    unquote_path,
-    url_join,
-)
+from detdata.base.errors import ConfigError, ManifestError
+from detdata.base.hashing import digest_bytes, is_digest
+from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
+from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
+
+if TYPE_CHECKING:  # re-exports for the old import path (the lead removes them); see __getattr__
+    from detdata.identity.build import build_manifest as build_manifest
+    from detdata.identity.build import hash_files as hash_files
 
 FORMAT_VERSION: Final = 1
 KIND: Final = "detdata.manifest"
-ID_PREFIX: Final = "b3:"
 
 # JSON keys (named constants so the schema lives in one place).
 K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
     "kind", "format_version", "shards", "metadata", "id", "root")
 _SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
 _SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
+_MOVED_TO_BUILD: Final = frozenset({"build_manifest", "hash_files"})
+
+
+def __getattr__(name: str) -> object:
+    """Lazy re-exports of `build_manifest` / `hash_files` (build imports this module)."""
+    if name in _MOVED_TO_BUILD:
+        from detdata.identity import build
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Verify(str, enum.Enum):
@@ -151,8 +143,7 @@ def _check_int(value: object, where: str) -> int:
 
 
 def _check_digest(value: object, where: str) -> str:
-    if not (isinstance(value, str) and value.startswith(ID_PREFIX) and len(value) == 67
-            and all(c in "0123456789abcdef" for c in value[3:])):
+    if not is_digest(value):
         raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
     return value
 
@@ -188,7 +179,6 @@ class Manifest:
 
         Computed once per (immutable) manifest and cached.
         """
-        from detdata.base.hashing import digest_bytes
         return digest_bytes(canonical_json(self.body()))
 
     @property
@@ -303,7 +293,7 @@ class Manifest:
         Remote reads retry under ``retry`` (a `RetryPolicy`; `StorageError`
         naming the URL at its deadline).
         """
-        mode = _parse_verify(verify)
+        mode = parse_verify(verify)
         try:
             text = read_file_retrying(path, policy=check_policy(retry), what="manifest read",
                                       **storage_options)
@@ -328,85 +318,20 @@ class Manifest:
         """Check the bytes under the root; raise `VerificationError` at the first bad shard.
 
         Every shard is checked; the error names the first (in path order) that
-        failed, with the field, expected and found values.
+        failed, with the field, expected and found values. See
+        `detdata.identity.verify.verify_manifest`.
         """
-        mode = _parse_verify(mode)
-        if mode is Verify.OFF:
-            return
-        if self.root is None:
-            raise ConfigError("cannot verify a manifest without a root")
-        fs, root = filesystem(self.root, **storage_options)
-        policy = check_policy(retry)
-
-        def check(shard: ShardEntry) -> VerificationError | None:
-            if is_local_fs(fs):
-                return _verify_shard(fs, join(root, shard.path), shard, mode, self.root or "")
-            return _verify_remote(fs, join(root, shard.path), shard, mode, self.url(shard),
-                                  policy)
-
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            results = list(_progress(pool.map(check, self.shards), len(self.shards),
-                                     "verifying", progress))
-        for err in results:
-            if err is not None:
-                raise err
+        from detdata.identity.verify import verify_manifest
+        verify_manifest(self, mode, threads=threads, progress=progress, retry=retry,
+                        **storage_options)
 
 
-def _parse_verify(value: str | Verify) -> Verify:
+def parse_verify(value: str | Verify) -> Verify:
+    """`Verify` from ``"quick"`` / ``"full"`` / ``"off"``, else `ConfigError`."""
     try:
         return Verify(value)
     except ValueError:
         raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
-
-
-def _verify_shard(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str) -> VerificationError | None:
-    return _check_bytes(shard, mode, f"shard {shard.path} (under {root})",
-                        size=lambda: int(fs.size(path)),
-                        quick=lambda size: quick_digest_file(fs, path, size),
-                        full=lambda size: full_digest_file(fs, path))
-
-
-def _verify_remote(fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str,
-                   policy: RetryPolicy) -> VerificationError | None:
-    """`_verify_shard` for remote stores: timed-out, retried range reads (never a hang)."""
-    name = shard.path
-    return _check_bytes(shard, mode, f"shard {name} ({url})",
-                        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-                        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
-                        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url))
-
-
-def _check_bytes(shard: ShardEntry, mode: Verify, where: str, *, size: Callable[[], int],
-                 quick: Callable[[int], str], full: Callable[[int], str]) -> VerificationError | None:
-    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None."""
-    try:
-        found_size = size()
-    except FileNotFoundError:
-        return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
-                                 "was deleted or renamed, or the root is wrong (pass root=)",
-                                 shard=shard.path, field="exists", expected=True, found=False)
-    if found_size != shard.bytes:
-        return VerificationError(f"{where}: size mismatch: expected {shard.bytes} bytes, found {found_size} "
-                                 "(truncated or rewritten?)", shard=shard.path, field="bytes",
-                                 expected=shard.bytes, found=found_size)
-    found_quick = quick(found_size)
-    if found_quick != shard.quick:
-        return VerificationError(f"{where}: quick digest mismatch: expected {shard.quick}, found {found_quick}",
-                                 shard=shard.path, field="quick", expected=shard.quick, found=found_quick)
-    if mode is Verify.FULL:
-        found_full = full(found_size)
-        if found_full != shard.blake3:
-            return VerificationError(f"{where}: blake3 mismatch: expected {shard.blake3}, found {found_full}",
-                                     shard=shard.path, field="blake3", expected=shard.blake3, found=found_full)
-    return None
-
-
-def _progress(it: Iterable[Any], total: int, desc: str, progress: bool | None) -> Iterable[Any]:
-    show = sys.stderr.isatty() if progress is None else progress
-    if not show:
-        return it
-    from tqdm import tqdm
-    return cast(Iterable[Any], tqdm(it, total=total, desc=desc, unit="shard"))
 
 
 class _DuplicateKeyError(ValueError):
@@ -473,108 +398,3 @@ def _resolve_root(stored: str | None, manifest_path: str) -> str:
     if is_url(stored) or stored.startswith("/"):
         return stored
     return base + "/" + stored
-
-
-def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
-    """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`).
-
-    HTTP listings give percent-encoded URLs; their paths are decoded, so a manifest
-    built over HTTP holds the same file names (and id) as one built from the files.
-    """
-    if pattern is None:
-        found = [p for p in fs.find(root) if not p.endswith(".json")]
-    else:
-        found = fs.glob(posixpath.join(root, pattern) if root not in ("", "/") else root + pattern)
-        found = [p for p in found if not fs.isdir(p)]
-    prefix = root.rstrip("/") + "/"
-    outside = [p for p in found if not p.startswith(prefix)]
-    if outside:
-        raise ConfigError(f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
-                          f"root {root!r}; hint: use a pattern relative to the root")
-    rels = [p[len(prefix):] for p in found]
-    if is_http(root):
-        rels = [unquote_path(r) for r in rels]
-    rels.sort()
-    if fmt is None and pattern is None:
-        rels = [r for r in rels if _known_suffix(r)]
-    return [check_shard_name(r, root=root) for r in rels]
-
-
-def _known_suffix(rel: str) -> bool:
-    try:
-        detect_format(rel)
-    except Exception:
-        return False
-    return True
-
-
-def build_manifest(root: str, *, pattern: str | None = None, format: str | Format | None = None,
-                   dtype: str | None = None, metadata: Mapping[str, Any] | None = None,
-                   paths: Sequence[str] | None = None, threads: int = 8,
-                   progress: bool | None = None, retry: RetryPolicy | None = None,
-                   **storage_options: Any) -> Manifest:
-    """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
-
-    Shards are ``paths`` (relative) if given, else files matching the glob
-    ``pattern`` (default: every file with a known suffix, recursively), sorted
-    by relative path. ``format`` overrides suffix detection; ``.bin`` needs
-    ``dtype``. Shards are hashed in ``threads`` parallel threads, each streamed in
-    bounded memory. ``metadata`` (tokenizer hash, description...) is part of the id.
-    """
-    fs, rootpath = filesystem(root, **storage_options)
-    fmt = parse_format(format) if format is not None else None
-    if paths is not None:
-        rels = sorted(check_shard_name(p, root=root) for p in paths)
-    else:
-        if not fs.exists(rootpath):
-            raise ConfigError(f"root {root!r} does not exist")
-        rels = _list_shards(fs, rootpath, pattern, fmt)
-    if not rels:
-        raise ConfigError(f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
-                          "path and pattern, e.g. pattern='**/*.npy'")
-
-    policy = check_policy(retry)
-
-    def build(rel: str) -> ShardEntry:
-        if is_local_fs(fs):
-            return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
-        url = url_join(root, rel)
-        return policy.run(lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
-                          what="hashing", shard=rel, url=url)
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        entries = list(_progress(pool.map(build, rels), len(rels), "hashing", progress))
-    canonical_root = root if is_url(root) else os.path.abspath(root)
-    return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical_root)
-
-
-def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | None) -> ShardEntry:
-    shard_format = fmt if fmt is not None else detect_format(rel)
-    try:
-        size = int(fs.size(path))
-    except FileNotFoundError:
-        raise StorageError(f"shard {rel}: file not found at {path}; hint: check the root and "
-                           "the relative paths") from None
-    layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
-    return ShardEntry(path=rel, bytes=size, blake3=full_digest_file(fs, path),
-                      quick=quick_digest_file(fs, path, size), num_samples=layout.num_samples,
-                      format=shard_format, dtype=layout.dtype, data_offset=layout.data_offset,
-                      schema=layout.schema, row_groups=layout.row_groups)
-
-
-def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any) -> list[tuple[str, int, str]]:
-    """``(path, bytes, b3:<hex>)`` for each file or URL, hashed in parallel."""
-    def one(p: str) -> tuple[str, int, str]:
-        fs, fpath = filesystem(p, **storage_options)
-        try:
-            if fs.isdir(fpath):
-                raise StorageError(f"{p}: is a directory; hint: pass files, e.g. {p}/*.npy")
-            return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
-        except FileNotFoundError:
-            raise StorageError(f"{p}: file not found; hint: check the path") from None
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return list(pool.map(one, paths))
-
-
-ProgressFn = Callable[[int], None]

@@ -44,6 +44,7 @@ from typing import Any, Final, TypeVar
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
+from detdata.base.hashing import is_digest
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
@@ -56,7 +57,6 @@ REF_KIND: Final = "detdata.ref"
 REF_VERSION: Final = 1
 NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ID_RE: Final = re.compile(r"^b3:[0-9a-f]{64}$")
 _LOCK_TIMEOUT_S: Final = 60.0
 STALE_TEMP_S: Final = 600.0
 
@@ -97,7 +97,7 @@ def full_name(name: object) -> tuple[str, str]:
 
 def check_id(manifest_id: object) -> str:
     """``manifest_id`` if it looks like ``b3:<64 hex>``, else `RegistryError`."""
-    if not isinstance(manifest_id, str) or not ID_RE.fullmatch(manifest_id):
+    if not is_digest(manifest_id):
         raise RegistryError(f"invalid manifest id {manifest_id!r}; expected 'b3:' + 64 hex digits")
     return manifest_id
 

@@ -1,0 +1,33 @@
+"""blake3 digests of shard files read through an fsspec filesystem (local reads, no retries).
+
+The digest definitions (``b3:`` prefix, chunk size, ``quick-v1``) live in
+`detdata.base.hashing`; remote stores read the same bytes with retries through
+`detdata.storage.fs.full_digest_retrying` / `quick_digest_retrying`, so a file
+has one full and one quick digest however it is read.
+"""
+
+from __future__ import annotations
+
+import blake3
+import fsspec
+
+from detdata.base.hashing import CHUNK, PREFIX, QUICK_SPAN, quick_digest_parts
+
+
+def full_digest_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``b3:<hex>`` blake3 of every byte of ``path``, read in 8 MiB chunks (bounded memory)."""
+    hasher = blake3.blake3()
+    with fs.open(path, "rb", block_size=CHUNK) as fh:
+        while chunk := fh.read(CHUNK):
+            hasher.update(chunk)
+    return PREFIX + hasher.hexdigest()
+
+
+def quick_digest_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str:
+    """Quick digest of ``path`` of known ``size`` with two range reads (head, tail)."""
+    span = min(size, QUICK_SPAN)
+    with fs.open(path, "rb", block_size=QUICK_SPAN) as fh:
+        head = fh.read(span)
+        fh.seek(size - span)
+        tail = fh.read(span)
+    return quick_digest_parts(size, head, tail)
