@@ -59,7 +59,7 @@ def flip_byte(path: Path, offset: int) -> None:
 def test_fill_is_verified_named_by_blake3_and_reused(served: tuple[Manifest, Manifest, Path],
                                                      tmp_path: Path) -> None:
     local, remote, directory = served
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
+    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)[::-1]
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
@@ -74,7 +74,7 @@ def test_fill_is_verified_named_by_blake3_and_reused(served: tuple[Manifest, Man
     moved = directory.with_name(directory.name + "-moved")
     directory.rename(moved)
     try:
-        again = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20, verify="off")
+        again = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off")
         np.testing.assert_array_equal(again.read(ids)["tokens"], ref.read(ids)["tokens"])
         assert again.cache is not None
         assert again.cache.stats.fills == 0 and again.cache.stats.hits == len(SIZES)
@@ -88,12 +88,12 @@ def test_corrupted_cache_file_is_detected_and_refetched(served: tuple[Manifest, 
     local, remote, _ = served
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)
-    TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20).read(ids)
+    TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20).read(ids)
     victim = tmp_path / "objects" / remote.shards[2].blake3[3:]
     good = victim.read_bytes()
     flip_byte(victim, len(good) // 2)
     caplog.set_level(logging.WARNING, "detdata.cache")
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
+    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
     assert ds.cache is not None
     assert (ds.cache.stats.corrupt, ds.cache.stats.fills) == (1, 1)
@@ -101,7 +101,7 @@ def test_corrupted_cache_file_is_detected_and_refetched(served: tuple[Manifest, 
     assert any("s2.npy" in r.getMessage() and "corrupted" in r.getMessage() for r in caplog.records)
     # a truncated copy is caught by its size
     victim.write_bytes(good[:-10])
-    ds2 = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
+    ds2 = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
     np.testing.assert_array_equal(ds2.read(ids)["tokens"], ref.read(ids)["tokens"])
     assert ds2.cache is not None and ds2.cache.stats.corrupt == 1
     assert victim.read_bytes() == good
@@ -131,7 +131,7 @@ def test_cache_stays_under_its_byte_bound_with_lru_eviction(
         served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
     local, remote, _ = served
     bound = 20_000  # room for 2 shards of ~8 KB
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=bound)
+    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=bound)
     ref = TokenWindows(local, SEQ)
     rng = np.random.default_rng(0)
     for _ in range(12):
@@ -160,7 +160,7 @@ def test_cache_stays_under_its_byte_bound_with_lru_eviction(
 def test_shard_larger_than_the_cache_is_refused(served: tuple[Manifest, Manifest, Path],
                                                 tmp_path: Path) -> None:
     _, remote, _ = served
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=5000)
+    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=5000)
     with pytest.raises(ConfigError, match=r"shard s0\.npy .* more than the whole cache"):
         ds.read(np.array([0]))
 
@@ -233,14 +233,32 @@ def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Pa
 
 def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
     _, remote, _ = served
-    with pytest.raises(ConfigError, match="cache_bytes was given without cache_dir"):
-        TokenWindows(remote, SEQ, cache_bytes=100)
-    with pytest.raises(ConfigError, match="cache_bytes must be an integer >= 1"):
-        TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=0)
+    with pytest.raises(ConfigError, match="shard_cache_bytes was given without cache_dir"):
+        TokenWindows(remote, SEQ, shard_cache_bytes=100)
+    with pytest.raises(ConfigError, match="shard_cache_bytes must be an integer >= 1"):
+        TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=0)
     with pytest.raises(ConfigError, match="cache_dir must be a local directory"):
         ShardCache("s3://bucket/cache", 100)
     with pytest.raises(ConfigError, match="verify_on_open"):
         ShardCache(tmp_path, 100, verify_on_open="none")
+
+
+def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
+        served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
+    _, remote, _ = served
+    new = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    with pytest.warns(DeprecationWarning, match="use shard_cache_bytes"):
+        old = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
+    assert old.shard_cache_bytes == new.shard_cache_bytes == 1 << 20
+    assert old.shard_cache is not None and old.shard_cache is old.cache
+    assert old.shard_cache.max_bytes == 1 << 20
+    assert old.identity() == new.identity() == TokenWindows(remote, SEQ).identity()
+    with pytest.warns(DeprecationWarning, match="use shard_cache_bytes"):
+        assert old.cache_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="deprecated name of shard_cache_bytes"):
+        TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1, shard_cache_bytes=1)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="without cache_dir"):
+        TokenWindows(remote, SEQ, cache_bytes=100)
 
 
 def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(

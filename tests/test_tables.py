@@ -188,18 +188,33 @@ def test_cache_byte_bound(tmp_path: Path) -> None:
     one = probe.cache.nbytes
     assert one > 0
     bound = int(2.5 * one)  # the first group is a full one: at most 2 full groups fit
-    ds = TableRows(manifest, ["tokens"], cache_row_groups=100, cache_bytes=bound)
+    ds = TableRows(manifest, ["tokens"], cache_row_groups=100, row_group_cache_bytes=bound)
     starts = range(0, ds.num_samples, 16)
     for start in starts:
         ds.read(np.array([start]))
         assert 0 < ds.cache.nbytes <= bound
     assert 2 <= len(ds.cache) < len(starts) // 2
-    too_small = TableRows(manifest, ["tokens"], cache_bytes=one - 1)
+    too_small = TableRows(manifest, ["tokens"], row_group_cache_bytes=one - 1)
     np.testing.assert_array_equal(too_small.read(np.array([0]))["tokens"], probe.read(np.array([0]))["tokens"])
     assert len(too_small.cache) == 0  # a group larger than the byte bound is not kept
     off = TableRows(manifest, ["tokens"], cache_row_groups=0)
     off.read(np.arange(100))
     assert len(off.cache) == 0
+
+
+def test_cache_bytes_is_the_deprecated_name_of_row_group_cache_bytes(tmp_path: Path) -> None:
+    write_shards(tmp_path, "arrow", seed=2)
+    manifest = build_manifest(str(tmp_path))
+    new = TableRows(manifest, ["tokens"], row_group_cache_bytes=5000)
+    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
+        old = TableRows(manifest, ["tokens"], cache_bytes=5000)
+    assert old.row_group_cache_bytes == new.row_group_cache_bytes == old.cache.max_bytes == 5000
+    assert old.identity() == new.identity() == TableRows(manifest, ["tokens"]).identity()
+    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
+        assert old.cache_bytes == 5000
+    assert TableRows(manifest, ["tokens"]).row_group_cache_bytes == 1 << 30
+    with pytest.raises(ConfigError, match="deprecated name of row_group_cache_bytes"):
+        TableRows(manifest, ["tokens"], cache_bytes=5000, row_group_cache_bytes=5000)
 
 
 def test_lru_evicts_least_recently_used() -> None:
@@ -393,7 +408,7 @@ def test_whole_dataset_cache_reads_by_slots(tmp_path: Path, fmt: str, monkeypatc
             np.testing.assert_array_equal(batch[name], ref[name][ids])
             assert batch[name].dtype == ref[name].dtype and batch[name].flags.c_contiguous
         assert ds.cache.keys() == model.keys()  # LRU order, slot gathers included
-        assert ds.cache.nbytes == len(ds.cache) * slot <= ds.cache.pool_bytes <= ds.cache_bytes
+        assert ds.cache.nbytes == len(ds.cache) * slot <= ds.cache.pool_bytes <= ds.row_group_cache_bytes
         if step == 30:
             ds.read(np.arange(ds.num_samples))
             _model_step(model, ds, np.arange(ds.num_samples), slot)
@@ -409,10 +424,10 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
     for kwargs in ({"cache_row_groups": groups - 1}, {"cache_row_groups": 3},
-                   {"cache_bytes": (groups - 1) * GROUP_ROWS * 8 * (1 + WIDTH // 2)}):
+                   {"row_group_cache_bytes": (groups - 1) * GROUP_ROWS * 8 * (1 + WIDTH // 2)}):
         ds = TableRows(manifest, ["row", "tokens"], **kwargs)
-        full = ds.cache_bytes >= groups * GROUP_ROWS * 8 * (1 + WIDTH // 2)
-        model = RowGroupCache(max_groups=ds.cache_row_groups, max_bytes=ds.cache_bytes)
+        full = ds.row_group_cache_bytes >= groups * GROUP_ROWS * 8 * (1 + WIDTH // 2)
+        model = RowGroupCache(max_groups=ds.cache_row_groups, max_bytes=ds.row_group_cache_bytes)
         rng = np.random.default_rng(2)
         for _ in range(40):
             ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 30)))
@@ -425,7 +440,7 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
                     if model.get(key) is None:
                         model.put(key, _Group({}, 1))
                 assert ds.cache.keys() == model.keys()
-            assert len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.cache_bytes
+            assert len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
         assert ds.cache.pool_bytes == 0  # no slots unless the whole manifest fits
 
 
@@ -436,7 +451,7 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
     slot = GROUP_ROWS * (8 + 8)  # int64 row + an object pointer
-    ds = TableRows(manifest, ["row", "text"], cache_row_groups=groups, cache_bytes=groups * slot + 2000)
+    ds = TableRows(manifest, ["row", "text"], cache_row_groups=groups, row_group_cache_bytes=groups * slot + 2000)
     rng = np.random.default_rng(3)
     evicted = False
     for step in range(200):
@@ -444,7 +459,7 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
         batch = ds.read(ids)
         np.testing.assert_array_equal(batch["row"], ids)
         assert batch["text"].tolist() == ref["text"][ids].tolist()
-        assert ds.cache.nbytes <= ds.cache_bytes and ds.cache.pool_bytes <= ds.cache_bytes
+        assert ds.cache.nbytes <= ds.row_group_cache_bytes and ds.cache.pool_bytes <= ds.row_group_cache_bytes
         evicted |= len(ds.cache) < groups
         if step % 4:
             continue  # let slot gathers and evicting decodes follow each other unobserved
@@ -486,7 +501,7 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
     ds = TableRows(manifest, ["row", "tokens", "text"], cache_row_groups=groups,
-                   cache_bytes=groups * GROUP_ROWS * (8 + 4 * WIDTH + 8) + 3000)  # strings force evictions
+                   row_group_cache_bytes=groups * GROUP_ROWS * (8 + 4 * WIDTH + 8) + 3000)  # strings force evictions
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -507,7 +522,7 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
     for thread in threads:
         thread.join(timeout=120)
     assert not errors, errors[0]
-    assert ds.cache.nbytes <= ds.cache_bytes and ds.cache.pool_bytes <= ds.cache_bytes
+    assert ds.cache.nbytes <= ds.row_group_cache_bytes and ds.cache.pool_bytes <= ds.row_group_cache_bytes
 
 
 # ------------------------------------------------------------------ column kinds in the loader

@@ -5,13 +5,14 @@ order. ``read(ids)`` maps ids to ``(row group, row in group)`` with one
 ``np.searchsorted`` over the manifest's row-group sizes. When the per-process
 cache (`GroupSlots`) holds every needed row group in its slots, the batch is one
 ``take`` per column, rows already in the requested order. Otherwise the ids are
-sorted so that each needed row group is visited once, it is decoded (selected
+grouped by row group (`stable_groups`) so that each needed row group is visited once,
+in group order: it is decoded (selected
 columns only) or taken from the cache, the wanted rows are gathered with a numpy
 fancy index, and scattered back into the requested order.
 
 Shuffled reads touch row groups all over the dataset: a 64-row batch over 128 row
 groups needs ~50 of them. Unless the cache holds the working set (for a global
-shuffle: every row group; ``cache_row_groups`` and ``cache_bytes`` large enough),
+shuffle: every row group; ``cache_row_groups`` and ``row_group_cache_bytes`` large enough),
 nearly every batch decodes most of its row groups (milliseconds each for Parquet).
 With a cache that small, prefer small row groups or Arrow IPC shards (memory-mapped,
 no decode).
@@ -29,20 +30,19 @@ default collate turns each kind into torch objects (`detdata.datasets.columns`).
 Remote roots: reads of a row group retry with backoff under ``retry`` (a
 `RetryPolicy`; a failed attempt re-opens the shard). With ``cache_dir``, whole
 shards are copied into a bounded, blake3-verified local `ShardCache` first and
-read with the local (memory-mapped) readers.
+read with the local (memory-mapped) readers (`detdata.datasets.shards.ShardReader`).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-import fsspec
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
@@ -51,24 +51,21 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
-from detdata.base.errors import ConfigError, FormatError, StorageError
+from detdata.base.errors import ConfigError, FormatError
+from detdata.base.groupby import stable_groups
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column, describe_dtype
-from detdata.datasets.process_local import ProcessLocal
-from detdata.datasets.tokens import (
-    check_cache_args,
-    check_cache_verify,
-    check_not_truncated,
-    resolve_manifest,
-)
+from detdata.datasets.shards import ShardReader, renamed_argument
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
-from detdata.storage.cache import ShardCache
 from detdata.storage.fs import filesystem, join
-from detdata.storage.retry import RetryPolicy, check_policy
+from detdata.storage.retry import RetryPolicy
 
 Columns = dict[str, np.ndarray[Any, Any]]
+
+#: Default bound of the in-memory cache of decoded row groups (``row_group_cache_bytes``).
+DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -369,48 +366,52 @@ def _rows(item: _Group) -> int:
     return len(next(iter(item.columns.values()))) if item.columns else 0
 
 
-class TableRows(ProcessLocal):
+class TableRows(ShardReader):
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
     All shards must share one schema fingerprint (`FormatError` naming two
     shards and the differing fields otherwise). ``columns`` selects columns
     (default: all, in schema order). Decoded row groups are kept in an LRU per
     process (`GroupSlots`, ``self.cache``) of at most ``cache_row_groups`` groups and
-    ``cache_bytes`` bytes. When every row group of the manifest fits both bounds
-    (each charged the size of the largest row group), cached groups sit in slots of
-    one array per column and a batch of cached rows is one gather per column; for
-    shuffled reads, size the cache for that (see the module docstring).
+    ``row_group_cache_bytes`` bytes (default 1 GiB, in memory). When every row group of
+    the manifest fits both bounds (each charged the size of the largest row group), cached
+    groups sit in slots of one array per column and a batch of cached rows is one gather
+    per column; for shuffled reads, size the cache for that (see the module docstring).
     ``ragged`` names list columns to return as object arrays of 1-D arrays
     when their rows differ in length. Pickles carry the manifest and
     parameters only; readers and caches are re-opened lazily per process.
 
     Remote roots: ``retry`` (a `RetryPolicy`) governs reads; ``cache_dir``
     (with ``shard_cache_bytes``, default 16 GiB, on disk; ``cache_verify="full"`` re-hashes a
-    cached copy on open) copies whole shards
-    into a verified local `ShardCache` (``cache_bytes`` bounds the decoded row
-    groups in memory). Neither changes the rows read.
+    cached copy on open) copies whole shards into a verified local `ShardCache`
+    (``shard_cache``). Neither changes the rows read, and no cache bound is part of
+    ``identity()``. ``cache_bytes`` is the deprecated name of ``row_group_cache_bytes``
+    (it always bounded the decoded row groups in memory, never the disk cache): a
+    `DeprecationWarning`; passing both is a `ConfigError`.
     """
 
     # pickling: parameters and manifest only, no readers, caches or locks
-    _TRANSIENT = ("_fs", "_readers", "_io_lock", "cache", "_pid", "_group_starts", "_group_shard",
-                  "_shard_first_group", "_reader_files", "_shard_cache", "_max_group_rows")
+    _TRANSIENT = (*ShardReader._TRANSIENT, "_readers", "_io_lock", "cache", "_group_starts",
+                  "_group_shard", "_shard_first_group", "_max_group_rows")
 
     def __init__(self, manifest: Manifest | str, columns: Sequence[str] | None = None, *,
-                 cache_row_groups: int = 8, cache_bytes: int = 1 << 30,
+                 cache_row_groups: int = 8, row_group_cache_bytes: int | None = None,
                  ragged: Sequence[str] = (), verify: str | Verify = Verify.QUICK,
                  root: str | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 shard_cache_bytes: int | None = None, cache_verify: str = "quick") -> None:
-        self.storage_options = dict(storage_options or {})
-        self.retry = check_policy(retry)
-        self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
-        self.cache_verify = check_cache_verify(cache_verify)
-        self.manifest = resolve_manifest(manifest, verify=verify, root=root,
-                                         storage_options=self.storage_options, retry=self.retry)
+                 shard_cache_bytes: int | None = None, cache_verify: str = "quick",
+                 cache_bytes: int | None = None) -> None:
+        row_bytes = renamed_argument(row_group_cache_bytes, cache_bytes, new="row_group_cache_bytes",
+                                     old="cache_bytes", owner="TableRows")
+        super().__init__(manifest, verify=verify, root=root, storage_options=storage_options,
+                         retry=retry, cache_dir=cache_dir, shard_cache_bytes=shard_cache_bytes,
+                         cache_verify=cache_verify)
         self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
-        self.cache_bytes = check_positive_int(cache_bytes, "cache_bytes", minimum=0)
+        self.row_group_cache_bytes = check_positive_int(
+            DEFAULT_ROW_GROUP_CACHE_BYTES if row_bytes is None else row_bytes,
+            "row_group_cache_bytes", minimum=0)
         shards = self.manifest.shards
         if not shards:
             raise ConfigError(f"manifest {self.manifest.id} has no shards; TableRows needs table shards")
@@ -459,6 +460,7 @@ class TableRows(ProcessLocal):
                               url=self.manifest.url(shard))
 
     def _build_index(self) -> None:
+        super()._build_index()
         sizes = [s.row_groups or () for s in self.manifest.shards]
         flat = np.asarray([g for groups in sizes for g in groups], dtype=np.int64)
         self._group_starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64)
@@ -469,17 +471,23 @@ class TableRows(ProcessLocal):
         self._max_group_rows = int(flat.max()) if flat.size else 0
 
     def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
-        self._fs: fsspec.AbstractFileSystem | None = None
-        self._root_path = ""
+        super()._reset_process_state()
         self._readers: dict[int, Any] = {}
-        self._reader_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
-        self._shard_cache: ShardCache | None = None
         self._io_lock = threading.Lock()
-        self.cache = GroupSlots(self.cache_row_groups, self.cache_bytes,
+        self.cache = GroupSlots(self.cache_row_groups, self.row_group_cache_bytes,
                                 group_shard=self._group_shard,
                                 shard_first_group=self._shard_first_group,
                                 rows_per_slot=self._max_group_rows)
+
+    def _forget_handle(self, shard: int) -> None:
+        self._readers.pop(shard, None)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Deprecated name of ``row_group_cache_bytes`` (a `DeprecationWarning`)."""
+        warnings.warn("TableRows.cache_bytes is deprecated; use row_group_cache_bytes",
+                      DeprecationWarning, stacklevel=2)
+        return self.row_group_cache_bytes
 
     # Dataset protocol --------------------------------------------------------
     @property
@@ -521,14 +529,10 @@ class TableRows(ProcessLocal):
             fast = self.cache.gather(group, arr - self._group_starts[group], self.columns)
             if fast is not None:
                 return self._own(fast)
-        order = np.argsort(arr, kind="stable")
-        sorted_ids = arr[order]
-        group = np.searchsorted(self._group_starts, sorted_ids, side="right").astype(np.int64) - 1
-        rows = sorted_ids - self._group_starts[group]
-        cuts = np.concatenate([[0], np.flatnonzero(np.diff(group)) + 1, [group.size]])
+        order, group, spans = stable_groups(self._group_starts.searchsorted(arr, "right") - 1)
+        rows = arr[order] - self._group_starts[group]
         pieces: dict[str, list[np.ndarray[Any, Any]]] = {c: [] for c in self.columns}
-        for a, b in itertools.pairwise(cuts.tolist()):
-            g = int(group[a])
+        for g, a, b in spans:
             part = self.cache.take_rows(g, rows[a:b])
             if part is None:
                 shard = int(self._group_shard[g])
@@ -583,27 +587,6 @@ class TableRows(ProcessLocal):
         first = int(np.searchsorted(self._group_starts, 0, side="right")) - 1
         return self._group(first).columns[name][:0].copy()
 
-    def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        if self._fs is None:
-            fs, root_path = filesystem(self.manifest.root or "", **self.storage_options)
-            self._root_path = root_path  # before _fs: reader threads test _fs first
-            self._fs = fs
-        return self._fs, self._root_path
-
-    @property
-    def shard_cache(self) -> ShardCache | None:
-        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        if self.cache_dir is None:
-            return None
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        if self._shard_cache is None:
-            self._shard_cache = ShardCache(self.cache_dir, self.shard_cache_bytes, retry=self.retry, verify_on_open=self.cache_verify)
-        return self._shard_cache
-
-    def _uses_cache(self) -> bool:
-        return self.cache_dir is not None and not isinstance(self._filesystem()[0], LocalFileSystem)
-
     def _reader(self, shard: int) -> Any:
         reader = self._readers.get(shard)
         if reader is None:
@@ -611,7 +594,7 @@ class TableRows(ProcessLocal):
             entry = self.manifest.shards[shard]
             path = join(root, entry.path)
             local = isinstance(fs, LocalFileSystem)
-            if self._uses_cache():
+            if self._uses_shard_cache():
                 reader = self._open_cached(shard)
             elif entry.format is Format.PARQUET:
                 reader = pq.ParquetFile(path if local else fs.open(path, "rb"), memory_map=local)
@@ -622,41 +605,14 @@ class TableRows(ProcessLocal):
 
     def _open_cached(self, shard: int) -> Any:
         """A local reader over the verified cached copy of ``shard`` (filled if needed)."""
-        cache = self.shard_cache
-        assert cache is not None  # only called with cache_dir
-        fs, root = self._filesystem()
-        entry = self.manifest.shards[shard]
-        for _ in range(5):
-            path = cache.path(entry, fs, join(root, entry.path), self.manifest.url(entry))
-            try:
-                source = pa.memory_map(path)  # maps the inode, even if it is evicted later
-                inode = os.stat(path).st_ino
-            except FileNotFoundError:
-                continue  # evicted by another process between fill and open: fetch again
-            self._reader_files[shard] = (path, inode)
-            if entry.format is Format.PARQUET:
-                return pq.ParquetFile(source)
-            return ipc.open_file(source)
-        raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
-                           "evicted 5 times before it could be opened; hint: raise "
-                           "shard_cache_bytes (other processes share this cache)")
+        def open_path(path: str) -> tuple[pa.MemoryMappedFile, int]:
+            source = pa.memory_map(path)  # maps the inode, even if it is evicted later
+            return source, os.stat(path).st_ino
 
-    def _drop_replaced_reader(self, shard: int) -> None:
-        """Forget the reader of ``shard`` if its cached copy was evicted or replaced."""
-        known = self._reader_files.get(shard)
-        if known is None:
-            return
-        try:
-            same = os.stat(known[0]).st_ino == known[1]
-        except FileNotFoundError:
-            same = False
-        if same:
-            cache = self.shard_cache
-            if cache is not None:
-                cache.touch(known[0])
-        else:
-            self._readers.pop(shard, None)
-            self._reader_files.pop(shard, None)
+        source, _ = self._open_copy(shard, open_path)
+        if self.manifest.shards[shard].format is Format.PARQUET:
+            return pq.ParquetFile(source)
+        return ipc.open_file(source)
 
     def _group(self, global_group: int) -> _Group:
         shard = int(self._group_shard[global_group])
@@ -678,27 +634,16 @@ class TableRows(ProcessLocal):
         batch = reader.get_batch(group)
         return {n: batch.column(n) for n in self.columns}
 
-    def _check_mapped(self, shard: int, path: str) -> None:
-        """A memory-mapped shard (local, or its cached copy) still has every byte (else SIGBUS)."""
-        if not path:
-            return  # not opened yet: the reader opens (and pyarrow checks) the file as it is
-        entry = self.manifest.shards[shard]
-        try:
-            found = os.stat(path).st_size
-        except FileNotFoundError:
-            found = 0
-        check_not_truncated(entry.path, path, entry.bytes, found)
-
     def _decode(self, shard: int, group: int) -> _Group:
         entry = self.manifest.shards[shard]
         with self._io_lock:  # remote readers share one seekable handle per shard
             fs, root = self._filesystem()
             if isinstance(fs, LocalFileSystem):
-                self._check_mapped(shard, join(root, entry.path))
+                self._check_file(shard, join(root, entry.path))
                 arrays = self._read_arrays(shard, group)
-            elif self._uses_cache():
-                self._drop_replaced_reader(shard)
-                self._check_mapped(shard, self._reader_files.get(shard, ("", 0))[0])
+            elif self._uses_shard_cache():
+                self._refresh_copies((shard,))
+                self._check_file(shard, self._copy_files.get(shard, ("", 0))[0])
                 arrays = self._read_arrays(shard, group)
             else:
                 def attempt(_timeout: float | None) -> dict[str, Any]:

@@ -32,10 +32,10 @@ racing with the read itself, and bytes rewritten in place at the same size
 from __future__ import annotations
 
 import bisect
-import itertools
 import mmap
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -45,40 +45,25 @@ from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, FormatError, StorageError, VerificationError
+from detdata.base.groupby import stable_groups
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
-from detdata.datasets.process_local import ProcessLocal
+from detdata.datasets.shards import (  # re-exports of names moved to shards (the lead removes them)
+    DEFAULT_SHARD_CACHE_BYTES as DEFAULT_CACHE_BYTES,  # noqa: F401 (its old name)
+)
+from detdata.datasets.shards import ShardReader, renamed_argument
+from detdata.datasets.shards import check_cache_args as check_cache_args
+from detdata.datasets.shards import check_cache_verify as check_cache_verify
+from detdata.datasets.shards import check_not_truncated as check_not_truncated
+from detdata.datasets.shards import resolve_manifest as resolve_manifest
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.cache import ShardCache
-from detdata.storage.fs import filesystem, join, read_ranges_retrying
+from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
 
-DEFAULT_CACHE_BYTES = 16 << 30
-
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
-
-
-def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: str | None,
-                     storage_options: Mapping[str, Any],
-                     retry: RetryPolicy | None = None) -> Manifest:
-    """A verified `Manifest` from an object or a path/URL.
-
-    A path is loaded with ``Manifest.load(path, root=root, verify=verify)``; a
-    `Manifest` object is re-rooted at ``root`` if given and then verified with
-    ``verify`` (``"quick"`` by default; ``"off"`` skips it).
-    """
-    if isinstance(manifest, str):
-        return Manifest.load(manifest, root=root, verify=verify, retry=retry, **storage_options)
-    if not isinstance(manifest, Manifest):
-        raise ConfigError(f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}")
-    if root is not None:
-        manifest = manifest.with_root(root)
-    if manifest.root is None:
-        raise ConfigError("the manifest has no root; hint: pass root= or use Manifest.with_root()")
-    manifest.verify(verify, retry=retry, **storage_options)
-    return manifest
 
 
 def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
@@ -94,29 +79,6 @@ def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[in
                                 shards=shards if shards is not None else paths,
                                 urls=urls if urls is not None else paths,
                                 what="token range read")
-
-
-def check_cache_verify(value: object) -> str:
-    """``cache_verify``: how a cached shard copy is re-checked on open (``quick`` or ``full``)."""
-    if value not in ("quick", "full"):
-        raise ConfigError(f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
-                          f"the whole copy on open), got {value!r}")
-    return str(value)
-
-
-def check_cache_args(cache_dir: str | os.PathLike[str] | None,
-                     cache_bytes: int | None) -> tuple[str | None, int]:
-    """``(cache_dir as str or None, cache_bytes)``; `ConfigError` for bad values."""
-    if cache_dir is None:
-        if cache_bytes is not None:
-            raise ConfigError("cache_bytes was given without cache_dir; hint: pass "
-                              "cache_dir='/local/dir' to cache remote shards")
-        return None, DEFAULT_CACHE_BYTES
-    if not isinstance(cache_dir, (str, os.PathLike)):
-        raise ConfigError(f"cache_dir must be a local directory path, got {cache_dir!r}")
-    size = DEFAULT_CACHE_BYTES if cache_bytes is None else check_positive_int(cache_bytes,
-                                                                               "cache_bytes")
-    return os.fspath(cache_dir), size
 
 
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
@@ -135,18 +97,7 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     return dt
 
 
-def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
-    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than expected."""
-    if found < expected:
-        raise VerificationError(
-            f"shard {name} ({path}): the file was truncated while this run read it: the "
-            f"manifest says {expected} bytes, the file now has {found}; reading on would "
-            "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
-            "and resume from the last saved state", shard=name, field="bytes",
-            expected=expected, found=found)
-
-
-class TokenWindows(ProcessLocal):
+class TokenWindows(ShardReader):
     """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
 
     ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
@@ -159,15 +110,17 @@ class TokenWindows(ProcessLocal):
     `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
 
     Remote roots: ``retry`` (a `RetryPolicy`) governs every read; with
-    ``cache_dir`` (and ``cache_bytes``, default 16 GiB; ``cache_verify="full"`` re-hashes a
-    cached copy whenever it is opened instead of checking size + first/last MiB) whole shards are copied
-    into a verified, bounded local `ShardCache` and read from there. Neither
-    changes the data read, so neither is part of ``identity()``.
+    ``cache_dir`` (and ``shard_cache_bytes``, default 16 GiB, on disk;
+    ``cache_verify="full"`` re-hashes a cached copy whenever it is opened instead of
+    checking size + first/last MiB) whole shards are copied into a verified, bounded
+    local `ShardCache` (``shard_cache``) and read from there. Neither changes the data
+    read, so neither is part of ``identity()``. ``cache_bytes`` is the deprecated name
+    of ``shard_cache_bytes`` (a `DeprecationWarning`; passing both is a `ConfigError`).
     """
 
     # pickling: parameters and manifest only, no memmaps or handles
-    _TRANSIENT = ("_fs", "_views", "_maps", "_pid", "_starts", "_itemsize", "_offsets",
-                  "_cache", "_view_files", "_start_list", "_narrowing", "_sizes")
+    _TRANSIENT = (*ShardReader._TRANSIENT, "_views", "_maps", "_starts", "_itemsize", "_offsets",
+                  "_start_list", "_narrowing")
 
     def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
                  out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
@@ -175,13 +128,13 @@ class TokenWindows(ProcessLocal):
                  storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 cache_bytes: int | None = None, cache_verify: str = "quick") -> None:
-        self.storage_options = dict(storage_options or {})
-        self.retry = check_policy(retry)
-        self.cache_dir, self.cache_bytes = check_cache_args(cache_dir, cache_bytes)
-        self.cache_verify = check_cache_verify(cache_verify)
-        self.manifest = resolve_manifest(manifest, verify=verify, root=root,
-                                         storage_options=self.storage_options, retry=self.retry)
+                 shard_cache_bytes: int | None = None, cache_verify: str = "quick",
+                 cache_bytes: int | None = None) -> None:
+        shard_cache_bytes = renamed_argument(shard_cache_bytes, cache_bytes, new="shard_cache_bytes",
+                                             old="cache_bytes", owner="TokenWindows")
+        super().__init__(manifest, verify=verify, root=root, storage_options=storage_options,
+                         retry=retry, cache_dir=cache_dir, shard_cache_bytes=shard_cache_bytes,
+                         cache_verify=cache_verify)
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
         self.window = self.seq_len + int(self.labels)
@@ -212,25 +165,38 @@ class TokenWindows(ProcessLocal):
         return count
 
     def _build_index(self) -> None:
+        super()._build_index()
         counts = np.asarray(self.windows_per_shard, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
         self._offsets = np.asarray([s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64)
-        self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
         self._start_list: list[int] = self._starts.tolist()
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         self._narrowing: tuple[bool, ...] = tuple(
             not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes)
 
     def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
-        self._fs: fsspec.AbstractFileSystem | None = None
-        self._root_path = ""
+        super()._reset_process_state()
         self._views: dict[int, np.ndarray[Any, Any]] = {}
         # shard -> (the mapping under its view, the file it maps): for the size checks
         self._maps: dict[int, tuple[mmap.mmap, str]] = {}
-        self._cache: ShardCache | None = None
-        self._view_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
+
+    def _forget_handle(self, shard: int) -> None:
+        self._views.pop(shard, None)
+        self._maps.pop(shard, None)
+
+    # parameters under their old names ------------------------------------------
+    @property
+    def cache_bytes(self) -> int:
+        """Deprecated name of ``shard_cache_bytes`` (a `DeprecationWarning`)."""
+        warnings.warn("TokenWindows.cache_bytes is deprecated; use shard_cache_bytes",
+                      DeprecationWarning, stacklevel=2)
+        return self.shard_cache_bytes
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """This process's `ShardCache` (None without ``cache_dir``): the same as ``shard_cache``."""
+        return self.shard_cache
 
     # Dataset protocol --------------------------------------------------------
     @property
@@ -264,7 +230,7 @@ class TokenWindows(ProcessLocal):
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self._num:
             check_ids(arr, self._num, self._what())  # raises the error
-        fs = self._filesystem()
+        fs, _ = self._filesystem()
         if isinstance(fs, LocalFileSystem):
             return {"tokens": self._gather_local(arr, lo, hi)}
         if self.cache_dir is not None:
@@ -277,103 +243,21 @@ class TokenWindows(ProcessLocal):
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"
 
-    def _filesystem(self) -> fsspec.AbstractFileSystem:
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        if self._fs is None:
-            root = self.manifest.root
-            if root is None:
-                raise ConfigError("the manifest has no root; hint: pass root=")
-            fs, root_path = filesystem(root, **self.storage_options)
-            self._root_path = root_path  # before _fs: reader threads test _fs first
-            self._fs = fs
-        return self._fs
-
-    @property
-    def cache(self) -> ShardCache | None:
-        """This process's `ShardCache` (None without ``cache_dir``)."""
-        if self.cache_dir is None:
-            return None
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        if self._cache is None:
-            self._cache = ShardCache(self.cache_dir, self.cache_bytes, retry=self.retry, verify_on_open=self.cache_verify)
-        return self._cache
-
-    def _cached_path(self, shard: int) -> str:
-        """A verified local copy of ``shard`` (filled on first use); drops maps of evicted copies."""
-        cache = self.cache
-        assert cache is not None  # only called with cache_dir
-        entry = self.manifest.shards[shard]
-        fills = cache.stats.fills
-        path = cache.path(entry, self._filesystem(), join(self._root_path, entry.path),
-                          self.manifest.url(entry))
-        if cache.stats.fills != fills:  # a fill may have evicted copies this process maps
-            for other in [s for s in self._view_files if s != shard]:
-                self._drop_if_replaced(other)
-        return path
-
-    def _drop_if_replaced(self, shard: int) -> str | None:
-        """Forget the map of ``shard`` if its cached copy was evicted or replaced.
-
-        Returns the copy's path when the map is still current (safe with reader threads:
-        a concurrent drop just means the next use re-opens the copy).
-        """
-        known = self._view_files.get(shard)
-        if known is None:
-            return None
-        path, inode = known
-        try:
-            same = os.stat(path).st_ino == inode
-        except FileNotFoundError:
-            same = False
-        if not same:
-            self._views.pop(shard, None)
-            self._maps.pop(shard, None)
-            self._view_files.pop(shard, None)
-            return None
-        return path
-
-    def _refresh_cached(self, shards: Iterable[int]) -> None:
-        """Before a batch: re-open shards whose cached copy changed; refresh their LRU time."""
-        cache = self.cache
-        assert cache is not None
-        for shard in shards:
-            path = self._drop_if_replaced(shard)
-            if path is not None:
-                cache.touch(path)
-
-    def _map_cached(self, shard: int) -> tuple[mmap.mmap, str, int]:
-        """Mapping of the cached copy of ``shard``: ``(mapping, path, inode)``.
+    def _map_cached(self, shard: int) -> tuple[mmap.mmap, str]:
+        """Mapping of the cached copy of ``shard`` and its path.
 
         The map is made from the file we opened, so a copy evicted by another
         process between the fill and the open is simply fetched again.
         """
-        entry = self.manifest.shards[shard]
-        for _ in range(5):
-            path = self._cached_path(shard)
-            try:
-                fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
-            except FileNotFoundError:
-                continue
-            with fh:
-                return self._map_file(shard, fh, path), path, os.fstat(fh.fileno()).st_ino
-        raise StorageError(f"shard {entry.path}: its cached copy under {self.cache_dir} was "
-                           "evicted 5 times before it could be opened; hint: raise cache_bytes "
-                           "(other processes share this cache)")
+        def open_path(path: str) -> tuple[mmap.mmap, int]:
+            with open(path, "rb") as fh:
+                return self._map_file(shard, fh, path), os.fstat(fh.fileno()).st_ino
+        return self._open_copy(shard, open_path)
 
     def _map_file(self, shard: int, fh: Any, path: str) -> mmap.mmap:
         """A read-only mapping of the whole open file ``fh`` (size-checked first)."""
         self._check_size(shard, os.fstat(fh.fileno()).st_size, path)
         return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-
-    def _check_size(self, shard: int, found: int, path: str) -> None:
-        """`VerificationError` when a mapped shard file is shorter than the manifest says.
-
-        Touching a mapped page past the end of a truncated file kills the process with
-        SIGBUS, so every read checks the file's size first (one ``fstat`` per shard).
-        """
-        check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
 
     def _checked_view(self, shard: int) -> np.ndarray[Any, Any]:
         """The strided window view of ``shard``, after checking its file still has every byte."""
@@ -387,11 +271,10 @@ class TokenWindows(ProcessLocal):
     def _view(self, shard: int) -> np.ndarray[Any, Any]:
         entry = self.manifest.shards[shard]
         dtype = disk_dtype(self._dtypes[shard])
-        if self.cache_dir is not None and not isinstance(self._filesystem(), LocalFileSystem):
-            mapping, path, inode = self._map_cached(shard)
-            self._view_files[shard] = (path, inode)
+        if self._uses_shard_cache():
+            mapping, path = self._map_cached(shard)
         else:
-            path = join(self._root_path, entry.path)
+            path = join(self._filesystem()[1], entry.path)
             try:
                 fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
             except FileNotFoundError:
@@ -411,16 +294,9 @@ class TokenWindows(ProcessLocal):
         self._views[shard] = view
         return view
 
-    def _groups(self, ids: IntArray) -> tuple[IntArray, IntArray, list[tuple[int, int, int]]]:
-        """Sort ids (grouped by shard, ascending inside) -> (order, local ids, [(shard, a, b)])."""
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
-        shard = np.searchsorted(self._starts, sorted_ids, side="right").astype(np.int64) - 1
-        local = sorted_ids - self._starts[shard]
-        cuts = np.flatnonzero(np.diff(shard)) + 1
-        bounds = np.concatenate([[0], cuts, [shard.size]])
-        spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise(bounds.tolist())]
-        return order, local, spans
+    def _shard_of(self, ids: IntArray) -> IntArray:
+        """The shard index of each window id."""
+        return self._starts.searchsorted(ids, "right") - 1
 
     def _gather_local(self, ids: IntArray, lo: int, hi: int, *,
                       cached: bool = False) -> np.ndarray[Any, Any]:
@@ -428,7 +304,7 @@ class TokenWindows(ProcessLocal):
 
         One fancy-index gather per touched shard (``take`` would first copy a whole
         overlapping window view). Ids of a single shard are gathered straight into the
-        result; otherwise ids are grouped by shard (stable argsort of the shard index)
+        result; otherwise ids are grouped by shard (`stable_groups` of the shard index)
         and each shard's rows are gathered and scattered straight into the result
         (a staging buffer plus one big scatter measured ~3.7x slower for 1024 rows).
         """
@@ -436,7 +312,7 @@ class TokenWindows(ProcessLocal):
         last = bisect.bisect_right(self._start_list, hi) - 1
         if first == last:
             if cached:
-                self._refresh_cached((first,))
+                self._refresh_copies((first,))
             start = self._start_list[first]
             block = self._checked_view(first)[ids - start if start else ids]
             if block.dtype == self.out_dtype:
@@ -444,14 +320,10 @@ class TokenWindows(ProcessLocal):
             if self._narrowing[first]:
                 self._check_range(block, first)
             return block.astype(self.out_dtype)
-        shard = self._starts.searchsorted(ids, "right") - 1
-        order = shard.argsort(kind="stable")
-        shard = shard[order]
+        order, shard, spans = stable_groups(self._shard_of(ids))
         local = ids[order] - self._starts[shard]
-        cuts = ((shard[1:] != shard[:-1]).nonzero()[0] + 1).tolist()
-        spans = [(int(shard[a]), a, b) for a, b in itertools.pairwise([0, *cuts, ids.size])]
         if cached:
-            self._refresh_cached(s for s, _, _ in spans)
+            self._refresh_copies(s for s, _, _ in spans)
         out = np.empty((ids.size, self.window), dtype=self.out_dtype)
         for s, a, b in spans:
             block = self._checked_view(s)[local[a:b]]
@@ -463,10 +335,8 @@ class TokenWindows(ProcessLocal):
     def _gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray,
                        out: np.ndarray[Any, Any]) -> None:
         uniq, inverse = np.unique(ids, return_inverse=True)
-        _, local, spans = self._groups(uniq)
-        shard_of = np.empty(uniq.size, dtype=np.int64)
-        for shard, a, b in spans:
-            shard_of[a:b] = shard
+        _, shard_of, spans = stable_groups(self._shard_of(uniq))  # uniq is sorted: order = identity
+        local = uniq - self._starts[shard_of]
         size = self._itemsize[shard_of]
         starts = self._offsets[shard_of] + local * self.seq_len * size
         ends = starts + self.window * size
