@@ -19,12 +19,14 @@ from detdata.base.errors import (
 )
 from detdata.base.types import Batch
 from detdata.base.version import VERSION
-from detdata.datasets.base import ArrayDataset, Dataset, OrderedStream, Stream
+from detdata.datasets.base import ArrayDataset, Dataset, Stream
 from detdata.datasets.mixture import Mixture
+from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
+from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify, build_manifest, hash_files
+from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.identity.registry import RefEvent, Registry
 from detdata.loading.state import Stateful
 from detdata.order.feistel import GlobalOrder

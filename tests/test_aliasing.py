@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from detdata import ArrayDataset, DataLoader, GlobalOrder, Mixture, TableRows, TokenWindows
-from detdata.identity.manifest import build_manifest
+from detdata.identity.build import build_manifest
 
 ROWS = 96
 GROUP = 16  # 6 row groups per table, over 2 shards

@@ -22,7 +22,8 @@ import pytest
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.retry import RetryPolicy
 from tests.faultproxy import FaultProxy, schedule

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from detdata import cli
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 from detdata.order.feistel import GlobalOrder
 from tests.conftest import write_token_shards
 

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import detdata
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.sampler import DeterministicBatchSampler
 from detdata.loading.state import CHECKED_FIELDS, LoaderState

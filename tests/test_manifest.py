@@ -30,8 +30,9 @@ from detdata.base.errors import (
     StorageError,
     VerificationError,
 )
+from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, build_manifest, hash_files
+from detdata.identity.manifest import Manifest
 from tests.conftest import write_token_shards
 
 MiB = 1 << 20

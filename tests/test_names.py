@@ -193,7 +193,7 @@ def test_odd_names_over_http_build_verify_and_read_the_right_files(
 
     expected = _expected(token_names)
     np.testing.assert_array_equal(_read_all(TokenWindows(loaded, SEQ)), expected)
-    cached = TokenWindows(loaded, SEQ, cache_dir=tmp_path / "cache", cache_bytes=1 << 20)
+    cached = TokenWindows(loaded, SEQ, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
     np.testing.assert_array_equal(_read_all(cached), expected)
 
     tables = build_manifest(url, paths=["t #1?.parquet"])

@@ -18,7 +18,8 @@ from detdata.base.errors import (
     RegistryError,
     VerificationError,
 )
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import STALE_TEMP_S, Registry, default_root, split_name
 
 

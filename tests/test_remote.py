@@ -27,7 +27,8 @@ import detdata
 from detdata.base.errors import StorageError, VerificationError
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows, read_ranges
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.trace import first_difference, read_trace, step_digests
 from detdata.storage.fs import filesystem
@@ -219,7 +220,7 @@ def test_token_windows_remote_equal_local(store: str, cached: bool, request: pyt
     else:
         root, opts = request.getfixturevalue("http_root")[1], {}
     local = TokenWindows(local_manifest, SEQ)
-    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "cache_bytes": 1 << 20} if cached else {}
+    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 1 << 20} if cached else {}
     remote = TokenWindows(local_manifest.with_root(root), SEQ, storage_options=opts, **extra)
     assert remote.manifest.id == local.manifest.id
     rng = np.random.default_rng(3)
@@ -284,7 +285,7 @@ def test_s3_resets_fail_cache_fill_and_manifest_read_naming_url(
     proxy.set_plan(reset_all)
     opts = s3_server.storage_options(endpoint=f"http://{proxy.address}")
     ds = TokenWindows(local_manifest.with_root(s3_root), SEQ, verify="off", retry=FAST,
-                      storage_options=opts, cache_dir=tmp_path / "cache", cache_bytes=1 << 20)
+                      storage_options=opts, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
     start = time.monotonic()
     with pytest.raises(StorageError, match=rf"shard shard-01\.npy at {s3_root}/shard-01\.npy"):
         ds.read(np.array([100]))  # shard-00 holds 96 windows
@@ -318,7 +319,7 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
         server = request.getfixturevalue("http_server")
         proxy = fault_proxy(server.port)
         root, opts = proxied(request.getfixturevalue("http_root")[1], server.port, proxy), {}
-    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "cache_bytes": 12_000} if cached else {}
+    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 12_000} if cached else {}
     proxy.set_plan(FAULTS)
 
     def remote() -> TokenWindows:

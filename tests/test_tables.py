@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from detdata.base.errors import ConfigError, FormatError
 from detdata.datasets.base import Dataset
 from detdata.datasets.tables import RowGroupCache, TableRows, _Group, to_numpy
-from detdata.identity.manifest import build_manifest
+from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
 from tests.test_aliasing import (
     RAGGED,

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from detdata.base.errors import ConfigError, FormatError
 from detdata.datasets.base import Dataset
 from detdata.datasets.tokens import TokenWindows
-from detdata.identity.manifest import Manifest, build_manifest
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
 
 SEQ = 7
 LENGTHS = (101, 57, 8, 200)  # 8 tokens = exactly one labelled window of 7

@@ -29,7 +29,7 @@ from torch import nn
 from detdata.base.errors import ConfigError
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.tokens import TokenWindows
-from detdata.identity.manifest import build_manifest
+from detdata.identity.build import build_manifest
 from detdata.identity.registry import Registry
 from detdata.loading.loader import DataLoader
 from detdata.loading.trace import TraceWriter, first_difference, read_trace

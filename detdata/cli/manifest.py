@@ -18,7 +18,8 @@ import numpy as np
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
-from detdata.identity.manifest import Manifest, Verify, build_manifest, hash_files
+from detdata.identity.build import build_manifest, hash_files
+from detdata.identity.manifest import Manifest, Verify
 from detdata.identity.registry import Registry
 from detdata.order.feistel import GlobalOrder
 from detdata.storage.fs import is_url

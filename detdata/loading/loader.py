@@ -32,8 +32,9 @@ import torch.utils.data as tud
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import Batch, IntArray
-from detdata.datasets.base import Dataset, Stream, as_stream
+from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.columns import is_ragged, restack, to_torch
+from detdata.datasets.streams import as_stream
 from detdata.loading.layout import Layout
 from detdata.loading.state import (
     K_MIXTURE,

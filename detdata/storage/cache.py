@@ -210,7 +210,7 @@ class ShardCache:
         if entry.bytes > self.max_bytes:
             raise ConfigError(f"shard {entry.path} ({url}) is {entry.bytes} bytes, more than the "
                               f"whole cache ({self.max_bytes} bytes in {self.directory}); hint: "
-                              "raise cache_bytes, or drop cache_dir to read it with range reads")
+                              "raise shard_cache_bytes, or drop cache_dir to read it with range reads")
         tmp = self._reserve(entry, final)
         try:
             found = ""
