@@ -1,1 +1,1 @@
-"""detdata benchmarks (run modules with ``python -m benchmarks.<name>``; results in ``results/``)."""
+"""detdata benchmarks: run modules with ``python -m benchmarks.<name>``; results in ``results/``."""

@@ -10,35 +10,35 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.bench_data import SEQ, data_files
-
-
-def _best(fn: object, repeats: int) -> float:
-    assert callable(fn)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from benchmarks.timing import best_of
 
 
 def measure(root: Path, repeats: int = 3) -> dict[str, float]:
+    """The ceilings above (GB/s, best of ``repeats`` passes) and the bytes read from the cache."""
+    files = data_files(root, "tokens")
+    memcpy = memcpy_gbs(repeats + 2)
+    page_cache = page_cache_read_gbs(files, repeats)
+    gather = random_row_gather_gbs(files, repeats)
+    total = sum(p.stat().st_size for p in files)
+    return {"memcpy_gbs": memcpy, "page_cache_read_gbs": page_cache,
+            "random_row_gather_gbs": gather, "page_cache_bytes": float(total)}
+
+
+def memcpy_gbs(repeats: int) -> float:
     size = 256 << 20
     src = np.ones(size, dtype=np.uint8)
     dst = np.empty_like(src)
-    memcpy = size / _best(lambda: np.copyto(dst, src), repeats + 2) / 1e9
+    return size / best_of(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
-    files = data_files(root, "tokens")
+def page_cache_read_gbs(files: list[Path], repeats: int) -> float:
     total = sum(p.stat().st_size for p in files)
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
+    view = memoryview(bytearray(8 << 20))
 
     def read_all() -> None:
         for path in files:
@@ -47,8 +47,10 @@ def measure(root: Path, repeats: int = 3) -> dict[str, float]:
                     pass
 
     read_all()  # warm the page cache
-    page_cache = total / _best(read_all, repeats) / 1e9
+    return total / best_of(read_all, repeats) / 1e9
 
+
+def random_row_gather_gbs(files: list[Path], repeats: int) -> float:
     arrays = [np.load(p, mmap_mode="r").reshape(-1, SEQ) for p in files]
     per = max(1, 65536 // len(arrays))
     rng = np.random.default_rng(0)
@@ -61,7 +63,5 @@ def measure(root: Path, repeats: int = 3) -> dict[str, float]:
         for arr, pick, out in zip(arrays, picks, outs, strict=True):
             np.take(arr, pick, axis=0, out=out)
 
-    gathered = sum(p.size for p in picks) * SEQ * 4
-    gather = gathered / _best(gather_all, repeats) / 1e9
-    return {"memcpy_gbs": memcpy, "page_cache_read_gbs": page_cache,
-            "random_row_gather_gbs": gather, "page_cache_bytes": float(total)}
+    gathered = int(sum(p.size for p in picks)) * SEQ * 4
+    return gathered / best_of(gather_all, repeats) / 1e9

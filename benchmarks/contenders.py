@@ -10,9 +10,8 @@ writes one JSON result to ``spec["out"]``. Contenders:
   batched ``__getitems__`` (one numpy gather / one ``take`` per shard).
 * ``stateful``: torchdata ``StatefulDataLoader`` over the per-sample dataset.
 * ``detdata``: ``detdata.DataLoader`` over ``TokenWindows`` / ``TableRows``.
-* ``detdata-threads``: detdata's stream read through `detdata.loading.threads.threaded_batches`
-  (a thread pool in the main process instead of worker processes; a prototype,
-  not yet a ``DataLoader`` option).
+* ``detdata-threads``: ``detdata.DataLoader(worker_mode="thread")``: a thread pool
+  in the main process instead of worker processes.
 
 Timing excludes imports; the timed loop only copies each row's first token (full checks run
 after it, untimed, on the warm-up and 64 validation batches).
@@ -27,7 +26,6 @@ import json
 import os
 import resource
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +37,7 @@ import torch
 import torch.utils.data as tud
 
 from benchmarks.bench_data import SEQ, check_epochs, check_rows, data_files, shuffle_scores
+from benchmarks.timing import Stopwatch
 
 CONTENDERS = ("vanilla", "vanilla-batched", "stateful", "detdata", "detdata-threads")
 MIN_BATCHES = 16  # a throughput run measures at least this many batches after the first
@@ -96,7 +95,7 @@ class ParquetSamples(tud.Dataset[Any]):
     def __init__(self, paths: list[Path]) -> None:
         import pyarrow.parquet as pq
         self.paths = [str(p) for p in paths]
-        counts = [pq.ParquetFile(p).metadata.num_rows for p in self.paths]
+        counts = [int(pq.ParquetFile(p).metadata.num_rows) for p in self.paths]
         self.starts = list(itertools.accumulate([0, *counts[:-1]]))
         self.n = sum(counts)
         self.columns: list[Any] | None = None
@@ -167,7 +166,9 @@ class Runner:
         self.batch: int = spec["batch"]
         self.seed: int = spec["seed"]
         self.expected_first: npt.NDArray[np.int64] | None = None  # ids the first batch must have
-        self.positions: Callable[[int], npt.NDArray[np.int64]] | None = None  # detdata: exact order
+        # detdata only: batch k -> its positions, and positions -> the ids its order defines
+        self.positions: Callable[[int], npt.NDArray[np.int64]] | None = None
+        self.order_ids: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]] | None = None
         self.num_samples = 0
         self._cleanup: list[Any] = []
 
@@ -218,22 +219,21 @@ class Runner:
         return self._detdata(resume_at)
 
     def _detdata_dataset(self) -> Any:
-        from detdata.datasets.tables import TableRows
-        from detdata.datasets.tokens import TokenWindows
+        import detdata
         manifest = str(self.root / self.kind / "manifest.json")
         if self.kind == "tokens":
-            return TokenWindows(manifest, SEQ, labels=False)
-        groups = sum(len(s.row_groups or ()) for s in
-                     __import__("detdata").Manifest.load(manifest, verify="off").shards)
+            return detdata.TokenWindows(manifest, SEQ, labels=False)
+        shards = detdata.Manifest.load(manifest, verify="off").shards
+        groups = sum(len(s.row_groups or ()) for s in shards)
         # cache every row group (the vanilla Parquet loaders hold whole tables in memory too)
-        return TableRows(manifest, ["tokens"], cache_row_groups=groups, cache_bytes=8 << 30)
+        return detdata.TableRows(manifest, ["tokens"], cache_row_groups=groups,
+                                 row_group_cache_bytes=8 << 30)
 
     def _detdata(self, resume_at: int | None) -> Iterator[Any]:
         import detdata
-        from detdata.datasets.base import OrderedStream
         ds = self._detdata_dataset()
         self.num_samples = ds.num_samples
-        stream = OrderedStream(ds, self.seed)
+        stream = detdata.OrderedStream(ds, self.seed)
         start = resume_at or 0
         self.positions = lambda k: np.arange(start + k * self.batch, start + (k + 1) * self.batch,
                                              dtype=np.int64)
@@ -258,75 +258,84 @@ class Runner:
         gc.collect()
 
 
+class Delivered:
+    """Ids of every checked batch, in delivery order, and whether detdata's exact order held."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.ids: list[npt.NDArray[np.int64]] = []
+        self.exact: bool | None = None  # None: not a contender with an exact order
+
+    def add(self, ids: npt.NDArray[np.int64], check_order: bool = True) -> None:
+        """Record batch number ``len(self.ids)``; for detdata, compare it with its positions."""
+        k = len(self.ids)
+        self.ids.append(ids)
+        runner = self.runner
+        if check_order and runner.positions is not None and runner.order_ids is not None:
+            ok = bool(np.array_equal(ids, runner.order_ids(runner.positions(k))))
+            self.exact = ok if self.exact is None else (self.exact and ok)
+
+    def check_next(self, it: Iterator[Any], batches: int) -> None:
+        """Take ``batches`` batches from ``it``, each checked token by token."""
+        for _ in range(batches):
+            self.add(check_rows(rows_of(next(it)), self.runner.num_samples))
+
+
+def timed_loop(it: Iterator[Any], batch: int, budget: float,
+               max_samples: int) -> tuple[list[npt.NDArray[np.int64]], float]:
+    """The throughput window: each batch's first tokens, and the seconds it took.
+
+    Nothing but delivery and a copy of each row's first token (the sample's id is
+    first // SEQ), for at least `MIN_BATCHES` batches and ``budget`` seconds, at most
+    ``max_samples`` samples. No time is subtracted: with reader threads or worker
+    processes the producers keep working while the consumer checks, so subtracting
+    check time would flatter concurrent loaders. The rows are checked afterwards.
+    """
+    firsts: list[npt.NDArray[np.int64]] = []
+    with Stopwatch() as clock:
+        while budget > 0 and len(firsts) * batch < max_samples:
+            firsts.append(np.array(rows_of(next(it))[:, 0], dtype=np.int64))
+            if len(firsts) >= MIN_BATCHES and clock.elapsed() >= budget:
+                break
+    return firsts, clock.seconds
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    mode = spec.get("mode", "run")
     resume_at: int | None = spec.get("resume_at")
     runner = Runner(spec)
-    if mode == "prepare":  # StatefulDataLoader: save a state at resume_at and the next ids
+    if spec.get("mode", "run") == "prepare":  # StatefulDataLoader: state at resume_at, next ids
         return prepare_stateful(runner, resume_at or 0)
-    t0 = time.perf_counter()
-    it = runner.batches(resume_at)
-    first = next(it)
-    ttfb = time.perf_counter() - t0
+    with Stopwatch() as first_batch:
+        it = runner.batches(resume_at)
+        first = next(it)
     n = runner.num_samples
-    all_ids = [check_rows(rows_of(first), n)]
-    result: dict[str, Any] = {"ttfb_s": ttfb, "num_samples": n}
-    exact = check_exact(runner, 0, all_ids[0])
-    if runner.expected_first is not None and exact is None:
-        exact = bool(np.array_equal(all_ids[0], runner.expected_first))
-    delivered, check_s = 0, 0.0
+    seen = Delivered(runner)
+    seen.add(check_rows(rows_of(first), n))
+    if runner.expected_first is not None and seen.exact is None:
+        seen.exact = bool(np.array_equal(seen.ids[0], runner.expected_first))
+    result: dict[str, Any] = {"ttfb_s": first_batch.seconds, "num_samples": n}
     budget: float = spec["budget_s"]
     # warm-up (not in the throughput): lazily filled caches, e.g. detdata's Parquet row groups,
     # which the vanilla Parquet loaders fill before their first batch instead
     warmup = int(spec.get("warmup_batches", 0)) if budget > 0 else 0
-    t_warm = time.perf_counter()
-    for _ in range(warmup):
-        ids = check_rows(rows_of(next(it)), n)
-        all_ids.append(ids)
-        if runner.positions is not None:
-            ok = check_exact(runner, len(all_ids) - 1, ids)
-            exact = ok if exact is None else (exact and bool(ok))
-    result["warmup_s"] = time.perf_counter() - t_warm
+    with Stopwatch() as warm:
+        seen.check_next(it, warmup)
+    result["warmup_s"] = warm.seconds
     result["warmup_batches"] = warmup
-    max_samples = int(spec.get("max_epochs", 8) * n)
-    # Timed loop: nothing but delivery and a copy of each row's first token (the sample's id
-    # is first // SEQ). No time is subtracted: with reader threads or worker processes the
-    # producers keep working while the consumer checks, so subtracting check time would
-    # flatter concurrent loaders. Every row's full content is checked afterwards for the
-    # warm-up and validation batches; every timed row is checked by its first token.
-    firsts: list[npt.NDArray[np.int64]] = []
-    t_start = time.perf_counter()
-    k = 0
-    while budget > 0 and delivered < max_samples:
-        batch = next(it)
-        delivered += runner.batch
-        k += 1
-        firsts.append(np.array(rows_of(batch)[:, 0], dtype=np.int64))
-        if k >= MIN_BATCHES and time.perf_counter() - t_start >= budget:
-            break
-    elapsed = time.perf_counter() - t_start
-    k0 = len(all_ids)
-    for i, first in enumerate(firsts):
-        all_ids.append(ids_from_first_tokens(first, n))
-        if runner.positions is not None and i % 16 == 0:
-            ok = check_exact(runner, k0 + i, all_ids[-1])
-            exact = ok if exact is None else (exact and bool(ok))
-    t_check = time.perf_counter()
-    for _ in range(VALIDATE_BATCHES if budget > 0 else 0):  # untimed, full content checks
-        ids = check_rows(rows_of(next(it)), n)
-        all_ids.append(ids)
-        if runner.positions is not None:
-            ok = check_exact(runner, len(all_ids) - 1, ids)
-            exact = ok if exact is None else (exact and bool(ok))
-    check_s = time.perf_counter() - t_check
+    firsts, elapsed = timed_loop(it, runner.batch, budget, int(spec.get("max_epochs", 8) * n))
+    for i, first_tokens in enumerate(firsts):  # every timed row by its first token
+        seen.add(ids_from_first_tokens(first_tokens, n), check_order=i % 16 == 0)
+    with Stopwatch() as check:  # untimed, full content checks
+        seen.check_next(it, VALIDATE_BATCHES if budget > 0 else 0)
     del it
     runner.close()
-    ids_all = np.concatenate(all_ids)
+    ids_all = np.concatenate(seen.ids)
     check_epochs(ids_all, resume_at or 0, n)
+    delivered = len(firsts) * runner.batch
     result.update({
-        "samples": delivered, "seconds": elapsed, "check_s": check_s,
+        "samples": delivered, "seconds": elapsed, "check_s": check.seconds,
         "samples_per_s": delivered / elapsed if delivered else None,
-        "validated": True, "exact_order": exact,
+        "validated": True, "exact_order": seen.exact,
         "peak_rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
     })
@@ -336,20 +345,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def ids_from_first_tokens(first: npt.NDArray[np.int64], num_samples: int) -> npt.NDArray[np.int64]:
-    """Sample ids from each row's first token (``512 * id``); raises unless each is a valid start."""
+    """Sample ids from each row's first token (``SEQ * id``); raises unless each starts one."""
     ids = first // SEQ
     bad = (first % SEQ != 0) | (ids < 0) | (ids >= num_samples)
     if bad.any():
         raise AssertionError(f"row {int(np.flatnonzero(bad)[0])} does not start a sample "
                              f"(first token {int(first[np.flatnonzero(bad)[0]])})")
     return ids
-
-
-def check_exact(runner: Runner, k: int, ids: npt.NDArray[np.int64]) -> bool | None:
-    """detdata: batch ``k`` holds exactly the ids of its positions (None for other contenders)."""
-    if runner.positions is None:
-        return None
-    return bool(np.array_equal(ids, runner.order_ids(runner.positions(k))))
 
 
 def prepare_stateful(runner: Runner, resume_at: int) -> dict[str, Any]:

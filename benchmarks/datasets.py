@@ -18,8 +18,8 @@ Files are in the OS page cache (just written), so this measures CPU cost, not di
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,9 +28,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from detdata.datasets.tables import TableRows
-from detdata.datasets.tokens import TokenWindows
-from detdata.identity.manifest import build_manifest
+if not __package__:  # run as ``python benchmarks/datasets.py``: benchmarks.* from this checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timing import Stopwatch
+from detdata import TableRows, TokenWindows, build_manifest
 
 SEQ = 512
 BATCH = 64
@@ -40,10 +42,10 @@ def rate(fn: Callable[[np.ndarray], object], batches: list[np.ndarray]) -> float
     """Samples per second of ``fn`` over ``batches`` (after two warm-up calls)."""
     for ids in batches[:2]:
         fn(ids)
-    start = time.perf_counter()
-    for ids in batches:
-        fn(ids)
-    return sum(len(b) for b in batches) / (time.perf_counter() - start)
+    with Stopwatch() as clock:
+        for ids in batches:
+            fn(ids)
+    return sum(len(b) for b in batches) / clock.seconds
 
 
 def bench_tokens(root: Path, n_batches: int) -> dict[str, float]:
@@ -82,7 +84,7 @@ def bench_parquet(root: Path, n_batches: int) -> dict[str, float]:
         tables.append(pq.read_table(root / f"rows-{i}.parquet"))
     manifest = build_manifest(str(root), pattern="*.parquet")
     small = TableRows(manifest, cache_row_groups=8)
-    warm = TableRows(manifest, cache_row_groups=64, cache_bytes=4 << 30)
+    warm = TableRows(manifest, cache_row_groups=64, row_group_cache_bytes=4 << 30)
     warm.read(np.arange(0, manifest.num_samples, 1024))  # decode every row group once
     shard_rows = np.cumsum([0] + [t.num_rows for t in tables])
 
@@ -98,8 +100,10 @@ def bench_parquet(root: Path, n_batches: int) -> dict[str, float]:
     batches = [rng.integers(0, manifest.num_samples, size=BATCH) for _ in range(n_batches)]
     assert np.array_equal(baseline(batches[0]), small.read(batches[0])["tokens"])
     assert np.array_equal(baseline(batches[0]), arrow.read(batches[0])["tokens"])
-    return {"detdata_cache8": rate(small.read, batches), "detdata_warm": rate(warm.read, batches),
-            "arrow_cache8": rate(arrow.read, batches), "baseline_in_memory": rate(baseline, batches)}
+    return {"detdata_cache8": rate(small.read, batches),
+            "detdata_warm": rate(warm.read, batches),
+            "arrow_cache8": rate(arrow.read, batches),
+            "baseline_in_memory": rate(baseline, batches)}
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,11 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+if not __package__:  # run as ``python benchmarks/gpu_feed.py``: benchmarks.* from this checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import detdata
+from benchmarks.timing import Stopwatch, best_of, middle
 from detdata.loading.device import PinnedBufferPool, check_device, device_batches
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_feed.json"
@@ -62,16 +65,9 @@ def drain(items: Iterable[object]) -> None:
         pass
 
 
-def best_of(repeats: int, fn: Callable[[], object], device: torch.device) -> float:
-    """Shortest wall time of ``repeats`` calls of ``fn`` (device work included)."""
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def best_on(device: torch.device, fn: Callable[[], object]) -> float:
+    """Shortest wall time of 3 calls of ``fn``, device work included."""
+    return best_of(fn, 3, sync=lambda: sync(device))
 
 
 def bandwidth(device: torch.device, size_mib: int, total_mib: int, depth: int) -> dict[str, Any]:
@@ -89,7 +85,7 @@ def bandwidth(device: torch.device, size_mib: int, total_mib: int, depth: int) -
     last: Any = None
     for b in device_batches(batches(), device, depth, pool=pool):  # warm-up: allocates the pool
         last = b
-    t_detdata = best_of(3, lambda: drain(device_batches(batches(), device, depth, pool=pool)), device)
+    t_detdata = best_on(device, lambda: drain(device_batches(batches(), device, depth, pool=pool)))
     if not torch.equal(last["tokens"].cpu(), sources[(count - 1) % 4]):
         raise RuntimeError("detdata device path delivered wrong bytes in the bandwidth test")
 
@@ -103,8 +99,8 @@ def bandwidth(device: torch.device, size_mib: int, total_mib: int, depth: int) -
         return t.to(device) if cuda else t.clone()
 
     move(pinned)
-    t_raw = best_of(3, lambda: drain(move(pinned) for _ in range(count)), device)
-    t_pageable = best_of(3, lambda: drain(plain(sources[i % 4]) for i in range(count)), device)
+    t_raw = best_on(device, lambda: drain(move(pinned) for _ in range(count)))
+    t_pageable = best_on(device, lambda: drain(plain(sources[i % 4]) for i in range(count)))
     return {"batch_mib": size_mib, "batches": count, "bytes": nbytes,
             "detdata_gbps": nbytes / t_detdata / 1e9, "raw_pinned_gbps": nbytes / t_raw / 1e9,
             "pageable_gbps": nbytes / t_pageable / 1e9, "detdata_over_raw": t_raw / t_detdata,
@@ -123,18 +119,9 @@ def write_shards(root: Path, shards: int, tokens: int) -> list[Path]:
     return paths
 
 
-def detdata_dataset(root: Path, paths: list[Path], seq_len: int) -> tuple[Any, str]:
-    """`TokenWindows` over the shards, or an in-memory `ArrayDataset` if that is unusable."""
-    try:
-        from detdata.datasets.tokens import TokenWindows
-        from detdata.identity.manifest import build_manifest
-        return TokenWindows(build_manifest(str(root), progress=False), seq_len), "TokenWindows"
-    except Exception as exc:  # fall back, but say so in the results
-        print(f"note: TokenWindows unusable ({type(exc).__name__}: {exc}); using ArrayDataset",
-              file=sys.stderr)
-        windows = [np.load(p)[: (len(np.load(p)) - 1) // seq_len * seq_len + 1] for p in paths]
-        rows = [np.lib.stride_tricks.sliding_window_view(w, seq_len + 1)[::seq_len] for w in windows]
-        return detdata.ArrayDataset({"tokens": np.concatenate(rows).astype(np.int32)}), "ArrayDataset"
+def detdata_dataset(root: Path, seq_len: int) -> detdata.TokenWindows:
+    """`TokenWindows` (``seq_len`` + 1 tokens per sample) over the shards in ``root``."""
+    return detdata.TokenWindows(detdata.build_manifest(str(root), progress=False), seq_len)
 
 
 class VanillaWindows(tud.Dataset[torch.Tensor]):
@@ -177,24 +164,27 @@ class Step:
 
 def timed(batches: Iterator[torch.Tensor], step: Step, steps: int, sync_every: int,
           device: torch.device) -> dict[str, float]:
+    """Wall time of ``steps`` steps fed by ``batches``, and the host time spent in ``next()``."""
+    total, waited = Stopwatch(), Stopwatch()
     sync(device)
-    waited = 0.0
-    t0 = time.perf_counter()
-    for i in range(steps):
-        a = time.perf_counter()
-        tokens = next(batches)
-        waited += time.perf_counter() - a
-        loss = step(tokens)
-        if (i + 1) % sync_every == 0:
-            loss.item()
-    sync(device)
-    total = time.perf_counter() - t0
-    return {"total_s": total, "step_ms": 1e3 * total / steps, "host_next_frac": waited / total}
+    with total:
+        for i in range(steps):
+            with waited:
+                tokens = next(batches)
+            loss = step(tokens)
+            if (i + 1) % sync_every == 0:
+                loss.item()
+        sync(device)
+    return {"total_s": total.seconds, "step_ms": 1e3 * total.seconds / steps,
+            "host_next_frac": waited.seconds / total.seconds}
 
 
-def feed(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
-    paths = write_shards(root, args.shards, args.shard_tokens)
-    data, data_kind = detdata_dataset(root, paths, args.seq_len)
+Makers = dict[str, Callable[[], Iterator[torch.Tensor]]]
+
+
+def loaders(args: argparse.Namespace, device: torch.device, paths: list[Path],
+            data: detdata.TokenWindows) -> Makers:
+    """Name -> a fresh iterator of device batches, for each loader compared."""
     pin = device.type == "cuda"
     workers = args.workers
     common = {"global_batch_size": args.batch, "seed": 1, "num_workers": workers,
@@ -220,8 +210,47 @@ def feed(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str
         dl = detdata.DataLoader(data, device=device, device_prefetch=args.depth, **common)
         return (b["tokens"] for b in dl)
 
-    makers: dict[str, Callable[[], Iterator[torch.Tensor]]] = {
-        "vanilla": vanilla, "detdata_pin": detdata_pin, "detdata_device": detdata_device}
+    return {"vanilla": vanilla, "detdata_pin": detdata_pin, "detdata_device": detdata_device}
+
+
+def rounds(iterators: dict[str, Iterator[torch.Tensor]], step: Step, args: argparse.Namespace,
+           device: torch.device) -> dict[str, list[dict[str, float]]]:
+    """Warm every iterator up (untimed), then time ``args.rounds`` interleaved rounds of each."""
+    for it in iterators.values():  # worker start-up, pool allocation, kernels: untimed
+        for _ in range(args.warmup):
+            step(next(it))
+    sync(device)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in iterators}
+    names = list(iterators)
+    for rnd in range(args.rounds):  # interleaved rounds, rotating order: fair under noise
+        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+            runs[name].append(timed(iterators[name], step, args.steps, args.sync_every, device))
+    for it in iterators.values():
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return runs
+
+
+def feed_row(iters: int, runs: dict[str, list[dict[str, float]]],
+             names: Iterable[str]) -> dict[str, Any]:
+    """The median round of each loader (by total time) and its wait fraction against ideal."""
+    med = {name: middle(rs, key=lambda r: r["total_s"]) for name, rs in runs.items()}
+    row: dict[str, Any] = {"matmul_iters": iters, "ideal_step_ms": med["ideal"]["step_ms"]}
+    for name in names:
+        r: dict[str, Any] = dict(med[name])
+        r["wait_frac"] = max(0.0, 1.0 - med["ideal"]["total_s"] / r["total_s"])
+        r["all_step_ms"] = [x["step_ms"] for x in runs[name]]
+        row[name] = r
+    row["detdata_device_speedup_vs_vanilla"] = (med["vanilla"]["total_s"]
+                                                / med["detdata_device"]["total_s"])
+    return row
+
+
+def feed(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
+    paths = write_shards(root, args.shards, args.shard_tokens)
+    data = detdata_dataset(root, args.seq_len)
+    makers = loaders(args, device, paths, data)
     resident = torch.from_numpy(np.ascontiguousarray(data.read(np.arange(args.batch))["tokens"]))
     resident = resident.to(device)
     results: list[dict[str, Any]] = []
@@ -229,34 +258,22 @@ def feed(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str
         step = Step(device, 50_000, args.d_model, iters)
         iterators: dict[str, Iterator[torch.Tensor]] = {"ideal": itertools.repeat(resident)}
         iterators.update((name, make()) for name, make in makers.items())
-        for it in iterators.values():  # worker start-up, pool allocation, kernels: untimed
-            for _ in range(args.warmup):
-                step(next(it))
-        sync(device)
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in iterators}
-        names = list(iterators)
-        for rnd in range(args.rounds):  # interleaved rounds, rotating order: fair under noise
-            for name in names[rnd % len(names):] + names[: rnd % len(names)]:
-                runs[name].append(timed(iterators[name], step, args.steps, args.sync_every, device))
-        for it in iterators.values():
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-        med = {name: sorted(rs, key=lambda r: r["total_s"])[len(rs) // 2] for name, rs in runs.items()}
-        row: dict[str, Any] = {"matmul_iters": iters, "ideal_step_ms": med["ideal"]["step_ms"]}
-        for name in makers:
-            r: dict[str, Any] = dict(med[name])
-            r["wait_frac"] = max(0.0, 1.0 - med["ideal"]["total_s"] / r["total_s"])
-            r["all_step_ms"] = [x["step_ms"] for x in runs[name]]
-            row[name] = r
-        row["detdata_device_speedup_vs_vanilla"] = med["vanilla"]["total_s"] / med["detdata_device"]["total_s"]
-        results.append(row)
-    return {"dataset": data_kind, "rows": results}
+        results.append(feed_row(iters, rounds(iterators, step, args, device), makers))
+    return {"dataset": "TokenWindows", "rows": results}
 
 
 # ------------------------------------------------------------------- main
+SMALL = {"sizes_mib": [1, 8], "total_mib": 64, "matmul_iters": [1, 8], "d_model": 128,
+         "seq_len": 128, "batch": 4, "steps": 40, "warmup": 5, "workers": 0, "shards": 2,
+         "shard_tokens": 200_000}
+FULL = {"sizes_mib": [4, 64], "total_mib": 2048, "matmul_iters": [2, 16], "d_model": 2048,
+        "seq_len": 2048, "batch": 8, "steps": 200, "warmup": 20, "workers": 4, "shards": 8,
+        "shard_tokens": 4_000_000}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="small sizes (implied by --device cpu)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -271,52 +288,64 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int)
     p.add_argument("--workers", type=int)
     p.add_argument("--sync-every", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved timing rounds (median reported)")
     p.add_argument("--shards", type=int)
     p.add_argument("--shard-tokens", type=int)
     args = p.parse_args(argv)
     args.smoke = args.smoke or torch.device(args.device).type == "cpu"
-    small = {"sizes_mib": [1, 8], "total_mib": 64, "matmul_iters": [1, 8], "d_model": 128, "seq_len": 128,
-             "batch": 4, "steps": 40, "warmup": 5, "workers": 0, "shards": 2, "shard_tokens": 200_000}
-    full = {"sizes_mib": [4, 64], "total_mib": 2048, "matmul_iters": [2, 16], "d_model": 2048,
-            "seq_len": 2048, "batch": 8, "steps": 200, "warmup": 20, "workers": 4, "shards": 8,
-            "shard_tokens": 4_000_000}
-    for key, value in (small if args.smoke else full).items():
+    for key, value in (SMALL if args.smoke else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    device = check_device(args.device)
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "platform": platform.platform(), "device": str(device),
-           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-           "smoke": args.smoke}
-    print(f"# gpu_feed on {env['device_name'] or device} (torch {torch.__version__}, smoke={args.smoke})")
+def environment(device: torch.device, smoke: bool) -> dict[str, Any]:
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor())
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "device": str(device), "device_name": name, "smoke": smoke}
 
-    bw = [bandwidth(device, size, args.total_mib, args.depth) for size in args.sizes_mib]
+
+def print_bandwidth(bw: list[dict[str, Any]]) -> None:
     print("\n(a) host-to-device bandwidth, GB/s")
-    print(f"{'batch MiB':>10} {'detdata':>9} {'raw pinned':>11} {'pageable':>9} {'detdata/raw':>12} {'pool allocs':>12}")
+    print(f"{'batch MiB':>10} {'detdata':>9} {'raw pinned':>11} {'pageable':>9} "
+          f"{'detdata/raw':>12} {'pool allocs':>12}")
     for r in bw:
         print(f"{r['batch_mib']:>10} {r['detdata_gbps']:>9.2f} {r['raw_pinned_gbps']:>11.2f} "
-              f"{r['pageable_gbps']:>9.2f} {r['detdata_over_raw']:>12.2f} {r['pool_allocations']:>12}")
+              f"{r['pageable_gbps']:>9.2f} {r['detdata_over_raw']:>12.2f} "
+              f"{r['pool_allocations']:>12}")
 
-    with tempfile.TemporaryDirectory(prefix="gpu_feed_") as tmp:
-        fd = feed(args, device, Path(tmp) / "data")
+
+def print_feed(fd: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\n(b) training feed ({fd['dataset']}, batch {args.batch} x {args.seq_len + 1} tokens, "
-          f"d={args.d_model}, {args.steps} steps, workers={args.workers}, sync every {args.sync_every})")
-    print(f"{'matmuls':>8} {'ideal ms':>9} {'loader':>15} {'step ms':>8} {'wait frac':>10} {'host next':>10}")
+          f"d={args.d_model}, {args.steps} steps, workers={args.workers}, "
+          f"sync every {args.sync_every})")
+    print(f"{'matmuls':>8} {'ideal ms':>9} {'loader':>15} {'step ms':>8} {'wait frac':>10} "
+          f"{'host next':>10}")
     for row in fd["rows"]:
         for name in ("vanilla", "detdata_pin", "detdata_device"):
             r = row[name]
-            print(f"{row['matmul_iters']:>8} {row['ideal_step_ms']:>9.3f} {name:>15} {r['step_ms']:>8.3f} "
-                  f"{r['wait_frac']:>10.3f} {r['host_next_frac']:>10.3f}")
-        print(f"{'':>8} detdata_device speedup vs vanilla: {row['detdata_device_speedup_vs_vanilla']:.2f}x")
+            print(f"{row['matmul_iters']:>8} {row['ideal_step_ms']:>9.3f} {name:>15} "
+                  f"{r['step_ms']:>8.3f} {r['wait_frac']:>10.3f} {r['host_next_frac']:>10.3f}")
+        speedup = row["detdata_device_speedup_vs_vanilla"]
+        print(f"{'':>8} detdata_device speedup vs vanilla: {speedup:.2f}x")
 
-    result = {"env": env, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "bandwidth": bw, "feed": fd}
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    device = check_device(args.device)
+    env = environment(device, args.smoke)
+    print(f"# gpu_feed on {env['device_name'] or device} (torch {torch.__version__}, "
+          f"smoke={args.smoke})")
+    bw = [bandwidth(device, size, args.total_mib, args.depth) for size in args.sizes_mib]
+    print_bandwidth(bw)
+    with tempfile.TemporaryDirectory(prefix="gpu_feed_") as tmp:
+        fd = feed(args, device, Path(tmp) / "data")
+    print_feed(fd, args)
+    plain_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result = {"env": env, "args": plain_args, "bandwidth": bw, "feed": fd}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -1,4 +1,4 @@
-"""Mixture benchmark: detdata ``mixture-v1`` vs per-sample multinomial and sequential greedy blending.
+"""Mixture benchmark: detdata ``mixture-v1`` vs per-sample multinomial and greedy blending.
 
 Run: ``python benchmarks/mixture.py [--quick]``. Prints a table and writes
 ``benchmarks/results/mixture.json``.
@@ -26,16 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
-import tracemalloc
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+if not __package__:  # run as ``python benchmarks/mixture.py``: benchmarks.* from this checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.memory import peak_bytes
+from benchmarks.timing import Stopwatch, best_of
+from detdata import Mixture
 from detdata.cli.mix import CountDataset
-from detdata.datasets.mixture import Mixture
 
 RESULTS = Path(__file__).parent / "results" / "mixture.json"
 TARGET = 10**9
@@ -48,25 +52,6 @@ def make_mixture(num_sources: int, seed: int = 1234) -> Mixture:
                    {n: i + 1 for i, n in enumerate(names)}, seed=seed)
 
 
-def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def peak_bytes(fn: Callable[[], object]) -> int:
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def throughput(m: Mixture, quick: bool) -> dict[str, float]:
     start = 10**12 + 3
     contiguous = np.arange(start, start + (1 << 18 if quick else 1 << 20), dtype=np.int64)
@@ -76,16 +61,18 @@ def throughput(m: Mixture, quick: bool) -> dict[str, float]:
     t_micro = best_of(lambda: [m.locate(p) for p in micro])
     t_micro_assign = best_of(lambda: [m.assign(p) for p in micro])
     rand = np.random.default_rng(0).integers(0, 10**15, size=1 << 12 if quick else 1 << 14)
-    t_rand = best_of(lambda: m.locate(rand), repeat=1)
+    t_rand = best_of(lambda: m.locate(rand), 1)
     t_rand_assign = best_of(lambda: m.assign(rand))
+    t_contig_assign = best_of(lambda: m.assign(contiguous))
+    peak = peak_bytes(lambda: m.locate(contiguous))
     return {"contiguous_pos_per_s": contiguous.size / t_contig,
-            "contiguous_assign_only_pos_per_s": contiguous.size / best_of(lambda: m.assign(contiguous)),
+            "contiguous_assign_only_pos_per_s": contiguous.size / t_contig_assign,
             "micro_batch8_pos_per_s": 8 * calls / t_micro,
             "micro_batch8_us_per_call": 1e6 * t_micro / calls,
             "micro_batch8_assign_only_us_per_call": 1e6 * t_micro_assign / calls,
             "random_pos_per_s": rand.size / t_rand,
             "random_assign_only_pos_per_s": rand.size / t_rand_assign,
-            "contiguous_peak_bytes_per_pos": peak_bytes(lambda: m.locate(contiguous)) / contiguous.size}
+            "contiguous_peak_bytes_per_pos": peak / contiguous.size}
 
 
 def deviation(m: Mixture) -> dict[str, Any]:
@@ -98,13 +85,12 @@ def deviation(m: Mixture) -> dict[str, Any]:
         got = m.consumed(P)
         return max(abs(got[n] - f * P) for n, f in zip(m.source_names, p, strict=True))
 
-    t0 = time.perf_counter()
-    dev_1e9 = at(TARGET)
-    t_jump = time.perf_counter() - t0
+    with Stopwatch() as jump:
+        dev_1e9 = at(TARGET)
     depth = int(np.ceil(np.log2(len(p)))) if len(p) > 1 else 0
     bound = max(depth + 16 * q * (1 - q) for q in p)
     return {"at_1e6": at(10**6), "max_over_prefixes_to_1e6": every_prefix, "at_1e9": dev_1e9,
-            "documented_bound": bound, "consumed_1e9_seconds": t_jump,
+            "documented_bound": bound, "consumed_1e9_seconds": jump.seconds,
             "consumed_1e9_peak_bytes": peak_bytes(lambda: m.consumed(TARGET)),
             "locate_1e9_seconds": best_of(lambda: m.locate(np.array([TARGET], dtype=np.int64)))}
 
@@ -133,7 +119,7 @@ def _running_index(src: np.ndarray, num_sources: int) -> np.ndarray:
 
 
 def greedy_blend(p: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron-style: largest deficit first, arrays of one entry per position (pure Python loop)."""
+    """Megatron-style: largest deficit first, one array entry per position (pure Python loop)."""
     weights = p.tolist()
     counts = [0] * p.size
     src = np.empty(n, dtype=np.uint8 if p.size < 256 else np.int16)
@@ -147,11 +133,18 @@ def greedy_blend(p: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return src, index
 
 
-def baseline(name: str, fn: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]], p: np.ndarray,
-             n: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    src, _ = fn(p, n)
-    seconds = time.perf_counter() - t0
+Blend = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+NOTES = ["baseline times and memory to 1e9 are linear extrapolations of the measured runs",
+         "multinomial deviation at 1e9 is one draw of Generator.multinomial(1e9, p): the same "
+         "distribution as 1e9 per-sample draws",
+         "greedy at 100 sources is measured on a tenth of the positions (pure-Python loop)",
+         "detdata reaches 1e9 with consumed()/locate() directly: no replay, no arrays"]
+
+
+def baseline(name: str, fn: Blend, p: np.ndarray, n: int) -> dict[str, Any]:
+    with Stopwatch() as clock:
+        src, _ = fn(p, n)
+    seconds = clock.seconds
     held = peak_bytes(lambda: fn(p, min(n, 10**5)))  # memory per position on a slice, then scaled
     counts = np.bincount(src.astype(np.int64), minlength=p.size)
     return {"method": name, "measured_positions": n, "measured_seconds": seconds,
@@ -161,53 +154,72 @@ def baseline(name: str, fn: Callable[[np.ndarray, int], tuple[np.ndarray, np.nda
             "deviation_at_measured": float(np.abs(counts - p * n).max())}
 
 
+def measure_sources(num_sources: int, quick: bool) -> dict[str, Any]:
+    """detdata and the baselines for one mixture of ``num_sources`` sources."""
+    m = make_mixture(num_sources)
+    p = np.array([float(f) for f in m.weights_at(0).values()])
+    row: dict[str, Any] = {"sources": num_sources,
+                           "detdata": {**throughput(m, quick), **deviation(m)}}
+    per_sample = 10**5 if quick else 10**6
+    greedy_n = per_sample // (10 if num_sources == 100 else 1)
+    row["greedy_megatron_style"] = baseline("greedy", greedy_blend, p, greedy_n)
+    if num_sources == 10:
+        row["multinomial_per_sample"] = baseline("multinomial choice per position",
+                                                 multinomial_per_sample, p, per_sample)
+    vectorised = baseline("multinomial choice vectorised", multinomial_vectorised, p,
+                          10**6 if quick else 10**7)
+    vectorised["deviation_at_1e9_one_draw"] = float(
+        np.abs(np.random.default_rng(1).multinomial(TARGET, p) - p * TARGET).max())
+    row["multinomial_vectorised"] = vectorised
+    return row
+
+
 def run(quick: bool) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for num_sources in (2, 10, 100):
-        m = make_mixture(num_sources)
-        p = np.array([float(f) for f in m.weights_at(0).values()])
-        row: dict[str, Any] = {"sources": num_sources, "detdata": {**throughput(m, quick), **deviation(m)}}
-        per_sample = 10**5 if quick else 10**6
-        row["greedy_megatron_style"] = baseline("greedy", greedy_blend, p, per_sample // (10 if num_sources == 100 else 1))
-        if num_sources == 10:
-            row["multinomial_per_sample"] = baseline("multinomial choice per position", multinomial_per_sample,
-                                                     p, per_sample)
-        row["multinomial_vectorised"] = baseline("multinomial choice vectorised", multinomial_vectorised,
-                                                 p, 10**6 if quick else 10**7)
-        row["multinomial_vectorised"]["deviation_at_1e9_one_draw"] = float(
-            np.abs(np.random.default_rng(1).multinomial(TARGET, p) - p * TARGET).max())
+        row = measure_sources(num_sources, quick)
         rows.append(row)
         print_row(row)
-    return {"benchmark": "mixture", "algorithm": "mixture-v1", "quick": quick, "machine": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__, "rows": rows,
-            "notes": ["baseline times and memory to 1e9 are linear extrapolations of the measured runs",
-                      "multinomial deviation at 1e9 is one draw of Generator.multinomial(1e9, p): the same "
-                      "distribution as 1e9 per-sample draws",
-                      "greedy at 100 sources is measured on a tenth of the positions (pure-Python loop)",
-                      "detdata reaches 1e9 with consumed()/locate() directly: no replay, no arrays"]}
+    return {"benchmark": "mixture", "algorithm": "mixture-v1", "quick": quick,
+            "machine": platform.platform(), "python": platform.python_version(),
+            "numpy": np.__version__, "rows": rows, "notes": NOTES}
 
 
 def print_row(row: dict[str, Any]) -> None:
-    d = row["detdata"]
     print(f"\n== {row['sources']} sources ==")
+    _print_detdata(row["detdata"])
+    _print_baselines(row)
+
+
+def _print_detdata(d: dict[str, Any]) -> None:
     print(f"detdata locate  contiguous {d['contiguous_pos_per_s']:>11,.0f} pos/s | micro-batch(8) "
-          f"{d['micro_batch8_us_per_call']:7.1f} us/call | random {d['random_pos_per_s']:>10,.0f} pos/s")
-    print(f"detdata assign  contiguous {d['contiguous_assign_only_pos_per_s']:>11,.0f} pos/s | micro-batch(8) "
-          f"{d['micro_batch8_assign_only_us_per_call']:7.1f} us/call | random "
-          f"{d['random_assign_only_pos_per_s']:>10,.0f} pos/s   (assign = without GlobalOrder sample ids)")
-    print(f"detdata  deviation @1e6 {d['at_1e6']:.3f}  max over prefixes<=1e6 {d['max_over_prefixes_to_1e6']:.3f}  "
-          f"@1e9 {d['at_1e9']:.3f}  (bound {d['documented_bound']:.3f});  jump to 1e9: "
-          f"consumed {1e3 * d['consumed_1e9_seconds']:.2f} ms, locate {1e3 * d['locate_1e9_seconds']:.2f} ms, "
+          f"{d['micro_batch8_us_per_call']:7.1f} us/call | random "
+          f"{d['random_pos_per_s']:>10,.0f} pos/s")
+    print(f"detdata assign  contiguous {d['contiguous_assign_only_pos_per_s']:>11,.0f} pos/s "
+          f"| micro-batch(8) {d['micro_batch8_assign_only_us_per_call']:7.1f} us/call | random "
+          f"{d['random_assign_only_pos_per_s']:>10,.0f} pos/s"
+          "   (assign = without GlobalOrder sample ids)")
+    print(f"detdata  deviation @1e6 {d['at_1e6']:.3f}  max over prefixes<=1e6 "
+          f"{d['max_over_prefixes_to_1e6']:.3f}  @1e9 {d['at_1e9']:.3f}  "
+          f"(bound {d['documented_bound']:.3f});  jump to 1e9: "
+          f"consumed {1e3 * d['consumed_1e9_seconds']:.2f} ms, "
+          f"locate {1e3 * d['locate_1e9_seconds']:.2f} ms, "
           f"{d['consumed_1e9_peak_bytes'] / 1024:.0f} KiB")
-    print(f"{'method':<36}{'measured':>12}{'seconds':>10}{'-> 1e9 (extrap.)':>20}{'memory @1e9':>14}{'dev@meas.':>12}")
+
+
+def _print_baselines(row: dict[str, Any]) -> None:
+    print(f"{'method':<36}{'measured':>12}{'seconds':>10}{'-> 1e9 (extrap.)':>20}"
+          f"{'memory @1e9':>14}{'dev@meas.':>12}")
     for key in ("greedy_megatron_style", "multinomial_per_sample", "multinomial_vectorised"):
         if key in row:
             b = row[key]
-            print(f"{b['method']:<36}{b['measured_positions']:>12,}{b['measured_seconds']:>10.2f}"
-                  f"{b['extrapolated_seconds_to_1e9']:>18,.0f} s{b['extrapolated_bytes_to_1e9'] / 2**30:>11.1f} GiB"
+            print(f"{b['method']:<36}{b['measured_positions']:>12,}"
+                  f"{b['measured_seconds']:>10.2f}{b['extrapolated_seconds_to_1e9']:>18,.0f} s"
+                  f"{b['extrapolated_bytes_to_1e9'] / 2**30:>11.1f} GiB"
                   f"{b['deviation_at_measured']:>12.1f}")
     if "multinomial_vectorised" in row:
-        print(f"multinomial deviation @1e9 (one draw): {row['multinomial_vectorised']['deviation_at_1e9_one_draw']:,.0f}")
+        one_draw = row["multinomial_vectorised"]["deviation_at_1e9_one_draw"]
+        print(f"multinomial deviation @1e9 (one draw): {one_draw:,.0f}")
 
 
 def main() -> None:

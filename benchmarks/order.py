@@ -17,19 +17,20 @@ import argparse
 import json
 import os
 import platform
-import time
-import tracemalloc
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from detdata.order.feistel import ALGORITHM, GlobalOrder
+from benchmarks.memory import peak_bytes
+from benchmarks.timing import Stopwatch, best_of
+from detdata import GlobalOrder
+
+ALGORITHM = GlobalOrder.algorithm
 
 RESULTS = Path(__file__).parent / "results" / "order.json"
 BATCH = 1 << 16
+CALLS = 16  # GlobalOrder.ids calls per timed repeat
 SIZES = (10**6, 10**9, 10**12)
 WORST_CASE = (1 << 30) + 1  # just above a power of two: most cycle-walking
 PERMUTATION_SIZES = (10**6, 10**7)
@@ -58,46 +59,20 @@ def pin_one_core() -> str:
     return "not pinned (no sched_setaffinity)"
 
 
-def best_rate(fn: Callable[[], int], seconds: float) -> float:
-    """Best items/s of ``fn`` (returns items done) over repeats lasting about ``seconds``."""
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        items = fn()
-        dt = time.perf_counter() - t0
-        best = max(best, items / dt)
-        if time.perf_counter() > deadline:
-            return best
-
-
-def peak_of(fn: Callable[[], Any]) -> int:
-    """Peak traced allocation (bytes) while running ``fn`` (numpy reports to tracemalloc)."""
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def bench_order(n: int, seconds: float) -> Row:
-    """GlobalOrder ids/s on contiguous batches starting at a spread of positions."""
+    """GlobalOrder ids/s (best repeat over ``seconds``) on contiguous batches at spread starts."""
     order = GlobalOrder(n, 1234)
     starts = np.random.default_rng(0).integers(0, 3 * n, size=64)
     batches = [np.arange(s, s + BATCH, dtype=np.int64) for s in starts]
     state = {"i": 0}
 
-    def run() -> int:
-        done = 0
-        for _ in range(16):
+    def run() -> None:
+        for _ in range(CALLS):
             order.ids(batches[state["i"] % len(batches)])
             state["i"] += 1
-            done += BATCH
-        return done
 
-    rate = best_rate(run, seconds)
-    peak = peak_of(lambda: GlobalOrder(n, 99).ids(batches[0]))
+    rate = CALLS * BATCH / best_of(run, 1, min_seconds=seconds)
+    peak = peak_bytes(lambda: GlobalOrder(n, 99).ids(batches[0]))
     return Row(method=f"GlobalOrder ({ALGORITHM})", n=n, ids_per_s=rate, setup_s=0.0,
                persistent_bytes_per_sample=0.0, peak_bytes=peak,
                note=f"batch {BATCH}: transient {peak / BATCH:.0f} B/position, freed after")
@@ -106,13 +81,12 @@ def bench_order(n: int, seconds: float) -> Row:
 def bench_permutation(n: int, seconds: float) -> Row:
     """numpy permutation: build time, then ids/s = n / build time (lookups are then free)."""
     rng = np.random.default_rng(1234)
-    t0 = time.perf_counter()
-    perm = rng.permutation(n)
-    setup = time.perf_counter() - t0
+    with Stopwatch() as build:
+        perm = rng.permutation(n)
     del perm
-    rate = best_rate(lambda: int(np.random.default_rng(5).permutation(n).size), seconds)
-    peak = peak_of(lambda: np.random.default_rng(7).permutation(n))
-    return Row(method="numpy Generator.permutation", n=n, ids_per_s=rate, setup_s=setup,
+    rate = n / best_of(lambda: np.random.default_rng(5).permutation(n), 1, min_seconds=seconds)
+    peak = peak_bytes(lambda: np.random.default_rng(7).permutation(n))
+    return Row(method="numpy Generator.permutation", n=n, ids_per_s=rate, setup_s=build.seconds,
                persistent_bytes_per_sample=peak / n, peak_bytes=peak,
                note="whole permutation materialised; ids/s counts its construction")
 
@@ -140,7 +114,8 @@ def fmt_rate(rate: float | None) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'method':30} {'n':>16} {'ids/s':>10} {'setup s':>8} {'B/sample':>9} {'peak MiB':>9}  note"
+    head = (f"{'method':30} {'n':>16} {'ids/s':>10} {'setup s':>8} {'B/sample':>9} "
+            f"{'peak MiB':>9}  note")
     print(head)
     print("-" * len(head))
     for r in rows:

@@ -1,4 +1,4 @@
-"""Why process workers lose on small batches: time the transfer alone, and profile the main process.
+"""Why process workers lose on small batches: time the transfer alone, profile the main process.
 
 ``python -m benchmarks.profile_workers [--batches N] [--kb 128]`` prints, per
 batch of ``--kb`` KiB (default 128 KiB = 64 samples x 2 KiB):
@@ -17,16 +17,14 @@ and the top functions of a cProfile of the main process for ``workers=2``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data as tud
+
+from benchmarks.timing import mean_of, profile
 
 
 class Copies(tud.Dataset[Any]):
@@ -49,11 +47,9 @@ def _identity(batch: Any) -> Any:
 
 
 def per_batch_us(it: Iterator[Any], batches: int) -> float:
-    next(it)  # startup excluded
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        next(it)
-    return (time.perf_counter() - t0) / batches * 1e6
+    """Mean microseconds per ``next(it)`` over ``batches`` batches (the first one, startup,
+    excluded)."""
+    return mean_of(lambda: next(it), batches, warmup=1) * 1e6
 
 
 def loader(nbytes: int, workers: int, as_tensor: bool) -> Iterator[Any]:
@@ -78,31 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     nbytes, n = args.kb * 1024, args.batches
     torch.set_num_threads(1)
     ds = Copies(nbytes, True)
-    t0 = time.perf_counter()
-    for i in range(n):
-        ds[i]
-    rows = {"produce (in-process copy)": (time.perf_counter() - t0) / n * 1e6}
+    rows = {"produce (in-process copy)": mean_of(lambda: ds[0], n, warmup=0) * 1e6}
     rows["torch DataLoader workers=0"] = per_batch_us(loader(nbytes, 0, True), n)
     rows["torch DataLoader workers=2, tensor"] = per_batch_us(loader(nbytes, 2, True), n)
     rows["torch DataLoader workers=2, ndarray"] = per_batch_us(loader(nbytes, 2, False), n)
-    torch.multiprocessing.set_sharing_strategy("file_system")
+    torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
     rows["workers=2, tensor, sharing 'file_system'"] = per_batch_us(loader(nbytes, 2, True), n)
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")  # type: ignore[no-untyped-call]
     rows["threaded_batches threads=2"] = per_batch_us(threads(nbytes, 2), n)
     print(f"per batch of {args.kb} KiB, {n} batches:")
     for name, us in rows.items():
         print(f"  {name:40s} {us:8.1f} us  ({nbytes / us:7.0f} MB/s)")
     it = loader(nbytes, 2, True)
     next(it)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        next(it)
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    text = profile(lambda: next(it), n, top=12)
     print("main process, workers=2 (tottime):")
-    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
+    print(text[:4000])
     return 0
 
 

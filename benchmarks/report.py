@@ -15,8 +15,9 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# Throughput and resume: detdata vs the vanilla DataLoader",
         "",
-        f"Machine: {m['cpu']}, {m['memory_gib']} GiB RAM, {m['platform']}; Python {m['python']}, "
-        f"torch {m['torch']}, numpy {m['numpy']}, pyarrow {m['pyarrow']}, torchdata {m['torchdata']}. "
+        f"Machine: {m['cpu']}, {m['memory_gib']} GiB RAM, {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}, "
+        f"pyarrow {m['pyarrow']}, torchdata {m['torchdata']}. "
         f"Load average before/after: {_load(doc['load_before'])} / {_load(doc['load_after'])}.",
         "",
         f"Data: {s['num_samples']:,} samples of {s['bytes_per_sample']} B (512 int32 tokens) per "
@@ -33,7 +34,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{_f(c.get('page_cache_read_gbs'), '.2f')} GB/s, random 2 KiB-row gather from a warm "
         f"memmap {_f(c.get('random_row_gather_gbs'), '.2f')} GB/s.",
         "",
-        "| data | loader | workers | samples/s | MB/s | x vanilla | % page cache | first batch (fresh) "
+        "| data | loader | workers | samples/s | MB/s | x vanilla | % page cache "
+        "| first batch (fresh) "
         f"| first {s['warmup'] + 1} batches "
         f"| first batch, resume @{s['resume_at']:,} | resume @1e9 | peak RSS main / workers (MB) "
         "| shuffle rho / adjacent | validated |",
@@ -72,6 +74,7 @@ def _load(load: Any) -> str:
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
+    """Throughput bars per data kind (with the ceilings) and time-to-first-batch bars, as PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -79,35 +82,48 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     rows = doc["summary"]
     kinds = list(dict.fromkeys(r["data"] for r in rows))
     fig, axes = plt.subplots(1, len(kinds) + 1, figsize=(6 * (len(kinds) + 1), 5))
+    for ax, kind in zip(axes, kinds, strict=False):
+        _throughput_axes(ax, doc, kind)
+    _ttfb_axes(axes[-1], doc)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _throughput_axes(ax: Any, doc: dict[str, Any], kind: str) -> None:
+    rows = doc["summary"]
     names = list(dict.fromkeys(r["contender"] for r in rows))
     workers = sorted({r["workers"] for r in rows})
     width = 0.8 / max(1, len(workers))
-    for ax, kind in zip(axes, kinds, strict=False):
-        for j, nw in enumerate(workers):
-            vals = []
-            for name in names:
-                row = next((r for r in rows if r["data"] == kind and r["contender"] == name
-                            and r["workers"] == nw), None)
-                vals.append((row["samples_per_s"] or 0) if row else 0)
-            xs = [i + j * width for i in range(len(names))]
-            ax.bar(xs, vals, width, label=f"num_workers={nw}")
-        per_sample = doc["settings"]["bytes_per_sample"]
-        for key, style, text in (("page_cache_read_gbs", "--", "page-cache read"),
-                                 ("random_row_gather_gbs", ":", "random 2 KiB-row gather")):
-            gbs = doc["ceilings"].get(key)
-            if gbs:
-                ax.axhline(gbs * 1e9 / per_sample, color="gray", linestyle=style,
-                           label=f"ceiling: {text}")
-        ax.set_xticks([i + width * (len(workers) - 1) / 2 for i in range(len(names))])
-        ax.set_xticklabels(names, rotation=25, ha="right")
-        ax.set_yscale("log")
-        ax.set_ylabel("samples/s (log)")
-        ax.set_title(f"{kind}: throughput (batch {doc['settings']['batch']})")
-        ax.legend(fontsize=8)
-    ax = axes[-1]
+    for j, nw in enumerate(workers):
+        vals = []
+        for name in names:
+            row = next((r for r in rows if r["data"] == kind and r["contender"] == name
+                        and r["workers"] == nw), None)
+            vals.append((row["samples_per_s"] or 0) if row else 0)
+        xs = [i + j * width for i in range(len(names))]
+        ax.bar(xs, vals, width, label=f"num_workers={nw}")
+    per_sample = doc["settings"]["bytes_per_sample"]
+    for key, style, text in (("page_cache_read_gbs", "--", "page-cache read"),
+                             ("random_row_gather_gbs", ":", "random 2 KiB-row gather")):
+        gbs = doc["ceilings"].get(key)
+        if gbs:
+            ax.axhline(gbs * 1e9 / per_sample, color="gray", linestyle=style,
+                       label=f"ceiling: {text}")
+    ax.set_xticks([i + width * (len(workers) - 1) / 2 for i in range(len(names))])
+    ax.set_xticklabels(names, rotation=25, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("samples/s (log)")
+    ax.set_title(f"{kind}: throughput (batch {doc['settings']['batch']})")
+    ax.legend(fontsize=8)
+
+
+def _ttfb_axes(ax: Any, doc: dict[str, Any]) -> None:
+    rows = doc["summary"]
+    first_workers = min(r["workers"] for r in rows)
     labels, fresh, resume, far = [], [], [], []
     for r in rows:
-        if r["workers"] != workers[0] or r["ttfb_resume_s"] is None:
+        if r["workers"] != first_workers or r["ttfb_resume_s"] is None:
             continue
         labels.append(f"{r['data']}\n{r['contender']}")
         fresh.append((r["ttfb_fresh_s"] or 0) * 1e3)
@@ -121,8 +137,5 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("time to first batch, ms (log)")
-    ax.set_title(f"time to first batch, num_workers={workers[0]}")
+    ax.set_title(f"time to first batch, num_workers={first_workers}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

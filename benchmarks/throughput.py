@@ -26,16 +26,21 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_data import BYTES_PER_SAMPLE, DataSpec, cpu_description, disk_bytes, generate
+from benchmarks.bench_data import (
+    BYTES_PER_SAMPLE,
+    DataSpec,
+    cpu_description,
+    disk_bytes,
+    generate,
+)
+from benchmarks.timing import Stopwatch, median
 
 FAR = 10**9
 _DEFAULT_START = mp.get_start_method()
@@ -55,20 +60,29 @@ PRELOAD = ["numpy", "torch", "torch.utils.data", "pyarrow", "pyarrow.parquet", "
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny data, one round (well under a minute)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny data, one round (well under a minute)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"),
                    help="folder for throughput.{md,json,png} (default: benchmarks/results)")
-    p.add_argument("--data-dir", default=None, help="where to generate data (default: a temp folder)")
-    p.add_argument("--samples-per-shard", type=int, default=None, help="default 16384 (smoke 1024)")
+    p.add_argument("--data-dir", default=None,
+                   help="where to generate data (default: a temp folder)")
+    p.add_argument("--samples-per-shard", type=int, default=None,
+                   help="default 16384 (smoke 1024)")
     p.add_argument("--shards", type=int, default=None, help="default 8 (smoke 2)")
-    p.add_argument("--row-group", type=int, default=None, help="Parquet rows per group (1024; smoke 256)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds of every run (default 3; smoke 1)")
+    p.add_argument("--row-group", type=int, default=None,
+                   help="Parquet rows per group (1024; smoke 256)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds of every run (default 3; smoke 1)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of steady-state loading per throughput run (default 1.5; smoke 0.2)")
+                   help="seconds of steady-state loading per throughput run "
+                        "(default 1.5; smoke 0.2)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="batches after the first one, before the throughput window (32; smoke 4)")
-    p.add_argument("--resume-at", type=int, default=None, help="resume position (40000; smoke 1024)")
+                   help="batches after the first one, before the throughput window "
+                        "(32; smoke 4)")
+    p.add_argument("--resume-at", type=int, default=None,
+                   help="resume position (40000; smoke 1024)")
     p.add_argument("--workers", default="0,2", help="num_workers values (default 0,2)")
     p.add_argument("--resume-workers", default=None,
                    help="num_workers values for resume runs (default: same as --workers; smoke 0)")
@@ -89,7 +103,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
                       if args.resume_workers is not None else ([0] if smoke else workers))
     resume_at = args.resume_at if args.resume_at is not None else (1024 if smoke else 40000)
     if resume_at % args.batch or FAR % args.batch:
-        raise SystemExit(f"--resume-at {resume_at} and {FAR} must be multiples of --batch {args.batch}")
+        raise SystemExit(f"--resume-at {resume_at} and {FAR} must be multiples of "
+                         f"--batch {args.batch}")
     contenders = [c for c in args.contenders.split(",") if c]
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
@@ -135,7 +150,8 @@ class ChildRunner:
             proc.join()
             return {"ok": False, "validated": False, "error": f"killed after {timeout:.0f} s"}
         if not out.exists():
-            return {"ok": False, "validated": False, "error": f"no result (exit code {proc.exitcode})"}
+            return {"ok": False, "validated": False,
+                    "error": f"no result (exit code {proc.exitcode})"}
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
@@ -194,44 +210,13 @@ def optional_contenders() -> dict[str, str]:
     return skipped
 
 
-def _median(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def summarize(cfg: dict[str, Any], runs: list[dict[str, Any]], ceilings: dict[str, Any]) -> list[dict[str, Any]]:
+def summarize(cfg: dict[str, Any], runs: list[dict[str, Any]],
+              ceilings: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (data, workers, contender): medians over its rounds, ratios to vanilla."""
     page_cache = ceilings.get("page_cache_read_gbs")
-    rows: list[dict[str, Any]] = []
-    for kind in KINDS:
-        for nw in cfg["workers"]:
-            for name in cfg["contenders"]:
-                if name == "detdata-threads" and nw == 0:
-                    continue
-                mine = [r for r in runs if r["task"]["contender"] == name and r["task"]["data"] == kind
-                        and r["task"]["workers"] == nw]
-                tput = [r["result"] for r in mine if r["task"]["kind_of_run"] == "throughput"]
-                row: dict[str, Any] = {"data": kind, "contender": name, "label": LABELS[name],
-                                       "workers": nw, "runs": len(tput)}
-                row["validated"] = bool(mine) and all(r["result"].get("validated") for r in mine)
-                row["errors"] = sorted({r["result"]["error"] for r in mine if r["result"].get("error")})
-                exact = [r["result"].get("exact_order") for r in mine]
-                row["exact_order"] = None if all(e is None for e in exact) else all(e is not False for e in exact)
-                sps = _median([r.get("samples_per_s") for r in tput])
-                row["samples_per_s"] = sps
-                row["mb_per_s"] = sps * BYTES_PER_SAMPLE / 1e6 if sps else None
-                row["frac_page_cache"] = (row["mb_per_s"] / 1e3 / page_cache) if sps and page_cache else None
-                row["ttfb_fresh_s"] = _median([r.get("ttfb_s") for r in tput])
-                row["warmup_s"] = _median([r["ttfb_s"] + r["warmup_s"] for r in tput
-                                           if r.get("ttfb_s") is not None and "warmup_s" in r])
-                row["peak_rss_main_mb"] = _median([r.get("peak_rss_main_mb") for r in tput])
-                row["peak_rss_worker_mb"] = _median([r.get("peak_rss_worker_mb") for r in tput])
-                row["spearman"] = _median([r.get("spearman") for r in tput])
-                row["adjacent"] = _median([r.get("adjacent") for r in tput])
-                for at, key in ((cfg["resume_at"], "ttfb_resume_s"), (cfg["far"], "ttfb_far_s")):
-                    res = [r["result"].get("ttfb_s") for r in mine
-                           if r["task"]["kind_of_run"] == "resume" and r["task"]["resume_at"] == at]
-                    row[key] = _median(res)
-                rows.append(row)
+    rows = [summary_row(cfg, runs, (kind, nw, name), page_cache)
+            for kind in KINDS for nw in cfg["workers"] for name in cfg["contenders"]
+            if not (name == "detdata-threads" and nw == 0)]
     for row in rows:
         ref = next((r for r in rows if r["data"] == row["data"] and r["workers"] == row["workers"]
                     and r["contender"] == "vanilla"), None)
@@ -240,6 +225,37 @@ def summarize(cfg: dict[str, Any], runs: list[dict[str, Any]], ceilings: dict[st
         fresh = row["ttfb_fresh_s"]
         row["far_over_fresh"] = row["ttfb_far_s"] / fresh if row["ttfb_far_s"] and fresh else None
     return rows
+
+
+def summary_row(cfg: dict[str, Any], runs: list[dict[str, Any]], key: tuple[str, int, str],
+                page_cache: float | None) -> dict[str, Any]:
+    """Medians over the rounds of the runs of ``key`` = (data, workers, contender)."""
+    kind, nw, name = key
+    mine = [r for r in runs if (r["task"]["data"], r["task"]["workers"],
+                                r["task"]["contender"]) == key]
+    tput = [r["result"] for r in mine if r["task"]["kind_of_run"] == "throughput"]
+    row: dict[str, Any] = {"data": kind, "contender": name, "label": LABELS[name],
+                           "workers": nw, "runs": len(tput)}
+    row["validated"] = bool(mine) and all(r["result"].get("validated") for r in mine)
+    row["errors"] = sorted({r["result"]["error"] for r in mine if r["result"].get("error")})
+    exact = [r["result"].get("exact_order") for r in mine]
+    row["exact_order"] = (None if all(e is None for e in exact)
+                          else all(e is not False for e in exact))
+    sps = median(r.get("samples_per_s") for r in tput)
+    row["samples_per_s"] = sps
+    row["mb_per_s"] = sps * BYTES_PER_SAMPLE / 1e6 if sps else None
+    row["frac_page_cache"] = (row["mb_per_s"] / 1e3 / page_cache
+                              if sps and page_cache else None)
+    row["ttfb_fresh_s"] = median(r.get("ttfb_s") for r in tput)
+    row["warmup_s"] = median(r["ttfb_s"] + r["warmup_s"] for r in tput
+                             if r.get("ttfb_s") is not None and "warmup_s" in r)
+    for field in ("peak_rss_main_mb", "peak_rss_worker_mb", "spearman", "adjacent"):
+        row[field] = median(r.get(field) for r in tput)
+    for at, field in ((cfg["resume_at"], "ttfb_resume_s"), (cfg["far"], "ttfb_far_s")):
+        row[field] = median(r["result"].get("ttfb_s") for r in mine
+                            if r["task"]["kind_of_run"] == "resume"
+                            and r["task"]["resume_at"] == at)
+    return row
 
 
 def machine() -> dict[str, Any]:
@@ -258,53 +274,79 @@ def machine() -> dict[str, Any]:
             "start_method_workers": mp.get_start_method()}
 
 
+def run_rounds(runner: ChildRunner, tasks: list[dict[str, Any]],
+               repeats: int) -> list[dict[str, Any]]:
+    """Every task ``repeats`` times, interleaved; each round starts at another task."""
+    runs: list[dict[str, Any]] = []
+    for rnd in range(repeats):
+        shift = (rnd * len(tasks)) // max(1, repeats)
+        for task in tasks[shift:] + tasks[:shift]:
+            result = runner.run(task)
+            runs.append({"round": rnd, "task": task, "result": result})
+            print(f"[bench] r{rnd} {task['kind_of_run']:10s} {task['data']:7s} "
+                  f"{task['contender']:16s} w={task['workers']} "
+                  f"{_brief(task, result)}", flush=True)
+    return runs
+
+
+def measure(cfg: dict[str, Any], root: Path, timeout: float) -> dict[str, Any]:
+    """Ceilings before and after, the StatefulDataLoader states, and every round of runs."""
+    with tempfile.TemporaryDirectory(prefix="detdata-bench-") as tmp:
+        runner = ChildRunner(Path(tmp), timeout)
+        ceilings = [runner.ceilings(root)]
+        print(f"[bench] ceilings: {ceilings[0]}", flush=True)
+        tasks = build_tasks(cfg, root, Path(tmp))
+        prepared = prepare_states(runner, tasks)
+        runs = run_rounds(runner, tasks, cfg["repeats"])
+        ceilings.append(runner.ceilings(root))
+    ceil = {k: median(c.get(k) for c in ceilings) for k in ceilings[0]
+            if k not in ("ok", "error")}
+    return {"ceilings": ceil, "ceiling_runs": ceilings, "stateful_prepare": prepared,
+            "runs": runs}
+
+
+def data_root(args: argparse.Namespace, spec: DataSpec) -> Path:
+    if args.data_dir:
+        return Path(args.data_dir)
+    key = f"{spec.samples_per_shard}x{spec.shards}-rg{spec.row_group}"
+    return Path(tempfile.gettempdir()) / "detdata-bench" / key
+
+
+def write_reports(doc: dict[str, Any], out_dir: Path) -> None:
+    from benchmarks import report
+    (out_dir / "throughput.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out_dir / "throughput.md").write_text(report.markdown(doc))
+    report.plot(doc, out_dir / "throughput.png")
+    print(report.markdown(doc))
+    print(f"[bench] wrote {out_dir}/throughput.{{md,json,png}} in {doc['total_s']:.0f} s",
+          flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = settings(args)
     spec: DataSpec = cfg["data"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = f"{spec.samples_per_shard}x{spec.shards}-rg{spec.row_group}"
-    root = Path(args.data_dir) if args.data_dir else Path(tempfile.gettempdir()) / "detdata-bench" / key
-    t_all = time.perf_counter()
-    print(f"[bench] data: {spec.num_samples} samples x {BYTES_PER_SAMPLE} B per format under {root}",
-          flush=True)
-    gen = generate(root, spec)
-    info = {"machine": machine(), "load_before": os.getloadavg()}
-    with tempfile.TemporaryDirectory(prefix="detdata-bench-") as tmp:
-        runner = ChildRunner(Path(tmp), args.timeout)
-        ceilings = [runner.ceilings(root)]
-        print(f"[bench] ceilings: {ceilings[0]}", flush=True)
-        tasks = build_tasks(cfg, root, Path(tmp))
-        prepared = prepare_states(runner, tasks)
-        runs: list[dict[str, Any]] = []
-        for rnd in range(cfg["repeats"]):
-            shift = (rnd * len(tasks)) // max(1, cfg["repeats"])
-            for task in tasks[shift:] + tasks[:shift]:  # interleaved; each round starts elsewhere
-                result = runner.run(task)
-                runs.append({"round": rnd, "task": task, "result": result})
-                print(f"[bench] r{rnd} {task['kind_of_run']:10s} {task['data']:7s} "
-                      f"{task['contender']:16s} w={task['workers']} "
-                      f"{_brief(task, result)}", flush=True)
-        ceilings.append(runner.ceilings(root))
-    ceil = {k: _median([c.get(k) for c in ceilings]) for k in ceilings[0] if k not in ("ok", "error")}
-    rows = summarize(cfg, runs, ceil)
-    info["load_after"] = os.getloadavg()
-    doc = {"settings": {**{k: v for k, v in cfg.items() if k != "data"}, "data": asdict(spec),
+    root = data_root(args, spec)
+    with Stopwatch() as clock:
+        print(f"[bench] data: {spec.num_samples} samples x {BYTES_PER_SAMPLE} B per format "
+              f"under {root}", flush=True)
+        gen = generate(root, spec)
+        info = {"machine": machine(), "load_before": os.getloadavg()}
+        measured = measure(cfg, root, args.timeout)
+        rows = summarize(cfg, measured["runs"], measured["ceilings"])
+        info["load_after"] = os.getloadavg()
+        settings_doc = {**{k: v for k, v in cfg.items() if k != "data"}, "data": asdict(spec),
                         "num_samples": spec.num_samples, "bytes_per_sample": BYTES_PER_SAMPLE,
-                        "bytes_per_format": spec.bytes_per_format, "disk_bytes": disk_bytes(root),
-                        "data_dir": str(root)},
-           **info, "generate": gen, "ceilings": ceil, "ceiling_runs": ceilings,
-           "stateful_prepare": prepared, "skipped": optional_contenders(),
-           "summary": rows, "runs": runs, "total_s": time.perf_counter() - t_all}
-    (out_dir / "throughput.json").write_text(json.dumps(doc, indent=1, default=str))
-    from benchmarks import report
-    (out_dir / "throughput.md").write_text(report.markdown(doc))
-    report.plot(doc, out_dir / "throughput.png")
-    print(report.markdown(doc))
-    print(f"[bench] wrote {out_dir}/throughput.{{md,json,png}} in {doc['total_s']:.0f} s", flush=True)
-    bad = [r for r in rows if not r["validated"]]
-    return 1 if bad else 0
+                        "bytes_per_format": spec.bytes_per_format,
+                        "disk_bytes": disk_bytes(root), "data_dir": str(root)}
+        doc = {"settings": settings_doc, **info, "generate": gen,
+               "ceilings": measured["ceilings"], "ceiling_runs": measured["ceiling_runs"],
+               "stateful_prepare": measured["stateful_prepare"], "skipped": optional_contenders(),
+               "summary": rows, "runs": measured["runs"], "total_s": clock.elapsed()}
+    write_reports(doc, out_dir)
+    return 1 if any(not r["validated"] for r in rows) else 0
 
 
 def _brief(task: dict[str, Any], result: dict[str, Any]) -> str:
