@@ -34,9 +34,9 @@ directory (the manifest JSON itself often lives there); loaders never read an
 unlisted file, so an extra file cannot change the data. It shows up only when a
 manifest is *rebuilt* from the directory, as a different id.
 
-Related single-case tests elsewhere: tests/test_manifest.py (unsafe paths,
-field-by-field refusals), tests/test_loader.py::test_mismatched_state_refused_naming_fields,
-tests/test_tables.py::test_mismatched_schemas_name_both_shards_and_field.
+Related single-case tests elsewhere: tests/identity/test_manifest.py (unsafe paths,
+field-by-field refusals), tests/loading/test_loader.py::test_mismatched_state_refused_naming_fields,
+tests/datasets/test_tables.py::test_mismatched_schemas_name_both_shards_and_field.
 """
 
 from __future__ import annotations
@@ -508,6 +508,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("mode", "workers"), [("raise", 0), ("raise", 2), ("exit", 2), ("hang", 2)])
 def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, workers: int) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -28,6 +30,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_pretrain_minimal_runs_and_resumes(tmp_path: Path) -> None:
     first = _run([sys.executable, "pretrain_minimal.py", "--workdir", str(tmp_path), "--steps", "4"], tmp_path)
     assert "samples_consumed 80" in first  # 5 steps x 16 delivered when step 4 finished
@@ -50,6 +53,8 @@ def test_keep_your_loader(tmp_path: Path) -> None:
     assert "identical to the straight run: True" in _run([sys.executable, "keep_your_loader.py"], tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"]
     # Each launch takes ~5 s; a short timeout turns a distributed hang into a quick failure.
@@ -62,6 +67,8 @@ def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
     assert b["from_step"] == a["to_step"] and b["samples_consumed"] > a["samples_consumed"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_replay_check_command(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "detdata.cli.main", "replay-check", "--out", str(tmp_path / "d"),
                            "--steps", "6", "--stop-at", "3"], capture_output=True, text=True, timeout=400,

@@ -154,17 +154,18 @@ class ReadAhead:
 
     batches: list[Any]
     error: BaseException | None
+    views: bool = False  # batches are views of one group tensor (the default collate's transfer)
 
     def deliver(self) -> Iterator[Any]:
-        """Each micro batch, owning its memory (a view of the group is copied out of it)."""
+        """Each micro batch, owning its memory (views of the group are copied out of it)."""
         for batch in self.batches:
-            yield owned(batch)
+            yield owned(batch) if self.views else batch
         if self.error is not None:
             raise self.error
 
     def pin_memory(self) -> ReadAhead:
         """Called by torch's pin-memory thread for groups coming from worker processes."""
-        return ReadAhead([_pin(b) for b in self.batches], self.error)
+        return ReadAhead([_pin(b) for b in self.batches], self.error)  # pinning copies: owned
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -220,9 +221,9 @@ def owned(batch: Any) -> Any:
         return batch.clone() if batch.untyped_storage().nbytes() > batch.nbytes else batch
     if isinstance(batch, np.ndarray):
         return batch.copy() if batch.base is not None else batch
-    if isinstance(batch, list):
+    if type(batch) is list:
         return [owned(v) for v in batch]
-    if isinstance(batch, Mapping):
+    if type(batch) is dict:
         return {k: owned(v) for k, v in batch.items()}
     return batch
 
@@ -269,7 +270,9 @@ class GroupReader(tud.Dataset[ReadAhead]):
                 # the micro batches are copied out of it when delivered (or when pinned)
                 whole = to_torch(raw)
                 parts = [_rows(whole, a, b) for a, b in bounds]
-                return ReadAhead([_pin(p) for p in parts] if self.pin else parts, None)
+                if self.in_worker:
+                    return ReadAhead(parts, None, views=True)  # owned after the transfer
+                return ReadAhead([_pin(p) if self.pin else owned(p) for p in parts], None)
             return ReadAhead([self._finish(owned(_rows(raw, a, b))) for a, b in bounds], None)
         except Exception as exc:
             result = self._one_by_one(group)  # locate the failing batch; deliver those before it

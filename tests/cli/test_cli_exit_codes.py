@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from detdata import StorageError, build_manifest, cli
-from tests.test_cli_manifest import console, run
+from tests.cli.test_cli_manifest import console, run
+
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
 
 
 def write_dataset(tmp_path: Path) -> tuple[Path, Path]:
@@ -41,6 +43,7 @@ def check_failure(result: subprocess.CompletedProcess[str], code: int, *culprits
         assert result.stderr.startswith("detdata: ") and result.stderr.count("\n") == 1, context
 
 
+@pytest.mark.slow
 def test_usage_and_input_errors_exit_2_naming_the_culprit(tmp_path: Path) -> None:
     root, manifest = write_dataset(tmp_path)
     folder = tmp_path / "folder"
@@ -109,6 +112,7 @@ def test_storage_and_unexpected_errors_are_mapped(monkeypatch: pytest.MonkeyPatc
         cli.main(["--traceback", "hash", str(target)])
 
 
+@pytest.mark.multiproc
 def test_closed_output_pipe_is_not_a_traceback() -> None:
     proc = subprocess.Popen([*console(), "order", "--n", "5000000", "--seed", "1", "--at", "0", "--count",
                              "5000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -23,6 +23,8 @@ from detdata.identity.manifest import Manifest
 from detdata.order.feistel import GlobalOrder
 from tests.conftest import write_token_shards
 
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
+
 MiB = 1 << 20
 
 

@@ -14,6 +14,8 @@ import pytest
 from detdata.cli.mix import CountDataset
 from detdata.datasets.mixture import Mixture
 
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
+
 CONFIG: dict[str, Any] = {
     "seed": 1234,
     "sources": {"web": {"num_samples": 1_000_000}, "code": {"num_samples": 5000}, "math": {"num_samples": 3}},

@@ -3,7 +3,7 @@
 An independent scalar reference (Python ints, written from the module docstring)
 checks the vectorised implementation; golden vectors pin the output forever.
 Regenerate the golden file only for a NEW algorithm version:
-``python tests/test_mixture.py --write-golden`` (refuses to overwrite).
+``python tests/datasets/test_mixture.py --write-golden`` (refuses to overwrite).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from detdata.datasets.base import ArrayDataset, Stream
 from detdata.datasets.mixture import Mixture
 from detdata.order.feistel import GlobalOrder
 
-GOLDEN = Path(__file__).parent / "golden" / "mixture_v1.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "mixture_v1.json"
 MASK = (1 << 64) - 1
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

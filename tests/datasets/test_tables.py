@@ -25,7 +25,7 @@ from detdata.datasets.base import Dataset
 from detdata.datasets.tables import RowGroupCache, TableRows, _Group, to_numpy
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
-from tests.test_aliasing import (
+from tests.datasets.test_aliasing import (
     RAGGED,
     ROWS,
     check_rows,
@@ -526,7 +526,7 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ column kinds in the loader
-KIND_SCHEMA = {  # what each Arrow type of tests.test_aliasing.write_kinds reads as
+KIND_SCHEMA = {  # what each Arrow type of tests.datasets.test_aliasing.write_kinds reads as
     "id": "int64", "source": "int8", "f32": "float32", "flag": "bool", "u16": "uint16",
     "fixed": "int32 (3,)", "equal": "int16 (4,)", "ragged": "list<int64>",
     "ragged_bool": "list<bool>", "ragged_f": "list<float32>", "text": "str", "blob": "bytes",
@@ -688,6 +688,7 @@ print(json.dumps({"first": first, **out}))
 '''
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
 def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, fmt: str) -> None:
     """Parquet and Arrow shards are memory-mapped: a truncation between two reads is named at

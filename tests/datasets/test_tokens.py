@@ -423,6 +423,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["single", "multi", "before-first-read", "cached"])
 def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, case: str) -> None:
     """A memory-mapped shard truncated between two reads: the next read raises a

@@ -1,4 +1,4 @@
-"""Run under ``torchrun --nproc-per-node 2`` (gloo, CPU) by tests/test_distributed.py.
+"""Run under ``torchrun --nproc-per-node 2`` (gloo, CPU) by tests/loading/test_distributed.py.
 
 Phase "train": each rank loads its slice; an all-gather rebuilds every global
 step, which must equal the single-process global batch; the loader state is

@@ -11,7 +11,7 @@ what a later run would read:
 * every object in the registry parses and re-hashes to its file name, every
   reference parses and resolves to an intact object, and any other file left
   behind is an unpublished ``.tmp-*`` file that nothing reads (later registers
-  sweep stale ones: tests/test_registry.py);
+  sweep stale ones: tests/identity/test_registry.py);
 * a later register / resolve works (the kernel released the killed writer's lock).
 
 `test_checks_detect_half_written_files` shows the checks are not vacuous: the
@@ -129,7 +129,7 @@ def test_sigkill_during_writes_leaves_nothing_half_written(tmp_path: Path) -> No
     registry = Registry(str(tmp_path / "registry"))
     rng = random.Random(SEED)
     ctx = mp.get_context("forkserver")  # children fork from a server with detdata imported once
-    ctx.set_forkserver_preload(["tests.test_crash_safety"])
+    ctx.set_forkserver_preload(["tests.identity.test_crash_safety"])
     iterations = []
     for run in range(KILLS):
         proc = ctx.Process(target=child, args=(str(tmp_path), run), daemon=True)

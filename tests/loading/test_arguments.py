@@ -169,6 +169,7 @@ print("EXACT", len(batches))
 """
 
 
+@pytest.mark.multiproc
 def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(tmp_path: Any) -> None:
     """The notebook pattern: Ctrl-C (SIGINT to the process group, so the worker processes get it
     too) mid-iteration, then ``for batch in loader`` again: continues exactly. Run in its own
@@ -178,7 +179,7 @@ def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(t
     import sys
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
                           timeout=240, start_new_session=True,
                           env={**os.environ, "PYTHONPATH": root})

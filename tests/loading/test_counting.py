@@ -196,6 +196,7 @@ LAYOUTS = st.tuples(st.sampled_from([1, 2, 4]), st.integers(0, 3), st.sampled_fr
                     st.integers(1, 5))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=LAYOUTS, stage=st.sampled_from(STAGES[:5]), bad_pos=st.integers(0, 60))
 def test_property_random_layout_and_failure_resume_exact(tmp_path: Any, layout: Any, stage: Stage,

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parent / "dist" / "torchrun_check.py"
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
+
+SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "torchrun_check.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -19,6 +23,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_torchrun_two_ranks_union_equals_global_batch_then_resume_at_one(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     ckpt, out1, out2 = tmp_path / "ckpt", tmp_path / "train.json", tmp_path / "resume.json"

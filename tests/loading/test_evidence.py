@@ -22,6 +22,8 @@ import torch
 import detdata
 from tests.conftest import write_token_shards
 
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
+
 G = 8  # global batch of every run here
 SEQ = 16
 
@@ -109,6 +111,7 @@ CHANGED = int(detdata.GlobalOrder(200, 4).ids(np.array([3 * G + 5], dtype=np.int
 # ------------------------------------------------------------------ resumes
 
 
+@pytest.mark.slow
 def test_resumes_in_fresh_processes_appending_to_one_trace_are_identical(
         tmp_path: Path, manifest: str) -> None:
     """Stop in the middle of step 5 (micro 2); resume in a new process with micro 4 up to step 9 and
@@ -143,6 +146,7 @@ def test_load_state_dict_back_to_a_step_start_is_identical(tmp_path: Path) -> No
 # ------------------------------------------------------------- differences
 
 
+@pytest.mark.slow
 def test_loader_restarted_at_zero_is_found_at_the_step_it_should_have_delivered(
         tmp_path: Path, manifest: str) -> None:
     """8 steps, then a fresh loader (state not loaded) appends 12 steps from position 0.
@@ -387,6 +391,7 @@ MALFORMED: dict[str, tuple[TraceMaker, str]] = {
 }
 
 
+@pytest.mark.slow
 def test_malformed_traces_exit_2_naming_file_and_line(tmp_path: Path) -> None:
     good = straight(tmp_path / "reference.jsonl", steps=2)
     for case, (make, expected) in MALFORMED.items():

@@ -307,8 +307,8 @@ def test_state_is_json_plain_and_names_transform_without_id(corpus: Corpus) -> N
     from dataclasses import replace
     loader = build(replace(BASE["tokens"], transform=add_one, collate_fn=doubling_collate), corpus)
     state = loader.state_dict()
-    assert state["transform"] == ("transform:tests.test_identity.add_one"
-                                  "+collate_fn:tests.test_identity.doubling_collate")
+    assert state["transform"] == ("transform:tests.loading.test_identity.add_one"
+                                  "+collate_fn:tests.loading.test_identity.doubling_collate")
     assert state["stream_seed"] is None  # the loader ordered the dataset itself, with `seed`
     assert json.loads(json.dumps(state)) == state
 

@@ -108,6 +108,7 @@ def test_state_counts_delivered_not_prefetched() -> None:
     assert dl.state_dict()["samples_consumed"] == 8
 
 
+@pytest.mark.multiproc
 def test_resume_in_fresh_process(tmp_path: Path) -> None:
     data = np.arange(N * 6, dtype=np.int32).reshape(N, 6)
     np.save(tmp_path / "data.npy", data)
@@ -129,7 +130,7 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
     fresh = DataLoader(ds, global_batch_size=8, micro_batch_size=4, seed=5)
     run_digests(fresh, 17)
     (tmp_path / "state.json").write_text(json.dumps(fresh.state_dict()))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "state.json"), "23"],
                          check=True, capture_output=True, text=True, env=env).stdout
     assert json.loads(out) == reference[17:]

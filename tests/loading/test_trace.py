@@ -1,6 +1,6 @@
 """Traces and `detdata diff` (issue 3): digests, layout invariance, first differing step.
 
-More (resumes, replays, restarts, malformed traces, states): tests/test_evidence.py.
+More (resumes, replays, restarts, malformed traces, states): tests/loading/test_evidence.py.
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import detdata
 from detdata.loading.trace import read_trace, step_digests
 from tests.resume_checker import take
+
+pytestmark = pytest.mark.multiproc  # runs the real console command / child processes
 
 
 def _ds(offset: int = 0) -> detdata.ArrayDataset:

@@ -18,6 +18,7 @@ def _mixture() -> detdata.Mixture:
                            {"a": "0.7", "b": "0.3"}, seed=9)
 
 
+@pytest.mark.slow
 @given(start=st.integers(0, 2**50), width=st.integers(0, 20_000), stride=st.integers(1, 64))
 def test_ordered_stream_memo_equals_direct(start: int, width: int, stride: int) -> None:
     stream = detdata.OrderedStream(detdata.ArrayDataset({"x": np.arange(1234)}), 5)

@@ -28,7 +28,7 @@ from detdata.order.feistel import (
     round_keys,
 )
 
-GOLDEN = Path(__file__).parent / "golden" / "order_feistel_v1.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "order_feistel_v1.json"
 M64 = (1 << 64) - 1
 MAX_N = MAX_SAMPLES - 1
 MAX_POS = (1 << 63) - 1
