@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
