@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install system packages the tests need (servers are started by the test fixtures by PID).
-#   nginx-light: the HTTP(S) range-read server of tests/test_remote.py (started per test session,
+#   nginx-light: the HTTP(S) range-read server of tests/storage/test_remote.py (started per test session,
 #                never as a system service). SeaweedFS (S3) and gcp-storage-emulator (GCS)
 #                come from the pip lock file, so nothing else is needed here.
 # Idempotent and fast when already installed; `apt-get update` only when the install fails.

@@ -6,7 +6,7 @@
 # 1. picks a Python: .venv (running `make setup` first if there is none; falls back to
 #    the system python3 with this checkout on PYTHONPATH if setup cannot install offline),
 # 2. refuses to go on without CUDA (the point is to run what CPU machines skip),
-# 3. runs tests/test_device.py: the CUDA tests must run, not skip (any skip fails the check),
+# 3. runs tests/loading/test_device.py: the CUDA tests must run, not skip (any skip fails the check),
 # 4. runs benchmarks/gpu_feed.py --device cuda (bandwidth + training feed), JSON to $OUT.
 # Exit status: 0 only if the tests passed with no skips and the benchmark finished.
 # Limits: setup 150 s + tests 120 s + benchmark 200 s (expected: ~30 s + ~1 min).
@@ -58,8 +58,8 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L >>"$LOG" 2>&1
 
 # ----------------------------------------------------------------- tests
-say "tests/test_device.py (limit 120 s)"
-timeout 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_device.py \
+say "tests/loading/test_device.py (limit 120 s)"
+timeout 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/loading/test_device.py \
     --junitxml="$OUTDIR/test_device.xml" 2>&1 | tee "$OUTDIR/test_device.log" | tail -25 | tee -a "$LOG"
 TEST_RC=${PIPESTATUS[0]}
 if [ "$DEVICE" = cuda ] && grep -q "SKIPPED" "$OUTDIR/test_device.log"; then

@@ -14,7 +14,7 @@ parameters); it enters the loader state and the resume checks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -22,10 +22,6 @@ import numpy.typing as npt
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
-
-if TYPE_CHECKING:  # re-exported (temporary): they moved to detdata.datasets.streams
-    from detdata.datasets.streams import OrderedStream as OrderedStream
-    from detdata.datasets.streams import as_stream as as_stream
 
 
 @runtime_checkable
@@ -142,14 +138,3 @@ def _owned(column: np.ndarray) -> np.ndarray:
         out.flat[i] = value.copy() if isinstance(value, np.ndarray) else value
     return out
 
-
-_MOVED = frozenset({"OrderedStream", "as_stream"})
-
-
-def __getattr__(name: str) -> Any:
-    """`OrderedStream` and `as_stream` from their new home, `detdata.datasets.streams`
-    (imported on first use: streams imports this module, so a top-level import would be a cycle)."""
-    if name in _MOVED:
-        from detdata.datasets import streams
-        return getattr(streams, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

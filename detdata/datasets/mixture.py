@@ -29,24 +29,21 @@ from detdata.datasets.columns import describe_column, same_kind
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
 from detdata.order.feistel import GlobalOrder
 from detdata.order.memo import ChunkMemo
-from detdata.order.mixture import ALGORITHM as ALGORITHM
-from detdata.order.mixture import BLOCK as BLOCK
-from detdata.order.mixture import MAX_TOTAL_WEIGHT as MAX_TOTAL_WEIGHT
-from detdata.order.mixture import Phase as Phase
 from detdata.order.mixture import (
+    ALGORITHM,
+    Phase,
     PhaseSpec,
     Schedule,
+    ScheduleLike,
+    WeightLike,
     check_schedule,
     continue_schedule,
+    normalize_weights,
     rational,
     schedule_from_json,
     schedule_to_json,
+    source_seed,
 )
-from detdata.order.mixture import ScheduleLike as ScheduleLike
-from detdata.order.mixture import WeightLike as WeightLike
-from detdata.order.mixture import normalize_weights as normalize_weights
-from detdata.order.mixture import source_seed as source_seed
-from detdata.order.mixture import to_fraction as to_fraction
 
 # Re-exported from detdata.order.mixture for old importers (temporary): BLOCK,
 # MAX_TOTAL_WEIGHT, Phase, ScheduleLike, WeightLike, normalize_weights, source_seed, to_fraction.

@@ -49,14 +49,7 @@ from detdata.base.groupby import stable_groups
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
-from detdata.datasets.shards import (  # re-exports of names moved to shards (the lead removes them)
-    DEFAULT_SHARD_CACHE_BYTES as DEFAULT_CACHE_BYTES,  # noqa: F401 (its old name)
-)
 from detdata.datasets.shards import ShardReader, renamed_argument
-from detdata.datasets.shards import check_cache_args as check_cache_args
-from detdata.datasets.shards import check_cache_verify as check_cache_verify
-from detdata.datasets.shards import check_not_truncated as check_not_truncated
-from detdata.datasets.shards import resolve_manifest as resolve_manifest
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.cache import ShardCache

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, cast
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError
@@ -29,10 +29,6 @@ from detdata.base.hashing import digest_bytes, is_digest
 from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
 from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
-
-if TYPE_CHECKING:  # re-exports for the old import path (the lead removes them); see __getattr__
-    from detdata.identity.build import build_manifest as build_manifest
-    from detdata.identity.build import hash_files as hash_files
 
 FORMAT_VERSION: Final = 1
 KIND: Final = "detdata.manifest"
@@ -42,15 +38,6 @@ K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
     "kind", "format_version", "shards", "metadata", "id", "root")
 _SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
 _SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
-_MOVED_TO_BUILD: Final = frozenset({"build_manifest", "hash_files"})
-
-
-def __getattr__(name: str) -> object:
-    """Lazy re-exports of `build_manifest` / `hash_files` (build imports this module)."""
-    if name in _MOVED_TO_BUILD:
-        from detdata.identity import build
-        return getattr(build, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Verify(str, enum.Enum):

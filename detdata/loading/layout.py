@@ -75,3 +75,11 @@ class Layout:
                 f"({consumed} % {self.samples_per_micro_step} != 0); hint: resume with the layout it was "
                 f"saved with, or save at a global step boundary (a multiple of {self.global_batch_size})",
                 fields=("samples_consumed",))
+
+
+def process_group_rank_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised default ``torch.distributed`` group, else ``(0, 1)``."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

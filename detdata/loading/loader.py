@@ -35,7 +35,7 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.columns import is_ragged, restack, to_torch
 from detdata.datasets.streams import as_stream
-from detdata.loading.layout import Layout
+from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.state import (
     K_MIXTURE,
     K_SEED,
@@ -52,13 +52,6 @@ from detdata.order.rng import sample_rng, worker_seed
 log = logging.getLogger("detdata.loader")
 
 Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
-
-
-def _default_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
@@ -440,7 +433,7 @@ class DataLoader:
         if transform_id is not None and (not isinstance(transform_id, str) or not transform_id):
             raise ConfigError(f"transform_id must be a non-empty string naming the transform's "
                               f"version (e.g. 'tokenize-v3'), got {transform_id!r}")
-        default_rank, default_world = _default_rank_world()
+        default_rank, default_world = process_group_rank_world()
         self.layout = Layout.create(global_batch_size, micro_batch_size,
                                     default_world if world_size is None else world_size,
                                     default_rank if rank is None else rank)

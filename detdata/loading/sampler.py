@@ -22,8 +22,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
-from detdata.loading.layout import Layout
-from detdata.loading.loader import _default_rank_world
+from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 
 SAMPLER_KIND: Final = "detdata.sampler_state"
@@ -37,7 +36,7 @@ class DeterministicBatchSampler:
     def __init__(self, num_samples: int | Mixture, *, global_batch_size: int, micro_batch_size: int | None = None,
                  seed: int | None = None, rank: int | None = None, world_size: int | None = None,
                  total_samples: int | None = None) -> None:
-        default_rank, default_world = _default_rank_world()
+        default_rank, default_world = process_group_rank_world()
         self.mixture: Mixture | None = None
         self.order: GlobalOrder | None = None
         if isinstance(num_samples, Mixture):
