@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check detdata tests benchmarks examples
+	$(BIN)/ruff format --check detdata tests benchmarks examples
 	$(BIN)/mypy detdata
 
 # nginx for the HTTP range-read tests (apt; SeaweedFS and the GCS emulator come from the lock

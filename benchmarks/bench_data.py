@@ -110,8 +110,9 @@ def check_rows(rows: npt.NDArray[np.integer], num_samples: int) -> npt.NDArray[n
     bad = (first % SEQ != 0) | (ids < 0) | (ids >= num_samples) | (rows != expected).any(axis=1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise AssertionError(f"row {i} of the batch is not a valid sample (first tokens "
-                             f"{rows[i, :4].tolist()})")
+        raise AssertionError(
+            f"row {i} of the batch is not a valid sample (first tokens {rows[i, :4].tolist()})"
+        )
     return ids
 
 
@@ -138,8 +139,10 @@ def check_epochs(ids: npt.NDArray[np.int64], first_position: int, num_samples: i
     for epoch in np.unique(epochs):
         part = ids[epochs == epoch]
         if np.unique(part).size != part.size:
-            raise AssertionError(f"epoch {int(epoch)}: {part.size - np.unique(part).size} "
-                                 "repeated sample(s) inside one epoch")
+            raise AssertionError(
+                f"epoch {int(epoch)}: {part.size - np.unique(part).size} "
+                "repeated sample(s) inside one epoch"
+            )
 
 
 def cpu_description() -> str:

@@ -25,8 +25,12 @@ def measure(root: Path, repeats: int = 3) -> dict[str, float]:
     page_cache = page_cache_read_gbs(files, repeats)
     gather = random_row_gather_gbs(files, repeats)
     total = sum(p.stat().st_size for p in files)
-    return {"memcpy_gbs": memcpy, "page_cache_read_gbs": page_cache,
-            "random_row_gather_gbs": gather, "page_cache_bytes": float(total)}
+    return {
+        "memcpy_gbs": memcpy,
+        "page_cache_read_gbs": page_cache,
+        "random_row_gather_gbs": gather,
+        "page_cache_bytes": float(total),
+    }
 
 
 def memcpy_gbs(repeats: int) -> float:

@@ -94,6 +94,7 @@ class ParquetSamples(tud.Dataset[Any]):
 
     def __init__(self, paths: list[Path]) -> None:
         import pyarrow.parquet as pq
+
         self.paths = [str(p) for p in paths]
         counts = [int(pq.ParquetFile(p).metadata.num_rows) for p in self.paths]
         self.starts = list(itertools.accumulate([0, *counts[:-1]]))
@@ -103,8 +104,11 @@ class ParquetSamples(tud.Dataset[Any]):
     def _open(self) -> list[Any]:
         if self.columns is None:
             import pyarrow.parquet as pq
-            self.columns = [pq.read_table(p, columns=["tokens"], memory_map=True).column("tokens")
-                            for p in self.paths]
+
+            self.columns = [
+                pq.read_table(p, columns=["tokens"], memory_map=True).column("tokens")
+                for p in self.paths
+            ]
         return self.columns
 
     def __len__(self) -> int:
@@ -130,6 +134,7 @@ class ParquetBatched(ParquetSamples):
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         import pyarrow as pa
+
         columns = self._open()
         idx = np.asarray(indices, dtype=np.int64)
         shard = np.searchsorted(np.asarray(self.starts), idx, side="right") - 1
@@ -182,15 +187,20 @@ class Runner:
     def _torch_loader(self, batched: bool, stateful: bool) -> Any:
         ds = self._map_dataset(batched)
         self.num_samples = len(ds)  # type: ignore[arg-type]
-        kwargs: dict[str, Any] = {"batch_size": self.batch, "shuffle": True, "drop_last": True,
-                                  "num_workers": self.workers,
-                                  "generator": torch.Generator().manual_seed(self.seed)}
+        kwargs: dict[str, Any] = {
+            "batch_size": self.batch,
+            "shuffle": True,
+            "drop_last": True,
+            "num_workers": self.workers,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
         if self.workers:
             kwargs["persistent_workers"] = True
         if batched:
             kwargs["collate_fn"] = _identity
         if stateful:
             from torchdata.stateful_dataloader import StatefulDataLoader
+
             return StatefulDataLoader(ds, **kwargs)
         return tud.DataLoader(ds, **kwargs)
 
@@ -220,29 +230,37 @@ class Runner:
 
     def _detdata_dataset(self) -> Any:
         import detdata
+
         manifest = str(self.root / self.kind / "manifest.json")
         if self.kind == "tokens":
             return detdata.TokenWindows(manifest, SEQ, labels=False)
         shards = detdata.Manifest.load(manifest, verify="off").shards
         groups = sum(len(s.row_groups or ()) for s in shards)
         # cache every row group (the vanilla Parquet loaders hold whole tables in memory too)
-        return detdata.TableRows(manifest, ["tokens"], cache_row_groups=groups,
-                                 row_group_cache_bytes=8 << 30)
+        return detdata.TableRows(
+            manifest, ["tokens"], cache_row_groups=groups, row_group_cache_bytes=8 << 30
+        )
 
     def _detdata(self, resume_at: int | None) -> Iterator[Any]:
         import detdata
+
         ds = self._detdata_dataset()
         self.num_samples = ds.num_samples
         stream = detdata.OrderedStream(ds, self.seed)
         start = resume_at or 0
-        self.positions = lambda k: np.arange(start + k * self.batch, start + (k + 1) * self.batch,
-                                             dtype=np.int64)
+        self.positions = lambda k: np.arange(
+            start + k * self.batch, start + (k + 1) * self.batch, dtype=np.int64
+        )
         self.order_ids = stream.sample_ids
         mode = "thread" if self.name == "detdata-threads" else "process"
-        loader = detdata.DataLoader(ds, global_batch_size=self.batch, seed=self.seed,
-                                    num_workers=self.workers,
-                                    persistent_workers=self.workers > 0 and mode == "process",
-                                    worker_mode=mode)
+        loader = detdata.DataLoader(
+            ds,
+            global_batch_size=self.batch,
+            seed=self.seed,
+            num_workers=self.workers,
+            persistent_workers=self.workers > 0 and mode == "process",
+            worker_mode=mode,
+        )
         self._cleanup.append(loader)
         if resume_at:
             state = loader.state_dict()
@@ -281,8 +299,9 @@ class Delivered:
             self.add(check_rows(rows_of(next(it)), self.runner.num_samples))
 
 
-def timed_loop(it: Iterator[Any], batch: int, budget: float,
-               max_samples: int) -> tuple[list[npt.NDArray[np.int64]], float]:
+def timed_loop(
+    it: Iterator[Any], batch: int, budget: float, max_samples: int
+) -> tuple[list[npt.NDArray[np.int64]], float]:
     """The throughput window: each batch's first tokens, and the seconds it took.
 
     Nothing but delivery and a copy of each row's first token (the sample's id is
@@ -332,13 +351,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     ids_all = np.concatenate(seen.ids)
     check_epochs(ids_all, resume_at or 0, n)
     delivered = len(firsts) * runner.batch
-    result.update({
-        "samples": delivered, "seconds": elapsed, "check_s": check.seconds,
-        "samples_per_s": delivered / elapsed if delivered else None,
-        "validated": True, "exact_order": seen.exact,
-        "peak_rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak_rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-    })
+    result.update(
+        {
+            "samples": delivered,
+            "seconds": elapsed,
+            "check_s": check.seconds,
+            "samples_per_s": delivered / elapsed if delivered else None,
+            "validated": True,
+            "exact_order": seen.exact,
+            "peak_rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        }
+    )
     if ids_all.size >= 256:
         result.update(shuffle_scores(ids_all))
     return result
@@ -349,8 +373,10 @@ def ids_from_first_tokens(first: npt.NDArray[np.int64], num_samples: int) -> npt
     ids = first // SEQ
     bad = (first % SEQ != 0) | (ids < 0) | (ids >= num_samples)
     if bad.any():
-        raise AssertionError(f"row {int(np.flatnonzero(bad)[0])} does not start a sample "
-                             f"(first token {int(first[np.flatnonzero(bad)[0]])})")
+        raise AssertionError(
+            f"row {int(np.flatnonzero(bad)[0])} does not start a sample "
+            f"(first token {int(first[np.flatnonzero(bad)[0]])})"
+        )
     return ids
 
 
@@ -374,8 +400,13 @@ def main(argv: list[str]) -> int:
         result["ok"] = True
     except Exception as exc:  # reported, never hidden: the parent marks the run failed
         import traceback
-        result = {"ok": False, "validated": False, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
+
+        result = {
+            "ok": False,
+            "validated": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
     result["pid"] = os.getpid()
     Path(spec["out"]).write_text(json.dumps(result))
     return 0 if result["ok"] else 1

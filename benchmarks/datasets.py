@@ -61,7 +61,7 @@ def bench_tokens(root: Path, n_batches: int) -> dict[str, float]:
         for i in ids.tolist():
             shard = int(np.searchsorted(starts, i, side="right")) - 1
             w = i - int(starts[shard])
-            rows.append(np.asarray(arrays[shard][w * SEQ: w * SEQ + SEQ + 1], dtype=np.int32))
+            rows.append(np.asarray(arrays[shard][w * SEQ : w * SEQ + SEQ + 1], dtype=np.int32))
         return np.stack(rows)
 
     batches = [rng.integers(0, ds.num_samples, size=BATCH) for _ in range(n_batches)]
@@ -100,10 +100,12 @@ def bench_parquet(root: Path, n_batches: int) -> dict[str, float]:
     batches = [rng.integers(0, manifest.num_samples, size=BATCH) for _ in range(n_batches)]
     assert np.array_equal(baseline(batches[0]), small.read(batches[0])["tokens"])
     assert np.array_equal(baseline(batches[0]), arrow.read(batches[0])["tokens"])
-    return {"detdata_cache8": rate(small.read, batches),
-            "detdata_warm": rate(warm.read, batches),
-            "arrow_cache8": rate(arrow.read, batches),
-            "baseline_in_memory": rate(baseline, batches)}
+    return {
+        "detdata_cache8": rate(small.read, batches),
+        "detdata_warm": rate(warm.read, batches),
+        "arrow_cache8": rate(arrow.read, batches),
+        "baseline_in_memory": rate(baseline, batches),
+    }
 
 
 def main() -> None:
@@ -113,18 +115,24 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         tok = bench_tokens(Path(tmp), args.batches)
-        print(f"tokens  int32 seq {SEQ} batch {BATCH}: detdata {tok['detdata']:,.0f} samples/s, "
-              f"per-sample mmap loop {tok['baseline']:,.0f} samples/s "
-              f"(x{tok['detdata'] / tok['baseline']:.1f})")
+        print(
+            f"tokens  int32 seq {SEQ} batch {BATCH}: detdata {tok['detdata']:,.0f} samples/s, "
+            f"per-sample mmap loop {tok['baseline']:,.0f} samples/s "
+            f"(x{tok['detdata'] / tok['baseline']:.1f})"
+        )
         par = bench_parquet(Path(tmp), max(10, args.batches // 4))
         base = par["baseline_in_memory"]
-        print(f"parquet list<int32>[{SEQ}] batch {BATCH}: detdata cache=8 "
-              f"{par['detdata_cache8']:,.0f} samples/s (x{par['detdata_cache8'] / base:.2f}), "
-              f"detdata warm cache {par['detdata_warm']:,.0f} samples/s "
-              f"(x{par['detdata_warm'] / base:.1f}), per-sample slice of in-memory tables "
-              f"{base:,.0f} samples/s")
-        print(f"arrow ipc (memory-mapped, same rows, batches of 1024) cache=8: "
-              f"{par['arrow_cache8']:,.0f} samples/s (x{par['arrow_cache8'] / base:.1f})")
+        print(
+            f"parquet list<int32>[{SEQ}] batch {BATCH}: detdata cache=8 "
+            f"{par['detdata_cache8']:,.0f} samples/s (x{par['detdata_cache8'] / base:.2f}), "
+            f"detdata warm cache {par['detdata_warm']:,.0f} samples/s "
+            f"(x{par['detdata_warm'] / base:.1f}), per-sample slice of in-memory tables "
+            f"{base:,.0f} samples/s"
+        )
+        print(
+            f"arrow ipc (memory-mapped, same rows, batches of 1024) cache=8: "
+            f"{par['arrow_cache8']:,.0f} samples/s (x{par['arrow_cache8'] / base:.1f})"
+        )
 
 
 if __name__ == "__main__":

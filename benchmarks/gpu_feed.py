@@ -101,10 +101,16 @@ def bandwidth(device: torch.device, size_mib: int, total_mib: int, depth: int) -
     move(pinned)
     t_raw = best_on(device, lambda: drain(move(pinned) for _ in range(count)))
     t_pageable = best_on(device, lambda: drain(plain(sources[i % 4]) for i in range(count)))
-    return {"batch_mib": size_mib, "batches": count, "bytes": nbytes,
-            "detdata_gbps": nbytes / t_detdata / 1e9, "raw_pinned_gbps": nbytes / t_raw / 1e9,
-            "pageable_gbps": nbytes / t_pageable / 1e9, "detdata_over_raw": t_raw / t_detdata,
-            "pool_allocations": pool.allocations}
+    return {
+        "batch_mib": size_mib,
+        "batches": count,
+        "bytes": nbytes,
+        "detdata_gbps": nbytes / t_detdata / 1e9,
+        "raw_pinned_gbps": nbytes / t_raw / 1e9,
+        "pageable_gbps": nbytes / t_pageable / 1e9,
+        "detdata_over_raw": t_raw / t_detdata,
+        "pool_allocations": pool.allocations,
+    }
 
 
 # --------------------------------------------------------------- (b) feeding
@@ -142,7 +148,7 @@ class VanillaWindows(tud.Dataset[torch.Tensor]):
             self._arrays = [np.load(p, mmap_mode="r") for p in self.paths]
         shard = int(np.searchsorted(self.starts, i, side="right") - 1)
         off = (i - int(self.starts[shard])) * self.seq_len
-        return torch.from_numpy(self._arrays[shard][off: off + self.seq_len + 1].astype(np.int32))
+        return torch.from_numpy(self._arrays[shard][off : off + self.seq_len + 1].astype(np.int32))
 
 
 class Step:
@@ -162,8 +168,9 @@ class Step:
         return h.float().mean()
 
 
-def timed(batches: Iterator[torch.Tensor], step: Step, steps: int, sync_every: int,
-          device: torch.device) -> dict[str, float]:
+def timed(
+    batches: Iterator[torch.Tensor], step: Step, steps: int, sync_every: int, device: torch.device
+) -> dict[str, float]:
     """Wall time of ``steps`` steps fed by ``batches``, and the host time spent in ``next()``."""
     total, waited = Stopwatch(), Stopwatch()
     sync(device)
@@ -175,20 +182,28 @@ def timed(batches: Iterator[torch.Tensor], step: Step, steps: int, sync_every: i
             if (i + 1) % sync_every == 0:
                 loss.item()
         sync(device)
-    return {"total_s": total.seconds, "step_ms": 1e3 * total.seconds / steps,
-            "host_next_frac": waited.seconds / total.seconds}
+    return {
+        "total_s": total.seconds,
+        "step_ms": 1e3 * total.seconds / steps,
+        "host_next_frac": waited.seconds / total.seconds,
+    }
 
 
 Makers = dict[str, Callable[[], Iterator[torch.Tensor]]]
 
 
-def loaders(args: argparse.Namespace, device: torch.device, paths: list[Path],
-            data: detdata.TokenWindows) -> Makers:
+def loaders(
+    args: argparse.Namespace, device: torch.device, paths: list[Path], data: detdata.TokenWindows
+) -> Makers:
     """Name -> a fresh iterator of device batches, for each loader compared."""
     pin = device.type == "cuda"
     workers = args.workers
-    common = {"global_batch_size": args.batch, "seed": 1, "num_workers": workers,
-              "persistent_workers": workers > 0}
+    common = {
+        "global_batch_size": args.batch,
+        "seed": 1,
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+    }
 
     def to_dev(it: Any) -> Iterator[torch.Tensor]:
         for b in it:
@@ -197,10 +212,17 @@ def loaders(args: argparse.Namespace, device: torch.device, paths: list[Path],
 
     def vanilla() -> Iterator[torch.Tensor]:
         ds = VanillaWindows(paths, args.seq_len)
-        sampler = tud.RandomSampler(ds, replacement=True, num_samples=10**9,
-                                    generator=torch.Generator().manual_seed(1))
-        loader = tud.DataLoader(ds, batch_size=args.batch, sampler=sampler, num_workers=workers,
-                                pin_memory=pin, persistent_workers=workers > 0)
+        sampler = tud.RandomSampler(
+            ds, replacement=True, num_samples=10**9, generator=torch.Generator().manual_seed(1)
+        )
+        loader = tud.DataLoader(
+            ds,
+            batch_size=args.batch,
+            sampler=sampler,
+            num_workers=workers,
+            pin_memory=pin,
+            persistent_workers=workers > 0,
+        )
         return to_dev(loader)
 
     def detdata_pin() -> Iterator[torch.Tensor]:
@@ -213,8 +235,12 @@ def loaders(args: argparse.Namespace, device: torch.device, paths: list[Path],
     return {"vanilla": vanilla, "detdata_pin": detdata_pin, "detdata_device": detdata_device}
 
 
-def rounds(iterators: dict[str, Iterator[torch.Tensor]], step: Step, args: argparse.Namespace,
-           device: torch.device) -> dict[str, list[dict[str, float]]]:
+def rounds(
+    iterators: dict[str, Iterator[torch.Tensor]],
+    step: Step,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, list[dict[str, float]]]:
     """Warm every iterator up (untimed), then time ``args.rounds`` interleaved rounds of each."""
     for it in iterators.values():  # worker start-up, pool allocation, kernels: untimed
         for _ in range(args.warmup):
@@ -223,7 +249,7 @@ def rounds(iterators: dict[str, Iterator[torch.Tensor]], step: Step, args: argpa
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in iterators}
     names = list(iterators)
     for rnd in range(args.rounds):  # interleaved rounds, rotating order: fair under noise
-        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
             runs[name].append(timed(iterators[name], step, args.steps, args.sync_every, device))
     for it in iterators.values():
         close = getattr(it, "close", None)
@@ -232,8 +258,9 @@ def rounds(iterators: dict[str, Iterator[torch.Tensor]], step: Step, args: argpa
     return runs
 
 
-def feed_row(iters: int, runs: dict[str, list[dict[str, float]]],
-             names: Iterable[str]) -> dict[str, Any]:
+def feed_row(
+    iters: int, runs: dict[str, list[dict[str, float]]], names: Iterable[str]
+) -> dict[str, Any]:
     """The median round of each loader (by total time) and its wait fraction against ideal."""
     med = {name: middle(rs, key=lambda r: r["total_s"]) for name, rs in runs.items()}
     row: dict[str, Any] = {"matmul_iters": iters, "ideal_step_ms": med["ideal"]["step_ms"]}
@@ -242,8 +269,9 @@ def feed_row(iters: int, runs: dict[str, list[dict[str, float]]],
         r["wait_frac"] = max(0.0, 1.0 - med["ideal"]["total_s"] / r["total_s"])
         r["all_step_ms"] = [x["step_ms"] for x in runs[name]]
         row[name] = r
-    row["detdata_device_speedup_vs_vanilla"] = (med["vanilla"]["total_s"]
-                                                / med["detdata_device"]["total_s"])
+    row["detdata_device_speedup_vs_vanilla"] = (
+        med["vanilla"]["total_s"] / med["detdata_device"]["total_s"]
+    )
     return row
 
 
@@ -263,17 +291,38 @@ def feed(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str
 
 
 # ------------------------------------------------------------------- main
-SMALL = {"sizes_mib": [1, 8], "total_mib": 64, "matmul_iters": [1, 8], "d_model": 128,
-         "seq_len": 128, "batch": 4, "steps": 40, "warmup": 5, "workers": 0, "shards": 2,
-         "shard_tokens": 200_000}
-FULL = {"sizes_mib": [4, 64], "total_mib": 2048, "matmul_iters": [2, 16], "d_model": 2048,
-        "seq_len": 2048, "batch": 8, "steps": 200, "warmup": 20, "workers": 4, "shards": 8,
-        "shard_tokens": 4_000_000}
+SMALL = {
+    "sizes_mib": [1, 8],
+    "total_mib": 64,
+    "matmul_iters": [1, 8],
+    "d_model": 128,
+    "seq_len": 128,
+    "batch": 4,
+    "steps": 40,
+    "warmup": 5,
+    "workers": 0,
+    "shards": 2,
+    "shard_tokens": 200_000,
+}
+FULL = {
+    "sizes_mib": [4, 64],
+    "total_mib": 2048,
+    "matmul_iters": [2, 16],
+    "d_model": 2048,
+    "seq_len": 2048,
+    "batch": 8,
+    "steps": 200,
+    "warmup": 20,
+    "workers": 4,
+    "shards": 8,
+    "shard_tokens": 4_000_000,
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="small sizes (implied by --device cpu)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -288,8 +337,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int)
     p.add_argument("--workers", type=int)
     p.add_argument("--sync-every", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved timing rounds (median reported)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved timing rounds (median reported)"
+    )
     p.add_argument("--shards", type=int)
     p.add_argument("--shard-tokens", type=int)
     args = p.parse_args(argv)
@@ -301,34 +351,49 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def environment(device: torch.device, smoke: bool) -> dict[str, Any]:
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor())
-    return {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "device": str(device), "device_name": name, "smoke": smoke}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": name,
+        "smoke": smoke,
+    }
 
 
 def print_bandwidth(bw: list[dict[str, Any]]) -> None:
     print("\n(a) host-to-device bandwidth, GB/s")
-    print(f"{'batch MiB':>10} {'detdata':>9} {'raw pinned':>11} {'pageable':>9} "
-          f"{'detdata/raw':>12} {'pool allocs':>12}")
+    print(
+        f"{'batch MiB':>10} {'detdata':>9} {'raw pinned':>11} {'pageable':>9} "
+        f"{'detdata/raw':>12} {'pool allocs':>12}"
+    )
     for r in bw:
-        print(f"{r['batch_mib']:>10} {r['detdata_gbps']:>9.2f} {r['raw_pinned_gbps']:>11.2f} "
-              f"{r['pageable_gbps']:>9.2f} {r['detdata_over_raw']:>12.2f} "
-              f"{r['pool_allocations']:>12}")
+        print(
+            f"{r['batch_mib']:>10} {r['detdata_gbps']:>9.2f} {r['raw_pinned_gbps']:>11.2f} "
+            f"{r['pageable_gbps']:>9.2f} {r['detdata_over_raw']:>12.2f} "
+            f"{r['pool_allocations']:>12}"
+        )
 
 
 def print_feed(fd: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\n(b) training feed ({fd['dataset']}, batch {args.batch} x {args.seq_len + 1} tokens, "
-          f"d={args.d_model}, {args.steps} steps, workers={args.workers}, "
-          f"sync every {args.sync_every})")
-    print(f"{'matmuls':>8} {'ideal ms':>9} {'loader':>15} {'step ms':>8} {'wait frac':>10} "
-          f"{'host next':>10}")
+    print(
+        f"\n(b) training feed ({fd['dataset']}, batch {args.batch} x {args.seq_len + 1} tokens, "
+        f"d={args.d_model}, {args.steps} steps, workers={args.workers}, "
+        f"sync every {args.sync_every})"
+    )
+    print(
+        f"{'matmuls':>8} {'ideal ms':>9} {'loader':>15} {'step ms':>8} {'wait frac':>10} "
+        f"{'host next':>10}"
+    )
     for row in fd["rows"]:
         for name in ("vanilla", "detdata_pin", "detdata_device"):
             r = row[name]
-            print(f"{row['matmul_iters']:>8} {row['ideal_step_ms']:>9.3f} {name:>15} "
-                  f"{r['step_ms']:>8.3f} {r['wait_frac']:>10.3f} {r['host_next_frac']:>10.3f}")
+            print(
+                f"{row['matmul_iters']:>8} {row['ideal_step_ms']:>9.3f} {name:>15} "
+                f"{r['step_ms']:>8.3f} {r['wait_frac']:>10.3f} {r['host_next_frac']:>10.3f}"
+            )
         speedup = row["detdata_device_speedup_vs_vanilla"]
         print(f"{'':>8} detdata_device speedup vs vanilla: {speedup:.2f}x")
 
@@ -337,8 +402,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     device = check_device(args.device)
     env = environment(device, args.smoke)
-    print(f"# gpu_feed on {env['device_name'] or device} (torch {torch.__version__}, "
-          f"smoke={args.smoke})")
+    print(
+        f"# gpu_feed on {env['device_name'] or device} (torch {torch.__version__}, "
+        f"smoke={args.smoke})"
+    )
     bw = [bandwidth(device, size, args.total_mib, args.depth) for size in args.sizes_mib]
     print_bandwidth(bw)
     with tempfile.TemporaryDirectory(prefix="gpu_feed_") as tmp:

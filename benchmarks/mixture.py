@@ -48,8 +48,11 @@ TARGET = 10**9
 def make_mixture(num_sources: int, seed: int = 1234) -> Mixture:
     """Skewed weights 1..S (so small and large sources coexist), sources of 10**9 samples."""
     names = [f"src{i:03d}" for i in range(num_sources)]
-    return Mixture({n: CountDataset(10**9, name=n) for n in names},
-                   {n: i + 1 for i, n in enumerate(names)}, seed=seed)
+    return Mixture(
+        {n: CountDataset(10**9, name=n) for n in names},
+        {n: i + 1 for i, n in enumerate(names)},
+        seed=seed,
+    )
 
 
 def throughput(m: Mixture, quick: bool) -> dict[str, float]:
@@ -65,14 +68,16 @@ def throughput(m: Mixture, quick: bool) -> dict[str, float]:
     t_rand_assign = best_of(lambda: m.assign(rand))
     t_contig_assign = best_of(lambda: m.assign(contiguous))
     peak = peak_bytes(lambda: m.locate(contiguous))
-    return {"contiguous_pos_per_s": contiguous.size / t_contig,
-            "contiguous_assign_only_pos_per_s": contiguous.size / t_contig_assign,
-            "micro_batch8_pos_per_s": 8 * calls / t_micro,
-            "micro_batch8_us_per_call": 1e6 * t_micro / calls,
-            "micro_batch8_assign_only_us_per_call": 1e6 * t_micro_assign / calls,
-            "random_pos_per_s": rand.size / t_rand,
-            "random_assign_only_pos_per_s": rand.size / t_rand_assign,
-            "contiguous_peak_bytes_per_pos": peak / contiguous.size}
+    return {
+        "contiguous_pos_per_s": contiguous.size / t_contig,
+        "contiguous_assign_only_pos_per_s": contiguous.size / t_contig_assign,
+        "micro_batch8_pos_per_s": 8 * calls / t_micro,
+        "micro_batch8_us_per_call": 1e6 * t_micro / calls,
+        "micro_batch8_assign_only_us_per_call": 1e6 * t_micro_assign / calls,
+        "random_pos_per_s": rand.size / t_rand,
+        "random_assign_only_pos_per_s": rand.size / t_rand_assign,
+        "contiguous_peak_bytes_per_pos": peak / contiguous.size,
+    }
 
 
 def deviation(m: Mixture) -> dict[str, Any]:
@@ -89,10 +94,15 @@ def deviation(m: Mixture) -> dict[str, Any]:
         dev_1e9 = at(TARGET)
     depth = int(np.ceil(np.log2(len(p)))) if len(p) > 1 else 0
     bound = max(depth + 16 * q * (1 - q) for q in p)
-    return {"at_1e6": at(10**6), "max_over_prefixes_to_1e6": every_prefix, "at_1e9": dev_1e9,
-            "documented_bound": bound, "consumed_1e9_seconds": jump.seconds,
-            "consumed_1e9_peak_bytes": peak_bytes(lambda: m.consumed(TARGET)),
-            "locate_1e9_seconds": best_of(lambda: m.locate(np.array([TARGET], dtype=np.int64)))}
+    return {
+        "at_1e6": at(10**6),
+        "max_over_prefixes_to_1e6": every_prefix,
+        "at_1e9": dev_1e9,
+        "documented_bound": bound,
+        "consumed_1e9_seconds": jump.seconds,
+        "consumed_1e9_peak_bytes": peak_bytes(lambda: m.consumed(TARGET)),
+        "locate_1e9_seconds": best_of(lambda: m.locate(np.array([TARGET], dtype=np.int64))),
+    }
 
 
 # ----------------------------------------------------------------- baselines
@@ -134,11 +144,13 @@ def greedy_blend(p: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 Blend = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
-NOTES = ["baseline times and memory to 1e9 are linear extrapolations of the measured runs",
-         "multinomial deviation at 1e9 is one draw of Generator.multinomial(1e9, p): the same "
-         "distribution as 1e9 per-sample draws",
-         "greedy at 100 sources is measured on a tenth of the positions (pure-Python loop)",
-         "detdata reaches 1e9 with consumed()/locate() directly: no replay, no arrays"]
+NOTES = [
+    "baseline times and memory to 1e9 are linear extrapolations of the measured runs",
+    "multinomial deviation at 1e9 is one draw of Generator.multinomial(1e9, p): the same "
+    "distribution as 1e9 per-sample draws",
+    "greedy at 100 sources is measured on a tenth of the positions (pure-Python loop)",
+    "detdata reaches 1e9 with consumed()/locate() directly: no replay, no arrays",
+]
 
 
 def baseline(name: str, fn: Blend, p: np.ndarray, n: int) -> dict[str, Any]:
@@ -147,29 +159,38 @@ def baseline(name: str, fn: Blend, p: np.ndarray, n: int) -> dict[str, Any]:
     seconds = clock.seconds
     held = peak_bytes(lambda: fn(p, min(n, 10**5)))  # memory per position on a slice, then scaled
     counts = np.bincount(src.astype(np.int64), minlength=p.size)
-    return {"method": name, "measured_positions": n, "measured_seconds": seconds,
-            "extrapolated_seconds_to_1e9": seconds * TARGET / n,
-            "peak_bytes_per_position": held / min(n, 10**5),
-            "extrapolated_bytes_to_1e9": held / min(n, 10**5) * TARGET,
-            "deviation_at_measured": float(np.abs(counts - p * n).max())}
+    return {
+        "method": name,
+        "measured_positions": n,
+        "measured_seconds": seconds,
+        "extrapolated_seconds_to_1e9": seconds * TARGET / n,
+        "peak_bytes_per_position": held / min(n, 10**5),
+        "extrapolated_bytes_to_1e9": held / min(n, 10**5) * TARGET,
+        "deviation_at_measured": float(np.abs(counts - p * n).max()),
+    }
 
 
 def measure_sources(num_sources: int, quick: bool) -> dict[str, Any]:
     """detdata and the baselines for one mixture of ``num_sources`` sources."""
     m = make_mixture(num_sources)
     p = np.array([float(f) for f in m.weights_at(0).values()])
-    row: dict[str, Any] = {"sources": num_sources,
-                           "detdata": {**throughput(m, quick), **deviation(m)}}
+    row: dict[str, Any] = {
+        "sources": num_sources,
+        "detdata": {**throughput(m, quick), **deviation(m)},
+    }
     per_sample = 10**5 if quick else 10**6
     greedy_n = per_sample // (10 if num_sources == 100 else 1)
     row["greedy_megatron_style"] = baseline("greedy", greedy_blend, p, greedy_n)
     if num_sources == 10:
-        row["multinomial_per_sample"] = baseline("multinomial choice per position",
-                                                 multinomial_per_sample, p, per_sample)
-    vectorised = baseline("multinomial choice vectorised", multinomial_vectorised, p,
-                          10**6 if quick else 10**7)
+        row["multinomial_per_sample"] = baseline(
+            "multinomial choice per position", multinomial_per_sample, p, per_sample
+        )
+    vectorised = baseline(
+        "multinomial choice vectorised", multinomial_vectorised, p, 10**6 if quick else 10**7
+    )
     vectorised["deviation_at_1e9_one_draw"] = float(
-        np.abs(np.random.default_rng(1).multinomial(TARGET, p) - p * TARGET).max())
+        np.abs(np.random.default_rng(1).multinomial(TARGET, p) - p * TARGET).max()
+    )
     row["multinomial_vectorised"] = vectorised
     return row
 
@@ -180,9 +201,16 @@ def run(quick: bool) -> dict[str, Any]:
         row = measure_sources(num_sources, quick)
         rows.append(row)
         print_row(row)
-    return {"benchmark": "mixture", "algorithm": "mixture-v1", "quick": quick,
-            "machine": platform.platform(), "python": platform.python_version(),
-            "numpy": np.__version__, "rows": rows, "notes": NOTES}
+    return {
+        "benchmark": "mixture",
+        "algorithm": "mixture-v1",
+        "quick": quick,
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "rows": rows,
+        "notes": NOTES,
+    }
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -192,31 +220,41 @@ def print_row(row: dict[str, Any]) -> None:
 
 
 def _print_detdata(d: dict[str, Any]) -> None:
-    print(f"detdata locate  contiguous {d['contiguous_pos_per_s']:>11,.0f} pos/s | micro-batch(8) "
-          f"{d['micro_batch8_us_per_call']:7.1f} us/call | random "
-          f"{d['random_pos_per_s']:>10,.0f} pos/s")
-    print(f"detdata assign  contiguous {d['contiguous_assign_only_pos_per_s']:>11,.0f} pos/s "
-          f"| micro-batch(8) {d['micro_batch8_assign_only_us_per_call']:7.1f} us/call | random "
-          f"{d['random_assign_only_pos_per_s']:>10,.0f} pos/s"
-          "   (assign = without GlobalOrder sample ids)")
-    print(f"detdata  deviation @1e6 {d['at_1e6']:.3f}  max over prefixes<=1e6 "
-          f"{d['max_over_prefixes_to_1e6']:.3f}  @1e9 {d['at_1e9']:.3f}  "
-          f"(bound {d['documented_bound']:.3f});  jump to 1e9: "
-          f"consumed {1e3 * d['consumed_1e9_seconds']:.2f} ms, "
-          f"locate {1e3 * d['locate_1e9_seconds']:.2f} ms, "
-          f"{d['consumed_1e9_peak_bytes'] / 1024:.0f} KiB")
+    print(
+        f"detdata locate  contiguous {d['contiguous_pos_per_s']:>11,.0f} pos/s | micro-batch(8) "
+        f"{d['micro_batch8_us_per_call']:7.1f} us/call | random "
+        f"{d['random_pos_per_s']:>10,.0f} pos/s"
+    )
+    print(
+        f"detdata assign  contiguous {d['contiguous_assign_only_pos_per_s']:>11,.0f} pos/s "
+        f"| micro-batch(8) {d['micro_batch8_assign_only_us_per_call']:7.1f} us/call | random "
+        f"{d['random_assign_only_pos_per_s']:>10,.0f} pos/s"
+        "   (assign = without GlobalOrder sample ids)"
+    )
+    print(
+        f"detdata  deviation @1e6 {d['at_1e6']:.3f}  max over prefixes<=1e6 "
+        f"{d['max_over_prefixes_to_1e6']:.3f}  @1e9 {d['at_1e9']:.3f}  "
+        f"(bound {d['documented_bound']:.3f});  jump to 1e9: "
+        f"consumed {1e3 * d['consumed_1e9_seconds']:.2f} ms, "
+        f"locate {1e3 * d['locate_1e9_seconds']:.2f} ms, "
+        f"{d['consumed_1e9_peak_bytes'] / 1024:.0f} KiB"
+    )
 
 
 def _print_baselines(row: dict[str, Any]) -> None:
-    print(f"{'method':<36}{'measured':>12}{'seconds':>10}{'-> 1e9 (extrap.)':>20}"
-          f"{'memory @1e9':>14}{'dev@meas.':>12}")
+    print(
+        f"{'method':<36}{'measured':>12}{'seconds':>10}{'-> 1e9 (extrap.)':>20}"
+        f"{'memory @1e9':>14}{'dev@meas.':>12}"
+    )
     for key in ("greedy_megatron_style", "multinomial_per_sample", "multinomial_vectorised"):
         if key in row:
             b = row[key]
-            print(f"{b['method']:<36}{b['measured_positions']:>12,}"
-                  f"{b['measured_seconds']:>10.2f}{b['extrapolated_seconds_to_1e9']:>18,.0f} s"
-                  f"{b['extrapolated_bytes_to_1e9'] / 2**30:>11.1f} GiB"
-                  f"{b['deviation_at_measured']:>12.1f}")
+            print(
+                f"{b['method']:<36}{b['measured_positions']:>12,}"
+                f"{b['measured_seconds']:>10.2f}{b['extrapolated_seconds_to_1e9']:>18,.0f} s"
+                f"{b['extrapolated_bytes_to_1e9'] / 2**30:>11.1f} GiB"
+                f"{b['deviation_at_measured']:>12.1f}"
+            )
     if "multinomial_vectorised" in row:
         one_draw = row["multinomial_vectorised"]["deviation_at_1e9_one_draw"]
         print(f"multinomial deviation @1e9 (one draw): {one_draw:,.0f}")

@@ -73,9 +73,15 @@ def bench_order(n: int, seconds: float) -> Row:
 
     rate = CALLS * BATCH / best_of(run, 1, min_seconds=seconds)
     peak = peak_bytes(lambda: GlobalOrder(n, 99).ids(batches[0]))
-    return Row(method=f"GlobalOrder ({ALGORITHM})", n=n, ids_per_s=rate, setup_s=0.0,
-               persistent_bytes_per_sample=0.0, peak_bytes=peak,
-               note=f"batch {BATCH}: transient {peak / BATCH:.0f} B/position, freed after")
+    return Row(
+        method=f"GlobalOrder ({ALGORITHM})",
+        n=n,
+        ids_per_s=rate,
+        setup_s=0.0,
+        persistent_bytes_per_sample=0.0,
+        peak_bytes=peak,
+        note=f"batch {BATCH}: transient {peak / BATCH:.0f} B/position, freed after",
+    )
 
 
 def bench_permutation(n: int, seconds: float) -> Row:
@@ -86,20 +92,32 @@ def bench_permutation(n: int, seconds: float) -> Row:
     del perm
     rate = n / best_of(lambda: np.random.default_rng(5).permutation(n), 1, min_seconds=seconds)
     peak = peak_bytes(lambda: np.random.default_rng(7).permutation(n))
-    return Row(method="numpy Generator.permutation", n=n, ids_per_s=rate, setup_s=build.seconds,
-               persistent_bytes_per_sample=peak / n, peak_bytes=peak,
-               note="whole permutation materialised; ids/s counts its construction")
+    return Row(
+        method="numpy Generator.permutation",
+        n=n,
+        ids_per_s=rate,
+        setup_s=build.seconds,
+        persistent_bytes_per_sample=peak / n,
+        peak_bytes=peak,
+        note="whole permutation materialised; ids/s counts its construction",
+    )
 
 
 def infeasible_permutation(n: int, available: int, measured: Row) -> Row:
     """Not run: the memory it needs, and the build time extrapolated linearly from ``measured``."""
     need = n * PERM_BYTES_PER_SAMPLE
     eta = (measured.setup_s or 0.0) * n / measured.n
-    return Row(method="numpy Generator.permutation", n=n, ids_per_s=None, setup_s=None,
-               persistent_bytes_per_sample=PERM_BYTES_PER_SAMPLE, peak_bytes=need,
-               note=f"not run (infeasible): needs >= {need / 2**30:,.1f} GiB for the int64 array "
-                    f"alone (machine: {available / 2**30:,.0f} GiB, shared), ~{eta:,.0f} s to "
-                    f"build by linear extrapolation from n={measured.n:,}")
+    return Row(
+        method="numpy Generator.permutation",
+        n=n,
+        ids_per_s=None,
+        setup_s=None,
+        persistent_bytes_per_sample=PERM_BYTES_PER_SAMPLE,
+        peak_bytes=need,
+        note=f"not run (infeasible): needs >= {need / 2**30:,.1f} GiB for the int64 array "
+        f"alone (machine: {available / 2**30:,.0f} GiB, shared), ~{eta:,.0f} s to "
+        f"build by linear extrapolation from n={measured.n:,}",
+    )
 
 
 def total_memory() -> int:
@@ -114,15 +132,19 @@ def fmt_rate(rate: float | None) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = (f"{'method':30} {'n':>16} {'ids/s':>10} {'setup s':>8} {'B/sample':>9} "
-            f"{'peak MiB':>9}  note")
+    head = (
+        f"{'method':30} {'n':>16} {'ids/s':>10} {'setup s':>8} {'B/sample':>9} "
+        f"{'peak MiB':>9}  note"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         setup = "-" if r.setup_s is None else f"{r.setup_s:.3f}"
         peak = "-" if r.peak_bytes is None or r.ids_per_s is None else f"{r.peak_bytes / 2**20:.2f}"
-        print(f"{r.method:30} {r.n:>16,} {fmt_rate(r.ids_per_s):>10} {setup:>8} "
-              f"{r.persistent_bytes_per_sample:>9.1f} {peak:>9}  {r.note}")
+        print(
+            f"{r.method:30} {r.n:>16,} {fmt_rate(r.ids_per_s):>10} {setup:>8} "
+            f"{r.persistent_bytes_per_sample:>9.1f} {peak:>9}  {r.note}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,15 +160,25 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_order(n, seconds))
     measured = [bench_permutation(n, seconds) for n in PERMUTATION_SIZES]
     rows += measured
-    rows += [infeasible_permutation(n, memory, measured[-1]) for n in SIZES
-             if n not in PERMUTATION_SIZES]
+    rows += [
+        infeasible_permutation(n, memory, measured[-1]) for n in SIZES if n not in PERMUTATION_SIZES
+    ]
     print_table(rows)
-    result = {"benchmark": "order", "algorithm": ALGORITHM, "batch": BATCH,
-              "target_ids_per_s": 5e6, "machine": {
-                  "platform": platform.platform(), "python": platform.python_version(),
-                  "numpy": np.__version__, "cpus": os.cpu_count(), "affinity": pinned,
-                  "memory_bytes": memory},
-              "rows": [asdict(r) for r in rows]}
+    result = {
+        "benchmark": "order",
+        "algorithm": ALGORITHM,
+        "batch": BATCH,
+        "target_ids_per_s": 5e6,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "cpus": os.cpu_count(),
+            "affinity": pinned,
+            "memory_bytes": memory,
+        },
+        "rows": [asdict(r) for r in rows],
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {args.out}")

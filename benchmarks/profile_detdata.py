@@ -30,8 +30,9 @@ BATCH = 64
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "detdata-bench" /
-                                             "16384x8-rg1024"))
+    p.add_argument(
+        "--data-dir", default=str(Path(tempfile.gettempdir()) / "detdata-bench" / "16384x8-rg1024")
+    )
     p.add_argument("--batches", type=int, default=3000)
     args = p.parse_args(argv)
     root = Path(args.data_dir)
@@ -44,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     assert np.array_equal(check_rows(ds.read(ids[0])["tokens"], ds.num_samples), ids[0])
 
     k = itertools.count()
-    rows = {"order.ids (64 positions)":
-            mean_of(lambda: stream.order.ids(batches[next(k) % n]), n)}
+    rows = {"order.ids (64 positions)": mean_of(lambda: stream.order.ids(batches[next(k) % n]), n)}
     k = itertools.count()
     rows["TokenWindows.read (64 ids)"] = mean_of(lambda: ds.read(ids[next(k) % n]), n)
     loader = detdata.DataLoader(ds, global_batch_size=BATCH, seed=1234)

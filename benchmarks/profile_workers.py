@@ -53,13 +53,19 @@ def per_batch_us(it: Iterator[Any], batches: int) -> float:
 
 
 def loader(nbytes: int, workers: int, as_tensor: bool) -> Iterator[Any]:
-    dl = tud.DataLoader(Copies(nbytes, as_tensor), batch_size=None, num_workers=workers,
-                        collate_fn=_identity, prefetch_factor=4 if workers else None)
+    dl = tud.DataLoader(
+        Copies(nbytes, as_tensor),
+        batch_size=None,
+        num_workers=workers,
+        collate_fn=_identity,
+        prefetch_factor=4 if workers else None,
+    )
     return iter(dl)
 
 
 def threads(nbytes: int, n: int) -> Iterator[Any]:
     from detdata.loading.threads import threaded_batches
+
     ds = Copies(nbytes, True)
     fetch: Callable[[np.ndarray], Any] = lambda pos: ds[int(pos[0])]  # noqa: E731
     positions = (np.arange(k, k + 1) for k in range(1 << 30))

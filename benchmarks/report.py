@@ -42,11 +42,18 @@ def markdown(doc: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in doc["summary"]:
-        how = {"vanilla": " (skip)", "vanilla-batched": " (skip)", "stateful": " (state)",
-               "detdata": " (state)"}.get(r["contender"], "")
+        how = {
+            "vanilla": " (skip)",
+            "vanilla-batched": " (skip)",
+            "stateful": " (state)",
+            "detdata": " (state)",
+        }.get(r["contender"], "")
         resume = _f(r["ttfb_resume_s"], ".1f", 1e3) + " ms" + how if r["ttfb_resume_s"] else "n/a"
-        far = (_f(r["ttfb_far_s"], ".1f", 1e3) + f" ms ({_f(r['far_over_fresh'], '.2f')}x fresh)"
-               if r["ttfb_far_s"] else "n/a")
+        far = (
+            _f(r["ttfb_far_s"], ".1f", 1e3) + f" ms ({_f(r['far_over_fresh'], '.2f')}x fresh)"
+            if r["ttfb_far_s"]
+            else "n/a"
+        )
         valid = "yes" if r["validated"] else "NO: " + "; ".join(r["errors"])[:80]
         if r["exact_order"]:
             valid += " (exact order)"
@@ -57,15 +64,21 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_f(r['warmup_s'], '.0f', 1e3)} ms "
             f"| {resume} | {far} | {_f(r['peak_rss_main_mb'], '.0f')} / "
             f"{_f(r['peak_rss_worker_mb'], '.0f')} | {_f(r['spearman'], '.3f')} / "
-            f"{_f(r['adjacent'], '.4f')} | {valid} |")
-    lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in doc["skipped"].items()) + ".", "",
-              "Notes: vanilla loaders resume by replaying and discarding batches; a resume at 1e9 "
-              "would replay 1e9 samples, so it is not run for them (nor for StatefulDataLoader, "
-              "which fast-forwards its sampler index by index). Peak RSS includes file pages "
-              "mapped from the page cache (memmaps) and, for Parquet, the decoded tables/row "
-              "groups; 'workers' is the largest worker process. 'rho' is the rank correlation "
-              "of delivery order with sample id, 'adjacent' the fraction of consecutive-id "
-              "neighbours (both ~0 when shuffled, 1 when sequential).", ""]
+            f"{_f(r['adjacent'], '.4f')} | {valid} |"
+        )
+    lines += [
+        "",
+        "Not run: " + "; ".join(f"{k}: {v}" for k, v in doc["skipped"].items()) + ".",
+        "",
+        "Notes: vanilla loaders resume by replaying and discarding batches; a resume at 1e9 "
+        "would replay 1e9 samples, so it is not run for them (nor for StatefulDataLoader, "
+        "which fast-forwards its sampler index by index). Peak RSS includes file pages "
+        "mapped from the page cache (memmaps) and, for Parquet, the decoded tables/row "
+        "groups; 'workers' is the largest worker process. 'rho' is the rank correlation "
+        "of delivery order with sample id, 'adjacent' the fraction of consecutive-id "
+        "neighbours (both ~0 when shuffled, 1 when sequential).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -76,6 +89,7 @@ def _load(load: Any) -> str:
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Throughput bars per data kind (with the ceilings) and time-to-first-batch bars, as PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -98,18 +112,27 @@ def _throughput_axes(ax: Any, doc: dict[str, Any], kind: str) -> None:
     for j, nw in enumerate(workers):
         vals = []
         for name in names:
-            row = next((r for r in rows if r["data"] == kind and r["contender"] == name
-                        and r["workers"] == nw), None)
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r["data"] == kind and r["contender"] == name and r["workers"] == nw
+                ),
+                None,
+            )
             vals.append((row["samples_per_s"] or 0) if row else 0)
         xs = [i + j * width for i in range(len(names))]
         ax.bar(xs, vals, width, label=f"num_workers={nw}")
     per_sample = doc["settings"]["bytes_per_sample"]
-    for key, style, text in (("page_cache_read_gbs", "--", "page-cache read"),
-                             ("random_row_gather_gbs", ":", "random 2 KiB-row gather")):
+    for key, style, text in (
+        ("page_cache_read_gbs", "--", "page-cache read"),
+        ("random_row_gather_gbs", ":", "random 2 KiB-row gather"),
+    ):
         gbs = doc["ceilings"].get(key)
         if gbs:
-            ax.axhline(gbs * 1e9 / per_sample, color="gray", linestyle=style,
-                       label=f"ceiling: {text}")
+            ax.axhline(
+                gbs * 1e9 / per_sample, color="gray", linestyle=style, label=f"ceiling: {text}"
+            )
     ax.set_xticks([i + width * (len(workers) - 1) / 2 for i in range(len(names))])
     ax.set_xticklabels(names, rotation=25, ha="right")
     ax.set_yscale("log")

@@ -45,8 +45,13 @@ class Stopwatch:
         return self.seconds + time.perf_counter() - self._start
 
 
-def best_of(fn: Callable[[], object], repeats: int = 3, *, min_seconds: float = 0.0,
-            sync: Callable[[], object] | None = None) -> float:
+def best_of(
+    fn: Callable[[], object],
+    repeats: int = 3,
+    *,
+    min_seconds: float = 0.0,
+    sync: Callable[[], object] | None = None,
+) -> float:
     """Shortest wall time of one call of ``fn``.
 
     ``fn`` runs ``repeats`` (>= 1) times, then again until ``min_seconds`` have passed

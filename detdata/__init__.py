@@ -35,13 +35,17 @@ from detdata.storage.retry import RetryPolicy
 __version__ = VERSION
 
 # torch is imported only when the loader is first used (the CLI and manifest tools stay fast).
-_LAZY = {"DataLoader": "detdata.loading.loader", "DeterministicBatchSampler": "detdata.loading.sampler",
-         "WorkerMode": "detdata.loading.loader"}
+_LAZY = {
+    "DataLoader": "detdata.loading.loader",
+    "DeterministicBatchSampler": "detdata.loading.sampler",
+    "WorkerMode": "detdata.loading.loader",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
+
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

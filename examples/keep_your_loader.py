@@ -25,8 +25,9 @@ class MyDataset(tud.Dataset[torch.Tensor]):
 
 
 def make() -> StatefulDataLoader:
-    sampler = detdata.DeterministicBatchSampler(len(MyDataset()), global_batch_size=32, micro_batch_size=16,
-                                                seed=3)
+    sampler = detdata.DeterministicBatchSampler(
+        len(MyDataset()), global_batch_size=32, micro_batch_size=16, seed=3
+    )
     return StatefulDataLoader(MyDataset(), batch_sampler=sampler, num_workers=2)
 
 
@@ -40,7 +41,9 @@ def main() -> None:
     resumed = make()
     resumed.load_state_dict(state)
     rest = [b[:, 0].tolist() for _, b in zip(range(6), resumed, strict=False)]
-    print(f"resumed after 4 micro batches; next 6 identical to the straight run: {rest == straight[4:]}")
+    print(
+        f"resumed after 4 micro batches; next 6 identical to the straight run: {rest == straight[4:]}"
+    )
     if rest != straight[4:]:
         raise SystemExit(1)
 

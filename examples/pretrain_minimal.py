@@ -28,14 +28,18 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir)
     if not (work / "manifest.json").exists():
-        detdata.build_manifest(str(write_token_shards(work / "shards"))).save(str(work / "manifest.json"))
+        detdata.build_manifest(str(write_token_shards(work / "shards"))).save(
+            str(work / "manifest.json")
+        )
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 512))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     # --- detdata: was `DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2)` ---
-    dataset = detdata.TokenWindows(str(work / "manifest.json"), seq_len=args.seq_len)  # verifies the bytes
+    dataset = detdata.TokenWindows(
+        str(work / "manifest.json"), seq_len=args.seq_len
+    )  # verifies the bytes
     loader = detdata.DataLoader(dataset, global_batch_size=16, seed=1234, num_workers=2)
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
@@ -49,7 +53,9 @@ def main() -> None:
         if loader.step > args.steps:
             break
         tokens = batch["tokens"].long()
-        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss = nn.functional.cross_entropy(
+            model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
+        )
         optim.zero_grad()
         loss.backward()
         optim.step()

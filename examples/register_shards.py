@@ -22,17 +22,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root", nargs="?")
     ap.add_argument("name", nargs="?", default="example-corpus@v1")
-    ap.add_argument("--registry", default=None, help="registry dir/URL (default: $DETDATA_REGISTRY or cache)")
+    ap.add_argument(
+        "--registry", default=None, help="registry dir/URL (default: $DETDATA_REGISTRY or cache)"
+    )
     ap.add_argument("--pattern", default="**/*.npy")
     args = ap.parse_args()
     root = args.root or str(write_token_shards(tempfile.mkdtemp(prefix="detdata-shards-")))
-    manifest = detdata.build_manifest(root, pattern=args.pattern,
-                                      metadata={"tokenizer": "synthetic-512", "description": "example"})
+    manifest = detdata.build_manifest(
+        root,
+        pattern=args.pattern,
+        metadata={"tokenizer": "synthetic-512", "description": "example"},
+    )
     registry = detdata.Registry(args.registry)
     manifest_id = registry.register(args.name, manifest)
     resolved = registry.resolve(args.name)  # verifies sizes + quick digests under the recorded root
-    print(json.dumps({"name": args.name, "id": manifest_id, "root": resolved.root,
-                      "shards": len(resolved.shards), "tokens": resolved.num_samples}))
+    print(
+        json.dumps(
+            {
+                "name": args.name,
+                "id": manifest_id,
+                "root": resolved.root,
+                "shards": len(resolved.shards),
+                "tokens": resolved.num_samples,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

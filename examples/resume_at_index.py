@@ -20,7 +20,9 @@ import detdata
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--at", type=int, default=4096, help="global sample index (multiple of the global batch)")
+    ap.add_argument(
+        "--at", type=int, default=4096, help="global sample index (multiple of the global batch)"
+    )
     ap.add_argument("--global-batch", type=int, default=32)
     args = ap.parse_args()
     root = write_token_shards(tempfile.mkdtemp(prefix="detdata-resume-"))
@@ -35,8 +37,10 @@ def main() -> None:
     order = detdata.GlobalOrder(dataset.num_samples, 7)
     expected = dataset.read(order.ids(np.arange(args.at, args.at + args.global_batch)))["tokens"]
     same = bool(np.array_equal(batch["tokens"].numpy(), expected))
-    print(f"resumed at {args.at} (epoch {args.at // dataset.num_samples}): batch equals positions "
-          f"[{args.at}, {args.at + args.global_batch}) -> {same}")
+    print(
+        f"resumed at {args.at} (epoch {args.at // dataset.num_samples}): batch equals positions "
+        f"[{args.at}, {args.at + args.global_batch}) -> {same}"
+    )
     if not same:
         raise SystemExit(1)
 

@@ -49,15 +49,18 @@ def main() -> None:
 def train(work: Path, steps: int) -> dict[str, int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and not (work / "manifest.json").exists():
-        detdata.build_manifest(str(write_token_shards(work / "shards"))).save(str(work / "manifest.json"))
+        detdata.build_manifest(str(write_token_shards(work / "shards"))).save(
+            str(work / "manifest.json")
+        )
     dist.barrier()
 
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Embedding(512, 32), nn.Linear(32, 512)))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     dataset = detdata.TokenWindows(str(work / "manifest.json"), seq_len=32)
-    loader = detdata.DataLoader(dataset, global_batch_size=GLOBAL_BATCH, seed=5,
-                                micro_batch_size=GLOBAL_BATCH // world)
+    loader = detdata.DataLoader(
+        dataset, global_batch_size=GLOBAL_BATCH, seed=5, micro_batch_size=GLOBAL_BATCH // world
+    )
     state = {"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()}
     if (work / "ckpt").exists():
         dcp.load(state, checkpoint_id=str(work / "ckpt"))
@@ -68,14 +71,22 @@ def train(work: Path, steps: int) -> dict[str, int]:
         if loader.step > steps:
             break
         tokens = batch["tokens"].long()
-        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss = nn.functional.cross_entropy(
+            model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
+        )
         optim.zero_grad()
         loss.backward()
         optim.step()
-    dcp.save({"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()},
-             checkpoint_id=str(work / "ckpt"))
-    return {"world_size": world, "from_step": start, "to_step": loader.step,
-            "samples_consumed": loader.samples_consumed}
+    dcp.save(
+        {"loader": loader, "model": model.state_dict(), "optim": optim.state_dict()},
+        checkpoint_id=str(work / "ckpt"),
+    )
+    return {
+        "world_size": world,
+        "from_step": start,
+        "to_step": loader.step,
+        "samples_consumed": loader.samples_consumed,
+    }
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ from tests import servers
 from tests.faultproxy import FaultProxy
 
 
-def write_token_shards(root: Path, sizes: tuple[int, ...] = (1000, 2500, 40),
-                       dtype: str = "uint16", seed: int = 0) -> list[Path]:
+def write_token_shards(
+    root: Path, sizes: tuple[int, ...] = (1000, 2500, 40), dtype: str = "uint16", seed: int = 0
+) -> list[Path]:
     """Write ``shard-XXX.npy`` 1-D token files of the given sizes under ``root``; return their paths."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -44,22 +45,25 @@ def token_shards(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.S3Server]:
     """One SeaweedFS (S3) on 127.0.0.1 for the whole run (shared by xdist workers)."""
-    yield from servers.shared_server("seaweedfs", tmp_path_factory, servers.start_seaweedfs,
-                                     servers.S3Server, grace_s=3.0)
+    yield from servers.shared_server(
+        "seaweedfs", tmp_path_factory, servers.start_seaweedfs, servers.S3Server, grace_s=3.0
+    )
 
 
 @pytest.fixture(scope="session")
 def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.HttpServer]:
     """One nginx (HTTP with Range support) on 127.0.0.1 for the whole run."""
-    yield from servers.shared_server("nginx", tmp_path_factory, servers.start_nginx,
-                                     servers.HttpServer, grace_s=5.0)
+    yield from servers.shared_server(
+        "nginx", tmp_path_factory, servers.start_nginx, servers.HttpServer, grace_s=5.0
+    )
 
 
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.GcsServer]:
     """One gcp-storage-emulator (GCS JSON API) on 127.0.0.1 for the whole run."""
-    yield from servers.shared_server("gcs-emulator", tmp_path_factory, servers.start_gcs_emulator,
-                                     servers.GcsServer, grace_s=3.0)
+    yield from servers.shared_server(
+        "gcs-emulator", tmp_path_factory, servers.start_gcs_emulator, servers.GcsServer, grace_s=3.0
+    )
 
 
 @pytest.fixture

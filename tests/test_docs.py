@@ -11,8 +11,9 @@ CITE = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 
 
 def test_every_cited_test_exists() -> None:
-    cited = sorted({(doc.name, m.group(1), m.group(2))
-                    for doc in DOCS for m in CITE.finditer(doc.read_text())})
+    cited = sorted(
+        {(doc.name, m.group(1), m.group(2)) for doc in DOCS for m in CITE.finditer(doc.read_text())}
+    )
     assert len(cited) >= 50  # guarantees.md's promise -> test table alone cites more
     missing = []
     for doc, path, name in cited:

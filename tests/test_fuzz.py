@@ -32,15 +32,28 @@ from detdata.identity.registry import Registry
 from detdata.loading.sampler import DeterministicBatchSampler
 from detdata.loading.state import CHECKED_FIELDS, LoaderState
 
-FUZZ = settings(max_examples=120, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 SLOW_FUZZ = settings(FUZZ, max_examples=60)
 
 # ------------------------------------------------------------------ strategies
-SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
-JSONISH = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                       | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=16)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+JSONISH = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=16,
+)
 EDGE_INTS = (-1, 0, 1, 2**31, 2**62, 2**63, 2**64, -(2**63), 10**30)
 
 
@@ -69,8 +82,15 @@ def _variants(value: Any) -> list[Any]:
     elif isinstance(value, int):
         out += [value + 1, value - 1, -value - 1, float(value), *EDGE_INTS]
     elif isinstance(value, str):
-        out += ["", value + "x", value[:-1], value.upper(), value + "/../x", "/" + value,
-                float("nan")]
+        out += [
+            "",
+            value + "x",
+            value[:-1],
+            value.upper(),
+            value + "/../x",
+            "/" + value,
+            float("nan"),
+        ]
     elif isinstance(value, list):
         out += [[], value[::-1], value + value[:1], value[1:]]
     elif isinstance(value, dict):
@@ -122,7 +142,9 @@ def must_be_documented(exc: BaseException, *allowed: type[BaseException]) -> Non
     """Fail unless ``exc`` is one of the documented detdata errors."""
     expected = allowed or (detdata.DetdataError,)
     if not isinstance(exc, expected):
-        raise AssertionError(f"undocumented exception escaped: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(
+            f"undocumented exception escaped: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 # ------------------------------------------------------------------ fixtures
@@ -161,9 +183,11 @@ def _loader() -> detdata.DataLoader:
 
 
 def _mixture_loader() -> detdata.DataLoader:
-    mix = detdata.Mixture({"a": _dataset(), "b": detdata.ArrayDataset({"id": np.arange(40),
-                                                                        "x": np.arange(40) * 5})},
-                          schedule=[(0, {"a": 1, "b": 1}), (64, {"a": 3, "b": 1})], seed=7)
+    mix = detdata.Mixture(
+        {"a": _dataset(), "b": detdata.ArrayDataset({"id": np.arange(40), "x": np.arange(40) * 5})},
+        schedule=[(0, {"a": 1, "b": 1}), (64, {"a": 3, "b": 1})],
+        seed=7,
+    )
     return detdata.DataLoader(mix, global_batch_size=8, micro_batch_size=4, seed=7)
 
 
@@ -199,16 +223,18 @@ def test_manifest_from_arbitrary_json(doc: Any) -> None:
 
 @FUZZ
 @given(data=st.data())
-def test_manifest_mutations_fail_cleanly_or_keep_identity(manifest_doc: dict[str, Any],
-                                                          manifest: Manifest,
-                                                          data: st.DataObject) -> None:
+def test_manifest_mutations_fail_cleanly_or_keep_identity(
+    manifest_doc: dict[str, Any], manifest: Manifest, data: st.DataObject
+) -> None:
     doc = data.draw(mutated(manifest_doc))
     try:
         text = json.dumps(doc)
     except ValueError:
         return  # not representable as JSON text (cannot come from a file)
-    parsers: list[Callable[[], Manifest]] = [lambda: Manifest.from_json(doc),
-                                             lambda: Manifest.loads(text)]
+    parsers: list[Callable[[], Manifest]] = [
+        lambda: Manifest.from_json(doc),
+        lambda: Manifest.loads(text),
+    ]
     for parse in parsers:
         try:
             parsed = parse()
@@ -265,7 +291,9 @@ def test_loader_state_from_arbitrary_input(doc: Any) -> None:
 
 @SLOW_FUZZ
 @given(data=st.data())
-def test_loader_load_state_dict_mutations(loader_state: dict[str, Any], data: st.DataObject) -> None:
+def test_loader_load_state_dict_mutations(
+    loader_state: dict[str, Any], data: st.DataObject
+) -> None:
     state = data.draw(mutated(loader_state))
     allow = data.draw(st.sampled_from([(), CHECKED_FIELDS]))
     dl = _loader()
@@ -288,8 +316,9 @@ def test_loader_load_state_dict_mutations(loader_state: dict[str, Any], data: st
 
 @SLOW_FUZZ
 @given(data=st.data())
-def test_mixture_loader_load_state_dict_mutations(mixture_state: dict[str, Any],
-                                                  data: st.DataObject) -> None:
+def test_mixture_loader_load_state_dict_mutations(
+    mixture_state: dict[str, Any], data: st.DataObject
+) -> None:
     state = data.draw(mutated(mixture_state))
     allow = data.draw(st.sampled_from([(), ("mixture",), CHECKED_FIELDS]))
     dl = _mixture_loader()
@@ -304,8 +333,9 @@ def test_mixture_loader_load_state_dict_mutations(mixture_state: dict[str, Any],
         must_be_documented(exc)
 
 
-def test_unmutated_states_resume_exactly(loader_state: dict[str, Any],
-                                         mixture_state: dict[str, Any]) -> None:
+def test_unmutated_states_resume_exactly(
+    loader_state: dict[str, Any], mixture_state: dict[str, Any]
+) -> None:
     """The fuzz baselines are valid: without mutation both states load and resume."""
     for make, state in ((_loader, loader_state), (_mixture_loader, mixture_state)):
         straight, resumed = make(), make()
@@ -319,8 +349,9 @@ def test_unmutated_states_resume_exactly(loader_state: dict[str, Any],
 
 # ------------------------------------------------------------------ sampler state
 def _sampler() -> DeterministicBatchSampler:
-    return DeterministicBatchSampler(64, global_batch_size=8, micro_batch_size=4, seed=3,
-                                     total_samples=160)
+    return DeterministicBatchSampler(
+        64, global_batch_size=8, micro_batch_size=4, seed=3, total_samples=160
+    )
 
 
 @FUZZ
@@ -365,12 +396,16 @@ def ref_doc(registry: Registry) -> dict[str, Any]:
 
 def _exercise_registry(registry: Registry, manifest: Manifest) -> None:
     """Every read path over the (possibly corrupted) reference; only RegistryError may escape."""
-    for call in (lambda: registry.resolve("ds@v1", verify="off"),
-                 lambda: registry.resolve("ds", verify="off"),
-                 lambda: registry.history("ds@v1"), lambda: registry.history("ds"),
-                 lambda: registry.versions("ds"), registry.names,
-                 lambda: registry.register("ds@v1", manifest),
-                 lambda: registry.register("ds@v1", manifest, force=True)):
+    for call in (
+        lambda: registry.resolve("ds@v1", verify="off"),
+        lambda: registry.resolve("ds", verify="off"),
+        lambda: registry.history("ds@v1"),
+        lambda: registry.history("ds"),
+        lambda: registry.versions("ds"),
+        registry.names,
+        lambda: registry.register("ds@v1", manifest),
+        lambda: registry.register("ds@v1", manifest, force=True),
+    ):
         try:
             result = call()
         except Exception as exc:
@@ -383,8 +418,9 @@ def _exercise_registry(registry: Registry, manifest: Manifest) -> None:
 
 @FUZZ
 @given(data=st.data())
-def test_registry_corrupted_ref(registry: Registry, manifest: Manifest, ref_doc: dict[str, Any],
-                                data: st.DataObject) -> None:
+def test_registry_corrupted_ref(
+    registry: Registry, manifest: Manifest, ref_doc: dict[str, Any], data: st.DataObject
+) -> None:
     kind = data.draw(st.sampled_from(["mutated", "bytes", "arbitrary"]))
     if kind == "mutated":
         try:
@@ -392,7 +428,9 @@ def test_registry_corrupted_ref(registry: Registry, manifest: Manifest, ref_doc:
         except ValueError:
             assume(False)
     elif kind == "bytes":
-        raw = data.draw(byte_mutated(json.dumps(ref_doc, indent=1).encode()) | st.binary(max_size=80))
+        raw = data.draw(
+            byte_mutated(json.dumps(ref_doc, indent=1).encode()) | st.binary(max_size=80)
+        )
     else:
         raw = json.dumps(data.draw(JSONISH)).encode()
     _ref_path(registry).write_bytes(raw)
@@ -401,13 +439,16 @@ def test_registry_corrupted_ref(registry: Registry, manifest: Manifest, ref_doc:
 
 @FUZZ
 @given(data=st.data())
-def test_registry_corrupted_object(registry: Registry, manifest: Manifest,
-                                   manifest_doc: dict[str, Any], data: st.DataObject) -> None:
+def test_registry_corrupted_object(
+    registry: Registry, manifest: Manifest, manifest_doc: dict[str, Any], data: st.DataObject
+) -> None:
     obj = Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json"
     stored = {k: v for k, v in manifest_doc.items() if k != "root"}
-    raw = data.draw(byte_mutated(json.dumps(stored).encode())
-                    | st.builds(lambda d: json.dumps(d).encode(), mutated(stored))
-                    | st.binary(max_size=60))
+    raw = data.draw(
+        byte_mutated(json.dumps(stored).encode())
+        | st.builds(lambda d: json.dumps(d).encode(), mutated(stored))
+        | st.binary(max_size=60)
+    )
     obj.write_bytes(raw)
     try:
         got = registry.get(manifest.id)

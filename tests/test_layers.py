@@ -39,7 +39,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Import):
             out.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level:
-            raise AssertionError(f"{path}:{node.lineno}: relative import; use absolute detdata.* imports")
+            raise AssertionError(
+                f"{path}:{node.lineno}: relative import; use absolute detdata.* imports"
+            )
     return [(line, mod) for line, mod in out if mod == "detdata" or mod.startswith("detdata.")]
 
 
@@ -49,7 +51,9 @@ def _layer(module: str) -> str:
 
 
 def test_every_module_lives_in_a_layer_folder() -> None:
-    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    loose = sorted(
+        p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
     assert loose == [], f"modules outside the layer folders: {loose}"
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
     assert set(folders) <= set(LAYERS), folders
@@ -75,11 +79,18 @@ def test_no_import_cycle_between_modules() -> None:
         rel = path.relative_to(PACKAGE).with_suffix("")
         name = ".".join(("detdata", *rel.parts)).removesuffix(".__init__")
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # import time only
+        top = [
+            n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+        ]  # import time only
         deps = set()
         for node in top:
-            mods = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.Import) else []
+            mods = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else [a.name for a in getattr(node, "names", [])]
+                if isinstance(node, ast.Import)
+                else []
+            )
             deps |= {m for m in mods if m.startswith("detdata.")}
         graph[name] = deps
     seen: dict[str, int] = {}
@@ -99,12 +110,38 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 PUBLIC = [
-    "ArrayDataset", "Batch", "ConfigError", "DataLoader", "Dataset", "DetdataError",
-    "DeterministicBatchSampler", "Format", "FormatError", "GlobalOrder", "Manifest",
-    "ManifestError", "Mixture", "OrderedStream", "RefEvent", "Registry", "RegistryError",
-    "RetriesExhausted", "RetryPolicy", "ShardEntry", "StateError", "Stateful", "StorageError",
-    "Stream", "TableRows", "TokenWindows", "VerificationError", "Verify", "WorkerMode",
-    "__version__", "build_manifest", "hash_files",
+    "ArrayDataset",
+    "Batch",
+    "ConfigError",
+    "DataLoader",
+    "Dataset",
+    "DetdataError",
+    "DeterministicBatchSampler",
+    "Format",
+    "FormatError",
+    "GlobalOrder",
+    "Manifest",
+    "ManifestError",
+    "Mixture",
+    "OrderedStream",
+    "RefEvent",
+    "Registry",
+    "RegistryError",
+    "RetriesExhausted",
+    "RetryPolicy",
+    "ShardEntry",
+    "StateError",
+    "Stateful",
+    "StorageError",
+    "Stream",
+    "TableRows",
+    "TokenWindows",
+    "VerificationError",
+    "Verify",
+    "WorkerMode",
+    "__version__",
+    "build_manifest",
+    "hash_files",
 ]
 
 
@@ -116,11 +153,21 @@ def test_public_surface_is_pinned_sorted_and_importable() -> None:
 
 
 def test_errors_subclass_the_root_and_a_builtin() -> None:
-    for name in ("ConfigError", "FormatError", "ManifestError", "RegistryError", "StateError",
-                 "StorageError", "VerificationError", "RetriesExhausted"):
+    for name in (
+        "ConfigError",
+        "FormatError",
+        "ManifestError",
+        "RegistryError",
+        "StateError",
+        "StorageError",
+        "VerificationError",
+        "RetriesExhausted",
+    ):
         cls = getattr(detdata, name)
         assert issubclass(cls, detdata.DetdataError), name
-        assert any(issubclass(cls, b) for b in (ValueError, OSError, RuntimeError, TimeoutError)), name
+        assert any(issubclass(cls, b) for b in (ValueError, OSError, RuntimeError, TimeoutError)), (
+            name
+        )
 
 
 def _torch_imports(path: pathlib.Path) -> tuple[list[int], list[int]]:
@@ -129,8 +176,13 @@ def _torch_imports(path: pathlib.Path) -> tuple[list[int], list[int]]:
     top = {id(n) for n in tree.body}
     outer, inner = [], []
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         if any(n == "torch" or n.startswith("torch.") for n in names):
             (outer if id(node) in top else inner).append(node.lineno)
     return outer, inner

@@ -8,5 +8,6 @@ from typing import Any
 
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8, no NaN: the bytes an id is computed over."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")

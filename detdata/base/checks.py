@@ -19,8 +19,10 @@ _MAX_SEED: Final = 1 << 64
 def check_seed(seed: object, what: str = "seed") -> int:
     """Return ``seed`` as an int in ``[0, 2**64)`` or raise `ConfigError`."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed!r} "
-                          f"({type(seed).__name__}); hint: pass a plain int such as 1234")
+        raise ConfigError(
+            f"{what} must be an integer in [0, 2**64), got {seed!r} "
+            f"({type(seed).__name__}); hint: pass a plain int such as 1234"
+        )
     value = int(seed)
     if not 0 <= value < _MAX_SEED:
         raise ConfigError(f"{what} must be in [0, 2**64), got {value}")

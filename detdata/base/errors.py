@@ -23,8 +23,15 @@ class ManifestError(DetdataError, ValueError):
 class VerificationError(DetdataError, ValueError):
     """Shard bytes on storage do not match the manifest (size, quick digest or blake3)."""
 
-    def __init__(self, message: str, *, shard: str = "", field: str = "",
-                 expected: object = None, found: object = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str = "",
+        field: str = "",
+        expected: object = None,
+        found: object = None,
+    ) -> None:
         super().__init__(message)
         self.shard = shard
         self.field = field
@@ -55,8 +62,9 @@ class StorageError(DetdataError, OSError):
 class RetriesExhausted(StorageError):
     """A storage read kept failing until its deadline (or a permanent error after retries)."""
 
-    def __init__(self, message: str, *, shard: str, url: str, attempts: int,
-                 last_error: BaseException) -> None:
+    def __init__(
+        self, message: str, *, shard: str, url: str, attempts: int, last_error: BaseException
+    ) -> None:
         super().__init__(message)
         self.shard = shard
         self.url = url

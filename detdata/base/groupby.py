@@ -29,8 +29,10 @@ def runs(sorted_keys: IntArray) -> list[tuple[int, int, int]]:
     if not sorted_keys.size:
         return []
     cuts = ((sorted_keys[1:] != sorted_keys[:-1]).nonzero()[0] + 1).tolist()
-    return [(int(sorted_keys[a]), a, b)
-            for a, b in itertools.pairwise([0, *cuts, int(sorted_keys.size)])]
+    return [
+        (int(sorted_keys[a]), a, b)
+        for a, b in itertools.pairwise([0, *cuts, int(sorted_keys.size)])
+    ]
 
 
 def stable_groups(keys: IntArray) -> Groups:

@@ -24,8 +24,12 @@ def digest_bytes(data: bytes) -> str:
 
 def is_digest(value: object) -> TypeGuard[str]:
     """Whether ``value`` is a digest string: ``b3:`` then 64 lowercase hex digits."""
-    return (isinstance(value, str) and len(value) == len(PREFIX) + 64
-            and value.startswith(PREFIX) and _HEX.issuperset(value[len(PREFIX):]))
+    return (
+        isinstance(value, str)
+        and len(value) == len(PREFIX) + 64
+        and value.startswith(PREFIX)
+        and _HEX.issuperset(value[len(PREFIX) :])
+    )
 
 
 def quick_digest_parts(size: int, head: bytes, tail: bytes) -> str:

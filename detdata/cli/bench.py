@@ -25,9 +25,11 @@ def find_checkout(repo: str | None) -> Path:
         if (folder / "benchmarks" / "throughput.py").is_file():
             return folder
     where = ", ".join(str(c) for c in candidates)
-    raise ConfigError(f"benchmarks/throughput.py not found in {where}; the benchmarks ship with the "
-                      "source checkout, not the wheel; hint: run from a git checkout of detdata "
-                      "(pip install -e .) or pass --repo PATH")
+    raise ConfigError(
+        f"benchmarks/throughput.py not found in {where}; the benchmarks ship with the "
+        "source checkout, not the wheel; hint: run from a git checkout of detdata "
+        "(pip install -e .) or pass --repo PATH"
+    )
 
 
 # (flag, type, help): forwarded to ``python -m benchmarks`` when given
@@ -56,7 +58,10 @@ def bench_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             # paths are resolved here: the benchmark runs with the checkout as working folder
-            argv += [flag, os.path.abspath(value) if flag in ("--out", "--data-dir") else str(value)]
+            argv += [
+                flag,
+                os.path.abspath(value) if flag in ("--out", "--data-dir") else str(value),
+            ]
     return argv
 
 
@@ -70,10 +75,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "bench", help="throughput/resume benchmarks vs the vanilla DataLoader (python -m benchmarks)",
-        description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--smoke", action="store_true", help="tiny data, one round (well under a minute)")
+        "bench",
+        help="throughput/resume benchmarks vs the vanilla DataLoader (python -m benchmarks)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny data, one round (well under a minute)"
+    )
     for flag, kind, text in _OPTIONS:
         p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument("--repo", default=None, help="source checkout holding benchmarks/ (default: auto)")
+    p.add_argument(
+        "--repo", default=None, help="source checkout holding benchmarks/ (default: auto)"
+    )
     p.set_defaults(func=run_bench)

@@ -19,23 +19,42 @@ from typing import Any, Final
 from detdata.base.errors import ConfigError
 
 MARKER: Final = ".detdata-demo"
-_MARKER_TEXT: Final = ("This folder was created by `detdata demo` / `detdata replay-check`; they clear or "
-                       "reuse only folders holding this file.\n")
+_MARKER_TEXT: Final = (
+    "This folder was created by `detdata demo` / `detdata replay-check`; they clear or "
+    "reuse only folders holding this file.\n"
+)
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="build a small corpus, train a tiny GPT with interrupt/resume/reshard proof")
-    p.add_argument("--out", default="demo_out", help="working folder: created, or cleared if an earlier "
-                   f"demo made it (it holds {MARKER}); any other non-empty folder is refused")
+    p = sub.add_parser(
+        "demo", help="build a small corpus, train a tiny GPT with interrupt/resume/reshard proof"
+    )
+    p.add_argument(
+        "--out",
+        default="demo_out",
+        help="working folder: created, or cleared if an earlier "
+        f"demo made it (it holds {MARKER}); any other non-empty folder is refused",
+    )
     p.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
-    p.add_argument("--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)")
+    p.add_argument(
+        "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
+    )
     p.set_defaults(func=run_demo)
-    r = sub.add_parser("replay-check", help="three fresh-process runs (A, B, interrupted+resumed C); "
-                       "exit 1 if weights or data traces differ")
-    r.add_argument("--out", default="demo_out", help="folder holding a demo corpus (built if the folder is "
-                   f"new or empty; else it must hold {MARKER})")
+    r = sub.add_parser(
+        "replay-check",
+        help="three fresh-process runs (A, B, interrupted+resumed C); "
+        "exit 1 if weights or data traces differ",
+    )
+    r.add_argument(
+        "--out",
+        default="demo_out",
+        help="folder holding a demo corpus (built if the folder is "
+        f"new or empty; else it must hold {MARKER})",
+    )
     r.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
-    r.add_argument("--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)")
+    r.add_argument(
+        "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
+    )
     r.set_defaults(func=run_replay_check)
 
 
@@ -44,12 +63,16 @@ def check_run_args(steps: int, stop_at: int) -> None:
     if steps < 2:
         raise ConfigError(f"--steps must be at least 2 (run C stops in the middle), got {steps}")
     if not 0 < stop_at < steps:
-        raise ConfigError(f"--stop-at must be between 1 and --steps - 1 = {steps - 1}, got {stop_at}")
+        raise ConfigError(
+            f"--stop-at must be between 1 and --steps - 1 = {steps - 1}, got {stop_at}"
+        )
 
 
 def _refuse(out: Path, what: str) -> ConfigError:
-    return ConfigError(f"--out {out}: {what}; refusing to write there; hint: pass a new or empty folder "
-                       f"(e.g. --out demo_out2), or delete {out} yourself if it is an old demo output")
+    return ConfigError(
+        f"--out {out}: {what}; refusing to write there; hint: pass a new or empty folder "
+        f"(e.g. --out demo_out2), or delete {out} yourself if it is an old demo output"
+    )
 
 
 def prepare_out(out: Path, *, clear: bool) -> None:
@@ -63,7 +86,9 @@ def prepare_out(out: Path, *, clear: bool) -> None:
     if out.is_dir():
         entries = os.listdir(out)
         if entries and MARKER not in entries:
-            raise _refuse(out, f"is a non-empty folder that detdata did not create (no {MARKER} file in it)")
+            raise _refuse(
+                out, f"is a non-empty folder that detdata did not create (no {MARKER} file in it)"
+            )
         if clear:
             for name in entries:
                 if name != MARKER:
@@ -83,14 +108,21 @@ def _remove(path: Path) -> None:
 
 
 def _print_check(check: dict[str, Any]) -> int:
-    print(f"final weights blake3: A {check['weights']['A'][:16]}  B {check['weights']['B'][:16]}  "
-          f"C (stopped at {check['stop_at']} on 2 ranks, resumed on 1) {check['weights']['C'][:16]}")
+    print(
+        f"final weights blake3: A {check['weights']['A'][:16]}  B {check['weights']['B'][:16]}  "
+        f"C (stopped at {check['stop_at']} on 2 ranks, resumed on 1) {check['weights']['C'][:16]}"
+    )
     for pair in ("A_B", "A_C"):
         diff = check[f"first_divergent_step_{pair}"]
-        print(f"first divergent data step {pair.replace('_', ' vs ')}: "
-              + ("none" if diff is None else f"step {diff['step']} ({diff['reason']})"))
-    ok = check["weights_identical"] and check["first_divergent_step_A_B"] is None \
+        print(
+            f"first divergent data step {pair.replace('_', ' vs ')}: "
+            + ("none" if diff is None else f"step {diff['step']} ({diff['reason']})")
+        )
+    ok = (
+        check["weights_identical"]
+        and check["first_divergent_step_A_B"] is None
         and check["first_divergent_step_A_C"] is None
+    )
     print("replay check: " + ("PASS (bitwise identical)" if ok else "FAIL"))
     return 0 if ok else 1
 
@@ -98,6 +130,7 @@ def _print_check(check: dict[str, Any]) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     check_run_args(args.steps, args.stop_at)
     from detdata.cli.demo_run import build_corpus, loader_throughput, replay_check
+
     t0 = time.perf_counter()
     out = Path(args.out)
     prepare_out(out, clear=True)
@@ -106,11 +139,15 @@ def run_demo(args: argparse.Namespace) -> int:
     for name, mid in ids.items():
         print(f"registered demo-{name}@v1 -> {mid}")
     check = replay_check(out, steps=args.steps, stop_at=args.stop_at)
-    print(f"trained {check['steps']} steps on the mixture {json.dumps(_weights())}: "
-          f"loss {check['first_loss']:.3f} -> {check['final_loss']:.3f}")
+    print(
+        f"trained {check['steps']} steps on the mixture {json.dumps(_weights())}: "
+        f"loss {check['first_loss']:.3f} -> {check['final_loss']:.3f}"
+    )
     code = _print_check(check)
-    print(f"loader throughput (mixture of 3 sources, global batch 64, seq 64): "
-          f"{loader_throughput(out):,.0f} samples/s")
+    print(
+        f"loader throughput (mixture of 3 sources, global batch 64, seq 64): "
+        f"{loader_throughput(out):,.0f} samples/s"
+    )
     (out / "report.json").write_text(json.dumps({"manifests": ids, **check}, indent=1, default=str))
     print(f"report: {out / 'report.json'}  ({time.perf_counter() - t0:.0f} s)")
     return code
@@ -118,12 +155,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _weights() -> dict[str, str]:
     from detdata.cli.demo_run import WEIGHTS
+
     return dict(WEIGHTS)
 
 
 def run_replay_check(args: argparse.Namespace) -> int:
     check_run_args(args.steps, args.stop_at)
     from detdata.cli.demo_run import build_corpus, replay_check
+
     out = Path(args.out)
     prepare_out(out, clear=False)
     if not (out / "registry").exists():

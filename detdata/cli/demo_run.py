@@ -35,8 +35,11 @@ from detdata.loading.loader import DataLoader
 from detdata.loading.trace import TraceWriter, first_difference, read_trace
 
 #: Three sources, each a sorted list of standard-library packages (byte-tokenised).
-SOURCES: Final = {"stdlib-asyncio": ("asyncio", "concurrent"), "stdlib-email": ("email", "json", "http"),
-                  "stdlib-misc": ("xml", "logging", "unittest")}
+SOURCES: Final = {
+    "stdlib-asyncio": ("asyncio", "concurrent"),
+    "stdlib-email": ("email", "json", "http"),
+    "stdlib-misc": ("xml", "logging", "unittest"),
+}
 WEIGHTS: Final = {"stdlib-asyncio": "0.5", "stdlib-email": "0.3", "stdlib-misc": "0.2"}
 SHARD_TOKENS: Final = 1 << 17
 
@@ -72,14 +75,23 @@ def build_corpus(out: Path) -> dict[str, str]:
         files = _source_files(packages)
         if not files:
             raise ConfigError(f"demo source {name}: no standard-library files found for {packages}")
-        tokens = np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8).astype(np.uint16)
+        tokens = np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8).astype(
+            np.uint16
+        )
         root = out / "data" / name
         root.mkdir(parents=True, exist_ok=True)
         for i in range(0, len(tokens), SHARD_TOKENS):
-            np.save(root / f"shard-{i // SHARD_TOKENS:05d}.npy", tokens[i:i + SHARD_TOKENS])
-        manifest = build_manifest(str(root), pattern="*.npy", progress=False,
-                                  metadata={"tokenizer": "bytes-v1", "description": f"stdlib {packages}",
-                                            "python": sys.version.split()[0]})
+            np.save(root / f"shard-{i // SHARD_TOKENS:05d}.npy", tokens[i : i + SHARD_TOKENS])
+        manifest = build_manifest(
+            str(root),
+            pattern="*.npy",
+            progress=False,
+            metadata={
+                "tokenizer": "bytes-v1",
+                "description": f"stdlib {packages}",
+                "python": sys.version.split()[0],
+            },
+        )
         manifest.save(str(out / "manifests" / f"{name}.json"))
         ids[name] = registry.register(f"demo-{name}@v1", manifest)
     return ids
@@ -87,8 +99,10 @@ def build_corpus(out: Path) -> dict[str, str]:
 
 def make_mixture(out: Path, seq_len: int, seed: int) -> Mixture:
     registry = Registry(str(out / "registry"))
-    sources = {name: TokenWindows(registry.resolve(f"demo-{name}@v1"), seq_len, allow_short_shards=True)
-               for name in SOURCES}
+    sources = {
+        name: TokenWindows(registry.resolve(f"demo-{name}@v1"), seq_len, allow_short_shards=True)
+        for name in SOURCES
+    }
     return Mixture(sources, WEIGHTS, seed=seed)
 
 
@@ -99,15 +113,21 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(256, dim)
         self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(dim, 256)
         self.mask: torch.Tensor
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) + self.pos[: x.shape[1]]
-        out: torch.Tensor = self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+        out: torch.Tensor = self.head(
+            self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        )
         return out
 
 
@@ -125,8 +145,17 @@ def _setup(cfg: RunConfig) -> tuple[TinyGPT, torch.optim.Optimizer, list[DataLoa
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     mixture = make_mixture(Path(cfg.out), cfg.seq_len, cfg.seed)
     micro = cfg.global_batch // cfg.world_size
-    loaders = [DataLoader(mixture, global_batch_size=cfg.global_batch, micro_batch_size=micro, seed=cfg.seed,
-                          rank=r, world_size=cfg.world_size) for r in range(cfg.world_size)]
+    loaders = [
+        DataLoader(
+            mixture,
+            global_batch_size=cfg.global_batch,
+            micro_batch_size=micro,
+            seed=cfg.seed,
+            rank=r,
+            world_size=cfg.world_size,
+        )
+        for r in range(cfg.world_size)
+    ]
     return model, optim, loaders
 
 
@@ -143,8 +172,12 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         state = json.loads((out / "runs" / f"{cfg.tag}.loader.json").read_text())
         for dl in loaders:
             dl.load_state_dict(state)
-    trace = TraceWriter(out / "runs" / f"{cfg.tag}.trace.jsonl", 0, global_batch_size=cfg.global_batch,
-                        samples_per_micro_step=cfg.global_batch)
+    trace = TraceWriter(
+        out / "runs" / f"{cfg.tag}.trace.jsonl",
+        0,
+        global_batch_size=cfg.global_batch,
+        samples_per_micro_step=cfg.global_batch,
+    )
     if cfg.resume:
         trace.restore(loaders[0].samples_consumed)  # the resumed run appends to the same trace
     iters = [iter(dl) for dl in loaders]
@@ -152,8 +185,9 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
     losses = []
     while step < last:
         parts = [next(it) for it in iters]
-        positions = np.concatenate([dl.positions_of_next() - dl.layout.samples_per_micro_step
-                                    for dl in loaders])
+        positions = np.concatenate(
+            [dl.positions_of_next() - dl.layout.samples_per_micro_step for dl in loaders]
+        )
         tokens = torch.cat([p["tokens"] for p in parts]).long()
         trace.add(step * cfg.global_batch, positions, {"tokens": tokens})
         logits = model(tokens[:, :-1])
@@ -167,8 +201,13 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.stop_at is not None:
         torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, ckpt)
         (out / "runs" / f"{cfg.tag}.loader.json").write_text(json.dumps(loaders[0].state_dict()))
-    return {"tag": cfg.tag, "steps": step, "weights_b3": weights_digest(model), "losses": losses,
-            "samples_consumed": loaders[0].samples_consumed}
+    return {
+        "tag": cfg.tag,
+        "steps": step,
+        "weights_b3": weights_digest(model),
+        "losses": losses,
+        "samples_consumed": loaders[0].samples_consumed,
+    }
 
 
 def _spawn(cfg: RunConfig) -> dict[str, Any]:
@@ -179,7 +218,9 @@ def _spawn(cfg: RunConfig) -> dict[str, Any]:
     return result
 
 
-def replay_check(out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234) -> dict[str, Any]:
+def replay_check(
+    out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234
+) -> dict[str, Any]:
     """Three runs in fresh processes; compares final weights and data traces bytewise."""
     if not 0 < stop_at < steps:
         raise ConfigError(f"stop_at must be in (0, {steps}), got {stop_at}")
@@ -192,11 +233,16 @@ def replay_check(out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1
     _spawn(replace(base, tag="C", world_size=2, stop_at=stop_at))
     c = _spawn(replace(base, tag="C", world_size=1, resume=True))
     ta, tb, tc = (read_trace(out / "runs" / f"{t}.trace.jsonl") for t in ("A", "B", "C"))
-    return {"weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
-            "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
-            "first_divergent_step_A_B": first_difference(ta, tb),
-            "first_divergent_step_A_C": first_difference(ta, tc),
-            "steps": steps, "stop_at": stop_at, "final_loss": a["losses"][-1], "first_loss": a["losses"][0]}
+    return {
+        "weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
+        "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
+        "first_divergent_step_A_B": first_difference(ta, tb),
+        "first_divergent_step_A_C": first_difference(ta, tc),
+        "steps": steps,
+        "stop_at": stop_at,
+        "final_loss": a["losses"][-1],
+        "first_loss": a["losses"][0],
+    }
 
 
 def loader_throughput(out: Path, seconds: float = 3.0) -> float:

@@ -49,15 +49,33 @@ COMMAND_MODULES: Final = (
 )
 
 #: OSErrors that mean "this path (given by the user) cannot be used": a usage error.
-_PATH_ERRNOS: Final = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
-                                 errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EROFS})
+_PATH_ERRNOS: Final = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+        errno.EROFS,
+    }
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="detdata", description=__doc__.splitlines()[0] if __doc__ else None,
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--traceback", action="store_true",
-                        help="on an error, show the Python traceback too (for bug reports)")
+    parser = argparse.ArgumentParser(
+        prog="detdata",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on an error, show the Python traceback too (for bug reports)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
@@ -92,7 +110,10 @@ def _report(exc: BaseException) -> int:
     elif isinstance(exc, OSError):
         kind = "storage error" if code == EXIT_STORAGE else "error"
         where = " ".join(repr(f) for f in (exc.filename, exc.filename2) if f is not None)
-        print(f"detdata: {kind}: {where + ': ' if where else ''}{exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"detdata: {kind}: {where + ': ' if where else ''}{exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return code
     else:
         kind = f"internal error ({type(exc).__name__}; a bug in detdata: rerun with --traceback and report it)"

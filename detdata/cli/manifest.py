@@ -50,14 +50,29 @@ def _add_manifest(subparsers: Any) -> None:
     sub.required = True
     build = sub.add_parser("build", help="hash the shards under ROOT into a manifest file")
     build.add_argument("root", metavar="ROOT", help="directory or fsspec URL holding the shards")
-    build.add_argument("--pattern", help="glob relative to ROOT, e.g. '**/*.npy' (default: "
-                       "every file with a known suffix)")
-    build.add_argument("--format", choices=["npy", "bin", "parquet", "arrow"],
-                       help="shard format (default: from the suffix)")
-    build.add_argument("--dtype", help="token dtype of raw .bin shards (uint16, uint32, int32, int64)")
-    build.add_argument("--meta", action="append", type=_meta_item, default=[], metavar="KEY=VALUE",
-                       help="user metadata, part of the id (repeatable)")
-    build.add_argument("-o", "--output", required=True, metavar="FILE", help="manifest file to write")
+    build.add_argument(
+        "--pattern",
+        help="glob relative to ROOT, e.g. '**/*.npy' (default: every file with a known suffix)",
+    )
+    build.add_argument(
+        "--format",
+        choices=["npy", "bin", "parquet", "arrow"],
+        help="shard format (default: from the suffix)",
+    )
+    build.add_argument(
+        "--dtype", help="token dtype of raw .bin shards (uint16, uint32, int32, int64)"
+    )
+    build.add_argument(
+        "--meta",
+        action="append",
+        type=_meta_item,
+        default=[],
+        metavar="KEY=VALUE",
+        help="user metadata, part of the id (repeatable)",
+    )
+    build.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="manifest file to write"
+    )
     build.add_argument("--threads", type=int, default=8, help="parallel hashing threads")
     build.set_defaults(func=_cmd_build)
 
@@ -67,13 +82,17 @@ def check_output_file(path: str, flag: str) -> None:
     if is_url(path):
         return
     if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory; hint: give a file name, e.g. "
-                          f"{os.path.join(path, 'manifest.json')}")
+        raise ConfigError(
+            f"{flag} {path} is a directory; hint: give a file name, e.g. "
+            f"{os.path.join(path, 'manifest.json')}"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder; hint: choose another path")
+        raise ConfigError(
+            f"{flag} {path}: {parent} is a file, not a folder; hint: choose another path"
+        )
 
 
 def _check_local(path: str, what: str, *, folder: bool) -> None:
@@ -83,9 +102,13 @@ def _check_local(path: str, what: str, *, folder: bool) -> None:
     if not os.path.exists(path):
         raise ConfigError(f"{what} {path}: not found; hint: check the path")
     if folder and not os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a file, not a folder; hint: pass the folder holding the shards")
+        raise ConfigError(
+            f"{what} {path} is a file, not a folder; hint: pass the folder holding the shards"
+        )
     if not folder and os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a directory, not a file; hint: pass files, e.g. {path}/*.npy")
+        raise ConfigError(
+            f"{what} {path} is a directory, not a file; hint: pass files, e.g. {path}/*.npy"
+        )
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -96,21 +119,31 @@ def _cmd_build(args: argparse.Namespace) -> int:
         metadata[key] = value
     check_output_file(args.output, "-o")  # before hours of hashing
     if not is_url(args.root) and os.path.isfile(args.root):
-        raise ConfigError(f"ROOT {args.root} is a file, not a folder; hint: pass the folder holding the "
-                          "shards (and --pattern to pick files)")
-    manifest = build_manifest(args.root, pattern=args.pattern, format=args.format, dtype=args.dtype,
-                              metadata=metadata, threads=check_count(args.threads, "--threads"))
+        raise ConfigError(
+            f"ROOT {args.root} is a file, not a folder; hint: pass the folder holding the "
+            "shards (and --pattern to pick files)"
+        )
+    manifest = build_manifest(
+        args.root,
+        pattern=args.pattern,
+        format=args.format,
+        dtype=args.dtype,
+        metadata=metadata,
+        threads=check_count(args.threads, "--threads"),
+    )
     manifest.save(args.output)
     print(manifest.id)
     return 0
 
 
 def _add_verify(subparsers: Any) -> None:
-    parser = subparsers.add_parser("verify", help="check shard bytes against a manifest "
-                                   "(exit 1 on mismatch)")
+    parser = subparsers.add_parser(
+        "verify", help="check shard bytes against a manifest (exit 1 on mismatch)"
+    )
     parser.add_argument("manifest", metavar="MANIFEST", help="manifest file or URL")
-    parser.add_argument("--full", action="store_true", help="re-hash every byte (default: sizes "
-                        "and quick digests)")
+    parser.add_argument(
+        "--full", action="store_true", help="re-hash every byte (default: sizes and quick digests)"
+    )
     parser.add_argument("--root", help="where the shards are now (default: the manifest's root)")
     parser.set_defaults(func=_cmd_verify)
 
@@ -121,13 +154,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.root is not None:
         _check_local(args.root, "--root", folder=True)
     manifest = Manifest.load(args.manifest, root=args.root, verify=mode)
-    print(f"ok {manifest.id} ({len(manifest.shards)} shards, {manifest.total_bytes} bytes, "
-          f"verify={mode.value}, root={manifest.root})")
+    print(
+        f"ok {manifest.id} ({len(manifest.shards)} shards, {manifest.total_bytes} bytes, "
+        f"verify={mode.value}, root={manifest.root})"
+    )
     return 0
 
 
 def _add_hash(subparsers: Any) -> None:
-    parser = subparsers.add_parser("hash", help="print the blake3 of files: 'b3:<hex>  BYTES  PATH'")
+    parser = subparsers.add_parser(
+        "hash", help="print the blake3 of files: 'b3:<hex>  BYTES  PATH'"
+    )
     parser.add_argument("files", nargs="+", metavar="FILE", help="files or URLs")
     parser.set_defaults(func=_cmd_hash)
 
@@ -141,8 +178,11 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 
 def _registry_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--registry", metavar="DIR", help="registry directory or URL (default: "
-                        "$DETDATA_REGISTRY or the user cache dir)")
+    parser.add_argument(
+        "--registry",
+        metavar="DIR",
+        help="registry directory or URL (default: $DETDATA_REGISTRY or the user cache dir)",
+    )
 
 
 def _add_register(subparsers: Any) -> None:
@@ -151,28 +191,38 @@ def _add_register(subparsers: Any) -> None:
     parser.add_argument("name", metavar="NAME", help="name@version, e.g. wiki-en@v3")
     _registry_arg(parser)
     parser.add_argument("--force", action="store_true", help="re-point an existing name")
-    parser.add_argument("--verify", choices=[v.value for v in Verify], default="quick",
-                        help="check the shards before registering (default: quick)")
+    parser.add_argument(
+        "--verify",
+        choices=[v.value for v in Verify],
+        default="quick",
+        help="check the shards before registering (default: quick)",
+    )
     parser.set_defaults(func=_cmd_register)
 
 
 def _check_registry(path: str | None) -> None:
     if path is not None and not is_url(path) and os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--registry {path} is a file, not a folder; hint: a registry is a folder "
-                          "(created if missing): pass a new or existing registry folder")
+        raise ConfigError(
+            f"--registry {path} is a file, not a folder; hint: a registry is a folder "
+            "(created if missing): pass a new or existing registry folder"
+        )
 
 
 def _cmd_register(args: argparse.Namespace) -> int:
     _check_registry(args.registry)
     _check_local(args.manifest, "MANIFEST", folder=False)
-    print(Registry(args.registry).register(args.name, args.manifest, force=args.force,
-                                           verify=args.verify))
+    print(
+        Registry(args.registry).register(
+            args.name, args.manifest, force=args.force, verify=args.verify
+        )
+    )
     return 0
 
 
 def _add_inspect(subparsers: Any) -> None:
-    parser = subparsers.add_parser("inspect", help="print a JSON summary of a manifest "
-                                   "(NAME, ID or FILE; no verification)")
+    parser = subparsers.add_parser(
+        "inspect", help="print a JSON summary of a manifest (NAME, ID or FILE; no verification)"
+    )
     parser.add_argument("target", metavar="NAME|ID|FILE")
     _registry_arg(parser)
     parser.set_defaults(func=_cmd_inspect)
@@ -199,17 +249,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _summary(manifest: Manifest, target: str, source: str) -> dict[str, Any]:
     formats = sorted({s.format.value for s in manifest.shards})
-    return {"target": target, "source": source, "id": manifest.id, "root": manifest.root,
-            "num_shards": len(manifest.shards), "num_samples": manifest.num_samples,
-            "total_bytes": manifest.total_bytes, "formats": formats,
-            "metadata": dict(manifest.metadata),
-            "shards": [s.path for s in manifest.shards[:5]]
-            + (["..."] if len(manifest.shards) > 5 else [])}
+    return {
+        "target": target,
+        "source": source,
+        "id": manifest.id,
+        "root": manifest.root,
+        "num_shards": len(manifest.shards),
+        "num_samples": manifest.num_samples,
+        "total_bytes": manifest.total_bytes,
+        "formats": formats,
+        "metadata": dict(manifest.metadata),
+        "shards": [s.path for s in manifest.shards[:5]]
+        + (["..."] if len(manifest.shards) > 5 else []),
+    }
 
 
 def _add_order(subparsers: Any) -> None:
-    parser = subparsers.add_parser("order", help="print the sample ids at global positions "
-                                   "AT .. AT+COUNT-1 (one per line)")
+    parser = subparsers.add_parser(
+        "order", help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)"
+    )
     parser.add_argument("--n", type=int, required=True, help="number of samples")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--at", type=int, required=True, metavar="G", help="first global position")

@@ -37,7 +37,9 @@ class CountDataset:
 
     def __init__(self, num_samples: int, *, name: str) -> None:
         if isinstance(num_samples, int) and num_samples == 0:
-            raise ConfigError(f"source {name!r} is empty (num_samples == 0); hint: drop it from the config")
+            raise ConfigError(
+                f"source {name!r} is empty (num_samples == 0); hint: drop it from the config"
+            )
         self._n = check_count(num_samples, f"source {name!r} num_samples")
         self.name = name
 
@@ -50,8 +52,10 @@ class CountDataset:
         return {}
 
     def read(self, ids: IntArray) -> Batch:
-        raise ConfigError(f"source {self.name!r} is described by num_samples only and has no data to read; "
-                          f"hint: build the Mixture over real datasets to fetch samples")
+        raise ConfigError(
+            f"source {self.name!r} is described by num_samples only and has no data to read; "
+            f"hint: build the Mixture over real datasets to fetch samples"
+        )
 
     def identity(self) -> dict[str, Any]:
         return {"type": "count", "num_samples": self._n}
@@ -74,7 +78,9 @@ def load_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"mix config {path!r} must be a JSON object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - _CONFIG_KEYS)
     if unknown:
-        raise ConfigError(f"mix config {path!r}: unknown key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}")
+        raise ConfigError(
+            f"mix config {path!r}: unknown key(s) {unknown}; known: {sorted(_CONFIG_KEYS)}"
+        )
     return doc
 
 
@@ -88,13 +94,20 @@ def mixture_from_config(doc: Mapping[str, Any]) -> Mixture:
     datasets = {}
     for name, spec in sources.items():
         if not isinstance(spec, dict) or set(spec) != {"num_samples"}:
-            raise ConfigError(f"mix config source {name!r} must be {{\"num_samples\": int}}, got {spec!r:.80}")
+            raise ConfigError(
+                f'mix config source {name!r} must be {{"num_samples": int}}, got {spec!r:.80}'
+            )
         datasets[name] = CountDataset(spec["num_samples"], name=name)
     allow_zero = doc.get("allow_zero", False)
     if not isinstance(allow_zero, bool):
         raise ConfigError(f"mix config 'allow_zero' must be true or false, got {allow_zero!r}")
-    return Mixture(datasets, doc.get("weights"), seed=doc["seed"], schedule=doc.get("schedule"),
-                   allow_zero=allow_zero)
+    return Mixture(
+        datasets,
+        doc.get("weights"),
+        seed=doc["seed"],
+        schedule=doc.get("schedule"),
+        allow_zero=allow_zero,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,17 +121,25 @@ def run(args: argparse.Namespace) -> int:
     for start in range(at, at + count, _CHUNK):
         positions = np.arange(start, min(start + _CHUNK, at + count), dtype=np.int64)
         src, index, ids = mixture.locate(positions)
-        out.write("".join(f"{g}\t{names[s]}\t{i}\t{d}\n"
-                          for g, s, i, d in zip(positions.tolist(), src.tolist(), index.tolist(),
-                                                ids.tolist(), strict=True)))
+        out.write(
+            "".join(
+                f"{g}\t{names[s]}\t{i}\t{d}\n"
+                for g, s, i, d in zip(
+                    positions.tolist(), src.tolist(), index.tolist(), ids.tolist(), strict=True
+                )
+            )
+        )
     return 0
 
 
 def register(subparsers: Any) -> None:
     """Add the ``mix`` sub-command."""
     parser = subparsers.add_parser(
-        "mix", help="show the source, index in source and sample id of global positions of a mixture",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "mix",
+        help="show the source, index in source and sample id of global positions of a mixture",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", required=True, help="mix config JSON file")
     parser.add_argument("--at", type=int, default=0, help="first global position (default 0)")
     parser.add_argument("--count", type=int, default=16, help="number of positions (default 16)")

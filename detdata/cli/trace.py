@@ -28,23 +28,39 @@ def steps_window(text: str) -> tuple[int, int | None]:
         start = int(lo) if lo.strip() else 0
         stop = (int(hi) if hi.strip() else None) if sep else start + 1
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B (integers, steps A..B-1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected A:B (integers, steps A..B-1), got {text!r}"
+        ) from None
     if start < 0 or (stop is not None and stop <= start):
         raise argparse.ArgumentTypeError(f"expected 0 <= A < B in A:B, got {text!r}")
     return start, stop
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("diff", help="compare two loader traces (JSONL) or, with --state, two loader "
-                       "states; exit 1 at the first difference", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("a", help="trace A (JSONL written by DataLoader(trace=...)); with --state, a "
-                   "loader state JSON file (json.dump(loader.state_dict()))")
+    p = sub.add_parser(
+        "diff",
+        help="compare two loader traces (JSONL) or, with --state, two loader "
+        "states; exit 1 at the first difference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "a",
+        help="trace A (JSONL written by DataLoader(trace=...)); with --state, a "
+        "loader state JSON file (json.dump(loader.state_dict()))",
+    )
     p.add_argument("b", help="trace B (or state B)")
-    p.add_argument("--steps", type=steps_window, metavar="A:B",
-                   help="compare only global steps A..B-1 (A: and :B open-ended; S alone: one step)")
-    p.add_argument("--state", action="store_true", help="A and B are loader states: report each "
-                   "differing field")
+    p.add_argument(
+        "--steps",
+        type=steps_window,
+        metavar="A:B",
+        help="compare only global steps A..B-1 (A: and :B open-ended; S alone: one step)",
+    )
+    p.add_argument(
+        "--state",
+        action="store_true",
+        help="A and B are loader states: report each differing field",
+    )
     p.set_defaults(func=run_diff)
 
 
@@ -57,8 +73,10 @@ def run_diff(args: argparse.Namespace) -> int:
     result = compare(read_trace(args.a), read_trace(args.b), start=start, stop=stop)
     window = "" if args.steps is None else f" in steps {start}:{'' if stop is None else stop}"
     if result.steps_compared == 0 and result.first is None:
-        raise ConfigError(f"nothing to compare: neither {args.a} nor {args.b} holds a record{window}; "
-                          "hint: check the paths (rank r > 0 writes PATH.rank<r>) and --steps")
+        raise ConfigError(
+            f"nothing to compare: neither {args.a} nor {args.b} holds a record{window}; "
+            "hint: check the paths (rank r > 0 writes PATH.rank<r>) and --steps"
+        )
     if result.first is None:
         print(f"identical: {result.steps_compared} steps{window}")
         return 0
@@ -75,8 +93,10 @@ def _print_difference(result: Comparison, window: str) -> None:
     for other in result.findings[1:]:
         if other.step == first.step:
             print(f"also at step {other.step} (rank {other.rank}): {other.reason}")
-    print(f"steps compared{window}: {result.steps_compared}; steps with a difference: "
-          f"{result.steps_differing}")
+    print(
+        f"steps compared{window}: {result.steps_compared}; steps with a difference: "
+        f"{result.steps_differing}"
+    )
 
 
 # ------------------------------------------------------------------ states
@@ -97,13 +117,17 @@ def _load_state(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"state file {path} is not UTF-8 text (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"state file {path} is not valid JSON ({exc}); hint: write it with "
-                          "json.dump(loader.state_dict(), f)") from None
+        raise ConfigError(
+            f"state file {path} is not valid JSON ({exc}); hint: write it with "
+            "json.dump(loader.state_dict(), f)"
+        ) from None
     if not isinstance(doc, dict) or doc.get(K_KIND) != KIND:
         found = doc.get(K_KIND) if isinstance(doc, dict) else type(doc).__name__
-        raise ConfigError(f"state file {path} is not a detdata loader state (field {K_KIND!r} is "
-                          f"{found!r}, expected {KIND!r}); hint: write it with "
-                          "json.dump(loader.state_dict(), f)")
+        raise ConfigError(
+            f"state file {path} is not a detdata loader state (field {K_KIND!r} is "
+            f"{found!r}, expected {KIND!r}); hint: write it with "
+            "json.dump(loader.state_dict(), f)"
+        )
     return doc
 
 
@@ -143,12 +167,17 @@ def diff_states(path_a: str, path_b: str) -> int:
     """Print each field that differs between two saved loader states; 1 if any, else 0."""
     a, b = dict(_flat(_load_state(path_a))), dict(_flat(_load_state(path_b)))
     keys = sorted(set(a) | set(b))
-    differing = [k for k in keys if a.get(k, _ABSENT) != b.get(k, _ABSENT)
-                 or type(a.get(k)) is not type(b.get(k))]
+    differing = [
+        k
+        for k in keys
+        if a.get(k, _ABSENT) != b.get(k, _ABSENT) or type(a.get(k)) is not type(b.get(k))
+    ]
     if not differing:
         print(f"identical: {len(keys)} state fields")
         return 0
     print(f"state fields differ: {len(differing)} of {len(keys)} (A {path_a}, B {path_b})")
     for key in differing:
-        print(f"{key}: A {_shown(a.get(key, _ABSENT))} | B {_shown(b.get(key, _ABSENT))}{_role(key)}")
+        print(
+            f"{key}: A {_shown(a.get(key, _ABSENT))} | B {_shown(b.get(key, _ABSENT))}{_role(key)}"
+        )
     return 1

@@ -51,11 +51,14 @@ def check_ids(ids: npt.ArrayLike, num_samples: int, what: str) -> IntArray:
     """``ids`` as a 1-D int64 array, every value in ``[0, num_samples)``."""
     arr = np.asarray(ids)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ConfigError(f"{what}: ids must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+        raise ConfigError(
+            f"{what}: ids must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
+        )
     arr = arr.astype(np.int64, copy=False)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_samples):
-        raise ConfigError(f"{what}: ids must be in [0, {num_samples}), found "
-                          f"[{int(arr.min())}, {int(arr.max())}]")
+        raise ConfigError(
+            f"{what}: ids must be in [0, {num_samples}), found [{int(arr.min())}, {int(arr.max())}]"
+        )
     return arr
 
 
@@ -76,9 +79,12 @@ class ArrayDataset:
         if self._n == 0:
             raise ConfigError(f"ArrayDataset {name!r} is empty")
         self.name = name
-        self._digest = digest_bytes(b"".join(_framed(k.encode(), v.dtype.str.encode(),
-                                                     str(v.shape).encode(), _content(v))
-                                             for k, v in sorted(self.columns.items())))
+        self._digest = digest_bytes(
+            b"".join(
+                _framed(k.encode(), v.dtype.str.encode(), str(v.shape).encode(), _content(v))
+                for k, v in sorted(self.columns.items())
+            )
+        )
 
     @property
     def num_samples(self) -> int:
@@ -123,8 +129,10 @@ def _content(column: np.ndarray) -> bytes:
         elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
             parts.append(f"{type(value).__name__}:{value!r}".encode())
         else:
-            raise FormatError(f"ArrayDataset: object column holds a {type(value).__name__}; only numeric "
-                              "arrays, str, bytes, numbers and None can be digested; hint: convert it")
+            raise FormatError(
+                f"ArrayDataset: object column holds a {type(value).__name__}; only numeric "
+                "arrays, str, bytes, numbers and None can be digested; hint: convert it"
+            )
         parts.append(b"\0")
     return b"".join(parts)
 
@@ -137,4 +145,3 @@ def _owned(column: np.ndarray) -> np.ndarray:
     for i, value in enumerate(column.flat):
         out.flat[i] = value.copy() if isinstance(value, np.ndarray) else value
     return out
-

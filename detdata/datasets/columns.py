@@ -117,8 +117,13 @@ def _position(positions: Sequence[int] | npt.NDArray[np.int64], i: int) -> str:
     return f"position {int(positions[i])}" if i < len(positions) else f"sample {i} of the batch"
 
 
-def restack(values: Sequence[Any], column: str, positions: Sequence[int] | npt.NDArray[np.int64],
-            *, ragged: bool = False) -> Array:
+def restack(
+    values: Sequence[Any],
+    column: str,
+    positions: Sequence[int] | npt.NDArray[np.int64],
+    *,
+    ragged: bool = False,
+) -> Array:
     """One batch column from the per-sample values a transform returned for ``column``.
 
     * str / bytes (or None) values: an object array of them (bytes keep trailing
@@ -137,24 +142,30 @@ def restack(values: Sequence[Any], column: str, positions: Sequence[int] | npt.N
         return _objects(values)
     if any(texts):
         i = texts.index(not texts[0])
-        raise ConfigError(f"transform output {column!r}: {_position(positions, i)} gives "
-                          f"{_element_kind(values[i])}, {_position(positions, 0)} gives "
-                          f"{_element_kind(values[0])}; hint: return one kind of value per key")
+        raise ConfigError(
+            f"transform output {column!r}: {_position(positions, i)} gives "
+            f"{_element_kind(values[i])}, {_position(positions, 0)} gives "
+            f"{_element_kind(values[0])}; hint: return one kind of value per key"
+        )
     arrays = [np.asarray(v) for v in values]
     first = arrays[0]
     for i, arr in enumerate(arrays):
         if arr.dtype != first.dtype:
-            raise ConfigError(f"transform output {column!r}: {_position(positions, i)} gives "
-                              f"{arr.dtype}, {_position(positions, 0)} gives {first.dtype}; hint: "
-                              "cast in the transform, e.g. np.asarray(value, dtype=np.int64)")
+            raise ConfigError(
+                f"transform output {column!r}: {_position(positions, i)} gives "
+                f"{arr.dtype}, {_position(positions, 0)} gives {first.dtype}; hint: "
+                "cast in the transform, e.g. np.asarray(value, dtype=np.int64)"
+            )
     if ragged and all(a.ndim == 1 for a in arrays):
         return _objects(arrays)
     for i, arr in enumerate(arrays):
         if arr.shape != first.shape:
-            raise ConfigError(f"transform output {column!r}: {_position(positions, i)} has shape "
-                              f"{arr.shape}, {_position(positions, 0)} has {first.shape}; only a "
-                              "column that is ragged in the dataset (TableRows ragged=) stays "
-                              "ragged; hint: pad or cut to one shape in the transform")
+            raise ConfigError(
+                f"transform output {column!r}: {_position(positions, i)} has shape "
+                f"{arr.shape}, {_position(positions, 0)} has {first.shape}; only a "
+                "column that is ragged in the dataset (TableRows ragged=) stays "
+                "ragged; hint: pad or cut to one shape in the transform"
+            )
     return np.stack(arrays)
 
 
@@ -200,10 +211,12 @@ def _convert(value: Any, name: str) -> Any:
 
 def _refuse(name: str, found: str) -> ConfigError:
     column = f"column {name!r}" if name else "the batch"
-    return ConfigError(f"{column}: the default collate turns numbers, bools, fixed-width lists, "
-                       "ragged lists (into lists of tensors), strings, binary and timestamps into "
-                       f"torch objects, not {found} values; hint: pass collate_fn= to build the "
-                       "batch yourself (or drop the column via TableRows columns=)")
+    return ConfigError(
+        f"{column}: the default collate turns numbers, bools, fixed-width lists, "
+        "ragged lists (into lists of tensors), strings, binary and timestamps into "
+        f"torch objects, not {found} values; hint: pass collate_fn= to build the "
+        "batch yourself (or drop the column via TableRows columns=)"
+    )
 
 
 def _tensor(arr: Array) -> torch.Tensor:

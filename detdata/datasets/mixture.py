@@ -48,6 +48,7 @@ from detdata.order.mixture import (
 # Re-exported from detdata.order.mixture for old importers (temporary): BLOCK,
 # MAX_TOTAL_WEIGHT, Phase, ScheduleLike, WeightLike, normalize_weights, source_seed, to_fraction.
 
+
 # ------------------------------------------------------------------ the stream
 class Mixture:
     """Several datasets mixed with exact, seeded, resumable proportions (``mixture-v1``).
@@ -69,30 +70,52 @@ class Mixture:
 
     algorithm: Final = ALGORITHM
 
-    def __init__(self, sources: Mapping[str, Dataset], weights: Mapping[str, WeightLike] | None = None,
-                 *, seed: int, schedule: ScheduleLike | None = None, allow_zero: bool = False) -> None:
+    def __init__(
+        self,
+        sources: Mapping[str, Dataset],
+        weights: Mapping[str, WeightLike] | None = None,
+        *,
+        seed: int,
+        schedule: ScheduleLike | None = None,
+        allow_zero: bool = False,
+    ) -> None:
         self.seed = check_seed(seed)
         self.sources = _check_sources(sources)
         self.source_names: tuple[str, ...] = tuple(self.sources)
         self.allow_zero = bool(allow_zero)
         if (weights is None) == (schedule is None):
-            raise ConfigError("Mixture needs exactly one of weights={...} or schedule=[(0, {...}), ...]")
+            raise ConfigError(
+                "Mixture needs exactly one of weights={...} or schedule=[(0, {...}), ...]"
+            )
         raw = [(0, weights)] if weights is not None else check_schedule(schedule)
-        ints = [normalize_weights(w, self.source_names, allow_zero=self.allow_zero,
-                                  where="weights" if schedule is None else f"schedule[{i}] weights")
-                for i, (_, w) in enumerate(raw)]
+        ints = [
+            normalize_weights(
+                w,
+                self.source_names,
+                allow_zero=self.allow_zero,
+                where="weights" if schedule is None else f"schedule[{i}] weights",
+            )
+            for i, (_, w) in enumerate(raw)
+        ]
         self._schedule = Schedule.build(self.seed, [s for s, _ in raw], ints)
         self.phases: tuple[Phase, ...] = self._schedule.phases
         self.source_seeds = {n: source_seed(self.seed, n) for n in self.source_names}
-        self.orders = {n: GlobalOrder(self.sources[n].num_samples, self.source_seeds[n])
-                       for n in self.source_names}
+        self.orders = {
+            n: GlobalOrder(self.sources[n].num_samples, self.source_seeds[n])
+            for n in self.source_names
+        }
         self.columns: dict[str, str] = _common_columns(self.sources)
         self._memo = ChunkMemo(self.locate)
 
     def __repr__(self) -> str:
-        weights = {n: rational(f) for n, f in zip(self.source_names, self.phases[0].fractions(), strict=True)}
-        return (f"Mixture(sources={list(self.source_names)}, weights={weights}, seed={self.seed}, "
-                f"phases={len(self.phases)}, algorithm={ALGORITHM!r})")
+        weights = {
+            n: rational(f)
+            for n, f in zip(self.source_names, self.phases[0].fractions(), strict=True)
+        }
+        return (
+            f"Mixture(sources={list(self.source_names)}, weights={weights}, seed={self.seed}, "
+            f"phases={len(self.phases)}, algorithm={ALGORITHM!r})"
+        )
 
     # -------------------------------------------------------------- mapping
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
@@ -140,8 +163,9 @@ class Mixture:
             parts = {s: self.sources[self.source_names[s]].read(ids[rows]) for s, rows in runs}
         return self._assemble(src.size, runs, parts)
 
-    def _assemble(self, size: int, runs: Sequence[tuple[int, IntArray | None]],
-                  parts: Mapping[int, Batch]) -> Batch:
+    def _assemble(
+        self, size: int, runs: Sequence[tuple[int, IntArray | None]], parts: Mapping[int, Batch]
+    ) -> Batch:
         """One new output array per column, each source's rows scattered to its positions
         (``rows`` of a run; None: all of them). Every part must hold exactly the columns
         `columns` found at construction (`FormatError` naming the source otherwise), so
@@ -163,16 +187,20 @@ class Mixture:
 
     def _check_part(self, name: str, batch: Batch) -> None:
         if set(batch) != set(self.columns):
-            raise FormatError(f"Mixture source {name!r} read columns {sorted(batch)}, but the "
-                              f"sources were found at construction to have {sorted(self.columns)}; "
-                              "hint: a dataset's read must always return the same columns")
+            raise FormatError(
+                f"Mixture source {name!r} read columns {sorted(batch)}, but the "
+                f"sources were found at construction to have {sorted(self.columns)}; "
+                "hint: a dataset's read must always return the same columns"
+            )
         for col, expected in self.columns.items():
             found = describe_column(batch[col])
             if not same_kind(found, expected):
-                raise FormatError(f"Mixture source {name!r} column {col!r}: read gave {found}, "
-                                  f"but the sources were found at construction to give {expected}; "
-                                  "hint: a dataset's read must always give one dtype and shape "
-                                  "per column")
+                raise FormatError(
+                    f"Mixture source {name!r} column {col!r}: read gave {found}, "
+                    f"but the sources were found at construction to give {expected}; "
+                    "hint: a dataset's read must always give one dtype and shape "
+                    "per column"
+                )
 
     def consumed(self, position: int) -> dict[str, int]:
         """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""
@@ -184,7 +212,9 @@ class Mixture:
 
     def weights_at(self, position: int) -> dict[str, Fraction]:
         """The exact proportions ``p_s`` in effect at global ``position``."""
-        return dict(zip(self.source_names, self._schedule.phase_at(position).fractions(), strict=True))
+        return dict(
+            zip(self.source_names, self._schedule.phase_at(position).fractions(), strict=True)
+        )
 
     # -------------------------------------------------------------- identity
     def schedule_json(self) -> list[list[Any]]:
@@ -193,9 +223,14 @@ class Mixture:
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning sources, seed, schedule and algorithms."""
-        return {"type": "mixture", "algorithm": ALGORITHM, "seed": self.seed,
-                "sources": {n: self.sources[n].identity() for n in self.source_names},
-                "schedule": self.schedule_json(), "source_order_algorithm": ORDER_ALGORITHM}
+        return {
+            "type": "mixture",
+            "algorithm": ALGORITHM,
+            "seed": self.seed,
+            "sources": {n: self.sources[n].identity() for n in self.source_names},
+            "schedule": self.schedule_json(),
+            "source_order_algorithm": ORDER_ALGORITHM,
+        }
 
     def fingerprint(self) -> str:
         """``b3:<hex>`` of the canonical JSON (sorted keys, no whitespace, UTF-8) of `identity`."""
@@ -215,12 +250,17 @@ class Mixture:
         saved = _SavedMixture.parse(saved_identity)
         diffs = saved.differences(self)
         if diffs:
-            raise ConfigError("cannot continue the saved mixture: " + "; ".join(diffs)
-                              + "; hint: continue_from only changes weights")
+            raise ConfigError(
+                "cannot continue the saved mixture: "
+                + "; ".join(diffs)
+                + "; hint: continue_from only changes weights"
+            )
         phases = continue_schedule(saved.schedule, self._schedule.proportions(), position)
         schedule = [(s, dict(zip(self.source_names, w, strict=True))) for s, w in phases]
         zero = any(f == 0 for _, w in schedule for f in w.values())
-        return Mixture(self.sources, seed=self.seed, schedule=schedule, allow_zero=zero or self.allow_zero)
+        return Mixture(
+            self.sources, seed=self.seed, schedule=schedule, allow_zero=zero or self.allow_zero
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,14 +276,22 @@ class _SavedMixture:
     @classmethod
     def parse(cls, doc: Mapping[str, Any]) -> _SavedMixture:
         if not isinstance(doc, Mapping) or doc.get("type") != "mixture":
-            raise ConfigError(f"saved identity is not a mixture identity (type {doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})")
+            raise ConfigError(
+                f"saved identity is not a mixture identity (type {doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})"
+            )
         sources = doc.get("sources")
         schedule = doc.get("schedule")
         if not isinstance(sources, Mapping) or not isinstance(schedule, list) or not schedule:
-            raise ConfigError("saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)")
-        return cls(seed=doc.get("seed"), algorithm=doc.get("algorithm"),
-                   order_algorithm=doc.get("source_order_algorithm"), sources=sources,
-                   schedule=schedule_from_json(schedule, sorted(sources)))
+            raise ConfigError(
+                "saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)"
+            )
+        return cls(
+            seed=doc.get("seed"),
+            algorithm=doc.get("algorithm"),
+            order_algorithm=doc.get("source_order_algorithm"),
+            sources=sources,
+            schedule=schedule_from_json(schedule, sorted(sources)),
+        )
 
     def differences(self, mixture: Mixture) -> list[str]:
         """Human-readable differences that forbid continuing into ``mixture``."""
@@ -251,7 +299,9 @@ class _SavedMixture:
         if self.algorithm != ALGORITHM:
             diffs.append(f"algorithm: saved {self.algorithm!r}, now {ALGORITHM!r}")
         if self.order_algorithm != ORDER_ALGORITHM:
-            diffs.append(f"source_order_algorithm: saved {self.order_algorithm!r}, now {ORDER_ALGORITHM!r}")
+            diffs.append(
+                f"source_order_algorithm: saved {self.order_algorithm!r}, now {ORDER_ALGORITHM!r}"
+            )
         if self.seed != mixture.seed:
             diffs.append(f"seed: saved {self.seed!r}, now {mixture.seed}")
         saved_names, names = set(self.sources), set(mixture.source_names)
@@ -261,16 +311,19 @@ class _SavedMixture:
             diffs.append(f"sources added: {sorted(names - saved_names)}")
         for n in sorted(saved_names & names):
             if self.sources[n] != mixture.sources[n].identity():
-                diffs.append(f"source {n!r} identity differs: saved {self.sources[n]!r:.120}, "
-                             f"now {mixture.sources[n].identity()!r:.120}")
+                diffs.append(
+                    f"source {n!r} identity differs: saved {self.sources[n]!r:.120}, "
+                    f"now {mixture.sources[n].identity()!r:.120}"
+                )
         return diffs
 
 
 # ------------------------------------------------------------------ validation
 def _check_sources(sources: object) -> dict[str, Dataset]:
     if not isinstance(sources, Mapping) or not sources:
-        raise ConfigError("Mixture needs a non-empty mapping of source name -> dataset, got "
-                          f"{sources!r:.80}")
+        raise ConfigError(
+            f"Mixture needs a non-empty mapping of source name -> dataset, got {sources!r:.80}"
+        )
     for name in sources:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Mixture source names must be non-empty strings, got {name!r}")
@@ -278,8 +331,10 @@ def _check_sources(sources: object) -> dict[str, Dataset]:
     for name in sorted(sources):
         data = sources[name]
         if not isinstance(data, Dataset):
-            raise ConfigError(f"Mixture source {name!r}: expected a Dataset (num_samples, read, identity), "
-                              f"got {type(data).__name__}")
+            raise ConfigError(
+                f"Mixture source {name!r}: expected a Dataset (num_samples, read, identity), "
+                f"got {type(data).__name__}"
+            )
         n = data.num_samples
         if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) == 0:
             raise ConfigError(f"Mixture source {name!r} is empty (num_samples == 0); hint: drop it")
@@ -297,7 +352,8 @@ def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
     if callable(schema):
         found = schema()
         if isinstance(found, Mapping) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+            isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+        ):
             return dict(found)
     try:
         batch = dataset.read(np.zeros(1, dtype=np.int64))
@@ -305,8 +361,10 @@ def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
         exc.add_note(f"(while reading sample 0 of Mixture source {name!r} to learn its columns)")
         raise
     if not isinstance(batch, Mapping):
-        raise ConfigError(f"Mixture source {name!r}: read must return a mapping of column -> "
-                          f"array, got {type(batch).__name__}")
+        raise ConfigError(
+            f"Mixture source {name!r}: read must return a mapping of column -> "
+            f"array, got {type(batch).__name__}"
+        )
     return {str(k): describe_column(v) for k, v in batch.items()}
 
 
@@ -319,18 +377,23 @@ def _common_columns(sources: Mapping[str, Dataset]) -> dict[str, str]:
     problems = []
     for name in others:
         cols = found[name]
-        diffs = [f"column {c!r}: {first!r} gives {ref.get(c, 'nothing')}, {name!r} gives "
-                 f"{cols.get(c, 'nothing')}"
-                 for c in dict.fromkeys([*ref, *cols])
-                 if c not in ref or c not in cols or not same_kind(ref[c], cols[c])]
+        diffs = [
+            f"column {c!r}: {first!r} gives {ref.get(c, 'nothing')}, {name!r} gives "
+            f"{cols.get(c, 'nothing')}"
+            for c in dict.fromkeys([*ref, *cols])
+            if c not in ref or c not in cols or not same_kind(ref[c], cols[c])
+        ]
         if diffs:
             problems.append(f"sources {first!r} and {name!r}: " + "; ".join(diffs))
         else:  # keep the most specific description ('str' over 'object': all None so far)
             ref = {c: cols[c] if t == "object" else t for c, t in ref.items()}
     if problems:
-        raise FormatError("Mixture sources deliver different columns (a batch would change dtype "
-                          "or shape with the sources it draws from, or fail mid-run): "
-                          + " | ".join(problems) + "; hint: make every source deliver the same "
-                          "columns with the same dtype and shape (TokenWindows out_dtype= and "
-                          "seq_len=, TableRows columns=)")
+        raise FormatError(
+            "Mixture sources deliver different columns (a batch would change dtype "
+            "or shape with the sources it draws from, or fail mid-run): "
+            + " | ".join(problems)
+            + "; hint: make every source deliver the same "
+            "columns with the same dtype and shape (TokenWindows out_dtype= and "
+            "seq_len=, TableRows columns=)"
+        )
     return ref

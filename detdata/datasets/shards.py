@@ -48,9 +48,14 @@ H = TypeVar("H")
 T = TypeVar("T")
 
 
-def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: str | None,
-                     storage_options: Mapping[str, Any],
-                     retry: RetryPolicy | None = None) -> Manifest:
+def resolve_manifest(
+    manifest: Manifest | str,
+    *,
+    verify: str | Verify,
+    root: str | None,
+    storage_options: Mapping[str, Any],
+    retry: RetryPolicy | None = None,
+) -> Manifest:
     """A verified `Manifest` from an object or a path/URL.
 
     A path is loaded with ``Manifest.load(path, root=root, verify=verify)``; a
@@ -60,7 +65,9 @@ def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: st
     if isinstance(manifest, str):
         return Manifest.load(manifest, root=root, verify=verify, retry=retry, **storage_options)
     if not isinstance(manifest, Manifest):
-        raise ConfigError(f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}")
+        raise ConfigError(
+            f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}"
+        )
     if root is not None:
         manifest = manifest.with_root(root)
     if manifest.root is None:
@@ -72,31 +79,40 @@ def resolve_manifest(manifest: Manifest | str, *, verify: str | Verify, root: st
 def check_cache_verify(value: object) -> str:
     """``cache_verify``: how a cached shard copy is re-checked on open (``quick`` or ``full``)."""
     if value not in ("quick", "full"):
-        raise ConfigError(f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
-                          f"the whole copy on open), got {value!r}")
+        raise ConfigError(
+            f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
+            f"the whole copy on open), got {value!r}"
+        )
     return str(value)
 
 
-def check_cache_args(cache_dir: str | os.PathLike[str] | None,
-                     shard_cache_bytes: int | None) -> tuple[str | None, int]:
+def check_cache_args(
+    cache_dir: str | os.PathLike[str] | None, shard_cache_bytes: int | None
+) -> tuple[str | None, int]:
     """``(cache_dir as str or None, shard_cache_bytes)``; `ConfigError` for bad values.
 
     ``shard_cache_bytes`` defaults to `DEFAULT_SHARD_CACHE_BYTES` and needs ``cache_dir``.
     """
     if cache_dir is None:
         if shard_cache_bytes is not None:
-            raise ConfigError("shard_cache_bytes was given without cache_dir; hint: pass "
-                              "cache_dir='/local/dir' to cache remote shards")
+            raise ConfigError(
+                "shard_cache_bytes was given without cache_dir; hint: pass "
+                "cache_dir='/local/dir' to cache remote shards"
+            )
         return None, DEFAULT_SHARD_CACHE_BYTES
     if not isinstance(cache_dir, (str, os.PathLike)):
         raise ConfigError(f"cache_dir must be a local directory path, got {cache_dir!r}")
-    size = DEFAULT_SHARD_CACHE_BYTES if shard_cache_bytes is None else check_positive_int(
-        shard_cache_bytes, "shard_cache_bytes")
+    size = (
+        DEFAULT_SHARD_CACHE_BYTES
+        if shard_cache_bytes is None
+        else check_positive_int(shard_cache_bytes, "shard_cache_bytes")
+    )
     return os.fspath(cache_dir), size
 
 
-def renamed_argument(new_value: T | None, old_value: T | None, *, new: str, old: str,
-                     owner: str) -> T | None:
+def renamed_argument(
+    new_value: T | None, old_value: T | None, *, new: str, old: str, owner: str
+) -> T | None:
     """The value of argument ``new`` given under either name (None: neither given).
 
     ``old`` is its deprecated spelling: passing it emits a `DeprecationWarning` naming
@@ -107,8 +123,9 @@ def renamed_argument(new_value: T | None, old_value: T | None, *, new: str, old:
         return new_value
     if new_value is not None:
         raise ConfigError(f"{owner}: {old}= is the deprecated name of {new}=; pass {new}= only")
-    warnings.warn(f"{owner}({old}=...) is deprecated; use {new}=... instead", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"{owner}({old}=...) is deprecated; use {new}=... instead", DeprecationWarning, stacklevel=3
+    )
     return old_value
 
 
@@ -119,8 +136,12 @@ def check_not_truncated(name: str, path: str, expected: int, found: int) -> None
             f"shard {name} ({path}): the file was truncated while this run read it: the "
             f"manifest says {expected} bytes, the file now has {found}; reading on would "
             "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
-            "and resume from the last saved state", shard=name, field="bytes",
-            expected=expected, found=found)
+            "and resume from the last saved state",
+            shard=name,
+            field="bytes",
+            expected=expected,
+            found=found,
+        )
 
 
 class ShardReader(ProcessLocal):
@@ -132,18 +153,38 @@ class ShardReader(ProcessLocal):
     """
 
     # pickling: parameters and manifest only, no file system, caches or handles
-    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_fs", "_root_path", "_pid", "_shard_cache", "_copy_files", "_sizes")
+    _TRANSIENT: ClassVar[tuple[str, ...]] = (
+        "_fs",
+        "_root_path",
+        "_pid",
+        "_shard_cache",
+        "_copy_files",
+        "_sizes",
+    )
 
-    def __init__(self, manifest: Manifest | str, *, verify: str | Verify, root: str | None,
-                 storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None,
-                 cache_dir: str | os.PathLike[str] | None, shard_cache_bytes: int | None,
-                 cache_verify: str) -> None:
+    def __init__(
+        self,
+        manifest: Manifest | str,
+        *,
+        verify: str | Verify,
+        root: str | None,
+        storage_options: Mapping[str, Any] | None,
+        retry: RetryPolicy | None,
+        cache_dir: str | os.PathLike[str] | None,
+        shard_cache_bytes: int | None,
+        cache_verify: str,
+    ) -> None:
         self.storage_options = dict(storage_options or {})
         self.retry = check_policy(retry)
         self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
         self.cache_verify = check_cache_verify(cache_verify)
-        self.manifest = resolve_manifest(manifest, verify=verify, root=root,
-                                         storage_options=self.storage_options, retry=self.retry)
+        self.manifest = resolve_manifest(
+            manifest,
+            verify=verify,
+            root=root,
+            storage_options=self.storage_options,
+            retry=self.retry,
+        )
 
     def _build_index(self) -> None:
         self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
@@ -187,8 +228,12 @@ class ShardReader(ProcessLocal):
         if self._pid != os.getpid():
             self._reset_process_state()
         if self._shard_cache is None:
-            self._shard_cache = ShardCache(self.cache_dir, self.shard_cache_bytes, retry=self.retry,
-                                           verify_on_open=self.cache_verify)
+            self._shard_cache = ShardCache(
+                self.cache_dir,
+                self.shard_cache_bytes,
+                retry=self.retry,
+                verify_on_open=self.cache_verify,
+            )
         return self._shard_cache
 
     def _open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
@@ -205,10 +250,12 @@ class ShardReader(ProcessLocal):
                 continue
             self._copy_files[shard] = (path, inode)
             return handle, path
-        raise StorageError(f"shard {self.manifest.shards[shard].path}: its cached copy under "
-                           f"{self.cache_dir} was evicted {_OPEN_ATTEMPTS} times before it could "
-                           "be opened; hint: raise shard_cache_bytes (other processes share this "
-                           "cache)")
+        raise StorageError(
+            f"shard {self.manifest.shards[shard].path}: its cached copy under "
+            f"{self.cache_dir} was evicted {_OPEN_ATTEMPTS} times before it could "
+            "be opened; hint: raise shard_cache_bytes (other processes share this "
+            "cache)"
+        )
 
     def _cached_path(self, shard: int) -> str:
         """A verified local copy of ``shard`` (filled on first use); drops handles of evicted copies."""

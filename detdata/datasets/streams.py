@@ -25,9 +25,11 @@ class OrderedStream:
         self.seed = check_seed(seed)
         n = dataset.num_samples
         if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) <= 0:
-            raise ConfigError(f"dataset {type(dataset).__name__} is empty (num_samples == {n}); "
-                              "there is nothing to order or load; hint: check the manifest / "
-                              "dataset construction")
+            raise ConfigError(
+                f"dataset {type(dataset).__name__} is empty (num_samples == {n}); "
+                "there is nothing to order or load; hint: check the manifest / "
+                "dataset construction"
+            )
         self.order = GlobalOrder(n, self.seed)
         self._memo = ChunkMemo(self._ids)
 
@@ -43,8 +45,12 @@ class OrderedStream:
         return self.dataset.read(self.sample_ids(positions).reshape(-1))
 
     def identity(self) -> dict[str, Any]:
-        return {"type": "ordered", "algorithm": ALGORITHM, "seed": self.seed,
-                "dataset": self.dataset.identity()}
+        return {
+            "type": "ordered",
+            "algorithm": ALGORITHM,
+            "seed": self.seed,
+            "dataset": self.dataset.identity(),
+        }
 
 
 def as_stream(data: Dataset | Stream, seed: int) -> Stream:
@@ -53,5 +59,7 @@ def as_stream(data: Dataset | Stream, seed: int) -> Stream:
         return data
     if isinstance(data, Dataset):
         return OrderedStream(data, seed)
-    raise ConfigError(f"expected a detdata Dataset (num_samples, read, identity) or Stream "
-                      f"(fetch, sample_ids, identity), got {type(data).__name__}")
+    raise ConfigError(
+        f"expected a detdata Dataset (num_samples, read, identity) or Stream "
+        f"(fetch, sample_ids, identity), got {type(data).__name__}"
+    )

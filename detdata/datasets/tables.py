@@ -158,8 +158,15 @@ class GroupSlots:
     Thread-safe: gathers and slot changes hold one lock.
     """
 
-    def __init__(self, max_groups: int, max_bytes: int, *, group_shard: IntArray,
-                 shard_first_group: IntArray, rows_per_slot: int) -> None:
+    def __init__(
+        self,
+        max_groups: int,
+        max_bytes: int,
+        *,
+        group_shard: IntArray,
+        shard_first_group: IntArray,
+        rows_per_slot: int,
+    ) -> None:
         self.max_groups = max_groups
         self.max_bytes = max_bytes
         self.nbytes = 0
@@ -207,7 +214,9 @@ class GroupSlots:
             if entry.group is not None:
                 return entry.group
             a = entry.slot * self.rows_per_slot
-            return _Group({n: col[a:a + entry.rows] for n, col in self._pool.items()}, entry.nbytes)
+            return _Group(
+                {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
+            )
 
     def put(self, key: tuple[int, int], item: _Group) -> None:
         """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
@@ -232,15 +241,16 @@ class GroupSlots:
                 self._forget(g, old)
             if len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes:
                 self._order()
-                while entries and (len(entries) >= self.max_groups
-                                   or self.nbytes + charge > self.max_bytes):
+                while entries and (
+                    len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes
+                ):
                     self._forget(*entries.popitem(last=False))  # least recently used first
             entry = _Entry(-1, rows, charge, item)
             if pooled:
                 entry = _Entry(self._alloc_slot(), rows, charge, None)
                 a = entry.slot * self.rows_per_slot
                 for name, col in self._pool.items():
-                    col[a:a + rows] = item.columns[name]
+                    col[a : a + rows] = item.columns[name]
                 self._slot_of[g] = entry.slot
             entries[g] = entry  # the most recently used
             self.nbytes += charge
@@ -248,8 +258,9 @@ class GroupSlots:
             self._tick += 1
 
     # batch reads --------------------------------------------------------------
-    def gather(self, groups: IntArray, rows: IntArray,
-               columns: Sequence[str]) -> dict[str, np.ndarray[Any, Any]] | None:
+    def gather(
+        self, groups: IntArray, rows: IntArray, columns: Sequence[str]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
         """Rows ``rows`` of global row groups ``groups`` (non-empty), one ``take`` per column,
         in the given order; None (nothing touched) unless every group is in a slot."""
         with self._lock:
@@ -303,8 +314,9 @@ class GroupSlots:
         are used at all: only when every row group of the manifest fits both bounds."""
         if self._layout is None:
             layout = {n: (c.dtype, tuple(c.shape[1:])) for n, c in item.columns.items()}
-            row_bytes = sum(d.itemsize * int(np.prod(shape, dtype=np.int64))
-                            for d, shape in layout.values())
+            row_bytes = sum(
+                d.itemsize * int(np.prod(shape, dtype=np.int64)) for d, shape in layout.values()
+            )
             self._slot_bytes = self.rows_per_slot * row_bytes
             total = int(self._group_shard.size)
             fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
@@ -312,9 +324,14 @@ class GroupSlots:
             self._layout = layout
         if self._max_slots == 0:
             return False
-        if rows <= self.rows_per_slot and item.columns.keys() == self._layout.keys() and all(
+        if (
+            rows <= self.rows_per_slot
+            and item.columns.keys() == self._layout.keys()
+            and all(
                 item.columns[n].dtype == d and tuple(item.columns[n].shape[1:]) == shape
-                for n, (d, shape) in self._layout.items()):
+                for n, (d, shape) in self._layout.items()
+            )
+        ):
             return True
         self._unpool()  # e.g. a list column of another width: no slots from now on
         return False
@@ -325,7 +342,7 @@ class GroupSlots:
             if entry.slot < 0:
                 continue
             a = entry.slot * self.rows_per_slot
-            columns = {n: col[a:a + entry.rows].copy() for n, col in self._pool.items()}
+            columns = {n: col[a : a + entry.rows].copy() for n, col in self._pool.items()}
             fixed = sum(int(c.nbytes) for c in columns.values() if c.dtype != object)
             charge = entry.nbytes - self._slot_bytes + fixed
             self.nbytes += charge - entry.nbytes
@@ -344,7 +361,7 @@ class GroupSlots:
                 col = np.empty((grown * self.rows_per_slot, *shape), dtype=dtype)
                 old = self._pool.get(name)
                 if old is not None:
-                    col[:old.shape[0]] = old
+                    col[: old.shape[0]] = old
                 self._pool[name] = col
             self._free = list(range(grown - 1, self._slots - 1, -1))
             self._slots = grown
@@ -358,7 +375,7 @@ class GroupSlots:
             a = entry.slot * self.rows_per_slot
             for col in self._pool.values():
                 if col.dtype == object:
-                    col[a:a + self.rows_per_slot] = None  # drop the references
+                    col[a : a + self.rows_per_slot] = None  # drop the references
             self._free.append(entry.slot)
 
 
@@ -391,30 +408,62 @@ class TableRows(ShardReader):
     """
 
     # pickling: parameters and manifest only, no readers, caches or locks
-    _TRANSIENT = (*ShardReader._TRANSIENT, "_readers", "_io_lock", "cache", "_group_starts",
-                  "_group_shard", "_shard_first_group", "_max_group_rows")
+    _TRANSIENT = (
+        *ShardReader._TRANSIENT,
+        "_readers",
+        "_io_lock",
+        "cache",
+        "_group_starts",
+        "_group_shard",
+        "_shard_first_group",
+        "_max_group_rows",
+    )
 
-    def __init__(self, manifest: Manifest | str, columns: Sequence[str] | None = None, *,
-                 cache_row_groups: int = 8, row_group_cache_bytes: int | None = None,
-                 ragged: Sequence[str] = (), verify: str | Verify = Verify.QUICK,
-                 root: str | None = None,
-                 storage_options: Mapping[str, Any] | None = None,
-                 retry: RetryPolicy | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None,
-                 shard_cache_bytes: int | None = None, cache_verify: str = "quick",
-                 cache_bytes: int | None = None) -> None:
-        row_bytes = renamed_argument(row_group_cache_bytes, cache_bytes, new="row_group_cache_bytes",
-                                     old="cache_bytes", owner="TableRows")
-        super().__init__(manifest, verify=verify, root=root, storage_options=storage_options,
-                         retry=retry, cache_dir=cache_dir, shard_cache_bytes=shard_cache_bytes,
-                         cache_verify=cache_verify)
+    def __init__(
+        self,
+        manifest: Manifest | str,
+        columns: Sequence[str] | None = None,
+        *,
+        cache_row_groups: int = 8,
+        row_group_cache_bytes: int | None = None,
+        ragged: Sequence[str] = (),
+        verify: str | Verify = Verify.QUICK,
+        root: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        shard_cache_bytes: int | None = None,
+        cache_verify: str = "quick",
+        cache_bytes: int | None = None,
+    ) -> None:
+        row_bytes = renamed_argument(
+            row_group_cache_bytes,
+            cache_bytes,
+            new="row_group_cache_bytes",
+            old="cache_bytes",
+            owner="TableRows",
+        )
+        super().__init__(
+            manifest,
+            verify=verify,
+            root=root,
+            storage_options=storage_options,
+            retry=retry,
+            cache_dir=cache_dir,
+            shard_cache_bytes=shard_cache_bytes,
+            cache_verify=cache_verify,
+        )
         self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
         self.row_group_cache_bytes = check_positive_int(
             DEFAULT_ROW_GROUP_CACHE_BYTES if row_bytes is None else row_bytes,
-            "row_group_cache_bytes", minimum=0)
+            "row_group_cache_bytes",
+            minimum=0,
+        )
         shards = self.manifest.shards
         if not shards:
-            raise ConfigError(f"manifest {self.manifest.id} has no shards; TableRows needs table shards")
+            raise ConfigError(
+                f"manifest {self.manifest.id} has no shards; TableRows needs table shards"
+            )
         for shard in shards:
             _check_table_shard(shard)
         self._check_same_schema()
@@ -424,11 +473,14 @@ class TableRows(ShardReader):
         for name in self.columns:
             _check_column_type(schema.field(name), shards[0].path)
         self._types: dict[str, str | None] = {
-            n: _arrow_kind(schema.field(n).type, n in self.ragged) for n in self.columns}
+            n: _arrow_kind(schema.field(n).type, n in self.ragged) for n in self.columns
+        }
         self._num = self.manifest.num_samples
         if self._num == 0:
-            raise ConfigError(f"manifest {self.manifest.id}: {len(shards)} shard(s) with 0 rows; "
-                              "the dataset is empty")
+            raise ConfigError(
+                f"manifest {self.manifest.id}: {len(shards)} shard(s) with 0 rows; "
+                "the dataset is empty"
+            )
         self._build_index()
         self._reset_process_state()
 
@@ -439,10 +491,12 @@ class TableRows(ShardReader):
         for index, shard in enumerate(shards[1:], start=1):
             if shard.schema != first.schema:
                 diff = _schema_diff(self._read_schema(0), self._read_schema(index))
-                raise FormatError(f"shards {first.path} and {shard.path} have different schemas "
-                                  f"({first.schema} vs {shard.schema}); differing fields: {diff}; "
-                                  "hint: rewrite the shards with one schema or build separate "
-                                  "manifests and mix them")
+                raise FormatError(
+                    f"shards {first.path} and {shard.path} have different schemas "
+                    f"({first.schema} vs {shard.schema}); differing fields: {diff}; "
+                    "hint: rewrite the shards with one schema or build separate "
+                    "manifests and mix them"
+                )
 
     def _read_schema(self, index: int) -> pa.Schema:
         shard = self.manifest.shards[index]
@@ -456,16 +510,18 @@ class TableRows(ShardReader):
 
         if isinstance(fs, LocalFileSystem):
             return read(None)
-        return self.retry.run(read, what="schema read", shard=shard.path,
-                              url=self.manifest.url(shard))
+        return self.retry.run(
+            read, what="schema read", shard=shard.path, url=self.manifest.url(shard)
+        )
 
     def _build_index(self) -> None:
         super()._build_index()
         sizes = [s.row_groups or () for s in self.manifest.shards]
         flat = np.asarray([g for groups in sizes for g in groups], dtype=np.int64)
         self._group_starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64)
-        self._group_shard = np.repeat(np.arange(len(sizes), dtype=np.int64),
-                                      [len(groups) for groups in sizes])
+        self._group_shard = np.repeat(
+            np.arange(len(sizes), dtype=np.int64), [len(groups) for groups in sizes]
+        )
         first = np.concatenate([[0], np.cumsum([len(groups) for groups in sizes])[:-1]])
         self._shard_first_group = first.astype(np.int64)
         self._max_group_rows = int(flat.max()) if flat.size else 0
@@ -474,10 +530,13 @@ class TableRows(ShardReader):
         super()._reset_process_state()
         self._readers: dict[int, Any] = {}
         self._io_lock = threading.Lock()
-        self.cache = GroupSlots(self.cache_row_groups, self.row_group_cache_bytes,
-                                group_shard=self._group_shard,
-                                shard_first_group=self._shard_first_group,
-                                rows_per_slot=self._max_group_rows)
+        self.cache = GroupSlots(
+            self.cache_row_groups,
+            self.row_group_cache_bytes,
+            group_shard=self._group_shard,
+            shard_first_group=self._shard_first_group,
+            rows_per_slot=self._max_group_rows,
+        )
 
     def _forget_handle(self, shard: int) -> None:
         self._readers.pop(shard, None)
@@ -485,8 +544,11 @@ class TableRows(ShardReader):
     @property
     def cache_bytes(self) -> int:
         """Deprecated name of ``row_group_cache_bytes`` (a `DeprecationWarning`)."""
-        warnings.warn("TableRows.cache_bytes is deprecated; use row_group_cache_bytes",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "TableRows.cache_bytes is deprecated; use row_group_cache_bytes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.row_group_cache_bytes
 
     # Dataset protocol --------------------------------------------------------
@@ -497,8 +559,12 @@ class TableRows(ShardReader):
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and the selected columns."""
-        ident: dict[str, Any] = {"type": "table_rows", "manifest": self.manifest.id,
-                                 "columns": list(self.columns), "num_samples": self._num}
+        ident: dict[str, Any] = {
+            "type": "table_rows",
+            "manifest": self.manifest.id,
+            "columns": list(self.columns),
+            "num_samples": self._num,
+        }
         if self.ragged:
             ident["ragged"] = list(self.ragged)
         return ident
@@ -541,7 +607,9 @@ class TableRows(ShardReader):
                 self.cache.insert(g, decoded)
             for name in self.columns:
                 pieces[name].append(part[name])
-        return self._own({name: self._assemble(name, parts, order) for name, parts in pieces.items()})
+        return self._own(
+            {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
+        )
 
     def _own(self, batch: Batch) -> Batch:
         """``batch`` with the rows of ragged columns copied (gathers copy the object arrays
@@ -562,21 +630,25 @@ class TableRows(ShardReader):
         """
         if any(t is None for t in self._types.values()):
             first = self.read(np.zeros(1, dtype=np.int64))
-            self._types = {n: describe_column(first[n]) if t is None else t
-                           for n, t in self._types.items()}
+            self._types = {
+                n: describe_column(first[n]) if t is None else t for n, t in self._types.items()
+            }
         return {n: str(t) for n, t in self._types.items()}
 
     # reading -----------------------------------------------------------------
     def _what(self) -> str:
         return f"TableRows({self.manifest.id[:15]}…)"
 
-    def _assemble(self, name: str, parts: list[np.ndarray[Any, Any]],
-                  order: IntArray) -> np.ndarray[Any, Any]:
+    def _assemble(
+        self, name: str, parts: list[np.ndarray[Any, Any]], order: IntArray
+    ) -> np.ndarray[Any, Any]:
         widths = {p.shape[1:] for p in parts}
         if len(widths) > 1:
-            raise FormatError(f"column {name!r}: rows of one batch come from row groups with "
-                              f"different list lengths {sorted(w[0] for w in widths)}; hint: pad "
-                              "the column to one length, or name it in ragged=")
+            raise FormatError(
+                f"column {name!r}: rows of one batch come from row groups with "
+                f"different list lengths {sorted(w[0] for w in widths)}; hint: pad "
+                "the column to one length, or name it in ragged="
+            )
         stacked = np.concatenate(parts) if len(parts) > 1 else parts[0]
         out = np.empty_like(stacked)
         out[order] = stacked
@@ -605,6 +677,7 @@ class TableRows(ShardReader):
 
     def _open_cached(self, shard: int) -> Any:
         """A local reader over the verified cached copy of ``shard`` (filled if needed)."""
+
         def open_path(path: str) -> tuple[pa.MemoryMappedFile, int]:
             source = pa.memory_map(path)  # maps the inode, even if it is evicted later
             return source, os.stat(path).st_ino
@@ -646,24 +719,34 @@ class TableRows(ShardReader):
                 self._check_file(shard, self._copy_files.get(shard, ("", 0))[0])
                 arrays = self._read_arrays(shard, group)
             else:
+
                 def attempt(_timeout: float | None) -> dict[str, Any]:
                     try:
                         return self._read_arrays(shard, group)
                     except Exception:
                         self._readers.pop(shard, None)  # re-open on the next attempt
                         raise
-                arrays = self.retry.run(attempt, what=f"row group {group} read",
-                                        shard=entry.path, url=self.manifest.url(entry))
+
+                arrays = self.retry.run(
+                    attempt,
+                    what=f"row group {group} read",
+                    shard=entry.path,
+                    url=self.manifest.url(entry),
+                )
         expected = (entry.row_groups or ())[group]
         columns: Columns = {}
         for name, array in arrays.items():
             if len(array) != expected:
-                raise FormatError(f"shard {entry.path} row group {group}: {len(array)} rows, the "
-                                  f"manifest says {expected}; hint: rebuild the manifest")
+                raise FormatError(
+                    f"shard {entry.path} row group {group}: {len(array)} rows, the "
+                    f"manifest says {expected}; hint: rebuild the manifest"
+                )
             where = f"shard {entry.path} row group {group} column {name!r}"
             columns[name] = to_numpy(array, where, ragged=name in self.ragged)
-        nbytes = sum(int(arrays[n].nbytes) if c.dtype == object else int(c.nbytes)
-                     for n, c in columns.items())
+        nbytes = sum(
+            int(arrays[n].nbytes) if c.dtype == object else int(c.nbytes)
+            for n, c in columns.items()
+        )
         return _Group(columns, nbytes)
 
 
@@ -681,19 +764,27 @@ def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray
     kind = array.type
     if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
         return _list_to_numpy(array, where, ragged)
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
-            or pa.types.is_large_binary(kind):
+    if (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    ):
         return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
     if array.null_count:
-        raise FormatError(f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
-                          "fill nulls when writing the shards")
+        raise FormatError(
+            f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
+            "fill nulls when writing the shards"
+        )
     return np.asarray(array.to_numpy(zero_copy_only=False))
 
 
 def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any, Any]:
     if array.null_count:
-        raise FormatError(f"{where}: {array.null_count} null list(s); hint: write empty lists "
-                          "or pad instead of nulls")
+        raise FormatError(
+            f"{where}: {array.null_count} null list(s); hint: write empty lists "
+            "or pad instead of nulls"
+        )
     rows = len(array)
     if pa.types.is_fixed_size_list(array.type):
         size = array.type.list_size
@@ -709,10 +800,12 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
     if ragged:
         return _object_rows(flat, lengths)
     if rows and int(lengths.min()) != int(lengths.max()):
-        raise FormatError(f"{where}: list lengths vary from {int(lengths.min())} to "
-                          f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
-                          "pad/pack to one length, store a fixed_size_list, or name the column in "
-                          "ragged= to get an object array")
+        raise FormatError(
+            f"{where}: list lengths vary from {int(lengths.min())} to "
+            f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
+            "pad/pack to one length, store a fixed_size_list, or name the column in "
+            "ragged= to get an object array"
+        )
     if pa.types.is_fixed_size_list(array.type):
         width = int(array.type.list_size)
     else:
@@ -762,34 +855,52 @@ def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
 
 def _check_table_shard(shard: ShardEntry) -> None:
     if shard.format not in TABLE_FORMATS:
-        raise FormatError(f"shard {shard.path}: format {shard.format.value!r} is not a table "
-                          "format (parquet, arrow); hint: use TokenWindows for token shards")
+        raise FormatError(
+            f"shard {shard.path}: format {shard.format.value!r} is not a table "
+            "format (parquet, arrow); hint: use TokenWindows for token shards"
+        )
     if shard.row_groups is None or sum(shard.row_groups) != shard.num_samples:
-        raise FormatError(f"shard {shard.path}: row_groups {shard.row_groups} do not add up to "
-                          f"{shard.num_samples} rows; hint: rebuild the manifest")
+        raise FormatError(
+            f"shard {shard.path}: row_groups {shard.row_groups} do not add up to "
+            f"{shard.num_samples} rows; hint: rebuild the manifest"
+        )
 
 
-def _select_columns(schema: pa.Schema, columns: Sequence[str] | None, shard: str) -> tuple[str, ...]:
+def _select_columns(
+    schema: pa.Schema, columns: Sequence[str] | None, shard: str
+) -> tuple[str, ...]:
     if columns is None:
         return tuple(schema.names)
     if isinstance(columns, str):
-        raise ConfigError(f"columns must be a sequence of names, got the string {columns!r}; "
-                          f"hint: columns=[{columns!r}]")
+        raise ConfigError(
+            f"columns must be a sequence of names, got the string {columns!r}; "
+            f"hint: columns=[{columns!r}]"
+        )
     chosen = tuple(columns)
     missing = [c for c in chosen if c not in schema.names]
     if missing or not chosen or len(set(chosen)) != len(chosen):
-        raise ConfigError(f"columns {list(chosen)}: unknown {missing} or empty/duplicated; "
-                          f"shard {shard} has columns {schema.names}")
+        raise ConfigError(
+            f"columns {list(chosen)}: unknown {missing} or empty/duplicated; "
+            f"shard {shard} has columns {schema.names}"
+        )
     return chosen
 
 
-def _check_ragged(schema: pa.Schema, columns: tuple[str, ...], ragged: Sequence[str]) -> tuple[str, ...]:
+def _check_ragged(
+    schema: pa.Schema, columns: tuple[str, ...], ragged: Sequence[str]
+) -> tuple[str, ...]:
     names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
     for name in names:
         kind = schema.field(name).type if name in schema.names else None
-        if name not in columns or kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-            raise ConfigError(f"ragged names {name!r}, which is not a selected list column; "
-                              f"selected columns: {list(columns)}")
+        if (
+            name not in columns
+            or kind is None
+            or not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+        ):
+            raise ConfigError(
+                f"ragged names {name!r}, which is not a selected list column; "
+                f"selected columns: {list(columns)}"
+            )
     return names
 
 
@@ -797,21 +908,35 @@ def _check_column_type(field: pa.Field, shard: str) -> None:
     kind = field.type
     if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
         kind = kind.value_type
-        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
-            raise FormatError(f"shard {shard} column {field.name!r}: lists of {kind} are not "
-                              "supported (only lists of numbers/booleans); hint: drop it via columns=")
+        if not (
+            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+        ):
+            raise FormatError(
+                f"shard {shard} column {field.name!r}: lists of {kind} are not "
+                "supported (only lists of numbers/booleans); hint: drop it via columns="
+            )
         return
     if pa.types.is_interval(kind):  # pyarrow's to_numpy crashes the process on intervals
-        raise FormatError(f"shard {shard} column {field.name!r}: interval type {kind} is not "
-                          "supported; hint: store it as integer columns (months, days, nanoseconds) "
-                          "or drop it via columns=")
-    simple = (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-              or pa.types.is_temporal(kind) or pa.types.is_string(kind)
-              or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-              or pa.types.is_large_binary(kind))
+        raise FormatError(
+            f"shard {shard} column {field.name!r}: interval type {kind} is not "
+            "supported; hint: store it as integer columns (months, days, nanoseconds) "
+            "or drop it via columns="
+        )
+    simple = (
+        pa.types.is_integer(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_boolean(kind)
+        or pa.types.is_temporal(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
     if not simple:
-        raise FormatError(f"shard {shard} column {field.name!r}: type {kind} is not supported; "
-                          "hint: select other columns via columns=")
+        raise FormatError(
+            f"shard {shard} column {field.name!r}: type {kind} is not supported; "
+            "hint: select other columns via columns="
+        )
 
 
 def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
@@ -823,8 +948,10 @@ def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
         if fa is None or fb is None:
             out.append(f"{name!r} only in the {'first' if fb is None else 'second'}")
         elif (fa.type, fa.nullable) != (fb.type, fb.nullable):
-            out.append(f"{name!r}: {fa.type}{'' if fa.nullable else ' not null'} vs "
-                       f"{fb.type}{'' if fb.nullable else ' not null'}")
+            out.append(
+                f"{name!r}: {fa.type}{'' if fa.nullable else ' not null'} vs "
+                f"{fb.type}{'' if fb.nullable else ' not null'}"
+            )
     if not out and a.names != b.names:
         out.append(f"column order {a.names} vs {b.names}")
     return "; ".join(out) or "none found (fingerprints differ)"

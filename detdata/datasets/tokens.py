@@ -59,19 +59,32 @@ from detdata.storage.retry import RetryPolicy, check_policy
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
 
 
-def read_ranges(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
-                ends: list[int], *, retry: RetryPolicy | None = None,
-                shards: list[str] | None = None, urls: list[str] | None = None) -> list[bytes]:
+def read_ranges(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    retry: RetryPolicy | None = None,
+    shards: list[str] | None = None,
+    urls: list[str] | None = None,
+) -> list[bytes]:
     """Bytes ``[start, end)`` of each path: one ``fs.cat_ranges`` call per attempt.
 
     The single place uncached remote token bytes are read. Failed or short
     ranges are read again with backoff under ``retry``; when the deadline
     passes, `StorageError` names the shard and URL and the last error.
     """
-    return read_ranges_retrying(fs, paths, starts, ends, policy=check_policy(retry),
-                                shards=shards if shards is not None else paths,
-                                urls=urls if urls is not None else paths,
-                                what="token range read")
+    return read_ranges_retrying(
+        fs,
+        paths,
+        starts,
+        ends,
+        policy=check_policy(retry),
+        shards=shards if shards is not None else paths,
+        urls=urls if urls is not None else paths,
+        what="token range read",
+    )
 
 
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
@@ -80,13 +93,19 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     try:
         dt = np.dtype(out_dtype)
     except TypeError:
-        raise ConfigError(f"out_dtype {out_dtype!r} is not a numpy dtype; hint: 'int32' or 'int64'") from None
+        raise ConfigError(
+            f"out_dtype {out_dtype!r} is not a numpy dtype; hint: 'int32' or 'int64'"
+        ) from None
     if dt.kind not in "iu":
-        raise ConfigError(f"out_dtype must be an integer dtype, got {dt.name}; hint: 'int32' or 'int64'")
+        raise ConfigError(
+            f"out_dtype must be an integer dtype, got {dt.name}; hint: 'int32' or 'int64'"
+        )
     if not dt.isnative:
-        raise ConfigError(f"out_dtype {out_dtype!r} is not in this machine's byte order; batches "
-                          "become torch tensors, which hold native byte order only; hint: pass "
-                          f"{dt.name!r}")
+        raise ConfigError(
+            f"out_dtype {out_dtype!r} is not in this machine's byte order; batches "
+            "become torch tensors, which hold native byte order only; hint: pass "
+            f"{dt.name!r}"
+        )
     return dt
 
 
@@ -112,37 +131,70 @@ class TokenWindows(ShardReader):
     """
 
     # pickling: parameters and manifest only, no memmaps or handles
-    _TRANSIENT = (*ShardReader._TRANSIENT, "_views", "_maps", "_starts", "_itemsize", "_offsets",
-                  "_start_list", "_narrowing")
+    _TRANSIENT = (
+        *ShardReader._TRANSIENT,
+        "_views",
+        "_maps",
+        "_starts",
+        "_itemsize",
+        "_offsets",
+        "_start_list",
+        "_narrowing",
+    )
 
-    def __init__(self, manifest: Manifest | str, seq_len: int, *, labels: bool = True,
-                 out_dtype: str | None = None, verify: str | Verify = Verify.QUICK,
-                 allow_short_shards: bool = False, root: str | None = None,
-                 storage_options: Mapping[str, Any] | None = None,
-                 retry: RetryPolicy | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None,
-                 shard_cache_bytes: int | None = None, cache_verify: str = "quick",
-                 cache_bytes: int | None = None) -> None:
-        shard_cache_bytes = renamed_argument(shard_cache_bytes, cache_bytes, new="shard_cache_bytes",
-                                             old="cache_bytes", owner="TokenWindows")
-        super().__init__(manifest, verify=verify, root=root, storage_options=storage_options,
-                         retry=retry, cache_dir=cache_dir, shard_cache_bytes=shard_cache_bytes,
-                         cache_verify=cache_verify)
+    def __init__(
+        self,
+        manifest: Manifest | str,
+        seq_len: int,
+        *,
+        labels: bool = True,
+        out_dtype: str | None = None,
+        verify: str | Verify = Verify.QUICK,
+        allow_short_shards: bool = False,
+        root: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        shard_cache_bytes: int | None = None,
+        cache_verify: str = "quick",
+        cache_bytes: int | None = None,
+    ) -> None:
+        shard_cache_bytes = renamed_argument(
+            shard_cache_bytes,
+            cache_bytes,
+            new="shard_cache_bytes",
+            old="cache_bytes",
+            owner="TokenWindows",
+        )
+        super().__init__(
+            manifest,
+            verify=verify,
+            root=root,
+            storage_options=storage_options,
+            retry=retry,
+            cache_dir=cache_dir,
+            shard_cache_bytes=shard_cache_bytes,
+            cache_verify=cache_verify,
+        )
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
         self.window = self.seq_len + int(self.labels)
         shards = self.manifest.shards
         if not shards:
-            raise ConfigError(f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards")
+            raise ConfigError(
+                f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards"
+            )
         self._dtypes = tuple(_check_token_shard(s) for s in shards)
         self.out_dtype = _resolve_out_dtype(out_dtype, self._dtypes)
         counts = [self._count(s, allow_short_shards) for s in shards]
         self.windows_per_shard: tuple[int, ...] = tuple(counts)
         self._num = sum(counts)
         if self._num == 0:
-            raise ConfigError(f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
-                              f"(labels={self.labels}) in {len(shards)} shard(s); the dataset is "
-                              "empty; hint: use a smaller seq_len")
+            raise ConfigError(
+                f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
+                f"(labels={self.labels}) in {len(shards)} shard(s); the dataset is "
+                "empty; hint: use a smaller seq_len"
+            )
         self._build_index()
         self._reset_process_state()
 
@@ -151,10 +203,12 @@ class TokenWindows(ShardReader):
         tokens = shard.num_samples
         count = max(0, (tokens - int(self.labels)) // self.seq_len)
         if count == 0 and not allow_short:
-            raise FormatError(f"shard {shard.path}: {tokens} tokens is too short for one window of "
-                              f"seq_len={self.seq_len} (needs {self.window} tokens with "
-                              f"labels={self.labels}); hint: pass allow_short_shards=True to skip "
-                              "such shards, or use a smaller seq_len")
+            raise FormatError(
+                f"shard {shard.path}: {tokens} tokens is too short for one window of "
+                f"seq_len={self.seq_len} (needs {self.window} tokens with "
+                f"labels={self.labels}); hint: pass allow_short_shards=True to skip "
+                "such shards, or use a smaller seq_len"
+            )
         return count
 
     def _build_index(self) -> None:
@@ -162,11 +216,14 @@ class TokenWindows(ShardReader):
         counts = np.asarray(self.windows_per_shard, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
-        self._offsets = np.asarray([s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64)
+        self._offsets = np.asarray(
+            [s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64
+        )
         self._start_list: list[int] = self._starts.tolist()
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         self._narrowing: tuple[bool, ...] = tuple(
-            not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes)
+            not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes
+        )
 
     def _reset_process_state(self) -> None:
         super()._reset_process_state()
@@ -182,8 +239,11 @@ class TokenWindows(ShardReader):
     @property
     def cache_bytes(self) -> int:
         """Deprecated name of ``shard_cache_bytes`` (a `DeprecationWarning`)."""
-        warnings.warn("TokenWindows.cache_bytes is deprecated; use shard_cache_bytes",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "TokenWindows.cache_bytes is deprecated; use shard_cache_bytes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.shard_cache_bytes
 
     @property
@@ -203,8 +263,14 @@ class TokenWindows(ShardReader):
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and windowing parameters."""
-        return {"type": "token_windows", "manifest": self.manifest.id, "seq_len": self.seq_len,
-                "labels": self.labels, "out_dtype": self.out_dtype.name, "num_samples": self._num}
+        return {
+            "type": "token_windows",
+            "manifest": self.manifest.id,
+            "seq_len": self.seq_len,
+            "labels": self.labels,
+            "out_dtype": self.out_dtype.name,
+            "num_samples": self._num,
+        }
 
     def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(shard_index, window_in_shard)`` int64 arrays for window ids (checked)."""
@@ -242,9 +308,11 @@ class TokenWindows(ShardReader):
         The map is made from the file we opened, so a copy evicted by another
         process between the fill and the open is simply fetched again.
         """
+
         def open_path(path: str) -> tuple[mmap.mmap, int]:
             with open(path, "rb") as fh:
                 return self._map_file(shard, fh, path), os.fstat(fh.fileno()).st_ino
+
         return self._open_copy(shard, open_path)
 
     def _map_file(self, shard: int, fh: Any, path: str) -> mmap.mmap:
@@ -274,15 +342,23 @@ class TokenWindows(ShardReader):
                 raise VerificationError(
                     f"shard {entry.path} ({path}): missing; it was verified when the dataset "
                     "was opened, then deleted or renamed; hint: restore it and resume from the "
-                    "last saved state", shard=entry.path, field="exists", expected=True,
-                    found=False) from None
+                    "last saved state",
+                    shard=entry.path,
+                    field="exists",
+                    expected=True,
+                    found=False,
+                ) from None
             with fh:
                 mapping = self._map_file(shard, fh, path)
-        tokens = np.frombuffer(mapping, dtype=dtype, count=entry.num_samples,
-                               offset=int(self._offsets[shard]))
+        tokens = np.frombuffer(
+            mapping, dtype=dtype, count=entry.num_samples, offset=int(self._offsets[shard])
+        )
         view = np.lib.stride_tricks.as_strided(
-            tokens, shape=(self.windows_per_shard[shard], self.window),
-            strides=(self.seq_len * dtype.itemsize, dtype.itemsize), writeable=False)
+            tokens,
+            shape=(self.windows_per_shard[shard], self.window),
+            strides=(self.seq_len * dtype.itemsize, dtype.itemsize),
+            writeable=False,
+        )
         self._maps[shard] = (mapping, path)
         self._views[shard] = view
         return view
@@ -291,8 +367,9 @@ class TokenWindows(ShardReader):
         """The shard index of each window id."""
         return self._starts.searchsorted(ids, "right") - 1
 
-    def _gather_local(self, ids: IntArray, lo: int, hi: int, *,
-                      cached: bool = False) -> np.ndarray[Any, Any]:
+    def _gather_local(
+        self, ids: IntArray, lo: int, hi: int, *, cached: bool = False
+    ) -> np.ndarray[Any, Any]:
         """The windows ``ids`` (all in ``[lo, hi]``) from the shard memmaps, in ``out_dtype``.
 
         One fancy-index gather per touched shard (``take`` would first copy a whole
@@ -325,8 +402,9 @@ class TokenWindows(ShardReader):
             out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
         return out
 
-    def _gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray,
-                       out: np.ndarray[Any, Any]) -> None:
+    def _gather_remote(
+        self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: np.ndarray[Any, Any]
+    ) -> None:
         uniq, inverse = np.unique(ids, return_inverse=True)
         _, shard_of, spans = stable_groups(self._shard_of(uniq))  # uniq is sorted: order = identity
         local = uniq - self._starts[shard_of]
@@ -337,19 +415,28 @@ class TokenWindows(ShardReader):
         paths = np.asarray([join(self._root_path, s.path) for s in shards], dtype=object)
         names = np.asarray([s.path for s in shards], dtype=object)
         urls = np.asarray([self.manifest.url(s) for s in shards], dtype=object)
-        blobs = read_ranges(fs, paths[shard_of].tolist(), starts.tolist(), ends.tolist(),
-                            retry=self.retry, shards=names[shard_of].tolist(),
-                            urls=urls[shard_of].tolist())
+        blobs = read_ranges(
+            fs,
+            paths[shard_of].tolist(),
+            starts.tolist(),
+            ends.tolist(),
+            retry=self.retry,
+            shards=names[shard_of].tolist(),
+            urls=urls[shard_of].tolist(),
+        )
         rows = np.empty((uniq.size, self.window), dtype=self.out_dtype)
         for shard, a, b in spans:
             data = b"".join(blobs[a:b])
             expected = (b - a) * self.window * int(self._itemsize[shard])
             if len(data) != expected:
-                raise StorageError(f"shard {self.manifest.shards[shard].path}: expected {expected} "
-                                   f"bytes for {b - a} windows, got {len(data)}; the file is "
-                                   "shorter than the manifest says (rewritten?)")
+                raise StorageError(
+                    f"shard {self.manifest.shards[shard].path}: expected {expected} "
+                    f"bytes for {b - a} windows, got {len(data)}; the file is "
+                    "shorter than the manifest says (rewritten?)"
+                )
             block = np.frombuffer(data, dtype=disk_dtype(self._dtypes[shard])).reshape(
-                b - a, self.window)
+                b - a, self.window
+            )
             self._check_range(block, shard)
             rows[a:b] = block
         out[...] = rows[inverse.reshape(-1)]
@@ -361,23 +448,31 @@ class TokenWindows(ShardReader):
         info = np.iinfo(self.out_dtype)
         lo, hi = int(block.min()), int(block.max())
         if lo < info.min or hi > info.max:
-            raise FormatError(f"shard {self.manifest.shards[shard].path}: token values in "
-                              f"[{lo}, {hi}] do not fit out_dtype {self.out_dtype.name} "
-                              f"[{info.min}, {info.max}]; hint: use a wider out_dtype (e.g. int64)")
+            raise FormatError(
+                f"shard {self.manifest.shards[shard].path}: token values in "
+                f"[{lo}, {hi}] do not fit out_dtype {self.out_dtype.name} "
+                f"[{info.min}, {info.max}]; hint: use a wider out_dtype (e.g. int64)"
+            )
 
 
 def _check_token_shard(shard: ShardEntry) -> str:
     """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a consistent size."""
     if shard.format not in (Format.NPY, Format.BIN):
-        raise FormatError(f"shard {shard.path}: format {shard.format.value!r} is not a token format "
-                          "(npy, bin); hint: use TableRows for parquet/arrow shards")
+        raise FormatError(
+            f"shard {shard.path}: format {shard.format.value!r} is not a token format "
+            "(npy, bin); hint: use TableRows for parquet/arrow shards"
+        )
     if shard.dtype not in TOKEN_DTYPES:
-        raise FormatError(f"shard {shard.path}: dtype {shard.dtype!r} is not a token dtype "
-                          f"({', '.join(TOKEN_DTYPES)})")
+        raise FormatError(
+            f"shard {shard.path}: dtype {shard.dtype!r} is not a token dtype "
+            f"({', '.join(TOKEN_DTYPES)})"
+        )
     offset = shard.data_offset or 0
     expected = offset + shard.num_samples * np.dtype(shard.dtype).itemsize
     if expected != shard.bytes:
-        raise FormatError(f"shard {shard.path}: manifest says {shard.num_samples} x {shard.dtype} "
-                          f"after a {offset}-byte header ({expected} bytes) but {shard.bytes} bytes; "
-                          "hint: rebuild the manifest")
+        raise FormatError(
+            f"shard {shard.path}: manifest says {shard.num_samples} x {shard.dtype} "
+            f"after a {offset}-byte header ({expected} bytes) but {shard.bytes} bytes; "
+            "hint: rebuild the manifest"
+        )
     return shard.dtype

@@ -38,11 +38,19 @@ from detdata.storage.fs import (
 from detdata.storage.retry import RetryPolicy, check_policy
 
 
-def build_manifest(root: str, *, pattern: str | None = None, format: str | Format | None = None,
-                   dtype: str | None = None, metadata: Mapping[str, Any] | None = None,
-                   paths: Sequence[str] | None = None, threads: int = 8,
-                   progress: bool | None = None, retry: RetryPolicy | None = None,
-                   **storage_options: Any) -> Manifest:
+def build_manifest(
+    root: str,
+    *,
+    pattern: str | None = None,
+    format: str | Format | None = None,
+    dtype: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    paths: Sequence[str] | None = None,
+    threads: int = 8,
+    progress: bool | None = None,
+    retry: RetryPolicy | None = None,
+    **storage_options: Any,
+) -> Manifest:
     """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
 
     Shards are ``paths`` (relative) if given, else files matching the glob
@@ -59,16 +67,23 @@ def build_manifest(root: str, *, pattern: str | None = None, format: str | Forma
     def build(rel: str) -> ShardEntry:
         if is_local_fs(fs):
             return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
-        return policy.run(lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
-                          what="hashing", shard=rel, url=url_join(root, rel))
+        return policy.run(
+            lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
+            what="hashing",
+            shard=rel,
+            url=url_join(root, rel),
+        )
 
     entries = map_in_threads(build, rels, threads=threads, desc="hashing", progress=progress)
     canonical_root = root if is_url(root) else os.path.abspath(root)
     return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical_root)
 
 
-def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any) -> list[tuple[str, int, str]]:
+def hash_files(
+    paths: Sequence[str], *, threads: int = 8, **storage_options: Any
+) -> list[tuple[str, int, str]]:
     """``(path, bytes, b3:<hex>)`` for each file or URL, hashed in parallel."""
+
     def one(p: str) -> tuple[str, int, str]:
         fs, fpath = filesystem(p, **storage_options)
         try:
@@ -81,8 +96,14 @@ def hash_files(paths: Sequence[str], *, threads: int = 8, **storage_options: Any
     return map_in_threads(one, paths, threads=threads)
 
 
-def _shard_names(fs: Any, root: str, rootpath: str, pattern: str | None, fmt: Format | None,
-                 paths: Sequence[str] | None) -> list[str]:
+def _shard_names(
+    fs: Any,
+    root: str,
+    rootpath: str,
+    pattern: str | None,
+    fmt: Format | None,
+    paths: Sequence[str] | None,
+) -> list[str]:
     """The sorted, checked relative names to build: ``paths``, else a listing of ``root``."""
     if paths is not None:
         rels = sorted(check_shard_name(p, root=root) for p in paths)
@@ -91,8 +112,10 @@ def _shard_names(fs: Any, root: str, rootpath: str, pattern: str | None, fmt: Fo
             raise ConfigError(f"root {root!r} does not exist")
         rels = _list_shards(fs, rootpath, pattern, fmt)
     if not rels:
-        raise ConfigError(f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
-                          "path and pattern, e.g. pattern='**/*.npy'")
+        raise ConfigError(
+            f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
+            "path and pattern, e.g. pattern='**/*.npy'"
+        )
     return rels
 
 
@@ -110,9 +133,11 @@ def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) ->
     prefix = root.rstrip("/") + "/"
     outside = [p for p in found if not p.startswith(prefix)]
     if outside:
-        raise ConfigError(f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
-                          f"root {root!r}; hint: use a pattern relative to the root")
-    rels = [p[len(prefix):] for p in found]
+        raise ConfigError(
+            f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
+            f"root {root!r}; hint: use a pattern relative to the root"
+        )
+    rels = [p[len(prefix) :] for p in found]
     if is_http(root):
         rels = [unquote_path(r) for r in rels]
     rels.sort()
@@ -127,10 +152,19 @@ def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | 
     try:
         size = int(fs.size(path))
     except FileNotFoundError:
-        raise StorageError(f"shard {rel}: file not found at {path}; hint: check the root and "
-                           "the relative paths") from None
+        raise StorageError(
+            f"shard {rel}: file not found at {path}; hint: check the root and the relative paths"
+        ) from None
     layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
-    return ShardEntry(path=rel, bytes=size, blake3=full_digest_file(fs, path),
-                      quick=quick_digest_file(fs, path, size), num_samples=layout.num_samples,
-                      format=shard_format, dtype=layout.dtype, data_offset=layout.data_offset,
-                      schema=layout.schema, row_groups=layout.row_groups)
+    return ShardEntry(
+        path=rel,
+        bytes=size,
+        blake3=full_digest_file(fs, path),
+        quick=quick_digest_file(fs, path, size),
+        num_samples=layout.num_samples,
+        format=shard_format,
+        dtype=layout.dtype,
+        data_offset=layout.data_offset,
+        schema=layout.schema,
+        row_groups=layout.row_groups,
+    )

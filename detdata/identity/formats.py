@@ -35,8 +35,14 @@ class Format(str, enum.Enum):
 
 TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW)
-_SUFFIXES: Final = {".npy": Format.NPY, ".bin": Format.BIN, ".parquet": Format.PARQUET,
-                    ".arrow": Format.ARROW, ".feather": Format.ARROW, ".ipc": Format.ARROW}
+_SUFFIXES: Final = {
+    ".npy": Format.NPY,
+    ".bin": Format.BIN,
+    ".parquet": Format.PARQUET,
+    ".arrow": Format.ARROW,
+    ".feather": Format.ARROW,
+    ".ipc": Format.ARROW,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +78,10 @@ def detect_format(path: str) -> Format:
     fmt = suffix_format(path)
     if fmt is not None:
         return fmt
-    raise FormatError(f"{path}: cannot tell the format from the suffix; pass format= "
-                      f"(one of {', '.join(f.value for f in Format)})")
+    raise FormatError(
+        f"{path}: cannot tell the format from the suffix; pass format= "
+        f"(one of {', '.join(f.value for f in Format)})"
+    )
 
 
 def check_token_dtype(dtype: str | None, *, where: str) -> str:
@@ -88,17 +96,23 @@ def check_token_dtype(dtype: str | None, *, where: str) -> str:
     try:
         parsed = np.dtype(dtype)
     except TypeError:
-        raise ConfigError(f"{where}: unknown dtype {dtype!r}; expected one of {TOKEN_DTYPES}") from None
+        raise ConfigError(
+            f"{where}: unknown dtype {dtype!r}; expected one of {TOKEN_DTYPES}"
+        ) from None
     name = parsed.name
     if name not in TOKEN_DTYPES:
-        raise ConfigError(f"{where}: dtype {name} is not a token dtype; expected one of {TOKEN_DTYPES}")
+        raise ConfigError(
+            f"{where}: dtype {name} is not a token dtype; expected one of {TOKEN_DTYPES}"
+        )
     if _declares_big_endian(dtype, parsed):
-        raise ConfigError(f"{where}: dtype {dtype!r} is big-endian; detdata token shards are "
-                          f"little-endian (a manifest records only {name!r}, which would read "
-                          "these bytes swapped); hint: convert the file, e.g. "
-                          f"np.fromfile(path, {parsed.str!r}).astype({parsed.newbyteorder('<').str!r})"
-                          ".tofile(new_path), or declare the little-endian dtype if the bytes "
-                          "are little-endian")
+        raise ConfigError(
+            f"{where}: dtype {dtype!r} is big-endian; detdata token shards are "
+            f"little-endian (a manifest records only {name!r}, which would read "
+            "these bytes swapped); hint: convert the file, e.g. "
+            f"np.fromfile(path, {parsed.str!r}).astype({parsed.newbyteorder('<').str!r})"
+            ".tofile(new_path), or declare the little-endian dtype if the bytes "
+            "are little-endian"
+        )
     return name
 
 
@@ -126,8 +140,15 @@ def schema_fingerprint(schema: pa.Schema) -> str:
     return digest_bytes(json.dumps(fields, separators=(",", ":")).encode())
 
 
-def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Format,
-                  dtype: str | None = None, *, rel: str) -> ShardLayout:
+def inspect_shard(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    fmt: Format,
+    dtype: str | None = None,
+    *,
+    rel: str,
+) -> ShardLayout:
     """Read a shard's header/footer and return its layout; errors name ``rel``."""
     if fmt is Format.NPY:
         return _inspect_npy(fs, path, size, rel)
@@ -136,28 +157,38 @@ def inspect_shard(fs: fsspec.AbstractFileSystem, path: str, size: int, fmt: Form
         _refuse_container(fs, path, size, rel)
         itemsize = np.dtype(name).itemsize
         if size % itemsize:
-            raise FormatError(f"shard {rel}: {size} bytes is not a multiple of the {name} item "
-                              f"size {itemsize}; hint: check the declared dtype")
+            raise FormatError(
+                f"shard {rel}: {size} bytes is not a multiple of the {name} item "
+                f"size {itemsize}; hint: check the declared dtype"
+            )
         return ShardLayout(num_samples=size // itemsize, dtype=name, data_offset=0)
     if fmt is Format.PARQUET:
         with fs.open(path, "rb") as fh:
             try:
                 meta = pq.ParquetFile(fh).metadata
             except (pa.ArrowInvalid, OSError) as exc:
-                raise FormatError(f"shard {rel}: not a valid Parquet file ({exc}); hint: check "
-                                  "the file or the declared format") from None
+                raise FormatError(
+                    f"shard {rel}: not a valid Parquet file ({exc}); hint: check "
+                    "the file or the declared format"
+                ) from None
             groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-            return ShardLayout(num_samples=meta.num_rows, schema=schema_fingerprint(meta.schema.to_arrow_schema()),
-                               row_groups=groups)
+            return ShardLayout(
+                num_samples=meta.num_rows,
+                schema=schema_fingerprint(meta.schema.to_arrow_schema()),
+                row_groups=groups,
+            )
     with fs.open(path, "rb") as fh:
         try:
             reader = ipc.open_file(fh)
         except pa.ArrowInvalid as exc:
-            raise FormatError(f"shard {rel}: not an Arrow IPC file ({exc}); hint: write it with "
-                              "pyarrow.ipc.new_file / feather v2") from None
+            raise FormatError(
+                f"shard {rel}: not an Arrow IPC file ({exc}); hint: write it with "
+                "pyarrow.ipc.new_file / feather v2"
+            ) from None
         groups = tuple(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        return ShardLayout(num_samples=sum(groups), schema=schema_fingerprint(reader.schema),
-                           row_groups=groups)
+        return ShardLayout(
+            num_samples=sum(groups), schema=schema_fingerprint(reader.schema), row_groups=groups
+        )
 
 
 # numpy parses .npy headers with ast.literal_eval, and CPython 3.11's AST builder keeps its
@@ -200,16 +231,22 @@ def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) 
             raise FormatError(f"shard {rel}: not a valid .npy file ({exc})") from None
     shape, fortran, dtype = header
     if len(shape) != 1:
-        raise FormatError(f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
-                          "hint: save tokens with np.save(path, tokens.reshape(-1))")
+        raise FormatError(
+            f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
+            "hint: save tokens with np.save(path, tokens.reshape(-1))"
+        )
     if is_big_endian(dtype) or dtype.name not in TOKEN_DTYPES:
-        raise FormatError(f"shard {rel}: dtype {dtype.str} is not a little-endian token dtype "
-                          f"({', '.join(TOKEN_DTYPES)}); hint: save little-endian tokens, e.g. "
-                          "np.save(path, tokens.astype('<u2'))")
+        raise FormatError(
+            f"shard {rel}: dtype {dtype.str} is not a little-endian token dtype "
+            f"({', '.join(TOKEN_DTYPES)}); hint: save little-endian tokens, e.g. "
+            "np.save(path, tokens.astype('<u2'))"
+        )
     expected = offset + shape[0] * dtype.itemsize
     if expected != size:
-        raise FormatError(f"shard {rel}: header says {shape[0]} x {dtype.name} "
-                          f"({expected} bytes) but the file has {size} bytes")
+        raise FormatError(
+            f"shard {rel}: header says {shape[0]} x {dtype.name} "
+            f"({expected} bytes) but the file has {size} bytes"
+        )
     del fortran
     return ShardLayout(num_samples=int(shape[0]), dtype=dtype.name, data_offset=offset)
 
@@ -244,7 +281,9 @@ def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
             kind = "parquet" if fh.read(4) == _PARQUET_MAGIC else None
     if kind is not None:
         what = {"npy": "a .npy", "arrow": "an Arrow IPC", "parquet": "a Parquet"}[kind]
-        raise FormatError(f"shard {rel}: declared format 'bin' (raw tokens) but it is {what} "
-                          f"file (it starts with {head[:6]!r}); read as raw tokens its header "
-                          f"would become tokens; hint: pass format='{kind}', or leave format= "
-                          "out to detect the format from the file suffix")
+        raise FormatError(
+            f"shard {rel}: declared format 'bin' (raw tokens) but it is {what} "
+            f"file (it starts with {head[:6]!r}); read as raw tokens its header "
+            f"would become tokens; hint: pass format='{kind}', or leave format= "
+            "out to detect the format from the file suffix"
+        )

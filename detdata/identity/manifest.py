@@ -35,7 +35,13 @@ KIND: Final = "detdata.manifest"
 
 # JSON keys (named constants so the schema lives in one place).
 K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
-    "kind", "format_version", "shards", "metadata", "id", "root")
+    "kind",
+    "format_version",
+    "shards",
+    "metadata",
+    "id",
+    "root",
+)
 _SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
 _SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
 
@@ -64,9 +70,14 @@ class ShardEntry:
     row_groups: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"path": self.path, "bytes": self.bytes, "blake3": self.blake3,
-                               "quick": self.quick, "num_samples": self.num_samples,
-                               "format": self.format.value}
+        out: dict[str, Any] = {
+            "path": self.path,
+            "bytes": self.bytes,
+            "blake3": self.blake3,
+            "quick": self.quick,
+            "num_samples": self.num_samples,
+            "format": self.format.value,
+        }
         for key in _SHARD_OPTIONAL:
             value = getattr(self, key)
             if value is not None:
@@ -104,21 +115,34 @@ class ShardEntry:
             if obj.get(key) is not None and not isinstance(obj[key], str):
                 raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
         _check_format_fields(fmt, obj, f"{where} ({path})")
-        return cls(path=path, bytes=obj["bytes"], blake3=obj["blake3"], quick=obj["quick"],
-                   num_samples=obj["num_samples"], format=fmt, dtype=obj.get("dtype"),
-                   data_offset=offset, schema=obj.get("schema"), row_groups=groups)
+        return cls(
+            path=path,
+            bytes=obj["bytes"],
+            blake3=obj["blake3"],
+            quick=obj["quick"],
+            num_samples=obj["num_samples"],
+            format=fmt,
+            dtype=obj.get("dtype"),
+            data_offset=offset,
+            schema=obj.get("schema"),
+            row_groups=groups,
+        )
 
 
 def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
     """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
     if fmt in TABLE_FORMATS:
         if obj.get("schema") is None:
-            raise ManifestError(f"{where}: {fmt.value} shard without field 'schema' (the schema "
-                                "fingerprint); hint: rebuild the manifest with build_manifest")
+            raise ManifestError(
+                f"{where}: {fmt.value} shard without field 'schema' (the schema "
+                "fingerprint); hint: rebuild the manifest with build_manifest"
+            )
         return
     if obj.get("dtype") not in TOKEN_DTYPES:
-        raise ManifestError(f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
-                            f"{fmt.value} shard, found {obj.get('dtype')!r}")
+        raise ManifestError(
+            f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
+            f"{fmt.value} shard, found {obj.get('dtype')!r}"
+        )
     if obj.get("data_offset") is None:
         raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
 
@@ -150,15 +174,20 @@ class Manifest:
             paths.sort()
         dupes = sorted({p for p, q in itertools.pairwise(paths) if p == q})
         if dupes:
-            raise ManifestError(f"duplicate shard paths in manifest: {dupes}; hint: each shard "
-                                "may be listed once")
+            raise ManifestError(
+                f"duplicate shard paths in manifest: {dupes}; hint: each shard may be listed once"
+            )
         object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
 
     # identity -------------------------------------------------------------
     def body(self) -> dict[str, Any]:
         """The JSON object the id is computed over (no root, no id)."""
-        return {K_KIND: KIND, K_VERSION: FORMAT_VERSION,
-                K_SHARDS: [s.to_json() for s in self.shards], K_METADATA: dict(self.metadata)}
+        return {
+            K_KIND: KIND,
+            K_VERSION: FORMAT_VERSION,
+            K_SHARDS: [s.to_json() for s in self.shards],
+            K_METADATA: dict(self.metadata),
+        }
 
     @functools.cached_property
     def id(self) -> str:
@@ -183,7 +212,9 @@ class Manifest:
     def url(self, shard: ShardEntry) -> str:
         """Full URL/path of a shard under this manifest's root (percent-encoded for HTTP(S))."""
         if self.root is None:
-            raise ConfigError("this manifest has no root; pass root= to Manifest.load or use with_root()")
+            raise ConfigError(
+                "this manifest has no root; pass root= to Manifest.load or use with_root()"
+            )
         return url_join(self.root, shard.path)
 
     # persistence ------------------------------------------------------------
@@ -208,6 +239,7 @@ class Manifest:
         nothing is written.
         """
         from detdata.storage.atomic import atomic_write_bytes
+
         doc = self.to_json()
         if self.root is not None:
             doc[K_ROOT] = _portable_root(self.root, path)
@@ -221,16 +253,22 @@ class Manifest:
         Manifest.from_json(self.to_json(), where=where)
 
     @classmethod
-    def from_json(cls, doc: object, *, root: str | None = None, where: str = "manifest") -> Manifest:
+    def from_json(
+        cls, doc: object, *, root: str | None = None, where: str = "manifest"
+    ) -> Manifest:
         """Parse and validate a manifest document (no storage access)."""
         if not isinstance(doc, dict):
             raise ManifestError(f"{where}: expected a JSON object, found {type(doc).__name__}")
         if doc.get(K_KIND) != KIND:
-            raise ManifestError(f"{where}: field 'kind' must be {KIND!r}, found {doc.get(K_KIND)!r}")
+            raise ManifestError(
+                f"{where}: field 'kind' must be {KIND!r}, found {doc.get(K_KIND)!r}"
+            )
         version = doc.get(K_VERSION)
         if version != FORMAT_VERSION:
-            raise ManifestError(f"{where}: unknown format_version {version!r}; this detdata reads "
-                                f"version {FORMAT_VERSION}; hint: upgrade detdata")
+            raise ManifestError(
+                f"{where}: unknown format_version {version!r}; this detdata reads "
+                f"version {FORMAT_VERSION}; hint: upgrade detdata"
+            )
         unknown = sorted(set(doc) - {K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT})
         if unknown:
             raise ManifestError(f"{where}: unknown top-level fields {unknown}")
@@ -239,38 +277,59 @@ class Manifest:
             raise ManifestError(f"{where}: field 'shards' must be a list")
         if not isinstance(metadata, dict):
             raise ManifestError(f"{where}: field 'metadata' must be an object")
-        shards = tuple(ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc))
+        shards = tuple(
+            ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc)
+        )
         stored_root = doc.get(K_ROOT)
         if stored_root is not None and not isinstance(stored_root, str):
             raise ManifestError(f"{where}: field 'root' must be a string")
-        manifest = cls(shards=shards, metadata=metadata, root=root if root is not None else stored_root)
+        manifest = cls(
+            shards=shards, metadata=metadata, root=root if root is not None else stored_root
+        )
         if [s.path for s in shards] != [s.path for s in manifest.shards]:
             raise ManifestError(f"{where}: shards are not sorted by path (canonical order)")
         claimed = doc.get(K_ID)
         if K_ID in doc and not isinstance(claimed, str):
-            raise ManifestError(f"{where}: field 'id' must be a string 'b3:<64 hex>' (or absent), "
-                                f"found {claimed!r:.80}; the manifest was edited or corrupted")
+            raise ManifestError(
+                f"{where}: field 'id' must be a string 'b3:<64 hex>' (or absent), "
+                f"found {claimed!r:.80}; the manifest was edited or corrupted"
+            )
         if claimed is not None and claimed != manifest.id:
-            raise ManifestError(f"{where}: id mismatch: the file says {claimed} but its content "
-                                f"hashes to {manifest.id}; the manifest was edited or corrupted")
+            raise ManifestError(
+                f"{where}: id mismatch: the file says {claimed} but its content "
+                f"hashes to {manifest.id}; the manifest was edited or corrupted"
+            )
         return manifest
 
     @classmethod
-    def loads(cls, text: str | bytes, *, root: str | None = None, where: str = "manifest") -> Manifest:
+    def loads(
+        cls, text: str | bytes, *, root: str | None = None, where: str = "manifest"
+    ) -> Manifest:
         try:
             doc = json.loads(text, object_pairs_hook=_unique_keys)
         except _DuplicateKeyError as exc:
-            raise ManifestError(f"{where}: malformed JSON: duplicate key {exc.key!r} in an "
-                                "object; hint: a manifest must be written by detdata") from None
+            raise ManifestError(
+                f"{where}: malformed JSON: duplicate key {exc.key!r} in an "
+                "object; hint: a manifest must be written by detdata"
+            ) from None
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ManifestError(f"{where}: malformed JSON ({exc}); hint: manifests are the JSON "
-                                "files written by Manifest.save / `detdata manifest build`") from None
+            raise ManifestError(
+                f"{where}: malformed JSON ({exc}); hint: manifests are the JSON "
+                "files written by Manifest.save / `detdata manifest build`"
+            ) from None
         return cls.from_json(doc, root=root, where=where)
 
     @classmethod
-    def load(cls, path: str, *, root: str | None = None, verify: str | Verify = Verify.QUICK,
-             threads: int = 8, retry: RetryPolicy | None = None,
-             **storage_options: Any) -> Manifest:
+    def load(
+        cls,
+        path: str,
+        *,
+        root: str | None = None,
+        verify: str | Verify = Verify.QUICK,
+        threads: int = 8,
+        retry: RetryPolicy | None = None,
+        **storage_options: Any,
+    ) -> Manifest:
         """Read a manifest file/URL and verify the shards under its root.
 
         ``root`` overrides the stored root; a relative stored root is relative
@@ -282,15 +341,20 @@ class Manifest:
         """
         mode = parse_verify(verify)
         try:
-            text = read_file_retrying(path, policy=check_policy(retry), what="manifest read",
-                                      **storage_options)
+            text = read_file_retrying(
+                path, policy=check_policy(retry), what="manifest read", **storage_options
+            )
         except FileNotFoundError:
-            raise ManifestError(f"manifest file not found: {path}; hint: check the path "
-                                "(or URL) of the manifest JSON") from None
+            raise ManifestError(
+                f"manifest file not found: {path}; hint: check the path "
+                "(or URL) of the manifest JSON"
+            ) from None
         except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-            raise ManifestError(f"cannot read manifest {path}: {type(exc).__name__}: "
-                                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                                "(e.g. DIR/manifest.json), readable by this user") from None
+            raise ManifestError(
+                f"cannot read manifest {path}: {type(exc).__name__}: "
+                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                "(e.g. DIR/manifest.json), readable by this user"
+            ) from None
         manifest = cls.loads(text, root=root, where=f"manifest {path}")
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
@@ -299,9 +363,15 @@ class Manifest:
         return manifest
 
     # verification -----------------------------------------------------------
-    def verify(self, mode: str | Verify = Verify.QUICK, *, threads: int = 8,
-               progress: bool | None = None, retry: RetryPolicy | None = None,
-               **storage_options: Any) -> None:
+    def verify(
+        self,
+        mode: str | Verify = Verify.QUICK,
+        *,
+        threads: int = 8,
+        progress: bool | None = None,
+        retry: RetryPolicy | None = None,
+        **storage_options: Any,
+    ) -> None:
         """Check the bytes under the root; raise `VerificationError` at the first bad shard.
 
         Every shard is checked; the error names the first (in path order) that
@@ -309,8 +379,10 @@ class Manifest:
         `detdata.identity.verify.verify_manifest`.
         """
         from detdata.identity.verify import verify_manifest
-        verify_manifest(self, mode, threads=threads, progress=progress, retry=retry,
-                        **storage_options)
+
+        verify_manifest(
+            self, mode, threads=threads, progress=progress, retry=retry, **storage_options
+        )
 
 
 def parse_verify(value: str | Verify) -> Verify:
@@ -347,14 +419,16 @@ def _normalise_metadata(metadata: object) -> dict[str, Any]:
     try:
         return cast(dict[str, Any], json.loads(canonical_json(dict(metadata))))
     except (TypeError, ValueError) as exc:
-        raise ManifestError(f"manifest metadata must be plain JSON (str, int, float, bool, None, "
-                            f"lists, objects): {exc}") from None
+        raise ManifestError(
+            f"manifest metadata must be plain JSON (str, int, float, bool, None, "
+            f"lists, objects): {exc}"
+        ) from None
 
 
 def _local(path: str) -> str | None:
     """The local filesystem path for ``path`` / ``file://`` URLs, else None."""
     if path.startswith("file://"):
-        return path[len("file://"):]
+        return path[len("file://") :]
     return None if is_url(path) else path
 
 

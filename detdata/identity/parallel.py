@@ -11,8 +11,14 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def map_in_threads(fn: Callable[[T], R], items: Sequence[T], *, threads: int,
-                   desc: str = "", progress: bool | None = False) -> list[R]:
+def map_in_threads(
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    *,
+    threads: int,
+    desc: str = "",
+    progress: bool | None = False,
+) -> list[R]:
     """``[fn(item) for item in items]`` computed in ``max(1, threads)`` threads.
 
     Every item is run; the first exception (in input order) is raised once all
@@ -28,4 +34,5 @@ def _progress(it: Iterable[R], total: int, desc: str, progress: bool | None) -> 
     if not show:
         return it
     from tqdm import tqdm
+
     return cast(Iterable[R], tqdm(it, total=total, desc=desc, unit="shard"))

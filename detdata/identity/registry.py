@@ -80,9 +80,11 @@ def split_name(name: object) -> tuple[str, str | None]:
         raise RegistryError(f"registry name must be a string, got {name!r}")
     base, sep, version = name.partition("@")
     if not NAME_RE.fullmatch(base) or (sep and not VERSION_RE.fullmatch(version)):
-        raise RegistryError(f"invalid registry name {name!r}; hint: use 'name@version' such as "
-                            "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
-                            "letter or digit)")
+        raise RegistryError(
+            f"invalid registry name {name!r}; hint: use 'name@version' such as "
+            "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
+            "letter or digit)"
+        )
     return base, (version if sep else None)
 
 
@@ -90,8 +92,10 @@ def full_name(name: object) -> tuple[str, str]:
     """Like `split_name` but the version is required."""
     base, version = split_name(name)
     if version is None:
-        raise RegistryError(f"registry name {name!r} has no version; hint: register as "
-                            f"'{base}@v1' (resolve accepts a bare name for the latest version)")
+        raise RegistryError(
+            f"registry name {name!r} has no version; hint: register as "
+            f"'{base}@v1' (resolve accepts a bare name for the latest version)"
+        )
     return base, version
 
 
@@ -127,9 +131,15 @@ class _Ref:
         return self.history[-1]
 
     def to_bytes(self) -> bytes:
-        doc = {"kind": REF_KIND, "format_version": REF_VERSION, "name": self.name,
-               "created_ns": self.created_ns, "id": self.current.id, "root": self.current.root,
-               "history": [e.to_json() for e in self.history]}
+        doc = {
+            "kind": REF_KIND,
+            "format_version": REF_VERSION,
+            "name": self.name,
+            "created_ns": self.created_ns,
+            "id": self.current.id,
+            "root": self.current.root,
+            "history": [e.to_json() for e in self.history],
+        }
         return json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
 
     @classmethod
@@ -138,20 +148,34 @@ class _Ref:
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
-            if doc["kind"] != REF_KIND or doc["format_version"] != REF_VERSION or doc["name"] != name:
-                raise ValueError(f"kind/format_version/name {doc['kind']!r}/"
-                                 f"{doc['format_version']!r}/{doc['name']!r}")
+            if (
+                doc["kind"] != REF_KIND
+                or doc["format_version"] != REF_VERSION
+                or doc["name"] != name
+            ):
+                raise ValueError(
+                    f"kind/format_version/name {doc['kind']!r}/"
+                    f"{doc['format_version']!r}/{doc['name']!r}"
+                )
             if not isinstance(doc["history"], list):
                 raise ValueError("field 'history' must be a list")
-            events = tuple(RefEvent(name=name, id=check_id(e["id"]), root=_check_root(e["root"]),
-                                    time_ns=_check_ns(e["time_ns"]), forced=_check_bool(e["forced"]))
-                           for e in doc["history"])
+            events = tuple(
+                RefEvent(
+                    name=name,
+                    id=check_id(e["id"]),
+                    root=_check_root(e["root"]),
+                    time_ns=_check_ns(e["time_ns"]),
+                    forced=_check_bool(e["forced"]),
+                )
+                for e in doc["history"]
+            )
             if not events or events[-1].id != doc["id"]:
                 raise ValueError("empty history or 'id' is not the last history entry")
             return cls(name=name, created_ns=_check_ns(doc["created_ns"]), history=events)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, RegistryError) as exc:
-            raise RegistryError(f"reference {name!r} is corrupted ({exc}); hint: re-register it "
-                                "with force=True") from None
+            raise RegistryError(
+                f"reference {name!r} is corrupted ({exc}); hint: re-register it with force=True"
+            ) from None
 
 
 def _check_registry_root(root: object) -> str:
@@ -163,9 +187,11 @@ def _check_registry_root(root: object) -> str:
     if not isinstance(root, str):
         raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
     if not root.strip():
-        raise ConfigError(f"Registry(root={root!r}): the registry root is empty; hint: pass a "
-                          "directory or URL, or root=None for the default "
-                          f"(${ENV_VAR}, else ~/.cache/detdata/registry)")
+        raise ConfigError(
+            f"Registry(root={root!r}): the registry root is empty; hint: pass a "
+            "directory or URL, or root=None for the default "
+            f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
+        )
     return root
 
 
@@ -197,8 +223,13 @@ class Registry:
     `RegistryError` naming the path. See the module docstring for the contracts.
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, *,
-                 retry: RetryPolicy | None = None, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        **storage_options: Any,
+    ) -> None:
         self.root = _check_registry_root(root).rstrip("/") or "/"
         self._options = storage_options
         self.retry = check_policy(retry)
@@ -238,15 +269,18 @@ class Registry:
             raise self._os_error(what, path, exc) from exc
 
     def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
-        return RegistryError(f"registry {self.root}: {what} of {path} failed: "
-                             f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
-                             "files are written only by detdata: remove or repair whatever is "
-                             "in their place (a directory, a file where a folder belongs) and "
-                             "check permissions")
+        return RegistryError(
+            f"registry {self.root}: {what} of {path} failed: "
+            f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+            "files are written only by detdata: remove or repair whatever is "
+            "in their place (a directory, a file where a folder belongs) and "
+            "check permissions"
+        )
 
     def _cat(self, path: str) -> bytes:
-        return bytes(self._io("read", path,
-                              lambda t: call_fs(self._fs, "cat_file", path, timeout=t)))
+        return bytes(
+            self._io("read", path, lambda t: call_fs(self._fs, "cat_file", path, timeout=t))
+        )
 
     def _fresh(self, path: str) -> None:
         """Drop fsspec's cached listing of ``path`` (object stores cache ``ls``)."""
@@ -263,8 +297,14 @@ class Registry:
         return dict(self._options) if protocol == self._protocol else {}
 
     # public API ------------------------------------------------------------
-    def register(self, name: str, manifest_or_path: Manifest | str, *, force: bool = False,
-                 verify: str = "quick") -> str:
+    def register(
+        self,
+        name: str,
+        manifest_or_path: Manifest | str,
+        *,
+        force: bool = False,
+        verify: str = "quick",
+    ) -> str:
         """Store the manifest and point ``name@version`` at its id; return the id.
 
         A path is loaded with ``Manifest.load(path, verify=verify)``. Registering
@@ -279,7 +319,9 @@ class Registry:
             self._sweep_temps(("manifests",), ("refs", base))
             return self._point(f"{base}@{version}", base, version, manifest, force)
 
-    def resolve(self, name_or_id: str, *, verify: str = "quick", root: str | None = None) -> Manifest:
+    def resolve(
+        self, name_or_id: str, *, verify: str = "quick", root: str | None = None
+    ) -> Manifest:
         """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
 
         A name's manifest carries the root it was registered with (``root``
@@ -306,16 +348,22 @@ class Registry:
         try:
             data = self._cat(path)
         except FileNotFoundError:
-            raise RegistryError(f"manifest {manifest_id} is not in registry {self.root}; hint: "
-                                "register it first (`detdata register MANIFEST NAME`)") from None
+            raise RegistryError(
+                f"manifest {manifest_id} is not in registry {self.root}; hint: "
+                "register it first (`detdata register MANIFEST NAME`)"
+            ) from None
         try:
             manifest = Manifest.loads(data, where=f"registry object {manifest_id}")
         except ManifestError as exc:
-            raise RegistryError(f"registry object {manifest_id} in {self.root} is corrupted: "
-                                f"{exc}; hint: delete it and register the manifest again") from None
+            raise RegistryError(
+                f"registry object {manifest_id} in {self.root} is corrupted: "
+                f"{exc}; hint: delete it and register the manifest again"
+            ) from None
         if manifest.id != manifest_id:
-            raise RegistryError(f"registry object {manifest_id} in {self.root} holds manifest "
-                                f"{manifest.id}; hint: delete it and register again")
+            raise RegistryError(
+                f"registry object {manifest_id} in {self.root} holds manifest "
+                f"{manifest.id}; hint: delete it and register again"
+            )
         return manifest
 
     def history(self, name: str) -> tuple[RefEvent, ...]:
@@ -327,7 +375,9 @@ class Registry:
         if version is not None:
             return self._ref(base, version).history
         refs = self._refs_of(base)
-        return tuple(sorted((e for r in refs for e in r.history), key=lambda e: (e.time_ns, e.name)))
+        return tuple(
+            sorted((e for r in refs for e in r.history), key=lambda e: (e.time_ns, e.name))
+        )
 
     def names(self) -> list[str]:
         """All ``name@version`` references, sorted."""
@@ -339,7 +389,7 @@ class Registry:
             return []
         out = []
         for path in found:
-            rel = path[len(base.rstrip("/")) + 1:] if path.startswith(base) else path
+            rel = path[len(base.rstrip("/")) + 1 :] if path.startswith(base) else path
             parts = rel.split("/")
             if len(parts) == 2 and parts[1].endswith(".json"):
                 out.append(f"{parts[0]}@{parts[1][:-5]}")
@@ -349,8 +399,7 @@ class Registry:
         """The versions of bare ``name``, oldest first (the last one is what ``name`` resolves to)."""
         base, version = split_name(name)
         if version is not None:
-            raise RegistryError(f"versions() takes a bare name, got {name!r}; hint: pass "
-                                f"{base!r}")
+            raise RegistryError(f"versions() takes a bare name, got {name!r}; hint: pass {base!r}")
         return [r.name.partition("@")[2] for r in self._refs_of(base)]
 
     # internals -------------------------------------------------------------
@@ -359,8 +408,9 @@ class Registry:
             return manifest_or_path
         if isinstance(manifest_or_path, str):
             return Manifest.load(manifest_or_path, verify=verify, retry=self.retry, **self._options)
-        raise RegistryError(f"register() takes a Manifest or a manifest path, got "
-                            f"{type(manifest_or_path).__name__}")
+        raise RegistryError(
+            f"register() takes a Manifest or a manifest path, got {type(manifest_or_path).__name__}"
+        )
 
     def _put_object(self, manifest: Manifest) -> None:
         """Store ``manifest`` (without root) under its id; a no-op when present."""
@@ -385,12 +435,16 @@ class Registry:
                 return manifest.id
             new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
         elif not force:
-            raise RegistryError(f"{name} already points at {ref.current.id}, not {manifest.id}; "
-                                "registered names are immutable; hint: register a new version "
-                                f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
-                                "it (the old id stays in its history)")
+            raise RegistryError(
+                f"{name} already points at {ref.current.id}, not {manifest.id}; "
+                "registered names are immutable; hint: register a new version "
+                f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
+                "it (the old id stays in its history)"
+            )
         else:
-            forced = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True)
+            forced = RefEvent(
+                name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True
+            )
             new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
         self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
         return manifest.id
@@ -435,12 +489,15 @@ class Registry:
                     f"name {base!r}: its versions (and so its latest) cannot be listed in "
                     f"registry {self.root}: {detail}; hint: resolve an explicit version"
                     f"{' such as ' + others[-1] if others else ''}, or repair {base}@{v} "
-                    "(re-register it with force=True)") from None
+                    "(re-register it with force=True)"
+                ) from None
             if ref is not None:
                 refs.append(ref)
         if not refs:
-            raise RegistryError(f"name {base!r} is not in registry {self.root}; hint: "
-                                f"`detdata register MANIFEST {base}@v1`")
+            raise RegistryError(
+                f"name {base!r} is not in registry {self.root}; hint: "
+                f"`detdata register MANIFEST {base}@v1`"
+            )
         return sorted(refs, key=lambda r: (r.created_ns, r.name))
 
     def _current(self, name: str) -> RefEvent:
@@ -473,7 +530,9 @@ class Registry:
             except (FileNotFoundError, NotADirectoryError):
                 continue  # nothing to sweep (a file in the way fails the write, named)
             for entry in entries:
-                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(
+                    follow_symlinks=False
+                ):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     if entry.stat(follow_symlinks=False).st_mtime < cutoff:
@@ -486,6 +545,7 @@ class Registry:
             yield
             return
         import fcntl
+
         directory = self._path
         lock = os.path.join(directory, ".lock")
         try:
@@ -501,9 +561,11 @@ class Registry:
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise RegistryError(f"registry {self.root} is locked by another writer for "
-                                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
-                                            "for a hung process") from None
+                        raise RegistryError(
+                            f"registry {self.root} is locked by another writer for "
+                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
+                            "for a hung process"
+                        ) from None
                     time.sleep(0.01)
             yield
         finally:

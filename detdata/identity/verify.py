@@ -31,9 +31,15 @@ from detdata.storage.retry import RetryPolicy, check_policy
 _LABELS: Final = {"bytes": "size", "quick": "quick digest", "blake3": "blake3"}
 
 
-def verify_manifest(manifest: Manifest, mode: str | Verify = Verify.QUICK, *, threads: int = 8,
-                    progress: bool | None = None, retry: RetryPolicy | None = None,
-                    **storage_options: Any) -> None:
+def verify_manifest(
+    manifest: Manifest,
+    mode: str | Verify = Verify.QUICK,
+    *,
+    threads: int = 8,
+    progress: bool | None = None,
+    retry: RetryPolicy | None = None,
+    **storage_options: Any,
+) -> None:
     """Check the bytes under ``manifest.root`` in ``threads`` threads (`Manifest.verify`)."""
     mode = parse_verify(mode)
     if mode is Verify.OFF:
@@ -48,32 +54,51 @@ def verify_manifest(manifest: Manifest, mode: str | Verify = Verify.QUICK, *, th
             return _check_local(fs, join(root, shard.path), shard, mode, manifest.root or "")
         return _check_remote(fs, join(root, shard.path), shard, mode, manifest.url(shard), policy)
 
-    results = map_in_threads(check, manifest.shards, threads=threads, desc="verifying",
-                             progress=progress)
+    results = map_in_threads(
+        check, manifest.shards, threads=threads, desc="verifying", progress=progress
+    )
     for err in results:
         if err is not None:
             raise err
 
 
-def _check_local(fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str) -> VerificationError | None:
-    return check_bytes(shard, mode, f"shard {shard.path} (under {root})",
-                       size=lambda: int(fs.size(path)),
-                       quick=lambda size: quick_digest_file(fs, path, size),
-                       full=lambda size: full_digest_file(fs, path))
+def _check_local(
+    fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str
+) -> VerificationError | None:
+    return check_bytes(
+        shard,
+        mode,
+        f"shard {shard.path} (under {root})",
+        size=lambda: int(fs.size(path)),
+        quick=lambda size: quick_digest_file(fs, path, size),
+        full=lambda size: full_digest_file(fs, path),
+    )
 
 
-def _check_remote(fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str,
-                  policy: RetryPolicy) -> VerificationError | None:
+def _check_remote(
+    fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str, policy: RetryPolicy
+) -> VerificationError | None:
     """`_check_local` for remote stores: timed-out, retried range reads (never a hang)."""
     name = shard.path
-    return check_bytes(shard, mode, f"shard {name} ({url})",
-                       size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-                       quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
-                       full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url))
+    return check_bytes(
+        shard,
+        mode,
+        f"shard {name} ({url})",
+        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
+        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+    )
 
 
-def check_bytes(shard: ShardEntry, mode: Verify, where: str, *, size: Callable[[], int],
-                quick: Callable[[int], str], full: Callable[[int], str]) -> VerificationError | None:
+def check_bytes(
+    shard: ShardEntry,
+    mode: Verify,
+    where: str,
+    *,
+    size: Callable[[], int],
+    quick: Callable[[int], str],
+    full: Callable[[int], str],
+) -> VerificationError | None:
     """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None.
 
     ``size()`` raising `FileNotFoundError` means the shard is missing; ``quick`` and
@@ -97,9 +122,14 @@ def check_bytes(shard: ShardEntry, mode: Verify, where: str, *, size: Callable[[
 
 def missing(shard: ShardEntry, where: str) -> VerificationError:
     """The error for a shard file that is not there (field ``exists``)."""
-    return VerificationError(f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
-                             "was deleted or renamed, or the root is wrong (pass root=)",
-                             shard=shard.path, field="exists", expected=True, found=False)
+    return VerificationError(
+        f"{where}: missing; expected {shard.bytes} bytes; hint: the file "
+        "was deleted or renamed, or the root is wrong (pass root=)",
+        shard=shard.path,
+        field="exists",
+        expected=True,
+        found=False,
+    )
 
 
 def mismatch(shard: ShardEntry, field: str, found: object, where: str) -> VerificationError:
@@ -109,5 +139,10 @@ def mismatch(shard: ShardEntry, field: str, found: object, where: str) -> Verifi
         detail = f"expected {expected} bytes, found {found} (truncated or rewritten?)"
     else:
         detail = f"expected {expected}, found {found}"
-    return VerificationError(f"{where}: {_LABELS[field]} mismatch: {detail}", shard=shard.path,
-                             field=field, expected=expected, found=found)
+    return VerificationError(
+        f"{where}: {_LABELS[field]} mismatch: {detail}",
+        shard=shard.path,
+        field=field,
+        expected=expected,
+        found=found,
+    )

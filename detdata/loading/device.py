@@ -45,11 +45,15 @@ KeyPath = tuple[Any, ...]
 def check_depth(depth: object, name: str = "depth") -> int:
     """``depth`` as an int in ``[1, MAX_DEPTH]``, else `ConfigError` naming ``name``."""
     if isinstance(depth, bool) or not isinstance(depth, int):
-        raise ConfigError(f"{name} must be an integer >= 1 (batches copied ahead of the one delivered), "
-                          f"got {depth!r} ({type(depth).__name__})")
+        raise ConfigError(
+            f"{name} must be an integer >= 1 (batches copied ahead of the one delivered), "
+            f"got {depth!r} ({type(depth).__name__})"
+        )
     if not 1 <= depth <= MAX_DEPTH:
-        raise ConfigError(f"{name} must be in [1, {MAX_DEPTH}], got {depth}; hint: 2 is enough to "
-                          "overlap one batch's copy with the current step")
+        raise ConfigError(
+            f"{name} must be in [1, {MAX_DEPTH}], got {depth}; hint: 2 is enough to "
+            "overlap one batch's copy with the current step"
+        )
     return depth
 
 
@@ -65,28 +69,38 @@ def check_device(device: object) -> torch.device:
         try:
             dev = torch.device(device)
         except RuntimeError as exc:
-            raise ConfigError(f"device={device!r} is not a valid torch device string ({exc}); hint: use "
-                              "'cuda', 'cuda:0' or 'cpu'") from None
+            raise ConfigError(
+                f"device={device!r} is not a valid torch device string ({exc}); hint: use "
+                "'cuda', 'cuda:0' or 'cpu'"
+            ) from None
     elif isinstance(device, torch.device):
         dev = device
     else:
-        raise ConfigError(f"device must be a str or torch.device, got {device!r} ({type(device).__name__}); "
-                          "hint: device='cuda' or device=None for CPU batches")
+        raise ConfigError(
+            f"device must be a str or torch.device, got {device!r} ({type(device).__name__}); "
+            "hint: device='cuda' or device=None for CPU batches"
+        )
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.type != "cuda":
-        raise ConfigError(f"device={str(dev)!r}: only 'cuda' and 'cpu' are supported for device batches; "
-                          "hint: pass device=None and move batches yourself")
+        raise ConfigError(
+            f"device={str(dev)!r}: only 'cuda' and 'cpu' are supported for device batches; "
+            "hint: pass device=None and move batches yourself"
+        )
     if not torch.cuda.is_available():
-        raise ConfigError(f"device={str(dev)!r} was requested but CUDA is not available (torch "
-                          f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); hint: pass "
-                          "device='cpu' (same staging path, no GPU) or device=None (plain CPU batches)")
+        raise ConfigError(
+            f"device={str(dev)!r} was requested but CUDA is not available (torch "
+            f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); hint: pass "
+            "device='cpu' (same staging path, no GPU) or device=None (plain CPU batches)"
+        )
     count = torch.cuda.device_count()
     index = torch.cuda.current_device() if dev.index is None else dev.index
     if not 0 <= index < count:
-        raise ConfigError(f"device={str(dev)!r}: CUDA device index {index} is out of range, this process "
-                          f"sees {count} device(s); hint: use 'cuda:0'..'cuda:{count - 1}' or set "
-                          "CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"device={str(dev)!r}: CUDA device index {index} is out of range, this process "
+            f"sees {count} device(s); hint: use 'cuda:0'..'cuda:{count - 1}' or set "
+            "CUDA_VISIBLE_DEVICES"
+        )
     return torch.device("cuda", index)
 
 
@@ -234,7 +248,9 @@ class PinnedBufferPool:
     def set_event(self, slot: int, event: Event) -> None:
         self._slots[slot].event = event
 
-    def buffer(self, slot: int, key: KeyPath, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(
+        self, slot: int, key: KeyPath, shape: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor:
         """A host tensor of ``shape`` / ``dtype`` backed by ``slot``'s buffer for ``key``.
 
         The caller must have called ``wait(slot)`` since the slot's last copy.
@@ -251,8 +267,10 @@ class PinnedBufferPool:
 
     def acquire(self) -> None:
         if self._in_use:
-            raise ConfigError("this PinnedBufferPool is already used by another live device_batches "
-                              "iterator; hint: give each iterator its own pool (or close the old one)")
+            raise ConfigError(
+                "this PinnedBufferPool is already used by another live device_batches "
+                "iterator; hint: give each iterator its own pool (or close the old one)"
+            )
         self.wait_all()
         self._in_use = True
 
@@ -325,7 +343,9 @@ def _deliver(staged: _Staged, backend: _Backend) -> Any:
     return staged.batch
 
 
-def _generate(source: Iterator[Any], backend: _Backend, pool: PinnedBufferPool, depth: int) -> Iterator[Any]:
+def _generate(
+    source: Iterator[Any], backend: _Backend, pool: PinnedBufferPool, depth: int
+) -> Iterator[Any]:
     pending: deque[_Staged] = deque()
     error: Exception | None = None
     exhausted = False
@@ -356,9 +376,14 @@ def _generate(source: Iterator[Any], backend: _Backend, pool: PinnedBufferPool, 
         pool.release()
 
 
-def device_batches(batches: Iterable[Any], device: torch.device | str, depth: int = 2, *,
-                   pool: PinnedBufferPool | None = None,
-                   copy_stream: torch.cuda.Stream | None = None) -> Iterator[Any]:
+def device_batches(
+    batches: Iterable[Any],
+    device: torch.device | str,
+    depth: int = 2,
+    *,
+    pool: PinnedBufferPool | None = None,
+    copy_stream: torch.cuda.Stream | None = None,
+) -> Iterator[Any]:
     """Yield ``batches`` with every CPU tensor moved to ``device``, ``depth`` batches ahead.
 
     Contract:
@@ -391,22 +416,30 @@ def device_batches(batches: Iterable[Any], device: torch.device | str, depth: in
     backend: _Backend
     if dev.type == "cuda":
         if copy_stream is not None and copy_stream.device != dev:
-            raise ConfigError(f"copy_stream is on {copy_stream.device} but device is {dev}; hint: create "
-                              f"the stream with torch.cuda.Stream(device={str(dev)!r})")
+            raise ConfigError(
+                f"copy_stream is on {copy_stream.device} but device is {dev}; hint: create "
+                f"the stream with torch.cuda.Stream(device={str(dev)!r})"
+            )
         backend = _CudaBackend(dev, copy_stream)
     else:
         if copy_stream is not None:
-            raise ConfigError("copy_stream is only meaningful with a CUDA device; hint: drop copy_stream")
+            raise ConfigError(
+                "copy_stream is only meaningful with a CUDA device; hint: drop copy_stream"
+            )
         backend = _HostBackend()
     if pool is None:
         pool = PinnedBufferPool(depth + 1, pin=backend.pin)
     elif not isinstance(pool, PinnedBufferPool):
         raise ConfigError(f"pool must be a PinnedBufferPool, got {type(pool).__name__}")
     elif pool.slots < depth + 1:
-        raise ConfigError(f"pool has {pool.slots} slots but depth={depth} needs at least {depth + 1} "
-                          f"(one per batch in flight plus the one delivered); hint: "
-                          f"PinnedBufferPool({depth + 1}, pin=...)")
+        raise ConfigError(
+            f"pool has {pool.slots} slots but depth={depth} needs at least {depth + 1} "
+            f"(one per batch in flight plus the one delivered); hint: "
+            f"PinnedBufferPool({depth + 1}, pin=...)"
+        )
     elif pool.pin != backend.pin:
-        raise ConfigError(f"pool has pin={pool.pin} but device {dev} needs pin={backend.pin}; hint: let "
-                          "device_batches create the pool")
+        raise ConfigError(
+            f"pool has pin={pool.pin} but device {dev} needs pin={backend.pin}; hint: let "
+            "device_batches create the pool"
+        )
     return _generate(iter(batches), backend, pool, depth)

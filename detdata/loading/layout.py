@@ -37,20 +37,26 @@ class Layout:
             raise ConfigError(
                 f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size "
                 f"{self.micro_batch_size} x world_size {self.world_size} = {per_micro_step}; hint: "
-                "choose a micro batch (and world size) whose product divides the global batch")
+                "choose a micro batch (and world size) whose product divides the global batch"
+            )
 
     @classmethod
-    def create(cls, global_batch_size: int, micro_batch_size: int | None, world_size: int,
-               rank: int) -> Layout:
+    def create(
+        cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, rank: int
+    ) -> Layout:
         """Layout with ``micro_batch_size`` defaulting to one micro step per step."""
         gbs = check_count(global_batch_size, "global_batch_size")
         ws = check_count(world_size, "world_size")
         if micro_batch_size is None:
             if gbs % ws:
-                raise ConfigError(f"global_batch_size {gbs} is not divisible by world_size {ws}; "
-                                  "hint: pick a global batch that is a multiple of the number of ranks")
+                raise ConfigError(
+                    f"global_batch_size {gbs} is not divisible by world_size {ws}; "
+                    "hint: pick a global batch that is a multiple of the number of ranks"
+                )
             micro_batch_size = gbs // ws
-        return cls(global_batch_size=gbs, micro_batch_size=micro_batch_size, world_size=ws, rank=rank)
+        return cls(
+            global_batch_size=gbs, micro_batch_size=micro_batch_size, world_size=ws, rank=rank
+        )
 
     @property
     def samples_per_micro_step(self) -> int:
@@ -74,12 +80,14 @@ class Layout:
                 f"{self.micro_batch_size} x world_size {self.world_size}: not a micro-step boundary "
                 f"({consumed} % {self.samples_per_micro_step} != 0); hint: resume with the layout it was "
                 f"saved with, or save at a global step boundary (a multiple of {self.global_batch_size})",
-                fields=("samples_consumed",))
+                fields=("samples_consumed",),
+            )
 
 
 def process_group_rank_world() -> tuple[int, int]:
     """``(rank, world_size)`` of the initialised default ``torch.distributed`` group, else ``(0, 1)``."""
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -66,17 +66,24 @@ def apply_transform(batch: Batch, positions: IntArray, transform: Transform, see
         sample = {k: v[i] for k, v in batch.items()}
         result = transform(sample, sample_rng(seed, int(positions[i])))
         if not isinstance(result, Mapping):
-            raise ConfigError(f"transform must return a mapping of column -> array, got "
-                              f"{type(result).__name__} for position {int(positions[i])}")
+            raise ConfigError(
+                f"transform must return a mapping of column -> array, got "
+                f"{type(result).__name__} for position {int(positions[i])}"
+            )
         if outs and result.keys() != outs[0].keys():
-            raise ConfigError(f"transform returned keys {sorted(map(str, result))} at position "
-                              f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
-                              f"{int(positions[0])}; every sample must have the same keys; hint: "
-                              "return every key for every sample (a placeholder if needed)")
+            raise ConfigError(
+                f"transform returned keys {sorted(map(str, result))} at position "
+                f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
+                f"{int(positions[0])}; every sample must have the same keys; hint: "
+                "return every key for every sample (a placeholder if needed)"
+            )
         outs.append(result)
     if not outs:
         return batch
-    return {k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k))) for k in outs[0]}
+    return {
+        k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k)))
+        for k in outs[0]
+    }
 
 
 class PositionDataset(tud.Dataset[Batch]):
@@ -135,7 +142,9 @@ def seed_globals(seed64: int) -> None:
     torch.manual_seed(seed64 % (1 << 63))
 
 
-def _init_worker(seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
+def _init_worker(
+    seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
+) -> None:
     seed_globals(worker_seed(seed, rank, worker_id))
     if user_init is not None:
         user_init(worker_id)
@@ -232,8 +241,13 @@ class GroupReader(tud.Dataset[ReadAhead]):
     exactly at the batch that cannot be read.
     """
 
-    def __init__(self, dataset: PositionDataset, collate_fn: Callable[[Batch], Any] | None,
-                 pin: bool, in_worker: bool) -> None:
+    def __init__(
+        self,
+        dataset: PositionDataset,
+        collate_fn: Callable[[Batch], Any] | None,
+        pin: bool,
+        in_worker: bool,
+    ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.pin = pin
@@ -270,10 +284,14 @@ class GroupReader(tud.Dataset[ReadAhead]):
         except Exception as exc:
             result = self._one_by_one(group)  # locate the failing batch; deliver those before it
             if result.error is None:
-                log.warning("detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
-                            "each of its micro batches read on its own: delivered them; a transient "
-                            "error, or batches that cannot be concatenated", len(group),
-                            type(exc).__name__, exc)
+                log.warning(
+                    "detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
+                    "each of its micro batches read on its own: delivered them; a transient "
+                    "error, or batches that cannot be concatenated",
+                    len(group),
+                    type(exc).__name__,
+                    exc,
+                )
             return result
 
     def __call__(self, group: list[IntArray]) -> ReadAhead:
@@ -298,48 +316,77 @@ class WorkerMode(str, enum.Enum):
     THREAD = "thread"
 
 
-def _check_torch_args(*, num_workers: object, prefetch_factor: object, persistent_workers: object,
-                      timeout: object, multiprocessing_context: object,
-                      callables: Mapping[str, object]) -> None:
+def _check_torch_args(
+    *,
+    num_workers: object,
+    prefetch_factor: object,
+    persistent_workers: object,
+    timeout: object,
+    multiprocessing_context: object,
+    callables: Mapping[str, object],
+) -> None:
     """Refuse at construction what torch would refuse late (or silently ignore)."""
     for name, fn in callables.items():
         if fn is not None and not callable(fn):
-            raise ConfigError(f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}")
+            raise ConfigError(
+                f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}"
+            )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ConfigError(f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}")
+        raise ConfigError(
+            f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}"
+        )
     if not isinstance(persistent_workers, bool):
         raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
-    no_workers = isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
+    no_workers = (
+        isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
+    )
     if no_workers and prefetch_factor is not None:
-        raise ConfigError("prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
-                          "worker); hint: drop prefetch_factor or set num_workers")
+        raise ConfigError(
+            "prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
+            "worker); hint: drop prefetch_factor or set num_workers"
+        )
     if no_workers and persistent_workers:
-        raise ConfigError("persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers")
+        raise ConfigError(
+            "persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers"
+        )
     if no_workers and multiprocessing_context is not None:
-        raise ConfigError("multiprocessing_context needs num_workers > 0 (there are no worker "
-                          "processes to start); hint: drop it or set num_workers")
+        raise ConfigError(
+            "multiprocessing_context needs num_workers > 0 (there are no worker "
+            "processes to start); hint: drop it or set num_workers"
+        )
     if multiprocessing_context is not None and isinstance(multiprocessing_context, str):
         import multiprocessing
+
         methods = multiprocessing.get_all_start_methods()
         if multiprocessing_context not in methods:
-            raise ConfigError(f"multiprocessing_context {multiprocessing_context!r} is not a start "
-                              f"method of this platform; expected one of {methods}")
+            raise ConfigError(
+                f"multiprocessing_context {multiprocessing_context!r} is not a start "
+                f"method of this platform; expected one of {methods}"
+            )
     elif multiprocessing_context is not None and not hasattr(multiprocessing_context, "Process"):
-        raise ConfigError(f"multiprocessing_context must be a start method name or a multiprocessing "
-                          f"context, got {type(multiprocessing_context).__name__}")
+        raise ConfigError(
+            f"multiprocessing_context must be a start method name or a multiprocessing "
+            f"context, got {type(multiprocessing_context).__name__}"
+        )
 
 
 def _check_thread_mode(worker_mode: object, num_workers: object, **process_only: object) -> None:
     """Thread mode refuses the arguments that only mean something for worker processes."""
     if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
         return
-    unused = {"persistent_workers": False, "timeout": 0, "multiprocessing_context": None,
-              "worker_init_fn": None}
+    unused = {
+        "persistent_workers": False,
+        "timeout": 0,
+        "multiprocessing_context": None,
+        "worker_init_fn": None,
+    }
     given = sorted(k for k, v in process_only.items() if v != unused[k])
     if given:
-        raise ConfigError(f"worker_mode='thread' runs reads on threads of this process and would ignore "
-                          f"{given} (they only apply to worker processes); hint: drop them, or use "
-                          "worker_mode='process'")
+        raise ConfigError(
+            f"worker_mode='thread' runs reads on threads of this process and would ignore "
+            f"{given} (they only apply to worker processes); hint: drop them, or use "
+            "worker_mode='process'"
+        )
 
 
 def _parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
@@ -422,27 +469,46 @@ class DataLoader:
         transform_id: str | None = None,
     ) -> None:
         self.seed = check_seed(seed)
-        _check_torch_args(num_workers=num_workers, prefetch_factor=prefetch_factor,
-                          persistent_workers=persistent_workers, timeout=timeout,
-                          multiprocessing_context=multiprocessing_context,
-                          callables={"transform": transform, "collate_fn": collate_fn,
-                                     "worker_init_fn": worker_init_fn})
-        _check_thread_mode(worker_mode, num_workers, persistent_workers=persistent_workers,
-                           timeout=timeout, multiprocessing_context=multiprocessing_context,
-                           worker_init_fn=worker_init_fn)
+        _check_torch_args(
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            timeout=timeout,
+            multiprocessing_context=multiprocessing_context,
+            callables={
+                "transform": transform,
+                "collate_fn": collate_fn,
+                "worker_init_fn": worker_init_fn,
+            },
+        )
+        _check_thread_mode(
+            worker_mode,
+            num_workers,
+            persistent_workers=persistent_workers,
+            timeout=timeout,
+            multiprocessing_context=multiprocessing_context,
+            worker_init_fn=worker_init_fn,
+        )
         if transform_id is not None and (not isinstance(transform_id, str) or not transform_id):
-            raise ConfigError(f"transform_id must be a non-empty string naming the transform's "
-                              f"version (e.g. 'tokenize-v3'), got {transform_id!r}")
+            raise ConfigError(
+                f"transform_id must be a non-empty string naming the transform's "
+                f"version (e.g. 'tokenize-v3'), got {transform_id!r}"
+            )
         default_rank, default_world = process_group_rank_world()
-        self.layout = Layout.create(global_batch_size, micro_batch_size,
-                                    default_world if world_size is None else world_size,
-                                    default_rank if rank is None else rank)
+        self.layout = Layout.create(
+            global_batch_size,
+            micro_batch_size,
+            default_world if world_size is None else world_size,
+            default_rank if rank is None else rank,
+        )
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         if total_samples is not None:
             total_samples = check_count(total_samples, "total_samples", minimum=0)
             if total_samples % self.layout.global_batch_size:
-                raise ConfigError(f"total_samples {total_samples} is not a multiple of global_batch_size "
-                                  f"{self.layout.global_batch_size}; the last step would be partial")
+                raise ConfigError(
+                    f"total_samples {total_samples} is not a multiple of global_batch_size "
+                    f"{self.layout.global_batch_size}; the last step would be partial"
+                )
         self.total_samples = total_samples
         self._stream = as_stream(data, self.seed)
         self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
@@ -450,10 +516,14 @@ class DataLoader:
         self._collate_fn = collate_fn
         self._transform_name = transform_identity(transform_id, transform, collate_fn)
         self._torch_kwargs: dict[str, Any] = {
-            "num_workers": self.num_workers, "pin_memory": pin_memory, "timeout": timeout,
+            "num_workers": self.num_workers,
+            "pin_memory": pin_memory,
+            "timeout": timeout,
             "persistent_workers": persistent_workers and self.num_workers > 0,
             "multiprocessing_context": multiprocessing_context if self.num_workers > 0 else None,
-            "worker_init_fn": functools.partial(_init_worker, self.seed, self.layout.rank, worker_init_fn),
+            "worker_init_fn": functools.partial(
+                _init_worker, self.seed, self.layout.rank, worker_init_fn
+            ),
         }
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
@@ -461,8 +531,11 @@ class DataLoader:
         self.worker_mode = _parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
         self._pin_memory = bool(pin_memory)
-        self._prefetch_factor = 2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
+        self._prefetch_factor = (
+            2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
+        )
         from detdata.loading.device import check_depth, check_device
+
         self.device = None if device is None else check_device(device)
         self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
         if self.device is not None:
@@ -474,9 +547,16 @@ class DataLoader:
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
-        self._trace = (TraceWriter(trace, self.layout.rank, global_batch_size=self.layout.global_batch_size,
-                                   samples_per_micro_step=self.layout.samples_per_micro_step)
-                       if trace is not None else None)
+        self._trace = (
+            TraceWriter(
+                trace,
+                self.layout.rank,
+                global_batch_size=self.layout.global_batch_size,
+                samples_per_micro_step=self.layout.samples_per_micro_step,
+            )
+            if trace is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ info
     @property
@@ -509,9 +589,16 @@ class DataLoader:
 
     # ------------------------------------------------------------- iteration
     def _build(self) -> tud.DataLoader[Any]:
-        self._sampler = GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead)
-        return tud.DataLoader(self._reader(in_worker=True), batch_size=None, sampler=self._sampler,
-                              collate_fn=_identity, **self._torch_kwargs)
+        self._sampler = GroupSampler(
+            self.layout, self._consumed, self.total_samples, self.read_ahead
+        )
+        return tud.DataLoader(
+            self._reader(in_worker=True),
+            batch_size=None,
+            sampler=self._sampler,
+            collate_fn=_identity,
+            **self._torch_kwargs,
+        )
 
     def _loader_from_here(self) -> tud.DataLoader[Any]:
         if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
@@ -531,9 +618,15 @@ class DataLoader:
 
     def _reader(self, *, in_worker: bool) -> GroupReader:
         # worker processes: torch's pin-memory thread pins in the main process (ReadAhead.pin_memory)
-        pin = (not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None)
-        return GroupReader(PositionDataset(self._stream, self._transform, self.seed), self._collate_fn,
-                           pin, in_worker)
+        pin = (
+            not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None
+        )
+        return GroupReader(
+            PositionDataset(self._stream, self._transform, self.seed),
+            self._collate_fn,
+            pin,
+            in_worker,
+        )
 
     def _groups(self) -> Iterator[list[IntArray]]:
         return iter(GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead))
@@ -547,8 +640,13 @@ class DataLoader:
     def _thread_batches(self) -> Iterator[Any]:
         """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""
         from detdata.loading.threads import threaded_batches
-        groups = threaded_batches(self._reader(in_worker=False), self._groups(), self.num_workers,
-                                  self.num_workers * self._prefetch_factor)
+
+        groups = threaded_batches(
+            self._reader(in_worker=False),
+            self._groups(),
+            self.num_workers,
+            self.num_workers * self._prefetch_factor,
+        )
         try:
             for result in groups:
                 yield from result.deliver()
@@ -584,6 +682,7 @@ class DataLoader:
         iterator: Iterator[Any] = batches
         if self.device is not None:
             from detdata.loading.device import device_batches
+
             iterator = device_batches(batches, self.device, self.device_prefetch)
         clean = False
         try:
@@ -611,10 +710,12 @@ class DataLoader:
                 if generation == self._generation:
                     exc.add_note(self._failure_note())
                     if isinstance(exc, (ConnectionError, EOFError)) and self._process_workers:
-                        exc.add_note("hint: torch hands batches over from worker processes through "
-                                     "sockets; unless the dataset itself raised this, a worker "
-                                     "process probably died mid hand-over (OOM killer?); rerun "
-                                     "with num_workers=0 to see any error in the main process")
+                        exc.add_note(
+                            "hint: torch hands batches over from worker processes through "
+                            "sockets; unless the dataset itself raised this, a worker "
+                            "process probably died mid hand-over (OOM killer?); rerun "
+                            "with num_workers=0 to see any error in the main process"
+                        )
                 raise
             if generation != self._generation:
                 return  # state was loaded or a new iterator started: this one is stale
@@ -638,39 +739,60 @@ class DataLoader:
             return
         if found != self._schema:
             positions = self.positions_of_next()
-            raise ConfigError(f"transform output changed at the micro batch of positions "
-                              f"[{int(positions[0])}, {int(positions[-1])}]: {found} where earlier "
-                              f"batches had {self._schema}; hint: return the same keys with the "
-                              "same dtypes for every sample")
+            raise ConfigError(
+                f"transform output changed at the micro batch of positions "
+                f"[{int(positions[0])}, {int(positions[-1])}]: {found} where earlier "
+                f"batches had {self._schema}; hint: return the same keys with the "
+                "same dtypes for every sample"
+            )
 
     def _failure_note(self) -> str:
         """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
         positions = self.positions_of_next()
         grouped = ""
         if self._process_workers and self.read_ahead > 1:
-            grouped = (f"; worker processes read groups of {self.read_ahead} micro batches, so a "
-                       "worker that hung or died did so somewhere in the group starting here")
-        return (f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "
-                f"fetching the micro batch at global positions [{int(positions[0])}, "
-                f"{int(positions[-1])}] of step {self.step}; samples_consumed is still "
-                f"{self._consumed}, so state_dict() resumes at this batch{grouped})")
+            grouped = (
+                f"; worker processes read groups of {self.read_ahead} micro batches, so a "
+                "worker that hung or died did so somewhere in the group starting here"
+            )
+        return (
+            f"(detdata.DataLoader rank {self.layout.rank}/{self.layout.world_size}: failed while "
+            f"fetching the micro batch at global positions [{int(positions[0])}, "
+            f"{int(positions[-1])}] of step {self.step}; samples_consumed is still "
+            f"{self._consumed}, so state_dict() resumes at this batch{grouped})"
+        )
 
     # ----------------------------------------------------------------- state
     def _fields(self) -> dict[str, Any]:
         identity = self._stream.identity()
         stream_seed = None if self._wrapped else identity.get("seed")
-        return identity_fields(identity, self.seed, self.layout.global_batch_size,
-                               stream_seed=stream_seed, transform=self._transform_name)
+        return identity_fields(
+            identity,
+            self.seed,
+            self.layout.global_batch_size,
+            stream_seed=stream_seed,
+            transform=self._transform_name,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: samples delivered plus identity, layout and environment."""
-        layout = {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size,
-                  "num_workers": self.num_workers}
-        state = LoaderState(samples_consumed=self._consumed, fields=self._fields(),
-                            stream=self._stream.identity(), layout=layout, env=environment())
+        layout = {
+            "world_size": self.layout.world_size,
+            "micro_batch_size": self.layout.micro_batch_size,
+            "num_workers": self.num_workers,
+        }
+        state = LoaderState(
+            samples_consumed=self._consumed,
+            fields=self._fields(),
+            stream=self._stream.identity(),
+            layout=layout,
+            env=environment(),
+        )
         return state.to_json()
 
-    def load_state_dict(self, state_dict: Mapping[str, Any] | str, *, allow: Iterable[str] = ()) -> None:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any] | str, *, allow: Iterable[str] = ()
+    ) -> None:
         """Resume at the saved position in O(1).
 
         Differences in checked fields (manifests, data, seed, algorithm,
@@ -685,10 +807,14 @@ class DataLoader:
         diffs = saved.differences(current)
         refused = [d for d in diffs if d not in allowed]
         if refused:
-            raise StateError(mismatch_message(refused, saved.fields, current), fields=tuple(refused))
+            raise StateError(
+                mismatch_message(refused, saved.fields, current), fields=tuple(refused)
+            )
         if self.total_samples is not None and saved.samples_consumed > self.total_samples:
-            raise StateError(f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
-                             f"total_samples {self.total_samples}")
+            raise StateError(
+                f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
+                f"total_samples {self.total_samples}"
+            )
         self.layout.check_resume_position(saved.samples_consumed)
         if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
             self._stream = self._continue_mixture(saved, diffs)
@@ -701,15 +827,20 @@ class DataLoader:
     def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
         cont = getattr(self._stream, "continue_from", None)
         if cont is None:
-            raise StateError("the saved state has a mixture but this loader's data is not a Mixture",
-                             fields=(K_MIXTURE,))
+            raise StateError(
+                "the saved state has a mixture but this loader's data is not a Mixture",
+                fields=(K_MIXTURE,),
+            )
         if K_SEED in diffs:
-            raise StateError("cannot change the mixture and the seed in the same resume", fields=(K_SEED,))
+            raise StateError(
+                "cannot change the mixture and the seed in the same resume", fields=(K_SEED,)
+            )
         try:
             stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
         except ConfigError as exc:
-            raise StateError(f"allowed mixture change cannot be applied: {exc}",
-                             fields=(K_MIXTURE,)) from None
+            raise StateError(
+                f"allowed mixture change cannot be applied: {exc}", fields=(K_MIXTURE,)
+            ) from None
         return stream
 
     def close(self) -> None:

@@ -33,26 +33,43 @@ _CHECKED: Final = ("seed", "num_samples", "mixture", "algorithm", "global_batch_
 class DeterministicBatchSampler:
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on."""
 
-    def __init__(self, num_samples: int | Mixture, *, global_batch_size: int, micro_batch_size: int | None = None,
-                 seed: int | None = None, rank: int | None = None, world_size: int | None = None,
-                 total_samples: int | None = None) -> None:
+    def __init__(
+        self,
+        num_samples: int | Mixture,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        total_samples: int | None = None,
+    ) -> None:
         default_rank, default_world = process_group_rank_world()
         self.mixture: Mixture | None = None
         self.order: GlobalOrder | None = None
         if isinstance(num_samples, Mixture):
             if seed is not None and seed != num_samples.seed:
-                raise ConfigError(f"DeterministicBatchSampler: seed={seed!r} would be ignored: a "
-                                  f"Mixture orders its sources with its own seed ({num_samples.seed}); "
-                                  "hint: drop seed=, or build the Mixture with seed=" f"{seed!r}")
+                raise ConfigError(
+                    f"DeterministicBatchSampler: seed={seed!r} would be ignored: a "
+                    f"Mixture orders its sources with its own seed ({num_samples.seed}); "
+                    "hint: drop seed=, or build the Mixture with seed="
+                    f"{seed!r}"
+                )
             self.mixture, self.seed = num_samples, num_samples.seed
         else:
             self.seed = check_seed(0 if seed is None else seed)
             self.order = GlobalOrder(num_samples, self.seed)
-        self.layout = Layout.create(global_batch_size, micro_batch_size,
-                                    default_world if world_size is None else world_size,
-                                    default_rank if rank is None else rank)
-        self.total_samples = None if total_samples is None else check_count(total_samples, "total_samples",
-                                                                             minimum=0)
+        self.layout = Layout.create(
+            global_batch_size,
+            micro_batch_size,
+            default_world if world_size is None else world_size,
+            default_rank if rank is None else rank,
+        )
+        self.total_samples = (
+            None
+            if total_samples is None
+            else check_count(total_samples, "total_samples", minimum=0)
+        )
         self._start = 0
         self._yielded = 0  # micro batches yielded by the current iterator
 
@@ -84,15 +101,27 @@ class DeterministicBatchSampler:
     def __len__(self) -> int:
         if self.total_samples is None:
             raise TypeError("infinite sampler (total_samples=None) has no length")
-        return max(0, (self.total_samples - self.samples_consumed) // self.layout.samples_per_micro_step)
+        return max(
+            0, (self.total_samples - self.samples_consumed) // self.layout.samples_per_micro_step
+        )
 
     def _state(self, consumed: int) -> dict[str, Any]:
-        return {"kind": SAMPLER_KIND, "format_version": SAMPLER_VERSION, "samples_consumed": consumed,
-                "seed": self.seed, "num_samples": None if self.order is None else self.order.num_samples,
-                "mixture": None if self.mixture is None else self.mixture.fingerprint(),
-                "algorithm": ALGORITHM if self.mixture is None else f"{ALGORITHM}+{self.mixture.algorithm}",
-                "global_batch_size": self.layout.global_batch_size,
-                "layout": {"world_size": self.layout.world_size, "micro_batch_size": self.layout.micro_batch_size}}
+        return {
+            "kind": SAMPLER_KIND,
+            "format_version": SAMPLER_VERSION,
+            "samples_consumed": consumed,
+            "seed": self.seed,
+            "num_samples": None if self.order is None else self.order.num_samples,
+            "mixture": None if self.mixture is None else self.mixture.fingerprint(),
+            "algorithm": ALGORITHM
+            if self.mixture is None
+            else f"{ALGORITHM}+{self.mixture.algorithm}",
+            "global_batch_size": self.layout.global_batch_size,
+            "layout": {
+                "world_size": self.layout.world_size,
+                "micro_batch_size": self.layout.micro_batch_size,
+            },
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """State after the micro batches this sampler has yielded (use with StatefulDataLoader)."""
@@ -108,21 +137,33 @@ class DeterministicBatchSampler:
         if not isinstance(state, Mapping) or state.get("kind") != SAMPLER_KIND:
             raise StateError(f"not a detdata sampler state (kind must be {SAMPLER_KIND!r})")
         if state.get("format_version") != SAMPLER_VERSION:
-            raise StateError(f"unknown sampler state format_version {state.get('format_version')!r}")
+            raise StateError(
+                f"unknown sampler state format_version {state.get('format_version')!r}"
+            )
         current = self._state(0)
         diffs = [k for k in _CHECKED if state.get(k) != current[k]]
         if diffs:
-            detail = "; ".join(f"{k}: saved {state.get(k)!r}, current {current[k]!r}" for k in diffs)
+            detail = "; ".join(
+                f"{k}: saved {state.get(k)!r}, current {current[k]!r}" for k in diffs
+            )
             raise StateError(f"sampler state does not match: {detail}", fields=tuple(diffs))
         consumed = state.get("samples_consumed")
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed < MAX_POSITION:
-            raise StateError(f"sampler state field 'samples_consumed' must be an integer in "
-                             f"[0, 2**62), found {consumed!r}", fields=("samples_consumed",))
+        if (
+            isinstance(consumed, bool)
+            or not isinstance(consumed, int)
+            or not 0 <= consumed < MAX_POSITION
+        ):
+            raise StateError(
+                f"sampler state field 'samples_consumed' must be an integer in "
+                f"[0, 2**62), found {consumed!r}",
+                fields=("samples_consumed",),
+            )
         if self.total_samples is not None and consumed > self.total_samples:
-            raise StateError(f"sampler state samples_consumed {consumed} is beyond this sampler's "
-                             f"total_samples {self.total_samples}; hint: resume with the "
-                             "total_samples the state was saved with", fields=("samples_consumed",))
+            raise StateError(
+                f"sampler state samples_consumed {consumed} is beyond this sampler's "
+                f"total_samples {self.total_samples}; hint: resume with the "
+                "total_samples the state was saved with",
+                fields=("samples_consumed",),
+            )
         self.layout.check_resume_position(consumed)
         self._start, self._yielded = consumed, 0
-
-

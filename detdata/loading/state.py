@@ -44,8 +44,16 @@ K_ENV: Final = "environment"
 #: dataset the loader wraps itself); ``stream_seed`` is the seed of a stream handed to the
 #: loader (a `Mixture`'s or an `OrderedStream`'s own), None when the loader ordered the dataset.
 #: ``transform`` names what user code does to samples (see `transform_identity`).
-CHECKED_FIELDS: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_MIXTURE,
-                         K_GLOBAL_BATCH, K_TRANSFORM)
+CHECKED_FIELDS: Final = (
+    K_MANIFESTS,
+    K_DATA,
+    K_SEED,
+    K_STREAM_SEED,
+    K_ALGORITHM,
+    K_MIXTURE,
+    K_GLOBAL_BATCH,
+    K_TRANSFORM,
+)
 _REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM)
 #: Top-level stream identity keys checked through their own field instead of ``data``.
 _TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
@@ -74,8 +82,14 @@ def _collect(obj: Any, key: str) -> list[str]:
     return found
 
 
-def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int, *,
-                    stream_seed: int | None, transform: str | None) -> dict[str, Any]:
+def identity_fields(
+    identity: Mapping[str, Any],
+    seed: int,
+    global_batch: int,
+    *,
+    stream_seed: int | None,
+    transform: str | None,
+) -> dict[str, Any]:
     """The checked fields derived from a stream identity and the loader's own inputs.
 
     Every input that can change a delivered byte lands in exactly one field:
@@ -97,7 +111,9 @@ def identity_fields(identity: Mapping[str, Any], seed: int, global_batch: int, *
     }
 
 
-def transform_identity(transform_id: str | None, transform: object, collate_fn: object) -> str | None:
+def transform_identity(
+    transform_id: str | None, transform: object, collate_fn: object
+) -> str | None:
     """The checked ``transform`` field: what user code does to samples after the read.
 
     ``transform_id`` (a user-chosen name such as ``"tokenize-v3"``) names the
@@ -128,8 +144,12 @@ def callable_name(fn: object) -> str:
     params: list[Any] = []
     inner = fn
     while isinstance(inner, functools.partial):
-        params.append({"args": [_plain(a) for a in inner.args],
-                       "keywords": {k: _plain(v) for k, v in sorted(inner.keywords.items())}})
+        params.append(
+            {
+                "args": [_plain(a) for a in inner.args],
+                "keywords": {k: _plain(v) for k, v in sorted(inner.keywords.items())},
+            }
+        )
         inner = inner.func
     is_function = hasattr(inner, "__code__") or isinstance(inner, type)
     module = getattr(inner, "__module__", None) or type(inner).__module__
@@ -162,8 +182,14 @@ def environment() -> dict[str, str]:
     import torch
 
     from detdata.base.version import VERSION
-    return {"detdata": VERSION, "torch": str(torch.__version__), "numpy": str(numpy.__version__),
-            "python": sys.version.split()[0], "platform": platform.platform()}
+
+    return {
+        "detdata": VERSION,
+        "torch": str(torch.__version__),
+        "numpy": str(numpy.__version__),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +204,11 @@ class LoaderState:
     upgraded_from: int | None = None  # the format version read, when older than STATE_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {K_KIND: KIND, K_VERSION: STATE_VERSION, K_CONSUMED: self.samples_consumed}
+        out: dict[str, Any] = {
+            K_KIND: KIND,
+            K_VERSION: STATE_VERSION,
+            K_CONSUMED: self.samples_consumed,
+        }
         out.update(self.fields)
         out[K_STREAM] = dict(self.stream)
         out[K_LAYOUT] = dict(self.layout)
@@ -191,17 +221,23 @@ class LoaderState:
             try:
                 state = json.loads(state)
             except (ValueError, RecursionError) as exc:
-                raise StateError(f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
-                                 "hint: pass the object DataLoader.state_dict() returned, or "
-                                 "its JSON text") from None
+                raise StateError(
+                    f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
+                    "hint: pass the object DataLoader.state_dict() returned, or "
+                    "its JSON text"
+                ) from None
         if not isinstance(state, Mapping):
             raise StateError(f"loader state must be a JSON object, got {type(state).__name__}")
         if state.get(K_KIND) != KIND:
-            raise StateError(f"not a detdata loader state: field 'kind' is {state.get(K_KIND)!r}, "
-                             f"expected {KIND!r}")
+            raise StateError(
+                f"not a detdata loader state: field 'kind' is {state.get(K_KIND)!r}, "
+                f"expected {KIND!r}"
+            )
         if state.get(K_VERSION) not in READABLE_VERSIONS or isinstance(state.get(K_VERSION), bool):
-            raise StateError(f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
-                             f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata")
+            raise StateError(
+                f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
+                f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata"
+            )
         upgraded_from = None
         if state[K_VERSION] == 1:
             state, upgraded_from = _upgrade_v1(state), 1
@@ -210,20 +246,32 @@ class LoaderState:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
         consumed = state[K_CONSUMED]
         if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise StateError(f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
-                             f"found {consumed!r}", fields=(K_CONSUMED,))
+            raise StateError(
+                f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
+                f"found {consumed!r}",
+                fields=(K_CONSUMED,),
+            )
         if consumed >= MAX_POSITION:
-            raise StateError(f"loader state field {K_CONSUMED!r} is {consumed}, beyond the last "
-                             f"addressable global position 2**62 - 1; the state was edited or "
-                             "corrupted", fields=(K_CONSUMED,))
+            raise StateError(
+                f"loader state field {K_CONSUMED!r} is {consumed}, beyond the last "
+                f"addressable global position 2**62 - 1; the state was edited or "
+                "corrupted",
+                fields=(K_CONSUMED,),
+            )
         stream = state[K_STREAM]
         if not isinstance(stream, Mapping):
             raise StateError("loader state field 'stream' must be an object", fields=(K_STREAM,))
         layout, env = state.get(K_LAYOUT, {}), state.get(K_ENV, {})
         if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
             raise StateError("loader state fields 'layout' and 'environment' must be objects")
-        parsed = cls(samples_consumed=consumed, fields={k: state[k] for k in CHECKED_FIELDS},
-                     stream=stream, layout=layout, env=env, upgraded_from=upgraded_from)
+        parsed = cls(
+            samples_consumed=consumed,
+            fields={k: state[k] for k in CHECKED_FIELDS},
+            stream=stream,
+            layout=layout,
+            env=env,
+            upgraded_from=upgraded_from,
+        )
         parsed._check_consistent()
         return parsed
 
@@ -235,42 +283,64 @@ class LoaderState:
         the saved schedule) would silently use the wrong history.
         """
         try:
-            derived = identity_fields(self.stream, self.fields[K_SEED], self.fields[K_GLOBAL_BATCH],
-                                      stream_seed=self.fields[K_STREAM_SEED],
-                                      transform=self.fields[K_TRANSFORM])
+            derived = identity_fields(
+                self.stream,
+                self.fields[K_SEED],
+                self.fields[K_GLOBAL_BATCH],
+                stream_seed=self.fields[K_STREAM_SEED],
+                transform=self.fields[K_TRANSFORM],
+            )
         except (TypeError, ValueError, RecursionError) as exc:
-            raise StateError(f"loader state field 'stream' is not a plain JSON identity ({exc})",
-                             fields=(K_STREAM,)) from None
+            raise StateError(
+                f"loader state field 'stream' is not a plain JSON identity ({exc})",
+                fields=(K_STREAM,),
+            ) from None
         bad = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(derived.get(k))]
         bad += self._seed_mismatch()
         if bad:
-            detail = "; ".join(f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
-                               f"{derived.get(k)!r:.80}" for k in bad)
-            raise StateError(f"loader state is inconsistent: field(s) {bad} do not match its own "
-                             f"'stream' identity ({detail}); the state was edited or corrupted; "
-                             "hint: use the state exactly as DataLoader.state_dict() returned it",
-                             fields=tuple(bad))
+            detail = "; ".join(
+                f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
+                f"{derived.get(k)!r:.80}"
+                for k in bad
+            )
+            raise StateError(
+                f"loader state is inconsistent: field(s) {bad} do not match its own "
+                f"'stream' identity ({detail}); the state was edited or corrupted; "
+                "hint: use the state exactly as DataLoader.state_dict() returned it",
+                fields=tuple(bad),
+            )
 
     def _seed_mismatch(self) -> list[str]:
         """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped it."""
         own = self.stream.get("seed")
-        expected = self.fields[K_SEED] if self.fields[K_STREAM_SEED] is None else self.fields[K_STREAM_SEED]
+        expected = (
+            self.fields[K_SEED]
+            if self.fields[K_STREAM_SEED] is None
+            else self.fields[K_STREAM_SEED]
+        )
         if own is None or _norm(own) == _norm(expected):
             return []
         return [K_STREAM_SEED]
 
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
-        return [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))
-                and not self._format1_seed_equal(k, current)]
+        return [
+            k
+            for k in CHECKED_FIELDS
+            if _norm(self.fields.get(k)) != _norm(current.get(k))
+            and not self._format1_seed_equal(k, current)
+        ]
 
     def _format1_seed_equal(self, key: str, current: Mapping[str, Any]) -> bool:
         """A format-1 state cannot say whether the caller or the loader built its stream when
         both seeds were equal (``stream_seed`` is then None): a caller-built stream with
         that same seed is the same order."""
-        return (key == K_STREAM_SEED and self.upgraded_from == 1
-                and self.fields.get(K_STREAM_SEED) is None
-                and _norm(current.get(K_STREAM_SEED)) == _norm(self.fields.get(K_SEED)))
+        return (
+            key == K_STREAM_SEED
+            and self.upgraded_from == 1
+            and self.fields.get(K_STREAM_SEED) is None
+            and _norm(current.get(K_STREAM_SEED)) == _norm(self.fields.get(K_SEED))
+        )
 
 
 def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -298,20 +368,26 @@ def _norm(value: Any) -> Any:
 def check_allow(allow: Iterable[str]) -> frozenset[str]:
     """Validate ``allow=`` field names."""
     if isinstance(allow, (str, bytes)):
-        raise StateError(f"allow= takes a list of field names, got the string {allow!r}; "
-                         f"hint: allow=[{allow!r}]")
+        raise StateError(
+            f"allow= takes a list of field names, got the string {allow!r}; hint: allow=[{allow!r}]"
+        )
     try:
         names = frozenset(allow)
     except TypeError:
         raise StateError(f"allow= takes a list of field names, got {allow!r:.80}") from None
     unknown = sorted(repr(n) if not isinstance(n, str) else n for n in names - set(CHECKED_FIELDS))
     if unknown:
-        raise StateError(f"allow= names unknown fields {unknown}; allowed names are {list(CHECKED_FIELDS)}")
+        raise StateError(
+            f"allow= names unknown fields {unknown}; allowed names are {list(CHECKED_FIELDS)}"
+        )
     return names
 
 
 def mismatch_message(diffs: list[str], saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     lines = [f"  {k}: saved {saved.get(k)!r}, current {current.get(k)!r}" for k in diffs]
-    return ("loader state does not match this loader; differing fields:\n" + "\n".join(lines)
-            + f"\nhint: resume with the same data/seed/batch, or pass allow={diffs!r} to accept "
-            "the change knowingly")
+    return (
+        "loader state does not match this loader; differing fields:\n"
+        + "\n".join(lines)
+        + f"\nhint: resume with the same data/seed/batch, or pass allow={diffs!r} to accept "
+        "the change knowingly"
+    )

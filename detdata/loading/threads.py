@@ -32,14 +32,19 @@ P = TypeVar("P", bound=Positions)
 
 def describe_positions(positions: Positions) -> str:
     """Short text naming a position array (or a group of them): ``[first..last] (n positions)``."""
-    arr = np.concatenate(positions) if isinstance(positions, list) and positions else np.asarray(positions)
+    arr = (
+        np.concatenate(positions)
+        if isinstance(positions, list) and positions
+        else np.asarray(positions)
+    )
     if arr.size == 0:
         return "[] (0 positions)"
     return f"[{int(arr.flat[0])}..{int(arr.flat[-1])}] ({arr.size} positions)"
 
 
-def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
-                     num_threads: int, prefetch: int) -> Generator[T, None, None]:
+def threaded_batches(
+    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, prefetch: int
+) -> Generator[T, None, None]:
     """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
 
     At most ``prefetch`` (``>= 1``) reads are submitted ahead of the consumer;
@@ -54,8 +59,9 @@ def threaded_batches(fetch: Callable[[P], T], positions: Iterator[P],
     return _generate(fetch, positions, num_threads, prefetch)
 
 
-def _generate(fetch: Callable[[P], T], positions: Iterator[P],
-              num_threads: int, prefetch: int) -> Generator[T, None, None]:
+def _generate(
+    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, prefetch: int
+) -> Generator[T, None, None]:
     source = iter(positions)
     pending: collections.deque[tuple[P, Future[T]]] = collections.deque()
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="detdata-read")
@@ -84,8 +90,9 @@ def _generate(fetch: Callable[[P], T], positions: Iterator[P],
             try:
                 result = future.result()
             except Exception as exc:
-                exc.add_note(f"detdata: while reading positions {describe_positions(pos)} "
-                             "in a reader thread")
+                exc.add_note(
+                    f"detdata: while reading positions {describe_positions(pos)} in a reader thread"
+                )
                 raise
             submit_next()
             yield result

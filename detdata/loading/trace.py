@@ -80,15 +80,20 @@ def _scalar_bytes(value: Any) -> bytes:
 def _tensor_array(tensor: Any, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """A torch tensor as (contiguous numpy array, dtype text, shape); raw bytes if numpy lacks the dtype."""
     import torch
+
     t = tensor.detach()
     if t.layout != torch.strided:
-        raise ConfigError(f"trace: batch leaf {name!r} is a {t.layout} tensor; only dense tensors can be "
-                          "digested; hint: return dense tensors from collate_fn, or trace=None")
+        raise ConfigError(
+            f"trace: batch leaf {name!r} is a {t.layout} tensor; only dense tensors can be "
+            "digested; hint: return dense tensors from collate_fn, or trace=None"
+        )
     try:
         t = t.cpu().resolve_conj().resolve_neg().contiguous()
     except (RuntimeError, NotImplementedError) as exc:
-        raise ConfigError(f"trace: cannot copy batch leaf {name!r} ({t.dtype} on {t.device}) to the "
-                          f"host to digest it: {exc}") from None
+        raise ConfigError(
+            f"trace: cannot copy batch leaf {name!r} ({t.dtype} on {t.device}) to the "
+            f"host to digest it: {exc}"
+        ) from None
     shape = tuple(t.shape)
     try:
         arr = t.numpy()
@@ -98,8 +103,10 @@ def _tensor_array(tensor: Any, name: str) -> tuple[np.ndarray, str, tuple[int, .
     try:
         raw = t.reshape(-1).view(torch.uint8).numpy()
     except (TypeError, RuntimeError) as exc:
-        raise ConfigError(f"trace: cannot read the bytes of batch leaf {name!r} ({t.dtype}): {exc}; "
-                          "hint: convert it in collate_fn, or trace=None") from None
+        raise ConfigError(
+            f"trace: cannot read the bytes of batch leaf {name!r} ({t.dtype}): {exc}; "
+            "hint: convert it in collate_fn, or trace=None"
+        ) from None
     return raw, str(t.dtype), shape
 
 
@@ -112,8 +119,10 @@ def _sample_array_bytes(value: Any, name: str) -> bytes:
     """One sample's array as bytes that include its dtype and shape (so [1, 2] != [[1], [2]])."""
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise ConfigError(f"trace: batch leaf {name!r} is a numpy object array; hint: return "
-                              "numeric arrays, or trace=None")
+            raise ConfigError(
+                f"trace: batch leaf {name!r} is a numpy object array; hint: return "
+                "numeric arrays, or trace=None"
+            )
         arr, dtype, shape = np.ascontiguousarray(value), value.dtype.str, value.shape
     else:
         arr, dtype, shape = _tensor_array(value, name)
@@ -123,8 +132,10 @@ def _sample_array_bytes(value: Any, name: str) -> bytes:
 def _array_leaf(name: str, arr: np.ndarray, dtype: str, shape: tuple[int, ...], n: int) -> _Leaf:
     """Per-sample rows when the first axis has one entry per position, else one batch-level blob."""
     if arr.dtype.hasobject:
-        raise ConfigError(f"trace: batch leaf {name!r} is a numpy object array; its bytes are pointers, "
-                          "not data; hint: return numeric or string arrays, or trace=None")
+        raise ConfigError(
+            f"trace: batch leaf {name!r} is a numpy object array; its bytes are pointers, "
+            "not data; hint: return numeric or string arrays, or trace=None"
+        )
     arr = np.ascontiguousarray(arr)
     if shape and shape[0] == n:
         return _Leaf(name, f"{dtype}{list(shape[1:])}", rows=arr.reshape(n, -1).view(np.uint8))
@@ -147,26 +158,37 @@ def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
             yield _Leaf(label, "list", rows=[_scalar_bytes(v) for v in batch])
         elif len(batch) == n and n > 0 and all(_is_array(v) for v in batch):
             # one array per sample (ragged rows): per-sample digests, so steps stay micro-batch invariant
-            yield _Leaf(label, "list:arrays", rows=[_sample_array_bytes(v, f"{label}[{i}]")
-                                                    for i, v in enumerate(batch)])
+            yield _Leaf(
+                label,
+                "list:arrays",
+                rows=[_sample_array_bytes(v, f"{label}[{i}]") for i, v in enumerate(batch)],
+            )
         else:
             for i, item in enumerate(batch):
                 yield from _leaves(item, n, f"{name}[{i}]")
     elif isinstance(batch, _SCALARS):
         yield _Leaf(label, "batch:scalar", blob=_scalar_bytes(batch))
     else:
-        raise ConfigError(f"trace: cannot digest batch leaf {label!r} of type {type(batch).__name__}; "
-                          "traces digest tensors, numpy arrays, str/bytes/numbers and dicts, lists "
-                          "and tuples of them; hint: return those from collate_fn, or trace=None")
+        raise ConfigError(
+            f"trace: cannot digest batch leaf {label!r} of type {type(batch).__name__}; "
+            "traces digest tensors, numpy arrays, str/bytes/numbers and dicts, lists "
+            "and tuples of them; hint: return those from collate_fn, or trace=None"
+        )
 
 
-def leaf_digest(leaf_name: str, meta: str, positions: npt.NDArray[np.int64],
-                rows: Sequence[Any] | np.ndarray | None, blob: bytes = b"") -> int:
+def leaf_digest(
+    leaf_name: str,
+    meta: str,
+    positions: npt.NDArray[np.int64],
+    rows: Sequence[Any] | np.ndarray | None,
+    blob: bytes = b"",
+) -> int:
     """The digest sum of one leaf over a micro batch (see the module docstring)."""
     prefix = _TAG + leaf_name.encode() + b"\0" + meta.encode() + b"\0"
     if rows is None:
-        return int.from_bytes(blake3.blake3(prefix + positions.astype("<i8").tobytes() + blob).digest(),
-                              "little")
+        return int.from_bytes(
+            blake3.blake3(prefix + positions.astype("<i8").tobytes() + blob).digest(), "little"
+        )
     total = 0
     for pos, row in zip(positions.tolist(), rows, strict=True):
         hasher = blake3.blake3(prefix + pos.to_bytes(8, "little", signed=True))
@@ -175,14 +197,18 @@ def leaf_digest(leaf_name: str, meta: str, positions: npt.NDArray[np.int64],
     return total % _MOD
 
 
-def batch_digests(positions: npt.NDArray[np.int64], batch: Any) -> tuple[dict[str, str], dict[str, int]]:
+def batch_digests(
+    positions: npt.NDArray[np.int64], batch: Any
+) -> tuple[dict[str, str], dict[str, int]]:
     """(leaf name -> description, leaf name -> digest sum) of one delivered micro batch."""
     cols: dict[str, str] = {}
     sums: dict[str, int] = {}
     for leaf in _leaves(batch, len(positions)):
         if leaf.name in cols:
-            raise ConfigError(f"trace: two batch leaves are both named {leaf.name!r} (keys that print "
-                              "alike); hint: use distinct string keys")
+            raise ConfigError(
+                f"trace: two batch leaves are both named {leaf.name!r} (keys that print "
+                "alike); hint: use distinct string keys"
+            )
         cols[leaf.name] = leaf.meta
         sums[leaf.name] = leaf_digest(leaf.name, leaf.meta, positions, leaf.rows, leaf.blob)
     return cols, sums
@@ -205,17 +231,23 @@ def position_runs(positions: npt.NDArray[np.int64]) -> list[list[int]]:
 def _open_append(path: str) -> int:
     """Open (creating parent folders) a trace file for appending; ConfigError naming it."""
     if "://" in path:
-        raise ConfigError(f"trace path {path!r} is a URL; traces are written to local files; hint: "
-                          "write the trace locally and upload it")
+        raise ConfigError(
+            f"trace path {path!r} is a URL; traces are written to local files; hint: "
+            "write the trace locally and upload it"
+        )
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except IsADirectoryError:
-        raise ConfigError(f"trace path {path!r} is a directory; hint: pass a file name such as "
-                          f"{os.path.join(path, 'trace.jsonl')!r}") from None
+        raise ConfigError(
+            f"trace path {path!r} is a directory; hint: pass a file name such as "
+            f"{os.path.join(path, 'trace.jsonl')!r}"
+        ) from None
     except OSError as exc:
-        raise ConfigError(f"cannot open trace file {path!r} for appending: {exc.strerror or exc}; "
-                          "hint: pass a writable file path") from None
+        raise ConfigError(
+            f"cannot open trace file {path!r} for appending: {exc.strerror or exc}; "
+            "hint: pass a writable file path"
+        ) from None
 
 
 class TraceWriter:
@@ -231,8 +263,14 @@ class TraceWriter:
     a state was loaded (``load_state_dict``); ``close()`` at the end.
     """
 
-    def __init__(self, path: str | os.PathLike[str], rank: int, *, global_batch_size: int,
-                 samples_per_micro_step: int) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        rank: int,
+        *,
+        global_batch_size: int,
+        samples_per_micro_step: int,
+    ) -> None:
         p = os.fspath(path)
         self.path = p if rank == 0 else f"{p}.rank{rank}"
         self.rank = rank
@@ -249,18 +287,28 @@ class TraceWriter:
     def add(self, samples_consumed: int, positions: npt.NDArray[np.int64], batch: Any) -> None:
         """Record the micro batch about to be delivered (``samples_consumed`` before counting it)."""
         if self._fd is None:
-            raise ConfigError(f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
-                              "deliver more batches with its trace")
+            raise ConfigError(
+                f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
+                "deliver more batches with its trace"
+            )
         at = int(samples_consumed)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not len(positions):
-            raise ConfigError(f"trace {self.path!r}: a micro batch without positions cannot be recorded")
+            raise ConfigError(
+                f"trace {self.path!r}: a micro batch without positions cannot be recorded"
+            )
         cols, sums = batch_digests(positions, batch)
         record: dict[str, Any] = {
-            "v": TRACE_VERSION, "rank": self.rank, "step": at // self.global_batch_size, "at": at,
-            "next": at + self.samples_per_micro_step, "gbs": self.global_batch_size,
-            "pos": position_runs(positions), "cols": cols,
-            "batch_b3": {k: f"{v:064x}" for k, v in sums.items()}}
+            "v": TRACE_VERSION,
+            "rank": self.rank,
+            "step": at // self.global_batch_size,
+            "at": at,
+            "next": at + self.samples_per_micro_step,
+            "gbs": self.global_batch_size,
+            "pos": position_runs(positions),
+            "cols": cols,
+            "batch_b3": {k: f"{v:064x}" for k, v in sums.items()},
+        }
         if self._restored:
             record["restored"] = True
         self._append((json.dumps(record, sort_keys=True) + "\n").encode())
@@ -272,12 +320,14 @@ class TraceWriter:
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
         except OSError as exc:
             with contextlib.suppress(OSError):  # leave no partial line behind
                 os.ftruncate(self._fd, start)
-            raise StorageError(f"cannot append to trace file {self.path!r}: {exc.strerror or exc}; the "
-                               "batch was not delivered; hint: free disk space or move the trace") from None
+            raise StorageError(
+                f"cannot append to trace file {self.path!r}: {exc.strerror or exc}; the "
+                "batch was not delivered; hint: free disk space or move the trace"
+            ) from None
 
     def close(self) -> None:
         if self._fd is not None:
@@ -310,10 +360,17 @@ class Record:
     restored: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"v": TRACE_VERSION, "rank": self.rank, "step": self.step, "at": self.at,
-                               "next": self.next, "gbs": self.gbs, "pos": [list(r) for r in self.runs],
-                               "cols": dict(self.cols),
-                               "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()}}
+        out: dict[str, Any] = {
+            "v": TRACE_VERSION,
+            "rank": self.rank,
+            "step": self.step,
+            "at": self.at,
+            "next": self.next,
+            "gbs": self.gbs,
+            "pos": [list(r) for r in self.runs],
+            "cols": dict(self.cols),
+            "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()},
+        }
         if self.restored:
             out["restored"] = True
         return out
@@ -327,19 +384,28 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
 
 
 def _bad(where: str, what: str) -> FormatError:
-    return FormatError(f"{where}: {what}; hint: traces are the JSONL files written by "
-                       "DataLoader(trace=...) with this detdata version")
+    return FormatError(
+        f"{where}: {what}; hint: traces are the JSONL files written by "
+        "DataLoader(trace=...) with this detdata version"
+    )
 
 
 def _runs(where: str, pos: Any, at: int, nxt: int) -> tuple[tuple[int, int], ...]:
     if not isinstance(pos, list) or not pos:
-        raise _bad(where, f"field 'pos' must be a non-empty list of [first, count], found {pos!r:.60}")
+        raise _bad(
+            where, f"field 'pos' must be a non-empty list of [first, count], found {pos!r:.60}"
+        )
     runs = []
     for run in pos:
         if not (isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1], 1)):
-            raise _bad(where, f"field 'pos' must hold [first, count] pairs of integers, found {run!r:.60}")
+            raise _bad(
+                where, f"field 'pos' must hold [first, count] pairs of integers, found {run!r:.60}"
+            )
         if run[0] < at or run[0] + run[1] > nxt:
-            raise _bad(where, f"positions {run} lie outside the record's samples [at, next) = [{at}, {nxt})")
+            raise _bad(
+                where,
+                f"positions {run} lie outside the record's samples [at, next) = [{at}, {nxt})",
+            )
         runs.append((run[0], run[1]))
     return tuple(runs)
 
@@ -351,9 +417,14 @@ def _digests(where: str, cols: Any, sums: Any) -> tuple[dict[str, str], dict[str
         raise _bad(where, "field 'batch_b3' must have one digest per leaf named in 'cols'")
     out = {}
     for name, text in sums.items():
-        if not (isinstance(text, str) and len(text) == _HEX_LEN
-                and all(c in "0123456789abcdef" for c in text)):
-            raise _bad(where, f"batch_b3[{name!r}] must be 64 lowercase hex digits, found {text!r:.80}")
+        if not (
+            isinstance(text, str)
+            and len(text) == _HEX_LEN
+            and all(c in "0123456789abcdef" for c in text)
+        ):
+            raise _bad(
+                where, f"batch_b3[{name!r}] must be 64 lowercase hex digits, found {text!r:.80}"
+            )
         out[name] = int(text, 16)
     return dict(cols), out
 
@@ -364,21 +435,39 @@ def parse_record(doc: Any, where: str) -> Record:
         raise _bad(where, f"expected a JSON object, found {type(doc).__name__}")
     version = doc.get("v")
     if version != TRACE_VERSION or isinstance(version, bool):
-        raise _bad(where, f"trace format version {version!r}; this detdata reads version {TRACE_VERSION} "
-                   "(version 1 traces held one record per step and cannot be compared; re-record)")
+        raise _bad(
+            where,
+            f"trace format version {version!r}; this detdata reads version {TRACE_VERSION} "
+            "(version 1 traces held one record per step and cannot be compared; re-record)",
+        )
     for key, minimum in (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)):
         if not _is_int(doc.get(key), minimum):
-            raise _bad(where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}")
+            raise _bad(
+                where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}"
+            )
     at, nxt, gbs = doc["at"], doc["next"], doc["gbs"]
     if nxt <= at or doc["step"] != at // gbs:
-        raise _bad(where, f"inconsistent fields: at={at}, next={nxt}, gbs={gbs}, step={doc['step']} "
-                   "(expected next > at and step == at // gbs)")
+        raise _bad(
+            where,
+            f"inconsistent fields: at={at}, next={nxt}, gbs={gbs}, step={doc['step']} "
+            "(expected next > at and step == at // gbs)",
+        )
     restored = doc.get("restored", False)
     if not isinstance(restored, bool):
         raise _bad(where, f"field 'restored' must be true or false, found {restored!r:.60}")
     cols, sums = _digests(where, doc.get("cols"), doc.get("batch_b3"))
-    return Record(where=where, rank=doc["rank"], step=doc["step"], at=at, next=nxt, gbs=gbs,
-                  runs=_runs(where, doc.get("pos"), at, nxt), cols=cols, sums=sums, restored=restored)
+    return Record(
+        where=where,
+        rank=doc["rank"],
+        step=doc["step"],
+        at=at,
+        next=nxt,
+        gbs=gbs,
+        runs=_runs(where, doc.get("pos"), at, nxt),
+        cols=cols,
+        sums=sums,
+        restored=restored,
+    )
 
 
 def _decode(raw: bytes, where: str, last: bool) -> Any:
@@ -392,8 +481,11 @@ def _decode(raw: bytes, where: str, last: bool) -> Any:
         raise _bad(where, "JSON nested too deeply") from None
     except json.JSONDecodeError as exc:
         if last:
-            raise _bad(where, f"truncated last record ({exc.msg}; the file does not end with a "
-                       "newline: was the writer killed mid-write?)") from None
+            raise _bad(
+                where,
+                f"truncated last record ({exc.msg}; the file does not end with a "
+                "newline: was the writer killed mid-write?)",
+            ) from None
         raise _bad(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     except ValueError as exc:  # e.g. an integer beyond Python's digit limit
         raise _bad(where, f"not a usable JSON value ({exc})") from None
@@ -411,7 +503,9 @@ def read_trace(path: str | os.PathLike[str]) -> list[Record]:
     except FileNotFoundError:
         raise ConfigError(f"trace file not found: {p}") from None
     except IsADirectoryError:
-        raise ConfigError(f"trace path {p} is a directory; hint: pass the trace file inside it") from None
+        raise ConfigError(
+            f"trace path {p} is a directory; hint: pass the trace file inside it"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
     lines = data.split(b"\n")
@@ -470,7 +564,9 @@ def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
             i = parent[i]
         return i
 
-    spans = sorted((first, first + n, i) for i, (rec, _) in enumerate(items) for first, n in rec.runs)
+    spans = sorted(
+        (first, first + n, i) for i, (rec, _) in enumerate(items) for first, n in rec.runs
+    )
     reach, owner = -1, -1
     for start, end, i in spans:
         if start < reach:  # overlaps the group being swept
@@ -481,8 +577,13 @@ def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
     groups: dict[int, list[int]] = {}
     for i in range(len(items)):
         groups.setdefault(find(i), []).append(i)
-    out = [Block(tuple(items[i][0] for i in g if items[i][1] == 0),
-                 tuple(items[i][0] for i in g if items[i][1] == 1)) for g in groups.values()]
+    out = [
+        Block(
+            tuple(items[i][0] for i in g if items[i][1] == 0),
+            tuple(items[i][0] for i in g if items[i][1] == 1),
+        )
+        for g in groups.values()
+    ]
     return sorted(out, key=lambda b: b.start)
 
 
@@ -508,7 +609,11 @@ def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str |
     if left != right:
         only_a = _minus(left, right)
         only_b = _minus(right, left)
-        parts = [f"positions {_text(s)} only in {side}" for s, side in zip((only_a, only_b), sides, strict=True) if s]
+        parts = [
+            f"positions {_text(s)} only in {side}"
+            for s, side in zip((only_a, only_b), sides, strict=True)
+            if s
+        ]
         return "positions differ: " + "; ".join(parts)
     cols_a, sums_a, clash_a = _summed(block.left)
     cols_b, sums_b, clash_b = _summed(block.right)
@@ -519,8 +624,14 @@ def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str |
     changed = [name for name in sorted(sums_a) if sums_a[name] != sums_b[name]]
     if changed:
         batch = [n for n in changed if cols_a[n].startswith("batch:")]
-        hint = (f" (leaves {batch} are batch-level values, not per sample: they depend on the micro "
-                "batch size)") if batch else ""
+        hint = (
+            (
+                f" (leaves {batch} are batch-level values, not per sample: they depend on the micro "
+                "batch size)"
+            )
+            if batch
+            else ""
+        )
         return f"differs: batch_b3 of leaf {changed} at positions {_text(left)}{hint}"
     return None
 
@@ -552,8 +663,15 @@ class Finding:
     records: tuple[tuple[str, Record], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "kind": self.kind, "reason": self.reason,
-                "records": [[label, rec.to_json() | {"where": rec.where}] for label, rec in self.records]}
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "kind": self.kind,
+            "reason": self.reason,
+            "records": [
+                [label, rec.to_json() | {"where": rec.where}] for label, rec in self.records
+            ],
+        }
 
 
 _PRIORITY: Final = {"conflict": 0, "discontinuity": 1, "overlap": 2, "missing": 3, "differs": 4}
@@ -567,7 +685,9 @@ class Trace:
     findings: list[Finding] = field(default_factory=list)
 
 
-def _conflicts(label: str, rank: int, generation: list[Record], final: list[Record]) -> Iterator[Finding]:
+def _conflicts(
+    label: str, rank: int, generation: list[Record], final: list[Record]
+) -> Iterator[Finding]:
     """Records delivered before a restore whose positions were delivered again with other bytes."""
     by_step: dict[int, tuple[list[Record], list[Record]]] = {}
     for rec in generation:
@@ -581,11 +701,18 @@ def _conflicts(label: str, rank: int, generation: list[Record], final: list[Reco
                 continue  # not delivered again (or not comparable as one unit): nothing to check
             why = block_difference(block, ("before", "after"))
             if why is not None:
-                shown = (*((f"{label} first", r) for r in block.left[:2]),
-                         *((f"{label} again", r) for r in block.right[:2]))
-                yield Finding(step, rank, "conflict",
-                              f"conflict in {label}: positions {_text(_spans(block.left))} of rank {rank} "
-                              f"were delivered twice with different bytes ({why})", shown)
+                shown = (
+                    *((f"{label} first", r) for r in block.left[:2]),
+                    *((f"{label} again", r) for r in block.right[:2]),
+                )
+                yield Finding(
+                    step,
+                    rank,
+                    "conflict",
+                    f"conflict in {label}: positions {_text(_spans(block.left))} of rank {rank} "
+                    f"were delivered twice with different bytes ({why})",
+                    shown,
+                )
 
 
 def assemble(records: Sequence[Record], label: str = "A") -> Trace:
@@ -598,13 +725,18 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
         prev = mine[-1] if mine else None
         if prev is not None and not rec.restored and rec.at != prev.next:
             expected = prev.next // prev.gbs
-            trace.findings.append(Finding(
-                expected, rec.rank, "discontinuity",
-                f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} (step "
-                f"{rec.step}) right after samples_consumed {prev.next} (step {expected}) without a "
-                "restore; a fresh loader appended to this trace without load_state_dict (data cursor "
-                "not restored?), or two runs share the file",
-                ((f"{label} before", prev), (f"{label} then", rec))))
+            trace.findings.append(
+                Finding(
+                    expected,
+                    rec.rank,
+                    "discontinuity",
+                    f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} (step "
+                    f"{rec.step}) right after samples_consumed {prev.next} (step {expected}) without a "
+                    "restore; a fresh loader appended to this trace without load_state_dict (data cursor "
+                    "not restored?), or two runs share the file",
+                    ((f"{label} before", prev), (f"{label} then", rec)),
+                )
+            )
         if rec.restored or (prev is not None and rec.at != prev.next):
             keep = [r for r in mine if r.next <= rec.at]  # delivered wholly before the new position
             if len(keep) < len(mine):
@@ -624,16 +756,22 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
 
 def _overlaps(label: str, step: int, records: list[Record]) -> Iterator[Finding]:
     """Positions delivered by two ranks in one step (each rank's own final records never overlap)."""
-    spans = sorted(((first, first + n, k) for k, rec in enumerate(records) for first, n in rec.runs))
+    spans = sorted(
+        ((first, first + n, k) for k, rec in enumerate(records) for first, n in rec.runs)
+    )
     reach, owner = -1, 0
     for start, end, k in spans:
         if start < reach:
             a, b = records[owner], records[k]
-            yield Finding(step, min(a.rank, b.rank), "overlap",
-                          f"overlap in {label}: positions [{start}, {min(end, reach)}) of step {step} "
-                          f"were delivered twice, by rank {a.rank} and by rank {b.rank} (ranks built with "
-                          "different world sizes, data sharded twice, or rank files of different runs?)",
-                          ((f"{label} rank {a.rank}", a), (f"{label} rank {b.rank}", b)))
+            yield Finding(
+                step,
+                min(a.rank, b.rank),
+                "overlap",
+                f"overlap in {label}: positions [{start}, {min(end, reach)}) of step {step} "
+                f"were delivered twice, by rank {a.rank} and by rank {b.rank} (ranks built with "
+                "different world sizes, data sharded twice, or rank files of different runs?)",
+                ((f"{label} rank {a.rank}", a), (f"{label} rank {b.rank}", b)),
+            )
             return
         reach, owner = end, k
 
@@ -647,8 +785,11 @@ def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
     out = {}
     for step, recs in sorted(assemble(records).steps.items()):
         cols, sums, _ = _summed(recs)
-        out[step] = {"positions": [list(s) for s in _spans(recs)], "cols": cols,
-                     "batch_b3": {k: f"{v:064x}" for k, v in sorted(sums.items())}}
+        out[step] = {
+            "positions": [list(s) for s in _spans(recs)],
+            "cols": cols,
+            "batch_b3": {k: f"{v:064x}" for k, v in sorted(sums.items())},
+        }
     return out
 
 
@@ -674,20 +815,30 @@ class Comparison:
 def _cross(step: int, a: list[Record], b: list[Record]) -> Finding | None:
     if not a or not b:
         have = a or b
-        return Finding(step, min(r.rank for r in have), "missing",
-                       f"missing in {'A' if not a else 'B'}",
-                       tuple((("A" if a else "B"), r) for r in have[:2]))
+        return Finding(
+            step,
+            min(r.rank for r in have),
+            "missing",
+            f"missing in {'A' if not a else 'B'}",
+            tuple((("A" if a else "B"), r) for r in have[:2]),
+        )
     for block in blocks(a, b):
         why = block_difference(block)
         if why is not None:
             rank = min(r.rank for r in (*block.left, *block.right))
-            return Finding(step, rank, "differs", why,
-                           (*(("A", r) for r in block.left[:2]), *(("B", r) for r in block.right[:2])))
+            return Finding(
+                step,
+                rank,
+                "differs",
+                why,
+                (*(("A", r) for r in block.left[:2]), *(("B", r) for r in block.right[:2])),
+            )
     return None
 
 
-def compare(a: Sequence[Record], b: Sequence[Record], *, start: int = 0,
-            stop: int | None = None) -> Comparison:
+def compare(
+    a: Sequence[Record], b: Sequence[Record], *, start: int = 0, stop: int | None = None
+) -> Comparison:
     """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence first."""
     ta, tb = assemble(a, "A"), assemble(b, "B")
 
@@ -704,8 +855,9 @@ def compare(a: Sequence[Record], b: Sequence[Record], *, start: int = 0,
     return Comparison(tuple(findings), len(steps))
 
 
-def first_difference(a: Sequence[Record], b: Sequence[Record], *, start: int = 0,
-                     stop: int | None = None) -> dict[str, Any] | None:
+def first_difference(
+    a: Sequence[Record], b: Sequence[Record], *, start: int = 0, stop: int | None = None
+) -> dict[str, Any] | None:
     """The first divergence of two traces as JSON (``step``, ``rank``, ``kind``, ``reason``,
     ``records``), or None when they delivered the same samples in every compared step."""
     found = compare(a, b, start=start, stop=stop).first

@@ -114,9 +114,9 @@ def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt
     return _feistel(x, _keys_u64(keys), bits)
 
 
-def _feistel(x: npt.NDArray[np.uint64],
-             keys: Sequence[np.uint64] | npt.NDArray[np.uint64],
-             bits: int) -> npt.NDArray[np.uint64]:
+def _feistel(
+    x: npt.NDArray[np.uint64], keys: Sequence[np.uint64] | npt.NDArray[np.uint64], bits: int
+) -> npt.NDArray[np.uint64]:
     """``E(x)`` with round key ``keys[r]`` per round: a scalar (one epoch for all of ``x``)
     or an array shaped like ``x`` (each element's own epoch key), xored element-wise."""
     lo_bits = bits // 2
@@ -148,7 +148,9 @@ def domain_bits(n: int) -> int:
     return max(2, (n - 1).bit_length())
 
 
-def permute(indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int) -> npt.NDArray[np.uint64]:
+def permute(
+    indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int
+) -> npt.NDArray[np.uint64]:
     """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
     if n == 1:
         return np.zeros_like(indices)
@@ -164,8 +166,9 @@ def permute(indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int) -> n
     return out
 
 
-def permute_epochs(indices: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int,
-                   seed: int) -> npt.NDArray[np.uint64]:
+def permute_epochs(
+    indices: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int, seed: int
+) -> npt.NDArray[np.uint64]:
     """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised.
 
     The same bits as calling `permute` once per distinct epoch: keys are derived
@@ -211,8 +214,11 @@ class GlobalOrder:
         return self.num_samples
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, GlobalOrder) and other.num_samples == self.num_samples
-                and other.seed == self.seed)
+        return (
+            isinstance(other, GlobalOrder)
+            and other.num_samples == self.num_samples
+            and other.seed == self.seed
+        )
 
     def __hash__(self) -> int:
         return hash((ALGORITHM, self.num_samples, self.seed))
@@ -247,7 +253,9 @@ class GlobalOrder:
             flat_o[start:stop] = self._chunk(flat_e[start:stop], flat_l[start:stop])
         return out.view(np.int64)  # ids < n < 2**62: the same bits, no copy
 
-    def _chunk(self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    def _chunk(
+        self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.uint64]:
         first = int(epochs[0])
         if bool((epochs == first).all()):
             return permute(local, self.num_samples, self.seed, first)  # never writes its input

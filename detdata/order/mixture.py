@@ -127,42 +127,57 @@ def to_fraction(value: object, where: str) -> Fraction:
         if isinstance(value, (decimal.Decimal, str)):
             return Fraction(value.strip() if isinstance(value, str) else value)
     except (ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"{where}: cannot read weight {value!r} as an exact number ({exc}); "
-                          f"hint: use an int, a decimal string like '0.25' or a ratio like '1/3'") from None
-    raise ConfigError(f"{where}: weight {value!r} has unsupported type {type(value).__name__}; "
-                      f"hint: use int, float, str, fractions.Fraction or decimal.Decimal")
+        raise ConfigError(
+            f"{where}: cannot read weight {value!r} as an exact number ({exc}); "
+            f"hint: use an int, a decimal string like '0.25' or a ratio like '1/3'"
+        ) from None
+    raise ConfigError(
+        f"{where}: weight {value!r} has unsupported type {type(value).__name__}; "
+        f"hint: use int, float, str, fractions.Fraction or decimal.Decimal"
+    )
 
 
-def normalize_weights(weights: Mapping[str, object], names: Sequence[str], *, allow_zero: bool,
-                      where: str = "weights") -> tuple[int, ...]:
+def normalize_weights(
+    weights: Mapping[str, object], names: Sequence[str], *, allow_zero: bool, where: str = "weights"
+) -> tuple[int, ...]:
     """Exact integer weights in ``names`` order, divided by their gcd, total ``< 2**31``."""
     if not isinstance(weights, Mapping):
-        raise ConfigError(f"{where} must be a mapping of source name -> weight, got {type(weights).__name__}")
+        raise ConfigError(
+            f"{where} must be a mapping of source name -> weight, got {type(weights).__name__}"
+        )
     unknown = sorted(str(k) for k in weights if k not in names)
     if unknown:
         raise ConfigError(f"{where}: unknown source(s) {unknown}; the sources are {list(names)}")
     missing = [n for n in names if n not in weights]
     if missing:
-        raise ConfigError(f"{where}: no weight for source(s) {missing}; hint: give every source a "
-                          f"weight (a weight of 0 needs allow_zero=True)")
+        raise ConfigError(
+            f"{where}: no weight for source(s) {missing}; hint: give every source a "
+            f"weight (a weight of 0 needs allow_zero=True)"
+        )
     fracs = [to_fraction(weights[n], f"{where}[{n!r}]") for n in names]
     for name, f in zip(names, fracs, strict=True):
         if f < 0:
             raise ConfigError(f"{where}[{name!r}]: weight {f} is negative")
         if f == 0 and not allow_zero:
-            raise ConfigError(f"{where}[{name!r}]: weight is 0; hint: remove the source or pass "
-                              f"allow_zero=True (the source then never appears in this phase)")
+            raise ConfigError(
+                f"{where}[{name!r}]: weight is 0; hint: remove the source or pass "
+                f"allow_zero=True (the source then never appears in this phase)"
+            )
     if all(f == 0 for f in fracs):
-        raise ConfigError(f"{where}: every weight is 0; at least one source needs a positive weight")
+        raise ConfigError(
+            f"{where}: every weight is 0; at least one source needs a positive weight"
+        )
     scale = math.lcm(*(f.denominator for f in fracs))
     ints = [int(f * scale) for f in fracs]
     g = math.gcd(*ints)
     ints = [v // g for v in ints]
     total = sum(ints)
     if total >= MAX_TOTAL_WEIGHT:
-        raise ConfigError(f"{where}: the exact integer weights sum to {total} >= 2**31 "
-                          f"(weights {dict(zip(names, map(str, fracs), strict=True))}); hint: round the weights, "
-                          f"e.g. to integers or to a few decimal places, or give ratios like '1/3'")
+        raise ConfigError(
+            f"{where}: the exact integer weights sum to {total} >= 2**31 "
+            f"(weights {dict(zip(names, map(str, fracs), strict=True))}); hint: round the weights, "
+            f"e.g. to integers or to a few decimal places, or give ratios like '1/3'"
+        )
     return tuple(ints)
 
 
@@ -270,7 +285,9 @@ def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[Int
     src = np.empty(nb * BLOCK, dtype=np.int64)
     src[(by_hash + rows * BLOCK).reshape(-1)] = by_rank  # the r-th smallest hash gets by_rank[r]
     src = src.reshape(nb, BLOCK)
-    grouped = np.argsort(src, axis=1, kind="stable") + rows * BLOCK  # by source, position order inside
+    grouped = (
+        np.argsort(src, axis=1, kind="stable") + rows * BLOCK
+    )  # by source, position order inside
     first = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # block rank where each source starts
     within = np.empty(nb * BLOCK, dtype=np.int64)
     flat = grouped.reshape(-1)
@@ -292,11 +309,13 @@ def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
 def _boundary_counts(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray]:
     """``C(16k)`` and per-block counts for sorted unique ``blocks``, both ``(nb, S)``."""
     if blocks.size and int(blocks[-1]) - int(blocks[0]) == blocks.size - 1:  # contiguous
-        bounds = _tree_counts(phase, np.arange(int(blocks[0]), int(blocks[-1]) + 2, dtype=np.int64) * BLOCK)
+        bounds = _tree_counts(
+            phase, np.arange(int(blocks[0]), int(blocks[-1]) + 2, dtype=np.int64) * BLOCK
+        )
         return bounds[:-1], np.diff(bounds, axis=0)
     both = _tree_counts(phase, np.concatenate((blocks, blocks + 1)) * BLOCK)
     start = both[: blocks.size]
-    return start, both[blocks.size:] - start
+    return start, both[blocks.size :] - start
 
 
 def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]:
@@ -323,14 +342,22 @@ def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
     return tuple(int(v) for v in total)
 
 
-def build_phases(seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]) -> tuple[Phase, ...]:
+def build_phases(
+    seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
+) -> tuple[Phase, ...]:
     """The phases starting at ``starts`` with integer ``weights``, each with its offsets (samples
     of each source consumed before it) and its tree and block key under ``seed``."""
     phases: list[Phase] = []
     offsets = (0,) * len(weights[0])
     for index, (start, w) in enumerate(zip(starts, weights, strict=True)):
-        phase = Phase(index=index, start=start, weights=w, offsets=offsets,
-                      nodes=_build_nodes(w, seed, index), key=derive_u64(b"detdata:mixture-v1:block", seed, index))
+        phase = Phase(
+            index=index,
+            start=start,
+            weights=w,
+            offsets=offsets,
+            nodes=_build_nodes(w, seed, index),
+            key=derive_u64(b"detdata:mixture-v1:block", seed, index),
+        )
         phases.append(phase)
         if index + 1 < len(starts):
             used = _phase_prefix_counts(phase, starts[index + 1] - start)
@@ -343,17 +370,23 @@ def check_schedule(schedule: object) -> list[tuple[int, Mapping[str, object]]]:
     """``schedule`` as ``[(start, weights), ...]``: pairs, first start 0, starts strictly
     increasing and in ``[0, 2**62)`` (the weights are not read here), else `ConfigError`."""
     if isinstance(schedule, (str, bytes, Mapping)) or not isinstance(schedule, Iterable):
-        raise ConfigError(f"schedule must be a list of (start_position, weights) pairs, got {schedule!r:.80}")
+        raise ConfigError(
+            f"schedule must be a list of (start_position, weights) pairs, got {schedule!r:.80}"
+        )
     phases: list[tuple[int, Mapping[str, object]]] = []
     for i, item in enumerate(schedule):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ConfigError(f"schedule[{i}] must be a (start_position, weights) pair, got {item!r:.80}")
+            raise ConfigError(
+                f"schedule[{i}] must be a (start_position, weights) pair, got {item!r:.80}"
+            )
         start = check_count(item[0], f"schedule[{i}] start", minimum=0, maximum=MAX_POSITION - 1)
         if i == 0 and start != 0:
             raise ConfigError(f"schedule[0] must start at position 0, got {start}")
         if phases and start <= phases[-1][0]:
-            raise ConfigError(f"schedule[{i}] start {start} is not after schedule[{i - 1}] start "
-                              f"{phases[-1][0]}; starts must strictly increase")
+            raise ConfigError(
+                f"schedule[{i}] start {start} is not after schedule[{i - 1}] start "
+                f"{phases[-1][0]}; starts must strictly increase"
+            )
         phases.append((start, item[1]))
     if not phases:
         raise ConfigError("schedule is empty; hint: start it with (0, {name: weight, ...})")
@@ -366,7 +399,9 @@ def check_positions(positions: npt.ArrayLike) -> IntArray:
     if pos.dtype.kind not in "iu":
         raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
     if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= MAX_POSITION):
-        raise ConfigError(f"positions must be in [0, 2**62), found [{int(pos.min())}, {int(pos.max())}]")
+        raise ConfigError(
+            f"positions must be in [0, 2**62), found [{int(pos.min())}, {int(pos.max())}]"
+        )
     return pos.astype(np.int64, copy=False)
 
 
@@ -383,10 +418,14 @@ class Schedule:
     _starts: IntArray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_starts", np.array([p.start for p in self.phases], dtype=np.int64))
+        object.__setattr__(
+            self, "_starts", np.array([p.start for p in self.phases], dtype=np.int64)
+        )
 
     @classmethod
-    def build(cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]) -> Schedule:
+    def build(
+        cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
+    ) -> Schedule:
         """The schedule of phases at ``starts`` (checked by `check_schedule`) with integer
         ``weights`` (from `normalize_weights`) under root ``seed``."""
         return cls(build_phases(seed, starts, weights))
@@ -416,7 +455,9 @@ class Schedule:
 
     def phase_at(self, position: int) -> Phase:
         """The phase in effect at global ``position`` (in ``[0, 2**62)``)."""
-        return self._phase_of(check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1))
+        return self._phase_of(
+            check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1)
+        )
 
     def consumed(self, position: int) -> tuple[int, ...]:
         """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""
@@ -438,8 +479,10 @@ def rational(f: Fraction) -> str:
 
 def schedule_to_json(schedule: Schedule, names: Sequence[str]) -> list[list[Any]]:
     """``[[start, {name: "p/q"}], ...]`` with the exact normalised proportions."""
-    return [[start, {n: rational(f) for n, f in zip(names, fracs, strict=True)}]
-            for start, fracs in schedule.proportions()]
+    return [
+        [start, {n: rational(f) for n, f in zip(names, fracs, strict=True)}]
+        for start, fracs in schedule.proportions()
+    ]
 
 
 def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ...]:
@@ -448,7 +491,9 @@ def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ..
     phases = []
     for i, (start, start_weights) in enumerate(check_schedule(doc)):
         if not isinstance(start_weights, Mapping) or sorted(start_weights) != list(names):
-            raise ConfigError(f"saved mixture schedule[{i}] does not weight exactly the sources {list(names)}")
+            raise ConfigError(
+                f"saved mixture schedule[{i}] does not weight exactly the sources {list(names)}"
+            )
         fracs = [to_fraction(start_weights[n], f"saved schedule[{i}][{n!r}]") for n in names]
         if any(f < 0 for f in fracs) or sum(fracs) <= 0:
             raise ConfigError(f"saved mixture schedule[{i}] has negative or all-zero weights")
@@ -457,7 +502,9 @@ def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ..
 
 
 # ------------------------------------------------------------------ continuing
-def continue_schedule(saved: Sequence[PhaseSpec], mine: Sequence[PhaseSpec], position: int) -> list[PhaseSpec]:
+def continue_schedule(
+    saved: Sequence[PhaseSpec], mine: Sequence[PhaseSpec], position: int
+) -> list[PhaseSpec]:
     """The saved schedule's phases before ``position``, then ``mine`` from ``position`` on.
 
     The phase of ``mine`` in effect at ``position`` starts there, unless the saved

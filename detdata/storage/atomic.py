@@ -21,7 +21,7 @@ def atomic_write_bytes(path: str, data: bytes, **storage_options: Any) -> None:
             fs.makedirs(parent, exist_ok=True)
         fs.pipe_file(fpath, data)  # object stores publish a PUT atomically
         return
-    local = path[len("file://"):] if path.startswith("file://") else path
+    local = path[len("file://") :] if path.startswith("file://") else path
     directory = os.path.dirname(os.path.abspath(local))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)

@@ -69,6 +69,7 @@ class ShardEntry(Protocol):
     @property
     def quick(self) -> str: ...
 
+
 log: Final = logging.getLogger("detdata.cache")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
@@ -87,7 +88,7 @@ class CacheStats:
 
 
 def _hex(entry: ShardEntry) -> str:
-    return entry.blake3[len(PREFIX):]
+    return entry.blake3[len(PREFIX) :]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,16 +110,23 @@ class ShardCache:
     docstring for the contracts.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, *,
-                 retry: RetryPolicy | None = None, chunk_bytes: int = 8 << 20,
-                 verify_on_open: str = "quick") -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        *,
+        retry: RetryPolicy | None = None,
+        chunk_bytes: int = 8 << 20,
+        verify_on_open: str = "quick",
+    ) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"cache max_bytes must be a positive integer, got {max_bytes!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ConfigError(f"cache chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         if verify_on_open not in VERIFY_ON_OPEN:
-            raise ConfigError(f"verify_on_open must be one of {VERIFY_ON_OPEN}, got "
-                              f"{verify_on_open!r}")
+            raise ConfigError(
+                f"verify_on_open must be one of {VERIFY_ON_OPEN}, got {verify_on_open!r}"
+            )
         directory = os.fspath(directory)
         if "://" in directory and not directory.startswith("file://"):
             raise ConfigError(f"cache_dir must be a local directory, got {directory!r}")
@@ -148,8 +156,9 @@ class ShardCache:
         return sum(size for _, size, _ in objects) + reserved
 
     # public API ------------------------------------------------------------
-    def path(self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str,
-             url: str) -> str:
+    def path(
+        self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str, url: str
+    ) -> str:
         """The local path of a verified copy of ``entry`` (fetched from ``remote_path`` if needed).
 
         ``url`` names the shard's location in errors and logs.
@@ -168,8 +177,14 @@ class ShardCache:
                 return final
             if problem != "missing":
                 self.stats.corrupt += 1
-                log.warning("detdata: cached copy of shard %s (%s) is corrupted: %s; deleting "
-                            "it and fetching %s again", entry.path, final, problem, url)
+                log.warning(
+                    "detdata: cached copy of shard %s (%s) is corrupted: %s; deleting "
+                    "it and fetching %s again",
+                    entry.path,
+                    final,
+                    problem,
+                    url,
+                )
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(final)
             self._fill(entry, fs, remote_path, url, final)
@@ -205,12 +220,20 @@ class ShardCache:
         return None
 
     # filling -----------------------------------------------------------------
-    def _fill(self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str,
-              url: str, final: str) -> None:
+    def _fill(
+        self,
+        entry: ShardEntry,
+        fs: fsspec.AbstractFileSystem,
+        remote_path: str,
+        url: str,
+        final: str,
+    ) -> None:
         if entry.bytes > self.max_bytes:
-            raise ConfigError(f"shard {entry.path} ({url}) is {entry.bytes} bytes, more than the "
-                              f"whole cache ({self.max_bytes} bytes in {self.directory}); hint: "
-                              "raise shard_cache_bytes, or drop cache_dir to read it with range reads")
+            raise ConfigError(
+                f"shard {entry.path} ({url}) is {entry.bytes} bytes, more than the "
+                f"whole cache ({self.max_bytes} bytes in {self.directory}); hint: "
+                "raise shard_cache_bytes, or drop cache_dir to read it with range reads"
+            )
         tmp = self._reserve(entry, final)
         try:
             found = ""
@@ -218,16 +241,29 @@ class ShardCache:
                 found, written = self._download(entry, fs, remote_path, url, tmp)
                 if written == entry.bytes and found == entry.blake3:
                     break
-                log.warning("detdata: download %d/%d of shard %s from %s gave %d bytes with "
-                            "blake3 %s, expected %d bytes with %s", attempt, FILL_ATTEMPTS,
-                            entry.path, url, written, found, entry.bytes, entry.blake3)
+                log.warning(
+                    "detdata: download %d/%d of shard %s from %s gave %d bytes with "
+                    "blake3 %s, expected %d bytes with %s",
+                    attempt,
+                    FILL_ATTEMPTS,
+                    entry.path,
+                    url,
+                    written,
+                    found,
+                    entry.bytes,
+                    entry.blake3,
+                )
             else:
                 raise VerificationError(
                     f"shard {entry.path} at {url}: {FILL_ATTEMPTS} downloads hashed to {found}, "
                     f"the manifest says {entry.blake3}; the stored object differs from the one "
                     "the manifest was built from (rewritten?); hint: rebuild the manifest or "
-                    "restore the shard", shard=entry.path, field="blake3",
-                    expected=entry.blake3, found=found)
+                    "restore the shard",
+                    shard=entry.path,
+                    field="blake3",
+                    expected=entry.blake3,
+                    found=found,
+                )
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -238,14 +274,22 @@ class ShardCache:
         self.touch(final, force=True)
         self._make_room(0, keep=final)
 
-    def _download(self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str,
-                  url: str, tmp: str) -> tuple[str, int]:
+    def _download(
+        self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str, url: str, tmp: str
+    ) -> tuple[str, int]:
         """Stream the shard into ``tmp`` (truncated first); return (blake3, bytes written)."""
         hasher = blake3.blake3()
         written = 0
         with open(tmp, "wb") as fh:
-            for data in iter_chunks(fs, remote_path, entry.bytes, policy=self.retry,
-                                    shard=entry.path, url=url, chunk=self.chunk_bytes):
+            for data in iter_chunks(
+                fs,
+                remote_path,
+                entry.bytes,
+                policy=self.retry,
+                shard=entry.path,
+                url=url,
+                chunk=self.chunk_bytes,
+            ):
                 fh.write(data)
                 hasher.update(data)
                 written += len(data)
@@ -282,8 +326,13 @@ class ShardCache:
                 log.info("detdata: evicted %s (%d bytes) from the shard cache", path, size)
             total -= size
         if total > self.max_bytes:
-            log.warning("detdata: shard cache %s holds %d bytes (bound %d) while fills are in "
-                        "progress in other processes", self.directory, total, self.max_bytes)
+            log.warning(
+                "detdata: shard cache %s holds %d bytes (bound %d) while fills are in "
+                "progress in other processes",
+                self.directory,
+                total,
+                self.max_bytes,
+            )
 
     def _scan(self) -> tuple[list[tuple[int, int, str]], int]:
         """``([(mtime_ns, size, path) of copies], bytes reserved by live fills)``."""
@@ -300,8 +349,12 @@ class ShardCache:
         tdir = os.path.join(self.directory, "tmp")
         for name in os.listdir(tdir):
             parts = name.split(".")
-            if len(parts) != 5 or parts[-1] != "part" or not parts[1].isdigit() \
-                    or not parts[2].isdigit():
+            if (
+                len(parts) != 5
+                or parts[-1] != "part"
+                or not parts[1].isdigit()
+                or not parts[2].isdigit()
+            ):
                 continue
             if int(parts[2]) != os.getpid() and not _pid_alive(int(parts[2])):
                 with contextlib.suppress(FileNotFoundError):
@@ -323,14 +376,22 @@ class ShardCache:
 
     # pickling: parameters only ---------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"directory": self.directory, "max_bytes": self.max_bytes,
-                "chunk_bytes": self.chunk_bytes, "verify_on_open": self.verify_on_open,
-                "retry": self.retry}
+        return {
+            "directory": self.directory,
+            "max_bytes": self.max_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "verify_on_open": self.verify_on_open,
+            "retry": self.retry,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"], state["max_bytes"],  # type: ignore[misc]
-                      retry=state["retry"], chunk_bytes=state["chunk_bytes"],
-                      verify_on_open=state["verify_on_open"])
+        self.__init__(  # type: ignore[misc]
+            state["directory"],
+            state["max_bytes"],
+            retry=state["retry"],
+            chunk_bytes=state["chunk_bytes"],
+            verify_on_open=state["verify_on_open"],
+        )
 
 
 @contextlib.contextmanager

@@ -33,9 +33,11 @@ def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSy
     return fs, path.rstrip("/") if path != "/" else path
 
 
-PATH_RULES: Final = ("shard paths are relative POSIX paths in UTF-8: '/'-separated, no '.', "
-                     "'..' or empty segments, no backslash, not starting with '/', '~' or a "
-                     "drive letter such as 'd:', no NUL")
+PATH_RULES: Final = (
+    "shard paths are relative POSIX paths in UTF-8: '/'-separated, no '.', "
+    "'..' or empty segments, no backslash, not starting with '/', '~' or a "
+    "drive letter such as 'd:', no NUL"
+)
 
 
 def path_problem(rel: object) -> str | None:
@@ -55,15 +57,21 @@ def path_problem(rel: object) -> str | None:
         rel.encode("utf-8")
     except UnicodeEncodeError:
         raw: object = os.fsencode(rel) if _surrogates_only(rel) else rel
-        return (f"shard path {raw!r} is not valid UTF-8 (manifests are UTF-8 JSON; a file "
-                "name in another encoding cannot be stored)")
+        return (
+            f"shard path {raw!r} is not valid UTF-8 (manifests are UTF-8 JSON; a file "
+            "name in another encoding cannot be stored)"
+        )
     why = _absolute_reason(rel)
     if why is not None:
-        return (f"shard path {rel!r} is absolute or a URL ({why}); manifests hold only paths "
-                "relative to their root")
+        return (
+            f"shard path {rel!r} is absolute or a URL ({why}); manifests hold only paths "
+            "relative to their root"
+        )
     if any(p in ("", ".", "..") for p in rel.split("/")) or "\x00" in rel:
-        return (f"shard path {rel!r} is not a normalised relative path ('..', '.', empty "
-                "segments are refused so no path escapes the root)")
+        return (
+            f"shard path {rel!r} is not a normalised relative path ('..', '.', empty "
+            "segments are refused so no path escapes the root)"
+        )
     return None
 
 
@@ -111,9 +119,11 @@ def check_shard_name(rel: object, *, root: str) -> str:
     """
     problem = path_problem(rel)
     if problem is not None:
-        raise ManifestError(f"cannot list the file {rel!r} under {root!r} in a manifest: "
-                            f"{problem}; hint: rename the file ({PATH_RULES}), or pass "
-                            "pattern= / paths= that leave it out")
+        raise ManifestError(
+            f"cannot list the file {rel!r} under {root!r} in a manifest: "
+            f"{problem}; hint: rename the file ({PATH_RULES}), or pass "
+            "pattern= / paths= that leave it out"
+        )
     assert isinstance(rel, str)
     return rel
 
@@ -155,14 +165,17 @@ def url_join(root_url: str, rel: str) -> str:
 # Remote reads: attempt timeouts, retries, exact lengths.
 # ---------------------------------------------------------------------------
 
+
 def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
     """True for the local file system (memmaps and direct opens are possible)."""
     from fsspec.implementations.local import LocalFileSystem
+
     return isinstance(fs, LocalFileSystem)
 
 
-def call_fs(fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: float | None,
-            **kwargs: Any) -> Any:
+def call_fs(
+    fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: float | None, **kwargs: Any
+) -> Any:
     """``fs.<method>(*args, **kwargs)``, cancelled after ``timeout`` s on async file systems.
 
     fsspec's asynchronous back ends (s3fs, gcsfs, http) run ``fs._<method>`` on
@@ -171,14 +184,25 @@ def call_fs(fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: flo
     Synchronous file systems are called directly.
     """
     from fsspec.asyn import AsyncFileSystem, sync
-    if (timeout is not None and isinstance(fs, AsyncFileSystem) and not fs.asynchronous
-            and hasattr(fs, "_" + method)):
+
+    if (
+        timeout is not None
+        and isinstance(fs, AsyncFileSystem)
+        and not fs.asynchronous
+        and hasattr(fs, "_" + method)
+    ):
         return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=timeout, **kwargs)
     return getattr(fs, method)(*args, **kwargs)
 
 
-def cat_ranges_each(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
-                    ends: list[int], *, timeout: float | None) -> list[Any]:
+def cat_ranges_each(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    timeout: float | None,
+) -> list[Any]:
     """``fs.cat_ranges(paths, starts, ends)`` with per-range errors returned in place.
 
     On fsspec's asynchronous file systems each range gets its own ``timeout``
@@ -187,6 +211,7 @@ def cat_ranges_each(fs: fsspec.AbstractFileSystem, paths: list[str], starts: lis
     systems get one plain ``cat_ranges`` call.
     """
     from fsspec.asyn import AsyncFileSystem, sync
+
     if timeout is None or not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
         return list(fs.cat_ranges(paths, starts, ends))
     limit = max(1, int(getattr(fs, "batch_size", None) or 128))
@@ -198,31 +223,46 @@ def cat_ranges_each(fs: fsspec.AbstractFileSystem, paths: list[str], starts: lis
             async with gate:
                 return await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout)
 
-        return list(await asyncio.gather(*(one(p, a, b) for p, a, b in
-                                           zip(paths, starts, ends, strict=True)),
-                                         return_exceptions=True))
+        return list(
+            await asyncio.gather(
+                *(one(p, a, b) for p, a, b in zip(paths, starts, ends, strict=True)),
+                return_exceptions=True,
+            )
+        )
 
     # outer bound: every wave of `limit` ranges may take `timeout`, plus slack
     waves = -(-len(paths) // limit)
     return list(sync(fs.loop, run_all, timeout=timeout * waves + 5.0))
 
 
-def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *,
-               timeout: float | None) -> bytes:
+def read_range(
+    fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *, timeout: float | None
+) -> bytes:
     """Exactly bytes ``[start, end)`` of ``path``; `ShortRead` (transient) otherwise."""
     from detdata.base.errors import ShortRead
+
     if end <= start:
         return b""
     data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
     if len(data) != end - start:
-        raise ShortRead(f"asked for bytes [{start}, {end}) of {path} ({end - start} bytes), got "
-                        f"{len(data)} (connection cut short, or a server that ignores Range)")
+        raise ShortRead(
+            f"asked for bytes [{start}, {end}) of {path} ({end - start} bytes), got "
+            f"{len(data)} (connection cut short, or a server that ignores Range)"
+        )
     return bytes(data)
 
 
-def read_ranges_retrying(fs: fsspec.AbstractFileSystem, paths: list[str], starts: list[int],
-                         ends: list[int], *, policy: RetryPolicy, shards: list[str],
-                         urls: list[str], what: str = "range read") -> list[bytes]:
+def read_ranges_retrying(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    policy: RetryPolicy,
+    shards: list[str],
+    urls: list[str],
+    what: str = "range read",
+) -> list[bytes]:
     """Bytes ``[start, end)`` of each path, fetched with one ``cat_ranges`` call per attempt.
 
     Ranges that failed (per-range errors, short reads, a timed-out attempt) are
@@ -232,31 +272,37 @@ def read_ranges_retrying(fs: fsspec.AbstractFileSystem, paths: list[str], starts
     """
     from detdata.base.errors import ShortRead, StorageError
     from detdata.storage.retry import is_transient
+
     out: list[bytes | None] = [None] * len(paths)
     pending = list(range(len(paths)))
 
     def attempt(timeout: float | None) -> None:
         nonlocal pending
         batch = [paths[i] for i in pending]
-        blobs = cat_ranges_each(fs, batch, [starts[i] for i in pending],
-                                [ends[i] for i in pending], timeout=timeout)
+        blobs = cat_ranges_each(
+            fs, batch, [starts[i] for i in pending], [ends[i] for i in pending], timeout=timeout
+        )
         failed: list[int] = []
         first: BaseException | None = None
         for i, blob in zip(pending, blobs, strict=True):
             if isinstance(blob, BaseException):
                 err: BaseException = blob
             elif len(blob) != ends[i] - starts[i]:
-                err = ShortRead(f"asked for bytes [{starts[i]}, {ends[i]}) of {urls[i]} "
-                                f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
-                                "short, or a server that ignores Range)")
+                err = ShortRead(
+                    f"asked for bytes [{starts[i]}, {ends[i]}) of {urls[i]} "
+                    f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
+                    "short, or a server that ignores Range)"
+                )
             else:
                 out[i] = bytes(blob)
                 continue
             if not is_transient(err):
-                raise StorageError(f"{what} failed for shard {shards[i]} at {urls[i]}: "
-                                   f"{type(err).__name__}: {err}; hint: the object is missing or "
-                                   "not readable; check the root URL, credentials and that the "
-                                   "store still holds the manifest's shards") from err
+                raise StorageError(
+                    f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                    f"{type(err).__name__}: {err}; hint: the object is missing or "
+                    "not readable; check the root URL, credentials and that the "
+                    "store still holds the manifest's shards"
+                ) from err
             failed.append(i)
             first = first or err
         pending = failed
@@ -264,64 +310,115 @@ def read_ranges_retrying(fs: fsspec.AbstractFileSystem, paths: list[str], starts
             raise first
 
     if pending:
-        policy.run(attempt, what=f"{what} of {len(paths)} range(s)",
-                   shard=lambda: shards[pending[0]], url=lambda: urls[pending[0]])
+        policy.run(
+            attempt,
+            what=f"{what} of {len(paths)} range(s)",
+            shard=lambda: shards[pending[0]],
+            url=lambda: urls[pending[0]],
+        )
     return [b for b in out if b is not None]
 
 
-
-def size_retrying(fs: fsspec.AbstractFileSystem, path: str, *, policy: RetryPolicy, shard: str,
-                  url: str) -> int:
+def size_retrying(
+    fs: fsspec.AbstractFileSystem, path: str, *, policy: RetryPolicy, shard: str, url: str
+) -> int:
     """``fs.size(path)`` with retries (``FileNotFoundError`` passes through at once)."""
-    return int(policy.run(lambda t: call_fs(fs, "size", path, timeout=t),
-                          what="size lookup", shard=shard, url=url))
+    return int(
+        policy.run(
+            lambda t: call_fs(fs, "size", path, timeout=t), what="size lookup", shard=shard, url=url
+        )
+    )
 
 
-def range_retrying(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *,
-                   policy: RetryPolicy, shard: str, url: str) -> bytes:
+def range_retrying(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int,
+    end: int,
+    *,
+    policy: RetryPolicy,
+    shard: str,
+    url: str,
+) -> bytes:
     """Exactly bytes ``[start, end)`` of ``path``, retried under ``policy``."""
-    return policy.run(lambda t: read_range(fs, path, start, end, timeout=t),
-                      what=f"reading bytes [{start}, {end})", shard=shard, url=url)
+    return policy.run(
+        lambda t: read_range(fs, path, start, end, timeout=t),
+        what=f"reading bytes [{start}, {end})",
+        shard=shard,
+        url=url,
+    )
 
 
-def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, size: int, *, policy: RetryPolicy,
-                shard: str, url: str, chunk: int = 8 << 20) -> Iterator[bytes]:
+def iter_chunks(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    *,
+    policy: RetryPolicy,
+    shard: str,
+    url: str,
+    chunk: int = 8 << 20,
+) -> Iterator[bytes]:
     """The ``size`` bytes of ``path`` in ``chunk``-byte range reads, each retried on its own.
 
     Bounded memory; a failure costs one chunk, not the whole download.
     """
     for start in range(0, size, chunk):
-        yield range_retrying(fs, path, start, min(size, start + chunk), policy=policy,
-                             shard=shard, url=url)
+        yield range_retrying(
+            fs, path, start, min(size, start + chunk), policy=policy, shard=shard, url=url
+        )
 
 
-def quick_digest_retrying(fs: fsspec.AbstractFileSystem, path: str, size: int, *,
-                          policy: RetryPolicy, shard: str, url: str) -> str:
+def quick_digest_retrying(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    *,
+    policy: RetryPolicy,
+    shard: str,
+    url: str,
+) -> str:
     """`quick_digest_parts` of a remote file from two retried range reads (head, tail)."""
     from detdata.base.hashing import QUICK_SPAN, quick_digest_parts
+
     span = min(size, QUICK_SPAN)
     head = range_retrying(fs, path, 0, span, policy=policy, shard=shard, url=url)
     tail = range_retrying(fs, path, size - span, size, policy=policy, shard=shard, url=url)
     return quick_digest_parts(size, head, tail)
 
 
-def full_digest_retrying(fs: fsspec.AbstractFileSystem, path: str, size: int, *,
-                         policy: RetryPolicy, shard: str, url: str) -> str:
+def full_digest_retrying(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    *,
+    policy: RetryPolicy,
+    shard: str,
+    url: str,
+) -> str:
     """``b3:<hex>`` of every byte of a remote file, streamed in retried chunks."""
     import blake3
 
     from detdata.base.hashing import CHUNK, PREFIX
+
     hasher = blake3.blake3()
     for data in iter_chunks(fs, path, size, policy=policy, shard=shard, url=url, chunk=CHUNK):
         hasher.update(data)
     return PREFIX + hasher.hexdigest()
 
 
-def read_file_retrying(path_or_url: str, *, policy: RetryPolicy, what: str,
-                       **storage_options: Any) -> bytes:
+def read_file_retrying(
+    path_or_url: str, *, policy: RetryPolicy, what: str, **storage_options: Any
+) -> bytes:
     """Every byte of a small file/URL (manifests, registry objects), retried under ``policy``."""
     fs, fpath = filesystem(path_or_url, **storage_options)
     if is_local_fs(fs):
         return bytes(fs.cat_file(fpath))
-    return bytes(policy.run(lambda t: call_fs(fs, "cat_file", fpath, timeout=t),
-                            what=what, shard="-", url=path_or_url))
+    return bytes(
+        policy.run(
+            lambda t: call_fs(fs, "cat_file", fpath, timeout=t),
+            what=what,
+            shard="-",
+            url=path_or_url,
+        )
+    )

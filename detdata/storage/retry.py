@@ -38,15 +38,38 @@ log: Final = logging.getLogger("detdata.retry")
 JITTER_ALGORITHM: Final = "detdata:retry-jitter-v1"
 
 # Errors that say "this will not get better by waiting" (re-raised at once).
-_PERMANENT: Final = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                     FileExistsError)
+_PERMANENT: Final = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
 _RETRY_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
-_BOTO_TRANSIENT: Final = frozenset({
-    "HTTPClientError", "ConnectionError", "EndpointConnectionError", "ReadTimeoutError",
-    "ConnectTimeoutError", "ConnectionClosedError", "IncompleteReadError",
-    "ResponseStreamingError", "ProxyConnectionError"})
-_BOTO_CODES: Final = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
-                                "Throttling", "ThrottlingException", "RequestTimeTooSkewed"})
+_BOTO_TRANSIENT: Final = frozenset(
+    {
+        "HTTPClientError",
+        "ConnectionError",
+        "EndpointConnectionError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ConnectionClosedError",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+        "ProxyConnectionError",
+    }
+)
+_BOTO_CODES: Final = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeTooSkewed",
+    }
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -108,10 +131,14 @@ class RetryPolicy:
             raise ConfigError(f"RetryPolicy.attempt_timeout_s must be > 0 or None, got {t!r}")
         m = self.max_attempts
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ConfigError(f"RetryPolicy.max_attempts must be an integer >= 1 or None, got {m!r}")
+            raise ConfigError(
+                f"RetryPolicy.max_attempts must be an integer >= 1 or None, got {m!r}"
+            )
         if self.max_delay_s < self.base_delay_s:
-            raise ConfigError(f"RetryPolicy.max_delay_s ({self.max_delay_s}) must be >= "
-                              f"base_delay_s ({self.base_delay_s})")
+            raise ConfigError(
+                f"RetryPolicy.max_delay_s ({self.max_delay_s}) must be >= "
+                f"base_delay_s ({self.base_delay_s})"
+            )
 
     def delay(self, key: str, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (0-based) of the read named ``key``."""
@@ -120,9 +147,17 @@ class RetryPolicy:
         fraction = int.from_bytes(digest[:8], "little") / 2.0**64
         return cap * (0.5 + 0.5 * fraction)
 
-    def run(self, fn: Callable[[float | None], T], *, what: str, shard: str | Callable[[], str],
-            url: str | Callable[[], str], key: str | None = None, clock: Callable[[], float] = time.monotonic,
-            sleep: Callable[[float], None] = time.sleep) -> T:
+    def run(
+        self,
+        fn: Callable[[float | None], T],
+        *,
+        what: str,
+        shard: str | Callable[[], str],
+        url: str | Callable[[], str],
+        key: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> T:
         """``fn(attempt_timeout)`` with retries; see the module docstring.
 
         ``shard`` and ``url`` name what is read in messages (callables are asked
@@ -156,9 +191,21 @@ class RetryPolicy:
                     f"{type(last).__name__}: {last}; hint: check that the store is reachable "
                     "and the object exists; a slow store may need a longer "
                     "RetryPolicy(deadline_s=..., attempt_timeout_s=...)",
-                    shard=shard_now, url=url_now, attempts=attempt, last_error=last) from last
-            log.warning("detdata: %s (shard %s, %s) failed on attempt %d: %s: %s; retrying in "
-                        "%.3fs", what, shard_now, url_now, attempt, type(last).__name__, last, wait)
+                    shard=shard_now,
+                    url=url_now,
+                    attempts=attempt,
+                    last_error=last,
+                ) from last
+            log.warning(
+                "detdata: %s (shard %s, %s) failed on attempt %d: %s: %s; retrying in %.3fs",
+                what,
+                shard_now,
+                url_now,
+                attempt,
+                type(last).__name__,
+                last,
+                wait,
+            )
             sleep(wait)
 
 

@@ -32,8 +32,9 @@ def write_dataset(tmp_path: Path) -> tuple[Path, Path]:
     return root, manifest
 
 
-def check_failure(result: subprocess.CompletedProcess[str], code: int, *culprits: str,
-                  one_line: bool = True) -> None:
+def check_failure(
+    result: subprocess.CompletedProcess[str], code: int, *culprits: str, one_line: bool = True
+) -> None:
     context = f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
     assert result.returncode == code, context
     assert "Traceback" not in result.stderr, context
@@ -54,14 +55,22 @@ def test_usage_and_input_errors_exit_2_naming_the_culprit(tmp_path: Path) -> Non
     binary.write_bytes(b"\xff\xfe{\x00")
     cases: list[tuple[list[str], list[str]]] = [
         (["manifest", "build", str(root), "-o", str(folder)], ["-o", str(folder), "directory"]),
-        (["manifest", "build", str(root), "-o", str(a_file / "m.json")], [str(a_file), "not a folder"]),
+        (
+            ["manifest", "build", str(root), "-o", str(a_file / "m.json")],
+            [str(a_file), "not a folder"],
+        ),
         (["manifest", "build", str(a_file), "-o", str(tmp_path / "x.json")], ["ROOT", str(a_file)]),
         (["verify", str(folder)], [str(folder), "directory"]),
         (["verify", str(binary)], [str(binary)]),
         (["verify", str(manifest), "--root", str(tmp_path / "nowhere")], ["--root", "nowhere"]),
-        (["register", "--registry", str(a_file), str(manifest), "x@v1"], ["--registry", str(a_file)]),
-        (["register", "--registry", str(tmp_path / "reg"), str(tmp_path / "nope.json"), "x@v1"],
-         ["nope.json"]),
+        (
+            ["register", "--registry", str(a_file), str(manifest), "x@v1"],
+            ["--registry", str(a_file)],
+        ),
+        (
+            ["register", "--registry", str(tmp_path / "reg"), str(tmp_path / "nope.json"), "x@v1"],
+            ["nope.json"],
+        ),
         (["hash", str(tmp_path / "nope.bin")], ["nope.bin"]),
         (["hash", str(folder)], [str(folder)]),
         (["order", "--n", "0", "--seed", "1", "--at", "0"], ["--n"]),
@@ -88,19 +97,29 @@ def test_usage_and_input_errors_exit_2_naming_the_culprit(tmp_path: Path) -> Non
 def _raise(exc: BaseException) -> Callable[..., Any]:
     def fail(*_args: Any, **_kwargs: Any) -> Any:
         raise exc
+
     return fail
 
 
-@pytest.mark.parametrize(("exc", "code", "words"), [
-    (StorageError("range read failed for shard s.npy at s3://b/s.npy"), 3, "s3://b/s.npy"),
-    (OSError(errno.EIO, "Input/output error", "/mnt/d/s.npy"), 3, "/mnt/d/s.npy"),
-    (OSError(errno.ENOSPC, "No space left on device"), 3, "No space left"),
-    (PermissionError(errno.EACCES, "Permission denied", "/root/x"), 2, "/root/x"),
-    (KeyError("oops"), 2, "internal error"),
-], ids=["storage-error", "eio", "disk-full", "permission", "bug"])
-def test_storage_and_unexpected_errors_are_mapped(monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                  exc: BaseException, code: int, words: str) -> None:
+@pytest.mark.parametrize(
+    ("exc", "code", "words"),
+    [
+        (StorageError("range read failed for shard s.npy at s3://b/s.npy"), 3, "s3://b/s.npy"),
+        (OSError(errno.EIO, "Input/output error", "/mnt/d/s.npy"), 3, "/mnt/d/s.npy"),
+        (OSError(errno.ENOSPC, "No space left on device"), 3, "No space left"),
+        (PermissionError(errno.EACCES, "Permission denied", "/root/x"), 2, "/root/x"),
+        (KeyError("oops"), 2, "internal error"),
+    ],
+    ids=["storage-error", "eio", "disk-full", "permission", "bug"],
+)
+def test_storage_and_unexpected_errors_are_mapped(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    exc: BaseException,
+    code: int,
+    words: str,
+) -> None:
     """In-process (``cli.main``, the console's entry point): errors a subprocess cannot provoke."""
     target = tmp_path / "f.bin"
     target.write_bytes(b"x")
@@ -114,8 +133,12 @@ def test_storage_and_unexpected_errors_are_mapped(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.multiproc
 def test_closed_output_pipe_is_not_a_traceback() -> None:
-    proc = subprocess.Popen([*console(), "order", "--n", "5000000", "--seed", "1", "--at", "0", "--count",
-                             "5000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*console(), "order", "--n", "5000000", "--seed", "1", "--at", "0", "--count", "5000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline().strip().isdigit()
     proc.stdout.close()
@@ -153,6 +176,7 @@ def test_demo_never_deletes_a_folder_it_did_not_create(tmp_path: Path) -> None:
 
 def test_demo_folder_marker_lets_it_clear_only_its_own_output(tmp_path: Path) -> None:
     from detdata.cli.demo import MARKER, prepare_out
+
     out = tmp_path / "new" / "demo_out"
     prepare_out(out, clear=True)  # created, marked
     assert [p.name for p in out.iterdir()] == [MARKER]

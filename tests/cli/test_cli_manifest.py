@@ -35,8 +35,9 @@ def console() -> list[str]:
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run the installed ``detdata`` console script."""
-    return subprocess.run([*console(), *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [*console(), *args], capture_output=True, text=True, cwd=cwd, timeout=120, check=False
+    )
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -61,11 +62,25 @@ def big_shards(tmp_path: Path) -> Path:
 def test_build_then_verify_quick_and_full(big_shards: Path, tmp_path: Path) -> None:
     """A changed middle byte is found by ``--full`` only; a truncation by the default check."""
     out = tmp_path / "m.json"
-    built = run("manifest", "build", str(big_shards), "--pattern", "*.npy", "--format", "npy",
-                "--meta", "tokenizer=b3:tok", "--meta", "description=test set", "-o", str(out))
+    built = run(
+        "manifest",
+        "build",
+        str(big_shards),
+        "--pattern",
+        "*.npy",
+        "--format",
+        "npy",
+        "--meta",
+        "tokenizer=b3:tok",
+        "--meta",
+        "description=test set",
+        "-o",
+        str(out),
+    )
     assert built.returncode == 0, built.stderr
-    expected = build_manifest(str(big_shards), metadata={"tokenizer": "b3:tok",
-                                                         "description": "test set"})
+    expected = build_manifest(
+        str(big_shards), metadata={"tokenizer": "b3:tok", "description": "test set"}
+    )
     assert built.stdout.strip() == expected.id == Manifest.load(str(out)).id
     assert built.stderr == ""  # not a terminal: no progress bar
 
@@ -102,10 +117,12 @@ def test_usage_error_exit_code_from_console() -> None:
 
 
 # ---------------------------------------------------------------- in-process edge cases
-def test_moved_directory_verify_with_root(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                          token_shards: Path) -> None:
-    code, out, _ = call(capsys, "manifest", "build", str(token_shards), "-o",
-                        str(tmp_path / "m.json"))
+def test_moved_directory_verify_with_root(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, token_shards: Path
+) -> None:
+    code, out, _ = call(
+        capsys, "manifest", "build", str(token_shards), "-o", str(tmp_path / "m.json")
+    )
     assert code == 0
     first_id = out.strip()
     moved = tmp_path / "moved"
@@ -124,8 +141,9 @@ def test_build_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     out = str(tmp_path / "m.json")
     code, _, err = call(capsys, "manifest", "build", str(tmp_path / "d"), "-o", out)
     assert code == 2 and "declared dtype" in err
-    code, stdout, _ = call(capsys, "manifest", "build", str(tmp_path / "d"), "--dtype", "uint32",
-                           "-o", out)
+    code, stdout, _ = call(
+        capsys, "manifest", "build", str(tmp_path / "d"), "--dtype", "uint32", "-o", out
+    )
     assert code == 0
     (shard,) = Manifest.load(out).shards
     assert (shard.dtype, shard.num_samples) == ("uint32", 100)
@@ -136,15 +154,28 @@ def test_build_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
             args += ["-o", out]
         code, _, err = call(capsys, *args)
         assert code == 2, (bad, err)
-    code, _, err = call(capsys, "manifest", "build", str(tmp_path / "d"), "--dtype", "uint32",
-                        "--meta", "k=1", "--meta", "k=2", "-o", out)
+    code, _, err = call(
+        capsys,
+        "manifest",
+        "build",
+        str(tmp_path / "d"),
+        "--dtype",
+        "uint32",
+        "--meta",
+        "k=1",
+        "--meta",
+        "k=2",
+        "-o",
+        out,
+    )
     assert code == 2 and "--meta k= given twice" in err
     code, _, err = call(capsys, "manifest", "build", str(tmp_path / "nope"), "-o", out)
     assert code == 2 and "does not exist" in err
 
 
-def test_verify_bad_manifest_is_usage_error(capsys: pytest.CaptureFixture[str],
-                                            tmp_path: Path) -> None:
+def test_verify_bad_manifest_is_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, _, err = call(capsys, "verify", str(tmp_path / "nope.json"))
     assert code == 2 and "not found" in err
     (tmp_path / "bad.json").write_text("{broken")
@@ -156,15 +187,18 @@ def test_hash(capsys: pytest.CaptureFixture[str], token_shards: Path) -> None:
     files = sorted(str(p) for p in token_shards.iterdir())
     code, out, _ = call(capsys, "hash", *files)
     assert code == 0
-    expected = [f"b3:{blake3.blake3(Path(f).read_bytes()).hexdigest()}  "
-                f"{Path(f).stat().st_size}  {f}" for f in files]
+    expected = [
+        f"b3:{blake3.blake3(Path(f).read_bytes()).hexdigest()}  {Path(f).stat().st_size}  {f}"
+        for f in files
+    ]
     assert out.splitlines() == expected
     code, _, err = call(capsys, "hash", str(token_shards / "nope"))
     assert code == 2 and "not found" in err
 
 
-def test_register_conflicts_and_force(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                      token_shards: Path) -> None:
+def test_register_conflicts_and_force(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, token_shards: Path
+) -> None:
     reg = str(tmp_path / "reg")
     a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
     build_manifest(str(token_shards), metadata={"v": 1}).save(a)
@@ -182,13 +216,15 @@ def test_register_conflicts_and_force(capsys: pytest.CaptureFixture[str], tmp_pa
     assert call(capsys, "register", a, "ds@v2", "--registry", reg, "--verify", "off")[0] == 0
 
 
-def test_register_then_inspect_name(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                    token_shards: Path) -> None:
+def test_register_then_inspect_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, token_shards: Path
+) -> None:
     m = build_manifest(str(token_shards))
     m.save(str(tmp_path / "m.json"))
     registry = str(tmp_path / "reg")
-    code, out, _ = call(capsys, "register", str(tmp_path / "m.json"), "ds@v1", "--registry",
-                        registry)
+    code, out, _ = call(
+        capsys, "register", str(tmp_path / "m.json"), "ds@v1", "--registry", registry
+    )
     assert code == 0 and out.strip() == m.id
     code, out, _ = call(capsys, "inspect", "ds", "--registry", registry)
     assert code == 0
@@ -198,9 +234,12 @@ def test_register_then_inspect_name(capsys: pytest.CaptureFixture[str], tmp_path
     assert [(e["name"], e["id"]) for e in summary["history"]] == [("ds@v1", m.id)]
 
 
-def test_inspect_id_file_and_env_registry(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                          token_shards: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inspect_id_file_and_env_registry(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    token_shards: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     m = build_manifest(str(token_shards), metadata={"tokenizer": "t"})
     path = str(tmp_path / "m.json")
     m.save(path)
@@ -221,11 +260,17 @@ def test_inspect_id_file_and_env_registry(capsys: pytest.CaptureFixture[str], tm
 def test_order_edge_cases(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = call(capsys, "order", "--n", "1", "--seed", "0", "--at", "0", "--count", "3")
     assert code == 0 and out.split() == ["0", "0", "0"]
-    code, out, _ = call(capsys, "order", "--n", str(10**12), "--seed", str(2**64 - 1),
-                        "--at", str(5 * 10**12))
+    code, out, _ = call(
+        capsys, "order", "--n", str(10**12), "--seed", str(2**64 - 1), "--at", str(5 * 10**12)
+    )
     assert code == 0 and int(out) == GlobalOrder(10**12, 2**64 - 1)[5 * 10**12]
-    for bad in (["--seed", "-1"], ["--seed", str(2**64)], ["--at", "-5"], ["--count", "0"],
-                ["--n", "x"]):
+    for bad in (
+        ["--seed", "-1"],
+        ["--seed", str(2**64)],
+        ["--at", "-5"],
+        ["--count", "0"],
+        ["--n", "x"],
+    ):
         base = {"--n": "10", "--seed": "1", "--at": "0", "--count": "1"}
         base[bad[0]] = bad[1]
         args = [item for pair in base.items() for item in pair]

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.multiproc  # runs the real console command / child proc
 
 CONFIG: dict[str, Any] = {
     "seed": 1234,
-    "sources": {"web": {"num_samples": 1_000_000}, "code": {"num_samples": 5000}, "math": {"num_samples": 3}},
-    "schedule": [[0, {"web": 0.7, "code": "0.2", "math": "1/10"}], [40, {"web": 1, "code": 1, "math": 0}]],
+    "sources": {
+        "web": {"num_samples": 1_000_000},
+        "code": {"num_samples": 5000},
+        "math": {"num_samples": 3},
+    },
+    "schedule": [
+        [0, {"web": 0.7, "code": "0.2", "math": "1/10"}],
+        [40, {"web": 1, "code": 1, "math": 0}],
+    ],
     "allow_zero": True,
 }
 
@@ -32,8 +39,13 @@ def detdata_exe() -> str:
 
 
 def run_mix(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([detdata_exe(), "mix", "--config", str(config), *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [detdata_exe(), "mix", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -48,8 +60,12 @@ def expected_lines(at: int, count: int) -> list[str]:
     m = Mixture(sources, seed=CONFIG["seed"], schedule=CONFIG["schedule"], allow_zero=True)
     positions = np.arange(at, at + count)
     src, idx, ids = m.locate(positions)
-    return [f"{g}\t{m.source_names[s]}\t{i}\t{d}"
-            for g, s, i, d in zip(positions.tolist(), src.tolist(), idx.tolist(), ids.tolist(), strict=True)]
+    return [
+        f"{g}\t{m.source_names[s]}\t{i}\t{d}"
+        for g, s, i, d in zip(
+            positions.tolist(), src.tolist(), idx.tolist(), ids.tolist(), strict=True
+        )
+    ]
 
 
 def test_mix_prints_assignment_deterministically(config_file: Path) -> None:
@@ -66,11 +82,14 @@ def test_mix_prints_assignment_deterministically(config_file: Path) -> None:
     assert again.stdout.splitlines()[1:] == expected_lines(0, 100)
 
 
-@pytest.mark.parametrize(("change", "needle"), [
-    ({"schedule": [[0, {"web": -1, "code": 1, "math": 1}]]}, "negative"),
-    ({"sources": {"web": {"num_samples": 0}}, "schedule": [[0, {"web": 1}]]}, "'web' is empty"),
-    ({"colour": "blue"}, "unknown key"),
-])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"schedule": [[0, {"web": -1, "code": 1, "math": 1}]]}, "negative"),
+        ({"sources": {"web": {"num_samples": 0}}, "schedule": [[0, {"web": 1}]]}, "'web' is empty"),
+        ({"colour": "blue"}, "unknown key"),
+    ],
+)
 def test_mix_bad_config(tmp_path: Path, change: dict[str, Any], needle: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({**CONFIG, **change}), encoding="utf-8")

@@ -47,8 +47,10 @@ def kind_columns(rng: np.random.Generator, rows: int, source: int) -> dict[str, 
         "ragged_bool": [(rng.random(n) < 0.5).tolist() for n in lengths[::-1]],
         "ragged_f": [rng.standard_normal(n).astype(np.float32).tolist() for n in lengths],
         "text": [None if i % 7 == 3 else f"doc-{source}-{i}-é-日本" for i in range(rows)],
-        "blob": [bytes(rng.integers(0, 256, size=i % 5).tolist()) + b"\x00" * (i % 3)
-                 for i in range(rows)],
+        "blob": [
+            bytes(rng.integers(0, 256, size=i % 5).tolist()) + b"\x00" * (i % 3)
+            for i in range(rows)
+        ],
         "ts": stamp.tolist(),
         "ts_tz": (stamp * 1000 + 7).tolist(),
         "day": rng.integers(-30000, 30000, size=rows).tolist(),
@@ -57,11 +59,21 @@ def kind_columns(rng: np.random.Generator, rows: int, source: int) -> dict[str, 
 
 
 ARROW_TYPES: dict[str, pa.DataType] = {
-    "id": pa.int64(), "source": pa.int8(), "f32": pa.float32(), "flag": pa.bool_(),
-    "u16": pa.uint16(), "fixed": pa.list_(pa.int32(), 3), "equal": pa.list_(pa.int16()),
-    "ragged": pa.list_(pa.int64()), "ragged_bool": pa.list_(pa.bool_()),
-    "ragged_f": pa.large_list(pa.float32()), "text": pa.string(), "blob": pa.binary(),
-    "ts": pa.timestamp("ms"), "ts_tz": pa.timestamp("us", tz="UTC"), "day": pa.date32(),
+    "id": pa.int64(),
+    "source": pa.int8(),
+    "f32": pa.float32(),
+    "flag": pa.bool_(),
+    "u16": pa.uint16(),
+    "fixed": pa.list_(pa.int32(), 3),
+    "equal": pa.list_(pa.int16()),
+    "ragged": pa.list_(pa.int64()),
+    "ragged_bool": pa.list_(pa.bool_()),
+    "ragged_f": pa.large_list(pa.float32()),
+    "text": pa.string(),
+    "blob": pa.binary(),
+    "ts": pa.timestamp("ms"),
+    "ts_tz": pa.timestamp("us", tz="UTC"),
+    "day": pa.date32(),
     "dur": pa.duration("s"),
 }
 
@@ -71,7 +83,9 @@ def write_kinds(root: Path, *, source: int = 0, seed: int = 0) -> Rows:
     cols = kind_columns(np.random.default_rng(seed), ROWS, source)
     table = pa.table({name: pa.array(values, ARROW_TYPES[name]) for name, values in cols.items()})
     root.mkdir(parents=True, exist_ok=True)
-    half = ROWS // 2 + GROUP // 2  # shards of 56 and 40 rows: row groups of 16, 16, 16, 8 / 16, 16, 8
+    half = (
+        ROWS // 2 + GROUP // 2
+    )  # shards of 56 and 40 rows: row groups of 16, 16, 16, 8 / 16, 16, 8
     pq.write_table(table.slice(0, half), root / "part-0.parquet", row_group_size=GROUP)
     pq.write_table(table.slice(half), root / "part-1.parquet", row_group_size=GROUP)
     return {i: {name: values[i] for name, values in cols.items()} for i in range(ROWS)}
@@ -169,8 +183,9 @@ def check_every_read(data: TableRows | Mixture, refs: dict[int, Rows], n: int) -
     assert check_rows(snapshot(batch, plain_numpy), refs) == n
 
 
-def run_loader(data: TableRows | Mixture, mode: str, collate: str, read_ahead: int,
-               epochs: int) -> list[dict[str, Any]]:
+def run_loader(
+    data: TableRows | Mixture, mode: str, collate: str, read_ahead: int, epochs: int
+) -> list[dict[str, Any]]:
     """Rows delivered over ``epochs`` passes, snapshotted before every edit."""
     seen: list[dict[str, Any]] = []
 
@@ -180,9 +195,16 @@ def run_loader(data: TableRows | Mixture, mode: str, collate: str, read_ahead: i
         return rows
 
     total = epochs * ROWS
-    loader = DataLoader(data, global_batch_size=8, seed=5, total_samples=total, read_ahead=read_ahead,
-                        num_workers=2 if mode == "thread" else 0, worker_mode="thread",
-                        collate_fn=edit_in_collate if collate == "custom" else None)
+    loader = DataLoader(
+        data,
+        global_batch_size=8,
+        seed=5,
+        total_samples=total,
+        read_ahead=read_ahead,
+        num_workers=2 if mode == "thread" else 0,
+        worker_mode="thread",
+        collate_fn=edit_in_collate if collate == "custom" else None,
+    )
     for batch in loader:
         if collate == "default":
             seen.extend(snapshot(batch, plain_torch))
@@ -211,19 +233,22 @@ def test_read_then_edit_never_changes_a_later_read(tmp_path: Path, cache: str) -
 @pytest.mark.parametrize("collate", ["custom", "default"])
 @pytest.mark.parametrize("mode", ["inline", "thread"])
 @pytest.mark.parametrize("cache", ["slots", "lru"])
-def test_loader_consumer_edits_never_reach_later_epochs(tmp_path: Path, cache: str, mode: str,
-                                                         collate: str, read_ahead: int) -> None:
+def test_loader_consumer_edits_never_reach_later_epochs(
+    tmp_path: Path, cache: str, mode: str, collate: str, read_ahead: int
+) -> None:
     ref = write_kinds(tmp_path / "t")
     ds = open_kinds(tmp_path / "t", cache)
     seen = run_loader(ds, mode, collate, read_ahead, epochs=3)
     assert check_rows(seen, {0: ref}) == 3 * ROWS
     for epoch in range(3):  # each epoch delivers every row once
-        assert sorted(r["id"] for r in seen[epoch * ROWS:(epoch + 1) * ROWS]) == list(range(ROWS))
+        assert sorted(r["id"] for r in seen[epoch * ROWS : (epoch + 1) * ROWS]) == list(range(ROWS))
     check_every_read(ds, {0: ref}, ROWS)
 
 
 @pytest.mark.parametrize("collate", ["custom", "default"])
-def test_mixture_of_tables_consumer_edits_never_reach_later_reads(tmp_path: Path, collate: str) -> None:
+def test_mixture_of_tables_consumer_edits_never_reach_later_reads(
+    tmp_path: Path, collate: str
+) -> None:
     refs = {s: write_kinds(tmp_path / f"t{s}", source=s, seed=10 + s) for s in (0, 1)}
     sources = {f"s{s}": open_kinds(tmp_path / f"t{s}", "slots") for s in (0, 1)}
     mixture = Mixture(sources, {"s0": 1, "s1": 2}, seed=3)
@@ -247,14 +272,17 @@ def token_reference(root: Path) -> tuple[list[np.ndarray], list[list[int]]]:
     windows = []
     for i, tokens in enumerate(shards):
         np.save(root / f"shard-{i}.npy", tokens)
-        windows += [tokens[w * SEQ:w * SEQ + SEQ + 1].tolist() for w in range((len(tokens) - 1) // SEQ)]
+        windows += [
+            tokens[w * SEQ : w * SEQ + SEQ + 1].tolist() for w in range((len(tokens) - 1) // SEQ)
+        ]
     return shards, windows
 
 
 @pytest.mark.parametrize("collate", ["custom", "default"])
 @pytest.mark.parametrize("mode", ["inline", "thread"])
-def test_token_windows_edits_never_reach_the_shards_or_later_reads(tmp_path: Path, mode: str,
-                                                                    collate: str) -> None:
+def test_token_windows_edits_never_reach_the_shards_or_later_reads(
+    tmp_path: Path, mode: str, collate: str
+) -> None:
     shards, windows = token_reference(tmp_path / "tok")
     ds = TokenWindows(build_manifest(str(tmp_path / "tok")), SEQ)
     assert ds.num_samples == len(windows)
@@ -267,9 +295,16 @@ def test_token_windows_edits_never_reach_the_shards_or_later_reads(tmp_path: Pat
         return rows
 
     total = 3 * 8 * (len(windows) // 8)
-    loader = DataLoader(ds, global_batch_size=8, seed=5, total_samples=total, read_ahead=4,
-                        num_workers=2 if mode == "thread" else 0, worker_mode="thread",
-                        collate_fn=edit if collate == "custom" else None)
+    loader = DataLoader(
+        ds,
+        global_batch_size=8,
+        seed=5,
+        total_samples=total,
+        read_ahead=4,
+        num_workers=2 if mode == "thread" else 0,
+        worker_mode="thread",
+        collate_fn=edit if collate == "custom" else None,
+    )
     for batch in loader:
         if collate == "default":
             seen.extend(batch["tokens"].tolist())
@@ -292,8 +327,9 @@ def test_array_dataset_edits_never_reach_later_reads() -> None:
         return batch
 
     for collate in (edit, None):
-        for batch in DataLoader(ds, global_batch_size=8, seed=1, total_samples=80, read_ahead=2,
-                                collate_fn=collate):
+        for batch in DataLoader(
+            ds, global_batch_size=8, seed=1, total_samples=80, read_ahead=2, collate_fn=collate
+        ):
             if collate is None:
                 vandalize_torch(batch)
     again = ds.read(ids)
@@ -312,7 +348,7 @@ class ReusedBuffer:
         self.buffer = np.empty_like(self.store)
 
     def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        out = self.buffer[:len(ids)]
+        out = self.buffer[: len(ids)]
         np.take(self.store, ids, axis=0, out=out)
         when = out[:, 0].astype("datetime64[s]")
         out.flags.writeable = False
@@ -325,8 +361,17 @@ class ReusedBuffer:
 @pytest.mark.parametrize("mode", ["inline", "thread"])
 def test_default_collate_copies_read_only_arrays(mode: str) -> None:
     data = ReusedBuffer()
-    kept = list(DataLoader(data, global_batch_size=3, seed=2, total_samples=60, read_ahead=1,
-                           num_workers=1 if mode == "thread" else 0, worker_mode="thread"))
+    kept = list(
+        DataLoader(
+            data,
+            global_batch_size=3,
+            seed=2,
+            total_samples=60,
+            read_ahead=1,
+            num_workers=1 if mode == "thread" else 0,
+            worker_mode="thread",
+        )
+    )
     for batch in kept:  # kept batches still hold their own rows, not the buffer's latest
         ids = batch["id"].numpy()
         np.testing.assert_array_equal(batch["x"].numpy(), data.store[ids])
@@ -335,18 +380,34 @@ def test_default_collate_copies_read_only_arrays(mode: str) -> None:
     assert (data.store == np.arange(120, dtype=np.int32).reshape(-1, 4)).all()
 
 
-@pytest.mark.parametrize(("workers", "mode", "pin"), [(0, "process", False), (2, "thread", False),
-                                                      (1, "process", False), (0, "process", True)])
-def test_a_delivered_batch_owns_its_memory(tmp_path: Path, workers: int, mode: str, pin: bool) -> None:
+@pytest.mark.parametrize(
+    ("workers", "mode", "pin"),
+    [(0, "process", False), (2, "thread", False), (1, "process", False), (0, "process", True)],
+)
+def test_a_delivered_batch_owns_its_memory(
+    tmp_path: Path, workers: int, mode: str, pin: bool
+) -> None:
     """DESIGN section 4: keeping one batch does not keep its read-ahead group alive, and
     ``torch.save(batch)`` writes the batch's own bytes, not the group's."""
     import torch
 
     import detdata
-    data = detdata.ArrayDataset({"x": np.arange(4096, dtype=np.int64),
-                                 "y": np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)})
-    loader = detdata.DataLoader(data, global_batch_size=4, read_ahead=16, num_workers=workers,
-                                worker_mode=mode, pin_memory=pin, total_samples=64)
+
+    data = detdata.ArrayDataset(
+        {
+            "x": np.arange(4096, dtype=np.int64),
+            "y": np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256),
+        }
+    )
+    loader = detdata.DataLoader(
+        data,
+        global_batch_size=4,
+        read_ahead=16,
+        num_workers=workers,
+        worker_mode=mode,
+        pin_memory=pin,
+        total_samples=64,
+    )
     for batch in loader:
         for key, value in batch.items():
             assert value.untyped_storage().nbytes() == value.nbytes, (key, value.shape)

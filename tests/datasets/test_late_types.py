@@ -65,8 +65,12 @@ def test_token_sources_of_different_dtypes_are_refused_naming_both(tmp_path: Pat
 
 def test_token_sources_of_different_windows_are_refused(tmp_path: Path) -> None:
     root = tokens(tmp_path / "a", "int32")
-    message = refused({"short": TokenWindows(build_manifest(root), 8),
-                       "long": TokenWindows(build_manifest(root), 16)})
+    message = refused(
+        {
+            "short": TokenWindows(build_manifest(root), 8),
+            "long": TokenWindows(build_manifest(root), 16),
+        }
+    )
     assert "'short'" in message and "'long'" in message
     assert "int32 (9,)" in message and "int32 (17,)" in message
 
@@ -81,18 +85,27 @@ def test_table_sources_with_other_columns_are_refused_naming_the_column(tmp_path
 def test_table_sources_with_other_kinds_are_refused(tmp_path: Path) -> None:
     """Same name, same numpy dtype (object) but different kinds: text vs ragged tokens."""
     text = table(tmp_path / "a", {"doc": pa.array([f"d{i}" for i in range(20)])})
-    ragged = table(tmp_path / "b", {"doc": pa.array([[i] * (i % 3) for i in range(20)],
-                                                    pa.list_(pa.int32()))})
+    ragged = table(
+        tmp_path / "b", {"doc": pa.array([[i] * (i % 3) for i in range(20)], pa.list_(pa.int32()))}
+    )
     message = refused({"text": text, "ids": ragged})
     assert "column 'doc'" in message and "str" in message and "list<int32>" in message
 
 
 def test_sources_without_schema_are_compared_by_a_sample(tmp_path: Path) -> None:
-    message = refused({"a": ArrayDataset({"x": np.arange(10)}, name="a"),
-                       "b": ArrayDataset({"x": np.arange(10, dtype=np.int16)}, name="b")})
+    message = refused(
+        {
+            "a": ArrayDataset({"x": np.arange(10)}, name="a"),
+            "b": ArrayDataset({"x": np.arange(10, dtype=np.int16)}, name="b"),
+        }
+    )
     assert "column 'x'" in message and "int64" in message and "int16" in message
-    message = refused({"a": ArrayDataset({"x": np.zeros((10, 3))}, name="a"),
-                       "b": ArrayDataset({"x": np.zeros((10, 4))}, name="b")})
+    message = refused(
+        {
+            "a": ArrayDataset({"x": np.zeros((10, 3))}, name="a"),
+            "b": ArrayDataset({"x": np.zeros((10, 4))}, name="b"),
+        }
+    )
     assert "float64 (3,)" in message and "float64 (4,)" in message
 
 
@@ -101,17 +114,33 @@ def test_table_and_array_sources_that_agree_are_mixed(tmp_path: Path) -> None:
     n = 24
     docs = [f"doc{i}" for i in range(n)]
     rows = [np.arange(i % 4, dtype=np.int64) for i in range(n)]
-    tab = table(tmp_path / "a", {"id": pa.array(np.arange(n)), "doc": pa.array(docs),
-                                 "toks": pa.array([r.tolist() for r in rows], pa.list_(pa.int64())),
-                                 "when": pa.array(np.arange(n), pa.timestamp("ms"))})
+    tab = table(
+        tmp_path / "a",
+        {
+            "id": pa.array(np.arange(n)),
+            "doc": pa.array(docs),
+            "toks": pa.array([r.tolist() for r in rows], pa.list_(pa.int64())),
+            "when": pa.array(np.arange(n), pa.timestamp("ms")),
+        },
+    )
     objects = np.empty(n, dtype=object)
     for i, r in enumerate(rows):
         objects[i] = r + 100
-    arr = ArrayDataset({"id": np.arange(n) + 1000, "doc": np.asarray(docs, dtype=object),
-                        "toks": objects, "when": np.arange(n).astype("datetime64[ms]")})
+    arr = ArrayDataset(
+        {
+            "id": np.arange(n) + 1000,
+            "doc": np.asarray(docs, dtype=object),
+            "toks": objects,
+            "when": np.arange(n).astype("datetime64[ms]"),
+        }
+    )
     mixture = Mixture({"tab": tab, "arr": arr}, {"tab": 1, "arr": 1}, seed=1)
-    assert mixture.columns == {"id": "int64", "doc": "str", "toks": "list<int64>",
-                               "when": "datetime64[ms]"}
+    assert mixture.columns == {
+        "id": "int64",
+        "doc": "str",
+        "toks": "list<int64>",
+        "when": "datetime64[ms]",
+    }
     batch = mixture.fetch(np.arange(48))
     src, _, ids = mixture.locate(np.arange(48))
     for j in range(48):
@@ -138,8 +167,11 @@ class Flaky:
 
 
 def test_a_source_whose_dtype_changes_between_reads_is_refused_at_the_batch() -> None:
-    mixture = Mixture({"steady": ArrayDataset({"x": np.arange(50, dtype=np.int32)}),
-                       "flaky": Flaky()}, {"steady": 1, "flaky": 1}, seed=0)
+    mixture = Mixture(
+        {"steady": ArrayDataset({"x": np.arange(50, dtype=np.int32)}), "flaky": Flaky()},
+        {"steady": 1, "flaky": 1},
+        seed=0,
+    )
     dtypes = set()
     with pytest.raises(FormatError, match=r"source 'flaky' column 'x': read gave int64.*int32"):
         for batch in DataLoader(mixture, global_batch_size=4, seed=0, total_samples=400):
@@ -171,8 +203,14 @@ def test_transform_keys_changing_at_one_position_are_refused(change: str, read_a
                 del out["y"]
         return out
 
-    loader = DataLoader(ids_dataset(), global_batch_size=4, seed=7, transform=transform,
-                        read_ahead=read_ahead, total_samples=N)
+    loader = DataLoader(
+        ids_dataset(),
+        global_batch_size=4,
+        seed=7,
+        transform=transform,
+        read_ahead=read_ahead,
+        total_samples=N,
+    )
     delivered = 0
     with pytest.raises(ConfigError) as err:
         for _ in loader:
@@ -187,24 +225,32 @@ def test_transform_dtype_changing_at_one_position_is_refused() -> None:
     bad_id = int(order[BAD_POSITION])
 
     def transform(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        return {"id": sample["id"], "y": np.float64(1) if int(sample["id"]) == bad_id else np.float32(1)}
+        return {
+            "id": sample["id"],
+            "y": np.float64(1) if int(sample["id"]) == bad_id else np.float32(1),
+        }
 
     with pytest.raises(ConfigError) as err:
-        for _ in DataLoader(ids_dataset(), global_batch_size=4, seed=7, transform=transform,
-                            total_samples=N):
+        for _ in DataLoader(
+            ids_dataset(), global_batch_size=4, seed=7, transform=transform, total_samples=N
+        ):
             pass
     message = str(err.value)
     assert "'y'" in message and "float64" in message and "float32" in message
     assert f"position {BAD_POSITION}" in message
 
 
-@pytest.mark.parametrize(("read_ahead", "workers", "mode"), [(1, 0, "process"), (16, 0, "process"),
-                                                             (16, 2, "thread"), (4, 2, "process")])
-def test_transform_output_changing_between_micro_batches_is_refused(read_ahead: int, workers: int,
-                                                                    mode: str) -> None:
+@pytest.mark.parametrize(
+    ("read_ahead", "workers", "mode"),
+    [(1, 0, "process"), (16, 0, "process"), (16, 2, "thread"), (4, 2, "process")],
+)
+def test_transform_output_changing_between_micro_batches_is_refused(
+    read_ahead: int, workers: int, mode: str
+) -> None:
     """Keys or dtypes that change from one micro batch to another (one sample per batch here,
     so each batch is self-consistent) are refused before the odd batch is delivered or counted."""
     import detdata
+
     ids = np.arange(100, dtype=np.int64)
     bad = int(detdata.GlobalOrder(100, 0).ids(np.array([6]))[0])
 
@@ -215,12 +261,22 @@ def test_transform_output_changing_between_micro_batches_is_refused(read_ahead: 
             out["extra"] = np.int64(1)
         return out
 
-    loader = detdata.DataLoader(detdata.ArrayDataset({"x": ids}), global_batch_size=1, seed=0,
-                                transform=transform, read_ahead=read_ahead, num_workers=workers,
-                                worker_mode=mode, total_samples=40)
+    loader = detdata.DataLoader(
+        detdata.ArrayDataset({"x": ids}),
+        global_batch_size=1,
+        seed=0,
+        transform=transform,
+        read_ahead=read_ahead,
+        num_workers=workers,
+        worker_mode=mode,
+        total_samples=40,
+    )
     got = []
-    with pytest.raises(detdata.ConfigError, match=r"transform output changed at the micro batch of "
-                                                  r"positions \[6, 6\]"):
+    with pytest.raises(
+        detdata.ConfigError,
+        match=r"transform output changed at the micro batch of "
+        r"positions \[6, 6\]",
+    ):
         for batch in loader:
             got.append(int(batch["x"][0]))
     assert got == detdata.GlobalOrder(100, 0).ids(np.arange(6)).tolist()
@@ -246,6 +302,7 @@ class _RawSource:
 
 def test_mixture_of_sources_in_other_byte_orders_is_refused() -> None:
     import detdata
+
     be = _RawSource(np.arange(16, dtype=">i4"), "be")
     le = _RawSource(np.arange(100, 116, dtype="<i4"), "le")
     with pytest.raises(detdata.FormatError, match=r"'be' gives int32 \[>\], 'le' gives int32"):
@@ -254,10 +311,14 @@ def test_mixture_of_sources_in_other_byte_orders_is_refused() -> None:
 
 def test_array_dataset_delivers_big_endian_input_as_native_values() -> None:
     import detdata
+
     values = np.arange(100, 116, dtype=">i4")
     ds = detdata.ArrayDataset({"x": values})
     got = ds.read(np.arange(16))["x"]
     assert got.dtype.isnative and got.tolist() == values.tolist()
-    mixed = detdata.Mixture({"be": ds, "le": detdata.ArrayDataset({"x": np.arange(16, dtype="<i4")})},
-                            {"be": 1, "le": 1}, seed=0)
+    mixed = detdata.Mixture(
+        {"be": ds, "le": detdata.ArrayDataset({"x": np.arange(16, dtype="<i4")})},
+        {"be": 1, "le": 1},
+        seed=0,
+    )
     assert mixed.fetch(np.arange(8))["x"].dtype == np.dtype("<i4")

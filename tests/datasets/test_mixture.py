@@ -55,11 +55,15 @@ def sized(**sizes: int) -> dict[str, Sized]:
 
 # --------------------------------------------------------------------- reference
 def ref_u64(tag: bytes, *words: int) -> int:
-    return int.from_bytes(blake3.blake3(tag + b"".join(w.to_bytes(8, "little") for w in words)).digest(8), "little")
+    return int.from_bytes(
+        blake3.blake3(tag + b"".join(w.to_bytes(8, "little") for w in words)).digest(8), "little"
+    )
 
 
 def ref_source_seed(seed: int, name: str) -> int:
-    digest = blake3.blake3(b"detdata:source-seed-v1" + seed.to_bytes(8, "little") + name.encode()).digest(8)
+    digest = blake3.blake3(
+        b"detdata:source-seed-v1" + seed.to_bytes(8, "little") + name.encode()
+    ).digest(8)
     return int.from_bytes(digest, "little")
 
 
@@ -118,7 +122,9 @@ def ref_prefix(w: Sequence[int], seed: int, phase: int, t: int) -> list[int]:
 class Ref:
     """Scalar reference of mixture-v1 written from the docstring."""
 
-    def __init__(self, seed: int, names: Sequence[str], schedule: Sequence[tuple[int, Sequence[Fraction]]]) -> None:
+    def __init__(
+        self, seed: int, names: Sequence[str], schedule: Sequence[tuple[int, Sequence[Fraction]]]
+    ) -> None:
         self.seed, self.starts = seed, [s for s, _ in schedule]
         self.weights = [ref_int_weights(w) for _, w in schedule]
         self.offsets = [[0] * len(names)]
@@ -131,7 +137,9 @@ class Ref:
         k, j = divmod(g - self.starts[i], 16)
         block = ref_block(self.weights[i], self.seed, i, k)
         s = block[j]
-        return s, self.offsets[i][s] + ref_tree(self.weights[i], self.seed, i, 16 * k)[s] + block[:j].count(s)
+        return s, self.offsets[i][s] + ref_tree(self.weights[i], self.seed, i, 16 * k)[s] + block[
+            :j
+        ].count(s)
 
     def consumed(self, g: int) -> list[int]:
         i = max(p for p, s in enumerate(self.starts) if s <= g)
@@ -141,8 +149,10 @@ class Ref:
 
 def ref_for(m: Mixture, schedule: Sequence[tuple[int, Mapping[str, Any]]]) -> Ref:
     names = sorted(schedule[0][1])
-    fracs = [(start, [Fraction(str(w[n])) if not isinstance(w[n], Fraction) else w[n] for n in names])
-             for start, w in schedule]
+    fracs = [
+        (start, [Fraction(str(w[n])) if not isinstance(w[n], Fraction) else w[n] for n in names])
+        for start, w in schedule
+    ]
     return Ref(m.seed, names, fracs)
 
 
@@ -191,7 +201,9 @@ def within_bound(dev_times_w: int, w: int, total: int, depth: int) -> bool:
 def test_matches_independent_reference(cfg: dict[str, Any], data: st.DataObject) -> None:
     m = build(cfg)
     ref = ref_for(m, cfg["schedule"])
-    positions = data.draw(st.lists(st.integers(0, 6000) | st.integers(0, (1 << 62) - 1), min_size=1, max_size=12))
+    positions = data.draw(
+        st.lists(st.integers(0, 6000) | st.integers(0, (1 << 62) - 1), min_size=1, max_size=12)
+    )
     src, idx, ids = m.locate(np.array(positions, dtype=np.int64))
     for g, s, i, d in zip(positions, src.tolist(), idx.tolist(), ids.tolist(), strict=True):
         assert (s, i) == ref.locate(g)
@@ -202,7 +214,11 @@ def test_matches_independent_reference(cfg: dict[str, Any], data: st.DataObject)
 
 
 def test_reference_contiguous_with_schedule() -> None:
-    schedule = [(0, {"a": 1, "b": 2, "c": 5}), (37, {"a": 3, "b": 0, "c": 1}), (100, {"a": 1, "b": 1, "c": 1})]
+    schedule = [
+        (0, {"a": 1, "b": 2, "c": 5}),
+        (37, {"a": 3, "b": 0, "c": 1}),
+        (100, {"a": 1, "b": 1, "c": 1}),
+    ]
     m = Mixture(sized(a=10, b=20, c=7), seed=99, schedule=schedule, allow_zero=True)
     ref = ref_for(m, schedule)
     src, idx, _ = m.locate(np.arange(300))
@@ -214,32 +230,54 @@ def golden_payload() -> dict[str, Any]:
     prefixes = [0, 1, 15, 16, 17, 1000, 10**9, 2**62]
     cases = {
         "two_equal": dict(sources=sized(a=1000, b=10), weights={"a": 1, "b": 1}, seed=0),
-        "five_mixed": dict(sources=sized(web=10**9, code=12345, math=7, books=1, wiki=999),
-                           weights={"web": "0.5", "code": 0.25, "math": Fraction(1, 8), "books": 3,
-                                    "wiki": "1/3"}, seed=MASK),
-        "schedule": dict(sources=sized(x=50, y=60, z=70), seed=42, allow_zero=True,
-                         schedule=[(0, {"x": 1, "y": 0, "z": 1}), (1000, {"x": 1, "y": 2, "z": 3}),
-                                   (5003, {"x": 0, "y": 1, "z": 0})]),
+        "five_mixed": dict(
+            sources=sized(web=10**9, code=12345, math=7, books=1, wiki=999),
+            weights={"web": "0.5", "code": 0.25, "math": Fraction(1, 8), "books": 3, "wiki": "1/3"},
+            seed=MASK,
+        ),
+        "schedule": dict(
+            sources=sized(x=50, y=60, z=70),
+            seed=42,
+            allow_zero=True,
+            schedule=[
+                (0, {"x": 1, "y": 0, "z": 1}),
+                (1000, {"x": 1, "y": 2, "z": 3}),
+                (5003, {"x": 0, "y": 1, "z": 0}),
+            ],
+        ),
         "single": dict(sources=sized(only=17), weights={"only": 2}, seed=7),
-        "unicode": dict(sources=sized(**{"données": 100, "中文": 200, "Z": 5}),
-                        weights={"données": 2, "中文": 1, "Z": 1}, seed=12345),
+        "unicode": dict(
+            sources=sized(**{"données": 100, "中文": 200, "Z": 5}),
+            weights={"données": 2, "中文": 1, "Z": 1},
+            seed=12345,
+        ),
     }
-    out: dict[str, Any] = {"algorithm": "mixture-v1", "positions": positions, "prefixes": prefixes, "cases": {}}
+    out: dict[str, Any] = {
+        "algorithm": "mixture-v1",
+        "positions": positions,
+        "prefixes": prefixes,
+        "cases": {},
+    }
     for key, kwargs in cases.items():
         m = Mixture(**kwargs)
         src, idx, ids = m.locate(np.array(positions, dtype=np.int64))
         out["cases"][key] = {
-            "identity": m.identity(), "fingerprint": m.fingerprint(),
+            "identity": m.identity(),
+            "fingerprint": m.fingerprint(),
             "source_seeds": m.source_seeds,
-            "source": [m.source_names[s] for s in src.tolist()], "index_in_source": idx.tolist(),
-            "sample_id": ids.tolist(), "consumed": [m.consumed(p) for p in prefixes],
+            "source": [m.source_names[s] for s in src.tolist()],
+            "index_in_source": idx.tolist(),
+            "sample_id": ids.tolist(),
+            "consumed": [m.consumed(p) for p in prefixes],
             "first_4096_sha256": sha(*m.locate(np.arange(4096))),
         }
     return out
 
 
 def test_golden_vectors() -> None:
-    assert json.loads(GOLDEN.read_text(encoding="utf-8")) == json.loads(json.dumps(golden_payload()))
+    assert json.loads(GOLDEN.read_text(encoding="utf-8")) == json.loads(
+        json.dumps(golden_payload())
+    )
 
 
 def test_golden_agrees_with_reference() -> None:
@@ -249,7 +287,9 @@ def test_golden_agrees_with_reference() -> None:
         names = sorted(ident["sources"])
         sched = [(s, [Fraction(w[n]) for n in names]) for s, w in ident["schedule"]]
         ref = Ref(ident["seed"], names, sched)
-        for g, name, i in zip(golden["positions"], case["source"], case["index_in_source"], strict=True):
+        for g, name, i in zip(
+            golden["positions"], case["source"], case["index_in_source"], strict=True
+        ):
             assert ref.locate(g) == (names.index(name), i)
         for n in names:
             assert case["source_seeds"][n] == ref_source_seed(ident["seed"], n)
@@ -278,11 +318,17 @@ def test_bound_exhaustive_prefixes(weights: dict[str, int]) -> None:
 
 
 @HYP
-@given(weights=st.lists(st.integers(1, 10**6), min_size=1, max_size=9), seed=st.integers(0, MASK),
-       start=st.integers(0, 2**61), prefixes=st.lists(st.integers(0, 2**62), min_size=1, max_size=5))
+@given(
+    weights=st.lists(st.integers(1, 10**6), min_size=1, max_size=9),
+    seed=st.integers(0, MASK),
+    start=st.integers(0, 2**61),
+    prefixes=st.lists(st.integers(0, 2**62), min_size=1, max_size=5),
+)
 def test_bound_hypothesis(weights: list[int], seed: int, start: int, prefixes: list[int]) -> None:
     names = [f"n{i}" for i in range(len(weights))]
-    m = Mixture(sized(**dict.fromkeys(names, 1000)), dict(zip(names, weights, strict=True)), seed=seed)
+    m = Mixture(
+        sized(**dict.fromkeys(names, 1000)), dict(zip(names, weights, strict=True)), seed=seed
+    )
     w = list(m.phases[0].weights)
     total, depth = sum(w), math.ceil(math.log2(len(w))) if len(w) > 1 else 0
     for p in prefixes:  # far prefixes through consumed(), exact Python ints
@@ -290,12 +336,16 @@ def test_bound_hypothesis(weights: list[int], seed: int, start: int, prefixes: l
         for s, n in enumerate(m.source_names):
             dev = abs(got[n] * total - w[s] * p)
             assert within_bound(dev, w[s], total, depth) or (len(w) == 1 and dev == 0)
-    src, _, _ = m.locate(np.arange(start, start + 2048))  # a window far away, relative to consumed(start)
+    src, _, _ = m.locate(
+        np.arange(start, start + 2048)
+    )  # a window far away, relative to consumed(start)
     base = m.consumed(start)
     for s, n in enumerate(m.source_names):
         counts = base[n] + np.cumsum(src == s)
         t = start + np.arange(1, 2049)
-        dev = max(abs(int(c) * total - w[s] * int(x)) for c, x in zip(counts[::97], t[::97], strict=True))
+        dev = max(
+            abs(int(c) * total - w[s] * int(x)) for c, x in zip(counts[::97], t[::97], strict=True)
+        )
         assert within_bound(dev, w[s], total, depth) or (len(w) == 1 and dev == 0)
 
 
@@ -311,11 +361,15 @@ def test_random_access_equals_sequential(cfg: dict[str, Any], data: st.DataObjec
     m = build(cfg)
     n = 4000
     seq = m.locate(np.arange(n))
-    picks = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=200)), dtype=np.int64)
+    picks = np.array(
+        data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=200)), dtype=np.int64
+    )
     got = m.locate(picks)
     for a, b in zip(got, seq, strict=True):
         assert np.array_equal(a, b[picks])
-    for a, b in zip(m.assign(picks.reshape(-1, 1)), got[:2], strict=True):  # any shape; assign == locate[:2]
+    for a, b in zip(
+        m.assign(picks.reshape(-1, 1)), got[:2], strict=True
+    ):  # any shape; assign == locate[:2]
         assert np.array_equal(a, b.reshape(-1, 1))
     cuts = sorted(data.draw(st.lists(st.integers(1, n - 1), max_size=8)))
     pieces = [m.locate(np.arange(lo, hi)) for lo, hi in zip([0, *cuts], [*cuts, n], strict=True)]
@@ -343,7 +397,9 @@ def test_resume_inside_phase_continues_exactly() -> None:
     m = Mixture(sized(a=300, b=400), seed=5, schedule=schedule)
     full = m.locate(np.arange(8000))
     for resume in (999, 1001, 1003, 4999, 5000, 6017):
-        again = Mixture(sized(a=300, b=400), seed=5, schedule=schedule)  # a fresh process would do this
+        again = Mixture(
+            sized(a=300, b=400), seed=5, schedule=schedule
+        )  # a fresh process would do this
         tail = again.locate(np.arange(resume, 8000))
         assert sha(*tail) == sha(*(a[resume:] for a in full))
 
@@ -363,7 +419,10 @@ def test_not_periodic(weights: dict[str, int]) -> None:
 
 
 def test_seeds_give_different_interleavings() -> None:
-    seqs = [sources_seq(Mixture(sized(a=9, b=9), {"a": 1, "b": 1}, seed=s)) for s in (0, 1, 2, 2**63, MASK)]
+    seqs = [
+        sources_seq(Mixture(sized(a=9, b=9), {"a": 1, "b": 1}, seed=s))
+        for s in (0, 1, 2, 2**63, MASK)
+    ]
     for i in range(len(seqs)):
         for j in range(i + 1, len(seqs)):
             assert (seqs[i] != seqs[j]).mean() > 0.3
@@ -371,7 +430,9 @@ def test_seeds_give_different_interleavings() -> None:
 
 def test_deterministic_across_instances() -> None:
     def digest() -> str:
-        m = Mixture(sized(a=77, b=1000, c=3), {"a": 0.2, "b": "0.5", "c": Fraction(3, 10)}, seed=31337)
+        m = Mixture(
+            sized(a=77, b=1000, c=3), {"a": 0.2, "b": "0.5", "c": Fraction(3, 10)}, seed=31337
+        )
         return sha(*m.locate(np.arange(50_000))) + m.fingerprint()
 
     assert digest() == digest()
@@ -386,12 +447,22 @@ def test_adding_a_source_keeps_other_orders() -> None:
         for m in (small, big):
             src, idx, ids = m.locate(np.arange(3000))
             s = m.source_names.index(name)
-            assert np.array_equal(ids[src == s], GlobalOrder(m.sources[name].num_samples,
-                                                                  ref_source_seed(8, name)).ids(idx[src == s]))
-        n = min(int((small.locate(np.arange(3000))[0] == small.source_names.index(name)).sum()),
-                int((big.locate(np.arange(3000))[0] == big.source_names.index(name)).sum()))
-        seq_small = small.sample_ids(np.arange(3000))[small.locate(np.arange(3000))[0] == small.source_names.index(name)]
-        seq_big = big.sample_ids(np.arange(3000))[big.locate(np.arange(3000))[0] == big.source_names.index(name)]
+            assert np.array_equal(
+                ids[src == s],
+                GlobalOrder(m.sources[name].num_samples, ref_source_seed(8, name)).ids(
+                    idx[src == s]
+                ),
+            )
+        n = min(
+            int((small.locate(np.arange(3000))[0] == small.source_names.index(name)).sum()),
+            int((big.locate(np.arange(3000))[0] == big.source_names.index(name)).sum()),
+        )
+        seq_small = small.sample_ids(np.arange(3000))[
+            small.locate(np.arange(3000))[0] == small.source_names.index(name)
+        ]
+        seq_big = big.sample_ids(np.arange(3000))[
+            big.locate(np.arange(3000))[0] == big.source_names.index(name)
+        ]
         assert np.array_equal(seq_small[:n], seq_big[:n])
 
 
@@ -410,15 +481,24 @@ def test_source_epochs_continue() -> None:
     t_idx, t_ids = idx[src == tiny], ids[src == tiny]
     assert t_idx.size > 30
     for e in range(t_idx.size // 3):  # each epoch of the tiny source is a permutation of its ids
-        assert sorted(t_ids[3 * e: 3 * e + 3].tolist()) == [0, 1, 2]
-        assert np.array_equal(t_ids[3 * e: 3 * e + 3], GlobalOrder(3, m.source_seeds["tiny"]).ids(np.arange(3 * e, 3 * e + 3)))
+        assert sorted(t_ids[3 * e : 3 * e + 3].tolist()) == [0, 1, 2]
+        assert np.array_equal(
+            t_ids[3 * e : 3 * e + 3],
+            GlobalOrder(3, m.source_seeds["tiny"]).ids(np.arange(3 * e, 3 * e + 3)),
+        )
     assert m.epochs_completed(400)["tiny"] == t_idx.size // 3
 
 
 # --------------------------------------------------------------------- weights & validation
 def test_equivalent_weights_same_identity() -> None:
-    forms = [{"a": 1, "b": 3}, {"a": 0.25, "b": 0.75}, {"a": "1/4", "b": "3/4"}, {"a": "0.5", "b": "1.5"},
-             {"a": Fraction(2, 7), "b": Fraction(6, 7)}, {"a": np.int64(10), "b": np.float64(30.0)}]
+    forms = [
+        {"a": 1, "b": 3},
+        {"a": 0.25, "b": 0.75},
+        {"a": "1/4", "b": "3/4"},
+        {"a": "0.5", "b": "1.5"},
+        {"a": Fraction(2, 7), "b": Fraction(6, 7)},
+        {"a": np.int64(10), "b": np.float64(30.0)},
+    ]
     prints = {Mixture(sized(a=3, b=4), w, seed=1).fingerprint() for w in forms}
     assert len(prints) == 1
     m = Mixture(sized(a=3, b=4), {"a": 0.1, "b": 0.2}, seed=1)
@@ -427,7 +507,10 @@ def test_equivalent_weights_same_identity() -> None:
 
 
 def test_identity_is_plain_json() -> None:
-    data = {"a": ArrayDataset({"x": np.arange(10)}, name="a"), "b": ArrayDataset({"x": np.arange(5)}, name="b")}
+    data = {
+        "a": ArrayDataset({"x": np.arange(10)}, name="a"),
+        "b": ArrayDataset({"x": np.arange(5)}, name="b"),
+    }
     m = Mixture(data, {"a": 2, "b": 1}, seed=3)
     ident = m.identity()
     assert json.loads(json.dumps(ident)) == ident
@@ -441,19 +524,22 @@ def test_identity_is_plain_json() -> None:
     assert Mixture(data, {"a": 3, "b": 1}, seed=3).fingerprint() != m.fingerprint()
 
 
-@pytest.mark.parametrize(("weights", "needle"), [
-    ({"a": -1, "b": 1}, "negative"),
-    ({"a": 0, "b": 1}, "allow_zero"),
-    ({"a": float("nan"), "b": 1}, "not finite"),
-    ({"a": float("inf"), "b": 1}, "not finite"),
-    ({"a": True, "b": 1}, "bool"),
-    ({"a": 1, "b": 1, "c": 1}, "unknown source"),
-    ({"a": 1}, "no weight for source(s) ['b']"),
-    ({"a": "abc", "b": 1}, "'a'"),
-    ({"a": [1], "b": 1}, "unsupported type"),
-    ({"a": 0.1, "b": 1 / 3}, "2**31"),
-    ({"a": 2**31, "b": 1}, "round the weights"),
-])
+@pytest.mark.parametrize(
+    ("weights", "needle"),
+    [
+        ({"a": -1, "b": 1}, "negative"),
+        ({"a": 0, "b": 1}, "allow_zero"),
+        ({"a": float("nan"), "b": 1}, "not finite"),
+        ({"a": float("inf"), "b": 1}, "not finite"),
+        ({"a": True, "b": 1}, "bool"),
+        ({"a": 1, "b": 1, "c": 1}, "unknown source"),
+        ({"a": 1}, "no weight for source(s) ['b']"),
+        ({"a": "abc", "b": 1}, "'a'"),
+        ({"a": [1], "b": 1}, "unsupported type"),
+        ({"a": 0.1, "b": 1 / 3}, "2**31"),
+        ({"a": 2**31, "b": 1}, "round the weights"),
+    ],
+)
 def test_bad_weights(weights: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
         Mixture(sized(a=3, b=3), weights, seed=0)
@@ -494,8 +580,10 @@ def test_allow_zero_source_never_appears() -> None:
 
 # --------------------------------------------------------------------- stream / fetch
 def test_fetch_rows_in_position_order() -> None:
-    data = {"a": ArrayDataset({"x": np.arange(100) + 1000, "y": np.ones((100, 3))}, name="a"),
-            "b": ArrayDataset({"x": np.arange(7) + 5000, "y": np.zeros((7, 3))}, name="b")}
+    data = {
+        "a": ArrayDataset({"x": np.arange(100) + 1000, "y": np.ones((100, 3))}, name="a"),
+        "b": ArrayDataset({"x": np.arange(7) + 5000, "y": np.zeros((7, 3))}, name="b"),
+    }
     m = Mixture(data, {"a": 3, "b": 1}, seed=9)
     assert isinstance(m, Stream)
     positions = np.array([5, 900, 3, 3, 17, 123456], dtype=np.int64)
@@ -518,11 +606,16 @@ def test_pickle_round_trip_for_worker_processes() -> None:
 
 
 def test_fetch_mismatched_columns() -> None:
-    data = {"a": ArrayDataset({"x": np.arange(10)}, name="a"), "b": ArrayDataset({"z": np.arange(10)}, name="b")}
+    data = {
+        "a": ArrayDataset({"x": np.arange(10)}, name="a"),
+        "b": ArrayDataset({"z": np.arange(10)}, name="b"),
+    }
     with pytest.raises(FormatError, match="different columns"):
         Mixture(data, {"a": 1, "b": 1}, seed=0).fetch(np.arange(32))
-    data = {"a": ArrayDataset({"x": np.arange(10)}, name="a"),
-            "b": ArrayDataset({"x": np.arange(10, dtype=np.int16)}, name="b")}
+    data = {
+        "a": ArrayDataset({"x": np.arange(10)}, name="a"),
+        "b": ArrayDataset({"x": np.arange(10, dtype=np.int16)}, name="b"),
+    }
     with pytest.raises(FormatError, match="same dtype"):
         Mixture(data, {"a": 1, "b": 1}, seed=0).fetch(np.arange(32))
 
@@ -533,7 +626,9 @@ def test_continue_from_changes_weights_without_repeat_or_gap() -> None:
     old = Mixture(sources, {"a": 1, "b": 1, "c": 1}, seed=77)
     for position in (0, 1, 1000, 1013):
         saved = json.loads(json.dumps(old.identity()))  # as stored in a JSON loader state
-        new = Mixture(sources, {"a": 1, "b": 0, "c": 5}, seed=77, allow_zero=True).continue_from(saved, position)
+        new = Mixture(sources, {"a": 1, "b": 0, "c": 5}, seed=77, allow_zero=True).continue_from(
+            saved, position
+        )
         before, after = old.locate(np.arange(position)), new.locate(np.arange(6000))
         for a, b in zip(before, after, strict=True):
             assert np.array_equal(a, b[:position])
@@ -541,7 +636,11 @@ def test_continue_from_changes_weights_without_repeat_or_gap() -> None:
         for s in range(3):
             mine = idx[src == s]
             assert np.array_equal(mine, np.arange(mine.size))  # no repeat, no gap
-        assert m_weights(new, position) == {"a": Fraction(1, 6), "b": Fraction(0), "c": Fraction(5, 6)}
+        assert m_weights(new, position) == {
+            "a": Fraction(1, 6),
+            "b": Fraction(0),
+            "c": Fraction(5, 6),
+        }
         tail = src[position:]
         assert (tail == new.source_names.index("b")).sum() == 0
         assert new.consumed(position) == old.consumed(position)
@@ -555,7 +654,9 @@ def test_continue_from_same_weights_is_identity() -> None:
     schedule = [(0, {"a": 1, "b": 1}), (500, {"a": 1, "b": 4})]
     old = Mixture(sized(a=5, b=6), seed=1, schedule=schedule)
     for position in (0, 10, 500, 777):
-        again = Mixture(sized(a=5, b=6), seed=1, schedule=schedule).continue_from(old.identity(), position)
+        again = Mixture(sized(a=5, b=6), seed=1, schedule=schedule).continue_from(
+            old.identity(), position
+        )
         assert again.fingerprint() == old.fingerprint()
 
 
@@ -592,10 +693,14 @@ def test_continue_from_refuses_other_mixtures() -> None:
 # --------------------------------------------------------------------- golden writer
 def _write_golden() -> None:
     if GOLDEN.exists():
-        raise SystemExit(f"{GOLDEN} exists: golden vectors are generated once; a new algorithm gets a new file")
+        raise SystemExit(
+            f"{GOLDEN} exists: golden vectors are generated once; a new algorithm gets a new file"
+        )
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN.write_text(json.dumps(golden_payload(), indent=1, ensure_ascii=False, sort_keys=True) + "\n",
-                      encoding="utf-8")
+    GOLDEN.write_text(
+        json.dumps(golden_payload(), indent=1, ensure_ascii=False, sort_keys=True) + "\n",
+        encoding="utf-8",
+    )
 
 
 if __name__ == "__main__" and "--write-golden" in sys.argv:

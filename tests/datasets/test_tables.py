@@ -43,23 +43,29 @@ Reference = dict[str, np.ndarray]
 
 
 def make_columns(rng: np.random.Generator, start: int, rows: int) -> dict[str, np.ndarray]:
-    return {"row": np.arange(start, start + rows, dtype=np.int64),
-            "tokens": rng.integers(-(2**31), 2**31 - 1, size=(rows, WIDTH), dtype=np.int32),
-            "fixed": rng.integers(0, 1000, size=(rows, 3), dtype=np.int32),
-            "score": rng.random(rows).astype(np.float32),
-            "text": np.asarray([f"doc-{start + i}" for i in range(rows)], dtype=object)}
+    return {
+        "row": np.arange(start, start + rows, dtype=np.int64),
+        "tokens": rng.integers(-(2**31), 2**31 - 1, size=(rows, WIDTH), dtype=np.int32),
+        "fixed": rng.integers(0, 1000, size=(rows, 3), dtype=np.int32),
+        "score": rng.random(rows).astype(np.float32),
+        "text": np.asarray([f"doc-{start + i}" for i in range(rows)], dtype=object),
+    }
 
 
 def to_table(cols: dict[str, np.ndarray]) -> pa.Table:
     rows = len(cols["row"])
-    return pa.table({
-        "row": cols["row"],
-        "tokens": pa.ListArray.from_arrays(np.arange(0, (rows + 1) * WIDTH, WIDTH, dtype=np.int32),
-                                           pa.array(cols["tokens"].reshape(-1))),
-        "fixed": pa.FixedSizeListArray.from_arrays(pa.array(cols["fixed"].reshape(-1)), 3),
-        "score": cols["score"],
-        "text": pa.array(cols["text"].tolist(), pa.string()),
-    })
+    return pa.table(
+        {
+            "row": cols["row"],
+            "tokens": pa.ListArray.from_arrays(
+                np.arange(0, (rows + 1) * WIDTH, WIDTH, dtype=np.int32),
+                pa.array(cols["tokens"].reshape(-1)),
+            ),
+            "fixed": pa.FixedSizeListArray.from_arrays(pa.array(cols["fixed"].reshape(-1)), 3),
+            "score": cols["score"],
+            "text": pa.array(cols["text"].tolist(), pa.string()),
+        }
+    )
 
 
 def write_shards(root: Path, fmt: str, seed: int = 0) -> Reference:
@@ -82,8 +88,9 @@ def write_shards(root: Path, fmt: str, seed: int = 0) -> Reference:
 
 
 @pytest.fixture(scope="module", params=["parquet", "arrow"])
-def tables(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[TableRows, Reference]:
+def tables(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TableRows, Reference]:
     root = tmp_path_factory.mktemp(request.param)
     ref = write_shards(root, request.param)
     return TableRows(build_manifest(str(root)), cache_row_groups=4), ref
@@ -96,7 +103,9 @@ def per_sample(ref: Reference, name: str, ids: np.ndarray) -> list[Any]:
 
 @settings(max_examples=40, deadline=None)
 @given(raw=st.lists(st.integers(0, 10**6), min_size=1, max_size=70))
-def test_read_matches_per_sample_reference(tables: tuple[TableRows, Reference], raw: list[int]) -> None:
+def test_read_matches_per_sample_reference(
+    tables: tuple[TableRows, Reference], raw: list[int]
+) -> None:
     ds, ref = tables
     ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
     batch = ds.read(ids)
@@ -112,9 +121,12 @@ def test_counts_identity_and_locate(tables: tuple[TableRows, Reference]) -> None
     ds, _ = tables
     assert ds.num_samples == sum(SHARD_ROWS)
     assert isinstance(ds, Dataset)
-    assert ds.identity() == {"type": "table_rows", "manifest": ds.manifest.id,
-                             "columns": ["row", "tokens", "fixed", "score", "text"],
-                             "num_samples": sum(SHARD_ROWS)}
+    assert ds.identity() == {
+        "type": "table_rows",
+        "manifest": ds.manifest.id,
+        "columns": ["row", "tokens", "fixed", "score", "text"],
+        "num_samples": sum(SHARD_ROWS),
+    }
     shard, group, row = ds.locate(np.array([0, 31, 32, 129, 130, 176, 177, 387]))
     assert shard.tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
     assert group.tolist() == [0, 0, 1, 4, 0, 1, 0, 6]
@@ -172,7 +184,11 @@ def test_cache_is_bounded_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ids = np.arange(0, ds.num_samples, 5)
     ds.read(ids)
     shard, group, _ = ds.locate(ids)
-    assert len(decodes) == len(set(decodes)) == len(set(zip(shard.tolist(), group.tolist(), strict=True)))
+    assert (
+        len(decodes)
+        == len(set(decodes))
+        == len(set(zip(shard.tolist(), group.tolist(), strict=True)))
+    )
     # a repeated small read hits the cache
     ds.read(np.array([1, 2]))
     decodes.clear()
@@ -195,7 +211,9 @@ def test_cache_byte_bound(tmp_path: Path) -> None:
         assert 0 < ds.cache.nbytes <= bound
     assert 2 <= len(ds.cache) < len(starts) // 2
     too_small = TableRows(manifest, ["tokens"], row_group_cache_bytes=one - 1)
-    np.testing.assert_array_equal(too_small.read(np.array([0]))["tokens"], probe.read(np.array([0]))["tokens"])
+    np.testing.assert_array_equal(
+        too_small.read(np.array([0]))["tokens"], probe.read(np.array([0]))["tokens"]
+    )
     assert len(too_small.cache) == 0  # a group larger than the byte bound is not kept
     off = TableRows(manifest, ["tokens"], cache_row_groups=0)
     off.read(np.arange(100))
@@ -229,8 +247,12 @@ def test_lru_evicts_least_recently_used() -> None:
 
 
 def test_mismatched_schemas_name_both_shards_and_field(tmp_path: Path) -> None:
-    pq.write_table(pa.table({"a": pa.array([1, 2], pa.int64()), "b": [1.0, 2.0]}), tmp_path / "x.parquet")
-    pq.write_table(pa.table({"a": pa.array([1, 2], pa.int32()), "b": [1.0, 2.0]}), tmp_path / "y.parquet")
+    pq.write_table(
+        pa.table({"a": pa.array([1, 2], pa.int64()), "b": [1.0, 2.0]}), tmp_path / "x.parquet"
+    )
+    pq.write_table(
+        pa.table({"a": pa.array([1, 2], pa.int32()), "b": [1.0, 2.0]}), tmp_path / "y.parquet"
+    )
     with pytest.raises(FormatError, match=r"x\.parquet and y\.parquet.*'a': int64 vs int32"):
         TableRows(build_manifest(str(tmp_path)))
 
@@ -243,7 +265,10 @@ def test_missing_field_is_named(tmp_path: Path) -> None:
 
 
 def ragged_table(lengths: list[int], start: int = 0) -> tuple[pa.Table, list[np.ndarray]]:
-    rows = [np.arange(start + 100 * i, start + 100 * i + n, dtype=np.int32) for i, n in enumerate(lengths)]
+    rows = [
+        np.arange(start + 100 * i, start + 100 * i + n, dtype=np.int32)
+        for i, n in enumerate(lengths)
+    ]
     return pa.table({"ids": pa.array([r.tolist() for r in rows], pa.list_(pa.int32()))}), rows
 
 
@@ -291,7 +316,9 @@ def test_unsupported_column_type_is_refused(tmp_path: Path) -> None:
     np.testing.assert_array_equal(TableRows(manifest, ["x"]).read(np.array([1, 0]))["x"], [2, 1])
 
 
-def test_errors_for_ids_empty_and_token_shards(tables: tuple[TableRows, Reference], tmp_path: Path) -> None:
+def test_errors_for_ids_empty_and_token_shards(
+    tables: tuple[TableRows, Reference], tmp_path: Path
+) -> None:
     ds, _ = tables
     for bad in ([-1], [sum(SHARD_ROWS)], [[1]], [1.5]):
         with pytest.raises(ConfigError):
@@ -375,6 +402,7 @@ def test_forked_worker_gets_its_own_readers_and_cache(tmp_path: Path) -> None:
 
 # GroupSlots: the TableRows cache (slots of shared column arrays) ---------------------------
 
+
 def _model_step(model: RowGroupCache, ds: TableRows, ids: np.ndarray, charge: int) -> None:
     """What a RowGroupCache would do for ``ds.read(ids)``: each needed group, ascending."""
     shard, group, _ = ds.locate(ids)
@@ -384,7 +412,9 @@ def _model_step(model: RowGroupCache, ds: TableRows, ids: np.ndarray, charge: in
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
-def test_whole_dataset_cache_reads_by_slots(tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_dataset_cache_reads_by_slots(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ref = write_shards(tmp_path, fmt, seed=8)
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
@@ -408,7 +438,12 @@ def test_whole_dataset_cache_reads_by_slots(tmp_path: Path, fmt: str, monkeypatc
             np.testing.assert_array_equal(batch[name], ref[name][ids])
             assert batch[name].dtype == ref[name].dtype and batch[name].flags.c_contiguous
         assert ds.cache.keys() == model.keys()  # LRU order, slot gathers included
-        assert ds.cache.nbytes == len(ds.cache) * slot <= ds.cache.pool_bytes <= ds.row_group_cache_bytes
+        assert (
+            ds.cache.nbytes
+            == len(ds.cache) * slot
+            <= ds.cache.pool_bytes
+            <= ds.row_group_cache_bytes
+        )
         if step == 30:
             ds.read(np.arange(ds.num_samples))
             _model_step(model, ds, np.arange(ds.num_samples), slot)
@@ -423,8 +458,11 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
     ref = write_shards(tmp_path, "parquet", seed=9)
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
-    for kwargs in ({"cache_row_groups": groups - 1}, {"cache_row_groups": 3},
-                   {"row_group_cache_bytes": (groups - 1) * GROUP_ROWS * 8 * (1 + WIDTH // 2)}):
+    for kwargs in (
+        {"cache_row_groups": groups - 1},
+        {"cache_row_groups": 3},
+        {"row_group_cache_bytes": (groups - 1) * GROUP_ROWS * 8 * (1 + WIDTH // 2)},
+    ):
         ds = TableRows(manifest, ["row", "tokens"], **kwargs)
         full = ds.row_group_cache_bytes >= groups * GROUP_ROWS * 8 * (1 + WIDTH // 2)
         model = RowGroupCache(max_groups=ds.cache_row_groups, max_bytes=ds.row_group_cache_bytes)
@@ -440,7 +478,9 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
                     if model.get(key) is None:
                         model.put(key, _Group({}, 1))
                 assert ds.cache.keys() == model.keys()
-            assert len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
+            assert (
+                len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
+            )
         assert ds.cache.pool_bytes == 0  # no slots unless the whole manifest fits
 
 
@@ -451,7 +491,12 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
     slot = GROUP_ROWS * (8 + 8)  # int64 row + an object pointer
-    ds = TableRows(manifest, ["row", "text"], cache_row_groups=groups, row_group_cache_bytes=groups * slot + 2000)
+    ds = TableRows(
+        manifest,
+        ["row", "text"],
+        cache_row_groups=groups,
+        row_group_cache_bytes=groups * slot + 2000,
+    )
     rng = np.random.default_rng(3)
     evicted = False
     for step in range(200):
@@ -459,7 +504,10 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
         batch = ds.read(ids)
         np.testing.assert_array_equal(batch["row"], ids)
         assert batch["text"].tolist() == ref["text"][ids].tolist()
-        assert ds.cache.nbytes <= ds.row_group_cache_bytes and ds.cache.pool_bytes <= ds.row_group_cache_bytes
+        assert (
+            ds.cache.nbytes <= ds.row_group_cache_bytes
+            and ds.cache.pool_bytes <= ds.row_group_cache_bytes
+        )
         evicted |= len(ds.cache) < groups
         if step % 4:
             continue  # let slot gathers and evicting decodes follow each other unobserved
@@ -471,14 +519,16 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
             assert got is not None and got.nbytes >= slot
             charges += got.nbytes
             first = int(ds._group_starts[ds._shard_first_group[key[0]] + key[1]])
-            np.testing.assert_array_equal(got.columns["row"], np.arange(first, first + len(got.columns["row"])))
+            np.testing.assert_array_equal(
+                got.columns["row"], np.arange(first, first + len(got.columns["row"]))
+            )
         assert charges == ds.cache.nbytes
     assert evicted and ds.cache.pool_bytes > 0
     pool_text = ds.cache._pool["text"]
     cached = ds.cache.keys()
     live = {int(ds.cache._slot_of[ds._shard_first_group[k[0]] + k[1]]) for k in cached}
     for free in set(range(ds.cache._slots)) - live:  # evicted slots hold no references
-        assert all(v is None for v in pool_text[free * GROUP_ROWS:(free + 1) * GROUP_ROWS])
+        assert all(v is None for v in pool_text[free * GROUP_ROWS : (free + 1) * GROUP_ROWS])
 
 
 def test_other_width_group_gives_up_slots(tmp_path: Path) -> None:
@@ -500,8 +550,12 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
     ref = write_shards(tmp_path, "arrow", seed=12)
     manifest = build_manifest(str(tmp_path))
     groups = sum(len(s.row_groups or ()) for s in manifest.shards)
-    ds = TableRows(manifest, ["row", "tokens", "text"], cache_row_groups=groups,
-                   row_group_cache_bytes=groups * GROUP_ROWS * (8 + 4 * WIDTH + 8) + 3000)  # strings force evictions
+    ds = TableRows(
+        manifest,
+        ["row", "tokens", "text"],
+        cache_row_groups=groups,
+        row_group_cache_bytes=groups * GROUP_ROWS * (8 + 4 * WIDTH + 8) + 3000,
+    )  # strings force evictions
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -522,23 +576,48 @@ def test_slots_under_reader_threads(tmp_path: Path) -> None:
     for thread in threads:
         thread.join(timeout=120)
     assert not errors, errors[0]
-    assert ds.cache.nbytes <= ds.row_group_cache_bytes and ds.cache.pool_bytes <= ds.row_group_cache_bytes
+    assert (
+        ds.cache.nbytes <= ds.row_group_cache_bytes
+        and ds.cache.pool_bytes <= ds.row_group_cache_bytes
+    )
 
 
 # ------------------------------------------------------------------ column kinds in the loader
 KIND_SCHEMA = {  # what each Arrow type of tests.datasets.test_aliasing.write_kinds reads as
-    "id": "int64", "source": "int8", "f32": "float32", "flag": "bool", "u16": "uint16",
-    "fixed": "int32 (3,)", "equal": "int16 (4,)", "ragged": "list<int64>",
-    "ragged_bool": "list<bool>", "ragged_f": "list<float32>", "text": "str", "blob": "bytes",
-    "ts": "datetime64[ms]", "ts_tz": "datetime64[us]", "day": "datetime64[D]",
+    "id": "int64",
+    "source": "int8",
+    "f32": "float32",
+    "flag": "bool",
+    "u16": "uint16",
+    "fixed": "int32 (3,)",
+    "equal": "int16 (4,)",
+    "ragged": "list<int64>",
+    "ragged_bool": "list<bool>",
+    "ragged_f": "list<float32>",
+    "text": "str",
+    "blob": "bytes",
+    "ts": "datetime64[ms]",
+    "ts_tz": "datetime64[us]",
+    "day": "datetime64[D]",
     "dur": "timedelta64[s]",
 }
 KIND_TORCH = {  # default collate: column -> tensor dtype and trailing shape, or list item type
-    "id": (torch.int64, ()), "source": (torch.int8, ()), "f32": (torch.float32, ()),
-    "flag": (torch.bool, ()), "u16": (torch.uint16, ()), "fixed": (torch.int32, (3,)),
-    "equal": (torch.int16, (4,)), "ragged": torch.int64, "ragged_bool": torch.bool,
-    "ragged_f": torch.float32, "text": str, "blob": bytes, "ts": (torch.int64, ()),
-    "ts_tz": (torch.int64, ()), "day": (torch.int64, ()), "dur": (torch.int64, ()),
+    "id": (torch.int64, ()),
+    "source": (torch.int8, ()),
+    "f32": (torch.float32, ()),
+    "flag": (torch.bool, ()),
+    "u16": (torch.uint16, ()),
+    "fixed": (torch.int32, (3,)),
+    "equal": (torch.int16, (4,)),
+    "ragged": torch.int64,
+    "ragged_bool": torch.bool,
+    "ragged_f": torch.float32,
+    "text": str,
+    "blob": bytes,
+    "ts": (torch.int64, ()),
+    "ts_tz": (torch.int64, ()),
+    "day": (torch.int64, ()),
+    "dur": (torch.int64, ()),
 }
 
 
@@ -565,15 +644,22 @@ def test_schema_says_what_read_delivers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("read_ahead", [1, 16])
 @pytest.mark.parametrize("mode", ["inline", "thread"])
-def test_every_column_kind_through_the_default_collate(tmp_path: Path, mode: str,
-                                                       read_ahead: int) -> None:
+def test_every_column_kind_through_the_default_collate(
+    tmp_path: Path, mode: str, read_ahead: int
+) -> None:
     """Numbers -> tensors, lists -> 2-D tensors, ragged -> lists of 1-D tensors, strings and
     binary -> lists, timestamps -> int64 raw counts: each row equals the writer's."""
     ref = write_kinds(tmp_path / "t")
     ds = TableRows(build_manifest(str(tmp_path / "t")), ragged=list(RAGGED))
-    loader = DataLoader(ds, global_batch_size=6, seed=8, total_samples=2 * ROWS,
-                        read_ahead=read_ahead, num_workers=2 if mode == "thread" else 0,
-                        worker_mode="thread")
+    loader = DataLoader(
+        ds,
+        global_batch_size=6,
+        seed=8,
+        total_samples=2 * ROWS,
+        read_ahead=read_ahead,
+        num_workers=2 if mode == "thread" else 0,
+        worker_mode="thread",
+    )
     delivered = 0
     for batch in loader:
         assert list(batch) == list(KIND_TORCH)
@@ -587,8 +673,9 @@ def test_every_column_kind_through_the_default_collate(tmp_path: Path, mode: str
                 assert all(v is None or isinstance(v, kind) for v in value), name
             else:
                 assert isinstance(value, list) and len(value) == 6, name
-                assert all(isinstance(v, torch.Tensor) and v.dtype == kind and v.ndim == 1
-                           for v in value), name
+                assert all(
+                    isinstance(v, torch.Tensor) and v.dtype == kind and v.ndim == 1 for v in value
+                ), name
         delivered += check_rows(snapshot(batch, plain_torch), {0: ref})
     assert delivered == 2 * ROWS
 
@@ -597,14 +684,26 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
     """Raw counts since 1970-01-01 UTC, checked against the calendar, not against the reader."""
     root = tmp_path / "t"
     root.mkdir()
-    when = [dt.datetime(2024, 2, 29, 12, 30, 1, 500_000, tzinfo=dt.UTC),
-            dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.UTC)]
-    pq.write_table(pa.table({"ms": pa.array(when, pa.timestamp("ms")),
-                             "us_tz": pa.array(when, pa.timestamp("us", tz="Europe/Paris")),
-                             "day": pa.array([w.date() for w in when], pa.date32())}),
-                   root / "t.parquet")
+    when = [
+        dt.datetime(2024, 2, 29, 12, 30, 1, 500_000, tzinfo=dt.UTC),
+        dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.UTC),
+    ]
+    pq.write_table(
+        pa.table(
+            {
+                "ms": pa.array(when, pa.timestamp("ms")),
+                "us_tz": pa.array(when, pa.timestamp("us", tz="Europe/Paris")),
+                "day": pa.array([w.date() for w in when], pa.date32()),
+            }
+        ),
+        root / "t.parquet",
+    )
     ds = TableRows(build_manifest(str(root)))
-    assert ds.schema() == {"ms": "datetime64[ms]", "us_tz": "datetime64[us]", "day": "datetime64[D]"}
+    assert ds.schema() == {
+        "ms": "datetime64[ms]",
+        "us_tz": "datetime64[us]",
+        "day": "datetime64[D]",
+    }
     seen = {}
     for batch in DataLoader(ds, global_batch_size=2, seed=0, total_samples=2):
         order = np.argsort(batch["ms"].numpy())
@@ -618,16 +717,25 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
 def test_time_of_day_column_is_refused_by_the_default_collate_naming_it(tmp_path: Path) -> None:
     root = tmp_path / "t"
     root.mkdir()
-    pq.write_table(pa.table({"n": np.arange(4), "clock": pa.array([1, 2, 3, 4], pa.time64("us"))}),
-                   root / "t.parquet")
+    pq.write_table(
+        pa.table({"n": np.arange(4), "clock": pa.array([1, 2, 3, 4], pa.time64("us"))}),
+        root / "t.parquet",
+    )
     ds = TableRows(build_manifest(str(root)))
     assert ds.schema() == {"n": "int64", "clock": "time"}
     with pytest.raises(ConfigError, match=r"column 'clock'.*hint: pass collate_fn="):
         next(iter(DataLoader(ds, global_batch_size=2, seed=0)))
-    rows = [r for b in DataLoader(ds, global_batch_size=2, seed=0, total_samples=4,
-                                  collate_fn=lambda b: list(zip(b["n"].tolist(), b["clock"].tolist(),
-                                                                strict=True)))
-            for r in b]
+    rows = [
+        r
+        for b in DataLoader(
+            ds,
+            global_batch_size=2,
+            seed=0,
+            total_samples=4,
+            collate_fn=lambda b: list(zip(b["n"].tolist(), b["clock"].tolist(), strict=True)),
+        )
+        for r in b
+    ]
     assert sorted(rows) == [(i, dt.time(0, 0, 0, i + 1)) for i in range(4)]
 
 
@@ -635,7 +743,9 @@ def test_interval_column_is_refused_naming_it(tmp_path: Path) -> None:
     """pyarrow crashes the process converting intervals to numpy: refuse when opening."""
     root = tmp_path / "t"
     root.mkdir()
-    table = pa.table({"n": np.arange(3), "span": pa.array([(1, 2, 3)] * 3, pa.month_day_nano_interval())})
+    table = pa.table(
+        {"n": np.arange(3), "span": pa.array([(1, 2, 3)] * 3, pa.month_day_nano_interval())}
+    )
     with ipc.new_file(root / "t.arrow", table.schema) as writer:
         writer.write_table(table)
     manifest = build_manifest(str(root))
@@ -649,27 +759,39 @@ def test_transform_over_ragged_string_and_binary_columns(tmp_path: Path) -> None
     whose rows happen to have one length; strings of any length and bytes with trailing
     NULs come through unchanged; each row equals the writer's row, transformed."""
     ref = write_kinds(tmp_path / "t")
-    ds = TableRows(build_manifest(str(tmp_path / "t")), columns=["id", "ragged", "text", "blob"],
-                   ragged=["ragged"])
+    ds = TableRows(
+        build_manifest(str(tmp_path / "t")),
+        columns=["id", "ragged", "text", "blob"],
+        ragged=["ragged"],
+    )
 
     def transform(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        return {"id": sample["id"], "ragged": sample["ragged"][::-1] * 2,
-                "text": sample["text"], "blob": sample["blob"] + b"\x00"}
+        return {
+            "id": sample["id"],
+            "ragged": sample["ragged"][::-1] * 2,
+            "text": sample["text"],
+            "blob": sample["blob"] + b"\x00",
+        }
 
     rows, equal_length_batches = [], 0
-    for batch in DataLoader(ds, global_batch_size=2, seed=4, total_samples=4 * ROWS,
-                            transform=transform):
+    for batch in DataLoader(
+        ds, global_batch_size=2, seed=4, total_samples=4 * ROWS, transform=transform
+    ):
         assert isinstance(batch["ragged"], list)
         equal_length_batches += len({len(r) for r in batch["ragged"]}) == 1
         rows += snapshot(batch, plain_torch)
     assert equal_length_batches > 0  # the case where np.stack would have made a 2-D tensor
     for row in rows:
         want = ref[row["id"]]
-        assert row == {"id": want["id"], "ragged": [2 * v for v in want["ragged"][::-1]],
-                       "text": want["text"], "blob": want["blob"] + b"\x00"}
+        assert row == {
+            "id": want["id"],
+            "ragged": [2 * v for v in want["ragged"][::-1]],
+            "text": want["text"],
+            "blob": want["blob"] + b"\x00",
+        }
 
 
-_TRUNCATE_TABLE_CHILD = r'''
+_TRUNCATE_TABLE_CHILD = r"""
 import json, os, sys
 import numpy as np
 import detdata
@@ -685,12 +807,14 @@ try:
 except detdata.VerificationError as exc:
     out = {"outcome": "VerificationError", "shard": exc.shard, "message": str(exc)}
 print(json.dumps({"first": first, **out}))
-'''
+"""
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
-def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, fmt: str) -> None:
+def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(
+    tmp_path: Path, fmt: str
+) -> None:
     """Parquet and Arrow shards are memory-mapped: a truncation between two reads is named at
     the next row-group decode (a child process, so a SIGBUS fails the test, not pytest)."""
     import json
@@ -703,9 +827,12 @@ def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path
     import pyarrow.parquet as pq
 
     import detdata
+
     root = tmp_path / "data"
     root.mkdir()
-    table = pa.table({"x": np.arange(40_000, dtype=np.int64), "y": np.arange(40_000, dtype=np.float64)})
+    table = pa.table(
+        {"x": np.arange(40_000, dtype=np.int64), "y": np.arange(40_000, dtype=np.float64)}
+    )
     if fmt == "parquet":
         pq.write_table(table, root / "t.parquet", row_group_size=10_000)
     else:
@@ -713,11 +840,17 @@ def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path
             for batch in table.to_batches(max_chunksize=10_000):
                 writer.write_batch(batch)
     repo = Path(detdata.__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_TABLE_CHILD, str(root), fmt],
-                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_TABLE_CHILD, str(root), fmt],
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, (f"child died with {proc.returncode} (-7 is SIGBUS)", proc.stderr)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["first"] == [0]  # the writer's first row, read before the truncation
     assert out["outcome"] == "VerificationError", out
-    assert out["shard"] == f"t.{fmt}" and "truncated" in out["message"] and "hint:" in out["message"]
+    assert (
+        out["shard"] == f"t.{fmt}" and "truncated" in out["message"] and "hint:" in out["message"]
+    )

@@ -35,7 +35,9 @@ def random_tokens(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
     return rng.integers(lo, hi, size=n, endpoint=True).astype(dtype)
 
 
-def write_npy_shards(root: Path, dtype: str, lengths: tuple[int, ...], seed: int = 0) -> list[np.ndarray]:
+def write_npy_shards(
+    root: Path, dtype: str, lengths: tuple[int, ...], seed: int = 0
+) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     arrays = [random_tokens(rng, dtype, n) for n in lengths]
@@ -51,14 +53,15 @@ def reference_windows(arrays: list[np.ndarray], seq_len: int, labels: bool) -> l
     for arr in arrays:
         w = 0
         while w * seq_len + width <= len(arr):
-            out.append(arr[w * seq_len: w * seq_len + width])
+            out.append(arr[w * seq_len : w * seq_len + width])
             w += 1
     return out
 
 
 @pytest.fixture(scope="module", params=["uint16", "uint32", "int32", "int64"])
-def npy_data(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[TokenWindows, list[np.ndarray]]:
+def npy_data(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TokenWindows, list[np.ndarray]]:
     dtype = request.param
     root = tmp_path_factory.mktemp(f"npy-{dtype}")
     arrays = write_npy_shards(root, dtype, LENGTHS, seed=len(dtype))
@@ -72,8 +75,9 @@ ids_lists = st.lists(st.integers(0, 10**6), min_size=0, max_size=70)
 
 @settings(max_examples=40, deadline=None)
 @given(raw=ids_lists)
-def test_read_matches_per_sample_reference(npy_data: tuple[TokenWindows, list[np.ndarray]],
-                                           raw: list[int]) -> None:
+def test_read_matches_per_sample_reference(
+    npy_data: tuple[TokenWindows, list[np.ndarray]], raw: list[int]
+) -> None:
     ds, arrays = npy_data
     ref = reference_windows(arrays, SEQ, labels=True)
     ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
@@ -90,9 +94,14 @@ def test_counts_and_identity(npy_data: tuple[TokenWindows, list[np.ndarray]]) ->
     assert ds.num_samples == len(reference_windows(arrays, SEQ, labels=True))
     assert isinstance(ds, Dataset)
     ident = ds.identity()
-    assert ident == {"type": "token_windows", "manifest": ds.manifest.id, "seq_len": SEQ,
-                     "labels": True, "out_dtype": EXPECTED_OUT[arrays[0].dtype.name],
-                     "num_samples": ds.num_samples}
+    assert ident == {
+        "type": "token_windows",
+        "manifest": ds.manifest.id,
+        "seq_len": SEQ,
+        "labels": True,
+        "out_dtype": EXPECTED_OUT[arrays[0].dtype.name],
+        "num_samples": ds.num_samples,
+    }
 
 
 def test_duplicates_and_reverse_order(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
@@ -190,7 +199,9 @@ def test_empty_dataset_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", [[-1], [10**9], [[0, 1]], [0.5]])
-def test_bad_ids_are_config_errors(npy_data: tuple[TokenWindows, list[np.ndarray]], bad: Any) -> None:
+def test_bad_ids_are_config_errors(
+    npy_data: tuple[TokenWindows, list[np.ndarray]], bad: Any
+) -> None:
     ds, _ = npy_data
     with pytest.raises(ConfigError):
         ds.read(np.asarray(bad))
@@ -209,6 +220,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
 def test_table_shards_are_refused(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"x": [1, 2, 3]}), tmp_path / "t.parquet")
     with pytest.raises(FormatError, match=r"t\.parquet.*TableRows"):
         TokenWindows(build_manifest(str(tmp_path)), 2)
@@ -287,8 +299,9 @@ def test_remote_root_matches_local(pair: tuple[TokenWindows, TokenWindows], raw:
     np.testing.assert_array_equal(remote.read(ids)["tokens"], local.read(ids)["tokens"])
 
 
-def test_remote_reads_are_one_cat_ranges_call(pair: tuple[TokenWindows, TokenWindows],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remote_reads_are_one_cat_ranges_call(
+    pair: tuple[TokenWindows, TokenWindows], monkeypatch: pytest.MonkeyPatch
+) -> None:
     local, remote = pair
     calls: list[int] = []
     fs = fsspec.filesystem("memory")
@@ -307,15 +320,18 @@ def test_remote_reads_are_one_cat_ranges_call(pair: tuple[TokenWindows, TokenWin
 def test_remote_pickle_round_trip(memory_root: str) -> None:
     fs = fsspec.filesystem("memory")
     tokens = np.arange(1000, dtype=np.int32)
-    fs.pipe(f"{memory_root[len('memory://'):]}/a.npy", _npy_bytes(tokens))
+    fs.pipe(f"{memory_root[len('memory://') :]}/a.npy", _npy_bytes(tokens))
     ds = TokenWindows(build_manifest(memory_root), 100)
     ids = np.array([8, 0, 4])
     clone = pickle.loads(pickle.dumps(ds))
-    np.testing.assert_array_equal(clone.read(ids)["tokens"], np.stack([tokens[i * 100: i * 100 + 101] for i in ids]))
+    np.testing.assert_array_equal(
+        clone.read(ids)["tokens"], np.stack([tokens[i * 100 : i * 100 + 101] for i in ids])
+    )
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
     import io
+
     buf = io.BytesIO()
     np.save(buf, arr)
     return buf.getvalue()
@@ -326,8 +342,10 @@ def mixed_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[np.
     """Shards of different dtypes in one manifest (uint16, int64, int32, uint16)."""
     root = tmp_path_factory.mktemp("npy-mixed")
     rng = np.random.default_rng(11)
-    arrays = [rng.integers(0, 60_000, size=n).astype(dt)
-              for n, dt in zip((90, 41, 64, 150), ("uint16", "int64", "int32", "uint16"), strict=True)]
+    arrays = [
+        rng.integers(0, 60_000, size=n).astype(dt)
+        for n, dt in zip((90, 41, 64, 150), ("uint16", "int64", "int32", "uint16"), strict=True)
+    ]
     for i, arr in enumerate(arrays):
         np.save(root / f"m-{i}.npy", arr)
     return root, arrays
@@ -335,8 +353,9 @@ def mixed_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[np.
 
 @settings(max_examples=40, deadline=None)
 @given(raw=ids_lists, out_dtype=st.sampled_from([None, "int32", "int64", "uint16"]))
-def test_mixed_dtype_shards_match_reference(mixed_data: tuple[Path, list[np.ndarray]],
-                                            raw: list[int], out_dtype: str | None) -> None:
+def test_mixed_dtype_shards_match_reference(
+    mixed_data: tuple[Path, list[np.ndarray]], raw: list[int], out_dtype: str | None
+) -> None:
     root, arrays = mixed_data
     ds = TokenWindows(build_manifest(str(root)), SEQ, out_dtype=out_dtype)
     ref = reference_windows(arrays, SEQ, labels=True)
@@ -348,7 +367,9 @@ def test_mixed_dtype_shards_match_reference(mixed_data: tuple[Path, list[np.ndar
         np.testing.assert_array_equal(row, ref[i])
 
 
-def test_single_shard_batches_and_whole_dataset(npy_data: tuple[TokenWindows, list[np.ndarray]]) -> None:
+def test_single_shard_batches_and_whole_dataset(
+    npy_data: tuple[TokenWindows, list[np.ndarray]],
+) -> None:
     ds, arrays = npy_data
     ref = np.stack(reference_windows(arrays, SEQ, labels=True))
     starts = np.concatenate([[0], np.cumsum(ds.windows_per_shard)])
@@ -370,14 +391,22 @@ def test_narrowing_check_names_the_first_offending_shard(tmp_path: Path) -> None
     np.save(tmp_path / "d.npy", np.array([16, 17, 18, 19, 20], dtype=np.uint16))
     narrow = TokenWindows(build_manifest(str(tmp_path)), 2, out_dtype="uint16")
     # windows: a 0-1, b 2-3, c 4-5, d 6-7
-    np.testing.assert_array_equal(narrow.read(np.array([7, 0, 6, 1]))["tokens"],
-                                  [[18, 19, 20], [1, 2, 3], [16, 17, 18], [3, 4, 5]])
-    for ids, shard, values in (([4, 2], "b", r"\[6, 70000\]"), ([5, 3, 0], "b", r"\[9, 70000\]"),
-                               ([4, 7, 0], "c", r"\[-1, 13\]"), ([4], "c", r"\[-1, 13\]"),
-                               ([3], "b", r"\[9, 70000\]")):
+    np.testing.assert_array_equal(
+        narrow.read(np.array([7, 0, 6, 1]))["tokens"],
+        [[18, 19, 20], [1, 2, 3], [16, 17, 18], [3, 4, 5]],
+    )
+    for ids, shard, values in (
+        ([4, 2], "b", r"\[6, 70000\]"),
+        ([5, 3, 0], "b", r"\[9, 70000\]"),
+        ([4, 7, 0], "c", r"\[-1, 13\]"),
+        ([4], "c", r"\[-1, 13\]"),
+        ([3], "b", r"\[9, 70000\]"),
+    ):
         with pytest.raises(FormatError, match=rf"{shard}\.npy.*{values}.*uint16"):
             narrow.read(np.array(ids))
-    np.testing.assert_array_equal(narrow.read(np.array([5, 6]))["tokens"], [[13, 14, 15], [16, 17, 18]])
+    np.testing.assert_array_equal(
+        narrow.read(np.array([5, 6]))["tokens"], [[13, 14, 15], [16, 17, 18]]
+    )
     with pytest.raises(ConfigError, match=r"ids must be in \[0, 8\)"):
         narrow.read(np.array([8, 0]))
     with pytest.raises(ConfigError, match="1-D integer"):
@@ -386,7 +415,7 @@ def test_narrowing_check_names_the_first_offending_shard(tmp_path: Path) -> None
 
 
 # --------------------------------------------------------- shard truncated during a run
-_TRUNCATE_CHILD = r'''
+_TRUNCATE_CHILD = r"""
 import json, os, sys
 import fsspec
 import numpy as np
@@ -420,12 +449,14 @@ except VerificationError as exc:
            "expected": exc.expected, "found": exc.found}
 out["first"], out["ids"], out["size"] = first, ids, victim.bytes
 print(json.dumps(out))
-'''
+"""
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["single", "multi", "before-first-read", "cached"])
-def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path, case: str) -> None:
+def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(
+    tmp_path: Path, case: str
+) -> None:
     """A memory-mapped shard truncated between two reads: the next read raises a
     `VerificationError` naming the shard, expected and found sizes. Run in a child process,
     so a SIGBUS (what touching the mapping past the new end does) fails this test instead of
@@ -436,17 +467,25 @@ def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path
     import sys
 
     import detdata
+
     root = tmp_path / "data"
     arrays = write_npy_shards(root, "uint16", (3000, 60_000, 2000), seed=5)
     repo = Path(detdata.__file__).resolve().parent.parent  # the detdata this test imported
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_CHILD, str(root), case], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_CHILD, str(root), case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, (f"child died with {proc.returncode} (-7 is SIGBUS)", proc.stderr)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if out["first"] is not None:  # the read before the truncation delivered the written tokens
         windows = [(s, w) for s, a in enumerate(arrays) for w in range((a.size - 1) // 16)]
-        want = [arrays[s][w * 16: w * 16 + 17].tolist() for s, w in (windows[i] for i in out["ids"])]
+        want = [
+            arrays[s][w * 16 : w * 16 + 17].tolist() for s, w in (windows[i] for i in out["ids"])
+        ]
         assert out["first"] == want
     assert out["outcome"] == "VerificationError", out
     name = "shard-01.npy"
@@ -457,9 +496,10 @@ def test_shard_truncated_during_a_run_is_a_named_error_not_sigbus(tmp_path: Path
 
 def test_shard_deleted_after_opening_is_a_named_error(tmp_path: Path) -> None:
     from detdata.base.errors import VerificationError
+
     arrays = write_npy_shards(tmp_path / "data", "uint16", (300, 400), seed=2)
     ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ)
-    np.testing.assert_array_equal(ds.read(np.array([0]))["tokens"][0], arrays[0][:SEQ + 1])
+    np.testing.assert_array_equal(ds.read(np.array([0]))["tokens"][0], arrays[0][: SEQ + 1])
     (tmp_path / "data" / "shard-01.npy").unlink()
     with pytest.raises(VerificationError, match=r"shard-01\.npy.*missing.*hint:") as info:
         ds.read(np.array([ds.num_samples - 1]))

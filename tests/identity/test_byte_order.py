@@ -29,7 +29,7 @@ TOKENS = np.arange(1, 161, dtype=np.int64) * 7  # 160 tokens; swapped bytes give
 def _windows(tokens: np.ndarray, seq: int = SEQ) -> np.ndarray:
     """Reference windows (with labels) cut from the writer's array."""
     count = (tokens.size - 1) // seq
-    return np.stack([tokens[w * seq: w * seq + seq + 1] for w in range(count)]).astype(np.int64)
+    return np.stack([tokens[w * seq : w * seq + seq + 1] for w in range(count)]).astype(np.int64)
 
 
 @pytest.mark.parametrize("name", ["uint16", "uint32", "int32", "int64"])
@@ -45,8 +45,9 @@ def test_big_endian_bin_declaration_is_refused_naming_the_file(tmp_path: Path, n
 
 @pytest.mark.parametrize("name", ["uint16", "uint32", "int32", "int64"])
 @pytest.mark.parametrize("spelling", ["plain", "little", "native"])
-def test_little_endian_bin_declarations_read_the_writers_values(tmp_path: Path, name: str,
-                                                                spelling: str) -> None:
+def test_little_endian_bin_declarations_read_the_writers_values(
+    tmp_path: Path, name: str, spelling: str
+) -> None:
     little = np.dtype(name).newbyteorder("<")
     TOKENS.astype(little).tofile(tmp_path / "tokens.bin")
     declared = {"plain": name, "little": little.str, "native": "=" + little.str[1:]}[spelling]
@@ -78,14 +79,18 @@ def test_little_endian_npy_of_every_token_dtype_reads_the_writers_values(tmp_pat
 
 
 @pytest.mark.parametrize("out_dtype", [">i4", ">i8", ">u4", ">i2"])
-def test_non_native_out_dtype_is_refused_at_construction(token_shards: Path, out_dtype: str) -> None:
+def test_non_native_out_dtype_is_refused_at_construction(
+    token_shards: Path, out_dtype: str
+) -> None:
     assert not np.dtype(out_dtype).isnative  # this suite runs on little-endian hosts
     with pytest.raises(ConfigError, match=r"out_dtype '>[iu]\d'.*byte order.*hint"):
         TokenWindows(build_manifest(str(token_shards)), SEQ, out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("out_dtype", ["<i4", "=i4", "int32", "<i8", "int64"])
-def test_native_out_dtype_spellings_give_torch_ready_batches(tmp_path: Path, out_dtype: str) -> None:
+def test_native_out_dtype_spellings_give_torch_ready_batches(
+    tmp_path: Path, out_dtype: str
+) -> None:
     np.save(tmp_path / "s.npy", TOKENS.astype("<u2"))
     ds = TokenWindows(build_manifest(str(tmp_path)), SEQ, out_dtype=out_dtype)
     batch = ds.read(np.arange(ds.num_samples))["tokens"]
@@ -108,12 +113,19 @@ def _write_arrow(path: Path) -> None:
         writer.write_table(table)
 
 
-@pytest.mark.parametrize(("writer", "kind", "fmt"), [
-    (_write_npy, ".npy", "npy"), (_write_parquet, "Parquet", "parquet"),
-    (_write_arrow, "Arrow IPC", "arrow")], ids=["npy", "parquet", "arrow"])
+@pytest.mark.parametrize(
+    ("writer", "kind", "fmt"),
+    [
+        (_write_npy, ".npy", "npy"),
+        (_write_parquet, "Parquet", "parquet"),
+        (_write_arrow, "Arrow IPC", "arrow"),
+    ],
+    ids=["npy", "parquet", "arrow"],
+)
 @pytest.mark.parametrize("suffix", ["own", "bin"])
-def test_container_file_declared_bin_is_refused_naming_it(tmp_path: Path, writer: object,
-                                                          kind: str, fmt: str, suffix: str) -> None:
+def test_container_file_declared_bin_is_refused_naming_it(
+    tmp_path: Path, writer: object, kind: str, fmt: str, suffix: str
+) -> None:
     name = f"shard.{fmt if suffix == 'own' else 'bin'}"
     writer(tmp_path / name)  # type: ignore[operator]
     with pytest.raises(FormatError) as info:

@@ -46,10 +46,18 @@ def big_manifest(index: int) -> Manifest:
     entries = []
     for j in range(BIG_SHARDS):
         digest = blake3.blake3(struct.pack("<QQ", index, j)).digest(length=64)
-        entries.append(ShardEntry(path=f"part/{j:05d}.npy", bytes=128 + 2 * (1000 + j),
-                                  blake3="b3:" + digest[:32].hex(), quick="b3:" + digest[32:].hex(),
-                                  num_samples=1000 + j, format=Format.NPY, dtype="uint16",
-                                  data_offset=128))
+        entries.append(
+            ShardEntry(
+                path=f"part/{j:05d}.npy",
+                bytes=128 + 2 * (1000 + j),
+                blake3="b3:" + digest[:32].hex(),
+                quick="b3:" + digest[32:].hex(),
+                num_samples=1000 + j,
+                format=Format.NPY,
+                dtype="uint16",
+                data_offset=128,
+            )
+        )
     return Manifest(shards=tuple(entries), metadata={"index": index, "kind": "crash-test"})
 
 
@@ -83,7 +91,9 @@ def child(work: str, run: int) -> None:
 
 
 # ------------------------------------------------------------------ checks
-def check_save_target(path: Path, allowed_ids: set[str] | None, *, verify: str = "off") -> str | None:
+def check_save_target(
+    path: Path, allowed_ids: set[str] | None, *, verify: str = "off"
+) -> str | None:
     """Absent (None) or a complete manifest whose id is allowed; raises otherwise."""
     if not path.exists():
         return None
@@ -186,7 +196,9 @@ def test_checks_detect_half_written_files(tmp_path: Path) -> None:
         check_registry(tmp_path / "registry")
 
 
-def test_interrupted_save_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_save_keeps_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Deterministic companion: a save that dies before the rename leaves the old file intact."""
     write_shards(tmp_path / "data")
     old, new = small_manifest(tmp_path / "data", 0), small_manifest(tmp_path / "data", 1)

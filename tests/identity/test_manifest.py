@@ -45,8 +45,9 @@ def b3(data: bytes) -> str:
 def quick_spec(data: bytes) -> str:
     """quick-v1 from its spec: blake3(tag, u64le(size), first MiB, last MiB)."""
     span = min(len(data), MiB)
-    return b3(b"detdata:quick-v1" + struct.pack("<Q", len(data)) + data[:span]
-              + data[len(data) - span:])
+    return b3(
+        b"detdata:quick-v1" + struct.pack("<Q", len(data)) + data[:span] + data[len(data) - span :]
+    )
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -73,15 +74,19 @@ def test_entries_match_independent_computation(token_shards: Path) -> None:
         assert shard.num_samples == arr.size
         assert shard.format is Format.NPY and shard.dtype == "uint16"
         assert shard.data_offset is not None
-        assert data[shard.data_offset:] == arr.tobytes()
+        assert data[shard.data_offset :] == arr.tobytes()
     assert m.num_samples == 1000 + 2500 + 40
     assert m.root == str(token_shards)
 
 
 def test_id_is_blake3_of_canonical_json(token_shards: Path) -> None:
     m = build_manifest(str(token_shards), metadata={"tokenizer": "b3:abc", "description": "é"})
-    body = {"kind": "detdata.manifest", "format_version": 1, "metadata": dict(m.metadata),
-            "shards": [s.to_json() for s in m.shards]}
+    body = {
+        "kind": "detdata.manifest",
+        "format_version": 1,
+        "metadata": dict(m.metadata),
+        "shards": [s.to_json() for s in m.shards],
+    }
     raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     assert canonical_json(m.body()) == raw
     assert m.id == b3(raw)
@@ -150,11 +155,15 @@ def test_pattern_nested_and_sorted(tmp_path: Path) -> None:
     write_token_shards(root / "a" / "z", (20, 30))
     (root / "notes.txt").write_text("not a shard")
     m = build_manifest(str(root), pattern="**/*.npy")
-    assert [s.path for s in m.shards] == ["a/z/shard-000.npy", "a/z/shard-001.npy",
-                                         "b/shard-000.npy"]
+    assert [s.path for s in m.shards] == [
+        "a/z/shard-000.npy",
+        "a/z/shard-001.npy",
+        "b/shard-000.npy",
+    ]
     assert build_manifest(str(root)).id == m.id  # default: every known suffix
     assert [s.path for s in build_manifest(str(root), pattern="b/*.npy").shards] == [
-        "b/shard-000.npy"]
+        "b/shard-000.npy"
+    ]
 
 
 def test_build_errors(tmp_path: Path, token_shards: Path) -> None:
@@ -206,7 +215,11 @@ def test_raw_bin_needs_dtype(tmp_path: Path) -> None:
     m = build_manifest(str(tmp_path), dtype="uint32")
     (shard,) = m.shards
     assert (shard.format, shard.dtype, shard.num_samples, shard.data_offset) == (
-        Format.BIN, "uint32", 1000, 0)
+        Format.BIN,
+        "uint32",
+        1000,
+        0,
+    )
     assert build_manifest(str(tmp_path), dtype="uint16").shards[0].num_samples == 2000
     (tmp_path / "t.bin").write_bytes(tokens.tobytes() + b"x")
     with pytest.raises(FormatError, match=r"t\.bin.*multiple"):
@@ -293,8 +306,12 @@ def test_truncated_shard_fails_default_load(token_shards: Path, tmp_path: Path) 
     with pytest.raises(VerificationError, match=r"shard-001\.npy") as info:
         Manifest.load(str(tmp_path / "m.json"))
     err = info.value
-    assert (err.shard, err.field, err.expected, err.found) == ("shard-001.npy", "bytes", size,
-                                                               size - 7)
+    assert (err.shard, err.field, err.expected, err.found) == (
+        "shard-001.npy",
+        "bytes",
+        size,
+        size - 7,
+    )
     assert f"expected {size} bytes, found {size - 7}" in str(err)
 
 
@@ -353,18 +370,21 @@ def _load_doc(doc: dict[str, Any]) -> Manifest:
     return Manifest.loads(json.dumps(doc))
 
 
-@pytest.mark.parametrize(("bad_path", "message"), [
-    ("../outside.npy", r"\.\."),
-    ("a/../../x.npy", r"\.\."),
-    ("/etc/passwd", "absolute or a URL"),
-    ("s3://bucket/x.npy", "absolute or a URL"),
-    ("file:///x.npy", "absolute or a URL"),
-    ("C:/x.npy", "absolute or a URL"),
-    ("a\\b.npy", "absolute or a URL"),
-    ("a//b.npy", "normalised"),
-    ("./a.npy", "normalised"),
-    ("", "non-empty"),
-])
+@pytest.mark.parametrize(
+    ("bad_path", "message"),
+    [
+        ("../outside.npy", r"\.\."),
+        ("a/../../x.npy", r"\.\."),
+        ("/etc/passwd", "absolute or a URL"),
+        ("s3://bucket/x.npy", "absolute or a URL"),
+        ("file:///x.npy", "absolute or a URL"),
+        ("C:/x.npy", "absolute or a URL"),
+        ("a\\b.npy", "absolute or a URL"),
+        ("a//b.npy", "normalised"),
+        ("./a.npy", "normalised"),
+        ("", "non-empty"),
+    ],
+)
 def test_unsafe_paths_refused(token_shards: Path, bad_path: str, message: str) -> None:
     doc = _saved_doc(token_shards)
     doc["shards"][0]["path"] = bad_path
@@ -398,8 +418,9 @@ def test_unknown_format_version_refused(token_shards: Path, version: Any) -> Non
         _load_doc(doc)
 
 
-@pytest.mark.parametrize("text", ["", "{", "[1, 2]", "{\"kind\": \"detdata.manifest\"",
-                                  "\"just a string\"", "nul\x00l"])
+@pytest.mark.parametrize(
+    "text", ["", "{", "[1, 2]", '{"kind": "detdata.manifest"', '"just a string"', "nul\x00l"]
+)
 def test_malformed_json_refused(text: str) -> None:
     with pytest.raises(ManifestError):
         Manifest.loads(text)
@@ -432,17 +453,20 @@ def test_id_mismatch_refused(token_shards: Path) -> None:
         _load_doc(doc)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("bytes", -1, "'bytes' must be a non-negative integer"),
-    ("bytes", True, "'bytes' must be a non-negative integer"),
-    ("num_samples", "7", "'num_samples' must be a non-negative integer"),
-    ("blake3", "b3:xyz", "'blake3' must look like"),
-    ("quick", "md5:00", "'quick' must look like"),
-    ("format", "csv", "unknown format 'csv'"),
-    ("dtype", "float32", "'dtype' must be one of"),
-    ("data_offset", None, "without field 'data_offset'"),
-    ("extra", 1, "unknown fields \\['extra'\\]"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("bytes", -1, "'bytes' must be a non-negative integer"),
+        ("bytes", True, "'bytes' must be a non-negative integer"),
+        ("num_samples", "7", "'num_samples' must be a non-negative integer"),
+        ("blake3", "b3:xyz", "'blake3' must look like"),
+        ("quick", "md5:00", "'quick' must look like"),
+        ("format", "csv", "unknown format 'csv'"),
+        ("dtype", "float32", "'dtype' must be one of"),
+        ("data_offset", None, "without field 'data_offset'"),
+        ("extra", 1, "unknown fields \\['extra'\\]"),
+    ],
+)
 def test_bad_shard_fields_refused(token_shards: Path, field: str, value: Any, message: str) -> None:
     doc = _saved_doc(token_shards)
     del doc["id"]
@@ -457,11 +481,13 @@ def test_bad_shard_fields_refused(token_shards: Path, field: str, value: Any, me
 
 def test_bad_top_level_refused(token_shards: Path) -> None:
     doc = _saved_doc(token_shards)
-    for key, value, message in [("kind", "other", "'kind' must be"),
-                                ("shards", {}, "'shards' must be a list"),
-                                ("metadata", [], "'metadata' must be an object"),
-                                ("root", 5, "'root' must be a string"),
-                                ("surprise", 1, "unknown top-level fields")]:
+    for key, value, message in [
+        ("kind", "other", "'kind' must be"),
+        ("shards", {}, "'shards' must be a list"),
+        ("metadata", [], "'metadata' must be an object"),
+        ("root", 5, "'root' must be a string"),
+        ("surprise", 1, "unknown top-level fields"),
+    ]:
         bad = dict(doc, **{key: value})
         with pytest.raises(ManifestError, match=message):
             _load_doc(bad)
@@ -523,8 +549,9 @@ def test_shards_are_hashed_in_parallel(tmp_path: Path, monkeypatch: pytest.Monke
     assert parallel.id == build_manifest(str(tmp_path), threads=1).id
 
 
-def test_progress_bar_only_when_asked_or_tty(token_shards: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bar_only_when_asked_or_tty(
+    token_shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     build_manifest(str(token_shards))  # stderr is captured: not a terminal
     assert capsys.readouterr().err == ""
     build_manifest(str(token_shards), progress=True)
@@ -532,7 +559,9 @@ def test_progress_bar_only_when_asked_or_tty(token_shards: Path,
     assert "hashing" in err and "3/3" in err
 
 
-def test_npy_headers_are_parsed_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_npy_headers_are_parsed_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Hashing threads never parse .npy headers concurrently (CPython 3.11's ast is not
     thread-safe: python/cpython#106905 made a parallel build fail with SystemError here)."""
     import time
@@ -567,12 +596,15 @@ def test_npy_header_versions_and_truncation(tmp_path: Path, version: tuple[int, 
     assert entry.num_samples == 1000 and entry.dtype == "uint32"
     raw = (tmp_path / "a.npy").read_bytes()
     (tmp_path / "a.npy").write_bytes(raw[:20])  # cut inside the header
-    with pytest.raises(FormatError, match=r"shard a\.npy: not a valid \.npy file \(the header is truncated"):
+    with pytest.raises(
+        FormatError, match=r"shard a\.npy: not a valid \.npy file \(the header is truncated"
+    ):
         build_manifest(str(tmp_path))
 
 
-@pytest.mark.parametrize("bad_path", ["bad\udcff.npy", "\ud800.npy"], ids=["non-utf8-file-name",
-                                                                         "lone-surrogate"])
+@pytest.mark.parametrize(
+    "bad_path", ["bad\udcff.npy", "\ud800.npy"], ids=["non-utf8-file-name", "lone-surrogate"]
+)
 def test_path_that_is_not_utf8_is_a_manifest_error(token_shards: Path, bad_path: str) -> None:
     """JSON can escape a lone surrogate, but no UTF-8 manifest can hold it: refused by name
     (never a raw UnicodeEncodeError while computing the id)."""
@@ -585,8 +617,9 @@ def test_path_that_is_not_utf8_is_a_manifest_error(token_shards: Path, bad_path:
 
 
 @pytest.mark.parametrize("what", ["directory", "file-as-folder"])
-def test_loading_a_directory_or_through_a_file_is_a_manifest_error(token_shards: Path,
-                                                                   what: str) -> None:
+def test_loading_a_directory_or_through_a_file_is_a_manifest_error(
+    token_shards: Path, what: str
+) -> None:
     path = token_shards if what == "directory" else token_shards / "shard-000.npy" / "m.json"
     with pytest.raises(ManifestError, match=r"cannot read manifest .*hint:"):
         Manifest.load(str(path))

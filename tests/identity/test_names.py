@@ -33,12 +33,31 @@ from tests.servers import HttpServer
 SEQ = 4
 # loadable everywhere: spaces, URL metacharacters, percent escapes, non-ASCII, a '~' or a
 # drive-like 'd:' that is not at the start, a newline
-GOOD = ("sp ace.npy", "h#ash.npy", "q?mark.npy", "pc%41.npy", "pc%zz.npy", "plus+amp&eq=.npy",
-        "ünï 日本.npy", "sub dir/x y.npy", "sub/d:/x.npy", "a~b.npy", "-lead.npy", "semi;colon.npy",
-        "it's [1] (2).npy", "new\nline.npy")
+GOOD = (
+    "sp ace.npy",
+    "h#ash.npy",
+    "q?mark.npy",
+    "pc%41.npy",
+    "pc%zz.npy",
+    "plus+amp&eq=.npy",
+    "ünï 日本.npy",
+    "sub dir/x y.npy",
+    "sub/d:/x.npy",
+    "a~b.npy",
+    "-lead.npy",
+    "semi;colon.npy",
+    "it's [1] (2).npy",
+    "new\nline.npy",
+)
 # refused at build (the loader refuses them), naming the file
-BAD = ("back\\slash.npy", "~home.npy", "d:/drive.npy", "c:rel.npy", os.fsdecode(b"bad\xff.npy"),
-       os.fsdecode(b"dir\xfe/x.npy"))
+BAD = (
+    "back\\slash.npy",
+    "~home.npy",
+    "d:/drive.npy",
+    "c:rel.npy",
+    os.fsdecode(b"bad\xff.npy"),
+    os.fsdecode(b"dir\xfe/x.npy"),
+)
 
 
 def _tokens(name: str) -> np.ndarray:
@@ -61,7 +80,7 @@ def _expected(names: list[str]) -> np.ndarray:
     rows = []
     for name in sorted(names):
         t = _tokens(name).astype(np.int32)
-        rows += [t[w * SEQ: w * SEQ + SEQ + 1] for w in range((t.size - 1) // SEQ)]
+        rows += [t[w * SEQ : w * SEQ + SEQ + 1] for w in range((t.size - 1) // SEQ)]
     return np.stack(rows)
 
 
@@ -120,7 +139,8 @@ def test_refused_name_can_be_left_out_with_a_pattern(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("field", ["path", "dtype"])
 def test_save_and_register_refuse_a_hand_made_manifest_that_load_would_refuse(
-        tmp_path: Path, field: str) -> None:
+    tmp_path: Path, field: str
+) -> None:
     root = tmp_path / "data"
     _write(root, "fine.npy")
     entry = build_manifest(str(root)).shards[0]
@@ -132,7 +152,8 @@ def test_save_and_register_refuse_a_hand_made_manifest_that_load_would_refuse(
     with pytest.raises(ManifestError):
         Registry(str(tmp_path / "registry")).register("odd@v1", odd)
     assert not (tmp_path / "registry" / "manifests").exists() or not any(
-        (tmp_path / "registry" / "manifests").iterdir())
+        (tmp_path / "registry" / "manifests").iterdir()
+    )
 
 
 # --------------------------------------------------------------- property
@@ -140,8 +161,11 @@ _CHARS = st.sampled_from([*"ab Z09._-~:\\#?%&+=;'[]ü日\n\t", os.fsdecode(b"\xf
 _SEGMENT = st.text(_CHARS, min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(segments=st.lists(_SEGMENT, min_size=1, max_size=3))
 def test_build_never_writes_what_load_refuses(tmp_path: Path, segments: list[str]) -> None:
     name = "/".join(segments) + ".npy"
@@ -165,12 +189,24 @@ def test_build_never_writes_what_load_refuses(tmp_path: Path, segments: list[str
 
 
 # ------------------------------------------------------------------ HTTP
-HTTP_NAMES = ("sp ace.npy", "h#ash.npy", "q?mark.npy", "pc%41.npy", "pcA.npy", "pc%zz.npy",
-              "plus+amp&eq=.npy", "ünï 日本.npy", "sub dir/x y.npy", "a~b.npy", "it's [1].npy")
+HTTP_NAMES = (
+    "sp ace.npy",
+    "h#ash.npy",
+    "q?mark.npy",
+    "pc%41.npy",
+    "pcA.npy",
+    "pc%zz.npy",
+    "plus+amp&eq=.npy",
+    "ünï 日本.npy",
+    "sub dir/x y.npy",
+    "a~b.npy",
+    "it's [1].npy",
+)
 
 
 def test_odd_names_over_http_build_verify_and_read_the_right_files(
-        http_server: HttpServer, tmp_path: Path) -> None:
+    http_server: HttpServer, tmp_path: Path
+) -> None:
     """nginx serves the files; ``pc%41.npy`` must not fetch its neighbour ``pcA.npy``."""
     local = tmp_path / "data"
     for name in HTTP_NAMES:

@@ -66,8 +66,9 @@ def test_registration_is_idempotent(registry: Registry, manifest: Manifest) -> N
     assert len(registry.history("ds@v1")) == 1
 
 
-def test_new_root_for_same_id_is_recorded(registry: Registry, manifest: Manifest,
-                                         tmp_path: Path) -> None:
+def test_new_root_for_same_id_is_recorded(
+    registry: Registry, manifest: Manifest, tmp_path: Path
+) -> None:
     registry.register("ds@v1", manifest)
     registry.register("ds@v1", manifest.with_root(str(tmp_path / "moved")))
     events = registry.history("ds@v1")
@@ -78,8 +79,9 @@ def test_new_root_for_same_id_is_recorded(registry: Registry, manifest: Manifest
 
 def test_repointing_needs_force(registry: Registry, manifest: Manifest, other: Manifest) -> None:
     registry.register("ds@v1", manifest)
-    with pytest.raises(RegistryError, match=f"ds@v1 already points at {manifest.id}, not "
-                                            f"{other.id}.*force=True"):
+    with pytest.raises(
+        RegistryError, match=f"ds@v1 already points at {manifest.id}, not {other.id}.*force=True"
+    ):
         registry.register("ds@v1", other)
     assert registry.resolve("ds@v1").id == manifest.id
     assert registry.register("ds@v1", other, force=True) == other.id
@@ -89,8 +91,9 @@ def test_repointing_needs_force(registry: Registry, manifest: Manifest, other: M
     assert registry.get(manifest.id).id == manifest.id  # the old object is still there
 
 
-def test_bare_name_is_latest_created_version(registry: Registry, manifest: Manifest,
-                                             other: Manifest) -> None:
+def test_bare_name_is_latest_created_version(
+    registry: Registry, manifest: Manifest, other: Manifest
+) -> None:
     registry.register("ds@v2", manifest)
     registry.register("ds@v10", other)
     assert registry.resolve("ds").id == other.id
@@ -99,8 +102,12 @@ def test_bare_name_is_latest_created_version(registry: Registry, manifest: Manif
     registry.register("ds@v10", manifest, force=True)
     assert registry.resolve("ds").id == manifest.id
     history = registry.history("ds")
-    assert [(e.name, e.id) for e in history] == [("ds@v2", manifest.id), ("ds@v10", other.id),
-                                                  ("ds@v2", other.id), ("ds@v10", manifest.id)]
+    assert [(e.name, e.id) for e in history] == [
+        ("ds@v2", manifest.id),
+        ("ds@v10", other.id),
+        ("ds@v2", other.id),
+        ("ds@v10", manifest.id),
+    ]
     assert registry.names() == ["ds@v10", "ds@v2"]
 
 
@@ -110,8 +117,9 @@ def test_register_from_path(registry: Registry, manifest: Manifest, tmp_path: Pa
     assert registry.resolve("ds@v1").root == manifest.root
 
 
-def test_resolve_verifies_shards(registry: Registry, manifest: Manifest,
-                                 token_shards: Path) -> None:
+def test_resolve_verifies_shards(
+    registry: Registry, manifest: Manifest, token_shards: Path
+) -> None:
     registry.register("ds@v1", manifest)
     victim = token_shards / "shard-001.npy"
     victim.write_bytes(victim.read_bytes()[:-2])
@@ -124,8 +132,23 @@ def test_resolve_verifies_shards(registry: Registry, manifest: Manifest,
     assert registry.names() == ["ds@v1"]
 
 
-@pytest.mark.parametrize("name", ["", "@v1", "ds@", "ds@v1@v2", "-ds@v1", "ds@.v1", "d s@v1",
-                                  "ds/x@v1", "../x@v1", "ds@..", "x" * 129 + "@v1", "ds@v1\n"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "@v1",
+        "ds@",
+        "ds@v1@v2",
+        "-ds@v1",
+        "ds@.v1",
+        "d s@v1",
+        "ds/x@v1",
+        "../x@v1",
+        "ds@..",
+        "x" * 129 + "@v1",
+        "ds@v1\n",
+    ],
+)
 def test_invalid_names(registry: Registry, manifest: Manifest, name: str) -> None:
     with pytest.raises(RegistryError, match="invalid registry name"):
         registry.register(name, manifest)
@@ -151,8 +174,9 @@ def test_unknown_names_and_ids(registry: Registry, manifest: Manifest) -> None:
     assert Registry(registry.root + "-empty").names() == []
 
 
-def test_corrupted_object_is_refused(registry: Registry, manifest: Manifest,
-                                     other: Manifest) -> None:
+def test_corrupted_object_is_refused(
+    registry: Registry, manifest: Manifest, other: Manifest
+) -> None:
     registry.register("ds@v1", manifest)
     obj = Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json"
     doc = json.loads(obj.read_bytes())
@@ -173,8 +197,9 @@ def test_corrupted_ref_is_refused(registry: Registry, manifest: Manifest) -> Non
         registry.resolve("ds@v1")
 
 
-def test_default_root_env_and_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       manifest: Manifest) -> None:
+def test_default_root_env_and_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: Manifest
+) -> None:
     monkeypatch.setenv("DETDATA_REGISTRY", str(tmp_path / "from-env"))
     assert Registry().root == str(tmp_path / "from-env")
     assert Registry(str(tmp_path / "arg")).root == str(tmp_path / "arg")
@@ -220,21 +245,24 @@ def _worker(root: str, docs: list[str], index: int, rounds: int, barrier: Any, o
 
 
 def _manifest_docs(token_shards: Path, count: int) -> list[str]:
-    return [json.dumps(build_manifest(str(token_shards), metadata={"i": i}).to_json())
-            for i in range(count)]
+    return [
+        json.dumps(build_manifest(str(token_shards), metadata={"i": i}).to_json())
+        for i in range(count)
+    ]
 
 
 @pytest.mark.multiproc
-def test_concurrent_processes_leave_registry_consistent(tmp_path: Path,
-                                                        token_shards: Path) -> None:
+def test_concurrent_processes_leave_registry_consistent(tmp_path: Path, token_shards: Path) -> None:
     ctx = mp.get_context("spawn")
     root = str(tmp_path / "registry")
     procs, rounds = 3, 8
     docs = _manifest_docs(token_shards, procs)
     ids = [Manifest.loads(d).id for d in docs]
     barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(root, docs, i, rounds, barrier, out))
-               for i in range(procs)]
+    workers = [
+        ctx.Process(target=_worker, args=(root, docs, i, rounds, barrier, out))
+        for i in range(procs)
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -251,18 +279,21 @@ def test_concurrent_processes_leave_registry_consistent(tmp_path: Path,
     hot = reg.history("hot@v1")
     assert len(hot) == procs * rounds
     assert sorted(e.root or "" for e in hot) == sorted(
-        f"/data/p{i}/r{r}" for i in range(procs) for r in range(rounds))
+        f"/data/p{i}/r{r}" for i in range(procs) for r in range(rounds)
+    )
     assert reg.resolve("hot@v1", verify="off").id == hot[-1].id
-    assert sorted(reg.names()) == sorted(["contested@v1", "hot@v1",
-                                          *(f"own{i}@v1" for i in range(procs))])
+    assert sorted(reg.names()) == sorted(
+        ["contested@v1", "hot@v1", *(f"own{i}@v1" for i in range(procs))]
+    )
     for name in reg.names():
         reg.resolve(name, verify="off")  # every ref points at an intact object
     leftovers = [f for _, _, files in os.walk(root) for f in files if f.startswith(".tmp-")]
     assert leftovers == []
 
 
-def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(registry: Registry,
-                                                                 manifest: Manifest) -> None:
+def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(
+    registry: Registry, manifest: Manifest
+) -> None:
     """A writer killed mid-write leaves ``.tmp-*`` files; later registers remove the stale ones."""
     root = Path(registry.root)
     registry.register("ds@v1", manifest)
@@ -287,8 +318,9 @@ def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(registry: Regist
 
 # ------------------------------------------------------------ bad roots and damaged files
 @pytest.mark.parametrize("root", ["", "   ", "\t"])
-def test_empty_root_is_refused_not_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               root: str) -> None:
+def test_empty_root_is_refused_not_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str
+) -> None:
     monkeypatch.setenv("DETDATA_REGISTRY", str(tmp_path / "default"))
     with pytest.raises(ConfigError, match=r"Registry\(root=.*empty.*hint: .*root=None"):
         Registry(root)
@@ -297,9 +329,9 @@ def test_empty_root_is_refused_not_the_default(tmp_path: Path, monkeypatch: pyte
     assert Registry(tmp_path / "as-path").root == str(tmp_path / "as-path")  # os.PathLike
 
 
-def test_corrupted_old_object_does_not_block_newer_versions(registry: Registry,
-                                                            manifest: Manifest,
-                                                            other: Manifest) -> None:
+def test_corrupted_old_object_does_not_block_newer_versions(
+    registry: Registry, manifest: Manifest, other: Manifest
+) -> None:
     registry.register("ds@v1", manifest)
     registry.register("ds@v2", other)
     (Path(registry.root) / "manifests" / f"{manifest.id[3:]}.json").write_text("garbage")
@@ -311,15 +343,19 @@ def test_corrupted_old_object_does_not_block_newer_versions(registry: Registry,
 
 
 def test_corrupted_old_reference_names_it_and_leaves_explicit_versions_readable(
-        registry: Registry, manifest: Manifest, other: Manifest) -> None:
+    registry: Registry, manifest: Manifest, other: Manifest
+) -> None:
     """The latest of a name cannot be decided while one of its references is unreadable
     (it might be the latest): refused naming that reference; explicit versions still resolve."""
     registry.register("ds@v1", manifest)
     registry.register("ds@v2", other)
     (Path(registry.root) / "refs" / "ds" / "v1.json").write_text("{not json")
     assert registry.resolve("ds@v2").id == other.id
-    with pytest.raises(RegistryError, match=r"name 'ds'.*ds@v1.*corrupted.*hint: resolve an "
-                                            r"explicit version such as ds@v2"):
+    with pytest.raises(
+        RegistryError,
+        match=r"name 'ds'.*ds@v1.*corrupted.*hint: resolve an "
+        r"explicit version such as ds@v2",
+    ):
         registry.resolve("ds")
 
 
@@ -343,27 +379,40 @@ def _file_at_refs_folder(root: Path, manifest: Manifest) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("damage", "action"), [
-    (_dir_at_ref, "resolve:ds@v2"), (_dir_at_ref, "resolve:ds"), (_dir_at_ref, "register:ds@v2"),
-    (_dir_at_ref, "history:ds@v2"), (_dir_at_object, "resolve:ds@v1"),
-    (_dir_at_object, "get"), (_file_at_refs_folder, "register:other@v1"),
-    (_file_at_refs_folder, "resolve:other@v1")])
+@pytest.mark.parametrize(
+    ("damage", "action"),
+    [
+        (_dir_at_ref, "resolve:ds@v2"),
+        (_dir_at_ref, "resolve:ds"),
+        (_dir_at_ref, "register:ds@v2"),
+        (_dir_at_ref, "history:ds@v2"),
+        (_dir_at_object, "resolve:ds@v1"),
+        (_dir_at_object, "get"),
+        (_file_at_refs_folder, "register:other@v1"),
+        (_file_at_refs_folder, "resolve:other@v1"),
+    ],
+)
 def test_damaged_registry_paths_are_registry_errors_naming_the_path(
-        registry: Registry, manifest: Manifest, damage: Any, action: str) -> None:
+    registry: Registry, manifest: Manifest, damage: Any, action: str
+) -> None:
     registry.register("ds@v1", manifest)
     path = damage(Path(registry.root), manifest)
     verb, _, name = action.partition(":")
-    call = {"resolve": lambda: registry.resolve(name), "get": lambda: registry.get(manifest.id),
-            "register": lambda: registry.register(name, manifest),
-            "history": lambda: registry.history(name)}[verb]
+    call = {
+        "resolve": lambda: registry.resolve(name),
+        "get": lambda: registry.get(manifest.id),
+        "register": lambda: registry.register(name, manifest),
+        "history": lambda: registry.history(name),
+    }[verb]
     with pytest.raises(RegistryError) as info:
         call()
     message = str(info.value)
     assert path.name in message and "hint:" in message, message
 
 
-def test_registry_root_that_is_a_file_is_a_registry_error(tmp_path: Path,
-                                                          manifest: Manifest) -> None:
+def test_registry_root_that_is_a_file_is_a_registry_error(
+    tmp_path: Path, manifest: Manifest
+) -> None:
     root = tmp_path / "registry"
     root.write_text("I am a file")
     with pytest.raises(RegistryError, match=r"registry.*hint:"):

@@ -30,28 +30,62 @@ def loader(**kw: Any) -> detdata.DataLoader:
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("timeout<0", {"num_workers": 2, "timeout": -1}, "timeout must be a number of seconds >= 0"),
     ("timeout-str", {"num_workers": 2, "timeout": "5"}, "timeout must be a number"),
-    ("mp-context", {"num_workers": 2, "multiprocessing_context": "fork-server"},
-     "multiprocessing_context 'fork-server' is not a start method"),
-    ("mp-context-type", {"num_workers": 2, "multiprocessing_context": 3}, "multiprocessing_context must"),
-    ("mp-context-no-workers", {"multiprocessing_context": "spawn"}, "multiprocessing_context needs num_workers"),
+    (
+        "mp-context",
+        {"num_workers": 2, "multiprocessing_context": "fork-server"},
+        "multiprocessing_context 'fork-server' is not a start method",
+    ),
+    (
+        "mp-context-type",
+        {"num_workers": 2, "multiprocessing_context": 3},
+        "multiprocessing_context must",
+    ),
+    (
+        "mp-context-no-workers",
+        {"multiprocessing_context": "spawn"},
+        "multiprocessing_context needs num_workers",
+    ),
     ("transform", {"transform": "tokenize"}, "transform must be callable"),
     ("collate", {"collate_fn": 3}, "collate_fn must be callable"),
-    ("worker-init", {"num_workers": 1, "worker_init_fn": "init"}, "worker_init_fn must be callable"),
+    (
+        "worker-init",
+        {"num_workers": 1, "worker_init_fn": "init"},
+        "worker_init_fn must be callable",
+    ),
     ("prefetch-no-workers", {"prefetch_factor": 4}, "prefetch_factor needs num_workers > 0"),
-    ("persistent-no-workers", {"persistent_workers": True}, "persistent_workers=True needs num_workers"),
-    ("persistent-not-bool", {"num_workers": 1, "persistent_workers": "yes"}, "persistent_workers must be"),
-    ("thread-persistent", {"num_workers": 2, "worker_mode": "thread", "persistent_workers": True},
-     r"would ignore \['persistent_workers'\]"),
-    ("thread-init-timeout", {"num_workers": 2, "worker_mode": "thread", "timeout": 3,
-                             "worker_init_fn": print}, r"would ignore \['timeout', 'worker_init_fn'\]"),
-    ("thread-mp", {"num_workers": 2, "worker_mode": "thread", "multiprocessing_context": "spawn"},
-     r"would ignore \['multiprocessing_context'\]"),
+    (
+        "persistent-no-workers",
+        {"persistent_workers": True},
+        "persistent_workers=True needs num_workers",
+    ),
+    (
+        "persistent-not-bool",
+        {"num_workers": 1, "persistent_workers": "yes"},
+        "persistent_workers must be",
+    ),
+    (
+        "thread-persistent",
+        {"num_workers": 2, "worker_mode": "thread", "persistent_workers": True},
+        r"would ignore \['persistent_workers'\]",
+    ),
+    (
+        "thread-init-timeout",
+        {"num_workers": 2, "worker_mode": "thread", "timeout": 3, "worker_init_fn": print},
+        r"would ignore \['timeout', 'worker_init_fn'\]",
+    ),
+    (
+        "thread-mp",
+        {"num_workers": 2, "worker_mode": "thread", "multiprocessing_context": "spawn"},
+        r"would ignore \['multiprocessing_context'\]",
+    ),
     ("worker-mode", {"num_workers": 2, "worker_mode": "greenlet"}, "worker_mode must be"),
 ]
 
 
 @pytest.mark.parametrize(("case", "kwargs", "message"), BAD, ids=[b[0] for b in BAD])
-def test_bad_loader_argument_refused_at_construction(case: str, kwargs: dict[str, Any], message: str) -> None:
+def test_bad_loader_argument_refused_at_construction(
+    case: str, kwargs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(detdata.ConfigError, match=message):
         loader(**kwargs)
 
@@ -170,19 +204,28 @@ print("EXACT", len(batches))
 
 
 @pytest.mark.multiproc
-def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(tmp_path: Any) -> None:
+def test_ctrl_c_with_persistent_workers_then_iterating_again_continues_exactly(
+    tmp_path: Any,
+) -> None:
     """The notebook pattern: Ctrl-C (SIGINT to the process group, so the worker processes get it
     too) mid-iteration, then ``for batch in loader`` again: continues exactly. Run in its own
     session so the signal reaches nothing but that process and its workers."""
     import os
     import subprocess
     import sys
+
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
-                          timeout=240, start_new_session=True,
-                          env={**os.environ, "PYTHONPATH": root})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert proc.returncode == 0 and "EXACT 24" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -191,6 +234,7 @@ def test_close_stops_the_workers_of_a_live_iterator(persistent: bool) -> None:
     """``close()`` does what it says even while an iterator is suspended mid-epoch; the loader
     can then be iterated again and continues exactly."""
     import multiprocessing
+
     reference = [digest(b) for b in take(loader(), 6)]
     dl = loader(num_workers=2, persistent_workers=persistent)
     it = iter(dl)

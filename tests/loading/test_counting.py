@@ -35,7 +35,9 @@ class FlakyDataset:
 
     def __init__(self, bad: int | None, *, once: bool = True) -> None:
         ids = np.arange(N, dtype=np.int64)
-        self.inner = detdata.ArrayDataset({"id": ids, "x": (ids[:, None] * 3 + np.arange(5)).astype(np.int32)})
+        self.inner = detdata.ArrayDataset(
+            {"id": ids, "x": (ids[:, None] * 3 + np.arange(5)).astype(np.int32)}
+        )
         self.bad, self.once, self.failed = bad, once, False
 
     @property
@@ -68,13 +70,17 @@ class Stage:
         if self.name == "read":
             return {"data": FlakyDataset(bad, once=False)}
 
-        def transform(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        def transform(
+            sample: dict[str, np.ndarray], rng: np.random.Generator
+        ) -> dict[str, np.ndarray]:
             if int(sample["id"]) == bad:
                 fire()
             return sample
 
         def collate(batch: dict[str, np.ndarray]) -> Any:
-            out: dict[str, Any] = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+            out: dict[str, Any] = {
+                k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()
+            }
             if bad in batch["id"].tolist() and armed[0]:
                 if self.name == "collate":
                     fire()
@@ -107,16 +113,33 @@ class ExplodingList(list[int]):
         raise self.exc("trace-hash failure")
 
 
-STAGES = [Stage("read"), Stage("transform"), Stage("collate"), Stage("device"), Stage("trace-hash"),
-          Stage("transform", KeyboardInterrupt), Stage("trace-hash", KeyboardInterrupt)]
+STAGES = [
+    Stage("read"),
+    Stage("transform"),
+    Stage("collate"),
+    Stage("device"),
+    Stage("trace-hash"),
+    Stage("transform", KeyboardInterrupt),
+    Stage("trace-hash", KeyboardInterrupt),
+]
 
 
-def make(world: int, rank: int, micro: int, workers: int, mode: str, read_ahead: int,
-         **extra: Any) -> detdata.DataLoader:
+def make(
+    world: int, rank: int, micro: int, workers: int, mode: str, read_ahead: int, **extra: Any
+) -> detdata.DataLoader:
     data = extra.pop("data", None) or FlakyDataset(None)
-    return detdata.DataLoader(data, global_batch_size=micro * world * 2, micro_batch_size=micro,
-                              seed=9, rank=rank, world_size=world, num_workers=workers,
-                              worker_mode=mode, read_ahead=read_ahead, **extra)
+    return detdata.DataLoader(
+        data,
+        global_batch_size=micro * world * 2,
+        micro_batch_size=micro,
+        seed=9,
+        rank=rank,
+        world_size=world,
+        num_workers=workers,
+        worker_mode=mode,
+        read_ahead=read_ahead,
+        **extra,
+    )
 
 
 def plain(batch: Any) -> str:
@@ -124,7 +147,9 @@ def plain(batch: Any) -> str:
     return digest({k: batch[k] for k in ("id", "x")})
 
 
-def delivered_until_failure(loader: detdata.DataLoader, limit: int) -> tuple[list[str], BaseException | None]:
+def delivered_until_failure(
+    loader: detdata.DataLoader, limit: int
+) -> tuple[list[str], BaseException | None]:
     got: list[str] = []
     try:
         for batch in take(loader, limit):
@@ -134,8 +159,13 @@ def delivered_until_failure(loader: detdata.DataLoader, limit: int) -> tuple[lis
     return got, None
 
 
-def check_exact_after_failure(layout: tuple[int, int, int, int, str, int], stage: Stage, bad_pos: int,
-                              tmp: str, total: int = 12) -> None:
+def check_exact_after_failure(
+    layout: tuple[int, int, int, int, str, int],
+    stage: Stage,
+    bad_pos: int,
+    tmp: str,
+    total: int = 12,
+) -> None:
     world, _, micro, *_ = layout
     reference = [plain(b) for b in take(make(*layout), total)]
     order = detdata.GlobalOrder(N, 9)
@@ -144,13 +174,15 @@ def check_exact_after_failure(layout: tuple[int, int, int, int, str, int], stage
     got, exc = delivered_until_failure(failing, total)
     state = json.loads(json.dumps(failing.state_dict()))
     failing.close()
-    assert got == reference[:len(got)]
+    assert got == reference[: len(got)]
     mine = {int(p) for j in range(total) for p in failing.layout.positions(j)}
     if bad_pos in mine:
         assert exc is not None, f"{stage.name}: the injected failure never fired"
         assert state["samples_consumed"] == len(got) * micro * world
     os.makedirs(os.path.join(tmp, "resumed"), exist_ok=True)
-    resumed = make(*layout, **stage.kwargs(-1, os.path.join(tmp, "resumed")))  # same code, never fails
+    resumed = make(
+        *layout, **stage.kwargs(-1, os.path.join(tmp, "resumed"))
+    )  # same code, never fails
     resumed.load_state_dict(state)
     rest = [plain(b) for b in take(resumed, total - len(got))]
     assert got + rest == reference, f"{stage.name} at position {bad_pos}: resume is not exact"
@@ -159,13 +191,18 @@ def check_exact_after_failure(layout: tuple[int, int, int, int, str, int], stage
 @pytest.mark.parametrize("stage", STAGES, ids=[f"{s.name}-{s.exc.__name__}" for s in STAGES])
 @pytest.mark.parametrize("mode", ["inline", "thread", "process"])
 def test_failure_at_every_stage_leaves_the_count_at_the_failed_batch(
-        tmp_path: Any, stage: Stage, mode: str) -> None:
+    tmp_path: Any, stage: Stage, mode: str
+) -> None:
     if mode == "process" and stage.exc is KeyboardInterrupt and stage.name == "transform":
         # a KeyboardInterrupt raised inside a worker process ends that worker (torch's contract)
         stage = Stage("transform")
-    workers, wmode = {"inline": (0, "process"), "thread": (2, "thread"), "process": (2, "process")}[mode]
+    workers, wmode = {"inline": (0, "process"), "thread": (2, "thread"), "process": (2, "process")}[
+        mode
+    ]
     # read_ahead 3: the failure sits inside a group, after batches that must be delivered
-    check_exact_after_failure((1, 0, 4, workers, wmode, 3), stage, bad_pos=4 * 5 + 2, tmp=str(tmp_path))
+    check_exact_after_failure(
+        (1, 0, 4, workers, wmode, 3), stage, bad_pos=4 * 5 + 2, tmp=str(tmp_path)
+    )
 
 
 def test_trace_write_failure_disk_full_leaves_the_count(tmp_path: Any) -> None:
@@ -191,20 +228,31 @@ def test_iterating_again_after_a_transient_failure_continues_exactly(tmp_path: A
     assert got == reference
 
 
-LAYOUTS = st.tuples(st.sampled_from([1, 2, 4]), st.integers(0, 3), st.sampled_from([1, 2, 3]),
-                    st.sampled_from([(0, "process"), (2, "thread"), (1, "thread")]),
-                    st.integers(1, 5))
+LAYOUTS = st.tuples(
+    st.sampled_from([1, 2, 4]),
+    st.integers(0, 3),
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from([(0, "process"), (2, "thread"), (1, "thread")]),
+    st.integers(1, 5),
+)
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(layout=LAYOUTS, stage=st.sampled_from(STAGES[:5]), bad_pos=st.integers(0, 60))
-def test_property_random_layout_and_failure_resume_exact(tmp_path: Any, layout: Any, stage: Stage,
-                                                         bad_pos: int) -> None:
+def test_property_random_layout_and_failure_resume_exact(
+    tmp_path: Any, layout: Any, stage: Stage, bad_pos: int
+) -> None:
     world, rank, micro, (workers, mode), ra = layout
     rank %= world
     import shutil
+
     for name in os.listdir(tmp_path):
-        shutil.rmtree(os.path.join(tmp_path, name)) if os.path.isdir(os.path.join(tmp_path, name)) \
-            else os.remove(os.path.join(tmp_path, name))
-    check_exact_after_failure((world, rank, micro, workers, mode, ra), stage, bad_pos, str(tmp_path))
+        shutil.rmtree(os.path.join(tmp_path, name)) if os.path.isdir(
+            os.path.join(tmp_path, name)
+        ) else os.remove(os.path.join(tmp_path, name))
+    check_exact_after_failure(
+        (world, rank, micro, workers, mode, ra), stage, bad_pos, str(tmp_path)
+    )

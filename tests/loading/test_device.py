@@ -22,8 +22,10 @@ from detdata.loading.device import PinnedBufferPool, device_batches
 from detdata.loading.loader import DataLoader
 from tests.resume_checker import check_resume_everywhere, digest, run_digests, take
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU; run scripts/gpu_check.sh on a GPU machine")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; run scripts/gpu_check.sh on a GPU machine",
+)
 
 N = 600
 GBS = 16
@@ -51,9 +53,13 @@ def to_cpu(obj: Any) -> Any:
 
 def random_batches(count: int, rows: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(0, 2**31 - 1, (rows, 129), generator=g, dtype=torch.int64),
-             "mask": torch.rand((rows, 129), generator=g) > 0.5}
-            for _ in range(count)]
+    return [
+        {
+            "tokens": torch.randint(0, 2**31 - 1, (rows, 129), generator=g, dtype=torch.int64),
+            "mask": torch.rand((rows, 129), generator=g) > 0.5,
+        }
+        for _ in range(count)
+    ]
 
 
 class CountingSource:
@@ -100,12 +106,18 @@ def test_finite_loader_delivers_every_batch_then_stops() -> None:
 
 def test_nested_structure_and_non_tensor_leaves_kept() -> None:
     pair = namedtuple("pair", "a b")
-    src = [{"x": torch.arange(12, dtype=torch.int16).view(3, 4) + i,
-            "nested": {"list": [torch.full((i + 1,), float(i)), "tag"],
-                       "tuple": (torch.tensor(i), 3.5),
-                       "named": pair(torch.ones(2, dtype=torch.bool), None)},
-            "meta": np.arange(3) + i}
-           for i in range(6)]
+    src = [
+        {
+            "x": torch.arange(12, dtype=torch.int16).view(3, 4) + i,
+            "nested": {
+                "list": [torch.full((i + 1,), float(i)), "tag"],
+                "tuple": (torch.tensor(i), 3.5),
+                "named": pair(torch.ones(2, dtype=torch.bool), None),
+            },
+            "meta": np.arange(3) + i,
+        }
+        for i in range(6)
+    ]
     out = list(device_batches(iter(src), "cpu", 2))
     assert len(out) == len(src)
     for i, (got, want) in enumerate(zip(out, src, strict=True)):
@@ -142,7 +154,9 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
         return {k: torch.from_numpy(v) for k, v in batch.items()}
 
     straight = run_digests(loader(), 12)
-    dl = loader(device="cpu", device_prefetch=3, collate_fn=collate, read_ahead=1)  # one read per pull
+    dl = loader(
+        device="cpu", device_prefetch=3, collate_fn=collate, read_ahead=1
+    )  # one read per pull
     it = iter(dl)
     got = [digest(next(it)) for _ in range(5)]
     assert got == straight[:5]

@@ -28,16 +28,38 @@ def _free_port() -> int:
 def test_torchrun_two_ranks_union_equals_global_batch_then_resume_at_one(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     ckpt, out1, out2 = tmp_path / "ckpt", tmp_path / "train.json", tmp_path / "resume.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                    str(SCRIPT), "train", str(ckpt), str(out1)],
-                   check=True, env=env, timeout=240, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(SCRIPT),
+            "train",
+            str(ckpt),
+            str(out1),
+        ],
+        check=True,
+        env=env,
+        timeout=240,
+        capture_output=True,
+    )
     train = json.loads(out1.read_text())
     assert train["world"] == 2
     assert train["consumed"] == 24
     assert train["gathered"] == train["single"]
-    subprocess.run([sys.executable, str(SCRIPT), "resume", str(ckpt), str(out2)],
-                   check=True, env=env, timeout=120, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "resume", str(ckpt), str(out2)],
+        check=True,
+        env=env,
+        timeout=120,
+        capture_output=True,
+    )
     resumed = json.loads(out2.read_text())
     assert resumed["consumed"] == 24
     assert resumed["resumed"] == resumed["single"]

@@ -56,20 +56,44 @@ def manifest(tmp_path: Path) -> str:
     return str(path)
 
 
-def fresh_process(manifest: str, trace: Path, *, micro: int, batches: int, state_in: Path | None = None,
-                  state_out: Path | None = None) -> None:
+def fresh_process(
+    manifest: str,
+    trace: Path,
+    *,
+    micro: int,
+    batches: int,
+    state_in: Path | None = None,
+    state_out: Path | None = None,
+) -> None:
     """Deliver ``batches`` micro batches in a new Python process (optionally resuming a state)."""
-    cfg = {"manifest": manifest, "seq": SEQ, "gbs": G, "micro": micro, "trace": str(trace),
-           "batches": batches, "state_in": str(state_in) if state_in else None,
-           "state_out": str(state_out) if state_out else None}
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(cfg)], capture_output=True, text=True,
-                          timeout=300, check=False)
+    cfg = {
+        "manifest": manifest,
+        "seq": SEQ,
+        "gbs": G,
+        "micro": micro,
+        "trace": str(trace),
+        "batches": batches,
+        "state_in": str(state_in) if state_in else None,
+        "state_out": str(state_out) if state_out else None,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 def diff(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "detdata.cli.main", "diff", *map(str, args)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "detdata.cli.main", "diff", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def arrays(changed: int | None = None) -> dict[str, np.ndarray]:
@@ -79,10 +103,17 @@ def arrays(changed: int | None = None) -> dict[str, np.ndarray]:
     return {"x": x}
 
 
-def loader(trace: Path | None, micro: int = 2, columns: dict[str, np.ndarray] | None = None,
-           **kwargs: Any) -> detdata.DataLoader:
-    return detdata.DataLoader(detdata.ArrayDataset(columns or arrays()), global_batch_size=G,
-                              micro_batch_size=micro, seed=4, trace=trace, **kwargs)
+def loader(
+    trace: Path | None, micro: int = 2, columns: dict[str, np.ndarray] | None = None, **kwargs: Any
+) -> detdata.DataLoader:
+    return detdata.DataLoader(
+        detdata.ArrayDataset(columns or arrays()),
+        global_batch_size=G,
+        micro_batch_size=micro,
+        seed=4,
+        trace=trace,
+        **kwargs,
+    )
 
 
 def deliver(dl: detdata.DataLoader, count: int) -> None:
@@ -113,7 +144,8 @@ CHANGED = int(detdata.GlobalOrder(200, 4).ids(np.array([3 * G + 5], dtype=np.int
 
 @pytest.mark.slow
 def test_resumes_in_fresh_processes_appending_to_one_trace_are_identical(
-        tmp_path: Path, manifest: str) -> None:
+    tmp_path: Path, manifest: str
+) -> None:
     """Stop in the middle of step 5 (micro 2); resume in a new process with micro 4 up to step 9 and
     "crash"; resume again from the same mid-step checkpoint (steps 5..8 delivered twice) to step 12."""
     fresh_process(manifest, tmp_path / "ref.jsonl", micro=2, batches=12 * G // 2)
@@ -148,7 +180,8 @@ def test_load_state_dict_back_to_a_step_start_is_identical(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_loader_restarted_at_zero_is_found_at_the_step_it_should_have_delivered(
-        tmp_path: Path, manifest: str) -> None:
+    tmp_path: Path, manifest: str
+) -> None:
     """8 steps, then a fresh loader (state not loaded) appends 12 steps from position 0.
 
     Every step number 0..11 then holds bytes equal to the reference's, so a diff
@@ -177,7 +210,9 @@ def test_first_difference_is_the_smallest_step_whatever_the_record_order(tmp_pat
     for name, columns, steps in (("clean", arrays(), 10), ("bad", arrays(changed), 9)):
         dl0 = loader(tmp_path / name, 2, columns, rank=0, world_size=2)
         dl1 = loader(tmp_path / name, 2, columns, rank=1, world_size=2)
-        deliver(dl1, steps * G // 4)  # rank 1 first: its records are not in step order with rank 0's
+        deliver(
+            dl1, steps * G // 4
+        )  # rank 1 first: its records are not in step order with rank 0's
         deliver(dl0, steps * G // 4)
         dl0.close()
         dl1.close()
@@ -211,7 +246,9 @@ def test_positions_delivered_by_two_ranks_are_reported(tmp_path: Path) -> None:
     result = diff(ref, both)
     assert result.returncode == 1, result.stdout + result.stderr
     first = result.stdout.splitlines()[0]
-    assert first.startswith("first difference at step 0 (rank 0): overlap in B: positions [4, 8) "), first
+    assert first.startswith(
+        "first difference at step 0 (rank 0): overlap in B: positions [4, 8) "
+    ), first
 
 
 def test_conflicting_replay_after_a_restore_is_reported(tmp_path: Path) -> None:
@@ -268,12 +305,18 @@ def test_steps_window(tmp_path: Path) -> None:
     a = straight(tmp_path / "a.jsonl", steps=10)
     b = straight(tmp_path / "b.jsonl", steps=10, columns=arrays(changed))
     before = diff(a, b, "--steps", f"0:{s}")
-    assert before.returncode == 0 and before.stdout.strip() == f"identical: {s} steps in steps 0:{s}"
+    assert (
+        before.returncode == 0 and before.stdout.strip() == f"identical: {s} steps in steps 0:{s}"
+    )
     around = diff(a, b, "--steps", f"{s}:")
     assert around.returncode == 1 and around.stdout.startswith(f"first difference at step {s} ")
     for bad in ("5:3", "x:4", "-1:2"):
         refused = diff(a, b, "--steps", bad)
-        assert refused.returncode == 2 and "--steps" in refused.stderr and "Traceback" not in refused.stderr
+        assert (
+            refused.returncode == 2
+            and "--steps" in refused.stderr
+            and "Traceback" not in refused.stderr
+        )
     empty = diff(a, b, "--steps", "50:60")
     assert empty.returncode == 2 and "nothing to compare" in empty.stderr
 
@@ -301,13 +344,15 @@ def test_bfloat16_batches_are_traced_by_their_raw_bytes(tmp_path: Path) -> None:
 
 def test_micro_batch_and_worker_invariance(tmp_path: Path) -> None:
     from detdata.loading.trace import read_trace, step_digests
+
     a = straight(tmp_path / "a.jsonl", steps=10, micro=8)
     b = straight(tmp_path / "b.jsonl", steps=10, micro=2, num_workers=2)
     c = straight(tmp_path / "c.jsonl", steps=10, micro=1, num_workers=2, worker_mode="thread")
     assert step_digests(read_trace(a)) == step_digests(read_trace(b)) == step_digests(read_trace(c))
     assert sorted(step_digests(read_trace(a))) == list(range(10))
-    assert [d["positions"] for d in step_digests(read_trace(b)).values()] == \
-        [[[G * t, G * (t + 1)]] for t in range(10)]
+    assert [d["positions"] for d in step_digests(read_trace(b)).values()] == [
+        [[G * t, G * (t + 1)]] for t in range(10)
+    ]
     assert diff(a, b).returncode == 0 and diff(b, c).returncode == 0
 
 
@@ -351,6 +396,7 @@ def _line(text: str) -> TraceMaker:
         path = folder / "bad.jsonl"
         path.write_text(good.read_text() + text)
         return path
+
     return make
 
 
@@ -372,7 +418,9 @@ def _truncated(folder: Path) -> Path:
 
 def _non_utf8(folder: Path) -> Path:
     path = folder / "bad.jsonl"
-    path.write_bytes(straight(folder / "good.jsonl", steps=2).read_bytes() + b'{"v": 2, "\xff": 1}\n')
+    path.write_bytes(
+        straight(folder / "good.jsonl", steps=2).read_bytes() + b'{"v": 2, "\xff": 1}\n'
+    )
     return path
 
 
@@ -403,8 +451,9 @@ def test_malformed_traces_exit_2_naming_file_and_line(tmp_path: Path) -> None:
             context = f"{case}: {result.stdout} {result.stderr}"
             assert result.returncode == 2, context
             assert "Traceback" not in result.stderr and result.stdout == "", context
-            assert f"{bad}{expected}" in result.stderr or (str(bad) in result.stderr
-                                                           and expected in result.stderr), context
+            assert f"{bad}{expected}" in result.stderr or (
+                str(bad) in result.stderr and expected in result.stderr
+            ), context
 
 
 # ------------------------------------------------------------------ states
@@ -413,8 +462,9 @@ def test_malformed_traces_exit_2_naming_file_and_line(tmp_path: Path) -> None:
 def test_diff_states_reports_each_differing_field(tmp_path: Path) -> None:
     one, two = loader(None), loader(None)
     deliver(two, 3)
-    other_seed = detdata.DataLoader(detdata.ArrayDataset(arrays()), global_batch_size=G, micro_batch_size=2,
-                                    seed=5)
+    other_seed = detdata.DataLoader(
+        detdata.ArrayDataset(arrays()), global_batch_size=G, micro_batch_size=2, seed=5
+    )
     paths = {}
     for name, dl in (("one", one), ("again", loader(None)), ("two", two), ("seed", other_seed)):
         paths[name] = tmp_path / f"{name}.json"
@@ -431,4 +481,8 @@ def test_diff_states_reports_each_differing_field(tmp_path: Path) -> None:
     trace = straight(tmp_path / "trace.jsonl", steps=1)
     for bad in (tmp_path / "bad.json", tmp_path / "nope.json", trace, tmp_path):
         refused = diff("--state", paths["one"], bad)
-        assert refused.returncode == 2 and str(bad) in refused.stderr and "Traceback" not in refused.stderr
+        assert (
+            refused.returncode == 2
+            and str(bad) in refused.stderr
+            and "Traceback" not in refused.stderr
+        )

@@ -66,8 +66,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     t = root / "t"
     t.mkdir()
     n = 120
-    table = pa.table({"x": np.arange(n, dtype=np.int64), "y": np.arange(n, dtype=np.float32) / 2,
-                      "z": [list(range(i % 5 + 1)) for i in range(n)]})
+    table = pa.table(
+        {
+            "x": np.arange(n, dtype=np.int64),
+            "y": np.arange(n, dtype=np.float32) / 2,
+            "z": [list(range(i % 5 + 1)) for i in range(n)],
+        }
+    )
     pq.write_table(table, t / "t.parquet", row_group_size=30)
     mt = detdata.build_manifest(str(t), pattern="*.parquet")
     mt.save(str(root / "t.json"))
@@ -105,7 +110,9 @@ class Config:
 
 def _tokens(c: Config, corpus: Corpus) -> detdata.TokenWindows:
     path = corpus.tokens_a if c.manifest == "a" else corpus.tokens_b
-    return detdata.TokenWindows(path, c.seq_len, labels=c.labels, out_dtype=c.out_dtype, verify=c.verify)
+    return detdata.TokenWindows(
+        path, c.seq_len, labels=c.labels, out_dtype=c.out_dtype, verify=c.verify
+    )
 
 
 def _data(c: Config, corpus: Corpus) -> Any:
@@ -114,25 +121,39 @@ def _data(c: Config, corpus: Corpus) -> Any:
     if c.kind == "ordered":
         return detdata.OrderedStream(_tokens(c, corpus), seed=c.stream_seed)
     if c.kind == "table":
-        return detdata.TableRows(corpus.table, list(c.columns), ragged=list(c.ragged),
-                                 cache_row_groups=c.cache_row_groups)
+        return detdata.TableRows(
+            corpus.table,
+            list(c.columns),
+            ragged=list(c.ragged),
+            cache_row_groups=c.cache_row_groups,
+        )
     if c.kind == "arrays":
         ids = np.arange(300, dtype=np.int64)
         return detdata.ArrayDataset({"x": ids * 3 + c.array_values}, name=c.array_name)
     web = detdata.TokenWindows(corpus.tokens_a, c.seq_len, labels=c.labels)
     code = detdata.TokenWindows(corpus.tokens_b, c.seq_len, labels=c.labels)
     names = c.source_names
-    return detdata.Mixture({names[0]: web, names[1]: code},
-                           {names[0]: c.weights["web"], names[1]: c.weights["code"]}, seed=c.stream_seed)
+    return detdata.Mixture(
+        {names[0]: web, names[1]: code},
+        {names[0]: c.weights["web"], names[1]: c.weights["code"]},
+        seed=c.stream_seed,
+    )
 
 
 def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
     extra = {} if c.transform_id is None else {"transform_id": c.transform_id}
-    return detdata.DataLoader(_data(c, corpus), global_batch_size=c.global_batch_size,
-                              micro_batch_size=c.micro_batch_size, seed=c.seed,
-                              num_workers=c.num_workers, worker_mode=c.worker_mode,
-                              read_ahead=c.read_ahead, transform=c.transform,
-                              collate_fn=c.collate_fn, **extra)
+    return detdata.DataLoader(
+        _data(c, corpus),
+        global_batch_size=c.global_batch_size,
+        micro_batch_size=c.micro_batch_size,
+        seed=c.seed,
+        num_workers=c.num_workers,
+        worker_mode=c.worker_mode,
+        read_ahead=c.read_ahead,
+        transform=c.transform,
+        collate_fn=c.collate_fn,
+        **extra,
+    )
 
 
 def steps_bytes(loader: detdata.DataLoader, micro_batches: int) -> list[bytes]:
@@ -141,7 +162,7 @@ def steps_bytes(loader: detdata.DataLoader, micro_batches: int) -> list[bytes]:
     per_step = loader.global_batch_size // loader.layout.micro_batch_size
     out = []
     for s in range(0, len(batches), per_step):
-        group = batches[s:s + per_step]
+        group = batches[s : s + per_step]
         out.append(b"".join(_column_bytes(k, [b[k] for b in group]) for k in sorted(group[0])))
     return out
 
@@ -150,8 +171,9 @@ def _column_bytes(key: str, parts: list[Any]) -> bytes:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return batch_bytes({key: torch.cat(parts)})
     rows = [row for p in parts for row in p]  # per-row values (ragged / strings)
-    return key.encode() + b"".join(batch_bytes(r) if isinstance(r, torch.Tensor) else repr(r).encode()
-                                   for r in rows)
+    return key.encode() + b"".join(
+        batch_bytes(r) if isinstance(r, torch.Tensor) else repr(r).encode() for r in rows
+    )
 
 
 def saved_state(c: Config, corpus: Corpus) -> tuple[dict[str, Any], list[bytes]]:
@@ -170,8 +192,13 @@ def fresh_suffix(c: Config, corpus: Corpus) -> list[bytes]:
     return steps_bytes(loader, COMPARE * MICRO // c.micro_batch_size)
 
 
-BASE = {"tokens": Config(), "ordered": Config(kind="ordered"), "mixture": Config(kind="mixture"),
-        "table": Config(kind="table"), "arrays": Config(kind="arrays")}
+BASE = {
+    "tokens": Config(),
+    "ordered": Config(kind="ordered"),
+    "mixture": Config(kind="mixture"),
+    "table": Config(kind="table"),
+    "arrays": Config(kind="arrays"),
+}
 
 # (case id, base config, changes, fields the resume must name)
 CHANGES_BYTES: list[tuple[str, str, dict[str, Any], set[str]]] = [
@@ -189,18 +216,29 @@ CHANGES_BYTES: list[tuple[str, str, dict[str, Any], set[str]]] = [
     ("TableRows.ragged", "table", {"columns": ("x", "z"), "ragged": ("z",)}, {"data"}),
     ("ArrayDataset.columns", "arrays", {"array_values": 1}, {"manifests", "data"}),
     ("DataLoader.seed", "tokens", {"seed": 6}, {"seed"}),
-    ("DataLoader.seed (stream given)", "ordered", {"seed": 6, "transform": add_one,
-                                                   "transform_id": "plus-one"}, {"seed"}),
+    (
+        "DataLoader.seed (stream given)",
+        "ordered",
+        {"seed": 6, "transform": add_one, "transform_id": "plus-one"},
+        {"seed"},
+    ),
     ("DataLoader.transform", "tokens", {"transform": add_one}, {"transform"}),
     ("DataLoader.transform swapped", "tokens", {"transform": add_two}, {"transform"}),
-    ("DataLoader.transform_id", "tokens", {"transform": add_two, "transform_id": "v2"}, {"transform"}),
+    (
+        "DataLoader.transform_id",
+        "tokens",
+        {"transform": add_two, "transform_id": "v2"},
+        {"transform"},
+    ),
     ("DataLoader.collate_fn", "tokens", {"collate_fn": doubling_collate}, {"transform"}),
 ]
 
 # the "seed (stream given)" base must carry the transform too: the seed then only changes the rng
-_BASE_OVERRIDES = {"DataLoader.seed (stream given)": {"transform": add_one, "transform_id": "plus-one"},
-                   "DataLoader.transform swapped": {"transform": add_one},
-                   "DataLoader.transform_id": {"transform": add_one, "transform_id": "v1"}}
+_BASE_OVERRIDES = {
+    "DataLoader.seed (stream given)": {"transform": add_one, "transform_id": "plus-one"},
+    "DataLoader.transform swapped": {"transform": add_one},
+    "DataLoader.transform_id": {"transform": add_one, "transform_id": "v1"},
+}
 
 
 def _randomized(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -209,22 +247,29 @@ def _randomized(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict
 
 def _case_configs(case: str, base: str, change: dict[str, Any]) -> tuple[Config, Config]:
     from dataclasses import replace
+
     over = dict(_BASE_OVERRIDES.get(case, {}))
     if case == "DataLoader.seed (stream given)":  # a seed-dependent transform, so bytes change
-        over, change = {"transform": _randomized, "transform_id": "rand"}, {
-            "seed": 6, "transform": _randomized, "transform_id": "rand"}
+        over, change = (
+            {"transform": _randomized, "transform_id": "rand"},
+            {"seed": 6, "transform": _randomized, "transform_id": "rand"},
+        )
     a = replace(BASE[base], **over)
     return a, replace(a, **change)
 
 
-@pytest.mark.parametrize(("case", "base", "change", "fields"), CHANGES_BYTES,
-                         ids=[c[0] for c in CHANGES_BYTES])
+@pytest.mark.parametrize(
+    ("case", "base", "change", "fields"), CHANGES_BYTES, ids=[c[0] for c in CHANGES_BYTES]
+)
 def test_byte_changing_parameter_is_refused_naming_its_field(
-        corpus: Corpus, case: str, base: str, change: dict[str, Any], fields: set[str]) -> None:
+    corpus: Corpus, case: str, base: str, change: dict[str, Any], fields: set[str]
+) -> None:
     a, b = _case_configs(case, base, change)
     state, base_next = saved_state(a, corpus)
     changed_fresh = fresh_suffix(b, corpus)
-    assert changed_fresh != base_next, f"{case}: the change does not change bytes; the table is wrong"
+    assert changed_fresh != base_next, (
+        f"{case}: the change does not change bytes; the table is wrong"
+    )
     loader = build(b, corpus)
     with pytest.raises(detdata.StateError) as info:
         loader.load_state_dict(state)
@@ -249,17 +294,29 @@ def test_byte_changing_parameter_is_refused_naming_its_field(
 # bytes happen to be equal: detdata cannot tell, so it never guesses in the unsafe direction
 IDENTITY_ONLY: list[tuple[str, str, dict[str, Any], dict[str, Any], set[str]]] = [
     ("ArrayDataset.name", "arrays", {}, {"array_name": "other"}, {"data"}),
-    ("DataLoader.transform_id", "tokens", {"transform": add_one, "transform_id": "v1"},
-     {"transform": add_one, "transform_id": "v2"}, {"transform"}),
+    (
+        "DataLoader.transform_id",
+        "tokens",
+        {"transform": add_one, "transform_id": "v1"},
+        {"transform": add_one, "transform_id": "v2"},
+        {"transform"},
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "base", "over", "change", "fields"), IDENTITY_ONLY,
-                         ids=[c[0] for c in IDENTITY_ONLY])
+@pytest.mark.parametrize(
+    ("case", "base", "over", "change", "fields"), IDENTITY_ONLY, ids=[c[0] for c in IDENTITY_ONLY]
+)
 def test_declared_identity_change_is_refused_even_with_equal_bytes(
-        corpus: Corpus, case: str, base: str, over: dict[str, Any], change: dict[str, Any],
-        fields: set[str]) -> None:
+    corpus: Corpus,
+    case: str,
+    base: str,
+    over: dict[str, Any],
+    change: dict[str, Any],
+    fields: set[str],
+) -> None:
     from dataclasses import replace
+
     a = replace(BASE[base], **over)
     b = replace(a, **change)
     state, base_next = saved_state(a, corpus)
@@ -284,9 +341,11 @@ NEUTRAL: list[tuple[str, str, dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize(("case", "base", "change"), NEUTRAL, ids=[c[0] for c in NEUTRAL])
-def test_parameter_that_keeps_bytes_resumes_silently(corpus: Corpus, case: str, base: str,
-                                                     change: dict[str, Any]) -> None:
+def test_parameter_that_keeps_bytes_resumes_silently(
+    corpus: Corpus, case: str, base: str, change: dict[str, Any]
+) -> None:
     from dataclasses import replace
+
     a = BASE[base]
     if case == "DataLoader.transform_id keeps":
         # documented: a transform_id names the transform's version; the function is not checked
@@ -305,10 +364,13 @@ def test_parameter_that_keeps_bytes_resumes_silently(corpus: Corpus, case: str, 
 
 def test_state_is_json_plain_and_names_transform_without_id(corpus: Corpus) -> None:
     from dataclasses import replace
+
     loader = build(replace(BASE["tokens"], transform=add_one, collate_fn=doubling_collate), corpus)
     state = loader.state_dict()
-    assert state["transform"] == ("transform:tests.loading.test_identity.add_one"
-                                  "+collate_fn:tests.loading.test_identity.doubling_collate")
+    assert state["transform"] == (
+        "transform:tests.loading.test_identity.add_one"
+        "+collate_fn:tests.loading.test_identity.doubling_collate"
+    )
     assert state["stream_seed"] is None  # the loader ordered the dataset itself, with `seed`
     assert json.loads(json.dumps(state)) == state
 
@@ -316,6 +378,7 @@ def test_state_is_json_plain_and_names_transform_without_id(corpus: Corpus) -> N
 def test_issue_example_mixture_seed_no_longer_resumes_silently(corpus: Corpus) -> None:
     """Mixture(seed=1) state into a Mixture(seed=2) loader: refused; allowed, the epoch stays exact."""
     from dataclasses import replace
+
     a, b = replace(BASE["mixture"], stream_seed=1), replace(BASE["mixture"], stream_seed=2)
     state, _ = saved_state(a, corpus)
     with pytest.raises(detdata.StateError, match=r"stream_seed: saved 1, current 2"):
@@ -331,6 +394,7 @@ def test_format_1_state_is_upgraded_with_its_stream_seed(corpus: Corpus) -> None
     same.load_state_dict(old)
     assert same.samples_consumed == state["samples_consumed"]
     from dataclasses import replace
+
     with pytest.raises(detdata.StateError) as info:
         build(replace(BASE["mixture"], stream_seed=99), corpus).load_state_dict(old)
     assert info.value.fields == ("stream_seed",)
@@ -345,14 +409,18 @@ def test_edited_stream_seed_is_inconsistent(corpus: Corpus) -> None:
 
 def test_transform_id_must_be_a_non_empty_string(corpus: Corpus) -> None:
     from dataclasses import replace
+
     for bad in ("", 3):
         with pytest.raises(detdata.ConfigError, match="transform_id"):
             build(replace(BASE["tokens"], transform=add_one, transform_id=bad), corpus)  # type: ignore[arg-type]
 
 
-def test_state_leaves_are_json_plain_and_load_with_weights_only(corpus: Corpus, tmp_path: Any) -> None:
+def test_state_leaves_are_json_plain_and_load_with_weights_only(
+    corpus: Corpus, tmp_path: Any
+) -> None:
     """Every leaf is str/int/float/bool/None (no str subclasses such as torch's TorchVersion)."""
     from dataclasses import replace
+
     loader = build(replace(BASE["mixture"], transform=add_one), corpus)
     list(take(loader, 2))
     state = loader.state_dict()
@@ -366,14 +434,18 @@ def test_state_leaves_are_json_plain_and_load_with_weights_only(corpus: Corpus, 
             for i, v in enumerate(node):
                 walk(v, f"{where}[{i}]")
         else:
-            assert type(node) in (str, int, float, bool, type(None)), f"{where}: {type(node).__name__}"
+            assert type(node) in (str, int, float, bool, type(None)), (
+                f"{where}: {type(node).__name__}"
+            )
 
     walk(state, "state")
     torch.save({"loader": state}, tmp_path / "ckpt.pt")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"] == state
 
 
-def scale(sample: dict[str, np.ndarray], rng: np.random.Generator, *, k: int) -> dict[str, np.ndarray]:
+def scale(
+    sample: dict[str, np.ndarray], rng: np.random.Generator, *, k: int
+) -> dict[str, np.ndarray]:
     return {key: v * k for key, v in sample.items()}
 
 
@@ -381,7 +453,9 @@ class Scale:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def __call__(self, sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def __call__(
+        self, sample: dict[str, np.ndarray], rng: np.random.Generator
+    ) -> dict[str, np.ndarray]:
         return {key: v * self.k for key, v in sample.items()}
 
 
@@ -394,20 +468,27 @@ def _collate_times(batch: dict[str, np.ndarray], *, k: int) -> dict[str, torch.T
 
 
 PARAMETRISED = [
-    ("partial arguments", {"transform": functools.partial(scale, k=1)},
-     {"transform": functools.partial(scale, k=1000)}),
+    (
+        "partial arguments",
+        {"transform": functools.partial(scale, k=1)},
+        {"transform": functools.partial(scale, k=1000)},
+    ),
     ("callable object attributes", {"transform": Scale(1)}, {"transform": Scale(7)}),
-    ("collate swapped under one transform_id", {"transform": add_one, "transform_id": "tok-v1",
-                                                "collate_fn": collate_times(1)},
-     {"transform": add_one, "transform_id": "tok-v1", "collate_fn": collate_times(100)}),
+    (
+        "collate swapped under one transform_id",
+        {"transform": add_one, "transform_id": "tok-v1", "collate_fn": collate_times(1)},
+        {"transform": add_one, "transform_id": "tok-v1", "collate_fn": collate_times(100)},
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "over", "change"), PARAMETRISED, ids=[p[0] for p in PARAMETRISED])
-def test_reparametrised_transform_or_collate_is_refused(corpus: Corpus, case: str, over: dict[str, Any],
-                                                        change: dict[str, Any]) -> None:
+def test_reparametrised_transform_or_collate_is_refused(
+    corpus: Corpus, case: str, over: dict[str, Any], change: dict[str, Any]
+) -> None:
     """Same function, other bound parameters: other bytes, so the `transform` field differs."""
     from dataclasses import replace
+
     a = replace(BASE["tokens"], **over)
     b = replace(BASE["tokens"], **change)
     state, base_next = saved_state(a, corpus)
@@ -424,6 +505,7 @@ def test_reparametrised_transform_or_collate_is_refused(corpus: Corpus, case: st
 def test_format_1_state_with_equal_seeds_resumes_the_same_loader(corpus: Corpus, kind: str) -> None:
     """The common setup (stream seed == loader seed) saved in format 1 resumes the same loader."""
     from dataclasses import replace
+
     config = replace(BASE[kind], stream_seed=5, seed=5)
     state, base_next = saved_state(config, corpus)
     old = {k: v for k, v in state.items() if k not in ("stream_seed", "transform")}

@@ -23,16 +23,32 @@ N = 1000  # samples
 
 def dataset(n: int = N, width: int = 6) -> detdata.ArrayDataset:
     ids = np.arange(n, dtype=np.int64)
-    return detdata.ArrayDataset({"id": ids, "x": (ids[:, None] * 7 + np.arange(width)).astype(np.int32)})
+    return detdata.ArrayDataset(
+        {"id": ids, "x": (ids[:, None] * 7 + np.arange(width)).astype(np.int32)}
+    )
 
 
-def global_steps(world: int, micro: int, workers: int, steps: int, gbs: int = 16, seed: int = 3,
-                 start_state: dict[str, Any] | None = None) -> list[bytes]:
+def global_steps(
+    world: int,
+    micro: int,
+    workers: int,
+    steps: int,
+    gbs: int = 16,
+    seed: int = 3,
+    start_state: dict[str, Any] | None = None,
+) -> list[bytes]:
     """Bytes of each global step, concatenated over ranks in position order."""
     loaders = []
     for rank in range(world):
-        dl = DataLoader(dataset(), global_batch_size=gbs, micro_batch_size=micro, seed=seed,
-                        rank=rank, world_size=world, num_workers=workers)
+        dl = DataLoader(
+            dataset(),
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            seed=seed,
+            rank=rank,
+            world_size=world,
+            num_workers=workers,
+        )
         if start_state is not None:
             dl.load_state_dict(start_state)
         loaders.append(list(take(dl, steps * gbs // (micro * world))))
@@ -50,7 +66,9 @@ def global_steps(world: int, micro: int, workers: int, steps: int, gbs: int = 16
 
 def test_micro_batches_follow_design_positions() -> None:
     order = detdata.GlobalOrder(N, 3)
-    dl = DataLoader(dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=1, world_size=4)
+    dl = DataLoader(
+        dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=1, world_size=4
+    )
     for j, batch in enumerate(take(dl, 5)):
         step, k = divmod(j, 2)  # 2 micro steps per step (16 / (2*4))
         first = step * 16 + k * 8 + 1 * 2
@@ -67,8 +85,12 @@ def test_reshard_matrix_global_steps_identical(workers: int) -> None:
 
 
 def test_state_saved_at_world4_resumes_at_2_and_1() -> None:
-    ranks = [DataLoader(dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=r, world_size=4)
-             for r in range(4)]
+    ranks = [
+        DataLoader(
+            dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=r, world_size=4
+        )
+        for r in range(4)
+    ]
     for dl in ranks:
         list(take(dl, 6))  # 6 micro steps = 3 global steps
     states = [dl.state_dict() for dl in ranks]
@@ -82,25 +104,35 @@ def test_state_saved_at_world4_resumes_at_2_and_1() -> None:
 def test_resume_at_every_step_of_50_step_run() -> None:
     def make() -> DataLoader:
         return DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=11)
+
     reference = check_resume_everywhere(make, 100)  # 50 steps x 2 micro batches
     assert len(set(reference)) == len(reference)
 
 
 def test_resume_with_workers_at_several_steps() -> None:
     def make() -> DataLoader:
-        return DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=11, num_workers=2,
-                          prefetch_factor=4)
+        return DataLoader(
+            dataset(),
+            global_batch_size=8,
+            micro_batch_size=4,
+            seed=11,
+            num_workers=2,
+            prefetch_factor=4,
+        )
+
     straight = make()
     states: list[dict[str, Any]] = []
     reference = run_digests(straight, 30, states)
     for k in (0, 7, 18, 29):
         resumed = make()
         resumed.load_state_dict(states[k])
-        assert run_digests(resumed, 30 - k - 1) == reference[k + 1:]
+        assert run_digests(resumed, 30 - k - 1) == reference[k + 1 :]
 
 
 def test_state_counts_delivered_not_prefetched() -> None:
-    dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=1, num_workers=2, prefetch_factor=8)
+    dl = DataLoader(
+        dataset(), global_batch_size=8, micro_batch_size=4, seed=1, num_workers=2, prefetch_factor=8
+    )
     it = iter(dl)
     next(it)
     next(it)
@@ -117,7 +149,7 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
         import numpy as np
         import detdata
         from tests.resume_checker import run_digests
-        ds = detdata.ArrayDataset({{"x": np.load({str(tmp_path / 'data.npy')!r})}})
+        ds = detdata.ArrayDataset({{"x": np.load({str(tmp_path / "data.npy")!r})}})
         dl = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, seed=5)
         if len(sys.argv) > 1:
             dl.load_state_dict(json.load(open(sys.argv[1])))
@@ -131,8 +163,13 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
     run_digests(fresh, 17)
     (tmp_path / "state.json").write_text(json.dumps(fresh.state_dict()))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "state.json"), "23"],
-                         check=True, capture_output=True, text=True, env=env).stdout
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "state.json"), "23"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
     assert json.loads(out) == reference[17:]
 
 
@@ -140,8 +177,15 @@ def test_one_epoch_has_no_repeats_or_skips_any_layout() -> None:
     for world, micro in ((1, 8), (2, 4), (4, 1)):
         seen: list[int] = []
         for rank in range(world):
-            dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=micro, seed=9, rank=rank,
-                            world_size=world, total_samples=N)
+            dl = DataLoader(
+                dataset(),
+                global_batch_size=8,
+                micro_batch_size=micro,
+                seed=9,
+                rank=rank,
+                world_size=world,
+                total_samples=N,
+            )
             seen.extend(int(v) for b in dl for v in b["id"])
         assert sorted(seen) == list(range(N))
 
@@ -161,12 +205,22 @@ def test_transform_randomness_depends_only_on_position() -> None:
     def noise_by_id(world: int, workers: int, micro: int) -> dict[int, tuple[int, ...]]:
         found: dict[int, tuple[int, ...]] = {}
         for rank in range(world):
-            dl = DataLoader(dataset(), global_batch_size=16, micro_batch_size=micro, seed=2, rank=rank,
-                            world_size=world, num_workers=workers, transform=_noisy, total_samples=64)
+            dl = DataLoader(
+                dataset(),
+                global_batch_size=16,
+                micro_batch_size=micro,
+                seed=2,
+                rank=rank,
+                world_size=world,
+                num_workers=workers,
+                transform=_noisy,
+                total_samples=64,
+            )
             for batch in dl:
                 for i, v in zip(batch["id"].tolist(), batch["noise"].tolist(), strict=True):
                     found[i] = tuple(v)
         return found
+
     a = noise_by_id(1, 0, 16)
     assert a == noise_by_id(2, 2, 4) == noise_by_id(4, 0, 2)
     assert len(set(a.values())) == len(a), "different positions must get different randomness"
@@ -176,23 +230,38 @@ def test_worker_globals_seeded_from_seed_rank_worker() -> None:
     def draws(seed: int, rank: int) -> list[int]:
         class Probe:
             num_samples = N
+
             def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
                 return {"r": np.full(len(ids), np.random.randint(0, 2**31), dtype=np.int64)}
+
             def identity(self) -> dict[str, Any]:
                 return {"type": "probe"}
-        dl = DataLoader(Probe(), global_batch_size=4, micro_batch_size=2, seed=seed, rank=rank, world_size=2,
-                        num_workers=2, total_samples=16)
+
+        dl = DataLoader(
+            Probe(),
+            global_batch_size=4,
+            micro_batch_size=2,
+            seed=seed,
+            rank=rank,
+            world_size=2,
+            num_workers=2,
+            total_samples=16,
+        )
         return [int(b["r"][0]) for b in dl]
+
     assert draws(1, 0) == draws(1, 0)
     assert draws(1, 0) != draws(1, 1)
     assert draws(1, 0) != draws(2, 0)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"seed": 99}, "seed"),
-    ({"global_batch_size": 16, "micro_batch_size": 4}, "global_batch_size"),
-    ({"data": "other"}, "data"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"seed": 99}, "seed"),
+        ({"global_batch_size": 16, "micro_batch_size": 4}, "global_batch_size"),
+        ({"data": "other"}, "data"),
+    ],
+)
 def test_mismatched_state_refused_naming_fields(kwargs: dict[str, Any], field: str) -> None:
     base = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=1)
     list(take(base, 3))
@@ -212,13 +281,18 @@ def test_other_manifest_refused_naming_manifests(tmp_path: Path) -> None:
     def loader(seed_file: int) -> DataLoader:
         class FromManifest:
             num_samples = 10
+
             def __init__(self, mid: str) -> None:
                 self.mid = mid
+
             def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
                 return {"x": ids}
+
             def identity(self) -> dict[str, Any]:
                 return {"type": "fake_manifest_reader", "manifest": self.mid}
+
         return DataLoader(FromManifest(f"b3:{seed_file:064x}"), global_batch_size=2)
+
     state = loader(1).state_dict()
     with pytest.raises(detdata.StateError, match="manifests"):
         loader(2).load_state_dict(state)
@@ -228,18 +302,30 @@ def test_state_is_pure_json_with_documented_fields() -> None:
     dl = DataLoader(dataset(), global_batch_size=8, seed=4)
     state = dl.state_dict()
     assert json.loads(json.dumps(state)) == state
-    for key in ("format_version", "samples_consumed", "seed", "manifests", "algorithm", "mixture",
-                "global_batch_size", "layout", "environment"):
+    for key in (
+        "format_version",
+        "samples_consumed",
+        "seed",
+        "manifests",
+        "algorithm",
+        "mixture",
+        "global_batch_size",
+        "layout",
+        "environment",
+    ):
         assert key in state
     assert state["algorithm"] == ["feistel-v1"]
 
 
-@pytest.mark.parametrize("bad", [
-    {"kind": "detdata.loader_state", "format_version": 99},
-    {"kind": "something"},
-    "not json",
-    [1, 2],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "detdata.loader_state", "format_version": 99},
+        {"kind": "something"},
+        "not json",
+        [1, 2],
+    ],
+)
 def test_malformed_state_refused(bad: Any) -> None:
     dl = DataLoader(dataset(), global_batch_size=8)
     with pytest.raises(detdata.StateError):
@@ -262,14 +348,17 @@ def test_resume_off_micro_step_boundary_refused() -> None:
         other.load_state_dict(dl.state_dict())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"global_batch_size": 10, "world_size": 4, "rank": 0}, "divisible"),
-    ({"global_batch_size": 8, "micro_batch_size": 3}, "divisible"),
-    ({"global_batch_size": 8, "rank": 2, "world_size": 2}, "rank"),
-    ({"global_batch_size": 0}, "global_batch_size"),
-    ({"global_batch_size": 8, "seed": -1}, "seed"),
-    ({"global_batch_size": 8, "total_samples": 12}, "total_samples"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"global_batch_size": 10, "world_size": 4, "rank": 0}, "divisible"),
+        ({"global_batch_size": 8, "micro_batch_size": 3}, "divisible"),
+        ({"global_batch_size": 8, "rank": 2, "world_size": 2}, "rank"),
+        ({"global_batch_size": 0}, "global_batch_size"),
+        ({"global_batch_size": 8, "seed": -1}, "seed"),
+        ({"global_batch_size": 8, "total_samples": 12}, "total_samples"),
+    ],
+)
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(detdata.ConfigError, match=match):
         DataLoader(dataset(), **kwargs)
@@ -295,26 +384,37 @@ def test_same_seed_same_bytes_different_seed_differs() -> None:
 
 def test_thread_workers_same_bytes_and_resume() -> None:
     def make(mode: str, workers: int) -> DataLoader:
-        return DataLoader(dataset(), global_batch_size=16, micro_batch_size=4, seed=8, num_workers=workers,
-                          worker_mode=mode, transform=_noisy)
+        return DataLoader(
+            dataset(),
+            global_batch_size=16,
+            micro_batch_size=4,
+            seed=8,
+            num_workers=workers,
+            worker_mode=mode,
+            transform=_noisy,
+        )
+
     states: list[dict[str, Any]] = []
     reference = run_digests(make("process", 0), 24)
     assert run_digests(make("thread", 2), 24, states) == reference
     for k in (0, 5, 13):
         resumed = make("thread", 3)
         resumed.load_state_dict(states[k])
-        assert run_digests(resumed, 24 - k - 1) == reference[k + 1:]
+        assert run_digests(resumed, 24 - k - 1) == reference[k + 1 :]
 
 
 def test_thread_worker_error_names_positions_and_keeps_state() -> None:
     class Failing:
         num_samples = N
+
         def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
             if (ids == 7).any():
                 raise OSError("disk gone")
             return {"id": ids}
+
         def identity(self) -> dict[str, Any]:
             return {"type": "failing"}
+
     dl = DataLoader(Failing(), global_batch_size=4, seed=0, num_workers=2, worker_mode="thread")
     order = detdata.GlobalOrder(N, 0)
     bad_step = int(np.flatnonzero(order.ids(np.arange(N)) == 7)[0]) // 4
@@ -333,8 +433,16 @@ def test_worker_mode_validated() -> None:
 @pytest.mark.parametrize("read_ahead", [1, 3, 4, 64])
 def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
     def make(ra: int, **kw: Any) -> DataLoader:
-        return DataLoader(dataset(), global_batch_size=16, micro_batch_size=4, seed=6, read_ahead=ra,
-                          total_samples=16 * 7, **kw)
+        return DataLoader(
+            dataset(),
+            global_batch_size=16,
+            micro_batch_size=4,
+            seed=6,
+            read_ahead=ra,
+            total_samples=16 * 7,
+            **kw,
+        )
+
     reference = [digest(b) for b in make(1)]
     assert len(reference) == 28
     assert [digest(b) for b in make(read_ahead)] == reference
@@ -349,18 +457,26 @@ def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
 def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: str) -> None:
     class FailsAt:
         num_samples = N
+
         def read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
             if (ids == bad_id).any():
                 raise OSError(f"cannot read sample {bad_id}")
             return {"id": ids}
+
         def identity(self) -> dict[str, Any]:
             return {"type": "fails-at"}
+
     order = detdata.GlobalOrder(N, 2)
     bad_position = 4 * 9 + 2  # third sample of micro batch 9: inside the 3rd group of 4
     bad_id = int(order[bad_position])
-    dl = DataLoader(FailsAt(), global_batch_size=4, seed=2, read_ahead=4,
-                    num_workers=0 if mode == "inline" else 2,
-                    worker_mode="thread" if mode == "thread" else "process")
+    dl = DataLoader(
+        FailsAt(),
+        global_batch_size=4,
+        seed=2,
+        read_ahead=4,
+        num_workers=0 if mode == "inline" else 2,
+        worker_mode="thread" if mode == "thread" else "process",
+    )
     delivered = []
     with pytest.raises(OSError, match="cannot read sample"):
         for batch in dl:
@@ -403,7 +519,9 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
     """With the default collate, what a worker process returns for a group (the unit torch
     transfers) holds one tensor per column, its micro batches views of it; the batches then
     delivered own their memory and carry the same bytes as a plain run."""
-    dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=4, num_workers=2, read_ahead=4)
+    dl = DataLoader(
+        dataset(), global_batch_size=8, micro_batch_size=4, seed=4, num_workers=2, read_ahead=4
+    )
     reader = dl._reader(in_worker=True)
     group = [dl.layout.positions(j) for j in range(4)]
     sent = reader(group)
@@ -411,15 +529,26 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
     assert len(storages) == 1 and sent.error is None
     batches = list(take(dl, 8))
     assert all(b["x"].untyped_storage().nbytes() == b["x"].nbytes for b in batches)
-    reference = list(take(DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=4), 8))
+    reference = list(
+        take(DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=4), 8)
+    )
     assert [digest(b) for b in batches] == [digest(b) for b in reference]
 
 
 def test_persistent_workers_resume_mid_group() -> None:
     """Loading a state between iterations restarts the persistent workers' groups at that position."""
+
     def make() -> DataLoader:
-        return DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, seed=9, num_workers=2,
-                          persistent_workers=True, read_ahead=4)
+        return DataLoader(
+            dataset(),
+            global_batch_size=8,
+            micro_batch_size=4,
+            seed=9,
+            num_workers=2,
+            persistent_workers=True,
+            read_ahead=4,
+        )
+
     reference = [digest(b) for b in take(make(), 24)]
     dl = make()
     for _ in take(dl, 7):  # stop inside the second group of 4

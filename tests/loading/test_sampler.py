@@ -44,6 +44,7 @@ def test_stateful_dataloader_resume_gives_exact_next_batch(workers: int) -> None
     def make() -> StatefulDataLoader:
         sampler = DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=4, seed=5)
         return StatefulDataLoader(Rows(), batch_sampler=sampler, num_workers=workers)
+
     straight = [digest(b) for _, b in zip(range(20), make(), strict=False)]
     dl = make()
     it = iter(dl)
@@ -57,8 +58,12 @@ def test_stateful_dataloader_resume_gives_exact_next_batch(workers: int) -> None
 
 
 def test_state_after_for_vanilla_loader_and_reshard() -> None:
-    ranks = [DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=2, seed=5, rank=r, world_size=2)
-             for r in range(2)]
+    ranks = [
+        DeterministicBatchSampler(
+            N, global_batch_size=8, micro_batch_size=2, seed=5, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
     iters = [iter(s) for s in ranks]
     for it in iters:
         for _ in range(6):
@@ -80,7 +85,10 @@ def test_mismatched_state_lists_fields() -> None:
 
 
 def test_mixture_sampler_yields_source_and_id_like_the_loader() -> None:
-    sources = {"a": detdata.ArrayDataset({"x": np.arange(50)}), "b": detdata.ArrayDataset({"x": np.arange(30) + 1000})}
+    sources = {
+        "a": detdata.ArrayDataset({"x": np.arange(50)}),
+        "b": detdata.ArrayDataset({"x": np.arange(30) + 1000}),
+    }
     mix = detdata.Mixture(sources, {"a": "0.6", "b": "0.4"}, seed=4)
     sampler = DeterministicBatchSampler(mix, global_batch_size=8, micro_batch_size=4)
     items = [b for _, b in zip(range(6), sampler, strict=False)]
@@ -91,8 +99,11 @@ def test_mixture_sampler_yields_source_and_id_like_the_loader() -> None:
         assert [i if s == "a" else i + 1000 for s, i in batch] == expected
     state = sampler.state_dict()
     assert state["mixture"] == mix.fingerprint() and state["num_samples"] is None
-    other = DeterministicBatchSampler(detdata.Mixture(sources, {"a": "0.5", "b": "0.5"}, seed=4),
-                                      global_batch_size=8, micro_batch_size=4)
+    other = DeterministicBatchSampler(
+        detdata.Mixture(sources, {"a": "0.5", "b": "0.5"}, seed=4),
+        global_batch_size=8,
+        micro_batch_size=4,
+    )
     with pytest.raises(detdata.StateError) as err:
         other.load_state_dict(state)
     assert err.value.fields == ("mixture",)

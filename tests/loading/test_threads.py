@@ -99,8 +99,11 @@ def test_closing_early_does_not_hang_and_leaves_no_threads() -> None:
     gen.close()
     assert time.monotonic() - t0 < 5
     time.sleep(0.05)
-    leftover = [t for t in threading.enumerate()
-                if t.ident not in before and t.name.startswith("detdata-read")]
+    leftover = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and t.name.startswith("detdata-read")
+    ]
     assert leftover == []
 
 

@@ -25,10 +25,22 @@ def _ds(offset: int = 0) -> detdata.ArrayDataset:
     return detdata.ArrayDataset({"x": x})
 
 
-def _trace(path: Path, micro: int, workers: int = 0, resume_at: int | None = None, offset: int = 0,
-           steps: int = 20) -> list[dict[str, object]]:
-    dl = detdata.DataLoader(_ds(offset), global_batch_size=8, micro_batch_size=micro, seed=4, trace=path,
-                            num_workers=workers)
+def _trace(
+    path: Path,
+    micro: int,
+    workers: int = 0,
+    resume_at: int | None = None,
+    offset: int = 0,
+    steps: int = 20,
+) -> list[dict[str, object]]:
+    dl = detdata.DataLoader(
+        _ds(offset),
+        global_batch_size=8,
+        micro_batch_size=micro,
+        seed=4,
+        trace=path,
+        num_workers=workers,
+    )
     if resume_at is not None:
         first = detdata.DataLoader(_ds(offset), global_batch_size=8, micro_batch_size=micro, seed=4)
         list(take(first, resume_at * 8 // micro))
@@ -40,8 +52,12 @@ def _trace(path: Path, micro: int, workers: int = 0, resume_at: int | None = Non
 
 
 def _diff(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "detdata.cli.main", "diff", str(a), str(b)],
-                          capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "detdata.cli.main", "diff", str(a), str(b)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def test_trace_records_are_micro_batch_and_worker_invariant(tmp_path: Path) -> None:

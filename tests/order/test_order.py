@@ -39,8 +39,9 @@ MAX_POS = (1 << 63) - 1
 # --------------------------------------------------------------------------
 def ref_keys(seed: int, epoch: int) -> list[int]:
     material = blake3.blake3(b"detdata:feistel-v1" + struct.pack("<QQ", seed, epoch)).digest(
-        length=8 * 8)
-    return [int.from_bytes(material[8 * r: 8 * r + 8], "little") for r in range(8)]
+        length=8 * 8
+    )
+    return [int.from_bytes(material[8 * r : 8 * r + 8], "little") for r in range(8)]
 
 
 def ref_f(key: int, value: int) -> int:
@@ -249,8 +250,11 @@ def test_key_table_matches_round_keys() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(n=small_or_any_n, seed=seeds,
-       positions=st.lists(st.integers(0, MAX_POS), min_size=2, max_size=40))
+@given(
+    n=small_or_any_n,
+    seed=seeds,
+    positions=st.lists(st.integers(0, MAX_POS), min_size=2, max_size=40),
+)
 def test_multi_epoch_matches_scalar_and_reference(n: int, seed: int, positions: list[int]) -> None:
     pos = np.array(positions, dtype=np.int64)
     got = GlobalOrder(n, seed).ids(pos)
@@ -259,7 +263,11 @@ def test_multi_epoch_matches_scalar_and_reference(n: int, seed: int, positions: 
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 8), seed=seeds, offsets=st.lists(st.integers(0, 10**6), min_size=2, max_size=30))
+@given(
+    n=st.integers(1, 8),
+    seed=seeds,
+    offsets=st.lists(st.integers(0, 10**6), min_size=2, max_size=30),
+)
 def test_tiny_n_huge_positions(n: int, seed: int, offsets: list[int]) -> None:
     positions = [MAX_POS - d for d in offsets] + offsets
     got = GlobalOrder(n, seed).ids(np.array(positions, dtype=np.int64))
@@ -267,10 +275,16 @@ def test_tiny_n_huge_positions(n: int, seed: int, offsets: list[int]) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 3000), seed=seeds, first=st.integers(0, 10**9), epochs=st.integers(1, 12),
-       perm_seed=st.integers(0, 2**32 - 1))
-def test_shuffled_full_epochs_are_permutations(n: int, seed: int, first: int, epochs: int,
-                                               perm_seed: int) -> None:
+@given(
+    n=st.integers(1, 3000),
+    seed=seeds,
+    first=st.integers(0, 10**9),
+    epochs=st.integers(1, 12),
+    perm_seed=st.integers(0, 2**32 - 1),
+)
+def test_shuffled_full_epochs_are_permutations(
+    n: int, seed: int, first: int, epochs: int, perm_seed: int
+) -> None:
     """Whole epochs requested in shuffled order (cycle walking on mixed keys): each epoch
     is a permutation and equals its single-epoch request."""
     order = GlobalOrder(n, seed)
@@ -286,9 +300,15 @@ def test_shuffled_full_epochs_are_permutations(n: int, seed: int, first: int, ep
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=small_or_any_n, seed=seeds,
-       pos=hnp.arrays(np.int64, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
-                      elements=st.integers(0, MAX_POS)))
+@given(
+    n=small_or_any_n,
+    seed=seeds,
+    pos=hnp.arrays(
+        np.int64,
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+        elements=st.integers(0, MAX_POS),
+    ),
+)
 def test_multi_epoch_any_shape(n: int, seed: int, pos: np.ndarray) -> None:
     order = GlobalOrder(n, seed)
     got = order.ids(pos)
@@ -314,14 +334,19 @@ def test_mixed_single_and_multi_epoch_chunks(n: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 5000), seed=seeds,
-       items=st.lists(st.tuples(st.integers(0, 4999), st.integers(0, 2**64 - 1)), min_size=1, max_size=50))
+@given(
+    n=st.integers(1, 5000),
+    seed=seeds,
+    items=st.lists(
+        st.tuples(st.integers(0, 4999), st.integers(0, 2**64 - 1)), min_size=1, max_size=50
+    ),
+)
 def test_permute_epochs_matches_permute(n: int, seed: int, items: list[tuple[int, int]]) -> None:
     local = np.array([i % n for i, _ in items], dtype=np.uint64)
     epochs = np.array([e for _, e in items], dtype=np.uint64)
     before = local.copy(), epochs.copy()
     got = permute_epochs(local, epochs, n, seed)
-    want = [int(permute(local[j: j + 1], n, seed, int(epochs[j]))[0]) for j in range(local.size)]
+    want = [int(permute(local[j : j + 1], n, seed, int(epochs[j]))[0]) for j in range(local.size)]
     assert got.tolist() == want
     np.testing.assert_array_equal(local, before[0])
     np.testing.assert_array_equal(epochs, before[1])
@@ -388,8 +413,10 @@ def test_no_per_sample_memory_at_huge_n() -> None:
     assert peak < 2_000_000, f"peak {peak} bytes for 10k positions"
 
 
-@pytest.mark.parametrize(("n", "seed"), [(0, 1), (-1, 1), (MAX_SAMPLES, 1), (10, -1),
-                                         (10, 1 << 64), (10, 1.5), (True, 1), (10, "1")])
+@pytest.mark.parametrize(
+    ("n", "seed"),
+    [(0, 1), (-1, 1), (MAX_SAMPLES, 1), (10, -1), (10, 1 << 64), (10, 1.5), (True, 1), (10, "1")],
+)
 def test_bad_arguments_raise_config_error(n: Any, seed: Any) -> None:
     with pytest.raises(ConfigError):
         GlobalOrder(n, seed)

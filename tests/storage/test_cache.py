@@ -34,8 +34,9 @@ SIZES = (4000, 3500, 4200, 3000, 3900, 4100)  # uint16: ~7-8 KB per shard
 
 
 @pytest.fixture(scope="module")
-def served(http_server: HttpServer, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Manifest, Manifest, Path]:
+def served(
+    http_server: HttpServer, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Manifest, Manifest, Path]:
     """(local manifest, the same manifest rooted at nginx, served directory)."""
     local_dir = tmp_path_factory.mktemp("cache-local")
     rng = np.random.default_rng(5)
@@ -57,8 +58,9 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_fill_is_verified_named_by_blake3_and_reused(served: tuple[Manifest, Manifest, Path],
-                                                     tmp_path: Path) -> None:
+def test_fill_is_verified_named_by_blake3_and_reused(
+    served: tuple[Manifest, Manifest, Path], tmp_path: Path
+) -> None:
     local, remote, directory = served
     ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
     ref = TokenWindows(local, SEQ)
@@ -75,7 +77,9 @@ def test_fill_is_verified_named_by_blake3_and_reused(served: tuple[Manifest, Man
     moved = directory.with_name(directory.name + "-moved")
     directory.rename(moved)
     try:
-        again = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off")
+        again = TokenWindows(
+            remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off"
+        )
         np.testing.assert_array_equal(again.read(ids)["tokens"], ref.read(ids)["tokens"])
         assert again.cache is not None
         assert again.cache.stats.fills == 0 and again.cache.stats.hits == len(SIZES)
@@ -83,9 +87,9 @@ def test_fill_is_verified_named_by_blake3_and_reused(served: tuple[Manifest, Man
         moved.rename(directory)
 
 
-def test_corrupted_cache_file_is_detected_and_refetched(served: tuple[Manifest, Manifest, Path],
-                                                        tmp_path: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupted_cache_file_is_detected_and_refetched(
+    served: tuple[Manifest, Manifest, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     local, remote, _ = served
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)
@@ -109,7 +113,8 @@ def test_corrupted_cache_file_is_detected_and_refetched(served: tuple[Manifest, 
 
 
 def test_full_verify_on_open_catches_a_flip_the_quick_check_cannot_see(
-        http_server: HttpServer, tmp_path: Path) -> None:
+    http_server: HttpServer, tmp_path: Path
+) -> None:
     directory, url = http_server.new_dir()
     np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB > 2 x 1 MiB
     entry = build_manifest(url).shards[0]
@@ -129,7 +134,8 @@ def test_full_verify_on_open_catches_a_flip_the_quick_check_cannot_see(
 
 
 def test_cache_stays_under_its_byte_bound_with_lru_eviction(
-        served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
+    served: tuple[Manifest, Manifest, Path], tmp_path: Path
+) -> None:
     local, remote, _ = served
     bound = 20_000  # room for 2 shards of ~8 KB
     ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=bound)
@@ -158,8 +164,9 @@ def test_cache_stays_under_its_byte_bound_with_lru_eviction(
     assert names == {a.blake3[3:], c.blake3[3:]}
 
 
-def test_shard_larger_than_the_cache_is_refused(served: tuple[Manifest, Manifest, Path],
-                                                tmp_path: Path) -> None:
+def test_shard_larger_than_the_cache_is_refused(
+    served: tuple[Manifest, Manifest, Path], tmp_path: Path
+) -> None:
     _, remote, _ = served
     ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=5000)
     with pytest.raises(ConfigError, match=r"shard s0\.npy .* more than the whole cache"):
@@ -167,7 +174,8 @@ def test_shard_larger_than_the_cache_is_refused(served: tuple[Manifest, Manifest
 
 
 def test_changed_remote_object_fails_the_fill_with_expected_and_found(
-        http_server: HttpServer, tmp_path: Path) -> None:
+    http_server: HttpServer, tmp_path: Path
+) -> None:
     directory, url = http_server.new_dir()
     np.save(directory / "x.npy", np.arange(5000, dtype=np.uint16))
     entry = build_manifest(url).shards[0]
@@ -185,8 +193,7 @@ def test_changed_remote_object_fails_the_fill_with_expected_and_found(
 
 def _fill_all(cache_dir: str, manifest_json: str, url: str, queue: Any) -> None:
     manifest = Manifest.loads(manifest_json, root=url)
-    cache = ShardCache(cache_dir, 1 << 20, retry=RetryPolicy(deadline_s=20,
-                                                             attempt_timeout_s=2))
+    cache = ShardCache(cache_dir, 1 << 20, retry=RetryPolicy(deadline_s=20, attempt_timeout_s=2))
     fs = fsspec.filesystem("http", skip_instance_cache=True)
     for entry in manifest.shards:
         cache.path(entry, fs, manifest.url(entry), manifest.url(entry))
@@ -194,7 +201,8 @@ def _fill_all(cache_dir: str, manifest_json: str, url: str, queue: Any) -> None:
 
 
 def test_processes_sharing_a_cache_fill_each_shard_once(
-        served: tuple[Manifest, Manifest, Path], http_server: HttpServer, tmp_path: Path) -> None:
+    served: tuple[Manifest, Manifest, Path], http_server: HttpServer, tmp_path: Path
+) -> None:
     _, remote, _ = served
     with FaultProxy(http_server.port) as proxy:  # a slow link makes the fills overlap
         proxy.set_plan(schedule(rate_bps=80_000))
@@ -203,8 +211,11 @@ def test_processes_sharing_a_cache_fill_each_shard_once(
         queue = ctx.Queue()
         doc = Manifest.to_json(remote)
         import json
-        procs = [ctx.Process(target=_fill_all, args=(str(tmp_path), json.dumps(doc), url, queue))
-                 for _ in range(3)]
+
+        procs = [
+            ctx.Process(target=_fill_all, args=(str(tmp_path), json.dumps(doc), url, queue))
+            for _ in range(3)
+        ]
         for p in procs:
             p.start()
         fills = [queue.get(timeout=60) for _ in procs]
@@ -219,6 +230,7 @@ def test_processes_sharing_a_cache_fill_each_shard_once(
 def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     directory, url = http_server.new_dir()
     table = pa.table({"row": np.arange(200, dtype=np.int64), "text": [f"t{i}" for i in range(200)]})
     pq.write_table(table.slice(0, 120), directory / "a.parquet", row_group_size=50)
@@ -245,7 +257,8 @@ def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: 
 
 
 def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
-        served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
+    served: tuple[Manifest, Manifest, Path], tmp_path: Path
+) -> None:
     _, remote, _ = served
     new = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
     with pytest.warns(DeprecationWarning, match="use shard_cache_bytes"):
@@ -263,7 +276,8 @@ def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
 
 
 def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
-        http_server: HttpServer, tmp_path: Path) -> None:
+    http_server: HttpServer, tmp_path: Path
+) -> None:
     directory, url = http_server.new_dir()
     np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB > 2 x 1 MiB
     manifest = build_manifest(url)

@@ -52,9 +52,13 @@ def local_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(11)
     for i, n in enumerate(TOKENS):
         np.save(root / f"shard-{i:02d}.npy", rng.integers(0, 65_000, size=n).astype(np.uint16))
-    table = pa.table({"row": np.arange(300, dtype=np.int64),
-                      "x": rng.integers(0, 1000, size=300).astype(np.int32),
-                      "text": [f"doc-{i}" for i in range(300)]})
+    table = pa.table(
+        {
+            "row": np.arange(300, dtype=np.int64),
+            "x": rng.integers(0, 1000, size=300).astype(np.int32),
+            "text": [f"doc-{i}" for i in range(300)],
+        }
+    )
     (root / "tables").mkdir()
     pq.write_table(table.slice(0, 180), root / "tables" / "a.parquet", row_group_size=40)
     pq.write_table(table.slice(180), root / "tables" / "b.parquet", row_group_size=40)
@@ -138,17 +142,27 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
     fs, _ = filesystem(url)
     start = time.monotonic()
     with pytest.raises(StorageError, match=r"shard gone\.npy .*missing or not readable"):
-        read_ranges(fs, [f"{url}/gone.npy"], [0], [10], retry=RetryPolicy(deadline_s=10),
-                    shards=["gone.npy"], urls=[f"{url}/gone.npy"])
+        read_ranges(
+            fs,
+            [f"{url}/gone.npy"],
+            [0],
+            [10],
+            retry=RetryPolicy(deadline_s=10),
+            shards=["gone.npy"],
+            urls=[f"{url}/gone.npy"],
+        )
     assert time.monotonic() - start < 3.0  # a 404 is permanent: no 10 s of retries
 
 
 # ------------------------------------------------------ manifests on remote roots
 @pytest.mark.parametrize("store", ["s3", "gs"])
-def test_bucket_manifest_build_save_load_verify_same_id(store: str, request: pytest.FixtureRequest,
-                                                        local_manifest: Manifest) -> None:
+def test_bucket_manifest_build_save_load_verify_same_id(
+    store: str, request: pytest.FixtureRequest, local_manifest: Manifest
+) -> None:
     """s3:// on SeaweedFS and gs:// through gcsfs on gcp-storage-emulator: same id as local."""
-    server: S3Server | GcsServer = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
+    server: S3Server | GcsServer = request.getfixturevalue(
+        "s3_server" if store == "s3" else "gcs_server"
+    )
     root: str = request.getfixturevalue(f"{store}_root")
     opts = server.storage_options()
     built = build_manifest(root, pattern="*.npy", **opts)
@@ -162,15 +176,21 @@ def test_bucket_manifest_build_save_load_verify_same_id(store: str, request: pyt
     original = fs.cat_file(victim)
     middle = len(original) // 2
     try:
-        fs.pipe_file(victim, original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1:])
-        with pytest.raises(VerificationError, match=r"shard-03\.npy .*quick digest mismatch") as info:
+        fs.pipe_file(
+            victim, original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1 :]
+        )
+        with pytest.raises(
+            VerificationError, match=r"shard-03\.npy .*quick digest mismatch"
+        ) as info:
             Manifest.load(f"{root}/manifest.json", **opts)
         assert info.value.shard == "shard-03.npy" and info.value.expected == built.shards[3].quick
     finally:
         fs.pipe_file(victim, original)
 
 
-def test_registry_on_gs_bucket(gcs_server: GcsServer, gs_root: str, local_manifest: Manifest) -> None:
+def test_registry_on_gs_bucket(
+    gcs_server: GcsServer, gs_root: str, local_manifest: Manifest
+) -> None:
     opts = gcs_server.storage_options()
     reg = Registry(gcs_server.url(f"registry-{uuid.uuid4().hex[:8]}"), **opts)
     on_gs = local_manifest.with_root(gs_root)
@@ -180,8 +200,9 @@ def test_registry_on_gs_bucket(gcs_server: GcsServer, gs_root: str, local_manife
     assert fresh.resolve("wiki", verify="full").root == gs_root
 
 
-def test_http_manifest_build_load_verify_same_id(http_root: tuple[Path, str],
-                                                 local_manifest: Manifest) -> None:
+def test_http_manifest_build_load_verify_same_id(
+    http_root: tuple[Path, str], local_manifest: Manifest
+) -> None:
     directory, url = http_root
     listed = build_manifest(url, pattern="*.npy")  # nginx autoindex listing
     named = build_manifest(url, paths=[s.path for s in local_manifest.shards])
@@ -191,17 +212,25 @@ def test_http_manifest_build_load_verify_same_id(http_root: tuple[Path, str],
     assert loaded.id == local_manifest.id and loaded.root == url
 
 
-def test_gs_root_goes_through_the_remote_path(local_manifest: Manifest, http_server: HttpServer,
-                                              fault_proxy: ProxyFactory) -> None:
+def test_gs_root_goes_through_the_remote_path(
+    local_manifest: Manifest, http_server: HttpServer, fault_proxy: ProxyFactory
+) -> None:
     """No GCS server here: gcsfs is pointed at a proxy that resets everything. The read
     must take the remote path (not a local one) and fail naming the gs:// URL."""
     pytest.importorskip("gcsfs")
     proxy = fault_proxy(http_server.port)
     proxy.set_plan(reset_all)
     opts = {"token": "anon", "endpoint_url": f"http://{proxy.address}", "skip_instance_cache": True}
-    ds = TokenWindows(local_manifest.with_root("gs://detdata-bucket/data"), SEQ, verify="off",
-                      retry=FAST, storage_options=opts)
-    with pytest.raises(StorageError, match=r"shard-00\.npy at gs://detdata-bucket/data/shard-00\.npy"):
+    ds = TokenWindows(
+        local_manifest.with_root("gs://detdata-bucket/data"),
+        SEQ,
+        verify="off",
+        retry=FAST,
+        storage_options=opts,
+    )
+    with pytest.raises(
+        StorageError, match=r"shard-00\.npy at gs://detdata-bucket/data/shard-00\.npy"
+    ):
         ds.read(np.array([0]))
     assert proxy.stats.connections >= 2  # it really went to the network, and retried
 
@@ -209,8 +238,13 @@ def test_gs_root_goes_through_the_remote_path(local_manifest: Manifest, http_ser
 # ----------------------------------------------------------- reads equal local
 @pytest.mark.parametrize("store", ["s3", "gs", "http"])
 @pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])
-def test_token_windows_remote_equal_local(store: str, cached: bool, request: pytest.FixtureRequest,
-                                          local_manifest: Manifest, tmp_path: Path) -> None:
+def test_token_windows_remote_equal_local(
+    store: str,
+    cached: bool,
+    request: pytest.FixtureRequest,
+    local_manifest: Manifest,
+    tmp_path: Path,
+) -> None:
     if store == "s3":
         server: S3Server = request.getfixturevalue("s3_server")
         root, opts = request.getfixturevalue("s3_root"), server.storage_options()
@@ -220,7 +254,9 @@ def test_token_windows_remote_equal_local(store: str, cached: bool, request: pyt
     else:
         root, opts = request.getfixturevalue("http_root")[1], {}
     local = TokenWindows(local_manifest, SEQ)
-    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 1 << 20} if cached else {}
+    extra: dict[str, Any] = (
+        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 1 << 20} if cached else {}
+    )
     remote = TokenWindows(local_manifest.with_root(root), SEQ, storage_options=opts, **extra)
     assert remote.manifest.id == local.manifest.id
     rng = np.random.default_rng(3)
@@ -232,11 +268,14 @@ def test_token_windows_remote_equal_local(store: str, cached: bool, request: pyt
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])
-def test_table_rows_on_s3_equal_local(s3_server: S3Server, s3_root: str, local_root: Path,
-                                      cached: bool, tmp_path: Path) -> None:
+def test_table_rows_on_s3_equal_local(
+    s3_server: S3Server, s3_root: str, local_root: Path, cached: bool, tmp_path: Path
+) -> None:
     opts = s3_server.storage_options()
     local = TableRows(build_manifest(str(local_root / "tables")))
-    extra: dict[str, Any] = {"cache_dir": tmp_path / "c", "shard_cache_bytes": 1 << 20} if cached else {}
+    extra: dict[str, Any] = (
+        {"cache_dir": tmp_path / "c", "shard_cache_bytes": 1 << 20} if cached else {}
+    )
     remote = TableRows(build_manifest(f"{s3_root}/tables", **opts), storage_options=opts, **extra)
     assert remote.manifest.id == local.manifest.id
     ids = np.random.default_rng(1).integers(0, 300, size=64)
@@ -247,8 +286,12 @@ def test_table_rows_on_s3_equal_local(s3_server: S3Server, s3_root: str, local_r
 
 # ------------------------------------------------------------------- faults
 def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
-        http_root: tuple[Path, str], http_server: HttpServer, local_manifest: Manifest,
-        fault_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture) -> None:
+    http_root: tuple[Path, str],
+    http_server: HttpServer,
+    local_manifest: Manifest,
+    fault_proxy: ProxyFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     proxy = fault_proxy(http_server.port)
     root = proxied(http_root[1], http_server.port, proxy)
     policy = RetryPolicy(deadline_s=3.0, attempt_timeout_s=0.5, base_delay_s=0.1, max_delay_s=1.0)
@@ -267,8 +310,11 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
     assert elapsed <= policy.deadline_s + 1.0  # bounded by the deadline (slack: a loaded CI box)
     # attempts (aiohttp may reconnect at once inside one attempt: accepts < 15 ms apart are
     # one attempt) are spaced by exactly the policy's backoff for this URL
-    times = [t for i, t in enumerate(proxy.stats.accept_times)
-             if i == 0 or t - proxy.stats.accept_times[i - 1] > 0.015]
+    times = [
+        t
+        for i, t in enumerate(proxy.stats.accept_times)
+        if i == 0 or t - proxy.stats.accept_times[i - 1] > 0.015
+    ]
     assert err.attempts == len(times) >= 5
     gaps = np.diff(times)
     expected = np.asarray([policy.delay(url, n) for n in range(len(gaps))])
@@ -279,13 +325,24 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
 
 
 def test_s3_resets_fail_cache_fill_and_manifest_read_naming_url(
-        s3_server: S3Server, s3_root: str, local_manifest: Manifest, fault_proxy: ProxyFactory,
-        tmp_path: Path) -> None:
+    s3_server: S3Server,
+    s3_root: str,
+    local_manifest: Manifest,
+    fault_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
     proxy = fault_proxy(s3_server.port)
     proxy.set_plan(reset_all)
     opts = s3_server.storage_options(endpoint=f"http://{proxy.address}")
-    ds = TokenWindows(local_manifest.with_root(s3_root), SEQ, verify="off", retry=FAST,
-                      storage_options=opts, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
+    ds = TokenWindows(
+        local_manifest.with_root(s3_root),
+        SEQ,
+        verify="off",
+        retry=FAST,
+        storage_options=opts,
+        cache_dir=tmp_path / "cache",
+        shard_cache_bytes=1 << 20,
+    )
     start = time.monotonic()
     with pytest.raises(StorageError, match=rf"shard shard-01\.npy at {s3_root}/shard-01\.npy"):
         ds.read(np.array([100]))  # shard-00 holds 96 windows
@@ -296,20 +353,35 @@ def test_s3_resets_fail_cache_fill_and_manifest_read_naming_url(
         Manifest.load(f"{s3_root}/manifest.json", retry=FAST, **opts)
 
 
-FAULTS = schedule(reset_every=3, reset_after=700, stall_at=(1, 7), stall_s=1.0,
-                  stall_after=300, rate_bps=400_000)
+FAULTS = schedule(
+    reset_every=3, reset_after=700, stall_at=(1, 7), stall_s=1.0, stall_after=300, rate_bps=400_000
+)
 
 
 def loader_for(ds: detdata.Dataset, trace: Path | None, **kw: Any) -> detdata.DataLoader:
-    return detdata.DataLoader(ds, global_batch_size=16, micro_batch_size=8, seed=7,
-                              trace=trace, total_samples=16 * 13, **kw)
+    return detdata.DataLoader(
+        ds,
+        global_batch_size=16,
+        micro_batch_size=8,
+        seed=7,
+        trace=trace,
+        total_samples=16 * 13,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("store,cached,workers", [("s3", True, 0), ("http", False, 0),
-                                                  ("http", True, 2)])
+@pytest.mark.parametrize(
+    "store,cached,workers", [("s3", True, 0), ("http", False, 0), ("http", True, 2)]
+)
 def test_loader_through_resets_stalls_slow_link_equals_local(
-        store: str, cached: bool, workers: int, request: pytest.FixtureRequest,
-        local_manifest: Manifest, fault_proxy: ProxyFactory, tmp_path: Path) -> None:
+    store: str,
+    cached: bool,
+    workers: int,
+    request: pytest.FixtureRequest,
+    local_manifest: Manifest,
+    fault_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
     if store == "s3":
         server: Any = request.getfixturevalue("s3_server")
         proxy = fault_proxy(server.port)
@@ -319,12 +391,15 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
         server = request.getfixturevalue("http_server")
         proxy = fault_proxy(server.port)
         root, opts = proxied(request.getfixturevalue("http_root")[1], server.port, proxy), {}
-    extra: dict[str, Any] = {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 12_000} if cached else {}
+    extra: dict[str, Any] = (
+        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 12_000} if cached else {}
+    )
     proxy.set_plan(FAULTS)
 
     def remote() -> TokenWindows:
-        return TokenWindows(local_manifest.with_root(root), SEQ, retry=PATIENT,
-                            storage_options=opts, **extra)
+        return TokenWindows(
+            local_manifest.with_root(root), SEQ, retry=PATIENT, storage_options=opts, **extra
+        )
 
     local = TokenWindows(local_manifest, SEQ)
     assert remote().manifest.id == local.manifest.id
@@ -352,8 +427,8 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
 
 # ----------------------------------------------------------------- registry
 def test_registry_on_s3_bucket_register_resolve_history(
-        s3_server: S3Server, s3_root: str, local_manifest: Manifest,
-        fault_proxy: ProxyFactory) -> None:
+    s3_server: S3Server, s3_root: str, local_manifest: Manifest, fault_proxy: ProxyFactory
+) -> None:
     opts = s3_server.storage_options()
     reg_url = s3_server.url(f"registry-{uuid.uuid4().hex[:8]}")
     reg = Registry(reg_url, **opts)
@@ -378,8 +453,9 @@ def test_registry_on_s3_bucket_register_resolve_history(
     # through a link that resets every other connection, reads retry and succeed
     proxy = fault_proxy(s3_server.port)
     proxy.set_plan(schedule(reset_every=2))
-    flaky = Registry(reg_url, retry=PATIENT,
-                     **s3_server.storage_options(endpoint=f"http://{proxy.address}"))
+    flaky = Registry(
+        reg_url, retry=PATIENT, **s3_server.storage_options(endpoint=f"http://{proxy.address}")
+    )
     assert flaky.resolve("wiki@v2").id == other.id
     assert [e.id for e in flaky.history("wiki@v1")] == [on_s3.id, other.id]
     assert proxy.stats.resets >= 1
