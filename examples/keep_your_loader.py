@@ -42,7 +42,8 @@ def main() -> None:
     resumed.load_state_dict(state)
     rest = [b[:, 0].tolist() for _, b in zip(range(6), resumed, strict=False)]
     print(
-        f"resumed after 4 micro batches; next 6 identical to the straight run: {rest == straight[4:]}"
+        "resumed after 4 micro batches; next 6 identical to the straight run: "
+        f"{rest == straight[4:]}"
     )
     if rest != straight[4:]:
         raise SystemExit(1)

@@ -1,7 +1,8 @@
 """Data-parallel training under torchrun; state saved with torch.distributed.checkpoint.
 
     torchrun --nproc-per-node 2 examples/torchrun_dp.py --workdir /tmp/dp --steps 6
-    torchrun --nproc-per-node 1 examples/torchrun_dp.py --workdir /tmp/dp --steps 12   # resumes at 1 rank
+    # resumes at 1 rank:
+    torchrun --nproc-per-node 1 examples/torchrun_dp.py --workdir /tmp/dp --steps 12
 
 Each rank reads its slice of every global step (rank and world size come from
 torch.distributed). Resuming at another world size continues the same global

@@ -22,7 +22,8 @@ from tests.faultproxy import FaultProxy
 def write_token_shards(
     root: Path, sizes: tuple[int, ...] = (1000, 2500, 40), dtype: str = "uint16", seed: int = 0
 ) -> list[Path]:
-    """Write ``shard-XXX.npy`` 1-D token files of the given sizes under ``root``; return their paths."""
+    """Write ``shard-XXX.npy`` 1-D token files of the given sizes under ``root``; return their
+    paths."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     paths = []

@@ -114,7 +114,8 @@ def _wait_ready(
     timeout: float,
     poll: float,
 ) -> bool:
-    """Poll ``ready(server)`` until it holds (True), the process exits or ``timeout`` passes (False)."""
+    """Poll ``ready(server)`` until it holds (True), the process exits or ``timeout`` passes
+    (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if ready(server):

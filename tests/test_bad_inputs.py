@@ -1,32 +1,57 @@
 """Bad inputs, one place: every refusal with its error type and a message naming the culprit.
 
-| case                                        | error                  | test                                             |
-|---------------------------------------------|------------------------|--------------------------------------------------|
-| one byte flipped mid-shard (verify full)    | VerificationError      | test_damaged_shard[corrupt-byte]                 |
-| truncated shard                             | VerificationError      | test_damaged_shard[truncated]                    |
-| missing shard                               | VerificationError      | test_damaged_shard[missing]                      |
-| renamed shard                               | VerificationError      | test_damaged_shard[renamed]                      |
-| extra file next to the shards               | none: ignored (decided)| test_extra_file_is_not_part_of_the_dataset       |
-| shard path with ``..`` / absolute path      | ManifestError          | test_bad_manifest_file[dotdot / absolute]        |
-| tampered manifest (id mismatch)             | ManifestError          | test_bad_manifest_file[tampered]                 |
-| malformed JSON / unknown format_version     | ManifestError          | test_bad_manifest_file[malformed / version-2]    |
-| Parquet shards with different schemas       | FormatError            | test_parquet_schemas_differ                      |
-| .bin size not a multiple of the item size   | FormatError            | test_bin_dtype[size-not-multiple]                |
-| .bin declared with a non-token dtype        | ConfigError            | test_bin_dtype[float-dtype]                      |
-| manifest declaring a non-token dtype        | ManifestError          | test_manifest_declares_wrong_dtype               |
-| manifest dtype inconsistent with the bytes  | FormatError            | test_manifest_declares_wrong_dtype               |
-| empty dataset (dir, manifest, windows, ...) | ConfigError            | test_empty_dataset[*]                            |
-| seq_len larger than a shard                 | FormatError            | test_seq_len_larger_than_a_shard                 |
-| global batch not divisible by world size    | ConfigError            | test_batch_not_divisible[*]                      |
-| state from another dataset / seed           | StateError (fields)    | test_state_from_elsewhere[dataset / seed]        |
-| state of another format / algorithm version | StateError             | test_state_from_elsewhere[format-version / alg.] |
-| state edited inconsistently                 | StateError             | test_state_from_elsewhere[edited-stream]         |
-| state from another mixture (weights)        | StateError ('mixture') | test_state_from_another_mixture                  |
-| negative position                           | StateError             | test_bad_position[negative]                      |
-| position past total_samples (mixture too)   | StateError             | test_bad_position[past-total*]                   |
-| position past the addressable 2**62         | StateError             | test_bad_position[past-2**62]                    |
-| sampler state negative / past total_samples | StateError             | test_sampler_state_position                      |
-| worker os._exit / raise / hang              | RuntimeError / original| test_worker_failures_reach_the_main_process      |
+| case (its test below)                              | error                   |
+|----------------------------------------------------|-------------------------|
+| one byte flipped mid-shard (verify full)           | VerificationError       |
+|   test_damaged_shard[corrupt-byte]                 |                         |
+| truncated shard                                    | VerificationError       |
+|   test_damaged_shard[truncated]                    |                         |
+| missing shard                                      | VerificationError       |
+|   test_damaged_shard[missing]                      |                         |
+| renamed shard                                      | VerificationError       |
+|   test_damaged_shard[renamed]                      |                         |
+| extra file next to the shards                      | none: ignored (decided) |
+|   test_extra_file_is_not_part_of_the_dataset       |                         |
+| shard path with ``..`` / absolute path             | ManifestError           |
+|   test_bad_manifest_file[dotdot / absolute]        |                         |
+| tampered manifest (id mismatch)                    | ManifestError           |
+|   test_bad_manifest_file[tampered]                 |                         |
+| malformed JSON / unknown format_version            | ManifestError           |
+|   test_bad_manifest_file[malformed / version-2]    |                         |
+| Parquet shards with different schemas              | FormatError             |
+|   test_parquet_schemas_differ                      |                         |
+| .bin size not a multiple of the item size          | FormatError             |
+|   test_bin_dtype[size-not-multiple]                |                         |
+| .bin declared with a non-token dtype               | ConfigError             |
+|   test_bin_dtype[float-dtype]                      |                         |
+| manifest declaring a non-token dtype               | ManifestError           |
+|   test_manifest_declares_wrong_dtype               |                         |
+| manifest dtype inconsistent with the bytes         | FormatError             |
+|   test_manifest_declares_wrong_dtype               |                         |
+| empty dataset (dir, manifest, windows, ...)        | ConfigError             |
+|   test_empty_dataset[*]                            |                         |
+| seq_len larger than a shard                        | FormatError             |
+|   test_seq_len_larger_than_a_shard                 |                         |
+| global batch not divisible by world size           | ConfigError             |
+|   test_batch_not_divisible[*]                      |                         |
+| state from another dataset / seed                  | StateError (fields)     |
+|   test_state_from_elsewhere[dataset / seed]        |                         |
+| state of another format / algorithm version        | StateError              |
+|   test_state_from_elsewhere[format-version / alg.] |                         |
+| state edited inconsistently                        | StateError              |
+|   test_state_from_elsewhere[edited-stream]         |                         |
+| state from another mixture (weights)               | StateError ('mixture')  |
+|   test_state_from_another_mixture                  |                         |
+| negative position                                  | StateError              |
+|   test_bad_position[negative]                      |                         |
+| position past total_samples (mixture too)          | StateError              |
+|   test_bad_position[past-total*]                   |                         |
+| position past the addressable 2**62                | StateError              |
+|   test_bad_position[past-2**62]                    |                         |
+| sampler state negative / past total_samples        | StateError              |
+|   test_sampler_state_position                      |                         |
+| worker os._exit / raise / hang                     | RuntimeError / original |
+|   test_worker_failures_reach_the_main_process      |                         |
 
 Decision on extra files: a manifest is the list of its shards. Verification
 checks exactly those (presence, size, digests) and ignores anything else in the
@@ -70,7 +95,8 @@ from detdata import (
 from detdata.loading.sampler import DeterministicBatchSampler
 
 REPO = Path(__file__).resolve().parent.parent
-BIG = 1_200_000  # uint16 tokens: 2.4 MB, so the middle byte is outside the quick digest's head/tail MiB
+# uint16 tokens: 2.4 MB, so the middle byte is outside the quick digest's head/tail MiB
+BIG = 1_200_000
 
 
 def write_tokens(root: Path, sizes: tuple[int, ...], *, seed: int = 0) -> None:
@@ -546,7 +572,8 @@ def test_bad_position(make: Callable[[], DataLoader], position: int, pattern: st
 
 
 def test_state_from_another_mixture() -> None:
-    """Other weights are refused naming 'mixture'; allowed by name, every source continues exactly."""
+    """Other weights are refused naming 'mixture'; allowed by name, every source continues
+    exactly."""
     saved_loader = _mixture_loader(None)
     state = _state_after(saved_loader, 5)  # 40 positions: inside the second phase
     sources = saved_loader.stream.sources  # type: ignore[attr-defined]

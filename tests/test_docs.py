@@ -1,4 +1,5 @@
-"""The documents cite tests that exist: every ``tests/x.py::name`` in docs/ and README names a real test."""
+"""The documents cite tests that exist: every ``tests/x.py::name`` in docs/ and README names a real
+test."""
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from detdata.base.errors import ConfigError
 
 
 def find_checkout(repo: str | None) -> Path:
-    """The folder holding ``benchmarks/throughput.py`` (``repo``, else the one above ``detdata``)."""
+    """The folder holding ``benchmarks/throughput.py`` (``repo``, else the one above
+    ``detdata``)."""
     candidates = [Path(repo)] if repo else [Path(__file__).resolve().parents[1], Path.cwd()]
     for folder in candidates:
         if (folder / "benchmarks" / "throughput.py").is_file():

@@ -160,7 +160,8 @@ def _setup(cfg: RunConfig) -> tuple[TinyGPT, torch.optim.Optimizer, list[DataLoa
 
 
 def train_run(cfg: RunConfig) -> dict[str, Any]:
-    """Train; ranks are simulated in-process (their micro batches form the global batch in order)."""
+    """Train; ranks are simulated in-process (their micro batches form the global batch in
+    order)."""
     torch.set_num_threads(1)
     out = Path(cfg.out)
     model, optim, loaders = _setup(cfg)

@@ -116,7 +116,10 @@ def _report(exc: BaseException) -> int:
         )
         return code
     else:
-        kind = f"internal error ({type(exc).__name__}; a bug in detdata: rerun with --traceback and report it)"
+        kind = (
+            f"internal error ({type(exc).__name__}; a bug in detdata: "
+            "rerun with --traceback and report it)"
+        )
     print(f"detdata: {kind}: {_message(exc)}", file=sys.stderr)
     return code
 

@@ -78,7 +78,8 @@ def _add_manifest(subparsers: Any) -> None:
 
 
 def check_output_file(path: str, flag: str) -> None:
-    """A local output path must be writable as a file: not a folder, not under a file (before any work)."""
+    """A local output path must be writable as a file: not a folder, not under a file (before any
+    work)."""
     if is_url(path):
         return
     if os.path.isdir(path):

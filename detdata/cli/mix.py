@@ -48,7 +48,8 @@ class CountDataset:
         return self._n
 
     def schema(self) -> dict[str, str]:
-        """No columns: a count-only source is never read (`Mixture` asks before reading sample 0)."""
+        """No columns: a count-only source is never read (`Mixture` asks before reading
+        sample 0)."""
         return {}
 
     def read(self, ids: IntArray) -> Batch:

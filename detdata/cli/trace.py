@@ -1,4 +1,5 @@
-"""``detdata diff A B``: the first global step where two loader traces differ; ``--state``: two states.
+"""``detdata diff A B``: the first global step where two loader traces differ; \
+``--state``: two states.
 
 Traces are compared per global step from what each run delivered (see
 `detdata.loading.trace`): resumed runs appending to one file, replays after a restore,

@@ -91,7 +91,8 @@ class ArrayDataset:
         return self._n
 
     def read(self, ids: IntArray) -> Batch:
-        """Fresh arrays (object columns: fresh copies of their elements too); nothing aliases the data."""
+        """Fresh arrays (object columns: fresh copies of their elements too); nothing aliases the
+        data."""
         idx = check_ids(ids, self._n, f"ArrayDataset {self.name!r}")
         return {k: _owned(v[idx]) for k, v in self.columns.items()}
 
@@ -138,7 +139,8 @@ def _content(column: np.ndarray) -> bytes:
 
 
 def _owned(column: np.ndarray) -> np.ndarray:
-    """``column`` with each ndarray element of an object column copied (numeric gathers copy already)."""
+    """``column`` with each ndarray element of an object column copied (numeric gathers copy
+    already)."""
     if column.dtype != object:
         return column
     out = np.empty(column.shape, dtype=object)

@@ -203,7 +203,8 @@ class Mixture:
                 )
 
     def consumed(self, position: int) -> dict[str, int]:
-        """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""
+        """Samples of each source consumed by positions ``[0, position)``:
+        O(phases + sources + 16)."""
         return dict(zip(self.source_names, self._schedule.consumed(position), strict=True))
 
     def epochs_completed(self, position: int) -> dict[str, int]:
@@ -237,7 +238,8 @@ class Mixture:
         return digest_bytes(canonical_json(self.identity()))
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Mixture:
-        """This mixture's weights from ``position`` on, after the saved mixture's schedule before it.
+        """This mixture's weights from ``position`` on, after the saved mixture's schedule
+        before it.
 
         The result agrees with the saved mixture on every position ``< position``
         (same phases, indices and offsets) and then follows this mixture's
@@ -277,7 +279,8 @@ class _SavedMixture:
     def parse(cls, doc: Mapping[str, Any]) -> _SavedMixture:
         if not isinstance(doc, Mapping) or doc.get("type") != "mixture":
             raise ConfigError(
-                f"saved identity is not a mixture identity (type {doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})"
+                "saved identity is not a mixture identity (type "
+                f"{doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})"
             )
         sources = doc.get("sources")
         schedule = doc.get("schedule")

@@ -130,7 +130,8 @@ def renamed_argument(
 
 
 def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
-    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than expected."""
+    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than
+    expected."""
     if found < expected:
         raise VerificationError(
             f"shard {name} ({path}): the file was truncated while this run read it: the "
@@ -237,7 +238,8 @@ class ShardReader(ProcessLocal):
         return self._shard_cache
 
     def _open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
-        """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of ``shard``.
+        """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of
+        ``shard``.
 
         The copy is filled first if needed. A copy evicted by another process between
         the fill and the open (``FileNotFoundError``) is fetched again, up to 5 times.
@@ -258,7 +260,8 @@ class ShardReader(ProcessLocal):
         )
 
     def _cached_path(self, shard: int) -> str:
-        """A verified local copy of ``shard`` (filled on first use); drops handles of evicted copies."""
+        """A verified local copy of ``shard`` (filled on first use); drops handles of evicted
+        copies."""
         cache = self.shard_cache
         assert cache is not None  # only called with cache_dir
         entry = self.manifest.shards[shard]
@@ -306,7 +309,8 @@ class ShardReader(ProcessLocal):
         check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
 
     def _check_file(self, shard: int, path: str) -> None:
-        """`_check_size` with the size of file ``path`` (missing: 0 bytes; ``""``: not opened yet)."""
+        """`_check_size` with the size of file ``path`` (missing: 0 bytes; ``""``: not opened
+        yet)."""
         if not path:
             return
         try:

@@ -337,7 +337,8 @@ class GroupSlots:
         return False
 
     def _unpool(self) -> None:
-        """Turn every group in a slot into its own arrays (charged their own bytes); drop the slots."""
+        """Turn every group in a slot into its own arrays (charged their own bytes); drop the
+        slots."""
         for g, entry in self._entries.items():
             if entry.slot < 0:
                 continue

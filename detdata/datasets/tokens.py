@@ -258,7 +258,8 @@ class TokenWindows(ShardReader):
         return self._num
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without a read."""
+        """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without
+        a read."""
         return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
 
     def identity(self) -> dict[str, Any]:
@@ -456,7 +457,8 @@ class TokenWindows(ShardReader):
 
 
 def _check_token_shard(shard: ShardEntry) -> str:
-    """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a consistent size."""
+    """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a consistent
+    size."""
     if shard.format not in (Format.NPY, Format.BIN):
         raise FormatError(
             f"shard {shard.path}: format {shard.format.value!r} is not a token format "

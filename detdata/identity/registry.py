@@ -62,7 +62,8 @@ STALE_TEMP_S: Final = 600.0
 
 
 def default_root() -> str:
-    """``$DETDATA_REGISTRY``, else ``$XDG_CACHE_HOME/detdata/registry`` (``~/.cache`` by default)."""
+    """``$DETDATA_REGISTRY``, else ``$XDG_CACHE_HOME/detdata/registry`` (``~/.cache`` by
+    default)."""
     env = os.environ.get(ENV_VAR)
     if env:
         return env
@@ -108,7 +109,8 @@ def check_id(manifest_id: object) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RefEvent:
-    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``) at ``time_ns``."""
+    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``) at
+    ``time_ns``."""
 
     name: str
     id: str
@@ -396,7 +398,8 @@ class Registry:
         return sorted(out)
 
     def versions(self, name: str) -> list[str]:
-        """The versions of bare ``name``, oldest first (the last one is what ``name`` resolves to)."""
+        """The versions of bare ``name``, oldest first (the last one is what ``name`` resolves
+        to)."""
         base, version = split_name(name)
         if version is not None:
             raise RegistryError(f"versions() takes a bare name, got {name!r}; hint: pass {base!r}")

@@ -77,15 +77,17 @@ class Layout:
         if consumed % self.samples_per_micro_step:
             raise StateError(
                 f"cannot resume at samples_consumed={consumed} with micro_batch_size "
-                f"{self.micro_batch_size} x world_size {self.world_size}: not a micro-step boundary "
-                f"({consumed} % {self.samples_per_micro_step} != 0); hint: resume with the layout it was "
-                f"saved with, or save at a global step boundary (a multiple of {self.global_batch_size})",
+                f"{self.micro_batch_size} x world_size {self.world_size}: not a micro-step "
+                f"boundary ({consumed} % {self.samples_per_micro_step} != 0); hint: resume with "
+                "the layout it was saved with, or save at a global step boundary (a multiple of "
+                f"{self.global_batch_size})",
                 fields=("samples_consumed",),
             )
 
 
 def process_group_rank_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the initialised default ``torch.distributed`` group, else ``(0, 1)``."""
+    """``(rank, world_size)`` of the initialised default ``torch.distributed`` group, else
+    ``(0, 1)``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -121,7 +121,8 @@ class MicroBatchSampler(tud.Sampler[IntArray]):
 
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
-    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from ``start``."""
+    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from
+    ``start``."""
 
     def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
         self.layout = layout
@@ -171,7 +172,8 @@ class ReadAhead:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be pickled.
+    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be
+    pickled.
 
     A worker process returns a failed group's error as a value (the batches before
     it are delivered first), so it must survive pickling; tracebacks do not.
@@ -539,7 +541,8 @@ class DataLoader:
         self.device = None if device is None else check_device(device)
         self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
         if self.device is not None:
-            # the device path stages into its own reused pinned buffers; torch pinning would copy twice
+            # the device path stages into its own reused pinned buffers; torch pinning would copy
+            # twice
             self._torch_kwargs["pin_memory"] = False
         self._live: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
         self._consumed = 0
@@ -617,7 +620,8 @@ class DataLoader:
         return self.num_workers > 0 and not self._threaded
 
     def _reader(self, *, in_worker: bool) -> GroupReader:
-        # worker processes: torch's pin-memory thread pins in the main process (ReadAhead.pin_memory)
+        # worker processes: torch's pin-memory thread pins in the main process
+        # (ReadAhead.pin_memory)
         pin = (
             not in_worker and self._pin_memory and torch.cuda.is_available() and self.device is None
         )
@@ -632,7 +636,8 @@ class DataLoader:
         return iter(GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead))
 
     def _inline_batches(self) -> Iterator[Any]:
-        """``num_workers=0``: the same reader as the workers', without torch's per-batch plumbing."""
+        """``num_workers=0``: the same reader as the workers', without torch's per-batch
+        plumbing."""
         read = self._reader(in_worker=False)
         for group in self._groups():
             yield from read(group).deliver()
@@ -651,7 +656,8 @@ class DataLoader:
             for result in groups:
                 yield from result.deliver()
         finally:
-            groups.close()  # an error raised here must not leave the readers to the garbage collector
+            # an error raised here must not leave the readers to the garbage collector
+            groups.close()
 
     def _batches(self) -> Iterator[Any]:
         if self.num_workers == 0:

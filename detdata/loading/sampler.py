@@ -128,7 +128,8 @@ class DeterministicBatchSampler:
         return self._state(self.samples_consumed)
 
     def state_after(self, batches_delivered: int) -> dict[str, Any]:
-        """State after ``batches_delivered`` micro batches of the current iterator reached the caller."""
+        """State after ``batches_delivered`` micro batches of the current iterator reached the
+        caller."""
         n = check_count(batches_delivered, "batches_delivered", minimum=0)
         return self._state(self._start + n * self.layout.samples_per_micro_step)
 

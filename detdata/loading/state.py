@@ -311,7 +311,8 @@ class LoaderState:
             )
 
     def _seed_mismatch(self) -> list[str]:
-        """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped it."""
+        """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped
+        it."""
         own = self.stream.get("seed")
         expected = (
             self.fields[K_SEED]

@@ -78,7 +78,8 @@ def _scalar_bytes(value: Any) -> bytes:
 
 
 def _tensor_array(tensor: Any, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """A torch tensor as (contiguous numpy array, dtype text, shape); raw bytes if numpy lacks the dtype."""
+    """A torch tensor as (contiguous numpy array, dtype text, shape); raw bytes if numpy lacks the
+    dtype."""
     import torch
 
     t = tensor.detach()
@@ -157,7 +158,8 @@ def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
         if len(batch) == n and n > 0 and all(isinstance(v, _SCALARS) for v in batch):
             yield _Leaf(label, "list", rows=[_scalar_bytes(v) for v in batch])
         elif len(batch) == n and n > 0 and all(_is_array(v) for v in batch):
-            # one array per sample (ragged rows): per-sample digests, so steps stay micro-batch invariant
+            # one array per sample (ragged rows): per-sample digests, so steps stay micro-batch
+            # invariant
             yield _Leaf(
                 label,
                 "list:arrays",
@@ -285,7 +287,8 @@ class TraceWriter:
         self._restored = True
 
     def add(self, samples_consumed: int, positions: npt.NDArray[np.int64], batch: Any) -> None:
-        """Record the micro batch about to be delivered (``samples_consumed`` before counting it)."""
+        """Record the micro batch about to be delivered (``samples_consumed`` before counting
+        it)."""
         if self._fd is None:
             raise ConfigError(
                 f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
@@ -626,8 +629,8 @@ def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str |
         batch = [n for n in changed if cols_a[n].startswith("batch:")]
         hint = (
             (
-                f" (leaves {batch} are batch-level values, not per sample: they depend on the micro "
-                "batch size)"
+                f" (leaves {batch} are batch-level values, not per sample: they depend on the "
+                "micro batch size)"
             )
             if batch
             else ""
@@ -730,10 +733,11 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
                     expected,
                     rec.rank,
                     "discontinuity",
-                    f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} (step "
-                    f"{rec.step}) right after samples_consumed {prev.next} (step {expected}) without a "
-                    "restore; a fresh loader appended to this trace without load_state_dict (data cursor "
-                    "not restored?), or two runs share the file",
+                    f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed "
+                    f"{rec.at} (step {rec.step}) right after samples_consumed {prev.next} (step "
+                    f"{expected}) without a restore; a fresh loader appended to this trace "
+                    "without load_state_dict (data cursor not restored?), or two runs share the "
+                    "file",
                     ((f"{label} before", prev), (f"{label} then", rec)),
                 )
             )
@@ -755,7 +759,8 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
 
 
 def _overlaps(label: str, step: int, records: list[Record]) -> Iterator[Finding]:
-    """Positions delivered by two ranks in one step (each rank's own final records never overlap)."""
+    """Positions delivered by two ranks in one step (each rank's own final records never
+    overlap)."""
     spans = sorted(
         ((first, first + n, k) for k, rec in enumerate(records) for first, n in rec.runs)
     )
@@ -839,7 +844,8 @@ def _cross(step: int, a: list[Record], b: list[Record]) -> Finding | None:
 def compare(
     a: Sequence[Record], b: Sequence[Record], *, start: int = 0, stop: int | None = None
 ) -> Comparison:
-    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence first."""
+    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence
+    first."""
     ta, tb = assemble(a, "A"), assemble(b, "B")
 
     def inside(step: int) -> bool:

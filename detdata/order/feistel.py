@@ -71,7 +71,8 @@ def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
 
 
 def _key_table(seed: int, epochs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table: row ``r`` is ``k_r``."""
+    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table: row ``r`` is
+    ``k_r``."""
     material = b"".join([_key_material(seed, e) for e in epochs.tolist()])
     table = np.frombuffer(material, dtype="<u8").reshape(epochs.size, ROUNDS)
     return np.ascontiguousarray(table.T, dtype=np.uint64)  # native order, one row per round
@@ -208,7 +209,10 @@ class GlobalOrder:
         self.seed = check_seed(seed)
 
     def __repr__(self) -> str:
-        return f"GlobalOrder(num_samples={self.num_samples}, seed={self.seed}, algorithm={ALGORITHM!r})"
+        return (
+            f"GlobalOrder(num_samples={self.num_samples}, seed={self.seed}, "
+            f"algorithm={ALGORITHM!r})"
+        )
 
     def __len__(self) -> int:
         return self.num_samples

@@ -2,8 +2,9 @@
 
 Global position ``g`` -> ``(source index, index in that source's own stream)``,
 computed per position with nothing of size ``n`` stored; `detdata.Mixture`
-(`detdata.datasets.mixture`) turns it into a `Stream` over datasets. Exact definition (a re-implementation in any language must
-reproduce the golden vectors in ``tests/golden/mixture_v1.json``):
+(`detdata.datasets.mixture`) turns it into a `Stream` over datasets. Exact
+definition (a re-implementation in any language must reproduce the golden
+vectors in ``tests/golden/mixture_v1.json``):
 
 **Sources.** Sources are named; ``source index`` ``s`` is the position of the
 name in the names sorted by Unicode code point (Python ``sorted``). Source ``s``
@@ -104,7 +105,8 @@ PhaseSpec = tuple[int, tuple[Fraction, ...]]
 
 # ------------------------------------------------------------------ seeds
 def source_seed(seed: int, name: str) -> int:
-    """The seed of source ``name``'s own `GlobalOrder` under root ``seed`` (blake3, never arithmetic)."""
+    """The seed of source ``name``'s own `GlobalOrder` under root ``seed`` (blake3, never
+    arithmetic)."""
     return derive_u64(b"detdata:source-seed-v1", check_seed(seed), tail=name.encode("utf-8"))
 
 
@@ -276,7 +278,8 @@ def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
 
 
 def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[IntArray, IntArray]:
-    """For blocks ``(nb,)`` with per-source counts ``(nb, S)``: source and within-source rank, ``(nb, 16)``."""
+    """For blocks ``(nb,)`` with per-source counts ``(nb, S)``: source and within-source rank,
+    ``(nb, 16)``."""
     nb, num_sources = counts.shape
     rows = np.arange(nb, dtype=np.int64)[:, None]
     ctr = (blocks[:, None] * BLOCK + _J[None, :] + 1).astype(np.uint64)
@@ -460,7 +463,8 @@ class Schedule:
         )
 
     def consumed(self, position: int) -> tuple[int, ...]:
-        """Samples of each source consumed by positions ``[0, position)``: O(phases + sources + 16)."""
+        """Samples of each source consumed by positions ``[0, position)``:
+        O(phases + sources + 16)."""
         p = check_count(position, "position", minimum=0, maximum=MAX_POSITION)
         phase = self._phase_of(p)
         used = _phase_prefix_counts(phase, p - phase.start)

@@ -41,7 +41,8 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``detdata.cli.main.main`` in-process: (exit code, stdout, stderr); argparse exits included."""
+    """``detdata.cli.main.main`` in-process: (exit code, stdout, stderr); argparse exits
+    included."""
     try:
         code = cli.main(list(args))
     except SystemExit as exc:

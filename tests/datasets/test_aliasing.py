@@ -92,7 +92,8 @@ def write_kinds(root: Path, *, source: int = 0, seed: int = 0) -> Rows:
 
 
 def open_kinds(root: Path, cache: str) -> TableRows:
-    """``slots``: the whole dataset fits the cache (slot arrays); ``lru``: 2 groups kept as arrays."""
+    """``slots``: the whole dataset fits the cache (slot arrays); ``lru``: 2 groups kept as
+    arrays."""
     groups = 64 if cache == "slots" else 2
     return TableRows(build_manifest(str(root)), ragged=list(RAGGED), cache_row_groups=groups)
 

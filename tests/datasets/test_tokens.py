@@ -428,7 +428,9 @@ if case == "cached":
     for name in sorted(os.listdir(root)):
         with open(os.path.join(root, name), "rb") as fh:
             fs.pipe_file(f"/trunc/{name}", fh.read())
-    ds = TokenWindows(build_manifest("memory://trunc"), seq, cache_dir=os.path.join(root, "..", "c"))
+    ds = TokenWindows(
+        build_manifest("memory://trunc"), seq, cache_dir=os.path.join(root, "..", "c")
+    )
 else:
     ds = TokenWindows(build_manifest(root), seq)
 victim = ds.manifest.shards[1]

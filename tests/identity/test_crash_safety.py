@@ -1,4 +1,5 @@
-"""Crash safety: SIGKILL during registry writes and manifest builds/saves leaves nothing half-written.
+"""Crash safety: SIGKILL during registry writes and manifest builds/saves leaves nothing
+half-written.
 
 A real child process loops: hash a shard directory into a manifest and save it
 over a fixed target, save a big (1200-shard, ~370 kB) manifest over another

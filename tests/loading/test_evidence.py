@@ -146,8 +146,9 @@ CHANGED = int(detdata.GlobalOrder(200, 4).ids(np.array([3 * G + 5], dtype=np.int
 def test_resumes_in_fresh_processes_appending_to_one_trace_are_identical(
     tmp_path: Path, manifest: str
 ) -> None:
-    """Stop in the middle of step 5 (micro 2); resume in a new process with micro 4 up to step 9 and
-    "crash"; resume again from the same mid-step checkpoint (steps 5..8 delivered twice) to step 12."""
+    """Stop in the middle of step 5 (micro 2); resume in a new process with micro 4 up to step 9
+    and "crash"; resume again from the same mid-step checkpoint (steps 5..8 delivered twice) to
+    step 12."""
     fresh_process(manifest, tmp_path / "ref.jsonl", micro=2, batches=12 * G // 2)
     trace, state = tmp_path / "resumed.jsonl", tmp_path / "state.json"
     fresh_process(manifest, trace, micro=2, batches=5 * G // 2 + 2, state_out=state)
@@ -232,7 +233,8 @@ def test_first_difference_is_the_smallest_step_whatever_the_record_order(tmp_pat
 
 
 def test_positions_delivered_by_two_ranks_are_reported(tmp_path: Path) -> None:
-    """Rank 0 built for world size 1 (reads whole steps), rank 1 for world size 2: both read [4, 8)."""
+    """Rank 0 built for world size 1 (reads whole steps), rank 1 for world size 2: both read
+    [4, 8)."""
     ref = straight(tmp_path / "ref.jsonl", steps=3, micro=4)
     trace = tmp_path / "t.jsonl"
     wrong0 = loader(trace, 4, rank=0, world_size=1)

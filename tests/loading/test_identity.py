@@ -376,7 +376,8 @@ def test_state_is_json_plain_and_names_transform_without_id(corpus: Corpus) -> N
 
 
 def test_issue_example_mixture_seed_no_longer_resumes_silently(corpus: Corpus) -> None:
-    """Mixture(seed=1) state into a Mixture(seed=2) loader: refused; allowed, the epoch stays exact."""
+    """Mixture(seed=1) state into a Mixture(seed=2) loader: refused; allowed, the epoch stays
+    exact."""
     from dataclasses import replace
 
     a, b = replace(BASE["mixture"], stream_seed=1), replace(BASE["mixture"], stream_seed=2)
@@ -386,7 +387,8 @@ def test_issue_example_mixture_seed_no_longer_resumes_silently(corpus: Corpus) -
 
 
 def test_format_1_state_is_upgraded_with_its_stream_seed(corpus: Corpus) -> None:
-    """A state written by the previous format (no stream_seed) still catches a stream seed change."""
+    """A state written by the previous format (no stream_seed) still catches a stream seed
+    change."""
     state, _ = saved_state(BASE["mixture"], corpus)
     old = {k: v for k, v in state.items() if k not in ("stream_seed", "transform")}
     old["format_version"] = 1

@@ -504,7 +504,8 @@ class _RaisesUnpicklable:
 
 
 def test_unpicklable_worker_error_still_reaches_the_main_process() -> None:
-    """A worker's error travels as a value (after the group's earlier batches): unpicklable ones become text."""
+    """A worker's error travels as a value (after the group's earlier batches): unpicklable ones
+    become text."""
     dl = DataLoader(_RaisesUnpicklable(), global_batch_size=4, seed=0, num_workers=2)
     with pytest.raises(RuntimeError, match=r"_Unpicklable: shard-3\.npy: checksum mismatch") as err:
         for _ in dl:
@@ -536,7 +537,8 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
 
 
 def test_persistent_workers_resume_mid_group() -> None:
-    """Loading a state between iterations restarts the persistent workers' groups at that position."""
+    """Loading a state between iterations restarts the persistent workers' groups at that
+    position."""
 
     def make() -> DataLoader:
         return DataLoader(
@@ -561,7 +563,8 @@ def test_persistent_workers_resume_mid_group() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_collate_failure_inside_a_group_surfaces_at_its_batch(workers: int) -> None:
-    """A collate_fn that fails on one micro batch: the batches before it in the group are delivered."""
+    """A collate_fn that fails on one micro batch: the batches before it in the group are
+    delivered."""
     order = detdata.GlobalOrder(N, 8)
     bad_id = int(order[4 * 6 + 1])  # micro batch 6, inside the first group of 16
 
