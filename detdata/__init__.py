@@ -28,6 +28,7 @@ from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.formats import Format
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.identity.registry import RefEvent, Registry
+from detdata.loading.arguments import WorkerMode
 from detdata.loading.state import Stateful
 from detdata.order.feistel import GlobalOrder
 from detdata.storage.retry import RetryPolicy
@@ -38,7 +39,6 @@ __version__ = VERSION
 _LAZY = {
     "DataLoader": "detdata.loading.loader",
     "DeterministicBatchSampler": "detdata.loading.sampler",
-    "WorkerMode": "detdata.loading.loader",
 }
 
 
@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from detdata.loading.loader import DataLoader, WorkerMode
+    from detdata.loading.loader import DataLoader
     from detdata.loading.sampler import DeterministicBatchSampler
 
 __all__ = [

@@ -12,17 +12,11 @@ to the caller; its state is that count plus identity fields (`LoaderState`).
 
 from __future__ import annotations
 
-import enum
 import functools
-import itertools
-import logging
 import os
-import pickle
 import random
-import traceback
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,9 +27,20 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.columns import is_ragged, restack, to_torch
 from detdata.datasets.streams import as_stream
+from detdata.loading.arguments import (
+    WorkerMode,
+    check_thread_mode,
+    check_torch_args,
+    parse_worker_mode,
+)
 from detdata.loading.layout import Layout, process_group_rank_world
+from detdata.loading.reading import (
+    GroupReader,
+    GroupSampler,
+    PositionDataset,
+    Transform,
+)
 from detdata.loading.state import (
     K_MIXTURE,
     K_SEED,
@@ -47,93 +52,7 @@ from detdata.loading.state import (
     transform_identity,
 )
 from detdata.loading.trace import TraceWriter
-from detdata.order.rng import sample_rng, worker_seed
-
-log = logging.getLogger("detdata.loader")
-
-Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
-
-
-def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
-    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack.
-
-    Every sample's output must have the keys of the first one (a key missing
-    or extra at one position is refused, naming it); each column is restacked
-    with `detdata.datasets.columns.restack`.
-    """
-    outs: list[Mapping[str, Any]] = []
-    for i in range(len(positions)):
-        sample = {k: v[i] for k, v in batch.items()}
-        result = transform(sample, sample_rng(seed, int(positions[i])))
-        if not isinstance(result, Mapping):
-            raise ConfigError(
-                f"transform must return a mapping of column -> array, got "
-                f"{type(result).__name__} for position {int(positions[i])}"
-            )
-        if outs and result.keys() != outs[0].keys():
-            raise ConfigError(
-                f"transform returned keys {sorted(map(str, result))} at position "
-                f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
-                f"{int(positions[0])}; every sample must have the same keys; hint: "
-                "return every key for every sample (a placeholder if needed)"
-            )
-        outs.append(result)
-    if not outs:
-        return batch
-    return {
-        k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k)))
-        for k in outs[0]
-    }
-
-
-class PositionDataset(tud.Dataset[Batch]):
-    """Map-style dataset whose "index" is an array of global positions (one batch)."""
-
-    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
-        self.stream = stream
-        self.transform = transform
-        self.seed = seed
-
-    def __getitem__(self, positions: IntArray) -> Batch:
-        batch = self.stream.fetch(positions)
-        if self.transform is not None:
-            batch = apply_transform(batch, positions, self.transform, self.seed)
-        return batch
-
-    def __len__(self) -> int:
-        raise TypeError("PositionDataset is indexed by position arrays and has no length")
-
-
-class MicroBatchSampler(tud.Sampler[IntArray]):
-    """Yields this rank's position arrays, one per micro step, from a start position."""
-
-    def __init__(self, layout: Layout, start: int, stop: int | None) -> None:
-        self.layout = layout
-        self.start = start
-        self.stop = stop
-
-    def __iter__(self) -> Iterator[IntArray]:
-        per = self.layout.samples_per_micro_step
-        j = self.start // per
-        while self.stop is None or j * per < self.stop:
-            yield self.layout.positions(j)
-            j += 1
-
-
-class GroupSampler(tud.Sampler[list[IntArray]]):
-    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from
-    ``start``."""
-
-    def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
-        self.layout = layout
-        self.start = start
-        self.stop = stop
-        self.size = size
-
-    def __iter__(self) -> Iterator[list[IntArray]]:
-        micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
-        while group := list(itertools.islice(micro, self.size)):
-            yield group
+from detdata.order.rng import worker_seed
 
 
 def seed_globals(seed64: int) -> None:
@@ -151,44 +70,6 @@ def _init_worker(
         user_init(worker_id)
 
 
-@dataclass(frozen=True)
-class ReadAhead:
-    """Micro batches of one group read, and the error that stopped the group (if any)."""
-
-    batches: list[Any]
-    error: BaseException | None
-    views: bool = False  # batches are views of one group tensor (the default collate's transfer)
-
-    def deliver(self) -> Iterator[Any]:
-        """Each micro batch, owning its memory (views of the group are copied out of it)."""
-        for batch in self.batches:
-            yield owned(batch) if self.views else batch
-        if self.error is not None:
-            raise self.error
-
-    def pin_memory(self) -> ReadAhead:
-        """Called by torch's pin-memory thread for groups coming from worker processes."""
-        return ReadAhead([_pin(b) for b in self.batches], self.error)  # pinning copies: owned
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be
-    pickled.
-
-    A worker process returns a failed group's error as a value (the batches before
-    it are delivered first), so it must survive pickling; tracebacks do not.
-    """
-    text = "".join(traceback.format_exception(exc))
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        clone: BaseException = RuntimeError(f"{type(exc).__name__}: {exc}")
-    else:
-        clone = exc
-    clone.add_note(f"(raised in DataLoader worker process {os.getpid()}):\n{text}")
-    return clone
-
-
 def _schema(batch: Any) -> dict[str, str] | str:
     """Keys and element types of a delivered batch (shapes excluded: a collate may pad)."""
     if not isinstance(batch, Mapping):
@@ -202,210 +83,6 @@ def _schema(batch: Any) -> dict[str, str] | str:
         else:
             out[str(key)] = type(value).__name__
     return dict(sorted(out.items()))
-
-
-def _rows(batch: Any, a: int, b: int) -> Any:
-    """Rows ``[a, b)`` of every column (views; see `owned`)."""
-    if isinstance(batch, (torch.Tensor, np.ndarray, list)):
-        return batch[a:b]
-    if isinstance(batch, Mapping):
-        return {k: _rows(v, a, b) for k, v in batch.items()}
-    return batch
-
-
-def owned(batch: Any) -> Any:
-    """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
-
-    docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
-    never keeps its group alive (16x its size with the default ``read_ahead``) and
-    ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
-    storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.clone() if batch.untyped_storage().nbytes() > batch.nbytes else batch
-    if isinstance(batch, np.ndarray):
-        return batch.copy() if batch.base is not None else batch
-    if type(batch) is list:
-        return [owned(v) for v in batch]
-    if type(batch) is dict:
-        return {k: owned(v) for k, v in batch.items()}
-    return batch
-
-
-class GroupReader(tud.Dataset[ReadAhead]):
-    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
-
-    With the default collate the group becomes one tensor per column and each
-    micro batch is a view of it: one allocation, one pinning and (from a worker
-    process) one shared-memory transfer per group instead of per micro batch.
-    If the group read fails, it is read again one micro batch at a time, so every
-    micro batch before the failing one is still delivered and the error is raised
-    exactly at the batch that cannot be read.
-    """
-
-    def __init__(
-        self,
-        dataset: PositionDataset,
-        collate_fn: Callable[[Batch], Any] | None,
-        pin: bool,
-        in_worker: bool,
-    ) -> None:
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.pin = pin
-        self.in_worker = in_worker
-
-    def _finish(self, raw: Any) -> Any:
-        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
-        return _pin(batch) if self.pin else batch
-
-    def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
-        done: list[Any] = []
-        for positions in group:
-            try:
-                done.append(self._finish(self.dataset[positions]))
-            except Exception as exc:
-                return ReadAhead(done, _portable(exc) if self.in_worker else exc)
-        return ReadAhead(done, None)
-
-    def __getitem__(self, group: list[IntArray]) -> ReadAhead:
-        if len(group) == 1:
-            return self._one_by_one(group)
-        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
-        try:
-            raw = self.dataset[np.concatenate(group)]
-            if self.collate_fn is None:
-                # one tensor per column for the group: one transfer from a worker process;
-                # the micro batches are copied out of it when delivered (or when pinned)
-                whole = to_torch(raw)
-                parts = [_rows(whole, a, b) for a, b in bounds]
-                if self.in_worker:
-                    return ReadAhead(parts, None, views=True)  # owned after the transfer
-                return ReadAhead([_pin(p) if self.pin else owned(p) for p in parts], None)
-            return ReadAhead([self._finish(owned(_rows(raw, a, b))) for a, b in bounds], None)
-        except Exception as exc:
-            result = self._one_by_one(group)  # locate the failing batch; deliver those before it
-            if result.error is None:
-                log.warning(
-                    "detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
-                    "each of its micro batches read on its own: delivered them; a transient "
-                    "error, or batches that cannot be concatenated",
-                    len(group),
-                    type(exc).__name__,
-                    exc,
-                )
-            return result
-
-    def __call__(self, group: list[IntArray]) -> ReadAhead:
-        return self[group]
-
-    def __len__(self) -> int:
-        raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
-
-
-class WorkerMode(str, enum.Enum):
-    """Where ``num_workers`` readers run.
-
-    ``PROCESS`` (default, as torch): worker processes; each seeds python/numpy/torch
-    globals from a hash of (seed, rank, worker). ``THREAD``: threads of the main
-    process; batched numpy/pyarrow reads release the GIL and batches need no
-    inter-process transfer (much faster for small samples on few cores), but
-    global generators are shared and not re-seeded: transforms must use the
-    ``rng`` they are handed (which is identical in both modes).
-    """
-
-    PROCESS = "process"
-    THREAD = "thread"
-
-
-def _check_torch_args(
-    *,
-    num_workers: object,
-    prefetch_factor: object,
-    persistent_workers: object,
-    timeout: object,
-    multiprocessing_context: object,
-    callables: Mapping[str, object],
-) -> None:
-    """Refuse at construction what torch would refuse late (or silently ignore)."""
-    for name, fn in callables.items():
-        if fn is not None and not callable(fn):
-            raise ConfigError(
-                f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}"
-            )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ConfigError(
-            f"timeout must be a number of seconds >= 0 (0: wait forever), got {timeout!r}"
-        )
-    if not isinstance(persistent_workers, bool):
-        raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
-    no_workers = (
-        isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
-    )
-    if no_workers and prefetch_factor is not None:
-        raise ConfigError(
-            "prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
-            "worker); hint: drop prefetch_factor or set num_workers"
-        )
-    if no_workers and persistent_workers:
-        raise ConfigError(
-            "persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers"
-        )
-    if no_workers and multiprocessing_context is not None:
-        raise ConfigError(
-            "multiprocessing_context needs num_workers > 0 (there are no worker "
-            "processes to start); hint: drop it or set num_workers"
-        )
-    if multiprocessing_context is not None and isinstance(multiprocessing_context, str):
-        import multiprocessing
-
-        methods = multiprocessing.get_all_start_methods()
-        if multiprocessing_context not in methods:
-            raise ConfigError(
-                f"multiprocessing_context {multiprocessing_context!r} is not a start "
-                f"method of this platform; expected one of {methods}"
-            )
-    elif multiprocessing_context is not None and not hasattr(multiprocessing_context, "Process"):
-        raise ConfigError(
-            f"multiprocessing_context must be a start method name or a multiprocessing "
-            f"context, got {type(multiprocessing_context).__name__}"
-        )
-
-
-def _check_thread_mode(worker_mode: object, num_workers: object, **process_only: object) -> None:
-    """Thread mode refuses the arguments that only mean something for worker processes."""
-    if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
-        return
-    unused = {
-        "persistent_workers": False,
-        "timeout": 0,
-        "multiprocessing_context": None,
-        "worker_init_fn": None,
-    }
-    given = sorted(k for k, v in process_only.items() if v != unused[k])
-    if given:
-        raise ConfigError(
-            f"worker_mode='thread' runs reads on threads of this process and would ignore "
-            f"{given} (they only apply to worker processes); hint: drop them, or use "
-            "worker_mode='process'"
-        )
-
-
-def _parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
-    try:
-        return WorkerMode(value)
-    except ValueError:
-        raise ConfigError(f"worker_mode must be 'process' or 'thread', got {value!r}") from None
-
-
-def _pin(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, Mapping):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_pin(v) for v in batch]
-    return batch
 
 
 def _identity(item: Any) -> Any:
@@ -471,7 +148,7 @@ class DataLoader:
         transform_id: str | None = None,
     ) -> None:
         self.seed = check_seed(seed)
-        _check_torch_args(
+        check_torch_args(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
@@ -483,7 +160,7 @@ class DataLoader:
                 "worker_init_fn": worker_init_fn,
             },
         )
-        _check_thread_mode(
+        check_thread_mode(
             worker_mode,
             num_workers,
             persistent_workers=persistent_workers,
@@ -530,7 +207,7 @@ class DataLoader:
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
-        self.worker_mode = _parse_worker_mode(worker_mode)
+        self.worker_mode = parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
         self._pin_memory = bool(pin_memory)
         self._prefetch_factor = (

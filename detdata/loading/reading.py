@@ -1,0 +1,264 @@
+"""Reading groups of positions: from a group of micro batches to delivered batches.
+
+`GroupSampler` yields this rank's micro-batch positions in groups of ``read_ahead``;
+`GroupReader` reads a group with one batched read (`PositionDataset`: stream fetch plus
+the per-sample transform), splits it, and returns a `ReadAhead` (the unit a worker
+process hands over). If the group read fails it is re-read one micro batch at a time,
+so the error lands exactly at the unreadable batch and every batch before it is
+delivered. Delivered batches own their memory (`owned`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from detdata.base.errors import ConfigError
+from detdata.base.types import Batch, IntArray
+from detdata.datasets.base import Stream
+from detdata.datasets.columns import is_ragged, restack, to_torch
+from detdata.loading.layout import Layout
+from detdata.order.rng import sample_rng
+
+log = logging.getLogger("detdata.loader")
+
+Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
+
+
+def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
+    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack.
+
+    Every sample's output must have the keys of the first one (a key missing
+    or extra at one position is refused, naming it); each column is restacked
+    with `detdata.datasets.columns.restack`.
+    """
+    outs: list[Mapping[str, Any]] = []
+    for i in range(len(positions)):
+        sample = {k: v[i] for k, v in batch.items()}
+        result = transform(sample, sample_rng(seed, int(positions[i])))
+        if not isinstance(result, Mapping):
+            raise ConfigError(
+                f"transform must return a mapping of column -> array, got "
+                f"{type(result).__name__} for position {int(positions[i])}"
+            )
+        if outs and result.keys() != outs[0].keys():
+            raise ConfigError(
+                f"transform returned keys {sorted(map(str, result))} at position "
+                f"{int(positions[i])} but {sorted(map(str, outs[0]))} at position "
+                f"{int(positions[0])}; every sample must have the same keys; hint: "
+                "return every key for every sample (a placeholder if needed)"
+            )
+        outs.append(result)
+    if not outs:
+        return batch
+    return {
+        k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k)))
+        for k in outs[0]
+    }
+
+
+class PositionDataset(tud.Dataset[Batch]):
+    """Map-style dataset whose "index" is an array of global positions (one batch)."""
+
+    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
+        self.stream = stream
+        self.transform = transform
+        self.seed = seed
+
+    def __getitem__(self, positions: IntArray) -> Batch:
+        batch = self.stream.fetch(positions)
+        if self.transform is not None:
+            batch = apply_transform(batch, positions, self.transform, self.seed)
+        return batch
+
+    def __len__(self) -> int:
+        raise TypeError("PositionDataset is indexed by position arrays and has no length")
+
+
+class MicroBatchSampler(tud.Sampler[IntArray]):
+    """Yields this rank's position arrays, one per micro step, from a start position."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+
+    def __iter__(self) -> Iterator[IntArray]:
+        per = self.layout.samples_per_micro_step
+        j = self.start // per
+        while self.stop is None or j * per < self.stop:
+            yield self.layout.positions(j)
+            j += 1
+
+
+class GroupSampler(tud.Sampler[list[IntArray]]):
+    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from
+    ``start``."""
+
+    def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
+        self.layout = layout
+        self.start = start
+        self.stop = stop
+        self.size = size
+
+    def __iter__(self) -> Iterator[list[IntArray]]:
+        micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
+        while group := list(itertools.islice(micro, self.size)):
+            yield group
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """Micro batches of one group read, and the error that stopped the group (if any)."""
+
+    batches: list[Any]
+    error: BaseException | None
+    views: bool = False  # batches are views of one group tensor (the default collate's transfer)
+
+    def deliver(self) -> Iterator[Any]:
+        """Each micro batch, owning its memory (views of the group are copied out of it)."""
+        for batch in self.batches:
+            yield owned(batch) if self.views else batch
+        if self.error is not None:
+            raise self.error
+
+    def pin_memory(self) -> ReadAhead:
+        """Called by torch's pin-memory thread for groups coming from worker processes."""
+        return ReadAhead([pin(b) for b in self.batches], self.error)  # pinning copies: owned
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be
+    pickled.
+
+    A worker process returns a failed group's error as a value (the batches before
+    it are delivered first), so it must survive pickling; tracebacks do not.
+    """
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        clone: BaseException = RuntimeError(f"{type(exc).__name__}: {exc}")
+    else:
+        clone = exc
+    clone.add_note(f"(raised in DataLoader worker process {os.getpid()}):\n{text}")
+    return clone
+
+
+def rows(batch: Any, a: int, b: int) -> Any:
+    """Rows ``[a, b)`` of every column (views; see `owned`)."""
+    if isinstance(batch, (torch.Tensor, np.ndarray, list)):
+        return batch[a:b]
+    if isinstance(batch, Mapping):
+        return {k: rows(v, a, b) for k, v in batch.items()}
+    return batch
+
+
+def owned(batch: Any) -> Any:
+    """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
+
+    docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
+    never keeps its group alive (16x its size with the default ``read_ahead``) and
+    ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
+    storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.clone() if batch.untyped_storage().nbytes() > batch.nbytes else batch
+    if isinstance(batch, np.ndarray):
+        return batch.copy() if batch.base is not None else batch
+    if type(batch) is list:
+        return [owned(v) for v in batch]
+    if type(batch) is dict:
+        return {k: owned(v) for k, v in batch.items()}
+    return batch
+
+
+class GroupReader(tud.Dataset[ReadAhead]):
+    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
+
+    With the default collate the group becomes one tensor per column and each
+    micro batch is a view of it: one allocation, one pinning and (from a worker
+    process) one shared-memory transfer per group instead of per micro batch.
+    If the group read fails, it is read again one micro batch at a time, so every
+    micro batch before the failing one is still delivered and the error is raised
+    exactly at the batch that cannot be read.
+    """
+
+    def __init__(
+        self,
+        dataset: PositionDataset,
+        collate_fn: Callable[[Batch], Any] | None,
+        pin: bool,
+        in_worker: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.pin = pin
+        self.in_worker = in_worker
+
+    def _finish(self, raw: Any) -> Any:
+        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        return pin(batch) if self.pin else batch
+
+    def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
+        done: list[Any] = []
+        for positions in group:
+            try:
+                done.append(self._finish(self.dataset[positions]))
+            except Exception as exc:
+                return ReadAhead(done, portable(exc) if self.in_worker else exc)
+        return ReadAhead(done, None)
+
+    def __getitem__(self, group: list[IntArray]) -> ReadAhead:
+        if len(group) == 1:
+            return self._one_by_one(group)
+        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
+        try:
+            raw = self.dataset[np.concatenate(group)]
+            if self.collate_fn is None:
+                # one tensor per column for the group: one transfer from a worker process;
+                # the micro batches are copied out of it when delivered (or when pinned)
+                whole = to_torch(raw)
+                parts = [rows(whole, a, b) for a, b in bounds]
+                if self.in_worker:
+                    return ReadAhead(parts, None, views=True)  # owned after the transfer
+                return ReadAhead([pin(p) if self.pin else owned(p) for p in parts], None)
+            return ReadAhead([self._finish(owned(rows(raw, a, b))) for a, b in bounds], None)
+        except Exception as exc:
+            result = self._one_by_one(group)  # locate the failing batch; deliver those before it
+            if result.error is None:
+                log.warning(
+                    "detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
+                    "each of its micro batches read on its own: delivered them; a transient "
+                    "error, or batches that cannot be concatenated",
+                    len(group),
+                    type(exc).__name__,
+                    exc,
+                )
+            return result
+
+    def __call__(self, group: list[IntArray]) -> ReadAhead:
+        return self[group]
+
+    def __len__(self) -> int:
+        raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
+
+
+def pin(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, Mapping):
+        return {k: pin(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [pin(v) for v in batch]
+    return batch
