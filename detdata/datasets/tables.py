@@ -69,56 +69,11 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 
 
 @dataclass(frozen=True)
-class _Group:
+class Group:
     """A decoded row group: one numpy array per selected column, and its size in bytes."""
 
     columns: Columns
     nbytes: int
-
-
-class RowGroupCache:
-    """LRU of decoded row groups bounded by count and by bytes (the reference contract
-    that `GroupSlots`, the cache `TableRows` uses, follows).
-
-    ``put`` evicts least recently used groups until both ``len(self) <=
-    max_groups`` and ``self.nbytes <= max_bytes``; a single group larger than
-    ``max_bytes`` is not cached at all. ``max_groups == 0`` disables caching.
-    """
-
-    def __init__(self, max_groups: int, max_bytes: int) -> None:
-        self.max_groups = max_groups
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._items: OrderedDict[tuple[int, int], _Group] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def keys(self) -> list[tuple[int, int]]:
-        """Cached (shard, group) keys, least recently used first."""
-        with self._lock:
-            return list(self._items)
-
-    def get(self, key: tuple[int, int]) -> _Group | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-            return item
-
-    def put(self, key: tuple[int, int], item: _Group) -> None:
-        if self.max_groups == 0 or item.nbytes > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self._items[key] = item
-            self.nbytes += item.nbytes
-            while len(self._items) > self.max_groups or self.nbytes > self.max_bytes:
-                _, evicted = self._items.popitem(last=False)
-                self.nbytes -= evicted.nbytes
 
 
 @dataclass(slots=True)
@@ -128,14 +83,15 @@ class _Entry:
     slot: int
     rows: int
     nbytes: int
-    group: _Group | None
+    group: Group | None
 
 
 class GroupSlots:
-    """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU
-    (the `RowGroupCache` contract) whose groups live in slots of shared column arrays.
+    """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU (the
+    contract of the plain LRU model in `tests/datasets/lru_model.py`) whose groups live in
+    slots of shared column arrays.
 
-    Bounds, as for `RowGroupCache`: at most ``max_groups`` groups and ``max_bytes``
+    Bounds, as for a plain LRU: at most ``max_groups`` groups and ``max_bytes``
     bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
     used groups until both hold; a group charged more than ``max_bytes`` is not kept;
     ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
@@ -153,8 +109,8 @@ class GroupSlots:
     smaller cache: most of a shuffled batch's groups must be decoded anyway, and a copy
     would only add to that), and for a group whose columns do not match the slot layout
     (a list column of another width; the slots are then given up), groups are kept as
-    their own arrays, charged their own bytes, as `RowGroupCache` does. Slots of evicted
-    groups are reused, so a `_Group` from ``get`` is only valid until the next ``put``.
+    their own arrays, charged their own bytes, as a plain LRU does. Slots of evicted
+    groups are reused, so a `Group` from ``get`` is only valid until the next ``put``.
     Thread-safe: gathers and slot changes hold one lock.
     """
 
@@ -188,7 +144,7 @@ class GroupSlots:
         self._free: list[int] = []
         self._lock = threading.Lock()
 
-    # the RowGroupCache interface -------------------------------------------
+    # the plain-LRU interface -------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -203,7 +159,7 @@ class GroupSlots:
             self._order()
             return [self._key(g) for g in self._entries]
 
-    def get(self, key: tuple[int, int]) -> _Group | None:
+    def get(self, key: tuple[int, int]) -> Group | None:
         """The cached group (marked most recently used), or None."""
         g = self._global(key)
         with self._lock:
@@ -214,15 +170,15 @@ class GroupSlots:
             if entry.group is not None:
                 return entry.group
             a = entry.slot * self.rows_per_slot
-            return _Group(
+            return Group(
                 {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
             )
 
-    def put(self, key: tuple[int, int], item: _Group) -> None:
+    def put(self, key: tuple[int, int], item: Group) -> None:
         """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
         self.insert(self._global(key), item)
 
-    def insert(self, g: int, item: _Group) -> None:
+    def insert(self, g: int, item: Group) -> None:
         """`put` by global row group index."""
         if self.max_groups == 0:
             return
@@ -309,7 +265,7 @@ class GroupSlots:
                 self._entries.move_to_end(g)  # in place: callers may hold the dict
             self._dirty = False
 
-    def _fits(self, item: _Group, rows: int) -> bool:
+    def _fits(self, item: Group, rows: int) -> bool:
         """Does ``item`` go into a slot? The first group fixes the layout and whether slots
         are used at all: only when every row group of the manifest fits both bounds."""
         if self._layout is None:
@@ -347,7 +303,7 @@ class GroupSlots:
             fixed = sum(int(c.nbytes) for c in columns.values() if c.dtype != object)
             charge = entry.nbytes - self._slot_bytes + fixed
             self.nbytes += charge - entry.nbytes
-            self._entries[g] = _Entry(-1, entry.rows, charge, _Group(columns, charge))
+            self._entries[g] = _Entry(-1, entry.rows, charge, Group(columns, charge))
             self._slot_of[g] = -1
         self._pool = {}
         self._free = []
@@ -380,7 +336,7 @@ class GroupSlots:
             self._free.append(entry.slot)
 
 
-def _rows(item: _Group) -> int:
+def _rows(item: Group) -> int:
     return len(next(iter(item.columns.values()))) if item.columns else 0
 
 
@@ -688,7 +644,7 @@ class TableRows(ShardReader):
             return pq.ParquetFile(source)
         return ipc.open_file(source)
 
-    def _group(self, global_group: int) -> _Group:
+    def _group(self, global_group: int) -> Group:
         shard = int(self._group_shard[global_group])
         local = global_group - int(self._shard_first_group[shard])
         key = (shard, local)
@@ -708,7 +664,7 @@ class TableRows(ShardReader):
         batch = reader.get_batch(group)
         return {n: batch.column(n) for n in self.columns}
 
-    def _decode(self, shard: int, group: int) -> _Group:
+    def _decode(self, shard: int, group: int) -> Group:
         entry = self.manifest.shards[shard]
         with self._io_lock:  # remote readers share one seekable handle per shard
             fs, root = self._filesystem()
@@ -748,7 +704,7 @@ class TableRows(ShardReader):
             int(arrays[n].nbytes) if c.dtype == object else int(c.nbytes)
             for n, c in columns.items()
         )
-        return _Group(columns, nbytes)
+        return Group(columns, nbytes)
 
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:

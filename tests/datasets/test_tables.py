@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 
 from detdata.base.errors import ConfigError, FormatError
 from detdata.datasets.base import Dataset
-from detdata.datasets.tables import RowGroupCache, TableRows, _Group, to_numpy
+from detdata.datasets.tables import Group, TableRows, to_numpy
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
+from tests.datasets.lru_model import RowGroupCache
 from tests.datasets.test_aliasing import (
     RAGGED,
     ROWS,
@@ -169,7 +170,7 @@ def test_cache_is_bounded_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     decodes: list[tuple[int, int]] = []
     original = ds._decode
 
-    def counting(shard: int, group: int) -> _Group:
+    def counting(shard: int, group: int) -> Group:
         decodes.append((shard, group))
         return original(shard, group)
 
@@ -237,7 +238,7 @@ def test_cache_bytes_is_the_deprecated_name_of_row_group_cache_bytes(tmp_path: P
 
 def test_lru_evicts_least_recently_used() -> None:
     cache = RowGroupCache(max_groups=2, max_bytes=10**9)
-    item = _Group({}, 10)
+    item = Group({}, 10)
     cache.put((0, 0), item)
     cache.put((0, 1), item)
     assert cache.get((0, 0)) is item  # (0, 1) is now the least recently used
@@ -408,7 +409,7 @@ def _model_step(model: RowGroupCache, ds: TableRows, ids: np.ndarray, charge: in
     shard, group, _ = ds.locate(ids)
     for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
         if model.get(key) is None:
-            model.put(key, _Group({}, charge))
+            model.put(key, Group({}, charge))
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
@@ -422,7 +423,7 @@ def test_whole_dataset_cache_reads_by_slots(
     decodes: list[tuple[int, int]] = []
     original = ds._decode
 
-    def counting(shard: int, group: int) -> _Group:
+    def counting(shard: int, group: int) -> Group:
         decodes.append((shard, group))
         return original(shard, group)
 
@@ -476,7 +477,7 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
                 shard, group, _ = ds.locate(ids)
                 for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
                     if model.get(key) is None:
-                        model.put(key, _Group({}, 1))
+                        model.put(key, Group({}, 1))
                 assert ds.cache.keys() == model.keys()
             assert (
                 len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
