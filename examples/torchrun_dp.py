@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 from pathlib import Path
 
+import blake3
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -32,10 +34,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="/tmp/detdata-dp")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--record", help="append each rank's trained rows to RECORD.rank<r> (JSONL)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     try:
-        summary = train(Path(args.workdir), args.steps)
+        record_to = None if args.record is None else Path(f"{args.record}.rank{dist.get_rank()}")
+        summary = train(Path(args.workdir), args.steps, record_to)
         if dist.get_rank() == 0:
             print(json.dumps(summary), flush=True)
     finally:
@@ -47,7 +51,14 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def train(work: Path, steps: int) -> dict[str, int]:
+def record(path: Path, step: int, rank: int, batch: dict[str, torch.Tensor]) -> None:
+    """Append this rank's rows of a trained step (digests; for the resume test)."""
+    rows = [blake3.blake3(r.numpy().tobytes()).hexdigest()[:16] for r in batch["tokens"]]
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "rank": rank, "rows": rows}) + "\n")
+
+
+def train(work: Path, steps: int, record_to: Path | None = None) -> dict[str, int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and not (work / "manifest.json").exists():
         detdata.build_manifest(str(write_token_shards(work / "shards"))).save(
@@ -68,9 +79,13 @@ def train(work: Path, steps: int) -> dict[str, int]:
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
     start = loader.step
-    for batch in loader:
-        if loader.step > steps:
-            break
+    # exactly the batches of the remaining steps (see pretrain_minimal.py: never break after
+    # a batch was delivered but not trained, or the resume skips it)
+    per_step = loader.global_batch_size // loader.layout.samples_per_micro_step
+    for batch in itertools.islice(loader, max(0, steps - start) * per_step):
+        if record_to is not None:
+            delivered_at = loader.samples_consumed - loader.layout.samples_per_micro_step
+            record(record_to, delivered_at // loader.global_batch_size, rank, batch)
         tokens = batch["tokens"].long()
         loss = nn.functional.cross_entropy(
             model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()

@@ -32,17 +32,44 @@ def _port() -> int:
 
 
 @pytest.mark.slow
-def test_pretrain_minimal_runs_and_resumes(tmp_path: Path) -> None:
-    first = _run(
-        [sys.executable, "pretrain_minimal.py", "--workdir", str(tmp_path), "--steps", "4"],
+def _trained(path: Path) -> list[tuple[int, list[str]]]:
+    return [(r["step"], r["rows"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_pretrain_minimal_stopped_and_resumed_trains_what_an_uninterrupted_run_trains(
+    tmp_path: Path,
+) -> None:
+    """The example's loop takes exactly the batches of its steps: stopped at step 4 and resumed
+    in a fresh process, it trains the rows an uninterrupted 8-step run trains, step by step
+    (no batch skipped at the stop), and ends with the same weights."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    cmd = [sys.executable, "pretrain_minimal.py"]
+    whole = _run(
+        [
+            *cmd,
+            "--workdir",
+            str(straight),
+            "--steps",
+            "8",
+            "--record",
+            str(straight / "rows.jsonl"),
+        ],
         tmp_path,
     )
-    assert "samples_consumed 80" in first  # 5 steps x 16 delivered when step 4 finished
-    second = _run(
-        [sys.executable, "pretrain_minimal.py", "--workdir", str(tmp_path), "--steps", "8"],
+    _run(
+        [*cmd, "--workdir", str(split), "--steps", "4", "--record", str(split / "rows.jsonl")],
         tmp_path,
     )
-    assert "samples_consumed 144" in second  # continued from 80 instead of restarting
+    resumed = _run(
+        [*cmd, "--workdir", str(split), "--steps", "8", "--record", str(split / "rows.jsonl")],
+        tmp_path,
+    )
+    reference = _trained(straight / "rows.jsonl")
+    assert [step for step, _ in reference] == list(range(8))
+    assert _trained(split / "rows.jsonl") == reference
+    assert "samples_consumed 128" in resumed  # 8 steps x 16, nothing delivered beyond them
+    weights = [line.split("weights ")[1] for line in (whole, resumed)]
+    assert weights[0] == weights[1]
 
 
 def test_register_shards(tmp_path: Path) -> None:
@@ -81,6 +108,8 @@ def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
             str(tmp_path),
             "--steps",
             "3",
+            "--record",
+            str(tmp_path / "rows"),
         ],
         tmp_path,
         timeout=180,
@@ -97,13 +126,45 @@ def test_torchrun_dp_then_resume_at_other_world_size(tmp_path: Path) -> None:
             str(tmp_path),
             "--steps",
             "6",
+            "--record",
+            str(tmp_path / "resumed"),
         ],
         tmp_path,
         timeout=180,
     )
     a, b = (json.loads(x.strip().splitlines()[-1]) for x in (two, one))
     assert (a["world_size"], b["world_size"]) == (2, 1)
-    assert b["from_step"] == a["to_step"] and b["samples_consumed"] > a["samples_consumed"]
+    assert (a["from_step"], a["to_step"], b["from_step"], b["to_step"]) == (0, 3, 3, 6)
+    # the rows trained per global step (ranks 0, 1 of the 2-rank run in rank order, then the
+    # 1-rank run) equal a single uninterrupted 6-step run at world size 1
+    straight = tmp_path / "straight"
+    _run(
+        [
+            *base,
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            str(_port()),
+            "torchrun_dp.py",
+            "--workdir",
+            str(straight),
+            "--steps",
+            "6",
+            "--record",
+            str(straight / "rows"),
+        ],
+        tmp_path,
+        timeout=180,
+    )
+    reference = {s: rows for s, rows in _trained(straight / "rows.rank0")}
+    got: dict[int, list[str]] = {}
+    for rank_file in ("rows.rank0", "rows.rank1"):
+        for step, rows in _trained(tmp_path / rank_file):
+            got.setdefault(step, []).extend(rows)
+    for step, rows in _trained(tmp_path / "resumed.rank0"):
+        got.setdefault(step, []).extend(rows)
+    assert sorted(reference) == list(range(6))
+    assert got == reference
 
 
 @pytest.mark.slow
