@@ -25,9 +25,9 @@ import torch.utils.data as tud
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
-from detdata.base.types import Batch, IntArray
+from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.streams import as_stream
+from detdata.datasets.streams import OrderedStream, as_stream
 from detdata.loading.arguments import (
     WorkerMode,
     check_thread_mode,
@@ -173,13 +173,8 @@ class DataLoader:
                 f"transform_id must be a non-empty string naming the transform's "
                 f"version (e.g. 'tokenize-v3'), got {transform_id!r}"
             )
-        default_rank, default_world = process_group_rank_world()
-        self.layout = Layout.create(
-            global_batch_size,
-            micro_batch_size,
-            default_world if world_size is None else world_size,
-            default_rank if rank is None else rank,
-        )
+        self._layout_args = (global_batch_size, micro_batch_size, rank, world_size)
+        self.layout = self._layout_now()
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         if total_samples is not None:
             total_samples = check_count(total_samples, "total_samples", minimum=0)
@@ -189,6 +184,7 @@ class DataLoader:
                     f"{self.layout.global_batch_size}; the last step would be partial"
                 )
         self.total_samples = total_samples
+        self._data = data
         self._stream = as_stream(data, self.seed)
         self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
         self._transform = transform
@@ -200,10 +196,8 @@ class DataLoader:
             "timeout": timeout,
             "persistent_workers": persistent_workers and self.num_workers > 0,
             "multiprocessing_context": multiprocessing_context if self.num_workers > 0 else None,
-            "worker_init_fn": functools.partial(
-                _init_worker, self.seed, self.layout.rank, worker_init_fn
-            ),
         }
+        self._user_worker_init = worker_init_fn
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
@@ -227,16 +221,8 @@ class DataLoader:
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
-        self._trace = (
-            TraceWriter(
-                trace,
-                self.layout.rank,
-                global_batch_size=self.layout.global_batch_size,
-                samples_per_micro_step=self.layout.samples_per_micro_step,
-            )
-            if trace is not None
-            else None
-        )
+        self._trace_path = trace
+        self._trace = self._new_trace()
 
     # ------------------------------------------------------------------ info
     @property
@@ -258,10 +244,95 @@ class DataLoader:
         return self._consumed // self.layout.global_batch_size
 
     def __len__(self) -> int:
-        """Remaining micro batches of this rank (only with ``total_samples``)."""
-        if self.total_samples is None:
-            raise TypeError("this DataLoader is infinite (total_samples=None) and has no length")
-        return max(0, (self.total_samples - self._consumed) // self.layout.samples_per_micro_step)
+        """Micro batches of this rank per epoch of the run: a constant, whatever was consumed.
+
+        With ``total_samples``: all of them (``total_samples // (micro_batch_size *
+        world_size)``). Otherwise one pass over the dataset a plain `OrderedStream` orders
+        (at least 1), or ``2**62 // (micro_batch_size * world_size)`` for other streams
+        (a `Mixture` has no epoch). A new ``iter()`` never restarts the stream: it
+        continues at ``samples_consumed``, so a trainer that counts ``len(loader)``
+        batches per epoch (and, knowing the length, does not fetch ahead) sees each
+        batch once, across epochs and resumes.
+        """
+        per = self.layout.samples_per_micro_step
+        if self.total_samples is not None:
+            return self.total_samples // per
+        dataset = getattr(self._stream, "dataset", None)
+        if isinstance(self._stream, OrderedStream) and dataset is not None:
+            return max(1, int(dataset.num_samples) // per)
+        return MAX_POSITION // per
+
+    # ------------------------------------------------ surface trainers probe
+    @property
+    def dataset(self) -> Any:
+        """The dataset or stream this loader reads (what ``data`` was)."""
+        return self._data
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per delivered batch: this rank's micro batch."""
+        return self.layout.micro_batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Always True: every delivered batch is a full micro batch."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, never from a torch sampler (a trainer
+        must not inject a DistributedSampler: the data is sharded by rank already)."""
+        return None
+
+    @property
+    def batch_sampler(self) -> None:
+        """None (see `sampler`)."""
+        return None
+
+    @property
+    def collate_fn(self) -> Callable[[Batch], Any] | None:
+        return self._collate_fn
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._pin_memory
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: the order is a function of the global position, not of an epoch counter
+        (a trainer's epoch numbers never change which samples come next)."""
+        del epoch
+
+    def _new_trace(self) -> TraceWriter | None:
+        if self._trace_path is None:
+            return None
+        return TraceWriter(
+            self._trace_path,
+            self.layout.rank,
+            global_batch_size=self.layout.global_batch_size,
+            samples_per_micro_step=self.layout.samples_per_micro_step,
+        )
+
+    # ------------------------------------------------------ rank and world
+    def _layout_now(self) -> Layout:
+        """The layout with rank / world size not given explicitly read from torch.distributed."""
+        gbs, micro, rank, world = self._layout_args
+        group_rank, group_world = process_group_rank_world()
+        world = group_world if world is None else world
+        return Layout.create(gbs, micro, world, group_rank if rank is None else rank)
+
+    def _bind_layout(self) -> None:
+        """Re-read rank and world size when an iteration starts (a loader built before the
+        process group existed then reads its own rank's slice, not the whole global batch)."""
+        layout = self._layout_now()
+        if layout == self.layout:
+            return
+        layout.check_resume_position(self._consumed)
+        rank_changed = layout.rank != self.layout.rank
+        self.layout = layout
+        self._torch_loader = None  # persistent workers were started for the old layout
+        if rank_changed and self._trace is not None:
+            self._trace.close()
+            self._trace = self._new_trace()
 
     def positions_of_next(self) -> IntArray:
         """Positions of the micro batch the next iteration will deliver on this rank."""
@@ -277,6 +348,9 @@ class DataLoader:
             batch_size=None,
             sampler=self._sampler,
             collate_fn=_identity,
+            worker_init_fn=functools.partial(
+                _init_worker, self.seed, self.layout.rank, self._user_worker_init
+            ),
             **self._torch_kwargs,
         )
 
@@ -344,7 +418,11 @@ class DataLoader:
         return (b for group in self._loader_from_here() for b in group.deliver())
 
     def __iter__(self) -> Iterator[Any]:
-        """This rank's micro batches from ``samples_consumed`` on (see `_iterate`)."""
+        """This rank's micro batches from ``samples_consumed`` on (see `_iterate`).
+
+        Rank and world size not given explicitly are (re)read from torch.distributed here.
+        """
+        self._bind_layout()
         iterator = self._iterate()
         self._live.add(iterator)
         return iterator
@@ -484,6 +562,7 @@ class DataLoader:
         change continues each source from its consumed count (`Mixture.continue_from`).
         Layout may differ if the position is a micro-step boundary of this layout.
         """
+        self._bind_layout()
         saved = LoaderState.from_json(state_dict)
         allowed = self._allow | check_allow(allow)
         current = self._fields()

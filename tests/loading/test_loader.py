@@ -192,9 +192,9 @@ def test_one_epoch_has_no_repeats_or_skips_any_layout() -> None:
 
 def test_total_samples_stops_and_len() -> None:
     dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, total_samples=40)
-    assert len(dl) == 10
+    assert len(dl) == 10  # constant: the run's micro batches of this rank
     assert len(list(dl)) == 10
-    assert len(dl) == 0 and list(dl) == []
+    assert len(dl) == 10 and list(dl) == []  # exhausted; a new iter() does not restart
 
 
 def _noisy(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
