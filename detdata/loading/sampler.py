@@ -1,22 +1,37 @@
-"""`DeterministicBatchSampler`: detdata's position logic for loaders you keep.
+"""Batch samplers with detdata's positions for loaders you keep (docs/design.md sections 2-4, 7).
 
-Pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader`` or torchdata's
-``StatefulDataLoader`` over your own map-style dataset. Each item is this
-rank's micro batch as a list of sample ids, exactly the ids detdata's own
-DataLoader would read at those positions (docs/design.md sections 2 and 4). Given a
-`Mixture` instead of a sample count, each item is a list of
-``(source_name, sample_id)`` pairs (section 3), for a dataset that dispatches by source.
+`DeterministicBatchSampler`: pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader``
+or torchdata's ``StatefulDataLoader`` over your own map-style dataset. Each item is this
+rank's micro batch as a list of sample ids, exactly the ids detdata's own DataLoader would
+read at those positions. Given a `Mixture` instead of a sample count, each item is a list
+of ``(source_name, sample_id)`` pairs (section 3), for a dataset that dispatches by source.
+Rank and world size not given explicitly are read from torch.distributed when an iteration
+starts (a sampler built before the process group exists still reads its rank's slice).
 
-State is the same one integer: global samples consumed. ``StatefulDataLoader``
-snapshots the sampler when it dispatches a batch, so its saved state matches
-the batches it delivered. With the vanilla DataLoader (which prefetches and
-keeps no state) use `state_after(batches_delivered)`.
+State is the same one integer: global samples consumed. ``StatefulDataLoader`` snapshots
+the sampler when it dispatches a batch, so its saved state matches the batches it
+delivered. With the vanilla DataLoader (which prefetches and keeps no state) use
+`state_after(batches_delivered)`.
+
+`FrameworkBatchSampler` (``DeterministicBatchSampler.sharded_by_framework(...)``) is for a
+framework that shards batches itself, such as accelerate's ``prepare`` (its
+``BatchSamplerShard``): it yields the run's global micro steps whole, and the framework
+splits each into its processes' slices, which are exactly detdata's rank slices. The
+framework then also keeps the position (it counts the batches it delivered).
+
+A framework never shards detdata's data a second time silently: a rank-sliced sampler
+iterated by a wrapper that deals its items to several processes raises `ConfigError`, and
+so does a framework-sharded one iterated at world size > 1 with nobody splitting its items.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
+from types import FrameType
 from typing import Any, Final
+
+import numpy as np
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
@@ -28,10 +43,92 @@ from detdata.order.feistel import ALGORITHM, GlobalOrder
 SAMPLER_KIND: Final = "detdata.sampler_state"
 SAMPLER_VERSION: Final = 1
 _CHECKED: Final = ("seed", "num_samples", "mixture", "algorithm", "global_batch_size")
+_CHUNK_POSITIONS: Final = 1 << 14  # FrameworkBatchSampler: positions whose ids one call computes
+
+_FRAMEWORK_HINT: Final = (
+    "with accelerate: sampler = detdata.DeterministicBatchSampler.sharded_by_framework(...) "
+    "and Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True, "
+    "use_stateful_dataloader=True))"
+)
+
+
+class _Ids:
+    """Sample ids (or ``(source, id)`` pairs of a `Mixture`) at global positions."""
+
+    def __init__(self, num_samples: int | Mixture, seed: int | None, who: str) -> None:
+        self.mixture: Mixture | None = None
+        self.order: GlobalOrder | None = None
+        if isinstance(num_samples, Mixture):
+            if seed is not None and seed != num_samples.seed:
+                raise ConfigError(
+                    f"{who}: seed={seed!r} would be ignored: a "
+                    f"Mixture orders its sources with its own seed ({num_samples.seed}); "
+                    "hint: drop seed=, or build the Mixture with seed="
+                    f"{seed!r}"
+                )
+            self.mixture, self.seed = num_samples, num_samples.seed
+        else:
+            self.seed = check_seed(0 if seed is None else seed)
+            self.order = GlobalOrder(num_samples, self.seed)
+
+    def items(self, positions: IntArray) -> list[Any]:
+        if self.order is not None:
+            return list(self.order.ids(positions).tolist())
+        if self.mixture is None:
+            raise ConfigError("a detdata batch sampler has neither an order nor a mixture")
+        src, _, ids = self.mixture.locate(positions)
+        names = self.mixture.source_names
+        return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
+
+    def epoch_samples(self) -> int | None:
+        """Samples in one pass over the dataset (None for a `Mixture`, which has no epoch)."""
+        return None if self.order is None else int(self.order.num_samples)
+
+
+def _caller() -> FrameType | None:
+    """The frame of whoever called the ``__iter__`` that calls this (None if there is none)."""
+    try:
+        return sys._getframe(2)
+    except ValueError:  # called from C with no Python frame below
+        return None
+
+
+def _dealer(frame: FrameType | None, sampler: object) -> Any:
+    """The object that called ``iter(sampler)`` if it deals the sampler's items to several
+    processes (it holds the sampler as ``.batch_sampler`` and has ``num_processes > 1``, as
+    accelerate's ``BatchSamplerShard`` does), else None.
+
+    Python code that iterates a batch sampler runs in a frame whose ``self`` is the
+    iterating object; torch's own DataLoader iterators hold no ``batch_sampler`` there.
+    """
+    owner = None if frame is None else frame.f_locals.get("self")
+    processes = getattr(owner, "num_processes", None)
+    if (
+        owner is not None
+        and owner is not sampler
+        and getattr(owner, "batch_sampler", None) is sampler
+        and isinstance(processes, int)
+        and processes > 1
+    ):
+        return owner
+    return None
+
+
+def _check_total(total_samples: int | None) -> int | None:
+    if total_samples is None:
+        return None
+    return check_count(total_samples, "total_samples", minimum=0)
 
 
 class DeterministicBatchSampler:
-    """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on."""
+    """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on.
+
+    The surface a ``BatchSampler`` has: ``batch_size`` (the micro batch), ``drop_last``
+    (True: every item is a full micro batch), ``sampler`` (None), a constant ``len()`` and
+    a no-op ``set_epoch``. Iteration is infinite unless ``total_samples`` is given, and a
+    new ``iter()`` continues at ``samples_consumed`` (the order is a function of the global
+    position, so epochs continue).
+    """
 
     def __init__(
         self,
@@ -44,67 +141,123 @@ class DeterministicBatchSampler:
         world_size: int | None = None,
         total_samples: int | None = None,
     ) -> None:
-        default_rank, default_world = process_group_rank_world()
-        self.mixture: Mixture | None = None
-        self.order: GlobalOrder | None = None
-        if isinstance(num_samples, Mixture):
-            if seed is not None and seed != num_samples.seed:
-                raise ConfigError(
-                    f"DeterministicBatchSampler: seed={seed!r} would be ignored: a "
-                    f"Mixture orders its sources with its own seed ({num_samples.seed}); "
-                    "hint: drop seed=, or build the Mixture with seed="
-                    f"{seed!r}"
-                )
-            self.mixture, self.seed = num_samples, num_samples.seed
-        else:
-            self.seed = check_seed(0 if seed is None else seed)
-            self.order = GlobalOrder(num_samples, self.seed)
-        self.layout = Layout.create(
-            global_batch_size,
-            micro_batch_size,
-            default_world if world_size is None else world_size,
-            default_rank if rank is None else rank,
-        )
-        self.total_samples = (
-            None
-            if total_samples is None
-            else check_count(total_samples, "total_samples", minimum=0)
-        )
+        self._ids = _Ids(num_samples, seed, "DeterministicBatchSampler")
+        self.mixture, self.order, self.seed = self._ids.mixture, self._ids.order, self._ids.seed
+        self._layout_args = (global_batch_size, micro_batch_size, rank, world_size)
+        self.layout = self._layout_now()
+        self.total_samples = _check_total(total_samples)
         self._start = 0
         self._yielded = 0  # micro batches yielded by the current iterator
 
+    @classmethod
+    def sharded_by_framework(
+        cls,
+        num_samples: int | Mixture,
+        *,
+        global_batch_size: int,
+        batch_size: int,
+        seed: int | None = None,
+        total_samples: int | None = None,
+    ) -> FrameworkBatchSampler:
+        """A `FrameworkBatchSampler`: the run's micro steps of ``batch_size`` samples (all
+        processes together), for a framework that splits each among its processes."""
+        return FrameworkBatchSampler(
+            num_samples,
+            global_batch_size=global_batch_size,
+            batch_size=batch_size,
+            seed=seed,
+            total_samples=total_samples,
+        )
+
+    # ------------------------------------------------------ rank and world
+    def _layout_now(self) -> Layout:
+        """The layout with rank / world size not given explicitly read from torch.distributed."""
+        gbs, micro, rank, world = self._layout_args
+        group_rank, group_world = process_group_rank_world()
+        world = group_world if world is None else world
+        return Layout.create(gbs, micro, world, group_rank if rank is None else rank)
+
+    def _bind_layout(self) -> None:
+        """Re-read rank and world size (at iteration start and on `load_state_dict`)."""
+        layout = self._layout_now()
+        if layout != self.layout:
+            layout.check_resume_position(self.samples_consumed)
+            self.layout = layout
+
+    # ------------------------------------------------------ BatchSampler surface
+    @property
+    def batch_size(self) -> int:
+        """Ids per item: this rank's micro batch."""
+        return self.layout.micro_batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Always True: every item is a full micro batch."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, not from a torch sampler."""
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: the order is a function of the global position, not of an epoch counter."""
+        del epoch
+
+    def __len__(self) -> int:
+        """Micro batches of this rank per epoch of the run: a constant, whatever was consumed.
+
+        With ``total_samples``: all of them (``total_samples // (micro_batch_size *
+        world_size)``); otherwise one pass over ``num_samples`` (at least 1), or
+        ``2**62 // (micro_batch_size * world_size)`` for a `Mixture` (it has no epoch).
+        """
+        per = self.layout.samples_per_micro_step
+        if self.total_samples is not None:
+            return self.total_samples // per
+        epoch = self._ids.epoch_samples()
+        if epoch is not None:
+            return max(1, epoch // per)
+        return MAX_POSITION // per
+
+    # ------------------------------------------------------------- iteration
     @property
     def samples_consumed(self) -> int:
         """Global position after the micro batches yielded so far."""
         return self._start + self._yielded * self.layout.samples_per_micro_step
 
     def _items(self, positions: IntArray) -> list[Any]:
-        if self.order is not None:
-            return list(self.order.ids(positions).tolist())
-        if self.mixture is None:
-            raise ConfigError("DeterministicBatchSampler has neither an order nor a mixture")
-        src, _, ids = self.mixture.locate(positions)
-        names = self.mixture.source_names
-        return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
+        return self._ids.items(positions)
 
     def __iter__(self) -> Iterator[list[Any]]:
+        """This rank's micro batches from ``samples_consumed`` on (rank and world size not
+        given explicitly are re-read from torch.distributed here).
+
+        Raises `ConfigError` when the caller deals the items to several processes
+        (accelerate's ``BatchSamplerShard``): they are this rank's slice already.
+        """
+        dealer = _dealer(_caller(), self)
+        self._bind_layout()
+        if dealer is not None:
+            raise ConfigError(
+                f"DeterministicBatchSampler yields rank {self.layout.rank}'s micro batches "
+                f"of a world of {self.layout.world_size} already; {type(dealer).__name__} "
+                f"deals them to {dealer.num_processes} processes again, so each process "
+                "would train on a fraction of its slice and whole micro batches would "
+                f"never be used; hint: let the framework shard: {_FRAMEWORK_HINT}"
+            )
         self._start = self.samples_consumed
         self._yielded = 0
+        return self._generate(self._start // self.layout.samples_per_micro_step)
+
+    def _generate(self, j: int) -> Iterator[list[Any]]:
         per = self.layout.samples_per_micro_step
-        j = self._start // per
-        while self.total_samples is None or j * per < self.total_samples:
+        while self.total_samples is None or (j + 1) * per <= self.total_samples:
             items = self._items(self.layout.positions(j))
             self._yielded += 1
             j += 1
             yield items
 
-    def __len__(self) -> int:
-        if self.total_samples is None:
-            raise TypeError("infinite sampler (total_samples=None) has no length")
-        return max(
-            0, (self.total_samples - self.samples_consumed) // self.layout.samples_per_micro_step
-        )
-
+    # ----------------------------------------------------------------- state
     def _state(self, consumed: int) -> dict[str, Any]:
         return {
             "kind": SAMPLER_KIND,
@@ -166,5 +319,111 @@ class DeterministicBatchSampler:
                 "total_samples the state was saved with",
                 fields=("samples_consumed",),
             )
-        self.layout.check_resume_position(consumed)
-        self._start, self._yielded = consumed, 0
+        layout = self._layout_now()  # rank and world size bound now, as at iteration start
+        layout.check_resume_position(consumed)
+        self.layout, self._start, self._yielded = layout, consumed, 0
+
+
+class FrameworkBatchSampler:
+    """The run's global micro steps, whole, for a framework that shards them itself.
+
+    Item ``j`` is the ids at global positions ``[j * batch_size, (j + 1) * batch_size)``,
+    the same for every process and world size. A framework that splits each item into its
+    processes' consecutive slices in rank order (accelerate with ``split_batches=True``:
+    ``BatchSamplerShard`` hands process ``r`` slice ``r``) gives each process exactly the
+    rows detdata's own DataLoader gives rank ``r`` with micro batch ``batch_size //
+    world_size``; a global step is ``global_batch_size // batch_size`` items (gradient
+    accumulation steps), whatever the world size.
+
+    The framework keeps the position: every ``iter()`` starts at the beginning of the run,
+    as torch expects of a batch sampler, and a resumed ``StatefulDataLoader`` (accelerate's
+    ``use_stateful_dataloader=True``) skips the items it had delivered. Since an item is a
+    whole micro step of every process, that count means the same samples at any world size,
+    so a run saved at 2 processes resumes exactly at 1 (skipping computes the skipped items'
+    ids, about 0.2 microseconds per sample on one core, and reads no data). This object has no
+    ``state_dict`` on purpose: torchdata would otherwise ask it for a state that a world
+    size > 1 never saved (accelerate's shard wrapper has none) instead of skipping.
+
+    One pass covers the run: ``total_samples`` if given (``len()`` is then ``total_samples
+    // batch_size``), else unbounded (positions go on through later epochs of the order).
+    Iterated at world size > 1 it must be split by its caller: `ConfigError` otherwise (each
+    process would train on the same rows), and also when the caller deals whole items to
+    processes (accelerate's default ``split_batches=False``: the count the framework keeps
+    would then mean other samples at another world size).
+    """
+
+    def __init__(
+        self,
+        num_samples: int | Mixture,
+        *,
+        global_batch_size: int,
+        batch_size: int,
+        seed: int | None = None,
+        total_samples: int | None = None,
+    ) -> None:
+        self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
+        self.seed = self._ids.seed
+        self._layout = Layout.create(global_batch_size, batch_size, 1, 0)
+        self.global_batch_size = self._layout.global_batch_size
+        self.total_samples = _check_total(total_samples)
+
+    @property
+    def batch_size(self) -> int:
+        """Ids per item: one micro step of all processes together."""
+        return self._layout.micro_batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Always True: every item is a full micro step."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, not from a torch sampler."""
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: one pass covers the whole run."""
+        del epoch
+
+    def __len__(self) -> int:
+        """Items in the run: ``total_samples // batch_size``, or ``2**62 // batch_size``."""
+        total = MAX_POSITION if self.total_samples is None else self.total_samples
+        return total // self.batch_size
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        """The run's items from its first; `ConfigError` at world size > 1 unless the caller
+        splits each item among the processes."""
+        dealer = _dealer(_caller(), self)
+        _, world = process_group_rank_world()
+        if world > 1 and dealer is None:
+            raise ConfigError(
+                f"FrameworkBatchSampler yields whole micro steps for a framework to split, "
+                f"but it is iterated in a process group of {world} with nobody splitting "
+                "them: every process would train on the same rows; hint: prepare the "
+                f"DataLoader with the framework ({_FRAMEWORK_HINT}), or use "
+                "DeterministicBatchSampler(...), which yields this rank's slice"
+            )
+        if dealer is not None and getattr(dealer, "split_batches", None) is not True:
+            raise ConfigError(
+                f"{type(dealer).__name__} deals whole FrameworkBatchSampler items to "
+                f"{dealer.num_processes} processes (split_batches=False): the batch count "
+                "the framework saves would then stand for other samples when the world size "
+                "changes; hint: split each item among the processes: "
+                f"{_FRAMEWORK_HINT}"
+            )
+        return self._generate()
+
+    def _generate(self) -> Iterator[list[Any]]:
+        """Items in order; ids are computed for up to `_CHUNK_POSITIONS` positions at once
+        (one call's fixed cost, ~0.2 ms, spread over many items: a framework that skips the
+        items it had delivered on resume skips ~100x faster)."""
+        per = self.batch_size
+        total = MAX_POSITION if self.total_samples is None else self.total_samples
+        items = total // per
+        chunk = max(1, _CHUNK_POSITIONS // per)
+        for first in range(0, items, chunk):
+            count = min(chunk, items - first)
+            ids = self._ids.items(np.arange(first * per, (first + count) * per, dtype=np.int64))
+            for i in range(count):
+                yield ids[i * per : (i + 1) * per]

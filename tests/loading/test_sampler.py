@@ -107,3 +107,37 @@ def test_mixture_sampler_yields_source_and_id_like_the_loader() -> None:
     with pytest.raises(detdata.StateError) as err:
         other.load_state_dict(state)
     assert err.value.fields == ("mixture",)
+
+
+def test_len_is_constant_and_the_batch_sampler_surface() -> None:
+    def make(**kwargs: Any) -> DeterministicBatchSampler:
+        return DeterministicBatchSampler(
+            N, global_batch_size=8, micro_batch_size=4, seed=5, **kwargs
+        )
+
+    sampler = make()
+    assert len(sampler) == N // 4  # one pass over the dataset, this rank's micro batches
+    assert sampler.batch_size == 4 and sampler.drop_last is True and sampler.sampler is None
+    got = [b for _, b in zip(range(7), sampler, strict=False)]
+    assert len(sampler) == N // 4  # unchanged by consumption
+    sampler.set_epoch(9)  # a no-op: the next item is still the 8th
+    assert [*got, next(iter(sampler))] == detdata_ids(8)
+    assert len(tud.DataLoader(Rows(), batch_sampler=sampler)) == N // 4
+    bounded = make(total_samples=40)
+    assert len(bounded) == 10 and len(list(bounded)) == 10
+    assert len(make(rank=1, world_size=2)) == N // 8
+    mix = detdata.Mixture({"a": detdata.ArrayDataset({"x": np.arange(5)})}, {"a": "1"}, seed=0)
+    assert len(DeterministicBatchSampler(mix, global_batch_size=8)) == (1 << 62) // 8
+
+
+def test_failed_load_leaves_the_position() -> None:
+    sampler = DeterministicBatchSampler(N, global_batch_size=8, micro_batch_size=4, seed=5)
+    state = sampler.state_after(0)
+    it = iter(sampler)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(detdata.StateError, match="not a micro-step boundary"):
+        sampler.load_state_dict({**state, "samples_consumed": 6})
+    assert sampler.samples_consumed == 12
+    sampler.load_state_dict({**state, "samples_consumed": 16})
+    assert next(iter(sampler)) == detdata_ids(5)[4]

@@ -1,0 +1,238 @@
+"""accelerate 1.15: ``prepare`` + ``save_state`` / ``load_state`` mid-epoch, exact at 2->2 and 2->1.
+
+Each run is a real accelerate training run under ``python -m torch.distributed.run`` (CPU,
+gloo; ``accelerate_script.py``). Two data paths train side by side, each its own tiny
+model: a `detdata.DataLoader` registered with ``accelerator.register_for_checkpointing``,
+and a torch ``DataLoader`` over a plain map-style dataset whose ``batch_sampler`` is
+``DeterministicBatchSampler.sharded_by_framework(...)``, prepared by accelerate
+(``split_batches=True, use_stateful_dataloader=True``). Every training step records a digest
+of every row it was handed. The first run (2 processes) saves at global step 3 and stops;
+it is resumed at 2 processes and at 1 and runs to step 6. The 40-row dataset ends its
+first epoch inside step 2 and its second inside step 5.
+
+The reference is an uninterrupted plain `detdata.DataLoader` at one process with the whole
+global batch, iterated here: the rows of each global step, in position order. A run's rows
+of step ``t`` are its micro batches of step ``t`` ordered by (micro step, process).
+
+Also here, in-process: accelerate's own ``BatchSamplerShard`` over detdata's samplers (the
+rows each process gets, and the refusals), with no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from accelerate.data_loader import BatchSamplerShard
+
+import detdata
+from detdata.loading.sampler import DeterministicBatchSampler, FrameworkBatchSampler
+from tests.integrations.accelerate_script import make_dataset, row_digests
+from tests.resume_checker import take
+
+SCRIPT = Path(__file__).with_name("accelerate_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL, N, SEED, STOP, LAST = 16, 40, 3, 3, 6
+PATHS = ("loader", "sampler")
+# world 2: the loader's micro batch 4 per process (2 micro steps a step); the sampler's item
+# is one micro step of both processes (8 rows, 4 each). ``workers``: the torch DataLoader's
+# (torchdata's StatefulDataLoader refuses a resume at another num_workers, so it stays 2);
+# ``loader_workers``: the detdata.DataLoader's, whose state does not depend on them.
+FIRST: dict[str, Any] = {"world": 2, "micro": 4, "batch": 8, "workers": 2, "loader_workers": 0}
+RESUMED: dict[str, dict[str, Any]] = {
+    "2->2": {"world": 2, "micro": 4, "batch": 8, "workers": 2, "loader_workers": 2},
+    # one process: the loader's micro batch doubles, the sampler's item stays a micro step
+    "2->1": {"world": 1, "micro": 8, "batch": 8, "workers": 2, "loader_workers": 0},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """One accelerate run under torchrun; every line every process wrote."""
+    world = cfg.pop("world")
+    cfg = {"global_batch": GLOBAL, "seed": SEED, "n": N, "out": str(out), **cfg}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    done = subprocess.run(
+        [*command, str(SCRIPT), json.dumps(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines = []
+    for rank in range(world):
+        text = (out / f"rank{rank}.jsonl").read_text(encoding="utf-8")
+        lines += [json.loads(line) for line in text.splitlines()]
+    ends = [line for line in lines if "end" in line]
+    assert [e["world"] for e in ends] == [world] * world
+    return lines
+
+
+def _steps(lines: list[dict[str, Any]], path: str) -> dict[int, list[str]]:
+    """The rows each global step of ``path`` was handed, ordered by (micro step, process)."""
+    records = sorted(
+        (r for r in lines if r.get("path") == path),
+        key=lambda r: (r["step"], r["micro"], r["rank"]),
+    )
+    steps: dict[int, list[str]] = defaultdict(list)
+    for r in records:
+        steps[r["step"]] += r["rows"]
+    return dict(steps)
+
+
+def _micro_rows(lines: list[dict[str, Any]], path: str) -> set[int]:
+    return {len(r["rows"]) for r in lines if r.get("path") == path}
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[str]]:
+    """Rows of each global step of an uninterrupted plain detdata.DataLoader (one process)."""
+    plain = detdata.DataLoader(make_dataset(N), global_batch_size=GLOBAL, seed=SEED)
+    return [row_digests(batch) for batch in take(plain, LAST)]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """2 processes, ``save_state`` after step 3, stopped; probes the refusals too."""
+    root = tmp_path_factory.mktemp("accelerate-first")
+    cfg = {**FIRST, "resume": False, "start": 0, "stop": STOP, "last": LAST, "probe": True}
+    lines = _launch({**cfg, "ckpt": str(root / "ckpt")}, root / "out")
+    return lines, root / "ckpt"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_first_run_trains_the_reference_steps_and_refuses_double_sharding(
+    first_run: tuple[list[dict[str, Any]], Path], reference: list[list[str]]
+) -> None:
+    lines, ckpt = first_run
+    for path in PATHS:
+        assert _steps(lines, path) == dict(enumerate(reference[:STOP])), path
+        assert _micro_rows(lines, path) == {4}  # each process's micro batch: 4 rows
+    assert {line["end"] for line in lines if "end" in line} == {STOP}
+    # the loader is saved only because it is registered; the sampler's position by accelerate
+    assert {"custom_checkpoint_0.pkl", "dl_state_dict.bin"} <= {p.name for p in ckpt.iterdir()}
+    probes = {r: line["probes"] for r, line in enumerate(x for x in lines if "probes" in x)}
+    assert sorted(probes) == [0, 1]
+    for rank, found in probes.items():
+        assert "BatchSamplerShard deals them to 2 processes again" in found["rank_sampler"]
+        assert "(split_batches=False)" in found["no_split"]
+        assert "with nobody splitting them" in found["unsplit"]
+        # a sampler built before the process group reads its rank's slice once it exists
+        ids, bound_rank, bound_world = found["early"]
+        expected = [int(row.split(":")[0]) for row in reference[0][4 * rank : 4 * rank + 4]]
+        assert (ids, bound_rank, bound_world) == (expected, rank, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", sorted(RESUMED))
+def test_save_state_load_state_resume_is_exact(
+    pair: str,
+    first_run: tuple[list[dict[str, Any]], Path],
+    reference: list[list[str]],
+    tmp_path: Path,
+) -> None:
+    first, ckpt = first_run
+    cfg = {**RESUMED[pair], "resume": True, "start": STOP, "last": LAST, "ckpt": str(ckpt)}
+    world = cfg["world"]
+    resumed = _launch(cfg, tmp_path / "out")
+    assert {line["end"] for line in resumed if "end" in line} == {LAST}
+    for path in PATHS:
+        # the resumed run starts at step 3 and trains exactly the reference's steps 3..5
+        assert _steps(resumed, path) == {t: reference[t] for t in range(STOP, LAST)}, path
+        joined = {**_steps(first, path), **_steps(resumed, path)}
+        assert joined == dict(enumerate(reference)), path
+    assert _micro_rows(resumed, "loader") == {RESUMED[pair]["micro"]}
+    assert _micro_rows(resumed, "sampler") == {RESUMED[pair]["batch"] // world}
+
+
+# ------------------------------------------------ in-process: accelerate's shard wrapper
+def _first(sampler: Any, count: int) -> list[Any]:
+    return [b for _, b in zip(range(count), sampler, strict=False)]
+
+
+def _dealt(sampler: Any, world: int, split: bool) -> list[list[list[int]]]:
+    """What accelerate's BatchSamplerShard hands each process, as lists of ids."""
+    return [
+        [list(b) for _, b in zip(range(6), shard, strict=False)]
+        for shard in (
+            BatchSamplerShard(sampler, num_processes=world, process_index=p, split_batches=split)
+            for p in range(world)
+        )
+    ]
+
+
+def test_split_framework_sampler_gives_each_process_detdata_rank_slice() -> None:
+    ds = detdata.ArrayDataset({"id": np.arange(300)})
+    sampler = DeterministicBatchSampler.sharded_by_framework(
+        300, global_batch_size=24, batch_size=12, seed=5
+    )
+    assert isinstance(sampler, FrameworkBatchSampler)
+    assert sampler.batch_size == 12 and sampler.drop_last and sampler.sampler is None
+    for world in (1, 2, 3):
+        got = _dealt(sampler, world, split=True)
+        for rank in range(world):
+            own = detdata.DataLoader(
+                ds, global_batch_size=24, micro_batch_size=12 // world, seed=5, rank=rank,
+                world_size=world,
+            )  # fmt: skip
+            assert got[rank] == [b["id"].tolist() for b in take(own, 6)], (world, rank)
+
+
+def test_framework_sampler_pass_len_and_mixture() -> None:
+    bounded = FrameworkBatchSampler(50, global_batch_size=8, batch_size=4, total_samples=48)
+    assert len(bounded) == 12 and len(list(bounded)) == 12
+    assert list(bounded) == list(bounded)  # each iter() is the run from its start
+    assert len(FrameworkBatchSampler(50, global_batch_size=8, batch_size=4)) == (1 << 62) // 4
+    bounded.set_epoch(3)  # no-op
+    unbounded = FrameworkBatchSampler(50, global_batch_size=8, batch_size=4)
+    assert next(iter(bounded)) == next(iter(unbounded))
+    ds = detdata.ArrayDataset({"id": np.arange(50)})
+    plain = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, total_samples=48)
+    assert list(bounded) == [b["id"].tolist() for b in plain]
+    sources = {
+        "a": detdata.ArrayDataset({"x": np.arange(50)}),
+        "b": detdata.ArrayDataset({"x": np.arange(30) + 1000}),
+    }
+    mix = detdata.Mixture(sources, {"a": "0.6", "b": "0.4"}, seed=4)
+    items = _first(FrameworkBatchSampler(mix, global_batch_size=8, batch_size=4), 4)
+    loader = detdata.DataLoader(mix, global_batch_size=8, micro_batch_size=4)
+    for item, batch in zip(items, take(loader, 4), strict=True):
+        assert [i if s == "a" else i + 1000 for s, i in item] == batch["x"].tolist()
+
+
+def test_framework_sampler_refuses_to_be_dealt_whole() -> None:
+    sampler = FrameworkBatchSampler(300, global_batch_size=24, batch_size=12, seed=5)
+    with pytest.raises(detdata.ConfigError, match=r"\(split_batches=False\)"):
+        _dealt(sampler, 2, split=False)
+
+
+def test_rank_sampler_refuses_a_second_sharding() -> None:
+    sampler = DeterministicBatchSampler(300, global_batch_size=24, micro_batch_size=6, seed=5)
+    with pytest.raises(detdata.ConfigError, match="deals them to 2 processes again") as info:
+        _dealt(sampler, 2, split=False)
+    assert "sharded_by_framework" in str(info.value)
+    with pytest.raises(detdata.ConfigError, match="again"):
+        _dealt(sampler, 2, split=True)
+    assert sampler.samples_consumed == 0  # nothing was counted
