@@ -89,6 +89,17 @@ def _identity(item: Any) -> Any:
     return item
 
 
+class EpochStart:
+    """``DataLoader.sampler``: not a torch sampler, only the ``set_epoch`` hook trainers call
+    on ``loader.sampler`` at every epoch start (Lightning does); forwards to the loader."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
 class DataLoader:
     """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
 
@@ -254,7 +265,7 @@ class DataLoader:
         batches per epoch (and, knowing the length, does not fetch ahead) sees each
         batch once, across epochs and resumes.
         """
-        per = self.layout.samples_per_micro_step
+        per = self._layout_now().samples_per_micro_step  # as the next iteration binds it
         if self.total_samples is not None:
             return self.total_samples // per
         dataset = getattr(self._stream, "dataset", None)
@@ -279,10 +290,11 @@ class DataLoader:
         return True
 
     @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, never from a torch sampler (a trainer
-        must not inject a DistributedSampler: the data is sharded by rank already)."""
-        return None
+    def sampler(self) -> EpochStart:
+        """Not a torch sampler: positions come from detdata's layout (a trainer must not
+        inject a DistributedSampler: the data is sharded by rank already). It carries only
+        ``set_epoch``, which trainers call on ``loader.sampler``: see `set_epoch`."""
+        return EpochStart(self)
 
     @property
     def batch_sampler(self) -> None:
@@ -298,9 +310,24 @@ class DataLoader:
         return self._pin_memory
 
     def set_epoch(self, epoch: int) -> None:
-        """No-op: the order is a function of the global position, not of an epoch counter
-        (a trainer's epoch numbers never change which samples come next)."""
-        del epoch
+        """Never moves the position: the order is a function of the global position, not of
+        an epoch counter, so a trainer's epoch numbers never change which samples come next.
+
+        One check: a trainer starting epoch ``epoch > 0`` on a loader that has delivered
+        nothing did not restore its state (Lightning resuming from an end-of-epoch
+        checkpoint hands a loader its state only when the saved epoch was unfinished), and
+        continuing would replay the run from its first sample: refused with a `StateError`.
+        """
+        epoch = check_count(epoch, "epoch", minimum=0)
+        if epoch > 0 and self._consumed == 0:
+            raise StateError(
+                f"a trainer starts epoch {epoch}, but this loader has delivered nothing: its "
+                "state was not restored, and it would replay the run from its first sample; "
+                "hint: resume from a checkpoint written inside an epoch (Lightning: "
+                "ModelCheckpoint(every_n_train_steps=...), or train by max_steps), or call "
+                "loader.load_state_dict(saved_state) before training",
+                fields=("samples_consumed",),
+            )
 
     def _new_trace(self) -> TraceWriter | None:
         if self._trace_path is None:

@@ -73,8 +73,9 @@ def test_len_is_constant_and_the_surface_trainers_probe() -> None:
     list(take(dl, 7))
     assert len(dl) == 25  # unchanged by consumption
     assert dl.dataset is data and dl.batch_size == 4 and dl.drop_last is True
-    assert dl.sampler is None and dl.batch_sampler is None and dl.collate_fn is None
-    dl.set_epoch(5)  # a no-op: the next batch is still the 8th
+    assert dl.batch_sampler is None and dl.collate_fn is None
+    assert not isinstance(dl.sampler, torch.utils.data.Sampler)  # nothing to replace or wrap
+    dl.sampler.set_epoch(5)  # never moves the position: the next batch is still the 8th
     nxt = next(iter(dl))["id"].tolist()
     again = detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=1)
     assert nxt == list(take(again, 8))[-1]["id"].tolist()
@@ -93,3 +94,15 @@ def test_state_loads_with_weights_only(tmp_path: Path) -> None:
     fresh = detdata.DataLoader(data, global_batch_size=8, seed=1)
     fresh.load_state_dict(state)
     assert fresh.samples_consumed == 24
+
+
+def test_set_epoch_on_a_loader_that_delivered_nothing_is_refused() -> None:
+    """A trainer at epoch 1 with a loader at position 0: its state was not restored."""
+    data = detdata.ArrayDataset({"id": np.arange(100, dtype=np.int64)})
+    dl = detdata.DataLoader(data, global_batch_size=8, seed=1)
+    dl.sampler.set_epoch(0)  # the first epoch of a fresh run
+    with pytest.raises(detdata.StateError, match="state was not restored"):
+        dl.sampler.set_epoch(1)
+    list(take(dl, 1))
+    dl.set_epoch(3)  # a trainer's own epoch counter, after delivery: accepted, no move
+    assert dl.samples_consumed == 8

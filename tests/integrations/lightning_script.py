@@ -1,0 +1,135 @@
+"""One PyTorch Lightning ``Trainer.fit`` over a `detdata.DataLoader`, run by test_lightning.py.
+
+    python tests/integrations/lightning_script.py '<config as JSON>'
+
+It is a script because Lightning's ``strategy="ddp"`` re-launches this very file (same argv)
+once per extra rank. The user's side is what the README shows: the loader goes to ``fit``
+(or comes out of ``train_dataloader()``) like a torch DataLoader; no callback, no glue.
+
+Config keys: ``out`` (folder for the trace), ``tag``, ``ckpt_dir``, ``devices``, ``workers``,
+``source`` (``"arg"``: built before ``fit`` and passed as ``train_dataloaders=``;
+``"module"``: built before ``fit``, returned by ``train_dataloader()``; ``"hook"``: built
+inside ``train_dataloader()``), ``global_batch``, ``micro``, ``accum``, ``seed``, ``n``,
+``total_samples``, ``max_steps``, ``max_epochs``, ``every`` (checkpoint every N train
+steps, as ``step=S.ckpt``; each epoch's end writes ``end-epoch=E-step=S.ckpt`` too, as
+Lightning's default checkpoint does), ``resume`` (a ``ckpt_path``).
+
+Every rank writes ``out/trace-{tag}-rank{r}.json``: one record per ``training_step`` call
+(the global step it belongs to, the epoch, a digest of every row the model saw).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import detdata
+
+FEATURES = 4
+
+
+def make_dataset(n: int) -> detdata.ArrayDataset:
+    """``n`` rows: an ``id`` and ``FEATURES`` seeded floats (the same in every process)."""
+    rng = np.random.default_rng(7)
+    return detdata.ArrayDataset(
+        {
+            "id": np.arange(n, dtype=np.int64),
+            "x": rng.standard_normal((n, FEATURES)).astype(np.float32),
+        },
+        name=f"lightning-rows-{n}",
+    )
+
+
+def row_digests(batch: dict[str, Any]) -> list[str]:
+    """One digest per row over every column of a batch (dict of tensors)."""
+    keys = sorted(batch)
+    rows = len(batch[keys[0]])
+    out = []
+    for i in range(rows):
+        h = hashlib.sha256()
+        for key in keys:
+            h.update(key.encode())
+            h.update(np.ascontiguousarray(batch[key][i].cpu().numpy()).tobytes())
+        out.append(h.hexdigest()[:16])
+    return out
+
+
+def build_loader(cfg: dict[str, Any]) -> detdata.DataLoader:
+    """What the user writes: nothing about rank, world size or Lightning."""
+    return detdata.DataLoader(
+        make_dataset(cfg["n"]),
+        global_batch_size=cfg["global_batch"],
+        micro_batch_size=cfg["micro"],
+        seed=cfg["seed"],
+        num_workers=cfg["workers"],
+        total_samples=cfg.get("total_samples"),
+    )
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    torch.set_num_threads(1)
+    records: list[dict[str, Any]] = []
+    early = build_loader(cfg) if cfg["source"] in ("arg", "module") else None
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(FEATURES, 1)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            records.append(
+                {
+                    "step": self.trainer.global_step,
+                    "epoch": self.current_epoch,
+                    "batch_idx": batch_idx,
+                    "rows": row_digests(batch),
+                }
+            )
+            out: torch.Tensor = self.lin(batch["x"]).pow(2).mean()
+            return out
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class HookModel(Model):
+        def train_dataloader(self) -> Any:
+            return early if early is not None else build_loader(cfg)
+
+    callbacks = [
+        # every N train steps, and Lightning's default: at the end of every epoch
+        ModelCheckpoint(cfg["ckpt_dir"], "{step}", every_n_train_steps=cfg["every"], save_top_k=-1),
+        ModelCheckpoint(cfg["ckpt_dir"], "end-{epoch}-{step}", save_top_k=-1),
+    ]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cfg["devices"],
+        strategy="ddp" if cfg["devices"] > 1 else "auto",
+        max_steps=cfg["max_steps"],
+        max_epochs=cfg["max_epochs"],
+        accumulate_grad_batches=cfg["accum"],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = Model() if cfg["source"] == "arg" else HookModel()
+    trainer.fit(
+        model, train_dataloaders=early if cfg["source"] == "arg" else None, ckpt_path=cfg["resume"]
+    )
+    trace = Path(cfg["out"]) / f"trace-{cfg['tag']}-rank{trainer.global_rank}.json"
+    trace.write_text(json.dumps({"records": records, "global_step": trainer.global_step}))
+
+
+if __name__ == "__main__":
+    main()

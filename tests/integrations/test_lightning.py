@@ -1,0 +1,270 @@
+"""PyTorch Lightning 2.6 ``Trainer.fit`` over a `detdata.DataLoader`: stop, resume, exact.
+
+Each run is a real ``Trainer.fit`` in a fresh process (``lightning_script.py``; DDP runs are
+``strategy="ddp"`` on gloo, CPU, the script re-launched by Lightning for rank 1), with
+``ModelCheckpoint(every_n_train_steps=3)`` and a resume through ``fit(ckpt_path=...)`` (so
+Lightning's ``torch.load`` default, ``weights_only=True``, loads the checkpoint). Every
+``training_step`` records a digest of every row it was handed. The reference is an
+uninterrupted plain `detdata.DataLoader`, iterated here by hand: at one rank with the whole
+global batch (the rows of each global step), and at the run's own rank / world size / micro
+batch (the rows of each micro batch, in order).
+
+Two first runs (world 1, stopped by ``max_steps=4``; world 2, stopped by ``max_epochs=1`` at the
+end of its 4-step epoch; both checkpoint at step 3) are each resumed twice, at world 1 and
+world 2, so the four pairs 1->1, 1->2, 2->2, 2->1 cost six runs. Between them they cover
+``num_workers`` 0 and 2, the loader built before ``fit`` (passed as ``train_dataloaders=``, or
+returned by ``train_dataloader()``) or inside ``train_dataloader()``, gradient accumulation,
+``total_samples`` (the resumed run ends its epoch where an uninterrupted one does), an epoch
+boundary crossed after the resume, and (a seventh run) a resume from Lightning's default
+end-of-epoch checkpoint. About 10 processes in all, most of their time importing Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import detdata
+from tests.integrations.lightning_script import make_dataset, row_digests
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("lightning_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL, N, SEED = 8, 32, 3  # 32 rows: one dataset epoch is 4 global steps
+CKPT_STEP, FIRST_STOP, LAST = 3, 4, 6  # checkpoint at step 3, first run stops after step 4
+
+# The first runs, checkpointed every 3 train steps, trained steps 0-3. Gradient accumulation
+# stays the same across a resume (Lightning's progress counts micro batches), so micro x world
+# does too.
+FIRST: dict[str, dict[str, Any]] = {
+    # world 1, inline reads, built inside train_dataloader(), total_samples = 6 steps (one
+    # epoch); stopped by max_steps=4
+    "w1": dict(devices=1, micro=4, accum=2, workers=0, source="hook", total_samples=48)
+    | {"max_steps": FIRST_STOP, "max_epochs": None},
+    # world 2, two worker processes per rank, built before fit and passed to fit(); stopped
+    # by max_epochs=1 at the end of its epoch (one pass over the 32 rows: 4 steps), so it
+    # also writes an end-of-epoch checkpoint (Lightning's default one)
+    "w2": dict(devices=2, micro=4, accum=1, workers=2, source="arg", total_samples=None)
+    | {"max_steps": -1, "max_epochs": 1},
+}
+# The resumed runs: (first run, settings). With total_samples they run to the end of the
+# epoch (max_epochs=1) and must stop by themselves after step 6; otherwise max_steps=6.
+RESUMED: dict[str, tuple[str, dict[str, Any]]] = {
+    "1->1": ("w1", dict(devices=1, micro=4, accum=2, workers=2, source="module")),
+    "1->2": ("w1", dict(devices=2, micro=2, accum=2, workers=0, source="arg")),
+    "2->2": ("w2", dict(devices=2, micro=4, accum=1, workers=2, source="hook")),
+    "2->1": ("w2", dict(devices=1, micro=8, accum=1, workers=0, source="arg")),
+}
+
+
+def _run(cfg: dict[str, Any], out: Path, *, fails: str | None = None) -> list[dict[str, Any]]:
+    """One ``Trainer.fit`` in a fresh process; the trace of every rank, by rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"global_batch": GLOBAL, "seed": SEED, "n": N, "out": str(out), **cfg}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
+    }
+    env.pop("MASTER_PORT", None)  # Lightning picks a free port for its own ranks
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(cfg)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if fails is not None:
+        assert done.returncode != 0 and fails in done.stderr, done.stderr[-6000:]
+        return [
+            json.loads(p.read_text()) for p in sorted(out.glob(f"trace-{cfg['tag']}-rank*.json"))
+        ]
+    assert done.returncode == 0, f"{cfg}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    traces = sorted(out.glob(f"trace-{cfg['tag']}-rank*.json"))
+    assert [p.name for p in traces] == [
+        f"trace-{cfg['tag']}-rank{r}.json" for r in range(cfg["devices"])
+    ]
+    return [json.loads(p.read_text()) for p in traces]
+
+
+class Runs:
+    """The runs, each made once per test session and shared by the tests that read it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @functools.cache  # noqa: B019 (one instance per session)
+    def first(self, name: str) -> list[dict[str, Any]]:
+        cfg = {**FIRST[name], "tag": name, "ckpt_dir": str(self.root / name / "ckpt")}
+        return _run(cfg | {"every": CKPT_STEP, "resume": None}, self.root / name)
+
+    def checkpoint(self, name: str, file: str = f"step={CKPT_STEP}.ckpt") -> Path:
+        self.first(name)
+        return self.root / name / "ckpt" / file
+
+    @functools.cache  # noqa: B019
+    def resumed(self, pair: str) -> list[dict[str, Any]]:
+        first, settings = RESUMED[pair]
+        total = FIRST[first]["total_samples"]
+        tag = pair.replace("->", "to")
+        cfg = {
+            **settings,
+            "tag": tag,
+            "total_samples": total,
+            "ckpt_dir": str(self.root / tag / "ckpt"),
+            "max_steps": -1 if total else LAST,
+            "max_epochs": 1 if total else None,
+            "every": CKPT_STEP,
+            "resume": str(self.checkpoint(first)),
+        }
+        return _run(cfg, self.root / tag)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("lightning"))
+
+
+def reference(steps: int, *, world: int = 1, micro: int = GLOBAL, rank: int = 0) -> list[Any]:
+    """Rows of the first ``steps`` global steps of an uninterrupted plain `detdata.DataLoader`
+    at this rank / world / micro batch: per step, the row digests of each of its micro
+    batches on this rank, in order."""
+    loader = detdata.DataLoader(
+        make_dataset(N),
+        global_batch_size=GLOBAL,
+        micro_batch_size=micro,
+        seed=SEED,
+        rank=rank,
+        world_size=world,
+    )
+    per_step = GLOBAL // (micro * world)
+    batches = iter(loader)
+    out = [[row_digests(next(batches)) for _ in range(per_step)] for _ in range(steps)]
+    loader.close()
+    return out
+
+
+def per_step(traces: list[dict[str, Any]]) -> dict[int, Counter[str]]:
+    """Rows seen by the training_step of all ranks, assembled per global step."""
+    steps: dict[int, Counter[str]] = {}
+    for trace in traces:
+        for record in trace["records"]:
+            steps.setdefault(record["step"], Counter()).update(record["rows"])
+    return steps
+
+
+def check_ranks_in_order(traces: list[dict[str, Any]], cfg: dict[str, Any], steps: range) -> None:
+    """Each rank's micro batches, in the order training_step saw them, are those of the
+    same layout's uninterrupted loader for these steps."""
+    for rank, trace in enumerate(traces):
+        ref = reference(steps.stop, world=cfg["devices"], micro=cfg["micro"], rank=rank)
+        seen = [(r["step"], r["rows"]) for r in trace["records"]]
+        assert seen == [(s, rows) for s in steps for rows in ref[s]], f"rank {rank}"
+
+
+def check_epochs(
+    traces: list[dict[str, Any]], accum: int, steps_per_epoch: int, steps: range
+) -> None:
+    """The epoch and batch_idx Lightning hands training_step are an uninterrupted run's."""
+    want = [
+        (s, s // steps_per_epoch, (s % steps_per_epoch) * accum + j)
+        for s in steps
+        for j in range(accum)
+    ]
+    for rank, trace in enumerate(traces):
+        seen = [(r["step"], r["epoch"], r["batch_idx"]) for r in trace["records"]]
+        assert seen == want, f"rank {rank}"
+
+
+@pytest.mark.parametrize("pair", list(RESUMED))
+def test_stop_and_resume_trains_the_rows_of_an_uninterrupted_loader(runs: Runs, pair: str) -> None:
+    """Checkpoint at step 3 (every_n_train_steps); the first run goes on to step 4 and stops;
+    the resumed run (fresh processes, ckpt_path=, the same or another world size) trains
+    steps 3, 4, 5: every global step's rows, over all ranks, are the uninterrupted loader's,
+    none repeated and none skipped at the resume (the fetcher does not read ahead: the
+    loader has a constant len()), each rank's micro batches in its layout's order, with the
+    epoch and batch_idx an uninterrupted run has. With total_samples the resumed epoch ends
+    by itself at step 6; without, the dataset epoch ends at step 4 and the next continues
+    the stream."""
+    first_name, settings = RESUMED[pair]
+    first, resumed = runs.first(first_name), runs.resumed(pair)
+    plain = reference(LAST)
+    want = {s: Counter(plain[s][0]) for s in range(LAST)}
+
+    before, after = per_step(first), per_step(resumed)
+    assert before == {s: want[s] for s in range(FIRST_STOP)}
+    assert after == {s: want[s] for s in range(CKPT_STEP, LAST)}
+    stitched = {**{s: before[s] for s in range(CKPT_STEP)}, **after}
+    assert stitched == want
+    assert all(sum(rows.values()) == GLOBAL for rows in stitched.values())
+    assert [t["global_step"] for t in resumed] == [LAST] * settings["devices"]
+
+    check_ranks_in_order(first, FIRST[first_name], range(FIRST_STOP))
+    check_ranks_in_order(resumed, settings, range(CKPT_STEP, LAST))
+    # the epoch is the loader's constant len(): 4 steps (one pass over the 32 rows) or, with
+    # total_samples=48, 6; the resumed run goes on with the epoch and batch_idx it stopped at
+    steps_per_epoch = (FIRST[first_name]["total_samples"] or N) // GLOBAL
+    check_epochs(first, FIRST[first_name]["accum"], steps_per_epoch, range(FIRST_STOP))
+    check_epochs(resumed, settings["accum"], steps_per_epoch, range(CKPT_STEP, LAST))
+
+
+def _walk(value: Any, path: str = "state") -> list[str]:
+    """Paths of the leaves that are not JSON-plain (str/int/float/bool/None/list/dict)."""
+    if isinstance(value, dict):
+        bad = [f"{path} key {k!r}" for k in value if not isinstance(k, str)]
+        return bad + [p for k, v in value.items() for p in _walk(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _walk(v, f"{path}[{i}]")]
+    if value is None or type(value) in (str, int, float, bool):
+        return []
+    return [f"{path}: {type(value).__qualname__}"]
+
+
+@pytest.mark.parametrize("name", list(FIRST))
+def test_checkpoint_loads_with_weights_only_and_counts_only_trained_batches(
+    runs: Runs, name: str
+) -> None:
+    """The whole Lightning checkpoint loads with torch.load(weights_only=True) (what fit's
+    resume does by default); the loader's state in it is JSON-plain, and the checkpoint
+    written at step 3 counts the samples of exactly 3 global steps: the fetcher had not
+    read a batch ahead (the issue saw one more)."""
+    import torch
+
+    checkpoint = torch.load(runs.checkpoint(name), weights_only=True)
+    (state,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert _walk(state) == []
+    assert json.loads(json.dumps(state)) == state
+    assert state["samples_consumed"] == CKPT_STEP * GLOBAL
+    assert checkpoint["global_step"] == CKPT_STEP
+
+
+def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed(
+    runs: Runs,
+) -> None:
+    """Epoch-based training (max_epochs) resumed from Lightning's default end-of-epoch
+    checkpoint: Lightning hands a loader its state only when the saved epoch was unfinished,
+    so the fresh loader would replay the first epoch. Instead, Lightning's epoch-start call
+    ``loader.sampler.set_epoch(1)`` on a loader that delivered nothing is refused with a
+    clear error, before any step trains (documented: resume from a mid-epoch checkpoint)."""
+    epoch = N // GLOBAL
+    ckpt = runs.checkpoint("w2", f"end-epoch=0-step={epoch}.ckpt")
+    second = _run(
+        dict(devices=1, micro=8, accum=1, workers=0, source="module", total_samples=None)
+        | {"max_steps": -1, "max_epochs": 2, "every": CKPT_STEP, "resume": str(ckpt)}
+        | {"tag": "epoch2", "ckpt_dir": str(runs.root / "epoch2" / "ckpt")},
+        runs.root / "epoch2",
+        fails="state was not restored",
+    )
+    assert second == []  # the run stopped at the refusal; it wrote no trace of trained rows
