@@ -1,0 +1,201 @@
+"""torchtitan (0.3) data loader backed by `detdata.DataLoader`.
+
+torchtitan builds its training data loader from ``Trainer.Config.dataloader`` with
+``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
+...)``: only the local batch and the data-parallel coordinates, never the global batch. Put a
+`DetdataDataLoader.Config` there, with the global batch (samples per optimizer step, what
+``training.global_batch_size`` says) passed in explicitly::
+
+    from detdata.integrations.torchtitan import DetdataDataLoader
+
+    config.dataloader = DetdataDataLoader.Config(
+        dataset="wiki-en@v3",  # a detdata registry name; or dataset_path="manifest.json"
+        global_batch_size=config.training.global_batch_size,
+        seed=1234,
+    )
+
+Each batch is torchtitan's ``({"input": tokens[:, :-1], "positions": ...}, tokens[:, 1:])`` over
+``TokenWindows(manifest, seq_len=training.seq_len)`` (``seq_len + 1`` tokens a window).
+Micro batches of gradient accumulation and data-parallel ranks take the positions of
+docs/design.md section 4, so the rows of each optimizer step never depend on the number of
+ranks or on ``local_batch_size``.
+
+Checkpoints: torchtitan's ``CheckpointManager`` saves ``states["dataloader"]`` with
+``torch.distributed.checkpoint`` as a ``Stateful``. The state is detdata's JSON state (the
+samples consumed by all ranks, identical on every rank), not one entry per dp rank, so a run
+saved at one data-parallel degree resumes at another (torchtitan's own loader refuses that).
+torchtitan draws exactly the micro batches of a step before it saves, so the state is exact at
+every step; a state saved between two optimizer steps of the configured global batch (that
+is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import torch
+import tyro
+from torchtitan.components.dataloader import BaseDataLoader
+
+from detdata.base.errors import ConfigError
+from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.registry import Registry
+from detdata.loading.loader import DataLoader
+
+__all__ = ["DetdataDataLoader", "titan_batch"]
+
+#: builds the data from torchtitan's ``seq_len`` (e.g. a `Mixture` of `TokenWindows`)
+DataFactory = Callable[[int], "Dataset | Stream"]
+
+
+def titan_batch(
+    batch: Mapping[str, torch.Tensor],
+    seq_len: int,
+    key: str = "tokens",
+    *,
+    positions: bool = True,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """torchtitan's ``({"input": x, "positions": p}, labels)`` from a detdata batch of
+    ``seq_len + 1`` tokens a row.
+
+    ``x`` is the first ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies: they
+    own their memory); ``positions`` (``0 .. seq_len - 1`` in every row, as torchtitan's own
+    text loader gives for one document; omitted with ``positions=False``) lets torchtitan build
+    the causal masks of its flex / varlen attention. A window of another width is a
+    `ConfigError`: each window needs one token more than ``seq_len``
+    (``TokenWindows(..., seq_len=seq_len)``, ``labels=True``).
+    """
+    if key not in batch:
+        raise ConfigError(
+            f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
+            "hint: set DetdataDataLoader.Config(tokens_key=...) to the token column"
+        )
+    tokens = batch[key]
+    if tokens.ndim != 2 or tokens.shape[1] != seq_len + 1:
+        raise ConfigError(
+            f"torchtitan needs windows of seq_len + 1 = {seq_len + 1} tokens (inputs and "
+            f"next-token labels), the detdata batch has {key!r} of shape {tuple(tokens.shape)}; "
+            f"hint: TokenWindows(manifest, seq_len={seq_len}) with labels=True (the default)"
+        )
+    inputs: dict[str, torch.Tensor] = {"input": tokens[:, :-1].to(torch.int64)}
+    if positions:
+        row = torch.arange(seq_len, dtype=torch.int64)
+        inputs["positions"] = row.repeat(tokens.shape[0], 1)
+    return inputs, tokens[:, 1:].to(torch.int64)
+
+
+class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is untyped
+    """A torchtitan ``BaseDataLoader`` (a DCP ``Stateful``) over a `detdata.DataLoader`.
+
+    Built by torchtitan's trainer from `Config`; also constructible directly with the same
+    keyword arguments the trainer passes. ``loader`` is the underlying `detdata.DataLoader`.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):  # type: ignore[misc]
+        """What the data is and the global batch. ``dataset`` (inherited) is a detdata
+        registry name (``name@version``, resolved in ``Registry(registry)``);
+        ``dataset_path`` (inherited) a manifest path or URL and wins over ``dataset``;
+        ``data`` (Python configs only) builds any detdata dataset or stream from ``seq_len``
+        and wins over both."""
+
+        global_batch_size: int = 0
+        """Samples per optimizer step, all ranks and micro batches together (set it to
+        ``training.global_batch_size``); required."""
+
+        seed: int = 0
+        """Order seed (detdata's ``seed``)."""
+
+        registry: str | None = None
+        """Registry root for ``dataset`` (default: ``$DETDATA_REGISTRY`` or the user cache)."""
+
+        data: Annotated[DataFactory | None, tyro.conf.Suppress] = None
+        """``seq_len -> Dataset | Stream``; each sample needs ``seq_len + 1`` tokens."""
+
+        tokens_key: str = "tokens"
+        """The token column of the detdata batches."""
+
+        positions: bool = True
+        """Add ``"positions"`` (``0 .. seq_len - 1``) to the inputs (flex / varlen attention
+        needs them to build its masks)."""
+
+        total_samples: int | None = None
+        """Stop after this many samples (detdata's ``total_samples``); None: never."""
+
+        num_workers: int = 0
+        worker_mode: str = "process"
+        read_ahead: int = 16
+        pin_memory: bool = False
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        seq_len: int,
+        local_batch_size: int,
+        tokenizer: Any = None,
+        snapshot_every_n_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        del tokenizer, snapshot_every_n_steps, kwargs  # the data is tokenized already
+        if config.global_batch_size <= 0:
+            raise ConfigError(
+                "DetdataDataLoader.Config(global_batch_size=...) is required: torchtitan "
+                "passes only the local batch to data loaders; set it to "
+                "training.global_batch_size (samples per optimizer step)"
+            )
+        self.config = config
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.seq_len = seq_len
+        self.loader = DataLoader(
+            _data(config, seq_len),
+            global_batch_size=config.global_batch_size,
+            micro_batch_size=local_batch_size,
+            seed=config.seed,
+            rank=dp_rank,
+            world_size=dp_world_size,
+            total_samples=config.total_samples,
+            num_workers=config.num_workers,
+            worker_mode=config.worker_mode,
+            read_ahead=config.read_ahead,
+            pin_memory=config.pin_memory,
+        )
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for batch in self.loader:
+            yield titan_batch(
+                batch, self.seq_len, self.config.tokens_key, positions=self.config.positions
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """detdata's JSON state; refused between two optimizer steps (see the module doc)."""
+        consumed = self.loader.samples_consumed
+        if consumed % self.loader.global_batch_size:
+            raise ConfigError(
+                f"torchtitan saved its state after {consumed} samples, inside an optimizer step "
+                f"of DetdataDataLoader.Config(global_batch_size={self.loader.global_batch_size});"
+                " hint: set training.global_batch_size to the same value (samples)"
+            )
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+
+
+def _data(config: DetdataDataLoader.Config, seq_len: int) -> Dataset | Stream:
+    if config.data is not None:
+        return config.data(seq_len)
+    if config.dataset_path:
+        return TokenWindows(config.dataset_path, seq_len)
+    if config.dataset:
+        return TokenWindows(Registry(config.registry).resolve(config.dataset), seq_len)
+    raise ConfigError(
+        "DetdataDataLoader.Config needs the data: dataset='name@version' (a detdata registry "
+        "name), dataset_path='manifest.json' or data=callable(seq_len)"
+    )
