@@ -704,8 +704,11 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
         assert out["delivered"] == 5
         assert any("global positions [20, 23] of step 2" in n for n in out["notes"]), out["notes"]
     elif mode == "exit":
+        # torch's own report (naming the pid), or, when the worker dies mid hand-over and
+        # the transfer socket fails first, detdata's (naming the failed transfer)
         assert out["type"] == "RuntimeError"
-        assert "exited unexpectedly" in out["message"] and "pid" in out["message"]
+        assert "exited unexpectedly" in out["message"]
+        assert "pid" in out["message"] or "handing over a batch" in out["message"]
     else:
         # a worker process reads groups of read_ahead=4 micro batches: the group holding micro
         # batch 5 (4..7) is the one that times out, so micro batch 4 is the next undelivered one

@@ -497,6 +497,14 @@ class DataLoader:
             except Exception as exc:
                 if generation == self._generation:
                     exc.add_note(self._failure_note())
+                    if self._died_in_hand_over(exc):
+                        raise RuntimeError(
+                            "a DataLoader worker process exited unexpectedly while handing over "
+                            f"a batch (the transfer socket failed: {type(exc).__name__}: {exc}); "
+                            f"{self._failure_note()}; hint: a worker killed mid hand-over (OOM "
+                            "killer?); rerun with num_workers=0 to see any error in the main "
+                            "process"
+                        ) from exc
                     if isinstance(exc, (ConnectionError, EOFError)) and self._process_workers:
                         exc.add_note(
                             "hint: torch hands batches over from worker processes through "
@@ -533,6 +541,14 @@ class DataLoader:
                 f"batches had {self._schema}; hint: return the same keys with the "
                 "same dtypes for every sample"
             )
+
+    def _died_in_hand_over(self, exc: BaseException) -> bool:
+        """A socket error from torch's transfer, not one a dataset raised in a worker (those
+        travel as values and carry the worker's traceback note, see `reading.portable`)."""
+        if not self._process_workers or not isinstance(exc, (ConnectionError, EOFError)):
+            return False
+        notes = getattr(exc, "__notes__", [])
+        return not any("raised in DataLoader worker process" in n for n in notes)
 
     def _failure_note(self) -> str:
         """Where a failed fetch happened: rank, step and positions of the undelivered batch."""
