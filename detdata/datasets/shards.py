@@ -23,6 +23,7 @@ extend `_build_index` / `_reset_process_state` (calling the base's).
 
 from __future__ import annotations
 
+import abc
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -145,7 +146,7 @@ def check_not_truncated(name: str, path: str, expected: int, found: int) -> None
         )
 
 
-class ShardReader(ProcessLocal):
+class ShardReader(ProcessLocal, abc.ABC):
     """Base of datasets that read the shard files of one manifest (see the module docstring).
 
     After ``__init__``: ``manifest`` (verified, with a root), ``storage_options``,
@@ -197,9 +198,9 @@ class ShardReader(ProcessLocal):
         self._shard_cache: ShardCache | None = None
         self._copy_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
 
+    @abc.abstractmethod
     def _forget_handle(self, shard: int) -> None:
         """Drop this process's open handle(s) of ``shard`` (its copy was evicted/replaced)."""
-        raise NotImplementedError
 
     # the file system -----------------------------------------------------------
     def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
