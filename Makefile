@@ -39,3 +39,15 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache .mypy_cache .ruff_cache
+
+# Peer loaders (Mosaic Streaming, grain, litData, WebDataset, torchdata) next to detdata on the
+# same bytes, in their own environment (benchmarks/peers/.venv, torch pinned; never .venv):
+# see benchmarks/peers/README.md. Writes benchmarks/results/peers.json and peers.md.
+.PHONY: bench-peers
+PEERS_VENV := benchmarks/peers/.venv
+$(PEERS_VENV)/.installed: benchmarks/peers/requirements.txt benchmarks/peers/constraints.txt benchmarks/peers/install.sh
+	PY=$(PY) bash benchmarks/peers/install.sh
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.installed
+	$(PEERS_VENV)/bin/python -m benchmarks.peers

@@ -27,7 +27,7 @@ import argparse
 import json
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,10 +260,98 @@ def _print_baselines(row: dict[str, Any]) -> None:
         print(f"multinomial deviation @1e9 (one draw): {one_draw:,.0f}")
 
 
+# ----------------------------------------------------------------- cost in the number of sources
+SCALE_SOURCES = (2, 10, 100, 1000)
+SCALE_POSITIONS = 10**5
+SCALE_RESULTS = Path(__file__).parent / "results" / "mixture_scale.json"
+
+
+def _loader_rate(num_sources: int, batches: int) -> float:
+    """Samples/s of a `DataLoader` (``num_workers=0``, global batch 256) over a Mixture of
+    ``num_sources`` in-memory sources of 1,000 samples: the loader's hot path (chunk-cached
+    ``locate``, one batched read per source present in a batch)."""
+    from detdata import ArrayDataset, DataLoader
+
+    names = [f"src{i:04d}" for i in range(num_sources)]
+    sources = {
+        n: ArrayDataset({"x": np.arange(1000, dtype=np.int64) + 1000 * i}, name=n)
+        for i, n in enumerate(names)
+    }
+    m = Mixture(sources, {n: i + 1 for i, n in enumerate(names)}, seed=7)
+    loader = DataLoader(m, global_batch_size=256, seed=0)
+    it = iter(loader)
+    for _ in range(16):  # warm-up: one read-ahead group (16 micro batches)
+        next(it)
+    with Stopwatch() as clock:
+        for _ in range(batches):
+            next(it)
+    return 256 * batches / clock.seconds
+
+
+def scale_row(
+    num_sources: int, positions: int = SCALE_POSITIONS, quick: bool = False
+) -> dict[str, Any]:
+    """Memory (tracemalloc peak) and positions/s of ``assign`` and ``locate`` for ``positions``
+    random positions in ``[0, 10**15)``, and loader samples/s, at ``num_sources`` sources."""
+    m = make_mixture(num_sources)
+    rand = np.random.default_rng(0).integers(0, 10**15, size=positions)
+    repeats = 1 if num_sources >= 1000 else 3
+    t_assign = best_of(lambda: m.assign(rand), repeats)
+    t_locate = best_of(lambda: m.locate(rand), repeats)
+    return {
+        "benchmark": "mixture_scale",
+        "sources": num_sources,
+        "positions": positions,
+        "assign_pos_per_s": positions / t_assign,
+        "assign_peak_bytes": peak_bytes(lambda: m.assign(rand)),
+        "locate_pos_per_s": positions / t_locate,
+        "locate_peak_bytes": peak_bytes(lambda: m.locate(rand)),
+        "loader_samples_per_s": _loader_rate(num_sources, 32 if quick else 160),
+    }
+
+
+def mixture_rows(
+    sources: Sequence[int] = SCALE_SOURCES, positions: int = SCALE_POSITIONS, quick: bool = False
+) -> list[dict[str, Any]]:
+    """One `scale_row` per number of sources (for ``benchmarks/scale.py``'s growth table)."""
+    return [scale_row(s, positions, quick) for s in sources]
+
+
+def print_scale(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        f"{'sources':>8}{'assign pos/s':>14}{'assign peak':>13}{'locate pos/s':>14}"
+        f"{'locate peak':>13}{'loader samples/s':>18}"
+    )
+    for r in rows:
+        print(
+            f"{r['sources']:>8}{r['assign_pos_per_s']:>14,.0f}"
+            f"{r['assign_peak_bytes'] / 2**20:>10.1f} MiB{r['locate_pos_per_s']:>14,.0f}"
+            f"{r['locate_peak_bytes'] / 2**20:>10.1f} MiB{r['loader_samples_per_s']:>18,.0f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="smaller measurements (smoke test)")
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="only the cost in the number of sources (2..1000): memory and positions/s for "
+        "1e5 random positions, loader samples/s; writes results/mixture_scale.json",
+    )
+    parser.add_argument("--label", default="", help="stored with the --scale rows (e.g. 'before')")
     args = parser.parse_args()
+    if args.scale:
+        rows = []
+        for s in SCALE_SOURCES:
+            rows.append(scale_row(s, quick=args.quick))
+            print_scale(rows[-1:])
+        out = SCALE_RESULTS.with_name(f"mixture_scale{'_' + args.label if args.label else ''}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"label": args.label, "machine": platform.platform(), "rows": rows}
+        out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
+        return
     result = run(args.quick)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

@@ -9,6 +9,13 @@ the memory it would need (8 bytes per sample for the int64 permutation alone).
 
 Run: ``python -m benchmarks.order`` (``--quick`` for a short run). Prints a
 table and writes ``benchmarks/results/order.json``.
+
+``python -m benchmarks.order --locality`` (`order_rows`): the locality-aware order
+``locality-v1`` (`detdata.WindowedOrder`) against ``feistel-v1`` on one epoch of a
+corpus of equal shards, read in global batches: shuffle quality (the effective batch
+size for a per-shard latent feature, its lag autocorrelation, |Spearman rho| of id
+vs position) and I/O (distinct shards per batch, shard opens per epoch under an LRU of
+open shards), plus ids/s. Writes ``benchmarks/results/order_locality.json``.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from benchmarks.memory import peak_bytes
 from benchmarks.timing import Stopwatch, best_of
-from detdata import GlobalOrder
+from detdata import GlobalOrder, WindowedOrder
 
 ALGORITHM = GlobalOrder.algorithm
 
@@ -147,11 +155,158 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
+# ----------------------------------------------------------------- locality-v1 vs feistel-v1
+LOCALITY_RESULTS = Path(__file__).parent / "results" / "order_locality.json"
+WINDOWS = (1, 2, 4, 8, 16, 64, 256)
+
+
+def _lru_opens(batches: np.ndarray, capacity: int) -> int:
+    """Shard opens when each batch reads its distinct shards (first-use order) through an
+    LRU of ``capacity`` open shards."""
+    from collections import OrderedDict
+
+    open_: OrderedDict[int, None] = OrderedDict()
+    opens = 0
+    for batch in batches:
+        _, first = np.unique(batch, return_index=True)
+        for shard in batch[np.sort(first)].tolist():
+            if shard in open_:
+                open_.move_to_end(shard)
+                continue
+            opens += 1
+            open_[shard] = None
+            if len(open_) > capacity:
+                open_.popitem(last=False)
+    return opens
+
+
+def _autocorr(x: np.ndarray, lag: int) -> float:
+    x = x - x.mean()
+    return float(np.dot(x[:-lag], x[lag:]) / np.dot(x, x))
+
+
+def _spearman_abs(ids: np.ndarray, chunk: int) -> float:
+    """Mean |Spearman rho| of (position, id) over consecutive chunks of ``chunk`` positions."""
+    pos_rank = np.arange(chunk, dtype=np.float64)
+    out = []
+    for a in range(0, ids.size - chunk + 1, chunk):
+        r = np.argsort(np.argsort(ids[a : a + chunk])).astype(np.float64)
+        out.append(abs(np.corrcoef(pos_rank, r)[0, 1]))
+    return float(np.mean(out))
+
+
+def quality_row(
+    name: str, ids: np.ndarray, shard_of: np.ndarray, num_shards: int, batch: int, capacity: int
+) -> dict[str, Any]:
+    """Shuffle quality and I/O of one epoch of ``ids`` read in batches of ``batch``."""
+    shards = shard_of[ids]
+    batches = shards[: shards.size // batch * batch].reshape(-1, batch)
+    distinct = np.array([np.unique(b).size for b in batches])
+    rng = np.random.default_rng(0)
+    b_eff, ac1, ac_b, ac_10b = [], [], [], []
+    for _ in range(8):  # a latent per-shard feature ("topic"): x_t = f[shard of position t]
+        x = rng.standard_normal(num_shards)[shards]
+        b_eff.append(float(x.var() / x[: batches.size].reshape(-1, batch).mean(axis=1).var()))
+        ac1.append(_autocorr(x, 1))
+        ac_b.append(_autocorr(x, batch))
+        ac_10b.append(_autocorr(x, 10 * batch))
+    return {
+        "benchmark": "order_locality",
+        "order": name,
+        "samples": int(ids.size),
+        "shards": num_shards,
+        "batch": batch,
+        "effective_batch": float(np.mean(b_eff)),
+        "autocorr_lag1": float(np.mean(ac1)),
+        f"autocorr_lag{batch}": float(np.mean(ac_b)),
+        f"autocorr_lag{10 * batch}": float(np.mean(ac_10b)),
+        "spearman_abs_4096": _spearman_abs(ids, 4096),
+        "distinct_shards_per_batch": float(distinct.mean()),
+        "lru_capacity": capacity,
+        "shard_opens_per_epoch": _lru_opens(batches, capacity),
+    }
+
+
+def _rate(fn: Any, positions: np.ndarray, seconds: float) -> float:
+    return positions.size / best_of(lambda: fn(positions), 3, min_seconds=seconds)
+
+
+def order_rows(
+    num_shards: int = 1000,
+    per_shard: int = 1000,
+    batch: int = 512,
+    capacity: int = 64,
+    windows: tuple[int, ...] = WINDOWS,
+    seconds: float = 0.3,
+) -> list[dict[str, Any]]:
+    """One row per order (``feistel-v1``, then ``locality-v1`` per window size) over one
+    epoch of ``num_shards`` equal shards; also ids/s on contiguous batches of 4096
+    positions and on 65,536 random positions (for ``benchmarks/scale.py``)."""
+    sizes = [per_shard] * num_shards
+    n = num_shards * per_shard
+    shard_of = np.repeat(np.arange(num_shards), per_shard)
+    epoch = np.arange(n, dtype=np.int64)
+    contiguous = np.arange(5 * n + 3, 5 * n + 3 + 4096, dtype=np.int64)
+    rand = np.random.default_rng(1).integers(0, 10 * n, size=1 << 16)
+    orders: list[tuple[str, Any]] = [("feistel-v1", GlobalOrder(n, 1234))]
+    for k in windows:
+        orders.append(
+            (f"locality-v1(window_shards={k})", WindowedOrder(sizes, 1234, window_shards=k))
+        )
+    rows = []
+    for name, order in orders:
+        row = quality_row(name, order.ids(epoch), shard_of, num_shards, batch, capacity)
+        order.ids(contiguous)  # this epoch's tables are built once, not timed
+        row["contiguous_ids_per_s"] = _rate(order.ids, contiguous, seconds)
+        row["random_ids_per_s"] = _rate(order.ids, rand, seconds)
+        rows.append(row)
+        print_quality(rows[-1:], header=len(rows) == 1)
+    big = [1000] * 100_000
+    with Stopwatch() as table:
+        WindowedOrder(big, 7, window_shards=8).ids(np.arange(16, dtype=np.int64))
+    rows.append(
+        {
+            "benchmark": "order_locality_epoch_table",
+            "shards": len(big),
+            "seconds": table.seconds,
+            "note": "first position of an epoch: the O(shards) shard permutation + prefix sums",
+        }
+    )
+    print(f"epoch tables of 100,000 shards: {1e3 * table.seconds:.1f} ms (once per epoch)")
+    return rows
+
+
+def print_quality(rows: list[dict[str, Any]], header: bool = True) -> None:
+    if header:
+        print(
+            f"{'order':32}{'B_eff':>8}{'ac(1)':>7}{'ac(B)':>7}{'|rho|':>7}{'shards/B':>9}"
+            f"{'opens/ep':>9}{'contig ids/s':>13}{'random ids/s':>13}"
+        )
+    for r in rows:
+        b = r["batch"]
+        print(
+            f"{r['order']:32}{r['effective_batch']:>8.1f}{r['autocorr_lag1']:>7.3f}"
+            f"{r[f'autocorr_lag{b}']:>7.3f}{r['spearman_abs_4096']:>7.3f}"
+            f"{r['distinct_shards_per_batch']:>9.1f}{r['shard_opens_per_epoch']:>9,}"
+            f"{r['contiguous_ids_per_s'] / 1e6:>11.1f} M{r['random_ids_per_s'] / 1e6:>11.1f} M"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--locality", action="store_true", help="only locality-v1 vs feistel-v1 (order_rows)"
+    )
     args = parser.parse_args(argv)
+    if args.locality:
+        rows = order_rows(seconds=0.1 if args.quick else 0.3)
+        doc = {"machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows}
+        LOCALITY_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        LOCALITY_RESULTS.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {LOCALITY_RESULTS}")
+        return 0
     seconds = 0.3 if args.quick else 2.0
     pinned = pin_one_core()
     memory = total_memory()

@@ -20,7 +20,11 @@ from detdata.base.errors import (
 from detdata.base.types import Batch
 from detdata.base.version import VERSION
 from detdata.datasets.base import ArrayDataset, Dataset, Stream
+from detdata.datasets.documents import Documents
+from detdata.datasets.exclusions import Excluded, ExclusionList
 from detdata.datasets.mixture import Mixture
+from detdata.datasets.packed import PackedWindows
+from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
@@ -29,8 +33,12 @@ from detdata.identity.formats import Format
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.identity.registry import RefEvent, Registry
 from detdata.loading.arguments import WorkerMode
+from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
+from detdata.order.batches import BatchSchedule
+from detdata.order.choice import LocalityOrder, Order
 from detdata.order.feistel import GlobalOrder
+from detdata.order.locality import WindowedOrder
 from detdata.storage.retry import RetryPolicy
 
 __version__ = VERSION
@@ -59,24 +67,34 @@ if TYPE_CHECKING:
 __all__ = [
     "ArrayDataset",
     "Batch",
+    "BatchSchedule",
     "ConfigError",
     "DataLoader",
     "Dataset",
     "DetdataError",
     "DeterministicBatchSampler",
+    "Documents",
+    "Excluded",
+    "ExclusionList",
     "Format",
     "FormatError",
     "GlobalOrder",
+    "LocalityOrder",
     "Manifest",
     "ManifestError",
     "Mixture",
+    "Order",
     "OrderedStream",
+    "PackedWindows",
     "RefEvent",
     "Registry",
     "RegistryError",
     "RetriesExhausted",
     "RetryPolicy",
+    "RunRecord",
     "ShardEntry",
+    "Split",
+    "SplitKey",
     "StateError",
     "Stateful",
     "StorageError",
@@ -85,6 +103,7 @@ __all__ = [
     "TokenWindows",
     "VerificationError",
     "Verify",
+    "WindowedOrder",
     "WorkerMode",
     "__version__",
     "build_manifest",

@@ -11,15 +11,25 @@ break and how:
   for ``x`` seconds (a stalled connection; the client's timeout should fire);
 * ``rate_bps=r``: forward the answer at about ``r`` bytes/second (a slow link).
 
-The proxy runs an asyncio loop in a daemon thread; `stats` counts connections
-and the faults actually injected, and ``accept_times`` records when each
-connection arrived (monotonic clock), so a test can check backoff spacing.
+Independently of the plan, a `Link` emulates the network between client and server
+for ALL connections together: ``bandwidth_bps`` caps the answer bytes of every
+connection combined (one shared pipe: a transfer of ``X`` bytes takes at least
+``X / bandwidth_bps`` seconds, however many connections share it), and ``latency_s``
+delays every piece of a client's request (and the connection set-up) by that much
+before it reaches the server, so each request waits at least ``latency_s`` for its
+first answer byte.
+
+The proxy runs an asyncio loop in a daemon thread; `stats` counts connections,
+HTTP requests (request lines seen from clients), bytes in each direction and the
+faults actually injected, and ``accept_times`` records when each connection
+arrived (monotonic clock), so a test can check backoff spacing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -40,6 +50,18 @@ class Fault:
 
 
 CLEAN = Fault()
+_REQUEST_LINE = re.compile(rb"(?:GET|HEAD|PUT|POST|DELETE|OPTIONS|PATCH) \S+ HTTP/1\.[01]\r\n")
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated network: shared answer bandwidth (bytes/s, None: unlimited) and a delay
+    added to every request piece and connection set-up (seconds)."""
+
+    bandwidth_bps: float | None = None
+    latency_s: float = 0.0
+
+
 Plan = Callable[[int], Fault]
 
 
@@ -83,6 +105,8 @@ class Stats:
     resets: int = 0
     stalls: int = 0
     bytes_down: int = 0
+    bytes_up: int = 0
+    requests: int = 0
     accept_times: list[float] = field(default_factory=list)
 
 
@@ -98,9 +122,11 @@ def _rst(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """Forward 127.0.0.1:<port> to 127.0.0.1:<target_port>, breaking connections per plan."""
 
-    def __init__(self, target_port: int, plan: Plan = clean) -> None:
+    def __init__(self, target_port: int, plan: Plan = clean, link: Link | None = None) -> None:
         self.target_port = target_port
         self.plan = plan
+        self.link = link or Link()
+        self._link_free_at = 0.0  # monotonic time the emulated link is free again
         self.stats = Stats()
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -195,8 +221,10 @@ class FaultProxy:
                 stats.resets += 1
                 _rst(writer)
                 return
+            if self.link.latency_s:
+                await asyncio.sleep(self.link.latency_s)  # connection set-up crosses the link
             up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
-            up = asyncio.ensure_future(self._pipe(reader, upstream))
+            up = asyncio.ensure_future(self._pipe(reader, upstream, stats))
             down = asyncio.ensure_future(self._down(up_reader, writer, fault, stats))
             pumps += [up, down]
             done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,10 +249,16 @@ class FaultProxy:
             self._tasks.discard(task)
             self._clients.discard(writer)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Client -> server, unchanged."""
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stats: Stats
+    ) -> None:
+        """Client -> server, unchanged but for the link's latency; counts requests."""
         try:
             while data := await reader.read(65536):
+                stats.bytes_up += len(data)
+                stats.requests += len(_REQUEST_LINE.findall(data))
+                if self.link.latency_s:
+                    await asyncio.sleep(self.link.latency_s)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -233,6 +267,17 @@ class FaultProxy:
             with contextlib.suppress(Exception):
                 writer.write_eof()
 
+    async def _cross_link(self, nbytes: int) -> None:
+        """Wait for ``nbytes`` to cross the shared link (all connections queue on it)."""
+        bandwidth = self.link.bandwidth_bps
+        if bandwidth is None:
+            return
+        now = time.monotonic()
+        start = max(now, self._link_free_at)
+        self._link_free_at = start + nbytes / bandwidth
+        if self._link_free_at - now > 0.0005:
+            await asyncio.sleep(self._link_free_at - now)
+
     async def _down(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault: Fault, stats: Stats
     ) -> bool:
@@ -240,6 +285,8 @@ class FaultProxy:
         sent = 0
         stalled = False
         piece = 65536 if fault.rate_bps is None else max(1, int(fault.rate_bps / 50))
+        if self.link.bandwidth_bps is not None:
+            piece = min(piece, max(1, int(self.link.bandwidth_bps / 1000)))  # ~1 ms pieces
         try:
             while data := await reader.read(65536):
                 while data:
@@ -250,6 +297,7 @@ class FaultProxy:
                         limit = min(limit, max(0, fault.stall_after - sent))
                     limit = min(limit, piece)
                     if limit > 0:
+                        await self._cross_link(limit)
                         writer.write(data[:limit])
                         await writer.drain()
                         sent += limit

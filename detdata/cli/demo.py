@@ -55,6 +55,12 @@ def register(sub: Any) -> None:
     r.add_argument(
         "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
     )
+    r.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="-- CMD ...: check your own training command instead of the demo (the contract: "
+        "`python -m detdata.cli.replay` docstring, docs/design.md)",
+    )
     r.set_defaults(func=run_replay_check)
 
 
@@ -161,6 +167,14 @@ def _weights() -> dict[str, str]:
 
 def run_replay_check(args: argparse.Namespace) -> int:
     check_run_args(args.steps, args.stop_at)
+    command = list(args.command or [])
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if command:
+        from detdata.cli.replay import run_user
+
+        prepare_out(Path(args.out), clear=False)
+        return run_user(command, Path(args.out), args.steps, args.stop_at)
     from detdata.cli.demo_run import build_corpus, replay_check
 
     out = Path(args.out)

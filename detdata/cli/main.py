@@ -28,9 +28,9 @@ EXIT_BROKEN_PIPE: Final = 141
 EPILOG: Final = """\
 exit codes:
   0  success (verify: bytes match; diff: identical)
-  1  the answer is "no": a verification failed (verify, register) or a difference was
-     found (diff, replay-check; bench: a contender's bytes did not validate); nothing
-     else exits 1
+  1  the answer is "no": a verification failed (verify, register, preflight) or a
+     difference was found (diff, replay-check, env --check; bench: a contender's bytes did
+     not validate); nothing else exits 1
   2  usage or input error: bad arguments, a missing, unreadable or malformed input file
      (manifest, trace, state, config), an output path that cannot be used, a refused
      configuration; also an internal error (a bug: rerun with --traceback and report it)
@@ -46,6 +46,11 @@ COMMAND_MODULES: Final = (
     "detdata.cli.demo",
     "detdata.cli.mix",
     "detdata.cli.bench",
+    "detdata.cli.where",
+    "detdata.cli.seen",
+    "detdata.cli.env",
+    "detdata.cli.preflight",
+    "detdata.cli.split",
 )
 
 #: OSErrors that mean "this path (given by the user) cannot be used": a usage error.

@@ -1,5 +1,5 @@
-"""Sub-commands for bytes identity and order: ``manifest build``, ``verify``, ``hash``,
-``register``, ``inspect`` and ``order``.
+"""Sub-commands for bytes identity and order: ``manifest build`` (``--part I/N``),
+``manifest merge``, ``verify``, ``hash``, ``register``, ``inspect`` and ``order``.
 
 Each command prints its result on stdout (ids, JSON or one value per line) and
 returns an exit code; errors are raised as `DetdataError` and mapped by
@@ -20,9 +20,11 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
 from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
 from detdata.order.feistel import GlobalOrder
 from detdata.storage.fs import is_url
+from detdata.storage.redact import redact_url
 
 _MAX_ORDER_COUNT = 10_000_000
 
@@ -74,7 +76,36 @@ def _add_manifest(subparsers: Any) -> None:
         "-o", "--output", required=True, metavar="FILE", help="manifest file to write"
     )
     build.add_argument("--threads", type=int, default=8, help="parallel hashing threads")
+    build.add_argument(
+        "--part",
+        type=_part_arg,
+        metavar="I/N",
+        help="hash only part I (0-based) of N of the sorted listing and write a part file "
+        "(merge the N parts with `detdata manifest merge`)",
+    )
     build.set_defaults(func=_cmd_build)
+    merge = sub.add_parser(
+        "merge", help="merge part files (from `manifest build --part I/N`) into one manifest"
+    )
+    merge.add_argument("parts", nargs="+", metavar="PART", help="part files or URLs")
+    merge.add_argument("--root", help="root of the merged manifest (default: the parts' root)")
+    merge.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="manifest file to write"
+    )
+    merge.set_defaults(func=_cmd_merge)
+
+
+def _part_arg(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = -1
+    if not sep or n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(
+            f"expected I/N with 0 <= I < N (e.g. 0/4 for the first of 4 parts), got {text!r}"
+        )
+    return i, n
 
 
 def check_output_file(path: str, flag: str) -> None:
@@ -124,6 +155,19 @@ def _cmd_build(args: argparse.Namespace) -> int:
             f"ROOT {args.root} is a file, not a folder; hint: pass the folder holding the "
             "shards (and --pattern to pick files)"
         )
+    if args.part is not None:
+        part = build_part(
+            args.root,
+            part=args.part,
+            pattern=args.pattern,
+            format=args.format,
+            dtype=args.dtype,
+            metadata=metadata,
+            threads=check_count(args.threads, "--threads"),
+        )
+        part.save(args.output)
+        print(f"part {part.index}/{part.count}: {len(part.shards)} shards -> {args.output}")
+        return 0
     manifest = build_manifest(
         args.root,
         pattern=args.pattern,
@@ -132,6 +176,16 @@ def _cmd_build(args: argparse.Namespace) -> int:
         metadata=metadata,
         threads=check_count(args.threads, "--threads"),
     )
+    manifest.save(args.output)
+    print(manifest.id)
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    check_output_file(args.output, "-o")
+    for path in args.parts:
+        _check_local(path, "PART", folder=False)
+    manifest = merge_manifests([ManifestPart.load(p) for p in args.parts], root=args.root)
     manifest.save(args.output)
     print(manifest.id)
     return 0
@@ -157,7 +211,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     manifest = Manifest.load(args.manifest, root=args.root, verify=mode)
     print(
         f"ok {manifest.id} ({len(manifest.shards)} shards, {manifest.total_bytes} bytes, "
-        f"verify={mode.value}, root={manifest.root})"
+        f"verify={mode.value}, root={redact_url(manifest.root or '')})"
     )
     return 0
 
@@ -254,7 +308,7 @@ def _summary(manifest: Manifest, target: str, source: str) -> dict[str, Any]:
         "target": target,
         "source": source,
         "id": manifest.id,
-        "root": manifest.root,
+        "root": None if manifest.root is None else redact_url(manifest.root),
         "num_shards": len(manifest.shards),
         "num_samples": manifest.num_samples,
         "total_bytes": manifest.total_bytes,

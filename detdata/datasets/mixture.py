@@ -27,7 +27,7 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset
 from detdata.datasets.columns import describe_column, same_kind
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
-from detdata.order.feistel import GlobalOrder
+from detdata.order.feistel import GlobalOrder, permute_sources
 from detdata.order.memo import ChunkMemo
 from detdata.order.mixture import (
     ALGORITHM,
@@ -44,6 +44,8 @@ from detdata.order.mixture import (
     schedule_to_json,
     source_seed,
 )
+
+_PER_SOURCE: Final = 8  # up to this many sources in a request, `locate` asks each one's order
 
 # Re-exported from detdata.order.mixture for old importers (temporary): BLOCK,
 # MAX_TOTAL_WEIGHT, Phase, ScheduleLike, WeightLike, normalize_weights, source_seed, to_fraction.
@@ -104,6 +106,8 @@ class Mixture:
             n: GlobalOrder(self.sources[n].num_samples, self.source_seeds[n])
             for n in self.source_names
         }
+        self._sizes_u64 = np.array([o.num_samples for o in self.orders.values()], np.uint64)
+        self._seeds_u64 = np.array([o.seed for o in self.orders.values()], np.uint64)
         self.columns: dict[str, str] = _common_columns(self.sources)
         self._memo = ChunkMemo(self.locate)
 
@@ -121,7 +125,7 @@ class Mixture:
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(source_index, index_in_source)`` for each global position (same shape), no sample ids.
 
-        Cost: O(sources) per distinct 16-position block touched, plus O(1) per position.
+        Cost: O(positions + sources) per call, memory bounded (`Schedule.assign`).
         """
         return self._schedule.assign(positions)
 
@@ -132,12 +136,18 @@ class Mixture:
         dataset: ``GlobalOrder(n_s, source_seeds[name]).ids(index_in_source)``.
         """
         src, index = self.assign(positions)
-        ids = np.empty(src.shape, dtype=np.int64)
-        for s, name in enumerate(self.source_names):
-            sel = src == s
-            if sel.any():
-                ids[sel] = self.orders[name].ids(index[sel])
-        return src, index, ids
+        flat, flat_index = src.reshape(-1), index.reshape(-1)
+        present = np.flatnonzero(np.bincount(flat, minlength=len(self.source_names)))
+        if present.size > _PER_SOURCE:  # every source's GlobalOrder in one pass
+            ids = permute_sources(
+                flat_index.astype(np.uint64), self._sizes_u64[flat], self._seeds_u64[flat]
+            ).view(np.int64)
+        else:  # a few sources: each order on its own positions (one key per epoch)
+            ids = np.empty(flat.size, dtype=np.int64)
+            for s in present.tolist():
+                sel = flat == s
+                ids[sel] = self.orders[self.source_names[s]].ids(flat_index[sel])
+        return src, index, ids.reshape(src.shape)
 
     def sample_ids(self, positions: IntArray) -> IntArray:
         """Sample ids (within their source; pair them with ``locate(...)[0]``) of ``positions``."""

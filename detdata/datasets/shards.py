@@ -16,6 +16,21 @@
 * Truncation: a memory-mapped file shorter than the manifest says would crash the
   process (SIGBUS) when read, so readers check the file's size first
   (`check_not_truncated`: a `VerificationError` naming the shard).
+* Bounded handles: open handles (memory maps, readers; each holds at most one
+  descriptor and one mapping) live in a `HandleLRU` of at most ``max_open_shards``
+  (default `DEFAULT_MAX_OPEN_SHARDS`) shards per dataset, whatever the number of
+  shards read: the least recently used handle is dropped (closed when its last
+  reference goes) to make room, and re-opened on its next use. The bound is also
+  process-wide: every reader's LRU shares this process's `ProcessHandles` budget, so
+  all datasets of a process together (the N sources of a `detdata.Mixture`, several
+  loaders, reader threads) hold at most ``max(set_max_open_shards bound (default
+  128), the largest max_open_shards of a live dataset)`` handles; a put over it
+  evicts the least recently used handle of any dataset. A forked child starts with
+  no handles (its inherited ones are dropped at the fork); an unpickled dataset
+  starts empty and joins its process's budget. Nothing else kept per shard grows
+  with the shards touched: the remembered cached copies (``(path, inode)``) are
+  dropped with their handle. The bounds never change the bytes read, so they are
+  not part of ``identity()``.
 
 Subclasses own their handles: they implement `ShardReader._forget_handle` and
 extend `_build_index` / `_reset_process_state` (calling the base's).
@@ -24,10 +39,14 @@ extend `_build_index` / `_reset_process_state` (calling the base's).
 from __future__ import annotations
 
 import abc
+import itertools
 import os
+import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -38,12 +57,16 @@ from detdata.datasets.process_local import ProcessLocal
 from detdata.identity.manifest import Manifest, Verify
 from detdata.storage.cache import ShardCache
 from detdata.storage.fs import filesystem, join
+from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: Default bound of the disk cache of shard copies (``shard_cache_bytes``).
 DEFAULT_SHARD_CACHE_BYTES: Final = 16 << 30
 #: How often a copy evicted between its fill and its open is fetched again.
 _OPEN_ATTEMPTS: Final = 5
+#: Default bound of the shards with an open handle per process (``max_open_shards``): well
+#: under the usual 1,024-descriptor soft limit, with room for a few readers in one process.
+DEFAULT_MAX_OPEN_SHARDS: Final = 128
 
 H = TypeVar("H")
 T = TypeVar("T")
@@ -146,12 +169,262 @@ def check_not_truncated(name: str, path: str, expected: int, found: int) -> None
         )
 
 
+def check_max_open_shards(value: object) -> int:
+    """``max_open_shards`` (None: `DEFAULT_MAX_OPEN_SHARDS`) as an int >= 1, else `ConfigError`."""
+    if value is None:
+        return DEFAULT_MAX_OPEN_SHARDS
+    return check_positive_int(value, "max_open_shards")
+
+
+class ProcessHandles:
+    """The process-wide budget of open shard handles, shared by every `HandleLRU` given it.
+
+    It orders ``(owner, shard)`` pairs of all its owners least recently used first and holds
+    at most `capacity` of them: ``max(bound, the largest capacity of a live owner)``, where
+    ``bound`` is set with `set_bound` (`set_max_open_shards` for the process's budget). A put
+    that goes over it evicts the least recently used handle of *any* owner (the owner's
+    ``forget`` callback runs). Owners are held weakly: a dead owner's entries are purged at
+    the next put. After a fork the child starts empty (`after_fork`: every owner's handles
+    are dropped, the lock made anew), as the per-process file system state does.
+    """
+
+    def __init__(self, bound: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
+        self.bound = check_positive_int(bound, "max_open_shards")
+        self._capacity = self.bound
+        self.evictions = 0
+        self.lock = threading.Lock()
+        self.order: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._owners: dict[int, weakref.ref[HandleLRU[Any]]] = {}
+        self._caps: dict[int, int] = {}
+        self._dead: list[int] = []  # appended by weakref callbacks (any thread, even mid-put)
+        self._tokens = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @property
+    def capacity(self) -> int:
+        """The most handles all owners together hold: ``max(bound, live owners' capacities)``."""
+        if self._dead:
+            with self.lock:
+                self._purge_locked()
+        return self._capacity
+
+    @property
+    def full(self) -> bool:
+        """Would one more handle (of any owner) evict another?"""
+        return len(self.order) >= self.capacity
+
+    def register(self, owner: HandleLRU[Any]) -> int:
+        """Add ``owner`` (held weakly); returns its token."""
+        token = next(self._tokens)
+        dead = self._dead
+        with self.lock:
+            self._owners[token] = weakref.ref(owner, lambda _: dead.append(token))
+            self._caps[token] = owner.capacity
+            self._resize_locked()
+        return token
+
+    def set_bound(self, bound: int) -> None:
+        """Change the bound; evicts at once down to the new `capacity`."""
+        bound = check_positive_int(bound, "max_open_shards")
+        with self.lock:
+            self.bound = bound
+            self._purge_locked()
+            self._resize_locked()
+            self._shrink_locked(-1)
+
+    def after_fork(self) -> None:
+        """In a forked child: a new lock, no handles (each owner's are dropped), same bound."""
+        self.lock = threading.Lock()
+        for ref in list(self._owners.values()):
+            owner = ref()
+            if owner is not None:
+                owner._drop_all()
+        self.order.clear()
+
+    # under the lock ----------------------------------------------------------------
+    def _resize_locked(self) -> None:
+        self._capacity = max([self.bound, *self._caps.values()])
+
+    def _purge_locked(self) -> None:
+        dead = set()
+        while self._dead:
+            dead.add(self._dead.pop())
+        if not dead:
+            return
+        for token in dead:
+            self._owners.pop(token, None)
+            self._caps.pop(token, None)
+        for key in [k for k in self.order if k[0] in dead]:
+            del self.order[key]
+        self._resize_locked()
+
+    def _shrink_locked(self, token: int) -> list[int]:
+        """Evict down to `capacity`; returns the evicted shards of owner ``token``."""
+        mine: list[int] = []
+        while len(self.order) > self._capacity:
+            (owner_token, shard), _ = self.order.popitem(last=False)
+            self.evictions += 1
+            if owner_token == token:
+                mine.append(shard)
+                continue
+            ref = self._owners.get(owner_token)
+            owner = ref() if ref is not None else None
+            if owner is not None:
+                owner._evicted(shard)
+        return mine
+
+
+#: This process's budget of open shard handles (all `ShardReader` instances share it).
+_PROCESS_HANDLES: Final = ProcessHandles()
+os.register_at_fork(after_in_child=_PROCESS_HANDLES.after_fork)
+
+
+def set_max_open_shards(bound: int | None) -> None:
+    """Bound the shards with an open handle in this process, over all datasets together.
+
+    The process budget is ``max(bound, the largest max_open_shards of a live dataset)``
+    (None restores the default, `DEFAULT_MAX_OPEN_SHARDS`), so a dataset's own
+    ``max_open_shards`` is always honoured while any number of datasets (the sources of a
+    `detdata.Mixture`, several loaders) together hold at most the budget. Lowering it
+    evicts at once. Per process: a forked or spawned worker starts with the default
+    unless it calls this itself (e.g. in ``worker_init_fn``). Never changes the bytes read.
+    """
+    _PROCESS_HANDLES.set_bound(DEFAULT_MAX_OPEN_SHARDS if bound is None else bound)
+
+
+def process_max_open_shards() -> int:
+    """This process's budget of shards with an open handle (see `set_max_open_shards`)."""
+    return _PROCESS_HANDLES.capacity
+
+
+def process_open_shards() -> int:
+    """Shards with an open handle in this process, over every dataset (<= the budget)."""
+    return len(_PROCESS_HANDLES)
+
+
+class HandleLRU(Generic[H]):
+    """At most ``capacity`` open handles keyed by shard index, least recently used evicted first.
+
+    ``get`` marks a handle most recently used; ``put`` adds (or replaces) one and, when
+    more than ``capacity`` are held, drops the least recently used ones and returns
+    their shards. With a ``budget`` (a `ProcessHandles`; every `ShardReader` uses the
+    process's), the handles of all its owners together also stay within the budget's
+    capacity: a put may evict another owner's handle (that owner's ``forget(shard)``
+    runs, and its `evictions` counts it). A dropped handle is only unreferenced: it is
+    closed when its last user (e.g. a reader thread still gathering from it) lets it go,
+    so eviction never invalidates a read in progress. Thread-safe: ``put``/``pop`` hold
+    the (budget's) lock; ``get`` relies on the atomic ``OrderedDict`` operations (it
+    runs once per touched shard per read).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        budget: ProcessHandles | None = None,
+        forget: Callable[[int], object] | None = None,
+    ) -> None:
+        self.capacity = capacity
+        self.evictions = 0
+        self._items: OrderedDict[int, H] = OrderedDict()
+        self._budget = budget
+        self._forget = forget
+        self._lock = threading.Lock() if budget is None else budget.lock
+        self._token = -1 if budget is None else budget.register(self)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def full(self) -> bool:
+        """Would a new handle evict another (this LRU's, or, with a budget, any owner's)?"""
+        if len(self._items) >= self.capacity:
+            return True
+        return self._budget is not None and self._budget.full
+
+    def keys(self) -> list[int]:
+        """Shards with an open handle, least recently used first."""
+        with self._lock_now():
+            return list(self._items)
+
+    def get(self, shard: int) -> H | None:
+        """The handle of ``shard`` (now the most recently used), or None."""
+        handle = self._items.get(shard)
+        if handle is None:
+            return None
+        try:
+            self._items.move_to_end(shard)
+            if self._budget is not None:
+                self._budget.order.move_to_end((self._token, shard))
+        except KeyError:  # evicted by another thread meanwhile: still valid for this read
+            return handle
+        return handle
+
+    def put(self, shard: int, handle: H) -> list[int]:
+        """Hold ``handle`` for ``shard`` as the most recently used; returns the shards whose
+        handles were evicted to stay within ``capacity`` (and the budget)."""
+        evicted: list[int] = []
+        budget = self._budget
+        with self._lock_now():
+            self._items[shard] = handle
+            self._items.move_to_end(shard)
+            if budget is not None:
+                budget._purge_locked()
+                budget.order[(self._token, shard)] = None
+                budget.order.move_to_end((self._token, shard))
+            while len(self._items) > self.capacity:
+                old = self._items.popitem(last=False)[0]
+                evicted.append(old)
+                if budget is not None:
+                    budget.order.pop((self._token, old), None)
+            if budget is not None:
+                for old in budget._shrink_locked(self._token):
+                    self._items.pop(old, None)
+                    evicted.append(old)
+            self.evictions += len(evicted)
+        if self._forget is not None:
+            for old in evicted:
+                self._forget(old)
+        return evicted
+
+    def pop(self, shard: int) -> H | None:
+        """Forget the handle of ``shard`` (not counted as an eviction); returns it, or None."""
+        with self._lock_now():
+            if self._budget is not None:
+                self._budget.order.pop((self._token, shard), None)
+            return self._items.pop(shard, None)
+
+    # the budget's side (called under its lock) ------------------------------------------
+    def _lock_now(self) -> threading.Lock:
+        """The lock to take now (a budget's lock is made anew in a forked child)."""
+        return self._lock if self._budget is None else self._budget.lock
+
+    def _evicted(self, shard: int) -> None:
+        """Another owner's put evicted ``shard``'s handle from the shared budget."""
+        if self._items.pop(shard, None) is not None:
+            self.evictions += 1
+        if self._forget is not None:
+            self._forget(shard)
+
+    def _drop_all(self) -> None:
+        """Drop every handle (a forked child must not keep its parent's)."""
+        shards = list(self._items)
+        self._items.clear()
+        if self._forget is not None:
+            for shard in shards:
+                self._forget(shard)
+
+
 class ShardReader(ProcessLocal, abc.ABC):
     """Base of datasets that read the shard files of one manifest (see the module docstring).
 
     After ``__init__``: ``manifest`` (verified, with a root), ``storage_options``,
-    ``retry``, ``cache_dir`` (str or None), ``shard_cache_bytes`` and ``cache_verify``.
-    None of these but the manifest changes the data read.
+    ``retry``, ``cache_dir`` (str or None), ``shard_cache_bytes``, ``cache_verify`` and
+    ``max_open_shards``. None of these but the manifest changes the data read.
+    Subclasses keep their handles in ``self._handles`` (a `HandleLRU`), added with
+    `_keep_handle`.
     """
 
     # pickling: parameters and manifest only, no file system, caches or handles
@@ -161,6 +434,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_pid",
         "_shard_cache",
         "_copy_files",
+        "_handles",
         "_sizes",
     )
 
@@ -175,7 +449,9 @@ class ShardReader(ProcessLocal, abc.ABC):
         cache_dir: str | os.PathLike[str] | None,
         shard_cache_bytes: int | None,
         cache_verify: str,
+        max_open_shards: int | None = None,
     ) -> None:
+        self.max_open_shards = check_max_open_shards(max_open_shards)
         self.storage_options = dict(storage_options or {})
         self.retry = check_policy(retry)
         self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
@@ -196,7 +472,27 @@ class ShardReader(ProcessLocal, abc.ABC):
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self._shard_cache: ShardCache | None = None
-        self._copy_files: dict[int, tuple[str, int]] = {}  # shard -> (cached copy, inode)
+        # shard -> (cached copy, inode), for shards with an open handle only
+        copy_files: dict[int, tuple[str, int]] = {}
+        self._copy_files = copy_files
+        # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
+        self._handles: HandleLRU[Any] = HandleLRU(
+            self.max_open_shards,
+            budget=_PROCESS_HANDLES,
+            forget=lambda shard: copy_files.pop(shard, None),
+        )
+
+    def _keep_handle(self, shard: int, handle: object) -> None:
+        """Hold ``handle`` of ``shard`` in the LRU (and the process's budget); the cached
+        copies of evicted handles (this reader's or another's) are forgotten."""
+        self._handles.put(shard, handle)
+
+    def open_shards(self) -> list[int]:
+        """Shards this dataset holds an open handle of in this process, least recently used
+        first (at most ``max_open_shards``; `process_open_shards` counts every dataset's)."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        return self._handles.keys()
 
     @abc.abstractmethod
     def _forget_handle(self, shard: int) -> None:
@@ -268,11 +564,34 @@ class ShardReader(ProcessLocal, abc.ABC):
         entry = self.manifest.shards[shard]
         fs, root_path = self._filesystem()
         fills = cache.stats.fills
-        path = cache.path(entry, fs, join(root_path, entry.path), self.manifest.url(entry))
+        path = cache.path(
+            entry, fs, join(root_path, entry.path), redact_url(self.manifest.url(entry))
+        )
         if cache.stats.fills != fills:  # a fill may have evicted copies this process has open
-            for other in [s for s in self._copy_files if s != shard]:
-                self._drop_if_replaced(other)
+            for other in list(self._copy_files):  # a snapshot: reader threads change it
+                if other != shard:
+                    self._drop_if_replaced(other)
         return path
+
+    def prefetch_copy(self, shard: int) -> None:
+        """Fill the verified cached copy of ``shard`` now, as a background prefetch would
+        (`detdata.datasets.prefetch`); opens no handle. No-op without a shard cache."""
+        if not self._uses_shard_cache():
+            return
+        cache = self.shard_cache
+        assert cache is not None
+        entry = self.manifest.shards[shard]
+        fs, root_path = self._filesystem()
+        cache.path(
+            entry, fs, join(root_path, entry.path), self.manifest.url(entry), background=True
+        )
+
+    def release_copy(self, shard: int) -> None:
+        """Mark the cached copy of ``shard`` as the first to evict (its last use in a prefetch
+        window has passed); it stays readable until evicted."""
+        cache = self.shard_cache
+        if cache is not None:
+            cache.release(self.manifest.shards[shard])
 
     def _drop_if_replaced(self, shard: int) -> str | None:
         """Forget the handle of ``shard`` if its cached copy was evicted or replaced.
@@ -297,6 +616,9 @@ class ShardReader(ProcessLocal, abc.ABC):
     def _refresh_copies(self, shards: Iterable[int]) -> None:
         """Before a batch: drop handles whose cached copy changed; refresh the others' LRU time."""
         cache = self.shard_cache
+        if cache is not None and cache.copies_changed():  # another process filled or evicted
+            for other in list(self._copy_files):  # a snapshot: reader threads change it
+                self._drop_if_replaced(other)
         for shard in shards:
             path = self._drop_if_replaced(shard)
             if path is not None and cache is not None:

@@ -1,10 +1,11 @@
-"""Streams over one dataset: `OrderedStream` (a dataset read in `GlobalOrder`) and `as_stream`.
+"""Streams over one dataset: `OrderedStream` (a dataset read in an order) and `as_stream`.
 
 `detdata.Mixture` (`detdata.datasets.mixture`) is the stream over several datasets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -13,16 +14,29 @@ from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.order.feistel import ALGORITHM, GlobalOrder
+from detdata.order.choice import Order, OrderLike, build_order, check_order, order_name
 from detdata.order.memo import ChunkMemo
 
 
-class OrderedStream:
-    """A dataset read in `GlobalOrder`: position ``g`` -> ``dataset.read(order.ids(g))``."""
+def shard_sizes_of(dataset: Dataset) -> Sequence[int] | None:
+    """The dataset's samples per shard (its ``shard_sizes``), or None if it has none."""
+    sizes = getattr(dataset, "shard_sizes", None)
+    return None if sizes is None else tuple(int(c) for c in sizes)
 
-    def __init__(self, dataset: Dataset, seed: int) -> None:
+
+class OrderedStream:
+    """A dataset read in an order: position ``g`` -> ``dataset.read(order.ids(g))``.
+
+    ``order`` is `Order.FEISTEL_V1` (default: `GlobalOrder`) or a
+    `LocalityOrder(window_shards=k)` (`WindowedOrder` over the dataset's
+    ``shard_sizes``). The order's name, with its parameters, is the identity's
+    ``algorithm``.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
         self.dataset = dataset
         self.seed = check_seed(seed)
+        self.order_choice = check_order(order)
         n = dataset.num_samples
         if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) <= 0:
             raise ConfigError(
@@ -30,7 +44,8 @@ class OrderedStream:
                 "there is nothing to order or load; hint: check the manifest / "
                 "dataset construction"
             )
-        self.order = GlobalOrder(n, self.seed)
+        sizes = shard_sizes_of(dataset) if self.order_choice is not Order.FEISTEL_V1 else None
+        self.order = build_order(self.order_choice, n, self.seed, sizes)
         self._memo = ChunkMemo(self._ids)
 
     def _ids(self, positions: IntArray) -> tuple[IntArray]:
@@ -47,18 +62,26 @@ class OrderedStream:
     def identity(self) -> dict[str, Any]:
         return {
             "type": "ordered",
-            "algorithm": ALGORITHM,
+            "algorithm": order_name(self.order_choice),
             "seed": self.seed,
             "dataset": self.dataset.identity(),
         }
 
 
-def as_stream(data: Dataset | Stream, seed: int) -> Stream:
-    """A `Stream` for ``data``: streams pass through, datasets get `GlobalOrder` under ``seed``."""
+def as_stream(data: Dataset | Stream, seed: int, *, order: OrderLike | None = None) -> Stream:
+    """A `Stream` for ``data``: streams pass through, datasets get an `OrderedStream` under
+    ``seed`` in ``order`` (default `Order.FEISTEL_V1`). A stream has its own order, so
+    ``order`` with a stream is a `ConfigError`."""
     if isinstance(data, Stream) and hasattr(data, "fetch"):
+        if order is not None:
+            raise ConfigError(
+                f"order={order!r:.60} applies to a dataset the loader orders, but "
+                f"{type(data).__name__} is a stream with its own order; hint: build it with "
+                "the order (OrderedStream(dataset, seed, order=...)) or pass the dataset"
+            )
         return data
     if isinstance(data, Dataset):
-        return OrderedStream(data, seed)
+        return OrderedStream(data, seed, order=Order.FEISTEL_V1 if order is None else order)
     raise ConfigError(
         f"expected a detdata Dataset (num_samples, read, identity) or Stream "
         f"(fetch, sample_ids, identity), got {type(data).__name__}"

@@ -362,12 +362,18 @@ class TableRows(ShardReader):
     ``identity()``. ``cache_bytes`` is the deprecated name of ``row_group_cache_bytes``
     (it always bounded the decoded row groups in memory, never the disk cache): a
     `DeprecationWarning`; passing both is a `ConfigError`.
+
+    ``max_open_shards`` (default 128) bounds the shards with an open reader of this
+    dataset per process (a `HandleLRU`: at most one descriptor and one mapping each, plus
+    what cached row groups of an Arrow IPC shard still reference), and all datasets of a
+    process together stay within its budget (`detdata.datasets.shards.set_max_open_shards`);
+    the least recently used reader is dropped and re-opened on its next use (a Parquet
+    footer read). It never changes the rows read and is not part of ``identity()``.
     """
 
     # pickling: parameters and manifest only, no readers, caches or locks
     _TRANSIENT = (
         *ShardReader._TRANSIENT,
-        "_readers",
         "_io_lock",
         "cache",
         "_group_starts",
@@ -392,6 +398,7 @@ class TableRows(ShardReader):
         shard_cache_bytes: int | None = None,
         cache_verify: str = "quick",
         cache_bytes: int | None = None,
+        max_open_shards: int | None = None,
     ) -> None:
         row_bytes = renamed_argument(
             row_group_cache_bytes,
@@ -409,6 +416,7 @@ class TableRows(ShardReader):
             cache_dir=cache_dir,
             shard_cache_bytes=shard_cache_bytes,
             cache_verify=cache_verify,
+            max_open_shards=max_open_shards,
         )
         self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
         self.row_group_cache_bytes = check_positive_int(
@@ -485,7 +493,6 @@ class TableRows(ShardReader):
 
     def _reset_process_state(self) -> None:
         super()._reset_process_state()
-        self._readers: dict[int, Any] = {}
         self._io_lock = threading.Lock()
         self.cache = GroupSlots(
             self.cache_row_groups,
@@ -496,7 +503,7 @@ class TableRows(ShardReader):
         )
 
     def _forget_handle(self, shard: int) -> None:
-        self._readers.pop(shard, None)
+        self._handles.pop(shard)
 
     @property
     def cache_bytes(self) -> int:
@@ -513,6 +520,12 @@ class TableRows(ShardReader):
     def num_samples(self) -> int:
         """Total rows over all shards."""
         return self._num
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Rows per shard in manifest order (ids are laid out shard after shard): what a
+        `detdata.LocalityOrder` groups into windows of shards."""
+        return tuple(s.num_samples for s in self.manifest.shards)
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and the selected columns."""
@@ -617,7 +630,8 @@ class TableRows(ShardReader):
         return self._group(first).columns[name][:0].copy()
 
     def _reader(self, shard: int) -> Any:
-        reader = self._readers.get(shard)
+        """The open reader of ``shard`` (opened on a miss; kept in the handle LRU)."""
+        reader = self._handles.get(shard)
         if reader is None:
             fs, root = self._filesystem()
             entry = self.manifest.shards[shard]
@@ -629,7 +643,7 @@ class TableRows(ShardReader):
                 reader = pq.ParquetFile(path if local else fs.open(path, "rb"), memory_map=local)
             else:
                 reader = ipc.open_file(pa.memory_map(path) if local else fs.open(path, "rb"))
-            self._readers[shard] = reader
+            self._keep_handle(shard, reader)
         return reader
 
     def _open_cached(self, shard: int) -> Any:
@@ -681,7 +695,7 @@ class TableRows(ShardReader):
                     try:
                         return self._read_arrays(shard, group)
                     except Exception:
-                        self._readers.pop(shard, None)  # re-open on the next attempt
+                        self._handles.pop(shard)  # re-open on the next attempt
                         raise
 
                 arrays = self.retry.run(
@@ -811,6 +825,14 @@ def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
 
 
 def _check_table_shard(shard: ShardEntry) -> None:
+    if shard.format is Format.ARROW_STREAM:
+        raise FormatError(
+            f"shard {shard.path}: format 'arrow_stream' (an Arrow IPC stream, such as a "
+            "Hugging Face datasets cache file) has no index of its record batches, so "
+            "TableRows cannot read its rows at random; hint: read a token-list column with "
+            "Documents(manifest, column=...) (and PackedWindows), or convert the shard to "
+            "an Arrow IPC file (pyarrow.ipc.new_file) or Parquet and rebuild the manifest"
+        )
     if shard.format not in TABLE_FORMATS:
         raise FormatError(
             f"shard {shard.path}: format {shard.format.value!r} is not a table "

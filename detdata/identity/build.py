@@ -3,7 +3,16 @@
 `build_manifest` is the only way detdata creates a `Manifest` from data: every
 name it records has passed `check_shard_name` (so the loader accepts it), the
 shards are sorted by relative path, and each is streamed once for its blake3
-(bounded memory) plus a header/footer read for its layout.
+and quick digest (bounded memory) plus a header/footer read for its layout.
+
+A manifest is the canonical merge of per-shard entries, and an entry depends
+only on the shard's bytes and name (`hash_entry`, a plain picklable function):
+so the hashing can run anywhere. ``executor=`` takes any
+`concurrent.futures.Executor` (a process pool, Dask's
+``Client.get_executor()``, Ray's ``ray.util.multiprocessing.Pool``-backed
+executors...) and the result is the same manifest, same id, as a local build.
+Partial manifests over disjoint shard lists, built on different machines and
+merged, are `detdata.identity.parts`.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from detdata.base.errors import ConfigError, StorageError
@@ -20,9 +30,10 @@ from detdata.identity.formats import (
     detect_format,
     inspect_shard,
     parse_format,
+    sniff_format,
     suffix_format,
 )
-from detdata.identity.hashing import full_digest_file, quick_digest_file
+from detdata.identity.hashing import digests_file, full_digest_file
 from detdata.identity.manifest import Manifest, ShardEntry
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.fs import (
@@ -35,6 +46,7 @@ from detdata.storage.fs import (
     unquote_path,
     url_join,
 )
+from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 
@@ -49,34 +61,125 @@ def build_manifest(
     threads: int = 8,
     progress: bool | None = None,
     retry: RetryPolicy | None = None,
+    executor: Executor | None = None,
     **storage_options: Any,
 ) -> Manifest:
     """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
 
     Shards are ``paths`` (relative) if given, else files matching the glob
     ``pattern`` (default: every file with a known suffix, recursively), sorted
-    by relative path. ``format`` overrides suffix detection; ``.bin`` needs
+    by relative path. ``format`` overrides suffix detection (a ``.arrow`` file is
+    ``arrow`` or, by its first bytes, ``arrow_stream``); ``.bin`` needs
     ``dtype``. Shards are hashed in ``threads`` parallel threads, each streamed in
-    bounded memory. ``metadata`` (tokenizer hash, description...) is part of the id.
+    bounded memory, or, with ``executor`` (any `concurrent.futures.Executor`,
+    e.g. a Dask ``Client.get_executor()``), as one `hash_entry` task per shard
+    there: the root and ``storage_options`` travel to the workers, which must
+    reach the same store. ``metadata`` (tokenizer hash, description...) is part
+    of the id; the id does not depend on where the hashing ran.
     """
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
-    rels = _shard_names(fs, root, rootpath, pattern, fmt, paths)
+    rels = shard_names(fs, root, rootpath, pattern, fmt, paths)
+    entries = hash_entries(
+        root,
+        rels,
+        format=fmt,
+        dtype=dtype,
+        threads=threads,
+        progress=progress,
+        retry=retry,
+        executor=executor,
+        **storage_options,
+    )
+    return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical(root))
+
+
+def canonical(root: str) -> str:
+    """The root a built manifest records: URLs as given, local paths made absolute."""
+    return root if is_url(root) else os.path.abspath(root)
+
+
+def hash_entries(
+    root: str,
+    rels: Sequence[str],
+    *,
+    format: Format | None = None,
+    dtype: str | None = None,
+    threads: int = 8,
+    progress: bool | None = None,
+    retry: RetryPolicy | None = None,
+    executor: Executor | None = None,
+    **storage_options: Any,
+) -> list[ShardEntry]:
+    """The entries of the (checked) shard names ``rels`` under ``root``, in input order.
+
+    In ``threads`` local threads, or one `hash_entry` task per shard on ``executor``.
+    """
     policy = check_policy(retry)
-
-    def build(rel: str) -> ShardEntry:
-        if is_local_fs(fs):
-            return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
-        return policy.run(
-            lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
-            what="hashing",
-            shard=rel,
-            url=url_join(root, rel),
+    options = dict(storage_options)
+    if executor is not None:
+        if not isinstance(executor, Executor):
+            raise ConfigError(
+                f"executor must be a concurrent.futures.Executor, got {type(executor).__name__}; "
+                "hint: a Dask client gives one with client.get_executor()"
+            )
+        n = len(rels)
+        return list(
+            executor.map(
+                hash_entry,
+                [root] * n,
+                list(rels),
+                [format] * n,
+                [dtype] * n,
+                [policy] * n,
+                [options] * n,
+            )
         )
+    fs, rootpath = filesystem(root, **options)
+    return map_in_threads(
+        lambda rel: _hash_with(fs, rootpath, root, rel, format, dtype, policy),
+        list(rels),
+        threads=threads,
+        desc="hashing",
+        progress=progress,
+    )
 
-    entries = map_in_threads(build, rels, threads=threads, desc="hashing", progress=progress)
-    canonical_root = root if is_url(root) else os.path.abspath(root)
-    return Manifest(shards=tuple(entries), metadata=dict(metadata or {}), root=canonical_root)
+
+def hash_entry(
+    root: str,
+    rel: str,
+    format: Format | None,
+    dtype: str | None,
+    retry: RetryPolicy,
+    storage_options: Mapping[str, Any],
+) -> ShardEntry:
+    """The manifest entry of shard ``rel`` under ``root`` (a self-contained, picklable task).
+
+    Depends only on the shard's name and bytes (and ``format`` / ``dtype``), so
+    any machine that reaches the store computes the same entry.
+    """
+    fs, rootpath = filesystem(root, **dict(storage_options))
+    return _hash_with(fs, rootpath, root, rel, format, dtype, retry)
+
+
+def _hash_with(
+    fs: Any,
+    rootpath: str,
+    root: str,
+    rel: str,
+    fmt: Format | None,
+    dtype: str | None,
+    policy: RetryPolicy,
+) -> ShardEntry:
+    check_shard_name(rel, root=root)
+    if is_local_fs(fs):
+        return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+    return policy.run(
+        lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
+        what="hashing",
+        shard=rel,
+        url=url_join(root, rel),
+    )
 
 
 def hash_files(
@@ -88,15 +191,17 @@ def hash_files(
         fs, fpath = filesystem(p, **storage_options)
         try:
             if fs.isdir(fpath):
-                raise StorageError(f"{p}: is a directory; hint: pass files, e.g. {p}/*.npy")
+                raise StorageError(
+                    f"{redact_url(p)}: is a directory; hint: pass files, e.g. {redact_url(p)}/*.npy"
+                )
             return p, int(fs.size(fpath)), full_digest_file(fs, fpath)
         except FileNotFoundError:
-            raise StorageError(f"{p}: file not found; hint: check the path") from None
+            raise StorageError(f"{redact_url(p)}: file not found; hint: check the path") from None
 
     return map_in_threads(one, paths, threads=threads)
 
 
-def _shard_names(
+def shard_names(
     fs: Any,
     root: str,
     rootpath: str,
@@ -109,11 +214,11 @@ def _shard_names(
         rels = sorted(check_shard_name(p, root=root) for p in paths)
     else:
         if not fs.exists(rootpath):
-            raise ConfigError(f"root {root!r} does not exist")
+            raise ConfigError(f"root {redact_url(root)!r} does not exist")
         rels = _list_shards(fs, rootpath, pattern, fmt)
     if not rels:
         raise ConfigError(
-            f"no shards found under {root!r} (pattern={pattern!r}); hint: check the "
+            f"no shards found under {redact_url(root)!r} (pattern={pattern!r}); hint: check the "
             "path and pattern, e.g. pattern='**/*.npy'"
         )
     return rels
@@ -134,8 +239,8 @@ def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) ->
     outside = [p for p in found if not p.startswith(prefix)]
     if outside:
         raise ConfigError(
-            f"pattern {pattern!r} matched {outside[0]!r}, which is not under the "
-            f"root {root!r}; hint: use a pattern relative to the root"
+            f"pattern {pattern!r} matched {redact_url(outside[0])!r}, which is not under the "
+            f"root {redact_url(root)!r}; hint: use a pattern relative to the root"
         )
     rels = [p[len(prefix) :] for p in found]
     if is_http(root):
@@ -153,14 +258,18 @@ def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | 
         size = int(fs.size(path))
     except FileNotFoundError:
         raise StorageError(
-            f"shard {rel}: file not found at {path}; hint: check the root and the relative paths"
+            f"shard {rel}: file not found at {redact_url(path)}; hint: check the root and the "
+            "relative paths"
         ) from None
+    if fmt is None:  # a .arrow file is an Arrow IPC file or stream: its first bytes say
+        shard_format = sniff_format(fs, path, shard_format)
     layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
+    full, quick = digests_file(fs, path, size)
     return ShardEntry(
         path=rel,
         bytes=size,
-        blake3=full_digest_file(fs, path),
-        quick=quick_digest_file(fs, path, size),
+        blake3=full,
+        quick=quick,
         num_samples=layout.num_samples,
         format=shard_format,
         dtype=layout.dtype,

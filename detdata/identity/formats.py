@@ -1,7 +1,39 @@
 """Shard formats: detection, sample counts and schema fingerprints.
 
-A "sample" at the manifest level is one token (1-D token files) or one row
-(tables). Datasets build larger samples (token windows) on top.
+A "sample" at the manifest level is one token (1-D token files), one row
+(tables) or one document (Megatron indexes). Datasets build larger samples
+(token windows, packed windows) on top.
+
+Formats:
+
+* ``npy`` / ``bin``: 1-D token files (``bin``: raw little-endian tokens of a
+  declared ``dtype``).
+* ``parquet``, ``arrow`` (Arrow IPC *file* format, with a footer) and
+  ``arrow_stream`` (Arrow IPC *stream* format: the ``data-*.arrow`` cache files
+  Hugging Face ``datasets`` writes): tables; ``row_groups`` holds the row counts
+  of the row groups / record batches.
+* ``megatron_idx``: the ``.idx`` index of a Megatron indexed dataset (the
+  ``.bin`` + ``.idx`` pair that Megatron-LM, NeMo, NeMo Curator and datatrove
+  write). A pair is **two linked manifest entries**: ``P.bin`` is a plain ``bin``
+  token shard (its ``dtype`` read from the ``P.idx`` header when not declared)
+  and ``P.idx`` a ``megatron_idx`` shard (``num_samples`` = its documents,
+  ``dtype`` = the token dtype its header declares, ``data_offset`` = where its
+  arrays start). Each entry has its own size, quick digest and blake3, so a
+  changed ``.idx`` is a `VerificationError` naming the ``.idx`` shard, checked by
+  the same code as every other shard; the documents reader
+  (`detdata.datasets.documents`) pairs them by name and refuses a ``.bin``
+  without its ``.idx`` (or one whose dtype disagrees).
+
+The ``.idx`` layout (as Megatron-LM's ``megatron/core/datasets/indexed_dataset.py``
+documents and writes it), all little-endian: the 9-byte magic
+``b"MMIDIDX\\x00\\x00"``, ``u64`` version (1), ``u8`` dtype code (1 uint8, 2 int8,
+3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), ``u64`` sequence
+count ``S``, ``u64`` document-index count ``D``, then ``int32 sizes[S]`` (tokens
+per sequence), ``int64 pointers[S]`` (byte offset of each sequence in the
+``.bin``) and ``int64 document_index[D]`` (sequence index ranges: document ``d``
+is sequences ``[document_index[d], document_index[d + 1])``, so there are
+``D - 1`` documents). Multimodal indexes (one more ``int8`` mode per sequence)
+are refused.
 """
 
 from __future__ import annotations
@@ -9,6 +41,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import struct
 import sys
 import threading
 from dataclasses import dataclass
@@ -22,6 +55,7 @@ import pyarrow.parquet as pq
 
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
+from detdata.storage.fs import is_local_fs
 
 
 class Format(str, enum.Enum):
@@ -31,10 +65,12 @@ class Format(str, enum.Enum):
     BIN = "bin"
     PARQUET = "parquet"
     ARROW = "arrow"
+    ARROW_STREAM = "arrow_stream"
+    MEGATRON_IDX = "megatron_idx"
 
 
 TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
-TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW)
+TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
     ".npy": Format.NPY,
     ".bin": Format.BIN,
@@ -42,7 +78,120 @@ _SUFFIXES: Final = {
     ".arrow": Format.ARROW,
     ".feather": Format.ARROW,
     ".ipc": Format.ARROW,
+    ".idx": Format.MEGATRON_IDX,
 }
+#: The magic bytes a Megatron ``.idx`` file starts with.
+MEGATRON_MAGIC: Final = b"MMIDIDX\x00\x00"
+#: Bytes of the ``.idx`` header: magic (9), version (8), dtype code (1), two counts (8 + 8).
+MEGATRON_HEADER_BYTES: Final = 34
+#: Megatron's dtype codes (``DType`` in indexed_dataset.py) -> numpy names.
+MEGATRON_DTYPES: Final = {
+    1: "uint8",
+    2: "int8",
+    3: "int16",
+    4: "int32",
+    5: "int64",
+    6: "float64",
+    7: "float32",
+    8: "uint16",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronHeader:
+    """The fixed header of a Megatron ``.idx`` file (module docstring)."""
+
+    dtype: str
+    sequences: int
+    document_index: int
+
+    @property
+    def documents(self) -> int:
+        """Documents in the index: ``document_index`` entries minus the leading 0."""
+        return max(0, self.document_index - 1)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of a (text, not multimodal) ``.idx`` with this header."""
+        return MEGATRON_HEADER_BYTES + 12 * self.sequences + 8 * self.document_index
+
+
+def parse_megatron_header(head: bytes, *, rel: str) -> MegatronHeader:
+    """`MegatronHeader` from the first 34 bytes of an ``.idx``; `FormatError` naming ``rel``."""
+    if len(head) < MEGATRON_HEADER_BYTES or head[:9] != MEGATRON_MAGIC:
+        raise FormatError(
+            f"shard {rel}: not a Megatron index (it does not start with the magic "
+            f"{MEGATRON_MAGIC!r}); hint: .idx files are read as Megatron indexed-dataset "
+            "indexes; pass format= for other files"
+        )
+    version, code, sequences, document_index = struct.unpack("<QBQQ", head[9:34])
+    if version != 1:
+        raise FormatError(f"shard {rel}: Megatron index version {version}; detdata reads version 1")
+    name = MEGATRON_DTYPES.get(code)
+    if name is None or name not in TOKEN_DTYPES:
+        raise FormatError(
+            f"shard {rel}: Megatron dtype code {code} ({name or 'unknown'}) is not a token "
+            f"dtype; detdata reads {TOKEN_DTYPES} (codes 8, 4, 5); hint: re-export the "
+            "corpus with uint16 or int32 tokens"
+        )
+    return MegatronHeader(dtype=name, sequences=sequences, document_index=document_index)
+
+
+def read_megatron_header(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> MegatronHeader:
+    """The header of the ``.idx`` at ``path`` (one small read)."""
+    with fs.open(path, "rb") as fh:
+        return parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
+
+
+def _inspect_megatron(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> ShardLayout:
+    header = read_megatron_header(fs, path, rel=rel)
+    if size != header.nbytes:
+        multimodal = size == header.nbytes + header.sequences
+        raise FormatError(
+            f"shard {rel}: Megatron index of {header.sequences} sequences and "
+            f"{header.document_index} document-index entries should have {header.nbytes} "
+            f"bytes, the file has {size}"
+            + (
+                " (a multimodal index, one mode byte per sequence: not supported)"
+                if multimodal
+                else "; hint: the index is truncated or not a Megatron index"
+            )
+        )
+    return ShardLayout(
+        num_samples=header.documents, dtype=header.dtype, data_offset=MEGATRON_HEADER_BYTES
+    )
+
+
+def megatron_index_path(bin_path: str) -> str:
+    """The ``.idx`` path paired with a ``.bin`` path (``P.bin`` -> ``P.idx``)."""
+    return bin_path[: -len(".bin")] + ".idx" if bin_path.endswith(".bin") else bin_path + ".idx"
+
+
+def _bin_dtype(fs: fsspec.AbstractFileSystem, path: str, dtype: str | None, rel: str) -> str | None:
+    """The dtype of a ``bin`` shard: declared, or read from its Megatron ``.idx`` sibling.
+
+    A declared dtype that contradicts the sibling index is a `FormatError`.
+    """
+    if not path.endswith(".bin"):
+        return dtype
+    idx = megatron_index_path(path)
+    try:
+        if not fs.exists(idx):
+            return dtype
+        with fs.open(idx, "rb") as fh:
+            head = fh.read(MEGATRON_HEADER_BYTES)
+    except OSError:
+        return dtype
+    if head[:9] != MEGATRON_MAGIC:
+        return dtype
+    found = parse_megatron_header(head, rel=megatron_index_path(rel)).dtype
+    if dtype is not None and check_token_dtype(dtype, where=rel) != found:
+        raise FormatError(
+            f"shard {rel}: declared dtype {dtype!r} but its Megatron index "
+            f"{megatron_index_path(rel)} says {found!r}; hint: leave dtype= out for "
+            "Megatron .bin/.idx pairs (it is read from the .idx)"
+        )
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +231,24 @@ def detect_format(path: str) -> Format:
         f"{path}: cannot tell the format from the suffix; pass format= "
         f"(one of {', '.join(f.value for f in Format)})"
     )
+
+
+#: The first bytes of an Arrow IPC *stream* message (the continuation marker).
+_ARROW_STREAM_MARK: Final = b"\xff\xff\xff\xff"
+
+
+def sniff_format(fs: fsspec.AbstractFileSystem, path: str, fmt: Format) -> Format:
+    """``fmt`` detected from a suffix, refined by the file's first bytes: a ``.arrow``
+    file that starts with the Arrow IPC stream's continuation marker rather than the
+    file magic ``ARROW1`` is ``arrow_stream`` (Hugging Face ``datasets`` cache files).
+    Only used when no ``format=`` is declared; anything else is returned unchanged."""
+    if fmt is not Format.ARROW:
+        return fmt
+    with fs.open(path, "rb") as fh:
+        head = fh.read(len(_ARROW_MAGIC))
+    if head[:4] == _ARROW_STREAM_MARK and head != _ARROW_MAGIC:
+        return Format.ARROW_STREAM
+    return fmt
 
 
 def check_token_dtype(dtype: str | None, *, where: str) -> str:
@@ -152,8 +319,10 @@ def inspect_shard(
     """Read a shard's header/footer and return its layout; errors name ``rel``."""
     if fmt is Format.NPY:
         return _inspect_npy(fs, path, size, rel)
+    if fmt is Format.MEGATRON_IDX:
+        return _inspect_megatron(fs, path, size, rel)
     if fmt is Format.BIN:
-        name = check_token_dtype(dtype, where=rel)
+        name = check_token_dtype(_bin_dtype(fs, path, dtype, rel), where=rel)
         _refuse_container(fs, path, size, rel)
         itemsize = np.dtype(name).itemsize
         if size % itemsize:
@@ -177,15 +346,40 @@ def inspect_shard(
                 schema=schema_fingerprint(meta.schema.to_arrow_schema()),
                 row_groups=groups,
             )
+    if fmt is Format.ARROW_STREAM:
+        return _inspect_arrow_stream(fs, path, rel)
     with fs.open(path, "rb") as fh:
         try:
             reader = ipc.open_file(fh)
         except pa.ArrowInvalid as exc:
+            stream = fh.seek(0) == 0 and fh.read(4) == b"\xff\xff\xff\xff"
             raise FormatError(
-                f"shard {rel}: not an Arrow IPC file ({exc}); hint: write it with "
-                "pyarrow.ipc.new_file / feather v2"
+                f"shard {rel}: not an Arrow IPC file ({exc})"
+                + (
+                    "; it is an Arrow IPC *stream* (the format of Hugging Face datasets' "
+                    "cache files data-*.arrow); hint: pass format='arrow_stream'"
+                    if stream
+                    else "; hint: write it with pyarrow.ipc.new_file / feather v2"
+                )
             ) from None
         groups = tuple(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        return ShardLayout(
+            num_samples=sum(groups), schema=schema_fingerprint(reader.schema), row_groups=groups
+        )
+
+
+def _inspect_arrow_stream(fs: fsspec.AbstractFileSystem, path: str, rel: str) -> ShardLayout:
+    """Layout of an Arrow IPC stream: schema and the rows of each record batch (read once)."""
+    source: Any = pa.memory_map(path) if is_local_fs(fs) else fs.open(path, "rb")
+    with source:
+        try:
+            reader = ipc.open_stream(source)
+            groups = tuple(batch.num_rows for batch in reader)
+        except pa.ArrowInvalid as exc:
+            raise FormatError(
+                f"shard {rel}: not an Arrow IPC stream ({exc}); hint: Arrow IPC *files* "
+                "(with a footer, pyarrow.ipc.new_file) are format='arrow'"
+            ) from None
         return ShardLayout(
             num_samples=sum(groups), schema=schema_fingerprint(reader.schema), row_groups=groups
         )
@@ -273,6 +467,13 @@ def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
                 kind = "npy"
             except ValueError:
                 kind = None
+        elif head[:8] == MEGATRON_MAGIC[:8]:
+            fh.seek(0)
+            try:
+                parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
+                kind = "megatron_idx"
+            except FormatError:
+                kind = None
         elif size >= 12 and head[:6] == _ARROW_MAGIC:
             fh.seek(size - 6)
             kind = "arrow" if fh.read(6) == _ARROW_MAGIC else None
@@ -280,7 +481,12 @@ def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
             fh.seek(size - 4)
             kind = "parquet" if fh.read(4) == _PARQUET_MAGIC else None
     if kind is not None:
-        what = {"npy": "a .npy", "arrow": "an Arrow IPC", "parquet": "a Parquet"}[kind]
+        what = {
+            "npy": "a .npy",
+            "arrow": "an Arrow IPC",
+            "parquet": "a Parquet",
+            "megatron_idx": "a Megatron index (.idx)",
+        }[kind]
         raise FormatError(
             f"shard {rel}: declared format 'bin' (raw tokens) but it is {what} "
             f"file (it starts with {head[:6]!r}); read as raw tokens its header "

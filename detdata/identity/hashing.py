@@ -8,6 +8,8 @@ has one full and one quick digest however it is read.
 
 from __future__ import annotations
 
+import os
+
 import blake3
 import fsspec
 
@@ -31,3 +33,35 @@ def quick_digest_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> st
         fh.seek(size - span)
         tail = fh.read(span)
     return quick_digest_parts(size, head, tail)
+
+
+def full_digest_fd(fd: int) -> str:
+    """``b3:<hex>`` of every byte of an open local file (``pread`` in 8 MiB chunks)."""
+    hasher = blake3.blake3()
+    offset = 0
+    while chunk := os.pread(fd, CHUNK, offset):
+        hasher.update(chunk)
+        offset += len(chunk)
+    return PREFIX + hasher.hexdigest()
+
+
+def digests_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[str, str]:
+    """``(full blake3, quick digest)`` of ``path`` of known ``size``, every byte read once.
+
+    The file is streamed once: the full hash takes every chunk, the first and
+    last `QUICK_SPAN` bytes are kept from the same stream for the quick digest
+    (a small file is one read). Equal to (`full_digest_file`, `quick_digest_file`).
+    """
+    hasher = blake3.blake3()
+    head = b""
+    tail = b""
+    span = min(size, QUICK_SPAN)
+    with fs.open(path, "rb", block_size=CHUNK) as fh:
+        while chunk := fh.read(CHUNK):
+            hasher.update(chunk)
+            if not span:
+                continue
+            if len(head) < span:
+                head += chunk[: span - len(head)]
+            tail = chunk[-span:] if len(chunk) >= span else (tail + chunk)[-span:]
+    return PREFIX + hasher.hexdigest(), quick_digest_parts(size, head, tail)

@@ -10,6 +10,12 @@ This module holds the model: its fields and id, JSON in and out (documents are
 untrusted: every field is validated, shard paths included), load and save.
 Building a manifest from files is `detdata.identity.build`; checking bytes
 against one is `detdata.identity.verify` (`Manifest.verify` delegates to it).
+
+Credentials stay runtime arguments: a root such as ``http://alice:TOKEN@host/d``
+or a presigned/SAS URL is used as given to read, but shown redacted (``repr``,
+messages: `detdata.storage.redact.redact_url`) and saved without its user info
+and credential query parameters (`strip_credentials`); ``storage_options`` are
+never saved.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes, is_digest
 from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
 from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
+from detdata.storage.redact import redact_text, redact_url, strip_credentials
 from detdata.storage.retry import RetryPolicy, check_policy
 
 FORMAT_VERSION: Final = 1
@@ -159,9 +166,20 @@ def _check_digest(value: object, where: str) -> str:
     return value
 
 
-@dataclass(frozen=True, kw_only=True)
+#: verification levels, weakest first (a level covers every weaker one)
+_STRENGTH: Final = {Verify.OFF: 0, Verify.QUICK: 1, Verify.FULL: 2}
+_VERIFIED: Final = "_detdata_verified"
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Manifest:
-    """An immutable, content-addressed list of shards under a root URL."""
+    """An immutable, content-addressed list of shards under a root URL.
+
+    The object remembers the strongest verification that passed on it and the
+    root it ran under (`verified_level`): verifying again at that level or a
+    weaker one, on the same root, reads nothing. A new object (`with_root`,
+    `load`) starts unverified.
+    """
 
     shards: tuple[ShardEntry, ...]
     metadata: Mapping[str, Any] = field(default_factory=dict)
@@ -178,6 +196,13 @@ class Manifest:
                 f"duplicate shard paths in manifest: {dupes}; hint: each shard may be listed once"
             )
         object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
+
+    def __repr__(self) -> str:
+        root = None if self.root is None else redact_url(self.root)
+        return (
+            f"Manifest(id={self.id!r}, shards={len(self.shards)}, "
+            f"num_samples={self.num_samples}, root={root!r})"
+        )
 
     # identity -------------------------------------------------------------
     def body(self) -> dict[str, Any]:
@@ -219,10 +244,11 @@ class Manifest:
 
     # persistence ------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        """The document as saved: body, id and the root without credentials."""
         doc = self.body()
         doc[K_ID] = self.id
         if self.root is not None:
-            doc[K_ROOT] = self.root
+            doc[K_ROOT] = strip_credentials(self.root)
         return doc
 
     def save(self, path: str, **storage_options: Any) -> str:
@@ -231,7 +257,9 @@ class Manifest:
         The root is stored for convenience (it is not part of the id). When both
         are local and the file is saved inside the root directory, the root is
         stored relative to the file (e.g. ``"."``), so moving the directory with
-        the manifest in it keeps it loadable.
+        the manifest in it keeps it loadable. A URL root is stored without user
+        info or credential query parameters (`strip_credentials`): pass the
+        credentials again when loading (``root=`` or ``storage_options``).
 
         The document is first parsed back with the loader's own checks
         (`Manifest.from_json`), so a manifest that loading would refuse (say, built
@@ -242,8 +270,8 @@ class Manifest:
 
         doc = self.to_json()
         if self.root is not None:
-            doc[K_ROOT] = _portable_root(self.root, path)
-        self.check_loadable(where=f"manifest to save at {path}")
+            doc[K_ROOT] = _portable_root(strip_credentials(self.root), path)
+        self.check_loadable(where=redact_text(f"manifest to save at {path}"))
         data = json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
         atomic_write_bytes(path, data, **storage_options)
         return self.id
@@ -340,22 +368,25 @@ class Manifest:
         naming the URL at its deadline).
         """
         mode = parse_verify(verify)
+        shown = redact_url(path)
         try:
             text = read_file_retrying(
                 path, policy=check_policy(retry), what="manifest read", **storage_options
             )
         except FileNotFoundError:
             raise ManifestError(
-                f"manifest file not found: {path}; hint: check the path "
+                f"manifest file not found: {shown}; hint: check the path "
                 "(or URL) of the manifest JSON"
             ) from None
         except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
             raise ManifestError(
-                f"cannot read manifest {path}: {type(exc).__name__}: "
-                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                "(e.g. DIR/manifest.json), readable by this user"
+                redact_text(
+                    f"cannot read manifest {shown}: {type(exc).__name__}: "
+                    f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                    "(e.g. DIR/manifest.json), readable by this user"
+                )
             ) from None
-        manifest = cls.loads(text, root=root, where=f"manifest {path}")
+        manifest = cls.loads(text, root=root, where=f"manifest {shown}")
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
         if mode is not Verify.OFF:
@@ -370,19 +401,42 @@ class Manifest:
         threads: int = 8,
         progress: bool | None = None,
         retry: RetryPolicy | None = None,
+        again: bool = False,
         **storage_options: Any,
     ) -> None:
         """Check the bytes under the root; raise `VerificationError` at the first bad shard.
 
         Every shard is checked; the error names the first (in path order) that
         failed, with the field, expected and found values. See
-        `detdata.identity.verify.verify_manifest`.
+        `detdata.identity.verify.verify_manifest`. A check this object already
+        passed, at ``mode`` or a stronger level and on the same root, is not run
+        again unless ``again=True`` (`verified_level`).
         """
         from detdata.identity.verify import verify_manifest
 
+        level = parse_verify(mode)
+        if level is Verify.OFF:
+            return
+        done = self.verified_level
+        if not again and done is not None and _STRENGTH[done] >= _STRENGTH[level]:
+            return
         verify_manifest(
-            self, mode, threads=threads, progress=progress, retry=retry, **storage_options
+            self, level, threads=threads, progress=progress, retry=retry, **storage_options
         )
+        self.__dict__[_VERIFIED] = (level, self.root)
+
+    @property
+    def verified_level(self) -> Verify | None:
+        """The strongest level verified on this object under its current root (None: never).
+
+        Set by `verify` (and so by `load`, `Registry.resolve` and the datasets when
+        they verify); kept by pickling (a worker gets the parent's verified object).
+        """
+        record = self.__dict__.get(_VERIFIED)
+        if record is None or record[1] != self.root:
+            return None
+        level: Verify = record[0]
+        return level
 
 
 def parse_verify(value: str | Verify) -> Verify:

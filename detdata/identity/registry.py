@@ -4,6 +4,7 @@ Layout under the registry root (a local directory or any fsspec URL)::
 
     manifests/<hex>.json            one manifest per id ``b3:<hex>`` (no root; immutable)
     refs/<name>/<version>.json      the reference ``name@version`` and its history
+    tmp/.tmp-*                      (local only) writes in flight, or left by a killed writer
     .lock                           (local only) serialises writers
 
 Contracts:
@@ -22,9 +23,18 @@ Contracts:
   history. Object stores have no lock: concurrent writers of the *same*
   reference are last-writer-wins there.
 * A local writer killed mid-write (kill -9, power loss) can leave an unpublished
-  ``.tmp-*`` file; nothing ever reads one. Each later `register` removes those
-  in the directories it writes once they are older than ``STALE_TEMP_S``
-  (a live write takes milliseconds), so they do not accumulate.
+  ``.tmp-*`` file; nothing ever reads one. Local writes make their temp files in
+  the one folder ``tmp/`` (same file system, so the rename into place stays
+  atomic), and each later `register` removes those older than ``STALE_TEMP_S``
+  there (a live write takes milliseconds), so they do not accumulate. Listing
+  ``tmp/`` costs the number of leftovers, not the number of entries: a
+  `register` costs O(1) amortised however many manifests the registry holds.
+  `Registry.gc` also sweeps ``manifests/`` and ``refs/`` for temp files left
+  there by older detdata versions (a full listing: run it now and then).
+* Credentials stay out: a reference records the manifest's root without user
+  info or credential query parameters (`detdata.storage.redact.strip_credentials`);
+  the registry's own root and every root appear redacted in messages and
+  ``repr``; ``storage_options`` are never written.
 * On remote roots (``s3://``, ``gs://``, ...) every read and write retries
   under ``retry`` (a `RetryPolicy`; writes are whole-object PUTs of immutable
   or complete content, so repeating one is safe) and listings bypass fsspec's
@@ -38,7 +48,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -48,6 +58,7 @@ from detdata.base.hashing import is_digest
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
+from detdata.storage.redact import redact_text, redact_url, scrub_exception, strip_credentials
 from detdata.storage.retry import RetryPolicy, check_policy
 
 T = TypeVar("T")
@@ -240,7 +251,12 @@ class Registry:
         self._protocol = self.root.split("://", 1)[0] if is_url(self.root) else "file"
 
     def __repr__(self) -> str:
-        return f"Registry({self.root!r})"
+        return f"Registry({self._shown!r})"
+
+    @property
+    def _shown(self) -> str:
+        """The root as shown in messages (credentials redacted)."""
+        return redact_url(self.root)
 
     # paths -----------------------------------------------------------------
     def _url(self, *parts: str) -> str:
@@ -271,12 +287,15 @@ class Registry:
             raise self._os_error(what, path, exc) from exc
 
     def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
+        scrub_exception(exc)
         return RegistryError(
-            f"registry {self.root}: {what} of {path} failed: "
-            f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
-            "files are written only by detdata: remove or repair whatever is "
-            "in their place (a directory, a file where a folder belongs) and "
-            "check permissions"
+            redact_text(
+                f"registry {self._shown}: {what} of {path} failed: "
+                f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+                "files are written only by detdata: remove or repair whatever is "
+                "in their place (a directory, a file where a folder belongs) and "
+                "check permissions"
+            )
         )
 
     def _cat(self, path: str) -> bytes:
@@ -290,7 +309,12 @@ class Registry:
             self._fs.invalidate_cache(path)
 
     def _write(self, url: str, data: bytes) -> None:
-        self._io("write", url, lambda _t: atomic_write_bytes(url, data, **self._options))
+        temp_dir = self._fspath("tmp") if self._local else None
+        self._io(
+            "write",
+            url,
+            lambda _t: atomic_write_bytes(url, data, temp_dir=temp_dir, **self._options),
+        )
 
     def _data_options(self, manifest: Manifest) -> dict[str, Any]:
         """Storage options for a manifest's root: the registry's own when on the same store."""
@@ -318,30 +342,39 @@ class Registry:
         manifest = self._as_manifest(manifest_or_path, verify)
         self._put_object(manifest)
         with self._lock():
-            self._sweep_temps(("manifests",), ("refs", base))
+            self._sweep_temps(("tmp",))
             return self._point(f"{base}@{version}", base, version, manifest, force)
 
     def resolve(
-        self, name_or_id: str, *, verify: str = "quick", root: str | None = None
+        self,
+        name_or_id: str,
+        *,
+        verify: str = "quick",
+        root: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> Manifest:
         """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
 
         A name's manifest carries the root it was registered with (``root``
-        overrides it) and is verified with ``verify`` (``quick`` by default, as
-        on every open). An id alone has no root: it is returned without root and
+        overrides it: the recorded root has no credentials, so a store that needs
+        them in the URL gets ``root=`` again) and is verified with ``verify``
+        (``quick`` by default, as on every open; the returned object remembers it,
+        so a dataset opened on it does not verify again). ``storage_options`` are
+        for the data's store (default: the registry's own when on the same
+        protocol). An id alone has no root: it is returned without root and
         unverified unless ``root`` is given.
         """
         if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
             manifest = self.get(name_or_id)
             if root is None:
                 return manifest
-            return self._verified(manifest.with_root(root), verify, name_or_id)
+            return self._verified(manifest.with_root(root), verify, name_or_id, storage_options)
         event = self._current(name_or_id)
         manifest = self.get(event.id)
         chosen = root if root is not None else event.root
         if chosen is None:
             return manifest
-        return self._verified(manifest.with_root(chosen), verify, name_or_id)
+        return self._verified(manifest.with_root(chosen), verify, name_or_id, storage_options)
 
     def get(self, manifest_id: str) -> Manifest:
         """The stored manifest with this id (no root), re-hashed to check it is intact."""
@@ -351,19 +384,19 @@ class Registry:
             data = self._cat(path)
         except FileNotFoundError:
             raise RegistryError(
-                f"manifest {manifest_id} is not in registry {self.root}; hint: "
+                f"manifest {manifest_id} is not in registry {self._shown}; hint: "
                 "register it first (`detdata register MANIFEST NAME`)"
             ) from None
         try:
             manifest = Manifest.loads(data, where=f"registry object {manifest_id}")
         except ManifestError as exc:
             raise RegistryError(
-                f"registry object {manifest_id} in {self.root} is corrupted: "
+                f"registry object {manifest_id} in {self._shown} is corrupted: "
                 f"{exc}; hint: delete it and register the manifest again"
             ) from None
         if manifest.id != manifest_id:
             raise RegistryError(
-                f"registry object {manifest_id} in {self.root} holds manifest "
+                f"registry object {manifest_id} in {self._shown} holds manifest "
                 f"{manifest.id}; hint: delete it and register again"
             )
         return manifest
@@ -430,11 +463,12 @@ class Registry:
     def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
         ref = self._find_ref(base, version)
         now = time.time_ns()
-        event = RefEvent(name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=False)
+        root = None if manifest.root is None else strip_credentials(manifest.root)
+        event = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=False)
         if ref is None:
             new = _Ref(name=name, created_ns=now, history=(event,))
         elif ref.current.id == manifest.id:
-            if ref.current.root == manifest.root or manifest.root is None:
+            if ref.current.root == root or root is None:
                 return manifest.id
             new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
         elif not force:
@@ -445,9 +479,7 @@ class Registry:
                 "it (the old id stays in its history)"
             )
         else:
-            forced = RefEvent(
-                name=name, id=manifest.id, root=manifest.root, time_ns=now, forced=True
-            )
+            forced = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=True)
             new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
         self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
         return manifest.id
@@ -470,7 +502,7 @@ class Registry:
             hint = f"known versions of {base!r}: {self.versions(base)}"
         except RegistryError:
             hint = f"register it first (`detdata register MANIFEST {base}@{version}`)"
-        raise RegistryError(f"name {base}@{version} is not in registry {self.root}; hint: {hint}")
+        raise RegistryError(f"name {base}@{version} is not in registry {self._shown}; hint: {hint}")
 
     def _refs_of(self, base: str) -> list[_Ref]:
         """The references of bare ``base``, oldest created first; `RegistryError` if none."""
@@ -490,7 +522,7 @@ class Registry:
                 detail = str(exc).split("; hint: ", 1)[0]
                 raise RegistryError(
                     f"name {base!r}: its versions (and so its latest) cannot be listed in "
-                    f"registry {self.root}: {detail}; hint: resolve an explicit version"
+                    f"registry {self._shown}: {detail}; hint: resolve an explicit version"
                     f"{' such as ' + others[-1] if others else ''}, or repair {base}@{v} "
                     "(re-register it with force=True)"
                 ) from None
@@ -498,7 +530,7 @@ class Registry:
                 refs.append(ref)
         if not refs:
             raise RegistryError(
-                f"name {base!r} is not in registry {self.root}; hint: "
+                f"name {base!r} is not in registry {self._shown}; hint: "
                 f"`detdata register MANIFEST {base}@v1`"
             )
         return sorted(refs, key=lambda r: (r.created_ns, r.name))
@@ -509,22 +541,48 @@ class Registry:
             return self._refs_of(base)[-1].current
         return self._ref(base, version).current
 
-    def _verified(self, manifest: Manifest, verify: str, what: str) -> Manifest:
+    def _verified(
+        self,
+        manifest: Manifest,
+        verify: str,
+        what: str,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        options = (
+            dict(storage_options) if storage_options is not None else self._data_options(manifest)
+        )
         try:
-            manifest.verify(verify, retry=self.retry, **self._data_options(manifest))
+            manifest.verify(verify, retry=self.retry, **options)
         except DetdataError as exc:
-            exc.add_note(f"(resolving {what} from registry {self.root})")
+            exc.add_note(f"(resolving {what} from registry {self._shown})")
             raise
         return manifest
 
-    def _sweep_temps(self, *folders: tuple[str, ...]) -> None:
+    def gc(self) -> int:
+        """Remove stale temp files (older than ``STALE_TEMP_S``) in every registry folder.
+
+        `register` sweeps only ``tmp/``, where this version writes; ``gc`` also
+        lists ``manifests/`` and each ``refs/<name>/`` for temp files that older
+        versions left beside the objects (O(entries)). Returns how many were
+        removed. A no-op on object stores (their writes are single PUTs).
+        """
+        if not self._local:
+            return 0
+        folders: list[tuple[str, ...]] = [("tmp",), ("manifests",), ("refs",)]
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            folders += [("refs", e.name) for e in os.scandir(self._fspath("refs")) if e.is_dir()]
+        with self._lock():
+            return self._sweep_temps(*folders)
+
+    def _sweep_temps(self, *folders: tuple[str, ...]) -> int:
         """Remove unpublished temp files older than ``STALE_TEMP_S`` (local roots only).
 
         Called under the writer lock; the age test also spares a concurrent
-        ``_put_object``, which writes outside the lock.
+        ``_put_object``, which writes outside the lock. Returns how many were removed.
         """
+        removed = 0
         if not self._local:
-            return
+            return 0
         cutoff = time.time() - STALE_TEMP_S
         for parts in folders:
             folder = self._fspath(*parts)
@@ -540,6 +598,8 @@ class Registry:
                 with contextlib.suppress(FileNotFoundError):
                     if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                         os.unlink(entry.path)
+                        removed += 1
+        return removed
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -565,7 +625,7 @@ class Registry:
                 except BlockingIOError:
                     if time.monotonic() > deadline:
                         raise RegistryError(
-                            f"registry {self.root} is locked by another writer for "
+                            f"registry {self._shown} is locked by another writer for "
                             f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
                             "for a hung process"
                         ) from None

@@ -1,20 +1,44 @@
 """Verifying shard bytes against a manifest's entries (DESIGN.md section 1).
 
-``quick`` compares each shard's size and quick digest (two range reads),
-``full`` also re-hashes every byte against its blake3, ``off`` reads nothing.
-Local files are read directly; remote ones with timed-out, retried range reads
-(never a hang). Every shard is checked; the `VerificationError` raised names the
-first bad one in path order, with its ``shard``, ``field`` (``exists``,
-``bytes``, ``quick`` or ``blake3``), ``expected`` and ``found`` values.
+``quick`` compares each shard's size and quick digest, ``full`` also re-hashes
+every byte against its blake3, ``off`` reads nothing. Every shard is checked;
+the `VerificationError` raised names the first bad one in path order, with its
+``shard``, ``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``),
+``expected`` and ``found`` values.
+
+Each checked byte is read once:
+
+* A *small* shard (at most ``2 * QUICK_SPAN`` bytes, so its first and last MiB
+  cover every byte) is read whole, once, and hashed once with blake3, which is
+  compared with the entry's full hash: equal full hashes (and sizes) mean equal
+  quick digests, so a small shard's quick check is as strong as a full one and
+  costs one read. The quick digest is computed only to report a mismatch.
+* A larger shard: its first and last MiB (quick), then (``full``) every byte.
+
+Local shards are read with plain ``pread`` calls (one open, no size request:
+``fstat``) in ``threads`` threads. Remote shards are read in concurrent batches
+of range requests (`read_ranges_upto`, up to the file system's ``batch_size``
+in flight, ``BATCH_BYTES`` per batch): one request per small shard and two per
+large one, each asking for one byte past the expected end, so a size change
+shows without a size request; an error or a size change is then looked into
+with the per-shard, retried path (`check_bytes`) to report exact values.
+
+A `Manifest` records the strongest level it was verified at and the root it
+was verified under (`Manifest.verify` skips a check already done at that
+level or a stronger one, on the same root); `Manifest.with_root` starts over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import blake3
+
 from detdata.base.errors import ConfigError, VerificationError
-from detdata.identity.hashing import full_digest_file, quick_digest_file
+from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
+from detdata.identity.hashing import full_digest_fd
 from detdata.identity.manifest import Manifest, ShardEntry, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.fs import (
@@ -23,12 +47,18 @@ from detdata.storage.fs import (
     is_local_fs,
     join,
     quick_digest_retrying,
+    read_ranges_upto,
     size_retrying,
 )
+from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: what each checked entry field is called in messages
 _LABELS: Final = {"bytes": "size", "quick": "quick digest", "blake3": "blake3"}
+#: a shard this small is read and hashed whole (its quick window is all of it)
+SMALL_SHARD: Final = 2 * QUICK_SPAN
+#: bytes asked for per batch of concurrent remote range requests (bounded memory)
+BATCH_BYTES: Final = 64 << 20
 
 
 def verify_manifest(
@@ -40,7 +70,7 @@ def verify_manifest(
     retry: RetryPolicy | None = None,
     **storage_options: Any,
 ) -> None:
-    """Check the bytes under ``manifest.root`` in ``threads`` threads (`Manifest.verify`)."""
+    """Check the bytes under ``manifest.root`` (`Manifest.verify`); see the module docstring."""
     mode = parse_verify(mode)
     if mode is Verify.OFF:
         return
@@ -48,42 +78,222 @@ def verify_manifest(
         raise ConfigError("cannot verify a manifest without a root")
     fs, root = filesystem(manifest.root, **storage_options)
     policy = check_policy(retry)
-
-    def check(shard: ShardEntry) -> VerificationError | None:
-        if is_local_fs(fs):
-            return _check_local(fs, join(root, shard.path), shard, mode, manifest.root or "")
-        return _check_remote(fs, join(root, shard.path), shard, mode, manifest.url(shard), policy)
-
-    results = map_in_threads(
-        check, manifest.shards, threads=threads, desc="verifying", progress=progress
-    )
+    shown = redact_url(manifest.root)
+    if is_local_fs(fs):
+        results = map_in_threads(
+            lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
+            manifest.shards,
+            threads=threads,
+            desc="verifying",
+            progress=progress,
+        )
+    else:
+        results = _verify_remote(fs, root, manifest, mode, policy, threads, progress)
     for err in results:
         if err is not None:
             raise err
 
 
-def _check_local(
-    fs: Any, path: str, shard: ShardEntry, mode: Verify, root: str
+# ------------------------------------------------------------------------ local
+def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> VerificationError | None:
+    """Check one local shard file: one open, ``fstat``, ``pread`` of the checked bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return missing(shard, where)
+    try:
+        size = os.fstat(fd).st_size
+        if size != shard.bytes:
+            return mismatch(shard, "bytes", size, where)
+        if size <= SMALL_SHARD:
+            return check_whole(shard, _pread_all(fd, size), where)
+        head = _pread_all(fd, QUICK_SPAN, 0)
+        tail = _pread_all(fd, QUICK_SPAN, size - QUICK_SPAN)
+        found_quick = quick_digest_parts(size, head, tail)
+        if found_quick != shard.quick:
+            return mismatch(shard, "quick", found_quick, where)
+        if mode is Verify.FULL:
+            found_full = full_digest_fd(fd)
+            if found_full != shard.blake3:
+                return mismatch(shard, "blake3", found_full, where)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pread_all(fd: int, count: int, offset: int = 0) -> bytes:
+    """Exactly ``count`` bytes at ``offset`` (fewer only at the end of the file)."""
+    parts: list[bytes] = []
+    done = 0
+    while done < count:
+        chunk = os.pread(fd, count - done, offset + done)
+        if not chunk:
+            break
+        parts.append(chunk)
+        done += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError | None:
+    """Check a small shard (at most `SMALL_SHARD` bytes) from all of its bytes, hashed once.
+
+    The full blake3 is compared; equal means the quick digest (a function of the
+    same bytes) is equal too. On a difference, the quick digest is computed to
+    report the field the entry's own checks would name first (``quick``).
+    """
+    if len(data) != shard.bytes:
+        return mismatch(shard, "bytes", len(data), where)
+    found_full = PREFIX + blake3.blake3(data).hexdigest()
+    if found_full == shard.blake3:
+        return None
+    span = min(len(data), QUICK_SPAN)
+    found_quick = quick_digest_parts(len(data), data[:span], data[len(data) - span :])
+    if found_quick != shard.quick:
+        return mismatch(shard, "quick", found_quick, where)
+    return mismatch(shard, "blake3", found_full, where)
+
+
+# ----------------------------------------------------------------------- remote
+def _verify_remote(
+    fs: Any,
+    root: str,
+    manifest: Manifest,
+    mode: Verify,
+    policy: RetryPolicy,
+    threads: int,
+    progress: bool | None,
+) -> list[VerificationError | None]:
+    """Batched, concurrent range reads of the checked bytes; odd cases per shard, retried."""
+    shards = manifest.shards
+    results: list[VerificationError | None] = [None] * len(shards)
+    again: list[int] = []  # shards to look into with the per-shard path
+    full_after: list[int] = []  # large shards whose quick check passed, in FULL mode
+    for batch in _batches(shards):
+        paths: list[str] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        names: list[str] = []
+        urls: list[str] = []
+        for i in batch:
+            s = shards[i]
+            for start, end in _ranges(s):
+                paths.append(join(root, s.path))
+                starts.append(start)
+                ends.append(end)
+                names.append(s.path)
+                urls.append(manifest.url(s))
+        blobs = read_ranges_upto(
+            fs, paths, starts, ends, policy=policy, shards=names, urls=urls, what="verifying"
+        )
+        at = 0
+        for i in batch:
+            s = shards[i]
+            count = len(_ranges(s))
+            got, at = blobs[at : at + count], at + count
+            verdict = _judge(s, got, _where(manifest, s))
+            if verdict == "again":
+                again.append(i)
+            elif verdict == "full":
+                if mode is Verify.FULL:
+                    full_after.append(i)
+            elif isinstance(verdict, VerificationError):
+                results[i] = verdict
+    if again:
+        checked = map_in_threads(
+            lambda i: check_remote(
+                fs, join(root, shards[i].path), shards[i], mode, manifest.url(shards[i]), policy
+            ),
+            again,
+            threads=threads,
+            desc="verifying",
+            progress=progress,
+        )
+        for i, err in zip(again, checked, strict=True):
+            results[i] = err
+    if full_after:
+        hashed = map_in_threads(
+            lambda i: _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy),
+            full_after,
+            threads=threads,
+            desc="hashing",
+            progress=progress,
+        )
+        for i, err in zip(full_after, hashed, strict=True):
+            results[i] = err
+    return results
+
+
+def _full_remote(
+    fs: Any, path: str, manifest: Manifest, shard: ShardEntry, policy: RetryPolicy
 ) -> VerificationError | None:
-    return check_bytes(
-        shard,
-        mode,
-        f"shard {shard.path} (under {root})",
-        size=lambda: int(fs.size(path)),
-        quick=lambda size: quick_digest_file(fs, path, size),
-        full=lambda size: full_digest_file(fs, path),
-    )
+    """The blake3 check of a large remote shard whose size and quick digest matched."""
+    url = manifest.url(shard)
+    found = full_digest_retrying(fs, path, shard.bytes, policy=policy, shard=shard.path, url=url)
+    if found != shard.blake3:
+        return mismatch(shard, "blake3", found, _where(manifest, shard))
+    return None
 
 
-def _check_remote(
+def _batches(shards: Sequence[ShardEntry]) -> list[list[int]]:
+    """Shard indices in consecutive groups asking for at most ~`BATCH_BYTES` each."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, s in enumerate(shards):
+        need = min(s.bytes, SMALL_SHARD) + 1
+        if out[-1] and size + need > BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += need
+    return [b for b in out if b]
+
+
+def _ranges(shard: ShardEntry) -> list[tuple[int, int]]:
+    """The ranges a quick check reads: all bytes (+1) of a small shard, else head and tail (+1)."""
+    if shard.bytes == 0:
+        return []
+    if shard.bytes <= SMALL_SHARD:
+        return [(0, shard.bytes + 1)]
+    return [(0, QUICK_SPAN), (shard.bytes - QUICK_SPAN, shard.bytes + 1)]
+
+
+def _judge(
+    shard: ShardEntry, got: list[bytes | BaseException], where: str
+) -> VerificationError | str | None:
+    """A verdict from the bytes read: None (good), an error, ``"again"`` or ``"full"``.
+
+    ``"again"``: an error or a size change, to be looked into per shard (exact
+    size, missing file). ``"full"``: a large shard whose quick check passed.
+    """
+    if not got or any(isinstance(g, BaseException) for g in got):
+        return "again"
+    blobs = [g for g in got if isinstance(g, bytes)]
+    if shard.bytes <= SMALL_SHARD:
+        if len(blobs[0]) != shard.bytes:
+            return "again"
+        return check_whole(shard, blobs[0], where)
+    head, tail = blobs
+    if len(head) != QUICK_SPAN or len(tail) != QUICK_SPAN:
+        return "again"
+    found_quick = quick_digest_parts(shard.bytes, head, tail)
+    if found_quick != shard.quick:
+        return mismatch(shard, "quick", found_quick, where)
+    return "full"
+
+
+def _where(manifest: Manifest, shard: ShardEntry) -> str:
+    return f"shard {shard.path} ({redact_url(manifest.url(shard))})"
+
+
+def check_remote(
     fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str, policy: RetryPolicy
 ) -> VerificationError | None:
-    """`_check_local` for remote stores: timed-out, retried range reads (never a hang)."""
+    """One remote shard with timed-out, retried reads: size, quick digest, (full) blake3."""
     name = shard.path
     return check_bytes(
         shard,
         mode,
-        f"shard {name} ({url})",
+        f"shard {name} ({redact_url(url)})",
         size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
         quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
         full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),

@@ -1,10 +1,15 @@
 """Which global positions each rank reads at each micro step (docs/design.md section 4).
 
-Step ``t`` with global batch ``B`` covers positions ``[c, c + B)`` where ``c``
-is the number of samples consumed before it. With ``D`` ranks and micro batch
-``m``, micro step ``k`` covers ``[c + k*m*D, c + (k+1)*m*D)`` and rank ``r``
-takes ``[.. + r*m, .. + (r+1)*m)``. Equivalently, the ``j``-th global micro
-step (counting from position 0) of rank ``r`` is ``j*m*D + r*m + arange(m)``.
+Step ``t`` with global batch ``B(t)`` covers positions ``[c, c + B(t))`` where ``c``
+is the number of samples consumed before it (`detdata.order.batches`). With ``D``
+ranks and micro batch ``m``, micro step ``k`` of the step covers ``[c + k*m*D, c +
+(k+1)*m*D)`` and rank ``r`` takes ``[.. + r*m, .. + (r+1)*m)``; the step has ``B(t) /
+(m*D)`` micro steps (gradient accumulation varies per step with a fixed micro batch,
+as in Megatron-LM). Since every ``B(t)`` is a multiple of ``m*D``, the micro steps of a
+layout form one grid: the ``j``-th is ``j*m*D + offset + r*m + arange(m)``, where
+``offset`` (in ``[0, m*D)``) is where the layout's first step began modulo ``m*D``
+(0 for a run that starts with it; a layout bound at a resume carries the resume
+position's).
 """
 
 from __future__ import annotations
@@ -20,67 +25,104 @@ from detdata.base.errors import ConfigError, StateError
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Global batch, micro batch and data-parallel placement of one rank."""
+    """Micro batch and data-parallel placement of one rank, on a grid of micro steps."""
 
-    global_batch_size: int
     micro_batch_size: int
     world_size: int
     rank: int
+    offset: int = 0
 
     def __post_init__(self) -> None:
-        check_count(self.global_batch_size, "global_batch_size")
         check_count(self.micro_batch_size, "micro_batch_size")
         check_count(self.world_size, "world_size")
         check_count(self.rank, "rank", minimum=0, maximum=self.world_size - 1)
-        per_micro_step = self.micro_batch_size * self.world_size
-        if self.global_batch_size % per_micro_step:
-            raise ConfigError(
-                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size "
-                f"{self.micro_batch_size} x world_size {self.world_size} = {per_micro_step}; hint: "
-                "choose a micro batch (and world size) whose product divides the global batch"
-            )
+        check_count(self.offset, "offset", minimum=0, maximum=self.samples_per_micro_step - 1)
 
     @classmethod
     def create(
-        cls, global_batch_size: int, micro_batch_size: int | None, world_size: int, rank: int
+        cls,
+        global_batch_size: int | None,
+        micro_batch_size: int | None,
+        world_size: int,
+        rank: int,
+        *,
+        anchor: int = 0,
     ) -> Layout:
-        """Layout with ``micro_batch_size`` defaulting to one micro step per step."""
-        gbs = check_count(global_batch_size, "global_batch_size")
+        """Layout with ``micro_batch_size`` defaulting to one micro step per step of the
+        constant ``global_batch_size``, whose micro steps include position ``anchor``.
+
+        ``global_batch_size`` None (a schedule) needs ``micro_batch_size``; given, it must be a
+        multiple of ``micro_batch_size x world_size``.
+        """
         ws = check_count(world_size, "world_size")
+        gbs = (
+            None
+            if global_batch_size is None
+            else check_count(global_batch_size, "global_batch_size")
+        )
         if micro_batch_size is None:
+            if gbs is None:
+                raise ConfigError(
+                    "a global batch schedule needs micro_batch_size= (the micro batch stays "
+                    "fixed and the number of micro steps per step follows the schedule)"
+                )
             if gbs % ws:
                 raise ConfigError(
                     f"global_batch_size {gbs} is not divisible by world_size {ws}; "
                     "hint: pick a global batch that is a multiple of the number of ranks"
                 )
             micro_batch_size = gbs // ws
-        return cls(
-            global_batch_size=gbs, micro_batch_size=micro_batch_size, world_size=ws, rank=rank
-        )
+        micro = check_count(micro_batch_size, "micro_batch_size")
+        per = micro * ws
+        if gbs is not None and gbs % per:
+            raise ConfigError(
+                f"global_batch_size {gbs} is not divisible by micro_batch_size "
+                f"{micro} x world_size {ws} = {per}; hint: "
+                "choose a micro batch (and world size) whose product divides the global batch"
+            )
+        anchor = check_count(anchor, "anchor", minimum=0)
+        return cls(micro_batch_size=micro, world_size=ws, rank=rank, offset=anchor % per)
 
     @property
     def samples_per_micro_step(self) -> int:
         """Global samples consumed by one iteration on every rank (``m * D``)."""
         return self.micro_batch_size * self.world_size
 
-    @property
-    def micro_steps_per_step(self) -> int:
-        return self.global_batch_size // self.samples_per_micro_step
+    def micro_steps(self, global_batch: int) -> int:
+        """Micro steps (iterations of every rank) of a step of ``global_batch`` samples."""
+        if global_batch % self.samples_per_micro_step:
+            raise ConfigError(
+                f"global batch {global_batch} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size} x world_size {self.world_size} = "
+                f"{self.samples_per_micro_step}"
+            )
+        return global_batch // self.samples_per_micro_step
 
     def positions(self, micro_step: int) -> npt.NDArray[np.int64]:
-        """Positions of global micro step ``micro_step`` (counted from position 0) on this rank."""
-        start = micro_step * self.samples_per_micro_step + self.rank * self.micro_batch_size
+        """Positions of micro step ``micro_step`` of the grid on this rank.
+
+        Micro step ``j`` begins at ``j * m * D + offset``, so a grid position ``p`` begins
+        micro step ``p // (m * D)``.
+        """
+        start = (
+            micro_step * self.samples_per_micro_step
+            + self.offset
+            + self.rank * self.micro_batch_size
+        )
         return np.arange(start, start + self.micro_batch_size, dtype=np.int64)
 
-    def check_resume_position(self, consumed: int) -> None:
-        """A resume position must fall on a micro-step boundary of this layout."""
-        if consumed % self.samples_per_micro_step:
+    def check_resume_position(self, consumed: int, step_start: int) -> None:
+        """A resume position must fall on a micro-step boundary of this layout, counted from the
+        first position ``step_start`` of the step it falls in."""
+        into = consumed - step_start
+        if into % self.samples_per_micro_step:
             raise StateError(
                 f"cannot resume at samples_consumed={consumed} with micro_batch_size "
                 f"{self.micro_batch_size} x world_size {self.world_size}: not a micro-step "
-                f"boundary ({consumed} % {self.samples_per_micro_step} != 0); hint: resume with "
-                "the layout it was saved with, or save at a global step boundary (a multiple of "
-                f"{self.global_batch_size})",
+                f"boundary ({into} samples into the step that starts at {step_start}, and "
+                f"{into} % {self.samples_per_micro_step} != 0); hint: resume with "
+                "the layout it was saved with, or save at a global step boundary (position "
+                f"{step_start} or the end of that step)",
                 fields=("samples_consumed",),
             )
 

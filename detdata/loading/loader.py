@@ -39,9 +39,14 @@ from detdata.loading.reading import (
     GroupReader,
     GroupSampler,
     PositionDataset,
+    SlotSampler,
     Transform,
 )
+from detdata.loading.schedule import Plan, as_schedule
+from detdata.loading.slots import SlotTransport
 from detdata.loading.state import (
+    K_EXCLUSIONS,
+    K_GLOBAL_BATCH,
     K_MIXTURE,
     K_SEED,
     LoaderState,
@@ -51,7 +56,9 @@ from detdata.loading.state import (
     mismatch_message,
     transform_identity,
 )
-from detdata.loading.trace import TraceWriter
+from detdata.loading.trace import StepSpan, TraceWriter
+from detdata.order.batches import BatchSchedule
+from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
 
 
@@ -109,6 +116,19 @@ class DataLoader:
     ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
     infinite (epochs continue) unless ``total_samples`` is given.
 
+    ``order`` (for a dataset the loader orders itself; a stream has its own): the
+    default `Order.FEISTEL_V1`, or ``LocalityOrder(window_shards=k)`` to read shards in
+    windows of ``k`` (large or remote corpora: `detdata.order.locality`). Its name with
+    its parameters is the checked field ``algorithm``.
+
+    ``global_batch_size`` is an int or a `BatchSchedule` (a Megatron-style ramp-up,
+    explicit ``(step, global_batch)`` or ``(samples, global_batch)`` changes): positions
+    stay sample-counted, the micro batch stays fixed and the micro steps per step follow
+    the schedule (``global_batch_size(step) / (micro_batch_size * world_size)``, which
+    must divide for every step; a schedule needs ``micro_batch_size``). It is the checked
+    field ``global_batch_size``; a change allowed by name at a resume is recorded in the
+    state's ``history`` and takes effect at the saved step (`load_state_dict`).
+
     With ``device`` set (e.g. ``"cuda"``), batches arrive on that device through
     reused pinned buffers and a side stream, ``device_prefetch`` batches ahead;
     those are not counted until yielded. ``pin_memory`` is then ignored: the
@@ -117,8 +137,10 @@ class DataLoader:
     ``read_ahead`` (default 16): this many consecutive micro batches of the rank
     are read with one batched read and then split, which amortises the fixed
     per-read cost and, with worker processes, the fixed per-transfer cost (with
-    the default collate a group crosses the process boundary as one tensor per
-    column). Bytes and order never depend on it. A group that fails to read is
+    the default collate a worker writes a group of numeric columns into a reused
+    shared-memory slot and hands over only its index, `detdata.loading.slots`;
+    other groups cross as one tensor per column). Bytes and order never depend on it.
+    A group that fails to read is
     re-read batch by batch, so the error surfaces exactly at the unreadable batch
     and every batch before it is delivered. A worker process that hangs or dies
     takes its whole group with it (the state still counts only delivered
@@ -126,6 +148,13 @@ class DataLoader:
     ``timeout`` applies to each group. Memory in flight is about ``read_ahead``
     x micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower
     ``read_ahead`` for large samples (images, long documents in big micro batches).
+
+    ``lookahead`` (default 0: off): with remote shards read through a shard cache
+    (``cache_dir``), the shards of the next ``lookahead`` micro steps of this rank are
+    filled into the cache in the background, in order of first use, on
+    ``lookahead_connections`` threads, released after their last use, the window kept
+    under the cache's byte bound (`detdata.datasets.prefetch`). Make it larger than
+    ``num_workers x prefetch_factor x read_ahead``. It never changes a delivered byte.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
@@ -135,7 +164,7 @@ class DataLoader:
         self,
         data: Dataset | Stream,
         *,
-        global_batch_size: int,
+        global_batch_size: int | BatchSchedule,
         micro_batch_size: int | None = None,
         seed: int = 0,
         rank: int | None = None,
@@ -157,6 +186,9 @@ class DataLoader:
         worker_mode: str | WorkerMode = WorkerMode.PROCESS,
         read_ahead: int = 16,
         transform_id: str | None = None,
+        lookahead: int = 0,
+        lookahead_connections: int = 4,
+        order: OrderLike | None = None,
     ) -> None:
         self.seed = check_seed(seed)
         check_torch_args(
@@ -184,19 +216,19 @@ class DataLoader:
                 f"transform_id must be a non-empty string naming the transform's "
                 f"version (e.g. 'tokenize-v3'), got {transform_id!r}"
             )
-        self._layout_args = (global_batch_size, micro_batch_size, rank, world_size)
-        self.layout = self._layout_now()
+        self._schedule = as_schedule(global_batch_size)
+        constant = self._schedule.changes[0][1] if self._schedule.is_constant else None
+        self._layout_args = (constant, micro_batch_size, rank, world_size)
+        self.layout = self._layout_now(0)
+        self._plan = Plan.fresh(self._schedule, self.layout)
+        self._plan.check_fits(self.layout, 0)
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         if total_samples is not None:
             total_samples = check_count(total_samples, "total_samples", minimum=0)
-            if total_samples % self.layout.global_batch_size:
-                raise ConfigError(
-                    f"total_samples {total_samples} is not a multiple of global_batch_size "
-                    f"{self.layout.global_batch_size}; the last step would be partial"
-                )
+            self._plan.check_step_end(total_samples)
         self.total_samples = total_samples
         self._data = data
-        self._stream = as_stream(data, self.seed)
+        self._stream = as_stream(data, self.seed, order=order)
         self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
         self._transform = transform
         self._collate_fn = collate_fn
@@ -214,6 +246,10 @@ class DataLoader:
         self._allow = check_allow(allow_on_resume)
         self.worker_mode = parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
+        self.lookahead = check_count(lookahead, "lookahead", minimum=0)
+        self.lookahead_connections = check_count(
+            lookahead_connections, "lookahead_connections", maximum=256
+        )
         self._pin_memory = bool(pin_memory)
         self._prefetch_factor = (
             2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
@@ -232,6 +268,7 @@ class DataLoader:
         self._generation = 0
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
+        self._slot_transfer = True  # False: every group takes torch's transfer (benchmarks)
         self._trace_path = trace
         self._trace = self._new_trace()
 
@@ -247,12 +284,55 @@ class DataLoader:
 
     @property
     def global_batch_size(self) -> int:
-        return self.layout.global_batch_size
+        """Global batch of the current step (`step`): constant unless a `BatchSchedule` or
+        a change at a resume (the state's ``history``) says otherwise."""
+        return self._plan.batch_of(self.step)
 
     @property
     def step(self) -> int:
-        """Index of the global step the next micro batch belongs to."""
-        return self._consumed // self.layout.global_batch_size
+        """Index of the global step the next micro batch belongs to (from the run's history:
+        right across schedule changes and resumes)."""
+        return self._plan.step_of(self._consumed)
+
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch schedule in effect (the checked field ``global_batch_size``)."""
+        return self._schedule
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The run's batch history as saved in the state (`detdata.loading.schedule`): one
+        entry per schedule or layout, with the position and step it began at."""
+        return self._plan.to_json()
+
+    def position_of_step(self, step: int) -> int:
+        """First global position of step ``step`` of this run (all ranks)."""
+        return self._plan.start_of(check_count(step, "step", minimum=0))
+
+    def step_of_position(self, position: int) -> int:
+        """The step global position ``position`` belongs to in this run."""
+        return self._plan.step_of(check_count(position, "position", minimum=0))
+
+    def set_total_samples(self, total_samples: int | None) -> None:
+        """Bound the run at ``total_samples`` (None: unbounded), a step boundary of this run at
+        or after ``samples_consumed``: after a global-batch change at a resume the steps end
+        elsewhere than a fresh run's, so a bound for the resumed run is set here."""
+        if total_samples is not None:
+            total_samples = check_count(total_samples, "total_samples", minimum=0)
+            self._plan.check_step_end(total_samples)
+            if total_samples < self._consumed:
+                raise ConfigError(
+                    f"total_samples {total_samples} is before samples_consumed {self._consumed}"
+                )
+        self.total_samples = total_samples
+        self._torch_loader = None  # a persistent worker's sampler holds the old bound
+
+    def tokens_consumed(self) -> dict[str, int]:
+        """Tokens delivered to the callers of all ranks so far, per source name (a `Mixture`'s
+        sources, or one entry for a single dataset): see `detdata.loading.tokens`."""
+        from detdata.loading.tokens import tokens_consumed
+
+        return tokens_consumed(self._stream, self._consumed)
 
     def __len__(self) -> int:
         """Micro batches of this rank per epoch of the run: a constant, whatever was consumed.
@@ -263,9 +343,10 @@ class DataLoader:
         (a `Mixture` has no epoch). A new ``iter()`` never restarts the stream: it
         continues at ``samples_consumed``, so a trainer that counts ``len(loader)``
         batches per epoch (and, knowing the length, does not fetch ahead) sees each
-        batch once, across epochs and resumes.
+        batch once, across epochs and resumes. A `BatchSchedule` changes the micro steps per
+        step, never the samples per micro step, so it leaves this count as it is.
         """
-        per = self._layout_now().samples_per_micro_step  # as the next iteration binds it
+        per = self._layout_now(self._consumed).samples_per_micro_step  # as iteration binds it
         if self.total_samples is not None:
             return self.total_samples // per
         dataset = getattr(self._stream, "dataset", None)
@@ -332,30 +413,44 @@ class DataLoader:
     def _new_trace(self) -> TraceWriter | None:
         if self._trace_path is None:
             return None
-        return TraceWriter(
-            self._trace_path,
-            self.layout.rank,
-            global_batch_size=self.layout.global_batch_size,
-            samples_per_micro_step=self.layout.samples_per_micro_step,
+        return TraceWriter(self._trace_path, self.layout.rank)  # each record gets its StepSpan
+
+    def _step_span(self) -> StepSpan:
+        """Where the next micro batch lies in the run's steps (a trace record's step fields)."""
+        step = self._plan.step_of(self._consumed)
+        return StepSpan(
+            step=step,
+            start=self._plan.start_of(step),
+            size=self._plan.batch_of(step),
+            next=self._consumed + self.layout.samples_per_micro_step,
         )
 
     # ------------------------------------------------------ rank and world
-    def _layout_now(self) -> Layout:
-        """The layout with rank / world size not given explicitly read from torch.distributed."""
+    def _layout_now(self, anchor: int) -> Layout:
+        """The layout with rank / world size not given explicitly read from torch.distributed,
+        its micro-step grid through position ``anchor``."""
         gbs, micro, rank, world = self._layout_args
         group_rank, group_world = process_group_rank_world()
         world = group_world if world is None else world
-        return Layout.create(gbs, micro, world, group_rank if rank is None else rank)
+        return Layout.create(gbs, micro, world, group_rank if rank is None else rank, anchor=anchor)
+
+    @staticmethod
+    def _check_layout(layout: Layout, position: int, plan: Plan) -> None:
+        """``layout`` can continue at ``position`` of ``plan``: a micro-step boundary of its
+        step, and every global batch from there on divides into its micro steps."""
+        layout.check_resume_position(position, plan.start_of(plan.step_of(position)))
+        plan.check_fits(layout, position)
 
     def _bind_layout(self) -> None:
         """Re-read rank and world size when an iteration starts (a loader built before the
         process group existed then reads its own rank's slice, not the whole global batch)."""
-        layout = self._layout_now()
+        layout = self._layout_now(self._consumed)
         if layout == self.layout:
             return
-        layout.check_resume_position(self._consumed)
+        self._check_layout(layout, self._consumed, self._plan)
         rank_changed = layout.rank != self.layout.rank
         self.layout = layout
+        self._plan = self._plan.with_layout(self._consumed, layout)
         self._torch_loader = None  # persistent workers were started for the old layout
         if rank_changed and self._trace is not None:
             self._trace.close()
@@ -365,11 +460,20 @@ class DataLoader:
         """Positions of the micro batch the next iteration will deliver on this rank."""
         return self.layout.positions(self._consumed // self.layout.samples_per_micro_step)
 
+    def _stop(self) -> int | None:
+        """``total_samples`` as `GroupSampler` counts it: micro step ``j`` of the layout begins at
+        ``j * m * D + offset``, and the sampler stops before ``j * m * D`` reaches the bound."""
+        return None if self.total_samples is None else self.total_samples - self.layout.offset
+
     # ------------------------------------------------------------- iteration
     def _build(self) -> tud.DataLoader[Any]:
-        self._sampler = GroupSampler(
-            self.layout, self._consumed, self.total_samples, self.read_ahead
-        )
+        args = (self.layout, self._consumed, self._stop(), self.read_ahead)
+        if self._slot_transfer and self._collate_fn is None:
+            # groups come back through reused shared-memory slots (detdata.loading.slots)
+            transport = SlotTransport(self.num_workers, self._prefetch_factor)
+            self._sampler = SlotSampler(*args, transport)
+        else:
+            self._sampler = GroupSampler(*args)
         return tud.DataLoader(
             self._reader(in_worker=True),
             batch_size=None,
@@ -411,7 +515,7 @@ class DataLoader:
         )
 
     def _groups(self) -> Iterator[list[IntArray]]:
-        return iter(GroupSampler(self.layout, self._consumed, self.total_samples, self.read_ahead))
+        return iter(GroupSampler(self.layout, self._consumed, self._stop(), self.read_ahead))
 
     def _inline_batches(self) -> Iterator[Any]:
         """``num_workers=0``: the same reader as the workers', without torch's per-batch
@@ -467,6 +571,7 @@ class DataLoader:
         self._generation += 1
         generation = self._generation
         batches = self._batches()
+        lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
         iterator: Iterator[Any] = batches
         if self.device is not None:
             from detdata.loading.device import device_batches
@@ -474,22 +579,46 @@ class DataLoader:
             iterator = device_batches(batches, self.device, self.device_prefetch)
         clean = False
         try:
-            yield from self._deliver(iterator, generation)
+            yield from self._deliver(iterator, generation, lookahead)
             clean = True
         except GeneratorExit:
             clean = True  # the caller stopped early (break): nothing is in flight in a broken state
             raise
         finally:
+            if lookahead is not None:
+                lookahead.close()
             for it in (iterator, batches):
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
             if not clean and generation == self._generation:
                 self._torch_loader = None  # persistent workers may be mid-transfer: start fresh
+                self._sampler = None  # and its shared-memory slots (detdata.loading.slots) go
 
-    def _deliver(self, iterator: Iterator[Any], generation: int) -> Iterator[Any]:
+    def _lookahead(self) -> Any:
+        """A started `detdata.datasets.prefetch.Lookahead`, or None (off, or nothing cached)."""
+        if not self.lookahead:
+            return None
+        from detdata.datasets.prefetch import Lookahead
+
+        per = self.layout.samples_per_micro_step
+        stop = self._stop()  # micro step j begins at j * per + offset: stop before the bound
+        plan = Lookahead(
+            self._stream,
+            self.layout.positions,
+            steps=self.lookahead,
+            connections=self.lookahead_connections,
+            stop=None if stop is None else -(-stop // per),
+        )
+        return plan if plan.active else None
+
+    def _deliver(
+        self, iterator: Iterator[Any], generation: int, lookahead: Any = None
+    ) -> Iterator[Any]:
         per = self.layout.samples_per_micro_step
         while True:
+            if lookahead is not None:
+                lookahead.advance(self._consumed // per)
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -518,7 +647,9 @@ class DataLoader:
             if self._transform is not None:
                 self._check_schema(batch)
             if self._trace is not None:  # before counting: a failed trace write delivers nothing
-                self._trace.add(self._consumed, self.positions_of_next(), batch)
+                self._trace.add(
+                    self._consumed, self.positions_of_next(), batch, span=self._step_span()
+                )
             self._consumed += per
             yield batch
 
@@ -573,7 +704,7 @@ class DataLoader:
         return identity_fields(
             identity,
             self.seed,
-            self.layout.global_batch_size,
+            self._schedule.to_json(),
             stream_seed=stream_seed,
             transform=self._transform_name,
         )
@@ -591,6 +722,7 @@ class DataLoader:
             stream=self._stream.identity(),
             layout=layout,
             env=environment(),
+            history=tuple(self._plan.to_json()),
         )
         return state.to_json()
 
@@ -603,7 +735,14 @@ class DataLoader:
         mixture, global batch) are refused with a `StateError` listing each,
         unless named in ``allow`` (or ``allow_on_resume``). An allowed mixture
         change continues each source from its consumed count (`Mixture.continue_from`).
-        Layout may differ if the position is a micro-step boundary of this layout.
+        Layout may differ if the position is a micro-step boundary of this layout within
+        its step (counted from the step's first position).
+
+        An allowed ``global_batch_size`` change (another int or `BatchSchedule`) is appended
+        to the state's ``history``: the new schedule is in effect from the start of the
+        saved step (a step boundary; inside a step, the new batch completes the step being
+        accumulated), so every earlier step keeps its positions and ``step`` stays right;
+        this loader's micro steps start at the saved position.
         """
         self._bind_layout()
         saved = LoaderState.from_json(state_dict)
@@ -620,14 +759,54 @@ class DataLoader:
                 f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
                 f"total_samples {self.total_samples}"
             )
-        self.layout.check_resume_position(saved.samples_consumed)
+        plan, layout = self._resumed_plan(saved, K_GLOBAL_BATCH in diffs)
+        if K_EXCLUSIONS in diffs:
+            self._check_exclusions(saved)
         if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
             self._stream = self._continue_mixture(saved, diffs)
+        self._plan, self.layout = plan, layout
         self._consumed = saved.samples_consumed
         if self._trace is not None:
             self._trace.restore(self._consumed)
         self._generation += 1
         self._torch_loader = None
+
+    def _resumed_plan(self, saved: LoaderState, changed: bool) -> tuple[Plan, Layout]:
+        """The saved run's history continued by this loader's schedule (when ``changed``) and
+        layout (its micro steps from the saved position); nothing is modified."""
+        position = saved.samples_consumed
+        layout = self._layout_now(position)
+        plan = saved.plan
+        if changed:
+            plan = plan.with_schedule(position, self._schedule, layout)
+        try:
+            self._check_layout(layout, position, plan)
+        except ConfigError as exc:
+            raise StateError(f"cannot resume: {exc}") from None
+        if self.total_samples is not None:
+            try:
+                plan.check_step_end(self.total_samples)
+            except ConfigError as exc:
+                raise StateError(
+                    f"cannot resume: {exc} (in the resumed run's steps); hint: build the "
+                    "loader with total_samples=None and call set_total_samples() after "
+                    "load_state_dict",
+                    fields=(K_GLOBAL_BATCH,),
+                ) from None
+        return plan.with_layout(position, layout), layout
+
+    def _check_exclusions(self, saved: LoaderState) -> None:
+        """An allowed ``exclusions`` change may only append lists in force from the saved
+        position on (`Excluded.check_continues`); anything else is a `StateError`."""
+        check = getattr(self._stream, "check_continues", None)
+        if check is None:
+            raise StateError(
+                "the saved state excludes samples but this loader's stream is not an "
+                "Excluded stream: the excluded samples would be delivered again; hint: wrap "
+                "the data in detdata.Excluded with the saved lists (and append new ones)",
+                fields=(K_EXCLUSIONS,),
+            )
+        check(dict(saved.stream), saved.samples_consumed)
 
     def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
         cont = getattr(self._stream, "continue_from", None)
@@ -648,6 +827,29 @@ class DataLoader:
             ) from None
         return stream
 
+    def provenance(
+        self, step: int, *, decode: Callable[[Mapping[str, Any]], Any] | None = None
+    ) -> Any:
+        """Every sample of global ``step`` (all ranks): a list of
+        `detdata.loading.provenance.SampleRecord` (position, rank, micro step, source, sample id,
+        shard path and row/token/byte range, blake3 of the sample as the stream delivers it).
+        Reads that step's samples once; never moves ``samples_consumed``."""
+        from detdata.loading import provenance as prov
+
+        return prov.provenance(
+            self._stream,
+            np.arange(self.position_of_step(step), self.position_of_step(step + 1)),
+            step=step,
+            micro_batch_size=self.layout.micro_batch_size,
+            world_size=self.layout.world_size,
+            decode=decode,
+            layouts=[  # the layout each position was delivered with (history)
+                (e.position, e.micro_batch_size, e.world_size)
+                for e in self._plan.entries
+                if e.micro_batch_size is not None and e.world_size is not None
+            ],
+        )
+
     def close(self) -> None:
         """End every live iterator (their reader threads and worker processes stop now),
         drop persistent workers and close the trace file. The loader can be iterated again."""
@@ -656,5 +858,6 @@ class DataLoader:
             iterator.close()
         self._live.clear()
         self._torch_loader = None
+        self._sampler = None  # its shared-memory slots are unmapped with it
         if self._trace is not None:
             self._trace.close()

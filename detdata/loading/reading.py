@@ -3,13 +3,15 @@
 `GroupSampler` yields this rank's micro-batch positions in groups of ``read_ahead``;
 `GroupReader` reads a group with one batched read (`PositionDataset`: stream fetch plus
 the per-sample transform), splits it, and returns a `ReadAhead` (the unit a worker
-process hands over). If the group read fails it is re-read one micro batch at a time,
+process hands over; with `SlotSampler`, a `SlotGroup` in a shared-memory slot).
+If the group read fails it is re-read one micro batch at a time,
 so the error lands exactly at the unreadable batch and every batch before it is
 delivered. Delivered batches own their memory (`owned`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -28,6 +30,14 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.columns import is_ragged, restack, to_torch
 from detdata.loading.layout import Layout
+from detdata.loading.slots import (
+    Receipt,
+    SlotGroup,
+    SlotTask,
+    SlotTransport,
+    settle,
+    write_slot,
+)
 from detdata.order.rng import sample_rng
 
 log = logging.getLogger("detdata.loader")
@@ -117,6 +127,22 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
             yield group
 
 
+class SlotSampler(GroupSampler):
+    """`GroupSampler` whose groups go to worker processes as `SlotTask` objects, each naming a
+    free shared-memory slot of ``transport`` to write the group into (`detdata.loading.slots`)."""
+
+    def __init__(
+        self, layout: Layout, start: int, stop: int | None, size: int, transport: SlotTransport
+    ) -> None:
+        super().__init__(layout, start, stop, size)
+        self.transport = transport
+
+    def __iter__(self) -> Iterator[SlotTask]:  # type: ignore[override]
+        self.transport.reset()  # torch starts a pass: the tasks of an earlier one are done
+        for group in super().__iter__():
+            yield self.transport.task(group)
+
+
 @dataclass(frozen=True)
 class ReadAhead:
     """Micro batches of one group read, and the error that stopped the group (if any)."""
@@ -124,9 +150,12 @@ class ReadAhead:
     batches: list[Any]
     error: BaseException | None
     views: bool = False  # batches are views of one group tensor (the default collate's transfer)
+    receipt: Receipt | None = None  # from a worker given a shared-memory slot (`slots`)
 
     def deliver(self) -> Iterator[Any]:
         """Each micro batch, owning its memory (views of the group are copied out of it)."""
+        if self.receipt is not None:
+            settle(self.receipt)  # this group took torch's transfer: its slot is free
         for batch in self.batches:
             yield owned(batch) if self.views else batch
         if self.error is not None:
@@ -134,6 +163,8 @@ class ReadAhead:
 
     def pin_memory(self) -> ReadAhead:
         """Called by torch's pin-memory thread for groups coming from worker processes."""
+        if self.receipt is not None:
+            settle(self.receipt)
         return ReadAhead([pin(b) for b in self.batches], self.error)  # pinning copies: owned
 
 
@@ -183,12 +214,15 @@ def owned(batch: Any) -> Any:
     return batch
 
 
-class GroupReader(tud.Dataset[ReadAhead]):
+class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
     """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
 
     With the default collate the group becomes one tensor per column and each
     micro batch is a view of it: one allocation, one pinning and (from a worker
-    process) one shared-memory transfer per group instead of per micro batch.
+    process) one transfer per group instead of per micro batch. Given a `SlotTask`
+    (worker processes), the group is written into that shared-memory slot instead and
+    only a `SlotGroup` crosses (`detdata.loading.slots`); groups that cannot use a
+    slot go as before.
     If the group read fails, it is read again one micro batch at a time, so every
     micro batch before the failing one is still delivered and the error is raised
     exactly at the batch that cannot be read.
@@ -219,10 +253,43 @@ class GroupReader(tud.Dataset[ReadAhead]):
                 return ReadAhead(done, portable(exc) if self.in_worker else exc)
         return ReadAhead(done, None)
 
-    def __getitem__(self, group: list[IntArray]) -> ReadAhead:
+    def __getitem__(self, group: list[IntArray] | SlotTask) -> ReadAhead | SlotGroup:
+        if isinstance(group, SlotTask):
+            return self._into_slot(group)
         if len(group) == 1:
             return self._one_by_one(group)
-        bounds = list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
+        return self._group(group)
+
+    def _into_slot(self, task: SlotTask) -> ReadAhead | SlotGroup:
+        """A worker's read of a group handed over through a shared-memory slot (`slots`).
+
+        Reads, failures and the fallback are those of the plain path: a group that
+        cannot use its slot (no slot yet, too large, columns other than numbers, a
+        ``collate_fn``) is sent as before, with a receipt that frees the slot.
+        """
+        task.held()  # take the ring attached to this task, if any
+        group = task.group
+        if self.collate_fn is not None:
+            plain = self._one_by_one(group) if len(group) == 1 else self._group(group)
+            return dataclasses.replace(plain, receipt=task.receipt(0))
+        bounds = _bounds(group)
+        try:
+            raw = self.dataset[group[0] if len(group) == 1 else np.concatenate(group)]
+            sent = write_slot(task, raw, bounds)
+            if isinstance(sent, SlotGroup):
+                return sent
+            whole = to_torch(raw)
+        except Exception as exc:
+            if len(group) == 1:
+                plain = ReadAhead([], portable(exc) if self.in_worker else exc)
+            else:
+                plain = self._after_failure(group, exc)
+            return dataclasses.replace(plain, receipt=task.receipt(0))
+        parts = [rows(whole, a, b) for a, b in bounds]
+        return ReadAhead(parts, None, views=True, receipt=task.receipt(sent))
+
+    def _group(self, group: list[IntArray]) -> ReadAhead:
+        bounds = _bounds(group)
         try:
             raw = self.dataset[np.concatenate(group)]
             if self.collate_fn is None:
@@ -235,23 +302,32 @@ class GroupReader(tud.Dataset[ReadAhead]):
                 return ReadAhead([pin(p) if self.pin else owned(p) for p in parts], None)
             return ReadAhead([self._finish(owned(rows(raw, a, b))) for a, b in bounds], None)
         except Exception as exc:
-            result = self._one_by_one(group)  # locate the failing batch; deliver those before it
-            if result.error is None:
-                log.warning(
-                    "detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
-                    "each of its micro batches read on its own: delivered them; a transient "
-                    "error, or batches that cannot be concatenated",
-                    len(group),
-                    type(exc).__name__,
-                    exc,
-                )
-            return result
+            return self._after_failure(group, exc)
+
+    def _after_failure(self, group: list[IntArray], exc: Exception) -> ReadAhead:
+        """A group read failed: read it again batch by batch (deliver those before the error)."""
+        result = self._one_by_one(group)  # locate the failing batch; deliver those before it
+        if result.error is None:
+            log.warning(
+                "detdata: a read-ahead group of %d micro batches failed (%s: %s) but "
+                "each of its micro batches read on its own: delivered them; a transient "
+                "error, or batches that cannot be concatenated",
+                len(group),
+                type(exc).__name__,
+                exc,
+            )
+        return result
 
     def __call__(self, group: list[IntArray]) -> ReadAhead:
-        return self[group]
+        return self._one_by_one(group) if len(group) == 1 else self._group(group)
 
     def __len__(self) -> int:
         raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
+
+
+def _bounds(group: list[IntArray]) -> list[tuple[int, int]]:
+    """Rows ``[a, b)`` of each micro batch of ``group`` in the group's concatenated read."""
+    return list(itertools.pairwise(np.cumsum([0] + [len(p) for p in group]).tolist()))
 
 
 def pin(batch: Any) -> Any:

@@ -38,6 +38,8 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
 from detdata.loading.layout import Layout, process_group_rank_world
+from detdata.loading.schedule import Plan, as_schedule
+from detdata.order.batches import BatchSchedule
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 
 SAMPLER_KIND: Final = "detdata.sampler_state"
@@ -134,7 +136,7 @@ class DeterministicBatchSampler:
         self,
         num_samples: int | Mixture,
         *,
-        global_batch_size: int,
+        global_batch_size: int | BatchSchedule,
         micro_batch_size: int | None = None,
         seed: int | None = None,
         rank: int | None = None,
@@ -143,8 +145,12 @@ class DeterministicBatchSampler:
     ) -> None:
         self._ids = _Ids(num_samples, seed, "DeterministicBatchSampler")
         self.mixture, self.order, self.seed = self._ids.mixture, self._ids.order, self._ids.seed
-        self._layout_args = (global_batch_size, micro_batch_size, rank, world_size)
-        self.layout = self._layout_now()
+        self._schedule = as_schedule(global_batch_size)
+        constant = self._schedule.changes[0][1] if self._schedule.is_constant else None
+        self._layout_args = (constant, micro_batch_size, rank, world_size)
+        self.layout = self._layout_now(0)
+        self._plan = Plan.fresh(self._schedule, self.layout)
+        self._plan.check_fits(self.layout, 0)
         self.total_samples = _check_total(total_samples)
         self._start = 0
         self._yielded = 0  # micro batches yielded by the current iterator
@@ -170,18 +176,52 @@ class DeterministicBatchSampler:
         )
 
     # ------------------------------------------------------ rank and world
-    def _layout_now(self) -> Layout:
-        """The layout with rank / world size not given explicitly read from torch.distributed."""
+    def _layout_now(self, anchor: int) -> Layout:
+        """The layout with rank / world size not given explicitly read from torch.distributed,
+        its micro-step grid through position ``anchor``."""
         gbs, micro, rank, world = self._layout_args
         group_rank, group_world = process_group_rank_world()
         world = group_world if world is None else world
-        return Layout.create(gbs, micro, world, group_rank if rank is None else rank)
+        return Layout.create(gbs, micro, world, group_rank if rank is None else rank, anchor=anchor)
+
+    def _check_resume(self, layout: Layout, consumed: int) -> None:
+        """``layout`` continues at ``consumed``: a micro-step boundary of its step, and every
+        global batch from there on divides into its micro steps."""
+        layout.check_resume_position(consumed, self._plan.start_of(self._plan.step_of(consumed)))
+        self._plan.check_fits(layout, consumed)
+
+    # ------------------------------------------------------ steps
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        """The global batch schedule (one batch, a ramp-up, explicit changes): the checked
+        state field ``global_batch_size``. It never changes at a resume here (no history:
+        use `detdata.DataLoader` for a global-batch change at a resume)."""
+        return self._schedule
+
+    @property
+    def global_batch_size(self) -> int:
+        """Global batch of the step at ``samples_consumed`` (constant unless a schedule)."""
+        return self._plan.batch_of(self.step)
+
+    @property
+    def step(self) -> int:
+        """The global step the next micro batch belongs to."""
+        return self._plan.step_of(self.samples_consumed)
+
+    def position_of_step(self, step: int) -> int:
+        """First global position of step ``step`` (all ranks)."""
+        return self._plan.start_of(check_count(step, "step", minimum=0))
+
+    def step_of_position(self, position: int) -> int:
+        """The step global position ``position`` belongs to."""
+        return self._plan.step_of(check_count(position, "position", minimum=0))
 
     def _bind_layout(self) -> None:
         """Re-read rank and world size (at iteration start and on `load_state_dict`)."""
-        layout = self._layout_now()
+        consumed = self.samples_consumed
+        layout = self._layout_now(consumed)
         if layout != self.layout:
-            layout.check_resume_position(self.samples_consumed)
+            self._check_resume(layout, consumed)
             self.layout = layout
 
     # ------------------------------------------------------ BatchSampler surface
@@ -250,8 +290,8 @@ class DeterministicBatchSampler:
         return self._generate(self._start // self.layout.samples_per_micro_step)
 
     def _generate(self, j: int) -> Iterator[list[Any]]:
-        per = self.layout.samples_per_micro_step
-        while self.total_samples is None or (j + 1) * per <= self.total_samples:
+        per, offset = self.layout.samples_per_micro_step, self.layout.offset
+        while self.total_samples is None or (j + 1) * per + offset <= self.total_samples:
             items = self._items(self.layout.positions(j))
             self._yielded += 1
             j += 1
@@ -269,7 +309,7 @@ class DeterministicBatchSampler:
             "algorithm": ALGORITHM
             if self.mixture is None
             else f"{ALGORITHM}+{self.mixture.algorithm}",
-            "global_batch_size": self.layout.global_batch_size,
+            "global_batch_size": self._schedule.to_json(),
             "layout": {
                 "world_size": self.layout.world_size,
                 "micro_batch_size": self.layout.micro_batch_size,
@@ -319,8 +359,8 @@ class DeterministicBatchSampler:
                 "total_samples the state was saved with",
                 fields=("samples_consumed",),
             )
-        layout = self._layout_now()  # rank and world size bound now, as at iteration start
-        layout.check_resume_position(consumed)
+        layout = self._layout_now(consumed)  # rank and world size bound now, as at iteration
+        self._check_resume(layout, consumed)
         self.layout, self._start, self._yielded = layout, consumed, 0
 
 
@@ -361,10 +401,18 @@ class FrameworkBatchSampler:
         seed: int | None = None,
         total_samples: int | None = None,
     ) -> None:
+        if isinstance(global_batch_size, BatchSchedule):
+            raise ConfigError(
+                "FrameworkBatchSampler takes one global batch, not a BatchSchedule: the "
+                "framework that shards its items counts a fixed number of items per step "
+                "(accelerate's gradient_accumulation_steps); hint: use "
+                "DeterministicBatchSampler (this rank's slice) or detdata.DataLoader with "
+                "the schedule"
+            )
         self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
         self.seed = self._ids.seed
         self._layout = Layout.create(global_batch_size, batch_size, 1, 0)
-        self.global_batch_size = self._layout.global_batch_size
+        self.global_batch_size = check_count(global_batch_size, "global_batch_size")
         self.total_samples = _check_total(total_samples)
 
     @property

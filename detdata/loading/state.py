@@ -2,7 +2,10 @@
 
 The state counts samples *delivered* to the caller (global, all ranks), never
 what was prefetched. Checked fields must match on resume unless allowed by name;
-layout and environment are informational.
+layout and environment are informational. ``exclusions`` (format 3) is the exclusion
+history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
+run's batch schedules and layouts with the step and position each began at
+(`detdata.loading.schedule`); the step <-> position map follows it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
 from detdata.base.canonical import canonical_json
-from detdata.base.errors import StateError
+from detdata.base.errors import ConfigError, StateError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
+from detdata.datasets.exclusions import FIELD, split_identity
+from detdata.loading.schedule import K_HISTORY, Plan, upgraded_history
+from detdata.order.batches import BatchSchedule
 
-STATE_VERSION: Final = 2
-#: Older versions this detdata still reads (fields added since are derived: see `_upgrade`).
-READABLE_VERSIONS: Final = (1, 2)
+STATE_VERSION: Final = 3
+#: Older versions this detdata still reads (fields added since are derived: see `_upgrade_v1`,
+#: `_upgrade_v2`).
+READABLE_VERSIONS: Final = (1, 2, 3)
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"
@@ -38,12 +45,15 @@ K_TRANSFORM: Final = "transform"
 K_STREAM: Final = "stream"
 K_LAYOUT: Final = "layout"
 K_ENV: Final = "environment"
+K_EXCLUSIONS: Final = FIELD  # "exclusions": `detdata.datasets.exclusions` raises with it
 
 #: Fields that must match on resume unless named in ``allow=``.
 #: ``seed`` is the loader's own seed (per-sample transform randomness, and the order of a plain
 #: dataset the loader wraps itself); ``stream_seed`` is the seed of a stream handed to the
 #: loader (a `Mixture`'s or an `OrderedStream`'s own), None when the loader ordered the dataset.
 #: ``transform`` names what user code does to samples (see `transform_identity`).
+#: ``exclusions`` is the exclusion history of an `Excluded` stream (None: nothing excluded),
+#: checked apart from ``data`` so that adding lists at a resume is allowed by its own name.
 CHECKED_FIELDS: Final = (
     K_MANIFESTS,
     K_DATA,
@@ -53,8 +63,9 @@ CHECKED_FIELDS: Final = (
     K_MIXTURE,
     K_GLOBAL_BATCH,
     K_TRANSFORM,
+    K_EXCLUSIONS,
 )
-_REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM)
+_REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM, K_HISTORY)
 #: Top-level stream identity keys checked through their own field instead of ``data``.
 _TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
 
@@ -85,7 +96,7 @@ def _collect(obj: Any, key: str) -> list[str]:
 def identity_fields(
     identity: Mapping[str, Any],
     seed: int,
-    global_batch: int,
+    global_batch: int | Mapping[str, Any],
     *,
     stream_seed: int | None,
     transform: str | None,
@@ -96,18 +107,24 @@ def identity_fields(
     nested parameters (dataset parameters, source identities, nested seeds) in
     ``data``; the top-level seed in ``seed`` (loader-wrapped dataset) or
     ``stream_seed`` (a stream the caller built), so each is allowed by its own name.
+    ``global_batch`` is the batch schedule's identity (`BatchSchedule.to_json`: the global
+    batch itself when constant). An `Excluded` wrapper's rule, seed and history go to
+    ``exclusions``, and ``data``/``mixture`` are those of the stream it wraps
+    (`detdata.datasets.exclusions.split_identity`).
     """
-    data = {k: v for k, v in identity.items() if k not in _TOP_LEVEL_VOLATILE}
-    is_mixture = identity.get("type") == "mixture"
+    core, exclusions = split_identity(identity)
+    data = {k: v for k, v in core.items() if k not in _TOP_LEVEL_VOLATILE}
+    is_mixture = core.get("type") == "mixture"
     return {
         K_MANIFESTS: sorted(set(_collect(identity, "manifest") + _collect(identity, "digest"))),
         K_DATA: digest_bytes(canonical_json(data)),
         K_SEED: seed,
         K_STREAM_SEED: stream_seed,
         K_ALGORITHM: sorted(set(_collect(identity, "algorithm"))),
-        K_MIXTURE: digest_bytes(canonical_json(identity.get("schedule"))) if is_mixture else None,
+        K_MIXTURE: digest_bytes(canonical_json(core.get("schedule"))) if is_mixture else None,
         K_GLOBAL_BATCH: global_batch,
         K_TRANSFORM: transform,
+        K_EXCLUSIONS: exclusions,
     }
 
 
@@ -202,6 +219,12 @@ class LoaderState:
     layout: Mapping[str, Any]
     env: Mapping[str, Any]
     upgraded_from: int | None = None  # the format version read, when older than STATE_VERSION
+    history: tuple[Mapping[str, Any], ...] = ()  # the run's batch history (`Plan.to_json`)
+
+    @property
+    def plan(self) -> Plan:
+        """The saved run's batch history and step map."""
+        return Plan.from_json(list(self.history))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -211,6 +234,7 @@ class LoaderState:
         }
         out.update(self.fields)
         out[K_STREAM] = dict(self.stream)
+        out[K_HISTORY] = [dict(e) for e in self.history]
         out[K_LAYOUT] = dict(self.layout)
         out[K_ENV] = dict(self.env)
         return out
@@ -238,9 +262,11 @@ class LoaderState:
                 f"unknown loader state format_version {state.get(K_VERSION)!r}; this "
                 f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata"
             )
-        upgraded_from = None
+        upgraded_from = None if state[K_VERSION] == STATE_VERSION else int(state[K_VERSION])
         if state[K_VERSION] == 1:
-            state, upgraded_from = _upgrade_v1(state), 1
+            state = _upgrade_v1(state)
+        if state[K_VERSION] == 2:
+            state = _upgrade_v2(state)
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -264,6 +290,7 @@ class LoaderState:
         layout, env = state.get(K_LAYOUT, {}), state.get(K_ENV, {})
         if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
             raise StateError("loader state fields 'layout' and 'environment' must be objects")
+        history = state[K_HISTORY]
         parsed = cls(
             samples_consumed=consumed,
             fields={k: state[k] for k in CHECKED_FIELDS},
@@ -271,9 +298,43 @@ class LoaderState:
             layout=layout,
             env=env,
             upgraded_from=upgraded_from,
+            history=tuple(history) if isinstance(history, list) else (),
         )
+        if not isinstance(history, list):
+            raise StateError(
+                f"loader state field {K_HISTORY!r} must be a list, found {history!r:.80}",
+                fields=(K_HISTORY,),
+            )
         parsed._check_consistent()
+        parsed._check_history()
         return parsed
+
+    def _check_history(self) -> None:
+        """The history parses, ends with the saved schedule, and holds the saved position."""
+        gbs = self.fields[K_GLOBAL_BATCH]
+        try:
+            BatchSchedule.from_json(gbs)
+        except ConfigError as exc:
+            raise StateError(
+                f"loader state field {K_GLOBAL_BATCH!r} is not a batch schedule: {exc}",
+                fields=(K_GLOBAL_BATCH,),
+            ) from None
+        plan = self.plan
+        last = plan.entries[-1]
+        if _norm(last.schedule.to_json()) != _norm(gbs):
+            raise StateError(
+                f"loader state is inconsistent: its history ends with the global batch "
+                f"{last.schedule.to_json()!r:.80} but field {K_GLOBAL_BATCH!r} is {gbs!r:.80}; "
+                "the state was edited or corrupted",
+                fields=(K_HISTORY, K_GLOBAL_BATCH),
+            )
+        if self.samples_consumed < last.position:
+            raise StateError(
+                f"loader state is inconsistent: samples_consumed {self.samples_consumed} is "
+                f"before the start {last.position} of its last history entry; the state was "
+                "edited or corrupted",
+                fields=(K_HISTORY, K_CONSUMED),
+            )
 
     def _check_consistent(self) -> None:
         """The checked fields must be the ones derived from the saved ``stream`` identity.
@@ -355,6 +416,21 @@ def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
     own = stream.get("seed") if isinstance(stream, Mapping) else None
     out[K_STREAM_SEED] = None if own is None or _norm(own) == _norm(state.get(K_SEED)) else own
     out[K_TRANSFORM] = None
+    out[K_VERSION] = 2
+    return out
+
+
+def _upgrade_v2(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-2 state in format 3: a history of one entry (one global batch from position 0,
+    the saved layout), and the ``exclusions`` its stream identity holds (None: format 2
+    streams were never `Excluded`)."""
+    out = dict(state)
+    stream = state.get(K_STREAM)
+    out[K_EXCLUSIONS] = split_identity(stream)[1] if isinstance(stream, Mapping) else None
+    layout = state.get(K_LAYOUT)
+    out[K_HISTORY] = upgraded_history(
+        state.get(K_GLOBAL_BATCH), layout if isinstance(layout, Mapping) else {}
+    )
     out[K_VERSION] = STATE_VERSION
     return out
 

@@ -1,18 +1,28 @@
 """Delivery evidence: one JSONL record per delivered micro batch, and the diff of two traces.
 
-**Record** (format version 2), written by `TraceWriter` when a micro batch is
+**Record** (format version 3), written by `TraceWriter` when a micro batch is
 delivered::
 
-    {"v": 2, "rank": 0, "step": 7, "at": 56, "next": 60, "gbs": 8,
-     "pos": [[56, 2]], "cols": {"x": "<i4[5]"}, "batch_b3": {"x": "<64 hex>"},
+    {"v": 3, "rank": 0, "step": 7, "step_at": 56, "gbs": 8, "micro": 0,
+     "at": 56, "next": 60, "pos": [[56, 2]], "cols": {"x": "<i4[5]"},
+     "batch_b3": {"x": "<64 hex>"},
      "restored": true}                       # only on the first record after a restore
 
 ``at`` is the loader's ``samples_consumed`` before the batch and ``next`` after
-it (every rank of a step shares them); ``step`` is ``at // gbs``; ``pos`` lists
+it (every rank of a step shares them). ``step`` is the global step the batch
+belongs to, ``step_at`` that step's first position and ``gbs`` its global batch,
+all three from the run's step <-> position map (the loader's batch schedule and its
+``history``: right across a ramp-up and across a global-batch change at a resume);
+``micro`` is the micro step within the step, ``(at - step_at) // (next - at)``.
+A record holds ``step_at <= at < next <= step_at + gbs``. Format 2 (still read)
+had no ``step_at`` or ``micro`` and assumed one constant global batch:
+``step == at // gbs``, ``step_at == step * gbs``. ``pos`` lists
 the batch's positions as ``[first, count]`` runs. ``cols`` describes each leaf
 of the batch (dtype and trailing shape) and ``batch_b3`` holds, per leaf, the sum
 modulo 2**256 of one blake3 digest per sample, each taken over the leaf's name,
-description, the sample's position (int64 LE) and the sample's bytes. Because
+description, the sample's position (int64 LE) and the sample's bytes (the digest
+framing is unchanged from format 2, so format 2 and 3 traces of one run compare
+equal). Because
 every sample is bound to its position and sums combine in any grouping, the
 records of one global step add up to the same digests whatever the micro batch
 size, the number of workers or (when the ranks' records are read together) the
@@ -50,7 +60,9 @@ import numpy.typing as npt
 
 from detdata.base.errors import ConfigError, FormatError, StorageError
 
-TRACE_VERSION: Final = 2
+TRACE_VERSION: Final = 3
+#: Trace format versions this detdata reads (format 2: `_upgraded_v2`).
+READABLE_VERSIONS: Final = (2, 3)
 _TAG: Final = b"detdata-trace-v2\0"
 _MOD: Final = 1 << 256
 _HEX_LEN: Final = 64
@@ -252,6 +264,18 @@ def _open_append(path: str) -> int:
         ) from None
 
 
+@dataclass(frozen=True)
+class StepSpan:
+    """Where a micro batch lies in the run's steps: its global ``step``, that step's first
+    position ``start`` and global batch ``size``, and ``next`` (``samples_consumed`` after
+    the batch is counted). The loader derives it from its step <-> position map."""
+
+    step: int
+    start: int
+    size: int
+    next: int
+
+
 class TraceWriter:
     """Appends one record per delivered micro batch to a JSONL file (format: module docstring).
 
@@ -259,10 +283,12 @@ class TraceWriter:
     appending (creating parent folders) and raises `ConfigError` naming the path
     when it cannot (a directory, an unwritable place, a URL).
 
-    Protocol for the loader: ``add(samples_consumed, positions, batch)`` for each
-    micro batch *before* it is counted and delivered (if it raises, nothing was
+    Protocol for the loader: ``add(samples_consumed, positions, batch, span=...)`` for
+    each micro batch *before* it is counted and delivered (if it raises, nothing was
     written: the batch must not be delivered); ``restore(samples_consumed)`` after
-    a state was loaded (``load_state_dict``); ``close()`` at the end.
+    a state was loaded (``load_state_dict``); ``close()`` at the end. ``span`` (a
+    `StepSpan`) places the batch in the run's steps; without it the writer assumes one
+    constant ``global_batch_size`` and ``samples_per_micro_step`` (then both are needed).
     """
 
     def __init__(
@@ -270,8 +296,8 @@ class TraceWriter:
         path: str | os.PathLike[str],
         rank: int,
         *,
-        global_batch_size: int,
-        samples_per_micro_step: int,
+        global_batch_size: int | None = None,
+        samples_per_micro_step: int | None = None,
     ) -> None:
         p = os.fspath(path)
         self.path = p if rank == 0 else f"{p}.rank{rank}"
@@ -286,15 +312,39 @@ class TraceWriter:
         del samples_consumed  # the next record's ``at`` says where; the flag says it was on purpose
         self._restored = True
 
-    def add(self, samples_consumed: int, positions: npt.NDArray[np.int64], batch: Any) -> None:
+    def _span(self, at: int) -> StepSpan:
+        """The constant-batch span of ``at`` (callers that pass no `StepSpan`)."""
+        gbs, per = self.global_batch_size, self.samples_per_micro_step
+        if gbs is None or per is None:
+            raise ConfigError(
+                f"trace {self.path!r}: a record needs its step: pass span=StepSpan(...) to "
+                "add(), or global_batch_size= and samples_per_micro_step= to TraceWriter"
+            )
+        step = at // gbs
+        return StepSpan(step=step, start=step * gbs, size=gbs, next=at + per)
+
+    def add(
+        self,
+        samples_consumed: int,
+        positions: npt.NDArray[np.int64],
+        batch: Any,
+        *,
+        span: StepSpan | None = None,
+    ) -> None:
         """Record the micro batch about to be delivered (``samples_consumed`` before counting
-        it)."""
+        it; ``span`` where it lies in the run's steps)."""
         if self._fd is None:
             raise ConfigError(
                 f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
                 "deliver more batches with its trace"
             )
         at = int(samples_consumed)
+        where = self._span(at) if span is None else span
+        if not where.start <= at < where.next <= where.start + where.size:
+            raise ConfigError(
+                f"trace {self.path!r}: micro batch [{at}, {where.next}) is not inside its step "
+                f"{where.step} [{where.start}, {where.start + where.size})"
+            )
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not len(positions):
             raise ConfigError(
@@ -304,10 +354,12 @@ class TraceWriter:
         record: dict[str, Any] = {
             "v": TRACE_VERSION,
             "rank": self.rank,
-            "step": at // self.global_batch_size,
+            "step": where.step,
+            "step_at": where.start,
+            "gbs": where.size,
+            "micro": (at - where.start) // (where.next - at),
             "at": at,
-            "next": at + self.samples_per_micro_step,
-            "gbs": self.global_batch_size,
+            "next": where.next,
             "pos": position_runs(positions),
             "cols": cols,
             "batch_b3": {k: f"{v:064x}" for k, v in sums.items()},
@@ -349,7 +401,8 @@ class TraceWriter:
 
 @dataclass(frozen=True)
 class Record:
-    """One parsed trace record; ``where`` is ``file:line``."""
+    """One parsed trace record; ``where`` is ``file:line``; ``version`` the format it was read
+    in (a format 2 record gets ``step_at = step * gbs`` and its ``micro`` derived)."""
 
     where: str
     rank: int
@@ -361,10 +414,18 @@ class Record:
     cols: Mapping[str, str]
     sums: Mapping[str, int]
     restored: bool = False
+    step_at: int = 0
+    micro: int = 0
+    version: int = TRACE_VERSION
+
+    @property
+    def next_step(self) -> int:
+        """The step the run's next micro batch (at ``next``) belongs to."""
+        return self.step if self.next < self.step_at + self.gbs else self.step + 1
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "v": TRACE_VERSION,
+            "v": self.version,
             "rank": self.rank,
             "step": self.step,
             "at": self.at,
@@ -374,6 +435,9 @@ class Record:
             "cols": dict(self.cols),
             "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()},
         }
+        if self.version >= 3:
+            out["step_at"] = self.step_at
+            out["micro"] = self.micro
         if self.restored:
             out["restored"] = True
         return out
@@ -437,24 +501,40 @@ def parse_record(doc: Any, where: str) -> Record:
     if not isinstance(doc, dict):
         raise _bad(where, f"expected a JSON object, found {type(doc).__name__}")
     version = doc.get("v")
-    if version != TRACE_VERSION or isinstance(version, bool):
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise _bad(
             where,
-            f"trace format version {version!r}; this detdata reads version {TRACE_VERSION} "
-            "(version 1 traces held one record per step and cannot be compared; re-record)",
+            f"trace format version {version!r}; this detdata reads versions "
+            f"{list(READABLE_VERSIONS)} (version 1 traces held one record per step and cannot "
+            "be compared; re-record)",
         )
-    for key, minimum in (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)):
+    ints = [("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)]
+    if version >= 3:
+        ints += [("step_at", 0), ("micro", 0)]
+    for key, minimum in ints:
         if not _is_int(doc.get(key), minimum):
             raise _bad(
                 where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}"
             )
-    at, nxt, gbs = doc["at"], doc["next"], doc["gbs"]
-    if nxt <= at or doc["step"] != at // gbs:
-        raise _bad(
-            where,
-            f"inconsistent fields: at={at}, next={nxt}, gbs={gbs}, step={doc['step']} "
-            "(expected next > at and step == at // gbs)",
-        )
+    at, nxt, gbs, step = doc["at"], doc["next"], doc["gbs"], doc["step"]
+    if version == 2:
+        if nxt <= at or step != at // gbs:
+            raise _bad(
+                where,
+                f"inconsistent fields: at={at}, next={nxt}, gbs={gbs}, step={step} "
+                "(expected next > at and step == at // gbs)",
+            )
+        step_at = step * gbs
+        micro = (at - step_at) // (nxt - at)
+    else:
+        step_at, micro = doc["step_at"], doc["micro"]
+        if not step_at <= at < nxt <= step_at + gbs or micro != (at - step_at) // (nxt - at):
+            raise _bad(
+                where,
+                f"inconsistent fields: step_at={step_at}, gbs={gbs}, at={at}, next={nxt}, "
+                f"micro={micro} (expected step_at <= at < next <= step_at + gbs and "
+                "micro == (at - step_at) // (next - at))",
+            )
     restored = doc.get("restored", False)
     if not isinstance(restored, bool):
         raise _bad(where, f"field 'restored' must be true or false, found {restored!r:.60}")
@@ -462,7 +542,7 @@ def parse_record(doc: Any, where: str) -> Record:
     return Record(
         where=where,
         rank=doc["rank"],
-        step=doc["step"],
+        step=step,
         at=at,
         next=nxt,
         gbs=gbs,
@@ -470,6 +550,9 @@ def parse_record(doc: Any, where: str) -> Record:
         cols=cols,
         sums=sums,
         restored=restored,
+        step_at=step_at,
+        micro=micro,
+        version=version,
     )
 
 
@@ -727,7 +810,7 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
         mine = current.setdefault(rec.rank, [])
         prev = mine[-1] if mine else None
         if prev is not None and not rec.restored and rec.at != prev.next:
-            expected = prev.next // prev.gbs
+            expected = prev.next_step
             trace.findings.append(
                 Finding(
                     expected,

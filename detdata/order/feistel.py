@@ -194,6 +194,112 @@ def permute_epochs(
     return out
 
 
+# ------------------------------------------------------------------ per-element domains
+U64Array = npt.NDArray[np.uint64]
+_ONE: Final = np.uint64(1)
+
+
+def encrypt_many(x: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
+    """``E(x)`` (step 4) with per-element round keys ``keys[r]`` and domain split (each an
+    array shaped like ``x``, or one value broadcast to all); allocates its temporaries."""
+    lo_mask = (_ONE << lo_bits) - _ONE
+    hi_mask = (_ONE << hi_bits) - _ONE
+    lo = x & lo_mask
+    hi = x >> lo_bits
+    for r in range(ROUNDS):
+        if r % 2 == 0:
+            hi ^= mix64(lo ^ keys[r]) & hi_mask
+        else:
+            lo ^= mix64(hi ^ keys[r]) & lo_mask
+    return (hi << lo_bits) | lo
+
+
+def decrypt_many(y: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
+    """The inverse of `encrypt_many`: the rounds undone in reverse order."""
+    lo_mask = (_ONE << lo_bits) - _ONE
+    hi_mask = (_ONE << hi_bits) - _ONE
+    lo = y & lo_mask
+    hi = y >> lo_bits
+    for r in reversed(range(ROUNDS)):
+        if r % 2 == 0:
+            hi ^= mix64(lo ^ keys[r]) & hi_mask
+        else:
+            lo ^= mix64(hi ^ keys[r]) & lo_mask
+    return (hi << lo_bits) | lo
+
+
+def unpermute_one(m: int, keys: U64Array, y: int) -> int:
+    """The inverse of `permute_many` for one ``y < m`` under ``keys`` (``(ROUNDS, 1)``):
+    decryption with cycle walking."""
+    bits = domain_bits(m)
+    lo_bits = np.array([bits // 2], dtype=np.uint64)
+    hi_bits = np.array([bits - bits // 2], dtype=np.uint64)
+    x = decrypt_many(np.array([y], dtype=np.uint64), keys, lo_bits, hi_bits)
+    while int(x[0]) >= m:
+        x = decrypt_many(x, keys, lo_bits, hi_bits)
+    return int(x[0])
+
+
+def _at(values: U64Array, index: IntArray) -> U64Array:
+    """``values[..., index]``, or ``values`` itself when it is one column broadcast to all."""
+    return values if values.shape[-1] == 1 else values[..., index]
+
+
+def permute_many(x: U64Array, m: U64Array, keys: U64Array, bits: U64Array) -> U64Array:
+    """The cycle-walking bijection on ``[0, m[e])`` under the round keys ``keys[:, e]`` for
+    each element ``x[e] < m[e]`` (step 6 with a per-element domain; ``bits[e] =
+    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element. ``m``,
+    ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``) may be one value for all."""
+    lo_bits = bits // np.uint64(2)
+    hi_bits = bits - lo_bits
+    out = encrypt_many(x, keys, lo_bits, hi_bits)
+    pending = np.flatnonzero(out >= m)
+    while pending.size:
+        walked = encrypt_many(
+            out[pending], _at(keys, pending), _at(lo_bits, pending), _at(hi_bits, pending)
+        )
+        out[pending] = walked
+        pending = pending[walked >= _at(m, pending)]
+    return out
+
+
+def _distinct_pairs(
+    a: npt.NDArray[np.uint64], b: npt.NDArray[np.uint64]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
+    """The distinct ``(a[e], b[e])`` pairs (two arrays) and each element's pair index."""
+    order = np.lexsort((b, a))
+    sa, sb = a[order], b[order]
+    new = np.ones(order.size, dtype=bool)
+    new[1:] = (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1])
+    inverse = np.empty(order.size, dtype=np.intp)
+    inverse[order] = np.cumsum(new) - 1
+    return sa[new], sb[new], inverse
+
+
+def permute_sources(
+    indices: npt.NDArray[np.uint64], n: npt.NDArray[np.uint64], seeds: npt.NDArray[np.uint64]
+) -> npt.NDArray[np.uint64]:
+    """``GlobalOrder(n[e], seeds[e]).ids(indices[e])`` for each element ``e`` at once: the
+    same bits, for elements of many orders (a mixture's sources) in one vectorised pass.
+
+    Keys are derived once per distinct ``(seed, epoch)``; the domain bits once per
+    distinct ``n``. ``n == 1`` gives 0 (cycle walking from 0 on a 4-value domain)."""
+    if indices.size > _CHUNK:  # bounded temporaries (keys: 64 bytes per element)
+        out = np.empty_like(indices)
+        for a in range(0, indices.size, _CHUNK):
+            part = slice(a, a + _CHUNK)
+            out[part] = permute_sources(indices[part], n[part], seeds[part])
+        return out
+    epochs, local = np.divmod(indices, n)
+    pair_seeds, pair_epochs, inverse = _distinct_pairs(seeds, epochs)
+    material = b"".join(map(_key_material, pair_seeds.tolist(), pair_epochs.tolist()))
+    table = np.frombuffer(material, dtype="<u8").reshape(pair_seeds.size, ROUNDS)
+    keys = np.ascontiguousarray(table.T, dtype=np.uint64)[:, inverse]
+    sizes, which = np.unique(n, return_inverse=True)
+    bits = np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
+    return permute_many(local, n, keys, bits[which.reshape(-1)])
+
+
 class GlobalOrder:
     """Global position -> sample id for ``num_samples`` samples under ``seed``.
 

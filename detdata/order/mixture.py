@@ -69,6 +69,15 @@ e(16k+16) - e(16k)`` gives ``count_s - p_s T < d + min(j (1 - p_s), (16 - j) p_s
 and ``> -d - min(j p_s, (16 - j)(1 - p_s))``, both at most ``16 p_s (1 - p_s)``
 beyond ``d``. Across a schedule the deviation from the piecewise-linear target
 is below the sum of the per-phase bounds of the phases reached.
+
+**Cost** (of this implementation; the definition above is what is pinned). A block holds
+at most 16 sources, so nothing of size ``blocks x sources`` is built: a request for few
+positions per block (random access) follows one root-to-leaf path per position (its rank
+in the block's hash order picks the child at each node), a request of whole blocks
+(contiguous) descends once per block only into nodes whose count changes across the
+block. ``Schedule.assign`` costs O(positions x depth + sources) per call; its memory is
+the outputs plus a bound (positions are taken 8,192 at a time), whatever the number of
+positions or sources. ``consumed`` is O(sources).
 """
 
 from __future__ import annotations
@@ -95,7 +104,9 @@ BLOCK: Final = 16
 MAX_TOTAL_WEIGHT: Final = 1 << 31  # exclusive
 _GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
 _J: Final = np.arange(BLOCK, dtype=np.int64)
-_SMALL: Final = 32  # up to this many block boundaries, the tree runs on Python ints
+_CHUNK: Final = 8192  # positions per vectorised pass: bounds the transient memory of a call
+_DENSE: Final = 4  # from this many positions per distinct block on, locate by whole blocks
+_SMALL: Final = 2  # up to this many blocks, the tree is descended with Python ints
 
 WeightLike = int | float | str | Fraction | decimal.Decimal | np.integer[Any] | np.floating[Any]
 ScheduleLike = Sequence[tuple[int, Mapping[str, WeightLike]]]
@@ -197,6 +208,45 @@ class _Node:
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Tree:
+    """A phase's internal nodes as arrays for the vectorised descent (row 0 is the root).
+
+    ``left[r]`` / ``right[r]``: the row of an internal child, or ``-1 - s`` for the leaf of
+    source ``s``. O(sources) memory, built once per phase.
+    """
+
+    a: IntArray
+    b: IntArray
+    phi: IntArray
+    left: IntArray
+    right: IntArray
+    offsets: IntArray
+    lists: tuple[list[int], ...]  # a, b, phi, left, right as Python ints
+
+    @classmethod
+    def of(cls, nodes: Sequence[_Node], offsets: Sequence[int]) -> _Tree:
+        row = {node.node_id: r for r, node in enumerate(nodes)}
+
+        def child(ref: tuple[int, int]) -> int:
+            node_id, leaf = ref
+            return -1 - leaf if leaf >= 0 else row[node_id]
+
+        def column(values: Iterable[int]) -> IntArray:
+            return np.fromiter(values, dtype=np.int64, count=len(nodes))
+
+        lists = (
+            [n.a for n in nodes],
+            [max(n.b, 1) for n in nodes],  # b == 0 nodes are never split (`_split`)
+            [n.phi for n in nodes],
+            [child(n.left) for n in nodes],
+            [child(n.right) for n in nodes],
+        )
+        a, b, phi, left, right = (column(values) for values in lists)
+        offsets_array = np.asarray(offsets, dtype=np.int64)
+        return cls(a=a, b=b, phi=phi, left=left, right=right, offsets=offsets_array, lists=lists)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Phase:
     """One schedule phase: exact integer weights (sorted-name order) from ``start`` on.
 
@@ -209,6 +259,10 @@ class Phase:
     offsets: tuple[int, ...]
     nodes: tuple[_Node, ...]
     key: int
+    tree: _Tree = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tree", _Tree.of(self.nodes, self.offsets))
 
     @property
     def total(self) -> int:
@@ -238,64 +292,79 @@ def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, 
     return tuple(nodes)
 
 
-def _tree_counts_small(phase: Phase, totals: Sequence[int]) -> IntArray:
-    """`_tree_counts` with Python ints: cheaper than numpy for a few boundaries."""
-    out = np.empty((len(totals), len(phase.weights)), dtype=np.int64)
-    for row, total in enumerate(totals):
-        arriving = {1: total}
-        for node in phase.nodes:
-            t = arriving.pop(node.node_id)
-            left = (t * node.a + node.phi) // node.b if node.b else 0
-            for (child, leaf), value in ((node.left, left), (node.right, t - left)):
-                if leaf >= 0:
-                    out[row, leaf] = value
-                else:
-                    arriving[child] = value
-    return out
-
-
-def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
-    """``C_s(T)`` for each ``T`` in ``totals`` (block boundaries): shape ``(len(totals), S)``."""
+def _tree_counts(phase: Phase, total: int) -> list[int]:
+    """``C_s(total)`` for every source (Python ints): one pass over the tree, O(sources)."""
     if not phase.nodes:
-        return totals.astype(np.int64).reshape(-1, 1)
-    if totals.size <= _SMALL:
-        return _tree_counts_small(phase, totals.tolist())
-    out = np.empty((totals.size, len(phase.weights)), dtype=np.int64)
-    arriving: dict[int, IntArray] = {1: totals}
+        return [total]
+    out = [0] * len(phase.weights)
+    arriving = {1: total}
     for node in phase.nodes:
         t = arriving.pop(node.node_id)
-        if node.b == 0:
-            left = np.zeros_like(t)
-        else:
-            q, r = np.divmod(t, node.b)
-            left = q * node.a + (r * node.a + node.phi) // node.b
+        left = (t * node.a + node.phi) // node.b if node.b else 0
         for (child, leaf), value in ((node.left, left), (node.right, t - left)):
             if leaf >= 0:
-                out[:, leaf] = value
+                out[leaf] = value
             else:
                 arriving[child] = value
     return out
 
 
-def _block_layout(phase: Phase, blocks: IntArray, counts: IntArray) -> tuple[IntArray, IntArray]:
-    """For blocks ``(nb,)`` with per-source counts ``(nb, S)``: source and within-source rank,
-    ``(nb, 16)``."""
-    nb, num_sources = counts.shape
-    rows = np.arange(nb, dtype=np.int64)[:, None]
+def _split(t: IntArray, a: IntArray, b: IntArray, phi: IntArray) -> IntArray:
+    """The left child's share ``floor((t*a + phi) / b)`` as ``q*a + (r*a + phi) // b`` (no
+    int64 overflow); every node reached here has ``b > 0`` (a zero-weight subtree only ever
+    receives 0, so it never has a count to split)."""
+    q, r = np.divmod(t, b)
+    return q * a + (r * a + phi) // b
+
+
+def _hash_ranks(phase: Phase, blocks: IntArray) -> IntArray:
+    """``(len(blocks), 16)``: the rank of each block position ``j`` when the block's
+    positions are sorted by ``(h_j, j)``."""
     ctr = (blocks[:, None] * BLOCK + _J[None, :] + 1).astype(np.uint64)
     by_hash = np.argsort(mix64(np.uint64(phase.key) + ctr * _GAMMA), axis=1, kind="stable")
-    by_rank = np.repeat(np.tile(np.arange(num_sources, dtype=np.int64), nb), counts.reshape(-1))
-    src = np.empty(nb * BLOCK, dtype=np.int64)
-    src[(by_hash + rows * BLOCK).reshape(-1)] = by_rank  # the r-th smallest hash gets by_rank[r]
-    src = src.reshape(nb, BLOCK)
-    grouped = (
-        np.argsort(src, axis=1, kind="stable") + rows * BLOCK
-    )  # by source, position order inside
-    first = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # block rank where each source starts
-    within = np.empty(nb * BLOCK, dtype=np.int64)
-    flat = grouped.reshape(-1)
-    within[flat] = np.tile(_J, nb) - first[src.reshape(-1)[flat] + (flat // BLOCK) * num_sources]
-    return src, within.reshape(nb, BLOCK)
+    ranks = np.empty_like(by_hash)
+    np.put_along_axis(ranks, by_hash, np.broadcast_to(_J, by_hash.shape), axis=1)
+    return ranks
+
+
+def _descend(
+    phase: Phase, blocks: IntArray, rank: IntArray
+) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+    """For the position of hash rank ``rank`` in block ``blocks`` (both per position): its
+    source ``s``, ``C_s(16k)``, ``c_s`` and the first rank of ``s`` in the block.
+
+    The ranks ``[0, 16)`` of a block go to the sources in index order, ``c_s`` each; at a
+    node whose count rises from ``lo = C(16k)`` to ``hi = C(16k + 16)`` the left child's
+    sources take the first ``left(hi) - left(lo)`` ranks. One root-to-leaf path per
+    position: O(depth) per position, nothing of size sources.
+    """
+    n = blocks.size
+    lo = blocks * BLOCK
+    if not phase.nodes:
+        return np.zeros(n, dtype=np.int64), lo, np.full(n, BLOCK, dtype=np.int64), 0 * lo
+    tree = phase.tree
+    src, start, count = (np.empty(n, dtype=np.int64) for _ in range(3))
+    first = rank.copy()  # the remaining rank is subtracted at the leaf
+    item = np.arange(n, dtype=np.int64)
+    node = np.zeros(n, dtype=np.int64)
+    hi = lo + BLOCK
+    r = rank.copy()
+    while item.size:
+        a, b, phi = tree.a[node], tree.b[node], tree.phi[node]
+        left_lo, left_hi = _split(lo, a, b, phi), _split(hi, a, b, phi)
+        taken = left_hi - left_lo
+        go_left = r < taken
+        node = np.where(go_left, tree.left[node], tree.right[node])
+        lo = np.where(go_left, left_lo, lo - left_lo)
+        hi = np.where(go_left, left_hi, hi - left_hi)
+        r = np.where(go_left, r, r - taken)
+        done = node < 0
+        at = item[done]
+        src[at], start[at], count[at] = -1 - node[done], lo[done], hi[done] - lo[done]
+        first[at] -= r[done]
+        more = ~done
+        item, node, lo, hi, r = item[more], node[more], lo[more], hi[more], r[more]
+    return src, start, count, first
 
 
 def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
@@ -309,40 +378,142 @@ def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
     return uniq, inverse.reshape(-1)
 
 
-def _boundary_counts(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray]:
-    """``C(16k)`` and per-block counts for sorted unique ``blocks``, both ``(nb, S)``."""
-    if blocks.size and int(blocks[-1]) - int(blocks[0]) == blocks.size - 1:  # contiguous
-        bounds = _tree_counts(
-            phase, np.arange(int(blocks[0]), int(blocks[-1]) + 2, dtype=np.int64) * BLOCK
-        )
-        return bounds[:-1], np.diff(bounds, axis=0)
-    both = _tree_counts(phase, np.concatenate((blocks, blocks + 1)) * BLOCK)
-    start = both[: blocks.size]
-    return start, both[blocks.size :] - start
-
-
 def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]:
-    """Source index and index in source for phase-local positions ``local`` (1-D)."""
-    blocks, inverse = _unique_sorted(local >> 4)
-    start, counts = _boundary_counts(phase, blocks)
-    src_blk, within_blk = _block_layout(phase, blocks, counts)
-    j = local & (BLOCK - 1)
-    src = src_blk[inverse, j]
-    offsets = np.asarray(phase.offsets, dtype=np.int64)
-    index = offsets[src] + start[inverse, src] + within_blk[inverse, j]
+    """Source index and index in source for phase-local positions ``local`` (1-D):
+    O(positions x depth + sources) time; memory: the two outputs plus a bound (`_CHUNK`
+    positions at a time), whatever the number of positions or sources."""
+    if local.size <= _CHUNK:
+        return _locate_chunk(phase, local)
+    src = np.empty(local.size, dtype=np.int64)
+    index = np.empty(local.size, dtype=np.int64)
+    for a in range(0, local.size, _CHUNK):
+        src[a : a + _CHUNK], index[a : a + _CHUNK] = _locate_chunk(phase, local[a : a + _CHUNK])
     return src, index
 
 
+def _locate_chunk(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]:
+    """`_locate_in_phase` of one chunk: by whole blocks where positions share blocks
+    (contiguous requests), else one tree path per position (random access)."""
+    if not local.size:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    blocks, inverse = _unique_sorted(local >> 4)
+    if local.size >= _DENSE * blocks.size:
+        return _locate_by_block(phase, local, blocks, inverse)
+    return _locate_by_path(phase, local, blocks, inverse)
+
+
+def _locate_by_path(
+    phase: Phase, local: IntArray, blocks: IntArray, inverse: IntArray
+) -> tuple[IntArray, IntArray]:
+    """One root-to-leaf path per position (`_descend`). The index in source of position
+    ``16k + j`` is ``offset[s] + C_s(16k)`` plus the number of block positions ``j' < j``
+    whose rank lies in ``s``'s range of ranks."""
+    ranks = _hash_ranks(phase, blocks)[inverse]  # (n, 16): the ranks of each one's block
+    j = local & (BLOCK - 1)
+    src, start, count, first = _descend(phase, local >> 4, ranks[np.arange(j.size), j])
+    mine = (ranks >= first[:, None]) & (ranks < (first + count)[:, None]) & (j[:, None] > _J)
+    return src, phase.tree.offsets[src] + start + np.count_nonzero(mine, axis=1)
+
+
+def _locate_by_block(
+    phase: Phase, local: IntArray, blocks: IntArray, inverse: IntArray
+) -> tuple[IntArray, IntArray]:
+    """Every position of each distinct block at once (`_block_leaves`, `_block_layout`)."""
+    leaf_src, leaf_start, leaf_count = _block_leaves(phase, blocks)
+    leaf_at, within = _block_layout(_hash_ranks(phase, blocks), leaf_count)
+    flat = inverse * BLOCK + (local & (BLOCK - 1))
+    leaf = leaf_at[flat]
+    src = leaf_src[leaf]
+    return src, phase.tree.offsets[src] + leaf_start[leaf] + within[flat]
+
+
+def _block_leaves(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """The sources present in each of ``blocks``: ``(source, C_s(16k), c_s)`` for each
+    ``c_s > 0``, sorted by block then source (so each block's entries sum to 16).
+
+    The tree is descended only where a block has positions: a node with
+    ``C(16k) == C(16k + 16)`` hands 0 to both children in that block, so at most 16
+    leaves per block are reached, through at most 16 nodes per level: O(16 x depth) per
+    block, never blocks x sources.
+    """
+    nb = blocks.size
+    if not phase.nodes:
+        return np.zeros(nb, dtype=np.int64), blocks * BLOCK, np.full(nb, BLOCK, dtype=np.int64)
+    if nb <= _SMALL:
+        return _block_leaves_small(phase, blocks.tolist())
+    tree = phase.tree
+    row = np.zeros(nb, dtype=np.int64)  # the root, once per block
+    blk = np.arange(nb, dtype=np.int64)
+    bounds = np.stack((blocks * BLOCK, blocks * BLOCK + BLOCK))  # C(16k), C(16k + 16) at `row`
+    found: list[tuple[IntArray, IntArray, IntArray]] = []
+    while row.size:
+        left = _split(bounds, tree.a[row], tree.b[row], tree.phi[row])
+        child = np.concatenate((tree.left[row], tree.right[row]))
+        bounds = np.concatenate((left, bounds - left), axis=1)
+        blk = np.concatenate((blk, blk))
+        present = bounds[1] > bounds[0]
+        leaf = np.flatnonzero(present & (child < 0))
+        found.append((blk[leaf], -1 - child[leaf], bounds[:, leaf]))
+        inner = np.flatnonzero(present & (child >= 0))
+        row, blk, bounds = child[inner], blk[inner], bounds[:, inner]
+    leaf_blk = np.concatenate([f[0] for f in found])
+    leaf_src = np.concatenate([f[1] for f in found])
+    leaf_bounds = np.concatenate([f[2] for f in found], axis=1)
+    order = np.argsort(leaf_blk * len(phase.weights) + leaf_src)
+    start = leaf_bounds[0, order]
+    return leaf_src[order], start, leaf_bounds[1, order] - start
+
+
+def _block_leaves_small(phase: Phase, blocks: list[int]) -> tuple[IntArray, IntArray, IntArray]:
+    """`_block_leaves` with Python ints (exact, so ``(t*a + phi) // b`` needs no overflow
+    care): cheaper than numpy for a few blocks."""
+    a, b, phi, left, right = phase.tree.lists
+    out: list[tuple[int, int, int]] = []
+    for k in blocks:
+        found: list[tuple[int, int, int]] = []
+        stack = [(0, k * BLOCK, k * BLOCK + BLOCK)]
+        while stack:
+            row, lo, hi = stack.pop()
+            left_lo = (lo * a[row] + phi[row]) // b[row]
+            left_hi = (hi * a[row] + phi[row]) // b[row]
+            for child, clo, chi in (
+                (left[row], left_lo, left_hi),
+                (right[row], lo - left_lo, hi - left_hi),
+            ):
+                if chi > clo:
+                    if child < 0:
+                        found.append((-1 - child, clo, chi - clo))
+                    else:
+                        stack.append((child, clo, chi))
+        out.extend(sorted(found))
+    arr = np.array(out, dtype=np.int64).reshape(-1, 3)
+    return arr[:, 0], arr[:, 1], arr[:, 2]
+
+
+def _block_layout(ranks: IntArray, leaf_count: IntArray) -> tuple[IntArray, IntArray]:
+    """For blocks with hash ``ranks`` ``(nb, 16)`` and their `_block_leaves` counts: per block
+    position (flat, ``16 * row + j``) its leaf (an index into the leaves) and its rank
+    among the block's positions of that leaf, in position order."""
+    nb = ranks.shape[0]
+    by_rank = np.repeat(np.arange(leaf_count.size, dtype=np.int64), leaf_count)  # block-major
+    rows = np.arange(nb, dtype=np.int64)[:, None] * BLOCK
+    leaf_at = by_rank[(ranks + rows).reshape(-1)]  # position j has the leaf of its rank
+    grouped = np.argsort(leaf_at, kind="stable")  # by leaf (block, source); position order inside
+    first = np.cumsum(leaf_count) - leaf_count  # where each leaf starts in that order
+    within = np.empty(nb * BLOCK, dtype=np.int64)
+    within[grouped] = np.arange(nb * BLOCK, dtype=np.int64) - first[leaf_at[grouped]]
+    return leaf_at, within
+
+
 def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
-    """Samples of each source among the first ``length`` phase-local positions."""
+    """Samples of each source among the first ``length`` phase-local positions: O(sources)."""
     k, j = divmod(length, BLOCK)
-    blocks = np.array([k], dtype=np.int64)
-    start, counts = _boundary_counts(phase, blocks)
-    total = start[0].copy()
+    total = _tree_counts(phase, k * BLOCK)
     if j:
-        src, _ = _block_layout(phase, blocks, counts)
-        total += np.bincount(src[0, :j], minlength=len(phase.weights))
-    return tuple(int(v) for v in total)
+        src, _ = _locate_chunk(phase, np.arange(k * BLOCK, k * BLOCK + j, dtype=np.int64))
+        for s in src.tolist():
+            total[s] += 1
+    return tuple(total)
 
 
 def build_phases(
@@ -436,7 +607,8 @@ class Schedule:
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(source_index, index_in_source)`` for each global position (same shape).
 
-        Cost: O(sources) per distinct 16-position block touched, plus O(1) per position.
+        Cost: O(positions + sources) per call (O(16 x tree depth) per distinct 16-position
+        block touched, O(sources) once per phase), memory O(positions + sources).
         """
         pos = check_positions(positions)
         flat = pos.reshape(-1)

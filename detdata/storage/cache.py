@@ -20,15 +20,37 @@ Contracts:
 * Every open (the first use of a shard in a process, or after the copy
   changed) re-checks the copy's size and quick digest (``verify_on_open="full"``
   re-hashes every byte). A copy that fails is deleted, logged and fetched again.
+  Re-opening a copy this process already verified (or filled) is cheap: the
+  process remembers each verified copy's ``(device, inode, size, mtime, ctime)``
+  (at most `VERIFIED_MAX` copies, least recently used forgotten first) and skips
+  the digest while one ``stat`` shows the same values; a copy replaced (another
+  inode), rewritten or re-touched by another process (another mtime/ctime) is
+  verified again. This process's own LRU touches are folded in (a ``stat`` just
+  before and after the ``utime``). Racy-clean rule: a copy that had changed less
+  than 0.1 s before it was checked is checked again on its next open (a write
+  within the same timestamp tick would not show). Not caught: bytes changed in
+  place within one timestamp tick after this process's own touch, or with size,
+  mtime and ctime restored; on a file system with timestamps coarser than 0.1 s
+  (ext3, FAT) writes within one tick are not seen either.
 * ``max_bytes`` bounds the bytes in ``objects/`` plus fills in progress. Before
   a fill reserves its space, least recently used copies (file mtime, refreshed
-  on use) are deleted. A shard larger than ``max_bytes`` is a `ConfigError`.
+  on use) are deleted; when the fills in progress (any thread or process) leave
+  no room, the fill waits for them instead of going over the bound. A shard
+  larger than ``max_bytes`` is a `ConfigError`.
   Processes that still have an evicted copy open keep reading it (POSIX keeps
   unlinked files alive while open), so eviction never corrupts a reader.
 * Fills of one shard are serialised by a per-shard ``flock`` (threads and
   processes): concurrent readers wait for one download instead of racing.
   Locks are released by the kernel when a process dies; a dead process's temp
-  file is removed at the next accounting.
+  file is removed at the next accounting. A process forked while one of its
+  threads holds a lock closes its inherited copy of that lock's descriptor at
+  once (``os.register_at_fork``), so the parent's release is a release.
+* Background fills (``path(..., background=True)``, the lookahead prefetch of
+  `detdata.datasets.prefetch`) go through exactly the same locked, verified
+  fill. ``release(entry)`` marks a copy as the first to evict (its LRU time is
+  set to the epoch) without deleting it: the prefetch calls it after a shard's
+  last use in its window. A reader that finds a copy missing or being filled
+  (not a hit) adds the time it waited to ``stats.stall_s``.
 """
 
 from __future__ import annotations
@@ -41,9 +63,10 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import blake3
 import fsspec
@@ -74,6 +97,14 @@ log: Final = logging.getLogger("detdata.cache")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
 _TOUCH_EVERY_S: Final = 1.0
+#: Copies whose last touch time one `ShardCache` remembers (for the once-a-second limit).
+TOUCHED_MAX: Final = 1024
+#: Verified copies this process remembers (re-opening one skips its digest; see above).
+VERIFIED_MAX: Final = 4096
+#: A file changed less than this before it was verified is verified again on its next open
+#: (it could be rewritten within the same timestamp tick; coarse file systems tick 1-10 ms).
+_RACY_NS: Final = 100_000_000
+_LEVELS: Final = {"quick": 0, "full": 1}
 
 
 @dataclass
@@ -85,6 +116,12 @@ class CacheStats:
     fill_bytes: int = 0
     corrupt: int = 0
     evictions: int = 0
+    background_fills: int = 0
+    stalls: int = 0  # reader calls of `path` that were not an immediate hit
+    stall_s: float = 0.0  # time those reader calls waited (a fill, or another's fill)
+    releases: int = 0
+    digests: int = 0  # opens that re-read a copy to check its digest
+    verified_skips: int = 0  # opens of a copy this process had verified: no digest read
 
 
 def _hex(entry: ShardEntry) -> str:
@@ -137,7 +174,8 @@ class ShardCache:
         self.retry = check_policy(retry)
         self.stats = CacheStats()
         self._counter = itertools.count()
-        self._touched: dict[str, float] = {}
+        self._touched: OrderedDict[str, float] = OrderedDict()  # bounded: TOUCHED_MAX
+        self._generation = -1  # objects/ mtime when `copies_changed` last looked
         self._mutex = threading.Lock()
         for sub in ("objects", "tmp", "locks"):
             os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
@@ -151,17 +189,30 @@ class ShardCache:
         return os.path.join(self.directory, "objects", _hex(entry))
 
     def usage(self) -> int:
-        """Bytes in verified copies plus fills in progress (their full size)."""
-        objects, reserved = self._scan()
+        """Bytes in verified copies plus fills in progress (their full size).
+
+        Read under the accounting lock: a fill's eviction and its reservation are seen
+        together, never the evicted copy and the new reservation both.
+        """
+        with self._global_lock():
+            objects, reserved = self._scan()
         return sum(size for _, size, _ in objects) + reserved
 
     # public API ------------------------------------------------------------
     def path(
-        self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str, url: str
+        self,
+        entry: ShardEntry,
+        fs: fsspec.AbstractFileSystem,
+        remote_path: str,
+        url: str,
+        *,
+        background: bool = False,
     ) -> str:
         """The local path of a verified copy of ``entry`` (fetched from ``remote_path`` if needed).
 
-        ``url`` names the shard's location in errors and logs.
+        ``url`` names the shard's location in errors and logs. ``background``: a
+        prefetch, not a reader (its waits are not stalls; its fills are counted in
+        ``stats.background_fills``).
         """
         final = self.object_path(entry)
         problem = self._check(final, entry)
@@ -169,6 +220,41 @@ class ShardCache:
             self.stats.hits += 1
             self.touch(final, force=True)
             return final
+        began = time.monotonic()
+        try:
+            return self._locked_path(entry, fs, remote_path, url, final, background)
+        finally:
+            if not background:
+                with self._mutex:
+                    self.stats.stalls += 1
+                    self.stats.stall_s += time.monotonic() - began
+
+    def release(self, entry: ShardEntry) -> None:
+        """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
+        final = self.object_path(entry)
+        with contextlib.suppress(FileNotFoundError):
+            _utime_remembered(final, (0, 0))
+            with self._mutex:
+                self.stats.releases += 1
+                self._touched.pop(final, None)
+
+    def copies_changed(self) -> bool:
+        """Was a copy added to or removed from ``objects/`` (by any process) since this object
+        last asked? (One ``stat`` of the directory; True the first time.)"""
+        now = os.stat(os.path.join(self.directory, "objects")).st_mtime_ns
+        with self._mutex:
+            changed, self._generation = now != self._generation, now
+        return changed
+
+    def _locked_path(
+        self,
+        entry: ShardEntry,
+        fs: fsspec.AbstractFileSystem,
+        remote_path: str,
+        url: str,
+        final: str,
+        background: bool,
+    ) -> str:
         with self._shard_lock(entry):
             problem = self._check(final, entry)  # another thread/process may have filled it
             if problem is None:
@@ -188,27 +274,55 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(final)
             self._fill(entry, fs, remote_path, url, final)
+            if background:
+                self.stats.background_fills += 1
             return final
 
     def touch(self, path: str, *, force: bool = False) -> None:
         """Mark a copy as recently used (LRU), at most once a second per copy unless forced."""
         now = time.monotonic()
         with self._mutex:
-            if not force and now - self._touched.get(path, -1e9) < _TOUCH_EVERY_S:
+            touched = self._touched
+            if not force and now - touched.get(path, -1e9) < _TOUCH_EVERY_S:
                 return
-            self._touched[path] = now
+            touched[path] = now
+            touched.move_to_end(path)
+            # oldest first: entries older than the limit no longer matter; at most TOUCHED_MAX
+            while touched and (
+                len(touched) > TOUCHED_MAX or now - next(iter(touched.values())) >= _TOUCH_EVERY_S
+            ):
+                touched.popitem(last=False)
         with contextlib.suppress(FileNotFoundError):
-            os.utime(path)
+            _utime_remembered(path, None)
 
     # checks ------------------------------------------------------------------
     def _check(self, path: str, entry: ShardEntry) -> str | None:
         """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not."""
+        seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return "missing"
+        size = st.st_size
         if size != entry.bytes:
             return f"size {size} bytes, the manifest says {entry.bytes}"
+        if _was_verified(path, st, entry.blake3, self.verify_on_open):
+            with self._mutex:
+                self.stats.verified_skips += 1
+            return None
+        with self._mutex:
+            self.stats.digests += 1
+        try:
+            problem = self._check_digest(path, entry, size)
+        except FileNotFoundError:  # evicted (another thread or process) since the stat
+            return "missing"
+        if problem is None:
+            _remember_verified(path, st, seen_ns, entry.blake3, self.verify_on_open)
+        else:
+            forget_verified(path)
+        return problem
+
+    def _check_digest(self, path: str, entry: ShardEntry, size: int) -> str | None:
         if self.verify_on_open == "full":
             found = _full_local(path)
             if found != entry.blake3:
@@ -264,7 +378,11 @@ class ShardCache:
                     expected=entry.blake3,
                     found=found,
                 )
-            os.replace(tmp, final)
+            with self._global_lock():  # else a scan between the two dirs would miss this copy
+                os.replace(tmp, final)
+            with contextlib.suppress(FileNotFoundError):  # every byte was hashed: "full"
+                seen_ns = time.time_ns()
+                _remember_verified(final, os.stat(final), seen_ns, entry.blake3, "full")
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -299,20 +417,44 @@ class ShardCache:
 
     # space accounting ----------------------------------------------------------
     def _reserve(self, entry: ShardEntry, final: str) -> str:
-        """Evict until ``entry`` fits, then create its temp file (counted from now on)."""
+        """Evict until ``entry`` fits, then create its temp file (counted from now on).
+
+        When the copies that are left plus the fills in progress (any thread or process)
+        leave no room, wait for those fills to finish (they only ever shrink the
+        reservations) rather than go over the bound; after ``retry.deadline_s`` of waiting
+        (a fill that hangs), go ahead with a warning.
+        """
         name = f"{_hex(entry)}.{entry.bytes}.{os.getpid()}.{next(self._counter)}.part"
         tmp = os.path.join(self.directory, "tmp", name)
-        with self._global_lock():
-            self._evict_locked(entry.bytes, keep=final)
-            with open(tmp, "wb"):
-                pass
-        return tmp
+        began = time.monotonic()
+        pause = 0.002
+        while True:
+            with self._global_lock():
+                total = self._evict_locked(entry.bytes, keep=final)
+                late = time.monotonic() - began > self.retry.deadline_s
+                if total <= self.max_bytes or late:
+                    if total > self.max_bytes:
+                        log.warning(
+                            "detdata: shard cache %s will hold %d bytes (bound %d): fills in "
+                            "progress did not finish within %gs",
+                            self.directory,
+                            total,
+                            self.max_bytes,
+                            self.retry.deadline_s,
+                        )
+                    with open(tmp, "wb"):
+                        pass
+                    return tmp
+            time.sleep(pause)  # other fills hold the room: they finish or fail
+            pause = min(0.05, pause * 2)
 
     def _make_room(self, incoming: int, *, keep: str) -> None:
         with self._global_lock():
             self._evict_locked(incoming, keep=keep)
 
-    def _evict_locked(self, incoming: int, *, keep: str) -> None:
+    def _evict_locked(self, incoming: int, *, keep: str) -> int:
+        """Evict oldest copies (never ``keep``) until ``incoming`` more bytes fit; return the
+        bytes that copies, fills in progress and ``incoming`` then add up to."""
         objects, reserved = self._scan()
         total = sum(size for _, size, _ in objects) + reserved + incoming
         for _, size, path in sorted(objects):  # oldest first (mtime, then name)
@@ -325,14 +467,7 @@ class ShardCache:
                 self.stats.evictions += 1
                 log.info("detdata: evicted %s (%d bytes) from the shard cache", path, size)
             total -= size
-        if total > self.max_bytes:
-            log.warning(
-                "detdata: shard cache %s holds %d bytes (bound %d) while fills are in "
-                "progress in other processes",
-                self.directory,
-                total,
-                self.max_bytes,
-            )
+        return total
 
     def _scan(self) -> tuple[list[tuple[int, int, str]], int]:
         """``([(mtime_ns, size, path) of copies], bytes reserved by live fills)``."""
@@ -394,10 +529,122 @@ class ShardCache:
         )
 
 
+_HELD: Final[set[int]] = set()  # descriptors of flocks this process holds now
+_HELD_MUTEX = threading.Lock()
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors.
+
+    A ``flock`` belongs to the open file description, which a fork shares: if the
+    child kept its copy, the parent's ``close`` would not release the lock and every
+    later fill of that shard (the child's own included) would wait forever. The
+    mutex is made anew: a parent thread may have held it at the fork.
+    """
+    global _HELD_MUTEX, _VERIFIED_MUTEX
+    _HELD_MUTEX = threading.Lock()
+    _VERIFIED_MUTEX = threading.Lock()
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+# ------------------------------------------------ copies this process verified (bounded)
+class _Verified(NamedTuple):
+    stamp: tuple[int, ...]  # (device, inode, size, mtime_ns, ctime_ns) when verified
+    blake3: str
+    level: int  # _LEVELS of the check (a fill hashed every byte: "full")
+    trusted: bool  # the file had not changed for _RACY_NS when it was verified
+
+
+#: path -> what this process verified, least recently used first (at most VERIFIED_MAX)
+_VERIFIED: Final[OrderedDict[str, _Verified]] = OrderedDict()
+_VERIFIED_MUTEX = threading.Lock()
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced, written or touched."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _was_verified(path: str, st: os.stat_result, blake3_hex: str, level: str) -> bool:
+    """Did this process verify ``path`` (at ``level`` or stronger) as it is now (``st``), when
+    it had been unchanged long enough that a later write would show in its stamp?"""
+    with _VERIFIED_MUTEX:
+        known = _VERIFIED.get(path)
+        if known is None or not known.trusted or known.stamp != _stamp(st):
+            return False
+        if known.blake3 != blake3_hex or known.level < _LEVELS[level]:
+            return False
+        _VERIFIED.move_to_end(path)
+        return True
+
+
+def _remember_verified(
+    path: str, st: os.stat_result, seen_ns: int, blake3_hex: str, level: str
+) -> None:
+    """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
+
+    Racy-clean rule (as git's index): a file changed less than `_RACY_NS` before it was
+    seen could be written again within the same timestamp tick without changing its
+    stamp, so such a verification is remembered but not trusted (the next open verifies
+    again)."""
+    trusted = seen_ns - st.st_ctime_ns >= _RACY_NS
+    with _VERIFIED_MUTEX:
+        _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
+        _VERIFIED.move_to_end(path)
+        while len(_VERIFIED) > VERIFIED_MAX:
+            _VERIFIED.popitem(last=False)
+
+
+def forget_verified(path: str | None = None) -> None:
+    """Forget that this process verified ``path`` (None: every copy), so its next open
+    re-checks its digest (benchmarks measure the old cost this way)."""
+    with _VERIFIED_MUTEX:
+        if path is None:
+            _VERIFIED.clear()
+        else:
+            _VERIFIED.pop(path, None)
+
+
+def _utime(path: str, ns: tuple[int, int] | None) -> None:
+    if ns is None:
+        os.utime(path)
+    else:
+        os.utime(path, ns=ns)
+
+
+def _utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
+    """``os.utime(path)`` (now, or ``ns``), keeping this process's verification of ``path``:
+    when a ``stat`` just before shows the file as verified, the ``stat`` just after is its
+    new stamp (trusted as before); otherwise the verification is forgotten. (Not caught: a
+    write in place within the same timestamp tick right after this ``utime``.) Raises
+    FileNotFoundError when the file is gone."""
+    with _VERIFIED_MUTEX:
+        known = _VERIFIED.get(path)
+    if known is None:
+        _utime(path, ns)
+        return
+    unchanged = _stamp(os.stat(path)) == known.stamp
+    _utime(path, ns)
+    after = os.stat(path)
+    with _VERIFIED_MUTEX:
+        if unchanged and _VERIFIED.get(path) == known:
+            _VERIFIED[path] = known._replace(stamp=_stamp(after))
+        else:
+            _VERIFIED.pop(path, None)
+
+
 @contextlib.contextmanager
 def _flock(path: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (own descriptor: excludes threads and processes)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    with _HELD_MUTEX:
+        _HELD.add(fd)
     try:
         while True:
             try:
@@ -408,6 +655,8 @@ def _flock(path: str) -> Iterator[None]:
                     raise
         yield
     finally:
+        with _HELD_MUTEX:
+            _HELD.discard(fd)
         os.close(fd)
 
 

@@ -14,10 +14,18 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from detdata.base.errors import ManifestError
+from detdata.storage.redact import (
+    install_log_redaction,
+    redact_text,
+    redact_url,
+    scrub_exception,
+)
 
 if TYPE_CHECKING:
     from detdata.storage.retry import RetryPolicy
 
+
+install_log_redaction()  # fsspec's DEBUG lines quote URLs, credentials included
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -120,7 +128,7 @@ def check_shard_name(rel: object, *, root: str) -> str:
     problem = path_problem(rel)
     if problem is not None:
         raise ManifestError(
-            f"cannot list the file {rel!r} under {root!r} in a manifest: "
+            f"cannot list the file {rel!r} under {redact_url(root)!r} in a manifest: "
             f"{problem}; hint: rename the file ({PATH_RULES}), or pass "
             "pattern= / paths= that leave it out"
         )
@@ -143,22 +151,39 @@ def unquote_path(rel: str) -> str:
     return "/".join(unquote(part, errors="surrogateescape") for part in rel.split("/"))
 
 
+def _split_query(root: str) -> tuple[str, str]:
+    """``(root without its query, "?query" or "")`` for HTTP(S) roots; other roots keep all."""
+    if is_http(root) and "?" in root:
+        base, _, query = root.partition("?")
+        return base, "?" + query
+    return root, ""
+
+
 def join(root: str, rel: str) -> str:
     """Join a root path (inside its filesystem) and a checked relative shard path.
 
     For HTTP(S) roots (fsspec's HTTP file system addresses files by URL) the
     shard path is percent-encoded, so names with ``#``, ``?``, ``%`` or spaces
     reach the file they name (unescaped, ``#`` would start a fragment and
-    ``%41`` would fetch ``A``).
+    ``%41`` would fetch ``A``). An HTTP(S) root with a query string (a shared
+    access token such as ``https://host/container?sv=..&sig=..``) keeps it on
+    every shard URL: ``https://host/container/<shard>?sv=..&sig=..``.
     """
+    root, query = _split_query(root)
     if is_http(root):
         rel = quote_path(rel)
-    return posixpath.join(root, rel) if root not in ("", "/") else f"{root}{rel}" if root else rel
+    if root in ("", "/"):
+        return f"{root}{rel}" if root else rel
+    return posixpath.join(root, rel) + query
 
 
 def url_join(root_url: str, rel: str) -> str:
-    """The URL of shard ``rel`` under ``root_url`` (percent-encoded for HTTP(S) roots)."""
-    return root_url.rstrip("/") + "/" + (quote_path(rel) if is_http(root_url) else rel)
+    """The URL of shard ``rel`` under ``root_url`` (percent-encoded for HTTP(S) roots).
+
+    A query string on an HTTP(S) root moves after the shard path (see `join`).
+    """
+    base, query = _split_query(root_url)
+    return base.rstrip("/") + "/" + (quote_path(rel) if is_http(base) else rel) + query
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +271,7 @@ def read_range(
     data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
     if len(data) != end - start:
         raise ShortRead(
-            f"asked for bytes [{start}, {end}) of {path} ({end - start} bytes), got "
+            f"asked for bytes [{start}, {end}) of {redact_url(path)} ({end - start} bytes), got "
             f"{len(data)} (connection cut short, or a server that ignores Range)"
         )
     return bytes(data)
@@ -289,19 +314,22 @@ def read_ranges_retrying(
                 err: BaseException = blob
             elif len(blob) != ends[i] - starts[i]:
                 err = ShortRead(
-                    f"asked for bytes [{starts[i]}, {ends[i]}) of {urls[i]} "
+                    f"asked for bytes [{starts[i]}, {ends[i]}) of {redact_url(urls[i])} "
                     f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
                     "short, or a server that ignores Range)"
                 )
             else:
                 out[i] = bytes(blob)
                 continue
+            scrub_exception(err)
             if not is_transient(err):
                 raise StorageError(
-                    f"{what} failed for shard {shards[i]} at {urls[i]}: "
-                    f"{type(err).__name__}: {err}; hint: the object is missing or "
-                    "not readable; check the root URL, credentials and that the "
-                    "store still holds the manifest's shards"
+                    redact_text(
+                        f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                        f"{type(err).__name__}: {err}; hint: the object is missing or "
+                        "not readable; check the root URL, credentials and that the "
+                        "store still holds the manifest's shards"
+                    )
                 ) from err
             failed.append(i)
             first = first or err
@@ -422,3 +450,63 @@ def read_file_retrying(
             url=path_or_url,
         )
     )
+
+
+def read_ranges_upto(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    policy: RetryPolicy,
+    shards: list[str],
+    urls: list[str],
+    what: str = "range read",
+) -> list[bytes | BaseException]:
+    """Bytes ``[start, end)`` of each path, *or fewer* where the object ends first.
+
+    For checks that ask for one byte past the expected end (so a longer object
+    shows as one byte too many, a shorter one as a short answer, with no size
+    request). All ranges go in one concurrent ``cat_ranges`` call per attempt
+    (`cat_ranges_each`); ranges that failed transiently are fetched again under
+    ``policy``; a *permanent* error of one range (missing object, a range past
+    the end) is returned in its place, redacted, for the caller to look into.
+    """
+    from detdata.storage.retry import is_transient
+
+    out: list[bytes | BaseException | None] = [None] * len(paths)
+    pending = list(range(len(paths)))
+
+    def attempt(timeout: float | None) -> None:
+        nonlocal pending
+        blobs = cat_ranges_each(
+            fs,
+            [paths[i] for i in pending],
+            [starts[i] for i in pending],
+            [ends[i] for i in pending],
+            timeout=timeout,
+        )
+        failed: list[int] = []
+        first: BaseException | None = None
+        for i, blob in zip(pending, blobs, strict=True):
+            if not isinstance(blob, BaseException):
+                out[i] = bytes(blob)
+                continue
+            scrub_exception(blob)
+            if not is_transient(blob):
+                out[i] = blob
+                continue
+            failed.append(i)
+            first = first or blob
+        pending = failed
+        if first is not None:
+            raise first
+
+    if pending:
+        policy.run(
+            attempt,
+            what=f"{what} of {len(paths)} range(s)",
+            shard=lambda: shards[pending[0]],
+            url=lambda: urls[pending[0]],
+        )
+    return [b if b is not None else RuntimeError("range not read") for b in out]

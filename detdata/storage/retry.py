@@ -18,6 +18,11 @@ cache fill, one manifest/registry read): a read that makes progress gets a new
 budget for its next chunk, a read that fails or stalls for ``deadline_s`` fails.
 ``attempt_timeout_s`` cancels a single attempt that stalls (enforced for
 fsspec's asynchronous file systems: s3, gcs, http).
+
+Credentials never reach a message: every URL in a `RetriesExhausted`, a retry
+log line or a re-raised client error passes through
+`detdata.storage.redact.redact_text` first (user info and credential query
+parameters become ``***``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Final, TypeVar
 import blake3
 
 from detdata.base.errors import ConfigError, DetdataError, RetriesExhausted, ShortRead
+from detdata.storage.redact import redact_text, redact_url, scrub_exception
 
 T = TypeVar("T")
 log: Final = logging.getLogger("detdata.retry")
@@ -174,7 +180,10 @@ class RetryPolicy:
             try:
                 return fn(timeout)
             except BaseException as exc:
-                if not isinstance(exc, Exception) or not is_transient(exc):
+                if not isinstance(exc, Exception):
+                    raise
+                scrub_exception(exc)  # client errors quote the URL, credentials included
+                if not is_transient(exc):
                     raise
                 last = exc
             attempt += 1
@@ -182,15 +191,18 @@ class RetryPolicy:
             shard_now = shard() if callable(shard) else shard
             url_now = url() if callable(url) else url
             key = key or url_now
+            url_now = redact_url(url_now)
             wait = self.delay(key, attempt - 1)
             out_of_time = elapsed + wait >= self.deadline_s
             if out_of_time or (self.max_attempts is not None and attempt >= self.max_attempts):
                 raise RetriesExhausted(
-                    f"{what} failed for shard {shard_now} at {url_now}: {attempt} attempt(s) in "
-                    f"{elapsed:.2f}s (deadline {self.deadline_s:g}s); last error: "
-                    f"{type(last).__name__}: {last}; hint: check that the store is reachable "
-                    "and the object exists; a slow store may need a longer "
-                    "RetryPolicy(deadline_s=..., attempt_timeout_s=...)",
+                    redact_text(
+                        f"{what} failed for shard {shard_now} at {url_now}: {attempt} attempt(s) "
+                        f"in {elapsed:.2f}s (deadline {self.deadline_s:g}s); last error: "
+                        f"{type(last).__name__}: {last}; hint: check that the store is "
+                        "reachable and the object exists; a slow store may need a longer "
+                        "RetryPolicy(deadline_s=..., attempt_timeout_s=...)"
+                    ),
                     shard=shard_now,
                     url=url_now,
                     attempts=attempt,
@@ -203,7 +215,7 @@ class RetryPolicy:
                 url_now,
                 attempt,
                 type(last).__name__,
-                last,
+                redact_text(str(last)),
                 wait,
             )
             sleep(wait)

@@ -277,3 +277,31 @@ def test_order_edge_cases(capsys: pytest.CaptureFixture[str]) -> None:
         args = [item for pair in base.items() for item in pair]
         code, _, err = call(capsys, "order", *args)
         assert code == 2, (bad, err)
+
+
+def test_build_in_parts_then_merge_gives_the_one_machine_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``manifest build --part I/N`` on N machines, ``manifest merge``: the id of one build."""
+    root = tmp_path / "data"
+    write_token_shards(root, (40, 90, 10, 70, 55))
+    whole = build_manifest(str(root), metadata={"k": "v"})
+    parts = []
+    for i in range(3):
+        out = tmp_path / f"part-{i}.json"
+        code, text, err = call(
+            capsys, "manifest", "build", str(root), "--meta", "k=v", "--part", f"{i}/3",
+            "-o", str(out),
+        )  # fmt: skip
+        assert code == 0, err
+        assert text.startswith(f"part {i}/3: ")
+        parts.append(str(out))
+    code, text, err = call(
+        capsys, "manifest", "merge", *parts[::-1], "-o", str(tmp_path / "m.json")
+    )
+    assert code == 0, err
+    assert text.strip() == whole.id == Manifest.load(str(tmp_path / "m.json")).id
+    code, _, err = call(capsys, "manifest", "merge", parts[0], parts[2], "-o", str(tmp_path / "x"))
+    assert code == 2 and "missing [1]" in err
+    code, _, err = call(capsys, "manifest", "build", str(root), "--part", "3/3", "-o", "x.json")
+    assert code == 2 and "0 <= I < N" in err

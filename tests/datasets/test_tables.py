@@ -855,3 +855,21 @@ def test_table_shard_truncated_during_a_run_is_a_named_error_not_sigbus(
     assert (
         out["shard"] == f"t.{fmt}" and "truncated" in out["message"] and "hint:" in out["message"]
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(raw=st.lists(st.integers(0, 10**6), min_size=1, max_size=70))
+def test_one_open_reader_reopens_evicted_shards_and_matches_reference(
+    tables: tuple[TableRows, Reference], raw: list[int]
+) -> None:
+    """``max_open_shards=1``: every read of another shard evicts and re-opens a reader
+    (Parquet and memory-mapped Arrow IPC); rows are still the written ones."""
+    ds, ref = tables
+    bounded = TableRows(ds.manifest, cache_row_groups=2, max_open_shards=1)
+    ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
+    for order in (ids, ids[::-1], ids):
+        batch = bounded.read(order)
+        for name in batch:
+            np.testing.assert_array_equal(batch[name], np.stack(per_sample(ref, name, order)))
+        assert len(bounded.open_shards()) <= 1
+    assert bounded.identity() == ds.identity()

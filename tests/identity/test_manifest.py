@@ -255,7 +255,7 @@ def test_table_refusals(tmp_path: Path) -> None:
     with ipc.new_stream(tmp_path / "s.arrow", _table(1).schema) as writer:
         writer.write_table(_table(5))
     with pytest.raises(FormatError, match=r"s\.arrow.*Arrow IPC file"):
-        build_manifest(str(tmp_path))
+        build_manifest(str(tmp_path), format="arrow")  # undeclared, it is an arrow_stream
     (tmp_path / "s.arrow").unlink()
     (tmp_path / "x.parquet").write_bytes(b"PAR1 garbage")
     with pytest.raises(FormatError, match=r"x\.parquet.*Parquet"):
@@ -531,21 +531,21 @@ def test_shards_are_hashed_in_parallel(tmp_path: Path, monkeypatch: pytest.Monke
     calls: list[str] = []
     lock = threading.Lock()
     barrier = threading.Barrier(2, timeout=10)
-    real = manifest_mod.full_digest_file
+    real = manifest_mod.digests_file
 
-    def spy(fs: Any, path: str) -> str:
+    def spy(fs: Any, path: str, size: int) -> tuple[str, str]:
         with lock:
             threads.add(threading.get_ident())
             calls.append(path)
             first_two = len(calls) <= 2
         if first_two:
             barrier.wait()  # the first two shards must be hashed at the same time
-        return real(fs, path)
+        return real(fs, path, size)
 
-    monkeypatch.setattr(manifest_mod, "full_digest_file", spy)
+    monkeypatch.setattr(manifest_mod, "digests_file", spy)
     parallel = build_manifest(str(tmp_path), threads=4)
     assert len(threads) >= 2
-    monkeypatch.setattr(manifest_mod, "full_digest_file", real)
+    monkeypatch.setattr(manifest_mod, "digests_file", real)
     assert parallel.id == build_manifest(str(tmp_path), threads=1).id
 
 

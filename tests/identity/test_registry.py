@@ -294,26 +294,56 @@ def test_concurrent_processes_leave_registry_consistent(tmp_path: Path, token_sh
 def test_register_sweeps_stale_temp_files_but_spares_fresh_ones(
     registry: Registry, manifest: Manifest
 ) -> None:
-    """A writer killed mid-write leaves ``.tmp-*`` files; later registers remove the stale ones."""
+    """A writer killed mid-write leaves a ``.tmp-*`` file in ``tmp/``; later registers remove
+    the stale ones there, and `Registry.gc` also those older versions left beside the objects."""
     root = Path(registry.root)
     registry.register("ds@v1", manifest)
-    stale_dirs = [root / "manifests", root / "refs" / "ds"]
-    stale = [d / ".tmp-killed" for d in stale_dirs]
-    fresh = [d / ".tmp-in-flight" for d in stale_dirs]
     old = time.time() - STALE_TEMP_S - 60
-    for path in stale:
+
+    def plant(folder: Path, name: str, stale: bool) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
         path.write_bytes(b"{half")
-        os.utime(path, (old, old))
-    for path in fresh:
-        path.write_bytes(b"{half")
+        if stale:
+            os.utime(path, (old, old))
+        return path
+
+    killed = plant(root / "tmp", ".tmp-killed", True)
+    in_flight = plant(root / "tmp", ".tmp-in-flight", False)
+    legacy = [plant(root / d, ".tmp-legacy", True) for d in ("manifests", "refs/ds")]
+    legacy_fresh = plant(root / "manifests", ".tmp-legacy-in-flight", False)
     unrelated = root / "refs" / "ds" / "notes.txt"  # not ours: never touched
     unrelated.write_text("keep")
     os.utime(unrelated, (old, old))
     registry.register("ds@v2", manifest)
-    assert [p.exists() for p in stale] == [False, False]
-    assert [p.exists() for p in fresh] == [True, True]
-    assert unrelated.exists()
+    assert not killed.exists() and in_flight.exists()
+    assert all(p.exists() for p in legacy)  # register lists only tmp/, never the objects
     assert registry.resolve("ds@v2").id == manifest.id
+    assert registry.gc() == 2
+    assert [p.exists() for p in legacy] == [False, False]
+    assert in_flight.exists() and legacy_fresh.exists() and unrelated.exists()
+    assert registry.resolve("ds@v1").id == registry.resolve("ds@v2").id == manifest.id
+
+
+def test_register_lists_no_folder_that_grows_with_the_entries(
+    registry: Registry, manifest: Manifest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O(1) amortised: a register lists (scandir) only ``tmp/``, whatever the registry holds."""
+    for i in range(30):
+        registry.register(f"fill{i}@v1", manifest.with_root(f"/elsewhere/{i}"))
+    listed: list[str] = []
+    real = os.scandir
+
+    def spy(path: Any = ".") -> Any:
+        listed.append(os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", spy)
+    registry.register("one-more@v1", manifest)
+    root = Path(registry.root)
+    assert [Path(p) for p in listed] == [root / "tmp"]
+    assert not any((root / "tmp").iterdir())  # published writes left nothing behind
+    assert len(list((root / "refs").iterdir())) == 31
 
 
 # ------------------------------------------------------------ bad roots and damaged files

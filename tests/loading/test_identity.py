@@ -91,6 +91,7 @@ class Config:
     columns: tuple[str, ...] = ("x", "y")
     ragged: tuple[str, ...] = ()
     cache_row_groups: int = 8
+    max_open_shards: int | None = None
     verify: str = "quick"
     stream_seed: int = 11
     weights: Mapping[str, str] = field(default_factory=lambda: {"web": "0.75", "code": "0.25"})
@@ -106,12 +107,19 @@ class Config:
     transform: Callable[..., Any] | None = None
     transform_id: str | None = None
     collate_fn: Callable[..., Any] | None = None
+    lookahead: int = 0
+    order: Any = None  # DataLoader order= (None: not passed)
 
 
 def _tokens(c: Config, corpus: Corpus) -> detdata.TokenWindows:
     path = corpus.tokens_a if c.manifest == "a" else corpus.tokens_b
     return detdata.TokenWindows(
-        path, c.seq_len, labels=c.labels, out_dtype=c.out_dtype, verify=c.verify
+        path,
+        c.seq_len,
+        labels=c.labels,
+        out_dtype=c.out_dtype,
+        verify=c.verify,
+        max_open_shards=c.max_open_shards,
     )
 
 
@@ -126,6 +134,7 @@ def _data(c: Config, corpus: Corpus) -> Any:
             list(c.columns),
             ragged=list(c.ragged),
             cache_row_groups=c.cache_row_groups,
+            max_open_shards=c.max_open_shards,
         )
     if c.kind == "arrays":
         ids = np.arange(300, dtype=np.int64)
@@ -141,7 +150,11 @@ def _data(c: Config, corpus: Corpus) -> Any:
 
 
 def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
-    extra = {} if c.transform_id is None else {"transform_id": c.transform_id}
+    extra: dict[str, Any] = {} if c.transform_id is None else {"transform_id": c.transform_id}
+    if c.lookahead:
+        extra["lookahead"] = c.lookahead
+    if c.order is not None:
+        extra["order"] = c.order
     return detdata.DataLoader(
         _data(c, corpus),
         global_batch_size=c.global_batch_size,
@@ -231,6 +244,18 @@ CHANGES_BYTES: list[tuple[str, str, dict[str, Any], set[str]]] = [
         {"transform"},
     ),
     ("DataLoader.collate_fn", "tokens", {"collate_fn": doubling_collate}, {"transform"}),
+    (
+        "DataLoader.order",
+        "tokens",
+        {"order": detdata.LocalityOrder(window_shards=1)},
+        {"algorithm"},
+    ),
+    (
+        "LocalityOrder.window_shards",
+        "tokens",
+        {"order": detdata.LocalityOrder(window_shards=2)},
+        {"algorithm"},
+    ),
 ]
 
 # the "seed (stream given)" base must carry the transform too: the seed then only changes the rng
@@ -238,6 +263,7 @@ _BASE_OVERRIDES = {
     "DataLoader.seed (stream given)": {"transform": add_one, "transform_id": "plus-one"},
     "DataLoader.transform swapped": {"transform": add_one},
     "DataLoader.transform_id": {"transform": add_one, "transform_id": "v1"},
+    "LocalityOrder.window_shards": {"order": detdata.LocalityOrder(window_shards=1)},
 }
 
 
@@ -336,6 +362,9 @@ NEUTRAL: list[tuple[str, str, dict[str, Any]]] = [
     ("DataLoader.read_ahead", "table", {"read_ahead": 1}),
     ("TokenWindows.verify", "tokens", {"verify": "full"}),
     ("TableRows.cache_row_groups", "table", {"cache_row_groups": 1}),
+    ("TokenWindows.max_open_shards", "tokens", {"max_open_shards": 1}),
+    ("TableRows.max_open_shards", "table", {"max_open_shards": 1}),
+    ("DataLoader.lookahead", "mixture", {"lookahead": 32}),
     ("DataLoader.transform_id keeps", "tokens", {"transform": add_two, "transform_id": "same"}),
 ]
 

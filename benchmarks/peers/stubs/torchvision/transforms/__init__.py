@@ -1,0 +1,1 @@
+"""Stub package (see torchvision/__init__.py)."""

@@ -1,0 +1,155 @@
+"""``detdata preflight [--manifest M ...] [--root R]``: check a machine before a long job.
+
+Cheap checks, in order, each printed as ``preflight[rank R]: ok ...`` on stdout:
+
+1. devices: every visible CUDA device (else the CPU) runs a tiny op whose result is checked;
+2. process group: formed from the torchrun variables when ``RANK`` and ``WORLD_SIZE`` are
+   set (``env://``: ``MASTER_ADDR``, ``MASTER_PORT``), else alone (world 1); backend
+   ``--backend`` (default: nccl with CUDA, gloo without); a tiny all_reduce of ``rank + 1``
+   must give ``world * (world + 1) / 2``;
+3. data: each ``--manifest`` is loaded and quick-verified under ``--root`` (sizes and quick
+   digests: at most 2 MiB read per shard, no large download).
+
+Every rank runs every check; the ranks then agree through one more all_reduce, so all exit
+alike. Exit 0 when every check passed; 1 when one failed (``detdata: preflight failed:
+CHECK: why`` on stderr for each: the device, the collective, or the manifest and shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from detdata.cli.main import EXIT_FAIL, EXIT_OK
+
+_STORE_FOLDERS: list[str] = []
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "preflight",
+        help="run a tiny op on every device, a tiny collective, and quick-verify manifests",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--manifest", action="append", default=[], help="a manifest (repeatable)")
+    p.add_argument("--root", help="where the shards are (default: each manifest's root)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument("--timeout", type=float, default=120.0, help="process group timeout, seconds")
+    p.set_defaults(func=run_preflight)
+
+
+def check_devices() -> str:
+    """A tiny op on every visible device; the result is compared with its known value."""
+    import torch
+
+    expected = float(sum(i * i for i in range(16)))
+    names = []
+    devices = (
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [torch.device("cpu")]
+    )
+    for device in devices:
+        x = torch.arange(16, dtype=torch.float32, device=device)
+        found = float((x * x).sum().item())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if found != expected:
+            raise RuntimeError(f"device {device}: tiny op gave {found}, expected {expected}")
+        label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        names.append(f"{device} ({label})")
+    return "devices " + ", ".join(names)
+
+
+def form_group(backend: str | None, timeout: float) -> tuple[int, int, str]:
+    """Initialise the default process group; returns (rank, world, backend)."""
+    import torch
+    import torch.distributed as dist
+
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    wait = datetime.timedelta(seconds=timeout)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if chosen == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(chosen, init_method="env://", timeout=wait)
+    else:
+        # a file store in a private folder, removed by `run_preflight` after the group is gone
+        folder = tempfile.mkdtemp(prefix="detdata-preflight-")
+        _STORE_FOLDERS.append(folder)
+        init = "file://" + os.path.join(folder, "store")
+        dist.init_process_group(chosen, init_method=init, rank=0, world_size=1, timeout=wait)
+    return dist.get_rank(), dist.get_world_size(), chosen
+
+
+def check_collective(rank: int, world: int, backend: str) -> str:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    t = torch.tensor([float(rank + 1)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    expected = world * (world + 1) / 2
+    if float(t.item()) != expected:
+        raise RuntimeError(f"all_reduce gave {float(t.item())}, expected {expected}")
+    return f"all_reduce world {world} ({backend})"
+
+
+def check_manifest(path: str, root: str | None) -> str:
+    from detdata.identity.manifest import Manifest
+
+    manifest = Manifest.load(path, root=root, verify="quick")
+    return f"manifest {path}: {len(manifest.shards)} shard(s) quick-verified ({manifest.id})"
+
+
+def _run(label: str, rank: int, failures: list[str], fn: Callable[[], str]) -> bool:
+    try:
+        print(f"preflight[rank {rank}]: ok {fn()}", flush=True)
+        return True
+    except Exception as exc:  # every failure is reported, named, and ends in exit 1
+        failures.append(f"{label}: {type(exc).__name__}: {exc}")
+        return False
+
+
+def run_preflight(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    failures: list[str] = []
+    _run("devices", rank, failures, check_devices)
+    group: list[tuple[int, int, str]] = []
+
+    def formed() -> str:
+        group.append(form_group(args.backend, args.timeout))
+        return check_collective(*group[0])
+
+    _run("process group", rank, failures, formed)
+    for path in args.manifest:
+        _run(f"manifest {path}", rank, failures, functools.partial(check_manifest, path, args.root))
+    if group and dist.is_initialized():
+        _agree(group[0][2], failures)
+        dist.destroy_process_group()
+    for folder in _STORE_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+    for failure in failures:
+        print(f"detdata: preflight failed: {failure}", file=sys.stderr)
+    return EXIT_FAIL if failures else EXIT_OK
+
+
+def _agree(backend: str, failures: list[str]) -> None:
+    """All ranks learn whether any rank failed (so they exit alike)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    t = torch.tensor([float(len(failures))], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item() > 0 and not failures:
+        failures.append("another rank: a check failed there (see its messages)")

@@ -1,0 +1,770 @@
+"""`Documents`: the documents of a manifest's shards, read in place (no conversion step).
+
+Where document boundaries come from, per shard format:
+
+* **Megatron indexed datasets** (a ``P.bin`` ``bin`` shard + its ``P.idx``
+  ``megatron_idx`` shard, `detdata.identity.formats`): document ``d`` is sequences
+  ``[document_index[d], document_index[d + 1])`` of the ``.idx``, i.e. the tokens
+  from the first sequence's pointer to the end of the last sequence in the
+  ``.bin``. The ``.idx`` must describe the ``.bin`` exactly: sequence pointers
+  are consecutive (``pointers[i + 1] = pointers[i] + sizes[i] * itemsize``, as
+  Megatron's writer makes them), the sizes add up to the ``.bin``'s tokens and the
+  document index runs from 0 to the sequence count; anything else is a
+  `FormatError` naming the ``.idx``.
+* **Token shards** (``npy`` / ``bin`` without a ``.idx``) with ``eod_token``: a
+  document ends after each ``eod_token`` (the token belongs to the document it
+  ends); tokens after a shard's last ``eod_token`` are one more document.
+* **Tables** (``parquet``, ``arrow``, ``arrow_stream`` such as Hugging Face
+  ``datasets`` cache files) with ``column``: one row is one document, its tokens
+  the row's list in the integer list column ``column``. Null lists or tokens are a
+  `FormatError` naming the shard and column.
+
+Documents are numbered in manifest (path) order, and within a shard in file order.
+The corpus is the concatenation of the shards' tokens in that order; the
+*document table* ``starts`` (``N + 1`` int64, 8 bytes a document) says document
+``d`` is corpus tokens ``[starts[d], starts[d + 1])``. It is built once (for
+Megatron from the ``.idx``; for token shards by one chunked scan for
+``eod_token``; for tables from the list offsets) with a progress bar, and with
+``index_dir`` stored there, content-addressed by (manifest id, ``eod_token``,
+``column``) (`detdata.datasets.index_files`).
+
+``gather(index)`` reads the corpus tokens at any int64 indices with one
+fancy-index gather per touched shard; ``copy_ranges`` copies whole token ranges
+(document pieces) into a buffer: one slice copy per range, or for many short ranges
+one fancy-index gather per touched shard (token files and Arrow files are
+memory-mapped; Parquet row groups are decoded, a few kept in a small per-process
+LRU). Open handles (memory maps, Arrow files) are bounded per process by
+``max_open_shards`` (`detdata.datasets.shards.HandleLRU`: the least recently used is
+dropped and re-opened on its next use), whatever the number of shards.
+Local roots are read directly; remote roots need ``cache_dir`` (whole shards are
+copied into the verified local `ShardCache` first).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError, FormatError, VerificationError
+from detdata.base.groupby import stable_groups
+from detdata.base.types import IntArray
+from detdata.datasets.index_files import load_index, progress, save_index
+from detdata.datasets.shards import ShardReader
+from detdata.identity.formats import (
+    MEGATRON_HEADER_BYTES,
+    TABLE_FORMATS,
+    TOKEN_DTYPES,
+    Format,
+    disk_dtype,
+    megatron_index_path,
+    parse_megatron_header,
+)
+from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.storage.fs import is_local_fs, join
+from detdata.storage.retry import RetryPolicy
+
+ALGORITHM: Final = "documents-v1"
+#: Tokens scanned per pass when looking for ``eod_token`` (bounded memory).
+_SCAN: Final = 1 << 24
+#: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
+_MASK_UNITS: Final = 8
+#: Decoded Parquet row groups kept per process.
+_PARQUET_GROUPS: Final = 8
+#: `Documents.copy_ranges` copies ranges one slice at a time when they average at least
+#: this many tokens, else through one fancy-index gather per touched shard.
+_SLICE_MIN_TOKENS: Final = 48
+
+
+class _Mapped(NamedTuple):
+    """An open token file: its token view, the mapping under it, and the mapped file."""
+
+    view: np.ndarray[Any, Any]
+    mapping: mmap.mmap
+    path: str
+
+
+class _ArrowValues(NamedTuple):
+    """An open Arrow shard: the token values of each record batch (views of its memory map)."""
+
+    values: list[np.ndarray[Any, Any]]
+    path: str
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One token space of the corpus: a token file, or the token column of a table shard.
+
+    ``shard``: the manifest shard holding the tokens (the ``.bin`` of a Megatron
+    pair); ``index``: the ``.idx`` shard of a pair (else -1); ``groups``: tokens per
+    row group / record batch (tables only).
+    """
+
+    shard: int
+    index: int
+    kind: str  # "megatron", "eod" or "table"
+    dtype: str
+    tokens: int
+    groups: tuple[int, ...] = ()
+
+
+class Documents(ShardReader):
+    """The documents of a manifest, read in place (see the module docstring).
+
+    ``eod_token``: the end-of-document token of plain token shards (required when
+    the manifest has some; refused otherwise). ``column``: the token-list column of
+    table shards (likewise). ``out_dtype``: the dtype of gathered tokens (default:
+    the common type of every shard's tokens; it must hold all of them). ``index_dir``:
+    where the document table is stored (None: rebuilt at each construction).
+    ``max_open_shards``: the bound of shards with an open handle per process (it
+    never changes a token read, so it is not in ``identity()``).
+    """
+
+    _TRANSIENT: ClassVar[tuple[str, ...]] = (
+        *ShardReader._TRANSIENT,
+        "_groups",
+        "_lock",
+        "_unit_of_shard",
+        "_all_token_files",
+        "_unit_base",
+        "_group_bases",
+    )
+
+    def __init__(
+        self,
+        manifest: Manifest | str,
+        *,
+        eod_token: int | None = None,
+        column: str | None = None,
+        out_dtype: str | None = None,
+        index_dir: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+        verify: str | Verify = Verify.QUICK,
+        root: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        shard_cache_bytes: int | None = None,
+        cache_verify: str = "quick",
+        max_open_shards: int | None = None,
+    ) -> None:
+        super().__init__(
+            manifest,
+            verify=verify,
+            root=root,
+            storage_options=storage_options,
+            retry=retry,
+            cache_dir=cache_dir,
+            shard_cache_bytes=shard_cache_bytes,
+            cache_verify=cache_verify,
+            max_open_shards=max_open_shards,
+        )
+        self.eod_token = (
+            None if eod_token is None else check_count(eod_token, "eod_token", minimum=0)
+        )
+        if column is not None and (not isinstance(column, str) or not column):
+            raise ConfigError(f"column must be a column name, got {column!r}")
+        self.column = column
+        self.index_dir = None if index_dir is None else os.fspath(index_dir)
+        self.progress = progress
+        self._sizes = tuple(e.bytes for e in self.manifest.shards)
+        self._reset_process_state()
+        if self.cache_dir is None and not is_local_fs(self._filesystem()[0]):
+            raise ConfigError(
+                f"Documents reads the shards of a remote root ({self.manifest.root}) from "
+                "verified local copies; hint: pass cache_dir='/local/dir'"
+            )
+        units = self._plan_units()
+        self.out_dtype = _common_dtype(units, out_dtype)
+        starts, units = self._document_table(units)
+        self.units: tuple[Unit, ...] = tuple(units)
+        self._starts = starts
+        self._build_index()
+
+    # the plan ---------------------------------------------------------------------
+    def _plan_units(self) -> list[Unit]:
+        """The token spaces of the manifest in path order (documents not read yet)."""
+        shards = self.manifest.shards
+        by_path = {s.path: i for i, s in enumerate(shards)}
+        paired = {
+            by_path[p]
+            for s in shards
+            if s.format is Format.MEGATRON_IDX
+            and (p := s.path[: -len(".idx")] + ".bin" if s.path.endswith(".idx") else "") in by_path
+        }
+        units: list[Unit] = []
+        for i, entry in enumerate(shards):
+            if entry.format is Format.MEGATRON_IDX:
+                continue  # planned with its .bin
+            if i in paired:
+                idx = by_path[megatron_index_path(entry.path)]
+                units.append(self._megatron_unit(i, idx))
+            elif entry.format in (Format.NPY, Format.BIN):
+                units.append(self._eod_unit(i))
+            elif entry.format in TABLE_FORMATS:
+                units.append(self._table_unit(i))
+            else:  # pragma: no cover - every format is handled above
+                raise FormatError(f"shard {entry.path}: format {entry.format.value} unknown")
+        for entry in shards:
+            if entry.format is Format.MEGATRON_IDX and entry.path.endswith(".idx"):
+                if entry.path[: -len(".idx")] + ".bin" not in by_path:
+                    raise FormatError(
+                        f"shard {entry.path}: a Megatron index without its data file "
+                        f"{entry.path[: -len('.idx')]}.bin in the manifest; hint: build the "
+                        "manifest over both files of each .bin/.idx pair"
+                    )
+            elif entry.format is Format.MEGATRON_IDX:
+                raise FormatError(f"shard {entry.path}: a Megatron index must be named *.idx")
+        kinds = {u.kind for u in units}
+        if self.eod_token is not None and "eod" not in kinds:
+            raise ConfigError(
+                f"eod_token={self.eod_token} was given but manifest {self.manifest.id[:15]}… "
+                "has no plain token shard (Megatron pairs and tables carry their own "
+                "boundaries); hint: leave eod_token out"
+            )
+        if self.column is not None and "table" not in kinds:
+            raise ConfigError(
+                f"column={self.column!r} was given but the manifest has no table shard; "
+                "hint: leave column out"
+            )
+        if not units:
+            raise ConfigError(f"manifest {self.manifest.id} has no document shards")
+        return units
+
+    def _megatron_unit(self, shard: int, index: int) -> Unit:
+        data, idx = self.manifest.shards[shard], self.manifest.shards[index]
+        if data.format is not Format.BIN or data.dtype != idx.dtype:
+            raise FormatError(
+                f"shard {data.path}: the data file of Megatron index {idx.path} must be a "
+                f"'bin' shard of dtype {idx.dtype!r} (the .idx header's), found "
+                f"{data.format.value!r} {data.dtype!r}; hint: rebuild the manifest without "
+                "format=/dtype= (they are read from the .idx)"
+            )
+        return Unit(shard, index, "megatron", str(data.dtype), data.num_samples)
+
+    def _eod_unit(self, shard: int) -> Unit:
+        entry = self.manifest.shards[shard]
+        if self.eod_token is None:
+            raise ConfigError(
+                f"shard {entry.path}: a token shard without a Megatron .idx; its document "
+                "boundaries need eod_token= (the end-of-document token id)"
+            )
+        if entry.dtype not in TOKEN_DTYPES:
+            raise FormatError(f"shard {entry.path}: dtype {entry.dtype!r} is not a token dtype")
+        return Unit(shard, -1, "eod", str(entry.dtype), entry.num_samples)
+
+    def _table_unit(self, shard: int) -> Unit:
+        entry = self.manifest.shards[shard]
+        if self.column is None:
+            raise ConfigError(
+                f"shard {entry.path}: a {entry.format.value} shard; its documents are the rows "
+                "of a token-list column: pass column= (e.g. column='input_ids')"
+            )
+        kind = self._open_table_schema(shard).field(self.column).type
+        value = kind.value_type
+        if not pa.types.is_integer(value):
+            raise FormatError(
+                f"shard {entry.path} column {self.column!r}: lists of {value}, not of "
+                "integer token ids"
+            )
+        return Unit(shard, -1, "table", np.dtype(value.to_pandas_dtype()).name, 0)
+
+    def _open_table_schema(self, shard: int) -> pa.Schema:
+        entry = self.manifest.shards[shard]
+        reader = self._table_reader(shard)
+        schema = reader.schema_arrow if isinstance(reader, pq.ParquetFile) else reader.schema
+        if self.column not in schema.names:
+            raise ConfigError(
+                f"shard {entry.path}: no column {self.column!r}; it has {schema.names}"
+            )
+        kind = schema.field(self.column).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise FormatError(
+                f"shard {entry.path} column {self.column!r}: type {kind} is not a list of "
+                "token ids (one row = one document)"
+            )
+        return schema
+
+    # the document table -----------------------------------------------------------
+    def _table_inputs(self) -> dict[str, Any]:
+        return {
+            "algorithm": ALGORITHM,
+            "manifest": self.manifest.id,
+            "eod_token": self.eod_token,
+            "column": self.column,
+        }
+
+    def _document_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
+        """``(starts, units with token counts)``: loaded from ``index_dir`` or built."""
+        inputs = self._table_inputs()
+        stored = load_index(self.index_dir, "documents", inputs)
+        if stored is not None:
+            starts, meta = stored
+            groups = meta.get("groups", [])
+            tokens = meta.get("tokens", [])
+            if len(groups) == len(units) == len(tokens):
+                return starts, [
+                    Unit(u.shard, u.index, u.kind, u.dtype, int(t), tuple(g))
+                    for u, t, g in zip(units, tokens, groups, strict=True)
+                ]
+        parts: list[npt.NDArray[np.int64]] = []
+        done: list[Unit] = []
+        base = 0
+        total_bytes = sum(self.manifest.shards[u.shard].bytes for u in units)
+        with progress(total_bytes, "documents", self.progress) as update:
+            for unit in units:
+                local, unit = self._unit_documents(unit)
+                parts.append(local[:-1] + base)
+                base += int(local[-1])
+                done.append(unit)
+                update(self.manifest.shards[unit.shard].bytes)
+        parts.append(np.array([base], dtype=np.int64))
+        starts = np.concatenate(parts).astype(np.int64, copy=False)
+        meta = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
+        save_index(self.index_dir, "documents", inputs, starts, meta)
+        return starts, done
+
+    def _unit_documents(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
+        """Local document starts (ending with the unit's token count) and the unit's sizes."""
+        if unit.kind == "megatron":
+            return self._megatron_starts(unit), unit
+        if unit.kind == "eod":
+            return self._eod_starts(unit), unit
+        return self._table_starts(unit)
+
+    def _megatron_starts(self, unit: Unit) -> npt.NDArray[np.int64]:
+        entry = self.manifest.shards[unit.index]
+        path = self._path(unit.index)
+        with open(path, "rb") as fh:
+            self._check_size(unit.index, os.fstat(fh.fileno()).st_size, path)
+            raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        with raw:
+            return self._megatron_arrays(unit, entry, raw)
+
+    def _megatron_arrays(self, unit: Unit, entry: ShardEntry, raw: mmap.mmap) -> IntArray:
+        header = parse_megatron_header(raw[:MEGATRON_HEADER_BYTES], rel=entry.path)
+        s, d = header.sequences, header.document_index
+        if len(raw) != header.nbytes:
+            raise FormatError(
+                f"shard {entry.path}: {len(raw)} bytes, its header says {header.nbytes}"
+            )
+        at = MEGATRON_HEADER_BYTES
+        sizes = np.frombuffer(raw, dtype="<i4", count=s, offset=at).astype(np.int64)
+        pointers = np.frombuffer(raw, dtype="<i8", count=s, offset=at + 4 * s).astype(np.int64)
+        doc_index = np.frombuffer(raw, dtype="<i8", count=d, offset=at + 12 * s).astype(np.int64)
+        itemsize = np.dtype(unit.dtype).itemsize
+        seq_starts = np.zeros(s + 1, dtype=np.int64)
+        np.cumsum(sizes, out=seq_starts[1:])
+        problem = None
+        if s and int(sizes.min()) < 0:
+            problem = "a negative sequence size"
+        elif not np.array_equal(pointers, seq_starts[:-1] * itemsize):
+            bad = int(np.flatnonzero(pointers != seq_starts[:-1] * itemsize)[0])
+            problem = (
+                f"sequence {bad} starts at byte {int(pointers[bad])}, not right after the "
+                f"previous one (byte {int(seq_starts[bad]) * itemsize})"
+            )
+        elif int(seq_starts[-1]) != unit.tokens:
+            problem = (
+                f"its sizes add up to {int(seq_starts[-1])} tokens, the .bin "
+                f"{self.manifest.shards[unit.shard].path} has {unit.tokens}"
+            )
+        elif d == 0 or int(doc_index[0]) != 0 or int(doc_index[-1]) != s:
+            problem = f"its document index must run from 0 to the sequence count {s}"
+        elif d > 1 and bool((np.diff(doc_index) < 0).any()):
+            problem = "its document index decreases"
+        if problem is not None:
+            raise FormatError(
+                f"shard {entry.path}: the Megatron index does not describe its .bin: "
+                f"{problem}; hint: rewrite the pair with Megatron's IndexedDatasetBuilder"
+            )
+        result: IntArray = seq_starts[doc_index]
+        return result
+
+    def _eod_starts(self, unit: Unit) -> npt.NDArray[np.int64]:
+        tokens = self._token_view(unit)
+        ends: list[npt.NDArray[np.int64]] = []
+        for a in range(0, unit.tokens, _SCAN):
+            chunk = tokens[a : a + _SCAN]
+            ends.append(np.flatnonzero(chunk == self.eod_token).astype(np.int64) + (a + 1))
+        found = np.concatenate([np.zeros(1, dtype=np.int64), *ends])
+        if found[-1] != unit.tokens:
+            found = np.append(found, np.int64(unit.tokens))
+        return found
+
+    def _table_starts(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
+        entry = self.manifest.shards[unit.shard]
+        lengths: list[npt.NDArray[np.int64]] = []
+        groups: list[int] = []
+        for g in range(len(entry.row_groups or ())):
+            column = self._read_group(unit.shard, g)
+            if column.null_count or column.flatten().null_count:
+                raise FormatError(
+                    f"shard {entry.path} column {self.column!r}: null lists or null tokens in "
+                    f"row group {g}; every row must be a list of token ids"
+                )
+            offsets = np.asarray(column.offsets, dtype=np.int64)
+            lengths.append(np.diff(offsets))
+            groups.append(int(offsets[-1] - offsets[0]))
+        flat = np.concatenate([np.zeros(1, dtype=np.int64), *lengths])
+        starts = np.cumsum(flat)
+        return starts, Unit(unit.shard, -1, "table", unit.dtype, int(starts[-1]), tuple(groups))
+
+    # construction helpers --------------------------------------------------------
+    def _build_index(self) -> None:
+        super()._build_index()
+        self._unit_of_shard = {u.shard: i for i, u in enumerate(self.units)}
+        self._all_token_files = all(u.kind != "table" for u in self.units)
+        base = np.zeros(len(self.units) + 1, dtype=np.int64)
+        np.cumsum([u.tokens for u in self.units], out=base[1:])
+        self._unit_base = base
+        self._group_bases = [
+            np.concatenate([[0], np.cumsum(u.groups)]).astype(np.int64) for u in self.units
+        ]
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._groups: OrderedDict[tuple[int, int], np.ndarray[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _forget_handle(self, shard: int) -> None:
+        self._handles.pop(shard)
+        with self._lock:
+            for key in [k for k in self._groups if k[0] == shard]:
+                self._groups.pop(key, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self.index_dir is not None:
+            state["_starts"] = None  # re-loaded from the index file, not pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._starts is None:
+            stored = load_index(self.index_dir, "documents", self._table_inputs())
+            if stored is None:
+                raise VerificationError(
+                    f"the document table of manifest {self.manifest.id[:15]}… is no longer "
+                    f"in index_dir {self.index_dir}; hint: keep the index directory while "
+                    "workers start"
+                )
+            self._starts = stored[0]
+        self._build_index()
+        self._reset_process_state()
+
+    # properties ----------------------------------------------------------------------
+    @property
+    def num_documents(self) -> int:
+        """Documents in the corpus."""
+        return int(self._starts.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the corpus (every document's)."""
+        return int(self._starts[-1])
+
+    @property
+    def starts(self) -> npt.NDArray[np.int64]:
+        """The document table: ``N + 1`` corpus offsets (read-only)."""
+        view = self._starts.view()
+        view.flags.writeable = False
+        return view
+
+    def lengths(self) -> npt.NDArray[np.int64]:
+        """Tokens per document (a new array)."""
+        return np.diff(self._starts)
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and how documents are cut from it."""
+        return {
+            "type": "documents",
+            "algorithm": ALGORITHM,
+            "manifest": self.manifest.id,
+            "eod_token": self.eod_token,
+            "column": self.column,
+            "out_dtype": self.out_dtype.name,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+        }
+
+    def document(self, d: int) -> np.ndarray[Any, Any]:
+        """The tokens of document ``d`` (a new array)."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        a, b = int(self._starts[d]), int(self._starts[d + 1])
+        return self.gather(np.arange(a, b, dtype=np.int64))
+
+    # reading ---------------------------------------------------------------------------
+    def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
+        """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""
+        index = np.asarray(index, dtype=np.int64)
+        out = np.empty(index.size, dtype=self.out_dtype)
+        if not index.size:
+            return out
+        unit = np.searchsorted(self._unit_base, index, side="right").astype(np.int64) - 1
+        lo, hi = int(unit.min()), int(unit.max())
+        if lo == hi:
+            out[:] = self._gather_unit(lo, index - self._unit_base[lo])
+            return out
+        touched = np.flatnonzero(np.bincount(unit - lo)) + lo
+        if touched.size <= _MASK_UNITS:  # a few masks beat a stable argsort of every token
+            for u in touched.tolist():
+                rows = unit == u
+                out[rows] = self._gather_unit(u, index[rows] - self._unit_base[u])
+            return out
+        groups = stable_groups(unit)
+        local = index[groups.order] - self._unit_base[groups.sorted_keys]
+        for u, a, b in groups.spans:
+            out[groups.order[a:b]] = self._gather_unit(u, local[a:b])
+        return out
+
+    def copy_ranges(
+        self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
+    ) -> None:
+        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
+        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``).
+
+        Each range must lie inside one document (so inside one shard and one row group),
+        as document pieces do; ``out`` is 1-D (tokens are cast to its dtype). Long ranges
+        are copied slice by slice (one ``memcpy`` each); many short ones through one
+        fancy-index gather per touched shard or row group: O(tokens) in C either way.
+        """
+        if not count.size:
+            return
+        unit = np.searchsorted(self._unit_base, source, side="right").astype(np.int64) - 1
+        local = source - self._unit_base[unit]
+        touched = np.flatnonzero(np.bincount(unit)).tolist()
+        if self._all_token_files and int(count.sum()) >= _SLICE_MIN_TOKENS * count.size:
+            views = {u: self._unit_tokens(u) for u in touched}  # one handle lookup per shard
+            if out.flags.c_contiguous and all(v.dtype == out.dtype for v in views.values()):
+                _copy_bytes(views, unit, local, count, target, out)
+                return
+            for u, s, n, t in zip(
+                unit.tolist(), local.tolist(), count.tolist(), target.tolist(), strict=True
+            ):
+                out[t : t + n] = views[u][s : s + n]
+            return
+        for u in touched:
+            mine = slice(None) if len(touched) == 1 else unit == u
+            self._copy_unit(u, local[mine], count[mine], target[mine], out)
+
+    def _unit_tokens(self, u: int) -> np.ndarray[Any, Any]:
+        """The token view of token-file unit ``u`` (its cached copy refreshed first)."""
+        unit = self.units[u]
+        if self._uses_shard_cache():
+            self._refresh_copies((unit.shard,))
+        return self._token_view(unit)
+
+    def _copy_unit(
+        self,
+        u: int,
+        local: IntArray,
+        count: IntArray,
+        target: IntArray,
+        out: np.ndarray[Any, Any],
+    ) -> None:
+        unit = self.units[u]
+        if unit.kind != "table":
+            _copy_from(self._unit_tokens(u), local, count, target, out)
+            return
+        if self._uses_shard_cache():
+            self._refresh_copies((unit.shard,))
+        bases = self._group_bases[u]
+        group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
+        groups = np.unique(group).tolist()
+        for g in groups:
+            mine = slice(None) if len(groups) == 1 else group == g
+            values = self._group_values(unit, g)
+            _copy_from(values, local[mine] - bases[g], count[mine], target[mine], out)
+
+    def _gather_unit(self, u: int, local: IntArray) -> np.ndarray[Any, Any]:
+        unit = self.units[u]
+        if self._uses_shard_cache():
+            self._refresh_copies((unit.shard,))
+        if unit.kind != "table":
+            return self._token_view(unit)[local]
+        bases = self._group_bases[u]
+        group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
+        g0, g1 = int(group.min()), int(group.max())
+        if g0 == g1:
+            picked: np.ndarray[Any, Any] = self._group_values(unit, g0)[local - bases[g0]]
+            return picked
+        out = np.empty(local.size, dtype=np.dtype(unit.dtype))
+        runs = stable_groups(group)
+        inner = local[runs.order] - bases[runs.sorted_keys]
+        for g, a, b in runs.spans:
+            out[runs.order[a:b]] = self._group_values(unit, g)[inner[a:b]]
+        return out
+
+    def _path(self, shard: int) -> str:
+        """A local path of ``shard``: the file, or its verified cached copy."""
+        if self._uses_shard_cache():
+            return self._cached_path(shard)
+        path = join(self._filesystem()[1], self.manifest.shards[shard].path)
+        if not os.path.exists(path):
+            entry = self.manifest.shards[shard]
+            raise VerificationError(
+                f"shard {entry.path} ({path}): missing; it was verified when the dataset was "
+                "opened, then deleted or renamed; hint: restore it and resume from the last "
+                "saved state",
+                shard=entry.path,
+                field="exists",
+                expected=True,
+                found=False,
+            )
+        return path
+
+    def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
+        """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""
+        held: _Mapped | None = self._handles.get(unit.shard)
+        if held is not None:
+            self._check_size(unit.shard, held.mapping.size(), held.path)
+            return held.view
+        entry = self.manifest.shards[unit.shard]
+        path = self._path(unit.shard)
+        with open(path, "rb") as fh:
+            self._check_size(unit.shard, os.fstat(fh.fileno()).st_size, path)
+            mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else None
+        if mapping is None:
+            view: np.ndarray[Any, Any] = np.empty(0, dtype=disk_dtype(unit.dtype))
+            return view
+        view = np.frombuffer(
+            mapping,
+            dtype=disk_dtype(unit.dtype),
+            count=unit.tokens,
+            offset=entry.data_offset or 0,
+        )
+        view.flags.writeable = False
+        self._keep_handle(unit.shard, _Mapped(view, mapping, path))
+        return view
+
+    def _table_reader(self, shard: int) -> Any:
+        entry = self.manifest.shards[shard]
+        path = self._path(shard)
+        if entry.format is Format.PARQUET:
+            return pq.ParquetFile(path, memory_map=True)
+        source = pa.memory_map(path)
+        if entry.format is Format.ARROW_STREAM:
+            return ipc.open_stream(source)
+        return ipc.open_file(source)
+
+    def _read_group(self, shard: int, group: int) -> pa.ListArray:
+        """Row group / record batch ``group`` of the token column of ``shard`` (one chunk)."""
+        entry = self.manifest.shards[shard]
+        if entry.format is Format.PARQUET:
+            table = self._table_reader(shard).read_row_group(group, columns=[self.column])
+            column = table.column(self.column).combine_chunks()
+        else:
+            column = self._arrow_batches(shard)[group]
+        if isinstance(column, pa.ChunkedArray):  # pragma: no cover - combined above
+            column = column.combine_chunks()
+        return column
+
+    def _arrow_batches(self, shard: int) -> list[Any]:
+        reader = self._table_reader(shard)
+        if self.manifest.shards[shard].format is Format.ARROW_STREAM:
+            batches = list(reader)
+        else:
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        return [b.column(self.column) for b in batches]
+
+    def _group_values(self, unit: Unit, group: int) -> np.ndarray[Any, Any]:
+        """The flattened tokens of row group ``group`` of a table unit (cached per process)."""
+        entry = self.manifest.shards[unit.shard]
+        if entry.format is not Format.PARQUET:
+            held: _ArrowValues | None = self._handles.get(unit.shard)
+            if held is None:
+                path = self._path(unit.shard)
+                values = [
+                    np.asarray(c.flatten().to_numpy(zero_copy_only=False))
+                    for c in self._arrow_batches(unit.shard)
+                ]
+                held = _ArrowValues(values, path)
+                self._keep_handle(unit.shard, held)
+            self._check_file(unit.shard, held.path)
+            return held.values[group]
+        key = (unit.shard, group)
+        with self._lock:
+            cached = self._groups.get(key)
+            if cached is not None:
+                self._groups.move_to_end(key)
+                return cached
+        decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
+        decoded.setflags(write=False)
+        with self._lock:
+            self._groups[key] = decoded
+            while len(self._groups) > _PARQUET_GROUPS:
+                self._groups.popitem(last=False)
+        return decoded
+
+
+def _copy_bytes(
+    views: dict[int, np.ndarray[Any, Any]],
+    unit: IntArray,
+    source: IntArray,
+    count: IntArray,
+    target: IntArray,
+    out: np.ndarray[Any, Any],
+) -> None:
+    """`_copy_from` over several token views of ``out``'s dtype, as raw byte copies
+    (a ``memoryview`` slice assignment per range: a ``memcpy`` with the least Python)."""
+    size = out.dtype.itemsize
+    dst = out.data.cast("B")
+    src = {u: v.data.cast("B") for u, v in views.items()}
+    for u, s, n, t in zip(
+        unit.tolist(),
+        (source * size).tolist(),
+        (count * size).tolist(),
+        (target * size).tolist(),
+        strict=True,
+    ):
+        dst[t : t + n] = src[u][s : s + n]
+
+
+def _copy_from(
+    values: np.ndarray[Any, Any],
+    source: IntArray,
+    count: IntArray,
+    target: IntArray,
+    out: np.ndarray[Any, Any],
+) -> None:
+    """``out[target[j] : target[j] + count[j]] = values[source[j] : source[j] + count[j]]``."""
+    total = int(count.sum())
+    if total >= _SLICE_MIN_TOKENS * count.size:
+        for s, n, t in zip(source.tolist(), count.tolist(), target.tolist(), strict=True):
+            out[t : t + n] = values[s : s + n]
+        return
+    run = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    out[np.repeat(target, count) + run] = values[np.repeat(source, count) + run]
+
+
+def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
+    """The dtype gathered tokens are delivered in: ``out_dtype`` or the units' common type."""
+    found = sorted({u.dtype for u in units})
+    common = np.result_type(*[np.dtype(d) for d in found])
+    if out_dtype is None:
+        return np.dtype(common)
+    want = np.dtype(out_dtype)
+    narrow = [d for d in found if not np.can_cast(d, want, casting="safe")]
+    if want.kind not in "iu" or narrow:
+        raise ConfigError(
+            f"out_dtype {want.name} cannot hold the tokens of dtype {narrow or want.name}; "
+            f"hint: use {common.name} or wider"
+        )
+    return want
+
+
+def shard_entry(documents: Documents, unit: int) -> ShardEntry:
+    """The manifest entry holding the tokens of ``documents.units[unit]``."""
+    return documents.manifest.shards[documents.units[unit].shard]

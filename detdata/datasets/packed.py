@@ -1,0 +1,321 @@
+"""`PackedWindows`: fixed ``seq_len`` windows packed from documents (``packing-v1``).
+
+A `Dataset` of windows over a `Documents` corpus: window ``w`` is tokens
+``[w * seq_len, w * seq_len + seq_len + labels)`` of the stream of (optionally
+shuffled, optionally BOS/EOS-wrapped) documents, documents split across windows
+where the boundary falls (`detdata.order.packing` defines the algorithm exactly).
+The loader orders the windows by its `GlobalOrder` like any dataset, so
+positions, resume, resharding and mixtures work as for `TokenWindows`.
+
+Each window delivers:
+
+==================  ==========================  =========================================
+column              shape, dtype                meaning
+==================  ==========================  =========================================
+``tokens``          ``(window,)`` out dtype      the window's tokens (``window`` =
+                                                 ``seq_len + labels``)
+``doc_index``       ``(window,)`` int32          segment number within the window
+                                                 (0, 1, ...; ``-1``: padding)
+``position_ids``    ``(window,)`` int32          offset within the segment (restarts at
+                                                 each document)
+``cu_seqlens``      ``(max_segments + 1,)``      cumulative segment ends over the
+                    int32                        ``seq_len`` input tokens (flash-attention
+                                                 varlen layout); unused entries repeat
+                                                 ``seq_len``
+``num_segments``    ``()`` int32                 used segments: ``cu_seqlens[:n + 1]``
+==================  ==========================  =========================================
+
+With ``labels=True`` the model's inputs are ``tokens[:-1]`` with
+``position_ids[:-1]`` and masks from ``doc_index[:-1]`` / ``cu_seqlens``; the
+targets are ``tokens[1:]`` (a target whose ``doc_index`` differs from its
+input's crosses a document boundary). For a batch, flash-attention's varlen
+``cu_seqlens`` is the concatenation over rows ``b`` of ``cu_seqlens[b, 1 :
+num_segments[b] + 1] + b * seq_len`` after a leading 0.
+
+``max_segments`` (the width of ``cu_seqlens``) defaults to a bound computed from
+the index (`detdata.order.packing.segments_bound`); pass the same value to every
+source of a `Mixture` so their columns agree.
+
+The packing index (16 bytes a document: the stream offset and corpus start of each
+shuffled document; the `Documents` table adds 8) is built once at
+construction in chunks with a progress bar, or loaded from ``index_dir``
+(content-addressed by the documents' identity, the seed and every option,
+`detdata.datasets.index_files`). Reading window ``w`` never packs windows before it:
+two ``searchsorted`` calls locate its documents.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.checks import check_count, check_positive_int, check_seed
+from detdata.base.errors import ConfigError, VerificationError
+from detdata.base.types import Batch, IntArray
+from detdata.datasets.base import check_ids
+from detdata.datasets.columns import describe_dtype
+from detdata.datasets.documents import Documents
+from detdata.datasets.index_files import load_index, progress, save_index
+from detdata.datasets.process_local import ProcessLocal
+from detdata.order.packing import (
+    ALGORITHM,
+    Tail,
+    build_offsets,
+    copy_plan,
+    covered_tokens,
+    locate,
+    packed_columns,
+    parse_tail,
+    segments_bound,
+    shuffled_documents,
+    window_count,
+)
+
+COLUMNS: Final = ("tokens", "doc_index", "position_ids", "cu_seqlens", "num_segments")
+
+
+class PackedWindows(ProcessLocal):
+    """``seq_len`` windows packed from ``documents`` (module docstring; ``packing-v1``).
+
+    ``seed`` keys the document shuffle (``shuffle=False``: canonical document
+    order). ``bos`` / ``eos``: token ids inserted before / after every document.
+    ``tail``: ``"drop"`` (the last partial window is not delivered) or ``"pad"``
+    (it is, filled with ``pad_id``). ``index_dir``: where the packing index is
+    stored (default: ``documents.index_dir``; None: built at every construction).
+    """
+
+    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_offsets", "_first", "_ramp")
+
+    def __init__(
+        self,
+        documents: Documents,
+        seq_len: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        labels: bool = True,
+        bos: int | None = None,
+        eos: int | None = None,
+        tail: str | Tail = Tail.DROP,
+        pad_id: int | None = None,
+        max_segments: int | None = None,
+        index_dir: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if not isinstance(documents, Documents):
+            raise ConfigError(
+                f"PackedWindows packs a detdata Documents corpus, got {type(documents).__name__}"
+            )
+        self.documents = documents
+        self.seq_len = check_positive_int(seq_len, "seq_len")
+        self.seed = check_seed(seed)
+        self.shuffle = _check_bool(shuffle, "shuffle")
+        self.labels = _check_bool(labels, "labels")
+        self.window = self.seq_len + int(self.labels)
+        self.tail = parse_tail(tail)
+        dtype = documents.out_dtype
+        self.bos = _check_token(bos, "bos", dtype)
+        self.eos = _check_token(eos, "eos", dtype)
+        self.pad_id = _check_token(pad_id, "pad_id", dtype)
+        if (self.tail is Tail.PAD) != (self.pad_id is not None):
+            raise ConfigError(
+                "pad_id= is needed with tail='pad' and only then (tail='drop' never pads); "
+                f"got tail={self.tail.value!r}, pad_id={pad_id!r}"
+            )
+        self.index_dir = documents.index_dir if index_dir is None else os.fspath(index_dir)
+        self.progress = progress
+        self._index, meta = self._packing_index()
+        self._num = int(meta["windows"])
+        if self._num == 0:
+            raise ConfigError(
+                f"no windows of seq_len={self.seq_len} (labels={self.labels}, tail="
+                f"{self.tail.value!r}) in {self.documents.num_tokens} tokens of "
+                f"{self.documents.num_documents} documents; hint: use a smaller seq_len"
+            )
+        bound = int(meta["segments_bound"])
+        if max_segments is None:
+            self.max_segments = bound
+        else:
+            self.max_segments = check_positive_int(max_segments, "max_segments")
+            if self.max_segments < bound:
+                raise ConfigError(
+                    f"max_segments={self.max_segments} is below the {bound} segments a window "
+                    "of this corpus can have; hint: pass max_segments >= "
+                    f"{bound} (or None)"
+                )
+        self._build_index()
+
+    # the packing index ------------------------------------------------------------
+    def _inputs(self) -> dict[str, Any]:
+        return {
+            "algorithm": ALGORITHM,
+            "documents": self.documents.identity(),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "bos": self.bos,
+            "eos": self.eos,
+            "seq_len": self.seq_len,
+            "labels": self.labels,
+            "tail": self.tail.value,
+        }
+
+    def _packing_index(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        inputs = self._inputs()
+        stored = load_index(self.index_dir, "packing", inputs)
+        if stored is not None:
+            return stored[0], stored[1]
+        starts = self.documents.starts
+        n = self.documents.num_documents
+        extra = int(self.bos is not None) + int(self.eos is not None)
+        with progress(n, "packing index", self.progress) as update:
+            offsets = build_offsets(
+                starts, seed=self.seed, shuffle=self.shuffle, extra=extra, progress=update
+            )
+        total = int(offsets[0, -1])
+        windows = window_count(total, self.seq_len, self.labels, self.tail)
+        with progress(windows, "segments bound", self.progress) as update:
+            bound = segments_bound(offsets[0], windows, self.seq_len, update) if windows else 1
+        meta = {"windows": windows, "segments_bound": bound}
+        save_index(self.index_dir, "packing", inputs, offsets, meta)
+        return offsets, meta
+
+    def _build_index(self) -> None:
+        self._offsets = self._index[0]
+        self._first = self._index[1]
+        self._ramp: IntArray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self.index_dir is not None:
+            state["_index"] = None  # re-loaded from the index file, not pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._index is None:
+            stored = load_index(self.index_dir, "packing", self._inputs())
+            if stored is None:
+                raise VerificationError(
+                    f"the packing index is no longer in index_dir {self.index_dir}; hint: keep "
+                    "the index directory while workers start"
+                )
+            self._index = stored[0]
+        self._build_index()
+        self._reset_process_state()
+
+    # Dataset protocol ---------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Windows per epoch."""
+        return self._num
+
+    @property
+    def offsets(self) -> npt.NDArray[np.int64]:
+        """The packing index: effective-token offsets of the shuffled positions (read-only)."""
+        view: npt.NDArray[np.int64] = self._offsets.view()
+        view.flags.writeable = False
+        return view
+
+    def schema(self) -> dict[str, str]:
+        """Column -> what `read` delivers per row (`describe_dtype` form), without a read."""
+        return {
+            "tokens": describe_dtype(self.documents.out_dtype, (self.window,)),
+            "doc_index": describe_dtype(np.dtype(np.int32), (self.window,)),
+            "position_ids": describe_dtype(np.dtype(np.int32), (self.window,)),
+            "cu_seqlens": describe_dtype(np.dtype(np.int32), (self.max_segments + 1,)),
+            "num_segments": describe_dtype(np.dtype(np.int32)),
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the documents, the algorithm and every packing option."""
+        return {
+            "type": "packed_windows",
+            "algorithm": ALGORITHM,
+            "documents": self.documents.identity(),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "seq_len": self.seq_len,
+            "labels": self.labels,
+            "bos": self.bos,
+            "eos": self.eos,
+            "tail": self.tail.value,
+            "pad_id": self.pad_id,
+            "max_segments": self.max_segments,
+            "num_samples": self._num,
+        }
+
+    def document_at(self, positions: IntArray) -> IntArray:
+        """The document at each shuffled position (the packing order)."""
+        return shuffled_documents(
+            np.asarray(positions, dtype=np.int64),
+            self.documents.num_documents,
+            self.seed,
+            self.shuffle,
+        )
+
+    def read(self, ids: npt.ArrayLike) -> Batch:
+        """The columns of windows ``ids`` (module docstring), rows in the order of ``ids``.
+
+        O(tokens) in vectorised passes: whole document pieces are copied as contiguous
+        token ranges (`copy_plan`, `Documents.copy_ranges`) and the mask columns come
+        from per-piece arithmetic (`packed_columns`); Python work is per touched shard
+        (per piece at most).
+        """
+        win = check_ids(ids, self._num, f"PackedWindows(seq_len={self.seq_len})")
+        rows, width = int(win.size), self.window
+        pieces = locate(self._offsets, win, seq_len=self.seq_len, width=width)
+        covered = covered_tokens(self._offsets, win, seq_len=self.seq_len, width=width)
+        plan = copy_plan(
+            pieces, self._first, width=width, bos=self.bos is not None, eos=self.eos is not None
+        )
+        dtype = self.documents.out_dtype
+        if int(covered.sum()) == rows * width:
+            tokens = np.empty(rows * width, dtype=dtype)
+        else:
+            tokens = np.full(rows * width, self.pad_id or 0, dtype=dtype)
+        self.documents.copy_ranges(plan.source, plan.count, plan.target, tokens)
+        if self.bos is not None:
+            tokens[plan.bos_at] = self.bos
+        if self.eos is not None:
+            tokens[plan.eos_at] = self.eos
+        out: Batch = {"tokens": tokens.reshape(rows, width)}
+        out.update(
+            packed_columns(
+                pieces,
+                covered,
+                width=width,
+                seq_len=self.seq_len,
+                max_segments=self.max_segments,
+                ramp=self._ramp_of(rows * width),
+            )
+        )
+        return out
+
+    def _ramp_of(self, size: int) -> IntArray | None:
+        """A cached int32 ``arange`` of at least ``size`` (grown on demand; never changes a
+        delivered byte). Over 2**31 entries: None (`packed_columns` makes its own)."""
+        if size >= 2**31:
+            return None
+        ramp = self._ramp
+        if ramp is None or ramp.size < size:
+            ramp = np.arange(size, dtype=np.int32)
+            ramp.flags.writeable = False
+            self._ramp = ramp
+        return ramp
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _check_token(value: int | None, name: str, dtype: np.dtype[Any]) -> int | None:
+    """A token id that fits the delivered token dtype, or None."""
+    if value is None:
+        return None
+    info = np.iinfo(dtype)
+    return check_count(value, name, minimum=max(0, int(info.min)), maximum=int(info.max))

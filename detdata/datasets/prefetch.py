@@ -1,0 +1,250 @@
+"""Lookahead prefetch: fill the shard cache from the known future of the order.
+
+The order is a pure function of the position, so the loader knows exactly which samples
+(hence which shards) the next micro steps read. `Lookahead` walks them ahead of the
+consumer and fills their verified copies into the `ShardCache` (``cache_dir``) on a few
+background threads, so a reader finds its shards already on local disk. The rules:
+
+* **Order of first use.** Shards are submitted in the order the coming micro steps first
+  read them; ``connections`` threads fill them (FIFO), so at most ``connections`` shard
+  downloads are in flight (each a sequence of retried range reads).
+* **Window under the byte bound.** The window is the micro steps from the one about to be
+  delivered up to ``steps`` ahead. The distinct shards of the window must fit in the
+  cache bound (``shard_cache_bytes`` of their cache directory): the window is extended
+  only while they do, so the lookahead shrinks when shards are large (never below the
+  step about to be read). The cache itself never holds more than its bound (it evicts
+  before a fill reserves space).
+* **Evict after last use.** When the consumer passes a shard's last use in the window, its
+  copy is *released*: it becomes the first one the cache evicts (`ShardCache.release`),
+  so copies still ahead in the window are not evicted by LRU while released ones remain.
+  A fill still queued for a released shard is cancelled.
+* **Errors surface at the batch.** A failed prefetch is logged and dropped: the reader that
+  needs the shard finds no copy and fetches it itself, through the same verified fill
+  with the same `RetryPolicy`, so the error (naming shard and URL) is raised at exactly
+  the batch that needs it, never lost and never raised early.
+* **Bytes unchanged.** Prefetch only decides *when* a verified copy is filled; readers
+  read the same bytes either way, so it is not part of any identity.
+
+`Lookahead` runs in the loader's process. With worker processes it starts after they
+are forked, and they share the cache directory: a worker that needs a shard the prefetch
+is filling waits on that shard's lock, then reads the copy (one download per shard).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from detdata.base.checks import check_count
+from detdata.base.types import IntArray
+from detdata.datasets.shards import ShardReader
+
+log: Final = logging.getLogger("detdata.prefetch")
+#: Default number of shard downloads in flight.
+DEFAULT_CONNECTIONS: Final = 4
+
+Key = tuple[int, int]  # (reader index in `Lookahead.readers`, shard)
+
+
+def cached_readers(stream: Any) -> list[ShardReader]:
+    """The shard readers of ``stream`` (a dataset, an ordered stream or a mixture) that read
+    through a shard cache (``cache_dir`` and a remote root), in source order."""
+    candidates: list[Any]
+    sources = getattr(stream, "sources", None)
+    if isinstance(sources, dict):
+        candidates = list(sources.values())
+    else:
+        candidates = [getattr(stream, "dataset", stream)]
+    return [r for r in candidates if isinstance(r, ShardReader) and r._uses_shard_cache()]
+
+
+def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> list[Key]:
+    """``(reader index, shard)`` read at ``positions`` of ``stream``, in order of first use.
+
+    Only readers in ``readers`` count. Mixtures (``sources`` + ``locate``) are split by
+    source; other streams map positions with ``sample_ids`` to their ``dataset``.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    index = {id(r): i for i, r in enumerate(readers)}
+    sources = getattr(stream, "sources", None)
+    if isinstance(sources, dict) and hasattr(stream, "locate"):
+        src, _, ids = stream.locate(pos)
+        datasets = [sources[name] for name in stream.source_names]
+        which = np.asarray([index.get(id(d), -1) for d in datasets], dtype=np.int64)[src]
+    else:
+        ds = getattr(stream, "dataset", stream)
+        ids = np.asarray(stream.sample_ids(pos) if ds is not stream else pos).reshape(-1)
+        which = np.full(ids.shape, index.get(id(ds), -1), dtype=np.int64)
+    keep = which >= 0
+    if not keep.any():
+        return []
+    which, ids = which[keep], ids[keep]
+    shard = np.empty(ids.shape, dtype=np.int64)
+    for i in np.unique(which).tolist():
+        sel = which == i
+        shard[sel] = readers[i].locate(ids[sel])[0]
+    combined = which * (1 << 40) + shard
+    _, first = np.unique(combined, return_index=True)
+    first.sort()
+    return [(int(which[j]), int(shard[j])) for j in first.tolist()]
+
+
+@dataclass
+class LookaheadStats:
+    """Counters of one `Lookahead` (this process)."""
+
+    submitted: int = 0  # shard fills queued
+    done: int = 0  # fills finished (hit or fetched)
+    failed: int = 0  # fills that raised (the reader fetches again and reports)
+    cancelled: int = 0  # queued fills dropped: released first
+    released: int = 0  # copies released after their last use in the window
+    shrunk: int = 0  # times the window stopped short of `steps` to stay under the bound
+    max_window_bytes: int = 0
+
+
+class Lookahead:
+    """Fills the shard cache ahead of the consumer (see the module docstring).
+
+    ``positions_of(j)``: the positions this rank reads at micro step ``j``; ``stop``: the
+    first micro step never read (None: endless). Call `advance` with the micro step about
+    to be delivered, before reading it; `close` when done.
+    """
+
+    def __init__(
+        self,
+        stream: Any,
+        positions_of: Callable[[int], IntArray],
+        *,
+        steps: int,
+        connections: int = DEFAULT_CONNECTIONS,
+        stop: int | None = None,
+        readers: list[ShardReader] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.positions_of = positions_of
+        self.steps = check_count(steps, "lookahead", minimum=1)
+        self.connections = check_count(connections, "lookahead_connections", maximum=256)
+        self.stop = stop
+        self.readers = cached_readers(stream) if readers is None else readers
+        self.stats = LookaheadStats()
+        self._budget = {r.cache_dir: r.shard_cache_bytes for r in self.readers}
+        self._window_bytes: dict[str | None, int] = collections.defaultdict(int)
+        self._plan: collections.deque[tuple[int, list[Key]]] = collections.deque()
+        self._last_use: dict[Key, int] = {}
+        self._futures: dict[Key, Future[None]] = {}
+        self._next = 0  # the first micro step not planned yet
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to prefetch (some reader uses a shard cache)."""
+        return bool(self.readers)
+
+    def window_bytes(self) -> int:
+        """Bytes of the distinct shards in the window now (all cache directories)."""
+        return sum(self._window_bytes.values())
+
+    # the consumer's side ----------------------------------------------------------
+    def advance(self, step: int) -> None:
+        """The consumer is about to read micro step ``step``: release shards whose last use
+        in the window is behind it, then extend the window and queue new fills."""
+        if not self.active or self._closed:
+            return
+        if (self._plan and self._plan[0][0] > step) or step > self._next:
+            self._restart(step)  # a jump (resume elsewhere): plan afresh from here
+        while self._plan and self._plan[0][0] < step:
+            done, keys = self._plan.popleft()
+            for key in keys:
+                if self._last_use.get(key) == done:
+                    self._release(key)
+        self._extend(step)
+
+    def close(self) -> None:
+        """Cancel queued fills and wait for running ones (bounded by the retry policy)."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # planning -----------------------------------------------------------------------
+    def _restart(self, step: int) -> None:
+        for key in list(self._last_use):
+            self._release(key)
+        self._plan.clear()
+        self._next = step
+
+    def _extend(self, step: int) -> None:
+        horizon = step + self.steps
+        if self.stop is not None:
+            horizon = min(horizon, self.stop)
+        while self._next < horizon:
+            keys = shard_uses(self.stream, self.positions_of(self._next), self.readers)
+            new = [k for k in keys if k not in self._last_use]
+            extra: dict[str | None, int] = collections.defaultdict(int)
+            for k in new:
+                reader = self.readers[k[0]]
+                extra[reader.cache_dir] += reader.manifest.shards[k[1]].bytes
+            over = any(self._window_bytes[d] + b > self._budget.get(d, 0) for d, b in extra.items())
+            if over and self._plan:  # the step about to be read is always planned
+                self.stats.shrunk += 1
+                break
+            for d, b in extra.items():
+                self._window_bytes[d] += b
+            self.stats.max_window_bytes = max(self.stats.max_window_bytes, self.window_bytes())
+            for k in keys:
+                self._last_use[k] = self._next
+            self._plan.append((self._next, keys))
+            for k in new:
+                self._submit(k)
+            self._next += 1
+
+    # fills and releases -----------------------------------------------------------
+    def _submit(self, key: Key) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.connections, thread_name_prefix="detdata-prefetch"
+            )
+        self.stats.submitted += 1
+        future = self._pool.submit(self._fill, key)
+        self._futures[key] = future
+
+    def _fill(self, key: Key) -> None:
+        reader = self.readers[key[0]]
+        try:
+            reader.prefetch_copy(key[1])
+        except Exception as exc:
+            with self._lock:
+                self.stats.failed += 1
+            log.warning(
+                "detdata: background prefetch of shard %s failed (%s: %s); the batch that "
+                "needs it fetches it again and raises if that fails too",
+                reader.manifest.shards[key[1]].path,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        with self._lock:
+            self.stats.done += 1
+
+    def _release(self, key: Key) -> None:
+        reader = self.readers[key[0]]
+        self._last_use.pop(key, None)
+        self._window_bytes[reader.cache_dir] -= reader.manifest.shards[key[1]].bytes
+        self.stats.released += 1
+        future = self._futures.pop(key, None)
+        if future is not None and not future.done():
+            if future.cancel():
+                self.stats.cancelled += 1
+                return
+            future.add_done_callback(lambda _: reader.release_copy(key[1]))
+            return
+        reader.release_copy(key[1])

@@ -1,0 +1,305 @@
+"""Provenance: every sample of a global step, down to its shard file and byte range.
+
+`provenance(stream, positions, ...)` describes each position: rank, micro step
+and row in that rank's micro batch, source (None for one dataset, else the
+mixture's source name), sample id, and where the bytes live:
+
+* `TokenWindows`: ``shard`` (manifest-relative path), ``url`` (its full path or URL),
+  ``tokens`` ``[start, end)`` (token indices in the shard, the label token included)
+  and ``bytes`` ``[start, end)`` (in the shard file, header included: ``dd`` can
+  read them);
+* `TableRows`: ``shard``, ``url``, ``rows`` ``[row, row + 1)`` in the shard and its
+  ``row_group``;
+* any dataset with a ``provenance(ids) -> list[dict]`` method: those dicts (packed
+  documents list their documents there);
+
+plus ``digest``: the blake3 (`sample_digest`) of the sample exactly as the stream
+delivers it (before a loader ``transform``/``collate_fn``), and, through an
+`Excluded` stream, ``replaced`` (the excluded id and the number of draws).
+``decode`` (a callable taking the sample as a dict of column -> array) adds its
+result as ``text``.
+
+Positions of a step: ``[start(step), start(step + 1))`` from the loader's step map
+(`DataLoader.position_of_step`: right under batch schedules and batch changes at a
+resume); `step_positions` is the fixed-batch case. Within a step, position ``c + q``
+is row ``q % m`` of micro step ``q // (m * D)`` on rank ``(q // m) % D``
+(docs/design.md section 4).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError
+from detdata.base.hashing import digest_bytes
+from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.datasets.exclusions import Excluded
+from detdata.datasets.mixture import Mixture
+from detdata.datasets.origins import origins
+from detdata.datasets.streams import OrderedStream
+from detdata.datasets.tables import TableRows
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.formats import disk_dtype
+from detdata.order.feistel import GlobalOrder
+from detdata.order.inverse import mixture_positions_of, positions_of
+from detdata.order.mixture import Schedule
+
+#: Digest framing version of `sample_digest`.
+DIGEST_TAG: Final = b"detdata:sample-v1"
+Decode = Callable[[Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRecord:
+    """Where one delivered sample came from (see the module docstring for each field)."""
+
+    position: int
+    step: int
+    rank: int
+    micro_step: int
+    row: int
+    source: str | None
+    sample_id: int
+    digest: str
+    location: Mapping[str, Any] = field(default_factory=dict)
+    replaced: Mapping[str, Any] | None = None
+    text: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (locations flattened into the record)."""
+        out: dict[str, Any] = {
+            "position": self.position,
+            "step": self.step,
+            "rank": self.rank,
+            "micro_step": self.micro_step,
+            "row": self.row,
+            "source": self.source,
+            "sample_id": self.sample_id,
+            "digest": self.digest,
+        }
+        out.update(self.location)
+        if self.replaced is not None:
+            out["replaced"] = dict(self.replaced)
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+def _framed(*fields: bytes) -> bytes:
+    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
+
+
+def _value_bytes(value: Any) -> bytes:
+    """The bytes one column of one sample contributes: dtype, shape and buffer of an array;
+    utf-8 of a str; a bytes value as is; a 1-D array in an object column like an array."""
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        arr = np.ascontiguousarray(value)
+        return _framed(b"nd", arr.dtype.str.encode(), str(arr.shape).encode(), arr.tobytes())
+    if isinstance(value, str):
+        return _framed(b"str", value.encode("utf-8"))
+    if isinstance(value, bytes):
+        return _framed(b"bytes", value)
+    if isinstance(value, np.generic):
+        return _value_bytes(np.asarray(value))
+    if value is None:
+        return _framed(b"none")
+    raise ConfigError(
+        f"cannot digest a sample column holding {type(value).__name__}; "
+        "hint: numeric arrays, str and bytes are digested"
+    )
+
+
+def sample_digest(sample: Mapping[str, Any]) -> str:
+    """``b3:<hex>`` of one sample (column -> value), framed: ``DIGEST_TAG``, then per column in
+    sorted name order its name and `_value_bytes` (each part length-prefixed, u64le)."""
+    parts = [DIGEST_TAG]
+    for name in sorted(sample):
+        parts.append(_framed(name.encode("utf-8"), _value_bytes(sample[name])))
+    return digest_bytes(_framed(*parts))
+
+
+def row_of(batch: Batch, j: int) -> dict[str, Any]:
+    """Sample ``j`` of a batch as column -> value."""
+    return {k: v[j] for k, v in batch.items()}
+
+
+def _token_locations(ds: TokenWindows, ids: IntArray) -> list[dict[str, Any]]:
+    shard, window = ds.locate(ids)
+    out = []
+    for s, w in zip(shard.tolist(), window.tolist(), strict=True):
+        entry = ds.manifest.shards[s]
+        start = w * ds.seq_len
+        size = disk_dtype(entry.dtype or "").itemsize
+        offset = entry.data_offset or 0
+        out.append(
+            {
+                "shard": entry.path,
+                "url": ds.manifest.url(entry),
+                "tokens": [start, start + ds.window],
+                "bytes": [offset + start * size, offset + (start + ds.window) * size],
+            }
+        )
+    return out
+
+
+def _table_locations(ds: TableRows, ids: IntArray) -> list[dict[str, Any]]:
+    shard, group, _ = ds.locate(ids)
+    counts = np.array([s.num_samples for s in ds.manifest.shards], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    out = []
+    for s, g, i in zip(shard.tolist(), group.tolist(), ids.tolist(), strict=True):
+        entry = ds.manifest.shards[s]
+        row = i - int(first[s])
+        out.append(
+            {
+                "shard": entry.path,
+                "url": ds.manifest.url(entry),
+                "rows": [row, row + 1],
+                "row_group": g,
+            }
+        )
+    return out
+
+
+def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
+    """Shard-level location of each id of ``dataset`` (empty dicts where it cannot tell)."""
+    if isinstance(dataset, TokenWindows):
+        return _token_locations(dataset, ids)
+    if isinstance(dataset, TableRows):
+        return _table_locations(dataset, ids)
+    own = getattr(dataset, "provenance", None)
+    if callable(own):
+        found = list(own(ids))
+        if len(found) != ids.size:
+            raise ConfigError(
+                f"{type(dataset).__name__}.provenance returned {len(found)} records for "
+                f"{ids.size} ids"
+            )
+        return [dict(f) for f in found]
+    return [{} for _ in range(ids.size)]
+
+
+def step_positions(step: int, global_batch_size: int) -> IntArray:
+    """The global positions of ``step`` with a fixed global batch."""
+    s = check_count(step, "step", minimum=0)
+    b = check_count(global_batch_size, "global_batch_size")
+    return np.arange(s * b, (s + 1) * b, dtype=np.int64)
+
+
+def provenance(
+    stream: Any,
+    positions: Sequence[int] | IntArray,
+    *,
+    step: int,
+    micro_batch_size: int,
+    world_size: int,
+    decode: Decode | None = None,
+    layouts: Sequence[tuple[int, int, int]] = (),
+) -> list[SampleRecord]:
+    """A `SampleRecord` per position of one step (``positions`` contiguous, from the step's
+    first position), in position order; reads the step's samples once (for the digests).
+
+    Rank and micro step follow ``micro_batch_size`` x ``world_size``, or, with ``layouts``
+    (``(from_position, micro_batch_size, world_size)`` ascending: the run's layout history),
+    the layout in effect at each position (a step before an elastic change keeps its ranks)."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    m0 = check_count(micro_batch_size, "micro_batch_size")
+    d0 = check_count(world_size, "world_size")
+    starts = [int(p) for p, _, _ in layouts]
+    if starts != sorted(starts):
+        raise ConfigError(f"provenance layouts must ascend by position, got {list(layouts)}")
+    if pos.size and not bool((np.diff(pos) == 1).all()):
+        raise ConfigError("provenance positions must be contiguous (one step)")
+    found = origins(stream, pos)
+    batch = stream.fetch(pos)
+    where: list[dict[str, Any]] = [{} for _ in range(pos.size)]
+    for s, dataset in enumerate(found.datasets):
+        rows = np.flatnonzero(found.source == s)
+        if rows.size:
+            for j, loc in zip(rows.tolist(), locations(dataset, found.ids[rows]), strict=True):
+                where[j] = loc
+    records = []
+    for q in range(pos.size):
+        sample = row_of(batch, q)
+        k = bisect.bisect_right(starts, int(pos[q])) - 1
+        m, d = (m0, d0) if k < 0 else (int(layouts[k][1]), int(layouts[k][2]))
+        records.append(
+            SampleRecord(
+                position=int(pos[q]),
+                step=step,
+                rank=(q // m) % d,
+                micro_step=q // (m * d),
+                row=q % m,
+                source=found.names[int(found.source[q])],
+                sample_id=int(found.ids[q]),
+                digest=sample_digest(sample),
+                location=where[q],
+                replaced=found.notes[q],
+                text=None if decode is None else decode(sample),
+            )
+        )
+    return records
+
+
+# ------------------------------------------------------------------ the reverse
+def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: int) -> IntArray:
+    """Every global position ``< until`` at which ``stream`` delivers sample ``sample_id`` of
+    ``source`` (None for a single-dataset stream), ascending, by inverting the order per
+    epoch (`detdata.order.inverse`): O(1) per epoch for an `OrderedStream`, O(log until)
+    `Mixture.consumed` calls per epoch of the source for a `Mixture`. Through an `Excluded`
+    stream, positions where the sample is excluded are dropped and positions where it is
+    drawn as a replacement are added (O(entries x epochs))."""
+    hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
+    if isinstance(stream, Excluded):
+        return _seen_excluded(stream, source, sample_id, hi)
+    if isinstance(stream, OrderedStream):
+        if source is not None:
+            raise ConfigError(
+                f"source {source!r} given, but this stream reads one dataset; hint: pass the "
+                "sample id alone"
+            )
+        order = stream.order
+        if isinstance(order, GlobalOrder):
+            return positions_of(order, sample_id, until=hi)
+        own = getattr(order, "positions_of", None)
+        if callable(own):
+            return np.asarray(own(sample_id, until=hi), dtype=np.int64)
+        raise ConfigError(
+            f"no reverse lookup for the order {type(order).__name__} yet; hint: feistel-v1 "
+            "(the default order) and mixtures are invertible here"
+        )
+    if isinstance(stream, Mixture):
+        if source not in stream.source_names:
+            raise ConfigError(
+                f"unknown source {source!r}; the mixture's sources are {list(stream.source_names)}"
+            )
+        return mixture_positions_of(
+            Schedule(stream.phases),
+            stream.source_names.index(source),
+            stream.orders[source],
+            sample_id,
+            until=hi,
+        )
+    raise ConfigError(
+        f"cannot invert the order of a {type(stream).__name__}; hint: an OrderedStream, a "
+        "Mixture or an Excluded stream over one"
+    )
+
+
+def _seen_excluded(stream: Excluded, source: str | None, sample_id: int, until: int) -> IntArray:
+    base = positions_seen(stream.stream, source, sample_id, until=until)
+    s = stream.source_index(source)
+    ids = np.full(base.size, sample_id, dtype=np.int64)
+    parts = [base[~stream.excluded_mask(np.full(base.size, s, dtype=np.int64), ids, base)]]
+    others = sorted({i for k in range(len(stream.history)) for i in stream.excluded_ids(k, s)})
+    for other in others:  # where an excluded sample's replacement is this one
+        at = positions_seen(stream.stream, source, other, until=until)
+        if at.size:
+            parts.append(at[stream.origins(at).ids == sample_id])
+    return np.unique(np.concatenate(parts)).astype(np.int64)

@@ -1,0 +1,276 @@
+"""A run's batch history: which schedule and layout held from which step (the loader state's
+``history``).
+
+Each `Entry` records where a layout began (``position``, possibly inside a step), the step
+``step`` its ``schedule`` is in effect from, and the layout (world size, micro batch). A
+deliberate global-batch change at a resume adds an entry whose schedule takes effect at the
+start of the step the saved position falls in (a step boundary, or inside the step being
+accumulated, which the new batch then completes); a layout change adds an entry at the resume
+position. Entries only ever append, so the steps and positions of everything before a change
+stay as they were. The step <-> position map (`Plan.step_map`) follows the schedules.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from detdata.base.errors import ConfigError, StateError
+from detdata.loading.layout import Layout
+from detdata.order.batches import BatchSchedule, StepMap
+
+K_HISTORY: Final = "history"
+K_POSITION: Final = "position"
+K_STEP: Final = "step"
+K_BATCH: Final = "global_batch_size"
+K_WORLD: Final = "world_size"
+K_MICRO: Final = "micro_batch_size"
+_KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """From ``position`` on, ``schedule`` (in effect from step ``step``'s start) and a layout."""
+
+    position: int
+    step: int
+    schedule: BatchSchedule
+    world_size: int | None
+    micro_batch_size: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            K_POSITION: self.position,
+            K_STEP: self.step,
+            K_BATCH: self.schedule.to_json(),
+            K_WORLD: self.world_size,
+            K_MICRO: self.micro_batch_size,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, i: int) -> Entry:
+        where = f"loader state history[{i}]"
+        if not isinstance(doc, Mapping) or set(doc) != set(_KEYS):
+            raise StateError(
+                f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}",
+                fields=(K_HISTORY,),
+            )
+        ints: dict[str, int | None] = {}
+        for key in (K_POSITION, K_STEP, K_WORLD, K_MICRO):
+            value = doc[key]
+            optional = key in (K_WORLD, K_MICRO)
+            if value is None and optional:
+                ints[key] = None
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < int(optional):
+                raise StateError(
+                    f"{where}.{key} must be a {'positive' if optional else 'non-negative'} "
+                    f"integer, found {value!r}",
+                    fields=(K_HISTORY,),
+                )
+            ints[key] = value
+        try:
+            schedule = BatchSchedule.from_json(doc[K_BATCH])
+        except ConfigError as exc:
+            raise StateError(f"{where}.{K_BATCH}: {exc}", fields=(K_HISTORY,)) from None
+        return cls(
+            position=int(ints[K_POSITION] or 0),  # checked above: never None
+            step=int(ints[K_STEP] or 0),
+            schedule=schedule,
+            world_size=ints[K_WORLD],
+            micro_batch_size=ints[K_MICRO],
+        )
+
+
+def _segments(entries: Sequence[Entry]) -> list[tuple[int, BatchSchedule]]:
+    """Schedule segments: an entry starts one where its schedule differs from the one before."""
+    out: list[tuple[int, BatchSchedule]] = []
+    for entry in entries:
+        if not out or entry.schedule != out[-1][1]:
+            out.append((entry.step, entry.schedule))
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run's entries (the last is in effect now) and the step map they define."""
+
+    entries: tuple[Entry, ...]
+
+    @classmethod
+    def fresh(cls, schedule: BatchSchedule, layout: Layout) -> Plan:
+        """A run that starts with ``schedule`` and ``layout``."""
+        return cls((_entry(0, 0, schedule, layout),))
+
+    @functools.cached_property
+    def step_map(self) -> StepMap:
+        return StepMap(_segments(self.entries))
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        """The schedule in effect now."""
+        return self.entries[-1].schedule
+
+    def step_of(self, position: int) -> int:
+        return self.step_map.step_of(position)
+
+    def start_of(self, step: int) -> int:
+        return self.step_map.start_of(step)
+
+    def batch_of(self, step: int) -> int:
+        return self.step_map.batch_of(step)
+
+    @property
+    def single_constant(self) -> bool:
+        """One constant global batch for the whole run."""
+        return len(_segments(self.entries)) == 1 and self.schedule.is_constant
+
+    # ----------------------------------------------------------- changes
+    def with_layout(self, position: int, layout: Layout) -> Plan:
+        """The same schedule with ``layout`` from ``position`` on."""
+        last = self.entries[-1]
+        if (last.world_size, last.micro_batch_size) == (layout.world_size, layout.micro_batch_size):
+            return self
+        if position == last.position:  # nothing was delivered with the last entry's layout
+            return Plan((*self.entries[:-1], _entry(position, last.step, last.schedule, layout)))
+        return Plan(
+            (*self.entries, _entry(position, self.step_of(position), last.schedule, layout))
+        )
+
+    def with_schedule(self, position: int, schedule: BatchSchedule, layout: Layout) -> Plan:
+        """``schedule`` from the start of the step ``position`` falls in, ``layout`` from
+        ``position`` on (a deliberate global-batch change at a resume).
+
+        The step being accumulated at ``position`` keeps its first position and is completed
+        by the new batch; `StateError` when more than that batch was delivered in it already.
+        """
+        step = self.step_of(position)
+        start = self.start_of(step)
+        batch = schedule.batch_at(step, start)
+        if position - start > batch:
+            raise StateError(
+                f"cannot change the global batch at samples_consumed={position}: "
+                f"{position - start} samples of step {step} (which starts at {start}) were "
+                f"delivered already, more than the new global batch {batch} of that step; "
+                "hint: save the state at a step boundary before changing the global batch",
+                fields=(K_BATCH,),
+            )
+        entry = _entry(position, step, schedule, layout)
+        last = self.entries[-1]
+        if position == last.position and step == last.step:
+            return Plan((*self.entries[:-1], entry))
+        return Plan((*self.entries, entry))
+
+    # ---------------------------------------------------------- checks
+    def check_fits(self, layout: Layout, position: int) -> None:
+        """Every global batch from the step of ``position`` on divides into ``layout``'s
+        micro steps (`ConfigError` naming the first that does not)."""
+        per = layout.samples_per_micro_step
+        pieces = self.step_map.batches_from(self.step_of(position))
+        for piece in pieces:
+            if piece.batch % per:
+                batches = sorted({p.batch for p in pieces})
+                raise ConfigError(
+                    f"global batch {piece.batch} (steps from {piece.step}, position "
+                    f"{piece.position}, of the batch schedule) is not divisible by "
+                    f"micro_batch_size {layout.micro_batch_size} x world_size "
+                    f"{layout.world_size} = {per}; hint: choose a micro batch whose product "
+                    f"with the world size divides every global batch of the schedule "
+                    f"({batches})"
+                )
+
+    def check_step_end(self, total: int) -> None:
+        """``total`` samples end a step (`ConfigError`: the last step would be partial)."""
+        step = self.step_of(total)
+        start = self.start_of(step)
+        if start != total:
+            raise ConfigError(
+                f"total_samples {total} is not a step boundary: it falls inside step {step} "
+                f"(positions [{start}, {start + self.batch_of(step)}), global_batch_size "
+                f"{self.batch_of(step)}); the last step would be partial; hint: "
+                f"total_samples={start} or {start + self.batch_of(step)}"
+            )
+
+    # ------------------------------------------------------------ JSON
+    def to_json(self) -> list[dict[str, Any]]:
+        return [e.to_json() for e in self.entries]
+
+    @classmethod
+    def from_json(cls, doc: object) -> Plan:
+        """Parse and check a state's history (`StateError` naming ``history``)."""
+        if not isinstance(doc, list) or not doc:
+            raise StateError(
+                f"loader state field {K_HISTORY!r} must be a non-empty list, found {doc!r:.80}",
+                fields=(K_HISTORY,),
+            )
+        entries = tuple(Entry.from_json(d, i) for i, d in enumerate(doc))
+        if (entries[0].position, entries[0].step) != (0, 0):
+            raise StateError(
+                "loader state history[0] must start at position 0, step 0", fields=(K_HISTORY,)
+            )
+        for i in range(1, len(entries)):
+            a, b = entries[i - 1], entries[i]
+            if b.position < a.position or b.step < a.step:
+                raise StateError(
+                    f"loader state history[{i}] (position {b.position}, step {b.step}) goes "
+                    f"back from history[{i - 1}] (position {a.position}, step {a.step})",
+                    fields=(K_HISTORY,),
+                )
+        try:
+            plan = cls(entries)
+            plan.step_map  # noqa: B018  # compiled now: a bad history fails here
+        except ConfigError as exc:
+            raise StateError(f"loader state history: {exc}", fields=(K_HISTORY,)) from None
+        for i, e in enumerate(entries):
+            start, end = plan.start_of(e.step), plan.start_of(e.step + 1)
+            if not start <= e.position <= end:
+                raise StateError(
+                    f"loader state history[{i}]: position {e.position} is not in step "
+                    f"{e.step} (positions [{start}, {end})) of the schedules the history "
+                    "gives; the state was edited or corrupted",
+                    fields=(K_HISTORY,),
+                )
+        return plan
+
+
+def _entry(position: int, step: int, schedule: BatchSchedule, layout: Layout) -> Entry:
+    return Entry(
+        position=position,
+        step=step,
+        schedule=schedule,
+        world_size=layout.world_size,
+        micro_batch_size=layout.micro_batch_size,
+    )
+
+
+def upgraded_history(global_batch: object, layout: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The history of a state written before histories existed: one entry from position 0."""
+
+    def plain(value: object) -> int | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else None  # type: ignore[return-value]
+
+    return [
+        {
+            K_POSITION: 0,
+            K_STEP: 0,
+            K_BATCH: global_batch,
+            K_WORLD: plain(layout.get(K_WORLD)),
+            K_MICRO: plain(layout.get(K_MICRO)),
+        }
+    ]
+
+
+def as_schedule(value: object) -> BatchSchedule:
+    """``global_batch_size=``: an int (one global batch) or a `BatchSchedule`."""
+    if isinstance(value, BatchSchedule):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(
+            f"global_batch_size must be a positive integer or a detdata.BatchSchedule, got "
+            f"{value!r:.80} ({type(value).__name__})"
+        )
+    return BatchSchedule.constant(int(value))

@@ -1,0 +1,423 @@
+"""Shared-memory slots: how worker processes hand a read-ahead group to the main process.
+
+torch's own worker -> main transfer creates one shared-memory segment per tensor,
+passes its file descriptor over a socket and maps it again in the main process,
+for every group: on small batches that per-transfer setup costs more than the read.
+Here the main process owns a **ring of preallocated slots** (one anonymous
+shared-memory file, ``num_workers * prefetch_factor + 2`` slots), reused for the
+life of the torch DataLoader (for persistent workers: the life of the workers):
+
+* the sampler (main process) hands each group a free slot (`SlotTransport.task`);
+* the worker reads the group, writes its columns into that slot and returns only
+  a small `SlotGroup` (slot index, column dtypes, shapes, offsets);
+* the main process copies each micro batch out of the slot (delivered batches own
+  their memory, docs/design.md section 4) and frees the slot (`settle`).
+
+The ring's file reaches each worker once, as a duplicated descriptor attached to
+its first tasks (`RingHandle`), never per transfer. Slots are sized from the
+first groups the workers read (the loader cannot know a transform's output size
+in advance): until then, and whenever a group does not fit (ragged columns,
+strings, a ``collate_fn``, a larger group), the group takes torch's transfer as
+before, so nothing is refused; a larger group grows the ring for the next ones.
+
+The file is anonymous (``memfd_create``; elsewhere a POSIX segment unlinked at
+once): it has no name in ``/dev/shm``, so nothing can leak there, whatever ends
+the process, and its memory returns when the last process holding it lets go
+(the transport is closed or collected, the workers exit). Its pages are reserved
+up front (``posix_fallocate``): a full shared-memory filesystem is an ``OSError``
+here, answered by falling back to torch's transfer, never a SIGBUS mid-batch.
+
+Exactness does not depend on any of this: which path a group takes never changes
+a delivered byte, and errors travel as before (as values in a `ReadAhead`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+
+from detdata.datasets.columns import to_torch
+
+log = logging.getLogger("detdata.loader")
+
+ALIGN = 64  # column offsets inside a slot
+PAGE = 4096
+GROWTH = 1.25  # a new ring's slots hold this much more than the largest group seen
+MAX_RING_BYTES = 1 << 30  # groups that would need more use torch's transfer
+SLOT_KINDS = "biufcMm"  # numeric, bool and temporal numpy columns fit a slot
+
+_ids = itertools.count()
+_TRANSPORTS: weakref.WeakValueDictionary[str, SlotTransport] = weakref.WeakValueDictionary()
+_HELD: dict[str, WorkerRing] = {}  # in a worker process: the latest ring of each transport
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _anonymous_file(nbytes: int) -> int:
+    """A descriptor of ``nbytes`` of reserved shared memory that has no name anywhere."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("detdata-slots", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        from multiprocessing import shared_memory
+
+        segment = shared_memory.SharedMemory(create=True, size=nbytes)
+        fd = os.dup(segment._fd)  # type: ignore[attr-defined]
+        segment.close()
+        segment.unlink()
+    try:
+        os.ftruncate(fd, nbytes)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not SIGBUS at the first write
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, nbytes, flags=flags)
+
+
+# ------------------------------------------------------------------ what crosses the boundary
+@dataclass(frozen=True)
+class Receipt:
+    """Which slot a task used and what the worker learned: travels back with every result."""
+
+    transport: str  # `SlotTransport.id`
+    generation: int | None  # the ring the slot belongs to; None: the task had no slot
+    slot: int | None
+    worker: int  # torch's worker id
+    holds: int | None  # the ring generation this worker holds now
+    needed: int  # bytes the group takes in a slot (0: it cannot use one)
+
+
+class RingHandle:
+    """A ring's file, pickled as a duplicated descriptor (sent to each worker once)."""
+
+    def __init__(self, generation: int, slot_bytes: int, count: int, fd: int) -> None:
+        self.generation, self.slot_bytes, self.count, self.fd = generation, slot_bytes, count, fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_attach, (self.generation, self.slot_bytes, self.count, reduction.DupFd(self.fd)))
+
+
+class WorkerRing:
+    """A worker process's mapping of a ring."""
+
+    def __init__(self, generation: int, slot_bytes: int, count: int, memory: mmap.mmap) -> None:
+        self.generation, self.slot_bytes, self.count = generation, slot_bytes, count
+        self.array = np.frombuffer(memory, dtype=np.uint8)
+
+
+def _attach(generation: int, slot_bytes: int, count: int, dup: Any) -> WorkerRing:
+    fd = dup.detach()
+    try:
+        memory = _map(fd, slot_bytes * count)
+    finally:
+        os.close(fd)
+    return WorkerRing(generation, slot_bytes, count, memory)
+
+
+@dataclass(frozen=True)
+class SlotTask:
+    """What the sampler sends a worker for one group: positions, a free slot, maybe the ring."""
+
+    group: list[Any]  # the micro batches' position arrays
+    transport: str
+    generation: int | None
+    slot: int | None
+    ring: WorkerRing | RingHandle | None  # a RingHandle here unpickles as a WorkerRing
+
+    def receipt(self, needed: int) -> Receipt:
+        """The receipt of this task (called in the worker, after `held`)."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        held = _HELD.get(self.transport)
+        return Receipt(
+            self.transport,
+            self.generation,
+            self.slot,
+            0 if info is None else int(info.id),
+            None if held is None else held.generation,
+            needed,
+        )
+
+    def held(self) -> WorkerRing | None:
+        """This worker's mapping of the task's ring (taking the attached one if newer)."""
+        if isinstance(self.ring, WorkerRing):
+            current = _HELD.get(self.transport)
+            if current is None or current.generation < self.ring.generation:
+                _HELD[self.transport] = self.ring
+        return _HELD.get(self.transport)
+
+
+def slot_layout(raw: Any, rows: int) -> list[tuple[Any, np.ndarray, int]] | None:
+    """(key, column, offset) of each column of ``raw`` in a slot, or None if it cannot use one.
+
+    Only a flat mapping of numeric / bool / temporal numpy columns with ``rows`` rows fits;
+    strings, ragged and object columns, nested mappings take torch's transfer.
+    """
+    if not isinstance(raw, Mapping) or not raw:
+        return None
+    out, offset = [], 0
+    for key, col in raw.items():
+        if not isinstance(col, np.ndarray) or col.dtype.kind not in SLOT_KINDS:
+            return None
+        if col.ndim == 0 or col.shape[0] != rows:
+            return None
+        out.append((key, col, offset))
+        offset = _round_up(offset + col.nbytes, ALIGN)
+    return out
+
+
+def layout_bytes(layout: list[tuple[Any, np.ndarray, int]]) -> int:
+    _, col, offset = layout[-1]
+    return offset + col.nbytes
+
+
+@dataclass(frozen=True)
+class SlotGroup:
+    """A group a worker wrote into a slot: only this small description crosses the boundary."""
+
+    receipt: Receipt
+    columns: tuple[tuple[Any, str, tuple[int, ...], int], ...]  # key, dtype, shape, offset
+    bounds: tuple[tuple[int, int], ...]  # rows [a, b) of each micro batch
+
+    def deliver(self) -> Iterator[Any]:
+        """Each micro batch, copied out of the slot (owned); the slot is free again after."""
+        return iter(_transport(self.receipt).copy_out(self, pin=False))
+
+    def pin_memory(self) -> Any:
+        """Called by torch's pin-memory thread: the micro batches copied into pinned memory."""
+        from detdata.loading.reading import ReadAhead
+
+        return ReadAhead(_transport(self.receipt).copy_out(self, pin=True), None)
+
+
+def write_slot(task: SlotTask, raw: Any, bounds: list[tuple[int, int]]) -> SlotGroup | int:
+    """Write ``raw`` (a group read in a worker) into the task's slot.
+
+    Returns the `SlotGroup` to send, or the bytes the group would need (0: it can never
+    use a slot) when it does not fit or the task has no slot: the caller then sends it
+    through torch's transfer, with that number in its receipt.
+    """
+    layout = slot_layout(raw, bounds[-1][1] if bounds else 0)
+    if layout is None:
+        return 0
+    needed = layout_bytes(layout)
+    ring = task.held()
+    if (
+        task.slot is None
+        or ring is None
+        or ring.generation != task.generation
+        or needed > ring.slot_bytes
+    ):
+        return needed
+    base = task.slot * ring.slot_bytes
+    columns = []
+    for key, col, offset in layout:
+        start = base + offset
+        dst = ring.array[start : start + col.nbytes].view(col.dtype).reshape(col.shape)
+        np.copyto(dst, col, casting="no")
+        columns.append((key, col.dtype.str, tuple(int(s) for s in col.shape), offset))
+    return SlotGroup(task.receipt(needed), tuple(columns), tuple(bounds))
+
+
+# ------------------------------------------------------------------ the main process's side
+class MainRing:
+    """One generation of slots in the main process."""
+
+    def __init__(self, generation: int, slot_bytes: int, count: int) -> None:
+        self.generation, self.slot_bytes, self.count = generation, slot_bytes, count
+        self.fd = _anonymous_file(slot_bytes * count)
+        try:
+            self.memory = _map(self.fd, slot_bytes * count)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self.memory, dtype=np.uint8)
+        self.in_use = 0
+        self._closer = weakref.finalize(self, _close_ring, self.fd, self.memory)
+
+    def handle(self) -> RingHandle:
+        return RingHandle(self.generation, self.slot_bytes, self.count, self.fd)
+
+    def close(self) -> None:
+        del self.array
+        self._closer()
+
+
+def _close_ring(fd: int, memory: mmap.mmap) -> None:
+    os.close(fd)
+    with contextlib.suppress(BufferError):  # a view still exists: unmapped when it goes
+        memory.close()
+
+
+def _transport(receipt: Receipt) -> SlotTransport:
+    transport = _TRANSPORTS.get(receipt.transport)
+    if transport is None:
+        raise RuntimeError(
+            f"a worker process handed over a group in shared-memory slot {receipt.slot}, but "
+            "the loader that owned the slots was closed; hint: this result belongs to an "
+            "iterator that is no longer active"
+        )
+    return transport
+
+
+def settle(receipt: Receipt) -> None:
+    """Free the slot of a result that took torch's transfer; record what its worker reported."""
+    transport = _TRANSPORTS.get(receipt.transport)
+    if transport is not None:
+        transport.fallbacks += 1
+        transport.settle(receipt)
+
+
+class SlotTransport:
+    """The main process's ring of slots for one torch DataLoader and the tasks that use it."""
+
+    def __init__(self, num_workers: int, prefetch_factor: int) -> None:
+        self.id = f"{os.getpid()}-{next(_ids)}"
+        self.count = num_workers * prefetch_factor + 2  # in flight + the one being copied out
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        self._rings: dict[int, MainRing] = {}
+        self._current: MainRing | None = None
+        self._free: list[int] = []
+        self._holds: dict[int, int | None] = {}
+        self._generations = itertools.count()
+        self._largest = 0
+        self._disabled = False
+        self.slot_groups = 0  # groups handed over through slots (for tests and benchmarks)
+        self.fallbacks = 0  # groups that took torch's transfer
+        _TRANSPORTS[self.id] = self
+
+    # -------------------------------------------------------------- sampler side
+    def reset(self) -> None:
+        """A new pass of the sampler: every earlier task was finished or dropped by torch."""
+        with self._lock:
+            for generation in [g for g in self._rings if self._rings[g] is not self._current]:
+                self._rings.pop(generation).close()
+            if self._current is not None:
+                self._current.in_use = 0
+                self._free = list(range(self._current.count))
+
+    def task(self, group: list[Any]) -> SlotTask:
+        with self._lock:
+            ring = self._current
+            if ring is None or not self._free:
+                return SlotTask(group, self.id, None, None, None)
+            slot = self._free.pop()
+            ring.in_use += 1
+            known = [self._holds.get(w) for w in range(self.num_workers)]
+            attach = any(h != ring.generation for h in known)
+            handle = ring.handle() if attach else None
+            return SlotTask(group, self.id, ring.generation, slot, handle)
+
+    # -------------------------------------------------------------- receiving side
+    def settle(self, receipt: Receipt) -> None:
+        with self._lock:
+            if receipt.generation is not None and receipt.slot is not None:
+                ring = self._rings.get(receipt.generation)
+                if ring is not None:
+                    ring.in_use -= 1
+                    if ring is self._current:
+                        self._free.append(receipt.slot)
+                    elif ring.in_use <= 0:
+                        self._rings.pop(receipt.generation).close()
+            self._holds[receipt.worker] = receipt.holds
+            if receipt.needed > self._largest:
+                self._largest = receipt.needed
+                self._grow()
+
+    def _grow(self) -> None:
+        """A ring whose slots hold the largest group seen (with room to spare), if allowed."""
+        if self._disabled or (
+            self._current is not None and self._largest <= self._current.slot_bytes
+        ):
+            return
+        slot_bytes = _round_up(int(self._largest * GROWTH) + ALIGN, PAGE)
+        if slot_bytes * self.count > MAX_RING_BYTES:
+            self._disabled = True
+            log.info(
+                "detdata: a read-ahead group needs %d bytes; %d shared-memory slots of that "
+                "size exceed %d bytes, so groups use torch's transfer (lower read_ahead to "
+                "use slots)",
+                self._largest,
+                self.count,
+                MAX_RING_BYTES,
+            )
+            return
+        try:
+            ring = MainRing(next(self._generations), slot_bytes, self.count)
+        except OSError as exc:
+            self._disabled = True
+            log.warning(
+                "detdata: could not reserve %d bytes of shared memory for worker slots (%s); "
+                "groups use torch's transfer",
+                slot_bytes * self.count,
+                exc,
+            )
+            return
+        old = self._current
+        if old is not None and old.in_use <= 0:
+            self._rings.pop(old.generation).close()
+        self._rings[ring.generation] = ring
+        self._current = ring
+        self._free = list(range(ring.count))
+
+    def copy_out(self, group: SlotGroup, pin: bool) -> list[Any]:
+        """The micro batches of ``group`` as owned (or pinned) tensors; then frees its slot."""
+        receipt = group.receipt
+        assert receipt.generation is not None and receipt.slot is not None
+        ring = self._rings.get(receipt.generation)
+        if ring is None:
+            raise RuntimeError(
+                f"shared-memory slot {receipt.slot} of ring {receipt.generation} was freed "
+                "before its group was copied out; hint: a result of an earlier iteration"
+            )
+        try:
+            base = receipt.slot * ring.slot_bytes
+            views = {}
+            for key, dtype, shape, offset in group.columns:
+                dt = np.dtype(dtype)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                start = base + offset
+                views[key] = ring.array[start : start + nbytes].view(dt).reshape(shape)
+            out = [_one_batch(views, a, b, pin) for a, b in group.bounds]
+        finally:
+            self.slot_groups += 1
+            self.settle(receipt)
+        return out
+
+    def close(self) -> None:
+        """Free every ring now (workers' mappings go when they exit)."""
+        with self._lock:
+            for ring in self._rings.values():
+                ring.close()
+            self._rings.clear()
+            self._current = None
+            self._free = []
+            self._disabled = True
+        _TRANSPORTS.pop(self.id, None)
+
+
+def _one_batch(views: dict[Any, np.ndarray], a: int, b: int, pin: bool) -> Any:
+    if pin:  # pinning copies: the pinned tensors own their memory
+        batch = to_torch({k: v[a:b] for k, v in views.items()})
+        return {k: v.pin_memory() for k, v in batch.items()}
+    return to_torch({k: np.array(v[a:b]) for k, v in views.items()})

@@ -1,0 +1,287 @@
+"""A locality-aware order: shards shuffled, then samples shuffled inside windows of shards.
+
+Algorithm ``locality-v1`` (exact definition; a re-implementation in any language must
+reproduce the golden vectors in ``tests/golden/order_locality_v1.json``):
+
+Inputs: the shard sizes ``c_0 .. c_{S-1}`` (samples per shard in dataset order, each
+``>= 0``; sample ids of shard ``s`` are ``[start_s, start_s + c_s)`` with ``start_s =
+c_0 + ... + c_{s-1}``), ``n = sum c_s`` (``1 <= n < 2**62``), the window ``k >= 1``
+(shards per window), ``seed`` (``0 <= seed < 2**64``) and the global position ``g >= 0``.
+
+1. ``epoch = g // n``, ``i = g % n``.
+2. ``P(m, K)`` is a keyed bijection on ``[0, m)``: the `feistel-v1` network (rounds,
+   ``F``, domain split and cycle walking exactly as in `detdata.order.feistel`, steps
+   3-6, with ``m`` for ``n``) under the 8 round keys read little-endian from the 64 bytes
+   ``K``. ``P(1, K)(0) = 0``.
+3. Shards: ``sigma(j) = P(S, K_shards)(j)`` with ``K_shards = blake3(b"detdata:locality-v1:
+   shards" + u64le(seed) + u64le(epoch))`` (XOF, 64 bytes): slot ``j`` of the epoch holds
+   shard ``sigma(j)``. ``O_0 = 0``, ``O_{j+1} = O_j + c_{sigma(j)}``.
+4. Windows: window ``w`` is the slots ``[w*k, min(w*k + k, S))``, covering the epoch
+   positions ``[O_{wk}, O_{min(wk+k, S)})``, ``m_w`` of them. ``i`` lies in the window
+   ``w`` with ``O_{wk} <= i < O_{min(wk+k,S)}``.
+5. Inside the window: ``q = O_{wk} + P(m_w, K_w)(i - O_{wk})`` with ``K_w =
+   blake3(b"detdata:locality-v1:window" + u64le(seed) + u64le(epoch) + u64le(w))``.
+6. ``q`` lies in slot ``j`` with ``O_j <= q < O_{j+1}`` (a shard of 0 samples holds no
+   position); the sample id is ``start_{sigma(j)} + q - O_j``.
+
+So each epoch is a bijection on ``[0, n)``; the ``m_w`` consecutive positions of a window
+read only its ``k`` shards (in a random order of samples), and windows come in a random
+order of shards. ``k >= S`` is one window: a full shuffle (not the `feistel-v1` one). Keys
+depend on ``(algorithm, seed, epoch[, window])`` through blake3 only.
+
+Cost: per epoch touched, O(S) once (``sigma`` and the prefix sums, cached for a few
+epochs); then O(1) per position (a binary search over windows and over slots, and one
+derived key per distinct window of a request). Nothing of size ``n`` is stored.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.checks import check_count, check_seed
+from detdata.base.errors import ConfigError
+from detdata.base.keys import derive
+from detdata.base.types import MAX_POSITION, IntArray
+from detdata.order.feistel import ROUNDS, domain_bits, permute_many, unpermute_one
+
+ALGORITHM: Final = "locality-v1"
+_SHARD_TAG: Final = b"detdata:locality-v1:shards"
+_WINDOW_TAG: Final = b"detdata:locality-v1:window"
+_KEY_BYTES: Final = 8 * ROUNDS
+_EPOCHS_KEPT: Final = 4  # epoch tables cached per order (O(S) each)
+_MAX_EPOCHS_INVERTED: Final = 100_000  # per positions_of call
+U64Array = npt.NDArray[np.uint64]
+
+
+@functools.lru_cache(maxsize=1024)
+def _shard_keys(seed: int, epoch: int) -> U64Array:
+    return np.frombuffer(derive(_SHARD_TAG, seed, epoch, length=_KEY_BYTES), dtype="<u8").astype(
+        np.uint64
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _window_key_bytes(seed: int, epoch: int, window: int) -> bytes:
+    return derive(_WINDOW_TAG, seed, epoch, window, length=_KEY_BYTES)
+
+
+def _window_keys(seed: int, epoch: int, windows: Sequence[int]) -> U64Array:
+    """Round keys of each of ``windows`` as ``(ROUNDS, len(windows))``."""
+    material = b"".join([_window_key_bytes(seed, epoch, w) for w in windows])
+    table = np.frombuffer(material, dtype="<u8").reshape(len(windows), ROUNDS)
+    return np.ascontiguousarray(table.T, dtype=np.uint64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Epoch:
+    """The O(S) tables of one epoch: window starts, slot starts, and per slot the id offset."""
+
+    window_starts: IntArray  # O_{wk} for w in [0, W], with O_S = n last
+    slot_starts: IntArray  # O_j for j in [0, S]
+    id_offset: IntArray  # start_{sigma(j)} - O_j per slot j
+    slot_of: IntArray  # sigma^-1: the slot of each shard
+
+
+def check_shard_sizes(sizes: object) -> tuple[int, ...]:
+    """``sizes`` as a tuple of ints ``>= 0`` with ``1 <= sum < 2**62``, else `ConfigError`."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (Sequence, np.ndarray)):
+        raise ConfigError(
+            f"shard_sizes must be a sequence of sample counts per shard, got {sizes!r:.80}"
+        )
+    arr = np.asarray(sizes) if len(sizes) else np.zeros(0, dtype=np.int64)
+    if arr.ndim == 1 and arr.dtype.kind in "iu" and (not arr.size or int(arr.min()) >= 0):
+        out = tuple(arr.tolist())  # the common case, vectorised
+    else:  # find the culprit
+        out = tuple(
+            check_count(c, f"shard_sizes[{i}]", minimum=0, maximum=MAX_POSITION - 1)
+            for i, c in enumerate(sizes)
+        )
+    total = sum(out)
+    if not out or total == 0:
+        raise ConfigError(
+            f"shard_sizes {list(out)[:8]} hold no samples; the order needs at least one sample"
+        )
+    if total >= MAX_POSITION:
+        raise ConfigError(f"shard_sizes sum to {total} >= 2**62 samples")
+    return out
+
+
+class WindowedOrder:
+    """Global position -> sample id under ``locality-v1`` (module docstring).
+
+    ``WindowedOrder(shard_sizes, seed, window_shards=k)``: the shards are permuted per
+    epoch, then the samples inside each window of ``k`` consecutive (permuted) shards.
+    Any position costs O(1) once its epoch's O(shards) tables exist; nothing of size
+    ``n`` is stored. Thread-safe; pickles without its caches.
+    """
+
+    algorithm: Final = ALGORITHM
+
+    def __init__(self, shard_sizes: Sequence[int], seed: int, *, window_shards: int) -> None:
+        self.shard_sizes = check_shard_sizes(shard_sizes)
+        self.seed = check_seed(seed)
+        self.window_shards = check_count(window_shards, "window_shards", maximum=(1 << 31) - 1)
+        self.num_samples = sum(self.shard_sizes)
+        sizes = np.asarray(self.shard_sizes, dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._sizes = sizes
+        self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_epochs"] = OrderedDict()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowedOrder(shards={len(self.shard_sizes)}, num_samples={self.num_samples}, "
+            f"seed={self.seed}, window_shards={self.window_shards}, algorithm={ALGORITHM!r})"
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, WindowedOrder)
+            and other.shard_sizes == self.shard_sizes
+            and other.seed == self.seed
+            and other.window_shards == self.window_shards
+        )
+
+    def __hash__(self) -> int:
+        return hash((ALGORITHM, self.shard_sizes, self.seed, self.window_shards))
+
+    # ------------------------------------------------------------------ epochs
+    def shard_order(self, epoch: int) -> IntArray:
+        """``sigma``: the shard at each slot of ``epoch`` (step 3), a new array."""
+        s = len(self.shard_sizes)
+        slots = np.arange(s, dtype=np.uint64)
+        keys = _shard_keys(self.seed, epoch)[:, None]
+        m = np.array([s], dtype=np.uint64)
+        bits = np.array([domain_bits(s)], dtype=np.uint64)
+        return permute_many(slots, m, keys, bits).astype(np.int64)
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        with self._lock:
+            hit = self._epochs.get(epoch)
+            if hit is not None:
+                self._epochs.move_to_end(epoch)
+                return hit
+        sigma = self.shard_order(epoch)
+        slot_starts = np.zeros(sigma.size + 1, dtype=np.int64)
+        np.cumsum(self._sizes[sigma], out=slot_starts[1:])
+        slot_of = np.empty_like(sigma)
+        slot_of[sigma] = np.arange(sigma.size, dtype=np.int64)
+        table = _Epoch(
+            window_starts=np.append(slot_starts[: -1 : self.window_shards], slot_starts[-1]),
+            slot_starts=slot_starts,
+            id_offset=self._starts[sigma] - slot_starts[:-1],
+            slot_of=slot_of,
+        )
+        with self._lock:
+            self._epochs[epoch] = table
+            while len(self._epochs) > _EPOCHS_KEPT:
+                self._epochs.popitem(last=False)
+        return table
+
+    # ------------------------------------------------------------------ positions
+    @overload
+    def __getitem__(self, position: int) -> int: ...
+    @overload
+    def __getitem__(self, position: slice) -> IntArray: ...
+
+    def __getitem__(self, position: int | slice) -> int | IntArray:
+        if isinstance(position, slice):
+            if position.stop is None:
+                raise ConfigError("WindowedOrder slices need a stop: the order is infinite")
+            start, stop, step = position.start or 0, position.stop, position.step or 1
+            return self.ids(np.arange(start, stop, step, dtype=np.int64))
+        g = check_count(position, "position", minimum=0, maximum=(1 << 63) - 1)
+        return int(self.ids(np.array([g], dtype=np.int64))[0])
+
+    def ids(self, positions: npt.ArrayLike) -> IntArray:
+        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
+        pos = np.asarray(positions)
+        if pos.dtype.kind not in "iu":
+            raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
+        if pos.size and int(pos.min()) < 0:
+            raise ConfigError(f"positions must be >= 0, found {int(pos.min())}")
+        flat = pos.astype(np.uint64, copy=False).reshape(-1)
+        epochs, local = np.divmod(flat, np.uint64(self.num_samples))
+        local = local.astype(np.int64)
+        out = np.empty(flat.size, dtype=np.int64)
+        if flat.size and bool((epochs == epochs[0]).all()):
+            out[:] = self._in_epoch(int(epochs[0]), local)
+        else:
+            for e in np.unique(epochs).tolist():
+                sel = np.flatnonzero(epochs == e)
+                out[sel] = self._in_epoch(int(e), local[sel])
+        return out.reshape(pos.shape)
+
+    def _in_epoch(self, epoch: int, local: IntArray) -> IntArray:
+        """Steps 4-6 for epoch-local positions ``local`` (1-D) of ``epoch``."""
+        table = self._epoch(epoch)
+        window = np.searchsorted(table.window_starts, local, side="right") - 1
+        unique, inverse = np.unique(window, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        first = table.window_starts[unique]
+        size = table.window_starts[unique + 1] - first
+        bits = np.array([domain_bits(int(m)) for m in size.tolist()], dtype=np.uint64)
+        keys = _window_keys(self.seed, epoch, unique.tolist())
+        m = size.astype(np.uint64)
+        if unique.size > 1:  # else one window: its key, size and bits broadcast to all
+            keys, m, bits, first = keys[:, inverse], m[inverse], bits[inverse], first[inverse]
+        shuffled = permute_many((local - first).astype(np.uint64), m, keys, bits)
+        q = first + shuffled.astype(np.int64)
+        slot = np.searchsorted(table.slot_starts, q, side="right") - 1
+        result: IntArray = q + table.id_offset[slot]
+        return result
+
+    # ------------------------------------------------------------------ the reverse
+    def positions_of(self, sample_id: int, *, until: int, start: int = 0) -> IntArray:
+        """Every global position in ``[start, until)`` where ``sample_id`` is delivered,
+        ascending: one per epoch, by undoing steps 6-3 (the window's permutation inverted
+        by decryption with cycle walking). O(shards) per epoch (its tables), O(1) after."""
+        n = self.num_samples
+        x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
+        lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
+        hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        epochs = range(lo // n, (hi - 1) // n + 1)
+        if len(epochs) > _MAX_EPOCHS_INVERTED:
+            raise ConfigError(
+                f"positions_of over [{lo}, {hi}) spans {len(epochs)} epochs of {n} samples "
+                f"(more than {_MAX_EPOCHS_INVERTED}; each costs O(shards)); hint: ask for "
+                "a narrower range of positions"
+            )
+        shard = int(np.searchsorted(self._starts, x, side="right")) - 1
+        offset = x - int(self._starts[shard])
+        out = []
+        for epoch in epochs:
+            table = self._epoch(epoch)
+            slot = int(table.slot_of[shard])
+            w = slot // self.window_shards
+            first = int(table.window_starts[w])
+            size = int(table.window_starts[w + 1]) - first
+            q = int(table.slot_starts[slot]) + offset - first
+            keys = _window_keys(self.seed, epoch, [w])
+            g = epoch * n + first + unpermute_one(size, keys, q)
+            if lo <= g < hi:
+                out.append(g)
+        return np.asarray(out, dtype=np.int64)

@@ -1,0 +1,429 @@
+"""Packing documents into fixed windows as pure functions (``packing-v1``): index in, index out.
+
+Algorithm ``packing-v1`` (exact definition; a re-implementation must reproduce the
+golden vectors in ``tests/golden/packing_v1.json``):
+
+Inputs: ``starts`` (``N + 1`` non-decreasing int64: document ``d`` is tokens
+``[starts[d], starts[d + 1])`` of the corpus, in canonical order), ``seed``,
+``shuffle``, ``bos`` / ``eos`` (optional token ids), ``seq_len`` ``L``, ``labels``
+and the ``tail`` policy.
+
+1. Effective documents: document ``d`` becomes ``[bos] + tokens(d) + [eos]`` (each
+   only when given); its effective length is ``len(d) + (bos given) + (eos given)``.
+2. Document order: with ``shuffle``, shuffled position ``k`` holds document
+   ``permute(k, N, s, epoch=0)`` (`detdata.order.feistel.permute`, ``feistel-v1``)
+   with ``s = derive_u64(b"detdata:packing-v1", seed)``; without, document ``k``.
+   The order is the same for every epoch (the windows are re-ordered per epoch by
+   the loader's `GlobalOrder` instead).
+3. The stream: the effective documents concatenated in shuffled order, ``T``
+   tokens. ``offsets[k]`` = effective tokens before shuffled position ``k``
+   (``N + 1`` int64). The packing index (`build_offsets`, 16 bytes a document) holds
+   ``offsets`` and, per shuffled position, the corpus start of its document.
+4. Windows: window ``w`` is stream tokens ``[w L, w L + L + labels)``; documents are
+   split across windows wherever the boundary falls, and consecutive windows share
+   one token when ``labels`` (as `TokenWindows`). Tail policy ``drop``:
+   ``W = (T - labels) // L`` windows; the stream tokens ``[W L + labels, T)`` are
+   never delivered and token ``W L`` only as the last window's label. ``pad``:
+   ``W = ceil(T / L)`` windows; positions at or past ``T`` hold ``pad_id``: every
+   token is an input exactly once.
+5. Per window, a *segment* is a maximal run of one document's tokens (zero-length
+   pieces are dropped). Columns: ``doc_index`` (segment number within the window,
+   from 0; ``-1`` for padding), ``position_ids`` (offset within the segment:
+   positions restart at every segment, including a document continued from the
+   previous window), ``cu_seqlens`` (``max_segments + 1`` int32 cumulative segment
+   ends over the ``L`` *input* tokens, the layout of flash-attention's varlen
+   kernels; a padded tail is one more segment; unused entries repeat ``L``, i.e.
+   zero-length segments) and ``num_segments`` (the used count, so
+   ``cu_seqlens[: num_segments + 1]`` is exact).
+
+Nothing here reads files: `build_offsets` turns document starts into the packing
+index, `locate` turns window ids into pieces with two ``searchsorted`` calls,
+`copy_plan` turns pieces into contiguous corpus ranges to copy (plus BOS / EOS
+positions) and `packed_columns` into the delivered mask columns, by per-piece
+arithmetic and a few vectorised passes (no per-token layout). `token_layout`,
+`raw_tokens` and `window_columns` are the same step written token by token: the
+formulation the fast one is tested against. Window ``w`` costs O(log N + its tokens)
+wherever it is; no window is packed to reach another.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.checks import check_seed
+from detdata.base.errors import ConfigError
+from detdata.base.keys import derive_u64
+from detdata.base.types import IntArray
+from detdata.order.feistel import permute
+
+ALGORITHM: Final = "packing-v1"
+_TAG: Final = b"detdata:" + ALGORITHM.encode()
+#: Documents per vectorised pass when building an index (bounded temporaries).
+CHUNK: Final = 1 << 20
+#: ``doc_index`` of padding tokens.
+PAD_SEGMENT: Final = -1
+
+
+class Tail(str, enum.Enum):
+    """What happens to the stream's last partial window."""
+
+    DROP = "drop"
+    PAD = "pad"
+
+
+def parse_tail(value: str | Tail) -> Tail:
+    """`Tail` from ``"drop"`` / ``"pad"``, else `ConfigError`."""
+    try:
+        return Tail(value)
+    except ValueError:
+        raise ConfigError(f"tail must be 'drop' or 'pad', got {value!r}") from None
+
+
+def document_seed(seed: int) -> int:
+    """The ``feistel-v1`` seed of the document shuffle: blake3-derived from ``seed``."""
+    return derive_u64(_TAG, check_seed(seed))
+
+
+def shuffled_documents(positions: IntArray, n: int, seed: int, shuffle: bool) -> IntArray:
+    """The document at each shuffled position (all in ``[0, n)``), int64."""
+    pos = np.asarray(positions, dtype=np.int64)
+    if not shuffle:
+        return pos.copy()
+    return permute(pos.astype(np.uint64), n, document_seed(seed), 0).astype(np.int64)
+
+
+def build_offsets(
+    starts: npt.NDArray[np.int64],
+    *,
+    seed: int,
+    shuffle: bool,
+    extra: int,
+    progress: Callable[[int], None] | None = None,
+    out: npt.NDArray[np.int64] | None = None,
+) -> npt.NDArray[np.int64]:
+    """The packing index: a ``(2, N + 1)`` int64 array (16 bytes a document).
+
+    Row 0 (``offsets``): effective tokens before shuffled position ``k``. Row 1: the
+    corpus start ``starts[document(k)]`` of the document at shuffled position ``k``
+    (last entry: the corpus size), so reads need no permutation. ``extra`` is the
+    number of inserted tokens per document (BOS and/or EOS). Computed ``CHUNK``
+    documents at a time (memory: the output plus one chunk); ``progress(done)`` is
+    called after each chunk. ``out`` (``(2, N + 1)`` int64) receives the result.
+    """
+    n = int(starts.shape[0]) - 1
+    result = np.empty((2, n + 1), dtype=np.int64) if out is None else out
+    offsets, first = result[0], result[1]
+    offsets[0] = 0
+    first[n] = starts[n]
+    carry = 0
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        docs = shuffled_documents(np.arange(a, b, dtype=np.int64), n, seed, shuffle)
+        first[a:b] = starts[docs]
+        lengths = starts[docs + 1] - first[a:b] + extra
+        np.cumsum(lengths, out=offsets[a + 1 : b + 1])
+        offsets[a + 1 : b + 1] += carry
+        carry = int(offsets[b])
+        if progress is not None:
+            progress(b - a)
+    return result
+
+
+def window_count(total: int, seq_len: int, labels: bool, tail: Tail) -> int:
+    """Windows of a stream of ``total`` tokens (module docstring, step 4)."""
+    if tail is Tail.DROP:
+        return max(0, (total - int(labels)) // seq_len)
+    return -(-total // seq_len)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The non-empty pieces of some windows, in window then stream order (1-D int64 arrays).
+
+    Piece ``j`` is ``count[j]`` effective tokens of the document at shuffled
+    position ``position[j]``, from ``offset[j]`` in that document, placed at
+    ``start[j]`` in requested window ``row[j]``; ``segment[j]`` numbers the pieces
+    of one window from 0.
+    """
+
+    row: IntArray
+    position: IntArray
+    offset: IntArray
+    start: IntArray
+    count: IntArray
+    segment: IntArray
+    length: IntArray  # effective length of the piece's document
+
+
+def locate(
+    offsets: npt.NDArray[np.int64], windows: IntArray, *, seq_len: int, width: int
+) -> Pieces:
+    """The pieces of ``windows`` (ids with ``w * seq_len < T``), each ``width`` tokens wide.
+
+    Two ``searchsorted`` calls find the first and last shuffled position each
+    window touches; stream positions at or past ``T`` (a padded tail) are in no piece.
+    """
+    win = np.asarray(windows, dtype=np.int64)
+    total = int(offsets[-1])
+    s = win * seq_len
+    e = np.minimum(s + width, total)
+    k0 = np.searchsorted(offsets, s, side="right").astype(np.int64, copy=False) - 1
+    per = np.searchsorted(offsets, e - 1, side="right").astype(np.int64, copy=False) - k0
+    row = np.repeat(np.arange(win.size, dtype=np.int64), per)
+    first = np.cumsum(per)
+    first -= per
+    run = np.arange(row.size, dtype=np.int64)
+    k = np.repeat(k0 - first, per)
+    k += run
+    lo, hi = offsets[k], offsets[k + 1]
+    ps = np.maximum(lo, s[row])
+    count = np.minimum(hi, e[row])
+    count -= ps
+    keep = count > 0
+    if keep.all():  # no empty documents among them: nothing to drop
+        segment = run - np.repeat(first, per)
+    else:
+        row, k, ps, count, lo, hi = row[keep], k[keep], ps[keep], count[keep], lo[keep], hi[keep]
+        kept_per = np.bincount(row, minlength=win.size)
+        segment = np.arange(row.size, dtype=np.int64) - np.repeat(
+            np.cumsum(kept_per) - kept_per, kept_per
+        )
+    return Pieces(
+        row=row,
+        position=k,
+        offset=ps - lo,
+        start=ps - s[row],
+        count=count,
+        segment=segment,
+        length=hi - lo,
+    )
+
+
+def segments_bound(
+    offsets: npt.NDArray[np.int64],
+    windows: int,
+    seq_len: int,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """An upper bound of the segments any of the ``windows`` windows has in its input tokens.
+
+    Per window: the shuffled positions its ``seq_len`` input tokens touch, plus one
+    for a padded tail (zero-length documents inside a window count too: a bound).
+    """
+    total = int(offsets[-1])
+    best = 0
+    step = CHUNK
+    for a in range(0, windows, step):
+        w = np.arange(a, min(windows, a + step), dtype=np.int64)
+        s = w * seq_len
+        e = np.minimum(s + seq_len, total)
+        k0 = np.searchsorted(offsets, s, side="right")
+        k1 = np.searchsorted(offsets, e - 1, side="right")
+        n = k1 - k0 + 1 + (s + seq_len > total)
+        best = max(best, int(n.max()))
+        if progress is not None:
+            progress(int(w.size))
+    return best
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-token positions of pieces: flat output index, piece, and offset within the piece."""
+
+    flat: IntArray
+    piece: IntArray
+    within: IntArray
+
+
+def token_layout(pieces: Pieces, width: int) -> Layout:
+    """Where each token of ``pieces`` goes in a ``(rows, width)`` output, flattened."""
+    piece = np.repeat(np.arange(pieces.count.size, dtype=np.int64), pieces.count)
+    firsts = np.cumsum(pieces.count) - pieces.count
+    within = np.arange(piece.size, dtype=np.int64) - firsts[piece]
+    flat = pieces.row[piece] * width + pieces.start[piece] + within
+    return Layout(flat=flat, piece=piece, within=within)
+
+
+def window_columns(
+    pieces: Pieces, layout: Layout, *, rows: int, width: int, seq_len: int, max_segments: int
+) -> dict[str, np.ndarray]:
+    """``doc_index``, ``position_ids`` (``(rows, width)`` int32), ``cu_seqlens``
+    (``(rows, max_segments + 1)`` int32) and ``num_segments`` (``(rows,)`` int32).
+
+    The per-token formulation (every token placed through ``layout``): the reference
+    `packed_columns` is checked against; `PackedWindows` reads with `packed_columns`.
+    """
+    doc_index = np.full(rows * width, PAD_SEGMENT, dtype=np.int32)
+    positions = np.zeros(rows * width, dtype=np.int32)
+    doc_index[layout.flat] = pieces.segment[layout.piece]
+    positions[layout.flat] = layout.within
+    ends = np.minimum(pieces.start + pieces.count, seq_len)
+    inputs = pieces.start < seq_len
+    last = np.zeros(rows, dtype=np.int64)
+    if inputs.any():
+        np.maximum.at(last, pieces.row[inputs], ends[inputs])
+    cu, count = _cu_seqlens(pieces, rows, seq_len, max_segments, last)
+    return {
+        "doc_index": doc_index.reshape(rows, width),
+        "position_ids": positions.reshape(rows, width),
+        "cu_seqlens": cu,
+        "num_segments": count,
+    }
+
+
+def _cu_seqlens(
+    pieces: Pieces, rows: int, seq_len: int, max_segments: int, last: IntArray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(cu_seqlens, num_segments)`` of the rows; ``last[r]``: the end of row ``r``'s last
+    input piece (``< seq_len``: a padded tail, one more segment closed by the sentinel)."""
+    inputs = pieces.start < seq_len
+    row, seg = pieces.row[inputs], pieces.segment[inputs]
+    ends = np.minimum(pieces.start[inputs] + pieces.count[inputs], seq_len)
+    cu = np.full((rows, max_segments + 1), seq_len, dtype=np.int32)
+    cu[:, 0] = 0
+    used = np.bincount(row, minlength=rows)
+    if row.size:
+        if int(seg.max()) + 1 > max_segments:
+            raise ConfigError(
+                f"a window has {int(seg.max()) + 1} segments, more than max_segments="
+                f"{max_segments}; hint: raise max_segments (or leave it None)"
+            )
+        cu.reshape(-1)[row * (max_segments + 1) + seg + 1] = ends
+    count = used + (last < seq_len)
+    if int(count.max(initial=0)) > max_segments:
+        raise ConfigError(
+            f"a window has {int(count.max())} segments, more than max_segments={max_segments}"
+        )
+    return cu, count.astype(np.int32)
+
+
+def covered_tokens(
+    offsets: npt.NDArray[np.int64], windows: IntArray, *, seq_len: int, width: int
+) -> IntArray:
+    """Stream tokens each window holds (``width``, or fewer in a padded tail): its pieces
+    tile positions ``[0, covered)`` of the window, in piece order; the rest is padding."""
+    s = np.asarray(windows, dtype=np.int64) * seq_len
+    return np.minimum(s + width, int(offsets[-1])) - s
+
+
+def packed_columns(
+    pieces: Pieces,
+    covered: IntArray,
+    *,
+    width: int,
+    seq_len: int,
+    max_segments: int,
+    ramp: IntArray | None = None,
+) -> dict[str, np.ndarray]:
+    """`window_columns` without a per-token layout (the same arrays, byte for byte).
+
+    ``ramp``: optionally a cached ``arange`` (int32, or int64 past 2**31 tokens) at
+    least as long as the pieces' tokens, saving one pass and one allocation.
+
+    A window's pieces tile its first ``covered`` positions in order, so ``doc_index``
+    is each piece's segment repeated ``count`` times and ``position_ids`` a running
+    count restarting at each piece: O(tokens) in a few vectorised passes. Rows with
+    padding (``covered < width``, a padded tail) are placed through a mask.
+    """
+    rows = int(covered.size)
+    total = int(pieces.count.sum())
+    idx = np.int32 if rows * width < 2**31 else np.int64
+    if ramp is None or ramp.dtype != idx or ramp.size < total:
+        ramp = np.arange(total, dtype=idx)
+    firsts = np.cumsum(pieces.count)
+    firsts -= pieces.count
+    run = np.repeat(firsts.astype(idx), pieces.count)
+    np.subtract(ramp[:total], run, out=run)  # offset within each piece
+    seg = np.repeat(pieces.segment.astype(np.int32), pieces.count)
+    if total == rows * width:
+        doc_index, positions = seg, run.astype(np.int32, copy=False)
+        last = np.full(rows, min(width, seq_len), dtype=np.int64)
+    else:
+        inside = (np.arange(width, dtype=np.int64)[None, :] < covered[:, None]).reshape(-1)
+        doc_index = np.full(rows * width, PAD_SEGMENT, dtype=np.int32)
+        positions = np.zeros(rows * width, dtype=np.int32)
+        doc_index[inside] = seg
+        positions[inside] = run
+        last = np.minimum(covered, seq_len)  # pieces tile [0, covered): the last input end
+    cu, count = _cu_seqlens(pieces, rows, seq_len, max_segments, last)
+    return {
+        "doc_index": doc_index.reshape(rows, width),
+        "position_ids": positions.reshape(rows, width),
+        "cu_seqlens": cu,
+        "num_segments": count,
+    }
+
+
+def raw_tokens(
+    pieces: Pieces,
+    layout: Layout,
+    first: npt.NDArray[np.int64],
+    *,
+    bos: bool,
+    eos: bool,
+) -> tuple[IntArray, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """``(corpus token index, is_bos, is_eos)`` of every token of ``pieces``.
+
+    ``first`` is row 1 of the packing index (corpus start of the document at each
+    shuffled position). Inserted tokens get index -1.
+    """
+    eff = pieces.offset[layout.piece] + layout.within
+    is_bos = eff == 0 if bos else np.zeros(eff.size, dtype=np.bool_)
+    is_eos = (eff == pieces.length[layout.piece] - 1) if eos else np.zeros(eff.size, dtype=np.bool_)
+    index = first[pieces.position][layout.piece] + eff - int(bos)
+    index[is_bos | is_eos] = -1
+    return index, is_bos, is_eos
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """How to fill a flat ``(rows * width)`` token buffer from the corpus, per piece.
+
+    Corpus tokens ``[source[j], source[j] + count[j])`` go to flat positions
+    ``[target[j], target[j] + count[j])`` (every ``count`` >= 1: whole document pieces,
+    each inside one document, so inside one shard); BOS / EOS ids go to flat positions
+    ``bos_at`` / ``eos_at``. Positions in none of them are padding.
+    """
+
+    source: IntArray
+    target: IntArray
+    count: IntArray
+    bos_at: IntArray
+    eos_at: IntArray
+
+
+def copy_plan(
+    pieces: Pieces, first: npt.NDArray[np.int64], *, width: int, bos: bool, eos: bool
+) -> CopyPlan:
+    """The `CopyPlan` of ``pieces`` (``first``: row 1 of the packing index): the same
+    tokens as `raw_tokens` through `token_layout`, as contiguous ranges (O(pieces)).
+
+    The effective token at offset ``e`` of a document is the BOS for ``e = 0`` (with
+    BOS), the EOS for ``e = length - 1`` (with EOS), else corpus token
+    ``first + e - bos``.
+    """
+    at = pieces.row * width + pieces.start  # flat position of each piece's first token
+    if not (bos or eos):  # every piece is corpus tokens only
+        empty = np.empty(0, dtype=np.int64)
+        source = first[pieces.position] + pieces.offset
+        return CopyPlan(source=source, target=at, count=pieces.count, bos_at=empty, eos_at=empty)
+    b = int(bos)
+    end = pieces.offset + pieces.count
+    lo = np.maximum(pieces.offset, b)
+    hi = np.minimum(end, pieces.length - int(eos))
+    count = hi - lo
+    keep = count > 0
+    empty = np.empty(0, dtype=np.int64)
+    return CopyPlan(
+        source=(first[pieces.position] + lo - b)[keep],
+        target=(at + lo - pieces.offset)[keep],
+        count=count[keep],
+        bos_at=at[pieces.offset == 0] if bos else empty,
+        eos_at=(at + (end - 1 - pieces.offset))[end == pieces.length] if eos else empty,
+    )

@@ -1,0 +1,181 @@
+"""``detdata env`` and ``detdata preflight`` through the real console entry point (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli_mix import detdata_exe
+from tests.conftest import write_token_shards
+from tests.loading.test_record import _git
+
+pytestmark = pytest.mark.multiproc  # runs the real console command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [detdata_exe(), *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def _repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    path.mkdir()
+    _git(path, "init", "-q")
+    _git(path, "config", "user.email", "t@example.com")
+    _git(path, "config", "user.name", "t")
+    (path / "uv.lock").write_text("lock\n")
+    _git(path, "add", ".")
+    _git(path, "commit", "-q", "-m", "first")
+    return path
+
+
+def _data(tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "data"
+    write_token_shards(root, sizes=(3000, 2000))
+    manifest = tmp_path / "manifest.json"
+    done = _run("manifest", "build", str(root), "--out", str(manifest))
+    assert done.returncode == 0, done.stderr
+    return root, manifest
+
+
+def test_env_prints_the_record_and_checks_a_saved_one(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    _, manifest = _data(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"lr": 0.1}))
+    saved = tmp_path / "record.json"
+    done = _run(
+        "env",
+        "--repo",
+        str(repo),
+        "--manifest",
+        str(manifest),
+        "--config",
+        str(config),
+        "--out",
+        str(saved),
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["kind"] == "detdata.run_record"
+    assert doc["code"]["revision"] == _git(repo, "rev-parse", "HEAD")
+    assert list(doc["lock_files"]) == ["uv.lock"]
+    assert doc["data"]["manifests"] == [json.loads(manifest.read_text())["id"]]
+    assert json.loads(saved.read_text()) == doc
+    same = _run(
+        "env",
+        "--repo",
+        str(repo),
+        "--manifest",
+        str(manifest),
+        "--config",
+        str(config),
+        "--check",
+        str(saved),
+    )
+    assert same.returncode == 0, same.stderr
+    config.write_text(json.dumps({"lr": 0.2}))
+    differs = _run(
+        "env",
+        "--repo",
+        str(repo),
+        "--manifest",
+        str(manifest),
+        "--config",
+        str(config),
+        "--check",
+        str(saved),
+    )
+    assert differs.returncode == 1
+    assert "config: saved" in differs.stderr and "allow=('config',)" in differs.stderr
+    allowed = _run(
+        "env",
+        "--repo",
+        str(repo),
+        "--manifest",
+        str(manifest),
+        "--config",
+        str(config),
+        "--check",
+        str(saved),
+        "--allow",
+        "config",
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    assert "allowed difference config: saved" in allowed.stderr
+
+
+def test_preflight_world_one_passes(tmp_path: Path) -> None:
+    _, manifest = _data(tmp_path)
+    done = _run("preflight", "--manifest", str(manifest))
+    assert done.returncode == 0, done.stderr
+    assert "ok devices" in done.stdout
+    assert "ok all_reduce world 1 (gloo)" in done.stdout
+    assert "2 shard(s) quick-verified" in done.stdout
+
+
+def test_preflight_fails_naming_a_corrupted_shard(tmp_path: Path) -> None:
+    root, manifest = _data(tmp_path)
+    shard = root / "shard-001.npy"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # same size, other bytes: the quick digest (head + tail) catches it
+    shard.write_bytes(bytes(data))
+    done = _run("preflight", "--manifest", str(manifest))
+    assert done.returncode == 1
+    assert "detdata: preflight failed: manifest" in done.stderr
+    assert "shard-001.npy" in done.stderr
+    assert "ok all_reduce world 1" in done.stdout  # the other checks still ran
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "detdata.cli.main",
+            "preflight",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_preflight_under_torchrun_two_ranks(tmp_path: Path) -> None:
+    root, manifest = _data(tmp_path)
+    done = _torchrun("--manifest", str(manifest))
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert f"preflight[rank {rank}]: ok all_reduce world 2 (gloo)" in done.stdout
+        assert f"preflight[rank {rank}]: ok manifest" in done.stdout
+    (root / "shard-000.npy").write_bytes(b"short")
+    failed = _torchrun("--manifest", str(manifest))
+    assert failed.returncode != 0
+    assert "shard-000.npy" in failed.stderr

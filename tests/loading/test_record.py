@@ -1,0 +1,280 @@
+"""`detdata.RunRecord`: capture, plain JSON, and verify refusing each changed field (issue 15)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+import detdata
+from detdata import ConfigError, DataLoader, RunRecord, StateError, TokenWindows, build_manifest
+from tests.conftest import write_token_shards
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A real git repository with one commit holding a lock file and a script."""
+    path = tmp_path / "repo"
+    path.mkdir()
+    _git(path, "init", "-q")
+    _git(path, "config", "user.email", "t@example.com")
+    _git(path, "config", "user.name", "t")
+    (path / "requirements-lock.txt").write_text("numpy==2.0.0\n")
+    (path / "train.py").write_text("print('train')\n")
+    _git(path, "add", ".")
+    _git(path, "commit", "-q", "-m", "first")
+    return path
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    write_token_shards(root, sizes=(400, 300))
+    return root
+
+
+def _loader(data: Path, seed: int = 7) -> DataLoader:
+    return DataLoader(TokenWindows(build_manifest(str(data)), 8), global_batch_size=4, seed=seed)
+
+
+def _capture(repo: Path, data: Path, **kw: Any) -> RunRecord:
+    args: dict[str, Any] = {
+        "repo": repo,
+        "layout": {"world": 1},
+        "config": {"lr": 0.001, "model": "tiny"},
+        "loader": _loader(data),
+    }
+    args.update(kw)
+    return RunRecord.capture(**args)
+
+
+def test_capture_holds_the_inputs_and_round_trips_plain_json(repo: Path, data: Path) -> None:
+    rec = _capture(repo, data)
+    doc = rec.to_json()
+    assert json.loads(json.dumps(doc)) == doc  # JSON-plain
+    assert doc["kind"] == "detdata.run_record" and doc["format_version"] == 1
+    assert doc["code"]["revision"] == _git(repo, "rev-parse", "HEAD")
+    assert doc["code"]["dirty"] is False and doc["code"]["dirty_files"] == 0
+    lock = (repo / "requirements-lock.txt").read_bytes()
+    assert doc["lock_files"] == {"requirements-lock.txt": "b3:" + blake3.blake3(lock).hexdigest()}
+    # packages: an independent listing through importlib.metadata
+    import importlib.metadata as md
+    import re
+
+    names = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in md.distributions()}
+    assert {n for n, _ in doc["packages"]["list"]} == names
+    assert ["numpy", md.version("numpy")] in doc["packages"]["list"]
+    listed = json.dumps(doc["packages"]["list"], separators=(",", ":")).encode()
+    assert doc["packages"]["digest"] == "b3:" + blake3.blake3(listed).hexdigest()
+    import torch
+
+    assert doc["versions"]["python"] == sys.version.split()[0]
+    assert doc["versions"]["torch"] == torch.__version__
+    if not torch.cuda.is_available():  # the CPU build here: no CUDA, cuDNN, NCCL, GPUs
+        assert doc["versions"]["cuda"] is None and doc["versions"]["nccl"] is None
+        assert doc["gpus"] == []
+    assert doc["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1}
+    config = json.dumps({"lr": 0.001, "model": "tiny"}, sort_keys=True, separators=(",", ":"))
+    assert doc["config"] == "b3:" + blake3.blake3(config.encode()).hexdigest()
+    manifest = build_manifest(str(data))
+    assert doc["data"]["manifests"] == [manifest.id]
+    assert doc["data"]["seeds"] == {"seed": 7, "stream_seed": None}
+    assert doc["data"]["loader_state"] == _loader(data).state_dict()
+    assert set(doc["env"]) >= {"CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO"}
+    back = RunRecord.from_json(json.dumps(doc))
+    assert back.to_json() == doc
+    back.verify(rec)
+    rec.verify(doc)
+
+
+def test_save_and_load(repo: Path, data: Path, tmp_path: Path) -> None:
+    rec = _capture(repo, data)
+    path = tmp_path / "ckpt" / "run_record.json"
+    rec.save(path)
+    assert RunRecord.load(path).to_json() == rec.to_json()
+    assert [p.name for p in path.parent.iterdir()] == ["run_record.json"]  # no temp left
+
+
+def test_outside_git_revision_and_dirty_are_none_with_a_note(tmp_path: Path, data: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    rec = _capture(plain, data, lock_files=[])
+    code = rec.to_json()["code"]
+    assert code["revision"] is None and code["dirty"] is None
+    assert "not in a git repository" in code["note"]
+
+
+def test_a_dirty_tree_is_refused_unless_allowed(repo: Path, data: Path) -> None:
+    (repo / "train.py").write_text("print('edited')\n")
+    (repo / "requirements-lock.txt").write_text("numpy==2.1.0\n")
+    (repo / "untracked.txt").write_text("not counted\n")
+    with pytest.raises(ConfigError, match=r"dirty tree: 2 tracked file\(s\).*allow_dirty=True"):
+        _capture(repo, data)
+    rec = _capture(repo, data, allow_dirty=True)
+    assert rec.to_json()["code"]["dirty"] is True
+    assert rec.to_json()["code"]["dirty_files"] == 2
+
+
+def _edit(path: tuple[str, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    """Set ``doc[path...] = value``: a record saved on another machine."""
+
+    def apply(doc: dict[str, Any]) -> None:
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return apply
+
+
+def _fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    info = site / "Fake_Pkg-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: Fake_Pkg\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(site))
+
+
+def _commit(repo: Path) -> None:
+    (repo / "train.py").write_text("print('second')\n")
+    _git(repo, "commit", "-q", "-am", "second")
+
+
+# (field name refused, how the second capture differs: a change before capturing or kwargs,
+#  or an edit of the first record's document standing for another machine)
+CASES: dict[str, Any] = {
+    "revision": {"setup": lambda repo, tmp, mp: _commit(repo)},
+    "dirty": {"setup": lambda repo, tmp, mp: (repo / "train.py").write_text("x = 1\n")},
+    "lock_files": {"kwargs": {"lock_files": ["requirements-lock.txt", "train.py"]}},
+    "packages": {"setup": lambda repo, tmp, mp: _fake_package(tmp, mp)},
+    "python": {"edit": _edit(("versions", "python"), "3.9.0")},
+    "torch": {"edit": _edit(("versions", "torch"), "2.0.0")},
+    "cuda": {"edit": _edit(("versions", "cuda"), "12.4")},
+    "cudnn": {"edit": _edit(("versions", "cudnn"), "90100")},
+    "nccl": {"edit": _edit(("versions", "nccl"), "2.21.5")},
+    "driver": {"edit": _edit(("versions", "driver"), "550.54.15")},
+    "gpus": {
+        "edit": _edit(("gpus",), [{"name": "NVIDIA H100", "uuid": "GPU-1"}]),
+        "edit_now": _edit(("gpus",), [{"name": "NVIDIA H200", "uuid": "GPU-1"}]),
+    },
+    "gpu_uuids": {
+        "edit": _edit(("gpus",), [{"name": "NVIDIA H100", "uuid": "GPU-1"}]),
+        "edit_now": _edit(("gpus",), [{"name": "NVIDIA H100", "uuid": "GPU-2"}]),
+    },
+    "env.CUBLAS_WORKSPACE_CONFIG": {
+        "setup": lambda repo, tmp, mp: mp.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    },
+    "env.NCCL_ALGO": {"setup": lambda repo, tmp, mp: mp.setenv("NCCL_ALGO", "Tree")},
+    "env.MY_FLAG": {
+        "kwargs": {"extra_env": ["MY_FLAG"]},
+        "setup": lambda repo, tmp, mp: mp.setenv("MY_FLAG", "1"),
+    },
+    "layout": {"kwargs": {"layout": {"world": 8, "tp": 2}}},
+    "config": {"kwargs": {"config": {"lr": 0.002, "model": "tiny"}}},
+    "manifests": {"kwargs": {"manifests": ["b3:" + "0" * 64]}},
+    "seeds": {"seed": 8},
+    "loader.global_batch_size": {"batch": 8},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verify_refuses_each_changed_field_and_logs_it_when_allowed(
+    name: str,
+    repo: Path,
+    data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    case = CASES[name]
+    for var in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "MY_FLAG"):
+        monkeypatch.delenv(var, raising=False)
+    kwargs = {k: v for k, v in case.get("kwargs", {}).items() if k == "extra_env"}
+    saved = _capture(repo, data, **kwargs)
+    if "edit" in case:
+        doc = copy.deepcopy(saved.to_json())
+        case["edit"](doc)
+        saved = RunRecord.from_json(doc)
+    if "setup" in case:
+        case["setup"](repo, tmp_path, monkeypatch)
+    kw: dict[str, Any] = dict(case.get("kwargs", {}))
+    if name == "dirty":
+        kw["allow_dirty"] = True
+    if "seed" in case:
+        kw["loader"] = _loader(data, seed=case["seed"])
+    if "batch" in case:
+        ds = TokenWindows(build_manifest(str(data)), 8)
+        kw["loader"] = DataLoader(ds, global_batch_size=case["batch"], seed=7)
+    now = _capture(repo, data, **kw)
+    if "edit_now" in case:  # both records stand for machines with GPUs
+        doc = copy.deepcopy(now.to_json())
+        case["edit_now"](doc)
+        now = RunRecord.from_json(doc)
+    assert now.differences(saved) == [name]
+    with pytest.raises(StateError) as info:
+        now.verify(saved)
+    assert info.value.fields == (name,)
+    message = str(info.value)
+    assert f"  {name}: " in message and "saved" in message and "now" in message
+    assert f"allow=('{name}',)" in message
+    caplog.set_level(logging.WARNING, logger="detdata.loading.record")
+    now.verify(saved.to_json(), allow=[name])
+    lines = [r.getMessage() for r in caplog.records if "allowed difference" in r.getMessage()]
+    assert len(lines) == 1 and f"allowed difference {name}: " in lines[0]
+    group = name.split(".")[0]
+    if group in ("env", "loader"):
+        now.verify(saved, allow=[group])
+
+
+def test_packages_difference_names_the_package(
+    repo: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = _capture(repo, data)
+    _fake_package(tmp_path, monkeypatch)
+    with pytest.raises(StateError, match=r"packages: fake-pkg saved absent, now 1\.0"):
+        _capture(repo, data).verify(saved)
+
+
+def test_several_differences_are_all_listed(repo: Path, data: Path) -> None:
+    saved = _capture(repo, data)
+    now = _capture(repo, data, layout={"world": 2}, config={"lr": 1.0})
+    with pytest.raises(StateError) as info:
+        now.verify(saved, allow=["seeds"])
+    assert info.value.fields == ("config", "layout")
+    assert '  layout: saved {"dp": 1, "pp": 1, "tp": 1, "world": 1}, now {"dp": 2' in str(
+        info.value
+    )
+
+
+def test_bad_inputs_are_refused(repo: Path, data: Path) -> None:
+    rec = _capture(repo, data)
+    with pytest.raises(ConfigError, match=r"unknown run record fields.*'torhc'"):
+        rec.verify(rec, allow=["torhc"])
+    with pytest.raises(ConfigError, match="the string"):
+        rec.verify(rec, allow="torch")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        RunRecord.capture(repo=repo, layout={"word": 2})
+    with pytest.raises(ConfigError, match="lock file"):
+        RunRecord.capture(repo=repo, lock_files=["missing.lock"])
+    with pytest.raises(StateError, match="not a run record"):
+        RunRecord.from_json({"kind": "detdata.loader_state"})
+    doc = rec.to_json()
+    doc["format_version"] = 99
+    with pytest.raises(StateError, match="unknown format_version 99"):
+        RunRecord.from_json(doc)
+    assert detdata.RunRecord is RunRecord
