@@ -17,10 +17,8 @@ a `detdata.DataLoader` for ``--seconds`` and reports:
   (target: none);
 * ``requests`` through the proxy.
 
-Orders: ``locality-v1`` (the library's locality-aware order, when this checkout has it:
-otherwise its rows say n/a), ``locality-standin`` (a benchmark-local stand-in with the
-same shape: a keyed permutation of shards, then of samples within each window of ``k``
-consecutive shards; for measuring the prefetch alone), and ``feistel-v1`` (the default
+Orders: ``locality-v1`` (`detdata.LocalityOrder`: a keyed permutation of shards, then of
+samples within each window of ``k`` consecutive shards) and ``feistel-v1`` (the default
 global shuffle, for comparison: with a cache 10x smaller than the data it re-fetches
 shards). Modes: ``cache+lookahead`` (``cache_dir`` + ``lookahead``) and ``ranges`` (no
 cache: coalesced range reads).
@@ -47,7 +45,6 @@ from typing import Any
 import numpy as np
 
 import detdata
-from detdata.base.keys import derive_u64
 from detdata.datasets.tokens import TokenWindows
 from tests.faultproxy import FaultProxy, Link, clean
 from tests.servers import start_nginx, start_seaweedfs, stop_pid
@@ -91,62 +88,6 @@ SMOKE = Size(
 
 
 # ---------------------------------------------------------------------------- orders
-class PermutedStream:
-    """A dataset read through a precomputed permutation of one epoch (benchmark only)."""
-
-    def __init__(self, dataset: TokenWindows, perm: np.ndarray, name: str) -> None:
-        self.dataset = dataset
-        self.perm = perm
-        self.name = name
-
-    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        return self.perm[np.asarray(positions) % self.perm.size]
-
-    def fetch(self, positions: np.ndarray) -> dict[str, np.ndarray]:
-        return self.dataset.read(self.sample_ids(positions).reshape(-1))
-
-    def identity(self) -> dict[str, Any]:
-        return {"type": "bench-permuted", "order": self.name, "dataset": self.dataset.identity()}
-
-
-def standin_permutation(dataset: TokenWindows, seed: int, k: int) -> np.ndarray:
-    """Keyed permutation of shards, then a keyed permutation of the samples inside each
-    window of ``k`` consecutive shards (of the permuted shard list)."""
-    counts = np.asarray(dataset.windows_per_shard, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    rng = np.random.default_rng(derive_u64(b"bench:standin-shards", seed))
-    shard_order = rng.permutation(counts.size)
-    parts = []
-    for w in range(0, counts.size, k):
-        ids = np.concatenate([starts[s] + np.arange(counts[s]) for s in shard_order[w : w + k]])
-        parts.append(
-            np.random.default_rng(derive_u64(b"bench:standin-window", seed, w)).permutation(ids)
-        )
-    return np.concatenate(parts)
-
-
-def locality_stream(dataset: TokenWindows, seed: int, k: int) -> Any | None:
-    """The library's locality-aware order over ``dataset``, or None if this checkout lacks it."""
-    try:
-        from detdata.order import locality  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    for name in ("LocalityStream", "LocalityOrderedStream"):
-        cls = getattr(locality, name, None) or getattr(detdata, name, None)
-        if cls is not None:
-            for kwargs in ({"window_shards": k}, {"k": k}, {}):
-                try:
-                    return cls(dataset, seed=seed, **kwargs)
-                except TypeError:
-                    continue
-    for kwargs in ({"order": "locality-v1"}, {"algorithm": "locality-v1"}):
-        try:
-            return detdata.OrderedStream(dataset, seed=seed, **kwargs)  # type: ignore[call-arg]
-        except TypeError:
-            continue
-    return None
-
-
 # ---------------------------------------------------------------------------- stores
 @dataclass
 class Store:
@@ -203,12 +144,12 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
 
 
 # ---------------------------------------------------------------------------- runs
-def make_stream(order: str, ds: TokenWindows, size: Size) -> Any | None:
+def make_stream(order: str, ds: TokenWindows, size: Size) -> Any:
     if order == "feistel-v1":
         return ds  # the loader orders a plain dataset with GlobalOrder (feistel-v1)
-    if order == "locality-v1":
-        return locality_stream(ds, 7, size.window_shards)
-    return PermutedStream(ds, standin_permutation(ds, 7, size.window_shards), order)
+    return detdata.OrderedStream(
+        ds, 7, order=detdata.LocalityOrder(window_shards=size.window_shards)
+    )
 
 
 def run_one(
@@ -237,8 +178,6 @@ def run_one(
         "cache_bytes": bound if cache is not None else None,
     }
     stream = make_stream(order, ds, size)
-    if stream is None:
-        return {**row, "samples_per_s": "n/a", "note": "locality-v1 not in this checkout"}
     sample_bytes = size.seq_len * 2
     ceiling = size.bandwidth_bps / sample_bytes
     per_shard = size.tokens_per_shard // size.seq_len
@@ -305,7 +244,7 @@ def run_one(
 
 PACE = 0.8  # the paced consumer asks for 80% of the link's ceiling (stalls should be 0)
 READ_AHEAD = 4  # micro batches per read: finer timing than the default 16
-ORDERS = ("locality-v1", "locality-standin", "feistel-v1")
+ORDERS = ("locality-v1", "feistel-v1")
 
 
 def remote_rows(

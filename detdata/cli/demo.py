@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from detdata.base.errors import ConfigError
+from detdata.cli.replay import print_verdict
 
 MARKER: Final = ".detdata-demo"
 _MARKER_TEXT: Final = (
@@ -118,19 +119,7 @@ def _print_check(check: dict[str, Any]) -> int:
         f"final weights blake3: A {check['weights']['A'][:16]}  B {check['weights']['B'][:16]}  "
         f"C (stopped at {check['stop_at']} on 2 ranks, resumed on 1) {check['weights']['C'][:16]}"
     )
-    for pair in ("A_B", "A_C"):
-        diff = check[f"first_divergent_step_{pair}"]
-        print(
-            f"first divergent data step {pair.replace('_', ' vs ')}: "
-            + ("none" if diff is None else f"step {diff['step']} ({diff['reason']})")
-        )
-    ok = (
-        check["weights_identical"]
-        and check["first_divergent_step_A_B"] is None
-        and check["first_divergent_step_A_C"] is None
-    )
-    print("replay check: " + ("PASS (bitwise identical)" if ok else "FAIL"))
-    return 0 if ok else 1
+    return print_verdict(check)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -124,6 +124,16 @@ def print_user_check(check: dict[str, Any]) -> int:
         f"final weights: A {w['A'][:16]}  B {w['B'][:16]}  "
         f"C (stopped at step {check['stop_at']}, resumed) {w['C'][:16]}"
     )
+    return print_verdict(check)
+
+
+def print_verdict(check: dict[str, Any]) -> int:
+    """Print a replay check's first divergent steps (A vs B, A vs C) and its verdict.
+
+    ``check`` holds ``weights_identical`` and ``first_divergent_step_A_B`` / ``_A_C``
+    (``None`` or a difference with ``step`` and ``reason``). Returns the exit code:
+    0 when the runs are bitwise identical, else 1.
+    """
     for pair in ("A_B", "A_C"):
         diff = check[f"first_divergent_step_{pair}"]
         print(

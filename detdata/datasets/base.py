@@ -22,6 +22,7 @@ import numpy.typing as npt
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
+from detdata.datasets.digest import framed
 
 
 @runtime_checkable
@@ -81,7 +82,7 @@ class ArrayDataset:
         self.name = name
         self._digest = digest_bytes(
             b"".join(
-                _framed(k.encode(), v.dtype.str.encode(), str(v.shape).encode(), _content(v))
+                framed(k.encode(), v.dtype.str.encode(), str(v.shape).encode(), _content(v))
                 for k, v in sorted(self.columns.items())
             )
         )
@@ -98,11 +99,6 @@ class ArrayDataset:
 
     def identity(self) -> dict[str, Any]:
         return {"type": "arrays", "name": self.name, "digest": self._digest, "num_samples": self._n}
-
-
-def _framed(*fields: bytes) -> bytes:
-    """Each field prefixed by its length: no two different column lists give the same bytes."""
-    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
 
 
 def _frozen_copy(values: npt.ArrayLike) -> np.ndarray:

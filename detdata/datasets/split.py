@@ -45,6 +45,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.keys import derive_u64
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, check_ids
+from detdata.datasets.digest import framed, framed_sample
 
 ALGORITHM: Final = "split-v1"
 SPLIT_TAG: Final = b"detdata:split-v1"
@@ -105,24 +106,20 @@ def is_validation(key: bytes, *, salt: str, fraction: Fraction) -> bool:
     return u < threshold(fraction)
 
 
-def _framed(*fields: bytes) -> bytes:
-    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
-
-
 def _value_bytes(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
-        return _framed(b"nd", arr.dtype.str.encode(), str(arr.shape).encode(), arr.tobytes())
+        return framed(b"nd", arr.dtype.str.encode(), str(arr.shape).encode(), arr.tobytes())
     if isinstance(value, np.generic):
         return _value_bytes(np.asarray(value))
     if isinstance(value, str):
-        return _framed(b"str", value.encode("utf-8"))
+        return framed(b"str", value.encode("utf-8"))
     if isinstance(value, bytes):
-        return _framed(b"bytes", value)
+        return framed(b"bytes", value)
     if value is None:
-        return _framed(b"none")
+        return framed(b"none")
     if isinstance(value, (bool, int, float)):
-        return _framed(type(value).__name__.encode(), repr(value).encode())
+        return framed(type(value).__name__.encode(), repr(value).encode())
     raise FormatError(
         f"cannot key a sample column holding {type(value).__name__} by content; hint: numeric "
         "arrays, str, bytes and numbers are keyed (or use key=SplitKey.ID)"
@@ -131,10 +128,7 @@ def _value_bytes(value: Any) -> bytes:
 
 def content_key(sample: dict[str, Any]) -> bytes:
     """The 32-byte blake3 of one sample (column name -> value), framed (``split-content-v1``)."""
-    parts = [CONTENT_TAG]
-    for name in sorted(sample):
-        parts.append(_framed(name.encode("utf-8"), _value_bytes(sample[name])))
-    return blake3.blake3(_framed(*parts)).digest()
+    return blake3.blake3(framed_sample(CONTENT_TAG, sample, _value_bytes)).digest()
 
 
 def content_keys(dataset: Dataset, *, chunk: int = READ_CHUNK) -> list[bytes]:

@@ -39,6 +39,7 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.datasets.digest import framed, framed_sample
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.origins import origins
@@ -91,24 +92,20 @@ class SampleRecord:
         return out
 
 
-def _framed(*fields: bytes) -> bytes:
-    return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
-
-
 def _value_bytes(value: Any) -> bytes:
     """The bytes one column of one sample contributes: dtype, shape and buffer of an array;
     utf-8 of a str; a bytes value as is; a 1-D array in an object column like an array."""
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = np.ascontiguousarray(value)
-        return _framed(b"nd", arr.dtype.str.encode(), str(arr.shape).encode(), arr.tobytes())
+        return framed(b"nd", arr.dtype.str.encode(), str(arr.shape).encode(), arr.tobytes())
     if isinstance(value, str):
-        return _framed(b"str", value.encode("utf-8"))
+        return framed(b"str", value.encode("utf-8"))
     if isinstance(value, bytes):
-        return _framed(b"bytes", value)
+        return framed(b"bytes", value)
     if isinstance(value, np.generic):
         return _value_bytes(np.asarray(value))
     if value is None:
-        return _framed(b"none")
+        return framed(b"none")
     raise ConfigError(
         f"cannot digest a sample column holding {type(value).__name__}; "
         "hint: numeric arrays, str and bytes are digested"
@@ -118,10 +115,7 @@ def _value_bytes(value: Any) -> bytes:
 def sample_digest(sample: Mapping[str, Any]) -> str:
     """``b3:<hex>`` of one sample (column -> value), framed: ``DIGEST_TAG``, then per column in
     sorted name order its name and `_value_bytes` (each part length-prefixed, u64le)."""
-    parts = [DIGEST_TAG]
-    for name in sorted(sample):
-        parts.append(_framed(name.encode("utf-8"), _value_bytes(sample[name])))
-    return digest_bytes(_framed(*parts))
+    return digest_bytes(framed_sample(DIGEST_TAG, sample, _value_bytes))
 
 
 def row_of(batch: Batch, j: int) -> dict[str, Any]:

@@ -38,9 +38,9 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.checks import check_count, check_seed
-from detdata.base.errors import ConfigError
 from detdata.base.keys import derive
 from detdata.base.types import MAX_POSITION, IntArray
+from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "feistel-v1"
 ROUNDS: Final = 8
@@ -339,22 +339,11 @@ class GlobalOrder:
     def __getitem__(self, position: slice) -> IntArray: ...
 
     def __getitem__(self, position: int | slice) -> int | IntArray:
-        if isinstance(position, slice):
-            if position.stop is None:
-                raise ConfigError("GlobalOrder slices need a stop: the order is infinite")
-            start, stop, step = position.start or 0, position.stop, position.step or 1
-            return self.ids(np.arange(start, stop, step, dtype=np.int64))
-        g = check_count(position, "position", minimum=0, maximum=(1 << 63) - 1)
-        return int(self.ids(np.array([g], dtype=np.int64))[0])
+        return index_positions(self.ids, position, "GlobalOrder")
 
     def ids(self, positions: npt.ArrayLike) -> IntArray:
         """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
-        pos = np.asarray(positions)
-        if pos.dtype.kind not in "iu":
-            raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
-        if pos.size and int(pos.min()) < 0:
-            raise ConfigError(f"positions must be >= 0, found {int(pos.min())}")
-        pos = pos.astype(np.uint64, copy=False)
+        pos = check_positions_array(positions).astype(np.uint64, copy=False)
         epochs, local = np.divmod(pos, np.uint64(self.num_samples))
         out = np.empty(pos.shape, dtype=np.uint64)
         flat_e, flat_l, flat_o = epochs.reshape(-1), local.reshape(-1), out.reshape(-1)

@@ -51,6 +51,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.keys import derive
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import ROUNDS, domain_bits, permute_many, unpermute_one
+from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "locality-v1"
 _SHARD_TAG: Final = b"detdata:locality-v1:shards"
@@ -206,21 +207,11 @@ class WindowedOrder:
     def __getitem__(self, position: slice) -> IntArray: ...
 
     def __getitem__(self, position: int | slice) -> int | IntArray:
-        if isinstance(position, slice):
-            if position.stop is None:
-                raise ConfigError("WindowedOrder slices need a stop: the order is infinite")
-            start, stop, step = position.start or 0, position.stop, position.step or 1
-            return self.ids(np.arange(start, stop, step, dtype=np.int64))
-        g = check_count(position, "position", minimum=0, maximum=(1 << 63) - 1)
-        return int(self.ids(np.array([g], dtype=np.int64))[0])
+        return index_positions(self.ids, position, "WindowedOrder")
 
     def ids(self, positions: npt.ArrayLike) -> IntArray:
         """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
-        pos = np.asarray(positions)
-        if pos.dtype.kind not in "iu":
-            raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
-        if pos.size and int(pos.min()) < 0:
-            raise ConfigError(f"positions must be >= 0, found {int(pos.min())}")
+        pos = check_positions_array(positions)
         flat = pos.astype(np.uint64, copy=False).reshape(-1)
         epochs, local = np.divmod(flat, np.uint64(self.num_samples))
         local = local.astype(np.int64)
