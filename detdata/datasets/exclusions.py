@@ -22,8 +22,15 @@ the first of the draws ``r_k = u64le⁻¹(blake3(b"detdata:exclude-v1" + u64le(s
 Why not a mask mode (positions keep their samples plus a per-row ``keep`` flag)?
 It would still deliver the bad bytes, so a trainer that forgets the flag trains
 on them, and it spends the step's compute on rows whose loss is zeroed. The
-price of replacement: a replacement sample is seen once more than its epoch
-share (``modulo`` bias of the draw: below ``n_s / 2**64``).
+price of replacement: the draws of different positions are independent, so one
+sample may replace several excluded ones and repeat within an epoch, even within
+one micro batch (next to itself or to its own position's delivery); the draw's
+``modulo`` bias is below ``n_s / 2**64``.
+
+A plain dataset is ordered by `Excluded` with its ``seed`` (``orders_dataset``); given
+the DataLoader's own seed, the run counts as loader-ordered (state ``stream_seed``
+None), so exclusions can be added at a resume of ``DataLoader(data, seed=S)`` with
+``Excluded(data, [(P, lst)], seed=S)`` and ``allow=("exclusions",)``.
 
 The identity records the wrapped stream's identity and the history
 ``[{"from": g, "list": digest, "count": k}]``. The loader state checks the two apart
@@ -168,6 +175,9 @@ class Excluded:
         seed: int = 0,
     ) -> None:
         self.stream = as_stream(data, seed)
+        #: True when ``data`` was a plain dataset ordered here with ``seed``, as a DataLoader
+        #: orders one (the loader then records it as loader-ordered when the seeds agree)
+        self.orders_dataset = self.stream is not data
         base = self.stream.identity()
         self.seed = int(base.get("seed", seed))
         self.history = _check_history(history)

@@ -221,7 +221,10 @@ class DataLoader:
         self._layout_args = (constant, micro_batch_size, rank, world_size)
         self.layout = self._layout_now(0)
         self._plan = Plan.fresh(self._schedule, self.layout)
-        self._plan.check_fits(self.layout, 0)
+        # the batches before the settled one are checked from the start position (0, or the
+        # saved one) when iteration starts or a state is loaded: a resume past a ramp-up
+        # may use a layout the ramp's batches do not fit
+        self._plan.check_settles(self.layout)
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         if total_samples is not None:
             total_samples = check_count(total_samples, "total_samples", minimum=0)
@@ -229,7 +232,12 @@ class DataLoader:
         self.total_samples = total_samples
         self._data = data
         self._stream = as_stream(data, self.seed, order=order)
-        self._wrapped = self._stream is not data  # the loader ordered a plain dataset with its seed
+        # the loader ordered a plain dataset with its seed, or an `Excluded` did with that same
+        # seed (adding exclusions at a resume of a loader-ordered run keeps ``stream_seed``)
+        self._wrapped = self._stream is not data or (
+            getattr(self._stream, "orders_dataset", False) is True
+            and getattr(self._stream, "seed", None) == self.seed
+        )
         self._transform = transform
         self._collate_fn = collate_fn
         self._transform_name = transform_identity(transform_id, transform, collate_fn)
@@ -441,13 +449,18 @@ class DataLoader:
         layout.check_resume_position(position, plan.start_of(plan.step_of(position)))
         plan.check_fits(layout, position)
 
-    def _bind_layout(self) -> None:
+    def _bind_layout(self, *, check: bool = True) -> None:
         """Re-read rank and world size when an iteration starts (a loader built before the
-        process group existed then reads its own rank's slice, not the whole global batch)."""
+        process group existed then reads its own rank's slice, not the whole global batch).
+
+        With ``check``, the layout must fit every global batch from ``samples_consumed`` on
+        (`ConfigError` naming the first batch and step that does not); a fresh run is
+        checked here from position 0."""
         layout = self._layout_now(self._consumed)
+        if check:
+            self._check_layout(layout, self._consumed, self._plan)
         if layout == self.layout:
             return
-        self._check_layout(layout, self._consumed, self._plan)
         rank_changed = layout.rank != self.layout.rank
         self.layout = layout
         self._plan = self._plan.with_layout(self._consumed, layout)
@@ -744,7 +757,7 @@ class DataLoader:
         accumulated), so every earlier step keeps its positions and ``step`` stays right;
         this loader's micro steps start at the saved position.
         """
-        self._bind_layout()
+        self._bind_layout(check=False)  # `_resumed_plan` checks from the saved position
         saved = LoaderState.from_json(state_dict)
         allowed = self._allow | check_allow(allow)
         current = self._fields()

@@ -10,8 +10,9 @@ mixture's source name), sample id, and where the bytes live:
   read them);
 * `TableRows`: ``shard``, ``url``, ``rows`` ``[row, row + 1)`` in the shard and its
   ``row_group``;
-* any dataset with a ``provenance(ids) -> list[dict]`` method: those dicts (packed
-  documents list their documents there);
+* any dataset with a ``provenance(ids) -> list[dict]`` method: those dicts. Packed
+  windows (`PackedWindows`) and `Documents` have none yet: their records carry id and
+  digest only, no shard or range;
 
 plus ``digest``: the blake3 (`sample_digest`) of the sample exactly as the stream
 delivers it (before a loader ``transform``/``collate_fn``), and, through an

@@ -150,7 +150,9 @@ class DeterministicBatchSampler:
         self._layout_args = (constant, micro_batch_size, rank, world_size)
         self.layout = self._layout_now(0)
         self._plan = Plan.fresh(self._schedule, self.layout)
-        self._plan.check_fits(self.layout, 0)
+        # earlier batches are checked from the start position (iteration, load_state_dict):
+        # a resume past a ramp-up may use a layout the ramp's batches do not fit
+        self._plan.check_settles(self.layout)
         self.total_samples = _check_total(total_samples)
         self._start = 0
         self._yielded = 0  # micro batches yielded by the current iterator
@@ -217,12 +219,16 @@ class DeterministicBatchSampler:
         return self._plan.step_of(check_count(position, "position", minimum=0))
 
     def _bind_layout(self) -> None:
-        """Re-read rank and world size (at iteration start and on `load_state_dict`)."""
+        """Re-read rank and world size at iteration start; the layout must fit every global
+        batch from ``samples_consumed`` on (a fresh run: from position 0).
+
+        The micro batches yielded so far are folded into ``_start`` first, counted with the
+        layout they were yielded with (the new one may have another size)."""
         consumed = self.samples_consumed
         layout = self._layout_now(consumed)
-        if layout != self.layout:
-            self._check_resume(layout, consumed)
-            self.layout = layout
+        self._check_resume(layout, consumed)
+        self._start, self._yielded = consumed, 0
+        self.layout = layout
 
     # ------------------------------------------------------ BatchSampler surface
     @property

@@ -182,6 +182,13 @@ class Plan:
                     f"({batches})"
                 )
 
+    def check_settles(self, layout: Layout) -> None:
+        """The global batch the run settles on (its last, open-ended run of equal batches)
+        divides into ``layout``'s micro steps: every run with ``layout`` reaches it, fresh or
+        resumed. Earlier batches are checked from the position a loader starts at
+        (`check_fits`): a resume past a ramp-up need not fit the ramp's batches."""
+        self.check_fits(layout, self.step_map.pieces[-1].position)
+
     def check_step_end(self, total: int) -> None:
         """``total`` samples end a step (`ConfigError`: the last step would be partial)."""
         step = self.step_of(total)

@@ -40,7 +40,14 @@ def source_name(dataset: Any) -> str:
 
 
 def tokens_consumed(stream: Any, consumed: int) -> dict[str, int]:
-    """Tokens of the first ``consumed`` positions of ``stream``, per source name."""
+    """Tokens of the first ``consumed`` positions of ``stream``, per source name.
+
+    An `Excluded` stream counts as the stream it wraps: a replacement comes from the
+    excluded sample's own source, so every source's count and tokens per sample stay."""
+    from detdata.datasets.exclusions import Excluded
+
+    while isinstance(stream, Excluded):
+        stream = stream.stream
     counts = getattr(stream, "consumed", None)
     sources = getattr(stream, "sources", None)
     if callable(counts) and isinstance(sources, Mapping):

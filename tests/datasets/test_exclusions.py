@@ -226,3 +226,49 @@ def test_adding_exclusions_is_allowed_as_exclusions_not_as_data(windows: TokenWi
     edited = dict(state, exclusions=None)
     with pytest.raises(StateError, match="inconsistent"):
         fresh(Excluded(base, [(p, bad)])).load_state_dict(edited)
+
+
+def test_exclusions_added_at_a_resume_of_a_loader_ordered_run(windows: TokenWindows) -> None:
+    """Run 1 is ``DataLoader(data, seed=S)`` (the loader orders the dataset: ``stream_seed``
+    None); the resume wraps ``Excluded(data, [(p, lst)], seed=S)`` and needs only
+    ``allow=("exclusions",)``. Position by position against the unexcluded run continued
+    uninterrupted: the same tokens except at excluded samples, which are replaced. Another
+    seed in ``Excluded`` is still refused as ``stream_seed``."""
+    seed = 5
+    run = DataLoader(windows, global_batch_size=8, seed=seed)
+    it = iter(run)
+    for _ in range(6):
+        next(it)
+    saved = json.loads(json.dumps(run.state_dict()))
+    assert saved["stream_seed"] is None
+    p = saved["samples_consumed"]
+    reference = [next(it)["tokens"].numpy() for _ in range(4)]  # the unexcluded run goes on
+    ref_ids = OrderedStream(windows, seed=seed).sample_ids(np.arange(p, p + 32))
+    bad = ExclusionList.of([int(ref_ids[1]), int(ref_ids[9])])
+    resumed = DataLoader(Excluded(windows, [(p, bad)], seed=seed), global_batch_size=8, seed=seed)
+    resumed.load_state_dict(saved, allow=("exclusions",))
+    rit = iter(resumed)
+    got = np.concatenate([next(rit)["tokens"].numpy() for _ in range(4)])
+    ref = np.concatenate(reference)
+    banned = np.isin(ref_ids, bad.ids_of(None))
+    assert banned.tolist() == [k in (1, 9) for k in range(32)]
+    np.testing.assert_array_equal(got[~banned], ref[~banned])
+    for k in np.flatnonzero(banned):
+        for b in bad.ids_of(None).tolist():
+            assert not np.array_equal(got[k], windows.read(np.array([b]))["tokens"][0])
+    other = DataLoader(Excluded(windows, [(p, bad)], seed=seed + 1), global_batch_size=8, seed=seed)
+    with pytest.raises(StateError, match="stream_seed") as err:
+        other.load_state_dict(saved, allow=("exclusions",))
+    assert "stream_seed" in err.value.fields
+
+
+def test_tokens_consumed_through_exclusions(windows: TokenWindows) -> None:
+    """An `Excluded` stream counts tokens as the stream it wraps (a replacement is a window of
+    the same dataset): delivered batches x micro batch x seq_len, counted by hand."""
+    stream = Excluded(OrderedStream(windows, seed=2), ExclusionList.of([0, 5]))
+    dl = DataLoader(stream, global_batch_size=8, micro_batch_size=4)
+    it = iter(dl)
+    delivered = sum(next(it)["tokens"].shape[0] for _ in range(3))
+    assert delivered == 12
+    (count,) = dl.tokens_consumed().values()
+    assert count == delivered * 16

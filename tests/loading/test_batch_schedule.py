@@ -275,7 +275,9 @@ def test_schedule_arguments_are_validated() -> None:
     with pytest.raises(ConfigError, match="needs micro_batch_size"):
         DataLoader(DATA, global_batch_size=SCHEDULE)
     with pytest.raises(ConfigError, match=r"global batch 4 \(steps from 0, position 0"):
-        ramp_loader(world=2, micro=4)  # 4 x 2 = 8 does not divide the first batches
+        iter(ramp_loader(world=2, micro=4))  # 4 x 2 = 8 does not divide the first batches
+    with pytest.raises(ConfigError, match=r"global batch 16 \(steps from"):
+        ramp_loader(world=2, micro=3)  # 6 divides no batch, not even the settled one
     with pytest.raises(ConfigError, match=r"total_samples 20 is not a step boundary.*\[16, 24\)"):
         ramp_loader(total_samples=20)
     with pytest.raises(ConfigError, match=r"positive integer or a detdata\.BatchSchedule"):
@@ -356,3 +358,46 @@ def test_rank_steps_are_the_global_step_on_every_rank() -> None:
         assert loaders[0].global_batch_size == loaders[1].global_batch_size
         for it in iters:
             next(it)
+
+
+def test_dp_change_after_a_ramp_up_resumes_from_the_saved_step() -> None:
+    """Ramp 8, 16, 24 then 32 on 2 ranks x micro 4, saved past the ramp (position 336): 4 ranks
+    x micro 8 (32 per micro step) fits every batch from the saved step on, so it resumes and the
+    4 ranks together deliver exactly the positions an uninterrupted run delivers next; a fresh
+    run with that layout is refused at iteration, naming the batch and step it does not fit."""
+    sched = BatchSchedule.rampup(8, 8, 64, global_batch_size=32)
+
+    def make(world: int, rank: int, micro: int) -> DataLoader:
+        return DataLoader(
+            DATA,
+            global_batch_size=sched,
+            micro_batch_size=micro,
+            seed=SEED,
+            rank=rank,
+            world_size=world,
+        )
+
+    def by_position(loaders: list[DataLoader], count: int) -> dict[int, int]:
+        got: dict[int, int] = {}
+        for dl in loaders:
+            for _, positions, ids in delivered(dl, count):
+                for p, i in zip(positions, ids, strict=True):
+                    assert p not in got, f"position {p} delivered twice"
+                    got[p] = i
+        return got
+
+    first = [make(2, r, 4) for r in range(2)]
+    before = by_position(first, 42)  # 42 micro steps of 8: a step end
+    assert sorted(before) == list(range(336))
+    assert [before[p] for p in range(336)] == reference_ids(0, 336)
+    state = json.loads(json.dumps(first[0].state_dict()))
+    assert state["samples_consumed"] == 336
+    resumed = [make(4, r, 8) for r in range(4)]
+    for dl in resumed:
+        dl.load_state_dict(state)
+    assert resumed[0].global_batch_size == 32
+    got = by_position(resumed, 3)
+    assert sorted(got) == list(range(336, 336 + 3 * 32))
+    assert [got[p] for p in sorted(got)] == reference_ids(336, 336 + 3 * 32)
+    with pytest.raises(ConfigError, match=r"global batch 8 \(steps from 0, position 0"):
+        iter(make(4, 0, 8))

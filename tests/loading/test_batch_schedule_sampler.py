@@ -100,8 +100,10 @@ def test_schedule_is_checked_and_framework_sampler_refuses_it() -> None:
     assert err.value.fields == ("global_batch_size",)
     with pytest.raises(ConfigError, match="needs micro_batch_size"):
         DeterministicBatchSampler(N, global_batch_size=SCHEDULE, seed=SEED)
-    with pytest.raises(ConfigError, match="not divisible"):
-        DeterministicBatchSampler(N, global_batch_size=SCHEDULE, micro_batch_size=8, seed=SEED)
+    with pytest.raises(ConfigError, match=r"global batch 4 \(steps from 0.*not divisible"):
+        iter(DeterministicBatchSampler(N, global_batch_size=SCHEDULE, micro_batch_size=8))
+    with pytest.raises(ConfigError, match="not divisible"):  # not even the settled batch 16
+        DeterministicBatchSampler(N, global_batch_size=SCHEDULE, micro_batch_size=32, seed=SEED)
     with pytest.raises(ConfigError, match="FrameworkBatchSampler takes one global batch"):
         FrameworkBatchSampler(N, global_batch_size=SCHEDULE, batch_size=4)  # type: ignore[arg-type]
     # constant global batches keep their int state field

@@ -141,3 +141,37 @@ def test_failed_load_leaves_the_position() -> None:
     assert sampler.samples_consumed == 12
     sampler.load_state_dict({**state, "samples_consumed": 16})
     assert next(iter(sampler)) == detdata_ids(5)[4]
+
+
+def test_world_change_between_iterations_continues_at_the_next_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built before the process group (world 1), 4 micro batches of 2 are yielded; the group
+    then comes up with world 2 and each rank iterates again: together they continue at
+    position 8, with no gap or repeat against `GlobalOrder` by position. (The process group
+    is simulated: the sampler reads it through `process_group_rank_world`.)"""
+    import detdata.loading.sampler as sampler_module
+
+    group = [(0, 1), (0, 1)]  # per sampler: (rank, world) its process group reports
+    samplers = [
+        DeterministicBatchSampler(1000, global_batch_size=8, micro_batch_size=2, seed=1)
+        for _ in range(2)
+    ]
+    first: list[list[int]] = []
+    for k, s in enumerate(samplers):
+        monkeypatch.setattr(sampler_module, "process_group_rank_world", lambda k=k: group[k])
+        it = iter(s)
+        batches = [next(it) for _ in range(4)]
+        assert s.samples_consumed == 8
+        first = [i for b in batches for i in b]
+    group[:] = [(0, 2), (1, 2)]
+    per_rank = []
+    for k, s in enumerate(samplers):
+        monkeypatch.setattr(sampler_module, "process_group_rank_world", lambda k=k: group[k])
+        it = iter(s)
+        assert s.samples_consumed == 8
+        per_rank.append([next(it) for _ in range(3)])
+        assert s.samples_consumed == 8 + 3 * 4
+    after = [i for k in range(3) for r in per_rank for i in r[k]]
+    order = detdata.GlobalOrder(1000, 1).ids(np.arange(20)).tolist()
+    assert first + after == order
