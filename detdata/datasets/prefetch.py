@@ -25,6 +25,14 @@ background threads, so a reader finds its shards already on local disk. The rule
 * **Bytes unchanged.** Prefetch only decides *when* a verified copy is filled; readers
   read the same bytes either way, so it is not part of any identity.
 
+* **Abandoned at once.** `close` (a ``break``, Ctrl-C, the end) cancels the queued fills
+  and does not wait for the running ones: the fill threads are daemon threads, so neither a
+  ``break`` nor the interpreter's exit waits for a shard download (an iterator never closed
+  is closed at exit too, cancelling its queue). A running fill that is abandoned finishes
+  or stops in its temp file: a copy appears in the cache only complete and verified
+  (renamed into place), and a temp file left by a process that died is removed by the next
+  scan of the cache.
+
 `Lookahead` runs in the loader's process. With worker processes it starts after they
 are forked, and they share the cache directory: a worker that needs a shard the prefetch
 is filling waits on that shard's lock, then reads the copy (one download per shard).
@@ -32,11 +40,14 @@ is filling waits on that shard's lock, then reads the copy (one download per sha
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
+import queue
 import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -51,6 +62,45 @@ log: Final = logging.getLogger("detdata.prefetch")
 DEFAULT_CONNECTIONS: Final = 4
 
 Key = tuple[int, int]  # (reader index in `Lookahead.readers`, shard)
+_Work = queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None]
+#: Every open `Lookahead` of this process: closed at exit (their queued fills cancelled).
+_OPEN: weakref.WeakSet[Lookahead] = weakref.WeakSet()
+
+
+def _run_fills(work: _Work) -> None:
+    """A fill thread: run queued fills (FIFO) until the stop mark (None)."""
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        future, fill = item
+        if not future.set_running_or_notify_cancel():
+            continue  # cancelled while queued
+        try:
+            fill()
+        except BaseException as exc:  # _fill logs its own errors; this is a last resort
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+
+
+def _stop_fills(work: _Work, threads: int) -> None:
+    """Cancel every fill still queued on ``work`` and stop its ``threads`` (no waiting)."""
+    while True:
+        try:
+            item = work.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            item[0].cancel()
+    for _ in range(threads):
+        work.put(None)
+
+
+@atexit.register
+def _close_all() -> None:
+    for ahead in list(_OPEN):
+        ahead.close()
 
 
 def cached_readers(stream: Any) -> list[ShardReader]:
@@ -141,7 +191,9 @@ class Lookahead:
         self._futures: dict[Key, Future[None]] = {}
         self._next = 0  # the first micro step not planned yet
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._work: _Work = queue.SimpleQueue()
+        self._threads = 0  # fill threads started (daemon threads, on the first fill)
+        self._stopper: Callable[[], object] | None = None  # stops them (once)
         self._closed = False
 
     @property
@@ -169,11 +221,17 @@ class Lookahead:
         self._extend(step)
 
     def close(self) -> None:
-        """Cancel queued fills and wait for running ones (bounded by the retry policy)."""
+        """Cancel queued fills and stop the fill threads; running fills are not waited for
+        (they finish or fail in the background; a reader fetches what it needs itself)."""
+        if self._closed:
+            return
         self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        _OPEN.discard(self)
+        for future in list(self._futures.values()):
+            if future.cancel():
+                self.stats.cancelled += 1
+        if self._stopper is not None:
+            self._stopper()
 
     # planning -----------------------------------------------------------------------
     def _restart(self, step: int) -> None:
@@ -209,12 +267,19 @@ class Lookahead:
 
     # fills and releases -----------------------------------------------------------
     def _submit(self, key: Key) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=self.connections, thread_name_prefix="detdata-prefetch"
-            )
+        if self._threads == 0:
+            _OPEN.add(self)
+            self._stopper = weakref.finalize(self, _stop_fills, self._work, self.connections)
+            for i in range(self.connections):
+                name = f"detdata-prefetch-{i}"
+                thread = threading.Thread(
+                    target=_run_fills, args=(self._work,), name=name, daemon=True
+                )
+                thread.start()
+                self._threads += 1
         self.stats.submitted += 1
-        future = self._pool.submit(self._fill, key)
+        future: Future[None] = Future()
+        self._work.put((future, lambda: self._fill(key)))
         self._futures[key] = future
 
     def _fill(self, key: Key) -> None:
@@ -245,6 +310,12 @@ class Lookahead:
             if future.cancel():
                 self.stats.cancelled += 1
                 return
-            future.add_done_callback(lambda _: reader.release_copy(key[1]))
+            last_use = self._last_use
+
+            def release_later(_: object) -> None:
+                if key not in last_use:  # planned again meanwhile: it is in the window
+                    reader.release_copy(key[1])
+
+            future.add_done_callback(release_later)
             return
         reader.release_copy(key[1])

@@ -256,7 +256,7 @@ class ProcessHandles:
         for token in dead:
             self._owners.pop(token, None)
             self._caps.pop(token, None)
-        for key in [k for k in self.order if k[0] in dead]:
+        for key in [k for k in list(self.order) if k[0] in dead]:  # a snapshot (C-level copy)
             del self.order[key]
         self._resize_locked()
 
@@ -314,9 +314,10 @@ class HandleLRU(Generic[H]):
     capacity: a put may evict another owner's handle (that owner's ``forget(shard)``
     runs, and its `evictions` counts it). A dropped handle is only unreferenced: it is
     closed when its last user (e.g. a reader thread still gathering from it) lets it go,
-    so eviction never invalidates a read in progress. Thread-safe: ``put``/``pop`` hold
-    the (budget's) lock; ``get`` relies on the atomic ``OrderedDict`` operations (it
-    runs once per touched shard per read).
+    so eviction never invalidates a read in progress. Thread-safe: ``get``/``put``/``pop``
+    hold the (budget's) lock while they change the order (``get`` once per touched shard
+    per read), and ``forget`` runs under it too, so an eviction's late forget can never
+    drop the copy record of a handle another thread has reopened meanwhile.
     """
 
     def __init__(
@@ -354,12 +355,14 @@ class HandleLRU(Generic[H]):
         handle = self._items.get(shard)
         if handle is None:
             return None
-        try:
-            self._items.move_to_end(shard)
-            if self._budget is not None:
-                self._budget.order.move_to_end((self._token, shard))
-        except KeyError:  # evicted by another thread meanwhile: still valid for this read
-            return handle
+        # under the lock: a put/purge iterating the budget's order must not see it move
+        with self._lock_now():
+            try:
+                self._items.move_to_end(shard)
+                if self._budget is not None:
+                    self._budget.order.move_to_end((self._token, shard))
+            except KeyError:  # evicted by another thread meanwhile: still valid for this read
+                pass
         return handle
 
     def put(self, shard: int, handle: H) -> list[int]:
@@ -384,9 +387,11 @@ class HandleLRU(Generic[H]):
                     self._items.pop(old, None)
                     evicted.append(old)
             self.evictions += len(evicted)
-        if self._forget is not None:
-            for old in evicted:
-                self._forget(old)
+            # under the lock: a late forget must not drop the record of a handle reopened
+            # (and put) by another thread meanwhile
+            if self._forget is not None:
+                for old in evicted:
+                    self._forget(old)
         return evicted
 
     def pop(self, shard: int) -> H | None:

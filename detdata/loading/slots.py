@@ -23,7 +23,10 @@ before, so nothing is refused; a larger group grows the ring for the next ones.
 The file is anonymous (``memfd_create``; elsewhere a POSIX segment unlinked at
 once): it has no name in ``/dev/shm``, so nothing can leak there, whatever ends
 the process, and its memory returns when the last process holding it lets go
-(the transport is closed or collected, the workers exit). Its pages are reserved
+(the transport is closed or collected, the workers exit). A process forked while a
+ring exists (another loader's workers, any ``os.fork``) drops its inherited copy of
+every ring at once (`_drop_inherited_rings`): workers get their ring through their
+tasks, never by inheritance, so only they keep it. Its pages are reserved
 up front (``posix_fallocate``): a full shared-memory filesystem is an ``OSError``
 here, answered by falling back to torch's transfer, never a SIGBUS mid-batch.
 
@@ -106,13 +109,18 @@ class Receipt:
 
 
 class RingHandle:
-    """A ring's file, pickled as a duplicated descriptor (sent to each worker once)."""
+    """A ring's file, pickled as a duplicated descriptor (attached to tasks until every
+    worker has reported holding it; a worker that already holds it does not map it again)."""
 
-    def __init__(self, generation: int, slot_bytes: int, count: int, fd: int) -> None:
-        self.generation, self.slot_bytes, self.count, self.fd = generation, slot_bytes, count, fd
+    def __init__(
+        self, transport: str, generation: int, slot_bytes: int, count: int, fd: int
+    ) -> None:
+        self.transport, self.generation = transport, generation
+        self.slot_bytes, self.count, self.fd = slot_bytes, count, fd
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_attach, (self.generation, self.slot_bytes, self.count, reduction.DupFd(self.fd)))
+        dup = reduction.DupFd(self.fd)
+        return (_attach, (self.transport, self.generation, self.slot_bytes, self.count, dup))
 
 
 class WorkerRing:
@@ -123,9 +131,14 @@ class WorkerRing:
         self.array = np.frombuffer(memory, dtype=np.uint8)
 
 
-def _attach(generation: int, slot_bytes: int, count: int, dup: Any) -> WorkerRing:
+def _attach(transport: str, generation: int, slot_bytes: int, count: int, dup: Any) -> WorkerRing:
+    """The worker's mapping of a sent ring: the one it holds if that is this generation (or
+    newer), else a new mapping of the descriptor."""
     fd = dup.detach()
     try:
+        held = _HELD.get(transport)
+        if held is not None and held.generation >= generation:
+            return held  # already mapped: no second (populated) mapping of the same ring
         memory = _map(fd, slot_bytes * count)
     finally:
         os.close(fd)
@@ -254,8 +267,8 @@ class MainRing:
         self.in_use = 0
         self._closer = weakref.finalize(self, _close_ring, self.fd, self.memory)
 
-    def handle(self) -> RingHandle:
-        return RingHandle(self.generation, self.slot_bytes, self.count, self.fd)
+    def handle(self, transport: str) -> RingHandle:
+        return RingHandle(transport, self.generation, self.slot_bytes, self.count, self.fd)
 
     def close(self) -> None:
         del self.array
@@ -325,7 +338,7 @@ class SlotTransport:
             ring.in_use += 1
             known = [self._holds.get(w) for w in range(self.num_workers)]
             attach = any(h != ring.generation for h in known)
-            handle = ring.handle() if attach else None
+            handle = ring.handle(self.id) if attach else None
             return SlotTask(group, self.id, ring.generation, slot, handle)
 
     # -------------------------------------------------------------- receiving side
@@ -414,6 +427,30 @@ class SlotTransport:
             self._free = []
             self._disabled = True
         _TRANSPORTS.pop(self.id, None)
+
+    def _drop_in_child(self) -> None:
+        """In a forked child: unmap and close the inherited rings (no lock: another thread
+        of the parent may have held it at the fork); the child's copy hands out no slot."""
+        self._lock = threading.Lock()
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+        self._current = None
+        self._free = []
+        self._disabled = True
+
+
+def _drop_inherited_rings() -> None:
+    """After a fork, in the child: drop every ring inherited from the parent (main side and
+    worker side). A worker of a transport gets its ring through its tasks (`RingHandle`),
+    so no child needs an inherited one, and an unrelated child must not keep it alive."""
+    for transport in list(_TRANSPORTS.values()):
+        transport._drop_in_child()
+    _TRANSPORTS.clear()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_rings)
 
 
 def _one_batch(views: dict[Any, np.ndarray], a: int, b: int, pin: bool) -> Any:

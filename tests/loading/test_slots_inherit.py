@@ -1,0 +1,83 @@
+"""Slot rings (`detdata.loading.slots`) and process boundaries: a forked child does not keep
+the rings it inherits, and a worker sent a ring it already holds does not map it again.
+
+Observed from outside the code under test: the child's ``/proc/self/fd`` and
+``/proc/self/maps``, and this process's mappings of the ring's memory file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from detdata.loading import slots
+from detdata.loading.slots import Receipt, SlotTransport
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="memfd rings and /proc are Linux"
+)
+NAME = "detdata-slots"  # the memory file's name (memfd_create)
+
+
+def ring_fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if NAME in os.readlink(f"/proc/self/fd/{fd}"):
+                out.append(fd)
+        except OSError:
+            continue
+    return out
+
+
+def ring_maps() -> int:
+    return sum(NAME in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def transport_with_a_ring() -> SlotTransport:
+    transport = SlotTransport(2, 2)
+    # a worker reported a group of 4 KiB: the ring is made for it
+    transport.settle(Receipt(transport.id, None, None, 0, None, 4096))
+    assert transport._current is not None
+    return transport
+
+
+def test_a_forked_child_drops_the_rings_it_inherits() -> None:
+    transport = transport_with_a_ring()
+    try:
+        assert ring_fds() and ring_maps() > 0
+        pid = os.fork()
+        if pid == 0:  # the child: no descriptor, no mapping of the parent's ring
+            code = 0 if not ring_fds() and ring_maps() == 0 else 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # the parent's ring is untouched by the fork
+        ring = transport._current
+        assert ring is not None
+        ring.array[:4] = 7
+        assert ring_fds() and ring_maps() > 0
+        assert transport.task([]).slot is not None
+    finally:
+        transport.close()
+
+
+def test_a_worker_sent_a_ring_it_holds_does_not_map_it_again() -> None:
+    transport = transport_with_a_ring()
+    ring = transport._current
+    assert ring is not None
+    try:
+        first = pickle.loads(pickle.dumps(ring.handle(transport.id)))  # as a worker unpickles
+        slots._HELD[transport.id] = first  # what `SlotTask.held` records in the worker
+        maps, fds = ring_maps(), len(os.listdir("/proc/self/fd"))
+        again = pickle.loads(pickle.dumps(ring.handle(transport.id)))
+        assert again is first
+        assert ring_maps() == maps  # no second mapping
+        assert len(os.listdir("/proc/self/fd")) == fds  # the sent descriptor was closed
+    finally:
+        slots._HELD.pop(transport.id, None)
+        transport.close()
