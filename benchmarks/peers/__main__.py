@@ -29,7 +29,9 @@ BATCH = 64
 SEED = 0
 
 # (row label, contender, format, samples, extra spec); workers 0 and 2 unless noted
-TOKENS = [
+#: (row label, contender, format, samples, extra spec)
+Entry = tuple[str, str, str, int, dict[str, Any]]
+TOKENS: list[Entry] = [
     ("torch DataLoader, per-sample `__getitem__`", "torch", "tokens", 200_000, {}),
     ("torchdata StatefulDataLoader, per-sample", "stateful", "tokens", 200_000, {}),
     ("torch DataLoader, batched `__getitems__`", "torch-batched", "tokens", 200_000, {}),
@@ -54,7 +56,7 @@ TOKENS = [
     ("WebDataset (shuffle buffer 1000)", "wds", "wds", 50_000, {}),
     ("Mosaic Streaming MDS", "mds", "mds", 50_000, {}),
 ]
-GIL = [
+GIL: list[Entry] = [
     ("torch DataLoader, per-sample + transform", "torch", "tokens", 50_000, {"gil": True}),
     ("detdata, worker processes (slots) + transform", "detdata", "tokens", 50_000, {"gil": True}),
     (
@@ -72,16 +74,17 @@ GIL = [
         {"gil": True, "worker_mode": "thread", "only_workers": [2]},
     ),
 ]
-PARQUET = [
+#: ``row_group_cache_bytes`` of the bounded rows: about 40% of the 100 MB of decoded rows
+BOUNDED = 40 << 20
+PARQUET: list[Entry] = [
     ("torch DataLoader, per-sample (pyarrow table)", "torch-parquet", "parquet", 50_000, {}),
     (
-        "detdata `TableRows`, cache for all row groups",
-        "detdata-pq",
+        "detdata `TableRows`, default cache (`feistel-v1`: every row group)",
+        "detdata-pq-default",
         "parquet",
         50_000,
-        {"cache": "all"},
+        {},
     ),
-    ("detdata `TableRows`, default cache", "detdata-pq-default", "parquet", 50_000, {}),
     (
         "detdata `TableRows`, default cache, worker threads",
         "detdata-pq-default-threads",
@@ -90,11 +93,25 @@ PARQUET = [
         {"worker_mode": "thread", "only_workers": [2]},
     ),
     (
-        "detdata `TableRows`, default cache, `locality-v1` order",
+        "detdata `TableRows`, 40 MiB cache, `feistel-v1`",
+        "detdata-pq-bounded",
+        "parquet",
+        50_000,
+        {"cache_bytes": BOUNDED},
+    ),
+    (
+        "detdata `TableRows`, 40 MiB cache, `locality-v1(window_row_groups=8)`",
+        "detdata-pq-locality-rg",
+        "parquet",
+        50_000,
+        {"cache_bytes": BOUNDED, "order": {"window_row_groups": 8}},
+    ),
+    (
+        "detdata `TableRows`, 40 MiB cache, `locality-v1(window_shards=8)` (one file: one window)",
         "detdata-pq-locality",
         "parquet",
         50_000,
-        {"order": "locality-v1"},
+        {"cache_bytes": BOUNDED, "order": {"window_shards": 8}},
     ),
 ]
 RESUMABLE = ("detdata", "stateful", "litdata", "mds", "grain-numpy", "grain-arrayrecord")
@@ -284,12 +301,13 @@ def markdown(report: dict[str, Any]) -> str:
         "(first to last batch):",
         "",
         "| loader | samples | workers 0 | workers 2 | first batch (w0) | resume at 40k | "
-        "resume at 1e9 | peak RSS w0 / w2 (MB, main+workers) | shuffle (spearman, w0) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "resume at 1e9 | peak RSS w0 / w2 (MB, main+workers) | shuffle (spearman, w0) | "
+        "decoded / delivered bytes (Parquet, w0) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         if row.get("na"):
-            lines.append(f"| {row['label']} | {row['n']:,} | {row['na']} |  |  |  |  |  |  |")
+            lines.append(f"| {row['label']} | {row['n']:,} | {row['na']} |  |  |  |  |  |  |  |")
             continue
         res = row["results"]
         w0, w2 = res.get("w0"), res.get("w2")
@@ -301,10 +319,13 @@ def markdown(report: dict[str, Any]) -> str:
 
         ttfb = f"{w0['ttfb_s'] * 1e3:,.0f} ms" if w0 and w0.get("ok") else "-"
         spear = f"{w0['spearman']:.3f}" if w0 and w0.get("ok") else "-"
+        dec = w0.get("decoded_per_delivered") if w0 and w0.get("ok") else None
+        decoded = "-" if dec is None else f"{dec:.2f}"
         lines.append(
             f"| {row['label']} | {row['n']:,} | {_cell(w0) or '-'} | {_cell(w2) or '-'} | "
             f"{ttfb} | {_cell(res.get('resume_40000')) or '-'} | "
-            f"{_cell(res.get('resume_1000000000')) or '-'} | {rss(w0)} / {rss(w2)} | {spear} |"
+            f"{_cell(res.get('resume_1000000000')) or '-'} | {rss(w0)} / {rss(w2)} | {spear} | "
+            f"{decoded} |"
         )
     return "\n".join(lines) + "\n"
 

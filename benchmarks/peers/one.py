@@ -122,21 +122,27 @@ def _detdata(spec: dict[str, Any]) -> Any:
     if spec["format"] == "parquet":
         manifest = str(root / "parquet" / "manifest.json")
         kwargs: dict[str, Any] = {}
-        if spec.get("cache") == "all":
-            shards = detdata.Manifest.load(manifest, verify="off").shards
-            groups = sum(len(s.row_groups or ()) for s in shards)
-            kwargs = {"cache_row_groups": groups, "row_group_cache_bytes": 8 << 30}
+        if spec.get("cache_bytes"):  # the count stays the default: chosen from the order
+            kwargs = {"row_group_cache_bytes": spec["cache_bytes"]}
         ds: Any = detdata.TableRows(manifest, ["tokens"], **kwargs)
     else:
         ds = detdata.TokenWindows(str(root / "tokens" / "manifest.json"), SEQ, labels=False)
     data: Any = ds
     if spec.get("order"):
-        data = detdata.OrderedStream(ds, spec["seed"], order=spec["order"])
+        order = spec["order"]
+        if isinstance(order, dict):
+            order = detdata.LocalityOrder(**order)
+        data = detdata.OrderedStream(ds, spec["seed"], order=order)
     mode = spec.get("worker_mode", "process")
     loader = detdata.DataLoader(
         data,
         global_batch_size=spec["batch"],
         seed=spec["seed"],
+        # a run of the epoch's length, as a training run states its length: no read-ahead
+        # past the last batch (which would decode row groups for samples never delivered)
+        total_samples=spec["n"] // spec["batch"] * spec["batch"]
+        if spec["mode"] == "epoch"
+        else None,
         num_workers=spec["workers"],
         worker_mode=mode if spec["workers"] else "process",
         transform=gil_transform if spec.get("gil") else None,

@@ -14,13 +14,34 @@ from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.order.choice import Order, OrderLike, build_order, check_order, order_name
+from detdata.order.choice import (
+    UNIT_SIZES,
+    LocalityOrder,
+    Order,
+    OrderChoice,
+    OrderLike,
+    build_order,
+    check_order,
+    order_name,
+)
 from detdata.order.memo import ChunkMemo
 
 
 def shard_sizes_of(dataset: Dataset) -> Sequence[int] | None:
     """The dataset's samples per shard (its ``shard_sizes``), or None if it has none."""
-    sizes = getattr(dataset, "shard_sizes", None)
+    return _sizes(dataset, "shard_sizes")
+
+
+def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None:
+    """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` or its
+    ``row_group_sizes`` (None if it has none, or for a global order)."""
+    if not isinstance(choice, LocalityOrder):
+        return None
+    return _sizes(dataset, UNIT_SIZES[choice.unit])
+
+
+def _sizes(dataset: Dataset, attr: str) -> Sequence[int] | None:
+    sizes = getattr(dataset, attr, None)
     return None if sizes is None else tuple(int(c) for c in sizes)
 
 
@@ -29,8 +50,10 @@ class OrderedStream:
 
     ``order`` is `Order.FEISTEL_V1` (default: `GlobalOrder`) or a
     `LocalityOrder(window_shards=k)` (`WindowedOrder` over the dataset's
-    ``shard_sizes``). The order's name, with its parameters, is the identity's
-    ``algorithm``.
+    ``shard_sizes``) / `LocalityOrder(window_row_groups=k)` (over its
+    ``row_group_sizes``). The order's name, with its parameters, is the identity's
+    ``algorithm``. A dataset with a ``use_order(choice)`` method (`TableRows`) is told
+    the order, to size what it caches (never what it reads).
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
@@ -44,8 +67,11 @@ class OrderedStream:
                 "there is nothing to order or load; hint: check the manifest / "
                 "dataset construction"
             )
-        sizes = shard_sizes_of(dataset) if self.order_choice is not Order.FEISTEL_V1 else None
+        sizes = unit_sizes_of(dataset, self.order_choice)
         self.order = build_order(self.order_choice, n, self.seed, sizes)
+        use_order = getattr(dataset, "use_order", None)
+        if callable(use_order):
+            use_order(self.order_choice)
         self._memo = ChunkMemo(self._ids)
 
     def _ids(self, positions: IntArray) -> tuple[IntArray]:

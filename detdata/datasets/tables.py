@@ -6,7 +6,7 @@ order. ``read(ids)`` maps ids to ``(row group, row in group)`` with one
 cache (`GroupSlots`) holds every needed row group in its slots, the batch is one
 ``take`` per column, rows already in the requested order. Otherwise the ids are
 grouped by row group (`stable_groups`) so that each needed row group is visited once,
-in group order: it is decoded (selected
+in order of first use: it is decoded (selected
 columns only) or taken from the cache, the wanted rows are gathered with a numpy
 fancy index, and scattered back into the requested order.
 
@@ -15,7 +15,11 @@ groups needs ~50 of them. Unless the cache holds the working set (for a global
 shuffle: every row group; ``cache_row_groups`` and ``row_group_cache_bytes`` large enough),
 nearly every batch decodes most of its row groups (milliseconds each for Parquet).
 With a cache that small, prefer small row groups or Arrow IPC shards (memory-mapped,
-no decode).
+no decode), or read in row-group windows (``LocalityOrder(window_row_groups=k)``): a
+stretch of positions then needs only ``k`` row groups, and the default cache count,
+chosen from the announced order (`auto_cache_row_groups`, `TableRows.use_order`), holds
+them. A read visits its row groups in order of first use (not group order), so the
+last window's groups are the most recently used when the next read continues there.
 
 Columns become numpy arrays: primitive columns 1-D; fixed-size lists and lists
 whose rows all have one length 2-D ``(rows, length)`` (flattened values +
@@ -59,6 +63,7 @@ from detdata.datasets.columns import describe_column, describe_dtype
 from detdata.datasets.shards import ShardReader, renamed_argument
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
 from detdata.storage.fs import filesystem, join
 from detdata.storage.retry import RetryPolicy
 
@@ -66,6 +71,29 @@ Columns = dict[str, np.ndarray[Any, Any]]
 
 #: Default bound of the in-memory cache of decoded row groups (``row_group_cache_bytes``).
 DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
+
+
+def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
+    """The row groups a `TableRows` with the default ``cache_row_groups`` (None) caches when
+    read in ``choice`` (None: not told, read as if shuffled globally).
+
+    * A global shuffle (`Order.FEISTEL_V1`, or no order): every row group of the manifest,
+      the working set of a shuffled epoch (``row_group_cache_bytes`` still bounds the bytes:
+      a dataset larger than that bound is re-decoded whatever the count).
+    * ``LocalityOrder(window_row_groups=k)``: ``2k`` (capped at all row groups). A stretch of
+      positions reads the ``k`` groups of one window, and a read that crosses into the next
+      window also needs that window's ``k``: with ``2k`` cached, each row group is decoded
+      once per window it lies in, i.e. once per epoch.
+    * ``LocalityOrder(window_shards=k)``: twice the row groups of the ``k`` shards with the
+      most row groups (a window's shards, and the next window's, whichever they are).
+    """
+    total = sum(groups_per_shard)
+    if not isinstance(choice, LocalityOrder):
+        return total
+    if choice.unit is LocalityUnit.ROW_GROUPS:
+        return min(total, 2 * choice.window)
+    largest = sorted(groups_per_shard, reverse=True)[: choice.window]
+    return min(total, 2 * sum(largest))
 
 
 @dataclass(frozen=True)
@@ -225,8 +253,11 @@ class GroupSlots:
             slots = self._slot_of[groups]
             if int(slots.min()) < 0:
                 return None
-            # LRU: the groups of a batch are used in ascending group order
-            self._stamp[groups] = self._tick * self._total + groups
+            # LRU: the groups of a batch are used in order of first use (as `TableRows.read`)
+            used, first = np.unique(groups, return_index=True)
+            rank = np.empty(used.size, dtype=np.int64)
+            rank[first.argsort(kind="stable")] = np.arange(used.size, dtype=np.int64)
+            self._stamp[used] = self._tick * self._total + rank
             self._tick += 1
             self._dirty = True
             index = slots * self.rows_per_slot + rows
@@ -347,7 +378,11 @@ class TableRows(ShardReader):
     shards and the differing fields otherwise). ``columns`` selects columns
     (default: all, in schema order). Decoded row groups are kept in an LRU per
     process (`GroupSlots`, ``self.cache``) of at most ``cache_row_groups`` groups and
-    ``row_group_cache_bytes`` bytes (default 1 GiB, in memory). When every row group of
+    ``row_group_cache_bytes`` bytes (default 1 GiB, in memory). The default
+    ``cache_row_groups=None`` sizes the count from the order the dataset is read in
+    (`auto_cache_row_groups`: every row group for a global shuffle, ``2k`` for
+    ``LocalityOrder(window_row_groups=k)``), which a loader or `OrderedStream` announces
+    through `use_order`; ``cache_groups`` is the count in use. When every row group of
     the manifest fits both bounds (each charged the size of the largest row group), cached
     groups sit in slots of one array per column and a batch of cached rows is one gather
     per column; for shuffled reads, size the cache for that (see the module docstring).
@@ -380,6 +415,7 @@ class TableRows(ShardReader):
         "_group_shard",
         "_shard_first_group",
         "_max_group_rows",
+        "_groups_per_shard",
     )
 
     def __init__(
@@ -387,7 +423,7 @@ class TableRows(ShardReader):
         manifest: Manifest | str,
         columns: Sequence[str] | None = None,
         *,
-        cache_row_groups: int = 8,
+        cache_row_groups: int | None = None,
         row_group_cache_bytes: int | None = None,
         ragged: Sequence[str] = (),
         verify: str | Verify = Verify.QUICK,
@@ -418,7 +454,12 @@ class TableRows(ShardReader):
             cache_verify=cache_verify,
             max_open_shards=max_open_shards,
         )
-        self.cache_row_groups = check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
+        self.cache_row_groups: int | None = (
+            None
+            if cache_row_groups is None
+            else check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
+        )
+        self._order_choice: OrderChoice | None = None  # announced by use_order
         self.row_group_cache_bytes = check_positive_int(
             DEFAULT_ROW_GROUP_CACHE_BYTES if row_bytes is None else row_bytes,
             "row_group_cache_bytes",
@@ -487,7 +528,8 @@ class TableRows(ShardReader):
         self._group_shard = np.repeat(
             np.arange(len(sizes), dtype=np.int64), [len(groups) for groups in sizes]
         )
-        first = np.concatenate([[0], np.cumsum([len(groups) for groups in sizes])[:-1]])
+        self._groups_per_shard = [len(groups) for groups in sizes]
+        first = np.concatenate([[0], np.cumsum(self._groups_per_shard)[:-1]])
         self._shard_first_group = first.astype(np.int64)
         self._max_group_rows = int(flat.max()) if flat.size else 0
 
@@ -495,7 +537,7 @@ class TableRows(ShardReader):
         super()._reset_process_state()
         self._io_lock = threading.Lock()
         self.cache = GroupSlots(
-            self.cache_row_groups,
+            self.cache_groups,
             self.row_group_cache_bytes,
             group_shard=self._group_shard,
             shard_first_group=self._shard_first_group,
@@ -504,6 +546,23 @@ class TableRows(ShardReader):
 
     def _forget_handle(self, shard: int) -> None:
         self._handles.pop(shard)
+
+    @property
+    def cache_groups(self) -> int:
+        """The bound on cached row groups in use: ``cache_row_groups``, or with the default
+        (None) the count `auto_cache_row_groups` gives for the announced order."""
+        if self.cache_row_groups is not None:
+            return self.cache_row_groups
+        return auto_cache_row_groups(self._order_choice, self._groups_per_shard)
+
+    def use_order(self, choice: OrderChoice) -> None:
+        """Announce the order this dataset is read in (`OrderedStream` does), so that the
+        default ``cache_row_groups`` is sized for it. Changes what is cached, never what is
+        read; the order travels with the dataset's pickle to worker processes. An explicit
+        ``cache_row_groups`` is kept as given. The last announced order wins."""
+        self._order_choice = choice
+        if getattr(self, "cache", None) is not None and self.cache.max_groups != self.cache_groups:
+            self._reset_process_state()  # a new, empty cache with the new bound
 
     @property
     def cache_bytes(self) -> int:
@@ -526,6 +585,13 @@ class TableRows(ShardReader):
         """Rows per shard in manifest order (ids are laid out shard after shard): what a
         `detdata.LocalityOrder` groups into windows of shards."""
         return tuple(s.num_samples for s in self.manifest.shards)
+
+    @property
+    def row_group_sizes(self) -> tuple[int, ...]:
+        """Rows per row group, shard after shard in manifest order and groups in file order
+        (ids are laid out that way): what ``LocalityOrder(window_row_groups=k)`` groups
+        into windows."""
+        return tuple(g for s in self.manifest.shards for g in (s.row_groups or ()))
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and the selected columns."""
@@ -551,7 +617,7 @@ class TableRows(ShardReader):
 
         When every needed row group is cached, one gather per column from the slot
         arrays; otherwise each needed row group is decoded (or taken from the
-        cache) once per call, in group order. Every array returned (and every row
+        cache) once per call, in order of first use. Every array returned (and every row
         of a ragged column) is new memory owned by the batch: editing it never
         changes what a later read returns.
         """
@@ -567,18 +633,23 @@ class TableRows(ShardReader):
                 return self._own(fast)
         order, group, spans = stable_groups(self._group_starts.searchsorted(arr, "right") - 1)
         rows = arr[order] - self._group_starts[group]
-        pieces: dict[str, list[np.ndarray[Any, Any]]] = {c: [] for c in self.columns}
-        for g, a, b in spans:
+        parts: list[Columns | None] = [None] * len(spans)
+        # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
+        # so that the groups of the last stretch of positions are the most recently used
+        # when the next read begins (an ordered stream continues there): with a windowed
+        # order a cache of one window's groups decodes each group once per window
+        for i in sorted(range(len(spans)), key=lambda i: int(order[spans[i][1]])):
+            g, a, b = spans[i]
             part = self.cache.take_rows(g, rows[a:b])
             if part is None:
                 shard = int(self._group_shard[g])
                 decoded = self._decode(shard, g - int(self._shard_first_group[shard]))
                 part = {name: decoded.columns[name][rows[a:b]] for name in self.columns}
                 self.cache.insert(g, decoded)
-            for name in self.columns:
-                pieces[name].append(part[name])
+            parts[i] = part
+        done = [p for p in parts if p is not None]
         return self._own(
-            {name: self._assemble(name, parts, order) for name, parts in pieces.items()}
+            {name: self._assemble(name, [p[name] for p in done], order) for name in self.columns}
         )
 
     def _own(self, batch: Batch) -> Batch:

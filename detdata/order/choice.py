@@ -5,9 +5,12 @@ per epoch. ``LocalityOrder(window_shards=k)`` (``Order.LOCALITY_V1`` with the de
 ``k``): `WindowedOrder`, shards permuted per epoch, then samples inside each window of
 ``k`` consecutive shards, so a stretch of positions touches at most ``k`` shards (for
 large or remote corpora: fewer open files, whole-shard reads, prefetch that knows what
-comes next). Both are bijections per epoch with O(1) random access; the choice and its
-parameters are part of a stream's identity (`order_name`), so a resume with another
-order or another ``k`` is refused naming the ``algorithm`` field.
+comes next). ``LocalityOrder(window_row_groups=k)`` is the same algorithm over the
+dataset's row groups instead of its shards (`TableRows`: Parquet / Arrow row groups, the
+unit a reader decodes), so a stretch of positions decodes at most ``k`` row groups,
+however many rows a file holds. Both are bijections per epoch with O(1) random access;
+the choice, its unit and its parameter are part of a stream's identity (`order_name`),
+so a resume with another order, unit or ``k`` is refused naming the ``algorithm`` field.
 """
 
 from __future__ import annotations
@@ -36,19 +39,58 @@ class Order(enum.Enum):
 DEFAULT_WINDOW_SHARDS: Final = 8
 
 
+class LocalityUnit(enum.Enum):
+    """What a `LocalityOrder` groups into windows (its value names the window parameter)."""
+
+    SHARDS = "window_shards"
+    ROW_GROUPS = "window_row_groups"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalityOrder:
-    """``locality-v1`` with ``window_shards`` shards per window (default 8).
+    """``locality-v1`` with ``window_shards`` shards per window (default 8), or with
+    ``window_row_groups`` row groups per window (give one of the two).
 
-    Larger windows shuffle better (``window_shards >= shards`` is a full shuffle) and
-    touch more shards per stretch of positions; see docs/benchmarks.md for the measured
-    trade-off.
+    Larger windows shuffle better (a window of every unit is a full shuffle) and touch
+    more shards (decode more row groups) per stretch of positions; see docs/benchmarks.md
+    for the measured trade-off. ``window_row_groups`` needs a dataset with
+    ``row_group_sizes`` (`TableRows`); its units are the row groups in id order, so one
+    Parquet file of many row groups is shuffled in windows of ``k`` row groups, each row
+    group decoded once per window when the reader caches ``k`` of them (a `TableRows`
+    with the default ``cache_row_groups`` sizes its cache from the order).
     """
 
-    window_shards: int = DEFAULT_WINDOW_SHARDS
+    window_shards: int | None = None
+    window_row_groups: int | None = None
 
     def __post_init__(self) -> None:
+        if self.window_shards is not None and self.window_row_groups is not None:
+            raise ConfigError(
+                f"LocalityOrder takes window_shards or window_row_groups, not both (got "
+                f"window_shards={self.window_shards!r:.40}, window_row_groups="
+                f"{self.window_row_groups!r:.40}); hint: window_row_groups for row-group "
+                "windows of a TableRows, window_shards otherwise"
+            )
+        if self.window_row_groups is not None:
+            check_count(
+                self.window_row_groups, "LocalityOrder window_row_groups", maximum=(1 << 31) - 1
+            )
+            return
+        if self.window_shards is None:
+            object.__setattr__(self, "window_shards", DEFAULT_WINDOW_SHARDS)
         check_count(self.window_shards, "LocalityOrder window_shards", maximum=(1 << 31) - 1)
+
+    @property
+    def unit(self) -> LocalityUnit:
+        """What a window is made of."""
+        return LocalityUnit.SHARDS if self.window_row_groups is None else LocalityUnit.ROW_GROUPS
+
+    @property
+    def window(self) -> int:
+        """Units (shards or row groups) per window."""
+        window = self.window_shards if self.window_row_groups is None else self.window_row_groups
+        assert window is not None  # __post_init__ fills window_shards
+        return window
 
 
 #: What ``order=`` accepts: an `Order`, its name, or a `LocalityOrder`.
@@ -79,35 +121,48 @@ def check_order(value: object) -> OrderChoice:
         return LocalityOrder()
     raise ConfigError(
         f"order must be one of {[o.value for o in Order]} (an Order or its name) or "
-        f"LocalityOrder(window_shards=k), got {value!r:.80}"
+        f"LocalityOrder(window_shards=k) / LocalityOrder(window_row_groups=k), got "
+        f"{value!r:.80}"
     )
 
 
 def order_name(choice: OrderChoice) -> str:
     """The order's name in identities and loader states: ``"feistel-v1"``, or
-    ``"locality-v1(window_shards=k)"`` (the parameter is part of what is checked)."""
+    ``"locality-v1(window_shards=k)"`` / ``"locality-v1(window_row_groups=k)"`` (the unit
+    and its parameter are part of what is checked)."""
     if isinstance(choice, LocalityOrder):
-        return f"{Order.LOCALITY_V1.value}(window_shards={choice.window_shards})"
+        return f"{Order.LOCALITY_V1.value}({choice.unit.value}={choice.window})"
     return choice.value
 
 
+#: The dataset attribute holding the samples per unit, for each `LocalityUnit`.
+UNIT_SIZES: Final = {LocalityUnit.SHARDS: "shard_sizes", LocalityUnit.ROW_GROUPS: "row_group_sizes"}
+
+
 def build_order(
-    choice: OrderChoice, num_samples: int, seed: int, shard_sizes: Sequence[int] | None
+    choice: OrderChoice, num_samples: int, seed: int, unit_sizes: Sequence[int] | None
 ) -> PositionOrder:
     """The order of ``choice`` over ``num_samples`` samples under ``seed``; a `LocalityOrder`
-    needs the samples per shard (``shard_sizes``, summing to ``num_samples``)."""
+    needs the samples per unit of the dataset (``unit_sizes``: its ``shard_sizes``, or its
+    ``row_group_sizes`` for ``window_row_groups``; summing to ``num_samples``)."""
     if not isinstance(choice, LocalityOrder):
         return GlobalOrder(num_samples, seed)
-    if shard_sizes is None:
-        raise ConfigError(
-            f"order {order_name(choice)} needs the dataset's samples per shard, and this "
-            "dataset has no shard_sizes; hint: use a sharded dataset (TokenWindows, "
-            "TableRows) or order=Order.FEISTEL_V1"
+    attr = UNIT_SIZES[choice.unit]
+    if unit_sizes is None:
+        hint = (
+            "use a TableRows dataset (Parquet / Arrow row groups) or window_shards=k"
+            if choice.unit is LocalityUnit.ROW_GROUPS
+            else "use a sharded dataset (TokenWindows, TableRows)"
         )
-    order = WindowedOrder(shard_sizes, seed, window_shards=choice.window_shards)
+        raise ConfigError(
+            f"order {order_name(choice)} needs the dataset's samples per "
+            f"{'row group' if choice.unit is LocalityUnit.ROW_GROUPS else 'shard'}, and this "
+            f"dataset has no {attr}; hint: {hint} or order=Order.FEISTEL_V1"
+        )
+    order = WindowedOrder(unit_sizes, seed, window_shards=choice.window)
     if order.num_samples != num_samples:
         raise ConfigError(
-            f"shard_sizes sum to {order.num_samples} samples but the dataset has "
-            f"num_samples={num_samples}; the dataset's shard_sizes are inconsistent"
+            f"{attr} sum to {order.num_samples} samples but the dataset has "
+            f"num_samples={num_samples}; the dataset's {attr} are inconsistent"
         )
     return order

@@ -387,8 +387,10 @@ def _child(ds: TableRows, ids: np.ndarray, queue: Any) -> None:
 def test_forked_worker_gets_its_own_readers_and_cache(tmp_path: Path) -> None:
     ref = write_shards(tmp_path, "parquet", seed=7)
     ds = TableRows(build_manifest(str(tmp_path)), ["tokens"])
-    ds.read(np.arange(0, ds.num_samples, 40))  # readers and a full cache in the parent
-    assert len(ds.cache) == 8
+    first = np.arange(0, ds.num_samples, 40)
+    ds.read(first)  # readers and a cache of every group read in the parent
+    shard, group, _ = ds.locate(first)
+    assert len(ds.cache) == len(set(zip(shard.tolist(), group.tolist(), strict=True))) > 3
     ids = np.array([387, 0, 200, 0])
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -405,9 +407,10 @@ def test_forked_worker_gets_its_own_readers_and_cache(tmp_path: Path) -> None:
 
 
 def _model_step(model: RowGroupCache, ds: TableRows, ids: np.ndarray, charge: int) -> None:
-    """What a RowGroupCache would do for ``ds.read(ids)``: each needed group, ascending."""
+    """What a RowGroupCache would do for ``ds.read(ids)``: each needed group, in order of
+    first use in ``ids``."""
     shard, group, _ = ds.locate(ids)
-    for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
+    for key in dict.fromkeys(zip(shard.tolist(), group.tolist(), strict=True)):
         if model.get(key) is None:
             model.put(key, Group({}, charge))
 
@@ -466,7 +469,9 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
     ):
         ds = TableRows(manifest, ["row", "tokens"], **kwargs)
         full = ds.row_group_cache_bytes >= groups * GROUP_ROWS * 8 * (1 + WIDTH // 2)
-        model = RowGroupCache(max_groups=ds.cache_row_groups, max_bytes=ds.row_group_cache_bytes)
+        # the default count with no order announced: every row group of the manifest
+        assert ds.cache_groups == kwargs.get("cache_row_groups", groups)
+        model = RowGroupCache(max_groups=ds.cache_groups, max_bytes=ds.row_group_cache_bytes)
         rng = np.random.default_rng(2)
         for _ in range(40):
             ids = rng.integers(0, ds.num_samples, size=int(rng.integers(1, 30)))
@@ -475,13 +480,11 @@ def test_smaller_cache_keeps_groups_as_arrays_lru(tmp_path: Path) -> None:
             np.testing.assert_array_equal(batch["tokens"], ref["tokens"][ids])
             if full:  # only the count bound evicts: same order as the reference LRU
                 shard, group, _ = ds.locate(ids)
-                for key in sorted(set(zip(shard.tolist(), group.tolist(), strict=True))):
+                for key in dict.fromkeys(zip(shard.tolist(), group.tolist(), strict=True)):
                     if model.get(key) is None:
                         model.put(key, Group({}, 1))
                 assert ds.cache.keys() == model.keys()
-            assert (
-                len(ds.cache) <= ds.cache_row_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
-            )
+            assert len(ds.cache) <= ds.cache_groups and ds.cache.nbytes <= ds.row_group_cache_bytes
         assert ds.cache.pool_bytes == 0  # no slots unless the whole manifest fits
 
 

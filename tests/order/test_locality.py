@@ -363,7 +363,7 @@ def test_order_choices() -> None:
     with pytest.raises(ConfigError, match="window_shards"):
         LocalityOrder(window_shards=0)
     with pytest.raises(TypeError):
-        LocalityOrder(3)  # type: ignore[misc]
+        LocalityOrder(3)  # type: ignore[call-arg]
 
 
 # --------------------------------------------------------------------- golden writer
