@@ -49,8 +49,9 @@ def rows_of(batch: Any) -> npt.NDArray[Any]:
     return np.asarray(batch)
 
 
-def gil_transform(sample: dict[str, np.ndarray], rng: Any) -> dict[str, Any]:
-    """A per-sample pure-Python step that holds the GIL (a stand-in for tokenising/decoding)."""
+def gil_transform(sample: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A per-sample pure-Python step that holds the GIL (a stand-in for tokenising/decoding).
+    One parameter: it draws no randomness, so detdata builds no per-sample generator."""
     tokens = sample["tokens"]
     acc = 0
     for t in tokens[:48].tolist():
@@ -60,7 +61,7 @@ def gil_transform(sample: dict[str, np.ndarray], rng: Any) -> dict[str, Any]:
 
 def _gil_rows(rows: np.ndarray) -> np.ndarray:
     """The same per-sample work for loaders without detdata's transform hook (vanilla torch)."""
-    gil_transform({"tokens": rows}, None)
+    gil_transform({"tokens": rows})
     return rows
 
 
@@ -111,7 +112,7 @@ class _GilMap:
 
     def __getitem__(self, i: int) -> Any:
         row = self.ds[i]
-        gil_transform({"tokens": row}, None)
+        gil_transform({"tokens": row})
         return row
 
 

@@ -12,6 +12,7 @@ delivered. Delivered batches own their memory (`owned`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ import pickle
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -42,20 +43,46 @@ from detdata.order.rng import sample_rng
 
 log = logging.getLogger("detdata.loader")
 
-Transform = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
+#: ``transform(sample, rng)``, or ``transform(sample)`` for a transform without randomness.
+Transform = (
+    Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
+    | Callable[[dict[str, np.ndarray]], Mapping[str, Any]]
+)
+_POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def apply_transform(batch: Batch, positions: IntArray, transform: Transform, seed: int) -> Batch:
-    """Apply ``transform(sample, rng)`` to each sample with its position's generator; restack.
+def takes_rng(transform: Callable[..., Any]) -> bool:
+    """Does ``transform`` take a generator: a second positional parameter (with or without a
+    default) or ``*args``? A transform of one positional parameter, ``transform(sample)``,
+    is called without one (building a sample's generator costs ~25 us, more than many
+    transforms). A callable whose signature cannot be read gets one."""
+    try:
+        params = list(inspect.signature(transform).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in _POSITIONAL for p in params) >= 2
+
+
+def apply_transform(
+    batch: Batch, positions: IntArray, transform: Transform, seed: int, *, rng: bool = True
+) -> Batch:
+    """Apply ``transform(sample, rng)`` to each sample with its position's generator
+    (``transform(sample)`` when ``rng`` is False); restack.
 
     Every sample's output must have the keys of the first one (a key missing
     or extra at one position is refused, naming it); each column is restacked
     with `detdata.datasets.columns.restack`.
     """
     outs: list[Mapping[str, Any]] = []
+    with_rng = cast(
+        Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]], transform
+    )
+    alone = cast(Callable[[dict[str, np.ndarray]], Mapping[str, Any]], transform)
     for i in range(len(positions)):
         sample = {k: v[i] for k, v in batch.items()}
-        result = transform(sample, sample_rng(seed, int(positions[i])))
+        result = with_rng(sample, sample_rng(seed, int(positions[i]))) if rng else alone(sample)
         if not isinstance(result, Mapping):
             raise ConfigError(
                 f"transform must return a mapping of column -> array, got "
@@ -84,11 +111,12 @@ class PositionDataset(tud.Dataset[Batch]):
         self.stream = stream
         self.transform = transform
         self.seed = seed
+        self.rng = transform is not None and takes_rng(transform)
 
     def __getitem__(self, positions: IntArray) -> Batch:
         batch = self.stream.fetch(positions)
         if self.transform is not None:
-            batch = apply_transform(batch, positions, self.transform, self.seed)
+            batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
         return batch
 
     def __len__(self) -> int:

@@ -226,6 +226,50 @@ def test_transform_randomness_depends_only_on_position() -> None:
     assert len(set(a.values())) == len(a), "different positions must get different randomness"
 
 
+def _doubled(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"id": sample["id"], "twice": 2 * sample["id"]}
+
+
+def test_a_one_argument_transform_is_called_without_a_generator() -> None:
+    """``transform(sample)`` (no randomness) is called with the sample alone, in process and in
+    worker processes; its rows equal the transform applied to the plain rows."""
+    plain = torch.cat(
+        [b["id"] for b in DataLoader(dataset(), global_batch_size=8, total_samples=48)]
+    )
+    for workers in (0, 2):
+        dl = DataLoader(
+            dataset(),
+            global_batch_size=8,
+            total_samples=48,
+            transform=_doubled,
+            num_workers=workers,
+        )
+        got = list(dl)
+        ids = torch.cat([b["id"] for b in got])
+        assert torch.equal(ids, plain)
+        assert torch.equal(torch.cat([b["twice"] for b in got]), 2 * plain)
+
+
+def test_which_transforms_take_a_generator() -> None:
+    import functools
+
+    from detdata.loading.reading import takes_rng
+
+    def two(sample: object, rng: object) -> None: ...
+    def default(sample: object, rng: object = None) -> None: ...
+    def star(*args: object) -> None: ...
+    def kw_only(sample: object, *, scale: int = 1) -> None: ...
+
+    class Callable3:
+        def __call__(self, sample: object, rng: object) -> None: ...
+
+    assert takes_rng(two) and takes_rng(default) and takes_rng(star) and takes_rng(Callable3())
+    assert not takes_rng(_doubled) and not takes_rng(kw_only)
+    assert not takes_rng(functools.partial(two, rng=None))  # rng bound by keyword
+    assert takes_rng(functools.partial(lambda k, sample, rng: None, 3))
+    assert takes_rng(print)  # a builtin: its signature may not be readable; it gets one
+
+
 def test_worker_globals_seeded_from_seed_rank_worker() -> None:
     def draws(seed: int, rank: int) -> list[int]:
         class Probe:
