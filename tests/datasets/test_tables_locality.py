@@ -237,3 +237,29 @@ def test_auto_cache_covers_two_consecutive_windows_of_shards(
     )
     assert auto_cache_row_groups(Order.FEISTEL_V1, groups) == sum(groups)
     assert auto_cache_row_groups(None, groups) == sum(groups)
+
+
+def test_arrow_ipc_record_batches_are_the_row_groups(tmp_path: Path) -> None:
+    """Arrow IPC files: each record batch is a row group; the order windows them."""
+    import pyarrow.ipc as ipc
+
+    sizes = []
+    parts = []
+    for s, batches in enumerate(((5, 9, 1), (7,), (3, 3))):
+        with ipc.new_file(tmp_path / f"a{s}.arrow", pa.schema([("x", pa.int64())])) as w:
+            start = 0
+            for rows in batches:
+                x = np.arange(start, start + rows, dtype=np.int64) + 1000 * s
+                w.write_batch(pa.record_batch([pa.array(x)], names=["x"]))
+                parts.append(x)
+                sizes.append(rows)
+                start += rows
+    rows_all = np.concatenate(parts)
+    ds = detdata.TableRows(detdata.build_manifest(str(tmp_path), pattern="*.arrow"), ["x"])
+    assert list(ds.row_group_sizes) == sizes
+    stream = detdata.OrderedStream(ds, SEED, order=LocalityOrder(window_row_groups=2))
+    n = ds.num_samples
+    got = stream.fetch(np.arange(2 * n, dtype=np.int64))["x"]
+    ref = ref_epoch(sizes, 2, SEED, 0) + ref_epoch(sizes, 2, SEED, 1)
+    np.testing.assert_array_equal(got, rows_all[np.array(ref)])
+    assert ds.cache_groups == 4
