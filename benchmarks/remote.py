@@ -5,11 +5,19 @@
 Starts nginx (HTTP) and SeaweedFS (S3) on 127.0.0.1 (tests/servers.py), writes a token
 corpus ~10x larger than the shard cache bound (``shard_cache_bytes``) to both, and puts
 the fault proxy (tests/faultproxy.py) in front of each, emulating a link of
-``--bandwidth`` bytes/s and ``--latency`` s per request. For each store and order it runs
-a `detdata.DataLoader` for ``--seconds`` and reports:
+``bandwidth_bps`` bytes/s and ``latency_s`` per request, in a process of its own
+(`ProxyProcess`: the emulated network must not compete with the loader for its GIL). For
+each store and order it runs a `detdata.DataLoader` for ``--seconds`` and reports:
 
 * ``samples_per_s`` after warm-up, and ``link_fraction``: that rate over the link's
   ceiling ``bandwidth / sample_bytes`` (target >= 0.70 with a locality-aware order);
+* ``measured_ceiling_samples_per_s`` / ``measured_fraction``: what this machine moves
+  through the proxy and server with nothing else running (`probe_ceiling`: whole shards
+  on 4 connections of the same fsspec client), and the rate over it: on a small machine
+  the proxy, the server and the loader share the cores, so the link is not the only limit;
+* ``loader_cpu_per_s`` / ``proxy_cpu_per_s``: CPU seconds per second of the loader's and
+  the proxy's processes after warm-up (``torch_threads`` in the JSON: torch's intra-op
+  threads, which the batch copies use; ``--torch-threads`` sets them);
 * ``fetched_per_delivered``: answer bytes through the proxy (HTTP headers included) over
   the bytes delivered (target <= 1.2);
 * ``stall_s`` / ``stalled_batches``: time readers waited for a shard copy (the cache's
@@ -20,8 +28,9 @@ a `detdata.DataLoader` for ``--seconds`` and reports:
 Orders: ``locality-v1`` (`detdata.LocalityOrder`: a keyed permutation of shards, then of
 samples within each window of ``k`` consecutive shards) and ``feistel-v1`` (the default
 global shuffle, for comparison: with a cache 10x smaller than the data it re-fetches
-shards). Modes: ``cache+lookahead`` (``cache_dir`` + ``lookahead``) and ``ranges`` (no
-cache: coalesced range reads).
+shards). Modes: ``cache+lookahead`` (``cache_dir`` + ``lookahead`` as far ahead as the
+cache bound holds; the bound cuts the window) and ``ranges`` (no cache: coalesced range
+reads). A summary under the table gives both ceilings and the load average.
 
 `remote_rows(...)` returns the rows (list of dicts) for other reports.
 """
@@ -32,9 +41,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -46,7 +58,7 @@ import numpy as np
 
 import detdata
 from detdata.datasets.tokens import TokenWindows
-from tests.faultproxy import FaultProxy, Link, clean
+from tests.faultproxy import FaultProxy, Link, Plan, clean
 from tests.servers import start_nginx, start_seaweedfs, stop_pid
 
 
@@ -87,14 +99,181 @@ SMOKE = Size(
 )
 
 
-# ---------------------------------------------------------------------------- orders
+# ---------------------------------------------------------------------------- the link
+@dataclass(frozen=True)
+class ProxyStats:
+    """Counters of a `ProxyProcess` (those of `tests.faultproxy.Stats` the rows use), and
+    the CPU seconds the proxy's process has used."""
+
+    connections: int
+    requests: int
+    bytes_down: int
+    bytes_up: int
+    cpu_s: float
+
+
+class ProxyProcess:
+    """A `tests.faultproxy.FaultProxy` emulating ``link`` in a process of its own.
+
+    An emulated network must not run on the loader's interpreter: in the loader's process
+    the proxy's event loop would compete with the loader's threads for the GIL (a real
+    network is the kernel's and the wire's work). Commands go over the child's stdin, one
+    line each, answered with one JSON line on its stdout.
+    """
+
+    def __init__(self, target_port: int, link: Link) -> None:
+        root = Path(__file__).resolve().parent.parent
+        args = [str(target_port), repr(link.bandwidth_bps), repr(link.latency_s)]
+        code = "import sys; from benchmarks.remote import serve_proxy; serve_proxy(sys.argv[1:])"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._mutex = threading.Lock()
+        self.port = int(self._ask("port")["port"])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _ask(self, command: str) -> dict[str, Any]:
+        with self._mutex:
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            self._proc.stdin.write(command + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the proxy process exited (code {self._proc.poll()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def set_plan(self, plan: Plan) -> None:
+        """Fresh counters; open connections are reset (only the clean plan crosses)."""
+        if plan is not clean:
+            raise ValueError("a ProxyProcess runs the clean plan only")
+        self._ask("reset")
+
+    @property
+    def stats(self) -> ProxyStats:
+        return ProxyStats(**self._ask("stats"))
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                self._ask("stop")
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+
+
+def serve_proxy(argv: list[str]) -> None:
+    """The child of `ProxyProcess`: ``argv`` = target port, bandwidth (or None), latency."""
+    bandwidth = None if argv[1] == "None" else float(argv[1])
+    proxy = FaultProxy(int(argv[0]), link=Link(bandwidth_bps=bandwidth, latency_s=float(argv[2])))
+    proxy.start()
+
+    def answer(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    try:
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "port":
+                answer({"port": proxy.port})
+            elif command == "reset":
+                proxy.set_plan(clean)
+                answer({})
+            elif command == "stats":
+                st = proxy.stats
+                times = os.times()
+                answer(
+                    {
+                        "connections": st.connections,
+                        "requests": st.requests,
+                        "bytes_down": st.bytes_down,
+                        "bytes_up": st.bytes_up,
+                        "cpu_s": times.user + times.system,
+                    }
+                )
+            elif command == "stop":
+                answer({})
+                break
+    finally:
+        proxy.stop()
+
+
 # ---------------------------------------------------------------------------- stores
 @dataclass
 class Store:
     name: str
     url: str  # the corpus root, through the proxy
     options: dict[str, Any]
-    proxy: FaultProxy
+    proxy: ProxyProcess
+    paths: list[str]  # the corpus's files, relative to url
+    ceiling_bps: float = 0.0  # measured by `probe_ceiling` (answer bytes/s)
+    probe_cpu_per_s: float = 0.0  # the proxy's CPU seconds per second during the probe
+
+    def ceiling_samples_per_s(self, sample_bytes: int) -> float:
+        return self.ceiling_bps / sample_bytes
+
+
+PROBE_CONNECTIONS = 4
+PROBE_ROUNDS = 3
+
+
+def probe_ceiling(store: Store, files: int) -> None:
+    """What this machine moves through the emulated link with nothing else running: the
+    first ``files`` files of the corpus, whole, on `PROBE_CONNECTIONS` threads of one
+    fsspec file system (the loader's client stack), best of `PROBE_ROUNDS` rounds. Sets
+    ``store.ceiling_bps`` (answer bytes through the proxy, headers included, per second)."""
+    from detdata.storage.fs import filesystem, join
+
+    fs, root = filesystem(store.url, **store.options)
+    paths = [join(root, p) for p in store.paths[:files]]
+    best = 0.0
+    for _ in range(PROBE_ROUNDS):
+        store.proxy.set_plan(clean)
+        before = store.proxy.stats
+        began = time.monotonic()
+        todo = iter(paths)
+        threads = [
+            threading.Thread(target=_pull, args=(fs, todo)) for _ in range(PROBE_CONNECTIONS)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took = time.monotonic() - began
+        after = store.proxy.stats
+        rate = (after.bytes_down - before.bytes_down) / took
+        if rate > best:
+            best = rate
+            store.probe_cpu_per_s = (after.cpu_s - before.cpu_s) / took
+    store.ceiling_bps = best
+
+
+_NEXT = threading.Lock()
+
+
+def _pull(fs: Any, todo: Iterator[str]) -> None:
+    while True:
+        with _NEXT:
+            path = next(todo, None)
+        if path is None:
+            return
+        fs.cat_file(path)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def write_corpus(directory: Path, size: Size) -> None:
@@ -110,8 +289,9 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
     """nginx and/or SeaweedFS serving ``corpus``, each behind an emulated link."""
     link = Link(bandwidth_bps=size.bandwidth_bps, latency_s=size.latency_s)
     pids: list[int] = []
-    proxies: list[FaultProxy] = []
+    proxies: list[ProxyProcess] = []
     out: list[Store] = []
+    names = [f.name for f in sorted(corpus.iterdir())]
     try:
         if "http" in which:
             http = start_nginx(work / "nginx")
@@ -119,9 +299,10 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
             directory, _ = http.new_dir()
             for f in sorted(corpus.iterdir()):
                 shutil.copyfile(f, directory / f.name)
-            proxy = FaultProxy(http.port, link=link).start()
+            proxy = ProxyProcess(http.port, link)
             proxies.append(proxy)
-            out.append(Store("http", f"http://{proxy.address}/{directory.name}", {}, proxy))
+            url = f"http://{proxy.address}/{directory.name}"
+            out.append(Store("http", url, {}, proxy, names))
         if "s3" in which:
             import s3fs
 
@@ -131,10 +312,10 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
             prefix = f"{s3.bucket}/{uuid.uuid4().hex[:10]}"
             for f in sorted(corpus.iterdir()):
                 fs.pipe_file(f"{prefix}/{f.name}", f.read_bytes())
-            proxy = FaultProxy(s3.port, link=link).start()
+            proxy = ProxyProcess(s3.port, link)
             proxies.append(proxy)
             opts = s3.storage_options(endpoint=f"http://{proxy.address}")
-            out.append(Store("s3", f"s3://{prefix}", opts, proxy))
+            out.append(Store("s3", f"s3://{prefix}", opts, proxy, names))
         yield out
     finally:
         for proxy in proxies:
@@ -181,7 +362,8 @@ def run_one(
     sample_bytes = size.seq_len * 2
     ceiling = size.bandwidth_bps / sample_bytes
     per_shard = size.tokens_per_shard // size.seq_len
-    lookahead = max(1, 2 * size.window_shards * per_shard // size.batch)
+    # as far ahead as the cache holds: the byte bound cuts the window shorter where it must
+    lookahead = max(1, (bound // shard_bytes) * per_shard // size.batch)
     loader = detdata.DataLoader(
         stream,
         global_batch_size=size.batch,
@@ -192,7 +374,8 @@ def run_one(
     store.proxy.set_plan(clean)  # fresh counters; open connections are closed
     began = time.monotonic()
     warm_at = began
-    warm_bytes = warm_requests = 0
+    warm_proxy = store.proxy.stats
+    warm_cpu = time.process_time()
     warm_stall = 0.0
     warm_stalls = 0
     batches = 0
@@ -210,30 +393,39 @@ def run_one(
                     now = time.monotonic()
             if batches == size.warmup:
                 warm_at = now
-                warm_bytes, warm_requests = store.proxy.stats.bytes_down, store.proxy.stats.requests
+                warm_proxy, warm_cpu = store.proxy.stats, time.process_time()
                 stats = ds.shard_cache.stats if ds.shard_cache is not None else None
                 warm_stall = stats.stall_s if stats else 0.0
                 warm_stalls = stats.stalls if stats else 0
             if batches >= size.warmup + 2 * READ_AHEAD and now - began >= limit:
                 break
+        end = time.monotonic()
+        end_cpu = time.process_time()
+        proxy = store.proxy.stats  # before close: fills still running are not counted
     finally:
         loader.close()
-    end = time.monotonic()
     measured = (batches - size.warmup) * size.batch
     rate = measured / (end - warm_at)
     stats = ds.shard_cache.stats if ds.shard_cache is not None else None
     delivered = batches * size.batch * sample_bytes
+    probed = store.ceiling_samples_per_s(sample_bytes)
     return {
         **row,
         "samples_per_s": round(rate, 1),
         "link_ceiling_samples_per_s": round(ceiling, 1),
         "link_fraction": round(rate / ceiling, 3),
-        "fetched_per_delivered": round(store.proxy.stats.bytes_down / delivered, 3),
+        "measured_ceiling_samples_per_s": round(probed, 1),
+        "measured_fraction": round(rate / probed, 3),
+        "probe_proxy_cpu_per_s": round(store.probe_cpu_per_s, 2),
+        "loader_cpu_per_s": round((end_cpu - warm_cpu) / (end - warm_at), 2),
+        "proxy_cpu_per_s": round((proxy.cpu_s - warm_proxy.cpu_s) / (end - warm_at), 2),
+        "torch_threads": torch_threads(),
+        "fetched_per_delivered": round(proxy.bytes_down / delivered, 3),
         "fetched_per_delivered_after_warmup": round(
-            (store.proxy.stats.bytes_down - warm_bytes) / (measured * sample_bytes), 3
+            (proxy.bytes_down - warm_proxy.bytes_down) / (measured * sample_bytes), 3
         ),
-        "requests": store.proxy.stats.requests,
-        "requests_after_warmup": store.proxy.stats.requests - warm_requests,
+        "requests": proxy.requests,
+        "requests_after_warmup": proxy.requests - warm_proxy.requests,
         "stall_s": None if stats is None else round(stats.stall_s - warm_stall, 3),
         "stalled_reads": None if stats is None else stats.stalls - warm_stalls,
         "batches": batches,
@@ -268,6 +460,7 @@ def remote_rows(
         rows = []
         with stores(base, corpus, size, which) as served:
             for store in served:
+                probe_ceiling(store, min(size.shards, 24))
                 for mode in modes:
                     for order in orders:
                         if mode.endswith("paced") and order == "feistel-v1":
@@ -285,10 +478,14 @@ COLUMNS = (
     "mode",
     "samples_per_s",
     "link_fraction",
+    "measured_ceiling_samples_per_s",
+    "measured_fraction",
     "fetched_per_delivered",
     "stall_s",
     "stalled_reads",
     "requests_after_warmup",
+    "loader_cpu_per_s",
+    "proxy_cpu_per_s",
     "batches",
 )
 
@@ -300,18 +497,46 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]], before: tuple[float, ...], after: tuple[float, ...]) -> str:
+    """The ceilings the rows are measured against, and the machine's load."""
+    lines = []
+    for r in {r["store"]: r for r in rows}.values():
+        lines.append(
+            f"{r['store']}: link ceiling {r['link_ceiling_samples_per_s']} samples/s "
+            f"({r['bandwidth_MBps']:g} MB/s, {r['latency_ms']:g} ms); measured ceiling "
+            f"{r['measured_ceiling_samples_per_s']} samples/s ({PROBE_CONNECTIONS} connections "
+            f"pulling whole shards, proxy CPU {r['probe_proxy_cpu_per_s']} s/s)"
+        )
+    lines.append(
+        f"torch threads {rows[0]['torch_threads'] if rows else '?'}; load average "
+        f"{before[0]:.2f} before, {after[0]:.2f} after ({os.cpu_count()} CPUs)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--out", default=None, help="directory for remote.json / remote.md")
     parser.add_argument("--stores", default="http,s3")
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads(N) first (default: torch's own; see torch_threads)",
+    )
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     size = SMOKE if args.smoke else FULL
     if args.seconds is not None:
         size = dataclasses.replace(size, seconds=args.seconds)
+    load = os.getloadavg()
     rows = remote_rows(size=size, which=tuple(args.stores.split(",")))
-    text = table(rows)
+    text = table(rows) + "\n\n" + summary(rows, load, os.getloadavg())
     print(text)
     if args.out:
         out = Path(args.out)

@@ -319,9 +319,12 @@ def measure(
     while time.perf_counter() < warm:
         check_rows(next(it)[column].numpy(), width)
     next_sample = 0.0
+    cpu = 0.0  # CPU seconds of this process inside next(): the whole loader with 0 workers
     while clock.seconds < budget:
+        cpu_at = time.process_time()
         with clock:
             got = next(it)[column]
+        cpu += time.process_time() - cpu_at
         rows = got.numpy()
         check_rows(rows, width)
         samples += rows.shape[0]
@@ -335,6 +338,8 @@ def measure(
         **asdict(run),
         "samples_per_s": samples / clock.seconds,
         "us_per_sample": 1e6 * clock.seconds / max(samples, 1),
+        "cpu_s_main": cpu,
+        "samples_per_cpu_s_main": samples / cpu if cpu > 0 else None,
         "samples": samples,
         "open_s": opening.seconds,
         "first_batch_s": first.seconds,
@@ -512,6 +517,39 @@ def growth_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
+    """Markdown: samples per CPU second of the main process for ``num_workers=0`` runs (the
+    whole loader runs there), less sensitive than samples/s to other load on the machine."""
+    rows = [r for r in results if r["workers"] == 0 and r.get("samples_per_cpu_s_main")]
+    if not rows:
+        return ""
+    kinds = [k for k in ("tokens", "parquet") if any(r["kind"] == k for r in rows)]
+    lines = []
+    for kind in kinds:
+        mine = [r for r in rows if r["kind"] == kind]
+        counts = sorted({r["shards"] for r in mine})
+        names = [o for o in orders if any(r["order"] == o for r in mine)]
+        base = [r for r in mine if r["order"] == FEISTEL and r["shards"] == counts[0]]
+        head = [f"{o} w0 samples/CPU-s (% of {FEISTEL} at {counts[0]:,})" for o in names]
+        lines += [
+            f"\n**{kind}, CPU time of the main process (num_workers=0)**\n",
+            "| shards | " + " | ".join(head) + " |",
+            "|---" * (len(head) + 1) + "|",
+        ]
+        for n in counts:
+            cells = []
+            for o in names:
+                got = [r for r in mine if r["order"] == o and r["shards"] == n]
+                if not got:
+                    cells.append("n/a")
+                    continue
+                value = got[0]["samples_per_cpu_s_main"]
+                pct = 100 * value / base[0]["samples_per_cpu_s_main"] if base else None
+                cells.append(f"{_fmt(value)} ({_fmt(pct, '.0f')}%)")
+            lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> bool:
     """``scale.png``: samples/s against shards (log-log), one line per (kind, order, workers);
     False when matplotlib is not installed."""
@@ -577,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(Path(args.from_json).read_text())
         names = list(dict.fromkeys(r["order"] for r in doc["results"]))
         print(growth_table(doc["results"], names))
+        print(cpu_table(doc["results"], names))
         return 0
     smoke = args.smoke
     shards = args.shards or (SMOKE_SHARDS if smoke else SHARDS)
@@ -629,7 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{row['samples_per_s']:>11,.0f} samples/s  fds {row['peak_fds_main']}/"
                     f"{row['peak_fds_worker']}  shard maps {row['peak_shard_maps_main']}/"
                     f"{row['peak_shard_maps_worker']}  worker RSS "
-                    f"{row['peak_rss_worker_mib']:.0f} MiB",
+                    f"{row['peak_rss_worker_mib']:.0f} MiB  "
+                    f"({_fmt(row['samples_per_cpu_s_main'])} samples/CPU-s of the main process)",
                     flush=True,
                 )
     bound = args.max_open_shards or DEFAULT_MAX_OPEN_SHARDS
@@ -641,6 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import detdata
 
     table = growth_table(results, list(orders))
+    cpu = cpu_table(results, list(orders))
     doc = {
         "detdata": detdata.__version__,
         "python": platform.python_version(),
@@ -660,10 +701,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "miss_costs": misses,
         "others": others,
         "table": table,
+        "cpu_table": cpu,
     }
     (out / "scale.json").write_text(json.dumps(doc, indent=1, default=str))
     plotted = plot(results, out / "scale.png")
     print(f"\n# Scale (shards)\n{table}\n")
+    if cpu:
+        print(f"{cpu}\n")
     print("| handle miss cost | us per read |\n|---|---|")
     for row in misses:
         print(f"| {row['what']} | {row['us']:.1f} |")

@@ -8,6 +8,10 @@ background threads, so a reader finds its shards already on local disk. The rule
 * **Order of first use.** Shards are submitted in the order the coming micro steps first
   read them; ``connections`` threads fill them (FIFO), so at most ``connections`` shard
   downloads are in flight (each a sequence of retried range reads).
+* **Mapped in chunks.** The shards of the coming micro steps are mapped for `PLAN_CHUNK`
+  steps at once (`shard_uses_of_steps`: one vectorised mapping, the same first-use order
+  per step as `shard_uses`), so the consumer pays the mapping's fixed cost once per chunk,
+  not once per delivered batch.
 * **Window under the byte bound.** The window is the micro steps from the one about to be
   delivered up to ``steps`` ahead. The distinct shards of the window must fit in the
   cache bound (``shard_cache_bytes`` of their cache directory): the window is extended
@@ -60,6 +64,8 @@ from detdata.datasets.shards import ShardReader
 log: Final = logging.getLogger("detdata.prefetch")
 #: Default number of shard downloads in flight.
 DEFAULT_CONNECTIONS: Final = 4
+#: Micro steps whose shards the lookahead maps at once (one vectorised `shard_uses_of_steps`).
+PLAN_CHUNK: Final = 64
 
 Key = tuple[int, int]  # (reader index in `Lookahead.readers`, shard)
 _Work = queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None]
@@ -121,7 +127,41 @@ def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> 
     Only readers in ``readers`` count. Mixtures (``sources`` + ``locate``) are split by
     source; other streams map positions with ``sample_ids`` to their ``dataset``.
     """
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    return shard_uses_of_steps(stream, [positions], readers)[0]
+
+
+def shard_uses_of_steps(
+    stream: Any, steps: list[IntArray], readers: list[ShardReader]
+) -> list[list[Key]]:
+    """`shard_uses` of each position array in ``steps``, computed with one vectorised
+    mapping of all their positions (the lookahead plans micro steps in chunks: per step,
+    the mapping's fixed cost would be paid once per delivered batch)."""
+    if not steps:
+        return []
+    arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in steps]
+    step_of = np.repeat(np.arange(len(arrays), dtype=np.int64), [len(a) for a in arrays])
+    which, shard = _shards_at(stream, np.concatenate(arrays), readers)
+    keep = which >= 0
+    which, shard, step_of = which[keep], shard[keep], step_of[keep]
+    out: list[list[Key]] = [[] for _ in arrays]
+    if not len(which):
+        return out
+    combined = which * (1 << 40) + shard
+    # first occurrence of each (step, key), in position order within each step
+    order = np.lexsort((np.arange(len(combined)), combined, step_of))
+    s, c = step_of[order], combined[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (s[1:] != s[:-1]) | (c[1:] != c[:-1])
+    first = np.sort(order[new])
+    for j, w, sh in zip(
+        step_of[first].tolist(), which[first].tolist(), shard[first].tolist(), strict=True
+    ):
+        out[j].append((w, sh))
+    return out
+
+
+def _shards_at(stream: Any, pos: IntArray, readers: list[ShardReader]) -> tuple[IntArray, IntArray]:
+    """``(reader index or -1, shard)`` of each position of ``stream``."""
     index = {id(r): i for i, r in enumerate(readers)}
     sources = getattr(stream, "sources", None)
     if isinstance(sources, dict) and hasattr(stream, "locate"):
@@ -132,18 +172,12 @@ def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> 
         ds = getattr(stream, "dataset", stream)
         ids = np.asarray(stream.sample_ids(pos) if ds is not stream else pos).reshape(-1)
         which = np.full(ids.shape, index.get(id(ds), -1), dtype=np.int64)
-    keep = which >= 0
-    if not keep.any():
-        return []
-    which, ids = which[keep], ids[keep]
-    shard = np.empty(ids.shape, dtype=np.int64)
-    for i in np.unique(which).tolist():
+    which = np.asarray(which, dtype=np.int64)
+    shard = np.full(ids.shape, -1, dtype=np.int64)
+    for i in np.unique(which[which >= 0]).tolist():
         sel = which == i
         shard[sel] = readers[i].locate(ids[sel])[0]
-    combined = which * (1 << 40) + shard
-    _, first = np.unique(combined, return_index=True)
-    first.sort()
-    return [(int(which[j]), int(shard[j])) for j in first.tolist()]
+    return which, shard
 
 
 @dataclass
@@ -190,6 +224,8 @@ class Lookahead:
         self._last_use: dict[Key, int] = {}
         self._futures: dict[Key, Future[None]] = {}
         self._next = 0  # the first micro step not planned yet
+        # (step, shard_uses) of the steps from `_next` on, computed ahead (`_uses`)
+        self._uses_ahead: collections.deque[tuple[int, list[Key]]] = collections.deque()
         self._lock = threading.Lock()
         self._work: _Work = queue.SimpleQueue()
         self._threads = 0  # fill threads started (daemon threads, on the first fill)
@@ -240,12 +276,29 @@ class Lookahead:
         self._plan.clear()
         self._next = step
 
+    def _uses(self, step: int) -> list[Key]:
+        """`shard_uses` of micro step ``step``; mapped with the next `PLAN_CHUNK` - 1 steps
+        (never past ``stop``), which are kept until planned."""
+        uses = self._uses_ahead
+        if uses and uses[0][0] != step:
+            uses.clear()  # a restart elsewhere
+        if not uses:
+            end = step + PLAN_CHUNK
+            if self.stop is not None:
+                end = min(end, self.stop)
+            steps = list(range(step, max(end, step + 1)))
+            found = shard_uses_of_steps(
+                self.stream, [self.positions_of(j) for j in steps], self.readers
+            )
+            uses.extend(zip(steps, found, strict=True))
+        return uses.popleft()[1]
+
     def _extend(self, step: int) -> None:
         horizon = step + self.steps
         if self.stop is not None:
             horizon = min(horizon, self.stop)
         while self._next < horizon:
-            keys = shard_uses(self.stream, self.positions_of(self._next), self.readers)
+            keys = self._uses(self._next)
             new = [k for k in keys if k not in self._last_use]
             extra: dict[str | None, int] = collections.defaultdict(int)
             for k in new:
@@ -254,6 +307,7 @@ class Lookahead:
             over = any(self._window_bytes[d] + b > self._budget.get(d, 0) for d, b in extra.items())
             if over and self._plan:  # the step about to be read is always planned
                 self.stats.shrunk += 1
+                self._uses_ahead.appendleft((self._next, keys))  # planned at a later advance
                 break
             for d, b in extra.items():
                 self._window_bytes[d] += b

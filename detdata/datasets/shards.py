@@ -279,6 +279,18 @@ class ProcessHandles:
 #: This process's budget of open shard handles (all `ShardReader` instances share it).
 _PROCESS_HANDLES: Final = ProcessHandles()
 os.register_at_fork(after_in_child=_PROCESS_HANDLES.after_fork)
+#: Serialises the lazy creation of a reader's file system and shard cache: the lookahead's
+#: fill threads and reader threads may ask for them at the same time, and two caches would
+#: split the counters (and two file systems the connection pools) of one reader.
+_LAZY = threading.Lock()
+
+
+def _new_lazy_lock() -> None:
+    global _LAZY
+    _LAZY = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lazy_lock)
 
 
 def set_max_open_shards(bound: int | None) -> None:
@@ -512,10 +524,12 @@ class ShardReader(ProcessLocal, abc.ABC):
             root = self.manifest.root
             if root is None:
                 raise ConfigError("the manifest has no root; hint: pass root=")
-            fs, root_path = filesystem(root, **self.storage_options)
-            self._root_path = root_path  # before _fs: reader threads test _fs first
-            self._fs = fs
-            return fs, root_path
+            with _LAZY:
+                if self._fs is None:
+                    fs, root_path = filesystem(root, **self.storage_options)
+                    self._root_path = root_path  # before _fs: reader threads test _fs first
+                    self._fs = fs
+                return self._fs, self._root_path
         return self._fs, self._root_path
 
     def _uses_shard_cache(self) -> bool:
@@ -530,14 +544,18 @@ class ShardReader(ProcessLocal, abc.ABC):
             return None
         if self._pid != os.getpid():
             self._reset_process_state()
-        if self._shard_cache is None:
-            self._shard_cache = ShardCache(
-                self.cache_dir,
-                self.shard_cache_bytes,
-                retry=self.retry,
-                verify_on_open=self.cache_verify,
-            )
-        return self._shard_cache
+        cache = self._shard_cache
+        if cache is None:
+            with _LAZY:
+                if self._shard_cache is None:
+                    self._shard_cache = ShardCache(
+                        self.cache_dir,
+                        self.shard_cache_bytes,
+                        retry=self.retry,
+                        verify_on_open=self.cache_verify,
+                    )
+                cache = self._shard_cache
+        return cache
 
     def _open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
         """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of

@@ -31,12 +31,18 @@ recently used mapping is dropped to make room. When the LRU (or the budget) is
 full, a shard that is not mapped is read without keeping anything open
 (`_pread_rows`: open, read, close) unless the read needs at least `MAP_MIN_ROWS`
 of its windows and they are not `covered` (then it is mapped, evicting one):
-windows that are ``covered`` (dense, in at most `COVER_MAX_BYTES`) are read with
-ONE ``preadv`` of the range that covers them, other windows with one ``preadv``
-each, straight into the result. Either costs a few syscalls instead of a ~40 us
-map + page faults + unmap. So many-shard shuffled reads hold
-O(``max_open_shards``) resources and do O(1) Python work per touched shard. The
-bound and the read path never change the bytes read.
+windows that are ``covered`` (dense, in at most `COVER_MAX_BYTES`; or a single
+window) are read with ONE ``preadv`` of the range that covers them, other windows
+with one ``preadv`` each. Either costs a few syscalls instead of a ~40 us map + page
+faults + unmap. For a batch over many shards the bookkeeping is vectorised (one
+argsort of the ids gives every touched shard's rows, counts and byte offsets):
+covered ranges of all such shards are read into one staging buffer and gathered with
+ONE fancy index (`_read_staged`), or, for runs of consecutive windows stored as
+delivered, straight into the rows of the result (`_read_direct`: one buffer per row
+in the ``preadv``; with ``labels`` each row's shared label token is copied from the
+next row after), leaving about 3 syscalls and ~2 us of Python per touched shard.
+So many-shard shuffled reads hold O(``max_open_shards``) resources. The bound and
+the read path never change the bytes read.
 
 Before touching a shard's mapping, every read checks that the mapped file still
 has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
@@ -85,6 +91,9 @@ MAP_MIN_ROWS: Final = 8
 DENSE_SPAN: Final = 2
 #: The largest covering range read with one ``preadv`` (larger: mapped, or one per window).
 COVER_MAX_BYTES: Final = 64 << 10
+#: At most this many windows (one buffer each) in one ``preadv`` straight into the result
+#: (well under the usual ``IOV_MAX`` of 1,024).
+_IOV_ROWS: Final = 256
 
 
 class _Mapped(NamedTuple):
@@ -184,6 +193,7 @@ class TokenWindows(ShardReader):
         "_offsets",
         "_start_list",
         "_narrowing",
+        "_direct",
     )
 
     def __init__(
@@ -272,8 +282,10 @@ class TokenWindows(ShardReader):
         self._narrowing: tuple[bool, ...] = tuple(
             not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes
         )
-        # covered spans of a batch are read into one staging buffer (`_read_covered`)
+        # covered spans of a batch are read into one staging buffer (`_read_staged`)
         self._batch_covers = len(set(self._disk)) == 1 and not any(self._narrowing)
+        # windows stored as delivered (disk dtype == out_dtype): read straight into the result
+        self._direct = self._batch_covers and self._disk[0] == self.out_dtype
 
     def _forget_handle(self, shard: int) -> None:
         self._handles.pop(shard)
@@ -446,12 +458,12 @@ class TokenWindows(ShardReader):
 
         Mapped shards: one fancy-index gather per touched shard (``take`` would first
         copy a whole overlapping window view). Ids of a single mapped shard are gathered
-        straight into the result; otherwise ids are grouped by shard once
-        (`stable_groups` of the shard index) and each mapped shard's rows are gathered
-        and scattered straight into the result (a staging buffer plus one big scatter
-        measured ~3.7x slower for 1024 rows). Shards not mapped (see `_mapped_view`)
-        are read with ``preadv``: `covered` windows of all such shards through one staging
-        buffer (`_read_covered`), others one ``preadv`` per window into the result."""
+        straight into the result; otherwise (`_gather_shards`) ids are grouped by shard
+        once and each mapped shard's rows are gathered and scattered straight into the
+        result (a staging buffer plus one big scatter measured ~3.7x slower for 1024
+        rows). Shards not mapped (see `_mapped_view`) are read with ``preadv``: `covered`
+        windows (and single windows) of all such shards in one vectorised pass
+        (`_read_staged` / `_read_direct`), others one ``preadv`` per window."""
         first = bisect.bisect_right(self._start_list, lo) - 1
         last = bisect.bisect_right(self._start_list, hi) - 1
         if first == last:
@@ -474,29 +486,125 @@ class TokenWindows(ShardReader):
             if self._narrowing[first]:
                 self._check_range(block, first)
             return block.astype(self.out_dtype)
-        order, shard, spans = stable_groups(self._shard_of(ids))
-        local = ids[order] - self._starts[shard]
+        return self._gather_shards(ids, cached)
+
+    def _gather_shards(self, ids: IntArray, cached: bool) -> np.ndarray[Any, Any]:
+        """`_gather_local` for ids of several shards.
+
+        Grouping is vectorised: one argsort of the ids (ids of a shard are consecutive, so
+        sorted ids are grouped by shard, windows ascending) and one ``searchsorted`` of the
+        sorted ids (~4x cheaper than of unsorted ones) give per touched shard its first row,
+        count and extent (max - min + 1 windows). When the handle LRU is full, shards
+        without a handle whose windows are `covered` (or a single window) are read by
+        `_read_staged` / `_read_direct` with no per-shard Python beyond open / ``preadv`` /
+        close; only shards with a handle, shards to map and scattered windows take the
+        per-shard loop (`_gather_loop`).
+        """
+        n = ids.size
+        order = ids.argsort(kind="stable")
+        sorted_ids = ids[order]
+        shard = self._starts.searchsorted(sorted_ids, "right") - 1
+        local = sorted_ids - self._starts[shard]
+        cuts = np.flatnonzero(shard[1:] != shard[:-1]) + 1
+        begin = np.concatenate((np.zeros(1, dtype=np.int64), cuts))
+        end = np.concatenate((cuts, np.full(1, n, dtype=np.int64)))
+        gshard = shard[begin]
+        count = end - begin
+        extent = local[end - 1] - local[begin] + 1
         if cached:
-            self._refresh_copies(s for s, _, _ in spans)
-        out = np.empty((ids.size, self.window), dtype=self.out_dtype)
-        rows, windows = order.tolist(), local.tolist()
+            self._refresh_copies(gshard.tolist())
+        handles = self._handles
+        staged_ok = self._batch_covers and not cached
+        covers = (count == 1) | (
+            (extent <= DENSE_SPAN * count)
+            & (extent * (self.seq_len * self._itemsize[gshard]) <= COVER_MAX_BYTES)
+        )
+        staged: list[int] | IntArray = []
+        if staged_ok and handles.full:
+            fast = covers.copy()
+            open_now = np.sort(np.asarray(handles.keys(), dtype=np.int64))
+            if open_now.size:  # ~10x cheaper than np.isin for a few hundred shards
+                at = open_now.searchsorted(gshard).clip(max=open_now.size - 1)
+                fast &= open_now[at] != gshard
+            staged = np.flatnonzero(fast)
+            loop: list[int] = np.flatnonzero(~fast).tolist()
+        else:
+            loop = list(range(gshard.size))
+        if len(staged) == gshard.size and not self._direct:  # one gather builds the result
+            sliding, starts, _ = self._read_staged(
+                np.asarray(staged), gshard, begin, count, extent, local, order, whole=True
+            )
+            got = sliding[starts]
+            return got if got.dtype == self.out_dtype else got.astype(self.out_dtype)
+        out = np.empty((n, self.window), dtype=self.out_dtype)
+        more = self._gather_loop(
+            loop, cached, staged_ok, covers, gshard, begin, count, extent, shard, local, order, out
+        )
+        chosen = np.concatenate((np.asarray(staged, dtype=np.int64), more))
+        if chosen.size and self._direct:  # runs of distinct windows: into `out` itself
+            fresh = np.ones(n, dtype=np.int64)  # 0 where a sorted id repeats the one before
+            fresh[1:] = local[1:] != local[:-1]
+            fresh[begin] = 1
+            distinct = np.add.reduceat(fresh, begin)[chosen]  # windows of each shard, once
+            whole_run = (
+                (distinct == count[chosen])
+                & (extent[chosen] == count[chosen])
+                & (count[chosen] <= _IOV_ROWS)
+            )
+            if whole_run.any():
+                self._read_direct(chosen[whole_run], gshard, begin, count, local, order, out)
+                chosen = chosen[~whole_run]
+        if chosen.size:
+            sliding, starts, dest = self._read_staged(
+                chosen, gshard, begin, count, extent, local, order, whole=False
+            )
+            out[dest] = sliding[starts]
+        return out
+
+    def _gather_loop(
+        self,
+        loop: list[int],
+        cached: bool,
+        staged_ok: bool,
+        covers: npt.NDArray[np.bool_],
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        extent: IntArray,
+        shard: IntArray,
+        local: IntArray,
+        order: IntArray,
+        out: np.ndarray[Any, Any],
+    ) -> IntArray:
+        """The per-shard loop of `_gather_shards` over the groups ``loop`` (O(1) Python work
+        each): a mapped shard (or one to map) is gathered from its window view, scattered
+        windows are read by `_pread_rows`; returns the groups left for `_read_staged`."""
+        if not loop:
+            return np.zeros(0, dtype=np.int64)
+        handles, sizes, narrowing = self._handles, self._sizes, self._narrowing
+        shards, begins = gshard.tolist(), begin.tolist()
+        counts, cover = count.tolist(), covers.tolist()
+        rows: list[int] | None = None
+        windows: list[int] | None = None
         offsets: list[int] | None = None  # byte offsets of the sorted ids, when first needed
         prefix = ""
-        covers: list[tuple[int, int, int]] = []  # spans for `_read_covered`, after the loop
-        handles, sizes, narrowing = self._handles, self._sizes, self._narrowing
-        for s, a, b in spans:  # the one Python loop: per touched shard, O(1) work
+        more: list[int] = []
+        for g in loop:
+            s, a = shards[g], begins[g]
+            b = a + counts[g]
             handle: _Mapped | None = handles.get(s)
             if handle is None:
-                n = b - a
-                cover = n > 1 and self.covered(s, n, max(windows[a:b]) - min(windows[a:b]) + 1)
-                if not (cached or not handles.full or (n >= MAP_MIN_ROWS and not cover)):
-                    if cover and self._batch_covers:
-                        covers.append((s, a, b))
+                k = b - a
+                mapit = cached or not handles.full
+                if not (mapit or (k >= MAP_MIN_ROWS and not (k > 1 and cover[g]))):
+                    if staged_ok and cover[g]:
+                        more.append(g)
                         continue
-                    if offsets is None:
+                    if offsets is None or rows is None:
                         offsets = self._byte_offsets(shard, local)
+                        rows = order.tolist()
                         prefix = join(self._root_path, "")
-                    self._pread_rows(s, prefix, rows[a:b], offsets[a:b], out, cover)
+                    self._pread_rows(s, prefix, rows[a:b], offsets[a:b], out, k > 1 and cover[g])
                     continue
                 view = self._view(s)  # size-checked when mapped
             else:
@@ -505,56 +613,135 @@ class TokenWindows(ShardReader):
                     self._check_size(s, found, handle.path)
                 view = handle.view
             if b - a == 1 and not narrowing[s]:
+                if rows is None or windows is None:
+                    rows, windows = order.tolist(), local.tolist()
                 out[rows[a]] = view[windows[a]]  # basic indexing: ~3x cheaper for one row
                 continue
             block = view[local[a:b]]
             if narrowing[s]:
                 self._check_range(block, s)
             out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
-        if covers:
-            self._read_covered(covers, rows, windows, out)
-        return out
+        return np.asarray(more, dtype=np.int64)
 
-    def _read_covered(
+    def _read_direct(
         self,
-        covers: list[tuple[int, int, int]],
-        rows: list[int],
-        windows: list[int],
+        groups: IntArray,
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        local: IntArray,
+        order: IntArray,
         out: np.ndarray[Any, Any],
     ) -> None:
-        """`covered` spans ``(shard, a, b)`` (windows ``windows[a:b]`` into rows ``rows[a:b]``),
-        all shards of one disk dtype and no narrowing cast: each covering range is read with
-        one ``preadv`` into one staging buffer, then every row is gathered with ONE fancy
-        index over a sliding window view of it and scattered with ONE assignment."""
-        dtype = self._disk[covers[0][0]]
-        item, width, seq = dtype.itemsize, self.window, self.seq_len
-        spans = []
-        total = 0
-        for s, a, b in covers:
-            first = min(windows[a:b])
-            count = (max(windows[a:b]) - first) * seq + width
-            spans.append((s, first, total, count))
-            total += count
-        staging = np.empty(total, dtype=dtype)
+        """Read each of ``groups`` (``count[g]`` distinct consecutive windows of shard
+        ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``) with one open, ONE
+        ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close.
+        Only when the disk dtype is ``out_dtype`` (`_direct`). With ``labels`` consecutive
+        windows share a token: each row but a run's last gets its first ``seq_len`` tokens
+        from the file and its label token from the next row afterwards (one vectorised
+        copy). A missing shard or a short read (truncated file) is a `VerificationError`
+        naming the shard."""
+        item = out.itemsize
+        nbytes, step = self.window * item, self.seq_len * item  # a row; file bytes a window
+        flat = out.view(np.uint8).reshape(-1).data
+        at_row = (order * nbytes).tolist()  # byte offset in ``out`` of each sorted row
+        if self.labels:  # a run's last row is read whole, the others without the label
+            size = np.full(order.size, step, dtype=np.int64)
+            size[begin[groups] + count[groups] - 1] = nbytes
+            bufs = [flat[o : o + n] for o, n in zip(at_row, size.tolist(), strict=True)]
+        else:
+            bufs = [flat[o : o + nbytes] for o in at_row]
+        s = gshard[groups]
+        file_at = (self._offsets[s] + local[begin[groups]] * step).tolist()
+        extra = nbytes - step  # the label token of a run's last row
         prefix = join(self._root_path, "")
-        starts: list[int] = []
-        for (s, first, pos, count), (_, a, b) in zip(spans, covers, strict=True):
-            path = prefix + self.manifest.shards[s].path
+        entries = self.manifest.shards
+        open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
+        for sh, at, a, k in zip(
+            s.tolist(), file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
+        ):
+            path = prefix + entries[sh].path
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_(path, flags)
             except FileNotFoundError:
-                raise self._missing(s, path) from None
+                raise self._missing(sh, path) from None
             try:
-                offset = self._offset_list[s] + first * seq * item
-                self._pread_window(fd, s, path, staging[pos : pos + count], offset)
+                if preadv(fd, bufs[a : a + k], at) != k * step + extra:
+                    self._short_read(fd, sh, path, k * step + extra, at)
             finally:
-                os.close(fd)
-            starts += [pos + (w - first) * seq for w in windows[a:b]]
-        dest = [r for _, a, b in covers for r in rows[a:b]]
+                close(fd)
+        if self.labels:  # row i's label token is row i+1's first token (same run)
+            cnt = count[groups]
+            firsts = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt)
+            sel = firsts + np.arange(int(cnt.sum()), dtype=np.int64)  # sorted rows read
+            inner = sel[np.repeat(begin[groups] + cnt - 1, cnt) != sel]  # not a run's last
+            out[order[inner], self.seq_len] = out[order[inner + 1], 0]
+
+    def _read_staged(
+        self,
+        groups: IntArray,
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        extent: IntArray,
+        local: IntArray,
+        order: IntArray,
+        *,
+        whole: bool,
+    ) -> tuple[np.ndarray[Any, Any], IntArray, IntArray]:
+        """Read the covering range of each of ``groups`` (shard ``gshard[g]``, sorted rows
+        ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows) with one open,
+        ONE ``preadv`` and one close per shard into one staging buffer (all shards of one
+        disk dtype, no narrowing cast: `_batch_covers`); the byte offsets and the rows are
+        computed vectorised. Returns ``(sliding, starts, dest)``: ``sliding[starts]`` are
+        the windows of result rows ``dest`` (with ``whole``: every group is read, and
+        ``starts`` is in result-row order, ``dest`` empty). A missing shard or a short
+        read (truncated file) is a `VerificationError` naming the shard."""
+        dtype = self._disk[int(gshard[groups[0]])]
+        item, width, seq = dtype.itemsize, self.window, self.seq_len
+        s = gshard[groups]
+        cnt = count[groups]
+        first = local[begin[groups]]
+        tokens = (extent[groups] - 1) * seq + width  # tokens of each covering range
+        pos = np.zeros(s.size + 1, dtype=np.int64)
+        np.cumsum(tokens, out=pos[1:])
+        base = np.repeat(pos[:-1] - first * seq, cnt)  # staging position of window 0
+        if whole:
+            starts = np.empty(order.size, dtype=np.int64)
+            starts[order] = base + local * seq  # result row order
+            dest = np.zeros(0, dtype=np.int64)
+        else:  # the sorted rows of these groups: concatenated ranges [begin, begin + count)
+            sel = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt) + np.arange(
+                int(cnt.sum()), dtype=np.int64
+            )
+            starts = base + local[sel] * seq
+            dest = order[sel]
+        staging = np.empty(int(pos[-1]), dtype=dtype)
+        view = staging.view(np.uint8).data
+        byte_pos = (pos * item).tolist()
+        file_at = (self._offsets[s] + first * (seq * item)).tolist()
+        prefix = join(self._root_path, "")
+        entries = self.manifest.shards
+        open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
+        for i, (sh, at) in enumerate(zip(s.tolist(), file_at, strict=True)):
+            path = prefix + entries[sh].path
+            try:
+                fd = open_(path, flags)
+            except FileNotFoundError:
+                raise self._missing(sh, path) from None
+            try:
+                lo, hi = byte_pos[i], byte_pos[i + 1]
+                if preadv(fd, [view[lo:hi]], at) != hi - lo:
+                    self._short_read(fd, sh, path, hi - lo, at)
+            finally:
+                close(fd)
         sliding = np.lib.stride_tricks.as_strided(
-            staging, shape=(total - width + 1, width), strides=(item, item), writeable=False
+            staging,
+            shape=(staging.size - width + 1, width),
+            strides=(item, item),
+            writeable=False,
         )
-        out[dest] = sliding[starts]
+        return sliding, starts, dest
 
     def _byte_offsets(self, shard: IntArray, local: IntArray) -> list[int]:
         """File offset of window ``local[i]`` of shard ``shard[i]``, for the batch at once."""
@@ -629,11 +816,16 @@ class TokenWindows(ShardReader):
         """Fill ``row`` (contiguous, disk byte order) from ``fd`` at byte ``offset``; a short
         read means the file was truncated (`VerificationError` via `_check_size`)."""
         if os.preadv(fd, [row.data], offset) != row.nbytes:
-            self._check_size(shard, os.fstat(fd).st_size, path)
-            raise StorageError(
-                f"shard {self.manifest.shards[shard].path} ({path}): short read of "
-                f"{row.nbytes} bytes at offset {offset}; hint: check the file system"
-            )
+            self._short_read(fd, shard, path, row.nbytes, offset)
+
+    def _short_read(self, fd: int, shard: int, path: str, nbytes: int, offset: int) -> None:
+        """A ``preadv`` of ``nbytes`` at ``offset`` read fewer: the file was truncated
+        (`VerificationError` via `_check_size`), else a `StorageError`; raises either way."""
+        self._check_size(shard, os.fstat(fd).st_size, path)
+        raise StorageError(
+            f"shard {self.manifest.shards[shard].path} ({path}): short read of "
+            f"{nbytes} bytes at offset {offset}; hint: check the file system"
+        )
 
     def _gather_remote(
         self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: np.ndarray[Any, Any]

@@ -223,6 +223,47 @@ def rows(batch: Any, a: int, b: int) -> Any:
     return batch
 
 
+def own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in memory of its own, made by one thread (a numpy copy of its
+    bytes, any dtype) for contiguous CPU tensors; ``clone()`` otherwise.
+
+    ``clone()`` runs on torch's intra-op threads: on a busy machine (the trainer's own
+    threads, other loaders) their start-up and contention made each copy of a 0.5 MB micro
+    batch cost milliseconds instead of tens of microseconds.
+    """
+    cpu = tensor.device.type == "cpu" and not tensor.requires_grad
+    if not cpu or not tensor.is_contiguous() or tensor.numel() == 0:
+        return tensor.clone()
+    if tensor.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(tensor.numpy().copy())
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # e.g. bfloat16
+    np.copyto(_bytes(out), _bytes(tensor))
+    return out
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The bytes of a contiguous CPU tensor (any dtype) as a uint8 array, not copied."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+#: torch dtypes `torch.Tensor.numpy` supports (others are copied as bytes).
+_NUMPY_DTYPES: Final = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
 def owned(batch: Any) -> Any:
     """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
 
@@ -232,7 +273,7 @@ def owned(batch: Any) -> Any:
     storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
     """
     if isinstance(batch, torch.Tensor):
-        return batch.clone() if batch.untyped_storage().nbytes() > batch.nbytes else batch
+        return own_copy(batch) if batch.untyped_storage().nbytes() > batch.nbytes else batch
     if isinstance(batch, np.ndarray):
         return batch.copy() if batch.base is not None else batch
     if type(batch) is list:

@@ -217,7 +217,7 @@ class ShardCache:
         final = self.object_path(entry)
         problem = self._check(final, entry)
         if problem is None:
-            self.stats.hits += 1
+            self._count("hits")
             self.touch(final, force=True)
             return final
         began = time.monotonic()
@@ -228,6 +228,11 @@ class ShardCache:
                 with self._mutex:
                     self.stats.stalls += 1
                     self.stats.stall_s += time.monotonic() - began
+
+    def _count(self, counter: str) -> None:
+        """Add one to ``stats.<counter>`` (fill threads and readers count concurrently)."""
+        with self._mutex:
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
     def release(self, entry: ShardEntry) -> None:
         """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
@@ -258,11 +263,11 @@ class ShardCache:
         with self._shard_lock(entry):
             problem = self._check(final, entry)  # another thread/process may have filled it
             if problem is None:
-                self.stats.hits += 1
+                self._count("hits")
                 self.touch(final, force=True)
                 return final
             if problem != "missing":
-                self.stats.corrupt += 1
+                self._count("corrupt")
                 log.warning(
                     "detdata: cached copy of shard %s (%s) is corrupted: %s; deleting "
                     "it and fetching %s again",
@@ -275,7 +280,7 @@ class ShardCache:
                     os.unlink(final)
             self._fill(entry, fs, remote_path, url, final)
             if background:
-                self.stats.background_fills += 1
+                self._count("background_fills")
             return final
 
     def touch(self, path: str, *, force: bool = False) -> None:
@@ -387,8 +392,9 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        self.stats.fills += 1
-        self.stats.fill_bytes += entry.bytes
+        with self._mutex:
+            self.stats.fills += 1
+            self.stats.fill_bytes += entry.bytes
         self.touch(final, force=True)
         self._make_room(0, keep=final)
 
@@ -464,7 +470,7 @@ class ShardCache:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                self.stats.evictions += 1
+                self._count("evictions")
                 log.info("detdata: evicted %s (%d bytes) from the shard cache", path, size)
             total -= size
         return total
