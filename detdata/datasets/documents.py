@@ -347,7 +347,7 @@ class Documents(ShardReader):
         entry = self.manifest.shards[unit.index]
         path = self._path(unit.index)
         with open(path, "rb") as fh:
-            self._check_size(unit.index, os.fstat(fh.fileno()).st_size, path)
+            self._check_opened(unit.index, fh.fileno(), path)
             raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         with raw:
             return self._megatron_arrays(unit, entry, raw)
@@ -634,7 +634,7 @@ class Documents(ShardReader):
         entry = self.manifest.shards[unit.shard]
         path = self._path(unit.shard)
         with open(path, "rb") as fh:
-            self._check_size(unit.shard, os.fstat(fh.fileno()).st_size, path)
+            self._check_opened(unit.shard, fh.fileno(), path)
             mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else None
         if mapping is None:
             view: np.ndarray[Any, Any] = np.empty(0, dtype=disk_dtype(unit.dtype))

@@ -13,9 +13,16 @@
   evicted or replaced (another inode now, or no file) is dropped and re-opened;
   a copy that is still current gets its LRU time refreshed. A fill may evict
   copies this process has open, so after each fill every handle is checked.
-* Truncation: a memory-mapped file shorter than the manifest says would crash the
-  process (SIGBUS) when read, so readers check the file's size first
-  (`check_not_truncated`: a `VerificationError` naming the shard).
+* Truncation and replacement: a memory-mapped file shorter than the manifest says would
+  crash the process (SIGBUS) when read, so readers check the file's size first
+  (`check_not_truncated`: a `VerificationError` naming the shard when it differs from
+  the manifest's, shorter or longer). Each time a shard's path is opened again (a
+  mapping, or a read without one) the file is compared with the one this process
+  first opened for it (`_check_opened`: inode, device, size and modification time), so
+  a shard replaced (renamed over) or rewritten during the run is an error naming it,
+  whatever ``max_open_shards`` is, never other bytes. Not caught: a replacement before
+  this process first opened the shard (verification at open covers that, fully only
+  with ``verify="full"``), and bytes rewritten in place under a live mapping.
 * Bounded handles: open handles (memory maps, readers; each holds at most one
   descriptor and one mapping) live in a `HandleLRU` of at most ``max_open_shards``
   (default `DEFAULT_MAX_OPEN_SHARDS`) shards per dataset, whatever the number of
@@ -49,6 +56,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import fsspec
+import numpy as np
+import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
@@ -154,19 +163,26 @@ def renamed_argument(
 
 
 def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
-    """`VerificationError` naming shard ``name`` when its mapped file has fewer bytes than
-    expected."""
-    if found < expected:
-        raise VerificationError(
-            f"shard {name} ({path}): the file was truncated while this run read it: the "
-            f"manifest says {expected} bytes, the file now has {found}; reading on would "
-            "crash the process (SIGBUS); hint: restore the shard (or rebuild the manifest) "
-            "and resume from the last saved state",
-            shard=name,
-            field="bytes",
-            expected=expected,
-            found=found,
-        )
+    """`VerificationError` naming shard ``name`` when its file does not have the manifest's
+    ``expected`` bytes (fewer: truncated, which a mapped read would turn into SIGBUS; more:
+    rewritten or replaced by another file)."""
+    if found == expected:
+        return
+    what = (
+        "was truncated while this run read it"
+        if found < expected
+        else "grew or was replaced by another file while this run read it"
+    )
+    crash = "; reading on would crash the process (SIGBUS)" if found < expected else ""
+    raise VerificationError(
+        f"shard {name} ({path}): the file {what}: the manifest says {expected} bytes, the "
+        f"file now has {found}{crash}; hint: restore the shard (or rebuild the manifest) "
+        "and resume from the last saved state",
+        shard=name,
+        field="bytes",
+        expected=expected,
+        found=found,
+    )
 
 
 def check_max_open_shards(value: object) -> int:
@@ -453,6 +469,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_copy_files",
         "_handles",
         "_sizes",
+        "_first_files",
     )
 
     def __init__(
@@ -492,6 +509,8 @@ class ShardReader(ProcessLocal, abc.ABC):
         # shard -> (cached copy, inode), for shards with an open handle only
         copy_files: dict[int, tuple[str, int]] = {}
         self._copy_files = copy_files
+        # per shard, the file this process first opened: (inode, device, mtime_ns); 0: none
+        self._first_files: npt.NDArray[np.int64] = np.zeros((len(self._sizes), 3), np.int64)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
@@ -654,13 +673,43 @@ class ShardReader(ProcessLocal, abc.ABC):
         process with SIGBUS, so reads check the size first."""
         check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
 
+    def _check_opened(self, shard: int, fd: int, path: str) -> None:
+        """At an open of ``shard``'s local file ``path`` (descriptor ``fd``): its size is the
+        manifest's, and it is the file this process first opened for the shard (same inode,
+        device and modification time), else a `VerificationError` naming the shard."""
+        self._check_stat(shard, os.fstat(fd), path)
+
+    def _check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
+        self._check_size(shard, st.st_size, path)
+        if self._uses_shard_cache():
+            return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
+        seen = self._first_files[shard]
+        now = (st.st_ino, st.st_dev, st.st_mtime_ns)
+        if not seen.any():
+            seen[:] = now
+            return
+        if tuple(seen.tolist()) != now:
+            name = self.manifest.shards[shard].path
+            raise VerificationError(
+                f"shard {name} ({path}): the file was replaced or rewritten while this run "
+                f"read it (inode, device, mtime_ns {tuple(seen.tolist())} when first opened, "
+                f"{now} now; size unchanged); its bytes may no longer be the manifest's; hint: "
+                "restore the shard (or rebuild the manifest) and resume from the last saved "
+                "state",
+                shard=name,
+                field="file",
+                expected=list(seen.tolist()),
+                found=list(now),
+            )
+
     def _check_file(self, shard: int, path: str) -> None:
-        """`_check_size` with the size of file ``path`` (missing: 0 bytes; ``""``: not opened
+        """`_check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened
         yet)."""
         if not path:
             return
         try:
-            found = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
-            found = 0
-        self._check_size(shard, found, path)
+            self._check_size(shard, 0, path)
+            return
+        self._check_stat(shard, st, path)

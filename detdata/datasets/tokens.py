@@ -47,10 +47,15 @@ the read path never change the bytes read.
 Before touching a shard's mapping, every read checks that the mapped file still
 has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
 truncated during the run is a `VerificationError` naming it, expected and found
-sizes, instead of a SIGBUS that kills the process (a ``preadv`` of a truncated
-shard reads short: the same error). Not caught: a truncation racing with the read
-itself, and bytes rewritten in place at the same size (verification happens when
-the manifest is opened).
+sizes, instead of a SIGBUS that kills the process. Every open of a shard's path (a
+mapping, or a ``preadv`` read without one) checks the file's size against the
+manifest's and its inode, device and mtime against the file this process first
+opened for the shard (`ShardReader._check_opened`): a shard truncated, grown,
+replaced (renamed over) or rewritten during the run is a `VerificationError` naming
+it, whichever path and ``max_open_shards`` read it, never other bytes. Not caught: a
+truncation racing with the read itself, a replacement before this process first
+opened the shard, and bytes rewritten in place under a live mapping at the same size
+(verification happens when the manifest is opened).
 """
 
 from __future__ import annotations
@@ -379,7 +384,7 @@ class TokenWindows(ShardReader):
 
     def _map_file(self, shard: int, fh: Any, path: str) -> mmap.mmap:
         """A read-only mapping of the whole open file ``fh`` (size-checked first)."""
-        self._check_size(shard, os.fstat(fh.fileno()).st_size, path)
+        self._check_opened(shard, fh.fileno(), path)
         return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
 
     def _mapped_view(
@@ -657,6 +662,7 @@ class TokenWindows(ShardReader):
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
         open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
+        opened = self._check_opened
         for sh, at, a, k in zip(
             s.tolist(), file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
         ):
@@ -666,6 +672,7 @@ class TokenWindows(ShardReader):
             except FileNotFoundError:
                 raise self._missing(sh, path) from None
             try:
+                opened(sh, fd, path)
                 if preadv(fd, bufs[a : a + k], at) != k * step + extra:
                     self._short_read(fd, sh, path, k * step + extra, at)
             finally:
@@ -723,6 +730,7 @@ class TokenWindows(ShardReader):
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
         open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
+        opened = self._check_opened
         for i, (sh, at) in enumerate(zip(s.tolist(), file_at, strict=True)):
             path = prefix + entries[sh].path
             try:
@@ -730,6 +738,7 @@ class TokenWindows(ShardReader):
             except FileNotFoundError:
                 raise self._missing(sh, path) from None
             try:
+                opened(sh, fd, path)
                 lo, hi = byte_pos[i], byte_pos[i + 1]
                 if preadv(fd, [view[lo:hi]], at) != hi - lo:
                     self._short_read(fd, sh, path, hi - lo, at)
@@ -770,6 +779,7 @@ class TokenWindows(ShardReader):
         except FileNotFoundError:
             raise self._missing(shard, path) from None
         try:
+            self._check_opened(shard, fd, path)
             if cover:
                 self._pread_covering(fd, shard, path, rows, offsets, out)
                 return

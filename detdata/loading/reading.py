@@ -278,6 +278,8 @@ def owned(batch: Any) -> Any:
         return batch.copy() if batch.base is not None else batch
     if type(batch) is list:
         return [owned(v) for v in batch]
+    if type(batch) is tuple:
+        return tuple(owned(v) for v in batch)
     if type(batch) is dict:
         return {k: owned(v) for k, v in batch.items()}
     return batch

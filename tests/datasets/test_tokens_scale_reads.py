@@ -208,7 +208,9 @@ def test_a_shard_truncated_under_a_staged_or_direct_read_is_named(
     assert err.shard == victim.path and err.expected == size
     assert err.found == size - 3 * SEQ * 4
     assert victim.path in str(err) and f"{size} bytes" in str(err) and "hint:" in str(err)
-    ids = np.asarray([7, 12, 13, 6])  # reads within the bytes left are still exact
+    with pytest.raises(VerificationError, match=r"truncated"):
+        ds.read(np.asarray([12]))  # even a window within the bytes left: the shard changed
+    ids = np.asarray([7, 24, 6, 59])  # other shards are still read exactly
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
 
 

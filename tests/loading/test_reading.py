@@ -43,7 +43,8 @@ def test_own_copy_equals_the_view_and_owns_its_storage(dtype: torch.dtype) -> No
 
 def test_owned_copies_only_views_of_larger_buffers() -> None:
     alone = torch.arange(6)
-    batch = owned({"a": GROUP[0:8], "b": [GROUP[8:16], alone], "c": 3})
+    batch = owned({"a": GROUP[0:8], "b": [GROUP[8:16], alone], "c": 3, "t": (GROUP[16:24],)})
+    assert batch["t"][0].untyped_storage().nbytes() == batch["t"][0].nbytes
     assert batch["b"][1] is alone and batch["c"] == 3
     assert batch["a"].untyped_storage().nbytes() == batch["a"].nbytes
     assert torch.equal(batch["a"], GROUP[0:8]) and torch.equal(batch["b"][0], GROUP[8:16])
