@@ -75,7 +75,9 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 
 def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
     """The row groups a `TableRows` with the default ``cache_row_groups`` (None) caches when
-    read in ``choice`` (None: not told, read as if shuffled globally).
+    read in ``choice`` (None: not told, read as if shuffled globally), unless the whole
+    decoded manifest fits ``row_group_cache_bytes``: then every row group, whatever the
+    order (`GroupSlots` ``whole_if_fits``; later epochs decode nothing).
 
     * A global shuffle (`Order.FEISTEL_V1`, or no order): every row group of the manifest,
       the working set of a shuffled epoch (``row_group_cache_bytes`` still bounds the bytes:
@@ -123,6 +125,9 @@ class GroupSlots:
     bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
     used groups until both hold; a group charged more than ``max_bytes`` is not kept;
     ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
+    With ``whole_if_fits`` (a `TableRows` with the default ``cache_row_groups``), the
+    count bound is raised to every row group of the manifest when the first group shows
+    that they all fit ``max_bytes`` at the slot charge below.
 
     Storage: when every row group of the manifest fits both bounds (at the slot charge
     below: the dataset can be cached whole, the working set of shuffled reads), groups
@@ -150,8 +155,10 @@ class GroupSlots:
         group_shard: IntArray,
         shard_first_group: IntArray,
         rows_per_slot: int,
+        whole_if_fits: bool = False,
     ) -> None:
         self.max_groups = max_groups
+        self.whole_if_fits = whole_if_fits
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.rows_per_slot = rows_per_slot
@@ -307,6 +314,8 @@ class GroupSlots:
             self._slot_bytes = self.rows_per_slot * row_bytes
             total = int(self._group_shard.size)
             fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
+            if self.whole_if_fits and fit >= total:
+                self.max_groups = max(self.max_groups, total)  # the whole manifest fits
             self._max_slots = total if min(self.max_groups, fit) >= total else 0
             self._layout = layout
         if self._max_slots == 0:
@@ -379,10 +388,11 @@ class TableRows(ShardReader):
     (default: all, in schema order). Decoded row groups are kept in an LRU per
     process (`GroupSlots`, ``self.cache``) of at most ``cache_row_groups`` groups and
     ``row_group_cache_bytes`` bytes (default 1 GiB, in memory). The default
-    ``cache_row_groups=None`` sizes the count from the order the dataset is read in
-    (`auto_cache_row_groups`: every row group for a global shuffle, ``2k`` for
+    ``cache_row_groups=None`` caches every row group when they all fit
+    ``row_group_cache_bytes``, and otherwise sizes the count from the order the dataset is
+    read in (`auto_cache_row_groups`: every row group for a global shuffle, ``2k`` for
     ``LocalityOrder(window_row_groups=k)``), which a loader or `OrderedStream` announces
-    through `use_order`; ``cache_groups`` is the count in use. When every row group of
+    through `use_order`; ``cache_groups`` is that count. When every row group of
     the manifest fits both bounds (each charged the size of the largest row group), cached
     groups sit in slots of one array per column and a batch of cached rows is one gather
     per column; for shuffled reads, size the cache for that (see the module docstring).
@@ -542,6 +552,7 @@ class TableRows(ShardReader):
             group_shard=self._group_shard,
             shard_first_group=self._shard_first_group,
             rows_per_slot=self._max_group_rows,
+            whole_if_fits=self.cache_row_groups is None,
         )
 
     def _forget_handle(self, shard: int) -> None:
@@ -549,8 +560,10 @@ class TableRows(ShardReader):
 
     @property
     def cache_groups(self) -> int:
-        """The bound on cached row groups in use: ``cache_row_groups``, or with the default
-        (None) the count `auto_cache_row_groups` gives for the announced order."""
+        """The bound on cached row groups: ``cache_row_groups``, or with the default (None)
+        the count `auto_cache_row_groups` gives for the announced order (raised to every row
+        group once the cache finds that they all fit ``row_group_cache_bytes``:
+        ``cache.max_groups``)."""
         if self.cache_row_groups is not None:
             return self.cache_row_groups
         return auto_cache_row_groups(self._order_choice, self._groups_per_shard)
@@ -560,8 +573,9 @@ class TableRows(ShardReader):
         default ``cache_row_groups`` is sized for it. Changes what is cached, never what is
         read; the order travels with the dataset's pickle to worker processes. An explicit
         ``cache_row_groups`` is kept as given. The last announced order wins."""
+        before = self.cache_groups
         self._order_choice = choice
-        if getattr(self, "cache", None) is not None and self.cache.max_groups != self.cache_groups:
+        if self.cache_groups != before:
             self._reset_process_state()  # a new, empty cache with the new bound
 
     @property

@@ -9,6 +9,7 @@ cut from.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
@@ -25,7 +26,11 @@ import torch.utils.data as tud
 from detdata import LocalityOrder, Order
 from detdata.base.errors import DetdataError, StorageError, VerificationError
 from detdata.datasets.columns import to_torch
-from detdata.datasets.shards import process_open_shards, set_max_open_shards
+from detdata.datasets.shards import (
+    process_max_open_shards,
+    process_open_shards,
+    set_max_open_shards,
+)
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -186,8 +191,10 @@ def test_datasets_sharing_a_budget_of_one_handle_read_exactly(tmp_path: Path) ->
             build_manifest(str(root)), SEQ, allow_short_shards=True, max_open_shards=1
         )
         sets.append((ds, reference(root, dtype, True), batches(ds, rng)))
+    gc.collect()  # datasets of earlier tests, unreachable but not yet collected, hold handles
     set_max_open_shards(1)
     try:
+        assert process_max_open_shards() == 1  # no other live dataset raises the budget
         for step in range(30):
             for ds, ref, bs in sets:
                 ids = bs[(step * 7) % len(bs)]
@@ -480,7 +487,12 @@ def test_default_cache_follows_the_announced_window(
     assert ds.cache_groups == 4 and ds.cache.max_groups == 4
     ids = np.random.default_rng(4).integers(0, ds.num_samples, size=64)
     check_rows(ds.read(ids), cols, ids)
-    assert len(ds.cache) <= 4
+    # this small table fits the default 1 GiB bound: the count rises to every row group
+    assert ds.cache.max_groups == total and len(ds.cache) <= total
+    small = TableRows(build_manifest(str(root)), ragged=["r"], row_group_cache_bytes=4000)
+    small.use_order(LocalityOrder(window_row_groups=2))
+    check_rows(small.read(ids), cols, ids)
+    assert small.cache.max_groups == 4 and len(small.cache) <= 4  # does not fit: 2k
 
 
 # owned ---------------------------------------------------------------------------------------

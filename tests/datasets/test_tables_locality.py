@@ -263,3 +263,33 @@ def test_arrow_ipc_record_batches_are_the_row_groups(tmp_path: Path) -> None:
     ref = ref_epoch(sizes, 2, SEED, 0) + ref_epoch(sizes, 2, SEED, 1)
     np.testing.assert_array_equal(got, rows_all[np.array(ref)])
     assert ds.cache_groups == 4
+
+
+def test_a_dataset_that_fits_is_cached_whole_whatever_the_order(
+    corpus: tuple[Path, np.ndarray], decodes: collections.Counter[Any]
+) -> None:
+    """Default cache and a byte bound that holds every row group: after the first epoch no
+    row group is decoded again, with row-group windows too (the count rises to all groups);
+    an explicit count is kept."""
+    root, rows = corpus
+    manifest = detdata.build_manifest(str(root))
+    n = sum(ROWS)
+    for cache in (None, 3):
+        decodes.clear()
+        ds = detdata.TableRows(manifest, ["x"], cache_row_groups=cache)
+        loader = detdata.DataLoader(
+            ds,
+            global_batch_size=7,
+            seed=SEED,
+            order=LocalityOrder(window_row_groups=2),
+            total_samples=2 * n // 7 * 7,
+        )
+        got = torch.cat([b["x"] for b in loader]).numpy()
+        assert sorted(got[:n].tolist()) == sorted(rows.tolist())  # epoch 1: every row once
+        touched = collections.Counter(groups_of(root, got))
+        if cache is None:
+            assert ds.cache.max_groups == len(pyarrow_group_sizes(root))
+            assert decodes == collections.Counter(dict.fromkeys(touched, 1))
+        else:
+            assert ds.cache.max_groups == 3
+            assert sum(decodes.values()) > len(touched)  # epoch 2 decodes again
