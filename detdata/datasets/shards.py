@@ -52,7 +52,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import fsspec
@@ -160,6 +160,15 @@ def renamed_argument(
         f"{owner}({old}=...) is deprecated; use {new}=... instead", DeprecationWarning, stacklevel=3
     )
     return old_value
+
+
+_U64: Final = (1 << 64) - 1
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """``(inode, device, mtime_ns)`` of a stat, each as an unsigned 64-bit pattern (an
+    overlayfs inode may use the top bit; an mtime before 1970 is negative)."""
+    return (st.st_ino & _U64, st.st_dev & _U64, st.st_mtime_ns & _U64)
 
 
 def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
@@ -469,6 +478,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_copy_files",
         "_handles",
         "_sizes",
+        "_size_array",
         "_first_files",
     )
 
@@ -500,6 +510,7 @@ class ShardReader(ProcessLocal, abc.ABC):
 
     def _build_index(self) -> None:
         self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
+        self._size_array: npt.NDArray[np.int64] = np.asarray(self._sizes, dtype=np.int64)
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -509,8 +520,9 @@ class ShardReader(ProcessLocal, abc.ABC):
         # shard -> (cached copy, inode), for shards with an open handle only
         copy_files: dict[int, tuple[str, int]] = {}
         self._copy_files = copy_files
-        # per shard, the file this process first opened: (inode, device, mtime_ns); 0: none
-        self._first_files: npt.NDArray[np.int64] = np.zeros((len(self._sizes), 3), np.int64)
+        # per shard, the file this process first opened: (inode, device, mtime_ns), each as
+        # an unsigned 64-bit pattern (`_identity`); all 0: not opened yet
+        self._first_files: npt.NDArray[np.uint64] = np.zeros((len(self._sizes), 3), np.uint64)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
@@ -684,7 +696,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         if self._uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
         seen = self._first_files[shard]
-        now = (st.st_ino, st.st_dev, st.st_mtime_ns)
+        now = _identity(st)
         if not seen.any():
             seen[:] = now
             return
@@ -701,6 +713,33 @@ class ShardReader(ProcessLocal, abc.ABC):
                 expected=list(seen.tolist()),
                 found=list(now),
             )
+
+    def _check_opened_all(
+        self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
+    ) -> None:
+        """`_check_stat` of many opens at once (``stats[i]``: the ``fstat`` of shard
+        ``shards[i]``'s file ``prefix + path``, each shard at most once): one vectorised
+        comparison instead of ~6 us of Python per shard. The first culprit, in the order
+        given, raises `_check_stat`'s error; shards opened for the first time are recorded.
+        Callers check before any byte read under these opens is returned."""
+        if not stats:
+            return
+        ids = np.asarray(shards[: len(stats)], dtype=np.int64)
+        sizes = np.fromiter((st.st_size for st in stats), np.int64, len(stats))
+        bad = sizes != self._size_array[ids]
+        if not self._uses_shard_cache():
+            now = np.array([_identity(st) for st in stats], dtype=np.uint64)
+            seen = self._first_files[ids]
+            fresh = ~seen.any(axis=1)
+            if fresh.any():
+                self._first_files[ids[fresh]] = now[fresh]
+                seen[fresh] = now[fresh]
+            bad |= (seen != now).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            shard = int(ids[i])
+            self._check_stat(shard, stats[i], prefix + self.manifest.shards[shard].path)
+            raise AssertionError("unreachable: _check_stat raises for a mismatch")
 
     def _check_file(self, shard: int, path: str) -> None:
         """`_check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened

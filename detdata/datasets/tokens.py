@@ -661,22 +661,27 @@ class TokenWindows(ShardReader):
         extra = nbytes - step  # the label token of a run's last row
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
-        open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
-        opened = self._check_opened
+        open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
+        flags = os.O_RDONLY
+        shards = s.tolist()
+        stats: list[os.stat_result] = []
         for sh, at, a, k in zip(
-            s.tolist(), file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
+            shards, file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
         ):
             path = prefix + entries[sh].path
             try:
                 fd = open_(path, flags)
             except FileNotFoundError:
+                self._check_opened_all(shards, stats, prefix)
                 raise self._missing(sh, path) from None
             try:
-                opened(sh, fd, path)
+                stats.append(fstat(fd))
                 if preadv(fd, bufs[a : a + k], at) != k * step + extra:
+                    self._check_opened_all(shards, stats, prefix)
                     self._short_read(fd, sh, path, k * step + extra, at)
             finally:
                 close(fd)
+        self._check_opened_all(shards, stats, prefix)
         if self.labels:  # row i's label token is row i+1's first token (same run)
             cnt = count[groups]
             firsts = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt)
@@ -729,21 +734,26 @@ class TokenWindows(ShardReader):
         file_at = (self._offsets[s] + first * (seq * item)).tolist()
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
-        open_, preadv, close, flags = os.open, os.preadv, os.close, os.O_RDONLY
-        opened = self._check_opened
-        for i, (sh, at) in enumerate(zip(s.tolist(), file_at, strict=True)):
+        open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
+        flags = os.O_RDONLY
+        shards = s.tolist()
+        stats: list[os.stat_result] = []
+        for i, (sh, at) in enumerate(zip(shards, file_at, strict=True)):
             path = prefix + entries[sh].path
             try:
                 fd = open_(path, flags)
             except FileNotFoundError:
+                self._check_opened_all(shards, stats, prefix)
                 raise self._missing(sh, path) from None
             try:
-                opened(sh, fd, path)
+                stats.append(fstat(fd))
                 lo, hi = byte_pos[i], byte_pos[i + 1]
                 if preadv(fd, [view[lo:hi]], at) != hi - lo:
+                    self._check_opened_all(shards, stats, prefix)
                     self._short_read(fd, sh, path, hi - lo, at)
             finally:
                 close(fd)
+        self._check_opened_all(shards, stats, prefix)
         sliding = np.lib.stride_tricks.as_strided(
             staging,
             shape=(staging.size - width + 1, width),
