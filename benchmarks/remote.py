@@ -20,9 +20,12 @@ each store and order it runs a `detdata.DataLoader` for ``--seconds`` and report
   threads, which the batch copies use; ``--torch-threads`` sets them);
 * ``fetched_per_delivered``: answer bytes through the proxy (HTTP headers included) over
   the bytes delivered (target <= 1.2);
-* ``stall_s`` / ``stalled_batches``: time readers waited for a shard copy (the cache's
-  ``stall_s``) after the first ``--warmup`` batches, and batches that waited at all
-  (target: none);
+* ``stall_s`` / ``stalled_reads``: time readers waited for a shard copy (the cache's
+  ``stall_s``) after warm-up, and reads that waited at all (target: none with the paced
+  consumer). Warm-up ends when one cache bound of samples has been delivered (the
+  lookahead has first reached its depth), and lasts at least ``Size.warmup`` batches.
+  The paced consumer asks for `PACE` of the lower of the link's ceiling and the measured
+  ceiling below: a consumer as fast as the link waits for the link by definition;
 * ``requests`` through the proxy.
 
 Orders: ``locality-v1`` (`detdata.LocalityOrder`: a keyed permutation of shards, then of
@@ -76,8 +79,8 @@ class Size:
 
 
 FULL = Size(
-    shards=64,
-    tokens_per_shard=2 << 20,  # 4 MiB of uint16 per shard, 256 MiB in all
+    shards=160,
+    tokens_per_shard=2 << 20,  # 4 MiB of uint16 per shard, 640 MiB in all (a 16-shard cache)
     seq_len=2048,
     batch=32,
     bandwidth_bps=200e6,
@@ -361,9 +364,18 @@ def run_one(
     stream = make_stream(order, ds, size)
     sample_bytes = size.seq_len * 2
     ceiling = size.bandwidth_bps / sample_bytes
+    probed = store.ceiling_samples_per_s(sample_bytes)
+    # the paced consumer asks for PACE of what this machine can move (the link, or less
+    # when the proxy, the server and the loader share too few cores)
+    paced_rate = None if pace is None else pace * min(ceiling, probed)
     per_shard = size.tokens_per_shard // size.seq_len
     # as far ahead as the cache holds: the byte bound cuts the window shorter where it must
     lookahead = max(1, (bound // shard_bytes) * per_shard // size.batch)
+    # warm-up: until the lookahead first reaches its depth (one cache bound of samples
+    # delivered), and at least `size.warmup` batches
+    warmup = size.warmup
+    if cache is not None:
+        warmup = max(warmup, -(-bound // (sample_bytes * size.batch)))
     loader = detdata.DataLoader(
         stream,
         global_batch_size=size.batch,
@@ -386,34 +398,35 @@ def run_one(
             next(it)
             batches += 1
             now = time.monotonic()
-            if pace is not None and batches > size.warmup:  # a consumer slower than the link
-                due = warm_at + (batches - size.warmup) * size.batch / (pace * ceiling)
+            if pace is not None and batches > warmup:  # a consumer slower than the link
+                assert paced_rate is not None
+                due = warm_at + (batches - warmup) * size.batch / paced_rate
                 if due > now:
                     time.sleep(due - now)
                     now = time.monotonic()
-            if batches == size.warmup:
+            if batches == warmup:
                 warm_at = now
                 warm_proxy, warm_cpu = store.proxy.stats, time.process_time()
                 stats = ds.shard_cache.stats if ds.shard_cache is not None else None
                 warm_stall = stats.stall_s if stats else 0.0
                 warm_stalls = stats.stalls if stats else 0
-            if batches >= size.warmup + 2 * READ_AHEAD and now - began >= limit:
+            if batches >= warmup + 2 * READ_AHEAD and now - began >= limit:
                 break
         end = time.monotonic()
         end_cpu = time.process_time()
         proxy = store.proxy.stats  # before close: fills still running are not counted
     finally:
         loader.close()
-    measured = (batches - size.warmup) * size.batch
+    measured = (batches - warmup) * size.batch
     rate = measured / (end - warm_at)
     stats = ds.shard_cache.stats if ds.shard_cache is not None else None
     delivered = batches * size.batch * sample_bytes
-    probed = store.ceiling_samples_per_s(sample_bytes)
     return {
         **row,
         "samples_per_s": round(rate, 1),
         "link_ceiling_samples_per_s": round(ceiling, 1),
         "link_fraction": round(rate / ceiling, 3),
+        "paced_samples_per_s": None if paced_rate is None else round(paced_rate, 1),
         "measured_ceiling_samples_per_s": round(probed, 1),
         "measured_fraction": round(rate / probed, 3),
         "probe_proxy_cpu_per_s": round(store.probe_cpu_per_s, 2),
@@ -429,12 +442,12 @@ def run_one(
         "stall_s": None if stats is None else round(stats.stall_s - warm_stall, 3),
         "stalled_reads": None if stats is None else stats.stalls - warm_stalls,
         "batches": batches,
-        "warmup_batches": size.warmup,
+        "warmup_batches": warmup,
         "seconds": round(end - began, 2),
     }
 
 
-PACE = 0.8  # the paced consumer asks for 80% of the link's ceiling (stalls should be 0)
+PACE = 0.8  # the paced consumer asks for 80% of the lower ceiling (stalls should be 0)
 READ_AHEAD = 4  # micro batches per read: finer timing than the default 16
 ORDERS = ("locality-v1", "feistel-v1")
 
@@ -521,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="http,s3")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help=f"shards of 4 MiB (default {FULL.shards}; the cache holds a tenth of them)",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -534,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     size = SMOKE if args.smoke else FULL
     if args.seconds is not None:
         size = dataclasses.replace(size, seconds=args.seconds)
+    if args.shards is not None:
+        size = dataclasses.replace(size, shards=args.shards)
     load = os.getloadavg()
     rows = remote_rows(size=size, which=tuple(args.stores.split(",")))
     text = table(rows) + "\n\n" + summary(rows, load, os.getloadavg())

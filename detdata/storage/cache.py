@@ -28,8 +28,10 @@ Contracts:
   verified again. This process's own LRU touches are folded in (a ``stat`` just
   before and after the ``utime``). Racy-clean rule: a copy that had changed less
   than 0.1 s before it was checked is checked again on its next open (a write
-  within the same timestamp tick would not show). Not caught: bytes changed in
-  place within one timestamp tick after this process's own touch, or with size,
+  within the same timestamp tick would not show), except a copy this process has
+  just filled (hashed as written, stamped after its rename): a prefetched copy is
+  not re-read by the reader that first opens it. Not caught: bytes changed in
+  place within one timestamp tick after this process's own fill or touch, or with size,
   mtime and ctime restored; on a file system with timestamps coarser than 0.1 s
   (ext3, FAT) writes within one tick are not seen either.
 * ``max_bytes`` bounds the bytes in ``objects/`` plus fills in progress. Before
@@ -387,7 +389,9 @@ class ShardCache:
                 os.replace(tmp, final)
             with contextlib.suppress(FileNotFoundError):  # every byte was hashed: "full"
                 seen_ns = time.time_ns()
-                _remember_verified(final, os.stat(final), seen_ns, entry.blake3, "full")
+                _remember_verified(
+                    final, os.stat(final), seen_ns, entry.blake3, "full", own_fill=True
+                )
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -591,15 +595,24 @@ def _was_verified(path: str, st: os.stat_result, blake3_hex: str, level: str) ->
 
 
 def _remember_verified(
-    path: str, st: os.stat_result, seen_ns: int, blake3_hex: str, level: str
+    path: str,
+    st: os.stat_result,
+    seen_ns: int,
+    blake3_hex: str,
+    level: str,
+    *,
+    own_fill: bool = False,
 ) -> None:
     """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
 
     Racy-clean rule (as git's index): a file changed less than `_RACY_NS` before it was
     seen could be written again within the same timestamp tick without changing its
     stamp, so such a verification is remembered but not trusted (the next open verifies
-    again)."""
-    trusted = seen_ns - st.st_ctime_ns >= _RACY_NS
+    again). ``own_fill``: ``path`` was just renamed into place by this process after it
+    hashed every byte it wrote, and ``st`` was taken after the rename: trusted at once
+    (the only write the stamp could miss is one in place within the same tick after the
+    ``stat``, the exposure this process's own touches already carry)."""
+    trusted = own_fill or seen_ns - st.st_ctime_ns >= _RACY_NS
     with _VERIFIED_MUTEX:
         _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
         _VERIFIED.move_to_end(path)

@@ -88,6 +88,48 @@ def test_reopening_a_copy_this_process_verified_reads_none_of_it(
     assert rchar() - before >= 30 * copy_bytes
 
 
+def test_a_copy_this_process_filled_is_reopened_without_reading_it(
+    corpus: tuple[str, np.ndarray], tmp_path: Path
+) -> None:
+    """A prefetched copy is hashed as it is written: the reader that opens it right after
+    the fill (inside the racy-clean window) does not read it again."""
+    root, windows = corpus
+    ds = reader(root, tmp_path / "cache")
+    one_window_of_each(ds, windows, 1)  # fills
+    cache = ds.shard_cache
+    assert cache is not None and cache.stats.fills == 3
+    copy_bytes = windows.nbytes // 3
+    digests = cache.stats.digests
+    before = rchar()
+    one_window_of_each(ds, windows, 5)  # 15 re-opens right after the fills, no sleep
+    assert ds._handles.evictions >= 15
+    assert rchar() - before < copy_bytes
+    assert cache.stats.digests == digests
+
+
+def test_a_copy_changed_right_after_its_fill_is_caught(
+    corpus: tuple[str, np.ndarray], tmp_path: Path
+) -> None:
+    """Trusting a fresh fill does not trust later writes: a copy flipped in place after
+    its fill (past one timestamp tick) is verified again, found corrupted and fetched
+    again."""
+    root, windows = corpus
+    ds = reader(root, tmp_path / "cache")
+    one_window_of_each(ds, windows, 1)
+    cache = ds.shard_cache
+    assert cache is not None
+    victim = sorted((tmp_path / "cache" / "objects").iterdir())[0]
+    time.sleep(0.02)
+    data = bytearray(victim.read_bytes())
+    data[200] ^= 0xFF
+    with open(victim, "r+b") as fh:
+        fh.write(bytes(data))
+    corrupt = cache.stats.corrupt
+    one_window_of_each(ds, windows, 2)  # the writer's bytes, from a copy fetched again
+    assert cache.stats.corrupt - corrupt == 1
+    assert blake3.blake3(victim.read_bytes()).hexdigest() == victim.name
+
+
 def test_a_copy_changed_on_disk_is_verified_again(
     corpus: tuple[str, np.ndarray], tmp_path: Path
 ) -> None:

@@ -1,0 +1,151 @@
+"""The open checks of many-shard reads (`TokenWindows` with its handle LRU full): every
+shard opened by one batch is checked against the manifest's size and against the file
+this process first opened for it, all at once after the batch's reads and before any byte
+is returned (`ShardReader._check_opened_all`).
+
+References: the writer's own tokens (cut into windows here), and the shard each test
+replaced, grew, truncated or deleted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detdata.base.errors import DetdataError, VerificationError
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.build import build_manifest
+
+SEQ = 8
+SHARDS = 40
+WINDOWS = 4  # per shard
+
+
+def _corpus(root: Path, dtype: str, labels: bool) -> np.ndarray:
+    """``SHARDS`` shards of ``WINDOWS`` windows; returns every window in id order."""
+    root.mkdir(parents=True)
+    tokens_per = WINDOWS * SEQ + int(labels)
+    out = []
+    for s in range(SHARDS):
+        tokens = (np.arange(tokens_per) + 1000 * s).astype(dtype)
+        np.save(root / f"s{s:03d}.npy", tokens)
+        for w in range(WINDOWS):
+            out.append(tokens[w * SEQ : w * SEQ + SEQ + int(labels)].astype(np.int32))
+    return np.stack(out)
+
+
+def _replace(path: Path, tokens: np.ndarray) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        np.save(fh, tokens)
+    os.replace(tmp, path)
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Other bytes at the same size and inode, with a later modification time."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    assert os.stat(path).st_ino == st.st_ino
+
+
+@pytest.fixture(params=[("int32", False), ("int32", True), ("uint16", False)])
+def opened(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:
+    """A dataset over the corpus (int32: reads straight into the rows; uint16: staged and
+    widened) whose first epoch was read with a full handle LRU, against the reference."""
+    dtype, labels = request.param
+    ref = _corpus(tmp_path / "d", dtype, labels)
+    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=labels, max_open_shards=1)
+    rng = np.random.default_rng(5)
+    ds.read(np.asarray([0]))  # the only handle: shard 0
+    everything = rng.permutation(ds.num_samples)
+    np.testing.assert_array_equal(ds.read(everything)["tokens"], ref[everything])
+    return ds, ref
+
+
+def _victim_path(ds: TokenWindows, shard: int) -> Path:
+    return Path(ds._root_path) / ds.manifest.shards[shard].path
+
+
+def _all_but_shard_0() -> np.ndarray:
+    return np.random.default_rng(9).permutation(np.arange(WINDOWS, SHARDS * WINDOWS))
+
+
+@pytest.mark.parametrize("how", ["same size", "longer", "shorter", "in place"])
+@pytest.mark.parametrize("victim", [1, 17, SHARDS - 1])
+def test_a_changed_shard_in_a_many_shard_batch_is_named(
+    opened: tuple[TokenWindows, np.ndarray], how: str, victim: int
+) -> None:
+    ds, ref = opened
+    path = _victim_path(ds, victim)
+    old = np.load(path)
+    if how == "same size":
+        _replace(path, old[::-1].copy())
+    elif how == "longer":
+        _replace(path, np.concatenate([old, old]))
+    elif how == "shorter":
+        _replace(path, old[: old.size // 2].copy())
+    else:
+        _rewrite_in_place(path)
+    ids = _all_but_shard_0()
+    with pytest.raises(VerificationError) as info:
+        ds.read(ids)
+    assert info.value.shard == ds.manifest.shards[victim].path
+    assert isinstance(info.value, DetdataError)
+    others = ids[(ids // WINDOWS) != victim]
+    np.testing.assert_array_equal(ds.read(others)["tokens"], ref[others])  # no false alarm
+
+
+def test_two_changed_shards_name_the_first_read(opened: tuple[TokenWindows, np.ndarray]) -> None:
+    ds, _ = opened
+    for victim in (30, 12):
+        path = _victim_path(ds, victim)
+        _replace(path, np.load(path)[::-1].copy())
+    with pytest.raises(VerificationError) as info:
+        ds.read(_all_but_shard_0())
+    assert info.value.shard == ds.manifest.shards[12].path
+
+
+def test_shards_opened_before_a_missing_one_are_remembered(tmp_path: Path) -> None:
+    """The first read of the run fails on a deleted shard; the shards it opened before
+    are still recorded, so replacing one of them afterwards is caught."""
+    _corpus(tmp_path / "d", "int32", False)
+    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds.read(np.asarray([0]))
+    _victim_path(ds, 20).unlink()
+    with pytest.raises(VerificationError) as info:
+        ds.read(_all_but_shard_0())
+    assert info.value.shard == ds.manifest.shards[20].path
+    path = _victim_path(ds, 5)
+    _replace(path, np.load(path)[::-1].copy())
+    with pytest.raises(VerificationError) as again:
+        ds.read(np.arange(4 * WINDOWS, 8 * WINDOWS))  # shards 4-7, not 20
+    assert again.value.shard == ds.manifest.shards[5].path
+
+
+def test_file_identities_with_the_top_bit_set_are_compared(tmp_path: Path) -> None:
+    """An inode with bit 63 set (overlayfs) and an mtime before 1970 are recorded and
+    compared like any other (no overflow), and a change in either is caught."""
+    _corpus(tmp_path / "d", "int32", False)
+    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False)
+    size = ds.manifest.shards[3].bytes
+    fields = [0o100644, (1 << 63) + 12345, 77, 1, 0, 0, size, 0, 0, 0]
+    extra = [0.0, -1.5, 0.0, 0, -1_500_000_000, 0]  # st_atime..st_ctime, then *_ns
+    first = os.stat_result(fields + extra)
+    assert first.st_ino == (1 << 63) + 12345 and first.st_mtime_ns == -1_500_000_000
+    ds._check_stat(3, first, "p")
+    ds._check_stat(3, os.stat_result(fields + extra), "p")  # the same file: no error
+    moved = list(fields)
+    moved[1] += 1
+    with pytest.raises(VerificationError):
+        ds._check_stat(3, os.stat_result(moved + extra), "p")
+    touched = list(extra)
+    touched[4] -= 1
+    with pytest.raises(VerificationError):
+        ds._check_stat(3, os.stat_result(fields + touched), "p")
