@@ -46,6 +46,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -372,9 +373,10 @@ def run_one(
     # as far ahead as the cache holds: the byte bound cuts the window shorter where it must
     lookahead = max(1, (bound // shard_bytes) * per_shard // size.batch)
     # warm-up: until the lookahead first reaches its depth (one cache bound of samples
-    # delivered), and at least `size.warmup` batches
+    # delivered), and at least `size.warmup` batches (feistel-v1, which refetches shards
+    # at ~30 samples/s, only the latter)
     warmup = size.warmup
-    if cache is not None:
+    if cache is not None and order != "feistel-v1":
         warmup = max(warmup, -(-bound // (sample_bytes * size.batch)))
     loader = detdata.DataLoader(
         stream,
@@ -546,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.set_num_threads(N) first (default: torch's own; see torch_threads)",
     )
     args = parser.parse_args(argv)
+    # a SIGTERM (``timeout``) unwinds like Ctrl-C, so the servers and proxies are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.torch_threads is not None:
         import torch
 

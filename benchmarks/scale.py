@@ -353,6 +353,53 @@ def measure(
     }
 
 
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median samples/s (its other fields with it), every round's
+    samples/s in ``rounds_samples_per_s`` and the peaks over all rounds."""
+    ranked = sorted(rows, key=lambda r: r["samples_per_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    out["rounds_samples_per_s"] = [r["samples_per_s"] for r in rows]
+    for key in (k for k in out if k.startswith("peak_")):
+        out[key] = max(r[key] for r in rows)
+    return out
+
+
+# ------------------------------------------------------------------ read floor
+def read_floor(
+    folder: Path, seq_len: int, *, passes: int = 3, limit: int = 20_000
+) -> dict[str, Any]:
+    """The machine's ceiling for any loader that opens each shard file once per epoch: a bare
+    Python loop over (up to ``limit``) shards in a shuffled order doing what such a read
+    cannot avoid, open + ``fstat`` + one ``preadv`` of the shard's windows + close, best of
+    ``passes``. ``floor_samples_per_s``: samples per second if reading were all a loader
+    did (every sample once per epoch)."""
+    ds = _dataset("tokens", folder, seq_len, 1)
+    counts = np.asarray(ds.windows_per_shard)
+    offsets = np.asarray(ds._offsets)
+    paths = [str(folder / e.path) for e in ds.manifest.shards]
+    pick = np.random.default_rng(0).permutation(len(paths))[:limit]
+    nbytes = (counts[pick] * seq_len * 4).tolist()
+    buf = memoryview(bytearray(max(nbytes)))
+    todo = [(paths[i], int(offsets[i]), n) for i, n in zip(pick.tolist(), nbytes, strict=True)]
+    best = math.inf
+    for _ in range(passes):
+        began = time.perf_counter()
+        for path, at, n in todo:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fstat(fd)
+                os.preadv(fd, [buf[:n]], at)
+            finally:
+                os.close(fd)
+        best = min(best, time.perf_counter() - began)
+    samples = int(counts[pick].sum())
+    return {
+        "shards": len(paths),
+        "us_per_shard": 1e6 * best / len(todo),
+        "floor_samples_per_s": samples / best,
+    }
+
+
 # ------------------------------------------------------------------ miss costs
 def reopen_rows(tokens: Path, tables: Path | None, seq_len: int) -> list[dict[str, Any]]:
     """Seconds per read: a handle hit vs a miss (see the module docstring, item 3). The map
@@ -550,6 +597,40 @@ def cpu_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(floors: dict[int, dict[str, Any]], results: list[dict[str, Any]]) -> str:
+    """Markdown: the bare read floor per token shard count (`read_floor`), and each
+    ``num_workers=0`` loader's samples/s as a share of it."""
+    if not floors:
+        return ""
+    names = sorted({r["order"] for r in results if r["kind"] == "tokens" and r["workers"] == 0})
+    head = [f"{o} w0 (% of the floor)" for o in names]
+    lines = [
+        "\n\n**tokens: bare read floor (open + fstat + preadv + close per shard, once per "
+        "epoch, one thread)**\n",
+        "| shards | us per shard | floor samples/s | " + " | ".join(head) + " |",
+        "|---" * (len(head) + 3) + "|",
+    ]
+    for n, f in sorted(floors.items()):
+        cells = []
+        for o in names:
+            got = [
+                r
+                for r in results
+                if (r["kind"], r["shards"], r["order"], r["workers"]) == ("tokens", n, o, 0)
+                and r.get("samples_per_s")
+            ]
+            share = 100 * got[0]["samples_per_s"] / f["floor_samples_per_s"] if got else None
+            cells.append(
+                f"{_fmt(got[0]['samples_per_s'] if got else None)} ({_fmt(share, '.0f')}%)"
+            )
+        lines.append(
+            f"| {n:,} | {f['us_per_shard']:.1f} | {_fmt(f['floor_samples_per_s'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> bool:
     """``scale.png``: samples/s against shards (log-log), one line per (kind, order, workers);
     False when matplotlib is not installed."""
@@ -600,6 +681,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-mode", default="process", choices=("process", "thread"))
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--budget", type=float, help="timed seconds per run (default 4)")
+    p.add_argument("--rounds", type=int, help="interleaved runs of each config (default 3)")
     p.add_argument("--max-open-shards", type=int, help="TokenWindows/TableRows bound")
     p.add_argument("--order", help="name of the locality-aware order (default: detected)")
     p.add_argument("--data-dir", default="/tmp/detdata-scale", help="generated shards")
@@ -645,33 +727,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder, secs = write_tables(data, TableSpec(rows_total, args.width, n))
         folders[("parquet", n)] = folder
         builds[f"parquet-{n}"] = secs
-    for (kind, n), folder in folders.items():
-        width = seq_len if kind == "tokens" else args.width
+    rounds = args.rounds or (1 if smoke else 3)
+    measured: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
+    for r in range(rounds):  # interleaved: a slow spell of the machine hits every config
+        for (kind, n), folder in folders.items():
+            width = seq_len if kind == "tokens" else args.width
+            for name, make in orders.items():
+                for workers in args.workers:
+                    if make is None:
+                        continue
+                    run = Run(kind, n, name, workers, args.worker_mode)
+                    row = measure(
+                        run,
+                        folder,
+                        make,
+                        width=width,
+                        batch=args.batch,
+                        budget=budget,
+                        max_open=args.max_open_shards,
+                    )
+                    measured.setdefault((kind, n, name, workers), []).append(row)
+                    print(
+                        f"round {r + 1}/{rounds} {kind:8s} {n:>7,} shards {name:12s} "
+                        f"w{workers}: {row['samples_per_s']:>11,.0f} samples/s  fds "
+                        f"{row['peak_fds_main']}/{row['peak_fds_worker']}  shard maps "
+                        f"{row['peak_shard_maps_main']}/{row['peak_shard_maps_worker']}  "
+                        f"worker RSS {row['peak_rss_worker_mib']:.0f} MiB  "
+                        f"({_fmt(row['samples_per_cpu_s_main'])} samples/CPU-s of the main "
+                        "process)",
+                        flush=True,
+                    )
+    for (kind, n), _ in folders.items():
         for name, make in orders.items():
             for workers in args.workers:
-                run = Run(kind, n, name, workers, args.worker_mode)
                 if make is None:
+                    run = Run(kind, n, name, workers, args.worker_mode)
                     results.append({**asdict(run), "samples_per_s": None})
                     continue
-                row = measure(
-                    run,
-                    folder,
-                    make,
-                    width=width,
-                    batch=args.batch,
-                    budget=budget,
-                    max_open=args.max_open_shards,
-                )
-                results.append(row)
-                print(
-                    f"{kind:8s} {n:>7,} shards {name:12s} w{workers}: "
-                    f"{row['samples_per_s']:>11,.0f} samples/s  fds {row['peak_fds_main']}/"
-                    f"{row['peak_fds_worker']}  shard maps {row['peak_shard_maps_main']}/"
-                    f"{row['peak_shard_maps_worker']}  worker RSS "
-                    f"{row['peak_rss_worker_mib']:.0f} MiB  "
-                    f"({_fmt(row['samples_per_cpu_s_main'])} samples/CPU-s of the main process)",
-                    flush=True,
-                )
+                results.append(median_row(measured[(kind, n, name, workers)]))
+    floors = {
+        n: read_floor(folder, seq_len) for (kind, n), folder in folders.items() if kind == "tokens"
+    }
+    for n, f in floors.items():
+        print(
+            f"read floor {n:>7,} shards: {f['us_per_shard']:.1f} us per shard, "
+            f"{f['floor_samples_per_s']:,.0f} samples/s",
+            flush=True,
+        )
     bound = args.max_open_shards or DEFAULT_MAX_OPEN_SHARDS
     above = [n for n in shards if n > bound] or [max(shards)]
     tables_largest = folders.get(("parquet", max(pq_shards))) if pq_shards else None
@@ -680,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import detdata
 
-    table = growth_table(results, list(orders))
+    table = growth_table(results, list(orders)) + floor_table(floors, results)
     cpu = cpu_table(results, list(orders))
     doc = {
         "detdata": detdata.__version__,
@@ -697,7 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_open_shards": args.max_open_shards,
         },
         "manifest_build_s": builds,
+        "rounds": rounds,
         "results": results,
+        "read_floor": {str(n): f for n, f in floors.items()},
         "miss_costs": misses,
         "others": others,
         "table": table,
