@@ -316,8 +316,17 @@ def measure(
     warm = time.perf_counter() + min(1.0, budget)
     with Stopwatch() as first:
         check_rows(next(it)[column].numpy(), width)
-    while time.perf_counter() < warm:
+    # Parquet: the first epoch decodes every row group once (opening every shard's
+    # reader); it is timed on its own and the measured window starts after it
+    epoch_batches = -(-ds.num_samples // batch) if run.kind == "parquet" else 0
+    warm_batches = 1
+    began = time.perf_counter()
+    epoch_s = 0.0
+    while time.perf_counter() < warm or warm_batches < epoch_batches:
         check_rows(next(it)[column].numpy(), width)
+        warm_batches += 1
+        if warm_batches == epoch_batches:
+            epoch_s = first.seconds + time.perf_counter() - began
     next_sample = 0.0
     cpu = 0.0  # CPU seconds of this process inside next(): the whole loader with 0 workers
     while clock.seconds < budget:
@@ -343,6 +352,7 @@ def measure(
         "samples": samples,
         "open_s": opening.seconds,
         "first_batch_s": first.seconds,
+        "first_epoch_samples_per_s": epoch_batches * batch / epoch_s if epoch_s else None,
         "peak_fds_main": peaks.main["fds"],
         "peak_shard_maps_main": peaks.main["shard_maps"],
         "workers_seen": peaks.workers_seen,
@@ -397,6 +407,28 @@ def read_floor(
         "shards": len(paths),
         "us_per_shard": 1e6 * best / len(todo),
         "floor_samples_per_s": samples / best,
+    }
+
+
+def parquet_floor(folder: Path, *, limit: int = 2_000) -> dict[str, Any]:
+    """What a first epoch over Parquet shards cannot avoid: open each shard with pyarrow
+    and decode its row group (a bare loop over up to ``limit`` shards, best of 3)."""
+    import pyarrow.parquet as pq
+
+    ds = _dataset("parquet", folder, 0, 1)
+    paths = [str(folder / e.path) for e in ds.manifest.shards][:limit]
+    best = math.inf
+    rows = 0
+    for _ in range(3):
+        rows = 0
+        began = time.perf_counter()
+        for path in paths:
+            rows += pq.ParquetFile(path).read_row_group(0, columns=["tokens"]).num_rows
+        best = min(best, time.perf_counter() - began)
+    return {
+        "shards": len(ds.manifest.shards),
+        "us_per_shard": 1e6 * best / len(paths),
+        "floor_samples_per_s": rows / best,
     }
 
 
@@ -631,6 +663,35 @@ def floor_table(floors: dict[int, dict[str, Any]], results: list[dict[str, Any]]
     return "\n".join(lines)
 
 
+def first_epoch_table(floors: dict[int, dict[str, Any]], results: list[dict[str, Any]]) -> str:
+    """Markdown: Parquet first epochs (every row group decoded once) against the bare
+    pyarrow open + decode floor (`parquet_floor`)."""
+    rows = [r for r in results if r["kind"] == "parquet" and r.get("first_epoch_samples_per_s")]
+    if not rows or not floors:
+        return ""
+    combos = sorted({(r["order"], r["workers"]) for r in rows})
+    head = [f"{o} w{w} first epoch samples/s (% of the floor)" for o, w in combos]
+    lines = [
+        "\n\n**parquet: first epoch (each shard opened and its row group decoded once) "
+        "against a bare pyarrow loop doing only that**\n",
+        "| shards | floor us per shard | floor samples/s | " + " | ".join(head) + " |",
+        "|---" * (len(head) + 3) + "|",
+    ]
+    for n, f in sorted(floors.items()):
+        cells = []
+        for o, w in combos:
+            got = [r for r in rows if (r["shards"], r["order"], r["workers"]) == (n, o, w)]
+            rate = got[0]["first_epoch_samples_per_s"] if got else None
+            share = 100 * rate / f["floor_samples_per_s"] if rate else None
+            cells.append(f"{_fmt(rate)} ({_fmt(share, '.0f')}%)")
+        lines.append(
+            f"| {n:,} | {f['us_per_shard']:.0f} | {_fmt(f['floor_samples_per_s'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> bool:
     """``scale.png``: samples/s against shards (log-log), one line per (kind, order, workers);
     False when matplotlib is not installed."""
@@ -768,12 +829,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors = {
         n: read_floor(folder, seq_len) for (kind, n), folder in folders.items() if kind == "tokens"
     }
-    for n, f in floors.items():
-        print(
-            f"read floor {n:>7,} shards: {f['us_per_shard']:.1f} us per shard, "
-            f"{f['floor_samples_per_s']:,.0f} samples/s",
-            flush=True,
-        )
+    pq_floors = {
+        n: parquet_floor(folder) for (kind, n), folder in folders.items() if kind == "parquet"
+    }
+    for what, got in (("tokens", floors), ("parquet", pq_floors)):
+        for n, f in got.items():
+            print(
+                f"{what} read floor {n:>7,} shards: {f['us_per_shard']:.1f} us per shard, "
+                f"{f['floor_samples_per_s']:,.0f} samples/s",
+                flush=True,
+            )
     bound = args.max_open_shards or DEFAULT_MAX_OPEN_SHARDS
     above = [n for n in shards if n > bound] or [max(shards)]
     tables_largest = folders.get(("parquet", max(pq_shards))) if pq_shards else None
@@ -782,7 +847,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import detdata
 
-    table = growth_table(results, list(orders)) + floor_table(floors, results)
+    table = (
+        growth_table(results, list(orders))
+        + floor_table(floors, results)
+        + first_epoch_table(pq_floors, results)
+    )
     cpu = cpu_table(results, list(orders))
     doc = {
         "detdata": detdata.__version__,
@@ -802,6 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": rounds,
         "results": results,
         "read_floor": {str(n): f for n, f in floors.items()},
+        "parquet_first_epoch_floor": {str(n): f for n, f in pq_floors.items()},
         "miss_costs": misses,
         "others": others,
         "table": table,
