@@ -23,19 +23,26 @@ pytestmark = pytest.mark.skipif(
 NAME = "detdata-slots"  # the memory file's name (memfd_create)
 
 
-def ring_fds() -> list[str]:
+def ring_fds(inode: int | None = None) -> list[str]:
+    """Descriptors of ring memory files (of the one with ``inode`` only, when given)."""
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if NAME in os.readlink(f"/proc/self/fd/{fd}"):
+            if NAME in os.readlink(f"/proc/self/fd/{fd}") and (
+                inode is None or os.stat(f"/proc/self/fd/{fd}").st_ino == inode
+            ):
                 out.append(fd)
         except OSError:
             continue
     return out
 
 
-def ring_maps() -> int:
-    return sum(NAME in line for line in Path("/proc/self/maps").read_text().splitlines())
+def ring_maps(inode: int | None = None) -> int:
+    """Mappings of ring memory files (``/proc/self/maps``: the 5th field is the inode)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return sum(
+        NAME in line and (inode is None or int(line.split()[4]) == inode) for line in lines
+    )
 
 
 def transport_with_a_ring() -> SlotTransport:
@@ -47,15 +54,24 @@ def transport_with_a_ring() -> SlotTransport:
 
 
 def test_a_forked_child_drops_the_rings_it_inherits() -> None:
+    """Observed by the ring's memory file inode: other tests of this process may leave
+    rings of their own, which are not this test's subject."""
     transport = transport_with_a_ring()
     try:
-        assert ring_fds() and ring_maps() > 0
+        assert transport._current is not None
+        inode = os.fstat(transport._current.fd).st_ino
+        assert ring_fds(inode) and ring_maps(inode) > 0
+        read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: no descriptor, no mapping of the parent's ring
-            code = 0 if not ring_fds() and ring_maps() == 0 else 1
-            os._exit(code)
+            fds, maps = ring_fds(inode), ring_maps(inode)
+            os.write(write, f"fds {fds} maps {maps}".encode())
+            os._exit(0 if not fds and maps == 0 else 1)
+        os.close(write)
         _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        found = os.read(read, 4096).decode()
+        os.close(read)
+        assert os.waitstatus_to_exitcode(status) == 0, f"the child kept the ring: {found}"
         # the parent's ring is untouched by the fork
         ring = transport._current
         assert ring is not None
