@@ -40,9 +40,7 @@ def ring_fds(inode: int | None = None) -> list[str]:
 def ring_maps(inode: int | None = None) -> int:
     """Mappings of ring memory files (``/proc/self/maps``: the 5th field is the inode)."""
     lines = Path("/proc/self/maps").read_text().splitlines()
-    return sum(
-        NAME in line and (inode is None or int(line.split()[4]) == inode) for line in lines
-    )
+    return sum(NAME in line and (inode is None or int(line.split()[4]) == inode) for line in lines)
 
 
 def transport_with_a_ring() -> SlotTransport:
