@@ -480,6 +480,8 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_sizes",
         "_size_array",
         "_first_files",
+        "_recorded",
+        "_first_lock",
     )
 
     def __init__(
@@ -523,6 +525,10 @@ class ShardReader(ProcessLocal, abc.ABC):
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
         # an unsigned 64-bit pattern (`_identity`); all 0: not opened yet
         self._first_files: npt.NDArray[np.uint64] = np.zeros((len(self._sizes), 3), np.uint64)
+        # 1 where `_first_files` holds a record (a cheap test in per-shard loops); both are
+        # written under `_first_lock` (reader threads may first open a shard at once)
+        self._recorded = bytearray(len(self._sizes))
+        self._first_lock = threading.Lock()
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
@@ -692,54 +698,56 @@ class ShardReader(ProcessLocal, abc.ABC):
         self._check_stat(shard, os.fstat(fd), path)
 
     def _check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
+        """`_check_size`, then the file's identity against the first one this process opened
+        for ``shard``; the first open records it (only a file of the manifest's size is
+        recorded, and of two threads first opening the shard at once, one records and the
+        other is compared with it)."""
         self._check_size(shard, st.st_size, path)
         if self._uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
-        seen = self._first_files[shard]
         now = _identity(st)
-        if not seen.any():
-            seen[:] = now
-            return
-        if tuple(seen.tolist()) != now:
+        if not self._recorded[shard]:
+            with self._first_lock:
+                if not self._recorded[shard]:
+                    self._first_files[shard] = now
+                    self._recorded[shard] = 1
+                    return
+        seen = tuple(self._first_files[shard].tolist())
+        if seen != now:
             name = self.manifest.shards[shard].path
             raise VerificationError(
                 f"shard {name} ({path}): the file was replaced or rewritten while this run "
-                f"read it (inode, device, mtime_ns {tuple(seen.tolist())} when first opened, "
-                f"{now} now; size unchanged); its bytes may no longer be the manifest's; hint: "
-                "restore the shard (or rebuild the manifest) and resume from the last saved "
-                "state",
+                f"read it (inode, device, mtime_ns {seen} when first opened, {now} now; size "
+                "unchanged); its bytes may no longer be the manifest's; hint: restore the "
+                "shard (or rebuild the manifest) and resume from the last saved state",
                 shard=name,
                 field="file",
-                expected=list(seen.tolist()),
+                expected=list(seen),
                 found=list(now),
             )
 
     def _check_opened_all(
         self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
     ) -> None:
-        """`_check_stat` of many opens at once (``stats[i]``: the ``fstat`` of shard
-        ``shards[i]``'s file ``prefix + path``, each shard at most once): one vectorised
-        comparison instead of ~6 us of Python per shard. The first culprit, in the order
-        given, raises `_check_stat`'s error; shards opened for the first time are recorded.
+        """`_check_stat` of many opens at once (``stats[i]``: an ``fstat`` of shard
+        ``shards[i]``'s file ``prefix + path`` taken after its bytes were read): one
+        vectorised comparison instead of ~6 us of Python per shard. The first culprit, in
+        the order given, raises `_check_stat`'s error. A shard not recorded yet goes through
+        `_check_stat` (callers record first opens before reading: see `_read_direct`).
         Callers check before any byte read under these opens is returned."""
         if not stats:
             return
-        ids = np.asarray(shards[: len(stats)], dtype=np.int64)
-        sizes = np.fromiter((st.st_size for st in stats), np.int64, len(stats))
+        n = len(stats)
+        ids = np.asarray(shards[:n], dtype=np.int64)
+        sizes = np.fromiter((st.st_size for st in stats), np.int64, n)
         bad = sizes != self._size_array[ids]
         if not self._uses_shard_cache():
-            now = np.array([_identity(st) for st in stats], dtype=np.uint64)
-            seen = self._first_files[ids]
-            fresh = ~seen.any(axis=1)
-            if fresh.any():
-                self._first_files[ids[fresh]] = now[fresh]
-                seen[fresh] = now[fresh]
-            bad |= (seen != now).any(axis=1)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+            now = np.array([_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
+            recorded = np.frombuffer(self._recorded, dtype=np.uint8)[ids].astype(bool)
+            bad |= ~recorded | (self._first_files[ids] != now).any(axis=1)
+        for i in np.flatnonzero(bad).tolist():  # the first real culprit raises
             shard = int(ids[i])
             self._check_stat(shard, stats[i], prefix + self.manifest.shards[shard].path)
-            raise AssertionError("unreachable: _check_stat raises for a mismatch")
 
     def _check_file(self, shard: int, path: str) -> None:
         """`_check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened

@@ -664,7 +664,8 @@ class TokenWindows(ShardReader):
         open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
         flags = os.O_RDONLY
         shards = s.tolist()
-        stats: list[os.stat_result] = []
+        recorded, first_open = self._recorded, self._check_stat
+        stats: list[os.stat_result] = []  # fstat of each shard after its read
         for sh, at, a, k in zip(
             shards, file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
         ):
@@ -675,8 +676,11 @@ class TokenWindows(ShardReader):
                 self._check_opened_all(shards, stats, prefix)
                 raise self._missing(sh, path) from None
             try:
-                stats.append(fstat(fd))
-                if preadv(fd, bufs[a : a + k], at) != k * step + extra:
+                if not recorded[sh]:  # a first open is recorded before its bytes are read
+                    first_open(sh, fstat(fd), path)
+                got = preadv(fd, bufs[a : a + k], at)
+                stats.append(fstat(fd))  # after the read: a write the read saw shows
+                if got != k * step + extra:
                     self._check_opened_all(shards, stats, prefix)
                     self._short_read(fd, sh, path, k * step + extra, at)
             finally:
@@ -737,7 +741,8 @@ class TokenWindows(ShardReader):
         open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
         flags = os.O_RDONLY
         shards = s.tolist()
-        stats: list[os.stat_result] = []
+        recorded, first_open = self._recorded, self._check_stat
+        stats: list[os.stat_result] = []  # fstat of each shard after its read
         for i, (sh, at) in enumerate(zip(shards, file_at, strict=True)):
             path = prefix + entries[sh].path
             try:
@@ -746,9 +751,12 @@ class TokenWindows(ShardReader):
                 self._check_opened_all(shards, stats, prefix)
                 raise self._missing(sh, path) from None
             try:
-                stats.append(fstat(fd))
+                if not recorded[sh]:  # a first open is recorded before its bytes are read
+                    first_open(sh, fstat(fd), path)
                 lo, hi = byte_pos[i], byte_pos[i + 1]
-                if preadv(fd, [view[lo:hi]], at) != hi - lo:
+                got = preadv(fd, [view[lo:hi]], at)
+                stats.append(fstat(fd))  # after the read: a write the read saw shows
+                if got != hi - lo:
                     self._check_opened_all(shards, stats, prefix)
                     self._short_read(fd, sh, path, hi - lo, at)
             finally:
@@ -792,16 +800,16 @@ class TokenWindows(ShardReader):
             self._check_opened(shard, fd, path)
             if cover:
                 self._pread_covering(fd, shard, path, rows, offsets, out)
-                return
-            if dtype == self.out_dtype:
+            elif dtype == self.out_dtype:
                 for row, offset in zip(rows, offsets, strict=True):
                     self._pread_window(fd, shard, path, out[row], offset)
-                return
-            block = np.empty((len(rows), self.window), dtype=dtype)
-            for i, offset in enumerate(offsets):
-                self._pread_window(fd, shard, path, block[i], offset)
-            self._check_range(block, shard)
-            out[rows] = block
+            else:
+                block = np.empty((len(rows), self.window), dtype=dtype)
+                for i, offset in enumerate(offsets):
+                    self._pread_window(fd, shard, path, block[i], offset)
+                self._check_range(block, shard)
+                out[rows] = block
+            self._check_opened(shard, fd, path)  # again after the reads: a write they saw
         finally:
             os.close(fd)
 

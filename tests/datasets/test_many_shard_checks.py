@@ -10,6 +10,8 @@ replaced, grew, truncated or deleted.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +151,100 @@ def test_file_identities_with_the_top_bit_set_are_compared(tmp_path: Path) -> No
     touched[4] -= 1
     with pytest.raises(VerificationError):
         ds._check_stat(3, os.stat_result(fields + touched), "p")
+
+
+def _fresh(tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:
+    """A dataset over the int32 corpus with a full handle LRU, before its first epoch."""
+    ref = _corpus(tmp_path / "d", "int32", False)
+    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds.read(np.asarray([0]))  # the only handle: shard 0
+    return ds, ref
+
+
+def test_a_shard_truncated_at_its_first_open_is_accepted_once_restored(tmp_path: Path) -> None:
+    """A file of the wrong size is never recorded as the shard's first file: the batch that
+    met it fails naming it (size), and the restored file is read, not refused as replaced."""
+    ds, ref = _fresh(tmp_path)
+    path = _victim_path(ds, 7)
+    good = np.load(path)
+    _replace(path, good[: good.size // 2].copy())
+    ids = _all_but_shard_0()
+    with pytest.raises(VerificationError) as info:
+        ds.read(ids)
+    assert info.value.shard == ds.manifest.shards[7].path and info.value.field == "bytes"
+    _replace(path, good)
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+
+
+def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread A has opened and read shard 7 (its first open in the process) and is still in
+    its batch when the shard is renamed over with other bytes; thread B then reads shard 7:
+    B must raise naming it, and A must deliver the original bytes."""
+    ds, ref = _fresh(tmp_path)
+    path = _victim_path(ds, 7)
+    inode = os.stat(path).st_ino
+    paused, resume = threading.Event(), threading.Event()
+    real = os.preadv
+    thread_a: list[threading.Thread] = []
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        got = real(fd, buffers, offset)
+        mine = threading.current_thread() is thread_a[0]
+        if mine and not paused.is_set() and os.fstat(fd).st_ino == inode:
+            paused.set()
+            resume.wait(10)
+        return got
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    results: dict[str, object] = {}
+
+    def read(name: str, ids: np.ndarray) -> None:
+        try:
+            results[name] = ds.read(ids)["tokens"]
+        except VerificationError as exc:
+            results[name] = exc
+
+    ids_a = np.arange(4 * WINDOWS, 12 * WINDOWS)
+    ids_b = np.arange(6 * WINDOWS, 9 * WINDOWS)
+    thread_a.append(threading.Thread(target=read, args=("A", ids_a)))
+    thread_a[0].start()
+    assert paused.wait(10)
+    _replace(path, np.load(path)[::-1].copy())
+    b = threading.Thread(target=read, args=("B", ids_b))
+    b.start()
+    b.join(10)
+    resume.set()
+    thread_a[0].join(10)
+    assert isinstance(results["B"], VerificationError)
+    assert results["B"].shard == ds.manifest.shards[7].path
+    assert isinstance(results["A"], np.ndarray)
+    np.testing.assert_array_equal(results["A"], ref[ids_a])
+
+
+def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
+    opened: tuple[TokenWindows, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rewritten in place (same inode and size, a real write) after the batch opened it and
+    before its ``preadv``: the batch that read the new bytes raises, not the next one."""
+    ds, _ = opened
+    path = _victim_path(ds, 17)
+    inode = os.stat(path).st_ino
+    real = os.preadv
+    done: list[int] = []
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if not done and os.fstat(fd).st_ino == inode:
+            done.append(1)
+            time.sleep(0.01)  # past one timestamp tick
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            with open(path, "r+b") as fh:
+                fh.write(bytes(data))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with pytest.raises(VerificationError) as info:
+        ds.read(_all_but_shard_0())
+    assert done and info.value.shard == ds.manifest.shards[17].path
