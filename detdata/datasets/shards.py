@@ -702,15 +702,17 @@ class ShardReader(ProcessLocal, abc.ABC):
         for ``shard``; the first open records it (only a file of the manifest's size is
         recorded, and of two threads first opening the shard at once, one records and the
         other is compared with it)."""
-        self._check_size(shard, st.st_size, path)
-        if self._uses_shard_cache():
+        if st.st_size != self._sizes[shard]:
+            self._check_size(shard, st.st_size, path)
+        if self.cache_dir is not None and self._uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
         now = _identity(st)
-        if not self._recorded[shard]:
+        recorded = self._recorded
+        if not recorded[shard]:
             with self._first_lock:
-                if not self._recorded[shard]:
+                if not recorded[shard]:
                     self._first_files[shard] = now
-                    self._recorded[shard] = 1
+                    recorded[shard] = 1
                     return
         seen = tuple(self._first_files[shard].tolist())
         if seen != now:
