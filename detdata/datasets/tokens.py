@@ -61,6 +61,7 @@ opened the shard, and bytes rewritten in place under a live mapping at the same 
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
 import warnings
@@ -658,34 +659,12 @@ class TokenWindows(ShardReader):
             bufs = [flat[o : o + nbytes] for o in at_row]
         s = gshard[groups]
         file_at = (self._offsets[s] + local[begin[groups]] * step).tolist()
-        extra = nbytes - step  # the label token of a run's last row
-        prefix = join(self._root_path, "")
-        entries = self.manifest.shards
-        open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
-        flags = os.O_RDONLY
-        shards = s.tolist()
-        recorded, first_open = self._recorded, self._check_stat
-        stats: list[os.stat_result] = []  # fstat of each shard after its read
-        for sh, at, a, k in zip(
-            shards, file_at, begin[groups].tolist(), count[groups].tolist(), strict=True
-        ):
-            path = prefix + entries[sh].path
-            try:
-                fd = open_(path, flags)
-            except FileNotFoundError:
-                self._check_opened_all(shards, stats, prefix)
-                raise self._missing(sh, path) from None
-            try:
-                if not recorded[sh]:  # a first open is recorded before its bytes are read
-                    first_open(sh, fstat(fd), path)
-                got = preadv(fd, bufs[a : a + k], at)
-                stats.append(fstat(fd))  # after the read: a write the read saw shows
-                if got != k * step + extra:
-                    self._check_opened_all(shards, stats, prefix)
-                    self._short_read(fd, sh, path, k * step + extra, at)
-            finally:
-                close(fd)
-        self._check_opened_all(shards, stats, prefix)
+        wants = (count[groups] * step + (nbytes - step)).tolist()  # a run's last label token
+        buffers = [
+            bufs[a : a + k]
+            for a, k in zip(begin[groups].tolist(), count[groups].tolist(), strict=True)
+        ]
+        self._preadv_shards(s.tolist(), file_at, buffers, wants)
         if self.labels:  # row i's label token is row i+1's first token (same run)
             cnt = count[groups]
             firsts = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt)
@@ -736,14 +715,37 @@ class TokenWindows(ShardReader):
         view = staging.view(np.uint8).data
         byte_pos = (pos * item).tolist()
         file_at = (self._offsets[s] + first * (seq * item)).tolist()
+        buffers = [[view[lo:hi]] for lo, hi in itertools.pairwise(byte_pos)]
+        self._preadv_shards(s.tolist(), file_at, buffers, np.diff(pos * item).tolist())
+        sliding = np.lib.stride_tricks.as_strided(
+            staging,
+            shape=(staging.size - width + 1, width),
+            strides=(item, item),
+            writeable=False,
+        )
+        return sliding, starts, dest
+
+    def _preadv_shards(
+        self,
+        shards: list[int],
+        file_at: list[int],
+        buffers: list[list[Any]],
+        wants: list[int],
+    ) -> None:
+        """For each shard ``shards[i]`` (each at most once): one open, ONE ``preadv`` of
+        ``wants[i]`` bytes at ``file_at[i]`` into ``buffers[i]``, and one close. A shard's
+        first open in this process is recorded before its bytes are read (`_check_stat`);
+        every read is checked against an ``fstat`` taken after it, all at once at the end
+        (`_check_opened_all`), also before a missing shard or a short read raises. A
+        missing shard or a short read (truncated file) is a `VerificationError` naming
+        it."""
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
         open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
         flags = os.O_RDONLY
-        shards = s.tolist()
         recorded, first_open = self._recorded, self._check_stat
         stats: list[os.stat_result] = []  # fstat of each shard after its read
-        for i, (sh, at) in enumerate(zip(shards, file_at, strict=True)):
+        for sh, at, bufs, want in zip(shards, file_at, buffers, wants, strict=True):
             path = prefix + entries[sh].path
             try:
                 fd = open_(path, flags)
@@ -753,22 +755,14 @@ class TokenWindows(ShardReader):
             try:
                 if not recorded[sh]:  # a first open is recorded before its bytes are read
                     first_open(sh, fstat(fd), path)
-                lo, hi = byte_pos[i], byte_pos[i + 1]
-                got = preadv(fd, [view[lo:hi]], at)
+                got = preadv(fd, bufs, at)
                 stats.append(fstat(fd))  # after the read: a write the read saw shows
-                if got != hi - lo:
+                if got != want:
                     self._check_opened_all(shards, stats, prefix)
-                    self._short_read(fd, sh, path, hi - lo, at)
+                    self._short_read(fd, sh, path, want, at)
             finally:
                 close(fd)
         self._check_opened_all(shards, stats, prefix)
-        sliding = np.lib.stride_tricks.as_strided(
-            staging,
-            shape=(staging.size - width + 1, width),
-            strides=(item, item),
-            writeable=False,
-        )
-        return sliding, starts, dest
 
     def _byte_offsets(self, shard: IntArray, local: IntArray) -> list[int]:
         """File offset of window ``local[i]`` of shard ``shard[i]``, for the batch at once."""
