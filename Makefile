@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup services demo test lint bench clean
 
-$(STAMP): requirements-lock.txt pyproject.toml
+$(STAMP): requirements-lock.txt pyproject.toml setup.py detdata/storage/_fileread.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# --no-deps: the lock is the exact environment CI tests (torchtitan and ai2-olmo-core pin
@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) demo_out .pytest_cache .mypy_cache .ruff_cache build detdata/storage/*.so
 
 # Peer loaders (Mosaic Streaming, grain, litData, WebDataset, torchdata) next to detdata on the
 # same bytes, in their own environment (benchmarks/peers/.venv, torch pinned; never .venv):

@@ -482,6 +482,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_first_files",
         "_recorded",
         "_first_lock",
+        "_names_bytes",
     )
 
     def __init__(
@@ -529,6 +530,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         # written under `_first_lock` (reader threads may first open a shard at once)
         self._recorded = bytearray(len(self._sizes))
         self._first_lock = threading.Lock()
+        self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
@@ -691,6 +693,13 @@ class ShardReader(ProcessLocal, abc.ABC):
         process with SIGBUS, so reads check the size first."""
         check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
 
+    def _encoded_names(self) -> list[bytes]:
+        """Every shard's path under the root, file-system encoded (for
+        `detdata.storage.fileread.read_files`; built once per process)."""
+        if self._names_bytes is None:
+            self._names_bytes = [os.fsencode(s.path) for s in self.manifest.shards]
+        return self._names_bytes
+
     def _check_opened(self, shard: int, fd: int, path: str) -> None:
         """At an open of ``shard``'s local file ``path`` (descriptor ``fd``): its size is the
         manifest's, and it is the file this process first opened for the shard (same inode,
@@ -702,11 +711,14 @@ class ShardReader(ProcessLocal, abc.ABC):
         for ``shard``; the first open records it (only a file of the manifest's size is
         recorded, and of two threads first opening the shard at once, one records and the
         other is compared with it)."""
-        if st.st_size != self._sizes[shard]:
-            self._check_size(shard, st.st_size, path)
+        self._check_identity(shard, st.st_size, _identity(st), path)
+
+    def _check_identity(self, shard: int, size: int, now: tuple[int, int, int], path: str) -> None:
+        """`_check_stat` of a file of ``size`` bytes and identity ``now`` (`_identity`)."""
+        if size != self._sizes[shard]:
+            self._check_size(shard, size, path)
         if self.cache_dir is not None and self._uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
-        now = _identity(st)
         recorded = self._recorded
         if not recorded[shard]:
             with self._first_lock:
@@ -732,24 +744,44 @@ class ShardReader(ProcessLocal, abc.ABC):
         self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
     ) -> None:
         """`_check_stat` of many opens at once (``stats[i]``: an ``fstat`` of shard
-        ``shards[i]``'s file ``prefix + path`` taken after its bytes were read): one
-        vectorised comparison instead of ~6 us of Python per shard. The first culprit, in
-        the order given, raises `_check_stat`'s error. A shard not recorded yet goes through
-        `_check_stat` (callers record first opens before reading: see `_read_direct`).
-        Callers check before any byte read under these opens is returned."""
+        ``shards[i]``'s file ``prefix + path`` taken after its bytes were read): see
+        `_check_opened_arrays`."""
         if not stats:
             return
         n = len(stats)
-        ids = np.asarray(shards[:n], dtype=np.int64)
         sizes = np.fromiter((st.st_size for st in stats), np.int64, n)
+        now = np.array([_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
+        self._check_opened_arrays(np.asarray(shards[:n], dtype=np.int64), sizes, now, prefix)
+
+    def _check_opened_arrays(
+        self,
+        ids: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        now: npt.NDArray[np.uint64],
+        prefix: str,
+    ) -> None:
+        """`_check_stat` of many opens at once: shard ``ids[i]``'s file ``prefix + path``
+        had ``sizes[i]`` bytes and identity ``now[i]`` (`_identity`, an ``fstat`` taken
+        after its bytes were read). One vectorised comparison instead of ~6 us of Python
+        per shard. The first culprit, in the order given, raises `_check_stat`'s error. A
+        shard not recorded yet goes through `_check_identity` (callers record first opens
+        before reading: see `TokenWindows._preadv_shards`). Callers check before any byte
+        read under these opens is returned."""
+        if not ids.size:
+            return
         bad = sizes != self._size_array[ids]
         if not self._uses_shard_cache():
-            now = np.array([_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
             recorded = np.frombuffer(self._recorded, dtype=np.uint8)[ids].astype(bool)
             bad |= ~recorded | (self._first_files[ids] != now).any(axis=1)
         for i in np.flatnonzero(bad).tolist():  # the first real culprit raises
             shard = int(ids[i])
-            self._check_stat(shard, stats[i], prefix + self.manifest.shards[shard].path)
+            ident = now[i].tolist()
+            self._check_identity(
+                shard,
+                int(sizes[i]),
+                (ident[0], ident[1], ident[2]),
+                prefix + self.manifest.shards[shard].path,
+            )
 
     def _check_file(self, shard: int, path: str) -> None:
         """`_check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened

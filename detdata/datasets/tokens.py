@@ -61,7 +61,6 @@ opened the shard, and bytes rewritten in place under a live mapping at the same 
 from __future__ import annotations
 
 import bisect
-import itertools
 import mmap
 import os
 import warnings
@@ -83,6 +82,7 @@ from detdata.datasets.shards import ShardReader, renamed_argument
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.cache import ShardCache
+from detdata.storage.fileread import INODE, MTIME_NS, NATIVE, SIZE, read_files
 from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.ranges import read_coalesced
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -649,27 +649,22 @@ class TokenWindows(ShardReader):
         naming the shard."""
         item = out.itemsize
         nbytes, step = self.window * item, self.seq_len * item  # a row; file bytes a window
-        flat = out.view(np.uint8).reshape(-1).data
-        at_row = (order * nbytes).tolist()  # byte offset in ``out`` of each sorted row
+        starts, cnt = begin[groups], count[groups]
+        sel = np.repeat(starts - (np.cumsum(cnt) - cnt), cnt) + np.arange(
+            int(cnt.sum()), dtype=np.int64
+        )  # the sorted rows read, shard by shard
         if self.labels:  # a run's last row is read whole, the others without the label
-            size = np.full(order.size, step, dtype=np.int64)
-            size[begin[groups] + count[groups] - 1] = nbytes
-            bufs = [flat[o : o + n] for o, n in zip(at_row, size.tolist(), strict=True)]
+            size = np.full(sel.size, step, dtype=np.int64)
+            size[np.cumsum(cnt) - 1] = nbytes
         else:
-            bufs = [flat[o : o + nbytes] for o in at_row]
+            size = np.full(sel.size, nbytes, dtype=np.int64)
         s = gshard[groups]
-        file_at = (self._offsets[s] + local[begin[groups]] * step).tolist()
-        wants = (count[groups] * step + (nbytes - step)).tolist()  # a run's last label token
-        buffers = [
-            bufs[a : a + k]
-            for a, k in zip(begin[groups].tolist(), count[groups].tolist(), strict=True)
-        ]
-        self._preadv_shards(s.tolist(), file_at, buffers, wants)
+        file_at = self._offsets[s] + local[starts] * step
+        wants = cnt * step + (nbytes - step)  # a run's last label token
+        flat = out.view(np.uint8).reshape(-1)
+        self._preadv_shards(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
         if self.labels:  # row i's label token is row i+1's first token (same run)
-            cnt = count[groups]
-            firsts = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt)
-            sel = firsts + np.arange(int(cnt.sum()), dtype=np.int64)  # sorted rows read
-            inner = sel[np.repeat(begin[groups] + cnt - 1, cnt) != sel]  # not a run's last
+            inner = sel[np.repeat(starts + cnt - 1, cnt) != sel]  # not a run's last
             out[order[inner], self.seq_len] = out[order[inner + 1], 0]
 
     def _read_staged(
@@ -712,11 +707,10 @@ class TokenWindows(ShardReader):
             starts = base + local[sel] * seq
             dest = order[sel]
         staging = np.empty(int(pos[-1]), dtype=dtype)
-        view = staging.view(np.uint8).data
-        byte_pos = (pos * item).tolist()
-        file_at = (self._offsets[s] + first * (seq * item)).tolist()
-        buffers = [[view[lo:hi]] for lo, hi in itertools.pairwise(byte_pos)]
-        self._preadv_shards(s.tolist(), file_at, buffers, np.diff(pos * item).tolist())
+        file_at = self._offsets[s] + first * (seq * item)
+        lengths = np.diff(pos) * item
+        flat = staging.view(np.uint8)
+        self._preadv_shards(s, file_at, lengths, flat, pos[:-1] * item, lengths, np.ones_like(s))
         sliding = np.lib.stride_tricks.as_strided(
             staging,
             shape=(staging.size - width + 1, width),
@@ -727,25 +721,107 @@ class TokenWindows(ShardReader):
 
     def _preadv_shards(
         self,
-        shards: list[int],
-        file_at: list[int],
-        buffers: list[list[Any]],
-        wants: list[int],
+        shards: IntArray,
+        file_at: IntArray,
+        wants: IntArray,
+        flat: npt.NDArray[np.uint8],
+        iov_off: IntArray,
+        iov_len: IntArray,
+        iov_count: IntArray,
     ) -> None:
         """For each shard ``shards[i]`` (each at most once): one open, ONE ``preadv`` of
-        ``wants[i]`` bytes at ``file_at[i]`` into ``buffers[i]``, and one close. A shard's
-        first open in this process is recorded before its bytes are read (`_check_stat`);
-        every read is checked against an ``fstat`` taken after it, all at once at the end
-        (`_check_opened_all`), also before a missing shard or a short read raises. A
-        missing shard or a short read (truncated file) is a `VerificationError` naming
-        it."""
+        ``wants[i]`` bytes at ``file_at[i]`` into its ``iov_count[i]`` buffers (the next
+        ``flat[iov_off[j]:][:iov_len[j]]``), one ``fstat`` after the read and one close.
+        With the native loop (`detdata.storage.fileread`, no GIL), the shards not opened
+        before in this process are first opened and recorded (`_record_first_opens`), then
+        the loop reads them all; its ``fstat`` s are checked at once
+        (`_check_opened_arrays`) and the shards from the first it could not read on go
+        through `_preadv_python`, which raises the error. The bytes and checks do not
+        depend on which loop read them."""
+        done = 0
+        if NATIVE and self._record_first_opens(shards):
+            done, stats = read_files(
+                os.fsencode(join(self._root_path, "")),
+                self._encoded_names(),
+                shards,
+                file_at,
+                wants,
+                flat,
+                iov_off,
+                iov_len,
+                iov_count,
+            )
+            self._check_opened_arrays(
+                shards[:done],
+                stats[:done, SIZE],
+                stats[:done, INODE : MTIME_NS + 1].view(np.uint64),
+                join(self._root_path, ""),
+            )
+            if done == shards.size:
+                return
+        skip = int(iov_count[:done].sum())
+        self._preadv_python(
+            shards[done:].tolist(),
+            file_at[done:].tolist(),
+            wants[done:].tolist(),
+            flat.data,
+            iov_off[skip:].tolist(),
+            iov_len[skip:].tolist(),
+            np.cumsum(iov_count[done:]).tolist(),
+        )
+
+    def _record_first_opens(self, shards: IntArray) -> bool:
+        """Open, record (`_check_stat`) and close each of ``shards`` not opened before in
+        this process, so that a first open is recorded before any of its bytes are read
+        (a reader thread meeting a replacement later is compared with the file first
+        seen). False at the first shard that cannot be opened or recorded (missing, wrong
+        size, changed): the caller reads the whole batch with `_preadv_python`, which
+        raises at the first culprit in read order."""
+        fresh = shards[np.frombuffer(self._recorded, dtype=np.uint8)[shards] == 0]
+        if not fresh.size:
+            return True
+        prefix = join(self._root_path, "")
+        entries = self.manifest.shards
+        for sh in fresh.tolist():
+            path = prefix + entries[sh].path
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                return False
+            try:
+                self._check_stat(sh, os.fstat(fd), path)
+            except VerificationError:
+                return False
+            finally:
+                os.close(fd)
+        return True
+
+    def _preadv_python(
+        self,
+        shards: list[int],
+        file_at: list[int],
+        wants: list[int],
+        flat: memoryview,
+        iov_off: list[int],
+        iov_len: list[int],
+        iov_end: list[int],
+    ) -> None:
+        """`_preadv_shards` in Python (``iov_end[i]``: the end of shard i's buffers). A
+        shard's first open in this process is recorded before its bytes are read
+        (`_check_stat`); every read is checked against an ``fstat`` taken after it, all at
+        once at the end (`_check_opened_all`), also before a missing shard or a short read
+        raises. A missing shard or a short read (truncated file) is a `VerificationError`
+        naming it."""
         prefix = join(self._root_path, "")
         entries = self.manifest.shards
         open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
         flags = os.O_RDONLY
         recorded, first_open = self._recorded, self._check_stat
         stats: list[os.stat_result] = []  # fstat of each shard after its read
-        for sh, at, bufs, want in zip(shards, file_at, buffers, wants, strict=True):
+        a = 0
+        for sh, at, want, b in zip(shards, file_at, wants, iov_end, strict=True):
+            bufs = [flat[o : o + n] for o, n in zip(iov_off[a:b], iov_len[a:b], strict=True)]
+            a = b
             path = prefix + entries[sh].path
             try:
                 fd = open_(path, flags)

@@ -1,7 +1,9 @@
 """The open checks of many-shard reads (`TokenWindows` with its handle LRU full): every
 shard opened by one batch is checked against the manifest's size and against the file
 this process first opened for it, all at once after the batch's reads and before any byte
-is returned (`ShardReader._check_opened_all`).
+is returned (`ShardReader._check_opened_arrays`). Every test over `opened` runs with each
+read loop: the native one (`detdata.storage.fileread`, taken once every shard of a batch
+was opened before; a spy proves it read) and the Python one.
 
 References: the writer's own tokens (cut into windows here), and the shard each test
 replaced, grew, truncated or deleted.
@@ -17,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import detdata.datasets.tokens as tokens_module
 from detdata.base.errors import DetdataError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
+from detdata.storage import fileread
 
 SEQ = 8
 SHARDS = 40
@@ -57,17 +61,42 @@ def _rewrite_in_place(path: Path) -> None:
     assert os.stat(path).st_ino == st.st_ino
 
 
+@pytest.fixture(params=["native", "python"])
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The read loop under test; returns the files each native call read (a spy)."""
+    read: list[int] = []
+    if request.param == "python":
+        monkeypatch.setattr(tokens_module, "NATIVE", False)
+        return read
+    assert fileread.NATIVE, "detdata.storage._fileread was not built (pip install -e .)"
+    real = tokens_module.read_files
+
+    def spy(*args: object, **kwargs: object) -> tuple[int, np.ndarray]:
+        done, stats = real(*args, **kwargs)  # type: ignore[arg-type]
+        read.append(done)
+        return done, stats
+
+    monkeypatch.setattr(tokens_module, "read_files", spy)
+    return read
+
+
 @pytest.fixture(params=[("int32", False), ("int32", True), ("uint16", False)])
-def opened(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:
+def opened(
+    request: pytest.FixtureRequest, tmp_path: Path, loop: list[int]
+) -> tuple[TokenWindows, np.ndarray]:
     """A dataset over the corpus (int32: reads straight into the rows; uint16: staged and
-    widened) whose first epoch was read with a full handle LRU, against the reference."""
+    widened) whose first epoch was read with a full handle LRU, against the reference,
+    then a second epoch (all shards opened before: the native loop reads it, if chosen)."""
     dtype, labels = request.param
     ref = _corpus(tmp_path / "d", dtype, labels)
     ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=labels, max_open_shards=1)
     rng = np.random.default_rng(5)
     ds.read(np.asarray([0]))  # the only handle: shard 0
-    everything = rng.permutation(ds.num_samples)
-    np.testing.assert_array_equal(ds.read(everything)["tokens"], ref[everything])
+    for _ in range(2):
+        everything = rng.permutation(ds.num_samples)
+        np.testing.assert_array_equal(ds.read(everything)["tokens"], ref[everything])
+    if tokens_module.NATIVE:
+        assert sum(loop) >= SHARDS - 1, loop  # the second epoch went through the native loop
     return ds, ref
 
 
@@ -176,28 +205,46 @@ def test_a_shard_truncated_at_its_first_open_is_accepted_once_restored(tmp_path:
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
 
 
+@pytest.mark.parametrize("reader", ["native", "python"])
 def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str
 ) -> None:
     """Thread A has opened and read shard 7 (its first open in the process) and is still in
     its batch when the shard is renamed over with other bytes; thread B then reads shard 7:
-    B must raise naming it, and A must deliver the original bytes."""
+    B must raise naming it, and A must deliver the original bytes. A pauses right after
+    its read: inside ``os.preadv`` (Python loop) or after the native loop returned."""
     ds, ref = _fresh(tmp_path)
     path = _victim_path(ds, 7)
     inode = os.stat(path).st_ino
     paused, resume = threading.Event(), threading.Event()
-    real = os.preadv
     thread_a: list[threading.Thread] = []
 
-    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-        got = real(fd, buffers, offset)
-        mine = threading.current_thread() is thread_a[0]
-        if mine and not paused.is_set() and os.fstat(fd).st_ino == inode:
+    def pause_in_a() -> None:
+        if threading.current_thread() is thread_a[0] and not paused.is_set():
             paused.set()
             resume.wait(10)
-        return got
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    if reader == "python":
+        monkeypatch.setattr(tokens_module, "NATIVE", False)
+        real = os.preadv
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            got = real(fd, buffers, offset)
+            if os.fstat(fd).st_ino == inode:
+                pause_in_a()
+            return got
+
+        monkeypatch.setattr(os, "preadv", preadv)
+    else:
+        assert fileread.NATIVE, "detdata.storage._fileread was not built"
+        real_files = tokens_module.read_files
+
+        def read_files(*args: object, **kwargs: object) -> tuple[int, np.ndarray]:
+            got = real_files(*args, **kwargs)  # type: ignore[arg-type]
+            pause_in_a()
+            return got
+
+        monkeypatch.setattr(tokens_module, "read_files", read_files)
     results: dict[str, object] = {}
 
     def read(name: str, ids: np.ndarray) -> None:
@@ -226,25 +273,62 @@ def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
 def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
     opened: tuple[TokenWindows, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rewritten in place (same inode and size, a real write) after the batch opened it and
-    before its ``preadv``: the batch that read the new bytes raises, not the next one."""
+    """Rewritten in place (same inode and size, a real write) after the batch opened it (or
+    recorded it, native loop) and before its read: the batch that read the new bytes
+    raises, not the next one."""
     ds, _ = opened
     path = _victim_path(ds, 17)
     inode = os.stat(path).st_ino
-    real = os.preadv
     done: list[int] = []
 
-    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-        if not done and os.fstat(fd).st_ino == inode:
-            done.append(1)
-            time.sleep(0.01)  # past one timestamp tick
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0xFF
-            with open(path, "r+b") as fh:
-                fh.write(bytes(data))
-        return real(fd, buffers, offset)
+    def rewrite() -> None:
+        done.append(1)
+        time.sleep(0.01)  # past one timestamp tick
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        with open(path, "r+b") as fh:
+            fh.write(bytes(data))
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    if tokens_module.NATIVE:  # between the batch's first-open records and the native read
+        real_record = TokenWindows._record_first_opens
+
+        def record(self: TokenWindows, shards: np.ndarray) -> bool:
+            ok = real_record(self, shards)
+            if not done and 17 in shards.tolist():
+                rewrite()
+            return ok
+
+        monkeypatch.setattr(TokenWindows, "_record_first_opens", record)
+    else:
+        real = os.preadv
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            if not done and os.fstat(fd).st_ino == inode:
+                rewrite()
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", preadv)
     with pytest.raises(VerificationError) as info:
         ds.read(_all_but_shard_0())
     assert done and info.value.shard == ds.manifest.shards[17].path
+
+
+def test_a_shard_deleted_after_its_first_open_is_named_after_the_ones_read_before(
+    opened: tuple[TokenWindows, np.ndarray],
+) -> None:
+    """A shard deleted after the first epoch: the batch fails naming it ("exists"); a
+    shard replaced and read before it in the same batch is named first. The native loop
+    stops at the missing file and the Python loop raises (the same error either way)."""
+    ds, ref = opened
+    ids = np.arange(WINDOWS, SHARDS * WINDOWS)  # sorted: shards 1..39 in order
+    _victim_path(ds, 25).unlink()
+    with pytest.raises(VerificationError) as info:
+        ds.read(ids)
+    assert info.value.shard == ds.manifest.shards[25].path and info.value.field == "exists"
+    path = _victim_path(ds, 9)
+    _replace(path, np.load(path)[::-1].copy())
+    with pytest.raises(VerificationError) as first:
+        ds.read(ids)
+    assert first.value.shard == ds.manifest.shards[9].path and first.value.field == "file"
+    rest = ids[(ids // WINDOWS != 25) & (ids // WINDOWS != 9)]
+    np.testing.assert_array_equal(ds.read(rest)["tokens"], ref[rest])

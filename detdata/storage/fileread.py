@@ -1,0 +1,86 @@
+"""Batched reads of many small local files: open, ONE ``preadv``, ``fstat``, close each.
+
+With tens of thousands of shards of a few KiB, a shuffled batch opens a file per few
+samples, and the interpreter around four system calls per file costs more than the
+calls. `read_files` runs that loop in C without the GIL (``detdata.storage._fileread``,
+built by ``pip install`` when a C compiler is present; `NATIVE` says whether it is). It
+only reads: the caller checks each file's ``fstat`` (taken after its read) against the
+manifest and the file first opened, and handles the files from the first failure on
+with its own Python loop, so errors (a missing shard, a short read, permissions) are
+the Python loop's, raised at the same file. Without the extension, `read_files` reads
+nothing and the caller's loop reads every file: the same bytes and checks, slower.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    from detdata.storage import _fileread
+except ImportError:  # built without a C compiler: the callers' Python loop reads
+    _fileread = None  # type: ignore[assignment]
+
+#: Whether the native loop is built (else `read_files` always returns 0 files read).
+NATIVE: Final = _fileread is not None
+
+#: Threads of one `read_files` call (each takes a contiguous share of >= 16 files): the
+#: system calls on small files cost more than the copies, and two threads read a batch of
+#: many small shards ~1.6x faster on 2 cores (benchmarks/scale.py).
+READ_THREADS: Final = max(1, min(2, len(os.sched_getaffinity(0))))
+
+#: Columns of `read_files`' ``stats``: bytes read, then the ``fstat`` taken after the read.
+GOT, SIZE, INODE, DEVICE, MTIME_NS = range(5)
+
+IntArray = npt.NDArray[np.int64]
+
+
+def read_files(
+    prefix: bytes,
+    names: list[bytes],
+    shards: IntArray,
+    file_at: IntArray,
+    wants: IntArray,
+    out: npt.NDArray[np.uint8],
+    iov_off: IntArray,
+    iov_len: IntArray,
+    iov_count: IntArray,
+    *,
+    threads: int = READ_THREADS,
+) -> tuple[int, IntArray]:
+    """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ...: ``wants[i]`` bytes at
+    ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of ``out[iov_off[j]:
+    iov_off[j] + iov_len[j]]``, in order). Returns ``(done, stats)``: files ``[0, done)``
+    were read whole, with ``stats[i]`` = (bytes read, size, inode, device, mtime_ns) of an
+    ``fstat`` after the read (64-bit patterns: view columns 2-4 as ``uint64``). It stops
+    at the first file it cannot open, read whole or ``fstat`` (``done`` is that file's
+    index; nothing of it counts as read; a later file may have been read too, and is read
+    again by the caller), and returns ``done = 0`` without the extension. ``threads``
+    (at most 2) split the files into contiguous shares.
+    Mismatched arguments (a buffer outside ``out``) are a `ValueError`."""
+    n = int(shards.size)
+    stats = np.zeros((n, 5), dtype=np.int64)
+    if _fileread is None or n == 0:
+        return 0, stats
+    done = _fileread.read_shards(
+        prefix,
+        names,
+        _plain(shards),
+        _plain(file_at),
+        _plain(wants),
+        out,
+        _plain(iov_off),
+        _plain(iov_len),
+        _plain(iov_count),
+        stats,
+        threads,
+    )
+    return done, stats
+
+
+def _plain(values: IntArray) -> IntArray:
+    """``values`` as a contiguous native int64 array (what the C loop reads)."""
+    return np.ascontiguousarray(values, dtype=np.int64)

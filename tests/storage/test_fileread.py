@@ -1,0 +1,200 @@
+"""The native batched read loop (`detdata.storage.fileread.read_files`, C without the GIL).
+
+References: the bytes the test wrote (sliced in Python), and ``os.stat`` of each file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detdata.storage import fileread
+from detdata.storage.fileread import DEVICE, GOT, INODE, MTIME_NS, SIZE, read_files
+
+#: the tests of the loop itself need it built (the first test fails where it could be)
+native = pytest.mark.skipif(not fileread.NATIVE, reason="not built: see the first test")
+
+
+def test_the_native_loop_is_built_where_a_c_compiler_is() -> None:
+    """`pip install -e .` builds it (setup.py); without it every read takes the slower
+    Python loop, which would hide here as a silent slowdown."""
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert fileread.NATIVE, "detdata.storage._fileread was not built; reinstall detdata"
+
+
+def _files(root: Path, sizes: list[int]) -> tuple[bytes, list[bytes], list[bytes]]:
+    """Files ``f{i}`` of ``sizes[i]`` distinct bytes; returns (prefix, names, contents)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(len(sizes))
+    contents = []
+    for i, size in enumerate(sizes):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        (root / f"f{i}").write_bytes(data)
+        contents.append(data)
+    return os.fsencode(str(root) + os.sep), [f"f{i}".encode() for i in range(len(sizes))], contents
+
+
+def _arrays(*values: list[int]) -> list[np.ndarray]:
+    return [np.asarray(v, dtype=np.int64) for v in values]
+
+
+@native
+def test_scattered_buffers_get_the_files_bytes_and_stats_after_the_read(tmp_path: Path) -> None:
+    prefix, names, contents = _files(tmp_path, [100, 50, 80])
+    out = np.zeros(300, dtype=np.uint8)
+    # file 2: 30 bytes at 10 into out[200:210] + out[0:20]; file 0: 60 at 40 into out[100:160]
+    shards, file_at, wants, count = _arrays([2, 0], [10, 40], [30, 60], [2, 1])
+    iov_off, iov_len = _arrays([200, 0, 100], [10, 20, 60])
+    done, stats = read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count)
+    assert done == 2
+    assert out[200:210].tobytes() + out[0:20].tobytes() == contents[2][10:40]
+    assert out[100:160].tobytes() == contents[0][40:100]
+    assert not out[20:100].any() and not out[160:200].any()  # nothing else written
+    for row, shard in zip(stats, (2, 0), strict=True):
+        st = os.stat(tmp_path / f"f{shard}")
+        assert row[GOT] == wants[list(shards).index(shard)]
+        assert row[SIZE] == st.st_size
+        ident = row[INODE : MTIME_NS + 1].view(np.uint64).tolist()
+        assert ident == [st.st_ino, st.st_dev, st.st_mtime_ns]
+    assert DEVICE == INODE + 1
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_any_layout_matches_a_python_read(tmp_path_factory: pytest.TempPathFactory, data) -> None:  # type: ignore[no-untyped-def]
+    """Random files, ranges and buffer splits: ``out`` gets each range's bytes in order."""
+    sizes = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    prefix, names, contents = _files(tmp_path_factory.mktemp("f"), sizes)
+    order = data.draw(st.permutations(range(len(sizes))))
+    pieces, shards, file_at, wants, count = [], [], [], [], []
+    for shard in order:
+        at = data.draw(st.integers(0, sizes[shard] - 1))
+        want = data.draw(st.integers(0, sizes[shard] - at))
+        cuts = sorted(data.draw(st.lists(st.integers(0, want), max_size=4)))
+        parts = [b - a for a, b in zip([0, *cuts], [*cuts, want], strict=True)]
+        shards.append(shard)
+        file_at.append(at)
+        wants.append(want)
+        count.append(len(parts))
+        pieces.extend(parts)
+    where = np.random.default_rng(len(pieces)).permutation(len(pieces))  # scattered in out
+    slot = 300
+    iov_off = [int(w) * slot for w in where]
+    out = np.zeros(slot * max(len(pieces), 1), dtype=np.uint8)
+    done, _ = read_files(
+        prefix, names, *_arrays(shards, file_at, wants), out, *_arrays(iov_off, pieces, count)
+    )
+    assert done == len(order)
+    j = 0
+    for shard, at, want, k in zip(shards, file_at, wants, count, strict=True):
+        got = b"".join(
+            out[iov_off[j + m] : iov_off[j + m] + pieces[j + m]].tobytes() for m in range(k)
+        )
+        assert got == contents[shard][at : at + want]
+        j += k
+
+
+@native
+def test_it_stops_at_the_first_file_it_cannot_read_whole(tmp_path: Path) -> None:
+    """A missing file, a short read, a path too long or more buffers than IOV_MAX: ``done``
+    is that file's index and the files before it were read (the caller's loop raises)."""
+    prefix, names, contents = _files(tmp_path, [40, 40, 40])
+    names.append(b"missing")
+    names.append(b"x" * 5000)
+
+    def run(shards: list[int], wants: list[int], count: list[int] | None = None) -> int:
+        count = count or [1] * len(shards)
+        out = np.zeros(2048, dtype=np.uint8)
+        lens = [w // c for w, c in zip(wants, count, strict=True) for _ in range(c)]
+        offs = list(range(0, len(lens)))
+        done, _ = read_files(
+            prefix,
+            names,
+            *_arrays(shards, [0] * len(shards), wants),
+            out,
+            *_arrays(offs, lens, count),
+        )
+        if done:
+            assert out[0:1].tobytes() == contents[shards[0]][:1] or wants[0] == 0
+        return done
+
+    assert run([0, 3, 1], [40, 10, 40]) == 1  # missing
+    assert run([0, 1, 2], [40, 41, 40]) == 1  # short: the file has 40 bytes
+    assert run([1, 4], [40, 10]) == 1  # name too long for PATH_MAX
+    assert run([0, 1], [1, 2000], [1, 2000]) == 1  # 2000 buffers of 1 byte > IOV_MAX
+    assert run([2, 1, 0], [40, 40, 40]) == 3
+    names[1] = b"f1\x00x"  # a NUL byte: not the file "f1"
+    assert run([0, 1, 2], [40, 40, 40]) == 1
+
+
+@native
+@pytest.mark.parametrize("missing", [(), (70,), (10, 70), (50,), (99,)])
+def test_two_threads_count_the_files_read_from_the_first_on(
+    tmp_path: Path, missing: tuple[int, ...]
+) -> None:
+    """100 files on 2 threads (shares 0-49 and 50-99): ``done`` is the first missing file
+    whichever thread met it, and every file before it has its bytes."""
+    prefix, names, contents = _files(tmp_path, [64 + i for i in range(100)])
+    for i in missing:
+        (tmp_path / f"f{i}").unlink()
+    shards = list(range(100))
+    wants = [64 + i for i in shards]
+    offs = [i * 256 for i in shards]
+    out = np.zeros(256 * 100, dtype=np.uint8)
+    done, stats = read_files(
+        prefix,
+        names,
+        *_arrays(shards, [0] * 100, wants),
+        out,
+        *_arrays(offs, wants, [1] * 100),
+        threads=2,
+    )
+    assert done == (min(missing) if missing else 100)
+    for i in range(done):
+        assert out[offs[i] : offs[i] + wants[i]].tobytes() == contents[i]
+        assert stats[i, SIZE] == wants[i]
+
+
+@native
+def test_arguments_that_do_not_fit_raise_before_any_read(tmp_path: Path) -> None:
+    prefix, names, _ = _files(tmp_path, [40])
+    out = np.zeros(64, dtype=np.uint8)
+    one = _arrays([0], [0], [40])
+
+    def call(*args: object) -> None:
+        read_files(*args)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="outside"):
+        call(prefix, names, *one, out, *_arrays([40], [40], [1]))
+    with pytest.raises(ValueError, match="mismatched"):
+        call(prefix, names, *_arrays([0], [0], [40, 1]), out, *_arrays([0], [40], [1]))
+    with pytest.raises(ValueError, match="out of range"):
+        call(prefix, names, *_arrays([1], [0], [40]), out, *_arrays([0], [40], [1]))
+    with pytest.raises(ValueError, match="add up"):
+        call(prefix, names, *one, out, *_arrays([0], [40], [2]))
+    with pytest.raises(ValueError, match="bytes"):
+        call(prefix, ["f0"], *one, out, *_arrays([0], [40], [1]))
+    frozen = np.zeros(64, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="threads"):
+        read_files(prefix, names, *one, out, *_arrays([0], [40], [1]), threads=0)
+    with pytest.raises(ValueError, match="writable"):
+        call(prefix, names, *one, frozen, *_arrays([0], [40], [1]))
+    assert not out.any()
+
+
+def test_without_the_extension_nothing_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix, names, _ = _files(tmp_path, [40])
+    monkeypatch.setattr(fileread, "_fileread", None)
+    out = np.zeros(40, dtype=np.uint8)
+    done, stats = read_files(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
+    assert done == 0 and not out.any() and not stats.any()
