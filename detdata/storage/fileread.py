@@ -27,10 +27,17 @@ except ImportError:  # built without a C compiler: the callers' Python loop read
 #: Whether the native loop is built (else `read_files` always returns 0 files read).
 NATIVE: Final = _fileread is not None
 
+
+def _cpus() -> int:
+    """CPUs this process may run on (all of them where affinity is not reported)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 #: Threads of one `read_files` call (each takes a contiguous share of >= 16 files): the
 #: system calls on small files cost more than the copies, and two threads read a batch of
 #: many small shards ~1.6x faster on 2 cores (benchmarks/scale.py).
-READ_THREADS: Final = max(1, min(2, len(os.sched_getaffinity(0))))
+READ_THREADS: Final = max(1, min(2, _cpus()))
 
 #: Columns of `read_files`' ``stats``: bytes read, then the ``fstat`` taken after the read.
 GOT, SIZE, INODE, DEVICE, MTIME_NS = range(5)
