@@ -718,3 +718,8 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
             "global positions [16, 19]" in n and "groups of 4 micro batches" in n
             for n in out["notes"]
         ), out["notes"]
+
+
+def test_array_dataset_given_a_bare_array_names_the_mapping_it_takes() -> None:
+    with pytest.raises(ConfigError, match=r"mapping of column name -> array, got ndarray.*hint"):
+        detdata.ArrayDataset(np.arange(8))  # type: ignore[arg-type]

@@ -70,6 +70,11 @@ class ArrayDataset:
     """
 
     def __init__(self, columns: Mapping[str, npt.ArrayLike], *, name: str = "arrays") -> None:
+        if not isinstance(columns, Mapping):
+            raise ConfigError(
+                f"ArrayDataset takes a mapping of column name -> array, got "
+                f"{type(columns).__name__}; hint: ArrayDataset({{'x': array}})"
+            )
         if not columns:
             raise ConfigError("ArrayDataset needs at least one column")
         self.columns = {k: _frozen_copy(v) for k, v in columns.items()}

@@ -60,6 +60,7 @@ from detdata.loading.trace import StepSpan, TraceWriter
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
+from detdata.storage.fileread import set_read_threads
 
 
 def seed_globals(seed64: int) -> None:
@@ -73,6 +74,7 @@ def _init_worker(
     seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
 ) -> None:
     seed_globals(worker_seed(seed, rank, worker_id))
+    set_read_threads(1)  # the worker processes read side by side (never changes a byte)
     if user_init is not None:
         user_init(worker_id)
 

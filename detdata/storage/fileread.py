@@ -39,6 +39,16 @@ def _cpus() -> int:
 #: many small shards ~1.6x faster on 2 cores (benchmarks/scale.py).
 READ_THREADS: Final = max(1, min(2, _cpus()))
 
+_threads = READ_THREADS  # this process's default (`set_read_threads`)
+
+
+def set_read_threads(threads: int) -> None:
+    """This process's default threads per `read_files` call (1 or 2). A DataLoader worker
+    process sets 1: there the workers already run side by side."""
+    global _threads
+    _threads = max(1, min(2, int(threads)))
+
+
 #: Columns of `read_files`' ``stats``: bytes read, then the ``fstat`` taken after the read.
 GOT, SIZE, INODE, DEVICE, MTIME_NS = range(5)
 
@@ -56,7 +66,7 @@ def read_files(
     iov_len: IntArray,
     iov_count: IntArray,
     *,
-    threads: int = READ_THREADS,
+    threads: int | None = None,
 ) -> tuple[int, IntArray]:
     """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ...: ``wants[i]`` bytes at
     ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of ``out[iov_off[j]:
@@ -66,7 +76,8 @@ def read_files(
     at the first file it cannot open, read whole or ``fstat`` (``done`` is that file's
     index; nothing of it counts as read; a later file may have been read too, and is read
     again by the caller), and returns ``done = 0`` without the extension. ``threads``
-    (at most 2) split the files into contiguous shares.
+    (at most 2; None: this process's default, `set_read_threads`) split the files into
+    contiguous shares.
     Mismatched arguments (a buffer outside ``out``) are a `ValueError`."""
     n = int(shards.size)
     stats = np.zeros((n, 5), dtype=np.int64)
@@ -83,7 +94,7 @@ def read_files(
         _plain(iov_len),
         _plain(iov_count),
         stats,
-        threads,
+        _threads if threads is None else threads,
     )
     return done, stats
 

@@ -198,3 +198,32 @@ def test_without_the_extension_nothing_is_read(
     out = np.zeros(40, dtype=np.uint8)
     done, stats = read_files(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
     assert done == 0 and not out.any() and not stats.any()
+
+
+def test_read_threads_are_clamped_and_a_loader_worker_reads_on_one(tmp_path: Path) -> None:
+    """`set_read_threads` keeps 1..2; a DataLoader worker process sets 1 (its siblings read
+    side by side) before the user's ``worker_init_fn`` runs."""
+    import detdata
+
+    before = fileread._threads
+    try:
+        fileread.set_read_threads(8)
+        assert fileread._threads == 2
+        fileread.set_read_threads(0)
+        assert fileread._threads == 1
+    finally:
+        fileread.set_read_threads(before)
+    seen = tmp_path / "threads"
+
+    def init(worker_id: int) -> None:
+        seen.write_text(str(fileread._threads))
+
+    loader = detdata.DataLoader(
+        detdata.ArrayDataset({"x": np.arange(64, dtype=np.int64).reshape(16, 4)}),
+        global_batch_size=4,
+        num_workers=1,
+        seed=0,
+        worker_init_fn=init,
+    )
+    next(iter(loader))
+    assert seen.read_text() == "1"
