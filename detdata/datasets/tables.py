@@ -71,6 +71,9 @@ Columns = dict[str, np.ndarray[Any, Any]]
 
 #: Default bound of the in-memory cache of decoded row groups (``row_group_cache_bytes``).
 DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
+#: Local Parquet shards of at least this many bytes are memory-mapped; smaller ones are
+#: read with ``pread`` (measured: a map + unmap costs more than it saves below ~256 KiB).
+PARQUET_MAP_MIN_BYTES: Final = 256 << 10
 
 
 def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
@@ -269,6 +272,23 @@ class GroupSlots:
             self._dirty = True
             index = slots * self.rows_per_slot + rows
             return {name: self._pool[name].take(index, axis=0) for name in columns}
+
+    def missing(self, groups: IntArray) -> IntArray | None:
+        """The global row groups of ``groups`` (non-empty) not cached, in order of first use,
+        when caching them cannot evict any group: the groups sit in slots and every column
+        has a fixed width (each group is then charged the slot's bytes, and the manifest's
+        row groups all fit both bounds at that charge); None otherwise (no slots, or object
+        columns, whose charge varies). `insert` them, then `gather` the batch: that leaves
+        the cache as a visit of ``groups`` in order of first use would (`TableRows.read`)."""
+        with self._lock:
+            layout = self._layout
+            if not self._pool or layout is None or any(d.kind == "O" for d, _ in layout.values()):
+                return None
+            todo = groups[self._slot_of[groups] < 0]
+        if not todo.size:
+            return todo
+        used, first = np.unique(todo, return_index=True)
+        return used[np.argsort(first, kind="stable")]
 
     def take_rows(self, group: int, rows: IntArray) -> Columns | None:
         """Copies of ``rows`` of one cached global row group (marked used), or None."""
@@ -642,9 +662,21 @@ class TableRows(ShardReader):
             return {name: self._empty(name) for name in self.columns}
         if self.cache.pool_bytes:
             group = self._group_starts.searchsorted(arr, "right") - 1
-            fast = self.cache.gather(group, arr - self._group_starts[group], self.columns)
+            in_group = arr - self._group_starts[group]
+            fast = self.cache.gather(group, in_group, self.columns)
             if fast is not None:
                 return self._own(fast)
+            # slots that cannot evict: decode the missing groups into them, then one gather
+            # (no per-group copies of the cached ones); the cache ends as after the visit below
+            todo = self.cache.missing(group)
+            if todo is not None:
+                for g in todo.tolist():
+                    shard = int(self._group_shard[g])
+                    decoded = self._decode(shard, g - int(self._shard_first_group[shard]))
+                    self.cache.insert(g, decoded)
+                fast = self.cache.gather(group, in_group, self.columns)
+                if fast is not None:
+                    return self._own(fast)
         order, group, spans = stable_groups(self._group_starts.searchsorted(arr, "right") - 1)
         rows = arr[order] - self._group_starts[group]
         parts: list[Columns | None] = [None] * len(spans)
@@ -721,13 +753,34 @@ class TableRows(ShardReader):
             fs, root = self._filesystem()
             entry = self.manifest.shards[shard]
             path = join(root, entry.path)
-            local = isinstance(fs, LocalFileSystem)
             if self._uses_shard_cache():
                 reader = self._open_cached(shard)
+            elif isinstance(fs, LocalFileSystem):
+                return self._local_reader(shard, path)
             elif entry.format is Format.PARQUET:
-                reader = pq.ParquetFile(path if local else fs.open(path, "rb"), memory_map=local)
+                reader = pq.ParquetFile(fs.open(path, "rb"))
             else:
-                reader = ipc.open_file(pa.memory_map(path) if local else fs.open(path, "rb"))
+                reader = ipc.open_file(fs.open(path, "rb"))
+            self._keep_handle(shard, reader)
+        return reader
+
+    def _local_reader(self, shard: int, path: str) -> Any:
+        """The open reader of local ``shard`` (file ``path``; opened on a miss, kept in the
+        handle LRU), after `_check_file` of ``path`` (the manifest's size, and the file this
+        process first opened for the shard), before any open or read.
+
+        Parquet without pre-buffering (it only coalesces reads for remote stores; on a small
+        local file it costs ~100 us in pyarrow's I/O threads), memory-mapped from
+        `PARQUET_MAP_MIN_BYTES` (below that a map and its unmap cost more than ``pread``
+        saves); Arrow IPC always mapped (its batches are zero-copy views of the file)."""
+        self._check_file(shard, path)
+        reader = self._handles.get(shard)
+        if reader is None:
+            if self.manifest.shards[shard].format is Format.PARQUET:
+                mapped = self._sizes[shard] >= PARQUET_MAP_MIN_BYTES
+                reader = pq.ParquetFile(path, memory_map=mapped, pre_buffer=False)
+            else:
+                reader = ipc.open_file(pa.memory_map(path))
             self._keep_handle(shard, reader)
         return reader
 
@@ -740,7 +793,7 @@ class TableRows(ShardReader):
 
         source, _ = self._open_copy(shard, open_path)
         if self.manifest.shards[shard].format is Format.PARQUET:
-            return pq.ParquetFile(source)
+            return pq.ParquetFile(source, pre_buffer=False)  # a local copy: nothing to coalesce
         return ipc.open_file(source)
 
     def _group(self, global_group: int) -> Group:
@@ -754,9 +807,10 @@ class TableRows(ShardReader):
         self.cache.put(key, decoded)
         return decoded
 
-    def _read_arrays(self, shard: int, group: int) -> dict[str, Any]:
+    def _read_arrays(self, shard: int, group: int, reader: Any = None) -> dict[str, Any]:
         entry = self.manifest.shards[shard]
-        reader = self._reader(shard)
+        if reader is None:
+            reader = self._reader(shard)
         if entry.format is Format.PARQUET:
             table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
             return {n: _one_chunk(table.column(n)) for n in self.columns}
@@ -768,8 +822,8 @@ class TableRows(ShardReader):
         with self._io_lock:  # remote readers share one seekable handle per shard
             fs, root = self._filesystem()
             if isinstance(fs, LocalFileSystem):
-                self._check_file(shard, join(root, entry.path))
-                arrays = self._read_arrays(shard, group)
+                reader = self._local_reader(shard, join(root, entry.path))  # checks the file
+                arrays = self._read_arrays(shard, group, reader)
             elif self._uses_shard_cache():
                 self._refresh_copies((shard,))
                 self._check_file(shard, self._copy_files.get(shard, ("", 0))[0])
@@ -842,14 +896,18 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
             "or pad instead of nulls"
         )
     rows = len(array)
-    if pa.types.is_fixed_size_list(array.type):
-        size = array.type.list_size
-        lengths = np.full(rows, size, dtype=np.int64)
+    if pa.types.is_fixed_size_list(array.type):  # one length by type: nothing to compare
+        size = int(array.type.list_size)
         values = array.values.slice(array.offset * size, rows * size)
-    else:
-        offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
-        lengths = np.diff(offsets)
-        values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        if values.null_count:
+            raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
+        flat = np.asarray(values.to_numpy(zero_copy_only=False))
+        if ragged:
+            return _object_rows(flat, np.full(rows, size, dtype=np.int64))
+        return flat.reshape(rows, size)
+    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    lengths = np.diff(offsets)
+    values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     if values.null_count:
         raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
     flat = np.asarray(values.to_numpy(zero_copy_only=False))
@@ -862,11 +920,7 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
             "pad/pack to one length, store a fixed_size_list, or name the column in "
             "ragged= to get an object array"
         )
-    if pa.types.is_fixed_size_list(array.type):
-        width = int(array.type.list_size)
-    else:
-        width = int(lengths[0]) if rows else 0
-    return flat.reshape(rows, width)
+    return flat.reshape(rows, int(lengths[0]) if rows else 0)
 
 
 def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
