@@ -206,12 +206,22 @@ def encrypt_many(x: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Arr
     hi_mask = (_ONE << hi_bits) - _ONE
     lo = x & lo_mask
     hi = x >> lo_bits
-    for r in range(ROUNDS):
-        if r % 2 == 0:
-            hi ^= mix64(lo ^ keys[r]) & hi_mask
-        else:
-            lo ^= mix64(hi ^ keys[r]) & lo_mask
-    return (hi << lo_bits) | lo
+    z = np.empty_like(lo)
+    tmp = np.empty_like(lo)
+    for r in range(ROUNDS):  # in scratch buffers: the same values as `decrypt_many`'s form
+        if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
+            np.bitwise_xor(lo, keys[r], out=z)
+            _mix_into(z, tmp)
+            z &= hi_mask
+            hi ^= z
+        else:  # lo ^= F(k, hi) & lo_mask
+            np.bitwise_xor(hi, keys[r], out=z)
+            _mix_into(z, tmp)
+            z &= lo_mask
+            lo ^= z
+    hi <<= lo_bits
+    hi |= lo
+    return hi
 
 
 def decrypt_many(y: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
