@@ -155,10 +155,14 @@ def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
 
 
 _CTRL_C_SCRIPT = r"""
-import os, signal, sys, threading, time
+import faulthandler, os, signal, sys, threading, time
 import numpy as np
 import detdata
 from tests.resume_checker import digest, take
+
+# a hang shows where every thread waits (stderr, in the assertion message) before the
+# test's own timeout kills the process without a word
+faulthandler.dump_traceback_later(180, exit=True)
 
 N = 300
 ids = np.arange(N, dtype=np.int64)
