@@ -182,6 +182,8 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const char **paths = NULL;
     size_t *lens = NULL;
+    PyObject **held = NULL;
+    Py_ssize_t nheld = 0;
     for (int i = 0; i < 8; i++) {
         if (take(objs[i], &b[i], writable[i], what[i]) < 0) {
             goto done;
@@ -202,11 +204,13 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (shards[i] < 0 || shards[i] >= nnames || iov_count[i] < 0 || wants[i] < 0 ||
-            file_at[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "read_shards: shard index or count out of range");
+            file_at[i] < 0 || iov_count[i] > niov - total) {
+            PyErr_SetString(PyExc_ValueError,
+                            "read_shards: shard index or count out of range (or iov_count "
+                            "does not add up to the buffers)");
             goto done;
         }
-        total += iov_count[i];
+        total += iov_count[i]; /* <= niov: no overflow */
     }
     if (total != niov) {
         PyErr_SetString(PyExc_ValueError, "read_shards: iov_count does not add up to the buffers");
@@ -225,12 +229,25 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    /* own a reference to every name read: another thread may change `names` while the
+     * loop runs without the GIL */
+    held = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(PyObject *));
+    if (held == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (shards[i] >= PyList_GET_SIZE(names)) {
+            PyErr_SetString(PyExc_ValueError, "read_shards: shard index out of range");
+            goto done;
+        }
         PyObject *name = PyList_GET_ITEM(names, shards[i]);
         if (!PyBytes_Check(name)) {
             PyErr_SetString(PyExc_ValueError, "read_shards: names must be bytes");
             goto done;
         }
+        Py_INCREF(name);
+        held[nheld++] = name;
         paths[i] = PyBytes_AS_STRING(name);
         lens[i] = (size_t)PyBytes_GET_SIZE(name);
     }
@@ -260,6 +277,10 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(finished);
 done:
+    for (Py_ssize_t i = 0; i < nheld; i++) {
+        Py_DECREF(held[i]);
+    }
+    PyMem_Free(held);
     PyMem_Free(paths);
     PyMem_Free(lens);
     for (int i = 0; i < 8; i++) {

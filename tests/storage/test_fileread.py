@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,78 @@ def test_read_threads_are_clamped_and_a_loader_worker_reads_on_one(tmp_path: Pat
     )
     next(iter(loader))
     assert seen.read_text() == "1"
+
+
+@native
+def test_buffer_counts_that_wrap_around_are_refused(tmp_path: Path) -> None:
+    """Counts whose int64 sum wraps to the real number of buffers (which would send the
+    second thread's share before the start of the buffer arrays): a ValueError, no read."""
+    prefix, names, _ = _files(tmp_path, [64] * 32)
+    count = np.zeros(32, dtype=np.int64)
+    count[0], count[1] = (1 << 63) - 1, (1 << 63) - 1  # sum == -2 (mod 2**64)
+    count[16:] = 1  # 16 more: the wrapped total is 14
+    wants = np.zeros(32, dtype=np.int64)
+    wants[16:] = 64
+    out = np.zeros(64 * 32, dtype=np.uint8)
+    offs, lens = np.arange(14, dtype=np.int64) * 64, np.full(14, 64, dtype=np.int64)
+    with pytest.raises(ValueError, match="add up"):
+        read_files(
+            prefix,
+            names,
+            np.arange(32),
+            np.zeros(32, np.int64),
+            wants,
+            out,
+            offs,
+            lens,
+            count,
+            threads=2,
+        )
+    assert not out.any()
+
+
+@native
+def test_names_replaced_by_another_thread_during_the_read_are_not_followed(
+    tmp_path: Path,
+) -> None:
+    """The loop reads without the GIL; a thread emptying ``names`` meanwhile frees the
+    bytes objects (refilled here with names of other files) unless the loop holds them.
+    Every buffer must hold its own file's bytes (reference: the bytes written)."""
+    import threading
+
+    n = 3000
+    for i in range(n):
+        (tmp_path / f"f{i:06d}").write_bytes(b"\x11" * 16)
+        (tmp_path / f"g{i:06d}").write_bytes(b"\xee" * 16)
+    prefix = os.fsencode(str(tmp_path) + os.sep)
+    read = 0
+    for _ in range(20):
+        names = [f"f{i:06d}".encode() for i in range(n)]
+        out = np.zeros(16 * n, dtype=np.uint8)
+        got: list[int] = []
+        args = (
+            prefix,
+            names,
+            *_arrays(list(range(n)), [0] * n, [16] * n),
+            out,
+            *_arrays([16 * i for i in range(n)], [16] * n, [1] * n),
+        )
+        reader = threading.Thread(target=_read_into, args=(got, args))
+        reader.start()
+        time.sleep(0.002)  # the loop has taken the names (~15 ms of reads follow)
+        names[:] = []
+        others = [f"g{i:06d}".encode() for i in range(n)]  # reuses the freed blocks
+        reader.join()
+        if got == [-1]:  # emptied before the call looked at it: a clean ValueError
+            continue
+        assert got == [n] and others
+        assert (out == 0x11).all()
+        read += 1
+    assert read >= 5
+
+
+def _read_into(got: list[int], args: tuple[object, ...]) -> None:
+    try:
+        got.append(read_files(*args, threads=1)[0])  # type: ignore[arg-type]
+    except ValueError:
+        got.append(-1)
