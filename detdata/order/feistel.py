@@ -124,6 +124,23 @@ def _feistel(
     lo_mask = np.uint64((1 << lo_bits) - 1)
     hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
     shift = np.uint64(lo_bits)
+    return _rounds(x, keys, lo_mask, hi_mask, shift)
+
+
+#: A 64-bit word, or one per element of ``x`` (`_rounds`).
+_Words = np.uint64 | npt.NDArray[np.uint64]
+
+
+def _rounds(
+    x: npt.NDArray[np.uint64],
+    keys: Sequence[_Words] | npt.NDArray[np.uint64],
+    lo_mask: _Words,
+    hi_mask: _Words,
+    shift: _Words,
+) -> npt.NDArray[np.uint64]:
+    """The Feistel rounds of ``E(x)`` in scratch buffers: round ``r`` xors ``keys[r]`` (a
+    scalar or an array shaped like ``x``); masks and ``shift`` (the low half's bits) are
+    scalars or arrays shaped like ``x``."""
     lo = x & lo_mask
     hi = x >> shift
     z = np.empty_like(lo)
@@ -204,24 +221,7 @@ def encrypt_many(x: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Arr
     array shaped like ``x``, or one value broadcast to all); allocates its temporaries."""
     lo_mask = (_ONE << lo_bits) - _ONE
     hi_mask = (_ONE << hi_bits) - _ONE
-    lo = x & lo_mask
-    hi = x >> lo_bits
-    z = np.empty_like(lo)
-    tmp = np.empty_like(lo)
-    for r in range(ROUNDS):  # in scratch buffers: the same values as `decrypt_many`'s form
-        if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
-            np.bitwise_xor(lo, keys[r], out=z)
-            _mix_into(z, tmp)
-            z &= hi_mask
-            hi ^= z
-        else:  # lo ^= F(k, hi) & lo_mask
-            np.bitwise_xor(hi, keys[r], out=z)
-            _mix_into(z, tmp)
-            z &= lo_mask
-            lo ^= z
-    hi <<= lo_bits
-    hi |= lo
-    return hi
+    return _rounds(x, [keys[r] for r in range(ROUNDS)], lo_mask, hi_mask, lo_bits)
 
 
 def decrypt_many(y: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
