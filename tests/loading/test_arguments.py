@@ -190,14 +190,25 @@ batches = []
 for delay in (0.05, 0.1, 0.02):
     it = iter(dl)
     batches.append(next(it))
-    # a terminal's Ctrl-C: SIGINT to the whole process group, worker processes included
-    timer = threading.Timer(delay, lambda: os.killpg(0, signal.SIGINT))
+    # a terminal's Ctrl-C: SIGINT to the whole process group, worker processes included;
+    # pressed again every 3 s while the loop runs on (CPython drops a KeyboardInterrupt
+    # raised inside a finalizer: one CI run in many hung on a first press lost that way)
+    stop = threading.Event()
+
+    def press():
+        if not stop.wait(delay):
+            os.killpg(0, signal.SIGINT)
+            while not stop.wait(3.0):
+                print("Ctrl-C pressed again", file=sys.stderr)
+                os.killpg(0, signal.SIGINT)
+
+    timer = threading.Thread(target=press)
     try:  # the loader is infinite: only the interrupt ends this loop
         timer.start()
         for b in it:
             batches.append(b)  # no interrupt check between receiving and keeping it
     except KeyboardInterrupt:
-        pass
+        stop.set()
     timer.join()
     assert dl.samples_consumed == len(batches) * 4, (dl.samples_consumed, len(batches))
 assert len(batches) < 24
