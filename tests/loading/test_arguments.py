@@ -163,6 +163,9 @@ from tests.resume_checker import digest, take
 # a hang shows where every thread waits (stderr, in the assertion message) before the
 # test's own timeout kills the process without a word
 faulthandler.dump_traceback_later(180, exit=True)
+# a terminal's Python raises KeyboardInterrupt on SIGINT; a process started in the background
+# by a non-interactive shell (nohup ... &) inherits SIGINT ignored, and Python keeps that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 N = 300
 ids = np.arange(N, dtype=np.int64)
