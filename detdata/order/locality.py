@@ -37,6 +37,7 @@ derived key per distinct window of a request). Nothing of size ``n`` is stored.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,7 +51,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.keys import derive
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.feistel import ROUNDS, domain_bits, permute_many, unpermute_one
+from detdata.order.feistel import ROUNDS, domain_bits, encrypt_many, permute_many, unpermute_one
 from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "locality-v1"
@@ -112,6 +113,56 @@ def check_shard_sizes(sizes: object) -> tuple[int, ...]:
         )
     if total >= MAX_POSITION:
         raise ConfigError(f"shard_sizes sum to {total} >= 2**62 samples")
+    return out
+
+
+#: Cost model of `_tables_pay`, in units of one element of one encryption pass: the fixed
+#: cost of a pass (tens of numpy calls) and of one table-lookup step of cycle walking.
+_PASS_COST: Final = 1500.0
+_LOOKUP_COST: Final = 0.15
+
+
+def _tables_pay(size: IntArray, bits: U64Array, count: int) -> bool:
+    """Whether `_walk_tables` (encrypt every value of each window's domain once, then walk
+    cycles by lookups) is cheaper than `permute_many` (encrypt the ``count`` positions,
+    then re-encrypt the pending ones pass after pass) for windows of ``size`` samples and
+    domains of ``2**bits``. Both give the same values; this only picks the faster one."""
+    domain = np.left_shift(1, bits.astype(np.int64))
+    walk = float(((domain - size) / domain).max())  # chance that one encryption walks on
+    passes = 1.0 + math.log(max(count, 2)) / -math.log(max(walk, 1e-9))
+    per_element = count / (1.0 - walk) + _PASS_COST * passes
+    tables = float(domain.sum()) + _PASS_COST + count * _LOOKUP_COST * passes
+    return tables < per_element
+
+
+def _walk_tables(
+    offsets: IntArray, size: IntArray, keys: U64Array, bits: U64Array, inverse: IntArray
+) -> IntArray:
+    """``P(size[w], keys[:, w])(offsets[e])`` for ``w = inverse[e]``: each window's Feistel
+    network applied once to every value of its domain ``[0, 2**bits[w])`` (one vectorised
+    pass over all windows), then cycle walking as lookups in those tables (walking ``E``
+    from a value is following the table from it). The same values as `permute_many`."""
+    domain = np.left_shift(1, bits.astype(np.int64))
+    starts = np.zeros(domain.size, dtype=np.int64)
+    np.cumsum(domain[:-1], out=starts[1:])
+    total = int(starts[-1] + domain[-1])
+    lo_bits = bits // np.uint64(2)
+    hi_bits = bits - lo_bits
+    if domain.size == 1:  # one window: its keys and split broadcast to the whole table
+        values = np.arange(total, dtype=np.uint64)
+    else:
+        owner = np.repeat(np.arange(domain.size), domain)
+        values = (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
+        keys, lo_bits, hi_bits = keys[:, owner], lo_bits[owner], hi_bits[owner]
+    table = encrypt_many(values, keys, lo_bits, hi_bits).astype(np.int64)
+    base = starts[inverse]
+    limit = size[inverse]
+    out: IntArray = table[base + offsets]
+    pending = np.flatnonzero(out >= limit)
+    while pending.size:
+        walked = table[base[pending] + out[pending]]
+        out[pending] = walked
+        pending = pending[walked >= limit[pending]]
     return out
 
 
@@ -234,11 +285,14 @@ class WindowedOrder:
         size = table.window_starts[unique + 1] - first
         bits = np.array([domain_bits(int(m)) for m in size.tolist()], dtype=np.uint64)
         keys = _window_keys(self.seed, epoch, unique.tolist())
-        m = size.astype(np.uint64)
-        if unique.size > 1:  # else one window: its key, size and bits broadcast to all
-            keys, m, bits, first = keys[:, inverse], m[inverse], bits[inverse], first[inverse]
-        shuffled = permute_many((local - first).astype(np.uint64), m, keys, bits)
-        q = first + shuffled.astype(np.int64)
+        if _tables_pay(size, bits, local.size):
+            q = first[inverse] + _walk_tables(local - first[inverse], size, keys, bits, inverse)
+        else:
+            m = size.astype(np.uint64)
+            if unique.size > 1:  # else one window: its key, size and bits broadcast to all
+                keys, m, bits, first = keys[:, inverse], m[inverse], bits[inverse], first[inverse]
+            shuffled = permute_many((local - first).astype(np.uint64), m, keys, bits)
+            q = first + shuffled.astype(np.int64)
         slot = np.searchsorted(table.slot_starts, q, side="right") - 1
         result: IntArray = q + table.id_offset[slot]
         return result

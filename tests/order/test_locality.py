@@ -27,8 +27,13 @@ from hypothesis import strategies as st
 
 from detdata.base.errors import ConfigError
 from detdata.order.choice import LocalityOrder, Order, check_order, order_name
-from detdata.order.feistel import GlobalOrder, round_keys
-from detdata.order.locality import ALGORITHM, WindowedOrder, _shard_keys
+from detdata.order.feistel import GlobalOrder, permute_many, round_keys
+from detdata.order.locality import (
+    ALGORITHM,
+    WindowedOrder,
+    _shard_keys,
+    _walk_tables,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "order_locality_v1.json"
 M64 = (1 << 64) - 1
@@ -210,6 +215,61 @@ def test_each_epoch_is_the_reference_bijection(
     )
     assert sorted(ids.tolist()) == list(range(n))
     assert ids.tolist() == ref_epoch(sizes, k, seed, epoch)
+
+
+@HYP
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    seed=st.integers(0, M64),
+    data=st.data(),
+)
+def test_both_evaluations_of_the_window_permutation_are_the_reference(
+    sizes: list[int], seed: int, data: st.DataObject
+) -> None:
+    """`_walk_tables` (each window's whole domain encrypted once, cycles walked by lookup)
+    and `permute_many` (positions encrypted pass after pass) are two evaluations of step 5;
+    `_tables_pay` only picks between them: both equal ``P(m, K)`` of the reference."""
+    windows = len(sizes)
+    keys = [ref_keys(b"detdata:locality-v1:window", seed, 0, w) for w in range(windows)]
+    rng = np.random.default_rng(data.draw(st.integers(0, M64)))
+    owner = rng.integers(0, windows, size=data.draw(st.integers(1, 200)))
+    offsets = np.array([rng.integers(0, sizes[w]) for w in owner.tolist()], dtype=np.int64)
+    size = np.array(sizes, dtype=np.int64)
+    bits = np.array([max(2, (m - 1).bit_length()) for m in sizes], dtype=np.uint64)
+    table = np.array(keys, dtype=np.uint64).T.copy()  # (ROUNDS, windows)
+    want = [
+        ref_perm(sizes[w], keys[w], int(x)) for w, x in zip(owner.tolist(), offsets, strict=True)
+    ]
+    by_tables = _walk_tables(offsets, size, table, bits, owner)
+    by_passes = permute_many(
+        offsets.astype(np.uint64), size[owner].astype(np.uint64), table[:, owner], bits[owner]
+    )
+    assert by_tables.tolist() == want
+    assert by_passes.astype(np.int64).tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("sizes", "count", "tables"), [([80] * 60, 4096, True), ([8000], 16, False)]
+)
+def test_requests_use_either_evaluation(
+    sizes: list[int], count: int, tables: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many small windows take `_walk_tables`, a few positions of one large window take
+    `permute_many`: both deliver the reference ids."""
+    import detdata.order.locality as locality
+
+    calls: list[int] = []
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return _walk_tables(*args)
+
+    monkeypatch.setattr(locality, "_walk_tables", spy)
+    order = WindowedOrder(sizes, 11, window_shards=1)
+    pos = np.random.default_rng(count).integers(0, order.num_samples, size=count)
+    want = np.array(ref_epoch(sizes, 1, 11, 0))[pos]
+    np.testing.assert_array_equal(order.ids(pos), want)
+    assert bool(calls) is tables
 
 
 @pytest.mark.parametrize("k", [1, 7, 64, 10**6])
