@@ -740,6 +740,26 @@ class ShardReader(ProcessLocal, abc.ABC):
                 found=list(now),
             )
 
+    def _record_stats(
+        self, ids: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], now: npt.NDArray[np.uint64]
+    ) -> bool:
+        """Record the first open of the distinct shards ``ids`` from their files' ``sizes``
+        and identities ``now`` (`_identity` rows), as `_check_identity` would one by one;
+        False (nothing raised, the ones that passed recorded) when a size is not the
+        manifest's or another thread recorded a different file first: the caller's
+        one-by-one path then raises the exact error."""
+        if bool((sizes != self._size_array[ids]).any()):
+            return False
+        if self.cache_dir is not None and self._uses_shard_cache():
+            return True  # cached copies: checked against their (path, inode)
+        recorded = np.frombuffer(self._recorded, dtype=np.uint8)
+        with self._first_lock:
+            new = recorded[ids] == 0
+            self._first_files[ids[new]] = now[new]
+            recorded[ids[new]] = 1
+            seen = self._first_files[ids[~new]]
+        return bool((seen == now[~new]).all())
+
     def _check_opened_all(
         self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
     ) -> None:

@@ -82,7 +82,7 @@ from detdata.datasets.shards import ShardReader, renamed_argument
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.cache import ShardCache
-from detdata.storage.fileread import INODE, MTIME_NS, NATIVE, SIZE, read_files
+from detdata.storage.fileread import INODE, MTIME_NS, NATIVE, SIZE, read_files, stat_files
 from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.ranges import read_coalesced
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -771,30 +771,22 @@ class TokenWindows(ShardReader):
         )
 
     def _record_first_opens(self, shards: IntArray) -> bool:
-        """Open, record (`_check_stat`) and close each of ``shards`` not opened before in
-        this process, so that a first open is recorded before any of its bytes are read
-        (a reader thread meeting a replacement later is compared with the file first
-        seen). False at the first shard that cannot be opened or recorded (missing, wrong
-        size, changed): the caller reads the whole batch with `_preadv_python`, which
-        raises at the first culprit in read order."""
+        """Record each of ``shards`` not opened before in this process from a ``stat`` of
+        its file (`stat_files`, no GIL; `ShardReader._record_stats`), so that a first open
+        is recorded before any of its bytes are read (the ``fstat`` after the read, and a
+        reader thread meeting a replacement later, are compared with the file first seen).
+        False at the first shard that cannot be stat'ed or recorded (missing, wrong size,
+        changed): the caller reads the whole batch with `_preadv_python`, which raises at
+        the first culprit in read order."""
         fresh = shards[np.frombuffer(self._recorded, dtype=np.uint8)[shards] == 0]
         if not fresh.size:
             return True
-        prefix = join(self._root_path, "")
-        entries = self.manifest.shards
-        for sh in fresh.tolist():
-            path = prefix + entries[sh].path
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                return False
-            try:
-                self._check_stat(sh, os.fstat(fd), path)
-            except VerificationError:
-                return False
-            finally:
-                os.close(fd)
-        return True
+        done, stats = stat_files(
+            os.fsencode(join(self._root_path, "")), self._encoded_names(), fresh
+        )
+        return done == fresh.size and self._record_stats(
+            fresh, stats[:, 0], stats[:, 1:].view(np.uint64)
+        )
 
     def _preadv_python(
         self,

@@ -166,6 +166,19 @@ def domain_bits(n: int) -> int:
     return max(2, (n - 1).bit_length())
 
 
+#: Below this many samples `domain_bits_many` takes the exponent of a float64 (exact).
+_EXACT_FLOAT: Final = 1 << 52
+
+
+def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
+    """`domain_bits` of each of ``n`` (each ``>= 1``), vectorised."""
+    sizes = np.asarray(n, dtype=np.int64)
+    if sizes.size and int(sizes.max()) < _EXACT_FLOAT:  # frexp(x)[1] == bit_length(x)
+        bits = np.frexp((sizes - 1).astype(np.float64))[1]
+        return np.maximum(bits, 2).astype(np.uint64)
+    return np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
+
+
 def permute(
     indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int
 ) -> npt.NDArray[np.uint64]:

@@ -31,7 +31,13 @@ depend on ``(algorithm, seed, epoch[, window])`` through blake3 only.
 
 Cost: per epoch touched, O(S) once (``sigma`` and the prefix sums, cached for a few
 epochs); then O(1) per position (a binary search over windows and over slots, and one
-derived key per distinct window of a request). Nothing of size ``n`` is stored.
+derived key per distinct window of a request). Nothing of size ``n`` is stored. Step 5
+is evaluated one of two ways, whichever costs less for the request (`_tables_pay`; the
+values are the same): the positions encrypted, then the ones still outside ``[0, m_w)``
+re-encrypted pass after pass (`permute_many`), or, when a request covers most of its
+windows (small windows: cycle walking would take many passes), every value of each
+window's domain encrypted once and the cycles walked by lookups in that table
+(`_walk_tables`, O(request + its windows' domains) memory).
 """
 
 from __future__ import annotations
@@ -49,9 +55,16 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
-from detdata.base.keys import derive
+from detdata.base.keys import derive, derive_many
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.feistel import ROUNDS, domain_bits, encrypt_many, permute_many, unpermute_one
+from detdata.order.feistel import (
+    ROUNDS,
+    domain_bits,
+    domain_bits_many,
+    encrypt_many,
+    permute_many,
+    unpermute_one,
+)
 from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "locality-v1"
@@ -70,14 +83,9 @@ def _shard_keys(seed: int, epoch: int) -> U64Array:
     )
 
 
-@functools.lru_cache(maxsize=65536)
-def _window_key_bytes(seed: int, epoch: int, window: int) -> bytes:
-    return derive(_WINDOW_TAG, seed, epoch, window, length=_KEY_BYTES)
-
-
 def _window_keys(seed: int, epoch: int, windows: Sequence[int]) -> U64Array:
     """Round keys of each of ``windows`` as ``(ROUNDS, len(windows))``."""
-    material = b"".join([_window_key_bytes(seed, epoch, w) for w in windows])
+    material = derive_many(_WINDOW_TAG, seed, epoch, last=windows, length=_KEY_BYTES)
     table = np.frombuffer(material, dtype="<u8").reshape(len(windows), ROUNDS)
     return np.ascontiguousarray(table.T, dtype=np.uint64)
 
@@ -283,7 +291,7 @@ class WindowedOrder:
         inverse = inverse.reshape(-1)
         first = table.window_starts[unique]
         size = table.window_starts[unique + 1] - first
-        bits = np.array([domain_bits(int(m)) for m in size.tolist()], dtype=np.uint64)
+        bits = domain_bits_many(size)
         keys = _window_keys(self.seed, epoch, unique.tolist())
         if _tables_pay(size, bits, local.size):
             q = first[inverse] + _walk_tables(local - first[inverse], size, keys, bits, inverse)

@@ -17,6 +17,9 @@
  * raises the exact error the loop would. Arguments that do not fit each other (a buffer
  * outside `out`, a shard index outside `names`, arrays of the wrong length) raise
  * ValueError before any file is opened.
+ *
+ * stat_shards (below): the stat of each of many files, for a caller that records each
+ * shard's first open before reading it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -58,6 +61,13 @@ static void release(held_buffer *b) {
     }
 }
 
+static void put_stat(const struct stat *st, int64_t *at) {
+    at[0] = (int64_t)st->st_size;
+    at[1] = (int64_t)(uint64_t)st->st_ino;
+    at[2] = (int64_t)(uint64_t)st->st_dev;
+    at[3] = (int64_t)((uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec);
+}
+
 static int read_one(const char *path, int64_t at, int64_t want, struct iovec *iov, int k,
                     int64_t *row) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -72,10 +82,7 @@ static int read_one(const char *path, int64_t at, int64_t want, struct iovec *io
         return -1;
     }
     row[0] = (int64_t)got;
-    row[1] = (int64_t)st.st_size;
-    row[2] = (int64_t)(uint64_t)st.st_ino;
-    row[3] = (int64_t)(uint64_t)st.st_dev;
-    row[4] = (int64_t)((uint64_t)st.st_mtim.tv_sec * 1000000000ULL + (uint64_t)st.st_mtim.tv_nsec);
+    put_stat(&st, row + 1);
     return 0;
 }
 
@@ -289,7 +296,95 @@ done:
     return result;
 }
 
+/* stat_shards(prefix, names, shards, stats) -> files stat'ed
+ *
+ * For i in 0..n-1: stat(prefix + names[shards[i]]); stats[i] = (st_size, st_ino, st_dev,
+ * st_mtime_ns) as raw 64-bit patterns. Without the GIL; stops at the first file it cannot
+ * stat (or whose path holds a NUL byte or is too long) and returns its index. */
+static PyObject *stat_shards(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *prefix_obj, *names, *objs[2];
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyBytes_Type, &prefix_obj, &PyList_Type, &names,
+                          &objs[0], &objs[1])) {
+        return NULL;
+    }
+    held_buffer b[2] = {{{0}, 0}};
+    PyObject *result = NULL;
+    PyObject **held = NULL;
+    const char **paths = NULL;
+    size_t *lens = NULL;
+    Py_ssize_t nheld = 0;
+    if (take(objs[0], &b[0], 0, "shards") < 0 || take(objs[1], &b[1], 1, "stats") < 0) {
+        goto done;
+    }
+    Py_ssize_t n = b[0].view.len / 8;
+    if (b[1].view.len / 8 < 4 * n) {
+        PyErr_SetString(PyExc_ValueError, "stat_shards: arrays of mismatched lengths");
+        goto done;
+    }
+    const int64_t *shards = b[0].view.buf;
+    int64_t *stats = b[1].view.buf;
+    size_t count = (size_t)(n > 0 ? n : 1);
+    held = PyMem_Malloc(count * sizeof(PyObject *));
+    paths = PyMem_Malloc(count * sizeof(char *));
+    lens = PyMem_Malloc(count * sizeof(size_t));
+    if (held == NULL || paths == NULL || lens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (shards[i] < 0 || shards[i] >= PyList_GET_SIZE(names)) {
+            PyErr_SetString(PyExc_ValueError, "stat_shards: shard index out of range");
+            goto done;
+        }
+        PyObject *name = PyList_GET_ITEM(names, shards[i]);
+        if (!PyBytes_Check(name)) {
+            PyErr_SetString(PyExc_ValueError, "stat_shards: names must be bytes");
+            goto done;
+        }
+        Py_INCREF(name);
+        held[nheld++] = name;
+        paths[i] = PyBytes_AS_STRING(name);
+        lens[i] = (size_t)PyBytes_GET_SIZE(name);
+    }
+    const char *prefix = PyBytes_AS_STRING(prefix_obj);
+    size_t plen = (size_t)PyBytes_GET_SIZE(prefix_obj);
+    Py_ssize_t i = 0;
+    Py_BEGIN_ALLOW_THREADS
+    char path[PATH_MAX];
+    struct stat st;
+    if (memchr(prefix, 0, plen) != NULL) {
+        n = 0; /* the caller's loop raises */
+    }
+    for (; i < n; i++) {
+        if (plen + lens[i] + 1 > sizeof(path) || memchr(paths[i], 0, lens[i]) != NULL) {
+            break;
+        }
+        memcpy(path, prefix, plen);
+        memcpy(path + plen, paths[i], lens[i] + 1);
+        if (stat(path, &st) != 0) {
+            break;
+        }
+        put_stat(&st, stats + 4 * i);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(i);
+done:
+    for (Py_ssize_t k = 0; k < nheld; k++) {
+        Py_DECREF(held[k]);
+    }
+    PyMem_Free(held);
+    PyMem_Free(paths);
+    PyMem_Free(lens);
+    release(&b[0]);
+    release(&b[1]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"stat_shards", stat_shards, METH_VARARGS,
+     "stat_shards(prefix, names, shards, stats) -> files stat'ed (see "
+     "detdata.storage.fileread)"},
     {"read_shards", read_shards, METH_VARARGS,
      "read_shards(prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, "
      "stats) -> shards fully read (see detdata.storage.fileread)"},

@@ -72,3 +72,15 @@ def test_mixture_locate_with_many_sources_uses_each_sources_order() -> None:
         for s, name in enumerate(names):
             sel = src == s
             np.testing.assert_array_equal(ids[sel], m.orders[name].ids(index[sel]))
+
+
+@given(st.lists(st.one_of(st.integers(1, 5000), st.integers(1, (1 << 62) - 1)), max_size=50))
+def test_domain_bits_many_is_domain_bits_of_each(values: list[int]) -> None:
+    """The vectorised form (a float64 exponent below 2**52) against ``bit_length``."""
+    from detdata.order.feistel import domain_bits_many
+
+    powers = [1 << p for p in range(53)] + [(1 << p) + 1 for p in range(53)]
+    powers += [(1 << p) - 1 for p in range(1, 62)]
+    for sample in (values, powers, [(1 << 52) - 1, 1 << 52, (1 << 62) - 1]):
+        got = domain_bits_many(np.asarray(sample, dtype=np.int64)).tolist()
+        assert got == [max(2, (m - 1).bit_length()) for m in sample]

@@ -303,3 +303,33 @@ def _read_into(got: list[int], args: tuple[object, ...]) -> None:
         got.append(read_files(*args, threads=1)[0])  # type: ignore[arg-type]
     except ValueError:
         got.append(-1)
+
+
+@native
+def test_stat_files_reports_each_files_stat_and_stops_at_the_first_missing(
+    tmp_path: Path,
+) -> None:
+    """`stat_files` (first opens are recorded from it before the read): ``os.stat`` of
+    each file, in the order asked, up to the first it cannot stat."""
+    prefix, names, _ = _files(tmp_path, [10, 20, 30])
+    names.append(b"missing")
+    names.append(b"nul\x00f0")  # a NUL would stat another file: it stops there
+    done, stats = fileread.stat_files(prefix, names, np.asarray([2, 0, 1, 2], dtype=np.int64))
+    assert done == 4
+    for row, shard in zip(stats, (2, 0, 1, 2), strict=True):
+        st = os.stat(tmp_path / f"f{shard}")
+        want = [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns]
+        assert [int(v) for v in row.view(np.uint64)] == want
+    for stop in (3, 4):
+        done, stats = fileread.stat_files(prefix, names, np.asarray([1, stop, 0], np.int64))
+        assert done == 1 and not stats[1:].any()
+    with pytest.raises(ValueError, match="out of range"):
+        fileread.stat_files(prefix, names, np.asarray([0, 9], dtype=np.int64))
+
+
+def test_stat_files_without_the_extension_stats_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix, names, _ = _files(tmp_path, [10])
+    monkeypatch.setattr(fileread, "_fileread", None)
+    assert fileread.stat_files(prefix, names, np.asarray([0], dtype=np.int64))[0] == 0
