@@ -229,7 +229,7 @@ U64Array = npt.NDArray[np.uint64]
 _ONE: Final = np.uint64(1)
 
 
-def encrypt_many(x: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
+def encrypt_many(x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """``E(x)`` (step 4) with per-element round keys ``keys[r]`` and domain split (each an
     array shaped like ``x``, or one value broadcast to all); allocates its temporaries."""
     lo_mask = (_ONE << lo_bits) - _ONE

@@ -143,26 +143,40 @@ def _tables_pay(size: IntArray, bits: U64Array, count: int) -> bool:
     return tables < per_element
 
 
+#: `WindowedOrder._in_epoch` finds the slots by a table over its windows' positions (not a
+#: binary search per position) when they are at most this many times the request's.
+_SLOT_TABLE_FACTOR: Final = 4
+
+
+def _starts(counts: IntArray) -> IntArray:
+    """Exclusive prefix sums of ``counts``: where each of them starts when concatenated."""
+    out = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
 def _walk_tables(
     offsets: IntArray, size: IntArray, keys: U64Array, bits: U64Array, inverse: IntArray
 ) -> IntArray:
     """``P(size[w], keys[:, w])(offsets[e])`` for ``w = inverse[e]``: each window's Feistel
-    network applied once to every value of its domain ``[0, 2**bits[w])`` (one vectorised
-    pass over all windows), then cycle walking as lookups in those tables (walking ``E``
-    from a value is following the table from it). The same values as `permute_many`."""
-    domain = np.left_shift(1, bits.astype(np.int64))
-    starts = np.zeros(domain.size, dtype=np.int64)
-    np.cumsum(domain[:-1], out=starts[1:])
-    total = int(starts[-1] + domain[-1])
-    lo_bits = bits // np.uint64(2)
-    hi_bits = bits - lo_bits
-    if domain.size == 1:  # one window: its keys and split broadcast to the whole table
-        values = np.arange(total, dtype=np.uint64)
-    else:
-        owner = np.repeat(np.arange(domain.size), domain)
-        values = (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
-        keys, lo_bits, hi_bits = keys[:, owner], lo_bits[owner], hi_bits[owner]
-    table = encrypt_many(values, keys, lo_bits, hi_bits).astype(np.int64)
+    network applied once to every value of its domain ``[0, 2**bits[w])`` (windows of one
+    domain size as the rows of one 2-D pass, their keys broadcast along the rows), then
+    cycle walking as lookups in those tables (walking ``E`` from a value is following the
+    table from it). The same values as `permute_many`."""
+    starts = np.empty(size.size, dtype=np.int64)
+    parts = []
+    at = 0
+    for b in np.unique(bits).tolist():
+        rows = np.flatnonzero(bits == b)
+        width = 1 << b
+        values = np.broadcast_to(np.arange(width, dtype=np.uint64), (rows.size, width))
+        lo_bits = np.uint64(b // 2)
+        hi_bits = np.uint64(b - b // 2)
+        row_keys = keys[:, rows, None]  # (ROUNDS, rows, 1): one key per row
+        parts.append(encrypt_many(values, row_keys, lo_bits, hi_bits).reshape(-1))
+        starts[rows] = at + width * np.arange(rows.size, dtype=np.int64)
+        at += width * rows.size
+    table = (parts[0] if len(parts) == 1 else np.concatenate(parts)).astype(np.int64)
     base = starts[inverse]
     limit = size[inverse]
     out: IntArray = table[base + offsets]
@@ -294,16 +308,32 @@ class WindowedOrder:
         bits = domain_bits_many(size)
         keys = _window_keys(self.seed, epoch, unique.tolist())
         if _tables_pay(size, bits, local.size):
-            q = first[inverse] + _walk_tables(local - first[inverse], size, keys, bits, inverse)
+            shuffled = _walk_tables(local - first[inverse], size, keys, bits, inverse)
         else:
-            m = size.astype(np.uint64)
+            m, b, k = size.astype(np.uint64), bits, keys
             if unique.size > 1:  # else one window: its key, size and bits broadcast to all
-                keys, m, bits, first = keys[:, inverse], m[inverse], bits[inverse], first[inverse]
-            shuffled = permute_many((local - first).astype(np.uint64), m, keys, bits)
-            q = first + shuffled.astype(np.int64)
-        slot = np.searchsorted(table.slot_starts, q, side="right") - 1
-        result: IntArray = q + table.id_offset[slot]
+                k, m, b = keys[:, inverse], m[inverse], bits[inverse]
+            inside = (local - first[inverse]).astype(np.uint64)
+            shuffled = permute_many(inside, m, k, b).astype(np.int64)
+        q = first[inverse] + shuffled
+        if int(size.sum()) <= _SLOT_TABLE_FACTOR * local.size:
+            offsets = self._slot_offsets(table, unique, size)
+            result: IntArray = q + offsets[_starts(size)[inverse] + shuffled]
+        else:
+            slot = np.searchsorted(table.slot_starts, q, side="right") - 1
+            result = q + table.id_offset[slot]
         return result
+
+    def _slot_offsets(self, table: _Epoch, windows: IntArray, size: IntArray) -> IntArray:
+        """Step 6 as a table: for each position of each of ``windows`` (their positions
+        concatenated, ``size[w]`` each), ``id_offset`` of the slot holding it (the same
+        values as a binary search over ``slot_starts``, in one pass over the positions)."""
+        k = self.window_shards
+        lo = windows * k
+        count = np.minimum(lo + k, len(self.shard_sizes)) - lo  # slots per window
+        slots = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(lo - _starts(count), count)
+        held = table.slot_starts[slots + 1] - table.slot_starts[slots]  # positions per slot
+        return np.repeat(table.id_offset[slots], held)
 
     # ------------------------------------------------------------------ the reverse
     def positions_of(self, sample_id: int, *, until: int, start: int = 0) -> IntArray:
