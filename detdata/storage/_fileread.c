@@ -173,6 +173,54 @@ static Py_ssize_t run_jobs(job_t *base, Py_ssize_t n, int threads) {
     return n;
 }
 
+/* References to the names a loop reads: another thread may change `names` while the loop
+ * runs without the GIL, so each name read is owned until the loop ends. */
+typedef struct {
+    PyObject **held;
+    const char **paths; /* per file i (not per shard) */
+    size_t *lens;
+    Py_ssize_t nheld;
+} name_refs;
+
+/* Own names[shards[i]] for i in 0..n-1, pointing paths[i] / lens[i] at its bytes; -1 with
+ * a ValueError (naming `who`) for an index outside `names` or a name that is not bytes. */
+static int hold_names(PyObject *names, const int64_t *shards, Py_ssize_t n, name_refs *r,
+                      const char *who) {
+    size_t count = (size_t)(n > 0 ? n : 1);
+    r->held = PyMem_Malloc(count * sizeof(PyObject *));
+    r->paths = PyMem_Malloc(count * sizeof(char *));
+    r->lens = PyMem_Malloc(count * sizeof(size_t));
+    if (r->held == NULL || r->paths == NULL || r->lens == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (shards[i] < 0 || shards[i] >= PyList_GET_SIZE(names)) {
+            PyErr_Format(PyExc_ValueError, "%s: shard index out of range", who);
+            return -1;
+        }
+        PyObject *name = PyList_GET_ITEM(names, shards[i]);
+        if (!PyBytes_Check(name)) {
+            PyErr_Format(PyExc_ValueError, "%s: names must be bytes", who);
+            return -1;
+        }
+        Py_INCREF(name);
+        r->held[r->nheld++] = name;
+        r->paths[i] = PyBytes_AS_STRING(name);
+        r->lens[i] = (size_t)PyBytes_GET_SIZE(name);
+    }
+    return 0;
+}
+
+static void drop_names(name_refs *r) {
+    for (Py_ssize_t i = 0; i < r->nheld; i++) {
+        Py_DECREF(r->held[i]);
+    }
+    PyMem_Free(r->held);
+    PyMem_Free(r->paths);
+    PyMem_Free(r->lens);
+}
+
 static PyObject *read_shards(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *prefix_obj, *names, *objs[8];
@@ -187,10 +235,7 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     static const int writable[8] = {0, 0, 0, 1, 0, 0, 0, 1};
     held_buffer b[8] = {{{0}, 0}};
     PyObject *result = NULL;
-    const char **paths = NULL;
-    size_t *lens = NULL;
-    PyObject **held = NULL;
-    Py_ssize_t nheld = 0;
+    name_refs refs = {NULL, NULL, NULL, 0};
     for (int i = 0; i < 8; i++) {
         if (take(objs[i], &b[i], writable[i], what[i]) < 0) {
             goto done;
@@ -230,33 +275,8 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    paths = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(char *));
-    lens = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(size_t));
-    if (paths == NULL || lens == NULL) {
-        PyErr_NoMemory();
+    if (hold_names(names, shards, n, &refs, "read_shards") < 0) {
         goto done;
-    }
-    /* own a reference to every name read: another thread may change `names` while the
-     * loop runs without the GIL */
-    held = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(PyObject *));
-    if (held == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (shards[i] >= PyList_GET_SIZE(names)) {
-            PyErr_SetString(PyExc_ValueError, "read_shards: shard index out of range");
-            goto done;
-        }
-        PyObject *name = PyList_GET_ITEM(names, shards[i]);
-        if (!PyBytes_Check(name)) {
-            PyErr_SetString(PyExc_ValueError, "read_shards: names must be bytes");
-            goto done;
-        }
-        Py_INCREF(name);
-        held[nheld++] = name;
-        paths[i] = PyBytes_AS_STRING(name);
-        lens[i] = (size_t)PyBytes_GET_SIZE(name);
     }
     if (threads < 1) {
         PyErr_SetString(PyExc_ValueError, "read_shards: threads must be >= 1");
@@ -268,8 +288,8 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     job_t base = {
         .prefix = PyBytes_AS_STRING(prefix_obj),
         .plen = (size_t)PyBytes_GET_SIZE(prefix_obj),
-        .paths = paths,
-        .lens = lens,
+        .paths = refs.paths,
+        .lens = refs.lens,
         .file_at = file_at,
         .wants = wants,
         .iov_off = iov_off,
@@ -284,12 +304,7 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(finished);
 done:
-    for (Py_ssize_t i = 0; i < nheld; i++) {
-        Py_DECREF(held[i]);
-    }
-    PyMem_Free(held);
-    PyMem_Free(paths);
-    PyMem_Free(lens);
+    drop_names(&refs);
     for (int i = 0; i < 8; i++) {
         release(&b[i]);
     }
@@ -310,10 +325,7 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
     }
     held_buffer b[2] = {{{0}, 0}};
     PyObject *result = NULL;
-    PyObject **held = NULL;
-    const char **paths = NULL;
-    size_t *lens = NULL;
-    Py_ssize_t nheld = 0;
+    name_refs refs = {NULL, NULL, NULL, 0};
     if (take(objs[0], &b[0], 0, "shards") < 0 || take(objs[1], &b[1], 1, "stats") < 0) {
         goto done;
     }
@@ -324,29 +336,11 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
     }
     const int64_t *shards = b[0].view.buf;
     int64_t *stats = b[1].view.buf;
-    size_t count = (size_t)(n > 0 ? n : 1);
-    held = PyMem_Malloc(count * sizeof(PyObject *));
-    paths = PyMem_Malloc(count * sizeof(char *));
-    lens = PyMem_Malloc(count * sizeof(size_t));
-    if (held == NULL || paths == NULL || lens == NULL) {
-        PyErr_NoMemory();
+    if (hold_names(names, shards, n, &refs, "stat_shards") < 0) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (shards[i] < 0 || shards[i] >= PyList_GET_SIZE(names)) {
-            PyErr_SetString(PyExc_ValueError, "stat_shards: shard index out of range");
-            goto done;
-        }
-        PyObject *name = PyList_GET_ITEM(names, shards[i]);
-        if (!PyBytes_Check(name)) {
-            PyErr_SetString(PyExc_ValueError, "stat_shards: names must be bytes");
-            goto done;
-        }
-        Py_INCREF(name);
-        held[nheld++] = name;
-        paths[i] = PyBytes_AS_STRING(name);
-        lens[i] = (size_t)PyBytes_GET_SIZE(name);
-    }
+    const char **paths = refs.paths;
+    const size_t *lens = refs.lens;
     const char *prefix = PyBytes_AS_STRING(prefix_obj);
     size_t plen = (size_t)PyBytes_GET_SIZE(prefix_obj);
     Py_ssize_t i = 0;
@@ -370,12 +364,7 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(i);
 done:
-    for (Py_ssize_t k = 0; k < nheld; k++) {
-        Py_DECREF(held[k]);
-    }
-    PyMem_Free(held);
-    PyMem_Free(paths);
-    PyMem_Free(lens);
+    drop_names(&refs);
     release(&b[0]);
     release(&b[1]);
     return result;
