@@ -43,10 +43,10 @@ typedef struct {
     int held;
 } held_buffer;
 
-static int take(PyObject *obj, held_buffer *b, int writable, const char *what) {
+static int take(PyObject *obj, held_buffer *b, int writable, const char *who, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
-        PyErr_Format(PyExc_ValueError, "read_shards: %s must be a contiguous %sbuffer", what,
+        PyErr_Format(PyExc_ValueError, "%s: %s must be a contiguous %sbuffer", who, what,
                      writable ? "writable " : "");
         return -1;
     }
@@ -237,7 +237,7 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     name_refs refs = {NULL, NULL, NULL, 0};
     for (int i = 0; i < 8; i++) {
-        if (take(objs[i], &b[i], writable[i], what[i]) < 0) {
+        if (take(objs[i], &b[i], writable[i], "read_shards", what[i]) < 0) {
             goto done;
         }
     }
@@ -326,7 +326,8 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
     held_buffer b[2] = {{{0}, 0}};
     PyObject *result = NULL;
     name_refs refs = {NULL, NULL, NULL, 0};
-    if (take(objs[0], &b[0], 0, "shards") < 0 || take(objs[1], &b[1], 1, "stats") < 0) {
+    if (take(objs[0], &b[0], 0, "stat_shards", "shards") < 0 ||
+        take(objs[1], &b[1], 1, "stat_shards", "stats") < 0) {
         goto done;
     }
     Py_ssize_t n = b[0].view.len / 8;
