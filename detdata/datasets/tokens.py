@@ -771,7 +771,7 @@ class TokenWindows(ShardReader):
         )
 
     def _record_first_opens(self, shards: IntArray) -> bool:
-        """Record each of ``shards`` not opened before in this process from a ``stat`` of
+        """Record each of ``shards`` not opened before in this process from an ``fstat`` of
         its file (`stat_files`, no GIL; `ShardReader._record_stats`), so that a first open
         is recorded before any of its bytes are read (the ``fstat`` after the read, and a
         reader thread meeting a replacement later, are compared with the file first seen).

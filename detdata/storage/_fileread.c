@@ -313,9 +313,10 @@ done:
 
 /* stat_shards(prefix, names, shards, stats) -> files stat'ed
  *
- * For i in 0..n-1: stat(prefix + names[shards[i]]); stats[i] = (st_size, st_ino, st_dev,
- * st_mtime_ns) as raw 64-bit patterns. Without the GIL; stops at the first file it cannot
- * stat (or whose path holds a NUL byte or is too long) and returns its index. */
+ * For i in 0..n-1: open(prefix + names[shards[i]]), fstat, close; stats[i] = (st_size,
+ * st_ino, st_dev, st_mtime_ns) as raw 64-bit patterns. Without the GIL; stops at the first
+ * file it cannot open or fstat (or whose path holds a NUL byte or is too long) and returns
+ * its index. */
 static PyObject *stat_shards(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *prefix_obj, *names, *objs[2];
@@ -357,7 +358,15 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
         }
         memcpy(path, prefix, plen);
         memcpy(path + plen, paths[i], lens[i] + 1);
-        if (stat(path, &st) != 0) {
+        /* open + fstat, as a read's open would see the file (on NFS a path stat may
+         * answer from cached attributes; an open revalidates them) */
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            break;
+        }
+        int ok = fstat(fd, &st) == 0;
+        close(fd);
+        if (!ok) {
             break;
         }
         put_stat(&st, stats + 4 * i);

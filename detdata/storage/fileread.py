@@ -100,11 +100,13 @@ def read_files(
 
 
 def stat_files(prefix: bytes, names: list[bytes], shards: IntArray) -> tuple[int, IntArray]:
-    """``stat`` of file ``prefix + names[shards[i]]`` for i = 0, 1, ... without the GIL:
-    ``(done, stats)`` with ``stats[i]`` = (size, inode, device, mtime_ns) for the files
-    ``[0, done)`` (64-bit patterns: view columns 1-3 as ``uint64``). It stops at the first
-    file it cannot stat (``done`` is its index), and returns ``done = 0`` without the
-    extension."""
+    """``fstat`` of file ``prefix + names[shards[i]]`` (opened, then closed) for i = 0, 1,
+    ... without the GIL: ``(done, stats)`` with ``stats[i]`` = (size, inode, device,
+    mtime_ns) for the files ``[0, done)`` (64-bit patterns: view columns 1-3 as
+    ``uint64``). It stops at the first file it cannot open (``done`` is its index), and
+    returns ``done = 0`` without the extension. It opens each file (rather than ``stat``
+    its path) so that it sees what a read's open would see (an NFS open revalidates cached
+    attributes)."""
     n = int(shards.size)
     stats = np.zeros((n, 4), dtype=np.int64)
     if _fileread is None or n == 0:
