@@ -255,7 +255,7 @@ def _slot_fds() -> int:
 def test_no_shared_memory_left_behind(ending: str) -> None:
     """Nothing is ever named in /dev/shm, and the ring is unmapped and its descriptors closed
     when the loader is closed, collected, or its iteration ends by an error or a Ctrl-C."""
-    shm_before = set(os.listdir("/dev/shm")) if Path("/dev/shm").exists() else set()
+    shm_before = _shm_names()
     gc.collect()
     assert _slot_mappings() == 0 and _slot_fds() == 0
     bad = _bad_id_at(4 * 40) if ending == "error" else -1
@@ -264,8 +264,8 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
         for i, _ in enumerate(dl):
             if i == 30:
                 assert _slot_mappings() >= 1  # the ring is in use
-                if Path("/dev/shm").exists():
-                    assert set(os.listdir("/dev/shm")) <= shm_before | _torch_segments()
+                assert _shm_names() <= shm_before | _torch_segments()
+                assert _own_shm_paths() == set()
                 if ending == "interrupt":
                     raise KeyboardInterrupt
                 if ending in ("close", "garbage"):
@@ -279,13 +279,37 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
     gc.collect()
     assert _slot_mappings() == 0
     assert _slot_fds() == 0
-    if Path("/dev/shm").exists():
-        assert set(os.listdir("/dev/shm")) <= shm_before
+    assert _shm_names() <= shm_before
+    assert _own_shm_paths() == set()
+
+
+def _shm_names() -> set[str]:
+    """Names in /dev/shm, less the POSIX semaphores of multiprocessing's spawn and forkserver
+    contexts (``sem.mp-*``): /dev/shm is shared by the whole machine, and tests of those
+    contexts in other pytest-xdist workers create and unlink them meanwhile. detdata names no
+    semaphore (its loader's default context, fork, unlinks each at creation)."""
+    if not Path("/dev/shm").exists():
+        return set()
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
+
+
+def _own_shm_paths() -> set[str]:
+    """Paths under /dev/shm, other than torch's segments and multiprocessing's semaphores (each
+    queue of torch's workers maps its semaphores, unlinked), that this process maps or holds
+    open: attributable to this test alone, whatever other processes on the machine do."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        found |= {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+    theirs = ("/dev/shm/torch_", "/dev/shm/sem.")
+    return {p for p in found if p.startswith("/dev/shm/") and not p.startswith(theirs)}
 
 
 def _torch_segments() -> set[str]:
     """Names torch's own transfer may create meanwhile (file_system strategy only)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("torch_")}
+    return {n for n in _shm_names() if n.startswith("torch_")}
 
 
 _SPAWN_CHILD = textwrap.dedent("""
