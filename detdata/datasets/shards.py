@@ -789,10 +789,11 @@ class ShardReader(ProcessLocal, abc.ABC):
         read under these opens is returned."""
         if not ids.size:
             return
-        bad = sizes != self._size_array[ids]
+        bad = sizes != self._size_array.take(ids)
         if not self._uses_shard_cache():
-            recorded = np.frombuffer(self._recorded, dtype=np.uint8)[ids].astype(bool)
-            bad |= ~recorded | (self._first_files[ids] != now).any(axis=1)
+            bad |= np.frombuffer(self._recorded, dtype=np.uint8).take(ids) == 0
+            changed = self._first_files.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
+            bad |= changed[:, 0] | changed[:, 1] | changed[:, 2]  # ~2x cheaper than any(1)
         for i in np.flatnonzero(bad).tolist():  # the first real culprit raises
             shard = int(ids[i])
             ident = now[i].tolist()
