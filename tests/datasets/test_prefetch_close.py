@@ -29,6 +29,9 @@ from tests.servers import HttpServer
 SEQ = 15
 SIZES = (1601, 961, 1441, 1281, 801, 1121, 1601, 641)  # uint16: 1.3-3.2 KB per shard
 BANDWIDTH = 800.0  # bytes/s over the slow link: one fill takes > 1.7 s
+#: The exit test's link: one fill takes > 14 s, so its bound (a third of that) is ~20x the
+#: child's exit CPU time (0.15-0.22 s measured), whatever the other xdist worker runs.
+EXIT_BANDWIDTH = 100.0
 PATIENT = RetryPolicy(deadline_s=30.0, attempt_timeout_s=20.0, base_delay_s=0.01, max_delay_s=0.1)
 KW = {"global_batch_size": 8, "micro_batch_size": 4}
 
@@ -163,8 +166,9 @@ def test_exit_does_not_wait_for_queued_fills(
     """A process that leaves a lookahead unclosed exits at once, cleanly: its queued fills
     are cancelled and the running one is not waited for."""
     manifest, directory = written
-    one_fill_s = min(s.bytes for s in manifest.shards) / BANDWIDTH
-    proxy = FaultProxy(http_server.port, link=Link(bandwidth_bps=BANDWIDTH)).start()
+    one_fill_s = min(s.bytes for s in manifest.shards) / EXIT_BANDWIDTH
+    assert one_fill_s > 10  # and below the child's 20 s attempt timeout: a wait would show
+    proxy = FaultProxy(http_server.port, link=Link(bandwidth_bps=EXIT_BANDWIDTH)).start()
     try:
         url = f"http://{proxy.address}/{directory.name}"
         args = [str(directory), url, str(tmp_path / "cache")]

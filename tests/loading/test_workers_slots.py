@@ -237,17 +237,48 @@ def test_worker_killed_from_outside_mid_run_is_a_runtime_error_state_exact() -> 
     assert [digest(b) for b in take(dl, 20)] == reference[len(got) : len(got) + 20]
 
 
-def _slot_mappings() -> int:
-    with open("/proc/self/maps") as maps:
-        return sum("detdata-slots" in line for line in maps)
-
-
-def _slot_fds() -> int:
-    found = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            found += "detdata-slots" in os.readlink(f"/proc/self/fd/{fd}")
+def _rings(pid: int | str = "self") -> set[int]:
+    """Inodes of the detdata-slots rings process ``pid`` maps or holds open."""
+    found: set[int] = set()
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        with open(f"/proc/{pid}/maps") as maps:
+            found |= {int(line.split()[4]) for line in maps if "detdata-slots" in line}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if "detdata-slots" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     return found
+
+
+#: Names other processes of the machine create and unlink in /dev/shm meanwhile (it is
+#: shared by the whole machine; other pytest-xdist workers run loaders too): the POSIX
+#: semaphores of multiprocessing (spawn / forkserver contexts: ``sem.mp-*``; fork unlinks
+#: them at creation, each queue maps its own) and torch's own worker transfer
+#: (file_descriptor strategy: ``shm_open("/torch_<pid>_...")``, unlinked right after the
+#: mmap). detdata's rings are memfds; any other name, and any mapping or descriptor of a
+#: /dev/shm file by this process or its workers, is checked.
+_THEIRS = ("sem.", "torch_")
+
+
+def _shm_names() -> set[str]:
+    """Names in /dev/shm, less `_THEIRS` (one listing)."""
+    if not Path("/dev/shm").exists():
+        return set()
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(_THEIRS)}
+
+
+def _shm_paths(pid: int | str = "self") -> set[str]:
+    """/dev/shm files, less `_THEIRS`, that process ``pid`` maps or holds open: attributable
+    to this test's processes alone, whatever other processes on the machine do."""
+    found = set()
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        with open(f"/proc/{pid}/maps") as maps:
+            found |= {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    theirs = tuple(f"/dev/shm/{n}" for n in _THEIRS)
+    return {p for p in found if p.startswith("/dev/shm/") and not p.startswith(theirs)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
@@ -257,15 +288,20 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
     when the loader is closed, collected, or its iteration ends by an error or a Ctrl-C."""
     shm_before = _shm_names()
     gc.collect()
-    assert _slot_mappings() == 0 and _slot_fds() == 0
+    rings_before = _rings()  # rings an earlier test of this process may still hold
+    children_before = {p.pid for p in multiprocessing.active_children()}
     bad = _bad_id_at(4 * 40) if ending == "error" else -1
     dl = make(_FailsAt(bad, "raise"), read_ahead=4, num_workers=2)
     try:
         for i, _ in enumerate(dl):
             if i == 30:
-                assert _slot_mappings() >= 1  # the ring is in use
-                assert _shm_names() <= shm_before | _torch_segments()
-                assert _own_shm_paths() == set()
+                assert _rings() - rings_before  # the ring is in use
+                assert _shm_names() <= shm_before
+                workers = [
+                    p.pid for p in multiprocessing.active_children() if p.pid not in children_before
+                ]
+                assert len(workers) == 2, workers
+                assert _shm_paths() == set() and all(_shm_paths(w) == set() for w in workers)
                 if ending == "interrupt":
                     raise KeyboardInterrupt
                 if ending in ("close", "garbage"):
@@ -277,39 +313,9 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
     else:
         del dl
     gc.collect()
-    assert _slot_mappings() == 0
-    assert _slot_fds() == 0
+    assert _rings() <= rings_before
     assert _shm_names() <= shm_before
-    assert _own_shm_paths() == set()
-
-
-def _shm_names() -> set[str]:
-    """Names in /dev/shm, less the POSIX semaphores of multiprocessing's spawn and forkserver
-    contexts (``sem.mp-*``): /dev/shm is shared by the whole machine, and tests of those
-    contexts in other pytest-xdist workers create and unlink them meanwhile. detdata names no
-    semaphore (its loader's default context, fork, unlinks each at creation)."""
-    if not Path("/dev/shm").exists():
-        return set()
-    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
-
-
-def _own_shm_paths() -> set[str]:
-    """Paths under /dev/shm, other than torch's segments and multiprocessing's semaphores (each
-    queue of torch's workers maps its semaphores, unlinked), that this process maps or holds
-    open: attributable to this test alone, whatever other processes on the machine do."""
-    found = set()
-    with open("/proc/self/maps") as maps:
-        found |= {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            found.add(os.readlink(f"/proc/self/fd/{fd}"))
-    theirs = ("/dev/shm/torch_", "/dev/shm/sem.")
-    return {p for p in found if p.startswith("/dev/shm/") and not p.startswith(theirs)}
-
-
-def _torch_segments() -> set[str]:
-    """Names torch's own transfer may create meanwhile (file_system strategy only)."""
-    return {n for n in _shm_names() if n.startswith("torch_")}
+    assert _shm_paths() == set()
 
 
 _SPAWN_CHILD = textwrap.dedent("""
