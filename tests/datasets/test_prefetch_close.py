@@ -49,8 +49,10 @@ def remote(url: str, manifest: detdata.Manifest, cache: Path, retry: RetryPolicy
     return TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=retry, cache_dir=cache)
 
 
-def prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("detdata-prefetch")]
+def prefetch_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """Prefetch threads alive now, less ``before`` (an earlier test's, if any)."""
+    alive = threading.enumerate()
+    return [t for t in alive if t.name.startswith("detdata-prefetch") and t not in before]
 
 
 def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
@@ -59,6 +61,7 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
     manifest, directory = written
     cache = tmp_path / "cache"
     seed = 5
+    before = frozenset(threading.enumerate())
     # step 0's shards are already cached (filled over the fast path): the first batch is
     # read at once; every later shard crosses the slow link
     fast = remote(f"{http_server.base}/{directory.name}", manifest, cache, PATIENT)
@@ -85,9 +88,9 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
         took = time.monotonic() - began
         assert took < one_fill_s / 3, (took, one_fill_s)
         proxy.link = Link()  # the abandoned fill now finishes quickly, in the background
-        for thread in prefetch_threads():
+        for thread in prefetch_threads(before):
             thread.join(30)
-        assert prefetch_threads() == []
+        assert prefetch_threads(before) == []
     finally:
         proxy.stop()
     # nothing partial: no temp file is left, and every copy is one of the written files

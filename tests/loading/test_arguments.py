@@ -113,8 +113,11 @@ def test_sampler_refuses_a_seed_the_mixture_would_ignore() -> None:
     assert same.seed == 4
 
 
-def _reader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("detdata-read")]
+def _reader_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """Reader threads alive now, less ``before`` (an earlier test's, if any)."""
+    return [
+        t for t in threading.enumerate() if t.name.startswith("detdata-read") and t not in before
+    ]
 
 
 class FailsAt:
@@ -138,18 +141,19 @@ class FailsAt:
 def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
     gc.disable()  # the threads must end without the garbage collector's help
     try:
+        before = frozenset(threading.enumerate())
         bad = int(detdata.GlobalOrder(N, 2).ids(np.array([30]))[0])
         dl = loader(data=FailsAt(bad), num_workers=2, worker_mode="thread", read_ahead=2)
         with pytest.raises(LookupError):
             for _ in dl:
                 pass
-        assert _reader_threads() == []
+        assert _reader_threads(before) == []
         dl2 = loader(num_workers=2, worker_mode="thread")
         with pytest.raises(ZeroDivisionError):
             for _ in dl2:
-                assert _reader_threads()
+                assert _reader_threads(before)
                 raise ZeroDivisionError("the training step failed")
-        assert _reader_threads() == []
+        assert _reader_threads(before) == []
     finally:
         gc.enable()
 
@@ -254,15 +258,17 @@ def test_close_stops_the_workers_of_a_live_iterator(persistent: bool) -> None:
     import multiprocessing
 
     reference = [digest(b) for b in take(loader(), 6)]
+    before = {p.pid for p in multiprocessing.active_children()}  # an earlier test's, if any
     dl = loader(num_workers=2, persistent_workers=persistent)
     it = iter(dl)
     got = [digest(next(it)) for _ in range(3)]
-    assert multiprocessing.active_children()
+    mine = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(mine) == 2, mine
     dl.close()
     deadline = time.monotonic() + 30
-    while multiprocessing.active_children() and time.monotonic() < deadline:
+    while any(p.is_alive() for p in mine) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert multiprocessing.active_children() == []
+    assert not any(p.is_alive() for p in mine)
     with pytest.raises(StopIteration):
         next(it)  # the closed iterator is finished
     got += [digest(b) for b in take(dl, 3)]
