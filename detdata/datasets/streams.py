@@ -85,6 +85,14 @@ class OrderedStream:
     def fetch(self, positions: IntArray) -> Batch:
         return self.dataset.read(self.sample_ids(positions).reshape(-1))
 
+    def prefetch(self, positions: IntArray | None) -> None:
+        """A hint: the next `fetch` is of ``positions`` (None: drop what is pending). Passed
+        on as sample ids to a dataset with a ``prefetch`` method (`TokenWindows`), which may
+        start that read's file reads in the background; it never changes a fetched byte."""
+        hint = getattr(self.dataset, "prefetch", None)
+        if callable(hint):
+            hint(None if positions is None else self.sample_ids(positions).reshape(-1))
+
     def identity(self) -> dict[str, Any]:
         return {
             "type": "ordered",

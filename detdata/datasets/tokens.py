@@ -61,10 +61,12 @@ opened the shard, and bytes rewritten in place under a live mapping at the same 
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
+import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 import fsspec
@@ -82,7 +84,17 @@ from detdata.datasets.shards import ShardReader, renamed_argument
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.cache import ShardCache
-from detdata.storage.fileread import INODE, MTIME_NS, NATIVE, SIZE, read_files, stat_files
+from detdata.storage.fileread import (
+    INODE,
+    MTIME_NS,
+    NATIVE,
+    SIZE,
+    FileReads,
+    PendingRead,
+    read_files,
+    start_read_files,
+    stat_files,
+)
 from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.ranges import read_coalesced
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -100,6 +112,52 @@ COVER_MAX_BYTES: Final = 64 << 10
 #: At most this many windows (one buffer each) in one ``preadv`` straight into the result
 #: (well under the usual ``IOV_MAX`` of 1,024).
 _IOV_ROWS: Final = 256
+#: Native threads reading one `TokenWindows.prefetch` in the background.
+PREFETCH_THREADS: Final = 2
+#: Reads a `TokenWindows` keeps planned by `TokenWindows.prefetch` (an older one is dropped;
+#: each holds its result buffer).
+PREFETCH_DEPTH: Final = 4
+
+#: A read's plan (`TokenWindows._gather_steps`): it yields the native file reads it needs
+#: and is sent what `detdata.storage.fileread.read_files` returns for each; it returns
+#: the windows.
+_Steps = Generator[FileReads, tuple[int, IntArray], np.ndarray[Any, Any]]
+
+
+def _drive(steps: _Steps, sent: tuple[int, IntArray] | None = None) -> np.ndarray[Any, Any]:
+    """Run ``steps`` to its end, each file read it yields now; ``sent``: the result of the
+    read it is waiting on (it was started by `TokenWindows.prefetch`)."""
+    try:
+        job = steps.send(sent)  # type: ignore[arg-type]  # None starts a fresh generator
+        while True:
+            job = steps.send(read_files(*job))
+    except StopIteration as stop:
+        result: np.ndarray[Any, Any] = stop.value
+        return result
+
+
+class _Prefetched(NamedTuple):
+    """A read planned by `TokenWindows.prefetch`: its ids, and either the plan waiting on
+    its first file read (``steps``, ``pending``) or its windows (no file read needed)."""
+
+    ids: IntArray
+    steps: _Steps | None
+    pending: PendingRead | None
+    windows: np.ndarray[Any, Any] | None
+
+    def finish(self) -> np.ndarray[Any, Any]:
+        """The windows (waits for the background read, then runs the rest of the plan)."""
+        if self.steps is None or self.pending is None:
+            assert self.windows is not None
+            return self.windows
+        return _drive(self.steps, self.pending.wait())
+
+    def drop(self) -> None:
+        """Forget it (its background read is joined first)."""
+        if self.pending is not None:
+            self.pending.wait()
+        if self.steps is not None:
+            self.steps.close()
 
 
 class _Mapped(NamedTuple):
@@ -200,6 +258,8 @@ class TokenWindows(ShardReader):
         "_start_list",
         "_narrowing",
         "_direct",
+        "_prefetched",
+        "_prefetch_lock",
     )
 
     def __init__(
@@ -259,6 +319,11 @@ class TokenWindows(ShardReader):
             )
         self._build_index()
         self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._prefetched: collections.deque[_Prefetched] = collections.deque()  # `prefetch`
+        self._prefetch_lock = threading.Lock()
 
     # construction helpers --------------------------------------------------
     def _count(self, shard: ShardEntry, allow_short: bool) -> int:
@@ -464,7 +529,7 @@ class TokenWindows(ShardReader):
 
         Mapped shards: one fancy-index gather per touched shard (``take`` would first
         copy a whole overlapping window view). Ids of a single mapped shard are gathered
-        straight into the result; otherwise (`_gather_shards`) ids are grouped by shard
+        straight into the result; otherwise (`_gather_steps`) ids are grouped by shard
         once and each mapped shard's rows are gathered and scattered straight into the
         result (a staging buffer plus one big scatter measured ~3.7x slower for 1024
         rows). Shards not mapped (see `_mapped_view`) are read with ``preadv``: `covered`
@@ -492,10 +557,87 @@ class TokenWindows(ShardReader):
             if self._narrowing[first]:
                 self._check_range(block, first)
             return block.astype(self.out_dtype)
-        return self._gather_shards(ids, cached)
+        prefetched = self._take_prefetched(ids, cached) if self._prefetched else None
+        if prefetched is not None:
+            return prefetched.finish()
+        return _drive(self._gather_steps(ids, cached))
 
-    def _gather_shards(self, ids: IntArray, cached: bool) -> np.ndarray[Any, Any]:
-        """`_gather_local` for ids of several shards.
+    # read-ahead ------------------------------------------------------------------
+    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+        """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
+        most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
+        ``cache_dir``), a read over several shards is planned now and its file reads start
+        on native threads in the background (`detdata.storage.fileread.start_read_files`,
+        without the GIL), overlapping whatever the caller does until that read, which then
+        waits for them and finishes the plan. The bytes and the checks are those of the
+        read without the hint (each file's ``fstat`` is taken after its read and checked
+        against the manifest and the file first opened when the read comes; a file that
+        could not be read is read again then, raising the read's own error). ``None``
+        drops every pending hint, and a read drops those hinted before its own (their
+        reads are joined first); a read not hinted keeps them. Nothing is raised here:
+        bad ids or unreadable files are the read's to report."""
+        if ids is None:
+            self._drop_prefetched()
+            return
+        ready = self._plan(ids) if NATIVE else None
+        if ready is None:
+            return
+        with self._prefetch_lock:
+            self._prefetched.append(ready)
+            stale = [self._prefetched.popleft()] if len(self._prefetched) > PREFETCH_DEPTH else []
+        for old in stale:
+            old.drop()
+
+    def _plan(self, ids: npt.ArrayLike) -> _Prefetched | None:
+        """`prefetch`: the read of ``ids`` planned, its first file read started (None: not
+        a read it plans, or the plan failed: the read reports it)."""
+        arr = np.array(ids, copy=True)  # the caller may reuse its array
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
+            return None
+        arr = arr.astype(np.int64, copy=False)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self._num:
+            return None
+        try:
+            fs, _ = self._filesystem()
+            first = bisect.bisect_right(self._start_list, lo) - 1
+            last = bisect.bisect_right(self._start_list, hi) - 1
+            if not isinstance(fs, LocalFileSystem) or first == last:
+                return None  # remote reads (and cached copies) are not planned; one shard: mapped
+            steps = self._gather_steps(arr, False)
+            try:
+                job = next(steps)
+            except StopIteration as stop:  # nothing to read from files (mapped shards)
+                return _Prefetched(arr, None, None, stop.value)
+            return _Prefetched(arr, steps, start_read_files(*job, threads=PREFETCH_THREADS), None)
+        except Exception:
+            return None
+
+    def _take_prefetched(self, ids: IntArray, cached: bool) -> _Prefetched | None:
+        """The pending `prefetch` that planned exactly this read (taken; the hints before
+        it are dropped), or None (the hints are kept)."""
+        stale: list[_Prefetched] = []
+        found = None
+        with self._prefetch_lock:
+            pending = self._prefetched
+            for i, ready in enumerate(pending):
+                if not cached and ready.ids.size == ids.size and np.array_equal(ready.ids, ids):
+                    stale = [pending.popleft() for _ in range(i)]
+                    found = pending.popleft()
+                    break
+        for old in stale:
+            old.drop()
+        return found
+
+    def _drop_prefetched(self) -> None:
+        with self._prefetch_lock:
+            stale = list(self._prefetched)
+            self._prefetched.clear()
+        for old in stale:
+            old.drop()
+
+    def _gather_steps(self, ids: IntArray, cached: bool) -> _Steps:
+        """`_gather_local` for ids of several shards (a plan: see `_Steps`).
 
         Grouping is vectorised: one argsort of the ids (ids of a shard are consecutive, so
         sorted ids are grouped by shard, windows ascending) and one ``searchsorted`` of the
@@ -537,7 +679,7 @@ class TokenWindows(ShardReader):
         else:
             loop = list(range(gshard.size))
         if len(staged) == gshard.size and not self._direct:  # one gather builds the result
-            sliding, starts, _ = self._read_staged(
+            sliding, starts, _ = yield from self._read_staged(
                 np.asarray(staged), gshard, begin, count, extent, local, order, whole=True
             )
             got = sliding[starts]
@@ -558,10 +700,12 @@ class TokenWindows(ShardReader):
                 & (count[chosen] <= _IOV_ROWS)
             )
             if whole_run.any():
-                self._read_direct(chosen[whole_run], gshard, begin, count, local, order, out)
+                yield from self._read_direct(
+                    chosen[whole_run], gshard, begin, count, local, order, out
+                )
                 chosen = chosen[~whole_run]
         if chosen.size:
-            sliding, starts, dest = self._read_staged(
+            sliding, starts, dest = yield from self._read_staged(
                 chosen, gshard, begin, count, extent, local, order, whole=False
             )
             out[dest] = sliding[starts]
@@ -582,7 +726,7 @@ class TokenWindows(ShardReader):
         order: IntArray,
         out: np.ndarray[Any, Any],
     ) -> IntArray:
-        """The per-shard loop of `_gather_shards` over the groups ``loop`` (O(1) Python work
+        """The per-shard loop of `_gather_steps` over the groups ``loop`` (O(1) Python work
         each): a mapped shard (or one to map) is gathered from its window view, scattered
         windows are read by `_pread_rows`; returns the groups left for `_read_staged`."""
         if not loop:
@@ -638,7 +782,7 @@ class TokenWindows(ShardReader):
         local: IntArray,
         order: IntArray,
         out: np.ndarray[Any, Any],
-    ) -> None:
+    ) -> Generator[FileReads, tuple[int, IntArray], None]:
         """Read each of ``groups`` (``count[g]`` distinct consecutive windows of shard
         ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``) with one open, ONE
         ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close.
@@ -662,7 +806,7 @@ class TokenWindows(ShardReader):
         file_at = self._offsets[s] + local[starts] * step
         wants = cnt * step + (nbytes - step)  # a run's last label token
         flat = out.view(np.uint8).reshape(-1)
-        self._preadv_shards(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
+        yield from self._preadv_shards(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
         if self.labels:  # row i's label token is row i+1's first token (same run)
             inner = sel[np.repeat(starts + cnt - 1, cnt) != sel]  # not a run's last
             out[order[inner], self.seq_len] = out[order[inner + 1], 0]
@@ -678,7 +822,9 @@ class TokenWindows(ShardReader):
         order: IntArray,
         *,
         whole: bool,
-    ) -> tuple[np.ndarray[Any, Any], IntArray, IntArray]:
+    ) -> Generator[
+        FileReads, tuple[int, IntArray], tuple[np.ndarray[Any, Any], IntArray, IntArray]
+    ]:
         """Read the covering range of each of ``groups`` (shard ``gshard[g]``, sorted rows
         ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows) with one open,
         ONE ``preadv`` and one close per shard into one staging buffer (all shards of one
@@ -710,7 +856,9 @@ class TokenWindows(ShardReader):
         file_at = self._offsets[s] + first * (seq * item)
         lengths = np.diff(pos) * item
         flat = staging.view(np.uint8)
-        self._preadv_shards(s, file_at, lengths, flat, pos[:-1] * item, lengths, np.ones_like(s))
+        yield from self._preadv_shards(
+            s, file_at, lengths, flat, pos[:-1] * item, lengths, np.ones_like(s)
+        )
         sliding = np.lib.stride_tricks.as_strided(
             staging,
             shape=(staging.size - width + 1, width),
@@ -728,7 +876,7 @@ class TokenWindows(ShardReader):
         iov_off: IntArray,
         iov_len: IntArray,
         iov_count: IntArray,
-    ) -> None:
+    ) -> Generator[FileReads, tuple[int, IntArray], None]:
         """For each shard ``shards[i]`` (each at most once): one open, ONE ``preadv`` of
         ``wants[i]`` bytes at ``file_at[i]`` into its ``iov_count[i]`` buffers (the next
         ``flat[iov_off[j]:][:iov_len[j]]``), one ``fstat`` after the read and one close.
@@ -740,7 +888,7 @@ class TokenWindows(ShardReader):
         depend on which loop read them."""
         done = 0
         if NATIVE and self._record_first_opens(shards):
-            done, stats = read_files(
+            done, stats = yield FileReads(
                 os.fsencode(join(self._root_path, "")),
                 self._encoded_names(),
                 shards,

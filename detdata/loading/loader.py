@@ -12,12 +12,13 @@ to the caller; its state is that count plus identity fields (`LoaderState`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import random
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -61,6 +62,10 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
+
+#: Groups of micro batches the inline loader (``num_workers=0``) hints to the stream ahead
+#: of the one it reads (`DataLoader._inline_batches`).
+PREFETCH_GROUPS: Final = 2
 
 
 def seed_globals(seed64: int) -> None:
@@ -534,10 +539,24 @@ class DataLoader:
 
     def _inline_batches(self) -> Iterator[Any]:
         """``num_workers=0``: the same reader as the workers', without torch's per-batch
-        plumbing."""
+        plumbing. The order is known ahead, so the next `PREFETCH_GROUPS` groups are
+        hinted to the stream before a group's batches are delivered
+        (`GroupReader.prefetch`): a dataset that takes the hint reads their files in the
+        background meanwhile (the same bytes and checks; dropped when the loop ends)."""
         read = self._reader(in_worker=False)
-        for group in self._groups():
-            yield from read(group).deliver()
+        groups = self._groups()
+        ahead: collections.deque[list[IntArray]] = collections.deque()
+        try:
+            while True:
+                while len(ahead) <= PREFETCH_GROUPS and (group := next(groups, None)):
+                    read.prefetch(group)
+                    ahead.append(group)
+                if not ahead:
+                    return
+                result = read(ahead.popleft())
+                yield from result.deliver()
+        finally:
+            read.prefetch(None)
 
     def _thread_batches(self) -> Iterator[Any]:
         """Reads on ``num_workers`` threads of this process, in order (see `WorkerMode.THREAD`)."""

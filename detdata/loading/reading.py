@@ -119,6 +119,12 @@ class PositionDataset(tud.Dataset[Batch]):
             batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
         return batch
 
+    def prefetch(self, positions: IntArray | None) -> None:
+        """Pass the hint that ``positions`` are read next to a stream that takes it."""
+        hint = getattr(self.stream, "prefetch", None)
+        if callable(hint):
+            hint(positions)
+
     def __len__(self) -> int:
         raise TypeError("PositionDataset is indexed by position arrays and has no length")
 
@@ -391,6 +397,17 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
 
     def __call__(self, group: list[IntArray]) -> ReadAhead:
         return self._one_by_one(group) if len(group) == 1 else self._group(group)
+
+    def prefetch(self, group: list[IntArray] | None) -> None:
+        """A hint: ``group`` is read next (None: drop what is pending); see
+        `OrderedStream.prefetch`. It never changes a delivered byte, and never raises for
+        what the read would report."""
+        if group is None:
+            self.dataset.prefetch(None)
+        elif len(group) == 1:  # read on its own (`_one_by_one`)
+            self.dataset.prefetch(group[0])
+        else:
+            self.dataset.prefetch(np.concatenate(group))
 
     def __len__(self) -> int:
         raise TypeError("GroupReader is indexed by groups of position arrays and has no length")

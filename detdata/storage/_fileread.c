@@ -127,16 +127,11 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-/* Files [0, n) split into up to MAX_THREADS contiguous shares, one per thread (the
- * calling thread takes the first); returns the files read whole from 0 on: the first
- * share that stopped early ends the count (a later share's reads are then not counted;
- * the caller's loop reads those files again). */
+/* Files [0, n) split into up to MAX_THREADS contiguous shares (at least
+ * MIN_FILES_PER_THREAD files each); returns the number of shares. */
 #define MAX_THREADS 2
 #define MIN_FILES_PER_THREAD 16
-static Py_ssize_t run_jobs(job_t *base, Py_ssize_t n, int threads) {
-    job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+static int split_jobs(const job_t *base, Py_ssize_t n, int threads, job_t *jobs) {
     if (threads > MAX_THREADS) {
         threads = MAX_THREADS;
     }
@@ -149,11 +144,33 @@ static Py_ssize_t run_jobs(job_t *base, Py_ssize_t n, int threads) {
         jobs[t].begin = at;
         jobs[t].end = t == threads - 1 ? n : at + n / threads;
         jobs[t].iov_begin = iov_at;
+        jobs[t].finished = 0;
         for (Py_ssize_t i = jobs[t].begin; i < jobs[t].end; i++) {
             iov_at += base->iov_count[i];
         }
         at = jobs[t].end;
     }
+    return threads;
+}
+
+/* The files read whole from 0 on: the first share that stopped early ends the count (a
+ * later share's reads are then not counted; the caller's loop reads those files again). */
+static Py_ssize_t files_finished(const job_t *jobs, int threads, Py_ssize_t n) {
+    for (int t = 0; t < threads; t++) {
+        if (jobs[t].finished < jobs[t].end) {
+            return jobs[t].finished;
+        }
+    }
+    return n;
+}
+
+/* All shares, the calling thread taking the first (a share whose thread could not be
+ * started is read here too). */
+static Py_ssize_t run_jobs(const job_t *base, Py_ssize_t n, int threads) {
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    threads = split_jobs(base, n, threads, jobs);
     for (int t = 1; t < threads; t++) {
         started[t] = pthread_create(&ids[t], NULL, run_job, &jobs[t]) == 0;
     }
@@ -165,12 +182,7 @@ static Py_ssize_t run_jobs(job_t *base, Py_ssize_t n, int threads) {
             run_job(&jobs[t]);
         }
     }
-    for (int t = 0; t < threads; t++) {
-        if (jobs[t].finished < jobs[t].end) {
-            return jobs[t].finished;
-        }
-    }
-    return n;
+    return files_finished(jobs, threads, n);
 }
 
 /* References to the names a loop reads: another thread may change `names` while the loop
@@ -187,7 +199,7 @@ typedef struct {
 static int hold_names(PyObject *names, const int64_t *shards, Py_ssize_t n, name_refs *r,
                       const char *who) {
     size_t count = (size_t)(n > 0 ? n : 1);
-    r->held = PyMem_Malloc(count * sizeof(PyObject *));
+    r->held = PyMem_Malloc((count + 1) * sizeof(PyObject *)); /* + the prefix (prepare_call) */
     r->paths = PyMem_Malloc(count * sizeof(char *));
     r->lens = PyMem_Malloc(count * sizeof(size_t));
     if (r->held == NULL || r->paths == NULL || r->lens == NULL) {
@@ -221,94 +233,240 @@ static void drop_names(name_refs *r) {
     PyMem_Free(r->lens);
 }
 
-static PyObject *read_shards(PyObject *self, PyObject *args) {
-    (void)self;
+/* One read_shards call's arguments, held (buffers and names) until `drop_call`. */
+typedef struct {
+    held_buffer b[8];
+    name_refs refs;
+    job_t base;
+    Py_ssize_t n;
+    int threads;
+} call_t;
+
+static void drop_call(call_t *c) {
+    drop_names(&c->refs);
+    for (int i = 0; i < 8; i++) {
+        release(&c->b[i]);
+    }
+}
+
+/* Parse and check read_shards' arguments into `c` (zeroed by the caller); -1 with an
+ * exception set (what was taken is dropped by the caller's `drop_call`). */
+static int prepare_call(PyObject *args, call_t *c, const char *who) {
     PyObject *prefix_obj, *names, *objs[8];
     int threads = 1;
     if (!PyArg_ParseTuple(args, "O!O!OOOOOOOO|i", &PyBytes_Type, &prefix_obj, &PyList_Type,
                           &names, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
                           &objs[6], &objs[7], &threads)) {
-        return NULL;
+        return -1;
     }
     static const char *what[8] = {"shards", "file_at", "wants", "out",
                                   "iov_off", "iov_len", "iov_count", "stats"};
     static const int writable[8] = {0, 0, 0, 1, 0, 0, 0, 1};
-    held_buffer b[8] = {{{0}, 0}};
-    PyObject *result = NULL;
-    name_refs refs = {NULL, NULL, NULL, 0};
+    held_buffer *b = c->b;
     for (int i = 0; i < 8; i++) {
-        if (take(objs[i], &b[i], writable[i], "read_shards", what[i]) < 0) {
-            goto done;
+        if (take(objs[i], &b[i], writable[i], who, what[i]) < 0) {
+            return -1;
         }
     }
     Py_ssize_t n = b[0].view.len / 8;
     Py_ssize_t niov = b[4].view.len / 8;
     if (b[1].view.len / 8 != n || b[2].view.len / 8 != n || b[6].view.len / 8 != n ||
         b[5].view.len / 8 != niov || b[7].view.len / 8 < 5 * n) {
-        PyErr_SetString(PyExc_ValueError, "read_shards: arrays of mismatched lengths");
-        goto done;
+        PyErr_Format(PyExc_ValueError, "%s: arrays of mismatched lengths", who);
+        return -1;
     }
     const int64_t *shards = b[0].view.buf, *file_at = b[1].view.buf, *wants = b[2].view.buf;
     const int64_t *iov_off = b[4].view.buf, *iov_len = b[5].view.buf, *iov_count = b[6].view.buf;
-    char *out = b[3].view.buf;
-    int64_t *stats = b[7].view.buf;
     Py_ssize_t out_len = b[3].view.len, nnames = PyList_GET_SIZE(names);
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (shards[i] < 0 || shards[i] >= nnames || iov_count[i] < 0 || wants[i] < 0 ||
             file_at[i] < 0 || iov_count[i] > niov - total) {
-            PyErr_SetString(PyExc_ValueError,
-                            "read_shards: shard index or count out of range (or iov_count "
-                            "does not add up to the buffers)");
-            goto done;
+            PyErr_Format(PyExc_ValueError,
+                         "%s: shard index or count out of range (or iov_count does not add "
+                         "up to the buffers)",
+                         who);
+            return -1;
         }
         total += iov_count[i]; /* <= niov: no overflow */
     }
     if (total != niov) {
-        PyErr_SetString(PyExc_ValueError, "read_shards: iov_count does not add up to the buffers");
-        goto done;
+        PyErr_Format(PyExc_ValueError, "%s: iov_count does not add up to the buffers", who);
+        return -1;
     }
     for (Py_ssize_t j = 0; j < niov; j++) {
         if (iov_off[j] < 0 || iov_len[j] < 0 || iov_off[j] > out_len ||
             iov_len[j] > out_len - iov_off[j]) {
-            PyErr_SetString(PyExc_ValueError, "read_shards: a buffer lies outside `out`");
-            goto done;
+            PyErr_Format(PyExc_ValueError, "%s: a buffer lies outside `out`", who);
+            return -1;
         }
     }
-    if (hold_names(names, shards, n, &refs, "read_shards") < 0) {
-        goto done;
+    if (hold_names(names, shards, n, &c->refs, who) < 0) {
+        return -1;
     }
     if (threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "read_shards: threads must be >= 1");
-        goto done;
+        PyErr_Format(PyExc_ValueError, "%s: threads must be >= 1", who);
+        return -1;
     }
     if (memchr(PyBytes_AS_STRING(prefix_obj), 0, (size_t)PyBytes_GET_SIZE(prefix_obj)) != NULL) {
         n = 0; /* a NUL in the root: nothing is read here, the caller's loop raises */
     }
+    /* the prefix bytes are owned by the caller's argument tuple; held here as a name */
+    Py_INCREF(prefix_obj);
+    c->refs.held[c->refs.nheld++] = prefix_obj;
     job_t base = {
         .prefix = PyBytes_AS_STRING(prefix_obj),
         .plen = (size_t)PyBytes_GET_SIZE(prefix_obj),
-        .paths = refs.paths,
-        .lens = refs.lens,
+        .paths = c->refs.paths,
+        .lens = c->refs.lens,
         .file_at = file_at,
         .wants = wants,
         .iov_off = iov_off,
         .iov_len = iov_len,
         .iov_count = iov_count,
-        .out = out,
-        .stats = stats,
+        .out = b[3].view.buf,
+        .stats = b[7].view.buf,
     };
-    Py_ssize_t finished = 0;
-    Py_BEGIN_ALLOW_THREADS
-    finished = run_jobs(&base, n, threads);
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(finished);
-done:
-    drop_names(&refs);
-    for (int i = 0; i < 8; i++) {
-        release(&b[i]);
+    c->base = base;
+    c->n = n;
+    c->threads = threads;
+    return 0;
+}
+
+static PyObject *read_shards(PyObject *self, PyObject *args) {
+    (void)self;
+    call_t c;
+    memset(&c, 0, sizeof(c));
+    PyObject *result = NULL;
+    if (prepare_call(args, &c, "read_shards") == 0) {
+        Py_ssize_t finished = 0;
+        Py_BEGIN_ALLOW_THREADS
+        finished = run_jobs(&c.base, c.n, c.threads);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(finished);
     }
+    drop_call(&c);
     return result;
+}
+
+/* start_read_shards(...same arguments as read_shards...) -> PendingRead
+ *
+ * The same reads on threads of their own (every share, the caller's thread takes none):
+ * returns at once; PendingRead.wait() joins them (without the GIL) and returns the files
+ * read whole from 0 on, as read_shards would. Until then the buffers and names stay held
+ * and the caller must not touch `out` or `stats`. A share whose thread cannot be started
+ * is read by start_read_shards itself (without the GIL). In a process forked while reads
+ * ran, wait() joins nothing (those threads do not exist there) and returns 0: nothing
+ * counts as read, the caller's loop reads again. Dropping a PendingRead not waited for
+ * joins its threads first. */
+typedef struct {
+    PyObject_HEAD
+    call_t call;
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS];
+    int threads;
+    pid_t pid;
+    int state; /* 0: reading, 1: being waited for, 2: done (joined, arguments dropped) */
+    Py_ssize_t finished;
+} pending_t;
+
+static void pending_join(pending_t *p) {
+    /* the GIL is released by the caller */
+    for (int t = 0; t < p->threads; t++) {
+        if (p->started[t]) {
+            pthread_join(p->ids[t], NULL);
+            p->started[t] = 0;
+        }
+    }
+}
+
+static PyObject *pending_wait(PyObject *obj, PyObject *unused) {
+    (void)unused;
+    pending_t *p = (pending_t *)obj;
+    if (p->state == 1) {
+        PyErr_SetString(PyExc_RuntimeError, "PendingRead.wait: already being waited for");
+        return NULL;
+    }
+    if (p->state == 0) {
+        p->state = 1;
+        if (p->pid == getpid()) {
+            Py_BEGIN_ALLOW_THREADS
+            pending_join(p);
+            Py_END_ALLOW_THREADS
+            p->finished = files_finished(p->jobs, p->threads, p->call.n);
+        } else {
+            p->finished = 0; /* forked meanwhile: the reads' threads are not in this process */
+        }
+        drop_call(&p->call);
+        p->state = 2;
+    }
+    return PyLong_FromSsize_t(p->finished);
+}
+
+static void pending_dealloc(PyObject *obj) {
+    pending_t *p = (pending_t *)obj;
+    if (p->state == 0) {
+        if (p->pid == getpid()) {
+            Py_BEGIN_ALLOW_THREADS
+            pending_join(p);
+            Py_END_ALLOW_THREADS
+        }
+        drop_call(&p->call);
+        p->state = 2;
+    }
+    Py_TYPE(obj)->tp_free(obj);
+}
+
+static PyMethodDef pending_methods[] = {
+    {"wait", pending_wait, METH_NOARGS,
+     "wait() -> shards fully read (joins the reads; see start_read_shards)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PendingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "detdata.storage._fileread.PendingRead",
+    .tp_basicsize = sizeof(pending_t),
+    .tp_dealloc = pending_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Reads started by start_read_shards; wait() joins them.",
+    .tp_methods = pending_methods,
+};
+
+static PyObject *start_read_shards(PyObject *self, PyObject *args) {
+    (void)self;
+    pending_t *p = PyObject_New(pending_t, &PendingType);
+    if (p == NULL) {
+        return NULL;
+    }
+    memset((char *)p + sizeof(PyObject), 0, sizeof(pending_t) - sizeof(PyObject));
+    p->pid = getpid();
+    p->state = 2; /* nothing to join or drop until prepared */
+    if (prepare_call(args, &p->call, "start_read_shards") < 0) {
+        drop_call(&p->call);
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->state = 0;
+    p->threads = split_jobs(&p->call.base, p->call.n, p->call.threads, p->jobs);
+    int inline_from = p->threads;
+    for (int t = 0; t < p->threads; t++) {
+        p->started[t] = pthread_create(&p->ids[t], NULL, run_job, &p->jobs[t]) == 0;
+        if (!p->started[t] && inline_from == p->threads) {
+            inline_from = t;
+        }
+    }
+    if (inline_from < p->threads) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int t = inline_from; t < p->threads; t++) {
+            if (!p->started[t]) {
+                run_job(&p->jobs[t]);
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return (PyObject *)p;
 }
 
 /* stat_shards(prefix, names, shards, stats) -> files stat'ed
@@ -387,6 +545,9 @@ static PyMethodDef methods[] = {
     {"read_shards", read_shards, METH_VARARGS,
      "read_shards(prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, "
      "stats) -> shards fully read (see detdata.storage.fileread)"},
+    {"start_read_shards", start_read_shards, METH_VARARGS,
+     "start_read_shards(...the arguments of read_shards...) -> PendingRead (see "
+     "detdata.storage.fileread)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -395,4 +556,9 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__fileread(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fileread(void) {
+    if (PyType_Ready(&PendingType) < 0) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

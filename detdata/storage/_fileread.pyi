@@ -18,3 +18,21 @@ def read_shards(
     /,
 ) -> int: ...
 def stat_shards(prefix: bytes, names: list[bytes], shards: Buffer, stats: Buffer, /) -> int: ...
+
+class PendingRead:
+    def wait(self) -> int: ...
+
+def start_read_shards(
+    prefix: bytes,
+    names: list[bytes],
+    shards: Buffer,
+    file_at: Buffer,
+    wants: Buffer,
+    out: Buffer,
+    iov_off: Buffer,
+    iov_len: Buffer,
+    iov_count: Buffer,
+    stats: Buffer,
+    threads: int = 1,
+    /,
+) -> PendingRead: ...

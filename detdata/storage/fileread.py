@@ -14,7 +14,7 @@ nothing and the caller's loop reads every file: the same bytes and checks, slowe
 from __future__ import annotations
 
 import os
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +97,82 @@ def read_files(
         _threads if threads is None else threads,
     )
     return done, stats
+
+
+class FileReads(NamedTuple):
+    """The arguments of one `read_files` (or `start_read_files`) call, in order."""
+
+    prefix: bytes
+    names: list[bytes]
+    shards: IntArray
+    file_at: IntArray
+    wants: IntArray
+    out: npt.NDArray[np.uint8]
+    iov_off: IntArray
+    iov_len: IntArray
+    iov_count: IntArray
+
+
+class PendingRead:
+    """Reads started by `start_read_files`; `wait` returns what `read_files` would.
+
+    Until `wait` returns, the reads may still be writing into ``out`` and the caller must
+    not read or reuse it. Dropping one not waited for joins its reads first.
+    """
+
+    __slots__ = ("_done", "_native", "_stats")
+
+    def __init__(self, native: object | None, stats: IntArray) -> None:
+        self._native = native
+        self._stats = stats
+        self._done: int | None = None if native is not None else 0
+
+    def wait(self) -> tuple[int, IntArray]:
+        """``(done, stats)`` as `read_files` returns them (joins the reads once)."""
+        if self._done is None:
+            self._done = int(self._native.wait())  # type: ignore[union-attr]
+            self._native = None
+        return self._done, self._stats
+
+
+def start_read_files(
+    prefix: bytes,
+    names: list[bytes],
+    shards: IntArray,
+    file_at: IntArray,
+    wants: IntArray,
+    out: npt.NDArray[np.uint8],
+    iov_off: IntArray,
+    iov_len: IntArray,
+    iov_count: IntArray,
+    *,
+    threads: int = 1,
+) -> PendingRead:
+    """`read_files` on threads of their own: returns at once, while the files are read
+    (without the GIL) by ``threads`` (1 or 2) native threads; `PendingRead.wait` joins
+    them and returns ``(done, stats)`` exactly as `read_files` would have. The caller's
+    thread goes on meanwhile (reading the next batch's files while the current one is
+    delivered). Without the extension nothing is read (``done = 0``). In a process forked
+    while the reads ran, ``done = 0`` too (the caller reads again). Mismatched arguments
+    are a `ValueError`, raised here."""
+    n = int(shards.size)
+    stats = np.zeros((n, 5), dtype=np.int64)
+    if _fileread is None or n == 0:
+        return PendingRead(None, stats)
+    native = _fileread.start_read_shards(
+        prefix,
+        names,
+        _plain(shards),
+        _plain(file_at),
+        _plain(wants),
+        out,
+        _plain(iov_off),
+        _plain(iov_len),
+        _plain(iov_count),
+        stats,
+        max(1, min(2, int(threads))),
+    )
+    return PendingRead(native, stats)
 
 
 def stat_files(prefix: bytes, names: list[bytes], shards: IntArray) -> tuple[int, IntArray]:

@@ -333,3 +333,126 @@ def test_stat_files_without_the_extension_stats_nothing(
     prefix, names, _ = _files(tmp_path, [10])
     monkeypatch.setattr(fileread, "_fileread", None)
     assert fileread.stat_files(prefix, names, np.asarray([0], dtype=np.int64))[0] == 0
+
+
+# ------------------------------------------------------------------ start_read_files
+@native
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_a_background_read_gives_what_read_files_gives(
+    tmp_path_factory: pytest.TempPathFactory,
+    data,  # type: ignore[no-untyped-def]
+) -> None:
+    """Random files (some missing), ranges, buffer splits and 1 or 2 threads: `wait` returns
+    the ``done`` of `read_files` (the first missing file's index) and ``out`` holds each
+    range read (the writer's bytes); the stats of the files read are those of `read_files`."""
+    sizes = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=40))
+    prefix, names, contents = _files(tmp_path_factory.mktemp("f"), sizes)
+    gone = data.draw(st.sets(st.integers(0, len(sizes) - 1), max_size=2))
+    for i in gone:
+        os.unlink(os.fsdecode(prefix) + f"f{i}")
+    order = data.draw(st.lists(st.integers(0, len(sizes) - 1), min_size=1, max_size=60))
+    file_at = [data.draw(st.integers(0, sizes[s] - 1)) for s in order]
+    wants = [sizes[s] - at for s, at in zip(order, file_at, strict=True)]
+    iov_off = np.cumsum([0, *wants[:-1]]).tolist()
+    args = (*_arrays(order, file_at, wants), None, *_arrays(iov_off, wants, [1] * len(order)))
+    total = sum(wants)
+    threads = data.draw(st.sampled_from([1, 2]))
+    ref_out = np.zeros(total, dtype=np.uint8)
+    ref_done, ref_stats = read_files(prefix, names, *args[:3], ref_out, *args[4:])
+    out = np.zeros(total, dtype=np.uint8)
+    pending = fileread.start_read_files(prefix, names, *args[:3], out, *args[4:], threads=threads)
+    done, stats = pending.wait()
+    first_gone = next((i for i, s in enumerate(order) if s in gone), len(order))
+    assert done == ref_done == first_gone
+    for i in range(done):
+        at, want = file_at[i], wants[i]
+        assert out[iov_off[i] : iov_off[i] + want].tobytes() == contents[order[i]][at : at + want]
+    np.testing.assert_array_equal(stats[:done], ref_stats[:done])
+    assert pending.wait()[0] == done  # waiting again answers the same
+
+
+@native
+def test_dropping_a_background_read_joins_it_first(tmp_path: Path) -> None:
+    """A PendingRead dropped without `wait` joins its threads: once ``del`` returns, the
+    whole file is in ``out`` and nothing writes there any more (64 MiB: tens of ms to read,
+    so a drop that did not wait would be caught mid-read)."""
+    prefix, names, contents = _files(tmp_path, [64 << 20])
+    out = np.zeros(64 << 20, dtype=np.uint8)
+    args = _arrays([0], [0], [64 << 20])
+    pending = fileread.start_read_files(
+        prefix, names, *args, out, *_arrays([0], [64 << 20], [1]), threads=1
+    )
+    del pending
+    assert out.tobytes() == contents[0]
+
+
+@native
+def test_a_background_read_keeps_its_buffer_alive(tmp_path: Path) -> None:
+    """The caller may drop its own reference to ``out`` (and the index arrays): the
+    PendingRead holds them until the read ends (no write into freed memory)."""
+    prefix, names, _contents = _files(tmp_path, [4096] * 20)
+    pendings = [
+        fileread.start_read_files(
+            prefix,
+            names,
+            *_arrays(list(range(20)), [0] * 20, [4096] * 20),
+            np.zeros(20 * 4096, dtype=np.uint8),
+            *_arrays([i * 4096 for i in range(20)], [4096] * 20, [1] * 20),
+            threads=2,
+        )
+        for _ in range(50)
+    ]
+    assert [p.wait()[0] for p in pendings] == [20] * 50
+
+
+@native
+def test_a_process_forked_during_a_background_read_counts_nothing_read(tmp_path: Path) -> None:
+    """The reading threads do not exist in a forked child: its `wait` joins nothing and
+    returns 0 (the caller's loop reads again there), at once; the parent's read is whole."""
+    prefix, names, contents = _files(tmp_path, [32 << 20])
+    out = np.zeros(32 << 20, dtype=np.uint8)
+    pending = fileread.start_read_files(
+        prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1])
+    )
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what wait says, and how long it took
+        began = time.perf_counter()
+        done, _ = pending.wait()
+        os.write(w, f"{done} {time.perf_counter() - began:.3f}".encode())
+        os._exit(0)
+    os.close(w)
+    answer = os.read(r, 100).decode().split()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert int(answer[0]) == 0
+    assert float(answer[1]) < 5.0
+    done, _ = pending.wait()
+    assert done == 1 and out.tobytes() == contents[0]
+
+
+@native
+def test_a_background_read_refuses_arguments_that_do_not_fit_before_reading(
+    tmp_path: Path,
+) -> None:
+    prefix, names, _ = _files(tmp_path, [40])
+    out = np.zeros(10, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside `out`"):
+        fileread.start_read_files(
+            prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1])
+        )
+    assert not out.any()
+
+
+def test_a_background_read_without_the_extension_reads_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix, names, _ = _files(tmp_path, [40])
+    monkeypatch.setattr(fileread, "_fileread", None)
+    out = np.zeros(40, dtype=np.uint8)
+    pending = fileread.start_read_files(
+        prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1])
+    )
+    done, stats = pending.wait()
+    assert done == 0 and not out.any() and stats.shape == (1, 5)

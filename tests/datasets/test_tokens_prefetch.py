@@ -1,0 +1,252 @@
+"""`TokenWindows.prefetch`: a read hinted ahead is planned and its file reads run in the
+background; the read later returns what it would have returned without the hint, with the
+same checks.
+
+References: the writer's own tokens cut into windows here (never the reader's output), and
+the shard each test replaced, truncated or deleted. A spy on the background read proves
+the hinted path ran (a test of the hint that silently read synchronously proves nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import detdata.datasets.tokens as tokens_module
+from detdata.base.errors import ConfigError, VerificationError
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.build import build_manifest
+from detdata.storage import fileread
+
+pytestmark = pytest.mark.skipif(not fileread.NATIVE, reason="hints need the native loop")
+
+SEQ = 8
+SHARDS = 30
+WINDOWS = 4  # per shard
+
+
+def _corpus(root: Path, dtype: str = "int32") -> np.ndarray:
+    """``SHARDS`` shards of ``WINDOWS`` windows (with labels); every window in id order."""
+    root.mkdir(parents=True)
+    out = []
+    for s in range(SHARDS):
+        tokens = (np.arange(WINDOWS * SEQ + 1) + 1000 * s).astype(dtype)
+        np.save(root / f"s{s:03d}.npy", tokens)
+        out.extend(tokens[w * SEQ : w * SEQ + SEQ + 1].astype(np.int32) for w in range(WINDOWS))
+    return np.stack(out)
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Files of each background read started by a hint (a spy on `start_read_files`)."""
+    seen: list[int] = []
+    real = tokens_module.start_read_files
+
+    def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
+        seen.append(int(args[2].size))  # type: ignore[attr-defined]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tokens_module, "start_read_files", spy)
+    return seen
+
+
+def _dataset(root: Path, dtype: str = "int32") -> tuple[TokenWindows, np.ndarray]:
+    ref = _corpus(root, dtype)
+    # one handle: every other shard is read by the batched loop, which hints plan
+    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=1)
+    ds.read(np.asarray([0]))
+    return ds, ref
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_hinted_reads_deliver_the_writers_windows(
+    tmp_path_factory: pytest.TempPathFactory,
+    data,  # type: ignore[no-untyped-def]
+) -> None:
+    """Batches read in order, each hinted 0-3 reads ahead, some reads never hinted, some
+    hints never read (and reads of ids no hint named): every read is the writer's
+    windows, whatever the hints; the hinted path ran."""
+    root = tmp_path_factory.mktemp("c")
+    starts: list[int] = []
+    real = tokens_module.start_read_files
+
+    def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
+        starts.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    for dtype in ("int32", "uint16"):  # straight into the rows / staged and widened
+        ds, ref = _dataset(root / dtype, dtype)
+        starts.clear()
+        tokens_module.start_read_files = spy  # type: ignore[assignment]
+        try:
+            size = data.draw(st.integers(2, 60))
+            rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
+            batches = [rng.permutation(ds.num_samples)[:size] for _ in range(8)]
+            ahead = data.draw(st.integers(0, 3))
+            skip = data.draw(st.sets(st.integers(0, 7)))  # hinted but never read
+            for i in range(min(ahead, len(batches))):
+                ds.prefetch(batches[i])
+            for i, ids in enumerate(batches):
+                if i + ahead < len(batches):
+                    ds.prefetch(batches[i + ahead])
+                if i in skip:
+                    continue
+                np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+            stray = rng.permutation(ds.num_samples)[:size]
+            np.testing.assert_array_equal(ds.read(stray)["tokens"], ref[stray])
+            ds.prefetch(None)
+        finally:
+            tokens_module.start_read_files = real  # type: ignore[assignment]
+        if ahead:
+            assert starts, "no hint started a background read"
+
+
+def test_a_hint_reads_in_the_background_and_the_read_waits_for_it(
+    tmp_path: Path, started: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of one window from each of shards 1-29 (one batch of file reads): the hinted
+    read does not read the files again (no `read_files` call), and returns the writer's
+    windows."""
+    ds, ref = _dataset(tmp_path / "d")
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(np.arange(1, SHARDS) * WINDOWS + rng.integers(0, WINDOWS, SHARDS - 1))
+    ds.prefetch(ids)
+    assert started and started[0] >= 10
+    calls: list[int] = []
+    real = tokens_module.read_files
+    monkeypatch.setattr(
+        tokens_module, "read_files", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+    assert calls == []  # what the hint read was used
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])  # the hint is spent
+    assert calls == [1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.asarray([-1, 3]), np.asarray([0, 10_000]), np.asarray([0.5, 1.5]), np.zeros((2, 2))],
+)
+def test_a_hint_never_raises_and_the_read_reports_the_error(
+    tmp_path: Path, bad: np.ndarray, started: list[int]
+) -> None:
+    ds, _ = _dataset(tmp_path / "d")
+    ds.prefetch(bad)  # nothing raised, nothing started
+    ds.prefetch(np.zeros(0, dtype=np.int64))
+    assert started == []
+    with pytest.raises(ConfigError, match="ids"):
+        ds.read(bad)
+
+
+def _path(ds: TokenWindows, shard: int) -> Path:
+    return Path(ds._root_path) / ds.manifest.shards[shard].path
+
+
+def _replace(path: Path, tokens: np.ndarray) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        np.save(fh, tokens)
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("change", ["replaced", "truncated", "deleted"])
+def test_a_shard_changed_before_the_hinted_read_is_named(
+    tmp_path: Path, change: str, started: list[int]
+) -> None:
+    """Every shard was opened once (recorded); then shard 7 is replaced by other tokens of
+    the same size, truncated or deleted, and a batch over it is hinted and read: the read
+    raises a VerificationError naming shard 7, never other bytes; the other shards of
+    the batch still read the writer's windows."""
+    ds, ref = _dataset(tmp_path / "d")
+    everything = np.random.default_rng(2).permutation(ds.num_samples)
+    np.testing.assert_array_equal(ds.read(everything)["tokens"], ref[everything])
+    victim = _path(ds, 7)
+    original = victim.read_bytes()
+    if change == "replaced":
+        _replace(victim, (np.arange(WINDOWS * SEQ + 1) + 55_555).astype(np.int32))
+    elif change == "truncated":
+        os.truncate(victim, len(original) - 8)
+    else:
+        victim.unlink()
+    ids = np.arange(4 * WINDOWS, 12 * WINDOWS)  # shards 4-11
+    ds.prefetch(ids)
+    with pytest.raises(VerificationError, match=r"s007\.npy"):
+        ds.read(ids)
+    assert started
+    others = ids[(ids < 7 * WINDOWS) | (ids >= 8 * WINDOWS)]
+    ds.prefetch(others)
+    np.testing.assert_array_equal(ds.read(others)["tokens"], ref[others])
+
+
+def test_a_shard_deleted_after_its_hinted_read_ran_is_delivered_as_read(
+    tmp_path: Path,
+) -> None:
+    """The documented timing: a hinted read's files are read, and checked, when the hint
+    runs; a shard deleted after that (before the read) is delivered with the bytes read
+    while it existed (the verified ones), and the next read of it names it missing."""
+    ds, ref = _dataset(tmp_path / "d")
+    ids = np.arange(4 * WINDOWS, 12 * WINDOWS)
+    ds.prefetch(ids)
+    pending = ds._prefetched[0].pending
+    assert pending is not None
+    pending.wait()  # the background read is over
+    _path(ds, 7).unlink()
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+    with pytest.raises(VerificationError, match=r"s007\.npy"):
+        ds.read(ids)
+
+
+def test_pending_hints_are_not_pickled_and_a_forked_child_reads_afresh(
+    tmp_path: Path, started: list[int]
+) -> None:
+    """A dataset with hints pending pickles (they stay behind) and its copy reads the
+    writer's windows; a child forked with hints pending reads the hinted ids correctly
+    (the parent's background threads are not there: the child reads for itself)."""
+    ds, ref = _dataset(tmp_path / "d")
+    ids = np.random.default_rng(3).permutation(ds.num_samples)[:64]
+    ds.prefetch(ids)
+    ds.prefetch(ids[::-1].copy())
+    copy = pickle.loads(pickle.dumps(ds))
+    assert not copy._prefetched
+    np.testing.assert_array_equal(copy.read(ids)["tokens"], ref[ids])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = np.array_equal(ds.read(ids)["tokens"], ref[ids])
+            ok &= np.array_equal(ds.read(ids[::-1].copy())["tokens"], ref[ids[::-1]])
+            os.write(w, b"ok" if ok else b"wrong")
+        except BaseException as exc:
+            os.write(w, repr(exc).encode()[:200])
+        os._exit(0)
+    os.close(w)
+    answer = os.read(r, 300)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert answer == b"ok"
+    np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+    assert started
+
+
+def test_dropping_hints_joins_their_reads(tmp_path: Path, started: list[int]) -> None:
+    """``prefetch(None)`` drops every pending hint (joined): the next read of those ids
+    reads the files itself; at most `PREFETCH_DEPTH` hints are kept."""
+    ds, ref = _dataset(tmp_path / "d")
+    rng = np.random.default_rng(4)
+    batches = [
+        rng.permutation(ds.num_samples)[:40] for _ in range(tokens_module.PREFETCH_DEPTH + 2)
+    ]
+    for ids in batches:
+        ds.prefetch(ids)
+    assert len(ds._prefetched) == tokens_module.PREFETCH_DEPTH
+    ds.prefetch(None)
+    assert not ds._prefetched
+    for ids in batches:
+        np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
