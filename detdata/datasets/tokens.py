@@ -44,6 +44,14 @@ next row after), leaving about 3 syscalls and ~2 us of Python per touched shard.
 So many-shard shuffled reads hold O(``max_open_shards``) resources. The bound and
 the read path never change the bytes read.
 
+Read-ahead: the order is known ahead, so a caller may hint a coming read
+(`TokenWindows.prefetch`; the ``num_workers=0`` loader hints its next groups). The read
+is planned then and its first batch of file reads (``open`` + ONE ``preadv`` + ``fstat``
++ ``close`` per shard, `detdata.storage.fileread.start_read_files`) runs on native
+threads without the GIL, overlapping the caller's work; the read later waits for it and
+runs the rest of the plan (the checks, any further reads), so a hint changes when files
+are read, never what a read returns or raises.
+
 Before touching a shard's mapping, every read checks that the mapped file still
 has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
 truncated during the run is a `VerificationError` naming it, expected and found

@@ -5,8 +5,9 @@ map-style dataset turns a whole array of positions into one batch with one
 batched read (`Stream.fetch`). With process workers these go to torch's public
 ``DataLoader``, which handles workers, prefetching and pinning; with
 ``num_workers=0`` the same sampler, dataset and collate run inline (torch's
-per-batch plumbing cost more than the read), and ``worker_mode="thread"`` runs
-them on reader threads. The loader counts samples *delivered*
+per-batch plumbing cost more than the read; the shard files of the next groups are
+read in the background there, `DataLoader._inline_batches`), and
+``worker_mode="thread"`` runs them on reader threads. The loader counts samples *delivered*
 to the caller; its state is that count plus identity fields (`LoaderState`).
 """
 
@@ -155,6 +156,11 @@ class DataLoader:
     ``timeout`` applies to each group. Memory in flight is about ``read_ahead``
     x micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower
     ``read_ahead`` for large samples (images, long documents in big micro batches).
+    With ``num_workers=0`` the next `PREFETCH_GROUPS` groups are hinted to the stream
+    while a group is delivered: a `TokenWindows` over local shards reads their files in
+    the background (native threads, no GIL) while the caller trains, so memory in
+    flight is up to 3 groups there (the same bytes and checks; see
+    `TokenWindows.prefetch`).
 
     ``lookahead`` (default 0: off): with remote shards read through a shard cache
     (``cache_dir``), the shards of the next ``lookahead`` micro steps of this rank are
