@@ -49,8 +49,10 @@ Read-ahead: the order is known ahead, so a caller may hint a coming read
 is planned then and its first batch of file reads (``open`` + ONE ``preadv`` + ``fstat``
 + ``close`` per shard, `detdata.storage.fileread.start_read_files`) runs on native
 threads without the GIL, overlapping the caller's work; the read later waits for it and
-runs the rest of the plan (the checks, any further reads), so a hint changes when files
-are read, never what a read returns or raises.
+runs the rest of the plan (the checks, any further reads). A hint changes when files
+are read, not how: the bytes and checks are those of a read without it, taken when the
+files are read (a shard changed after its background read but before the read is
+delivered as it was read, and named at its next read).
 
 Before touching a shard's mapping, every read checks that the mapped file still
 has the manifest's size (one ``fstat`` per touched shard, ~0.5 us): a shard
@@ -598,15 +600,20 @@ class TokenWindows(ShardReader):
 
     def _plan(self, ids: npt.ArrayLike) -> _Prefetched | None:
         """`prefetch`: the read of ``ids`` planned, its first file read started (None: not
-        a read it plans, or the plan failed: the read reports it)."""
-        arr = np.array(ids, copy=True)  # the caller may reuse its array
-        if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
-            return None
-        arr = arr.astype(np.int64, copy=False)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self._num:
-            return None
+        a read with file reads to start, or the plan failed: the read reports it). Reads
+        that would not go through the batched file loop (a narrowing or mixed-dtype
+        dataset, a handle LRU with room: shards get mapped) are not planned: there would
+        be nothing to overlap."""
         try:
+            if not (self._batch_covers and self._handles.full):
+                return None
+            arr = np.array(ids, copy=True)  # the caller may reuse its array
+            if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
+                return None
+            arr = arr.astype(np.int64, copy=False)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self._num:
+                return None
             fs, _ = self._filesystem()
             first = bisect.bisect_right(self._start_list, lo) - 1
             last = bisect.bisect_right(self._start_list, hi) - 1
@@ -615,10 +622,10 @@ class TokenWindows(ShardReader):
             steps = self._gather_steps(arr, False)
             try:
                 job = next(steps)
-            except StopIteration as stop:  # nothing to read from files (mapped shards)
+            except StopIteration as stop:  # every shard it touches is mapped: read now
                 return _Prefetched(arr, None, None, stop.value)
             return _Prefetched(arr, steps, start_read_files(*job, threads=PREFETCH_THREADS), None)
-        except Exception:
+        except Exception:  # a hint: the read raises the error itself
             return None
 
     def _take_prefetched(self, ids: IntArray, cached: bool) -> _Prefetched | None:

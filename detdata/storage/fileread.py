@@ -14,6 +14,8 @@ nothing and the caller's loop reads every file: the same bytes and checks, slowe
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -117,22 +119,47 @@ class PendingRead:
     """Reads started by `start_read_files`; `wait` returns what `read_files` would.
 
     Until `wait` returns, the reads may still be writing into ``out`` and the caller must
-    not read or reuse it. Dropping one not waited for joins its reads first.
+    not read or reuse it (the index arrays were copied: the caller may reuse its own).
+    Dropping one not waited for joins its reads first; so does a fork of the process
+    (`_join_before_fork`: no read is in flight when a child is made, so none of their
+    file descriptors is inherited). `wait` may be called from several threads.
     """
 
-    __slots__ = ("_done", "_native", "_stats")
+    __slots__ = ("__weakref__", "_done", "_lock", "_native", "_stats")
 
     def __init__(self, native: object | None, stats: IntArray) -> None:
         self._native = native
         self._stats = stats
         self._done: int | None = None if native is not None else 0
+        self._lock = threading.Lock()
+        if native is not None:
+            _LIVE.add(self)
 
     def wait(self) -> tuple[int, IntArray]:
         """``(done, stats)`` as `read_files` returns them (joins the reads once)."""
-        if self._done is None:
-            self._done = int(self._native.wait())  # type: ignore[union-attr]
-            self._native = None
+        with self._lock:
+            if self._done is None:
+                self._done = int(self._native.wait())  # type: ignore[union-attr]
+                self._native = None
+                _LIVE.discard(self)
         return self._done, self._stats
+
+
+#: Background reads not waited for yet (weakly: a dropped one joins in its own dealloc).
+_LIVE: weakref.WeakSet[PendingRead] = weakref.WeakSet()
+
+
+def _join_before_fork() -> None:
+    """Wait for every background read of this process before it forks: a read's thread
+    holds a shard's descriptor between its open and its close, and a child would inherit
+    it with no thread there to close it (a torch worker forked mid-read would keep a
+    deleted shard's inode alive for its whole life)."""
+    for pending in list(_LIVE):
+        pending.wait()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_join_before_fork)
 
 
 def start_read_files(
@@ -152,9 +179,9 @@ def start_read_files(
     (without the GIL) by ``threads`` (1 or 2) native threads; `PendingRead.wait` joins
     them and returns ``(done, stats)`` exactly as `read_files` would have. The caller's
     thread goes on meanwhile (reading the next batch's files while the current one is
-    delivered). Without the extension nothing is read (``done = 0``). In a process forked
-    while the reads ran, ``done = 0`` too (the caller reads again). Mismatched arguments
-    are a `ValueError`, raised here."""
+    delivered). The index arrays are copied (the caller may reuse them at once); ``out``
+    is written until `PendingRead.wait` returns. Without the extension nothing is read
+    (``done = 0``). Mismatched arguments are a `ValueError`, raised here."""
     n = int(shards.size)
     stats = np.zeros((n, 5), dtype=np.int64)
     if _fileread is None or n == 0:
@@ -162,13 +189,13 @@ def start_read_files(
     native = _fileread.start_read_shards(
         prefix,
         names,
-        _plain(shards),
-        _plain(file_at),
-        _plain(wants),
+        _owned(shards),
+        _owned(file_at),
+        _owned(wants),
         out,
-        _plain(iov_off),
-        _plain(iov_len),
-        _plain(iov_count),
+        _owned(iov_off),
+        _owned(iov_len),
+        _owned(iov_count),
         stats,
         max(1, min(2, int(threads))),
     )
@@ -188,6 +215,11 @@ def stat_files(prefix: bytes, names: list[bytes], shards: IntArray) -> tuple[int
     if _fileread is None or n == 0:
         return 0, stats
     return _fileread.stat_shards(prefix, names, _plain(shards), stats), stats
+
+
+def _owned(values: IntArray) -> IntArray:
+    """A contiguous native int64 copy of ``values`` (read by threads after the call)."""
+    return np.array(values, dtype=np.int64, order="C", copy=True)
 
 
 def _plain(values: IntArray) -> IntArray:

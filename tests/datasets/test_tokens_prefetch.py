@@ -145,6 +145,38 @@ def test_a_hint_never_raises_and_the_read_reports_the_error(
         ds.read(bad)
 
 
+class _Unconvertible:
+    def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
+        raise RuntimeError("no array here")
+
+
+def test_a_hint_of_what_is_not_an_id_array_does_not_raise(
+    tmp_path: Path, started: list[int]
+) -> None:
+    """A ragged list or an object that cannot become an array: the hint does nothing."""
+    ds, ref = _dataset(tmp_path / "d")
+    ds.prefetch([[1, 2], [3]])  # type: ignore[list-item]
+    ds.prefetch(_Unconvertible())  # type: ignore[arg-type]
+    assert started == []
+    np.testing.assert_array_equal(ds.read(np.arange(8))["tokens"], ref[np.arange(8)])
+
+
+def test_reads_that_would_not_use_the_file_loop_are_not_planned(
+    tmp_path: Path, started: list[int]
+) -> None:
+    """A narrowing ``out_dtype`` (int64 shards read as int32) and a handle LRU with room
+    (shards get mapped): nothing is planned or held; the reads are the writer's windows."""
+    ref = _corpus(tmp_path / "d", "int64")
+    narrow = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, out_dtype="int32")
+    roomy = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ)
+    ids = np.random.default_rng(6).permutation(SHARDS * WINDOWS)[:40]
+    for ds in (narrow, roomy):
+        ds.prefetch(ids)
+        assert not ds._prefetched
+        np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
+    assert started == []
+
+
 def _path(ds: TokenWindows, shard: int) -> Path:
     return Path(ds._root_path) / ds.manifest.shards[shard].path
 

@@ -5,9 +5,12 @@ References: the bytes the test wrote (sliced in Python), and ``os.stat`` of each
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -384,6 +387,7 @@ def test_dropping_a_background_read_joins_it_first(tmp_path: Path) -> None:
         prefix, names, *args, out, *_arrays([0], [64 << 20], [1]), threads=1
     )
     del pending
+    assert out[-4096:].tobytes() == contents[0][-4096:]  # the last page first: read already
     assert out.tobytes() == contents[0]
 
 
@@ -406,30 +410,126 @@ def test_a_background_read_keeps_its_buffer_alive(tmp_path: Path) -> None:
     assert [p.wait()[0] for p in pendings] == [20] * 50
 
 
-@native
-def test_a_process_forked_during_a_background_read_counts_nothing_read(tmp_path: Path) -> None:
-    """The reading threads do not exist in a forked child: its `wait` joins nothing and
-    returns 0 (the caller's loop reads again there), at once; the parent's read is whole."""
-    prefix, names, contents = _files(tmp_path, [32 << 20])
-    out = np.zeros(32 << 20, dtype=np.uint8)
-    pending = fileread.start_read_files(
-        prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1])
-    )
+def _in_child(run: Callable[[], str]) -> str:
+    """``run()`` in a forked child; what it returned (or its error)."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report what wait says, and how long it took
-        began = time.perf_counter()
-        done, _ = pending.wait()
-        os.write(w, f"{done} {time.perf_counter() - began:.3f}".encode())
+    if pid == 0:
+        try:
+            answer = run()
+        except BaseException as exc:  # reported to the parent
+            answer = f"error {exc!r}"
+        os.write(w, answer.encode()[:500])
         os._exit(0)
     os.close(w)
-    answer = os.read(r, 100).decode().split()
+    got = os.read(r, 600).decode()
     os.close(r)
     os.waitpid(pid, 0)
-    assert int(answer[0]) == 0
-    assert float(answer[1]) < 5.0
+    return got
+
+
+def _fds_on(path: Path) -> int:
+    """Descriptors of this process open on ``path``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    return count
+
+
+@native
+def test_a_fork_waits_for_background_reads_so_no_child_inherits_their_files(
+    tmp_path: Path,
+) -> None:
+    """A fork while reads run (a torch worker forked mid-read): the reads are joined first
+    (`_join_before_fork`), so the child holds no descriptor of a file being read (it would
+    have no thread to close it) and sees the whole read; 20 forks, each right after a
+    start, with a 32 MiB file (milliseconds of reading)."""
+    prefix, names, contents = _files(tmp_path, [32 << 20])
+    for _ in range(20):
+        out = np.zeros(32 << 20, dtype=np.uint8)
+        pending = fileread.start_read_files(
+            prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1])
+        )
+
+        def child(pending: fileread.PendingRead = pending, out: np.ndarray = out) -> str:
+            done, _ = pending.wait()
+            whole = out.tobytes() == contents[0]
+            return f"{_fds_on(tmp_path / 'f0')} {done} {whole}"
+
+        assert _in_child(child) == "0 1 True"
+        assert pending.wait()[0] == 1 and out.tobytes() == contents[0]
+
+
+@native
+def test_a_raw_background_read_in_a_forked_child_counts_nothing_read(tmp_path: Path) -> None:
+    """The native object itself (not joined by the fork hook): its threads do not exist in
+    a forked child, so the child's `wait` joins nothing and returns 0 at once (the caller
+    reads again); the parent's read is whole."""
+    from detdata.storage import _fileread
+
+    prefix, names, contents = _files(tmp_path, [32 << 20])
+    out = np.zeros(32 << 20, dtype=np.uint8)
+    stats = np.zeros((1, 5), dtype=np.int64)
+    raw = _fileread.start_read_shards(
+        prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1]), stats
+    )
+
+    def child() -> str:
+        began = time.perf_counter()
+        done = raw.wait()
+        return f"{done} {time.perf_counter() - began:.3f}"
+
+    done, seconds = _in_child(child).split()
+    assert int(done) == 0 and float(seconds) < 5.0
+    assert raw.wait() == 1 and out.tobytes() == contents[0]
+
+
+@native
+def test_a_background_read_copies_its_index_arrays(tmp_path: Path) -> None:
+    """The caller may reuse its offset arrays at once: shifting every buffer offset (out of
+    ``out``'s range) right after the start changes nothing the threads read or write."""
+    prefix, names, contents = _files(tmp_path, [4096] * 200)
+    shards, file_at, wants = _arrays(list(range(200)), [0] * 200, [4096] * 200)
+    iov_off, iov_len, count = _arrays([i * 4096 for i in range(200)], [4096] * 200, [1] * 200)
+    out = np.zeros(200 * 4096, dtype=np.uint8)
+    guard = np.zeros(1 << 20, dtype=np.uint8)  # memory that a stray write could hit
+    pending = fileread.start_read_files(
+        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, threads=2
+    )
+    iov_off += 1 << 30
+    count[:] = 7
+    shards[:] = 0
     done, _ = pending.wait()
-    assert done == 1 and out.tobytes() == contents[0]
+    assert done == 200
+    assert out.tobytes() == b"".join(contents)
+    assert not guard.any()
+
+
+def _wait_into(pending: fileread.PendingRead, answers: list[int]) -> None:
+    answers.append(pending.wait()[0])
+
+
+@native
+def test_waiting_from_several_threads_answers_each_the_same(tmp_path: Path) -> None:
+    prefix, names, _ = _files(tmp_path, [1 << 20] * 8)
+    for _ in range(20):
+        out = np.zeros(8 << 20, dtype=np.uint8)
+        pending = fileread.start_read_files(
+            prefix,
+            names,
+            *_arrays(list(range(8)), [0] * 8, [1 << 20] * 8),
+            out,
+            *_arrays([i << 20 for i in range(8)], [1 << 20] * 8, [1] * 8),
+            threads=2,
+        )
+        answers: list[int] = []
+        waiters = [threading.Thread(target=_wait_into, args=(pending, answers)) for _ in range(4)]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join()
+        assert answers == [8] * 4
 
 
 @native
