@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -638,6 +639,54 @@ def growth_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
+    """Markdown: per (kind, shards), the median over rounds of each configuration's
+    samples/s divided by the reference's (`FEISTEL` at the fewest shards, the same worker
+    count) measured in the SAME round, and every round's ratio. Rounds are interleaved,
+    so a slow spell of the shared machine hits a configuration and its reference alike;
+    the cell tables' ratio of medians mixes spells. Empty with one round."""
+    combos = sorted({(r["order"], r["workers"]) for r in results}, key=lambda c: (c[0], c[1]))
+    combos = [c for o in orders for c in combos if c[0] == o]
+    lines: list[str] = []
+    for kind in ("tokens", "parquet"):
+        rows = [r for r in results if r["kind"] == kind and r.get("rounds_samples_per_s")]
+        if not rows or len(rows[0]["rounds_samples_per_s"]) < 2:
+            continue
+        counts = sorted({r["shards"] for r in rows})
+        head = [
+            f"{o} w{w}: median (rounds) % of {FEISTEL} w{w} at {counts[0]:,}" for o, w in combos
+        ]
+        lines += [
+            f"\n**{kind}: per-round ratios**\n",
+            "| shards | " + " | ".join(head) + " |",
+            "|---" * (len(head) + 1) + "|",
+        ]
+        for n in counts:
+            cells = []
+            for order, workers in combos:
+                got = [
+                    r
+                    for r in rows
+                    if (r["order"], r["workers"], r["shards"]) == (order, workers, n)
+                ]
+                ref = [
+                    r
+                    for r in rows
+                    if (r["order"], r["workers"], r["shards"]) == (FEISTEL, workers, counts[0])
+                ]
+                if not got or not ref:
+                    cells.append("n/a")
+                    continue
+                pairs = zip(
+                    got[0]["rounds_samples_per_s"], ref[0]["rounds_samples_per_s"], strict=True
+                )
+                pct = [100 * a / b for a, b in pairs]
+                each = ", ".join(f"{p:.0f}" for p in pct)
+                cells.append(f"{statistics.median(pct):.0f}% ({each})")
+            lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cpu_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     """Markdown: samples per CPU second of the main process for ``num_workers=0`` runs (the
     whole loader runs there), less sensitive than samples/s to other load on the machine."""
@@ -800,6 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(Path(args.from_json).read_text())
         names = list(dict.fromkeys(r["order"] for r in doc["results"]))
         print(growth_table(doc["results"], names))
+        print(paired_table(doc["results"], names))
         print(cpu_table(doc["results"], names))
         return 0
     smoke = args.smoke
@@ -891,6 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = (
         growth_table(results, list(orders))
+        + paired_table(results, list(orders))
         + floor_table(floors, results)
         + first_epoch_table(pq_floors, results)
     )

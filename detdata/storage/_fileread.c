@@ -3,7 +3,8 @@
  * read_shards(prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, stats,
  *             threads=1)
  *
- * For i in 0..n-1: open(prefix + names[shards[i]]), ONE preadv of wants[i] bytes at
+ * For i in 0..n-1: open(prefix + names[shards[i]]) (through the prefix's folder, opened
+ * once per call and thread: see open_folder), ONE preadv of wants[i] bytes at
  * file_at[i] into iov_count[i] consecutive buffers (out + iov_off[j], iov_len[j]), fstat
  * AFTER the read, close. stats[i] = (bytes read, st_size, st_ino, st_dev, st_mtime_ns) as
  * raw 64-bit patterns. Runs without the GIL, on up to `threads` (at most 2) threads, each
@@ -68,9 +69,35 @@ static void put_stat(const struct stat *st, int64_t *at) {
     at[3] = (int64_t)((uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec);
 }
 
-static int read_one(const char *path, int64_t at, int64_t want, struct iovec *iov, int k,
-                    int64_t *row) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+#ifndef O_PATH
+#define O_PATH O_RDONLY
+#endif
+
+/* The folder `prefix` names (a path ending in '/'), opened for openat (O_PATH: search
+ * permission is enough), or -1: each file is then opened by its whole path. Opened once
+ * per loop (per thread's share) and closed at its end, never kept: a folder replaced
+ * between two loops is seen by the next one, as opens by path see it. Opening the files
+ * through it spares the kernel a walk of the prefix's components per file (~10% of an
+ * open + preadv + fstat + close of a small file, benchmarks/scale.py). */
+static int open_folder(const char *prefix, size_t plen) {
+    if (plen == 0 || prefix[plen - 1] != '/') {
+        return -1;
+    }
+    return open(prefix, O_PATH | O_DIRECTORY | O_CLOEXEC);
+}
+
+/* The file prefix + name (`path`): through the prefix's folder `folder` when it is open
+ * and `name` is relative (an absolute name would be opened outside it), else by `path`. */
+static int open_file(int folder, const char *name, const char *path) {
+    if (folder >= 0 && name[0] != '/') {
+        return openat(folder, name, O_RDONLY | O_CLOEXEC);
+    }
+    return open(path, O_RDONLY | O_CLOEXEC);
+}
+
+static int read_one(int folder, const char *name, const char *path, int64_t at, int64_t want,
+                    struct iovec *iov, int k, int64_t *row) {
+    int fd = open_file(folder, name, path);
     if (fd < 0) {
         return -1;
     }
@@ -103,6 +130,7 @@ static void *run_job(void *arg) {
     job_t *job = arg;
     struct iovec iov[IOV_MAX];
     char path[PATH_MAX];
+    int folder = job->begin < job->end ? open_folder(job->prefix, job->plen) : -1;
     Py_ssize_t j = job->iov_begin, i = job->begin;
     for (; i < job->end; i++) {
         Py_ssize_t k = job->iov_count[i];
@@ -118,10 +146,14 @@ static void *run_job(void *arg) {
             iov[m].iov_base = job->out + job->iov_off[j + m];
             iov[m].iov_len = (size_t)job->iov_len[j + m];
         }
-        if (read_one(path, job->file_at[i], job->wants[i], iov, (int)k, job->stats + 5 * i) < 0) {
+        if (read_one(folder, job->paths[i], path, job->file_at[i], job->wants[i], iov, (int)k,
+                     job->stats + 5 * i) < 0) {
             break;
         }
         j += k;
+    }
+    if (folder >= 0) {
+        close(folder);
     }
     job->finished = i;
     return NULL;
@@ -510,6 +542,7 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
     if (memchr(prefix, 0, plen) != NULL) {
         n = 0; /* the caller's loop raises */
     }
+    int folder = n > 0 ? open_folder(prefix, plen) : -1;
     for (; i < n; i++) {
         if (plen + lens[i] + 1 > sizeof(path) || memchr(paths[i], 0, lens[i]) != NULL) {
             break;
@@ -518,7 +551,7 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
         memcpy(path + plen, paths[i], lens[i] + 1);
         /* open + fstat, as a read's open would see the file (on NFS a path stat may
          * answer from cached attributes; an open revalidates them) */
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        int fd = open_file(folder, paths[i], path);
         if (fd < 0) {
             break;
         }
@@ -528,6 +561,9 @@ static PyObject *stat_shards(PyObject *self, PyObject *args) {
             break;
         }
         put_stat(&st, stats + 4 * i);
+    }
+    if (folder >= 0) {
+        close(folder);
     }
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(i);

@@ -4,6 +4,10 @@ With tens of thousands of shards of a few KiB, a shuffled batch opens a file per
 samples, and the interpreter around four system calls per file costs more than the
 calls. `read_files` runs that loop in C without the GIL (``detdata.storage._fileread``,
 built by ``pip install`` when a C compiler is present; `NATIVE` says whether it is). It
+opens each file through its prefix's folder (``openat``: the kernel walks only the
+name's components), that folder opened once per call and thread and closed at the call's
+end: one more descriptor per reading thread while a call runs, and a folder renamed over
+between two calls is seen by the next one, as opens by path see it. It
 only reads: the caller checks each file's ``fstat`` (taken after its read) against the
 manifest and the file first opened, and handles the files from the first failure on
 with its own Python loop, so errors (a missing shard, a short read, permissions) are

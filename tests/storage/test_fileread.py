@@ -308,6 +308,61 @@ def _read_into(got: list[int], args: tuple[object, ...]) -> None:
         got.append(-1)
 
 
+def _read_whole(prefix: bytes, names: list[bytes], shards: list[int], size: int) -> list[bytes]:
+    """Each of ``shards`` read whole (``size`` bytes) by one `read_files` call, or []."""
+    out = np.zeros(size * len(shards), dtype=np.uint8)
+    offs = [size * i for i in range(len(shards))]
+    done, _ = read_files(
+        prefix,
+        names,
+        *_arrays(shards, [0] * len(shards), [size] * len(shards)),
+        out,
+        *_arrays(offs, [size] * len(shards), [1] * len(shards)),
+        threads=1,
+    )
+    return [out[o : o + size].tobytes() for o in offs] if done == len(shards) else []
+
+
+@native
+def test_a_prefix_folder_renamed_over_between_reads_is_seen_by_the_next_read(
+    tmp_path: Path,
+) -> None:
+    """The loop opens files through the prefix's folder, opened afresh by each call: a
+    folder renamed away and another put at its path between two reads is read from its
+    new files by the next read (as opens by path), never from the old folder's; names
+    of subfolders are walked as usual."""
+    root = tmp_path / "data"
+    prefix, _, old = _files(root / "sub", [64, 64])
+    prefix = os.fsencode(str(root) + os.sep)
+    names = [b"sub/f0", b"sub/f1"]
+    assert _read_whole(prefix, names, [1, 0], 64) == [old[1], old[0]]
+    root.rename(tmp_path / "data.old")
+    rng = np.random.default_rng(99)
+    new = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(2)]
+    (root / "sub").mkdir(parents=True)
+    for i, data in enumerate(new):
+        (root / "sub" / f"f{i}").write_bytes(data)
+    assert new != old
+    assert _read_whole(prefix, names, [0, 1], 64) == new
+    shutil.rmtree(root)
+    assert _read_whole(prefix, names, [0], 64) == []  # gone: the caller's loop raises
+
+
+@native
+def test_names_and_prefixes_that_the_folder_cannot_serve_are_opened_by_path(
+    tmp_path: Path,
+) -> None:
+    """A name starting with ``/`` is still the file prefix + name (not opened from the
+    file system's root); a prefix not ending in a separator (a file name prefix) and a
+    prefix that is not a folder read what prefix + name names, or nothing."""
+    prefix, _, contents = _files(tmp_path / "d", [32, 32])
+    assert _read_whole(prefix, [b"/f1", b"f0"], [0, 1], 32) == [contents[1], contents[0]]
+    bare = os.fsencode(str(tmp_path / "d" / "f"))  # "<dir>/f" + "0" -> "<dir>/f0"
+    assert _read_whole(bare, [b"0", b"1"], [1, 0], 32) == [contents[1], contents[0]]
+    not_folder = os.fsencode(str(tmp_path / "d" / "f0") + os.sep)
+    assert _read_whole(not_folder, [b"f1"], [0], 32) == []
+
+
 @native
 def test_stat_files_reports_each_files_stat_and_stops_at_the_first_missing(
     tmp_path: Path,
