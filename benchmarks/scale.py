@@ -549,6 +549,10 @@ def optional_rows(smoke: bool, workdir: Path, skip_identity: bool) -> dict[str, 
                 out[name] = fn(**kwargs)
             except Exception as exc:
                 out[name] = f"n/a ({type(exc).__name__}: {exc})"
+            except BaseException as exc:  # pytest's Skipped (no server binary): keep the run
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                out[name] = f"n/a ({type(exc).__name__}: {exc})"
     for module in ("scale_order", "scale_remote", "scale_reopen"):
         try:
             mod = __import__(f"benchmarks.{module}", fromlist=["rows"])
