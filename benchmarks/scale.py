@@ -688,7 +688,7 @@ def paired_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
                 each = ", ".join(f"{p:.0f}" for p in pct)
                 cells.append(f"{statistics.median(pct):.0f}% ({each})")
             lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n" + "\n".join(lines) if lines else ""
 
 
 def cpu_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
