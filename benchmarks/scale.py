@@ -584,10 +584,24 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _combos(results: list[dict[str, Any]], orders: Sequence[str]) -> list[tuple[str, int]]:
+    """(order, workers) of the results, in the order of ``orders``, then of workers."""
+    combos = sorted({(r["order"], r["workers"]) for r in results}, key=lambda c: (c[0], c[1]))
+    return [c for o in orders for c in combos if c[0] == o]
+
+
+def _head(title: str, columns: list[str]) -> list[str]:
+    """A bold title and the header lines of a markdown table: shards, then ``columns``."""
+    return [
+        f"\n**{title}**\n",
+        "| shards | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+
+
 def growth_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     """Markdown: one row per (kind, shards), one samples/s column per (order, workers)."""
-    combos = sorted({(r["order"], r["workers"]) for r in results}, key=lambda c: (c[0], c[1]))
-    combos = [c for o in orders for c in combos if c[0] == o]
+    combos = _combos(results, orders)
     lines = []
     for kind in ("tokens", "parquet"):
         rows = [r for r in results if r["kind"] == kind]
@@ -649,8 +663,7 @@ def paired_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
     count) measured in the SAME round, and every round's ratio. Rounds are interleaved,
     so a slow spell of the shared machine hits a configuration and its reference alike;
     the cell tables' ratio of medians mixes spells. Empty with one round."""
-    combos = sorted({(r["order"], r["workers"]) for r in results}, key=lambda c: (c[0], c[1]))
-    combos = [c for o in orders for c in combos if c[0] == o]
+    combos = _combos(results, orders)
     lines: list[str] = []
     for kind in ("tokens", "parquet"):
         rows = [r for r in results if r["kind"] == kind and r.get("rounds_samples_per_s")]
@@ -660,11 +673,7 @@ def paired_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
         head = [
             f"{o} w{w}: median (rounds) % of {FEISTEL} w{w} at {counts[0]:,}" for o, w in combos
         ]
-        lines += [
-            f"\n**{kind}: per-round ratios**\n",
-            "| shards | " + " | ".join(head) + " |",
-            "|---" * (len(head) + 1) + "|",
-        ]
+        lines += _head(f"{kind}: per-round ratios", head)
         for n in counts:
             cells = []
             for order, workers in combos:
@@ -705,11 +714,7 @@ def cpu_table(results: list[dict[str, Any]], orders: Sequence[str]) -> str:
         names = [o for o in orders if any(r["order"] == o for r in mine)]
         base = [r for r in mine if r["order"] == FEISTEL and r["shards"] == counts[0]]
         head = [f"{o} w0 samples/CPU-s (% of {FEISTEL} at {counts[0]:,})" for o in names]
-        lines += [
-            f"\n**{kind}, CPU time of the main process (num_workers=0)**\n",
-            "| shards | " + " | ".join(head) + " |",
-            "|---" * (len(head) + 1) + "|",
-        ]
+        lines += _head(f"{kind}, CPU time of the main process (num_workers=0)", head)
         for n in counts:
             cells = []
             for o in names:
