@@ -414,6 +414,132 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------ paired slices
+#: `paired_slices`: seconds each slice runs untimed before its timed part (the other
+#: loader's in-flight groups finish, this one's queue refills).
+SLICE_SETTLE_S = 0.25
+
+
+@dataclass
+class _Live:
+    """One loader kept alive for `paired_slices`: its iterator and the timed totals."""
+
+    label: str
+    it: Iterator[Any]
+    keep: tuple[Any, ...]  # the loader, stream and dataset behind ``it``
+    samples: list[int]
+    seconds: list[float]
+
+
+def _live(label: str, kind: str, folder: Path, make: Callable[[Any, int], Any], **kw: Any) -> _Live:
+    import detdata
+
+    warm_page_cache(folder)
+    ds = _dataset(kind, folder, kw["width"], kw["max_open"])
+    stream = make(ds, 7)
+    loader = detdata.DataLoader(
+        stream, global_batch_size=kw["batch"], num_workers=kw["workers"], seed=3
+    )
+    return _Live(label, iter(loader), (loader, stream, ds), [], [])
+
+
+def _slice(live: _Live, seconds: float, width: int) -> None:
+    """Pull batches from ``live`` for `SLICE_SETTLE_S` untimed, then ``seconds`` timed
+    (every row checked)."""
+    settle = time.perf_counter() + SLICE_SETTLE_S
+    while time.perf_counter() < settle:
+        check_rows(next(live.it)["tokens"].numpy(), width)
+    clock = Stopwatch()
+    samples = 0
+    while clock.seconds < seconds:
+        with clock:
+            got = next(live.it)["tokens"]
+        rows = got.numpy()
+        check_rows(rows, width)
+        samples += rows.shape[0]
+    live.samples.append(samples)
+    live.seconds.append(clock.seconds)
+
+
+def paired_slices(
+    ref: tuple[Path, Callable[[Any, int], Any]],
+    cands: dict[str, tuple[Path, Callable[[Any, int], Any]]],
+    *,
+    workers: int,
+    slices: int,
+    seconds: float,
+    **kw: Any,
+) -> list[dict[str, Any]]:
+    """Each candidate's samples/s as a share of the reference's, measured in alternating
+    slices: every loader stays alive (its workers too) and slices of ``seconds`` run in
+    turn, reference first then the candidates, the turn reversed every other pass (ABBA:
+    a drift of the machine's speed within a pass hits both sides alike). This VM's speed
+    changes by tens of percent from one minute to the next; full runs minutes apart
+    (`measure`) mix those spells into their ratios, slices seconds apart do much less.
+    Returns one row per candidate: per-pass ratios, their median, the pooled ratio
+    (total samples over total seconds, each side) and the 10th-90th percentile range."""
+    lives = [_live("reference", "tokens", ref[0], ref[1], workers=workers, **kw)]
+    lives += [
+        _live(label, "tokens", folder, make, workers=workers, **kw)
+        for label, (folder, make) in cands.items()
+    ]
+    for live in lives:  # first pass untimed: workers started, caches warm
+        _slice(live, seconds, kw["width"])
+        live.samples.clear()
+        live.seconds.clear()
+    for i in range(slices):
+        for live in lives if i % 2 == 0 else lives[::-1]:
+            _slice(live, seconds, kw["width"])
+    base = lives[0]
+    base_rates = [s / t for s, t in zip(base.samples, base.seconds, strict=True)]
+    out = []
+    for live in lives[1:]:
+        rates = [s / t for s, t in zip(live.samples, live.seconds, strict=True)]
+        pct = [100 * a / b for a, b in zip(rates, base_rates, strict=True)]
+        pooled = (sum(live.samples) / sum(live.seconds)) / (sum(base.samples) / sum(base.seconds))
+        lo, hi = np.percentile(pct, [10, 90]).tolist()
+        out.append(
+            {
+                "candidate": live.label,
+                "workers": workers,
+                "slices": slices,
+                "slice_s": seconds,
+                "reference_samples_per_s": sum(base.samples) / sum(base.seconds),
+                "samples_per_s": sum(live.samples) / sum(live.seconds),
+                "pct_each": pct,
+                "pct_median": statistics.median(pct),
+                "pct_pooled": 100 * pooled,
+                "pct_p10_p90": [lo, hi],
+            }
+        )
+    for live in lives:
+        del live.it
+    lives.clear()
+    gc.collect()
+    return out
+
+
+def slices_table(rows: list[dict[str, Any]], reference: str) -> str:
+    """Markdown of `paired_slices` rows."""
+    if not rows:
+        return ""
+    lines = [
+        f"\n\n**tokens: alternating slices against {reference} (same run, seconds apart)**\n",
+        "| candidate | workers | slices x s | samples/s (reference) | % median of slices | "
+        "% pooled | % 10th-90th | each slice % |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        each = ", ".join(f"{p:.0f}" for p in r["pct_each"])
+        lo, hi = r["pct_p10_p90"]
+        lines.append(
+            f"| {r['candidate']} | {r['workers']} | {r['slices']} x {r['slice_s']:g} | "
+            f"{_fmt(r['samples_per_s'])} ({_fmt(r['reference_samples_per_s'])}) | "
+            f"{r['pct_median']:.0f}% | {r['pct_pooled']:.0f}% | {lo:.0f}-{hi:.0f}% | {each} |"
+        )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ read floor
 def read_floor(
     folder: Path, seq_len: int, *, passes: int = 3, limit: int = 20_000
@@ -843,6 +969,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--budget", type=float, help="timed seconds per run (default 4)")
     p.add_argument("--rounds", type=int, help="interleaved runs of each config (default 3)")
+    p.add_argument(
+        "--slices", type=int, help="alternating slices per candidate (default 12; smoke 2; 0 skips)"
+    )
+    p.add_argument("--slice-s", type=float, help="timed seconds per slice (default 1.5)")
+    p.add_argument(
+        "--slice-shards", type=int, help="candidates' shard count (default 50,000 or the largest)"
+    )
     p.add_argument("--max-open-shards", type=int, help="TokenWindows/TableRows bound")
     p.add_argument("--order", help="name of the locality-aware order (default: detected)")
     p.add_argument("--data-dir", default="/tmp/detdata-scale", help="generated shards")
@@ -850,6 +983,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-identity", action="store_true", help="no scale_identity rows")
     p.add_argument("--from-json", metavar="FILE", help="only print the table of a scale.json")
     return p.parse_args(argv)
+
+
+def run_slices(
+    args: argparse.Namespace,
+    folders: dict[tuple[str, int], Path],
+    orders: dict[str, Callable[[Any, int], Any] | None],
+    *,
+    seq_len: int,
+    smoke: bool,
+) -> list[dict[str, Any]]:
+    """`paired_slices` for each worker count: every order at ``--slice-shards`` token shards
+    against `FEISTEL` at the fewest."""
+    slices = args.slices if args.slices is not None else (2 if smoke else 12)
+    counts = sorted(n for kind, n in folders if kind == "tokens")
+    if slices <= 0 or len(counts) < 2:
+        return []
+    target = args.slice_shards or (50_000 if 50_000 in counts else counts[-1])
+    feistel = orders[FEISTEL]
+    assert feistel is not None
+    cands = {
+        f"{name} at {target:,}": (folders[("tokens", target)], make)
+        for name, make in orders.items()
+        if make is not None
+    }
+    rows = []
+    for workers in args.workers:
+        got = paired_slices(
+            (folders[("tokens", counts[0])], feistel),
+            cands,
+            workers=workers,
+            slices=slices,
+            seconds=args.slice_s or (0.2 if smoke else 1.5),
+            width=seq_len,
+            batch=args.batch,
+            max_open=args.max_open_shards,
+        )
+        for row in got:
+            print(
+                f"slices w{workers} {row['candidate']}: median {row['pct_median']:.0f}%, "
+                f"pooled {row['pct_pooled']:.0f}% of {FEISTEL} at {counts[0]:,} "
+                f"(each: {', '.join(f'{p:.0f}' for p in row['pct_each'])})",
+                flush=True,
+            )
+        rows += got
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -860,6 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(growth_table(doc["results"], names))
         print(paired_table(doc["results"], names))
         print(cpu_table(doc["results"], names))
+        counts = sorted({r["shards"] for r in doc["results"] if r["kind"] == "tokens"})
+        if counts:
+            print(slices_table(doc.get("slices", []), f"{FEISTEL} at {counts[0]:,} shards"))
         return 0
     smoke = args.smoke
     shards = args.shards or (SMOKE_SHARDS if smoke else SHARDS)
@@ -927,6 +1108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results.append({**asdict(run), "samples_per_s": None})
                     continue
                 results.append(median_row(measured[(kind, n, name, workers)]))
+    sliced = run_slices(args, folders, orders, seq_len=seq_len, smoke=smoke)
     floors = {
         n: read_floor(folder, seq_len) for (kind, n), folder in folders.items() if kind == "tokens"
     }
@@ -953,6 +1135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + paired_table(results, list(orders))
         + floor_table(floors, results)
         + first_epoch_table(pq_floors, results)
+        + slices_table(sliced, f"{FEISTEL} at {min(shards):,} shards")
     )
     cpu = cpu_table(results, list(orders))
     doc = {
@@ -972,6 +1155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "manifest_build_s": builds,
         "rounds": rounds,
         "results": results,
+        "slices": sliced,
         "read_floor": {str(n): f for n, f in floors.items()},
         "parquet_first_epoch_floor": {str(n): f for n, f in pq_floors.items()},
         "miss_costs": misses,
