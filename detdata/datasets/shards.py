@@ -65,6 +65,7 @@ from detdata.base.errors import ConfigError, StorageError, VerificationError
 from detdata.datasets.process_local import ProcessLocal
 from detdata.identity.manifest import Manifest, Verify
 from detdata.storage.cache import ShardCache
+from detdata.storage.first_opens import FirstOpens
 from detdata.storage.fs import filesystem, join
 from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -479,9 +480,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_handles",
         "_sizes",
         "_size_array",
-        "_first_files",
-        "_recorded",
-        "_first_lock",
+        "_first",
         "_names_bytes",
     )
 
@@ -524,12 +523,9 @@ class ShardReader(ProcessLocal, abc.ABC):
         copy_files: dict[int, tuple[str, int]] = {}
         self._copy_files = copy_files
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
-        # an unsigned 64-bit pattern (`_identity`); all 0: not opened yet
-        self._first_files: npt.NDArray[np.uint64] = np.zeros((len(self._sizes), 3), np.uint64)
-        # 1 where `_first_files` holds a record (a cheap test in per-shard loops); both are
-        # written under `_first_lock` (reader threads may first open a shard at once)
-        self._recorded = bytearray(len(self._sizes))
-        self._first_lock = threading.Lock()
+        # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
+        # native loop may first open a shard at once)
+        self._first = FirstOpens(np.asarray(self._sizes, dtype=np.int64))
         self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
@@ -719,14 +715,7 @@ class ShardReader(ProcessLocal, abc.ABC):
             self._check_size(shard, size, path)
         if self.cache_dir is not None and self._uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
-        recorded = self._recorded
-        if not recorded[shard]:
-            with self._first_lock:
-                if not recorded[shard]:
-                    self._first_files[shard] = now
-                    recorded[shard] = 1
-                    return
-        seen = tuple(self._first_files[shard].tolist())
+        seen = self._first.record(shard, now)
         if seen != now:
             name = self.manifest.shards[shard].path
             raise VerificationError(
@@ -739,26 +728,6 @@ class ShardReader(ProcessLocal, abc.ABC):
                 expected=list(seen),
                 found=list(now),
             )
-
-    def _record_stats(
-        self, ids: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], now: npt.NDArray[np.uint64]
-    ) -> bool:
-        """Record the first open of the distinct shards ``ids`` from their files' ``sizes``
-        and identities ``now`` (`_identity` rows), as `_check_identity` would one by one;
-        False (nothing raised, the ones that passed recorded) when a size is not the
-        manifest's or another thread recorded a different file first: the caller's
-        one-by-one path then raises the exact error."""
-        if bool((sizes != self._size_array[ids]).any()):
-            return False
-        if self.cache_dir is not None and self._uses_shard_cache():
-            return True  # cached copies: checked against their (path, inode)
-        recorded = np.frombuffer(self._recorded, dtype=np.uint8)
-        with self._first_lock:
-            new = recorded[ids] == 0
-            self._first_files[ids[new]] = now[new]
-            recorded[ids[new]] = 1
-            seen = self._first_files[ids[~new]]
-        return bool((seen == now[~new]).all())
 
     def _check_opened_all(
         self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
@@ -785,14 +754,15 @@ class ShardReader(ProcessLocal, abc.ABC):
         after its bytes were read). One vectorised comparison instead of ~6 us of Python
         per shard. The first culprit, in the order given, raises `_check_stat`'s error. A
         shard not recorded yet goes through `_check_identity` (callers record first opens
-        before reading: see `TokenWindows._preadv_shards`). Callers check before any byte
+        before reading: the native loop does, see `TokenWindows._preadv_shards`). Callers
+        check before any byte
         read under these opens is returned."""
         if not ids.size:
             return
         bad = sizes != self._size_array.take(ids)
         if not self._uses_shard_cache():
-            bad |= np.frombuffer(self._recorded, dtype=np.uint8).take(ids) == 0
-            changed = self._first_files.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
+            bad |= ~self._first.recorded(ids)
+            changed = self._first.ident.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
             bad |= changed[:, 0] | changed[:, 1] | changed[:, 2]  # ~2x cheaper than any(1)
         for i in np.flatnonzero(bad).tolist():  # the first real culprit raises
             shard = int(ids[i])

@@ -103,8 +103,8 @@ from detdata.storage.fileread import (
     PendingRead,
     read_files,
     start_read_files,
-    stat_files,
 )
+from detdata.storage.first_opens import RECORDED
 from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.ranges import read_coalesced
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -895,14 +895,15 @@ class TokenWindows(ShardReader):
         """For each shard ``shards[i]`` (each at most once): one open, ONE ``preadv`` of
         ``wants[i]`` bytes at ``file_at[i]`` into its ``iov_count[i]`` buffers (the next
         ``flat[iov_off[j]:][:iov_len[j]]``), one ``fstat`` after the read and one close.
-        With the native loop (`detdata.storage.fileread`, no GIL), the shards not opened
-        before in this process are first opened and recorded (`_record_first_opens`), then
-        the loop reads them all; its ``fstat`` s are checked at once
+        With the native loop (`detdata.storage.fileread`, no GIL), a shard not opened
+        before in this process is recorded in the loop itself, from an ``fstat`` right
+        after its open and before its read (`detdata.storage.first_opens`: one open serves
+        the record and the read); the loop's ``fstat`` s are checked at once
         (`_check_opened_arrays`) and the shards from the first it could not read on go
         through `_preadv_python`, which raises the error. The bytes and checks do not
         depend on which loop read them."""
         done = 0
-        if NATIVE and self._record_first_opens(shards):
+        if NATIVE:
             done, stats = yield FileReads(
                 os.fsencode(join(self._root_path, "")),
                 self._encoded_names(),
@@ -913,6 +914,7 @@ class TokenWindows(ShardReader):
                 iov_off,
                 iov_len,
                 iov_count,
+                None if self._uses_shard_cache() else self._first,
             )
             self._check_opened_arrays(
                 shards[:done],
@@ -931,24 +933,6 @@ class TokenWindows(ShardReader):
             iov_off[skip:].tolist(),
             iov_len[skip:].tolist(),
             np.cumsum(iov_count[done:]).tolist(),
-        )
-
-    def _record_first_opens(self, shards: IntArray) -> bool:
-        """Record each of ``shards`` not opened before in this process from an ``fstat`` of
-        its file (`stat_files`, no GIL; `ShardReader._record_stats`), so that a first open
-        is recorded before any of its bytes are read (the ``fstat`` after the read, and a
-        reader thread meeting a replacement later, are compared with the file first seen).
-        False at the first shard that cannot be stat'ed or recorded (missing, wrong size,
-        changed): the caller reads the whole batch with `_preadv_python`, which raises at
-        the first culprit in read order."""
-        fresh = shards[np.frombuffer(self._recorded, dtype=np.uint8)[shards] == 0]
-        if not fresh.size:
-            return True
-        done, stats = stat_files(
-            os.fsencode(join(self._root_path, "")), self._encoded_names(), fresh
-        )
-        return done == fresh.size and self._record_stats(
-            fresh, stats[:, 0], stats[:, 1:].view(np.uint64)
         )
 
     def _preadv_python(
@@ -971,7 +955,7 @@ class TokenWindows(ShardReader):
         entries = self.manifest.shards
         open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
         flags = os.O_RDONLY
-        recorded, first_open = self._recorded, self._check_stat
+        recorded, first_open = self._first.state, self._check_stat
         stats: list[os.stat_result] = []  # fstat of each shard after its read
         a = 0
         for sh, at, want, b in zip(shards, file_at, wants, iov_end, strict=True):
@@ -984,7 +968,7 @@ class TokenWindows(ShardReader):
                 self._check_opened_all(shards, stats, prefix)
                 raise self._missing(sh, path) from None
             try:
-                if not recorded[sh]:  # a first open is recorded before its bytes are read
+                if recorded[sh] != RECORDED:  # a first open is recorded before its read
                     first_open(sh, fstat(fd), path)
                 got = preadv(fd, bufs, at)
                 stats.append(fstat(fd))  # after the read: a write the read saw shows

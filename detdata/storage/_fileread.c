@@ -1,7 +1,7 @@
 /* detdata.storage._fileread: the batched local-shard read loop without the interpreter.
  *
  * read_shards(prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, stats,
- *             threads=1)
+ *             threads=1, state=None, ident=None, sizes=None)
  *
  * For i in 0..n-1: open(prefix + names[shards[i]]) (through the prefix's folder, opened
  * once per call and thread: see open_folder), ONE preadv of wants[i] bytes at
@@ -19,8 +19,13 @@
  * outside `out`, a shard index outside `names`, arrays of the wrong length) raise
  * ValueError before any file is opened.
  *
- * stat_shards (below): the stat of each of many files, for a caller that records each
- * shard's first open before reading it.
+ * With a first-open table (state, ident, sizes: see detdata.storage.first_opens), a shard
+ * whose state is not "recorded" is fstat'ed right after its open and BEFORE its read: a
+ * file of the expected size is recorded as the shard's first file (claim_first: one
+ * thread records, the others see its record); one of another size stops the loop there,
+ * before its read (the caller's loop raises the exact error).
+ *
+ * record_firsts (below): the same records made from Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +34,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -95,10 +101,76 @@ static int open_file(int folder, const char *name, const char *path) {
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
-static int read_one(int folder, const char *name, const char *path, int64_t at, int64_t want,
-                    struct iovec *iov, int k, int64_t *row) {
+/* A first-open table (detdata.storage.first_opens): per shard a state byte (0: no record,
+ * 2: being recorded, 1: recorded) and its identity (inode, device, mtime_ns); `sizes` the
+ * manifest's byte sizes. NULL state: no table (nothing recorded). */
+typedef struct {
+    unsigned char *state;
+    uint64_t *ident;
+    const int64_t *sizes;
+} firsts_t;
+
+enum { FIRST_NONE = 0, FIRST_RECORDED = 1, FIRST_BUSY = 2 };
+
+/* Record `now` as shard s's first file unless another is recorded (or being recorded: wait
+ * for it); `seen` gets the identity recorded. Safe from any number of threads at once,
+ * with or without the GIL: a state byte goes 0 -> 2 (claimed by one thread, compare and
+ * swap) -> 1 (its identity written before, release order). */
+static void claim_first(const firsts_t *f, int64_t s, const uint64_t now[3], uint64_t seen[3]) {
+    unsigned char *state = &f->state[s];
+    uint64_t *ident = f->ident + 3 * s;
+    unsigned char st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    if (st == FIRST_NONE) {
+        unsigned char expected = FIRST_NONE;
+        if (__atomic_compare_exchange_n(state, &expected, FIRST_BUSY, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            memcpy(ident, now, 3 * sizeof(uint64_t));
+            __atomic_store_n(state, FIRST_RECORDED, __ATOMIC_RELEASE);
+            memcpy(seen, now, 3 * sizeof(uint64_t));
+            return;
+        }
+        st = expected;
+    }
+    while (st != FIRST_RECORDED) { /* another thread is between its claim and its store */
+        sched_yield();
+        st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    }
+    memcpy(seen, ident, 3 * sizeof(uint64_t));
+}
+
+static void identity_of(const struct stat *st, uint64_t now[3]) {
+    now[0] = (uint64_t)st->st_ino;
+    now[1] = (uint64_t)st->st_dev;
+    now[2] = (uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec;
+}
+
+/* Shard s's first open (descriptor fd), recorded before any of its bytes are read when the
+ * table has no record yet: -1 (nothing recorded) when it cannot be fstat'ed or its size is
+ * not the manifest's. */
+static int record_open(const firsts_t *f, int64_t s, int fd) {
+    if (f->state == NULL || __atomic_load_n(&f->state[s], __ATOMIC_ACQUIRE) == FIRST_RECORDED) {
+        return 0;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (int64_t)st.st_size != f->sizes[s]) {
+        return -1;
+    }
+    uint64_t now[3], seen[3];
+    identity_of(&st, now);
+    claim_first(f, s, now, seen); /* another file recorded first: the check after the read
+                                     names it (its fstat is not the recorded file's) */
+    return 0;
+}
+
+static int read_one(int folder, const char *name, const char *path, const firsts_t *f,
+                    int64_t shard, int64_t at, int64_t want, struct iovec *iov, int k,
+                    int64_t *row) {
     int fd = open_file(folder, name, path);
     if (fd < 0) {
+        return -1;
+    }
+    if (record_open(f, shard, fd) < 0) {
+        close(fd);
         return -1;
     }
     ssize_t got = preadv(fd, iov, k, (off_t)at);
@@ -119,7 +191,8 @@ typedef struct {
     size_t plen;
     const char **paths; /* per file i (not per shard) */
     const size_t *lens; /* strlen of paths[i] unless it holds a NUL byte */
-    const int64_t *file_at, *wants, *iov_off, *iov_len, *iov_count;
+    const int64_t *shards, *file_at, *wants, *iov_off, *iov_len, *iov_count;
+    firsts_t first;
     char *out;
     int64_t *stats;
     Py_ssize_t begin, end, iov_begin;
@@ -146,8 +219,8 @@ static void *run_job(void *arg) {
             iov[m].iov_base = job->out + job->iov_off[j + m];
             iov[m].iov_len = (size_t)job->iov_len[j + m];
         }
-        if (read_one(folder, job->paths[i], path, job->file_at[i], job->wants[i], iov, (int)k,
-                     job->stats + 5 * i) < 0) {
+        if (read_one(folder, job->paths[i], path, &job->first, job->shards[i], job->file_at[i],
+                     job->wants[i], iov, (int)k, job->stats + 5 * i) < 0) {
             break;
         }
         j += k;
@@ -266,8 +339,9 @@ static void drop_names(name_refs *r) {
 }
 
 /* One read_shards call's arguments, held (buffers and names) until `drop_call`. */
+#define CALL_BUFFERS 11
 typedef struct {
-    held_buffer b[8];
+    held_buffer b[CALL_BUFFERS];
     name_refs refs;
     job_t base;
     Py_ssize_t n;
@@ -276,19 +350,58 @@ typedef struct {
 
 static void drop_call(call_t *c) {
     drop_names(&c->refs);
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < CALL_BUFFERS; i++) {
         release(&c->b[i]);
     }
+}
+
+/* The optional first-open table (state, ident, sizes; all three or None): held in `b`,
+ * checked against the shard indices read; -1 with a ValueError. */
+static int prepare_firsts(PyObject **objs, held_buffer *b, const int64_t *shards, Py_ssize_t n,
+                          firsts_t *first, const char *who) {
+    int given = 0;
+    for (int i = 0; i < 3; i++) {
+        given += objs[i] != NULL && objs[i] != Py_None;
+    }
+    if (given == 0) {
+        return 0;
+    }
+    if (given != 3) {
+        PyErr_Format(PyExc_ValueError, "%s: state, ident and sizes go together", who);
+        return -1;
+    }
+    static const char *what[3] = {"state", "ident", "sizes"};
+    static const int writable[3] = {1, 1, 0};
+    for (int i = 0; i < 3; i++) {
+        if (take(objs[i], &b[i], writable[i], who, what[i]) < 0) {
+            return -1;
+        }
+    }
+    Py_ssize_t count = b[0].view.len;
+    if (b[1].view.len / 24 != count || b[2].view.len / 8 != count) {
+        PyErr_Format(PyExc_ValueError, "%s: state, ident and sizes of mismatched lengths", who);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (shards[i] >= count) {
+            PyErr_Format(PyExc_ValueError, "%s: shard index outside the first-open table", who);
+            return -1;
+        }
+    }
+    first->state = b[0].view.buf;
+    first->ident = b[1].view.buf;
+    first->sizes = b[2].view.buf;
+    return 0;
 }
 
 /* Parse and check read_shards' arguments into `c` (zeroed by the caller); -1 with an
  * exception set (what was taken is dropped by the caller's `drop_call`). */
 static int prepare_call(PyObject *args, call_t *c, const char *who) {
-    PyObject *prefix_obj, *names, *objs[8];
+    PyObject *prefix_obj, *names, *objs[CALL_BUFFERS] = {NULL};
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOOOO|i", &PyBytes_Type, &prefix_obj, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOOOO|iOOO", &PyBytes_Type, &prefix_obj, &PyList_Type,
                           &names, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &objs[7], &threads)) {
+                          &objs[6], &objs[7], &threads, &objs[8], &objs[9], &objs[10])) {
         return -1;
     }
     static const char *what[8] = {"shards", "file_at", "wants", "out",
@@ -322,6 +435,10 @@ static int prepare_call(PyObject *args, call_t *c, const char *who) {
         }
         total += iov_count[i]; /* <= niov: no overflow */
     }
+    firsts_t first = {NULL, NULL, NULL};
+    if (prepare_firsts(objs + 8, b + 8, shards, n, &first, who) < 0) {
+        return -1;
+    }
     if (total != niov) {
         PyErr_Format(PyExc_ValueError, "%s: iov_count does not add up to the buffers", who);
         return -1;
@@ -350,6 +467,8 @@ static int prepare_call(PyObject *args, call_t *c, const char *who) {
         .prefix = PyBytes_AS_STRING(prefix_obj),
         .plen = (size_t)PyBytes_GET_SIZE(prefix_obj),
         .paths = c->refs.paths,
+        .shards = shards,
+        .first = first,
         .lens = c->refs.lens,
         .file_at = file_at,
         .wants = wants,
@@ -501,86 +620,64 @@ static PyObject *start_read_shards(PyObject *self, PyObject *args) {
     return (PyObject *)p;
 }
 
-/* stat_shards(prefix, names, shards, stats) -> files stat'ed
+/* record_firsts(state, ident, ids, now, seen)
  *
- * For i in 0..n-1: open(prefix + names[shards[i]]), fstat, close; stats[i] = (st_size,
- * st_ino, st_dev, st_mtime_ns) as raw 64-bit patterns. Without the GIL; stops at the first
- * file it cannot open or fstat (or whose path holds a NUL byte or is too long) and returns
- * its index. */
-static PyObject *stat_shards(PyObject *self, PyObject *args) {
+ * claim_first for i in 0..n-1: record now[i] (inode, device, mtime_ns) as shard ids[i]'s
+ * first file unless one is recorded; seen[i] = the identity recorded (now[i] when this call
+ * recorded it). The records the read loop makes, made from Python (the same protocol, so
+ * the two never both record a shard). ids: int64; now, seen: uint64 rows of 3. */
+static PyObject *record_firsts(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *prefix_obj, *names, *objs[2];
-    if (!PyArg_ParseTuple(args, "O!O!OO", &PyBytes_Type, &prefix_obj, &PyList_Type, &names,
-                          &objs[0], &objs[1])) {
+    PyObject *objs[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4])) {
         return NULL;
     }
-    held_buffer b[2] = {{{0}, 0}};
+    static const char *what[5] = {"state", "ident", "ids", "now", "seen"};
+    static const int writable[5] = {1, 1, 0, 0, 1};
+    held_buffer b[5];
+    memset(b, 0, sizeof(b));
     PyObject *result = NULL;
-    name_refs refs = {NULL, NULL, NULL, 0};
-    if (take(objs[0], &b[0], 0, "stat_shards", "shards") < 0 ||
-        take(objs[1], &b[1], 1, "stat_shards", "stats") < 0) {
+    for (int i = 0; i < 5; i++) {
+        if (take(objs[i], &b[i], writable[i], "record_firsts", what[i]) < 0) {
+            goto done;
+        }
+    }
+    Py_ssize_t count = b[0].view.len, n = b[2].view.len / 8;
+    if (b[1].view.len / 24 != count || b[3].view.len / 24 != n || b[4].view.len / 24 != n) {
+        PyErr_SetString(PyExc_ValueError, "record_firsts: arrays of mismatched lengths");
         goto done;
     }
-    Py_ssize_t n = b[0].view.len / 8;
-    if (b[1].view.len / 8 < 4 * n) {
-        PyErr_SetString(PyExc_ValueError, "stat_shards: arrays of mismatched lengths");
-        goto done;
+    const int64_t *ids = b[2].view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= count) {
+            PyErr_SetString(PyExc_ValueError, "record_firsts: shard index out of range");
+            goto done;
+        }
     }
-    const int64_t *shards = b[0].view.buf;
-    int64_t *stats = b[1].view.buf;
-    if (hold_names(names, shards, n, &refs, "stat_shards") < 0) {
-        goto done;
-    }
-    const char **paths = refs.paths;
-    const size_t *lens = refs.lens;
-    const char *prefix = PyBytes_AS_STRING(prefix_obj);
-    size_t plen = (size_t)PyBytes_GET_SIZE(prefix_obj);
-    Py_ssize_t i = 0;
+    firsts_t f = {b[0].view.buf, b[1].view.buf, NULL};
+    const uint64_t *now = b[3].view.buf;
+    uint64_t *seen = b[4].view.buf;
     Py_BEGIN_ALLOW_THREADS
-    char path[PATH_MAX];
-    struct stat st;
-    if (memchr(prefix, 0, plen) != NULL) {
-        n = 0; /* the caller's loop raises */
-    }
-    int folder = n > 0 ? open_folder(prefix, plen) : -1;
-    for (; i < n; i++) {
-        if (plen + lens[i] + 1 > sizeof(path) || memchr(paths[i], 0, lens[i]) != NULL) {
-            break;
-        }
-        memcpy(path, prefix, plen);
-        memcpy(path + plen, paths[i], lens[i] + 1);
-        /* open + fstat, as a read's open would see the file (on NFS a path stat may
-         * answer from cached attributes; an open revalidates them) */
-        int fd = open_file(folder, paths[i], path);
-        if (fd < 0) {
-            break;
-        }
-        int ok = fstat(fd, &st) == 0;
-        close(fd);
-        if (!ok) {
-            break;
-        }
-        put_stat(&st, stats + 4 * i);
-    }
-    if (folder >= 0) {
-        close(folder);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        claim_first(&f, ids[i], now + 3 * i, seen + 3 * i);
     }
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(i);
+    result = Py_NewRef(Py_None);
 done:
-    drop_names(&refs);
-    release(&b[0]);
-    release(&b[1]);
+    for (int i = 0; i < 5; i++) {
+        release(&b[i]);
+    }
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"stat_shards", stat_shards, METH_VARARGS,
-     "stat_shards(prefix, names, shards, stats) -> files stat'ed (see "
-     "detdata.storage.fileread)"},
+    {"record_firsts", record_firsts, METH_VARARGS,
+     "record_firsts(state, ident, ids, now, seen) -> None (see "
+     "detdata.storage.first_opens)"},
     {"read_shards", read_shards, METH_VARARGS,
      "read_shards(prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, "
-     "stats) -> shards fully read (see detdata.storage.fileread)"},
+     "stats, threads=1, state=None, ident=None, sizes=None) -> shards fully read (see "
+     "detdata.storage.fileread)"},
     {"start_read_shards", start_read_shards, METH_VARARGS,
      "start_read_shards(...the arguments of read_shards...) -> PendingRead (see "
      "detdata.storage.fileread)"},

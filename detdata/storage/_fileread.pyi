@@ -15,9 +15,14 @@ def read_shards(
     iov_count: Buffer,
     stats: Buffer,
     threads: int = 1,
+    state: Buffer | None = None,
+    ident: Buffer | None = None,
+    sizes: Buffer | None = None,
     /,
 ) -> int: ...
-def stat_shards(prefix: bytes, names: list[bytes], shards: Buffer, stats: Buffer, /) -> int: ...
+def record_firsts(
+    state: Buffer, ident: Buffer, ids: Buffer, now: Buffer, seen: Buffer, /
+) -> None: ...
 
 class PendingRead:
     def wait(self) -> int: ...
@@ -34,5 +39,8 @@ def start_read_shards(
     iov_count: Buffer,
     stats: Buffer,
     threads: int = 1,
+    state: Buffer | None = None,
+    ident: Buffer | None = None,
+    sizes: Buffer | None = None,
     /,
 ) -> PendingRead: ...

@@ -7,7 +7,9 @@ built by ``pip install`` when a C compiler is present; `NATIVE` says whether it 
 opens each file through its prefix's folder (``openat``: the kernel walks only the
 name's components), that folder opened once per call and thread and closed at the call's
 end: one more descriptor per reading thread while a call runs, and a folder renamed over
-between two calls is seen by the next one, as opens by path see it. It
+between two calls is seen by the next one, as opens by path see it. Given the caller's
+first-open table (`detdata.storage.first_opens`), it records a shard's first open from
+the same open, before reading it. Otherwise it
 only reads: the caller checks each file's ``fstat`` (taken after its read) against the
 manifest and the file first opened, and handles the files from the first failure on
 with its own Python loop, so errors (a missing shard, a short read, permissions) are
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +31,9 @@ try:
     from detdata.storage import _fileread
 except ImportError:  # built without a C compiler: the callers' Python loop reads
     _fileread = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from detdata.storage.first_opens import FirstOpens
 
 #: Whether the native loop is built (else `read_files` always returns 0 files read).
 NATIVE: Final = _fileread is not None
@@ -71,6 +76,7 @@ def read_files(
     iov_off: IntArray,
     iov_len: IntArray,
     iov_count: IntArray,
+    first: FirstOpens | None = None,
     *,
     threads: int | None = None,
 ) -> tuple[int, IntArray]:
@@ -83,7 +89,10 @@ def read_files(
     index; nothing of it counts as read; a later file may have been read too, and is read
     again by the caller), and returns ``done = 0`` without the extension. ``threads``
     (at most 2; None: this process's default, `set_read_threads`) split the files into
-    contiguous shares.
+    contiguous shares. With ``first`` (`detdata.storage.first_opens.FirstOpens`), a shard
+    it has no record of is recorded from an ``fstat`` taken right after its open and
+    before its read (only a file of ``first.sizes[shard]`` bytes: another size stops the
+    loop at that file, unread and unrecorded).
     Mismatched arguments (a buffer outside ``out``) are a `ValueError`."""
     n = int(shards.size)
     stats = np.zeros((n, 5), dtype=np.int64)
@@ -101,8 +110,16 @@ def read_files(
         _plain(iov_count),
         stats,
         _threads if threads is None else threads,
+        *_table(first),
     )
     return done, stats
+
+
+def _table(first: FirstOpens | None) -> tuple[object, object, object]:
+    """The native loop's (state, ident, sizes) arguments of ``first`` (None: no records)."""
+    if first is None:
+        return None, None, None
+    return first.state, first.ident, first.sizes
 
 
 class FileReads(NamedTuple):
@@ -117,6 +134,7 @@ class FileReads(NamedTuple):
     iov_off: IntArray
     iov_len: IntArray
     iov_count: IntArray
+    first: FirstOpens | None = None
 
 
 class PendingRead:
@@ -176,6 +194,7 @@ def start_read_files(
     iov_off: IntArray,
     iov_len: IntArray,
     iov_count: IntArray,
+    first: FirstOpens | None = None,
     *,
     threads: int = 1,
 ) -> PendingRead:
@@ -202,23 +221,9 @@ def start_read_files(
         _owned(iov_count),
         stats,
         max(1, min(2, int(threads))),
+        *_table(first),
     )
     return PendingRead(native, stats)
-
-
-def stat_files(prefix: bytes, names: list[bytes], shards: IntArray) -> tuple[int, IntArray]:
-    """``fstat`` of file ``prefix + names[shards[i]]`` (opened, then closed) for i = 0, 1,
-    ... without the GIL: ``(done, stats)`` with ``stats[i]`` = (size, inode, device,
-    mtime_ns) for the files ``[0, done)`` (64-bit patterns: view columns 1-3 as
-    ``uint64``). It stops at the first file it cannot open (``done`` is its index), and
-    returns ``done = 0`` without the extension. It opens each file (rather than ``stat``
-    its path) so that it sees what a read's open would see (an NFS open revalidates cached
-    attributes)."""
-    n = int(shards.size)
-    stats = np.zeros((n, 4), dtype=np.int64)
-    if _fileread is None or n == 0:
-        return 0, stats
-    return _fileread.stat_shards(prefix, names, _plain(shards), stats), stats
 
 
 def _owned(values: IntArray) -> IntArray:

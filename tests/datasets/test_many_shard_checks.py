@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -273,9 +274,10 @@ def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
 def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
     opened: tuple[TokenWindows, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rewritten in place (same inode and size, a real write) after the batch opened it (or
-    recorded it, native loop) and before its read: the batch that read the new bytes
-    raises, not the next one."""
+    """Rewritten in place (same inode and size, a real write) after its first open was
+    recorded and before the batch's read (after the batch opened it: Python loop; after
+    the batch was planned, as the native loop starts: native loop): the batch that read
+    the new bytes raises, not the next one."""
     ds, _ = opened
     path = _victim_path(ds, 17)
     inode = os.stat(path).st_ino
@@ -289,16 +291,15 @@ def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
         with open(path, "r+b") as fh:
             fh.write(bytes(data))
 
-    if tokens_module.NATIVE:  # between the batch's first-open records and the native read
-        real_record = TokenWindows._record_first_opens
+    if tokens_module.NATIVE:  # the batch is planned; its native read starts after this
+        real_files = tokens_module.read_files
 
-        def record(self: TokenWindows, shards: np.ndarray) -> bool:
-            ok = real_record(self, shards)
-            if not done and 17 in shards.tolist():
+        def read_files(*args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
+            if not done and 17 in args[2].tolist():  # args[2]: the shards it reads
                 rewrite()
-            return ok
+            return real_files(*args, **kwargs)
 
-        monkeypatch.setattr(TokenWindows, "_record_first_opens", record)
+        monkeypatch.setattr(tokens_module, "read_files", read_files)
     else:
         real = os.preadv
 

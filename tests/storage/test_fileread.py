@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import threading
 import time
@@ -18,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detdata.storage import fileread
+from detdata.storage import fileread, first_opens
 from detdata.storage.fileread import DEVICE, GOT, INODE, MTIME_NS, SIZE, read_files
+from detdata.storage.first_opens import NONE, RECORDED, FirstOpens
 
 #: the tests of the loop itself need it built (the first test fails where it could be)
 native = pytest.mark.skipif(not fileread.NATIVE, reason="not built: see the first test")
@@ -363,34 +365,137 @@ def test_names_and_prefixes_that_the_folder_cannot_serve_are_opened_by_path(
     assert _read_whole(not_folder, [b"f1"], [0], 32) == []
 
 
+def _ident(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_ino, st.st_dev, st.st_mtime_ns]
+
+
+def _whole(sizes: list[int], shards: list[int]) -> list[np.ndarray]:
+    """`read_files` arguments reading each of ``shards`` whole, one after the other."""
+    at = np.cumsum([0] + [sizes[s] for s in shards]).tolist()
+    wants = [sizes[s] for s in shards]
+    return [np.asarray(v, dtype=np.int64) for v in (shards, [0] * len(shards), wants)] + [
+        np.zeros(max(at[-1], 1), dtype=np.uint8),
+        np.asarray(at[:-1], dtype=np.int64),
+        np.asarray(wants, dtype=np.int64),
+        np.ones(len(shards), dtype=np.int64),
+    ]
+
+
 @native
-def test_stat_files_reports_each_files_stat_and_stops_at_the_first_missing(
+def test_the_loop_records_a_first_open_and_keeps_it_after_a_replacement(tmp_path: Path) -> None:
+    """With a first-open table, each shard it has no record of gets the identity of the
+    file opened (``os.stat`` of it); a shard already recorded keeps its record when the
+    file is replaced, while the read's own stats show the new file (what the caller's
+    check compares); shards not read stay unrecorded."""
+    sizes = [10, 20, 30]
+    prefix, names, contents = _files(tmp_path, sizes)
+    first = FirstOpens(np.asarray(sizes))
+    shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [2, 0])
+    done, _ = read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+    assert done == 2 and out.tobytes() == contents[2] + contents[0]
+    assert first.states.tolist() == [RECORDED, NONE, RECORDED]
+    assert first.ident[0].tolist() == _ident(tmp_path / "f0")
+    assert first.ident[2].tolist() == _ident(tmp_path / "f2")
+    original = _ident(tmp_path / "f2")
+    (tmp_path / "new").write_bytes(contents[2][::-1])
+    os.replace(tmp_path / "new", tmp_path / "f2")
+    shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [2])
+    done, stats = read_files(
+        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first
+    )
+    assert done == 1 and out.tobytes() == contents[2][::-1]
+    assert first.ident[2].tolist() == original != _ident(tmp_path / "f2")
+    assert stats[0, INODE : MTIME_NS + 1].view(np.uint64).tolist() == _ident(tmp_path / "f2")
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_file_of_the_wrong_size_stops_the_loop_unread_and_unrecorded(
+    tmp_path: Path, threads: int
+) -> None:
+    """A first open whose file is not the table's size stops the loop there, before its
+    read: nothing of it is written or recorded (the caller's loop raises the error)."""
+    sizes = [64] * 40
+    prefix, names, contents = _files(tmp_path, sizes)
+    (tmp_path / "f5").write_bytes(contents[5][:32])  # truncated: 32 bytes, table says 64
+    first = FirstOpens(np.asarray(sizes))
+    order = list(range(40))
+    shards, file_at, wants, out, iov_off, iov_len, count = _whole([64] * 40, order)
+    wants[5] = iov_len[5] = 32  # a read of what the file holds would succeed
+    done, _ = read_files(
+        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first, threads=threads
+    )
+    assert done == 5
+    assert out[5 * 64 : 6 * 64].tobytes() == bytes(64)  # unread
+    assert first.states[5] == NONE and first.states[:5].tolist() == [RECORDED] * 5
+    assert first.states[6:20].tolist() == [NONE] * 14  # the first share stops there
+
+
+@native
+def test_a_shard_outside_the_table_and_a_partial_table_raise_before_any_read(
     tmp_path: Path,
 ) -> None:
-    """`stat_files` (first opens are recorded from it before the read): ``os.stat`` of
-    each file, in the order asked, up to the first it cannot stat."""
-    prefix, names, _ = _files(tmp_path, [10, 20, 30])
-    names.append(b"missing")
-    names.append(b"nul\x00f0")  # a NUL would stat another file: it stops there
-    done, stats = fileread.stat_files(prefix, names, np.asarray([2, 0, 1, 2], dtype=np.int64))
-    assert done == 4
-    for row, shard in zip(stats, (2, 0, 1, 2), strict=True):
-        st = os.stat(tmp_path / f"f{shard}")
-        want = [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns]
-        assert [int(v) for v in row.view(np.uint64)] == want
-    for stop in (3, 4):
-        done, stats = fileread.stat_files(prefix, names, np.asarray([1, stop, 0], np.int64))
-        assert done == 1 and not stats[1:].any()
-    with pytest.raises(ValueError, match="out of range"):
-        fileread.stat_files(prefix, names, np.asarray([0, 9], dtype=np.int64))
+    from detdata.storage import _fileread
+
+    sizes = [16, 16, 16]
+    prefix, names, _ = _files(tmp_path, sizes)
+    first = FirstOpens(np.asarray(sizes[:2]))  # no row for shard 2
+    shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [0, 2])
+    with pytest.raises(ValueError, match="outside the first-open table"):
+        read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+    assert not out.any() and first.states.tolist() == [NONE, NONE]
+    stats = np.zeros((2, 5), dtype=np.int64)
+    args = (prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, stats, 1)
+    with pytest.raises(ValueError, match="go together"):
+        _fileread.read_shards(*args, first.state, None, None)
+    with pytest.raises(ValueError, match="mismatched"):
+        _fileread.read_shards(*args, first.state, first.ident[:1], first.sizes)
 
 
-def test_stat_files_without_the_extension_stats_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("native_record", [True, False])
+def test_threads_recording_at_once_agree_on_one_first_file(
+    monkeypatch: pytest.MonkeyPatch, native_record: bool
 ) -> None:
-    prefix, names, _ = _files(tmp_path, [10])
-    monkeypatch.setattr(fileread, "_fileread", None)
-    assert fileread.stat_files(prefix, names, np.asarray([0], dtype=np.int64))[0] == 0
+    """8 threads record different identities for the same 500 shards at once (each its own
+    shard order): every shard ends with exactly one of them, and every thread was told
+    that one. Both the native compare-and-swap and the Python lock (no extension)."""
+    if native_record:
+        assert fileread.NATIVE, "detdata.storage._fileread was not built"
+    else:
+        monkeypatch.setattr(first_opens, "_fileread", None)
+    n, threads = 500, 8
+    first = FirstOpens(np.full(n, 8))
+    seen: dict[int, np.ndarray] = {}
+    start = threading.Barrier(threads)
+
+    def run(t: int) -> None:
+        ids = np.random.default_rng(t).permutation(n).astype(np.int64)
+        now = np.stack([ids, np.full(n, 100 + t), np.full(n, 7)], axis=1).astype(np.uint64)
+        start.wait()
+        got = np.concatenate(
+            [first.record_many(ids[i : i + 10], now[i : i + 10]) for i in range(0, n, 10)]
+        )
+        out = np.empty_like(got)
+        out[ids] = got
+        seen[t] = out
+
+    pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    assert first.states.tolist() == [RECORDED] * n
+    for t in range(threads):
+        np.testing.assert_array_equal(seen[t], first.ident)
+    assert (first.ident[:, 0] == np.arange(n)).all() and (first.ident[:, 2] == 7).all()
+    assert set(first.ident[:, 1].tolist()) <= set(range(100, 100 + threads))
+    assert first.record(3, (1, 2, 3)) == tuple(first.ident[3].tolist())  # kept, not replaced
+
+
+def test_a_first_open_table_is_never_pickled() -> None:
+    with pytest.raises(TypeError, match="per process"):
+        pickle.dumps(FirstOpens(np.asarray([1, 2])))
 
 
 # ------------------------------------------------------------------ start_read_files

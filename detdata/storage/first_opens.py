@@ -1,0 +1,89 @@
+"""Per process, the file first opened for each shard: the reference every later open is
+checked against.
+
+A shard's first open in a process records the file's identity (inode, device,
+mtime_ns); every later open or read of the shard compares its ``fstat`` with that record,
+so a shard replaced or rewritten while a run reads it is named instead of delivered. The
+record must be made before any of the first file's bytes are read (a read that delivered
+a replacement would otherwise become the reference itself), and of several threads that
+first open a shard at once exactly one records, the others compare.
+
+`FirstOpens` holds the records as arrays the native read loop
+(`detdata.storage.fileread`) writes without the GIL, right after each first open and
+before its read: per shard a state byte (`NONE`, `BUSY` while one thread writes its
+record, `RECORDED`) and its identity. Python records through the same compare-and-swap
+(`record`, `record_many`), so a record from either side is made once. Without the
+extension no native thread exists and a lock serialises the Python records.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    from detdata.storage import _fileread
+except ImportError:  # built without a C compiler: no native thread records
+    _fileread = None  # type: ignore[assignment]
+
+NONE: Final = 0
+RECORDED: Final = 1
+BUSY: Final = 2
+
+U64Array = npt.NDArray[np.uint64]
+IntArray = npt.NDArray[np.int64]
+
+
+class FirstOpens:
+    """The first-open records of ``sizes.size`` shards (``sizes``: the manifest's bytes per
+    shard; the native loop records only a file of that size). Per process: never pickled
+    (a dataset makes a new one in each process)."""
+
+    __slots__ = ("_lock", "ident", "sizes", "state", "states")
+
+    def __init__(self, sizes: IntArray) -> None:
+        self.sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+        #: one byte per shard (`NONE`, `BUSY`, `RECORDED`); a bytearray for cheap tests in
+        #: per-shard Python loops, `states` is a numpy view of it
+        self.state = bytearray(self.sizes.size)
+        self.states = np.frombuffer(self.state, dtype=np.uint8)
+        #: (inode, device, mtime_ns) per shard, meaningful where the state is `RECORDED`
+        self.ident: U64Array = np.zeros((self.sizes.size, 3), dtype=np.uint64)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> None:
+        raise TypeError("FirstOpens is per process and is not pickled")
+
+    def recorded(self, ids: IntArray) -> npt.NDArray[np.bool_]:
+        """Whether each of ``ids`` has a record (a record being written counts as none)."""
+        got: npt.NDArray[np.bool_] = self.states.take(ids) == RECORDED
+        return got
+
+    def record(self, shard: int, now: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Record ``now`` as ``shard``'s first file unless one is recorded; returns the
+        identity recorded (``now`` when this call recorded it)."""
+        if self.state[shard] == RECORDED:
+            got = self.ident[shard].tolist()
+            return (got[0], got[1], got[2])
+        seen = self.record_many(np.asarray([shard], dtype=np.int64), np.asarray([now], np.uint64))
+        got = seen[0].tolist()
+        return (got[0], got[1], got[2])
+
+    def record_many(self, ids: IntArray, now: U64Array) -> U64Array:
+        """`record` of shards ``ids`` (distinct) with identities ``now`` (rows of 3): the
+        identity recorded for each."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        now = np.ascontiguousarray(now, dtype=np.uint64).reshape(ids.size, 3)
+        seen = np.empty_like(now)
+        if _fileread is not None:
+            _fileread.record_firsts(self.state, self.ident, ids, now, seen)
+            return seen
+        with self._lock:  # no native thread can record: the lock serialises Python's
+            new = self.states[ids] != RECORDED
+            self.ident[ids[new]] = now[new]
+            self.states[ids[new]] = RECORDED
+            seen[:] = self.ident[ids]
+        return seen
