@@ -969,7 +969,11 @@ class TokenWindows(ShardReader):
                 raise self._missing(sh, path) from None
             try:
                 if recorded[sh] != RECORDED:  # a first open is recorded before its read
-                    first_open(sh, fstat(fd), path)
+                    try:
+                        first_open(sh, fstat(fd), path)
+                    except VerificationError:  # the shards read before it are named first
+                        self._check_opened_all(shards, stats, prefix)
+                        raise
                 got = preadv(fd, bufs, at)
                 stats.append(fstat(fd))  # after the read: a write the read saw shows
                 if got != want:

@@ -144,6 +144,34 @@ def test_two_changed_shards_name_the_first_read(opened: tuple[TokenWindows, np.n
     assert info.value.shard == ds.manifest.shards[12].path
 
 
+def test_a_replaced_shard_is_named_before_a_later_first_open_of_the_wrong_size(
+    tmp_path: Path, loop: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shard 3 (opened before) replaced at the same size, shard 10 (never opened) cut short:
+    a batch over shards 1..20 reads 3 first, so shard 3 is named (field ``file``) by either
+    loop, and also when the native loop hands the whole batch to the Python loop (as it
+    does when a file cannot be opened mid-replace: here it reads nothing)."""
+    _corpus(tmp_path / "d", "int32", False)
+    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds.read(np.asarray([0]))  # the only handle: shard 0
+    ds.read(np.arange(2 * WINDOWS, 4 * WINDOWS))  # first opens of shards 2 and 3
+    path = _victim_path(ds, 3)
+    _replace(path, np.load(path)[::-1].copy())
+    path = _victim_path(ds, 10)
+    _replace(path, np.load(path)[:5].copy())
+    ids = np.arange(WINDOWS, 21 * WINDOWS)
+    with pytest.raises(VerificationError) as info:
+        ds.read(ids)
+    assert (info.value.shard, info.value.field) == (ds.manifest.shards[3].path, "file")
+    if tokens_module.NATIVE:
+        monkeypatch.setattr(
+            tokens_module, "read_files", lambda *a, **k: (0, np.zeros((a[2].size, 5), np.int64))
+        )
+        with pytest.raises(VerificationError) as again:
+            ds.read(ids)
+        assert (again.value.shard, again.value.field) == (ds.manifest.shards[3].path, "file")
+
+
 def test_shards_opened_before_a_missing_one_are_remembered(tmp_path: Path) -> None:
     """The first read of the run fails on a deleted shard; the shards it opened before
     are still recorded, so replacing one of them afterwards is caught."""
