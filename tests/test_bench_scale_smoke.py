@@ -47,3 +47,14 @@ def test_scale_benchmark_smoke_run_reports_bounded_handles(tmp_path: Path) -> No
     assert max(r["shards"] for r in measured if r["kind"] == "tokens") > 16
     assert "exponent" in doc["table"] and "# Scale (shards)" in proc.stdout
     assert {m["what"].split(":")[0] for m in doc["miss_costs"]} == {"tokens", "parquet"}
+    # alternating slices: every order at the most shards against feistel-v1 at the fewest,
+    # for each worker count; each slice's ratio from rows the benchmark checked
+    slices = doc["slices"]
+    assert {(r["candidate"].split(" at ")[0], r["workers"]) for r in slices} >= {
+        ("feistel-v1", 0),
+        ("feistel-v1", 2),
+    }
+    for row in slices:
+        assert len(row["pct_each"]) == row["slices"] == 2 and row["samples_per_s"] > 0, row
+        assert min(row["pct_each"]) <= row["pct_median"] <= max(row["pct_each"]), row
+    assert "alternating slices" in doc["table"]

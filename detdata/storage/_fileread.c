@@ -68,11 +68,20 @@ static void release(held_buffer *b) {
     }
 }
 
+/* A file's identity: (inode, device, mtime_ns) as unsigned 64-bit patterns. */
+static void identity_of(const struct stat *st, uint64_t now[3]) {
+    now[0] = (uint64_t)st->st_ino;
+    now[1] = (uint64_t)st->st_dev;
+    now[2] = (uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec;
+}
+
 static void put_stat(const struct stat *st, int64_t *at) {
+    uint64_t ident[3];
+    identity_of(st, ident);
     at[0] = (int64_t)st->st_size;
-    at[1] = (int64_t)(uint64_t)st->st_ino;
-    at[2] = (int64_t)(uint64_t)st->st_dev;
-    at[3] = (int64_t)((uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec);
+    for (int i = 0; i < 3; i++) {
+        at[1 + i] = (int64_t)ident[i];
+    }
 }
 
 #ifndef O_PATH
@@ -136,12 +145,6 @@ static void claim_first(const firsts_t *f, int64_t s, const uint64_t now[3], uin
         st = __atomic_load_n(state, __ATOMIC_ACQUIRE);
     }
     memcpy(seen, ident, 3 * sizeof(uint64_t));
-}
-
-static void identity_of(const struct stat *st, uint64_t now[3]) {
-    now[0] = (uint64_t)st->st_ino;
-    now[1] = (uint64_t)st->st_dev;
-    now[2] = (uint64_t)st->st_mtim.tv_sec * 1000000000ULL + (uint64_t)st->st_mtim.tv_nsec;
 }
 
 /* Shard s's first open (descriptor fd), recorded before any of its bytes are read when the
