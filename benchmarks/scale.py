@@ -440,7 +440,16 @@ def _live(label: str, kind: str, folder: Path, make: Callable[[Any, int], Any], 
     loader = detdata.DataLoader(
         stream, global_batch_size=kw["batch"], num_workers=kw["workers"], seed=3
     )
-    return _Live(label, iter(loader), (loader, stream, ds), [], [])
+    live = _Live(label, iter(loader), (loader, stream, ds), [], [])
+    if kind == "parquet":  # whole epochs until the workers' row-group caches stop filling
+        epochs: list[float] = []
+        batches = -(-ds.num_samples // kw["batch"])
+        while len(epochs) < WARM_EPOCHS_MAX and not _steady(epochs):
+            began = time.perf_counter()
+            for _ in range(batches):
+                check_rows(next(live.it)["tokens"].numpy(), kw["width"])
+            epochs.append(time.perf_counter() - began)
+    return live
 
 
 def _slice(live: _Live, seconds: float, width: int) -> None:
@@ -465,6 +474,7 @@ def paired_slices(
     ref: tuple[Path, Callable[[Any, int], Any]],
     cands: dict[str, tuple[Path, Callable[[Any, int], Any]]],
     *,
+    kind: str,
     workers: int,
     slices: int,
     seconds: float,
@@ -477,10 +487,11 @@ def paired_slices(
     changes by tens of percent from one minute to the next; full runs minutes apart
     (`measure`) mix those spells into their ratios, slices seconds apart do much less.
     Returns one row per candidate: per-pass ratios, their median, the pooled ratio
-    (total samples over total seconds, each side) and the 10th-90th percentile range."""
-    lives = [_live("reference", "tokens", ref[0], ref[1], workers=workers, **kw)]
+    (total samples over total seconds, each side) and the 10th-90th percentile range.
+    Parquet loaders first run whole epochs until they stop getting faster, as in `measure`."""
+    lives = [_live("reference", kind, ref[0], ref[1], workers=workers, **kw)]
     lives += [
-        _live(label, "tokens", folder, make, workers=workers, **kw)
+        _live(label, kind, folder, make, workers=workers, **kw)
         for label, (folder, make) in cands.items()
     ]
     for live in lives:  # first pass untimed: workers started, caches warm
@@ -500,6 +511,7 @@ def paired_slices(
         lo, hi = np.percentile(pct, [10, 90]).tolist()
         out.append(
             {
+                "kind": kind,
                 "candidate": live.label,
                 "workers": workers,
                 "slices": slices,
@@ -519,21 +531,24 @@ def paired_slices(
     return out
 
 
-def slices_table(rows: list[dict[str, Any]], reference: str) -> str:
-    """Markdown of `paired_slices` rows."""
+def slices_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown of `paired_slices` rows (the reference: `FEISTEL` at the fewest shards of
+    each kind)."""
     if not rows:
         return ""
     lines = [
-        f"\n\n**tokens: alternating slices against {reference} (same run, seconds apart)**\n",
-        "| candidate | workers | slices x s | samples/s (reference) | % median of slices | "
+        f"\n\n**alternating slices against {FEISTEL} at the fewest shards of each kind (same "
+        "run, seconds apart)**\n",
+        "| kind | candidate | workers | slices x s | samples/s (reference) | % median of slices | "
         "% pooled | % 10th-90th | each slice % |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         each = ", ".join(f"{p:.0f}" for p in r["pct_each"])
         lo, hi = r["pct_p10_p90"]
         lines.append(
-            f"| {r['candidate']} | {r['workers']} | {r['slices']} x {r['slice_s']:g} | "
+            f"| {r.get('kind', 'tokens')} | {r['candidate']} | {r['workers']} | "
+            f"{r['slices']} x {r['slice_s']:g} | "
             f"{_fmt(r['samples_per_s'])} ({_fmt(r['reference_samples_per_s'])}) | "
             f"{r['pct_median']:.0f}% | {r['pct_pooled']:.0f}% | {lo:.0f}-{hi:.0f}% | {each} |"
         )
@@ -974,7 +989,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--slice-s", type=float, help="timed seconds per slice (default 1.5)")
     p.add_argument(
-        "--slice-shards", type=int, help="candidates' shard count (default 50,000 or the largest)"
+        "--slice-shards",
+        type=int,
+        help="token candidates' shard count (default 50,000 or the largest)",
+    )
+    p.add_argument(
+        "--slice-kinds",
+        type=lambda t: tuple(k for k in t.split(",") if k),
+        default=("tokens", "parquet"),
+        help="kinds measured in alternating slices (default tokens,parquet)",
     )
     p.add_argument("--max-open-shards", type=int, help="TokenWindows/TableRows bound")
     p.add_argument("--order", help="name of the locality-aware order (default: detected)")
@@ -993,40 +1016,46 @@ def run_slices(
     seq_len: int,
     smoke: bool,
 ) -> list[dict[str, Any]]:
-    """`paired_slices` for each worker count: every order at ``--slice-shards`` token shards
-    against `FEISTEL` at the fewest."""
+    """`paired_slices` for each kind (``--slice-kinds``) and worker count: every order at
+    ``--slice-shards`` token shards (at every Parquet shard count but the fewest) against
+    `FEISTEL` at the fewest shards of that kind."""
     slices = args.slices if args.slices is not None else (2 if smoke else 12)
-    counts = sorted(n for kind, n in folders if kind == "tokens")
-    if slices <= 0 or len(counts) < 2:
-        return []
-    target = args.slice_shards or (50_000 if 50_000 in counts else counts[-1])
+    rows: list[dict[str, Any]] = []
     feistel = orders[FEISTEL]
     assert feistel is not None
-    cands = {
-        f"{name} at {target:,}": (folders[("tokens", target)], make)
-        for name, make in orders.items()
-        if make is not None
-    }
-    rows = []
-    for workers in args.workers:
-        got = paired_slices(
-            (folders[("tokens", counts[0])], feistel),
-            cands,
-            workers=workers,
-            slices=slices,
-            seconds=args.slice_s or (0.2 if smoke else 1.5),
-            width=seq_len,
-            batch=args.batch,
-            max_open=args.max_open_shards,
-        )
-        for row in got:
-            print(
-                f"slices w{workers} {row['candidate']}: median {row['pct_median']:.0f}%, "
-                f"pooled {row['pct_pooled']:.0f}% of {FEISTEL} at {counts[0]:,} "
-                f"(each: {', '.join(f'{p:.0f}' for p in row['pct_each'])})",
-                flush=True,
+    for kind in args.slice_kinds:
+        counts = sorted(n for k, n in folders if k == kind)
+        if slices <= 0 or len(counts) < 2:
+            continue
+        targets = counts[1:]  # Parquet: every count but the reference's
+        if kind == "tokens":
+            targets = [args.slice_shards or (50_000 if 50_000 in counts else counts[-1])]
+        cands = {
+            f"{name} at {target:,}": (folders[(kind, target)], make)
+            for target in targets
+            for name, make in orders.items()
+            if make is not None
+        }
+        for workers in args.workers:
+            got = paired_slices(
+                (folders[(kind, counts[0])], feistel),
+                cands,
+                kind=kind,
+                workers=workers,
+                slices=slices,
+                seconds=args.slice_s or (0.2 if smoke else 1.5),
+                width=seq_len if kind == "tokens" else args.width,
+                batch=args.batch,
+                max_open=args.max_open_shards,
             )
-        rows += got
+            for row in got:
+                print(
+                    f"slices {kind} w{workers} {row['candidate']}: median "
+                    f"{row['pct_median']:.0f}%, pooled {row['pct_pooled']:.0f}% of {FEISTEL} at "
+                    f"{counts[0]:,} (each: {', '.join(f'{p:.0f}' for p in row['pct_each'])})",
+                    flush=True,
+                )
+            rows += got
     return rows
 
 
@@ -1038,9 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(growth_table(doc["results"], names))
         print(paired_table(doc["results"], names))
         print(cpu_table(doc["results"], names))
-        counts = sorted({r["shards"] for r in doc["results"] if r["kind"] == "tokens"})
-        if counts:
-            print(slices_table(doc.get("slices", []), f"{FEISTEL} at {counts[0]:,} shards"))
+        print(slices_table(doc.get("slices", [])))
         return 0
     smoke = args.smoke
     shards = args.shards or (SMOKE_SHARDS if smoke else SHARDS)
@@ -1135,7 +1162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + paired_table(results, list(orders))
         + floor_table(floors, results)
         + first_epoch_table(pq_floors, results)
-        + slices_table(sliced, f"{FEISTEL} at {min(shards):,} shards")
+        + slices_table(sliced)
     )
     cpu = cpu_table(results, list(orders))
     doc = {
