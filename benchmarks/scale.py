@@ -13,6 +13,8 @@ Run: ``python benchmarks/scale.py [--smoke] [--shards 100,1000,...] [--out DIR]`
    sampled while it runs, the peak number of open descriptors and of mapped shard files
    (``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` of the main process and of each worker),
    and each worker's peak RSS (``VmHWM``) and anonymous RSS.
+   Then alternating slices (`paired_slices`, ``--slices``): every order at the target shard
+   counts against ``feistel-v1`` at the fewest, all loaders alive, in turns seconds apart.
 3. Cost of a handle miss (`reopen_rows`): one window from a mapped shard, from a shard
    that is not open (``preadv``), 8 windows from a shard that is not open (map + evict);
    one Parquet row from an open reader vs a re-opened one.
