@@ -50,14 +50,53 @@ typedef struct {
     int held;
 } held_buffer;
 
-static int take(PyObject *obj, held_buffer *b, int writable, const char *who, const char *what) {
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+/* Element types a buffer must hold: ANY_BYTES, or native int64, uint64 or uint8. */
+enum { ANY_BYTES = 0, INT64 = 'i', UINT64 = 'u', UINT8 = 'b' };
+
+static int holds(const Py_buffer *v, int type) {
+    if (type == ANY_BYTES) {
+        return 1;
+    }
+    const char *f = v->format != NULL ? v->format : "B";
+    while (*f == '@' || *f == '='
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+           || *f == '<'
+#endif
+    ) {
+        f++;
+    }
+    if (f[0] == '\0' || f[1] != '\0') {
+        return 0;
+    }
+    switch (type) {
+    case INT64:
+        return v->itemsize == 8 && (f[0] == 'q' || f[0] == 'l');
+    case UINT64:
+        return v->itemsize == 8 && (f[0] == 'Q' || f[0] == 'L');
+    default:
+        return v->itemsize == 1 && f[0] == 'B';
+    }
+}
+
+/* A contiguous buffer of `obj` (writable if asked) holding elements of `type`; -1 with a
+ * ValueError naming `who` and `what` otherwise. */
+static int take(PyObject *obj, held_buffer *b, int writable, int type, const char *who,
+                const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
         PyErr_Format(PyExc_ValueError, "%s: %s must be a contiguous %sbuffer", who, what,
                      writable ? "writable " : "");
         return -1;
     }
     b->held = 1;
+    if (!holds(&b->view, type)) {
+        static const char *names[] = {"int64", "uint64", "uint8"};
+        const char *want = names[type == INT64 ? 0 : type == UINT64 ? 1 : 2];
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must hold native %s (got format '%s', %zd-byte items)", who, what,
+                     want, b->view.format != NULL ? b->view.format : "B", b->view.itemsize);
+        return -1;
+    }
     return 0;
 }
 
@@ -375,8 +414,9 @@ static int prepare_firsts(PyObject **objs, held_buffer *b, const int64_t *shards
     }
     static const char *what[3] = {"state", "ident", "sizes"};
     static const int writable[3] = {1, 1, 0};
+    static const int type[3] = {UINT8, UINT64, INT64};
     for (int i = 0; i < 3; i++) {
-        if (take(objs[i], &b[i], writable[i], who, what[i]) < 0) {
+        if (take(objs[i], &b[i], writable[i], type[i], who, what[i]) < 0) {
             return -1;
         }
     }
@@ -410,9 +450,10 @@ static int prepare_call(PyObject *args, call_t *c, const char *who) {
     static const char *what[8] = {"shards", "file_at", "wants", "out",
                                   "iov_off", "iov_len", "iov_count", "stats"};
     static const int writable[8] = {0, 0, 0, 1, 0, 0, 0, 1};
+    static const int type[8] = {INT64, INT64, INT64, ANY_BYTES, INT64, INT64, INT64, INT64};
     held_buffer *b = c->b;
     for (int i = 0; i < 8; i++) {
-        if (take(objs[i], &b[i], writable[i], who, what[i]) < 0) {
+        if (take(objs[i], &b[i], writable[i], type[i], who, what[i]) < 0) {
             return -1;
         }
     }
@@ -637,11 +678,12 @@ static PyObject *record_firsts(PyObject *self, PyObject *args) {
     }
     static const char *what[5] = {"state", "ident", "ids", "now", "seen"};
     static const int writable[5] = {1, 1, 0, 0, 1};
+    static const int type[5] = {UINT8, UINT64, INT64, UINT64, UINT64};
     held_buffer b[5];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
     for (int i = 0; i < 5; i++) {
-        if (take(objs[i], &b[i], writable[i], "record_firsts", what[i]) < 0) {
+        if (take(objs[i], &b[i], writable[i], type[i], "record_firsts", what[i]) < 0) {
             goto done;
         }
     }

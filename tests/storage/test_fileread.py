@@ -453,6 +453,43 @@ def test_a_shard_outside_the_table_and_a_partial_table_raise_before_any_read(
         _fileread.read_shards(*args, first.state, first.ident[:1], first.sizes)
 
 
+@native
+def test_arrays_of_another_element_type_raise_before_any_read(tmp_path: Path) -> None:
+    """Index arrays, tables and stats of the wrong element type (same byte length: int32
+    pairs for int64, float64 for uint64) are refused naming the argument, nothing read or
+    recorded."""
+    from detdata.storage import _fileread
+
+    sizes = [16, 16]
+    prefix, names, _ = _files(tmp_path, sizes)
+    first = FirstOpens(np.asarray(sizes))
+    shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [0, 1])
+    stats = np.zeros((2, 5), dtype=np.int64)
+    good = [shards, file_at, wants, out, iov_off, iov_len, count, stats]
+    for i, name in [(0, "shards"), (1, "file_at"), (6, "iov_count"), (7, "stats")]:
+        bad = list(good)
+        bad[i] = good[i].view(np.int32)  # the same bytes read as twice as many int32
+        with pytest.raises(ValueError, match=f"{name} must hold native int64"):
+            _fileread.read_shards(prefix, names, *bad, 1, first.state, first.ident, first.sizes)
+    with pytest.raises(ValueError, match="ident must hold native uint64"):
+        _fileread.read_shards(
+            prefix, names, *good, 1, first.state, first.ident.view(np.float64), first.sizes
+        )
+    with pytest.raises(ValueError, match="state must hold native uint8"):
+        _fileread.read_shards(
+            prefix, names, *good, 1, first.states.view(np.int8), first.ident, first.sizes
+        )
+    now = np.zeros((2, 3), dtype=np.uint64)
+    with pytest.raises(ValueError, match="ids must hold native int64"):
+        _fileread.record_firsts(first.state, first.ident, np.zeros(4, np.int32), now, now.copy())
+    with pytest.raises(ValueError, match="seen must hold native uint64"):
+        _fileread.record_firsts(
+            first.state, first.ident, shards, now, np.zeros((2, 3), dtype=np.float64)
+        )
+    assert not out.any() and first.states.tolist() == [NONE, NONE]
+    assert read_files(prefix, names, *good[:7], first)[0] == 2  # the right types read
+
+
 @pytest.mark.parametrize("native_record", [True, False])
 def test_threads_recording_at_once_agree_on_one_first_file(
     monkeypatch: pytest.MonkeyPatch, native_record: bool
