@@ -110,6 +110,8 @@ def _report(exc: BaseException) -> int:
     code = exit_code(exc)
     if isinstance(exc, VerificationError):
         kind = "verification failed"
+    elif isinstance(exc, StorageError):
+        kind = "storage error"
     elif isinstance(exc, DetdataError):
         kind = "error"
     elif isinstance(exc, OSError):
