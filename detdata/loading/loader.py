@@ -773,6 +773,7 @@ class DataLoader:
             "world_size": self.layout.world_size,
             "micro_batch_size": self.layout.micro_batch_size,
             "num_workers": self.num_workers,
+            "worker_mode": self.worker_mode.value,
         }
         state = LoaderState(
             samples_consumed=self._consumed,
