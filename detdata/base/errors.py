@@ -74,3 +74,8 @@ class RetriesExhausted(StorageError):
 
 class ShortRead(StorageError):
     """A read returned fewer (or more) bytes than asked for: transient, retried."""
+
+
+class DependencyError(DetdataError, ImportError):
+    """An optional or lazily imported package is missing or cannot load (names it, and the
+    ``pip install`` that fixes it)."""

@@ -295,7 +295,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         source = "file"
     else:
         registry = Registry(args.registry)
-        manifest = registry.resolve(target, verify=Verify.OFF)
+        manifest = registry.resolve(target, verify=Verify.OFF, latest=True)
         source = "registry"
         extra["history"] = [dict(e.to_json(), name=e.name) for e in registry.history(target)]
     print(json.dumps(_summary(manifest, target, source) | extra, indent=1, sort_keys=True))

@@ -51,7 +51,7 @@ from detdata.storage.retry import RetryPolicy, check_policy
 
 
 def build_manifest(
-    root: str,
+    root: str | os.PathLike[str],
     *,
     pattern: str | None = None,
     format: str | Format | None = None,
@@ -77,6 +77,7 @@ def build_manifest(
     reach the same store. ``metadata`` (tokenizer hash, description...) is part
     of the id; the id does not depend on where the hashing ran.
     """
+    root = os.fspath(root)  # a pathlib.Path as torch users pass one
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
     rels = shard_names(fs, root, rootpath, pattern, fmt, paths)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -38,6 +39,7 @@ from detdata.loading.arguments import (
     check_thread_mode,
     check_torch_args,
     parse_worker_mode,
+    refuse_torch_habits,
 )
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
@@ -192,8 +194,8 @@ class DataLoader:
     def __init__(
         self,
         data: Dataset | Stream,
-        *,
-        global_batch_size: int | BatchSchedule,
+        *torch_positional: object,
+        global_batch_size: int | BatchSchedule | None = None,
         micro_batch_size: int | None = None,
         seed: int = 0,
         rank: int | None = None,
@@ -218,7 +220,15 @@ class DataLoader:
         lookahead: int = 0,
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
+        **torch_keywords: object,
     ) -> None:
+        refuse_torch_habits(torch_positional, torch_keywords, _KEYWORDS)
+        if global_batch_size is None:
+            raise ConfigError(
+                "DataLoader needs global_batch_size= (samples per optimizer step over all "
+                "ranks); hint: micro_batch_size= is each rank's batch per iteration (torch's "
+                "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
+            )
         self.seed = check_seed(seed)
         check_torch_args(
             num_workers=num_workers,
@@ -1038,3 +1048,11 @@ class DataLoader:
         self._sampler = None  # its shared-memory slots are unmapped with it
         if self._trace is not None:
             self._trace.close()
+
+
+#: The loader's keyword arguments (the "did you mean" candidates of `refuse_torch_habits`).
+_KEYWORDS: Final = tuple(
+    name
+    for name, p in inspect.signature(DataLoader.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
