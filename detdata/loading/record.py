@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import os
 import platform as _platform
 import re
@@ -71,9 +70,10 @@ from detdata.base.canonical import canonical_json
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, DetdataError, StateError
 from detdata.base.hashing import digest_bytes
+from detdata.base.redact import get_logger, redact_value
 from detdata.loading.state import CHECKED_FIELDS, K_MANIFESTS, K_SEED, K_STREAM_SEED, LoaderState
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 RECORD_VERSION: Final = 2
 READABLE_VERSIONS: Final = (1, 2)
@@ -259,7 +259,7 @@ class RunRecord:
         doc[K_EXECUTION] = _execution(doc[K_DATA][K_LOADER_STATE], execution)
         code.pop("toplevel", None)
         doc[K_GPUS] = gpus()
-        return cls(doc=_plain(doc))
+        return cls(doc=redact_value(_plain(doc)))  # the redaction boundary: no secret kept
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
