@@ -276,7 +276,11 @@ http {{
         listen 127.0.0.1:{port};
         root {docroot};
         autoindex on;
-        location / {{ }}
+        # a presigned URL whose signature expired (403) or was never given (401)
+        location / {{
+            if ($arg_sig = "expired") {{ return 403; }}
+            if ($arg_sig = "missing") {{ return 401; }}
+        }}
     }}
 }}
 """

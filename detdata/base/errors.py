@@ -7,9 +7,19 @@ Each class also derives from the built-in that fits, so callers that catch
 
 from __future__ import annotations
 
+from detdata.base.redact import redact_args
+
 
 class DetdataError(Exception):
-    """Root of every error detdata raises on purpose."""
+    """Root of every error detdata raises on purpose.
+
+    Its text passes the redaction boundary when it is made: every URL in a string
+    argument has its credentials replaced by ``***`` (`detdata.base.redact`), so no
+    message of any layer can carry a secret.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*redact_args(args))
 
 
 class ConfigError(DetdataError, ValueError):

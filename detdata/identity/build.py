@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from detdata.base.errors import ConfigError, StorageError
+from detdata.base.redact import redact_url
 from detdata.identity.formats import (
     Format,
     ShardLayout,
@@ -46,7 +47,6 @@ from detdata.storage.fs import (
     unquote_path,
     url_join,
 )
-from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 

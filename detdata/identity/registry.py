@@ -32,7 +32,7 @@ Contracts:
   `Registry.gc` also sweeps ``manifests/`` and ``refs/`` for temp files left
   there by older detdata versions (a full listing: run it now and then).
 * Credentials stay out: a reference records the manifest's root without user
-  info or credential query parameters (`detdata.storage.redact.strip_credentials`);
+  info or credential query parameters (`detdata.base.redact.strip_credentials`);
   the registry's own root and every root appear redacted in messages and
   ``repr``; ``storage_options`` are never written.
 * On remote roots (``s3://``, ``gs://``, ...) every read and write retries
@@ -57,10 +57,10 @@ from typing import Any, Final, TypeVar
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata.base.hashing import is_digest
+from detdata.base.redact import redact_text, redact_url, scrub_exception, strip_credentials
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
-from detdata.storage.redact import redact_text, redact_url, scrub_exception, strip_credentials
 from detdata.storage.retry import RetryPolicy, check_policy
 
 T = TypeVar("T")

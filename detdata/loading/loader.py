@@ -18,7 +18,6 @@ import functools
 import inspect
 import itertools
 import json
-import logging
 import os
 import random
 import weakref
@@ -31,6 +30,7 @@ import torch.utils.data as tud
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
+from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream, as_stream
@@ -73,7 +73,7 @@ from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
 
-_LOG: Final = logging.getLogger("detdata")
+_LOG: Final = get_logger("detdata")
 #: Checked fields whose change at a resume gives earlier positions another stream.
 _STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
 
@@ -783,6 +783,7 @@ class DataLoader:
             "world_size": self.layout.world_size,
             "micro_batch_size": self.layout.micro_batch_size,
             "num_workers": self.num_workers,
+            "worker_mode": self.worker_mode.value,
         }
         state = LoaderState(
             samples_consumed=self._consumed,
