@@ -17,7 +17,7 @@ CHECK: why`` on stderr for each: the device, the collective, or the manifest and
 ``--out FILE`` also saves the result with the run (atomically; rank r > 0 writes
 ``FILE.rank<r>``): ``{"kind": "detdata.preflight", "format_version": 1, "rank", "time",
 "passed", "checks": [{"check", "ok", "detail"}]}``, every text passed through the URL
-redaction (`detdata.storage.redact.redact_text`).
+redaction (`detdata.base.redact.redact_text`).
 """
 
 from __future__ import annotations
@@ -137,7 +137,6 @@ def save_result(path: str, rank: int, failures: list[str]) -> None:
     import json
 
     from detdata.storage.atomic import atomic_write_bytes
-    from detdata.storage.redact import redact_text
 
     checks = [{**r, "detail": redact_text(str(r["detail"]))} for r in _RESULTS]
     doc = {
