@@ -1039,10 +1039,17 @@ class DataLoader:
         return str(self._plan.step_of(total - 1))
 
     def _check_delivered(self, step: int) -> None:
-        """``step`` ends at or before ``total_samples`` (`ConfigError` naming the last step)."""
+        """``step`` ends at or before ``total_samples`` and the last addressable position
+        ``2**62`` (`ConfigError` naming the last step delivered)."""
+        end = self._plan.start_of(step + 1)
+        if end > MAX_POSITION:
+            raise ConfigError(
+                f"step {step} is never delivered: it ends at position {end}, past the last "
+                f"addressable position 2**62 - 1 (last step "
+                f"{self._plan.step_of(MAX_POSITION - 1)}); hint: ask for a step the run delivers"
+            )
         if self.total_samples is None:
             return
-        end = self._plan.start_of(step + 1)
         if end > self.total_samples:
             raise ConfigError(
                 f"step {step} is never delivered: this run stops at total_samples "

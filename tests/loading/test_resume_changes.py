@@ -222,6 +222,11 @@ def test_steps_past_total_samples_are_refused_naming_the_last() -> None:
         dl.provenance(10)
     with pytest.raises(ConfigError, match="until=81 is past the last position"):
         dl.positions_seen(None, 3, until=81)
+    endless = DataLoader(_data(), global_batch_size=GBS, micro_batch_size=MICRO)
+    last = 2**62 // GBS - 1  # the last step: its last position is 2**62 - 1
+    assert endless.provenance(last)[-1].position < 2**62
+    with pytest.raises(ConfigError, match=r"past the last addressable position"):
+        endless.provenance(last + 1)
 
 
 def _mixed(seed: int) -> Make:
