@@ -202,7 +202,8 @@ def _hash_with(
         if isinstance(exc, DetdataError):
             raise
         where = redact_url(url_join(root, rel))
-        raise StorageError(f"shard {rel}: cannot be hashed: {exc.strerror or exc} ({where})") from exc
+        reason = exc.strerror or exc
+        raise StorageError(f"shard {rel}: cannot be hashed: {reason} ({where})") from exc
 
 
 def _hash_checked(
