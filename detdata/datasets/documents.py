@@ -178,7 +178,7 @@ class Documents(ShardReader):
         self.column = column
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.progress = progress
-        self._sizes = tuple(e.bytes for e in self.manifest.shards)
+        self._sizes = self.manifest.bytes_per_shard()
         self._reset_process_state()
         if self.cache_dir is None and not is_local_fs(self._filesystem()[0]):
             raise ConfigError(
