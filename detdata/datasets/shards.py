@@ -527,7 +527,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
         # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
         # native loop may first open a shard at once)
-        self._first = FirstOpens(np.ascontiguousarray(self._size_array, dtype=np.int64))
+        self._first = FirstOpens(self.manifest.bytes_per_shard())
         self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
         self._named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)

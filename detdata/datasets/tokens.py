@@ -360,13 +360,18 @@ class TokenWindows(ShardReader):
 
     def _check_token_shards(self) -> tuple[str, ...]:
         """The manifest's token dtypes (indexed by `_dtype_code`); `FormatError` naming the
-        first shard that is not a token shard (`_check_token_shard`). Vectorised over the
-        manifest's columns: an entry is built only for a culprit."""
+        first shard that is not a token shard with a consistent size (`_check_token_shard`).
+        Vectorised over the manifest's columns: an entry is built only for a culprit."""
         formats, fcode = self.manifest.codes("format")
         dtypes, dcode = self.manifest.codes("dtype")
         token_fmt = np.array([Format(f) in (Format.NPY, Format.BIN) for f in formats] + [False])
         token_dt = np.array([d in TOKEN_DTYPES for d in dtypes] + [False])
         bad = ~token_fmt[fcode] | ~token_dt[dcode]  # code -1 picks the trailing False
+        sizes = np.array([np.dtype(d).itemsize if d in TOKEN_DTYPES else 0 for d in dtypes] + [0])
+        expected = np.maximum(self.manifest.data_offsets(), 0) + (
+            self.manifest.samples_per_shard() * sizes[dcode]
+        )
+        bad |= expected != self.manifest.bytes_per_shard()  # a size the dtype does not explain
         if bad.any():
             _check_token_shard(self.manifest.shards[int(np.flatnonzero(bad)[0])])
         return dtypes

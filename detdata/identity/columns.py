@@ -467,9 +467,14 @@ def read_json_head(path: str) -> dict[str, Any] | None:
     """The top-level fields before ``"shards"`` of a manifest JSON written by `save`
     (id, kind, version, metadata, root), read from the file's head only; None when the
     file is not laid out that way within its first MiB (then it is parsed whole)."""
+    head = b""
     with open(path, "rb") as fh:
-        head = fh.read(_HEAD_LIMIT)
-    at = head.find(_SHARDS_KEY)
+        while True:  # small reads: a restart reads little beyond the columns it maps
+            more = fh.read(16 << 10)
+            head += more
+            at = head.find(_SHARDS_KEY)
+            if at >= 0 or not more or len(head) >= _HEAD_LIMIT:
+                break
     if at < 0:
         return None
     try:

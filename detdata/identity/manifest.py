@@ -523,8 +523,15 @@ class Manifest:
         `detdata.identity.verify.verify_manifest`. A check this object already
         passed, at ``mode`` or a stronger level and on the same root, is not run
         again unless ``again=True`` (`verified_level`).
+
+        Once per job (`detdata.identity.receipts.verify_job`): under a
+        ``torch.distributed`` process group one rank verifies (per node for a local
+        root, per job for a URL) and every rank gets its verdict; the verifier reads
+        only the shards whose file identity changed since its last receipt (all of
+        them with ``again=True``), and a fast-form manifest's columns are checked in
+        full against the JSON and the id once.
         """
-        from detdata.identity.verify import verify_manifest
+        from detdata.identity.receipts import verify_job
 
         level = parse_verify(mode)
         if level is Verify.OFF:
@@ -532,8 +539,14 @@ class Manifest:
         done = self.verified_level
         if not again and done is not None and _STRENGTH[done] >= _STRENGTH[level]:
             return
-        verify_manifest(
-            self, level, threads=threads, progress=progress, retry=retry, **storage_options
+        verify_job(
+            self,
+            level,
+            threads=threads,
+            progress=progress,
+            retry=retry,
+            storage_options=storage_options,
+            use_receipt=not again,
         )
         self.__dict__[_VERIFIED] = (level, self.root)
 
