@@ -47,6 +47,7 @@ __version__ = VERSION
 _LAZY = {
     "DataLoader": "detdata.loading.loader",
     "DeterministicBatchSampler": "detdata.loading.sampler",
+    "report_model_step": "detdata.loading.model_digest",
 }
 
 
@@ -62,6 +63,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from detdata.loading.loader import DataLoader
+    from detdata.loading.model_digest import report_model_step
     from detdata.loading.sampler import DeterministicBatchSampler
 
 __all__ = [
@@ -108,4 +110,5 @@ __all__ = [
     "__version__",
     "build_manifest",
     "hash_files",
+    "report_model_step",
 ]

@@ -153,6 +153,7 @@ PUBLIC = [
     "__version__",
     "build_manifest",
     "hash_files",
+    "report_model_step",
 ]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from detdata.base.errors import ConfigError
-from detdata.cli.replay import print_verdict
+from detdata.cli.replay import CONTRACT, print_verdict
 
 MARKER: Final = ".detdata-demo"
 _MARKER_TEXT: Final = (
@@ -45,6 +45,10 @@ def register(sub: Any) -> None:
         "replay-check",
         help="three fresh-process runs (A, B, interrupted+resumed C); "
         "exit 1 if weights or data traces differ",
+        description="Run the demo's training (or your own command after --) three times in "
+        "fresh processes and compare the data traces and the final weights.",
+        epilog=CONTRACT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument(
         "--out",
@@ -57,10 +61,17 @@ def register(sub: Any) -> None:
         "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
     )
     r.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds each run of your command may take (default 3600); past it the run's "
+        "process group is killed and replay-check exits 2 naming the run",
+    )
+    r.add_argument(
         "command",
         nargs=argparse.REMAINDER,
-        help="-- CMD ...: check your own training command instead of the demo (the contract: "
-        "`python -m detdata.cli.replay` docstring, docs/design.md)",
+        help="-- CMD ...: check your own training command instead of the demo (the flags it "
+        "must accept: below)",
     )
     r.set_defaults(func=run_replay_check)
 
@@ -163,7 +174,9 @@ def run_replay_check(args: argparse.Namespace) -> int:
         from detdata.cli.replay import run_user
 
         prepare_out(Path(args.out), clear=False)
-        return run_user(command, Path(args.out), args.steps, args.stop_at)
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        return run_user(command, Path(args.out), args.steps, args.stop_at, args.timeout)
     from detdata.cli.demo_run import build_corpus, replay_check
 
     out = Path(args.out)
