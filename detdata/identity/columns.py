@@ -18,7 +18,11 @@ the blake3 of the chunk digest table. Sections: ``bytes``, ``num_samples``,
 ``sample_starts`` (cumulative, ``count + 1``), ``data_offset`` (-1: none), ``format``,
 ``dtype``, ``schema`` (indices into the header's lists, -1: none), ``path_ends`` /
 ``paths`` (UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each),
-``row_group_ends`` / ``row_groups`` (-1 end: none).
+``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
+
+The file is replaced atomically (`Manifest.save`, the registry), never rewritten in
+place: a mapping keeps the file it mapped. (Truncating a mapped file in place would
+fault the reading process, as for any mapped file.)
 
 Checks: the header is checked against its digest and the chunk table against the
 header at open (O(1) in the shards: a 1M-shard manifest has ~2,000 chunks); every
@@ -97,7 +101,7 @@ def encode_columns(
     at = 0
     for i, g in enumerate(groups):
         at += len(g or ())
-        group_ends[i + 1] = at if g is not None else -1
+        group_ends[i + 1] = at if g is not None else -(at + 1)  # negative: no row groups
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     sections: dict[str, np.ndarray[Any, Any]] = {
@@ -400,10 +404,12 @@ class ShardTable(Sequence["ShardEntry"]):
         schema = int(c.items("schema", i, i + 1)[0])
         if schema >= 0:
             obj["schema"] = _pick(h["schemas"], schema, c, i, "schema")
-        gends = c.items("row_group_ends", i, i + 2)
-        if int(gends[1]) >= 0:
-            g_lo = _group_start(c, i)
-            obj["row_groups"] = c.items("row_groups", g_lo, int(gends[1])).tolist()
+        g_lo, g_hi = (int(e) for e in c.items("row_group_ends", i, i + 2))
+        if g_hi >= 0:
+            g_lo = g_lo if g_lo >= 0 else -g_lo - 1
+            if not 0 <= g_lo <= g_hi <= c.header["sections"]["row_groups"][1] // 8:
+                raise c._error(f"shard #{i}: row group bounds {g_lo}..{g_hi} are out of range")
+            obj["row_groups"] = c.items("row_groups", g_lo, g_hi).tolist()
         return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
 
     def num_samples(self) -> npt.NDArray[np.int64]:
@@ -428,17 +434,6 @@ class ShardTable(Sequence["ShardEntry"]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (self.columns.path, self.columns.header_digest, self.json_path))
-
-
-def _group_start(c: ColumnsFile, i: int) -> int:
-    """Where shard ``i``'s row groups start in ``row_groups`` (the last end >= 0 before it)."""
-    j = i
-    while j > 0:
-        end = int(c.items("row_group_ends", j, j + 1)[0])
-        if end >= 0:
-            return end
-        j -= 1
-    return 0
 
 
 def _pick(values: list[str], index: int, c: ColumnsFile, i: int, what: str) -> str:

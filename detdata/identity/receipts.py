@@ -5,10 +5,11 @@ and the datasets):
 
 * **Once per job.** Under an initialised ``torch.distributed`` process group with more
   than one rank, one rank verifies and every rank receives its verdict (the same
-  `VerificationError`, naming the same shard): for a local root one rank per node (the
-  lowest rank of each host: node-local disks are each checked), for a URL root one rank
-  per job. ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system
-  verified by one rank per job too; ``=node`` forces per node. Without a process group,
+  `VerificationError`, naming the same shard) through the group's key-value store: for a
+  local root one rank per node (``LOCAL_RANK`` 0 of each host: node-local disks are each
+  checked; without ``LOCAL_RANK`` every rank verifies), for a URL root rank 0 of the job.
+  ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system verified by one
+  rank per job too; ``=node`` forces per node. Without a process group,
   processes of one machine opening the same manifest take turns (a file lock next to the
   receipt): the first verifies and writes the receipt, the others find it.
 * **Receipts.** After a verification passes, a receipt is written (atomically) under
@@ -43,10 +44,12 @@ import email.utils
 import fcntl
 import json
 import os
+import pickle
 import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any, Final, cast
 
 import blake3
@@ -54,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
-from detdata.base.errors import ConfigError
+from detdata.base.errors import ConfigError, DetdataError
 from detdata.identity.columns import ShardTable, check_columns
 from detdata.identity.manifest import Manifest, Verify
 from detdata.identity.parallel import map_in_threads
@@ -64,6 +67,7 @@ from detdata.storage.retry import RetryPolicy
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
+ENV_WAIT: Final = "DETDATA_VERIFY_WAIT_S"
 KIND: Final = "detdata.receipt"
 VERSION: Final = 1
 #: an identity taken this soon after the file's last change is not recorded
@@ -95,6 +99,10 @@ def receipt_path(manifest: Manifest) -> str | None:
 
 
 # -------------------------------------------------------------------- once per job
+#: calls per (manifest, root, level) in this process: the n-th call of every rank meets
+_CALLS: dict[str, int] = {}
+
+
 def verify_job(
     manifest: Manifest,
     level: Verify,
@@ -107,50 +115,87 @@ def verify_job(
 ) -> None:
     """Verify ``manifest`` at ``level`` once per job (see the module docstring); raises the
     verifier's error in every rank. ``use_receipt=False``: every shard is read (a new
-    receipt is still written)."""
+    receipt is still written).
+
+    Ranks meet through the process group's key-value store, never a collective: a rank
+    that opens a manifest the others do not open (say, rank 0 logging its id) neither
+    waits for them nor makes them wait. A rank whose verifier has not started within
+    ``DETDATA_VERIFY_WAIT_S`` seconds (default 120) verifies itself; once started, it waits
+    for the verdict however long the verification takes."""
     args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
-    group = _process_group()
-    if group is None:
+    store, leader, key = _meeting(manifest, level)
+    if store is None:
         verify_with_receipt(*args)
         return
-    leader = _leader(group, manifest)
-    error: BaseException | None = None
-    if group.get_rank() == leader:
+    if leader:
+        store.set(key + "/started", b"1")
+        verdict: BaseException | None = DetdataError(
+            "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
+        )
         try:
             verify_with_receipt(*args)
-        except Exception as exc:  # sent to every rank of the group, raised there
-            error = exc
-    verdicts: list[BaseException | None] = [None] * group.get_world_size()
-    group.all_gather_object(verdicts, error)
-    found = verdicts[leader]
+            verdict = None
+        except Exception as exc:  # every rank waiting on this key raises it too
+            verdict = exc
+            raise
+        finally:
+            store.set(key + "/verdict", _dumps(verdict))
+        return
+    try:
+        store.wait([key + "/started"], timedelta(seconds=_wait_s()))
+    except Exception:  # no verifier for this manifest in this job: verify here
+        verify_with_receipt(*args)
+        return
+    store.wait([key + "/verdict"], timedelta(days=7))
+    found = pickle.loads(store.get(key + "/verdict"))
     if found is not None:
-        if found is error:
-            raise found
-        raise found.with_traceback(None)
+        raise found
 
 
-def _process_group() -> Any:
-    """``torch.distributed`` when a process group of more than one rank is initialised
-    (without importing torch: a process that never imported it has none), else None."""
-    dist = sys.modules.get("torch.distributed")
+def _dumps(verdict: BaseException | None) -> bytes:
+    """The verdict for the store: the exception itself (its fields kept), or a
+    `DetdataError` carrying its text where it does not pickle."""
+    try:
+        return pickle.dumps(verdict)
+    except Exception:
+        return pickle.dumps(
+            DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
+        )
+
+
+def _wait_s() -> float:
+    raw = os.environ.get(ENV_WAIT, "120")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_WAIT} must be a number of seconds, got {raw!r}") from None
+
+
+def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
+    """``(store, is this rank the verifier, key)`` under a process group of more than one
+    rank; ``(None, True, "")`` otherwise (this process verifies)."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
     if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist if dist.get_world_size() > 1 else None
-
-
-def _leader(dist: Any, manifest: Manifest) -> int:
-    """The rank that verifies for this one: rank 0 (one per job), or the lowest rank on this
-    host (one per node)."""
+        return None, True, ""
+    if dist.get_world_size() < 2:
+        return None, True, ""
     scope = os.environ.get(ENV_SCOPE, "")
     if scope not in ("", "job", "node"):
         raise ConfigError(f"{ENV_SCOPE} must be 'job' or 'node', got {scope!r}")
     root = manifest.root or ""
     local = not ("://" in root and not root.startswith("file://"))
+    base = canonical_json([manifest.id, strip_credentials(root), level.value])
     if scope == "job" or (scope == "" and not local):
-        return 0
-    hosts: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts.index(hosts[dist.get_rank()])
+        leader, where = dist.get_rank() == 0, "job"
+    else:
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is None:  # no way to tell the ranks of a node apart: each verifies
+            return None, True, ""
+        leader, where = local_rank == "0", socket.gethostname()
+    digest = blake3.blake3(base + where.encode()).hexdigest()[:32]
+    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    return store, leader, f"detdata/verify/{digest}/{count}"
 
 
 # ------------------------------------------------------------------------- receipts

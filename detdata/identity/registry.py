@@ -471,14 +471,15 @@ class Registry:
         manifest.check_loadable(where=f"manifest {manifest.id} to register")
         doc = manifest.body()
         doc["id"] = manifest.id
-        self._write(url, canonical_json(doc) + b"\n")
-        self._write_columns(manifest, url, path)
+        data = canonical_json(doc) + b"\n"
+        self._write(url, data)
+        if self._local:  # mapped only from a local registry (`_get_columns`)
+            self._write(columns_path(url), manifest.columns_bytes(data))
 
     def _write_columns(self, manifest: Manifest, url: str, path: str) -> None:
         """Store the fast form of stored object ``path`` next to it (`detdata.identity.columns`),
         tied to the bytes stored (their size and digest)."""
-        data = self._cat(path)
-        self._write(columns_path(url), manifest.columns_bytes(data))
+        self._write(columns_path(url), manifest.columns_bytes(self._cat(path)))
 
     def _get_columns(self, manifest_id: str, path: str) -> Manifest | None:
         """The stored object ``path`` of ``manifest_id`` from its fast form, on a local registry

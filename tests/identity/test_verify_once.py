@@ -32,12 +32,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(manifest: Path, out: Path, receipts: str) -> list[dict[str, object]]:
+def _run(manifest: Path, out: Path, receipts: str, who: str = "all") -> list[dict[str, object]]:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "DETDATA_RECEIPTS": receipts,
+        "DETDATA_VERIFY_WAIT_S": "3",
     }
     subprocess.run(
         [
@@ -53,6 +54,7 @@ def _run(manifest: Path, out: Path, receipts: str) -> list[dict[str, object]]:
             str(SCRIPT),
             str(manifest),
             str(out),
+            who,
         ],
         check=True,
         env=env,
@@ -89,3 +91,12 @@ def test_one_rank_verifies_and_every_rank_gets_the_verdict(tmp_path: Path) -> No
     (root / "s13.npy").write_bytes(bytes(data))
     ranks = _run(path, tmp_path / "bad", "off")
     assert [r.get("error") for r in ranks] == [["s13.npy", "quick"]] * RANKS, ranks
+
+    # a rank opening a manifest the others do not open never waits for them (no
+    # collective), and a rank whose verifier never comes verifies itself
+    for who in ("0", "2"):
+        ranks = _run(path, tmp_path / f"only{who}", "off", who)
+        assert [r.get("error") for r in ranks] == [
+            ["s13.npy", "quick"] if str(r["rank"]) == who else None for r in ranks
+        ], ranks
+        assert int(str(ranks[int(who)]["read"])) >= corpus // 2
