@@ -3,13 +3,29 @@
 Each class also derives from the built-in that fits, so callers that catch
 `ValueError` / `OSError` keep working. Messages say what went wrong, where
 (which shard, field, position) and how to fix it.
+
+Every class can be made from its message alone (keyword attributes have defaults) and
+pickles with its attributes (``BaseException.__reduce__``: the arguments and the
+``__dict__``), so the class survives where exceptions are re-made from their type and
+text: torch's DataLoader worker processes (``ExceptionWrapper.reraise`` calls
+``type(message)``), multiprocessing, threads.
 """
 
 from __future__ import annotations
 
+from detdata.base.redact import redact_args
+
 
 class DetdataError(Exception):
-    """Root of every error detdata raises on purpose."""
+    """Root of every error detdata raises on purpose.
+
+    Its text passes the redaction boundary when it is made: every URL in a string
+    argument has its credentials replaced by ``***`` (`detdata.base.redact`), so no
+    message of any layer can carry a secret.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*redact_args(args))
 
 
 class ConfigError(DetdataError, ValueError):
@@ -63,7 +79,13 @@ class RetriesExhausted(StorageError):
     """A storage read kept failing until its deadline (or a permanent error after retries)."""
 
     def __init__(
-        self, message: str, *, shard: str, url: str, attempts: int, last_error: BaseException
+        self,
+        message: str,
+        *,
+        shard: str = "",
+        url: str = "",
+        attempts: int = 0,
+        last_error: BaseException | None = None,
     ) -> None:
         super().__init__(message)
         self.shard = shard
@@ -74,3 +96,8 @@ class RetriesExhausted(StorageError):
 
 class ShortRead(StorageError):
     """A read returned fewer (or more) bytes than asked for: transient, retried."""
+
+
+class DependencyError(DetdataError, ImportError):
+    """An optional or lazily imported package is missing or cannot load (names it, and the
+    ``pip install`` that fixes it)."""

@@ -58,11 +58,11 @@ import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError
+from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable, check_columns
 from detdata.identity.manifest import Manifest, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.fs import filesystem, is_local_fs, join
-from detdata.storage.redact import strip_credentials
 from detdata.storage.retry import RetryPolicy
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import json
-import logging
 import os
 import random
 import weakref
@@ -30,6 +30,7 @@ import torch.utils.data as tud
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
+from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream, as_stream
@@ -38,6 +39,7 @@ from detdata.loading.arguments import (
     check_thread_mode,
     check_torch_args,
     parse_worker_mode,
+    refuse_torch_habits,
 )
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
@@ -71,7 +73,7 @@ from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
 
-_LOG: Final = logging.getLogger("detdata")
+_LOG: Final = get_logger("detdata")
 #: Checked fields whose change at a resume gives earlier positions another stream.
 _STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
 
@@ -192,8 +194,8 @@ class DataLoader:
     def __init__(
         self,
         data: Dataset | Stream,
-        *,
-        global_batch_size: int | BatchSchedule,
+        *torch_positional: object,
+        global_batch_size: int | BatchSchedule | None = None,
         micro_batch_size: int | None = None,
         seed: int = 0,
         rank: int | None = None,
@@ -218,7 +220,15 @@ class DataLoader:
         lookahead: int = 0,
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
+        **torch_keywords: object,
     ) -> None:
+        refuse_torch_habits(torch_positional, torch_keywords, _KEYWORDS)
+        if global_batch_size is None:
+            raise ConfigError(
+                "DataLoader needs global_batch_size= (samples per optimizer step over all "
+                "ranks); hint: micro_batch_size= is each rank's batch per iteration (torch's "
+                "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
+            )
         self.seed = check_seed(seed)
         check_torch_args(
             num_workers=num_workers,
@@ -773,6 +783,7 @@ class DataLoader:
             "world_size": self.layout.world_size,
             "micro_batch_size": self.layout.micro_batch_size,
             "num_workers": self.num_workers,
+            "worker_mode": self.worker_mode.value,
         }
         state = LoaderState(
             samples_consumed=self._consumed,
@@ -978,7 +989,7 @@ class DataLoader:
             if change.position > position:
                 then[change.field] = change.old
         for candidate in self._earlier_streams(then):
-            if all(_same(self._fields_of(candidate, then)[k], then[k]) for k in _STREAM_FIELDS):
+            if self._delivers_as(candidate, then):
                 return candidate
         raise StateError(
             f"position {position} (step {self.step_of_position(position)}) was delivered before "
@@ -988,8 +999,21 @@ class DataLoader:
             fields=tuple(dict.fromkeys(c.field for c in later)),
         )
 
+    def _delivers_as(self, stream: Stream, then: Mapping[str, Any]) -> bool:
+        """``stream`` has the fields in force ``then`` and orders with the seed of that time
+        (its identity's own seed: ``stream_seed``, or ``seed`` when the loader ordered it)."""
+        fields = self._fields_of(stream, then)
+        if not all(_same(fields[k], then[k]) for k in _STREAM_FIELDS):
+            return False
+        own = stream.identity().get("seed")
+        expected = then[K_SEED] if then[K_STREAM_SEED] is None else then[K_STREAM_SEED]
+        return own is None or _same(own, expected)
+
     def _earlier_streams(self, then: Mapping[str, Any]) -> Iterator[Stream]:
-        """Streams this loader can build with the seeds in force ``then`` (same data, order)."""
+        """This loader's stream (a change of the loader's own seed leaves a stream the caller
+        built as it was), then the streams it can build with the seeds in force ``then``
+        (same data, same order)."""
+        yield self._stream
         seed = then[K_SEED]
         if self._stream is not self._data and isinstance(seed, int):  # the loader ordered it
             yield as_stream(self._data, seed, order=self._order)
@@ -1015,10 +1039,17 @@ class DataLoader:
         return str(self._plan.step_of(total - 1))
 
     def _check_delivered(self, step: int) -> None:
-        """``step`` ends at or before ``total_samples`` (`ConfigError` naming the last step)."""
+        """``step`` ends at or before ``total_samples`` and the last addressable position
+        ``2**62`` (`ConfigError` naming the last step delivered)."""
+        end = self._plan.start_of(step + 1)
+        if end > MAX_POSITION:
+            raise ConfigError(
+                f"step {step} is never delivered: it ends at position {end}, past the last "
+                f"addressable position 2**62 - 1 (last step "
+                f"{self._plan.step_of(MAX_POSITION - 1)}); hint: ask for a step the run delivers"
+            )
         if self.total_samples is None:
             return
-        end = self._plan.start_of(step + 1)
         if end > self.total_samples:
             raise ConfigError(
                 f"step {step} is never delivered: this run stops at total_samples "
@@ -1037,3 +1068,11 @@ class DataLoader:
         self._sampler = None  # its shared-memory slots are unmapped with it
         if self._trace is not None:
             self._trace.close()
+
+
+#: The loader's keyword arguments (the "did you mean" candidates of `refuse_torch_habits`).
+_KEYWORDS: Final = tuple(
+    name
+    for name, p in inspect.signature(DataLoader.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
