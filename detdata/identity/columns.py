@@ -375,42 +375,58 @@ class ShardTable(Sequence["ShardEntry"]):
         return self.entry(i).path
 
     def _build(self, i: int) -> ShardEntry:
-        from detdata.identity.manifest import ShardEntry
-
-        c, h = self.columns, self.columns.header
+        c = self.columns
         ends = c.items("path_ends", i, i + 2)
         lo, hi = int(ends[0]), int(ends[1])
         if not 0 <= lo <= hi <= c.header["sections"]["paths"][1]:
             raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
-        raw = c.items("paths", lo, hi).tobytes()
-        try:
-            path = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise c._error(f"shard #{i}: path {raw!r} is not UTF-8") from None
-        obj: dict[str, Any] = {
-            "path": path,
-            "bytes": int(c.items("bytes", i, i + 1)[0]),
-            "num_samples": int(c.items("num_samples", i, i + 1)[0]),
-            "blake3": PREFIX + c.items("blake3", 32 * i, 32 * i + 32).tobytes().hex(),
-            "quick": PREFIX + c.items("quick", 32 * i, 32 * i + 32).tobytes().hex(),
-            "format": _pick(h["formats"], int(c.items("format", i, i + 1)[0]), c, i, "format"),
-        }
-        offset = int(c.items("data_offset", i, i + 1)[0])
-        if offset >= 0:
-            obj["data_offset"] = offset
-        dtype = int(c.items("dtype", i, i + 1)[0])
-        if dtype >= 0:
-            obj["dtype"] = _pick(h["dtypes"], dtype, c, i, "dtype")
-        schema = int(c.items("schema", i, i + 1)[0])
-        if schema >= 0:
-            obj["schema"] = _pick(h["schemas"], schema, c, i, "schema")
+        path = _path_at(c, i, c.items("paths", lo, hi).tobytes(), 0, hi - lo)
+        row = {name: int(c.items(name, i, i + 1)[0]) for name in _ROW_SECTIONS}
         g_lo, g_hi = (int(e) for e in c.items("row_group_ends", i, i + 2))
+        groups: list[int] = []
         if g_hi >= 0:
-            g_lo = g_lo if g_lo >= 0 else -g_lo - 1
-            if not 0 <= g_lo <= g_hi <= c.header["sections"]["row_groups"][1] // 8:
-                raise c._error(f"shard #{i}: row group bounds {g_lo}..{g_hi} are out of range")
-            obj["row_groups"] = c.items("row_groups", g_lo, g_hi).tolist()
-        return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
+            start = g_lo if g_lo >= 0 else -g_lo - 1
+            if not 0 <= start <= g_hi <= c.header["sections"]["row_groups"][1] // 8:
+                raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
+            groups = c.items("row_groups", start, g_hi).tolist()
+            g_lo, g_hi = 0, len(groups)
+        b3 = c.items("blake3", 32 * i, 32 * i + 32).tobytes()
+        quick = c.items("quick", 32 * i, 32 * i + 32).tobytes()
+        return _entry(c, i, path, row, b3, quick, (g_lo, g_hi), groups)
+
+    def all_paths(self) -> list[str]:
+        """Every shard's relative path, decoded in bulk and checked as an entry's is
+        (O(shards): what a verifier takes identities of)."""
+        c = self.columns
+        ends = c.array("path_ends").tolist()
+        blob = c.array("paths").tobytes()
+        out: list[str] = []
+        for i in range(len(self)):
+            out.append(_path_at(c, i, blob, ends[i], ends[i + 1]))
+        return out
+
+    def all_entries(self) -> list[ShardEntry]:
+        """Every entry, decoded in bulk from whole checked columns, each checked as `entry`
+        checks one (O(shards): the verifier's full check)."""
+        c = self.columns
+        cols = {name: c.array(name).tolist() for name in _LIST_SECTIONS}
+        blob = c.array("paths").tobytes()
+        b3, quick = c.array("blake3").tobytes(), c.array("quick").tobytes()
+        out: list[ShardEntry] = []
+        for i in range(len(self)):
+            out.append(
+                _entry(
+                    c,
+                    i,
+                    _path_at(c, i, blob, cols["path_ends"][i], cols["path_ends"][i + 1]),
+                    {k: cols[k][i] for k in _ROW_SECTIONS},
+                    b3[32 * i : 32 * i + 32],
+                    quick[32 * i : 32 * i + 32],
+                    (cols["row_group_ends"][i], cols["row_group_ends"][i + 1]),
+                    cols["row_groups"],
+                )
+            )
+        return out
 
     def num_samples(self) -> npt.NDArray[np.int64]:
         """Samples per shard (a checked, read-only view of the mapped column)."""
@@ -434,6 +450,58 @@ class ShardTable(Sequence["ShardEntry"]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (self.columns.path, self.columns.header_digest, self.json_path))
+
+
+#: per-shard scalar sections (one value each)
+_ROW_SECTIONS: Final = ("bytes", "num_samples", "data_offset", "format", "dtype", "schema")
+#: sections the bulk decoder takes as lists
+_LIST_SECTIONS: Final = (*_ROW_SECTIONS, "path_ends", "row_group_ends", "row_groups")
+
+
+def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:
+    if not 0 <= lo <= hi <= len(blob):
+        raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
+    try:
+        return blob[lo:hi].decode("utf-8")
+    except UnicodeDecodeError:
+        raise c._error(f"shard #{i}: path {blob[lo:hi]!r} is not UTF-8") from None
+
+
+def _entry(
+    c: ColumnsFile,
+    i: int,
+    path: str,
+    row: dict[str, int],
+    b3: bytes,
+    quick: bytes,
+    group_ends: tuple[int, int],
+    groups: list[int],
+) -> ShardEntry:
+    """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
+    from detdata.identity.manifest import ShardEntry
+
+    h = c.header
+    obj: dict[str, Any] = {
+        "path": path,
+        "bytes": row["bytes"],
+        "num_samples": row["num_samples"],
+        "blake3": PREFIX + b3.hex(),
+        "quick": PREFIX + quick.hex(),
+        "format": _pick(h["formats"], row["format"], c, i, "format"),
+    }
+    if row["data_offset"] >= 0:
+        obj["data_offset"] = row["data_offset"]
+    if row["dtype"] >= 0:
+        obj["dtype"] = _pick(h["dtypes"], row["dtype"], c, i, "dtype")
+    if row["schema"] >= 0:
+        obj["schema"] = _pick(h["schemas"], row["schema"], c, i, "schema")
+    g_lo, g_hi = group_ends
+    if g_hi >= 0:
+        start = g_lo if g_lo >= 0 else -g_lo - 1
+        if not 0 <= start <= g_hi <= len(groups):
+            raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
+        obj["row_groups"] = groups[start:g_hi]
+    return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
 
 
 def _pick(values: list[str], index: int, c: ColumnsFile, i: int, what: str) -> str:
@@ -479,13 +547,13 @@ def read_json_head(path: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def check_columns(table: ShardTable) -> None:
+def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
     """The full tie, O(shards) (the job's verifier runs it once): the JSON file the
     columns were loaded for (``table.json_path``) hashes to the header's ``json_digest``,
     and the id re-computed from every entry of the columns is the header's; else
     `ManifestError`."""
     c, json_path = table.columns, table.json_path
-    if json_path is not None:
+    if json_path is not None and with_json:
         with open(json_path, "rb") as fh:
             found = PREFIX + blake3.blake3(fh.read()).hexdigest()
         if found != c.header["json_digest"]:
@@ -503,7 +571,7 @@ def verify_columns_id(table: ShardTable) -> str:
     from detdata.identity.manifest import KIND as MANIFEST_KIND
 
     c = table.columns
-    entries = [table._build(i) for i in range(len(table))]
+    entries = table.all_entries()
     body = {
         "kind": MANIFEST_KIND,
         "format_version": FORMAT_VERSION,
