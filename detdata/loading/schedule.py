@@ -164,6 +164,31 @@ class Plan:
             return Plan((*self.entries[:-1], entry))
         return Plan((*self.entries, entry))
 
+    def rewound_to(self, position: int) -> Plan:
+        """The history as a run that stopped at ``position`` (the first position of the step
+        the last entry's position falls in, or earlier in that step) would have written it.
+
+        Entries that began after ``position`` lie inside that same step (a layout or
+        global-batch change at a mid-step resume); the last of them is kept, moved to
+        ``position``: its schedule is in effect from the step's start either way, and its
+        layout is replaced by the resuming loader's.
+        """
+        keep = tuple(e for e in self.entries if e.position <= position)
+        later = [e for e in self.entries if e.position > position]
+        if not later:
+            return self
+        last = later[-1]
+        moved = Entry(
+            position=position,
+            step=last.step,
+            schedule=last.schedule,
+            world_size=last.world_size,
+            micro_batch_size=last.micro_batch_size,
+        )
+        if keep and keep[-1].position == position and keep[-1].step == last.step:
+            keep = keep[:-1]
+        return Plan((*keep, moved))
+
     # ---------------------------------------------------------- checks
     def check_fits(self, layout: Layout, position: int) -> None:
         """Every global batch from the step of ``position`` on divides into ``layout``'s

@@ -10,6 +10,7 @@ run's batch schedules and layouts with the step and position each began at
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import platform
@@ -24,6 +25,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.schedule import K_HISTORY, Plan, upgraded_history
+from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, resume_position
 from detdata.order.batches import BatchSchedule
 
 STATE_VERSION: Final = 3
@@ -226,6 +228,22 @@ class LoaderState:
         """The saved run's batch history and step map."""
         return Plan.from_json(list(self.history))
 
+    @property
+    def step_position(self) -> StepPosition:
+        """Where ``samples_consumed`` lies in the saved run's global steps (the state's
+        ``step_position``: a state saved inside a step says so)."""
+        return StepPosition.of(self.plan, self.samples_consumed)
+
+    def resumed(self, mid_step: MidStep) -> LoaderState:
+        """This state as the resume continues from it: unchanged at a step boundary or with
+        `MidStep.CONTINUE`; saved inside a step, by default (`MidStep.REDO`) the state at that
+        step's first position, so the whole step is delivered again (`resume_position`)."""
+        position = resume_position(self.step_position, self.samples_consumed, mid_step)
+        if position == self.samples_consumed:
+            return self
+        history = tuple(self.plan.rewound_to(position).to_json())
+        return dataclasses.replace(self, samples_consumed=position, history=history)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             K_KIND: KIND,
@@ -235,6 +253,7 @@ class LoaderState:
         out.update(self.fields)
         out[K_STREAM] = dict(self.stream)
         out[K_HISTORY] = [dict(e) for e in self.history]
+        out[K_STEP_POSITION] = self.step_position.to_json()
         out[K_LAYOUT] = dict(self.layout)
         out[K_ENV] = dict(self.env)
         return out
