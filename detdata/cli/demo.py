@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from detdata.base.errors import ConfigError
-from detdata.cli.replay import print_verdict
+from detdata.cli.replay import CONTRACT, print_verdict
 
 MARKER: Final = ".detdata-demo"
 _MARKER_TEXT: Final = (
@@ -45,6 +45,10 @@ def register(sub: Any) -> None:
         "replay-check",
         help="three fresh-process runs (A, B, interrupted+resumed C); "
         "exit 1 if weights or data traces differ",
+        description="Run the demo's training (or your own command after --) three times in "
+        "fresh processes and compare the data traces and the final weights.",
+        epilog=CONTRACT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument(
         "--out",
@@ -59,8 +63,8 @@ def register(sub: Any) -> None:
     r.add_argument(
         "command",
         nargs=argparse.REMAINDER,
-        help="-- CMD ...: check your own training command instead of the demo (the contract: "
-        "`python -m detdata.cli.replay` docstring, docs/design.md)",
+        help="-- CMD ...: check your own training command instead of the demo (the flags it "
+        "must accept: below)",
     )
     r.set_defaults(func=run_replay_check)
 

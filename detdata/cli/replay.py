@@ -39,6 +39,21 @@ from typing import Any, Final
 from detdata.base.errors import ConfigError
 from detdata.loading.trace import Record, first_difference, read_trace
 
+#: The flags ``replay-check -- CMD`` appends to your command (shown by ``--help``).
+CONTRACT: Final = """\
+your command (after --) must accept the flags replay-check appends to it:
+  --steps N       train until global step N (the last step is N - 1)
+  --stop-at K     stop after step K - 1 and save a checkpoint in --run-dir: the model,
+                  the optimizer and loader.state_dict()
+  --resume        load that checkpoint (loader.load_state_dict too) and continue to step N
+  --run-dir DIR   build the loader with DataLoader(..., trace=DIR/"trace.jsonl")
+and print a line "weights <hex digest of the final weights>" on stdout (the last counts).
+Runs: A and B (CMD --steps N --run-dir DIR/A, DIR/B); C (CMD --steps N --stop-at K
+--run-dir DIR/C, then CMD --steps N --resume --run-dir DIR/C in a new process).
+Passes when the three weight digests are equal and B's and C's traces deliver, step by
+step, what A delivered; exit 0 pass, 1 a difference, 2 a run that failed or broke the
+contract (its stderr tail is shown).
+"""
 TRACE: Final = "trace.jsonl"
 _WEIGHTS: Final = re.compile(r"^\s*weights[\s:=]+([0-9a-fA-F]{8,})\s*$")
 _TAIL: Final = 2000

@@ -6,7 +6,9 @@ stream), found by inverting the order per epoch instead of scanning ``P`` positi
 and the global step of each (from the run's batch history:
 `DataLoader.step_of_position`). ``--data`` as for
 ``detdata where``; with ``--state`` the state is loaded first (checked, and an
-allowed mixture change continued as on a resume). Prints one JSON object:
+allowed mixture change continued as on a resume; positions before a change of seed, data or
+order allowed at a resume are inverted with the stream of that time, or refused naming the
+change). ``P`` past the loader's ``total_samples`` is refused. Prints one JSON object:
 ``{"source", "sample_id", "until", "count", "positions", "steps"}``. Exit 0, or 2.
 For contamination checks, data-removal audits and "how often did the model see it".
 """
@@ -43,14 +45,12 @@ def register(sub: Any) -> None:
 
 
 def run_seen(args: argparse.Namespace) -> int:
-    from detdata.loading.provenance import positions_seen
-
     if args.until < 0:
         raise ConfigError(f"--until must be >= 0, got {args.until}")
     state = None if args.state is None else read_state(args.state)
     loader = loader_for(args.data, state)
     source, ident = args.sample
-    positions = positions_seen(loader.stream, source, ident, until=args.until)
+    positions = loader.positions_seen(source, ident, until=args.until)
     print(
         json.dumps(
             {

@@ -10,7 +10,16 @@ dataset gets a loader built with the state's global batch, micro batch, world si
 and seed (a batch schedule too: the step's positions follow the state's step <-> position
 map). One JSON object per sample (``SampleRecord.to_json``) on stdout;
 ``--decode MODULE:FUNCTION`` adds the function's result (e.g. detokenised text) as
-``text``. Exit 0, or 2 (unusable definition, state or step).
+``text``.
+
+Every sample is answered with the configuration in force when it was delivered: the seed,
+data and order of that time (a change allowed at a resume is in the state's history; a
+stream this definition cannot rebuild is refused naming the change), and the ranks and micro
+steps of the layout the state's history records, not this process's (a ``build_loader``
+that reads rank and world size from torch.distributed sees world 1 here). A step after the
+state's position is answered as the run delivers it unless a later resume changed something
+(a note on stderr says so); a step past the loader's ``total_samples`` is refused.
+Exit 0, or 2 (unusable definition, state or step).
 """
 
 from __future__ import annotations
@@ -134,6 +143,16 @@ def run_where(args: argparse.Namespace) -> int:
         raise ConfigError(f"--step must be >= 0, got {args.step}")
     loader = loader_for(args.data, read_state(args.state))
     decode = None if args.decode is None else load_callable(args.decode, "--decode")
-    for record in loader.provenance(args.step, decode=decode):
+    records = loader.provenance(args.step, decode=decode, as_saved=True)
+    saved = loader.samples_consumed
+    if loader.position_of_step(args.step + 1) > saved:
+        last = "none" if saved == 0 else str(loader.step_of_position(saved - 1))
+        print(
+            f"detdata: note: step {args.step} is after the state's position {saved} (last "
+            f"delivered step {last}): answered as the run delivers it if no later resume "
+            "changed its data, seed or layout",
+            file=sys.stderr,
+        )
+    for record in records:
         print(json.dumps(record.to_json(), sort_keys=True, default=str))
     return 0

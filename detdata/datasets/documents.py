@@ -60,7 +60,7 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError, VerificationError
 from detdata.base.groupby import stable_groups
 from detdata.base.types import IntArray
-from detdata.datasets.index_files import load_index, progress, save_index
+from detdata.datasets.index_files import load_index, progress, reload_index, save_index
 from detdata.datasets.shards import ShardReader
 from detdata.identity.formats import (
     MEGATRON_HEADER_BYTES,
@@ -262,6 +262,13 @@ class Documents(ShardReader):
             )
         if entry.dtype not in TOKEN_DTYPES:
             raise FormatError(f"shard {entry.path}: dtype {entry.dtype!r} is not a token dtype")
+        info = np.iinfo(np.dtype(entry.dtype))
+        if not int(info.min) <= self.eod_token <= int(info.max):
+            raise ConfigError(
+                f"eod_token={self.eod_token} cannot occur in shard {entry.path}: its "
+                f"{entry.dtype} tokens are in [{int(info.min)}, {int(info.max)}] (every "
+                "shard would be one document); hint: pass the tokenizer's end-of-document id"
+            )
         return Unit(shard, -1, "eod", str(entry.dtype), entry.num_samples)
 
     def _table_unit(self, shard: int) -> Unit:
@@ -306,18 +313,25 @@ class Documents(ShardReader):
         }
 
     def _document_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
-        """``(starts, units with token counts)``: loaded from ``index_dir`` or built."""
+        """``(starts, units with token counts)``: loaded from ``index_dir`` or built.
+
+        A stored table is used only when `_check_table` finds it consistent with the
+        manifest; the units' token and row-group counts are then recomputed from it and
+        the manifest (never read from the record).
+        """
         inputs = self._table_inputs()
-        stored = load_index(self.index_dir, "documents", inputs)
+        stored = load_index(
+            self.index_dir, "documents", inputs, lambda a, m: self._check_table(units, a, m)
+        )
         if stored is not None:
-            starts, meta = stored
-            groups = meta.get("groups", [])
-            tokens = meta.get("tokens", [])
-            if len(groups) == len(units) == len(tokens):
-                return starts, [
-                    Unit(u.shard, u.index, u.kind, u.dtype, int(t), tuple(g))
-                    for u, t, g in zip(units, tokens, groups, strict=True)
-                ]
+            self._table_digest: str | None = stored.digest
+            return stored.array, _table_units(self.manifest, units, stored.array)
+        starts, done = self._build_table(units)
+        meta = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
+        self._table_digest = save_index(self.index_dir, "documents", inputs, starts, meta)
+        return starts, done
+
+    def _build_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
         parts: list[npt.NDArray[np.int64]] = []
         done: list[Unit] = []
         base = 0
@@ -330,10 +344,33 @@ class Documents(ShardReader):
                 done.append(unit)
                 update(self.manifest.shards[unit.shard].bytes)
         parts.append(np.array([base], dtype=np.int64))
-        starts = np.concatenate(parts).astype(np.int64, copy=False)
-        meta = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
-        save_index(self.index_dir, "documents", inputs, starts, meta)
-        return starts, done
+        return np.concatenate(parts).astype(np.int64, copy=False), done
+
+    def _check_table(
+        self, units: list[Unit], starts: np.ndarray[Any, Any], meta: Mapping[str, Any]
+    ) -> str | None:
+        """What is wrong with a stored document table and its record, or None.
+
+        Checked against the manifest: a 1-D int64 array from 0, non-decreasing, each
+        token unit ending exactly at its shard's token count, each Megatron pair and
+        table holding exactly its manifest document / row count; ``meta`` must be
+        exactly what `_table_units` recomputes. (The ``eod_token`` positions inside a
+        plain token shard are covered by the file digest only: checking them is the
+        full scan the table saves.)
+        """
+        if starts.dtype != np.int64 or starts.ndim != 1 or starts.shape[0] < 1:
+            return f"array {starts.dtype} of shape {starts.shape}, expected 1-D int64"
+        if int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
+            return "document starts do not run non-decreasing from 0"
+        try:
+            done = _table_units(self.manifest, units, starts)
+        except ValueError as exc:
+            return str(exc)
+        want = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
+        for key in sorted(set(want) | set(meta)):
+            if meta.get(key) != want.get(key):
+                return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}"
+        return None
 
     def _unit_documents(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
         """Local document starts (ending with the unit's token count) and the unit's sizes."""
@@ -452,17 +489,16 @@ class Documents(ShardReader):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self._starts is None:
-            stored = load_index(self.index_dir, "documents", self._table_inputs())
-            if stored is None:
-                raise VerificationError(
-                    f"the document table of manifest {self.manifest.id[:15]}… is no longer "
-                    f"in index_dir {self.index_dir}; hint: keep the index directory while "
-                    "workers start"
-                )
-            self._starts = stored[0]
         self._build_index()
         self._reset_process_state()
+        if self._starts is None:
+            self._starts = reload_index(
+                self.index_dir,
+                "documents",
+                self._table_inputs(),
+                str(self._table_digest),
+                lambda: self._build_table(list(self.units))[0],
+            )
 
     # properties ----------------------------------------------------------------------
     @property
@@ -768,3 +804,41 @@ def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
 def shard_entry(documents: Documents, unit: int) -> ShardEntry:
     """The manifest entry holding the tokens of ``documents.units[unit]``."""
     return documents.manifest.shards[documents.units[unit].shard]
+
+
+def _table_units(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
+    """``units`` with token and row-group counts recomputed from ``starts`` and the manifest.
+
+    A `ValueError` says where ``starts`` disagrees with the manifest (a token unit not
+    ending at its shard's token count, a table or Megatron pair whose documents do not
+    fit, documents left over).
+    """
+    n = int(starts.shape[0]) - 1
+    doc, token = 0, 0
+    done: list[Unit] = []
+    for unit in units:
+        entry = manifest.shards[unit.shard]
+        if unit.kind == "table":
+            rows = list(entry.row_groups or ())
+            if sum(rows) != entry.num_samples or doc + sum(rows) > n:
+                raise ValueError(f"shard {entry.path}: its {entry.num_samples} rows do not fit")
+            edges = doc + np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+            groups = tuple(int(g) for g in np.diff(starts[edges]))
+            doc, end = int(edges[-1]), int(starts[int(edges[-1])])
+            done.append(Unit(unit.shard, -1, "table", unit.dtype, end - token, groups))
+            token = end
+            continue
+        end = token + unit.tokens
+        if unit.kind == "megatron":
+            stop = doc + manifest.shards[unit.index].num_samples
+        else:  # eod documents are never empty: the unit ends at the first start == end
+            stop = doc + int(np.searchsorted(starts[doc:], end, side="left"))
+        if stop > n or int(starts[stop]) != end:
+            raise ValueError(
+                f"shard {entry.path}: its documents do not end at its {unit.tokens} tokens"
+            )
+        doc, token = stop, end
+        done.append(unit)
+    if doc != n:
+        raise ValueError(f"{n - doc} documents past the manifest's last shard")
+    return done

@@ -194,9 +194,15 @@ class Excluded:
         for source, ident in lst.entries:
             if source not in self.names:
                 shown = [n for n in self.names if n is not None] or ["None (one dataset)"]
+                hint = (
+                    f"; hint: on a mixture each entry names its source: ExclusionList.of("
+                    f"[({shown[0]!r}, {ident})]) or ExclusionList.of(['{shown[0]}:{ident}'])"
+                    if source is None
+                    else ""
+                )
                 raise ConfigError(
                     f"exclusion {source}:{ident} names source {source!r}; this stream's "
-                    f"sources are {shown}"
+                    f"sources are {shown}{hint}"
                 )
             n = self._datasets[self.names.index(source)].num_samples
             if ident >= n:

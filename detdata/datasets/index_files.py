@@ -4,9 +4,12 @@ An index (a document table, a packing index) is a pure function of its inputs
 (manifest ids, seeds, options, algorithm versions). `load_index` / `save_index`
 store it under ``index_dir`` as ``NAME-<key>.npy`` plus ``NAME-<key>.json``, where
 ``key`` is the blake3 of the canonical JSON of the inputs. The JSON holds the
-inputs themselves, small metadata and the blake3 of the ``.npy`` file; a load
-re-checks both (a cache file that was edited, truncated or belongs to other inputs
-is rebuilt, with a warning), so a cache never changes a delivered byte. The
+inputs themselves, small metadata and the blake3 of the ``.npy`` file. Nothing
+derived is trusted: a load re-checks the record's every key, the ``.npy``'s digest,
+and hands both to the owner's ``check``, which recomputes every metadata field (and
+what it can of the array) from independent inputs; a file that was edited, truncated
+or belongs to other inputs is rebuilt, with a warning naming it and the field, so a
+cache never changes a delivered byte. The
 ``.json`` is written last (atomically), so a crash mid-write leaves no index that
 loads. Loaded arrays are read-only memory maps.
 
@@ -17,18 +20,21 @@ on stderr per tenth of the work.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import blake3
 import numpy as np
 
 from detdata.base.canonical import canonical_json
+from detdata.base.errors import StorageError, VerificationError
 from detdata.base.hashing import CHUNK, PREFIX
 from detdata.storage.atomic import atomic_write_bytes
 
@@ -54,39 +60,97 @@ def _file_digest(path: str) -> str:
     return PREFIX + hasher.hexdigest()
 
 
+#: The keys of an index record, exactly (any other key is an edit: the record is rebuilt).
+RECORD_KEYS: Final = frozenset({"layout", "inputs", "digest", "meta"})
+
+#: ``check(array, meta)``: a description of the first field that is not what the owner
+#: recomputes from its independent inputs (``"meta.windows: expected 12, found 9"``), or
+#: None when the array and every metadata field are right.
+Check = Callable[[np.ndarray[Any, Any], Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class StoredIndex:
+    """A loaded (or just written) index: the read-only array, its metadata and file digest."""
+
+    array: np.ndarray[Any, Any]
+    meta: dict[str, Any]
+    digest: str
+
+
 def load_index(
-    index_dir: str | None, name: str, inputs: Mapping[str, Any]
-) -> tuple[np.ndarray[Any, Any], dict[str, Any]] | None:
-    """``(array, metadata)`` of a stored index of ``inputs``, or None (absent or not valid)."""
+    index_dir: str | None,
+    name: str,
+    inputs: Mapping[str, Any],
+    check: Check,
+    *,
+    digest: str | None = None,
+) -> StoredIndex | None:
+    """The stored index of ``inputs``, or None (absent, or not valid: rebuilt with a warning).
+
+    Nothing in the two files is trusted: the record must have exactly `RECORD_KEYS`, this
+    layout and these inputs; the ``.npy`` must hash to the record's digest (or, given, to
+    ``digest``: a worker re-loading the file its parent checked); and the owner's
+    ``check`` recomputes every metadata field (and what it can of the array) from
+    independent inputs. Any mismatch is a `RuntimeWarning` naming the file and the
+    field, and None (the caller rebuilds).
+    """
     if index_dir is None:
         return None
     npy, meta_path = _paths(index_dir, name, inputs)
     try:
         with open(meta_path, "rb") as fh:
             doc = json.loads(fh.read())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, ValueError):
-        doc = None
-    plain = json.loads(canonical_json(dict(inputs)))
-    valid = (
-        isinstance(doc, dict)
-        and doc.get("layout") == LAYOUT
-        and doc.get("inputs") == plain
-        and os.path.exists(npy)
-        and doc.get("digest") == _file_digest(npy)
+    except (OSError, ValueError) as exc:
+        _invalid(meta_path, f"unreadable ({exc})")
+        return None
+    problem, array = _check_files(doc, npy, json.loads(canonical_json(dict(inputs))), digest)
+    if problem is None:
+        assert array is not None and isinstance(doc, dict)
+        problem = check(array, doc["meta"])
+    if problem is not None:
+        _invalid(meta_path, problem)
+        return None
+    assert array is not None and isinstance(doc, dict)
+    return StoredIndex(array, dict(doc["meta"]), str(doc["digest"]))
+
+
+def _check_files(
+    doc: object, npy: str, inputs: object, digest: str | None
+) -> tuple[str | None, np.ndarray[Any, Any] | None]:
+    """``(problem, None)`` or ``(None, the memory-mapped array)``."""
+    if not isinstance(doc, dict) or set(doc) != RECORD_KEYS:
+        keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        return f"record keys {keys}, expected {sorted(RECORD_KEYS)}", None
+    if doc["layout"] != LAYOUT:
+        return f"layout {doc['layout']!r}, expected {LAYOUT!r}", None
+    if doc["inputs"] != inputs:
+        return "inputs are not the ones its name is the key of", None
+    if not isinstance(doc["meta"], dict):
+        return f"meta is a {type(doc['meta']).__name__}, expected an object", None
+    try:
+        found = _file_digest(npy)
+    except OSError as exc:
+        return f"{npy} unreadable ({exc})", None
+    want = doc["digest"] if digest is None else digest
+    if found != want or found != doc["digest"]:
+        return f"{npy} hashes to {found}, expected {want}", None
+    try:
+        array = np.load(npy, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        return f"{npy} is not a valid .npy file ({exc})", None
+    return None, array
+
+
+def _invalid(meta_path: str, problem: str) -> None:
+    warnings.warn(
+        f"index file {meta_path} does not match what it records (edited, truncated or from "
+        f"other inputs): {problem}; rebuilding it",
+        RuntimeWarning,
+        stacklevel=4,
     )
-    if not valid:
-        warnings.warn(
-            f"index file {npy} does not match its record (edited, truncated or from other "
-            "inputs); rebuilding it",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    assert isinstance(doc, dict)
-    array = np.load(npy, mmap_mode="r", allow_pickle=False)
-    return array, dict(doc.get("meta", {}))
 
 
 def save_index(
@@ -95,30 +159,91 @@ def save_index(
     inputs: Mapping[str, Any],
     array: np.ndarray[Any, Any],
     meta: Mapping[str, Any],
-) -> None:
-    """Store ``array`` (and JSON ``meta``) as the index of ``inputs`` (no-op without a dir)."""
+) -> str | None:
+    """Store ``array`` (and JSON ``meta``) as the index of ``inputs``; the ``.npy``'s digest.
+
+    No-op (None) without a dir. A folder that cannot be written is a `StorageError`
+    naming it (with the OS's reason), and leaves no partial file behind.
+    """
     if index_dir is None:
-        return
+        return None
     npy, meta_path = _paths(index_dir, name, inputs)
-    os.makedirs(os.path.dirname(npy), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=os.path.dirname(npy))
+    try:
+        os.makedirs(os.path.dirname(npy), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=os.path.dirname(npy))
+    except OSError as exc:
+        raise _unwritable(index_dir, name, exc) from exc
     try:
         with os.fdopen(fd, "wb") as fh:
             np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, npy)
+        digest = _file_digest(npy)
+        record = {
+            "layout": LAYOUT,
+            "inputs": json.loads(canonical_json(dict(inputs))),
+            "digest": digest,
+            "meta": dict(meta),
+        }
+        atomic_write_bytes(meta_path, canonical_json(record) + b"\n")
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise _unwritable(index_dir, name, exc) from exc
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    record = {
-        "layout": LAYOUT,
-        "inputs": json.loads(canonical_json(dict(inputs))),
-        "digest": _file_digest(npy),
-        "meta": dict(meta),
-    }
-    atomic_write_bytes(meta_path, canonical_json(record) + b"\n")
+    return digest
+
+
+def _unwritable(index_dir: str, name: str, exc: OSError) -> StorageError:
+    return StorageError(
+        f"cannot write the {name} index to index_dir {index_dir}: "
+        f"{exc.strerror or exc}; hint: make the folder writable (or free space), or pass "
+        "index_dir=None to build the index in memory at each construction"
+    )
+
+
+def array_digest(array: np.ndarray[Any, Any]) -> str:
+    """The digest `save_index` records for ``array`` (of its ``.npy`` serialisation)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return PREFIX + blake3.blake3(buffer.getbuffer()).hexdigest()
+
+
+def reload_index(
+    index_dir: str | None,
+    name: str,
+    inputs: Mapping[str, Any],
+    digest: str,
+    rebuild: Callable[[], np.ndarray[Any, Any]],
+) -> np.ndarray[Any, Any]:
+    """In a worker: the index array the parent checked (``digest``), from ``index_dir``.
+
+    When the file is gone or changed since (a cleaner, an edit), the index is rebuilt
+    in this process with a warning (it is a pure function of its inputs) and must hash
+    to ``digest``; else a `VerificationError` naming the folder. Never a silent
+    difference, and never a worker that dies while being unpickled.
+    """
+    stored = load_index(index_dir, name, inputs, lambda _a, _m: None, digest=digest)
+    if stored is not None:
+        return stored.array
+    warnings.warn(
+        f"the {name} index checked by the parent process is no longer in index_dir "
+        f"{index_dir} as it was; rebuilding it in process {os.getpid()}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    array = rebuild()
+    if array_digest(array) != digest:
+        raise VerificationError(
+            f"the {name} index rebuilt in process {os.getpid()} differs from the one the "
+            f"parent process checked in index_dir {index_dir}: the inputs changed under "
+            "the run; hint: keep the shards and index directory unchanged while it runs"
+        )
+    return array
 
 
 @contextlib.contextmanager

@@ -47,18 +47,19 @@ two ``searchsorted`` calls locate its documents.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from detdata.base.checks import check_count, check_positive_int, check_seed
-from detdata.base.errors import ConfigError, VerificationError
+from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
 from detdata.datasets.documents import Documents
-from detdata.datasets.index_files import load_index, progress, save_index
+from detdata.datasets.index_files import load_index, progress, reload_index, save_index
 from detdata.datasets.process_local import ProcessLocal
 from detdata.order.packing import (
     ALGORITHM,
@@ -87,7 +88,7 @@ class PackedWindows(ProcessLocal):
     stored (default: ``documents.index_dir``; None: built at every construction).
     """
 
-    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_offsets", "_first", "_ramp")
+    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_offsets", "_first", "_ramp", "_checked_counts")
 
     def __init__(
         self,
@@ -163,24 +164,66 @@ class PackedWindows(ProcessLocal):
         }
 
     def _packing_index(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        """The packing index and its counts: loaded from ``index_dir`` or built.
+
+        Nothing stored is trusted: the window count comes from the documents (never from
+        the record), and a stored index is used only when `_check_index` finds it equal
+        to a recomputation (the offsets and the segments bound).
+        """
         inputs = self._inputs()
-        stored = load_index(self.index_dir, "packing", inputs)
+        stored = load_index(self.index_dir, "packing", inputs, self._check_index)
         if stored is not None:
-            return stored[0], stored[1]
-        starts = self.documents.starts
-        n = self.documents.num_documents
+            self._index_digest: str | None = stored.digest
+            return stored.array, self._checked_counts
+        offsets = self._offsets_of_documents()
+        meta = self._counts(offsets)
+        self._index_digest = save_index(self.index_dir, "packing", inputs, offsets, meta)
+        return offsets, meta
+
+    def _offsets_of_documents(self) -> npt.NDArray[np.int64]:
         extra = int(self.bos is not None) + int(self.eos is not None)
-        with progress(n, "packing index", self.progress) as update:
-            offsets = build_offsets(
-                starts, seed=self.seed, shuffle=self.shuffle, extra=extra, progress=update
+        with progress(self.documents.num_documents, "packing index", self.progress) as update:
+            return build_offsets(
+                self.documents.starts,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                extra=extra,
+                progress=update,
             )
-        total = int(offsets[0, -1])
-        windows = window_count(total, self.seq_len, self.labels, self.tail)
+
+    def _total(self) -> int:
+        """Stream tokens, from the documents alone: their tokens plus the BOS / EOS inserted."""
+        extra = int(self.bos is not None) + int(self.eos is not None)
+        return self.documents.num_tokens + extra * self.documents.num_documents
+
+    def _counts(self, offsets: npt.NDArray[np.int64]) -> dict[str, int]:
+        """``{"windows", "segments_bound"}``: windows from the documents, bound from ``offsets``."""
+        windows = window_count(self._total(), self.seq_len, self.labels, self.tail)
         with progress(windows, "segments bound", self.progress) as update:
             bound = segments_bound(offsets[0], windows, self.seq_len, update) if windows else 1
-        meta = {"windows": windows, "segments_bound": bound}
-        save_index(self.index_dir, "packing", inputs, offsets, meta)
-        return offsets, meta
+        return {"windows": windows, "segments_bound": bound}
+
+    def _check_index(self, array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
+        """What is wrong with a stored packing index and its record, or None.
+
+        The offsets are recomputed from the documents and compared in full (the stored
+        copy saves the segments bound and is shared by worker processes as one memory
+        map); every metadata field must equal its recomputation.
+        """
+        n = self.documents.num_documents
+        if array.dtype != np.int64 or array.shape != (2, n + 1):
+            return f"array {array.dtype} of shape {array.shape}, expected int64 (2, {n + 1})"
+        want = self._offsets_of_documents()
+        if not np.array_equal(array, want):
+            row, col = (int(x[0]) for x in np.nonzero(array != want))
+            found = int(array[row, col])
+            return f"offsets[{row}, {col}]: expected {int(want[row, col])}, found {found}"
+        counts = self._counts(want)
+        self._checked_counts = counts
+        for key in sorted(set(counts) | set(meta)):
+            if meta.get(key) != counts.get(key):
+                return f"meta.{key}: expected {counts.get(key)!r}, found {meta.get(key)!r}"
+        return None
 
     def _build_index(self) -> None:
         self._offsets = self._index[0]
@@ -196,13 +239,13 @@ class PackedWindows(ProcessLocal):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if self._index is None:
-            stored = load_index(self.index_dir, "packing", self._inputs())
-            if stored is None:
-                raise VerificationError(
-                    f"the packing index is no longer in index_dir {self.index_dir}; hint: keep "
-                    "the index directory while workers start"
-                )
-            self._index = stored[0]
+            self._index = reload_index(
+                self.index_dir,
+                "packing",
+                self._inputs(),
+                str(self._index_digest),
+                self._offsets_of_documents,
+            )
         self._build_index()
         self._reset_process_state()
 

@@ -196,13 +196,16 @@ def provenance(
     world_size: int,
     decode: Decode | None = None,
     layouts: Sequence[tuple[int, int, int]] = (),
+    first: int | None = None,
 ) -> list[SampleRecord]:
     """A `SampleRecord` per position of one step (``positions`` contiguous, from the step's
     first position), in position order; reads the step's samples once (for the digests).
 
     Rank and micro step follow ``micro_batch_size`` x ``world_size``, or, with ``layouts``
     (``(from_position, micro_batch_size, world_size)`` ascending: the run's layout history),
-    the layout in effect at each position (a step before an elastic change keeps its ranks)."""
+    the layout in effect at each position (a step before an elastic change keeps its ranks).
+    ``first``: the step's first position when ``positions`` are a later part of the step
+    (a step split where the stream changed); default ``positions[0]``."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     m0 = check_count(micro_batch_size, "micro_batch_size")
     d0 = check_count(world_size, "world_size")
@@ -220,22 +223,24 @@ def provenance(
             for j, loc in zip(rows.tolist(), locations(dataset, found.ids[rows]), strict=True):
                 where[j] = loc
     records = []
-    for q in range(pos.size):
-        sample = row_of(batch, q)
-        k = bisect.bisect_right(starts, int(pos[q])) - 1
+    base = int(pos[0]) if first is None and pos.size else int(first or 0)
+    for j in range(pos.size):
+        sample = row_of(batch, j)
+        q = int(pos[j]) - base
+        k = bisect.bisect_right(starts, int(pos[j])) - 1
         m, d = (m0, d0) if k < 0 else (int(layouts[k][1]), int(layouts[k][2]))
         records.append(
             SampleRecord(
-                position=int(pos[q]),
+                position=int(pos[j]),
                 step=step,
                 rank=(q // m) % d,
                 micro_step=q // (m * d),
                 row=q % m,
-                source=found.names[int(found.source[q])],
-                sample_id=int(found.ids[q]),
+                source=found.names[int(found.source[j])],
+                sample_id=int(found.ids[j]),
                 digest=sample_digest(sample),
-                location=where[q],
-                replaced=found.notes[q],
+                location=where[j],
+                replaced=found.notes[j],
                 text=None if decode is None else decode(sample),
             )
         )

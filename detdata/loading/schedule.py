@@ -8,6 +8,11 @@ start of the step the saved position falls in (a step boundary, or inside the st
 accumulated, which the new batch then completes); a layout change adds an entry at the resume
 position. Entries only ever append, so the steps and positions of everything before a change
 stay as they were. The step <-> position map (`Plan.step_map`) follows the schedules.
+
+Every checked field a resume changes by name (``allow=``) adds a `Change` entry to the same
+history: ``{"field", "position", "step", "old", "new"}`` (the saved position, the step it falls
+in, the field's value before and after). The history is sealed (`seal`): a state whose history
+does not hash to its ``history_b3`` was edited, and is refused naming ``history``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, StateError
+from detdata.base.hashing import digest_bytes
 from detdata.loading.layout import Layout
 from detdata.order.batches import BatchSchedule, StepMap
 
@@ -28,7 +35,68 @@ K_STEP: Final = "step"
 K_BATCH: Final = "global_batch_size"
 K_WORLD: Final = "world_size"
 K_MICRO: Final = "micro_batch_size"
+K_FIELD: Final = "field"
+K_OLD: Final = "old"
+K_NEW: Final = "new"
+K_SEAL: Final = "history_b3"
 _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
+_CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
+
+
+def seal(history: object) -> str:
+    """``b3:<hex>`` of a history's canonical JSON: the state's ``history_b3``."""
+    return digest_bytes(canonical_json(history))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """A checked field changed by name at a resume: at ``position`` (the saved position, in
+    step ``step``), from ``old`` to ``new`` (the field's JSON values)."""
+
+    field: str
+    position: int
+    step: int
+    old: Any
+    new: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            K_FIELD: self.field,
+            K_POSITION: self.position,
+            K_STEP: self.step,
+            K_OLD: self.old,
+            K_NEW: self.new,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], i: int) -> Change:
+        where = f"loader state history[{i}]"
+        if set(doc) != set(_CHANGE_KEYS) or not isinstance(doc[K_FIELD], str):
+            raise StateError(
+                f"{where} (a change) must be an object with the keys {list(_CHANGE_KEYS)} and "
+                f"a field name, found {doc!r:.120}",
+                fields=(K_HISTORY,),
+            )
+        for key in (K_POSITION, K_STEP):
+            value = doc[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StateError(
+                    f"{where}.{key} must be a non-negative integer, found {value!r}",
+                    fields=(K_HISTORY,),
+                )
+        return cls(
+            field=doc[K_FIELD],
+            position=doc[K_POSITION],
+            step=doc[K_STEP],
+            old=doc[K_OLD],
+            new=doc[K_NEW],
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.field!r} changed at position {self.position} (step {self.step}) from "
+            f"{self.old!r:.80} to {self.new!r:.80}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,9 +164,11 @@ def _segments(entries: Sequence[Entry]) -> list[tuple[int, BatchSchedule]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """A run's entries (the last is in effect now) and the step map they define."""
+    """A run's entries (the last is in effect now), the step map they define, and the checked
+    fields changed at resumes (``changes``, in the order they happened)."""
 
     entries: tuple[Entry, ...]
+    changes: tuple[Change, ...] = ()
 
     @classmethod
     def fresh(cls, schedule: BatchSchedule, layout: Layout) -> Plan:
@@ -135,10 +205,22 @@ class Plan:
         if (last.world_size, last.micro_batch_size) == (layout.world_size, layout.micro_batch_size):
             return self
         if position == last.position:  # nothing was delivered with the last entry's layout
-            return Plan((*self.entries[:-1], _entry(position, last.step, last.schedule, layout)))
+            entry = _entry(position, last.step, last.schedule, layout)
+            return Plan((*self.entries[:-1], entry), self.changes)
         return Plan(
-            (*self.entries, _entry(position, self.step_of(position), last.schedule, layout))
+            (*self.entries, _entry(position, self.step_of(position), last.schedule, layout)),
+            self.changes,
         )
+
+    def with_change(self, field: str, position: int, old: Any, new: Any) -> Plan:
+        """``field`` changed from ``old`` to ``new`` at the resume position ``position``."""
+        step = self.step_of(position)
+        change = Change(field=field, position=position, step=step, old=old, new=new)
+        return Plan(self.entries, (*self.changes, change))
+
+    def changes_after(self, position: int, fields: Sequence[str]) -> list[Change]:
+        """The changes of ``fields`` made at a position after ``position``, in order."""
+        return [c for c in self.changes if c.field in fields and c.position > position]
 
     def with_schedule(self, position: int, schedule: BatchSchedule, layout: Layout) -> Plan:
         """``schedule`` from the start of the step ``position`` falls in, ``layout`` from
@@ -161,8 +243,8 @@ class Plan:
         entry = _entry(position, step, schedule, layout)
         last = self.entries[-1]
         if position == last.position and step == last.step:
-            return Plan((*self.entries[:-1], entry))
-        return Plan((*self.entries, entry))
+            return Plan((*self.entries[:-1], entry), self.changes)
+        return Plan((*self.entries, entry), self.changes)
 
     def rewound_to(self, position: int) -> Plan:
         """The history as a run that stopped at ``position`` (the first position of the step
@@ -171,8 +253,17 @@ class Plan:
         Entries that began after ``position`` lie inside that same step (a layout or
         global-batch change at a mid-step resume); the last of them is kept, moved to
         ``position``: its schedule is in effect from the step's start either way, and its
-        layout is replaced by the resuming loader's.
+        layout is replaced by the resuming loader's. A change of a checked field recorded
+        inside the step (`Change`) cannot be moved: `StateError`.
         """
+        inside = [c for c in self.changes if c.position > position]
+        if inside:
+            raise StateError(
+                f"cannot re-deliver the step from position {position}: the history records "
+                f"{inside[0].describe()}, inside that step; hint: load_state_dict(state, "
+                "mid_step='continue') resumes where the state was saved",
+                fields=(K_HISTORY,),
+            )
         keep = tuple(e for e in self.entries if e.position <= position)
         later = [e for e in self.entries if e.position > position]
         if not later:
@@ -187,7 +278,7 @@ class Plan:
         )
         if keep and keep[-1].position == position and keep[-1].step == last.step:
             keep = keep[:-1]
-        return Plan((*keep, moved))
+        return Plan((*keep, moved), self.changes)
 
     # ---------------------------------------------------------- checks
     def check_fits(self, layout: Layout, position: int) -> None:
@@ -228,7 +319,16 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> list[dict[str, Any]]:
-        return [e.to_json() for e in self.entries]
+        """Layout entries and changes in one list, by position (a change after the layout
+        entries at its position)."""
+        out: list[dict[str, Any]] = []
+        changes = list(self.changes)
+        for e in self.entries:
+            while changes and changes[0].position < e.position:
+                out.append(changes.pop(0).to_json())
+            out.append(e.to_json())
+        out.extend(c.to_json() for c in changes)
+        return out
 
     @classmethod
     def from_json(cls, doc: object) -> Plan:
@@ -238,7 +338,19 @@ class Plan:
                 f"loader state field {K_HISTORY!r} must be a non-empty list, found {doc!r:.80}",
                 fields=(K_HISTORY,),
             )
-        entries = tuple(Entry.from_json(d, i) for i, d in enumerate(doc))
+        parsed = [
+            Change.from_json(d, i)
+            if isinstance(d, Mapping) and K_FIELD in d
+            else Entry.from_json(d, i)
+            for i, d in enumerate(doc)
+        ]
+        _check_ascending(parsed)
+        entries = tuple(e for e in parsed if isinstance(e, Entry))
+        changes = tuple(c for c in parsed if isinstance(c, Change))
+        if not entries:
+            raise StateError(
+                "loader state history holds changes but no batch entry", fields=(K_HISTORY,)
+            )
         if (entries[0].position, entries[0].step) != (0, 0):
             raise StateError(
                 "loader state history[0] must start at position 0, step 0", fields=(K_HISTORY,)
@@ -252,7 +364,7 @@ class Plan:
                     fields=(K_HISTORY,),
                 )
         try:
-            plan = cls(entries)
+            plan = cls(entries, changes)
             plan.step_map  # noqa: B018  # compiled now: a bad history fails here
         except ConfigError as exc:
             raise StateError(f"loader state history: {exc}", fields=(K_HISTORY,)) from None
@@ -265,7 +377,27 @@ class Plan:
                     "gives; the state was edited or corrupted",
                     fields=(K_HISTORY,),
                 )
+        for c in changes:
+            if plan.step_of(c.position) != c.step:
+                raise StateError(
+                    f"loader state history: the change {c.describe()} names step {c.step}, but "
+                    f"position {c.position} is in step {plan.step_of(c.position)}; the state "
+                    "was edited or corrupted",
+                    fields=(K_HISTORY,),
+                )
         return plan
+
+
+def _check_ascending(parsed: Sequence[Entry | Change]) -> None:
+    """A change never lies before what is listed ahead of it, nor an entry before a change."""
+    for i in range(1, len(parsed)):
+        a, b = parsed[i - 1], parsed[i]
+        if (isinstance(a, Change) or isinstance(b, Change)) and b.position < a.position:
+            raise StateError(
+                f"loader state history[{i}] (position {b.position}) goes back from "
+                f"history[{i - 1}] (position {a.position})",
+                fields=(K_HISTORY,),
+            )
 
 
 def _entry(position: int, step: int, schedule: BatchSchedule, layout: Layout) -> Entry:

@@ -5,7 +5,10 @@ what was prefetched. Checked fields must match on resume unless allowed by name;
 layout and environment are informational. ``exclusions`` (format 3) is the exclusion
 history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
 run's batch schedules and layouts with the step and position each began at
-(`detdata.loading.schedule`); the step <-> position map follows it.
+(`detdata.loading.schedule`); the step <-> position map follows it. Format 4 adds to it one
+change entry per checked field a resume changed by name (field, position, step, old and new
+value) and seals it (``history_b3``): a history that is edited, or whose changes do not lead
+to the saved fields, is refused naming ``history``.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
-from detdata.loading.schedule import K_HISTORY, Plan, upgraded_history
+from detdata.loading.schedule import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, resume_position
 from detdata.order.batches import BatchSchedule
 
-STATE_VERSION: Final = 3
+STATE_VERSION: Final = 4
 #: Older versions this detdata still reads (fields added since are derived: see `_upgrade_v1`,
-#: `_upgrade_v2`).
-READABLE_VERSIONS: Final = (1, 2, 3)
+#: `_upgrade_v2`, `_upgrade_v3`).
+READABLE_VERSIONS: Final = (1, 2, 3, 4)
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"
@@ -67,7 +70,15 @@ CHECKED_FIELDS: Final = (
     K_TRANSFORM,
     K_EXCLUSIONS,
 )
-_REQUIRED: Final = (K_KIND, K_VERSION, K_CONSUMED, *CHECKED_FIELDS, K_STREAM, K_HISTORY)
+_REQUIRED: Final = (
+    K_KIND,
+    K_VERSION,
+    K_CONSUMED,
+    *CHECKED_FIELDS,
+    K_STREAM,
+    K_HISTORY,
+    K_SEAL,
+)
 #: Top-level stream identity keys checked through their own field instead of ``data``.
 _TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
 
@@ -222,6 +233,7 @@ class LoaderState:
     env: Mapping[str, Any]
     upgraded_from: int | None = None  # the format version read, when older than STATE_VERSION
     history: tuple[Mapping[str, Any], ...] = ()  # the run's batch history (`Plan.to_json`)
+    history_b3: str | None = None  # the seal read (None: computed when written)
 
     @property
     def plan(self) -> Plan:
@@ -253,6 +265,7 @@ class LoaderState:
         out.update(self.fields)
         out[K_STREAM] = dict(self.stream)
         out[K_HISTORY] = [dict(e) for e in self.history]
+        out[K_SEAL] = seal(out[K_HISTORY])
         out[K_STEP_POSITION] = self.step_position.to_json()
         out[K_LAYOUT] = dict(self.layout)
         out[K_ENV] = dict(self.env)
@@ -286,6 +299,8 @@ class LoaderState:
             state = _upgrade_v1(state)
         if state[K_VERSION] == 2:
             state = _upgrade_v2(state)
+        if state[K_VERSION] == 3:
+            state = _upgrade_v3(state)
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -318,6 +333,7 @@ class LoaderState:
             env=env,
             upgraded_from=upgraded_from,
             history=tuple(history) if isinstance(history, list) else (),
+            history_b3=state[K_SEAL] if isinstance(state[K_SEAL], str) else repr(state[K_SEAL]),
         )
         if not isinstance(history, list):
             raise StateError(
@@ -354,6 +370,45 @@ class LoaderState:
                 "edited or corrupted",
                 fields=(K_HISTORY, K_CONSUMED),
             )
+        self._check_changes(plan)
+        if self.history_b3 != seal([dict(e) for e in self.history]):
+            raise StateError(
+                f"loader state is inconsistent: its {K_HISTORY!r} does not match its seal "
+                f"{K_SEAL!r} ({self.history_b3!r:.80}); the history was edited (an entry "
+                "dropped, added or changed); hint: use the state exactly as "
+                "DataLoader.state_dict() returned it",
+                fields=(K_HISTORY,),
+            )
+
+    def _check_changes(self, plan: Plan) -> None:
+        """Each change names a checked field, lies at or before the saved position, starts from
+        the value the field's previous change left, and the last leads to the saved field."""
+        now: dict[str, Any] = {}
+        for c in plan.changes:
+            problem = None
+            if c.field not in CHECKED_FIELDS:
+                problem = f"names {c.field!r}, not a checked field {list(CHECKED_FIELDS)}"
+            elif c.position > self.samples_consumed:
+                problem = f"lies after samples_consumed {self.samples_consumed}"
+            elif c.field in now and _norm(now[c.field]) != _norm(c.old):
+                problem = (
+                    f"starts from {c.old!r:.80}, but the change before left {now[c.field]!r:.80}"
+                )
+            if problem is not None:
+                raise StateError(
+                    f"loader state history: the change {c.describe()} {problem}; the state was "
+                    "edited or corrupted",
+                    fields=(K_HISTORY,),
+                )
+            now[c.field] = c.new
+        for key, value in now.items():
+            if _norm(value) != _norm(self.fields.get(key)):
+                raise StateError(
+                    f"loader state is inconsistent: its history's last change of {key!r} leads "
+                    f"to {value!r:.80}, but the field is {self.fields.get(key)!r:.80}; the "
+                    "state was edited or corrupted",
+                    fields=(K_HISTORY, key),
+                )
 
     def _check_consistent(self) -> None:
         """The checked fields must be the ones derived from the saved ``stream`` identity.
@@ -450,6 +505,15 @@ def _upgrade_v2(state: Mapping[str, Any]) -> dict[str, Any]:
     out[K_HISTORY] = upgraded_history(
         state.get(K_GLOBAL_BATCH), layout if isinstance(layout, Mapping) else {}
     )
+    out[K_VERSION] = 3
+    return out
+
+
+def _upgrade_v3(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-3 state in format 4: its history (no change entries then) gets its seal."""
+    out = dict(state)
+    history = state.get(K_HISTORY)
+    out[K_SEAL] = seal(history) if isinstance(history, list) else None
     out[K_VERSION] = STATE_VERSION
     return out
 

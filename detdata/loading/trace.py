@@ -744,7 +744,7 @@ class Finding:
 
     step: int
     rank: int
-    kind: str  # "conflict", "discontinuity", "overlap", "missing", "differs"
+    kind: str  # "conflict", "discontinuity" (a restart too), "overlap", "missing", "differs"
     reason: str
     records: tuple[tuple[str, Record], ...] = ()
 
@@ -760,7 +760,13 @@ class Finding:
         }
 
 
-_PRIORITY: Final = {"conflict": 0, "discontinuity": 1, "overlap": 2, "missing": 3, "differs": 4}
+_PRIORITY: Final = {
+    "conflict": 0,
+    "discontinuity": 1,
+    "overlap": 2,
+    "missing": 3,
+    "differs": 4,
+}
 
 
 @dataclass
@@ -801,39 +807,87 @@ def _conflicts(
                 )
 
 
+def _restore_point(timeline: Sequence[Record], at: int) -> int:
+    """How many of a rank's records stand when the run is restored to ``at``: those up to the
+    latest moment its cursor was at ``at`` (a checkpoint taken then), everything delivered
+    after it superseded. Position 0 supersedes everything; a position the timeline never
+    reached exactly keeps the records ending at or before it (a restore forward keeps all)."""
+    for i in range(len(timeline) - 1, -1, -1):
+        if timeline[i].next == at:
+            return i + 1
+    if at == 0:
+        return 0
+    cut = len(timeline)
+    while cut > 0 and timeline[cut - 1].next > at:
+        cut -= 1
+    return cut
+
+
+def _break_finding(label: str, prev: Record, rec: Record) -> Finding:
+    """A record that does not continue its rank's previous one, without a restore."""
+    expected = prev.next_step
+    if rec.at == 0:
+        what = (
+            f"discontinuity in {label} (a restart): rank {rec.rank} started over at "
+            f"samples_consumed 0 (step 0) where it should have delivered samples_consumed "
+            f"{prev.next} (step {expected}): a fresh loader without load_state_dict (data "
+            "cursor not restored?)"
+        )
+    else:
+        what = (
+            f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} "
+            f"(step {rec.step}) right after samples_consumed {prev.next} (step {expected}) "
+            "without a restore; a loader whose state was not loaded, or two runs share the file"
+        )
+    shown = ((f"{label} before", prev), (f"{label} then", rec))
+    return Finding(expected, rec.rank, "discontinuity", what, shown)
+
+
 def assemble(records: Sequence[Record], label: str = "A") -> Trace:
-    """Replay a trace's records in file order into its final records per step (module docstring)."""
-    current: dict[int, list[Record]] = {}
-    generations: dict[int, list[list[Record]]] = {}
-    trace = Trace()
+    """Replay a trace's records in file order into its final records per step (module docstring).
+
+    Each rank's records form a timeline of what the run trained on, step after step. A
+    *restore* (a record flagged ``restored``) rolls the timeline back to the latest moment
+    the cursor was at its ``at`` (`_restore_point`; the superseded records are kept to
+    check that replayed positions carry the same bytes). A record that does not continue
+    the previous one without a restore is a *restart* (at 0) or a *discontinuity*: the
+    run's next step got other data, so it is reported at the step the run should have
+    delivered next, and nothing the rank delivered from there on (until a restore rolls
+    back before it) stands for a step: the first divergent step is the true one whatever
+    the lengths of the parts, and the steps before it compare as delivered."""
+    timelines: dict[int, list[Record]] = {}
+    jumps: dict[int, dict[int, Record]] = {}  # rank -> index in its timeline -> record before
+    arrivals: dict[int, list[Record]] = {}  # each rank's records in file order
+    events: dict[int, list[tuple[list[Record], int]]] = {}  # (records gone back over, arrival)
     for rec in records:
-        mine = current.setdefault(rec.rank, [])
-        prev = mine[-1] if mine else None
-        if prev is not None and not rec.restored and rec.at != prev.next:
-            expected = prev.next_step
-            trace.findings.append(
-                Finding(
-                    expected,
-                    rec.rank,
-                    "discontinuity",
-                    f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed "
-                    f"{rec.at} (step {rec.step}) right after samples_consumed {prev.next} (step "
-                    f"{expected}) without a restore; a fresh loader appended to this trace "
-                    "without load_state_dict (data cursor not restored?), or two runs share the "
-                    "file",
-                    ((f"{label} before", prev), (f"{label} then", rec)),
-                )
-            )
-        if rec.restored or (prev is not None and rec.at != prev.next):
-            keep = [r for r in mine if r.next <= rec.at]  # delivered wholly before the new position
-            if len(keep) < len(mine):
-                generations.setdefault(rec.rank, []).append([r for r in mine if r.next > rec.at])
-                current[rec.rank] = mine = keep
+        mine = timelines.setdefault(rec.rank, [])
+        breaks = jumps.setdefault(rec.rank, {})
+        arrived = arrivals.setdefault(rec.rank, [])
+        cut = _restore_point(mine, rec.at) if mine else 0
+        if (rec.restored or rec.at != mine[-1].next) if mine else False:
+            # positions delivered again (restore, or a jump back) must carry the same bytes
+            events.setdefault(rec.rank, []).append((mine[cut:], len(arrived)))
+        if rec.restored:
+            del mine[cut:]
+            for index in [k for k in breaks if k >= cut]:
+                del breaks[index]
+        elif mine and rec.at != mine[-1].next:
+            breaks[len(mine)] = mine[-1]
         mine.append(rec)
-    for rank, gens in generations.items():
-        for gen in gens:
-            trace.findings.extend(_conflicts(label, rank, gen, current[rank]))
-    for mine in current.values():
+        arrived.append(rec)
+    trace = Trace()
+    final: dict[int, list[Record]] = {}
+    for rank, mine in timelines.items():
+        breaks = jumps[rank]
+        first = min(breaks, default=len(mine))
+        final[rank] = mine[:first]
+        if breaks:
+            trace.findings.append(_break_finding(label, breaks[first], mine[first]))
+    for rank, happened in events.items():
+        ends = [start for _, start in happened[1:]] + [len(arrivals[rank])]
+        for (gone, start), end in zip(happened, ends, strict=True):
+            trace.findings.extend(_conflicts(label, rank, gone, arrivals[rank][start:end]))
+    for mine in final.values():
         for rec in mine:
             trace.steps.setdefault(rec.step, []).append(rec)
     for step, recs in sorted(trace.steps.items()):
@@ -900,18 +954,21 @@ class Comparison:
         return len({f.step for f in self.findings})
 
 
-def _cross(step: int, a: list[Record], b: list[Record]) -> Finding | None:
+def _cross(
+    step: int, a: list[Record], b: list[Record], labels: tuple[str, str] = ("A", "B")
+) -> Finding | None:
+    la, lb = labels
     if not a or not b:
         have = a or b
         return Finding(
             step,
             min(r.rank for r in have),
             "missing",
-            f"missing in {'A' if not a else 'B'}",
-            tuple((("A" if a else "B"), r) for r in have[:2]),
+            f"missing in {la if not a else lb}",
+            tuple(((la if a else lb), r) for r in have[:2]),
         )
     for block in blocks(a, b):
-        why = block_difference(block)
+        why = block_difference(block, labels)
         if why is not None:
             rank = min(r.rank for r in (*block.left, *block.right))
             return Finding(
@@ -919,17 +976,22 @@ def _cross(step: int, a: list[Record], b: list[Record]) -> Finding | None:
                 rank,
                 "differs",
                 why,
-                (*(("A", r) for r in block.left[:2]), *(("B", r) for r in block.right[:2])),
+                (*((la, r) for r in block.left[:2]), *((lb, r) for r in block.right[:2])),
             )
     return None
 
 
 def compare(
-    a: Sequence[Record], b: Sequence[Record], *, start: int = 0, stop: int | None = None
+    a: Sequence[Record],
+    b: Sequence[Record],
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    labels: tuple[str, str] = ("A", "B"),
 ) -> Comparison:
     """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence
-    first."""
-    ta, tb = assemble(a, "A"), assemble(b, "B")
+    first; ``labels`` name the two runs in the reasons."""
+    ta, tb = assemble(a, labels[0]), assemble(b, labels[1])
 
     def inside(step: int) -> bool:
         return step >= start and (stop is None or step < stop)
@@ -937,7 +999,7 @@ def compare(
     findings = [f for f in (*ta.findings, *tb.findings) if inside(f.step)]
     steps = sorted(s for s in set(ta.steps) | set(tb.steps) if inside(s))
     for step in steps:
-        found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []))
+        found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []), labels)
         if found is not None:
             findings.append(found)
     findings.sort(key=lambda f: (f.step, _PRIORITY[f.kind], f.rank))
@@ -945,9 +1007,14 @@ def compare(
 
 
 def first_difference(
-    a: Sequence[Record], b: Sequence[Record], *, start: int = 0, stop: int | None = None
+    a: Sequence[Record],
+    b: Sequence[Record],
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    labels: tuple[str, str] = ("A", "B"),
 ) -> dict[str, Any] | None:
     """The first divergence of two traces as JSON (``step``, ``rank``, ``kind``, ``reason``,
     ``records``), or None when they delivered the same samples in every compared step."""
-    found = compare(a, b, start=start, stop=stop).first
+    found = compare(a, b, start=start, stop=stop, labels=labels).first
     return None if found is None else found.to_json()

@@ -227,3 +227,111 @@ def test_where_follows_a_global_batch_change_at_a_resume(
         assert [(r["rank"], r["micro_step"], r["row"]) for r in rows] == [
             ((q // micro) % world, q // (micro * world), q % micro) for q in range(batch)
         ], step
+
+
+DP_ROWS = """
+import numpy as np
+import detdata
+
+SEED = {seed}
+
+
+def build_loader():  # rank and world size from torch.distributed: world 1 in the CLI
+    rows = detdata.ArrayDataset({{"id": np.arange(501, dtype=np.int64)}})
+    return detdata.DataLoader(
+        rows, global_batch_size=8, micro_batch_size=2, seed=SEED, total_samples={total}
+    )
+"""
+
+
+def _dp2_run(
+    seeds: tuple[int, ...], steps: int, delivered: dict[int, tuple[int, int, int]]
+) -> dict[str, object]:
+    """A DP 2 run (micro 2, global batch 8) of ``steps`` steps per seed in ``seeds`` (a resume
+    allowing the seed at each change): position -> (id, rank, micro step), recorded here."""
+    import numpy as np
+
+    import detdata
+
+    state = None
+    for seed in seeds:
+        for rank in (0, 1):
+            rows = detdata.ArrayDataset({"id": np.arange(501, dtype=np.int64)})
+            dl = detdata.DataLoader(
+                rows, global_batch_size=8, micro_batch_size=2, world_size=2, rank=rank,
+                seed=seed, total_samples=400,
+            )  # fmt: skip
+            if state is not None:
+                dl.load_state_dict(state, allow=["seed"])
+            it = iter(dl)
+            for k in range(2 * steps):
+                positions = dl.positions_of_next().tolist()
+                ids = next(it)["id"].tolist()
+                for p, i in zip(positions, ids, strict=True):
+                    delivered[p] = (i, rank, k % 2)
+            if rank == 0:
+                saved = json.loads(json.dumps(dl.state_dict()))
+        state = saved
+    assert state is not None
+    return state
+
+
+def test_where_takes_the_layout_and_seed_of_each_step_from_the_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DP 2 run whose build_loader reads rank/world from torch.distributed (the CLI process is
+    world 1), seed 4 -> 9 allowed at step 6: `where` gives, for steps before and after the
+    change and after the saved state, the id, rank and micro step the run delivered."""
+    delivered: dict[int, tuple[int, int, int]] = {}
+    state = _dp2_run((4, 9), 6, delivered)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    defn = tmp_path / "dp.py"
+    defn.write_text(DP_ROWS.format(seed=9, total=400))
+    later: dict[int, tuple[int, int, int]] = {}  # the run went on after the saved state
+    _dp2_run((4, 9, 9), 6, later)  # same run, 6 more steps: steps 12..17 (reference)
+    for step in (0, 5, 6, 11, 12, 17):
+        rows = _where(path, step, f"{defn}:build_loader", capsys)
+        reference = delivered if step < 12 else later
+        assert [(r["sample_id"], r["rank"], r["micro_step"]) for r in rows] == [
+            reference[p] for p in range(step * 8, step * 8 + 8)
+        ], step
+
+
+def test_where_and_seen_refuse_positions_the_run_never_delivers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from detdata.cli.main import main
+
+    delivered: dict[int, tuple[int, int, int]] = {}
+    state = _dp2_run((4,), 3, delivered)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    defn = tmp_path / "dp.py"
+    defn.write_text(DP_ROWS.format(seed=4, total=400))
+    assert len(_where(path, 49, f"{defn}:build_loader", capsys)) == 8  # the last step
+    capsys.readouterr()
+    code = main(["where", "--state", str(path), "--step", "50", "--data", f"{defn}:build_loader"])
+    err = capsys.readouterr().err
+    assert code == 2 and "step 50 is never delivered" in err and "last delivered step 49" in err
+    code = main(["seen", "7", "--until", "401", "--data", f"{defn}:build_loader"])
+    assert code == 2 and "past the last position" in capsys.readouterr().err
+
+
+def test_seen_follows_a_seed_change_at_a_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from detdata.cli.main import main
+
+    delivered: dict[int, tuple[int, int, int]] = {}
+    state = _dp2_run((4, 9), 6, delivered)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    defn = tmp_path / "dp.py"
+    defn.write_text(DP_ROWS.format(seed=9, total=400))
+    for sample in sorted({i for i, _, _ in delivered.values()})[:40]:
+        capsys.readouterr()
+        args = ["seen", str(sample), "--until", "96", "--data", f"{defn}:build_loader"]
+        assert main([*args, "--state", str(path)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["positions"] == sorted(p for p, v in delivered.items() if v[0] == sample)

@@ -264,3 +264,16 @@ def test_pickle_round_trip_reads_the_same_tokens(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(pickle.dumps(documents)) < 20_000
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_an_eod_token_outside_the_shards_dtype_is_refused_naming_the_shard(
+    tmp_path: Path, dtype: str
+) -> None:
+    """Such a token can never occur: every shard would silently be one document."""
+    np.save(tmp_path / "s.npy", np.array([5, 6, 0, 7], dtype=dtype))
+    manifest = detdata.build_manifest(str(tmp_path))
+    too_big = int(np.iinfo(np.dtype(dtype)).max) + 1
+    with pytest.raises(ConfigError, match=rf"eod_token={too_big} .*s\.npy.*{dtype}"):
+        Documents(manifest, eod_token=too_big)
+    assert Documents(manifest, eod_token=0).num_documents == 2  # in range: two documents

@@ -91,7 +91,7 @@ def merge(per_rank: list[list[tuple[int, list[int], list[int]]]]) -> dict[int, l
 def start_from_history(history: list[dict[str, Any]], step: int) -> int:
     """First position of ``step`` from a history of constant global batches (each entry at a
     step boundary): the arithmetic a reader of the state does by hand."""
-    entry = [e for e in history if e["step"] <= step][-1]
+    entry = [e for e in history if "field" not in e and e["step"] <= step][-1]  # batch entries
     return int(entry["position"] + (step - entry["step"]) * entry["global_batch_size"])
 
 
@@ -158,6 +158,13 @@ def test_dp8_to_dp7_worked_example() -> None:
             "global_batch_size": 504,
             "world_size": 7,
             "micro_batch_size": 24,
+        },
+        {
+            "field": "global_batch_size",
+            "position": p_change,
+            "step": 40_000,
+            "old": 512,
+            "new": 504,
         },
     ]
     # every micro batch lies in the step the loader said, where the history puts that step
@@ -327,6 +334,7 @@ def test_global_batch_change_inside_a_step_completes_that_step() -> None:
             "world_size": 1,
             "micro_batch_size": 4,
         },
+        {"field": "global_batch_size", "position": 12, "step": 1, "old": 8, "new": 16},
     ]
 
 

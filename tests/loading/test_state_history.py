@@ -39,7 +39,7 @@ def saved_after(dl: DataLoader, batches: int) -> dict[str, Any]:
 
 def test_history_is_written_as_plain_json() -> None:
     state = saved_after(loader(), 3)
-    assert state["format_version"] == STATE_VERSION == 3 and READABLE_VERSIONS == (1, 2, 3)
+    assert state["format_version"] == STATE_VERSION == 4 and READABLE_VERSIONS == (1, 2, 3, 4)
     assert state["history"] == [
         {"position": 0, "step": 0, "global_batch_size": 8, "world_size": 1, "micro_batch_size": 4}
     ]
@@ -96,9 +96,14 @@ ENTRY = {"position": 40, "step": 5, "global_batch_size": 4, "world_size": 1, "mi
         ),
         (
             _append({**ENTRY, "position": 0, "step": 0, "global_batch_size": 8}),
-            None,  # a duplicate entry at the start: harmless, accepted
+            "does not match its seal",  # a duplicate entry: the history was edited
         ),
-        (_append({**ENTRY, "global_batch_size": 8}), None),  # a layout entry at step 5
+        (
+            _append({**ENTRY, "global_batch_size": 8, "position": 24, "step": 3}),
+            "does not match its seal",  # a layout entry added by hand
+        ),
+        (_set(("history", 0, "world_size"), 2), "does not match its seal"),
+        (_set(("history", 0, "micro_batch_size"), 2), "does not match its seal"),
         (_append({**ENTRY, "step": 2}), r"position 40 is not in step 2"),
         (
             _append({**ENTRY, "global_batch_size": 8, "position": 48, "step": 6}),
@@ -107,15 +112,10 @@ ENTRY = {"position": 40, "step": 5, "global_batch_size": 4, "world_size": 1, "mi
     ],
 )
 def test_edited_history_is_refused_naming_it(
-    edit: Callable[[dict[str, Any]], None], match: str | None
+    edit: Callable[[dict[str, Any]], None], match: str
 ) -> None:
     state = copy.deepcopy(saved_after(loader(), 6))
     edit(state)
-    if match is None:
-        if state["history"][-1]["position"] > state["samples_consumed"]:
-            state["samples_consumed"] = state["history"][-1]["position"]
-        loader().load_state_dict(state, mid_step="continue")
-        return
     with pytest.raises(StateError, match=match) as err:
         loader().load_state_dict(state, mid_step="continue")
     assert "history" in err.value.fields or "global_batch_size" in err.value.fields
@@ -143,5 +143,10 @@ def test_two_changes_keep_every_earlier_step() -> None:
     third.load_state_dict(state, allow=["global_batch_size"], mid_step="continue")
     starts = [third.position_of_step(t) for t in range(10)]
     assert starts == [0, 8, 16, 24, 28, 32, 36, 40, 52, 64]  # 8 x3, 4 x4 (36 < 40), then 12
-    assert [e["step"] for e in third.history] == [0, 3, 6]
+    assert [e["step"] for e in third.history if "field" not in e] == [0, 3, 6]
+    changes = [e for e in third.history if "field" in e]  # both changes, logged in the history
+    assert changes == [
+        {"field": "global_batch_size", "position": 24, "step": 3, "old": 8, "new": 4},
+        {"field": "global_batch_size", "position": 36, "step": 6, "old": 4, "new": ramp.to_json()},
+    ]
     assert third.step == 6 and third.global_batch_size == 4
