@@ -452,13 +452,8 @@ class DataLoader:
         layout = self._layout_now(self._consumed)  # as iteration binds it
         gbs = self.global_batch_size
         micro, world = layout.micro_batch_size, layout.world_size
-        agree = accumulation * world * micro_batch_size == gbs and (
-            micro_batch_size,
-            world_size,
-        ) == (
-            micro,
-            world,
-        )
+        same_layout = micro_batch_size == micro and world_size == world
+        agree = same_layout and accumulation * world * micro_batch_size == gbs
         if agree and self._plan.single_constant:
             return
         if not self._plan.single_constant:
@@ -898,6 +893,7 @@ class DataLoader:
         *,
         allow: Iterable[str] = (),
         mid_step: str | MidStep | None = None,
+        at_step: int | None = None,
     ) -> None:
         """Resume at the saved position in O(1).
 
@@ -908,7 +904,10 @@ class DataLoader:
         `MidStep.REDO`). ``mid_step="continue"`` resumes right after the delivered part, for a
         caller that saved and restores the partial gradients too (``mid_step_on_resume=`` sets
         the default, for callers such as ``torch.distributed.checkpoint`` that call
-        ``load_state_dict(state)`` themselves). Live iterators are stale afterwards: the next
+        ``load_state_dict(state)`` themselves). ``at_step`` (an integration's trainer step):
+        resume at the first position of that optimizer step, the saved step or, for a state
+        saved at the end of a step the trainer had not stepped yet, the one before
+        (`LoaderState.resumed`). Live iterators are stale afterwards: the next
         batch asked of them raises `StaleIteratorError`.
 
         Differences in checked fields (manifests, data, seed, algorithm,
@@ -935,7 +934,10 @@ class DataLoader:
             raise StateError(
                 mismatch_message(refused, saved.fields, current), fields=tuple(refused)
             )
-        saved = saved.resumed(how)  # a state saved inside a step: by default, the step's start
+        if at_step is not None:
+            at_step = check_count(at_step, "at_step", minimum=0)
+        # a state saved inside a step: by default, the step's start
+        saved = saved.resumed(how, at_step)
         if self.total_samples is not None and saved.samples_consumed > self.total_samples:
             raise StateError(
                 f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "

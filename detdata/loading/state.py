@@ -28,7 +28,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.schedule import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
-from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, resume_position
+from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
 STATE_VERSION: Final = 4
@@ -246,14 +246,48 @@ class LoaderState:
         ``step_position``: a state saved inside a step says so)."""
         return StepPosition.of(self.plan, self.samples_consumed)
 
-    def resumed(self, mid_step: MidStep) -> LoaderState:
+    def resumed(self, mid_step: MidStep, at_step: int | None = None) -> LoaderState:
         """This state as the resume continues from it: unchanged at a step boundary or with
         `MidStep.CONTINUE`; saved inside a step, by default (`MidStep.REDO`) the state at that
-        step's first position, so the whole step is delivered again (`resume_position`)."""
+        step's first position, so the whole step is delivered again (`resume_position`).
+
+        ``at_step``: the first position of that step instead (a trainer's restored optimizer
+        step): the saved step, or the one before it when the state was saved at the end of
+        that step (the trainer saved before its optimizer step: an exception-time checkpoint
+        after the last micro batch was counted); anything else is a `StateError`.
+        """
+        if at_step is not None:
+            return self._at_step(at_step)
         position = resume_position(self.step_position, self.samples_consumed, mid_step)
         if position == self.samples_consumed:
             return self
         history = tuple(self.plan.rewound_to(position).to_json())
+        return dataclasses.replace(self, samples_consumed=position, history=history)
+
+    def _at_step(self, step: int) -> LoaderState:
+        here = self.step_position
+        plan = self.plan
+        if not (step == here.step or (step == here.step - 1 and not here.inside)):
+            raise StateError(
+                f"cannot resume at step {step}: the state was saved at samples_consumed "
+                f"{self.samples_consumed} ({here.delivered_in_step} samples into step "
+                f"{here.step}); a resume goes back at most to the start of the step being "
+                "trained when it was saved; hint: resume the trainer from the checkpoint this "
+                "loader state was saved with",
+                fields=(K_CONSUMED,),
+            )
+        position = plan.start_of(step)
+        if position == self.samples_consumed:
+            return self
+        log.warning(
+            "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole from "
+            "position %d (the state was saved at %d, %s)",
+            step,
+            position,
+            self.samples_consumed,
+            here.describe() if here.inside else "at the end of that step",
+        )
+        history = tuple(plan.rewound_to(position).to_json())
         return dataclasses.replace(self, samples_consumed=position, history=history)
 
     def to_json(self) -> dict[str, Any]:

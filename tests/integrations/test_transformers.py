@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,12 @@ RESUMED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _run(cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
     """One ``Trainer.train`` (one or two processes); the trace of every rank, by rank."""
     out.mkdir(parents=True, exist_ok=True)
@@ -59,10 +66,10 @@ def _run(cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
     }
     launch = [sys.executable, str(SCRIPT)]
-    if cfg["procs"] > 1:
+    if cfg["procs"] > 1:  # a free port: torchrun's "--master_port 0" hangs the workers here
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                  str(cfg["procs"]), "--master_addr", "127.0.0.1", "--master_port", "0",
-                  str(SCRIPT)]  # fmt: skip
+                  str(cfg["procs"]), "--master_addr", "127.0.0.1", "--master_port",
+                  str(_free_port()), str(SCRIPT)]  # fmt: skip
     done = subprocess.run(
         [*launch, json.dumps(cfg)],
         cwd=out,
