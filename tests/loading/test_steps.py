@@ -191,3 +191,21 @@ def test_check_trainer_batch_names_both_sides_and_the_fix() -> None:
             trainer="T",
             fix="accum={accumulation}",
         )
+
+
+def test_at_step_resumes_at_the_trainers_step() -> None:
+    """``at_step`` (an integration's restored optimizer step): the saved step's start, or the
+    step before when the state was saved at its end before the trainer stepped (the last micro
+    batch counted); anything further is refused, naming the saved position."""
+    at_end = saved_after(12)  # 3 whole steps delivered: position 24
+    for step, first in ((3, 12), (2, 8)):
+        resumed = loader()
+        resumed.load_state_dict(at_end, at_step=step)
+        assert ids(resumed, 40 - first) == REFERENCE[first:]
+    inside = saved_after(13)  # one micro batch into step 3
+    resumed = loader()
+    resumed.load_state_dict(inside, at_step=3)
+    assert ids(resumed, 28) == REFERENCE[12:]
+    for state, step in ((at_end, 1), (inside, 2), (inside, 4), (at_end, 4)):
+        with pytest.raises(detdata.StateError, match="cannot resume at step"):
+            loader().load_state_dict(state, at_step=step)
