@@ -1,40 +1,42 @@
 # Two commands on a fresh machine:  make demo   and   make test
+#   make demo: a virtual environment from the runtime lock only (torch, numpy, pyarrow, fsspec,
+#              blake3, tqdm and their dependencies; requirements-runtime-lock.txt), then the demo.
+#   make test: adds the dev lock (test tools, servers, the frameworks the integrations test;
+#              requirements-lock.txt) to the same environment, then ruff + mypy + pytest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.runtime-installed
+DEV := $(VENV)/.dev-installed
 
-.PHONY: setup services demo test lint bench clean
+.PHONY: setup demo test lint bench clean
 
-$(STAMP): requirements-lock.txt pyproject.toml setup.py detdata/storage/_fileread.c
+$(RUNTIME): requirements-runtime-lock.txt pyproject.toml setup.py detdata/storage/_fileread.c
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# --no-deps: the lock is the exact environment CI tests (torchtitan and ai2-olmo-core pin
-	# ranges that disagree with fsspec/filelock/huggingface-hub pins the rest needs; none of
-	# those code paths is used by the framework tests)
+	$(BIN)/pip install -q -r requirements-runtime-lock.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(RUNTIME)
+
+# --no-deps: the dev lock is the exact environment CI tests, resolved once with torch pinned;
+# `pip check` on it reports only the conflicts explained at the top of requirements-lock.txt.
+$(DEV): $(RUNTIME) requirements-lock.txt
 	$(BIN)/pip install -q --no-deps -r requirements-lock.txt
-	$(BIN)/pip install -q --no-deps -e .
-	touch $(STAMP)
+	touch $(DEV)
 
-setup: $(STAMP)
+setup: $(DEV)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/detdata demo --out demo_out
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(BIN)/ruff check detdata tests benchmarks examples
 	$(BIN)/ruff format --check detdata tests benchmarks examples
 	$(BIN)/mypy detdata
 
-# nginx for the HTTP range-read tests (apt; SeaweedFS and the GCS emulator come from the lock
-# file). Best effort here so that `make test` works without root; CI (.ci/run) requires it.
-services:
-	@bash .ci/services.sh || echo "make: could not install nginx; the HTTP remote tests will skip (loudly)"
-
-test: $(STAMP) lint services
+test: $(DEV) lint
 	$(BIN)/python -m pytest -q -n 2 tests
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(BIN)/python -m benchmarks
 
 clean:

@@ -49,6 +49,7 @@ __version__ = VERSION
 _LAZY = {
     "DataLoader": "detdata.loading.loader",
     "DeterministicBatchSampler": "detdata.loading.sampler",
+    "report_model_step": "detdata.loading.model_digest",
 }
 
 
@@ -64,6 +65,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from detdata.loading.loader import DataLoader
+    from detdata.loading.model_digest import report_model_step
     from detdata.loading.sampler import DeterministicBatchSampler
 
 __all__ = [
@@ -112,4 +114,5 @@ __all__ = [
     "__version__",
     "build_manifest",
     "hash_files",
+    "report_model_step",
 ]

@@ -53,9 +53,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.S3Se
 
 @pytest.fixture(scope="session")
 def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.HttpServer]:
-    """One nginx (HTTP with Range support) on 127.0.0.1 for the whole run."""
+    """One HTTP server with Range support (nginx, or Twisted's) on 127.0.0.1 for the run."""
     yield from servers.shared_server(
-        "nginx", tmp_path_factory, servers.start_nginx, servers.HttpServer, grace_s=5.0
+        "http", tmp_path_factory, servers.start_http, servers.HttpServer, grace_s=5.0
     )
 
 

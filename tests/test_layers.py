@@ -155,6 +155,7 @@ PUBLIC = [
     "__version__",
     "build_manifest",
     "hash_files",
+    "report_model_step",
 ]
 
 

@@ -95,7 +95,17 @@ NOT_RUN: dict[str, str] = {
 
 
 def _prepare(tmp: Path) -> None:
-    """Tiny data at the paths the README names."""
+    """Tiny data at the paths the README names, in a git checkout of the user's code (the run
+    record names the code; its data folders are untracked, which is not dirty)."""
+    import subprocess
+
+    (tmp / "train.py").write_text("# the user's training code\n")
+    for args in (
+        ["init", "-q"],
+        ["add", "train.py"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "code"],
+    ):
+        subprocess.run(["git", "-C", str(tmp), *args], check=True, capture_output=True)
     rng = np.random.default_rng(0)
     wiki = tmp / "data" / "wiki-en"
     wiki.mkdir(parents=True)

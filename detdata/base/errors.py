@@ -7,9 +7,19 @@ Each class also derives from the built-in that fits, so callers that catch
 
 from __future__ import annotations
 
+from detdata.base.redact import redact_args
+
 
 class DetdataError(Exception):
-    """Root of every error detdata raises on purpose."""
+    """Root of every error detdata raises on purpose.
+
+    Its text passes the redaction boundary when it is made: every URL in a string
+    argument has its credentials replaced by ``***`` (`detdata.base.redact`), so no
+    message of any layer can carry a secret.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*redact_args(args))
 
 
 class ConfigError(DetdataError, ValueError):
@@ -80,3 +90,8 @@ class StaleIteratorError(DetdataError, RuntimeError):
     """An iterator of a `DataLoader` was superseded (a second ``iter()``, a
     ``load_state_dict``) and was asked for another batch: it raises instead of ending
     quietly, so a training loop never finishes early and reports success."""
+
+
+class DependencyError(DetdataError, ImportError):
+    """An optional or lazily imported package is missing or cannot load (names it, and the
+    ``pip install`` that fixes it)."""

@@ -61,6 +61,13 @@ def register(sub: Any) -> None:
         "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
     )
     r.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds each run of your command may take (default 3600); past it the run's "
+        "process group is killed and replay-check exits 2 naming the run",
+    )
+    r.add_argument(
         "command",
         nargs=argparse.REMAINDER,
         help="-- CMD ...: check your own training command instead of the demo (the flags it "
@@ -167,7 +174,9 @@ def run_replay_check(args: argparse.Namespace) -> int:
         from detdata.cli.replay import run_user
 
         prepare_out(Path(args.out), clear=False)
-        return run_user(command, Path(args.out), args.steps, args.stop_at)
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        return run_user(command, Path(args.out), args.steps, args.stop_at, args.timeout)
     from detdata.cli.demo_run import build_corpus, replay_check
 
     out = Path(args.out)

@@ -238,7 +238,7 @@ def replay_check(
         "weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
         "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
         "first_divergent_step_A_B": first_difference(ta, tb),
-        "first_divergent_step_A_C": first_difference(ta, tc),
+        "first_divergent_step_A_C": first_difference(ta, tc, labels=("A", "C")),
         "steps": steps,
         "stop_at": stop_at,
         "final_loss": a["losses"][-1],

@@ -3,9 +3,15 @@
 ``--repo DIR`` (default: the current directory), ``--lock FILE`` (repeatable; default the
 lock files found at the repository root), ``--manifest M`` (repeatable: their ids join the
 record; loaded without reading shards), ``--config FILE.json`` (hashed), ``--out FILE``
-(also save it). A dirty tree is reported, not refused. With ``--check SAVED`` the record is
-verified against a saved one (``--allow FIELD``, repeatable): exit 1 listing each refused
-difference, 0 when none.
+(also save it). The record has the shape `RunRecord.capture` gives from Python: what the CLI
+cannot see by itself is given as options: ``--layout world=8,tp=2`` (the parallel layout),
+``--loader-state FILE`` (a saved ``loader.state_dict()``: manifests, seeds, loader fields and the
+execution shape), ``--seed NAME=VALUE``, ``--execution KEY=VALUE`` (e.g. ``precision=bf16-mixed``),
+``--extra-env NAME`` (recorded by the blake3 of its value unless ``--clear-env NAME``),
+``--image`` / ``--image-digest``. A dirty tree is reported, not refused. With ``--check SAVED``
+the record is verified against a saved one (``--allow FIELD``, repeatable): exit 1 listing
+each refused difference, 0 when none; a record saved from Python compares equal when the
+same inputs are given here.
 """
 
 from __future__ import annotations
@@ -32,7 +38,50 @@ def register(sub: Any) -> None:
     p.add_argument("--out", help="also save the record to this file")
     p.add_argument("--check", metavar="SAVED", help="verify against a saved record")
     p.add_argument("--allow", action="append", default=[], help="allowed field (repeatable)")
+    p.add_argument("--layout", type=_pairs, help="the parallel layout: world=N,dp=N,tp=N,pp=N")
+    p.add_argument("--loader-state", help="a saved loader state (JSON file)")
+    p.add_argument("--seed", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--execution", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--extra-env", action="append", default=[], metavar="NAME")
+    p.add_argument("--clear-env", action="append", default=[], metavar="NAME")
+    p.add_argument("--image", help="the container image (default: from the environment)")
+    p.add_argument("--image-digest", help="its digest (default: from the environment)")
     p.set_defaults(func=run_env)
+
+
+def _value(text: str) -> Any:
+    """An option value: an integer, true/false/null, or the text itself."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False, "null": None}.get(text, text)
+
+
+def _pairs(text: str) -> dict[str, Any]:
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+        out[key.strip()] = _value(value.strip())
+    return out
+
+
+def _merged(items: list[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        try:
+            out.update(_pairs(item))
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+    return out
+
+
+def _loader_state(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    from detdata.cli.where import read_state
+
+    return read_state(path)
 
 
 def _config(path: str | None) -> dict[str, Any] | None:
@@ -59,6 +108,14 @@ def run_env(args: argparse.Namespace) -> int:
         lock_files=args.lock,
         config=_config(args.config),
         manifests=manifests,
+        layout=args.layout,
+        loader=_loader_state(args.loader_state),
+        seeds=_merged(args.seed, "--seed") or None,
+        execution=_merged(args.execution, "--execution") or None,
+        extra_env=args.extra_env,
+        clear_env=args.clear_env,
+        image=args.image,
+        image_digest=args.image_digest,
     )
     if args.out is not None:
         record.save(args.out)

@@ -3,7 +3,8 @@
 Each area registers its sub-commands from its own module (``detdata.cli.*``)
 listed in `COMMAND_MODULES`. Every failure ends in one ``detdata: ...`` message
 on stderr and an exit code (`EPILOG`); a Python traceback is shown only with
-``--traceback``.
+``--traceback``. Every command runs behind the redaction boundary: no credential of
+a URL reaches stdout or stderr (`detdata.base.redact.redacted_output`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from detdata.base.errors import DetdataError, StorageError, VerificationError
+from detdata.base.redact import redacted_output
 
 EXIT_OK: Final = 0
 EXIT_FAIL: Final = 1
@@ -110,6 +112,8 @@ def _report(exc: BaseException) -> int:
     code = exit_code(exc)
     if isinstance(exc, VerificationError):
         kind = "verification failed"
+    elif isinstance(exc, StorageError):
+        kind = "storage error"
     elif isinstance(exc, DetdataError):
         kind = "error"
     elif isinstance(exc, OSError):
@@ -137,6 +141,13 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; everything it writes to stdout and stderr (results, warnings,
+    progress, the final error line) passes the redaction boundary (`redacted_output`)."""
+    with redacted_output():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

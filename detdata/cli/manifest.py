@@ -18,13 +18,13 @@ import numpy as np
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
+from detdata.base.redact import redact_url
 from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.manifest import Manifest, Verify
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
 from detdata.order.feistel import GlobalOrder
 from detdata.storage.fs import is_url
-from detdata.storage.redact import redact_url
 
 _MAX_ORDER_COUNT = 10_000_000
 
@@ -295,7 +295,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         source = "file"
     else:
         registry = Registry(args.registry)
-        manifest = registry.resolve(target, verify=Verify.OFF)
+        manifest = registry.resolve(target, verify=Verify.OFF, latest=True)
         source = "registry"
         extra["history"] = [dict(e.to_json(), name=e.name) for e in registry.history(target)]
     print(json.dumps(_summary(manifest, target, source) | extra, indent=1, sort_keys=True))

@@ -13,6 +13,11 @@ Cheap checks, in order, each printed as ``preflight[rank R]: ok ...`` on stdout:
 Every rank runs every check; the ranks then agree through one more all_reduce, so all exit
 alike. Exit 0 when every check passed; 1 when one failed (``detdata: preflight failed:
 CHECK: why`` on stderr for each: the device, the collective, or the manifest and shard).
+
+``--out FILE`` also saves the result with the run (atomically; rank r > 0 writes
+``FILE.rank<r>``): ``{"kind": "detdata.preflight", "format_version": 1, "rank", "time",
+"passed", "checks": [{"check", "ok", "detail"}]}``, every text passed through the URL
+redaction (`detdata.base.redact.redact_text`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from detdata.base.redact import redact_text
 from detdata.cli.main import EXIT_FAIL, EXIT_OK
 
 _STORE_FOLDERS: list[str] = []
@@ -43,6 +49,7 @@ def register(sub: Any) -> None:
     p.add_argument("--root", help="where the shards are (default: each manifest's root)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout, seconds")
+    p.add_argument("--out", help="also save the result as JSON (rank r > 0: OUT.rank<r>)")
     p.set_defaults(func=run_preflight)
 
 
@@ -106,16 +113,43 @@ def check_manifest(path: str, root: str | None) -> str:
     from detdata.identity.manifest import Manifest
 
     manifest = Manifest.load(path, root=root, verify="quick")
-    return f"manifest {path}: {len(manifest.shards)} shard(s) quick-verified ({manifest.id})"
+    done = f"manifest {path}: {len(manifest.shards)} shard(s) quick-verified ({manifest.id})"
+    return redact_text(done)  # a record of its own: through the redaction boundary
+
+
+_RESULTS: list[dict[str, object]] = []
 
 
 def _run(label: str, rank: int, failures: list[str], fn: Callable[[], str]) -> bool:
     try:
-        print(f"preflight[rank {rank}]: ok {fn()}", flush=True)
+        detail = fn()
+        print(f"preflight[rank {rank}]: ok {detail}", flush=True)
+        _RESULTS.append({"check": label, "ok": True, "detail": detail})
         return True
     except Exception as exc:  # every failure is reported, named, and ends in exit 1
         failures.append(f"{label}: {type(exc).__name__}: {exc}")
+        _RESULTS.append({"check": label, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
         return False
+
+
+def save_result(path: str, rank: int, failures: list[str]) -> None:
+    """Write the checks run in this process (`_RESULTS`) as JSON, atomically."""
+    import json
+
+    from detdata.storage.atomic import atomic_write_bytes
+
+    checks = [{**r, "detail": redact_text(str(r["detail"]))} for r in _RESULTS]
+    doc = {
+        "kind": "detdata.preflight",
+        "format_version": 1,
+        "rank": rank,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "passed": not failures,
+        "checks": checks,
+        "failures": [redact_text(f) for f in failures],
+    }
+    target = path if rank == 0 else f"{path}.rank{rank}"
+    atomic_write_bytes(target, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 def run_preflight(args: argparse.Namespace) -> int:
@@ -140,6 +174,8 @@ def run_preflight(args: argparse.Namespace) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     for failure in failures:
         print(f"detdata: preflight failed: {failure}", file=sys.stderr)
+    if args.out is not None:
+        save_result(args.out, rank, failures)
     return EXIT_FAIL if failures else EXIT_OK
 
 

@@ -96,6 +96,10 @@ class ArrayDataset:
     def num_samples(self) -> int:
         return self._n
 
+    def __len__(self) -> int:
+        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
+        return self.num_samples
+
     def read(self, ids: IntArray) -> Batch:
         """Fresh arrays (object columns: fresh copies of their elements too); nothing aliases the
         data."""

@@ -48,17 +48,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-import pyarrow.ipc as ipc
-import pyarrow.parquet as pq
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError, VerificationError
 from detdata.base.groupby import stable_groups
+from detdata.base.lazy import lazy_module
 from detdata.base.types import IntArray
 from detdata.datasets.index_files import load_index, progress, reload_index, save_index
 from detdata.datasets.shards import ShardReader
@@ -74,6 +72,15 @@ from detdata.identity.formats import (
 from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.storage.fs import is_local_fs, join
 from detdata.storage.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+else:  # imported where a table is first read (base/lazy.py)
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
+    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 ALGORITHM: Final = "documents-v1"
 #: Tokens scanned per pass when looking for ``eod_token`` (bounded memory).

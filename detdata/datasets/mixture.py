@@ -56,7 +56,11 @@ class Mixture:
     """Several datasets mixed with exact, seeded, resumable proportions (``mixture-v1``).
 
     ``Mixture(sources={name: dataset}, weights={name: w}, seed=s)`` or with
-    ``schedule=[(0, {...}), (start, {...}), ...]`` instead of ``weights``. A `Stream`:
+    ``schedule=[(0, {...}), (start, {...}), ...]`` instead of ``weights``. Weights are
+    relative and exact (int, decimal string, ``"p/q"``, `Fraction`, float by its repr): each
+    is divided by their sum, so ``{"a": 7, "b": 3}`` and ``{"a": "0.7", "b": "0.3"}`` are one
+    mixture and ``{"a": 0.7, "b": 0.2}`` means 7/9 and 2/9 (``repr`` shows the proportions
+    used). A `Stream`:
     ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed`` and
     ``continue_from``. See `detdata.order.mixture` for the exact algorithm and the
     proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.

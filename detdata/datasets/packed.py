@@ -255,6 +255,10 @@ class PackedWindows(ProcessLocal):
         """Windows per epoch."""
         return self._num
 
+    def __len__(self) -> int:
+        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
+        return self.num_samples
+
     @property
     def offsets(self) -> npt.NDArray[np.int64]:
         """The packing index: effective-token offsets of the shuffled positions (read-only)."""

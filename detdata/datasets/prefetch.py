@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import logging
 import queue
 import threading
 import weakref
@@ -58,10 +57,11 @@ from typing import Any, Final
 import numpy as np
 
 from detdata.base.checks import check_count
+from detdata.base.redact import get_logger
 from detdata.base.types import IntArray
 from detdata.datasets.shards import ShardReader
 
-log: Final = logging.getLogger("detdata.prefetch")
+log: Final = get_logger("detdata.prefetch")
 #: Default number of shard downloads in flight.
 DEFAULT_CONNECTIONS: Final = 4
 #: Micro steps whose shards the lookahead maps at once (one vectorised `shard_uses_of_steps`).

@@ -62,12 +62,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, StorageError, VerificationError
+from detdata.base.redact import redact_url
 from detdata.datasets.process_local import ProcessLocal
 from detdata.identity.manifest import Manifest, Verify
 from detdata.storage.cache import ShardCache
 from detdata.storage.first_opens import FirstOpens
 from detdata.storage.fs import filesystem, join
-from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: Default bound of the disk cache of shard copies (``shard_cache_bytes``).

@@ -249,6 +249,10 @@ class SplitPart:
     def num_samples(self) -> int:
         return int(self.ids.size)
 
+    def __len__(self) -> int:
+        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
+        return self.num_samples
+
     def read(self, ids: IntArray) -> Batch:
         idx = check_ids(ids, self.num_samples, f"split {self.part}")
         return self.split.dataset.read(self.ids[idx])

@@ -45,18 +45,16 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-import pyarrow.ipc as ipc
-import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
+from detdata.base.lazy import lazy_module
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column, describe_dtype
@@ -66,6 +64,15 @@ from detdata.identity.manifest import Manifest, ShardEntry, Verify
 from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
 from detdata.storage.fs import filesystem, join
 from detdata.storage.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+else:  # imported where a table is first read (base/lazy.py)
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
+    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 Columns = dict[str, np.ndarray[Any, Any]]
 
@@ -613,6 +620,10 @@ class TableRows(ShardReader):
     def num_samples(self) -> int:
         """Total rows over all shards."""
         return self._num
+
+    def __len__(self) -> int:
+        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
+        return self.num_samples
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:

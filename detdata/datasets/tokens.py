@@ -393,6 +393,10 @@ class TokenWindows(ShardReader):
         """Number of windows over all shards."""
         return self._num
 
+    def __len__(self) -> int:
+        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
+        return self.num_samples
+
     @property
     def shard_sizes(self) -> tuple[int, ...]:
         """Windows per shard in manifest order (ids are laid out shard after shard): what

@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from detdata.base.errors import ConfigError, StorageError
+from detdata.base.redact import redact_url
 from detdata.identity.formats import (
     Format,
     ShardLayout,
@@ -46,12 +47,11 @@ from detdata.storage.fs import (
     unquote_path,
     url_join,
 )
-from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 
 def build_manifest(
-    root: str,
+    root: str | os.PathLike[str],
     *,
     pattern: str | None = None,
     format: str | Format | None = None,
@@ -77,6 +77,7 @@ def build_manifest(
     reach the same store. ``metadata`` (tokenizer hash, description...) is part
     of the id; the id does not depend on where the hashing ran.
     """
+    root = os.fspath(root)  # a pathlib.Path as torch users pass one
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
     rels = shard_names(fs, root, rootpath, pattern, fmt, paths)

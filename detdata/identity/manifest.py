@@ -13,7 +13,7 @@ against one is `detdata.identity.verify` (`Manifest.verify` delegates to it).
 
 Credentials stay runtime arguments: a root such as ``http://alice:TOKEN@host/d``
 or a presigned/SAS URL is used as given to read, but shown redacted (``repr``,
-messages: `detdata.storage.redact.redact_url`) and saved without its user info
+messages: `detdata.base.redact.redact_url`) and saved without its user info
 and credential query parameters (`strip_credentials`); ``storage_options`` are
 never saved.
 """
@@ -32,9 +32,9 @@ from typing import Any, Final, cast
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes, is_digest
+from detdata.base.redact import redact_text, redact_url, strip_credentials
 from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
 from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
-from detdata.storage.redact import redact_text, redact_url, strip_credentials
 from detdata.storage.retry import RetryPolicy, check_policy
 
 FORMAT_VERSION: Final = 1

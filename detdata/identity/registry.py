@@ -32,7 +32,7 @@ Contracts:
   `Registry.gc` also sweeps ``manifests/`` and ``refs/`` for temp files left
   there by older detdata versions (a full listing: run it now and then).
 * Credentials stay out: a reference records the manifest's root without user
-  info or credential query parameters (`detdata.storage.redact.strip_credentials`);
+  info or credential query parameters (`detdata.base.redact.strip_credentials`);
   the registry's own root and every root appear redacted in messages and
   ``repr``; ``storage_options`` are never written.
 * On remote roots (``s3://``, ``gs://``, ...) every read and write retries
@@ -44,10 +44,12 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -55,10 +57,10 @@ from typing import Any, Final, TypeVar
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata.base.hashing import is_digest
+from detdata.base.redact import redact_text, redact_url, scrub_exception, strip_credentials
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
-from detdata.storage.redact import redact_text, redact_url, scrub_exception, strip_credentials
 from detdata.storage.retry import RetryPolicy, check_policy
 
 T = TypeVar("T")
@@ -98,6 +100,10 @@ def split_name(name: object) -> tuple[str, str | None]:
             "letter or digit)"
         )
     return base, (version if sep else None)
+
+
+class BareNameWarning(UserWarning):
+    """`Registry.resolve` was given a bare name: it took the latest version (named)."""
 
 
 def full_name(name: object) -> tuple[str, str]:
@@ -352,8 +358,13 @@ class Registry:
         verify: str = "quick",
         root: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        latest: bool = False,
     ) -> Manifest:
         """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
+
+        A bare ``name`` warns (`BareNameWarning`, naming the version it took) unless
+        ``latest=True``: a training script that names no version reads other data once a new
+        version is registered.
 
         A name's manifest carries the root it was registered with (``root``
         overrides it: the recorded root has no credentials, so a store that needs
@@ -370,6 +381,15 @@ class Registry:
                 return manifest
             return self._verified(manifest.with_root(root), verify, name_or_id, storage_options)
         event = self._current(name_or_id)
+        if split_name(name_or_id)[1] is None and not latest:
+            warnings.warn(
+                f"resolve({name_or_id!r}) took the latest version, {event.name} ({event.id}): a "
+                "bare name follows every new registration, so a script that names it reads "
+                f"other data after the next one; hint: resolve({event.name!r}) pins it "
+                "(latest=True says floating is meant)",
+                BareNameWarning,
+                stacklevel=2,
+            )
         manifest = self.get(event.id)
         chosen = root if root is not None else event.root
         if chosen is None:
@@ -501,8 +521,17 @@ class Registry:
         try:
             hint = f"known versions of {base!r}: {self.versions(base)}"
         except RegistryError:
-            hint = f"register it first (`detdata register MANIFEST {base}@{version}`)"
+            hint = self._did_you_mean(f"{base}@{version}") or (
+                f"register it first (`detdata register MANIFEST {base}@{version}`)"
+            )
         raise RegistryError(f"name {base}@{version} is not in registry {self._shown}; hint: {hint}")
+
+    def _did_you_mean(self, wanted: str) -> str:
+        """ "did you mean X or Y?" from the registered names close to ``wanted`` ("" if none)."""
+        known = self.names()
+        candidates = sorted({*known, *(n.partition("@")[0] for n in known)})
+        close = difflib.get_close_matches(wanted, candidates, n=3, cutoff=0.6)
+        return f"did you mean {' or '.join(close)}?" if close else ""
 
     def _refs_of(self, base: str) -> list[_Ref]:
         """The references of bare ``base``, oldest created first; `RegistryError` if none."""
@@ -531,7 +560,7 @@ class Registry:
         if not refs:
             raise RegistryError(
                 f"name {base!r} is not in registry {self._shown}; hint: "
-                f"`detdata register MANIFEST {base}@v1`"
+                + (self._did_you_mean(base) or f"`detdata register MANIFEST {base}@v1`")
             )
         return sorted(refs, key=lambda r: (r.created_ns, r.name))
 

@@ -38,6 +38,7 @@ import blake3
 
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
+from detdata.base.redact import redact_url
 from detdata.identity.hashing import full_digest_fd
 from detdata.identity.manifest import Manifest, ShardEntry, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
@@ -50,7 +51,6 @@ from detdata.storage.fs import (
     read_ranges_upto,
     size_retrying,
 )
-from detdata.storage.redact import redact_url
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: what each checked entry field is called in messages

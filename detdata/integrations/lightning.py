@@ -24,20 +24,20 @@ trains on:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import MutableMapping
 from typing import Any, Final
 
 import pytorch_lightning as pl
 
 from detdata.base.errors import StateError
+from detdata.base.redact import get_logger
 from detdata.loading.loader import DataLoader
 from detdata.loading.state import KIND, LoaderState
 from detdata.loading.steps import MidStep
 
 __all__ = ["DetdataSteps"]
 
-log: Final = logging.getLogger("detdata.loader")
+log: Final = get_logger("detdata.loader")
 
 
 class DetdataSteps(pl.Callback):

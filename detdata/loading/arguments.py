@@ -3,8 +3,10 @@ worker mode. Nothing is ignored silently: thread mode refuses process-only argum
 
 from __future__ import annotations
 
+import difflib
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 from detdata.base.errors import ConfigError
 
@@ -102,3 +104,46 @@ def parse_worker_mode(value: str | WorkerMode) -> WorkerMode:
         return WorkerMode(value)
     except ValueError:
         raise ConfigError(f"worker_mode must be 'process' or 'thread', got {value!r}") from None
+
+
+#: torch.utils.data.DataLoader arguments and what detdata takes instead.
+TORCH_ONLY: Final = {
+    "batch_size": "micro_batch_size= (this rank's batch per iteration, torch's batch_size) and "
+    "global_batch_size= (samples per optimizer step over all ranks: micro x world x accumulation)",
+    "shuffle": "seed= (the order is always a seeded shuffle: order=GlobalOrder() by default)",
+    "sampler": "order= (detdata orders samples itself); to keep your own torch DataLoader, use "
+    "detdata.DeterministicBatchSampler as its batch_sampler",
+    "batch_sampler": "global_batch_size= / micro_batch_size= (detdata batches itself); to keep "
+    "your own torch DataLoader, use detdata.DeterministicBatchSampler as its batch_sampler",
+    "drop_last": "nothing: every global batch is whole (total_samples= bounds a run)",
+    "generator": "seed= (order and per-sample randomness derive from it)",
+    "in_order": "nothing: batches are always delivered in order",
+    "pin_memory_device": "device= (batches moved to that device by the loader)",
+}
+
+
+def refuse_torch_habits(
+    positional: tuple[object, ...], unknown: Mapping[str, object], known: Sequence[str]
+) -> None:
+    """A `ConfigError` for torch-style calls: ``DataLoader(ds, 8)``, ``batch_size=8``, ...
+
+    ``positional``: arguments after the dataset (detdata takes every other argument by
+    keyword); ``unknown``: keywords the loader does not take, each answered with detdata's
+    argument for it (`TORCH_ONLY`) or the closest names of ``known`` ("did you mean").
+    """
+    if positional:
+        shown = ", ".join(f"{a!r:.40}" for a in positional)
+        raise ConfigError(
+            f"DataLoader(data, {shown}): every argument after the dataset is a keyword; "
+            f"hint: {TORCH_ONLY['batch_size']}, e.g. DataLoader(data, "
+            "global_batch_size=512, micro_batch_size=8, seed=1234)"
+        )
+    for name, value in unknown.items():
+        if name in TORCH_ONLY:
+            raise ConfigError(
+                f"DataLoader({name}={value!r:.40}) is torch.utils.data.DataLoader's argument; "
+                f"hint: detdata takes {TORCH_ONLY[name]}"
+            )
+        close = difflib.get_close_matches(name, [*known, *TORCH_ONLY], n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(f"DataLoader got an unexpected keyword argument {name!r}{hint}")

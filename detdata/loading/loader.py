@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import json
-import logging
 import os
 import random
 import weakref
@@ -30,6 +30,7 @@ import torch.utils.data as tud
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StaleIteratorError, StateError
+from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream, as_stream
@@ -38,6 +39,7 @@ from detdata.loading.arguments import (
     check_thread_mode,
     check_torch_args,
     parse_worker_mode,
+    refuse_torch_habits,
 )
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
@@ -72,7 +74,7 @@ from detdata.order.choice import OrderLike
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
 
-_LOG: Final = logging.getLogger("detdata")
+_LOG: Final = get_logger("detdata")
 #: Checked fields whose change at a resume gives earlier positions another stream.
 _STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
 
@@ -223,8 +225,8 @@ class DataLoader:
     def __init__(
         self,
         data: Dataset | Stream,
-        *,
-        global_batch_size: int | BatchSchedule,
+        *torch_positional: object,
+        global_batch_size: int | BatchSchedule | None = None,
         micro_batch_size: int | None = None,
         seed: int = 0,
         rank: int | None = None,
@@ -250,7 +252,15 @@ class DataLoader:
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
         mid_step_on_resume: str | MidStep = MidStep.REDO,
+        **torch_keywords: object,
     ) -> None:
+        refuse_torch_habits(torch_positional, torch_keywords, _KEYWORDS)
+        if global_batch_size is None:
+            raise ConfigError(
+                "DataLoader needs global_batch_size= (samples per optimizer step over all "
+                "ranks); hint: micro_batch_size= is each rank's batch per iteration (torch's "
+                "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
+            )
         self.seed = check_seed(seed)
         check_torch_args(
             num_workers=num_workers,
@@ -876,6 +886,7 @@ class DataLoader:
             "world_size": self.layout.world_size,
             "micro_batch_size": self.layout.micro_batch_size,
             "num_workers": self.num_workers,
+            "worker_mode": self.worker_mode.value,
         }
         state = LoaderState(
             samples_consumed=self._consumed,
@@ -1163,3 +1174,11 @@ class DataLoader:
         self._sampler = None  # its shared-memory slots are unmapped with it
         if self._trace is not None:
             self._trace.close()
+
+
+#: The loader's keyword arguments (the "did you mean" candidates of `refuse_torch_habits`).
+_KEYWORDS: Final = tuple(
+    name
+    for name, p in inspect.signature(DataLoader.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)

@@ -39,6 +39,7 @@ import numpy as np
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.hashing import digest_bytes
+from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.digest import framed, framed_sample
 from detdata.datasets.exclusions import Excluded
@@ -72,6 +73,12 @@ class SampleRecord:
     location: Mapping[str, Any] = field(default_factory=dict)
     replaced: Mapping[str, Any] | None = None
     text: Any = None
+
+    def __post_init__(self) -> None:
+        # the redaction boundary: a location's URL never carries credentials
+        object.__setattr__(self, "location", redact_value(dict(self.location)))
+        if self.replaced is not None:
+            object.__setattr__(self, "replaced", redact_value(dict(self.replaced)))
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (locations flattened into the record)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import logging
 import os
 import pickle
 import traceback
@@ -27,6 +26,7 @@ import torch
 import torch.utils.data as tud
 
 from detdata.base.errors import ConfigError
+from detdata.base.redact import get_logger
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.columns import is_ragged, restack, to_torch
@@ -41,7 +41,7 @@ from detdata.loading.slots import (
 )
 from detdata.order.rng import sample_rng
 
-log = logging.getLogger("detdata.loader")
+log = get_logger("detdata.loader")
 
 #: ``transform(sample, rng)``, or ``transform(sample)`` for a transform without randomness.
 Transform = (

@@ -22,7 +22,24 @@ What it holds (the checked field names, as ``allow=`` takes them, in brackets):
   change whenever the job lands on other cards, so a resume on other nodes allows
   ``gpu_uuids``);
 * numerics-changing environment variables [``env.NAME``, or ``env`` for all]:
-  `NUMERICS_ENV` plus ``extra_env``; an unset variable is recorded as None;
+  `NUMERICS_ENV` in clear text, plus ``extra_env``, whose values are stored as their blake3
+  (``b3:...``: a token named there never lands in the record) unless named in ``clear_env``;
+  an unset variable is recorded as None;
+* the execution shape [``execution.NAME``, or ``execution``]: ``micro_batch``,
+  ``accumulation`` (global batch / (micro batch x world size)), ``workers``, ``worker_mode``
+  (from the loader state's layout) and ``precision`` (given: e.g. ``"bf16-mixed"``), each
+  overridable through ``execution=``;
+* determinism flags [``determinism.NAME``, or ``determinism``]: torch's deterministic
+  algorithms (and warn-only), cuDNN deterministic and benchmark, TF32 for matmul and cuDNN,
+  the float32 matmul precision, reduced-precision fp16/bf16 reductions;
+* the platform [``platform.NAME``, or ``platform``]: ``os``, ``kernel`` (release),
+  ``machine`` and ``libc``;
+* the container [``container.image``, ``container.image_digest``, or ``container``]: given,
+  else from the environment the job sets (`IMAGE_ENV`, `IMAGE_DIGEST_ENV`, first set wins:
+  ``DETDATA_IMAGE`` / ``DETDATA_IMAGE_DIGEST``, ``CONTAINER_IMAGE`` /
+  ``CONTAINER_IMAGE_DIGEST``, ``IMAGE`` / ``IMAGE_DIGEST``; put the digest there in the job
+  template: Kubernetes ``env:``, Slurm ``--export``, a Dockerfile ``ENV``), with ``source``
+  naming where it came from;
 * the parallel layout [``layout``]: ``world``, ``dp``, ``tp``, ``pp`` (given; by default
   from torch.distributed when initialised, else 1);
 * the blake3 of the canonical JSON of the user's config [``config``];
@@ -30,14 +47,17 @@ What it holds (the checked field names, as ``allow=`` takes them, in brackets):
   [``loader.data``, ``loader.algorithm``, ... or ``loader`` for all] from the loader state,
   which is stored too (``data.loader_state``; its position is the loader's own business:
   ``DataLoader.load_state_dict`` checks it, the record does not compare it).
+
+Format 2 added execution, determinism, platform and container; a format-1 record is read with
+those sections empty (each field then differs as absent: allow the groups by name).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import os
+import platform as _platform
 import re
 import subprocess
 import sys
@@ -48,13 +68,15 @@ from typing import Any, Final
 
 from detdata.base.canonical import canonical_json
 from detdata.base.checks import check_positive_int
-from detdata.base.errors import ConfigError, StateError
+from detdata.base.errors import ConfigError, DetdataError, StateError
 from detdata.base.hashing import digest_bytes
+from detdata.base.redact import get_logger, redact_value
 from detdata.loading.state import CHECKED_FIELDS, K_MANIFESTS, K_SEED, K_STREAM_SEED, LoaderState
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
-RECORD_VERSION: Final = 1
+RECORD_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 KIND: Final = "detdata.run_record"
 
 K_KIND: Final = "kind"
@@ -78,6 +100,12 @@ K_DATA: Final = "data"
 K_SEEDS: Final = "seeds"
 K_LOADER: Final = "loader"
 K_LOADER_STATE: Final = "loader_state"
+K_EXECUTION: Final = "execution"
+K_DETERMINISM: Final = "determinism"
+K_PLATFORM: Final = "platform"
+K_CONTAINER: Final = "container"
+#: Sections added in format 2 (empty when a format-1 record is read).
+_V2: Final = (K_EXECUTION, K_DETERMINISM, K_PLATFORM, K_CONTAINER)
 _TOP: Final = (
     K_KIND,
     K_VERSION,
@@ -90,6 +118,7 @@ _TOP: Final = (
     K_LAYOUT,
     K_CONFIG,
     K_DATA,
+    *_V2,
 )
 
 VERSION_FIELDS: Final = ("python", "torch", "cuda", "cudnn", "nccl", "driver")
@@ -117,8 +146,15 @@ NUMERICS_ENV: Final = (
     "MKL_CBWR",
     "OPENBLAS_NUM_THREADS",
 )
-#: Field groups: ``allow=("env",)`` allows every ``env.NAME``, ``("loader",)`` every ``loader.*``.
-GROUPS: Final = (K_ENV, K_LOADER)
+EXECUTION_KEYS: Final = ("micro_batch", "accumulation", "workers", "worker_mode", "precision")
+PLATFORM_KEYS: Final = ("os", "kernel", "machine", "libc")
+CONTAINER_KEYS: Final = ("image", "image_digest")
+#: Environment variables the container image and its digest are read from (first set wins).
+IMAGE_ENV: Final = ("DETDATA_IMAGE", "CONTAINER_IMAGE", "IMAGE")
+IMAGE_DIGEST_ENV: Final = ("DETDATA_IMAGE_DIGEST", "CONTAINER_IMAGE_DIGEST", "IMAGE_DIGEST")
+#: Field groups: ``allow=("env",)`` allows every ``env.NAME``, ``("loader",)`` every ``loader.*``,
+#: and so on for each sectioned field.
+GROUPS: Final = (K_ENV, K_LOADER, K_EXECUTION, K_DETERMINISM, K_PLATFORM, K_CONTAINER)
 _LOADER_FIELDS: Final = tuple(
     f for f in CHECKED_FIELDS if f not in (K_MANIFESTS, K_SEED, K_STREAM_SEED)
 )
@@ -135,8 +171,12 @@ FIELDS: Final = (
     K_MANIFESTS,
     K_SEEDS,
     *(f"{K_LOADER}.{f}" for f in _LOADER_FIELDS),
+    *(f"{K_EXECUTION}.{k}" for k in EXECUTION_KEYS),
+    *(f"{K_PLATFORM}.{k}" for k in PLATFORM_KEYS),
+    *(f"{K_CONTAINER}.{k}" for k in CONTAINER_KEYS),
 )
-"""Every checked field name except ``env.NAME`` (one per recorded variable)."""
+"""Every checked field name except ``env.NAME`` and ``determinism.NAME`` (one per recorded
+variable or flag)."""
 
 _NAME_RUN: Final = re.compile(r"[-_.]+")
 
@@ -161,6 +201,10 @@ class RunRecord:
         manifests: Iterable[Any] = (),
         seeds: Mapping[str, int | None] | None = None,
         extra_env: Iterable[str] = (),
+        clear_env: Iterable[str] = (),
+        execution: Mapping[str, Any] | None = None,
+        image: str | None = None,
+        image_digest: str | None = None,
     ) -> RunRecord:
         """Capture the record of this process (call it at step 0 and save it with checkpoints).
 
@@ -171,10 +215,23 @@ class RunRecord:
         torch.distributed when initialised, else 1; dp = world / (tp * pp); tp, pp = 1).
         ``config``: any JSON-plain mapping; its canonical JSON is hashed. ``loader``: a
         `DataLoader` (its ``state_dict()``) or a saved loader state mapping; ``manifests``:
-        more `Manifest` objects or ``b3:`` ids; ``seeds``: more named seeds.
+        more `Manifest` objects or ``b3:`` ids; ``seeds``: more named seeds. ``extra_env``:
+        more variables, recorded by the blake3 of their values unless also in ``clear_env``.
+        ``execution``: keys of `EXECUTION_KEYS` (override what the loader state gives).
+        ``image`` / ``image_digest``: the container (default: `IMAGE_ENV` / `IMAGE_DIGEST_ENV`).
+
+        When git cannot say whether the tree is dirty (not a repository, git missing, or git
+        refusing the checkout: "dubious ownership"), capture refuses unless ``allow_dirty``;
+        the record's ``code.note`` says why (git's own words).
         """
         where = Path(repo if repo is not None else os.getcwd())
         code = _code(where)
+        if code[K_DIRTY] is None and not allow_dirty:
+            raise ConfigError(
+                f"refusing to start: cannot tell whether the code is dirty: {code[K_NOTE]}; the "
+                "run record could not name the code that ran; hint: fix the above, or pass "
+                "RunRecord.capture(..., allow_dirty=True) (recorded as unknown)"
+            )
         if code[K_DIRTY] and not allow_dirty:
             raise ConfigError(
                 f"refusing to start from a dirty tree: {code[K_DIRTY_FILES]} tracked file(s) "
@@ -191,14 +248,18 @@ class RunRecord:
             K_PACKAGES: {K_DIGEST: digest_bytes(canonical_json(packages)), K_LIST: packages},
             K_VERSIONS: library_versions(),
             K_GPUS: [],
-            K_ENV: {n: os.environ.get(n) for n in sorted({*NUMERICS_ENV, *_names(extra_env)})},
+            K_ENV: _env(_names(extra_env), _names(clear_env, "clear_env")),
             K_LAYOUT: _layout(layout),
             K_CONFIG: None if config is None else digest_bytes(canonical_json(dict(config))),
             K_DATA: _data(loader, manifests, seeds),
+            K_DETERMINISM: determinism_flags(),
+            K_PLATFORM: platform_info(),
+            K_CONTAINER: _container(image, image_digest),
         }
+        doc[K_EXECUTION] = _execution(doc[K_DATA][K_LOADER_STATE], execution)
         code.pop("toplevel", None)
         doc[K_GPUS] = gpus()
-        return cls(doc=_plain(doc))
+        return cls(doc=redact_value(_plain(doc)))  # the redaction boundary: no secret kept
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -220,15 +281,24 @@ class RunRecord:
                 f"{where}: not a run record (kind {found!r}, expected {KIND!r}); hint: pass "
                 "what RunRecord.to_json() or RunRecord.save wrote"
             )
-        if doc.get(K_VERSION) != RECORD_VERSION:
+        version = doc.get(K_VERSION)
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise StateError(
                 f"{where}: unknown format_version {doc.get(K_VERSION)!r}; this detdata reads "
-                f"version {RECORD_VERSION}; hint: upgrade detdata"
+                f"versions {list(READABLE_VERSIONS)}; hint: upgrade detdata"
             )
+        doc = dict(doc)
+        if version == 1:
+            doc.update({k: {} for k in _V2 if k not in doc})
         missing = [k for k in _TOP if k not in doc]
         if missing:
             raise StateError(f"{where}: missing fields {missing}")
-        return cls(doc=_plain(dict(doc)))
+        try:
+            record = cls(doc=_plain(doc))
+        except ConfigError as exc:
+            raise StateError(f"{where}: {exc}") from None
+        _check_shape(record.doc, where)
+        return record
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the record as JSON, atomically (readers see the old file or the whole new one)."""
@@ -261,6 +331,8 @@ class RunRecord:
         out[K_SEEDS] = d[K_DATA][K_SEEDS]
         out.update({f"{K_LOADER}.{k}": v for k, v in d[K_DATA][K_LOADER].items()})
         out.update({f"{K_ENV}.{k}": v for k, v in d[K_ENV].items()})
+        for section in _V2:
+            out.update({f"{section}.{k}": v for k, v in d[section].items() if k != _SOURCE})
         return out
 
     def differences(self, saved: RunRecord) -> list[str]:
@@ -277,7 +349,15 @@ class RunRecord:
         """
         old = saved if isinstance(saved, RunRecord) else RunRecord.from_json(saved)
         allowed = _check_allow(allow)
-        diffs = self.differences(old)
+        try:
+            diffs = self.differences(old)
+        except DetdataError:
+            raise
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise StateError(
+                f"the saved run record cannot be compared: {type(exc).__name__}: {exc}; it was "
+                "edited or corrupted; hint: compare with a record RunRecord.save wrote"
+            ) from None
         refused = [k for k in diffs if not _is_allowed(k, allowed)]
         for k in diffs:
             if k not in refused:
@@ -305,7 +385,8 @@ class RunRecord:
 
 
 # -- capture helpers ----------------------------------------------------------------------
-def _git(where: Path, *args: str) -> str | None:
+def _git(where: Path, *args: str) -> tuple[str | None, str]:
+    """(stdout, or None when git failed; git's stderr or why it could not run)."""
     try:
         done = subprocess.run(
             ["git", "-C", str(where), *args],
@@ -314,21 +395,22 @@ def _git(where: Path, *args: str) -> str | None:
             timeout=60,
             check=False,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"git could not run ({exc})"
+    return (done.stdout if done.returncode == 0 else None), done.stderr.strip()
 
 
 def _code(where: Path) -> dict[str, Any]:
-    """Revision, dirty flag and count, or Nones and a note outside git."""
-    toplevel = _git(where, "rev-parse", "--show-toplevel")
-    revision = _git(where, "rev-parse", "--verify", "HEAD") if toplevel is not None else None
-    status = _git(where, "status", "--porcelain", "--untracked-files=no")
+    """Revision, dirty flag and count, or Nones and a note saying why they are unknown (not a
+    repository, no git, no commit, or git refusing the checkout in its own words)."""
+    toplevel, err = _git(where, "rev-parse", "--show-toplevel")
+    revision, status = None, None
+    if toplevel is not None:
+        revision, err = _git(where, "rev-parse", "--verify", "HEAD")
+    if revision is not None:
+        status, err = _git(where, "status", "--porcelain", "--untracked-files=no")
     if toplevel is None or revision is None or status is None:
-        note = (
-            f"{where} is not in a git repository (or git is not installed, or the repository "
-            "has no commit): revision and dirty are unknown"
-        )
+        note = _unknown_code_note(where, toplevel, revision, err)
         logger.warning("run record: %s", note)
         return {K_REVISION: None, K_DIRTY: None, K_DIRTY_FILES: None, K_NOTE: note}
     count = len([line for line in status.splitlines() if line.strip()])
@@ -339,6 +421,23 @@ def _code(where: Path) -> dict[str, Any]:
         K_NOTE: None,
         "toplevel": toplevel.strip(),
     }
+
+
+def _unknown_code_note(where: Path, toplevel: str | None, revision: str | None, err: str) -> str:
+    said = " ".join(err.split())[:300]
+    if "dubious ownership" in err or "safe.directory" in err:
+        return (
+            f"git refused the checkout {where} (dubious ownership: the repository belongs to "
+            f"another user; git said: {said}): revision and dirty are unknown; hint: git config "
+            f"--global --add safe.directory {where}"
+        )
+    if said.startswith("git could not run"):
+        return f"{said}: revision and dirty of {where} are unknown"
+    if toplevel is None and "not a git repository" in err:
+        return f"{where} is not in a git repository: revision and dirty are unknown"
+    if toplevel is not None and revision is None:
+        return f"the git repository at {where} has no commit: revision and dirty are unknown"
+    return f"git failed in {where} ({said or 'no message'}): revision and dirty are unknown"
 
 
 def _lock_hashes(
@@ -469,10 +568,141 @@ def _data(loader: Any, manifests: Iterable[Any], seeds: Mapping[str, int | None]
     }
 
 
-def _names(extra: Iterable[str]) -> list[str]:
+def _names(extra: Iterable[str], what: str = "extra_env") -> list[str]:
     if isinstance(extra, str):
-        raise ConfigError(f"extra_env takes a list of names, got the string {extra!r}")
+        raise ConfigError(f"{what} takes a list of names, got the string {extra!r}")
     return [str(n) for n in extra]
+
+
+def _env(extra: Sequence[str], clear: Sequence[str]) -> dict[str, str | None]:
+    """`NUMERICS_ENV` in clear text; ``extra`` names by the blake3 of their values, unless also
+    in ``clear`` (None: unset)."""
+    unknown = sorted(set(clear) - set(extra) - set(NUMERICS_ENV))
+    if unknown:
+        raise ConfigError(
+            f"clear_env names {unknown}, which are not recorded; hint: name them in extra_env too"
+        )
+    out: dict[str, str | None] = {}
+    for name in sorted({*NUMERICS_ENV, *extra}):
+        value = os.environ.get(name)
+        if value is not None and name not in NUMERICS_ENV and name not in clear:
+            value = digest_bytes(value.encode("utf-8", "surrogatepass"))
+        out[name] = value
+    return out
+
+
+def determinism_flags() -> dict[str, Any]:
+    """torch's determinism and TF32 / reduced-precision switches of this process."""
+    import torch
+
+    cudnn: Any = torch.backends.cudnn
+    matmul: Any = torch.backends.cuda.matmul
+    return {
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "deterministic_warn_only": bool(torch.is_deterministic_algorithms_warn_only_enabled()),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
+        "cuda_matmul_allow_tf32": bool(matmul.allow_tf32),
+        "float32_matmul_precision": str(torch.get_float32_matmul_precision()),
+        "fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
+        "bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
+    }
+
+
+def platform_info() -> dict[str, str | None]:
+    """Operating system, kernel release, machine and C library of this process."""
+    libc, version = _platform.libc_ver()
+    return {
+        "os": _platform.system() or None,
+        "kernel": _platform.release() or None,
+        "machine": _platform.machine() or None,
+        "libc": f"{libc} {version}".strip() or None,
+    }
+
+
+_SOURCE: Final = "source"
+
+
+def _container(image: str | None, digest: str | None) -> dict[str, str | None]:
+    """The container image and its digest: given, else from `IMAGE_ENV` / `IMAGE_DIGEST_ENV`."""
+    out: dict[str, str | None] = {}
+    sources = []
+    for key, given, names in (
+        ("image", image, IMAGE_ENV),
+        ("image_digest", digest, IMAGE_DIGEST_ENV),
+    ):
+        if given is not None:
+            if not isinstance(given, str) or not given:
+                raise ConfigError(f"{key}= must be a non-empty string, got {given!r:.80}")
+            out[key] = given
+            sources.append(f"{key}=")
+            continue
+        found = next((n for n in names if os.environ.get(n)), None)
+        out[key] = None if found is None else os.environ[found]
+        if found is not None:
+            sources.append(found)
+    out[_SOURCE] = ", ".join(sources) or None
+    return out
+
+
+def _execution(state: Mapping[str, Any] | None, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The execution shape: from the loader state's layout and global batch, then ``given``."""
+    out: dict[str, Any] = dict.fromkeys(EXECUTION_KEYS)
+    if state is not None:
+        layout = state.get("layout") or {}
+        micro: Any = layout.get("micro_batch_size")
+        world: Any = layout.get("world_size")
+        out["micro_batch"] = micro
+        out["workers"] = layout.get("num_workers")
+        out["worker_mode"] = layout.get("worker_mode")
+        gbs: Any = state.get("global_batch_size")
+        if _positive(gbs) and _positive(micro) and _positive(world):
+            out["accumulation"] = gbs // (micro * world)
+    unknown = sorted(set(given or {}) - set(EXECUTION_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"execution= has unknown keys {unknown}; known keys are {list(EXECUTION_KEYS)}"
+        )
+    out.update(dict(given or {}))
+    return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_shape(doc: Mapping[str, Any], where: str) -> None:
+    """Every section has the type `fields` reads (`StateError` naming the first that has not):
+    a record edited by hand is refused here, never with a raw Python error later."""
+    expected: list[tuple[str, Any, type | tuple[type, ...]]] = [
+        (K_CODE, doc[K_CODE], dict),
+        (K_LOCKS, doc[K_LOCKS], dict),
+        (K_PACKAGES, doc[K_PACKAGES], dict),
+        (K_VERSIONS, doc[K_VERSIONS], dict),
+        (K_GPUS, doc[K_GPUS], list),
+        (K_ENV, doc[K_ENV], dict),
+        (K_LAYOUT, doc[K_LAYOUT], dict),
+        (K_CONFIG, doc[K_CONFIG], (str, type(None))),
+        (K_DATA, doc[K_DATA], dict),
+        *((k, doc[k], dict) for k in _V2),
+    ]
+    for name, value, kind in expected:
+        if not isinstance(value, kind):
+            raise StateError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
+    packages = doc[K_PACKAGES]
+    if not isinstance(packages.get(K_DIGEST), str) or not isinstance(packages.get(K_LIST), list):
+        raise StateError(f"{where}: field 'packages' must hold a digest string and a list")
+    if not all(isinstance(p, list) and len(p) == 2 for p in packages[K_LIST]):
+        raise StateError(f"{where}: field 'packages.list' must hold [name, version] pairs")
+    if not all(isinstance(g, dict) for g in doc[K_GPUS]):
+        raise StateError(f"{where}: field 'gpus' must hold objects (name, uuid)")
+    data = doc[K_DATA]
+    for key, kind in ((K_MANIFESTS, list), (K_SEEDS, dict), (K_LOADER, dict)):
+        if not isinstance(data.get(key), kind):
+            raise StateError(
+                f"{where}: field 'data.{key}' has the wrong type ({type(data.get(key)).__name__})"
+            )
 
 
 def _plain(doc: Any) -> Any:
@@ -489,11 +719,15 @@ def _check_allow(allow: Iterable[str]) -> frozenset[str]:
         raise ConfigError(f"allow= takes a list of field names, got the string {allow!r}")
     names = frozenset(allow)
     known = {*FIELDS, *GROUPS}
-    unknown = sorted(str(n) for n in names if n not in known and not str(n).startswith("env."))
+    unknown = sorted(
+        str(n)
+        for n in names
+        if n not in known and not str(n).startswith((f"{K_ENV}.", f"{K_DETERMINISM}."))
+    )
     if unknown:
         raise ConfigError(
             f"allow= names unknown run record fields {unknown}; known names are "
-            f"{[*FIELDS, *GROUPS]} and env.NAME"
+            f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME"
         )
     return names
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import mmap
 import os
 import threading
@@ -50,9 +49,10 @@ from typing import Any
 
 import numpy as np
 
+from detdata.base.redact import get_logger
 from detdata.datasets.columns import to_torch
 
-log = logging.getLogger("detdata.loader")
+log = get_logger("detdata.loader")
 
 ALIGN = 64  # column offsets inside a slot
 PAGE = 4096

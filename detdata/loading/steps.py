@@ -14,16 +14,16 @@ name, by a caller that saved the partial gradients too. ``step_position`` is der
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 from typing import Final
 
 from detdata.base.errors import ConfigError
+from detdata.base.redact import get_logger
 from detdata.loading.schedule import Plan
 
 K_STEP_POSITION: Final = "step_position"
 
-log: Final = logging.getLogger("detdata.loader")
+log: Final = get_logger("detdata.loader")
 
 
 class MidStep(str, enum.Enum):

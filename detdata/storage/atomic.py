@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
+import threading
 from typing import Any, Final
 
+from detdata.base.errors import ConfigError, StorageError
 from detdata.storage.fs import filesystem, is_url
 
 TEMP_PREFIX: Final = ".tmp-"
 """Unpublished local writes are named ``TEMP_PREFIX + random`` in the target's directory."""
+
+
+#: errnos of a write that failed for lack of room or a failing device: a storage error
+_FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+_UMASK_LOCK: Final = threading.Lock()
 
 
 def atomic_write_bytes(
@@ -22,6 +31,14 @@ def atomic_write_bytes(
     same file system, so the rename stays atomic: a registry keeps its temp files
     in one folder so that sweeping crash leftovers never lists its objects), else
     in the target's directory.
+
+    What ``path`` names is respected: a symlink is written *through* (its final
+    target is replaced, the link stays); a character device or FIFO (``/dev/stdout``,
+    a named pipe, ``/dev/full``) is written in place, not replaced; any other file that
+    is not a regular file (a folder, a socket) is refused with a `ConfigError` naming
+    it. A new file gets mode ``0o666`` less the umask, a replaced regular file keeps
+    its mode. A full disk, a quota or an I/O error is a `StorageError` naming ``path``
+    (and leaves no temp file).
     """
     if is_url(path) and not path.startswith("file://"):
         fs, fpath = filesystem(path, **storage_options)
@@ -31,6 +48,47 @@ def atomic_write_bytes(
         fs.pipe_file(fpath, data)  # object stores publish a PUT atomically
         return
     local = path[len("file://") :] if path.startswith("file://") else path
+    target = os.path.realpath(local)  # a symlink is written through
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    try:
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            _write_in_place(path, target, st, data)
+            return
+        mode = _new_file_mode() if st is None else stat.S_IMODE(st.st_mode)
+        _replace(target, data, mode, temp_dir)
+    except OSError as exc:
+        if isinstance(exc, StorageError) or exc.errno not in _FULL:
+            raise
+        raise StorageError(
+            f"cannot write {path}: {exc.strerror or exc} (nothing was replaced); hint: free "
+            "space on its file system or write elsewhere"
+        ) from exc
+
+
+def _write_in_place(path: str, target: str, st: os.stat_result, data: bytes) -> None:
+    """Write a character device or FIFO in place; refuse other non-regular files."""
+    if not (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        shown = path if target == os.path.abspath(path) else f"{path} (-> {target})"
+        raise ConfigError(f"{shown} is {kind}; refusing to write there; hint: give a file name")
+    with open(target, "wb", buffering=0) as fh:
+        view = memoryview(data)
+        while view:
+            view = view[fh.write(view) or 0 :]
+
+
+def _new_file_mode() -> int:
+    """``0o666`` less this process's umask (read without a race between threads)."""
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _replace(local: str, data: bytes, mode: int, temp_dir: str | None) -> None:
     directory = os.path.dirname(os.path.abspath(local))
     os.makedirs(directory, exist_ok=True)
     if temp_dir is not None:
@@ -38,6 +96,7 @@ def atomic_write_bytes(
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=temp_dir or directory)
     try:
         with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

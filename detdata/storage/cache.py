@@ -61,7 +61,6 @@ import contextlib
 import errno
 import fcntl
 import itertools
-import logging
 import os
 import threading
 import time
@@ -75,6 +74,7 @@ import fsspec
 
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
+from detdata.base.redact import get_logger
 from detdata.storage.fs import iter_chunks
 from detdata.storage.retry import RetryPolicy, check_policy
 
@@ -95,7 +95,7 @@ class ShardEntry(Protocol):
     def quick(self) -> str: ...
 
 
-log: Final = logging.getLogger("detdata.cache")
+log: Final = get_logger("detdata.cache")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
 _TOUCH_EVERY_S: Final = 1.0

@@ -14,7 +14,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from detdata.base.errors import ManifestError
-from detdata.storage.redact import (
+from detdata.base.redact import (
     install_log_redaction,
     redact_text,
     redact_url,

@@ -21,14 +21,13 @@ fsspec's asynchronous file systems: s3, gcs, http).
 
 Credentials never reach a message: every URL in a `RetriesExhausted`, a retry
 log line or a re-raised client error passes through
-`detdata.storage.redact.redact_text` first (user info and credential query
+`detdata.base.redact.redact_text` first (user info and credential query
 parameters become ``***``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +35,17 @@ from typing import Final, TypeVar
 
 import blake3
 
-from detdata.base.errors import ConfigError, DetdataError, RetriesExhausted, ShortRead
-from detdata.storage.redact import redact_text, redact_url, scrub_exception
+from detdata.base.errors import (
+    ConfigError,
+    DetdataError,
+    RetriesExhausted,
+    ShortRead,
+    StorageError,
+)
+from detdata.base.redact import get_logger, redact_text, redact_url, scrub_exception
 
 T = TypeVar("T")
-log: Final = logging.getLogger("detdata.retry")
+log: Final = get_logger("detdata.retry")
 JITTER_ALGORITHM: Final = "detdata:retry-jitter-v1"
 
 # Errors that say "this will not get better by waiting" (re-raised at once).
@@ -76,6 +81,51 @@ _BOTO_CODES: Final = frozenset(
         "RequestTimeTooSkewed",
     }
 )
+
+
+#: S3-style error codes that mean "these credentials may not read this" (HTTP 401/403)
+_DENIED_CODES: Final = frozenset(
+    {
+        "AccessDenied",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidToken",
+        "AllAccessDisabled",
+        "AuthorizationHeaderMalformed",
+        "AuthFailure",
+        "AuthenticationFailed",
+        "Unauthorized",
+        "401",
+        "403",
+    }
+)
+
+
+def denied_status(exc: BaseException) -> int | None:
+    """401 or 403 when ``exc`` (or an error in its chain) is a storage server refusing the
+    request's credentials: aiohttp's ``status``, botocore's HTTP status or error code,
+    gcsfs's ``code``; else None. (fsspec's HTTP ``info`` raises `FileNotFoundError` *from*
+    the real error, so the chain is followed.)"""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for attr in ("status", "code"):
+            value = getattr(current, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value in (401, 403):
+                return value
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if http in (401, 403):
+                return int(http)
+            if str(response.get("Error", {}).get("Code", "")) in _DENIED_CODES:
+                return 403
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -183,6 +233,9 @@ class RetryPolicy:
                 if not isinstance(exc, Exception):
                     raise
                 scrub_exception(exc)  # client errors quote the URL, credentials included
+                status = denied_status(exc)
+                if status is not None:  # a retry cannot renew a signature: at once
+                    raise _denied(what, shard, url, status) from exc
                 if not is_transient(exc):
                     raise
                 last = exc
@@ -219,6 +272,19 @@ class RetryPolicy:
                 wait,
             )
             sleep(wait)
+
+
+def _denied(
+    what: str, shard: str | Callable[[], str], url: str | Callable[[], str], status: int
+) -> StorageError:
+    shard_now = shard() if callable(shard) else shard
+    url_now = redact_url(url() if callable(url) else url)
+    meaning = "unauthorized" if status == 401 else "forbidden"
+    return StorageError(
+        f"{what} failed for shard {shard_now} at {url_now}: HTTP {status} ({meaning}: the "
+        "store refused these credentials); hint: renew the token or presigned URL (an "
+        "expired signature gives 403), or check the storage_options credentials"
+    )
 
 
 DEFAULT_RETRY: Final = RetryPolicy()

@@ -179,3 +179,83 @@ def test_preflight_under_torchrun_two_ranks(tmp_path: Path) -> None:
     failed = _torchrun("--manifest", str(manifest))
     assert failed.returncode != 0
     assert "shard-000.npy" in failed.stderr
+
+
+def test_env_check_of_a_record_saved_from_python_reports_no_false_difference(
+    tmp_path: Path,
+) -> None:
+    """One record shape: a record captured in Python (layout, config, loader, manifests, an
+    extra variable) and `detdata env --check` given the same inputs agree field by field; one
+    real change (the micro batch in the loader state) is then the only difference named."""
+    from detdata import DataLoader, RunRecord, TokenWindows
+    from detdata.identity.manifest import Manifest
+
+    repo = _repo(tmp_path)
+    _, manifest = _data(tmp_path)
+    config = {"lr": 0.1, "model": "tiny"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loader = DataLoader(
+        TokenWindows(Manifest.load(str(manifest)), 8), global_batch_size=16,
+        micro_batch_size=4, world_size=2, rank=0, seed=3,
+    )  # fmt: skip
+    state = tmp_path / "loader.json"
+    state.write_text(json.dumps(loader.state_dict()))
+    env = {**os.environ, "MY_TOKEN": "s3cret-value", "DETDATA_IMAGE_DIGEST": "sha256:" + "d" * 64}
+    saved = tmp_path / "record.json"
+    script = (
+        "import json, sys; from detdata import RunRecord; "
+        "RunRecord.capture(repo=sys.argv[1], layout={'world': 8, 'tp': 2}, "
+        "config=json.load(open(sys.argv[2])), loader=json.load(open(sys.argv[3])), "
+        "extra_env=['MY_TOKEN'], execution={'precision': 'bf16-mixed'}).save(sys.argv[4])"
+    )
+    made = subprocess.run(
+        [sys.executable, "-c", script, str(repo), str(tmp_path / "config.json"), str(state),
+         str(saved)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "s3cret-value" not in saved.read_text()
+    args = [
+        "env", "--repo", str(repo), "--config", str(tmp_path / "config.json"),
+        "--layout", "world=8,tp=2", "--loader-state", str(state), "--extra-env", "MY_TOKEN",
+        "--execution", "precision=bf16-mixed", "--check", str(saved),
+    ]  # fmt: skip
+    same = subprocess.run(
+        [detdata_exe(), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert same.returncode == 0, same.stderr
+    assert "differs" not in same.stderr
+    assert RunRecord.load(saved).differences(RunRecord.from_json(same.stdout)) == []
+    other = DataLoader(
+        TokenWindows(Manifest.load(str(manifest)), 8), global_batch_size=16,
+        micro_batch_size=8, world_size=2, rank=0, seed=3,
+    )  # fmt: skip
+    state.write_text(json.dumps(other.state_dict()))
+    changed = subprocess.run(
+        [detdata_exe(), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert changed.returncode == 1
+    assert "in 2 field(s)" in changed.stderr
+    assert "execution.micro_batch: saved 4, now 8" in changed.stderr
+    assert "execution.accumulation: saved 2, now 1" in changed.stderr
+
+
+def test_preflight_out_saves_the_result(tmp_path: Path) -> None:
+    root, manifest = _data(tmp_path)
+    out = tmp_path / "ckpt" / "preflight.json"
+    out.parent.mkdir()
+    done = _run("preflight", "--manifest", str(manifest), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "detdata.preflight" and doc["passed"] is True and doc["rank"] == 0
+    assert [c["check"] for c in doc["checks"]] == [
+        "devices",
+        "process group",
+        f"manifest {manifest}",
+    ]
+    assert all(c["ok"] for c in doc["checks"])
+    (root / "shard-001.npy").write_bytes(b"short")
+    failed = _run("preflight", "--manifest", str(manifest), "--out", str(out))
+    assert failed.returncode == 1
+    doc = json.loads(out.read_text())
+    assert doc["passed"] is False and "shard-001.npy" in doc["failures"][0]

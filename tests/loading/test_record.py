@@ -16,6 +16,7 @@ import pytest
 
 import detdata
 from detdata import ConfigError, DataLoader, RunRecord, StateError, TokenWindows, build_manifest
+from detdata.loading.record import IMAGE_DIGEST_ENV, IMAGE_ENV
 from tests.conftest import write_token_shards
 
 
@@ -67,7 +68,7 @@ def test_capture_holds_the_inputs_and_round_trips_plain_json(repo: Path, data: P
     rec = _capture(repo, data)
     doc = rec.to_json()
     assert json.loads(json.dumps(doc)) == doc  # JSON-plain
-    assert doc["kind"] == "detdata.run_record" and doc["format_version"] == 1
+    assert doc["kind"] == "detdata.run_record" and doc["format_version"] == 2
     assert doc["code"]["revision"] == _git(repo, "rev-parse", "HEAD")
     assert doc["code"]["dirty"] is False and doc["code"]["dirty_files"] == 0
     lock = (repo / "requirements-lock.txt").read_bytes()
@@ -113,7 +114,9 @@ def test_save_and_load(repo: Path, data: Path, tmp_path: Path) -> None:
 def test_outside_git_revision_and_dirty_are_none_with_a_note(tmp_path: Path, data: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
-    rec = _capture(plain, data, lock_files=[])
+    with pytest.raises(ConfigError, match=r"cannot tell whether the code is dirty.*allow_dirty"):
+        _capture(plain, data, lock_files=[])  # an unknown dirty state is not a clean one
+    rec = _capture(plain, data, lock_files=[], allow_dirty=True)
     code = rec.to_json()["code"]
     assert code["revision"] is None and code["dirty"] is None
     assert "not in a git repository" in code["note"]
@@ -188,7 +191,32 @@ CASES: dict[str, Any] = {
     "config": {"kwargs": {"config": {"lr": 0.002, "model": "tiny"}}},
     "manifests": {"kwargs": {"manifests": ["b3:" + "0" * 64]}},
     "seeds": {"seed": 8},
-    "loader.global_batch_size": {"batch": 8},
+    # the global batch 4 -> 8 with the micro batch kept at 4: the accumulation doubles too
+    "loader.global_batch_size": {"batch": 8, "also": ["execution.accumulation"]},
+    # DP 1 x micro 4 -> DP 2 x micro 2: the same global batch and accumulation, other numerics
+    "execution.micro_batch": {
+        "loader": {"global_batch_size": 4, "micro_batch_size": 2, "world_size": 2, "rank": 0}
+    },
+    "execution.workers": {"loader": {"global_batch_size": 4, "num_workers": 2}},
+    "execution.worker_mode": {"edit": _edit(("execution", "worker_mode"), "thread")},
+    "execution.precision": {"kwargs": {"execution": {"precision": "bf16-mixed"}}},
+    "determinism.cudnn_benchmark": {
+        "setup": lambda repo, tmp, mp: mp.setattr("torch.backends.cudnn.benchmark", True)
+    },
+    "determinism.cuda_matmul_allow_tf32": {
+        "edit": _edit(("determinism", "cuda_matmul_allow_tf32"), True)
+    },
+    "determinism.deterministic_algorithms": {
+        "edit": _edit(("determinism", "deterministic_algorithms"), True)
+    },
+    "platform.kernel": {"edit": _edit(("platform", "kernel"), "5.4.0-generic")},
+    "platform.os": {"edit": _edit(("platform", "os"), "Darwin")},
+    "container.image_digest": {
+        "setup": lambda repo, tmp, mp: mp.setenv("DETDATA_IMAGE_DIGEST", "sha256:" + "a" * 64)
+    },
+    "container.image": {
+        "setup": lambda repo, tmp, mp: mp.setenv("CONTAINER_IMAGE", "nvcr.io/nvidia/pytorch:25.01")
+    },
 }
 
 
@@ -202,7 +230,7 @@ def test_verify_refuses_each_changed_field_and_logs_it_when_allowed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     case = CASES[name]
-    for var in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "MY_FLAG"):
+    for var in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "MY_FLAG", *IMAGE_ENV, *IMAGE_DIGEST_ENV):
         monkeypatch.delenv(var, raising=False)
     kwargs = {k: v for k, v in case.get("kwargs", {}).items() if k == "extra_env"}
     saved = _capture(repo, data, **kwargs)
@@ -219,25 +247,30 @@ def test_verify_refuses_each_changed_field_and_logs_it_when_allowed(
         kw["loader"] = _loader(data, seed=case["seed"])
     if "batch" in case:
         ds = TokenWindows(build_manifest(str(data)), 8)
-        kw["loader"] = DataLoader(ds, global_batch_size=case["batch"], seed=7)
+        kw["loader"] = DataLoader(ds, global_batch_size=case["batch"], micro_batch_size=4, seed=7)
+    if "loader" in case:
+        ds = TokenWindows(build_manifest(str(data)), 8)
+        kw["loader"] = DataLoader(ds, seed=7, **case["loader"])
     now = _capture(repo, data, **kw)
     if "edit_now" in case:  # both records stand for machines with GPUs
         doc = copy.deepcopy(now.to_json())
         case["edit_now"](doc)
         now = RunRecord.from_json(doc)
-    assert now.differences(saved) == [name]
+    expected = sorted([name, *case.get("also", [])])
+    assert now.differences(saved) == expected
     with pytest.raises(StateError) as info:
         now.verify(saved)
-    assert info.value.fields == (name,)
+    assert info.value.fields == tuple(expected)
     message = str(info.value)
     assert f"  {name}: " in message and "saved" in message and "now" in message
-    assert f"allow=('{name}',)" in message
+    if not case.get("also"):
+        assert f"allow=('{name}',)" in message
     caplog.set_level(logging.WARNING, logger="detdata.loading.record")
-    now.verify(saved.to_json(), allow=[name])
+    now.verify(saved.to_json(), allow=expected)
     lines = [r.getMessage() for r in caplog.records if "allowed difference" in r.getMessage()]
-    assert len(lines) == 1 and f"allowed difference {name}: " in lines[0]
+    assert len(lines) == len(expected) and any(f"allowed difference {name}: " in x for x in lines)
     group = name.split(".")[0]
-    if group in ("env", "loader"):
+    if "." in name and not case.get("also"):
         now.verify(saved, allow=[group])
 
 
@@ -278,3 +311,113 @@ def test_bad_inputs_are_refused(repo: Path, data: Path) -> None:
     with pytest.raises(StateError, match="unknown format_version 99"):
         RunRecord.from_json(doc)
     assert detdata.RunRecord is RunRecord
+
+
+def test_a_micro_batch_change_is_refused(repo: Path, data: Path) -> None:
+    """The issue's case: micro batch 16 -> 8 (accumulation 1 -> 2) at the same global batch 16,
+    which changes numerics, no longer passes verify."""
+    ds = TokenWindows(build_manifest(str(data)), 8)
+    saved = _capture(repo, data, loader=DataLoader(ds, global_batch_size=16, micro_batch_size=16))
+    now = _capture(repo, data, loader=DataLoader(ds, global_batch_size=16, micro_batch_size=8))
+    with pytest.raises(StateError) as info:
+        now.verify(saved)
+    assert info.value.fields == ("execution.accumulation", "execution.micro_batch")
+    assert "execution.micro_batch: saved 16, now 8" in str(info.value)
+
+
+def test_extra_env_values_are_hashed_unless_asked_in_clear(
+    repo: Path, data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "hf_SECRET_token_value_123"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("MY_FLAG", "on")
+    rec = _capture(repo, data, extra_env=["HF_TOKEN", "MY_FLAG"], clear_env=["MY_FLAG"])
+    text = json.dumps(rec.to_json())
+    assert secret not in text
+    assert rec.to_json()["env"]["HF_TOKEN"] == "b3:" + blake3.blake3(secret.encode()).hexdigest()
+    assert rec.to_json()["env"]["MY_FLAG"] == "on"
+    monkeypatch.setenv("HF_TOKEN", secret + "x")  # another value: still a checked difference
+    now = _capture(repo, data, extra_env=["HF_TOKEN", "MY_FLAG"], clear_env=["MY_FLAG"])
+    assert now.differences(rec) == ["env.HF_TOKEN"]
+    with pytest.raises(ConfigError, match="clear_env names"):
+        _capture(repo, data, clear_env=["OTHER"])
+
+
+def test_container_platform_and_determinism_are_recorded(
+    repo: Path, data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    import torch
+
+    for var in (*IMAGE_ENV, *IMAGE_DIGEST_ENV):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CONTAINER_IMAGE_DIGEST", "sha256:" + "b" * 64)
+    doc = _capture(repo, data).to_json()
+    assert doc["container"] == {
+        "image": None,
+        "image_digest": "sha256:" + "b" * 64,
+        "source": "CONTAINER_IMAGE_DIGEST",
+    }
+    assert doc["platform"]["os"] == platform.system()
+    assert doc["platform"]["kernel"] == platform.release()
+    flags = doc["determinism"]
+    assert flags["deterministic_algorithms"] is torch.are_deterministic_algorithms_enabled()
+    assert flags["cudnn_benchmark"] is torch.backends.cudnn.benchmark
+    assert flags["cuda_matmul_allow_tf32"] is torch.backends.cuda.matmul.allow_tf32
+    assert flags["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert doc["execution"] == {
+        "micro_batch": 4, "accumulation": 1, "workers": 0, "worker_mode": "process",
+        "precision": None,
+    }  # fmt: skip
+    given = _capture(repo, data, image="img:1", image_digest="sha256:" + "c" * 64).to_json()
+    assert given["container"]["source"] == "image=, image_digest="
+
+
+def test_a_checkout_git_refuses_is_reported_as_such(tmp_path: Path, data: Path) -> None:
+    """A checkout owned by another user: git refuses it ("dubious ownership"); the record says
+    so (not "not a git repository") and capture refuses without allow_dirty."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the checkout to another user")
+    other = tmp_path / "theirs"
+    other.mkdir()
+    _git(other, "init", "-q")
+    (other / "train.py").write_text("x = 1\n")
+    _git(other, "add", "train.py")
+    _git(other, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    subprocess.run(["chown", "-R", "65534:65534", str(other)], check=True)
+    with pytest.raises(ConfigError, match=r"dubious ownership.*safe\.directory"):
+        _capture(other, data, lock_files=[])
+    rec = _capture(other, data, lock_files=[], allow_dirty=True)
+    code = rec.to_json()["code"]
+    assert code["dirty"] is None and "git refused the checkout" in code["note"]
+    assert "not in a git repository" not in code["note"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _edit(("gpus",), "NVIDIA H100"),
+        _edit(("gpus",), ["NVIDIA H100"]),
+        _edit(("code",), None),
+        _edit(("packages", "list"), "numpy"),
+        _edit(("packages",), "b3:00"),
+        _edit(("data", "seeds"), [7]),
+        _edit(("data", "loader"), None),
+        _edit(("env",), ["A"]),
+        _edit(("execution",), 3),
+        _edit(("versions",), None),
+    ],
+)
+def test_a_tampered_record_is_a_clear_error(
+    repo: Path, data: Path, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    rec = _capture(repo, data)
+    doc = copy.deepcopy(rec.to_json())
+    edit(doc)
+    with pytest.raises(StateError, match="run record"):
+        rec.verify(doc)
+    with pytest.raises(StateError):
+        RunRecord.from_json(json.dumps(doc))

@@ -26,17 +26,17 @@ import pytest
 
 import detdata
 from detdata.base.errors import DetdataError, RetriesExhausted, StorageError, VerificationError
-from detdata.datasets.tokens import TokenWindows
-from detdata.identity.build import build_manifest
-from detdata.identity.manifest import Manifest
-from detdata.identity.registry import Registry
-from detdata.storage.redact import (
+from detdata.base.redact import (
     has_credentials,
     redact_text,
     redact_url,
     scrub_exception,
     strip_credentials,
 )
+from detdata.datasets.tokens import TokenWindows
+from detdata.identity.build import build_manifest
+from detdata.identity.manifest import Manifest
+from detdata.identity.registry import Registry
 from detdata.storage.retry import RetryPolicy
 from tests.faultproxy import Fault, FaultProxy, reset_all, schedule
 from tests.servers import HttpServer
@@ -272,3 +272,62 @@ def test_remote_run_never_shows_a_secret(
         leaks = [k for k, v in texts.items() if secret in v]
         leaks += [p for p, body in files.items() if secret.encode() in body]
         assert leaks == [], f"{secret} leaked into {leaks}"
+
+
+# ------------------------------------------------------------------ the one boundary
+def test_every_detdata_logger_comes_from_the_boundary() -> None:
+    """No module makes a logger the redaction filter is not attached to."""
+    package = Path(detdata.__file__).resolve().parent
+    offenders = [
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if "logging.getLogger(" in p.read_text(encoding="utf-8") and p.name != "redact.py"
+    ]
+    assert offenders == [], f"use detdata.base.redact.get_logger in {offenders}"
+
+
+def _error_types() -> list[type[BaseException]]:
+    import detdata.base.errors as errors
+
+    return [
+        t
+        for t in vars(errors).values()
+        if isinstance(t, type) and issubclass(t, errors.DetdataError)
+    ]
+
+
+def test_every_detdata_error_message_is_redacted_when_made() -> None:
+    from detdata.base.errors import RetriesExhausted, StateError, VerificationError
+
+    url = f"http://alice:{USER_SECRET}@host/d/s.npy?sig={SIG_SECRET}&part=1"
+    shown = "http://***@host/d/s.npy?sig=***&part=1"
+    for kind in _error_types():
+        if kind is RetriesExhausted:
+            exc: BaseException = kind(
+                f"read {url}", shard="s.npy", url=url, attempts=1, last_error=OSError(url)
+            )
+        elif kind in (VerificationError, StateError):
+            exc = kind(f"read {url}")
+        else:
+            exc = kind(f"read {url}")
+        text = _exception_text(exc)
+        assert all(s not in text for s in SECRETS), (kind, text)
+        assert shown in str(exc), kind
+
+
+def test_the_cli_stream_redacts_urls_cut_across_writes() -> None:
+    import io
+
+    from detdata.base.redact import RedactingWriter
+
+    target = io.StringIO()
+    writer = RedactingWriter(target)
+    line = f"at http://alice:{USER_SECRET}@host/x?sig={SIG_SECRET} done\n"
+    for i in range(0, len(line), 3):  # a URL written three characters at a time
+        writer.write(line[i : i + 3])
+    writer.write(f"progress http://u:{TOKEN_SECRET}@h/y\r")
+    writer.write(f"tail http://u:{TOKEN_SECRET}@h/z")
+    writer.flush()
+    out = target.getvalue()
+    assert all(s not in out for s in SECRETS), out
+    assert out.count("http://***@h/") == 2 and "http://***@host/x?sig=***" in out

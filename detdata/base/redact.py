@@ -1,0 +1,381 @@
+"""Keeping credentials out of messages, logs, records, CLI output and saved files: the one
+redaction home, and the boundary every output of detdata passes through.
+
+The boundary (so that a new feature cannot forget it):
+
+* **messages**: every `detdata.base.errors.DetdataError` redacts its text when it is
+  made (`redact_args`), whichever layer raises it; `scrub_exception` does it for a
+  storage client's exception before detdata chains or keeps it;
+* **CLI lines**: ``detdata``'s ``main`` runs every command inside `redacted_output`,
+  which passes everything written to stdout and stderr (results, warnings, progress
+  bars, the final error line) through `redact_text` line by line;
+* **records**: `redact_value` redacts every string of a JSON-like record
+  (`SampleRecord` locations, ``where`` / ``provenance`` output);
+* **logs**: every detdata logger comes from `get_logger`, which attaches the
+  `RedactingFilter`; the storage clients' loggers get it at import
+  (`install_log_redaction`).
+
+Two kinds of secrets ride in URLs:
+
+* **user info**: ``http://alice:TOKEN@host/data``, ``s3://KEY:SECRET@bucket`` (and a
+  bare ``https://TOKEN@host``): everything between ``://`` and the ``@`` that ends
+  the authority;
+* **credential-bearing query parameters**, as in presigned or SAS URLs. A
+  parameter is a credential when its name, compared case-insensitively, is one of
+  `SECRET_PARAMS` (``X-Amz-Signature``, ``X-Amz-Credential``,
+  ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``X-Goog-Credential``,
+  ``Signature``, ``sig``, ``token``, ``access_token``, ``key``, ``api_key``,
+  ``password``, ``secret``, ``client_secret``, ``auth``, ...) or contains one of
+  `SECRET_WORDS` (``token``, ``secret``, ``signature``, ``password``,
+  ``credential``, ``apikey``, ``api_key``, ``access_key``, ...).
+
+`redact_url` replaces them with ``***`` (parameter names stay, so a reader sees
+*which* credentials a URL carried); `redact_text` does that for every URL inside
+a message. `strip_credentials` removes them (no ``***`` left behind that a later
+reader would send as a credential): the form in which a root is persisted.
+`scrub_exception` redacts an exception's text in place before detdata re-raises
+or chains it. `RedactingFilter` redacts log records; `install_log_redaction`
+puts one on the loggers of the fsspec back ends detdata reads through (their
+DEBUG lines quote every URL), once, when `detdata.storage.fs` is imported.
+Everything else in a URL (host, path, other parameters, a ``?`` or ``#`` in a
+shard name) is kept byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, Final, TextIO, TypeVar
+
+T = TypeVar("T")
+
+MASK: Final = "***"
+
+SECRET_PARAMS: Final = frozenset(
+    {
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "x-goog-signature",
+        "x-goog-credential",
+        "x-goog-security-token",
+        "signature",
+        "sig",
+        "token",
+        "access_token",
+        "id_token",
+        "refresh_token",
+        "key",
+        "api_key",
+        "apikey",
+        "access_key",
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "client_secret",
+        "awsaccesskeyid",
+        "googleaccessid",
+        "auth",
+        "authorization",
+    }
+)
+SECRET_WORDS: Final = (
+    "token",
+    "secret",
+    "signature",
+    "password",
+    "passwd",
+    "credential",
+    "apikey",
+    "api_key",
+    "api-key",
+    "access_key",
+    "accesskey",
+)
+
+# scheme :// userinfo @ (userinfo: anything up to the last '@' before the path starts)
+_USERINFO: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*@)")
+_PARAM: Final = re.compile(r"(^|[&;])([^&;=#]+)=([^&;#]*)")
+# a URL inside free text: up to whitespace, a quote or a bracket
+_URL_IN_TEXT: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}]+")
+
+
+def is_secret_param(name: str) -> bool:
+    """Whether a query parameter named ``name`` carries a credential (see the module doc)."""
+    low = name.strip().lower()
+    return low in SECRET_PARAMS or any(word in low for word in SECRET_WORDS)
+
+
+def _split(url: str) -> tuple[str, str, str, str]:
+    """``(before userinfo, userinfo with '@' or '', rest up to '?', query with '?' or '')``."""
+    m = _USERINFO.match(url)
+    head, userinfo = (m.group(1), m.group(2)) if m else ("", "")
+    rest = url[len(head) + len(userinfo) :]
+    path, sep, query = rest.partition("?")
+    return head, userinfo, path, sep + query
+
+
+def _query_secrets(query: str, replace: str | None) -> str:
+    """``query`` (without '?') with credential values replaced (or, None, parameters dropped)."""
+    fragment = ""
+    if "#" in query:
+        query, fragment = query.split("#", 1)
+        fragment = "#" + fragment
+
+    def sub(m: re.Match[str]) -> str:
+        lead, name, _ = m.groups()
+        if not is_secret_param(name):
+            return m.group(0)
+        return "" if replace is None else f"{lead}{name}={replace}"
+
+    out = _PARAM.sub(sub, query)
+    if replace is None:
+        out = re.sub(r"[&;]{2,}", "&", out).strip("&;")
+    return out + fragment
+
+
+def redact_url(url: str) -> str:
+    """``url`` with user info and credential query values replaced by ``***``.
+
+    ``http://alice:TOKEN@host/d?X-Amz-Signature=abc&part=1`` ->
+    ``http://***@host/d?X-Amz-Signature=***&part=1``. Strings without either are
+    returned unchanged (local paths, ``s3://bucket/key``).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    head, userinfo, path, query = _split(url)
+    shown = head + (f"{MASK}@" if userinfo else "") + path
+    if query:
+        shown += "?" + _query_secrets(query[1:], MASK)
+    return shown
+
+
+def strip_credentials(url: str) -> str:
+    """``url`` without user info and without credential query parameters (what is persisted).
+
+    ``http://alice:TOKEN@host/d?sig=abc&part=1`` -> ``http://host/d?part=1``. The
+    credentials stay runtime arguments (a ``root=`` or ``storage_options``).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    head, _, path, query = _split(url)
+    out = head + path
+    if query:
+        kept = _query_secrets(query[1:], None)
+        if kept and not kept.startswith("#"):
+            out += "?" + kept
+        elif kept:
+            out += kept
+    return out
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `strip_credentials` would change ``url``."""
+    return strip_credentials(url) != url
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through `redact_url` (messages, log lines)."""
+    if "://" not in text:
+        return text
+
+    def one(m: re.Match[str]) -> str:
+        url = m.group(0)
+        body = url.rstrip(".,;:!?")  # sentence punctuation after a URL is not part of it
+        return redact_url(body) + url[len(body) :]
+
+    return _URL_IN_TEXT.sub(one, text)
+
+
+def scrub_exception(exc: BaseException) -> BaseException:
+    """Redact the URLs in ``exc``'s text in place (its ``args``, and an OSError's file names).
+
+    Used before an exception from a storage client is re-raised, chained or
+    kept (``RetriesExhausted.last_error``): fsspec and aiohttp put the URL they
+    were given, credentials included, in their messages. Returns ``exc``. The
+    type and every other attribute are unchanged (so ``FileNotFoundError`` still
+    means "absent").
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        _scrub_one(current)
+        current = current.__cause__ or current.__context__
+    return exc
+
+
+def _scrub_one(exc: BaseException) -> None:
+    with contextlib.suppress(AttributeError, TypeError):  # exotic exception types
+        exc.args = tuple(redact_text(a) if isinstance(a, str) else a for a in exc.args)
+    if isinstance(exc, OSError):
+        for attr in ("strerror", "filename", "filename2"):
+            value = getattr(exc, attr, None)
+            if isinstance(value, str):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(exc, attr, redact_text(value))
+    # aiohttp's ClientResponseError renders request_info.real_url, not args
+    info = getattr(exc, "request_info", None)
+    if info is not None and hasattr(info, "real_url"):
+        _scrub_request_info(exc, info)
+
+
+def _scrub_request_info(exc: BaseException, info: object) -> None:
+    try:
+        import yarl
+
+        real = str(getattr(info, "real_url"))  # noqa: B009
+        if redact_url(real) == real:
+            return
+        safe_url = yarl.URL(redact_url(real), encoded=True)
+        replace = getattr(type(info), "_replace", None)
+        if replace is not None:  # a NamedTuple in older aiohttp
+            new_info = replace(info, url=safe_url, real_url=safe_url)
+        else:
+            import dataclasses
+
+            new_info = dataclasses.replace(info, url=safe_url, real_url=safe_url)  # type: ignore[type-var]
+        exc.request_info = new_info  # type: ignore[attr-defined]
+    except Exception:  # pragma: no cover - never let redaction itself fail a read
+        pass
+
+
+#: third-party loggers whose records quote the URLs they were given
+CLIENT_LOGGERS: Final = (
+    "fsspec",
+    "fsspec.http",
+    "fsspec.asyn",
+    "fsspec.local",
+    "fsspec.cached",
+    "fsspec.reference",
+    "s3fs",
+    "gcsfs",
+    "gcsfs.core",
+    "adlfs",
+    "aiohttp.client",
+)
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that passes every record with the URLs in its message redacted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to logging's own error path
+            return True
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and record.exc_info[1] is not None:
+            scrub_exception(record.exc_info[1])  # and its chain: formatters render them
+            record.exc_text = redact_text(_FORMATTER.formatException(record.exc_info))
+        return True
+
+
+_FORMATTER: Final = logging.Formatter()
+
+
+_FILTER: Final = RedactingFilter()
+
+
+def install_log_redaction(names: tuple[str, ...] = CLIENT_LOGGERS) -> None:
+    """Attach the (one) `RedactingFilter` to each named logger; idempotent."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger ``name`` with the (one) `RedactingFilter` attached: every detdata logger."""
+    install_log_redaction((name,))
+    return logging.getLogger(name)
+
+
+def redact_args(args: tuple[object, ...]) -> tuple[object, ...]:
+    """Exception arguments with every string passed through `redact_text`."""
+    return tuple(redact_text(a) if isinstance(a, str) else a for a in args)
+
+
+def redact_value(value: T) -> T:
+    """A JSON-like ``value`` (dicts, lists, tuples, strings, numbers) with every string in it,
+    dict keys included, passed through `redact_text`; containers are copied, other values
+    returned as they are."""
+    out: Any
+    if isinstance(value, str):
+        out = redact_text(value)
+    elif isinstance(value, dict):
+        out = {redact_value(k): redact_value(v) for k, v in value.items()}
+    elif isinstance(value, list):
+        out = [redact_value(v) for v in value]
+    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+        out = tuple(redact_value(v) for v in value)
+    else:
+        out = value
+    return out  # type: ignore[no-any-return]
+
+
+class RedactingWriter(io.TextIOBase):
+    """A text stream that writes ``target`` every line (ended by ``\\n`` or ``\\r``) through
+    `redact_text`. A URL never spans a line end, so nothing is cut in two; the unfinished
+    line is written (redacted) on `flush`. Attributes it does not have (``encoding``,
+    ``fileno``, ``buffer``...) are the target's."""
+
+    def __init__(self, target: TextIO) -> None:
+        super().__init__()
+        self.target = target
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            data = self._pending + text
+            cut = max(data.rfind("\n"), data.rfind("\r")) + 1
+            self._pending = data[cut:]
+            if cut:
+                self.target.write(redact_text(data[:cut]))
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self.target.write(redact_text(self._pending))
+                self._pending = ""
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """Run the body with ``sys.stdout`` and ``sys.stderr`` behind `RedactingWriter`s (the CLI
+    boundary); flushed and restored on the way out, whatever happens."""
+    saved = sys.stdout, sys.stderr
+    out, err = RedactingWriter(saved[0]), RedactingWriter(saved[1])
+    sys.stdout, sys.stderr = out, err
+    try:
+        yield
+    finally:
+        try:
+            for stream in (out, err):
+                with contextlib.suppress(ValueError):  # a closed target
+                    stream.flush()
+        finally:
+            sys.stdout, sys.stderr = saved
