@@ -123,3 +123,28 @@ def test_exclusion_without_source_on_a_mixture_says_how_to_name_it() -> None:
         detdata.Excluded(mix, [(0, detdata.ExclusionList.of([3]))])
     ok = detdata.Excluded(mix, [(0, detdata.ExclusionList.of([("web", 3)]))])
     assert ok.identity()["type"]
+
+
+def test_packed_tokens_arrive_in_a_dtype_nn_embedding_takes_with_the_values_written(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    rng = np.random.default_rng(5)
+    docs = random_documents(rng, 40, max_len=30, vocab=60_000, empty=False)
+    (tmp_path / "meg").mkdir()
+    write_megatron(tmp_path / "meg" / "P", docs, dtype="uint16")
+    documents = detdata.Documents(detdata.build_manifest(tmp_path / "meg"))
+    packed = detdata.PackedWindows(documents, seq_len=16, seed=0, shuffle=False)
+    loader = detdata.DataLoader(packed, global_batch_size=4, micro_batch_size=4, seed=0)
+    batch = next(iter(loader))
+    tokens = batch["tokens"]
+    assert tokens.dtype == torch.int32  # uint16 on disk, widened (as TokenWindows)
+    # the values are the writer's: unshuffled windows of 17 tokens at a stride of 16 over the
+    # concatenated documents (packing-v1 without eos/bos)
+    flat = np.concatenate(docs)
+    positions = detdata.GlobalOrder(packed.num_samples, 0).ids(np.arange(4))
+    want = np.stack([flat[w * 16 : w * 16 + 17] for w in positions.tolist()])
+    np.testing.assert_array_equal(tokens.numpy(), want)
+    embedded = torch.nn.Embedding(60_000, 4)(tokens)  # torch.uint16 would be refused
+    assert embedded.shape == (4, 17, 4)

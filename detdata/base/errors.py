@@ -3,6 +3,12 @@
 Each class also derives from the built-in that fits, so callers that catch
 `ValueError` / `OSError` keep working. Messages say what went wrong, where
 (which shard, field, position) and how to fix it.
+
+Every class can be made from its message alone (keyword attributes have defaults) and
+pickles with its attributes (``BaseException.__reduce__``: the arguments and the
+``__dict__``), so the class survives where exceptions are re-made from their type and
+text: torch's DataLoader worker processes (``ExceptionWrapper.reraise`` calls
+``type(message)``), multiprocessing, threads.
 """
 
 from __future__ import annotations
@@ -73,7 +79,13 @@ class RetriesExhausted(StorageError):
     """A storage read kept failing until its deadline (or a permanent error after retries)."""
 
     def __init__(
-        self, message: str, *, shard: str, url: str, attempts: int, last_error: BaseException
+        self,
+        message: str,
+        *,
+        shard: str = "",
+        url: str = "",
+        attempts: int = 0,
+        last_error: BaseException | None = None,
     ) -> None:
         super().__init__(message)
         self.shard = shard

@@ -132,7 +132,9 @@ class Documents(ShardReader):
     ``eod_token``: the end-of-document token of plain token shards (required when
     the manifest has some; refused otherwise). ``column``: the token-list column of
     table shards (likewise). ``out_dtype``: the dtype of gathered tokens (default:
-    the common type of every shard's tokens; it must hold all of them). ``index_dir``:
+    the common type of every shard's tokens widened to one a model embeds, as `TokenWindows`:
+    uint8 / int8 / uint16 / int16 / int32 shards -> int32, uint32 / int64 -> int64; the values
+    are unchanged; an explicit ``out_dtype`` must hold all of them). ``index_dir``:
     where the document table is stored (None: rebuilt at each construction).
     ``max_open_shards``: the bound of shards with an open handle per process (it
     never changes a token read, so it is not in ``identity()``).
@@ -193,6 +195,8 @@ class Documents(ShardReader):
                 "verified local copies; hint: pass cache_dir='/local/dir'"
             )
         units = self._plan_units()
+        #: what the shards store (token ids must fit it); `out_dtype` is what is delivered
+        self.stored_dtype = stored_dtype(units)
         self.out_dtype = _common_dtype(units, out_dtype)
         starts, units = self._document_table(units)
         self.units: tuple[Unit, ...] = tuple(units)
@@ -792,12 +796,20 @@ def _copy_from(
     out[np.repeat(target, count) + run] = values[np.repeat(source, count) + run]
 
 
+def stored_dtype(units: list[Unit]) -> np.dtype[Any]:
+    """The common type of the units' stored tokens (every token id fits it)."""
+    return np.dtype(np.result_type(*[np.dtype(d) for d in sorted({u.dtype for u in units})]))
+
+
 def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
-    """The dtype gathered tokens are delivered in: ``out_dtype`` or the units' common type."""
+    """The dtype gathered tokens are delivered in: ``out_dtype``, else the stored type widened
+    to one a model embeds (as `TokenWindows`): up to 16 bits and int32 -> int32, uint32 and
+    int64 -> int64 (values unchanged; ``nn.Embedding`` refuses ``torch.uint16``)."""
     found = sorted({u.dtype for u in units})
-    common = np.result_type(*[np.dtype(d) for d in found])
+    common = stored_dtype(units)
     if out_dtype is None:
-        return np.dtype(common)
+        widened = np.result_type(common, np.int32)
+        return np.dtype(widened) if widened.kind == "i" else common
     want = np.dtype(out_dtype)
     narrow = [d for d in found if not np.can_cast(d, want, casting="safe")]
     if want.kind not in "iu" or narrow:

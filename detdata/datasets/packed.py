@@ -117,7 +117,7 @@ class PackedWindows(ProcessLocal):
         self.labels = _check_bool(labels, "labels")
         self.window = self.seq_len + int(self.labels)
         self.tail = parse_tail(tail)
-        dtype = documents.out_dtype
+        dtype = documents.stored_dtype  # a token id the corpus could store (delivered wider)
         self.bos = _check_token(bos, "bos", dtype)
         self.eos = _check_token(eos, "eos", dtype)
         self.pad_id = _check_token(pad_id, "pad_id", dtype)

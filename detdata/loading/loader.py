@@ -1115,7 +1115,7 @@ class DataLoader:
             if change.position > position:
                 then[change.field] = change.old
         for candidate in self._earlier_streams(then):
-            if all(_same(self._fields_of(candidate, then)[k], then[k]) for k in _STREAM_FIELDS):
+            if self._delivers_as(candidate, then):
                 return candidate
         raise StateError(
             f"position {position} (step {self.step_of_position(position)}) was delivered before "
@@ -1125,8 +1125,21 @@ class DataLoader:
             fields=tuple(dict.fromkeys(c.field for c in later)),
         )
 
+    def _delivers_as(self, stream: Stream, then: Mapping[str, Any]) -> bool:
+        """``stream`` has the fields in force ``then`` and orders with the seed of that time
+        (its identity's own seed: ``stream_seed``, or ``seed`` when the loader ordered it)."""
+        fields = self._fields_of(stream, then)
+        if not all(_same(fields[k], then[k]) for k in _STREAM_FIELDS):
+            return False
+        own = stream.identity().get("seed")
+        expected = then[K_SEED] if then[K_STREAM_SEED] is None else then[K_STREAM_SEED]
+        return own is None or _same(own, expected)
+
     def _earlier_streams(self, then: Mapping[str, Any]) -> Iterator[Stream]:
-        """Streams this loader can build with the seeds in force ``then`` (same data, order)."""
+        """This loader's stream (a change of the loader's own seed leaves a stream the caller
+        built as it was), then the streams it can build with the seeds in force ``then``
+        (same data, same order)."""
+        yield self._stream
         seed = then[K_SEED]
         if self._stream is not self._data and isinstance(seed, int):  # the loader ordered it
             yield as_stream(self._data, seed, order=self._order)
@@ -1152,10 +1165,17 @@ class DataLoader:
         return str(self._plan.step_of(total - 1))
 
     def _check_delivered(self, step: int) -> None:
-        """``step`` ends at or before ``total_samples`` (`ConfigError` naming the last step)."""
+        """``step`` ends at or before ``total_samples`` and the last addressable position
+        ``2**62`` (`ConfigError` naming the last step delivered)."""
+        end = self._plan.start_of(step + 1)
+        if end > MAX_POSITION:
+            raise ConfigError(
+                f"step {step} is never delivered: it ends at position {end}, past the last "
+                f"addressable position 2**62 - 1 (last step "
+                f"{self._plan.step_of(MAX_POSITION - 1)}); hint: ask for a step the run delivers"
+            )
         if self.total_samples is None:
             return
-        end = self._plan.start_of(step + 1)
         if end > self.total_samples:
             raise ConfigError(
                 f"step {step} is never delivered: this run stops at total_samples "

@@ -421,3 +421,21 @@ def test_a_tampered_record_is_a_clear_error(
         rec.verify(doc)
     with pytest.raises(StateError):
         RunRecord.from_json(json.dumps(doc))
+
+
+def test_a_format_1_record_is_read_and_its_new_sections_differ_by_name(
+    repo: Path, data: Path
+) -> None:
+    rec = _capture(repo, data)
+    old = copy.deepcopy(rec.to_json())
+    for section in ("execution", "determinism", "platform", "container"):
+        del old[section]
+    old["format_version"] = 1
+    saved = RunRecord.from_json(old)
+    diffs = rec.differences(saved)
+    assert diffs and {d.split(".")[0] for d in diffs} <= {
+        "execution", "determinism", "platform", "container",
+    }  # fmt: skip
+    with pytest.raises(StateError):
+        rec.verify(saved)
+    rec.verify(saved, allow=["execution", "determinism", "platform", "container"])

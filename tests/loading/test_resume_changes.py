@@ -222,3 +222,33 @@ def test_steps_past_total_samples_are_refused_naming_the_last() -> None:
         dl.provenance(10)
     with pytest.raises(ConfigError, match="until=81 is past the last position"):
         dl.positions_seen(None, 3, until=81)
+    endless = DataLoader(_data(), global_batch_size=GBS, micro_batch_size=MICRO)
+    last = 2**62 // GBS - 1  # the last step: its last position is 2**62 - 1
+    assert endless.provenance(last)[-1].position < 2**62
+    with pytest.raises(ConfigError, match=r"past the last addressable position"):
+        endless.provenance(last + 1)
+
+
+def _mixed(seed: int) -> Make:
+    def make(rank: int) -> DataLoader:
+        sources = {"a": _data(), "b": _data(1000)}
+        mixture = detdata.Mixture(sources, {"a": 1, "b": 2}, seed=21)
+        return DataLoader(
+            mixture, global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD,
+            rank=rank, seed=seed,
+        )  # fmt: skip
+
+    return make
+
+
+def test_a_loader_seed_change_over_a_caller_stream_answers_every_step() -> None:
+    """The loader's own seed (transform randomness) changed over a Mixture the caller built:
+    the stream is the same before and after, so every step is answered, none refused."""
+    state, delivered, _ = _resumed(_mixed(1), _mixed(2), ("seed",))
+    fresh = _mixed(2)(0)
+    fresh.load_state_dict(state)
+    assert [e["field"] for e in state["history"] if "field" in e] == ["seed"]
+    for step in range(9):
+        records = fresh.provenance(step)
+        got = [r.sample_id + (1000 if r.source == "b" else 0) for r in records]
+        assert got == [delivered[p] for p in range(step * GBS, (step + 1) * GBS)], step
