@@ -354,7 +354,9 @@ def test_resume_with_total_samples_off_the_resumed_steps_is_refused_with_a_hint(
         DATA, global_batch_size=12, micro_batch_size=4, seed=SEED, total_samples=36
     )
     with pytest.raises(StateError, match="set_total_samples"):
-        bounded.load_state_dict(run.state_dict(), allow=["global_batch_size"], mid_step="continue")  # steps 8, 20, 32
+        bounded.load_state_dict(  # steps 8, 20, 32
+            run.state_dict(), allow=["global_batch_size"], mid_step="continue"
+        )
 
 
 def test_rank_steps_are_the_global_step_on_every_rank() -> None:
