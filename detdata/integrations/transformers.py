@@ -30,9 +30,10 @@ What it does, and nothing else:
 ``len(loader)`` counts whole global steps' worth of micro batches, so the Trainer never takes
 a short step at an epoch's end: its optimizer step N, epoch and ``epoch`` fraction are an
 uninterrupted run's, and step N holds detdata's step N (``loader.position_of_step(N)`` on).
-The Trainer saves only after an optimizer step and fetches a whole step's micro batches
-before training any, so its checkpoints are at step boundaries; a loader state saved inside a
-step elsewhere re-delivers that step by default (`detdata.MidStep`).
+The Trainer fetches a whole step's micro batches before training any; the state written is
+the loader's at the first position of the Trainer's ``global_step``, so a checkpoint written
+inside gradient accumulation (your own ``_save_checkpoint`` from a callback's
+``on_substep_end``) resumes by training that step whole (its partial gradients are not saved).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from detdata.base.errors import ConfigError, StateError
 from detdata.loading.loader import DataLoader
+from detdata.loading.state import LoaderState
+from detdata.loading.steps import MidStep
 
 __all__ = ["STATE_FILE", "DetdataTrainer", "DetdataTrainerMixin"]
 
@@ -92,21 +95,28 @@ class DetdataTrainerMixin:
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)  # type: ignore[misc]
         state = self.state  # type: ignore[attr-defined]
-        if self.detdata_loader.step != state.global_step:
+        # the loader state at the first position of the Trainer's step: the same state between
+        # two steps; inside gradient accumulation (the Trainer fetched the step's micro batches
+        # before training them, their gradients are not saved) the step is trained again
+        try:
+            saved = LoaderState.from_json(self.detdata_loader.state_dict()).resumed(
+                MidStep.REDO, at_step=int(state.global_step)
+            )
+        except StateError as exc:  # checked before anything is written
             raise StateError(
                 f"transformers.Trainer saves optimizer step {state.global_step} but the detdata "
                 f"loader has delivered {self.detdata_loader.samples_consumed} samples (global "
-                f"step {self.detdata_loader.step}); hint: build the Trainer as DetdataTrainer "
-                "with this loader as train_dataloader and nothing else iterating it"
-            )
+                f"step {self.detdata_loader.step}): {exc}; hint: build the Trainer as "
+                "DetdataTrainer with this loader as train_dataloader and nothing else iterating it"
+            ) from None
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
         if not self.args.should_save:  # type: ignore[attr-defined]
             return
         folder = Path(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
         target = folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
         tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.detdata_loader.state_dict()))
+        tmp.write_text(json.dumps(saved.to_json()))
         os.replace(tmp, target)
 
     def _init_training_state(

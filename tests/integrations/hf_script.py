@@ -11,7 +11,8 @@ and a digest of every row.
 
 Config keys: ``out``, ``tag``, ``output_dir`` (the Trainer's), ``n`` (rows), ``global_batch``,
 ``micro``, ``accum`` (``gradient_accumulation_steps``), ``seed``, ``max_steps``, ``save_steps``,
-``workers``, ``resume`` (a checkpoint folder, or None).
+``workers``, ``resume`` (a checkpoint folder, or None), ``save_inside`` (a step: write a
+checkpoint after its first micro batch, inside gradient accumulation).
 """
 
 from __future__ import annotations
@@ -91,7 +92,19 @@ def make_trainer(cfg: dict[str, Any], records: list[dict[str, Any]]) -> Any:
         disable_tqdm=True,
     )
     torch.manual_seed(0)
-    return Recording(model=Tiny(), args=args, train_dataloader=build_loader(cfg))
+    trainer = Recording(model=Tiny(), args=args, train_dataloader=build_loader(cfg))
+    if cfg.get("save_inside") is not None:  # a checkpoint inside gradient accumulation
+        from transformers import TrainerCallback
+
+        class SaveInside(TrainerCallback):  # type: ignore[misc]
+            def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step == cfg["save_inside"] and not list(
+                    Path(cfg["output_dir"]).glob("*")
+                ):
+                    trainer._save_checkpoint(trainer.model, None)
+
+        trainer.add_callback(SaveInside())
+    return trainer
 
 
 def main() -> None:

@@ -204,3 +204,19 @@ def test_a_checkpoint_without_the_loader_state_is_refused(runs: Runs, tmp_path: 
     with pytest.raises(detdata.StateError, match=r"detdata_loader\.json"):
         trainer.train(resume_from_checkpoint=str(bare))
     assert trainer.detdata_loader.samples_consumed == 0
+
+
+def test_a_checkpoint_inside_gradient_accumulation_trains_that_step_whole(tmp_path: Path) -> None:
+    """A checkpoint written after the first micro batch of step 2 (accumulation 4; the
+    Trainer had fetched all four): its loader state is the step's first position, so the
+    resumed run trains step 2 whole, then 3 and 4, micro batch for micro batch the
+    uninterrupted loader's, with the Trainer's step and epoch counters."""
+    cfg = dict(procs=1, micro=2, accum=4, workers=0, save_steps=100)
+    first = {**cfg, "tag": "inside", "max_steps": 3, "resume": None, "save_inside": 2}
+    _run(first, tmp_path / "first")
+    ck = tmp_path / "first" / "ck" / "checkpoint-2"
+    state = json.loads((ck / "detdata_loader.json").read_text())
+    assert state["samples_consumed"] == 2 * BASE["global_batch"]
+    again = {**cfg, "tag": "again", "max_steps": 5, "resume": str(ck)}
+    traces = _run(again, tmp_path / "again")
+    check_steps(traces, cfg, range(2, 5), BASE["n"] // BASE["global_batch"])
