@@ -40,10 +40,30 @@ def register(sub: Any) -> None:
     p.add_argument("--allow", action="append", default=[], help="allowed field (repeatable)")
     p.add_argument("--layout", type=_pairs, help="the parallel layout: world=N,dp=N,tp=N,pp=N")
     p.add_argument("--loader-state", help="a saved loader state (JSON file)")
-    p.add_argument("--seed", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--execution", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--extra-env", action="append", default=[], metavar="NAME")
-    p.add_argument("--clear-env", action="append", default=[], metavar="NAME")
+    p.add_argument(
+        "--seed", action="append", default=[], metavar="NAME=VALUE", help="a seed (repeatable)"
+    )
+    p.add_argument(
+        "--execution",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an execution field: micro_batch, grad_accum, ... (repeatable)",
+    )
+    p.add_argument(
+        "--extra-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also record this environment variable, as its blake3 (repeatable)",
+    )
+    p.add_argument(
+        "--clear-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="record this --extra-env variable in clear text (repeatable)",
+    )
     p.add_argument("--image", help="the container image (default: from the environment)")
     p.add_argument("--image-digest", help="its digest (default: from the environment)")
     p.set_defaults(func=run_env)

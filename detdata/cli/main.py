@@ -1,4 +1,4 @@
-"""The ``detdata`` console command.
+"""The detdata console command: reproducible, resumable data for LLM pretraining.
 
 Each area registers its sub-commands from its own module (``detdata.cli.*``)
 listed in `COMMAND_MODULES`. Every failure ends in one ``detdata: ...`` message
@@ -13,7 +13,9 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Final
 
@@ -55,6 +57,17 @@ COMMAND_MODULES: Final = (
     "detdata.cli.split",
 )
 
+#: The commands by task, as ``detdata --help`` lists them; a command missing here is listed
+#: under "other commands".
+TASKS: Final = (
+    ("try it", ("demo", "replay-check", "bench")),
+    ("hash, name and check data", ("manifest", "hash", "verify", "register", "inspect")),
+    ("order, mixtures and splits", ("order", "mix", "split")),
+    ("before, during and after a run", ("env", "preflight", "diff", "where", "seen")),
+)
+_LITERAL: Final = re.compile(r"``([^`]+)``")
+_QUOTED: Final = re.compile(r"(?<![\w`])`([^`\n]+)`(?![\w`])")
+
 #: OSErrors that mean "this path (given by the user) cannot be used": a usage error.
 _PATH_ERRNOS: Final = frozenset(
     {
@@ -74,6 +87,7 @@ _PATH_ERRNOS: Final = frozenset(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="detdata",
+        usage="detdata [-h] [--traceback] COMMAND ...",
         description=__doc__.splitlines()[0] if __doc__ else None,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -83,11 +97,52 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on an error, show the Python traceback too (for bug reports)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    parser.description = f"{parser.description}\n\n{grouped_commands(sub)}"
+    _plain_help(parser)
     return parser
+
+
+def grouped_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> str:
+    """The sub-commands with their one-line help, under the headings of `TASKS`."""
+    helps = {a.dest: a.help or "" for a in sub._choices_actions}
+    width = max(map(len, helps)) + 2
+    placed = {c for _, commands in TASKS for c in commands}
+    groups = [*TASKS, ("other commands", tuple(c for c in helps if c not in placed))]
+    lines = []
+    for title, commands in groups:
+        present = [c for c in commands if c in helps]
+        if present:
+            lines.append(f"{title}:")
+            lines += [
+                textwrap.fill(
+                    f"  {c:<{width}}{helps[c]}", width=96, subsequent_indent=" " * (width + 2)
+                )
+                for c in present
+            ]
+    return "\n".join(lines)
+
+
+def plain(text: str) -> str:
+    """Help text without reST markup: ``--data`` and `name` print as --data and name."""
+    return _QUOTED.sub(r"\1", _LITERAL.sub(r"\1", text))
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """`plain` over every description, epilog and help of ``parser`` and its sub-commands."""
+    parser.description = plain(parser.description) if parser.description else None
+    parser.epilog = plain(parser.epilog) if parser.epilog else None
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help) if choice.help else choice.help
+            for child in dict.fromkeys(action.choices.values()):
+                _plain_help(child)
 
 
 def _message(exc: BaseException) -> str:

@@ -278,7 +278,9 @@ def _add_inspect(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "inspect", help="print a JSON summary of a manifest (NAME, ID or FILE; no verification)"
     )
-    parser.add_argument("target", metavar="NAME|ID|FILE")
+    parser.add_argument(
+        "target", metavar="NAME|ID|FILE", help="a registry name, a manifest id or a manifest file"
+    )
     _registry_arg(parser)
     parser.set_defaults(func=_cmd_inspect)
 
@@ -324,7 +326,7 @@ def _add_order(subparsers: Any) -> None:
         "order", help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)"
     )
     parser.add_argument("--n", type=int, required=True, help="number of samples")
-    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True, help="the order's seed")
     parser.add_argument("--at", type=int, required=True, metavar="G", help="first global position")
     parser.add_argument("--count", type=int, default=1, metavar="K", help="how many positions")
     parser.set_defaults(func=_cmd_order)

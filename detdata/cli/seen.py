@@ -37,9 +37,19 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("sample", type=parse_sample, metavar="SOURCE:ID")
+    p.add_argument(
+        "sample",
+        type=parse_sample,
+        metavar="SOURCE:ID",
+        help="the sample: a mixture source and its sample id (ID alone for one dataset)",
+    )
     p.add_argument("--until", required=True, type=int, metavar="P", help="positions [0, P)")
-    p.add_argument("--data", required=True, metavar="MODULE:FUNCTION")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="MODULE:FUNCTION",
+        help="a function (file.py:name or module:name) that builds the run's loader/stream",
+    )
     p.add_argument("--state", help="a saved loader state (checked against --data)")
     p.set_defaults(func=run_seen)
 

@@ -39,7 +39,13 @@ def register(sub: Any) -> None:
     p.add_argument("--root", help="where the shards are (default: the manifest's root)")
     p.add_argument("--fraction", required=True, help="validation fraction, e.g. 0.01 or 1/100")
     p.add_argument("--salt", required=True, help="the split's salt (any string)")
-    p.add_argument("--key", choices=("content", "id"), default="content")
+    p.add_argument(
+        "--key",
+        choices=("content", "id"),
+        default="content",
+        help="what decides a sample's side: its content's blake3 (default; survives "
+        "re-sharding and moves) or its sample id (cheaper)",
+    )
     p.add_argument("--seq-len", type=int, help="token shards: window length (TokenWindows)")
     p.add_argument("--no-labels", action="store_true", help="token windows without label token")
     p.add_argument("--columns", nargs="+", help="table shards: columns to key on (default: all)")

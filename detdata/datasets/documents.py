@@ -296,7 +296,10 @@ class Documents(ShardReader):
                 f"shard {entry.path} column {self.column!r}: lists of {value}, not of "
                 "integer token ids"
             )
-        return Unit(shard, -1, "table", np.dtype(value.to_pandas_dtype()).name, 0)
+        # from the type itself: pyarrow < 16's to_pandas_dtype() imports pandas (found by the
+        # lower-bound run, tests/test_lean_install.py)
+        sign = "i" if pa.types.is_signed_integer(value) else "u"
+        return Unit(shard, -1, "table", np.dtype(f"{sign}{value.bit_width // 8}").name, 0)
 
     def _open_table_schema(self, shard: int) -> pa.Schema:
         entry = self.manifest.shards[shard]

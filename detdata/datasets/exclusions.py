@@ -110,16 +110,29 @@ class ExclusionList:
         return digest_bytes(canonical_json(self.to_json()))
 
     def save(self, path: str | os.PathLike[str]) -> str:
-        """Write the list as JSON to ``path``; return its digest."""
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_json(), fh, indent=1)
+        """Write the list as JSON to ``path`` (atomically, `atomic_write_bytes`); its digest."""
+        from detdata.storage.atomic import atomic_write_bytes
+
+        text = json.dumps(self.to_json(), indent=1) + "\n"
+        atomic_write_bytes(os.fspath(path), text.encode("utf-8"))
         return self.digest
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, digest: str | None = None) -> ExclusionList:
         """Read a saved list; with ``digest``, refuse (`ConfigError`) a list of other content."""
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except IsADirectoryError:
+            raise ConfigError(
+                f"{path}: a folder, not an exclusion list file; hint: pass the JSON file "
+                "ExclusionList.save wrote"
+            ) from None
+        except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors
+            raise ConfigError(
+                f"{path}: not a detdata exclusion list (not valid JSON: {exc}); hint: pass the "
+                "JSON file ExclusionList.save wrote"
+            ) from None
         if not isinstance(doc, Mapping) or doc.get(K_KIND) != KIND:
             raise ConfigError(f"{path}: not a detdata exclusion list (kind {KIND!r} expected)")
         if doc.get(K_VERSION) != LIST_VERSION:

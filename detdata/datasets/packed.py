@@ -294,6 +294,14 @@ class PackedWindows(ProcessLocal):
             "num_samples": self._num,
         }
 
+    def padding_tokens(self) -> dict[int, int]:
+        """Window id -> padding among its ``seq_len`` input tokens (``tail="pad"``: the last
+        window, when the stream does not fill it; else none). Counted from the documents."""
+        pad = self._num * self.seq_len - self._total()
+        if self.tail is not Tail.PAD or pad <= 0:
+            return {}
+        return {self._num - 1: pad}
+
     def document_at(self, positions: IntArray) -> IntArray:
         """The document at each shuffled position (the packing order)."""
         return shuffled_documents(

@@ -606,7 +606,7 @@ class ShardReader(ProcessLocal, abc.ABC):
             path = self._cached_path(shard)
             try:
                 handle, inode = open_path(path)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             self._copy_files[shard] = (path, inode)
             return handle, path
@@ -666,7 +666,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         path, inode = known
         try:
             same = os.stat(path).st_ino == inode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # evicted, or the cache folder removed
             same = False
         if not same:
             self._forget_handle(shard)

@@ -358,6 +358,7 @@ class RunRecord:
                 f"the saved run record cannot be compared: {type(exc).__name__}: {exc}; it was "
                 "edited or corrupted; hint: compare with a record RunRecord.save wrote"
             ) from None
+        _check_held(allowed, {*self.fields(), *old.fields()})
         refused = [k for k in diffs if not _is_allowed(k, allowed)]
         for k in diffs:
             if k not in refused:
@@ -730,6 +731,19 @@ def _check_allow(allow: Iterable[str]) -> frozenset[str]:
             f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME"
         )
     return names
+
+
+def _check_held(allowed: frozenset[str], held: set[str]) -> None:
+    """`ConfigError` for an ``env.NAME`` / ``determinism.NAME`` neither record holds: a typo
+    there would allow nothing and say nothing."""
+    prefixes = (f"{K_ENV}.", f"{K_DETERMINISM}.")
+    unheld = sorted(n for n in allowed if n.startswith(prefixes) and n not in held)
+    if unheld:
+        recorded = sorted(n for n in held if n.startswith(prefixes))
+        raise ConfigError(
+            f"allow= names {unheld}, which neither run record holds; recorded: {recorded}; "
+            "hint: check the spelling, or allow the whole group ('env', 'determinism')"
+        )
 
 
 def _is_allowed(name: str, allowed: frozenset[str]) -> bool:

@@ -29,14 +29,17 @@ size, the number of workers or (when the ranks' records are read together) the
 world size. Tensors whose dtype numpy lacks (bfloat16, float8) are hashed by
 their raw bytes and described by the torch dtype name.
 
-**Timeline.** A trace file is read in order, per rank, as a run's deliveries. A
-record flagged ``restored`` follows a `TraceWriter.restore` (the loader's
-``load_state_dict``): the run went back (or forward) to ``at``, and the records at
-or after it are superseded by what follows; replayed positions must carry the
-same bytes as before, else the trace holds a *conflict*. A record whose ``at``
-does not continue its rank's previous record without a restore (a fresh loader
-appending at position 0 to a trace of 41 steps: its state was not loaded) is a
-*discontinuity*, reported at the step the run should have delivered next.
+**Timeline.** A trace file is read in order, per rank, as a run's deliveries: what the run
+trained on, step after step. A record flagged ``restored`` follows a `TraceWriter.restore`
+(the loader's ``load_state_dict``): the run went back (or forward) to ``at``, and what it
+delivered after the latest moment its cursor was at ``at`` is superseded by what follows;
+replayed positions must carry the same bytes as before, else the trace holds a *conflict*.
+A record whose ``at`` does not continue its rank's previous record without a restore is a
+*discontinuity* (a *restart* when at 0: a fresh loader whose state was not loaded): the
+run's next step got other data, so it is reported at the step the run should have delivered
+next, and nothing the rank delivered from there on (unless a restore rolls back before it)
+stands for a step. So the first divergent step is the true one whatever the lengths of the
+parts, and a ``--steps`` window before it compares what was delivered there.
 
 **Diff.** `compare` assembles each trace per global step from its final records
 (all ranks) and compares the steps' positions and summed digests; the first

@@ -65,14 +65,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, TypeVar
 
 import blake3
 import fsspec
 
-from detdata.base.errors import ConfigError, VerificationError
+from detdata.base.errors import ConfigError, DetdataError, StorageError, VerificationError
 from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
 from detdata.base.redact import get_logger
 from detdata.storage.fs import iter_chunks
@@ -96,6 +96,7 @@ class ShardEntry(Protocol):
 
 
 log: Final = get_logger("detdata.cache")
+T = TypeVar("T")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
 _TOUCH_EVERY_S: Final = 1.0
@@ -179,8 +180,10 @@ class ShardCache:
         self._touched: OrderedDict[str, float] = OrderedDict()  # bounded: TOUCHED_MAX
         self._generation = -1  # objects/ mtime when `copies_changed` last looked
         self._mutex = threading.Lock()
-        for sub in ("objects", "tmp", "locks"):
-            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        try:
+            self._make_layout()
+        except OSError as exc:
+            raise self._unusable(exc) from exc
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes})"
@@ -214,8 +217,66 @@ class ShardCache:
 
         ``url`` names the shard's location in errors and logs. ``background``: a
         prefetch, not a reader (its waits are not stalls; its fills are counted in
-        ``stats.background_fills``).
+        ``stats.background_fills``). The cache survives its folder being removed (a tmp
+        cleaner): the layout is recreated, with a warning, and the copy fetched again
+        (the cache only holds verified copies). A folder that cannot be written is a
+        `StorageError` naming it.
         """
+        return self._surviving(lambda: self._path(entry, fs, remote_path, url, background))
+
+    def _surviving(self, fn: Callable[[], T]) -> T:
+        """``fn()``; a removed cache folder is recreated and ``fn`` run once more; an OS error
+        on the folder is a `StorageError` naming it."""
+        try:
+            return fn()
+        except OSError as exc:
+            if not self._is_mine(exc):
+                raise
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                raise self._unusable(exc) from exc
+            try:
+                self._make_layout()
+            except OSError as again:
+                raise self._unusable(again) from exc
+            log.warning(
+                "detdata: shard cache folder %s was removed while in use (%s); recreated it: "
+                "its copies are fetched again",
+                self.directory,
+                exc.strerror or exc,
+            )
+        try:
+            return fn()
+        except OSError as exc:
+            if self._is_mine(exc):
+                raise self._unusable(exc) from exc
+            raise
+
+    def _is_mine(self, exc: OSError) -> bool:
+        """Whether ``exc`` is about a file of this cache (not a storage client's error)."""
+        if isinstance(exc, DetdataError):
+            return False
+        names = (exc.filename, exc.filename2)
+        return any(isinstance(n, str) and n.startswith(self.directory) for n in names)
+
+    def _unusable(self, exc: OSError) -> StorageError:
+        return StorageError(
+            f"shard cache folder {self.directory} cannot be used: {exc.strerror or exc} "
+            f"({exc.filename}); hint: give cache_dir= a writable local folder with free "
+            "space (it holds only verified copies: a new folder is refilled)"
+        )
+
+    def _make_layout(self) -> None:
+        for sub in ("objects", "tmp", "locks"):
+            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+
+    def _path(
+        self,
+        entry: ShardEntry,
+        fs: fsspec.AbstractFileSystem,
+        remote_path: str,
+        url: str,
+        background: bool,
+    ) -> str:
         final = self.object_path(entry)
         problem = self._check(final, entry)
         if problem is None:
@@ -239,7 +300,7 @@ class ShardCache:
     def release(self, entry: ShardEntry) -> None:
         """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
         final = self.object_path(entry)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             _utime_remembered(final, (0, 0))
             with self._mutex:
                 self.stats.releases += 1
@@ -248,7 +309,10 @@ class ShardCache:
     def copies_changed(self) -> bool:
         """Was a copy added to or removed from ``objects/`` (by any process) since this object
         last asked? (One ``stat`` of the directory; True the first time.)"""
-        now = os.stat(os.path.join(self.directory, "objects")).st_mtime_ns
+        try:
+            now = os.stat(os.path.join(self.directory, "objects")).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            return True  # removed: every copy changed (the next `path` recreates the folder)
         with self._mutex:
             changed, self._generation = now != self._generation, now
         return changed
@@ -299,7 +363,7 @@ class ShardCache:
                 len(touched) > TOUCHED_MAX or now - next(iter(touched.values())) >= _TOUCH_EVERY_S
             ):
                 touched.popitem(last=False)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             _utime_remembered(path, None)
 
     # checks ------------------------------------------------------------------
@@ -308,7 +372,7 @@ class ShardCache:
         seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
             st = os.stat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return "missing"
         size = st.st_size
         if size != entry.bytes:

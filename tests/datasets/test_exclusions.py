@@ -272,3 +272,33 @@ def test_tokens_consumed_through_exclusions(windows: TokenWindows) -> None:
     assert delivered == 12
     (count,) = dl.tokens_consumed().values()
     assert count == delivered * 16
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b'{"kind": "detdata.exclusions", ', "not valid JSON"),
+        (b"\xff\xfe not text", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON|not a detdata exclusion list"),
+        (b"", "not valid JSON"),
+        (None, "a folder"),
+    ],
+)
+def test_loading_a_bad_file_or_a_folder_is_a_config_error_naming_it(
+    tmp_path: Path, content: bytes | None, match: str
+) -> None:
+    path = tmp_path / "excl.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=match) as bad:
+        ExclusionList.load(path)
+    assert str(path) in str(bad.value)
+
+
+def test_a_saved_list_loads_back_equal(tmp_path: Path) -> None:
+    original = ExclusionList([("a.npy", 3), ("b.npy", 0)])
+    digest = original.save(tmp_path / "e.json")
+    again = ExclusionList.load(tmp_path / "e.json", digest=digest)
+    assert again.to_json() == original.to_json() and again.digest == digest

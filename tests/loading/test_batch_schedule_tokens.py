@@ -73,7 +73,7 @@ def test_tokens_consumed_of_one_dataset_and_across_a_resume(
     batches = [b for _, b in zip(range(5), dl, strict=False)]
     assert dl.tokens_consumed() == {"token_windows": count(batches)["code"]}
     again = DataLoader(sources["code"], global_batch_size=6, micro_batch_size=3, seed=2)
-    again.load_state_dict(dl.state_dict())
+    again.load_state_dict(dl.state_dict(), mid_step="continue")
     assert again.tokens_consumed() == dl.tokens_consumed()
 
 
@@ -81,3 +81,46 @@ def test_tokens_consumed_needs_fixed_length_samples() -> None:
     rows = detdata.ArrayDataset({"x": np.arange(10)}, name="rows")
     with pytest.raises(ConfigError, match=r"source 'rows' \(ArrayDataset\).*tokens_per_sample"):
         DataLoader(rows, global_batch_size=2).tokens_consumed()
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory: pytest.TempPathFactory) -> detdata.PackedWindows:
+    """Documents packed into 16-token windows with ``tail="pad"``: the last window of each
+    epoch holds padding (doc_index -1)."""
+    root = tmp_path_factory.mktemp("padded")
+    rng = np.random.default_rng(29)
+    tokens = rng.integers(1, 500, size=203).astype(np.uint16)
+    tokens[rng.choice(203, size=20, replace=False)] = 0  # eod
+    np.save(root / "s.npy", tokens)
+    documents = detdata.Documents(detdata.build_manifest(str(root)), eod_token=0)
+    packed = detdata.PackedWindows(documents, 16, seed=3, tail="pad", pad_id=0)
+    assert packed.padding_tokens(), "the corpus must leave a padded tail"
+    return packed
+
+
+def real_inputs(batches: list[dict[str, object]], seq_len: int) -> int:
+    """Input tokens that are not padding, read from the delivered ``doc_index`` column."""
+    return sum(int((np.asarray(b["doc_index"])[:, :seq_len] >= 0).sum()) for b in batches)
+
+
+def test_tokens_consumed_does_not_count_padding(padded: detdata.PackedWindows) -> None:
+    dl = DataLoader(padded, global_batch_size=4, micro_batch_size=2, seed=7)
+    seen: list[dict[str, object]] = []
+    for batch in zip(range(3 * padded.num_samples // 2 + 3), dl, strict=False):
+        seen.append(batch[1])
+        assert dl.tokens_consumed() == {"packed_windows": real_inputs(seen, 16)}, len(seen)
+    assert dl.samples_consumed >= 3 * padded.num_samples  # three epochs: the pad window thrice
+
+
+def test_tokens_consumed_of_a_mixture_of_padded_sources(padded: detdata.PackedWindows) -> None:
+    width = 8  # one max_segments for both sources (their columns must agree)
+    a, b = (
+        detdata.PackedWindows(
+            padded.documents, 16, seed=s, tail="pad", pad_id=0, max_segments=width
+        )
+        for s in (3, 4)
+    )
+    mixture = detdata.Mixture({"a": a, "b": b}, {"a": "1/2", "b": "1/2"}, seed=1)
+    dl = DataLoader(mixture, global_batch_size=4, micro_batch_size=4, seed=7)
+    seen = [b for _, b in zip(range(20), dl, strict=False)]
+    assert sum(dl.tokens_consumed().values()) == real_inputs(seen, 16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -439,3 +440,16 @@ def test_a_format_1_record_is_read_and_its_new_sections_differ_by_name(
     with pytest.raises(StateError):
         rec.verify(saved)
     rec.verify(saved, allow=["execution", "determinism", "platform", "container"])
+
+
+def test_allowing_an_env_or_determinism_name_neither_record_holds_is_refused(
+    repo: Path, data: Path
+) -> None:
+    """``allow=["env.ANYTHING"]`` was accepted and allowed nothing: a typo said nothing."""
+    rec = _capture(repo, data)
+    held = [n for n in rec.fields() if n.startswith("env.")]
+    assert held  # the record holds some env names: allowing one of them is fine
+    rec.verify(rec, allow=[held[0]])
+    for name in ("env.ANYTHING", "env.CUBLAS_WORKSPACE_CONFG", "determinism.nope"):
+        with pytest.raises(ConfigError, match=rf"allow= names \['{re.escape(name)}'\]"):
+            rec.verify(rec, allow=[name])
