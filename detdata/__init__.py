@@ -13,6 +13,7 @@ from detdata.base.errors import (
     ManifestError,
     RegistryError,
     RetriesExhausted,
+    StaleIteratorError,
     StateError,
     StorageError,
     VerificationError,
@@ -35,6 +36,7 @@ from detdata.identity.registry import RefEvent, Registry
 from detdata.loading.arguments import WorkerMode
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
+from detdata.loading.steps import MidStep
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import LocalityOrder, Order
 from detdata.order.feistel import GlobalOrder
@@ -84,6 +86,7 @@ __all__ = [
     "LocalityOrder",
     "Manifest",
     "ManifestError",
+    "MidStep",
     "Mixture",
     "Order",
     "OrderedStream",
@@ -97,6 +100,7 @@ __all__ = [
     "ShardEntry",
     "Split",
     "SplitKey",
+    "StaleIteratorError",
     "StateError",
     "Stateful",
     "StorageError",

@@ -80,3 +80,12 @@ def fault_proxy() -> Iterator[Callable[[int], FaultProxy]]:
     yield make
     for proxy in started:
         proxy.stop()
+
+
+@pytest.fixture(autouse=True)
+def _receipts_per_test(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verification receipts (detdata.identity.receipts) of each test in a folder of its own
+    (subprocesses inherit it), never in the user's cache."""
+    monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path_factory.mktemp("receipts")))

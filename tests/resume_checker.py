@@ -3,7 +3,9 @@
 `run_digests` iterates a loader and returns one digest per delivered micro batch
 (blake3 of positions + batch bytes). `check_resume_everywhere` saves the state
 after every micro batch of a straight run, restores each saved state into a fresh
-loader, and requires the remaining digests to equal the straight run's suffix.
+loader with ``mid_step="continue"``, and requires the remaining digests to equal the straight
+run's suffix; the default resume (``mid_step="redo"``) must restart at the saved step's first
+position and deliver the straight run's batches from there.
 """
 
 from __future__ import annotations
@@ -67,8 +69,20 @@ def check_resume_everywhere(make: Callable[[], detdata.DataLoader], count: int) 
     reference = run_digests(straight, count, states)
     for k, state in enumerate(states):
         resumed = make()
-        resumed.load_state_dict(state)
+        resumed.load_state_dict(state, mid_step="continue")  # micro-batch exact, asked by name
         assert resumed.samples_consumed == state["samples_consumed"]
         rest = run_digests(resumed, count - k)
         assert rest == reference[k:], f"resume after {k} micro batches diverged"
+        # the default: a state saved inside a global step re-delivers that step whole
+        redo = make()
+        redo.load_state_dict(state)
+        back = state["step_position"]["delivered_in_step"] // (
+            state["layout"]["micro_batch_size"] * state["layout"]["world_size"]
+        )
+        assert redo.samples_consumed == state["step_position"]["first_position"]
+        assert (
+            redo.samples_consumed
+            == state["samples_consumed"] - state["step_position"]["delivered_in_step"]
+        )
+        assert run_digests(redo, count - k + back) == reference[k - back :], f"redo after {k}"
     return reference

@@ -511,7 +511,7 @@ def test_state_from_elsewhere(
         "same": lambda: _token_loader(a),
     }[target]()
     with pytest.raises(StateError, match=pattern) as info:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, mid_step="continue")
     assert set(fields) <= set(info.value.fields)
     assert loader.samples_consumed == 0  # refused states leave the loader untouched
     if target == "other-data":
@@ -562,12 +562,12 @@ def test_bad_position(make: Callable[[], DataLoader], position: int, pattern: st
     state = loader.state_dict()
     state["samples_consumed"] = position
     with pytest.raises(StateError, match=pattern) as info:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, mid_step="continue")
     assert "samples_consumed" in info.value.fields or "total_samples" in str(info.value)
     # the boundary itself is accepted: a finished run resumes into an empty iteration
     if loader.total_samples is not None:
         state["samples_consumed"] = loader.total_samples
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, mid_step="continue")
         assert list(loader) == []
 
 
@@ -581,9 +581,9 @@ def test_state_from_another_mixture() -> None:
         detdata.Mixture(sources, {"a": 1, "b": 4}, seed=4), global_batch_size=8, seed=4
     )
     with pytest.raises(StateError, match=r"mixture: saved 'b3:[0-9a-f]{64}', current 'b3:") as info:
-        reweighted.load_state_dict(state)
+        reweighted.load_state_dict(state, mid_step="continue")
     assert info.value.fields == ("mixture",)
-    reweighted.load_state_dict(state, allow=["mixture"])
+    reweighted.load_state_dict(state, allow=["mixture"], mid_step="continue")
     old = _mixture_loader(None).stream
     new = reweighted.stream
     assert isinstance(old, detdata.Mixture) and isinstance(new, detdata.Mixture)
@@ -600,7 +600,7 @@ def test_mixture_schedule_resumes_past_its_last_phase_start() -> None:
     loader = _mixture_loader(None)
     state = loader.state_dict()
     state["samples_consumed"] = 8 * 10**9
-    loader.load_state_dict(state)
+    loader.load_state_dict(state, mid_step="continue")
     batch = next(iter(loader))
     mix = loader.stream
     assert isinstance(mix, detdata.Mixture)

@@ -77,6 +77,12 @@ NOT_RUN: dict[str, str] = {
     "from detdata.integrations.torchtitan import DetdataDataLoader": (
         "a torchtitan job config: tests/integrations/test_torchtitan.py"
     ),
+    "import pytorch_lightning as pl": (
+        "a Lightning Trainer: tests/integrations/test_lightning.py (DetdataSteps)"
+    ),
+    "from detdata.integrations.transformers import DetdataTrainer": (
+        "a transformers Trainer with a model: tests/integrations/test_transformers.py"
+    ),
     "from detdata.integrations.olmo_core import DetdataDataLoader": (
         "an OLMo-core trainer: tests/integrations/test_olmo_core.py"
     ),

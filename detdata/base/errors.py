@@ -98,6 +98,12 @@ class ShortRead(StorageError):
     """A read returned fewer (or more) bytes than asked for: transient, retried."""
 
 
+class StaleIteratorError(DetdataError, RuntimeError):
+    """An iterator of a `DataLoader` was superseded (a second ``iter()``, a
+    ``load_state_dict``) and was asked for another batch: it raises instead of ending
+    quietly, so a training loop never finishes early and reports success."""
+
+
 class DependencyError(DetdataError, ImportError):
     """An optional or lazily imported package is missing or cannot load (names it, and the
     ``pip install`` that fixes it)."""

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from detdata.base.errors import ConfigError
 from detdata.loading.state import CHECKED_FIELDS, K_CONSUMED, K_ENV, K_KIND, K_LAYOUT, KIND
+from detdata.loading.steps import K_STEP_POSITION
 from detdata.loading.trace import Comparison, compare, read_trace
 
 _SHOWN_VALUE: Final = 160
@@ -157,7 +158,7 @@ def _role(field_path: str) -> str:
     top = field_path.split(".", 1)[0].split("[", 1)[0]
     if top in CHECKED_FIELDS:
         return "  [checked on resume]"
-    if top == K_CONSUMED:
+    if top in (K_CONSUMED, K_STEP_POSITION):
         return "  [position]"
     if top in (K_LAYOUT, K_ENV):
         return "  [informational]"

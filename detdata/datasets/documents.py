@@ -187,7 +187,7 @@ class Documents(ShardReader):
         self.column = column
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.progress = progress
-        self._sizes = tuple(e.bytes for e in self.manifest.shards)
+        self._sizes = self.manifest.bytes_per_shard()
         self._reset_process_state()
         if self.cache_dir is None and not is_local_fs(self._filesystem()[0]):
             raise ConfigError(
@@ -296,7 +296,10 @@ class Documents(ShardReader):
                 f"shard {entry.path} column {self.column!r}: lists of {value}, not of "
                 "integer token ids"
             )
-        return Unit(shard, -1, "table", np.dtype(value.to_pandas_dtype()).name, 0)
+        # from the type itself: pyarrow < 16's to_pandas_dtype() imports pandas (found by the
+        # lower-bound run, tests/test_lean_install.py)
+        sign = "i" if pa.types.is_signed_integer(value) else "u"
+        return Unit(shard, -1, "table", np.dtype(f"{sign}{value.bit_width // 8}").name, 0)
 
     def _open_table_schema(self, shard: int) -> pa.Schema:
         entry = self.manifest.shards[shard]

@@ -23,7 +23,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +35,7 @@ import numpy as np
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import StorageError, VerificationError
 from detdata.base.hashing import CHUNK, PREFIX
+from detdata.base.progress import progress as base_progress
 from detdata.storage.atomic import atomic_write_bytes
 
 #: Version of the index-file layout (``.npy`` + ``.json``).
@@ -248,27 +248,6 @@ def reload_index(
 
 @contextlib.contextmanager
 def progress(total: int, desc: str, enabled: bool | None) -> Iterator[Callable[[int], None]]:
-    """A progress callback ``update(done)`` for ``total`` units (``enabled`` None: a tty only)."""
-    show = sys.stderr.isatty() if enabled is None else bool(enabled)
-    if not show or total <= 0:
-        yield lambda _done: None
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency; the fallback is for vendoring
-        state = {"done": 0, "shown": 0}
-
-        def update(done: int) -> None:
-            state["done"] += done
-            tenth = state["done"] * 10 // total
-            if tenth > state["shown"]:
-                state["shown"] = tenth
-                print(f"{desc}: {state['done']}/{total}", file=sys.stderr, flush=True)
-
+    """A progress callback ``update(done)`` for ``total`` documents (`detdata.base.progress`)."""
+    with base_progress(total, desc, unit="doc", enabled=enabled) as update:
         yield update
-        return
-    bar = tqdm(total=total, desc=desc, unit="doc", unit_scale=True, file=sys.stderr)
-    try:
-        yield bar.update
-    finally:
-        bar.close()

@@ -482,6 +482,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_size_array",
         "_first",
         "_names_bytes",
+        "_named",
     )
 
     def __init__(
@@ -511,8 +512,9 @@ class ShardReader(ProcessLocal, abc.ABC):
         )
 
     def _build_index(self) -> None:
-        self._sizes: tuple[int, ...] = tuple(s.bytes for s in self.manifest.shards)
-        self._size_array: npt.NDArray[np.int64] = np.asarray(self._sizes, dtype=np.int64)
+        # bytes per shard: the manifest's column (mapped for the fast form: no entry built)
+        self._size_array: npt.NDArray[np.int64] = self.manifest.bytes_per_shard()
+        self._sizes = self._size_array
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -525,8 +527,9 @@ class ShardReader(ProcessLocal, abc.ABC):
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
         # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
         # native loop may first open a shard at once)
-        self._first = FirstOpens(np.asarray(self._sizes, dtype=np.int64))
+        self._first = FirstOpens(self.manifest.bytes_per_shard())
         self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
+        self._named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
@@ -687,14 +690,25 @@ class ShardReader(ProcessLocal, abc.ABC):
         """`VerificationError` when the mapped file ``path`` of ``shard`` has fewer bytes than
         the manifest says: touching a mapped page past the end of a truncated file kills the
         process with SIGBUS, so reads check the size first."""
-        check_not_truncated(self.manifest.shards[shard].path, path, self._sizes[shard], found)
+        expected = int(self._sizes[shard])
+        check_not_truncated(self.manifest.shards[shard].path, path, expected, found)
 
-    def _encoded_names(self) -> list[bytes]:
-        """Every shard's path under the root, file-system encoded (for
-        `detdata.storage.fileread.read_files`; built once per process)."""
-        if self._names_bytes is None:
-            self._names_bytes = [os.fsencode(s.path) for s in self.manifest.shards]
-        return self._names_bytes
+    def _encoded_names(self, shards: npt.NDArray[np.int64]) -> list[bytes]:
+        """A list indexed by shard holding, at least for ``shards``, each path under the root,
+        file-system encoded (for `detdata.storage.fileread.read_files`). Names are filled in
+        as shards are first read: the entries of shards never read are never built."""
+        names = self._names_bytes
+        if names is None:
+            count = len(self.manifest.shards)
+            self._named = np.zeros(count, dtype=np.bool_)
+            names = self._names_bytes = [b""] * count
+        missing = shards[~self._named[shards]]
+        if missing.size:
+            entries = self.manifest.shards
+            for shard in missing.tolist():
+                names[shard] = os.fsencode(entries[shard].path)
+            self._named[missing] = True  # after the names: a reader thread tests it first
+        return names
 
     def _check_opened(self, shard: int, fd: int, path: str) -> None:
         """At an open of ``shard``'s local file ``path`` (descriptor ``fd``): its size is the

@@ -43,6 +43,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.keys import derive_u64
+from detdata.base.progress import progress as base_progress
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, check_ids
 from detdata.datasets.digest import framed, framed_sample
@@ -131,14 +132,19 @@ def content_key(sample: dict[str, Any]) -> bytes:
     return blake3.blake3(framed_sample(CONTENT_TAG, sample, _value_bytes)).digest()
 
 
-def content_keys(dataset: Dataset, *, chunk: int = READ_CHUNK) -> list[bytes]:
-    """`content_key` of every sample of ``dataset`` in id order (reads each once)."""
+def content_keys(
+    dataset: Dataset, *, chunk: int = READ_CHUNK, progress: bool | None = None
+) -> list[bytes]:
+    """`content_key` of every sample of ``dataset`` in id order (reads each once), with
+    progress (`detdata.base.progress`: a bar on a terminal, else a log line every 30 s)."""
     keys: list[bytes] = []
     n = dataset.num_samples
-    for start in range(0, n, chunk):
-        batch = dataset.read(np.arange(start, min(n, start + chunk), dtype=np.int64))
-        rows = len(next(iter(batch.values())))
-        keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
+    with base_progress(n, "split: hashing samples", unit="sample", enabled=progress) as update:
+        for start in range(0, n, chunk):
+            batch = dataset.read(np.arange(start, min(n, start + chunk), dtype=np.int64))
+            rows = len(next(iter(batch.values())))
+            keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
+            update(rows)
     return keys
 
 
@@ -153,6 +159,8 @@ class Split:
     ``train`` and ``validation`` are datasets over the two sides (see the module docstring
     for the rule). ``cache_dir``: content assignments are stored there under a name derived
     from the dataset identity and the rule, and checked against their digest when read back.
+    ``progress``: of the content hashing (`detdata.base.progress`; None: a bar on a terminal,
+    else a log line every 30 s; ``DETDATA_PROGRESS=0`` silences it).
     """
 
     def __init__(
@@ -163,7 +171,9 @@ class Split:
         salt: str,
         key: SplitKey | str = SplitKey.CONTENT,
         cache_dir: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
     ) -> None:
+        self.progress = progress
         if not isinstance(dataset, Dataset):
             raise ConfigError(f"Split needs a Dataset, got {type(dataset).__name__}")
         if not isinstance(salt, str):
@@ -213,7 +223,7 @@ class Split:
             cached = _read_cache(path)
             if cached is not None:
                 return cached
-        keys = content_keys(self.dataset)
+        keys = content_keys(self.dataset, progress=self.progress)
         hits = [derive_u64(SPLIT_TAG, len(salt), tail=salt + k) < limit for k in keys]
         mask = np.array(hits, dtype=bool).reshape(n)
         val_keys = digest_bytes(b"".join(sorted(k for k, h in zip(keys, hits, strict=True) if h)))

@@ -70,14 +70,13 @@ opened the shard, and bytes rewritten in place under a live mapping at the same 
 
 from __future__ import annotations
 
-import bisect
 import collections
 import mmap
 import os
 import threading
 import warnings
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, Generic, NamedTuple, TypeVar
 
 import fsspec
 import numpy as np
@@ -108,6 +107,8 @@ from detdata.storage.first_opens import RECORDED
 from detdata.storage.fs import join, read_ranges_retrying
 from detdata.storage.ranges import read_coalesced
 from detdata.storage.retry import RetryPolicy, check_policy
+
+T = TypeVar("T")
 
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
 #: A shard that is not mapped while the handle LRU is full is mapped (and kept) when a read
@@ -206,6 +207,20 @@ def read_ranges(
     )
 
 
+class ByCode(Generic[T]):
+    """A per-shard value looked up through the shard's code: ``self[shard]`` is
+    ``values[codes[shard]]`` (a few distinct values for many shards, O(values) to build)."""
+
+    __slots__ = ("codes", "values")
+
+    def __init__(self, codes: IntArray, values: tuple[T, ...]) -> None:
+        self.codes = codes
+        self.values = values
+
+    def __getitem__(self, shard: int | np.integer[Any]) -> T:
+        return self.values[int(self.codes[shard])]
+
+
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
     if out_dtype is None:
         return np.result_type(*(np.dtype(_WIDEN[d]) for d in shard_dtypes))
@@ -260,13 +275,13 @@ class TokenWindows(ShardReader):
     _TRANSIENT = (
         *ShardReader._TRANSIENT,
         "_disk",
-        "_offset_list",
+        "_dtypes",
         "_batch_covers",
         "_starts",
         "_itemsize",
         "_offsets",
-        "_start_list",
         "_narrowing",
+        "_windows_tuple",
         "_direct",
         "_prefetched",
         "_prefetch_lock",
@@ -316,11 +331,13 @@ class TokenWindows(ShardReader):
             raise ConfigError(
                 f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards"
             )
-        self._dtypes = tuple(_check_token_shard(s) for s in shards)
-        self.out_dtype = _resolve_out_dtype(out_dtype, self._dtypes)
-        counts = [self._count(s, allow_short_shards) for s in shards]
-        self.windows_per_shard: tuple[int, ...] = tuple(counts)
-        self._num = sum(counts)
+        self._dtype_names = self._check_token_shards()
+        used = np.unique(self._dtype_code())
+        self.out_dtype = _resolve_out_dtype(
+            out_dtype, [self._dtype_names[int(c)] for c in used.tolist()]
+        )
+        self._windows = self._count_windows(allow_short_shards)
+        self._num = int(self._windows.sum())
         if self._num == 0:
             raise ConfigError(
                 f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
@@ -336,6 +353,50 @@ class TokenWindows(ShardReader):
         self._prefetch_lock = threading.Lock()
 
     # construction helpers --------------------------------------------------
+    def _dtype_code(self) -> IntArray:
+        """Each shard's index into ``_dtype_names`` (from the manifest's columns: no entry
+        is built)."""
+        return self.manifest.codes("dtype")[1]
+
+    def _check_token_shards(self) -> tuple[str, ...]:
+        """The manifest's token dtypes (indexed by `_dtype_code`); `FormatError` naming the
+        first shard that is not a token shard with a consistent size (`_check_token_shard`).
+        Vectorised over the manifest's columns: an entry is built only for a culprit."""
+        formats, fcode = self.manifest.codes("format")
+        dtypes, dcode = self.manifest.codes("dtype")
+        token_fmt = np.array([Format(f) in (Format.NPY, Format.BIN) for f in formats] + [False])
+        token_dt = np.array([d in TOKEN_DTYPES for d in dtypes] + [False])
+        bad = ~token_fmt[fcode] | ~token_dt[dcode]  # code -1 picks the trailing False
+        sizes = np.array([np.dtype(d).itemsize if d in TOKEN_DTYPES else 0 for d in dtypes] + [0])
+        expected = np.maximum(self.manifest.data_offsets(), 0) + (
+            self.manifest.samples_per_shard() * sizes[dcode]
+        )
+        bad |= expected != self.manifest.bytes_per_shard()  # a size the dtype does not explain
+        if bad.any():
+            _check_token_shard(self.manifest.shards[int(np.flatnonzero(bad)[0])])
+        return dtypes
+
+    def _count_windows(self, allow_short: bool) -> IntArray:
+        """Windows per shard (int64, vectorised); `FormatError` naming the first shard too
+        short for one window unless ``allow_short``."""
+        tokens = self.manifest.samples_per_shard()
+        counts = np.maximum(0, (tokens - int(self.labels)) // self.seq_len)
+        if not allow_short:
+            short = np.flatnonzero(counts == 0)
+            if short.size:
+                self._count(self.manifest.shards[int(short[0])], False)
+        counts.flags.writeable = False
+        return counts
+
+    @property
+    def windows_per_shard(self) -> tuple[int, ...]:
+        """Windows per shard, in manifest order (a tuple built on first use: O(shards))."""
+        found: tuple[int, ...] | None = self.__dict__.get("_windows_tuple")
+        if found is None:
+            found = tuple(self._windows.tolist())
+            self.__dict__["_windows_tuple"] = found
+        return found
+
     def _count(self, shard: ShardEntry, allow_short: bool) -> int:
         tokens = shard.num_samples
         count = max(0, (tokens - int(self.labels)) // self.seq_len)
@@ -350,21 +411,23 @@ class TokenWindows(ShardReader):
 
     def _build_index(self) -> None:
         super()._build_index()
-        counts = np.asarray(self.windows_per_shard, dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        self._itemsize = np.asarray([np.dtype(d).itemsize for d in self._dtypes], dtype=np.int64)
-        self._offsets = np.asarray(
-            [s.data_offset or 0 for s in self.manifest.shards], dtype=np.int64
-        )
-        self._start_list: list[int] = self._starts.tolist()
-        self._disk: tuple[np.dtype[Any], ...] = tuple(disk_dtype(d) for d in self._dtypes)
-        self._offset_list: list[int] = self._offsets.tolist()
+        counts = self._windows
+        self._starts = np.zeros(counts.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=self._starts[1:])
+        code = self._dtype_code()
+        names = self._dtype_names
+        self._itemsize = np.asarray([np.dtype(d).itemsize for d in names], np.int64)[code]
+        self._offsets = np.maximum(self.manifest.data_offsets(), 0)
+        # per shard, looked up through its dtype code (O(dtypes) to build, not O(shards))
+        self._disk = ByCode(code, tuple(disk_dtype(d) for d in names))
+        self._dtypes = ByCode(code, names)
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
-        self._narrowing: tuple[bool, ...] = tuple(
-            not np.can_cast(d, self.out_dtype, casting="safe") for d in self._dtypes
-        )
+        narrowing = tuple(not np.can_cast(d, self.out_dtype, casting="safe") for d in names)
+        self._narrowing = ByCode(code, narrowing)
+        used = np.unique(code).tolist()
+        disks = {self._disk.values[c] for c in used}
         # covered spans of a batch are read into one staging buffer (`_read_staged`)
-        self._batch_covers = len(set(self._disk)) == 1 and not any(self._narrowing)
+        self._batch_covers = len(disks) == 1 and not any(narrowing[c] for c in used)
         # windows stored as delivered (disk dtype == out_dtype): read straight into the result
         self._direct = self._batch_covers and self._disk[0] == self.out_dtype
 
@@ -525,7 +588,7 @@ class TokenWindows(ShardReader):
         )
         view = np.lib.stride_tricks.as_strided(
             tokens,
-            shape=(self.windows_per_shard[shard], self.window),
+            shape=(int(self._windows[shard]), self.window),
             strides=(self.seq_len * dtype.itemsize, dtype.itemsize),
             writeable=False,
         )
@@ -549,12 +612,12 @@ class TokenWindows(ShardReader):
         rows). Shards not mapped (see `_mapped_view`) are read with ``preadv``: `covered`
         windows (and single windows) of all such shards in one vectorised pass
         (`_read_staged` / `_read_direct`), others one ``preadv`` per window."""
-        first = bisect.bisect_right(self._start_list, lo) - 1
-        last = bisect.bisect_right(self._start_list, hi) - 1
+        first = int(self._starts.searchsorted(lo, "right")) - 1
+        last = int(self._starts.searchsorted(hi, "right")) - 1
         if first == last:
             if cached:
                 self._refresh_copies((first,))
-            start = self._start_list[first]
+            start = int(self._starts[first])
             local = ids - start if start else ids
             extent = int(local.max()) - int(local.min()) + 1
             cover = self.covered(first, int(ids.size), extent)
@@ -619,8 +682,8 @@ class TokenWindows(ShardReader):
             if lo < 0 or hi >= self._num:
                 return None
             fs, _ = self._filesystem()
-            first = bisect.bisect_right(self._start_list, lo) - 1
-            last = bisect.bisect_right(self._start_list, hi) - 1
+            first = int(self._starts.searchsorted(lo, "right")) - 1
+            last = int(self._starts.searchsorted(hi, "right")) - 1
             if not isinstance(fs, LocalFileSystem) or first == last:
                 return None  # remote reads (and cached copies) are not planned; one shard: mapped
             steps = self._gather_steps(arr, False)
@@ -910,7 +973,7 @@ class TokenWindows(ShardReader):
         if NATIVE:
             done, stats = yield FileReads(
                 os.fsencode(join(self._root_path, "")),
-                self._encoded_names(),
+                self._encoded_names(shards),
                 shards,
                 file_at,
                 wants,

@@ -25,14 +25,25 @@ import functools
 import itertools
 import json
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes, is_digest
 from detdata.base.redact import redact_text, redact_url, strip_credentials
+from detdata.identity.columns import (
+    ColumnsFile,
+    ShardTable,
+    columns_path,
+    encode_columns,
+    read_json_head,
+)
 from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
 from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -179,13 +190,24 @@ class Manifest:
     root it ran under (`verified_level`): verifying again at that level or a
     weaker one, on the same root, reads nothing. A new object (`with_root`,
     `load`) starts unverified.
+
+    ``shards`` is a tuple of entries, or a `ShardTable` over the mapped fast form
+    (`detdata.identity.columns`: what `load` gives for a manifest saved by this
+    version), whose entries are built when used; both are sequences of `ShardEntry`.
+    Per-shard counts and sizes as arrays: `samples_per_shard`, `bytes_per_shard`.
     """
 
-    shards: tuple[ShardEntry, ...]
+    shards: Sequence[ShardEntry]
     metadata: Mapping[str, Any] = field(default_factory=dict)
     root: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.shards, ShardTable):  # written in canonical order, id in its header
+            self.__dict__["id"] = self.shards.columns.header["id"]
+            object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
+            return
+        if not isinstance(self.shards, tuple):
+            object.__setattr__(self, "shards", tuple(self.shards))
         paths = [s.path for s in self.shards]
         if paths != sorted(paths):
             object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.path)))
@@ -196,6 +218,11 @@ class Manifest:
                 f"duplicate shard paths in manifest: {dupes}; hint: each shard may be listed once"
             )
         object.__setattr__(self, "metadata", _normalise_metadata(self.metadata))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the derived per-shard arrays (`_column`, `codes`: rebuilt, or
+        mapped again, where used)."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith(("_column_", "_codes_"))}
 
     def __repr__(self) -> str:
         root = None if self.root is None else redact_url(self.root)
@@ -224,11 +251,72 @@ class Manifest:
 
     @property
     def num_samples(self) -> int:
-        return sum(s.num_samples for s in self.shards)
+        if isinstance(self.shards, ShardTable):
+            return int(self.shards.columns.header["num_samples"])
+        return int(self.samples_per_shard().sum())
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.shards)
+        if isinstance(self.shards, ShardTable):
+            return int(self.shards.columns.header["total_bytes"])
+        return int(self.bytes_per_shard().sum())
+
+    def samples_per_shard(self) -> npt.NDArray[np.int64]:
+        """``num_samples`` of every shard, in manifest order: a read-only int64 array (a
+        view of the mapped column for the fast form, no entry built)."""
+        return self._column("num_samples")
+
+    def bytes_per_shard(self) -> npt.NDArray[np.int64]:
+        """``bytes`` of every shard, in manifest order: a read-only int64 array."""
+        return self._column("bytes")
+
+    def data_offsets(self) -> npt.NDArray[np.int64]:
+        """``data_offset`` of every shard (-1 where it has none): a read-only int64 array."""
+        return self._column("data_offset")
+
+    def codes(self, field: str) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
+        """``(values, codes)`` of string field ``field`` (``format``, ``dtype`` or ``schema``):
+        the distinct values, sorted, and each shard's index into them (-1: none), int64."""
+        key = f"_codes_{field}"
+        found = self.__dict__.get(key)
+        if found is None:
+            if isinstance(self.shards, ShardTable):
+                columns = self.shards.columns
+                values = tuple(columns.header[f"{field}s"])
+                codes = columns.array(field).astype(np.int64)
+            else:
+                raw = [getattr(s, field) for s in self.shards]
+                names = [v.value if isinstance(v, Format) else v for v in raw]
+                values = tuple(sorted({v for v in names if v is not None}))
+                index = {v: i for i, v in enumerate(values)}
+                codes = np.fromiter(
+                    (-1 if v is None else index[v] for v in names), np.int64, len(names)
+                )
+            codes.flags.writeable = False
+            found = (values, codes)
+            self.__dict__[key] = found
+        return cast(tuple[tuple[str, ...], npt.NDArray[np.int64]], found)
+
+    def _column(self, name: str) -> npt.NDArray[np.int64]:
+        key = f"_column_{name}"
+        arr = self.__dict__.get(key)
+        if arr is None:
+            if isinstance(self.shards, ShardTable):
+                arr = self.shards.columns.array(name)
+            else:
+                arr = np.fromiter(
+                    (_or_minus_one(getattr(s, name)) for s in self.shards),
+                    np.int64,
+                    len(self.shards),
+                )
+                arr.flags.writeable = False
+            self.__dict__[key] = arr
+        return cast(npt.NDArray[np.int64], arr)
+
+    @property
+    def has_columns(self) -> bool:
+        """Is this manifest backed by the mapped fast form (`detdata.identity.columns`)?"""
+        return isinstance(self.shards, ShardTable)
 
     def with_root(self, root: str) -> Manifest:
         """The same manifest (same id) pointing at another root."""
@@ -274,7 +362,15 @@ class Manifest:
         self.check_loadable(where=redact_text(f"manifest to save at {path}"))
         data = json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
         atomic_write_bytes(path, data, **storage_options)
+        # the fast form after the JSON: a reader in between sees the new JSON's id differ
+        # from the old columns' and parses the JSON
+        atomic_write_bytes(columns_path(path), self.columns_bytes(data), **storage_options)
         return self.id
+
+    def columns_bytes(self, json_doc: bytes) -> bytes:
+        """This manifest's fast form (`detdata.identity.columns`) saved with its JSON
+        document ``json_doc``, as `save` writes it."""
+        return encode_columns(self.shards, self.metadata, self.id, json_doc)
 
     def check_loadable(self, *, where: str = "manifest") -> None:
         """`ManifestError` unless the loader accepts this manifest's document (writers call it)."""
@@ -369,6 +465,9 @@ class Manifest:
         """
         mode = parse_verify(verify)
         shown = redact_url(path)
+        fast = _load_columns(path, root)
+        if fast is not None:
+            return cls._finish_load(fast, path, root, mode, threads, retry, storage_options)
         try:
             text = read_file_retrying(
                 path, policy=check_policy(retry), what="manifest read", **storage_options
@@ -387,6 +486,19 @@ class Manifest:
                 )
             ) from None
         manifest = cls.loads(text, root=root, where=f"manifest {shown}")
+        return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
+
+    @classmethod
+    def _finish_load(
+        cls,
+        manifest: Manifest,
+        path: str,
+        root: str | None,
+        mode: Verify,
+        threads: int,
+        retry: RetryPolicy | None,
+        storage_options: dict[str, Any],
+    ) -> Manifest:
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
         if mode is not Verify.OFF:
@@ -411,8 +523,15 @@ class Manifest:
         `detdata.identity.verify.verify_manifest`. A check this object already
         passed, at ``mode`` or a stronger level and on the same root, is not run
         again unless ``again=True`` (`verified_level`).
+
+        Once per job (`detdata.identity.receipts.verify_job`): under a
+        ``torch.distributed`` process group one rank verifies (per node for a local
+        root, per job for a URL) and every rank gets its verdict; the verifier reads
+        only the shards whose file identity changed since its last receipt (all of
+        them with ``again=True``), and a fast-form manifest's columns are checked in
+        full against the JSON and the id once.
         """
-        from detdata.identity.verify import verify_manifest
+        from detdata.identity.receipts import verify_job
 
         level = parse_verify(mode)
         if level is Verify.OFF:
@@ -420,8 +539,14 @@ class Manifest:
         done = self.verified_level
         if not again and done is not None and _STRENGTH[done] >= _STRENGTH[level]:
             return
-        verify_manifest(
-            self, level, threads=threads, progress=progress, retry=retry, **storage_options
+        verify_job(
+            self,
+            level,
+            threads=threads,
+            progress=progress,
+            retry=retry,
+            storage_options=storage_options,
+            use_receipt=not again,
         )
         self.__dict__[_VERIFIED] = (level, self.root)
 
@@ -437,6 +562,50 @@ class Manifest:
             return None
         level: Verify = record[0]
         return level
+
+
+def _load_columns(path: str, root: str | None) -> Manifest | None:
+    """The manifest at local ``path`` from its fast form (`detdata.identity.columns`), when
+    that file exists and is tied to the JSON: same id and metadata as the JSON's head. None
+    otherwise (the JSON is parsed); a fast form that fails its own checks is reported with
+    a warning and the JSON is parsed instead."""
+    local = _local(path)
+    if local is None:
+        return None
+    cpath = columns_path(local)
+    if not os.path.exists(cpath):
+        return None
+    try:
+        head = read_json_head(local)
+    except OSError:
+        return None  # the JSON path reports it
+    if head is None or head.get(K_KIND) != KIND or head.get(K_VERSION) != FORMAT_VERSION:
+        return None
+    stored_root = head.get(K_ROOT)
+    if stored_root is not None and not isinstance(stored_root, str):
+        return None
+    try:
+        columns = ColumnsFile(cpath)
+    except (ManifestError, OSError, ValueError) as exc:
+        warnings.warn(redact_text(f"{exc}; reading the manifest JSON {path} instead"), stacklevel=3)
+        return None
+    header = columns.header
+    if (
+        head.get(K_ID) != header["id"]
+        or head.get(K_METADATA, {}) != header["metadata"]
+        or os.path.getsize(local) != header["json_bytes"]
+    ):
+        columns.close()
+        return None  # the JSON was saved again without its fast form: it decides
+    return Manifest(
+        shards=ShardTable(columns, local),
+        metadata=header["metadata"],
+        root=root if root is not None else stored_root,
+    )
+
+
+def _or_minus_one(value: int | None) -> int:
+    return -1 if value is None else value
 
 
 def parse_verify(value: str | Verify) -> Verify:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
+
+from detdata.base.progress import progress as base_progress
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -28,8 +29,8 @@ def map_in_threads(
     Every item is run; the first exception (in input order) is raised once all
     have finished. Items go to the threads in contiguous chunks (about
     ``16 * threads`` of them), so 100k tiny items cost 100k calls, not 100k
-    pool tasks. ``progress``: a tqdm bar on stderr (``None``: only when stderr
-    is a terminal).
+    pool tasks. ``progress``: `detdata.base.progress` (``None``: a bar on a
+    terminal, else a log line every 30 s).
     """
     items = list(items)
     workers = max(1, threads)
@@ -62,13 +63,7 @@ def map_in_threads(
 def _progress(
     it: Iterator[list[tuple[bool, Any]]], total: int, desc: str, progress: bool | None
 ) -> Iterator[list[tuple[bool, Any]]]:
-    show = sys.stderr.isatty() if progress is None else progress
-    if not show:
-        yield from it
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc=desc, unit="shard") as bar:
+    with base_progress(total, desc, unit="shard", enabled=progress) as update:
         for chunk in it:
-            bar.update(len(chunk))
+            update(len(chunk))
             yield chunk

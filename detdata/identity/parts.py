@@ -286,7 +286,9 @@ def merge_manifests(
 
 
 def _as_part(manifest: Manifest) -> ManifestPart:
-    return ManifestPart(shards=manifest.shards, metadata=manifest.metadata, root=manifest.root)
+    return ManifestPart(
+        shards=tuple(manifest.shards), metadata=manifest.metadata, root=manifest.root
+    )
 
 
 def _overlap(entry: ShardEntry, seen: tuple[int, ShardEntry], i: int, items: list[Any]) -> None:

@@ -58,6 +58,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata.base.hashing import is_digest
 from detdata.base.redact import redact_text, redact_url, scrub_exception, strip_credentials
+from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
@@ -397,9 +398,19 @@ class Registry:
         return self._verified(manifest.with_root(chosen), verify, name_or_id, storage_options)
 
     def get(self, manifest_id: str) -> Manifest:
-        """The stored manifest with this id (no root), re-hashed to check it is intact."""
+        """The stored manifest with this id (no root), checked intact.
+
+        On a local registry the object's fast form (`detdata.identity.columns`, written by
+        `register`) is mapped when it is there and tied to the object: its header and the
+        chunks used are checked against their digests, and a verification re-computes the
+        id from it once (`detdata.identity.receipts`). Otherwise the object is read and
+        re-hashed.
+        """
         check_id(manifest_id)
         path = self._fspath("manifests", self._object(manifest_id))
+        fast = self._get_columns(manifest_id, path)
+        if fast is not None:
+            return fast
         try:
             data = self._cat(path)
         except FileNotFoundError:
@@ -474,11 +485,36 @@ class Registry:
         path = self._fspath("manifests", self._object(manifest.id))
         self._fresh(path)
         if self._io("lookup", path, lambda _t: self._fs.exists(path)):
+            if self._local and not os.path.exists(columns_path(path)):
+                self._write_columns(self.get(manifest.id), url, path)  # stored before columns
             return
         manifest.check_loadable(where=f"manifest {manifest.id} to register")
         doc = manifest.body()
         doc["id"] = manifest.id
-        self._write(url, canonical_json(doc) + b"\n")
+        data = canonical_json(doc) + b"\n"
+        self._write(url, data)
+        if self._local:  # mapped only from a local registry (`_get_columns`)
+            self._write(columns_path(url), manifest.columns_bytes(data))
+
+    def _write_columns(self, manifest: Manifest, url: str, path: str) -> None:
+        """Store the fast form of stored object ``path`` next to it (`detdata.identity.columns`),
+        tied to the bytes stored (their size and digest)."""
+        self._write(columns_path(url), manifest.columns_bytes(self._cat(path)))
+
+    def _get_columns(self, manifest_id: str, path: str) -> Manifest | None:
+        """The stored object ``path`` of ``manifest_id`` from its fast form, on a local registry
+        where it exists and is tied to the object (same id, the object's size); else None."""
+        if not self._local or not os.path.exists(columns_path(path)):
+            return None
+        try:
+            columns = ColumnsFile(columns_path(path))
+        except (ManifestError, OSError, ValueError):
+            return None  # the object itself is read and checked
+        header = columns.header
+        if header["id"] != manifest_id or os.path.getsize(path) != header["json_bytes"]:
+            columns.close()
+            return None
+        return Manifest(shards=ShardTable(columns, path), metadata=header["metadata"])
 
     def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
         ref = self._find_ref(base, version)

@@ -26,7 +26,9 @@ samples consumed by all ranks, identical on every rank), not one entry per dp ra
 saved at one data-parallel degree resumes at another (torchtitan's own loader refuses that).
 torchtitan draws exactly the micro batches of a step before it saves, so the state is exact at
 every step; a state saved between two optimizer steps of the configured global batch (that
-is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused.
+is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused. (A state
+saved inside a step elsewhere, e.g. by your own DCP save, says so in its ``step_position`` and
+is resumed from that step's start: ``load_state_dict``'s default, `detdata.MidStep`.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 import torch.utils.data as tud
 
 from detdata.base.checks import check_count, check_seed
-from detdata.base.errors import ConfigError, StateError
+from detdata.base.errors import ConfigError, StaleIteratorError, StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
@@ -67,6 +67,7 @@ from detdata.loading.state import (
     mismatch_message,
     transform_identity,
 )
+from detdata.loading.steps import MidStep, parse_mid_step
 from detdata.loading.trace import StepSpan, TraceWriter
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
@@ -131,6 +132,36 @@ class EpochStart:
 
     def set_epoch(self, epoch: int) -> None:
         self._loader.set_epoch(epoch)
+
+
+class LoaderIterator:
+    """One iteration of a `DataLoader` (what ``iter(loader)`` returns): its micro batches from
+    ``samples_consumed`` on. Once superseded (a second ``iter()``, ``load_state_dict``), every
+    further ``next()`` raises `StaleIteratorError` (its readers are released at the first),
+    never `StopIteration`: a training loop over a stale iterator fails, it does not end early."""
+
+    def __init__(self, loader: DataLoader, generation: int) -> None:
+        self._loader = loader
+        self._generation = generation
+        self._batches = loader._iterate(generation)
+        self._closed = False
+
+    def __iter__(self) -> LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration  # ended on purpose: `close`, `DataLoader.close`
+        if self._generation != self._loader._generation:
+            self._batches.close()
+            raise self._loader._stale()
+        return next(self._batches)
+
+    def close(self) -> None:
+        """End this iteration now (its readers and worker processes stop); `DataLoader.close`
+        calls it for every live iterator. Later ``next()`` calls end the iteration."""
+        self._closed = True
+        self._batches.close()
 
 
 class DataLoader:
@@ -220,6 +251,7 @@ class DataLoader:
         lookahead: int = 0,
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
+        mid_step_on_resume: str | MidStep = MidStep.REDO,
         **torch_keywords: object,
     ) -> None:
         refuse_torch_habits(torch_positional, torch_keywords, _KEYWORDS)
@@ -293,6 +325,7 @@ class DataLoader:
         if self.num_workers > 0 and prefetch_factor is not None:
             self._torch_kwargs["prefetch_factor"] = prefetch_factor
         self._allow = check_allow(allow_on_resume)
+        self._mid_step = parse_mid_step(mid_step_on_resume, "mid_step_on_resume")
         self.worker_mode = parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
         self.lookahead = check_count(lookahead, "lookahead", minimum=0)
@@ -311,10 +344,11 @@ class DataLoader:
             # the device path stages into its own reused pinned buffers; torch pinning would copy
             # twice
             self._torch_kwargs["pin_memory"] = False
-        self._live: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
+        self._live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
         self._consumed = 0
         self._schema: dict[str, str] | str | None = None  # of the first transformed batch
         self._generation = 0
+        self._superseded = ""  # what ended the iterators of earlier generations
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
         self._slot_transfer = True  # False: every group takes torch's transfer (benchmarks)
@@ -384,24 +418,75 @@ class DataLoader:
         return tokens_consumed(self._stream, self._consumed)
 
     def __len__(self) -> int:
-        """Micro batches of this rank per epoch of the run: a constant, whatever was consumed.
+        """Micro batches of this rank per epoch of the run, in whole global steps: a constant,
+        whatever was consumed.
 
-        With ``total_samples``: all of them (``total_samples // (micro_batch_size *
-        world_size)``). Otherwise one pass over the dataset a plain `OrderedStream` orders
-        (at least 1), or ``2**62 // (micro_batch_size * world_size)`` for other streams
-        (a `Mixture` has no epoch). A new ``iter()`` never restarts the stream: it
-        continues at ``samples_consumed``, so a trainer that counts ``len(loader)``
-        batches per epoch (and, knowing the length, does not fetch ahead) sees each
-        batch once, across epochs and resumes. A `BatchSchedule` changes the micro steps per
-        step, never the samples per micro step, so it leaves this count as it is.
+        An epoch is the whole global steps of one pass over the dataset a plain
+        `OrderedStream` orders (the steps that end within ``num_samples`` samples; one step
+        when the dataset is smaller than a global batch), all of ``total_samples`` (a step
+        end), or the steps within ``2**62`` samples for other streams (a `Mixture` has no
+        epoch); counted in this rank's micro batches (``/ (micro_batch_size * world_size)``).
+        So a trainer that takes an optimizer step every ``global_batch / (micro_batch *
+        world_size)`` micro batches (gradient accumulation) and one at each epoch's end never
+        takes a short step: its step N is detdata's step N. The samples past the last whole
+        step of a pass are not lost: a new ``iter()`` never restarts the stream, it continues
+        at ``samples_consumed`` (the order is a function of the global position), so a
+        trainer that counts ``len(loader)`` batches per epoch (and, knowing the length, does
+        not fetch ahead) sees each batch once, across epochs and resumes. A `BatchSchedule`
+        changes the micro steps per step, never the samples per micro step; its epoch is the
+        steps of the schedule from position 0 that end within the pass.
         """
         per = self._layout_now(self._consumed).samples_per_micro_step  # as iteration binds it
         if self.total_samples is not None:
             return self.total_samples // per
         dataset = getattr(self._stream, "dataset", None)
         if isinstance(self._stream, OrderedStream) and dataset is not None:
-            return max(1, int(dataset.num_samples) // per)
-        return MAX_POSITION // per
+            return self._whole_steps(int(dataset.num_samples)) // per
+        return self._whole_steps(MAX_POSITION) // per
+
+    def check_trainer_batch(
+        self,
+        *,
+        micro_batch_size: int,
+        accumulation: int,
+        world_size: int,
+        trainer: str,
+        fix: str,
+    ) -> None:
+        """A trainer's batch settings agree with this loader's global batch: it takes an
+        optimizer step every ``accumulation`` micro batches of ``micro_batch_size`` samples on
+        each of ``world_size`` processes, which must be this loader's micro batch, world size
+        and global batch (of the step it is at). Otherwise a `ConfigError` naming both sides,
+        with ``fix`` (formatted with ``micro`` and ``accumulation``: the values that agree) as
+        the hint. Integrations call it before the first batch."""
+        layout = self._layout_now(self._consumed)  # as iteration binds it
+        gbs = self.global_batch_size
+        micro, world = layout.micro_batch_size, layout.world_size
+        same_layout = micro_batch_size == micro and world_size == world
+        agree = same_layout and accumulation * world * micro_batch_size == gbs
+        if agree and self._plan.single_constant:
+            return
+        if not self._plan.single_constant:
+            raise ConfigError(
+                f"{trainer} takes an optimizer step every {accumulation} micro batches, but this "
+                "detdata.DataLoader has a global batch schedule (its micro steps per step "
+                f"change; now {gbs // (micro * world)}); hint: a batch schedule needs a trainer "
+                "that steps at detdata's step boundaries; use one global batch with this trainer"
+            )
+        raise ConfigError(
+            f"{trainer}'s batch settings disagree with this detdata.DataLoader: it takes an "
+            f"optimizer step every {accumulation} micro batch(es) of {micro_batch_size} samples "
+            f"on each of {world_size} process(es) = {accumulation * world_size * micro_batch_size}"
+            f" samples, but the loader's global batch is {gbs} samples (micro batch {micro} x "
+            f"world size {world} x {gbs // (micro * world)} micro steps); its steps would not be "
+            f"detdata's steps; hint: "
+            + fix.format(micro=micro, accumulation=gbs // (micro * world))
+        )
+
+    def _whole_steps(self, samples: int) -> int:
+        """Samples of the run's steps that end within ``samples`` (at least its first step)."""
+        end = self._plan.start_of(self._plan.step_of(samples))
+        return end if end > 0 else self._plan.start_of(1)
 
     # ------------------------------------------------ surface trainers probe
     @property
@@ -622,11 +707,27 @@ class DataLoader:
         Rank and world size not given explicitly are (re)read from torch.distributed here.
         """
         self._bind_layout()
-        iterator = self._iterate()
+        self._supersede("a second iter() on this loader started a new iterator")
+        iterator = LoaderIterator(self, self._generation)
         self._live.add(iterator)
         return iterator
 
-    def _iterate(self) -> Generator[Any, None, None]:
+    def _supersede(self, why: str) -> None:
+        """Start a new generation: the live iterators of earlier ones raise at their next batch
+        (`StaleIteratorError` saying ``why``), never end quietly."""
+        self._generation += 1
+        self._superseded = why
+
+    def _stale(self) -> StaleIteratorError:
+        return StaleIteratorError(
+            f"this detdata.DataLoader iterator is stale: {self._superseded} after it was "
+            f"created (samples_consumed is now {self._consumed}); a stale iterator would "
+            "deliver batches out of order, so it stops with this error rather than ending the "
+            "loop quietly; hint: iterate the new iterator (a `for batch in loader:` started "
+            "after the change), and call load_state_dict before the loop, not inside it"
+        )
+
+    def _iterate(self, generation: int) -> Generator[Any, None, None]:
         """This rank's micro batches from ``samples_consumed`` on.
 
         A batch is counted (and traced) only once it reaches the caller: any
@@ -636,8 +737,8 @@ class DataLoader:
         abnormal end, persistent worker processes are replaced on the next
         iteration (torch's iterator may be mid-transfer).
         """
-        self._generation += 1
-        generation = self._generation
+        if generation != self._generation:
+            raise self._stale()
         batches = self._batches()
         lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
         iterator: Iterator[Any] = batches
@@ -685,6 +786,8 @@ class DataLoader:
     ) -> Iterator[Any]:
         per = self.layout.samples_per_micro_step
         while True:
+            if generation != self._generation:
+                raise self._stale()
             if lookahead is not None:
                 lookahead.advance(self._consumed // per)
             try:
@@ -711,7 +814,7 @@ class DataLoader:
                         )
                 raise
             if generation != self._generation:
-                return  # state was loaded or a new iterator started: this one is stale
+                raise self._stale()  # the fetch itself loaded a state or started an iterator
             if self._transform is not None:
                 self._check_schema(batch)
             if self._trace is not None:  # before counting: a failed trace write delivers nothing
@@ -796,9 +899,27 @@ class DataLoader:
         return state.to_json()
 
     def load_state_dict(
-        self, state_dict: Mapping[str, Any] | str, *, allow: Iterable[str] = ()
+        self,
+        state_dict: Mapping[str, Any] | str,
+        *,
+        allow: Iterable[str] = (),
+        mid_step: str | MidStep | None = None,
+        at_step: int | None = None,
     ) -> None:
         """Resume at the saved position in O(1).
+
+        A state saved inside a global step (its ``step_position`` has ``delivered_in_step``
+        > 0: a checkpoint between two micro batches of gradient accumulation) resumes by
+        default at that step's first position: the whole step is delivered again, since the
+        partial step's gradients are in no state dict (logged as a warning; ``mid_step="redo"``,
+        `MidStep.REDO`). ``mid_step="continue"`` resumes right after the delivered part, for a
+        caller that saved and restores the partial gradients too (``mid_step_on_resume=`` sets
+        the default, for callers such as ``torch.distributed.checkpoint`` that call
+        ``load_state_dict(state)`` themselves). ``at_step`` (an integration's trainer step):
+        resume at the first position of that optimizer step, the saved step or, for a state
+        saved at the end of a step the trainer had not stepped yet, the one before
+        (`LoaderState.resumed`). Live iterators are stale afterwards: the next
+        batch asked of them raises `StaleIteratorError`.
 
         Differences in checked fields (manifests, data, seed, algorithm,
         mixture, global batch) are refused with a `StateError` listing each,
@@ -813,6 +934,7 @@ class DataLoader:
         accumulated), so every earlier step keeps its positions and ``step`` stays right;
         this loader's micro steps start at the saved position.
         """
+        how = self._mid_step if mid_step is None else parse_mid_step(mid_step)
         self._bind_layout(check=False)  # `_resumed_plan` checks from the saved position
         saved = LoaderState.from_json(state_dict)
         allowed = self._allow | check_allow(allow)
@@ -823,6 +945,10 @@ class DataLoader:
             raise StateError(
                 mismatch_message(refused, saved.fields, current), fields=tuple(refused)
             )
+        if at_step is not None:
+            at_step = check_count(at_step, "at_step", minimum=0)
+        # a state saved inside a step: by default, the step's start
+        saved = saved.resumed(how, at_step)
         if self.total_samples is not None and saved.samples_consumed > self.total_samples:
             raise StateError(
                 f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
@@ -847,7 +973,7 @@ class DataLoader:
         self._consumed = saved.samples_consumed
         if self._trace is not None:
             self._trace.restore(self._consumed)
-        self._generation += 1
+        self._supersede("load_state_dict() moved the loader")
         self._torch_loader = None
 
     def _resumed_plan(self, saved: LoaderState, changed: bool) -> tuple[Plan, Layout]:
@@ -1060,8 +1186,8 @@ class DataLoader:
     def close(self) -> None:
         """End every live iterator (their reader threads and worker processes stop now),
         drop persistent workers and close the trace file. The loader can be iterated again."""
-        self._generation += 1
-        for iterator in list(self._live):
+        self._supersede("close() ended the loader's iterators")
+        for iterator in list(self._live):  # ended on purpose: they stop, they do not raise
             iterator.close()
         self._live.clear()
         self._torch_loader = None

@@ -246,6 +246,40 @@ class Plan:
             return Plan((*self.entries[:-1], entry), self.changes)
         return Plan((*self.entries, entry), self.changes)
 
+    def rewound_to(self, position: int) -> Plan:
+        """The history as a run that stopped at ``position`` (the first position of the step
+        the last entry's position falls in, or earlier in that step) would have written it.
+
+        Entries that began after ``position`` lie inside that same step (a layout or
+        global-batch change at a mid-step resume); the last of them is kept, moved to
+        ``position``: its schedule is in effect from the step's start either way, and its
+        layout is replaced by the resuming loader's. A change of a checked field recorded
+        inside the step (`Change`) cannot be moved: `StateError`.
+        """
+        inside = [c for c in self.changes if c.position > position]
+        if inside:
+            raise StateError(
+                f"cannot re-deliver the step from position {position}: the history records "
+                f"{inside[0].describe()}, inside that step; hint: load_state_dict(state, "
+                "mid_step='continue') resumes where the state was saved",
+                fields=(K_HISTORY,),
+            )
+        keep = tuple(e for e in self.entries if e.position <= position)
+        later = [e for e in self.entries if e.position > position]
+        if not later:
+            return self
+        last = later[-1]
+        moved = Entry(
+            position=position,
+            step=last.step,
+            schedule=last.schedule,
+            world_size=last.world_size,
+            micro_batch_size=last.micro_batch_size,
+        )
+        if keep and keep[-1].position == position and keep[-1].step == last.step:
+            keep = keep[:-1]
+        return Plan((*keep, moved), self.changes)
+
     # ---------------------------------------------------------- checks
     def check_fits(self, layout: Layout, position: int) -> None:
         """Every global batch from the step of ``position`` on divides into ``layout``'s

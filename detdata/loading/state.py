@@ -13,6 +13,7 @@ to the saved fields, is refused naming ``history``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import platform
@@ -27,6 +28,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.schedule import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
+from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
 STATE_VERSION: Final = 4
@@ -238,6 +240,56 @@ class LoaderState:
         """The saved run's batch history and step map."""
         return Plan.from_json(list(self.history))
 
+    @property
+    def step_position(self) -> StepPosition:
+        """Where ``samples_consumed`` lies in the saved run's global steps (the state's
+        ``step_position``: a state saved inside a step says so)."""
+        return StepPosition.of(self.plan, self.samples_consumed)
+
+    def resumed(self, mid_step: MidStep, at_step: int | None = None) -> LoaderState:
+        """This state as the resume continues from it: unchanged at a step boundary or with
+        `MidStep.CONTINUE`; saved inside a step, by default (`MidStep.REDO`) the state at that
+        step's first position, so the whole step is delivered again (`resume_position`).
+
+        ``at_step``: the first position of that step instead (a trainer's restored optimizer
+        step): the saved step, or the one before it when the state was saved at the end of
+        that step (the trainer saved before its optimizer step: an exception-time checkpoint
+        after the last micro batch was counted); anything else is a `StateError`.
+        """
+        if at_step is not None:
+            return self._at_step(at_step)
+        position = resume_position(self.step_position, self.samples_consumed, mid_step)
+        if position == self.samples_consumed:
+            return self
+        history = tuple(self.plan.rewound_to(position).to_json())
+        return dataclasses.replace(self, samples_consumed=position, history=history)
+
+    def _at_step(self, step: int) -> LoaderState:
+        here = self.step_position
+        plan = self.plan
+        if not (step == here.step or (step == here.step - 1 and not here.inside)):
+            raise StateError(
+                f"cannot resume at step {step}: the state was saved at samples_consumed "
+                f"{self.samples_consumed} ({here.delivered_in_step} samples into step "
+                f"{here.step}); a resume goes back at most to the start of the step being "
+                "trained when it was saved; hint: resume the trainer from the checkpoint this "
+                "loader state was saved with",
+                fields=(K_CONSUMED,),
+            )
+        position = plan.start_of(step)
+        if position == self.samples_consumed:
+            return self
+        log.warning(
+            "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole from "
+            "position %d (the state was saved at %d, %s)",
+            step,
+            position,
+            self.samples_consumed,
+            here.describe() if here.inside else "at the end of that step",
+        )
+        history = tuple(plan.rewound_to(position).to_json())
+        return dataclasses.replace(self, samples_consumed=position, history=history)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             K_KIND: KIND,
@@ -248,6 +300,7 @@ class LoaderState:
         out[K_STREAM] = dict(self.stream)
         out[K_HISTORY] = [dict(e) for e in self.history]
         out[K_SEAL] = seal(out[K_HISTORY])
+        out[K_STEP_POSITION] = self.step_position.to_json()
         out[K_LAYOUT] = dict(self.layout)
         out[K_ENV] = dict(self.env)
         return out

@@ -395,8 +395,11 @@ class TraceWriter:
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:
-            with contextlib.suppress(OSError, TypeError):  # interpreter shutdown
+            # no module globals here: at interpreter shutdown they may already be None
+            try:
                 os.close(fd)
+            except Exception:  # a finaliser must never raise
+                return
 
 
 # ------------------------------------------------------------------ reader

@@ -348,6 +348,9 @@ MIX_CHILD = textwrap.dedent(
     import pyarrow.parquet as pq
 
     kind, data, manifests, mode = sys.argv[1:5]
+    # shard files only: the manifests' mapped fast forms (tokens-src00.json.columns) sit
+    # next to the data folder, whose name is their prefix
+    data = os.path.join(data, "")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[5]), hard))
     import detdata

@@ -22,7 +22,14 @@ rank = dist.get_rank()
 got = [b["id"].tolist() for _, b in zip(range(6), loader, strict=False)]
 state = loader.state_dict()
 with open(f"{out}.rank{rank}", "w", encoding="utf-8") as fh:
-    json.dump({"before": before, "after": [loader.layout.rank, loader.layout.world_size],
-               "ids": got, "consumed": state["samples_consumed"]}, fh)
+    json.dump(
+        {
+            "before": before,
+            "after": [loader.layout.rank, loader.layout.world_size],
+            "ids": got,
+            "consumed": state["samples_consumed"],
+        },
+        fh,
+    )
 dist.barrier()
 dist.destroy_process_group()

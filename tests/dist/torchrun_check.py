@@ -23,7 +23,9 @@ GBS, STEPS, SEED = 8, 3, 7
 
 def dataset() -> detdata.ArrayDataset:
     ids = np.arange(500, dtype=np.int64)
-    return detdata.ArrayDataset({"id": ids, "x": (ids[:, None] * 3 + np.arange(4)).astype(np.int32)})
+    return detdata.ArrayDataset(
+        {"id": ids, "x": (ids[:, None] * 3 + np.arange(4)).astype(np.int32)}
+    )
 
 
 def single_process_steps(start_step: int, steps: int) -> list[list[int]]:
@@ -38,8 +40,12 @@ def single_process_steps(start_step: int, steps: int) -> list[list[int]]:
 def train(ckpt: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dl = detdata.DataLoader(dataset(), global_batch_size=GBS, micro_batch_size=2, seed=SEED, num_workers=1)
-    assert dl.layout.world_size == world and dl.layout.rank == rank  # defaults come from torch.distributed
+    dl = detdata.DataLoader(
+        dataset(), global_batch_size=GBS, micro_batch_size=2, seed=SEED, num_workers=1
+    )
+    assert (
+        dl.layout.world_size == world and dl.layout.rank == rank
+    )  # defaults come from torch.distributed
     it = iter(dl)
     micro_per_step = GBS // (2 * world)
     gathered_steps = []
@@ -48,13 +54,21 @@ def train(ckpt: str, out: str) -> None:
         parts = [[torch.empty_like(m) for _ in range(world)] for m in micro]
         for k, m in enumerate(micro):
             dist.all_gather(parts[k], m)
-        gathered_steps.append(torch.cat([p for k in range(micro_per_step) for p in parts[k]]).reshape(-1).tolist())
+        gathered_steps.append(
+            torch.cat([p for k in range(micro_per_step) for p in parts[k]]).reshape(-1).tolist()
+        )
     dcp.save({"loader": dl}, checkpoint_id=ckpt)
     if rank == 0:
         with open(out, "w") as fh:
-            json.dump({"world": world, "gathered": gathered_steps,
-                       "single": single_process_steps(0, STEPS),
-                       "consumed": dl.samples_consumed}, fh)
+            json.dump(
+                {
+                    "world": world,
+                    "gathered": gathered_steps,
+                    "single": single_process_steps(0, STEPS),
+                    "consumed": dl.samples_consumed,
+                },
+                fh,
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -65,8 +79,14 @@ def resume(ckpt: str, out: str) -> None:
     it = iter(dl)
     got = [next(it)["x"].reshape(-1).tolist() for _ in range(2)]
     with open(out, "w") as fh:
-        json.dump({"consumed": dl.samples_consumed - 2 * GBS, "resumed": got,
-                   "single": single_process_steps(STEPS, 2)}, fh)
+        json.dump(
+            {
+                "consumed": dl.samples_consumed - 2 * GBS,
+                "resumed": got,
+                "single": single_process_steps(STEPS, 2),
+            },
+            fh,
+        )
 
 
 if __name__ == "__main__":

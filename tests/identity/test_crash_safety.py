@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from detdata import Manifest, ManifestError, Registry, RegistryError, ShardEntry, build_manifest
+from detdata.identity.columns import ShardTable, check_columns
 from detdata.identity.formats import Format
 
 BIG_SHARDS = 1200
@@ -99,6 +100,8 @@ def check_save_target(
     if not path.exists():
         return None
     manifest = Manifest.load(str(path), verify=verify)  # refuses torn JSON and id mismatches
+    if isinstance(manifest.shards, ShardTable):  # the fast form: its full tie to the JSON
+        check_columns(manifest.shards)
     if allowed_ids is not None:
         assert manifest.id in allowed_ids, f"{path} holds an unexpected manifest {manifest.id}"
     else:
@@ -111,12 +114,17 @@ def check_registry(root: Path) -> list[str]:
     """Every published object and reference is intact; returns the reference names."""
     registry = Registry(str(root))
     for path in (root / "manifests").glob("*"):  # anything else is an unpublished temp file
-        assert path.suffix == ".json" or path.name.startswith(".tmp-"), f"unexpected file {path}"
+        assert path.name.endswith((".json", ".json.columns")) or path.name.startswith(".tmp-"), (
+            f"unexpected file {path}"
+        )
     for path in (root / "refs").rglob("*"):
         assert path.is_dir() or path.suffix == ".json" or path.name.startswith(".tmp-"), path
     intact = set()
     for path in (root / "manifests").glob("*.json"):
-        intact.add(registry.get("b3:" + path.stem).id)  # parses and re-hashes to its name
+        stored = registry.get("b3:" + path.stem)  # parses and re-hashes to its name, or maps
+        if isinstance(stored.shards, ShardTable):  # the fast form, re-hashed in full here
+            check_columns(stored.shards)
+        intact.add(stored.id)
     names = registry.names()
     for name in names:
         history = registry.history(name)  # parses the reference and its whole history

@@ -188,7 +188,11 @@ def test_remote_quick_check_is_one_request_per_small_shard(
     corpus: tuple[Path, Manifest, dict[str, int]],
     http_server: HttpServer,
     fault_proxy: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # the read path alone: a receipt adds one HEAD per HTTP shard (its ETag and
+    # Last-Modified, tests/identity/test_receipts.py)
+    monkeypatch.setenv("DETDATA_RECEIPTS", "off")
     root, manifest, sizes = corpus
     directory, url = http_server.new_dir()
     shutil.copytree(root, directory, dirs_exist_ok=True)

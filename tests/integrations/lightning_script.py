@@ -12,7 +12,10 @@ Config keys: ``out`` (folder for the trace), ``tag``, ``ckpt_dir``, ``devices``,
 inside ``train_dataloader()``), ``global_batch``, ``micro``, ``accum``, ``seed``, ``n``,
 ``total_samples``, ``max_steps``, ``max_epochs``, ``every`` (checkpoint every N train
 steps, as ``step=S.ckpt``; each epoch's end writes ``end-epoch=E-step=S.ckpt`` too, as
-Lightning's default checkpoint does), ``resume`` (a ``ckpt_path``).
+Lightning's default checkpoint does), ``resume`` (a ``ckpt_path``), ``steps_callback``
+(add `detdata.integrations.lightning.DetdataSteps`, the README's optional line),
+``raise_at`` (``[step, k]``: ``training_step`` raises at micro batch ``k`` of optimizer step
+``step``, after ``OnExceptionCheckpoint`` is set to write ``on_exception.ckpt``).
 
 Every rank writes ``out/trace-{tag}-rank{r}.json``: one record per ``training_step`` call
 (the global step it belongs to, the epoch, a digest of every row the model saw).
@@ -87,6 +90,8 @@ def main() -> None:
             self.lin = torch.nn.Linear(FEATURES, 1)
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if cfg.get("raise_at") == [self.trainer.global_step, batch_idx % cfg["accum"]]:
+                raise RuntimeError("injected failure inside gradient accumulation")
             records.append(
                 {
                     "step": self.trainer.global_step,
@@ -105,11 +110,19 @@ def main() -> None:
         def train_dataloader(self) -> Any:
             return early if early is not None else build_loader(cfg)
 
-    callbacks = [
+    callbacks: list[Any] = [
         # every N train steps, and Lightning's default: at the end of every epoch
         ModelCheckpoint(cfg["ckpt_dir"], "{step}", every_n_train_steps=cfg["every"], save_top_k=-1),
         ModelCheckpoint(cfg["ckpt_dir"], "end-{epoch}-{step}", save_top_k=-1),
     ]
+    if cfg.get("raise_at") is not None:
+        from pytorch_lightning.callbacks import OnExceptionCheckpoint
+
+        callbacks.append(OnExceptionCheckpoint(cfg["ckpt_dir"], "on_exception"))
+    if cfg.get("steps_callback"):
+        from detdata.integrations.lightning import DetdataSteps
+
+        callbacks.append(DetdataSteps())
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=cfg["devices"],

@@ -268,3 +268,90 @@ def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed
         fails="state was not restored",
     )
     assert second == []  # the run stopped at the refusal; it wrote no trace of trained rows
+
+
+@pytest.mark.parametrize(
+    ("n", "global_batch", "micro", "accum", "steps"),
+    [(44, 8, 4, 2, 12), (40, 16, 2, 8, 5)],
+    ids=["accumulate-2", "accumulate-8"],
+)
+def test_accumulation_over_a_ragged_epoch_keeps_lightning_on_detdata_steps(
+    tmp_path: Path, n: int, global_batch: int, micro: int, accum: int, steps: int
+) -> None:
+    """An epoch that is not a whole number of global steps (44 rows of 8, 40 of 16), trained
+    by ``max_steps`` across two or more epoch ends with ``accumulate_grad_batches`` 2 and 8 and
+    no glue: Lightning's optimizer step k (its ``global_step`` while it accumulates) holds
+    exactly the micro batches of an uninterrupted plain loader's step k, in order; Lightning
+    never takes a short step at an epoch's end (``len()`` is whole steps), and its epoch and
+    batch_idx are those of epochs of ``n // global_batch`` whole steps."""
+    cfg = dict(devices=1, micro=micro, accum=accum, workers=0, source="arg", total_samples=None)
+    cfg |= {"n": n, "global_batch": global_batch, "max_steps": steps, "max_epochs": None}
+    cfg |= {"every": 1000, "resume": None, "tag": "ragged", "ckpt_dir": str(tmp_path / "ck")}
+    (trace,) = _run(cfg, tmp_path)
+    plain = detdata.DataLoader(
+        make_dataset(n), global_batch_size=global_batch, micro_batch_size=micro, seed=SEED
+    )
+    it = iter(plain)
+    want = [(k, row_digests(next(it))) for k in range(steps) for _ in range(accum)]
+    assert [(r["step"], r["rows"]) for r in trace["records"]] == want
+    per_epoch = n // global_batch
+    assert [(r["epoch"], r["batch_idx"]) for r in trace["records"]] == [
+        (k // per_epoch, (k % per_epoch) * accum + j) for k in range(steps) for j in range(accum)
+    ]
+    assert trace["global_step"] == steps
+
+
+@pytest.mark.parametrize(
+    ("micro", "accum", "raise_at"),
+    [(2, 4, [5, 2]), (4, 2, [3, 1])],
+    ids=["mid-step", "after-the-last-micro-batch"],
+)
+def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
+    tmp_path: Path, micro: int, accum: int, raise_at: list[int]
+) -> None:
+    """``training_step`` raises inside gradient accumulation and ``OnExceptionCheckpoint``
+    writes a checkpoint there: the loader state counts the micro batches of the step (the
+    batch in hand too), whose gradients no checkpoint holds. Resumed with the README's optional
+    line (``DetdataSteps``), Lightning trains that whole step again: every micro batch from
+    there on, with its optimizer step, epoch and batch_idx, is an uninterrupted plain
+    loader's (44 rows of global batch 8: 5 whole steps an epoch). Both a state inside the step
+    and one at its end (the last micro batch counted, the optimizer step not taken)."""
+    base = dict(devices=1, micro=micro, accum=accum, workers=0, source="arg", total_samples=None)
+    base |= {"n": 44, "max_steps": 8, "max_epochs": None, "every": 1000, "steps_callback": True}
+    ck = tmp_path / "ck"
+    _run(
+        base | {"resume": None, "tag": "first", "ckpt_dir": str(ck), "raise_at": raise_at},
+        tmp_path,
+        fails="injected failure inside gradient accumulation",
+    )
+    import torch
+
+    saved = torch.load(ck / "on_exception.ckpt", weights_only=True)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert saved["global_step"] == raise_at[0]
+    assert state["samples_consumed"] == raise_at[0] * 8 + (raise_at[1] + 1) * micro
+    resume = str(ck / "on_exception.ckpt")
+    (trace,) = _run(
+        base | {"resume": resume, "tag": "again", "ckpt_dir": str(tmp_path / "c2")}, tmp_path
+    )
+    plain = detdata.DataLoader(
+        make_dataset(44), global_batch_size=8, micro_batch_size=micro, seed=SEED
+    )
+    it = iter(plain)
+    want = [(k, row_digests(next(it))) for k in range(8) for _ in range(accum)]
+    first = raise_at[0]
+    assert [(r["step"], r["rows"]) for r in trace["records"]] == want[first * accum :]
+    assert [(r["epoch"], r["batch_idx"]) for r in trace["records"]] == [
+        (k // 5, (k % 5) * accum + j) for k in range(first, 8) for j in range(accum)
+    ]
+
+
+def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_batch(
+    tmp_path: Path,
+) -> None:
+    """accumulate_grad_batches 3 x micro 4 is 12 samples a step, the loader's global batch
+    is 8: with ``DetdataSteps`` the fit stops before any training_step, naming the fix."""
+    cfg = dict(devices=1, micro=4, accum=3, workers=0, source="arg", total_samples=None)
+    cfg |= {"max_steps": 2, "max_epochs": None, "every": 1000, "resume": None}
+    cfg |= {"steps_callback": True, "tag": "mismatch", "ckpt_dir": str(tmp_path / "ck")}
+    assert _run(cfg, tmp_path, fails="accumulate_grad_batches=2") == []

@@ -60,7 +60,7 @@ def positioned(dl: DataLoader, samples: int) -> DataLoader:
     """``dl`` resumed from its own state saved at ``samples`` consumed (a jump, not a replay)."""
     state = dl.state_dict()
     state["samples_consumed"] = samples
-    dl.load_state_dict(state)
+    dl.load_state_dict(state, mid_step="continue")
     return dl
 
 
@@ -116,7 +116,7 @@ def test_dp8_to_dp7_worked_example() -> None:
     dp8, states = [], []
     for rank in range(8):
         dl = loader(rank, 8, 512, 16)
-        dl.load_state_dict(saved)
+        dl.load_state_dict(saved, mid_step="continue")
         assert dl.step == 39_998
         dp8.append(list(delivered(dl, 2 * 4)))  # two steps of 4 micro steps
         states.append(dl.state_dict())
@@ -133,9 +133,9 @@ def test_dp8_to_dp7_worked_example() -> None:
             kw = {"num_workers": 2, "worker_mode": "thread"}
         dl = loader(rank, 7, 504, 24, **kw)
         with pytest.raises(StateError) as err:
-            dl.load_state_dict(state)  # a global-batch change is never silent
+            dl.load_state_dict(state, mid_step="continue")  # a global-batch change is never silent
         assert err.value.fields == ("global_batch_size",)
-        dl.load_state_dict(state, allow=("global_batch_size",))
+        dl.load_state_dict(state, allow=("global_batch_size",), mid_step="continue")
         assert (dl.step, dl.global_batch_size, dl.samples_consumed) == (40_000, 504, p_change)
         dl.set_total_samples(p_change + 2 * 504)  # two steps, then the run ends by itself
         dp7.append(list(delivered(dl)))
@@ -174,7 +174,7 @@ def test_dp8_to_dp7_worked_example() -> None:
             assert lo <= positions[0] and positions[-1] < hi, (step, positions[0])
             assert ids == detdata.GlobalOrder(N, SEED).ids(np.array(positions)).tolist()
     resumed = loader(0, 7, 504, 24)
-    resumed.load_state_dict(final)  # no change this time: the history is kept
+    resumed.load_state_dict(final, mid_step="continue")  # no change this time: the history is kept
     assert resumed.step == 40_002 and resumed.history == history
     for t in (0, 1, 39_998, 39_999, 40_000, 40_001, 40_002, 10**6):
         start = start_from_history(history, t)
@@ -270,7 +270,7 @@ def test_ramp_up_stopped_at_every_step_and_resumed_on_another_world(world: int, 
         after = []
         for rank in range(world):
             dl = ramp_loader(rank, world, micro)
-            dl.load_state_dict(state)
+            dl.load_state_dict(state, mid_step="continue")
             assert dl.step == stop
             after.append(list(delivered(dl, sum(b for _, b in EXPECTED[stop:]) // (micro * world))))
         resumed = merge(after)
@@ -304,9 +304,9 @@ def test_schedule_is_a_checked_field() -> None:
         DATA, global_batch_size=other, micro_batch_size=2, seed=SEED, rank=0, world_size=2
     )
     with pytest.raises(StateError, match="global_batch_size") as err:
-        changed.load_state_dict(state)
+        changed.load_state_dict(state, mid_step="continue")
     assert err.value.fields == ("global_batch_size",)
-    ramp_loader().load_state_dict(state)  # the same schedule: accepted
+    ramp_loader().load_state_dict(state, mid_step="continue")  # the same schedule: accepted
 
 
 # ------------------------------------------------------ changes inside a step
@@ -319,7 +319,7 @@ def test_global_batch_change_inside_a_step_completes_that_step() -> None:
     run = constant(8)
     first = list(delivered(run, 3))
     resumed = constant(16)
-    resumed.load_state_dict(run.state_dict(), allow=["global_batch_size"])
+    resumed.load_state_dict(run.state_dict(), allow=["global_batch_size"], mid_step="continue")
     assert (resumed.step, resumed.global_batch_size) == (1, 16)
     assert resumed.position_of_step(1) == 8 and resumed.position_of_step(2) == 24
     rest = list(delivered(resumed, 7))
@@ -343,7 +343,7 @@ def test_global_batch_change_refused_when_the_step_is_already_over_full() -> Non
     list(delivered(run, 3))  # 12 samples of step 0
     smaller = constant(8)
     with pytest.raises(StateError, match="more than the new global batch 8"):
-        smaller.load_state_dict(run.state_dict(), allow=["global_batch_size"])
+        smaller.load_state_dict(run.state_dict(), allow=["global_batch_size"], mid_step="continue")
     assert smaller.samples_consumed == 0 and smaller.history[-1]["global_batch_size"] == 8
 
 
@@ -354,7 +354,9 @@ def test_resume_with_total_samples_off_the_resumed_steps_is_refused_with_a_hint(
         DATA, global_batch_size=12, micro_batch_size=4, seed=SEED, total_samples=36
     )
     with pytest.raises(StateError, match="set_total_samples"):
-        bounded.load_state_dict(run.state_dict(), allow=["global_batch_size"])  # steps 8, 20, 32
+        bounded.load_state_dict(  # steps 8, 20, 32
+            run.state_dict(), allow=["global_batch_size"], mid_step="continue"
+        )
 
 
 def test_rank_steps_are_the_global_step_on_every_rank() -> None:
@@ -402,7 +404,7 @@ def test_dp_change_after_a_ramp_up_resumes_from_the_saved_step() -> None:
     assert state["samples_consumed"] == 336
     resumed = [make(4, r, 8) for r in range(4)]
     for dl in resumed:
-        dl.load_state_dict(state)
+        dl.load_state_dict(state, mid_step="continue")
     assert resumed[0].global_batch_size == 32
     got = by_position(resumed, 3)
     assert sorted(got) == list(range(336, 336 + 3 * 32))

@@ -73,7 +73,7 @@ def test_tokens_consumed_of_one_dataset_and_across_a_resume(
     batches = [b for _, b in zip(range(5), dl, strict=False)]
     assert dl.tokens_consumed() == {"token_windows": count(batches)["code"]}
     again = DataLoader(sources["code"], global_batch_size=6, micro_batch_size=3, seed=2)
-    again.load_state_dict(dl.state_dict())
+    again.load_state_dict(dl.state_dict(), mid_step="continue")
     assert again.tokens_consumed() == dl.tokens_consumed()
 
 

@@ -69,9 +69,11 @@ def test_loader_built_before_the_process_group_reads_its_rank_slice(tmp_path: Pa
 def test_len_is_constant_and_the_surface_trainers_probe() -> None:
     data = detdata.ArrayDataset({"id": np.arange(100, dtype=np.int64)})
     dl = detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=1)
-    assert len(dl) == 100 // 4  # one pass over the dataset, this rank's micro batches
+    # the whole global steps of one pass over the dataset (12 steps of 8 of the 100 samples),
+    # this rank's micro batches of them
+    assert len(dl) == (100 // 8) * (8 // 4)
     list(take(dl, 7))
-    assert len(dl) == 25  # unchanged by consumption
+    assert len(dl) == 24  # unchanged by consumption
     assert dl.dataset is data and dl.batch_size == 4 and dl.drop_last is True
     assert dl.batch_sampler is None and dl.collate_fn is None
     assert not isinstance(dl.sampler, torch.utils.data.Sampler)  # nothing to replace or wrap

@@ -167,7 +167,7 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
     for device in (None, "cpu"):  # resume on either path continues with exactly the next batch
         resumed = loader(device=device, device_prefetch=2)
         # the observing collate delivers the default collate's bytes: allow the changed "transform"
-        resumed.load_state_dict(state, allow=["transform"])
+        resumed.load_state_dict(state, allow=["transform"], mid_step="continue")
         assert run_digests(resumed, 7) == straight[5:]
     # the original iterator, after its state was read, still continues where it was
     assert [digest(next(it)) for _ in range(7)] == straight[5:]
@@ -289,7 +289,7 @@ def test_cuda_same_order_and_bytes_and_state() -> None:
     assert [digest(to_cpu(b)) for b in first] == straight[:8]
     assert dl.samples_consumed == 8 * 4
     resumed = loader(device="cuda")
-    resumed.load_state_dict(dl.state_dict())
+    resumed.load_state_dict(dl.state_dict(), mid_step="continue")
     assert [digest(to_cpu(b)) for b in take(resumed, 12)] == straight[8:]
 
 

@@ -36,7 +36,7 @@ dl = detdata.DataLoader(data, global_batch_size=cfg["gbs"], micro_batch_size=cfg
                         trace=cfg["trace"])
 if cfg["state_in"]:
     with open(cfg["state_in"]) as fh:
-        dl.load_state_dict(json.load(fh))
+        dl.load_state_dict(json.load(fh), mid_step="continue")
 it = iter(dl)
 for _ in range(cfg["batches"]):
     next(it)
@@ -168,7 +168,7 @@ def test_load_state_dict_back_to_a_step_start_is_identical(tmp_path: Path) -> No
     deliver(dl, 3 * G // 2)
     saved = dl.state_dict()
     deliver(dl, 2)
-    dl.load_state_dict(saved)
+    dl.load_state_dict(saved, mid_step="continue")
     deliver(dl, 5 * G // 2)
     dl.close()
     result = diff(ref, tmp_path / "rewound.jsonl")
@@ -267,7 +267,7 @@ def test_conflicting_replay_after_a_restore_is_reported(tmp_path: Path) -> None:
     resumed = loader(trace, columns=arrays(changed), allow_on_resume=["manifests", "data"])
     saved = loader(None)
     deliver(saved, (s - 1) * G // 2)
-    resumed.load_state_dict(saved.state_dict())
+    resumed.load_state_dict(saved.state_dict(), mid_step="continue")
     deliver(resumed, (8 - s + 1) * G // 2)
     resumed.close()
     result = diff(ref, trace)
@@ -476,7 +476,10 @@ def test_diff_states_reports_each_differing_field(tmp_path: Path) -> None:
     assert same.returncode == 0 and same.stdout.startswith("identical: "), same.stdout + same.stderr
     moved = diff("--state", paths["one"], paths["two"])
     assert moved.returncode == 1
-    assert moved.stdout.splitlines()[1:] == ["samples_consumed: A 0 | B 6  [position]"]
+    assert moved.stdout.splitlines()[1:] == [
+        "samples_consumed: A 0 | B 6  [position]",
+        "step_position.delivered_in_step: A 0 | B 6  [position]",  # 6 of step 0's 8 samples
+    ]
     seeded = diff("--state", paths["one"], paths["seed"])
     assert seeded.returncode == 1 and "\nseed: A 4 | B 5  [checked on resume]" in seeded.stdout
     (tmp_path / "bad.json").write_text("{")

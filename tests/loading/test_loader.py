@@ -50,7 +50,7 @@ def global_steps(
             num_workers=workers,
         )
         if start_state is not None:
-            dl.load_state_dict(start_state)
+            dl.load_state_dict(start_state, mid_step="continue")
         loaders.append(list(take(dl, steps * gbs // (micro * world))))
     per_step = gbs // (micro * world)
     out = []
@@ -125,7 +125,7 @@ def test_resume_with_workers_at_several_steps() -> None:
     reference = run_digests(straight, 30, states)
     for k in (0, 7, 18, 29):
         resumed = make()
-        resumed.load_state_dict(states[k])
+        resumed.load_state_dict(states[k], mid_step="continue")
         assert run_digests(resumed, 30 - k - 1) == reference[k + 1 :]
 
 
@@ -152,7 +152,7 @@ def test_resume_in_fresh_process(tmp_path: Path) -> None:
         ds = detdata.ArrayDataset({{"x": np.load({str(tmp_path / "data.npy")!r})}})
         dl = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, seed=5)
         if len(sys.argv) > 1:
-            dl.load_state_dict(json.load(open(sys.argv[1])))
+            dl.load_state_dict(json.load(open(sys.argv[1])), mid_step="continue")
         print(json.dumps(run_digests(dl, int(sys.argv[2] if len(sys.argv) > 2 else 40))))
     """)
     (tmp_path / "run.py").write_text(script)
@@ -314,10 +314,10 @@ def test_mismatched_state_refused_naming_fields(kwargs: dict[str, Any], field: s
     args = {"global_batch_size": 8, "micro_batch_size": 4, "seed": 1, **kwargs}
     other = DataLoader(data, **args)
     with pytest.raises(detdata.StateError) as err:
-        other.load_state_dict(state)
+        other.load_state_dict(state, mid_step="continue")
     assert field in str(err.value) and field in err.value.fields
     assert "allow=" in str(err.value)
-    other.load_state_dict(state, allow=err.value.fields)
+    other.load_state_dict(state, allow=err.value.fields, mid_step="continue")
     assert other.samples_consumed == 12
 
 
@@ -339,7 +339,7 @@ def test_other_manifest_refused_naming_manifests(tmp_path: Path) -> None:
 
     state = loader(1).state_dict()
     with pytest.raises(detdata.StateError, match="manifests"):
-        loader(2).load_state_dict(state)
+        loader(2).load_state_dict(state, mid_step="continue")
 
 
 def test_state_is_pure_json_with_documented_fields() -> None:
@@ -373,7 +373,7 @@ def test_state_is_pure_json_with_documented_fields() -> None:
 def test_malformed_state_refused(bad: Any) -> None:
     dl = DataLoader(dataset(), global_batch_size=8)
     with pytest.raises(detdata.StateError):
-        dl.load_state_dict(bad)
+        dl.load_state_dict(bad, mid_step="continue")
 
 
 def test_negative_position_refused() -> None:
@@ -381,7 +381,7 @@ def test_negative_position_refused() -> None:
     state = dl.state_dict()
     state["samples_consumed"] = -8
     with pytest.raises(detdata.StateError, match="samples_consumed"):
-        dl.load_state_dict(state)
+        dl.load_state_dict(state, mid_step="continue")
 
 
 def test_resume_off_micro_step_boundary_refused() -> None:
@@ -389,7 +389,7 @@ def test_resume_off_micro_step_boundary_refused() -> None:
     list(take(dl, 1))
     other = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4)
     with pytest.raises(detdata.StateError, match="micro-step boundary"):
-        other.load_state_dict(dl.state_dict())
+        other.load_state_dict(dl.state_dict(), mid_step="continue")
 
 
 @pytest.mark.parametrize(
@@ -412,7 +412,7 @@ def test_order_resume_costs_o1_far_position() -> None:
     dl = DataLoader(dataset(), global_batch_size=8, seed=3)
     state = dl.state_dict()
     state["samples_consumed"] = 8 * 10**12
-    dl.load_state_dict(state)
+    dl.load_state_dict(state, mid_step="continue")
     batch = next(iter(dl))
     expected = detdata.GlobalOrder(N, 3).ids(np.arange(8 * 10**12, 8 * 10**12 + 8))
     assert batch["id"].tolist() == expected.tolist()
@@ -443,7 +443,7 @@ def test_thread_workers_same_bytes_and_resume() -> None:
     assert run_digests(make("thread", 2), 24, states) == reference
     for k in (0, 5, 13):
         resumed = make("thread", 3)
-        resumed.load_state_dict(states[k])
+        resumed.load_state_dict(states[k], mid_step="continue")
         assert run_digests(resumed, 24 - k - 1) == reference[k + 1 :]
 
 
@@ -601,7 +601,7 @@ def test_persistent_workers_resume_mid_group() -> None:
         pass
     state = dl.state_dict()
     assert [digest(b) for b in take(dl, 5)] == reference[7:12]  # a new epoch of iter() continues
-    dl.load_state_dict(state)
+    dl.load_state_dict(state, mid_step="continue")
     assert [digest(b) for b in take(dl, 17)] == reference[7:]
 
 

@@ -54,7 +54,7 @@ def test_format_2_state_is_read_with_a_one_entry_history() -> None:
     old = {k: v for k, v in state.items() if k != "history"}
     old["format_version"] = 2
     resumed = loader(micro=2)  # another layout: a new history entry at the saved position
-    resumed.load_state_dict(old)
+    resumed.load_state_dict(old, mid_step="continue")
     assert resumed.samples_consumed == 20 and resumed.step == 2
     assert resumed.history == [
         {"position": 0, "step": 0, "global_batch_size": 8, "world_size": 1, "micro_batch_size": 4},
@@ -117,7 +117,7 @@ def test_edited_history_is_refused_naming_it(
     state = copy.deepcopy(saved_after(loader(), 6))
     edit(state)
     with pytest.raises(StateError, match=match) as err:
-        loader().load_state_dict(state)
+        loader().load_state_dict(state, mid_step="continue")
     assert "history" in err.value.fields or "global_batch_size" in err.value.fields
 
 
@@ -128,7 +128,7 @@ def test_history_going_back_is_refused() -> None:
         {**ENTRY, "global_batch_size": 8, "position": 8, "step": 1},
     ]
     with pytest.raises(StateError, match=r"history\[2\] \(position 8, step 1\) goes back"):
-        loader().load_state_dict(state)
+        loader().load_state_dict(state, mid_step="continue")
 
 
 def test_two_changes_keep_every_earlier_step() -> None:
@@ -136,11 +136,11 @@ def test_two_changes_keep_every_earlier_step() -> None:
     run = loader()
     state = saved_after(run, 6)  # step 3 starts at 24
     second = loader(4)
-    second.load_state_dict(state, allow=["global_batch_size"])
+    second.load_state_dict(state, allow=["global_batch_size"], mid_step="continue")
     state = saved_after(second, 3)  # steps 3, 4, 5 of 4 samples: position 36
     ramp = BatchSchedule.by_samples([(0, 4), (40, 12)])
     third = loader(ramp)
-    third.load_state_dict(state, allow=["global_batch_size"])
+    third.load_state_dict(state, allow=["global_batch_size"], mid_step="continue")
     starts = [third.position_of_step(t) for t in range(10)]
     assert starts == [0, 8, 16, 24, 28, 32, 36, 40, 52, 64]  # 8 x3, 4 x4 (36 < 40), then 12
     assert [e["step"] for e in third.history if "field" not in e] == [0, 3, 6]

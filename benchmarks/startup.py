@@ -1,0 +1,306 @@
+"""Start-up at scale (issue 33, DESIGN.md 8): R ranks started at once open one corpus.
+
+Each rank is a separate process (``torch.distributed`` over gloo, as torchrun starts
+them) that imports torch and detdata, joins the process group, then opens
+``TokenWindows(MANIFEST, 64)`` with the default verification and reads its first micro
+batch (8 windows at its positions of a `GlobalOrder`). Per rank it reports, from its own
+``/proc/self`` and ``getrusage`` (measured outside detdata):
+
+* ``open_cpu_s`` / ``open_rss_mb`` / ``open_peak_mb``: CPU seconds (user + system), RSS
+  growth and peak RSS growth (``VmHWM`` reset through ``/proc/self/clear_refs`` just
+  before) from the process group being ready to the first batch: manifest + dataset +
+  verification (its share) + first batch;
+* ``total_cpu_s``: from interpreter start to the first batch, and ``torch_cpu_s`` (the
+  torch import, reported apart);
+* ``rchar`` / ``read_bytes``: bytes the rank read through system calls / from the block
+  device during the open (``/proc/self/io``; mapped pages read show as RSS, not here).
+
+A job is run twice over the same corpus: ``first`` (no receipt: a fresh receipt folder)
+and ``restart`` (the receipts of the first). ``--before PATH`` also runs every row with
+the detdata checkout at PATH (e.g. a worktree of an older commit), interleaved with this
+one, so that both columns come from one run on one machine.
+
+The corpus: N shards of 2 KiB (``.npy``, 960 uint16 tokens each), written once under
+``--data-dir``; its manifest is built from the files' own bytes (blake3 and quick digests
+computed here, entries as `build_manifest` writes them: the first verification re-reads
+every shard against them) and saved with `Manifest.save`.
+
+CPU seconds and RSS are what to compare on a shared, noisy machine; wall times are
+reported for information only.
+
+    python benchmarks/startup.py --shards 10000,100000 --ranks 8 [--before /tmp/old]
+    python benchmarks/startup.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 960
+SEQ = 64
+MICRO = 8
+
+CHILD = r"""
+import json, os, resource, sys, time
+T0 = time.monotonic()
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+def status(key):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+def io():
+    out = {}
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            k, v = line.split(":")
+            out[k] = int(v)
+    return out
+
+c0 = cpu()
+import torch
+import torch.distributed as dist
+torch_cpu = cpu() - c0
+import numpy as np
+import detdata
+from detdata import GlobalOrder, TokenWindows
+
+manifest, out = sys.argv[1], sys.argv[2]
+for name in ("detdata.identity.verify", "detdata.identity.receipts", "detdata.datasets.tokens",
+             "fsspec.implementations.local", "fsspec.implementations.chained", "numpy.ma"):
+    try:  # modules a first open imports (their files are bytes read too): not the corpus's
+        __import__(name)
+    except ImportError:  # an older checkout without receipts
+        pass
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.barrier()
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")  # reset VmHWM: the peak below is the open's
+rss0, cpu0, io0, w0 = status("VmRSS"), cpu(), io(), time.monotonic()
+ds = TokenWindows(manifest, SEQ)
+ids = GlobalOrder(ds.num_samples, 0).ids(np.arange(rank * MICRO, (rank + 1) * MICRO))
+batch = ds.read(ids)["tokens"]
+cpu1, io1, w1 = cpu(), io(), time.monotonic()
+result = {
+    "rank": rank,
+    "open_cpu_s": cpu1 - cpu0,
+    "open_rss_mb": (status("VmRSS") - rss0) / 2**20,
+    "open_peak_mb": (status("VmHWM") - rss0) / 2**20,
+    "open_wall_s": w1 - w0,
+    "total_cpu_s": cpu1,
+    "torch_cpu_s": torch_cpu,
+    "rchar": io1["rchar"] - io0["rchar"],
+    "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+    "batch_digest": __import__("hashlib").sha256(batch.tobytes()).hexdigest(),
+    "first_ids": ids.tolist(),
+}
+with open(out, "w") as fh:
+    json.dump(result, fh)
+dist.barrier()
+dist.destroy_process_group()
+""".replace("SEQ", str(SEQ)).replace("MICRO", str(MICRO))
+
+
+def write_corpus(folder: Path, shards: int) -> Path:
+    """N 2 KiB shards and their saved manifest (reused when already complete)."""
+    import blake3
+    import numpy as np
+
+    from detdata import Manifest, ShardEntry
+    from detdata.base.hashing import PREFIX, quick_digest_parts
+    from detdata.identity.formats import Format
+
+    path = folder / "manifest.json"
+    done = folder / ".complete"
+    if done.exists() and done.read_text() == str(shards):
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = []
+    base = np.arange(TOKENS, dtype=np.uint32)
+    header = None
+    for i in range(shards):
+        name = f"{i // 1000:04d}/s{i:07d}.npy"
+        tokens = ((base * 7 + i * 13) % 60_000).astype(np.uint16)
+        file = folder / name
+        file.parent.mkdir(exist_ok=True)
+        if header is None:
+            np.save(file, tokens)
+            raw = file.read_bytes()
+            header = raw[: len(raw) - tokens.nbytes]
+        data = header + tokens.tobytes()
+        file.write_bytes(data)
+        entries.append(
+            ShardEntry(
+                path=name,
+                bytes=len(data),
+                blake3=PREFIX + blake3.blake3(data).hexdigest(),
+                quick=quick_digest_parts(len(data), data[: 1 << 20], data[-(1 << 20) :]),
+                num_samples=TOKENS,
+                format=Format.NPY,
+                dtype="uint16",
+                data_offset=len(header),
+            )
+        )
+    Manifest(
+        shards=tuple(entries), metadata={"corpus": f"startup-{shards}"}, root=str(folder)
+    ).save(str(path))
+    done.write_text(str(shards))
+    return path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(code: Path, manifest: Path, ranks: int, receipts: str, work: Path) -> dict[str, Any]:
+    """R rank processes started at once; their reports and the job's totals."""
+    script = work / "child.py"
+    script.write_text(CHILD)
+    port = _port()
+    procs = []
+    start = time.monotonic()
+    for r in range(ranks):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(code),
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "DETDATA_RECEIPTS": receipts,
+        }
+        out = work / f"rank{r}.json"
+        out.unlink(missing_ok=True)
+        procs.append(
+            (
+                out,
+                subprocess.Popen(
+                    [sys.executable, str(script), str(manifest), str(out)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
+    reports = []
+    for out, proc in procs:
+        _, err = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"rank failed ({code}): {err[-3000:]}")
+        reports.append(json.loads(out.read_text()))
+    wall = time.monotonic() - start
+    digests = {r["batch_digest"] for r in reports}
+    return {
+        "ranks": reports,
+        "job_wall_s": wall,
+        "job_rchar": sum(r["rchar"] for r in reports),
+        "distinct_batches": len(digests),
+    }
+
+
+def summary(job: dict[str, Any], corpus_bytes: int) -> dict[str, Any]:
+    ranks = job["ranks"]
+
+    def stat(key: str) -> dict[str, float]:
+        vals = sorted(float(r[key]) for r in ranks)
+        return {"median": vals[len(vals) // 2], "max": vals[-1]}
+
+    others = [r for r in ranks if r["rank"] != 0] or ranks
+    return {
+        "open_cpu_s": stat("open_cpu_s"),
+        "open_rss_mb": stat("open_rss_mb"),
+        "open_peak_mb": stat("open_peak_mb"),
+        "total_cpu_s": stat("total_cpu_s"),
+        "torch_cpu_s": stat("torch_cpu_s"),
+        "open_cpu_s_ranks_1_up_max": max(r["open_cpu_s"] for r in others),
+        "open_peak_mb_ranks_1_up_max": max(r["open_peak_mb"] for r in others),
+        "rank0_open_cpu_s": next(r["open_cpu_s"] for r in ranks if r["rank"] == 0),
+        "job_rchar": job["job_rchar"],
+        "job_rchar_over_corpus": job["job_rchar"] / corpus_bytes,
+        "job_wall_s": job["job_wall_s"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shards", default="10000,100000")
+    ap.add_argument("--ranks", default="8")
+    ap.add_argument("--before", default=None, help="another detdata checkout to run too")
+    ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "detdata-startup"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--smoke", action="store_true", help="2,000 shards, 2 ranks (CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shards, args.ranks = "2000", "2"
+    codes = [("after", ROOT)]
+    if args.before:
+        codes.insert(0, ("before", Path(args.before).resolve()))
+    rows = []
+    for shards in [int(s) for s in args.shards.split(",")]:
+        manifest = write_corpus(Path(args.data_dir) / f"n{shards}", shards)
+        corpus = shards * (TOKENS * 2 + 128)
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            for label, code in codes:
+                with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+                    work = Path(tmp)
+                    receipts = str(work / "receipts")
+                    for start in ("first", "restart"):
+                        job = run_job(code, manifest, ranks, receipts, work)
+                        row = {
+                            "code": label,
+                            "shards": shards,
+                            "ranks": ranks,
+                            "start": start,
+                            "corpus_bytes": corpus,
+                            **summary(job, corpus),
+                            "distinct_batches": job["distinct_batches"],
+                            "per_rank": job["ranks"],
+                        }
+                        rows.append(row)
+                        print(
+                            f"{label:6} shards={shards:>7} ranks={ranks:>2} {start:7} "
+                            f"open cpu med/max {row['open_cpu_s']['median']:.3f}/"
+                            f"{row['open_cpu_s']['max']:.3f} s "
+                            f"(rank0 {row['rank0_open_cpu_s']:.3f}) "
+                            f"rss med {row['open_rss_mb']['median']:.1f} MB peak max "
+                            f"{row['open_peak_mb']['max']:.1f} MB  job read "
+                            f"{row['job_rchar_over_corpus']:.3f}x corpus  "
+                            f"wall {row['job_wall_s']:.1f}s",
+                            flush=True,
+                        )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    name = "startup_smoke.json" if args.smoke else "startup.json"
+    doc = {
+        "benchmark": "startup",
+        "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "note": "CPU-s and RSS are the robust figures on a shared machine; wall for info only",
+        "rows": rows,
+    }
+    (Path(args.out) / name).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

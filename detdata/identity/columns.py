@@ -1,0 +1,590 @@
+"""The fast form of a manifest: fixed-width columns in one memory-mapped file (DESIGN.md 8).
+
+A manifest's JSON is its readable form and defines its id; parsing it costs every
+rank O(shards) CPU and memory. `Manifest.save` (and `Registry.register`) also write
+this form next to the JSON (``<file>.columns``); `Manifest.load` maps it instead of
+parsing the JSON whenever it is there and tied to the JSON (below), with no step for
+the user. Opening it reads a header and a small table of chunk digests, whatever the
+number of shards; entries are materialised when used (`ShardTable`).
+
+Layout (little-endian)::
+
+    magic "DDMCOLS1"  u64 header length  header (canonical JSON)  blake3(header) (32 bytes)
+    chunk digest table (32 bytes per CHUNK bytes of data, blake3)      data sections
+
+The header names the manifest id, shard count, totals, metadata, the distinct
+formats / dtypes / schemas, each section's (offset, length, dtype) in the data and
+the blake3 of the chunk digest table. Sections: ``bytes``, ``num_samples``,
+``sample_starts`` (cumulative, ``count + 1``), ``data_offset`` (-1: none), ``format``,
+``dtype``, ``schema`` (indices into the header's lists, -1: none), ``path_ends`` /
+``paths`` (UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each),
+``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
+
+The file is replaced atomically (`Manifest.save`, the registry), never rewritten in
+place: a mapping keeps the file it mapped. (Truncating a mapped file in place would
+fault the reading process, as for any mapped file.)
+
+Checks: the header is checked against its digest and the chunk table against the
+header at open (O(1) in the shards: a 1M-shard manifest has ~2,000 chunks); every
+data chunk is checked against its digest the first time any byte of it is used, so a
+rank touches and hashes only the chunks it uses. A mismatch is a `ManifestError`
+naming the file and the chunk. Every materialised entry passes the JSON loader's
+field checks (`ShardEntry.from_json`: a path never escapes the root).
+
+What ties the columns to the JSON, per rank at open (O(1)): the JSON file has the size
+the header recorded, and its claimed id and metadata (read from the head of the file,
+before its shard list: `read_json_head`) are the header's. Otherwise the JSON is
+parsed as before. What ties them in full, once per job: the job's verifier hashes the
+JSON file against the header's ``json_digest`` and re-computes the manifest id from
+the columns' entries (`check_columns`), before any rank reads a shard with
+verification on; the verification receipt records it (`detdata.identity.receipts`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, cast, overload
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import ManifestError
+from detdata.base.hashing import PREFIX
+
+if TYPE_CHECKING:
+    from detdata.identity.manifest import ShardEntry
+
+MAGIC: Final = b"DDMCOLS1"
+KIND: Final = "detdata.manifest-columns"
+VERSION: Final = 1
+#: data bytes per checked chunk (a rank hashes only the chunks it touches)
+CHUNK: Final = 64 << 10
+#: a header larger than this is refused (metadata and schema strings live there)
+MAX_HEADER: Final = 256 << 20
+SUFFIX: Final = ".columns"
+_ALIGN: Final = 64
+#: entries kept materialised per table (a dict cleared when full)
+_ENTRY_CACHE: Final = 1 << 16
+_HEAD: Final = 16  # magic + header length
+
+_INT_SECTIONS: Final = ("bytes", "num_samples", "data_offset")
+
+
+def columns_path(json_path: str) -> str:
+    """Where the fast form of the manifest file ``json_path`` lives."""
+    return json_path + SUFFIX
+
+
+# --------------------------------------------------------------------------- writing
+def encode_columns(
+    shards: Sequence[ShardEntry], metadata: Mapping[str, Any], manifest_id: str, json_doc: bytes
+) -> bytes:
+    """The fast form of a manifest (its entries in canonical order, metadata and id) saved
+    with the JSON document ``json_doc`` (its size and digest are recorded: the tie)."""
+    n = len(shards)
+    formats = sorted({s.format.value for s in shards})
+    dtypes = sorted({s.dtype for s in shards if s.dtype is not None})
+    schemas = sorted({s.schema for s in shards if s.schema is not None})
+    fmt_of = {f: i for i, f in enumerate(formats)}
+    dt_of = {d: i for i, d in enumerate(dtypes)}
+    sc_of = {s: i for i, s in enumerate(schemas)}
+    counts = np.fromiter((s.num_samples for s in shards), np.int64, n)
+    paths = [s.path.encode("utf-8") for s in shards]
+    groups = [s.row_groups for s in shards]
+    group_ends = np.full(n + 1, 0, dtype=np.int64)
+    at = 0
+    for i, g in enumerate(groups):
+        at += len(g or ())
+        group_ends[i + 1] = at if g is not None else -(at + 1)  # negative: no row groups
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    sections: dict[str, np.ndarray[Any, Any]] = {
+        "bytes": np.fromiter((s.bytes for s in shards), np.int64, n),
+        "num_samples": counts,
+        "sample_starts": starts,
+        "data_offset": np.fromiter(
+            (-1 if s.data_offset is None else s.data_offset for s in shards), np.int64, n
+        ),
+        "format": np.fromiter((fmt_of[s.format.value] for s in shards), np.uint8, n),
+        "dtype": np.fromiter(
+            (-1 if s.dtype is None else dt_of[s.dtype] for s in shards), np.int16, n
+        ),
+        "schema": np.fromiter(
+            (-1 if s.schema is None else sc_of[s.schema] for s in shards), np.int32, n
+        ),
+        "path_ends": np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.int64),
+        "paths": np.frombuffer(b"".join(paths), dtype=np.uint8),
+        "blake3": np.frombuffer(
+            b"".join(bytes.fromhex(s.blake3[len(PREFIX) :]) for s in shards), dtype=np.uint8
+        ),
+        "quick": np.frombuffer(
+            b"".join(bytes.fromhex(s.quick[len(PREFIX) :]) for s in shards), dtype=np.uint8
+        ),
+        "row_group_ends": group_ends,
+        "row_groups": np.fromiter((x for g in groups for x in g or ()), np.int64),
+    }
+    layout: dict[str, list[Any]] = {}
+    parts: list[bytes] = []
+    offset = 0
+    for name, arr in sections.items():
+        raw = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        layout[name] = [offset, len(raw), arr.dtype.newbyteorder("<").str]
+        pad = -len(raw) % _ALIGN
+        parts.append(raw + b"\0" * pad)
+        offset += len(raw) + pad
+    data = b"".join(parts)
+    table = b"".join(
+        blake3.blake3(data[i : i + CHUNK]).digest() for i in range(0, len(data), CHUNK)
+    )
+    header = canonical_json(
+        {
+            "kind": KIND,
+            "version": VERSION,
+            "id": manifest_id,
+            "json_bytes": len(json_doc),
+            "json_digest": PREFIX + blake3.blake3(json_doc).hexdigest(),
+            "count": n,
+            "num_samples": int(starts[-1]),
+            "total_bytes": int(sections["bytes"].sum()),
+            "metadata": dict(metadata),
+            "formats": formats,
+            "dtypes": dtypes,
+            "schemas": schemas,
+            "chunk": CHUNK,
+            "data_bytes": len(data),
+            "table_digest": blake3.blake3(table).hexdigest(),
+            "sections": layout,
+        }
+    )
+    return (
+        MAGIC
+        + len(header).to_bytes(8, "little")
+        + header
+        + blake3.blake3(header).digest()
+        + table
+        + data
+    )
+
+
+# --------------------------------------------------------------------------- reading
+class ColumnsFile:
+    """A mapped fast-form file; every data chunk is checked against its digest on first use."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size < _HEAD + 32:
+                raise self._error(f"{st.st_size} bytes is too short for a header")
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        buf = memoryview(self._map)
+        if bytes(buf[:8]) != MAGIC:
+            raise self._error(f"magic {bytes(buf[:8])!r}, expected {MAGIC!r}")
+        hlen = int.from_bytes(buf[8:16], "little")
+        if hlen > MAX_HEADER or _HEAD + hlen + 32 > len(buf):
+            raise self._error(f"header length {hlen} does not fit the file ({len(buf)} bytes)")
+        header = bytes(buf[_HEAD : _HEAD + hlen])
+        found = blake3.blake3(header).digest()
+        if found != bytes(buf[_HEAD + hlen : _HEAD + hlen + 32]):
+            raise self._error("the header does not match its digest (corrupted or edited)")
+        self.header_digest = PREFIX + found.hex()
+        self.header = _parse_header(header, self._error)
+        self.count: int = self.header["count"]
+        chunks = -(-self.header["data_bytes"] // CHUNK)
+        table_at = _HEAD + hlen + 32
+        self._data_at = table_at + 32 * chunks
+        if self._data_at + self.header["data_bytes"] != len(buf):
+            raise self._error(
+                f"{len(buf)} bytes, the header describes "
+                f"{self._data_at + self.header['data_bytes']} (truncated or appended to)"
+            )
+        self._table = buf[table_at : self._data_at]
+        if blake3.blake3(self._table).hexdigest() != self.header["table_digest"]:
+            raise self._error("the chunk digest table does not match the header")
+        self._checked = bytearray(chunks)
+        self._buf = buf
+        self._arrays: dict[str, np.ndarray[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _error(self, what: str) -> ManifestError:
+        return ManifestError(
+            f"manifest columns {self.path}: {what}; hint: delete the file (the JSON next to "
+            "it is the readable form) and save the manifest again"
+        )
+
+    def _check(self, start: int, stop: int) -> None:
+        """Check the data chunks covering data bytes ``[start, stop)`` (each once)."""
+        first, last = start // CHUNK, max(start, stop - 1) // CHUNK
+        checked = self._checked
+        for c in range(first, last + 1):
+            if checked[c]:
+                continue
+            lo = self._data_at + c * CHUNK
+            hi = min(lo + CHUNK, len(self._buf))
+            found = blake3.blake3(self._buf[lo:hi]).digest()
+            if found != self._table[32 * c : 32 * c + 32]:
+                raise self._error(f"data chunk {c} does not match its digest (corrupted)")
+            checked[c] = 1
+
+    def _view(self, name: str) -> np.ndarray[Any, Any]:
+        view = self._arrays.get(name)
+        if view is None:
+            offset, length, dtype = self.header["sections"][name]
+            at = self._data_at + offset
+            view = np.frombuffer(self._buf[at : at + length], dtype=np.dtype(dtype))
+            self._arrays[name] = view
+        return view
+
+    def array(self, name: str) -> np.ndarray[Any, Any]:
+        """All of section ``name`` (every chunk of it checked): a read-only view."""
+        offset, length, _ = self.header["sections"][name]
+        if length:
+            self._check(offset, offset + length)
+        return self._view(name)
+
+    def items(self, name: str, lo: int, hi: int) -> np.ndarray[Any, Any]:
+        """Elements ``[lo, hi)`` of section ``name`` (their chunks checked)."""
+        view = self._view(name)
+        if hi > lo:
+            offset = self.header["sections"][name][0]
+            size = view.itemsize
+            self._check(offset + lo * size, offset + hi * size)
+        return view[lo:hi]
+
+    def close(self) -> None:
+        self._arrays.clear()
+        self._buf.release()
+        self._table.release()
+        self._map.close()
+
+
+def _parse_header(raw: bytes, error: Any) -> dict[str, Any]:
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise error(f"malformed header ({exc})") from None
+    if not isinstance(header, dict) or header.get("kind") != KIND:
+        raise error(f"not a manifest columns file (kind {header.get('kind')!r})")
+    if header.get("version") != VERSION:
+        raise error(f"version {header.get('version')!r}; this detdata reads {VERSION}")
+    if header.get("chunk") != CHUNK:
+        raise error(f"chunk size {header.get('chunk')!r}, expected {CHUNK}")
+    for key in ("count", "num_samples", "total_bytes", "data_bytes", "json_bytes"):
+        if not isinstance(header.get(key), int) or header[key] < 0:
+            raise error(f"header field {key!r} must be a non-negative integer")
+    sections = header.get("sections")
+    n = header["count"]
+    want = {
+        "bytes": ("<i8", n),
+        "num_samples": ("<i8", n),
+        "sample_starts": ("<i8", n + 1),
+        "data_offset": ("<i8", n),
+        "format": ("|u1", n),
+        "dtype": ("<i2", n),
+        "schema": ("<i4", n),
+        "path_ends": ("<i8", n + 1),
+        "paths": ("|u1", None),
+        "blake3": ("|u1", 32 * n),
+        "quick": ("|u1", 32 * n),
+        "row_group_ends": ("<i8", n + 1),
+        "row_groups": ("<i8", None),
+    }
+    if not isinstance(sections, dict) or set(sections) != set(want):
+        raise error("header field 'sections' does not list the expected sections")
+    for name, (dtype, items) in want.items():
+        spec = sections[name]
+        ok = (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and all(isinstance(v, int) and v >= 0 for v in spec[:2])
+            and spec[2] == dtype
+            and spec[0] % _ALIGN == 0
+            and spec[0] + spec[1] <= header["data_bytes"]
+            and spec[1] % np.dtype(dtype).itemsize == 0
+            and (items is None or spec[1] == items * np.dtype(dtype).itemsize)
+        )
+        if not ok:
+            raise error(f"section {name!r} is described as {spec!r}")
+    for key in ("formats", "dtypes", "schemas"):
+        if not isinstance(header.get(key), list) or not all(
+            isinstance(v, str) for v in header[key]
+        ):
+            raise error(f"header field {key!r} must be a list of strings")
+    if not isinstance(header.get("metadata"), dict) or not all(
+        isinstance(header.get(k), str) for k in ("id", "json_digest")
+    ):
+        raise error("header fields 'metadata' (object), 'id' and 'json_digest' are required")
+    return cast(dict[str, Any], header)
+
+
+class ShardTable(Sequence["ShardEntry"]):
+    """A manifest's shards, backed by a `ColumnsFile`: entries are built when used.
+
+    Indexing builds (and keeps, up to a bound) one `ShardEntry`, checked as the JSON
+    loader checks one; a slice gives a tuple; iterating builds every entry. Equal to
+    any sequence of the same entries. Pickled as its file path and header digest (a
+    process that unpickles it maps the file again and refuses another file).
+    """
+
+    def __init__(self, columns: ColumnsFile, json_path: str | None = None) -> None:
+        self.columns = columns
+        #: the local JSON file the columns were saved with (checked by `check_columns`)
+        self.json_path = json_path
+        self._cache: dict[int, ShardEntry] = {}
+
+    def __len__(self) -> int:
+        return self.columns.count
+
+    @overload
+    def __getitem__(self, index: int) -> ShardEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ShardEntry, ...]: ...
+    def __getitem__(self, index: int | slice) -> ShardEntry | tuple[ShardEntry, ...]:
+        if isinstance(index, slice):
+            return tuple(self.entry(i) for i in range(*index.indices(len(self))))
+        i = int(index)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"shard index {index} out of range for {len(self)} shards")
+        return self.entry(i)
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        return (self.entry(i) for i in range(len(self)))
+
+    def entry(self, i: int) -> ShardEntry:
+        """Shard ``i`` (0 <= i < len) as a checked `ShardEntry`."""
+        hit = self._cache.get(i)
+        if hit is not None:
+            return hit
+        entry = self._build(i)
+        if len(self._cache) >= _ENTRY_CACHE:
+            self._cache.clear()
+        self._cache[i] = entry
+        return entry
+
+    def path(self, i: int) -> str:
+        """Shard ``i``'s relative path (checked like the entry's)."""
+        return self.entry(i).path
+
+    def _build(self, i: int) -> ShardEntry:
+        c = self.columns
+        ends = c.items("path_ends", i, i + 2)
+        lo, hi = int(ends[0]), int(ends[1])
+        if not 0 <= lo <= hi <= c.header["sections"]["paths"][1]:
+            raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
+        path = _path_at(c, i, c.items("paths", lo, hi).tobytes(), 0, hi - lo)
+        row = {name: int(c.items(name, i, i + 1)[0]) for name in _ROW_SECTIONS}
+        g_lo, g_hi = (int(e) for e in c.items("row_group_ends", i, i + 2))
+        groups: list[int] = []
+        if g_hi >= 0:
+            start = g_lo if g_lo >= 0 else -g_lo - 1
+            if not 0 <= start <= g_hi <= c.header["sections"]["row_groups"][1] // 8:
+                raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
+            groups = c.items("row_groups", start, g_hi).tolist()
+            g_lo, g_hi = 0, len(groups)
+        b3 = c.items("blake3", 32 * i, 32 * i + 32).tobytes()
+        quick = c.items("quick", 32 * i, 32 * i + 32).tobytes()
+        return _entry(c, i, path, row, b3, quick, (g_lo, g_hi), groups)
+
+    def all_paths(self) -> list[str]:
+        """Every shard's relative path, decoded in bulk and checked as an entry's is
+        (O(shards): what a verifier takes identities of)."""
+        c = self.columns
+        ends = c.array("path_ends").tolist()
+        blob = c.array("paths").tobytes()
+        out: list[str] = []
+        for i in range(len(self)):
+            out.append(_path_at(c, i, blob, ends[i], ends[i + 1]))
+        return out
+
+    def all_entries(self) -> list[ShardEntry]:
+        """Every entry, decoded in bulk from whole checked columns, each checked as `entry`
+        checks one (O(shards): the verifier's full check)."""
+        c = self.columns
+        cols = {name: c.array(name).tolist() for name in _LIST_SECTIONS}
+        blob = c.array("paths").tobytes()
+        b3, quick = c.array("blake3").tobytes(), c.array("quick").tobytes()
+        out: list[ShardEntry] = []
+        for i in range(len(self)):
+            out.append(
+                _entry(
+                    c,
+                    i,
+                    _path_at(c, i, blob, cols["path_ends"][i], cols["path_ends"][i + 1]),
+                    {k: cols[k][i] for k in _ROW_SECTIONS},
+                    b3[32 * i : 32 * i + 32],
+                    quick[32 * i : 32 * i + 32],
+                    (cols["row_group_ends"][i], cols["row_group_ends"][i + 1]),
+                    cols["row_groups"],
+                )
+            )
+        return out
+
+    def num_samples(self) -> npt.NDArray[np.int64]:
+        """Samples per shard (a checked, read-only view of the mapped column)."""
+        return cast(npt.NDArray[np.int64], self.columns.array("num_samples"))
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        """Bytes per shard (a checked, read-only view of the mapped column)."""
+        return cast(npt.NDArray[np.int64], self.columns.array("bytes"))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardTable) and other.columns.header_digest == (
+            self.columns.header_digest
+        ):
+            return True
+        if not isinstance(other, Sequence) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_reopen, (self.columns.path, self.columns.header_digest, self.json_path))
+
+
+#: per-shard scalar sections (one value each)
+_ROW_SECTIONS: Final = ("bytes", "num_samples", "data_offset", "format", "dtype", "schema")
+#: sections the bulk decoder takes as lists
+_LIST_SECTIONS: Final = (*_ROW_SECTIONS, "path_ends", "row_group_ends", "row_groups")
+
+
+def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:
+    if not 0 <= lo <= hi <= len(blob):
+        raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
+    try:
+        return blob[lo:hi].decode("utf-8")
+    except UnicodeDecodeError:
+        raise c._error(f"shard #{i}: path {blob[lo:hi]!r} is not UTF-8") from None
+
+
+def _entry(
+    c: ColumnsFile,
+    i: int,
+    path: str,
+    row: dict[str, int],
+    b3: bytes,
+    quick: bytes,
+    group_ends: tuple[int, int],
+    groups: list[int],
+) -> ShardEntry:
+    """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
+    from detdata.identity.manifest import ShardEntry
+
+    h = c.header
+    obj: dict[str, Any] = {
+        "path": path,
+        "bytes": row["bytes"],
+        "num_samples": row["num_samples"],
+        "blake3": PREFIX + b3.hex(),
+        "quick": PREFIX + quick.hex(),
+        "format": _pick(h["formats"], row["format"], c, i, "format"),
+    }
+    if row["data_offset"] >= 0:
+        obj["data_offset"] = row["data_offset"]
+    if row["dtype"] >= 0:
+        obj["dtype"] = _pick(h["dtypes"], row["dtype"], c, i, "dtype")
+    if row["schema"] >= 0:
+        obj["schema"] = _pick(h["schemas"], row["schema"], c, i, "schema")
+    g_lo, g_hi = group_ends
+    if g_hi >= 0:
+        start = g_lo if g_lo >= 0 else -g_lo - 1
+        if not 0 <= start <= g_hi <= len(groups):
+            raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
+        obj["row_groups"] = groups[start:g_hi]
+    return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
+
+
+def _pick(values: list[str], index: int, c: ColumnsFile, i: int, what: str) -> str:
+    if not 0 <= index < len(values):
+        raise c._error(f"shard #{i}: {what} index {index} out of range")
+    return values[index]
+
+
+def _reopen(path: str, header_digest: str, json_path: str | None) -> ShardTable:
+    columns = ColumnsFile(path)
+    if columns.header_digest != header_digest:
+        raise ManifestError(
+            f"manifest columns {path}: the file changed since this manifest was opened "
+            f"(header {header_digest}, now {columns.header_digest}); hint: reopen the manifest"
+        )
+    return ShardTable(columns, json_path)
+
+
+# ----------------------------------------------------------------------- the JSON tie
+#: how a JSON written by `Manifest.save` introduces its shard list (sorted keys, indent=1)
+_SHARDS_KEY: Final = b'\n "shards": ['
+_HEAD_LIMIT: Final = 1 << 20
+
+
+def read_json_head(path: str) -> dict[str, Any] | None:
+    """The top-level fields before ``"shards"`` of a manifest JSON written by `save`
+    (id, kind, version, metadata, root), read from the file's head only; None when the
+    file is not laid out that way within its first MiB (then it is parsed whole)."""
+    head = b""
+    with open(path, "rb") as fh:
+        while True:  # small reads: a restart reads little beyond the columns it maps
+            more = fh.read(16 << 10)
+            head += more
+            at = head.find(_SHARDS_KEY)
+            if at >= 0 or not more or len(head) >= _HEAD_LIMIT:
+                break
+    if at < 0:
+        return None
+    try:
+        doc = json.loads(head[:at] + b'\n "shards": []}')
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
+    """The full tie, O(shards) (the job's verifier runs it once): the JSON file the
+    columns were loaded for (``table.json_path``) hashes to the header's ``json_digest``,
+    and the id re-computed from every entry of the columns is the header's; else
+    `ManifestError`."""
+    c, json_path = table.columns, table.json_path
+    if json_path is not None and with_json:
+        with open(json_path, "rb") as fh:
+            found = PREFIX + blake3.blake3(fh.read()).hexdigest()
+        if found != c.header["json_digest"]:
+            raise c._error(
+                f"the manifest JSON {json_path} hashes to {found}, the columns were saved "
+                f"with {c.header['json_digest']} (the JSON was edited or torn)"
+            )
+    verify_columns_id(table)
+
+
+def verify_columns_id(table: ShardTable) -> str:
+    """The id re-computed from every entry of the columns (O(shards)); `ManifestError`
+    unless it is the header's."""
+    from detdata.identity.manifest import FORMAT_VERSION
+    from detdata.identity.manifest import KIND as MANIFEST_KIND
+
+    c = table.columns
+    entries = table.all_entries()
+    body = {
+        "kind": MANIFEST_KIND,
+        "format_version": FORMAT_VERSION,
+        "shards": [e.to_json() for e in entries],
+        "metadata": c.header["metadata"],
+    }
+    found = PREFIX + blake3.blake3(canonical_json(body)).hexdigest()
+    paths = [e.path for e in entries]
+    if paths != sorted(paths) or len(set(paths)) != len(paths):
+        raise c._error("shards are not in canonical order (sorted, unique paths)")
+    if found != c.header["id"]:
+        raise c._error(
+            f"its entries hash to {found}, the header says {c.header['id']} (edited or "
+            "written by another manifest)"
+        )
+    return found

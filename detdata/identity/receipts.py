@@ -1,0 +1,464 @@
+"""Verification once per job, and receipts that let a restart skip unchanged shards (DESIGN.md 8).
+
+`verify_job` is what `Manifest.verify` runs (and so `Manifest.load`, `Registry.resolve`
+and the datasets):
+
+* **Once per job.** Under an initialised ``torch.distributed`` process group with more
+  than one rank, one rank verifies and every rank receives its verdict (the same
+  `VerificationError`, naming the same shard) through the group's key-value store: for a
+  local root one rank per node (``LOCAL_RANK`` 0 of each host: node-local disks are each
+  checked; without ``LOCAL_RANK`` every rank verifies), for a URL root rank 0 of the job.
+  ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system verified by one
+  rank per job too; ``=node`` forces per node. Without a process group,
+  processes of one machine opening the same manifest take turns (a file lock next to the
+  receipt): the first verifies and writes the receipt, the others find it.
+* **Receipts.** After a verification passes, a receipt is written (atomically) under
+  ``DETDATA_RECEIPTS`` (default ``~/.cache/detdata/receipts``; ``off`` disables them):
+  the manifest id, the root (without credentials), the level, and for each shard the
+  identity of what was checked: for a local file ``(size, mtime_ns, ctime_ns, inode,
+  device)`` from a ``stat`` taken *before* its bytes were read; for an object store its
+  ETag (S3), generation (GCS) or version id where the listing gives one; for HTTP the
+  ETag with Last-Modified. The next verification of the same manifest, root and level
+  (or weaker) takes the identities again and reads only the shards whose identity
+  changed or was not recorded; a fast-form manifest's full check (`check_columns`) is
+  skipped when its files' identities are the ones recorded.
+
+What a receipt proves, and what it does not: a shard is skipped only if its identity
+now equals the identity it had when its bytes were read and found to match. A write
+through the file system changes the modification and change times (the change time
+cannot be set back by a user), a replacement changes the inode, a truncation the size;
+an object store assigns a new ETag / generation on every write. An identity taken less
+than `RACY_S` seconds after the file's last change (or the object's Last-Modified) is not
+recorded, since a same-size rewrite within the clock's granularity could keep it; that
+shard is read again next time. A receipt does not prove anything about bytes changed
+without changing those identities: a write to the block device or a file system that
+does not update times, times set back with the system clock, an HTTP server whose ETag
+does not follow the content. It is local to the machine that wrote it and is only ever
+an optimisation: a missing, unreadable or stale receipt means every shard is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import fcntl
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any, Final, cast
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import ConfigError, DetdataError
+from detdata.base.redact import strip_credentials
+from detdata.identity.columns import ShardTable, check_columns
+from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.parallel import map_in_threads
+from detdata.storage.fs import filesystem, is_local_fs, join
+from detdata.storage.retry import RetryPolicy
+
+ENV_DIR: Final = "DETDATA_RECEIPTS"
+ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
+ENV_WAIT: Final = "DETDATA_VERIFY_WAIT_S"
+KIND: Final = "detdata.receipt"
+VERSION: Final = 1
+#: an identity taken this soon after the file's last change is not recorded
+RACY_S: Final = 2.0
+_STRENGTH: Final = {Verify.QUICK: 1, Verify.FULL: 2}
+#: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
+_FIELDS: Final = 5
+_NOT_RECORDED: Final = -1
+_MISSING: Final = -2
+
+LocalIds = npt.NDArray[np.int64]
+
+
+def receipt_dir() -> str | None:
+    """Where receipts live (None: disabled with ``DETDATA_RECEIPTS=off``)."""
+    found = os.environ.get(ENV_DIR, "")
+    if found.lower() == "off":
+        return None
+    return found or os.path.join(os.path.expanduser("~"), ".cache", "detdata", "receipts")
+
+
+def receipt_path(manifest: Manifest) -> str | None:
+    """The receipt file of ``manifest`` under its root (None when receipts are disabled)."""
+    folder = receipt_dir()
+    if folder is None or manifest.root is None:
+        return None
+    key = canonical_json([manifest.id, strip_credentials(manifest.root)])
+    return os.path.join(folder, blake3.blake3(key).hexdigest()[:40] + ".receipt")
+
+
+# -------------------------------------------------------------------- once per job
+#: calls per (manifest, root, level) in this process: the n-th call of every rank meets
+_CALLS: dict[str, int] = {}
+
+
+def verify_job(
+    manifest: Manifest,
+    level: Verify,
+    *,
+    threads: int,
+    progress: bool | None,
+    retry: RetryPolicy | None,
+    storage_options: dict[str, Any],
+    use_receipt: bool = True,
+) -> None:
+    """Verify ``manifest`` at ``level`` once per job (see the module docstring); raises the
+    verifier's error in every rank. ``use_receipt=False``: every shard is read (a new
+    receipt is still written).
+
+    Ranks meet through the process group's key-value store, never a collective: a rank
+    that opens a manifest the others do not open (say, rank 0 logging its id) neither
+    waits for them nor makes them wait. A rank whose verifier has not started within
+    ``DETDATA_VERIFY_WAIT_S`` seconds (default 120) verifies itself; once started, it waits
+    for the verdict however long the verification takes."""
+    args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
+    store, leader, key = _meeting(manifest, level)
+    if store is None:
+        verify_with_receipt(*args)
+        return
+    if leader:
+        store.set(key + "/started", b"1")
+        verdict: BaseException | None = DetdataError(
+            "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
+        )
+        try:
+            verify_with_receipt(*args)
+            verdict = None
+        except Exception as exc:  # every rank waiting on this key raises it too
+            verdict = exc
+            raise
+        finally:
+            store.set(key + "/verdict", _dumps(verdict))
+        return
+    try:
+        store.wait([key + "/started"], timedelta(seconds=_wait_s()))
+    except Exception:  # no verifier for this manifest in this job: verify here
+        verify_with_receipt(*args)
+        return
+    store.wait([key + "/verdict"], timedelta(days=7))
+    found = pickle.loads(store.get(key + "/verdict"))
+    if found is not None:
+        raise found
+
+
+def _dumps(verdict: BaseException | None) -> bytes:
+    """The verdict for the store: the exception itself (its fields kept), or a
+    `DetdataError` carrying its text where it does not pickle."""
+    try:
+        return pickle.dumps(verdict)
+    except Exception:
+        return pickle.dumps(
+            DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
+        )
+
+
+def _wait_s() -> float:
+    raw = os.environ.get(ENV_WAIT, "120")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_WAIT} must be a number of seconds, got {raw!r}") from None
+
+
+def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
+    """``(store, is this rank the verifier, key)`` under a process group of more than one
+    rank; ``(None, True, "")`` otherwise (this process verifies)."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, True, ""
+    if dist.get_world_size() < 2:
+        return None, True, ""
+    scope = os.environ.get(ENV_SCOPE, "")
+    if scope not in ("", "job", "node"):
+        raise ConfigError(f"{ENV_SCOPE} must be 'job' or 'node', got {scope!r}")
+    root = manifest.root or ""
+    local = not ("://" in root and not root.startswith("file://"))
+    base = canonical_json([manifest.id, strip_credentials(root), level.value])
+    if scope == "job" or (scope == "" and not local):
+        leader, where = dist.get_rank() == 0, "job"
+    else:
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is None:  # no way to tell the ranks of a node apart: each verifies
+            return None, True, ""
+        leader, where = local_rank == "0", socket.gethostname()
+    digest = blake3.blake3(base + where.encode()).hexdigest()[:32]
+    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    return store, leader, f"detdata/verify/{digest}/{count}"
+
+
+# ------------------------------------------------------------------------- receipts
+def verify_with_receipt(
+    manifest: Manifest,
+    level: Verify,
+    threads: int,
+    progress: bool | None,
+    retry: RetryPolicy | None,
+    storage_options: dict[str, Any],
+    use_receipt: bool = True,
+) -> None:
+    """Verify the shards whose identity changed since the receipt (all without one, or
+    without ``use_receipt``), check a fast form's tie unless recorded, then write the new
+    receipt."""
+    from detdata.identity.verify import verify_manifest
+
+    if manifest.root is None:
+        raise ConfigError("cannot verify a manifest without a root")
+    path = receipt_path(manifest)
+    with _turn(path):
+        old = read_receipt(path, manifest) if path is not None and use_receipt else None
+        fs, root = filesystem(manifest.root, **storage_options)
+        local = is_local_fs(fs)
+        columns = _columns_identity(manifest)
+        if isinstance(manifest.shards, ShardTable) and (
+            old is None or columns is None or old.get("columns") != columns
+        ):  # the id from the columns; the JSON (readable form) is checked where parsed
+            check_columns(manifest.shards, with_json=False)
+        if path is None:  # receipts disabled: no identities to take, every shard is read
+            verify_manifest(
+                manifest, level, threads=threads, progress=progress, retry=retry, **storage_options
+            )
+            return
+        paths = _paths(manifest)
+        now: LocalIds | list[str | None]
+        if local:
+            now = local_identities(root, paths)
+        else:
+            now = remote_identities(fs, root, paths, threads)
+        todo = _changed(old, now, level)
+        if todo.size:
+            entries = manifest.shards
+            if isinstance(entries, ShardTable) and todo.size > len(entries) // 8:
+                entries = entries.all_entries()  # decoded in bulk
+            subset = Manifest(
+                shards=tuple(entries[i] for i in todo.tolist()),
+                metadata={},
+                root=manifest.root,
+            )
+            verify_manifest(
+                subset, level, threads=threads, progress=progress, retry=retry, **storage_options
+            )
+        # nothing read again: the recorded level still holds for every shard
+        kept = level if todo.size or old is None else Verify(old["level"])
+        write_receipt(path, manifest, kept, columns, now)
+
+
+def _paths(manifest: Manifest) -> list[str]:
+    shards = manifest.shards
+    if isinstance(shards, ShardTable):
+        return shards.all_paths()
+    return [s.path for s in shards]
+
+
+def _changed(
+    old: dict[str, Any] | None, now: LocalIds | list[str | None], level: Verify
+) -> npt.NDArray[np.int64]:
+    """Indices of the shards to read: all without a usable receipt (or one of a weaker
+    level), else those whose identity now differs from the recorded one or is not
+    recorded."""
+    count = len(now)
+    if old is None or _STRENGTH[Verify(old["level"])] < _STRENGTH[level]:
+        return np.arange(count, dtype=np.int64)
+    before = old["identities"]
+    if isinstance(now, np.ndarray):
+        if not isinstance(before, np.ndarray) or before.shape != (count,):
+            return np.arange(count, dtype=np.int64)
+        same = (before == identity_digests(now)) & (before != 0)
+        return np.flatnonzero(~same).astype(np.int64)
+    if not isinstance(before, list) or len(before) != count:
+        return np.arange(count, dtype=np.int64)
+    return np.array(
+        [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a is None or a != b],
+        dtype=np.int64,
+    )
+
+
+def local_identities(root: str, paths: Sequence[str]) -> LocalIds:
+    """``(size, mtime_ns, ctime_ns, inode, device)`` per shard file under ``root``, from
+    ``stat`` (a row of -2: missing; -1: changed within `RACY_S`, not to be recorded)."""
+    out = np.full((len(paths), _FIELDS), _MISSING, dtype=np.int64)
+    racy = time.time_ns() - int(RACY_S * 1e9)
+    stat = os.stat
+    prefix = join(root, "")
+    for i, rel in enumerate(paths):
+        try:
+            st = stat(prefix + rel)
+        except OSError:
+            continue
+        if max(st.st_mtime_ns, st.st_ctime_ns) >= racy:
+            out[i] = _NOT_RECORDED
+            continue
+        out[i] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    return out
+
+
+def identity_digests(ids: LocalIds) -> npt.NDArray[np.uint64]:
+    """A 64-bit digest of each local identity row (splitmix64 rounds over its fields; 0:
+    not recorded), what a receipt stores: 8 bytes a shard. Two different identities share
+    a digest with probability about 2**-64."""
+    h = np.full(ids.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for col in range(ids.shape[1]):
+        h ^= ids[:, col].view(np.uint64)
+        h ^= h >> np.uint64(30)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    h[ids[:, 0] < 0] = 0
+    return h
+
+
+def remote_identities(fs: Any, root: str, paths: Sequence[str], threads: int) -> list[str | None]:
+    """Per shard, the store's identity of the object (ETag / generation / version id; for
+    HTTP the ETag with Last-Modified), or None where there is none to record."""
+    found: dict[str, dict[str, Any]] = {}
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("s3", "s3a", "gs", "gcs"):
+        with contextlib.suppress(Exception):  # no listing: asked object by object below
+            fs.invalidate_cache(root)
+            listed = fs.find(root, detail=True)
+            found = {str(k).rstrip("/"): v for k, v in listed.items()}
+
+    def one(rel: str) -> str | None:
+        key = join(root, rel)
+        info = found.get(key.split("://", 1)[-1]) or found.get(key)
+        if info is None:
+            try:
+                info = fs.info(key)
+            except Exception:
+                return None  # missing or unreachable: read (and reported) by the check
+        return _remote_identity(info)
+
+    return map_in_threads(one, paths, threads=threads, progress=False)
+
+
+def _remote_identity(info: dict[str, Any]) -> str | None:
+    lowered = {str(k).lower(): v for k, v in info.items()}
+    size = lowered.get("size")
+    for key in ("generation", "versionid", "version_id"):
+        if lowered.get(key):
+            return f"{key}={lowered[key]};size={size}"
+    etag = lowered.get("etag")
+    if not etag or str(etag).startswith("W/"):
+        return None
+    modified = lowered.get("last-modified")
+    if isinstance(modified, str):  # HTTP: a validator only once the second it names is old
+        try:
+            when = email.utils.parsedate_to_datetime(modified).timestamp()
+        except (TypeError, ValueError):
+            return None
+        if when >= time.time() - RACY_S - 1.0:
+            return None
+        return f"etag={etag};modified={modified};size={size}"
+    return f"etag={etag};size={size}"
+
+
+def _columns_identity(manifest: Manifest) -> list[Any] | None:
+    """What a fast-form manifest's full check covered: its header digest and the files'
+    stat identities (None: not a fast form, or changed too recently to record)."""
+    shards = manifest.shards
+    if not isinstance(shards, ShardTable):
+        return None
+    racy = time.time_ns() - int(RACY_S * 1e9)
+    files: list[Any] = [shards.columns.header_digest]
+    for path in (shards.columns.path, shards.json_path):
+        if path is None:
+            files.append(None)
+            continue
+        st = os.stat(path)
+        if max(st.st_mtime_ns, st.st_ctime_ns) >= racy:
+            return None
+        files.append([st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
+    return files
+
+
+@contextlib.contextmanager
+def _turn(path: str | None) -> Iterator[None]:
+    """Hold the receipt's lock file: processes of one machine verify one after another (the
+    later ones find the receipt). No lock without receipts or where one cannot be made."""
+    if path is None:
+        yield
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
+    """The receipt at ``path`` for ``manifest`` (same id, root, shard count), else None: an
+    unreadable, corrupted or stale receipt only means every shard is read."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        head, _, body = raw.partition(b"\n")
+        doc = json.loads(head)
+        if (
+            not isinstance(doc, dict)
+            or doc.get("kind") != KIND
+            or doc.get("version") != VERSION
+            or doc.get("manifest") != manifest.id
+            or doc.get("root") != strip_credentials(manifest.root or "")
+            or doc.get("count") != len(manifest.shards)
+            or doc.get("level") not in ("quick", "full")
+            or doc.get("digest") != blake3.blake3(body).hexdigest()
+        ):
+            return None
+        if doc.get("local"):
+            doc["identities"] = np.frombuffer(body, dtype="<u8").astype(np.uint64)
+        else:
+            doc["identities"] = json.loads(body)
+        return cast(dict[str, Any], doc)
+    except (OSError, ValueError):
+        return None
+
+
+def write_receipt(
+    path: str,
+    manifest: Manifest,
+    level: Verify,
+    columns: list[Any] | None,
+    identities: LocalIds | list[str | None],
+) -> None:
+    """Write the receipt (atomically); a receipt that cannot be written is left out (the next
+    start reads every shard)."""
+    from detdata.storage.atomic import atomic_write_bytes
+
+    local = isinstance(identities, np.ndarray)
+    if isinstance(identities, np.ndarray):
+        body = identity_digests(identities).astype("<u8").tobytes()
+    else:
+        body = canonical_json(identities)
+    head = canonical_json(
+        {
+            "kind": KIND,
+            "version": VERSION,
+            "manifest": manifest.id,
+            "root": strip_credentials(manifest.root or ""),
+            "count": len(manifest.shards),
+            "level": level.value,
+            "columns": columns,
+            "local": local,
+            "digest": blake3.blake3(body).hexdigest(),
+        }
+    )
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(path, head + b"\n" + body)

@@ -1,0 +1,201 @@
+"""Hugging Face transformers (5.x) ``Trainer`` over a `detdata.DataLoader`.
+
+The one line: build the trainer as `DetdataTrainer` (a ``Trainer`` subclass; or mix
+`DetdataTrainerMixin` into your own ``Trainer`` subclass) and hand it the loader::
+
+    from detdata.integrations.transformers import DetdataTrainer
+
+    loader = detdata.DataLoader(ds, global_batch_size=512, micro_batch_size=8, seed=1234)
+    trainer = DetdataTrainer(model=model, args=args, train_dataloader=loader)
+    trainer.train()                               # later, in a fresh process:
+    trainer.train(resume_from_checkpoint=True)    # the next step's micro batches, exactly
+
+What it does, and nothing else:
+
+- ``get_train_dataloader()`` returns the loader (rank and world size come from
+  torch.distributed when iteration starts: the loader shards by rank itself, nothing
+  wraps it);
+- every checkpoint folder (``checkpoint-N``) gets the loader's JSON state,
+  ``detdata_loader.json``, written by the process that saves (identical on every rank);
+- a resume loads it before training, checks that the loader stands at the start of the
+  trainer's restored optimizer step ``global_step`` (`StateError` otherwise) and lets the
+  Trainer count the resumed epoch's steps as an uninterrupted run does, without reading or
+  skipping a batch (the Trainer's own ``skip_first_batches`` is not applied to the loader:
+  detdata resumes at the position in O(1));
+- the Trainer's batch settings must agree with the loader's global batch:
+  ``gradient_accumulation_steps x world_size x per_device_train_batch_size ==
+  global_batch_size`` and ``per_device_train_batch_size`` is the loader's micro batch,
+  checked before the first batch (`ConfigError` with the line that fixes it).
+
+``len(loader)`` counts whole global steps' worth of micro batches, so the Trainer never takes
+a short step at an epoch's end: its optimizer step N, epoch and ``epoch`` fraction are an
+uninterrupted run's, and step N holds detdata's step N (``loader.position_of_step(N)`` on).
+The Trainer fetches a whole step's micro batches before training any; the state written is
+the loader's at the first position of the Trainer's ``global_step``, so a checkpoint written
+inside gradient accumulation (your own ``_save_checkpoint`` from a callback's
+``on_substep_end``) resumes by training that step whole (its partial gradients are not saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import transformers.trainer as hf_trainer
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from detdata.base.errors import ConfigError, StateError
+from detdata.loading.loader import DataLoader
+from detdata.loading.state import LoaderState
+from detdata.loading.steps import MidStep
+
+__all__ = ["STATE_FILE", "DetdataTrainer", "DetdataTrainerMixin"]
+
+#: The loader's state in each checkpoint folder.
+STATE_FILE: Final = "detdata_loader.json"
+#: The name ``transformers.trainer`` calls to skip the trained batches of a resumed epoch.
+_SKIP: Final = "skip_first_batches"
+
+
+class DetdataTrainerMixin:
+    """The `DetdataTrainer` behaviour for a ``transformers.Trainer`` subclass of your own
+    (``class MyTrainer(DetdataTrainerMixin, Trainer)``); see the module doc."""
+
+    detdata_loader: DataLoader
+
+    def __init__(self, *args: Any, train_dataloader: DataLoader, **kwargs: Any) -> None:
+        if not isinstance(train_dataloader, DataLoader):
+            raise ConfigError(
+                f"train_dataloader must be a detdata.DataLoader, got "
+                f"{type(train_dataloader).__name__}"
+            )
+        self.detdata_loader = train_dataloader
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the loader
+    def get_train_dataloader(self) -> Any:
+        """The detdata loader itself, once the Trainer's batch settings are checked."""
+        args = self.args  # type: ignore[attr-defined]
+        self.detdata_loader.check_trainer_batch(
+            micro_batch_size=args.per_device_train_batch_size,
+            accumulation=args.gradient_accumulation_steps,
+            world_size=args.world_size,
+            trainer="transformers.Trainer",
+            fix=(
+                "TrainingArguments(per_device_train_batch_size={micro}, "
+                "gradient_accumulation_steps={accumulation})"
+            ),
+        )
+        return self.detdata_loader
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        state = self.state  # type: ignore[attr-defined]
+        # the loader state at the first position of the Trainer's step: the same state between
+        # two steps; inside gradient accumulation (the Trainer fetched the step's micro batches
+        # before training them, their gradients are not saved) the step is trained again
+        try:
+            saved = LoaderState.from_json(self.detdata_loader.state_dict()).resumed(
+                MidStep.REDO, at_step=int(state.global_step)
+            )
+        except StateError as exc:  # checked before anything is written
+            raise StateError(
+                f"transformers.Trainer saves optimizer step {state.global_step} but the detdata "
+                f"loader has delivered {self.detdata_loader.samples_consumed} samples (global "
+                f"step {self.detdata_loader.step}): {exc}; hint: build the Trainer as "
+                "DetdataTrainer with this loader as train_dataloader and nothing else iterating it"
+            ) from None
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        if not self.args.should_save:  # type: ignore[attr-defined]
+            return
+        folder = Path(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+        target = folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(saved.to_json()))
+        os.replace(tmp, target)
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        out: tuple[int, int] = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        step = int(self.state.global_step)  # type: ignore[attr-defined]
+        if resume_from_checkpoint is not None:
+            self._load_loader_state(Path(resume_from_checkpoint), step)
+        elif self.detdata_loader.samples_consumed:
+            raise StateError(
+                f"transformers.Trainer starts a fresh run at optimizer step 0, but the detdata "
+                f"loader has delivered {self.detdata_loader.samples_consumed} samples already "
+                f"(global step {self.detdata_loader.step}); hint: train(resume_from_checkpoint="
+                "...) to continue a run, or build a new detdata.DataLoader for a new one"
+            )
+        return out
+
+    def _load_loader_state(self, checkpoint: Path, step: int) -> None:
+        path = checkpoint / STATE_FILE
+        if not path.is_file():
+            raise StateError(
+                f"checkpoint {str(checkpoint)!r} has no detdata loader state ({STATE_FILE}): "
+                f"the Trainer would resume at optimizer step {step} with the data at position "
+                f"{self.detdata_loader.samples_consumed}; hint: write checkpoints with "
+                "detdata.integrations.transformers.DetdataTrainer"
+            )
+        self.detdata_loader.load_state_dict(json.loads(path.read_text()))
+        if self.detdata_loader.step != step or self.detdata_loader.samples_consumed != (
+            self.detdata_loader.position_of_step(step)
+        ):
+            raise StateError(
+                f"checkpoint {str(checkpoint)!r}: the Trainer resumes at optimizer step {step} "
+                f"but {STATE_FILE} resumes the data at position "
+                f"{self.detdata_loader.samples_consumed} (global step "
+                f"{self.detdata_loader.step}); the checkpoint's files do not belong together"
+            )
+
+    # ------------------------------------------------------------------ the epoch loop
+    def _run_epoch(self, **kwargs: Any) -> Any:
+        """The Trainer's epoch, its ``skip_first_batches`` left out for the detdata loader (the
+        loader resumed at the position already; the Trainer still counts the skipped micro
+        batches, so its step and epoch counters are an uninterrupted run's)."""
+        with _no_skip(self.detdata_loader, int(self.state.global_step)):  # type: ignore[attr-defined]
+            return super()._run_epoch(**kwargs)  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _no_skip(loader: DataLoader, step: int) -> Iterator[None]:
+    """transformers' ``skip_first_batches`` returns ``loader`` as it is (after checking it stands
+    at the start of optimizer step ``step``); any other data loader is skipped as before."""
+    original = getattr(hf_trainer, _SKIP)
+
+    def skip(dataloader: Any, num_batches: int = 0) -> Any:
+        if dataloader is not loader:
+            return original(dataloader, num_batches)
+        if loader.samples_consumed != loader.position_of_step(step):
+            raise StateError(
+                f"transformers.Trainer resumes {num_batches} micro batches into its epoch at "
+                f"optimizer step {step}, but the detdata loader stands at position "
+                f"{loader.samples_consumed}, not at that step's first position "
+                f"{loader.position_of_step(step)}"
+            )
+        return loader
+
+    setattr(hf_trainer, _SKIP, skip)
+    try:
+        yield
+    finally:
+        setattr(hf_trainer, _SKIP, original)
+
+
+class DetdataTrainer(DetdataTrainerMixin, Trainer):  # type: ignore[misc]
+    """``transformers.Trainer`` over a `detdata.DataLoader` (``train_dataloader=``): exact
+    resume, whole-step epochs, batch settings checked (see the module doc)."""

@@ -1,0 +1,231 @@
+"""The manifest's fast form (detdata.identity.columns, DESIGN.md 8): written by save and
+register, mapped by load / resolve / the datasets, entries built when used; the id and the
+JSON keep their meaning; a damaged or untied fast form is refused or ignored, never trusted.
+
+References are independent of the code under test: the builder's own entries and the
+writer's own arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from detdata import (
+    Manifest,
+    ManifestError,
+    Registry,
+    ShardEntry,
+    TableRows,
+    TokenWindows,
+    build_manifest,
+)
+from detdata.identity.columns import CHUNK, ShardTable, columns_path, encode_columns
+from detdata.identity.formats import Format
+
+DATA = Path(__file__).parent / "data"
+
+
+def _tokens(root: Path) -> dict[str, np.ndarray]:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(3)
+    arrays = {}
+    for i in range(30):
+        dtype = np.uint16 if i % 3 else np.int32
+        arr = rng.integers(0, 30_000, 200 + 37 * i).astype(dtype)
+        np.save(root / f"part-{i:02d}.npy", arr)
+        arrays[f"part-{i:02d}.npy"] = arr
+    return arrays
+
+
+def test_save_writes_the_fast_form_and_load_maps_it(tmp_path: Path) -> None:
+    arrays = _tokens(tmp_path / "d")
+    built = build_manifest(str(tmp_path / "d"), metadata={"tokenizer": "t1"})
+    path = str(tmp_path / "d" / "manifest.json")
+    built.save(path)
+    assert Path(columns_path(path)).is_file()
+    loaded = Manifest.load(path)
+    assert isinstance(loaded.shards, ShardTable)
+    assert loaded.id == built.id
+    assert json.loads(Path(path).read_text())["id"] == built.id  # the JSON says the same
+    assert loaded.metadata == {"tokenizer": "t1"}
+    assert list(loaded.shards) == list(built.shards)  # every entry, field by field
+    assert loaded.shards[7] == built.shards[7] and loaded.shards[-1] == built.shards[-1]
+    assert loaded.shards[2:5] == built.shards[2:5]
+    assert loaded.num_samples == sum(a.size for a in arrays.values())
+    assert loaded.total_bytes == sum((tmp_path / "d" / p).stat().st_size for p in arrays)
+    assert loaded.body() == built.body()
+    # the datasets read the writer's bytes through the mapped form
+    ds = TokenWindows(path, 16)
+    first = sorted(arrays)[0]
+    want = arrays[first][:17].astype(np.int32)
+    assert np.array_equal(ds.read([0])["tokens"][0], want)
+    n = ds.num_samples
+    every = ds.read(np.arange(n))["tokens"]
+    expected = np.concatenate(
+        [
+            arrays[p][: (arrays[p].size - 1) // 16 * 16 + 1][: ((arrays[p].size - 1) // 16) * 16]
+            .reshape(-1, 16)
+            .astype(np.int32)
+            for p in sorted(arrays)
+        ]
+    )
+    assert np.array_equal(every[:, :16], expected)
+
+
+def test_entries_are_built_lazily(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    path = str(tmp_path / "d" / "manifest.json")
+    build_manifest(str(tmp_path / "d")).save(path)
+    loaded = Manifest.load(path, verify="off")
+    table = loaded.shards
+    assert isinstance(table, ShardTable)
+    TokenWindows(loaded, 16, verify="off")
+    assert table._cache == {}  # opening the dataset built no entry
+    table[4]
+    assert set(table._cache) == {4}
+
+
+def test_every_existing_manifest_loads_and_keeps_its_id(tmp_path: Path) -> None:
+    for source in sorted(DATA.glob("*.json")):
+        doc = json.loads(source.read_text())
+        if doc.get("kind") != "detdata.manifest":
+            continue
+        old = Manifest.load(str(source), verify="off")  # no fast form next to it: parsed
+        assert not isinstance(old.shards, ShardTable)
+        assert old.id == doc["id"]
+        copy = tmp_path / source.name
+        old.save(str(copy))
+        again = Manifest.load(str(copy), verify="off")
+        assert isinstance(again.shards, ShardTable)
+        assert again.id == doc["id"] and list(again.shards) == list(old.shards)
+
+
+def test_tables_round_trip_schema_and_row_groups(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    root.mkdir()
+    rows = {}
+    for i in range(4):
+        table = pa.table({"x": np.arange(10 * i, 10 * i + 7 + i, dtype=np.int64)})
+        pq.write_table(table, root / f"t{i}.parquet", row_group_size=3)
+        rows[i] = table["x"].to_pylist()
+    built = build_manifest(str(root))
+    path = str(root / "manifest.json")
+    built.save(path)
+    loaded = Manifest.load(path)
+    assert isinstance(loaded.shards, ShardTable)
+    assert list(loaded.shards) == list(built.shards)
+    assert all(s.row_groups for s in loaded.shards) and all(s.schema for s in loaded.shards)
+    ds = TableRows(path)
+    got = ds.read(np.arange(ds.num_samples))["x"].tolist()
+    assert got == [x for i in range(4) for x in rows[i]]
+
+
+def test_a_damaged_chunk_is_refused_naming_the_file(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    path = str(tmp_path / "d" / "manifest.json")
+    build_manifest(str(tmp_path / "d")).save(path)
+    raw = bytearray(Path(columns_path(path)).read_bytes())
+    raw[-10] ^= 0x01  # the last data chunk (the row group / digest columns)
+    Path(columns_path(path)).write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=r"manifest columns .*data chunk \d+ does not match"):
+        Manifest.load(path)  # the verifier checks every chunk
+    raw[20] ^= 0x01  # the header: refused at open, the JSON is read instead (with a warning)
+    Path(columns_path(path)).write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="header does not match its digest"):
+        parsed = Manifest.load(path, verify="off")
+    assert not isinstance(parsed.shards, ShardTable)
+
+
+def test_a_self_consistent_but_wrong_fast_form_is_caught_by_the_verifier(tmp_path: Path) -> None:
+    """Columns rewritten with valid digests but another entry, under the JSON's id: opening
+    without verification cannot see it (documented), the job's verification does."""
+    _tokens(tmp_path / "d")
+    path = str(tmp_path / "d" / "manifest.json")
+    built = build_manifest(str(tmp_path / "d"))
+    built.save(path)
+    other = build_manifest(str(tmp_path / "d"), metadata={})  # same shards
+    entries = list(other.shards)
+    entries[3] = type(entries[3])(**{**entries[3].__dict__, "num_samples": 5})
+    forged = encode_columns(entries, {}, built.id, Path(path).read_bytes())
+    Path(columns_path(path)).write_bytes(forged)
+    with pytest.raises(ManifestError, match="entries hash to"):
+        Manifest.load(path)
+
+
+def test_a_json_saved_without_its_fast_form_is_parsed(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    path = tmp_path / "d" / "manifest.json"
+    first = build_manifest(str(tmp_path / "d"), metadata={"v": 1})
+    first.save(str(path))
+    second = build_manifest(str(tmp_path / "d"), metadata={"v": 2})
+    doc = second.to_json()  # written by another tool: the JSON only
+    path.write_text(json.dumps(doc, sort_keys=True, indent=1))
+    loaded = Manifest.load(str(path), verify="off")
+    assert loaded.id == second.id and loaded.metadata == {"v": 2}
+    assert not isinstance(loaded.shards, ShardTable)
+    path.write_bytes(path.read_bytes()[:-40])  # and a torn one is refused, not mapped
+    with pytest.raises(ManifestError, match="malformed JSON"):
+        Manifest.load(str(path), verify="off")
+
+
+def test_registry_stores_and_maps_the_fast_form(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    built = build_manifest(str(tmp_path / "d"))
+    reg = Registry(str(tmp_path / "reg"))
+    reg.register("c@v1", built)
+    resolved = reg.resolve("c@v1")
+    assert isinstance(resolved.shards, ShardTable)
+    assert resolved.id == built.id and list(resolved.shards) == list(built.shards)
+    stored = reg.get(built.id)
+    assert isinstance(stored.shards, ShardTable)
+
+
+def test_pickled_manifest_maps_the_same_file_and_refuses_another(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    path = str(tmp_path / "d" / "manifest.json")
+    built = build_manifest(str(tmp_path / "d"))
+    built.save(path)
+    loaded = Manifest.load(path, verify="off")
+    blob = pickle.dumps(loaded)
+    assert len(blob) < 4096  # the path and the header digest, not the columns
+    assert list(pickle.loads(blob).shards) == list(built.shards)
+    shutil.copy(columns_path(path), str(tmp_path / "keep"))
+    build_manifest(str(tmp_path / "d"), metadata={"x": 1}).save(path)  # another manifest
+    with pytest.raises(ManifestError, match="changed since this manifest was opened"):
+        pickle.loads(blob)
+
+
+def test_chunks_are_what_a_rank_touches(tmp_path: Path) -> None:
+    """A large manifest: opening it and building one entry checks a few chunks, not all."""
+    digest = "b3:" + "ab" * 32
+    entries = tuple(
+        ShardEntry(
+            path=f"s{i:06d}.npy",
+            bytes=128 + 40,
+            blake3=digest,
+            quick=digest,
+            num_samples=20,
+            format=Format.NPY,
+            dtype="uint16",
+            data_offset=128,
+        )
+        for i in range(50_000)
+    )
+    path = str(tmp_path / "manifest.json")
+    Manifest(shards=entries, root=str(tmp_path)).save(path)
+    loaded = Manifest.load(path, verify="off")
+    table = loaded.shards
+    assert isinstance(table, ShardTable)
+    assert sum(table.columns._checked) == 0
+    assert table[31_234] == entries[31_234]
+    checked = sum(table.columns._checked)
+    total = -(-table.columns.header["data_bytes"] // CHUNK)
+    assert 0 < checked <= 13 < total  # one chunk per column at most

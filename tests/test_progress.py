@@ -1,0 +1,67 @@
+"""Progress of long work shows in a log, not only on a terminal (issue 34).
+
+In a child whose stderr is a pipe (as under SLURM or CI), hashing shards (`build_manifest`),
+verifying them and hashing a content split's samples print ``detdata: ...: done/total (pct),
+rate unit/s, ETA ...`` lines and a closing ``done in`` line (the interval is set to 0 here so
+that tiny work shows them); ``DETDATA_PROGRESS=0`` silences every one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = """
+import numpy as np
+import detdata
+import detdata.base.progress as progress
+progress.LOG_EVERY_S = 0.0  # a line at every update: the work here is tiny
+for i in range(3):
+    np.save(f"s{i}.npy", np.arange(1000, dtype=np.uint16))
+m = detdata.build_manifest(".", pattern="*.npy", threads=1)
+m.verify("full")
+detdata.Split(detdata.TokenWindows(m, seq_len=15), fraction="1/10", salt="v1")
+print("ok")
+"""
+LINE = re.compile(r"^detdata: (.+?): ([\d,]+)/([\d,]+) \(\d+%\), [\d,.]+ (\w+)/s, (ETA|done in) ")
+
+
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CODE],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_long_work_prints_progress_lines_with_rate_and_eta_when_stderr_is_a_log(
+    tmp_path: Path,
+) -> None:
+    done = _run(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [m for m in map(LINE.match, done.stderr.splitlines()) if m]
+    tasks = {m.group(1) for m in lines}
+    assert any(m.group(4) == "shard" for m in lines), done.stderr
+    assert "split: hashing samples" in tasks, done.stderr
+    split = [m for m in lines if m.group(1) == "split: hashing samples"]
+    total = int(split[-1].group(3).replace(",", ""))
+    assert total == 3 * (999 // 15)  # every window of the split's dataset is counted
+    assert split[-1].group(5) == "done in" and split[-1].group(2) == split[-1].group(3)
+    assert any(m.group(5) == "ETA" for m in split)
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_one_switch_silences_every_progress_line(tmp_path: Path, value: str) -> None:
+    done = _run(tmp_path, DETDATA_PROGRESS=value)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+    assert "detdata:" not in done.stderr, done.stderr
