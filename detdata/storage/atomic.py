@@ -48,15 +48,16 @@ def atomic_write_bytes(
         fs.pipe_file(fpath, data)  # object stores publish a PUT atomically
         return
     local = path[len("file://") :] if path.startswith("file://") else path
-    target = os.path.realpath(local)  # a symlink is written through
     try:
-        st: os.stat_result | None = os.stat(target)
+        st: os.stat_result | None = os.stat(local)  # through symlinks
     except FileNotFoundError:
         st = None
     try:
         if st is not None and not stat.S_ISREG(st.st_mode):
-            _write_in_place(path, target, st, data)
+            # opened by its own name: /dev/stdout -> /proc/self/fd/1 -> a pipe has no path
+            _write_in_place(path, local, st, data)
             return
+        target = os.path.realpath(local)  # a symlink to a regular file is written through
         mode = _new_file_mode() if st is None else stat.S_IMODE(st.st_mode)
         _replace(target, data, mode, temp_dir)
     except OSError as exc:
@@ -72,7 +73,8 @@ def _write_in_place(path: str, target: str, st: os.stat_result, data: bytes) -> 
     """Write a character device or FIFO in place; refuse other non-regular files."""
     if not (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        shown = path if target == os.path.abspath(path) else f"{path} (-> {target})"
+        real = os.path.realpath(target)
+        shown = path if real == os.path.abspath(path) else f"{path} (-> {real})"
         raise ConfigError(f"{shown} is {kind}; refusing to write there; hint: give a file name")
     with open(target, "wb", buffering=0) as fh:
         view = memoryview(data)

@@ -144,3 +144,12 @@ def test_new_files_honour_the_umask_and_replaced_files_keep_their_mode(
     out.chmod(0o640)
     assert run(*_command(kind, root, out)).returncode == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_dev_stdout_as_a_pipe_is_written_in_place(root: Path, tmp_path: Path) -> None:
+    """``-o /dev/stdout`` into a pipe: /dev/stdout -> /proc/self/fd/1 -> a pipe with no path;
+    opened by its own name, never resolved and replaced."""
+    want = _reference("manifest", root, tmp_path)
+    result = run(*_command("manifest", root, Path("/dev/stdout")))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.encode().startswith(want)
