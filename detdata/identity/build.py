@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from detdata.base.errors import ConfigError, StorageError
+from detdata.base.errors import ConfigError, DetdataError, StorageError
 from detdata.base.redact import redact_url
 from detdata.identity.formats import (
     Format,
@@ -125,7 +125,7 @@ def hash_entries(
                 "hint: a Dask client gives one with client.get_executor()"
             )
         n = len(rels)
-        return list(
+        entries = list(
             executor.map(
                 hash_entry,
                 [root] * n,
@@ -136,6 +136,8 @@ def hash_entries(
                 [options] * n,
             )
         )
+        _check_returned(entries, rels)
+        return entries
     fs, rootpath = filesystem(root, **options)
     return map_in_threads(
         lambda rel: _hash_with(fs, rootpath, root, rel, format, dtype, policy),
@@ -163,7 +165,48 @@ def hash_entry(
     return _hash_with(fs, rootpath, root, rel, format, dtype, retry)
 
 
+def _check_returned(entries: list[Any], rels: Sequence[str]) -> None:
+    """An executor must return one entry per shard, in order: a lost, duplicated or
+    reordered task is a `StorageError` naming the first shard without its entry."""
+    for i, rel in enumerate(rels):
+        got = entries[i] if i < len(entries) else None
+        if not isinstance(got, ShardEntry) or got.path != rel:
+            found = got.path if isinstance(got, ShardEntry) else type(got).__name__
+            raise StorageError(
+                f"the executor returned {len(entries)} entries for {len(rels)} shards: shard "
+                f"{rel} (number {i}) has no entry (found {found!r} in its place); a task was "
+                "lost or reordered; hint: check the executor (its map must return one result "
+                "per task, in order)"
+            )
+    if len(entries) != len(rels):
+        raise StorageError(
+            f"the executor returned {len(entries)} entries for {len(rels)} shards; hint: check "
+            "the executor (its map must return one result per task, in order)"
+        )
+
+
 def _hash_with(
+    fs: Any,
+    rootpath: str,
+    root: str,
+    rel: str,
+    fmt: Format | None,
+    dtype: str | None,
+    policy: RetryPolicy,
+) -> ShardEntry:
+    """The entry of ``rel``; an OS error that does not name the shard is a `StorageError`
+    that does (the task may run on another machine)."""
+    try:
+        return _hash_checked(fs, rootpath, root, rel, fmt, dtype, policy)
+    except OSError as exc:
+        if isinstance(exc, DetdataError):
+            raise
+        where = redact_url(url_join(root, rel))
+        reason = exc.strerror or exc
+        raise StorageError(f"shard {rel}: cannot be hashed: {reason} ({where})") from exc
+
+
+def _hash_checked(
     fs: Any,
     rootpath: str,
     root: str,

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from detdata.base.errors import ConfigError, ManifestError
+from detdata.base.errors import ConfigError, ManifestError, StorageError
 from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.parts import (
@@ -152,3 +152,42 @@ def test_dask_local_cluster_builds_the_same_id(corpus: Path, reference: Manifest
     assert len(set(pids.values())) == 2  # two worker processes really ran
     assert built.id == reference.id and built.shards == reference.shards
     assert merge_manifests(parts).id == reference.id
+
+
+class _Losing(ThreadPoolExecutor):
+    """A real thread pool whose ``map`` loses one task's result (``drop``) or repeats one."""
+
+    def __init__(self, drop: int | None, repeat: bool = False) -> None:
+        super().__init__(2)
+        self.drop, self.repeat = drop, repeat
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1, **kw):  # type: ignore[no-untyped-def,override]
+        results = list(super().map(fn, *iterables, timeout=timeout, chunksize=chunksize))
+        if self.repeat:
+            results[1] = results[0]
+        elif self.drop is not None:
+            del results[self.drop]
+        return iter(results)
+
+
+@pytest.mark.parametrize(("drop", "repeat"), [(-1, False), (0, False), (None, True)])
+def test_an_executor_losing_a_task_is_refused_naming_the_shard(
+    corpus: Path, reference: Manifest, drop: int | None, repeat: bool
+) -> None:
+    names = [s.path for s in reference.shards]
+    missing = names[-1] if drop == -1 else names[0] if drop == 0 else names[1]
+    with _Losing(drop, repeat) as pool, pytest.raises(StorageError, match=rf"shard {missing}\b"):
+        build_manifest(str(corpus), metadata=META, executor=pool)
+
+
+def test_a_failing_task_names_its_shard(corpus: Path, tmp_path: Path) -> None:
+    """An OS error inside a task (here: a shard that is a folder) names the shard, with
+    threads and on an executor."""
+    root = tmp_path / "root"
+    root.mkdir()
+    np.save(root / "a.npy", np.arange(9, dtype=np.uint16))
+    (root / "b.npy").mkdir()
+    for executor in (ThreadPoolExecutor(2), None):
+        with pytest.raises(StorageError, match=r"shard b\.npy: cannot be hashed") as failed:
+            build_manifest(str(root), paths=["a.npy", "b.npy"], executor=executor)
+        assert isinstance(failed.value.__cause__, IsADirectoryError)
