@@ -30,10 +30,13 @@ from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest, hash_files
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import RefEvent, Registry
+from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
+from detdata.loading.frameworks import add_watcher as _add_watcher
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
 from detdata.loading.steps import MidStep
@@ -44,6 +47,10 @@ from detdata.order.locality import WindowedOrder
 from detdata.storage.retry import RetryPolicy
 
 __version__ = VERSION
+
+# framework watches (accelerate's load_state): started when a loader or sampler is built, for
+# the frameworks imported by then; importing detdata imports no framework
+_add_watcher(_imported_frameworks)
 
 # torch is imported only when the loader is first used (the CLI and manifest tools stay fast).
 _LAZY = {
