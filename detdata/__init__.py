@@ -30,8 +30,9 @@ from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest, hash_files
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import RefEvent, Registry
 from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode

@@ -73,26 +73,33 @@ def test_no_layer_imports_a_layer_above_it() -> None:
     assert bad == [], "upward imports:\n" + "\n".join(bad)
 
 
+def _runtime_imports(tree: ast.Module) -> set[str]:
+    """detdata modules imported anywhere in ``tree`` (inside functions too: a lazy import
+    is still a dependency), except under ``if TYPE_CHECKING:`` (never run)."""
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    deps: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            deps.add(node.module)
+        elif isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names}
+    return {m for m in deps if m.startswith("detdata.")}
+
+
 def test_no_import_cycle_between_modules() -> None:
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).with_suffix("")
         name = ".".join(("detdata", *rel.parts)).removesuffix(".__init__")
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        top = [
-            n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-        ]  # import time only
-        deps = set()
-        for node in top:
-            mods = (
-                [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module
-                else [a.name for a in getattr(node, "names", [])]
-                if isinstance(node, ast.Import)
-                else []
-            )
-            deps |= {m for m in mods if m.startswith("detdata.")}
-        graph[name] = deps
+        graph[name] = _runtime_imports(ast.parse(path.read_text(encoding="utf-8")))
     seen: dict[str, int] = {}
 
     def visit(node: str, stack: list[str]) -> None:
