@@ -40,6 +40,7 @@ an optimisation: a missing, unreadable or stale receipt means every shard is rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import email.utils
 import fcntl
 import json
@@ -50,7 +51,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import blake3
 import numpy as np
@@ -60,10 +61,14 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable, check_columns
-from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.entry import STRENGTH, Verify
 from detdata.identity.parallel import map_in_threads
+from detdata.identity.verify import verify_manifest
 from detdata.storage.fs import filesystem, is_local_fs, join
 from detdata.storage.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from detdata.identity.manifest import Manifest
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
@@ -72,7 +77,6 @@ KIND: Final = "detdata.receipt"
 VERSION: Final = 1
 #: an identity taken this soon after the file's last change is not recorded
 RACY_S: Final = 2.0
-_STRENGTH: Final = {Verify.QUICK: 1, Verify.FULL: 2}
 #: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
 _FIELDS: Final = 5
 _NOT_RECORDED: Final = -1
@@ -224,8 +228,6 @@ def verify_with_receipt(
         ):  # the id from the columns; the JSON (readable form) is checked where parsed
             check_columns(manifest.shards, with_json=False)
         if path is None:  # receipts disabled: no identities to take, every shard is read
-            from detdata.identity.verify import verify_manifest
-
             verify_manifest(
                 manifest, level, threads=threads, progress=progress, retry=retry, **storage_options
             )
@@ -241,13 +243,9 @@ def verify_with_receipt(
             entries = manifest.shards
             if isinstance(entries, ShardTable) and todo.size > len(entries) // 8:
                 entries = entries.all_entries()  # decoded in bulk
-            subset = Manifest(
-                shards=tuple(entries[i] for i in todo.tolist()),
-                metadata={},
-                root=manifest.root,
+            subset = dataclasses.replace(
+                manifest, shards=tuple(entries[i] for i in todo.tolist()), metadata={}
             )
-            from detdata.identity.verify import verify_manifest  # only when a shard is read
-
             verify_manifest(
                 subset, level, threads=threads, progress=progress, retry=retry, **storage_options
             )
@@ -272,7 +270,7 @@ def _changed(
     level), else those whose identity now differs from the recorded one or is not
     recorded."""
     count = len(now)
-    if old is None or _STRENGTH[Verify(old["level"])] < _STRENGTH[level]:
+    if old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]:
         return np.arange(count, dtype=np.int64)
     before = old["identities"]
     if isinstance(now, np.ndarray):
