@@ -20,7 +20,8 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.redact import redact_url
 from detdata.identity.build import build_manifest, hash_files
-from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.entry import Verify
+from detdata.identity.manifest import Manifest
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
 from detdata.order.feistel import GlobalOrder

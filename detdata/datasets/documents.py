@@ -66,6 +66,7 @@ from detdata.datasets.index_files import (
     save_index,
 )
 from detdata.datasets.shards import ShardReader
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import (
     MEGATRON_HEADER_BYTES,
     TABLE_FORMATS,
@@ -75,7 +76,7 @@ from detdata.identity.formats import (
     megatron_index_path,
     parse_megatron_header,
 )
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.storage.fs import is_local_fs, join
 from detdata.storage.retry import RetryPolicy
 

@@ -59,8 +59,9 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column, describe_dtype
 from detdata.datasets.shards import ShardReader, renamed_argument
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import TABLE_FORMATS, Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
 from detdata.storage.fs import filesystem, join
 from detdata.storage.retry import RetryPolicy

@@ -47,7 +47,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, cast, overload
+from typing import Any, Final, cast, overload
 
 import blake3
 import numpy as np
@@ -56,9 +56,8 @@ import numpy.typing as npt
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
-
-if TYPE_CHECKING:
-    from detdata.identity.manifest import ShardEntry
+from detdata.identity.entry import FORMAT_VERSION, ShardEntry
+from detdata.identity.entry import KIND as MANIFEST_KIND
 
 MAGIC: Final = b"DDMCOLS1"
 KIND: Final = "detdata.manifest-columns"
@@ -498,8 +497,6 @@ def _entry(
     groups: list[int],
 ) -> ShardEntry:
     """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
-    from detdata.identity.manifest import ShardEntry
-
     h = c.header
     obj: dict[str, Any] = {
         "path": path,
@@ -587,9 +584,6 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
 def verify_columns_id(table: ShardTable) -> str:
     """The id re-computed from every entry of the columns (O(shards)); `ManifestError`
     unless it is the header's."""
-    from detdata.identity.manifest import FORMAT_VERSION
-    from detdata.identity.manifest import KIND as MANIFEST_KIND
-
     c = table.columns
     entries = table.all_entries()
     body = {
