@@ -427,6 +427,26 @@ class ShardTable(Sequence["ShardEntry"]):
             )
         return out
 
+    def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
+        (checked chunks, then checked as a whole: ends from 0, non-decreasing, to the
+        end of ``row_groups``; sizes non-negative, as `ShardEntry.from_json` requires);
+        O(shards) in numpy, no entry built."""
+        c = self.columns
+        ends = c.array("row_group_ends")
+        sizes = c.array("row_groups")
+        at = np.where(ends < 0, -ends - 1, ends)
+        steps = np.diff(at)
+        if int(at[0]) != 0 or int(at[-1]) != sizes.shape[0] or bool((steps < 0).any()):
+            raise c._error("the row group ends do not run from 0 to the row group count")
+        if sizes.size and int(sizes.min()) < 0:
+            bad = int(np.flatnonzero(sizes < 0)[0])
+            shard = int(np.searchsorted(at, bad, side="right")) - 1
+            raise c._error(f"shard #{shard}: a negative row group size")
+        counts = steps.astype(np.int64)
+        counts[ends[1:] < 0] = -1
+        return counts, np.asarray(sizes, dtype=np.int64)
+
     def num_samples(self) -> npt.NDArray[np.int64]:
         """Samples per shard (a checked, read-only view of the mapped column)."""
         return cast(npt.NDArray[np.int64], self.columns.array("num_samples"))

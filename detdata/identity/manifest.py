@@ -160,6 +160,27 @@ class Manifest:
         """``data_offset`` of every shard (-1 where it has none): a read-only int64 array."""
         return self._column("data_offset")
 
+    def row_groups_per_shard(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(counts, sizes)``: the row groups of every shard, in manifest order, without
+        building entries for the fast form. ``sizes`` (int64) is every shard's
+        ``row_groups`` concatenated; ``counts`` (int64, one a shard) how many of them are
+        the shard's, -1 where the entry has no ``row_groups`` (token shards). Read-only."""
+        found = self.__dict__.get("_column_row_groups")
+        if found is None:
+            if isinstance(self.shards, ShardTable):
+                found = self.shards.row_group_columns()
+            else:
+                groups = [s.row_groups for s in self.shards]
+                counts = np.fromiter(
+                    (-1 if g is None else len(g) for g in groups), np.int64, len(groups)
+                )
+                sizes = np.fromiter((x for g in groups for x in g or ()), np.int64)
+                found = (counts, sizes)
+            for arr in found:
+                arr.flags.writeable = False
+            self.__dict__["_column_row_groups"] = found
+        return cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]], found)
+
     def codes(self, field: str) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
         """``(values, codes)`` of string field ``field`` (``format``, ``dtype`` or ``schema``):
         the distinct values, sorted, and each shard's index into them (-1: none), int64."""
@@ -198,11 +219,6 @@ class Manifest:
                 arr.flags.writeable = False
             self.__dict__[key] = arr
         return cast(npt.NDArray[np.int64], arr)
-
-    @property
-    def has_columns(self) -> bool:
-        """Is this manifest backed by the mapped fast form (`detdata.identity.columns`)?"""
-        return isinstance(self.shards, ShardTable)
 
     def with_root(self, root: str) -> Manifest:
         """The same manifest (same id) pointing at another root."""

@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import email.utils
-import fcntl
 import json
 import os
 import pickle
@@ -64,6 +63,7 @@ from detdata.identity.columns import ShardTable, check_columns
 from detdata.identity.entry import STRENGTH, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
+from detdata.storage.atomic import atomic_write_bytes, file_lock
 from detdata.storage.fs import filesystem, is_local_fs, join
 from detdata.storage.retry import RetryPolicy
 
@@ -392,17 +392,8 @@ def _turn(path: str | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+    with file_lock(path + ".lock"):
         yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
@@ -442,8 +433,6 @@ def write_receipt(
 ) -> None:
     """Write the receipt (atomically); a receipt that cannot be written is left out (the next
     start reads every shard)."""
-    from detdata.storage.atomic import atomic_write_bytes
-
     local = isinstance(identities, np.ndarray)
     if isinstance(identities, np.ndarray):
         body = identity_digests(identities).astype("<u8").tobytes()

@@ -44,6 +44,7 @@ from detdata.loading.arguments import (
     refuse_torch_habits,
 )
 from detdata.loading.device import check_depth, check_device
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
     GroupReader,
@@ -52,7 +53,6 @@ from detdata.loading.reading import (
     SlotSampler,
     Transform,
 )
-from detdata.loading.schedule import Plan, as_schedule
 from detdata.loading.slots import SlotTransport
 from detdata.loading.state import (
     K_ALGORITHM,
@@ -393,7 +393,7 @@ class DataLoader:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The run's batch history as saved in the state (`detdata.loading.schedule`): one
+        """The run's batch history as saved in the state (`detdata.loading.history`): one
         entry per schedule or layout, with the position and step it began at."""
         return self._plan.to_json()
 
