@@ -13,6 +13,7 @@ too small for the shards fall back to range reads (logged), with the same bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -88,6 +89,19 @@ def _objects(folder: Path) -> list[Path]:
     return sorted(objects.iterdir()) if objects.is_dir() else []
 
 
+def _usage(folder: Path) -> int:
+    """Bytes of copies and fills in the cache folder, from the disk, scanned while holding the
+    folder's ``.lock`` (the cache evicts and reserves space only under it, so no copy is
+    deleted and no fill started mid-scan). Copies first, then fills: a fill renamed into
+    objects/ between the two scans is missed, never counted twice."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _bytes_in(folder / "objects") + _bytes_in(folder / "tmp")
+    finally:
+        os.close(fd)
+
+
 def _bytes_in(folder: Path) -> int:
     """Bytes of the files in ``folder``, from the disk (a file evicted meanwhile counts 0)."""
     total = 0
@@ -148,9 +162,7 @@ def test_the_default_cache_stays_within_its_bound(
     most = 0
     for i, batch in zip(range(len(want)), loader, strict=False):
         got.append(np.asarray(batch["tokens"]).copy())
-        # copies first, then fills: a fill renamed into objects/ between the two scans is
-        # missed, never counted twice
-        used = _bytes_in(folder / "objects") + _bytes_in(folder / "tmp")
+        used = _usage(folder)
         most = max(most, used)
         assert used <= bound, (i, used, bound)
     assert most > largest  # the cache was used (more than one copy at a time)
