@@ -49,8 +49,9 @@ SMOKE_LOCAL, SMOKE_REMOTE = 300, 100
 
 # ------------------------------------------------------------------ registry
 def _tiny_manifest(i: int) -> Any:
+    from detdata.identity.entry import ShardEntry
     from detdata.identity.formats import Format
-    from detdata.identity.manifest import Manifest, ShardEntry
+    from detdata.identity.manifest import Manifest
 
     digest = "b3:" + f"{i:064x}"
     entry = ShardEntry(

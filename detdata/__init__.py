@@ -1,10 +1,14 @@
 """detdata: exactly reproducible, resumable data loading for LLM pretraining.
 
 Bytes identity (blake3 manifests), order as a function of (seed, global index),
-exact seeded mixtures, and one-integer resume. See docs/design.md for the contracts.
+exact seeded mixtures, and one-integer resume. See docs/design.md for the contracts and
+docs/api.md for this surface: every name below, one line each (tests/test_layers.py checks
+the two agree). Exported classes and functions show as ``detdata.<name>`` (in ``repr``,
+tracebacks and pickles); their code lives in the layer folders (docs/architecture.md).
 """
 
-from typing import TYPE_CHECKING, Any
+import types as _types
+import typing as _typing
 
 from detdata.base.errors import (
     ConfigError,
@@ -19,21 +23,25 @@ from detdata.base.errors import (
     VerificationError,
 )
 from detdata.base.types import Batch
-from detdata.base.version import VERSION
+from detdata.base.version import VERSION as _VERSION
 from detdata.datasets.base import ArrayDataset, Dataset, Stream
 from detdata.datasets.documents import Documents
 from detdata.datasets.exclusions import Excluded, ExclusionList
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.packed import PackedWindows
+from detdata.datasets.shards import set_max_open_shards
 from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest, hash_files
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import RefEvent, Registry
+from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
+from detdata.loading.frameworks import add_watcher as _add_watcher
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
 from detdata.loading.steps import MidStep
@@ -43,7 +51,13 @@ from detdata.order.feistel import GlobalOrder
 from detdata.order.locality import WindowedOrder
 from detdata.storage.retry import RetryPolicy
 
-__version__ = VERSION
+__version__ = _VERSION
+
+# framework watches (accelerate's load_state): started now for the frameworks imported before
+# detdata, and when a loader or sampler is built for those imported by then; importing detdata
+# imports no framework
+_add_watcher(_imported_frameworks)
+_imported_frameworks.built()
 
 # torch is imported only when the loader is first used (the CLI and manifest tools stay fast).
 _LAZY = {
@@ -53,21 +67,30 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def _public(value: object, name: str) -> object:
+    """``value`` shown as ``detdata.<name>`` (classes and functions; aliases are left as
+    they are). Pickles by reference then name ``detdata.<name>``, which resolves."""
+    if isinstance(value, (type, _types.FunctionType)) and value.__name__ == name:
+        value.__module__ = __name__
+    return value
+
+
+def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = _public(getattr(importlib.import_module(_LAZY[name]), name), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'detdata' has no attribute {name!r}")
 
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from detdata.loading.loader import DataLoader
     from detdata.loading.model_digest import report_model_step
     from detdata.loading.sampler import DeterministicBatchSampler
 
+#: the public names (docs/api.md documents each; tests/test_layers.py checks the two agree)
 __all__ = [
     "ArrayDataset",
     "Batch",
@@ -115,4 +138,9 @@ __all__ = [
     "build_manifest",
     "hash_files",
     "report_model_step",
+    "set_max_open_shards",
 ]
+for _name in __all__:
+    if _name in globals():  # the lazy ones: when first loaded (`__getattr__`)
+        _public(globals()[_name], _name)
+del _name

@@ -4,7 +4,8 @@ Run it through ``make bench-peers`` (it builds ``benchmarks/peers/.venv``, with 
 pinned at the project's version; see ``benchmarks/peers/README.md``). Every run is a
 child process (`benchmarks.peers.one`), repeated ``--repeats`` times (medians
 reported); the page cache is warmed by one untimed read of each data file first.
-Writes ``benchmarks/results/peers.json`` and ``benchmarks/results/peers.md``.
+Writes ``benchmarks/results/peers.json`` and ``benchmarks/results/peers.md``, and the
+README's figure ``peers.png`` where matplotlib is installed (`benchmarks.peers.figure`).
 """
 
 from __future__ import annotations
@@ -256,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(report)
     args.out.with_suffix(".md").write_text(md)
     print(md)
+    if importlib.util.find_spec("matplotlib") is not None:
+        from benchmarks.peers.figure import plot
+
+        plot(report, args.out.with_suffix(".png"))
     return 0
 
 

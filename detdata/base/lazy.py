@@ -4,6 +4,7 @@ pyarrow (about 170 MB, ~0.3 s to import) is needed only where Parquet / Arrow ta
 a user with ``.npy`` or Megatron tokens never imports it. `lazy_module` returns a stand-in
 module whose first attribute access imports the real one; a module that cannot be imported
 raises `DependencyError` naming it, why, and the ``pip install`` that fixes it.
+`require` imports an optional module (matplotlib for `detdata.cli.plots`) the same way, now.
 """
 
 from __future__ import annotations
@@ -25,19 +26,27 @@ class LazyModule(types.ModuleType):
 
     def _load(self) -> types.ModuleType:
         if self._lazy_module is None:
-            try:
-                self._lazy_module = importlib.import_module(self.__name__)
-            except ImportError as exc:
-                raise DependencyError(
-                    f"{self.__name__} cannot be imported ({exc}); it is needed to read Parquet / "
-                    f"Arrow tables; hint: pip install {self._lazy_install!r}"
-                ) from exc
+            self._lazy_module = require(
+                self.__name__, install=self._lazy_install, purpose="to read Parquet / Arrow tables"
+            )
         return self._lazy_module
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_lazy_"):
             raise AttributeError(attr)
         return getattr(self._load(), attr)
+
+
+def require(name: str, *, install: str, purpose: str) -> types.ModuleType:
+    """Module ``name``, imported now, or `DependencyError` naming it, why, what it is needed
+    ``purpose`` for, and ``pip install <install>``."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise DependencyError(
+            f"{name} cannot be imported ({exc}); it is needed {purpose}; "
+            f"hint: pip install {install!r}"
+        ) from exc
 
 
 def lazy_module(name: str, *, install: str) -> Any:

@@ -10,6 +10,8 @@ Config (JSON)::
 
 Exactly one of ``weights`` / ``schedule``. Output: a header line, then one
 tab-separated line per position: ``position source index_in_source sample_id``.
+With ``--plot OUT.png``: instead, a picture of each source's cumulative share against
+its target over the positions, and one line per source with its share at the end.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     mixture = mixture_from_config(load_config(args.config))
     at = check_count(args.at, "--at", minimum=0, maximum=MAX_POSITION - 1)
     count = check_count(args.count, "--count", minimum=0, maximum=MAX_POSITION - at)
+    if args.plot is not None:
+        return plot_shares(mixture, at, count, args.plot)
     out = sys.stdout
     out.write(HEADER + "\n")
     names = mixture.source_names
@@ -133,6 +137,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plot_shares(mixture: Mixture, at: int, count: int, path: str) -> int:
+    """``--plot``: draw the shares of positions ``[at, at + count)`` and print each source's."""
+    from detdata.cli.plots import mixture_shares, plot_mixture_shares
+
+    if count == 0:
+        raise ConfigError("--plot needs --count of at least 1 (positions to draw)")
+    shares = mixture_shares(mixture, start=at, count=count)
+    plot_mixture_shares(shares, path)
+    print(f"positions {at:,} .. {at + count - 1:,}: source, samples, share, target share")
+    for name, counts, targets in zip(shares.names, shares.counts, shares.targets, strict=True):
+        print(f"{name}\t{counts[-1]}\t{counts[-1] / count:.6f}\t{float(targets[-1]) / count:.6f}")
+    print(f"plot: {path}")
+    return 0
+
+
 def register(subparsers: Any) -> None:
     """Add the ``mix`` sub-command."""
     parser = subparsers.add_parser(
@@ -144,4 +163,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", required=True, help="mix config JSON file")
     parser.add_argument("--at", type=int, default=0, help="first global position (default 0)")
     parser.add_argument("--count", type=int, default=16, help="number of positions (default 16)")
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="draw each source's cumulative share against its target over the positions, as a "
+        "PNG, instead of listing them (needs matplotlib: pip install 'detdata[plots]')",
+    )
     parser.set_defaults(func=run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -63,13 +64,20 @@ def register(sub: Any) -> None:
         action="store_true",
         help="A and B are loader states: report each differing field",
     )
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="also draw which steps match and where the traces part, as a PNG "
+        "(needs matplotlib: pip install 'detdata[plots]')",
+    )
     p.set_defaults(func=run_diff)
 
 
 def run_diff(args: argparse.Namespace) -> int:
     if args.state:
-        if args.steps is not None:
-            raise ConfigError("--steps selects trace steps; it does not apply with --state")
+        for flag, value in (("--steps", args.steps), ("--plot", args.plot)):
+            if value is not None:
+                raise ConfigError(f"{flag} applies to traces; it does not apply with --state")
         return diff_states(args.a, args.b)
     start, stop = args.steps if args.steps is not None else (0, None)
     result = compare(read_trace(args.a), read_trace(args.b), start=start, stop=stop)
@@ -81,9 +89,15 @@ def run_diff(args: argparse.Namespace) -> int:
         )
     if result.first is None:
         print(f"identical: {result.steps_compared} steps{window}")
-        return 0
-    _print_difference(result, window)
-    return 1
+    else:
+        _print_difference(result, window)
+    if args.plot is not None:
+        from detdata.cli.plots import plot_diff
+
+        sys.stdout.flush()
+        plot_diff(result, args.plot, title=f"{args.a} vs {args.b}")
+        print(f"plot: {args.plot}")
+    return 0 if result.first is None else 1
 
 
 def _print_difference(result: Comparison, window: str) -> None:

@@ -58,8 +58,15 @@ from detdata.base.errors import ConfigError, FormatError, VerificationError
 from detdata.base.groupby import stable_groups
 from detdata.base.lazy import lazy_module
 from detdata.base.types import IntArray
-from detdata.datasets.index_files import load_index, progress, reload_index, save_index
+from detdata.datasets.index_files import (
+    building,
+    load_index,
+    progress,
+    reload_index,
+    save_index,
+)
 from detdata.datasets.shards import ShardReader
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import (
     MEGATRON_HEADER_BYTES,
     TABLE_FORMATS,
@@ -69,7 +76,7 @@ from detdata.identity.formats import (
     megatron_index_path,
     parse_megatron_header,
 )
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.storage.fs import is_local_fs, join
 from detdata.storage.retry import RetryPolicy
 
@@ -206,6 +213,51 @@ class Documents(ShardReader):
     # the plan ---------------------------------------------------------------------
     def _plan_units(self) -> list[Unit]:
         """The token spaces of the manifest in path order (documents not read yet)."""
+        values, _ = self.manifest.codes("format")
+        if Format.MEGATRON_IDX.value in values:
+            return self._plan_pairs()
+        units = self._plan_singles()
+        self._check_kinds({u.kind for u in units})
+        return units
+
+    def _plan_singles(self) -> list[Unit]:
+        """The units of a manifest without Megatron indexes: one per shard, from the
+        manifest's columns. The checks of a shard depend only on its format with its dtype
+        (token shards) or its schema fingerprint (tables: names, types, nullability), so
+        each is made once, on the first shard of each kind (in path order: the error names
+        the first shard that fails), and one footer is read per distinct schema, not per
+        shard."""
+        m = self.manifest
+        values, fmt = m.codes("format")
+        _, dtype = m.codes("dtype")
+        _, schema = m.codes("schema")
+        table = np.isin(fmt, [i for i, v in enumerate(values) if Format(v) in TABLE_FORMATS])
+        token = np.isin(
+            fmt, [i for i, v in enumerate(values) if Format(v) in (Format.NPY, Format.BIN)]
+        )
+        # one key per check: (kind, dtype or schema); a table without a fingerprint alone
+        key = np.where(table, schema, dtype).astype(np.int64)
+        alone = table & (schema < 0)
+        key[alone] = -2 - np.flatnonzero(alone)
+        key = key * 3 + np.where(table, 1, np.where(token, 0, 2))
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        planned: dict[int, Unit] = {}
+        for i in sorted(first.tolist()):
+            if table[i]:
+                planned[i] = self._table_unit(i)
+            elif token[i]:
+                planned[i] = self._eod_unit(i)
+            else:  # pragma: no cover - every format is handled above
+                raise FormatError(f"shard {m.shards[i].path}: format {values[fmt[i]]} unknown")
+        reps = [planned[i] for i in first.tolist()]
+        tokens = np.where(table, 0, m.samples_per_shard()).tolist()
+        return [
+            Unit(i, -1, reps[k].kind, reps[k].dtype, t)
+            for i, (k, t) in enumerate(zip(inverse.reshape(-1).tolist(), tokens, strict=True))
+        ]
+
+    def _plan_pairs(self) -> list[Unit]:
+        """The units of a manifest with Megatron indexes (shard by shard)."""
         shards = self.manifest.shards
         by_path = {s.path: i for i, s in enumerate(shards)}
         paired = {
@@ -237,7 +289,11 @@ class Documents(ShardReader):
                     )
             elif entry.format is Format.MEGATRON_IDX:
                 raise FormatError(f"shard {entry.path}: a Megatron index must be named *.idx")
-        kinds = {u.kind for u in units}
+        self._check_kinds({u.kind for u in units})
+        return units
+
+    def _check_kinds(self, kinds: set[str]) -> None:
+        """``eod_token`` / ``column`` given only where shards of their kind are."""
         if self.eod_token is not None and "eod" not in kinds:
             raise ConfigError(
                 f"eod_token={self.eod_token} was given but manifest {self.manifest.id[:15]}… "
@@ -249,9 +305,8 @@ class Documents(ShardReader):
                 f"column={self.column!r} was given but the manifest has no table shard; "
                 "hint: leave column out"
             )
-        if not units:
+        if not kinds:
             raise ConfigError(f"manifest {self.manifest.id} has no document shards")
-        return units
 
     def _megatron_unit(self, shard: int, index: int) -> Unit:
         data, idx = self.manifest.shards[shard], self.manifest.shards[index]
@@ -334,36 +389,52 @@ class Documents(ShardReader):
         the manifest (never read from the record).
         """
         inputs = self._table_inputs()
-        stored = load_index(
-            self.index_dir, "documents", inputs, lambda a, m: self._check_table(units, a, m)
-        )
-        if stored is not None:
-            self._table_digest: str | None = stored.digest
-            return stored.array, _table_units(self.manifest, units, stored.array)
-        starts, done = self._build_table(units)
-        meta = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
-        self._table_digest = save_index(self.index_dir, "documents", inputs, starts, meta)
-        return starts, done
+        recomputed: list[Unit] = []
+        self._table_digest: str | None = None
+
+        def check(array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
+            problem, done = self._check_table(units, array, meta)
+            recomputed[:] = done
+            return problem
+
+        stored = load_index(self.index_dir, "documents", inputs, check)
+        if stored is None:  # built by one process of those opening it at once (`building`)
+            with building(self.index_dir, "documents", inputs):
+                stored = load_index(self.index_dir, "documents", inputs, check)
+                if stored is None:
+                    starts, done = self._build_table(units)
+                    meta = {
+                        "tokens": [u.tokens for u in done],
+                        "groups": [list(u.groups) for u in done],
+                    }
+                    self._table_digest = save_index(
+                        self.index_dir, "documents", inputs, starts, meta
+                    )
+                    return starts, done
+        self._table_digest = stored.digest
+        return stored.array, recomputed
 
     def _build_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
         parts: list[npt.NDArray[np.int64]] = []
         done: list[Unit] = []
         base = 0
-        total_bytes = sum(self.manifest.shards[u.shard].bytes for u in units)
+        sizes = self.manifest.bytes_per_shard()
+        total_bytes = int(sum(int(sizes[u.shard]) for u in units))
         with progress(total_bytes, "documents", self.progress) as update:
             for unit in units:
                 local, unit = self._unit_documents(unit)
                 parts.append(local[:-1] + base)
                 base += int(local[-1])
                 done.append(unit)
-                update(self.manifest.shards[unit.shard].bytes)
+                update(int(sizes[unit.shard]))
         parts.append(np.array([base], dtype=np.int64))
         return np.concatenate(parts).astype(np.int64, copy=False), done
 
     def _check_table(
         self, units: list[Unit], starts: np.ndarray[Any, Any], meta: Mapping[str, Any]
-    ) -> str | None:
-        """What is wrong with a stored document table and its record, or None.
+    ) -> tuple[str | None, list[Unit]]:
+        """What is wrong with a stored document table and its record (None: nothing), and
+        the units recomputed from it and the manifest.
 
         Checked against the manifest: a 1-D int64 array from 0, non-decreasing, each
         token unit ending exactly at its shard's token count, each Megatron pair and
@@ -373,18 +444,18 @@ class Documents(ShardReader):
         full scan the table saves.)
         """
         if starts.dtype != np.int64 or starts.ndim != 1 or starts.shape[0] < 1:
-            return f"array {starts.dtype} of shape {starts.shape}, expected 1-D int64"
+            return f"array {starts.dtype} of shape {starts.shape}, expected 1-D int64", []
         if int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
-            return "document starts do not run non-decreasing from 0"
+            return "document starts do not run non-decreasing from 0", []
         try:
             done = _table_units(self.manifest, units, starts)
         except ValueError as exc:
-            return str(exc)
+            return str(exc), []
         want = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
         for key in sorted(set(want) | set(meta)):
             if meta.get(key) != want.get(key):
-                return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}"
-        return None
+                return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}", []
+        return None, done
 
     def _unit_documents(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
         """Local document starts (ending with the unit's token count) and the unit's sizes."""
@@ -480,9 +551,16 @@ class Documents(ShardReader):
         base = np.zeros(len(self.units) + 1, dtype=np.int64)
         np.cumsum([u.tokens for u in self.units], out=base[1:])
         self._unit_base = base
-        self._group_bases = [
-            np.concatenate([[0], np.cumsum(u.groups)]).astype(np.int64) for u in self.units
-        ]
+        self._group_bases: dict[int, npt.NDArray[np.int64]] = {}
+
+    def _bases(self, u: int) -> npt.NDArray[np.int64]:
+        """First token of each row group of table unit ``u`` (and its end), in the unit."""
+        found = self._group_bases.get(u)
+        if found is None:
+            groups = self.units[u].groups
+            found = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
+            self._group_bases[u] = found
+        return found
 
     def _reset_process_state(self) -> None:
         super()._reset_process_state()
@@ -630,7 +708,7 @@ class Documents(ShardReader):
             return
         if self._uses_shard_cache():
             self._refresh_copies((unit.shard,))
-        bases = self._group_bases[u]
+        bases = self._bases(u)
         group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
         groups = np.unique(group).tolist()
         for g in groups:
@@ -644,7 +722,7 @@ class Documents(ShardReader):
             self._refresh_copies((unit.shard,))
         if unit.kind != "table":
             return self._token_view(unit)[local]
-        bases = self._group_bases[u]
+        bases = self._bases(u)
         group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
         g0, g1 = int(group.min()), int(group.max())
         if g0 == g1:
@@ -823,18 +901,74 @@ def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
     return want
 
 
-def shard_entry(documents: Documents, unit: int) -> ShardEntry:
-    """The manifest entry holding the tokens of ``documents.units[unit]``."""
-    return documents.manifest.shards[documents.units[unit].shard]
-
-
 def _table_units(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
-    """``units`` with token and row-group counts recomputed from ``starts`` and the manifest.
+    """``units`` with token and row-group counts recomputed from ``starts`` (non-decreasing)
+    and the manifest.
 
     A `ValueError` says where ``starts`` disagrees with the manifest (a token unit not
     ending at its shard's token count, a table or Megatron pair whose documents do not
-    fit, documents left over).
+    fit, documents left over). All tables, or all token shards: in numpy over the
+    manifest's columns (no entry built); otherwise unit by unit.
     """
+    kinds = {u.kind for u in units}
+    if kinds == {"table"}:
+        return _tables_only(manifest, units, starts)
+    if kinds == {"eod"}:
+        return _eod_only(manifest, units, starts)
+    return _units_one_by_one(manifest, units, starts)
+
+
+def _tables_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
+    """`_table_units` when every unit is a table: rows and row groups from the columns."""
+    n = int(starts.shape[0]) - 1
+    shards = np.fromiter((u.shard for u in units), np.int64, len(units))
+    counts, sizes = manifest.row_groups_per_shard()
+    ends = np.concatenate([[0], np.cumsum(np.maximum(counts, 0))])
+    per = np.maximum(counts, 0)[shards]
+    first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
+    picks = np.repeat(ends[shards] - first, per) + np.arange(int(per.sum()), dtype=np.int64)
+    group_rows = sizes[picks]
+    at = np.concatenate([[0], np.cumsum(group_rows)]).astype(np.int64)
+    rows = at[first + per] - at[first]
+    doc_end = np.cumsum(rows)
+    bad = (rows != manifest.samples_per_shard()[shards]) | (doc_end > n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        entry = manifest.shards[int(shards[i])]
+        raise ValueError(f"shard {entry.path}: its {entry.num_samples} rows do not fit")
+    if int(doc_end[-1]) != n:
+        raise ValueError(f"{n - int(doc_end[-1])} documents past the manifest's last shard")
+    group_tokens = np.diff(starts[at]).tolist()
+    unit_tokens = (starts[doc_end] - starts[doc_end - rows]).tolist()
+    return [
+        Unit(u.shard, -1, "table", u.dtype, t, tuple(group_tokens[a : a + c]))
+        for u, t, a, c in zip(units, unit_tokens, first.tolist(), per.tolist(), strict=True)
+    ]
+
+
+def _eod_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
+    """`_table_units` when every unit is a plain token shard: each must end at a document
+    start (eod documents are never empty: a unit ends at the first start equal to its
+    end, searched from where the previous unit ended)."""
+    n = int(starts.shape[0]) - 1
+    ends = np.cumsum(np.fromiter((u.tokens for u in units), np.int64, len(units)))
+    stop = np.maximum.accumulate(np.searchsorted(starts, ends, side="left"))
+    bad = (stop > n) | (starts[np.minimum(stop, n)] != ends)
+    if bad.any():
+        unit = units[int(np.flatnonzero(bad)[0])]
+        raise ValueError(
+            f"shard {manifest.shards[unit.shard].path}: its documents do not end at its "
+            f"{unit.tokens} tokens"
+        )
+    if int(stop[-1]) != n:
+        raise ValueError(f"{n - int(stop[-1])} documents past the manifest's last shard")
+    return list(units)
+
+
+def _units_one_by_one(
+    manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]
+) -> list[Unit]:
+    """`_table_units` unit by unit (Megatron pairs, or token shards with tables)."""
     n = int(starts.shape[0]) - 1
     doc, token = 0, 0
     done: list[Unit] = []

@@ -13,6 +13,9 @@ cache never changes a delivered byte. The
 ``.json`` is written last (atomically), so a crash mid-write leaves no index that
 loads. Loaded arrays are read-only memory maps.
 
+Ranks opening the same dataset at once take turns (`building`, a lock of
+``index_dir``): the first builds and saves, the others find and check its files.
+
 `progress` is the build-time progress bar: tqdm when importable, else one line
 on stderr per tenth of the work.
 """
@@ -36,7 +39,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import StorageError, VerificationError
 from detdata.base.hashing import CHUNK, PREFIX
 from detdata.base.progress import progress as base_progress
-from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.atomic import atomic_write_bytes, file_lock
 
 #: Version of the index-file layout (``.npy`` + ``.json``).
 LAYOUT: Final = "detdata.index-v1"
@@ -76,6 +79,29 @@ class StoredIndex:
     array: np.ndarray[Any, Any]
     meta: dict[str, Any]
     digest: str
+
+
+@contextlib.contextmanager
+def building(index_dir: str | None, name: str, inputs: Mapping[str, Any]) -> Iterator[None]:
+    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself: no file is
+    added to it): processes (ranks) opening the same dataset at once build its indexes one
+    at a time, and each `load_index` again under the lock before building, so an index is
+    built once per machine (per job on a file system whose locks span machines) and the
+    others load and check it. The lock only saves work: whatever a process loads is
+    checked in full by `load_index`. No lock without ``index_dir`` (or where the folder
+    cannot be made: `save_index` then names it)."""
+    del name, inputs  # one lock per folder: builds of one job follow one another anyway
+    if index_dir is None:
+        yield
+        return
+    folder = os.fspath(index_dir)
+    with contextlib.suppress(OSError):
+        os.makedirs(folder, exist_ok=True)
+    if not os.path.isdir(folder):
+        yield
+        return
+    with file_lock(folder):
+        yield
 
 
 def load_index(

@@ -59,7 +59,13 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
 from detdata.datasets.documents import Documents
-from detdata.datasets.index_files import load_index, progress, reload_index, save_index
+from detdata.datasets.index_files import (
+    building,
+    load_index,
+    progress,
+    reload_index,
+    save_index,
+)
 from detdata.datasets.process_local import ProcessLocal
 from detdata.order.packing import (
     ALGORITHM,
@@ -172,13 +178,18 @@ class PackedWindows(ProcessLocal):
         """
         inputs = self._inputs()
         stored = load_index(self.index_dir, "packing", inputs, self._check_index)
-        if stored is not None:
-            self._index_digest: str | None = stored.digest
-            return stored.array, self._checked_counts
-        offsets = self._offsets_of_documents()
-        meta = self._counts(offsets)
-        self._index_digest = save_index(self.index_dir, "packing", inputs, offsets, meta)
-        return offsets, meta
+        if stored is None:  # built by one process of those opening it at once (`building`)
+            with building(self.index_dir, "packing", inputs):
+                stored = load_index(self.index_dir, "packing", inputs, self._check_index)
+                if stored is None:
+                    offsets = self._offsets_of_documents()
+                    meta = self._counts(offsets)
+                    self._index_digest: str | None = save_index(
+                        self.index_dir, "packing", inputs, offsets, meta
+                    )
+                    return offsets, meta
+        self._index_digest = stored.digest
+        return stored.array, self._checked_counts
 
     def _offsets_of_documents(self) -> npt.NDArray[np.int64]:
         extra = int(self.bos is not None) + int(self.eos is not None)

@@ -64,7 +64,8 @@ from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, StorageError, VerificationError
 from detdata.base.redact import redact_url
 from detdata.datasets.process_local import ProcessLocal
-from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.entry import Verify
+from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.first_opens import FirstOpens
 from detdata.storage.fs import filesystem, join

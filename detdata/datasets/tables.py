@@ -59,8 +59,9 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column, describe_dtype
 from detdata.datasets.shards import ShardReader, renamed_argument
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import TABLE_FORMATS, Format
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
 from detdata.storage.fs import filesystem, join
 from detdata.storage.retry import RetryPolicy
@@ -507,8 +508,7 @@ class TableRows(ShardReader):
             raise ConfigError(
                 f"manifest {self.manifest.id} has no shards; TableRows needs table shards"
             )
-        for shard in shards:
-            _check_table_shard(shard)
+        _check_table_shards(self.manifest)
         self._check_same_schema()
         schema = self._read_schema(0)
         self.columns: tuple[str, ...] = _select_columns(schema, columns, shards[0].path)
@@ -529,9 +529,14 @@ class TableRows(ShardReader):
 
     # construction helpers --------------------------------------------------
     def _check_same_schema(self) -> None:
+        """Every shard has the first one's schema fingerprint (the manifest's column: no
+        entry built); else `FormatError` naming the first that differs and the fields."""
         shards = self.manifest.shards
-        first = shards[0]
-        for index, shard in enumerate(shards[1:], start=1):
+        _, codes = self.manifest.codes("schema")
+        differ = np.flatnonzero(codes != codes[0])
+        if differ.size:
+            index = int(differ[0])
+            first, shard = shards[0], shards[index]
             if shard.schema != first.schema:
                 diff = _schema_diff(self._read_schema(0), self._read_schema(index))
                 raise FormatError(
@@ -558,15 +563,15 @@ class TableRows(ShardReader):
         )
 
     def _build_index(self) -> None:
+        """The row-group tables, from the manifest's columns (mapped for the fast form): no
+        per-shard Python, no entry built, no file read."""
         super()._build_index()
-        sizes = [s.row_groups or () for s in self.manifest.shards]
-        flat = np.asarray([g for groups in sizes for g in groups], dtype=np.int64)
+        counts, flat = self.manifest.row_groups_per_shard()
+        counts = np.maximum(counts, 0)  # every shard has row groups (checked at construction)
         self._group_starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64)
-        self._group_shard = np.repeat(
-            np.arange(len(sizes), dtype=np.int64), [len(groups) for groups in sizes]
-        )
-        self._groups_per_shard = [len(groups) for groups in sizes]
-        first = np.concatenate([[0], np.cumsum(self._groups_per_shard)[:-1]])
+        self._group_shard = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+        self._groups_per_shard: list[int] = counts.tolist()
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self._shard_first_group = first.astype(np.int64)
         self._max_group_rows = int(flat.max()) if flat.size else 0
 
@@ -629,14 +634,14 @@ class TableRows(ShardReader):
     def shard_sizes(self) -> tuple[int, ...]:
         """Rows per shard in manifest order (ids are laid out shard after shard): what a
         `detdata.LocalityOrder` groups into windows of shards."""
-        return tuple(s.num_samples for s in self.manifest.shards)
+        return tuple(self.manifest.samples_per_shard().tolist())
 
     @property
     def row_group_sizes(self) -> tuple[int, ...]:
         """Rows per row group, shard after shard in manifest order and groups in file order
         (ids are laid out that way): what ``LocalityOrder(window_row_groups=k)`` groups
         into windows."""
-        return tuple(g for s in self.manifest.shards for g in (s.row_groups or ()))
+        return tuple(self.manifest.row_groups_per_shard()[1].tolist())
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and the selected columns."""
@@ -972,6 +977,26 @@ def _arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
 def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
     """The dtype `to_numpy` gives a column of Arrow type ``kind`` (converted the same way)."""
     return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
+
+
+def _check_table_shards(manifest: Manifest) -> None:
+    """`_check_table_shard` of every shard, from the manifest's columns (no entry built but
+    the first failing one, whose error is raised)."""
+    values, codes = manifest.codes("format")
+    table = np.array(
+        [Format(v) in TABLE_FORMATS and Format(v) is not Format.ARROW_STREAM for v in values],
+        dtype=bool,
+    )
+    counts, sizes = manifest.row_groups_per_shard()
+    ends = np.concatenate([[0], np.cumsum(np.maximum(counts, 0))])
+    total = np.concatenate([[0], np.cumsum(sizes)])
+    rows = total[ends[1:]] - total[ends[:-1]]
+    bad = (codes < 0) | ~table[codes] | (counts < 0) | (rows != manifest.samples_per_shard())
+    for index in np.flatnonzero(bad)[:1].tolist():
+        _check_table_shard(manifest.shards[index])
+        raise FormatError(  # pragma: no cover - the entry check names it first
+            f"shard {manifest.shards[index].path}: not a readable table shard"
+        )
 
 
 def _check_table_shard(shard: ShardEntry) -> None:

@@ -90,8 +90,9 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
 from detdata.datasets.shards import ShardReader, renamed_argument
+from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
-from detdata.identity.manifest import Manifest, ShardEntry, Verify
+from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.fileread import (
     INODE,

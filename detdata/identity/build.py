@@ -25,6 +25,7 @@ from typing import Any
 
 from detdata.base.errors import ConfigError, DetdataError, StorageError
 from detdata.base.redact import redact_url
+from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import (
     Format,
     ShardLayout,
@@ -35,7 +36,7 @@ from detdata.identity.formats import (
     suffix_format,
 )
 from detdata.identity.hashing import digests_file, full_digest_file
-from detdata.identity.manifest import Manifest, ShardEntry
+from detdata.identity.manifest import Manifest
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.fs import (
     check_shard_name,

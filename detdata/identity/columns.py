@@ -47,7 +47,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, cast, overload
+from typing import Any, Final, cast, overload
 
 import blake3
 import numpy as np
@@ -56,9 +56,8 @@ import numpy.typing as npt
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
-
-if TYPE_CHECKING:
-    from detdata.identity.manifest import ShardEntry
+from detdata.identity.entry import FORMAT_VERSION, ShardEntry
+from detdata.identity.entry import KIND as MANIFEST_KIND
 
 MAGIC: Final = b"DDMCOLS1"
 KIND: Final = "detdata.manifest-columns"
@@ -428,6 +427,26 @@ class ShardTable(Sequence["ShardEntry"]):
             )
         return out
 
+    def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
+        (checked chunks, then checked as a whole: ends from 0, non-decreasing, to the
+        end of ``row_groups``; sizes non-negative, as `ShardEntry.from_json` requires);
+        O(shards) in numpy, no entry built."""
+        c = self.columns
+        ends = c.array("row_group_ends")
+        sizes = c.array("row_groups")
+        at = np.where(ends < 0, -ends - 1, ends)
+        steps = np.diff(at)
+        if int(at[0]) != 0 or int(at[-1]) != sizes.shape[0] or bool((steps < 0).any()):
+            raise c._error("the row group ends do not run from 0 to the row group count")
+        if sizes.size and int(sizes.min()) < 0:
+            bad = int(np.flatnonzero(sizes < 0)[0])
+            shard = int(np.searchsorted(at, bad, side="right")) - 1
+            raise c._error(f"shard #{shard}: a negative row group size")
+        counts = steps.astype(np.int64)
+        counts[ends[1:] < 0] = -1
+        return counts, np.asarray(sizes, dtype=np.int64)
+
     def num_samples(self) -> npt.NDArray[np.int64]:
         """Samples per shard (a checked, read-only view of the mapped column)."""
         return cast(npt.NDArray[np.int64], self.columns.array("num_samples"))
@@ -478,8 +497,6 @@ def _entry(
     groups: list[int],
 ) -> ShardEntry:
     """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
-    from detdata.identity.manifest import ShardEntry
-
     h = c.header
     obj: dict[str, Any] = {
         "path": path,
@@ -567,9 +584,6 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
 def verify_columns_id(table: ShardTable) -> str:
     """The id re-computed from every entry of the columns (O(shards)); `ManifestError`
     unless it is the header's."""
-    from detdata.identity.manifest import FORMAT_VERSION
-    from detdata.identity.manifest import KIND as MANIFEST_KIND
-
     c = table.columns
     entries = table.all_entries()
     body = {

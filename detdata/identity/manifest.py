@@ -20,7 +20,6 @@ never saved.
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import json
@@ -35,7 +34,7 @@ import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError
-from detdata.base.hashing import digest_bytes, is_digest
+from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_text, redact_url, strip_credentials
 from detdata.identity.columns import (
     ColumnsFile,
@@ -44,12 +43,18 @@ from detdata.identity.columns import (
     encode_columns,
     read_json_head,
 )
-from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
-from detdata.storage.fs import check_relative_path, is_url, read_file_retrying, url_join
+from detdata.identity.entry import (
+    FORMAT_VERSION,
+    KIND,
+    STRENGTH,
+    ShardEntry,
+    Verify,
+    parse_verify,
+)
+from detdata.identity.formats import Format
+from detdata.identity.receipts import verify_job
+from detdata.storage.fs import is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
-
-FORMAT_VERSION: Final = 1
-KIND: Final = "detdata.manifest"
 
 # JSON keys (named constants so the schema lives in one place).
 K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
@@ -60,125 +65,6 @@ K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
     "id",
     "root",
 )
-_SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
-_SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
-
-
-class Verify(str, enum.Enum):
-    """How much of the bytes to check when opening a manifest."""
-
-    OFF = "off"
-    QUICK = "quick"
-    FULL = "full"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardEntry:
-    """One shard of a manifest. ``num_samples`` counts tokens (token files) or rows (tables)."""
-
-    path: str
-    bytes: int
-    blake3: str
-    quick: str
-    num_samples: int
-    format: Format
-    dtype: str | None = None
-    data_offset: int | None = None
-    schema: str | None = None
-    row_groups: tuple[int, ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "path": self.path,
-            "bytes": self.bytes,
-            "blake3": self.blake3,
-            "quick": self.quick,
-            "num_samples": self.num_samples,
-            "format": self.format.value,
-        }
-        for key in _SHARD_OPTIONAL:
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = list(value) if isinstance(value, tuple) else value
-        return out
-
-    @classmethod
-    def from_json(cls, obj: object, where: str) -> ShardEntry:
-        if not isinstance(obj, dict):
-            raise ManifestError(f"{where}: expected an object, found {type(obj).__name__}")
-        missing = [k for k in _SHARD_REQUIRED if k not in obj]
-        unknown = sorted(set(obj) - set(_SHARD_REQUIRED) - set(_SHARD_OPTIONAL))
-        if missing or unknown:
-            raise ManifestError(f"{where}: missing fields {missing}, unknown fields {unknown}")
-        path = check_relative_path(obj["path"], where=where)
-        for key in ("bytes", "num_samples"):
-            _check_int(obj[key], f"{where} ({path}) field {key!r}")
-        for key in ("blake3", "quick"):
-            _check_digest(obj[key], f"{where} ({path}) field {key!r}")
-        try:
-            fmt = Format(obj["format"])
-        except ValueError:
-            raise ManifestError(f"{where} ({path}): unknown format {obj['format']!r}") from None
-        groups = obj.get("row_groups")
-        if groups is not None:
-            if not isinstance(groups, list):
-                raise ManifestError(f"{where} ({path}): row_groups must be a list")
-            for g in groups:
-                _check_int(g, f"{where} ({path}) row_groups")
-            groups = tuple(groups)
-        offset = obj.get("data_offset")
-        if offset is not None:
-            _check_int(offset, f"{where} ({path}) field 'data_offset'")
-        for key in ("dtype", "schema"):
-            if obj.get(key) is not None and not isinstance(obj[key], str):
-                raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
-        _check_format_fields(fmt, obj, f"{where} ({path})")
-        return cls(
-            path=path,
-            bytes=obj["bytes"],
-            blake3=obj["blake3"],
-            quick=obj["quick"],
-            num_samples=obj["num_samples"],
-            format=fmt,
-            dtype=obj.get("dtype"),
-            data_offset=offset,
-            schema=obj.get("schema"),
-            row_groups=groups,
-        )
-
-
-def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
-    """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
-    if fmt in TABLE_FORMATS:
-        if obj.get("schema") is None:
-            raise ManifestError(
-                f"{where}: {fmt.value} shard without field 'schema' (the schema "
-                "fingerprint); hint: rebuild the manifest with build_manifest"
-            )
-        return
-    if obj.get("dtype") not in TOKEN_DTYPES:
-        raise ManifestError(
-            f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
-            f"{fmt.value} shard, found {obj.get('dtype')!r}"
-        )
-    if obj.get("data_offset") is None:
-        raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
-
-
-def _check_int(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
-    return value
-
-
-def _check_digest(value: object, where: str) -> str:
-    if not is_digest(value):
-        raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
-    return value
-
-
-#: verification levels, weakest first (a level covers every weaker one)
-_STRENGTH: Final = {Verify.OFF: 0, Verify.QUICK: 1, Verify.FULL: 2}
 _VERIFIED: Final = "_detdata_verified"
 
 
@@ -274,6 +160,27 @@ class Manifest:
         """``data_offset`` of every shard (-1 where it has none): a read-only int64 array."""
         return self._column("data_offset")
 
+    def row_groups_per_shard(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(counts, sizes)``: the row groups of every shard, in manifest order, without
+        building entries for the fast form. ``sizes`` (int64) is every shard's
+        ``row_groups`` concatenated; ``counts`` (int64, one a shard) how many of them are
+        the shard's, -1 where the entry has no ``row_groups`` (token shards). Read-only."""
+        found = self.__dict__.get("_column_row_groups")
+        if found is None:
+            if isinstance(self.shards, ShardTable):
+                found = self.shards.row_group_columns()
+            else:
+                groups = [s.row_groups for s in self.shards]
+                counts = np.fromiter(
+                    (-1 if g is None else len(g) for g in groups), np.int64, len(groups)
+                )
+                sizes = np.fromiter((x for g in groups for x in g or ()), np.int64)
+                found = (counts, sizes)
+            for arr in found:
+                arr.flags.writeable = False
+            self.__dict__["_column_row_groups"] = found
+        return cast(tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]], found)
+
     def codes(self, field: str) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
         """``(values, codes)`` of string field ``field`` (``format``, ``dtype`` or ``schema``):
         the distinct values, sorted, and each shard's index into them (-1: none), int64."""
@@ -312,11 +219,6 @@ class Manifest:
                 arr.flags.writeable = False
             self.__dict__[key] = arr
         return cast(npt.NDArray[np.int64], arr)
-
-    @property
-    def has_columns(self) -> bool:
-        """Is this manifest backed by the mapped fast form (`detdata.identity.columns`)?"""
-        return isinstance(self.shards, ShardTable)
 
     def with_root(self, root: str) -> Manifest:
         """The same manifest (same id) pointing at another root."""
@@ -531,13 +433,11 @@ class Manifest:
         them with ``again=True``), and a fast-form manifest's columns are checked in
         full against the JSON and the id once.
         """
-        from detdata.identity.receipts import verify_job
-
         level = parse_verify(mode)
         if level is Verify.OFF:
             return
         done = self.verified_level
-        if not again and done is not None and _STRENGTH[done] >= _STRENGTH[level]:
+        if not again and done is not None and STRENGTH[done] >= STRENGTH[level]:
             return
         verify_job(
             self,
@@ -606,14 +506,6 @@ def _load_columns(path: str, root: str | None) -> Manifest | None:
 
 def _or_minus_one(value: int | None) -> int:
     return -1 if value is None else value
-
-
-def parse_verify(value: str | Verify) -> Verify:
-    """`Verify` from ``"quick"`` / ``"full"`` / ``"off"``, else `ConfigError`."""
-    try:
-        return Verify(value)
-    except ValueError:
-        raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
 
 
 class _DuplicateKeyError(ValueError):

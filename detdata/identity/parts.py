@@ -34,8 +34,9 @@ from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_url, strip_credentials
 from detdata.identity.build import canonical, hash_entries, shard_names
+from detdata.identity.entry import FORMAT_VERSION, ShardEntry
 from detdata.identity.formats import Format, parse_format
-from detdata.identity.manifest import FORMAT_VERSION, Manifest, ShardEntry
+from detdata.identity.manifest import Manifest
 from detdata.storage.fs import filesystem, read_file_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
 

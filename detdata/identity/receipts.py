@@ -40,8 +40,8 @@ an optimisation: a missing, unreadable or stale receipt means every shard is rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import email.utils
-import fcntl
 import json
 import os
 import pickle
@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import blake3
 import numpy as np
@@ -60,10 +60,15 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable, check_columns
-from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.entry import STRENGTH, Verify
 from detdata.identity.parallel import map_in_threads
+from detdata.identity.verify import verify_manifest
+from detdata.storage.atomic import atomic_write_bytes, file_lock
 from detdata.storage.fs import filesystem, is_local_fs, join
 from detdata.storage.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from detdata.identity.manifest import Manifest
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
@@ -72,7 +77,6 @@ KIND: Final = "detdata.receipt"
 VERSION: Final = 1
 #: an identity taken this soon after the file's last change is not recorded
 RACY_S: Final = 2.0
-_STRENGTH: Final = {Verify.QUICK: 1, Verify.FULL: 2}
 #: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
 _FIELDS: Final = 5
 _NOT_RECORDED: Final = -1
@@ -211,8 +215,6 @@ def verify_with_receipt(
     """Verify the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
     receipt."""
-    from detdata.identity.verify import verify_manifest
-
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     path = receipt_path(manifest)
@@ -241,10 +243,8 @@ def verify_with_receipt(
             entries = manifest.shards
             if isinstance(entries, ShardTable) and todo.size > len(entries) // 8:
                 entries = entries.all_entries()  # decoded in bulk
-            subset = Manifest(
-                shards=tuple(entries[i] for i in todo.tolist()),
-                metadata={},
-                root=manifest.root,
+            subset = dataclasses.replace(
+                manifest, shards=tuple(entries[i] for i in todo.tolist()), metadata={}
             )
             verify_manifest(
                 subset, level, threads=threads, progress=progress, retry=retry, **storage_options
@@ -268,7 +268,7 @@ def _changed(
     level), else those whose identity now differs from the recorded one or is not
     recorded."""
     count = len(now)
-    if old is None or _STRENGTH[Verify(old["level"])] < _STRENGTH[level]:
+    if old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]:
         return np.arange(count, dtype=np.int64)
     before = old["identities"]
     if isinstance(now, np.ndarray):
@@ -390,17 +390,8 @@ def _turn(path: str | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+    with file_lock(path + ".lock"):
         yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
@@ -440,8 +431,6 @@ def write_receipt(
 ) -> None:
     """Write the receipt (atomically); a receipt that cannot be written is left out (the next
     start reads every shard)."""
-    from detdata.storage.atomic import atomic_write_bytes
-
     local = isinstance(identities, np.ndarray)
     if isinstance(identities, np.ndarray):
         body = identity_digests(identities).astype("<u8").tobytes()

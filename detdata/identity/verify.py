@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import blake3
 
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
 from detdata.base.redact import redact_url
+from detdata.identity.entry import ShardEntry, Verify, parse_verify
 from detdata.identity.hashing import full_digest_fd
-from detdata.identity.manifest import Manifest, ShardEntry, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.fs import (
     filesystem,
@@ -52,6 +52,9 @@ from detdata.storage.fs import (
     size_retrying,
 )
 from detdata.storage.retry import RetryPolicy, check_policy
+
+if TYPE_CHECKING:
+    from detdata.identity.manifest import Manifest
 
 #: what each checked entry field is called in messages
 _LABELS: Final = {"bytes": "size", "quick": "quick digest", "blake3": "blake3"}

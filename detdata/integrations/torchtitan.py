@@ -29,19 +29,29 @@ every step; a state saved between two optimizer steps of the configured global b
 is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused. (A state
 saved inside a step elsewhere, e.g. by your own DCP save, says so in its ``step_position`` and
 is resumed from that step's start: ``load_state_dict``'s default, `detdata.MidStep`.)
+
+At the first batch, when torchtitan's ``Trainer`` starts iterating the loader (``iter()``
+called from a ``Trainer`` method, its ``batch_generator``: that frame's ``self``), two checks:
+``gradient_accumulation_steps x pipeline micro batches x local batch x dp degree`` (what
+``training.global_batch_size`` makes) must be the loader's global batch (`ConfigError` naming
+both and the setting that agrees), and the loader must stand at the first position of the
+step the Trainer resumes after (`StateError`; e.g. position 0 when
+``checkpoint.exclude_from_loading`` names ``"dataloader"``), before any micro batch trains.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Annotated, Any
 
 import torch
 import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 
-from detdata.base.errors import ConfigError
+from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.registry import Registry
@@ -170,10 +180,54 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
         )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """torchtitan's batches; iterated by a torchtitan ``Trainer`` (its
+        ``batch_generator``), its settings are checked first (see the module doc)."""
+        trainer = _titan_trainer(sys._getframe(1))
+        if trainer is not None:
+            self._check_trainer(trainer)
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for batch in self.loader:
             yield titan_batch(
                 batch, self.seq_len, self.config.tokens_key, positions=self.config.positions
             )
+
+    def _check_trainer(self, trainer: Any) -> None:
+        """The Trainer takes an optimizer step every ``gradient_accumulation_steps x
+        pipeline micro batches`` of this loader's micro batches on ``dp_world_size`` ranks: that
+        must be the loader's global batch (`ConfigError`); and it trains step ``trainer.step``
+        (counted before the step's first batch), so the loader must stand at the first position
+        of the step before it (`StateError`: a loader at position 0 was not restored)."""
+        loader = self.loader
+        steps = int(trainer.gradient_accumulation_steps)
+        steps *= int(getattr(trainer, "num_pipeline_parallel_microbatches", 1))
+        gbs = loader.global_batch_size
+        loader.check_trainer_batch(
+            micro_batch_size=loader.batch_size,
+            accumulation=steps,
+            world_size=self.dp_world_size,
+            trainer="torchtitan (training.global_batch_size)",
+            fix=f"config.training.global_batch_size = {gbs}, the loader's; or "
+            "DetdataDataLoader.Config(global_batch_size=config.training.global_batch_size)",
+        )
+        resumed = int(trainer.step) - 1  # the step restored from the checkpoint (0: none)
+        if loader.samples_consumed == loader.position_of_step(resumed):
+            return
+        where = (
+            "starts at position 0: its state was not loaded (checkpoint.exclude_from_loading "
+            "names 'dataloader', or the checkpoint has none)"
+            if loader.samples_consumed == 0
+            else f"stands at position {loader.samples_consumed} (global step {loader.step})"
+        )
+        raise StateError(
+            f"torchtitan resumes after optimizer step {resumed} (position "
+            f"{loader.position_of_step(resumed)}), but the detdata loader {where}; it would "
+            "not train the samples of the steps it resumes at; hint: load the dataloader "
+            "state with the checkpoint (leave 'dataloader' out of "
+            "checkpoint.exclude_from_loading) and keep DetdataDataLoader.Config as saved",
+            fields=("samples_consumed",),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """detdata's JSON state; refused between two optimizer steps (see the module doc)."""
@@ -188,6 +242,16 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loader.load_state_dict(state_dict)
+
+
+def _titan_trainer(frame: FrameType | None) -> Any:
+    """The torchtitan ``Trainer`` whose method called ``iter()`` on the loader (its
+    ``batch_generator``: that frame's ``self``), or None (no torchtitan ``Trainer`` running)."""
+    module = sys.modules.get("torchtitan.trainer")
+    owner = None if frame is None else frame.f_locals.get("self")
+    if module is None or owner is None or not isinstance(owner, module.Trainer):
+        return None
+    return owner
 
 
 def _data(config: DetdataDataLoader.Config, seq_len: int) -> Dataset | Stream:

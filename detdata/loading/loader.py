@@ -34,6 +34,7 @@ from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream, as_stream
+from detdata.loading import frameworks
 from detdata.loading.arguments import (
     WorkerMode,
     check_thread_mode,
@@ -366,6 +367,7 @@ class DataLoader:
         self._slot_transfer = True  # False: every group takes torch's transfer (benchmarks)
         self._trace_path = trace
         self._trace = self._new_trace()
+        frameworks.built()  # a framework integration watches the calls the user makes
 
     # ------------------------------------------------------------------ info
     @property
@@ -747,6 +749,8 @@ class DataLoader:
         Rank and world size not given explicitly are (re)read from torch.distributed here.
         """
         self._bind_layout()
+        if self._consumed == 0:
+            frameworks.check_start(self)  # a framework resuming a loader that starts over
         self._supersede("a second iter() on this loader started a new iterator")
         iterator = LoaderIterator(self, self._generation)
         self._live.add(iterator)

@@ -22,7 +22,7 @@ result as ``text``.
 
 Positions of a step: ``[start(step), start(step + 1))`` from the loader's step map
 (`DataLoader.position_of_step`: right under batch schedules and batch changes at a
-resume); `step_positions` is the fixed-batch case. Within a step, position ``c + q``
+resume). Within a step, position ``c + q``
 is row ``q % m`` of micro step ``q // (m * D)`` on rank ``(q // m) % D``
 (docs/design.md section 4).
 """
@@ -185,13 +185,6 @@ def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
             )
         return [dict(f) for f in found]
     return [{} for _ in range(ids.size)]
-
-
-def step_positions(step: int, global_batch_size: int) -> IntArray:
-    """The global positions of ``step`` with a fixed global batch."""
-    s = check_count(step, "step", minimum=0)
-    b = check_count(global_batch_size, "global_batch_size")
-    return np.arange(s * b, (s + 1) * b, dtype=np.int64)
 
 
 def provenance(

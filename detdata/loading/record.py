@@ -64,7 +64,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from detdata.base.canonical import canonical_json
 from detdata.base.checks import check_positive_int
@@ -184,6 +184,9 @@ _NAME_RUN: Final = re.compile(r"[-_.]+")
 @dataclass(frozen=True, kw_only=True)
 class RunRecord:
     """One run's record; build it with `capture` (or `from_json` / `load`), never by hand."""
+
+    #: the numerics-changing environment variables recorded in clear text
+    NUMERICS_ENV: ClassVar[tuple[str, ...]] = NUMERICS_ENV
 
     doc: Mapping[str, Any] = field(repr=False)
 

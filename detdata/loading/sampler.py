@@ -37,6 +37,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
+from detdata.loading import frameworks
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.schedule import Plan, as_schedule
 from detdata.order.batches import BatchSchedule
@@ -156,6 +157,7 @@ class DeterministicBatchSampler:
         self.total_samples = _check_total(total_samples)
         self._start = 0
         self._yielded = 0  # micro batches yielded by the current iterator
+        frameworks.built()  # a framework integration watches the calls the user makes
 
     @classmethod
     def sharded_by_framework(
@@ -420,6 +422,7 @@ class FrameworkBatchSampler:
         self._layout = Layout.create(global_batch_size, batch_size, 1, 0)
         self.global_batch_size = check_count(global_batch_size, "global_batch_size")
         self.total_samples = _check_total(total_samples)
+        frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
 
     @property
     def batch_size(self) -> int:

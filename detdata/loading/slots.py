@@ -215,11 +215,20 @@ class SlotGroup:
         """Each micro batch, copied out of the slot (owned); the slot is free again after."""
         return iter(_transport(self.receipt).copy_out(self, pin=False))
 
-    def pin_memory(self) -> Any:
+    def pin_memory(self) -> PinnedGroup:
         """Called by torch's pin-memory thread: the micro batches copied into pinned memory."""
-        from detdata.loading.reading import ReadAhead
+        return PinnedGroup(_transport(self.receipt).copy_out(self, pin=True))
 
-        return ReadAhead(_transport(self.receipt).copy_out(self, pin=True), None)
+
+@dataclass(frozen=True)
+class PinnedGroup:
+    """A `SlotGroup` copied out of its slot into pinned memory (its slot is free again)."""
+
+    batches: list[Any]
+
+    def deliver(self) -> Iterator[Any]:
+        """Each micro batch (owned: pinning copied it)."""
+        return iter(self.batches)
 
 
 def write_slot(task: SlotTask, raw: Any, bounds: list[tuple[int, int]]) -> SlotGroup | int:

@@ -766,7 +766,8 @@ class Finding:
         }
 
 
-_PRIORITY: Final = {
+#: the order in which findings of one step are reported (the first is the most telling)
+KIND_PRIORITY: Final = {
     "conflict": 0,
     "discontinuity": 1,
     "overlap": 2,
@@ -946,10 +947,12 @@ def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """All differences between two traces (sorted: the first is the first divergence)."""
+    """All differences between two traces (sorted: the first is the first divergence);
+    ``steps``: the global steps either trace holds in the compared window, in order."""
 
     findings: tuple[Finding, ...]
     steps_compared: int
+    steps: tuple[int, ...] = ()
 
     @property
     def first(self) -> Finding | None:
@@ -1008,8 +1011,8 @@ def compare(
         found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []), labels)
         if found is not None:
             findings.append(found)
-    findings.sort(key=lambda f: (f.step, _PRIORITY[f.kind], f.rank))
-    return Comparison(tuple(findings), len(steps))
+    findings.sort(key=lambda f: (f.step, KIND_PRIORITY[f.kind], f.rank))
+    return Comparison(tuple(findings), len(steps), tuple(steps))
 
 
 def first_difference(

@@ -207,11 +207,6 @@ def _ranges(lengths: IntArray) -> IntArray:
     return np.arange(total, dtype=np.int64) - firsts
 
 
-def schedule_consumed(schedule: Schedule, source: int) -> Consumed:
-    """``consumed`` of source index ``source`` of a `Schedule`."""
-    return lambda p: schedule.consumed(p)[source]
-
-
 def _check_range(start: int, until: int) -> tuple[int, int]:
     lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
     hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)

@@ -21,11 +21,12 @@ import blake3
 import numpy as np
 import pytest
 
-import detdata.identity.verify as verify_mod
+import detdata.identity.receipts as verifier  # where verification is called from
 from detdata.base.errors import VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
-from detdata.identity.manifest import Manifest, Verify
+from detdata.identity.entry import Verify
+from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.storage.retry import RetryPolicy
 from tests.servers import HttpServer
@@ -142,13 +143,13 @@ def test_a_verified_object_is_not_verified_again(
 ) -> None:
     root, manifest, _ = corpus
     calls: list[str] = []
-    real = verify_mod.verify_manifest
+    real = verifier.verify_manifest
 
     def spy(m: Manifest, mode: Any, **kw: Any) -> None:
         calls.append(str(Verify(mode).value))
         real(m, mode, **kw)
 
-    monkeypatch.setattr(verify_mod, "verify_manifest", spy)
+    monkeypatch.setattr(verifier, "verify_manifest", spy)
     reg = Registry(str(root.parent / "reg"))
     reg.register("ds@v1", manifest)
     resolved = reg.resolve("ds@v1")

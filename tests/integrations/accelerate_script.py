@@ -17,7 +17,10 @@ steps from ``start``), ``stop`` (after this many global steps, ``accelerator.sav
 and stop), ``last`` (the step count where the run ends), ``global_batch``, ``micro`` (the
 loader's micro batch per process), ``batch`` (the sampler's item: one micro step of all
 processes), ``seed``, ``n``, ``workers`` (of the torch DataLoader), ``loader_workers``,
-``probe``, ``out``.
+``probe``, ``out``; and, to leave out what each path needs, ``register`` (default True:
+``register_for_checkpointing(loader)``) and ``stateful`` (default True:
+``use_stateful_dataloader``). A `detdata.StateError` from ``load_state`` or from the loader's
+first batch is recorded (``refused``, ``where``) and the run ends there, before any step.
 
 Each training step records the rows it was handed (``row_digests``) to
 ``out/rank<r>.jsonl``: one line per micro batch and path, with the global step, the micro
@@ -128,9 +131,11 @@ def main() -> None:
         num_workers=cfg["loader_workers"],
     )
     early = DeterministicBatchSampler(n, global_batch_size=gbs, micro_batch_size=4, seed=seed)
-    config = DataLoaderConfiguration(split_batches=True, use_stateful_dataloader=True)
+    stateful = cfg.get("stateful", True)  # False: the sampler path without the setting it needs
+    config = DataLoaderConfiguration(split_batches=True, use_stateful_dataloader=stateful)
     accelerator = Accelerator(cpu=True, dataloader_config=config)
-    accelerator.register_for_checkpointing(loader)  # the one line the loader path needs
+    if cfg.get("register", True):  # False: the loader path without its one line
+        accelerator.register_for_checkpointing(loader)  # the one line the loader path needs
     rank, world = accelerator.process_index, accelerator.num_processes
     probes = probe(accelerator, cfg, early) if cfg.get("probe") else None
 
@@ -145,15 +150,23 @@ def main() -> None:
     assert same is loader  # prepare() hands a detdata.DataLoader back untouched
     accum = {"loader": gbs // (cfg["micro"] * world), "sampler": gbs // cfg["batch"]}
     assert accum["loader"] == accum["sampler"], accum  # lockstep
-    if cfg["resume"]:
-        accelerator.load_state(cfg["ckpt"])
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     step, micro = cfg["start"], 0
     with open(out / f"rank{rank}.jsonl", "w", encoding="utf-8") as log:
         if probes is not None:
             log.write(json.dumps({"probes": probes}) + "\n")
-        for pair in zip(loader, batches, strict=False):
+        where = "load_state"
+        try:  # what detdata refuses, and where: no micro batch is recorded before it
+            if cfg["resume"]:
+                accelerator.load_state(cfg["ckpt"])
+            where = "first batch"
+            pairs = zip(loader, batches, strict=False)  # iter(loader): its first batch's check
+        except detdata.StateError as exc:
+            refused = {"refused": str(exc), "where": where, "end": "refused", "world": world}
+            log.write(json.dumps(refused) + "\n")
+            return
+        for pair in pairs:
             for path, batch, model in zip(("loader", "sampler"), pair, models, strict=True):
                 record = {"path": path, "step": step, "micro": micro, "rank": rank}
                 log.write(json.dumps({**record, "rows": row_digests(batch)}) + "\n")

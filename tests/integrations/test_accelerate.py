@@ -236,3 +236,100 @@ def test_rank_sampler_refuses_a_second_sharding() -> None:
     with pytest.raises(detdata.ConfigError, match="again"):
         _dealt(sampler, 2, split=True)
     assert sampler.samples_consumed == 0  # nothing was counted
+
+
+# ------------------------------------------------ what the trainer does not checkpoint
+ONE: dict[str, Any] = {"world": 1, "micro": 8, "batch": 8, "workers": 0, "loader_workers": 0}
+
+
+def _stop_and_resume(tmp_path: Path, **left_out: bool) -> list[dict[str, Any]]:
+    """One process: ``save_state`` after step 3 and stop, then a fresh process that calls
+    ``load_state`` and starts its loop, with the same settings (``left_out``: the one line
+    or setting a path needs, left out of both runs). The resumed run's lines."""
+    ckpt = str(tmp_path / "ckpt")
+    first = {**ONE, **left_out, "resume": False, "start": 0, "stop": STOP, "last": LAST}
+    _launch({**first, "ckpt": ckpt}, tmp_path / "first")
+    resumed = {**ONE, **left_out, "resume": True, "start": STOP, "last": LAST, "ckpt": ckpt}
+    return _launch(resumed, tmp_path / "resumed")
+
+
+@pytest.mark.multiproc
+def test_a_loader_accelerate_does_not_checkpoint_is_refused_at_its_first_batch(
+    tmp_path: Path,
+) -> None:
+    """The README's one line left out (no ``register_for_checkpointing(loader)``): accelerate
+    saves no loader state, ``load_state`` resumes the model and optimizer, and the loader
+    would start the run over at position 0. It raises at its first batch, naming the line;
+    no micro batch reaches the model (the sampler path, set up right, is not refused)."""
+    lines = _stop_and_resume(tmp_path, register=False)
+    (refused,) = [line for line in lines if "refused" in line]
+    assert refused["where"] == "first batch"
+    assert "starts at position 0" in refused["refused"]
+    assert "accelerator.register_for_checkpointing(loader)" in refused["refused"]
+    assert [line for line in lines if "rows" in line] == []
+
+
+@pytest.mark.multiproc
+def test_a_prepared_detdata_sampler_without_a_stateful_loader_is_refused_at_load_state(
+    tmp_path: Path,
+) -> None:
+    """The sampler path without ``use_stateful_dataloader=True``: accelerate saves no
+    position for the prepared DataLoader and would start its batch sampler over. Refused by
+    ``load_state`` (before the first batch), naming the setting."""
+    lines = _stop_and_resume(tmp_path, stateful=False)
+    (refused,) = [line for line in lines if "refused" in line]
+    assert refused["where"] == "load_state"
+    assert "FrameworkBatchSampler" in refused["refused"]
+    assert "use_stateful_dataloader=True" in refused["refused"]
+    assert [line for line in lines if "rows" in line] == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_registered_at_one_process_resumes_exactly(
+    tmp_path: Path, reference: list[list[str]]
+) -> None:
+    """The README's setup at 1 -> 1 (the watch of ``load_state`` in place): every row of every
+    micro batch of both paths is the uninterrupted plain loader's, steps 3-5 after the resume."""
+    lines = _stop_and_resume(tmp_path)
+    assert [line for line in lines if "refused" in line] == []
+    for path in PATHS:
+        assert _steps(lines, path) == {t: reference[t] for t in range(STOP, LAST)}, path
+    assert _micro_rows(lines, "loader") == {8}
+
+
+_IMPORTED_FIRST = """
+import sys
+import torch
+from accelerate import Accelerator  # imported before detdata, as many scripts do
+import detdata
+from tests.integrations.accelerate_script import make_dataset
+
+accelerator = Accelerator(cpu=True)
+model = accelerator.prepare(torch.nn.Linear(4, 1))
+accelerator.save_state(sys.argv[1])  # a run that registered no loader
+accelerator.load_state(sys.argv[1])  # resumed before any detdata loader exists
+loader = detdata.DataLoader(make_dataset(40), global_batch_size=16, seed=3)
+try:
+    next(iter(loader))
+except detdata.StateError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path: Path) -> None:
+    """``from accelerate import Accelerator`` before ``import detdata``, and ``load_state``
+    before the loader is built (one process, no launcher): the watch started at ``import
+    detdata``, so the loader that starts at position 0 is refused at its first batch."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_FIRST, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "refused: accelerator.load_state resumed the model" in done.stdout
+    assert "accelerator.register_for_checkpointing(loader)" in done.stdout

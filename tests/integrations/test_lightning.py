@@ -355,3 +355,24 @@ def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_bat
     cfg |= {"max_steps": 2, "max_epochs": None, "every": 1000, "resume": None}
     cfg |= {"steps_callback": True, "tag": "mismatch", "ckpt_dir": str(tmp_path / "ck")}
     assert _run(cfg, tmp_path, fails="accumulate_grad_batches=2") == []
+
+
+def test_with_detdata_steps_a_loader_lightning_did_not_restore_is_refused_at_train_start(
+    tmp_path: Path,
+) -> None:
+    """Epoch-based training (44 rows of global batch 8: 5 steps an epoch, ``max_epochs=1``)
+    resumed for a second epoch from Lightning's end-of-epoch checkpoint at step 5: Lightning
+    restores ``global_step`` 5 but hands the loader no state (its epoch had ended), so it
+    stands at position 0. With the README's optional line (``DetdataSteps``) the fit stops at
+    ``on_train_start`` (before Lightning's ``set_epoch`` and any ``training_step``), naming
+    Lightning's step and the fix."""
+    base = dict(devices=1, micro=4, accum=2, workers=0, source="arg", total_samples=None)
+    base |= {"n": 44, "max_steps": -1, "every": 1000, "steps_callback": True}
+    ck = tmp_path / "ck"
+    _run(base | {"max_epochs": 1, "resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
+    resume = str(ck / "end-epoch=0-step=5.ckpt")
+    again = base | {"max_epochs": 2, "resume": resume, "tag": "again", "ckpt_dir": str(ck / "2")}
+    fails = (
+        "Lightning resumes at optimizer step 5, but this detdata.DataLoader starts at position 0"
+    )
+    assert _run(again, tmp_path, fails=fails) == []

@@ -161,7 +161,7 @@ def test_batch_size_warmup_is_refused_before_a_sample_of_the_new_batch_is_read(
     manifest, out = runs
     result = _result(out, "warmup", 0)
     assert result["error"] is not None
-    assert result["error"].startswith("detdata.base.errors.ConfigError: global batch change ")
+    assert result["error"].startswith("detdata.ConfigError: global batch change ")
     assert "from 128 to 256 tokens before step 3" in result["error"]
     assert "BatchSizeSchedulerCallback" in result["error"]
     assert result["final_step"] == 2

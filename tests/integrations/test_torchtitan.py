@@ -150,3 +150,50 @@ def test_adapter_refuses_what_would_break_exactness(tmp_path: Path) -> None:
         loader.state_dict()
     next(batches)
     assert loader.state_dict()["samples_consumed"] == GLOBAL
+
+
+def _titan_trace(out: Path, tag: str) -> dict[str, Any]:
+    return dict(json.loads((out / f"trace-{tag}-rank0.json").read_text()))
+
+
+@pytest.mark.multiproc
+def test_a_training_global_batch_that_differs_is_refused_at_the_first_batch(
+    tmp_path: Path,
+) -> None:
+    """training.global_batch_size 16 (4 micro batches of 4) over a loader of global batch 8:
+    torchtitan's steps would not be detdata's. Refused when torchtitan's Trainer starts
+    iterating, before any micro batch reaches the model, naming the setting that agrees."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"manifest": _manifest(tmp_path), "dump": str(tmp_path / "dump"), "out": str(out)}
+    cfg |= {"global_batch": GLOBAL, "titan_global_batch": 2 * GLOBAL, "local_batch": 4}
+    cfg |= {"seq_len": SEQ, "seed": SEED, "steps": 2, "interval": 10, "stop_at": 2}
+    _torchrun(1, {**cfg, "tag": "mismatch"})
+    trace = _titan_trace(out, "mismatch")
+    assert trace["records"] == []
+    assert trace["refused"].startswith("ConfigError: torchtitan (training.global_batch_size)")
+    assert "4 micro batch(es) of 4 samples" in trace["refused"]
+    assert f"config.training.global_batch_size = {GLOBAL}" in trace["refused"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_resume_whose_loader_starts_at_position_0_is_refused_at_the_first_batch(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint at step 3, resumed with ``checkpoint.exclude_from_loading=["dataloader"]``:
+    torchtitan restores the model, optimizer and step 3, the loader stands at position 0 and
+    would train the run's first rows again. Refused at the first batch, before the model
+    gets a micro batch."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"manifest": _manifest(tmp_path), "dump": str(tmp_path / "dump"), "out": str(out)}
+    cfg |= {"global_batch": GLOBAL, "local_batch": 4, "seq_len": SEQ, "seed": SEED}
+    cfg |= {"steps": 6, "interval": 3}
+    _torchrun(1, {**cfg, "tag": "first", "stop_at": 3})
+    assert _titan_trace(out, "first")["refused"] is None
+    _torchrun(1, {**cfg, "tag": "resumed", "stop_at": 6, "exclude_dataloader": True})
+    trace = _titan_trace(out, "resumed")
+    assert trace["records"] == []
+    assert trace["refused"].startswith("StateError: torchtitan resumes after optimizer step 3")
+    assert "starts at position 0" in trace["refused"]

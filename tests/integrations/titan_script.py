@@ -17,7 +17,10 @@ the model gets (``forward_backward_step``) is written, with the step it belongs 
 digest of each row of inputs + labels, to ``out/trace-{tag}-rank{r}.json``.
 
 Config keys: ``manifest``, ``dump``, ``out``, ``tag``, ``global_batch``, ``local_batch``,
-``seq_len``, ``seed``, ``steps``, ``interval``, ``stop_at``.
+``seq_len``, ``seed``, ``steps``, ``interval``, ``stop_at``; to get a setting wrong on purpose,
+``titan_global_batch`` (torchtitan's ``training.global_batch_size``; default ``global_batch``)
+and ``exclude_dataloader`` (``checkpoint.exclude_from_loading=["dataloader"]``). A
+`detdata.DetdataError` from ``train()`` is recorded in the trace (``refused``).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from torchtitan.models.common.attention import (  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+import detdata  # noqa: E402
 from detdata.integrations.torchtitan import DetdataDataLoader  # noqa: E402
 
 assert torchtitan.tools.utils.device_type == "cpu"
@@ -162,7 +166,8 @@ def main(cfg: dict[str, Any]) -> None:
         dataset_path=cfg["manifest"], global_batch_size=cfg["global_batch"], seed=cfg["seed"]
     )
     config.training.local_batch_size = cfg["local_batch"]
-    config.training.global_batch_size = cfg["global_batch"]
+    # ``titan_global_batch``: torchtitan's own setting, when a test makes it differ
+    config.training.global_batch_size = cfg.get("titan_global_batch", cfg["global_batch"])
     config.training.seq_len = cfg["seq_len"]
     config.training.steps = cfg["steps"]
     config.training.mixed_precision_param = "float32"
@@ -175,17 +180,24 @@ def main(cfg: dict[str, Any]) -> None:
     config.debug.seed = 0
     config.debug.enable_structured_logging = False
     config.checkpoint = CheckpointManager.Config(
-        enable=True, interval=cfg["interval"], last_save_model_only=False, keep_latest_k=0
+        enable=True,
+        interval=cfg["interval"],
+        last_save_model_only=False,
+        keep_latest_k=0,
+        exclude_from_loading=["dataloader"] if cfg.get("exclude_dataloader") else [],
     )
     config.model_spec.parallelize_fn = gloo_fsdp(config.model_spec.parallelize_fn)
     trainer = RecordingTrainer(config, cfg["stop_at"])
     try:
-        trainer.train()
+        refused = None
+        try:
+            trainer.train()
+        except detdata.DetdataError as exc:  # what detdata refuses (the test says where)
+            refused = f"{type(exc).__name__}: {exc}"
         rank = torch.distributed.get_rank()
         out = Path(cfg["out"]) / f"trace-{cfg['tag']}-rank{rank}.json"
-        out.write_text(
-            json.dumps({"records": trainer.records, "final_step": trainer.step}), encoding="utf-8"
-        )
+        trace = {"records": trainer.records, "final_step": trainer.step, "refused": refused}
+        out.write_text(json.dumps(trace), encoding="utf-8")
     finally:
         trainer.close()
         torch.distributed.destroy_process_group()

@@ -1,0 +1,263 @@
+"""Pictures where people look: a trace diff, a mixture's shares, a batch-size schedule.
+
+Each picture is drawn from a data series computed by a pure function here (`diff_runs`,
+`mixture_shares`, `schedule_curve`), which is what the tests compare with a brute-force
+reference; the ``plot_*`` functions only draw that series into a PNG file. matplotlib is an
+optional extra (``pip install 'detdata[plots]'``): it is imported when a picture is drawn,
+never by ``import detdata`` or by ``detdata --help``; without it a ``plot_*`` call raises
+`DependencyError` naming the install line. Figures are built without pyplot (no global
+state, no display needed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError
+from detdata.base.lazy import require
+from detdata.datasets.mixture import Mixture
+from detdata.loading.trace import KIND_PRIORITY, Comparison
+from detdata.order.batches import BatchSchedule, StepMap
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+INSTALL: Final = "detdata[plots]"
+SAME: Final = "same"
+#: colour of each step status in the diff picture (finding kinds of `detdata.loading.trace`)
+DIFF_COLOURS: Final = {
+    SAME: "#4caf50",
+    "differs": "#e53935",
+    "missing": "#9e9e9e",
+    "overlap": "#fb8c00",
+    "discontinuity": "#8e24aa",
+    "conflict": "#212121",
+}
+_DPI: Final = 110
+
+PathLike = str | os.PathLike[str]
+
+
+# ------------------------------------------------------------------ drawing
+def _figure(rows: int, height: float) -> Figure:
+    """A new pyplot-free figure with ``rows`` stacked axes (`DependencyError` without
+    matplotlib)."""
+    figure_module = require("matplotlib.figure", install=INSTALL, purpose="to draw plots")
+    fig: Figure = figure_module.Figure(figsize=(10, height), layout="constrained")
+    fig.subplots(rows, 1, squeeze=False)
+    return fig
+
+
+def _save(fig: Figure, path: PathLike) -> None:
+    fig.savefig(os.fspath(path), format="png", dpi=_DPI)
+
+
+# ------------------------------------------------------------------ trace diff
+@dataclass(frozen=True, kw_only=True)
+class DiffRun:
+    """Global steps ``[start, stop)`` that all have one ``status``: `SAME` or the kind of the
+    difference found there (``differs``, ``missing``, ``overlap``, ``discontinuity``,
+    ``conflict``)."""
+
+    start: int
+    stop: int
+    status: str
+
+
+def step_status(comparison: Comparison) -> dict[int, str]:
+    """Each step of ``comparison`` (those compared and those with a finding): `SAME`, or the
+    kind of its most telling finding (the order `detdata diff` reports them in)."""
+    status = dict.fromkeys(comparison.steps, SAME)
+    for finding in sorted(comparison.findings, key=lambda f: KIND_PRIORITY[f.kind], reverse=True):
+        status[finding.step] = finding.kind
+    return dict(sorted(status.items()))
+
+
+def diff_runs(comparison: Comparison) -> tuple[DiffRun, ...]:
+    """`step_status` as runs of consecutive steps with one status (a step neither trace
+    holds ends a run): O(steps), whatever the run's length."""
+    runs: list[DiffRun] = []
+    for step, status in step_status(comparison).items():
+        last = runs[-1] if runs else None
+        if last is not None and last.stop == step and last.status == status:
+            runs[-1] = DiffRun(start=last.start, stop=step + 1, status=status)
+        else:
+            runs.append(DiffRun(start=step, stop=step + 1, status=status))
+    return tuple(runs)
+
+
+def plot_diff(comparison: Comparison, path: PathLike, *, title: str = "A vs B") -> None:
+    """PNG at ``path``: the steps where two traces match and part (`diff_runs`, one coloured
+    band), and the count of differing steps against the step."""
+    runs = diff_runs(comparison)
+    if not runs:
+        raise ConfigError("nothing to plot: the comparison holds no step")
+    fig = _figure(2, 5.0)
+    band, count = fig.axes
+    _diff_band(band, runs, comparison, title)
+    _diff_count(count, runs)
+    _save(fig, path)
+
+
+def _diff_band(ax: Axes, runs: Sequence[DiffRun], comparison: Comparison, title: str) -> None:
+    for status in dict.fromkeys(r.status for r in runs):
+        spans = [(r.start, r.stop - r.start) for r in runs if r.status == status]
+        ax.broken_barh(spans, (0, 1), color=DIFF_COLOURS.get(status, "#1e88e5"), label=status)
+    first = comparison.first
+    if first is not None:
+        ax.axvline(first.step, color="black", linewidth=1)
+    ax.set_yticks([])
+    ax.set_xlim(runs[0].start, runs[-1].stop)
+    ax.set_title(f"{title}: {_diff_summary(runs, comparison)}", loc="left", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8, ncols=len({r.status for r in runs}))
+
+
+def _diff_summary(runs: Sequence[DiffRun], comparison: Comparison) -> str:
+    total = sum(r.stop - r.start for r in runs)
+    same = sum(r.stop - r.start for r in runs if r.status == SAME)
+    first = comparison.first
+    where = "" if first is None else f"; first difference at step {first.step} ({first.kind})"
+    return f"{same:,} of {total:,} steps match{where}"
+
+
+def _diff_count(ax: Axes, runs: Sequence[DiffRun]) -> None:
+    xs, ys, differing = [runs[0].start], [0], 0
+    for r in runs:
+        if r.status != SAME:
+            differing += r.stop - r.start
+        xs.append(r.stop)
+        ys.append(differing)
+    ax.plot(xs, ys, color=DIFF_COLOURS["differs"])
+    ax.set_xlim(runs[0].start, runs[-1].stop)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("steps that differ\n(cumulative)")
+
+
+# ------------------------------------------------------------------ mixture shares
+@dataclass(frozen=True, kw_only=True)
+class MixtureShares:
+    """Positions ``[start, start + n)`` of a mixture at ``n`` in ``lengths``: ``counts[s][k]``
+    samples of source ``names[s]`` among the first ``lengths[k]`` positions, ``targets[s][k]``
+    the exact number its proportions ask for there (sum of ``p_s`` over those positions)."""
+
+    names: tuple[str, ...]
+    start: int
+    lengths: tuple[int, ...]
+    counts: tuple[tuple[int, ...], ...]
+    targets: tuple[tuple[Fraction, ...], ...]
+
+
+def sample_lengths(count: int, points: int) -> tuple[int, ...]:
+    """Up to ``points`` lengths in ``[1, count]``, evenly spaced on a log scale, ``count``
+    last (a long run stays cheap; the start, where shares move most, is seen)."""
+    raw = np.geomspace(1, count, num=min(points, count))
+    return tuple(sorted({*np.rint(raw).astype(np.int64).tolist(), count}))
+
+
+def mixture_shares(
+    mixture: Mixture, *, start: int = 0, count: int, points: int = 400
+) -> MixtureShares:
+    """A mixture's cumulative counts per source against its target over positions
+    ``[start, start + count)``, at `sample_lengths` (O(points x (phases + sources)), from
+    `Mixture.consumed`)."""
+    count = check_count(count, "count")
+    lengths = sample_lengths(count, check_count(points, "points"))
+    before = mixture.consumed(start)
+    after = [mixture.consumed(start + n) for n in lengths]
+    names = mixture.source_names
+    return MixtureShares(
+        names=names,
+        start=start,
+        lengths=lengths,
+        counts=tuple(tuple(c[s] - before[s] for c in after) for s in names),
+        targets=tuple(tuple(_target(mixture, s, start, n) for n in lengths) for s in names),
+    )
+
+
+def _target(mixture: Mixture, name: str, start: int, length: int) -> Fraction:
+    """Sum of source ``name``'s exact proportion over positions ``[start, start + length)``."""
+    end = start + length
+    ends = [p.start for p in mixture.phases[1:]] + [end]
+    total = Fraction(0)
+    for phase, phase_end in zip(mixture.phases, ends, strict=True):
+        lo, hi = max(start, phase.start), min(end, phase_end)
+        if hi > lo:
+            total += mixture.weights_at(phase.start)[name] * (hi - lo)
+    return total
+
+
+def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
+    """PNG at ``path``: each source's cumulative share (solid) against its target (dashed)
+    over positions (log scale), and the count minus the target in samples."""
+    fig = _figure(2, 6.0)
+    share_ax, gap_ax = fig.axes
+    xs = [shares.start + n for n in shares.lengths]
+    for name, counts, targets in zip(shares.names, shares.counts, shares.targets, strict=True):
+        line = share_ax.plot(xs, [c / n for c, n in zip(counts, shares.lengths, strict=True)])
+        colour = line[0].get_color()
+        line[0].set_label(f"{name} ({counts[-1] / shares.lengths[-1]:.4f})")
+        share_ax.plot(
+            xs,
+            [float(t) / n for t, n in zip(targets, shares.lengths, strict=True)],
+            linestyle="--",
+            color=colour,
+        )
+        gap_ax.plot(xs, [c - float(t) for c, t in zip(counts, targets, strict=True)], color=colour)
+    share_ax.set_ylabel(f"cumulative share since position {shares.start:,}")
+    share_ax.set_title("mixture: share per source (solid) and its target (dashed)", loc="left")
+    share_ax.legend(fontsize=8)
+    gap_ax.set_ylabel("samples - target")
+    gap_ax.set_xlabel("global position")
+    for ax in (share_ax, gap_ax):
+        ax.set_xscale("log")
+    _save(fig, path)
+
+
+# ------------------------------------------------------------------ batch schedule
+@dataclass(frozen=True, kw_only=True)
+class ScheduleCurve:
+    """Steps ``[0, steps)`` of a batch schedule: step ``step_starts[i]`` starts at sample
+    ``positions[i]`` with global batch ``batches[i]``, which holds until the next entry; the
+    last entry is the end (``steps``, samples consumed by then, the last batch)."""
+
+    step_starts: tuple[int, ...]
+    positions: tuple[int, ...]
+    batches: tuple[int, ...]
+
+
+def schedule_curve(schedule: BatchSchedule | StepMap, *, steps: int) -> ScheduleCurve:
+    """The batch and the samples consumed at each change of ``schedule`` (a `BatchSchedule`,
+    or a run's `StepMap` with the changes made at resumes) up to step ``steps``: O(changes)."""
+    steps = check_count(steps, "steps")
+    step_map = schedule if isinstance(schedule, StepMap) else StepMap([(0, schedule)])
+    pieces = [p for p in step_map.pieces if p.step < steps]
+    return ScheduleCurve(
+        step_starts=(*(p.step for p in pieces), steps),
+        positions=(*(p.position for p in pieces), step_map.start_of(steps)),
+        batches=(*(p.batch for p in pieces), pieces[-1].batch),
+    )
+
+
+def plot_batch_schedule(
+    schedule: BatchSchedule | StepMap, path: PathLike, *, steps: int, title: str = ""
+) -> None:
+    """PNG at ``path``: the global batch (samples) against the step, and the samples consumed
+    against the step, over steps ``[0, steps)`` (`schedule_curve`)."""
+    curve = schedule_curve(schedule, steps=steps)
+    fig = _figure(2, 6.0)
+    batch_ax, samples_ax = fig.axes
+    batch_ax.step(curve.step_starts, curve.batches, where="post")
+    batch_ax.set_ylabel("global batch (samples)")
+    batch_ax.set_title(title or f"batch-size schedule, {steps:,} steps", loc="left")
+    samples_ax.plot(curve.step_starts, curve.positions)
+    samples_ax.set_ylabel("samples consumed")
+    samples_ax.set_xlabel("step")
+    _save(fig, path)

@@ -1,0 +1,149 @@
+"""A manifest's shard entry and verification levels: the leaf types of `detdata.identity`.
+
+`ShardEntry` is one shard of a manifest as its JSON says (every field validated by
+`ShardEntry.from_json`: a document is untrusted); `Verify` the levels a manifest is checked
+at. They live below `detdata.identity.manifest` so that the fast form (`columns`) and the
+checks (`verify`, `receipts`) use them without importing the manifest.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Final
+
+from detdata.base.errors import ConfigError, ManifestError
+from detdata.base.hashing import is_digest
+from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
+from detdata.storage.fs import check_relative_path
+
+FORMAT_VERSION: Final = 1
+KIND: Final = "detdata.manifest"
+
+_SHARD_REQUIRED: Final = ("path", "bytes", "blake3", "quick", "num_samples", "format")
+_SHARD_OPTIONAL: Final = ("dtype", "data_offset", "schema", "row_groups")
+
+
+class Verify(str, enum.Enum):
+    """How much of the bytes to check when opening a manifest."""
+
+    OFF = "off"
+    QUICK = "quick"
+    FULL = "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One shard of a manifest. ``num_samples`` counts tokens (token files) or rows (tables)."""
+
+    path: str
+    bytes: int
+    blake3: str
+    quick: str
+    num_samples: int
+    format: Format
+    dtype: str | None = None
+    data_offset: int | None = None
+    schema: str | None = None
+    row_groups: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": self.path,
+            "bytes": self.bytes,
+            "blake3": self.blake3,
+            "quick": self.quick,
+            "num_samples": self.num_samples,
+            "format": self.format.value,
+        }
+        for key in _SHARD_OPTIONAL:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> ShardEntry:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: expected an object, found {type(obj).__name__}")
+        missing = [k for k in _SHARD_REQUIRED if k not in obj]
+        unknown = sorted(set(obj) - set(_SHARD_REQUIRED) - set(_SHARD_OPTIONAL))
+        if missing or unknown:
+            raise ManifestError(f"{where}: missing fields {missing}, unknown fields {unknown}")
+        path = check_relative_path(obj["path"], where=where)
+        for key in ("bytes", "num_samples"):
+            _check_int(obj[key], f"{where} ({path}) field {key!r}")
+        for key in ("blake3", "quick"):
+            _check_digest(obj[key], f"{where} ({path}) field {key!r}")
+        try:
+            fmt = Format(obj["format"])
+        except ValueError:
+            raise ManifestError(f"{where} ({path}): unknown format {obj['format']!r}") from None
+        groups = obj.get("row_groups")
+        if groups is not None:
+            if not isinstance(groups, list):
+                raise ManifestError(f"{where} ({path}): row_groups must be a list")
+            for g in groups:
+                _check_int(g, f"{where} ({path}) row_groups")
+            groups = tuple(groups)
+        offset = obj.get("data_offset")
+        if offset is not None:
+            _check_int(offset, f"{where} ({path}) field 'data_offset'")
+        for key in ("dtype", "schema"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
+        _check_format_fields(fmt, obj, f"{where} ({path})")
+        return cls(
+            path=path,
+            bytes=obj["bytes"],
+            blake3=obj["blake3"],
+            quick=obj["quick"],
+            num_samples=obj["num_samples"],
+            format=fmt,
+            dtype=obj.get("dtype"),
+            data_offset=offset,
+            schema=obj.get("schema"),
+            row_groups=groups,
+        )
+
+
+def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
+    """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
+    if fmt in TABLE_FORMATS:
+        if obj.get("schema") is None:
+            raise ManifestError(
+                f"{where}: {fmt.value} shard without field 'schema' (the schema "
+                "fingerprint); hint: rebuild the manifest with build_manifest"
+            )
+        return
+    if obj.get("dtype") not in TOKEN_DTYPES:
+        raise ManifestError(
+            f"{where}: field 'dtype' must be one of {TOKEN_DTYPES} for a "
+            f"{fmt.value} shard, found {obj.get('dtype')!r}"
+        )
+    if obj.get("data_offset") is None:
+        raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
+
+
+def _check_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
+    return value
+
+
+def _check_digest(value: object, where: str) -> str:
+    if not is_digest(value):
+        raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
+    return value
+
+
+#: verification levels, weakest first (a level covers every weaker one)
+STRENGTH: Final = {Verify.OFF: 0, Verify.QUICK: 1, Verify.FULL: 2}
+
+
+def parse_verify(value: str | Verify) -> Verify:
+    """`Verify` from ``"quick"`` / ``"full"`` / ``"off"``, else `ConfigError`."""
+    try:
+        return Verify(value)
+    except ValueError:
+        raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
