@@ -42,6 +42,7 @@ from detdata.loading.arguments import (
     parse_worker_mode,
     refuse_torch_habits,
 )
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
     GroupReader,
@@ -51,7 +52,6 @@ from detdata.loading.reading import (
     SlotSampler,
     Transform,
 )
-from detdata.loading.schedule import Plan, as_schedule
 from detdata.loading.slots import SlotGroup, SlotTransport
 from detdata.loading.state import (
     K_ALGORITHM,
@@ -398,7 +398,7 @@ class DataLoader:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The run's batch history as saved in the state (`detdata.loading.schedule`): one
+        """The run's batch history as saved in the state (`detdata.loading.history`): one
         entry per schedule or layout, with the position and step it began at."""
         return self._plan.to_json()
 

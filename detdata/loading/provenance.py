@@ -51,7 +51,7 @@ from detdata.datasets.tokens import TokenWindows
 from detdata.identity.formats import disk_dtype
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
-from detdata.order.mixture import Schedule
+from detdata.order.mixture import MixtureSchedule
 
 #: Digest framing version of `sample_digest`.
 DIGEST_TAG: Final = b"detdata:sample-v1"
@@ -280,7 +280,7 @@ def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: in
                 f"unknown source {source!r}; the mixture's sources are {list(stream.source_names)}"
             )
         return mixture_positions_of(
-            Schedule(stream.phases),
+            MixtureSchedule(stream.phases),
             stream.source_names.index(source),
             stream.orders[source],
             sample_id,
