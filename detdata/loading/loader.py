@@ -50,10 +50,11 @@ from detdata.loading.reading import (
     GroupReader,
     GroupSampler,
     PositionDataset,
+    ReadAhead,
     SlotSampler,
     Transform,
 )
-from detdata.loading.slots import SlotTransport
+from detdata.loading.slots import SlotGroup, SlotTransport
 from detdata.loading.state import (
     K_ALGORITHM,
     K_DATA,
@@ -217,6 +218,13 @@ class DataLoader:
     flight is up to 3 groups there (the same bytes and checks; see
     `TokenWindows.prefetch`).
 
+    ``persistent_workers=True`` keeps the worker processes from one iteration to the next
+    when the last one left them between two groups (``break``, the end of the data, a batch
+    with the caller). After an interrupt (Ctrl-C) or an error inside torch's iterator, its
+    reset of the kept workers at ``iter()`` included, the next iteration starts fresh
+    workers and continues exactly at ``samples_consumed``: a half-reset torch iterator is
+    never reused (it would raise torch's ``KeyError: _ResumeIteration`` or wait forever).
+
     ``lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where some shards are read
     through a shard cache, e.g. `TokenWindows`' default cache of a remote root; 0: off): with
     remote shards read through a shard cache
@@ -359,6 +367,10 @@ class DataLoader:
         self._superseded = ""  # what ended the iterators of earlier generations
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
+        # True from a call into torch's iterator (or the group it returns) until the batches
+        # reach the caller: still True at the next iteration means that call was interrupted
+        # (Ctrl-C, an error) and its persistent workers' state is unknown (`_loader_from_here`)
+        self._workers_busy = False
         self._slot_transfer = True  # False: every group takes torch's transfer (benchmarks)
         self._trace_path = trace
         self._trace = self._new_trace()
@@ -634,8 +646,17 @@ class DataLoader:
         )
 
     def _loader_from_here(self) -> tud.DataLoader[Any]:
-        if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
+        """torch's DataLoader for an iteration from ``samples_consumed``: the persistent one
+        when its workers were left between two groups, else a new one (new workers): a call
+        into torch's iterator that was interrupted (`_workers_busy`; Ctrl-C in its ``_reset``
+        leaves ``_ResumeIteration`` replies queued, one in ``next`` a half-received group) leaves
+        them in a state no later iteration can trust. The old loader's workers are shut down
+        by torch when it is collected."""
+        persistent = self._torch_kwargs["persistent_workers"]
+        if self._torch_loader is None or not persistent or self._workers_busy:
+            self._torch_loader = None  # before building: an interrupted build rebuilds again
             self._torch_loader = self._build()
+            self._workers_busy = False
         else:
             assert self._sampler is not None  # built together with the loader
             self._sampler.start = self._consumed
@@ -708,7 +729,26 @@ class DataLoader:
             return self._inline_batches()
         if self._threaded:
             return self._thread_batches()
-        return (b for group in self._loader_from_here() for b in group.deliver())
+        loader = self._loader_from_here()
+        self._workers_busy = True
+        groups = iter(loader)  # forks the workers, or torch's ``_reset`` of persistent ones
+        return self._worker_batches(groups)
+
+    def _worker_batches(self, groups: Iterator[ReadAhead | SlotGroup]) -> Iterator[Any]:
+        """The batches of the groups torch's iterator returns. `_workers_busy` is False only
+        while a batch is with the caller (the generator suspended at ``yield``: torch's iterator
+        between two calls), so any interrupt or error inside torch or a group's hand-over leaves
+        it True and the next iteration starts fresh workers (`_loader_from_here`)."""
+        while True:
+            self._workers_busy = True
+            group = next(groups, None)
+            if group is None:
+                self._workers_busy = False
+                return
+            for batch in group.deliver():
+                self._workers_busy = False
+                yield batch
+                self._workers_busy = True
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's micro batches from ``samples_consumed`` on (see `_iterate`).
@@ -745,20 +785,24 @@ class DataLoader:
         failure before that (read, transform, collate, device copy, trace, an
         interrupt) leaves ``samples_consumed`` at that batch. Leaving the loop
         early (``break``, an exception) closes the readers at once; after an
-        abnormal end, persistent worker processes are replaced on the next
-        iteration (torch's iterator may be mid-transfer).
+        abnormal end, or an interrupt anywhere inside torch's iterator (its
+        creation and reset included, `_workers_busy`), persistent worker
+        processes are replaced on the next iteration (torch's iterator may be
+        mid-transfer).
         """
         if generation != self._generation:
             raise self._stale()
-        batches = self._batches()
-        lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
-        iterator: Iterator[Any] = batches
-        if self.device is not None:
-            from detdata.loading.device import device_batches
-
-            iterator = device_batches(batches, self.device, self.device_prefetch)
+        batches: Iterator[Any] = iter(())
+        iterator = batches
+        lookahead = None
         clean = False
-        try:
+        try:  # from the start: torch's iter() itself can be interrupted (see `_workers_busy`)
+            batches = iterator = self._batches()
+            lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
+            if self.device is not None:
+                from detdata.loading.device import device_batches
+
+                iterator = device_batches(batches, self.device, self.device_prefetch)
             yield from self._deliver(iterator, generation, lookahead)
             clean = True
         except GeneratorExit:
@@ -1201,6 +1245,7 @@ class DataLoader:
         self._live.clear()
         self._torch_loader = None
         self._sampler = None  # its shared-memory slots are unmapped with it
+        self._workers_busy = False
         if self._trace is not None:
             self._trace.close()
 
