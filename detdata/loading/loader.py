@@ -34,6 +34,7 @@ from detdata.base.errors import ConfigError, StaleIteratorError, StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.prefetch import Lookahead
 from detdata.datasets.streams import OrderedStream, as_stream
 from detdata.loading import frameworks
 from detdata.loading.arguments import (
@@ -43,6 +44,7 @@ from detdata.loading.arguments import (
     parse_worker_mode,
     refuse_torch_habits,
 )
+from detdata.loading.device import check_depth, check_device
 from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
@@ -89,6 +91,9 @@ def _same(a: Any, b: Any) -> bool:
 #: Groups of micro batches the inline loader (``num_workers=0``) hints to the stream ahead
 #: of the one it reads (`DataLoader._inline_batches`).
 PREFETCH_GROUPS: Final = 2
+#: ``lookahead``'s default: micro steps whose shards are filled into a shard cache ahead of
+#: the consumer (the window is cut where it would not fit the cache's bound).
+DEFAULT_LOOKAHEAD: Final = 1024
 
 
 def seed_globals(seed64: int) -> None:
@@ -226,7 +231,9 @@ class DataLoader:
     never reused (it would raise torch's ``KeyError: _ResumeIteration`` or wait forever).
     Worker processes ignore SIGINT: a terminal's Ctrl-C interrupts the main process only.
 
-    ``lookahead`` (default 0: off): with remote shards read through a shard cache
+    ``lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where some shards are read
+    through a shard cache, e.g. `TokenWindows`' default cache of a remote root; 0: off): with
+    remote shards read through a shard cache
     (``cache_dir``), the shards of the next ``lookahead`` micro steps of this rank are
     filled into the cache in the background, in order of first use, on
     ``lookahead_connections`` threads, released after their last use, the window kept
@@ -263,7 +270,7 @@ class DataLoader:
         worker_mode: str | WorkerMode = WorkerMode.PROCESS,
         read_ahead: int = 16,
         transform_id: str | None = None,
-        lookahead: int = 0,
+        lookahead: int | None = None,
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
         mid_step_on_resume: str | MidStep = MidStep.REDO,
@@ -343,7 +350,9 @@ class DataLoader:
         self._mid_step = parse_mid_step(mid_step_on_resume, "mid_step_on_resume")
         self.worker_mode = parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
-        self.lookahead = check_count(lookahead, "lookahead", minimum=0)
+        self.lookahead = check_count(
+            DEFAULT_LOOKAHEAD if lookahead is None else lookahead, "lookahead", minimum=0
+        )
         self.lookahead_connections = check_count(
             lookahead_connections, "lookahead_connections", maximum=256
         )
@@ -351,8 +360,6 @@ class DataLoader:
         self._prefetch_factor = (
             2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
         )
-        from detdata.loading.device import check_depth, check_device
-
         self.device = None if device is None else check_device(device)
         self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
         if self.device is not None:
@@ -822,8 +829,6 @@ class DataLoader:
         """A started `detdata.datasets.prefetch.Lookahead`, or None (off, or nothing cached)."""
         if not self.lookahead:
             return None
-        from detdata.datasets.prefetch import Lookahead
-
         per = self.layout.samples_per_micro_step
         stop = self._stop()  # micro step j begins at j * per + offset: stop before the bound
         plan = Lookahead(
