@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final
@@ -105,6 +106,10 @@ def seed_globals(seed64: int) -> None:
 def _init_worker(
     seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
 ) -> None:
+    # a terminal's Ctrl-C (SIGINT to the process group) is for the main process, which
+    # keeps or replaces the workers (`DataLoader._loader_from_here`): a kept worker that died
+    # of it would cost the next iteration torch's "worker exited unexpectedly" error
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     seed_globals(worker_seed(seed, rank, worker_id))
     set_read_threads(1)  # the worker processes read side by side (never changes a byte)
     if user_init is not None:
@@ -224,6 +229,7 @@ class DataLoader:
     reset of the kept workers at ``iter()`` included, the next iteration starts fresh
     workers and continues exactly at ``samples_consumed``: a half-reset torch iterator is
     never reused (it would raise torch's ``KeyError: _ResumeIteration`` or wait forever).
+    Worker processes ignore SIGINT: a terminal's Ctrl-C interrupts the main process only.
 
     ``lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where some shards are read
     through a shard cache, e.g. `TokenWindows`' default cache of a remote root; 0: off): with

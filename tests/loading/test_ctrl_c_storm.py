@@ -75,3 +75,62 @@ def test_ctrl_c_storm_with_persistent_workers_many_rounds() -> None:
     """The same with 160 rounds: interrupts also land in ``next()``, in a group's hand-over
     and in the start of fresh workers."""
     check(storm(160, seed=7, timeout=540))
+
+
+_STEP_SCRIPT = r"""
+import faulthandler, os, signal, time
+import numpy as np
+import detdata
+from tests.resume_checker import digest, take
+
+faulthandler.dump_traceback_later(120, exit=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+ids = np.arange(400, dtype=np.int64)
+plain = detdata.ArrayDataset({"id": ids, "x": (ids * 5).astype(np.int32)})
+
+
+def make(**kw):
+    return detdata.DataLoader(plain, global_batch_size=8, micro_batch_size=4, seed=2, **kw)
+
+
+dl = make(num_workers=2, persistent_workers=True, read_ahead=1)
+kept = []
+for press_at in (3, 7, 12):
+    try:
+        for batch in dl:
+            kept.append(batch)
+            if len(kept) == press_at:  # Ctrl-C in the training step, the loader idle
+                os.killpg(0, signal.SIGINT)  # a terminal's: to the workers too
+                for _ in range(1000):  # any thread may take the signal: poll for it
+                    time.sleep(0.01)
+                raise SystemExit("the Ctrl-C never arrived")
+    except KeyboardInterrupt:
+        pass
+    assert dl.samples_consumed == len(kept) * 4, (dl.samples_consumed, len(kept))
+kept += list(take(dl, 20 - len(kept)))
+reference = [digest(b) for b in take(make(), 20)]
+assert [digest(b) for b in kept] == reference, "not the uninterrupted stream"
+print("EXACT", len(kept))
+"""
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_in_the_training_step_keeps_persistent_workers_alive(tmp_path: Any) -> None:
+    """A terminal's Ctrl-C reaches the worker processes too. Pressed while the loop body runs
+    (the loader idle, its kept workers between two passes), it used to end them, and the
+    next ``for batch in loader`` waited 5 s for them and raised torch's ``RuntimeError:
+    DataLoader worker (pid(s) ...) exited unexpectedly``. The workers ignore SIGINT: the main
+    process decides (keep them, or replace them after an interrupted call), and the loop
+    continues exactly, three times over."""
+    script = tmp_path / "step_ctrl_c.py"
+    script.write_text(_STEP_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,  # the process group the Ctrl-C goes to: the script's own
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.returncode == 0 and "EXACT 20" in proc.stdout, proc.stderr[-4000:]
