@@ -31,9 +31,15 @@ each store and order it runs a `detdata.DataLoader` for ``--seconds`` and report
 Orders: ``locality-v1`` (`detdata.LocalityOrder`: a keyed permutation of shards, then of
 samples within each window of ``k`` consecutive shards) and ``feistel-v1`` (the default
 global shuffle, for comparison: with a cache 10x smaller than the data it re-fetches
-shards). Modes: ``cache+lookahead`` (``cache_dir`` + ``lookahead`` as far ahead as the
-cache bound holds; the bound cuts the window) and ``ranges`` (no cache: coalesced range
-reads). A summary under the table gives both ceilings and the load average.
+shards). Modes: ``default`` (no setting but the order: `TokenWindows`' default cache of a
+remote root, a per-user folder -- here a fresh one per row through ``DETDATA_CACHE_DIR`` --
+and `DataLoader`'s default lookahead and read-ahead; measured over the first epoch at most,
+after the lookahead's first window), ``default bound/10`` (the same with
+``shard_cache_bytes`` a tenth of the corpus: a corpus larger than the default cache, which
+only a locality order engages), ``cache+lookahead`` (``cache_dir`` + ``lookahead`` as far
+ahead as the cache bound holds; the bound cuts the window) and ``ranges``
+(``cache_dir=None``: coalesced range reads, the default before the default cache).
+``--modes`` picks some. A summary under the table gives both ceilings and the load average.
 
 `remote_rows(...)` returns the rows (list of dicts) for other reports.
 """
@@ -345,13 +351,20 @@ def run_one(
     bound = max(shard_bytes, sum(s.bytes for s in manifest.shards) // 10)
     cache = work / f"cache-{uuid.uuid4().hex[:8]}" if mode.startswith("cache") else None
     pace = PACE if mode.endswith("paced") else None
+    default = mode.startswith("default")
+    # the default cache's folder: a fresh one per row (the variable chooses the folder only)
+    os.environ["DETDATA_CACHE_DIR"] = str(work / f"user-cache-{uuid.uuid4().hex[:8]}")
+    options: dict[str, Any] = {}
+    if not default:
+        options = {"cache_dir": cache, "shard_cache_bytes": bound if cache is not None else None}
+    elif mode == "default bound/10":
+        options = {"shard_cache_bytes": bound}
     ds = TokenWindows(
         manifest.with_root(store.url),
         size.seq_len,
         verify="off",
         storage_options=store.options,
-        cache_dir=cache,
-        shard_cache_bytes=bound if cache is not None else None,
+        **options,
     )
     row: dict[str, Any] = {
         "store": store.name,
@@ -362,7 +375,9 @@ def run_one(
         "dataset_bytes": sum(s.bytes for s in manifest.shards),
         "cache_bytes": bound if cache is not None else None,
     }
-    stream = make_stream(order, ds, size)
+    stream = make_stream(order, ds, size)  # a locality order may engage the default cache
+    if default:
+        row["cache_bytes"] = ds.shard_cache_bytes if ds.cache_dir is not None else None
     sample_bytes = size.seq_len * 2
     ceiling = size.bandwidth_bps / sample_bytes
     probed = store.ceiling_samples_per_s(sample_bytes)
@@ -378,13 +393,25 @@ def run_one(
     warmup = size.warmup
     if cache is not None and order != "feistel-v1":
         warmup = max(warmup, -(-bound // (sample_bytes * size.batch)))
-    loader = detdata.DataLoader(
-        stream,
-        global_batch_size=size.batch,
-        seed=7,
-        lookahead=lookahead if cache is not None else 0,
-        read_ahead=READ_AHEAD,
-    )
+    limit = size.seconds if order != "feistel-v1" else size.seconds / 2
+    last = None  # default modes: the first epoch only (a cache holding the corpus hits after)
+    if default:
+        loader = detdata.DataLoader(stream, global_batch_size=size.batch, seed=7)
+        if ds.cache_dir is not None:  # until the default lookahead first reaches its depth
+            from detdata.loading.loader import DEFAULT_LOOKAHEAD
+
+            warmup = max(warmup, DEFAULT_LOOKAHEAD)
+        last = ds.num_samples // size.batch
+        warmup = min(warmup, last // 2)
+        limit = size.seconds
+    else:
+        loader = detdata.DataLoader(
+            stream,
+            global_batch_size=size.batch,
+            seed=7,
+            lookahead=lookahead if cache is not None else 0,
+            read_ahead=READ_AHEAD,
+        )
     store.proxy.set_plan(clean)  # fresh counters; open connections are closed
     began = time.monotonic()
     warm_at = began
@@ -393,7 +420,6 @@ def run_one(
     warm_stall = 0.0
     warm_stalls = 0
     batches = 0
-    limit = size.seconds if order != "feistel-v1" else size.seconds / 2
     it = iter(loader)
     try:
         while True:
@@ -413,6 +439,8 @@ def run_one(
                 warm_stall = stats.stall_s if stats else 0.0
                 warm_stalls = stats.stalls if stats else 0
             if batches >= warmup + 2 * READ_AHEAD and now - began >= limit:
+                break
+            if last is not None and batches >= last:
                 break
         end = time.monotonic()
         end_cpu = time.process_time()
@@ -452,6 +480,11 @@ def run_one(
 PACE = 0.8  # the paced consumer asks for 80% of the lower ceiling (stalls should be 0)
 READ_AHEAD = 4  # micro batches per read: finer timing than the default 16
 ORDERS = ("locality-v1", "feistel-v1")
+#: ``default``: no setting but the order (the default cache and lookahead); ``default
+#: bound/10``: the same with ``shard_cache_bytes`` a tenth of the corpus (a corpus larger
+#: than the default cache's bound); ``ranges``: ``cache_dir=None`` (the default before the
+#: default cache: coalesced range reads).
+MODES = ("default", "default bound/10", "cache+lookahead", "cache+lookahead paced", "ranges")
 
 
 def remote_rows(
@@ -459,7 +492,7 @@ def remote_rows(
     smoke: bool = False,
     which: tuple[str, ...] = ("http", "s3"),
     orders: tuple[str, ...] = ORDERS,
-    modes: tuple[str, ...] = ("cache+lookahead", "cache+lookahead paced", "ranges"),
+    modes: tuple[str, ...] = MODES,
     workdir: str | Path | None = None,
     size: Size | None = None,
 ) -> list[dict[str, Any]]:
@@ -534,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--out", default=None, help="directory for remote.json / remote.md")
     parser.add_argument("--stores", default="http,s3")
+    parser.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument(
         "--shards",
@@ -560,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards is not None:
         size = dataclasses.replace(size, shards=args.shards)
     load = os.getloadavg()
-    rows = remote_rows(size=size, which=tuple(args.stores.split(",")))
+    rows = remote_rows(
+        size=size, which=tuple(args.stores.split(",")), modes=tuple(args.modes.split(","))
+    )
     text = table(rows) + "\n\n" + summary(rows, load, os.getloadavg())
     print(text)
     if args.out:

@@ -53,9 +53,11 @@ from detdata.storage.retry import RetryPolicy
 
 __version__ = _VERSION
 
-# framework watches (accelerate's load_state): started when a loader or sampler is built, for
-# the frameworks imported by then; importing detdata imports no framework
+# framework watches (accelerate's load_state): started now for the frameworks imported before
+# detdata, and when a loader or sampler is built for those imported by then; importing detdata
+# imports no framework
 _add_watcher(_imported_frameworks)
+_imported_frameworks.built()
 
 # torch is imported only when the loader is first used (the CLI and manifest tools stay fast).
 _LAZY = {

@@ -46,6 +46,7 @@ exit codes:
 # Modules that define ``register(subparsers)``; each sub-command sets ``func(args) -> int``.
 COMMAND_MODULES: Final = (
     "detdata.cli.manifest",
+    "detdata.cli.order",
     "detdata.cli.trace",
     "detdata.cli.demo",
     "detdata.cli.mix",

@@ -1,5 +1,5 @@
-"""Sub-commands for bytes identity and order: ``manifest build`` (``--part I/N``),
-``manifest merge``, ``verify``, ``hash``, ``register``, ``inspect`` and ``order``.
+"""Sub-commands for bytes identity: ``manifest build`` (``--part I/N``),
+``manifest merge``, ``verify``, ``hash``, ``register`` and ``inspect``.
 
 Each command prints its result on stdout (ids, JSON or one value per line) and
 returns an exit code; errors are raised as `DetdataError` and mapped by
@@ -14,9 +14,7 @@ import json
 import os
 from typing import Any
 
-import numpy as np
-
-from detdata.base.checks import check_count, check_seed
+from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.redact import redact_url
 from detdata.identity.build import build_manifest, hash_files
@@ -24,10 +22,7 @@ from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
-from detdata.order.feistel import GlobalOrder
 from detdata.storage.fs import is_url
-
-_MAX_ORDER_COUNT = 10_000_000
 
 
 def register(subparsers: Any) -> None:
@@ -37,7 +32,6 @@ def register(subparsers: Any) -> None:
     _add_hash(subparsers)
     _add_register(subparsers)
     _add_inspect(subparsers)
-    _add_order(subparsers)
 
 
 def _meta_item(text: str) -> tuple[str, str]:
@@ -320,23 +314,3 @@ def _summary(manifest: Manifest, target: str, source: str) -> dict[str, Any]:
         "shards": [s.path for s in manifest.shards[:5]]
         + (["..."] if len(manifest.shards) > 5 else []),
     }
-
-
-def _add_order(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "order", help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)"
-    )
-    parser.add_argument("--n", type=int, required=True, help="number of samples")
-    parser.add_argument("--seed", type=int, required=True, help="the order's seed")
-    parser.add_argument("--at", type=int, required=True, metavar="G", help="first global position")
-    parser.add_argument("--count", type=int, default=1, metavar="K", help="how many positions")
-    parser.set_defaults(func=_cmd_order)
-
-
-def _cmd_order(args: argparse.Namespace) -> int:
-    order = GlobalOrder(check_count(args.n, "--n"), check_seed(args.seed, "--seed"))
-    count = check_count(args.count, "--count", maximum=_MAX_ORDER_COUNT)
-    start = check_count(args.at, "--at", minimum=0, maximum=(1 << 63) - 1 - count)
-    ids = order.ids(np.arange(start, start + count, dtype=np.int64))
-    print("\n".join(str(int(i)) for i in ids))
-    return 0

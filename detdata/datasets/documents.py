@@ -901,11 +901,6 @@ def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
     return want
 
 
-def shard_entry(documents: Documents, unit: int) -> ShardEntry:
-    """The manifest entry holding the tokens of ``documents.units[unit]``."""
-    return documents.manifest.shards[documents.units[unit].shard]
-
-
 def _table_units(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
     """``units`` with token and row-group counts recomputed from ``starts`` (non-decreasing)
     and the manifest.

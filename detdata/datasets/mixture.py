@@ -31,9 +31,9 @@ from detdata.order.feistel import GlobalOrder, permute_sources
 from detdata.order.memo import ChunkMemo
 from detdata.order.mixture import (
     ALGORITHM,
+    MixtureSchedule,
     Phase,
     PhaseSpec,
-    Schedule,
     ScheduleLike,
     WeightLike,
     check_schedule,
@@ -103,7 +103,7 @@ class Mixture:
             )
             for i, (_, w) in enumerate(raw)
         ]
-        self._schedule = Schedule.build(self.seed, [s for s, _ in raw], ints)
+        self._schedule = MixtureSchedule.build(self.seed, [s for s, _ in raw], ints)
         self.phases: tuple[Phase, ...] = self._schedule.phases
         self.source_seeds = {n: source_seed(self.seed, n) for n in self.source_names}
         self.orders = {
@@ -129,7 +129,7 @@ class Mixture:
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(source_index, index_in_source)`` for each global position (same shape), no sample ids.
 
-        Cost: O(positions + sources) per call, memory bounded (`Schedule.assign`).
+        Cost: O(positions + sources) per call, memory bounded (`MixtureSchedule.assign`).
         """
         return self._schedule.assign(positions)
 

@@ -46,8 +46,10 @@ extend `_build_index` / `_reset_process_state` (calling the base's).
 from __future__ import annotations
 
 import abc
+import enum
 import itertools
 import os
+import shutil
 import threading
 import warnings
 import weakref
@@ -62,23 +64,32 @@ from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, StorageError, VerificationError
-from detdata.base.redact import redact_url
+from detdata.base.redact import get_logger, redact_url
 from detdata.datasets.process_local import ProcessLocal
 from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.first_opens import FirstOpens
-from detdata.storage.fs import filesystem, join
+from detdata.storage.fs import filesystem, is_url, join
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: Default bound of the disk cache of shard copies (``shard_cache_bytes``).
 DEFAULT_SHARD_CACHE_BYTES: Final = 16 << 30
+#: Bound of the default cache (`DefaultCache.USER`) when ``shard_cache_bytes`` is not given;
+#: also at most half the free space of its file system when the dataset is made.
+DEFAULT_USER_CACHE_BYTES: Final = 4 << 30
+#: The default cache is used only where it holds this many of the largest shard at once.
+USER_CACHE_MIN_SHARDS: Final = 4
+#: The environment variable naming the default cache's folder (it chooses where copies
+#: live, never which bytes are read).
+ENV_CACHE_DIR: Final = "DETDATA_CACHE_DIR"
 #: How often a copy evicted between its fill and its open is fetched again.
 _OPEN_ATTEMPTS: Final = 5
 #: Default bound of the shards with an open handle per process (``max_open_shards``): well
 #: under the usual 1,024-descriptor soft limit, with room for a few readers in one process.
 DEFAULT_MAX_OPEN_SHARDS: Final = 128
 
+log: Final = get_logger("detdata.cache")
 H = TypeVar("H")
 T = TypeVar("T")
 
@@ -121,13 +132,86 @@ def check_cache_verify(value: object) -> str:
     return str(value)
 
 
-def check_cache_args(
-    cache_dir: str | os.PathLike[str] | None, shard_cache_bytes: int | None
-) -> tuple[str | None, int]:
-    """``(cache_dir as str or None, shard_cache_bytes)``; `ConfigError` for bad values.
+class DefaultCache(enum.Enum):
+    """``cache_dir``'s default for `TokenWindows`: ``USER`` is a bounded per-user folder
+    (`user_cache_dir`) used for remote roots only (see `user_cache`)."""
 
-    ``shard_cache_bytes`` defaults to `DEFAULT_SHARD_CACHE_BYTES` and needs ``cache_dir``.
+    USER = "user"
+
+
+def user_cache_dir() -> str:
+    """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
+    found = os.environ.get(ENV_CACHE_DIR, "")
+    if found:
+        return found
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "detdata", "shards")
+
+
+def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str | None, int]:
+    """``(cache_dir, shard_cache_bytes)`` of the default cache for ``manifest`` (resolved,
+    with a root). A reader uses it at once where the whole corpus fits in the bound (each
+    shard is then fetched once, in any order), else only for a locality order
+    (`ShardReader.use_user_cache`): under a global shuffle a cache smaller than the corpus
+    would fetch a whole shard for each sample, where range reads fetch the sample.
+
+    None (coalesced range reads, as with ``cache_dir=None``) for a local root, and, with a
+    logged warning, where the folder cannot be made or written, or where the bound (
+    ``shard_cache_bytes``, else `DEFAULT_USER_CACHE_BYTES` and at most half the free space)
+    holds fewer than `USER_CACHE_MIN_SHARDS` of the largest shard. Which of these applies
+    never changes a byte read: copies are verified against the manifest's blake3."""
+    root = manifest.root or ""
+    if not is_url(root) or root.startswith("file://"):
+        return None, DEFAULT_SHARD_CACHE_BYTES
+    folder = user_cache_dir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder} is not writable")
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        log.warning(
+            "detdata: the default shard cache %s cannot be used (%s); remote shards are read "
+            "with range requests (slower); hint: set %s or pass cache_dir=",
+            folder,
+            exc,
+            ENV_CACHE_DIR,
+        )
+        return None, DEFAULT_SHARD_CACHE_BYTES
+    bound = shard_cache_bytes
+    if bound is None:
+        bound = min(DEFAULT_USER_CACHE_BYTES, free // 2)
+    sizes = manifest.bytes_per_shard()
+    largest = int(sizes.max()) if sizes.size else 0
+    if largest * USER_CACHE_MIN_SHARDS > bound:
+        log.warning(
+            "detdata: the default shard cache %s (bound %d bytes) holds fewer than %d of the "
+            "largest shard (%d bytes); remote shards are read with range requests (slower); "
+            "hint: pass cache_dir= and shard_cache_bytes= for a larger cache",
+            folder,
+            bound,
+            USER_CACHE_MIN_SHARDS,
+            largest,
+        )
+        return None, DEFAULT_SHARD_CACHE_BYTES
+    return folder, bound
+
+
+def check_cache_args(
+    cache_dir: str | os.PathLike[str] | DefaultCache | None, shard_cache_bytes: int | None
+) -> tuple[str | DefaultCache | None, int | None]:
+    """``(cache_dir as str, `DefaultCache` or None, shard_cache_bytes)``; `ConfigError`
+    for bad values.
+
+    With a folder, ``shard_cache_bytes`` defaults to `DEFAULT_SHARD_CACHE_BYTES`; with
+    `DefaultCache.USER` it stays None when not given (`user_cache` picks the bound);
+    with None (no cache) it must not be given.
     """
+    if isinstance(cache_dir, DefaultCache):
+        if shard_cache_bytes is None:
+            return cache_dir, None
+        return cache_dir, check_positive_int(shard_cache_bytes, "shard_cache_bytes")
     if cache_dir is None:
         if shard_cache_bytes is not None:
             raise ConfigError(
@@ -494,7 +578,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         root: str | None,
         storage_options: Mapping[str, Any] | None,
         retry: RetryPolicy | None,
-        cache_dir: str | os.PathLike[str] | None,
+        cache_dir: str | os.PathLike[str] | DefaultCache | None,
         shard_cache_bytes: int | None,
         cache_verify: str,
         max_open_shards: int | None = None,
@@ -502,7 +586,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         self.max_open_shards = check_max_open_shards(max_open_shards)
         self.storage_options = dict(storage_options or {})
         self.retry = check_policy(retry)
-        self.cache_dir, self.shard_cache_bytes = check_cache_args(cache_dir, shard_cache_bytes)
+        folder, bound = check_cache_args(cache_dir, shard_cache_bytes)
         self.cache_verify = check_cache_verify(cache_verify)
         self.manifest = resolve_manifest(
             manifest,
@@ -511,6 +595,47 @@ class ShardReader(ProcessLocal, abc.ABC):
             storage_options=self.storage_options,
             retry=self.retry,
         )
+        self.cache_dir: str | None = None
+        self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES
+        # the default cache, usable but not used yet (the corpus is larger than its bound):
+        # a locality order engages it (`use_user_cache`)
+        self._user_cache: tuple[str, int] | None = None
+        if not isinstance(folder, DefaultCache):
+            self.cache_dir = folder
+            self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES if bound is None else bound
+            return
+        found, size = user_cache(self.manifest, bound)
+        if found is None:
+            return
+        if int(self.manifest.bytes_per_shard().sum()) <= size:
+            self.cache_dir, self.shard_cache_bytes = found, size  # the whole corpus fits
+        else:
+            self._user_cache = (found, size)
+
+    def use_user_cache(self, window_shards: int) -> None:
+        """Read through the default cache from now on, for an order that reads
+        ``window_shards`` shards at a time (`LocalityOrder`), if its bound holds two such
+        windows of the largest shard (the one read and the one prefetched); else the range
+        reads go on, logged. Only for the default ``cache_dir`` of a corpus larger than its
+        bound (a corpus that fits uses it already). Never changes a byte read."""
+        if self._user_cache is None or self.cache_dir is not None:
+            return
+        folder, bound = self._user_cache
+        largest = int(self.manifest.bytes_per_shard().max())
+        if 2 * window_shards * largest > bound:
+            log.warning(
+                "detdata: the default shard cache %s (bound %d bytes) is too small for two "
+                "windows of %d shards of up to %d bytes; remote shards are read with range "
+                "requests (slower); hint: pass cache_dir= and shard_cache_bytes=",
+                folder,
+                bound,
+                window_shards,
+                largest,
+            )
+            return
+        self.cache_dir, self.shard_cache_bytes = folder, bound
+        self._user_cache = None
+        self._reset_process_state()
 
     def _build_index(self) -> None:
         # bytes per shard: the manifest's column (mapped for the fast form: no entry built)

@@ -100,13 +100,6 @@ def threshold(fraction: Fraction) -> int:
     return (fraction.numerator << 64) // fraction.denominator
 
 
-def is_validation(key: bytes, *, salt: str, fraction: Fraction) -> bool:
-    """The rule for one key (content digest or u64le id)."""
-    salt_bytes = salt.encode("utf-8")
-    u = derive_u64(SPLIT_TAG, len(salt_bytes), tail=salt_bytes + key)
-    return u < threshold(fraction)
-
-
 def _value_bytes(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape

@@ -27,11 +27,6 @@ from detdata.order.choice import (
 from detdata.order.memo import ChunkMemo
 
 
-def shard_sizes_of(dataset: Dataset) -> Sequence[int] | None:
-    """The dataset's samples per shard (its ``shard_sizes``), or None if it has none."""
-    return _sizes(dataset, "shard_sizes")
-
-
 def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None:
     """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` or its
     ``row_group_sizes`` (None if it has none, or for a global order)."""

@@ -25,16 +25,6 @@ def full_digest_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return PREFIX + hasher.hexdigest()
 
 
-def quick_digest_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> str:
-    """Quick digest of ``path`` of known ``size`` with two range reads (head, tail)."""
-    span = min(size, QUICK_SPAN)
-    with fs.open(path, "rb", block_size=QUICK_SPAN) as fh:
-        head = fh.read(span)
-        fh.seek(size - span)
-        tail = fh.read(span)
-    return quick_digest_parts(size, head, tail)
-
-
 def full_digest_fd(fd: int) -> str:
     """``b3:<hex>`` of every byte of an open local file (``pread`` in 8 MiB chunks)."""
     hasher = blake3.blake3()
@@ -50,7 +40,7 @@ def digests_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[s
 
     The file is streamed once: the full hash takes every chunk, the first and
     last `QUICK_SPAN` bytes are kept from the same stream for the quick digest
-    (a small file is one read). Equal to (`full_digest_file`, `quick_digest_file`).
+    (a small file is one read). Equal to `full_digest_file` and the quick digest of the same bytes.
     """
     hasher = blake3.blake3()
     head = b""

@@ -222,11 +222,6 @@ class Manifest:
             self.__dict__[key] = arr
         return cast(npt.NDArray[np.int64], arr)
 
-    @property
-    def has_columns(self) -> bool:
-        """Is this manifest backed by the mapped fast form (`detdata.identity.columns`)?"""
-        return isinstance(self.shards, ShardTable)
-
     def with_root(self, root: str) -> Manifest:
         """The same manifest (same id) pointing at another root."""
         return Manifest(shards=self.shards, metadata=self.metadata, root=root)

@@ -7,10 +7,10 @@ position 0, and nothing of that call reaches the loader. Likewise a torch ``Data
 detdata batch sampler prepared without ``use_stateful_dataloader=True``: accelerate saves and
 restores no position for it.
 
-So detdata watches ``load_state`` (`detdata.loading.frameworks`): once accelerate is imported
-when a detdata loader or sampler is built (``import accelerate`` before building it, the usual
-order), ``Accelerator.load_state`` is wrapped, once per process, by a function that calls
-accelerate's own and then looks at what it restored:
+So detdata watches ``load_state`` (`detdata.loading.frameworks`): when accelerate is imported
+before detdata, or before a detdata loader or sampler is built (the usual order: a
+``load_state`` called before both is not seen), ``Accelerator.load_state`` is wrapped, once per
+process, by a function that calls accelerate's own and then looks at what it restored:
 
 - a prepared data loader whose batch sampler is a detdata sampler, while that loader is not a
   stateful one: `StateError` from ``load_state``, naming ``use_stateful_dataloader=True``;

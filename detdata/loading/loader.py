@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final
@@ -33,6 +34,7 @@ from detdata.base.errors import ConfigError, StaleIteratorError, StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.prefetch import Lookahead
 from detdata.datasets.streams import OrderedStream, as_stream
 from detdata.loading import frameworks
 from detdata.loading.arguments import (
@@ -42,16 +44,18 @@ from detdata.loading.arguments import (
     parse_worker_mode,
     refuse_torch_habits,
 )
+from detdata.loading.device import check_depth, check_device
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, process_group_rank_world
 from detdata.loading.reading import (
     GroupReader,
     GroupSampler,
     PositionDataset,
+    ReadAhead,
     SlotSampler,
     Transform,
 )
-from detdata.loading.schedule import Plan, as_schedule
-from detdata.loading.slots import SlotTransport
+from detdata.loading.slots import SlotGroup, SlotTransport
 from detdata.loading.state import (
     K_ALGORITHM,
     K_DATA,
@@ -87,6 +91,9 @@ def _same(a: Any, b: Any) -> bool:
 #: Groups of micro batches the inline loader (``num_workers=0``) hints to the stream ahead
 #: of the one it reads (`DataLoader._inline_batches`).
 PREFETCH_GROUPS: Final = 2
+#: ``lookahead``'s default: micro steps whose shards are filled into a shard cache ahead of
+#: the consumer (the window is cut where it would not fit the cache's bound).
+DEFAULT_LOOKAHEAD: Final = 1024
 
 
 def seed_globals(seed64: int) -> None:
@@ -99,6 +106,10 @@ def seed_globals(seed64: int) -> None:
 def _init_worker(
     seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
 ) -> None:
+    # a terminal's Ctrl-C (SIGINT to the process group) is for the main process, which
+    # keeps or replaces the workers (`DataLoader._loader_from_here`): a kept worker that died
+    # of it would cost the next iteration torch's "worker exited unexpectedly" error
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     seed_globals(worker_seed(seed, rank, worker_id))
     set_read_threads(1)  # the worker processes read side by side (never changes a byte)
     if user_init is not None:
@@ -212,7 +223,17 @@ class DataLoader:
     flight is up to 3 groups there (the same bytes and checks; see
     `TokenWindows.prefetch`).
 
-    ``lookahead`` (default 0: off): with remote shards read through a shard cache
+    ``persistent_workers=True`` keeps the worker processes from one iteration to the next
+    when the last one left them between two groups (``break``, the end of the data, a batch
+    with the caller). After an interrupt (Ctrl-C) or an error inside torch's iterator, its
+    reset of the kept workers at ``iter()`` included, the next iteration starts fresh
+    workers and continues exactly at ``samples_consumed``: a half-reset torch iterator is
+    never reused (it would raise torch's ``KeyError: _ResumeIteration`` or wait forever).
+    Worker processes ignore SIGINT: a terminal's Ctrl-C interrupts the main process only.
+
+    ``lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where some shards are read
+    through a shard cache, e.g. `TokenWindows`' default cache of a remote root; 0: off): with
+    remote shards read through a shard cache
     (``cache_dir``), the shards of the next ``lookahead`` micro steps of this rank are
     filled into the cache in the background, in order of first use, on
     ``lookahead_connections`` threads, released after their last use, the window kept
@@ -249,7 +270,7 @@ class DataLoader:
         worker_mode: str | WorkerMode = WorkerMode.PROCESS,
         read_ahead: int = 16,
         transform_id: str | None = None,
-        lookahead: int = 0,
+        lookahead: int | None = None,
         lookahead_connections: int = 4,
         order: OrderLike | None = None,
         mid_step_on_resume: str | MidStep = MidStep.REDO,
@@ -329,7 +350,9 @@ class DataLoader:
         self._mid_step = parse_mid_step(mid_step_on_resume, "mid_step_on_resume")
         self.worker_mode = parse_worker_mode(worker_mode)
         self.read_ahead = check_count(read_ahead, "read_ahead", minimum=1, maximum=64)
-        self.lookahead = check_count(lookahead, "lookahead", minimum=0)
+        self.lookahead = check_count(
+            DEFAULT_LOOKAHEAD if lookahead is None else lookahead, "lookahead", minimum=0
+        )
         self.lookahead_connections = check_count(
             lookahead_connections, "lookahead_connections", maximum=256
         )
@@ -337,8 +360,6 @@ class DataLoader:
         self._prefetch_factor = (
             2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
         )
-        from detdata.loading.device import check_depth, check_device
-
         self.device = None if device is None else check_device(device)
         self.device_prefetch = check_depth(device_prefetch, "device_prefetch")
         if self.device is not None:
@@ -352,6 +373,10 @@ class DataLoader:
         self._superseded = ""  # what ended the iterators of earlier generations
         self._torch_loader: tud.DataLoader[Any] | None = None
         self._sampler: GroupSampler | None = None
+        # True from a call into torch's iterator (or the group it returns) until the batches
+        # reach the caller: still True at the next iteration means that call was interrupted
+        # (Ctrl-C, an error) and its persistent workers' state is unknown (`_loader_from_here`)
+        self._workers_busy = False
         self._slot_transfer = True  # False: every group takes torch's transfer (benchmarks)
         self._trace_path = trace
         self._trace = self._new_trace()
@@ -386,7 +411,7 @@ class DataLoader:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The run's batch history as saved in the state (`detdata.loading.schedule`): one
+        """The run's batch history as saved in the state (`detdata.loading.history`): one
         entry per schedule or layout, with the position and step it began at."""
         return self._plan.to_json()
 
@@ -627,8 +652,17 @@ class DataLoader:
         )
 
     def _loader_from_here(self) -> tud.DataLoader[Any]:
-        if self._torch_loader is None or not self._torch_kwargs["persistent_workers"]:
+        """torch's DataLoader for an iteration from ``samples_consumed``: the persistent one
+        when its workers were left between two groups, else a new one (new workers): a call
+        into torch's iterator that was interrupted (`_workers_busy`; Ctrl-C in its ``_reset``
+        leaves ``_ResumeIteration`` replies queued, one in ``next`` a half-received group) leaves
+        them in a state no later iteration can trust. The old loader's workers are shut down
+        by torch when it is collected."""
+        persistent = self._torch_kwargs["persistent_workers"]
+        if self._torch_loader is None or not persistent or self._workers_busy:
+            self._torch_loader = None  # before building: an interrupted build rebuilds again
             self._torch_loader = self._build()
+            self._workers_busy = False
         else:
             assert self._sampler is not None  # built together with the loader
             self._sampler.start = self._consumed
@@ -701,7 +735,26 @@ class DataLoader:
             return self._inline_batches()
         if self._threaded:
             return self._thread_batches()
-        return (b for group in self._loader_from_here() for b in group.deliver())
+        loader = self._loader_from_here()
+        self._workers_busy = True
+        groups = iter(loader)  # forks the workers, or torch's ``_reset`` of persistent ones
+        return self._worker_batches(groups)
+
+    def _worker_batches(self, groups: Iterator[ReadAhead | SlotGroup]) -> Iterator[Any]:
+        """The batches of the groups torch's iterator returns. `_workers_busy` is False only
+        while a batch is with the caller (the generator suspended at ``yield``: torch's iterator
+        between two calls), so any interrupt or error inside torch or a group's hand-over leaves
+        it True and the next iteration starts fresh workers (`_loader_from_here`)."""
+        while True:
+            self._workers_busy = True
+            group = next(groups, None)
+            if group is None:
+                self._workers_busy = False
+                return
+            for batch in group.deliver():
+                self._workers_busy = False
+                yield batch
+                self._workers_busy = True
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's micro batches from ``samples_consumed`` on (see `_iterate`).
@@ -738,20 +791,24 @@ class DataLoader:
         failure before that (read, transform, collate, device copy, trace, an
         interrupt) leaves ``samples_consumed`` at that batch. Leaving the loop
         early (``break``, an exception) closes the readers at once; after an
-        abnormal end, persistent worker processes are replaced on the next
-        iteration (torch's iterator may be mid-transfer).
+        abnormal end, or an interrupt anywhere inside torch's iterator (its
+        creation and reset included, `_workers_busy`), persistent worker
+        processes are replaced on the next iteration (torch's iterator may be
+        mid-transfer).
         """
         if generation != self._generation:
             raise self._stale()
-        batches = self._batches()
-        lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
-        iterator: Iterator[Any] = batches
-        if self.device is not None:
-            from detdata.loading.device import device_batches
-
-            iterator = device_batches(batches, self.device, self.device_prefetch)
+        batches: Iterator[Any] = iter(())
+        iterator = batches
+        lookahead = None
         clean = False
-        try:
+        try:  # from the start: torch's iter() itself can be interrupted (see `_workers_busy`)
+            batches = iterator = self._batches()
+            lookahead = self._lookahead()  # after _batches(): worker processes are forked by now
+            if self.device is not None:
+                from detdata.loading.device import device_batches
+
+                iterator = device_batches(batches, self.device, self.device_prefetch)
             yield from self._deliver(iterator, generation, lookahead)
             clean = True
         except GeneratorExit:
@@ -772,8 +829,6 @@ class DataLoader:
         """A started `detdata.datasets.prefetch.Lookahead`, or None (off, or nothing cached)."""
         if not self.lookahead:
             return None
-        from detdata.datasets.prefetch import Lookahead
-
         per = self.layout.samples_per_micro_step
         stop = self._stop()  # micro step j begins at j * per + offset: stop before the bound
         plan = Lookahead(
@@ -1196,6 +1251,7 @@ class DataLoader:
         self._live.clear()
         self._torch_loader = None
         self._sampler = None  # its shared-memory slots are unmapped with it
+        self._workers_busy = False
         if self._trace is not None:
             self._trace.close()
 

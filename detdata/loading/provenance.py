@@ -22,7 +22,7 @@ result as ``text``.
 
 Positions of a step: ``[start(step), start(step + 1))`` from the loader's step map
 (`DataLoader.position_of_step`: right under batch schedules and batch changes at a
-resume); `step_positions` is the fixed-batch case. Within a step, position ``c + q``
+resume). Within a step, position ``c + q``
 is row ``q % m`` of micro step ``q // (m * D)`` on rank ``(q // m) % D``
 (docs/design.md section 4).
 """
@@ -51,7 +51,7 @@ from detdata.datasets.tokens import TokenWindows
 from detdata.identity.formats import disk_dtype
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
-from detdata.order.mixture import Schedule
+from detdata.order.mixture import MixtureSchedule
 
 #: Digest framing version of `sample_digest`.
 DIGEST_TAG: Final = b"detdata:sample-v1"
@@ -187,13 +187,6 @@ def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
     return [{} for _ in range(ids.size)]
 
 
-def step_positions(step: int, global_batch_size: int) -> IntArray:
-    """The global positions of ``step`` with a fixed global batch."""
-    s = check_count(step, "step", minimum=0)
-    b = check_count(global_batch_size, "global_batch_size")
-    return np.arange(s * b, (s + 1) * b, dtype=np.int64)
-
-
 def provenance(
     stream: Any,
     positions: Sequence[int] | IntArray,
@@ -287,7 +280,7 @@ def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: in
                 f"unknown source {source!r}; the mixture's sources are {list(stream.source_names)}"
             )
         return mixture_positions_of(
-            Schedule(stream.phases),
+            MixtureSchedule(stream.phases),
             stream.source_names.index(source),
             stream.orders[source],
             sample_id,

@@ -38,8 +38,8 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
 from detdata.loading import frameworks
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, process_group_rank_world
-from detdata.loading.schedule import Plan, as_schedule
 from detdata.order.batches import BatchSchedule
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 

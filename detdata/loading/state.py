@@ -5,7 +5,7 @@ what was prefetched. Checked fields must match on resume unless allowed by name;
 layout and environment are informational. ``exclusions`` (format 3) is the exclusion
 history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
 run's batch schedules and layouts with the step and position each began at
-(`detdata.loading.schedule`); the step <-> position map follows it. Format 4 adds to it one
+(`detdata.loading.history`); the step <-> position map follows it. Format 4 adds to it one
 change entry per checked field a resume changed by name (field, position, step, old and new
 value) and seals it (``history_b3``): a history that is edited, or whose changes do not lead
 to the saved fields, is refused naming ``history``.
@@ -27,7 +27,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
-from detdata.loading.schedule import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
+from detdata.loading.history import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 

@@ -19,7 +19,7 @@ from typing import Final
 
 from detdata.base.errors import ConfigError
 from detdata.base.redact import get_logger
-from detdata.loading.schedule import Plan
+from detdata.loading.history import Plan
 
 K_STEP_POSITION: Final = "step_position"
 

@@ -13,7 +13,7 @@ inversion per epoch, nothing of size ``n``.
 
 ``mixture-v1`` (`detdata.order.mixture`): a source's sample at index ``i`` of its
 own stream is at the unique global position ``g`` with ``consumed(g)[s] == i``
-and ``assign(g) == (s, i)``. `Schedule.consumed` is non-decreasing in ``g``, so
+and ``assign(g) == (s, i)``. `MixtureSchedule.consumed` is non-decreasing in ``g``, so
 ``g`` is found by binary search over positions: O(log P) calls of ``consumed``
 (each O(phases + sources + 16)) per source epoch. This uses the public functions
 of the schedule only, so it stays correct whatever their internals become.
@@ -38,7 +38,7 @@ from detdata.order.feistel import (
     mix64,
     round_keys,
 )
-from detdata.order.mixture import Schedule
+from detdata.order.mixture import MixtureSchedule
 
 #: A source's count of samples read by positions ``[0, p)``.
 Consumed = Callable[[int], int]
@@ -122,7 +122,7 @@ def position_of_index(consumed: Consumed, index: int, *, until: int, after: int 
     """The global position ``g < until`` at which a source reads index ``index`` of its own
     stream, or None if it is not reached before ``until``. ``consumed(p)`` is the source's
     count of samples read by positions ``[0, p)`` (non-decreasing, +1 exactly at the
-    source's positions, e.g. from `Schedule.consumed`): binary search over
+    source's positions, e.g. from `MixtureSchedule.consumed`): binary search over
     ``[after, until)``, O(log(until - after)) calls (``after``: a position known to be
     at or before the answer, e.g. ``index`` itself or the previous epoch's answer + 1)."""
     hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
@@ -140,16 +140,16 @@ def position_of_index(consumed: Consumed, index: int, *, until: int, after: int 
 
 
 def mixture_positions_of(
-    schedule: Schedule, source: int, order: GlobalOrder, sample_id: int, *, until: int
+    schedule: MixtureSchedule, source: int, order: GlobalOrder, sample_id: int, *, until: int
 ) -> IntArray:
-    """Every global position ``< until`` at which a `Schedule` delivers sample ``sample_id`` of
-    source index ``source`` (whose own order is ``order``), ascending.
+    """Every global position ``< until`` at which a `MixtureSchedule` delivers sample
+    ``sample_id`` of source index ``source`` (whose own order is ``order``), ascending.
 
     Per epoch of the source's own stream: one inversion of ``order`` gives the index ``i``
     in the source's stream; its position is searched in a window around the estimate
     from the phase's proportion (``|count_s(T) - p_s T| < depth + 4`` within a phase,
     the bound of `detdata.order.mixture`), all windows in one vectorised
-    `Schedule.assign`. An index not found in its window (never, if the bound holds) falls
+    `MixtureSchedule.assign`. An index not found in its window (never, if the bound holds) falls
     back to the exact binary search `position_of_index`. Cost: O(sources + depth / p_s)
     per epoch of the source.
     """
@@ -174,7 +174,7 @@ def mixture_positions_of(
     return np.array(sorted(out), dtype=np.int64)
 
 
-def _windows(schedule: Schedule, source: int, indices: IntArray, until: int) -> IntArray:
+def _windows(schedule: MixtureSchedule, source: int, indices: IntArray, until: int) -> IntArray:
     """Candidate positions (unique, sorted, ``< until``) around each index's estimated position."""
     depth = max(1, (len(schedule.phases[0].weights) - 1).bit_length())
     starts = [p.start for p in schedule.phases]
@@ -205,11 +205,6 @@ def _ranges(lengths: IntArray) -> IntArray:
     total = int(lengths.sum())
     firsts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(total, dtype=np.int64) - firsts
-
-
-def schedule_consumed(schedule: Schedule, source: int) -> Consumed:
-    """``consumed`` of source index ``source`` of a `Schedule`."""
-    return lambda p: schedule.consumed(p)[source]
 
 
 def _check_range(start: int, until: int) -> tuple[int, int]:

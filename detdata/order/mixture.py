@@ -23,7 +23,7 @@ accepted by ``Fraction(str)`` such as ``"0.25"`` or ``"1/3"``, or float read as
 they are scaled by the lcm of their denominators and divided by the gcd, giving
 positive integers ``w_s`` with total ``W < 2**31``. ``p_s = w_s / W``.
 
-**Schedule.** Phases ``(start_i, weights_i)``, ``start_0 = 0``, strictly
+**MixtureSchedule.** Phases ``(start_i, weights_i)``, ``start_0 = 0``, strictly
 increasing; phase ``i`` covers positions ``[start_i, start_{i+1})``. Phase-local
 position ``t = g - start_i``. ``offset_i[s]`` is the number of samples of ``s``
 consumed by positions ``[0, start_i)``, so each source's stream continues across
@@ -75,7 +75,7 @@ at most 16 sources, so nothing of size ``blocks x sources`` is built: a request 
 positions per block (random access) follows one root-to-leaf path per position (its rank
 in the block's hash order picks the child at each node), a request of whole blocks
 (contiguous) descends once per block only into nodes whose count changes across the
-block. ``Schedule.assign`` costs O(positions x depth + sources) per call; its memory is
+block. ``MixtureSchedule.assign`` costs O(positions x depth + sources) per call; its memory is
 the outputs plus a bound (positions are taken 8,192 at a time), whatever the number of
 positions or sources. ``consumed`` is O(sources).
 """
@@ -581,7 +581,7 @@ def check_positions(positions: npt.ArrayLike) -> IntArray:
 
 # ------------------------------------------------------------------ the schedule
 @dataclass(frozen=True)
-class Schedule:
+class MixtureSchedule:
     """A mixture's phases: the source and index in source of every global position.
 
     Pure: built from the root seed and exact integer weights only (no datasets);
@@ -599,7 +599,7 @@ class Schedule:
     @classmethod
     def build(
         cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
-    ) -> Schedule:
+    ) -> MixtureSchedule:
         """The schedule of phases at ``starts`` (checked by `check_schedule`) with integer
         ``weights`` (from `normalize_weights`) under root ``seed``."""
         return cls(build_phases(seed, starts, weights))
@@ -653,7 +653,7 @@ def rational(f: Fraction) -> str:
     return f"{f.numerator}/{f.denominator}"
 
 
-def schedule_to_json(schedule: Schedule, names: Sequence[str]) -> list[list[Any]]:
+def schedule_to_json(schedule: MixtureSchedule, names: Sequence[str]) -> list[list[Any]]:
     """``[[start, {name: "p/q"}], ...]`` with the exact normalised proportions."""
     return [
         [start, {n: rational(f) for n, f in zip(names, fracs, strict=True)}]

@@ -42,7 +42,8 @@ def remote(
     http_server: HttpServer, proxy: FaultProxy, manifest: detdata.Manifest, root: Path
 ) -> TokenWindows:
     url = f"http://{proxy.address}/{root.name}"
-    return TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=PATIENT)
+    # cache_dir=None: these tests are about the coalesced range reads (no shard cache)
+    return TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=PATIENT, cache_dir=None)
 
 
 def test_reads_equal_the_writer_arrays_with_one_request_per_dense_shard(

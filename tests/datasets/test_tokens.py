@@ -286,7 +286,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TokenWindow
         fs.pipe(f"{mem}/{path.name}", path.read_bytes())
     remote_manifest = build_manifest(f"memory://{mem}", dtype="uint16")
     assert remote_manifest.id == local.manifest.id
-    yield local, TokenWindows(remote_manifest, 10)
+    yield local, TokenWindows(remote_manifest, 10, cache_dir=None)  # range reads, no cache
     fs.rm(mem, recursive=True)
 
 

@@ -228,7 +228,9 @@ def test_odd_names_over_http_build_verify_and_read_the_right_files(
     assert loaded.id == local_manifest.id and loaded.root == url
 
     expected = _expected(token_names)
-    np.testing.assert_array_equal(_read_all(TokenWindows(loaded, SEQ)), expected)
+    ranges = TokenWindows(loaded, SEQ, cache_dir=None)  # range requests, no shard cache
+    np.testing.assert_array_equal(_read_all(ranges), expected)
+    np.testing.assert_array_equal(_read_all(TokenWindows(loaded, SEQ)), expected)  # default
     cached = TokenWindows(loaded, SEQ, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
     np.testing.assert_array_equal(_read_all(cached), expected)
 

@@ -296,3 +296,40 @@ def test_registered_at_one_process_resumes_exactly(
     for path in PATHS:
         assert _steps(lines, path) == {t: reference[t] for t in range(STOP, LAST)}, path
     assert _micro_rows(lines, "loader") == {8}
+
+
+_IMPORTED_FIRST = """
+import sys
+import torch
+from accelerate import Accelerator  # imported before detdata, as many scripts do
+import detdata
+from tests.integrations.accelerate_script import make_dataset
+
+accelerator = Accelerator(cpu=True)
+model = accelerator.prepare(torch.nn.Linear(4, 1))
+accelerator.save_state(sys.argv[1])  # a run that registered no loader
+accelerator.load_state(sys.argv[1])  # resumed before any detdata loader exists
+loader = detdata.DataLoader(make_dataset(40), global_batch_size=16, seed=3)
+try:
+    next(iter(loader))
+except detdata.StateError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path: Path) -> None:
+    """``from accelerate import Accelerator`` before ``import detdata``, and ``load_state``
+    before the loader is built (one process, no launcher): the watch started at ``import
+    detdata``, so the loader that starts at position 0 is refused at its first batch."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_FIRST, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "refused: accelerator.load_state resumed the model" in done.stdout
+    assert "accelerator.register_for_checkpointing(loader)" in done.stdout

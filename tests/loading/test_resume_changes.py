@@ -190,7 +190,7 @@ def test_an_edited_change_history_is_refused_naming_it(
 def test_a_resealed_history_must_still_lead_to_the_saved_fields() -> None:
     """An editor who recomputes the seal still cannot make the changes disagree with the
     fields, name a step the position is not in, or name an unknown field."""
-    from detdata.loading.schedule import seal
+    from detdata.loading.history import seal
 
     for edit, match in [
         (lambda s: _change(s).update(new=9), "leads to 9, but the field is 2"),

@@ -14,7 +14,7 @@ from detdata.order.inverse import (
     unpermute,
     unpermute_epochs,
 )
-from detdata.order.mixture import Schedule, source_seed
+from detdata.order.mixture import MixtureSchedule, source_seed
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 65, 1000, 4097])
@@ -59,7 +59,7 @@ def test_positions_of_refuses_bad_ids_and_huge_ranges() -> None:
 
 def test_mixture_inverse_equals_a_brute_force_scan_over_1e6_positions() -> None:
     seed, names, sizes = 77, ("a", "b", "c", "d"), (50, 400, 31, 3000)
-    schedule = Schedule.build(
+    schedule = MixtureSchedule.build(
         seed, [0, 250_000, 600_000], [(1, 2, 3, 4), (5, 0, 1, 1), (1, 1, 1, 100)]
     )
     until = 1_000_000
@@ -77,7 +77,7 @@ def test_mixture_inverse_equals_a_brute_force_scan_over_1e6_positions() -> None:
 
 
 def test_position_of_index_is_the_binary_search_reference() -> None:
-    schedule = Schedule.build(3, [0], [(1, 3)])
+    schedule = MixtureSchedule.build(3, [0], [(1, 3)])
     src, index = schedule.assign(np.arange(5000))
     for s in (0, 1):
         mine = np.flatnonzero(src == s)

@@ -1,4 +1,4 @@
-"""mixture-v1 at O(positions + sources): the new `Schedule.assign` equals the old dense one.
+"""mixture-v1 at O(positions + sources): the new `MixtureSchedule.assign` equals the old dense one.
 
 The reference below is the dense implementation of ``detdata.order.mixture`` as it stood
 before the sparse rewrite (copied verbatim, only renamed): it builds ``blocks x sources``
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from detdata.base.types import IntArray
 from detdata.order import mixture as mx
 from detdata.order.feistel import mix64
-from detdata.order.mixture import BLOCK, Phase, Schedule
+from detdata.order.mixture import BLOCK, MixtureSchedule, Phase
 
 _GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
 _J: Final = np.arange(BLOCK, dtype=np.int64)
@@ -127,8 +127,8 @@ def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]
     return src, index
 
 
-def old_assign(schedule: Schedule, positions: IntArray) -> tuple[IntArray, IntArray]:
-    """The old ``Schedule.assign`` (on checked int64 positions)."""
+def old_assign(schedule: MixtureSchedule, positions: IntArray) -> tuple[IntArray, IntArray]:
+    """The old ``MixtureSchedule.assign`` (on checked int64 positions)."""
     flat = positions.reshape(-1)
     if len(schedule.phases) == 1:
         src, index = _locate_in_phase(schedule.phases[0], flat)
@@ -146,7 +146,7 @@ def old_assign(schedule: Schedule, positions: IntArray) -> tuple[IntArray, IntAr
 
 # --------------------------------------------------------------------- strategies
 @st.composite
-def schedules(draw: st.DrawFn, max_sources: int = 40) -> Schedule:
+def schedules(draw: st.DrawFn, max_sources: int = 40) -> MixtureSchedule:
     """Random integer weights (zeros allowed, at least one positive per phase, total < 2**31),
     1-3 phases, any seed."""
     num = draw(st.integers(1, max_sources))
@@ -159,7 +159,7 @@ def schedules(draw: st.DrawFn, max_sources: int = 40) -> Schedule:
         if not any(w):
             w[draw(st.integers(0, num - 1))] = 1
         phases.append(tuple(w))
-    return Schedule.build(draw(st.integers(0, MASK)), starts, phases)
+    return MixtureSchedule.build(draw(st.integers(0, MASK)), starts, phases)
 
 
 @st.composite
@@ -182,7 +182,9 @@ def positions(draw: st.DrawFn) -> IntArray:
 # --------------------------------------------------------------------- new == old
 @HYP
 @given(schedule=schedules(), pos=positions())
-def test_assign_equals_the_old_dense_implementation(schedule: Schedule, pos: IntArray) -> None:
+def test_assign_equals_the_old_dense_implementation(
+    schedule: MixtureSchedule, pos: IntArray
+) -> None:
     src, index = schedule.assign(pos)
     old_src, old_index = old_assign(schedule, pos)
     np.testing.assert_array_equal(src, old_src)
@@ -191,7 +193,7 @@ def test_assign_equals_the_old_dense_implementation(schedule: Schedule, pos: Int
 
 @HYP
 @given(schedule=schedules(), pos=positions())
-def test_both_strategies_equal_old(schedule: Schedule, pos: IntArray) -> None:
+def test_both_strategies_equal_old(schedule: MixtureSchedule, pos: IntArray) -> None:
     """Per-position tree paths (random access) and whole blocks (contiguous requests, with
     its Python-int path for one or two blocks) give the same as the old code on any input."""
     phase = schedule.phases[0]
@@ -210,7 +212,7 @@ def test_both_strategies_equal_old(schedule: Schedule, pos: IntArray) -> None:
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=schedules(max_sources=600), pos=positions())
-def test_assign_equals_old_with_many_sources(schedule: Schedule, pos: IntArray) -> None:
+def test_assign_equals_old_with_many_sources(schedule: MixtureSchedule, pos: IntArray) -> None:
     src, index = schedule.assign(pos)
     old_src, old_index = old_assign(schedule, pos)
     np.testing.assert_array_equal(src, old_src)
@@ -219,7 +221,7 @@ def test_assign_equals_old_with_many_sources(schedule: Schedule, pos: IntArray) 
 
 @HYP
 @given(schedule=schedules(), position=st.integers(0, 3 * 10**6))
-def test_consumed_equals_old_prefix_counts(schedule: Schedule, position: int) -> None:
+def test_consumed_equals_old_prefix_counts(schedule: MixtureSchedule, position: int) -> None:
     """`consumed` (now a sparse partial block) against old `_boundary_counts`/`_block_layout`
     of the phase in effect, plus its offsets."""
     starts = [p.start for p in schedule.phases]
@@ -236,7 +238,7 @@ def test_consumed_equals_old_prefix_counts(schedule: Schedule, position: int) ->
 
 
 def test_shapes_and_empty() -> None:
-    schedule = Schedule.build(3, [0], [(1, 2, 3)])
+    schedule = MixtureSchedule.build(3, [0], [(1, 2, 3)])
     pos = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
     src, index = schedule.assign(pos)
     assert src.shape == index.shape == (2, 3, 4)
@@ -258,7 +260,7 @@ def _peak(fn: Callable[[], object]) -> int:
 
 
 def _assign_peak(sources: int, size: int) -> int:
-    schedule = Schedule.build(11, [0], [tuple(range(1, sources + 1))])
+    schedule = MixtureSchedule.build(11, [0], [tuple(range(1, sources + 1))])
     pos = np.random.default_rng(0).integers(0, 10**15, size=size, dtype=np.int64)
     schedule.assign(pos[:10])  # warm (imports, caches)
     return _peak(lambda: schedule.assign(pos))
@@ -281,7 +283,7 @@ def test_long_requests_in_chunks_equal_old() -> None:
     three phases, random and contiguous positions, with zero weights."""
     weights = [tuple((i * 7919) % 13 for i in range(1, 301)), (0,) * 299 + (5,)]
     weights.append(tuple(range(300, 0, -1)))
-    schedule = Schedule.build(99, [0, 40_000, 90_001], weights)
+    schedule = MixtureSchedule.build(99, [0, 40_000, 90_001], weights)
     rng = np.random.default_rng(5)
     pos = np.concatenate(
         [rng.integers(0, 200_000, 30_000), np.arange(35_000, 60_000), rng.integers(0, 1 << 62, 9)]

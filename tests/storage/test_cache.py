@@ -247,7 +247,9 @@ def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Pa
 def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
     _, remote, _ = served
     with pytest.raises(ConfigError, match="shard_cache_bytes was given without cache_dir"):
-        TokenWindows(remote, SEQ, shard_cache_bytes=100)
+        TokenWindows(remote, SEQ, cache_dir=None, shard_cache_bytes=100)  # no cache: no bound
+    with pytest.raises(ConfigError, match="shard_cache_bytes must be an integer >= 1"):
+        TokenWindows(remote, SEQ, shard_cache_bytes=0)  # the default cache's bound
     with pytest.raises(ConfigError, match="shard_cache_bytes must be an integer >= 1"):
         TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=0)
     with pytest.raises(ConfigError, match="cache_dir must be a local directory"):
@@ -272,7 +274,7 @@ def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
     with pytest.raises(ConfigError, match="deprecated name of shard_cache_bytes"):
         TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1, shard_cache_bytes=1)
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="without cache_dir"):
-        TokenWindows(remote, SEQ, cache_bytes=100)
+        TokenWindows(remote, SEQ, cache_dir=None, cache_bytes=100)
 
 
 def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(

@@ -255,7 +255,9 @@ def test_token_windows_remote_equal_local(
         root, opts = request.getfixturevalue("http_root")[1], {}
     local = TokenWindows(local_manifest, SEQ)
     extra: dict[str, Any] = (
-        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 1 << 20} if cached else {}
+        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 1 << 20}
+        if cached
+        else {"cache_dir": None}  # coalesced range reads (the default caches remote shards)
     )
     remote = TokenWindows(local_manifest.with_root(root), SEQ, storage_options=opts, **extra)
     assert remote.manifest.id == local.manifest.id
@@ -393,7 +395,9 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
         proxy = fault_proxy(server.port)
         root, opts = proxied(request.getfixturevalue("http_root")[1], server.port, proxy), {}
     extra: dict[str, Any] = (
-        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 12_000} if cached else {}
+        {"cache_dir": tmp_path / "cache", "shard_cache_bytes": 12_000}
+        if cached
+        else {"cache_dir": None}  # coalesced range reads (the default caches remote shards)
     )
     proxy.set_plan(FAULTS)
 

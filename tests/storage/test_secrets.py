@@ -218,7 +218,8 @@ def test_remote_run_never_shows_a_secret(
 
     # a store that resets every connection: RetriesExhausted names shard and redacted URL
     proxy.set_plan(reset_all)
-    fresh = TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST)
+    # cache_dir=None: range reads (the default cache already holds the copy read above)
+    fresh = TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST, cache_dir=None)
     with pytest.raises(RetriesExhausted) as exhausted:
         fresh.read(np.array([0]))
     errors.append(exhausted.value)
@@ -230,7 +231,8 @@ def test_remote_run_never_shows_a_secret(
     shutil.move(directory / "shard-02.npy", moved)
     try:
         with pytest.raises(StorageError, match=r"shard shard-02\.npy") as gone:
-            TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST).read(
+            # cache_dir=None: the default cache holds a verified copy read above
+            TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST, cache_dir=None).read(
                 np.array([ds.num_samples - 1])
             )
         errors.append(gone.value)

@@ -1,0 +1,44 @@
+"""The ``order`` sub-command: the sample ids a seeded global order puts at positions.
+
+``detdata order --n N --seed S --at G --count K`` prints ``GlobalOrder(N, S).ids`` of
+positions ``G .. G+K-1``, one per line (what the loader reads there, before a mixture or
+exclusions). Errors are raised as `DetdataError` and mapped by `detdata.cli.main.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Final
+
+import numpy as np
+
+from detdata.base.checks import check_count, check_seed
+from detdata.order.feistel import GlobalOrder
+
+#: the most positions one call prints
+MAX_COUNT: Final = 10_000_000
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``order`` command to the ``detdata`` parser's ``subparsers``."""
+    _add_order(subparsers)
+
+
+def _add_order(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "order", help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)"
+    )
+    parser.add_argument("--n", type=int, required=True, help="number of samples")
+    parser.add_argument("--seed", type=int, required=True, help="the order's seed")
+    parser.add_argument("--at", type=int, required=True, metavar="G", help="first global position")
+    parser.add_argument("--count", type=int, default=1, metavar="K", help="how many positions")
+    parser.set_defaults(func=_cmd_order)
+
+
+def _cmd_order(args: argparse.Namespace) -> int:
+    order = GlobalOrder(check_count(args.n, "--n"), check_seed(args.seed, "--seed"))
+    count = check_count(args.count, "--count", maximum=MAX_COUNT)
+    start = check_count(args.at, "--at", minimum=0, maximum=(1 << 63) - 1 - count)
+    ids = order.ids(np.arange(start, start + count, dtype=np.int64))
+    print("\n".join(str(int(i)) for i in ids))
+    return 0
