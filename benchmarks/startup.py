@@ -29,6 +29,8 @@ CPU seconds and RSS are what to compare on a shared, noisy machine; wall times a
 reported for information only.
 
     python benchmarks/startup.py --shards 10000,100000 --ranks 8 [--before /tmp/old]
+    python benchmarks/startup.py --shards 10000,1000000 --ranks 8,32 --before /tmp/old \
+        --before-max-shards 10000 --keep
     python benchmarks/startup.py --smoke
 """
 
@@ -249,6 +251,18 @@ def main() -> None:
     ap.add_argument("--shards", default="10000,100000")
     ap.add_argument("--ranks", default="8")
     ap.add_argument("--before", default=None, help="another detdata checkout to run too")
+    ap.add_argument(
+        "--before-max-shards",
+        type=int,
+        default=None,
+        help="run --before only up to this many shards (the old code parses the whole JSON "
+        "manifest in every rank: ~1.5 GB a rank at 1M shards)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the rows of the existing results file for (code, shards, ranks) not run",
+    )
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "detdata-startup"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--smoke", action="store_true", help="2,000 shards, 2 ranks (CI)")
@@ -264,6 +278,8 @@ def main() -> None:
         corpus = shards * (TOKENS * 2 + 128)
         for ranks in [int(r) for r in args.ranks.split(",")]:
             for label, code in codes:
+                if label == "before" and shards > (args.before_max_shards or shards):
+                    continue
                 with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
                     work = Path(tmp)
                     receipts = str(work / "receipts")
@@ -277,6 +293,7 @@ def main() -> None:
                             "corpus_bytes": corpus,
                             **summary(job, corpus),
                             "distinct_batches": job["distinct_batches"],
+                            "loadavg": os.getloadavg(),
                             "per_rank": job["ranks"],
                         }
                         rows.append(row)
@@ -291,12 +308,23 @@ def main() -> None:
                             f"wall {row['job_wall_s']:.1f}s",
                             flush=True,
                         )
+                        save(args, rows)
+    save(args, rows)
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Write the results file (after every row: a run cut short keeps what it measured)."""
     Path(args.out).mkdir(parents=True, exist_ok=True)
     name = "startup_smoke.json" if args.smoke else "startup.json"
+    if args.keep and (Path(args.out) / name).exists():
+        ran = {(r["code"], r["shards"], r["ranks"]) for r in rows}
+        old = json.loads((Path(args.out) / name).read_text())["rows"]
+        rows = [r for r in old if (r["code"], r["shards"], r["ranks"]) not in ran] + rows
     doc = {
         "benchmark": "startup",
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
         "note": "CPU-s and RSS are the robust figures on a shared machine; wall for info only",
+        "loadavg_at_end": os.getloadavg(),
         "rows": rows,
     }
     (Path(args.out) / name).write_text(json.dumps(doc, indent=1))

@@ -548,9 +548,11 @@ def read_json_head(path: str) -> dict[str, Any] | None:
     (id, kind, version, metadata, root), read from the file's head only; None when the
     file is not laid out that way within its first MiB (then it is parsed whole)."""
     head = b""
-    with open(path, "rb") as fh:
+    step = 1 << 10  # the fields before "shards" are a few hundred bytes unless metadata is big
+    with open(path, "rb", buffering=0) as fh:  # unbuffered: no 8 KiB read-ahead per rank
         while True:  # small reads: a restart reads little beyond the columns it maps
-            more = fh.read(16 << 10)
+            more = fh.read(step)
+            step = 16 << 10
             head += more
             at = head.find(_SHARDS_KEY)
             if at >= 0 or not more or len(head) >= _HEAD_LIMIT:

@@ -183,14 +183,16 @@ class Manifest:
 
     def codes(self, field: str) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
         """``(values, codes)`` of string field ``field`` (``format``, ``dtype`` or ``schema``):
-        the distinct values, sorted, and each shard's index into them (-1: none), int64."""
+        the distinct values, sorted, and each shard's index into them (-1: none): a signed
+        integer array (for the fast form the mapped column itself, int16 / int32, or uint8
+        for ``format``, which every shard has; no copy), for indexing, not arithmetic."""
         key = f"_codes_{field}"
         found = self.__dict__.get(key)
         if found is None:
             if isinstance(self.shards, ShardTable):
                 columns = self.shards.columns
                 values = tuple(columns.header[f"{field}s"])
-                codes = columns.array(field).astype(np.int64)
+                codes = columns.array(field)  # mapped, read-only: no per-rank copy
             else:
                 raw = [getattr(s, field) for s in self.shards]
                 names = [v.value if isinstance(v, Format) else v for v in raw]
