@@ -310,9 +310,11 @@ class FaultProxy:
                 delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                # counted before the write: a client may read the bytes and the test read the
+                # stats before this coroutine runs again after drain()
+                stats.bytes_down += len(data)
                 writer.write(data)
                 await writer.drain()
-                stats.bytes_down += len(data)
 
         sender = asyncio.ensure_future(send())
         try:
@@ -355,10 +357,10 @@ class FaultProxy:
                     limit = min(limit, piece)
                     if limit > 0:
                         await self._cross_link(limit)
+                        stats.bytes_down += limit  # before the write (see above)
                         writer.write(data[:limit])
                         await writer.drain()
                         sent += limit
-                        stats.bytes_down += limit
                         data = data[limit:]
                         if fault.rate_bps is not None:
                             await asyncio.sleep(limit / fault.rate_bps)
