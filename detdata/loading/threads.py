@@ -10,12 +10,17 @@ with the consumer and with each other, and batches need no transfer at all.
 exactly the order of ``positions``, and re-raises a failed read in the caller
 with the failing positions noted on the exception. Closing (or dropping) the
 generator cancels reads not yet started and waits for running ones, so nothing
-hangs and no thread outlives it.
+hangs and no thread outlives it. A generator dropped without being closed and freed by
+the cyclic garbage collector is the exception: the collector may run inside threading's
+own bookkeeping (a thread starting or being joined holds ``threading``'s shutdown lock
+then), where joining a thread deadlocks, so a generator finalised during a collection
+cancels its reads and lets its threads end on their own, without waiting.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -26,6 +31,17 @@ import numpy.typing as npt
 from detdata.base.errors import ConfigError
 
 T = TypeVar("T")
+
+#: True while the cyclic garbage collector runs (set by `_collecting`, a ``gc`` callback)
+_IN_COLLECTION = False
+
+
+def _collecting(phase: str, info: dict[str, int]) -> None:
+    global _IN_COLLECTION
+    _IN_COLLECTION = phase == "start"
+
+
+gc.callbacks.append(_collecting)
 Positions = npt.NDArray[np.int64] | list[npt.NDArray[np.int64]]
 P = TypeVar("P", bound=Positions)
 
@@ -101,4 +117,5 @@ def _generate(
     finally:
         for _, future in pending:
             future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+        # never join from a collection (module docstring): it may hold threading's locks
+        pool.shutdown(wait=not _IN_COLLECTION, cancel_futures=True)

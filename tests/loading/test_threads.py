@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from detdata.base.errors import ConfigError
 from detdata.loading.threads import threaded_batches
 
 B = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def positions(count: int | None, start: int = 0) -> Iterator[np.ndarray]:
@@ -140,3 +145,46 @@ def test_detdata_stream_read_from_threads_matches_the_serial_read(token_shards) 
     threaded = list(threaded_batches(stream.fetch, positions(40), num_threads=3, prefetch=6))
     for a, b in zip(serial, threaded, strict=True):
         np.testing.assert_array_equal(a, b["tokens"])
+
+
+DROPPED_IN_A_COLLECTION = """
+import gc, threading, time
+import numpy as np
+import detdata
+
+ds = detdata.ArrayDataset({"x": np.arange(4000, dtype=np.int64)})
+before = threading.active_count()
+loader = detdata.DataLoader(
+    ds, global_batch_size=8, seed=0, num_workers=2, worker_mode="thread", total_samples=4000
+)
+it = iter(loader)
+first = next(it)
+cycle = [it, loader]
+cycle.append(cycle)  # only the cyclic garbage collector frees the iterator
+del it, loader, cycle
+with threading._shutdown_locks_lock:  # held by a thread starting or being joined
+    gc.collect()
+deadline = time.monotonic() + 20
+while threading.active_count() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("threads left", threading.active_count() - before)
+"""
+
+
+def test_an_iterator_dropped_in_a_collection_never_deadlocks_and_leaves_no_thread(
+    tmp_path: Path,
+) -> None:
+    """The cyclic GC may run while threading's shutdown lock is held (a thread starting or
+    being joined); an abandoned thread-mode iterator freed then must not join its readers
+    (that deadlocked: CI hung in test_order_is_exactly_the_order_of_positions)."""
+    script = tmp_path / "dropped.py"
+    script.write_text(DROPPED_IN_A_COLLECTION)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "threads left 0", proc.stdout
