@@ -253,8 +253,8 @@ def missing(capability: type, found: object, *, needed_by: str, hint: str) -> Ca
     it: names the capability, its members, the type of ``found`` and ``hint``."""
     kind = type(found).__name__
     return CapabilityError(
-        f"{needed_by} needs a {capability.__name__} ({MEMBERS.get(capability, '?')}), and "
-        f"{kind} does not declare it; hint: {hint}",
+        f"{needed_by} needs the capability {capability.__name__} "
+        f"({MEMBERS.get(capability, '?')}), and {kind} does not declare it; hint: {hint}",
         capability=capability.__name__,
         kind=kind,
     )
