@@ -216,7 +216,7 @@ class ByCode(Generic[T]):
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: IntArray, values: tuple[T, ...]) -> None:
+    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: tuple[T, ...]) -> None:
         self.codes = codes
         self.values = values
 
@@ -231,7 +231,7 @@ class ArrayByCode:
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: IntArray, values: npt.ArrayLike) -> None:
+    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: npt.ArrayLike) -> None:
         self.codes = codes
         self.values = np.asarray(values, dtype=np.int64)
 
