@@ -11,6 +11,7 @@ import types as _types
 import typing as _typing
 
 from detdata.base.errors import (
+    CapabilityError,
     ConfigError,
     DetdataError,
     FormatError,
@@ -95,6 +96,7 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "BatchSchedule",
+    "CapabilityError",
     "ConfigError",
     "DataLoader",
     "Dataset",
