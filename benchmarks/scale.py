@@ -622,7 +622,7 @@ def parquet_floor(folder: Path, *, limit: int = 2_000) -> dict[str, Any]:
 def reopen_rows(tokens: Path, tables: Path | None, seq_len: int) -> list[dict[str, Any]]:
     """Seconds per read: a handle hit vs a miss (see the module docstring, item 3). The map
     + evict row needs shards of >= 3 x `MAP_MIN_ROWS` windows (read sparse: every 3rd)."""
-    from detdata.datasets.tokens import MAP_MIN_ROWS
+    from detdata.datasets.shard_windows import MAP_MIN_ROWS
 
     rows: list[dict[str, Any]] = []
     ds = _dataset("tokens", tokens, seq_len, 1)

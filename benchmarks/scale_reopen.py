@@ -62,7 +62,7 @@ def _corpus(work: Path, shards: int, shard_bytes: int) -> tuple[str, str]:
 
 def _sweep(ds: Any, shards: int, forget: bool) -> tuple[float, float]:
     """(seconds, rchar bytes) per re-open: one window of each shard, round robin."""
-    from detdata.storage.cache import forget_verified
+    from detdata.storage.verified import forget_verified
 
     starts = np.asarray(ds._starts)
     best = float("inf")

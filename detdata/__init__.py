@@ -49,6 +49,7 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import LocalityOrder, Order
 from detdata.order.feistel import GlobalOrder
 from detdata.order.locality import WindowedOrder
+from detdata.storage.reads import NATIVE as NATIVE_READS
 from detdata.storage.retry import RetryPolicy
 
 __version__ = _VERSION
@@ -111,6 +112,7 @@ __all__ = [
     "ManifestError",
     "MidStep",
     "Mixture",
+    "NATIVE_READS",
     "Order",
     "OrderedStream",
     "PackedWindows",

@@ -57,11 +57,11 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError, VerificationError
 from detdata.base.groupby import stable_groups
 from detdata.base.lazy import lazy_module
+from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.index_files import (
     building,
     load_index,
-    progress,
     reload_index,
     save_index,
 )
@@ -420,7 +420,7 @@ class Documents(ShardReader):
         base = 0
         sizes = self.manifest.bytes_per_shard()
         total_bytes = int(sum(int(sizes[u.shard]) for u in units))
-        with progress(total_bytes, "documents", self.progress) as update:
+        with progress(total_bytes, "documents", unit="doc", enabled=self.progress) as update:
             for unit in units:
                 local, unit = self._unit_documents(unit)
                 parts.append(local[:-1] + base)

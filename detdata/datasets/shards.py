@@ -70,6 +70,7 @@ from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.first_opens import FirstOpens
+from detdata.storage.first_opens import file_identity as _identity
 from detdata.storage.fs import filesystem, is_url, join
 from detdata.storage.retry import RetryPolicy, check_policy
 
@@ -246,15 +247,6 @@ def renamed_argument(
         f"{owner}({old}=...) is deprecated; use {new}=... instead", DeprecationWarning, stacklevel=3
     )
     return old_value
-
-
-_U64: Final = (1 << 64) - 1
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
-    """``(inode, device, mtime_ns)`` of a stat, each as an unsigned 64-bit pattern (an
-    overlayfs inode may use the top bit; an mtime before 1970 is negative)."""
-    return (st.st_ino & _U64, st.st_dev & _U64, st.st_mtime_ns & _U64)
 
 
 def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
@@ -894,7 +886,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         after its bytes were read). One vectorised comparison instead of ~6 us of Python
         per shard. The first culprit, in the order given, raises `_check_stat`'s error. A
         shard not recorded yet goes through `_check_identity` (callers record first opens
-        before reading: the native loop does, see `TokenWindows._preadv_shards`). Callers
+        before reading: the native loop does, see `detdata.storage.reads.read_checked`). Callers
         check before any byte
         read under these opens is returned."""
         if not ids.size:

@@ -58,6 +58,7 @@ from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
 from detdata.identity.entry import FORMAT_VERSION, ShardEntry
 from detdata.identity.entry import KIND as MANIFEST_KIND
+from detdata.storage.digest import full_digest_path
 
 MAGIC: Final = b"DDMCOLS1"
 KIND: Final = "detdata.manifest-columns"
@@ -573,8 +574,7 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
     `ManifestError`."""
     c, json_path = table.columns, table.json_path
     if json_path is not None and with_json:
-        with open(json_path, "rb") as fh:
-            found = PREFIX + blake3.blake3(fh.read()).hexdigest()
+        found = full_digest_path(json_path)
         if found != c.header["json_digest"]:
             raise c._error(
                 f"the manifest JSON {json_path} hashes to {found}, the columns were saved "

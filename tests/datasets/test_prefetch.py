@@ -21,7 +21,7 @@ import detdata
 from detdata.datasets.prefetch import Lookahead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
-from detdata.storage.cache import _flock
+from detdata.storage.locks import flock as _flock
 from detdata.storage.retry import RetryPolicy
 from tests.faultproxy import FaultProxy, schedule
 from tests.servers import HttpServer

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
 from detdata.base.errors import StorageError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -240,7 +240,7 @@ def test_a_short_read_of_a_file_that_is_not_shorter_is_a_storage_error(tmp_path:
         return real(fd, buffers, offset) - 1
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tokens_module, "NATIVE", False)  # the Python loop's os.preadv is patched
+        mp.setattr(reads_module, "NATIVE", False)  # the Python loop's os.preadv is patched
         mp.setattr(os, "preadv", short)
         with pytest.raises(StorageError, match=r"short read.*hint:"):
             ds.read(np.arange(0, 9))

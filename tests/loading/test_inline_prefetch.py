@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import detdata
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
 from detdata.base.errors import VerificationError
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tokens import TokenWindows
@@ -59,13 +59,13 @@ def corpus(tmp_path: Path) -> tuple[Path, np.ndarray]:
 def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per background read a hint started (a spy)."""
     seen: list[int] = []
-    real = tokens_module.start_read_files
+    real = reads_module.start_read_files
 
     def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
         seen.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tokens_module, "start_read_files", spy)
+    monkeypatch.setattr(reads_module, "start_read_files", spy)
     return seen
 
 

@@ -26,12 +26,13 @@ import pytest
 import detdata
 from detdata.base.errors import StorageError, VerificationError
 from detdata.datasets.tables import TableRows
-from detdata.datasets.tokens import TokenWindows, read_ranges
+from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.trace import first_difference, read_trace, step_digests
 from detdata.storage.fs import filesystem
+from detdata.storage.ranges import read_ranges
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
 from tests.resume_checker import run_digests
