@@ -4,7 +4,7 @@ Each case drives one path of ``TokenWindows.read`` (see `detdata.datasets.window
 
 * ``one-shard``: 64 ids of one mapped shard (one fancy gather from its window view);
 * ``mapped``: 256 shuffled ids over 64 shards, all mapped (the per-shard gather loop);
-* ``scattered``: 2 distant windows of each of 64 large shards, ``max_open_shards=1``
+* ``scattered``: 2 distant windows of each of 63 large shards, ``max_open_shards=1``
   (one ``preadv`` per window, no map);
 * ``batched``: 256 shuffled ids over 4,000 small shards, ``max_open_shards=1`` (the batched
   file loop straight into the rows; native where built);
@@ -65,7 +65,7 @@ if case in ("one-shard", "mapped", "scattered"):
     elif case == "mapped":
         ids = [rng.permutation(ds.num_samples)[:256] for _ in range(batches)]
     else:
-        base = np.arange(1, 65) * per
+        base = np.arange(1, 64) * per
         ids = [rng.permutation(np.concatenate([base + 3, base + per // 2])) for _ in range(batches)]
         ds.read(np.asarray([0]))  # the only handle: shard 0
 else:

@@ -54,7 +54,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import fsspec
@@ -860,19 +860,6 @@ class ShardReader(ProcessLocal, abc.ABC):
                 expected=list(seen),
                 found=list(now),
             )
-
-    def _check_opened_all(
-        self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
-    ) -> None:
-        """`_check_stat` of many opens at once (``stats[i]``: an ``fstat`` of shard
-        ``shards[i]``'s file ``prefix + path`` taken after its bytes were read): see
-        `_check_opened_arrays`."""
-        if not stats:
-            return
-        n = len(stats)
-        sizes = np.fromiter((st.st_size for st in stats), np.int64, n)
-        now = np.array([_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
-        self._check_opened_arrays(np.asarray(shards[:n], dtype=np.int64), sizes, now, prefix)
 
     def _check_opened_arrays(
         self,
