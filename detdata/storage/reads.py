@@ -30,8 +30,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
@@ -261,21 +260,36 @@ class ReadAhead:
             old.drop()
 
 
-@contextmanager
-def opened(path: str, shard: int, checks: OpenChecks) -> Iterator[int]:
+class opened:
     """``path`` (shard ``shard``'s file) open for reading: checked (``checks.stat``) at the
     open and again after the reads inside the block (a write they saw shows), closed after;
-    a missing file raises ``checks.missing``."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise checks.missing(shard, path) from None
-    try:
-        checks.stat(shard, os.fstat(fd), path)
-        yield fd
-        checks.stat(shard, os.fstat(fd), path)
-    finally:
-        os.close(fd)
+    a missing file raises ``checks.missing``. (A class, not a generator: it runs once per
+    shard read without the batched loop.)"""
+
+    __slots__ = ("checks", "fd", "path", "shard")
+
+    def __init__(self, path: str, shard: int, checks: OpenChecks) -> None:
+        self.path, self.shard, self.checks = path, shard, checks
+        self.fd = -1
+
+    def __enter__(self) -> int:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self.checks.missing(self.shard, self.path) from None
+        try:
+            self.checks.stat(self.shard, os.fstat(self.fd), self.path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        return self.fd
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        try:
+            if kind is None:
+                self.checks.stat(self.shard, os.fstat(self.fd), self.path)
+        finally:
+            os.close(self.fd)
 
 
 def pread_exact(
