@@ -42,6 +42,7 @@ from detdata.identity.registry import RefEvent, Registry
 from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
 from detdata.loading.frameworks import add_watcher as _add_watcher
+from detdata.loading.options import DeviceFeed, LoaderOptions, ReadOptions, ResumePolicy
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
 from detdata.loading.steps import MidStep
@@ -100,12 +101,14 @@ __all__ = [
     "Dataset",
     "DetdataError",
     "DeterministicBatchSampler",
+    "DeviceFeed",
     "Documents",
     "Excluded",
     "ExclusionList",
     "Format",
     "FormatError",
     "GlobalOrder",
+    "LoaderOptions",
     "LocalityOrder",
     "Manifest",
     "ManifestError",
@@ -114,9 +117,11 @@ __all__ = [
     "Order",
     "OrderedStream",
     "PackedWindows",
+    "ReadOptions",
     "RefEvent",
     "Registry",
     "RegistryError",
+    "ResumePolicy",
     "RetriesExhausted",
     "RetryPolicy",
     "RunRecord",
