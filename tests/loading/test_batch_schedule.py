@@ -106,8 +106,7 @@ def test_dp8_to_dp7_worked_example() -> None:
             global_batch_size=gbs,
             micro_batch_size=micro,
             seed=SEED,
-            rank=rank,
-            world_size=world,
+            options=detdata.LoaderOptions(rank=rank, world_size=world),
             **kw,
         )
 
@@ -193,7 +192,7 @@ def test_dp8_to_dp7_worked_example() -> None:
 
 def test_dp7_at_the_old_global_batch_is_refused_naming_the_divisibility() -> None:
     with pytest.raises(ConfigError, match="global_batch_size 512 is not divisible by world_size 7"):
-        DataLoader(DATA, global_batch_size=512, rank=0, world_size=7)
+        DataLoader(DATA, global_batch_size=512, options=detdata.LoaderOptions(rank=0, world_size=7))
 
 
 # ------------------------------------------------------------------ ramp-up
@@ -224,8 +223,7 @@ def ramp_loader(rank: int = 0, world: int = 2, micro: int = 2, **kw: Any) -> Dat
         global_batch_size=SCHEDULE,
         micro_batch_size=micro,
         seed=SEED,
-        rank=rank,
-        world_size=world,
+        options=detdata.LoaderOptions(rank=rank, world_size=world),
         **kw,
     )
 
@@ -301,7 +299,11 @@ def test_schedule_is_a_checked_field() -> None:
     assert state["global_batch_size"] == SCHEDULE.to_json()
     other = BatchSchedule.rampup(START, INC, RAMP + 4, global_batch_size=GBS)
     changed = DataLoader(
-        DATA, global_batch_size=other, micro_batch_size=2, seed=SEED, rank=0, world_size=2
+        DATA,
+        global_batch_size=other,
+        micro_batch_size=2,
+        seed=SEED,
+        options=detdata.LoaderOptions(rank=0, world_size=2),
     )
     with pytest.raises(StateError, match="global_batch_size") as err:
         changed.load_state_dict(state, mid_step="continue")
@@ -351,7 +353,11 @@ def test_resume_with_total_samples_off_the_resumed_steps_is_refused_with_a_hint(
     run = constant(8)
     list(delivered(run, 2))
     bounded = DataLoader(
-        DATA, global_batch_size=12, micro_batch_size=4, seed=SEED, total_samples=36
+        DATA,
+        global_batch_size=12,
+        micro_batch_size=4,
+        seed=SEED,
+        options=detdata.LoaderOptions(total_samples=36),
     )
     with pytest.raises(StateError, match="set_total_samples"):
         bounded.load_state_dict(  # steps 8, 20, 32
@@ -383,8 +389,7 @@ def test_dp_change_after_a_ramp_up_resumes_from_the_saved_step() -> None:
             global_batch_size=sched,
             micro_batch_size=micro,
             seed=SEED,
-            rank=rank,
-            world_size=world,
+            options=detdata.LoaderOptions(rank=rank, world_size=world),
         )
 
     def by_position(loaders: list[DataLoader], count: int) -> dict[int, int]:

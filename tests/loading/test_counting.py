@@ -133,11 +133,12 @@ def make(
         global_batch_size=micro * world * 2,
         micro_batch_size=micro,
         seed=9,
-        rank=rank,
-        world_size=world,
+        options=detdata.LoaderOptions(
+            rank=rank,
+            world_size=world,
+            read=detdata.ReadOptions(worker_mode=mode, read_ahead=read_ahead),
+        ),
         num_workers=workers,
-        worker_mode=mode,
-        read_ahead=read_ahead,
         **extra,
     )
 

@@ -111,7 +111,7 @@ def loader(
         global_batch_size=G,
         micro_batch_size=micro,
         seed=4,
-        trace=trace,
+        options=detdata.LoaderOptions(trace=trace),
         **kwargs,
     )
 

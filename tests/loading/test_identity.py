@@ -161,9 +161,10 @@ def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
         micro_batch_size=c.micro_batch_size,
         seed=c.seed,
         num_workers=c.num_workers,
-        worker_mode=c.worker_mode,
-        read_ahead=c.read_ahead,
-        transform=c.transform,
+        options=detdata.LoaderOptions(
+            transform=c.transform,
+            read=detdata.ReadOptions(worker_mode=c.worker_mode, read_ahead=c.read_ahead),
+        ),
         collate_fn=c.collate_fn,
         **extra,
     )
