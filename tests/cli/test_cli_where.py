@@ -16,7 +16,7 @@ from tests.conftest import write_token_shards
 pytestmark = pytest.mark.multiproc  # runs the real console command
 
 DEFINITION = """
-from detdata import DataLoader, Mixture, TokenWindows, build_manifest
+from detdata import DataLoader, LoaderOptions, Mixture, TokenWindows, build_manifest
 
 ROOT = {root!r}
 SEED = {seed}
@@ -28,7 +28,12 @@ def build_mixture():
 
 
 def build_loader():
-    return DataLoader(build_mixture(), global_batch_size=8, micro_batch_size=2, world_size=2)
+    return DataLoader(
+        build_mixture(),
+        global_batch_size=8,
+        micro_batch_size=2,
+        options=LoaderOptions(world_size=2),
+    )
 
 
 def first_token(sample):
@@ -246,7 +251,8 @@ SEED = {seed}
 def build_loader():  # rank and world size from torch.distributed: world 1 in the CLI
     rows = detdata.ArrayDataset({{"id": np.arange(501, dtype=np.int64)}})
     return detdata.DataLoader(
-        rows, global_batch_size=8, micro_batch_size=2, seed=SEED, total_samples={total}
+        rows, global_batch_size=8, micro_batch_size=2, seed=SEED,
+        options=detdata.LoaderOptions(total_samples={total}),
     )
 """
 
