@@ -27,6 +27,8 @@ def loader(**kw: Any) -> detdata.DataLoader:
     return detdata.DataLoader(kw.pop("data", None) or data(), **{**base, **kw})
 
 
+#: Several cases pass the flat keywords of earlier versions (``worker_mode=``, ``transform=``) on
+#: purpose: a bad value given the old way is refused as the option object refuses it.
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("timeout<0", {"num_workers": 2, "timeout": -1}, "timeout must be a number of seconds >= 0"),
     ("timeout-str", {"num_workers": 2, "timeout": "5"}, "timeout must be a number"),

@@ -406,12 +406,18 @@ def test_resume_off_micro_step_boundary_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"global_batch_size": 10, "world_size": 4, "rank": 0}, "divisible"),
+        (
+            {"global_batch_size": 10, "options": detdata.LoaderOptions(world_size=4, rank=0)},
+            "divisible",
+        ),
         ({"global_batch_size": 8, "micro_batch_size": 3}, "divisible"),
-        ({"global_batch_size": 8, "rank": 2, "world_size": 2}, "rank"),
+        ({"global_batch_size": 8, "options": detdata.LoaderOptions(rank=2, world_size=2)}, "rank"),
         ({"global_batch_size": 0}, "global_batch_size"),
         ({"global_batch_size": 8, "seed": -1}, "seed"),
-        ({"global_batch_size": 8, "total_samples": 12}, "total_samples"),
+        (
+            {"global_batch_size": 8, "options": detdata.LoaderOptions(total_samples=12)},
+            "total_samples",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -498,14 +504,14 @@ def test_worker_mode_validated() -> None:
 
 @pytest.mark.parametrize("read_ahead", [1, 3, 4, 64])
 def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
-    def make(ra: int, **kw: Any) -> DataLoader:
+    def make(ra: int, mode: str = "process", **kw: Any) -> DataLoader:
         return DataLoader(
             dataset(),
             global_batch_size=16,
             micro_batch_size=4,
             seed=6,
             options=detdata.LoaderOptions(
-                total_samples=16 * 7, read=detdata.ReadOptions(read_ahead=ra)
+                total_samples=16 * 7, read=detdata.ReadOptions(read_ahead=ra, worker_mode=mode)
             ),
             **kw,
         )
@@ -513,7 +519,7 @@ def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
     reference = [digest(b) for b in make(1)]
     assert len(reference) == 28
     assert [digest(b) for b in make(read_ahead)] == reference
-    assert [digest(b) for b in make(read_ahead, num_workers=2, worker_mode="thread")] == reference
+    assert [digest(b) for b in make(read_ahead, "thread", num_workers=2)] == reference
     assert [digest(b) for b in make(read_ahead, num_workers=2)] == reference  # worker processes
     seen: list[int] = []
     collated = make(read_ahead, collate_fn=lambda b: seen.append(len(b["id"])) or b)

@@ -337,9 +337,15 @@ def test_each_old_keyword_sets_its_field_and_conflicts_with_it(
 
 
 def test_a_bad_old_keyword_names_itself_and_its_new_spelling() -> None:
-    with pytest.raises(detdata.ConfigError, match=r"read_ahead= .*ReadOptions.read_ahead.*got 0"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(detdata.ConfigError, match=r"read_ahead= .*ReadOptions.read_ahead.*got 0"),
+    ):
         detdata.DataLoader(data(), global_batch_size=8, read_ahead=0)
-    with pytest.raises(detdata.ConfigError, match=r"device_prefetch= .*DeviceFeed\.prefetch"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(detdata.ConfigError, match=r"device_prefetch= .*DeviceFeed\.prefetch"),
+    ):
         detdata.DataLoader(data(), global_batch_size=8, device_prefetch=0)
 
 

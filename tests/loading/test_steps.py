@@ -121,7 +121,7 @@ def test_mid_step_redo_at_another_layout_and_after_a_mid_step_layout_change() ->
 def test_a_bad_mid_step_value_is_refused() -> None:
     with pytest.raises(detdata.ConfigError, match="mid_step must be 'redo'"):
         loader().load_state_dict(saved_after(1), mid_step="skip")
-    with pytest.raises(detdata.ConfigError, match="mid_step_on_resume"):
+    with pytest.raises(detdata.ConfigError, match=r"ResumePolicy\.mid_step must be 'redo'"):
         loader(options=detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step=True)))
 
 
