@@ -11,6 +11,7 @@ import types as _types
 import typing as _typing
 
 from detdata.base.errors import (
+    CapabilityError,
     ConfigError,
     DetdataError,
     FormatError,
@@ -96,6 +97,7 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "BatchSchedule",
+    "CapabilityError",
     "ConfigError",
     "DataLoader",
     "Dataset",
