@@ -363,8 +363,7 @@ def run_one(
     ds = TokenWindows(
         manifest.with_root(store.url),
         size.seq_len,
-        storage=Storage(verify="off", fs_options=store.options),
-        **options,
+        storage=Storage(verify="off", fs_options=store.options, **options),
     )
     row: dict[str, Any] = {
         "store": store.name,

@@ -301,11 +301,10 @@ def _dataset(kind: str, folder: Path, seq_len: int, max_open: int | None) -> Any
 
     manifest = str(folder / "manifest.json")
     extra: dict[str, Any] = {} if max_open is None else {"max_open_shards": max_open}
+    storage = detdata.Storage(verify="off", **extra)
     if kind == "tokens":
-        return detdata.TokenWindows(
-            manifest, seq_len, labels=False, storage=detdata.Storage(verify="off"), **extra
-        )
-    return detdata.TableRows(manifest, ["tokens"], storage=detdata.Storage(verify="off"), **extra)
+        return detdata.TokenWindows(manifest, seq_len, labels=False, storage=storage)
+    return detdata.TableRows(manifest, ["tokens"], storage=storage)
 
 
 def measure(

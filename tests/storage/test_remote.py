@@ -259,7 +259,7 @@ def test_token_windows_remote_equal_local(
         else {"cache_dir": None}  # coalesced range reads (the default caches remote shards)
     )
     remote = TokenWindows(
-        local_manifest.with_root(root), SEQ, storage=Storage(fs_options=opts), **extra
+        local_manifest.with_root(root), SEQ, storage=Storage(fs_options=opts, **extra)
     )
     assert remote.manifest.id == local.manifest.id
     rng = np.random.default_rng(3)
@@ -280,7 +280,7 @@ def test_table_rows_on_s3_equal_local(
         {"cache_dir": tmp_path / "c", "shard_cache_bytes": 1 << 20} if cached else {}
     )
     remote = TableRows(
-        build_manifest(f"{s3_root}/tables", **opts), storage=Storage(fs_options=opts), **extra
+        build_manifest(f"{s3_root}/tables", **opts), storage=Storage(fs_options=opts, **extra)
     )
     assert remote.manifest.id == local.manifest.id
     ids = np.random.default_rng(1).integers(0, 300, size=64)
@@ -412,8 +412,7 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
         return TokenWindows(
             local_manifest.with_root(root),
             SEQ,
-            storage=Storage(retry=PATIENT, fs_options=opts),
-            **extra,
+            storage=Storage(retry=PATIENT, fs_options=opts, **extra),
         )
 
     local = TokenWindows(local_manifest, SEQ)
