@@ -199,7 +199,12 @@ def bench_resume(root: Path, seq_len: int, batch: int, repeats: int) -> dict[str
 
     def make() -> detdata.DataLoader:
         # one global batch per read: the first batch measures positioning, not read-ahead
-        return detdata.DataLoader(packed, global_batch_size=batch, seed=3, read_ahead=1)
+        return detdata.DataLoader(
+            packed,
+            global_batch_size=batch,
+            seed=3,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+        )
 
     def fresh() -> None:
         next(iter(make()))

@@ -408,8 +408,11 @@ def run_one(
             stream,
             global_batch_size=size.batch,
             seed=7,
-            lookahead=lookahead if cache is not None else 0,
-            read_ahead=READ_AHEAD,
+            options=detdata.LoaderOptions(
+                read=detdata.ReadOptions(
+                    read_ahead=READ_AHEAD, lookahead=lookahead if cache is not None else 0
+                )
+            ),
         )
     store.proxy.set_plan(clean)  # fresh counters; open connections are closed
     began = time.monotonic()

@@ -329,7 +329,7 @@ def measure(
         stream,
         global_batch_size=batch,
         num_workers=run.workers,
-        worker_mode=run.worker_mode,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode=run.worker_mode)),
         seed=3,
     )
     peaks = Peaks(str(folder))

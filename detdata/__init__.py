@@ -11,6 +11,7 @@ import types as _types
 import typing as _typing
 
 from detdata.base.errors import (
+    CapabilityError,
     ConfigError,
     DetdataError,
     FormatError,
@@ -43,6 +44,7 @@ from detdata.identity.registry import RefEvent, Registry
 from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
 from detdata.loading.frameworks import add_watcher as _add_watcher
+from detdata.loading.options import DeviceFeed, LoaderOptions, ReadOptions, ResumePolicy
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
 from detdata.loading.steps import MidStep
@@ -96,17 +98,20 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "BatchSchedule",
+    "CapabilityError",
     "ConfigError",
     "DataLoader",
     "Dataset",
     "DetdataError",
     "DeterministicBatchSampler",
+    "DeviceFeed",
     "Documents",
     "Excluded",
     "ExclusionList",
     "Format",
     "FormatError",
     "GlobalOrder",
+    "LoaderOptions",
     "LocalityOrder",
     "Manifest",
     "ManifestError",
@@ -115,9 +120,11 @@ __all__ = [
     "Order",
     "OrderedStream",
     "PackedWindows",
+    "ReadOptions",
     "RefEvent",
     "Registry",
     "RegistryError",
+    "ResumePolicy",
     "RetriesExhausted",
     "RetryPolicy",
     "RunRecord",

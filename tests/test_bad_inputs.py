@@ -525,7 +525,9 @@ def _mixture_loader(total: int | None) -> DataLoader:
         "b": detdata.ArrayDataset({"x": np.arange(100, 130)}, name="b"),
     }
     mix = detdata.Mixture(sources, schedule=[(0, {"a": 1, "b": 1}), (32, {"a": 3, "b": 1})], seed=4)
-    return DataLoader(mix, global_batch_size=8, seed=4, total_samples=total)
+    return DataLoader(
+        mix, global_batch_size=8, seed=4, options=detdata.LoaderOptions(total_samples=total)
+    )
 
 
 @pytest.mark.parametrize(
@@ -538,7 +540,9 @@ def _mixture_loader(total: int | None) -> DataLoader:
         ),
         (
             lambda: DataLoader(
-                detdata.ArrayDataset({"x": np.arange(10)}), global_batch_size=8, total_samples=64
+                detdata.ArrayDataset({"x": np.arange(10)}),
+                global_batch_size=8,
+                options=detdata.LoaderOptions(total_samples=64),
             ),
             72,
             r"saved samples_consumed 72 is beyond this loader's total_samples 64",

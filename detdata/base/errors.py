@@ -32,6 +32,18 @@ class ConfigError(DetdataError, ValueError):
     """An argument or configuration value is invalid (bad weights, batch sizes, seeds...)."""
 
 
+class CapabilityError(ConfigError, TypeError):
+    """A call needs a capability (`detdata.datasets.capabilities`) that the stream or dataset
+    it was given does not declare: names the capability (``capability``), the type that lacks
+    it (``kind``) and a hint. A `ConfigError` (the data passed is unsuitable) and a
+    `TypeError` (the object lacks an interface)."""
+
+    def __init__(self, message: str, *, capability: str = "", kind: str = "") -> None:
+        super().__init__(message)
+        self.capability = capability
+        self.kind = kind
+
+
 class ManifestError(DetdataError, ValueError):
     """A manifest is malformed, unsafe, of an unknown version, or its id does not match."""
 

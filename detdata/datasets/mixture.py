@@ -25,6 +25,7 @@ from detdata.base.groupby import stable_groups
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset
+from detdata.datasets.capabilities import HasSchema, Origins
 from detdata.datasets.columns import describe_column, same_kind
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
 from detdata.order.feistel import GlobalOrder, permute_sources
@@ -61,8 +62,9 @@ class Mixture:
     is divided by their sum, so ``{"a": 7, "b": 3}`` and ``{"a": "0.7", "b": "0.3"}`` are one
     mixture and ``{"a": 0.7, "b": 0.2}`` means 7/9 and 2/9 (``repr`` shows the proportions
     used). A `Stream`:
-    ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed`` and
-    ``continue_from``. See `detdata.order.mixture` for the exact algorithm and the
+    ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed``, ``origins`` and
+    ``continue_from`` (it declares `HasSources`, `HasOrigins` and `ContinuesFrom`,
+    `detdata.datasets.capabilities`). See `detdata.order.mixture` for the exact algorithm and the
     proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.
 
     Every source must deliver the same columns with the same dtype, trailing shape
@@ -156,6 +158,18 @@ class Mixture:
     def sample_ids(self, positions: IntArray) -> IntArray:
         """Sample ids (within their source; pair them with ``locate(...)[0]``) of ``positions``."""
         return self.locate(positions)[2]
+
+    def origins(self, positions: IntArray) -> Origins:
+        """Source and sample id of each of the 1-D ``positions`` (`HasOrigins`)."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        src, _, ids = self.locate(pos)
+        return Origins(
+            names=self.source_names,
+            datasets=tuple(self.sources[n] for n in self.source_names),
+            source=src.astype(np.int64),
+            ids=ids.astype(np.int64),
+            notes=(None,) * pos.size,
+        )
 
     def fetch(self, positions: IntArray) -> Batch:
         """The samples at ``positions``, rows in position order: one batched read per source.
@@ -361,13 +375,12 @@ def _check_sources(sources: object) -> dict[str, Dataset]:
 
 
 def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
-    """Column -> `describe_column` of what ``dataset`` delivers: its ``schema()`` if it has
-    one that answers in that form (without reading samples, e.g. `TableRows`), else
-    described from ``read([0])`` (a ``schema()`` of another kind, say a pyarrow schema, is
-    not ours to interpret)."""
-    schema = getattr(dataset, "schema", None)
-    if callable(schema):
-        found = schema()
+    """Column -> `describe_column` of what ``dataset`` delivers: its ``schema()`` if it is
+    `HasSchema` and answers in that form (without reading samples, e.g. `TableRows`), else
+    (the documented default) described from ``read([0])`` (a ``schema()`` of another kind,
+    say a pyarrow schema, is not ours to interpret)."""
+    if isinstance(dataset, HasSchema):
+        found: object = dataset.schema()
         if isinstance(found, Mapping) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in found.items()
         ):

@@ -271,6 +271,12 @@ class PackedWindows(ProcessLocal):
         return self.num_samples
 
     @property
+    def tokens_per_sample(self) -> int:
+        """``seq_len``: the input tokens of a window (not the extra label token; padding is
+        subtracted by ``DataLoader.tokens_consumed``), `TokenCounting`."""
+        return self.seq_len
+
+    @property
     def offsets(self) -> npt.NDArray[np.int64]:
         """The packing index: effective-token offsets of the shuffled positions (read-only)."""
         view: npt.NDArray[np.int64] = self._offsets.view()

@@ -59,6 +59,7 @@ import numpy as np
 from detdata.base.checks import check_count
 from detdata.base.redact import get_logger
 from detdata.base.types import IntArray
+from detdata.datasets.capabilities import HasSources, OverOneDataset
 from detdata.datasets.shards import ShardReader
 
 log: Final = get_logger("detdata.prefetch")
@@ -109,23 +110,31 @@ def _close_all() -> None:
         ahead.close()
 
 
-def cached_readers(stream: Any) -> list[ShardReader]:
-    """The shard readers of ``stream`` (a dataset, an ordered stream or a mixture) that read
-    through a shard cache (``cache_dir`` and a remote root), in source order."""
-    candidates: list[Any]
-    sources = getattr(stream, "sources", None)
-    if isinstance(sources, dict):
-        candidates = list(sources.values())
-    else:
-        candidates = [getattr(stream, "dataset", stream)]
-    return [r for r in candidates if isinstance(r, ShardReader) and r._uses_shard_cache()]
+def _datasets_of(stream: object) -> list[object]:
+    """The datasets ``stream`` reads, in source order: a `HasSources` stream's sources, an
+    `OverOneDataset` stream's dataset, else ``stream`` itself (a dataset, or a stream that
+    declares neither: then nothing is prefetched, the documented default)."""
+    if isinstance(stream, HasSources):
+        return [stream.sources[n] for n in stream.source_names]
+    if isinstance(stream, OverOneDataset):
+        return [stream.dataset]
+    return [stream]
+
+
+def cached_readers(stream: object) -> list[ShardReader]:
+    """The shard readers of ``stream`` (a dataset, or a stream declaring `HasSources` or
+    `OverOneDataset`) that read through a shard cache (``cache_dir`` and a remote root), in
+    source order."""
+    candidates = _datasets_of(stream)
+    return [r for r in candidates if isinstance(r, ShardReader) and r.uses_shard_cache()]
 
 
 def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> list[Key]:
     """``(reader index, shard)`` read at ``positions`` of ``stream``, in order of first use.
 
-    Only readers in ``readers`` count. Mixtures (``sources`` + ``locate``) are split by
-    source; other streams map positions with ``sample_ids`` to their ``dataset``.
+    Only readers in ``readers`` count. `HasSources` streams (mixtures) are split by
+    source with ``locate``; `OverOneDataset` streams map positions to their ``dataset``
+    with ``sample_ids``; anything else is taken as a dataset read at ``positions``.
     """
     return shard_uses_of_steps(stream, [positions], readers)[0]
 
@@ -160,18 +169,21 @@ def shard_uses_of_steps(
     return out
 
 
-def _shards_at(stream: Any, pos: IntArray, readers: list[ShardReader]) -> tuple[IntArray, IntArray]:
-    """``(reader index or -1, shard)`` of each position of ``stream``."""
+def _shards_at(
+    stream: object, pos: IntArray, readers: list[ShardReader]
+) -> tuple[IntArray, IntArray]:
+    """``(reader index or -1, shard)`` of each position of ``stream`` (`_datasets_of`)."""
     index = {id(r): i for i, r in enumerate(readers)}
-    sources = getattr(stream, "sources", None)
-    if isinstance(sources, dict) and hasattr(stream, "locate"):
+    if isinstance(stream, HasSources):
         src, _, ids = stream.locate(pos)
-        datasets = [sources[name] for name in stream.source_names]
+        datasets = _datasets_of(stream)
         which = np.asarray([index.get(id(d), -1) for d in datasets], dtype=np.int64)[src]
-    else:
-        ds = getattr(stream, "dataset", stream)
-        ids = np.asarray(stream.sample_ids(pos) if ds is not stream else pos).reshape(-1)
-        which = np.full(ids.shape, index.get(id(ds), -1), dtype=np.int64)
+    elif isinstance(stream, OverOneDataset):
+        ids = np.asarray(stream.sample_ids(pos)).reshape(-1)
+        which = np.full(ids.shape, index.get(id(stream.dataset), -1), dtype=np.int64)
+    else:  # a dataset: positions are its ids
+        ids = np.asarray(pos).reshape(-1)
+        which = np.full(ids.shape, index.get(id(stream), -1), dtype=np.int64)
     which = np.asarray(which, dtype=np.int64)
     shard = np.full(ids.shape, -1, dtype=np.int64)
     for i in np.unique(which[which >= 0]).tolist():

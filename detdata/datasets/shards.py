@@ -309,9 +309,12 @@ class ShardReader(ProcessLocal, abc.ABC):
                 return self._fs, self._root_path
         return self._fs, self._root_path
 
-    def _uses_shard_cache(self) -> bool:
-        """Are shards read from verified local copies (``cache_dir`` and a remote root)?"""
+    def uses_shard_cache(self) -> bool:
+        """Are shards read from verified local copies (``cache_dir`` and a remote root)? The
+        lookahead (`detdata.datasets.prefetch`) fills the caches of such readers only."""
         return self.cache_dir is not None and not isinstance(self._filesystem()[0], LocalFileSystem)
+
+    _uses_shard_cache = uses_shard_cache  # the spelling the subclasses' read paths use
 
     # the cache of shard copies ---------------------------------------------------
     @property
@@ -376,7 +379,7 @@ class ShardReader(ProcessLocal, abc.ABC):
     def prefetch_copy(self, shard: int) -> None:
         """Fill the verified cached copy of ``shard`` now, as a background prefetch would
         (`detdata.datasets.prefetch`); opens no handle. No-op without a shard cache."""
-        if not self._uses_shard_cache():
+        if not self.uses_shard_cache():
             return
         cache = self.shard_cache
         assert cache is not None
@@ -466,7 +469,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         """`_check_stat` of a file of ``size`` bytes and identity ``now`` (`_identity`)."""
         if size != self._sizes[shard]:
             self._check_size(shard, size, path)
-        if self.cache_dir is not None and self._uses_shard_cache():
+        if self.cache_dir is not None and self.uses_shard_cache():
             return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
         seen = self._first.record(shard, now)
         if seen != now:
@@ -513,7 +516,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         if not ids.size:
             return
         bad = sizes != self._size_array.take(ids)
-        if not self._uses_shard_cache():
+        if not self.uses_shard_cache():
             bad |= ~self._first.recorded(ids)
             changed = self._first.ident.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
             bad |= changed[:, 0] | changed[:, 1] | changed[:, 2]  # ~2x cheaper than any(1)

@@ -14,9 +14,17 @@ from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.capabilities import (
+    Origins,
+    Prefetching,
+    RowGroupSized,
+    ShardSized,
+    TakesOrder,
+    missing,
+)
 from detdata.order.choice import (
-    UNIT_SIZES,
     LocalityOrder,
+    LocalityUnit,
     Order,
     OrderChoice,
     OrderLike,
@@ -28,16 +36,26 @@ from detdata.order.memo import ChunkMemo
 
 
 def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None:
-    """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` or its
-    ``row_group_sizes`` (None if it has none, or for a global order)."""
+    """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` (`ShardSized`)
+    or its ``row_group_sizes`` (`RowGroupSized`); None for a global order. A dataset without
+    the capability the order needs is a `CapabilityError` naming it."""
     if not isinstance(choice, LocalityOrder):
         return None
-    return _sizes(dataset, UNIT_SIZES[choice.unit])
-
-
-def _sizes(dataset: Dataset, attr: str) -> Sequence[int] | None:
-    sizes = getattr(dataset, attr, None)
-    return None if sizes is None else tuple(int(c) for c in sizes)
+    if choice.unit is LocalityUnit.ROW_GROUPS:
+        if isinstance(dataset, RowGroupSized):
+            return tuple(int(c) for c in dataset.row_group_sizes)
+        need: type = RowGroupSized
+        hint = "use a TableRows dataset (Parquet / Arrow row groups) or window_shards=k"
+    else:
+        if isinstance(dataset, ShardSized):
+            return tuple(int(c) for c in dataset.shard_sizes)
+        need, hint = ShardSized, "use a sharded dataset (TokenWindows, TableRows)"
+    raise missing(
+        need,
+        dataset,
+        needed_by=f"order {order_name(choice)}",
+        hint=f"{hint} or order=Order.FEISTEL_V1",
+    )
 
 
 class OrderedStream:
@@ -47,8 +65,9 @@ class OrderedStream:
     `LocalityOrder(window_shards=k)` (`WindowedOrder` over the dataset's
     ``shard_sizes``) / `LocalityOrder(window_row_groups=k)` (over its
     ``row_group_sizes``). The order's name, with its parameters, is the identity's
-    ``algorithm``. A dataset with a ``use_order(choice)`` method (`TableRows`) is told
-    the order, to size what it caches (never what it reads).
+    ``algorithm``. A dataset that is `TakesOrder` (`TableRows`, `TokenWindows`) is told
+    the order, to size what it caches (never what it reads). It declares `OverOneDataset`,
+    `HasOrigins` and `Prefetching` (`detdata.datasets.capabilities`).
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
@@ -64,9 +83,8 @@ class OrderedStream:
             )
         sizes = unit_sizes_of(dataset, self.order_choice)
         self.order = build_order(self.order_choice, n, self.seed, sizes)
-        use_order = getattr(dataset, "use_order", None)
-        if callable(use_order):
-            use_order(self.order_choice)
+        if isinstance(dataset, TakesOrder):
+            dataset.use_order(self.order_choice)
         self._memo = ChunkMemo(self._ids)
 
     def _ids(self, positions: IntArray) -> tuple[IntArray]:
@@ -80,13 +98,26 @@ class OrderedStream:
     def fetch(self, positions: IntArray) -> Batch:
         return self.dataset.read(self.sample_ids(positions).reshape(-1))
 
+    def origins(self, positions: IntArray) -> Origins:
+        """One unnamed source: the dataset, and the sample id of each of the 1-D
+        ``positions`` (`HasOrigins`)."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        return Origins(
+            names=(None,),
+            datasets=(self.dataset,),
+            source=np.zeros(pos.size, dtype=np.int64),
+            ids=np.asarray(self.sample_ids(pos), dtype=np.int64).reshape(-1),
+            notes=(None,) * pos.size,
+        )
+
     def prefetch(self, positions: IntArray | None) -> None:
         """A hint: the next `fetch` is of ``positions`` (None: drop what is pending). Passed
-        on as sample ids to a dataset with a ``prefetch`` method (`TokenWindows`), which may
-        start that read's file reads in the background; it never changes a fetched byte."""
-        hint = getattr(self.dataset, "prefetch", None)
-        if callable(hint):
-            hint(None if positions is None else self.sample_ids(positions).reshape(-1))
+        on as sample ids to a `Prefetching` dataset (`TokenWindows`), which may start that
+        read's file reads in the background; it never changes a fetched byte. Other
+        datasets get no hint (the default: read when fetched)."""
+        if isinstance(self.dataset, Prefetching):
+            ids = None if positions is None else self.sample_ids(positions).reshape(-1)
+            self.dataset.prefetch(ids)
 
     def identity(self) -> dict[str, Any]:
         return {

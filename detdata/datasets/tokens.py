@@ -468,6 +468,12 @@ class TokenWindows(ShardReader):
         a `detdata.LocalityOrder` groups into windows of shards."""
         return self.windows_per_shard
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """``seq_len``: the input tokens of a window (not the extra label token), as
+        ``DataLoader.tokens_consumed`` counts them (`TokenCounting`)."""
+        return self.seq_len
+
     def schema(self) -> dict[str, str]:
         """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without
         a read."""

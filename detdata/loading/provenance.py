@@ -10,7 +10,8 @@ mixture's source name), sample id, and where the bytes live:
   read them);
 * `TableRows`: ``shard``, ``url``, ``rows`` ``[row, row + 1)`` in the shard and its
   ``row_group``;
-* any dataset with a ``provenance(ids) -> list[dict]`` method: those dicts. Packed
+* any dataset with a ``provenance(ids) -> list[dict]`` method (`HasProvenance`,
+  `detdata.datasets.capabilities`): those dicts; other datasets: none. Packed
   windows (`PackedWindows`) and `Documents` have none yet: their records carry id and
   digest only, no shard or range;
 
@@ -37,10 +38,11 @@ from typing import Any, Final
 import numpy as np
 
 from detdata.base.checks import check_count
-from detdata.base.errors import ConfigError
+from detdata.base.errors import CapabilityError, ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing
 from detdata.datasets.digest import framed, framed_sample
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
@@ -170,14 +172,15 @@ def _table_locations(ds: TableRows, ids: IntArray) -> list[dict[str, Any]]:
 
 
 def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
-    """Shard-level location of each id of ``dataset`` (empty dicts where it cannot tell)."""
+    """Shard-level location of each id of ``dataset``: `TokenWindows` and `TableRows` are
+    located here, any other dataset by its ``provenance(ids)`` (`HasProvenance`); without it,
+    the documented default: an empty dict per id (the record carries id and digest only)."""
     if isinstance(dataset, TokenWindows):
         return _token_locations(dataset, ids)
     if isinstance(dataset, TableRows):
         return _table_locations(dataset, ids)
-    own = getattr(dataset, "provenance", None)
-    if callable(own):
-        found = list(own(ids))
+    if isinstance(dataset, HasProvenance):
+        found = list(dataset.provenance(ids))
         if len(found) != ids.size:
             raise ConfigError(
                 f"{type(dataset).__name__}.provenance returned {len(found)} records for "
@@ -267,12 +270,13 @@ def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: in
         order = stream.order
         if isinstance(order, GlobalOrder):
             return positions_of(order, sample_id, until=hi)
-        own = getattr(order, "positions_of", None)
-        if callable(own):
-            return np.asarray(own(sample_id, until=hi), dtype=np.int64)
-        raise ConfigError(
-            f"no reverse lookup for the order {type(order).__name__} yet; hint: feistel-v1 "
-            "(the default order) and mixtures are invertible here"
+        if isinstance(order, InvertibleOrder):
+            return np.asarray(order.positions_of(sample_id, until=hi), dtype=np.int64)
+        raise missing(
+            InvertibleOrder,
+            order,
+            needed_by="positions_seen (the reverse lookup of an order)",
+            hint="feistel-v1 (the default order), locality-v1 and mixtures are invertible",
         )
     if isinstance(stream, Mixture):
         if source not in stream.source_names:
@@ -286,9 +290,12 @@ def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: in
             sample_id,
             until=hi,
         )
-    raise ConfigError(
-        f"cannot invert the order of a {type(stream).__name__}; hint: an OrderedStream, a "
-        "Mixture or an Excluded stream over one"
+    raise CapabilityError(
+        f"positions_seen cannot invert the order of a {type(stream).__name__} (only an "
+        "OrderedStream's, a Mixture's or an Excluded stream's over one); hint: use one of "
+        "those",
+        capability="positions_seen",
+        kind=type(stream).__name__,
     )
 
 

@@ -29,6 +29,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.redact import get_logger
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Stream
+from detdata.datasets.capabilities import hint_prefetch
 from detdata.datasets.columns import is_ragged, restack, to_torch
 from detdata.loading.layout import Layout
 from detdata.loading.slots import (
@@ -120,10 +121,9 @@ class PositionDataset(tud.Dataset[Batch]):
         return batch
 
     def prefetch(self, positions: IntArray | None) -> None:
-        """Pass the hint that ``positions`` are read next to a stream that takes it."""
-        hint = getattr(self.stream, "prefetch", None)
-        if callable(hint):
-            hint(positions)
+        """Pass the hint that ``positions`` are read next to a `Prefetching` stream (others
+        get none: `hint_prefetch`)."""
+        hint_prefetch(self.stream, positions)
 
     def __len__(self) -> int:
         raise TypeError("PositionDataset is indexed by position arrays and has no length")

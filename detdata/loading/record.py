@@ -54,131 +54,73 @@ those sections empty (each field then differs as absent: allow the groups by nam
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform as _platform
-import re
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 from detdata.base.canonical import canonical_json
-from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, DetdataError, StateError
 from detdata.base.hashing import digest_bytes
-from detdata.base.redact import get_logger, redact_value
-from detdata.loading.state import CHECKED_FIELDS, K_MANIFESTS, K_SEED, K_STREAM_SEED, LoaderState
-
-logger = get_logger(__name__)
-
-RECORD_VERSION: Final = 2
-READABLE_VERSIONS: Final = (1, 2)
-KIND: Final = "detdata.run_record"
-
-K_KIND: Final = "kind"
-K_VERSION: Final = "format_version"
-K_CODE: Final = "code"
-K_REVISION: Final = "revision"
-K_DIRTY: Final = "dirty"
-K_DIRTY_FILES: Final = "dirty_files"
-K_NOTE: Final = "note"
-K_LOCKS: Final = "lock_files"
-K_PACKAGES: Final = "packages"
-K_DIGEST: Final = "digest"
-K_LIST: Final = "list"
-K_VERSIONS: Final = "versions"
-K_GPUS: Final = "gpus"
-K_GPU_UUIDS: Final = "gpu_uuids"
-K_ENV: Final = "env"
-K_LAYOUT: Final = "layout"
-K_CONFIG: Final = "config"
-K_DATA: Final = "data"
-K_SEEDS: Final = "seeds"
-K_LOADER: Final = "loader"
-K_LOADER_STATE: Final = "loader_state"
-K_EXECUTION: Final = "execution"
-K_DETERMINISM: Final = "determinism"
-K_PLATFORM: Final = "platform"
-K_CONTAINER: Final = "container"
-#: Sections added in format 2 (empty when a format-1 record is read).
-_V2: Final = (K_EXECUTION, K_DETERMINISM, K_PLATFORM, K_CONTAINER)
-_TOP: Final = (
-    K_KIND,
-    K_VERSION,
+from detdata.base.redact import redact_value
+from detdata.loading.record_capture import (
+    NUMERICS_ENV,
+    code_section,
+    container_section,
+    data_section,
+    determinism_flags,
+    env_names,
+    env_section,
+    execution_section,
+    gpus,
+    installed_packages,
+    layout_section,
+    library_versions,
+    lock_hashes,
+    logger,
+    platform_info,
+)
+from detdata.loading.record_format import (
+    FIELDS,
+    GROUPS,
     K_CODE,
-    K_LOCKS,
-    K_PACKAGES,
-    K_VERSIONS,
-    K_GPUS,
-    K_ENV,
-    K_LAYOUT,
     K_CONFIG,
+    K_CONTAINER,
     K_DATA,
-    *_V2,
-)
-
-VERSION_FIELDS: Final = ("python", "torch", "cuda", "cudnn", "nccl", "driver")
-LAYOUT_KEYS: Final = ("world", "dp", "tp", "pp")
-#: Lock files hashed by default when they exist at the repository root (glob patterns).
-DEFAULT_LOCK_FILES: Final = ("requirements*.txt", "poetry.lock", "uv.lock", "pyproject.toml")
-#: Environment variables that change numerics or reduction order (recorded, checked).
-NUMERICS_ENV: Final = (
-    "CUBLAS_WORKSPACE_CONFIG",
-    "CUBLASLT_WORKSPACE_SIZE",
-    "CUDA_LAUNCH_BLOCKING",
-    "NVIDIA_TF32_OVERRIDE",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-    "TORCH_CUDNN_V8_API_DISABLED",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_COLLNET_ENABLE",
-    "NCCL_CROSS_NIC",
-    "PYTHONHASHSEED",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "MKL_CBWR",
-    "OPENBLAS_NUM_THREADS",
-)
-EXECUTION_KEYS: Final = ("micro_batch", "accumulation", "workers", "worker_mode", "precision")
-PLATFORM_KEYS: Final = ("os", "kernel", "machine", "libc")
-CONTAINER_KEYS: Final = ("image", "image_digest")
-#: Environment variables the container image and its digest are read from (first set wins).
-IMAGE_ENV: Final = ("DETDATA_IMAGE", "CONTAINER_IMAGE", "IMAGE")
-IMAGE_DIGEST_ENV: Final = ("DETDATA_IMAGE_DIGEST", "CONTAINER_IMAGE_DIGEST", "IMAGE_DIGEST")
-#: Field groups: ``allow=("env",)`` allows every ``env.NAME``, ``("loader",)`` every ``loader.*``,
-#: and so on for each sectioned field.
-GROUPS: Final = (K_ENV, K_LOADER, K_EXECUTION, K_DETERMINISM, K_PLATFORM, K_CONTAINER)
-_LOADER_FIELDS: Final = tuple(
-    f for f in CHECKED_FIELDS if f not in (K_MANIFESTS, K_SEED, K_STREAM_SEED)
-)
-FIELDS: Final = (
-    K_REVISION,
+    K_DETERMINISM,
+    K_DIGEST,
     K_DIRTY,
-    K_LOCKS,
-    K_PACKAGES,
-    *VERSION_FIELDS,
-    K_GPUS,
+    K_DIRTY_FILES,
+    K_ENV,
+    K_EXECUTION,
     K_GPU_UUIDS,
+    K_GPUS,
+    K_KIND,
     K_LAYOUT,
-    K_CONFIG,
-    K_MANIFESTS,
+    K_LIST,
+    K_LOADER,
+    K_LOADER_STATE,
+    K_LOCKS,
+    K_NOTE,
+    K_PACKAGES,
+    K_PLATFORM,
+    K_REVISION,
     K_SEEDS,
-    *(f"{K_LOADER}.{f}" for f in _LOADER_FIELDS),
-    *(f"{K_EXECUTION}.{k}" for k in EXECUTION_KEYS),
-    *(f"{K_PLATFORM}.{k}" for k in PLATFORM_KEYS),
-    *(f"{K_CONTAINER}.{k}" for k in CONTAINER_KEYS),
+    K_SOURCE,
+    K_VERSION,
+    K_VERSIONS,
+    KIND,
+    READABLE_VERSIONS,
+    RECORD_VERSION,
+    TOP_KEYS,
+    V2_SECTIONS,
+    VERSION_FIELDS,
+    check_shape,
+    plain,
 )
-"""Every checked field name except ``env.NAME`` and ``determinism.NAME`` (one per recorded
-variable or flag)."""
-
-_NAME_RUN: Final = re.compile(r"[-_.]+")
+from detdata.loading.state import K_MANIFESTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,7 +170,7 @@ class RunRecord:
         the record's ``code.note`` says why (git's own words).
         """
         where = Path(repo if repo is not None else os.getcwd())
-        code = _code(where)
+        code = code_section(where)
         if code[K_DIRTY] is None and not allow_dirty:
             raise ConfigError(
                 f"refusing to start: cannot tell whether the code is dirty: {code[K_NOTE]}; the "
@@ -247,22 +189,22 @@ class RunRecord:
             K_KIND: KIND,
             K_VERSION: RECORD_VERSION,
             K_CODE: code,
-            K_LOCKS: _lock_hashes(where, code.get("toplevel"), lock_files),
+            K_LOCKS: lock_hashes(where, code.get("toplevel"), lock_files),
             K_PACKAGES: {K_DIGEST: digest_bytes(canonical_json(packages)), K_LIST: packages},
             K_VERSIONS: library_versions(),
             K_GPUS: [],
-            K_ENV: _env(_names(extra_env), _names(clear_env, "clear_env")),
-            K_LAYOUT: _layout(layout),
+            K_ENV: env_section(env_names(extra_env), env_names(clear_env, "clear_env")),
+            K_LAYOUT: layout_section(layout),
             K_CONFIG: None if config is None else digest_bytes(canonical_json(dict(config))),
-            K_DATA: _data(loader, manifests, seeds),
+            K_DATA: data_section(loader, manifests, seeds),
             K_DETERMINISM: determinism_flags(),
             K_PLATFORM: platform_info(),
-            K_CONTAINER: _container(image, image_digest),
+            K_CONTAINER: container_section(image, image_digest),
         }
-        doc[K_EXECUTION] = _execution(doc[K_DATA][K_LOADER_STATE], execution)
+        doc[K_EXECUTION] = execution_section(doc[K_DATA][K_LOADER_STATE], execution)
         code.pop("toplevel", None)
         doc[K_GPUS] = gpus()
-        return cls(doc=redact_value(_plain(doc)))  # the redaction boundary: no secret kept
+        return cls(doc=redact_value(plain(doc)))  # the redaction boundary: no secret kept
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -292,15 +234,15 @@ class RunRecord:
             )
         doc = dict(doc)
         if version == 1:
-            doc.update({k: {} for k in _V2 if k not in doc})
-        missing = [k for k in _TOP if k not in doc]
+            doc.update({k: {} for k in V2_SECTIONS if k not in doc})
+        missing = [k for k in TOP_KEYS if k not in doc]
         if missing:
             raise StateError(f"{where}: missing fields {missing}")
         try:
-            record = cls(doc=_plain(doc))
+            record = cls(doc=plain(doc))
         except ConfigError as exc:
             raise StateError(f"{where}: {exc}") from None
-        _check_shape(record.doc, where)
+        check_shape(record.doc, where)
         return record
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -334,8 +276,8 @@ class RunRecord:
         out[K_SEEDS] = d[K_DATA][K_SEEDS]
         out.update({f"{K_LOADER}.{k}": v for k, v in d[K_DATA][K_LOADER].items()})
         out.update({f"{K_ENV}.{k}": v for k, v in d[K_ENV].items()})
-        for section in _V2:
-            out.update({f"{section}.{k}": v for k, v in d[section].items() if k != _SOURCE})
+        for section in V2_SECTIONS:
+            out.update({f"{section}.{k}": v for k, v in d[section].items() if k != K_SOURCE})
         return out
 
     def differences(self, saved: RunRecord) -> list[str]:
@@ -386,335 +328,6 @@ class RunRecord:
     def _packages(self) -> list[list[str]]:
         packages: list[list[str]] = self.doc[K_PACKAGES][K_LIST]
         return packages
-
-
-# -- capture helpers ----------------------------------------------------------------------
-def _git(where: Path, *args: str) -> tuple[str | None, str]:
-    """(stdout, or None when git failed; git's stderr or why it could not run)."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(where), *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"git could not run ({exc})"
-    return (done.stdout if done.returncode == 0 else None), done.stderr.strip()
-
-
-def _code(where: Path) -> dict[str, Any]:
-    """Revision, dirty flag and count, or Nones and a note saying why they are unknown (not a
-    repository, no git, no commit, or git refusing the checkout in its own words)."""
-    toplevel, err = _git(where, "rev-parse", "--show-toplevel")
-    revision, status = None, None
-    if toplevel is not None:
-        revision, err = _git(where, "rev-parse", "--verify", "HEAD")
-    if revision is not None:
-        status, err = _git(where, "status", "--porcelain", "--untracked-files=no")
-    if toplevel is None or revision is None or status is None:
-        note = _unknown_code_note(where, toplevel, revision, err)
-        logger.warning("run record: %s", note)
-        return {K_REVISION: None, K_DIRTY: None, K_DIRTY_FILES: None, K_NOTE: note}
-    count = len([line for line in status.splitlines() if line.strip()])
-    return {
-        K_REVISION: revision.strip(),
-        K_DIRTY: count > 0,
-        K_DIRTY_FILES: count,
-        K_NOTE: None,
-        "toplevel": toplevel.strip(),
-    }
-
-
-def _unknown_code_note(where: Path, toplevel: str | None, revision: str | None, err: str) -> str:
-    said = " ".join(err.split())[:300]
-    if "dubious ownership" in err or "safe.directory" in err:
-        return (
-            f"git refused the checkout {where} (dubious ownership: the repository belongs to "
-            f"another user; git said: {said}): revision and dirty are unknown; hint: git config "
-            f"--global --add safe.directory {where}"
-        )
-    if said.startswith("git could not run"):
-        return f"{said}: revision and dirty of {where} are unknown"
-    if toplevel is None and "not a git repository" in err:
-        return f"{where} is not in a git repository: revision and dirty are unknown"
-    if toplevel is not None and revision is None:
-        return f"the git repository at {where} has no commit: revision and dirty are unknown"
-    return f"git failed in {where} ({said or 'no message'}): revision and dirty are unknown"
-
-
-def _lock_hashes(
-    where: Path, toplevel: str | None, given: Sequence[str | os.PathLike[str]] | None
-) -> dict[str, str]:
-    root = Path(toplevel) if toplevel else where
-    if given is None:
-        paths = sorted({p for pattern in DEFAULT_LOCK_FILES for p in root.glob(pattern)})
-    else:
-        paths = [Path(p) if Path(p).is_absolute() else root / p for p in given]
-    out = {}
-    for path in paths:
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"lock file {path} cannot be read ({exc.strerror or exc}); hint: pass existing "
-                "files as lock_files="
-            ) from None
-        name = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
-        out[name] = digest_bytes(data)
-    return out
-
-
-def normalise_name(name: str) -> str:
-    """PEP 503 normalised distribution name."""
-    return _NAME_RUN.sub("-", name).lower()
-
-
-def installed_packages() -> list[list[str]]:
-    """``[[name, version], ...]`` of every installed distribution, sorted, de-duplicated."""
-    found = set()
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] if dist.metadata is not None else None
-        if name:
-            found.add((normalise_name(str(name)), str(dist.version)))
-    return [list(p) for p in sorted(found)]
-
-
-def _driver() -> str | None:
-    try:
-        text = Path("/proc/driver/nvidia/version").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    match = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([0-9][0-9.]*)", text)
-    return match.group(1) if match else text.splitlines()[0].strip() or None
-
-
-def library_versions() -> dict[str, str | None]:
-    """Python, torch, CUDA, cuDNN, NCCL and driver versions (None where absent)."""
-    import torch
-
-    backend: Any = torch.backends.cudnn  # untyped in torch's stubs
-    cudnn = backend.version() if backend.is_available() else None
-    nccl: str | None = None
-    if torch.cuda.is_available():
-        try:
-            nccl_mod: Any = torch.cuda.nccl
-            raw = nccl_mod.version()
-            nccl = ".".join(map(str, raw)) if isinstance(raw, tuple) else str(raw)
-        except (RuntimeError, AttributeError):
-            nccl = None
-    return {
-        "python": sys.version.split()[0],
-        "torch": str(torch.__version__),
-        "cuda": torch.version.cuda,
-        "cudnn": None if cudnn is None else str(cudnn),
-        "nccl": nccl,
-        "driver": _driver(),
-    }
-
-
-def gpus() -> list[dict[str, str | None]]:
-    """Name and UUID of every visible CUDA device (empty without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    out = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        uuid = getattr(props, "uuid", None)
-        out.append({"name": str(props.name), "uuid": None if uuid is None else str(uuid)})
-    return out
-
-
-def _layout(given: Mapping[str, int] | None) -> dict[str, int]:
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(LAYOUT_KEYS))
-    if unknown:
-        raise ConfigError(f"layout has unknown keys {unknown}; known keys are {list(LAYOUT_KEYS)}")
-    vals = {k: check_positive_int(v, f"layout[{k!r}]") for k, v in given.items()}
-    if "world" not in vals:
-        vals["world"] = _world()
-    vals.setdefault("tp", 1)
-    vals.setdefault("pp", 1)
-    vals.setdefault("dp", max(1, vals["world"] // (vals["tp"] * vals["pp"])))
-    return {k: vals[k] for k in LAYOUT_KEYS}
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
-
-
-def _data(loader: Any, manifests: Iterable[Any], seeds: Mapping[str, int | None] | None) -> Any:
-    ids = {m if isinstance(m, str) else str(m.id) for m in manifests}
-    named: dict[str, int | None] = {}
-    loader_fields: dict[str, Any] = {}
-    state = None
-    if loader is not None:
-        state = dict(loader) if isinstance(loader, Mapping) else loader.state_dict()
-        parsed = LoaderState.from_json(state)
-        ids.update(parsed.fields[K_MANIFESTS])
-        named[K_SEED] = parsed.fields[K_SEED]
-        named[K_STREAM_SEED] = parsed.fields[K_STREAM_SEED]
-        loader_fields = {k: parsed.fields[k] for k in _LOADER_FIELDS}
-    for name, value in (seeds or {}).items():
-        named[str(name)] = value
-    return {
-        K_MANIFESTS: sorted(ids),
-        K_SEEDS: named,
-        K_LOADER: loader_fields,
-        K_LOADER_STATE: state,
-    }
-
-
-def _names(extra: Iterable[str], what: str = "extra_env") -> list[str]:
-    if isinstance(extra, str):
-        raise ConfigError(f"{what} takes a list of names, got the string {extra!r}")
-    return [str(n) for n in extra]
-
-
-def _env(extra: Sequence[str], clear: Sequence[str]) -> dict[str, str | None]:
-    """`NUMERICS_ENV` in clear text; ``extra`` names by the blake3 of their values, unless also
-    in ``clear`` (None: unset)."""
-    unknown = sorted(set(clear) - set(extra) - set(NUMERICS_ENV))
-    if unknown:
-        raise ConfigError(
-            f"clear_env names {unknown}, which are not recorded; hint: name them in extra_env too"
-        )
-    out: dict[str, str | None] = {}
-    for name in sorted({*NUMERICS_ENV, *extra}):
-        value = os.environ.get(name)
-        if value is not None and name not in NUMERICS_ENV and name not in clear:
-            value = digest_bytes(value.encode("utf-8", "surrogatepass"))
-        out[name] = value
-    return out
-
-
-def determinism_flags() -> dict[str, Any]:
-    """torch's determinism and TF32 / reduced-precision switches of this process."""
-    import torch
-
-    cudnn: Any = torch.backends.cudnn
-    matmul: Any = torch.backends.cuda.matmul
-    return {
-        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
-        "deterministic_warn_only": bool(torch.is_deterministic_algorithms_warn_only_enabled()),
-        "cudnn_deterministic": bool(cudnn.deterministic),
-        "cudnn_benchmark": bool(cudnn.benchmark),
-        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
-        "cuda_matmul_allow_tf32": bool(matmul.allow_tf32),
-        "float32_matmul_precision": str(torch.get_float32_matmul_precision()),
-        "fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
-        "bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
-    }
-
-
-def platform_info() -> dict[str, str | None]:
-    """Operating system, kernel release, machine and C library of this process."""
-    libc, version = _platform.libc_ver()
-    return {
-        "os": _platform.system() or None,
-        "kernel": _platform.release() or None,
-        "machine": _platform.machine() or None,
-        "libc": f"{libc} {version}".strip() or None,
-    }
-
-
-_SOURCE: Final = "source"
-
-
-def _container(image: str | None, digest: str | None) -> dict[str, str | None]:
-    """The container image and its digest: given, else from `IMAGE_ENV` / `IMAGE_DIGEST_ENV`."""
-    out: dict[str, str | None] = {}
-    sources = []
-    for key, given, names in (
-        ("image", image, IMAGE_ENV),
-        ("image_digest", digest, IMAGE_DIGEST_ENV),
-    ):
-        if given is not None:
-            if not isinstance(given, str) or not given:
-                raise ConfigError(f"{key}= must be a non-empty string, got {given!r:.80}")
-            out[key] = given
-            sources.append(f"{key}=")
-            continue
-        found = next((n for n in names if os.environ.get(n)), None)
-        out[key] = None if found is None else os.environ[found]
-        if found is not None:
-            sources.append(found)
-    out[_SOURCE] = ", ".join(sources) or None
-    return out
-
-
-def _execution(state: Mapping[str, Any] | None, given: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The execution shape: from the loader state's layout and global batch, then ``given``."""
-    out: dict[str, Any] = dict.fromkeys(EXECUTION_KEYS)
-    if state is not None:
-        layout = state.get("layout") or {}
-        micro: Any = layout.get("micro_batch_size")
-        world: Any = layout.get("world_size")
-        out["micro_batch"] = micro
-        out["workers"] = layout.get("num_workers")
-        out["worker_mode"] = layout.get("worker_mode")
-        gbs: Any = state.get("global_batch_size")
-        if _positive(gbs) and _positive(micro) and _positive(world):
-            out["accumulation"] = gbs // (micro * world)
-    unknown = sorted(set(given or {}) - set(EXECUTION_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"execution= has unknown keys {unknown}; known keys are {list(EXECUTION_KEYS)}"
-        )
-    out.update(dict(given or {}))
-    return out
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _check_shape(doc: Mapping[str, Any], where: str) -> None:
-    """Every section has the type `fields` reads (`StateError` naming the first that has not):
-    a record edited by hand is refused here, never with a raw Python error later."""
-    expected: list[tuple[str, Any, type | tuple[type, ...]]] = [
-        (K_CODE, doc[K_CODE], dict),
-        (K_LOCKS, doc[K_LOCKS], dict),
-        (K_PACKAGES, doc[K_PACKAGES], dict),
-        (K_VERSIONS, doc[K_VERSIONS], dict),
-        (K_GPUS, doc[K_GPUS], list),
-        (K_ENV, doc[K_ENV], dict),
-        (K_LAYOUT, doc[K_LAYOUT], dict),
-        (K_CONFIG, doc[K_CONFIG], (str, type(None))),
-        (K_DATA, doc[K_DATA], dict),
-        *((k, doc[k], dict) for k in _V2),
-    ]
-    for name, value, kind in expected:
-        if not isinstance(value, kind):
-            raise StateError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
-    packages = doc[K_PACKAGES]
-    if not isinstance(packages.get(K_DIGEST), str) or not isinstance(packages.get(K_LIST), list):
-        raise StateError(f"{where}: field 'packages' must hold a digest string and a list")
-    if not all(isinstance(p, list) and len(p) == 2 for p in packages[K_LIST]):
-        raise StateError(f"{where}: field 'packages.list' must hold [name, version] pairs")
-    if not all(isinstance(g, dict) for g in doc[K_GPUS]):
-        raise StateError(f"{where}: field 'gpus' must hold objects (name, uuid)")
-    data = doc[K_DATA]
-    for key, kind in ((K_MANIFESTS, list), (K_SEEDS, dict), (K_LOADER, dict)):
-        if not isinstance(data.get(key), kind):
-            raise StateError(
-                f"{where}: field 'data.{key}' has the wrong type ({type(data.get(key)).__name__})"
-            )
-
-
-def _plain(doc: Any) -> Any:
-    """A JSON round trip: tuples become lists, and anything not JSON-plain is refused."""
-    try:
-        return json.loads(json.dumps(doc, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"run record: a value is not JSON-plain ({exc})") from None
 
 
 # -- verify helpers -----------------------------------------------------------------------

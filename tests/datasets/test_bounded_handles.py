@@ -135,9 +135,11 @@ CHILD = textwrap.dedent(
             global_batch_size=gbs,
             seed=1,
             num_workers=2,
-            worker_mode=mode,
-            transform=counted,
-            total_samples=ds.num_samples,
+            options=detdata.LoaderOptions(
+                transform=counted,
+                total_samples=ds.num_samples,
+                read=detdata.ReadOptions(worker_mode=mode),
+            ),
         )
         seen = {k: [] for k in ref}
         for batch in loader:
@@ -457,9 +459,11 @@ MIX_CHILD = textwrap.dedent(
             global_batch_size=32,
             seed=1,
             num_workers=2,
-            worker_mode=mode,
-            transform=counted,
-            total_samples=total,
+            options=detdata.LoaderOptions(
+                transform=counted,
+                total_samples=total,
+                read=detdata.ReadOptions(worker_mode=mode),
+            ),
         )
         index = {}  # row bytes (tokens) or x (tables) -> (source, id): the writer's rows
         for s, ref in enumerate(refs):

@@ -125,7 +125,12 @@ def test_loader_with_lookahead_delivers_the_local_bytes(
     local = TokenWindows(manifest, SEQ)
     kw: dict[str, Any] = {"global_batch_size": 8, "micro_batch_size": 4, "seed": 2}
     got = detdata.DataLoader(
-        ds, num_workers=num_workers, worker_mode=mode, read_ahead=2, lookahead=24, **kw
+        ds,
+        num_workers=num_workers,
+        options=detdata.LoaderOptions(
+            read=detdata.ReadOptions(worker_mode=mode, read_ahead=2, lookahead=24)
+        ),
+        **kw,
     )
     want = detdata.DataLoader(local, **kw)
     try:
@@ -155,7 +160,11 @@ def test_a_missing_shard_fails_at_the_first_batch_that_needs_it(
     layout = Layout.create(8, 4, 1, 0)
     first = next(j for j in range(10_000) if 5 in shard_of[stream.sample_ids(layout.positions(j))])
     loader = detdata.DataLoader(
-        ds, global_batch_size=8, micro_batch_size=4, seed=6, read_ahead=4, lookahead=64
+        ds,
+        global_batch_size=8,
+        micro_batch_size=4,
+        seed=6,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4, lookahead=64)),
     )
     delivered = 0
     with pytest.raises((FileNotFoundError, detdata.StorageError)) as info:

@@ -79,7 +79,12 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
     try:
         slow = remote(f"http://{proxy.address}/{directory.name}", manifest, cache, PATIENT)
         loader = detdata.DataLoader(
-            slow, seed=seed, read_ahead=1, lookahead=16, lookahead_connections=1, **KW
+            slow,
+            seed=seed,
+            options=detdata.LoaderOptions(
+                read=detdata.ReadOptions(read_ahead=1, lookahead=16, lookahead_connections=1)
+            ),
+            **KW,
         )
         want = next(iter(detdata.DataLoader(TokenWindows(manifest, SEQ), seed=seed, **KW)))
         began = 0.0

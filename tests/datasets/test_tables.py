@@ -28,6 +28,7 @@ from detdata.datasets.rowgroups import Group
 from detdata.datasets.tables import TableRows
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions, ReadOptions
 from tests.datasets.lru_model import RowGroupCache
 from tests.datasets.test_aliasing import (
     RAGGED,
@@ -660,10 +661,11 @@ def test_every_column_kind_through_the_default_collate(
         ds,
         global_batch_size=6,
         seed=8,
-        total_samples=2 * ROWS,
-        read_ahead=read_ahead,
+        options=LoaderOptions(
+            total_samples=2 * ROWS,
+            read=ReadOptions(worker_mode="thread", read_ahead=read_ahead),
+        ),
         num_workers=2 if mode == "thread" else 0,
-        worker_mode="thread",
     )
     delivered = 0
     for batch in loader:
@@ -710,7 +712,9 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
         "day": "datetime64[D]",
     }
     seen = {}
-    for batch in DataLoader(ds, global_batch_size=2, seed=0, total_samples=2):
+    for batch in DataLoader(
+        ds, global_batch_size=2, seed=0, options=LoaderOptions(total_samples=2)
+    ):
         order = np.argsort(batch["ms"].numpy())
         seen = {k: [v.tolist()[i] for i in order] for k, v in batch.items()}
     epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -736,7 +740,7 @@ def test_time_of_day_column_is_refused_by_the_default_collate_naming_it(tmp_path
             ds,
             global_batch_size=2,
             seed=0,
-            total_samples=4,
+            options=LoaderOptions(total_samples=4),
             collate_fn=lambda b: list(zip(b["n"].tolist(), b["clock"].tolist(), strict=True)),
         )
         for r in b
@@ -780,7 +784,10 @@ def test_transform_over_ragged_string_and_binary_columns(tmp_path: Path) -> None
 
     rows, equal_length_batches = [], 0
     for batch in DataLoader(
-        ds, global_batch_size=2, seed=4, total_samples=4 * ROWS, transform=transform
+        ds,
+        global_batch_size=2,
+        seed=4,
+        options=LoaderOptions(total_samples=4 * ROWS, transform=transform),
     ):
         assert isinstance(batch["ragged"], list)
         equal_length_batches += len({len(r) for r in batch["ragged"]}) == 1

@@ -149,9 +149,7 @@ def _data(c: Config, corpus: Corpus) -> Any:
 
 
 def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
-    extra: dict[str, Any] = {} if c.transform_id is None else {"transform_id": c.transform_id}
-    if c.lookahead:
-        extra["lookahead"] = c.lookahead
+    extra: dict[str, Any] = {}
     if c.order is not None:
         extra["order"] = c.order
     return detdata.DataLoader(
@@ -160,9 +158,13 @@ def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
         micro_batch_size=c.micro_batch_size,
         seed=c.seed,
         num_workers=c.num_workers,
-        worker_mode=c.worker_mode,
-        read_ahead=c.read_ahead,
-        transform=c.transform,
+        options=detdata.LoaderOptions(
+            transform=c.transform,
+            transform_id=c.transform_id,
+            read=detdata.ReadOptions(
+                worker_mode=c.worker_mode, read_ahead=c.read_ahead, lookahead=c.lookahead or None
+            ),
+        ),
         collate_fn=c.collate_fn,
         **extra,
     )

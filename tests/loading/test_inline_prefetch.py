@@ -86,7 +86,12 @@ def test_hinted_batches_are_the_writers_windows_in_the_order(
     of positions [j * BATCH, (j + 1) * BATCH); the hints did start background reads."""
     root, ref = corpus
     stream = _stream(root, order)
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     count = 2 * SHARDS * WINDOWS // BATCH + 5
     for j, batch in zip(range(count), loader, strict=False):
         ids = stream.sample_ids(np.arange(j * BATCH, (j + 1) * BATCH))
@@ -108,7 +113,7 @@ def test_inline_bytes_equal_worker_processes_and_resume_anywhere(
         return detdata.DataLoader(
             _stream(root, order),
             global_batch_size=BATCH,
-            read_ahead=4,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
             seed=3,
             num_workers=workers,
         )
@@ -126,7 +131,12 @@ def test_leaving_the_loop_drops_the_hints(
     point is right."""
     root, ref = corpus
     stream = _stream(root, LocalityOrder(window_shards=3))
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     for j, _ in enumerate(loader):
         if j == 5:
             break
@@ -147,7 +157,12 @@ def test_a_shard_replaced_mid_run_stops_at_a_batch_after_the_good_ones(
     before is the writer's, and ``samples_consumed`` counts exactly those."""
     root, ref = corpus
     stream = _stream(root, LocalityOrder(window_shards=3))
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     epoch = SHARDS * WINDOWS // BATCH
     delivered = 0
     victim = root / "s017.npy"

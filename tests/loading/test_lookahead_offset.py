@@ -41,9 +41,16 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
 
     def loader(world: int, gbs: int, micro: int, **kw: object) -> DataLoader:
         return DataLoader(
-            data, global_batch_size=gbs, micro_batch_size=micro, seed=2, rank=0,
-            world_size=world, **kw,  # type: ignore[arg-type]
-        )  # fmt: skip
+            data,
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            seed=2,
+            options=detdata.LoaderOptions(
+                rank=0,
+                world_size=world,
+                read=detdata.ReadOptions(**kw),  # type: ignore[arg-type]
+            ),
+        )
 
     old = loader(8, 16, 1)
     it = iter(old)

@@ -17,7 +17,7 @@ import pytest
 
 import detdata
 from detdata import ConfigError, DataLoader, RunRecord, StateError, TokenWindows, build_manifest
-from detdata.loading.record import IMAGE_DIGEST_ENV, IMAGE_ENV
+from detdata.loading.record_capture import IMAGE_DIGEST_ENV, IMAGE_ENV
 from tests.conftest import write_token_shards
 
 

@@ -374,8 +374,7 @@ def loader_for(ds: detdata.Dataset, trace: Path | None, **kw: Any) -> detdata.Da
         global_batch_size=16,
         micro_batch_size=8,
         seed=7,
-        trace=trace,
-        total_samples=16 * 13,
+        options=detdata.LoaderOptions(total_samples=16 * 13, trace=trace),
         **kw,
     )
 

@@ -197,7 +197,11 @@ def test_remote_run_never_shows_a_secret(
     resolved = reg.resolve("secret@v1", root=root, storage_options=opts)
     ds = TokenWindows(resolved, SEQ, storage=Storage(fs_options=opts, retry=PATIENT))
     loader = detdata.DataLoader(
-        ds, global_batch_size=8, micro_batch_size=8, seed=5, trace=work / "trace.jsonl"
+        ds,
+        global_batch_size=8,
+        micro_batch_size=8,
+        seed=5,
+        options=detdata.LoaderOptions(trace=work / "trace.jsonl"),
     )
     batches = [b for _, b in zip(range(6), loader, strict=False)]
     assert len(batches) == 6 and proxy.stats.resets >= 1

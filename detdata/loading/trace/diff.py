@@ -1,0 +1,430 @@
+"""Comparing traces: each trace assembled per global step from its final records (`assemble`:
+the timeline rules of `detdata.loading.trace`), then two traces compared step by step
+(`compare`, `first_difference`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from detdata.loading.trace.digests import SUM_MODULUS
+from detdata.loading.trace.read import Record
+
+# -------------------------------------------------------------- assembling
+
+
+def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of ``[start, end)`` intervals, sorted and merged."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _spans(records: Sequence[Record]) -> list[tuple[int, int]]:
+    return _merged([(first, first + n) for r in records for first, n in r.runs])
+
+
+def _text(spans: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in spans[:4]) + (" ..." if len(spans) > 4 else "")
+
+
+@dataclass(frozen=True)
+class Block:
+    """Records of two sides whose positions overlap transitively (compared as one unit)."""
+
+    left: tuple[Record, ...]
+    right: tuple[Record, ...]
+
+    @property
+    def start(self) -> int:
+        return min(first for r in (*self.left, *self.right) for first, _ in r.runs)
+
+
+def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
+    """Connected groups of records (either side) with overlapping positions, by first position."""
+    items = [*((r, 0) for r in left), *((r, 1) for r in right)]
+    parent = list(range(len(items)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    spans = sorted(
+        (first, first + n, i) for i, (rec, _) in enumerate(items) for first, n in rec.runs
+    )
+    reach, owner = -1, -1
+    for start, end, i in spans:
+        if start < reach:  # overlaps the group being swept
+            parent[find(i)] = find(owner)
+            reach = max(reach, end)
+        else:
+            reach, owner = end, i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(items)):
+        groups.setdefault(find(i), []).append(i)
+    out = [
+        Block(
+            tuple(items[i][0] for i in g if items[i][1] == 0),
+            tuple(items[i][0] for i in g if items[i][1] == 1),
+        )
+        for g in groups.values()
+    ]
+    return sorted(out, key=lambda b: b.start)
+
+
+def _summed(records: Sequence[Record]) -> tuple[dict[str, str], dict[str, int], list[str]]:
+    """(leaf descriptions, digest sums, leaves described differently by different records)."""
+    cols: dict[str, str] = {}
+    sums: dict[str, int] = {}
+    clashes = []
+    for rec in records:
+        for name, meta in rec.cols.items():
+            if cols.setdefault(name, meta) != meta and name not in clashes:
+                clashes.append(name)
+            sums[name] = (sums.get(name, 0) + rec.sums[name]) % SUM_MODULUS
+    for name in cols:
+        if any(name not in rec.cols for rec in records) and name not in clashes:
+            clashes.append(name)
+    return cols, sums, clashes
+
+
+def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str | None:
+    """Why the two sides of a block differ (None when they delivered the same samples)."""
+    left, right = _spans(block.left), _spans(block.right)
+    if left != right:
+        only_a = _minus(left, right)
+        only_b = _minus(right, left)
+        parts = [
+            f"positions {_text(s)} only in {side}"
+            for s, side in zip((only_a, only_b), sides, strict=True)
+            if s
+        ]
+        return "positions differ: " + "; ".join(parts)
+    cols_a, sums_a, clash_a = _summed(block.left)
+    cols_b, sums_b, clash_b = _summed(block.right)
+    if clash_a or clash_b:
+        return f"leaves described differently within a step: {sorted({*clash_a, *clash_b})}"
+    if cols_a != cols_b:
+        return f"batch leaves differ: {sides[0]} {cols_a} vs {sides[1]} {cols_b}"
+    changed = [name for name in sorted(sums_a) if sums_a[name] != sums_b[name]]
+    if changed:
+        batch = [n for n in changed if cols_a[n].startswith("batch:")]
+        hint = (
+            (
+                f" (leaves {batch} are batch-level values, not per sample: they depend on the "
+                "micro batch size)"
+            )
+            if batch
+            else ""
+        )
+        return f"differs: batch_b3 of leaf {changed} at positions {_text(left)}{hint}"
+    return None
+
+
+def _minus(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Positions in intervals ``a`` and not in ``b`` (both merged)."""
+    out = []
+    for start, end in a:
+        cur = start
+        for bs, be in b:
+            if be <= cur or bs >= end:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A difference: at ``step``, on ``rank``; ``records`` are (label, record) pairs to show."""
+
+    step: int
+    rank: int
+    kind: str  # "conflict", "discontinuity" (a restart too), "overlap", "missing", "differs"
+    reason: str
+    records: tuple[tuple[str, Record], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "kind": self.kind,
+            "reason": self.reason,
+            "records": [
+                [label, rec.to_json() | {"where": rec.where}] for label, rec in self.records
+            ],
+        }
+
+
+#: the order in which findings of one step are reported (the first is the most telling)
+KIND_PRIORITY: Final = {
+    "conflict": 0,
+    "discontinuity": 1,
+    "overlap": 2,
+    "missing": 3,
+    "differs": 4,
+}
+
+
+@dataclass
+class Trace:
+    """A trace assembled per global step: the final records and its own inconsistencies."""
+
+    steps: dict[int, list[Record]] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _conflicts(
+    label: str, rank: int, generation: list[Record], final: list[Record]
+) -> Iterator[Finding]:
+    """Records delivered before a restore whose positions were delivered again with other bytes."""
+    by_step: dict[int, tuple[list[Record], list[Record]]] = {}
+    for rec in generation:
+        by_step.setdefault(rec.step, ([], []))[0].append(rec)
+    for rec in final:
+        if rec.step in by_step:
+            by_step[rec.step][1].append(rec)
+    for step, (before, after) in sorted(by_step.items()):
+        for block in blocks(before, after):
+            if not block.left or not block.right or _spans(block.left) != _spans(block.right):
+                continue  # not delivered again (or not comparable as one unit): nothing to check
+            why = block_difference(block, ("before", "after"))
+            if why is not None:
+                shown = (
+                    *((f"{label} first", r) for r in block.left[:2]),
+                    *((f"{label} again", r) for r in block.right[:2]),
+                )
+                yield Finding(
+                    step,
+                    rank,
+                    "conflict",
+                    f"conflict in {label}: positions {_text(_spans(block.left))} of rank {rank} "
+                    f"were delivered twice with different bytes ({why})",
+                    shown,
+                )
+
+
+def _restore_point(timeline: Sequence[Record], at: int) -> int:
+    """How many of a rank's records stand when the run is restored to ``at``: those up to the
+    latest moment its cursor was at ``at`` (a checkpoint taken then), everything delivered
+    after it superseded. Position 0 supersedes everything; a position the timeline never
+    reached exactly keeps the records ending at or before it (a restore forward keeps all)."""
+    for i in range(len(timeline) - 1, -1, -1):
+        if timeline[i].next == at:
+            return i + 1
+    if at == 0:
+        return 0
+    cut = len(timeline)
+    while cut > 0 and timeline[cut - 1].next > at:
+        cut -= 1
+    return cut
+
+
+def _break_finding(label: str, prev: Record, rec: Record) -> Finding:
+    """A record that does not continue its rank's previous one, without a restore."""
+    expected = prev.next_step
+    if rec.at == 0:
+        what = (
+            f"discontinuity in {label} (a restart): rank {rec.rank} started over at "
+            f"samples_consumed 0 (step 0) where it should have delivered samples_consumed "
+            f"{prev.next} (step {expected}): a fresh loader without load_state_dict (data "
+            "cursor not restored?)"
+        )
+    else:
+        what = (
+            f"discontinuity in {label}: rank {rec.rank} delivered samples_consumed {rec.at} "
+            f"(step {rec.step}) right after samples_consumed {prev.next} (step {expected}) "
+            "without a restore; a loader whose state was not loaded, or two runs share the file"
+        )
+    shown = ((f"{label} before", prev), (f"{label} then", rec))
+    return Finding(expected, rec.rank, "discontinuity", what, shown)
+
+
+def assemble(records: Sequence[Record], label: str = "A") -> Trace:
+    """Replay a trace's records in file order into its final records per step
+    (`detdata.loading.trace`).
+
+    Each rank's records form a timeline of what the run trained on, step after step. A
+    *restore* (a record flagged ``restored``) rolls the timeline back to the latest moment
+    the cursor was at its ``at`` (`_restore_point`; the superseded records are kept to
+    check that replayed positions carry the same bytes). A record that does not continue
+    the previous one without a restore is a *restart* (at 0) or a *discontinuity*: the
+    run's next step got other data, so it is reported at the step the run should have
+    delivered next, and nothing the rank delivered from there on (until a restore rolls
+    back before it) stands for a step: the first divergent step is the true one whatever
+    the lengths of the parts, and the steps before it compare as delivered."""
+    timelines: dict[int, list[Record]] = {}
+    jumps: dict[int, dict[int, Record]] = {}  # rank -> index in its timeline -> record before
+    arrivals: dict[int, list[Record]] = {}  # each rank's records in file order
+    events: dict[int, list[tuple[list[Record], int]]] = {}  # (records gone back over, arrival)
+    for rec in records:
+        mine = timelines.setdefault(rec.rank, [])
+        breaks = jumps.setdefault(rec.rank, {})
+        arrived = arrivals.setdefault(rec.rank, [])
+        cut = _restore_point(mine, rec.at) if mine else 0
+        if (rec.restored or rec.at != mine[-1].next) if mine else False:
+            # positions delivered again (restore, or a jump back) must carry the same bytes
+            events.setdefault(rec.rank, []).append((mine[cut:], len(arrived)))
+        if rec.restored:
+            del mine[cut:]
+            for index in [k for k in breaks if k >= cut]:
+                del breaks[index]
+        elif mine and rec.at != mine[-1].next:
+            breaks[len(mine)] = mine[-1]
+        mine.append(rec)
+        arrived.append(rec)
+    trace = Trace()
+    final: dict[int, list[Record]] = {}
+    for rank, mine in timelines.items():
+        breaks = jumps[rank]
+        first = min(breaks, default=len(mine))
+        final[rank] = mine[:first]
+        if breaks:
+            trace.findings.append(_break_finding(label, breaks[first], mine[first]))
+    for rank, happened in events.items():
+        ends = [start for _, start in happened[1:]] + [len(arrivals[rank])]
+        for (gone, start), end in zip(happened, ends, strict=True):
+            trace.findings.extend(_conflicts(label, rank, gone, arrivals[rank][start:end]))
+    for mine in final.values():
+        for rec in mine:
+            trace.steps.setdefault(rec.step, []).append(rec)
+    for step, recs in sorted(trace.steps.items()):
+        trace.findings.extend(_overlaps(label, step, recs))
+    return trace
+
+
+def _overlaps(label: str, step: int, records: list[Record]) -> Iterator[Finding]:
+    """Positions delivered by two ranks in one step (each rank's own final records never
+    overlap)."""
+    spans = sorted(
+        ((first, first + n, k) for k, rec in enumerate(records) for first, n in rec.runs)
+    )
+    reach, owner = -1, 0
+    for start, end, k in spans:
+        if start < reach:
+            a, b = records[owner], records[k]
+            yield Finding(
+                step,
+                min(a.rank, b.rank),
+                "overlap",
+                f"overlap in {label}: positions [{start}, {min(end, reach)}) of step {step} "
+                f"were delivered twice, by rank {a.rank} and by rank {b.rank} (ranks built with "
+                "different world sizes, data sharded twice, or rank files of different runs?)",
+                ((f"{label} rank {a.rank}", a), (f"{label} rank {b.rank}", b)),
+            )
+            return
+        reach, owner = end, k
+
+
+def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
+    """Per global step: merged positions, leaf descriptions and summed digests of the final records.
+
+    Two runs that delivered the same samples at the same positions give equal
+    values whatever their micro batch size, workers, resumes and replays.
+    """
+    out = {}
+    for step, recs in sorted(assemble(records).steps.items()):
+        cols, sums, _ = _summed(recs)
+        out[step] = {
+            "positions": [list(s) for s in _spans(recs)],
+            "cols": cols,
+            "batch_b3": {k: f"{v:064x}" for k, v in sorted(sums.items())},
+        }
+    return out
+
+
+# ------------------------------------------------------------------ diffing
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """All differences between two traces (sorted: the first is the first divergence);
+    ``steps``: the global steps either trace holds in the compared window, in order."""
+
+    findings: tuple[Finding, ...]
+    steps_compared: int
+    steps: tuple[int, ...] = ()
+
+    @property
+    def first(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    @property
+    def steps_differing(self) -> int:
+        return len({f.step for f in self.findings})
+
+
+def _cross(
+    step: int, a: list[Record], b: list[Record], labels: tuple[str, str] = ("A", "B")
+) -> Finding | None:
+    la, lb = labels
+    if not a or not b:
+        have = a or b
+        return Finding(
+            step,
+            min(r.rank for r in have),
+            "missing",
+            f"missing in {la if not a else lb}",
+            tuple(((la if a else lb), r) for r in have[:2]),
+        )
+    for block in blocks(a, b):
+        why = block_difference(block, labels)
+        if why is not None:
+            rank = min(r.rank for r in (*block.left, *block.right))
+            return Finding(
+                step,
+                rank,
+                "differs",
+                why,
+                (*((la, r) for r in block.left[:2]), *((lb, r) for r in block.right[:2])),
+            )
+    return None
+
+
+def compare(
+    a: Sequence[Record],
+    b: Sequence[Record],
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    labels: tuple[str, str] = ("A", "B"),
+) -> Comparison:
+    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence
+    first; ``labels`` name the two runs in the reasons."""
+    ta, tb = assemble(a, labels[0]), assemble(b, labels[1])
+
+    def inside(step: int) -> bool:
+        return step >= start and (stop is None or step < stop)
+
+    findings = [f for f in (*ta.findings, *tb.findings) if inside(f.step)]
+    steps = sorted(s for s in set(ta.steps) | set(tb.steps) if inside(s))
+    for step in steps:
+        found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []), labels)
+        if found is not None:
+            findings.append(found)
+    findings.sort(key=lambda f: (f.step, KIND_PRIORITY[f.kind], f.rank))
+    return Comparison(tuple(findings), len(steps), tuple(steps))
+
+
+def first_difference(
+    a: Sequence[Record],
+    b: Sequence[Record],
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    labels: tuple[str, str] = ("A", "B"),
+) -> dict[str, Any] | None:
+    """The first divergence of two traces as JSON (``step``, ``rank``, ``kind``, ``reason``,
+    ``records``), or None when they delivered the same samples in every compared step."""
+    found = compare(a, b, start=start, stop=stop, labels=labels).first
+    return None if found is None else found.to_json()

@@ -1,0 +1,174 @@
+"""Writing a trace: `TraceWriter` appends one record per delivered micro batch (the format:
+`detdata.loading.trace`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError, StorageError
+from detdata.loading.trace.digests import TRACE_VERSION, batch_digests, position_runs
+
+
+def _open_append(path: str) -> int:
+    """Open (creating parent folders) a trace file for appending; ConfigError naming it."""
+    if "://" in path:
+        raise ConfigError(
+            f"trace path {path!r} is a URL; traces are written to local files; hint: "
+            "write the trace locally and upload it"
+        )
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise ConfigError(
+            f"trace path {path!r} is a directory; hint: pass a file name such as "
+            f"{os.path.join(path, 'trace.jsonl')!r}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot open trace file {path!r} for appending: {exc.strerror or exc}; "
+            "hint: pass a writable file path"
+        ) from None
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    """Where a micro batch lies in the run's steps: its global ``step``, that step's first
+    position ``start`` and global batch ``size``, and ``next`` (``samples_consumed`` after
+    the batch is counted). The loader derives it from its step <-> position map."""
+
+    step: int
+    start: int
+    size: int
+    next: int
+
+
+class TraceWriter:
+    """Appends one record per delivered micro batch to a JSONL file (format:
+    `detdata.loading.trace`).
+
+    Rank ``r > 0`` writes ``{path}.rank{r}``. The constructor opens the file for
+    appending (creating parent folders) and raises `ConfigError` naming the path
+    when it cannot (a directory, an unwritable place, a URL).
+
+    Protocol for the loader: ``add(samples_consumed, positions, batch, span=...)`` for
+    each micro batch *before* it is counted and delivered (if it raises, nothing was
+    written: the batch must not be delivered); ``restore(samples_consumed)`` after
+    a state was loaded (``load_state_dict``); ``close()`` at the end. ``span`` (a
+    `StepSpan`) places the batch in the run's steps; without it the writer assumes one
+    constant ``global_batch_size`` and ``samples_per_micro_step`` (then both are needed).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        rank: int,
+        *,
+        global_batch_size: int | None = None,
+        samples_per_micro_step: int | None = None,
+    ) -> None:
+        p = os.fspath(path)
+        self.path = p if rank == 0 else f"{p}.rank{rank}"
+        self.rank = rank
+        self.global_batch_size = global_batch_size
+        self.samples_per_micro_step = samples_per_micro_step
+        self._restored = False
+        self._fd: int | None = _open_append(self.path)
+
+    def restore(self, samples_consumed: int) -> None:
+        """The run continues at ``samples_consumed`` (a loaded state): flags the next record."""
+        del samples_consumed  # the next record's ``at`` says where; the flag says it was on purpose
+        self._restored = True
+
+    def _span(self, at: int) -> StepSpan:
+        """The constant-batch span of ``at`` (callers that pass no `StepSpan`)."""
+        gbs, per = self.global_batch_size, self.samples_per_micro_step
+        if gbs is None or per is None:
+            raise ConfigError(
+                f"trace {self.path!r}: a record needs its step: pass span=StepSpan(...) to "
+                "add(), or global_batch_size= and samples_per_micro_step= to TraceWriter"
+            )
+        step = at // gbs
+        return StepSpan(step=step, start=step * gbs, size=gbs, next=at + per)
+
+    def add(
+        self,
+        samples_consumed: int,
+        positions: npt.NDArray[np.int64],
+        batch: Any,
+        *,
+        span: StepSpan | None = None,
+    ) -> None:
+        """Record the micro batch about to be delivered (``samples_consumed`` before counting
+        it; ``span`` where it lies in the run's steps)."""
+        if self._fd is None:
+            raise ConfigError(
+                f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
+                "deliver more batches with its trace"
+            )
+        at = int(samples_consumed)
+        where = self._span(at) if span is None else span
+        if not where.start <= at < where.next <= where.start + where.size:
+            raise ConfigError(
+                f"trace {self.path!r}: micro batch [{at}, {where.next}) is not inside its step "
+                f"{where.step} [{where.start}, {where.start + where.size})"
+            )
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not len(positions):
+            raise ConfigError(
+                f"trace {self.path!r}: a micro batch without positions cannot be recorded"
+            )
+        cols, sums = batch_digests(positions, batch)
+        record: dict[str, Any] = {
+            "v": TRACE_VERSION,
+            "rank": self.rank,
+            "step": where.step,
+            "step_at": where.start,
+            "gbs": where.size,
+            "micro": (at - where.start) // (where.next - at),
+            "at": at,
+            "next": where.next,
+            "pos": position_runs(positions),
+            "cols": cols,
+            "batch_b3": {k: f"{v:064x}" for k, v in sums.items()},
+        }
+        if self._restored:
+            record["restored"] = True
+        self._append((json.dumps(record, sort_keys=True) + "\n").encode())
+        self._restored = False
+
+    def _append(self, line: bytes) -> None:
+        assert self._fd is not None
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # leave no partial line behind
+                os.ftruncate(self._fd, start)
+            raise StorageError(
+                f"cannot append to trace file {self.path!r}: {exc.strerror or exc}; the "
+                "batch was not delivered; hint: free disk space or move the trace"
+            ) from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            # no module globals here: at interpreter shutdown they may already be None
+            try:
+                os.close(fd)
+            except Exception:  # a finaliser must never raise
+                return
