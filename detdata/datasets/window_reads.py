@@ -15,7 +15,7 @@ with backoff under ``retry``). With ``cache_dir``, remote shards are copied whol
 bounded, blake3-verified local `ShardCache` and read through the memmap path.
 
 Bounded handles (local roots and cached copies): at most ``max_open_shards`` shards of a
-dataset are memory-mapped per process (`detdata.datasets.shards.HandleLRU`). When the LRU
+dataset are memory-mapped per process (`detdata.datasets.handles.HandleLRU`). When the LRU
 (or the process budget) is full, a shard that is not mapped is read without keeping anything
 open unless the read needs at least `MAP_MIN_ROWS` of its windows and they are not
 `covered`: windows that are covered (dense, in at most `COVER_MAX_BYTES`; or a single
