@@ -37,6 +37,7 @@ import numpy as np
 
 import detdata
 from benchmarks.timing import best_of
+from detdata import Storage
 from detdata.datasets.documents import Documents
 from detdata.datasets.packed import PackedWindows
 
@@ -169,11 +170,13 @@ def bench_build(work: Path, sizes: list[int]) -> list[dict[str, Any]]:
         manifest = detdata.build_manifest(str(root))
         index = work / f"index-{n}"
         t0 = time.perf_counter()
-        docs = Documents(manifest, index_dir=index, verify="off")
+        docs = Documents(manifest, index_dir=index, storage=Storage(verify="off"))
         t1 = time.perf_counter()
         packed = PackedWindows(docs, 2048, seed=1)
         t2 = time.perf_counter()
-        again = PackedWindows(Documents(manifest, index_dir=index, verify="off"), 2048, seed=1)
+        again = PackedWindows(
+            Documents(manifest, index_dir=index, storage=Storage(verify="off")), 2048, seed=1
+        )
         t3 = time.perf_counter()
         assert again.num_samples == packed.num_samples
         rows.append(

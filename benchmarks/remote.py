@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 import detdata
+from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from tests.faultproxy import FaultProxy, Link, Plan, clean
 from tests.servers import start_nginx, start_seaweedfs, stop_pid
@@ -362,9 +363,7 @@ def run_one(
     ds = TokenWindows(
         manifest.with_root(store.url),
         size.seq_len,
-        verify="off",
-        storage_options=store.options,
-        **options,
+        storage=Storage(verify="off", fs_options=store.options, **options),
     )
     row: dict[str, Any] = {
         "store": store.name,

@@ -54,7 +54,7 @@ if not __package__:  # run as ``python benchmarks/scale.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import Stopwatch, best_of
-from detdata.datasets.shards import DEFAULT_MAX_OPEN_SHARDS
+from detdata.datasets.handles import DEFAULT_MAX_OPEN_SHARDS
 
 FEISTEL = "feistel-v1"
 SHARDS = (100, 1_000, 10_000, 50_000, 100_000)
@@ -301,9 +301,10 @@ def _dataset(kind: str, folder: Path, seq_len: int, max_open: int | None) -> Any
 
     manifest = str(folder / "manifest.json")
     extra: dict[str, Any] = {} if max_open is None else {"max_open_shards": max_open}
+    storage = detdata.Storage(verify="off", **extra)
     if kind == "tokens":
-        return detdata.TokenWindows(manifest, seq_len, labels=False, verify="off", **extra)
-    return detdata.TableRows(manifest, ["tokens"], verify="off", **extra)
+        return detdata.TokenWindows(manifest, seq_len, labels=False, storage=storage)
+    return detdata.TableRows(manifest, ["tokens"], storage=storage)
 
 
 def measure(

@@ -28,9 +28,10 @@ from detdata.base.version import VERSION as _VERSION
 from detdata.datasets.base import ArrayDataset, Dataset, Stream
 from detdata.datasets.documents import Documents
 from detdata.datasets.exclusions import Excluded, ExclusionList
+from detdata.datasets.handles import set_max_open_shards
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.packed import PackedWindows
-from detdata.datasets.shards import set_max_open_shards
+from detdata.datasets.shard_storage import Storage
 from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
@@ -133,6 +134,7 @@ __all__ = [
     "StaleIteratorError",
     "StateError",
     "Stateful",
+    "Storage",
     "StorageError",
     "Stream",
     "TableRows",

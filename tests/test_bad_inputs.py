@@ -88,6 +88,7 @@ from detdata import (
     Manifest,
     ManifestError,
     StateError,
+    Storage,
     TokenWindows,
     VerificationError,
     build_manifest,
@@ -178,7 +179,7 @@ def test_damaged_shard(
         assert f"expected {entry.blake3}, found {err.found}" in message
     # the same refusal reaches a dataset opened from the manifest file
     with pytest.raises(VerificationError, match=culprit.replace(".", r"\.")):
-        TokenWindows(str(path), 16, verify=mode)
+        TokenWindows(str(path), 16, storage=Storage(verify=mode))
 
 
 def test_extra_file_is_not_part_of_the_dataset(saved: tuple[Path, Path, Manifest]) -> None:

@@ -26,7 +26,7 @@ are opened lazily per process and dropped when pickled.
 Bounded handles (local roots and cached copies): at most ``max_open_shards``
 shards (default 128) of a dataset are memory-mapped per process, in a `HandleLRU`
 (one descriptor and one mapping each), and all datasets of the process together
-stay within its budget (`detdata.datasets.shards.set_max_open_shards`); the least
+stay within its budget (`detdata.set_max_open_shards`); the least
 recently used mapping is dropped to make room. When the LRU (or the budget) is
 full, a shard that is not mapped is read without keeping anything open
 (`_pread_rows`: open, read, close) unless the read needs at least `MAP_MIN_ROWS`
@@ -74,8 +74,7 @@ import collections
 import mmap
 import os
 import threading
-import warnings
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Final, Generic, NamedTuple, TypeVar
 
 import fsspec
@@ -89,8 +88,9 @@ from detdata.base.groupby import stable_groups
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
-from detdata.datasets.shards import DefaultCache, ShardReader, renamed_argument
-from detdata.identity.entry import ShardEntry, Verify
+from detdata.datasets.shard_storage import DefaultCache, Storage, storage_for
+from detdata.datasets.shards import ShardReader
+from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
@@ -278,26 +278,26 @@ class TokenWindows(ShardReader):
     ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
     `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
 
-    Remote roots: ``retry`` (a `RetryPolicy`) governs every read; with
+    ``storage`` (a `Storage`, default ``Storage()``) says where and how shards are read.
+    Remote roots: its ``retry`` (a `RetryPolicy`) governs every read; with its
     ``cache_dir`` (and ``shard_cache_bytes``, default 16 GiB, on disk;
     ``cache_verify="full"`` re-hashes a cached copy whenever it is opened instead of
     checking size + first/last MiB) whole shards are copied into a verified, bounded
     local `ShardCache` (``shard_cache``) and read from there. By default
-    (``cache_dir=DefaultCache.USER``) a remote root uses a per-user folder
-    (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``) bounded by
+    (``cache_dir=DefaultCache.AUTO``, here `DefaultCache.USER`) a remote root uses a
+    per-user folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``) bounded by
     ``shard_cache_bytes`` or else 4 GiB and half the free space (`user_cache`: without
     room for 4 of the largest shard, or a writable folder, it reads with range requests
     and logs why); ``cache_dir=None`` reads remote shards with coalesced range requests
     and keeps no copy. Neither changes the data read, so neither is part of ``identity()``.
-    ``cache_bytes`` is the deprecated name of ``shard_cache_bytes`` (a `DeprecationWarning`;
-    passing both is a `ConfigError`).
 
-    ``max_open_shards`` (default 128) bounds the shards this dataset memory-maps at
+    Its ``max_open_shards`` (default 128) bounds the shards this dataset memory-maps at
     once per process (one descriptor + one mapping each; see the module docstring);
     all datasets of a process together also stay within the process budget
-    (`detdata.datasets.shards.set_max_open_shards`). Other shards are read without
-    keeping anything open. It never changes the data read and is not part of
-    ``identity()``.
+    (`detdata.set_max_open_shards`). Other shards are read without keeping anything
+    open. It never changes the data read and is not part of ``identity()``. The keywords
+    of `Storage`'s fields given directly (``verify=``, ``root=``, ``cache_dir=``, ...) are
+    deprecated (`storage_for`; ``cache_bytes=`` is ``shard_cache_bytes``).
     """
 
     # pickling: parameters and manifest only, no memmaps or handles
@@ -315,6 +315,7 @@ class TokenWindows(ShardReader):
         "_prefetched",
         "_prefetch_lock",
     )
+    DEFAULT_CACHE = DefaultCache.USER  # remote windows are small reads: copy whole shards
 
     def __init__(
         self,
@@ -323,35 +324,11 @@ class TokenWindows(ShardReader):
         *,
         labels: bool = True,
         out_dtype: str | None = None,
-        verify: str | Verify = Verify.QUICK,
         allow_short_shards: bool = False,
-        root: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        cache_dir: str | os.PathLike[str] | DefaultCache | None = DefaultCache.USER,
-        shard_cache_bytes: int | None = None,
-        cache_verify: str = "quick",
-        cache_bytes: int | None = None,
-        max_open_shards: int | None = None,
+        storage: Storage | None = None,
+        **legacy: Any,
     ) -> None:
-        shard_cache_bytes = renamed_argument(
-            shard_cache_bytes,
-            cache_bytes,
-            new="shard_cache_bytes",
-            old="cache_bytes",
-            owner="TokenWindows",
-        )
-        super().__init__(
-            manifest,
-            verify=verify,
-            root=root,
-            storage_options=storage_options,
-            retry=retry,
-            cache_dir=cache_dir,
-            shard_cache_bytes=shard_cache_bytes,
-            cache_verify=cache_verify,
-            max_open_shards=max_open_shards,
-        )
+        super().__init__(manifest, storage_for("TokenWindows", storage, legacy))
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
         self.window = self.seq_len + int(self.labels)
@@ -463,16 +440,6 @@ class TokenWindows(ShardReader):
         self._handles.pop(shard)
 
     # parameters under their old names ------------------------------------------
-    @property
-    def cache_bytes(self) -> int:
-        """Deprecated name of ``shard_cache_bytes`` (a `DeprecationWarning`)."""
-        warnings.warn(
-            "TokenWindows.cache_bytes is deprecated; use shard_cache_bytes",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.shard_cache_bytes
-
     @property
     def cache(self) -> ShardCache | None:
         """This process's `ShardCache` (None without ``cache_dir``): the same as ``shard_cache``."""

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import detdata.datasets.tokens as tokens_module
+from detdata import Storage
 from detdata.base.errors import DetdataError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -90,7 +91,9 @@ def opened(
     then a second epoch (all shards opened before: the native loop reads it, if chosen)."""
     dtype, labels = request.param
     ref = _corpus(tmp_path / "d", dtype, labels)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=labels, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=labels, storage=Storage(max_open_shards=1)
+    )
     rng = np.random.default_rng(5)
     ds.read(np.asarray([0]))  # the only handle: shard 0
     for _ in range(2):
@@ -152,7 +155,9 @@ def test_a_replaced_shard_is_named_before_a_later_first_open_of_the_wrong_size(
     loop, and also when the native loop hands the whole batch to the Python loop (as it
     does when a file cannot be opened mid-replace: here it reads nothing)."""
     _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))  # the only handle: shard 0
     ds.read(np.arange(2 * WINDOWS, 4 * WINDOWS))  # first opens of shards 2 and 3
     path = _victim_path(ds, 3)
@@ -176,7 +181,9 @@ def test_shards_opened_before_a_missing_one_are_remembered(tmp_path: Path) -> No
     """The first read of the run fails on a deleted shard; the shards it opened before
     are still recorded, so replacing one of them afterwards is caught."""
     _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))
     _victim_path(ds, 20).unlink()
     with pytest.raises(VerificationError) as info:
@@ -214,7 +221,9 @@ def test_file_identities_with_the_top_bit_set_are_compared(tmp_path: Path) -> No
 def _fresh(tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:
     """A dataset over the int32 corpus with a full handle LRU, before its first epoch."""
     ref = _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))  # the only handle: shard 0
     return ds, ref
 

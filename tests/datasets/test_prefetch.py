@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets.prefetch import Lookahead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
@@ -55,10 +56,7 @@ def remote(url: str, manifest: detdata.Manifest, cache: Path, bound: int) -> Tok
     return TokenWindows(
         manifest.with_root(url),
         SEQ,
-        verify="off",
-        retry=PATIENT,
-        cache_dir=cache,
-        shard_cache_bytes=bound,
+        storage=Storage(verify="off", retry=PATIENT, cache_dir=cache, shard_cache_bytes=bound),
     )
 
 

@@ -20,9 +20,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detdata import Storage
 from detdata.base.errors import ConfigError, FormatError
+from detdata.datasets.arrow_numpy import to_numpy
 from detdata.datasets.base import Dataset
-from detdata.datasets.tables import Group, TableRows, to_numpy
+from detdata.datasets.rowgroups import Group
+from detdata.datasets.tables import TableRows
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
 from detdata.loading.options import LoaderOptions, ReadOptions
@@ -222,19 +225,17 @@ def test_cache_byte_bound(tmp_path: Path) -> None:
     assert len(off.cache) == 0
 
 
-def test_cache_bytes_is_the_deprecated_name_of_row_group_cache_bytes(tmp_path: Path) -> None:
+def test_cache_bytes_is_refused_where_it_named_the_row_group_cache(tmp_path: Path) -> None:
+    # cache_bytes= once named row_group_cache_bytes here and shard_cache_bytes in TokenWindows;
+    # it now means the latter everywhere, so TableRows refuses it rather than change meaning
     write_shards(tmp_path, "arrow", seed=2)
     manifest = build_manifest(str(tmp_path))
     new = TableRows(manifest, ["tokens"], row_group_cache_bytes=5000)
-    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
-        old = TableRows(manifest, ["tokens"], cache_bytes=5000)
-    assert old.row_group_cache_bytes == new.row_group_cache_bytes == old.cache.max_bytes == 5000
-    assert old.identity() == new.identity() == TableRows(manifest, ["tokens"]).identity()
-    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
-        assert old.cache_bytes == 5000
+    assert new.row_group_cache_bytes == new.cache.max_bytes == 5000
+    assert new.identity() == TableRows(manifest, ["tokens"]).identity()
     assert TableRows(manifest, ["tokens"]).row_group_cache_bytes == 1 << 30
-    with pytest.raises(ConfigError, match="deprecated name of row_group_cache_bytes"):
-        TableRows(manifest, ["tokens"], cache_bytes=5000, row_group_cache_bytes=5000)
+    with pytest.raises(ConfigError, match=r"TableRows\(cache_bytes=\.\.\.\) is no longer"):
+        TableRows(manifest, ["tokens"], cache_bytes=5000)
 
 
 def test_lru_evicts_least_recently_used() -> None:
@@ -875,7 +876,7 @@ def test_one_open_reader_reopens_evicted_shards_and_matches_reference(
     """``max_open_shards=1``: every read of another shard evicts and re-opens a reader
     (Parquet and memory-mapped Arrow IPC); rows are still the written ones."""
     ds, ref = tables
-    bounded = TableRows(ds.manifest, cache_row_groups=2, max_open_shards=1)
+    bounded = TableRows(ds.manifest, cache_row_groups=2, storage=Storage(max_open_shards=1))
     ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
     for order in (ids, ids[::-1], ids):
         batch = bounded.read(order)

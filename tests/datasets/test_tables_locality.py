@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import detdata
 from detdata import LocalityOrder, Order
 from detdata.base.errors import ConfigError, StateError
-from detdata.datasets.tables import auto_cache_row_groups
+from detdata.datasets.rowgroups import auto_cache_row_groups
 from detdata.order.choice import order_name
 from detdata.order.locality import WindowedOrder
 from tests.order.test_locality import ref_epoch

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detdata.datasets.tokens as tokens_module
+from detdata import Storage
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -65,7 +66,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _dataset(root: Path, dtype: str = "int32") -> tuple[TokenWindows, np.ndarray]:
     ref = _corpus(root, dtype)
     # one handle: every other shard is read by the batched loop, which hints plan
-    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=1)
+    ds = TokenWindows(build_manifest(str(root)), SEQ, storage=Storage(max_open_shards=1))
     ds.read(np.asarray([0]))
     return ds, ref
 

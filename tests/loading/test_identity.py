@@ -118,8 +118,7 @@ def _tokens(c: Config, corpus: Corpus) -> detdata.TokenWindows:
         c.seq_len,
         labels=c.labels,
         out_dtype=c.out_dtype,
-        verify=c.verify,
-        max_open_shards=c.max_open_shards,
+        storage=detdata.Storage(verify=c.verify, max_open_shards=c.max_open_shards),
     )
 
 
@@ -134,7 +133,7 @@ def _data(c: Config, corpus: Corpus) -> Any:
             list(c.columns),
             ragged=list(c.ragged),
             cache_row_groups=c.cache_row_groups,
-            max_open_shards=c.max_open_shards,
+            storage=detdata.Storage(max_open_shards=c.max_open_shards),
         )
     if c.kind == "arrays":
         ids = np.arange(300, dtype=np.int64)

@@ -19,6 +19,7 @@ import pytest
 
 import detdata
 import detdata.datasets.tokens as tokens_module
+from detdata import Storage
 from detdata.base.errors import VerificationError
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tokens import TokenWindows
@@ -70,7 +71,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _stream(root: Path, order: object) -> OrderedStream:
-    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=2)
+    ds = TokenWindows(build_manifest(str(root)), SEQ, storage=Storage(max_open_shards=2))
     return OrderedStream(ds, 11, order=order)  # type: ignore[arg-type]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import detdata
+from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.loader import DataLoader
 from detdata.storage.retry import RetryPolicy
@@ -33,10 +34,9 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
     data = TokenWindows(
         manifest.with_root(f"{http_server.base}/{directory.name}"),
         SEQ,
-        verify="off",
-        retry=PATIENT,
-        cache_dir=tmp_path / "cache",
-        shard_cache_bytes=1 << 24,
+        storage=Storage(
+            verify="off", retry=PATIENT, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 24
+        ),
     )
 
     def loader(world: int, gbs: int, micro: int, **kw: object) -> DataLoader:
