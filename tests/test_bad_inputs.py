@@ -420,10 +420,11 @@ def test_seq_len_larger_than_a_shard(tmp_path: Path) -> None:
 )
 def test_batch_not_divisible(kwargs: dict[str, Any], pattern: str) -> None:
     data = detdata.ArrayDataset({"x": np.arange(100)})
+    placement = {k: kwargs.pop(k) for k in ("rank", "world_size") if k in kwargs}
     with pytest.raises(ConfigError, match=pattern):
-        DataLoader(data, **kwargs)
+        DataLoader(data, **kwargs, options=detdata.LoaderOptions(**placement))
     with pytest.raises(ConfigError, match=pattern):
-        DeterministicBatchSampler(100, **kwargs)
+        DeterministicBatchSampler(100, **kwargs, **placement)
 
 
 # ------------------------------------------------------------------ states

@@ -19,6 +19,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, Batch
 from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.capabilities import OrdersDataset
 from detdata.datasets.streams import OrderedStream, as_stream
 from detdata.loading import frameworks
 from detdata.loading.arguments import check_thread_mode, check_torch_args, refuse_torch_habits
@@ -247,9 +248,11 @@ class DataLoader(Iteration, Resume, Lookup):
         self._order = order
         # the loader ordered a plain dataset with its seed, or an `Excluded` did with that same
         # seed (adding exclusions at a resume of a loader-ordered run keeps ``stream_seed``)
-        self._wrapped = self._stream is not data or (
-            getattr(self._stream, "orders_dataset", False) is True
-            and getattr(self._stream, "seed", None) == self.seed
+        stream = self._stream
+        self._wrapped = stream is not data or (
+            isinstance(stream, OrdersDataset)
+            and stream.orders_dataset is True
+            and stream.seed == self.seed
         )
         self._transform = opts.transform
         self._collate_fn = collate_fn
@@ -385,9 +388,8 @@ class DataLoader(Iteration, Resume, Lookup):
         per = self._layout_now(self._consumed).samples_per_micro_step  # as iteration binds it
         if self.total_samples is not None:
             return self.total_samples // per
-        dataset = getattr(self._stream, "dataset", None)
-        if isinstance(self._stream, OrderedStream) and dataset is not None:
-            return self._whole_steps(int(dataset.num_samples)) // per
+        if isinstance(self._stream, OrderedStream):
+            return self._whole_steps(int(self._stream.dataset.num_samples)) // per
         return self._whole_steps(MAX_POSITION) // per
 
     def check_trainer_batch(

@@ -16,6 +16,7 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.redact import get_logger
 from detdata.datasets.base import Stream
+from detdata.datasets.capabilities import ChecksContinuation, ContinuesFrom
 from detdata.loading.history import Plan
 from detdata.loading.layout import Layout
 from detdata.loading.loader_base import LoaderBase
@@ -160,19 +161,19 @@ class Resume(LoaderBase):
     def _check_exclusions(self, saved: LoaderState) -> None:
         """An allowed ``exclusions`` change may only append lists in force from the saved
         position on (`Excluded.check_continues`); anything else is a `StateError`."""
-        check = getattr(self._stream, "check_continues", None)
-        if check is None:
+        stream = self._stream
+        if not isinstance(stream, ChecksContinuation):
             raise StateError(
                 "the saved state excludes samples but this loader's stream is not an "
                 "Excluded stream: the excluded samples would be delivered again; hint: wrap "
                 "the data in detdata.Excluded with the saved lists (and append new ones)",
                 fields=(K_EXCLUSIONS,),
             )
-        check(dict(saved.stream), saved.samples_consumed)
+        stream.check_continues(dict(saved.stream), saved.samples_consumed)
 
     def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
-        cont = getattr(self._stream, "continue_from", None)
-        if cont is None:
+        current = self._stream
+        if not isinstance(current, ContinuesFrom):
             raise StateError(
                 "the saved state has a mixture but this loader's data is not a Mixture",
                 fields=(K_MIXTURE,),
@@ -182,7 +183,7 @@ class Resume(LoaderBase):
                 "cannot change the mixture and the seed in the same resume", fields=(K_SEED,)
             )
         try:
-            stream: Stream = cont(dict(saved.stream), saved.samples_consumed)
+            stream = current.continue_from(dict(saved.stream), saved.samples_consumed)
         except ConfigError as exc:
             raise StateError(
                 f"allowed mixture change cannot be applied: {exc}", fields=(K_MIXTURE,)
