@@ -100,7 +100,7 @@ _PARQUET_GROUPS: Final = 8
 _SLICE_MIN_TOKENS: Final = 48
 
 
-class _Mapped(NamedTuple):
+class _MappedTokens(NamedTuple):
     """An open token file: its token view, the mapping under it, and the mapped file."""
 
     view: np.ndarray[Any, Any]
@@ -137,7 +137,6 @@ class Documents(ShardReader):
         *ShardReader._TRANSIENT,
         "_groups",
         "_lock",
-        "_unit_of_shard",
         "_all_token_files",
         "_unit_base",
         "_group_bases",
@@ -270,7 +269,6 @@ class Documents(ShardReader):
     # construction helpers --------------------------------------------------------
     def _build_index(self) -> None:
         super()._build_index()
-        self._unit_of_shard = {u.shard: i for i, u in enumerate(self.units)}
         self._all_token_files = all(u.kind != "table" for u in self.units)
         base = np.zeros(len(self.units) + 1, dtype=np.int64)
         np.cumsum([u.tokens for u in self.units], out=base[1:])
@@ -479,7 +477,7 @@ class Documents(ShardReader):
 
     def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
         """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""
-        held: _Mapped | None = self._handles.get(unit.shard)
+        held: _MappedTokens | None = self._handles.get(unit.shard)
         if held is not None:
             self._check_size(unit.shard, held.mapping.size(), held.path)
             return held.view
@@ -498,7 +496,7 @@ class Documents(ShardReader):
             offset=entry.data_offset or 0,
         )
         view.flags.writeable = False
-        self._keep_handle(unit.shard, _Mapped(view, mapping, path))
+        self._keep_handle(unit.shard, _MappedTokens(view, mapping, path))
         return view
 
     def _table_reader(self, shard: int) -> Any:
