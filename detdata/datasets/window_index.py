@@ -66,7 +66,8 @@ from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.receipts import job_meeting, receipt_dir, wait_s
-from detdata.storage.atomic import atomic_write_bytes, file_lock
+from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.locks import file_lock
 
 MAGIC: Final = b"DDWINDX1"
 KIND: Final = "detdata.token-windows-index"

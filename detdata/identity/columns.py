@@ -59,6 +59,7 @@ from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
 from detdata.identity.entry import ShardEntry
 from detdata.identity.manifest_id import PIECE, streamed_id
+from detdata.storage.digest import full_digest_path
 from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
@@ -568,8 +569,6 @@ def _reopen(path: str, header_digest: str, json_path: str | None) -> ShardTable:
 #: how a JSON written by `Manifest.save` introduces its shard list (sorted keys, indent=1)
 _SHARDS_KEY: Final = b'\n "shards": ['
 _HEAD_LIMIT: Final = 1 << 20
-#: the JSON is hashed this many bytes at a time (`check_columns`)
-_JSON_PIECE: Final = 8 << 20
 
 
 def read_json_head(path: str) -> dict[str, Any] | None:
@@ -602,11 +601,7 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
     `ManifestError`."""
     c, json_path = table.columns, table.json_path
     if json_path is not None and with_json:
-        hasher = blake3.blake3()
-        with open(json_path, "rb") as fh:
-            while piece := fh.read(_JSON_PIECE):  # bounded memory, whatever the size
-                hasher.update(piece)
-        found = PREFIX + hasher.hexdigest()
+        found = full_digest_path(json_path)  # read in pieces: bounded memory
         if found != c.header["json_digest"]:
             raise c._error(
                 f"the manifest JSON {json_path} hashes to {found}, the columns were saved "

@@ -64,8 +64,9 @@ from detdata.identity.columns import ShardTable, check_columns
 from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
-from detdata.storage.atomic import atomic_write_bytes, file_lock
+from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.fs import filesystem, is_local_fs, join
+from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:

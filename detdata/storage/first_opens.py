@@ -18,6 +18,7 @@ extension no native thread exists and a lock serialises the Python records.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Final
 
@@ -35,6 +36,15 @@ BUSY: Final = 2
 
 U64Array = npt.NDArray[np.uint64]
 IntArray = npt.NDArray[np.int64]
+
+_U64: Final = (1 << 64) - 1
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int]:
+    """``(inode, device, mtime_ns)`` of a stat, each as an unsigned 64-bit pattern (an
+    overlayfs inode may use the top bit; an mtime before 1970 is negative): what a record
+    holds."""
+    return (st.st_ino & _U64, st.st_dev & _U64, st.st_mtime_ns & _U64)
 
 
 class FirstOpens:

@@ -117,7 +117,8 @@ else:
     column = "input_ids" if kind == "parquet" else None
     eod = None if kind == "parquet" else 0
     # verify="off": no turn-taking on the receipt lock, the ranks reach the build together
-    docs = Documents(manifest, column=column, eod_token=eod, index_dir=index_dir, verify="off")
+    docs = Documents(manifest, column=column, eod_token=eod, index_dir=index_dir,
+                     storage=detdata.Storage(verify="off"))
     opened = len(footers)
     packed = PackedWindows(docs, seq_len=16, seed=3, shuffle=True, labels=True,
                            tail="drop", index_dir=index_dir)
