@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detdata import FormatError, Manifest, TokenWindows, build_manifest
+from detdata import FormatError, Manifest, Storage, TokenWindows, build_manifest
 from detdata.datasets import window_index
 from detdata.identity.columns import CHUNK, ShardTable
 
@@ -159,11 +159,11 @@ def test_a_rank_that_maps_the_index_touches_no_manifest_column_at_open(
     entries = [type(one)(**{**one.__dict__, "path": name}) for name in names]
     path = root / "manifest.json"
     Manifest(shards=tuple(entries), root=str(root)).save(str(path))
-    TokenWindows(str(path), SEQ, verify="off")  # builds and stores the index
+    TokenWindows(str(path), SEQ, storage=Storage(verify="off"))  # builds and stores the index
     manifest = Manifest.load(str(path), verify="off")
     table = manifest.shards
     assert isinstance(table, ShardTable)
-    ds = TokenWindows(manifest, SEQ, verify="off")
+    ds = TokenWindows(manifest, SEQ, storage=Storage(verify="off"))
     assert ds._index.path is not None
     assert sum(table.columns._checked) == 0  # no column chunk hashed (or touched)
     assert table._cache == {}
