@@ -456,4 +456,7 @@ def _digest(mapping: mmap.mmap, end: int) -> bytes:
             stop = min(end, at + HASH_PIECE)
             hasher.update(view[at:stop])
             mapping.madvise(mmap.MADV_DONTNEED, at, stop - at)
+    # later uses touch a few pages each (binary searches, per-shard lookups): no read-ahead
+    # or fault-around that would map many pages around each
+    mapping.madvise(mmap.MADV_RANDOM)
     return hasher.digest()

@@ -185,6 +185,9 @@ class ColumnsFile:
             if st.st_size < _HEAD + 32:
                 raise self._error(f"{st.st_size} bytes is too short for a header")
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # a rank touches the chunks it uses, scattered: no read-ahead or fault-around that
+        # would map (and count as resident) many pages around each
+        self._map.madvise(mmap.MADV_RANDOM)
         self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         buf = memoryview(self._map)
         if bytes(buf[:8]) != MAGIC:

@@ -18,6 +18,7 @@ extension no native thread exists and a lock serialises the Python records.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from typing import Final
@@ -61,7 +62,11 @@ class FirstOpens:
         self.state = bytearray(self.sizes.size)
         self.states = np.frombuffer(self.state, dtype=np.uint8)
         #: (inode, device, mtime_ns) per shard, meaningful where the state is `RECORDED`
-        self.ident: U64Array = np.zeros((self.sizes.size, 3), dtype=np.uint64)
+        # an anonymous mapping (zero pages until written): numpy would ask huge pages for an
+        # array this large, and a record would then make 2 MiB resident, not 4 KiB
+        self.ident: U64Array = np.frombuffer(
+            mmap.mmap(-1, max(1, 24 * self.sizes.size)), dtype=np.uint64, count=3 * self.sizes.size
+        ).reshape(self.sizes.size, 3)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> None:
