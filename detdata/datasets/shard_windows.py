@@ -50,7 +50,7 @@ class ShardWindows(ShardReader):
     window: int
     out_dtype: np.dtype[Any]
     _num: int
-    _windows: IntArray
+    _bounds: IntArray  # count + 1 cumulative windows
     _starts: IntArray
     _offsets: IntArray
     _itemsize: ArrayByCode
@@ -121,24 +121,26 @@ class ShardWindows(ShardReader):
         return None
 
     def _view(self, shard: int) -> np.ndarray[Any, Any]:
-        """Map ``shard`` (size-checked), keep it in the handle LRU, return its window view."""
-        entry = self.manifest.shards[shard]
+        """Map ``shard`` (size-checked), keep it in the handle LRU, return its window view
+        (its path decoded alone: no manifest entry built)."""
         if self._uses_shard_cache():
             mapping, path = self._map_cached(shard)
         else:
-            path = join(self._filesystem()[1], entry.path)
+            path = join(self._filesystem()[1], self.manifest.shard_path(shard))
             try:
                 fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
             except FileNotFoundError:
                 raise self._missing(shard, path) from None
             with fh:
                 mapping = map_checked(fh.fileno(), shard, path, self._checks())
+        dtype = self._disk[shard]
+        offset = int(self._offsets[shard])
         view = record_view(
             mapping,
-            self._disk[shard],
-            offset=int(self._offsets[shard]),
-            count=entry.num_samples,
-            rows=int(self._windows[shard]),
+            dtype,
+            offset=offset,
+            count=(int(self._sizes[shard]) - offset) // dtype.itemsize,  # its num_samples
+            rows=int(self._bounds[shard + 1] - self._bounds[shard]),
             step=self.seq_len,
             width=self.window,
         )
@@ -176,7 +178,7 @@ class ShardWindows(ShardReader):
         `detdata.storage.reads.opened`), and one ``preadv`` of the range covering all the
         windows when ``cover`` (they are `covered`), else one ``preadv`` per window."""
         dtype = self._disk[shard]
-        path = prefix + self.manifest.shards[shard].path
+        path = prefix + self.manifest.shard_path(shard)
         with opened(path, shard, checks) as fd:
             if cover:
                 self._pread_covering(fd, shard, path, rows, offsets, out, checks)

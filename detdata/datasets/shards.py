@@ -244,8 +244,13 @@ class ShardReader(ProcessLocal, abc.ABC):
 
     def _build_index(self) -> None:
         # bytes per shard: the manifest's column (mapped for the fast form: no entry built)
-        self._size_array: npt.NDArray[np.int64] = self.manifest.bytes_per_shard()
+        self._size_array: npt.NDArray[np.int64] = self._shard_bytes()
         self._sizes = self._size_array
+
+    def _shard_bytes(self) -> npt.NDArray[np.int64]:
+        """Bytes of every shard in manifest order: the manifest's column (a subclass may
+        give an equal array it already holds checked)."""
+        return self.manifest.bytes_per_shard()
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -258,7 +263,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
         # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
         # native loop may first open a shard at once)
-        self._first = FirstOpens(self.manifest.bytes_per_shard())
+        self._first = FirstOpens(self._shard_bytes())
         self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
         self._named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
@@ -438,9 +443,9 @@ class ShardReader(ProcessLocal, abc.ABC):
             names = self._names_bytes = [b""] * count
         missing = shards[~self._named[shards]]
         if missing.size:
-            entries = self.manifest.shards
+            shard_path = self.manifest.shard_path  # the path alone: no entry built
             for shard in missing.tolist():
-                names[shard] = os.fsencode(entries[shard].path)
+                names[shard] = os.fsencode(shard_path(shard))
             self._named[missing] = True  # after the names: a reader thread tests it first
         return names
 

@@ -26,14 +26,14 @@ import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
-from detdata.base.errors import ConfigError, FormatError
+from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
 from detdata.datasets.shard_storage import DefaultCache, Storage, storage_for
+from detdata.datasets.window_index import WindowIndex, open_window_index
 from detdata.datasets.window_reads import WindowReads
-from detdata.identity.entry import ShardEntry
-from detdata.identity.formats import TOKEN_DTYPES, Format, disk_dtype
+from detdata.identity.formats import disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
 from detdata.storage.cache import ShardCache
@@ -49,7 +49,7 @@ class ByCode(Generic[T]):
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: IntArray, values: tuple[T, ...]) -> None:
+    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: tuple[T, ...]) -> None:
         self.codes = codes
         self.values = values
 
@@ -64,18 +64,12 @@ class ArrayByCode:
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: IntArray, values: npt.ArrayLike) -> None:
+    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: npt.ArrayLike) -> None:
         self.codes = codes
         self.values = np.asarray(values, dtype=np.int64)
 
     def __getitem__(self, shard: Any) -> Any:
         return self.values[self.codes[shard]]
-
-
-def _distinct_codes(code: IntArray) -> list[int]:
-    """The distinct values of ``code`` (non-negative dtype codes), ascending: `np.unique`'s
-    answer without its first-call import of ``numpy.ma`` (~20 ms of a small corpus's open)."""
-    return np.flatnonzero(np.bincount(code)).tolist() if code.size else []
 
 
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
@@ -112,6 +106,11 @@ class TokenWindows(WindowReads):
     ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
     `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
 
+    Opening: the per-shard facts (window starts, token offsets, sizes, dtype codes) and the
+    open-time checks come from the window index (`detdata.datasets.window_index`): for a
+    fast-form manifest a file built once per job and mapped, after a full check of its
+    digest, by every process; so a rank's open touches none of the manifest's columns.
+
     ``storage`` (a `Storage`, default ``Storage()``) says where and how shards are read.
     Remote roots: its ``retry`` (a `RetryPolicy`) governs every read; with its
     ``cache_dir`` (and ``shard_cache_bytes``, default 16 GiB, on disk;
@@ -146,6 +145,9 @@ class TokenWindows(WindowReads):
         "_narrowing",
         "_windows_tuple",
         "_direct",
+        "_index",
+        "_bounds",
+        "_dtype_names",
     )
     DEFAULT_CACHE = DefaultCache.USER  # remote windows are small reads: copy whole shards
 
@@ -163,17 +165,16 @@ class TokenWindows(WindowReads):
         super().__init__(manifest, storage_for("TokenWindows", storage, legacy))
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
+        self.allow_short_shards = bool(allow_short_shards)
         self.window = self.seq_len + int(self.labels)
         shards = self.manifest.shards
         if not shards:
             raise ConfigError(
                 f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards"
             )
-        self._dtype_names = self._check_token_shards()
-        used = _distinct_codes(self._dtype_code())
-        self.out_dtype = _resolve_out_dtype(out_dtype, [self._dtype_names[c] for c in used])
-        self._windows = self._count_windows(allow_short_shards)
-        self._num = int(self._windows.sum())
+        index = self._index = self._open_index()  # the open-time checks: once per job
+        self.out_dtype = _resolve_out_dtype(out_dtype, [index.dtypes[c] for c in index.used])
+        self._num = index.windows
         if self._num == 0:
             raise ConfigError(
                 f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
@@ -184,84 +185,54 @@ class TokenWindows(WindowReads):
         self._reset_process_state()
 
     # construction helpers --------------------------------------------------
-    def _dtype_code(self) -> IntArray:
-        """Each shard's index into ``_dtype_names`` (from the manifest's columns: no entry
-        is built)."""
-        return self.manifest.codes("dtype")[1]
-
-    def _check_token_shards(self) -> tuple[str, ...]:
-        """The manifest's token dtypes (indexed by `_dtype_code`); `FormatError` naming the
-        first shard that is not a token shard with a consistent size (`_check_token_shard`).
-        Vectorised over the manifest's columns: an entry is built only for a culprit."""
-        formats, fcode = self.manifest.codes("format")
-        dtypes, dcode = self.manifest.codes("dtype")
-        token_fmt = np.array([Format(f) in (Format.NPY, Format.BIN) for f in formats] + [False])
-        token_dt = np.array([d in TOKEN_DTYPES for d in dtypes] + [False])
-        bad = ~token_fmt[fcode] | ~token_dt[dcode]  # code -1 picks the trailing False
-        sizes = np.array([np.dtype(d).itemsize if d in TOKEN_DTYPES else 0 for d in dtypes] + [0])
-        expected = np.maximum(self.manifest.data_offsets(), 0) + (
-            self.manifest.samples_per_shard() * sizes[dcode]
+    def _open_index(self, *, meet: bool = True) -> WindowIndex:
+        """The per-shard index (`detdata.datasets.window_index`): mapped from the file built
+        once per job for a fast-form manifest, else built here. Its build runs the open-time
+        checks: `FormatError` naming the first shard that is not a token shard of a
+        consistent size, or, unless ``allow_short_shards``, too short for one window.
+        ``meet=False``: unpickled in a worker (no meeting through a process group)."""
+        return open_window_index(
+            self.manifest, self.seq_len, self.labels, self.allow_short_shards, meet=meet
         )
-        bad |= expected != self.manifest.bytes_per_shard()  # a size the dtype does not explain
-        if bad.any():
-            _check_token_shard(self.manifest.shards[int(np.flatnonzero(bad)[0])])
-        return dtypes
-
-    def _count_windows(self, allow_short: bool) -> IntArray:
-        """Windows per shard (int64, vectorised); `FormatError` naming the first shard too
-        short for one window unless ``allow_short``."""
-        tokens = self.manifest.samples_per_shard()
-        counts = np.maximum(0, (tokens - int(self.labels)) // self.seq_len)
-        if not allow_short:
-            short = np.flatnonzero(counts == 0)
-            if short.size:
-                self._count(self.manifest.shards[int(short[0])], False)
-        counts.flags.writeable = False
-        return counts
 
     @property
     def windows_per_shard(self) -> tuple[int, ...]:
         """Windows per shard, in manifest order (a tuple built on first use: O(shards))."""
         found: tuple[int, ...] | None = self.__dict__.get("_windows_tuple")
         if found is None:
-            found = tuple(self._windows.tolist())
+            found = tuple(np.diff(self._bounds).tolist())
             self.__dict__["_windows_tuple"] = found
         return found
 
-    def _count(self, shard: ShardEntry, allow_short: bool) -> int:
-        tokens = shard.num_samples
-        count = max(0, (tokens - int(self.labels)) // self.seq_len)
-        if count == 0 and not allow_short:
-            raise FormatError(
-                f"shard {shard.path}: {tokens} tokens is too short for one window of "
-                f"seq_len={self.seq_len} (needs {self.window} tokens with "
-                f"labels={self.labels}); hint: pass allow_short_shards=True to skip "
-                "such shards, or use a smaller seq_len"
-            )
-        return count
-
     def _build_index(self) -> None:
+        index: WindowIndex | None = self.__dict__.get("_index")
+        if index is None:  # unpickled in another process: mapped (or built) again
+            index = self._index = self._open_index(meet=False)
         super()._build_index()
-        counts = self._windows
-        self._starts = np.zeros(counts.size, dtype=np.int64)
-        np.cumsum(counts[:-1], out=self._starts[1:])
-        code = self._dtype_code()
-        names = self._dtype_names
+        self._bounds = index.starts  # count + 1: shard s holds windows [s], [s + 1]
+        self._starts = index.starts[:-1]
+        code = index.codes
+        names = self._dtype_names = index.dtypes
         # bytes per token of each shard, looked up through its dtype code (no per-shard copy)
         self._itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
-        self._offsets = np.maximum(self.manifest.data_offsets(), 0)
+        self._offsets = index.offsets
         # per shard, looked up through its dtype code (O(dtypes) to build, not O(shards))
         self._disk = ByCode(code, tuple(disk_dtype(d) for d in names))
         self._dtypes = ByCode(code, names)
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         narrowing = tuple(not np.can_cast(d, self.out_dtype, casting="safe") for d in names)
         self._narrowing = ByCode(code, narrowing)
-        used = _distinct_codes(code)
+        used = index.used
         disks = {self._disk.values[c] for c in used}
         # covered spans of a batch are read into one staging buffer (`_read_staged`)
         self._batch_covers = len(disks) == 1 and not any(narrowing[c] for c in used)
         # windows stored as delivered (disk dtype == out_dtype): read straight into the result
         self._direct = self._batch_covers and self._disk[0] == self.out_dtype
+
+    def _shard_bytes(self) -> npt.NDArray[np.int64]:
+        """Bytes per shard: the window index's copy (checked with it: the manifest's column
+        is not touched at open)."""
+        return self._index.sizes
 
     # parameters under their old names ------------------------------------------
     @property
@@ -342,27 +313,3 @@ class TokenWindows(WindowReads):
 
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"
-
-
-def _check_token_shard(shard: ShardEntry) -> str:
-    """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a consistent
-    size."""
-    if shard.format not in (Format.NPY, Format.BIN):
-        raise FormatError(
-            f"shard {shard.path}: format {shard.format.value!r} is not a token format "
-            "(npy, bin); hint: use TableRows for parquet/arrow shards"
-        )
-    if shard.dtype not in TOKEN_DTYPES:
-        raise FormatError(
-            f"shard {shard.path}: dtype {shard.dtype!r} is not a token dtype "
-            f"({', '.join(TOKEN_DTYPES)})"
-        )
-    offset = shard.data_offset or 0
-    expected = offset + shard.num_samples * np.dtype(shard.dtype).itemsize
-    if expected != shard.bytes:
-        raise FormatError(
-            f"shard {shard.path}: manifest says {shard.num_samples} x {shard.dtype} "
-            f"after a {offset}-byte header ({expected} bytes) but {shard.bytes} bytes; "
-            "hint: rebuild the manifest"
-        )
-    return shard.dtype
