@@ -259,7 +259,7 @@ class Runner:
             seed=self.seed,
             num_workers=self.workers,
             persistent_workers=self.workers > 0 and mode == "process",
-            worker_mode=mode,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode=mode)),
         )
         self._cleanup.append(loader)
         if resume_at:

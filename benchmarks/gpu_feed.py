@@ -229,7 +229,13 @@ def loaders(
         return to_dev(detdata.DataLoader(data, pin_memory=pin, **common))
 
     def detdata_device() -> Iterator[torch.Tensor]:
-        dl = detdata.DataLoader(data, device=device, device_prefetch=args.depth, **common)
+        dl = detdata.DataLoader(
+            data,
+            options=detdata.LoaderOptions(
+                device=detdata.DeviceFeed(device=device, prefetch=args.depth)
+            ),
+            **common,
+        )
         return (b["tokens"] for b in dl)
 
     return {"vanilla": vanilla, "detdata_pin": detdata_pin, "detdata_device": detdata_device}

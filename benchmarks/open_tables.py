@@ -19,6 +19,8 @@ import os
 import resource
 import sys
 
+from detdata import Storage
+
 
 def cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -67,11 +69,15 @@ def measure(kind: str, manifest: str, index_dir: str | None) -> None:
 
     c0, r0 = cpu(), rss_mb()
     if kind == "table":
-        ds = TableRows(manifest, ["idx"], verify="off")
+        ds = TableRows(manifest, ["idx"], storage=Storage(verify="off"))
         ds.read(np.arange(0, 64 * 997, 997) % ds.num_samples)
     else:
         docs = Documents(
-            manifest, column="input_ids", verify="off", index_dir=index_dir, progress=False
+            manifest,
+            column="input_ids",
+            storage=Storage(verify="off"),
+            index_dir=index_dir,
+            progress=False,
         )
         docs.gather(np.arange(0, 64 * 997, 997) % docs.num_tokens)
     print(f"{kind}: cpu {cpu() - c0:.3f} s, rss +{rss_mb() - r0:.1f} MB", flush=True)

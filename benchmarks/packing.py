@@ -37,6 +37,7 @@ import numpy as np
 
 import detdata
 from benchmarks.timing import best_of
+from detdata import Storage
 from detdata.datasets.documents import Documents
 from detdata.datasets.packed import PackedWindows
 
@@ -169,11 +170,13 @@ def bench_build(work: Path, sizes: list[int]) -> list[dict[str, Any]]:
         manifest = detdata.build_manifest(str(root))
         index = work / f"index-{n}"
         t0 = time.perf_counter()
-        docs = Documents(manifest, index_dir=index, verify="off")
+        docs = Documents(manifest, index_dir=index, storage=Storage(verify="off"))
         t1 = time.perf_counter()
         packed = PackedWindows(docs, 2048, seed=1)
         t2 = time.perf_counter()
-        again = PackedWindows(Documents(manifest, index_dir=index, verify="off"), 2048, seed=1)
+        again = PackedWindows(
+            Documents(manifest, index_dir=index, storage=Storage(verify="off")), 2048, seed=1
+        )
         t3 = time.perf_counter()
         assert again.num_samples == packed.num_samples
         rows.append(
@@ -196,7 +199,12 @@ def bench_resume(root: Path, seq_len: int, batch: int, repeats: int) -> dict[str
 
     def make() -> detdata.DataLoader:
         # one global batch per read: the first batch measures positioning, not read-ahead
-        return detdata.DataLoader(packed, global_batch_size=batch, seed=3, read_ahead=1)
+        return detdata.DataLoader(
+            packed,
+            global_batch_size=batch,
+            seed=3,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+        )
 
     def fresh() -> None:
         next(iter(make()))

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 import detdata
+from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from tests.faultproxy import FaultProxy, Link, Plan, clean
 from tests.servers import start_nginx, start_seaweedfs, stop_pid
@@ -362,9 +363,7 @@ def run_one(
     ds = TokenWindows(
         manifest.with_root(store.url),
         size.seq_len,
-        verify="off",
-        storage_options=store.options,
-        **options,
+        storage=Storage(verify="off", fs_options=store.options, **options),
     )
     row: dict[str, Any] = {
         "store": store.name,
@@ -409,8 +408,11 @@ def run_one(
             stream,
             global_batch_size=size.batch,
             seed=7,
-            lookahead=lookahead if cache is not None else 0,
-            read_ahead=READ_AHEAD,
+            options=detdata.LoaderOptions(
+                read=detdata.ReadOptions(
+                    read_ahead=READ_AHEAD, lookahead=lookahead if cache is not None else 0
+                )
+            ),
         )
     store.proxy.set_plan(clean)  # fresh counters; open connections are closed
     began = time.monotonic()

@@ -54,7 +54,7 @@ if not __package__:  # run as ``python benchmarks/scale.py``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import Stopwatch, best_of
-from detdata.datasets.shards import DEFAULT_MAX_OPEN_SHARDS
+from detdata.datasets.handles import DEFAULT_MAX_OPEN_SHARDS
 
 FEISTEL = "feistel-v1"
 SHARDS = (100, 1_000, 10_000, 50_000, 100_000)
@@ -301,9 +301,10 @@ def _dataset(kind: str, folder: Path, seq_len: int, max_open: int | None) -> Any
 
     manifest = str(folder / "manifest.json")
     extra: dict[str, Any] = {} if max_open is None else {"max_open_shards": max_open}
+    storage = detdata.Storage(verify="off", **extra)
     if kind == "tokens":
-        return detdata.TokenWindows(manifest, seq_len, labels=False, verify="off", **extra)
-    return detdata.TableRows(manifest, ["tokens"], verify="off", **extra)
+        return detdata.TokenWindows(manifest, seq_len, labels=False, storage=storage)
+    return detdata.TableRows(manifest, ["tokens"], storage=storage)
 
 
 def measure(
@@ -328,7 +329,7 @@ def measure(
         stream,
         global_batch_size=batch,
         num_workers=run.workers,
-        worker_mode=run.worker_mode,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode=run.worker_mode)),
         seed=3,
     )
     peaks = Peaks(str(folder))
@@ -622,7 +623,7 @@ def parquet_floor(folder: Path, *, limit: int = 2_000) -> dict[str, Any]:
 def reopen_rows(tokens: Path, tables: Path | None, seq_len: int) -> list[dict[str, Any]]:
     """Seconds per read: a handle hit vs a miss (see the module docstring, item 3). The map
     + evict row needs shards of >= 3 x `MAP_MIN_ROWS` windows (read sparse: every 3rd)."""
-    from detdata.datasets.tokens import MAP_MIN_ROWS
+    from detdata.datasets.shard_windows import MAP_MIN_ROWS
 
     rows: list[dict[str, Any]] = []
     ds = _dataset("tokens", tokens, seq_len, 1)

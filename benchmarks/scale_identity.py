@@ -115,11 +115,11 @@ def _write_shards(root: Path, count: int, tokens: int) -> int:
     return sum(f.stat().st_size for f in root.iterdir())
 
 
-def _open_tokens(reg: Any, name: str, **kwargs: Any) -> float:
+def _open_tokens(reg: Any, name: str, storage: Any = None) -> float:
     from detdata.datasets.tokens import TokenWindows
 
     start = time.perf_counter()
-    TokenWindows(reg.resolve(name), 32, **kwargs)
+    TokenWindows(reg.resolve(name), 32, storage=storage)
     return time.perf_counter() - start
 
 
@@ -165,6 +165,7 @@ def _local_row(work: Path, count: int, tokens: int) -> dict[str, Any]:
 def _remote_row(work: Path, count: int, tokens: int) -> dict[str, Any]:
     import aiohttp
 
+    from detdata import Storage
     from detdata.identity.build import build_manifest
     from detdata.identity.registry import Registry
     from detdata.storage.retry import RetryPolicy
@@ -198,7 +199,7 @@ def _remote_row(work: Path, count: int, tokens: int) -> dict[str, Any]:
             reg.register("remote@v1", on_http)
             proxy.set_plan(proxy.plan)
             requests[0] = 0
-            open_s = _open_tokens(reg, "remote@v1", storage_options=opts, retry=policy)
+            open_s = _open_tokens(reg, "remote@v1", Storage(fs_options=opts, retry=policy))
             open_requests, open_bytes = requests[0], proxy.stats.bytes_down
     finally:
         stop_pid(server.pid, 2.0)

@@ -62,7 +62,7 @@ def _corpus(work: Path, shards: int, shard_bytes: int) -> tuple[str, str]:
 
 def _sweep(ds: Any, shards: int, forget: bool) -> tuple[float, float]:
     """(seconds, rchar bytes) per re-open: one window of each shard, round robin."""
-    from detdata.storage.cache import forget_verified
+    from detdata.storage.verified import forget_verified
 
     starts = np.asarray(ds._starts)
     best = float("inf")
@@ -82,7 +82,7 @@ def _sweep(ds: Any, shards: int, forget: bool) -> tuple[float, float]:
 def reopen_rows(sizes: tuple[int, ...], shards: int) -> list[dict[str, Any]]:
     """Rows of the module docstring, one per shard size."""
     import detdata
-    from detdata.datasets import shards as shard_mod
+    from detdata.datasets import handles as shard_mod
 
     rows: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="scale-reopen-"))
@@ -93,10 +93,12 @@ def reopen_rows(sizes: tuple[int, ...], shards: int) -> list[dict[str, Any]]:
             ds = detdata.TokenWindows(
                 detdata.build_manifest(remote),
                 SEQ,
-                cache_dir=cache,
-                shard_cache_bytes=4 * shards * size + (1 << 20),
-                max_open_shards=1,
-                verify="off",
+                storage=detdata.Storage(
+                    cache_dir=cache,
+                    shard_cache_bytes=4 * shards * size + (1 << 20),
+                    max_open_shards=1,
+                    verify="off",
+                ),
             )
             _sweep(ds, shards, forget=False)  # fills every copy
             time.sleep(0.15)  # past the racy-clean window: verifications are now trusted
@@ -116,7 +118,9 @@ def reopen_rows(sizes: tuple[int, ...], shards: int) -> list[dict[str, Any]]:
                 }
             )
             plain = detdata.TokenWindows(
-                detdata.build_manifest(local), SEQ, max_open_shards=1, verify="off"
+                detdata.build_manifest(local),
+                SEQ,
+                storage=detdata.Storage(max_open_shards=1, verify="off"),
             )
             shard_mod.set_max_open_shards(1)
             try:

@@ -85,6 +85,7 @@ from detdata import GlobalOrder, TokenWindows
 
 manifest, out = sys.argv[1], sys.argv[2]
 for name in ("detdata.identity.verify", "detdata.identity.receipts", "detdata.datasets.tokens",
+             "detdata.datasets.window_index", "detdata.identity.manifest_id",
              "fsspec.implementations.local", "fsspec.implementations.chained", "numpy.ma"):
     try:  # modules a first open imports (their files are bytes read too): not the corpus's
         __import__(name)
@@ -239,8 +240,11 @@ def summary(job: dict[str, Any], corpus_bytes: int) -> dict[str, Any]:
         "torch_cpu_s": stat("torch_cpu_s"),
         "open_cpu_s_ranks_1_up_max": max(r["open_cpu_s"] for r in others),
         "open_peak_mb_ranks_1_up_max": max(r["open_peak_mb"] for r in others),
+        "open_rss_mb_ranks_1_up_max": max(r["open_rss_mb"] for r in others),
         "rank0_open_cpu_s": next(r["open_cpu_s"] for r in ranks if r["rank"] == 0),
+        "rank0_open_peak_mb": next(r["open_peak_mb"] for r in ranks if r["rank"] == 0),
         "job_rchar": job["job_rchar"],
+        "job_read_bytes": sum(r["read_bytes"] for r in ranks),
         "job_rchar_over_corpus": job["job_rchar"] / corpus_bytes,
         "job_wall_s": job["job_wall_s"],
     }
@@ -266,6 +270,11 @@ def main() -> None:
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "detdata-startup"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--smoke", action="store_true", help="2,000 shards, 2 ranks (CI)")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="results file name under --out (default startup.json, startup_smoke.json)",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.shards, args.ranks = "2000", "2"
@@ -299,11 +308,11 @@ def main() -> None:
                         rows.append(row)
                         print(
                             f"{label:6} shards={shards:>7} ranks={ranks:>2} {start:7} "
-                            f"open cpu med/max {row['open_cpu_s']['median']:.3f}/"
-                            f"{row['open_cpu_s']['max']:.3f} s "
-                            f"(rank0 {row['rank0_open_cpu_s']:.3f}) "
-                            f"rss med {row['open_rss_mb']['median']:.1f} MB peak max "
-                            f"{row['open_peak_mb']['max']:.1f} MB  job read "
+                            f"ranks 1+ cpu max {row['open_cpu_s_ranks_1_up_max']:.3f} s "
+                            f"rss max {row['open_rss_mb_ranks_1_up_max']:.1f} MB peak max "
+                            f"{row['open_peak_mb_ranks_1_up_max']:.1f} MB; rank0 cpu "
+                            f"{row['rank0_open_cpu_s']:.2f} s peak "
+                            f"{row['rank0_open_peak_mb']:.0f} MB; job read "
                             f"{row['job_rchar_over_corpus']:.3f}x corpus  "
                             f"wall {row['job_wall_s']:.1f}s",
                             flush=True,
@@ -315,7 +324,7 @@ def main() -> None:
 def save(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Write the results file (after every row: a run cut short keeps what it measured)."""
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    name = "startup_smoke.json" if args.smoke else "startup.json"
+    name = args.name or ("startup_smoke.json" if args.smoke else "startup.json")
     if args.keep and (Path(args.out) / name).exists():
         ran = {(r["code"], r["shards"], r["ranks"]) for r in rows}
         old = json.loads((Path(args.out) / name).read_text())["rows"]

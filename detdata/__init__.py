@@ -28,9 +28,10 @@ from detdata.base.version import VERSION as _VERSION
 from detdata.datasets.base import ArrayDataset, Dataset, Stream
 from detdata.datasets.documents import Documents
 from detdata.datasets.exclusions import Excluded, ExclusionList
+from detdata.datasets.handles import set_max_open_shards
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.packed import PackedWindows
-from detdata.datasets.shards import set_max_open_shards
+from detdata.datasets.shard_storage import Storage
 from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
@@ -43,6 +44,7 @@ from detdata.identity.registry import RefEvent, Registry
 from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
 from detdata.loading.frameworks import add_watcher as _add_watcher
+from detdata.loading.options import DeviceFeed, LoaderOptions, ReadOptions, ResumePolicy
 from detdata.loading.record import RunRecord
 from detdata.loading.state import Stateful
 from detdata.loading.steps import MidStep
@@ -50,6 +52,7 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import LocalityOrder, Order
 from detdata.order.feistel import GlobalOrder
 from detdata.order.locality import WindowedOrder
+from detdata.storage.reads import NATIVE as NATIVE_READS
 from detdata.storage.retry import RetryPolicy
 
 __version__ = _VERSION
@@ -102,23 +105,28 @@ __all__ = [
     "Dataset",
     "DetdataError",
     "DeterministicBatchSampler",
+    "DeviceFeed",
     "Documents",
     "Excluded",
     "ExclusionList",
     "Format",
     "FormatError",
     "GlobalOrder",
+    "LoaderOptions",
     "LocalityOrder",
     "Manifest",
     "ManifestError",
     "MidStep",
     "Mixture",
+    "NATIVE_READS",
     "Order",
     "OrderedStream",
     "PackedWindows",
+    "ReadOptions",
     "RefEvent",
     "Registry",
     "RegistryError",
+    "ResumePolicy",
     "RetriesExhausted",
     "RetryPolicy",
     "RunRecord",
@@ -128,6 +136,7 @@ __all__ = [
     "StaleIteratorError",
     "StateError",
     "Stateful",
+    "Storage",
     "StorageError",
     "Stream",
     "TableRows",

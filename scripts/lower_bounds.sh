@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/detdata-lb}
 PY=${PY:-python3}
 "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q 'torch==2.13.0' numpy==1.26.4 pyarrow==15.0.0 fsspec==2024.2.0 \
+"$VENV/bin/pip" install -q 'torch==2.13.0' numpy==1.26.4 pyarrow==15.0.0 fsspec==2025.3.2 \
   blake3==0.4.1 tqdm==4.60.0 pytest==9.2.0 hypothesis==6.170.17 pytest-timeout==2.4.0 \
   pytest-xdist==3.8.0 psutil==7.2.2 setuptools==84.2.1 aiohttp==3.9.0 requests  # http extra
 "$VENV/bin/python" setup.py -q build_ext --inplace

@@ -89,5 +89,5 @@ def _receipts_per_test(
     """Verification receipts (detdata.identity.receipts) of each test in a folder of its own
     (subprocesses inherit it), never in the user's cache."""
     monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path_factory.mktemp("receipts")))
-    # the default shard cache of remote roots (detdata.datasets.shards.user_cache) likewise
+    # the default shard cache of remote roots (detdata.datasets.shard_storage.user_cache) likewise
     monkeypatch.setenv("DETDATA_CACHE_DIR", str(tmp_path_factory.mktemp("shard-cache")))

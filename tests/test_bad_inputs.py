@@ -88,6 +88,7 @@ from detdata import (
     Manifest,
     ManifestError,
     StateError,
+    Storage,
     TokenWindows,
     VerificationError,
     build_manifest,
@@ -178,7 +179,7 @@ def test_damaged_shard(
         assert f"expected {entry.blake3}, found {err.found}" in message
     # the same refusal reaches a dataset opened from the manifest file
     with pytest.raises(VerificationError, match=culprit.replace(".", r"\.")):
-        TokenWindows(str(path), 16, verify=mode)
+        TokenWindows(str(path), 16, storage=Storage(verify=mode))
 
 
 def test_extra_file_is_not_part_of_the_dataset(saved: tuple[Path, Path, Manifest]) -> None:
@@ -419,10 +420,11 @@ def test_seq_len_larger_than_a_shard(tmp_path: Path) -> None:
 )
 def test_batch_not_divisible(kwargs: dict[str, Any], pattern: str) -> None:
     data = detdata.ArrayDataset({"x": np.arange(100)})
+    placement = {k: kwargs.pop(k) for k in ("rank", "world_size") if k in kwargs}
     with pytest.raises(ConfigError, match=pattern):
-        DataLoader(data, **kwargs)
+        DataLoader(data, **kwargs, options=detdata.LoaderOptions(**placement))
     with pytest.raises(ConfigError, match=pattern):
-        DeterministicBatchSampler(100, **kwargs)
+        DeterministicBatchSampler(100, **kwargs, **placement)
 
 
 # ------------------------------------------------------------------ states
@@ -524,7 +526,9 @@ def _mixture_loader(total: int | None) -> DataLoader:
         "b": detdata.ArrayDataset({"x": np.arange(100, 130)}, name="b"),
     }
     mix = detdata.Mixture(sources, schedule=[(0, {"a": 1, "b": 1}), (32, {"a": 3, "b": 1})], seed=4)
-    return DataLoader(mix, global_batch_size=8, seed=4, total_samples=total)
+    return DataLoader(
+        mix, global_batch_size=8, seed=4, options=detdata.LoaderOptions(total_samples=total)
+    )
 
 
 @pytest.mark.parametrize(
@@ -537,7 +541,9 @@ def _mixture_loader(total: int | None) -> DataLoader:
         ),
         (
             lambda: DataLoader(
-                detdata.ArrayDataset({"x": np.arange(10)}), global_batch_size=8, total_samples=64
+                detdata.ArrayDataset({"x": np.arange(10)}),
+                global_batch_size=8,
+                options=detdata.LoaderOptions(total_samples=64),
             ),
             72,
             r"saved samples_consumed 72 is beyond this loader's total_samples 64",

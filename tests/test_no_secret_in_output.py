@@ -179,7 +179,11 @@ def _records(site: dict[str, Any]) -> dict[str, str]:
     out["manifest repr"] = repr(manifest)
     windows = detdata.TokenWindows(manifest, 16)
     loader = detdata.DataLoader(
-        windows, global_batch_size=4, micro_batch_size=4, seed=1, trace=w / "trace.jsonl"
+        windows,
+        global_batch_size=4,
+        micro_batch_size=4,
+        seed=1,
+        options=detdata.LoaderOptions(trace=w / "trace.jsonl"),
     )
     for _, _batch in zip(range(3), loader, strict=False):
         pass

@@ -139,14 +139,16 @@ def _detdata(spec: dict[str, Any]) -> Any:
         data,
         global_batch_size=spec["batch"],
         seed=spec["seed"],
-        # a run of the epoch's length, as a training run states its length: no read-ahead
-        # past the last batch (which would decode row groups for samples never delivered)
-        total_samples=spec["n"] // spec["batch"] * spec["batch"]
-        if spec["mode"] == "epoch"
-        else None,
+        options=detdata.LoaderOptions(
+            # a run of the epoch's length, as a training run states its length: no read-ahead
+            # past the last batch (which would decode row groups for samples never delivered)
+            total_samples=spec["n"] // spec["batch"] * spec["batch"]
+            if spec["mode"] == "epoch"
+            else None,
+            transform=gil_transform if spec.get("gil") else None,
+            read=detdata.ReadOptions(worker_mode=mode if spec["workers"] else "process"),
+        ),
         num_workers=spec["workers"],
-        worker_mode=mode if spec["workers"] else "process",
-        transform=gil_transform if spec.get("gil") else None,
     )
     if spec.get("slots") is False:
         loader._slot_transfer = False

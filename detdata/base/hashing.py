@@ -1,7 +1,7 @@
 """blake3 digests: the ``b3:<hex>`` format, digests of bytes and the quick digest.
 
-Pure functions of bytes (no storage access): reading files to digest them is
-`detdata.identity.hashing` (local) and `detdata.storage.fs` (remote, retried).
+Pure functions of bytes (no storage access): digesting stored files and streams of chunks
+(local, through fsspec, remote with retries) is `detdata.storage.digest`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PREFIX: Final = "b3:"
 _HEX: Final = frozenset("0123456789abcdef")
 
 
-def digest_bytes(data: bytes) -> str:
+def digest_bytes(data: bytes | bytearray | memoryview) -> str:
     """``b3:<hex>`` of a bytes object."""
     return PREFIX + blake3.blake3(data).hexdigest()
 

@@ -32,6 +32,7 @@ from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.registry import Registry
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions
 from detdata.loading.trace import TraceWriter, first_difference, read_trace
 
 #: Three sources, each a sorted list of standard-library packages (byte-tokenised).
@@ -151,8 +152,7 @@ def _setup(cfg: RunConfig) -> tuple[TinyGPT, torch.optim.Optimizer, list[DataLoa
             global_batch_size=cfg.global_batch,
             micro_batch_size=micro,
             seed=cfg.seed,
-            rank=r,
-            world_size=cfg.world_size,
+            options=LoaderOptions(rank=r, world_size=cfg.world_size),
         )
         for r in range(cfg.world_size)
     ]

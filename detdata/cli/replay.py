@@ -14,7 +14,8 @@ what the runs trained on and the weights they ended with:
   the model, the optimizer and ``loader.state_dict()``;
 * ``--resume``: load that checkpoint (including ``loader.load_state_dict``) and
   continue to step N;
-* ``--run-dir DIR``: build the loader with ``DataLoader(..., trace=DIR/"trace.jsonl")``
+* ``--run-dir DIR``: build the loader with
+  ``DataLoader(..., options=LoaderOptions(trace=DIR/"trace.jsonl"))``
   (rank r > 0 writes ``trace.jsonl.rank<r>`` by itself): the per-step data digests;
 * print ``weights <hex digest of the final weights>`` on stdout (the last such line counts);
 * optionally ``detdata.report_model_step(step, model)`` after each optimizer step (one
@@ -54,7 +55,8 @@ your command (after --) must accept the flags replay-check appends to it:
   --stop-at K     stop after step K - 1 and save a checkpoint in --run-dir: the model,
                   the optimizer (and scheduler, RNG states) and loader.state_dict()
   --resume        load that checkpoint (loader.load_state_dict too) and continue to step N
-  --run-dir DIR   build the loader with DataLoader(..., trace=DIR/"trace.jsonl")
+  --run-dir DIR   build the loader with
+                  DataLoader(..., options=LoaderOptions(trace=DIR/"trace.jsonl"))
 and print a line "weights <hex digest of the final weights>" on stdout (the last counts).
 Optional, to name the first divergent step of a fault outside the data (an optimizer,
 scheduler or dropout generator not restored, another reduction order): after each
@@ -124,7 +126,7 @@ def trace_of(run_dir: Path) -> list[Record]:
     if not first.exists():
         raise ConfigError(
             f"replay-check: the run wrote no trace {first}; hint: build the loader with "
-            f"DataLoader(..., trace=RUN_DIR / {TRACE!r})"
+            f"DataLoader(..., options=detdata.LoaderOptions(trace=RUN_DIR / {TRACE!r}))"
         )
     records = read_trace(first)
     for extra in sorted(run_dir.glob(TRACE + ".rank*")):

@@ -84,6 +84,7 @@ def read_state(path: str) -> dict[str, Any]:
 def loader_for(data_spec: str, state: dict[str, Any] | None) -> Any:
     """The run's `DataLoader` from the ``--data`` function, with ``state`` loaded (checked)."""
     from detdata.loading.loader import DataLoader
+    from detdata.loading.options import LoaderOptions
 
     made = load_callable(data_spec, "--data")()
     if isinstance(made, DataLoader):
@@ -101,8 +102,7 @@ def loader_for(data_spec: str, state: dict[str, Any] | None) -> Any:
             made,
             global_batch_size=saved_schedule(gbs),
             micro_batch_size=layout.get("micro_batch_size"),
-            world_size=world,
-            rank=0,
+            options=LoaderOptions(rank=0, world_size=world),
             seed=int((state or {}).get(K_SEED, 0)),
         )
     if state is not None:

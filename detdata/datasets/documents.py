@@ -34,7 +34,7 @@ fancy-index gather per touched shard; ``copy_ranges`` copies whole token ranges
 one fancy-index gather per touched shard (token files and Arrow files are
 memory-mapped; Parquet row groups are decoded, a few kept in a small per-process
 LRU). Open handles (memory maps, Arrow files) are bounded per process by
-``max_open_shards`` (`detdata.datasets.shards.HandleLRU`: the least recently used is
+``max_open_shards`` (`detdata.datasets.handles.HandleLRU`: the least recently used is
 dropped and re-opened on its next use), whatever the number of shards.
 Local roots are read directly; remote roots need ``cache_dir`` (whole shards are
 copied into the verified local `ShardCache` first).
@@ -47,7 +47,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 import numpy as np
@@ -57,28 +56,31 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError, VerificationError
 from detdata.base.groupby import stable_groups
 from detdata.base.lazy import lazy_module
+from detdata.base.progress import progress
 from detdata.base.types import IntArray
+from detdata.datasets.doc_table import (
+    ALGORITHM,
+    Unit,
+    UnitPlanner,
+    check_stored_table,
+    common_dtype,
+    eod_starts,
+    megatron_starts,
+    stored_dtype,
+    table_meta,
+    table_starts,
+)
 from detdata.datasets.index_files import (
     building,
     load_index,
-    progress,
     reload_index,
     save_index,
 )
+from detdata.datasets.shard_storage import Storage, storage_for
 from detdata.datasets.shards import ShardReader
-from detdata.identity.entry import ShardEntry, Verify
-from detdata.identity.formats import (
-    MEGATRON_HEADER_BYTES,
-    TABLE_FORMATS,
-    TOKEN_DTYPES,
-    Format,
-    disk_dtype,
-    megatron_index_path,
-    parse_megatron_header,
-)
+from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.storage.fs import is_local_fs, join
-from detdata.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -89,9 +91,6 @@ else:  # imported where a table is first read (base/lazy.py)
     ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
     pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
-ALGORITHM: Final = "documents-v1"
-#: Tokens scanned per pass when looking for ``eod_token`` (bounded memory).
-_SCAN: Final = 1 << 24
 #: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
 _MASK_UNITS: Final = 8
 #: Decoded Parquet row groups kept per process.
@@ -101,7 +100,7 @@ _PARQUET_GROUPS: Final = 8
 _SLICE_MIN_TOKENS: Final = 48
 
 
-class _Mapped(NamedTuple):
+class _MappedTokens(NamedTuple):
     """An open token file: its token view, the mapping under it, and the mapped file."""
 
     view: np.ndarray[Any, Any]
@@ -116,23 +115,6 @@ class _ArrowValues(NamedTuple):
     path: str
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One token space of the corpus: a token file, or the token column of a table shard.
-
-    ``shard``: the manifest shard holding the tokens (the ``.bin`` of a Megatron
-    pair); ``index``: the ``.idx`` shard of a pair (else -1); ``groups``: tokens per
-    row group / record batch (tables only).
-    """
-
-    shard: int
-    index: int
-    kind: str  # "megatron", "eod" or "table"
-    dtype: str
-    tokens: int
-    groups: tuple[int, ...] = ()
-
-
 class Documents(ShardReader):
     """The documents of a manifest, read in place (see the module docstring).
 
@@ -143,15 +125,18 @@ class Documents(ShardReader):
     uint8 / int8 / uint16 / int16 / int32 shards -> int32, uint32 / int64 -> int64; the values
     are unchanged; an explicit ``out_dtype`` must hold all of them). ``index_dir``:
     where the document table is stored (None: rebuilt at each construction).
-    ``max_open_shards``: the bound of shards with an open handle per process (it
-    never changes a token read, so it is not in ``identity()``).
+    ``storage``: where and how the shards are read (`Storage`: root, verification,
+    fsspec options, retries, the cache of shard copies, ``max_open_shards``; default
+    ``Storage()``, whose ``cache_dir`` here is None: a remote root needs
+    ``Storage(cache_dir=...)``). None of it changes a token read, so none is in
+    ``identity()``. The keywords of its fields given directly (``verify=``, ``root=``,
+    ``storage_options=``, ...) are deprecated (`storage_for`).
     """
 
     _TRANSIENT: ClassVar[tuple[str, ...]] = (
         *ShardReader._TRANSIENT,
         "_groups",
         "_lock",
-        "_unit_of_shard",
         "_all_token_files",
         "_unit_base",
         "_group_bases",
@@ -166,26 +151,10 @@ class Documents(ShardReader):
         out_dtype: str | None = None,
         index_dir: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
-        verify: str | Verify = Verify.QUICK,
-        root: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        shard_cache_bytes: int | None = None,
-        cache_verify: str = "quick",
-        max_open_shards: int | None = None,
+        storage: Storage | None = None,
+        **legacy: Any,
     ) -> None:
-        super().__init__(
-            manifest,
-            verify=verify,
-            root=root,
-            storage_options=storage_options,
-            retry=retry,
-            cache_dir=cache_dir,
-            shard_cache_bytes=shard_cache_bytes,
-            cache_verify=cache_verify,
-            max_open_shards=max_open_shards,
-        )
+        super().__init__(manifest, storage_for("Documents", storage, legacy))
         self.eod_token = (
             None if eod_token is None else check_count(eod_token, "eod_token", minimum=0)
         )
@@ -199,164 +168,19 @@ class Documents(ShardReader):
         if self.cache_dir is None and not is_local_fs(self._filesystem()[0]):
             raise ConfigError(
                 f"Documents reads the shards of a remote root ({self.manifest.root}) from "
-                "verified local copies; hint: pass cache_dir='/local/dir'"
+                "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
             )
-        units = self._plan_units()
+        planner = UnitPlanner(self.manifest, self.eod_token, self.column, self._table_schema)
+        units = planner.units()
         #: what the shards store (token ids must fit it); `out_dtype` is what is delivered
         self.stored_dtype = stored_dtype(units)
-        self.out_dtype = _common_dtype(units, out_dtype)
+        self.out_dtype = common_dtype(units, out_dtype)
         starts, units = self._document_table(units)
         self.units: tuple[Unit, ...] = tuple(units)
         self._starts = starts
         self._build_index()
 
-    # the plan ---------------------------------------------------------------------
-    def _plan_units(self) -> list[Unit]:
-        """The token spaces of the manifest in path order (documents not read yet)."""
-        values, _ = self.manifest.codes("format")
-        if Format.MEGATRON_IDX.value in values:
-            return self._plan_pairs()
-        units = self._plan_singles()
-        self._check_kinds({u.kind for u in units})
-        return units
-
-    def _plan_singles(self) -> list[Unit]:
-        """The units of a manifest without Megatron indexes: one per shard, from the
-        manifest's columns. The checks of a shard depend only on its format with its dtype
-        (token shards) or its schema fingerprint (tables: names, types, nullability), so
-        each is made once, on the first shard of each kind (in path order: the error names
-        the first shard that fails), and one footer is read per distinct schema, not per
-        shard."""
-        m = self.manifest
-        values, fmt = m.codes("format")
-        _, dtype = m.codes("dtype")
-        _, schema = m.codes("schema")
-        table = np.isin(fmt, [i for i, v in enumerate(values) if Format(v) in TABLE_FORMATS])
-        token = np.isin(
-            fmt, [i for i, v in enumerate(values) if Format(v) in (Format.NPY, Format.BIN)]
-        )
-        # one key per check: (kind, dtype or schema); a table without a fingerprint alone
-        key = np.where(table, schema, dtype).astype(np.int64)
-        alone = table & (schema < 0)
-        key[alone] = -2 - np.flatnonzero(alone)
-        key = key * 3 + np.where(table, 1, np.where(token, 0, 2))
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        planned: dict[int, Unit] = {}
-        for i in sorted(first.tolist()):
-            if table[i]:
-                planned[i] = self._table_unit(i)
-            elif token[i]:
-                planned[i] = self._eod_unit(i)
-            else:  # pragma: no cover - every format is handled above
-                raise FormatError(f"shard {m.shards[i].path}: format {values[fmt[i]]} unknown")
-        reps = [planned[i] for i in first.tolist()]
-        tokens = np.where(table, 0, m.samples_per_shard()).tolist()
-        return [
-            Unit(i, -1, reps[k].kind, reps[k].dtype, t)
-            for i, (k, t) in enumerate(zip(inverse.reshape(-1).tolist(), tokens, strict=True))
-        ]
-
-    def _plan_pairs(self) -> list[Unit]:
-        """The units of a manifest with Megatron indexes (shard by shard)."""
-        shards = self.manifest.shards
-        by_path = {s.path: i for i, s in enumerate(shards)}
-        paired = {
-            by_path[p]
-            for s in shards
-            if s.format is Format.MEGATRON_IDX
-            and (p := s.path[: -len(".idx")] + ".bin" if s.path.endswith(".idx") else "") in by_path
-        }
-        units: list[Unit] = []
-        for i, entry in enumerate(shards):
-            if entry.format is Format.MEGATRON_IDX:
-                continue  # planned with its .bin
-            if i in paired:
-                idx = by_path[megatron_index_path(entry.path)]
-                units.append(self._megatron_unit(i, idx))
-            elif entry.format in (Format.NPY, Format.BIN):
-                units.append(self._eod_unit(i))
-            elif entry.format in TABLE_FORMATS:
-                units.append(self._table_unit(i))
-            else:  # pragma: no cover - every format is handled above
-                raise FormatError(f"shard {entry.path}: format {entry.format.value} unknown")
-        for entry in shards:
-            if entry.format is Format.MEGATRON_IDX and entry.path.endswith(".idx"):
-                if entry.path[: -len(".idx")] + ".bin" not in by_path:
-                    raise FormatError(
-                        f"shard {entry.path}: a Megatron index without its data file "
-                        f"{entry.path[: -len('.idx')]}.bin in the manifest; hint: build the "
-                        "manifest over both files of each .bin/.idx pair"
-                    )
-            elif entry.format is Format.MEGATRON_IDX:
-                raise FormatError(f"shard {entry.path}: a Megatron index must be named *.idx")
-        self._check_kinds({u.kind for u in units})
-        return units
-
-    def _check_kinds(self, kinds: set[str]) -> None:
-        """``eod_token`` / ``column`` given only where shards of their kind are."""
-        if self.eod_token is not None and "eod" not in kinds:
-            raise ConfigError(
-                f"eod_token={self.eod_token} was given but manifest {self.manifest.id[:15]}… "
-                "has no plain token shard (Megatron pairs and tables carry their own "
-                "boundaries); hint: leave eod_token out"
-            )
-        if self.column is not None and "table" not in kinds:
-            raise ConfigError(
-                f"column={self.column!r} was given but the manifest has no table shard; "
-                "hint: leave column out"
-            )
-        if not kinds:
-            raise ConfigError(f"manifest {self.manifest.id} has no document shards")
-
-    def _megatron_unit(self, shard: int, index: int) -> Unit:
-        data, idx = self.manifest.shards[shard], self.manifest.shards[index]
-        if data.format is not Format.BIN or data.dtype != idx.dtype:
-            raise FormatError(
-                f"shard {data.path}: the data file of Megatron index {idx.path} must be a "
-                f"'bin' shard of dtype {idx.dtype!r} (the .idx header's), found "
-                f"{data.format.value!r} {data.dtype!r}; hint: rebuild the manifest without "
-                "format=/dtype= (they are read from the .idx)"
-            )
-        return Unit(shard, index, "megatron", str(data.dtype), data.num_samples)
-
-    def _eod_unit(self, shard: int) -> Unit:
-        entry = self.manifest.shards[shard]
-        if self.eod_token is None:
-            raise ConfigError(
-                f"shard {entry.path}: a token shard without a Megatron .idx; its document "
-                "boundaries need eod_token= (the end-of-document token id)"
-            )
-        if entry.dtype not in TOKEN_DTYPES:
-            raise FormatError(f"shard {entry.path}: dtype {entry.dtype!r} is not a token dtype")
-        info = np.iinfo(np.dtype(entry.dtype))
-        if not int(info.min) <= self.eod_token <= int(info.max):
-            raise ConfigError(
-                f"eod_token={self.eod_token} cannot occur in shard {entry.path}: its "
-                f"{entry.dtype} tokens are in [{int(info.min)}, {int(info.max)}] (every "
-                "shard would be one document); hint: pass the tokenizer's end-of-document id"
-            )
-        return Unit(shard, -1, "eod", str(entry.dtype), entry.num_samples)
-
-    def _table_unit(self, shard: int) -> Unit:
-        entry = self.manifest.shards[shard]
-        if self.column is None:
-            raise ConfigError(
-                f"shard {entry.path}: a {entry.format.value} shard; its documents are the rows "
-                "of a token-list column: pass column= (e.g. column='input_ids')"
-            )
-        kind = self._open_table_schema(shard).field(self.column).type
-        value = kind.value_type
-        if not pa.types.is_integer(value):
-            raise FormatError(
-                f"shard {entry.path} column {self.column!r}: lists of {value}, not of "
-                "integer token ids"
-            )
-        # from the type itself: pyarrow < 16's to_pandas_dtype() imports pandas (found by the
-        # lower-bound run, tests/test_lean_install.py)
-        sign = "i" if pa.types.is_signed_integer(value) else "u"
-        return Unit(shard, -1, "table", np.dtype(f"{sign}{value.bit_width // 8}").name, 0)
-
-    def _open_table_schema(self, shard: int) -> pa.Schema:
+    def _table_schema(self, shard: int) -> pa.Schema:
         entry = self.manifest.shards[shard]
         reader = self._table_reader(shard)
         schema = reader.schema_arrow if isinstance(reader, pq.ParquetFile) else reader.schema
@@ -384,7 +208,7 @@ class Documents(ShardReader):
     def _document_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
         """``(starts, units with token counts)``: loaded from ``index_dir`` or built.
 
-        A stored table is used only when `_check_table` finds it consistent with the
+        A stored table is used only when `check_stored_table` finds it consistent with the
         manifest; the units' token and row-group counts are then recomputed from it and
         the manifest (never read from the record).
         """
@@ -393,7 +217,7 @@ class Documents(ShardReader):
         self._table_digest: str | None = None
 
         def check(array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
-            problem, done = self._check_table(units, array, meta)
+            problem, done = check_stored_table(self.manifest, units, array, meta)
             recomputed[:] = done
             return problem
 
@@ -403,12 +227,8 @@ class Documents(ShardReader):
                 stored = load_index(self.index_dir, "documents", inputs, check)
                 if stored is None:
                     starts, done = self._build_table(units)
-                    meta = {
-                        "tokens": [u.tokens for u in done],
-                        "groups": [list(u.groups) for u in done],
-                    }
                     self._table_digest = save_index(
-                        self.index_dir, "documents", inputs, starts, meta
+                        self.index_dir, "documents", inputs, starts, table_meta(done)
                     )
                     return starts, done
         self._table_digest = stored.digest
@@ -420,7 +240,7 @@ class Documents(ShardReader):
         base = 0
         sizes = self.manifest.bytes_per_shard()
         total_bytes = int(sum(int(sizes[u.shard]) for u in units))
-        with progress(total_bytes, "documents", self.progress) as update:
+        with progress(total_bytes, "documents", unit="doc", enabled=self.progress) as update:
             for unit in units:
                 local, unit = self._unit_documents(unit)
                 parts.append(local[:-1] + base)
@@ -430,123 +250,25 @@ class Documents(ShardReader):
         parts.append(np.array([base], dtype=np.int64))
         return np.concatenate(parts).astype(np.int64, copy=False), done
 
-    def _check_table(
-        self, units: list[Unit], starts: np.ndarray[Any, Any], meta: Mapping[str, Any]
-    ) -> tuple[str | None, list[Unit]]:
-        """What is wrong with a stored document table and its record (None: nothing), and
-        the units recomputed from it and the manifest.
-
-        Checked against the manifest: a 1-D int64 array from 0, non-decreasing, each
-        token unit ending exactly at its shard's token count, each Megatron pair and
-        table holding exactly its manifest document / row count; ``meta`` must be
-        exactly what `_table_units` recomputes. (The ``eod_token`` positions inside a
-        plain token shard are covered by the file digest only: checking them is the
-        full scan the table saves.)
-        """
-        if starts.dtype != np.int64 or starts.ndim != 1 or starts.shape[0] < 1:
-            return f"array {starts.dtype} of shape {starts.shape}, expected 1-D int64", []
-        if int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
-            return "document starts do not run non-decreasing from 0", []
-        try:
-            done = _table_units(self.manifest, units, starts)
-        except ValueError as exc:
-            return str(exc), []
-        want = {"tokens": [u.tokens for u in done], "groups": [list(u.groups) for u in done]}
-        for key in sorted(set(want) | set(meta)):
-            if meta.get(key) != want.get(key):
-                return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}", []
-        return None, done
-
     def _unit_documents(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
         """Local document starts (ending with the unit's token count) and the unit's sizes."""
         if unit.kind == "megatron":
-            return self._megatron_starts(unit), unit
+            path = self._path(unit.index)
+            with open(path, "rb") as fh:
+                self._check_opened(unit.index, fh.fileno(), path)
+                raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            with raw:
+                return megatron_starts(self.manifest, unit, raw), unit
         if unit.kind == "eod":
-            return self._eod_starts(unit), unit
-        return self._table_starts(unit)
-
-    def _megatron_starts(self, unit: Unit) -> npt.NDArray[np.int64]:
-        entry = self.manifest.shards[unit.index]
-        path = self._path(unit.index)
-        with open(path, "rb") as fh:
-            self._check_opened(unit.index, fh.fileno(), path)
-            raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        with raw:
-            return self._megatron_arrays(unit, entry, raw)
-
-    def _megatron_arrays(self, unit: Unit, entry: ShardEntry, raw: mmap.mmap) -> IntArray:
-        header = parse_megatron_header(raw[:MEGATRON_HEADER_BYTES], rel=entry.path)
-        s, d = header.sequences, header.document_index
-        if len(raw) != header.nbytes:
-            raise FormatError(
-                f"shard {entry.path}: {len(raw)} bytes, its header says {header.nbytes}"
-            )
-        at = MEGATRON_HEADER_BYTES
-        sizes = np.frombuffer(raw, dtype="<i4", count=s, offset=at).astype(np.int64)
-        pointers = np.frombuffer(raw, dtype="<i8", count=s, offset=at + 4 * s).astype(np.int64)
-        doc_index = np.frombuffer(raw, dtype="<i8", count=d, offset=at + 12 * s).astype(np.int64)
-        itemsize = np.dtype(unit.dtype).itemsize
-        seq_starts = np.zeros(s + 1, dtype=np.int64)
-        np.cumsum(sizes, out=seq_starts[1:])
-        problem = None
-        if s and int(sizes.min()) < 0:
-            problem = "a negative sequence size"
-        elif not np.array_equal(pointers, seq_starts[:-1] * itemsize):
-            bad = int(np.flatnonzero(pointers != seq_starts[:-1] * itemsize)[0])
-            problem = (
-                f"sequence {bad} starts at byte {int(pointers[bad])}, not right after the "
-                f"previous one (byte {int(seq_starts[bad]) * itemsize})"
-            )
-        elif int(seq_starts[-1]) != unit.tokens:
-            problem = (
-                f"its sizes add up to {int(seq_starts[-1])} tokens, the .bin "
-                f"{self.manifest.shards[unit.shard].path} has {unit.tokens}"
-            )
-        elif d == 0 or int(doc_index[0]) != 0 or int(doc_index[-1]) != s:
-            problem = f"its document index must run from 0 to the sequence count {s}"
-        elif d > 1 and bool((np.diff(doc_index) < 0).any()):
-            problem = "its document index decreases"
-        if problem is not None:
-            raise FormatError(
-                f"shard {entry.path}: the Megatron index does not describe its .bin: "
-                f"{problem}; hint: rewrite the pair with Megatron's IndexedDatasetBuilder"
-            )
-        result: IntArray = seq_starts[doc_index]
-        return result
-
-    def _eod_starts(self, unit: Unit) -> npt.NDArray[np.int64]:
-        tokens = self._token_view(unit)
-        ends: list[npt.NDArray[np.int64]] = []
-        for a in range(0, unit.tokens, _SCAN):
-            chunk = tokens[a : a + _SCAN]
-            ends.append(np.flatnonzero(chunk == self.eod_token).astype(np.int64) + (a + 1))
-        found = np.concatenate([np.zeros(1, dtype=np.int64), *ends])
-        if found[-1] != unit.tokens:
-            found = np.append(found, np.int64(unit.tokens))
-        return found
-
-    def _table_starts(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
+            assert self.eod_token is not None  # planned only with one
+            return eod_starts(self._token_view(unit), unit.tokens, self.eod_token), unit
         entry = self.manifest.shards[unit.shard]
-        lengths: list[npt.NDArray[np.int64]] = []
-        groups: list[int] = []
-        for g in range(len(entry.row_groups or ())):
-            column = self._read_group(unit.shard, g)
-            if column.null_count or column.flatten().null_count:
-                raise FormatError(
-                    f"shard {entry.path} column {self.column!r}: null lists or null tokens in "
-                    f"row group {g}; every row must be a list of token ids"
-                )
-            offsets = np.asarray(column.offsets, dtype=np.int64)
-            lengths.append(np.diff(offsets))
-            groups.append(int(offsets[-1] - offsets[0]))
-        flat = np.concatenate([np.zeros(1, dtype=np.int64), *lengths])
-        starts = np.cumsum(flat)
-        return starts, Unit(unit.shard, -1, "table", unit.dtype, int(starts[-1]), tuple(groups))
+        groups = (self._read_group(unit.shard, g) for g in range(len(entry.row_groups or ())))
+        return table_starts(unit, entry.path, str(self.column), groups)
 
     # construction helpers --------------------------------------------------------
     def _build_index(self) -> None:
         super()._build_index()
-        self._unit_of_shard = {u.shard: i for i, u in enumerate(self.units)}
         self._all_token_files = all(u.kind != "table" for u in self.units)
         base = np.zeros(len(self.units) + 1, dtype=np.int64)
         np.cumsum([u.tokens for u in self.units], out=base[1:])
@@ -755,7 +477,7 @@ class Documents(ShardReader):
 
     def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
         """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""
-        held: _Mapped | None = self._handles.get(unit.shard)
+        held: _MappedTokens | None = self._handles.get(unit.shard)
         if held is not None:
             self._check_size(unit.shard, held.mapping.size(), held.path)
             return held.view
@@ -774,7 +496,7 @@ class Documents(ShardReader):
             offset=entry.data_offset or 0,
         )
         view.flags.writeable = False
-        self._keep_handle(unit.shard, _Mapped(view, mapping, path))
+        self._keep_handle(unit.shard, _MappedTokens(view, mapping, path))
         return view
 
     def _table_reader(self, shard: int) -> Any:
@@ -875,126 +597,3 @@ def _copy_from(
         return
     run = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     out[np.repeat(target, count) + run] = values[np.repeat(source, count) + run]
-
-
-def stored_dtype(units: list[Unit]) -> np.dtype[Any]:
-    """The common type of the units' stored tokens (every token id fits it)."""
-    return np.dtype(np.result_type(*[np.dtype(d) for d in sorted({u.dtype for u in units})]))
-
-
-def _common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
-    """The dtype gathered tokens are delivered in: ``out_dtype``, else the stored type widened
-    to one a model embeds (as `TokenWindows`): up to 16 bits and int32 -> int32, uint32 and
-    int64 -> int64 (values unchanged; ``nn.Embedding`` refuses ``torch.uint16``)."""
-    found = sorted({u.dtype for u in units})
-    common = stored_dtype(units)
-    if out_dtype is None:
-        widened = np.result_type(common, np.int32)
-        return np.dtype(widened) if widened.kind == "i" else common
-    want = np.dtype(out_dtype)
-    narrow = [d for d in found if not np.can_cast(d, want, casting="safe")]
-    if want.kind not in "iu" or narrow:
-        raise ConfigError(
-            f"out_dtype {want.name} cannot hold the tokens of dtype {narrow or want.name}; "
-            f"hint: use {common.name} or wider"
-        )
-    return want
-
-
-def _table_units(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
-    """``units`` with token and row-group counts recomputed from ``starts`` (non-decreasing)
-    and the manifest.
-
-    A `ValueError` says where ``starts`` disagrees with the manifest (a token unit not
-    ending at its shard's token count, a table or Megatron pair whose documents do not
-    fit, documents left over). All tables, or all token shards: in numpy over the
-    manifest's columns (no entry built); otherwise unit by unit.
-    """
-    kinds = {u.kind for u in units}
-    if kinds == {"table"}:
-        return _tables_only(manifest, units, starts)
-    if kinds == {"eod"}:
-        return _eod_only(manifest, units, starts)
-    return _units_one_by_one(manifest, units, starts)
-
-
-def _tables_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
-    """`_table_units` when every unit is a table: rows and row groups from the columns."""
-    n = int(starts.shape[0]) - 1
-    shards = np.fromiter((u.shard for u in units), np.int64, len(units))
-    counts, sizes = manifest.row_groups_per_shard()
-    ends = np.concatenate([[0], np.cumsum(np.maximum(counts, 0))])
-    per = np.maximum(counts, 0)[shards]
-    first = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
-    picks = np.repeat(ends[shards] - first, per) + np.arange(int(per.sum()), dtype=np.int64)
-    group_rows = sizes[picks]
-    at = np.concatenate([[0], np.cumsum(group_rows)]).astype(np.int64)
-    rows = at[first + per] - at[first]
-    doc_end = np.cumsum(rows)
-    bad = (rows != manifest.samples_per_shard()[shards]) | (doc_end > n)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        entry = manifest.shards[int(shards[i])]
-        raise ValueError(f"shard {entry.path}: its {entry.num_samples} rows do not fit")
-    if int(doc_end[-1]) != n:
-        raise ValueError(f"{n - int(doc_end[-1])} documents past the manifest's last shard")
-    group_tokens = np.diff(starts[at]).tolist()
-    unit_tokens = (starts[doc_end] - starts[doc_end - rows]).tolist()
-    return [
-        Unit(u.shard, -1, "table", u.dtype, t, tuple(group_tokens[a : a + c]))
-        for u, t, a, c in zip(units, unit_tokens, first.tolist(), per.tolist(), strict=True)
-    ]
-
-
-def _eod_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
-    """`_table_units` when every unit is a plain token shard: each must end at a document
-    start (eod documents are never empty: a unit ends at the first start equal to its
-    end, searched from where the previous unit ended)."""
-    n = int(starts.shape[0]) - 1
-    ends = np.cumsum(np.fromiter((u.tokens for u in units), np.int64, len(units)))
-    stop = np.maximum.accumulate(np.searchsorted(starts, ends, side="left"))
-    bad = (stop > n) | (starts[np.minimum(stop, n)] != ends)
-    if bad.any():
-        unit = units[int(np.flatnonzero(bad)[0])]
-        raise ValueError(
-            f"shard {manifest.shards[unit.shard].path}: its documents do not end at its "
-            f"{unit.tokens} tokens"
-        )
-    if int(stop[-1]) != n:
-        raise ValueError(f"{n - int(stop[-1])} documents past the manifest's last shard")
-    return list(units)
-
-
-def _units_one_by_one(
-    manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]
-) -> list[Unit]:
-    """`_table_units` unit by unit (Megatron pairs, or token shards with tables)."""
-    n = int(starts.shape[0]) - 1
-    doc, token = 0, 0
-    done: list[Unit] = []
-    for unit in units:
-        entry = manifest.shards[unit.shard]
-        if unit.kind == "table":
-            rows = list(entry.row_groups or ())
-            if sum(rows) != entry.num_samples or doc + sum(rows) > n:
-                raise ValueError(f"shard {entry.path}: its {entry.num_samples} rows do not fit")
-            edges = doc + np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
-            groups = tuple(int(g) for g in np.diff(starts[edges]))
-            doc, end = int(edges[-1]), int(starts[int(edges[-1])])
-            done.append(Unit(unit.shard, -1, "table", unit.dtype, end - token, groups))
-            token = end
-            continue
-        end = token + unit.tokens
-        if unit.kind == "megatron":
-            stop = doc + manifest.shards[unit.index].num_samples
-        else:  # eod documents are never empty: the unit ends at the first start == end
-            stop = doc + int(np.searchsorted(starts[doc:], end, side="left"))
-        if stop > n or int(starts[stop]) != end:
-            raise ValueError(
-                f"shard {entry.path}: its documents do not end at its {unit.tokens} tokens"
-            )
-        doc, token = stop, end
-        done.append(unit)
-    if doc != n:
-        raise ValueError(f"{n - doc} documents past the manifest's last shard")
-    return done

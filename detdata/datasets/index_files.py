@@ -15,9 +15,6 @@ loads. Loaded arrays are read-only memory maps.
 
 Ranks opening the same dataset at once take turns (`building`, a lock of
 ``index_dir``): the first builds and saves, the others find and check its files.
-
-`progress` is the build-time progress bar: tqdm when importable, else one line
-on stderr per tenth of the work.
 """
 
 from __future__ import annotations
@@ -37,9 +34,10 @@ import numpy as np
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import StorageError, VerificationError
-from detdata.base.hashing import CHUNK, PREFIX
-from detdata.base.progress import progress as base_progress
-from detdata.storage.atomic import atomic_write_bytes, file_lock
+from detdata.base.hashing import digest_bytes
+from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.digest import full_digest_path
+from detdata.storage.locks import file_lock
 
 #: Version of the index-file layout (``.npy`` + ``.json``).
 LAYOUT: Final = "detdata.index-v1"
@@ -53,14 +51,6 @@ def index_key(inputs: Mapping[str, Any]) -> str:
 def _paths(index_dir: str, name: str, inputs: Mapping[str, Any]) -> tuple[str, str]:
     stem = os.path.join(os.fspath(index_dir), f"{name}-{index_key(inputs)}")
     return stem + ".npy", stem + ".json"
-
-
-def _file_digest(path: str) -> str:
-    hasher = blake3.blake3()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            hasher.update(chunk)
-    return PREFIX + hasher.hexdigest()
 
 
 #: The keys of an index record, exactly (any other key is an edit: the record is rebuilt).
@@ -157,7 +147,7 @@ def _check_files(
     if not isinstance(doc["meta"], dict):
         return f"meta is a {type(doc['meta']).__name__}, expected an object", None
     try:
-        found = _file_digest(npy)
+        found = full_digest_path(npy)
     except OSError as exc:
         return f"{npy} unreadable ({exc})", None
     want = doc["digest"] if digest is None else digest
@@ -205,7 +195,7 @@ def save_index(
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, npy)
-        digest = _file_digest(npy)
+        digest = full_digest_path(npy)
         record = {
             "layout": LAYOUT,
             "inputs": json.loads(canonical_json(dict(inputs))),
@@ -236,7 +226,7 @@ def array_digest(array: np.ndarray[Any, Any]) -> str:
     """The digest `save_index` records for ``array`` (of its ``.npy`` serialisation)."""
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
-    return PREFIX + blake3.blake3(buffer.getbuffer()).hexdigest()
+    return digest_bytes(buffer.getbuffer())
 
 
 def reload_index(
@@ -270,10 +260,3 @@ def reload_index(
             "the run; hint: keep the shards and index directory unchanged while it runs"
         )
     return array
-
-
-@contextlib.contextmanager
-def progress(total: int, desc: str, enabled: bool | None) -> Iterator[Callable[[int], None]]:
-    """A progress callback ``update(done)`` for ``total`` documents (`detdata.base.progress`)."""
-    with base_progress(total, desc, unit="doc", enabled=enabled) as update:
-        yield update

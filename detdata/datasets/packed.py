@@ -55,6 +55,7 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count, check_positive_int, check_seed
 from detdata.base.errors import ConfigError
+from detdata.base.progress import progress
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
@@ -62,7 +63,6 @@ from detdata.datasets.documents import Documents
 from detdata.datasets.index_files import (
     building,
     load_index,
-    progress,
     reload_index,
     save_index,
 )
@@ -193,7 +193,9 @@ class PackedWindows(ProcessLocal):
 
     def _offsets_of_documents(self) -> npt.NDArray[np.int64]:
         extra = int(self.bos is not None) + int(self.eos is not None)
-        with progress(self.documents.num_documents, "packing index", self.progress) as update:
+        with progress(
+            self.documents.num_documents, "packing index", unit="doc", enabled=self.progress
+        ) as update:
             return build_offsets(
                 self.documents.starts,
                 seed=self.seed,
@@ -210,7 +212,7 @@ class PackedWindows(ProcessLocal):
     def _counts(self, offsets: npt.NDArray[np.int64]) -> dict[str, int]:
         """``{"windows", "segments_bound"}``: windows from the documents, bound from ``offsets``."""
         windows = window_count(self._total(), self.seq_len, self.labels, self.tail)
-        with progress(windows, "segments bound", self.progress) as update:
+        with progress(windows, "segments bound", unit="doc", enabled=self.progress) as update:
             bound = segments_bound(offsets[0], windows, self.seq_len, update) if windows else 1
         return {"windows": windows, "segments_bound": bound}
 

@@ -1,8 +1,10 @@
-"""`ShardReader`: what `TokenWindows` and `TableRows` share about reading shard files.
+"""`ShardReader`: what `TokenWindows`, `TableRows` and `Documents` share about reading shards.
 
-* Construction: ``storage_options``, the ``retry`` policy, the disk cache
-  (``cache_dir`` + ``shard_cache_bytes`` + ``cache_verify``) checked, and the
-  manifest resolved and verified (`resolve_manifest`).
+* Construction: one `Storage` (`detdata.datasets.shard_storage`: root, verification,
+  fsspec options, the ``retry`` policy, the disk cache ``cache_dir`` +
+  ``shard_cache_bytes`` + ``cache_verify``, ``max_open_shards``; each field checked when
+  it was made), its ``cache_dir=DefaultCache.AUTO`` resolved to the dataset's
+  `ShardReader.DEFAULT_CACHE`, and the manifest resolved and verified (`resolve_manifest`).
 * A lazy per-process file system: opened on first use and opened afresh after a
   fork or an unpickle (`ProcessLocal` drops it from pickles; a pid check resets
   it after a fork).
@@ -23,21 +25,12 @@
   whatever ``max_open_shards`` is, never other bytes. Not caught: a replacement before
   this process first opened the shard (verification at open covers that, fully only
   with ``verify="full"``), and bytes rewritten in place under a live mapping.
-* Bounded handles: open handles (memory maps, readers; each holds at most one
-  descriptor and one mapping) live in a `HandleLRU` of at most ``max_open_shards``
-  (default `DEFAULT_MAX_OPEN_SHARDS`) shards per dataset, whatever the number of
-  shards read: the least recently used handle is dropped (closed when its last
-  reference goes) to make room, and re-opened on its next use. The bound is also
-  process-wide: every reader's LRU shares this process's `ProcessHandles` budget, so
-  all datasets of a process together (the N sources of a `detdata.Mixture`, several
-  loaders, reader threads) hold at most ``max(set_max_open_shards bound (default
-  128), the largest max_open_shards of a live dataset)`` handles; a put over it
-  evicts the least recently used handle of any dataset. A forked child starts with
-  no handles (its inherited ones are dropped at the fork); an unpickled dataset
-  starts empty and joins its process's budget. Nothing else kept per shard grows
-  with the shards touched: the remembered cached copies (``(path, inode)``) are
-  dropped with their handle. The bounds never change the bytes read, so they are
-  not part of ``identity()``.
+* Bounded handles: open handles live in a `HandleLRU` of at most ``max_open_shards``
+  shards per dataset, inside this process's budget (`detdata.datasets.handles`). A
+  forked child starts with no handles; an unpickled dataset starts empty and joins its
+  process's budget. Nothing else kept per shard grows with the shards touched: the
+  remembered cached copies (``(path, inode)``) are dropped with their handle. The
+  bounds never change the bytes read, so they are not part of ``identity()``.
 
 Subclasses own their handles: they implement `ShardReader._forget_handle` and
 extend `_build_index` / `_reset_process_state` (calling the base's).
@@ -46,49 +39,36 @@ extend `_build_index` / `_reset_process_state` (calling the base's).
 from __future__ import annotations
 
 import abc
-import enum
-import itertools
 import os
-import shutil
 import threading
-import warnings
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final, Generic, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Final, TypeVar
 
 import fsspec
 import numpy as np
 import numpy.typing as npt
 from fsspec.implementations.local import LocalFileSystem
 
-from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, StorageError, VerificationError
 from detdata.base.redact import get_logger, redact_url
+from detdata.datasets.handles import PROCESS_HANDLES, HandleLRU
 from detdata.datasets.process_local import ProcessLocal
+from detdata.datasets.shard_storage import (
+    DEFAULT_SHARD_CACHE_BYTES,
+    DefaultCache,
+    Storage,
+    user_cache,
+)
 from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.first_opens import FirstOpens
-from detdata.storage.fs import filesystem, is_url, join
-from detdata.storage.retry import RetryPolicy, check_policy
+from detdata.storage.first_opens import file_identity as _identity
+from detdata.storage.fs import filesystem, join
+from detdata.storage.retry import RetryPolicy
 
-#: Default bound of the disk cache of shard copies (``shard_cache_bytes``).
-DEFAULT_SHARD_CACHE_BYTES: Final = 16 << 30
-#: Bound of the default cache (`DefaultCache.USER`) when ``shard_cache_bytes`` is not given;
-#: also at most half the free space of its file system when the dataset is made.
-DEFAULT_USER_CACHE_BYTES: Final = 4 << 30
-#: The default cache is used only where it holds this many of the largest shard at once.
-USER_CACHE_MIN_SHARDS: Final = 4
-#: The environment variable naming the default cache's folder (it chooses where copies
-#: live, never which bytes are read).
-ENV_CACHE_DIR: Final = "DETDATA_CACHE_DIR"
 #: How often a copy evicted between its fill and its open is fetched again.
 _OPEN_ATTEMPTS: Final = 5
-#: Default bound of the shards with an open handle per process (``max_open_shards``): well
-#: under the usual 1,024-descriptor soft limit, with room for a few readers in one process.
-DEFAULT_MAX_OPEN_SHARDS: Final = 128
-
 log: Final = get_logger("detdata.cache")
 H = TypeVar("H")
 T = TypeVar("T")
@@ -122,141 +102,6 @@ def resolve_manifest(
     return manifest
 
 
-def check_cache_verify(value: object) -> str:
-    """``cache_verify``: how a cached shard copy is re-checked on open (``quick`` or ``full``)."""
-    if value not in ("quick", "full"):
-        raise ConfigError(
-            f"cache_verify must be 'quick' (size + first/last MiB) or 'full' (re-hash "
-            f"the whole copy on open), got {value!r}"
-        )
-    return str(value)
-
-
-class DefaultCache(enum.Enum):
-    """``cache_dir``'s default for `TokenWindows`: ``USER`` is a bounded per-user folder
-    (`user_cache_dir`) used for remote roots only (see `user_cache`)."""
-
-    USER = "user"
-
-
-def user_cache_dir() -> str:
-    """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
-    found = os.environ.get(ENV_CACHE_DIR, "")
-    if found:
-        return found
-    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "detdata", "shards")
-
-
-def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str | None, int]:
-    """``(cache_dir, shard_cache_bytes)`` of the default cache for ``manifest`` (resolved,
-    with a root). A reader uses it at once where the whole corpus fits in the bound (each
-    shard is then fetched once, in any order), else only for a locality order
-    (`ShardReader.use_user_cache`): under a global shuffle a cache smaller than the corpus
-    would fetch a whole shard for each sample, where range reads fetch the sample.
-
-    None (coalesced range reads, as with ``cache_dir=None``) for a local root, and, with a
-    logged warning, where the folder cannot be made or written, or where the bound (
-    ``shard_cache_bytes``, else `DEFAULT_USER_CACHE_BYTES` and at most half the free space)
-    holds fewer than `USER_CACHE_MIN_SHARDS` of the largest shard. Which of these applies
-    never changes a byte read: copies are verified against the manifest's blake3."""
-    root = manifest.root or ""
-    if not is_url(root) or root.startswith("file://"):
-        return None, DEFAULT_SHARD_CACHE_BYTES
-    folder = user_cache_dir()
-    try:
-        os.makedirs(folder, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(f"{folder} is not writable")
-        free = shutil.disk_usage(folder).free
-    except OSError as exc:
-        log.warning(
-            "detdata: the default shard cache %s cannot be used (%s); remote shards are read "
-            "with range requests (slower); hint: set %s or pass cache_dir=",
-            folder,
-            exc,
-            ENV_CACHE_DIR,
-        )
-        return None, DEFAULT_SHARD_CACHE_BYTES
-    bound = shard_cache_bytes
-    if bound is None:
-        bound = min(DEFAULT_USER_CACHE_BYTES, free // 2)
-    sizes = manifest.bytes_per_shard()
-    largest = int(sizes.max()) if sizes.size else 0
-    if largest * USER_CACHE_MIN_SHARDS > bound:
-        log.warning(
-            "detdata: the default shard cache %s (bound %d bytes) holds fewer than %d of the "
-            "largest shard (%d bytes); remote shards are read with range requests (slower); "
-            "hint: pass cache_dir= and shard_cache_bytes= for a larger cache",
-            folder,
-            bound,
-            USER_CACHE_MIN_SHARDS,
-            largest,
-        )
-        return None, DEFAULT_SHARD_CACHE_BYTES
-    return folder, bound
-
-
-def check_cache_args(
-    cache_dir: str | os.PathLike[str] | DefaultCache | None, shard_cache_bytes: int | None
-) -> tuple[str | DefaultCache | None, int | None]:
-    """``(cache_dir as str, `DefaultCache` or None, shard_cache_bytes)``; `ConfigError`
-    for bad values.
-
-    With a folder, ``shard_cache_bytes`` defaults to `DEFAULT_SHARD_CACHE_BYTES`; with
-    `DefaultCache.USER` it stays None when not given (`user_cache` picks the bound);
-    with None (no cache) it must not be given.
-    """
-    if isinstance(cache_dir, DefaultCache):
-        if shard_cache_bytes is None:
-            return cache_dir, None
-        return cache_dir, check_positive_int(shard_cache_bytes, "shard_cache_bytes")
-    if cache_dir is None:
-        if shard_cache_bytes is not None:
-            raise ConfigError(
-                "shard_cache_bytes was given without cache_dir; hint: pass "
-                "cache_dir='/local/dir' to cache remote shards"
-            )
-        return None, DEFAULT_SHARD_CACHE_BYTES
-    if not isinstance(cache_dir, (str, os.PathLike)):
-        raise ConfigError(f"cache_dir must be a local directory path, got {cache_dir!r}")
-    size = (
-        DEFAULT_SHARD_CACHE_BYTES
-        if shard_cache_bytes is None
-        else check_positive_int(shard_cache_bytes, "shard_cache_bytes")
-    )
-    return os.fspath(cache_dir), size
-
-
-def renamed_argument(
-    new_value: T | None, old_value: T | None, *, new: str, old: str, owner: str
-) -> T | None:
-    """The value of argument ``new`` given under either name (None: neither given).
-
-    ``old`` is its deprecated spelling: passing it emits a `DeprecationWarning` naming
-    ``new`` (attributed to the caller of ``owner``'s constructor); passing both is a
-    `ConfigError`.
-    """
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ConfigError(f"{owner}: {old}= is the deprecated name of {new}=; pass {new}= only")
-    warnings.warn(
-        f"{owner}({old}=...) is deprecated; use {new}=... instead", DeprecationWarning, stacklevel=3
-    )
-    return old_value
-
-
-_U64: Final = (1 << 64) - 1
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
-    """``(inode, device, mtime_ns)`` of a stat, each as an unsigned 64-bit pattern (an
-    overlayfs inode may use the top bit; an mtime before 1970 is negative)."""
-    return (st.st_ino & _U64, st.st_dev & _U64, st.st_mtime_ns & _U64)
-
-
 def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
     """`VerificationError` naming shard ``name`` when its file does not have the manifest's
     ``expected`` bytes (fewer: truncated, which a mapped read would turn into SIGBUS; more:
@@ -280,116 +125,6 @@ def check_not_truncated(name: str, path: str, expected: int, found: int) -> None
     )
 
 
-def check_max_open_shards(value: object) -> int:
-    """``max_open_shards`` (None: `DEFAULT_MAX_OPEN_SHARDS`) as an int >= 1, else `ConfigError`."""
-    if value is None:
-        return DEFAULT_MAX_OPEN_SHARDS
-    return check_positive_int(value, "max_open_shards")
-
-
-class ProcessHandles:
-    """The process-wide budget of open shard handles, shared by every `HandleLRU` given it.
-
-    It orders ``(owner, shard)`` pairs of all its owners least recently used first and holds
-    at most `capacity` of them: ``max(bound, the largest capacity of a live owner)``, where
-    ``bound`` is set with `set_bound` (`set_max_open_shards` for the process's budget). A put
-    that goes over it evicts the least recently used handle of *any* owner (the owner's
-    ``forget`` callback runs). Owners are held weakly: a dead owner's entries are purged at
-    the next put. After a fork the child starts empty (`after_fork`: every owner's handles
-    are dropped, the lock made anew), as the per-process file system state does.
-    """
-
-    def __init__(self, bound: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
-        self.bound = check_positive_int(bound, "max_open_shards")
-        self._capacity = self.bound
-        self.evictions = 0
-        self.lock = threading.Lock()
-        self.order: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._owners: dict[int, weakref.ref[HandleLRU[Any]]] = {}
-        self._caps: dict[int, int] = {}
-        self._dead: list[int] = []  # appended by weakref callbacks (any thread, even mid-put)
-        self._tokens = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    @property
-    def capacity(self) -> int:
-        """The most handles all owners together hold: ``max(bound, live owners' capacities)``."""
-        if self._dead:
-            with self.lock:
-                self._purge_locked()
-        return self._capacity
-
-    @property
-    def full(self) -> bool:
-        """Would one more handle (of any owner) evict another?"""
-        return len(self.order) >= self.capacity
-
-    def register(self, owner: HandleLRU[Any]) -> int:
-        """Add ``owner`` (held weakly); returns its token."""
-        token = next(self._tokens)
-        dead = self._dead
-        with self.lock:
-            self._owners[token] = weakref.ref(owner, lambda _: dead.append(token))
-            self._caps[token] = owner.capacity
-            self._resize_locked()
-        return token
-
-    def set_bound(self, bound: int) -> None:
-        """Change the bound; evicts at once down to the new `capacity`."""
-        bound = check_positive_int(bound, "max_open_shards")
-        with self.lock:
-            self.bound = bound
-            self._purge_locked()
-            self._resize_locked()
-            self._shrink_locked(-1)
-
-    def after_fork(self) -> None:
-        """In a forked child: a new lock, no handles (each owner's are dropped), same bound."""
-        self.lock = threading.Lock()
-        for ref in list(self._owners.values()):
-            owner = ref()
-            if owner is not None:
-                owner._drop_all()
-        self.order.clear()
-
-    # under the lock ----------------------------------------------------------------
-    def _resize_locked(self) -> None:
-        self._capacity = max([self.bound, *self._caps.values()])
-
-    def _purge_locked(self) -> None:
-        dead = set()
-        while self._dead:
-            dead.add(self._dead.pop())
-        if not dead:
-            return
-        for token in dead:
-            self._owners.pop(token, None)
-            self._caps.pop(token, None)
-        for key in [k for k in list(self.order) if k[0] in dead]:  # a snapshot (C-level copy)
-            del self.order[key]
-        self._resize_locked()
-
-    def _shrink_locked(self, token: int) -> list[int]:
-        """Evict down to `capacity`; returns the evicted shards of owner ``token``."""
-        mine: list[int] = []
-        while len(self.order) > self._capacity:
-            (owner_token, shard), _ = self.order.popitem(last=False)
-            self.evictions += 1
-            if owner_token == token:
-                mine.append(shard)
-                continue
-            ref = self._owners.get(owner_token)
-            owner = ref() if ref is not None else None
-            if owner is not None:
-                owner._evicted(shard)
-        return mine
-
-
-#: This process's budget of open shard handles (all `ShardReader` instances share it).
-_PROCESS_HANDLES: Final = ProcessHandles()
-os.register_at_fork(after_in_child=_PROCESS_HANDLES.after_fork)
 #: Serialises the lazy creation of a reader's file system and shard cache: the lookahead's
 #: fill threads and reader threads may ask for them at the same time, and two caches would
 #: split the counters (and two file systems the connection pools) of one reader.
@@ -404,155 +139,16 @@ def _new_lazy_lock() -> None:
 os.register_at_fork(after_in_child=_new_lazy_lock)
 
 
-def set_max_open_shards(bound: int | None) -> None:
-    """Bound the shards with an open handle in this process, over all datasets together.
-
-    The process budget is ``max(bound, the largest max_open_shards of a live dataset)``
-    (None restores the default, `DEFAULT_MAX_OPEN_SHARDS`), so a dataset's own
-    ``max_open_shards`` is always honoured while any number of datasets (the sources of a
-    `detdata.Mixture`, several loaders) together hold at most the budget. Lowering it
-    evicts at once. Per process: a forked or spawned worker starts with the default
-    unless it calls this itself (e.g. in ``worker_init_fn``). Never changes the bytes read.
-    """
-    _PROCESS_HANDLES.set_bound(DEFAULT_MAX_OPEN_SHARDS if bound is None else bound)
-
-
-def process_max_open_shards() -> int:
-    """This process's budget of shards with an open handle (see `set_max_open_shards`)."""
-    return _PROCESS_HANDLES.capacity
-
-
-def process_open_shards() -> int:
-    """Shards with an open handle in this process, over every dataset (<= the budget)."""
-    return len(_PROCESS_HANDLES)
-
-
-class HandleLRU(Generic[H]):
-    """At most ``capacity`` open handles keyed by shard index, least recently used evicted first.
-
-    ``get`` marks a handle most recently used; ``put`` adds (or replaces) one and, when
-    more than ``capacity`` are held, drops the least recently used ones and returns
-    their shards. With a ``budget`` (a `ProcessHandles`; every `ShardReader` uses the
-    process's), the handles of all its owners together also stay within the budget's
-    capacity: a put may evict another owner's handle (that owner's ``forget(shard)``
-    runs, and its `evictions` counts it). A dropped handle is only unreferenced: it is
-    closed when its last user (e.g. a reader thread still gathering from it) lets it go,
-    so eviction never invalidates a read in progress. Thread-safe: ``get``/``put``/``pop``
-    hold the (budget's) lock while they change the order (``get`` once per touched shard
-    per read), and ``forget`` runs under it too, so an eviction's late forget can never
-    drop the copy record of a handle another thread has reopened meanwhile.
-    """
-
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        budget: ProcessHandles | None = None,
-        forget: Callable[[int], object] | None = None,
-    ) -> None:
-        self.capacity = capacity
-        self.evictions = 0
-        self._items: OrderedDict[int, H] = OrderedDict()
-        self._budget = budget
-        self._forget = forget
-        self._lock = threading.Lock() if budget is None else budget.lock
-        self._token = -1 if budget is None else budget.register(self)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def full(self) -> bool:
-        """Would a new handle evict another (this LRU's, or, with a budget, any owner's)?"""
-        if len(self._items) >= self.capacity:
-            return True
-        return self._budget is not None and self._budget.full
-
-    def keys(self) -> list[int]:
-        """Shards with an open handle, least recently used first."""
-        with self._lock_now():
-            return list(self._items)
-
-    def get(self, shard: int) -> H | None:
-        """The handle of ``shard`` (now the most recently used), or None."""
-        handle = self._items.get(shard)
-        if handle is None:
-            return None
-        # under the lock: a put/purge iterating the budget's order must not see it move
-        with self._lock_now():
-            try:
-                self._items.move_to_end(shard)
-                if self._budget is not None:
-                    self._budget.order.move_to_end((self._token, shard))
-            except KeyError:  # evicted by another thread meanwhile: still valid for this read
-                pass
-        return handle
-
-    def put(self, shard: int, handle: H) -> list[int]:
-        """Hold ``handle`` for ``shard`` as the most recently used; returns the shards whose
-        handles were evicted to stay within ``capacity`` (and the budget)."""
-        evicted: list[int] = []
-        budget = self._budget
-        with self._lock_now():
-            self._items[shard] = handle
-            self._items.move_to_end(shard)
-            if budget is not None:
-                budget._purge_locked()
-                budget.order[(self._token, shard)] = None
-                budget.order.move_to_end((self._token, shard))
-            while len(self._items) > self.capacity:
-                old = self._items.popitem(last=False)[0]
-                evicted.append(old)
-                if budget is not None:
-                    budget.order.pop((self._token, old), None)
-            if budget is not None:
-                for old in budget._shrink_locked(self._token):
-                    self._items.pop(old, None)
-                    evicted.append(old)
-            self.evictions += len(evicted)
-            # under the lock: a late forget must not drop the record of a handle reopened
-            # (and put) by another thread meanwhile
-            if self._forget is not None:
-                for old in evicted:
-                    self._forget(old)
-        return evicted
-
-    def pop(self, shard: int) -> H | None:
-        """Forget the handle of ``shard`` (not counted as an eviction); returns it, or None."""
-        with self._lock_now():
-            if self._budget is not None:
-                self._budget.order.pop((self._token, shard), None)
-            return self._items.pop(shard, None)
-
-    # the budget's side (called under its lock) ------------------------------------------
-    def _lock_now(self) -> threading.Lock:
-        """The lock to take now (a budget's lock is made anew in a forked child)."""
-        return self._lock if self._budget is None else self._budget.lock
-
-    def _evicted(self, shard: int) -> None:
-        """Another owner's put evicted ``shard``'s handle from the shared budget."""
-        if self._items.pop(shard, None) is not None:
-            self.evictions += 1
-        if self._forget is not None:
-            self._forget(shard)
-
-    def _drop_all(self) -> None:
-        """Drop every handle (a forked child must not keep its parent's)."""
-        shards = list(self._items)
-        self._items.clear()
-        if self._forget is not None:
-            for shard in shards:
-                self._forget(shard)
-
-
 class ShardReader(ProcessLocal, abc.ABC):
     """Base of datasets that read the shard files of one manifest (see the module docstring).
 
-    After ``__init__``: ``manifest`` (verified, with a root), ``storage_options``,
-    ``retry``, ``cache_dir`` (str or None), ``shard_cache_bytes``, ``cache_verify`` and
-    ``max_open_shards``. None of these but the manifest changes the data read.
-    Subclasses keep their handles in ``self._handles`` (a `HandleLRU`), added with
-    `_keep_handle`.
+    After ``__init__``: ``manifest`` (verified, with a root), ``storage`` (the `Storage`
+    it reads with, ``cache_dir=DefaultCache.AUTO`` resolved to `DEFAULT_CACHE`; its fields
+    also as ``storage_options``, ``retry``, ``cache_verify`` and ``max_open_shards``), and
+    the cache in force: ``cache_dir`` (str or None) and ``shard_cache_bytes`` (the default
+    cache may engage later, `use_user_cache`). None of these but the manifest changes the
+    data read. Subclasses keep their handles in ``self._handles`` (a `HandleLRU`), added
+    with `_keep_handle`.
     """
 
     # pickling: parameters and manifest only, no file system, caches or handles
@@ -570,38 +166,26 @@ class ShardReader(ProcessLocal, abc.ABC):
         "_named",
     )
 
-    def __init__(
-        self,
-        manifest: Manifest | str,
-        *,
-        verify: str | Verify,
-        root: str | None,
-        storage_options: Mapping[str, Any] | None,
-        retry: RetryPolicy | None,
-        cache_dir: str | os.PathLike[str] | DefaultCache | None,
-        shard_cache_bytes: int | None,
-        cache_verify: str,
-        max_open_shards: int | None = None,
-    ) -> None:
-        self.max_open_shards = check_max_open_shards(max_open_shards)
-        self.storage_options = dict(storage_options or {})
-        self.retry = check_policy(retry)
-        folder, bound = check_cache_args(cache_dir, shard_cache_bytes)
-        self.cache_verify = check_cache_verify(cache_verify)
+    #: what ``Storage(cache_dir=DefaultCache.AUTO)`` (the default) means for this dataset
+    DEFAULT_CACHE: ClassVar[DefaultCache | None] = None
+
+    def __init__(self, manifest: Manifest | str, storage: Storage) -> None:
+        self.storage = storage = storage.with_default_cache(self.DEFAULT_CACHE)
         self.manifest = resolve_manifest(
             manifest,
-            verify=verify,
-            root=root,
+            verify=storage.verify,
+            root=None if storage.root is None else os.fspath(storage.root),
             storage_options=self.storage_options,
             retry=self.retry,
         )
+        folder, bound = storage.cache_dir, storage.shard_cache_bytes
         self.cache_dir: str | None = None
         self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES
         # the default cache, usable but not used yet (the corpus is larger than its bound):
         # a locality order engages it (`use_user_cache`)
         self._user_cache: tuple[str, int] | None = None
         if not isinstance(folder, DefaultCache):
-            self.cache_dir = folder
+            self.cache_dir = None if folder is None else os.fspath(folder)
             self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES if bound is None else bound
             return
         found, size = user_cache(self.manifest, bound)
@@ -611,6 +195,27 @@ class ShardReader(ProcessLocal, abc.ABC):
             self.cache_dir, self.shard_cache_bytes = found, size  # the whole corpus fits
         else:
             self._user_cache = (found, size)
+
+    # the storage's fields, under the names the readers use -----------------------------
+    @property
+    def storage_options(self) -> Mapping[str, Any]:
+        """The fsspec file system's keyword arguments (``storage.fs_options``)."""
+        return self.storage.fs_options
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How remote reads retry (``storage.retry``)."""
+        return self.storage.retry
+
+    @property
+    def cache_verify(self) -> str:
+        """How a cached copy is re-checked when opened (``storage.cache_verify``)."""
+        return self.storage.cache_verify
+
+    @property
+    def max_open_shards(self) -> int:
+        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
+        return self.storage.max_open_shards
 
     def use_user_cache(self, window_shards: int) -> None:
         """Read through the default cache from now on, for an order that reads
@@ -626,7 +231,7 @@ class ShardReader(ProcessLocal, abc.ABC):
             log.warning(
                 "detdata: the default shard cache %s (bound %d bytes) is too small for two "
                 "windows of %d shards of up to %d bytes; remote shards are read with range "
-                "requests (slower); hint: pass cache_dir= and shard_cache_bytes=",
+                "requests (slower); hint: pass Storage(cache_dir=..., shard_cache_bytes=...)",
                 folder,
                 bound,
                 window_shards,
@@ -639,8 +244,13 @@ class ShardReader(ProcessLocal, abc.ABC):
 
     def _build_index(self) -> None:
         # bytes per shard: the manifest's column (mapped for the fast form: no entry built)
-        self._size_array: npt.NDArray[np.int64] = self.manifest.bytes_per_shard()
+        self._size_array: npt.NDArray[np.int64] = self._shard_bytes()
         self._sizes = self._size_array
+
+    def _shard_bytes(self) -> npt.NDArray[np.int64]:
+        """Bytes of every shard in manifest order: the manifest's column (a subclass may
+        give an equal array it already holds checked)."""
+        return self.manifest.bytes_per_shard()
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -653,13 +263,13 @@ class ShardReader(ProcessLocal, abc.ABC):
         # per shard, the file this process first opened: (inode, device, mtime_ns), each as
         # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
         # native loop may first open a shard at once)
-        self._first = FirstOpens(self.manifest.bytes_per_shard())
+        self._first = FirstOpens(self._shard_bytes())
         self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
         self._named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
         self._handles: HandleLRU[Any] = HandleLRU(
             self.max_open_shards,
-            budget=_PROCESS_HANDLES,
+            budget=PROCESS_HANDLES,
             forget=lambda shard: copy_files.pop(shard, None),
         )
 
@@ -833,9 +443,9 @@ class ShardReader(ProcessLocal, abc.ABC):
             names = self._names_bytes = [b""] * count
         missing = shards[~self._named[shards]]
         if missing.size:
-            entries = self.manifest.shards
+            shard_path = self.manifest.shard_path  # the path alone: no entry built
             for shard in missing.tolist():
-                names[shard] = os.fsencode(entries[shard].path)
+                names[shard] = os.fsencode(shard_path(shard))
             self._named[missing] = True  # after the names: a reader thread tests it first
         return names
 
@@ -872,19 +482,6 @@ class ShardReader(ProcessLocal, abc.ABC):
                 found=list(now),
             )
 
-    def _check_opened_all(
-        self, shards: Sequence[int], stats: Sequence[os.stat_result], prefix: str
-    ) -> None:
-        """`_check_stat` of many opens at once (``stats[i]``: an ``fstat`` of shard
-        ``shards[i]``'s file ``prefix + path`` taken after its bytes were read): see
-        `_check_opened_arrays`."""
-        if not stats:
-            return
-        n = len(stats)
-        sizes = np.fromiter((st.st_size for st in stats), np.int64, n)
-        now = np.array([_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
-        self._check_opened_arrays(np.asarray(shards[:n], dtype=np.int64), sizes, now, prefix)
-
     def _check_opened_arrays(
         self,
         ids: npt.NDArray[np.int64],
@@ -897,7 +494,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         after its bytes were read). One vectorised comparison instead of ~6 us of Python
         per shard. The first culprit, in the order given, raises `_check_stat`'s error. A
         shard not recorded yet goes through `_check_identity` (callers record first opens
-        before reading: the native loop does, see `TokenWindows._preadv_shards`). Callers
+        before reading: the native loop does, see `detdata.storage.reads.read_checked`). Callers
         check before any byte
         read under these opens is returned."""
         if not ids.size:

@@ -21,18 +21,15 @@ chosen from the announced order (`auto_cache_row_groups`, `TableRows.use_order`)
 them. A read visits its row groups in order of first use (not group order), so the
 last window's groups are the most recently used when the next read continues there.
 
-Columns become numpy arrays: primitive columns 1-D; fixed-size lists and lists
-whose rows all have one length 2-D ``(rows, length)`` (flattened values +
-reshape, no per-row Python); strings/binary 1-D object arrays; timestamps, dates
-and durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of
-varying length are a `FormatError` unless the column is named in ``ragged`` (then
-an object array of 1-D arrays, a slow path). Nothing returned aliases the cache:
-gathers copy, and the rows of ragged columns (cached as read-only views) are
-copied for each batch. ``schema()`` says what each column holds; detdata's
-default collate turns each kind into torch objects (`detdata.datasets.columns`).
+Columns become numpy arrays as `detdata.datasets.arrow_numpy` says (lists of varying
+length only for columns named in ``ragged``); the row-group cache is
+`detdata.datasets.rowgroups`. Nothing returned aliases the cache: gathers copy, and the
+rows of ragged columns (cached as read-only views) are copied for each batch.
+``schema()`` says what each column holds; detdata's default collate turns each kind into
+torch objects (`detdata.datasets.columns`).
 
-Remote roots: reads of a row group retry with backoff under ``retry`` (a
-`RetryPolicy`; a failed attempt re-opens the shard). With ``cache_dir``, whole
+Remote roots: reads of a row group retry with backoff under ``storage.retry`` (a
+`RetryPolicy`; a failed attempt re-opens the shard). With ``storage.cache_dir``, whole
 shards are copied into a bounded, blake3-verified local `ShardCache` first and
 read with the local (memory-mapped) readers (`detdata.datasets.shards.ShardReader`).
 """
@@ -41,10 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -56,15 +50,23 @@ from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
 from detdata.base.lazy import lazy_module
 from detdata.base.types import Batch, IntArray
+from detdata.datasets.arrow_numpy import (
+    arrow_kind,
+    check_column_type,
+    copy_rows,
+    one_chunk,
+    to_numpy,
+)
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_column, describe_dtype
-from detdata.datasets.shards import ShardReader, renamed_argument
-from detdata.identity.entry import ShardEntry, Verify
+from detdata.datasets.columns import describe_column
+from detdata.datasets.rowgroups import Columns, Group, GroupSlots, auto_cache_row_groups
+from detdata.datasets.shard_storage import Storage, storage_for
+from detdata.datasets.shards import ShardReader
+from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
-from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
+from detdata.order.choice import OrderChoice
 from detdata.storage.fs import filesystem, join
-from detdata.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -75,337 +77,11 @@ else:  # imported where a table is first read (base/lazy.py)
     ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
     pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
-Columns = dict[str, np.ndarray[Any, Any]]
-
 #: Default bound of the in-memory cache of decoded row groups (``row_group_cache_bytes``).
 DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 #: Local Parquet shards of at least this many bytes are memory-mapped; smaller ones are
 #: read with ``pread`` (measured: a map + unmap costs more than it saves below ~256 KiB).
 PARQUET_MAP_MIN_BYTES: Final = 256 << 10
-
-
-def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
-    """The row groups a `TableRows` with the default ``cache_row_groups`` (None) caches when
-    read in ``choice`` (None: not told, read as if shuffled globally), unless the whole
-    decoded manifest fits ``row_group_cache_bytes``: then every row group, whatever the
-    order (`GroupSlots` ``whole_if_fits``; later epochs decode nothing).
-
-    * A global shuffle (`Order.FEISTEL_V1`, or no order): every row group of the manifest,
-      the working set of a shuffled epoch (``row_group_cache_bytes`` still bounds the bytes:
-      a dataset larger than that bound is re-decoded whatever the count).
-    * ``LocalityOrder(window_row_groups=k)``: ``2k`` (capped at all row groups). A stretch of
-      positions reads the ``k`` groups of one window, and a read that crosses into the next
-      window also needs that window's ``k``: with ``2k`` cached, each row group is decoded
-      once per window it lies in, i.e. once per epoch.
-    * ``LocalityOrder(window_shards=k)``: twice the row groups of the ``k`` shards with the
-      most row groups (a window's shards, and the next window's, whichever they are).
-    """
-    total = sum(groups_per_shard)
-    if not isinstance(choice, LocalityOrder):
-        return total
-    if choice.unit is LocalityUnit.ROW_GROUPS:
-        return min(total, 2 * choice.window)
-    largest = sorted(groups_per_shard, reverse=True)[: choice.window]
-    return min(total, 2 * sum(largest))
-
-
-@dataclass(frozen=True)
-class Group:
-    """A decoded row group: one numpy array per selected column, and its size in bytes."""
-
-    columns: Columns
-    nbytes: int
-
-
-@dataclass(slots=True)
-class _Entry:
-    """A cached group: its slot (``-1``: kept as its own arrays in ``group``), rows and charge."""
-
-    slot: int
-    rows: int
-    nbytes: int
-    group: Group | None
-
-
-class GroupSlots:
-    """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU (the
-    contract of the plain LRU model in `tests/datasets/lru_model.py`) whose groups live in
-    slots of shared column arrays.
-
-    Bounds, as for a plain LRU: at most ``max_groups`` groups and ``max_bytes``
-    bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
-    used groups until both hold; a group charged more than ``max_bytes`` is not kept;
-    ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
-    With ``whole_if_fits`` (a `TableRows` with the default ``cache_row_groups``), the
-    count bound is raised to every row group of the manifest when the first group shows
-    that they all fit ``max_bytes`` at the slot charge below.
-
-    Storage: when every row group of the manifest fits both bounds (at the slot charge
-    below: the dataset can be cached whole, the working set of shuffled reads), groups
-    are copied into slots of one array per column, ``rows_per_slot`` rows (the largest
-    row group of the manifest) per slot, so a batch whose groups are all cached is ONE
-    ``take`` per column (`gather`), rows already in the requested order. A group in a
-    slot is charged the slot's bytes (``rows_per_slot`` rows even when the group is
-    shorter; 8 bytes a row for object columns) plus the Arrow bytes of its string/ragged
-    values. The slot arrays grow by doubling up to one slot per row group of the
-    manifest, which fits in ``max_bytes`` (``pool_bytes``; it can be up to twice the
-    slot bytes of the groups cached so far, never above ``max_bytes``). Otherwise (a
-    smaller cache: most of a shuffled batch's groups must be decoded anyway, and a copy
-    would only add to that), and for a group whose columns do not match the slot layout
-    (a list column of another width; the slots are then given up), groups are kept as
-    their own arrays, charged their own bytes, as a plain LRU does. Slots of evicted
-    groups are reused, so a `Group` from ``get`` is only valid until the next ``put``.
-    Thread-safe: gathers and slot changes hold one lock.
-    """
-
-    def __init__(
-        self,
-        max_groups: int,
-        max_bytes: int,
-        *,
-        group_shard: IntArray,
-        shard_first_group: IntArray,
-        rows_per_slot: int,
-        whole_if_fits: bool = False,
-    ) -> None:
-        self.max_groups = max_groups
-        self.whole_if_fits = whole_if_fits
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self.rows_per_slot = rows_per_slot
-        self._group_shard = group_shard
-        self._first = shard_first_group
-        total = int(group_shard.size)
-        self._total = max(total, 1)
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU first, unless _dirty
-        self._stamp = np.full(total, -1, dtype=np.int64)  # last use: tick * total + group
-        self._dirty = False  # slot gathers set stamps only; the order is rebuilt when needed
-        self._slot_of = np.full(total, -1, dtype=np.int64)
-        self._tick = 0
-        self._layout: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] | None = None
-        self._slot_bytes = 0
-        self._max_slots = 0
-        self._pool: dict[str, np.ndarray[Any, Any]] = {}
-        self._slots = 0  # allocated
-        self._free: list[int] = []
-        self._lock = threading.Lock()
-
-    # the plain-LRU interface -------------------------------------------
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of the slot arrays allocated so far (0 without slots; ``<= max_bytes``)."""
-        return self._slots * self._slot_bytes
-
-    def keys(self) -> list[tuple[int, int]]:
-        """Cached (shard, group) keys, least recently used first."""
-        with self._lock:
-            self._order()
-            return [self._key(g) for g in self._entries]
-
-    def get(self, key: tuple[int, int]) -> Group | None:
-        """The cached group (marked most recently used), or None."""
-        g = self._global(key)
-        with self._lock:
-            entry = self._entries.get(g)
-            if entry is None:
-                return None
-            self._touch(g)
-            if entry.group is not None:
-                return entry.group
-            a = entry.slot * self.rows_per_slot
-            return Group(
-                {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
-            )
-
-    def put(self, key: tuple[int, int], item: Group) -> None:
-        """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
-        self.insert(self._global(key), item)
-
-    def insert(self, g: int, item: Group) -> None:
-        """`put` by global row group index."""
-        if self.max_groups == 0:
-            return
-        rows = _rows(item)
-        with self._lock:
-            pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
-            charge = item.nbytes
-            if pooled:
-                fixed = sum(int(c.nbytes) for c in item.columns.values() if c.dtype != object)
-                charge = self._slot_bytes + item.nbytes - fixed
-            if charge > self.max_bytes:
-                return
-            entries = self._entries
-            old = entries.pop(g, None)
-            if old is not None:
-                self._forget(g, old)
-            if len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes:
-                self._order()
-                while entries and (
-                    len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes
-                ):
-                    self._forget(*entries.popitem(last=False))  # least recently used first
-            entry = _Entry(-1, rows, charge, item)
-            if pooled:
-                entry = _Entry(self._alloc_slot(), rows, charge, None)
-                a = entry.slot * self.rows_per_slot
-                for name, col in self._pool.items():
-                    col[a : a + rows] = item.columns[name]
-                self._slot_of[g] = entry.slot
-            entries[g] = entry  # the most recently used
-            self.nbytes += charge
-            self._stamp[g] = self._tick * self._total + g
-            self._tick += 1
-
-    # batch reads --------------------------------------------------------------
-    def gather(
-        self, groups: IntArray, rows: IntArray, columns: Sequence[str]
-    ) -> dict[str, np.ndarray[Any, Any]] | None:
-        """Rows ``rows`` of global row groups ``groups`` (non-empty), one ``take`` per column,
-        in the given order; None (nothing touched) unless every group is in a slot."""
-        with self._lock:
-            if not self._pool:
-                return None
-            slots = self._slot_of[groups]
-            if int(slots.min()) < 0:
-                return None
-            # LRU: the groups of a batch are used in order of first use (as `TableRows.read`)
-            used, first = np.unique(groups, return_index=True)
-            rank = np.empty(used.size, dtype=np.int64)
-            rank[first.argsort(kind="stable")] = np.arange(used.size, dtype=np.int64)
-            self._stamp[used] = self._tick * self._total + rank
-            self._tick += 1
-            self._dirty = True
-            index = slots * self.rows_per_slot + rows
-            return {name: self._pool[name].take(index, axis=0) for name in columns}
-
-    def missing(self, groups: IntArray) -> IntArray | None:
-        """The global row groups of ``groups`` (non-empty) not cached, in order of first use,
-        when caching them cannot evict any group: the groups sit in slots and every column
-        has a fixed width (each group is then charged the slot's bytes, and the manifest's
-        row groups all fit both bounds at that charge); None otherwise (no slots, or object
-        columns, whose charge varies). `insert` them, then `gather` the batch: that leaves
-        the cache as a visit of ``groups`` in order of first use would (`TableRows.read`)."""
-        with self._lock:
-            layout = self._layout
-            if not self._pool or layout is None or any(d.kind == "O" for d, _ in layout.values()):
-                return None
-            todo = groups[self._slot_of[groups] < 0]
-        if not todo.size:
-            return todo
-        used, first = np.unique(todo, return_index=True)
-        return used[np.argsort(first, kind="stable")]
-
-    def take_rows(self, group: int, rows: IntArray) -> Columns | None:
-        """Copies of ``rows`` of one cached global row group (marked used), or None."""
-        with self._lock:
-            entry = self._entries.get(group)
-            if entry is None:
-                return None
-            self._touch(group)
-            if entry.group is not None:
-                return {n: c[rows] for n, c in entry.group.columns.items()}
-            index = rows + entry.slot * self.rows_per_slot
-            return {n: c.take(index, axis=0) for n, c in self._pool.items()}
-
-    # internals (called with the lock held) -------------------------------------
-    def _global(self, key: tuple[int, int]) -> int:
-        return int(self._first[key[0]]) + int(key[1])
-
-    def _key(self, g: int) -> tuple[int, int]:
-        shard = int(self._group_shard[g])
-        return shard, g - int(self._first[shard])
-
-    def _touch(self, g: int) -> None:
-        self._stamp[g] = self._tick * self._total + g
-        self._tick += 1
-        if not self._dirty:
-            self._entries.move_to_end(g)
-
-    def _order(self) -> None:
-        """Put ``_entries`` back in LRU order after slot gathers (which only set stamps)."""
-        if self._dirty:
-            for g in sorted(self._entries, key=self._stamp.__getitem__):
-                self._entries.move_to_end(g)  # in place: callers may hold the dict
-            self._dirty = False
-
-    def _fits(self, item: Group, rows: int) -> bool:
-        """Does ``item`` go into a slot? The first group fixes the layout and whether slots
-        are used at all: only when every row group of the manifest fits both bounds."""
-        if self._layout is None:
-            layout = {n: (c.dtype, tuple(c.shape[1:])) for n, c in item.columns.items()}
-            row_bytes = sum(
-                d.itemsize * int(np.prod(shape, dtype=np.int64)) for d, shape in layout.values()
-            )
-            self._slot_bytes = self.rows_per_slot * row_bytes
-            total = int(self._group_shard.size)
-            fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
-            if self.whole_if_fits and fit >= total:
-                self.max_groups = max(self.max_groups, total)  # the whole manifest fits
-            self._max_slots = total if min(self.max_groups, fit) >= total else 0
-            self._layout = layout
-        if self._max_slots == 0:
-            return False
-        if (
-            rows <= self.rows_per_slot
-            and item.columns.keys() == self._layout.keys()
-            and all(
-                item.columns[n].dtype == d and tuple(item.columns[n].shape[1:]) == shape
-                for n, (d, shape) in self._layout.items()
-            )
-        ):
-            return True
-        self._unpool()  # e.g. a list column of another width: no slots from now on
-        return False
-
-    def _unpool(self) -> None:
-        """Turn every group in a slot into its own arrays (charged their own bytes); drop the
-        slots."""
-        for g, entry in self._entries.items():
-            if entry.slot < 0:
-                continue
-            a = entry.slot * self.rows_per_slot
-            columns = {n: col[a : a + entry.rows].copy() for n, col in self._pool.items()}
-            fixed = sum(int(c.nbytes) for c in columns.values() if c.dtype != object)
-            charge = entry.nbytes - self._slot_bytes + fixed
-            self.nbytes += charge - entry.nbytes
-            self._entries[g] = _Entry(-1, entry.rows, charge, Group(columns, charge))
-            self._slot_of[g] = -1
-        self._pool = {}
-        self._free = []
-        self._slots = 0
-        self._max_slots = 0
-
-    def _alloc_slot(self) -> int:
-        if not self._free:
-            assert self._layout is not None and self._slots < self._max_slots  # bounds imply it
-            grown = min(self._max_slots, max(4, 2 * self._slots))
-            for name, (dtype, shape) in self._layout.items():
-                col = np.empty((grown * self.rows_per_slot, *shape), dtype=dtype)
-                old = self._pool.get(name)
-                if old is not None:
-                    col[: old.shape[0]] = old
-                self._pool[name] = col
-            self._free = list(range(grown - 1, self._slots - 1, -1))
-            self._slots = grown
-        return self._free.pop()
-
-    def _forget(self, g: int, entry: _Entry) -> None:
-        """Account for ``entry`` (group ``g``) having left ``_entries``; free its slot."""
-        self.nbytes -= entry.nbytes
-        if entry.slot >= 0:
-            self._slot_of[g] = -1
-            a = entry.slot * self.rows_per_slot
-            for col in self._pool.values():
-                if col.dtype == object:
-                    col[a : a + self.rows_per_slot] = None  # drop the references
-            self._free.append(entry.slot)
-
-
-def _rows(item: Group) -> int:
-    return len(next(iter(item.columns.values()))) if item.columns else 0
 
 
 class TableRows(ShardReader):
@@ -428,20 +104,21 @@ class TableRows(ShardReader):
     when their rows differ in length. Pickles carry the manifest and
     parameters only; readers and caches are re-opened lazily per process.
 
-    Remote roots: ``retry`` (a `RetryPolicy`) governs reads; ``cache_dir``
-    (with ``shard_cache_bytes``, default 16 GiB, on disk; ``cache_verify="full"`` re-hashes a
-    cached copy on open) copies whole shards into a verified local `ShardCache`
-    (``shard_cache``). Neither changes the rows read, and no cache bound is part of
-    ``identity()``. ``cache_bytes`` is the deprecated name of ``row_group_cache_bytes``
-    (it always bounded the decoded row groups in memory, never the disk cache): a
-    `DeprecationWarning`; passing both is a `ConfigError`.
-
-    ``max_open_shards`` (default 128) bounds the shards with an open reader of this
-    dataset per process (a `HandleLRU`: at most one descriptor and one mapping each, plus
-    what cached row groups of an Arrow IPC shard still reference), and all datasets of a
-    process together stay within its budget (`detdata.datasets.shards.set_max_open_shards`);
-    the least recently used reader is dropped and re-opened on its next use (a Parquet
-    footer read). It never changes the rows read and is not part of ``identity()``.
+    ``storage`` (a `Storage`, default ``Storage()``) says where and how shards are read.
+    Remote roots: its ``retry`` (a `RetryPolicy`) governs reads; its ``cache_dir`` (None
+    here by default; with ``shard_cache_bytes``, default 16 GiB, on disk;
+    ``cache_verify="full"`` re-hashes a cached copy on open) copies whole shards into a
+    verified local `ShardCache` (``shard_cache``). Neither changes the rows read, and no
+    cache bound is part of ``identity()``. Its ``max_open_shards`` (default 128) bounds the
+    shards with an open reader of this dataset per process (a `HandleLRU`: at most one
+    descriptor and one mapping each, plus what cached row groups of an Arrow IPC shard
+    still reference), and all datasets of a process together stay within its budget
+    (`detdata.set_max_open_shards`); the least recently used reader is dropped and
+    re-opened on its next use (a Parquet footer read). It never changes the rows read and
+    is not part of ``identity()``. The keywords of `Storage`'s fields given directly
+    (``verify=``, ``root=``, ``storage_options=``, ...) are deprecated (`storage_for`);
+    ``cache_bytes=`` is refused here (it meant ``row_group_cache_bytes``; elsewhere it is
+    ``shard_cache_bytes``).
     """
 
     # pickling: parameters and manifest only, no readers, caches or locks
@@ -464,34 +141,17 @@ class TableRows(ShardReader):
         cache_row_groups: int | None = None,
         row_group_cache_bytes: int | None = None,
         ragged: Sequence[str] = (),
-        verify: str | Verify = Verify.QUICK,
-        root: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        shard_cache_bytes: int | None = None,
-        cache_verify: str = "quick",
-        cache_bytes: int | None = None,
-        max_open_shards: int | None = None,
+        storage: Storage | None = None,
+        **legacy: Any,
     ) -> None:
-        row_bytes = renamed_argument(
-            row_group_cache_bytes,
-            cache_bytes,
-            new="row_group_cache_bytes",
-            old="cache_bytes",
-            owner="TableRows",
-        )
-        super().__init__(
-            manifest,
-            verify=verify,
-            root=root,
-            storage_options=storage_options,
-            retry=retry,
-            cache_dir=cache_dir,
-            shard_cache_bytes=shard_cache_bytes,
-            cache_verify=cache_verify,
-            max_open_shards=max_open_shards,
-        )
+        if "cache_bytes" in legacy:  # its old meaning here; everywhere else shard_cache_bytes
+            raise ConfigError(
+                "TableRows(cache_bytes=...) is no longer accepted: here it was the deprecated "
+                "name of row_group_cache_bytes, elsewhere of Storage.shard_cache_bytes; hint: "
+                "pass row_group_cache_bytes=... for decoded row groups in memory, or "
+                "storage=Storage(cache_dir=..., shard_cache_bytes=...) for the disk cache"
+            )
+        super().__init__(manifest, storage_for("TableRows", storage, legacy))
         self.cache_row_groups: int | None = (
             None
             if cache_row_groups is None
@@ -499,7 +159,9 @@ class TableRows(ShardReader):
         )
         self._order_choice: OrderChoice | None = None  # announced by use_order
         self.row_group_cache_bytes = check_positive_int(
-            DEFAULT_ROW_GROUP_CACHE_BYTES if row_bytes is None else row_bytes,
+            DEFAULT_ROW_GROUP_CACHE_BYTES
+            if row_group_cache_bytes is None
+            else row_group_cache_bytes,
             "row_group_cache_bytes",
             minimum=0,
         )
@@ -514,9 +176,9 @@ class TableRows(ShardReader):
         self.columns: tuple[str, ...] = _select_columns(schema, columns, shards[0].path)
         self.ragged: tuple[str, ...] = _check_ragged(schema, self.columns, ragged)
         for name in self.columns:
-            _check_column_type(schema.field(name), shards[0].path)
+            check_column_type(schema.field(name), shards[0].path)
         self._types: dict[str, str | None] = {
-            n: _arrow_kind(schema.field(n).type, n in self.ragged) for n in self.columns
+            n: arrow_kind(schema.field(n).type, n in self.ragged) for n in self.columns
         }
         self._num = self.manifest.num_samples
         if self._num == 0:
@@ -609,16 +271,6 @@ class TableRows(ShardReader):
         self._order_choice = choice
         if self.cache_groups != before:
             self._reset_process_state()  # a new, empty cache with the new bound
-
-    @property
-    def cache_bytes(self) -> int:
-        """Deprecated name of ``row_group_cache_bytes`` (a `DeprecationWarning`)."""
-        warnings.warn(
-            "TableRows.cache_bytes is deprecated; use row_group_cache_bytes",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.row_group_cache_bytes
 
     # Dataset protocol --------------------------------------------------------
     @property
@@ -718,7 +370,7 @@ class TableRows(ShardReader):
         """``batch`` with the rows of ragged columns copied (gathers copy the object arrays
         only: their rows would still be the cached row group's arrays)."""
         for name in self.ragged:
-            batch[name] = _copy_rows(batch[name])
+            batch[name] = copy_rows(batch[name])
         return batch
 
     def schema(self) -> dict[str, str]:
@@ -829,7 +481,7 @@ class TableRows(ShardReader):
             reader = self._reader(shard)
         if entry.format is Format.PARQUET:
             table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
-            return {n: _one_chunk(table.column(n)) for n in self.columns}
+            return {n: one_chunk(table.column(n)) for n in self.columns}
         batch = reader.get_batch(group)
         return {n: batch.column(n) for n in self.columns}
 
@@ -874,109 +526,6 @@ class TableRows(ShardReader):
             for n, c in columns.items()
         )
         return Group(columns, nbytes)
-
-
-def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
-    """The column as one array (no copy when it already is a single chunk)."""
-    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-
-
-def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray[Any, Any]:
-    """One column as numpy: 1-D for scalars, 2-D for equal-length lists, object if ``ragged``.
-
-    Numeric columns and list values must have no nulls (`FormatError` naming
-    ``where``). Lists of varying length are a `FormatError` unless ``ragged``.
-    """
-    kind = array.type
-    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        return _list_to_numpy(array, where, ragged)
-    if (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-    ):
-        return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
-    if array.null_count:
-        raise FormatError(
-            f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
-            "fill nulls when writing the shards"
-        )
-    return np.asarray(array.to_numpy(zero_copy_only=False))
-
-
-def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any, Any]:
-    if array.null_count:
-        raise FormatError(
-            f"{where}: {array.null_count} null list(s); hint: write empty lists "
-            "or pad instead of nulls"
-        )
-    rows = len(array)
-    if pa.types.is_fixed_size_list(array.type):  # one length by type: nothing to compare
-        size = int(array.type.list_size)
-        values = array.values.slice(array.offset * size, rows * size)
-        if values.null_count:
-            raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-        flat = np.asarray(values.to_numpy(zero_copy_only=False))
-        if ragged:
-            return _object_rows(flat, np.full(rows, size, dtype=np.int64))
-        return flat.reshape(rows, size)
-    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
-    lengths = np.diff(offsets)
-    values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    if values.null_count:
-        raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-    flat = np.asarray(values.to_numpy(zero_copy_only=False))
-    if ragged:
-        return _object_rows(flat, lengths)
-    if rows and int(lengths.min()) != int(lengths.max()):
-        raise FormatError(
-            f"{where}: list lengths vary from {int(lengths.min())} to "
-            f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
-            "pad/pack to one length, store a fixed_size_list, or name the column in "
-            "ragged= to get an object array"
-        )
-    return flat.reshape(rows, int(lengths[0]) if rows else 0)
-
-
-def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
-    """Object array of 1-D read-only views (the explicitly requested slow path for ragged
-    lists). Read-only: these rows are cached; `TableRows.read` delivers copies."""
-    flat.flags.writeable = False
-    out = np.empty(len(lengths), dtype=object)
-    bounds = np.cumsum(lengths)[:-1]
-    for i, part in enumerate(np.split(flat, bounds)):
-        out[i] = part
-    return out
-
-
-def _copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
-    out = np.empty(len(column), dtype=object)
-    for i, row in enumerate(column.tolist()):
-        out[i] = row.copy()
-    return out
-
-
-def _arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
-    """`describe_column` of what `to_numpy` makes of an Arrow type (None: a list width
-    that only the data knows)."""
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return "str"
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-        return "bytes"
-    if pa.types.is_time(kind):
-        return "time"
-    if pa.types.is_fixed_size_list(kind):
-        return describe_dtype(_numpy_dtype(kind.value_type), (kind.list_size,))
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        return f"list<{_numpy_dtype(kind.value_type).name}>" if ragged else None
-    return describe_dtype(_numpy_dtype(kind))
-
-
-def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
-    """The dtype `to_numpy` gives a column of Arrow type ``kind`` (converted the same way)."""
-    return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
 
 
 def _check_table_shards(manifest: Manifest) -> None:
@@ -1056,41 +605,6 @@ def _check_ragged(
                 f"selected columns: {list(columns)}"
             )
     return names
-
-
-def _check_column_type(field: pa.Field, shard: str) -> None:
-    kind = field.type
-    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        kind = kind.value_type
-        if not (
-            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-        ):
-            raise FormatError(
-                f"shard {shard} column {field.name!r}: lists of {kind} are not "
-                "supported (only lists of numbers/booleans); hint: drop it via columns="
-            )
-        return
-    if pa.types.is_interval(kind):  # pyarrow's to_numpy crashes the process on intervals
-        raise FormatError(
-            f"shard {shard} column {field.name!r}: interval type {kind} is not "
-            "supported; hint: store it as integer columns (months, days, nanoseconds) "
-            "or drop it via columns="
-        )
-    simple = (
-        pa.types.is_integer(kind)
-        or pa.types.is_floating(kind)
-        or pa.types.is_boolean(kind)
-        or pa.types.is_temporal(kind)
-        or pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-    )
-    if not simple:
-        raise FormatError(
-            f"shard {shard} column {field.name!r}: type {kind} is not supported; "
-            "hint: select other columns via columns="
-        )
 
 
 def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:

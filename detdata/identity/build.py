@@ -35,9 +35,9 @@ from detdata.identity.formats import (
     sniff_format,
     suffix_format,
 )
-from detdata.identity.hashing import digests_file, full_digest_file
 from detdata.identity.manifest import Manifest
 from detdata.identity.parallel import map_in_threads
+from detdata.storage.digest import digests_file, full_digest_file
 from detdata.storage.fs import (
     check_shard_name,
     filesystem,

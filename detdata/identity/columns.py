@@ -42,6 +42,7 @@ verification on; the verification receipt records it (`detdata.identity.receipts
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -56,8 +57,10 @@ import numpy.typing as npt
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
-from detdata.identity.entry import FORMAT_VERSION, ShardEntry
-from detdata.identity.entry import KIND as MANIFEST_KIND
+from detdata.identity.entry import ShardEntry
+from detdata.identity.manifest_id import PIECE, streamed_id
+from detdata.storage.digest import full_digest_path
+from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
 KIND: Final = "detdata.manifest-columns"
@@ -182,6 +185,9 @@ class ColumnsFile:
             if st.st_size < _HEAD + 32:
                 raise self._error(f"{st.st_size} bytes is too short for a header")
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # a rank touches the chunks it uses, scattered: no read-ahead or fault-around that
+        # would map (and count as resident) many pages around each
+        self._map.madvise(mmap.MADV_RANDOM)
         self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         buf = memoryview(self._map)
         if bytes(buf[:8]) != MAGIC:
@@ -337,6 +343,7 @@ class ShardTable(Sequence["ShardEntry"]):
         #: the local JSON file the columns were saved with (checked by `check_columns`)
         self.json_path = json_path
         self._cache: dict[int, ShardEntry] = {}
+        self._paths: dict[int, str] = {}  # `path` of shards without a built entry
 
     def __len__(self) -> int:
         return self.columns.count
@@ -370,62 +377,88 @@ class ShardTable(Sequence["ShardEntry"]):
         return entry
 
     def path(self, i: int) -> str:
-        """Shard ``i``'s relative path (checked like the entry's)."""
-        return self.entry(i).path
+        """Shard ``i``'s relative path, checked as an entry's is (``check_relative_path``),
+        decoding only the path columns (a built entry's path when there is one)."""
+        found = self._paths.get(i)
+        if found is not None:
+            return found
+        hit = self._cache.get(i)
+        if hit is not None:
+            return hit.path
+        if not 0 <= i < len(self):
+            raise IndexError(f"shard index {i} out of range for {len(self)} shards")
+        (path,) = self.paths_between(i, i + 1)
+        check_relative_path(path, where=f"manifest columns {self.columns.path} shard #{i}")
+        if len(self._paths) >= _ENTRY_CACHE:
+            self._paths.clear()
+        self._paths[i] = path
+        return path
 
     def _build(self, i: int) -> ShardEntry:
+        (entry,) = self.entries_between(i, i + 1)
+        return entry
+
+    def paths_between(self, lo: int, hi: int) -> list[str]:
+        """The relative paths of shards ``[lo, hi)`` decoded in bulk (UTF-8 and bounds
+        checked; `entries_between` also checks each as a path under the root)."""
         c = self.columns
-        ends = c.items("path_ends", i, i + 2)
-        lo, hi = int(ends[0]), int(ends[1])
-        if not 0 <= lo <= hi <= c.header["sections"]["paths"][1]:
-            raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
-        path = _path_at(c, i, c.items("paths", lo, hi).tobytes(), 0, hi - lo)
-        row = {name: int(c.items(name, i, i + 1)[0]) for name in _ROW_SECTIONS}
-        g_lo, g_hi = (int(e) for e in c.items("row_group_ends", i, i + 2))
-        groups: list[int] = []
-        if g_hi >= 0:
-            start = g_lo if g_lo >= 0 else -g_lo - 1
-            if not 0 <= start <= g_hi <= c.header["sections"]["row_groups"][1] // 8:
-                raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
-            groups = c.items("row_groups", start, g_hi).tolist()
-            g_lo, g_hi = 0, len(groups)
-        b3 = c.items("blake3", 32 * i, 32 * i + 32).tobytes()
-        quick = c.items("quick", 32 * i, 32 * i + 32).tobytes()
-        return _entry(c, i, path, row, b3, quick, (g_lo, g_hi), groups)
+        ends = c.items("path_ends", lo, hi + 1).tolist()
+        base, top = (ends[0], ends[-1]) if ends else (0, 0)
+        if not 0 <= base <= top <= c.header["sections"]["paths"][1]:
+            raise c._error(f"shards #{lo}..{hi - 1}: path bounds {base}..{top} are out of range")
+        blob = c.items("paths", base, top).tobytes()
+        return [
+            _path_at(c, lo + k, blob, ends[k] - base, ends[k + 1] - base) for k in range(hi - lo)
+        ]
 
     def all_paths(self) -> list[str]:
-        """Every shard's relative path, decoded in bulk and checked as an entry's is
-        (O(shards): what a verifier takes identities of)."""
-        c = self.columns
-        ends = c.array("path_ends").tolist()
-        blob = c.array("paths").tobytes()
-        out: list[str] = []
-        for i in range(len(self)):
-            out.append(_path_at(c, i, blob, ends[i], ends[i + 1]))
-        return out
+        """Every shard's relative path (`paths_between` over all: O(shards), what a
+        verifier takes identities of)."""
+        return self.paths_between(0, len(self))
 
-    def all_entries(self) -> list[ShardEntry]:
-        """Every entry, decoded in bulk from whole checked columns, each checked as `entry`
-        checks one (O(shards): the verifier's full check)."""
+    def entries_between(self, lo: int, hi: int) -> list[ShardEntry]:
+        """Shards ``[lo, hi)`` decoded in bulk from their checked chunks, each checked as
+        `entry` checks one (the JSON loader's own checks)."""
         c = self.columns
-        cols = {name: c.array(name).tolist() for name in _LIST_SECTIONS}
-        blob = c.array("paths").tobytes()
-        b3, quick = c.array("blake3").tobytes(), c.array("quick").tobytes()
+        cols = {name: c.items(name, lo, hi).tolist() for name in _ROW_SECTIONS}
+        paths = self.paths_between(lo, hi)
+        g_ends = c.items("row_group_ends", lo, hi + 1).tolist()
+        g_base, g_top = (_group_at(g_ends[0]), _group_at(g_ends[-1])) if g_ends else (0, 0)
+        if not 0 <= g_base <= g_top <= c.header["sections"]["row_groups"][1] // 8:
+            raise c._error(
+                f"shards #{lo}..{hi - 1}: row group bounds {g_base}..{g_top} are out of range"
+            )
+        groups = c.items("row_groups", g_base, g_top).tolist()
+        b3 = c.items("blake3", 32 * lo, 32 * hi).tobytes()
+        quick = c.items("quick", 32 * lo, 32 * hi).tobytes()
         out: list[ShardEntry] = []
-        for i in range(len(self)):
+        for k in range(hi - lo):
+            g_hi = g_ends[k + 1]
+            mine: list[int] | None = None
+            if g_hi >= 0:
+                start = _group_at(g_ends[k])
+                if not g_base <= start <= g_hi <= g_top:
+                    raise c._error(
+                        f"shard #{lo + k}: row group bounds {start}..{g_hi} are out of range"
+                    )
+                mine = groups[start - g_base : g_hi - g_base]
             out.append(
                 _entry(
                     c,
-                    i,
-                    _path_at(c, i, blob, cols["path_ends"][i], cols["path_ends"][i + 1]),
-                    {k: cols[k][i] for k in _ROW_SECTIONS},
-                    b3[32 * i : 32 * i + 32],
-                    quick[32 * i : 32 * i + 32],
-                    (cols["row_group_ends"][i], cols["row_group_ends"][i + 1]),
-                    cols["row_groups"],
+                    lo + k,
+                    paths[k],
+                    {name: cols[name][k] for name in _ROW_SECTIONS},
+                    b3[32 * k : 32 * k + 32],
+                    quick[32 * k : 32 * k + 32],
+                    mine,
                 )
             )
         return out
+
+    def all_entries(self) -> list[ShardEntry]:
+        """Every entry (`entries_between` over all: O(shards) entries in memory at once;
+        `verify_columns_id` goes piece by piece instead)."""
+        return self.entries_between(0, len(self))
 
     def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
@@ -473,8 +506,6 @@ class ShardTable(Sequence["ShardEntry"]):
 
 #: per-shard scalar sections (one value each)
 _ROW_SECTIONS: Final = ("bytes", "num_samples", "data_offset", "format", "dtype", "schema")
-#: sections the bulk decoder takes as lists
-_LIST_SECTIONS: Final = (*_ROW_SECTIONS, "path_ends", "row_group_ends", "row_groups")
 
 
 def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:
@@ -486,6 +517,11 @@ def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:
         raise c._error(f"shard #{i}: path {blob[lo:hi]!r} is not UTF-8") from None
 
 
+def _group_at(end: int) -> int:
+    """Where a ``row_group_ends`` value points (a negative end ``e``: none, at ``-e - 1``)."""
+    return end if end >= 0 else -end - 1
+
+
 def _entry(
     c: ColumnsFile,
     i: int,
@@ -493,8 +529,7 @@ def _entry(
     row: dict[str, int],
     b3: bytes,
     quick: bytes,
-    group_ends: tuple[int, int],
-    groups: list[int],
+    groups: list[int] | None,
 ) -> ShardEntry:
     """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
     h = c.header
@@ -512,12 +547,8 @@ def _entry(
         obj["dtype"] = _pick(h["dtypes"], row["dtype"], c, i, "dtype")
     if row["schema"] >= 0:
         obj["schema"] = _pick(h["schemas"], row["schema"], c, i, "schema")
-    g_lo, g_hi = group_ends
-    if g_hi >= 0:
-        start = g_lo if g_lo >= 0 else -g_lo - 1
-        if not 0 <= start <= g_hi <= len(groups):
-            raise c._error(f"shard #{i}: row group bounds {start}..{g_hi} are out of range")
-        obj["row_groups"] = groups[start:g_hi]
+    if groups is not None:
+        obj["row_groups"] = groups
     return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
 
 
@@ -573,8 +604,7 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
     `ManifestError`."""
     c, json_path = table.columns, table.json_path
     if json_path is not None and with_json:
-        with open(json_path, "rb") as fh:
-            found = PREFIX + blake3.blake3(fh.read()).hexdigest()
+        found = full_digest_path(json_path)  # read in pieces: bounded memory
         if found != c.header["json_digest"]:
             raise c._error(
                 f"the manifest JSON {json_path} hashes to {found}, the columns were saved "
@@ -584,23 +614,35 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
 
 
 def verify_columns_id(table: ShardTable) -> str:
-    """The id re-computed from every entry of the columns (O(shards)); `ManifestError`
-    unless it is the header's."""
+    """The id re-computed from every entry of the columns (O(shards) time, one piece of
+    `PIECE` entries in memory at a time: `detdata.identity.manifest_id.streamed_id`);
+    `ManifestError` unless it is the header's, the shards are in canonical order and the
+    header's sample and byte totals are the entries' sums."""
     c = table.columns
-    entries = table.all_entries()
-    body = {
-        "kind": MANIFEST_KIND,
-        "format_version": FORMAT_VERSION,
-        "shards": [e.to_json() for e in entries],
-        "metadata": c.header["metadata"],
-    }
-    found = PREFIX + blake3.blake3(canonical_json(body)).hexdigest()
-    paths = [e.path for e in entries]
-    if paths != sorted(paths) or len(set(paths)) != len(paths):
-        raise c._error("shards are not in canonical order (sorted, unique paths)")
+    totals = [0, 0]  # samples, bytes
+    last: list[str] = []
+
+    def pieces() -> Iterator[list[dict[str, Any]]]:
+        for lo in range(0, len(table), PIECE):
+            entries = table.entries_between(lo, min(len(table), lo + PIECE))
+            paths = last + [e.path for e in entries]
+            if any(a >= b for a, b in itertools.pairwise(paths)):
+                raise c._error("shards are not in canonical order (sorted, unique paths)")
+            last[:] = paths[-1:]
+            totals[0] += sum(e.num_samples for e in entries)
+            totals[1] += sum(e.bytes for e in entries)
+            yield [e.to_json() for e in entries]
+
+    found = streamed_id(c.header["metadata"], pieces())
     if found != c.header["id"]:
         raise c._error(
             f"its entries hash to {found}, the header says {c.header['id']} (edited or "
             "written by another manifest)"
+        )
+    claimed = [c.header["num_samples"], c.header["total_bytes"]]
+    if totals != claimed:
+        raise c._error(
+            f"the entries hold {totals[0]} samples in {totals[1]} bytes, the header says "
+            f"{claimed[0]} in {claimed[1]}"
         )
     return found

@@ -34,7 +34,6 @@ import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, ManifestError
-from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_text, redact_url, strip_credentials
 from detdata.identity.columns import (
     ColumnsFile,
@@ -52,6 +51,7 @@ from detdata.identity.entry import (
     parse_verify,
 )
 from detdata.identity.formats import Format
+from detdata.identity.manifest_id import manifest_id
 from detdata.identity.receipts import verify_job
 from detdata.storage.fs import is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -131,9 +131,10 @@ class Manifest:
     def id(self) -> str:
         """``b3:<hex>`` of the canonical JSON body; independent of the root URL.
 
-        Computed once per (immutable) manifest and cached.
+        Computed once per (immutable) manifest and cached, a piece of entries at a time
+        (`detdata.identity.manifest_id`: the body's JSON is never held whole).
         """
-        return digest_bytes(canonical_json(self.body()))
+        return manifest_id(self.metadata, self.shards)
 
     @property
     def num_samples(self) -> int:
@@ -225,6 +226,13 @@ class Manifest:
     def with_root(self, root: str) -> Manifest:
         """The same manifest (same id) pointing at another root."""
         return Manifest(shards=self.shards, metadata=self.metadata, root=root)
+
+    def shard_path(self, index: int) -> str:
+        """Shard ``index``'s relative path; for the fast form decoded from the path columns
+        alone (checked as an entry's path is), without building its entry."""
+        if isinstance(self.shards, ShardTable):
+            return self.shards.path(index)
+        return self.shards[index].path
 
     def url(self, shard: ShardEntry) -> str:
         """Full URL/path of a shard under this manifest's root (percent-encoded for HTTP(S))."""

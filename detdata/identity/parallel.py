@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
-from detdata.base.progress import progress as base_progress
+from detdata.base.progress import progress as shown
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,8 +48,12 @@ def map_in_threads(
 
     results: list[R] = []
     first: BaseException | None = None
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for done in _progress(pool.map(run, chunks), len(items), desc, progress):
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        shown(len(items), desc, unit="shard", enabled=progress) as update,
+    ):
+        for done in pool.map(run, chunks):
+            update(len(done))
             for ok, value in done:
                 if ok:
                     results.append(value)
@@ -58,12 +62,3 @@ def map_in_threads(
     if first is not None:
         raise first
     return results
-
-
-def _progress(
-    it: Iterator[list[tuple[bool, Any]]], total: int, desc: str, progress: bool | None
-) -> Iterator[list[tuple[bool, Any]]]:
-    with base_progress(total, desc, unit="shard", enabled=progress) as update:
-        for chunk in it:
-            update(len(chunk))
-            yield chunk

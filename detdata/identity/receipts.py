@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import email.utils
+import functools
 import json
 import os
 import pickle
@@ -57,14 +58,15 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
-from detdata.base.errors import ConfigError, DetdataError
+from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable, check_columns
-from detdata.identity.entry import STRENGTH, Verify
+from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
-from detdata.storage.atomic import atomic_write_bytes, file_lock
+from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.fs import filesystem, is_local_fs, join
+from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -81,6 +83,8 @@ RACY_S: Final = 2.0
 _FIELDS: Final = 5
 _NOT_RECORDED: Final = -1
 _MISSING: Final = -2
+#: shards verified per call of `verify_manifest` (their entries are in memory at once)
+VERIFY_PIECE: Final = 1 << 16
 
 LocalIds = npt.NDArray[np.int64]
 
@@ -146,7 +150,7 @@ def verify_job(
             store.set(key + "/verdict", _dumps(verdict))
         return
     try:
-        store.wait([key + "/started"], timedelta(seconds=_wait_s()))
+        store.wait([key + "/started"], timedelta(seconds=wait_s()))
     except Exception:  # no verifier for this manifest in this job: verify here
         verify_with_receipt(*args)
         return
@@ -167,17 +171,20 @@ def _dumps(verdict: BaseException | None) -> bytes:
         )
 
 
-def _wait_s() -> float:
-    raw = os.environ.get(ENV_WAIT, "120")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_WAIT} must be a number of seconds, got {raw!r}") from None
-
-
 def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
-    """``(store, is this rank the verifier, key)`` under a process group of more than one
-    rank; ``(None, True, "")`` otherwise (this process verifies)."""
+    """`job_meeting` of the verification of ``manifest`` at ``level`` (the n-th call of
+    every rank meets the others' n-th)."""
+    return job_meeting(manifest, level.value, counted=True)
+
+
+def job_meeting(manifest: Manifest, tag: str, *, counted: bool = False) -> tuple[Any, bool, str]:
+    """``(store, is this rank the leader, key)`` for work ``tag`` on ``manifest`` done once
+    per job under a process group of more than one rank; ``(None, True, "")`` otherwise
+    (this process does it itself). The leader is the verifier's: rank 0 of the job for a
+    URL root (or ``DETDATA_VERIFY_SCOPE=job``), ``LOCAL_RANK`` 0 of each host for a local
+    one (none without ``LOCAL_RANK``: every rank does it). ``counted``: the key is the
+    n-th of this process for the same work (verification: each call meets); otherwise one
+    key per job."""
     dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None, True, ""
@@ -188,18 +195,30 @@ def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
         raise ConfigError(f"{ENV_SCOPE} must be 'job' or 'node', got {scope!r}")
     root = manifest.root or ""
     local = not ("://" in root and not root.startswith("file://"))
-    base = canonical_json([manifest.id, strip_credentials(root), level.value])
+    base = canonical_json([manifest.id, strip_credentials(root), tag])
     if scope == "job" or (scope == "" and not local):
         leader, where = dist.get_rank() == 0, "job"
     else:
         local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is None:  # no way to tell the ranks of a node apart: each verifies
+        if local_rank is None:  # no way to tell the ranks of a node apart: each does it
             return None, True, ""
         leader, where = local_rank == "0", socket.gethostname()
     digest = blake3.blake3(base + where.encode()).hexdigest()[:32]
-    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
     store = dist.distributed_c10d._get_default_store()
+    if not counted:
+        return store, leader, f"detdata/once/{digest}"
+    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
     return store, leader, f"detdata/verify/{digest}/{count}"
+
+
+def wait_s() -> float:
+    """How long a rank waits for its leader to start (``DETDATA_VERIFY_WAIT_S``, default
+    120 s) before doing the work itself."""
+    raw = os.environ.get(ENV_WAIT, "120")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_WAIT} must be a number of seconds, got {raw!r}") from None
 
 
 # ------------------------------------------------------------------------- receipts
@@ -227,10 +246,17 @@ def verify_with_receipt(
             old is None or columns is None or old.get("columns") != columns
         ):  # the id from the columns; the JSON (readable form) is checked where parsed
             check_columns(manifest.shards, with_json=False)
+        check = functools.partial(
+            _verify_shards,
+            manifest,
+            level,
+            threads=threads,
+            progress=progress,
+            retry=retry,
+            storage_options=storage_options,
+        )
         if path is None:  # receipts disabled: no identities to take, every shard is read
-            verify_manifest(
-                manifest, level, threads=threads, progress=progress, retry=retry, **storage_options
-            )
+            check(np.arange(len(manifest.shards), dtype=np.int64))
             return
         paths = _paths(manifest)
         now: LocalIds | list[str | None]
@@ -240,20 +266,54 @@ def verify_with_receipt(
             now = remote_identities(fs, root, paths, threads)
         todo = _changed(old, now, level)
         if todo.size:
-            entries = manifest.shards
-            if isinstance(entries, ShardTable) and todo.size > len(entries) // 8:
-                entries = entries.all_entries()  # decoded in bulk
-            subset = dataclasses.replace(
-                manifest, shards=tuple(entries[i] for i in todo.tolist()), metadata={}
-            )
-            verify_manifest(
-                subset, level, threads=threads, progress=progress, retry=retry, **storage_options
-            )
+            check(todo)
         # nothing read again: the recorded level still holds for every shard
         if old is not None and not todo.size and old.get("columns") == columns:
             return  # the receipt on disk already says exactly this: a restart writes nothing
         kept = level if todo.size or old is None else Verify(old["level"])
         write_receipt(path, manifest, kept, columns, now)
+
+
+def _verify_shards(
+    manifest: Manifest,
+    level: Verify,
+    todo: npt.NDArray[np.int64],
+    *,
+    threads: int,
+    progress: bool | None,
+    retry: RetryPolicy | None,
+    storage_options: dict[str, Any],
+) -> None:
+    """`verify_manifest` of the shards ``todo`` (ascending), `VERIFY_PIECE` entries in memory
+    at a time (a fast form's decoded in bulk where dense); every shard is checked and the
+    first failure in path order is raised at the end, as one call over all would."""
+    first: VerificationError | None = None
+    for lo in range(0, todo.size, VERIFY_PIECE):
+        subset = dataclasses.replace(
+            manifest, shards=_entries_at(manifest, todo[lo : lo + VERIFY_PIECE]), metadata={}
+        )
+        try:
+            verify_manifest(
+                subset, level, threads=threads, progress=progress, retry=retry, **storage_options
+            )
+        except VerificationError as exc:
+            first = exc if first is None else first
+    if first is not None:
+        raise first
+
+
+def _entries_at(manifest: Manifest, picked: npt.NDArray[np.int64]) -> tuple[ShardEntry, ...]:
+    """The entries of shards ``picked`` (ascending): a fast form's decoded in bulk from the
+    range they span when they are dense in it, else one by one (none kept cached)."""
+    shards = manifest.shards
+    index = picked.tolist()
+    if not isinstance(shards, ShardTable):
+        return tuple(shards[i] for i in index)
+    lo, hi = index[0], index[-1] + 1
+    if len(index) * 8 > hi - lo:
+        span = shards.entries_between(lo, hi)
+        return tuple(span[i - lo] for i in index)
+    return tuple(shards.entries_between(i, i + 1)[0] for i in index)
 
 
 def _paths(manifest: Manifest) -> list[str]:

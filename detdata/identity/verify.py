@@ -34,23 +34,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-import blake3
-
 from detdata.base.errors import ConfigError, VerificationError
-from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
+from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry, Verify, parse_verify
-from detdata.identity.hashing import full_digest_fd
 from detdata.identity.parallel import map_in_threads
-from detdata.storage.fs import (
-    filesystem,
-    full_digest_retrying,
-    is_local_fs,
-    join,
-    quick_digest_retrying,
-    read_ranges_upto,
-    size_retrying,
-)
+from detdata.storage.digest import full_digest_fd, full_digest_retrying, quick_digest_retrying
+from detdata.storage.fs import filesystem, is_local_fs, join, read_ranges_upto, size_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
 
 if TYPE_CHECKING:
@@ -146,7 +136,7 @@ def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError
     """
     if len(data) != shard.bytes:
         return mismatch(shard, "bytes", len(data), where)
-    found_full = PREFIX + blake3.blake3(data).hexdigest()
+    found_full = digest_bytes(data)
     if found_full == shard.blake3:
         return None
     span = min(len(data), QUICK_SPAN)

@@ -43,6 +43,7 @@ from olmo_core.distributed.utils import get_rank, get_world_size
 from detdata.base.errors import ConfigError
 from detdata.datasets.base import Dataset, Stream
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions, ReadOptions
 
 __all__ = ["DetdataDataLoader", "olmo_batch"]
 
@@ -135,11 +136,12 @@ class DetdataDataLoader(TextDataLoaderBase):
             data,
             global_batch_size=global_batch_size // length,
             seed=seed,
-            rank=rank,
-            world_size=world,
+            options=LoaderOptions(
+                rank=rank,
+                world_size=world,
+                read=ReadOptions(worker_mode=worker_mode, read_ahead=read_ahead),
+            ),
             num_workers=num_workers,
-            worker_mode=worker_mode,
-            read_ahead=read_ahead,
             pin_memory=pin_memory,
         )
 

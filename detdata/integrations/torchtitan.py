@@ -56,6 +56,7 @@ from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.registry import Registry
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions, ReadOptions
 
 __all__ = ["DetdataDataLoader", "titan_batch"]
 
@@ -170,12 +171,13 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
             global_batch_size=config.global_batch_size,
             micro_batch_size=local_batch_size,
             seed=config.seed,
-            rank=dp_rank,
-            world_size=dp_world_size,
-            total_samples=config.total_samples,
+            options=LoaderOptions(
+                rank=dp_rank,
+                world_size=dp_world_size,
+                total_samples=config.total_samples,
+                read=ReadOptions(worker_mode=config.worker_mode, read_ahead=config.read_ahead),
+            ),
             num_workers=config.num_workers,
-            worker_mode=config.worker_mode,
-            read_ahead=config.read_ahead,
             pin_memory=config.pin_memory,
         )
 

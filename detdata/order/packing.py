@@ -233,7 +233,7 @@ def segments_bound(
 
 
 @dataclass(frozen=True)
-class Layout:
+class TokenLayout:
     """Per-token positions of pieces: flat output index, piece, and offset within the piece."""
 
     flat: IntArray
@@ -241,17 +241,17 @@ class Layout:
     within: IntArray
 
 
-def token_layout(pieces: Pieces, width: int) -> Layout:
+def token_layout(pieces: Pieces, width: int) -> TokenLayout:
     """Where each token of ``pieces`` goes in a ``(rows, width)`` output, flattened."""
     piece = np.repeat(np.arange(pieces.count.size, dtype=np.int64), pieces.count)
     firsts = np.cumsum(pieces.count) - pieces.count
     within = np.arange(piece.size, dtype=np.int64) - firsts[piece]
     flat = pieces.row[piece] * width + pieces.start[piece] + within
-    return Layout(flat=flat, piece=piece, within=within)
+    return TokenLayout(flat=flat, piece=piece, within=within)
 
 
 def window_columns(
-    pieces: Pieces, layout: Layout, *, rows: int, width: int, seq_len: int, max_segments: int
+    pieces: Pieces, layout: TokenLayout, *, rows: int, width: int, seq_len: int, max_segments: int
 ) -> dict[str, np.ndarray]:
     """``doc_index``, ``position_ids`` (``(rows, width)`` int32), ``cu_seqlens``
     (``(rows, max_segments + 1)`` int32) and ``num_segments`` (``(rows,)`` int32).
@@ -362,7 +362,7 @@ def packed_columns(
 
 def raw_tokens(
     pieces: Pieces,
-    layout: Layout,
+    layout: TokenLayout,
     first: npt.NDArray[np.int64],
     *,
     bos: bool,

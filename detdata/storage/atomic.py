@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import os
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any, Final
 
 from detdata.base.errors import ConfigError, StorageError
@@ -115,26 +112,3 @@ def _replace(local: str, data: bytes, mode: int, temp_dir: str | None) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-@contextlib.contextmanager
-def file_lock(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on the local file ``path`` (made if missing; an existing
-    folder is locked itself, leaving nothing in it) while the block runs: processes of one
-    machine (and of a file system whose locks span machines) take turns. Yields True when
-    held; False (no lock, the block still runs) where the lock file cannot be made, e.g. a
-    read-only folder: a lock here only ever saves work, never guards correctness."""
-    try:
-        if os.path.isdir(path):
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        else:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield True
-    finally:
-        os.close(fd)

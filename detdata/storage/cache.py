@@ -58,8 +58,6 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import itertools
 import os
 import threading
@@ -67,16 +65,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
-import blake3
 import fsspec
 
 from detdata.base.errors import ConfigError, DetdataError, StorageError, VerificationError
-from detdata.base.hashing import PREFIX, QUICK_SPAN, quick_digest_parts
+from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
+from detdata.storage.digest import digest_chunks, full_digest_path, quick_digest_path
 from detdata.storage.fs import iter_chunks
+from detdata.storage.locks import flock
 from detdata.storage.retry import RetryPolicy, check_policy
+from detdata.storage.verified import (
+    forget_verified,
+    remember_verified,
+    utime_remembered,
+    was_verified,
+)
 
 
 class ShardEntry(Protocol):
@@ -102,12 +107,6 @@ FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, 
 _TOUCH_EVERY_S: Final = 1.0
 #: Copies whose last touch time one `ShardCache` remembers (for the once-a-second limit).
 TOUCHED_MAX: Final = 1024
-#: Verified copies this process remembers (re-opening one skips its digest; see above).
-VERIFIED_MAX: Final = 4096
-#: A file changed less than this before it was verified is verified again on its next open
-#: (it could be rewritten within the same timestamp tick; coarse file systems tick 1-10 ms).
-_RACY_NS: Final = 100_000_000
-_LEVELS: Final = {"quick": 0, "full": 1}
 
 
 @dataclass
@@ -301,7 +300,7 @@ class ShardCache:
         """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
         final = self.object_path(entry)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            _utime_remembered(final, (0, 0))
+            utime_remembered(final, (0, 0))
             with self._mutex:
                 self.stats.releases += 1
                 self._touched.pop(final, None)
@@ -364,7 +363,7 @@ class ShardCache:
             ):
                 touched.popitem(last=False)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            _utime_remembered(path, None)
+            utime_remembered(path, None)
 
     # checks ------------------------------------------------------------------
     def _check(self, path: str, entry: ShardEntry) -> str | None:
@@ -377,7 +376,7 @@ class ShardCache:
         size = st.st_size
         if size != entry.bytes:
             return f"size {size} bytes, the manifest says {entry.bytes}"
-        if _was_verified(path, st, entry.blake3, self.verify_on_open):
+        if was_verified(path, st, entry.blake3, self.verify_on_open):
             with self._mutex:
                 self.stats.verified_skips += 1
             return None
@@ -388,18 +387,18 @@ class ShardCache:
         except FileNotFoundError:  # evicted (another thread or process) since the stat
             return "missing"
         if problem is None:
-            _remember_verified(path, st, seen_ns, entry.blake3, self.verify_on_open)
+            remember_verified(path, st, seen_ns, entry.blake3, self.verify_on_open)
         else:
             forget_verified(path)
         return problem
 
     def _check_digest(self, path: str, entry: ShardEntry, size: int) -> str | None:
         if self.verify_on_open == "full":
-            found = _full_local(path)
+            found = full_digest_path(path)
             if found != entry.blake3:
                 return f"blake3 {found}, the manifest says {entry.blake3}"
             return None
-        found = _quick_local(path, size)
+        found = quick_digest_path(path, size)
         if found != entry.quick:
             return f"quick digest {found}, the manifest says {entry.quick}"
         return None
@@ -453,7 +452,7 @@ class ShardCache:
                 os.replace(tmp, final)
             with contextlib.suppress(FileNotFoundError):  # every byte was hashed: "full"
                 seen_ns = time.time_ns()
-                _remember_verified(
+                remember_verified(
                     final, os.stat(final), seen_ns, entry.blake3, "full", own_fill=True
                 )
         except BaseException:
@@ -470,24 +469,32 @@ class ShardCache:
         self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str, url: str, tmp: str
     ) -> tuple[str, int]:
         """Stream the shard into ``tmp`` (truncated first); return (blake3, bytes written)."""
-        hasher = blake3.blake3()
         written = 0
         with open(tmp, "wb") as fh:
-            for data in iter_chunks(
-                fs,
-                remote_path,
-                entry.bytes,
-                policy=self.retry,
-                shard=entry.path,
-                url=url,
-                chunk=self.chunk_bytes,
-            ):
-                fh.write(data)
-                hasher.update(data)
-                written += len(data)
+
+            def kept(chunks: Iterator[bytes]) -> Iterator[bytes]:
+                nonlocal written
+                for data in chunks:
+                    fh.write(data)
+                    written += len(data)
+                    yield data
+
+            found = digest_chunks(
+                kept(
+                    iter_chunks(
+                        fs,
+                        remote_path,
+                        entry.bytes,
+                        policy=self.retry,
+                        shard=entry.path,
+                        url=url,
+                        chunk=self.chunk_bytes,
+                    )
+                )
+            )
             fh.flush()
             os.fsync(fh.fileno())
-        return PREFIX + hasher.hexdigest(), written
+        return found, written
 
     # space accounting ----------------------------------------------------------
     def _reserve(self, entry: ShardEntry, final: str) -> str:
@@ -575,12 +582,12 @@ class ShardCache:
     # locks -------------------------------------------------------------------
     @contextlib.contextmanager
     def _shard_lock(self, entry: ShardEntry) -> Iterator[None]:
-        with _flock(os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")):
+        with flock(os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")):
             yield
 
     @contextlib.contextmanager
     def _global_lock(self) -> Iterator[None]:
-        with _flock(os.path.join(self.directory, ".lock")):
+        with flock(os.path.join(self.directory, ".lock")):
             yield
 
     # pickling: parameters only ---------------------------------------------------
@@ -601,160 +608,3 @@ class ShardCache:
             chunk_bytes=state["chunk_bytes"],
             verify_on_open=state["verify_on_open"],
         )
-
-
-_HELD: Final[set[int]] = set()  # descriptors of flocks this process holds now
-_HELD_MUTEX = threading.Lock()
-
-
-def _close_inherited_locks() -> None:
-    """In a forked child: close the copies of the parent's lock descriptors.
-
-    A ``flock`` belongs to the open file description, which a fork shares: if the
-    child kept its copy, the parent's ``close`` would not release the lock and every
-    later fill of that shard (the child's own included) would wait forever. The
-    mutex is made anew: a parent thread may have held it at the fork.
-    """
-    global _HELD_MUTEX, _VERIFIED_MUTEX
-    _HELD_MUTEX = threading.Lock()
-    _VERIFIED_MUTEX = threading.Lock()
-    for fd in list(_HELD):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-# ------------------------------------------------ copies this process verified (bounded)
-class _Verified(NamedTuple):
-    stamp: tuple[int, ...]  # (device, inode, size, mtime_ns, ctime_ns) when verified
-    blake3: str
-    level: int  # _LEVELS of the check (a fill hashed every byte: "full")
-    trusted: bool  # the file had not changed for _RACY_NS when it was verified
-
-
-#: path -> what this process verified, least recently used first (at most VERIFIED_MAX)
-_VERIFIED: Final[OrderedDict[str, _Verified]] = OrderedDict()
-_VERIFIED_MUTEX = threading.Lock()
-
-
-def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file is replaced, written or touched."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _was_verified(path: str, st: os.stat_result, blake3_hex: str, level: str) -> bool:
-    """Did this process verify ``path`` (at ``level`` or stronger) as it is now (``st``), when
-    it had been unchanged long enough that a later write would show in its stamp?"""
-    with _VERIFIED_MUTEX:
-        known = _VERIFIED.get(path)
-        if known is None or not known.trusted or known.stamp != _stamp(st):
-            return False
-        if known.blake3 != blake3_hex or known.level < _LEVELS[level]:
-            return False
-        _VERIFIED.move_to_end(path)
-        return True
-
-
-def _remember_verified(
-    path: str,
-    st: os.stat_result,
-    seen_ns: int,
-    blake3_hex: str,
-    level: str,
-    *,
-    own_fill: bool = False,
-) -> None:
-    """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
-
-    Racy-clean rule (as git's index): a file changed less than `_RACY_NS` before it was
-    seen could be written again within the same timestamp tick without changing its
-    stamp, so such a verification is remembered but not trusted (the next open verifies
-    again). ``own_fill``: ``path`` was just renamed into place by this process after it
-    hashed every byte it wrote, and ``st`` was taken after the rename: trusted at once
-    (the only write the stamp could miss is one in place within the same tick after the
-    ``stat``, the exposure this process's own touches already carry)."""
-    trusted = own_fill or seen_ns - st.st_ctime_ns >= _RACY_NS
-    with _VERIFIED_MUTEX:
-        _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
-        _VERIFIED.move_to_end(path)
-        while len(_VERIFIED) > VERIFIED_MAX:
-            _VERIFIED.popitem(last=False)
-
-
-def forget_verified(path: str | None = None) -> None:
-    """Forget that this process verified ``path`` (None: every copy), so its next open
-    re-checks its digest (benchmarks measure the old cost this way)."""
-    with _VERIFIED_MUTEX:
-        if path is None:
-            _VERIFIED.clear()
-        else:
-            _VERIFIED.pop(path, None)
-
-
-def _utime(path: str, ns: tuple[int, int] | None) -> None:
-    if ns is None:
-        os.utime(path)
-    else:
-        os.utime(path, ns=ns)
-
-
-def _utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
-    """``os.utime(path)`` (now, or ``ns``), keeping this process's verification of ``path``:
-    when a ``stat`` just before shows the file as verified, the ``stat`` just after is its
-    new stamp (trusted as before); otherwise the verification is forgotten. (Not caught: a
-    write in place within the same timestamp tick right after this ``utime``.) Raises
-    FileNotFoundError when the file is gone."""
-    with _VERIFIED_MUTEX:
-        known = _VERIFIED.get(path)
-    if known is None:
-        _utime(path, ns)
-        return
-    unchanged = _stamp(os.stat(path)) == known.stamp
-    _utime(path, ns)
-    after = os.stat(path)
-    with _VERIFIED_MUTEX:
-        if unchanged and _VERIFIED.get(path) == known:
-            _VERIFIED[path] = known._replace(stamp=_stamp(after))
-        else:
-            _VERIFIED.pop(path, None)
-
-
-@contextlib.contextmanager
-def _flock(path: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (own descriptor: excludes threads and processes)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    with _HELD_MUTEX:
-        _HELD.add(fd)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                break
-            except OSError as exc:  # EINTR
-                if exc.errno != errno.EINTR:
-                    raise
-        yield
-    finally:
-        with _HELD_MUTEX:
-            _HELD.discard(fd)
-        os.close(fd)
-
-
-def _quick_local(path: str, size: int) -> str:
-    span = min(size, QUICK_SPAN)
-    with open(path, "rb") as fh:
-        head = fh.read(span)
-        fh.seek(size - span)
-        tail = fh.read(span)
-    return quick_digest_parts(size, head, tail)
-
-
-def _full_local(path: str) -> str:
-    hasher = blake3.blake3()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            hasher.update(chunk)
-    return PREFIX + hasher.hexdigest()

@@ -18,6 +18,8 @@ extension no native thread exists and a lock serialises the Python records.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from typing import Final
 
@@ -36,6 +38,15 @@ BUSY: Final = 2
 U64Array = npt.NDArray[np.uint64]
 IntArray = npt.NDArray[np.int64]
 
+_U64: Final = (1 << 64) - 1
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int]:
+    """``(inode, device, mtime_ns)`` of a stat, each as an unsigned 64-bit pattern (an
+    overlayfs inode may use the top bit; an mtime before 1970 is negative): what a record
+    holds."""
+    return (st.st_ino & _U64, st.st_dev & _U64, st.st_mtime_ns & _U64)
+
 
 class FirstOpens:
     """The first-open records of ``sizes.size`` shards (``sizes``: the manifest's bytes per
@@ -51,7 +62,11 @@ class FirstOpens:
         self.state = bytearray(self.sizes.size)
         self.states = np.frombuffer(self.state, dtype=np.uint8)
         #: (inode, device, mtime_ns) per shard, meaningful where the state is `RECORDED`
-        self.ident: U64Array = np.zeros((self.sizes.size, 3), dtype=np.uint64)
+        # an anonymous mapping (zero pages until written): numpy would ask huge pages for an
+        # array this large, and a record would then make 2 MiB resident, not 4 KiB
+        self.ident: U64Array = np.frombuffer(
+            mmap.mmap(-1, max(1, 24 * self.sizes.size)), dtype=np.uint64, count=3 * self.sizes.size
+        ).reshape(self.sizes.size, 3)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> None:

@@ -1,4 +1,6 @@
-"""Storage access through fsspec: URL handling, safe relative paths, streamed reads."""
+"""Storage access through fsspec: URL handling, safe relative paths, streamed reads.
+
+Digests of what is read are `detdata.storage.digest`'s."""
 
 from __future__ import annotations
 
@@ -395,44 +397,6 @@ def iter_chunks(
         yield range_retrying(
             fs, path, start, min(size, start + chunk), policy=policy, shard=shard, url=url
         )
-
-
-def quick_digest_retrying(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    *,
-    policy: RetryPolicy,
-    shard: str,
-    url: str,
-) -> str:
-    """`quick_digest_parts` of a remote file from two retried range reads (head, tail)."""
-    from detdata.base.hashing import QUICK_SPAN, quick_digest_parts
-
-    span = min(size, QUICK_SPAN)
-    head = range_retrying(fs, path, 0, span, policy=policy, shard=shard, url=url)
-    tail = range_retrying(fs, path, size - span, size, policy=policy, shard=shard, url=url)
-    return quick_digest_parts(size, head, tail)
-
-
-def full_digest_retrying(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    *,
-    policy: RetryPolicy,
-    shard: str,
-    url: str,
-) -> str:
-    """``b3:<hex>`` of every byte of a remote file, streamed in retried chunks."""
-    import blake3
-
-    from detdata.base.hashing import CHUNK, PREFIX
-
-    hasher = blake3.blake3()
-    for data in iter_chunks(fs, path, size, policy=policy, shard=shard, url=url, chunk=CHUNK):
-        hasher.update(data)
-    return PREFIX + hasher.hexdigest()
 
 
 def read_file_retrying(

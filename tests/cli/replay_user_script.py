@@ -60,9 +60,12 @@ def main() -> None:
     if args.empty_trace:
         trace.touch()
     loader = detdata.DataLoader(
-        dataset, global_batch_size=8, micro_batch_size=2, seed=7,
-        trace=None if args.empty_trace else trace,
-    )  # fmt: skip
+        dataset,
+        global_batch_size=8,
+        micro_batch_size=2,
+        seed=7,
+        options=detdata.LoaderOptions(trace=None if args.empty_trace else trace),
+    )
     fault = args.fault if args.resume else None
     if args.resume:
         saved = torch.load(run / "ckpt.pt", weights_only=True)

@@ -187,7 +187,7 @@ def test_env_check_of_a_record_saved_from_python_reports_no_false_difference(
     """One record shape: a record captured in Python (layout, config, loader, manifests, an
     extra variable) and `detdata env --check` given the same inputs agree field by field; one
     real change (the micro batch in the loader state) is then the only difference named."""
-    from detdata import DataLoader, RunRecord, TokenWindows
+    from detdata import DataLoader, LoaderOptions, RunRecord, TokenWindows
     from detdata.identity.manifest import Manifest
 
     repo = _repo(tmp_path)
@@ -195,9 +195,12 @@ def test_env_check_of_a_record_saved_from_python_reports_no_false_difference(
     config = {"lr": 0.1, "model": "tiny"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     loader = DataLoader(
-        TokenWindows(Manifest.load(str(manifest)), 8), global_batch_size=16,
-        micro_batch_size=4, world_size=2, rank=0, seed=3,
-    )  # fmt: skip
+        TokenWindows(Manifest.load(str(manifest)), 8),
+        global_batch_size=16,
+        micro_batch_size=4,
+        options=LoaderOptions(rank=0, world_size=2),
+        seed=3,
+    )
     state = tmp_path / "loader.json"
     state.write_text(json.dumps(loader.state_dict()))
     env = {**os.environ, "MY_TOKEN": "s3cret-value", "DETDATA_IMAGE_DIGEST": "sha256:" + "d" * 64}
@@ -227,9 +230,12 @@ def test_env_check_of_a_record_saved_from_python_reports_no_false_difference(
     assert "differs" not in same.stderr
     assert RunRecord.load(saved).differences(RunRecord.from_json(same.stdout)) == []
     other = DataLoader(
-        TokenWindows(Manifest.load(str(manifest)), 8), global_batch_size=16,
-        micro_batch_size=8, world_size=2, rank=0, seed=3,
-    )  # fmt: skip
+        TokenWindows(Manifest.load(str(manifest)), 8),
+        global_batch_size=16,
+        micro_batch_size=8,
+        options=LoaderOptions(rank=0, world_size=2),
+        seed=3,
+    )
     state.write_text(json.dumps(other.state_dict()))
     changed = subprocess.run(
         [detdata_exe(), *args], capture_output=True, text=True, timeout=300, env=env

@@ -16,7 +16,7 @@ from tests.conftest import write_token_shards
 pytestmark = pytest.mark.multiproc  # runs the real console command
 
 DEFINITION = """
-from detdata import DataLoader, Mixture, TokenWindows, build_manifest
+from detdata import DataLoader, LoaderOptions, Mixture, TokenWindows, build_manifest
 
 ROOT = {root!r}
 SEED = {seed}
@@ -28,7 +28,12 @@ def build_mixture():
 
 
 def build_loader():
-    return DataLoader(build_mixture(), global_batch_size=8, micro_batch_size=2, world_size=2)
+    return DataLoader(
+        build_mixture(),
+        global_batch_size=8,
+        micro_batch_size=2,
+        options=LoaderOptions(world_size=2),
+    )
 
 
 def first_token(sample):
@@ -168,9 +173,12 @@ def test_where_follows_a_ramp_up_schedule_state(
     spec = {"N": 4001}
     exec(ROWS, spec)  # the same definition the CLI imports
     dl = DataLoader(
-        spec["build_rows"](), global_batch_size=schedule, micro_batch_size=2, world_size=2,
-        rank=0, seed=23,
-    )  # fmt: skip
+        spec["build_rows"](),
+        global_batch_size=schedule,
+        micro_batch_size=2,
+        options=detdata.LoaderOptions(rank=0, world_size=2),
+        seed=23,
+    )
     it = iter(dl)
     for _ in range(20):
         next(it)
@@ -197,6 +205,7 @@ def test_where_follows_a_global_batch_change_at_a_resume(
     """A DP 8 run at 16 resumed on DP 7 at 14 from step 5: steps before the change are 16 wide,
     after it 14 wide, from the history (not step * 14)."""
     from detdata.loading.loader import DataLoader
+    from detdata.loading.options import LoaderOptions
 
     defn = tmp_path / "rows.py"
     defn.write_text(ROWS)
@@ -205,9 +214,12 @@ def test_where_follows_a_global_batch_change_at_a_resume(
 
     def loader(world: int, gbs: int, micro: int) -> DataLoader:
         return DataLoader(
-            spec["build_rows"](), global_batch_size=gbs, micro_batch_size=micro,
-            world_size=world, rank=0, seed=23,
-        )  # fmt: skip
+            spec["build_rows"](),
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            options=LoaderOptions(rank=0, world_size=world),
+            seed=23,
+        )
 
     old = loader(8, 16, 1)
     it = iter(old)
@@ -239,7 +251,8 @@ SEED = {seed}
 def build_loader():  # rank and world size from torch.distributed: world 1 in the CLI
     rows = detdata.ArrayDataset({{"id": np.arange(501, dtype=np.int64)}})
     return detdata.DataLoader(
-        rows, global_batch_size=8, micro_batch_size=2, seed=SEED, total_samples={total}
+        rows, global_batch_size=8, micro_batch_size=2, seed=SEED,
+        options=detdata.LoaderOptions(total_samples={total}),
     )
 """
 
@@ -258,9 +271,12 @@ def _dp2_run(
         for rank in (0, 1):
             rows = detdata.ArrayDataset({"id": np.arange(501, dtype=np.int64)})
             dl = detdata.DataLoader(
-                rows, global_batch_size=8, micro_batch_size=2, world_size=2, rank=rank,
-                seed=seed, total_samples=400,
-            )  # fmt: skip
+                rows,
+                global_batch_size=8,
+                micro_batch_size=2,
+                options=detdata.LoaderOptions(rank=rank, world_size=2, total_samples=400),
+                seed=seed,
+            )
             if state is not None:
                 dl.load_state_dict(state, allow=["seed"])
             it = iter(dl)

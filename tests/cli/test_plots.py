@@ -64,7 +64,11 @@ def _dataset(bad: tuple[int, ...]) -> detdata.ArrayDataset:
 def _run(bad: tuple[int, ...], trace: Path, steps: int) -> list[bytes]:
     """A real traced run of ``steps`` global steps (2 micro batches each); each step's bytes."""
     dl = detdata.DataLoader(
-        _dataset(bad), global_batch_size=8, micro_batch_size=4, seed=4, trace=trace
+        _dataset(bad),
+        global_batch_size=8,
+        micro_batch_size=4,
+        seed=4,
+        options=detdata.LoaderOptions(trace=trace),
     )
     micro: list[bytes] = []
     for batch in dl:

@@ -1,4 +1,4 @@
-"""The reference model of `detdata.datasets.tables.GroupSlots`: a plain LRU of decoded row
+"""The reference model of `detdata.datasets.rowgroups.GroupSlots`: a plain LRU of decoded row
 groups bounded by count and by bytes. Tests drive both with the same requests and
 require the same evictions (an independent reference, kept out of the package)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from detdata.datasets.tables import Group
+from detdata.datasets.rowgroups import Group
 
 
 class RowGroupCache:

@@ -21,7 +21,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from detdata import ArrayDataset, DataLoader, GlobalOrder, Mixture, TableRows, TokenWindows
+from detdata import (
+    ArrayDataset,
+    DataLoader,
+    GlobalOrder,
+    LoaderOptions,
+    Mixture,
+    ReadOptions,
+    TableRows,
+    TokenWindows,
+)
 from detdata.identity.build import build_manifest
 
 ROWS = 96
@@ -200,10 +209,10 @@ def run_loader(
         data,
         global_batch_size=8,
         seed=5,
-        total_samples=total,
-        read_ahead=read_ahead,
+        options=LoaderOptions(
+            total_samples=total, read=ReadOptions(worker_mode="thread", read_ahead=read_ahead)
+        ),
         num_workers=2 if mode == "thread" else 0,
-        worker_mode="thread",
         collate_fn=edit_in_collate if collate == "custom" else None,
     )
     for batch in loader:
@@ -300,10 +309,10 @@ def test_token_windows_edits_never_reach_the_shards_or_later_reads(
         ds,
         global_batch_size=8,
         seed=5,
-        total_samples=total,
-        read_ahead=4,
+        options=LoaderOptions(
+            total_samples=total, read=ReadOptions(worker_mode="thread", read_ahead=4)
+        ),
         num_workers=2 if mode == "thread" else 0,
-        worker_mode="thread",
         collate_fn=edit if collate == "custom" else None,
     )
     for batch in loader:
@@ -329,7 +338,11 @@ def test_array_dataset_edits_never_reach_later_reads() -> None:
 
     for collate in (edit, None):
         for batch in DataLoader(
-            ds, global_batch_size=8, seed=1, total_samples=80, read_ahead=2, collate_fn=collate
+            ds,
+            global_batch_size=8,
+            seed=1,
+            options=LoaderOptions(total_samples=80, read=ReadOptions(read_ahead=2)),
+            collate_fn=collate,
         ):
             if collate is None:
                 vandalize_torch(batch)
@@ -367,10 +380,10 @@ def test_default_collate_copies_read_only_arrays(mode: str) -> None:
             data,
             global_batch_size=3,
             seed=2,
-            total_samples=60,
-            read_ahead=1,
+            options=LoaderOptions(
+                total_samples=60, read=ReadOptions(worker_mode="thread", read_ahead=1)
+            ),
             num_workers=1 if mode == "thread" else 0,
-            worker_mode="thread",
         )
     )
     for batch in kept:  # kept batches still hold their own rows, not the buffer's latest
@@ -403,17 +416,21 @@ def test_a_delivered_batch_owns_its_memory(
     loader = detdata.DataLoader(
         data,
         global_batch_size=4,
-        read_ahead=16,
+        options=detdata.LoaderOptions(
+            total_samples=64, read=detdata.ReadOptions(worker_mode=mode, read_ahead=16)
+        ),
         num_workers=workers,
-        worker_mode=mode,
         pin_memory=pin,
-        total_samples=64,
     )
     for batch in loader:
         for key, value in batch.items():
             assert value.untyped_storage().nbytes() == value.nbytes, (key, value.shape)
     torch.save(batch, tmp_path / "b.pt")
-    solo = detdata.DataLoader(data, global_batch_size=4, read_ahead=1, total_samples=4)
+    solo = detdata.DataLoader(
+        data,
+        global_batch_size=4,
+        options=detdata.LoaderOptions(total_samples=4, read=detdata.ReadOptions(read_ahead=1)),
+    )
     torch.save(next(iter(solo)), tmp_path / "solo.pt")
     kept, own = (tmp_path / "b.pt").stat().st_size, (tmp_path / "solo.pt").stat().st_size
     assert own > 4 * 1024 and kept < 1.5 * own  # a view of its group would write 16x

@@ -10,6 +10,7 @@ mapped shard files stay within ``max_open_shards`` (plus the reads in flight).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -26,7 +27,7 @@ import pytest
 
 import detdata
 from detdata.base.errors import ConfigError
-from detdata.datasets.shards import (
+from detdata.datasets.handles import (
     DEFAULT_MAX_OPEN_SHARDS,
     HandleLRU,
     ProcessHandles,
@@ -96,10 +97,10 @@ CHILD = textwrap.dedent(
 
 
     def make(cap=None):
-        extra = {} if cap is None else {"max_open_shards": cap}
+        storage = detdata.Storage(verify="off", max_open_shards=cap)
         if kind == "tokens":
-            return detdata.TokenWindows(manifest, SEQ, verify="off", **extra)
-        return detdata.TableRows(manifest, ["x", "v"], verify="off", **extra)
+            return detdata.TokenWindows(manifest, SEQ, storage=storage)
+        return detdata.TableRows(manifest, ["x", "v"], storage=storage)
 
 
     ref = reference()
@@ -126,7 +127,7 @@ CHILD = textwrap.dedent(
             assert len(ds.open_shards()) <= cap
         evictions = ds._handles.evictions
     else:
-        cap = ds_cap = detdata.datasets.shards.DEFAULT_MAX_OPEN_SHARDS
+        cap = ds_cap = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
         ds = make()
         gbs = max(g for g in range(8, 49) if ds.num_samples % g == 0)  # one whole epoch
         loader = detdata.DataLoader(
@@ -134,9 +135,11 @@ CHILD = textwrap.dedent(
             global_batch_size=gbs,
             seed=1,
             num_workers=2,
-            worker_mode=mode,
-            transform=counted,
-            total_samples=ds.num_samples,
+            options=detdata.LoaderOptions(
+                transform=counted,
+                total_samples=ds.num_samples,
+                read=detdata.ReadOptions(worker_mode=mode),
+            ),
         )
         seen = {k: [] for k in ref}
         for batch in loader:
@@ -268,8 +271,8 @@ def test_max_open_shards_is_checked_and_defaults_below_the_usual_descriptor_limi
     assert detdata.TokenWindows(manifest, 8).max_open_shards == DEFAULT_MAX_OPEN_SHARDS < 1024 // 4
     for bad in (0, -1, True, 2.5, "8"):
         with pytest.raises(ConfigError, match="max_open_shards"):
-            detdata.TokenWindows(manifest, 8, max_open_shards=bad)  # type: ignore[arg-type]
-    ds = detdata.TokenWindows(manifest, 8, max_open_shards=1)
+            detdata.TokenWindows(manifest, 8, storage=detdata.Storage(max_open_shards=bad))  # type: ignore[arg-type]
+    ds = detdata.TokenWindows(manifest, 8, storage=detdata.Storage(max_open_shards=1))
     assert ds.identity() == detdata.TokenWindows(manifest, 8).identity()  # keeps bytes
 
 
@@ -302,7 +305,11 @@ def test_cached_copies_evicted_by_the_lru_and_by_the_cache_reopen_correctly(
     manifest = detdata.build_manifest(root)
     bound = 3 * (arrays[0].nbytes + 128)
     ds = detdata.TokenWindows(
-        manifest, SEQ, cache_dir=tmp_path / "cache", shard_cache_bytes=bound, max_open_shards=2
+        manifest,
+        SEQ,
+        storage=detdata.Storage(
+            cache_dir=tmp_path / "cache", shard_cache_bytes=bound, max_open_shards=2
+        ),
     )
     for _ in range(40):
         ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 40))
@@ -335,8 +342,7 @@ def test_table_rows_through_the_cache_with_one_open_reader(tmp_path: Path) -> No
     root = _memory_copy(src, f"bounded-t-{uuid.uuid4().hex}")
     ds = detdata.TableRows(
         detdata.build_manifest(root),
-        cache_dir=tmp_path / "cache",
-        max_open_shards=1,
+        storage=detdata.Storage(cache_dir=tmp_path / "cache", max_open_shards=1),
         cache_row_groups=0,
     )
     for _ in range(20):
@@ -352,7 +358,7 @@ MIX_SHARDS = 50  # per source: 2,000 shards in all, more than the descriptor lim
 
 MIX_CHILD = textwrap.dedent(
     '''
-    import collections, json, os, resource, sys
+    import collections, dataclasses, json, os, resource, sys
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -363,7 +369,7 @@ MIX_CHILD = textwrap.dedent(
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[5]), hard))
     import detdata
-    from detdata.datasets import shards as shards_mod
+    from detdata.datasets import handles as shards_mod
 
     SEQ = int(sys.argv[6])
     COUNTS = {"fds": 0, "maps": 0, "calls": 0, "open": 0}
@@ -415,8 +421,8 @@ MIX_CHILD = textwrap.dedent(
 
     def make(manifest):
         if kind == "tokens":
-            return detdata.TokenWindows(manifest, SEQ, verify="off")
-        return detdata.TableRows(manifest, ["x", "v"], verify="off")
+            return detdata.TokenWindows(manifest, SEQ, storage=detdata.Storage(verify="off"))
+        return detdata.TableRows(manifest, ["x", "v"], storage=detdata.Storage(verify="off"))
 
 
     names = json.loads(open(manifests).read())  # {source name: manifest path}
@@ -431,7 +437,7 @@ MIX_CHILD = textwrap.dedent(
         shards_mod.set_max_open_shards(budget)
         assert shards_mod.process_max_open_shards() == shards_mod.DEFAULT_MAX_OPEN_SHARDS
         for ds in sources.values():  # every dataset's own cap is 128: lower them to the budget
-            ds.max_open_shards = budget
+            ds.storage = dataclasses.replace(ds.storage, max_open_shards=budget)
             ds._reset_process_state()
         assert shards_mod.process_max_open_shards() == budget
         for a in range(0, 3 * total, 97):
@@ -447,15 +453,17 @@ MIX_CHILD = textwrap.dedent(
             assert sum(len(ds.open_shards()) for ds in sources.values()) <= budget
         touched = sum(ds._handles.evictions for ds in sources.values())
     else:
-        budget = detdata.datasets.shards.DEFAULT_MAX_OPEN_SHARDS
+        budget = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
         loader = detdata.DataLoader(
             mix,
             global_batch_size=32,
             seed=1,
             num_workers=2,
-            worker_mode=mode,
-            transform=counted,
-            total_samples=total,
+            options=detdata.LoaderOptions(
+                transform=counted,
+                total_samples=total,
+                read=detdata.ReadOptions(worker_mode=mode),
+            ),
         )
         index = {}  # row bytes (tokens) or x (tables) -> (source, id): the writer's rows
         for s, ref in enumerate(refs):
@@ -622,7 +630,8 @@ def test_set_max_open_shards_bounds_several_datasets_together(tmp_path: Path) ->
     try:
         set_max_open_shards(5)
         for ds, _ in data:
-            ds.max_open_shards = 5  # below the default own cap of 128, so the budget is 5
+            # below the default own cap of 128, so the budget is 5
+            ds.storage = dataclasses.replace(ds.storage, max_open_shards=5)
             ds._reset_process_state()
         assert process_max_open_shards() == 5
         for _ in range(30):

@@ -12,12 +12,19 @@ that none finds an index another already wrote) over one saved manifest of many 
 * `TableRows` over many Parquet shards: a rank builds no per-shard entry at open (the
   row-group tables come from the manifest's mapped columns) and reads the footer of the
   first shard and of the shards of its batch only; its rows equal the writer's.
+* `TokenWindows` (the window index, `detdata.datasets.window_index`): built and written
+  once (counted by the rank processes: one file per call of the build / encode function),
+  by whichever process takes the lock first, or under a process group by the job's
+  verifier (``LOCAL_RANK`` 0); every rank maps that one file and delivers the windows a
+  brute-force cut of the ``.npy`` files gives.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +37,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import detdata
+from detdata.datasets import window_index
 from tests.datasets.doc_corpora import random_documents, write_eod_shard, write_parquet
 from tests.order.packing_reference import brute_windows
 
@@ -75,9 +83,29 @@ class Counting(pq.ParquetFile):
         super().__init__(source, *args, **kwargs)
 pq.ParquetFile = Counting
 
+if kind == "tokens":
+    import detdata.datasets.window_index as window_index
+    for name, tag in (("build_window_index", "build_windows"), ("encode_window_index",
+                                                                "write_windows")):
+        def wrapped(*args, _f=getattr(window_index, name), _tag=tag, **kwargs):
+            Path(counts, f"{_tag}-{os.getpid()}-{time.monotonic_ns()}").touch()
+            return _f(*args, **kwargs)
+        setattr(window_index, name, wrapped)
+    if "MASTER_PORT" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
 while not os.path.exists(go):
     time.sleep(0.005)
-if kind == "table":
+if kind == "tokens":
+    ds = detdata.TokenWindows(manifest, 16, verify="off")
+    got = ds.read(np.arange(ds.num_samples))["tokens"]
+    result = {"sha": hashlib.sha256(got.tobytes()).hexdigest(), "shape": list(got.shape),
+              "mapped": ds._index.path, "pid": os.getpid(),
+              "local_rank": os.environ.get("LOCAL_RANK")}
+    if "MASTER_PORT" in os.environ:
+        dist.barrier()
+        dist.destroy_process_group()
+elif kind == "table":
     ds = detdata.TableRows(manifest, ["idx", "value"])
     ids = np.arange(rank, ds.num_samples, 97)[:8]
     batch = ds.read(ids)
@@ -89,7 +117,8 @@ else:
     column = "input_ids" if kind == "parquet" else None
     eod = None if kind == "parquet" else 0
     # verify="off": no turn-taking on the receipt lock, the ranks reach the build together
-    docs = Documents(manifest, column=column, eod_token=eod, index_dir=index_dir, verify="off")
+    docs = Documents(manifest, column=column, eod_token=eod, index_dir=index_dir,
+                     storage=detdata.Storage(verify="off"))
     opened = len(footers)
     packed = PackedWindows(docs, seq_len=16, seed=3, shuffle=True, labels=True,
                            tail="drop", index_dir=index_dir)
@@ -118,19 +147,30 @@ def _corpus(root: Path, kind: str, shards: int) -> tuple[Path, list[list[int]]]:
     return path, docs
 
 
-def _run_ranks(tmp: Path, kind: str, manifest: Path, index_dir: Path) -> list[dict[str, Any]]:
-    """RANKS processes started at once; their results."""
+def _run_ranks(
+    tmp: Path, kind: str, manifest: Path, index_dir: Path, *, group: bool = False
+) -> list[dict[str, Any]]:
+    """RANKS processes started at once (``group``: joined in a gloo process group, as
+    torchrun starts them); their results."""
     counts, go = tmp / "counts", tmp / "go"
     counts.mkdir()
     script = tmp / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "DETDATA_RECEIPTS": str(tmp / "receipts"), "DETDATA_PROGRESS": "0"}
+    if group:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(RANKS))
     procs = []
     for r in range(RANKS):
         out = tmp / f"rank{r}.json"
         cmd = [sys.executable, str(script), kind, str(manifest), str(index_dir)]
         cmd += [str(counts), str(go), str(out)]
-        procs.append((out, subprocess.Popen(cmd, env={**env, "RANK": str(r)})))
+        rank_env = {**env, "RANK": str(r)}
+        if group:
+            rank_env["LOCAL_RANK"] = str((r + 1) % RANKS)  # the verifier is not rank 0
+        procs.append((out, subprocess.Popen(cmd, env=rank_env)))
     time.sleep(1.0)  # let every rank import and reach the start file
     go.touch()
     results = []
@@ -188,3 +228,38 @@ def test_table_rows_open_builds_no_entry_per_shard_and_reads_only_its_footers(
         # entries built: the first shard's and those of the batch (not one per shard)
         assert result["entries"] <= 1 + result["shards_read"], result
         assert result["footers"] <= 1 + result["shards_read"], result
+
+
+def _brute_windows(root: Path, seq: int) -> np.ndarray:
+    """Every window of ``seq`` + 1 tokens of every ``.npy`` file under ``root``, in path
+    order, cut from the files' own tokens (int32, as `TokenWindows` widens uint16)."""
+    rows = []
+    for file in sorted(root.glob("*.npy")):
+        tokens = np.load(file)
+        for w in range((tokens.size - 1) // seq):
+            rows.append(tokens[w * seq : w * seq + seq + 1].astype(np.int32))
+    return np.stack(rows)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("group", [False, True], ids=["lock", "process-group"])
+def test_window_index_is_built_once_and_every_rank_maps_it(tmp_path: Path, group: bool) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    rng = np.random.default_rng(8)
+    for i in range(window_index.STORE_MIN_SHARDS + 50):  # a corpus whose index is stored
+        np.save(root / f"t{i:05d}.npy", rng.integers(0, 60_000, 17 + 23 * (i % 7), np.uint16))
+    manifest = root / "manifest.json"
+    detdata.build_manifest(root, threads=2).save(str(manifest))
+    results = _run_ranks(tmp_path, "tokens", manifest, tmp_path / "unused", group=group)
+    built = sorted((tmp_path / "counts").iterdir())
+    assert sorted(p.name.split("-")[0] for p in built) == ["build_windows", "write_windows"]
+    (stored,) = (tmp_path / "receipts").glob("*.windows")
+    assert {r["mapped"] for r in results} == {str(stored)}  # every rank maps the one file
+    if group:  # under a process group the job's verifier (LOCAL_RANK 0) builds it
+        builder = int(built[0].name.split("-")[1])
+        assert [r["local_rank"] for r in results if r["pid"] == builder] == ["0"]
+    want = _brute_windows(root, 16)
+    digest = hashlib.sha256(want.tobytes()).hexdigest()
+    assert {r["sha"] for r in results} == {digest}
+    assert results[0]["shape"] == list(want.shape)

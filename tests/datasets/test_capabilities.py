@@ -101,7 +101,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     rng = np.random.default_rng(3)
     write_megatron(root / "doc" / "a", random_documents(rng, 40, max_len=30, empty=False))
     arrays = detdata.ArrayDataset({"x": np.arange(10)}, name="arrays")
-    tokens = detdata.TokenWindows(detdata.build_manifest(str(root / "tok")), 8, cache_dir=None)
+    tokens = detdata.TokenWindows(
+        detdata.build_manifest(str(root / "tok")), 8, storage=detdata.Storage(cache_dir=None)
+    )
     table = detdata.TableRows(detdata.build_manifest(str(root / "tab")))
     docs = Documents(detdata.build_manifest(str(root / "doc")))
     packed = PackedWindows(docs, 16, index_dir=None)

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 import detdata
-from detdata.datasets.shards import USER_CACHE_MIN_SHARDS, user_cache_dir
+from detdata import Storage
+from detdata.datasets.shard_storage import USER_CACHE_MIN_SHARDS, user_cache_dir
 from detdata.datasets.tokens import TokenWindows
 from tests.servers import HttpServer, S3Server
 
@@ -120,7 +121,9 @@ def test_default_remote_reads_equal_local_through_the_user_cache(
     arrays = corpus[1]
     folder = Path(os.environ["DETDATA_CACHE_DIR"])
     assert user_cache_dir() == str(folder)
-    remote = TokenWindows(manifest, SEQ, storage_options=opts)  # no cache_dir: the default
+    remote = TokenWindows(
+        manifest, SEQ, storage=Storage(fs_options=opts)
+    )  # no cache_dir: the default
     local = TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ)
     assert remote.cache_dir == str(folder) and local.cache_dir is None
     ids = np.random.default_rng(4).permutation(remote.num_samples)[:100]
@@ -128,7 +131,7 @@ def test_default_remote_reads_equal_local_through_the_user_cache(
     copies = _objects(folder)
     assert copies and all(p.stat().st_size in {s.bytes for s in manifest.shards} for p in copies)
     # a default loader (default lookahead) over a fresh remote dataset: the local batches
-    fresh = TokenWindows(manifest, SEQ, storage_options=opts)
+    fresh = TokenWindows(manifest, SEQ, storage=Storage(fs_options=opts))
     got, want = _batches(fresh, 30), _batches(local, 30)
     assert len(got) == len(want) == 30
     for a, b in zip(got, want, strict=True):
@@ -143,7 +146,7 @@ def test_the_default_cache_stays_within_its_bound(
     largest = max(s.bytes for s in manifest.shards)
     bound = largest * USER_CACHE_MIN_SHARDS  # the least the default cache accepts
     folder = Path(os.environ["DETDATA_CACHE_DIR"])
-    ds = TokenWindows(manifest, SEQ, shard_cache_bytes=bound)
+    ds = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=bound))
     # the corpus is larger than the bound: under the default global shuffle, range reads
     assert ds.cache_dir is None
     order = detdata.LocalityOrder(window_shards=2)  # 2 windows of 2 shards fit: engaged
@@ -181,14 +184,14 @@ def test_a_corpus_larger_than_the_default_bound_is_cached_for_a_locality_order_o
     largest = max(s.bytes for s in manifest.shards)
     local = TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ)
     # global shuffle: range reads (a whole shard per sample would be fetched otherwise)
-    shuffled = TokenWindows(manifest, SEQ, shard_cache_bytes=5 * largest)
+    shuffled = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=5 * largest))
     got = _batches(shuffled, 12)
     assert shuffled.cache_dir is None and not _objects(Path(os.environ["DETDATA_CACHE_DIR"]))
     for a, b in zip(got, _batches(local, 12), strict=True):
         np.testing.assert_array_equal(a, b)
     # a locality window too large for two windows in the bound: range reads, logged
     caplog.set_level(logging.WARNING, "detdata.cache")
-    wide = TokenWindows(manifest, SEQ, shard_cache_bytes=5 * largest)
+    wide = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=5 * largest))
     detdata.OrderedStream(wide, 3, order=detdata.LocalityOrder(window_shards=3))
     assert wide.cache_dir is None
     assert any("too small for two windows" in r.getMessage() for r in caplog.records)
@@ -203,7 +206,7 @@ def test_the_default_cache_folder_removed_mid_run_is_recreated(
     folder = Path(os.environ["DETDATA_CACHE_DIR"])
     local = TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ)
     want = _batches(local, 24)
-    ds = TokenWindows(manifest, SEQ, storage_options=opts)
+    ds = TokenWindows(manifest, SEQ, storage=Storage(fs_options=opts))
     loader = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, seed=9)
     caplog.set_level(logging.WARNING, "detdata.cache")
     got = []
@@ -231,7 +234,9 @@ def test_fallbacks_to_range_reads_are_logged_and_read_the_same_bytes(
     assert TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ).cache_dir is None
     # a bound under USER_CACHE_MIN_SHARDS of the largest shard
     caplog.set_level(logging.WARNING, "detdata.cache")
-    small = TokenWindows(manifest, SEQ, shard_cache_bytes=max(s.bytes for s in manifest.shards))
+    small = TokenWindows(
+        manifest, SEQ, storage=Storage(shard_cache_bytes=max(s.bytes for s in manifest.shards))
+    )
     assert small.cache_dir is None
     assert any("range requests" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(small.read(ids)["tokens"], _expected(arrays, ids))
@@ -245,4 +250,4 @@ def test_fallbacks_to_range_reads_are_logged_and_read_the_same_bytes(
     assert any(str(blocker) in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(blocked.read(ids)["tokens"], _expected(arrays, ids))
     # cache_dir=None: the coalesced range reads, as asked
-    assert TokenWindows(manifest, SEQ, cache_dir=None).cache_dir is None
+    assert TokenWindows(manifest, SEQ, storage=Storage(cache_dir=None)).cache_dir is None

@@ -16,6 +16,7 @@ from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions
 from tests.conftest import write_token_shards
 from tests.resume_checker import check_resume_everywhere, digest
 
@@ -112,7 +113,12 @@ def test_survives_resume_everywhere_and_reshard(windows: TokenWindows) -> None:
         next(sit)
     state = json.loads(json.dumps(saved.state_dict()))
     ranks = [
-        DataLoader(stream, global_batch_size=8, micro_batch_size=2, world_size=2, rank=r)
+        DataLoader(
+            stream,
+            global_batch_size=8,
+            micro_batch_size=2,
+            options=LoaderOptions(rank=r, world_size=2),
+        )
         for r in (0, 1)
     ]
     rows = []

@@ -1,4 +1,4 @@
-"""`HandleLRU` / `ProcessHandles` under reader threads (detdata.datasets.shards).
+"""`HandleLRU` / `ProcessHandles` under reader threads (detdata.datasets.handles).
 
 References are the invariants stated in the docstrings, checked on a private budget:
 every held handle has its entry in the budget's order, no dead owner's entry survives a
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from detdata.datasets.shards import HandleLRU, ProcessHandles
+from detdata.datasets.handles import HandleLRU, ProcessHandles
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from detdata import LocalityOrder, Order
+from detdata import LocalityOrder, Order, Storage
 from detdata.base.errors import DetdataError, StorageError, VerificationError
 from detdata.datasets.columns import to_torch
-from detdata.datasets.shards import (
+from detdata.datasets.handles import (
     process_max_open_shards,
     process_open_shards,
     set_max_open_shards,
@@ -134,7 +134,11 @@ def test_any_ids_match_np_load_with_any_handle_bound(
 ) -> None:
     root, dtype = tokens
     ds = TokenWindows(
-        build_manifest(str(root)), SEQ, labels=labels, allow_short_shards=True, max_open_shards=cap
+        build_manifest(str(root)),
+        SEQ,
+        labels=labels,
+        allow_short_shards=True,
+        storage=Storage(max_open_shards=cap),
     )
     ref = reference(root, dtype, labels)
     assert ds.num_samples == len(ref)
@@ -156,7 +160,7 @@ def test_explicit_out_dtype_matches_np_load(tokens: tuple[Path, str]) -> None:
             SEQ,
             out_dtype=out_dtype,
             allow_short_shards=True,
-            max_open_shards=1,
+            storage=Storage(max_open_shards=1),
         )
         for ids in batches(ds, np.random.default_rng(3)):
             got = ds.read(ids)["tokens"]
@@ -173,7 +177,7 @@ def test_raw_bin_shards_match_np_fromfile(tmp_path: Path) -> None:
             build_manifest(str(root), dtype="int32"),
             SEQ,
             allow_short_shards=True,
-            max_open_shards=cap,
+            storage=Storage(max_open_shards=cap),
         )
         for ids in batches(ds, np.random.default_rng(11)):
             np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
@@ -188,7 +192,10 @@ def test_datasets_sharing_a_budget_of_one_handle_read_exactly(tmp_path: Path) ->
         root = tmp_path / f"{dtype}-{len(sets)}"
         write_tokens(root, dtype)
         ds = TokenWindows(
-            build_manifest(str(root)), SEQ, allow_short_shards=True, max_open_shards=1
+            build_manifest(str(root)),
+            SEQ,
+            allow_short_shards=True,
+            storage=Storage(max_open_shards=1),
         )
         sets.append((ds, reference(root, dtype, True), batches(ds, rng)))
     gc.collect()  # datasets of earlier tests, unreachable but not yet collected, hold handles
@@ -207,7 +214,12 @@ def test_datasets_sharing_a_budget_of_one_handle_read_exactly(tmp_path: Path) ->
 @pytest.mark.parametrize("cap", [1, 2])
 def test_threads_reading_one_dataset_get_the_reference(tokens: tuple[Path, str], cap: int) -> None:
     root, dtype = tokens
-    ds = TokenWindows(build_manifest(str(root)), SEQ, allow_short_shards=True, max_open_shards=cap)
+    ds = TokenWindows(
+        build_manifest(str(root)),
+        SEQ,
+        allow_short_shards=True,
+        storage=Storage(max_open_shards=cap),
+    )
     ref = reference(root, dtype, True)
     errors: list[str] = []
 
@@ -244,7 +256,9 @@ class _Batches(tud.Dataset[Any]):
 
 def test_forked_dataloader_workers_read_the_reference(tokens: tuple[Path, str]) -> None:
     root, dtype = tokens
-    ds = TokenWindows(build_manifest(str(root)), SEQ, allow_short_shards=True, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(root)), SEQ, allow_short_shards=True, storage=Storage(max_open_shards=1)
+    )
     ref = reference(root, dtype, True)
     ids = batches(ds, np.random.default_rng(9))
     ds.read(ids[7])  # the parent holds a handle and has read: children must drop it
@@ -291,7 +305,9 @@ def test_a_shard_replaced_by_a_longer_file_is_an_error_not_other_bytes(
     opened and before it was first read: the manifest's bytes are gone, so a read must
     be a `DetdataError` naming the shard or the manifest's bytes, never the new bytes."""
     ref = _int32_corpus(tmp_path / "d")
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, max_open_shards=cap)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, storage=Storage(max_open_shards=cap)
+    )
     ds.read(np.asarray([23]))  # shard 5 holds the only handle when cap=1
     victim = tmp_path / "d" / ds.manifest.shards[2].path
     _replace(victim, np.arange(10 * SEQ, dtype=np.int32) - 5)
@@ -314,8 +330,8 @@ def test_the_handle_bound_never_changes_the_bytes_of_a_replaced_shard(
     read path never change the bytes read"), unless it raises."""
     ref = _int32_corpus(tmp_path / "d", windows=20)
     manifest = build_manifest(str(tmp_path / "d"))
-    small = TokenWindows(manifest, SEQ, max_open_shards=1)
-    big = TokenWindows(manifest, SEQ, max_open_shards=64)
+    small = TokenWindows(manifest, SEQ, storage=Storage(max_open_shards=1))
+    big = TokenWindows(manifest, SEQ, storage=Storage(max_open_shards=64))
     arr = np.asarray(ids)
     for ds in (small, big):
         np.testing.assert_array_equal(ds.read(arr)["tokens"], ref[arr])
@@ -343,7 +359,9 @@ def test_a_deleted_shard_is_a_named_error_or_its_old_bytes(
     tmp_path: Path, cap: int | None, ids: list[int]
 ) -> None:
     _int32_corpus(tmp_path / "d")
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, max_open_shards=cap)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, storage=Storage(max_open_shards=cap)
+    )
     ds.read(np.asarray([23]))
     (tmp_path / "d" / ds.manifest.shards[2].path).unlink()
     arr = np.asarray(ids)
@@ -364,7 +382,7 @@ def test_a_truncated_shard_is_a_named_error(
     ref = _int32_corpus(root)
     if mixed:  # another dtype: the per-shard loop and `_pread_rows`, never staged
         np.save(root / "s9.npy", np.arange(4 * SEQ + 1, dtype=np.int64))
-    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=cap)
+    ds = TokenWindows(build_manifest(str(root)), SEQ, storage=Storage(max_open_shards=cap))
     ds.read(np.asarray([23]))
     entry = ds.manifest.shards[2]
     os.truncate(root / entry.path, entry.bytes - 2 * SEQ * 4)  # windows 0, 1 (ids 8, 9) left

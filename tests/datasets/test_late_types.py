@@ -24,7 +24,9 @@ from detdata import (
     DataLoader,
     FormatError,
     GlobalOrder,
+    LoaderOptions,
     Mixture,
+    ReadOptions,
     TableRows,
     TokenWindows,
     build_manifest,
@@ -174,7 +176,9 @@ def test_a_source_whose_dtype_changes_between_reads_is_refused_at_the_batch() ->
     )
     dtypes = set()
     with pytest.raises(FormatError, match=r"source 'flaky' column 'x': read gave int64.*int32"):
-        for batch in DataLoader(mixture, global_batch_size=4, seed=0, total_samples=400):
+        for batch in DataLoader(
+            mixture, global_batch_size=4, seed=0, options=LoaderOptions(total_samples=400)
+        ):
             dtypes.add(batch["x"].dtype)
     assert len(dtypes) <= 1
 
@@ -207,9 +211,9 @@ def test_transform_keys_changing_at_one_position_are_refused(change: str, read_a
         ids_dataset(),
         global_batch_size=4,
         seed=7,
-        transform=transform,
-        read_ahead=read_ahead,
-        total_samples=N,
+        options=LoaderOptions(
+            total_samples=N, transform=transform, read=ReadOptions(read_ahead=read_ahead)
+        ),
     )
     delivered = 0
     with pytest.raises(ConfigError) as err:
@@ -232,7 +236,10 @@ def test_transform_dtype_changing_at_one_position_is_refused() -> None:
 
     with pytest.raises(ConfigError) as err:
         for _ in DataLoader(
-            ids_dataset(), global_batch_size=4, seed=7, transform=transform, total_samples=N
+            ids_dataset(),
+            global_batch_size=4,
+            seed=7,
+            options=LoaderOptions(total_samples=N, transform=transform),
         ):
             pass
     message = str(err.value)
@@ -265,11 +272,12 @@ def test_transform_output_changing_between_micro_batches_is_refused(
         detdata.ArrayDataset({"x": ids}),
         global_batch_size=1,
         seed=0,
-        transform=transform,
-        read_ahead=read_ahead,
+        options=detdata.LoaderOptions(
+            total_samples=40,
+            transform=transform,
+            read=detdata.ReadOptions(worker_mode=mode, read_ahead=read_ahead),
+        ),
         num_workers=workers,
-        worker_mode=mode,
-        total_samples=40,
     )
     got = []
     with pytest.raises(

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
+from detdata import Storage
 from detdata.base.errors import DetdataError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -67,17 +68,17 @@ def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> lis
     """The read loop under test; returns the files each native call read (a spy)."""
     read: list[int] = []
     if request.param == "python":
-        monkeypatch.setattr(tokens_module, "NATIVE", False)
+        monkeypatch.setattr(reads_module, "NATIVE", False)
         return read
     assert fileread.NATIVE, "detdata.storage._fileread was not built (pip install -e .)"
-    real = tokens_module.read_files
+    real = reads_module.read_files
 
     def spy(*args: object, **kwargs: object) -> tuple[int, np.ndarray]:
         done, stats = real(*args, **kwargs)  # type: ignore[arg-type]
         read.append(done)
         return done, stats
 
-    monkeypatch.setattr(tokens_module, "read_files", spy)
+    monkeypatch.setattr(reads_module, "read_files", spy)
     return read
 
 
@@ -90,13 +91,15 @@ def opened(
     then a second epoch (all shards opened before: the native loop reads it, if chosen)."""
     dtype, labels = request.param
     ref = _corpus(tmp_path / "d", dtype, labels)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=labels, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=labels, storage=Storage(max_open_shards=1)
+    )
     rng = np.random.default_rng(5)
     ds.read(np.asarray([0]))  # the only handle: shard 0
     for _ in range(2):
         everything = rng.permutation(ds.num_samples)
         np.testing.assert_array_equal(ds.read(everything)["tokens"], ref[everything])
-    if tokens_module.NATIVE:
+    if reads_module.NATIVE:
         assert sum(loop) >= SHARDS - 1, loop  # the second epoch went through the native loop
     return ds, ref
 
@@ -152,7 +155,9 @@ def test_a_replaced_shard_is_named_before_a_later_first_open_of_the_wrong_size(
     loop, and also when the native loop hands the whole batch to the Python loop (as it
     does when a file cannot be opened mid-replace: here it reads nothing)."""
     _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))  # the only handle: shard 0
     ds.read(np.arange(2 * WINDOWS, 4 * WINDOWS))  # first opens of shards 2 and 3
     path = _victim_path(ds, 3)
@@ -163,9 +168,9 @@ def test_a_replaced_shard_is_named_before_a_later_first_open_of_the_wrong_size(
     with pytest.raises(VerificationError) as info:
         ds.read(ids)
     assert (info.value.shard, info.value.field) == (ds.manifest.shards[3].path, "file")
-    if tokens_module.NATIVE:
+    if reads_module.NATIVE:
         monkeypatch.setattr(
-            tokens_module, "read_files", lambda *a, **k: (0, np.zeros((a[2].size, 5), np.int64))
+            reads_module, "read_files", lambda *a, **k: (0, np.zeros((a[2].size, 5), np.int64))
         )
         with pytest.raises(VerificationError) as again:
             ds.read(ids)
@@ -176,7 +181,9 @@ def test_shards_opened_before_a_missing_one_are_remembered(tmp_path: Path) -> No
     """The first read of the run fails on a deleted shard; the shards it opened before
     are still recorded, so replacing one of them afterwards is caught."""
     _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))
     _victim_path(ds, 20).unlink()
     with pytest.raises(VerificationError) as info:
@@ -214,7 +221,9 @@ def test_file_identities_with_the_top_bit_set_are_compared(tmp_path: Path) -> No
 def _fresh(tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:
     """A dataset over the int32 corpus with a full handle LRU, before its first epoch."""
     ref = _corpus(tmp_path / "d", "int32", False)
-    ds = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "d")), SEQ, labels=False, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([0]))  # the only handle: shard 0
     return ds, ref
 
@@ -254,7 +263,7 @@ def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
             resume.wait(10)
 
     if reader == "python":
-        monkeypatch.setattr(tokens_module, "NATIVE", False)
+        monkeypatch.setattr(reads_module, "NATIVE", False)
         real = os.preadv
 
         def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -266,14 +275,14 @@ def test_a_shard_replaced_while_another_thread_reads_it_first_is_named(
         monkeypatch.setattr(os, "preadv", preadv)
     else:
         assert fileread.NATIVE, "detdata.storage._fileread was not built"
-        real_files = tokens_module.read_files
+        real_files = reads_module.read_files
 
         def read_files(*args: object, **kwargs: object) -> tuple[int, np.ndarray]:
             got = real_files(*args, **kwargs)  # type: ignore[arg-type]
             pause_in_a()
             return got
 
-        monkeypatch.setattr(tokens_module, "read_files", read_files)
+        monkeypatch.setattr(reads_module, "read_files", read_files)
     results: dict[str, object] = {}
 
     def read(name: str, ids: np.ndarray) -> None:
@@ -319,15 +328,15 @@ def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
         with open(path, "r+b") as fh:
             fh.write(bytes(data))
 
-    if tokens_module.NATIVE:  # the batch is planned; its native read starts after this
-        real_files = tokens_module.read_files
+    if reads_module.NATIVE:  # the batch is planned; its native read starts after this
+        real_files = reads_module.read_files
 
         def read_files(*args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
             if not done and 17 in args[2].tolist():  # args[2]: the shards it reads
                 rewrite()
             return real_files(*args, **kwargs)
 
-        monkeypatch.setattr(tokens_module, "read_files", read_files)
+        monkeypatch.setattr(reads_module, "read_files", read_files)
     else:
         real = os.preadv
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets.documents import Documents
 from detdata.datasets.packed import PackedWindows
 from tests.datasets.doc_corpora import (
@@ -129,7 +130,7 @@ def test_open_handles_stay_within_max_open_shards(tmp_path: Path) -> None:
     docs = random_documents(rng, 180, max_len=120, vocab=40000)
     for i in range(6):
         write_megatron(tmp_path / f"p{i}", docs[i * 30 : (i + 1) * 30])
-    documents = Documents(detdata.build_manifest(str(tmp_path)), max_open_shards=2)
+    documents = Documents(detdata.build_manifest(str(tmp_path)), storage=Storage(max_open_shards=2))
     packed = _packed(documents, OPT)
     _check_all_windows(packed, docs, **_opt(OPT))
     assert 1 <= len(documents.open_shards()) <= 2

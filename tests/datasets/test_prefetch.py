@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets.prefetch import Lookahead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
-from detdata.storage.cache import _flock
+from detdata.storage.locks import flock as _flock
 from detdata.storage.retry import RetryPolicy
 from tests.faultproxy import FaultProxy, schedule
 from tests.servers import HttpServer
@@ -55,10 +56,7 @@ def remote(url: str, manifest: detdata.Manifest, cache: Path, bound: int) -> Tok
     return TokenWindows(
         manifest.with_root(url),
         SEQ,
-        verify="off",
-        retry=PATIENT,
-        cache_dir=cache,
-        shard_cache_bytes=bound,
+        storage=Storage(verify="off", retry=PATIENT, cache_dir=cache, shard_cache_bytes=bound),
     )
 
 
@@ -127,7 +125,12 @@ def test_loader_with_lookahead_delivers_the_local_bytes(
     local = TokenWindows(manifest, SEQ)
     kw: dict[str, Any] = {"global_batch_size": 8, "micro_batch_size": 4, "seed": 2}
     got = detdata.DataLoader(
-        ds, num_workers=num_workers, worker_mode=mode, read_ahead=2, lookahead=24, **kw
+        ds,
+        num_workers=num_workers,
+        options=detdata.LoaderOptions(
+            read=detdata.ReadOptions(worker_mode=mode, read_ahead=2, lookahead=24)
+        ),
+        **kw,
     )
     want = detdata.DataLoader(local, **kw)
     try:
@@ -157,7 +160,11 @@ def test_a_missing_shard_fails_at_the_first_batch_that_needs_it(
     layout = Layout.create(8, 4, 1, 0)
     first = next(j for j in range(10_000) if 5 in shard_of[stream.sample_ids(layout.positions(j))])
     loader = detdata.DataLoader(
-        ds, global_batch_size=8, micro_batch_size=4, seed=6, read_ahead=4, lookahead=64
+        ds,
+        global_batch_size=8,
+        micro_batch_size=4,
+        seed=6,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4, lookahead=64)),
     )
     delivered = 0
     with pytest.raises((FileNotFoundError, detdata.StorageError)) as info:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets.prefetch import Lookahead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
@@ -46,7 +47,9 @@ def written(http_server: HttpServer) -> tuple[detdata.Manifest, Path]:
 
 
 def remote(url: str, manifest: detdata.Manifest, cache: Path, retry: RetryPolicy) -> TokenWindows:
-    return TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=retry, cache_dir=cache)
+    return TokenWindows(
+        manifest.with_root(url), SEQ, storage=Storage(verify="off", retry=retry, cache_dir=cache)
+    )
 
 
 def prefetch_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -76,7 +79,12 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
     try:
         slow = remote(f"http://{proxy.address}/{directory.name}", manifest, cache, PATIENT)
         loader = detdata.DataLoader(
-            slow, seed=seed, read_ahead=1, lookahead=16, lookahead_connections=1, **KW
+            slow,
+            seed=seed,
+            options=detdata.LoaderOptions(
+                read=detdata.ReadOptions(read_ahead=1, lookahead=16, lookahead_connections=1)
+            ),
+            **KW,
         )
         want = next(iter(detdata.DataLoader(TokenWindows(manifest, SEQ), seed=seed, **KW)))
         began = 0.0
@@ -153,7 +161,9 @@ from detdata.storage.retry import RetryPolicy
 directory, url, cache = sys.argv[1:4]
 manifest = detdata.build_manifest(directory, pattern="*.npy").with_root(url)
 retry = RetryPolicy(deadline_s=30.0, attempt_timeout_s=20.0, base_delay_s=0.01, max_delay_s=0.1)
-ds = TokenWindows(manifest, 15, verify="off", retry=retry, cache_dir=cache)
+ds = TokenWindows(
+    manifest, 15, storage=detdata.Storage(verify="off", retry=retry, cache_dir=cache)
+)
 stream = detdata.OrderedStream(ds, seed=3)
 ahead = Lookahead(stream, Layout.create(8, 4, 1, 0).positions, steps=16, connections=1)
 ahead.advance(0)  # queues every shard's fill; never closed

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets import prefetch
 from detdata.datasets.prefetch import Key, Lookahead, shard_uses, shard_uses_of_steps
 from detdata.datasets.tokens import TokenWindows
@@ -45,10 +46,7 @@ def remote(url: str, manifest: detdata.Manifest, cache: Path, bound: int) -> Tok
     return TokenWindows(
         manifest.with_root(url),
         SEQ,
-        verify="off",
-        retry=PATIENT,
-        cache_dir=cache,
-        shard_cache_bytes=bound,
+        storage=Storage(verify="off", retry=PATIENT, cache_dir=cache, shard_cache_bytes=bound),
     )
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
@@ -43,7 +44,9 @@ def remote(
 ) -> TokenWindows:
     url = f"http://{proxy.address}/{root.name}"
     # cache_dir=None: these tests are about the coalesced range reads (no shard cache)
-    return TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=PATIENT, cache_dir=None)
+    return TokenWindows(
+        manifest.with_root(url), SEQ, storage=Storage(verify="off", retry=PATIENT, cache_dir=None)
+    )
 
 
 def test_reads_equal_the_writer_arrays_with_one_request_per_dense_shard(
@@ -91,7 +94,7 @@ def test_a_dead_link_fails_naming_shard_and_url(
     _, manifest = written
     proxy = fault_proxy(http_server.port)
     url = f"http://{proxy.address}/{Path(str(manifest.root)).name}"
-    ds = TokenWindows(manifest.with_root(url), SEQ, verify="off", retry=FAST)
+    ds = TokenWindows(manifest.with_root(url), SEQ, storage=Storage(verify="off", retry=FAST))
     proxy.set_plan(reset_all)
     with pytest.raises(RetriesExhausted) as info:
         ds.read(np.asarray([200]))  # a window of t1.npy

@@ -20,11 +20,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detdata import Storage
 from detdata.base.errors import ConfigError, FormatError
+from detdata.datasets.arrow_numpy import to_numpy
 from detdata.datasets.base import Dataset
-from detdata.datasets.tables import Group, TableRows, to_numpy
+from detdata.datasets.rowgroups import Group
+from detdata.datasets.tables import TableRows
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions, ReadOptions
 from tests.datasets.lru_model import RowGroupCache
 from tests.datasets.test_aliasing import (
     RAGGED,
@@ -221,19 +225,17 @@ def test_cache_byte_bound(tmp_path: Path) -> None:
     assert len(off.cache) == 0
 
 
-def test_cache_bytes_is_the_deprecated_name_of_row_group_cache_bytes(tmp_path: Path) -> None:
+def test_cache_bytes_is_refused_where_it_named_the_row_group_cache(tmp_path: Path) -> None:
+    # cache_bytes= once named row_group_cache_bytes here and shard_cache_bytes in TokenWindows;
+    # it now means the latter everywhere, so TableRows refuses it rather than change meaning
     write_shards(tmp_path, "arrow", seed=2)
     manifest = build_manifest(str(tmp_path))
     new = TableRows(manifest, ["tokens"], row_group_cache_bytes=5000)
-    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
-        old = TableRows(manifest, ["tokens"], cache_bytes=5000)
-    assert old.row_group_cache_bytes == new.row_group_cache_bytes == old.cache.max_bytes == 5000
-    assert old.identity() == new.identity() == TableRows(manifest, ["tokens"]).identity()
-    with pytest.warns(DeprecationWarning, match="use row_group_cache_bytes"):
-        assert old.cache_bytes == 5000
+    assert new.row_group_cache_bytes == new.cache.max_bytes == 5000
+    assert new.identity() == TableRows(manifest, ["tokens"]).identity()
     assert TableRows(manifest, ["tokens"]).row_group_cache_bytes == 1 << 30
-    with pytest.raises(ConfigError, match="deprecated name of row_group_cache_bytes"):
-        TableRows(manifest, ["tokens"], cache_bytes=5000, row_group_cache_bytes=5000)
+    with pytest.raises(ConfigError, match=r"TableRows\(cache_bytes=\.\.\.\) is no longer"):
+        TableRows(manifest, ["tokens"], cache_bytes=5000)
 
 
 def test_lru_evicts_least_recently_used() -> None:
@@ -659,10 +661,11 @@ def test_every_column_kind_through_the_default_collate(
         ds,
         global_batch_size=6,
         seed=8,
-        total_samples=2 * ROWS,
-        read_ahead=read_ahead,
+        options=LoaderOptions(
+            total_samples=2 * ROWS,
+            read=ReadOptions(worker_mode="thread", read_ahead=read_ahead),
+        ),
         num_workers=2 if mode == "thread" else 0,
-        worker_mode="thread",
     )
     delivered = 0
     for batch in loader:
@@ -709,7 +712,9 @@ def test_timestamp_counts_are_in_the_column_unit(tmp_path: Path) -> None:
         "day": "datetime64[D]",
     }
     seen = {}
-    for batch in DataLoader(ds, global_batch_size=2, seed=0, total_samples=2):
+    for batch in DataLoader(
+        ds, global_batch_size=2, seed=0, options=LoaderOptions(total_samples=2)
+    ):
         order = np.argsort(batch["ms"].numpy())
         seen = {k: [v.tolist()[i] for i in order] for k, v in batch.items()}
     epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -735,7 +740,7 @@ def test_time_of_day_column_is_refused_by_the_default_collate_naming_it(tmp_path
             ds,
             global_batch_size=2,
             seed=0,
-            total_samples=4,
+            options=LoaderOptions(total_samples=4),
             collate_fn=lambda b: list(zip(b["n"].tolist(), b["clock"].tolist(), strict=True)),
         )
         for r in b
@@ -779,7 +784,10 @@ def test_transform_over_ragged_string_and_binary_columns(tmp_path: Path) -> None
 
     rows, equal_length_batches = [], 0
     for batch in DataLoader(
-        ds, global_batch_size=2, seed=4, total_samples=4 * ROWS, transform=transform
+        ds,
+        global_batch_size=2,
+        seed=4,
+        options=LoaderOptions(total_samples=4 * ROWS, transform=transform),
     ):
         assert isinstance(batch["ragged"], list)
         equal_length_batches += len({len(r) for r in batch["ragged"]}) == 1
@@ -868,7 +876,7 @@ def test_one_open_reader_reopens_evicted_shards_and_matches_reference(
     """``max_open_shards=1``: every read of another shard evicts and re-opens a reader
     (Parquet and memory-mapped Arrow IPC); rows are still the written ones."""
     ds, ref = tables
-    bounded = TableRows(ds.manifest, cache_row_groups=2, max_open_shards=1)
+    bounded = TableRows(ds.manifest, cache_row_groups=2, storage=Storage(max_open_shards=1))
     ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
     for order in (ids, ids[::-1], ids):
         batch = bounded.read(order)

@@ -27,7 +27,8 @@ import pytest
 import detdata
 from detdata.base.errors import FormatError, VerificationError
 from detdata.datasets import tables
-from detdata.datasets.tables import to_numpy
+from detdata.datasets.arrow_numpy import to_numpy
+from detdata.datasets.rowgroups import Group
 from tests.datasets.lru_model import RowGroupCache
 
 WIDTH = 5
@@ -197,7 +198,7 @@ def test_slot_fill_path_decodes_each_group_once_and_keeps_lru_order(
         for g in dict.fromkeys(groups.tolist()):  # first use order
             key = (int(ds._group_shard[g]), g - int(ds._shard_first_group[int(ds._group_shard[g])]))
             if model.get(key) is None:
-                model.put(key, tables.Group({}, 0))
+                model.put(key, Group({}, 0))
         assert ds.cache.keys() == model.keys()
     assert ds.cache.missing(np.arange(len(starts), dtype=np.int64)) is not None  # slots used
     groups_total = len(ds.row_group_sizes)
@@ -303,6 +304,8 @@ def test_replaced_truncated_and_missing_shards_are_named_errors(
     victim.unlink()
     with pytest.raises(VerificationError, match=r"shard s001\.parquet .*now has 0"):
         fresh.read(other)
-    unopened = detdata.TableRows(fresh.manifest, ["fsl_int32"], cache_row_groups=0, verify="off")
+    unopened = detdata.TableRows(
+        fresh.manifest, ["fsl_int32"], cache_row_groups=0, storage=detdata.Storage(verify="off")
+    )
     with pytest.raises(VerificationError, match=r"shard s001\.parquet .*now has 0"):
         unopened.read(other)  # never opened in this dataset: the size check still names it

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import detdata
 from detdata import LocalityOrder, Order
 from detdata.base.errors import ConfigError, StateError
-from detdata.datasets.tables import auto_cache_row_groups
+from detdata.datasets.rowgroups import auto_cache_row_groups
 from detdata.order.choice import order_name
 from detdata.order.locality import WindowedOrder
 from tests.order.test_locality import ref_epoch
@@ -125,7 +125,11 @@ def test_each_row_group_decoded_once_per_epoch_with_the_default_cache(
         decodes.clear()
         ds = detdata.TableRows(manifest, ["x"], row_group_cache_bytes=bound)
         loader = detdata.DataLoader(
-            ds, global_batch_size=4, seed=SEED, order=order, total_samples=n // 4 * 4
+            ds,
+            global_batch_size=4,
+            seed=SEED,
+            order=order,
+            options=detdata.LoaderOptions(total_samples=n // 4 * 4),
         )
         got = torch.cat([b["x"] for b in loader]).numpy()
         assert len(got) == n // 4 * 4 and len(set(got.tolist())) == len(got)
@@ -145,7 +149,9 @@ def test_feistel_with_the_default_cache_decodes_each_group_once_when_it_fits(
     root, _ = corpus
     ds = detdata.TableRows(detdata.build_manifest(str(root)), ["x"])
     n = ds.num_samples
-    loader = detdata.DataLoader(ds, global_batch_size=4, seed=SEED, total_samples=n // 4 * 4)
+    loader = detdata.DataLoader(
+        ds, global_batch_size=4, seed=SEED, options=detdata.LoaderOptions(total_samples=n // 4 * 4)
+    )
     got = torch.cat([b["x"] for b in loader]).numpy()
     assert decodes == collections.Counter(groups_of(root, got))
 
@@ -179,7 +185,7 @@ def test_worker_processes_deliver_the_same_rows(corpus: tuple[Path, np.ndarray])
             seed=SEED,
             order=LocalityOrder(window_row_groups=2),
             num_workers=workers,
-            total_samples=120,
+            options=detdata.LoaderOptions(total_samples=120),
         )
         return torch.cat([b["x"] for b in loader]).numpy()
 
@@ -282,7 +288,7 @@ def test_a_dataset_that_fits_is_cached_whole_whatever_the_order(
             global_batch_size=7,
             seed=SEED,
             order=LocalityOrder(window_row_groups=2),
-            total_samples=2 * n // 7 * 7,
+            options=detdata.LoaderOptions(total_samples=2 * n // 7 * 7),
         )
         got = torch.cat([b["x"] for b in loader]).numpy()
         assert sorted(got[:n].tolist()) == sorted(rows.tolist())  # epoch 1: every row once

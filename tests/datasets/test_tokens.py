@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detdata import Storage
 from detdata.base.errors import ConfigError, FormatError
 from detdata.datasets.base import Dataset
 from detdata.datasets.tokens import TokenWindows
@@ -286,7 +287,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TokenWindow
         fs.pipe(f"{mem}/{path.name}", path.read_bytes())
     remote_manifest = build_manifest(f"memory://{mem}", dtype="uint16")
     assert remote_manifest.id == local.manifest.id
-    yield local, TokenWindows(remote_manifest, 10, cache_dir=None)  # range reads, no cache
+    yield (
+        local,
+        TokenWindows(remote_manifest, 10, storage=Storage(cache_dir=None)),
+    )  # range reads, no cache
     fs.rm(mem, recursive=True)
 
 
@@ -395,7 +399,10 @@ def test_narrowing_check_names_the_first_offending_shard(
     np.save(tmp_path / "c.npy", np.array([11, -1, 13, 14, 15], dtype=np.int64))
     np.save(tmp_path / "d.npy", np.array([16, 17, 18, 19, 20], dtype=np.uint16))
     narrow = TokenWindows(
-        build_manifest(str(tmp_path)), 2, out_dtype="uint16", max_open_shards=max_open
+        build_manifest(str(tmp_path)),
+        2,
+        out_dtype="uint16",
+        storage=Storage(max_open_shards=max_open),
     )
     # windows: a 0-1, b 2-3, c 4-5, d 6-7
     np.testing.assert_array_equal(
@@ -426,7 +433,7 @@ _TRUNCATE_CHILD = r"""
 import json, os, sys
 import fsspec
 import numpy as np
-from detdata import TokenWindows, VerificationError, build_manifest
+from detdata import Storage, TokenWindows, VerificationError, build_manifest
 
 root, case = sys.argv[1], sys.argv[2]
 seq = 16
@@ -436,11 +443,13 @@ if case == "cached":
         with open(os.path.join(root, name), "rb") as fh:
             fs.pipe_file(f"/trunc/{name}", fh.read())
     ds = TokenWindows(
-        build_manifest("memory://trunc"), seq, cache_dir=os.path.join(root, "..", "c")
+        build_manifest("memory://trunc"),
+        seq,
+        storage=Storage(cache_dir=os.path.join(root, "..", "c")),
     )
 else:
     bound = 1 if case.startswith("pread") else None
-    ds = TokenWindows(build_manifest(root), seq, max_open_shards=bound)
+    ds = TokenWindows(build_manifest(root), seq, storage=Storage(max_open_shards=bound))
 victim = ds.manifest.shards[1]
 last = ds.windows_per_shard[0] + ds.windows_per_shard[1] - 1   # the last window of shard 1
 ids = {"single": [last, last - 1], "multi": [0, last, 1], "before-first-read": [last],
@@ -513,7 +522,9 @@ def test_shard_deleted_after_opening_is_a_named_error(tmp_path: Path, max_open: 
     from detdata.base.errors import VerificationError
 
     arrays = write_npy_shards(tmp_path / "data", "uint16", (300, 400), seed=2)
-    ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ, max_open_shards=max_open)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "data")), SEQ, storage=Storage(max_open_shards=max_open)
+    )
     np.testing.assert_array_equal(ds.read(np.array([0]))["tokens"][0], arrays[0][: SEQ + 1])
     (tmp_path / "data" / "shard-01.npy").unlink()
     with pytest.raises(VerificationError, match=r"shard-01\.npy.*missing.*hint:") as info:
@@ -530,7 +541,9 @@ def test_reads_with_few_open_shards_match_reference(
     """Mapped, mapped-then-evicted and preadv reads (casting, mixed dtypes) deliver the
     writer's windows; never more than ``cap`` shards stay open."""
     root, arrays = mixed_data
-    ds = TokenWindows(build_manifest(str(root)), SEQ, out_dtype=out_dtype, max_open_shards=cap)
+    ds = TokenWindows(
+        build_manifest(str(root)), SEQ, out_dtype=out_dtype, storage=Storage(max_open_shards=cap)
+    )
     ref = reference_windows(arrays, SEQ, labels=True)
     for ids in (np.asarray(raw, dtype=np.int64) % ds.num_samples, np.arange(ds.num_samples)):
         got = ds.read(ids)["tokens"]
@@ -542,7 +555,7 @@ def test_reads_with_few_open_shards_match_reference(
 
 def test_many_shards_keep_only_the_bound_open_and_reopen_after_eviction(tmp_path: Path) -> None:
     arrays = write_npy_shards(tmp_path, "int32", [SEQ * (1 + i % 20) + 1 for i in range(60)])
-    ds = TokenWindows(build_manifest(str(tmp_path)), SEQ, max_open_shards=4)
+    ds = TokenWindows(build_manifest(str(tmp_path)), SEQ, storage=Storage(max_open_shards=4))
     ref = np.stack(reference_windows(arrays, SEQ, labels=True))
     rng = np.random.default_rng(4)
     for _ in range(30):
@@ -561,7 +574,7 @@ def test_uniform_dtype_reads_with_few_open_shards_match_reference(
 ) -> None:
     """One disk dtype: covered windows of several shards go through one staging buffer."""
     ds, arrays = npy_data
-    bounded = TokenWindows(ds.manifest, SEQ, max_open_shards=cap)
+    bounded = TokenWindows(ds.manifest, SEQ, storage=Storage(max_open_shards=cap))
     ref = np.stack(reference_windows(arrays, SEQ, labels=True))
     base = np.asarray(raw, dtype=np.int64) % ds.num_samples
     for ids in (base, np.sort(base), np.arange(ds.num_samples)[::-1]):

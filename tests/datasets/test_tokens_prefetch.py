@@ -19,8 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
+from detdata import Storage
 from detdata.base.errors import ConfigError, VerificationError
+from detdata.datasets import window_reads
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.storage import fileread
@@ -52,20 +54,20 @@ def _corpus(root: Path, dtype: str = "int32") -> np.ndarray:
 def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Files of each background read started by a hint (a spy on `start_read_files`)."""
     seen: list[int] = []
-    real = tokens_module.start_read_files
+    real = reads_module.start_read_files
 
     def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
         seen.append(int(args[2].size))  # type: ignore[attr-defined]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tokens_module, "start_read_files", spy)
+    monkeypatch.setattr(reads_module, "start_read_files", spy)
     return seen
 
 
 def _dataset(root: Path, dtype: str = "int32") -> tuple[TokenWindows, np.ndarray]:
     ref = _corpus(root, dtype)
     # one handle: every other shard is read by the batched loop, which hints plan
-    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=1)
+    ds = TokenWindows(build_manifest(str(root)), SEQ, storage=Storage(max_open_shards=1))
     ds.read(np.asarray([0]))
     return ds, ref
 
@@ -81,7 +83,7 @@ def test_hinted_reads_deliver_the_writers_windows(
     windows, whatever the hints; the hinted path ran."""
     root = tmp_path_factory.mktemp("c")
     starts: list[int] = []
-    real = tokens_module.start_read_files
+    real = reads_module.start_read_files
 
     def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
         starts.append(1)
@@ -90,7 +92,7 @@ def test_hinted_reads_deliver_the_writers_windows(
     for dtype in ("int32", "uint16"):  # straight into the rows / staged and widened
         ds, ref = _dataset(root / dtype, dtype)
         starts.clear()
-        tokens_module.start_read_files = spy  # type: ignore[assignment]
+        reads_module.start_read_files = spy  # type: ignore[assignment]
         try:
             size = data.draw(st.integers(2, 60))
             rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
@@ -109,7 +111,7 @@ def test_hinted_reads_deliver_the_writers_windows(
             np.testing.assert_array_equal(ds.read(stray)["tokens"], ref[stray])
             ds.prefetch(None)
         finally:
-            tokens_module.start_read_files = real  # type: ignore[assignment]
+            reads_module.start_read_files = real  # type: ignore[assignment]
         if ahead:
             assert starts, "no hint started a background read"
 
@@ -126,9 +128,9 @@ def test_a_hint_reads_in_the_background_and_the_read_waits_for_it(
     ds.prefetch(ids)
     assert started and started[0] >= 10
     calls: list[int] = []
-    real = tokens_module.read_files
+    real = reads_module.read_files
     monkeypatch.setattr(
-        tokens_module, "read_files", lambda *a, **k: calls.append(1) or real(*a, **k)
+        reads_module, "read_files", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
     assert calls == []  # what the hint read was used
@@ -278,12 +280,10 @@ def test_dropping_hints_joins_their_reads(tmp_path: Path, started: list[int]) ->
     reads the files itself; at most `PREFETCH_DEPTH` hints are kept."""
     ds, ref = _dataset(tmp_path / "d")
     rng = np.random.default_rng(4)
-    batches = [
-        rng.permutation(ds.num_samples)[:40] for _ in range(tokens_module.PREFETCH_DEPTH + 2)
-    ]
+    batches = [rng.permutation(ds.num_samples)[:40] for _ in range(window_reads.PREFETCH_DEPTH + 2)]
     for ids in batches:
         ds.prefetch(ids)
-    assert len(ds._prefetched) == tokens_module.PREFETCH_DEPTH
+    assert len(ds._prefetched) == window_reads.PREFETCH_DEPTH
     ds.prefetch(None)
     assert not ds._prefetched
     for ids in batches:

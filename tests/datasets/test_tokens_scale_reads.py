@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
+from detdata import Storage
 from detdata.base.errors import StorageError, VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -124,7 +125,9 @@ def test_reads_of_shards_not_open_match_np_load(
     """Any ids (duplicates, unsorted, partial last windows dropped) and, with ``whole``,
     every window of a few random shards (covered runs): the bytes of ``np.load``."""
     root, manifest = corpus
-    ds = TokenWindows(manifest, SEQ, labels=labels, verify="off", max_open_shards=cap)
+    ds = TokenWindows(
+        manifest, SEQ, labels=labels, storage=Storage(verify="off", max_open_shards=cap)
+    )
     ref = reference(root, labels)
     assert ds.num_samples == len(ref)
     fill_lru(ds)
@@ -156,7 +159,9 @@ def test_direct_reads_go_straight_into_the_result(corpus: tuple[Path, str], labe
     into the result rows (`_read_direct`; with labels, the shared label tokens copied
     after), longer, gappy or duplicated runs staged; both exact."""
     root, manifest = corpus
-    ds = TokenWindows(manifest, SEQ, labels=labels, verify="off", max_open_shards=2)
+    ds = TokenWindows(
+        manifest, SEQ, labels=labels, storage=Storage(verify="off", max_open_shards=2)
+    )
     ref = reference(root, labels=labels)
     fill_lru(ds)
     starts = np.append(np.asarray(ds._starts), ds.num_samples)
@@ -198,7 +203,9 @@ def test_a_shard_truncated_under_a_staged_or_direct_read_is_named(
     root = tmp_path / "data"
     write(root, "int32", tuple(SEQ * 6 + 1 for _ in range(10)))
     ref = reference(root, labels)
-    ds = TokenWindows(build_manifest(str(root)), SEQ, labels=labels, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(root)), SEQ, labels=labels, storage=Storage(max_open_shards=1)
+    )
     ds.read(np.asarray([ds.num_samples - 1]))  # the last shard holds the only handle
     victim = ds.manifest.shards[2]
     size = victim.bytes
@@ -220,7 +227,12 @@ def test_a_shard_deleted_before_a_staged_or_direct_read_is_named(
     tmp_path: Path, labels: bool
 ) -> None:
     write(tmp_path / "data", "int32", tuple(SEQ * 3 + 1 for _ in range(6)))
-    ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ, labels=labels, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "data")),
+        SEQ,
+        labels=labels,
+        storage=Storage(max_open_shards=1),
+    )
     ds.read(np.asarray([ds.num_samples - 1]))
     victim = ds.manifest.shards[3]
     (tmp_path / "data" / victim.path).unlink()
@@ -232,7 +244,12 @@ def test_a_shard_deleted_before_a_staged_or_direct_read_is_named(
 def test_a_short_read_of_a_file_that_is_not_shorter_is_a_storage_error(tmp_path: Path) -> None:
     """A ``preadv`` that reads short while the file still has its size: `StorageError`."""
     write(tmp_path / "data", "int32", tuple(SEQ * 3 for _ in range(6)))
-    ds = TokenWindows(build_manifest(str(tmp_path / "data")), SEQ, labels=False, max_open_shards=1)
+    ds = TokenWindows(
+        build_manifest(str(tmp_path / "data")),
+        SEQ,
+        labels=False,
+        storage=Storage(max_open_shards=1),
+    )
     ds.read(np.asarray([ds.num_samples - 1]))
     real = os.preadv
 
@@ -240,7 +257,7 @@ def test_a_short_read_of_a_file_that_is_not_shorter_is_a_storage_error(tmp_path:
         return real(fd, buffers, offset) - 1
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tokens_module, "NATIVE", False)  # the Python loop's os.preadv is patched
+        mp.setattr(reads_module, "NATIVE", False)  # the Python loop's os.preadv is patched
         mp.setattr(os, "preadv", short)
         with pytest.raises(StorageError, match=r"short read.*hint:"):
             ds.read(np.arange(0, 9))

@@ -29,7 +29,12 @@ def dataset() -> detdata.ArrayDataset:
 
 
 def single_process_steps(start_step: int, steps: int) -> list[list[int]]:
-    dl = detdata.DataLoader(dataset(), global_batch_size=GBS, seed=SEED, rank=0, world_size=1)
+    dl = detdata.DataLoader(
+        dataset(),
+        global_batch_size=GBS,
+        seed=SEED,
+        options=detdata.LoaderOptions(rank=0, world_size=1),
+    )
     state = dl.state_dict()
     state["samples_consumed"] = start_step * GBS
     dl.load_state_dict(state)
@@ -74,7 +79,12 @@ def train(ckpt: str, out: str) -> None:
 
 
 def resume(ckpt: str, out: str) -> None:
-    dl = detdata.DataLoader(dataset(), global_batch_size=GBS, seed=SEED, rank=0, world_size=1)
+    dl = detdata.DataLoader(
+        dataset(),
+        global_batch_size=GBS,
+        seed=SEED,
+        options=detdata.LoaderOptions(rank=0, world_size=1),
+    )
     dcp.load({"loader": dl}, checkpoint_id=ckpt)
     it = iter(dl)
     got = [next(it)["x"].reshape(-1).tolist() for _ in range(2)]

@@ -23,6 +23,7 @@ from detdata import (
     ManifestError,
     Registry,
     ShardEntry,
+    Storage,
     TableRows,
     TokenWindows,
     build_manifest,
@@ -87,7 +88,7 @@ def test_entries_are_built_lazily(tmp_path: Path) -> None:
     loaded = Manifest.load(path, verify="off")
     table = loaded.shards
     assert isinstance(table, ShardTable)
-    TokenWindows(loaded, 16, verify="off")
+    TokenWindows(loaded, 16, storage=Storage(verify="off"))
     assert table._cache == {}  # opening the dataset built no entry
     table[4]
     assert set(table._cache) == {4}

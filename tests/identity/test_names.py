@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from detdata import Manifest, ManifestError, TokenWindows, build_manifest
+from detdata import Manifest, ManifestError, Storage, TokenWindows, build_manifest
 from detdata.cli.main import main
 from detdata.datasets.tables import TableRows
 from detdata.identity.registry import Registry
@@ -228,13 +228,17 @@ def test_odd_names_over_http_build_verify_and_read_the_right_files(
     assert loaded.id == local_manifest.id and loaded.root == url
 
     expected = _expected(token_names)
-    ranges = TokenWindows(loaded, SEQ, cache_dir=None)  # range requests, no shard cache
+    ranges = TokenWindows(
+        loaded, SEQ, storage=Storage(cache_dir=None)
+    )  # range requests, no shard cache
     np.testing.assert_array_equal(_read_all(ranges), expected)
     np.testing.assert_array_equal(_read_all(TokenWindows(loaded, SEQ)), expected)  # default
-    cached = TokenWindows(loaded, SEQ, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
+    cached = TokenWindows(
+        loaded, SEQ, storage=Storage(cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 20)
+    )
     np.testing.assert_array_equal(_read_all(cached), expected)
 
     tables = build_manifest(url, paths=["t #1?.parquet"])
-    rows = TableRows(tables, verify="full").read(np.arange(50))
+    rows = TableRows(tables, storage=Storage(verify="full")).read(np.arange(50))
     np.testing.assert_array_equal(rows["row"], table.column("row").to_numpy())
     assert list(rows["text"]) == table.column("text").to_pylist()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import detdata.identity.receipts as verifier  # where verification is called from
+from detdata import Storage
 from detdata.base.errors import VerificationError
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -155,10 +156,12 @@ def test_a_verified_object_is_not_verified_again(
     resolved = reg.resolve("ds@v1")
     assert calls == ["quick"] and resolved.verified_level is Verify.QUICK
     TokenWindows(resolved, 16)  # the dataset does not verify the same object again
-    TokenWindows(resolved, 16, verify="quick")
+    TokenWindows(resolved, 16, storage=Storage(verify="quick"))
     assert calls == ["quick"]
-    TokenWindows(resolved, 16, verify="full")  # stronger: checked once more, then recorded
-    TokenWindows(resolved, 16, verify="quick")
+    TokenWindows(
+        resolved, 16, storage=Storage(verify="full")
+    )  # stronger: checked once more, then recorded
+    TokenWindows(resolved, 16, storage=Storage(verify="quick"))
     assert calls == ["quick", "full"] and resolved.verified_level is Verify.FULL
     moved = resolved.with_root(str(root))  # same root, new object: starts unverified
     assert moved.verified_level is None
@@ -209,7 +212,7 @@ def test_remote_quick_check_is_one_request_per_small_shard(
     payload = small + 2 * MiB
     assert payload <= stats.bytes_down <= payload + 5 * 1024  # + headers of 5 answers
     proxy.set_plan(proxy.plan)
-    TokenWindows(resolved, 16, retry=PATIENT)
+    TokenWindows(resolved, 16, storage=Storage(retry=PATIENT))
     assert proxy.stats.requests <= len(manifest.shards)  # no verification; headers at most
 
     # a shard grown by one byte, one shrunk, one gone: found exactly, named

@@ -70,7 +70,7 @@ def build_loader(cfg: dict[str, Any]) -> detdata.DataLoader:
         micro_batch_size=cfg["micro"],
         seed=cfg["seed"],
         num_workers=cfg["workers"],
-        total_samples=cfg.get("total_samples"),
+        options=detdata.LoaderOptions(total_samples=cfg.get("total_samples")),
     )
 
 

@@ -194,9 +194,12 @@ def test_split_framework_sampler_gives_each_process_detdata_rank_slice() -> None
         got = _dealt(sampler, world, split=True)
         for rank in range(world):
             own = detdata.DataLoader(
-                ds, global_batch_size=24, micro_batch_size=12 // world, seed=5, rank=rank,
-                world_size=world,
-            )  # fmt: skip
+                ds,
+                global_batch_size=24,
+                micro_batch_size=12 // world,
+                seed=5,
+                options=detdata.LoaderOptions(rank=rank, world_size=world),
+            )
             assert got[rank] == [b["id"].tolist() for b in take(own, 6)], (world, rank)
 
 
@@ -209,7 +212,9 @@ def test_framework_sampler_pass_len_and_mixture() -> None:
     unbounded = FrameworkBatchSampler(50, global_batch_size=8, batch_size=4)
     assert next(iter(bounded)) == next(iter(unbounded))
     ds = detdata.ArrayDataset({"id": np.arange(50)})
-    plain = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=4, total_samples=48)
+    plain = detdata.DataLoader(
+        ds, global_batch_size=8, micro_batch_size=4, options=detdata.LoaderOptions(total_samples=48)
+    )
     assert list(bounded) == [b["id"].tolist() for b in plain]
     sources = {
         "a": detdata.ArrayDataset({"x": np.arange(50)}),

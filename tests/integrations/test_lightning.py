@@ -146,8 +146,7 @@ def reference(steps: int, *, world: int = 1, micro: int = GLOBAL, rank: int = 0)
         global_batch_size=GLOBAL,
         micro_batch_size=micro,
         seed=SEED,
-        rank=rank,
-        world_size=world,
+        options=detdata.LoaderOptions(rank=rank, world_size=world),
     )
     per_step = GLOBAL // (micro * world)
     batches = iter(loader)

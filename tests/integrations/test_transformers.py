@@ -120,8 +120,7 @@ def reference(cfg: dict[str, Any], steps: int, rank: int) -> list[list[list[str]
         global_batch_size=cfg.get("global_batch", BASE["global_batch"]),
         micro_batch_size=cfg["micro"],
         seed=SEED,
-        rank=rank,
-        world_size=cfg["procs"],
+        options=detdata.LoaderOptions(rank=rank, world_size=cfg["procs"]),
     )
     per_step = loader.global_batch_size // (cfg["micro"] * cfg["procs"])
     batches = iter(loader)

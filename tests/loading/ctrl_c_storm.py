@@ -94,7 +94,11 @@ class Press:
 def storm(rounds: int, seed: int, hang_s: float) -> dict[str, Any]:
     rng = random.Random(seed)
     dl = make(
-        Slow(), num_workers=NUM_WORKERS, persistent_workers=True, read_ahead=1, prefetch_factor=1
+        Slow(),
+        num_workers=NUM_WORKERS,
+        persistent_workers=True,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+        prefetch_factor=1,
     )
     kept: dict[int, list[str]] = {}  # batch index -> digests of the batches kept there
     errors: list[str] = []

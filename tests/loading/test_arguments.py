@@ -27,6 +27,8 @@ def loader(**kw: Any) -> detdata.DataLoader:
     return detdata.DataLoader(kw.pop("data", None) or data(), **{**base, **kw})
 
 
+#: Several cases pass the flat keywords of earlier versions (``worker_mode=``, ``transform=``) on
+#: purpose: a bad value given the old way is refused as the option object refuses it.
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("timeout<0", {"num_workers": 2, "timeout": -1}, "timeout must be a number of seconds >= 0"),
     ("timeout-str", {"num_workers": 2, "timeout": "5"}, "timeout must be a number"),
@@ -92,16 +94,21 @@ def test_bad_loader_argument_refused_at_construction(
 
 def test_unwritable_trace_path_refused_at_construction(tmp_path: Any) -> None:
     with pytest.raises(detdata.ConfigError, match=str(tmp_path)):
-        loader(trace=tmp_path)  # a directory
+        loader(options=detdata.LoaderOptions(trace=tmp_path))  # a directory
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(detdata.ConfigError, match="trace"):
-        loader(trace=blocker / "trace.jsonl")  # parent is a file
+        loader(options=detdata.LoaderOptions(trace=blocker / "trace.jsonl"))  # parent is a file
 
 
 def test_thread_mode_with_zero_workers_accepts_process_defaults() -> None:
     """worker_mode='thread' with num_workers=0 reads inline: nothing is ignored, nothing refused."""
-    a = [digest(b) for b in take(loader(worker_mode="thread"), 6)]
+    a = [
+        digest(b)
+        for b in take(
+            loader(options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread"))), 6
+        )
+    ]
     assert a == [digest(b) for b in take(loader(), 6)]
 
 
@@ -143,12 +150,21 @@ def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
     try:
         before = frozenset(threading.enumerate())
         bad = int(detdata.GlobalOrder(N, 2).ids(np.array([30]))[0])
-        dl = loader(data=FailsAt(bad), num_workers=2, worker_mode="thread", read_ahead=2)
+        dl = loader(
+            data=FailsAt(bad),
+            num_workers=2,
+            options=detdata.LoaderOptions(
+                read=detdata.ReadOptions(worker_mode="thread", read_ahead=2)
+            ),
+        )
         with pytest.raises(LookupError):
             for _ in dl:
                 pass
         assert _reader_threads(before) == []
-        dl2 = loader(num_workers=2, worker_mode="thread")
+        dl2 = loader(
+            num_workers=2,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread")),
+        )
         with pytest.raises(ZeroDivisionError):
             for _ in dl2:
                 assert _reader_threads(before)
@@ -192,7 +208,8 @@ def make(data, **kw):
 
 
 reference = [digest(b) for b in take(make(plain), 24)]
-dl = make(Slow(), num_workers=2, persistent_workers=True, read_ahead=1)
+dl = make(Slow(), num_workers=2, persistent_workers=True,
+          options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)))
 batches = []
 for delay in (0.05, 0.1, 0.02):
     it = iter(dl)

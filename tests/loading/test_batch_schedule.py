@@ -100,14 +100,17 @@ def test_dp8_to_dp7_worked_example() -> None:
     at 504 (micro 24 x 3): nothing repeated or skipped, steps where the history says."""
     p_save, p_change = 39_998 * 512, 40_000 * 512
 
-    def loader(rank: int, world: int, gbs: int, micro: int, **kw: Any) -> DataLoader:
+    def loader(
+        rank: int, world: int, gbs: int, micro: int, mode: str = "process", **kw: Any
+    ) -> DataLoader:
         return DataLoader(
             DATA,
             global_batch_size=gbs,
             micro_batch_size=micro,
             seed=SEED,
-            rank=rank,
-            world_size=world,
+            options=detdata.LoaderOptions(
+                rank=rank, world_size=world, read=detdata.ReadOptions(worker_mode=mode)
+            ),
             **kw,
         )
 
@@ -130,7 +133,7 @@ def test_dp8_to_dp7_worked_example() -> None:
         if rank == 3:
             kw = {"num_workers": 1}  # a worker process reads this rank's micro batches
         elif rank == 5:
-            kw = {"num_workers": 2, "worker_mode": "thread"}
+            kw = {"num_workers": 2, "mode": "thread"}
         dl = loader(rank, 7, 504, 24, **kw)
         with pytest.raises(StateError) as err:
             dl.load_state_dict(state, mid_step="continue")  # a global-batch change is never silent
@@ -193,7 +196,7 @@ def test_dp8_to_dp7_worked_example() -> None:
 
 def test_dp7_at_the_old_global_batch_is_refused_naming_the_divisibility() -> None:
     with pytest.raises(ConfigError, match="global_batch_size 512 is not divisible by world_size 7"):
-        DataLoader(DATA, global_batch_size=512, rank=0, world_size=7)
+        DataLoader(DATA, global_batch_size=512, options=detdata.LoaderOptions(rank=0, world_size=7))
 
 
 # ------------------------------------------------------------------ ramp-up
@@ -218,14 +221,15 @@ EXPECTED = megatron_steps(STEPS)
 MICRO_BATCHES = sum(b for _, b in EXPECTED) // 4  # per rank at micro 2 x world 2
 
 
-def ramp_loader(rank: int = 0, world: int = 2, micro: int = 2, **kw: Any) -> DataLoader:
+def ramp_loader(
+    rank: int = 0, world: int = 2, micro: int = 2, total: int | None = None, **kw: Any
+) -> DataLoader:
     return DataLoader(
         DATA,
         global_batch_size=SCHEDULE,
         micro_batch_size=micro,
         seed=SEED,
-        rank=rank,
-        world_size=world,
+        options=detdata.LoaderOptions(rank=rank, world_size=world, total_samples=total),
         **kw,
     )
 
@@ -286,10 +290,10 @@ def test_schedule_arguments_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"global batch 16 \(steps from"):
         ramp_loader(world=2, micro=3)  # 6 divides no batch, not even the settled one
     with pytest.raises(ConfigError, match=r"total_samples 20 is not a step boundary.*\[16, 24\)"):
-        ramp_loader(total_samples=20)
+        ramp_loader(total=20)
     with pytest.raises(ConfigError, match=r"positive integer or a detdata\.BatchSchedule"):
         DataLoader(DATA, global_batch_size=[4, 8])  # type: ignore[arg-type]
-    bounded = ramp_loader(total_samples=24)
+    bounded = ramp_loader(total=24)
     assert [s for s, _, _ in delivered(bounded)] == [0, 1, 2, 3, 4, 4]
     assert bounded.samples_consumed == 24
 
@@ -301,7 +305,11 @@ def test_schedule_is_a_checked_field() -> None:
     assert state["global_batch_size"] == SCHEDULE.to_json()
     other = BatchSchedule.rampup(START, INC, RAMP + 4, global_batch_size=GBS)
     changed = DataLoader(
-        DATA, global_batch_size=other, micro_batch_size=2, seed=SEED, rank=0, world_size=2
+        DATA,
+        global_batch_size=other,
+        micro_batch_size=2,
+        seed=SEED,
+        options=detdata.LoaderOptions(rank=0, world_size=2),
     )
     with pytest.raises(StateError, match="global_batch_size") as err:
         changed.load_state_dict(state, mid_step="continue")
@@ -351,7 +359,11 @@ def test_resume_with_total_samples_off_the_resumed_steps_is_refused_with_a_hint(
     run = constant(8)
     list(delivered(run, 2))
     bounded = DataLoader(
-        DATA, global_batch_size=12, micro_batch_size=4, seed=SEED, total_samples=36
+        DATA,
+        global_batch_size=12,
+        micro_batch_size=4,
+        seed=SEED,
+        options=detdata.LoaderOptions(total_samples=36),
     )
     with pytest.raises(StateError, match="set_total_samples"):
         bounded.load_state_dict(  # steps 8, 20, 32
@@ -383,8 +395,7 @@ def test_dp_change_after_a_ramp_up_resumes_from_the_saved_step() -> None:
             global_batch_size=sched,
             micro_batch_size=micro,
             seed=SEED,
-            rank=rank,
-            world_size=world,
+            options=detdata.LoaderOptions(rank=rank, world_size=world),
         )
 
     def by_position(loaders: list[DataLoader], count: int) -> dict[int, int]:

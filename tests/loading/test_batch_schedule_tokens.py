@@ -52,7 +52,13 @@ def test_tokens_consumed_per_source_counts_the_delivered_batches(
 ) -> None:
     mixture = detdata.Mixture(sources, {"web": "3/4", "code": "1/4"}, seed=5)
     loaders = [
-        DataLoader(mixture, global_batch_size=gbs, micro_batch_size=2, seed=1, rank=r, world_size=2)
+        DataLoader(
+            mixture,
+            global_batch_size=gbs,
+            micro_batch_size=2,
+            seed=1,
+            options=detdata.LoaderOptions(rank=r, world_size=2),
+        )
         for r in range(2)
     ]
     iters = [iter(dl) for dl in loaders]

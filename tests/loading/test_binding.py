@@ -81,7 +81,12 @@ def test_len_is_constant_and_the_surface_trainers_probe() -> None:
     nxt = next(iter(dl))["id"].tolist()
     again = detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=1)
     assert nxt == list(take(again, 8))[-1]["id"].tolist()
-    bounded = detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, total_samples=40)
+    bounded = detdata.DataLoader(
+        data,
+        global_batch_size=8,
+        micro_batch_size=4,
+        options=detdata.LoaderOptions(total_samples=40),
+    )
     assert len(bounded) == 10
     mixture = detdata.Mixture({"a": data, "b": data}, {"a": 1, "b": 1}, seed=0)
     assert len(detdata.DataLoader(mixture, global_batch_size=8)) == (1 << 62) // 8

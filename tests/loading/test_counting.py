@@ -128,16 +128,22 @@ def make(
     world: int, rank: int, micro: int, workers: int, mode: str, read_ahead: int, **extra: Any
 ) -> detdata.DataLoader:
     data = extra.pop("data", None) or FlakyDataset(None)
+    trace, transform = extra.pop("trace", None), extra.pop("transform", None)
+    device = detdata.DeviceFeed(device=extra.pop("device", None))
     return detdata.DataLoader(
         data,
         global_batch_size=micro * world * 2,
         micro_batch_size=micro,
         seed=9,
-        rank=rank,
-        world_size=world,
+        options=detdata.LoaderOptions(
+            rank=rank,
+            world_size=world,
+            trace=trace,
+            transform=transform,
+            device=device,
+            read=detdata.ReadOptions(worker_mode=mode, read_ahead=read_ahead),
+        ),
         num_workers=workers,
-        worker_mode=mode,
-        read_ahead=read_ahead,
         **extra,
     )
 

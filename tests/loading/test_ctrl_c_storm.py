@@ -93,7 +93,8 @@ def make(**kw):
     return detdata.DataLoader(plain, global_batch_size=8, micro_batch_size=4, seed=2, **kw)
 
 
-dl = make(num_workers=2, persistent_workers=True, read_ahead=1)
+dl = make(num_workers=2, persistent_workers=True,
+          options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)))
 kept = []
 for press_at in (3, 7, 12):
     try:

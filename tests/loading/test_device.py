@@ -89,15 +89,29 @@ def test_device_path_same_order_and_bytes_as_plain(depth: int, workers: int) -> 
     plain = run_digests(loader(num_workers=workers), count)
     # keep every delivered batch alive before hashing: a delivered tensor that aliased a
     # staging buffer would be overwritten by later batches and fail here
-    kept = list(take(loader(num_workers=workers, device="cpu", device_prefetch=depth), count))
+    kept = list(
+        take(
+            loader(
+                num_workers=workers,
+                options=detdata.LoaderOptions(
+                    device=detdata.DeviceFeed(device="cpu", prefetch=depth)
+                ),
+            ),
+            count,
+        )
+    )
     assert [digest(b) for b in kept] == plain
     assert all(t.device.type == "cpu" for b in kept for t in b.values())
 
 
 def test_finite_loader_delivers_every_batch_then_stops() -> None:
     total = 10 * GBS  # 40 micro batches of 4
-    plain = [digest(b) for b in loader(total_samples=total)]
-    dl = loader(total_samples=total, device="cpu", device_prefetch=3)
+    plain = [digest(b) for b in loader(options=detdata.LoaderOptions(total_samples=total))]
+    dl = loader(
+        options=detdata.LoaderOptions(
+            total_samples=total, device=detdata.DeviceFeed(device="cpu", prefetch=3)
+        )
+    )
     got = [digest(b) for b in dl]
     assert len(plain) == 40
     assert got == plain
@@ -155,7 +169,11 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
 
     straight = run_digests(loader(), 12)
     dl = loader(
-        device="cpu", device_prefetch=3, collate_fn=collate, read_ahead=1
+        options=detdata.LoaderOptions(
+            read=detdata.ReadOptions(read_ahead=1),
+            device=detdata.DeviceFeed(device="cpu", prefetch=3),
+        ),
+        collate_fn=collate,
     )  # one read per pull
     it = iter(dl)
     got = [digest(next(it)) for _ in range(5)]
@@ -165,7 +183,9 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
     state = json.loads(json.dumps(dl.state_dict()))
     assert state["samples_consumed"] == 20
     for device in (None, "cpu"):  # resume on either path continues with exactly the next batch
-        resumed = loader(device=device, device_prefetch=2)
+        resumed = loader(
+            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device=device, prefetch=2))
+        )
         # the observing collate delivers the default collate's bytes: allow the changed "transform"
         resumed.load_state_dict(state, allow=["transform"], mid_step="continue")
         assert run_digests(resumed, 7) == straight[5:]
@@ -174,7 +194,12 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
 
 
 def test_resume_everywhere_on_device_path() -> None:
-    reference = check_resume_everywhere(lambda: loader(device="cpu", device_prefetch=2), 16)
+    reference = check_resume_everywhere(
+        lambda: loader(
+            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cpu", prefetch=2))
+        ),
+        16,
+    )
     assert reference == run_digests(loader(), 16)
 
 
@@ -242,7 +267,9 @@ def test_cuda_unavailable_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatc
             device_batches(iter([]), device)  # raised eagerly, before iteration
         assert "device='cpu'" in str(info.value) and "device=None" in str(info.value)
     with pytest.raises(detdata.ConfigError, match="CUDA is not available"):
-        next(iter(loader(device="cuda")))  # at construction or, at the latest, first batch
+        next(
+            iter(loader(options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cuda"))))
+        )  # at construction or, at the latest, first batch
 
 
 def test_cuda_index_out_of_range(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,8 +289,16 @@ def test_bad_device_refused(device: Any) -> None:
 def test_bad_depth_refused(depth: Any) -> None:
     with pytest.raises(detdata.ConfigError, match="depth"):
         device_batches(iter([]), "cpu", depth)
-    with pytest.raises(detdata.ConfigError, match="device_prefetch"):
-        next(iter(loader(device="cpu", device_prefetch=depth)))
+    with pytest.raises(detdata.ConfigError, match=r"DeviceFeed\.prefetch"):
+        next(
+            iter(
+                loader(
+                    options=detdata.LoaderOptions(
+                        device=detdata.DeviceFeed(device="cpu", prefetch=depth)
+                    )
+                )
+            )
+        )
 
 
 def test_pool_checks() -> None:
@@ -282,13 +317,13 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time at ~2 GHz
 @needs_cuda
 def test_cuda_same_order_and_bytes_and_state() -> None:
     straight = run_digests(loader(), 20)
-    dl = loader(device="cuda", device_prefetch=2)
+    dl = loader(options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cuda", prefetch=2)))
     it = iter(dl)
     first = [next(it) for _ in range(8)]
     assert all(t.device.type == "cuda" for b in first for t in b.values())
     assert [digest(to_cpu(b)) for b in first] == straight[:8]
     assert dl.samples_consumed == 8 * 4
-    resumed = loader(device="cuda")
+    resumed = loader(options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cuda")))
     resumed.load_state_dict(dl.state_dict(), mid_step="continue")
     assert [digest(to_cpu(b)) for b in take(resumed, 12)] == straight[8:]
 

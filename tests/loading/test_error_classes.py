@@ -72,11 +72,12 @@ def _built_in(kind: type[BaseException]) -> type[BaseException]:
     return Exception
 
 
+THREADS = detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread"))
 MODES: list[dict[str, Any]] = [
     {"num_workers": 0},
-    {"num_workers": 2, "worker_mode": "thread"},
-    {"num_workers": 2, "worker_mode": "process"},
-    {"num_workers": 1, "worker_mode": "process", "multiprocessing_context": "spawn"},
+    {"num_workers": 2, "options": THREADS},
+    {"num_workers": 2},  # worker processes: the default worker mode
+    {"num_workers": 1, "multiprocessing_context": "spawn"},
 ]
 
 
@@ -91,7 +92,7 @@ def test_each_error_keeps_its_class_in_each_worker_mode(
         errors.VerificationError,
     ):
         # spawn start-up is slow: three representative classes (the others take the same path)
-        mode = {"num_workers": 2, "worker_mode": "process"}
+        mode = {"num_workers": 2}
     loader = detdata.DataLoader(
         Failing(kind), global_batch_size=4, micro_batch_size=2, seed=0, **mode
     )

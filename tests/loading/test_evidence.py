@@ -33,7 +33,7 @@ import detdata
 cfg = json.loads(sys.argv[1])
 data = detdata.TokenWindows(detdata.Manifest.load(cfg["manifest"]), cfg["seq"])
 dl = detdata.DataLoader(data, global_batch_size=cfg["gbs"], micro_batch_size=cfg["micro"], seed=3,
-                        trace=cfg["trace"])
+                        options=detdata.LoaderOptions(trace=cfg["trace"]))
 if cfg["state_in"]:
     with open(cfg["state_in"]) as fh:
         dl.load_state_dict(json.load(fh), mid_step="continue")
@@ -104,14 +104,28 @@ def arrays(changed: int | None = None) -> dict[str, np.ndarray]:
 
 
 def loader(
-    trace: Path | None, micro: int = 2, columns: dict[str, np.ndarray] | None = None, **kwargs: Any
+    trace: Path | None,
+    micro: int = 2,
+    columns: dict[str, np.ndarray] | None = None,
+    *,
+    read: detdata.ReadOptions | None = None,
+    resume: detdata.ResumePolicy | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **kwargs: Any,
 ) -> detdata.DataLoader:
     return detdata.DataLoader(
         detdata.ArrayDataset(columns or arrays()),
         global_batch_size=G,
         micro_batch_size=micro,
         seed=4,
-        trace=trace,
+        options=detdata.LoaderOptions(
+            trace=trace,
+            rank=rank,
+            world_size=world_size,
+            read=read or detdata.ReadOptions(),
+            resume=resume or detdata.ResumePolicy(),
+        ),
         **kwargs,
     )
 
@@ -264,7 +278,9 @@ def test_conflicting_replay_after_a_restore_is_reported(tmp_path: Path) -> None:
     first = loader(trace)
     deliver(first, (s + 1) * G // 2)
     first.close()
-    resumed = loader(trace, columns=arrays(changed), allow_on_resume=["manifests", "data"])
+    resumed = loader(
+        trace, columns=arrays(changed), resume=detdata.ResumePolicy(allow=["manifests", "data"])
+    )
     saved = loader(None)
     deliver(saved, (s - 1) * G // 2)
     resumed.load_state_dict(saved.state_dict(), mid_step="continue")
@@ -349,7 +365,13 @@ def test_micro_batch_and_worker_invariance(tmp_path: Path) -> None:
 
     a = straight(tmp_path / "a.jsonl", steps=10, micro=8)
     b = straight(tmp_path / "b.jsonl", steps=10, micro=2, num_workers=2)
-    c = straight(tmp_path / "c.jsonl", steps=10, micro=1, num_workers=2, worker_mode="thread")
+    c = straight(
+        tmp_path / "c.jsonl",
+        steps=10,
+        micro=1,
+        num_workers=2,
+        read=detdata.ReadOptions(worker_mode="thread"),
+    )
     assert step_digests(read_trace(a)) == step_digests(read_trace(b)) == step_digests(read_trace(c))
     assert sorted(step_digests(read_trace(a))) == list(range(10))
     assert [d["positions"] for d in step_digests(read_trace(b)).values()] == [

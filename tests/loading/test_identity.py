@@ -118,8 +118,7 @@ def _tokens(c: Config, corpus: Corpus) -> detdata.TokenWindows:
         c.seq_len,
         labels=c.labels,
         out_dtype=c.out_dtype,
-        verify=c.verify,
-        max_open_shards=c.max_open_shards,
+        storage=detdata.Storage(verify=c.verify, max_open_shards=c.max_open_shards),
     )
 
 
@@ -134,7 +133,7 @@ def _data(c: Config, corpus: Corpus) -> Any:
             list(c.columns),
             ragged=list(c.ragged),
             cache_row_groups=c.cache_row_groups,
-            max_open_shards=c.max_open_shards,
+            storage=detdata.Storage(max_open_shards=c.max_open_shards),
         )
     if c.kind == "arrays":
         ids = np.arange(300, dtype=np.int64)
@@ -150,9 +149,7 @@ def _data(c: Config, corpus: Corpus) -> Any:
 
 
 def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
-    extra: dict[str, Any] = {} if c.transform_id is None else {"transform_id": c.transform_id}
-    if c.lookahead:
-        extra["lookahead"] = c.lookahead
+    extra: dict[str, Any] = {}
     if c.order is not None:
         extra["order"] = c.order
     return detdata.DataLoader(
@@ -161,9 +158,13 @@ def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
         micro_batch_size=c.micro_batch_size,
         seed=c.seed,
         num_workers=c.num_workers,
-        worker_mode=c.worker_mode,
-        read_ahead=c.read_ahead,
-        transform=c.transform,
+        options=detdata.LoaderOptions(
+            transform=c.transform,
+            transform_id=c.transform_id,
+            read=detdata.ReadOptions(
+                worker_mode=c.worker_mode, read_ahead=c.read_ahead, lookahead=c.lookahead or None
+            ),
+        ),
         collate_fn=c.collate_fn,
         **extra,
     )

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import detdata
-import detdata.datasets.tokens as tokens_module
+import detdata.storage.reads as reads_module
+from detdata import Storage
 from detdata.base.errors import VerificationError
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tokens import TokenWindows
@@ -59,18 +60,18 @@ def corpus(tmp_path: Path) -> tuple[Path, np.ndarray]:
 def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per background read a hint started (a spy)."""
     seen: list[int] = []
-    real = tokens_module.start_read_files
+    real = reads_module.start_read_files
 
     def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
         seen.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tokens_module, "start_read_files", spy)
+    monkeypatch.setattr(reads_module, "start_read_files", spy)
     return seen
 
 
 def _stream(root: Path, order: object) -> OrderedStream:
-    ds = TokenWindows(build_manifest(str(root)), SEQ, max_open_shards=2)
+    ds = TokenWindows(build_manifest(str(root)), SEQ, storage=Storage(max_open_shards=2))
     return OrderedStream(ds, 11, order=order)  # type: ignore[arg-type]
 
 
@@ -85,7 +86,12 @@ def test_hinted_batches_are_the_writers_windows_in_the_order(
     of positions [j * BATCH, (j + 1) * BATCH); the hints did start background reads."""
     root, ref = corpus
     stream = _stream(root, order)
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     count = 2 * SHARDS * WINDOWS // BATCH + 5
     for j, batch in zip(range(count), loader, strict=False):
         ids = stream.sample_ids(np.arange(j * BATCH, (j + 1) * BATCH))
@@ -107,7 +113,7 @@ def test_inline_bytes_equal_worker_processes_and_resume_anywhere(
         return detdata.DataLoader(
             _stream(root, order),
             global_batch_size=BATCH,
-            read_ahead=4,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
             seed=3,
             num_workers=workers,
         )
@@ -125,7 +131,12 @@ def test_leaving_the_loop_drops_the_hints(
     point is right."""
     root, ref = corpus
     stream = _stream(root, LocalityOrder(window_shards=3))
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     for j, _ in enumerate(loader):
         if j == 5:
             break
@@ -146,7 +157,12 @@ def test_a_shard_replaced_mid_run_stops_at_a_batch_after_the_good_ones(
     before is the writer's, and ``samples_consumed`` counts exactly those."""
     root, ref = corpus
     stream = _stream(root, LocalityOrder(window_shards=3))
-    loader = detdata.DataLoader(stream, global_batch_size=BATCH, read_ahead=4, seed=3)
+    loader = detdata.DataLoader(
+        stream,
+        global_batch_size=BATCH,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        seed=3,
+    )
     epoch = SHARDS * WINDOWS // BATCH
     delivered = 0
     victim = root / "s017.npy"

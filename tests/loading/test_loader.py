@@ -45,8 +45,7 @@ def global_steps(
             global_batch_size=gbs,
             micro_batch_size=micro,
             seed=seed,
-            rank=rank,
-            world_size=world,
+            options=detdata.LoaderOptions(rank=rank, world_size=world),
             num_workers=workers,
         )
         if start_state is not None:
@@ -67,7 +66,11 @@ def global_steps(
 def test_micro_batches_follow_design_positions() -> None:
     order = detdata.GlobalOrder(N, 3)
     dl = DataLoader(
-        dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=1, world_size=4
+        dataset(),
+        global_batch_size=16,
+        micro_batch_size=2,
+        seed=3,
+        options=detdata.LoaderOptions(rank=1, world_size=4),
     )
     for j, batch in enumerate(take(dl, 5)):
         step, k = divmod(j, 2)  # 2 micro steps per step (16 / (2*4))
@@ -87,7 +90,11 @@ def test_reshard_matrix_global_steps_identical(workers: int) -> None:
 def test_state_saved_at_world4_resumes_at_2_and_1() -> None:
     ranks = [
         DataLoader(
-            dataset(), global_batch_size=16, micro_batch_size=2, seed=3, rank=r, world_size=4
+            dataset(),
+            global_batch_size=16,
+            micro_batch_size=2,
+            seed=3,
+            options=detdata.LoaderOptions(rank=r, world_size=4),
         )
         for r in range(4)
     ]
@@ -182,16 +189,19 @@ def test_one_epoch_has_no_repeats_or_skips_any_layout() -> None:
                 global_batch_size=8,
                 micro_batch_size=micro,
                 seed=9,
-                rank=rank,
-                world_size=world,
-                total_samples=N,
+                options=detdata.LoaderOptions(rank=rank, world_size=world, total_samples=N),
             )
             seen.extend(int(v) for b in dl for v in b["id"])
         assert sorted(seen) == list(range(N))
 
 
 def test_total_samples_stops_and_len() -> None:
-    dl = DataLoader(dataset(), global_batch_size=8, micro_batch_size=4, total_samples=40)
+    dl = DataLoader(
+        dataset(),
+        global_batch_size=8,
+        micro_batch_size=4,
+        options=detdata.LoaderOptions(total_samples=40),
+    )
     assert len(dl) == 10  # constant: the run's micro batches of this rank
     assert len(list(dl)) == 10
     assert len(dl) == 10 and list(dl) == []  # exhausted; a new iter() does not restart
@@ -210,11 +220,10 @@ def test_transform_randomness_depends_only_on_position() -> None:
                 global_batch_size=16,
                 micro_batch_size=micro,
                 seed=2,
-                rank=rank,
-                world_size=world,
+                options=detdata.LoaderOptions(
+                    rank=rank, world_size=world, total_samples=64, transform=_noisy
+                ),
                 num_workers=workers,
-                transform=_noisy,
-                total_samples=64,
             )
             for batch in dl:
                 for i, v in zip(batch["id"].tolist(), batch["noise"].tolist(), strict=True):
@@ -234,14 +243,18 @@ def test_a_one_argument_transform_is_called_without_a_generator() -> None:
     """``transform(sample)`` (no randomness) is called with the sample alone, in process and in
     worker processes; its rows equal the transform applied to the plain rows."""
     plain = torch.cat(
-        [b["id"] for b in DataLoader(dataset(), global_batch_size=8, total_samples=48)]
+        [
+            b["id"]
+            for b in DataLoader(
+                dataset(), global_batch_size=8, options=detdata.LoaderOptions(total_samples=48)
+            )
+        ]
     )
     for workers in (0, 2):
         dl = DataLoader(
             dataset(),
             global_batch_size=8,
-            total_samples=48,
-            transform=_doubled,
+            options=detdata.LoaderOptions(total_samples=48, transform=_doubled),
             num_workers=workers,
         )
         got = list(dl)
@@ -286,10 +299,8 @@ def test_worker_globals_seeded_from_seed_rank_worker() -> None:
             global_batch_size=4,
             micro_batch_size=2,
             seed=seed,
-            rank=rank,
-            world_size=2,
+            options=detdata.LoaderOptions(rank=rank, world_size=2, total_samples=16),
             num_workers=2,
-            total_samples=16,
         )
         return [int(b["r"][0]) for b in dl]
 
@@ -395,12 +406,18 @@ def test_resume_off_micro_step_boundary_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"global_batch_size": 10, "world_size": 4, "rank": 0}, "divisible"),
+        (
+            {"global_batch_size": 10, "options": detdata.LoaderOptions(world_size=4, rank=0)},
+            "divisible",
+        ),
         ({"global_batch_size": 8, "micro_batch_size": 3}, "divisible"),
-        ({"global_batch_size": 8, "rank": 2, "world_size": 2}, "rank"),
+        ({"global_batch_size": 8, "options": detdata.LoaderOptions(rank=2, world_size=2)}, "rank"),
         ({"global_batch_size": 0}, "global_batch_size"),
         ({"global_batch_size": 8, "seed": -1}, "seed"),
-        ({"global_batch_size": 8, "total_samples": 12}, "total_samples"),
+        (
+            {"global_batch_size": 8, "options": detdata.LoaderOptions(total_samples=12)},
+            "total_samples",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -434,8 +451,9 @@ def test_thread_workers_same_bytes_and_resume() -> None:
             micro_batch_size=4,
             seed=8,
             num_workers=workers,
-            worker_mode=mode,
-            transform=_noisy,
+            options=detdata.LoaderOptions(
+                transform=_noisy, read=detdata.ReadOptions(worker_mode=mode)
+            ),
         )
 
     states: list[dict[str, Any]] = []
@@ -459,7 +477,13 @@ def test_thread_worker_error_names_positions_and_keeps_state() -> None:
         def identity(self) -> dict[str, Any]:
             return {"type": "failing"}
 
-    dl = DataLoader(Failing(), global_batch_size=4, seed=0, num_workers=2, worker_mode="thread")
+    dl = DataLoader(
+        Failing(),
+        global_batch_size=4,
+        seed=0,
+        num_workers=2,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread")),
+    )
     order = detdata.GlobalOrder(N, 0)
     bad_step = int(np.flatnonzero(order.ids(np.arange(N)) == 7)[0]) // 4
     with pytest.raises(OSError, match="disk gone") as err:
@@ -471,26 +495,31 @@ def test_thread_worker_error_names_positions_and_keeps_state() -> None:
 
 def test_worker_mode_validated() -> None:
     with pytest.raises(detdata.ConfigError, match="worker_mode"):
-        DataLoader(dataset(), global_batch_size=8, worker_mode="fibers")
+        DataLoader(
+            dataset(),
+            global_batch_size=8,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="fibers")),
+        )
 
 
 @pytest.mark.parametrize("read_ahead", [1, 3, 4, 64])
 def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
-    def make(ra: int, **kw: Any) -> DataLoader:
+    def make(ra: int, mode: str = "process", **kw: Any) -> DataLoader:
         return DataLoader(
             dataset(),
             global_batch_size=16,
             micro_batch_size=4,
             seed=6,
-            read_ahead=ra,
-            total_samples=16 * 7,
+            options=detdata.LoaderOptions(
+                total_samples=16 * 7, read=detdata.ReadOptions(read_ahead=ra, worker_mode=mode)
+            ),
             **kw,
         )
 
     reference = [digest(b) for b in make(1)]
     assert len(reference) == 28
     assert [digest(b) for b in make(read_ahead)] == reference
-    assert [digest(b) for b in make(read_ahead, num_workers=2, worker_mode="thread")] == reference
+    assert [digest(b) for b in make(read_ahead, "thread", num_workers=2)] == reference
     assert [digest(b) for b in make(read_ahead, num_workers=2)] == reference  # worker processes
     seen: list[int] = []
     collated = make(read_ahead, collate_fn=lambda b: seen.append(len(b["id"])) or b)
@@ -517,9 +546,12 @@ def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: 
         FailsAt(),
         global_batch_size=4,
         seed=2,
-        read_ahead=4,
+        options=detdata.LoaderOptions(
+            read=detdata.ReadOptions(
+                worker_mode="thread" if mode == "thread" else "process", read_ahead=4
+            )
+        ),
         num_workers=0 if mode == "inline" else 2,
-        worker_mode="thread" if mode == "thread" else "process",
     )
     delivered = []
     with pytest.raises(OSError, match="cannot read sample"):
@@ -565,7 +597,12 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
     transfers) holds one tensor per column, its micro batches views of it; the batches then
     delivered own their memory and carry the same bytes as a plain run."""
     dl = DataLoader(
-        dataset(), global_batch_size=8, micro_batch_size=4, seed=4, num_workers=2, read_ahead=4
+        dataset(),
+        global_batch_size=8,
+        micro_batch_size=4,
+        seed=4,
+        num_workers=2,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
     )
     reader = dl._reader(in_worker=True)
     group = [dl.layout.positions(j) for j in range(4)]
@@ -592,7 +629,7 @@ def test_persistent_workers_resume_mid_group() -> None:
             seed=9,
             num_workers=2,
             persistent_workers=True,
-            read_ahead=4,
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
         )
 
     reference = [digest(b) for b in take(make(), 24)]

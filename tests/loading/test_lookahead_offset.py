@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import detdata
+from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.loader import DataLoader
 from detdata.storage.retry import RetryPolicy
@@ -33,17 +34,23 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
     data = TokenWindows(
         manifest.with_root(f"{http_server.base}/{directory.name}"),
         SEQ,
-        verify="off",
-        retry=PATIENT,
-        cache_dir=tmp_path / "cache",
-        shard_cache_bytes=1 << 24,
+        storage=Storage(
+            verify="off", retry=PATIENT, cache_dir=tmp_path / "cache", shard_cache_bytes=1 << 24
+        ),
     )
 
     def loader(world: int, gbs: int, micro: int, **kw: object) -> DataLoader:
         return DataLoader(
-            data, global_batch_size=gbs, micro_batch_size=micro, seed=2, rank=0,
-            world_size=world, **kw,  # type: ignore[arg-type]
-        )  # fmt: skip
+            data,
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            seed=2,
+            options=detdata.LoaderOptions(
+                rank=0,
+                world_size=world,
+                read=detdata.ReadOptions(**kw),  # type: ignore[arg-type]
+            ),
+        )
 
     old = loader(8, 16, 1)
     it = iter(old)

@@ -26,6 +26,7 @@ from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.loading.loader import DataLoader
+from detdata.loading.options import LoaderOptions
 from detdata.loading.provenance import positions_seen
 from tests.conftest import write_token_shards
 
@@ -88,7 +89,11 @@ def test_token_windows_step_provenance_matches_the_files(tmp_path: Path) -> None
 
     def make(rank: int) -> DataLoader:
         return DataLoader(
-            ds, global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD, rank=rank, seed=5
+            ds,
+            global_batch_size=GBS,
+            micro_batch_size=MICRO,
+            options=LoaderOptions(rank=rank, world_size=WORLD),
+            seed=5,
         )
 
     records = make(0).provenance(STEP)
@@ -106,7 +111,10 @@ def test_mixture_step_provenance_matches_the_files(tmp_path: Path) -> None:
 
     def make(rank: int) -> DataLoader:
         return DataLoader(
-            mix, global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD, rank=rank
+            mix,
+            global_batch_size=GBS,
+            micro_batch_size=MICRO,
+            options=LoaderOptions(rank=rank, world_size=WORLD),
         )
 
     records = make(1).provenance(STEP)
@@ -129,7 +137,11 @@ def test_table_rows_step_provenance_matches_the_files(tmp_path: Path) -> None:
 
     def make(rank: int) -> DataLoader:
         return DataLoader(
-            ds, global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD, rank=rank, seed=2
+            ds,
+            global_batch_size=GBS,
+            micro_batch_size=MICRO,
+            options=LoaderOptions(rank=rank, world_size=WORLD),
+            seed=2,
         )
 
     records = make(0).provenance(STEP)

@@ -61,16 +61,22 @@ def _run(
 
 def _wrapped(seed: int, offset: int = 0) -> Make:
     return lambda rank: DataLoader(
-        _data(offset), global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD,
-        rank=rank, seed=seed,
-    )  # fmt: skip
+        _data(offset),
+        global_batch_size=GBS,
+        micro_batch_size=MICRO,
+        options=detdata.LoaderOptions(rank=rank, world_size=WORLD),
+        seed=seed,
+    )
 
 
 def _streamed(stream_seed: int) -> Make:
     return lambda rank: DataLoader(
-        OrderedStream(_data(), stream_seed), global_batch_size=GBS, micro_batch_size=MICRO,
-        world_size=WORLD, rank=rank, seed=5,
-    )  # fmt: skip
+        OrderedStream(_data(), stream_seed),
+        global_batch_size=GBS,
+        micro_batch_size=MICRO,
+        options=detdata.LoaderOptions(rank=rank, world_size=WORLD),
+        seed=5,
+    )
 
 
 CHANGES: dict[str, tuple[Make, Make, tuple[str, ...]]] = {
@@ -216,7 +222,12 @@ def test_a_format_3_state_is_read_and_sealed() -> None:
 
 
 def test_steps_past_total_samples_are_refused_naming_the_last() -> None:
-    dl = DataLoader(_data(), global_batch_size=GBS, micro_batch_size=MICRO, total_samples=80)
+    dl = DataLoader(
+        _data(),
+        global_batch_size=GBS,
+        micro_batch_size=MICRO,
+        options=detdata.LoaderOptions(total_samples=80),
+    )
     assert [r.position for r in dl.provenance(9)] == list(range(72, 80))
     with pytest.raises(ConfigError, match=r"step 10 is never delivered.*last delivered step 9"):
         dl.provenance(10)
@@ -234,9 +245,12 @@ def _mixed(seed: int) -> Make:
         sources = {"a": _data(), "b": _data(1000)}
         mixture = detdata.Mixture(sources, {"a": 1, "b": 2}, seed=21)
         return DataLoader(
-            mixture, global_batch_size=GBS, micro_batch_size=MICRO, world_size=WORLD,
-            rank=rank, seed=seed,
-        )  # fmt: skip
+            mixture,
+            global_batch_size=GBS,
+            micro_batch_size=MICRO,
+            options=detdata.LoaderOptions(rank=rank, world_size=WORLD),
+            seed=seed,
+        )
 
     return make
 

@@ -75,10 +75,12 @@ def test_continuing_mid_step_is_asked_for_by_name(how: Any) -> None:
     resumed = loader()
     resumed.load_state_dict(state, mid_step=how)
     assert ids(resumed, 34) == REFERENCE[6:]
-    by_default = loader(mid_step_on_resume=how)  # for callers that call load_state_dict(state)
+    by_default = loader(
+        options=detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step=how))
+    )  # for callers that call load_state_dict(state)
     by_default.load_state_dict(state)
     assert ids(by_default, 34) == REFERENCE[6:]
-    redo = loader(mid_step_on_resume="continue")
+    redo = loader(options=detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step="continue")))
     redo.load_state_dict(state, mid_step="redo")  # the call's own choice wins
     assert ids(redo, 36) == REFERENCE[4:]
 
@@ -94,7 +96,7 @@ def test_mid_step_redo_at_another_layout_and_after_a_mid_step_layout_change() ->
     """World 2 x micro 2 saved after one micro step of step 2 (position 20): resumed at world 1
     x micro 4 it re-delivers step 2 from 16. A state saved mid-step after a mid-step
     ``continue`` resume that changed the layout (a history entry inside the step) rewinds too."""
-    ranks = [loader(rank=r, world_size=2) for r in range(2)]
+    ranks = [loader(options=detdata.LoaderOptions(rank=r, world_size=2)) for r in range(2)]
     for dl in ranks:
         ids(dl, 5)  # steps 0-1 (2 micro steps each) and one micro step of step 2
     state = ranks[0].state_dict()
@@ -119,8 +121,8 @@ def test_mid_step_redo_at_another_layout_and_after_a_mid_step_layout_change() ->
 def test_a_bad_mid_step_value_is_refused() -> None:
     with pytest.raises(detdata.ConfigError, match="mid_step must be 'redo'"):
         loader().load_state_dict(saved_after(1), mid_step="skip")
-    with pytest.raises(detdata.ConfigError, match="mid_step_on_resume"):
-        loader(mid_step_on_resume=True)
+    with pytest.raises(detdata.ConfigError, match=r"ResumePolicy\.mid_step must be 'redo'"):
+        loader(options=detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step=True)))
 
 
 @pytest.mark.parametrize(("n", "want_steps"), [(100, 12), (96, 12), (7, 1), (8, 1), (17, 2)])
@@ -141,8 +143,10 @@ def test_len_counts_whole_global_steps(n: int, want_steps: int) -> None:
 
 
 def test_len_with_world_size_and_total_samples() -> None:
-    assert len(loader(n=100, rank=1, world_size=2)) == 12 * 2  # 2 micro steps a step
-    assert len(loader(total_samples=48)) == 24
+    assert (
+        len(loader(n=100, options=detdata.LoaderOptions(rank=1, world_size=2))) == 12 * 2
+    )  # 2 micro steps a step
+    assert len(loader(options=detdata.LoaderOptions(total_samples=48))) == 24
 
 
 def _loop_until_stale(dl: detdata.DataLoader, action: Any) -> int:
@@ -166,7 +170,10 @@ def test_load_state_dict_inside_the_loop_makes_the_iterator_raise() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_second_iter_makes_the_first_iterator_raise(workers: int) -> None:
-    dl = loader(num_workers=workers, worker_mode="thread")
+    dl = loader(
+        num_workers=workers,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread")),
+    )
     first = iter(dl)
     assert next(first)["id"].tolist() == REFERENCE[0]
     second = iter(dl)

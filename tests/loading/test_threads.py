@@ -155,7 +155,10 @@ import detdata
 ds = detdata.ArrayDataset({"x": np.arange(4000, dtype=np.int64)})
 before = threading.active_count()
 loader = detdata.DataLoader(
-    ds, global_batch_size=8, seed=0, num_workers=2, worker_mode="thread", total_samples=4000
+    ds, global_batch_size=8, seed=0, num_workers=2,
+    options=detdata.LoaderOptions(
+        total_samples=4000, read=detdata.ReadOptions(worker_mode="thread")
+    ),
 )
 it = iter(loader)
 first = next(it)

@@ -38,7 +38,7 @@ def _trace(
         global_batch_size=8,
         micro_batch_size=micro,
         seed=4,
-        trace=path,
+        options=detdata.LoaderOptions(trace=path),
         num_workers=workers,
     )
     if resume_at is not None:

@@ -58,10 +58,9 @@ def ramp(
         global_batch_size=BatchSchedule.rampup(START, INC, RAMP, global_batch_size=GBS),
         micro_batch_size=micro,
         seed=SEED,
-        rank=rank,
-        world_size=world,
-        trace=trace,
-        total_samples=TOTAL,
+        options=detdata.LoaderOptions(
+            rank=rank, world_size=world, total_samples=TOTAL, trace=trace
+        ),
         **kw,
     )
 
@@ -180,9 +179,12 @@ def test_elastic_dp8_to_dp7_trace_equals_the_uninterrupted_trace(
 
     def loader(trace: Path, rank: int, world: int, gbs: int, micro: int) -> DataLoader:
         return DataLoader(
-            rows(), global_batch_size=gbs, micro_batch_size=micro, seed=SEED, rank=rank,
-            world_size=world, trace=trace,
-        )  # fmt: skip
+            rows(),
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            seed=SEED,
+            options=detdata.LoaderOptions(rank=rank, world_size=world, trace=trace),
+        )
 
     trace = tmp_path / "elastic.jsonl"
     dp8 = [loader(trace, r, 8, OLD, 1) for r in range(8)]
@@ -208,8 +210,9 @@ def test_elastic_dp8_to_dp7_trace_equals_the_uninterrupted_trace(
                 global_batch_size=BatchSchedule.by_steps([(0, OLD), (CHANGE, NEW)]),
                 micro_batch_size=2,
                 seed=SEED,
-                trace=ref,
-                total_samples=CHANGE * OLD + (END - CHANGE) * NEW,
+                options=detdata.LoaderOptions(
+                    total_samples=CHANGE * OLD + (END - CHANGE) * NEW, trace=ref
+                ),
             )
         ]
     )
@@ -237,7 +240,18 @@ def test_format_2_records_are_still_read(tmp_path: Path) -> None:
     """A format 2 trace (no ``step_at``/``micro``, step = at // gbs) compares equal to the
     format 3 trace of the same run."""
     path = tmp_path / "t.jsonl"
-    run([DataLoader(rows(), global_batch_size=8, micro_batch_size=4, seed=SEED, trace=path)], 10)
+    run(
+        [
+            DataLoader(
+                rows(),
+                global_batch_size=8,
+                micro_batch_size=4,
+                seed=SEED,
+                options=detdata.LoaderOptions(trace=path),
+            )
+        ],
+        10,
+    )
     v2 = tmp_path / "v2.jsonl"
     lines = []
     for line in path.read_text().splitlines():
@@ -266,7 +280,18 @@ def test_inconsistent_format_3_records_are_refused(
     tmp_path: Path, edit: dict[str, Any], match: str
 ) -> None:
     path = tmp_path / "t.jsonl"
-    run([DataLoader(rows(), global_batch_size=8, micro_batch_size=4, seed=SEED, trace=path)], 1)
+    run(
+        [
+            DataLoader(
+                rows(),
+                global_batch_size=8,
+                micro_batch_size=4,
+                seed=SEED,
+                options=detdata.LoaderOptions(trace=path),
+            )
+        ],
+        1,
+    )
     doc = json.loads(path.read_text()) | edit
     with pytest.raises(FormatError, match=match):
         parse_record(doc, "t.jsonl:1")

@@ -25,7 +25,13 @@ DATA = detdata.ArrayDataset({"id": np.arange(1000, dtype=np.int64)})
 
 
 def _loader(trace: Path) -> DataLoader:
-    return DataLoader(DATA, global_batch_size=GBS, micro_batch_size=2, seed=7, trace=trace)
+    return DataLoader(
+        DATA,
+        global_batch_size=GBS,
+        micro_batch_size=2,
+        seed=7,
+        options=detdata.LoaderOptions(trace=trace),
+    )
 
 
 def _train(dl: DataLoader, steps: int, log: list[list[int]]) -> None:

@@ -69,15 +69,25 @@ def test_same_bytes_as_inline_and_groups_use_slots(read_ahead: int) -> None:
     """Past the first groups (which size the slots), groups come through slots; the bytes of
     every batch, over three epochs, equal the inline loader's."""
     count = 3 * N // 4 + 5
-    reference = [digest(b) for b in take(make(read_ahead=read_ahead), count)]
-    dl = make(read_ahead=read_ahead, num_workers=2)
+    reference = [
+        digest(b)
+        for b in take(
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=read_ahead))),
+            count,
+        )
+    ]
+    dl = make(
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=read_ahead)),
+        num_workers=2,
+    )
     assert [digest(b) for b in take(dl, count)] == reference
     sent = transport(dl)
     assert sent.slot_groups > 0 and sent.fallbacks <= 2 * 2 + 2  # the groups before sizing
 
 
 def test_transformed_batches_through_slots_equal_inline() -> None:
-    kw = {"transform": _plus_noise, "read_ahead": 4}
+    options = detdata.LoaderOptions(transform=_plus_noise, read=detdata.ReadOptions(read_ahead=4))
+    kw = {"options": options}
     reference = [digest(b) for b in take(make(**kw), 120)]
     dl = make(num_workers=2, **kw)
     assert [digest(b) for b in take(dl, 120)] == reference
@@ -86,15 +96,29 @@ def test_transformed_batches_through_slots_equal_inline() -> None:
 
 def test_kept_batches_own_their_memory_and_are_never_overwritten() -> None:
     """A slot is reused for later groups: batches the caller keeps (and edits) must be copies."""
-    reference = [digest(b) for b in take(make(read_ahead=2), 200)]
-    dl = make(read_ahead=2, num_workers=2, prefetch_factor=1)  # few slots: each reused often
+    reference = [
+        digest(b)
+        for b in take(
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2))), 200
+        )
+    ]
+    dl = make(
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+        num_workers=2,
+        prefetch_factor=1,
+    )  # few slots: each reused often
     kept = list(take(dl, 200))
     assert transport(dl).slot_groups > 50
     assert [digest(b) for b in kept] == reference  # checked after all of them were delivered
     for batch in kept:
         for value in batch.values():
             assert value.untyped_storage().nbytes() == value.nbytes  # owns exactly its bytes
-    dl = make(read_ahead=2, num_workers=2, prefetch_factor=1, persistent_workers=True)
+    dl = make(
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+        num_workers=2,
+        prefetch_factor=1,
+        persistent_workers=True,
+    )
     it = iter(dl)
     for _ in range(100):
         for value in next(it).values():
@@ -125,8 +149,18 @@ def _plain(batch: dict[str, Any]) -> Any:
 
 
 def test_strings_and_ragged_columns_fall_back_to_torchs_transfer() -> None:
-    reference = [_plain(b) for b in take(make(_Mixed(), read_ahead=4), 90)]
-    dl = make(_Mixed(), read_ahead=4, num_workers=2)
+    reference = [
+        _plain(b)
+        for b in take(
+            make(_Mixed(), options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))),
+            90,
+        )
+    ]
+    dl = make(
+        _Mixed(),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+    )
     assert [_plain(b) for b in take(dl, 90)] == reference
     assert transport(dl).slot_groups == 0 and transport(dl).fallbacks > 0
 
@@ -146,8 +180,18 @@ class _Growing:
 
 
 def test_groups_that_outgrow_their_slots_grow_the_ring() -> None:
-    reference = [digest(b) for b in take(make(_Growing(), read_ahead=4), 400)]
-    dl = make(_Growing(), read_ahead=4, num_workers=2)
+    reference = [
+        digest(b)
+        for b in take(
+            make(_Growing(), options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))),
+            400,
+        )
+    ]
+    dl = make(
+        _Growing(),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+    )
     assert [digest(b) for b in take(dl, 400)] == reference
     sent = transport(dl)
     assert sent.slot_groups > 0 and len(sent._rings) <= 2  # retired rings were freed
@@ -157,15 +201,26 @@ def test_groups_that_outgrow_their_slots_grow_the_ring() -> None:
 def test_resume_and_persistent_workers_across_iterations() -> None:
     """State saved mid-group, restored into a fresh loader with slots; persistent workers keep
     their ring across ``iter()`` passes."""
-    reference = [digest(b) for b in take(make(read_ahead=4), 150)]
-    dl = make(read_ahead=4, num_workers=2, persistent_workers=True)
+    reference = [
+        digest(b)
+        for b in take(
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))), 150
+        )
+    ]
+    dl = make(
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+        persistent_workers=True,
+    )
     got = [digest(b) for b in take(dl, 37)]
     state = dl.state_dict()
     first = transport(dl)
     got += [digest(b) for b in take(dl, 40)]  # a new iter() pass of the same workers
     assert transport(dl) is first and first.slot_groups > 0
     assert got == reference[:77]
-    fresh = make(read_ahead=4, num_workers=2)
+    fresh = make(
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)), num_workers=2
+    )
     fresh.load_state_dict(state, mid_step="continue")
     assert [digest(b) for b in take(fresh, 113)] == reference[37:]
 
@@ -193,7 +248,11 @@ def _bad_id_at(position: int) -> int:
 
 def test_dataset_error_after_slots_are_in_use_keeps_type_message_and_position() -> None:
     position = 4 * 60 + 2  # micro batch 60: well past the groups that size the slots
-    dl = make(_FailsAt(_bad_id_at(position), "raise"), read_ahead=4, num_workers=2)
+    dl = make(
+        _FailsAt(_bad_id_at(position), "raise"),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+    )
     delivered, used = 0, 0
     with pytest.raises(detdata.FormatError, match=r"shard bad\.npy: cannot decode") as err:
         for _ in dl:
@@ -206,7 +265,12 @@ def test_dataset_error_after_slots_are_in_use_keeps_type_message_and_position() 
 
 
 def test_worker_exit_after_slots_are_in_use_is_a_runtime_error() -> None:
-    dl = make(_FailsAt(_bad_id_at(4 * 60 + 2), "exit"), read_ahead=4, num_workers=2, timeout=20)
+    dl = make(
+        _FailsAt(_bad_id_at(4 * 60 + 2), "exit"),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+        timeout=20,
+    )
     delivered = 0
     with pytest.raises(RuntimeError, match="exited unexpectedly") as err:
         for _ in dl:
@@ -219,9 +283,19 @@ def test_worker_killed_from_outside_mid_run_is_a_runtime_error_state_exact() -> 
     """SIGKILL to a worker at an arbitrary moment (mid read, mid slot write or mid hand-over)."""
     data = dataset(20_000, width=64)
     total = 8 * 3000
-    reference = [digest(b) for b in take(make(data, read_ahead=4), 3000)]
+    reference = [
+        digest(b)
+        for b in take(
+            make(data, options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))), 3000
+        )
+    ]
     before = {p.pid for p in multiprocessing.active_children()}
-    dl = make(data, read_ahead=4, num_workers=2, timeout=20, total_samples=total)
+    dl = make(
+        data,
+        options=detdata.LoaderOptions(total_samples=total, read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+        timeout=20,
+    )
     got: list[str] = []
     with pytest.raises(RuntimeError, match=r"exited unexpectedly|handing over"):
         for batch in dl:
@@ -295,7 +369,11 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
     paths_before = _shm_paths()
     children_before = {p.pid for p in multiprocessing.active_children()}
     bad = _bad_id_at(4 * 40) if ending == "error" else -1
-    dl = make(_FailsAt(bad, "raise"), read_ahead=4, num_workers=2)
+    dl = make(
+        _FailsAt(bad, "raise"),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+    )
     try:
         for i, _ in enumerate(dl):
             if i == 30:
@@ -333,7 +411,8 @@ _SPAWN_CHILD = textwrap.dedent("""
         ids = np.arange(500, dtype=np.int64)
         data = detdata.ArrayDataset({"id": ids, "x": np.repeat(ids[:, None], 40, axis=1)})
         return detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=1,
-                                  read_ahead=4, **kw)
+                                  options=detdata.LoaderOptions(
+                                      read=detdata.ReadOptions(read_ahead=4)), **kw)
 
     if __name__ == "__main__":
         reference = [digest(b) for b in take(make(), 60)]
@@ -366,7 +445,20 @@ def test_collate_fn_keeps_torchs_transfer() -> None:
     def collate(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {"id": torch.from_numpy(batch["id"].copy())}
 
-    reference = [b["id"].tolist() for b in take(make(collate_fn=collate, read_ahead=4), 40)]
-    dl = make(collate_fn=collate, read_ahead=4, num_workers=2)
+    reference = [
+        b["id"].tolist()
+        for b in take(
+            make(
+                collate_fn=collate,
+                options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+            ),
+            40,
+        )
+    ]
+    dl = make(
+        collate_fn=collate,
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        num_workers=2,
+    )
     assert [b["id"].tolist() for b in take(dl, 40)] == reference
     assert not hasattr(dl._sampler, "transport")

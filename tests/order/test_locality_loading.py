@@ -98,7 +98,9 @@ def test_elastic_resume_into_two_ranks(tokens: detdata.TokenWindows) -> None:
     straight = torch.cat([b["tokens"] for b in take(one, 8)])
     ranks = []
     for r in range(2):
-        part = loader(tokens, 3, micro_batch_size=2, rank=r, world_size=2)
+        part = loader(
+            tokens, 3, micro_batch_size=2, options=detdata.LoaderOptions(rank=r, world_size=2)
+        )
         part.load_state_dict(state)
         ranks.append([b["tokens"] for b in take(part, 8)])
     interleaved = torch.cat([ranks[r][i] for i in range(8) for r in range(2)])
@@ -107,7 +109,18 @@ def test_elastic_resume_into_two_ranks(tokens: detdata.TokenWindows) -> None:
 
 def test_worker_processes_deliver_the_same(tokens: detdata.TokenWindows) -> None:
     plain = [b["tokens"] for b in take(loader(tokens, 2), 12)]
-    workers = [b["tokens"] for b in take(loader(tokens, 2, num_workers=2, read_ahead=2), 12)]
+    workers = [
+        b["tokens"]
+        for b in take(
+            loader(
+                tokens,
+                2,
+                num_workers=2,
+                options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+            ),
+            12,
+        )
+    ]
     assert all(torch.equal(a, b) for a, b in zip(plain, workers, strict=True))
 
 

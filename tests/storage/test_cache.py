@@ -19,6 +19,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from detdata import Storage
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
@@ -62,7 +63,7 @@ def test_fill_is_verified_named_by_blake3_and_reused(
     served: tuple[Manifest, Manifest, Path], tmp_path: Path
 ) -> None:
     local, remote, directory = served
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    ds = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)[::-1]
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
@@ -78,7 +79,9 @@ def test_fill_is_verified_named_by_blake3_and_reused(
     directory.rename(moved)
     try:
         again = TokenWindows(
-            remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off"
+            remote,
+            SEQ,
+            storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off"),
         )
         np.testing.assert_array_equal(again.read(ids)["tokens"], ref.read(ids)["tokens"])
         assert again.cache is not None
@@ -93,12 +96,14 @@ def test_corrupted_cache_file_is_detected_and_refetched(
     local, remote, _ = served
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)
-    TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20).read(ids)
+    TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20)).read(
+        ids
+    )
     victim = tmp_path / "objects" / remote.shards[2].blake3[3:]
     good = victim.read_bytes()
     flip_byte(victim, len(good) // 2)
     caplog.set_level(logging.WARNING, "detdata.cache")
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    ds = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
     assert ds.cache is not None
     assert (ds.cache.stats.corrupt, ds.cache.stats.fills) == (1, 1)
@@ -106,7 +111,7 @@ def test_corrupted_cache_file_is_detected_and_refetched(
     assert any("s2.npy" in r.getMessage() and "corrupted" in r.getMessage() for r in caplog.records)
     # a truncated copy is caught by its size
     victim.write_bytes(good[:-10])
-    ds2 = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    ds2 = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
     np.testing.assert_array_equal(ds2.read(ids)["tokens"], ref.read(ids)["tokens"])
     assert ds2.cache is not None and ds2.cache.stats.corrupt == 1
     assert victim.read_bytes() == good
@@ -138,7 +143,7 @@ def test_cache_stays_under_its_byte_bound_with_lru_eviction(
 ) -> None:
     local, remote, _ = served
     bound = 20_000  # room for 2 shards of ~8 KB
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=bound)
+    ds = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=bound))
     ref = TokenWindows(local, SEQ)
     rng = np.random.default_rng(0)
     for _ in range(12):
@@ -168,7 +173,7 @@ def test_shard_larger_than_the_cache_is_refused(
     served: tuple[Manifest, Manifest, Path], tmp_path: Path
 ) -> None:
     _, remote, _ = served
-    ds = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=5000)
+    ds = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=5000))
     with pytest.raises(ConfigError, match=r"shard s0\.npy .* more than the whole cache"):
         ds.read(np.array([0]))
 
@@ -236,7 +241,9 @@ def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Pa
     pq.write_table(table.slice(0, 120), directory / "a.parquet", row_group_size=50)
     pq.write_table(table.slice(120), directory / "b.parquet", row_group_size=50)
     local = TableRows(build_manifest(str(directory)))
-    ds = TableRows(build_manifest(url), cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    ds = TableRows(
+        build_manifest(url), storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    )
     ids = np.random.default_rng(2).integers(0, 200, size=50)
     got, want = ds.read(ids), local.read(ids)
     for name in want:
@@ -246,12 +253,14 @@ def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Pa
 
 def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
     _, remote, _ = served
-    with pytest.raises(ConfigError, match="shard_cache_bytes was given without cache_dir"):
-        TokenWindows(remote, SEQ, cache_dir=None, shard_cache_bytes=100)  # no cache: no bound
-    with pytest.raises(ConfigError, match="shard_cache_bytes must be an integer >= 1"):
-        TokenWindows(remote, SEQ, shard_cache_bytes=0)  # the default cache's bound
-    with pytest.raises(ConfigError, match="shard_cache_bytes must be an integer >= 1"):
-        TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=0)
+    with pytest.raises(ConfigError, match=r"Storage.shard_cache_bytes: expected None without"):
+        TokenWindows(
+            remote, SEQ, storage=Storage(cache_dir=None, shard_cache_bytes=100)
+        )  # no cache: no bound
+    with pytest.raises(ConfigError, match=r"Storage\.shard_cache_bytes: expected an integer >= 1"):
+        TokenWindows(remote, SEQ, storage=Storage(shard_cache_bytes=0))  # the default cache's
+    with pytest.raises(ConfigError, match=r"Storage\.shard_cache_bytes: expected an integer >= 1"):
+        TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=0))
     with pytest.raises(ConfigError, match="cache_dir must be a local directory"):
         ShardCache("s3://bucket/cache", 100)
     with pytest.raises(ConfigError, match="verify_on_open"):
@@ -262,18 +271,16 @@ def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
     served: tuple[Manifest, Manifest, Path], tmp_path: Path
 ) -> None:
     _, remote, _ = served
-    new = TokenWindows(remote, SEQ, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
-    with pytest.warns(DeprecationWarning, match="use shard_cache_bytes"):
+    new = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
+    with pytest.warns(DeprecationWarning, match=r"Storage\(cache_dir=\.\.\., shard_cache_bytes="):
         old = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
     assert old.shard_cache_bytes == new.shard_cache_bytes == 1 << 20
     assert old.shard_cache is not None and old.shard_cache is old.cache
     assert old.shard_cache.max_bytes == 1 << 20
     assert old.identity() == new.identity() == TokenWindows(remote, SEQ).identity()
-    with pytest.warns(DeprecationWarning, match="use shard_cache_bytes"):
-        assert old.cache_bytes == 1 << 20
     with pytest.raises(ConfigError, match="deprecated name of shard_cache_bytes"):
         TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1, shard_cache_bytes=1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="without cache_dir"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="without a cache"):
         TokenWindows(remote, SEQ, cache_dir=None, cache_bytes=100)
 
 
@@ -284,12 +291,18 @@ def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
     np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB > 2 x 1 MiB
     manifest = build_manifest(url)
     ids = np.arange(0, 6000, 997)
-    first = TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="full")
+    first = TokenWindows(
+        manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="full")
+    )
     expected = first.read(ids)["tokens"].copy()
     (copy,) = objects(tmp_path / "c")
     flip_byte(copy, 1_600_000)  # middle of the file: invisible to the quick open check
-    again = TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="full")
+    again = TokenWindows(
+        manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="full")
+    )
     np.testing.assert_array_equal(again.read(ids)["tokens"], expected)
     assert again.cache is not None and again.cache.stats.corrupt == 1
     with pytest.raises(ConfigError, match="cache_verify"):
-        TokenWindows(manifest, 256, cache_dir=tmp_path / "c", cache_verify="sometimes")
+        TokenWindows(
+            manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="sometimes")
+        )

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.base.errors import StorageError
 from detdata.datasets.tokens import TokenWindows
 from tests.servers import HttpServer
@@ -47,7 +48,7 @@ def test_a_removed_cache_folder_is_recreated_and_refilled(
 ) -> None:
     arrays, manifest = site
     cache = tmp_path / "cache"
-    windows = TokenWindows(manifest, SEQ, cache_dir=cache)
+    windows = TokenWindows(manifest, SEQ, storage=Storage(cache_dir=cache))
     every = np.arange(windows.num_samples)
     first = every[::7]
     assert np.array_equal(windows.read(first)["tokens"], _expected(arrays, first))
@@ -108,12 +109,14 @@ def test_an_unusable_cache_folder_is_a_storage_error_naming_it(
         how = "a-file"  # permission bits do not bind root: the file variant is tested twice
     manifest = site[1]
     cache = tmp_path / "cache"
-    windows = TokenWindows(manifest, SEQ, cache_dir=cache)
+    windows = TokenWindows(manifest, SEQ, storage=Storage(cache_dir=cache))
     windows.read(np.arange(3))
     _make_unusable(cache, how)
     try:
         with pytest.raises(StorageError, match=f"shard cache folder {cache}"):
-            TokenWindows(manifest, SEQ, cache_dir=cache).read(np.arange(windows.num_samples))
+            TokenWindows(manifest, SEQ, storage=Storage(cache_dir=cache)).read(
+                np.arange(windows.num_samples)
+            )
         with pytest.raises(StorageError, match=f"shard cache folder {cache}"):
             windows.read(np.arange(windows.num_samples))
         loader = detdata.DataLoader(

@@ -54,7 +54,9 @@ def corpus(tmp_path: Path) -> tuple[str, np.ndarray]:
 
 def reader(root: str, cache: Path) -> detdata.TokenWindows:
     return detdata.TokenWindows(
-        detdata.build_manifest(root), SEQ, cache_dir=cache, max_open_shards=1, verify="off"
+        detdata.build_manifest(root),
+        SEQ,
+        storage=detdata.Storage(cache_dir=cache, max_open_shards=1, verify="off"),
     )
 
 

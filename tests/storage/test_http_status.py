@@ -74,7 +74,9 @@ def test_a_denied_shard_is_a_storage_error_not_a_missing_shard(
     assert f"HTTP {status}" in text and "shard-0" in text, text
     assert not isinstance(denied.value, VerificationError), text
     assert SECRET not in text
-    windows = detdata.TokenWindows(manifest, 8, root=root, verify="off", retry=PATIENT)
+    windows = detdata.TokenWindows(
+        manifest, 8, storage=detdata.Storage(root=root, verify="off", retry=PATIENT)
+    )
     with pytest.raises(StorageError, match=f"HTTP {status}") as read:
         windows.read(np.array([0]))
     assert not isinstance(read.value, FileNotFoundError) and SECRET not in str(read.value)

@@ -24,14 +24,16 @@ import pyarrow.parquet as pq
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.base.errors import StorageError, VerificationError
 from detdata.datasets.tables import TableRows
-from detdata.datasets.tokens import TokenWindows, read_ranges
+from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.trace import first_difference, read_trace, step_digests
 from detdata.storage.fs import filesystem
+from detdata.storage.ranges import read_ranges
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
 from tests.resume_checker import run_digests
@@ -224,9 +226,7 @@ def test_gs_root_goes_through_the_remote_path(
     ds = TokenWindows(
         local_manifest.with_root("gs://detdata-bucket/data"),
         SEQ,
-        verify="off",
-        retry=FAST,
-        storage_options=opts,
+        storage=Storage(verify="off", retry=FAST, fs_options=opts),
     )
     with pytest.raises(
         StorageError, match=r"shard-00\.npy at gs://detdata-bucket/data/shard-00\.npy"
@@ -259,7 +259,9 @@ def test_token_windows_remote_equal_local(
         if cached
         else {"cache_dir": None}  # coalesced range reads (the default caches remote shards)
     )
-    remote = TokenWindows(local_manifest.with_root(root), SEQ, storage_options=opts, **extra)
+    remote = TokenWindows(
+        local_manifest.with_root(root), SEQ, storage=Storage(fs_options=opts, **extra)
+    )
     assert remote.manifest.id == local.manifest.id
     rng = np.random.default_rng(3)
     for _ in range(3):
@@ -278,7 +280,9 @@ def test_table_rows_on_s3_equal_local(
     extra: dict[str, Any] = (
         {"cache_dir": tmp_path / "c", "shard_cache_bytes": 1 << 20} if cached else {}
     )
-    remote = TableRows(build_manifest(f"{s3_root}/tables", **opts), storage_options=opts, **extra)
+    remote = TableRows(
+        build_manifest(f"{s3_root}/tables", **opts), storage=Storage(fs_options=opts, **extra)
+    )
     assert remote.manifest.id == local.manifest.id
     ids = np.random.default_rng(1).integers(0, 300, size=64)
     got, want = remote.read(ids), local.read(ids)
@@ -297,7 +301,9 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
     proxy = fault_proxy(http_server.port)
     root = proxied(http_root[1], http_server.port, proxy)
     policy = RetryPolicy(deadline_s=3.0, attempt_timeout_s=0.5, base_delay_s=0.1, max_delay_s=1.0)
-    ds = TokenWindows(local_manifest.with_root(root), SEQ, retry=policy)  # verified while clean
+    ds = TokenWindows(
+        local_manifest.with_root(root), SEQ, storage=Storage(retry=policy)
+    )  # verified while clean
     proxy.set_plan(reset_all)
     caplog.set_level(logging.WARNING, "detdata.retry")
     start = time.monotonic()
@@ -340,11 +346,13 @@ def test_s3_resets_fail_cache_fill_and_manifest_read_naming_url(
     ds = TokenWindows(
         local_manifest.with_root(s3_root),
         SEQ,
-        verify="off",
-        retry=FAST,
-        storage_options=opts,
-        cache_dir=tmp_path / "cache",
-        shard_cache_bytes=1 << 20,
+        storage=Storage(
+            verify="off",
+            retry=FAST,
+            fs_options=opts,
+            cache_dir=tmp_path / "cache",
+            shard_cache_bytes=1 << 20,
+        ),
     )
     start = time.monotonic()
     with pytest.raises(StorageError, match=rf"shard shard-01\.npy at {s3_root}/shard-01\.npy"):
@@ -367,8 +375,7 @@ def loader_for(ds: detdata.Dataset, trace: Path | None, **kw: Any) -> detdata.Da
         global_batch_size=16,
         micro_batch_size=8,
         seed=7,
-        trace=trace,
-        total_samples=16 * 13,
+        options=detdata.LoaderOptions(total_samples=16 * 13, trace=trace),
         **kw,
     )
 
@@ -403,7 +410,9 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
 
     def remote() -> TokenWindows:
         return TokenWindows(
-            local_manifest.with_root(root), SEQ, retry=PATIENT, storage_options=opts, **extra
+            local_manifest.with_root(root),
+            SEQ,
+            storage=Storage(retry=PATIENT, fs_options=opts, **extra),
         )
 
     local = TokenWindows(local_manifest, SEQ)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata import Storage
 from detdata.base.errors import DetdataError, RetriesExhausted, StorageError, VerificationError
 from detdata.base.redact import (
     has_credentials,
@@ -194,9 +195,13 @@ def test_remote_run_never_shows_a_secret(
     # resolve + open + a loader run through resets (retries are logged), with a trace
     proxy.set_plan(schedule(reset_every=3, reset_after=200))
     resolved = reg.resolve("secret@v1", root=root, storage_options=opts)
-    ds = TokenWindows(resolved, SEQ, storage_options=opts, retry=PATIENT)
+    ds = TokenWindows(resolved, SEQ, storage=Storage(fs_options=opts, retry=PATIENT))
     loader = detdata.DataLoader(
-        ds, global_batch_size=8, micro_batch_size=8, seed=5, trace=work / "trace.jsonl"
+        ds,
+        global_batch_size=8,
+        micro_batch_size=8,
+        seed=5,
+        options=detdata.LoaderOptions(trace=work / "trace.jsonl"),
     )
     batches = [b for _, b in zip(range(6), loader, strict=False)]
     assert len(batches) == 6 and proxy.stats.resets >= 1
@@ -219,7 +224,9 @@ def test_remote_run_never_shows_a_secret(
     # a store that resets every connection: RetriesExhausted names shard and redacted URL
     proxy.set_plan(reset_all)
     # cache_dir=None: range reads (the default cache already holds the copy read above)
-    fresh = TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST, cache_dir=None)
+    fresh = TokenWindows(
+        resolved, SEQ, storage=Storage(fs_options=opts, retry=FAST, cache_dir=None)
+    )
     with pytest.raises(RetriesExhausted) as exhausted:
         fresh.read(np.array([0]))
     errors.append(exhausted.value)
@@ -232,9 +239,9 @@ def test_remote_run_never_shows_a_secret(
     try:
         with pytest.raises(StorageError, match=r"shard shard-02\.npy") as gone:
             # cache_dir=None: the default cache holds a verified copy read above
-            TokenWindows(resolved, SEQ, storage_options=opts, retry=FAST, cache_dir=None).read(
-                np.array([ds.num_samples - 1])
-            )
+            TokenWindows(
+                resolved, SEQ, storage=Storage(fs_options=opts, retry=FAST, cache_dir=None)
+            ).read(np.array([ds.num_samples - 1]))
         errors.append(gone.value)
         with pytest.raises(VerificationError, match=r"shard-02\.npy .*missing") as missing:
             Manifest.load(str(work / "manifest.json"), root=root, retry=FAST, **opts)

@@ -1,0 +1,165 @@
+"""Arrow columns as numpy arrays: what `detdata.datasets.tables.TableRows` delivers.
+
+`to_numpy` turns one column of a row group into numpy: primitive columns 1-D; fixed-size
+lists and lists whose rows all have one length 2-D ``(rows, length)`` (flattened values +
+reshape, no per-row Python); strings/binary 1-D object arrays; timestamps, dates and
+durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of varying length
+are a `FormatError` unless the column is ``ragged`` (then an object array of read-only
+1-D arrays, a slow path; `copy_rows` makes a batch's own copies). `check_column_type`
+refuses at construction the types it cannot convert; `arrow_kind` says, from the Arrow
+type alone, what a column becomes (`detdata.datasets.columns.describe_column` form).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from detdata.base.errors import FormatError
+from detdata.base.lazy import lazy_module
+from detdata.base.types import IntArray
+from detdata.datasets.columns import describe_dtype
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+else:  # imported where a table is first read (base/lazy.py)
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+
+
+def one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array (no copy when it already is a single chunk)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray[Any, Any]:
+    """One column as numpy: 1-D for scalars, 2-D for equal-length lists, object if ``ragged``.
+
+    Numeric columns and list values must have no nulls (`FormatError` naming
+    ``where``). Lists of varying length are a `FormatError` unless ``ragged``.
+    """
+    kind = array.type
+    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _list_to_numpy(array, where, ragged)
+    if (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    ):
+        return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
+    if array.null_count:
+        raise FormatError(
+            f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
+            "fill nulls when writing the shards"
+        )
+    return np.asarray(array.to_numpy(zero_copy_only=False))
+
+
+def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any, Any]:
+    if array.null_count:
+        raise FormatError(
+            f"{where}: {array.null_count} null list(s); hint: write empty lists "
+            "or pad instead of nulls"
+        )
+    rows = len(array)
+    if pa.types.is_fixed_size_list(array.type):  # one length by type: nothing to compare
+        size = int(array.type.list_size)
+        values = array.values.slice(array.offset * size, rows * size)
+        if values.null_count:
+            raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
+        flat = np.asarray(values.to_numpy(zero_copy_only=False))
+        if ragged:
+            return _object_rows(flat, np.full(rows, size, dtype=np.int64))
+        return flat.reshape(rows, size)
+    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    lengths = np.diff(offsets)
+    values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count:
+        raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
+    flat = np.asarray(values.to_numpy(zero_copy_only=False))
+    if ragged:
+        return _object_rows(flat, lengths)
+    if rows and int(lengths.min()) != int(lengths.max()):
+        raise FormatError(
+            f"{where}: list lengths vary from {int(lengths.min())} to "
+            f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
+            "pad/pack to one length, store a fixed_size_list, or name the column in "
+            "ragged= to get an object array"
+        )
+    return flat.reshape(rows, int(lengths[0]) if rows else 0)
+
+
+def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
+    """Object array of 1-D read-only views (the explicitly requested slow path for ragged
+    lists). Read-only: these rows are cached; `TableRows.read` delivers copies."""
+    flat.flags.writeable = False
+    out = np.empty(len(lengths), dtype=object)
+    bounds = np.cumsum(lengths)[:-1]
+    for i, part in enumerate(np.split(flat, bounds)):
+        out[i] = part
+    return out
+
+
+def copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
+    out = np.empty(len(column), dtype=object)
+    for i, row in enumerate(column.tolist()):
+        out[i] = row.copy()
+    return out
+
+
+def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
+    """`describe_column` of what `to_numpy` makes of an Arrow type (None: a list width
+    that only the data knows)."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "str"
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "bytes"
+    if pa.types.is_time(kind):
+        return "time"
+    if pa.types.is_fixed_size_list(kind):
+        return describe_dtype(_numpy_dtype(kind.value_type), (kind.list_size,))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return f"list<{_numpy_dtype(kind.value_type).name}>" if ragged else None
+    return describe_dtype(_numpy_dtype(kind))
+
+
+def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
+    """The dtype `to_numpy` gives a column of Arrow type ``kind`` (converted the same way)."""
+    return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
+
+
+def check_column_type(field: pa.Field, shard: str) -> None:
+    kind = field.type
+    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        kind = kind.value_type
+        if not (
+            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+        ):
+            raise FormatError(
+                f"shard {shard} column {field.name!r}: lists of {kind} are not "
+                "supported (only lists of numbers/booleans); hint: drop it via columns="
+            )
+        return
+    if pa.types.is_interval(kind):  # pyarrow's to_numpy crashes the process on intervals
+        raise FormatError(
+            f"shard {shard} column {field.name!r}: interval type {kind} is not "
+            "supported; hint: store it as integer columns (months, days, nanoseconds) "
+            "or drop it via columns="
+        )
+    simple = (
+        pa.types.is_integer(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_boolean(kind)
+        or pa.types.is_temporal(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
+    if not simple:
+        raise FormatError(
+            f"shard {shard} column {field.name!r}: type {kind} is not supported; "
+            "hint: select other columns via columns="
+        )

@@ -1,0 +1,347 @@
+"""The per-process cache of decoded row groups of a `detdata.datasets.tables.TableRows`.
+
+`GroupSlots` is a bounded LRU of decoded row groups (`Group`: one numpy array per
+selected column) whose groups live, when the whole manifest fits its bounds, in slots
+of shared column arrays, so that a batch of cached rows is one ``take`` per column
+(see its docstring). `auto_cache_row_groups` sizes its count bound from the order the
+dataset is read in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from detdata.base.types import IntArray
+from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
+
+Columns = dict[str, np.ndarray[Any, Any]]
+
+
+def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
+    """The row groups a `TableRows` with the default ``cache_row_groups`` (None) caches when
+    read in ``choice`` (None: not told, read as if shuffled globally), unless the whole
+    decoded manifest fits ``row_group_cache_bytes``: then every row group, whatever the
+    order (`GroupSlots` ``whole_if_fits``; later epochs decode nothing).
+
+    * A global shuffle (`Order.FEISTEL_V1`, or no order): every row group of the manifest,
+      the working set of a shuffled epoch (``row_group_cache_bytes`` still bounds the bytes:
+      a dataset larger than that bound is re-decoded whatever the count).
+    * ``LocalityOrder(window_row_groups=k)``: ``2k`` (capped at all row groups). A stretch of
+      positions reads the ``k`` groups of one window, and a read that crosses into the next
+      window also needs that window's ``k``: with ``2k`` cached, each row group is decoded
+      once per window it lies in, i.e. once per epoch.
+    * ``LocalityOrder(window_shards=k)``: twice the row groups of the ``k`` shards with the
+      most row groups (a window's shards, and the next window's, whichever they are).
+    """
+    total = sum(groups_per_shard)
+    if not isinstance(choice, LocalityOrder):
+        return total
+    if choice.unit is LocalityUnit.ROW_GROUPS:
+        return min(total, 2 * choice.window)
+    largest = sorted(groups_per_shard, reverse=True)[: choice.window]
+    return min(total, 2 * sum(largest))
+
+
+@dataclass(frozen=True)
+class Group:
+    """A decoded row group: one numpy array per selected column, and its size in bytes."""
+
+    columns: Columns
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A cached group: its slot (``-1``: kept as its own arrays in ``group``), rows and charge."""
+
+    slot: int
+    rows: int
+    nbytes: int
+    group: Group | None
+
+
+class GroupSlots:
+    """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU (the
+    contract of the plain LRU model in `tests/datasets/lru_model.py`) whose groups live in
+    slots of shared column arrays.
+
+    Bounds, as for a plain LRU: at most ``max_groups`` groups and ``max_bytes``
+    bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
+    used groups until both hold; a group charged more than ``max_bytes`` is not kept;
+    ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
+    With ``whole_if_fits`` (a `TableRows` with the default ``cache_row_groups``), the
+    count bound is raised to every row group of the manifest when the first group shows
+    that they all fit ``max_bytes`` at the slot charge below.
+
+    Storage: when every row group of the manifest fits both bounds (at the slot charge
+    below: the dataset can be cached whole, the working set of shuffled reads), groups
+    are copied into slots of one array per column, ``rows_per_slot`` rows (the largest
+    row group of the manifest) per slot, so a batch whose groups are all cached is ONE
+    ``take`` per column (`gather`), rows already in the requested order. A group in a
+    slot is charged the slot's bytes (``rows_per_slot`` rows even when the group is
+    shorter; 8 bytes a row for object columns) plus the Arrow bytes of its string/ragged
+    values. The slot arrays grow by doubling up to one slot per row group of the
+    manifest, which fits in ``max_bytes`` (``pool_bytes``; it can be up to twice the
+    slot bytes of the groups cached so far, never above ``max_bytes``). Otherwise (a
+    smaller cache: most of a shuffled batch's groups must be decoded anyway, and a copy
+    would only add to that), and for a group whose columns do not match the slot layout
+    (a list column of another width; the slots are then given up), groups are kept as
+    their own arrays, charged their own bytes, as a plain LRU does. Slots of evicted
+    groups are reused, so a `Group` from ``get`` is only valid until the next ``put``.
+    Thread-safe: gathers and slot changes hold one lock.
+    """
+
+    def __init__(
+        self,
+        max_groups: int,
+        max_bytes: int,
+        *,
+        group_shard: IntArray,
+        shard_first_group: IntArray,
+        rows_per_slot: int,
+        whole_if_fits: bool = False,
+    ) -> None:
+        self.max_groups = max_groups
+        self.whole_if_fits = whole_if_fits
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.rows_per_slot = rows_per_slot
+        self._group_shard = group_shard
+        self._first = shard_first_group
+        total = int(group_shard.size)
+        self._total = max(total, 1)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU first, unless _dirty
+        self._stamp = np.full(total, -1, dtype=np.int64)  # last use: tick * total + group
+        self._dirty = False  # slot gathers set stamps only; the order is rebuilt when needed
+        self._slot_of = np.full(total, -1, dtype=np.int64)
+        self._tick = 0
+        self._layout: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] | None = None
+        self._slot_bytes = 0
+        self._max_slots = 0
+        self._pool: dict[str, np.ndarray[Any, Any]] = {}
+        self._slots = 0  # allocated
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    # the plain-LRU interface -------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the slot arrays allocated so far (0 without slots; ``<= max_bytes``)."""
+        return self._slots * self._slot_bytes
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Cached (shard, group) keys, least recently used first."""
+        with self._lock:
+            self._order()
+            return [self._key(g) for g in self._entries]
+
+    def get(self, key: tuple[int, int]) -> Group | None:
+        """The cached group (marked most recently used), or None."""
+        g = self._global(key)
+        with self._lock:
+            entry = self._entries.get(g)
+            if entry is None:
+                return None
+            self._touch(g)
+            if entry.group is not None:
+                return entry.group
+            a = entry.slot * self.rows_per_slot
+            return Group(
+                {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
+            )
+
+    def put(self, key: tuple[int, int], item: Group) -> None:
+        """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
+        self.insert(self._global(key), item)
+
+    def insert(self, g: int, item: Group) -> None:
+        """`put` by global row group index."""
+        if self.max_groups == 0:
+            return
+        rows = _rows(item)
+        with self._lock:
+            pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
+            charge = item.nbytes
+            if pooled:
+                fixed = sum(int(c.nbytes) for c in item.columns.values() if c.dtype != object)
+                charge = self._slot_bytes + item.nbytes - fixed
+            if charge > self.max_bytes:
+                return
+            entries = self._entries
+            old = entries.pop(g, None)
+            if old is not None:
+                self._forget(g, old)
+            if len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes:
+                self._order()
+                while entries and (
+                    len(entries) >= self.max_groups or self.nbytes + charge > self.max_bytes
+                ):
+                    self._forget(*entries.popitem(last=False))  # least recently used first
+            entry = _Entry(-1, rows, charge, item)
+            if pooled:
+                entry = _Entry(self._alloc_slot(), rows, charge, None)
+                a = entry.slot * self.rows_per_slot
+                for name, col in self._pool.items():
+                    col[a : a + rows] = item.columns[name]
+                self._slot_of[g] = entry.slot
+            entries[g] = entry  # the most recently used
+            self.nbytes += charge
+            self._stamp[g] = self._tick * self._total + g
+            self._tick += 1
+
+    # batch reads --------------------------------------------------------------
+    def gather(
+        self, groups: IntArray, rows: IntArray, columns: Sequence[str]
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        """Rows ``rows`` of global row groups ``groups`` (non-empty), one ``take`` per column,
+        in the given order; None (nothing touched) unless every group is in a slot."""
+        with self._lock:
+            if not self._pool:
+                return None
+            slots = self._slot_of[groups]
+            if int(slots.min()) < 0:
+                return None
+            # LRU: the groups of a batch are used in order of first use (as `TableRows.read`)
+            used, first = np.unique(groups, return_index=True)
+            rank = np.empty(used.size, dtype=np.int64)
+            rank[first.argsort(kind="stable")] = np.arange(used.size, dtype=np.int64)
+            self._stamp[used] = self._tick * self._total + rank
+            self._tick += 1
+            self._dirty = True
+            index = slots * self.rows_per_slot + rows
+            return {name: self._pool[name].take(index, axis=0) for name in columns}
+
+    def missing(self, groups: IntArray) -> IntArray | None:
+        """The global row groups of ``groups`` (non-empty) not cached, in order of first use,
+        when caching them cannot evict any group: the groups sit in slots and every column
+        has a fixed width (each group is then charged the slot's bytes, and the manifest's
+        row groups all fit both bounds at that charge); None otherwise (no slots, or object
+        columns, whose charge varies). `insert` them, then `gather` the batch: that leaves
+        the cache as a visit of ``groups`` in order of first use would (`TableRows.read`)."""
+        with self._lock:
+            layout = self._layout
+            if not self._pool or layout is None or any(d.kind == "O" for d, _ in layout.values()):
+                return None
+            todo = groups[self._slot_of[groups] < 0]
+        if not todo.size:
+            return todo
+        used, first = np.unique(todo, return_index=True)
+        return used[np.argsort(first, kind="stable")]
+
+    def take_rows(self, group: int, rows: IntArray) -> Columns | None:
+        """Copies of ``rows`` of one cached global row group (marked used), or None."""
+        with self._lock:
+            entry = self._entries.get(group)
+            if entry is None:
+                return None
+            self._touch(group)
+            if entry.group is not None:
+                return {n: c[rows] for n, c in entry.group.columns.items()}
+            index = rows + entry.slot * self.rows_per_slot
+            return {n: c.take(index, axis=0) for n, c in self._pool.items()}
+
+    # internals (called with the lock held) -------------------------------------
+    def _global(self, key: tuple[int, int]) -> int:
+        return int(self._first[key[0]]) + int(key[1])
+
+    def _key(self, g: int) -> tuple[int, int]:
+        shard = int(self._group_shard[g])
+        return shard, g - int(self._first[shard])
+
+    def _touch(self, g: int) -> None:
+        self._stamp[g] = self._tick * self._total + g
+        self._tick += 1
+        if not self._dirty:
+            self._entries.move_to_end(g)
+
+    def _order(self) -> None:
+        """Put ``_entries`` back in LRU order after slot gathers (which only set stamps)."""
+        if self._dirty:
+            for g in sorted(self._entries, key=self._stamp.__getitem__):
+                self._entries.move_to_end(g)  # in place: callers may hold the dict
+            self._dirty = False
+
+    def _fits(self, item: Group, rows: int) -> bool:
+        """Does ``item`` go into a slot? The first group fixes the layout and whether slots
+        are used at all: only when every row group of the manifest fits both bounds."""
+        if self._layout is None:
+            layout = {n: (c.dtype, tuple(c.shape[1:])) for n, c in item.columns.items()}
+            row_bytes = sum(
+                d.itemsize * int(np.prod(shape, dtype=np.int64)) for d, shape in layout.values()
+            )
+            self._slot_bytes = self.rows_per_slot * row_bytes
+            total = int(self._group_shard.size)
+            fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
+            if self.whole_if_fits and fit >= total:
+                self.max_groups = max(self.max_groups, total)  # the whole manifest fits
+            self._max_slots = total if min(self.max_groups, fit) >= total else 0
+            self._layout = layout
+        if self._max_slots == 0:
+            return False
+        if (
+            rows <= self.rows_per_slot
+            and item.columns.keys() == self._layout.keys()
+            and all(
+                item.columns[n].dtype == d and tuple(item.columns[n].shape[1:]) == shape
+                for n, (d, shape) in self._layout.items()
+            )
+        ):
+            return True
+        self._unpool()  # e.g. a list column of another width: no slots from now on
+        return False
+
+    def _unpool(self) -> None:
+        """Turn every group in a slot into its own arrays (charged their own bytes); drop the
+        slots."""
+        for g, entry in self._entries.items():
+            if entry.slot < 0:
+                continue
+            a = entry.slot * self.rows_per_slot
+            columns = {n: col[a : a + entry.rows].copy() for n, col in self._pool.items()}
+            fixed = sum(int(c.nbytes) for c in columns.values() if c.dtype != object)
+            charge = entry.nbytes - self._slot_bytes + fixed
+            self.nbytes += charge - entry.nbytes
+            self._entries[g] = _Entry(-1, entry.rows, charge, Group(columns, charge))
+            self._slot_of[g] = -1
+        self._pool = {}
+        self._free = []
+        self._slots = 0
+        self._max_slots = 0
+
+    def _alloc_slot(self) -> int:
+        if not self._free:
+            assert self._layout is not None and self._slots < self._max_slots  # bounds imply it
+            grown = min(self._max_slots, max(4, 2 * self._slots))
+            for name, (dtype, shape) in self._layout.items():
+                col = np.empty((grown * self.rows_per_slot, *shape), dtype=dtype)
+                old = self._pool.get(name)
+                if old is not None:
+                    col[: old.shape[0]] = old
+                self._pool[name] = col
+            self._free = list(range(grown - 1, self._slots - 1, -1))
+            self._slots = grown
+        return self._free.pop()
+
+    def _forget(self, g: int, entry: _Entry) -> None:
+        """Account for ``entry`` (group ``g``) having left ``_entries``; free its slot."""
+        self.nbytes -= entry.nbytes
+        if entry.slot >= 0:
+            self._slot_of[g] = -1
+            a = entry.slot * self.rows_per_slot
+            for col in self._pool.values():
+                if col.dtype == object:
+                    col[a : a + self.rows_per_slot] = None  # drop the references
+            self._free.append(entry.slot)
+
+
+def _rows(item: Group) -> int:
+    return len(next(iter(item.columns.values()))) if item.columns else 0

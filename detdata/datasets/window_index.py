@@ -1,0 +1,462 @@
+"""`TokenWindows`' per-shard index: built once per job, memory-mapped by every rank (DESIGN.md 8).
+
+What a `TokenWindows` needs of every shard (`WindowIndex`): the cumulative window counts
+(``starts``, ``count + 1`` int64: window ids ``[starts[s], starts[s + 1])`` are shard
+``s``'s), the byte offset of its tokens, its size in bytes and its dtype code. Making it
+(`build_window_index`) reads the manifest's columns whole and runs the open-time checks
+(every shard a token shard whose size its dtype and sample count explain; none too short
+for a window unless ``allow_short_shards``): O(shards) CPU and memory, ~26 MB at 1M shards.
+
+Built once, mapped by every rank. For a manifest in the mapped fast form
+(`detdata.identity.columns`) with receipts on, the index is a file in the receipts folder
+(``DETDATA_RECEIPTS``, per machine): ``<key>.windows``, ``key`` the blake3 of its inputs
+(`window_inputs`: the manifest id, the columns file's header digest, ``seq_len``,
+``labels``, ``allow_short_shards`` and this layout's version). A rank that finds it maps it
+(`load_window_index`); otherwise one process builds and writes it while the others wait:
+under a ``torch.distributed`` group the job's verifier for the manifest
+(`detdata.identity.receipts.job_meeting`, the others wait for it through the group's store
+as for a verdict, and build it themselves if it has not started within
+``DETDATA_VERIFY_WAIT_S``), else whichever process takes the file's lock first (the others
+find the file once they hold the lock). Other manifests, manifests of fewer than
+`STORE_MIN_SHARDS` shards, or ``DETDATA_RECEIPTS=off``: the index is built in memory in
+every process.
+
+Layout (little-endian)::
+
+    magic "DDWINDX1"  u64 header length  header (canonical JSON)  zero padding to 64
+    sections: starts <i8 (count + 1)  offsets <i8  sizes <i8  codes <i2 (each 64-aligned)
+    blake3 of every byte above (32 bytes)
+
+Checked in full by every process that maps it, before any of it is used: the trailing
+blake3 over every byte (hashed through the mapping a MiB at a time, each MiB dropped from
+the process's resident set once hashed: a rank keeps only the pages it later touches), the
+header's inputs equal to the dataset's, its sections exactly where a header for that many
+shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window count, the dtypes
+token dtypes and the codes in use among them. A file failing any of these (damaged,
+truncated, stale, of other inputs) is reported with a `RuntimeWarning` naming it and what
+differs, and rebuilt. It is replaced atomically, never rewritten in place: a mapping keeps
+the file it mapped.
+
+What the check does not prove: that the file's content is what its inputs make. It is
+detdata's own output, computed from the checked columns by the builder and guarded by its
+digest against damage, not against a forger who rewrites it with a valid digest: the trust
+placed in a verification receipt of the same folder (which lets a restart skip reading
+shards) is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Final
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import FormatError
+from detdata.base.types import IntArray
+from detdata.identity.columns import ShardTable
+from detdata.identity.entry import ShardEntry
+from detdata.identity.formats import TOKEN_DTYPES, Format
+from detdata.identity.manifest import Manifest
+from detdata.identity.receipts import job_meeting, receipt_dir, wait_s
+from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.locks import file_lock
+
+MAGIC: Final = b"DDWINDX1"
+KIND: Final = "detdata.token-windows-index"
+VERSION: Final = 1
+SUFFIX: Final = ".windows"
+#: manifests of fewer shards build the index in memory (a ms or two: less than a stored
+#: file's write, fsync and check would cost a small corpus's first start)
+STORE_MIN_SHARDS: Final = 1 << 12
+#: bytes hashed (then dropped from the resident set) at a time when a file is checked
+HASH_PIECE: Final = 1 << 20
+#: a header larger than this is refused (it holds the inputs and a few dtype names)
+MAX_HEADER: Final = 1 << 20
+_HEAD: Final = 16  # magic + header length
+_ALIGN: Final = 64
+_DIGEST: Final = 32
+#: each section: (name, dtype, elements for ``count`` shards)
+_SECTIONS: Final = (("starts", "<i8", 1), ("offsets", "<i8", 0), ("sizes", "<i8", 0))
+_CODES: Final = ("codes", "<i2", 0)
+
+
+@dataclass(frozen=True, eq=False)
+class WindowIndex:
+    """Per shard of a token manifest (in manifest order): ``starts`` (cumulative windows,
+    ``count + 1``), ``offsets`` (byte offset of its tokens), ``sizes`` (bytes) and
+    ``codes`` (index into ``dtypes``); ``used``: the codes some shard has. Read-only
+    arrays, memory-mapped from ``path`` (None: built in this process)."""
+
+    starts: IntArray
+    offsets: IntArray
+    sizes: IntArray
+    codes: npt.NDArray[np.int16]
+    dtypes: tuple[str, ...]
+    used: tuple[int, ...]
+    path: str | None = None
+
+    @property
+    def windows(self) -> int:
+        """Windows over all shards."""
+        return int(self.starts[-1])
+
+
+# ------------------------------------------------------------------------ building
+def build_window_index(
+    manifest: Manifest, seq_len: int, labels: bool, allow_short: bool
+) -> WindowIndex:
+    """The index of ``manifest`` for windows of ``seq_len`` (+1 with ``labels``), from its
+    columns (vectorised; an entry is built only for a culprit). `FormatError` naming the
+    first shard that is not a token shard of a consistent size (`check_token_shard`), or,
+    unless ``allow_short``, the first too short for one window (`short_shard_error`)."""
+    dtypes, codes = _check_token_shards(manifest)
+    tokens = manifest.samples_per_shard()
+    counts = np.maximum(0, (tokens - int(labels)) // seq_len)
+    if not allow_short:
+        short = np.flatnonzero(counts == 0)
+        if short.size:
+            raise short_shard_error(manifest.shards[int(short[0])], seq_len, labels)
+    starts = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    index = WindowIndex(
+        starts=starts,
+        offsets=np.maximum(manifest.data_offsets(), 0),
+        sizes=np.ascontiguousarray(manifest.bytes_per_shard(), dtype=np.int64),
+        codes=codes.astype(np.int16),
+        dtypes=dtypes,
+        used=distinct_codes(codes),
+    )
+    for arr in (index.starts, index.offsets, index.sizes, index.codes):
+        arr.flags.writeable = False
+    return index
+
+
+def distinct_codes(code: npt.NDArray[Any]) -> tuple[int, ...]:
+    """The distinct values of ``code`` (non-negative dtype codes), ascending: `np.unique`'s
+    answer without its first-call import of ``numpy.ma`` (~20 ms of a small corpus's open)."""
+    return tuple(np.flatnonzero(np.bincount(code)).tolist()) if code.size else ()
+
+
+def _check_token_shards(manifest: Manifest) -> tuple[tuple[str, ...], npt.NDArray[Any]]:
+    """``(dtypes, codes)``: the manifest's dtype names and each shard's index into them;
+    `FormatError` naming the first shard that is not a token shard with a consistent size
+    (`check_token_shard`). Vectorised over the manifest's columns."""
+    formats, fcode = manifest.codes("format")
+    dtypes, dcode = manifest.codes("dtype")
+    token_fmt = np.array([Format(f) in (Format.NPY, Format.BIN) for f in formats] + [False])
+    token_dt = np.array([d in TOKEN_DTYPES for d in dtypes] + [False])
+    bad = ~token_fmt[fcode] | ~token_dt[dcode]  # code -1 picks the trailing False
+    sizes = np.array([np.dtype(d).itemsize if d in TOKEN_DTYPES else 0 for d in dtypes] + [0])
+    expected = np.maximum(manifest.data_offsets(), 0) + (
+        manifest.samples_per_shard() * sizes[dcode]
+    )
+    bad |= expected != manifest.bytes_per_shard()  # a size the dtype does not explain
+    if bad.any():
+        check_token_shard(manifest.shards[int(np.flatnonzero(bad)[0])])
+    return dtypes, dcode
+
+
+def check_token_shard(shard: ShardEntry) -> str:
+    """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a
+    consistent size."""
+    if shard.format not in (Format.NPY, Format.BIN):
+        raise FormatError(
+            f"shard {shard.path}: format {shard.format.value!r} is not a token format "
+            "(npy, bin); hint: use TableRows for parquet/arrow shards"
+        )
+    if shard.dtype not in TOKEN_DTYPES:
+        raise FormatError(
+            f"shard {shard.path}: dtype {shard.dtype!r} is not a token dtype "
+            f"({', '.join(TOKEN_DTYPES)})"
+        )
+    offset = shard.data_offset or 0
+    expected = offset + shard.num_samples * np.dtype(shard.dtype).itemsize
+    if expected != shard.bytes:
+        raise FormatError(
+            f"shard {shard.path}: manifest says {shard.num_samples} x {shard.dtype} "
+            f"after a {offset}-byte header ({expected} bytes) but {shard.bytes} bytes; "
+            "hint: rebuild the manifest"
+        )
+    return shard.dtype
+
+
+def short_shard_error(shard: ShardEntry, seq_len: int, labels: bool) -> FormatError:
+    """The error for a shard too short for one window."""
+    return FormatError(
+        f"shard {shard.path}: {shard.num_samples} tokens is too short for one window of "
+        f"seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
+        f"labels={labels}); hint: pass allow_short_shards=True to skip "
+        "such shards, or use a smaller seq_len"
+    )
+
+
+# ------------------------------------------------------------------ built once, mapped
+def window_inputs(
+    manifest: Manifest, seq_len: int, labels: bool, allow_short: bool
+) -> dict[str, Any]:
+    """What the index of a fast-form ``manifest`` is a function of (its file's tie)."""
+    assert isinstance(manifest.shards, ShardTable)
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "manifest": manifest.id,
+        "columns": manifest.shards.columns.header_digest,
+        "seq_len": seq_len,
+        "labels": labels,
+        "allow_short_shards": allow_short,
+    }
+
+
+def window_index_path(inputs: dict[str, Any]) -> str | None:
+    """Where the index of ``inputs`` is kept (None: receipts, and so stored indexes, off)."""
+    folder = receipt_dir()
+    if folder is None:
+        return None
+    return os.path.join(folder, blake3.blake3(canonical_json(inputs)).hexdigest()[:40] + SUFFIX)
+
+
+def open_window_index(
+    manifest: Manifest, seq_len: int, labels: bool, allow_short: bool, *, meet: bool = True
+) -> WindowIndex:
+    """The index of ``manifest`` for these windows: mapped from its file, built once per
+    job where it is missing or fails its checks (see the module docstring), or built in
+    memory (a manifest not in the fast form, or receipts off). ``meet=False`` (a dataset
+    unpickled in a worker process, which must not use the parent's process group): no
+    meeting through the group, the file's lock only."""
+    if not isinstance(manifest.shards, ShardTable) or len(manifest.shards) < STORE_MIN_SHARDS:
+        return build_window_index(manifest, seq_len, labels, allow_short)
+    inputs = window_inputs(manifest, seq_len, labels, allow_short)
+    path = window_index_path(inputs)
+    if path is None:
+        return build_window_index(manifest, seq_len, labels, allow_short)
+    count = len(manifest.shards)
+    reported: set[str] = set()  # each problem of the file is reported once
+    found = _load_warning(path, inputs, count, reported)
+    if found is not None:
+        return found
+    store, leader, key = (
+        job_meeting(manifest, f"windows/{os.path.basename(path)}") if meet else (None, True, "")
+    )
+    if store is not None and not leader:
+        _await_leader(store, key, path)
+        found = _load_warning(path, inputs, count, reported)
+        if found is not None:
+            return found
+    if store is not None and leader:
+        store.set(key + "/started", b"1")
+    try:
+        with file_lock(path + ".lock"):
+            found = _load_warning(path, inputs, count, reported)  # built by another meanwhile
+            if found is not None:
+                return found
+            built = build_window_index(manifest, seq_len, labels, allow_short)
+            try:
+                atomic_write_bytes(path, encode_window_index(built, inputs))
+            except OSError:  # not stored: every process builds its own
+                return built
+            # the builder maps the file it wrote too (every process holds the same pages)
+            return _load_warning(path, inputs, count, reported) or built
+    finally:
+        if store is not None and leader:
+            store.set(key + "/done", b"1")
+
+
+def _await_leader(store: Any, key: str, path: str) -> None:
+    """Wait until the leader wrote the index file (or finished without one), polling the
+    file and the store with a growing pause (2 ms to 100 ms); give up when the leader has
+    not started within `detdata.identity.receipts.wait_s`."""
+    deadline = time.monotonic() + wait_s()
+    started = False
+    pause = 0.002
+    while not os.path.exists(path) and not store.check([key + "/done"]):
+        if not started:
+            started = store.check([key + "/started"])
+            if not started and time.monotonic() > deadline:
+                return
+        time.sleep(pause)
+        pause = min(0.1, pause * 2)
+
+
+def encode_window_index(index: WindowIndex, inputs: dict[str, Any]) -> bytes:
+    """The file of ``index`` for ``inputs`` (the layout of the module docstring)."""
+    count = index.codes.size
+    header = canonical_json(
+        {
+            "kind": KIND,
+            "version": VERSION,
+            "inputs": inputs,
+            "count": count,
+            "windows": index.windows,
+            "dtypes": list(index.dtypes),
+            "used": list(index.used),
+            "sections": _layout(count),
+        }
+    )
+    head = MAGIC + len(header).to_bytes(8, "little") + header
+    parts = [head + b"\0" * (-len(head) % _ALIGN)]
+    for (_, dtype, _), arr in zip(
+        (*_SECTIONS, _CODES), (index.starts, index.offsets, index.sizes, index.codes), strict=True
+    ):
+        raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype)).tobytes()
+        parts.append(raw + b"\0" * (-len(raw) % _ALIGN))
+    body = b"".join(parts)
+    return body + blake3.blake3(body).digest()
+
+
+def _layout(count: int) -> dict[str, list[Any]]:
+    """Each section's ``[offset from the data start, bytes, dtype]`` for ``count`` shards."""
+    out: dict[str, list[Any]] = {}
+    at = 0
+    for name, dtype, extra in (*_SECTIONS, _CODES):
+        size = (count + extra) * np.dtype(dtype).itemsize
+        out[name] = [at, size, dtype]
+        at += size + (-size % _ALIGN)
+    return out
+
+
+class _Invalid(Exception):
+    """An index file that fails a check (the message says which)."""
+
+
+def _load_warning(
+    path: str, inputs: dict[str, Any], count: int, reported: set[str]
+) -> WindowIndex | None:
+    """`load_window_index`, a file that fails its checks reported (`RuntimeWarning`; a
+    problem already in ``reported`` is not reported again)."""
+    try:
+        return load_window_index(path, inputs, count)
+    except _Invalid as exc:
+        if str(exc) in reported:
+            return None
+        reported.add(str(exc))
+        warnings.warn(
+            f"token windows index {path} does not match what it records (damaged, "
+            f"truncated, stale or of other inputs): {exc}; rebuilding it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+
+
+def load_window_index(path: str, inputs: dict[str, Any], count: int) -> WindowIndex | None:
+    """The index file ``path`` mapped and checked in full for ``inputs`` and ``count``
+    shards (see the module docstring); None where there is none; `_Invalid` (a message
+    naming the check) where it fails one."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise _Invalid(f"unreadable ({exc})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < _HEAD + _DIGEST:
+            raise _Invalid(f"{size} bytes is too short for a header")
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        return _checked(path, mapping, inputs, count)
+    except BaseException:
+        mapping.close()
+        raise
+
+
+def _checked(path: str, mapping: mmap.mmap, inputs: dict[str, Any], count: int) -> WindowIndex:
+    """`load_window_index` of the mapped file ``path``."""
+    size = len(mapping)
+    if mapping[:8] != MAGIC:
+        raise _Invalid(f"magic {mapping[:8]!r}, expected {MAGIC!r}")
+    hlen = int.from_bytes(mapping[8:_HEAD], "little")
+    if hlen > MAX_HEADER or _HEAD + hlen + _DIGEST > size:
+        raise _Invalid(f"header length {hlen} does not fit the file ({size} bytes)")
+    header = _header(mapping[_HEAD : _HEAD + hlen])
+    if header.get("inputs") != inputs:
+        raise _Invalid(f"made for {header.get('inputs')}, not {inputs}")
+    if header["count"] != count:
+        raise _Invalid(f"{header['count']} shards, the manifest has {count}")
+    layout = _layout(count)
+    if header.get("sections") != layout:
+        raise _Invalid(f"sections {header.get('sections')}, expected {layout}")
+    data_at = _HEAD + hlen + (-(_HEAD + hlen) % _ALIGN)
+    name = _CODES[0]
+    end = data_at + layout[name][0] + layout[name][1]
+    end += -end % _ALIGN
+    if size != end + _DIGEST:
+        raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
+    if _digest(mapping, end) != mapping[end:]:
+        raise _Invalid("its bytes do not match its digest (damaged)")
+    arrays = [
+        np.frombuffer(
+            mapping,
+            dtype=np.dtype(dt),
+            count=layout[nm][1] // np.dtype(dt).itemsize,
+            offset=data_at + layout[nm][0],
+        )
+        for nm, dt, _ in (*_SECTIONS, _CODES)
+    ]
+    starts = arrays[0]
+    if int(starts[0]) != 0 or int(starts[-1]) != header["windows"]:
+        raise _Invalid(
+            f"window starts run from {int(starts[0])} to {int(starts[-1])}, the header says "
+            f"0 to {header['windows']}"
+        )
+    dtypes, used = header["dtypes"], header["used"]
+    return WindowIndex(
+        starts=starts,
+        offsets=arrays[1],
+        sizes=arrays[2],
+        codes=arrays[3],
+        dtypes=tuple(dtypes),
+        used=tuple(used),
+        path=path,
+    )
+
+
+def _header(raw: bytes) -> dict[str, Any]:
+    """The parsed header, its fields' types checked; `_Invalid` otherwise."""
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise _Invalid(f"malformed header ({exc})") from None
+    if not isinstance(header, dict) or header.get("kind") != KIND:
+        raise _Invalid("not a token windows index")
+    if header.get("version") != VERSION:
+        raise _Invalid(f"version {header.get('version')!r}, this detdata writes {VERSION}")
+    for key in ("count", "windows"):
+        if not isinstance(header.get(key), int) or header[key] < 0:
+            raise _Invalid(f"header field {key!r} must be a non-negative integer")
+    dtypes, used = header.get("dtypes"), header.get("used")
+    if not isinstance(dtypes, list) or not all(d in TOKEN_DTYPES for d in dtypes):
+        raise _Invalid(f"dtypes {dtypes!r} are not token dtypes")
+    if (
+        not isinstance(used, list)
+        or not used
+        or not all(isinstance(c, int) and 0 <= c < len(dtypes) for c in used)
+        or used != sorted(set(used))
+    ):
+        raise _Invalid(f"dtype codes in use {used!r} are not distinct codes of {dtypes!r}")
+    return header
+
+
+def _digest(mapping: mmap.mmap, end: int) -> bytes:
+    """blake3 of ``mapping[:end]``, hashed `HASH_PIECE` bytes at a time, each piece's pages
+    dropped from this process's resident set once hashed (they stay in the page cache)."""
+    hasher = blake3.blake3()
+    with memoryview(mapping) as view:
+        for at in range(0, end, HASH_PIECE):
+            stop = min(end, at + HASH_PIECE)
+            hasher.update(view[at:stop])
+            mapping.madvise(mmap.MADV_DONTNEED, at, stop - at)
+    # later uses touch a few pages each (binary searches, per-shard lookups): no read-ahead
+    # or fault-around that would map many pages around each
+    mapping.madvise(mmap.MADV_RANDOM)
+    return hasher.digest()

@@ -1,0 +1,467 @@
+"""The read path of `detdata.TokenWindows`: window ids -> (shard, byte range, result row).
+
+This module is arithmetic only; the bytes are moved by `detdata.storage`: memory maps
+(`detdata.storage.mapped`), the batched file loop, single-file reads and read-ahead
+(`detdata.storage.reads`), coalesced remote ranges (`detdata.storage.ranges`).
+
+``read(ids)`` checks the ids once (min/max), and when they all fall in one shard does ONE
+fancy-index gather from a strided 2-D view of that shard's read-only memory map straight
+into the result. Otherwise it maps ids to shards with one ``np.searchsorted`` over the
+cumulative window counts, groups them by shard (stable argsort), does one gather per touched
+mapped shard straight into the result (local roots) or, for remote fsspec roots, ONE
+``fs.cat_ranges`` call for the whole batch, after the windows of each shard are coalesced
+into few covering requests (at most 20% extra bytes per shard; failed requests are retried
+with backoff under ``retry``). With ``cache_dir``, remote shards are copied whole into a
+bounded, blake3-verified local `ShardCache` and read through the memmap path.
+
+Bounded handles (local roots and cached copies): at most ``max_open_shards`` shards of a
+dataset are memory-mapped per process (`detdata.datasets.handles.HandleLRU`). When the LRU
+(or the process budget) is full, a shard that is not mapped is read without keeping anything
+open unless the read needs at least `MAP_MIN_ROWS` of its windows and they are not
+`covered`: windows that are covered (dense, in at most `COVER_MAX_BYTES`; or a single
+window) are read with ONE ``preadv`` of the range that covers them, other windows with one
+``preadv`` each. For a batch over many shards the bookkeeping is vectorised: covered ranges
+of all such shards are read by one batched file loop into one staging buffer and gathered
+with ONE fancy index (`_read_staged`), or, for runs of consecutive windows stored as
+delivered, straight into the rows of the result (`_read_direct`: one buffer per row; with
+``labels`` each row's shared label token is copied from the next row after). The bound and
+the read path never change the bytes read.
+
+Read-ahead (`prefetch`): a hinted read is planned at once and its first batch of file reads
+runs on native threads (`detdata.storage.reads.ReadAhead`); the read later waits for it and
+runs the rest of the plan (the checks, any further reads). A hint changes when files are
+read, not how: the bytes and checks are those of a read without it, taken when the files
+are read (a shard changed after its background read but before the read is delivered as it
+was read, and named at its next read).
+
+Checks: before touching a shard's mapping every read checks that the mapped file still has
+the manifest's size (a truncated shard is a `VerificationError` naming it, not a SIGBUS);
+every open of a shard's path checks its size and its identity against the file this process
+first opened for the shard (`ShardReader._check_opened`). Not caught: a truncation racing
+with the read itself, a replacement before this process first opened the shard, and bytes
+rewritten in place under a live mapping at the same size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+import fsspec
+import numpy as np
+import numpy.typing as npt
+from fsspec.implementations.local import LocalFileSystem
+
+from detdata.base.errors import StorageError
+from detdata.base.groupby import stable_groups
+from detdata.base.types import IntArray
+from detdata.datasets.shard_windows import COVER_MAX_BYTES, DENSE_SPAN, MAP_MIN_ROWS, ShardWindows
+from detdata.identity.formats import disk_dtype
+from detdata.storage.fileread import FileReads
+from detdata.storage.fs import join
+from detdata.storage.mapped import Mapped
+from detdata.storage.ranges import read_coalesced
+from detdata.storage.reads import OpenChecks, Plan, ReadAhead, drive, read_checked
+
+#: At most this many windows (one buffer each) in one ``preadv`` straight into the result
+#: (well under the usual ``IOV_MAX`` of 1,024).
+_IOV_ROWS: Final = 256
+#: Native threads reading one `WindowReads.prefetch` in the background.
+PREFETCH_THREADS: Final = 2
+#: Reads a dataset keeps planned by `WindowReads.prefetch` (an older one is dropped; each
+#: holds its result buffer).
+PREFETCH_DEPTH: Final = 4
+
+
+class WindowReads(ShardWindows):
+    """The read path of `detdata.TokenWindows` (see the module docstring): batches over
+    many shards, read-ahead and remote roots."""
+
+    _TRANSIENT = (*ShardWindows._TRANSIENT, "_prefetched")
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._prefetched = ReadAhead(PREFETCH_DEPTH, PREFETCH_THREADS)  # `prefetch`
+
+    # local reads ---------------------------------------------------------------------
+    def _gather_local(
+        self, ids: IntArray, lo: int, hi: int, *, cached: bool = False
+    ) -> np.ndarray[Any, Any]:
+        """The windows ``ids`` (all in ``[lo, hi]``) from the shard files, in ``out_dtype``.
+
+        Ids of a single mapped shard are gathered straight into the result (a fancy index:
+        ``take`` would first copy a whole overlapping window view); others go through
+        `_gather_steps` (a plan, taken from `prefetch` when one was hinted)."""
+        first = int(self._starts.searchsorted(lo, "right")) - 1
+        last = int(self._starts.searchsorted(hi, "right")) - 1
+        if first == last:
+            if cached:
+                self._refresh_copies((first,))
+            start = int(self._starts[first])
+            local = ids - start if start else ids
+            extent = int(local.max()) - int(local.min()) + 1
+            cover = self.covered(first, int(ids.size), extent)
+            view = self._mapped_view(first, int(ids.size), cover, cached=cached)
+            if view is None:
+                out = np.empty((ids.size, self.window), dtype=self.out_dtype)
+                where = self._byte_offsets(np.full(ids.size, first, dtype=np.int64), local)
+                prefix = join(self._root_path, "")
+                self._pread_rows(
+                    first, prefix, list(range(ids.size)), where, out, cover, self._checks()
+                )
+                return out
+            block = view[local]
+            if block.dtype == self.out_dtype:
+                return block
+            if self._narrowing[first]:
+                self._check_range(block, first)
+            return block.astype(self.out_dtype)
+        planned = self._prefetched.take(ids) if self._prefetched and not cached else None
+        if planned is not None:
+            result: np.ndarray[Any, Any] = planned.finish()
+            return result
+        return drive(self._gather_steps(ids, cached))
+
+    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+        """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
+        most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
+        ``cache_dir``) and the native loop, a read over several shards is planned now and
+        its file reads start on native threads in the background (without the GIL),
+        overlapping whatever the caller does until that read, which then waits for them
+        and finishes the plan. The bytes and the checks are those of the read without the
+        hint (each file's ``fstat`` is taken after its read and checked against the
+        manifest and the file first opened when the read comes; a file that could not be
+        read is read again then, raising the read's own error). ``None`` drops every
+        pending hint, and a read drops those hinted before its own (their reads are joined
+        first); a read not hinted keeps them. Nothing is raised here: bad ids or
+        unreadable files are the read's to report."""
+        if ids is None:
+            self._prefetched.clear()
+        elif self._prefetched.enabled:
+            self._plan(ids)
+
+    def _plan(self, ids: npt.ArrayLike) -> None:
+        """`prefetch`: plan the read of ``ids`` and start its first file read (not a read
+        with file reads to start, or the plan failed: nothing; the read reports it). Reads
+        that would not go through the batched file loop (a narrowing or mixed-dtype
+        dataset, a handle LRU with room: shards get mapped; remote roots and cached
+        copies; one shard: mapped) are not planned: there would be nothing to overlap."""
+        try:
+            if not (self._batch_covers and self._handles.full):
+                return
+            arr = np.array(ids, copy=True)  # the caller may reuse its array
+            if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
+                return
+            arr = arr.astype(np.int64, copy=False)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self._num:
+                return
+            first = int(self._starts.searchsorted(lo, "right")) - 1
+            last = int(self._starts.searchsorted(hi, "right")) - 1
+            if isinstance(self._filesystem()[0], LocalFileSystem) and first != last:
+                self._prefetched.start(arr, self._gather_steps(arr, False))
+        except Exception:  # a hint: the read raises the error itself
+            return
+
+    def _gather_steps(self, ids: IntArray, cached: bool) -> Plan[np.ndarray[Any, Any]]:
+        """`_gather_local` for ids of several shards (a plan: `detdata.storage.reads.Plan`).
+
+        Grouping is vectorised: one argsort of the ids (ids of a shard are consecutive, so
+        sorted ids are grouped by shard, windows ascending) and one ``searchsorted`` of the
+        sorted ids give per touched shard its first row, count and extent (max - min + 1
+        windows). When the handle LRU is full, shards without a handle whose windows are
+        `covered` (or a single window) are read by `_read_staged` / `_read_direct` with no
+        per-shard Python; only shards with a handle, shards to map and scattered windows
+        take the per-shard loop (`_gather_loop`)."""
+        n = ids.size
+        order = ids.argsort(kind="stable")
+        sorted_ids = ids[order]
+        shard = self._starts.searchsorted(sorted_ids, "right") - 1
+        local = sorted_ids - self._starts[shard]
+        cuts = np.flatnonzero(shard[1:] != shard[:-1]) + 1
+        begin = np.concatenate((np.zeros(1, dtype=np.int64), cuts))
+        end = np.concatenate((cuts, np.full(1, n, dtype=np.int64)))
+        gshard = shard[begin]
+        count = end - begin
+        extent = local[end - 1] - local[begin] + 1
+        if cached:
+            self._refresh_copies(gshard.tolist())
+        handles = self._handles
+        staged_ok = self._batch_covers and not cached
+        covers = (count == 1) | (
+            (extent <= DENSE_SPAN * count)
+            & (extent * (self.seq_len * self._itemsize[gshard]) <= COVER_MAX_BYTES)
+        )
+        staged: list[int] | IntArray = []
+        if staged_ok and handles.full:
+            fast = covers.copy()
+            open_now = np.sort(np.asarray(handles.keys(), dtype=np.int64))
+            if open_now.size:  # ~10x cheaper than np.isin for a few hundred shards
+                at = open_now.searchsorted(gshard).clip(max=open_now.size - 1)
+                fast &= open_now[at] != gshard
+            staged = np.flatnonzero(fast)
+            loop: list[int] = np.flatnonzero(~fast).tolist()
+        else:
+            loop = list(range(gshard.size))
+        if len(staged) == gshard.size and not self._direct:  # one gather builds the result
+            sliding, starts, _ = yield from self._read_staged(
+                np.asarray(staged), gshard, begin, count, extent, local, order, whole=True
+            )
+            got = sliding[starts]
+            return got if got.dtype == self.out_dtype else got.astype(self.out_dtype)
+        out = np.empty((n, self.window), dtype=self.out_dtype)
+        more = self._gather_loop(
+            loop, cached, staged_ok, covers, gshard, begin, count, extent, shard, local, order, out
+        )
+        chosen = np.concatenate((np.asarray(staged, dtype=np.int64), more))
+        if chosen.size and self._direct:  # runs of distinct windows: into `out` itself
+            fresh = np.ones(n, dtype=np.int64)  # 0 where a sorted id repeats the one before
+            fresh[1:] = local[1:] != local[:-1]
+            fresh[begin] = 1
+            distinct = np.add.reduceat(fresh, begin)[chosen]  # windows of each shard, once
+            whole_run = (
+                (distinct == count[chosen])
+                & (extent[chosen] == count[chosen])
+                & (count[chosen] <= _IOV_ROWS)
+            )
+            if whole_run.any():
+                yield from self._read_direct(
+                    chosen[whole_run], gshard, begin, count, local, order, out
+                )
+                chosen = chosen[~whole_run]
+        if chosen.size:
+            sliding, starts, dest = yield from self._read_staged(
+                chosen, gshard, begin, count, extent, local, order, whole=False
+            )
+            out[dest] = sliding[starts]
+        return out
+
+    def _gather_loop(
+        self,
+        loop: list[int],
+        cached: bool,
+        staged_ok: bool,
+        covers: npt.NDArray[np.bool_],
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        extent: IntArray,
+        shard: IntArray,
+        local: IntArray,
+        order: IntArray,
+        out: np.ndarray[Any, Any],
+    ) -> IntArray:
+        """The per-shard loop of `_gather_steps` over the groups ``loop`` (O(1) Python work
+        each): a mapped shard (or one to map) is gathered from its window view, scattered
+        windows are read by `_pread_rows`; returns the groups left for `_read_staged`."""
+        if not loop:
+            return np.zeros(0, dtype=np.int64)
+        handles, sizes, narrowing = self._handles, self._sizes, self._narrowing
+        shards, begins = gshard.tolist(), begin.tolist()
+        counts, cover = count.tolist(), covers.tolist()
+        rows: list[int] | None = None
+        windows: list[int] | None = None
+        offsets: list[int] | None = None  # byte offsets of the sorted ids, when first needed
+        prefix = ""
+        checks: OpenChecks | None = None
+        more: list[int] = []
+        for g in loop:
+            s, a = shards[g], begins[g]
+            b = a + counts[g]
+            handle: Mapped | None = handles.get(s)
+            if handle is None:
+                k = b - a
+                mapit = cached or not handles.full
+                if not (mapit or (k >= MAP_MIN_ROWS and not (k > 1 and cover[g]))):
+                    if staged_ok and cover[g]:
+                        more.append(g)
+                        continue
+                    if offsets is None or rows is None or checks is None:
+                        offsets = self._byte_offsets(shard, local)
+                        rows = order.tolist()
+                        prefix = join(self._root_path, "")
+                        checks = self._checks()
+                    self._pread_rows(
+                        s, prefix, rows[a:b], offsets[a:b], out, k > 1 and cover[g], checks
+                    )
+                    continue
+                view = self._view(s)  # size-checked when mapped
+            else:
+                found = handle.mapping.size()
+                if found < sizes[s]:
+                    self._check_size(s, found, handle.path)
+                view = handle.view
+            if b - a == 1 and not narrowing[s]:
+                if rows is None or windows is None:
+                    rows, windows = order.tolist(), local.tolist()
+                out[rows[a]] = view[windows[a]]  # basic indexing: ~3x cheaper for one row
+                continue
+            block = view[local[a:b]]
+            if narrowing[s]:
+                self._check_range(block, s)
+            out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
+        return np.asarray(more, dtype=np.int64)
+
+    def _read_direct(
+        self,
+        groups: IntArray,
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        local: IntArray,
+        order: IntArray,
+        out: np.ndarray[Any, Any],
+    ) -> Plan[None]:
+        """Read each of ``groups`` (``count[g]`` distinct consecutive windows of shard
+        ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``) with one open, ONE
+        ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close.
+        Only when the disk dtype is ``out_dtype`` (`_direct`). With ``labels`` consecutive
+        windows share a token: each row but a run's last gets its first ``seq_len`` tokens
+        from the file and its label token from the next row afterwards (one vectorised
+        copy)."""
+        item = out.itemsize
+        nbytes, step = self.window * item, self.seq_len * item  # a row; file bytes a window
+        starts, cnt = begin[groups], count[groups]
+        sel = np.repeat(starts - (np.cumsum(cnt) - cnt), cnt) + np.arange(
+            int(cnt.sum()), dtype=np.int64
+        )  # the sorted rows read, shard by shard
+        if self.labels:  # a run's last row is read whole, the others without the label
+            size = np.full(sel.size, step, dtype=np.int64)
+            size[np.cumsum(cnt) - 1] = nbytes
+        else:
+            size = np.full(sel.size, nbytes, dtype=np.int64)
+        s = gshard[groups]
+        file_at = self._offsets[s] + local[starts] * step
+        wants = cnt * step + (nbytes - step)  # a run's last label token
+        flat = out.view(np.uint8).reshape(-1)
+        yield from self._read_files(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
+        if self.labels:  # row i's label token is row i+1's first token (same run)
+            inner = sel[np.repeat(starts + cnt - 1, cnt) != sel]  # not a run's last
+            out[order[inner], self.seq_len] = out[order[inner + 1], 0]
+
+    def _read_staged(
+        self,
+        groups: IntArray,
+        gshard: IntArray,
+        begin: IntArray,
+        count: IntArray,
+        extent: IntArray,
+        local: IntArray,
+        order: IntArray,
+        *,
+        whole: bool,
+    ) -> Plan[tuple[np.ndarray[Any, Any], IntArray, IntArray]]:
+        """Read the covering range of each of ``groups`` (shard ``gshard[g]``, sorted rows
+        ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows) with one open,
+        ONE ``preadv`` and one close per shard into one staging buffer (all shards of one
+        disk dtype, no narrowing cast: `_batch_covers`). Returns ``(sliding, starts,
+        dest)``: ``sliding[starts]`` are the windows of result rows ``dest`` (with
+        ``whole``: every group is read, ``starts`` is in result-row order, ``dest``
+        empty)."""
+        dtype = self._disk[int(gshard[groups[0]])]
+        item, width, seq = dtype.itemsize, self.window, self.seq_len
+        s = gshard[groups]
+        cnt = count[groups]
+        first = local[begin[groups]]
+        tokens = (extent[groups] - 1) * seq + width  # tokens of each covering range
+        pos = np.zeros(s.size + 1, dtype=np.int64)
+        np.cumsum(tokens, out=pos[1:])
+        base = np.repeat(pos[:-1] - first * seq, cnt)  # staging position of window 0
+        if whole:
+            starts = np.empty(order.size, dtype=np.int64)
+            starts[order] = base + local * seq  # result row order
+            dest = np.zeros(0, dtype=np.int64)
+        else:  # the sorted rows of these groups: concatenated ranges [begin, begin + count)
+            sel = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt) + np.arange(
+                int(cnt.sum()), dtype=np.int64
+            )
+            starts = base + local[sel] * seq
+            dest = order[sel]
+        staging = np.empty(int(pos[-1]), dtype=dtype)
+        file_at = self._offsets[s] + first * (seq * item)
+        lengths = np.diff(pos) * item
+        flat = staging.view(np.uint8)
+        yield from self._read_files(
+            s, file_at, lengths, flat, pos[:-1] * item, lengths, np.ones_like(s)
+        )
+        sliding = np.lib.stride_tricks.as_strided(
+            staging,
+            shape=(staging.size - width + 1, width),
+            strides=(item, item),
+            writeable=False,
+        )
+        return sliding, starts, dest
+
+    def _read_files(
+        self,
+        shards: IntArray,
+        file_at: IntArray,
+        wants: IntArray,
+        flat: npt.NDArray[np.uint8],
+        iov_off: IntArray,
+        iov_len: IntArray,
+        iov_count: IntArray,
+    ) -> Plan[None]:
+        """For each shard ``shards[i]`` (each at most once): ``wants[i]`` bytes at
+        ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ``flat[iov_off[j]:]
+        [:iov_len[j]]``), by `detdata.storage.reads.read_checked` (checked against the
+        manifest and the files first opened; a missing shard or a short read is a
+        `VerificationError` naming it)."""
+        files = FileReads(
+            os.fsencode(join(self._root_path, "")),
+            self._encoded_names(shards),
+            shards,
+            file_at,
+            wants,
+            flat,
+            iov_off,
+            iov_len,
+            iov_count,
+            None if self._uses_shard_cache() else self._first,
+        )
+        return read_checked(files, self._checks(), self._first)
+
+    # remote reads ----------------------------------------------------------------------
+    def _gather_remote(
+        self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: np.ndarray[Any, Any]
+    ) -> None:
+        """The windows ``ids`` of a remote root into ``out``: the ranges of each shard
+        coalesced (`detdata.storage.ranges`: bytes fetched <= 1.2 x bytes needed per shard),
+        all shards in one ``cat_ranges`` call, retried under ``retry``."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        shard_of = self._starts.searchsorted(uniq, "right") - 1
+        _, shard_of, spans = stable_groups(shard_of)  # uniq is sorted: order = identity
+        local = uniq - self._starts[shard_of]
+        size = self._itemsize[shard_of]
+        starts = self._offsets[shard_of] + local * self.seq_len * size
+        ends = starts + self.window * size
+        shards = self.manifest.shards
+        paths = np.asarray([join(self._root_path, s.path) for s in shards], dtype=object)
+        names = np.asarray([s.path for s in shards], dtype=object)
+        urls = np.asarray([self.manifest.url(s) for s in shards], dtype=object)
+        blobs, _ = read_coalesced(
+            fs,
+            paths[shard_of].tolist(),
+            starts.tolist(),
+            ends.tolist(),
+            policy=self.retry,
+            shards=names[shard_of].tolist(),
+            urls=urls[shard_of].tolist(),
+            what="token range read",
+        )
+        rows = np.empty((uniq.size, self.window), dtype=self.out_dtype)
+        for shard, a, b in spans:
+            data = b"".join(blobs[a:b])
+            expected = (b - a) * self.window * int(self._itemsize[shard])
+            if len(data) != expected:
+                raise StorageError(
+                    f"shard {self.manifest.shards[shard].path}: expected {expected} "
+                    f"bytes for {b - a} windows, got {len(data)}; the file is "
+                    "shorter than the manifest says (rewritten?)"
+                )
+            block = np.frombuffer(data, dtype=disk_dtype(self._dtypes[shard])).reshape(
+                b - a, self.window
+            )
+            self._check_range(block, shard)
+            rows[a:b] = block
+        out[...] = rows[inverse.reshape(-1)]

@@ -1,0 +1,434 @@
+"""The `DataLoader`'s options beyond torch's keywords: frozen, keyword-only, self-validating.
+
+``DataLoader(data, global_batch_size=..., micro_batch_size=..., seed=..., order=...,
+options=LoaderOptions(...), <torch's keywords>)``. torch's own keywords (``num_workers``,
+``pin_memory``, ``collate_fn``, ``prefetch_factor``, ``persistent_workers``, ``timeout``,
+``worker_init_fn``, ``multiprocessing_context``) stay top-level, where a torch user looks for
+them; everything detdata adds lives here, grouped by concept:
+
+* `LoaderOptions`: placement (``rank``, ``world_size``), the run's bound (``total_samples``),
+  user code (``transform``, ``transform_id``), the trace file (``trace``), and the groups below;
+* `ReadOptions`: how the reads run (``worker_mode``, ``read_ahead``, ``lookahead``,
+  ``lookahead_connections``);
+* `DeviceFeed`: batches on an accelerator (``device``, ``prefetch``);
+* `ResumePolicy`: what ``load_state_dict`` accepts (``allow``) and does inside a step
+  (``mid_step``).
+
+Each object checks its fields when made and stores them normalised (a `WorkerMode`, a
+`MidStep`, a frozenset, a concrete `torch.device`): a bad value is a `ConfigError` naming the
+field (``ReadOptions.read_ahead``), what was expected and what was found, with a hint. Only
+``transform`` (user code) can change a delivered byte; no option changes a key of the state.
+
+The keywords of earlier versions (``rank=``, ``read_ahead=``, ``device=``, ...) are still
+taken: `LEGACY_KEYWORDS` maps each onto its field (the one place that knows both spellings)
+and `with_legacy` applies them, with a `DeprecationWarning` naming the new spelling; an old
+keyword whose field ``options`` sets too is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError, StateError
+from detdata.loading.arguments import WorkerMode, parse_worker_mode
+from detdata.loading.state import check_allow
+from detdata.loading.steps import MidStep, parse_mid_step
+
+if TYPE_CHECKING:
+    import torch
+
+    from detdata.loading.reading import Transform
+
+T = TypeVar("T")
+
+#: ``ReadOptions.read_ahead``'s upper bound: micro batches read with one batched read.
+MAX_READ_AHEAD: Final = 64
+#: ``ReadOptions.lookahead_connections``' upper bound.
+MAX_LOOKAHEAD_CONNECTIONS: Final = 256
+
+
+def _checked(label: str, check: Callable[[], T], hint: str) -> T:
+    """``check()``'s value; its error re-raised as a `ConfigError` naming ``label`` (unless
+    the message already starts with it) with ``hint``."""
+    try:
+        return check()
+    except (ConfigError, StateError) as exc:
+        text = str(exc) if str(exc).startswith(label) else f"{label}: {exc}"
+        if "hint:" not in text:
+            text = f"{text}; hint: {hint}"
+        raise ConfigError(text) from None
+
+
+def _count(label: str, value: object, minimum: int, hint: str, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (`check_count`), else `ConfigError`."""
+    if maximum is None:
+        return _checked(label, lambda: check_count(value, label, minimum=minimum), hint)
+    top = maximum
+    return _checked(label, lambda: check_count(value, label, minimum=minimum, maximum=top), hint)
+
+
+def _optional_count(label: str, value: object, minimum: int, hint: str) -> int | None:
+    return None if value is None else _count(label, value, minimum, hint)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    """Store a field's normalised value on a frozen dataclass (inside ``__post_init__``)."""
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How a `DataLoader` reads; none of these changes a delivered byte or the order.
+
+    * ``worker_mode`` (`WorkerMode` or its value, default ``"process"``): where the
+      ``num_workers`` readers run: worker processes (as torch) or threads of this process.
+    * ``read_ahead`` (1..64, default 16): consecutive micro batches of the rank read with one
+      batched read and then split (amortises the per-read and, with worker processes, the
+      per-transfer cost). Memory in flight is about ``read_ahead`` x micro-batch bytes x
+      (``num_workers`` x ``prefetch_factor`` + 1): lower it for large samples.
+    * ``lookahead`` (None: `DEFAULT_LOOKAHEAD` micro steps where shards are read through a
+      shard cache; 0: off): the shards of the next ``lookahead`` micro steps of this rank are
+      filled into the shard cache in the background (`detdata.datasets.prefetch`); make it
+      larger than ``num_workers x prefetch_factor x read_ahead``.
+    * ``lookahead_connections`` (1..256, default 4): threads filling the lookahead.
+    """
+
+    worker_mode: WorkerMode | str = WorkerMode.PROCESS
+    read_ahead: int = 16
+    lookahead: int | None = None
+    lookahead_connections: int = 4
+
+    def __post_init__(self) -> None:
+        mode = self.worker_mode
+        _set(
+            self,
+            "worker_mode",
+            _checked(
+                "ReadOptions.worker_mode",
+                lambda: parse_worker_mode(mode),
+                "'process' (worker processes, as torch) or 'thread' (threads of this process)",
+            ),
+        )
+        _set(
+            self,
+            "read_ahead",
+            _count(
+                "ReadOptions.read_ahead",
+                self.read_ahead,
+                1,
+                "16 (the default) amortises the per-read cost; lower it for large samples",
+                MAX_READ_AHEAD,
+            ),
+        )
+        _set(
+            self,
+            "lookahead",
+            _optional_count(
+                "ReadOptions.lookahead",
+                self.lookahead,
+                0,
+                "None (the default window), 0 (off) or a number of micro steps",
+            ),
+        )
+        _set(
+            self,
+            "lookahead_connections",
+            _count(
+                "ReadOptions.lookahead_connections",
+                self.lookahead_connections,
+                1,
+                "4 (the default) threads fill the shard cache ahead",
+                MAX_LOOKAHEAD_CONNECTIONS,
+            ),
+        )
+
+    @property
+    def mode(self) -> WorkerMode:
+        """``worker_mode`` as a `WorkerMode` (it is stored as one once checked)."""
+        return WorkerMode(self.worker_mode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFeed:
+    """Batches delivered on an accelerator.
+
+    * ``device`` (None: CPU batches as read; ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a
+      `torch.device`): batches arrive on that device through reused pinned buffers and a
+      side stream; torch's ``pin_memory`` is then ignored (the feed pins into its own
+      buffers). Stored as the concrete `torch.device` (``"cuda"``: the current one); a device
+      this process cannot use is refused here.
+    * ``prefetch`` (1..64, default 2): batches copied ahead of the one delivered; they are not
+      counted in ``samples_consumed`` until delivered.
+    """
+
+    device: str | torch.device | None = None
+    prefetch: int = 2
+
+    @property
+    def target(self) -> torch.device | None:
+        """``device`` as the `torch.device` it is stored as once checked (None: CPU batches)."""
+        return cast("torch.device | None", self.device)
+
+    def __post_init__(self) -> None:
+        from detdata.loading.device import check_depth, check_device
+
+        depth = self.prefetch
+        _set(
+            self,
+            "prefetch",
+            _checked(
+                "DeviceFeed.prefetch",
+                lambda: check_depth(depth, "DeviceFeed.prefetch"),
+                "2 overlaps one batch's copy with the current step",
+            ),
+        )
+        device = self.device
+        if device is not None:
+            _set(
+                self,
+                "device",
+                _checked(
+                    "DeviceFeed.device",
+                    lambda: check_device(device),
+                    "DeviceFeed(device='cuda'), 'cpu', or None for plain CPU batches",
+                ),
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePolicy:
+    """What ``load_state_dict`` accepts, and does by default (its own arguments add to it).
+
+    * ``allow`` (names of checked state fields, e.g. ``["global_batch_size"]``): changes
+      accepted at every resume of this loader, besides those ``load_state_dict(allow=...)``
+      names. Stored as a frozenset.
+    * ``mid_step`` (`MidStep` or its value, default ``"redo"``): a state saved inside a global
+      step resumes at that step's first position (``"redo"``) or right after the delivered
+      part (``"continue"``, for a caller that restores the partial gradients too); the
+      default of ``load_state_dict(mid_step=None)``, for callers such as
+      ``torch.distributed.checkpoint`` that call ``load_state_dict(state)`` themselves.
+    """
+
+    allow: Iterable[str] = ()
+    mid_step: MidStep | str = MidStep.REDO
+
+    def __post_init__(self) -> None:
+        allow, mid_step = self.allow, self.mid_step
+        _set(
+            self,
+            "allow",
+            _checked(
+                "ResumePolicy.allow",
+                lambda: check_allow(allow),
+                "a list of checked field names, e.g. allow=['global_batch_size']",
+            ),
+        )
+        _set(
+            self,
+            "mid_step",
+            _checked(
+                "ResumePolicy.mid_step",
+                lambda: parse_mid_step(mid_step, "ResumePolicy.mid_step"),
+                "'redo' unless the partial step's gradients are restored too",
+            ),
+        )
+
+    @property
+    def allowed(self) -> frozenset[str]:
+        """``allow`` as the frozenset it is stored as."""
+        return frozenset(self.allow)
+
+    @property
+    def mid_step_mode(self) -> MidStep:
+        """``mid_step`` as a `MidStep` (it is stored as one once checked)."""
+        return MidStep(self.mid_step)
+
+
+def _of_type(
+    label: str, value: object, kind: type | tuple[type, ...], expected: str, example: str
+) -> None:
+    """A `ConfigError` naming ``label`` unless ``value`` is an instance of ``kind``."""
+    if not isinstance(value, kind):
+        raise ConfigError(
+            f"{label} must be {expected}, got {type(value).__name__} {value!r:.60}; hint: {example}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """Everything a `DataLoader` takes beyond the batch, the seed, the order and torch's
+    keywords: ``DataLoader(data, ..., options=LoaderOptions(...))``.
+
+    * ``rank``, ``world_size`` (None: read from the initialised ``torch.distributed`` group
+      when iteration starts, else 0 and 1): this process's data-parallel placement.
+    * ``total_samples`` (None: infinite, epochs continue): the run's bound, a step end.
+    * ``transform``: ``transform(sample, rng)`` (or ``transform(sample)``) applied to every
+      sample, with the generator of its position (the same in every worker mode).
+    * ``transform_id``: a name for the transform's version (e.g. ``"tokenize-v3"``), recorded
+      in the state's checked ``transform`` field instead of the function's name.
+    * ``trace`` (a path): one JSON line per delivered micro batch (positions, digests, step).
+    * ``read``: `ReadOptions` (worker mode, read-ahead, lookahead).
+    * ``device``: `DeviceFeed` (accelerator delivery and its prefetch).
+    * ``resume``: `ResumePolicy` (changes allowed at every resume, the mid-step default).
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    total_samples: int | None = None
+    transform: Transform | None = None
+    transform_id: str | None = None
+    trace: str | os.PathLike[str] | None = None
+    read: ReadOptions = field(default_factory=ReadOptions)
+    device: DeviceFeed = field(default_factory=DeviceFeed)
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
+
+    def __post_init__(self) -> None:
+        where = "reads torch.distributed's (or 0 of 1 without a process group)"
+        _set(self, "rank", _optional_count("rank", self.rank, 0, f"rank=None {where}"))
+        _set(
+            self,
+            "world_size",
+            _optional_count("world_size", self.world_size, 1, f"world_size=None {where}"),
+        )
+        _set(
+            self,
+            "total_samples",
+            _optional_count(
+                "total_samples",
+                self.total_samples,
+                0,
+                "a step end, or None to run on, epoch after epoch",
+            ),
+        )
+        if self.transform is not None and not callable(self.transform):
+            raise ConfigError(
+                f"transform must be callable or None, got {type(self.transform).__name__} "
+                f"{self.transform!r:.60}; hint: transform=fn with fn(sample, rng) -> dict"
+            )
+        if self.transform_id is not None and (
+            not isinstance(self.transform_id, str) or not self.transform_id
+        ):
+            raise ConfigError(
+                f"transform_id must be a non-empty string naming the transform's version, got "
+                f"{self.transform_id!r}; hint: transform_id='tokenize-v3'"
+            )
+        if self.trace is not None:
+            _of_type("trace", self.trace, (str, os.PathLike), "a path", "trace='run/trace.jsonl'")
+        for name, kind, example in (
+            ("read", ReadOptions, "read=ReadOptions(read_ahead=16)"),
+            ("device", DeviceFeed, "device=DeviceFeed(device='cuda')"),
+            ("resume", ResumePolicy, "resume=ResumePolicy(allow=['global_batch_size'])"),
+        ):
+            _of_type(
+                f"LoaderOptions.{name}",
+                getattr(self, name),
+                kind,
+                f"a detdata.{kind.__name__}",
+                example,
+            )
+
+
+#: The keywords `DataLoader` took before `LoaderOptions`, each with the field it sets now:
+#: ``(LoaderOptions field, field of that group or None)``. The one table of both spellings.
+LEGACY_KEYWORDS: Final[Mapping[str, tuple[str, str | None]]] = {
+    "rank": ("rank", None),
+    "world_size": ("world_size", None),
+    "total_samples": ("total_samples", None),
+    "transform": ("transform", None),
+    "transform_id": ("transform_id", None),
+    "trace": ("trace", None),
+    "worker_mode": ("read", "worker_mode"),
+    "read_ahead": ("read", "read_ahead"),
+    "lookahead": ("read", "lookahead"),
+    "lookahead_connections": ("read", "lookahead_connections"),
+    "device": ("device", "device"),
+    "device_prefetch": ("device", "prefetch"),
+    "allow_on_resume": ("resume", "allow"),
+    "mid_step_on_resume": ("resume", "mid_step"),
+}
+_GROUPS: Final[Mapping[str, type]] = {
+    "read": ReadOptions,
+    "device": DeviceFeed,
+    "resume": ResumePolicy,
+}
+
+
+def new_spelling(keyword: str) -> str:
+    """How the old ``keyword=`` is spelt now, e.g.
+    ``options=LoaderOptions(read=ReadOptions(read_ahead=...))``."""
+    top, sub = LEGACY_KEYWORDS[keyword]
+    if sub is None:
+        return f"options=LoaderOptions({top}=...)"
+    return f"options=LoaderOptions({top}={_GROUPS[top].__name__}({sub}=...))"
+
+
+def split_legacy(keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    """``keywords`` (a `DataLoader`'s ``**torch_keywords``) split into the old keywords
+    `LEGACY_KEYWORDS` maps and the rest (torch habits and typos, refused by the caller)."""
+    legacy = {k: v for k, v in keywords.items() if k in LEGACY_KEYWORDS}
+    return legacy, {k: v for k, v in keywords.items() if k not in LEGACY_KEYWORDS}
+
+
+def _value(options: LoaderOptions, top: str, sub: str | None) -> object:
+    group = getattr(options, top)
+    return group if sub is None else getattr(group, sub)
+
+
+def _apply(options: LoaderOptions, keyword: str, value: object) -> LoaderOptions:
+    """``options`` with the old ``keyword=value`` set on its field (validated there: an error
+    names the old keyword and its new spelling)."""
+    top, sub = LEGACY_KEYWORDS[keyword]
+    change: dict[str, Any] = {top: value}
+    try:
+        if sub is not None:
+            group: Any = getattr(options, top)
+            change[top] = dataclasses.replace(group, **{sub: value})
+        return dataclasses.replace(options, **change)
+    except ConfigError as exc:
+        raise ConfigError(f"{keyword}= ({new_spelling(keyword)}): {exc}") from None
+
+
+def with_legacy(options: LoaderOptions | None, legacy: Mapping[str, object]) -> LoaderOptions:
+    """``options`` (None: the defaults) with the old keywords ``legacy`` applied, each onto
+    its field (`LEGACY_KEYWORDS`), warned as deprecated (one `DeprecationWarning` naming each
+    new spelling) and validated by the option objects.
+
+    An old keyword whose field ``options`` sets too (to anything but the field's default) is a
+    `ConfigError`: which of the two should win is not for detdata to guess."""
+    if options is None:
+        options = LoaderOptions()
+    elif not isinstance(options, LoaderOptions):
+        raise ConfigError(
+            f"DataLoader options must be a detdata.LoaderOptions, got "
+            f"{type(options).__name__} {options!r:.60}; hint: options=LoaderOptions(rank=0, "
+            "world_size=8, read=ReadOptions(read_ahead=16))"
+        )
+    if not legacy:
+        return options
+    defaults = LoaderOptions()
+    for keyword in legacy:
+        top, sub = LEGACY_KEYWORDS[keyword]
+        given = _value(options, top, sub)
+        if given != _value(defaults, top, sub):
+            where = top if sub is None else f"{top}.{sub}"
+            raise ConfigError(
+                f"DataLoader got {keyword}={legacy[keyword]!r:.40} and options.{where}="
+                f"{given!r:.40}: the same setting twice; hint: pass it once, as "
+                f"{new_spelling(keyword)}"
+            )
+    warnings.warn(
+        "DataLoader keyword(s) "
+        + ", ".join(f"{k}= (now {new_spelling(k)})" for k in legacy)
+        + " are deprecated: they still work, with the same bytes",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    for keyword, value in legacy.items():
+        options = _apply(options, keyword, value)
+    return options

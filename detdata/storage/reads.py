@@ -1,0 +1,301 @@
+"""Reads of byte ranges of local shard files, checked at every open: the one home of the
+batched file loop, single-file reads, read plans and read-ahead.
+
+A dataset turns sample ids into ``(shard, byte range, buffer)`` arithmetic; everything
+here moves the bytes. Its checks come in as an `OpenChecks` (the reader's own checks,
+which raise naming the shard: size against the manifest, the file against the one this
+process first opened for the shard, a missing file, a short read).
+
+* `read_checked`: for each file, one open, ONE ``preadv`` into its buffers, one ``fstat``
+  after the read and one close. With the native loop (`NATIVE`: `detdata.storage.fileread`,
+  C without the GIL) a shard not opened before in this process is recorded in the loop
+  itself, from an ``fstat`` right after its open and before its read (one open serves the
+  record and the read); the loop's ``fstat`` s are checked at once and the files from the
+  first it could not read on go through the Python twin, which raises the error. Without
+  the native loop the twin reads every file: the same bytes and the same checks, in the
+  same order, slower with tens of thousands of small shards.
+* A read is a *plan* (`Plan`): a generator that yields the `FileReads` it needs and is sent
+  what `detdata.storage.fileread.read_files` returns for each; `drive` runs one now,
+  `ReadAhead` keeps a few planned ahead whose first file read runs on native threads in
+  the background (the read later waits for it and runs the rest of its plan).
+* `opened` / `pread_exact`: one file read without the batched loop (open, check, reads,
+  check again, close).
+
+`NATIVE` is the one switch: where it is False (no C compiler at install, or set False),
+nothing calls the native loop. `detdata.NATIVE_READS` says which at import.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple, NoReturn, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import VerificationError
+from detdata.storage import fileread
+from detdata.storage.fileread import (
+    INODE,
+    MTIME_NS,
+    SIZE,
+    FileReads,
+    PendingRead,
+    read_files,
+    start_read_files,
+)
+from detdata.storage.first_opens import RECORDED, FirstOpens, file_identity
+
+T = TypeVar("T")
+IntArray = npt.NDArray[np.int64]
+U64Array = npt.NDArray[np.uint64]
+
+#: Whether reads go through the native loop (built by ``pip install`` where a C compiler is
+#: present; tests set it False to run the Python twin). Read at each read, here only.
+NATIVE: bool = fileread.NATIVE
+
+#: A read's plan: it yields the native file reads it needs, is sent what
+#: `detdata.storage.fileread.read_files` returns for each, and returns its result.
+Plan = Generator[FileReads, tuple[int, IntArray], T]
+
+
+class OpenChecks(NamedTuple):
+    """The reader's checks of the files a read opens (each raises naming the shard).
+
+    ``stats(shards, sizes, idents, prefix)``: many opens at once (``fstat`` s taken after
+    the reads; the first culprit, in the order given, raises); ``stat(shard, st, path)``:
+    one open (a first open is recorded); ``missing(shard, path)``: the error for a file
+    that is not there; ``short(fd, shard, path, nbytes, offset)``: raises for a read of
+    ``nbytes`` at ``offset`` that got fewer (truncated, else a storage error).
+    """
+
+    stats: Callable[[IntArray, IntArray, U64Array, str], None]
+    stat: Callable[[int, os.stat_result, str], None]
+    missing: Callable[[int, str], BaseException]
+    short: Callable[[int, int, str, int, int], NoReturn]
+
+
+def read_checked(reads: FileReads, checks: OpenChecks, first: FirstOpens) -> Plan[None]:
+    """Read every file of ``reads`` (each shard at most once; see `FileReads` and
+    `detdata.storage.fileread.read_files`) with the native loop where `NATIVE`, checked
+    with ``checks`` before any byte is returned; the files from the first one it could not
+    read on (all of them without the native loop) are read by the Python twin, which
+    raises the error. ``first``: the reader's first-open records (the twin records each
+    shard's first open before its read; ``reads.first`` is what the native loop records
+    into, None for cached copies). The bytes and checks do not depend on which loop read
+    them."""
+    prefix = os.fsdecode(reads.prefix)
+    done = 0
+    if NATIVE:
+        done, stats = yield reads
+        checks.stats(
+            reads.shards[:done],
+            stats[:done, SIZE],
+            stats[:done, INODE : MTIME_NS + 1].view(np.uint64),
+            prefix,
+        )
+        if done == reads.shards.size:
+            return
+    _read_python(reads, done, checks, prefix, first.state)
+
+
+def _read_python(
+    reads: FileReads, done: int, checks: OpenChecks, prefix: str, recorded: bytearray
+) -> None:
+    """`read_checked`'s Python twin, from file ``done`` on. A shard's first open in this
+    process is recorded before its bytes are read (``checks.stat``); every read is checked
+    against an ``fstat`` taken after it, all at once at the end, also before a missing
+    shard, a refused first open or a short read raises (the shards read before it are
+    named first)."""
+    skip = int(reads.iov_count[:done].sum())
+    shards: list[int] = reads.shards[done:].tolist()
+    iov_off: list[int] = reads.iov_off[skip:].tolist()
+    iov_len: list[int] = reads.iov_len[skip:].tolist()
+    iov_end: list[int] = np.cumsum(reads.iov_count[done:]).tolist()
+    flat = reads.out.data
+    names = reads.names
+    open_, fstat, preadv, close = os.open, os.fstat, os.preadv, os.close
+    flags = os.O_RDONLY
+    stats: list[os.stat_result] = []  # fstat of each shard after its read
+    a = 0
+    for sh, at, want, b in zip(
+        shards, reads.file_at[done:].tolist(), reads.wants[done:].tolist(), iov_end, strict=True
+    ):
+        bufs = [flat[o : o + n] for o, n in zip(iov_off[a:b], iov_len[a:b], strict=True)]
+        a = b
+        path = prefix + os.fsdecode(names[sh])
+        try:
+            fd = open_(path, flags)
+        except FileNotFoundError:
+            _check_all(checks, shards, stats, prefix)
+            raise checks.missing(sh, path) from None
+        try:
+            if recorded[sh] != RECORDED:  # a first open is recorded before its read
+                try:
+                    checks.stat(sh, fstat(fd), path)
+                except VerificationError:  # the shards read before it are named first
+                    _check_all(checks, shards, stats, prefix)
+                    raise
+            got = preadv(fd, bufs, at)
+            stats.append(fstat(fd))  # after the read: a write the read saw shows
+            if got != want:
+                _check_all(checks, shards, stats, prefix)
+                checks.short(fd, sh, path, want, at)
+        finally:
+            close(fd)
+    _check_all(checks, shards, stats, prefix)
+
+
+def _check_all(
+    checks: OpenChecks, shards: list[int], stats: list[os.stat_result], prefix: str
+) -> None:
+    """``checks.stats`` of the opens so far (``stats[i]``: shard ``shards[i]``'s file)."""
+    if not stats:
+        return
+    n = len(stats)
+    sizes = np.fromiter((st.st_size for st in stats), np.int64, n)
+    now = np.array([file_identity(st) for st in stats], dtype=np.uint64).reshape(n, 3)
+    checks.stats(np.asarray(shards[:n], dtype=np.int64), sizes, now, prefix)
+
+
+def drive(plan: Plan[T], sent: tuple[int, IntArray] | None = None) -> T:
+    """Run ``plan`` to its end, each file read it yields now; ``sent``: the result of the
+    read it is waiting on (started by `ReadAhead`)."""
+    try:
+        job = plan.send(sent)  # type: ignore[arg-type]  # None starts a fresh generator
+        while True:
+            job = plan.send(read_files(*job))
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
+class Planned(NamedTuple):
+    """A read planned ahead: its key (the ids it reads) and either the plan waiting on its
+    first file read (``plan``, ``pending``) or its result (no file read needed)."""
+
+    key: IntArray
+    plan: Plan[Any] | None
+    pending: PendingRead | None
+    result: Any
+
+    def finish(self) -> Any:
+        """The result (waits for the background read, then runs the rest of the plan)."""
+        if self.plan is None or self.pending is None:
+            return self.result
+        return drive(self.plan, self.pending.wait())
+
+    def drop(self) -> None:
+        """Forget it (its background read is joined first)."""
+        if self.pending is not None:
+            self.pending.wait()
+        if self.plan is not None:
+            self.plan.close()
+
+
+class ReadAhead:
+    """Reads planned before they are asked for, at most ``depth`` (the oldest dropped),
+    each with its first file read running on ``threads`` native threads (without the GIL)
+    meanwhile. Thread-safe. A hint changes when files are read, never what: the plan's
+    checks run when the read is taken (`take`) and finished."""
+
+    def __init__(self, depth: int, threads: int) -> None:
+        self.depth = depth
+        self.threads = threads
+        self._planned: collections.deque[Planned] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._planned)
+
+    def __getitem__(self, i: int) -> Planned:
+        return self._planned[i]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether reads are planned ahead at all (only with the native loop, `NATIVE`:
+        without it there is no background read to overlap)."""
+        return NATIVE
+
+    def start(self, key: IntArray, plan: Plan[Any]) -> None:
+        """Run ``plan`` up to its first file read, start that read in the background and
+        keep it under ``key`` (a plan that needs no file read is finished now)."""
+        try:
+            job = next(plan)
+        except StopIteration as stop:  # nothing to read in the background: done now
+            ready = Planned(key, None, None, stop.value)
+        else:
+            ready = Planned(key, plan, start_read_files(*job, threads=self.threads), None)
+        with self._lock:
+            self._planned.append(ready)
+            stale = [self._planned.popleft()] if len(self._planned) > self.depth else []
+        for old in stale:
+            old.drop()
+
+    def take(self, key: IntArray) -> Planned | None:
+        """The planned read of exactly ``key`` (taken; those planned before it are
+        dropped), or None (every planned read is kept)."""
+        stale: list[Planned] = []
+        found = None
+        with self._lock:
+            pending = self._planned
+            for i, ready in enumerate(pending):
+                if ready.key.size == key.size and np.array_equal(ready.key, key):
+                    stale = [pending.popleft() for _ in range(i)]
+                    found = pending.popleft()
+                    break
+        for old in stale:
+            old.drop()
+        return found
+
+    def clear(self) -> None:
+        """Drop every planned read (their background reads are joined first)."""
+        with self._lock:
+            stale = list(self._planned)
+            self._planned.clear()
+        for old in stale:
+            old.drop()
+
+
+class opened:
+    """``path`` (shard ``shard``'s file) open for reading: checked (``checks.stat``) at the
+    open and again after the reads inside the block (a write they saw shows), closed after;
+    a missing file raises ``checks.missing``. (A class, not a generator: it runs once per
+    shard read without the batched loop.)"""
+
+    __slots__ = ("checks", "fd", "path", "shard")
+
+    def __init__(self, path: str, shard: int, checks: OpenChecks) -> None:
+        self.path, self.shard, self.checks = path, shard, checks
+        self.fd = -1
+
+    def __enter__(self) -> int:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self.checks.missing(self.shard, self.path) from None
+        try:
+            self.checks.stat(self.shard, os.fstat(self.fd), self.path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        return self.fd
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        try:
+            if kind is None:
+                self.checks.stat(self.shard, os.fstat(self.fd), self.path)
+        finally:
+            os.close(self.fd)
+
+
+def pread_exact(
+    fd: int, buf: np.ndarray[Any, Any], offset: int, shard: int, path: str, checks: OpenChecks
+) -> None:
+    """Fill ``buf`` (contiguous) from ``fd`` at byte ``offset``; a short read raises
+    ``checks.short`` (the file was truncated)."""
+    if os.preadv(fd, [buf.data], offset) != buf.nbytes:
+        checks.short(fd, shard, path, buf.nbytes, offset)

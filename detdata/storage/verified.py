@@ -1,0 +1,128 @@
+"""The shard copies this process verified: re-opening one skips its digest while its stamp
+holds (`detdata.storage.cache`).
+
+Per path, what one ``stat`` showed when its digest was checked: ``(device, inode, size,
+mtime_ns, ctime_ns)``, the digest and the level checked (a fill hashed every byte:
+``full``). At most `VERIFIED_MAX` are remembered, least recently used forgotten first. A
+copy replaced, rewritten or re-touched by another process shows another stamp and is
+verified again; this process's own touches are folded in (`utime_remembered`). Racy-clean
+rule (as git's index): a file changed less than `_RACY_NS` before it was seen could be
+written again within the same timestamp tick without changing its stamp, so such a
+verification is remembered but not trusted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Final, NamedTuple
+
+#: Verified copies this process remembers (re-opening one skips its digest).
+VERIFIED_MAX: Final = 4096
+#: A file changed less than this before it was verified is verified again on its next open
+#: (it could be rewritten within the same timestamp tick; coarse file systems tick 1-10 ms).
+_RACY_NS: Final = 100_000_000
+_LEVELS: Final = {"quick": 0, "full": 1}
+
+
+class _Verified(NamedTuple):
+    stamp: tuple[int, ...]  # (device, inode, size, mtime_ns, ctime_ns) when verified
+    blake3: str
+    level: int  # _LEVELS of the check (a fill hashed every byte: "full")
+    trusted: bool  # the file had not changed for _RACY_NS when it was verified
+
+
+#: path -> what this process verified, least recently used first (at most VERIFIED_MAX)
+_VERIFIED: Final[OrderedDict[str, _Verified]] = OrderedDict()
+_VERIFIED_MUTEX = threading.Lock()
+
+
+def _new_mutex() -> None:
+    global _VERIFIED_MUTEX
+    _VERIFIED_MUTEX = threading.Lock()  # a parent thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_mutex)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is replaced, written or touched."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def was_verified(path: str, st: os.stat_result, blake3_hex: str, level: str) -> bool:
+    """Did this process verify ``path`` (at ``level`` or stronger) as it is now (``st``), when
+    it had been unchanged long enough that a later write would show in its stamp?"""
+    with _VERIFIED_MUTEX:
+        known = _VERIFIED.get(path)
+        if known is None or not known.trusted or known.stamp != _stamp(st):
+            return False
+        if known.blake3 != blake3_hex or known.level < _LEVELS[level]:
+            return False
+        _VERIFIED.move_to_end(path)
+        return True
+
+
+def remember_verified(
+    path: str,
+    st: os.stat_result,
+    seen_ns: int,
+    blake3_hex: str,
+    level: str,
+    *,
+    own_fill: bool = False,
+) -> None:
+    """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
+
+    Racy-clean rule (as git's index): a file changed less than `_RACY_NS` before it was
+    seen could be written again within the same timestamp tick without changing its
+    stamp, so such a verification is remembered but not trusted (the next open verifies
+    again). ``own_fill``: ``path`` was just renamed into place by this process after it
+    hashed every byte it wrote, and ``st`` was taken after the rename: trusted at once
+    (the only write the stamp could miss is one in place within the same tick after the
+    ``stat``, the exposure this process's own touches already carry)."""
+    trusted = own_fill or seen_ns - st.st_ctime_ns >= _RACY_NS
+    with _VERIFIED_MUTEX:
+        _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
+        _VERIFIED.move_to_end(path)
+        while len(_VERIFIED) > VERIFIED_MAX:
+            _VERIFIED.popitem(last=False)
+
+
+def forget_verified(path: str | None = None) -> None:
+    """Forget that this process verified ``path`` (None: every copy), so its next open
+    re-checks its digest (benchmarks measure the old cost this way)."""
+    with _VERIFIED_MUTEX:
+        if path is None:
+            _VERIFIED.clear()
+        else:
+            _VERIFIED.pop(path, None)
+
+
+def _utime(path: str, ns: tuple[int, int] | None) -> None:
+    if ns is None:
+        os.utime(path)
+    else:
+        os.utime(path, ns=ns)
+
+
+def utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
+    """``os.utime(path)`` (now, or ``ns``), keeping this process's verification of ``path``:
+    when a ``stat`` just before shows the file as verified, the ``stat`` just after is its
+    new stamp (trusted as before); otherwise the verification is forgotten. (Not caught: a
+    write in place within the same timestamp tick right after this ``utime``.) Raises
+    FileNotFoundError when the file is gone."""
+    with _VERIFIED_MUTEX:
+        known = _VERIFIED.get(path)
+    if known is None:
+        _utime(path, ns)
+        return
+    unchanged = _stamp(os.stat(path)) == known.stamp
+    _utime(path, ns)
+    after = os.stat(path)
+    with _VERIFIED_MUTEX:
+        if unchanged and _VERIFIED.get(path) == known:
+            _VERIFIED[path] = known._replace(stamp=_stamp(after))
+        else:
+            _VERIFIED.pop(path, None)

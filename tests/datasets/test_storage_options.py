@@ -1,0 +1,261 @@
+"""`detdata.Storage`: one frozen options object taken by every shard dataset, and the old
+keywords (``verify=``, ``root=``, ``storage_options=``, ``cache_dir=``, ...) mapped onto it.
+
+References: the writer's own tokens and rows (what the shards were written from), and the
+same dataset opened with the new spelling: the old keywords must deliver the same bytes,
+with a `DeprecationWarning` naming the new spelling. The tests in this file use the old
+keywords on purpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import detdata
+from detdata import (
+    ConfigError,
+    Documents,
+    Manifest,
+    RetryPolicy,
+    Storage,
+    TableRows,
+    TokenWindows,
+    VerificationError,
+    Verify,
+)
+from detdata.datasets.shard_storage import DefaultCache
+from tests.datasets.doc_corpora import random_documents, write_eod_shard
+
+SEQ = 5
+EOD = 65_000
+RETRY = RetryPolicy(deadline_s=3.0, attempt_timeout_s=1.0)
+
+
+@pytest.fixture()
+def moved(tmp_path: Path) -> dict[str, Any]:
+    """Token, table and document shards written under ``made/`` and hashed there, then moved
+    to ``moved/``: a dataset finds them only through ``root=``."""
+    made = tmp_path / "made"
+    rng = np.random.default_rng(11)
+    (made / "tok").mkdir(parents=True)
+    tokens = [rng.integers(0, 60_000, size=n).astype(np.uint16) for n in (41, 23, 60)]
+    for i, a in enumerate(tokens):
+        np.save(made / "tok" / f"s{i}.npy", a)
+    (made / "tab").mkdir()
+    rows = {"x": np.arange(30, dtype=np.int64) * 7, "y": rng.random(30).astype(np.float32)}
+    pq.write_table(pa.table(rows), made / "tab" / "t0.parquet", row_group_size=4)
+    (made / "doc").mkdir()
+    docs = random_documents(rng, 25, max_len=12, vocab=EOD, empty=False)
+    write_eod_shard(made / "doc" / "d0.npy", docs, EOD)
+    manifests = {k: detdata.build_manifest(str(made / k)) for k in ("tok", "tab", "doc")}
+    shutil.move(made, tmp_path / "moved")
+    roots = {k: str(tmp_path / "moved" / k) for k in manifests}
+    return {"manifests": manifests, "roots": roots, "tokens": tokens, "rows": rows, "docs": docs}
+
+
+def token_reference(arrays: list[np.ndarray]) -> np.ndarray:
+    """Every labelled window of ``SEQ`` tokens, shard after shard (the writer's arrays)."""
+    rows = [a[w * SEQ : w * SEQ + SEQ + 1] for a in arrays for w in range((len(a) - 1) // SEQ)]
+    return np.stack(rows).astype(np.int32)
+
+
+OLD = {"verify": "full", "retry": RETRY, "cache_verify": "full", "max_open_shards": 2}
+NEW = {"verify": "full", "retry": RETRY, "cache_verify": "full", "max_open_shards": 2}
+
+
+def test_token_windows_old_keywords_give_the_same_bytes_with_a_warning(
+    moved: dict[str, Any],
+) -> None:
+    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    with pytest.warns(DeprecationWarning) as caught:
+        old = TokenWindows(manifest, SEQ, root=root, cache_dir=None, **OLD)
+    new = TokenWindows(manifest, SEQ, storage=Storage(root=root, cache_dir=None, **NEW))
+    (warning,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    text = str(warning.message)
+    assert "TokenWindows(root=..., cache_dir=..., verify=..., retry=..., cache_verify=..." in text
+    assert "pass storage=detdata.Storage(root=..., cache_dir=..., verify=..." in text
+    assert warning.filename == __file__  # attributed to the caller of the constructor
+    ids = np.arange(new.num_samples)[::-1].copy()
+    expected = token_reference(moved["tokens"])[ids]
+    assert np.array_equal(old.read(ids)["tokens"], expected)
+    assert np.array_equal(new.read(ids)["tokens"], expected)
+    assert old.identity() == new.identity()
+    assert old.storage == new.storage
+    assert old.max_open_shards == new.max_open_shards == 2 and old.retry is RETRY
+
+
+def test_table_rows_and_documents_map_the_same_keywords(moved: dict[str, Any]) -> None:
+    tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
+    with pytest.warns(DeprecationWarning, match=r"TableRows\(root=\.\.\., verify=\.\.\.\)"):
+        old = TableRows(tab, root=tab_root, verify="full")
+    new = TableRows(tab, storage=Storage(root=tab_root, verify="full"))
+    ids = np.arange(30)[::-1].copy()
+    for ds in (old, new):
+        got = ds.read(ids)
+        assert np.array_equal(got["x"], moved["rows"]["x"][ids])
+        assert np.array_equal(got["y"], moved["rows"]["y"][ids])
+    assert old.storage == new.storage and old.cache_dir is None and new.cache_dir is None
+
+    doc, doc_root = moved["manifests"]["doc"], moved["roots"]["doc"]
+    with pytest.warns(DeprecationWarning, match=r"Documents\(root=\.\.\., max_open_shards"):
+        old_docs = Documents(doc, eod_token=EOD, root=doc_root, max_open_shards=1)
+    new_docs = Documents(doc, eod_token=EOD, storage=Storage(root=doc_root, max_open_shards=1))
+    for ds in (old_docs, new_docs):
+        assert ds.num_documents == len(moved["docs"])
+        for d, want in enumerate(moved["docs"]):
+            assert np.array_equal(ds.document(d), np.append(want, EOD))
+    assert old_docs.identity() == new_docs.identity()
+
+
+def test_storage_options_keyword_becomes_fs_options(moved: dict[str, Any]) -> None:
+    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    with pytest.warns(DeprecationWarning, match=r"storage=detdata\.Storage\(root=\.\.\., fs_"):
+        old = TokenWindows(manifest, SEQ, root=root, storage_options={"auto_mkdir": True})
+    new = TokenWindows(manifest, SEQ, storage=Storage(root=root, fs_options={"auto_mkdir": True}))
+    for ds in (old, new):
+        assert ds.storage.fs_options == {"auto_mkdir": True} == dict(ds.storage_options)
+        fs, _ = ds._filesystem()
+        assert fs.storage_options == {"auto_mkdir": True}  # reached the file system
+    assert np.array_equal(old.read([0, 9])["tokens"], new.read([0, 9])["tokens"])
+
+
+def test_verify_reaches_the_manifest_check_in_either_spelling(tmp_path: Path) -> None:
+    # 3 MiB of tokens with one byte changed in the middle after hashing: the quick digest
+    # (size + first/last MiB) cannot see it, a full re-hash must name the shard
+    tokens = np.arange(3 << 19, dtype=np.uint16)
+    np.save(tmp_path / "big.npy", tokens)
+    manifest = detdata.build_manifest(str(tmp_path))
+    with open(tmp_path / "big.npy", "r+b") as fh:
+        fh.seek(3 << 19)
+        byte = fh.read(1)
+        fh.seek(3 << 19)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    TokenWindows(manifest, SEQ, storage=Storage(verify=Verify.QUICK))  # opens
+    with pytest.raises(VerificationError, match=r"big\.npy"):
+        TokenWindows(manifest, SEQ, storage=Storage(verify="full"))
+    with pytest.warns(DeprecationWarning), pytest.raises(VerificationError, match=r"big\.npy"):
+        TokenWindows(manifest, SEQ, verify="full")
+
+
+def test_old_keyword_next_to_storage_is_refused(moved: dict[str, Any]) -> None:
+    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    with pytest.raises(ConfigError, match=r"verify=\.\.\. given next to storage=") as info:
+        TokenWindows(manifest, SEQ, storage=Storage(root=root), verify="full")
+    assert "hint:" in str(info.value)
+    with pytest.raises(ConfigError, match=r"storage must be a detdata\.Storage, found dict"):
+        TableRows(moved["manifests"]["tab"], storage={"root": moved["roots"]["tab"]})  # type: ignore[arg-type]
+
+
+def test_cache_bytes_has_one_meaning_and_table_rows_refuses_its_old_one(
+    moved: dict[str, Any], tmp_path: Path
+) -> None:
+    tok, tok_root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    with pytest.warns(
+        DeprecationWarning, match=r"Storage\(root=\.\.\., cache_dir=\.\.\., shard_cache"
+    ):
+        old = TokenWindows(tok, SEQ, root=tok_root, cache_dir=tmp_path, cache_bytes=1 << 20)
+    assert old.storage.shard_cache_bytes == old.shard_cache_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="cache_bytes= is the deprecated name of shard_cache"):
+        TokenWindows(tok, SEQ, root=tok_root, cache_bytes=1, shard_cache_bytes=1)
+    tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
+    with pytest.raises(ConfigError) as info:
+        TableRows(tab, cache_bytes=1 << 20, storage=Storage(root=tab_root))
+    text = str(info.value)
+    assert "TableRows(cache_bytes=...)" in text and "hint:" in text
+    assert "row_group_cache_bytes" in text and "shard_cache_bytes" in text
+
+
+def test_an_unknown_keyword_is_a_type_error(moved: dict[str, Any]) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'verfy'"):
+        TokenWindows(moved["manifests"]["tok"], SEQ, verfy="full")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("root", 3),
+        ("root", ""),
+        ("verify", "fast"),
+        ("fs_options", ["anon"]),
+        ("fs_options", {1: True}),
+        ("retry", 30.0),
+        ("cache_dir", 7),
+        ("shard_cache_bytes", 0),
+        ("shard_cache_bytes", True),
+        ("cache_verify", "off"),
+        ("max_open_shards", 0),
+        ("max_open_shards", 2.5),
+    ],
+)
+def test_each_bad_field_is_a_config_error_naming_it(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        Storage(**{field: value, "cache_dir": "/tmp/c"} if field != "cache_dir" else {field: value})
+    text = str(info.value)
+    assert text.startswith(f"Storage.{field}: expected "), text
+    assert ", found " in text and "; hint: " in text
+
+
+def test_a_cache_bound_without_a_cache_is_refused_where_the_dataset_keeps_none(
+    moved: dict[str, Any],
+) -> None:
+    with pytest.raises(ConfigError, match=r"Storage\.shard_cache_bytes: expected None without"):
+        Storage(cache_dir=None, shard_cache_bytes=1 << 20)
+    # the default cache_dir (AUTO) is the dataset's: none for TableRows, the user cache for
+    # TokenWindows (where a bound is meaningful)
+    tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
+    with pytest.raises(ConfigError, match=r"Storage\.shard_cache_bytes"):
+        TableRows(tab, storage=Storage(root=tab_root, shard_cache_bytes=1 << 20))
+    tok, tok_root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    ds = TokenWindows(tok, SEQ, storage=Storage(root=tok_root, shard_cache_bytes=1 << 20))
+    assert ds.storage.cache_dir is DefaultCache.USER
+    assert ds.cache_dir is None  # a local root reads in place whatever the default cache
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="max_open_shards"):
+        TokenWindows(tok, SEQ, root=tok_root, max_open_shards=0)
+
+
+def test_fields_are_normalised_frozen_and_kept_out_of_the_repr(tmp_path: Path) -> None:
+    assert Storage() == Storage(verify="quick", retry=None, fs_options=None, max_open_shards=None)  # type: ignore[arg-type]
+    made = Storage(root=tmp_path, cache_dir=tmp_path / "c", verify="full")
+    assert made.root == str(tmp_path) and made.cache_dir == str(tmp_path / "c")
+    assert made.verify is Verify.FULL and made.max_open_shards == 128
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.verify = Verify.OFF  # type: ignore[misc]
+    secret = Storage(root="http://alice:T0KEN@host/data", fs_options={"secret": "S3CR3T"})
+    shown = repr(secret)
+    assert "T0KEN" not in shown and "S3CR3T" not in shown
+    assert "'secret': '***'" in shown and "http://***@host/data" in shown
+    assert (
+        type(secret).__module__ == "detdata" and repr(type(secret)) == "<class 'detdata.Storage'>"
+    )
+
+
+def test_storage_travels_with_a_pickled_dataset(moved: dict[str, Any]) -> None:
+    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    ds = TokenWindows(manifest, SEQ, storage=Storage(root=root, max_open_shards=1, retry=RETRY))
+    back = pickle.loads(pickle.dumps(ds))
+    assert back.storage == ds.storage and back.max_open_shards == 1
+    ids = np.arange(ds.num_samples)
+    assert np.array_equal(back.read(ids)["tokens"], token_reference(moved["tokens"]))
+    assert isinstance(back.manifest, Manifest) and back.manifest.id == manifest.id
+
+
+def test_identity_never_depends_on_storage(moved: dict[str, Any]) -> None:
+    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
+    plain = TokenWindows(manifest, SEQ, storage=Storage(root=root))
+    tuned = TokenWindows(
+        manifest,
+        SEQ,
+        storage=Storage(root=root, verify="full", max_open_shards=1, cache_verify="full"),
+    )
+    assert plain.identity() == tuned.identity()
+    assert re.fullmatch(r"b3:[0-9a-f]{64}", plain.identity()["manifest"])

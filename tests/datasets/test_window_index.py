@@ -1,0 +1,177 @@
+"""`TokenWindows`' window index (detdata.datasets.window_index, DESIGN.md 8): stored once,
+mapped by every later open, checked in full by each; a damaged, truncated or stale file is
+named and rebuilt, never trusted; a rank that maps it touches no manifest column at open.
+
+References are independent of the code under test: windows cut from the ``.npy`` files'
+own tokens (brute force), and the file's own bytes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detdata import FormatError, Manifest, Storage, TokenWindows, build_manifest
+from detdata.datasets import window_index
+from detdata.identity.columns import CHUNK, ShardTable
+
+SEQ = 16
+
+
+@pytest.fixture(autouse=True)
+def _stored_from_one_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small corpora here: the index is stored whatever the shard count (a real corpus
+    stores it from `window_index.STORE_MIN_SHARDS` shards on)."""
+    monkeypatch.setattr(window_index, "STORE_MIN_SHARDS", 1)
+
+
+def _corpus(root: Path, shards: int = 40) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(41)
+    for i in range(shards):
+        dtype = np.uint16 if i % 4 else np.int32
+        np.save(root / f"p{i:03d}.npy", rng.integers(0, 50_000, 20 + 29 * (i % 9)).astype(dtype))
+    path = root / "manifest.json"
+    build_manifest(str(root), threads=2).save(str(path))
+    return path
+
+
+def _brute(root: Path, seq: int = SEQ) -> np.ndarray:
+    """Every window (seq + 1 tokens) of every shard in path order, from the files (int32)."""
+    rows = []
+    for file in sorted(root.glob("*.npy")):
+        tokens = np.load(file)
+        rows += [tokens[w * seq : w * seq + seq + 1] for w in range((tokens.size - 1) // seq)]
+    return np.stack(rows).astype(np.int32)
+
+
+def _stored(receipts: Path) -> Path:
+    (found,) = receipts.glob("*.windows")
+    return found
+
+
+def _receipts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    folder = tmp_path / "receipts"
+    monkeypatch.setenv("DETDATA_RECEIPTS", str(folder))
+    return folder
+
+
+def test_the_index_is_stored_once_and_mapped_by_later_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    want = _brute(tmp_path / "d")
+    first = TokenWindows(str(path), SEQ)
+    stored = _stored(receipts)
+    assert first._index.path == str(stored)
+    before = stored.stat().st_mtime_ns
+    calls: list[int] = []
+    build = window_index.build_window_index
+    monkeypatch.setattr(
+        window_index, "build_window_index", lambda *a, **k: calls.append(1) or build(*a, **k)
+    )
+    again = TokenWindows(str(path), SEQ)
+    assert calls == [] and again._index.path == str(stored)  # mapped, not built
+    assert stored.stat().st_mtime_ns == before
+    for ds in (first, again, pickle.loads(pickle.dumps(again))):
+        assert ds.num_samples == len(want)
+        assert np.array_equal(ds.read(np.arange(ds.num_samples))["tokens"], want)
+    # other options are another index (another file)
+    other = TokenWindows(str(path), 8)
+    assert other._index.path != str(stored) and len(list(receipts.glob("*.windows"))) == 2
+    got = other.read(np.arange(other.num_samples))["tokens"]
+    assert np.array_equal(got, _brute(path.parent, 8))
+
+
+def _damage(stored: Path, how: str, receipts: Path, path: Path) -> None:
+    raw = bytearray(stored.read_bytes())
+    if how == "flipped":
+        raw[len(raw) // 2] ^= 0x10  # inside the sections
+        stored.write_bytes(bytes(raw))
+    elif how == "truncated":
+        stored.write_bytes(bytes(raw[: len(raw) - 100]))
+    elif how == "stale":  # a valid file of other inputs (seq_len 8) under this one's name
+        TokenWindows(str(path), 8)
+        (other,) = [p for p in receipts.glob("*.windows") if p != stored]
+        shutil.copy(other, stored)
+    elif how == "header":
+        at = raw.index(b'"windows":') + len(b'"windows":')
+        raw[at] = ord("9") if raw[at] != ord("9") else ord("8")  # a count edited
+        stored.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "stale", "header"])
+def test_a_damaged_or_stale_index_is_named_and_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    want = _brute(tmp_path / "d")
+    TokenWindows(str(path), SEQ)
+    stored = _stored(receipts)
+    good = stored.read_bytes()
+    _damage(stored, how, receipts, path)
+    assert stored.read_bytes() != good
+    named = rf"token windows index {re.escape(str(stored))} does not match .*rebuilding it"
+    with pytest.warns(RuntimeWarning, match=named):
+        ds = TokenWindows(str(path), SEQ)
+    assert stored.read_bytes() == good  # rebuilt: the file a fresh build writes
+    assert ds.num_samples == len(want)
+    assert np.array_equal(ds.read(np.arange(ds.num_samples))["tokens"], want)
+
+
+def test_the_index_checks_run_once_and_a_bad_manifest_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open-time checks moved into the build: a shard too short is named, no file is
+    written, and allow_short_shards is part of the index's inputs."""
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    with pytest.raises(FormatError, match=r"shard p000.npy: 20 tokens is too short"):
+        TokenWindows(str(path), 32)
+    assert list(receipts.glob("*.windows")) == []
+    ds = TokenWindows(str(path), 32, allow_short_shards=True)
+    assert ds.windows_per_shard[0] == 0 and len(list(receipts.glob("*.windows"))) == 1
+    assert np.array_equal(ds.read(np.arange(ds.num_samples))["tokens"], _brute(path.parent, 32))
+
+
+def test_a_rank_that_maps_the_index_touches_no_manifest_column_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many shards: with the index stored, opening touches (checks) no data chunk of the
+    manifest's columns, and a read touches the path chunks of the shards it reads only."""
+    _receipts(monkeypatch, tmp_path)
+    root = tmp_path / "d"
+    root.mkdir()
+    tokens = np.arange(100, dtype=np.uint16)
+    np.save(root / "x.npy", tokens)
+    one = build_manifest(str(root)).shards[0]
+    names = [f"s{i:06d}.npy" for i in range(30_000)]
+    for name in names[:: 30_000 // 6]:
+        shutil.copy(root / "x.npy", root / name)
+    (root / "x.npy").unlink()
+    entries = [type(one)(**{**one.__dict__, "path": name}) for name in names]
+    path = root / "manifest.json"
+    Manifest(shards=tuple(entries), root=str(root)).save(str(path))
+    TokenWindows(str(path), SEQ, storage=Storage(verify="off"))  # builds and stores the index
+    manifest = Manifest.load(str(path), verify="off")
+    table = manifest.shards
+    assert isinstance(table, ShardTable)
+    ds = TokenWindows(manifest, SEQ, storage=Storage(verify="off"))
+    assert ds._index.path is not None
+    assert sum(table.columns._checked) == 0  # no column chunk hashed (or touched)
+    assert table._cache == {}
+    shard = 30_000 // 6 * 4
+    per = (tokens.size - 1) // SEQ
+    got = ds.read(np.arange(shard * per, shard * per + per))["tokens"]
+    want = np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(per)]).astype(np.int32)
+    assert np.array_equal(got, want)
+    total = -(-table.columns.header["data_bytes"] // CHUNK)
+    assert 0 < sum(table.columns._checked) <= 3 < total  # its path's chunks only (<= 3)
+    assert table._cache == {}  # and no entry built
