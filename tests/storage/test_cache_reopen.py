@@ -3,7 +3,9 @@
 Copies are filled from an in-memory fsspec root (``memory://``, a real remote-style
 file system in this process) into a real cache directory. "Cheap" is checked from
 outside the code: the bytes this process read through ``read``/``pread`` system calls
-(``rchar`` of ``/proc/self/io``; memory-mapped reads do not count there) while copies
+(``rchar`` of ``/proc/thread-self/io``: this thread's, where the re-opens run; the process's
+count also takes in other threads of the test worker, such as pytest-xdist's channel reads and
+servers of other tests; memory-mapped reads do not count there) while copies
 are re-opened after handle evictions. A quick digest re-check reads the whole copy of
 a small shard (twice: head and tail), so without the memo every re-open reads it.
 """
@@ -29,11 +31,11 @@ RACY_S = 0.15  # > the cache's racy-clean window (0.1 s): verifications after it
 
 
 def rchar() -> int:
-    with open("/proc/self/io") as fh:
+    with open("/proc/thread-self/io") as fh:
         for line in fh:
             if line.startswith("rchar:"):
                 return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
+    raise AssertionError("no rchar in /proc/thread-self/io")
 
 
 @pytest.fixture()
