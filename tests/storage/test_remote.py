@@ -423,7 +423,9 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
     a, b = read_trace(tmp_path / "local.jsonl"), read_trace(tmp_path / "remote.jsonl")
     assert len(step_digests(a)) == 13 and first_difference(a, b) is None
     stats = proxy.stats
-    assert stats.resets >= 2 and stats.stalls >= 1, stats  # the faults really happened
+    # the faults really happened: at least one of each (how many connections a run opens, and so
+    # how many the every-3rd rule resets, depends on the pool's reuse: 5 in one loaded run)
+    assert stats.resets >= 1 and stats.stalls >= 1, stats
 
     # resume mid-run from the remote loader's state: the rest equals the local run
     half = loader_for(remote(), None)
