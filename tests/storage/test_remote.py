@@ -323,12 +323,20 @@ def test_resets_retry_with_backoff_then_fail_naming_shard_and_url(
     assert merge_s >= 0.025
     accepts = proxy.stats.accept_times
     times = [t for i, t in enumerate(accepts) if i == 0 or t - accepts[i - 1] > merge_s]
-    assert err.attempts == len(times) >= 5
+    # set_plan resets the connections open at the switch, but the client's pool may not have
+    # seen that RST yet: then attempt 1 goes out on the pooled (dead) connection, fails with a
+    # reset and opens no new one (CI saw this once: 7 attempts, 6 accepts, the gaps equal to
+    # backoffs 2..6). Every later attempt must open a connection, and none may open two.
+    pooled = err.attempts - len(times)
+    assert pooled in (0, 1) and len(times) >= 5, (err.attempts, len(times))
+    first = next(r.getMessage() for r in caplog.records if "attempt 1:" in r.getMessage())
+    if pooled:
+        assert "reset by peer" in first, first
     gaps = np.diff(times)
-    expected = np.asarray([policy.delay(url, n) for n in range(len(gaps))])
+    expected = np.asarray([policy.delay(url, n) for n in range(pooled, pooled + len(gaps))])
     assert np.all(gaps >= expected - 0.005), (gaps, expected)
     assert np.all(gaps <= expected + 0.5), (gaps, expected)
-    assert expected[-1] > 3 * expected[0]  # it backed off exponentially
+    assert expected[-1] > 2 * expected[0]  # it backed off exponentially (jitter: 0.5-1x the cap)
     retried = ("retrying in" in r.getMessage() and url in r.getMessage() for r in caplog.records)
     assert sum(retried) == err.attempts - 1
 
