@@ -22,6 +22,7 @@ import numpy as np
 from detdata.base.errors import FormatError, StorageError, VerificationError
 from detdata.base.types import IntArray
 from detdata.datasets.shards import ShardReader
+from detdata.storage.file_column import IntColumn
 from detdata.storage.fs import join
 from detdata.storage.mapped import Mapped, map_checked, record_view
 from detdata.storage.reads import OpenChecks, opened, pread_exact
@@ -50,9 +51,9 @@ class ShardWindows(ShardReader):
     window: int
     out_dtype: np.dtype[Any]
     _num: int
-    _bounds: IntArray  # count + 1 cumulative windows
-    _starts: IntArray
-    _offsets: IntArray
+    _bounds: IntColumn  # count + 1 cumulative windows
+    _starts: IntColumn
+    _offsets: IntColumn
     _itemsize: ArrayByCode
     _disk: ByCode[np.dtype[Any]]
     _dtypes: ByCode[str]

@@ -62,6 +62,7 @@ from detdata.datasets.shard_storage import (
 from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
+from detdata.storage.file_column import IntColumn
 from detdata.storage.first_opens import FirstOpens
 from detdata.storage.first_opens import file_identity as _identity
 from detdata.storage.fs import filesystem, join
@@ -244,12 +245,12 @@ class ShardReader(ProcessLocal, abc.ABC):
 
     def _build_index(self) -> None:
         # bytes per shard: the manifest's column (mapped for the fast form: no entry built)
-        self._size_array: npt.NDArray[np.int64] = self._shard_bytes()
+        self._size_array: IntColumn = self._shard_bytes()
         self._sizes = self._size_array
 
-    def _shard_bytes(self) -> npt.NDArray[np.int64]:
+    def _shard_bytes(self) -> IntColumn:
         """Bytes of every shard in manifest order: the manifest's column (a subclass may
-        give an equal array it already holds checked)."""
+        give an equal column it already holds checked, read on demand)."""
         return self.manifest.bytes_per_shard()
 
     def _reset_process_state(self) -> None:

@@ -37,6 +37,7 @@ from detdata.identity.formats import disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
 from detdata.storage.cache import ShardCache
+from detdata.storage.file_column import FileColumn, IntColumn
 
 T = TypeVar("T")
 
@@ -49,7 +50,9 @@ class ByCode(Generic[T]):
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: tuple[T, ...]) -> None:
+    def __init__(
+        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: tuple[T, ...]
+    ) -> None:
         self.codes = codes
         self.values = values
 
@@ -64,7 +67,9 @@ class ArrayByCode:
 
     __slots__ = ("codes", "values")
 
-    def __init__(self, codes: npt.NDArray[np.integer[Any]], values: npt.ArrayLike) -> None:
+    def __init__(
+        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: npt.ArrayLike
+    ) -> None:
         self.codes = codes
         self.values = np.asarray(values, dtype=np.int64)
 
@@ -200,7 +205,7 @@ class TokenWindows(WindowReads):
         """Windows per shard, in manifest order (a tuple built on first use: O(shards))."""
         found: tuple[int, ...] | None = self.__dict__.get("_windows_tuple")
         if found is None:
-            found = tuple(np.diff(self._bounds).tolist())
+            found = tuple(np.diff(np.asarray(self._bounds)).tolist())  # O(shards): read whole
             self.__dict__["_windows_tuple"] = found
         return found
 
@@ -229,7 +234,7 @@ class TokenWindows(WindowReads):
         # windows stored as delivered (disk dtype == out_dtype): read straight into the result
         self._direct = self._batch_covers and self._disk[0] == self.out_dtype
 
-    def _shard_bytes(self) -> npt.NDArray[np.int64]:
+    def _shard_bytes(self) -> IntColumn:
         """Bytes per shard: the window index's copy (checked with it: the manifest's column
         is not touched at open)."""
         return self._index.sizes
@@ -288,7 +293,7 @@ class TokenWindows(WindowReads):
     def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(shard_index, window_in_shard)`` int64 arrays for window ids (checked)."""
         arr = check_ids(ids, self._num, self._what())
-        shard = np.searchsorted(self._starts, arr, side="right").astype(np.int64) - 1
+        shard = self._starts.searchsorted(arr, side="right").astype(np.int64) - 1
         return shard, arr - self._starts[shard]
 
     def read(self, ids: npt.ArrayLike) -> Batch:

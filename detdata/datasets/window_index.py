@@ -1,4 +1,4 @@
-"""`TokenWindows`' per-shard index: built once per job, memory-mapped by every rank (DESIGN.md 8).
+"""`TokenWindows`' per-shard index: built once per job, read by every rank (DESIGN.md 8).
 
 What a `TokenWindows` needs of every shard (`WindowIndex`): the cumulative window counts
 (``starts``, ``count + 1`` int64: window ids ``[starts[s], starts[s + 1])`` are shard
@@ -7,7 +7,7 @@ What a `TokenWindows` needs of every shard (`WindowIndex`): the cumulative windo
 (every shard a token shard whose size its dtype and sample count explain; none too short
 for a window unless ``allow_short_shards``): O(shards) CPU and memory, ~26 MB at 1M shards.
 
-Built once, mapped by every rank. For a manifest in the mapped fast form
+Built once, read by every rank. For a manifest in the mapped fast form
 (`detdata.identity.columns`) with receipts on, the index is a file in the receipts folder
 (``DETDATA_RECEIPTS``, per machine): ``<key>.windows``, ``key`` the blake3 of its inputs
 (`window_inputs`: the manifest id, the columns file's header digest, ``seq_len``,
@@ -27,15 +27,20 @@ Layout (little-endian)::
     sections: starts <i8 (count + 1)  offsets <i8  sizes <i8  codes <i2 (each 64-aligned)
     blake3 of every byte above (32 bytes)
 
-Checked in full by every process that maps it, before any of it is used: the trailing
-blake3 over every byte (hashed through the mapping a MiB at a time, each MiB dropped from
-the process's resident set once hashed: a rank keeps only the pages it later touches), the
+Checked in full by every process that opens it, before any of it is used: the trailing
+blake3 over every byte (read a MiB at a time into one buffer), the
 header's inputs equal to the dataset's, its sections exactly where a header for that many
 shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window count, the dtypes
 token dtypes and the codes in use among them. A file failing any of these (damaged,
 truncated, stale, of other inputs) is reported with a `RuntimeWarning` naming it and what
-differs, and rebuilt. It is replaced atomically, never rewritten in place: a mapping keeps
-the file it mapped.
+differs, and rebuilt. It is replaced atomically, never rewritten in place: the
+descriptor a rank holds keeps reading the file it checked.
+
+Not mapped: a rank reads the sections through `detdata.storage.file_column.FileColumn`
+(``pread`` of 4 KiB blocks, a binary search through every 512th start kept in memory). A
+page-cache fault on a mapping maps the whole large folio around it (up to 2 MiB here): a
+rank that searched and looked up a handful of shards through a mapping of a 1M-shard index
+held ~20 MB of it resident after one batch.
 
 What the check does not prove: that the file's content is what its inputs make. It is
 detdata's own output, computed from the checked columns by the builder and guarded by its
@@ -47,7 +52,6 @@ shards) is the same.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import time
 import warnings
@@ -60,13 +64,13 @@ import numpy.typing as npt
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import FormatError
-from detdata.base.types import IntArray
 from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.receipts import job_meeting, receipt_dir, wait_s
 from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.file_column import FileColumn, IntColumn, OpenFile
 from detdata.storage.locks import file_lock
 
 MAGIC: Final = b"DDWINDX1"
@@ -92,13 +96,14 @@ _CODES: Final = ("codes", "<i2", 0)
 class WindowIndex:
     """Per shard of a token manifest (in manifest order): ``starts`` (cumulative windows,
     ``count + 1``), ``offsets`` (byte offset of its tokens), ``sizes`` (bytes) and
-    ``codes`` (index into ``dtypes``); ``used``: the codes some shard has. Read-only
-    arrays, memory-mapped from ``path`` (None: built in this process)."""
+    ``codes`` (index into ``dtypes``); ``used``: the codes some shard has. Read-only:
+    arrays built in this process (``path`` None), or `FileColumn` s over the file
+    ``path``."""
 
-    starts: IntArray
-    offsets: IntArray
-    sizes: IntArray
-    codes: npt.NDArray[np.int16]
+    starts: IntColumn
+    offsets: IntColumn
+    sizes: IntColumn
+    codes: npt.NDArray[np.int16] | FileColumn
     dtypes: tuple[str, ...]
     used: tuple[int, ...]
     path: str | None = None
@@ -126,17 +131,15 @@ def build_window_index(
             raise short_shard_error(manifest.shards[int(short[0])], seq_len, labels)
     starts = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    index = WindowIndex(
-        starts=starts,
-        offsets=np.maximum(manifest.data_offsets(), 0),
-        sizes=np.ascontiguousarray(manifest.bytes_per_shard(), dtype=np.int64),
-        codes=codes.astype(np.int16),
-        dtypes=dtypes,
-        used=distinct_codes(codes),
+    arrays = (
+        starts,
+        np.maximum(manifest.data_offsets(), 0),
+        np.array(manifest.bytes_per_shard(), dtype=np.int64),
+        codes.astype(np.int16),
     )
-    for arr in (index.starts, index.offsets, index.sizes, index.codes):
+    for arr in arrays:
         arr.flags.writeable = False
-    return index
+    return WindowIndex(*arrays, dtypes=dtypes, used=distinct_codes(codes))
 
 
 def distinct_codes(code: npt.NDArray[Any]) -> tuple[int, ...]:
@@ -347,38 +350,37 @@ def _load_warning(
 
 
 def load_window_index(path: str, inputs: dict[str, Any], count: int) -> WindowIndex | None:
-    """The index file ``path`` mapped and checked in full for ``inputs`` and ``count``
-    shards (see the module docstring); None where there is none; `_Invalid` (a message
-    naming the check) where it fails one."""
+    """The index file ``path`` checked in full for ``inputs`` and ``count`` shards (see the
+    module docstring), its sections as `FileColumn` s read with ``pread``; None where there
+    is none; `_Invalid` (a message naming the check) where it fails one."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        file = OpenFile(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise _Invalid(f"unreadable ({exc})") from None
     try:
-        size = os.fstat(fd).st_size
-        if size < _HEAD + _DIGEST:
-            raise _Invalid(f"{size} bytes is too short for a header")
-        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    try:
-        return _checked(path, mapping, inputs, count)
+        return _checked(file, inputs, count)
+    except OSError as exc:  # shortened while read
+        file.close()
+        raise _Invalid(f"unreadable ({exc})") from None
     except BaseException:
-        mapping.close()
+        file.close()
         raise
 
 
-def _checked(path: str, mapping: mmap.mmap, inputs: dict[str, Any], count: int) -> WindowIndex:
-    """`load_window_index` of the mapped file ``path``."""
-    size = len(mapping)
-    if mapping[:8] != MAGIC:
-        raise _Invalid(f"magic {mapping[:8]!r}, expected {MAGIC!r}")
-    hlen = int.from_bytes(mapping[8:_HEAD], "little")
+def _checked(file: OpenFile, inputs: dict[str, Any], count: int) -> WindowIndex:
+    """`load_window_index` of the open ``file``."""
+    size = os.fstat(file.fd).st_size
+    if size < _HEAD + _DIGEST:
+        raise _Invalid(f"{size} bytes is too short for a header")
+    head = file.pread(0, _HEAD)
+    if head[:8] != MAGIC:
+        raise _Invalid(f"magic {head[:8]!r}, expected {MAGIC!r}")
+    hlen = int.from_bytes(head[8:_HEAD], "little")
     if hlen > MAX_HEADER or _HEAD + hlen + _DIGEST > size:
         raise _Invalid(f"header length {hlen} does not fit the file ({size} bytes)")
-    header = _header(mapping[_HEAD : _HEAD + hlen])
+    header = _header(file.pread(_HEAD, hlen))
     if header.get("inputs") != inputs:
         raise _Invalid(f"made for {header.get('inputs')}, not {inputs}")
     if header["count"] != count:
@@ -392,18 +394,12 @@ def _checked(path: str, mapping: mmap.mmap, inputs: dict[str, Any], count: int) 
     end += -end % _ALIGN
     if size != end + _DIGEST:
         raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
-    if _digest(mapping, end) != mapping[end:]:
+    if _digest(file, end) != file.pread(end, _DIGEST):
         raise _Invalid("its bytes do not match its digest (damaged)")
-    arrays = [
-        np.frombuffer(
-            mapping,
-            dtype=np.dtype(dt),
-            count=layout[nm][1] // np.dtype(dt).itemsize,
-            offset=data_at + layout[nm][0],
-        )
+    starts, offsets, sizes, codes = (
+        FileColumn(file, data_at + layout[nm][0], layout[nm][1] // np.dtype(dt).itemsize, dt)
         for nm, dt, _ in (*_SECTIONS, _CODES)
-    ]
-    starts = arrays[0]
+    )
     if int(starts[0]) != 0 or int(starts[-1]) != header["windows"]:
         raise _Invalid(
             f"window starts run from {int(starts[0])} to {int(starts[-1])}, the header says "
@@ -412,12 +408,12 @@ def _checked(path: str, mapping: mmap.mmap, inputs: dict[str, Any], count: int) 
     dtypes, used = header["dtypes"], header["used"]
     return WindowIndex(
         starts=starts,
-        offsets=arrays[1],
-        sizes=arrays[2],
-        codes=arrays[3],
+        offsets=offsets,
+        sizes=sizes,
+        codes=codes,
         dtypes=tuple(dtypes),
         used=tuple(used),
-        path=path,
+        path=file.path,
     )
 
 
@@ -447,16 +443,17 @@ def _header(raw: bytes) -> dict[str, Any]:
     return header
 
 
-def _digest(mapping: mmap.mmap, end: int) -> bytes:
-    """blake3 of ``mapping[:end]``, hashed `HASH_PIECE` bytes at a time, each piece's pages
-    dropped from this process's resident set once hashed (they stay in the page cache)."""
+def _digest(file: OpenFile, end: int) -> bytes:
+    """blake3 of the file's first ``end`` bytes, read `HASH_PIECE` bytes at a time into
+    one buffer (nothing mapped, nothing kept)."""
     hasher = blake3.blake3()
-    with memoryview(mapping) as view:
-        for at in range(0, end, HASH_PIECE):
-            stop = min(end, at + HASH_PIECE)
-            hasher.update(view[at:stop])
-            mapping.madvise(mmap.MADV_DONTNEED, at, stop - at)
-    # later uses touch a few pages each (binary searches, per-shard lookups): no read-ahead
-    # or fault-around that would map many pages around each
-    mapping.madvise(mmap.MADV_RANDOM)
+    buf = bytearray(HASH_PIECE)
+    with memoryview(buf) as view:
+        at = 0
+        while at < end:
+            got = os.preadv(file.fd, [view[: min(HASH_PIECE, end - at)]], at)
+            if not got:
+                raise _Invalid(f"ends at byte {at}, before {end} (truncated while read)")
+            hasher.update(view[:got])
+            at += got
     return hasher.digest()

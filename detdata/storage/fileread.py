@@ -110,15 +110,17 @@ def read_files(
         _plain(iov_count),
         stats,
         _threads if threads is None else threads,
-        *_table(first),
+        *_table(first, shards),
     )
     return done, stats
 
 
-def _table(first: FirstOpens | None) -> tuple[object, object, object]:
-    """The native loop's (state, ident, sizes) arguments of ``first`` (None: no records)."""
+def _table(first: FirstOpens | None, shards: IntArray) -> tuple[object, object, object]:
+    """The native loop's (state, ident, sizes) arguments of ``first`` (None: no records),
+    the sizes of ``shards`` filled in (`FirstOpens.prepare`)."""
     if first is None:
         return None, None, None
+    first.prepare(shards)
     return first.state, first.ident, first.sizes
 
 
@@ -221,7 +223,7 @@ def start_read_files(
         _owned(iov_count),
         stats,
         max(1, min(2, int(threads))),
-        *_table(first),
+        *_table(first, shards),
     )
     return PendingRead(native, stats)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,9 @@ BUSY: Final = 2
 U64Array = npt.NDArray[np.uint64]
 IntArray = npt.NDArray[np.int64]
 
+if TYPE_CHECKING:
+    from detdata.storage.file_column import FileColumn
+
 _U64: Final = (1 << 64) - 1
 
 
@@ -49,25 +52,48 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int]:
 
 
 class FirstOpens:
-    """The first-open records of ``sizes.size`` shards (``sizes``: the manifest's bytes per
-    shard; the native loop records only a file of that size). Per process: never pickled
-    (a dataset makes a new one in each process)."""
+    """The first-open records of ``len(sizes)`` shards (``sizes``: the manifest's bytes per
+    shard, an array or a `detdata.storage.file_column.FileColumn`; the native loop records
+    only a file of that size). Per process: never pickled (a dataset makes a new one in
+    each process).
 
-    __slots__ = ("_lock", "ident", "sizes", "state", "states")
+    ``sizes`` here is this process's table for the native loop, indexed by shard: zero pages
+    until `prepare` copies in the sizes of shards about to be read (a 1M-shard manifest's
+    column is not copied, nor mapped, whole)."""
 
-    def __init__(self, sizes: IntArray) -> None:
-        self.sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    __slots__ = ("_column", "_filled", "_lock", "ident", "sizes", "state", "states")
+
+    def __init__(self, sizes: IntArray | FileColumn) -> None:
+        count = len(sizes)
+        self._column = sizes
         #: one byte per shard (`NONE`, `BUSY`, `RECORDED`); a bytearray for cheap tests in
         #: per-shard Python loops, `states` is a numpy view of it
-        self.state = bytearray(self.sizes.size)
+        self.state = bytearray(count)
         self.states = np.frombuffer(self.state, dtype=np.uint8)
-        #: (inode, device, mtime_ns) per shard, meaningful where the state is `RECORDED`
-        # an anonymous mapping (zero pages until written): numpy would ask huge pages for an
+        # anonymous mappings (zero pages until written): numpy would ask huge pages for an
         # array this large, and a record would then make 2 MiB resident, not 4 KiB
+        #: (inode, device, mtime_ns) per shard, meaningful where the state is `RECORDED`
         self.ident: U64Array = np.frombuffer(
-            mmap.mmap(-1, max(1, 24 * self.sizes.size)), dtype=np.uint64, count=3 * self.sizes.size
-        ).reshape(self.sizes.size, 3)
+            mmap.mmap(-1, max(1, 24 * count)), dtype=np.uint64, count=3 * count
+        ).reshape(count, 3)
+        self.sizes: IntArray = np.frombuffer(
+            mmap.mmap(-1, max(1, 8 * count)), dtype=np.int64, count=count
+        )
+        self._filled = np.frombuffer(mmap.mmap(-1, max(1, count)), dtype=np.bool_, count=count)
         self._lock = threading.Lock()
+
+    def prepare(self, ids: IntArray) -> None:
+        """Copy the sizes of shards ``ids`` into `sizes` (before the native loop reads them)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < self._filled.size)]  # others: the native loop names them
+        missing = ids[~self._filled[ids]]
+        if missing.size:
+            self.sizes[missing] = self._column[missing]
+            self._filled[missing] = True  # after the sizes: another thread tests it first
+
+    def size(self, shard: int) -> int:
+        """The manifest's bytes of ``shard``."""
+        return int(self._column[shard])
 
     def __getstate__(self) -> None:
         raise TypeError("FirstOpens is per process and is not pickled")

@@ -175,3 +175,33 @@ def test_a_rank_that_maps_the_index_touches_no_manifest_column_at_open(
     total = -(-table.columns.header["data_bytes"] // CHUNK)
     assert 0 < sum(table.columns._checked) <= 3 < total  # its path's chunks only (<= 3)
     assert table._cache == {}  # and no entry built
+
+
+def test_a_rank_maps_neither_the_index_nor_the_manifest_columns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index and the manifest's columns are read with ``pread``: a rank that opens the
+    dataset and reads windows of shards all over the corpus has neither file mapped, so no
+    page of either counts in its resident set (a fault on a mapping maps a whole large
+    folio: ~2 MiB a lookup at 1M shards). The windows equal a brute-force cut."""
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d", shards=60)
+    want = _brute(tmp_path / "d")
+    TokenWindows(str(path), SEQ)  # builds and stores the index
+    ds = TokenWindows(str(path), SEQ)
+    ids = np.random.default_rng(3).permutation(ds.num_samples)
+    for part in np.array_split(ids, 7):
+        assert np.array_equal(ds.read(part)["tokens"], want[part])
+    shard, local = ds.locate(ids)
+    bounds = np.concatenate(
+        (
+            [0],
+            np.cumsum(
+                [(np.load(f).size - 1) // SEQ for f in sorted((tmp_path / "d").glob("*.npy"))]
+            ),
+        )
+    )
+    assert np.array_equal(bounds[shard] + local, ids)
+    maps = Path("/proc/self/maps").read_text()
+    assert str(_stored(receipts)) not in maps
+    assert str(path) + ".columns" not in maps

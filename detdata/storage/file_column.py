@@ -1,0 +1,226 @@
+"""A read-only integer array kept in a file and read with ``pread``, never mapped.
+
+Why not a memory map: on this kernel (and any with large page-cache folios) a fault maps
+the whole folio around the page touched, up to 2 MiB, into the process. A rank that
+binary-searches a 1M-shard index and looks up a handful of shards through a mapping held
+~20 MB of it resident after one batch. `FileColumn` reads what it is asked for in
+`BLOCK`-element blocks (4 KiB of int64), keeps at most `CACHED_BLOCKS` of them, and keeps
+every `BLOCK`-th element in memory (``coarse``) so that `searchsorted` reads one block per
+distinct answer: a lookup costs a ``pread`` or two and no resident pages.
+
+The file is the caller's: its bytes must be checked before a column is made over them (the
+window index checks its whole file against its digest first), and it is replaced
+atomically, never rewritten in place, so the descriptor held open keeps reading the bytes
+that were checked. `whole` (and ``np.asarray(column)``) reads every element: for the
+O(shards) callers only (an order's per-shard sizes, an index build).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any, Final, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+#: elements per block read (and per coarse step): 4 KiB of int64
+BLOCK: Final = 512
+#: a per-shard integer array: in memory, or a `FileColumn` read on demand
+IntColumn: TypeAlias = "npt.NDArray[np.int64] | FileColumn"
+#: blocks a column keeps (least recently read dropped first): 512 KiB of int64
+CACHED_BLOCKS: Final = 128
+
+
+class OpenFile:
+    """A descriptor held open for columns over one file (closed when the last goes)."""
+
+    __slots__ = ("__weakref__", "_closer", "fd", "path")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def pread(self, at: int, count: int) -> bytes:
+        """Exactly ``count`` bytes from ``at``; `OSError` naming the file if it is shorter
+        (truncated in place after it was checked)."""
+        parts = []
+        got = 0
+        while got < count:
+            part = os.pread(self.fd, count - got, at + got)
+            if not part:
+                raise OSError(f"{self.path}: {count} bytes at {at} are past its end (truncated?)")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        self._closer()
+
+
+class FileColumn:
+    """``length`` elements of ``dtype`` at byte ``at`` of ``file``, read on demand.
+
+    Supports what the datasets ask of a per-shard array: ``len``, ``size``, ``dtype``,
+    ``column[i]`` (an int, or an integer array: an array of the same shape), ``take``,
+    ``column[a:b]`` (a column over the elements between), ``searchsorted`` (the column
+    ascending) and ``np.asarray(column)`` (every element read: O(length)). ``coarse``:
+    every `BLOCK`-th element (None: read on the first `searchsorted`)."""
+
+    __slots__ = ("_blocks", "_coarse", "_lock", "at", "dtype", "file", "length")
+
+    def __init__(
+        self,
+        file: OpenFile,
+        at: int,
+        length: int,
+        dtype: npt.DTypeLike,
+        coarse: npt.NDArray[Any] | None = None,
+    ) -> None:
+        self.file = file
+        self.at = at
+        self.length = length
+        self.dtype = np.dtype(dtype)
+        self._blocks: dict[int, npt.NDArray[Any]] = {}
+        self._lock = threading.Lock()
+        self._coarse = coarse
+
+    @property
+    def coarse(self) -> npt.NDArray[Any]:
+        """Every `BLOCK`-th element (read on first use: one small ``pread`` each)."""
+        if self._coarse is None:
+            item = self.dtype.itemsize
+            self._coarse = np.array(
+                [
+                    np.frombuffer(self.file.pread(self.at + k * item, item), self.dtype)[0]
+                    for k in range(0, self.length, BLOCK)
+                ],
+                dtype=self.dtype,
+            )
+        return self._coarse
+
+    # shape ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def size(self) -> int:
+        return self.length
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.length,)
+
+    @property
+    def ndim(self) -> int:
+        return 1
+
+    # reads ---------------------------------------------------------------------------
+    def _block(self, b: int) -> npt.NDArray[Any]:
+        found = self._blocks.get(b)
+        if found is not None:
+            return found
+        lo = b * BLOCK
+        hi = min(self.length, lo + BLOCK)
+        item = self.dtype.itemsize
+        block = np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
+        with self._lock:
+            if len(self._blocks) >= CACHED_BLOCKS:
+                self._blocks.pop(next(iter(self._blocks)))
+            self._blocks[b] = block
+        return block
+
+    def _range(self, lo: int, hi: int) -> npt.NDArray[Any]:
+        """Elements ``[lo, hi)`` in one ``pread`` (not cached)."""
+        item = self.dtype.itemsize
+        if hi <= lo:
+            return np.empty(0, dtype=self.dtype)
+        return np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
+
+    def take(self, indices: npt.ArrayLike) -> Any:
+        """``column[indices]`` for an integer array (any shape) or one integer."""
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"column indices must be integers, got {idx.dtype}")
+        flat = idx.astype(np.int64, copy=False).reshape(-1)
+        if flat.size and (int(flat.min()) < -self.length or int(flat.max()) >= self.length):
+            bad = flat[(flat < -self.length) | (flat >= self.length)][0]
+            raise IndexError(f"index {int(bad)} is out of range for {self.length} elements")
+        flat = np.where(flat < 0, flat + self.length, flat)
+        if idx.ndim == 0:
+            (i,) = flat.tolist()
+            return self._block(i // BLOCK)[i % BLOCK]
+        out = np.empty(flat.size, dtype=self.dtype)
+        blocks = flat // BLOCK
+        for b, part in _groups(blocks):
+            out[part] = self._block(b)[flat[part] - b * BLOCK]
+        return out.reshape(idx.shape)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.length)
+            if step != 1:
+                return self.whole()[key]
+            stop = max(start, stop)
+            coarse = None
+            if start % BLOCK == 0 and self._coarse is not None:
+                coarse = self._coarse[start // BLOCK : -(-stop // BLOCK)]
+            return FileColumn(
+                self.file,
+                self.at + start * self.dtype.itemsize,
+                stop - start,
+                self.dtype,
+                coarse=coarse,
+            )
+        return self.take(key)
+
+    def searchsorted(self, values: npt.ArrayLike, side: Any = "left") -> Any:
+        """`numpy.searchsorted` of the (ascending) column: ``coarse`` finds each value's
+        block, one block read per distinct block."""
+        vals = np.asarray(values)
+        if side not in ("left", "right"):
+            raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+        c = self.coarse.searchsorted(vals, side=side).astype(np.int64)
+        if vals.ndim == 0:
+            k = int(c)
+            if k == 0:
+                return np.int64(0)
+            block = self._block(k - 1)
+            return np.int64((k - 1) * BLOCK + int(block.searchsorted(vals, side=side)))
+        flat_c, flat_v = c.reshape(-1), vals.reshape(-1)
+        out = np.zeros(flat_c.size, dtype=np.int64)
+        for k, part in _groups(flat_c):
+            if k:
+                block = self._block(k - 1)
+                out[part] = (k - 1) * BLOCK + block.searchsorted(flat_v[part], side=side)
+        return out.reshape(vals.shape)
+
+    def whole(self) -> npt.NDArray[Any]:
+        """Every element (read now: O(length) memory and time), read-only."""
+        arr = self._range(0, self.length)
+        arr.flags.writeable = False
+        return arr
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> npt.NDArray[Any]:
+        arr = self.whole()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"FileColumn({self.file.path!r}, at={self.at}, length={self.length}, {self.dtype})"
+
+
+def _groups(keys: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.intp]]]:
+    """``(key, positions of keys equal to it)`` for each distinct key (one sort)."""
+    if not keys.size:
+        return []
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    return [
+        (int(ordered[part_at]), part)
+        for part_at, part in zip(
+            np.concatenate(([0], cuts)).tolist(), np.split(order, cuts), strict=True
+        )
+    ]
