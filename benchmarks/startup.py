@@ -10,6 +10,12 @@ batch (8 windows at its positions of a `GlobalOrder`). Per rank it reports, from
   growth and peak RSS growth (``VmHWM`` reset through ``/proc/self/clear_refs`` just
   before) from the process group being ready to the first batch: manifest + dataset +
   verification (its share) + first batch;
+* ``open_own_cpu_s`` / ``open_pg_threads_cpu_s``: ``open_cpu_s`` split by thread. The
+  second is the CPU of the threads that were already running when the open began (torch's
+  process group and store threads: ~0.05 CPU-s per 20 s idle here), which accrues for as
+  long as a rank waits for the job's verifier (minutes at 1M shards on 2 cores) and which
+  any idle torch job spends alike; the first is the rest: the main thread and every
+  thread started during the open (detdata's work);
 * ``total_cpu_s``: from interpreter start to the first batch, and ``torch_cpu_s`` (the
   torch import, reported apart);
 * ``rchar`` / ``read_bytes``: bytes the rank read through system calls / from the block
@@ -67,6 +73,18 @@ def status(key):
                 return int(line.split()[1]) * 1024
     return 0
 
+def thread_cpu():  # CPU seconds of each live thread of this process, by thread id
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
 def io():
     out = {}
     with open("/proc/self/io") as fh:
@@ -97,13 +115,19 @@ dist.barrier()
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")  # reset VmHWM: the peak below is the open's
 rss0, cpu0, io0, w0 = status("VmRSS"), cpu(), io(), time.monotonic()
+threads0 = thread_cpu()  # torch's own threads (the process group's), live before the open
 ds = TokenWindows(manifest, SEQ)
 ids = GlobalOrder(ds.num_samples, 0).ids(np.arange(rank * MICRO, (rank + 1) * MICRO))
 batch = ds.read(ids)["tokens"]
 cpu1, io1, w1 = cpu(), io(), time.monotonic()
+threads1 = thread_cpu()
+background = sum(threads1[t] - c for t, c in threads0.items()
+                 if t != os.getpid() and t in threads1)
 result = {
     "rank": rank,
     "open_cpu_s": cpu1 - cpu0,
+    "open_pg_threads_cpu_s": background,
+    "open_own_cpu_s": cpu1 - cpu0 - background,
     "open_rss_mb": (status("VmRSS") - rss0) / 2**20,
     "open_peak_mb": (status("VmHWM") - rss0) / 2**20,
     "open_wall_s": w1 - w0,
@@ -239,6 +263,8 @@ def summary(job: dict[str, Any], corpus_bytes: int) -> dict[str, Any]:
         "total_cpu_s": stat("total_cpu_s"),
         "torch_cpu_s": stat("torch_cpu_s"),
         "open_cpu_s_ranks_1_up_max": max(r["open_cpu_s"] for r in others),
+        "open_own_cpu_s_ranks_1_up_max": max(r["open_own_cpu_s"] for r in others),
+        "open_pg_threads_cpu_s_ranks_1_up_max": max(r["open_pg_threads_cpu_s"] for r in others),
         "open_peak_mb_ranks_1_up_max": max(r["open_peak_mb"] for r in others),
         "open_rss_mb_ranks_1_up_max": max(r["open_rss_mb"] for r in others),
         "rank0_open_cpu_s": next(r["open_cpu_s"] for r in ranks if r["rank"] == 0),
@@ -309,6 +335,8 @@ def main() -> None:
                         print(
                             f"{label:6} shards={shards:>7} ranks={ranks:>2} {start:7} "
                             f"ranks 1+ cpu max {row['open_cpu_s_ranks_1_up_max']:.3f} s "
+                            f"(own {row['open_own_cpu_s_ranks_1_up_max']:.3f} s, process "
+                            f"group threads {row['open_pg_threads_cpu_s_ranks_1_up_max']:.3f} s) "
                             f"rss max {row['open_rss_mb_ranks_1_up_max']:.1f} MB peak max "
                             f"{row['open_peak_mb_ranks_1_up_max']:.1f} MB; rank0 cpu "
                             f"{row['rank0_open_cpu_s']:.2f} s peak "
