@@ -15,6 +15,10 @@ each store and order it runs a `detdata.DataLoader` for ``--seconds`` and report
   through the proxy and server with nothing else running (`probe_ceiling`: whole shards
   on 4 connections of the same fsspec client), and the rate over it: on a small machine
   the proxy, the server and the loader share the cores, so the link is not the only limit;
+* ``disk_ceiling_samples_per_s``: what this machine's disk takes in fresh files written
+  as a cache fill writes them (`probe_disk`: write, ``fsync``, rename), and
+  ``machine_fraction``: the rate over the lowest ceiling that applies to the row (link,
+  measured, and the disk where shards are read through cached copies);
 * ``loader_cpu_per_s`` / ``proxy_cpu_per_s``: CPU seconds per second of the loader's and
   the proxy's processes after warm-up (``torch_threads`` in the JSON: torch's intra-op
   threads, which the batch copies use; ``--torch-threads`` sets them);
@@ -269,6 +273,31 @@ def probe_ceiling(store: Store, files: int) -> None:
     store.ceiling_bps = best
 
 
+def probe_disk(folder: Path, file_bytes: int, files: int) -> float:
+    """Bytes/s this machine's disk takes in fresh files written as a cache fill writes
+    them (``file_bytes`` each: write, flush, ``fsync``, rename into place; kept until all
+    are written, as a cache that holds them keeps them), best of two rounds. A fill can go
+    no faster: on a disk slower than the emulated link the cached modes are bounded by the
+    disk, not by detdata or the link (this machine's virtual disk writes fresh blocks at
+    ~70 MB/s, blocks freed and written again ~10x faster)."""
+    data = os.urandom(file_bytes)
+    best = 0.0
+    for attempt in range(2):
+        target = folder / f"round{attempt}"
+        target.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
+        for i in range(files):
+            tmp, final = target / f"f{i}.part", target / f"f{i}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        best = max(best, files * file_bytes / (time.monotonic() - began))
+        shutil.rmtree(target)
+    return best
+
+
 _NEXT = threading.Lock()
 
 
@@ -508,6 +537,8 @@ def remote_rows(
         write_corpus(corpus, size)
         manifest = detdata.build_manifest(str(corpus), pattern="*.npy")
         rows = []
+        shard_bytes = max(s.bytes for s in manifest.shards)
+        disk_bps = probe_disk(base / "disk-probe", shard_bytes, min(size.shards, 16))
         with stores(base, corpus, size, which) as served:
             for store in served:
                 probe_ceiling(store, min(size.shards, 24))
@@ -516,6 +547,13 @@ def remote_rows(
                         if mode.endswith("paced") and order == "feistel-v1":
                             continue  # far below the link: pacing changes nothing
                         rows.append(run_one(store, manifest, order, mode, size, base))
+        for row in rows:
+            disk = disk_bps / (size.seq_len * 2)
+            ceilings = [row["link_ceiling_samples_per_s"], row["measured_ceiling_samples_per_s"]]
+            if row["cache_bytes"] is not None:  # reads go through copies written to disk
+                ceilings.append(disk)
+            row["disk_ceiling_samples_per_s"] = round(disk, 1)
+            row["machine_fraction"] = round(row["samples_per_s"] / min(ceilings), 3)
         return rows
     finally:
         if workdir is None:
@@ -530,6 +568,8 @@ COLUMNS = (
     "link_fraction",
     "measured_ceiling_samples_per_s",
     "measured_fraction",
+    "disk_ceiling_samples_per_s",
+    "machine_fraction",
     "fetched_per_delivered",
     "stall_s",
     "stalled_reads",
@@ -556,6 +596,11 @@ def summary(rows: list[dict[str, Any]], before: tuple[float, ...], after: tuple[
             f"({r['bandwidth_MBps']:g} MB/s, {r['latency_ms']:g} ms); measured ceiling "
             f"{r['measured_ceiling_samples_per_s']} samples/s ({PROBE_CONNECTIONS} connections "
             f"pulling whole shards, proxy CPU {r['probe_proxy_cpu_per_s']} s/s)"
+        )
+    if rows:
+        lines.append(
+            f"disk ceiling {rows[0]['disk_ceiling_samples_per_s']} samples/s (fresh files "
+            "written, fsynced and renamed as a cache fill does; bounds the cached modes)"
         )
     lines.append(
         f"torch threads {rows[0]['torch_threads'] if rows else '?'}; load average "

@@ -19,7 +19,11 @@ batch (8 windows at its positions of a `GlobalOrder`). Per rank it reports, from
 * ``total_cpu_s``: from interpreter start to the first batch, and ``torch_cpu_s`` (the
   torch import, reported apart);
 * ``rchar`` / ``read_bytes``: bytes the rank read through system calls / from the block
-  device during the open (``/proc/self/io``; mapped pages read show as RSS, not here).
+  device during the open (``/proc/self/io``). ``rchar`` misses what a process reads
+  through a memory map (a page fault is no system call): code that maps its metadata looks
+  cheaper there than code that reads it. ``read_bytes`` with ``--cold`` (the page cache
+  emptied before each job) counts both, each byte once per node: what the job read from
+  storage.
 
 A job is run twice over the same corpus: ``first`` (no receipt: a fresh receipt folder)
 and ``restart`` (the receipts of the first). ``--before PATH`` also runs every row with
@@ -198,10 +202,27 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(code: Path, manifest: Path, ranks: int, receipts: str, work: Path) -> dict[str, Any]:
-    """R rank processes started at once; their reports and the job's totals."""
+def drop_caches() -> bool:
+    """Empty the page cache (root only), so that ``read_bytes`` counts what the job reads
+    from the disk: each byte once per node, whichever rank reads it first. False if not
+    allowed here."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1")
+    except OSError:
+        return False
+    return True
+
+
+def run_job(
+    code: Path, manifest: Path, ranks: int, receipts: str, work: Path, cold: bool = False
+) -> dict[str, Any]:
+    """R rank processes started at once; their reports and the job's totals. ``cold``:
+    the page cache is emptied first (`drop_caches`; ``cold_cache`` says if it was)."""
     script = work / "child.py"
     script.write_text(CHILD)
+    dropped = drop_caches() if cold else False
     port = _port()
     procs = []
     start = time.monotonic()
@@ -245,6 +266,7 @@ def run_job(code: Path, manifest: Path, ranks: int, receipts: str, work: Path) -
         "job_wall_s": wall,
         "job_rchar": sum(r["rchar"] for r in reports),
         "distinct_batches": len(digests),
+        "cold_cache": dropped,
     }
 
 
@@ -271,6 +293,8 @@ def summary(job: dict[str, Any], corpus_bytes: int) -> dict[str, Any]:
         "rank0_open_peak_mb": next(r["open_peak_mb"] for r in ranks if r["rank"] == 0),
         "job_rchar": job["job_rchar"],
         "job_read_bytes": sum(r["read_bytes"] for r in ranks),
+        "job_read_bytes_over_corpus": sum(r["read_bytes"] for r in ranks) / corpus_bytes,
+        "cold_cache": job["cold_cache"],
         "job_rchar_over_corpus": job["job_rchar"] / corpus_bytes,
         "job_wall_s": job["job_wall_s"],
     }
@@ -297,6 +321,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--smoke", action="store_true", help="2,000 shards, 2 ranks (CI)")
     ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="empty the page cache before each job (root): job_read_bytes is then what the "
+        "node read from its disk, each byte once",
+    )
+    ap.add_argument(
         "--name",
         default=None,
         help="results file name under --out (default startup.json, startup_smoke.json)",
@@ -319,7 +349,7 @@ def main() -> None:
                     work = Path(tmp)
                     receipts = str(work / "receipts")
                     for start in ("first", "restart"):
-                        job = run_job(code, manifest, ranks, receipts, work)
+                        job = run_job(code, manifest, ranks, receipts, work, args.cold)
                         row = {
                             "code": label,
                             "shards": shards,
@@ -341,7 +371,9 @@ def main() -> None:
                             f"{row['open_peak_mb_ranks_1_up_max']:.1f} MB; rank0 cpu "
                             f"{row['rank0_open_cpu_s']:.2f} s peak "
                             f"{row['rank0_open_peak_mb']:.0f} MB; job read "
-                            f"{row['job_rchar_over_corpus']:.3f}x corpus  "
+                            f"{row['job_rchar_over_corpus']:.4f}x corpus (from disk "
+                            f"{row['job_read_bytes_over_corpus']:.4f}x"
+                            f"{', cold' if row['cold_cache'] else ''})  "
                             f"wall {row['job_wall_s']:.1f}s",
                             flush=True,
                         )

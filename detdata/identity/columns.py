@@ -191,6 +191,7 @@ class ColumnsFile:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # scattered chunk reads
         st = os.fstat(fd)
         size = st.st_size
         if size < _HEAD + 32:
