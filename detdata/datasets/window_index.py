@@ -51,11 +51,12 @@ shards) is the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Final
 
 import blake3
@@ -72,11 +73,14 @@ from detdata.identity.receipts import job_meeting, receipt_dir, wait_s
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.file_column import FileColumn, IntColumn, OpenFile
 from detdata.storage.locks import file_lock
+from detdata.storage.verified import RACY_NS
 
 MAGIC: Final = b"DDWINDX1"
 KIND: Final = "detdata.token-windows-index"
 VERSION: Final = 1
 SUFFIX: Final = ".windows"
+#: next to an index file: its identity when last checked in full (`write_checked_note`)
+CHECKED: Final = ".checked"
 #: manifests of fewer shards build the index in memory (a ms or two: less than a stored
 #: file's write, fsync and check would cost a small corpus's first start)
 STORE_MIN_SHARDS: Final = 1 << 12
@@ -229,7 +233,7 @@ def window_index_path(inputs: dict[str, Any]) -> str | None:
 def open_window_index(
     manifest: Manifest, seq_len: int, labels: bool, allow_short: bool, *, meet: bool = True
 ) -> WindowIndex:
-    """The index of ``manifest`` for these windows: mapped from its file, built once per
+    """The index of ``manifest`` for these windows: read from its file, built once per
     job where it is missing or fails its checks (see the module docstring), or built in
     memory (a manifest not in the fast form, or receipts off). ``meet=False`` (a dataset
     unpickled in a worker process, which must not use the parent's process group): no
@@ -242,50 +246,84 @@ def open_window_index(
         return build_window_index(manifest, seq_len, labels, allow_short)
     count = len(manifest.shards)
     reported: set[str] = set()  # each problem of the file is reported once
-    found = _load_warning(path, inputs, count, reported)
-    if found is not None:
-        return found
     store, leader, key = (
         job_meeting(manifest, f"windows/{os.path.basename(path)}") if meet else (None, True, "")
     )
-    if store is not None and not leader:
-        _await_leader(store, key, path)
-        found = _load_warning(path, inputs, count, reported)
+    if store is not None and not leader and _await_leader(store, key):
+        found = _load_warning(path, inputs, count, reported, _vouched(store, key))
         if found is not None:
             return found
     if store is not None and leader:
         store.set(key + "/started", b"1")
     try:
         with file_lock(path + ".lock"):
-            found = _load_warning(path, inputs, count, reported)  # built by another meanwhile
-            if found is not None:
-                return found
-            built = build_window_index(manifest, seq_len, labels, allow_short)
-            try:
-                atomic_write_bytes(path, encode_window_index(built, inputs))
-            except OSError:  # not stored: every process builds its own
-                return built
-            # the builder maps the file it wrote too (every process holds the same pages)
-            return _load_warning(path, inputs, count, reported) or built
+            found = _load_warning(path, inputs, count, reported, read_checked_note(path))
+            if found is None:
+                built = build_window_index(manifest, seq_len, labels, allow_short)
+                try:
+                    atomic_write_bytes(path, encode_window_index(built, inputs))
+                except OSError:  # not stored: every process builds its own
+                    return built
+                found = _load_warning(path, inputs, count, reported)
+                if found is None:
+                    return built
+            identity = write_checked_note(found)
+            if store is not None and leader and identity is not None:
+                store.set(key + "/checked", canonical_json(identity))
+            return found
     finally:
         if store is not None and leader:
             store.set(key + "/done", b"1")
 
 
-def _await_leader(store: Any, key: str, path: str) -> None:
-    """Wait until the leader wrote the index file (or finished without one), polling the
-    file and the store with a growing pause (2 ms to 100 ms); give up when the leader has
-    not started within `detdata.identity.receipts.wait_s`."""
-    deadline = time.monotonic() + wait_s()
-    started = False
-    pause = 0.002
-    while not os.path.exists(path) and not store.check([key + "/done"]):
-        if not started:
-            started = store.check([key + "/started"])
-            if not started and time.monotonic() > deadline:
-                return
-        time.sleep(pause)
-        pause = min(0.1, pause * 2)
+def _await_leader(store: Any, key: str) -> bool:
+    """Wait (blocked in the store, no polling) until the leader has opened or built the
+    index; False when it has not started within `detdata.identity.receipts.wait_s`."""
+    try:
+        store.wait([key + "/started"], timedelta(seconds=wait_s()))
+    except Exception:  # no leader for this index in this job
+        return False
+    store.wait([key + "/done"], timedelta(days=7))
+    return True
+
+
+def _vouched(store: Any, key: str) -> list[int] | None:
+    """The identity of the file the leader checked in full (None: it published none)."""
+    if not store.check([key + "/checked"]):
+        return None
+    found = json.loads(store.get(key + "/checked"))
+    return found if isinstance(found, list) else None
+
+
+# --------------------------------------------------------------- checked once, noted
+def read_checked_note(path: str) -> list[int] | None:
+    """The identity the index file ``path`` had when it was last checked in full (its
+    ``.checked`` note), None without a readable note."""
+    try:
+        with open(path + CHECKED, "rb") as fh:
+            found = json.loads(fh.read(1 << 12))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, list) and len(found) == 5 and all(type(v) is int for v in found)
+    return found if ok else None
+
+
+def write_checked_note(index: WindowIndex) -> list[int] | None:
+    """Note the identity of the file ``index`` was read from (taken at its open, before
+    its bytes were read and checked): the identity a later open may trust. None (and no
+    note) for an index built in memory; no note either for a file changed less than
+    `RACY_NS` before that identity was taken (a write within the same timestamp tick would
+    not show: the next open checks it in full, then notes it)."""
+    if not isinstance(index.starts, FileColumn):
+        return None
+    file = index.starts.file
+    _, mtime, ctime, _, _ = file.identity
+    if file.seen_ns - max(mtime, ctime) >= RACY_NS and read_checked_note(file.path) != (
+        file.identity
+    ):
+        with contextlib.suppress(OSError):  # no note: the next open checks in full again
+            atomic_write_bytes(file.path + CHECKED, canonical_json(file.identity))
+    return file.identity
 
 
 def encode_window_index(index: WindowIndex, inputs: dict[str, Any]) -> bytes:
@@ -330,12 +368,16 @@ class _Invalid(Exception):
 
 
 def _load_warning(
-    path: str, inputs: dict[str, Any], count: int, reported: set[str]
+    path: str,
+    inputs: dict[str, Any],
+    count: int,
+    reported: set[str],
+    vouched: list[int] | None = None,
 ) -> WindowIndex | None:
     """`load_window_index`, a file that fails its checks reported (`RuntimeWarning`; a
     problem already in ``reported`` is not reported again)."""
     try:
-        return load_window_index(path, inputs, count)
+        return load_window_index(path, inputs, count, vouched)
     except _Invalid as exc:
         if str(exc) in reported:
             return None
@@ -349,10 +391,15 @@ def _load_warning(
         return None
 
 
-def load_window_index(path: str, inputs: dict[str, Any], count: int) -> WindowIndex | None:
-    """The index file ``path`` checked in full for ``inputs`` and ``count`` shards (see the
-    module docstring), its sections as `FileColumn` s read with ``pread``; None where there
-    is none; `_Invalid` (a message naming the check) where it fails one."""
+def load_window_index(
+    path: str, inputs: dict[str, Any], count: int, vouched: list[int] | None = None
+) -> WindowIndex | None:
+    """The index file ``path`` checked for ``inputs`` and ``count`` shards (see the module
+    docstring), its sections as `FileColumn` s read with ``pread``; None where there is
+    none; `_Invalid` (a message naming the check) where it fails one. Its digest (every
+    byte read) is not re-checked when the open file's identity equals ``vouched``: the
+    identity it had when it was checked in full (by this job's leader, or by the last
+    check on this machine)."""
     try:
         file = OpenFile(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -360,7 +407,7 @@ def load_window_index(path: str, inputs: dict[str, Any], count: int) -> WindowIn
     except OSError as exc:
         raise _Invalid(f"unreadable ({exc})") from None
     try:
-        return _checked(file, inputs, count)
+        return _checked(file, inputs, count, vouched)
     except OSError as exc:  # shortened while read
         file.close()
         raise _Invalid(f"unreadable ({exc})") from None
@@ -369,7 +416,9 @@ def load_window_index(path: str, inputs: dict[str, Any], count: int) -> WindowIn
         raise
 
 
-def _checked(file: OpenFile, inputs: dict[str, Any], count: int) -> WindowIndex:
+def _checked(
+    file: OpenFile, inputs: dict[str, Any], count: int, vouched: list[int] | None
+) -> WindowIndex:
     """`load_window_index` of the open ``file``."""
     size = os.fstat(file.fd).st_size
     if size < _HEAD + _DIGEST:
@@ -394,7 +443,7 @@ def _checked(file: OpenFile, inputs: dict[str, Any], count: int) -> WindowIndex:
     end += -end % _ALIGN
     if size != end + _DIGEST:
         raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
-    if _digest(file, end) != file.pread(end, _DIGEST):
+    if vouched != file.identity and _digest(file, end) != file.pread(end, _DIGEST):
         raise _Invalid("its bytes do not match its digest (damaged)")
     starts, offsets, sizes, codes = (
         FileColumn(file, data_at + layout[nm][0], layout[nm][1] // np.dtype(dt).itemsize, dt)

@@ -133,7 +133,7 @@ def verify_job(
     args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
     store, leader, key = _meeting(manifest, level)
     if store is None:
-        verify_with_receipt(*args)
+        _vouch(manifest, verify_with_receipt(*args))
         return
     if leader:
         store.set(key + "/started", b"1")
@@ -141,23 +141,34 @@ def verify_job(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
         )
         try:
-            verify_with_receipt(*args)
+            checked = verify_with_receipt(*args)
+            store.set(key + "/columns", canonical_json(checked))
             verdict = None
         except Exception as exc:  # every rank waiting on this key raises it too
             verdict = exc
             raise
         finally:
             store.set(key + "/verdict", _dumps(verdict))
+        _vouch(manifest, checked)
         return
     try:
         store.wait([key + "/started"], timedelta(seconds=wait_s()))
     except Exception:  # no verifier for this manifest in this job: verify here
-        verify_with_receipt(*args)
+        _vouch(manifest, verify_with_receipt(*args))
         return
     store.wait([key + "/verdict"], timedelta(days=7))
     found = pickle.loads(store.get(key + "/verdict"))
     if found is not None:
         raise found
+    _vouch(manifest, json.loads(store.get(key + "/columns")))
+
+
+def _vouch(manifest: Manifest, checked: list[Any] | None) -> None:
+    """A fast-form manifest whose files are the ones this job's verification checked
+    (``checked``: `_columns_identity` taken before the check) is read without hashing
+    its chunks again (`detdata.identity.columns.ColumnsFile.vouch`)."""
+    if isinstance(manifest.shards, ShardTable):
+        manifest.shards.columns.vouch(checked)
 
 
 def _dumps(verdict: BaseException | None) -> bytes:
@@ -230,10 +241,11 @@ def verify_with_receipt(
     retry: RetryPolicy | None,
     storage_options: dict[str, Any],
     use_receipt: bool = True,
-) -> None:
+) -> list[Any] | None:
     """Verify the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
-    receipt."""
+    receipt. Returns what the fast form's check covered (`_columns_identity`, taken before
+    it: None where it could not be taken or there is no fast form)."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     path = receipt_path(manifest)
@@ -257,7 +269,7 @@ def verify_with_receipt(
         )
         if path is None:  # receipts disabled: no identities to take, every shard is read
             check(np.arange(len(manifest.shards), dtype=np.int64))
-            return
+            return columns
         paths = _paths(manifest)
         now: LocalIds | list[str | None]
         if local:
@@ -269,9 +281,10 @@ def verify_with_receipt(
             check(todo)
         # nothing read again: the recorded level still holds for every shard
         if old is not None and not todo.size and old.get("columns") == columns:
-            return  # the receipt on disk already says exactly this: a restart writes nothing
+            return columns  # the receipt on disk already says this: a restart writes nothing
         kept = level if todo.size or old is None else Verify(old["level"])
         write_receipt(path, manifest, kept, columns, now)
+        return columns
 
 
 def _verify_shards(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import Any, Final, TypeAlias
 
@@ -36,12 +37,17 @@ CACHED_BLOCKS: Final = 128
 class OpenFile:
     """A descriptor held open for columns over one file (closed when the last goes)."""
 
-    __slots__ = ("__weakref__", "_closer", "fd", "path")
+    __slots__ = ("__weakref__", "_closer", "fd", "identity", "path", "seen_ns")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._closer = weakref.finalize(self, os.close, self.fd)
+        st = os.fstat(self.fd)
+        #: ``[size, mtime_ns, ctime_ns, inode, device]`` at open (before any byte is read),
+        #: and the wall time it was taken at
+        self.identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+        self.seen_ns = time.time_ns()
         # scattered small reads: no read-ahead around each (it would read, and count, more)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
 

@@ -6,7 +6,7 @@ mtime_ns, ctime_ns)``, the digest and the level checked (a fill hashed every byt
 ``full``). At most `VERIFIED_MAX` are remembered, least recently used forgotten first. A
 copy replaced, rewritten or re-touched by another process shows another stamp and is
 verified again; this process's own touches are folded in (`utime_remembered`). Racy-clean
-rule (as git's index): a file changed less than `_RACY_NS` before it was seen could be
+rule (as git's index): a file changed less than `RACY_NS` before it was seen could be
 written again within the same timestamp tick without changing its stamp, so such a
 verification is remembered but not trusted.
 """
@@ -22,7 +22,7 @@ from typing import Final, NamedTuple
 VERIFIED_MAX: Final = 4096
 #: A file changed less than this before it was verified is verified again on its next open
 #: (it could be rewritten within the same timestamp tick; coarse file systems tick 1-10 ms).
-_RACY_NS: Final = 100_000_000
+RACY_NS: Final = 100_000_000
 _LEVELS: Final = {"quick": 0, "full": 1}
 
 
@@ -30,7 +30,7 @@ class _Verified(NamedTuple):
     stamp: tuple[int, ...]  # (device, inode, size, mtime_ns, ctime_ns) when verified
     blake3: str
     level: int  # _LEVELS of the check (a fill hashed every byte: "full")
-    trusted: bool  # the file had not changed for _RACY_NS when it was verified
+    trusted: bool  # the file had not changed for RACY_NS when it was verified
 
 
 #: path -> what this process verified, least recently used first (at most VERIFIED_MAX)
@@ -75,14 +75,14 @@ def remember_verified(
 ) -> None:
     """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
 
-    Racy-clean rule (as git's index): a file changed less than `_RACY_NS` before it was
+    Racy-clean rule (as git's index): a file changed less than `RACY_NS` before it was
     seen could be written again within the same timestamp tick without changing its
     stamp, so such a verification is remembered but not trusted (the next open verifies
     again). ``own_fill``: ``path`` was just renamed into place by this process after it
     hashed every byte it wrote, and ``st`` was taken after the rename: trusted at once
     (the only write the stamp could miss is one in place within the same tick after the
     ``stat``, the exposure this process's own touches already carry)."""
-    trusted = own_fill or seen_ns - st.st_ctime_ns >= _RACY_NS
+    trusted = own_fill or seen_ns - st.st_ctime_ns >= RACY_NS
     with _VERIFIED_MUTEX:
         _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
         _VERIFIED.move_to_end(path)

@@ -8,9 +8,12 @@ own tokens (brute force), and the file's own bytes.
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +208,75 @@ def test_a_rank_maps_neither_the_index_nor_the_manifest_columns(
     maps = Path("/proc/self/maps").read_text()
     assert str(_stored(receipts)) not in maps
     assert str(path) + ".columns" not in maps
+
+
+def _rchar() -> int:
+    """Bytes this thread has read through system calls so far."""
+    for line in Path("/proc/thread-self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
+def _many(root: Path, count: int = 30_000, real: int = 6) -> tuple[Path, np.ndarray, int]:
+    """A manifest of ``count`` entries of one 100-token shard, ``real`` of them on disk
+    (every ``count // real``-th; open with ``verify="off"``): ``(path, tokens, step)``."""
+    root.mkdir(parents=True)
+    tokens = np.arange(100, dtype=np.uint16)
+    np.save(root / "x.npy", tokens)
+    one = build_manifest(str(root)).shards[0]
+    names = [f"s{i:06d}.npy" for i in range(count)]
+    for name in names[:: count // real]:
+        shutil.copy(root / "x.npy", root / name)
+    (root / "x.npy").unlink()
+    entries = [type(one)(**{**one.__dict__, "path": name}) for name in names]
+    path = root / "manifest.json"
+    Manifest(shards=tuple(entries), root=str(root)).save(str(path))
+    return path, tokens, count // real
+
+
+def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``.checked`` note: an open whose file has the identity the last full check noted
+    reads the header and the few blocks it uses, not the whole file; a file changed in
+    place since (even with its mtime set back: the ctime moves) is checked in full again,
+    named and rebuilt. A file changed within `RACY_NS` of its check is not noted."""
+    receipts = _receipts(monkeypatch, tmp_path)
+    path, tokens, step = _many(tmp_path / "d")
+    off = Storage(verify="off")
+    TokenWindows(str(path), SEQ, storage=off)  # built: changed just now, so not noted (racy)
+    stored = _stored(receipts)
+    note = Path(str(stored) + window_index.CHECKED)
+    assert not note.exists()
+    time.sleep(0.2)
+    TokenWindows(str(path), SEQ, storage=off)  # checked in full, old enough now: noted
+    st = stored.stat()
+    assert json.loads(note.read_text()) == [
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        st.st_ino,
+        st.st_dev,
+    ]
+    manifest = Manifest.load(str(path), verify="off")
+    per = (tokens.size - 1) // SEQ
+    want = np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(per)]).astype(np.int32)
+    before = _rchar()
+    ds = TokenWindows(manifest, SEQ, storage=off)
+    shard = 3 * step
+    got = ds.read(np.arange(shard * per, shard * per + per))["tokens"]
+    read = _rchar() - before
+    assert np.array_equal(got, want)
+    # the index file is 780 KB; verify="off": the manifest's path chunks (2 x CHUNK) are
+    # checked on use, as before
+    assert read < 2 * CHUNK + st.st_size // 20, (read, st.st_size)
+    # a byte changed in place, the modification time set back: the change time moved
+    raw = bytearray(stored.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    stored.write_bytes(bytes(raw))
+    os.utime(stored, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert stored.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.warns(RuntimeWarning, match=r"does not match .*rebuilding it"):
+        again = TokenWindows(str(path), SEQ, storage=off)
+    assert np.array_equal(again.read(np.arange(shard * per, shard * per + per))["tokens"], want)

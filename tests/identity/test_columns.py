@@ -9,8 +9,10 @@ writer's own arrays.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +232,55 @@ def test_chunks_are_what_a_rank_touches(tmp_path: Path) -> None:
     checked = sum(table.columns._checked)
     total = -(-table.columns.header["data_bytes"] // CHUNK)
     assert 0 < checked <= 13 < total  # one chunk per column at most
+
+
+def _rchar() -> int:
+    for line in Path("/proc/thread-self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
+def test_a_verified_fast_form_is_read_without_its_chunks_and_a_replaced_one_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After this job's verification checked the columns (or found them unchanged since a
+    receipt's check), a lookup reads the bytes it needs, not the 64 KiB chunks around them.
+    Without verification, or on a file replaced after it was opened (another inode than the
+    one checked), every chunk is still hashed on use."""
+    monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path / "receipts"))
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(2000):
+        np.save(root / f"s{i:05d}.npy", np.full(8 + i % 5, i, dtype=np.uint16))
+    built = build_manifest(str(root))
+    path = str(root / "manifest.json")
+    built.save(path)
+    time.sleep(2.1)  # identities taken within RACY_S of a change are not trusted
+    want = [s.path for s in built.shards]
+
+    def lookups(manifest: Manifest) -> int:
+        table = manifest.shards
+        assert isinstance(table, ShardTable)
+        before = _rchar()
+        for i in (7, 1999, 1000, 333):
+            assert table.path(i) == want[i]
+        return _rchar() - before
+
+    verified = Manifest.load(path)  # default verification: this process is the verifier
+    assert lookups(verified) < 4096
+    unverified = Manifest.load(path, verify="off")
+    assert lookups(unverified) >= CHUNK  # chunks hashed on use
+    # the file replaced under an open manifest: the verification stats the new file
+    opened = Manifest.load(path, verify="off")
+    data = bytearray(Path(columns_path(path)).read_bytes())
+    Path(columns_path(path) + ".new").write_bytes(bytes(data))
+    os.replace(columns_path(path) + ".new", columns_path(path))
+    time.sleep(2.1)
+    opened.verify()
+    table = opened.shards
+    assert isinstance(table, ShardTable)
+    assert (
+        not table.columns.vouch(None)
+        and table.columns.identity[3] != os.stat(columns_path(path)).st_ino
+    )
