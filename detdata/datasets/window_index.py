@@ -27,14 +27,25 @@ Layout (little-endian)::
     sections: starts <i8 (count + 1)  offsets <i8  sizes <i8  codes <i2 (each 64-aligned)
     blake3 of every byte above (32 bytes)
 
-Checked in full by every process that opens it, before any of it is used: the trailing
-blake3 over every byte (read a MiB at a time into one buffer), the
-header's inputs equal to the dataset's, its sections exactly where a header for that many
-shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window count, the dtypes
-token dtypes and the codes in use among them. A file failing any of these (damaged,
-truncated, stale, of other inputs) is reported with a `RuntimeWarning` naming it and what
-differs, and rebuilt. It is replaced atomically, never rewritten in place: the
-descriptor a rank holds keeps reading the file it checked.
+Checked in full, once: the trailing blake3 over every byte (read a MiB at a time into one
+buffer), the header's inputs equal to the dataset's, its sections exactly where a header
+for that many shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window
+count, the dtypes token dtypes and the codes in use among them. A file failing any of
+these (damaged, truncated, stale, of other inputs) is reported with a `RuntimeWarning`
+naming it and what differs, and rebuilt. It is replaced atomically, never rewritten in
+place: the descriptor a rank holds keeps reading the file it checked.
+
+Who checks it in full: the leader (or, without a group, the process holding the lock),
+when it builds or opens the file. It publishes the identity of the file it checked
+(``[size, mtime_ns, ctime_ns, inode, device]``, taken at its open, before any byte was
+read) in the store; a rank whose open file has that identity runs every check but the
+digest. The ``.checked`` note next to the file (`write_checked_note`) keeps the identity of
+the last full check for the next job (not written when the file had changed less than
+`detdata.storage.verified.RACY_NS` before: a write in the same timestamp tick would not
+show); while the file keeps it, the digest is not recomputed. What that trusts is what a
+receipt trusts for a shard: a write through the file system moves the change time (even
+with the mtime set back), a replacement the inode; bytes changed without either (the
+block device written directly, bit rot) are not seen until a full check.
 
 Not mapped: a rank reads the sections through `detdata.storage.file_column.FileColumn`
 (``pread`` of 4 KiB blocks, a binary search through every 512th start kept in memory). A
