@@ -273,12 +273,18 @@ def open_window_index(
                 built = build_window_index(manifest, seq_len, labels, allow_short)
                 try:
                     atomic_write_bytes(path, encode_window_index(built, inputs))
+                    st = os.stat(path)
                 except OSError:  # not stored: every process builds its own
                     return built
-                found = _load_warning(path, inputs, count, reported)
+                # its own write, renamed into place: its digest is of bytes this process
+                # made, not read again (as a cache fill's copy, hashed while written)
+                own = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+                found = _load_warning(path, inputs, count, reported, own)
                 if found is None:
                     return built
-            identity = write_checked_note(found)
+                identity = write_checked_note(found, own_write=True)
+            else:
+                identity = write_checked_note(found)
             if store is not None and leader and identity is not None:
                 store.set(key + "/checked", canonical_json(identity))
             return found
@@ -319,19 +325,20 @@ def read_checked_note(path: str) -> list[int] | None:
     return found if ok else None
 
 
-def write_checked_note(index: WindowIndex) -> list[int] | None:
+def write_checked_note(index: WindowIndex, *, own_write: bool = False) -> list[int] | None:
     """Note the identity of the file ``index`` was read from (taken at its open, before
     its bytes were read and checked): the identity a later open may trust. None (and no
     note) for an index built in memory; no note either for a file changed less than
     `RACY_NS` before that identity was taken (a write within the same timestamp tick would
-    not show: the next open checks it in full, then notes it)."""
+    not show: the next open checks it in full, then notes it), unless ``own_write``: this
+    process has just written and renamed it into place (the exposure is then a write in
+    place within the same tick after that, as for a cache's own fill)."""
     if not isinstance(index.starts, FileColumn):
         return None
     file = index.starts.file
     _, mtime, ctime, _, _ = file.identity
-    if file.seen_ns - max(mtime, ctime) >= RACY_NS and read_checked_note(file.path) != (
-        file.identity
-    ):
+    settled = own_write or file.seen_ns - max(mtime, ctime) >= RACY_NS
+    if settled and read_checked_note(file.path) != file.identity:
         with contextlib.suppress(OSError):  # no note: the next open checks in full again
             atomic_write_bytes(file.path + CHECKED, canonical_json(file.identity))
     return file.identity

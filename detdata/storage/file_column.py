@@ -4,12 +4,14 @@ Why not a memory map: on this kernel (and any with large page-cache folios) a fa
 the whole folio around the page touched, up to 2 MiB, into the process. A rank that
 binary-searches a 1M-shard index and looks up a handful of shards through a mapping held
 ~20 MB of it resident after one batch. `FileColumn` reads what it is asked for in
-`BLOCK`-element blocks (4 KiB of int64), keeps at most `CACHED_BLOCKS` of them, and keeps
+`BLOCK`-element blocks (4 KiB of int64), keeps them (a column that has read `PROMOTE_BLOCKS`
+of them is read whole and kept: a run reading all over the corpus), and keeps
 every `BLOCK`-th element in memory (``coarse``) so that `searchsorted` reads one block per
 distinct answer: a lookup costs a ``pread`` or two and no resident pages.
 
 The file is the caller's: its bytes must be checked before a column is made over them (the
-window index checks its whole file against its digest first), and it is replaced
+window index is checked in full first, or trusted by the identity of its last full check),
+and it is replaced
 atomically, never rewritten in place, so the descriptor held open keeps reading the bytes
 that were checked. `whole` (and ``np.asarray(column)``) reads every element: for the
 O(shards) callers only (an order's per-shard sizes, an index build).
@@ -30,8 +32,14 @@ import numpy.typing as npt
 BLOCK: Final = 512
 #: a per-shard integer array: in memory, or a `FileColumn` read on demand
 IntColumn: TypeAlias = "npt.NDArray[np.int64] | FileColumn"
-#: blocks a column keeps (least recently read dropped first): 512 KiB of int64
-CACHED_BLOCKS: Final = 128
+#: a request for at most this many distinct elements (or values to search) whose blocks
+#: are not read yet reads just those elements (``pread`` of one element each; a search:
+#: ~9 of them): a rank's first batch reads bytes, not pages
+SMALL_READS: Final = 16
+#: blocks read (or half the column's, if fewer) before a column is read whole and kept (a
+#: run reading all over the corpus: lookups at numpy's speed from then on; a rank's first
+#: batch of a large corpus reads far fewer)
+PROMOTE_BLOCKS: Final = 256
 
 
 class OpenFile:
@@ -77,7 +85,7 @@ class FileColumn:
     ascending) and ``np.asarray(column)`` (every element read: O(length)). ``coarse``:
     every `BLOCK`-th element (None: read on the first `searchsorted`)."""
 
-    __slots__ = ("_blocks", "_coarse", "_lock", "at", "dtype", "file", "length")
+    __slots__ = ("_blocks", "_coarse", "_lock", "_whole", "at", "dtype", "file", "length")
 
     def __init__(
         self,
@@ -94,6 +102,7 @@ class FileColumn:
         self._blocks: dict[int, npt.NDArray[Any]] = {}
         self._lock = threading.Lock()
         self._coarse = coarse
+        self._whole: npt.NDArray[Any] | None = None
 
     @property
     def coarse(self) -> npt.NDArray[Any]:
@@ -135,10 +144,38 @@ class FileColumn:
         item = self.dtype.itemsize
         block = np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
         with self._lock:
-            if len(self._blocks) >= CACHED_BLOCKS:
-                self._blocks.pop(next(iter(self._blocks)))
             self._blocks[b] = block
+            blocks = -(-self.length // BLOCK)
+            promote = self._whole is None and len(self._blocks) >= min(
+                PROMOTE_BLOCKS, max(1, blocks // 2)
+            )
+        if promote:
+            self._whole = self.whole()
+            self._blocks = {}
         return block
+
+    def _element(self, i: int) -> Any:
+        """Element ``i`` (0 <= i < length): from its block if read, else read alone."""
+        block = self._blocks.get(i // BLOCK)
+        if block is not None:
+            return block[i % BLOCK]
+        item = self.dtype.itemsize
+        return np.frombuffer(self.file.pread(self.at + i * item, item), self.dtype)[0]
+
+    def _search_one(self, k: int, value: Any, side: str) -> int:
+        """`searchsorted` of one ``value`` whose ``coarse`` count is ``k``: a binary search
+        of block ``k - 1`` through `_element` (its elements read one at a time)."""
+        if k == 0:
+            return 0
+        lo, hi = (k - 1) * BLOCK + 1, min(k * BLOCK, self.length)  # answer in [lo, hi]
+        while lo < hi:  # first position in [lo, hi) whose element fails the search
+            mid = (lo + hi) // 2
+            x = self._element(mid)
+            if x < value or (side == "right" and x == value):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _range(self, lo: int, hi: int) -> npt.NDArray[Any]:
         """Elements ``[lo, hi)`` in one ``pread`` (not cached)."""
@@ -146,6 +183,11 @@ class FileColumn:
         if hi <= lo:
             return np.empty(0, dtype=self.dtype)
         return np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
+
+    def _gathered(self, blocks: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+        """The distinct ``blocks`` (ascending) concatenated: every block but the column's
+        last is `BLOCK` long, so block ``blocks[j]`` starts at ``j * BLOCK`` here."""
+        return np.concatenate([self._block(b) for b in blocks.tolist()])
 
     def take(self, indices: npt.ArrayLike) -> Any:
         """``column[indices]`` for an integer array (any shape) or one integer."""
@@ -157,14 +199,21 @@ class FileColumn:
             bad = flat[(flat < -self.length) | (flat >= self.length)][0]
             raise IndexError(f"index {int(bad)} is out of range for {self.length} elements")
         flat = np.where(flat < 0, flat + self.length, flat)
+        whole = self._whole
+        if whole is not None:
+            return whole[flat].reshape(idx.shape) if idx.ndim else whole[int(flat[0])]
         if idx.ndim == 0:
-            (i,) = flat.tolist()
-            return self._block(i // BLOCK)[i % BLOCK]
-        out = np.empty(flat.size, dtype=self.dtype)
+            return self._element(int(flat[0]))
+        if not flat.size:
+            return np.empty(idx.shape, dtype=self.dtype)
+        distinct = np.unique(flat)
+        if distinct.size <= SMALL_READS:
+            got = np.asarray([self._element(i) for i in distinct.tolist()], dtype=self.dtype)
+            return got[np.searchsorted(distinct, flat)].reshape(idx.shape)
         blocks = flat // BLOCK
-        for b, part in _groups(blocks):
-            out[part] = self._block(b)[flat[part] - b * BLOCK]
-        return out.reshape(idx.shape)
+        wanted = np.unique(blocks)
+        at = np.searchsorted(wanted, blocks) * BLOCK + (flat - blocks * BLOCK)
+        return self._gathered(wanted)[at].reshape(idx.shape)
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
@@ -190,23 +239,33 @@ class FileColumn:
         vals = np.asarray(values)
         if side not in ("left", "right"):
             raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+        if self._whole is not None:
+            return self._whole.searchsorted(vals, side=side)
         c = self.coarse.searchsorted(vals, side=side).astype(np.int64)
         if vals.ndim == 0:
-            k = int(c)
-            if k == 0:
-                return np.int64(0)
-            block = self._block(k - 1)
-            return np.int64((k - 1) * BLOCK + int(block.searchsorted(vals, side=side)))
+            return np.int64(self._search_one(int(c), vals, side))
         flat_c, flat_v = c.reshape(-1), vals.reshape(-1)
+        if flat_v.size <= SMALL_READS:
+            answers = [
+                self._search_one(k, v, side) for k, v in zip(flat_c.tolist(), flat_v, strict=True)
+            ]
+            return np.asarray(answers, dtype=np.int64).reshape(vals.shape)
         out = np.zeros(flat_c.size, dtype=np.int64)
-        for k, part in _groups(flat_c):
-            if k:
-                block = self._block(k - 1)
-                out[part] = (k - 1) * BLOCK + block.searchsorted(flat_v[part], side=side)
+        inside = flat_c > 0
+        if inside.any():
+            # value v's answer lies in block k = c - 1: every element of an earlier block
+            # satisfies the search, none of a later one, so one search over the distinct
+            # blocks concatenated (ascending) counts exactly block k's share
+            ks = flat_c[inside] - 1
+            wanted = np.unique(ks)
+            found = self._gathered(wanted).searchsorted(flat_v[inside], side=side)
+            out[inside] = ks * BLOCK + (found - np.searchsorted(wanted, ks) * BLOCK)
         return out.reshape(vals.shape)
 
     def whole(self) -> npt.NDArray[Any]:
-        """Every element (read now: O(length) memory and time), read-only."""
+        """Every element (read now, unless kept: O(length) memory and time), read-only."""
+        if self._whole is not None:
+            return self._whole
         arr = self._range(0, self.length)
         arr.flags.writeable = False
         return arr
@@ -217,18 +276,3 @@ class FileColumn:
 
     def __repr__(self) -> str:
         return f"FileColumn({self.file.path!r}, at={self.at}, length={self.length}, {self.dtype})"
-
-
-def _groups(keys: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.intp]]]:
-    """``(key, positions of keys equal to it)`` for each distinct key (one sort)."""
-    if not keys.size:
-        return []
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-    return [
-        (int(ordered[part_at]), part)
-        for part_at, part in zip(
-            np.concatenate(([0], cuts)).tolist(), np.split(order, cuts), strict=True
-        )
-    ]

@@ -235,30 +235,28 @@ def _many(root: Path, count: int = 30_000, real: int = 6) -> tuple[Path, np.ndar
     return path, tokens, count // real
 
 
+def _identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_one_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ``.checked`` note: an open whose file has the identity the last full check noted
-    reads the header and the few blocks it uses, not the whole file; a file changed in
-    place since (even with its mtime set back: the ctime moves) is checked in full again,
-    named and rebuilt. A file changed within `RACY_NS` of its check is not noted."""
+    """The ``.checked`` note: the builder notes the file it wrote; an open whose file has
+    the noted identity reads the header and the few blocks it uses, not the whole file; a
+    file changed in place since (even with its mtime set back: the ctime moves) is checked
+    in full again, named and rebuilt. A file another writer changed less than `RACY_NS`
+    before its full check is not noted (the note keeps the old identity) until a later
+    full check finds it settled."""
     receipts = _receipts(monkeypatch, tmp_path)
     path, tokens, step = _many(tmp_path / "d")
     off = Storage(verify="off")
-    TokenWindows(str(path), SEQ, storage=off)  # built: changed just now, so not noted (racy)
+    TokenWindows(str(path), SEQ, storage=off)  # built and noted (its own write)
     stored = _stored(receipts)
     note = Path(str(stored) + window_index.CHECKED)
-    assert not note.exists()
-    time.sleep(0.2)
-    TokenWindows(str(path), SEQ, storage=off)  # checked in full, old enough now: noted
     st = stored.stat()
-    assert json.loads(note.read_text()) == [
-        st.st_size,
-        st.st_mtime_ns,
-        st.st_ctime_ns,
-        st.st_ino,
-        st.st_dev,
-    ]
+    assert json.loads(note.read_text()) == _identity(stored)
     manifest = Manifest.load(str(path), verify="off")
     per = (tokens.size - 1) // SEQ
     want = np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(per)]).astype(np.int32)
@@ -271,12 +269,22 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
     # the index file is 780 KB; verify="off": the manifest's path chunks (2 x CHUNK) are
     # checked on use, as before
     assert read < 2 * CHUNK + st.st_size // 20, (read, st.st_size)
+    # the same bytes written again in place just now: checked in full, not noted (racy)
+    good = stored.read_bytes()
+    stored.write_bytes(good)
+    TokenWindows(str(path), SEQ, storage=off)
+    assert json.loads(note.read_text()) != _identity(stored)
+    time.sleep(0.2)
+    TokenWindows(str(path), SEQ, storage=off)  # settled now: checked in full, noted
+    assert json.loads(note.read_text()) == _identity(stored)
     # a byte changed in place, the modification time set back: the change time moved
-    raw = bytearray(stored.read_bytes())
+    st = stored.stat()
+    raw = bytearray(good)
     raw[len(raw) // 2] ^= 0x01
     stored.write_bytes(bytes(raw))
     os.utime(stored, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert stored.stat().st_mtime_ns == st.st_mtime_ns
     with pytest.warns(RuntimeWarning, match=r"does not match .*rebuilding it"):
         again = TokenWindows(str(path), SEQ, storage=off)
+    assert stored.read_bytes() == good
     assert np.array_equal(again.read(np.arange(shard * per, shard * per + per))["tokens"], want)

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detdata.storage.file_column import BLOCK, CACHED_BLOCKS, FileColumn, OpenFile
+from detdata.storage.file_column import (
+    BLOCK,
+    PROMOTE_BLOCKS,
+    SMALL_READS,
+    FileColumn,
+    OpenFile,
+)
 
 PAD = 24  # bytes before the column in its file (a column starts anywhere)
 
@@ -86,16 +92,31 @@ def test_out_of_range_and_non_integer_indices_raise(tmp_path: Path) -> None:
         col.searchsorted(3, "middle")
 
 
-def test_it_maps_nothing_and_keeps_a_bounded_number_of_blocks(tmp_path: Path) -> None:
-    values = np.arange(0, 3 * (CACHED_BLOCKS + 40) * BLOCK, 3, dtype=np.int64)
+def test_it_maps_nothing_reads_what_is_asked_then_the_whole_column_for_wide_reads(
+    tmp_path: Path,
+) -> None:
+    """A few lookups read their elements alone, more keep the blocks they read; a run
+    that has read `PROMOTE_BLOCKS` blocks (or half the column's) gets the column read whole
+    (numpy's speed); answers equal numpy's throughout, and the file is never mapped."""
+    values = np.arange(0, 3 * (PROMOTE_BLOCKS + 40) * BLOCK, 3, dtype=np.int64)
     col = _column(tmp_path, values)
+    few = np.asarray([b * BLOCK + 7 for b in range(0, 20, 2)])  # 10 elements, 10 blocks
+    assert np.array_equal(col[few], values[few])
+    assert np.array_equal(col.searchsorted(values[few] + 1), few + 1)
+    assert col._blocks == {} and col._whole is None  # the elements alone were read
+    many = np.asarray([b * BLOCK + 7 for b in range(0, 2 * SMALL_READS + 2, 2)])
+    assert np.array_equal(col[many], values[many])
+    assert sorted(col._blocks) == list(range(0, 2 * SMALL_READS + 2, 2))
+    assert col._whole is None
     rng = np.random.default_rng(5)
     for _ in range(20):
         idx = rng.integers(0, values.size, 300)
         assert np.array_equal(col[idx], values[idx])
         v = rng.integers(0, int(values[-1]), 300)
-        assert np.array_equal(col.searchsorted(v), values.searchsorted(v))
-    assert len(col._blocks) <= CACHED_BLOCKS
+        for side in ("left", "right"):
+            assert np.array_equal(col.searchsorted(v, side), values.searchsorted(v, side))
+    assert col._whole is not None and np.array_equal(col._whole, values)
+    assert col[5] == values[5] and np.array_equal(col[few], values[few])
     maps = Path(f"/proc/{os.getpid()}/maps").read_text()
     assert str(tmp_path / "col") not in maps  # read, never mapped
 
