@@ -6,7 +6,7 @@ bytes are: everything up to ``"shards":[``, the canonical entries joined by ``,`
 ``]}``. `streamed_id` hashes exactly those bytes, a piece of entries at a time, so the peak
 memory is one piece's, whatever the number of shards (a 1M-shard body is ~300 MB of JSON).
 It is the only definition of the id: `Manifest.id` and the fast form's full check
-(`detdata.identity.columns.verify_columns_id`) both use it.
+(`detdata.identity.columns_tie.verify_columns_id`) both use it.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ import numpy.typing as npt
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
-from detdata.identity.columns import ShardTable, check_columns
+from detdata.identity.columns import ShardTable
+from detdata.identity.columns_tie import check_columns
 from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest

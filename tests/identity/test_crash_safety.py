@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 
 from detdata import Manifest, ManifestError, Registry, RegistryError, ShardEntry, build_manifest
-from detdata.identity.columns import ShardTable, check_columns
+from detdata.identity.columns import ShardTable
+from detdata.identity.columns_tie import check_columns
 from detdata.identity.formats import Format
 
 BIG_SHARDS = 1200

@@ -14,8 +14,9 @@ import blake3
 import pytest
 
 from detdata import Manifest, ManifestError, ShardEntry
-from detdata.identity import columns
-from detdata.identity.columns import ColumnsFile, ShardTable, encode_columns, verify_columns_id
+from detdata.identity import columns_tie
+from detdata.identity.columns import ColumnsFile, ShardTable, encode_columns
+from detdata.identity.columns_tie import verify_columns_id
 from detdata.identity.formats import Format
 from detdata.identity.manifest_id import PIECE, manifest_id
 
@@ -71,7 +72,7 @@ def test_the_fast_form_check_streams_the_id_with_a_bounded_peak(
     """The verifier's full check holds one piece of entries at a time: with pieces of 128
     entries its peak stays a fraction of the body's JSON alone (the whole-body computation
     holds the JSON and every entry, several times the body)."""
-    monkeypatch.setattr(columns, "PIECE", 128)
+    monkeypatch.setattr(columns_tie, "PIECE", 128)
     shards = _entries(10_000)
     manifest = Manifest(shards=shards, metadata={"corpus": "large"}, root=str(tmp_path))
     path = tmp_path / "manifest.json"
