@@ -38,11 +38,13 @@ place: the descriptor a rank holds keeps reading the file it checked.
 Who checks it in full: the leader (or, without a group, the process holding the lock),
 when it builds or opens the file. It publishes the identity of the file it checked
 (``[size, mtime_ns, ctime_ns, inode, device]``, taken at its open, before any byte was
-read) in the store; a rank whose open file has that identity runs every check but the
-digest. The ``.checked`` note next to the file (`write_checked_note`) keeps the identity of
-the last full check for the next job (not written when the file had changed less than
-`detdata.storage.verified.RACY_NS` before: a write in the same timestamp tick would not
-show); while the file keeps it, the digest is not recomputed. What that trusts is what a
+read) in the store; a rank whose open file has that identity, or the one its note keeps,
+runs every check but the digest. The ``.checked`` note next to the file
+(`write_checked_note`) keeps the identity of the last full check for the next job; neither
+is written or published for a file changed less than `detdata.identity.receipts.RACY_S`
+before its identity was taken, as for a receipt (a write in the same timestamp tick would
+not show), except the builder's own write. While the file keeps it, the digest is not
+recomputed. What that trusts is what a
 receipt trusts for a shard: a write through the file system moves the change time (even
 with the mtime set back), a replacement the inode; bytes changed without either (the
 block device written directly, bit rot) are not seen until a full check.
@@ -66,6 +68,7 @@ import contextlib
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -80,11 +83,10 @@ from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format
 from detdata.identity.manifest import Manifest
-from detdata.identity.receipts import job_meeting, receipt_dir, wait_s
+from detdata.identity.receipts import RACY_S, job_meeting, receipt_dir, wait_s
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.file_column import FileColumn, IntColumn, OpenFile
 from detdata.storage.locks import file_lock
-from detdata.storage.verified import RACY_NS
 
 MAGIC: Final = b"DDWINDX1"
 KIND: Final = "detdata.token-windows-index"
@@ -261,14 +263,15 @@ def open_window_index(
         job_meeting(manifest, f"windows/{os.path.basename(path)}") if meet else (None, True, "")
     )
     if store is not None and not leader and _await_leader(store, key):
-        found = _load_warning(path, inputs, count, reported, _vouched(store, key))
+        trusted = [_vouched(store, key), read_checked_note(path)]
+        found = _load_warning(path, inputs, count, reported, trusted)
         if found is not None:
             return found
     if store is not None and leader:
         store.set(key + "/started", b"1")
     try:
         with file_lock(path + ".lock"):
-            found = _load_warning(path, inputs, count, reported, read_checked_note(path))
+            found = _load_warning(path, inputs, count, reported, [read_checked_note(path)])
             if found is None:
                 built = build_window_index(manifest, seq_len, labels, allow_short)
                 try:
@@ -279,7 +282,7 @@ def open_window_index(
                 # its own write, renamed into place: its digest is of bytes this process
                 # made, not read again (as a cache fill's copy, hashed while written)
                 own = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-                found = _load_warning(path, inputs, count, reported, own)
+                found = _load_warning(path, inputs, count, reported, [own])
                 if found is None:
                     return built
                 identity = write_checked_note(found, own_write=True)
@@ -327,18 +330,21 @@ def read_checked_note(path: str) -> list[int] | None:
 
 def write_checked_note(index: WindowIndex, *, own_write: bool = False) -> list[int] | None:
     """Note the identity of the file ``index`` was read from (taken at its open, before
-    its bytes were read and checked): the identity a later open may trust. None (and no
-    note) for an index built in memory; no note either for a file changed less than
-    `RACY_NS` before that identity was taken (a write within the same timestamp tick would
-    not show: the next open checks it in full, then notes it), unless ``own_write``: this
-    process has just written and renamed it into place (the exposure is then a write in
-    place within the same tick after that, as for a cache's own fill)."""
+    its bytes were read and checked): the identity a later open may trust, returned for
+    the leader to publish. None (no note, nothing published) for an index built in memory,
+    or for a file changed less than `detdata.identity.receipts.RACY_S` before that identity
+    was taken (a write within the same timestamp tick, or a server clock ahead of this
+    one, would not show: the next open checks it in full, then notes it), unless
+    ``own_write``: this process has just written and renamed it into place (the exposure
+    is then a write in place within the same tick after that, as for a cache's fill)."""
     if not isinstance(index.starts, FileColumn):
         return None
     file = index.starts.file
     _, mtime, ctime, _, _ = file.identity
-    settled = own_write or file.seen_ns - max(mtime, ctime) >= RACY_NS
-    if settled and read_checked_note(file.path) != file.identity:
+    settled = own_write or file.seen_ns - max(mtime, ctime) >= int(RACY_S * 1e9)
+    if not settled:
+        return None  # not noted, and not published: each process checks it in full
+    if read_checked_note(file.path) != file.identity:
         with contextlib.suppress(OSError):  # no note: the next open checks in full again
             atomic_write_bytes(file.path + CHECKED, canonical_json(file.identity))
     return file.identity
@@ -390,12 +396,12 @@ def _load_warning(
     inputs: dict[str, Any],
     count: int,
     reported: set[str],
-    vouched: list[int] | None = None,
+    trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
     """`load_window_index`, a file that fails its checks reported (`RuntimeWarning`; a
     problem already in ``reported`` is not reported again)."""
     try:
-        return load_window_index(path, inputs, count, vouched)
+        return load_window_index(path, inputs, count, trusted)
     except _Invalid as exc:
         if str(exc) in reported:
             return None
@@ -410,12 +416,12 @@ def _load_warning(
 
 
 def load_window_index(
-    path: str, inputs: dict[str, Any], count: int, vouched: list[int] | None = None
+    path: str, inputs: dict[str, Any], count: int, trusted: Sequence[list[int] | None] = ()
 ) -> WindowIndex | None:
     """The index file ``path`` checked for ``inputs`` and ``count`` shards (see the module
     docstring), its sections as `FileColumn` s read with ``pread``; None where there is
     none; `_Invalid` (a message naming the check) where it fails one. Its digest (every
-    byte read) is not re-checked when the open file's identity equals ``vouched``: the
+    byte read) is not re-checked when the open file's identity is one of ``trusted``: the
     identity it had when it was checked in full (by this job's leader, or by the last
     check on this machine)."""
     try:
@@ -425,7 +431,7 @@ def load_window_index(
     except OSError as exc:
         raise _Invalid(f"unreadable ({exc})") from None
     try:
-        return _checked(file, inputs, count, vouched)
+        return _checked(file, inputs, count, trusted)
     except OSError as exc:  # shortened while read
         file.close()
         raise _Invalid(f"unreadable ({exc})") from None
@@ -435,7 +441,7 @@ def load_window_index(
 
 
 def _checked(
-    file: OpenFile, inputs: dict[str, Any], count: int, vouched: list[int] | None
+    file: OpenFile, inputs: dict[str, Any], count: int, trusted: Sequence[list[int] | None]
 ) -> WindowIndex:
     """`load_window_index` of the open ``file``."""
     size = os.fstat(file.fd).st_size
@@ -461,7 +467,7 @@ def _checked(
     end += -end % _ALIGN
     if size != end + _DIGEST:
         raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
-    if vouched != file.identity and _digest(file, end) != file.pread(end, _DIGEST):
+    if file.identity not in trusted and _digest(file, end) != file.pread(end, _DIGEST):
         raise _Invalid("its bytes do not match its digest (damaged)")
     starts, offsets, sizes, codes = (
         FileColumn(file, data_at + layout[nm][0], layout[nm][1] // np.dtype(dt).itemsize, dt)

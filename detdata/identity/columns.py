@@ -47,6 +47,7 @@ import json
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, cast, overload
@@ -196,8 +197,10 @@ class ColumnsFile:
             self._closer()
             raise self._error(f"{size} bytes is too short for a header")
         self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        #: ``[size, mtime_ns, ctime_ns, inode, device]`` of the file opened (before a read)
+        #: ``[size, mtime_ns, ctime_ns, inode, device]`` of the file opened (before a read),
+        #: and the wall time it was taken at
         self.identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+        self.seen_ns = time.time_ns()
         self._vouched = False
         self._map: mmap.mmap | None = None
         self._buf: memoryview | None = None
@@ -312,8 +315,12 @@ class ColumnsFile:
     def array(self, name: str) -> np.ndarray[Any, Any]:
         """All of section ``name`` (every chunk of it checked): a read-only mapped view."""
         offset, length, _ = self.header["sections"][name]
-        for at in range(offset, offset + length, 1 << 24):  # checked 16 MiB at a time
-            self._read_checked(at, min(offset + length, at + (1 << 24)))
+        if not self._vouched and name not in self._arrays:
+            for at in range(offset, offset + length, 1 << 24):  # checked 16 MiB at a time
+                stop = min(offset + length, at + (1 << 24))
+                first, last = at // CHUNK, max(at, stop - 1) // CHUNK
+                if not all(self._checked[first : last + 1]):
+                    self._read_checked(at, stop)
         return self._view(name)
 
     def items(self, name: str, lo: int, hi: int) -> np.ndarray[Any, Any]:

@@ -441,22 +441,25 @@ def _remote_identity(info: dict[str, Any]) -> str | None:
 
 
 def _columns_identity(manifest: Manifest) -> list[Any] | None:
-    """What a fast-form manifest's full check covered: its header digest and the files'
-    stat identities (None: not a fast form, or changed too recently to record)."""
+    """What a fast-form manifest's full check covers: its header digest, the identity of
+    the columns file this manifest has open (``fstat`` at its open, before any of it was
+    read: the file the check reads, even if the path names another by now) and the JSON's
+    (None: not a fast form, or changed within `RACY_S` of the identity being taken)."""
     shards = manifest.shards
     if not isinstance(shards, ShardTable):
         return None
-    racy = time.time_ns() - int(RACY_S * 1e9)
-    files: list[Any] = [shards.columns.header_digest]
-    for path in (shards.columns.path, shards.json_path):
-        if path is None:
-            files.append(None)
-            continue
-        st = os.stat(path)
-        if max(st.st_mtime_ns, st.st_ctime_ns) >= racy:
-            return None
-        files.append([st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
-    return files
+    racy_ns = int(RACY_S * 1e9)
+    columns = shards.columns
+    _, mtime, ctime, _, _ = columns.identity
+    if columns.seen_ns - max(mtime, ctime) < racy_ns:
+        return None
+    files: list[Any] = [columns.header_digest, list(columns.identity)]
+    if shards.json_path is None:
+        return [*files, None]
+    st = os.stat(shards.json_path)
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < racy_ns:
+        return None
+    return [*files, [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]]
 
 
 @contextlib.contextmanager

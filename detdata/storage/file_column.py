@@ -85,7 +85,17 @@ class FileColumn:
     ascending) and ``np.asarray(column)`` (every element read: O(length)). ``coarse``:
     every `BLOCK`-th element (None: read on the first `searchsorted`)."""
 
-    __slots__ = ("_blocks", "_coarse", "_lock", "_whole", "at", "dtype", "file", "length")
+    __slots__ = (
+        "_blocks",
+        "_coarse",
+        "_lock",
+        "_promoting",
+        "_whole",
+        "at",
+        "dtype",
+        "file",
+        "length",
+    )
 
     def __init__(
         self,
@@ -103,6 +113,7 @@ class FileColumn:
         self._lock = threading.Lock()
         self._coarse = coarse
         self._whole: npt.NDArray[Any] | None = None
+        self._promoting = False
 
     @property
     def coarse(self) -> npt.NDArray[Any]:
@@ -145,14 +156,26 @@ class FileColumn:
         block = np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
         with self._lock:
             self._blocks[b] = block
-            blocks = -(-self.length // BLOCK)
-            promote = self._whole is None and len(self._blocks) >= min(
-                PROMOTE_BLOCKS, max(1, blocks // 2)
-            )
-        if promote:
-            self._whole = self.whole()
-            self._blocks = {}
         return block
+
+    def _promoted(self, wanted: npt.NDArray[np.int64]) -> npt.NDArray[Any] | None:
+        """The whole column, read now if reading ``wanted`` blocks would bring the blocks
+        read to `PROMOTE_BLOCKS` (or half the column's); None while it is read in blocks.
+        One thread reads it (the others go on with blocks meanwhile), and the blocks are
+        dropped once it is kept."""
+        if self._whole is not None:
+            return self._whole
+        missing = sum(1 for b in wanted.tolist() if b not in self._blocks)
+        threshold = min(PROMOTE_BLOCKS, max(1, -(-self.length // BLOCK) // 2))
+        with self._lock:
+            if self._promoting or len(self._blocks) + missing < threshold:
+                return None
+            self._promoting = True
+        whole = self._range(0, self.length)
+        whole.flags.writeable = False
+        self._whole = whole
+        self._blocks = {}
+        return whole
 
     def _element(self, i: int) -> Any:
         """Element ``i`` (0 <= i < length): from its block if read, else read alone."""
@@ -212,6 +235,9 @@ class FileColumn:
             return got[np.searchsorted(distinct, flat)].reshape(idx.shape)
         blocks = flat // BLOCK
         wanted = np.unique(blocks)
+        whole = self._promoted(wanted)
+        if whole is not None:
+            return whole[flat].reshape(idx.shape)
         at = np.searchsorted(wanted, blocks) * BLOCK + (flat - blocks * BLOCK)
         return self._gathered(wanted)[at].reshape(idx.shape)
 
@@ -258,6 +284,9 @@ class FileColumn:
             # blocks concatenated (ascending) counts exactly block k's share
             ks = flat_c[inside] - 1
             wanted = np.unique(ks)
+            whole = self._promoted(wanted)
+            if whole is not None:
+                return whole.searchsorted(vals, side=side)
             found = self._gathered(wanted).searchsorted(flat_v[inside], side=side)
             out[inside] = ks * BLOCK + (found - np.searchsorted(wanted, ks) * BLOCK)
         return out.reshape(vals.shape)

@@ -22,6 +22,7 @@ import pytest
 from detdata import FormatError, Manifest, Storage, TokenWindows, build_manifest
 from detdata.datasets import window_index
 from detdata.identity.columns import CHUNK, ShardTable
+from detdata.identity.receipts import RACY_S
 
 SEQ = 16
 
@@ -246,7 +247,7 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
     """The ``.checked`` note: the builder notes the file it wrote; an open whose file has
     the noted identity reads the header and the few blocks it uses, not the whole file; a
     file changed in place since (even with its mtime set back: the ctime moves) is checked
-    in full again, named and rebuilt. A file another writer changed less than `RACY_NS`
+    in full again, named and rebuilt. A file another writer changed less than `RACY_S`
     before its full check is not noted (the note keeps the old identity) until a later
     full check finds it settled."""
     receipts = _receipts(monkeypatch, tmp_path)
@@ -274,7 +275,7 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
     stored.write_bytes(good)
     TokenWindows(str(path), SEQ, storage=off)
     assert json.loads(note.read_text()) != _identity(stored)
-    time.sleep(0.2)
+    time.sleep(RACY_S + 0.1)
     TokenWindows(str(path), SEQ, storage=off)  # settled now: checked in full, noted
     assert json.loads(note.read_text()) == _identity(stored)
     # a byte changed in place, the modification time set back: the change time moved
@@ -288,3 +289,60 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
         again = TokenWindows(str(path), SEQ, storage=off)
     assert stored.read_bytes() == good
     assert np.array_equal(again.read(np.arange(shard * per, shard * per + per))["tokens"], want)
+
+
+class _Store:
+    """The part of torch.distributed's store the meeting uses, in memory."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self.values = values
+
+    def wait(self, keys: list[str], timeout: object) -> None:
+        assert all(k in self.values for k in keys), keys
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def set(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+
+def test_a_rank_trusts_its_leaders_identity_or_its_own_note_and_checks_anything_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a process group, a non-leader skips the digest of a file whose identity its
+    leader published, or whose ``.checked`` note holds it (a leader on another host checked
+    another file); a file with neither identity is checked in full."""
+    receipts_dir = _receipts(monkeypatch, tmp_path)
+    path, tokens, step = _many(tmp_path / "d")
+    off = Storage(verify="off")
+    TokenWindows(str(path), SEQ, storage=off)  # built and noted
+    stored = _stored(receipts_dir)
+    digests: list[int] = []
+    real = window_index._digest
+    monkeypatch.setattr(window_index, "_digest", lambda *a: digests.append(1) or real(*a))
+    key = "k"
+    done = {key + "/started": b"1", key + "/done": b"1"}
+    per = (tokens.size - 1) // SEQ
+    want = np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(per)]).astype(np.int32)
+
+    def rank(published: list[int] | None) -> TokenWindows:
+        values = dict(done)
+        if published is not None:
+            values[key + "/checked"] = json.dumps(published).encode()
+        meeting = (_Store(values), False, key)
+        monkeypatch.setattr(window_index, "job_meeting", lambda *a, **k: meeting)
+        ds = TokenWindows(str(path), SEQ, storage=off)
+        got = ds.read(np.arange(3 * step * per, 3 * step * per + per))["tokens"]
+        assert np.array_equal(got, want)
+        return ds
+
+    rank(_identity(stored))  # the leader's identity
+    rank([1, 2, 3, 4, 5])  # a leader elsewhere: the note holds this file's identity
+    assert digests == []
+    Path(str(stored) + window_index.CHECKED).unlink()
+    rank([1, 2, 3, 4, 5])  # neither: checked in full
+    assert digests == [1]

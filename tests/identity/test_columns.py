@@ -30,6 +30,7 @@ from detdata import (
     TokenWindows,
     build_manifest,
 )
+from detdata.identity import receipts
 from detdata.identity.columns import CHUNK, ShardTable, columns_path, encode_columns
 from detdata.identity.formats import Format
 
@@ -246,8 +247,8 @@ def test_a_verified_fast_form_is_read_without_its_chunks_and_a_replaced_one_is_n
 ) -> None:
     """After this job's verification checked the columns (or found them unchanged since a
     receipt's check), a lookup reads the bytes it needs, not the 64 KiB chunks around them.
-    Without verification, or on a file replaced after it was opened (another inode than the
-    one checked), every chunk is still hashed on use."""
+    Without verification, or on another file than the one checked (a copy renamed over it:
+    another inode), every chunk is still hashed on use."""
     monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path / "receipts"))
     root = tmp_path / "d"
     root.mkdir()
@@ -271,16 +272,51 @@ def test_a_verified_fast_form_is_read_without_its_chunks_and_a_replaced_one_is_n
     assert lookups(verified) < 4096
     unverified = Manifest.load(path, verify="off")
     assert lookups(unverified) >= CHUNK  # chunks hashed on use
-    # the file replaced under an open manifest: the verification stats the new file
-    opened = Manifest.load(path, verify="off")
-    data = bytearray(Path(columns_path(path)).read_bytes())
-    Path(columns_path(path) + ".new").write_bytes(bytes(data))
+    # the file replaced by a copy: what was vouched for is the other inode
+    checked = receipts._columns_identity(verified)
+    data = Path(columns_path(path)).read_bytes()
+    Path(columns_path(path) + ".new").write_bytes(data)
     os.replace(columns_path(path) + ".new", columns_path(path))
     time.sleep(2.1)
-    opened.verify()
-    table = opened.shards
+    copy = Manifest.load(path, verify="off")
+    assert isinstance(copy.shards, ShardTable)
+    assert not copy.shards.columns.vouch(checked)
+    assert lookups(copy) >= CHUNK
+
+
+def test_a_columns_file_replaced_under_the_verifier_is_neither_vouched_for_nor_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verification reads the columns file its manifest has open; what it vouches for
+    and records in the receipt is that file's identity, not a `stat` of the path, which may
+    name a newer file by then. A damaged file renamed over the path after the verifier
+    opened its own is not trusted by a rank that opens it, nor by the next job's load: its
+    damage is named there."""
+    monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path / "receipts"))
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(3000):
+        np.save(root / f"s{i:05d}.npy", np.full(8, i, dtype=np.uint16))
+    built = build_manifest(str(root))
+    path = str(root / "manifest.json")
+    built.save(path)
+    time.sleep(2.1)  # old enough to be recorded
+    first = Manifest.load(path, verify="off")  # the verifier's manifest: file A open
+    table = first.shards
     assert isinstance(table, ShardTable)
-    assert (
-        not table.columns.vouch(None)
-        and table.columns.identity[3] != os.stat(columns_path(path)).st_ino
-    )
+    c = table.columns
+    off, _, dt = c.header["sections"]["num_samples"]
+    raw = bytearray(Path(columns_path(path)).read_bytes())
+    raw[c._data_at + off + 5 * np.dtype(dt).itemsize] ^= 0x40  # shard 5's sample count
+    Path(columns_path(path) + ".new").write_bytes(bytes(raw))
+    os.replace(columns_path(path) + ".new", columns_path(path))  # B, same header
+    time.sleep(2.1)
+    first.verify()  # reads A (its open file): passes, and vouches for A only
+    assert table.columns.vouch(None)  # A is the file it checked
+    rank = Manifest.load(path, verify="off")  # a rank that opens B
+    assert isinstance(rank.shards, ShardTable)
+    assert not rank.shards.columns.vouch(receipts._columns_identity(first))
+    with pytest.raises(ManifestError, match=r"data chunk \d+ does not match its digest"):
+        rank.shards[5]
+    with pytest.raises(ManifestError, match=r"does not match its digest"):
+        Manifest.load(path)  # the next job: B's identity is not the receipt's, so checked
