@@ -16,9 +16,11 @@ The header names the manifest id, shard count, totals, metadata, the distinct
 formats / dtypes / schemas, each section's (offset, length, dtype) in the data and
 the blake3 of the chunk digest table. Sections: ``bytes``, ``num_samples``,
 ``sample_starts`` (cumulative, ``count + 1``), ``data_offset`` (-1: none), ``format``,
-``dtype``, ``schema`` (indices into the header's lists, -1: none), ``path_ends`` /
-``paths`` (UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each),
-``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
+``dtype``, ``schema`` (indices into the header's lists, -1: none),
+``path_block_ends`` / ``path_blocks`` (the paths, 256 to a compressed block:
+`detdata.identity.path_blocks`; version 1, still read, stored ``path_ends`` / ``paths``,
+a plain UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each), ``row_group_ends`` /
+``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
 
 The file is replaced atomically (`Manifest.save`, the registry), never rewritten in
 place: a mapping keeps the file it mapped. (Truncating a mapped file in place would
@@ -60,11 +62,15 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
 from detdata.identity.entry import ShardEntry
+from detdata.identity.path_blocks import PATH_BLOCK, block_count, decode_block, encode_paths
 from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
 KIND: Final = "detdata.manifest-columns"
-VERSION: Final = 1
+VERSION: Final = 2
+#: versions read: 1 stored paths plainly (``path_ends`` / ``paths``), 2 in compressed
+#: blocks (``path_block_ends`` / ``path_blocks``: `detdata.identity.path_blocks`)
+READS: Final = (1, 2)
 #: data bytes per checked chunk (a rank hashes only the chunks it touches)
 CHUNK: Final = 64 << 10
 #: a header larger than this is refused (metadata and schema strings live there)
@@ -74,6 +80,8 @@ _ALIGN: Final = 64
 #: entries kept materialised per table (a dict cleared when full)
 _ENTRY_CACHE: Final = 1 << 16
 _HEAD: Final = 16  # magic + header length
+#: checked chunks kept after a read that stopped inside them (1 MiB at most)
+_KEPT: Final = 16
 
 _INT_SECTIONS: Final = ("bytes", "num_samples", "data_offset")
 
@@ -97,7 +105,7 @@ def encode_columns(
     dt_of = {d: i for i, d in enumerate(dtypes)}
     sc_of = {s: i for i, s in enumerate(schemas)}
     counts = np.fromiter((s.num_samples for s in shards), np.int64, n)
-    paths = [s.path.encode("utf-8") for s in shards]
+    blocks, block_ends, largest = encode_paths([s.path.encode("utf-8") for s in shards])
     groups = [s.row_groups for s in shards]
     group_ends = np.full(n + 1, 0, dtype=np.int64)
     at = 0
@@ -120,8 +128,8 @@ def encode_columns(
         "schema": np.fromiter(
             (-1 if s.schema is None else sc_of[s.schema] for s in shards), np.int32, n
         ),
-        "path_ends": np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.int64),
-        "paths": np.frombuffer(b"".join(paths), dtype=np.uint8),
+        "path_block_ends": block_ends,
+        "path_blocks": np.frombuffer(blocks, dtype=np.uint8),
         "blake3": np.frombuffer(
             b"".join(bytes.fromhex(s.blake3[len(PREFIX) :]) for s in shards), dtype=np.uint8
         ),
@@ -159,6 +167,8 @@ def encode_columns(
             "dtypes": dtypes,
             "schemas": schemas,
             "chunk": CHUNK,
+            "path_block": PATH_BLOCK,
+            "path_block_raw": largest,
             "data_bytes": len(data),
             "table_digest": blake3.blake3(table).hexdigest(),
             "sections": layout,
@@ -205,6 +215,7 @@ class ColumnsFile:
         self._map: mmap.mmap | None = None
         self._buf: memoryview | None = None
         self._arrays: dict[str, np.ndarray[Any, Any]] = {}
+        self._kept: dict[int, bytes] = {}  # checked chunks read whole, by index
         self._lock = threading.Lock()
         try:
             self._open_checked(size)
@@ -278,22 +289,59 @@ class ColumnsFile:
     def _read_checked(self, start: int, stop: int) -> bytes:
         """Data bytes ``[start, stop)``, every chunk covering them checked (each once: a
         chunk not yet checked is read whole and hashed, the bytes asked for cut from it;
-        none once the file is vouched for)."""
-        first, last = start // CHUNK, max(start, stop - 1) // CHUNK
-        checked = self._checked
-        if self._vouched or all(checked[c] for c in range(first, last + 1)):
+        none once the file is vouched for). A chunk read whole that reaches past ``stop``
+        is kept (the last `_KEPT` of them): a scan in pieces (the verifier's) reads each
+        byte once."""
+        if self._vouched:
             return self._pread(self._data_at + start, stop - start)
-        lo = first * CHUNK
-        hi = min((last + 1) * CHUNK, self.header["data_bytes"])
+        first, last = start // CHUNK, max(start, stop - 1) // CHUNK
+        parts: list[bytes] = []
+        at, c = start, first
+        while c <= last:
+            kept = self._kept.get(c)
+            if kept is not None:
+                end = min(stop, (c + 1) * CHUNK)
+                parts.append(kept[at - c * CHUNK : end - c * CHUNK])
+                at, c = end, c + 1
+                continue
+            run = self._run(c, last)
+            if self._checked[c]:
+                end = min(stop, (run + 1) * CHUNK)
+                parts.append(self._pread(self._data_at + at, end - at))
+            else:
+                end = self._read_unchecked(c, run, at, stop, parts)
+            at, c = end, run + 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _run(self, c: int, last: int) -> int:
+        """The last chunk of the run from ``c`` (at most ``last``) that is all checked or
+        all unchecked, and not kept."""
+        state = self._checked[c]
+        while c < last and self._checked[c + 1] == state and c + 1 not in self._kept:
+            c += 1
+        return c
+
+    def _read_unchecked(self, c: int, run: int, at: int, stop: int, parts: list[bytes]) -> int:
+        """Read chunks ``c..run`` whole, check each, append the bytes from ``at`` (up to
+        ``stop``) to ``parts``; returns where they end. The last chunk is kept when it
+        reaches past ``stop``."""
+        lo = c * CHUNK
+        hi: int = min((run + 1) * CHUNK, self.header["data_bytes"])
         data = self._pread(self._data_at + lo, hi - lo)
         with memoryview(data) as view:
-            for c in range(first, last + 1):
-                if not checked[c]:
-                    piece = view[c * CHUNK - lo : min(hi, (c + 1) * CHUNK) - lo]
-                    if blake3.blake3(piece).digest() != self._table[32 * c : 32 * c + 32]:
-                        raise self._error(f"data chunk {c} does not match its digest (corrupted)")
-                    checked[c] = 1
-        return data[start - lo : stop - lo]
+            for k in range(c, run + 1):
+                piece = view[k * CHUNK - lo : min(hi, (k + 1) * CHUNK) - lo]
+                if blake3.blake3(piece).digest() != self._table[32 * k : 32 * k + 32]:
+                    raise self._error(f"data chunk {k} does not match its digest (corrupted)")
+                self._checked[k] = 1
+        end = min(stop, hi)
+        parts.append(data[at - lo : end - lo])
+        if hi > stop:
+            with self._lock:
+                if len(self._kept) >= _KEPT:
+                    del self._kept[next(iter(self._kept))]
+                self._kept[run] = data[run * CHUNK - lo :]
+        return end
 
     def _mapped(self) -> memoryview:
         """The whole file mapped (on first use: only `array` maps it)."""
@@ -338,6 +386,7 @@ class ColumnsFile:
 
     def close(self) -> None:
         self._arrays.clear()
+        self._kept.clear()
         if self._buf is not None:
             self._buf.release()
             self._buf = None
@@ -347,6 +396,18 @@ class ColumnsFile:
         self._closer()
 
 
+def _path_sections(header: dict[str, Any], n: int, error: Any) -> dict[str, tuple[str, Any]]:
+    """The path sections a header of its version must describe (`_parse_header`)."""
+    if header["version"] == 1:
+        return {"path_ends": ("<i8", n + 1), "paths": ("|u1", None)}
+    if header.get("path_block") != PATH_BLOCK or not isinstance(header.get("path_block_raw"), int):
+        raise error(
+            f"header fields 'path_block' ({header.get('path_block')!r}, expected {PATH_BLOCK})"
+            f" and 'path_block_raw' ({header.get('path_block_raw')!r}) are wrong"
+        )
+    return {"path_block_ends": ("<i8", block_count(n) + 1), "path_blocks": ("|u1", None)}
+
+
 def _parse_header(raw: bytes, error: Any) -> dict[str, Any]:
     try:
         header = json.loads(raw)
@@ -354,8 +415,9 @@ def _parse_header(raw: bytes, error: Any) -> dict[str, Any]:
         raise error(f"malformed header ({exc})") from None
     if not isinstance(header, dict) or header.get("kind") != KIND:
         raise error(f"not a manifest columns file (kind {header.get('kind')!r})")
-    if header.get("version") != VERSION:
-        raise error(f"version {header.get('version')!r}; this detdata reads {VERSION}")
+    version = header.get("version")
+    if type(version) is not int or version not in READS:
+        raise error(f"version {version!r}; this detdata reads versions {list(READS)}")
     if header.get("chunk") != CHUNK:
         raise error(f"chunk size {header.get('chunk')!r}, expected {CHUNK}")
     for key in ("count", "num_samples", "total_bytes", "data_bytes", "json_bytes"):
@@ -371,8 +433,7 @@ def _parse_header(raw: bytes, error: Any) -> dict[str, Any]:
         "format": ("|u1", n),
         "dtype": ("<i2", n),
         "schema": ("<i4", n),
-        "path_ends": ("<i8", n + 1),
-        "paths": ("|u1", None),
+        **_path_sections(header, n, error),
         "blake3": ("|u1", 32 * n),
         "quick": ("|u1", 32 * n),
         "row_group_ends": ("<i8", n + 1),
@@ -421,6 +482,7 @@ class ShardTable(Sequence["ShardEntry"]):
         self.json_path = json_path
         self._cache: dict[int, ShardEntry] = {}
         self._paths: dict[int, str] = {}  # `path` of shards without a built entry
+        self._block: tuple[int, list[str]] | None = None  # the last path block decoded
 
     def __len__(self) -> int:
         return self.columns.count
@@ -478,15 +540,27 @@ class ShardTable(Sequence["ShardEntry"]):
     def paths_between(self, lo: int, hi: int) -> list[str]:
         """The relative paths of shards ``[lo, hi)`` decoded in bulk (UTF-8 and bounds
         checked; `entries_between` also checks each as a path under the root)."""
+        if hi <= lo:
+            return []
         c = self.columns
-        ends = c.items("path_ends", lo, hi + 1).tolist()
-        base, top = (ends[0], ends[-1]) if ends else (0, 0)
-        if not 0 <= base <= top <= c.header["sections"]["paths"][1]:
-            raise c._error(f"shards #{lo}..{hi - 1}: path bounds {base}..{top} are out of range")
-        blob = c.items("paths", base, top).tobytes()
-        return [
-            _path_at(c, lo + k, blob, ends[k] - base, ends[k + 1] - base) for k in range(hi - lo)
-        ]
+        if c.header["version"] == 1:
+            return _plain_paths(c, lo, hi)
+        first, last = lo // PATH_BLOCK, (hi - 1) // PATH_BLOCK
+        cached = self._block
+        if first == last and cached is not None and cached[0] == first:
+            return cached[1][lo - first * PATH_BLOCK : hi - first * PATH_BLOCK]
+        ends = c.items("path_block_ends", first, last + 2).tolist()
+        size = c.header["sections"]["path_blocks"][1]
+        if not (ends[0] >= 0 and ends[-1] <= size and all(map(int.__le__, ends, ends[1:]))):
+            raise c._error(f"path blocks {first}..{last}: bounds {ends} are out of range")
+        blob = c.items("path_blocks", ends[0], ends[-1]).tobytes()
+        out: list[str] = []
+        for b in range(first, last + 1):
+            raw = blob[ends[b - first] - ends[0] : ends[b - first + 1] - ends[0]]
+            count = min(PATH_BLOCK, len(self) - b * PATH_BLOCK)
+            out += decode_block(raw, count, c.header["path_block_raw"], c._error, b)
+        self._block = (last, out[(last - first) * PATH_BLOCK :])
+        return out[lo - first * PATH_BLOCK : hi - first * PATH_BLOCK]
 
     def all_paths(self) -> list[str]:
         """Every shard's relative path (`paths_between` over all: O(shards), what a
@@ -583,6 +657,16 @@ class ShardTable(Sequence["ShardEntry"]):
 
 #: per-shard scalar sections (one value each)
 _ROW_SECTIONS: Final = ("bytes", "num_samples", "data_offset", "format", "dtype", "schema")
+
+
+def _plain_paths(c: ColumnsFile, lo: int, hi: int) -> list[str]:
+    """Paths ``[lo, hi)`` of a version-1 file (a UTF-8 blob and each path's end)."""
+    ends = c.items("path_ends", lo, hi + 1).tolist()
+    base, top = ends[0], ends[-1]
+    if not 0 <= base <= top <= c.header["sections"]["paths"][1]:
+        raise c._error(f"shards #{lo}..{hi - 1}: path bounds {base}..{top} are out of range")
+    blob = c.items("paths", base, top).tobytes()
+    return [_path_at(c, lo + k, blob, ends[k] - base, ends[k + 1] - base) for k in range(hi - lo)]
 
 
 def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:

@@ -11,10 +11,11 @@ columns recorded (`check_columns`): O(shards), run by the job's verifier
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from detdata.identity.columns import ShardTable
+from detdata.identity.entry import ShardEntry
 from detdata.identity.manifest_id import PIECE, streamed_id
 from detdata.storage.digest import full_digest_path
 
@@ -35,11 +36,15 @@ def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
     verify_columns_id(table)
 
 
-def verify_columns_id(table: ShardTable) -> str:
+def verify_columns_id(
+    table: ShardTable, *, each: Callable[[int, list[ShardEntry]], None] | None = None
+) -> str:
     """The id re-computed from every entry of the columns (O(shards) time, one piece of
     `PIECE` entries in memory at a time: `detdata.identity.manifest_id.streamed_id`);
     `ManifestError` unless it is the header's, the shards are in canonical order and the
-    header's sample and byte totals are the entries' sums."""
+    header's sample and byte totals are the entries' sums. ``each(lo, entries)`` is called
+    with every piece (shards ``lo, lo + 1, ...``) as it is decoded, before the verdict:
+    what it derives from them holds only once this returns."""
     c = table.columns
     totals = [0, 0]  # samples, bytes
     last: list[str] = []
@@ -51,6 +56,8 @@ def verify_columns_id(table: ShardTable) -> str:
             if any(a >= b for a, b in itertools.pairwise(paths)):
                 raise c._error("shards are not in canonical order (sorted, unique paths)")
             last[:] = paths[-1:]
+            if each is not None:
+                each(lo, entries)
             totals[0] += sum(e.num_samples for e in entries)
             totals[1] += sum(e.bytes for e in entries)
             yield [e.to_json() for e in entries]

@@ -49,7 +49,7 @@ import pickle
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -61,7 +61,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable
-from detdata.identity.columns_tie import check_columns
+from detdata.identity.columns_tie import verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
@@ -253,14 +253,13 @@ def verify_with_receipt(
     with _turn(path):
         old = read_receipt(path, manifest) if path is not None and use_receipt else None
         fs, root = filesystem(manifest.root, **storage_options)
-        local = is_local_fs(fs)
         columns = _columns_identity(manifest)
-        if isinstance(manifest.shards, ShardTable) and (
+        # the id from the columns (the JSON, the readable form, is checked where parsed)
+        tie = isinstance(manifest.shards, ShardTable) and (
             old is None or columns is None or old.get("columns") != columns
-        ):  # the id from the columns; the JSON (readable form) is checked where parsed
-            check_columns(manifest.shards, with_json=False)
+        )
         check = functools.partial(
-            _verify_shards,
+            _verify_entries,
             manifest,
             level,
             threads=threads,
@@ -268,18 +267,22 @@ def verify_with_receipt(
             retry=retry,
             storage_options=storage_options,
         )
+        now: LocalIds | list[str | None] | None = None
         if path is None:  # receipts disabled: no identities to take, every shard is read
-            check(np.arange(len(manifest.shards), dtype=np.int64))
-            return columns
-        paths = _paths(manifest)
-        now: LocalIds | list[str | None]
-        if local:
-            now = local_identities(root, paths)
+            todo = np.arange(len(manifest.shards), dtype=np.int64)
         else:
-            now = remote_identities(fs, root, paths, threads)
-        todo = _changed(old, now, level)
-        if todo.size:
-            check(todo)
+            paths = _paths(manifest)
+            if is_local_fs(fs):
+                now = local_identities(root, paths)
+            else:
+                now = remote_identities(fs, root, paths, threads)
+            todo = _changed(old, now, level)
+        if tie:
+            _tie_and_verify(manifest, todo, check)
+        elif todo.size:
+            _verify_shards(manifest, todo, check)
+        if path is None or now is None:
+            return columns
         # nothing read again: the recorded level still holds for every shard
         if old is not None and not todo.size and old.get("columns") == columns:
             return columns  # the receipt on disk already says this: a restart writes nothing
@@ -288,30 +291,68 @@ def verify_with_receipt(
         return columns
 
 
-def _verify_shards(
+def _verify_entries(
     manifest: Manifest,
     level: Verify,
-    todo: npt.NDArray[np.int64],
+    entries: Sequence[ShardEntry],
     *,
     threads: int,
     progress: bool | None,
     retry: RetryPolicy | None,
     storage_options: dict[str, Any],
-) -> None:
-    """`verify_manifest` of the shards ``todo`` (ascending), `VERIFY_PIECE` entries in memory
-    at a time (a fast form's decoded in bulk where dense); every shard is checked and the
-    first failure in path order is raised at the end, as one call over all would."""
-    first: VerificationError | None = None
-    for lo in range(0, todo.size, VERIFY_PIECE):
-        subset = dataclasses.replace(
-            manifest, shards=_entries_at(manifest, todo[lo : lo + VERIFY_PIECE]), metadata={}
+) -> VerificationError | None:
+    """`verify_manifest` of ``entries`` (shards of ``manifest``, in path order): the first
+    failure among them, or None."""
+    subset = dataclasses.replace(manifest, shards=tuple(entries), metadata={})
+    try:
+        verify_manifest(
+            subset, level, threads=threads, progress=progress, retry=retry, **storage_options
         )
-        try:
-            verify_manifest(
-                subset, level, threads=threads, progress=progress, retry=retry, **storage_options
-            )
-        except VerificationError as exc:
-            first = exc if first is None else first
+    except VerificationError as exc:
+        return exc
+    return None
+
+
+Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
+
+
+def _verify_shards(manifest: Manifest, todo: npt.NDArray[np.int64], check: Check) -> None:
+    """``check`` the shards ``todo`` (ascending), `VERIFY_PIECE` entries in memory at a time
+    (a fast form's decoded in bulk where dense); every shard is checked and the first
+    failure in path order is raised at the end, as one call over all would."""
+    found = [
+        check(_entries_at(manifest, todo[lo : lo + VERIFY_PIECE]))
+        for lo in range(0, todo.size, VERIFY_PIECE)
+    ]
+    _raise_first(found)
+
+
+def _tie_and_verify(manifest: Manifest, todo: npt.NDArray[np.int64], check: Check) -> None:
+    """A fast form's full tie (`verify_columns_id`) and the check of the shards ``todo``
+    in one pass over the columns: each entry is decoded (and its chunks hashed) once, for
+    the id and, where in ``todo``, for its shard's check. A columns file that fails the
+    tie is the error (its entries are not the manifest's); else the first shard failure
+    in path order, as `_verify_shards`."""
+    wanted = np.zeros(len(manifest.shards), dtype=bool)
+    wanted[todo] = True
+    batch: list[ShardEntry] = []
+    found: list[VerificationError | None] = []
+
+    def piece(lo: int, entries: Sequence[ShardEntry]) -> None:
+        batch.extend(e for e, w in zip(entries, wanted[lo : lo + len(entries)], strict=True) if w)
+        if len(batch) >= VERIFY_PIECE:
+            found.append(check(batch))
+            batch.clear()
+
+    assert isinstance(manifest.shards, ShardTable)
+    verify_columns_id(manifest.shards, each=piece)
+    if batch:
+        found.append(check(batch))
+    _raise_first(found)
+
+
+def _raise_first(found: Sequence[VerificationError | None]) -> None:
+    first = next((exc for exc in found if exc is not None), None)
     if first is not None:
         raise first
 

@@ -102,6 +102,40 @@ def test_local_restart_reads_nothing_and_catches_a_changed_shard(tmp_path: Path,
         Manifest.load(path)
 
 
+@pytest.mark.slow
+def test_many_small_shards_are_read_once_at_a_first_start_and_a_restart_reads_under_1pct(
+    tmp_path: Path,
+) -> None:
+    """The issue's hard case: 2 KiB shards, where what is read besides the shards (the
+    fast form's columns and paths, the receipt) weighs most. A first start reads the
+    corpus once and the columns once (<= 1.1x the checked bytes); a restart over
+    unchanged files reads under 1% of them (every path, to take its identity, and the
+    receipt); a shard rewritten in place is still caught after."""
+    root = tmp_path / "data"
+    count = 30_000
+    for i in range(count):
+        folder = root / f"{i // 1000:03d}"
+        if i % 1000 == 0:
+            folder.mkdir(parents=True)
+        np.save(folder / f"s{i:06d}.npy", np.full(960, i % 60_000, dtype=np.uint16))
+    manifest = build_manifest(str(root))
+    path = str(root / "manifest.json")
+    manifest.save(path)
+    corpus = manifest.total_bytes
+    assert corpus == count * 2048
+    _load_counting(path, verify="off")  # imports (their files are read bytes too)
+    _age(root)
+
+    first = _load_counting(path)
+    assert corpus <= first <= corpus * 1.1, f"first start read {first / corpus:.4f}x the corpus"
+    again = _load_counting(path)
+    assert again <= corpus // 100, f"restart read {again / corpus:.4%} of the corpus"
+    _change("rewrite", root / "017" / "s017345.npy")
+    with pytest.raises(VerificationError) as info:
+        Manifest.load(path)
+    assert info.value.shard == "017/s017345.npy"
+
+
 def test_receipt_is_per_level_and_again_reads_everything(tmp_path: Path) -> None:
     root = tmp_path / "data"
     _write_local(root)
