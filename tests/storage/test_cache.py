@@ -25,8 +25,10 @@ from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
+from detdata.storage import boot
 from detdata.storage.cache import ShardCache
 from detdata.storage.retry import RetryPolicy
+from detdata.storage.verified import forget_verified
 from tests.faultproxy import FaultProxy, schedule
 from tests.servers import HttpServer
 
@@ -306,3 +308,33 @@ def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
         TokenWindows(
             manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="sometimes")
         )
+
+
+def test_a_copy_from_before_this_boot_is_checked_in_full_then_as_usual(
+    http_server: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fills are not fsync-ed: a copy last changed before the machine's current boot may
+    have lost writes in a crash, so its first open in this boot hashes every byte (a loss
+    in the middle, which the quick check cannot see, is caught and fetched again); a copy
+    found whole is touched, and is then a copy of this boot (quick checks)."""
+    directory, url = http_server.new_dir()
+    np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB
+    entry = build_manifest(url).shards[0]
+    fs = fsspec.filesystem("http")
+    shard = f"{url}/big.npy"
+    path = Path(ShardCache(tmp_path, 1 << 23).path(entry, fs, shard, shard))
+    flip_byte(path, 1_600_000)  # what a crash lost: outside the quick digest's head and tail
+    changed = path.stat().st_ctime_ns
+    monkeypatch.setattr(boot, "boot_ns", lambda: changed + 1)  # the machine booted since
+    after = ShardCache(tmp_path, 1 << 23)
+    assert after.path(entry, fs, shard, shard) == str(path)
+    assert (after.stats.corrupt, after.stats.fills) == (1, 1)
+    assert "b3:" + blake3.blake3(path.read_bytes()).hexdigest() == entry.blake3
+    # a whole copy from before the boot: hashed in full once, touched, then of this boot
+    filled = path.stat().st_ctime_ns
+    monkeypatch.setattr(boot, "boot_ns", lambda: filled + 1)
+    forget_verified()
+    whole = ShardCache(tmp_path, 1 << 23)
+    assert whole.path(entry, fs, shard, shard) == str(path)
+    assert (whole.stats.corrupt, whole.stats.fills, whole.stats.digests) == (0, 0, 1)
+    assert not boot.before_boot(path.stat().st_ctime_ns)
