@@ -80,6 +80,8 @@ _ALIGN: Final = 64
 #: entries kept materialised per table (a dict cleared when full)
 _ENTRY_CACHE: Final = 1 << 16
 _HEAD: Final = 16  # magic + header length
+#: entries decoded at once when a table is iterated
+_ITER_PIECE: Final = 1 << 12
 #: checked chunks kept after a read that stopped inside them (1 MiB at most)
 _KEPT: Final = 16
 
@@ -97,6 +99,8 @@ def encode_columns(
 ) -> bytes:
     """The fast form of a manifest (its entries in canonical order, metadata and id) saved
     with the JSON document ``json_doc`` (its size and digest are recorded: the tie)."""
+    if not isinstance(shards, (tuple, list)):  # a `ShardTable`: decoded once, not per column
+        shards = list(shards)
     n = len(shards)
     formats = sorted({s.format.value for s in shards})
     dtypes = sorted({s.dtype for s in shards if s.dtype is not None})
@@ -502,7 +506,11 @@ class ShardTable(Sequence["ShardEntry"]):
         return self.entry(i)
 
     def __iter__(self) -> Iterator[ShardEntry]:
-        return (self.entry(i) for i in range(len(self)))
+        """Every entry, decoded `_ITER_PIECE` at a time (`entries_between`: the same checks
+        as `entry`), none kept: saving or iterating a 1M-shard table is a bulk decode, not a
+        million single lookups."""
+        for lo in range(0, len(self), _ITER_PIECE):
+            yield from self.entries_between(lo, min(len(self), lo + _ITER_PIECE))
 
     def entry(self, i: int) -> ShardEntry:
         """Shard ``i`` (0 <= i < len) as a checked `ShardEntry`."""
