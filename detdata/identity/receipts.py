@@ -273,11 +273,10 @@ def verify_with_receipt(
         if path is None:  # receipts disabled: no identities to take, every shard is read
             todo = np.arange(len(manifest.shards), dtype=np.int64)
         else:
-            paths = _paths(manifest)
             if is_local_fs(fs):
-                now = local_identities(root, paths)
+                now = _local_identities_of(manifest, root)
             else:
-                now = remote_identities(fs, root, paths, threads)
+                now = remote_identities(fs, root, _paths(manifest), threads)
             todo = _changed(old, now, level)
         if tie:
             _tie_and_verify(manifest, todo, check)
@@ -371,6 +370,19 @@ def _entries_at(manifest: Manifest, picked: npt.NDArray[np.int64]) -> tuple[Shar
         span = shards.entries_between(lo, hi)
         return tuple(span[i - lo] for i in index)
     return tuple(shards.entries_between(i, i + 1)[0] for i in index)
+
+
+def _local_identities_of(manifest: Manifest, root: str) -> LocalIds:
+    """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time (a
+    1M-shard table's paths are never all in memory at once)."""
+    shards = manifest.shards
+    if not isinstance(shards, ShardTable):
+        return local_identities(root, [s.path for s in shards])
+    out = np.empty((len(shards), _FIELDS), dtype=np.int64)
+    for lo in range(0, len(shards), VERIFY_PIECE):
+        hi = min(len(shards), lo + VERIFY_PIECE)
+        out[lo:hi] = local_identities(root, shards.paths_between(lo, hi))
+    return out
 
 
 def _paths(manifest: Manifest) -> list[str]:
