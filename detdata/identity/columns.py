@@ -472,7 +472,9 @@ class ShardTable(Sequence["ShardEntry"]):
     def paths_between(self, lo: int, hi: int) -> list[str]:
         """The relative paths of shards ``[lo, hi)`` decoded in bulk (UTF-8 and bounds
         checked; `entries_between` also checks each as a path under the root)."""
-        if hi <= lo:
+        if not 0 <= lo <= hi <= len(self):
+            raise IndexError(f"paths [{lo}, {hi}) out of range for {len(self)} shards")
+        if hi == lo:
             return []
         c = self.columns
         if c.header["version"] == 1:

@@ -12,7 +12,7 @@ from typing import Any, Final, cast
 
 import numpy as np
 
-from detdata.identity.path_blocks import PATH_BLOCK, block_count
+from detdata.identity.path_blocks import MAX_BLOCK_RAW, PATH_BLOCK, block_count
 
 KIND: Final = "detdata.manifest-columns"
 #: versions read: 1 stored paths plainly (``path_ends`` / ``paths``), 2 in compressed
@@ -28,10 +28,13 @@ def _path_sections(header: dict[str, Any], n: int, error: Any) -> dict[str, tupl
     """The path sections a header of its version must describe (`_parse_header`)."""
     if header["version"] == 1:
         return {"path_ends": ("<i8", n + 1), "paths": ("|u1", None)}
-    if header.get("path_block") != PATH_BLOCK or not isinstance(header.get("path_block_raw"), int):
+    raw = header.get("path_block_raw")
+    if header.get("path_block") != PATH_BLOCK or not (
+        type(raw) is int and 0 <= raw <= MAX_BLOCK_RAW
+    ):
         raise error(
             f"header fields 'path_block' ({header.get('path_block')!r}, expected {PATH_BLOCK})"
-            f" and 'path_block_raw' ({header.get('path_block_raw')!r}) are wrong"
+            f" and 'path_block_raw' ({raw!r}, at most {MAX_BLOCK_RAW}) are wrong"
         )
     return {"path_block_ends": ("<i8", block_count(n) + 1), "path_blocks": ("|u1", None)}
 

@@ -21,13 +21,18 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from detdata.storage.fs import MAX_PATH_BYTES
+
 #: shards per compressed block of paths
 PATH_BLOCK: Final = 256
+#: the most a block may decompress to: what a reader allows, whatever a header says
+MAX_BLOCK_RAW: Final = PATH_BLOCK * (4 + MAX_PATH_BYTES)
 _LEVEL: Final = 9
 
 
 def encode_paths(paths: Sequence[bytes]) -> tuple[bytes, npt.NDArray[np.int64], int]:
-    """``(blob, ends, largest)``: the compressed blocks of ``paths`` (UTF-8) back to back,
+    """``(blob, ends, largest)``: the compressed blocks of ``paths`` (UTF-8, each at most
+    `MAX_PATH_BYTES`: `detdata.storage.fs.path_problem`) back to back,
     the cumulative end of each block in the blob (``blocks + 1`` values, from 0), and the
     most bytes one block decompresses to (what a reader allows: `decode_block`)."""
     parts: list[bytes] = []
@@ -57,9 +62,11 @@ def decode_block(
     path that is not UTF-8."""
     where = f"path block {block}"
     inflate = zlib.decompressobj()
+    if not 0 <= largest <= MAX_BLOCK_RAW:
+        raise error(f"{where}: a block of up to {largest} bytes is out of range")
     try:
         data = inflate.decompress(raw, largest + 1)
-    except zlib.error as exc:
+    except (zlib.error, ValueError, OverflowError) as exc:
         raise error(f"{where} does not decompress ({exc})") from None
     if len(data) > largest or inflate.unconsumed_tail or not inflate.eof or inflate.unused_data:
         raise error(f"{where} is not one compressed block of at most {largest} bytes")

@@ -66,7 +66,7 @@ from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
-from detdata.storage.fs import filesystem, is_local_fs, join
+from detdata.storage.fs import check_relative_path, filesystem, is_local_fs, join
 from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
 
@@ -274,9 +274,9 @@ def verify_with_receipt(
             todo = np.arange(len(manifest.shards), dtype=np.int64)
         else:
             if is_local_fs(fs):
-                now = _local_identities_of(manifest, root)
+                now = _local_identities_of(manifest, root, checked=not tie)
             else:
-                now = remote_identities(fs, root, _paths(manifest), threads)
+                now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
             todo = _changed(old, now, level)
         if tie:
             _tie_and_verify(manifest, todo, check)
@@ -338,17 +338,27 @@ def _tie_and_verify(manifest: Manifest, todo: npt.NDArray[np.int64], check: Chec
     wanted[todo] = True
     batch: list[ShardEntry] = []
     found: list[VerificationError | None] = []
+    failed: list[Exception] = []  # not a verdict on a shard (an I/O error): the first, kept
+
+    def flush() -> None:
+        if not failed:  # after a failure, no more shards are read
+            try:
+                found.append(check(batch))
+            except Exception as exc:  # raised only once the tie holds (else the tie's error)
+                failed.append(exc)
+        batch.clear()
 
     def piece(lo: int, entries: Sequence[ShardEntry]) -> None:
         batch.extend(e for e, w in zip(entries, wanted[lo : lo + len(entries)], strict=True) if w)
         if len(batch) >= VERIFY_PIECE:
-            found.append(check(batch))
-            batch.clear()
+            flush()
 
     assert isinstance(manifest.shards, ShardTable)
     verify_columns_id(manifest.shards, each=piece)
     if batch:
-        found.append(check(batch))
+        flush()
+    if failed:
+        raise failed[0]
     _raise_first(found)
 
 
@@ -372,23 +382,36 @@ def _entries_at(manifest: Manifest, picked: npt.NDArray[np.int64]) -> tuple[Shar
     return tuple(shards.entries_between(i, i + 1)[0] for i in index)
 
 
-def _local_identities_of(manifest: Manifest, root: str) -> LocalIds:
+def _local_identities_of(manifest: Manifest, root: str, *, checked: bool) -> LocalIds:
     """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time (a
-    1M-shard table's paths are never all in memory at once)."""
+    1M-shard table's paths are never all in memory at once). ``checked``: the fast form's
+    paths were checked in full before (else each is checked as a path under the root
+    before anything is asked of it: the tie comes after)."""
     shards = manifest.shards
     if not isinstance(shards, ShardTable):
         return local_identities(root, [s.path for s in shards])
     out = np.empty((len(shards), _FIELDS), dtype=np.int64)
     for lo in range(0, len(shards), VERIFY_PIECE):
         hi = min(len(shards), lo + VERIFY_PIECE)
-        out[lo:hi] = local_identities(root, shards.paths_between(lo, hi))
+        out[lo:hi] = local_identities(root, _checked_paths(shards, lo, hi, checked))
     return out
 
 
-def _paths(manifest: Manifest) -> list[str]:
+def _checked_paths(shards: ShardTable, lo: int, hi: int, checked: bool) -> list[str]:
+    """Paths of shards ``[lo, hi)``, each checked as a path under the root unless
+    ``checked`` (`check_relative_path`, as `ShardTable.path` does)."""
+    paths = shards.paths_between(lo, hi)
+    if not checked:
+        where = f"manifest columns {shards.columns.path}"
+        for i, rel in enumerate(paths, start=lo):
+            check_relative_path(rel, where=f"{where} shard #{i}")
+    return paths
+
+
+def _paths(manifest: Manifest, *, checked: bool) -> list[str]:
     shards = manifest.shards
     if isinstance(shards, ShardTable):
-        return shards.all_paths()
+        return _checked_paths(shards, 0, len(shards), checked)
     return [s.path for s in shards]
 
 

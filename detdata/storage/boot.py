@@ -1,39 +1,103 @@
-"""When this machine booted: what a crash could have lost is older than that.
+"""Which boot of this machine a cache copy is known whole in (`detdata.storage.cache`).
 
 A file written without ``fsync`` is safe against a process dying (the kernel still holds
-and writes its pages) but not against the machine going down before the pages reached the
-disk. A file last changed before the current boot may hold such a loss; one changed since
-cannot (a crash since would have started another boot). `detdata.storage.cache` writes its
-copies without ``fsync`` and checks in full, once, a copy last changed before this boot.
+and writes its pages) but not against the machine going down before they reached the
+disk. The shard cache writes its copies without ``fsync`` and records, per boot, the
+copies known whole in it: filled in it (every byte hashed as written), or hashed in full
+in it. A copy not on the current boot's record may hold what a crash lost, and is hashed
+in full at its first open. The boot is the kernel's ``boot_id`` (a random UUID drawn at
+each boot: not a time, so no clock, ``chmod``, ``touch`` or copy of the folder makes an
+old copy look checked). Where there is no ``boot_id``, nothing is recorded and fills are
+synced.
+
+The record is ``checked-<boot_id>`` in the cache folder: one object name a line,
+appended (``O_APPEND``, a line per write). Records of other boots are deleted when a
+cache is opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import re
+import threading
 from typing import Final
 
-#: ``btime`` is whole seconds (rounded down): a change within this much after it is taken
-#: as older than the boot
-_MARGIN_NS: Final = 1_000_000_000
+_BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
+_UUID: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+PREFIX: Final = "checked-"
 
 
 @functools.cache
-def boot_ns() -> int | None:
-    """The wall time (ns since the epoch) from which a file's change is known to be of this
-    boot (``btime`` of ``/proc/stat`` plus a second); None where it cannot be read (then
-    nothing may rely on it: write with ``fsync``)."""
+def boot_id() -> str | None:
+    """This boot's id (the kernel's ``boot_id``), or None where it cannot be read."""
     try:
-        with open("/proc/stat", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"btime "):
-                    return int(line.split()[1]) * 1_000_000_000 + _MARGIN_NS
+        with open(_BOOT_ID, encoding="ascii") as fh:
+            found = fh.read().strip()
     except (OSError, ValueError):
         return None
-    return None
+    return found if _UUID.fullmatch(found) else None
 
 
-def before_boot(ctime_ns: int) -> bool:
-    """Was a file whose change time is ``ctime_ns`` last changed before this boot (or can
-    this not be told: no boot time)? Then unsynced writes to it may have been lost."""
-    boot = boot_ns()
-    return boot is None or ctime_ns < boot
+class CheckedThisBoot:
+    """The copies of the cache at ``directory`` known whole in this boot (see the module
+    docstring). ``enabled`` is False without a boot id: then every copy counts as whole
+    (its fill was synced) and nothing is recorded."""
+
+    def __init__(self, directory: str) -> None:
+        found = boot_id()
+        self.enabled = found is not None
+        self._path = os.path.join(directory, PREFIX + (found or "none"))
+        self._known: set[str] = set()
+        self._offset = 0
+        self._lock = threading.Lock()
+        if self.enabled:
+            self._sweep(directory, PREFIX + str(found))
+
+    @staticmethod
+    def _sweep(directory: str, mine: str) -> None:
+        """Delete the records of other boots (nothing of them holds now)."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(directory):
+                if name.startswith(PREFIX) and name != mine:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, name))
+
+    def has(self, name: str) -> bool:
+        """Is the copy ``name`` known whole in this boot (this or another process)?"""
+        if not self.enabled:
+            return True
+        with self._lock:
+            if name in self._known:
+                return True
+            self._read_new()
+            return name in self._known
+
+    def _read_new(self) -> None:
+        """Fold in the lines appended since the last read (whole lines only)."""
+        try:
+            with open(self._path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        self._known.update(line.decode("ascii", "replace") for line in data[:end].split())
+
+    def add(self, name: str) -> None:
+        """Record the copy ``name`` as whole in this boot (a failed write only means it is
+        hashed in full again at a later first open)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if name in self._known:
+                return
+            self._known.add(name)
+        with contextlib.suppress(OSError):
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, name.encode("ascii") + b"\n")
+            finally:
+                os.close(fd)

@@ -8,6 +8,7 @@ Layout under ``directory``::
     tmp/<hex>.<bytes>.<pid>.<n>.part     a fill in progress (counted at its full size)
     locks/<hex>.lock                     serialises fills of one shard (fcntl.flock)
     .lock                                serialises space accounting and eviction
+    checked-<boot id>                    copies known whole in this boot (`storage.boot`)
 
 Contracts:
 
@@ -37,9 +38,10 @@ Contracts:
 * Durability: a fill is not ``fsync``-ed (the disk would cap every fill at its write
   speed: ~63 MB/s for new files on this VM, under a 200 MB/s link), since a process that
   dies loses nothing the kernel holds. What a machine crash could lose is caught instead:
-  a copy last changed (``ctime``) before this boot (`detdata.storage.boot`) is checked in
-  full (every byte hashed) at its first open in this boot, then touched, which makes it
-  a copy of this boot. Where the boot time cannot be read, fills are ``fsync``-ed.
+  the copies known whole in this boot (filled in it, or hashed in full in it) are recorded
+  per boot id (`detdata.storage.boot`: ``checked-<boot_id>``); a copy not on this boot's
+  record is hashed in full at its first open, then recorded. Where there is no boot id,
+  fills are ``fsync``-ed and nothing is recorded.
 * ``max_bytes`` bounds the bytes in ``objects/`` plus fills in progress. Before
   a fill reserves its space, least recently used copies (file mtime, refreshed
   on use) are deleted; when the fills in progress (any thread or process) leave
@@ -78,7 +80,7 @@ import fsspec
 from detdata.base.errors import ConfigError, DetdataError, StorageError, VerificationError
 from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
-from detdata.storage.boot import before_boot, boot_ns
+from detdata.storage.boot import CheckedThisBoot
 from detdata.storage.digest import digest_chunks, full_digest_path, quick_digest_path
 from detdata.storage.fs import iter_chunks
 from detdata.storage.locks import flock
@@ -190,6 +192,7 @@ class ShardCache:
             self._make_layout()
         except OSError as exc:
             raise self._unusable(exc) from exc
+        self._boot = CheckedThisBoot(self.directory)
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes})"
@@ -389,8 +392,9 @@ class ShardCache:
             return None
         with self._mutex:
             self.stats.digests += 1
-        # a copy last changed before this boot may have lost unsynced writes in a crash
-        level = "full" if before_boot(st.st_ctime_ns) else self.verify_on_open
+        # a copy not known whole in this boot may have lost unsynced writes in a crash
+        name = os.path.basename(path)
+        level = self.verify_on_open if self._boot.has(name) else "full"
         try:
             problem = self._check_digest(path, entry, size, level)
         except FileNotFoundError:  # evicted (another thread or process) since the stat
@@ -399,8 +403,8 @@ class ShardCache:
             forget_verified(path)
             return problem
         remember_verified(path, st, seen_ns, entry.blake3, level)
-        if level != self.verify_on_open:  # read from disk and found whole: of this boot now
-            self.touch(path, force=True)
+        if level == "full":  # read from disk and found whole: known whole in this boot
+            self._boot.add(name)
         return None
 
     def _check_digest(self, path: str, entry: ShardEntry, size: int, level: str) -> str | None:
@@ -461,6 +465,7 @@ class ShardCache:
                 )
             with self._global_lock():  # else a scan between the two dirs would miss this copy
                 os.replace(tmp, final)
+            self._boot.add(os.path.basename(final))  # every byte hashed as written
             with contextlib.suppress(FileNotFoundError):  # every byte was hashed: "full"
                 seen_ns = time.time_ns()
                 remember_verified(
@@ -504,7 +509,7 @@ class ShardCache:
                 )
             )
             fh.flush()
-            if boot_ns() is None:  # else not synced: a crash is caught by `before_boot`
+            if not self._boot.enabled:  # else not synced: the per-boot record covers it
                 os.fsync(fh.fileno())
         return found, written
 

@@ -46,8 +46,10 @@ def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSy
 PATH_RULES: Final = (
     "shard paths are relative POSIX paths in UTF-8: '/'-separated, no '.', "
     "'..' or empty segments, no backslash, not starting with '/', '~' or a "
-    "drive letter such as 'd:', no NUL"
+    "drive letter such as 'd:', no NUL, at most 65,536 bytes"
 )
+#: the longest shard path a manifest holds (a file system's PATH_MAX is 4,096 bytes)
+MAX_PATH_BYTES: Final = 1 << 16
 
 
 def path_problem(rel: object) -> str | None:
@@ -77,6 +79,8 @@ def path_problem(rel: object) -> str | None:
             f"shard path {rel!r} is absolute or a URL ({why}); manifests hold only paths "
             "relative to their root"
         )
+    if len(rel) * 4 > MAX_PATH_BYTES and len(rel.encode("utf-8")) > MAX_PATH_BYTES:
+        return f"shard path of {len(rel.encode('utf-8'))} bytes is longer than {MAX_PATH_BYTES}"
     if any(p in ("", ".", "..") for p in rel.split("/")) or "\x00" in rel:
         return (
             f"shard path {rel!r} is not a normalised relative path ('..', '.', empty "

@@ -363,3 +363,34 @@ def test_reads_in_any_order_give_the_writer_entries_and_check_each_chunk(tmp_pat
     with pytest.raises(ManifestError, match="does not match its digest"):
         for lo in range(0, 12_000, 1000):
             table.entries_between(lo, min(12_000, lo + 1000))
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [("part-00.npy/x", "entries hash to"), ("../../outside.npy", "not a normalised")],
+)
+def test_a_forged_path_is_the_tie_s_error_and_nothing_outside_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str, error: str
+) -> None:
+    """Columns re-digested with one path changed, under the JSON's id: the verification
+    (whose shard checks run inside the tie's single pass, a piece at a time) raises the
+    tie's `ManifestError`, not an I/O error of the forged path; a path leaving the root is
+    refused before anything is asked of it."""
+    monkeypatch.setattr(receipts, "VERIFY_PIECE", 2)  # shard checks start before the verdict
+    _tokens(tmp_path / "d")
+    path = str(tmp_path / "d" / "manifest.json")
+    built = build_manifest(str(tmp_path / "d"))
+    built.save(path)
+    (tmp_path / "outside.npy").write_bytes(b"not a shard")
+    entries = sorted(
+        [
+            *list(built.shards)[:1],
+            *list(built.shards)[2:],
+            type(built.shards[1])(**{**built.shards[1].__dict__, "path": bad}),
+        ],
+        key=lambda e: e.path,
+    )
+    forged = encode_columns(entries, {}, built.id, Path(path).read_bytes())
+    Path(columns_path(path)).write_bytes(forged)
+    with pytest.raises(ManifestError, match=error):
+        Manifest.load(path)

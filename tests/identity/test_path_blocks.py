@@ -9,16 +9,19 @@ import shutil
 import zlib
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detdata import Manifest, ManifestError, ShardEntry
-from detdata.identity.columns import ShardTable, columns_path
+from detdata.base.canonical import canonical_json
+from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
 from detdata.identity.columns_tie import check_columns
 from detdata.identity.formats import Format
 from detdata.identity.path_blocks import PATH_BLOCK, decode_block, encode_paths
+from detdata.storage.fs import MAX_PATH_BYTES, path_problem
 
 DATA = Path(__file__).parent / "data"
 DIGEST = "b3:" + "cd" * 32
@@ -147,3 +150,50 @@ def test_a_version_1_fast_form_still_loads_with_its_id(tmp_path: Path) -> None:
     assert again.shards.columns.header["version"] == 2
     assert again.id == doc["id"] and list(again.shards) == list(parsed.shards)
     assert Path(columns_path(str(tmp_path / "again.json"))).is_file()
+
+
+def _with_header(data: bytes, **fields: object) -> bytes:
+    """A fast form whose header has ``fields`` changed and its own digest recomputed (what
+    anyone can do: the header's digest is in the same file)."""
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    header.update(fields)
+    raw = canonical_json(header)
+    rest = data[16 + hlen + 32 :]
+    return data[:8] + len(raw).to_bytes(8, "little") + raw + blake3.blake3(raw).digest() + rest
+
+
+@pytest.mark.parametrize("raw", [-1, -2, 10**30, 2**40, True, "9"])
+def test_a_header_allowing_huge_blocks_is_refused_at_open(tmp_path: Path, raw: object) -> None:
+    """The most a path block may decompress to comes from the header, which anyone can
+    re-digest: a value outside what any writer writes is refused before a block is read
+    (a zip bomb in a block cannot take the reader's memory), and the JSON is read instead."""
+    built = _manifest(tmp_path, [f"s{i:04d}.npy" for i in range(300)])
+    path = str(tmp_path / "manifest.json")
+    built.save(path)
+    cpath = columns_path(path)
+    Path(cpath).write_bytes(_with_header(Path(cpath).read_bytes(), path_block_raw=raw))
+    with pytest.raises(ManifestError, match="path_block_raw"):
+        ColumnsFile(cpath)
+    with pytest.warns(UserWarning, match="path_block_raw"):
+        loaded = Manifest.load(path, verify="off")
+    assert not isinstance(loaded.shards, ShardTable) and loaded.id == built.id
+
+
+def test_a_path_longer_than_any_file_system_takes_is_refused_everywhere(tmp_path: Path) -> None:
+    long = "d/" + "x" * MAX_PATH_BYTES
+    assert path_problem(long) is not None and "longer than" in str(path_problem(long))
+    assert path_problem("d/" + "x" * 4000) is None
+    with pytest.raises(ManifestError, match="longer than"):
+        _manifest(tmp_path, [long]).save(str(tmp_path / "manifest.json"))
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_out_of_range_paths_are_an_index_error(tmp_path: Path) -> None:
+    built = _manifest(tmp_path, [f"s{i:04d}.npy" for i in range(300)])
+    built.save(str(tmp_path / "manifest.json"))
+    table = Manifest.load(str(tmp_path / "manifest.json"), verify="off").shards
+    assert isinstance(table, ShardTable)
+    for lo, hi in ((0, 301), (-1, 3), (5, 4)):
+        with pytest.raises(IndexError):
+            table.paths_between(lo, hi)

@@ -1,18 +1,42 @@
-"""The boot time (`detdata.storage.boot`), against the kernel's own uptime."""
+"""The per-boot record of copies known whole (`detdata.storage.boot`)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from detdata.storage.boot import before_boot, boot_ns
+import pytest
+
+from detdata.storage import boot
+from detdata.storage.boot import CheckedThisBoot, boot_id
 
 
-def test_boot_time_is_now_minus_the_uptime() -> None:
-    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
-    found = boot_ns()
-    assert found is not None
-    booted = time.time_ns() - int(uptime_s * 1e9)
-    assert abs(found - booted) <= 3_000_000_000  # whole seconds, plus the margin
-    assert before_boot(booted - 5_000_000_000)
-    assert not before_boot(time.time_ns())
+def test_boot_id_is_the_kernel_s() -> None:
+    found = boot_id()
+    assert found == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_the_record_is_shared_by_processes_of_a_boot_and_dropped_at_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = CheckedThisBoot(str(tmp_path))
+    other = CheckedThisBoot(str(tmp_path))  # another process of the same boot
+    assert first.enabled and not first.has("a" * 64)
+    first.add("a" * 64)
+    assert other.has("a" * 64) and not other.has("b" * 64)
+    with open(tmp_path / f"checked-{boot_id()}", "ab") as fh:
+        fh.write(b"c" * 30)  # a line cut short by a crash mid-write: not a name
+    assert not other.has("c" * 30) and not other.has("c" * 64)
+    monkeypatch.setattr(boot, "boot_id", lambda: "2" * 8 + "-0000-4000-8000-" + "0" * 12)
+    later = CheckedThisBoot(str(tmp_path))
+    assert not later.has("a" * 64)
+    assert [p.name for p in tmp_path.iterdir()] == []  # the old boot's record is deleted
+
+
+def test_without_a_boot_id_nothing_is_recorded_and_every_copy_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(boot, "boot_id", lambda: None)
+    record = CheckedThisBoot(str(tmp_path))
+    assert not record.enabled and record.has("a" * 64)
+    record.add("a" * 64)
+    assert list(tmp_path.iterdir()) == []

@@ -310,13 +310,14 @@ def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
         )
 
 
-def test_a_copy_from_before_this_boot_is_checked_in_full_then_as_usual(
+def test_a_copy_not_known_whole_in_this_boot_is_checked_in_full_once(
     http_server: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fills are not fsync-ed: a copy last changed before the machine's current boot may
-    have lost writes in a crash, so its first open in this boot hashes every byte (a loss
-    in the middle, which the quick check cannot see, is caught and fetched again); a copy
-    found whole is touched, and is then a copy of this boot (quick checks)."""
+    """Fills are not fsync-ed: a copy not recorded as whole in the machine's current boot
+    (filled, or hashed in full, in it) may have lost writes in a crash, so its first open
+    in this boot hashes every byte (a loss in the middle, which the quick check cannot
+    see, is caught and fetched again); a copy found whole is recorded, and later opens in
+    this boot check it as usual. Touching, chmod-ing or copying a copy changes nothing."""
     directory, url = http_server.new_dir()
     np.save(directory / "big.npy", np.arange(1_600_000, dtype=np.uint16))  # 3.2 MB
     entry = build_manifest(url).shards[0]
@@ -324,17 +325,21 @@ def test_a_copy_from_before_this_boot_is_checked_in_full_then_as_usual(
     shard = f"{url}/big.npy"
     path = Path(ShardCache(tmp_path, 1 << 23).path(entry, fs, shard, shard))
     flip_byte(path, 1_600_000)  # what a crash lost: outside the quick digest's head and tail
-    changed = path.stat().st_ctime_ns
-    monkeypatch.setattr(boot, "boot_ns", lambda: changed + 1)  # the machine booted since
-    after = ShardCache(tmp_path, 1 << 23)
+    os.chmod(path, 0o644)  # a chmod -R after the boot (moves the ctime): no proof of anything
+    monkeypatch.setattr(boot, "boot_id", lambda: "0" * 8 + "-0000-4000-8000-" + "0" * 12)
+    after = ShardCache(tmp_path, 1 << 23)  # the machine booted since the fill
+    assert sorted(p.name for p in tmp_path.glob("checked-*")) == []  # the old boot's: swept
     assert after.path(entry, fs, shard, shard) == str(path)
     assert (after.stats.corrupt, after.stats.fills) == (1, 1)
     assert "b3:" + blake3.blake3(path.read_bytes()).hexdigest() == entry.blake3
-    # a whole copy from before the boot: hashed in full once, touched, then of this boot
-    filled = path.stat().st_ctime_ns
-    monkeypatch.setattr(boot, "boot_ns", lambda: filled + 1)
+    # booted again: the whole copy is hashed in full once, recorded, then checked as usual
+    monkeypatch.setattr(boot, "boot_id", lambda: "1" * 8 + "-0000-4000-8000-" + "0" * 12)
     forget_verified()
     whole = ShardCache(tmp_path, 1 << 23)
     assert whole.path(entry, fs, shard, shard) == str(path)
     assert (whole.stats.corrupt, whole.stats.fills, whole.stats.digests) == (0, 0, 1)
-    assert not boot.before_boot(path.stat().st_ctime_ns)
+    flip_byte(path, 1_600_000)  # a change within this boot is no crash: quick, as before
+    forget_verified()
+    again = ShardCache(tmp_path, 1 << 23)  # another process of this boot
+    again.path(entry, fs, shard, shard)
+    assert again.stats.corrupt == 0
