@@ -122,6 +122,11 @@ def main() -> None:
         "epoch": trainer.state.epoch,
     }
     (Path(cfg["out"]) / f"trace-{cfg['tag']}-rank{rank}.json").write_text(json.dumps(done))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a torchrun script ends its group (else torch's threads may
+        dist.barrier()  # be torn down mid-flight at exit: "terminate called", SIGABRT)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
