@@ -276,7 +276,7 @@ def probe_ceiling(store: Store, files: int) -> None:
 def probe_disk(folder: Path, file_bytes: int, files: int) -> float:
     """Bytes/s this machine's disk takes in fresh files written as a cache fill writes
     them (``file_bytes`` each: write, flush, rename into place, with ``fsync`` only where
-    the cache syncs, i.e. where the boot time cannot be read: `detdata.storage.boot`; all
+    the cache syncs, i.e. where there is no boot id: `detdata.storage.boot`; all
     kept until the last is written, as a cache that holds the corpus keeps them): as many
     bytes as the corpus, so that a disk which slows down once its write cache is full shows
     it (this machine's virtual disk, synced: ~400 MB/s for the first ~100 MB, then ~63
@@ -285,9 +285,9 @@ def probe_disk(folder: Path, file_bytes: int, files: int) -> float:
     touch) ~70-90 MB/s, against ~3 GB/s for pages just freed by another file; on a common
     machine, memory speed up to the kernel's dirty-page limits (~10-20% of memory), then
     the disk's."""
-    from detdata.storage.boot import boot_ns
+    from detdata.storage.boot import boot_id
 
-    sync = boot_ns() is None
+    sync = boot_id() is None
     data = os.urandom(file_bytes)
     folder.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
