@@ -6,11 +6,13 @@ reference; the ``plot_*`` functions only draw that series into a PNG file. matpl
 optional extra (``pip install 'detdata[plots]'``): it is imported when a picture is drawn,
 never by ``import detdata`` or by ``detdata --help``; without it a ``plot_*`` call raises
 `DependencyError` naming the install line. Figures are built without pyplot (no global
-state, no display needed).
+state, no display needed). Every picture is drawn in memory and then written atomically, as
+``-o`` writes (`detdata.storage.atomic.atomic_write_bytes`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +59,15 @@ def _figure(rows: int, height: float) -> Figure:
 
 
 def _save(fig: Figure, path: PathLike) -> None:
-    fig.savefig(os.fspath(path), format="png", dpi=_DPI)
+    """Render ``fig`` as PNG in memory, then publish it with `atomic_write_bytes` (the writer
+    of ``-o``): readers see the old file or the whole new picture, never a torn one; a symlink
+    is written through by replacing its target (never overwritten in place), a folder is
+    refused, a full disk is a `StorageError` naming ``path``."""
+    from detdata.storage.atomic import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=_DPI)
+    atomic_write_bytes(os.fspath(path), buffer.getvalue())
 
 
 # ------------------------------------------------------------------ trace diff
