@@ -340,13 +340,20 @@ class ShardReader(ProcessLocal, abc.ABC):
         ``shard``.
 
         The copy is filled first if needed. A copy evicted by another process between
-        the fill and the open (``FileNotFoundError``) is fetched again, up to 5 times.
+        the fill and the open (``FileNotFoundError``), or in a shared cache folder replaced
+        by another file since it was checked (`ShardCache.confirm_open`), is fetched or
+        checked again, up to 5 times.
         """
+        cache = self.shard_cache
+        assert cache is not None  # only called with cache_dir
         for _ in range(_OPEN_ATTEMPTS):
             path = self._cached_path(shard)
             try:
                 handle, inode = open_path(path)
             except (FileNotFoundError, NotADirectoryError):
+                continue
+            if not cache.confirm_open(path, inode):
+                del handle  # not the file that was checked: closed with its last reference
                 continue
             self._copy_files[shard] = (path, inode)
             return handle, path

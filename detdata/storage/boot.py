@@ -11,8 +11,14 @@ old copy look checked). Where there is no ``boot_id``, nothing is recorded and f
 synced.
 
 The record is ``checked-<boot_id>`` in the cache folder: one object name a line,
-appended (``O_APPEND``, a line per write). Records of other boots are deleted when a
-cache is opened.
+appended (``O_APPEND``, a line per write), never opened through a symbolic link. Records of
+other boots unchanged for `STALE_RECORD_S` are deleted when a cache is opened: a folder
+shared by several machines (each with its own boot id) keeps the records of the machines
+still using it, so none makes the others hash their copies again.
+
+The record is a claim that a copy was hashed in full; it is trusted only in a folder that
+nobody else can write (`CheckedThisBoot(trusted=False)`: never read, never written, every
+copy counts as not known whole). `detdata.storage.cache` decides which folders those are.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ import functools
 import os
 import re
 import threading
+import time
 from typing import Final
 
 _BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 _UUID: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 PREFIX: Final = "checked-"
+#: A record of another boot unchanged this long is deleted (its machine is gone or rebooted).
+STALE_RECORD_S: Final = 7 * 24 * 3600
+_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_APPEND: Final = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _READ
 
 
 @functools.cache
@@ -43,29 +54,37 @@ def boot_id() -> str | None:
 class CheckedThisBoot:
     """The copies of the cache at ``directory`` known whole in this boot (see the module
     docstring). ``enabled`` is False without a boot id: then every copy counts as whole
-    (its fill was synced) and nothing is recorded."""
+    (its fill was synced) and nothing is recorded. ``trusted=False`` (a folder others can
+    write): the record is neither read nor written and no copy counts as known whole."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, trusted: bool = True) -> None:
         found = boot_id()
         self.enabled = found is not None
+        self.trusted = trusted
         self._path = os.path.join(directory, PREFIX + (found or "none"))
         self._known: set[str] = set()
         self._offset = 0
         self._lock = threading.Lock()
-        if self.enabled:
+        if self.enabled and trusted:
             self._sweep(directory, PREFIX + str(found))
 
     @staticmethod
     def _sweep(directory: str, mine: str) -> None:
-        """Delete the records of other boots (nothing of them holds now)."""
+        """Delete the records of other boots unchanged for `STALE_RECORD_S`."""
+        cutoff = time.time() - STALE_RECORD_S
         with contextlib.suppress(OSError):
             for name in os.listdir(directory):
-                if name.startswith(PREFIX) and name != mine:
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
+                if not name.startswith(PREFIX) or name == mine:
+                    continue
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
 
     def has(self, name: str) -> bool:
         """Is the copy ``name`` known whole in this boot (this or another process)?"""
+        if not self.trusted:
+            return False
         if not self.enabled:
             return True
         with self._lock:
@@ -77,11 +96,12 @@ class CheckedThisBoot:
     def _read_new(self) -> None:
         """Fold in the lines appended since the last read (whole lines only)."""
         try:
-            with open(self._path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
+            fd = os.open(self._path, _READ)
+        except OSError:  # missing, or a planted link (never followed): nothing known
             return
+        with os.fdopen(fd, "rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
         end = data.rfind(b"\n") + 1
         self._offset += end
         self._known.update(line.decode("ascii", "replace") for line in data[:end].split())
@@ -89,14 +109,14 @@ class CheckedThisBoot:
     def add(self, name: str) -> None:
         """Record the copy ``name`` as whole in this boot (a failed write only means it is
         hashed in full again at a later first open)."""
-        if not self.enabled:
+        if not self.enabled or not self.trusted:
             return
         with self._lock:
             if name in self._known:
                 return
             self._known.add(name)
-        with contextlib.suppress(OSError):
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with contextlib.suppress(OSError):  # a planted link is not followed: nothing written
+            fd = os.open(self._path, _APPEND, 0o644)
             try:
                 os.write(fd, name.encode("ascii") + b"\n")
             finally:

@@ -5,12 +5,18 @@ so that readers use the local fast path (memmaps, local Parquet/Arrow readers).
 Layout under ``directory``::
 
     objects/<blake3 hex>                 a verified copy (named by its content digest)
-    tmp/<hex>.<bytes>.<pid>.<n>.part     a fill in progress (counted at its full size)
+    tmp/<hex>.<bytes>.<random>.part      a fill in progress, locked by its filler
     locks/<hex>.lock                     serialises fills of one shard (fcntl.flock)
     .lock                                serialises space accounting and eviction
     checked-<boot id>                    copies known whole in this boot (`storage.boot`)
 
 Contracts:
+
+* Who else can write the folder decides what is trusted (`detdata.storage.cache_folder`):
+  a private folder (owned by this user, writable by nobody else) works as below; a shared
+  one is usable but untrusted: every copy is hashed in full at its first use in each
+  process, the boot record is ignored, and a reader's open is confirmed to be the file that
+  was hashed (`confirm_open`). Lock, record and temp files are never followed through links.
 
 * A copy is named by the manifest's blake3 of its content, so it can only hold
   those bytes: a fill streams the shard in retried range reads to a temp file,
@@ -51,10 +57,12 @@ Contracts:
   unlinked files alive while open), so eviction never corrupts a reader.
 * Fills of one shard are serialised by a per-shard ``flock`` (threads and
   processes): concurrent readers wait for one download instead of racing.
-  Locks are released by the kernel when a process dies; a dead process's temp
-  file is removed at the next accounting. A process forked while one of its
-  threads holds a lock closes its inherited copy of that lock's descriptor at
-  once (``os.register_at_fork``), so the parent's release is a release.
+  Locks are released by the kernel when a process dies; a temp file nobody holds a lock
+  on (a dead fill's, whatever its pid namespace) is removed at the next accounting.
+* A full or failing disk under a fill is a `StorageError` naming the cache folder, with the
+  hint (free space, a lower ``shard_cache_bytes``, or ``cache_dir=None``).
+* A process forked while one of its threads holds a lock closes its inherited copy of that
+  lock's descriptor at once (``os.register_at_fork``), so the parent's release is a release.
 * Background fills (``path(..., background=True)``, the lookahead prefetch of
   `detdata.datasets.prefetch`) go through exactly the same locked, verified
   fill. ``release(entry)`` marks a copy as the first to evict (its LRU time is
@@ -66,7 +74,7 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import itertools
+import errno
 import os
 import threading
 import time
@@ -81,6 +89,7 @@ from detdata.base.errors import ConfigError, DetdataError, StorageError, Verific
 from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
 from detdata.storage.boot import CheckedThisBoot
+from detdata.storage.cache_folder import TempFill, owned_alone, reserved_bytes, shared_reason
 from detdata.storage.digest import digest_chunks, full_digest_path, quick_digest_path
 from detdata.storage.fs import iter_chunks
 from detdata.storage.locks import flock
@@ -89,6 +98,7 @@ from detdata.storage.verified import (
     forget_verified,
     remember_verified,
     utime_remembered,
+    verified_identity,
     was_verified,
 )
 
@@ -139,14 +149,9 @@ def _hex(entry: ShardEntry) -> str:
     return entry.blake3[len(PREFIX) :]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: Errors of a disk that cannot take a fill's bytes (full, over quota, read-only, failing).
+_DISK_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+_SHARED_LOGGED: Final[set[str]] = set()  # shared folders this process has logged
 
 
 class ShardCache:
@@ -184,15 +189,29 @@ class ShardCache:
         self.verify_on_open = verify_on_open
         self.retry = check_policy(retry)
         self.stats = CacheStats()
-        self._counter = itertools.count()
         self._touched: OrderedDict[str, float] = OrderedDict()  # bounded: TOUCHED_MAX
         self._generation = -1  # objects/ mtime when `copies_changed` last looked
         self._mutex = threading.Lock()
         try:
             self._make_layout()
+        except StorageError:
+            raise
         except OSError as exc:
             raise self._unusable(exc) from exc
-        self._boot = CheckedThisBoot(self.directory)
+        self._boot = CheckedThisBoot(self.directory, trusted=self.shared is None)
+
+    def _note_shared(self) -> None:
+        """Log once per process that this folder is shared, and what that costs."""
+        if self.shared is None or self.directory in _SHARED_LOGGED:
+            return
+        _SHARED_LOGGED.add(self.directory)
+        log.warning(
+            "detdata: shard cache folder %s is shared (%s): its copies are not trusted; each "
+            "is hashed in full at its first use in this process (a folder only you can write "
+            "needs the quick check alone)",
+            self.directory,
+            self.shared,
+        )
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes})"
@@ -268,15 +287,29 @@ class ShardCache:
         return any(isinstance(n, str) and n.startswith(self.directory) for n in names)
 
     def _unusable(self, exc: OSError) -> StorageError:
+        if exc.errno in _DISK_ERRNOS:
+            return self._disk_failed(exc, exc.filename)
         return StorageError(
             f"shard cache folder {self.directory} cannot be used: {exc.strerror or exc} "
             f"({exc.filename}); hint: give cache_dir= a writable local folder with free "
             "space (it holds only verified copies: a new folder is refilled)"
         )
 
+    def _disk_failed(self, exc: OSError, path: object) -> StorageError:
+        """The error of a disk that cannot take a fill (full, over quota, failing)."""
+        return StorageError(
+            f"shard cache folder {self.directory}: writing {path} failed: "
+            f"{exc.strerror or exc} (errno {exc.errno}); hint: free space on that disk, "
+            f"lower shard_cache_bytes (now {self.max_bytes}) under the space it has, or "
+            "pass cache_dir=None to read shards with range reads and no local copies"
+        )
+
     def _make_layout(self) -> None:
+        """Make the folders; decide who else can write them (``shared``: why, or None)."""
         for sub in ("objects", "tmp", "locks"):
             os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self.shared = shared_reason(self.directory)
+        self._note_shared()
 
     def _path(
         self,
@@ -351,12 +384,27 @@ class ShardCache:
                     problem,
                     url,
                 )
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(final)
+                self._drop_damaged(entry, final)
             self._fill(entry, fs, remote_path, url, final)
             if background:
                 self._count("background_fills")
             return final
+
+    def _drop_damaged(self, entry: ShardEntry, final: str) -> None:
+        """Delete a damaged copy; one this user may not delete (another user's, in a folder
+        with the sticky bit) is a `StorageError` naming it and its owner."""
+        try:
+            os.unlink(final)
+        except FileNotFoundError:
+            pass
+        except PermissionError as exc:
+            owner = os.lstat(final).st_uid
+            raise StorageError(
+                f"shard {entry.path}: the cached copy {final} is damaged and belongs to uid "
+                f"{owner}, so this user cannot replace it ({exc.strerror}); nothing was read "
+                "from it; hint: ask its owner to delete it, or use a cache folder of your own "
+                "(cache_dir=)"
+            ) from exc
 
     def touch(self, path: str, *, force: bool = False) -> None:
         """Mark a copy as recently used (LRU), at most once a second per copy unless forced."""
@@ -392,9 +440,11 @@ class ShardCache:
             return None
         with self._mutex:
             self.stats.digests += 1
-        # a copy not known whole in this boot may have lost unsynced writes in a crash
+        # a copy not known whole in this boot may have lost unsynced writes in a crash; one
+        # others can write (a shared folder, another's copy) is hashed in full
         name = os.path.basename(path)
-        level = self.verify_on_open if self._boot.has(name) else "full"
+        trusted = self.shared is None and owned_alone(st)
+        level = self.verify_on_open if trusted and self._boot.has(name) else "full"
         try:
             problem = self._check_digest(path, entry, size, level)
         except FileNotFoundError:  # evicted (another thread or process) since the stat
@@ -403,9 +453,19 @@ class ShardCache:
             forget_verified(path)
             return problem
         remember_verified(path, st, seen_ns, entry.blake3, level)
-        if level == "full":  # read from disk and found whole: known whole in this boot
+        if level == "full" and trusted:  # read from disk and found whole: known whole
             self._boot.add(name)
         return None
+
+    def confirm_open(self, path: str, inode: int) -> bool:
+        """Is the file a reader opened at ``path`` (its ``inode``) the one this process last
+        checked there? Always True in a private folder (nobody else can swap it); in a
+        shared one, False means another process put another file there between the check
+        and the open: call `path` again (it checks the new file)."""
+        if self.shared is None:
+            return True
+        known = verified_identity(path)
+        return known is not None and known[1] == inode
 
     def _check_digest(self, path: str, entry: ShardEntry, size: int, level: str) -> str | None:
         if level == "full":
@@ -464,34 +524,59 @@ class ShardCache:
                     found=found,
                 )
             with self._global_lock():  # else a scan between the two dirs would miss this copy
-                os.replace(tmp, final)
-            self._boot.add(os.path.basename(final))  # every byte hashed as written
-            with contextlib.suppress(FileNotFoundError):  # every byte was hashed: "full"
-                seen_ns = time.time_ns()
-                remember_verified(
-                    final, os.stat(final), seen_ns, entry.blake3, "full", own_fill=True
-                )
+                os.replace(tmp.path, final)
+            self._filled(entry, final, tmp)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(tmp.path)
             raise
+        finally:
+            tmp.close()
         with self._mutex:
             self.stats.fills += 1
             self.stats.fill_bytes += entry.bytes
         self.touch(final, force=True)
         self._make_room(0, keep=final)
 
+    def _filled(self, entry: ShardEntry, final: str, tmp: TempFill) -> None:
+        """Remember the copy just renamed to ``final`` as verified in full, if it is still
+        the file this fill wrote (in a shared folder another process may have swapped it:
+        then it is checked at its next open like any other)."""
+        seen_ns = time.time_ns()
+        try:
+            st = os.stat(final)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) != tmp.identity():
+            return
+        if self.shared is None:
+            self._boot.add(os.path.basename(final))  # every byte hashed as written
+        remember_verified(final, st, seen_ns, entry.blake3, "full", own_fill=True)
+
     def _download(
-        self, entry: ShardEntry, fs: fsspec.AbstractFileSystem, remote_path: str, url: str, tmp: str
+        self,
+        entry: ShardEntry,
+        fs: fsspec.AbstractFileSystem,
+        remote_path: str,
+        url: str,
+        tmp: TempFill,
     ) -> tuple[str, int]:
-        """Stream the shard into ``tmp`` (truncated first); return (blake3, bytes written)."""
+        """Stream the shard into ``tmp`` (emptied first); return (blake3, bytes written). A
+        disk that cannot take the bytes is a `StorageError` naming the cache folder."""
         written = 0
-        with open(tmp, "wb") as fh:
+        try:
+            tmp.rewind()
+        except OSError as exc:
+            raise self._disk_failed(exc, tmp.path) from exc
+        with os.fdopen(os.dup(tmp.fd), "wb") as fh:
 
             def kept(chunks: Iterator[bytes]) -> Iterator[bytes]:
                 nonlocal written
                 for data in chunks:
-                    fh.write(data)
+                    try:
+                        fh.write(data)
+                    except OSError as exc:
+                        raise self._disk_failed(exc, tmp.path) from exc
                     written += len(data)
                     yield data
 
@@ -508,13 +593,16 @@ class ShardCache:
                     )
                 )
             )
-            fh.flush()
-            if not self._boot.enabled:  # else not synced: the per-boot record covers it
-                os.fsync(fh.fileno())
+            try:
+                fh.flush()
+                if not self._boot.enabled:  # else not synced: the per-boot record covers it
+                    os.fsync(fh.fileno())
+            except OSError as exc:
+                raise self._disk_failed(exc, tmp.path) from exc
         return found, written
 
     # space accounting ----------------------------------------------------------
-    def _reserve(self, entry: ShardEntry, final: str) -> str:
+    def _reserve(self, entry: ShardEntry, final: str) -> TempFill:
         """Evict until ``entry`` fits, then create its temp file (counted from now on).
 
         When the copies that are left plus the fills in progress (any thread or process)
@@ -522,8 +610,7 @@ class ShardCache:
         reservations) rather than go over the bound; after ``retry.deadline_s`` of waiting
         (a fill that hangs), go ahead with a warning.
         """
-        name = f"{_hex(entry)}.{entry.bytes}.{os.getpid()}.{next(self._counter)}.part"
-        tmp = os.path.join(self.directory, "tmp", name)
+        tmp_dir = os.path.join(self.directory, "tmp")
         began = time.monotonic()
         pause = 0.002
         while True:
@@ -540,9 +627,7 @@ class ShardCache:
                             self.max_bytes,
                             self.retry.deadline_s,
                         )
-                    with open(tmp, "wb"):
-                        pass
-                    return tmp
+                    return TempFill(tmp_dir, _hex(entry), entry.bytes)  # locked at once
             time.sleep(pause)  # other fills hold the room: they finish or fail
             pause = min(0.05, pause * 2)
 
@@ -578,23 +663,7 @@ class ShardCache:
             except FileNotFoundError:
                 continue
             objects.append((st.st_mtime_ns, st.st_size, path))
-        reserved = 0
-        tdir = os.path.join(self.directory, "tmp")
-        for name in os.listdir(tdir):
-            parts = name.split(".")
-            if (
-                len(parts) != 5
-                or parts[-1] != "part"
-                or not parts[1].isdigit()
-                or not parts[2].isdigit()
-            ):
-                continue
-            if int(parts[2]) != os.getpid() and not _pid_alive(int(parts[2])):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(tdir, name))  # left behind by a dead process
-                continue
-            reserved += int(parts[1])
-        return objects, reserved
+        return objects, reserved_bytes(os.path.join(self.directory, "tmp"))
 
     # locks -------------------------------------------------------------------
     @contextlib.contextmanager

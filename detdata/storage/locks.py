@@ -2,11 +2,18 @@
 
 `flock(path)` opens its own descriptor on ``path`` (created if needed) and holds an
 exclusive ``flock`` on it for the ``with`` block; `file_lock(path)` is the same, best
-effort (no lock where the file cannot be made). A lock belongs to the open file
-description, which a fork shares: a child that kept its copy of a descriptor locked by the
-parent would keep the lock alive after the parent's ``close`` and every later taker (the
-child included) would wait forever. So a forked child closes its copies of the locks this
-process holds at once (``os.register_at_fork``), and the parent's release is a release.
+effort (no lock where the file cannot be made). A lock file is never followed through a
+symbolic link, never opened for writing (``flock`` needs only a read descriptor, so a lock
+file another user made is usable) and must be a regular file: a planted link, FIFO or
+device is refused by `flock` (a `StorageError` naming it) and skipped by `file_lock`.
+`hold(fd)` keeps an exclusive lock on a descriptor the caller opened, for as long as the
+caller keeps it (the shard cache's temp files: a fill is alive while its lock is held).
+
+A lock belongs to the open file description, which a fork shares: a child that kept its
+copy of a descriptor locked by the parent would keep the lock alive after the parent's
+``close`` and every later taker (the child included) would wait forever. So a forked
+child closes its copies of the locks this process holds at once (``os.register_at_fork``),
+and the parent's release is a release.
 Locks are released by the kernel when a process dies.
 """
 
@@ -16,9 +23,16 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from typing import Final
+
+from detdata.base.errors import StorageError
+
+#: How a lock file is opened: read-only (``flock`` needs no more), created if missing, never
+#: through a symbolic link, and without blocking on a planted FIFO.
+_LOCK_FLAGS: Final = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _HELD: Final[set[int]] = set()  # descriptors of flocks this process holds now
 _HELD_MUTEX = threading.Lock()
@@ -60,13 +74,82 @@ def _holding(fd: int) -> Iterator[None]:
         os.close(fd)
 
 
+def open_lock_file(path: str) -> int:
+    """A read-only descriptor on the regular file ``path`` (created if missing), never through
+    a symbolic link: a `StorageError` naming ``path`` where it is a link or not a regular
+    file; other OS errors as they are."""
+    try:
+        fd = os.open(path, _LOCK_FLAGS, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _not_a_lock_file(path, "a symbolic link") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock_file(path, "not a regular file")
+    return fd
+
+
+def _not_a_lock_file(path: str, what: str) -> StorageError:
+    return StorageError(
+        f"lock file {path} is {what}; detdata never follows or locks one (another user of "
+        "the folder may have planted it); hint: remove it, and keep caches and indexes in "
+        "a folder only you can write"
+    )
+
+
 @contextlib.contextmanager
 def flock(path: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if missing; its own descriptor, so it
-    excludes threads and processes) while the block runs."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    excludes threads and processes) while the block runs. ``path`` is never followed
+    through a symbolic link (see `open_lock_file`)."""
+    fd = open_lock_file(path)
     with _holding(fd):
         yield
+
+
+def hold(fd: int) -> None:
+    """Take an exclusive ``flock`` on the caller's descriptor ``fd`` now (waiting for a
+    holder); it lasts until `let_go(fd)`. A forked child closes its copy at once."""
+    with _HELD_MUTEX:
+        _HELD.add(fd)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        except OSError as exc:  # EINTR
+            if exc.errno != errno.EINTR:
+                let_go(fd)
+                raise
+
+
+def let_go(fd: int) -> None:
+    """Release a `hold` by closing ``fd``."""
+    with _HELD_MUTEX:
+        _HELD.discard(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def is_held(path: str) -> bool | None:
+    """Does some process (any pid namespace, this one included) hold a lock on the regular
+    file ``path``? None when ``path`` is gone, a symbolic link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -78,12 +161,12 @@ def file_lock(path: str) -> Iterator[bool]:
     where the lock file cannot be made, e.g. a read-only folder: for locks that only ever
     save work, never guard correctness."""
     try:
-        if os.path.isdir(path):
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if os.path.isdir(path) and not os.path.islink(path):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         else:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
+            fd = open_lock_file(path)
+    except OSError:  # StorageError included: a planted link is not followed, not locked
         yield False
         return
     with _holding(fd):

@@ -64,6 +64,13 @@ def was_verified(path: str, st: os.stat_result, blake3_hex: str, level: str) -> 
         return True
 
 
+def verified_identity(path: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file this process last verified at ``path``, or None."""
+    with _VERIFIED_MUTEX:
+        known = _VERIFIED.get(path)
+    return None if known is None else (known.stamp[0], known.stamp[1])
+
+
 def remember_verified(
     path: str,
     st: os.stat_result,

@@ -1,0 +1,147 @@
+"""Who else can write a shard-cache folder, and the fills in progress in it (`storage.cache`).
+
+Trust model of a cache folder (README "Shared cache folders", `docs/design.md` section 6):
+
+* A folder is **private** when it and its layout (``objects/``, ``tmp/``, ``locks/``) are
+  owned by this process's user and writable by nobody else (no group or other write bit).
+  Only then are its claims trusted: the per-boot record of copies known whole
+  (`detdata.storage.boot`) and the quick check (size + first and last MiB) of a copy this
+  user owns and nobody else can write.
+* Any other folder is **shared** (a team scratch folder, a folder of another user). It is
+  usable, and untrusted: every copy is hashed in full at its first use in each process (and
+  again whenever its ``stat`` changes), the boot record is neither read nor written, and the
+  file a reader opens is confirmed to be the one that was hashed (same device and inode). A
+  copy in a private folder that another user owns or others can write is treated the same.
+  What a shared folder cannot stop: a co-user rewriting a copy *they own* in place while a
+  process of yours has it open (seen at that process's next open of it, not inside an open
+  mapping); a team that does not trust its co-users keeps a folder per user (the default).
+* A layout folder that is a symbolic link (or not a folder) is refused, naming it: a fill
+  never writes where someone else chose. Lock and record files are never followed through
+  links (`detdata.storage.locks`, `detdata.storage.boot`).
+
+Fills in progress are ``tmp/<hex>.<bytes>.<random>.part``, created exclusively (never
+through a link, never over a planted file) and locked (``flock``) by their filler for as
+long as the fill lives. A temp file is judged by its lock, never by a pid (pids repeat after a
+reboot and differ between containers that share a folder): a locked file is a live fill
+(counted at its full size); one nobody holds is a leftover of a process that died, deleted
+once unchanged for `LEFTOVER_S` (a fill on another machine whose file system's locks do not
+span machines keeps writing, so it is not mistaken for one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import time
+from typing import Final
+
+from detdata.base.errors import StorageError
+from detdata.storage.locks import hold, is_held, let_go
+
+LAYOUT: Final = ("objects", "tmp", "locks")
+#: A temp file nobody holds and nobody has written for this long is a dead fill's leftover.
+LEFTOVER_S: Final = 30.0
+_OTHERS_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
+_CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def shared_reason(directory: str) -> str | None:
+    """Why the cache folder ``directory`` is shared (see the module docstring), or None when it
+    is private. A layout folder that is a link or not a folder is a `StorageError`."""
+    found = [(directory, os.stat(directory))]
+    for sub in LAYOUT:
+        path = os.path.join(directory, sub)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
+            raise StorageError(
+                f"shard cache folder {directory}: {path} is {kind}; detdata never fills a "
+                "copy where someone else chose; hint: remove it (it is made again), and "
+                "keep the cache in a folder only you can write"
+            )
+        found.append((path, st))
+    me = os.geteuid()
+    for path, st in found:
+        if st.st_uid != me:
+            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {me})"
+        if st.st_mode & _OTHERS_WRITE:
+            return f"{path} is writable by {_who(st.st_mode)} (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _who(mode: int) -> str:
+    return "others" if mode & stat.S_IWOTH else "its group"
+
+
+def owned_alone(st: os.stat_result) -> bool:
+    """Is a copy with this ``stat`` owned by this user and writable by nobody else?"""
+    return st.st_uid == os.geteuid() and not st.st_mode & _OTHERS_WRITE
+
+
+class TempFill:
+    """A fill's temp file in ``tmp/``: created exclusively under a random name and locked until
+    `close` (see the module docstring). ``fd`` is open for reading and writing."""
+
+    def __init__(self, tmp_dir: str, hex_digest: str, size: int) -> None:
+        while True:
+            name = f"{hex_digest}.{size}.{secrets.token_hex(8)}.part"
+            path = os.path.join(tmp_dir, name)
+            try:
+                fd = os.open(path, _CREATE, 0o644)
+            except FileExistsError:  # taken (or planted): another name
+                continue
+            break
+        self.path = path
+        self.fd = fd
+        hold(fd)  # a fresh file nobody else has opened yet: taken at once
+
+    def rewind(self) -> None:
+        """Empty the file for another download attempt."""
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+
+    def identity(self) -> tuple[int, int]:
+        """``(device, inode)`` of the file this fill wrote."""
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    def close(self) -> None:
+        """Release the lock (the fill is over: renamed into ``objects/`` or deleted)."""
+        let_go(self.fd)
+
+
+def reserved_bytes(tmp_dir: str) -> int:
+    """Bytes reserved by live fills in ``tmp_dir`` (any process, any pid namespace); deletes
+    leftovers of dead fills, and planted links or non-files, on the way."""
+    reserved = 0
+    now = time.time()
+    for name in os.listdir(tmp_dir):
+        size = _declared_size(name)
+        if size is None:
+            continue
+        path = os.path.join(tmp_dir, name)
+        held = is_held(path)
+        if held:
+            reserved += size
+            continue
+        if held is None:  # gone, or a link / non-file someone planted: not a fill
+            if os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            continue
+        with contextlib.suppress(OSError):
+            if now - os.lstat(path).st_mtime < LEFTOVER_S:
+                reserved += size  # maybe a fill whose lock this machine cannot see
+                continue
+            os.unlink(path)  # nobody holds it, nobody wrote it lately: a dead fill's
+    return reserved
+
+
+def _declared_size(name: str) -> int | None:
+    """The size a temp file's name declares (``<hex>.<bytes>.<...>.part``), or None."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[-1] != "part" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
