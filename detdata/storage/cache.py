@@ -89,7 +89,13 @@ from detdata.base.errors import ConfigError, DetdataError, StorageError, Verific
 from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
 from detdata.storage.boot import CheckedThisBoot
-from detdata.storage.cache_folder import TempFill, owned_alone, reserved_bytes, shared_reason
+from detdata.storage.cache_folder import (
+    TempFill,
+    make_layout,
+    owned_alone,
+    reserved_bytes,
+    shared_reason,
+)
 from detdata.storage.digest import digest_chunks, full_digest_path, quick_digest_path
 from detdata.storage.fs import iter_chunks
 from detdata.storage.locks import flock
@@ -305,9 +311,9 @@ class ShardCache:
         )
 
     def _make_layout(self) -> None:
-        """Make the folders; decide who else can write them (``shared``: why, or None)."""
-        for sub in ("objects", "tmp", "locks"):
-            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        """Make the folders (`make_layout`); decide who else can write them (``shared``:
+        why, or None)."""
+        make_layout(self.directory)
         self.shared = shared_reason(self.directory)
         self._note_shared()
 

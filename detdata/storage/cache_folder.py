@@ -47,6 +47,27 @@ _OTHERS_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
 _CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def make_layout(directory: str) -> None:
+    """Make the cache folder (only you can use a folder this makes: mode 0700, whatever the
+    umask) and its layout folders, each made with the cache folder's own permissions (a
+    team folder's layout is as writable as the folder; a private folder's stays private
+    under a umask of 002)."""
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(directory)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+    mode = stat.S_IMODE(os.stat(directory).st_mode) & 0o1777 | 0o700
+    for sub in LAYOUT:
+        path = os.path.join(directory, sub)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(path, mode)  # mkdir's mode is cut by the umask; this one is not
+
+
 def shared_reason(directory: str) -> str | None:
     """Why the cache folder ``directory`` is shared (see the module docstring), or None when it
     is private. A layout folder that is a link or not a folder is a `StorageError`."""

@@ -365,3 +365,33 @@ def test_a_full_disk_through_the_loader_is_the_same_error(
     with pytest.raises(StorageError, match=r"No space left on device.*hint: free space"):
         next(iter(loader))
     assert loader.samples_consumed == 0
+
+
+def test_a_folder_the_cache_makes_is_private_under_any_umask(
+    tmp_path: Path, shard: tuple[ShardEntry, fsspec.AbstractFileSystem, str, bytes]
+) -> None:
+    """A umask of 002 (user private groups) would make group-writable folders: the cache
+    makes its own folder 0700 and its layout with the folder's permissions, so it stays
+    private (quick checks); a team folder's layout is as writable as the team folder."""
+    entry, fs, url, _ = shard
+    old = os.umask(0o002)
+    try:
+        mine = ShardCache(tmp_path / "a" / "cache", 1 << 26)
+        team = tmp_path / "team"
+        team.mkdir()
+        team.chmod(0o777)
+        shared = ShardCache(team, 1 << 26)
+    finally:
+        os.umask(old)
+    assert mine.shared is None
+    assert all(
+        (tmp_path / "a" / "cache" / sub).stat().st_mode & 0o077 == 0
+        for sub in ("", "objects", "tmp", "locks")
+    )
+    assert shared.shared is not None
+    assert all((team / sub).stat().st_mode & 0o777 == 0o777 for sub in ("objects", "tmp", "locks"))
+    mine.path(entry, fs, url, url)
+    forget_verified()
+    again = ShardCache(tmp_path / "a" / "cache", 1 << 26)
+    again.path(entry, fs, url, url)
+    assert again.stats.digests == 1  # the quick check of a private folder, not a full hash
