@@ -339,7 +339,7 @@ def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str |
         return None, DEFAULT_SHARD_CACHE_BYTES
     folder = user_cache_dir()
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # private under any umask
         if not os.access(folder, os.W_OK | os.X_OK):
             raise PermissionError(f"{folder} is not writable")
         free = shutil.disk_usage(folder).free
