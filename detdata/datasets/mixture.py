@@ -276,6 +276,7 @@ class Mixture:
         repeated or skipped because of the change. If the weights in effect do
         not change at ``position``, the saved phase simply continues. Sources
         (names and identities), seed and algorithms must match the saved ones.
+        When the result has this mixture's own phases, it is this mixture (nothing rebuilt).
         """
         saved = _SavedMixture.parse(saved_identity)
         diffs = saved.differences(self)
@@ -286,6 +287,8 @@ class Mixture:
                 + "; hint: continue_from only changes weights"
             )
         phases = continue_schedule(saved.schedule, self._schedule.proportions(), position)
+        if tuple(phases) == self._schedule.proportions():
+            return self
         schedule = [(s, dict(zip(self.source_names, w, strict=True))) for s, w in phases]
         zero = any(f == 0 for _, w in schedule for f in w.values())
         return Mixture(

@@ -159,9 +159,10 @@ class LoaderBase:
         return None if self.total_samples is None else self.total_samples - self.layout.offset
 
     # ----------------------------------------------------- identity, generations
-    def _fields(self) -> dict[str, Any]:
-        """The checked identity fields of this loader now (`identity_fields`)."""
-        identity = self._stream.identity()
+    def _fields(self, stream: Stream | None = None) -> dict[str, Any]:
+        """The checked identity fields of this loader now (`identity_fields`), or of this
+        loader reading ``stream`` instead (the stream a resume puts in force)."""
+        identity = (self._stream if stream is None else stream).identity()
         stream_seed = None if self._wrapped else identity.get("seed")
         return identity_fields(
             identity,

@@ -150,7 +150,7 @@ class Lookup(LoaderBase):
         (same data, same order)."""
         yield self._stream
         seed = then[K_SEED]
-        if self._stream is not self._data and isinstance(seed, int):  # the loader ordered it
+        if self._wrapped and isinstance(seed, int):  # the loader ordered it
             yield as_stream(self._data, seed, order=self._order)
         own = then[K_STREAM_SEED]
         if isinstance(self._stream, OrderedStream) and isinstance(own, int):
@@ -158,12 +158,11 @@ class Lookup(LoaderBase):
 
     def _fields_of(self, stream: Stream, then: Mapping[str, Any]) -> dict[str, Any]:
         identity = stream.identity()
-        wrapped = self._stream is not self._data
-        return identity_fields(
+        return identity_fields(  # as `_fields` derives them (a continued mixture included)
             identity,
             then[K_SEED],
             self._schedule.to_json(),
-            stream_seed=None if wrapped else identity.get("seed"),
+            stream_seed=None if self._wrapped else identity.get("seed"),
             transform=self._transform_name,
         )
 

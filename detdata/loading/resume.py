@@ -1,8 +1,9 @@
 """A `DataLoader`'s state and its resume: ``state_dict`` and ``load_state_dict``.
 
 The state is the samples delivered plus identity, layout and environment (`LoaderState`).
-A resume checks the saved identity fields against this loader's (a difference is refused
-unless allowed by name), places the saved position on a step of the saved run's history
+A resume checks the saved identity fields against this loader's (over a saved mixture: its
+mixture continued from the saved one, the mixture in force; a difference is refused unless
+allowed by name), places the saved position on a step of the saved run's history
 (`MidStep`), continues that history with this loader's schedule and layout, and applies an
 allowed mixture or exclusion change from the saved position on.
 """
@@ -76,13 +77,18 @@ class Resume(LoaderBase):
         callers such as ``torch.distributed.checkpoint`` that call ``load_state_dict(state)``
         themselves). ``at_step`` (an integration's trainer step): resume at the first position
         of that optimizer step, the saved step or, for a state saved at the end of a step the
-        trainer had not stepped yet, the one before (`LoaderState.resumed`). Live iterators are
+        trainer had not stepped yet, the one before (`LoaderState.resumed`); with an explicit
+        ``mid_step="continue"`` it is a `ConfigError` (the two contradict). Live iterators are
         stale afterwards: the next batch asked of them raises `StaleIteratorError`.
 
         Differences in checked fields (manifests, data, seed, algorithm,
         mixture, global batch) are refused with a `StateError` listing each,
-        unless named in ``allow`` (or the loader's ``ResumePolicy.allow``). An allowed
-        mixture change continues each source from its consumed count (`Mixture.continue_from`).
+        unless named in ``allow`` (or the loader's ``ResumePolicy.allow``). Over a saved
+        mixture, this loader's `Mixture` continues the saved one from the resume position
+        (`Mixture.continue_from`, each source from its consumed count): the ``mixture`` field
+        compared, recorded in the history and saved later is that continued mixture's (the
+        mixture in force), so a later resume with the same weights changes nothing and one
+        with other weights is a change from it, any number of times.
         Layout may differ if the position is a micro-step boundary of this layout within
         its step (counted from the step's first position).
 
@@ -93,20 +99,22 @@ class Resume(LoaderBase):
         this loader's micro steps start at the saved position.
         """
         how = self._mid_step if mid_step is None else parse_mid_step(mid_step)
+        if at_step is not None:
+            _check_at_step(how if mid_step is not None else None)
+            at_step = check_count(at_step, "at_step", minimum=0)
         self._bind_layout(check=False)  # `_resumed_plan` checks from the saved position
         saved = LoaderState.from_json(state_dict)
         allowed = self._allow | check_allow(allow)
-        current = self._fields()
+        # a state saved inside a step: by default, the step's start
+        saved = saved.resumed(how, at_step)
+        stream, failure = self._stream_in_force(saved)
+        current = self._fields(stream)
         diffs = saved.differences(current)
         refused = [d for d in diffs if d not in allowed]
         if refused:
             raise StateError(
                 mismatch_message(refused, saved.fields, current), fields=tuple(refused)
             )
-        if at_step is not None:
-            at_step = check_count(at_step, "at_step", minimum=0)
-        # a state saved inside a step: by default, the step's start
-        saved = saved.resumed(how, at_step)
         if self.total_samples is not None and saved.samples_consumed > self.total_samples:
             raise StateError(
                 f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
@@ -124,8 +132,9 @@ class Resume(LoaderBase):
             )
         if K_EXCLUSIONS in diffs:
             self._check_exclusions(saved)
-        if K_MIXTURE in diffs and saved.fields.get(K_MIXTURE) is not None:
-            self._stream = self._continue_mixture(saved, diffs)
+        if K_MIXTURE in diffs:
+            self._check_mixture_change(saved, failure, diffs)
+        self._stream = stream
         self._plan, self.layout = plan, layout
         self._saved_plan = Plan(saved.plan.entries, plan.changes)
         self._consumed = saved.samples_consumed
@@ -171,9 +180,34 @@ class Resume(LoaderBase):
             )
         stream.check_continues(dict(saved.stream), saved.samples_consumed)
 
-    def _continue_mixture(self, saved: LoaderState, diffs: list[str]) -> Stream:
-        current = self._stream
-        if not isinstance(current, ContinuesFrom):
+    def _stream_in_force(self, saved: LoaderState) -> tuple[Stream, ConfigError | None]:
+        """The stream this loader delivers from the resume position on, the one definition of
+        "the mixture in force": over a saved mixture, this loader's `Mixture` (as built, not
+        as an earlier resume left it) continued from the saved one (`Mixture.continue_from`:
+        the saved phases before the position, this loader's weights from it on; the same
+        mixture when the weights in force do not change). Anything else is this loader's
+        stream; so is a mixture that cannot continue the saved one (other sources or seed:
+        the differences name them), returned with the reason.
+
+        The checked fields are compared, recorded in a change and saved from this one
+        stream, so a change's ``new`` value is the field every later state holds, and a
+        later resume with the same definition is no change at all."""
+        definition = self._data
+        if saved.fields.get(K_MIXTURE) is None or not isinstance(definition, ContinuesFrom):
+            return self._stream, None
+        try:
+            return definition.continue_from(dict(saved.stream), saved.samples_consumed), None
+        except ConfigError as exc:
+            return self._stream, exc
+
+    def _check_mixture_change(
+        self, saved: LoaderState, failure: ConfigError | None, diffs: list[str]
+    ) -> None:
+        """An allowed ``mixture`` change continues the saved mixture (`StateError` naming why
+        it cannot)."""
+        if saved.fields.get(K_MIXTURE) is None:
+            return  # a mixture where the saved run had none: other data, refused by name
+        if not isinstance(self._data, ContinuesFrom):
             raise StateError(
                 "the saved state has a mixture but this loader's data is not a Mixture",
                 fields=(K_MIXTURE,),
@@ -182,10 +216,20 @@ class Resume(LoaderBase):
             raise StateError(
                 "cannot change the mixture and the seed in the same resume", fields=(K_SEED,)
             )
-        try:
-            stream = current.continue_from(dict(saved.stream), saved.samples_consumed)
-        except ConfigError as exc:
+        if failure is not None:
             raise StateError(
-                f"allowed mixture change cannot be applied: {exc}", fields=(K_MIXTURE,)
-            ) from None
-        return stream
+                f"allowed mixture change cannot be applied: {failure}", fields=(K_MIXTURE,)
+            )
+
+
+def _check_at_step(mid_step: MidStep | None) -> None:
+    """``at_step`` names the step whose first position the resume starts at; an explicit
+    ``mid_step="continue"`` (resume after the delivered part) contradicts it."""
+    if mid_step is MidStep.CONTINUE:
+        raise ConfigError(
+            "load_state_dict(at_step=..., mid_step='continue') contradicts itself: at_step "
+            "resumes at the first position of that optimizer step (the step re-delivered "
+            "whole), mid_step='continue' right after the part of the step delivered before the "
+            "save; hint: pass at_step alone (a trainer's restored step) or mid_step='continue' "
+            "alone (the partial step's gradients were saved too)"
+        )

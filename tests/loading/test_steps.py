@@ -216,3 +216,20 @@ def test_at_step_resumes_at_the_trainers_step() -> None:
     for state, step in ((at_end, 1), (inside, 2), (inside, 4), (at_end, 4)):
         with pytest.raises(detdata.StateError, match="cannot resume at step"):
             loader().load_state_dict(state, at_step=step)
+
+
+@pytest.mark.parametrize("how", ["continue", detdata.MidStep.CONTINUE])
+def test_at_step_with_mid_step_continue_is_refused_naming_both(how: Any) -> None:
+    """``at_step`` resumes at a step's first position, ``mid_step="continue"`` after the
+    delivered part of it: asked together they contradict, and the call is refused (a
+    `ConfigError` naming both, with a hint), leaving the loader where it was. ``at_step`` with
+    ``mid_step="redo"``, or with a policy whose default is continue, resumes at the step."""
+    inside = saved_after(13)  # one micro batch into step 3
+    resumed = loader()
+    with pytest.raises(detdata.ConfigError, match=r"at_step.*mid_step='continue'.*hint:"):
+        resumed.load_state_dict(inside, at_step=3, mid_step=how)
+    assert resumed.samples_consumed == 0 and ids(resumed, 2) == REFERENCE[:2]
+    policy = detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step="continue"))
+    for ok, mid_step in ((loader(), "redo"), (loader(options=policy), None)):
+        ok.load_state_dict(inside, at_step=3, mid_step=mid_step)
+        assert ids(ok, 28) == REFERENCE[12:]
