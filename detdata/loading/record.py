@@ -14,8 +14,10 @@ What it holds (the checked field names, as ``allow=`` takes them, in brackets):
 * blake3 of lock files [``lock_files``]: given paths, or by default `DEFAULT_LOCK_FILES` that
   exist at the repository root;
 * installed packages [``packages``]: every ``importlib.metadata`` distribution as
-  ``[normalised name (PEP 503), version]``, sorted and de-duplicated, and the blake3 of its
-  canonical JSON;
+  ``[normalised name (PEP 503), version in PEP 440 normal form]`` (``1.0RC1`` and ``1.0rc1``
+  record alike; a version PEP 440 cannot parse is kept as spelt), sorted and de-duplicated,
+  and the blake3 of its canonical JSON; a record saved before versions were normalised is read
+  with its list normalised and its digest recomputed (when the digest is its list's);
 * versions [``python``, ``torch``, ``cuda``, ``cudnn``, ``nccl``, ``driver``]: None where the
   build or machine has none (a CPU build of torch has no CUDA, cuDNN or NCCL);
 * GPUs: names [``gpus``] and UUIDs [``gpu_uuids``] (torch device properties; the UUIDs
@@ -80,6 +82,8 @@ from detdata.loading.record_capture import (
     library_versions,
     lock_hashes,
     logger,
+    package_list,
+    packages_section,
     platform_info,
 )
 from detdata.loading.record_format import (
@@ -184,13 +188,12 @@ class RunRecord:
                 "name the code that ran; hint: commit the changes, or pass "
                 "RunRecord.capture(..., allow_dirty=True) (recorded as dirty)"
             )
-        packages = installed_packages()
         doc: dict[str, Any] = {
             K_KIND: KIND,
             K_VERSION: RECORD_VERSION,
             K_CODE: code,
             K_LOCKS: lock_hashes(where, code.get("toplevel"), lock_files),
-            K_PACKAGES: {K_DIGEST: digest_bytes(canonical_json(packages)), K_LIST: packages},
+            K_PACKAGES: packages_section(installed_packages()),
             K_VERSIONS: library_versions(),
             K_GPUS: [],
             K_ENV: env_section(env_names(extra_env), env_names(clear_env, "clear_env")),
@@ -243,7 +246,7 @@ class RunRecord:
         except ConfigError as exc:
             raise StateError(f"{where}: {exc}") from None
         check_shape(record.doc, where)
-        return record
+        return cls(doc={**record.doc, K_PACKAGES: _normal_packages(record.doc[K_PACKAGES])})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the record as JSON, atomically (readers see the old file or the whole new one)."""
@@ -328,6 +331,18 @@ class RunRecord:
     def _packages(self) -> list[list[str]]:
         packages: list[list[str]] = self.doc[K_PACKAGES][K_LIST]
         return packages
+
+
+def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A saved ``packages`` section with its versions in normal form (`package_list`) and its
+    digest recomputed, when it is what an earlier capture wrote (its digest is its list's);
+    a section edited by hand is kept as it is (`verify` compares its digest as saved)."""
+    pairs = section[K_LIST]
+    if not all(isinstance(x, str) for pair in pairs for x in pair):
+        return section
+    if packages_section(pairs) != section:
+        return section
+    return packages_section(package_list((name, version) for name, version in pairs))
 
 
 # -- verify helpers -----------------------------------------------------------------------

@@ -14,14 +14,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from detdata.base.canonical import canonical_json
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import get_logger
 from detdata.loading.record_format import (
     EXECUTION_KEYS,
+    K_DIGEST,
     K_DIRTY,
     K_DIRTY_FILES,
+    K_LIST,
     K_LOADER,
     K_LOADER_STATE,
     K_NOTE,
@@ -64,6 +67,21 @@ IMAGE_ENV: Final = ("DETDATA_IMAGE", "CONTAINER_IMAGE", "IMAGE")
 IMAGE_DIGEST_ENV: Final = ("DETDATA_IMAGE_DIGEST", "CONTAINER_IMAGE_DIGEST", "IMAGE_DIGEST")
 
 _NAME_RUN: Final = re.compile(r"[-_.]+")
+#: A PEP 440 version, any spelling (the pattern of PEP 440's appendix B; ASCII only).
+_VERSION: Final = re.compile(
+    r"""
+    ^\s*v?
+    (?:(?P<epoch>[0-9]+)!)?
+    (?P<release>[0-9]+(?:\.[0-9]+)*)
+    (?P<pre>[-_.]?(?P<pre_l>alpha|a|beta|b|preview|pre|c|rc)[-_.]?(?P<pre_n>[0-9]+)?)?
+    (?P<post>-(?P<post_n1>[0-9]+)|[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n2>[0-9]+)?)?
+    (?P<dev>[-_.]?dev[-_.]?(?P<dev_n>[0-9]+)?)?
+    (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?
+    \s*$
+    """,
+    re.VERBOSE | re.IGNORECASE | re.ASCII,
+)
+_PRE_LETTERS: Final = {"alpha": "a", "beta": "b", "c": "rc", "pre": "rc", "preview": "rc"}
 
 
 # -- code ---------------------------------------------------------------------------------
@@ -151,14 +169,58 @@ def normalise_name(name: str) -> str:
     return _NAME_RUN.sub("-", name).lower()
 
 
+def normalise_version(version: str) -> str:
+    """``version`` in PEP 440 normal form (``1.0RC1``, ``v1.0-rc.1`` -> ``1.0rc1``;
+    ``1.0-1`` -> ``1.0.post1``; ``01.2`` -> ``1.2``; ``0!1.0`` -> ``1.0``; ``1.0+Ubuntu-01``
+    -> ``1.0+ubuntu.1``), as ``str(packaging.version.Version(version))`` gives it. A version
+    PEP 440 cannot parse (``2.0-custom``, a date, a commit) is returned unchanged: it still
+    names what was installed, spelt as its metadata spells it."""
+    m = _VERSION.match(version)
+    if m is None:
+        return version
+    parts = [] if _number(m["epoch"]) == "0" else [f"{_number(m['epoch'])}!"]
+    parts.append(".".join(map(_number, m["release"].split("."))))
+    if m["pre"]:
+        letter = m["pre_l"].lower()
+        parts.append(_PRE_LETTERS.get(letter, letter) + _number(m["pre_n"]))
+    if m["post"]:
+        parts.append(".post" + _number(m["post_n1"] or m["post_n2"]))
+    if m["dev"]:
+        parts.append(".dev" + _number(m["dev_n"]))
+    if m["local"]:
+        local = _NAME_RUN.split(m["local"].lower())
+        parts.append("+" + ".".join(_number(p) if p.isdigit() else p for p in local))
+    return "".join(parts)
+
+
+def _number(digits: str | None) -> str:
+    """A PEP 440 number without its leading zeros (absent: ``0``); text, never `int` (no
+    limit on its length)."""
+    return (digits or "0").lstrip("0") or "0"
+
+
+def package_list(pairs: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """``[[name, version], ...]`` of ``(name, version)`` pairs: names PEP 503 normalised
+    (`normalise_name`), versions in PEP 440 normal form (`normalise_version`), sorted and
+    de-duplicated: two spellings of one version record alike."""
+    found = {(normalise_name(name), normalise_version(version)) for name, version in pairs}
+    return [list(p) for p in sorted(found)]
+
+
 def installed_packages() -> list[list[str]]:
-    """``[[name, version], ...]`` of every installed distribution, sorted, de-duplicated."""
-    found = set()
+    """`package_list` of every installed distribution (``importlib.metadata``)."""
+    pairs = []
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"] if dist.metadata is not None else None
         if name:
-            found.add((normalise_name(str(name)), str(dist.version)))
-    return [list(p) for p in sorted(found)]
+            pairs.append((str(name), str(dist.version)))
+    return package_list(pairs)
+
+
+def packages_section(packages: list[list[str]]) -> dict[str, Any]:
+    """The record's ``packages`` section of a `package_list`: the list and the blake3 of its
+    canonical JSON (the checked field)."""
+    return {K_DIGEST: digest_bytes(canonical_json(packages)), K_LIST: packages}
 
 
 def _driver() -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import random
 import re
 import subprocess
 import sys
@@ -17,7 +18,13 @@ import pytest
 
 import detdata
 from detdata import ConfigError, DataLoader, RunRecord, StateError, TokenWindows, build_manifest
-from detdata.loading.record_capture import IMAGE_DIGEST_ENV, IMAGE_ENV
+from detdata.loading.record_capture import (
+    IMAGE_DIGEST_ENV,
+    IMAGE_ENV,
+    normalise_version,
+    package_list,
+    packages_section,
+)
 from tests.conftest import write_token_shards
 
 
@@ -453,3 +460,121 @@ def test_allowing_an_env_or_determinism_name_neither_record_holds_is_refused(
     for name in ("env.ANYTHING", "env.CUBLAS_WORKSPACE_CONFG", "determinism.nope"):
         with pytest.raises(ConfigError, match=rf"allow= names \['{re.escape(name)}'\]"):
             rec.verify(rec, allow=[name])
+
+
+# -- package versions in PEP 440 normal form (issue 40) ---------------------------------------
+def _spellings(count: int) -> list[str]:
+    """Versions spelt every way PEP 440 allows (and some it does not), from a fixed seed."""
+    rng = random.Random(40)
+
+    def case(text: str) -> str:
+        return "".join(c.upper() if rng.random() < 0.5 else c for c in text)
+
+    def sep() -> str:
+        return rng.choice(["", "", "-", "_", "."])
+
+    def num() -> str:
+        return rng.choice(["", "0", "1", "01", "10", "007", "123456789012345678901234567890"])
+
+    out = []
+    for _ in range(count):
+        text = rng.choice(["", "", "v", "V", " "])
+        text += rng.choice(["", "", "0!", "1!", "02!"])
+        text += ".".join(
+            rng.choice(["0", "1", "01", "2", "10", "000"]) for _ in range(rng.randint(1, 4))
+        )
+        if rng.random() < 0.5:
+            letter = rng.choice(["a", "alpha", "b", "beta", "c", "rc", "pre", "preview"])
+            text += sep() + case(letter) + sep() + num()
+        if rng.random() < 0.4:
+            letter = rng.choice(["post", "rev", "r"])
+            text += rng.choice(["-" + (num() or "1"), sep() + case(letter) + sep() + num()])
+        if rng.random() < 0.4:
+            text += sep() + case("dev") + sep() + num()
+        if rng.random() < 0.3:
+            text += "+" + rng.choice(["-", "_", "."]).join(
+                case(rng.choice(["ubuntu", "cpu", "cu121", "01", "7", "abc0"]))
+                for _ in range(rng.randint(1, 3))
+            )
+        if rng.random() < 0.1:  # something PEP 440 refuses
+            text += rng.choice(["-custom", "+", "..", "!", " x", "+a..b", "rc1rc2"])
+        out.append(text + rng.choice(["", "", " ", "\t"]))
+    return out
+
+
+def test_versions_take_the_pep440_normal_form_packaging_gives() -> None:
+    """Reference: ``str(packaging.version.Version(v))`` (packaging, the reference
+    implementation, is a dev requirement; detdata does not depend on it at run time). What
+    packaging cannot parse is kept exactly as spelt."""
+    from packaging.version import InvalidVersion, Version
+
+    cases = [
+        *_spellings(6000),
+        *("1.0RC1", "1.0rc1", "1.0-rc.1", "v1.0c1", "1.0-1", "1.0post", "1!1.0", "0!1.0"),
+        *("1.0+Ubuntu-01", "2.13.0+cpu", "2024.01.15", "2.0-custom", "abc", "", "1.0+"),
+        *("\u0661.\u0660", "1.0\u017f1", "1.0.dev", "1.0.DEV-3", "1.0a1.post2.dev3+abc.DEF-ghi"),
+    ]
+    invalid = 0
+    for version in cases:
+        try:
+            want = str(Version(version))
+        except InvalidVersion:
+            want, invalid = version, invalid + 1
+        assert normalise_version(version) == want, repr(version)
+    assert 100 < invalid < len(cases) // 4  # both kinds were tried
+
+
+def test_two_spellings_of_one_version_give_one_packages_digest() -> None:
+    """``1.0RC1`` vs ``1.0rc1`` gave two digests: a resume refused for a spelling."""
+    upper = packages_section(package_list([("Foo_Bar", "1.0RC1"), ("torch", "2.13.0+CPU")]))
+    lower = packages_section(package_list([("foo-bar", "1.0rc1"), ("torch", "2.13.0+cpu")]))
+    assert upper == lower
+    assert upper["list"] == [["foo-bar", "1.0rc1"], ["torch", "2.13.0+cpu"]]
+    other = packages_section(package_list([("foo-bar", "1.0rc2"), ("torch", "2.13.0+cpu")]))
+    assert other["digest"] != upper["digest"]
+    kept = package_list([("foo", "2.0-Custom")])  # not PEP 440: kept as spelt
+    assert kept == [["foo", "2.0-Custom"]]
+
+
+def _install(site: Path, version: str) -> None:
+    """A real installed distribution ``Fake_Pkg`` at ``version`` (what importlib reads)."""
+    info = site / "Fake_Pkg-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: Fake_Pkg\nVersion: {version}\n", encoding="utf-8"
+    )
+
+
+def test_a_resume_after_a_respelt_version_passes_and_a_new_version_is_refused(
+    repo: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    _install(site, "1.0RC1")
+    monkeypatch.syspath_prepend(str(site))
+    saved = _capture(repo, data)
+    assert ["fake-pkg", "1.0rc1"] in saved.to_json()["packages"]["list"]
+    _install(site, "1.0rc1")
+    _capture(repo, data).verify(saved.to_json())
+    _install(site, "1.0rc2")
+    with pytest.raises(StateError, match=r"packages: fake-pkg saved 1\.0rc1, now 1\.0rc2"):
+        _capture(repo, data).verify(saved.to_json())
+
+
+def test_a_record_saved_before_normal_versions_reads_with_its_versions_normalised(
+    repo: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record an earlier detdata saved holds versions as spelt, with the blake3 of that
+    list's canonical JSON (sorted keys, no spaces): read, it matches today's capture."""
+    site = tmp_path / "site"
+    _install(site, "1.0rc1")
+    monkeypatch.syspath_prepend(str(site))
+    now = _capture(repo, data)
+    old = copy.deepcopy(now.to_json())
+    spelt = [[n, "1.0RC1" if n == "fake-pkg" else v] for n, v in old["packages"]["list"]]
+    text = json.dumps(spelt, separators=(",", ":"), ensure_ascii=False).encode()
+    old["packages"] = {"digest": "b3:" + blake3.blake3(text).hexdigest(), "list": spelt}
+    now.verify(old)
+    edited = copy.deepcopy(old)  # a digest that is not its list's: compared as saved
+    edited["packages"]["digest"] = "b3:" + "0" * 64
+    with pytest.raises(StateError, match="packages"):
+        now.verify(edited)
