@@ -13,13 +13,12 @@ Built once, read by every rank. For a manifest in the mapped fast form
 (`window_inputs`: the manifest id, the columns file's header digest, ``seq_len``,
 ``labels``, ``allow_short_shards`` and this layout's version). A rank that finds it maps it
 (`load_window_index`); otherwise one process builds and writes it while the others wait:
-under a ``torch.distributed`` group the job's verifier for the manifest
-(`detdata.identity.receipts.job_meeting`, the others wait for it through the group's store
-as for a verdict, and build it themselves if it has not started within
-``DETDATA_VERIFY_WAIT_S``), else whichever process takes the file's lock first (the others
-find the file once they hold the lock). Other manifests, manifests of fewer than
-`STORE_MIN_SHARDS` shards, or ``DETDATA_RECEIPTS=off``: the index is built in memory in
-every process.
+under a ``torch.distributed`` group the rank that claims it first among those of the
+node opening it under the same root (`detdata.identity.receipts.job_meeting`; the others
+wait for it through the group's store, as for a verdict), else whichever process takes
+the file's lock first (the others find the file once they hold the lock). Other
+manifests, manifests of fewer than `STORE_MIN_SHARDS` shards, or ``DETDATA_RECEIPTS=off``:
+the index is built in memory in every process.
 
 Layout (little-endian)::
 
@@ -83,7 +82,7 @@ from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format
 from detdata.identity.manifest import Manifest
-from detdata.identity.receipts import RACY_S, job_meeting, receipt_dir, wait_s
+from detdata.identity.receipts import RACY_S, job_meeting, receipt_dir
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.file_column import FileColumn, IntColumn, OpenFile
 from detdata.storage.locks import file_lock
@@ -262,13 +261,12 @@ def open_window_index(
     store, leader, key = (
         job_meeting(manifest, f"windows/{os.path.basename(path)}") if meet else (None, True, "")
     )
-    if store is not None and not leader and _await_leader(store, key):
+    if store is not None and not leader:
+        store.wait([key + "/done"], timedelta(days=7))  # blocked in the store, no polling
         trusted = [_vouched(store, key), read_checked_note(path)]
         found = _load_warning(path, inputs, count, reported, trusted)
         if found is not None:
             return found
-    if store is not None and leader:
-        store.set(key + "/started", b"1")
     try:
         with file_lock(path + ".lock"):
             found = _load_warning(path, inputs, count, reported, [read_checked_note(path)])
@@ -294,17 +292,6 @@ def open_window_index(
     finally:
         if store is not None and leader:
             store.set(key + "/done", b"1")
-
-
-def _await_leader(store: Any, key: str) -> bool:
-    """Wait (blocked in the store, no polling) until the leader has opened or built the
-    index; False when it has not started within `detdata.identity.receipts.wait_s`."""
-    try:
-        store.wait([key + "/started"], timedelta(seconds=wait_s()))
-    except Exception:  # no leader for this index in this job
-        return False
-    store.wait([key + "/done"], timedelta(days=7))
-    return True
 
 
 def _vouched(store: Any, key: str) -> list[int] | None:

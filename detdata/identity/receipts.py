@@ -4,14 +4,18 @@
 and the datasets):
 
 * **Once per job.** Under an initialised ``torch.distributed`` process group with more
-  than one rank, one rank verifies and every rank receives its verdict (the same
-  `VerificationError`, naming the same shard) through the group's key-value store: for a
-  local root one rank per node (``LOCAL_RANK`` 0 of each host: node-local disks are each
-  checked; without ``LOCAL_RANK`` every rank verifies), for a URL root rank 0 of the job.
-  ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system verified by one
-  rank per job too; ``=node`` forces per node. Without a process group,
-  processes of one machine opening the same manifest take turns (a file lock next to the
-  receipt): the first verifies and writes the receipt, the others find it.
+  than one rank, one rank verifies each distinct (manifest, root, level) and every rank
+  that opens the same receives its verdict (the same `VerificationError`, naming the same
+  shard) through the group's key-value store: for a local root one rank per node (the
+  node: host name and boot id; the root: its path and its folder's device and inode, so
+  node-local disks, and per-rank copies of one manifest under different roots, are each
+  checked), for a URL root one rank of the job. ``DETDATA_VERIFY_SCOPE=job`` makes a
+  local root on a shared file system verified by one rank per job too; ``=node`` forces
+  per node. The verifier is the first rank to claim the work (an atomic ``add`` on the
+  store): it has started by the time another rank looks, so nobody waits for a verifier
+  that never comes. Without a process group, processes of one machine opening the same
+  manifest take turns (a file lock next to the receipt): the first verifies and writes the
+  receipt, the others find it.
 * **Receipts.** After a verification passes, a receipt is written (atomically) under
   ``DETDATA_RECEIPTS`` (default ``~/.cache/detdata/receipts``; ``off`` disables them):
   the manifest id, the root (without credentials), the level, and for each shard the
@@ -66,6 +70,7 @@ from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.boot import boot_id
 from detdata.storage.fs import check_relative_path, filesystem, is_local_fs, join
 from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
@@ -75,7 +80,6 @@ if TYPE_CHECKING:
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
-ENV_WAIT: Final = "DETDATA_VERIFY_WAIT_S"
 KIND: Final = "detdata.receipt"
 VERSION: Final = 1
 #: an identity taken this soon after the file's last change is not recorded
@@ -127,17 +131,16 @@ def verify_job(
     receipt is still written).
 
     Ranks meet through the process group's key-value store, never a collective: a rank
-    that opens a manifest the others do not open (say, rank 0 logging its id) neither
-    waits for them nor makes them wait. A rank whose verifier has not started within
-    ``DETDATA_VERIFY_WAIT_S`` seconds (default 120) verifies itself; once started, it waits
-    for the verdict however long the verification takes."""
+    that opens a manifest the others do not open (say, rank 0 logging its id), or under a
+    root the others do not use, claims that work and does it, neither waiting for them nor
+    making them wait. A rank that finds the work claimed waits for the claimant's verdict
+    however long the verification takes."""
     args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
     store, leader, key = _meeting(manifest, level)
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
         return
     if leader:
-        store.set(key + "/started", b"1")
         verdict: BaseException | None = DetdataError(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
         )
@@ -151,11 +154,6 @@ def verify_job(
         finally:
             store.set(key + "/verdict", _dumps(verdict))
         _vouch(manifest, checked)
-        return
-    try:
-        store.wait([key + "/started"], timedelta(seconds=wait_s()))
-    except Exception:  # no verifier for this manifest in this job: verify here
-        _vouch(manifest, verify_with_receipt(*args))
         return
     store.wait([key + "/verdict"], timedelta(days=7))
     found = pickle.loads(store.get(key + "/verdict"))
@@ -190,13 +188,15 @@ def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
 
 
 def job_meeting(manifest: Manifest, tag: str, *, counted: bool = False) -> tuple[Any, bool, str]:
-    """``(store, is this rank the leader, key)`` for work ``tag`` on ``manifest`` done once
-    per job under a process group of more than one rank; ``(None, True, "")`` otherwise
-    (this process does it itself). The leader is the verifier's: rank 0 of the job for a
-    URL root (or ``DETDATA_VERIFY_SCOPE=job``), ``LOCAL_RANK`` 0 of each host for a local
-    one (none without ``LOCAL_RANK``: every rank does it). ``counted``: the key is the
-    n-th of this process for the same work (verification: each call meets); otherwise one
-    key per job."""
+    """``(store, is this rank the one that does it, key)`` for work ``tag`` on ``manifest``
+    under its root, done once per job (a URL root, or ``DETDATA_VERIFY_SCOPE=job``) or once
+    per node (a local root) under a process group of more than one rank; ``(None, True,
+    "")`` otherwise (this process does it itself). The work is keyed by what it is done on:
+    the manifest id, the root (`root_key`), ``tag`` and, per node, the node (`node_key`).
+    The first rank to claim the key (an atomic ``add`` on the group's store) does it; the
+    others wait for what it publishes under the key. ``counted``: the key is the n-th of
+    this process for the same work (verification: each call meets); otherwise one key per
+    job."""
     dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None, True, ""
@@ -207,30 +207,37 @@ def job_meeting(manifest: Manifest, tag: str, *, counted: bool = False) -> tuple
         raise ConfigError(f"{ENV_SCOPE} must be 'job' or 'node', got {scope!r}")
     root = manifest.root or ""
     local = not ("://" in root and not root.startswith("file://"))
-    base = canonical_json([manifest.id, strip_credentials(root), tag])
-    if scope == "job" or (scope == "" and not local):
-        leader, where = dist.get_rank() == 0, "job"
-    else:
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is None:  # no way to tell the ranks of a node apart: each does it
-            return None, True, ""
-        leader, where = local_rank == "0", socket.gethostname()
-    digest = blake3.blake3(base + where.encode()).hexdigest()[:32]
+    where = "job" if scope == "job" or (scope == "" and not local) else node_key()
+    base = canonical_json([manifest.id, root_key(root, local), tag, where])
+    digest = blake3.blake3(base).hexdigest()[:32]
     store = dist.distributed_c10d._get_default_store()
-    if not counted:
-        return store, leader, f"detdata/once/{digest}"
-    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
-    return store, leader, f"detdata/verify/{digest}/{count}"
+    if counted:
+        count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
+        key = f"detdata/verify/{digest}/{count}"
+    else:
+        key = f"detdata/once/{digest}"
+    return store, int(store.add(key + "/claim", 1)) == 1, key
 
 
-def wait_s() -> float:
-    """How long a rank waits for its leader to start (``DETDATA_VERIFY_WAIT_S``, default
-    120 s) before doing the work itself."""
-    raw = os.environ.get(ENV_WAIT, "120")
+def node_key() -> str:
+    """This node, as the once-per-node work is keyed: its host name and boot id (two
+    machines of one job with the same host name still differ)."""
+    return f"{socket.gethostname()}/{boot_id() or ''}"
+
+
+def root_key(root: str, local: bool) -> list[Any]:
+    """A root, as once-per-job work is keyed: the root without credentials and, for a
+    local one, the device and inode of its folder (two mount namespaces showing different
+    disks under one path differ; [] where it cannot be taken)."""
+    shown = strip_credentials(root)
+    if not local:
+        return [shown]
+    path = root[len("file://") :] if root.startswith("file://") else root
     try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_WAIT} must be a number of seconds, got {raw!r}") from None
+        st = os.stat(path or ".")
+    except OSError:
+        return [shown]
+    return [shown, st.st_dev, st.st_ino]
 
 
 # ------------------------------------------------------------------------- receipts

@@ -14,9 +14,9 @@ that none finds an index another already wrote) over one saved manifest of many 
   first shard and of the shards of its batch only; its rows equal the writer's.
 * `TokenWindows` (the window index, `detdata.datasets.window_index`): built and written
   once (counted by the rank processes: one file per call of the build / encode function),
-  by whichever process takes the lock first, or under a process group by the job's
-  verifier (``LOCAL_RANK`` 0); every rank maps that one file and delivers the windows a
-  brute-force cut of the ``.npy`` files gives.
+  by whichever process takes the lock first, or under a process group by the rank that
+  claims it first in the group's store; every rank maps that one file and delivers the
+  windows a brute-force cut of the ``.npy`` files gives.
 """
 
 from __future__ import annotations
@@ -256,9 +256,9 @@ def test_window_index_is_built_once_and_every_rank_maps_it(tmp_path: Path, group
     assert sorted(p.name.split("-")[0] for p in built) == ["build_windows", "write_windows"]
     (stored,) = (tmp_path / "receipts").glob("*.windows")
     assert {r["mapped"] for r in results} == {str(stored)}  # every rank maps the one file
-    if group:  # under a process group the job's verifier (LOCAL_RANK 0) builds it
+    if group:  # under a process group one rank of the group builds it (the first to claim)
         builder = int(built[0].name.split("-")[1])
-        assert [r["local_rank"] for r in results if r["pid"] == builder] == ["0"]
+        assert len([r for r in results if r["pid"] == builder]) == 1
     want = _brute_windows(root, 16)
     digest = hashlib.sha256(want.tobytes()).hexdigest()
     assert {r["sha"] for r in results} == {digest}
