@@ -11,7 +11,10 @@ execution shape), ``--seed NAME=VALUE``, ``--execution KEY=VALUE`` (e.g. ``preci
 ``--image`` / ``--image-digest``. A dirty tree is reported, not refused. With ``--check SAVED``
 the record is verified against a saved one (``--allow FIELD``, repeatable): exit 1 listing
 each refused difference, 0 when none; a record saved from Python compares equal when the
-same inputs are given here.
+same inputs are given here. A saved record that cannot be read, an ``--allow`` name that is
+no field (or an ``env.NAME`` neither record holds) and ``--allow`` without ``--check`` are
+usage errors (exit 2, one line naming it and the valid names) before anything is printed or
+saved.
 """
 
 from __future__ import annotations
@@ -121,6 +124,12 @@ def run_env(args: argparse.Namespace) -> int:
     from detdata.identity.manifest import Manifest
     from detdata.loading.record import RunRecord
 
+    if args.allow and args.check is None:
+        raise ConfigError(
+            f"--allow {args.allow[0]} applies to --check SAVED (the differences it allows); "
+            "hint: add --check with the saved run record, or drop --allow"
+        )
+    saved = None if args.check is None else RunRecord.load(args.check)
     manifests = [Manifest.load(m, verify="off") for m in args.manifest]
     record = RunRecord.capture(
         repo=args.repo,
@@ -137,12 +146,14 @@ def run_env(args: argparse.Namespace) -> int:
         image=args.image,
         image_digest=args.image_digest,
     )
+    if saved is not None:  # a misspelt --allow is a usage error before anything is written
+        record.check_allow(args.allow, saved, option="--allow")
     if args.out is not None:
         record.save(args.out)
     print(json.dumps(record.to_json(), sort_keys=True, indent=1))
-    if args.check is not None:
+    if saved is not None:
         try:
-            record.verify(RunRecord.load(args.check), allow=args.allow)
+            record.verify(saved, allow=args.allow)
         except StateError as exc:
             if not exc.fields:
                 raise

@@ -10,6 +10,9 @@ Cheap checks, in order, each printed as ``preflight[rank R]: ok ...`` on stdout:
 3. data: each ``--manifest`` is loaded and quick-verified under ``--root`` (sizes and quick
    digests: at most 2 MiB read per shard, no large download).
 
+``--timeout`` (the process group's, seconds) must be a positive number: anything else is a
+usage error (exit 2) before any check runs.
+
 Every rank runs every check; the ranks then agree through one more all_reduce, so all exit
 alike. Exit 0 when every check passed; 1 when one failed (``detdata: preflight failed:
 CHECK: why`` on stderr for each: the device, the collective, or the manifest and shard).
@@ -25,17 +28,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
+from detdata.base.errors import ConfigError
 from detdata.base.redact import redact_text
 from detdata.cli.main import EXIT_FAIL, EXIT_OK
 
 _STORE_FOLDERS: list[str] = []
+#: The longest ``--timeout`` (seconds, about 31 years): ``datetime.timedelta`` and torch's
+#: millisecond count both hold it.
+MAX_TIMEOUT_S: Final = 1e9
 
 
 def register(sub: Any) -> None:
@@ -48,7 +56,7 @@ def register(sub: Any) -> None:
     p.add_argument("--manifest", action="append", default=[], help="a manifest (repeatable)")
     p.add_argument("--root", help="where the shards are (default: each manifest's root)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--timeout", type=float, default=120.0, help="process group timeout, seconds")
+    p.add_argument("--timeout", default="120", help="process group timeout, seconds (> 0)")
     p.add_argument("--out", help="also save the result as JSON (rank r > 0: OUT.rank<r>)")
     p.set_defaults(func=run_preflight)
 
@@ -152,16 +160,32 @@ def save_result(path: str, rank: int, failures: list[str]) -> None:
     atomic_write_bytes(target, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
+def check_timeout(text: str) -> float:
+    """``--timeout`` as given: a positive, finite number of seconds, at most `MAX_TIMEOUT_S`
+    (`ConfigError` naming it as typed otherwise: a usage error before any check runs)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds <= MAX_TIMEOUT_S):  # NaN fails this too
+        raise ConfigError(
+            f"--timeout {text}: the process group timeout must be a positive number of "
+            f"seconds, at most {MAX_TIMEOUT_S:,.0f}; hint: e.g. --timeout 120 (the default)"
+        )
+    return seconds
+
+
 def run_preflight(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    timeout = check_timeout(args.timeout)
     rank = int(os.environ.get("RANK", "0"))
     failures: list[str] = []
     _run("devices", rank, failures, check_devices)
     group: list[tuple[int, int, str]] = []
 
     def formed() -> str:
-        group.append(form_group(args.backend, args.timeout))
+        group.append(form_group(args.backend, timeout))
         return check_collective(*group[0])
 
     _run("process group", rank, failures, formed)

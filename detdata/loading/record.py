@@ -321,6 +321,18 @@ class RunRecord:
                 fields=tuple(refused),
             )
 
+    def check_allow(
+        self, allow: Iterable[str], saved: RunRecord, *, option: str = "allow="
+    ) -> frozenset[str]:
+        """The names ``allow`` gives, checked as `verify` checks them, without comparing: a
+        name that is no field nor group, or an ``env.NAME`` / ``determinism.NAME`` neither this
+        record nor ``saved`` holds, is a `ConfigError` naming it (as ``option``, e.g.
+        ``--allow`` on the command line) and listing the valid names. For a caller that acts
+        (prints, saves) before `verify`: a misspelt name is refused before anything is done."""
+        allowed = _check_allow(allow, option)
+        _check_held(allowed, {*self.fields(), *saved.fields()}, option)
+        return allowed
+
     def _describe(self, name: str, saved: RunRecord) -> str:
         if name == K_PACKAGES:
             return f"{name}: {_package_changes(saved.doc[K_PACKAGES][K_LIST], self._packages)}"
@@ -346,9 +358,9 @@ def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 # -- verify helpers -----------------------------------------------------------------------
-def _check_allow(allow: Iterable[str]) -> frozenset[str]:
+def _check_allow(allow: Iterable[str], option: str = "allow=") -> frozenset[str]:
     if isinstance(allow, (str, bytes)):
-        raise ConfigError(f"allow= takes a list of field names, got the string {allow!r}")
+        raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")
     names = frozenset(allow)
     known = {*FIELDS, *GROUPS}
     unknown = sorted(
@@ -358,13 +370,13 @@ def _check_allow(allow: Iterable[str]) -> frozenset[str]:
     )
     if unknown:
         raise ConfigError(
-            f"allow= names unknown run record fields {unknown}; known names are "
-            f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME"
+            f"{option} names unknown run record fields {unknown}; known names are "
+            f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME; hint: check the spelling"
         )
     return names
 
 
-def _check_held(allowed: frozenset[str], held: set[str]) -> None:
+def _check_held(allowed: frozenset[str], held: set[str], option: str = "allow=") -> None:
     """`ConfigError` for an ``env.NAME`` / ``determinism.NAME`` neither record holds: a typo
     there would allow nothing and say nothing."""
     prefixes = (f"{K_ENV}.", f"{K_DETERMINISM}.")
@@ -372,7 +384,7 @@ def _check_held(allowed: frozenset[str], held: set[str]) -> None:
     if unheld:
         recorded = sorted(n for n in held if n.startswith(prefixes))
         raise ConfigError(
-            f"allow= names {unheld}, which neither run record holds; recorded: {recorded}; "
+            f"{option} names {unheld}, which neither run record holds; recorded: {recorded}; "
             "hint: check the spelling, or allow the whole group ('env', 'determinism')"
         )
 

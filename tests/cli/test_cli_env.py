@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.test_cli_exit_codes import check_failure
 from tests.cli.test_cli_mix import detdata_exe
 from tests.conftest import write_token_shards
 from tests.loading.test_record import _git
@@ -265,3 +266,51 @@ def test_preflight_out_saves_the_result(tmp_path: Path) -> None:
     assert failed.returncode == 1
     doc = json.loads(out.read_text())
     assert doc["passed"] is False and "shard-001.npy" in doc["failures"][0]
+
+
+# -- usage errors: exit 2, one line, nothing printed or saved (issue 40) ----------------------
+def _saved_record(tmp_path: Path) -> tuple[Path, Path]:
+    repo = _repo(tmp_path)
+    saved = tmp_path / "saved.json"
+    done = _run("env", "--repo", str(repo), "--out", str(saved))
+    assert done.returncode == 0, done.stderr
+    return repo, saved
+
+
+@pytest.mark.parametrize(
+    ("name", "valid"),
+    [
+        ("env.TYPO", "env.CUBLAS_WORKSPACE_CONFIG"),  # a recorded variable is listed
+        ("determinism.nope", "determinism.cudnn_benchmark"),
+        ("gpu_uuid", "gpu_uuids"),  # every field name is listed
+    ],
+)
+def test_env_check_with_a_misspelt_allow_is_a_one_line_usage_error(
+    tmp_path: Path, name: str, valid: str
+) -> None:
+    repo, saved = _saved_record(tmp_path)
+    new = tmp_path / "new.json"
+    done = _run(
+        "env", "--repo", str(repo), "--check", str(saved), "--allow", name, "--out", str(new)
+    )
+    assert not new.exists(), done.stderr  # no record saved for a command refused
+    assert done.stdout == ""  # nor printed
+    check_failure(done, 2, "--allow names", f"'{name}'", valid)
+
+
+def test_env_allow_without_check_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    done = _run("env", "--repo", str(repo), "--allow", "gpu_uuids")
+    check_failure(done, 2, "--allow gpu_uuids", "--check")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf", "1e20", "2m"])
+def test_preflight_with_a_bad_timeout_is_a_one_line_usage_error(
+    tmp_path: Path, timeout: str
+) -> None:
+    out = tmp_path / "preflight.json"
+    done = _run("preflight", "--timeout", timeout, "--out", str(out))
+    check_failure(done, 2, f"--timeout {timeout}", "positive")
+    assert done.stdout == ""  # no check ran
+    assert not out.exists()
