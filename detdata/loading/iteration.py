@@ -36,6 +36,7 @@ from detdata.loading.reading import (
     SlotSampler,
 )
 from detdata.loading.slots import SlotGroup, SlotTransport
+from detdata.loading.torch_workers import WorkerLoader
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
 
@@ -127,7 +128,7 @@ class Iteration(LoaderBase):
             self._sampler = SlotSampler(*args, transport)
         else:
             self._sampler = GroupSampler(*args)
-        return tud.DataLoader(
+        return WorkerLoader(  # torch's, safe from a Ctrl-C in an iterator's start
             self._reader(in_worker=True),
             batch_size=None,
             sampler=self._sampler,

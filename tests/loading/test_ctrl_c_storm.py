@@ -135,3 +135,35 @@ def test_ctrl_c_in_the_training_step_keeps_persistent_workers_alive(tmp_path: An
         env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.returncode == 0 and "EXACT 20" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_in_a_worker_iterator_start_surfaces_as_keyboard_interrupt_only() -> None:
+    """A real SIGINT at each point of the start of torch's worker-process iterator (five
+    points, five rounds each; tests/loading/ctrl_c_start.py): the interrupted iteration raises
+    ``KeyboardInterrupt`` and nothing else, the next one delivers the bytes of an uninterrupted
+    run from ``samples_consumed``, and torch prints no "Exception ignored" from the half-started
+    iterator's finaliser. Before the fix (issue 40) a Ctrl-C right after torch registered the
+    worker pids left them registered under the dead iterator's address, and a later
+    iterator placed there failed its start with torch's ``ValueError: _set_worker_pids should
+    be called only once`` (in 16 of 30 such rounds here), at the press or at the next
+    iteration."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.loading.ctrl_c_start", "25"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    summary = json.loads(lines[-1])
+    results = summary["results"]
+    assert summary["pressed"] == len(results) == 25  # every armed point was reached
+    wrong = [r for r in results if r["raised"] != "KeyboardInterrupt: " or r["after"] != "nothing"]
+    assert wrong == [], wrong
+    assert [r for r in results if not r["exact"]] == [], results
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-6000:]
+    assert summary["children_left"] == 0, summary
