@@ -37,9 +37,9 @@ What ties the columns to the JSON, per rank at open (O(1)): the JSON file has th
 the header recorded, and its claimed id and metadata (read from the head of the file,
 before its shard list: `read_json_head`) are the header's. Otherwise the JSON is
 parsed as before. What ties them in full, once per job: the job's verifier hashes the
-JSON file against the header's ``json_digest`` and re-computes the manifest id from
-the columns' entries (`detdata.identity.columns_tie.check_columns`), before any rank
-reads a shard with verification on; the verification receipt records it
+JSON file against the header's ``json_digest`` (`detdata.identity.columns_tie.check_json`)
+and re-computes the manifest id from the columns' entries (`verify_columns_id`), before
+any rank reads a shard with verification on; the verification receipt records it
 (`detdata.identity.receipts`).
 """
 
@@ -406,7 +406,7 @@ class ShardTable(Sequence["ShardEntry"]):
 
     def __init__(self, columns: ColumnsFile, json_path: str | None = None) -> None:
         self.columns = columns
-        #: the local JSON file the columns were saved with (checked by `check_columns`)
+        #: the local JSON file the columns were saved with (checked by `check_json`)
         self.json_path = json_path
         self._cache: dict[int, ShardEntry] = {}
         self._paths: dict[int, str] = {}  # `path` of shards without a built entry

@@ -3,37 +3,78 @@
 `detdata.identity.columns` checks each chunk of the columns against its digest when used;
 that catches damage, not a file whose chunks were re-digested after an edit. What proves
 the columns are the manifest the id names is re-computing the id from every entry
-(`verify_columns_id`) and, where the JSON is at hand, hashing it against the digest the
-columns recorded (`check_columns`): O(shards), run by the job's verifier
-(`detdata.identity.receipts`), its result recorded in the receipt.
+(`verify_columns_id`); what proves the JSON next to them (the readable form) is the one
+they were saved with is hashing it against the digest the columns recorded
+(`check_json`): a JSON edited in place (same size, same claimed id, a shard's digest
+changed) is refused, naming the file and the first field that differs. Both are
+O(shards), run once per job by the job's verifier (`detdata.identity.receipts`), their
+result recorded in the receipt (with the files' identities: a restart whose columns and
+JSON are unchanged runs neither).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from detdata.base.errors import ManifestError
 from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
 from detdata.identity.manifest_id import PIECE, streamed_id
 from detdata.storage.digest import full_digest_path
 
 
-def check_columns(table: ShardTable, *, with_json: bool = True) -> None:
-    """The full tie, O(shards) (the job's verifier runs it once): the JSON file the
-    columns were loaded for (``table.json_path``) hashes to the header's ``json_digest``,
-    and the id re-computed from every entry of the columns is the header's; else
-    `ManifestError`."""
+def check_json(table: ShardTable) -> None:
+    """The JSON file the columns were loaded for (``table.json_path``; nothing without one)
+    hashes to the header's ``json_digest`` (read in pieces: bounded memory); else a
+    `ManifestError` naming the JSON file and the first field where it differs from the
+    columns (`_first_difference`)."""
     c, json_path = table.columns, table.json_path
-    if json_path is not None and with_json:
-        found = full_digest_path(json_path)  # read in pieces: bounded memory
-        if found != c.header["json_digest"]:
-            raise c._error(
-                f"the manifest JSON {json_path} hashes to {found}, the columns were saved "
-                f"with {c.header['json_digest']} (the JSON was edited or torn)"
-            )
-    verify_columns_id(table)
+    if json_path is None:
+        return
+    found = full_digest_path(json_path)
+    if found == c.header["json_digest"]:
+        return
+    raise ManifestError(
+        f"manifest {json_path}: {_first_difference(table, json_path)}; it is not the JSON "
+        f"its fast form {c.path} was saved with (edited or torn since: it hashes to {found}, "
+        f"the fast form recorded {c.header['json_digest']}); hint: restore the JSON, or "
+        "build the manifest again and save it (which rewrites both)"
+    )
+
+
+def _first_difference(table: ShardTable, json_path: str) -> str:
+    """The first field (top level, then shard by shard in path order) where the JSON at
+    ``json_path`` differs from the columns, in words; what can be said where it does not
+    parse or no field differs. O(shards): only on the way to an error."""
+    try:
+        with open(json_path, "rb") as fh:
+            doc = json.loads(fh.read())
+    except (OSError, ValueError) as exc:
+        return f"unreadable as JSON ({exc})"
+    if not isinstance(doc, dict) or not isinstance(doc.get("shards"), list):
+        return "not a manifest document (no 'shards' list)"
+    header = table.columns.header
+    for name in ("id", "metadata"):
+        if doc.get(name) != header[name]:
+            return f"field {name!r} is {doc.get(name)!r}, the fast form has {header[name]!r}"
+    listed: list[Any] = doc["shards"]
+    for lo in range(0, min(len(listed), len(table)), PIECE):
+        entries = table.entries_between(lo, min(len(listed), len(table), lo + PIECE))
+        for i, entry in enumerate(entries, start=lo):
+            want = entry.to_json()
+            got = listed[i] if isinstance(listed[i], dict) else {}
+            for name in sorted(set(want) | set(got)):
+                if got.get(name) != want.get(name):
+                    return (
+                        f"shard #{i} ({entry.path}) field {name!r} is {got.get(name)!r}, the "
+                        f"fast form (and the id) has {want.get(name)!r}"
+                    )
+    if len(listed) != len(table):
+        return f"field 'shards' lists {len(listed)} shards, the fast form {len(table)}"
+    return "its bytes differ (no field does: reformatted?)"
 
 
 def verify_columns_id(

@@ -24,8 +24,9 @@ and the datasets):
   ETag (S3), generation (GCS) or version id where the listing gives one; for HTTP the
   ETag with Last-Modified. The next verification of the same manifest, root and level
   (or weaker) takes the identities again and reads only the shards whose identity
-  changed or was not recorded; a fast-form manifest's full check (`check_columns`) is
-  skipped when its files' identities are the ones recorded.
+  changed or was not recorded; a fast-form manifest's full check (its JSON hashed against
+  the digest its columns recorded, `check_json`, and the id re-computed from the columns,
+  `verify_columns_id`) is skipped when its files' identities are the ones recorded.
 
 What a receipt proves, and what it does not: a shard is skipped only if its identity
 now equals the identity it had when its bytes were read and found to match. A write
@@ -65,7 +66,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable
-from detdata.identity.columns_tie import verify_columns_id
+from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
@@ -285,7 +286,8 @@ def verify_with_receipt(
             else:
                 now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
             todo = _changed(old, now, level)
-        if tie:
+        if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
+            check_json(cast(ShardTable, manifest.shards))
             _tie_and_verify(manifest, todo, check)
         elif todo.size:
             _verify_shards(manifest, todo, check)

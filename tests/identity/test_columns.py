@@ -165,6 +165,41 @@ def test_a_self_consistent_but_wrong_fast_form_is_caught_by_the_verifier(tmp_pat
         Manifest.load(path)
 
 
+@pytest.mark.parametrize("receipts_on", [True, False], ids=["after-a-receipt", "no-receipts"])
+def test_a_json_edited_in_place_is_refused_naming_the_file_and_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receipts_on: bool
+) -> None:
+    """The JSON next to its fast form, edited in place after a verified start: same size,
+    same claimed id, one shard's digest changed, its modification time set back. The
+    fast form is still what a load maps (the size and head tie at open hold), and the
+    job's verification refuses it, naming the JSON file, the shard and the field."""
+    monkeypatch.setenv(receipts.ENV_DIR, str(tmp_path / "r") if receipts_on else "off")
+    _tokens(tmp_path / "d")
+    path = tmp_path / "d" / "manifest.json"
+    built = build_manifest(str(tmp_path / "d"))
+    built.save(str(path))
+    time.sleep(receipts.RACY_S + 0.1)  # settled: the receipt records the files' identities
+    Manifest.load(str(path))  # verified; with receipts on, a receipt is written
+    victim = built.shards[7]
+    raw = path.read_bytes()
+    old = victim.blake3.encode()
+    assert raw.count(old) == 1
+    new = old[:-1] + (b"0" if old[-1:] != b"0" else b"1")  # another digest, same length
+    st = path.stat()
+    with open(path, "r+b") as fh:  # in place: same file, same size
+        fh.seek(raw.index(old))
+        fh.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_ino == st.st_ino
+    assert isinstance(Manifest.load(str(path), verify="off").shards, ShardTable)  # still mapped
+    with pytest.raises(ManifestError) as info:
+        Manifest.load(str(path))
+    text = str(info.value)
+    assert f"manifest {path}:" in text, text
+    assert f"shard #7 ({victim.path}) field 'blake3' is {new.decode()!r}" in text, text
+    assert old.decode() in text, text
+
+
 def test_a_json_saved_without_its_fast_form_is_parsed(tmp_path: Path) -> None:
     _tokens(tmp_path / "d")
     path = tmp_path / "d" / "manifest.json"

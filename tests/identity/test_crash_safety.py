@@ -35,7 +35,7 @@ import pytest
 
 from detdata import Manifest, ManifestError, Registry, RegistryError, ShardEntry, build_manifest
 from detdata.identity.columns import ShardTable
-from detdata.identity.columns_tie import check_columns
+from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.formats import Format
 
 BIG_SHARDS = 1200
@@ -102,7 +102,8 @@ def check_save_target(
         return None
     manifest = Manifest.load(str(path), verify=verify)  # refuses torn JSON and id mismatches
     if isinstance(manifest.shards, ShardTable):  # the fast form: its full tie to the JSON
-        check_columns(manifest.shards)
+        check_json(manifest.shards)
+        verify_columns_id(manifest.shards)
     if allowed_ids is not None:
         assert manifest.id in allowed_ids, f"{path} holds an unexpected manifest {manifest.id}"
     else:
@@ -124,7 +125,8 @@ def check_registry(root: Path) -> list[str]:
     for path in (root / "manifests").glob("*.json"):
         stored = registry.get("b3:" + path.stem)  # parses and re-hashes to its name, or maps
         if isinstance(stored.shards, ShardTable):  # the fast form, re-hashed in full here
-            check_columns(stored.shards)
+            check_json(stored.shards)
+            verify_columns_id(stored.shards)
         intact.add(stored.id)
     names = registry.names()
     for name in names:

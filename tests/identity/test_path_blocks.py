@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from detdata import Manifest, ManifestError, ShardEntry
 from detdata.base.canonical import canonical_json
 from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
-from detdata.identity.columns_tie import check_columns
+from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.formats import Format
 from detdata.identity.path_blocks import PATH_BLOCK, decode_block, encode_paths
 from detdata.storage.fs import MAX_PATH_BYTES, path_problem
@@ -142,7 +142,8 @@ def test_a_version_1_fast_form_still_loads_with_its_id(tmp_path: Path) -> None:
     want = [s["path"] for s in doc["shards"]]
     assert table.all_paths() == want
     assert [table.path(i) for i in reversed(range(len(want)))] == want[::-1]
-    check_columns(table)  # the full tie holds
+    check_json(table)  # the full tie holds
+    verify_columns_id(table)
     # saved again, it is written as the current version, with the same id
     loaded.save(str(tmp_path / "again.json"))
     again = Manifest.load(str(tmp_path / "again.json"), verify="off")
