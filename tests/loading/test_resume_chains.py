@@ -240,13 +240,8 @@ def _shift(sample: dict[str, np.ndarray], rng: np.random.Generator, *, by: int) 
     return {k: v + by + int(rng.integers(0, 5)) for k, v in sample.items()}
 
 
-def _plain_configs(**per: list[Any]) -> list[Make]:
-    ((name, values),) = per.items()
-    return [functools.partial(_loader, _data(), **{name: v}) for v in values]
-
-
 CASES: dict[str, tuple[list[Make], tuple[str, ...]]] = {
-    "seed": (_plain_configs(seed=[1, 2, 3, 4]), ("seed",)),
+    "seed": ([functools.partial(_loader, _data(), seed=s) for s in (1, 2, 3, 4)], ("seed",)),
     "stream_seed": (
         [functools.partial(_loader, OrderedStream(_data(), s), seed=5) for s in (11, 12, 13, 14)],
         ("stream_seed",),
