@@ -91,6 +91,7 @@ from detdata.base.redact import get_logger
 from detdata.storage.boot import CheckedThisBoot
 from detdata.storage.cache_folder import (
     TempFill,
+    copies,
     make_layout,
     owned_alone,
     reserved_bytes,
@@ -660,16 +661,7 @@ class ShardCache:
 
     def _scan(self) -> tuple[list[tuple[int, int, str]], int]:
         """``([(mtime_ns, size, path) of copies], bytes reserved by live fills)``."""
-        objects = []
-        odir = os.path.join(self.directory, "objects")
-        for name in os.listdir(odir):
-            path = os.path.join(odir, name)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                continue
-            objects.append((st.st_mtime_ns, st.st_size, path))
-        return objects, reserved_bytes(os.path.join(self.directory, "tmp"))
+        return copies(self.directory), reserved_bytes(os.path.join(self.directory, "tmp"))
 
     # locks -------------------------------------------------------------------
     @contextlib.contextmanager

@@ -133,6 +133,20 @@ class TempFill:
         let_go(self.fd)
 
 
+def copies(directory: str) -> list[tuple[int, int, str]]:
+    """``(mtime_ns, size, path)`` of each copy in ``objects/`` (the LRU order's input)."""
+    found = []
+    objects = os.path.join(directory, "objects")
+    for name in os.listdir(objects):
+        path = os.path.join(objects, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        found.append((st.st_mtime_ns, st.st_size, path))
+    return found
+
+
 def reserved_bytes(tmp_dir: str) -> int:
     """Bytes reserved by live fills in ``tmp_dir`` (any process, any pid namespace); deletes
     leftovers of dead fills, and planted links or non-files, on the way."""
