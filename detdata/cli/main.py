@@ -3,20 +3,25 @@
 Each area registers its sub-commands from its own module (``detdata.cli.*``)
 listed in `COMMAND_MODULES`. Every failure ends in one ``detdata: ...`` message
 on stderr and an exit code (`EPILOG`); a Python traceback is shown only with
-``--traceback``. Every command runs behind the redaction boundary: no credential of
-a URL reaches stdout or stderr (`detdata.base.redact.redacted_output`).
+``--traceback``. The retries of a storage read are not listed one line each (the error
+that ends a read which kept failing says how many attempts it made, for how long, and the
+last error); ``--verbose`` shows each as it happens. Every command runs behind the
+redaction boundary: no credential of a URL reaches stdout or stderr
+(`detdata.base.redact.redacted_output`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import logging
 import os
 import re
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 from detdata.base.errors import DetdataError, StorageError, VerificationError
@@ -42,6 +47,10 @@ exit codes:
      e.g. a network failure, a remote object that cannot be read, a full disk
   130 interrupted (Ctrl-C); 141 output pipe closed (e.g. `detdata order ... | head`)
 """
+
+#: Loggers whose lines only ``--verbose`` shows: each retry of a storage read
+#: (`detdata.storage.retry`; the error that ends a read which kept failing sums them up).
+VERBOSE_LOGGERS: Final = ("detdata.retry",)
 
 # Modules that define ``register(subparsers)``; each sub-command sets ``func(args) -> int``.
 COMMAND_MODULES: Final = (
@@ -88,7 +97,7 @@ _PATH_ERRNOS: Final = frozenset(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="detdata",
-        usage="detdata [-h] [--traceback] COMMAND ...",
+        usage="detdata [-h] [--traceback] [-v] COMMAND ...",
         description=__doc__.splitlines()[0] if __doc__ else None,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -97,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--traceback",
         action="store_true",
         help="on an error, show the Python traceback too (for bug reports)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show each retry of a storage read as it happens (stderr)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
     sub.required = True
@@ -203,11 +218,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+@contextlib.contextmanager
+def _quiet_retries(verbose: bool) -> Iterator[None]:
+    """Without ``verbose``: the `VERBOSE_LOGGERS` pass only errors while the body runs."""
+    loggers = [] if verbose else [logging.getLogger(name) for name in VERBOSE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.func(args)
+        with _quiet_retries(args.verbose):
+            code: int = args.func(args)
         sys.stdout.flush()
     except KeyboardInterrupt:
         print("detdata: interrupted", file=sys.stderr)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from typing import Any
 
 from detdata.base.checks import check_count
-from detdata.base.errors import ConfigError
+from detdata.base.errors import ConfigError, RetriesExhausted
 from detdata.base.redact import redact_url
 from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.entry import Verify
@@ -23,6 +24,7 @@ from detdata.identity.manifest import Manifest
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
 from detdata.storage.fs import is_url
+from detdata.storage.retry import DEFAULT_RETRY
 
 
 def register(subparsers: Any) -> None:
@@ -195,15 +197,33 @@ def _add_verify(subparsers: Any) -> None:
         "--full", action="store_true", help="re-hash every byte (default: sizes and quick digests)"
     )
     parser.add_argument("--root", help="where the shards are now (default: the manifest's root)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=DEFAULT_RETRY.deadline_s,
+        metavar="SECONDS",
+        help="how long one remote read may keep retrying before it fails, exit 3 "
+        f"(default {DEFAULT_RETRY.deadline_s:g})",
+    )
     parser.set_defaults(func=_cmd_verify)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     mode = Verify.FULL if args.full else Verify.QUICK
+    if not 0 < args.deadline < float("inf"):  # NaN fails this too
+        raise ConfigError(
+            f"--deadline {args.deadline:g}: must be a positive number of seconds; hint: e.g. "
+            f"--deadline {DEFAULT_RETRY.deadline_s:g} (the default)"
+        )
     _check_local(args.manifest, "MANIFEST", folder=False)
     if args.root is not None:
         _check_local(args.root, "--root", folder=True)
-    manifest = Manifest.load(args.manifest, root=args.root, verify=mode)
+    retry = replace(DEFAULT_RETRY, deadline_s=args.deadline)
+    try:
+        manifest = Manifest.load(args.manifest, root=args.root, verify=mode, retry=retry)
+    except RetriesExhausted as exc:
+        exc.add_note("(detdata verify --deadline SECONDS sets that deadline)")
+        raise
     print(
         f"ok {manifest.id} ({len(manifest.shards)} shards, {manifest.total_bytes} bytes, "
         f"verify={mode.value}, root={redact_url(manifest.root or '')})"

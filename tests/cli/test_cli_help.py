@@ -78,4 +78,4 @@ def test_top_level_help_groups_the_commands_by_task() -> None:
         for command in commands:
             if command in registered:
                 assert listed[command] == title, (command, listed[command])
-    assert "usage: detdata [-h] [--traceback] COMMAND ..." in done.stdout
+    assert "usage: detdata [-h] [--traceback] [-v] COMMAND ..." in done.stdout
