@@ -286,6 +286,25 @@ http {{
 """
 
 
+#: Twisted's root resource: static files under ``docroot`` with the rules of `NGINX_CONF`
+#: (``?sig=expired``: 403, ``?sig=missing``: 401), children served by the same class.
+TWISTED_ROOT = """\
+from twisted.web import static
+
+
+class Signed(static.File):
+    def render(self, request):
+        sig = request.args.get(b"sig", [b""])[0]
+        if sig in (b"expired", b"missing"):
+            request.setResponseCode(403 if sig == b"expired" else 401)
+            return b"denied"
+        return static.File.render(self, request)
+
+
+resource = Signed({docroot!r})
+"""
+
+
 def start_http(workdir: Path) -> HttpServer:
     """nginx where the machine has it, else Twisted's web server (``twistd web``, from the dev
     lock: a real HTTP/1.1 server with Range, HEAD and directory listings), so that ``make
@@ -312,8 +331,10 @@ def start_twisted(workdir: Path) -> HttpServer:
         docroot = work / "www"
         docroot.mkdir(parents=True)
         port = free_ports(1)[0]
+        root = work / "root.rpy"  # the docroot, with nginx's presigned-URL rules
+        root.write_text(TWISTED_ROOT.format(docroot=str(docroot)))
         args = [twistd, "--nodaemon", "--pidfile=", f"--logfile={work / 'twistd.log'}", "web"]
-        args += ["--listen", f"tcp:{port}:interface=127.0.0.1", "--path", str(docroot)]
+        args += ["--listen", f"tcp:{port}:interface=127.0.0.1", "--resource-script", str(root)]
         proc = _launch(args, work / "stderr.log", cwd=work)
         server = HttpServer(port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work))
         if _wait_ready(proc, server, lambda s: _http_answers(s.base + "/"), timeout=30, poll=0.05):
