@@ -1,4 +1,5 @@
-"""accelerate (1.15): a resume that would restart the data is refused, with no glue.
+"""accelerate (1.15): a resume that would restart the data or misalign its steps is refused or
+repaired, with no glue.
 
 The user's one line (README) is ``accelerator.register_for_checkpointing(loader)``: then
 ``save_state`` / ``load_state`` carry the loader's state. Without it, ``load_state`` resumes
@@ -7,19 +8,39 @@ position 0, and nothing of that call reaches the loader. Likewise a torch ``Data
 detdata batch sampler prepared without ``use_stateful_dataloader=True``: accelerate saves and
 restores no position for it.
 
-So detdata watches ``load_state`` (`detdata.loading.frameworks`): when accelerate is imported
-before detdata, or before a detdata loader or sampler is built (the usual order: a
-``load_state`` called before both is not seen), ``Accelerator.load_state`` is wrapped, once per
-process, by a function that calls accelerate's own and then looks at what it restored:
+So detdata watches three methods of ``Accelerator`` (wrapped once per process, as soon as
+detdata and accelerate are both imported, in either order: `detdata.integrations.watch`):
 
-- a prepared data loader whose batch sampler is a detdata sampler, while that loader is not a
-  stateful one: `StateError` from ``load_state``, naming ``use_stateful_dataloader=True``;
-- a `detdata.DataLoader` that starts an iteration at position 0 after an ``Accelerator`` of
-  this process loaded a checkpoint with no detdata loader registered for checkpointing:
-  `StateError` at its first batch, naming ``register_for_checkpointing``. (With a detdata
-  loader registered, another loader at position 0 is taken to be meant, e.g. evaluation.)
+- ``register_for_checkpointing``: notes which accelerator each `detdata.DataLoader` is
+  registered with; with ``gradient_accumulation_steps > 1`` its batch settings are checked
+  at once (below);
+- ``accumulate`` (its first call per accelerator, before the micro batch in hand trains):
+  ``gradient_accumulation_steps x num_processes x micro batch`` must be the global batch of
+  every detdata loader registered with that accelerator (`ConfigError` naming the
+  ``gradient_accumulation_steps`` that agrees);
+- ``load_state``, after accelerate's own returns:
 
-Nothing else changes: the wrapper returns what accelerate returns and raises what it raises.
+  - a prepared data loader whose batch sampler is a detdata sampler, while that loader is not
+    a stateful one: `StateError`, naming ``use_stateful_dataloader=True``;
+  - each detdata loader it restored stands at the first position of its step (a state saved
+    inside gradient accumulation re-delivers the step whole); ``accelerator.step``, which
+    ``accumulate()`` syncs on (``step % gradient_accumulation_steps``), is set to the micro
+    batches this run's layout has delivered by then when it differs (logged): restored at
+    the saving run's accumulation or inside a step, it would make the first optimizer step
+    short and every later one straddle two of detdata's;
+
+- a `detdata.DataLoader` that starts an iteration at position 0 (its first batch) is refused
+  with a `StateError` naming ``register_for_checkpointing`` when an accelerator it belongs to
+  resumed without it: registered with an accelerator only after that accelerator's
+  ``load_state``; or registered with none while some ``Accelerator`` of this process returned
+  from ``load_state`` with no detdata loader registered (with one registered, another loader
+  at position 0 is taken to be meant). A loader registered with an accelerator that did not
+  resume (a teacher model's ``Accelerator`` loading its own checkpoint beside a fresh run) is
+  never refused. A loader that starts over in every run by design (evaluation, e.g. beside
+  the torch-sampler path, whose prepared DataLoader accelerate restores) declares so and is
+  never refused: ``LoaderOptions(resume=ResumePolicy(fresh_each_run=True))``.
+
+Nothing else changes: each wrapper returns what accelerate returns and raises what it raises.
 """
 
 from __future__ import annotations
@@ -32,32 +53,73 @@ from typing import Any, Final
 from accelerate import Accelerator
 
 from detdata.base.errors import StateError
+from detdata.base.redact import get_logger
 from detdata.loading.loader import DataLoader
 from detdata.loading.sampler import DeterministicBatchSampler, FrameworkBatchSampler
 
-__all__ = ["LoadStateWatch", "start_watch"]
+__all__ = ["AcceleratorWatch", "start_watch"]
 
-#: set on the wrapper, so that the class is wrapped once
+log: Final = get_logger("detdata.loader")
+
+#: set on each wrapper, so that each method is wrapped once
 _MARK: Final = "__detdata_watch__"
 _SAMPLERS: Final = (DeterministicBatchSampler, FrameworkBatchSampler)
 #: how deep a data loader's batch sampler may be wrapped (accelerate: BatchSamplerShard,
 #: SkipBatchSampler)
 _DEPTH: Final = 4
+_TRAINER: Final = "accelerate.Accelerator"
+_FIX: Final = (
+    "Accelerator(gradient_accumulation_steps={accumulation}), or a micro_batch_size that makes "
+    "micro x processes x gradient_accumulation_steps the global batch"
+)
+_REGISTER: Final = (
+    "hint: accelerator.register_for_checkpointing(loader) right after building the "
+    "Accelerator, before load_state, in the run that saves and the one that resumes (a "
+    "checkpoint saved without it has no loader state: resume from one saved with it, or call "
+    "loader.load_state_dict(state) with a state you saved yourself); a loader that starts over "
+    "in every run (evaluation) declares it: "
+    "LoaderOptions(resume=ResumePolicy(fresh_each_run=True))"
+)
 
 
-class LoadStateWatch:
-    """The accelerators of this process whose ``load_state`` returned (weakly held), and the
-    check of a loader starting at position 0 against them (a `FrameworkWatcher`)."""
+class AcceleratorWatch:
+    """What the wrapped ``Accelerator`` methods saw (accelerators and loaders weakly held), and
+    the check of a loader starting at position 0 (a `FrameworkWatcher`; see the module doc)."""
 
     def __init__(self) -> None:
-        self.resumed: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: accelerators whose ``load_state`` returned -> whether it restored a detdata loader
+        self.resumed: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        #: detdata loaders -> the accelerators they are registered with
+        self.registered: weakref.WeakKeyDictionary[DataLoader, weakref.WeakSet[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: detdata loaders a ``load_state`` restored
+        self.restored: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+        #: accelerators whose batch settings were checked at their first ``accumulate()``
+        self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def built(self) -> None:
-        """Nothing: the wrapper is in place (`start_watch`)."""
+        """Nothing: the wrappers are in place (`start_watch`)."""
+
+    # -------------------------------------------------------- the wrapped methods
+    def registering(self, accelerator: Any, objects: tuple[Any, ...]) -> None:
+        """``accelerator.register_for_checkpointing(*objects)`` returned."""
+        for obj in objects:
+            if isinstance(obj, DataLoader):
+                self.registered.setdefault(obj, weakref.WeakSet()).add(accelerator)
+                if int(accelerator.gradient_accumulation_steps) > 1:
+                    _check_batch(accelerator, obj)
+
+    def accumulating(self, accelerator: Any) -> None:
+        """``accelerator.accumulate(...)`` is called: check its loaders' batch (once)."""
+        if accelerator in self.checked:
+            return
+        for loader in _loaders(accelerator):
+            _check_batch(accelerator, loader)
+        self.checked.add(accelerator)
 
     def loaded(self, accelerator: Any) -> None:
-        """``accelerator.load_state`` returned: refuse a prepared detdata sampler that it did
-        not restore, and remember the accelerator for `check_start`."""
+        """``accelerator.load_state`` returned (see the module doc)."""
         for prepared in getattr(accelerator, "_dataloaders", ()):
             sampler = _detdata_sampler(prepared)
             if sampler is not None and not getattr(prepared, "use_stateful_dataloader", False):
@@ -70,50 +132,134 @@ class LoadStateWatch:
                     "use_stateful_dataloader=True)) for the run that saves and the one that "
                     "resumes"
                 )
-        self.resumed.add(accelerator)
+        loaders = _loaders(accelerator)
+        for loader in loaders:
+            self.restored.add(loader)
+        self.resumed[accelerator] = bool(loaders)
+        if loaders:
+            _align_step(accelerator, loaders)
 
+    # -------------------------------------------------------- the loader's first batch
     def check_start(self, loader: object) -> None:
-        """A `DataLoader` at position 0 after a ``load_state`` that restored no detdata loader:
-        `StateError` (see the module doc)."""
-        if not isinstance(loader, DataLoader):
+        """A `DataLoader` at position 0 starts an iteration (see the module doc)."""
+        if not isinstance(loader, DataLoader) or loader.options.resume.fresh_each_run:
             return
-        for accelerator in tuple(self.resumed):
-            registered = getattr(accelerator, "_custom_objects", None)
-            if registered is None or any(isinstance(o, DataLoader) for o in registered):
-                continue
+        owners = self.registered.get(loader)
+        if owners:
+            for accelerator in tuple(owners):
+                if accelerator in self.resumed and loader not in self.restored:
+                    raise StateError(
+                        "this detdata.DataLoader starts at position 0: it was registered for "
+                        "checkpointing after accelerator.load_state returned, so its position "
+                        "was not restored and it would train the run's first samples again; "
+                        + _REGISTER,
+                        fields=("samples_consumed",),
+                    )
+            return
+        if any(not covered for covered in tuple(self.resumed.values())):
             raise StateError(
                 "accelerator.load_state resumed the model and optimizer, but this "
                 "detdata.DataLoader starts at position 0: it is not registered for "
                 "checkpointing, so no checkpoint holds its position and it would train the "
-                "run's first samples again; hint: accelerator.register_for_checkpointing(loader)"
-                " right after building the Accelerator, in the run that saves and the one "
-                "that resumes (a checkpoint saved without it has no loader state: resume from "
-                "one saved with it, or call loader.load_state_dict(state) with a state you "
-                "saved yourself)",
+                "run's first samples again; " + _REGISTER,
                 fields=("samples_consumed",),
             )
 
 
-_WATCH: Final = LoadStateWatch()
+_WATCH: Final = AcceleratorWatch()
 
 
-def start_watch() -> LoadStateWatch:
-    """Wrap ``Accelerator.load_state`` (once per process) and return the watch."""
-    original = Accelerator.load_state
-    if not getattr(original, _MARK, False):
-        Accelerator.load_state = _watched(original)
+def start_watch() -> AcceleratorWatch:
+    """Wrap ``Accelerator.load_state``, ``register_for_checkpointing`` and ``accumulate`` (once
+    per process) and return the watch."""
+    for name, wrap in (
+        ("load_state", _watched_load),
+        ("register_for_checkpointing", _watched_register),
+        ("accumulate", _watched_accumulate),
+    ):
+        original = getattr(Accelerator, name)
+        if not getattr(original, _MARK, False):
+            wrapped = wrap(original)
+            setattr(wrapped, _MARK, True)
+            setattr(Accelerator, name, wrapped)
     return _WATCH
 
 
-def _watched(original: Callable[..., Any]) -> Callable[..., Any]:
+def _watched_load(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_state(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         _WATCH.loaded(self)
         return out
 
-    setattr(load_state, _MARK, True)
     return load_state
+
+
+def _watched_register(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def register_for_checkpointing(self: Any, *objects: Any) -> Any:
+        out = original(self, *objects)
+        _WATCH.registering(self, objects)
+        return out
+
+    return register_for_checkpointing
+
+
+def _watched_accumulate(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def accumulate(self: Any, *models: Any) -> Any:
+        _WATCH.accumulating(self)
+        return original(self, *models)
+
+    return accumulate
+
+
+def _loaders(accelerator: Any) -> list[DataLoader]:
+    """The detdata loaders registered with ``accelerator`` for checkpointing."""
+    return [o for o in getattr(accelerator, "_custom_objects", ()) if isinstance(o, DataLoader)]
+
+
+def _check_batch(accelerator: Any, loader: DataLoader) -> None:
+    loader.check_trainer_batch(
+        micro_batch_size=loader.batch_size,
+        accumulation=int(accelerator.gradient_accumulation_steps),
+        world_size=int(accelerator.num_processes),
+        trainer=_TRAINER,
+        fix=_FIX,
+    )
+
+
+def _align_step(accelerator: Any, loaders: list[DataLoader]) -> None:
+    """``accelerator.step`` as the micro batches the restored loaders' layout has delivered
+    (see the module doc); loaders that disagree are a `StateError`."""
+    accumulation = int(accelerator.gradient_accumulation_steps)
+    if accumulation > 1:
+        for loader in loaders:
+            _check_batch(accelerator, loader)
+    delivered = {lo.samples_consumed // lo.layout.samples_per_micro_step for lo in loaders}
+    if len(delivered) > 1:
+        raise StateError(
+            "accelerator.load_state restored detdata loaders that stand at different micro "
+            f"steps ({sorted(delivered)}); accelerator.step can follow only one; hint: register "
+            "one training loader per Accelerator",
+            fields=("samples_consumed",),
+        )
+    (micro_steps,) = delivered
+    restored = int(accelerator.step)
+    if accumulation == 1 or restored == micro_steps:
+        return
+    log.warning(
+        "detdata: accelerator.load_state restored accelerator.step=%d, but the detdata loader "
+        "resumes at optimizer step %d after %d micro batches of this run's layout "
+        "(gradient_accumulation_steps=%d); setting accelerator.step=%d so that accumulate() "
+        "steps at detdata's step boundaries",
+        restored,
+        loaders[0].step,
+        micro_steps,
+        accumulation,
+        micro_steps,
+    )
+    accelerator.step = micro_steps
 
 
 def _detdata_sampler(prepared: Any) -> Any:

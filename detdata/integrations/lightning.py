@@ -1,84 +1,162 @@
-"""PyTorch Lightning (2.6): the one optional line, ``callbacks=[DetdataSteps()]``.
+"""PyTorch Lightning (2.6): no glue, and no line; Lightning's optimizer step N is detdata's step
+N, or ``fit`` stops before its first batch naming the setting that fixes it.
 
-Plain use needs no glue (Lightning saves and restores the loader's state; ``len()`` is whole
-global steps, so ``accumulate_grad_batches`` steps are detdata's steps). `DetdataSteps` adds,
-at the start of ``fit`` (before the first batch), for every `detdata.DataLoader` Lightning
-trains on:
+Lightning saves the loader's state in its checkpoint and hands it back on resume; ``len()`` is
+whole global steps, so ``accumulate_grad_batches`` steps are detdata's steps. Two things only
+Lightning's side can see are watched (`detdata.integrations.watch` starts the watch once both
+detdata and Lightning are imported, in either order; two methods of Lightning's classes are
+wrapped, once per process):
 
-- the batch check: ``accumulate_grad_batches x devices x micro batch`` must be the loader's
-  global batch (`ConfigError` naming the ``accumulate_grad_batches`` that agrees);
-- the resume check: Lightning resumes at optimizer step ``global_step`` and the loader must
-  stand at that step. A loader whose state Lightning did not restore (it starts at position
-  0 while ``global_step > 0``: built anew outside the checkpoint, or a checkpoint written at an
-  epoch's end) is a `StateError`, never a silent replay;
-- a checkpoint written inside an optimizer step (``OnExceptionCheckpoint``, a time-based
-  ``ModelCheckpoint``, your own ``trainer.save_checkpoint`` between two micro batches of
-  accumulation, or after the last micro batch of a step but before its optimizer step): its
-  partial gradients were not saved, so the whole step is trained again. When Lightning
-  loads the checkpoint (``on_load_checkpoint``, before it restores its loops and the
-  loader), the loader state is moved to the first position of the checkpoint's
-  ``global_step`` (`LoaderState.resumed` with ``at_step``) and Lightning's batch counters back
-  by the micro batches of that step it had fetched, so the step Lightning accumulates is
-  detdata's whole step.
+- restore (``fit(ckpt_path=...)``; ``_CheckpointConnector.restore_loops``, before Lightning
+  restores its loops and hands the loader its state): Lightning counts its position in micro
+  batches (``epoch_loop.batch_progress``) and steps when that count is a multiple of
+  ``accumulate_grad_batches``. (1) A checkpoint written inside an optimizer step (a monitored
+  ``ModelCheckpoint(every_n_train_steps=...)`` deferring its save to a validation that runs
+  inside gradient accumulation, ``OnExceptionCheckpoint``, a time-based checkpoint, your own
+  ``save_checkpoint`` between two micro batches): its partial gradients were not saved, so the
+  loader state is moved to the first position of the checkpoint's ``global_step``
+  (`LoaderState.resumed` with ``at_step``) and the micro batches of that step Lightning had
+  fetched are taken off its counters: the step is trained whole. (2) An
+  ``accumulate_grad_batches`` other than the saving run's (logged): the counters are
+  recounted in this run's micro batches per step (whole steps x ``accumulate_grad_batches``),
+  so Lightning steps at detdata's step boundaries;
+- train start (``FitLoop.on_run_start``, before ``on_train_start`` and the first batch), for
+  every `detdata.DataLoader` Lightning trains on: ``accumulate_grad_batches x devices x micro
+  batch`` must be the loader's global batch (`ConfigError` naming the
+  ``accumulate_grad_batches`` that agrees), and the loader must stand at the first position
+  of Lightning's restored ``global_step`` (`StateError`: position 0 when Lightning did not
+  restore its state, e.g. from an end-of-epoch checkpoint; never a silent replay).
+
+`DetdataSteps`, the optional line of earlier versions, is kept as a callback that does nothing
+more (the watch does it all).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import functools
+from collections.abc import Callable, MutableMapping
 from typing import Any, Final
 
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import GradientAccumulationScheduler
+from pytorch_lightning.loops.fit_loop import _FitLoop
+from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from pytorch_lightning.trainer.states import TrainerFn
 
-from detdata.base.errors import StateError
+from detdata.base.errors import ConfigError, StateError
 from detdata.base.redact import get_logger
 from detdata.loading.loader import DataLoader
 from detdata.loading.state import KIND, LoaderState
 from detdata.loading.steps import MidStep
 
-__all__ = ["DetdataSteps"]
+__all__ = ["DetdataSteps", "LightningWatch", "align_checkpoint", "start_watch"]
 
 log: Final = get_logger("detdata.loader")
 
+#: set on a wrapper, so that each method is wrapped once
+_MARK: Final = "__detdata_watch__"
+#: Lightning's batch counters (``_ProcessedTracker``)
+_COUNTERS: Final = ("ready", "started", "processed", "completed")
+_TRAINER: Final = "pytorch_lightning.Trainer"
+
+
+class LightningWatch:
+    """The watch of Lightning's restore and train start (a `FrameworkWatcher`; the checks run
+    inside Lightning's own calls, see the module doc)."""
+
+    def built(self) -> None:
+        """Nothing: the wrappers are in place (`start_watch`)."""
+
+    def check_start(self, loader: object) -> None:
+        """Nothing: Lightning's train start checks its loaders (`check_fit`)."""
+
+
+_WATCH: Final = LightningWatch()
+
+
+def start_watch() -> LightningWatch:
+    """Wrap ``_CheckpointConnector.restore_loops`` and ``FitLoop.on_run_start`` (once per
+    process) and return the watch."""
+    restore = _CheckpointConnector.restore_loops
+    if not getattr(restore, _MARK, False):
+        _CheckpointConnector.restore_loops = _marked(_aligned_restore(restore))  # type: ignore[method-assign]
+    run_start = _FitLoop.on_run_start
+    if not getattr(run_start, _MARK, False):
+        _FitLoop.on_run_start = _marked(_checked_run_start(run_start))  # type: ignore[method-assign]
+    return _WATCH
+
+
+def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def _aligned_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def restore_loops(self: _CheckpointConnector) -> None:
+        checkpoint = self._loaded_checkpoint
+        trainer = self.trainer
+        if checkpoint and trainer.state.fn == TrainerFn.FITTING:
+            epoch = int(checkpoint.get("epoch", 0))
+            align_checkpoint(checkpoint, _accumulation(trainer, epoch))
+        original(self)
+
+    return restore_loops
+
+
+def _checked_run_start(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def on_run_start(self: _FitLoop) -> None:
+        check_fit(self.trainer)
+        original(self)
+
+    return on_run_start
+
 
 class DetdataSteps(pl.Callback):
-    """``pl.Trainer(callbacks=[DetdataSteps()])``: batch settings and resume position checked,
-    a mid-step checkpoint trained from its step's start (see the module doc)."""
+    """The optional line of earlier versions, ``pl.Trainer(callbacks=[DetdataSteps()])``: now a
+    callback that only makes sure the watch is started (it always is once detdata and Lightning
+    are imported); everything it did is done without it (see the module doc)."""
 
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        del trainer, pl_module
-        fit = checkpoint.get("loops", {}).get("fit_loop", {})
-        states = fit.get("state_dict", {}).get("combined_loader", [])
-        step = int(checkpoint.get("global_step", 0))
-        back = 0  # micro batches of the step the loaders had delivered at the save
-        for i, state in enumerate(states):
-            if _is_detdata(state):
-                back = max(back, _step_start(states, i, step))
-        if back:
-            _rewind_progress(fit.get("epoch_loop.batch_progress"), back, step)
+    def __init__(self) -> None:
+        super().__init__()
+        start_watch()
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        del pl_module
-        loaders = _detdata_loaders(trainer)
-        for loader in loaders:
-            loader.check_trainer_batch(
-                micro_batch_size=loader.batch_size,
-                accumulation=int(trainer.accumulate_grad_batches),
-                world_size=int(trainer.world_size),
-                trainer="pytorch_lightning.Trainer",
-                fix="pl.Trainer(accumulate_grad_batches={accumulation})",
-            )
-            _check_restored(loader, int(trainer.global_step))
+
+# ------------------------------------------------------------------ restore
+def align_checkpoint(checkpoint: MutableMapping[str, Any], accumulation: int) -> None:
+    """Move a Lightning checkpoint (as loaded, before Lightning restores from it) to the start
+    of its optimizer step, in micro batches of ``accumulation`` per step: every detdata loader
+    state to the first position of ``global_step``, and the batch counters to the micro
+    batches of the whole steps before it (see the module doc). A checkpoint with no detdata
+    loader state is left as it is."""
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    states = fit.get("state_dict", {}).get("combined_loader", [])
+    step = int(checkpoint.get("global_step", 0))
+    moves = {_step_start(states, i, step) for i, s in enumerate(states) if _is_detdata(s)}
+    if not moves:
+        return
+    if len(moves) > 1:
+        raise StateError(
+            f"the Lightning checkpoint's detdata loaders disagree on where optimizer step {step} "
+            f"starts ((micro batches fetched, micro batches per step): {sorted(moves)})",
+            fields=("layout",),
+        )
+    ((back, per_step),) = moves
+    if back == 0 and per_step == accumulation:
+        return  # at a step boundary, counted as this run counts
+    progress = fit.get("epoch_loop.batch_progress")
+    _recount(progress, step, back=back, saved=per_step, now=accumulation)
 
 
 def _is_detdata(state: object) -> bool:
     return isinstance(state, MutableMapping) and state.get("kind") == KIND
 
 
-def _step_start(states: list[Any], i: int, step: int) -> int:
-    """Move ``states[i]`` (a detdata state) to the first position of optimizer ``step``; the
-    micro batches (of the saving run's layout) that takes back."""
+def _step_start(states: list[Any], i: int, step: int) -> tuple[int, int]:
+    """Move ``states[i]`` (a detdata state) to the first position of optimizer ``step``: the
+    micro batches of the saving run's layout that takes back, and that layout's micro batches
+    per step."""
     saved = LoaderState.from_json(states[i])
     try:
         moved = saved.resumed(MidStep.REDO, at_step=step)
@@ -91,49 +169,107 @@ def _step_start(states: list[Any], i: int, step: int) -> int:
     states[i] = moved.to_json()
     layout = saved.layout
     per = int(layout.get("micro_batch_size", 0)) * int(layout.get("world_size", 0))
+    batch = saved.plan.batch_of(step)
     taken = saved.samples_consumed - moved.samples_consumed
-    if taken and (per <= 0 or taken % per):
+    if per <= 0 or taken % per or batch % per:
         raise StateError(
-            f"the Lightning checkpoint's detdata loader state was saved {taken} samples into "
-            f"optimizer step {step}, not a whole number of its micro steps ({layout})",
+            f"the Lightning checkpoint's detdata loader state ({layout}) was saved {taken} "
+            f"samples into optimizer step {step} of {batch} samples: not whole micro steps of "
+            "its own layout",
             fields=("layout",),
         )
-    return taken // per if taken else 0
+    return taken // per, batch // per
 
 
-def _rewind_progress(progress: Any, back: int, step: int) -> None:
-    """Lightning's saved batch counters (``epoch_loop.batch_progress``) as at the start of
-    optimizer step ``step``: ``back`` micro batches of it had been fetched (and counted by
-    the loader), their gradients not saved."""
+def _recount(progress: object, step: int, *, back: int, saved: int, now: int) -> None:
+    """Lightning's batch counters (``epoch_loop.batch_progress``, in the saving run's micro
+    batches: ``saved`` a step, ``back`` of them fetched into ``step``) as this run counts at
+    the start of ``step``: whole steps x ``now``."""
     if not isinstance(progress, MutableMapping):
         raise StateError(
-            "the Lightning checkpoint has no epoch_loop.batch_progress to move back to the start "
-            f"of optimizer step {step}"
+            "the Lightning checkpoint has no epoch_loop.batch_progress to move to the start of "
+            f"optimizer step {step}"
         )
-    log.warning(
-        "detdata: the Lightning checkpoint was written inside optimizer step %d (%d of its "
-        "micro batches fetched, their gradients not saved); training the step again from its "
-        "first micro batch",
-        step,
-        back,
-    )
-    for part in ("current", "total"):
+    starts = {part: _whole_steps(progress[part], part, step, back, saved) * now for part in
+              ("current", "total")}  # fmt: skip
+    if back:
+        log.warning(
+            "detdata: the Lightning checkpoint was written inside optimizer step %d (%d of its "
+            "micro batches fetched, their gradients not saved); training the step again from "
+            "its first micro batch",
+            step,
+            back,
+        )
+    if saved != now:
+        log.warning(
+            "detdata: the Lightning checkpoint counted %d micro batches a step, this run "
+            "accumulate_grad_batches=%d: Lightning's batch counters recounted at %d a step, so "
+            "optimizer step %d starts at its first micro batch",
+            saved,
+            now,
+            now,
+            step,
+        )
+    for part, start in starts.items():
         counters = progress[part]
-        start = int(counters["ready"]) - back
-        if start < 0:
-            raise StateError(
-                f"the Lightning checkpoint's batch counters ({part}: {dict(counters)}) hold fewer "
-                f"than the {back} micro batches of optimizer step {step} its loader delivered"
-            )
-        for name in ("ready", "started", "processed", "completed"):
-            counters[name] = start
-    progress["is_last_batch"] = False
+        if back:  # as at the step's start: every counter there
+            shift = {name: start for name in _COUNTERS}
+        else:  # a step boundary: the counters' own stage (e.g. saved on_train_batch_end) kept
+            moved = start - int(counters["ready"])
+            shift = {name: int(counters[name]) + moved for name in _COUNTERS}
+        counters.update(shift)
+    if back:
+        progress["is_last_batch"] = False
 
 
-def _detdata_loaders(trainer: pl.Trainer) -> list[DataLoader]:
+def _whole_steps(counters: Any, part: str, step: int, back: int, per_step: int) -> int:
+    """The whole steps ``counters`` (``ready`` less ``back``) count, ``per_step`` micro batches
+    each; a `StateError` if they are not whole."""
+    start = int(counters["ready"]) - back
+    if start < 0 or start % per_step:
+        raise StateError(
+            f"the Lightning checkpoint's batch counters ({part}: {dict(counters)}) are not the "
+            f"start of optimizer step {step} ({back} micro batches of it fetched, {per_step} "
+            "a step); hint: resume from a checkpoint Lightning wrote over this detdata loader"
+        )
+    return start // per_step
+
+
+# ------------------------------------------------------------------ train start
+def check_fit(trainer: pl.Trainer) -> None:
+    """Every `detdata.DataLoader` Lightning trains on: batch settings and position (see the
+    module doc)."""
     combined = trainer.fit_loop._combined_loader
-    flattened = [] if combined is None else list(combined.flattened)
-    return [d for d in flattened if isinstance(d, DataLoader)]
+    loaders = [] if combined is None else list(combined.flattened)
+    accumulation = _accumulation(trainer, int(trainer.current_epoch))
+    for loader in loaders:
+        if isinstance(loader, DataLoader):
+            loader.check_trainer_batch(
+                micro_batch_size=loader.batch_size,
+                accumulation=accumulation,
+                world_size=int(trainer.world_size),
+                trainer=_TRAINER,
+                fix="pl.Trainer(accumulate_grad_batches={accumulation}), or a micro_batch_size "
+                "that makes micro x devices x accumulate_grad_batches the global batch",
+            )
+            _check_restored(loader, int(trainer.global_step))
+
+
+def _accumulation(trainer: pl.Trainer, epoch: int) -> int:
+    """Micro batches per optimizer step at ``epoch``: ``accumulate_grad_batches``, or a
+    ``GradientAccumulationScheduler``'s (which must not change it: `ConfigError`)."""
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+    schedulers = [c for c in callbacks if isinstance(c, GradientAccumulationScheduler)]
+    if not schedulers:
+        return int(trainer.accumulate_grad_batches)
+    scheduling = schedulers[0].scheduling
+    if len(set(scheduling.values())) > 1:
+        raise ConfigError(
+            f"GradientAccumulationScheduler({scheduling}) changes accumulate_grad_batches "
+            "during the run, but a detdata.DataLoader's optimizer step is its global batch, "
+            "the same all run; hint: one accumulate_grad_batches for the whole run"
+        )
+    return int(schedulers[0].get_accumulate_grad_batches(epoch))
 
 
 def _check_restored(loader: DataLoader, step: int) -> None:
@@ -143,17 +279,18 @@ def _check_restored(loader: DataLoader, step: int) -> None:
     if step > 0 and loader.samples_consumed == 0:
         raise StateError(
             f"Lightning resumes at optimizer step {step}, but this detdata.DataLoader starts at "
-            "position 0: Lightning did not restore its state and it would replay the run from "
-            "its first sample; hint: resume from a checkpoint written inside an epoch "
-            "(ModelCheckpoint(every_n_train_steps=...)) with the same loader in "
-            "train_dataloaders= or train_dataloader(), or call "
+            "position 0: its state was not restored (Lightning hands a loader its state only "
+            "from a checkpoint written inside an epoch) and it would replay the run from its "
+            "first sample; hint: resume from a checkpoint written inside an epoch "
+            "(ModelCheckpoint(every_n_train_steps=...), or train by max_steps) with the same "
+            "loader in train_dataloaders= or train_dataloader(), or call "
             "loader.load_state_dict(saved_state) before fit",
             fields=("samples_consumed",),
         )
     raise StateError(
         f"Lightning resumes at optimizer step {step} (position {loader.position_of_step(step)}), "
         f"but this detdata.DataLoader stands at position {loader.samples_consumed} (global "
-        f"step {loader.step}); hint: resume from a checkpoint Lightning wrote with this loader "
-        "and DetdataSteps, and give it the same accumulate_grad_batches",
+        f"step {loader.step}); hint: resume from a checkpoint Lightning wrote with this loader, "
+        "or build a new detdata.DataLoader for a new run",
         fields=("samples_consumed",),
     )

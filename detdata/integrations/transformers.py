@@ -25,7 +25,11 @@ What it does, and nothing else:
 - the Trainer's batch settings must agree with the loader's global batch:
   ``gradient_accumulation_steps x world_size x per_device_train_batch_size ==
   global_batch_size`` and ``per_device_train_batch_size`` is the loader's micro batch,
-  checked before the first batch (`ConfigError` with the line that fixes it).
+  checked before the first batch (`ConfigError` with the line that fixes it);
+- the Trainer's worker settings are the loader's own: ``dataloader_num_workers`` other than 0
+  and the loader's ``num_workers``, and ``dataloader_persistent_workers`` /
+  ``dataloader_prefetch_factor`` / ``dataloader_multiprocessing_context`` set at all, are a
+  `ConfigError` naming the loader's keyword (the Trainer would not apply them).
 
 ``len(loader)`` counts whole global steps' worth of micro batches, so the Trainer never takes
 a short step at an epoch's end: its optimizer step N, epoch and ``epoch`` fraction are an
@@ -79,8 +83,10 @@ class DetdataTrainerMixin:
 
     # ------------------------------------------------------------------ the loader
     def get_train_dataloader(self) -> Any:
-        """The detdata loader itself, once the Trainer's batch settings are checked."""
+        """The detdata loader itself, once the Trainer's batch and worker settings are
+        checked."""
         args = self.args  # type: ignore[attr-defined]
+        check_worker_args(args, self.detdata_loader)
         self.detdata_loader.check_trainer_batch(
             micro_batch_size=args.per_device_train_batch_size,
             accumulation=args.gradient_accumulation_steps,
@@ -169,6 +175,36 @@ class DetdataTrainerMixin:
         batches, so its step and epoch counters are an uninterrupted run's)."""
         with _no_skip(self.detdata_loader, int(self.state.global_step)):  # type: ignore[attr-defined]
             return super()._run_epoch(**kwargs)  # type: ignore[misc]
+
+
+def check_worker_args(args: Any, loader: DataLoader) -> None:
+    """`ConfigError` for a ``TrainingArguments`` worker setting the Trainer would not apply:
+    ``dataloader_num_workers`` other than its default 0 and the loader's own ``num_workers``,
+    or ``dataloader_persistent_workers`` / ``_prefetch_factor`` / ``_multiprocessing_context``
+    set at all (the loader's own keywords decide; ``dataloader_pin_memory`` and
+    ``dataloader_drop_last`` change no sample and are left alone)."""
+    workers = int(args.dataloader_num_workers)
+    if workers not in (0, loader.num_workers):
+        raise ConfigError(
+            f"TrainingArguments(dataloader_num_workers={workers}) is not applied: "
+            "DetdataTrainer trains on the detdata.DataLoader as it was built, with "
+            f"num_workers={loader.num_workers}; hint: detdata.DataLoader(..., "
+            f"num_workers={workers}) and leave dataloader_num_workers at its default"
+        )
+    unapplied = (  # (argument, its value, the DataLoader keyword, the argument's default)
+        ("dataloader_persistent_workers", args.dataloader_persistent_workers,
+         "persistent_workers", False),
+        ("dataloader_prefetch_factor", args.dataloader_prefetch_factor, "prefetch_factor", None),
+        ("dataloader_multiprocessing_context", args.dataloader_multiprocessing_context,
+         "multiprocessing_context", None),
+    )  # fmt: skip
+    for name, value, keyword, default in unapplied:
+        if value != default:
+            raise ConfigError(
+                f"TrainingArguments({name}={value!r}) is not applied: DetdataTrainer trains on "
+                "the detdata.DataLoader as it was built; hint: detdata.DataLoader(..., "
+                f"{keyword}={value!r}) and leave {name} at its default ({default!r})"
+            )
 
 
 @contextlib.contextmanager

@@ -1,22 +1,38 @@
 """The `detdata.loading.frameworks` watcher the package registers: it starts the watch of each
-supported framework that is imported by the time a detdata loader or sampler is built.
+supported framework as soon as both detdata and the framework are imported, in either order.
 
-Importing this module imports no framework: a framework's integration module is imported (and
-its watch started) only once the framework itself is in ``sys.modules``. Today: accelerate
-(`detdata.integrations.accelerate`: ``Accelerator.load_state`` resuming a run whose detdata
-loader it does not checkpoint). The other integrations check inside the code the user adds
-(`DetdataSteps`, `DetdataTrainer`, the torchtitan and OLMo-core loaders).
+Importing this module imports no framework. A framework's integration module is imported (and
+its watch started) once the framework itself has been imported:
+
+- already imported when detdata is (or when a detdata loader or sampler is built): at once;
+- imported later: right after the framework's top-level package has finished importing. A
+  finder on ``sys.meta_path`` (`_AfterImport`, added at ``import detdata``, removed once every
+  watched framework is imported) notices the import, lets the usual finders find and load the
+  package unchanged, then starts the watch, before the script can build an ``Accelerator`` or
+  a ``Trainer``. A loader built before ``import accelerate`` is watched like any other.
+
+Today: accelerate (`detdata.integrations.accelerate`: ``Accelerator.load_state`` resuming a
+run whose detdata loader it does not checkpoint, ``gradient_accumulation_steps`` against the
+loader's global batch) and PyTorch Lightning (`detdata.integrations.lightning`: the loader's
+step and Lightning's restored counters, its batch settings). The other integrations check
+inside the code the user adds (`DetdataTrainer`, the torchtitan and OLMo-core loaders).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from typing import Final
 
+from detdata.base.redact import get_logger
 from detdata.loading.frameworks import FrameworkWatcher
 
 __all__ = ["WATCHER", "ImportedFrameworks"]
+
+log: Final = get_logger("detdata")
 
 
 def _accelerate() -> FrameworkWatcher:
@@ -25,9 +41,17 @@ def _accelerate() -> FrameworkWatcher:
     return start_watch()
 
 
-#: (the framework's module, what starts its watch)
+def _lightning() -> FrameworkWatcher:
+    from detdata.integrations.lightning import start_watch
+
+    return start_watch()
+
+
+#: (the framework's top-level package, what starts its watch): started once that package has
+#: finished importing (every module its ``__init__`` imports is then complete)
 _FRAMEWORKS: Final[tuple[tuple[str, Callable[[], FrameworkWatcher]], ...]] = (
-    ("accelerate.accelerator", _accelerate),
+    ("accelerate", _accelerate),
+    ("pytorch_lightning", _lightning),
 )
 
 
@@ -36,17 +60,109 @@ class ImportedFrameworks:
 
     def __init__(self) -> None:
         self._started: dict[str, FrameworkWatcher] = {}
+        self._finder: _AfterImport | None = None
 
     def built(self) -> None:
-        for module, start in _FRAMEWORKS:
-            if module not in self._started and module in sys.modules:
-                self._started[module] = start()
+        """Start the watch of every framework imported by now; the first call (at ``import
+        detdata``) also adds the finder that starts the others when they are imported."""
+        for module, _ in _FRAMEWORKS:
+            if module in sys.modules:
+                self._start(module)
+        if self._finder is None:
+            pending = [m for m, _ in _FRAMEWORKS if m not in self._started]
+            self._finder = _AfterImport(pending, self._start)
+            self._finder.install()
         for watcher in tuple(self._started.values()):
             watcher.built()
 
     def check_start(self, loader: object) -> None:
         for watcher in tuple(self._started.values()):
             watcher.check_start(loader)
+
+    def _start(self, module: str) -> None:
+        if module in self._started:
+            return
+        start = dict(_FRAMEWORKS)[module]
+        self._started[module] = start()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``after(name)`` once the top-level package ``name`` (one of ``names``) has been
+    imported: it finds the package's spec with the finders after it on ``sys.meta_path`` and
+    wraps only its loader's ``exec_module`` (the module gets the original loader back before
+    its code runs); removes itself once every name was seen."""
+
+    def __init__(self, names: Sequence[str], after: Callable[[str], None]) -> None:
+        self._pending = set(names)
+        self._after = after
+
+    def install(self) -> None:
+        if self._pending and self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self._pending:
+            return None
+        self._pending.discard(fullname)  # once; also keeps the search below from recursing
+        if not self._pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in tuple(sys.meta_path):
+            if finder is self:
+                continue
+            # the import system's own protocol: a meta path finder may lack find_spec
+            find = getattr(finder, "find_spec", None)
+            spec: importlib.machinery.ModuleSpec | None = (
+                None if find is None else find(fullname, path, target)
+            )
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _ThenStart(spec.loader, spec, lambda: self._started(fullname))
+            return spec
+        return None
+
+    def _started(self, name: str) -> None:
+        try:
+            self._after(name)
+        except Exception as exc:  # the user's import must not fail for detdata's watch
+            log.warning(
+                "detdata: could not start the watch of %s after its import (%s: %s): resumes "
+                "through it are not checked by detdata; hint: import %s before building a "
+                "detdata loader",
+                name,
+                type(exc).__name__,
+                exc,
+                name,
+            )
+
+
+class _ThenStart(importlib.abc.Loader):
+    """``loader`` with ``then()`` run after its ``exec_module``; the module and its spec hold
+    ``loader`` itself (nothing after the import sees this wrapper)."""
+
+    def __init__(
+        self,
+        loader: importlib.abc.Loader,
+        spec: importlib.machinery.ModuleSpec,
+        then: Callable[[], None],
+    ) -> None:
+        self._loader = loader
+        self._spec = spec
+        self._then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._spec.loader = self._loader
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        self._then()
 
 
 #: the one instance ``detdata/__init__.py`` registers

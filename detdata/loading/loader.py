@@ -85,7 +85,8 @@ class DataLoader(Iteration, Resume, Lookup):
       ``rank``, ``world_size`` (None: torch.distributed's), ``total_samples``, ``transform``,
       ``transform_id``, ``trace``, ``read`` (a `ReadOptions`: ``worker_mode``,
       ``read_ahead``, ``lookahead``, ``lookahead_connections``), ``device`` (a `DeviceFeed`:
-      ``device``, ``prefetch``) and ``resume`` (a `ResumePolicy`: ``allow``, ``mid_step``).
+      ``device``, ``prefetch``) and ``resume`` (a `ResumePolicy`: ``allow``, ``mid_step``,
+      ``fresh_each_run``).
       Each is described below and on its class.
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
       ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
@@ -145,7 +146,9 @@ class DataLoader(Iteration, Resume, Lookup):
 
     ``LoaderOptions.trace``: a JSON-lines file with one record per delivered micro batch.
     ``ResumePolicy.allow`` and ``ResumePolicy.mid_step``: the defaults of
-    `load_state_dict`'s ``allow`` (added to) and ``mid_step``.
+    `load_state_dict`'s ``allow`` (added to) and ``mid_step``. ``ResumePolicy.fresh_each_run``:
+    this loader starts over in every run by design (evaluation); framework watches do not take
+    it for a training loader a checkpoint left out (`detdata.integrations.accelerate`).
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).

@@ -213,13 +213,26 @@ class ResumePolicy:
       part (``"continue"``, for a caller that restores the partial gradients too); the
       default of ``load_state_dict(mid_step=None)``, for callers such as
       ``torch.distributed.checkpoint`` that call ``load_state_dict(state)`` themselves.
+    * ``fresh_each_run`` (default False): this loader starts at position 0 in every run, by
+      design (an evaluation loader). A framework watch that refuses a loader starting at
+      position 0 in a resumed run (accelerate's ``load_state`` with no detdata loader
+      registered: `detdata.integrations.accelerate`) leaves it alone. It changes nothing
+      else: ``load_state_dict`` still resumes it when asked.
     """
 
     allow: Iterable[str] = ()
     mid_step: MidStep | str = MidStep.REDO
+    fresh_each_run: bool = False
 
     def __post_init__(self) -> None:
         allow, mid_step = self.allow, self.mid_step
+        _of_type(
+            "ResumePolicy.fresh_each_run",
+            self.fresh_each_run,
+            bool,
+            "True or False",
+            "ResumePolicy(fresh_each_run=True) for an evaluation loader",
+        )
         _set(
             self,
             "allow",

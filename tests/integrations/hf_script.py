@@ -12,7 +12,8 @@ and a digest of every row.
 Config keys: ``out``, ``tag``, ``output_dir`` (the Trainer's), ``n`` (rows), ``global_batch``,
 ``micro``, ``accum`` (``gradient_accumulation_steps``), ``seed``, ``max_steps``, ``save_steps``,
 ``workers``, ``resume`` (a checkpoint folder, or None), ``save_inside`` (a step: write a
-checkpoint after its first micro batch, inside gradient accumulation).
+checkpoint after its first micro batch, inside gradient accumulation), ``args`` (more
+``TrainingArguments``, e.g. ``{"dataloader_num_workers": 2}``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def make_trainer(cfg: dict[str, Any], records: list[dict[str, Any]]) -> Any:
         learning_rate=0.01,
         seed=cfg["seed"],
         disable_tqdm=True,
+        **cfg.get("args", {}),
     )
     torch.manual_seed(0)
     trainer = Recording(model=Tiny(), args=args, train_dataloader=build_loader(cfg))

@@ -15,7 +15,11 @@ steps, as ``step=S.ckpt``; each epoch's end writes ``end-epoch=E-step=S.ckpt`` t
 Lightning's default checkpoint does), ``resume`` (a ``ckpt_path``), ``steps_callback``
 (add `detdata.integrations.lightning.DetdataSteps`, the README's optional line),
 ``raise_at`` (``[step, k]``: ``training_step`` raises at micro batch ``k`` of optimizer step
-``step``, after ``OnExceptionCheckpoint`` is set to write ``on_exception.ckpt``).
+``step``, after ``OnExceptionCheckpoint`` is set to write ``on_exception.ckpt``),
+``val_every`` (a validation every this many micro batches, ``val_check_interval``, over a plain
+torch DataLoader, logging ``val_loss``), ``monitored`` (in place of the two checkpoints above,
+the stock ``ModelCheckpoint(monitor="val_loss", every_n_train_steps=every, save_last=True)``:
+Lightning defers its save to the end of the next validation).
 
 Every rank writes ``out/trace-{tag}-rank{r}.json``: one record per ``training_step`` call
 (the global step it belongs to, the epoch, a digest of every row the model saw).
@@ -106,6 +110,10 @@ def main() -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    class Validated(Model):
+        def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+            self.log("val_loss", self.lin(batch[0]).pow(2).mean())
+
     class HookModel(Model):
         def train_dataloader(self) -> Any:
             return early if early is not None else build_loader(cfg)
@@ -115,6 +123,17 @@ def main() -> None:
         ModelCheckpoint(cfg["ckpt_dir"], "{step}", every_n_train_steps=cfg["every"], save_top_k=-1),
         ModelCheckpoint(cfg["ckpt_dir"], "end-{epoch}-{step}", save_top_k=-1),
     ]
+    if cfg.get("monitored"):  # a stock monitored checkpoint, as a Lightning user writes it
+        every = cfg["every"]
+        callbacks = [
+            ModelCheckpoint(
+                cfg["ckpt_dir"], monitor="val_loss", every_n_train_steps=every, save_last=True
+            )
+        ]
+    val: Any = None
+    if cfg.get("val_every"):
+        rows = torch.utils.data.TensorDataset(torch.ones(8, FEATURES))
+        val = torch.utils.data.DataLoader(rows, batch_size=4)
     if cfg.get("raise_at") is not None:
         from pytorch_lightning.callbacks import OnExceptionCheckpoint
 
@@ -135,10 +154,17 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        val_check_interval=cfg.get("val_every"),
     )
     model = Model() if cfg["source"] == "arg" else HookModel()
+    if val is not None:
+        assert cfg["source"] == "arg"
+        model = Validated()
     trainer.fit(
-        model, train_dataloaders=early if cfg["source"] == "arg" else None, ckpt_path=cfg["resume"]
+        model,
+        train_dataloaders=early if cfg["source"] == "arg" else None,
+        val_dataloaders=val,
+        ckpt_path=cfg["resume"],
     )
     trace = Path(cfg["out"]) / f"trace-{cfg['tag']}-rank{trainer.global_rank}.json"
     trace.write_text(json.dumps({"records": records, "global_step": trainer.global_step}))

@@ -338,3 +338,157 @@ def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path:
     assert done.returncode == 0, done.stderr[-6000:]
     assert "refused: accelerator.load_state resumed the model" in done.stdout
     assert "accelerator.register_for_checkpointing(loader)" in done.stdout
+
+
+# ------------------------------------------------ accelerate's own gradient accumulation
+STEPS_SCRIPT = Path(__file__).with_name("accelerate_steps_script.py")
+STEPS: dict[str, Any] = {"global_batch": 8, "n": N, "seed": SEED}
+
+
+def _steps_run(cfg: dict[str, Any], out: Path, world: int = 1) -> list[dict[str, Any]]:
+    """One run of ``accelerate_steps_script.py`` (``world`` processes under torchrun, or one
+    plain process); every line every process wrote."""
+    cfg = {**STEPS, "out": str(out), **cfg}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    command = [sys.executable]
+    if world > 1:
+        command += ["-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    done = subprocess.run(
+        [*command, str(STEPS_SCRIPT), json.dumps(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines = []
+    for rank in range(world):
+        text = (out / f"rank{rank}.jsonl").read_text(encoding="utf-8")
+        lines += [json.loads(line) for line in text.splitlines()]
+    return lines
+
+
+def _rank_steps(lines: list[dict[str, Any]], rank: int) -> list[tuple[int, list[str]]]:
+    """(optimizer step, rows) of each micro batch process ``rank`` was handed, in order."""
+    return [(r["step"], r["rows"]) for r in lines if "rows" in r and r["rank"] == rank]
+
+
+def _layout_reference(world: int, micro: int, rank: int, steps: range) -> list[Any]:
+    """(step, rows) of each micro batch of an uninterrupted plain loader at this layout."""
+    options = detdata.LoaderOptions(rank=rank, world_size=world)
+    plain = detdata.DataLoader(
+        make_dataset(N), global_batch_size=8, micro_batch_size=micro, seed=SEED, options=options
+    )
+    per = 8 // (micro * world)
+    batches = [row_digests(b) for b in take(plain, steps.stop * per)]
+    return [(t, batches[t * per + j]) for t in steps for j in range(per)]
+
+
+@pytest.mark.multiproc
+def test_accumulation_changed_at_a_resume_keeps_accelerate_on_detdata_steps(
+    tmp_path: Path,
+) -> None:
+    """``Accelerator(gradient_accumulation_steps=...)`` with ``accumulate()``, the loader
+    registered: 2 processes x micro 2 x accumulation 2 save at optimizer step 3; resumed as 1
+    process x micro 2 x accumulation 4 (8 samples a step either way). ``load_state`` restores
+    ``accelerator.step`` counted at the old layout (6 micro steps; 6 % 4 would make the first
+    resumed step 2 micro batches and every later one straddle two of detdata's); the watch sets
+    it to this layout's count. Every optimizer step, before and after the resume, holds
+    exactly an uninterrupted plain loader's step: its rows over all processes, and each
+    process's micro batches in order."""
+    ckpt = str(tmp_path / "ckpt")
+    first = {"micro": 2, "accum": 2, "resume": False, "start": 0, "stop": STOP, "last": LAST}
+    before = _steps_run({**first, "ckpt": ckpt}, tmp_path / "first", world=2)
+    again = {"micro": 2, "accum": 4, "resume": True, "start": STOP, "last": LAST, "ckpt": ckpt}
+    after = _steps_run(again, tmp_path / "again")
+
+    for rank in range(2):
+        assert _rank_steps(before, rank) == _layout_reference(2, 2, rank, range(STOP))
+    assert _rank_steps(after, 0) == _layout_reference(1, 2, 0, range(STOP, LAST))
+    plain = detdata.DataLoader(make_dataset(N), global_batch_size=8, seed=SEED)
+    want = {t: sorted(rows) for t, rows in enumerate(row_digests(b) for b in take(plain, LAST))}
+    stitched: dict[int, list[str]] = defaultdict(list)
+    for record in [r for r in before if "rows" in r] + [r for r in after if "rows" in r]:
+        stitched[record["step"]] += record["rows"]
+    assert {t: sorted(rows) for t, rows in stitched.items()} == want
+    assert [line["end"] for line in after if "end" in line] == [LAST]
+
+
+@pytest.mark.multiproc
+def test_a_gradient_accumulation_that_disagrees_is_refused_before_the_first_batch(
+    tmp_path: Path,
+) -> None:
+    """``gradient_accumulation_steps=2`` x micro 2 x 1 process is 4 samples a step, the
+    loader's global batch is 8: ``register_for_checkpointing`` refuses it, naming the
+    ``gradient_accumulation_steps`` that agrees; no micro batch is read (before, accelerate
+    stepped every 4 rows silently)."""
+    cfg = {"micro": 2, "accum": 2, "resume": False, "start": 0, "stop": STOP, "last": LAST}
+    lines = _steps_run({**cfg, "ckpt": str(tmp_path / "ckpt")}, tmp_path / "out")
+    (refused,) = [line for line in lines if "refused" in line]
+    assert refused["where"] == "register"
+    assert "Accelerator(gradient_accumulation_steps=4)" in refused["refused"]
+    assert [line for line in lines if "rows" in line] == []
+
+
+def _case(tmp_path: Path, case: str) -> dict[str, Any]:
+    """One case of the watch (``accelerate_steps_script.py``, one process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    cfg = json.dumps({"case": case, "dir": str(tmp_path / "ckpt")})
+    done = subprocess.run(
+        [sys.executable, str(STEPS_SCRIPT), cfg],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("case", "refused"),
+    [
+        ("teacher", None),
+        ("sampler_eval_declared", None),
+        ("sampler_eval", "it is not registered for checkpointing"),
+        ("registered_late", "registered for checkpointing after accelerator.load_state"),
+        ("built_first", "it is not registered for checkpointing"),
+    ],
+)
+def test_the_load_state_watch_refuses_only_a_loader_its_accelerator_left_behind(
+    tmp_path: Path, case: str, refused: str | None
+) -> None:
+    """A `detdata.DataLoader` at position 0 after some ``Accelerator.load_state`` in the
+    process. Not refused (each trains the uninterrupted plain loader's first rows): a fresh
+    run's training loader registered with its own Accelerator while a teacher's Accelerator
+    loads the teacher's checkpoint (before, refused); an evaluation loader beside the
+    torch-sampler path declared ``ResumePolicy(fresh_each_run=True)``. Refused at its first
+    batch, naming the line and the declaration: the same loader undeclared (it could be that
+    Accelerator's training loader left out of its checkpoint); a loader registered only after
+    its Accelerator's ``load_state``, and one built before ``import accelerate``, not
+    registered (both replayed the run's first samples before; the watch now starts when
+    accelerate is imported)."""
+    result = _case(tmp_path, case)
+    if refused is None:
+        assert result["refused"] is None
+        plain = detdata.DataLoader(make_dataset(N), global_batch_size=GLOBAL // 2, seed=SEED)
+        assert result["rows"] == [row_digests(batch) for batch in take(plain, 2)]
+    else:
+        assert refused in result["refused"]
+        assert "accelerator.register_for_checkpointing(loader)" in result["refused"]
+        assert "ResumePolicy(fresh_each_run=True)" in result["refused"]
+        assert result["rows"] is None
+
+
+def test_fresh_each_run_is_a_declared_bool() -> None:
+    """The evaluation loader's declaration is a plain bool on `ResumePolicy`; anything else is
+    a `ConfigError` naming the field (a string "no" must not count as a declaration)."""
+    assert detdata.ResumePolicy().fresh_each_run is False
+    assert detdata.ResumePolicy(fresh_each_run=True).fresh_each_run is True
+    with pytest.raises(detdata.ConfigError, match=r"ResumePolicy\.fresh_each_run must be"):
+        detdata.ResumePolicy(fresh_each_run="no")  # type: ignore[arg-type]

@@ -43,8 +43,9 @@ GLOBAL, N, SEED = 8, 32, 3  # 32 rows: one dataset epoch is 4 global steps
 CKPT_STEP, FIRST_STOP, LAST = 3, 4, 6  # checkpoint at step 3, first run stops after step 4
 
 # The first runs, checkpointed every 3 train steps, trained steps 0-3. Gradient accumulation
-# stays the same across a resume (Lightning's progress counts micro batches), so micro x world
-# does too.
+# stays the same across a resume (README: keep accumulate_grad_batches, change micro_batch_size),
+# except in "1->1 accum 4": micro 4 x accumulation 2 resumed as micro 2 x accumulation 4
+# (Lightning counts micro batches: detdata recounts its counters at the new accumulation).
 FIRST: dict[str, dict[str, Any]] = {
     # world 1, inline reads, built inside train_dataloader(), total_samples = 6 steps (one
     # epoch); stopped by max_steps=4
@@ -63,6 +64,7 @@ RESUMED: dict[str, tuple[str, dict[str, Any]]] = {
     "1->2": ("w1", dict(devices=2, micro=2, accum=2, workers=0, source="arg")),
     "2->2": ("w2", dict(devices=2, micro=4, accum=1, workers=2, source="hook")),
     "2->1": ("w2", dict(devices=1, micro=8, accum=1, workers=0, source="arg")),
+    "1->1 accum 4": ("w1", dict(devices=1, micro=2, accum=4, workers=0, source="arg")),
 }
 
 
@@ -118,7 +120,7 @@ class Runs:
     def resumed(self, pair: str) -> list[dict[str, Any]]:
         first, settings = RESUMED[pair]
         total = FIRST[first]["total_samples"]
-        tag = pair.replace("->", "to")
+        tag = pair.replace("->", "to").replace(" ", "-")
         cfg = {
             **settings,
             "tag": tag,
@@ -301,22 +303,24 @@ def test_accumulation_over_a_ragged_epoch_keeps_lightning_on_detdata_steps(
 
 
 @pytest.mark.parametrize(
-    ("micro", "accum", "raise_at"),
-    [(2, 4, [5, 2]), (4, 2, [3, 1])],
+    ("micro", "accum", "raise_at", "steps_callback"),
+    [(2, 4, [5, 2], False), (4, 2, [3, 1], True)],
     ids=["mid-step", "after-the-last-micro-batch"],
 )
 def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
-    tmp_path: Path, micro: int, accum: int, raise_at: list[int]
+    tmp_path: Path, micro: int, accum: int, raise_at: list[int], steps_callback: bool
 ) -> None:
     """``training_step`` raises inside gradient accumulation and ``OnExceptionCheckpoint``
     writes a checkpoint there: the loader state counts the micro batches of the step (the
-    batch in hand too), whose gradients no checkpoint holds. Resumed with the README's optional
-    line (``DetdataSteps``), Lightning trains that whole step again: every micro batch from
-    there on, with its optimizer step, epoch and batch_idx, is an uninterrupted plain
-    loader's (44 rows of global batch 8: 5 whole steps an epoch). Both a state inside the step
-    and one at its end (the last micro batch counted, the optimizer step not taken)."""
+    batch in hand too), whose gradients no checkpoint holds. Resumed with no detdata line,
+    Lightning trains that whole step again: every micro batch from there on, with its
+    optimizer step, epoch and batch_idx, is an uninterrupted plain loader's (44 rows of global
+    batch 8: 5 whole steps an epoch). Both a state inside the step and one at its end (the last
+    micro batch counted, the optimizer step not taken); the second with the optional line of
+    earlier versions (``DetdataSteps``), which must not move the counters a second time."""
     base = dict(devices=1, micro=micro, accum=accum, workers=0, source="arg", total_samples=None)
-    base |= {"n": 44, "max_steps": 8, "max_epochs": None, "every": 1000, "steps_callback": True}
+    base |= {"n": 44, "max_steps": 8, "max_epochs": None, "every": 1000}
+    base |= {"steps_callback": steps_callback}
     ck = tmp_path / "ck"
     _run(
         base | {"resume": None, "tag": "first", "ckpt_dir": str(ck), "raise_at": raise_at},
@@ -348,25 +352,24 @@ def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
 def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_batch(
     tmp_path: Path,
 ) -> None:
-    """accumulate_grad_batches 3 x micro 4 is 12 samples a step, the loader's global batch
-    is 8: with ``DetdataSteps`` the fit stops before any training_step, naming the fix."""
-    cfg = dict(devices=1, micro=4, accum=3, workers=0, source="arg", total_samples=None)
+    """accumulate_grad_batches 1 x micro 4 is 4 samples a step, the loader's global batch is
+    8 (plain Lightning, no detdata line): the fit stops before any training_step, naming the
+    accumulate_grad_batches that agrees (steps of 4 rows trained silently before)."""
+    cfg = dict(devices=1, micro=4, accum=1, workers=0, source="arg", total_samples=None)
     cfg |= {"max_steps": 2, "max_epochs": None, "every": 1000, "resume": None}
-    cfg |= {"steps_callback": True, "tag": "mismatch", "ckpt_dir": str(tmp_path / "ck")}
-    assert _run(cfg, tmp_path, fails="accumulate_grad_batches=2") == []
+    cfg |= {"tag": "mismatch", "ckpt_dir": str(tmp_path / "ck")}
+    assert _run(cfg, tmp_path, fails="pl.Trainer(accumulate_grad_batches=2)") == []
 
 
-def test_with_detdata_steps_a_loader_lightning_did_not_restore_is_refused_at_train_start(
-    tmp_path: Path,
-) -> None:
+def test_a_loader_lightning_did_not_restore_is_refused_at_train_start(tmp_path: Path) -> None:
     """Epoch-based training (44 rows of global batch 8: 5 steps an epoch, ``max_epochs=1``)
     resumed for a second epoch from Lightning's end-of-epoch checkpoint at step 5: Lightning
     restores ``global_step`` 5 but hands the loader no state (its epoch had ended), so it
-    stands at position 0. With the README's optional line (``DetdataSteps``) the fit stops at
-    ``on_train_start`` (before Lightning's ``set_epoch`` and any ``training_step``), naming
+    stands at position 0. With no detdata line the fit stops at its start (before
+    ``on_train_start``, Lightning's ``set_epoch`` and any ``training_step``), naming
     Lightning's step and the fix."""
     base = dict(devices=1, micro=4, accum=2, workers=0, source="arg", total_samples=None)
-    base |= {"n": 44, "max_steps": -1, "every": 1000, "steps_callback": True}
+    base |= {"n": 44, "max_steps": -1, "every": 1000}
     ck = tmp_path / "ck"
     _run(base | {"max_epochs": 1, "resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
     resume = str(ck / "end-epoch=0-step=5.ckpt")
@@ -375,3 +378,41 @@ def test_with_detdata_steps_a_loader_lightning_did_not_restore_is_refused_at_tra
         "Lightning resumes at optimizer step 5, but this detdata.DataLoader starts at position 0"
     )
     assert _run(again, tmp_path, fails=fails) == []
+
+
+# A stock monitored checkpoint (what a Lightning user writes): every 2 steps, but Lightning
+# defers the save until validation has produced val_loss, and validation runs every 10 micro
+# batches (val_check_interval), here inside step 2 (accumulation 4: after 2 of its micro
+# batches). 32 rows of global batch 8: 4 whole steps an epoch (16 micro batches of 2).
+MONITORED = dict(workers=0, source="arg", total_samples=None, max_epochs=None, every=2)
+MONITORED |= {"monitored": True, "val_every": 10}
+
+
+@pytest.mark.parametrize(("devices", "micro"), [(1, 2), (2, 1)], ids=["1->1", "2->1"])
+def test_a_monitored_checkpoint_saved_inside_accumulation_resumes_exactly_with_no_line(
+    tmp_path: Path, devices: int, micro: int
+) -> None:
+    """Plain Lightning (no detdata line), ``ModelCheckpoint(monitor="val_loss",
+    every_n_train_steps=2, save_last=True)``, ``accumulate_grad_batches=4`` and a validation
+    every 10 micro batches: the step-2 save is written at the end of the validation after
+    micro batch 2 of step 2. Resumed with ``fit(ckpt_path="last")`` at 1 device (from 1 and
+    from 2): step 2 is trained whole from its first micro batch and every optimizer step from
+    there on holds exactly an uninterrupted plain loader's step (rows, order, epoch and
+    batch_idx); before, step 2 trained 4 rows and every later step straddled two."""
+    import torch
+
+    ck = tmp_path / "ck"
+    first_cfg = MONITORED | {"devices": devices, "micro": micro, "accum": 4, "max_steps": 3}
+    first = _run(first_cfg | {"resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
+    saved = torch.load(ck / "last.ckpt", weights_only=True)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert (saved["global_step"], state["samples_consumed"]) == (2, 2 * GLOBAL + GLOBAL // 2)
+    cfg = MONITORED | {"devices": 1, "micro": 2, "accum": 4, "max_steps": LAST}
+    resumed = _run(cfg | {"resume": "last", "tag": "again", "ckpt_dir": str(ck)}, tmp_path)
+
+    want = {s: Counter(rows[0]) for s, rows in enumerate(reference(LAST))}
+    assert per_step(first) == {s: want[s] for s in range(3)}
+    assert per_step(resumed) == {s: want[s] for s in range(2, LAST)}
+    check_ranks_in_order(resumed, cfg, range(2, LAST))
+    check_epochs(resumed, 4, N // GLOBAL, range(2, LAST))
+    assert [t["global_step"] for t in resumed] == [LAST]

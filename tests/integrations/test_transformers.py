@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -190,6 +191,35 @@ def test_batch_settings_that_disagree_are_refused_before_the_first_batch(tmp_pat
     trainer.args.per_device_train_batch_size = 2  # the Trainer's micro batch is not the loader's
     with pytest.raises(detdata.ConfigError, match=r"per_device_train_batch_size=4"):
         trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        ({"dataloader_num_workers": 2}, "detdata.DataLoader(..., num_workers=2)"),
+        ({"dataloader_persistent_workers": True}, "persistent_workers=True"),
+    ],
+    ids=["num_workers", "persistent_workers"],
+)
+def test_worker_arguments_the_trainer_would_not_apply_are_refused(
+    tmp_path: Path, args: dict[str, Any], hint: str
+) -> None:
+    """``TrainingArguments(dataloader_num_workers=2)`` (and the other worker arguments) build
+    the Trainer's own torch DataLoader, which a DetdataTrainer never builds: the loader reads
+    with its own ``num_workers=0``. Refused before any batch is read, naming the loader's
+    keyword (before, the argument was silently ignored); the loader's own value is accepted."""
+    trainer = _trainer(tmp_path, args=args)
+    with pytest.raises(detdata.ConfigError, match=re.escape(hint)):
+        trainer.train()
+    assert trainer.detdata_loader.samples_consumed == 0
+    if "dataloader_num_workers" in args:  # the same value on both sides trains
+        records: list[dict[str, Any]] = []
+        cfg = {**BASE, "procs": 1, "micro": 4, "accum": 2, "max_steps": 2, "workers": 2}
+        cfg |= {"output_dir": str(tmp_path / "same"), "args": args}
+        make_trainer(cfg, records).train()
+        assert [r["rows"] for r in records] == [
+            rows for step in reference(cfg, 2, 0) for rows in step
+        ]
 
 
 def test_a_checkpoint_without_the_loader_state_is_refused(runs: Runs, tmp_path: Path) -> None:
