@@ -1,4 +1,18 @@
-"""The exception tree. Every error detdata raises on purpose derives from `DetdataError`.
+"""The exception tree. Every error detdata raises on purpose derives from `DetdataError`::
+
+    DetdataError
+    ├── ConfigError (ValueError)              a setting or argument is wrong; names it
+    │   └── CapabilityError (TypeError)       a stream lacks what the caller needs
+    ├── ManifestError (ValueError)            a manifest (JSON or fast form) is malformed
+    ├── VerificationError (ValueError)        stored bytes are not the manifest's
+    ├── FormatError (ValueError)              a shard's format contradicts its declaration
+    ├── RegistryError (ValueError)            a registry name or entry is wrong
+    ├── StateError (ValueError)               a saved state is refused at a resume
+    ├── StorageError (OSError)                storage failed (after retries); names shard, URL
+    │   ├── RetriesExhausted                  kept failing until its deadline
+    │   └── ShortRead                         fewer or more bytes than asked (retried)
+    ├── StaleIteratorError (RuntimeError)     an iterator superseded by a newer one
+    └── DependencyError (ImportError)         an optional package is missing; names the extra
 
 Each class also derives from the built-in that fits, so callers that catch
 `ValueError` / `OSError` keep working. Messages say what went wrong, where
