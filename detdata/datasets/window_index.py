@@ -9,24 +9,26 @@ for a window unless ``allow_short_shards``): O(shards) CPU and memory, ~26 MB at
 
 Built once, read by every rank. For a manifest in the mapped fast form
 (`detdata.identity.columns`) with receipts on, the index is a file in the receipts folder
-(``DETDATA_RECEIPTS``, per machine): ``<key>.windows``, ``key`` the blake3 of its inputs
+(``DETDATA_RECEIPTS``, per machine): ``<name>.windows``, ``name`` the blake3 of its inputs
 (`window_inputs`: the manifest id, the columns file's header digest, ``seq_len``,
-``labels``, ``allow_short_shards`` and this layout's version). A rank that finds it maps it
-(`load_window_index`); otherwise one process builds and writes it while the others wait:
+``labels``, ``allow_short_shards`` and this layout's version) and of the public id of the
+key it is written under (`detdata.identity.local_key`: each user's files their own). A
+rank that finds it maps it (`load_window_index`); otherwise one process builds and writes
+it while the others wait:
 under a ``torch.distributed`` group the rank that claims it first among those of the
 node opening it under the same root (`detdata.identity.receipts.job_meeting`; the others
 wait for it through the group's store, as for a verdict), else whichever process takes
 the file's lock first (the others find the file once they hold the lock). Other
-manifests, manifests of fewer than `STORE_MIN_SHARDS` shards, or ``DETDATA_RECEIPTS=off``:
-the index is built in memory in every process.
+manifests, manifests of fewer than `STORE_MIN_SHARDS` shards, ``DETDATA_RECEIPTS=off``,
+or no usable key: the index is built in memory in every process.
 
 Layout (little-endian)::
 
     magic "DDWINDX1"  u64 header length  header (canonical JSON)  zero padding to 64
     sections: starts <i8 (count + 1)  offsets <i8  sizes <i8  codes <i2 (each 64-aligned)
-    blake3 of every byte above (32 bytes)
+    keyed blake3 of every byte above (32 bytes; the key: this user's, `local_key`)
 
-Checked in full, once: the trailing blake3 over every byte (read a MiB at a time into one
+Checked in full, once: the trailing keyed blake3 over every byte (read a MiB at a time into one
 buffer), the header's inputs equal to the dataset's, its sections exactly where a header
 for that many shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window
 count, the dtypes token dtypes and the codes in use among them. A file failing any of
@@ -39,7 +41,9 @@ when it builds or opens the file. It publishes the identity of the file it check
 (``[size, mtime_ns, ctime_ns, inode, device]``, taken at its open, before any byte was
 read) in the store; a rank whose open file has that identity, or the one its note keeps,
 runs every check but the digest. The ``.checked`` note next to the file
-(`write_checked_note`) keeps the identity of the last full check for the next job; neither
+(`write_checked_note`) keeps the identity of the last full check for the next job, with a
+tag (`note_tag`: keyed blake3 of the file's name and that identity) that only the holder
+of this user's key can make; a note without a valid tag is ignored. Neither
 is written or published for a file changed less than `detdata.identity.receipts.RACY_S`
 before its identity was taken, as for a receipt (a write in the same timestamp tick would
 not show), except the builder's own write. While the file keeps it, the digest is not
@@ -54,20 +58,28 @@ page-cache fault on a mapping maps the whole large folio around it (up to 2 MiB 
 rank that searched and looked up a handful of shards through a mapping of a 1M-shard index
 held ~20 MB of it resident after one batch.
 
-What the check does not prove: that the file's content is what its inputs make. It is
-detdata's own output, computed from the checked columns by the builder and guarded by its
-digest against damage, not against a forger who rewrites it with a valid digest: the trust
-placed in a verification receipt of the same folder (which lets a restart skip reading
-shards) is the same.
+Trust model. The file is detdata's own output, computed from the checked columns by this
+user's process; the check does not recompute it from its inputs. What makes it trusted is
+the key: an index's digest and a note's tag are keyed under 32 secret bytes only this user
+can read (`detdata.identity.local_key`: a 0600 file of this user's, refused otherwise).
+Whoever can write the receipts folder (or the index and its note) but cannot read the key
+(another user of a shared folder) cannot make a file or a note that is trusted: an index
+edited in place with a note for its new ``stat`` identity, or rewritten with a valid
+unkeyed digest, fails the full check, is named and rebuilt. A ``stat`` alone, or the bytes
+of the index, are not enough to forge a note: the tag needs the key. What is not
+protected: this user (and root), who can read the key and edit detdata itself; and, as
+for a receipt, bytes changed without changing the file's identity (above).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hmac
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -81,6 +93,7 @@ from detdata.base.errors import FormatError
 from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TOKEN_DTYPES, Format
+from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.manifest import Manifest
 from detdata.identity.receipts import RACY_S, job_meeting, receipt_dir
 from detdata.storage.atomic import atomic_write_bytes
@@ -89,10 +102,13 @@ from detdata.storage.locks import file_lock
 
 MAGIC: Final = b"DDWINDX1"
 KIND: Final = "detdata.token-windows-index"
-VERSION: Final = 1
+VERSION: Final = 2
 SUFFIX: Final = ".windows"
 #: next to an index file: its identity when last checked in full (`write_checked_note`)
 CHECKED: Final = ".checked"
+#: a note's keys: the identity noted, and its tag (`note_tag`)
+NOTE_IDENTITY: Final = "identity"
+NOTE_TAG: Final = "tag"
 #: manifests of fewer shards build the index in memory (a ms or two: less than a stored
 #: file's write, fsync and check would cost a small corpus's first start)
 STORE_MIN_SHARDS: Final = 1 << 12
@@ -234,12 +250,11 @@ def window_inputs(
     }
 
 
-def window_index_path(inputs: dict[str, Any]) -> str | None:
-    """Where the index of ``inputs`` is kept (None: receipts, and so stored indexes, off)."""
-    folder = receipt_dir()
-    if folder is None:
-        return None
-    return os.path.join(folder, blake3.blake3(canonical_json(inputs)).hexdigest()[:40] + SUFFIX)
+def window_index_path(folder: str, inputs: dict[str, Any], secret: bytes) -> str:
+    """Where the index of ``inputs`` written under the key ``secret`` is kept in the
+    receipts ``folder`` (each key's files under names of their own)."""
+    name = blake3.blake3(canonical_json([inputs, key_id(secret)])).hexdigest()[:40]
+    return os.path.join(folder, name + SUFFIX)
 
 
 def open_window_index(
@@ -247,51 +262,68 @@ def open_window_index(
 ) -> WindowIndex:
     """The index of ``manifest`` for these windows: read from its file, built once per
     job where it is missing or fails its checks (see the module docstring), or built in
-    memory (a manifest not in the fast form, or receipts off). ``meet=False`` (a dataset
-    unpickled in a worker process, which must not use the parent's process group): no
-    meeting through the group, the file's lock only."""
+    memory (a manifest not in the fast form, receipts off, or no usable key:
+    `detdata.identity.local_key`). ``meet=False`` (a dataset unpickled in a worker
+    process, which must not use the parent's process group): no meeting through the
+    group, the file's lock only."""
     if not isinstance(manifest.shards, ShardTable) or len(manifest.shards) < STORE_MIN_SHARDS:
         return build_window_index(manifest, seq_len, labels, allow_short)
     inputs = window_inputs(manifest, seq_len, labels, allow_short)
-    path = window_index_path(inputs)
-    if path is None:
+    folder = receipt_dir()
+    secret = None if folder is None else local_key(folder)
+    if folder is None or secret is None:
         return build_window_index(manifest, seq_len, labels, allow_short)
-    count = len(manifest.shards)
+    path = window_index_path(folder, inputs, secret)
     reported: set[str] = set()  # each problem of the file is reported once
+    load = functools.partial(_load_warning, path, inputs, len(manifest.shards), secret, reported)
     store, leader, key = (
         job_meeting(manifest, f"windows/{os.path.basename(path)}") if meet else (None, True, "")
     )
     if store is not None and not leader:
         store.wait([key + "/done"], timedelta(days=7))  # blocked in the store, no polling
-        trusted = [_vouched(store, key), read_checked_note(path)]
-        found = _load_warning(path, inputs, count, reported, trusted)
+        found = load([_vouched(store, key), read_checked_note(path, secret)])
         if found is not None:
             return found
     try:
         with file_lock(path + ".lock"):
-            found = _load_warning(path, inputs, count, reported, [read_checked_note(path)])
-            if found is None:
+            found = load([read_checked_note(path, secret)])
+            if found is not None:
+                identity = write_checked_note(found, secret)
+            else:
                 built = build_window_index(manifest, seq_len, labels, allow_short)
-                try:
-                    atomic_write_bytes(path, encode_window_index(built, inputs))
-                    st = os.stat(path)
-                except OSError:  # not stored: every process builds its own
-                    return built
-                # its own write, renamed into place: its digest is of bytes this process
-                # made, not read again (as a cache fill's copy, hashed while written)
-                own = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-                found = _load_warning(path, inputs, count, reported, [own])
+                found, identity = _store(built, path, inputs, secret, load)
                 if found is None:
                     return built
-                identity = write_checked_note(found, own_write=True)
-            else:
-                identity = write_checked_note(found)
             if store is not None and leader and identity is not None:
                 store.set(key + "/checked", canonical_json(identity))
             return found
     finally:
         if store is not None and leader:
             store.set(key + "/done", b"1")
+
+
+def _store(
+    built: WindowIndex,
+    path: str,
+    inputs: dict[str, Any],
+    secret: bytes,
+    load: Callable[[Sequence[list[int] | None]], WindowIndex | None],
+) -> tuple[WindowIndex | None, list[int] | None]:
+    """Write ``built`` to ``path`` and open it: ``(the index read from the file, its noted
+    identity)``, or ``(None, None)`` where it cannot be stored (every process builds its
+    own)."""
+    try:
+        atomic_write_bytes(path, encode_window_index(built, inputs, secret))
+        st = os.stat(path)
+    except OSError:
+        return None, None
+    # its own write, renamed into place: its digest is of bytes this process made, not
+    # read again (as a cache fill's copy, hashed while written)
+    own = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    found = load([own])
+    if found is None:
+        return None, None
+    return found, write_checked_note(found, secret, own_write=True)
 
 
 def _vouched(store: Any, key: str) -> list[int] | None:
@@ -303,27 +335,46 @@ def _vouched(store: Any, key: str) -> list[int] | None:
 
 
 # --------------------------------------------------------------- checked once, noted
-def read_checked_note(path: str) -> list[int] | None:
-    """The identity the index file ``path`` had when it was last checked in full (its
-    ``.checked`` note), None without a readable note."""
+def read_checked_note(path: str, secret: bytes) -> list[int] | None:
+    """The identity the index file ``path`` had when this user's process last checked it
+    in full (its ``.checked`` note, its tag made under ``secret``); None without a readable
+    note or with one whose tag is not (`note_tag`: a note only the key's holder makes)."""
     try:
         with open(path + CHECKED, "rb") as fh:
             found = json.loads(fh.read(1 << 12))
     except (OSError, ValueError):
         return None
-    ok = isinstance(found, list) and len(found) == 5 and all(type(v) is int for v in found)
-    return found if ok else None
+    if not isinstance(found, dict) or set(found) != {NOTE_IDENTITY, NOTE_TAG}:
+        return None
+    identity: list[int] = found[NOTE_IDENTITY]
+    tag = found[NOTE_TAG]
+    ok = isinstance(identity, list) and len(identity) == 5
+    if not ok or not all(type(v) is int for v in identity):
+        return None
+    if not isinstance(tag, str) or not hmac.compare_digest(tag, note_tag(path, identity, secret)):
+        return None
+    return identity
 
 
-def write_checked_note(index: WindowIndex, *, own_write: bool = False) -> list[int] | None:
+def note_tag(path: str, identity: list[int], secret: bytes) -> str:
+    """The tag of a note saying the index file named like ``path`` had ``identity`` when
+    checked in full: a keyed blake3 under ``secret`` (hex)."""
+    signed = canonical_json([KIND + "/checked", os.path.basename(path), identity])
+    return keyed(secret, signed).hex()
+
+
+def write_checked_note(
+    index: WindowIndex, secret: bytes, *, own_write: bool = False
+) -> list[int] | None:
     """Note the identity of the file ``index`` was read from (taken at its open, before
-    its bytes were read and checked): the identity a later open may trust, returned for
-    the leader to publish. None (no note, nothing published) for an index built in memory,
-    or for a file changed less than `detdata.identity.receipts.RACY_S` before that identity
-    was taken (a write within the same timestamp tick, or a server clock ahead of this
-    one, would not show: the next open checks it in full, then notes it), unless
-    ``own_write``: this process has just written and renamed it into place (the exposure
-    is then a write in place within the same tick after that, as for a cache's fill)."""
+    its bytes were read and checked), tagged under ``secret``: the identity a later open
+    may trust, returned for the leader to publish. None (no note, nothing published) for
+    an index built in memory, or for a file changed less than
+    `detdata.identity.receipts.RACY_S` before that identity was taken (a write within the
+    same timestamp tick, or a server clock ahead of this one, would not show: the next
+    open checks it in full, then notes it), unless ``own_write``: this process has just
+    written and renamed it into place (the exposure is then a write in place within the
+    same tick after that, as for a cache's fill)."""
     if not isinstance(index.starts, FileColumn):
         return None
     file = index.starts.file
@@ -331,14 +382,16 @@ def write_checked_note(index: WindowIndex, *, own_write: bool = False) -> list[i
     settled = own_write or file.seen_ns - max(mtime, ctime) >= int(RACY_S * 1e9)
     if not settled:
         return None  # not noted, and not published: each process checks it in full
-    if read_checked_note(file.path) != file.identity:
+    if read_checked_note(file.path, secret) != file.identity:
+        note = {NOTE_IDENTITY: file.identity, NOTE_TAG: note_tag(file.path, file.identity, secret)}
         with contextlib.suppress(OSError):  # no note: the next open checks in full again
-            atomic_write_bytes(file.path + CHECKED, canonical_json(file.identity))
+            atomic_write_bytes(file.path + CHECKED, canonical_json(note))
     return file.identity
 
 
-def encode_window_index(index: WindowIndex, inputs: dict[str, Any]) -> bytes:
-    """The file of ``index`` for ``inputs`` (the layout of the module docstring)."""
+def encode_window_index(index: WindowIndex, inputs: dict[str, Any], secret: bytes) -> bytes:
+    """The file of ``index`` for ``inputs``, its digest keyed under ``secret`` (the layout
+    of the module docstring)."""
     count = index.codes.size
     header = canonical_json(
         {
@@ -360,7 +413,7 @@ def encode_window_index(index: WindowIndex, inputs: dict[str, Any]) -> bytes:
         raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype)).tobytes()
         parts.append(raw + b"\0" * (-len(raw) % _ALIGN))
     body = b"".join(parts)
-    return body + blake3.blake3(body).digest()
+    return body + keyed(secret, body)
 
 
 def _layout(count: int) -> dict[str, list[Any]]:
@@ -382,13 +435,14 @@ def _load_warning(
     path: str,
     inputs: dict[str, Any],
     count: int,
+    secret: bytes,
     reported: set[str],
     trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
     """`load_window_index`, a file that fails its checks reported (`RuntimeWarning`; a
     problem already in ``reported`` is not reported again)."""
     try:
-        return load_window_index(path, inputs, count, trusted)
+        return load_window_index(path, inputs, count, secret, trusted)
     except _Invalid as exc:
         if str(exc) in reported:
             return None
@@ -403,7 +457,11 @@ def _load_warning(
 
 
 def load_window_index(
-    path: str, inputs: dict[str, Any], count: int, trusted: Sequence[list[int] | None] = ()
+    path: str,
+    inputs: dict[str, Any],
+    count: int,
+    secret: bytes,
+    trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
     """The index file ``path`` checked for ``inputs`` and ``count`` shards (see the module
     docstring), its sections as `FileColumn` s read with ``pread``; None where there is
@@ -418,7 +476,7 @@ def load_window_index(
     except OSError as exc:
         raise _Invalid(f"unreadable ({exc})") from None
     try:
-        return _checked(file, inputs, count, trusted)
+        return _checked(file, inputs, count, secret, trusted)
     except OSError as exc:  # shortened while read
         file.close()
         raise _Invalid(f"unreadable ({exc})") from None
@@ -428,7 +486,11 @@ def load_window_index(
 
 
 def _checked(
-    file: OpenFile, inputs: dict[str, Any], count: int, trusted: Sequence[list[int] | None]
+    file: OpenFile,
+    inputs: dict[str, Any],
+    count: int,
+    secret: bytes,
+    trusted: Sequence[list[int] | None],
 ) -> WindowIndex:
     """`load_window_index` of the open ``file``."""
     size = os.fstat(file.fd).st_size
@@ -454,7 +516,9 @@ def _checked(
     end += -end % _ALIGN
     if size != end + _DIGEST:
         raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
-    if file.identity not in trusted and _digest(file, end) != file.pread(end, _DIGEST):
+    if file.identity not in trusted and not hmac.compare_digest(
+        _digest(file, end, secret), file.pread(end, _DIGEST)
+    ):
         raise _Invalid("its bytes do not match its digest (damaged)")
     starts, offsets, sizes, codes = (
         FileColumn(file, data_at + layout[nm][0], layout[nm][1] // np.dtype(dt).itemsize, dt)
@@ -503,10 +567,10 @@ def _header(raw: bytes) -> dict[str, Any]:
     return header
 
 
-def _digest(file: OpenFile, end: int) -> bytes:
-    """blake3 of the file's first ``end`` bytes, read `HASH_PIECE` bytes at a time into
-    one buffer (nothing mapped, nothing kept)."""
-    hasher = blake3.blake3()
+def _digest(file: OpenFile, end: int, secret: bytes) -> bytes:
+    """The keyed blake3 (under ``secret``) of the file's first ``end`` bytes, read
+    `HASH_PIECE` bytes at a time into one buffer (nothing mapped, nothing kept)."""
+    hasher = blake3.blake3(key=secret)
     buf = bytearray(HASH_PIECE)
     with memoryview(buf) as view:
         at = 0

@@ -40,6 +40,14 @@ without changing those identities: a write to the block device or a file system 
 does not update times, times set back with the system clock, an HTTP server whose ETag
 does not follow the content. It is local to the machine that wrote it and is only ever
 an optimisation: a missing, unreadable or stale receipt means every shard is read.
+
+Who can make a receipt: its head carries a tag, keyed blake3 of the rest of the head and
+the body under this user's key (`detdata.identity.local_key`: 32 bytes in a 0600 file only
+this user can read), and it is named for that key's public id. Someone who can write the
+receipts folder but not read the key (a co-user of a shared ``DETDATA_RECEIPTS``) cannot
+make a receipt this user's jobs trust: a shard they changed and a receipt they rewrote to
+record its new identity are read and named. Without a usable key there are no receipts
+(every shard is read at every start).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import contextlib
 import dataclasses
 import email.utils
 import functools
+import hmac
 import json
 import os
 import pickle
@@ -68,6 +77,7 @@ from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, Verify
+from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
@@ -82,7 +92,9 @@ if TYPE_CHECKING:
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
 KIND: Final = "detdata.receipt"
-VERSION: Final = 1
+VERSION: Final = 2
+#: the head's field holding its tag (keyed blake3 of the rest of the head and the body)
+TAG: Final = "tag"
 #: an identity taken this soon after the file's last change is not recorded
 RACY_S: Final = 2.0
 #: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
@@ -104,12 +116,16 @@ def receipt_dir() -> str | None:
 
 
 def receipt_path(manifest: Manifest) -> str | None:
-    """The receipt file of ``manifest`` under its root (None when receipts are disabled)."""
+    """The receipt file of ``manifest`` under its root, named for this user's key (None
+    when receipts are disabled or there is no usable key: `detdata.identity.local_key`)."""
     folder = receipt_dir()
     if folder is None or manifest.root is None:
         return None
-    key = canonical_json([manifest.id, strip_credentials(manifest.root)])
-    return os.path.join(folder, blake3.blake3(key).hexdigest()[:40] + ".receipt")
+    secret = local_key(folder)
+    if secret is None:
+        return None
+    name = canonical_json([manifest.id, strip_credentials(manifest.root), key_id(secret)])
+    return os.path.join(folder, blake3.blake3(name).hexdigest()[:40] + ".receipt")
 
 
 # -------------------------------------------------------------------- once per job
@@ -561,22 +577,26 @@ def _turn(path: str | None) -> Iterator[None]:
 
 
 def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
-    """The receipt at ``path`` for ``manifest`` (same id, root, shard count), else None: an
-    unreadable, corrupted or stale receipt only means every shard is read."""
+    """The receipt at ``path`` for ``manifest`` (same id, root, shard count, and a tag made
+    under this user's key), else None: an unreadable, corrupted, stale or forged receipt
+    only means every shard is read."""
+    secret = local_key(os.path.dirname(path))
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
         head, _, body = raw.partition(b"\n")
         doc = json.loads(head)
+        if not isinstance(doc, dict) or not isinstance(doc.get(TAG), str) or secret is None:
+            return None
+        tag = doc.pop(TAG)
         if (
-            not isinstance(doc, dict)
+            not hmac.compare_digest(tag, _tag(secret, doc, body))
             or doc.get("kind") != KIND
             or doc.get("version") != VERSION
             or doc.get("manifest") != manifest.id
             or doc.get("root") != strip_credentials(manifest.root or "")
             or doc.get("count") != len(manifest.shards)
             or doc.get("level") not in ("quick", "full")
-            or doc.get("digest") != blake3.blake3(body).hexdigest()
         ):
             return None
         if doc.get("local"):
@@ -588,6 +608,12 @@ def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
         return None
 
 
+def _tag(secret: bytes, head: dict[str, Any], body: bytes) -> str:
+    """A receipt's tag: keyed blake3 (under ``secret``) of its head without the tag, and
+    its body (hex)."""
+    return keyed(secret, canonical_json(head) + b"\n" + body).hex()
+
+
 def write_receipt(
     path: str,
     manifest: Manifest,
@@ -595,25 +621,26 @@ def write_receipt(
     columns: list[Any] | None,
     identities: LocalIds | list[str | None],
 ) -> None:
-    """Write the receipt (atomically); a receipt that cannot be written is left out (the next
-    start reads every shard)."""
+    """Write the receipt (atomically), tagged under this user's key; a receipt that cannot
+    be written is left out (the next start reads every shard)."""
+    secret = local_key(os.path.dirname(path))
+    if secret is None:
+        return
     local = isinstance(identities, np.ndarray)
     if isinstance(identities, np.ndarray):
         body = identity_digests(identities).astype("<u8").tobytes()
     else:
         body = canonical_json(identities)
-    head = canonical_json(
-        {
-            "kind": KIND,
-            "version": VERSION,
-            "manifest": manifest.id,
-            "root": strip_credentials(manifest.root or ""),
-            "count": len(manifest.shards),
-            "level": level.value,
-            "columns": columns,
-            "local": local,
-            "digest": blake3.blake3(body).hexdigest(),
-        }
-    )
+    head: dict[str, Any] = {
+        "kind": KIND,
+        "version": VERSION,
+        "manifest": manifest.id,
+        "root": strip_credentials(manifest.root or ""),
+        "count": len(manifest.shards),
+        "level": level.value,
+        "columns": columns,
+        "local": local,
+    }
+    head[TAG] = _tag(secret, head, body)
     with contextlib.suppress(OSError):
-        atomic_write_bytes(path, head + b"\n" + body)
+        atomic_write_bytes(path, canonical_json(head) + b"\n" + body)

@@ -13,14 +13,17 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
 from detdata import FormatError, Manifest, Storage, TokenWindows, build_manifest
 from detdata.datasets import window_index
+from detdata.identity import local_key
 from detdata.identity.columns import CHUNK, ShardTable
 from detdata.identity.receipts import RACY_S
 
@@ -257,7 +260,7 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
     stored = _stored(receipts)
     note = Path(str(stored) + window_index.CHECKED)
     st = stored.stat()
-    assert json.loads(note.read_text()) == _identity(stored)
+    assert json.loads(note.read_text())["identity"] == _identity(stored)
     manifest = Manifest.load(str(path), verify="off")
     per = (tokens.size - 1) // SEQ
     want = np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(per)]).astype(np.int32)
@@ -274,10 +277,10 @@ def test_a_file_unchanged_since_its_full_check_is_not_read_again_and_a_changed_o
     good = stored.read_bytes()
     stored.write_bytes(good)
     TokenWindows(str(path), SEQ, storage=off)
-    assert json.loads(note.read_text()) != _identity(stored)
+    assert json.loads(note.read_text())["identity"] != _identity(stored)
     time.sleep(RACY_S + 0.1)
     TokenWindows(str(path), SEQ, storage=off)  # settled now: checked in full, noted
-    assert json.loads(note.read_text()) == _identity(stored)
+    assert json.loads(note.read_text())["identity"] == _identity(stored)
     # a byte changed in place, the modification time set back: the change time moved
     st = stored.stat()
     raw = bytearray(good)
@@ -346,3 +349,109 @@ def test_a_rank_trusts_its_leaders_identity_or_its_own_note_and_checks_anything_
     Path(str(stored) + window_index.CHECKED).unlink()
     rank([1, 2, 3, 4, 5])  # neither: checked in full
     assert digests == [1]
+
+
+def _sections(raw: bytes) -> tuple[int, dict[str, list[object]]]:
+    """``(where the data starts, the header's sections)`` of an index file, read as its
+    layout says (magic, u64 header length, header, padding to 64)."""
+    hlen = int.from_bytes(raw[8:16], "little")
+    header = json.loads(raw[16 : 16 + hlen])
+    return 16 + hlen + (-(16 + hlen) % 64), header["sections"]
+
+
+@pytest.mark.parametrize("forgery", ["stat-note", "tagged-note", "valid-digest"])
+def test_an_index_edited_in_place_with_a_forged_note_or_digest_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forgery: str
+) -> None:
+    """Someone who can write the receipts folder but not read this user's key edits the
+    stored index in place (shard 1's token offset moved back by one token: its windows
+    would start inside the .npy header) and then either writes a ``.checked`` note for the
+    edited file's identity (as a bare ``stat`` identity, or tagged under a key of their
+    own) or rewrites the file's trailing digest (blake3 of the edited bytes). None of them
+    is trusted: the file is checked in full, named and rebuilt, and the windows are the
+    ones a brute-force cut of the .npy files gives."""
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    want = _brute(tmp_path / "d")
+    TokenWindows(str(path), SEQ)  # built, stored and noted
+    stored = _stored(receipts)
+    good = stored.read_bytes()
+    data_at, sections = _sections(good)
+    at = data_at + int(str(sections["offsets"][0])) + 8 * 1  # shard 1 (uint16)
+    offset = int.from_bytes(good[at : at + 8], "little", signed=True)
+    edited = bytearray(good)
+    edited[at : at + 8] = (offset - 2).to_bytes(8, "little", signed=True)
+    if forgery == "valid-digest":
+        edited[-32:] = blake3.blake3(bytes(edited[:-32])).digest()
+    with open(stored, "r+b") as fh:  # in place: the same file
+        fh.write(bytes(edited))
+    note = Path(str(stored) + window_index.CHECKED)
+    identity = _identity(stored)
+    if forgery == "stat-note":
+        note.write_text(json.dumps(identity))
+    elif forgery == "tagged-note":
+        tag = window_index.note_tag(str(stored), identity, os.urandom(32))
+        note.write_text(json.dumps({"identity": identity, "tag": tag}))
+    with pytest.warns(RuntimeWarning, match=rf"index {re.escape(str(stored))} does not match"):
+        ds = TokenWindows(str(path), SEQ)
+    assert np.array_equal(ds.read(np.arange(ds.num_samples))["tokens"], want)
+    assert stored.read_bytes() == good  # rebuilt: what this user's build writes
+
+
+def _plant(key: Path, how: str) -> None:
+    if how == "readable-by-others":
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o644)
+    elif how == "another-users":
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+        os.chown(key, 65534, 65534)
+    else:  # a link to a private 32-byte file: never followed
+        target = key.parent / "elsewhere"
+        target.write_bytes(os.urandom(32))
+        target.chmod(0o600)
+        key.symlink_to(target)
+
+
+@pytest.mark.parametrize("how", ["readable-by-others", "another-users", "a-link"])
+def test_a_key_file_others_could_know_is_never_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """This user's key (`detdata.identity.local_key`) is made private (0600, this user's);
+    a key file others can read, another user's, or a link is named in a warning and not
+    used: no index is stored or trusted, every open builds its own (the right windows)."""
+    if how == "another-users" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    want = _brute(tmp_path / "d")
+    receipts.mkdir()
+    key = Path(local_key.key_path(str(receipts)))
+    _plant(key, how)
+    with pytest.warns(RuntimeWarning, match=rf"key file {re.escape(str(key))} .*not used"):
+        ds = TokenWindows(str(path), SEQ)
+    assert np.array_equal(ds.read(np.arange(ds.num_samples))["tokens"], want)
+    assert list(receipts.glob("*.windows")) == []
+
+
+def test_this_users_key_is_made_private_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receipts = _receipts(monkeypatch, tmp_path)
+    path = _corpus(tmp_path / "d")
+    os.umask(old := os.umask(0))  # the most permissive umask: the key is private anyway
+    try:
+        TokenWindows(str(path), SEQ)
+    finally:
+        os.umask(old)
+    key = Path(local_key.key_path(str(receipts)))
+    st = key.lstat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.geteuid() and st.st_size == 32
+    made = key.read_bytes()
+    assert (
+        _stored(receipts).read_bytes()[-32:]
+        == blake3.blake3(_stored(receipts).read_bytes()[:-32], key=made).digest()
+    )  # the index's digest is keyed under it
+    TokenWindows(str(path), SEQ)
+    assert key.read_bytes() == made

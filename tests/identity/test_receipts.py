@@ -10,16 +10,19 @@ client).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 
 from detdata import Manifest, VerificationError, build_manifest
+from detdata.base.canonical import canonical_json
 from detdata.identity import receipts
 from tests import servers
 from tests.faultproxy import FaultProxy
@@ -100,6 +103,44 @@ def test_local_restart_reads_nothing_and_catches_a_changed_shard(tmp_path: Path,
     # and again at the start after that (a failed verification writes no receipt)
     with pytest.raises(VerificationError, match=r"s017\.npy"):
         Manifest.load(path)
+
+
+def _forge(receipt: Path, root: Path, names: list[str]) -> None:
+    """What someone who can write the receipts folder but not read this user's key does
+    after changing a shard: rewrite the receipt's body with the shards' identities now,
+    and make its head consistent again (a digest of the new body, or a tag under a key of
+    their own)."""
+    head_raw, _, _ = receipt.read_bytes().partition(b"\n")
+    head = json.loads(head_raw)
+    body = receipts.identity_digests(receipts.local_identities(str(root), names))
+    raw = body.astype("<u8").tobytes()
+    if "digest" in head:
+        head["digest"] = blake3.blake3(raw).hexdigest()
+    if "tag" in head:
+        head.pop("tag")
+        signed = canonical_json(head) + b"\n" + raw
+        head["tag"] = blake3.blake3(signed, key=os.urandom(32)).hexdigest()
+    receipt.write_bytes(canonical_json(head) + b"\n" + raw)
+
+
+def test_a_forged_receipt_is_not_trusted(tmp_path: Path) -> None:
+    """A shard changed in place and the receipt rewritten to record its new identity, by
+    someone who cannot read this user's key: the receipt is not trusted, the shard is read
+    and named."""
+    root = tmp_path / "data"
+    _write_local(root)
+    manifest = build_manifest(str(root))
+    path = str(root / "manifest.json")
+    manifest.save(path)
+    _age(root)
+    assert _load_counting(path) >= manifest.total_bytes  # verified, receipt written
+    (receipt,) = Path(os.environ[receipts.ENV_DIR]).glob("*.receipt")
+    _change("rewrite", root / "s017.npy")
+    _age(root)  # settled: its identity would be recorded
+    _forge(receipt, root, [s.path for s in manifest.shards])
+    with pytest.raises(VerificationError) as info:
+        Manifest.load(path)
+    assert info.value.shard == "s017.npy" and info.value.field == "quick"
 
 
 @pytest.mark.slow

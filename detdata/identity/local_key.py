@@ -1,0 +1,148 @@
+"""This user's secret key, for what detdata writes now and trusts later (DESIGN.md 8).
+
+Some files in the receipts folder (``DETDATA_RECEIPTS``) are trusted by a later job without
+being read in full again: the window index (`detdata.datasets.window_index`) and its
+``.checked`` note, which lets a later open skip the index's digest while the file keeps the
+``stat`` identity it had when it was checked. A digest anyone can compute does not hold
+against whoever can write the folder: a forged index is written with a valid digest, and a
+note with the identity of an edited file takes nothing but a ``stat``. So these files are
+keyed: their digest and the note's tag are blake3 in keyed mode under a 32-byte key that
+only this user can read.
+
+Trust model. The key is ``.key-<uid>`` in the receipts folder: 32 random bytes, created
+exclusively (never through a symbolic link, never over a planted file) with mode 0600,
+and used only while the file is a regular file owned by this process's user that neither
+its group nor others can read or write. What it protects against: anyone who cannot read
+that file (another user of a shared receipts folder, someone who can write the index or
+its note but not read the key) cannot make an index or a note this user's jobs trust; a
+forged one is checked in full, named and rebuilt. What it cannot protect against: this
+user (or root), who can read the key, and edit detdata itself. A key file that fails
+those checks is never used: the index is then built in memory in every process, with a
+warning naming the file (another user, or a copy that others can read, made it). A key
+that cannot be made (a read-only folder) is the same, without the warning (as an index
+that cannot be stored). Indexes written under another key (another user's, or before the
+key was made again) are named by their key's public id (`key_id`), so users sharing a
+folder never overwrite each other's, and never read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+import threading
+import warnings
+from typing import Final
+
+import blake3
+
+KEY_BYTES: Final = 32
+_PREFIX: Final = ".key-"
+_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: mode bits that make a key no secret (others may read it) or not this user's alone
+_OTHERS: Final = 0o077
+_KEYS: dict[str, bytes | None] = {}  # key file path -> key (None: unusable), this process
+_LOCK = threading.Lock()
+
+
+def key_path(folder: str) -> str:
+    """Where this user's key lives in ``folder`` (a receipts folder)."""
+    return os.path.join(folder, f"{_PREFIX}{os.geteuid()}")
+
+
+def local_key(folder: str) -> bytes | None:
+    """This user's key in ``folder``, made on first use (see the module docstring); None
+    where it cannot be made or fails its checks (a `RuntimeWarning` names it once)."""
+    path = key_path(folder)
+    with _LOCK:
+        if path not in _KEYS:
+            _KEYS[path] = _load_or_make(path)
+        return _KEYS[path]
+
+
+def key_id(key: bytes) -> str:
+    """A public name of ``key`` (16 hex digits of a keyed hash of a constant: says
+    nothing about the key, tells one key's files from another's)."""
+    return blake3.blake3(b"detdata.key-id", key=key).hexdigest()[:16]
+
+
+def keyed(key: bytes, data: bytes) -> bytes:
+    """The 32-byte blake3 of ``data`` in keyed mode under ``key``."""
+    return blake3.blake3(data, key=key).digest()
+
+
+def _load_or_make(path: str) -> bytes | None:
+    try:
+        return _read(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a link (ELOOP), a planted FIFO, unreadable
+        _refused(path, f"cannot be opened as a file ({exc.strerror or exc})")
+        return None
+    try:
+        _make(path)
+    except OSError:  # a read-only folder: no key, no stored index (as where it cannot be written)
+        return None
+    try:
+        return _read(path)
+    except OSError as exc:  # a link or FIFO planted before ours could be linked in
+        _refused(path, f"cannot be opened as a file ({exc.strerror or exc})")
+        return None
+
+
+def _read(path: str) -> bytes | None:
+    fd = os.open(path, _READ)
+    try:
+        st = os.fstat(fd)
+        problem = _problem(st)
+        if problem is not None:
+            _refused(path, problem)
+            return None
+        data = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) != KEY_BYTES:
+        _refused(path, f"holds {len(data)} bytes, not {KEY_BYTES}")
+        return None
+    return data
+
+
+def _problem(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & _OTHERS:
+        return f"can be read or written by others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _make(path: str) -> None:
+    """Write a new key to ``path`` unless one is there: a private temp file (mode 0600),
+    linked into place (``link`` never replaces a file, nor follows a planted link)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-key-", dir=folder)
+    try:
+        os.write(fd, os.urandom(KEY_BYTES))
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            os.link(tmp, path)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(tmp)
+
+
+def _refused(path: str, why: str) -> None:
+    """Report the key file ``path`` as unusable (a `RuntimeWarning` naming it)."""
+    warnings.warn(
+        f"detdata key file {path} {why}: it is not used, so no stored window index is "
+        "trusted (each process builds its own); hint: remove it (this user's key is made "
+        "again), and keep DETDATA_RECEIPTS in a folder only you can write",
+        RuntimeWarning,
+        stacklevel=2,
+    )
