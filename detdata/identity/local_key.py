@@ -1,28 +1,31 @@
 """This user's secret key, for what detdata writes now and trusts later (DESIGN.md 8).
 
-Some files in the receipts folder (``DETDATA_RECEIPTS``) are trusted by a later job without
-being read in full again: the window index (`detdata.datasets.window_index`) and its
-``.checked`` note, which lets a later open skip the index's digest while the file keeps the
-``stat`` identity it had when it was checked. A digest anyone can compute does not hold
-against whoever can write the folder: a forged index is written with a valid digest, and a
-note with the identity of an edited file takes nothing but a ``stat``. So these files are
-keyed: their digest and the note's tag are blake3 in keyed mode under a 32-byte key that
-only this user can read.
+Some files in the receipts folder (``DETDATA_RECEIPTS``) are trusted by a later job
+without being read in full again: the window index (`detdata.datasets.window_index`) and
+its ``.checked`` note, which lets a later open skip the index's digest while the file
+keeps the ``stat`` identity it had when it was checked, and the verification receipts
+(`detdata.identity.receipts`), which let a restart skip the shards whose identity held.
+A digest anyone can compute does not hold against whoever can write the folder: a forged
+index is written with a valid digest, and a note with the identity of an edited file
+takes nothing but a ``stat``. So these files are keyed: the index's digest and the
+note's and the receipt's tags are blake3 in keyed mode under a 32-byte key that only
+this user can read.
 
 Trust model. The key is ``.key-<uid>`` in the receipts folder: 32 random bytes, created
 exclusively (never through a symbolic link, never over a planted file) with mode 0600,
 and used only while the file is a regular file owned by this process's user that neither
 its group nor others can read or write. What it protects against: anyone who cannot read
-that file (another user of a shared receipts folder, someone who can write the index or
-its note but not read the key) cannot make an index or a note this user's jobs trust; a
-forged one is checked in full, named and rebuilt. What it cannot protect against: this
-user (or root), who can read the key, and edit detdata itself. A key file that fails
-those checks is never used: the index is then built in memory in every process, with a
-warning naming the file (another user, or a copy that others can read, made it). A key
-that cannot be made (a read-only folder) is the same, without the warning (as an index
-that cannot be stored). Indexes written under another key (another user's, or before the
-key was made again) are named by their key's public id (`key_id`), so users sharing a
-folder never overwrite each other's, and never read them.
+that file (another user of a shared receipts folder, someone who can write the index, its
+note or a receipt but not read the key) cannot make a file this user's jobs trust; a
+forged index is checked in full, named and rebuilt, a forged receipt ignored. What it
+cannot protect against: this user (or root), who can read the key, and edit detdata
+itself. A key file that fails those checks is never used: the index is then built in
+memory in every process and no receipt is written or read (every shard is read at every
+start), with a warning naming the file (another user, or a copy others can read, made
+it). A key that cannot be made (a read-only folder) is the same, without the warning (as
+an index or a receipt that cannot be written). Files written under another key (another
+user's, or before the key was made again) are named by their key's public id (`key_id`),
+so users sharing a folder never overwrite each other's, and never read them.
 """
 
 from __future__ import annotations
@@ -140,9 +143,10 @@ def _make(path: str) -> None:
 def _refused(path: str, why: str) -> None:
     """Report the key file ``path`` as unusable (a `RuntimeWarning` naming it)."""
     warnings.warn(
-        f"detdata key file {path} {why}: it is not used, so no stored window index is "
-        "trusted (each process builds its own); hint: remove it (this user's key is made "
-        "again), and keep DETDATA_RECEIPTS in a folder only you can write",
+        f"detdata key file {path} {why}: it is not used, so no stored window index or "
+        "verification receipt is trusted (each process builds its index, each start reads "
+        "every shard); hint: remove it (this user's key is made again), and keep "
+        "DETDATA_RECEIPTS in a folder only you can write",
         RuntimeWarning,
         stacklevel=2,
     )
