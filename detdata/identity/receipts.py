@@ -59,7 +59,6 @@ import functools
 import hmac
 import json
 import os
-import pickle
 import socket
 import sys
 import time
@@ -71,6 +70,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from detdata.base import errors
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
@@ -173,7 +173,7 @@ def verify_job(
         _vouch(manifest, checked)
         return
     store.wait([key + "/verdict"], timedelta(days=7))
-    found = pickle.loads(store.get(key + "/verdict"))
+    found = _loads(store.get(key + "/verdict"))
     if found is not None:
         raise found
     _vouch(manifest, json.loads(store.get(key + "/columns")))
@@ -188,14 +188,38 @@ def _vouch(manifest: Manifest, checked: list[Any] | None) -> None:
 
 
 def _dumps(verdict: BaseException | None) -> bytes:
-    """The verdict for the store: the exception itself (its fields kept), or a
-    `DetdataError` carrying its text where it does not pickle."""
-    try:
-        return pickle.dumps(verdict)
-    except Exception:
-        return pickle.dumps(
-            DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
-        )
+    """The verdict for the store, as JSON (never pickle: the store takes what any peer on
+    the network sends): the detdata error class's name, its message and its JSON-plain
+    fields; another exception becomes a `DetdataError` carrying its type and text."""
+    if verdict is None:
+        return b"null"
+    if not isinstance(verdict, DetdataError) or _error_class(type(verdict).__name__) is None:
+        verdict = DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
+    fields = {
+        k: v for k, v in vars(verdict).items() if isinstance(v, (str, int, float, bool, type(None)))
+    }
+    message = str(verdict.args[0]) if verdict.args else str(verdict)
+    return canonical_json({"type": type(verdict).__name__, "message": message, "fields": fields})
+
+
+def _loads(raw: bytes) -> DetdataError | None:
+    """The verdict `_dumps` wrote: the same detdata error class, message and fields."""
+    found = json.loads(raw)
+    if found is None:
+        return None
+    cls = _error_class(str(found.get("type", ""))) or DetdataError
+    error = cls(str(found.get("message", "")))
+    for name, value in dict(found.get("fields", {})).items():
+        setattr(error, str(name), value)
+    return error
+
+
+def _error_class(name: str) -> type[DetdataError] | None:
+    """The detdata error class of that name (`detdata.base.errors`), or None."""
+    found = getattr(errors, name, None)
+    if isinstance(found, type) and issubclass(found, DetdataError):
+        return found
+    return None
 
 
 def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -149,3 +150,28 @@ def test_ranks_reading_one_manifest_from_different_roots_each_verify_their_root_
             assert f"(under {tmp_path / damaged})" in str(ranks[r]["message"]), ranks
         data[-1] ^= 0xFF
         (tmp_path / damaged / "s07.npy").write_bytes(bytes(data))
+
+
+def test_a_verdict_crosses_the_store_as_json_never_pickle(tmp_path: Path) -> None:
+    """The job's store takes what any peer on the network sends: a verdict is JSON (the
+    detdata error class by name, its message and fields), and bytes that are not such JSON
+    (a pickle that would run code) are an error, never run."""
+    from detdata.base.errors import VerificationError
+    from detdata.identity import receipts
+
+    sent = VerificationError("shard a.npy: blake3 differs", shard="a.npy", field="blake3")
+    got = receipts._loads(receipts._dumps(sent))
+    assert type(got) is VerificationError and str(got) == str(sent)
+    assert (got.shard, got.field) == ("a.npy", "blake3")
+    assert receipts._loads(receipts._dumps(None)) is None
+    odd = receipts._loads(receipts._dumps(KeyError("x")))
+    assert type(odd).__name__ == "DetdataError" and "KeyError" in str(odd)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(ValueError):
+        receipts._loads(pickle.dumps(Payload()))
+    assert not marker.exists()
