@@ -287,7 +287,8 @@ http {{
 
 
 #: Twisted's root resource: static files under ``docroot`` with the rules of `NGINX_CONF`
-#: (``?sig=expired``: 403, ``?sig=missing``: 401), children served by the same class.
+#: (``?sig=expired``: 403, ``?sig=missing``: 401) and nginx's strong ETag, children served
+#: by the same class.
 TWISTED_ROOT = """\
 from twisted.web import static
 
@@ -298,6 +299,10 @@ class Signed(static.File):
         if sig in (b"expired", b"missing"):
             request.setResponseCode(403 if sig == b"expired" else 401)
             return b"denied"
+        if self.isfile():  # nginx's strong ETag: mtime and size in hex
+            self.restat()
+            tag = '"%x-%x"' % (int(self.getModificationTime()), self.getsize())
+            request.setHeader(b"etag", tag.encode())
         return static.File.render(self, request)
 
 
