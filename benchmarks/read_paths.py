@@ -57,8 +57,9 @@ if case == "batched-python":  # the native loop off: its Python twin reads
     where.NATIVE = False
 rng = np.random.default_rng(7)
 if case in ("one-shard", "mapped", "scattered"):
+    bound = 1 if case == "scattered" else None
     ds = detdata.TokenWindows(data + "/large/manifest.json", 256,
-                              max_open_shards=1 if case == "scattered" else None)
+                              storage=detdata.Storage(max_open_shards=bound))
     per = ds.windows_per_shard[0]
     if case == "one-shard":
         ids = [rng.integers(0, per, 64) for _ in range(batches)]
@@ -70,7 +71,8 @@ if case in ("one-shard", "mapped", "scattered"):
         ds.read(np.asarray([0]))  # the only handle: shard 0
 else:
     folder = "small16" if case == "batched-uint16" else "small"
-    ds = detdata.TokenWindows(data + "/" + folder + "/manifest.json", 128, max_open_shards=1)
+    ds = detdata.TokenWindows(data + "/" + folder + "/manifest.json", 128,
+                              storage=detdata.Storage(max_open_shards=1))
     ds.read(np.asarray([0]))
     ids = [rng.permutation(ds.num_samples)[:256] for _ in range(batches)]
 def run(kept):

@@ -296,7 +296,9 @@ class Run:
     worker_mode: str = "process"
 
 
-def _dataset(kind: str, folder: Path, seq_len: int, max_open: int | None) -> Any:
+def _dataset(
+    kind: str, folder: Path, seq_len: int, max_open: int | None, cache_row_groups: int | None = None
+) -> Any:
     import detdata
 
     manifest = str(folder / "manifest.json")
@@ -304,7 +306,9 @@ def _dataset(kind: str, folder: Path, seq_len: int, max_open: int | None) -> Any
     storage = detdata.Storage(verify="off", **extra)
     if kind == "tokens":
         return detdata.TokenWindows(manifest, seq_len, labels=False, storage=storage)
-    return detdata.TableRows(manifest, ["tokens"], storage=storage)
+    return detdata.TableRows(
+        manifest, ["tokens"], cache_row_groups=cache_row_groups, storage=storage
+    )
 
 
 def measure(
@@ -569,7 +573,7 @@ def read_floor(
     did (every sample once per epoch)."""
     ds = _dataset("tokens", folder, seq_len, 1)
     counts = np.asarray(ds.windows_per_shard)
-    offsets = np.asarray(ds._offsets)
+    offsets = np.asarray(ds._layout.offsets)
     paths = [str(folder / e.path) for e in ds.manifest.shards]
     pick = np.random.default_rng(0).permutation(len(paths))[:limit]
     nbytes = (counts[pick] * seq_len * 4).tolist()
@@ -627,7 +631,7 @@ def reopen_rows(tokens: Path, tables: Path | None, seq_len: int) -> list[dict[st
 
     rows: list[dict[str, Any]] = []
     ds = _dataset("tokens", tokens, seq_len, 1)
-    starts = np.asarray(ds._starts)
+    starts = np.asarray(ds._layout.starts)
     counts = np.asarray(ds.windows_per_shard)
     usable = np.flatnonzero(counts >= 3 * MAP_MIN_ROWS)
     shards = (usable if usable.size else np.arange(counts.size))[:400]
@@ -653,10 +657,9 @@ def reopen_rows(tokens: Path, tables: Path | None, seq_len: int) -> list[dict[st
         )
     if tables is not None:
         for label, cap in (("open reader", None), ("re-opened reader", 1)):
-            tr = _dataset("parquet", tables, seq_len, cap)
-            tr.cache_row_groups = 0
-            tr._reset_process_state()  # no decoded row groups kept: every read decodes
-            firsts = np.asarray(tr._group_starts)[:400]
+            # no decoded row groups kept: every read decodes
+            tr = _dataset("parquet", tables, seq_len, cap, cache_row_groups=0)
+            firsts = np.asarray(tr._index.starts)[:400]
             tr.read(firsts[:1])
             with Stopwatch() as clock:
                 for g in firsts[1:] if cap else np.repeat(firsts[:1], len(firsts) - 1):

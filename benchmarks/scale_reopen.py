@@ -64,7 +64,7 @@ def _sweep(ds: Any, shards: int, forget: bool) -> tuple[float, float]:
     """(seconds, rchar bytes) per re-open: one window of each shard, round robin."""
     from detdata.storage.verified import forget_verified
 
-    starts = np.asarray(ds._starts)
+    starts = np.asarray(ds._layout.starts)
     best = float("inf")
     read = 0
     for _ in range(3):

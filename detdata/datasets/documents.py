@@ -38,6 +38,10 @@ LRU). Open handles (memory maps, Arrow files) are bounded per process by
 dropped and re-opened on its next use), whatever the number of shards.
 Local roots are read directly; remote roots need ``cache_dir`` (whole shards are
 copied into the verified local `ShardCache` first).
+
+A `Documents` holds its parts: the document table (``starts``, with its `Unit` s) and the
+shard files (`detdata.datasets.shard_files.ShardFiles`: opened, cached and checked per
+process), and per process the decoded Parquet row groups it keeps.
 """
 
 from __future__ import annotations
@@ -47,13 +51,13 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
 
 import numpy as np
 import numpy.typing as npt
 
 from detdata.base.checks import check_count
-from detdata.base.errors import ConfigError, FormatError, VerificationError
+from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
 from detdata.base.lazy import lazy_module
 from detdata.base.progress import progress
@@ -76,11 +80,12 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
-from detdata.datasets.shard_storage import Storage, storage_for
-from detdata.datasets.shards import ShardReader
+from detdata.datasets.process_local import PerProcess
+from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
-from detdata.storage.fs import is_local_fs, join
+from detdata.storage.cache import ShardCache
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -115,7 +120,18 @@ class _ArrowValues(NamedTuple):
     path: str
 
 
-class Documents(ShardReader):
+class _Decoded:
+    """A `Documents`' side of one process: its decoded Parquet row groups (an LRU of at most
+    `_PARQUET_GROUPS`, keyed ``(shard, group)``) and their lock."""
+
+    __slots__ = ("groups", "lock")
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[tuple[int, int], np.ndarray[Any, Any]] = OrderedDict()
+        self.lock = threading.Lock()
+
+
+class Documents:
     """The documents of a manifest, read in place (see the module docstring).
 
     ``eod_token``: the end-of-document token of plain token shards (required when
@@ -130,17 +146,15 @@ class Documents(ShardReader):
     ``Storage()``, whose ``cache_dir`` here is None: a remote root needs
     ``Storage(cache_dir=...)``). None of it changes a token read, so none is in
     ``identity()``. The keywords of its fields given directly (``verify=``, ``root=``,
-    ``storage_options=``, ...) are deprecated (`storage_for`).
+    ``storage_options=``, ...) are refused, naming the field to pass (`checked_storage`).
+
+    Parts: ``files`` (`ShardFiles`), the document table and, per process, the decoded
+    Parquet row groups. Pickled with its parameters, manifest, units and ``files`` (the
+    table too, unless ``index_dir`` holds it).
     """
 
-    _TRANSIENT: ClassVar[tuple[str, ...]] = (
-        *ShardReader._TRANSIENT,
-        "_groups",
-        "_lock",
-        "_all_token_files",
-        "_unit_base",
-        "_group_bases",
-    )
+    #: made again when unpickled, never pickled
+    _DERIVED: ClassVar[tuple[str, ...]] = ("_all_token_files", "_unit_base", "_group_bases")
 
     def __init__(
         self,
@@ -152,9 +166,13 @@ class Documents(ShardReader):
         index_dir: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
         storage: Storage | None = None,
-        **legacy: Any,
+        **refused: Never,
     ) -> None:
-        super().__init__(manifest, storage_for("Documents", storage, legacy))
+        storage = checked_storage("Documents", storage, refused)
+        self.storage = storage.with_default_cache(None)  # no copies unless asked for
+        self.manifest = resolve_manifest(manifest, self.storage)
+        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
+        self._local: PerProcess[_Decoded] = PerProcess()
         self.eod_token = (
             None if eod_token is None else check_count(eod_token, "eod_token", minimum=0)
         )
@@ -163,9 +181,7 @@ class Documents(ShardReader):
         self.column = column
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.progress = progress
-        self._sizes = self.manifest.bytes_per_shard()
-        self._reset_process_state()
-        if self.cache_dir is None and not is_local_fs(self._filesystem()[0]):
+        if self.files.cache_dir is None and not self.files.is_local():
             raise ConfigError(
                 f"Documents reads the shards of a remote root ({self.manifest.root}) from "
                 "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
@@ -255,7 +271,7 @@ class Documents(ShardReader):
         if unit.kind == "megatron":
             path = self._path(unit.index)
             with open(path, "rb") as fh:
-                self._check_opened(unit.index, fh.fileno(), path)
+                self.files.check_opened(unit.index, fh.fileno(), path)
                 raw = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             with raw:
                 return megatron_starts(self.manifest, unit, raw), unit
@@ -268,7 +284,7 @@ class Documents(ShardReader):
 
     # construction helpers --------------------------------------------------------
     def _build_index(self) -> None:
-        super()._build_index()
+        """Where each unit's tokens start in the corpus (from the units: no file read)."""
         self._all_token_files = all(u.kind != "table" for u in self.units)
         base = np.zeros(len(self.units) + 1, dtype=np.int64)
         np.cumsum([u.tokens for u in self.units], out=base[1:])
@@ -284,19 +300,10 @@ class Documents(ShardReader):
             self._group_bases[u] = found
         return found
 
-    def _reset_process_state(self) -> None:
-        super()._reset_process_state()
-        self._groups: OrderedDict[tuple[int, int], np.ndarray[Any, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _forget_handle(self, shard: int) -> None:
-        self._handles.pop(shard)
-        with self._lock:
-            for key in [k for k in self._groups if k[0] == shard]:
-                self._groups.pop(key, None)
-
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
+        state = self.__dict__.copy()
+        for key in self._DERIVED:
+            state.pop(key, None)
         if self.index_dir is not None:
             state["_starts"] = None  # re-loaded from the index file, not pickled
         return state
@@ -304,7 +311,7 @@ class Documents(ShardReader):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._build_index()
-        self._reset_process_state()
+        self.files.attach(self.manifest.bytes_per_shard())
         if self._starts is None:
             self._starts = reload_index(
                 self.index_dir,
@@ -313,6 +320,31 @@ class Documents(ShardReader):
                 str(self._table_digest),
                 lambda: self._build_table(list(self.units))[0],
             )
+
+    # the shard files, under the names the readers use ----------------------------------
+    @property
+    def cache_dir(self) -> str | None:
+        """The folder of verified shard copies in force (None: no copies)."""
+        return self.files.cache_dir
+
+    @property
+    def shard_cache_bytes(self) -> int:
+        """The bound of the shard cache in force."""
+        return self.files.shard_cache_bytes
+
+    @property
+    def max_open_shards(self) -> int:
+        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
+        return self.storage.max_open_shards
+
+    @property
+    def shard_cache(self) -> ShardCache | None:
+        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
+        return self.files.shard_cache
+
+    def open_shards(self) -> list[int]:
+        """Shards this dataset holds an open handle of in this process (`ShardFiles`)."""
+        return self.files.open_shards()
 
     # properties ----------------------------------------------------------------------
     @property
@@ -412,8 +444,8 @@ class Documents(ShardReader):
     def _unit_tokens(self, u: int) -> np.ndarray[Any, Any]:
         """The token view of token-file unit ``u`` (its cached copy refreshed first)."""
         unit = self.units[u]
-        if self._uses_shard_cache():
-            self._refresh_copies((unit.shard,))
+        if self.files.uses_shard_cache():
+            self.files.refresh_copies((unit.shard,))
         return self._token_view(unit)
 
     def _copy_unit(
@@ -428,8 +460,8 @@ class Documents(ShardReader):
         if unit.kind != "table":
             _copy_from(self._unit_tokens(u), local, count, target, out)
             return
-        if self._uses_shard_cache():
-            self._refresh_copies((unit.shard,))
+        if self.files.uses_shard_cache():
+            self.files.refresh_copies((unit.shard,))
         bases = self._bases(u)
         group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
         groups = np.unique(group).tolist()
@@ -440,8 +472,8 @@ class Documents(ShardReader):
 
     def _gather_unit(self, u: int, local: IntArray) -> np.ndarray[Any, Any]:
         unit = self.units[u]
-        if self._uses_shard_cache():
-            self._refresh_copies((unit.shard,))
+        if self.files.uses_shard_cache():
+            self.files.refresh_copies((unit.shard,))
         if unit.kind != "table":
             return self._token_view(unit)[local]
         bases = self._bases(u)
@@ -459,32 +491,24 @@ class Documents(ShardReader):
 
     def _path(self, shard: int) -> str:
         """A local path of ``shard``: the file, or its verified cached copy."""
-        if self._uses_shard_cache():
-            return self._cached_path(shard)
-        path = join(self._filesystem()[1], self.manifest.shards[shard].path)
+        if self.files.uses_shard_cache():
+            return self.files.cached_path(shard)
+        path = self.files.path(shard)
         if not os.path.exists(path):
-            entry = self.manifest.shards[shard]
-            raise VerificationError(
-                f"shard {entry.path} ({path}): missing; it was verified when the dataset was "
-                "opened, then deleted or renamed; hint: restore it and resume from the last "
-                "saved state",
-                shard=entry.path,
-                field="exists",
-                expected=True,
-                found=False,
-            )
+            raise self.files.missing(shard, path)
         return path
 
     def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
         """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""
-        held: _MappedTokens | None = self._handles.get(unit.shard)
+        files = self.files
+        held: _MappedTokens | None = files.local().handles.get(unit.shard)
         if held is not None:
-            self._check_size(unit.shard, held.mapping.size(), held.path)
+            files.check_size(unit.shard, held.mapping.size(), held.path)
             return held.view
         entry = self.manifest.shards[unit.shard]
         path = self._path(unit.shard)
         with open(path, "rb") as fh:
-            self._check_opened(unit.shard, fh.fileno(), path)
+            files.check_opened(unit.shard, fh.fileno(), path)
             mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else None
         if mapping is None:
             view: np.ndarray[Any, Any] = np.empty(0, dtype=disk_dtype(unit.dtype))
@@ -496,7 +520,7 @@ class Documents(ShardReader):
             offset=entry.data_offset or 0,
         )
         view.flags.writeable = False
-        self._keep_handle(unit.shard, _MappedTokens(view, mapping, path))
+        files.keep(unit.shard, _MappedTokens(view, mapping, path))
         return view
 
     def _table_reader(self, shard: int) -> Any:
@@ -533,7 +557,8 @@ class Documents(ShardReader):
         """The flattened tokens of row group ``group`` of a table unit (cached per process)."""
         entry = self.manifest.shards[unit.shard]
         if entry.format is not Format.PARQUET:
-            held: _ArrowValues | None = self._handles.get(unit.shard)
+            files = self.files
+            held: _ArrowValues | None = files.local().handles.get(unit.shard)
             if held is None:
                 path = self._path(unit.shard)
                 values = [
@@ -541,21 +566,22 @@ class Documents(ShardReader):
                     for c in self._arrow_batches(unit.shard)
                 ]
                 held = _ArrowValues(values, path)
-                self._keep_handle(unit.shard, held)
-            self._check_file(unit.shard, held.path)
+                files.keep(unit.shard, held)
+            files.check_file(unit.shard, held.path)
             return held.values[group]
         key = (unit.shard, group)
-        with self._lock:
-            cached = self._groups.get(key)
+        local = self._local.get(_Decoded)
+        with local.lock:
+            cached = local.groups.get(key)
             if cached is not None:
-                self._groups.move_to_end(key)
+                local.groups.move_to_end(key)
                 return cached
         decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
         decoded.setflags(write=False)
-        with self._lock:
-            self._groups[key] = decoded
-            while len(self._groups) > _PARQUET_GROUPS:
-                self._groups.popitem(last=False)
+        with local.lock:
+            local.groups[key] = decoded
+            while len(local.groups) > _PARQUET_GROUPS:
+                local.groups.popitem(last=False)
         return decoded
 
 

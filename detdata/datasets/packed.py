@@ -66,7 +66,6 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
-from detdata.datasets.process_local import ProcessLocal
 from detdata.order.packing import (
     ALGORITHM,
     Tail,
@@ -84,7 +83,7 @@ from detdata.order.packing import (
 COLUMNS: Final = ("tokens", "doc_index", "position_ids", "cu_seqlens", "num_segments")
 
 
-class PackedWindows(ProcessLocal):
+class PackedWindows:
     """``seq_len`` windows packed from ``documents`` (module docstring; ``packing-v1``).
 
     ``seed`` keys the document shuffle (``shuffle=False``: canonical document
@@ -94,7 +93,8 @@ class PackedWindows(ProcessLocal):
     stored (default: ``documents.index_dir``; None: built at every construction).
     """
 
-    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_offsets", "_first", "_ramp", "_checked_counts")
+    #: made again when unpickled (from the packing index), never pickled
+    _DERIVED: ClassVar[tuple[str, ...]] = ("_offsets", "_first", "_ramp", "_checked_counts")
 
     def __init__(
         self,
@@ -244,7 +244,9 @@ class PackedWindows(ProcessLocal):
         self._ramp: IntArray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
+        state = self.__dict__.copy()
+        for key in self._DERIVED:
+            state.pop(key, None)
         if self.index_dir is not None:
             state["_index"] = None  # re-loaded from the index file, not pickled
         return state
@@ -260,7 +262,6 @@ class PackedWindows(ProcessLocal):
                 self._offsets_of_documents,
             )
         self._build_index()
-        self._reset_process_state()
 
     # Dataset protocol ---------------------------------------------------------------
     @property

@@ -52,15 +52,16 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.redact import get_logger
 from detdata.base.types import IntArray
 from detdata.datasets.capabilities import HasSources, OverOneDataset
-from detdata.datasets.shards import ShardReader
+from detdata.datasets.shard_files import ShardFiles
 
 log: Final = get_logger("detdata.prefetch")
 #: Default number of shard downloads in flight.
@@ -72,6 +73,16 @@ Key = tuple[int, int]  # (reader index in `Lookahead.readers`, shard)
 _Work = queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None]
 #: Every open `Lookahead` of this process: closed at exit (their queued fills cancelled).
 _OPEN: weakref.WeakSet[Lookahead] = weakref.WeakSet()
+
+
+@runtime_checkable
+class ShardReader(Protocol):
+    """What the lookahead needs of a dataset (`TokenWindows`, `TableRows`): its shard
+    files (``files``, a `ShardFiles`) and the shard of each sample id (``locate``)."""
+
+    files: ShardFiles
+
+    def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, ...]: ...
 
 
 def _run_fills(work: _Work) -> None:
@@ -126,7 +137,7 @@ def cached_readers(stream: object) -> list[ShardReader]:
     `OverOneDataset`) that read through a shard cache (``cache_dir`` and a remote root), in
     source order."""
     candidates = _datasets_of(stream)
-    return [r for r in candidates if isinstance(r, ShardReader) and r.uses_shard_cache()]
+    return [r for r in candidates if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
 
 
 def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> list[Key]:
@@ -230,7 +241,7 @@ class Lookahead:
         self.stop = stop
         self.readers = cached_readers(stream) if readers is None else readers
         self.stats = LookaheadStats()
-        self._budget = {r.cache_dir: r.shard_cache_bytes for r in self.readers}
+        self._budget = {r.files.cache_dir: r.files.shard_cache_bytes for r in self.readers}
         self._window_bytes: dict[str | None, int] = collections.defaultdict(int)
         self._plan: collections.deque[tuple[int, list[Key]]] = collections.deque()
         self._last_use: dict[Key, int] = {}
@@ -315,7 +326,7 @@ class Lookahead:
             extra: dict[str | None, int] = collections.defaultdict(int)
             for k in new:
                 reader = self.readers[k[0]]
-                extra[reader.cache_dir] += reader.manifest.shards[k[1]].bytes
+                extra[reader.files.cache_dir] += reader.files.manifest.shards[k[1]].bytes
             over = any(self._window_bytes[d] + b > self._budget.get(d, 0) for d, b in extra.items())
             if over and self._plan:  # the step about to be read is always planned
                 self.stats.shrunk += 1
@@ -351,14 +362,14 @@ class Lookahead:
     def _fill(self, key: Key) -> None:
         reader = self.readers[key[0]]
         try:
-            reader.prefetch_copy(key[1])
+            reader.files.prefetch_copy(key[1])
         except Exception as exc:
             with self._lock:
                 self.stats.failed += 1
             log.warning(
                 "detdata: background prefetch of shard %s failed (%s: %s); the batch that "
                 "needs it fetches it again and raises if that fails too",
-                reader.manifest.shards[key[1]].path,
+                reader.files.manifest.shards[key[1]].path,
                 type(exc).__name__,
                 exc,
             )
@@ -369,7 +380,7 @@ class Lookahead:
     def _release(self, key: Key) -> None:
         reader = self.readers[key[0]]
         self._last_use.pop(key, None)
-        self._window_bytes[reader.cache_dir] -= reader.manifest.shards[key[1]].bytes
+        self._window_bytes[reader.files.cache_dir] -= reader.files.manifest.shards[key[1]].bytes
         self.stats.released += 1
         future = self._futures.pop(key, None)
         if future is not None and not future.done():
@@ -380,8 +391,8 @@ class Lookahead:
 
             def release_later(_: object) -> None:
                 if key not in last_use:  # planned again meanwhile: it is in the window
-                    reader.release_copy(key[1])
+                    reader.files.release_copy(key[1])
 
             future.add_done_callback(release_later)
             return
-        reader.release_copy(key[1])
+        reader.files.release_copy(key[1])

@@ -1,34 +1,61 @@
-"""Pickling for datasets that hold per-process resources (memmaps, file handles, caches).
+"""`PerProcess`: a value owned by one process (memory maps, file handles, caches), held as a
+part.
 
-A dataset is pickled into torch worker processes: only its parameters and
-manifest travel; the derived index and the per-process resources are rebuilt
-on the other side (and after a fork, by the dataset's own pid check).
+A dataset is pickled into torch worker processes: only its parameters and manifest travel.
+A part keeps what one process owns in a `PerProcess` holder: pickled empty, made at its first
+`get` in a process and again in a forked child (a fork bumps this module's generation: no
+``getpid`` per use). The maker is given at each `get`, so the holder keeps no reference to
+its owner: an owner goes (with its handles) with its last reference.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+_generation = 0  # bumped in a forked child: values of another generation are the parent's
+_MAKING = threading.RLock()  # reader threads may ask at once; a maker may `get` another value
 
 
-class ProcessLocal:
-    """Mixin: drop ``_TRANSIENT`` attributes when pickled; rebuild them when unpickled."""
+def _forked() -> None:
+    global _generation, _MAKING
+    _generation += 1
+    _MAKING = threading.RLock()  # a thread of the parent may have held it at the fork
 
-    #: Attributes derived from the parameters or owned by one process; never pickled.
-    _TRANSIENT: ClassVar[tuple[str, ...]] = ()
 
-    def _build_index(self) -> None:
-        """Recompute attributes derived from the parameters (cheap, deterministic)."""
+os.register_at_fork(after_in_child=_forked)
 
-    def _reset_process_state(self) -> None:
-        """Start this process's resources afresh (opened lazily on first use)."""
+
+class PerProcess(Generic[T]):
+    """A value of this process: ``make()`` at the first `get` in a process, and again after
+    a fork, an unpickle or `reset`; never pickled."""
+
+    __slots__ = ("_generation", "_value")
+
+    def __init__(self) -> None:
+        self._value: T | None = None
+        self._generation = -1
+
+    def get(self, make: Callable[[], T]) -> T:
+        """This process's value (``make()`` now if this process has none)."""
+        value = self._value
+        if value is None or self._generation != _generation:
+            with _MAKING:
+                if self._value is None or self._generation != _generation:
+                    self._value, self._generation = make(), _generation
+                value = self._value
+        return value
+
+    def reset(self) -> None:
+        """Forget this process's value: the next `get` makes a new one."""
+        self._value = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._TRANSIENT:
-            state.pop(key, None)
-        return state
+        return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._build_index()
-        self._reset_process_state()
+        self._value, self._generation = None, -1

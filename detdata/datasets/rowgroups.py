@@ -1,10 +1,12 @@
-"""The per-process cache of decoded row groups of a `detdata.datasets.tables.TableRows`.
+"""The row groups of a `detdata.datasets.tables.TableRows`: where each row is, and the
+per-process cache of decoded row groups.
 
-`GroupSlots` is a bounded LRU of decoded row groups (`Group`: one numpy array per
-selected column) whose groups live, when the whole manifest fits its bounds, in slots
-of shared column arrays, so that a batch of cached rows is one ``take`` per column
-(see its docstring). `auto_cache_row_groups` sizes its count bound from the order the
-dataset is read in.
+`GroupIndex` is where each row id is: its global row group, that group's shard and its
+place in the shard (from the manifest's columns, no file read). `GroupSlots` is a bounded
+LRU of decoded row groups (`Group`: one numpy array per selected column) whose groups
+live, when the whole manifest fits its bounds, in slots of shared column arrays, so that a
+batch of cached rows is one ``take`` per column (see its docstring). `auto_cache_row_groups`
+sizes its count bound from the order the dataset is read in.
 """
 
 from __future__ import annotations
@@ -18,9 +20,44 @@ from typing import Any
 import numpy as np
 
 from detdata.base.types import IntArray
+from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, LocalityUnit, OrderChoice
 
 Columns = dict[str, np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True)
+class GroupIndex:
+    """The row groups of a table manifest, numbered shard after shard (global groups):
+    ``starts`` (the first row id of each), ``shard`` (its shard), ``shard_first`` (the
+    first global group of each shard), ``per_shard`` (groups per shard) and ``max_rows``
+    (rows of the largest group)."""
+
+    starts: IntArray
+    shard: IntArray
+    shard_first: IntArray
+    per_shard: list[int]
+    max_rows: int
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> GroupIndex:
+        """From the manifest's columns (mapped for the fast form): no per-shard Python, no
+        entry built, no file read."""
+        counts, flat = manifest.row_groups_per_shard()
+        counts = np.maximum(counts, 0)  # every shard has row groups (checked by its reader)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return cls(
+            starts=np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64),
+            shard=np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts),
+            shard_first=first.astype(np.int64),
+            per_shard=counts.tolist(),
+            max_rows=int(flat.max()) if flat.size else 0,
+        )
+
+    def in_shard(self, group: int) -> tuple[int, int]:
+        """``(shard, row group in shard)`` of global row group ``group``."""
+        shard = int(self.shard[group])
+        return shard, group - int(self.shard_first[shard])
 
 
 def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:

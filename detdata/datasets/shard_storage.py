@@ -1,7 +1,7 @@
 """`Storage`: where and how a shard dataset reads its files, as one frozen object.
 
 Every dataset that reads the shard files of a manifest (`TokenWindows`, `TableRows`,
-`Documents`: the `detdata.datasets.shards.ShardReader` subclasses) takes one
+`Documents`: each holds a `detdata.datasets.shard_files.ShardFiles`) takes one
 ``storage=Storage(...)``. Its fields:
 
 * ``root``: the path or fsspec URL the manifest's shards are read under (None: the
@@ -29,13 +29,11 @@ wherever they are read from), so none is part of a dataset's ``identity()``. Eve
 checked when the object is made: a bad value is a `ConfigError` naming the field, what was
 expected and what was found, with a hint.
 
-The spelling before `Storage` (each field a keyword of the dataset,
-``TokenWindows(path, 64, verify="full", root=..., cache_dir=...)``, with
-``storage_options=`` for ``fs_options``) still works: `storage_for` maps those keywords
-onto a `Storage` (the one place that does) with a `DeprecationWarning` naming the new
-spelling. ``cache_bytes=`` has one meaning, the deprecated name of ``shard_cache_bytes``
-(as it was in `TokenWindows`); `TableRows`, where it named the in-memory row-group cache,
-refuses it with a `ConfigError` saying what to pass instead of changing its meaning.
+The keywords of those fields given to the dataset itself (``TokenWindows(path, 64,
+verify="full")``, the spelling before `Storage`) are refused (`checked_storage`): a
+`ConfigError` naming the `Storage` field to pass instead (``storage_options`` is
+``fs_options``, ``cache_bytes`` is ``shard_cache_bytes``; `TableRows`, where
+``cache_bytes`` named the in-memory row-group cache, says so).
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ import dataclasses
 import enum
 import os
 import shutil
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -67,8 +64,8 @@ USER_CACHE_MIN_SHARDS: Final = 4
 #: The environment variable naming the default cache's folder (it chooses where copies
 #: live, never which bytes are read).
 ENV_CACHE_DIR: Final = "DETDATA_CACHE_DIR"
-#: A dataset's keywords before `Storage` -> the field of `Storage` each one sets.
-LEGACY_KEYWORDS: Final = {
+#: A dataset's keywords before `Storage` (refused) -> the field of `Storage` to pass instead.
+REMOVED_KEYWORDS: Final = {
     "verify": "verify",
     "root": "root",
     "storage_options": "fs_options",
@@ -77,7 +74,7 @@ LEGACY_KEYWORDS: Final = {
     "shard_cache_bytes": "shard_cache_bytes",
     "cache_verify": "cache_verify",
     "max_open_shards": "max_open_shards",
-    "cache_bytes": "shard_cache_bytes",  # the deprecated name of shard_cache_bytes
+    "cache_bytes": "shard_cache_bytes",  # its older name
 }
 
 log: Final = get_logger("detdata.cache")
@@ -144,45 +141,30 @@ class Storage:
         return dataclasses.replace(self, cache_dir=default)
 
 
-def storage_for(owner: str, storage: Storage | None, legacy: Mapping[str, Any]) -> Storage:
-    """The `Storage` dataset ``owner`` reads with: ``storage`` (None: ``Storage()``), or one
-    made of ``legacy``, the keywords of its fields given to the dataset in the spelling
-    before `Storage` (`LEGACY_KEYWORDS`; ``storage_options`` is ``fs_options``).
+def checked_storage(owner: str, storage: Storage | None, refused: Mapping[str, object]) -> Storage:
+    """The `Storage` dataset ``owner`` reads with: ``storage`` (None: ``Storage()``).
 
-    The one place the old keywords are mapped: they emit one `DeprecationWarning`, attributed
-    to the caller of ``owner``'s constructor, naming the new spelling. ``cache_bytes`` is
-    ``shard_cache_bytes`` (given both: a `ConfigError`). Old keywords next to ``storage=``
-    are a `ConfigError` (which would win?); any other keyword is the `TypeError` Python
-    gives an unknown one.
+    ``refused``: the keywords given to ``owner``'s constructor that it does not take (its
+    ``**refused``, typed ``Never`` so that type checkers flag each). A field of `Storage`
+    given there (the spelling before `Storage`, `REMOVED_KEYWORDS`) is a `ConfigError`
+    naming the field to pass in ``storage=Storage(...)``; any other keyword is the
+    `TypeError` Python gives an unknown one. A ``storage`` that is not a `Storage` is a
+    `ConfigError`.
     """
-    if "cache_bytes" in legacy and "shard_cache_bytes" in legacy:
+    for name in refused:
+        field = REMOVED_KEYWORDS.get(name)
+        if field is None:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
         raise ConfigError(
-            f"{owner}: cache_bytes= is the deprecated name of shard_cache_bytes=; pass "
-            "shard_cache_bytes only, as storage=Storage(shard_cache_bytes=...)"
+            f"{owner}({name}=...) is not a keyword of {owner}: where and how shards are read "
+            f"is one Storage object; hint: pass storage=detdata.Storage({field}=...)"
         )
-    unknown = sorted(set(legacy) - set(LEGACY_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
     if storage is not None and not isinstance(storage, Storage):
         raise ConfigError(
             f"{owner}: storage must be a detdata.Storage, found {type(storage).__name__}; "
             "hint: storage=Storage(root=..., cache_dir=...)"
         )
-    if not legacy:
-        return Storage() if storage is None else storage
-    old = ", ".join(f"{k}=..." for k in legacy)
-    new = ", ".join(f"{LEGACY_KEYWORDS[k]}=..." for k in legacy)
-    if storage is not None:
-        raise ConfigError(
-            f"{owner}: {old} given next to storage=; these keywords are fields of the "
-            f"Storage: pass them there only; hint: storage=dataclasses.replace(storage, {new})"
-        )
-    warnings.warn(
-        f"{owner}({old}) is deprecated; pass storage=detdata.Storage({new}) instead",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return Storage(**{LEGACY_KEYWORDS[k]: v for k, v in legacy.items()})
+    return Storage() if storage is None else storage
 
 
 # the checks of the fields ----------------------------------------------------------------
@@ -326,7 +308,7 @@ def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str |
     """``(cache_dir, shard_cache_bytes)`` of the default cache for ``manifest`` (resolved,
     with a root). A reader uses it at once where the whole corpus fits in the bound (each
     shard is then fetched once, in any order), else only for a locality order
-    (`ShardReader.use_user_cache`): under a global shuffle a cache smaller than the corpus
+    (`ShardFiles.use_user_cache`): under a global shuffle a cache smaller than the corpus
     would fetch a whole shard for each sample, where range reads fetch the sample.
 
     None (coalesced range reads, as with ``cache_dir=None``) for a local root, and, with a

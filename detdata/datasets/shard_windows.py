@@ -1,34 +1,31 @@
-"""One shard's windows for `detdata.TokenWindows`: through its memory map (kept in the
-handle LRU) or, without one, by single-file ``preadv`` s; the checks every open runs.
+"""`ShardWindows`: one shard's windows for `detdata.TokenWindows`, a part it holds: through
+the shard's memory map (kept in the handle LRU) or, without one, by single-file ``preadv`` s;
+the checks every open runs (`detdata.datasets.shard_files.ShardFiles`).
 
 The bytes are moved by `detdata.storage` (`detdata.storage.mapped`: the map and its strided
 window view; `detdata.storage.reads`: ``opened`` / ``pread_exact``); this class decides
-which, and where each window's bytes are (shard, byte offset). A shard that is not mapped
-while the handle LRU is full is read without keeping anything open unless the read needs at
-least `MAP_MIN_ROWS` of its windows and they are not `ShardWindows.covered` (then it is
-mapped, evicting one): covered windows (dense, in at most `COVER_MAX_BYTES`; or a single
-window) are read with ONE ``preadv`` of the range that covers them, others with one each.
-Either costs a few syscalls instead of a ~40 us map + page faults + unmap.
+which; where each window's bytes are (shard, byte offset) is `WindowLayout`'s arithmetic. A
+shard that is not mapped while the handle LRU is full is read without keeping anything open
+unless the read needs at least `MAP_MIN_ROWS` of its windows and they are not
+`ShardWindows.covered` (then it is mapped, evicting one): covered windows (dense, in at
+most `COVER_MAX_BYTES`; or a single window) are read with ONE ``preadv`` of the range that
+covers them, others with one each. Either costs a few syscalls instead of a ~40 us map +
+page faults + unmap.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import Any, Final
 
 import numpy as np
 
-from detdata.base.errors import FormatError, StorageError, VerificationError
-from detdata.base.types import IntArray
-from detdata.datasets.shards import ShardReader
-from detdata.storage.file_column import IntColumn
-from detdata.storage.fs import join
+from detdata.base.errors import FormatError
+from detdata.datasets.shard_files import ShardFiles
+from detdata.datasets.window_layout import WindowLayout
 from detdata.storage.mapped import Mapped, map_checked, record_view
 from detdata.storage.reads import OpenChecks, opened, pread_exact
-
-if TYPE_CHECKING:
-    from detdata.datasets.tokens import ArrayByCode, ByCode
 
 #: A shard that is not mapped while the handle LRU is full is mapped (and kept) when a read
 #: needs at least this many of its windows (and they are not `covered`); fewer are read
@@ -41,111 +38,71 @@ DENSE_SPAN: Final = 2
 COVER_MAX_BYTES: Final = 64 << 10
 
 
-class ShardWindows(ShardReader):
-    """Reads of one shard's windows (see the module docstring) through the index of the
-    subclass (`detdata.TokenWindows`: window starts, byte offsets, dtypes)."""
+class ShardWindows:
+    """Reads of one shard's windows (see the module docstring): the windows of ``layout``
+    from the files of ``files``."""
 
-    # the index, built by the subclass (`TokenWindows._build_index`)
-    seq_len: int
-    labels: bool
-    window: int
-    out_dtype: np.dtype[Any]
-    _num: int
-    _bounds: IntColumn  # count + 1 cumulative windows
-    _starts: IntColumn
-    _offsets: IntColumn
-    _itemsize: ArrayByCode
-    _disk: ByCode[np.dtype[Any]]
-    _dtypes: ByCode[str]
-    _narrowing: ByCode[bool]
-    _batch_covers: bool
-    _direct: bool
-
-    def _forget_handle(self, shard: int) -> None:
-        self._handles.pop(shard)
-
-    def _checks(self) -> OpenChecks:
-        """This reader's checks of the files a read opens (`detdata.storage.reads`)."""
-        return OpenChecks(
-            self._check_opened_arrays, self._check_stat, self._missing, self._short_read
-        )
-
-    def _missing(self, shard: int, path: str) -> VerificationError:
-        entry = self.manifest.shards[shard]
-        return VerificationError(
-            f"shard {entry.path} ({path}): missing; it was verified when the dataset "
-            "was opened, then deleted or renamed; hint: restore it and resume from the "
-            "last saved state",
-            shard=entry.path,
-            field="exists",
-            expected=True,
-            found=False,
-        )
-
-    def _short_read(self, fd: int, shard: int, path: str, nbytes: int, offset: int) -> NoReturn:
-        """A ``preadv`` of ``nbytes`` at ``offset`` read fewer: the file was truncated
-        (`VerificationError` via `_check_size`), else a `StorageError`; raises either way."""
-        self._check_size(shard, os.fstat(fd).st_size, path)
-        raise StorageError(
-            f"shard {self.manifest.shards[shard].path} ({path}): short read of "
-            f"{nbytes} bytes at offset {offset}; hint: check the file system"
-        )
+    def __init__(self, layout: WindowLayout, files: ShardFiles) -> None:
+        self.layout = layout
+        self.files = files
 
     # memory maps -------------------------------------------------------------------
     def _map_cached(self, shard: int) -> tuple[mmap.mmap, str]:
         """Mapping of the cached copy of ``shard`` and its path (made from the file opened:
         a copy evicted by another process between the fill and the open is fetched again)."""
-        checks = self._checks()
+        checks = self.files.checks()
 
         def open_path(path: str) -> tuple[mmap.mmap, int]:
             with open(path, "rb") as fh:
                 fd = fh.fileno()
                 return map_checked(fd, shard, path, checks), os.fstat(fd).st_ino
 
-        return self._open_copy(shard, open_path)
+        return self.files.open_copy(shard, open_path)
 
-    def _mapped_view(
+    def mapped_view(
         self, shard: int, rows: int, cover: bool, *, cached: bool
     ) -> np.ndarray[Any, Any] | None:
         """The window view of ``shard`` for a read of ``rows`` of its windows (``cover``:
         they are `covered`), after checking its file still has every byte; None: read them
-        with `_pread_rows`. A shard already mapped is used (marked recently used); else it
+        with `pread_rows`. A shard already mapped is used (marked recently used); else it
         is mapped (evicting the least recently used mapping when the LRU is full) when it
         is a cached copy, the LRU has room, or the read needs `MAP_MIN_ROWS` windows not
         ``cover``-ed."""
-        handle: Mapped | None = self._handles.get(shard)
+        handles = self.files.local().handles
+        handle: Mapped | None = handles.get(shard)
         if handle is not None:
-            self._check_size(shard, handle.mapping.size(), handle.path)
+            self.files.check_size(shard, handle.mapping.size(), handle.path)
             return handle.view
-        if cached or not self._handles.full or (rows >= MAP_MIN_ROWS and not cover):
-            return self._view(shard)
+        if cached or not handles.full or (rows >= MAP_MIN_ROWS and not cover):
+            return self.view(shard)
         return None
 
-    def _view(self, shard: int) -> np.ndarray[Any, Any]:
+    def view(self, shard: int) -> np.ndarray[Any, Any]:
         """Map ``shard`` (size-checked), keep it in the handle LRU, return its window view
         (its path decoded alone: no manifest entry built)."""
-        if self._uses_shard_cache():
+        files, layout = self.files, self.layout
+        if files.uses_shard_cache():
             mapping, path = self._map_cached(shard)
         else:
-            path = join(self._filesystem()[1], self.manifest.shard_path(shard))
+            path = files.path(shard)
             try:
                 fh = open(path, "rb")  # noqa: SIM115 (closed below, the map outlives it)
             except FileNotFoundError:
-                raise self._missing(shard, path) from None
+                raise files.missing(shard, path) from None
             with fh:
-                mapping = map_checked(fh.fileno(), shard, path, self._checks())
-        dtype = self._disk[shard]
-        offset = int(self._offsets[shard])
+                mapping = map_checked(fh.fileno(), shard, path, files.checks())
+        dtype = layout.disk[shard]
+        offset = int(layout.offsets[shard])
         view = record_view(
             mapping,
             dtype,
             offset=offset,
-            count=(int(self._sizes[shard]) - offset) // dtype.itemsize,  # its num_samples
-            rows=int(self._bounds[shard + 1] - self._bounds[shard]),
-            step=self.seq_len,
-            width=self.window,
+            count=(int(files.sizes[shard]) - offset) // dtype.itemsize,  # its num_samples
+            rows=layout.windows_in(shard),
+            step=layout.seq_len,
+            width=layout.window,
         )
-        self._keep_handle(shard, Mapped(view, mapping, path))
+        files.keep(shard, Mapped(view, mapping, path))
         return view
 
     def covered(self, shard: int, rows: int, extent: int) -> bool:
@@ -154,17 +111,10 @@ class ShardWindows(ShardReader):
         return (
             rows > 1
             and extent <= DENSE_SPAN * rows
-            and extent * self.seq_len * self._disk[shard].itemsize <= COVER_MAX_BYTES
+            and extent * self.layout.seq_len * self.layout.disk[shard].itemsize <= COVER_MAX_BYTES
         )
 
-    def _byte_offsets(self, shard: IntArray, local: IntArray) -> list[int]:
-        """File offset of window ``local[i]`` of shard ``shard[i]``, for the batch at once."""
-        offsets: list[int] = (
-            self._offsets[shard] + local * self.seq_len * self._itemsize[shard]
-        ).tolist()
-        return offsets
-
-    def _pread_rows(
+    def pread_rows(
         self,
         shard: int,
         prefix: str,
@@ -178,19 +128,19 @@ class ShardWindows(ShardReader):
         byte offset into row ``rows[i]`` of ``out``: one open and close (checked at both,
         `detdata.storage.reads.opened`), and one ``preadv`` of the range covering all the
         windows when ``cover`` (they are `covered`), else one ``preadv`` per window."""
-        dtype = self._disk[shard]
-        path = prefix + self.manifest.shard_path(shard)
+        dtype = self.layout.disk[shard]
+        path = prefix + self.files.manifest.shard_path(shard)
         with opened(path, shard, checks) as fd:
             if cover:
                 self._pread_covering(fd, shard, path, rows, offsets, out, checks)
-            elif dtype == self.out_dtype:
+            elif dtype == self.layout.out_dtype:
                 for row, offset in zip(rows, offsets, strict=True):
                     pread_exact(fd, out[row], offset, shard, path, checks)
             else:
-                block = np.empty((len(rows), self.window), dtype=dtype)
+                block = np.empty((len(rows), self.layout.window), dtype=dtype)
                 for i, offset in enumerate(offsets):
                     pread_exact(fd, block[i], offset, shard, path, checks)
-                self._check_range(block, shard)
+                self.check_range(block, shard)
                 out[rows] = block
 
     def _pread_covering(
@@ -205,29 +155,30 @@ class ShardWindows(ShardReader):
     ) -> None:
         """One ``preadv`` of the bytes of ``shard`` that cover the windows at ``offsets``, then
         each window copied into its row of ``rows`` (basic slices, cast; range-checked)."""
-        dtype = self._disk[shard]
-        item, width = dtype.itemsize, self.window
+        dtype = self.layout.disk[shard]
+        item, width = dtype.itemsize, self.layout.window
         lo = min(offsets)
         buf = np.empty((max(offsets) - lo) // item + width, dtype=dtype)
         pread_exact(fd, buf, lo, shard, path, checks)
         starts = [(offset - lo) // item for offset in offsets]
-        if self._narrowing[shard]:  # check exactly the delivered values
+        if self.layout.narrowing[shard]:  # check exactly the delivered values
             block = np.stack([buf[a : a + width] for a in starts])
-            self._check_range(block, shard)
+            self.check_range(block, shard)
             out[rows] = block
             return
         for row, a in zip(rows, starts, strict=True):
             out[row] = buf[a : a + width]
 
-    def _check_range(self, block: np.ndarray[Any, Any], shard: int) -> None:
+    def check_range(self, block: np.ndarray[Any, Any], shard: int) -> None:
         """Refuse values that a narrowing ``out_dtype`` cast would wrap (vectorised)."""
-        if not self._narrowing[shard] or block.size == 0:
+        if not self.layout.narrowing[shard] or block.size == 0:
             return
-        info = np.iinfo(self.out_dtype)
+        out_dtype = self.layout.out_dtype
+        info = np.iinfo(out_dtype)
         lo, hi = int(block.min()), int(block.max())
         if lo < info.min or hi > info.max:
             raise FormatError(
-                f"shard {self.manifest.shards[shard].path}: token values in "
-                f"[{lo}, {hi}] do not fit out_dtype {self.out_dtype.name} "
+                f"shard {self.files.manifest.shards[shard].path}: token values in "
+                f"[{lo}, {hi}] do not fit out_dtype {out_dtype.name} "
                 f"[{info.min}, {info.max}]; hint: use a wider out_dtype (e.g. int64)"
             )

@@ -31,7 +31,11 @@ torch objects (`detdata.datasets.columns`).
 Remote roots: reads of a row group retry with backoff under ``storage.retry`` (a
 `RetryPolicy`; a failed attempt re-opens the shard). With ``storage.cache_dir``, whole
 shards are copied into a bounded, blake3-verified local `ShardCache` first and
-read with the local (memory-mapped) readers (`detdata.datasets.shards.ShardReader`).
+read with the local (memory-mapped) readers.
+
+A `TableRows` holds its parts: the row index (`GroupIndex`: where each row id is), the
+shard files (`detdata.datasets.shard_files.ShardFiles`: opened, cached and checked per
+process) and, per process, the cache of decoded row groups (`GroupSlots`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -59,13 +63,21 @@ from detdata.datasets.arrow_numpy import (
 )
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_column
-from detdata.datasets.rowgroups import Columns, Group, GroupSlots, auto_cache_row_groups
-from detdata.datasets.shard_storage import Storage, storage_for
-from detdata.datasets.shards import ShardReader
+from detdata.datasets.process_local import PerProcess
+from detdata.datasets.rowgroups import (
+    Columns,
+    Group,
+    GroupIndex,
+    GroupSlots,
+    auto_cache_row_groups,
+)
+from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import OrderChoice
+from detdata.storage.cache import ShardCache
 from detdata.storage.fs import filesystem, join
 
 if TYPE_CHECKING:
@@ -84,7 +96,18 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 PARQUET_MAP_MIN_BYTES: Final = 256 << 10
 
 
-class TableRows(ShardReader):
+class _Decoding:
+    """A `TableRows`' side of one process: its decoded row groups (``cache``) and the lock
+    its remote readers share (``io_lock``)."""
+
+    __slots__ = ("cache", "io_lock")
+
+    def __init__(self, cache: GroupSlots) -> None:
+        self.cache = cache
+        self.io_lock = threading.Lock()
+
+
+class TableRows:
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
     All shards must share one schema fingerprint (`FormatError` naming two
@@ -116,22 +139,13 @@ class TableRows(ShardReader):
     (`detdata.set_max_open_shards`); the least recently used reader is dropped and
     re-opened on its next use (a Parquet footer read). It never changes the rows read and
     is not part of ``identity()``. The keywords of `Storage`'s fields given directly
-    (``verify=``, ``root=``, ``storage_options=``, ...) are deprecated (`storage_for`);
-    ``cache_bytes=`` is refused here (it meant ``row_group_cache_bytes``; elsewhere it is
-    ``shard_cache_bytes``).
-    """
+    (``verify=``, ``root=``, ``storage_options=``, ...) are refused, naming the field to
+    pass (`checked_storage`); so is ``cache_bytes=`` (it meant ``row_group_cache_bytes``
+    here; elsewhere ``shard_cache_bytes``).
 
-    # pickling: parameters and manifest only, no readers, caches or locks
-    _TRANSIENT = (
-        *ShardReader._TRANSIENT,
-        "_io_lock",
-        "cache",
-        "_group_starts",
-        "_group_shard",
-        "_shard_first_group",
-        "_max_group_rows",
-        "_groups_per_shard",
-    )
+    Parts: ``files`` (`ShardFiles`), the row index (`GroupIndex`) and, per process, the
+    decoded row groups. Pickled with its parameters, manifest and ``files`` only.
+    """
 
     def __init__(
         self,
@@ -142,16 +156,19 @@ class TableRows(ShardReader):
         row_group_cache_bytes: int | None = None,
         ragged: Sequence[str] = (),
         storage: Storage | None = None,
-        **legacy: Any,
+        **refused: Never,
     ) -> None:
-        if "cache_bytes" in legacy:  # its old meaning here; everywhere else shard_cache_bytes
+        if "cache_bytes" in refused:  # its old meaning here; everywhere else shard_cache_bytes
             raise ConfigError(
-                "TableRows(cache_bytes=...) is no longer accepted: here it was the deprecated "
+                "TableRows(cache_bytes=...) is no longer accepted: here it was the old "
                 "name of row_group_cache_bytes, elsewhere of Storage.shard_cache_bytes; hint: "
                 "pass row_group_cache_bytes=... for decoded row groups in memory, or "
                 "storage=Storage(cache_dir=..., shard_cache_bytes=...) for the disk cache"
             )
-        super().__init__(manifest, storage_for("TableRows", storage, legacy))
+        storage = checked_storage("TableRows", storage, refused)
+        self.storage = storage.with_default_cache(None)  # no copies unless asked for
+        self.manifest = resolve_manifest(manifest, self.storage)
+        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
         self.cache_row_groups: int | None = (
             None
             if cache_row_groups is None
@@ -186,8 +203,8 @@ class TableRows(ShardReader):
                 f"manifest {self.manifest.id}: {len(shards)} shard(s) with 0 rows; "
                 "the dataset is empty"
             )
-        self._build_index()
-        self._reset_process_state()
+        self._index = GroupIndex.of(self.manifest)
+        self._local: PerProcess[_Decoding] = PerProcess()
 
     # construction helpers --------------------------------------------------
     def _check_same_schema(self) -> None:
@@ -210,7 +227,7 @@ class TableRows(ShardReader):
 
     def _read_schema(self, index: int) -> pa.Schema:
         shard = self.manifest.shards[index]
-        fs, root = filesystem(self.manifest.root or "", **self.storage_options)
+        fs, root = filesystem(self.manifest.root or "", **self.storage.fs_options)
 
         def read(_timeout: float | None) -> pa.Schema:
             with fs.open(join(root, shard.path), "rb") as fh:
@@ -220,37 +237,62 @@ class TableRows(ShardReader):
 
         if isinstance(fs, LocalFileSystem):
             return read(None)
-        return self.retry.run(
+        return self.storage.retry.run(
             read, what="schema read", shard=shard.path, url=self.manifest.url(shard)
         )
 
-    def _build_index(self) -> None:
-        """The row-group tables, from the manifest's columns (mapped for the fast form): no
-        per-shard Python, no entry built, no file read."""
-        super()._build_index()
-        counts, flat = self.manifest.row_groups_per_shard()
-        counts = np.maximum(counts, 0)  # every shard has row groups (checked at construction)
-        self._group_starts = np.concatenate([[0], np.cumsum(flat)[:-1]]).astype(np.int64)
-        self._group_shard = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
-        self._groups_per_shard: list[int] = counts.tolist()
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        self._shard_first_group = first.astype(np.int64)
-        self._max_group_rows = int(flat.max()) if flat.size else 0
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_index", None)  # made again from the manifest's columns
+        return state
 
-    def _reset_process_state(self) -> None:
-        super()._reset_process_state()
-        self._io_lock = threading.Lock()
-        self.cache = GroupSlots(
-            self.cache_groups,
-            self.row_group_cache_bytes,
-            group_shard=self._group_shard,
-            shard_first_group=self._shard_first_group,
-            rows_per_slot=self._max_group_rows,
-            whole_if_fits=self.cache_row_groups is None,
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index = GroupIndex.of(self.manifest)
+        self.files.attach(self.manifest.bytes_per_shard())
+
+    def _new_local(self) -> _Decoding:
+        index = self._index
+        return _Decoding(
+            GroupSlots(
+                self.cache_groups,
+                self.row_group_cache_bytes,
+                group_shard=index.shard,
+                shard_first_group=index.shard_first,
+                rows_per_slot=index.max_rows,
+                whole_if_fits=self.cache_row_groups is None,
+            )
         )
 
-    def _forget_handle(self, shard: int) -> None:
-        self._handles.pop(shard)
+    @property
+    def cache(self) -> GroupSlots:
+        """This process's cache of decoded row groups (`GroupSlots`)."""
+        return self._local.get(self._new_local).cache
+
+    # the shard files, under the names the readers use ----------------------------------
+    @property
+    def cache_dir(self) -> str | None:
+        """The folder of verified shard copies in force (None: no copies)."""
+        return self.files.cache_dir
+
+    @property
+    def shard_cache_bytes(self) -> int:
+        """The bound of the shard cache in force."""
+        return self.files.shard_cache_bytes
+
+    @property
+    def max_open_shards(self) -> int:
+        """The bound of this dataset's open readers per process (``storage.max_open_shards``)."""
+        return self.storage.max_open_shards
+
+    @property
+    def shard_cache(self) -> ShardCache | None:
+        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
+        return self.files.shard_cache
+
+    def open_shards(self) -> list[int]:
+        """Shards this dataset holds an open reader of in this process (`ShardFiles`)."""
+        return self.files.open_shards()
 
     @property
     def cache_groups(self) -> int:
@@ -260,7 +302,7 @@ class TableRows(ShardReader):
         ``cache.max_groups``)."""
         if self.cache_row_groups is not None:
             return self.cache_row_groups
-        return auto_cache_row_groups(self._order_choice, self._groups_per_shard)
+        return auto_cache_row_groups(self._order_choice, self._index.per_shard)
 
     def use_order(self, choice: OrderChoice) -> None:
         """Announce the order this dataset is read in (`OrderedStream` does), so that the
@@ -270,7 +312,7 @@ class TableRows(ShardReader):
         before = self.cache_groups
         self._order_choice = choice
         if self.cache_groups != before:
-            self._reset_process_state()  # a new, empty cache with the new bound
+            self._local.reset()  # a new, empty cache with the new bound
 
     # Dataset protocol --------------------------------------------------------
     @property
@@ -310,9 +352,10 @@ class TableRows(ShardReader):
     def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
         """``(shard, row group in shard, row in group)`` int64 arrays for row ids (checked)."""
         arr = check_ids(ids, self._num, self._what())
-        group = np.searchsorted(self._group_starts, arr, side="right").astype(np.int64) - 1
-        shard = self._group_shard[group]
-        return shard, group - self._shard_first_group[shard], arr - self._group_starts[group]
+        index = self._index
+        group = np.searchsorted(index.starts, arr, side="right").astype(np.int64) - 1
+        shard = index.shard[group]
+        return shard, group - index.shard_first[shard], arr - index.starts[group]
 
     def read(self, ids: npt.ArrayLike) -> Batch:
         """One array per selected column, rows in exactly the order of ``ids``.
@@ -324,29 +367,26 @@ class TableRows(ShardReader):
         changes what a later read returns.
         """
         arr = check_ids(ids, self._num, self._what())
-        if self._pid != os.getpid():
-            self._reset_process_state()
+        index, cache = self._index, self.cache
         if arr.size == 0:
             return {name: self._empty(name) for name in self.columns}
-        if self.cache.pool_bytes:
-            group = self._group_starts.searchsorted(arr, "right") - 1
-            in_group = arr - self._group_starts[group]
-            fast = self.cache.gather(group, in_group, self.columns)
+        if cache.pool_bytes:
+            group = index.starts.searchsorted(arr, "right") - 1
+            in_group = arr - index.starts[group]
+            fast = cache.gather(group, in_group, self.columns)
             if fast is not None:
                 return self._own(fast)
             # slots that cannot evict: decode the missing groups into them, then one gather
             # (no per-group copies of the cached ones); the cache ends as after the visit below
-            todo = self.cache.missing(group)
+            todo = cache.missing(group)
             if todo is not None:
                 for g in todo.tolist():
-                    shard = int(self._group_shard[g])
-                    decoded = self._decode(shard, g - int(self._shard_first_group[shard]))
-                    self.cache.insert(g, decoded)
-                fast = self.cache.gather(group, in_group, self.columns)
+                    cache.insert(g, self._decode(*index.in_shard(g)))
+                fast = cache.gather(group, in_group, self.columns)
                 if fast is not None:
                     return self._own(fast)
-        order, group, spans = stable_groups(self._group_starts.searchsorted(arr, "right") - 1)
-        rows = arr[order] - self._group_starts[group]
+        order, group, spans = stable_groups(index.starts.searchsorted(arr, "right") - 1)
+        rows = arr[order] - index.starts[group]
         parts: list[Columns | None] = [None] * len(spans)
         # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
         # so that the groups of the last stretch of positions are the most recently used
@@ -354,12 +394,11 @@ class TableRows(ShardReader):
         # order a cache of one window's groups decodes each group once per window
         for i in sorted(range(len(spans)), key=lambda i: int(order[spans[i][1]])):
             g, a, b = spans[i]
-            part = self.cache.take_rows(g, rows[a:b])
+            part = cache.take_rows(g, rows[a:b])
             if part is None:
-                shard = int(self._group_shard[g])
-                decoded = self._decode(shard, g - int(self._shard_first_group[shard]))
+                decoded = self._decode(*index.in_shard(g))
                 part = {name: decoded.columns[name][rows[a:b]] for name in self.columns}
-                self.cache.insert(g, decoded)
+                cache.insert(g, decoded)
             parts[i] = part
         done = [p for p in parts if p is not None]
         return self._own(
@@ -411,17 +450,18 @@ class TableRows(ShardReader):
 
     def _empty(self, name: str) -> np.ndarray[Any, Any]:
         """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
-        first = int(np.searchsorted(self._group_starts, 0, side="right")) - 1
+        first = int(np.searchsorted(self._index.starts, 0, side="right")) - 1
         return self._group(first).columns[name][:0].copy()
 
     def _reader(self, shard: int) -> Any:
         """The open reader of ``shard`` (opened on a miss; kept in the handle LRU)."""
-        reader = self._handles.get(shard)
+        files = self.files
+        reader = files.local().handles.get(shard)
         if reader is None:
-            fs, root = self._filesystem()
+            fs, root = files.filesystem()
             entry = self.manifest.shards[shard]
             path = join(root, entry.path)
-            if self._uses_shard_cache():
+            if files.uses_shard_cache():
                 reader = self._open_cached(shard)
             elif isinstance(fs, LocalFileSystem):
                 return self._local_reader(shard, path)
@@ -429,7 +469,7 @@ class TableRows(ShardReader):
                 reader = pq.ParquetFile(fs.open(path, "rb"))
             else:
                 reader = ipc.open_file(fs.open(path, "rb"))
-            self._keep_handle(shard, reader)
+            files.keep(shard, reader)
         return reader
 
     def _local_reader(self, shard: int, path: str) -> Any:
@@ -441,15 +481,16 @@ class TableRows(ShardReader):
         local file it costs ~100 us in pyarrow's I/O threads), memory-mapped from
         `PARQUET_MAP_MIN_BYTES` (below that a map and its unmap cost more than ``pread``
         saves); Arrow IPC always mapped (its batches are zero-copy views of the file)."""
-        self._check_file(shard, path)
-        reader = self._handles.get(shard)
+        files = self.files
+        files.check_file(shard, path)
+        reader = files.local().handles.get(shard)
         if reader is None:
             if self.manifest.shards[shard].format is Format.PARQUET:
-                mapped = self._sizes[shard] >= PARQUET_MAP_MIN_BYTES
+                mapped = files.sizes[shard] >= PARQUET_MAP_MIN_BYTES
                 reader = pq.ParquetFile(path, memory_map=mapped, pre_buffer=False)
             else:
                 reader = ipc.open_file(pa.memory_map(path))
-            self._keep_handle(shard, reader)
+            files.keep(shard, reader)
         return reader
 
     def _open_cached(self, shard: int) -> Any:
@@ -459,20 +500,19 @@ class TableRows(ShardReader):
             source = pa.memory_map(path)  # maps the inode, even if it is evicted later
             return source, os.stat(path).st_ino
 
-        source, _ = self._open_copy(shard, open_path)
+        source, _ = self.files.open_copy(shard, open_path)
         if self.manifest.shards[shard].format is Format.PARQUET:
             return pq.ParquetFile(source, pre_buffer=False)  # a local copy: nothing to coalesce
         return ipc.open_file(source)
 
     def _group(self, global_group: int) -> Group:
-        shard = int(self._group_shard[global_group])
-        local = global_group - int(self._shard_first_group[shard])
-        key = (shard, local)
-        cached = self.cache.get(key)
+        key = self._index.in_shard(global_group)
+        cache = self.cache
+        cached = cache.get(key)
         if cached is not None:
             return cached
-        decoded = self._decode(shard, local)
-        self.cache.put(key, decoded)
+        decoded = self._decode(*key)
+        cache.put(key, decoded)
         return decoded
 
     def _read_arrays(self, shard: int, group: int, reader: Any = None) -> dict[str, Any]:
@@ -486,15 +526,17 @@ class TableRows(ShardReader):
         return {n: batch.column(n) for n in self.columns}
 
     def _decode(self, shard: int, group: int) -> Group:
-        entry = self.manifest.shards[shard]
-        with self._io_lock:  # remote readers share one seekable handle per shard
-            fs, root = self._filesystem()
+        entry, files = self.manifest.shards[shard], self.files
+        with self._local.get(
+            self._new_local
+        ).io_lock:  # remote readers share one seekable handle per shard
+            fs, root = files.filesystem()
             if isinstance(fs, LocalFileSystem):
                 reader = self._local_reader(shard, join(root, entry.path))  # checks the file
                 arrays = self._read_arrays(shard, group, reader)
-            elif self._uses_shard_cache():
-                self._refresh_copies((shard,))
-                self._check_file(shard, self._copy_files.get(shard, ("", 0))[0])
+            elif files.uses_shard_cache():
+                files.refresh_copies((shard,))
+                files.check_file(shard, files.copy_path(shard))
                 arrays = self._read_arrays(shard, group)
             else:
 
@@ -502,10 +544,10 @@ class TableRows(ShardReader):
                     try:
                         return self._read_arrays(shard, group)
                     except Exception:
-                        self._handles.pop(shard)  # re-open on the next attempt
+                        files.forget(shard)  # re-open on the next attempt
                         raise
 
-                arrays = self.retry.run(
+                arrays = self.storage.retry.run(
                     attempt,
                     what=f"row group {group} read",
                     shard=entry.path,

@@ -9,72 +9,38 @@ token. Windows never cross shard boundaries; a shard of ``T`` tokens holds
 tail tokens are dropped. Window ids are numbered shard by shard in manifest
 (path) order.
 
-Reading (`read`, `prefetch`) is `detdata.datasets.window_reads.WindowReads`: window ids ->
-(shard, byte range) arithmetic over the index built here, the bytes moved by
-`detdata.storage` (memory maps, the batched file loop, coalesced remote ranges). A shard
-changed, truncated or deleted during the run is a `VerificationError` naming it, never
-other bytes.
+A `TokenWindows` holds its parts and delegates to them: the window index
+(`detdata.datasets.window_index`) and its arithmetic (`WindowLayout`: where each window's
+bytes are), the shard files (`detdata.datasets.shard_files.ShardFiles`: opened, mapped,
+cached and checked per process) and the read path (`detdata.datasets.window_reads.
+WindowReads`: window ids -> a read plan that `detdata.storage` reads, memory maps, coalesced
+remote ranges). A shard changed, truncated or deleted during the run is a
+`VerificationError` naming it, never other bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Never
 
 import numpy as np
 import numpy.typing as npt
-from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.columns import describe_dtype
-from detdata.datasets.shard_storage import DefaultCache, Storage, storage_for
+from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.shard_storage import DefaultCache, Storage, checked_storage
 from detdata.datasets.window_index import WindowIndex, open_window_index
+from detdata.datasets.window_layout import WindowLayout
 from detdata.datasets.window_reads import WindowReads
-from detdata.identity.formats import disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
 from detdata.storage.cache import ShardCache
-from detdata.storage.file_column import FileColumn, IntColumn
-
-T = TypeVar("T")
 
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
-
-
-class ByCode(Generic[T]):
-    """A per-shard value looked up through the shard's code: ``self[shard]`` is
-    ``values[codes[shard]]`` (a few distinct values for many shards, O(values) to build)."""
-
-    __slots__ = ("codes", "values")
-
-    def __init__(
-        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: tuple[T, ...]
-    ) -> None:
-        self.codes = codes
-        self.values = values
-
-    def __getitem__(self, shard: int | np.integer[Any]) -> T:
-        return self.values[int(self.codes[shard])]
-
-
-class ArrayByCode:
-    """A per-shard int64 value looked up through the shard's code, for one shard or an
-    array of them: ``self[shards]`` is ``values[codes[shards]]`` (int64), O(values) to
-    build and to keep."""
-
-    __slots__ = ("codes", "values")
-
-    def __init__(
-        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: npt.ArrayLike
-    ) -> None:
-        self.codes = codes
-        self.values = np.asarray(values, dtype=np.int64)
-
-    def __getitem__(self, shard: Any) -> Any:
-        return self.values[self.codes[shard]]
 
 
 def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np.dtype[Any]:
@@ -99,7 +65,7 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     return dt
 
 
-class TokenWindows(WindowReads):
+class TokenWindows:
     """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
 
     ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
@@ -135,26 +101,19 @@ class TokenWindows(WindowReads):
     (`detdata.set_max_open_shards`). Other shards are read without keeping anything
     open. It never changes the data read and is not part of ``identity()``. The keywords
     of `Storage`'s fields given directly (``verify=``, ``root=``, ``cache_dir=``, ...) are
-    deprecated (`storage_for`; ``cache_bytes=`` is ``shard_cache_bytes``).
+    refused, naming the field to pass (`checked_storage`).
+
+    Parts: ``files`` (`ShardFiles`), the window index and its `WindowLayout`, the read
+    path (`WindowReads`). Pickled with its parameters, manifest and ``files`` only; the
+    index, layout and read path are made again (the index mapped, or built) in the
+    process that unpickles it.
     """
 
-    # pickling: parameters and manifest only, no memmaps or handles
-    _TRANSIENT = (
-        *WindowReads._TRANSIENT,
-        "_disk",
-        "_dtypes",
-        "_batch_covers",
-        "_starts",
-        "_itemsize",
-        "_offsets",
-        "_narrowing",
-        "_windows_tuple",
-        "_direct",
-        "_index",
-        "_bounds",
-        "_dtype_names",
-    )
-    DEFAULT_CACHE = DefaultCache.USER  # remote windows are small reads: copy whole shards
+    #: what ``Storage(cache_dir=DefaultCache.AUTO)`` (the default) means here: remote
+    #: windows are small reads, so whole shards are copied
+    DEFAULT_CACHE = DefaultCache.USER
+    #: made again when unpickled, never pickled
+    _DERIVED = ("_index", "_layout", "_reads", "_windows_tuple")
 
     def __init__(
         self,
@@ -165,9 +124,11 @@ class TokenWindows(WindowReads):
         out_dtype: str | None = None,
         allow_short_shards: bool = False,
         storage: Storage | None = None,
-        **legacy: Any,
+        **refused: Never,
     ) -> None:
-        super().__init__(manifest, storage_for("TokenWindows", storage, legacy))
+        storage = checked_storage("TokenWindows", storage, refused)
+        self.storage = storage.with_default_cache(self.DEFAULT_CACHE)
+        self.manifest = resolve_manifest(manifest, self.storage)
         self.seq_len = check_positive_int(seq_len, "seq_len")
         self.labels = bool(labels)
         self.allow_short_shards = bool(allow_short_shards)
@@ -177,19 +138,37 @@ class TokenWindows(WindowReads):
             raise ConfigError(
                 f"manifest {self.manifest.id} has no shards; TokenWindows needs token shards"
             )
-        index = self._index = self._open_index()  # the open-time checks: once per job
+        index = self._open_index()  # the open-time checks: once per job
         self.out_dtype = _resolve_out_dtype(out_dtype, [index.dtypes[c] for c in index.used])
-        self._num = index.windows
-        if self._num == 0:
+        if index.windows == 0:
             raise ConfigError(
                 f"manifest {self.manifest.id}: no windows of seq_len={self.seq_len} "
                 f"(labels={self.labels}) in {len(shards)} shard(s); the dataset is "
                 "empty; hint: use a smaller seq_len"
             )
-        self._build_index()
-        self._reset_process_state()
+        #: the shard files (its sizes: the window index's copy, checked with it, so the
+        #: manifest's column is not touched at open)
+        self.files = ShardFiles(self.manifest, self.storage, index.sizes)
+        self._wire(index)
 
-    # construction helpers --------------------------------------------------
+    def _wire(self, index: WindowIndex) -> None:
+        """The parts made from the window index: its layout and the read path."""
+        self._index = index
+        self._layout = WindowLayout(index, self.seq_len, self.labels, self.out_dtype)
+        self._reads = WindowReads(self._layout, self.files)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in self._DERIVED:
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        index = self._open_index(meet=False)  # mapped (or built) again in this process
+        self.files.attach(index.sizes)
+        self._wire(index)
+
     def _open_index(self, *, meet: bool = True) -> WindowIndex:
         """The per-shard index (`detdata.datasets.window_index`): mapped from the file built
         once per job for a fast-form manifest, else built here. Its build runs the open-time
@@ -205,51 +184,45 @@ class TokenWindows(WindowReads):
         """Windows per shard, in manifest order (a tuple built on first use: O(shards))."""
         found: tuple[int, ...] | None = self.__dict__.get("_windows_tuple")
         if found is None:
-            found = tuple(np.diff(np.asarray(self._bounds)).tolist())  # O(shards): read whole
+            found = tuple(np.diff(np.asarray(self._layout.bounds)).tolist())  # read whole
             self.__dict__["_windows_tuple"] = found
         return found
 
-    def _build_index(self) -> None:
-        index: WindowIndex | None = self.__dict__.get("_index")
-        if index is None:  # unpickled in another process: mapped (or built) again
-            index = self._index = self._open_index(meet=False)
-        super()._build_index()
-        self._bounds = index.starts  # count + 1: shard s holds windows [s], [s + 1]
-        self._starts = index.starts[:-1]
-        code = index.codes
-        names = self._dtype_names = index.dtypes
-        # bytes per token of each shard, looked up through its dtype code (no per-shard copy)
-        self._itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
-        self._offsets = index.offsets
-        # per shard, looked up through its dtype code (O(dtypes) to build, not O(shards))
-        self._disk = ByCode(code, tuple(disk_dtype(d) for d in names))
-        self._dtypes = ByCode(code, names)
-        # per shard: does a cast to out_dtype narrow (values must be range-checked)?
-        narrowing = tuple(not np.can_cast(d, self.out_dtype, casting="safe") for d in names)
-        self._narrowing = ByCode(code, narrowing)
-        used = index.used
-        disks = {self._disk.values[c] for c in used}
-        # covered spans of a batch are read into one staging buffer (`_read_staged`)
-        self._batch_covers = len(disks) == 1 and not any(narrowing[c] for c in used)
-        # windows stored as delivered (disk dtype == out_dtype): read straight into the result
-        self._direct = self._batch_covers and self._disk[0] == self.out_dtype
+    # the shard files, under the names the readers use ----------------------------------
+    @property
+    def cache_dir(self) -> str | None:
+        """The folder of verified shard copies in force (None: no copies)."""
+        return self.files.cache_dir
 
-    def _shard_bytes(self) -> IntColumn:
-        """Bytes per shard: the window index's copy (checked with it: the manifest's column
-        is not touched at open)."""
-        return self._index.sizes
+    @property
+    def shard_cache_bytes(self) -> int:
+        """The bound of the shard cache in force."""
+        return self.files.shard_cache_bytes
 
-    # parameters under their old names ------------------------------------------
+    @property
+    def max_open_shards(self) -> int:
+        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
+        return self.storage.max_open_shards
+
+    @property
+    def shard_cache(self) -> ShardCache | None:
+        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
+        return self.files.shard_cache
+
     @property
     def cache(self) -> ShardCache | None:
         """This process's `ShardCache` (None without ``cache_dir``): the same as ``shard_cache``."""
-        return self.shard_cache
+        return self.files.shard_cache
+
+    def open_shards(self) -> list[int]:
+        """Shards this dataset holds an open handle of in this process (`ShardFiles`)."""
+        return self.files.open_shards()
 
     # Dataset protocol --------------------------------------------------------
     @property
     def num_samples(self) -> int:
         """Number of windows over all shards."""
-        return self._num
+        return self._layout.num
 
     def __len__(self) -> int:
         """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
@@ -258,9 +231,10 @@ class TokenWindows(WindowReads):
     def use_order(self, choice: OrderChoice) -> None:
         """Announce the order this dataset is read in (`OrderedStream` does): a
         `LocalityOrder` over shards engages the default cache of a remote corpus larger than
-        its bound (`use_user_cache`). Changes where shards are read from, never the bytes."""
+        its bound (`ShardFiles.use_user_cache`). Changes where shards are read from, never
+        the bytes."""
         if isinstance(choice, LocalityOrder) and choice.window_shards is not None:
-            self.use_user_cache(choice.window_shards)
+            self.files.use_user_cache(choice.window_shards)
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
@@ -287,34 +261,49 @@ class TokenWindows(WindowReads):
             "seq_len": self.seq_len,
             "labels": self.labels,
             "out_dtype": self.out_dtype.name,
-            "num_samples": self._num,
+            "num_samples": self._layout.num,
         }
 
     def locate(self, ids: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(shard_index, window_in_shard)`` int64 arrays for window ids (checked)."""
-        arr = check_ids(ids, self._num, self._what())
-        shard = self._starts.searchsorted(arr, side="right").astype(np.int64) - 1
-        return shard, arr - self._starts[shard]
+        arr = check_ids(ids, self._layout.num, self._what())
+        shard = self._layout.shard_of(arr)
+        return shard, arr - self._layout.starts[shard]
 
     def read(self, ids: npt.ArrayLike) -> Batch:
         """``{"tokens": (len(ids), window)}``: one batched read, rows in the order of ``ids``."""
+        num = self._layout.num
         arr = np.asarray(ids)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            arr = check_ids(arr, self._num, self._what())  # raises the error
+            arr = check_ids(arr, num, self._what())  # raises the error
         arr = arr.astype(np.int64, copy=False)
         if not arr.size:
             return {"tokens": np.empty((0, self.window), dtype=self.out_dtype)}
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self._num:
-            check_ids(arr, self._num, self._what())  # raises the error
-        fs, _ = self._filesystem()
-        if isinstance(fs, LocalFileSystem):
-            return {"tokens": self._gather_local(arr, lo, hi)}
-        if self.cache_dir is not None:
-            return {"tokens": self._gather_local(arr, lo, hi, cached=True)}
+        if lo < 0 or hi >= num:
+            check_ids(arr, num, self._what())  # raises the error
+        if self.files.is_local():
+            return {"tokens": self._reads.gather_local(arr, lo, hi)}
+        if self.files.cache_dir is not None:
+            return {"tokens": self._reads.gather_local(arr, lo, hi, cached=True)}
         out = np.empty((arr.size, self.window), dtype=self.out_dtype)
-        self._gather_remote(fs, arr, out)
+        self._reads.gather_remote(self.files.filesystem()[0], arr, out)
         return {"tokens": out}
+
+    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+        """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
+        most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
+        ``cache_dir``) and the native loop, a read over several shards is planned now and
+        its file reads start on native threads in the background (without the GIL),
+        overlapping whatever the caller does until that read, which then waits for them
+        and finishes the plan. The bytes and the checks are those of the read without the
+        hint (each file's ``fstat`` is taken after its read and checked against the
+        manifest and the file first opened when the read comes; a file that could not be
+        read is read again then, raising the read's own error). ``None`` drops every
+        pending hint, and a read drops those hinted before its own (their reads are joined
+        first); a read not hinted keeps them. Nothing is raised here: bad ids or
+        unreadable files are the read's to report."""
+        self._reads.prefetch(ids)
 
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"

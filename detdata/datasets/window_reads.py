@@ -1,4 +1,5 @@
-"""The read path of `detdata.TokenWindows`: window ids -> (shard, byte range, result row).
+"""`WindowReads`, the read path of `detdata.TokenWindows` (a part it holds): window ids ->
+(shard, byte range, result row).
 
 This module is arithmetic only; the bytes are moved by `detdata.storage`: memory maps
 (`detdata.storage.mapped`), the batched file loop, single-file reads and read-ahead
@@ -27,9 +28,14 @@ delivered, straight into the rows of the result (`_read_direct`: one buffer per 
 ``labels`` each row's shared label token is copied from the next row after). The bound and
 the read path never change the bytes read.
 
+A read over several shards is a value: a `detdata.storage.reads.ReadPlan` (the files, byte
+ranges and the buffers they go into) and an `Assembly` (how the result rows come out of
+those buffers). Storage reads the plan (`detdata.storage.reads.execute`); then the rows are
+assembled here. The bytes go one way: from the files into the plan's buffers.
+
 Read-ahead (`prefetch`): a hinted read is planned at once and its first batch of file reads
 runs on native threads (`detdata.storage.reads.ReadAhead`); the read later waits for it and
-runs the rest of the plan (the checks, any further reads). A hint changes when files are
+reads the rest of the plan (the checks, any further reads). A hint changes when files are
 read, not how: the bytes and checks are those of a read without it, taken when the files
 are read (a shard changed after its background read but before the read is delivered as it
 was read, and named at its next read).
@@ -37,7 +43,7 @@ was read, and named at its next read).
 Checks: before touching a shard's mapping every read checks that the mapped file still has
 the manifest's size (a truncated shard is a `VerificationError` naming it, not a SIGBUS);
 every open of a shard's path checks its size and its identity against the file this process
-first opened for the shard (`ShardReader._check_opened`). Not caught: a truncation racing
+first opened for the shard (`ShardFiles.check_opened`). Not caught: a truncation racing
 with the read itself, a replacement before this process first opened the shard, and bytes
 rewritten in place under a live mapping at the same size.
 """
@@ -45,23 +51,25 @@ rewritten in place under a live mapping at the same size.
 from __future__ import annotations
 
 import os
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import fsspec
 import numpy as np
 import numpy.typing as npt
-from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.errors import StorageError
 from detdata.base.groupby import stable_groups
 from detdata.base.types import IntArray
+from detdata.datasets.process_local import PerProcess
+from detdata.datasets.shard_files import ShardFiles
 from detdata.datasets.shard_windows import COVER_MAX_BYTES, DENSE_SPAN, MAP_MIN_ROWS, ShardWindows
+from detdata.datasets.window_layout import WindowLayout
 from detdata.identity.formats import disk_dtype
 from detdata.storage.fileread import FileReads
 from detdata.storage.fs import join
 from detdata.storage.mapped import Mapped
 from detdata.storage.ranges import read_coalesced
-from detdata.storage.reads import OpenChecks, Plan, ReadAhead, drive, read_checked
+from detdata.storage.reads import OpenChecks, ReadAhead, ReadPlan, execute
 
 #: At most this many windows (one buffer each) in one ``preadv`` straight into the result
 #: (well under the usual ``IOV_MAX`` of 1,024).
@@ -72,99 +80,121 @@ PREFETCH_THREADS: Final = 2
 #: holds its result buffer).
 PREFETCH_DEPTH: Final = 4
 
+Array = np.ndarray[Any, Any]
 
-class WindowReads(ShardWindows):
-    """The read path of `detdata.TokenWindows` (see the module docstring): batches over
-    many shards, read-ahead and remote roots."""
 
-    _TRANSIENT = (*ShardWindows._TRANSIENT, "_prefetched")
+class Assembly(NamedTuple):
+    """How the result rows of a planned read come out of its buffers once storage has read
+    its `ReadPlan`: ``out`` (the result, rows already written by maps, single-file reads and
+    direct reads; None: the staged windows are the whole result); ``labels``: ``(rows,
+    next)``, each row's label token is the first token of row ``next`` (direct reads of
+    runs); ``staged``: ``(sliding, starts, dest)``, rows ``dest`` are ``sliding[starts]``
+    (all rows, in order, without ``out``)."""
 
-    def _reset_process_state(self) -> None:
-        super()._reset_process_state()
-        self._prefetched = ReadAhead(PREFETCH_DEPTH, PREFETCH_THREADS)  # `prefetch`
+    out: Array | None
+    labels: tuple[IntArray, IntArray] | None
+    staged: tuple[Array, IntArray, IntArray] | None
+
+
+def _new_read_ahead() -> ReadAhead:
+    return ReadAhead(PREFETCH_DEPTH, PREFETCH_THREADS)
+
+
+class WindowReads:
+    """The read path of `detdata.TokenWindows` (see the module docstring): the windows of
+    ``layout`` from the files of ``files``; batches over many shards, read-ahead and remote
+    roots. One shard's reads are `ShardWindows`' (``shards``)."""
+
+    def __init__(self, layout: WindowLayout, files: ShardFiles) -> None:
+        self.layout = layout
+        self.files = files
+        self.shards = ShardWindows(layout, files)
+        self._ahead: PerProcess[ReadAhead] = PerProcess()
+
+    @property
+    def ahead(self) -> ReadAhead:
+        """This process's reads planned ahead (`prefetch`)."""
+        return self._ahead.get(_new_read_ahead)
 
     # local reads ---------------------------------------------------------------------
-    def _gather_local(
-        self, ids: IntArray, lo: int, hi: int, *, cached: bool = False
-    ) -> np.ndarray[Any, Any]:
+    def gather_local(self, ids: IntArray, lo: int, hi: int, *, cached: bool = False) -> Array:
         """The windows ``ids`` (all in ``[lo, hi]``) from the shard files, in ``out_dtype``.
 
         Ids of a single mapped shard are gathered straight into the result (a fancy index:
         ``take`` would first copy a whole overlapping window view); others go through
-        `_gather_steps` (a plan, taken from `prefetch` when one was hinted)."""
-        first = int(self._starts.searchsorted(lo, "right")) - 1
-        last = int(self._starts.searchsorted(hi, "right")) - 1
+        `plan` (taken from `prefetch` when one was hinted), read by storage, then
+        `assemble`."""
+        layout = self.layout
+        first, last = layout.first_shard(lo), layout.first_shard(hi)
         if first == last:
-            if cached:
-                self._refresh_copies((first,))
-            start = int(self._starts[first])
-            local = ids - start if start else ids
-            extent = int(local.max()) - int(local.min()) + 1
-            cover = self.covered(first, int(ids.size), extent)
-            view = self._mapped_view(first, int(ids.size), cover, cached=cached)
-            if view is None:
-                out = np.empty((ids.size, self.window), dtype=self.out_dtype)
-                where = self._byte_offsets(np.full(ids.size, first, dtype=np.int64), local)
-                prefix = join(self._root_path, "")
-                self._pread_rows(
-                    first, prefix, list(range(ids.size)), where, out, cover, self._checks()
-                )
-                return out
-            block = view[local]
-            if block.dtype == self.out_dtype:
-                return block
-            if self._narrowing[first]:
-                self._check_range(block, first)
-            return block.astype(self.out_dtype)
-        planned = self._prefetched.take(ids) if self._prefetched and not cached else None
+            return self._gather_one(first, ids, cached)
+        ahead = self._ahead.get(_new_read_ahead)
+        planned = ahead.take(ids) if len(ahead) and not cached else None
         if planned is not None:
-            result: np.ndarray[Any, Any] = planned.finish()
-            return result
-        return drive(self._gather_steps(ids, cached))
+            assembly: Assembly = planned.finish()
+            return self.assemble(assembly)
+        plan, assembly = self.plan(ids, cached)
+        execute(plan)
+        return self.assemble(assembly)
+
+    def _gather_one(self, shard: int, ids: IntArray, cached: bool) -> Array:
+        """`gather_local` of ids all in ``shard``."""
+        layout, one = self.layout, self.shards
+        if cached:
+            self.files.refresh_copies((shard,))
+        start = int(layout.starts[shard])
+        local = ids - start if start else ids
+        extent = int(local.max()) - int(local.min()) + 1
+        cover = one.covered(shard, int(ids.size), extent)
+        view = one.mapped_view(shard, int(ids.size), cover, cached=cached)
+        if view is None:
+            out = np.empty((ids.size, layout.window), dtype=layout.out_dtype)
+            where = layout.byte_offsets(np.full(ids.size, shard, dtype=np.int64), local)
+            prefix = join(self.files.filesystem()[1], "")
+            one.pread_rows(
+                shard, prefix, list(range(ids.size)), where, out, cover, self.files.checks()
+            )
+            return out
+        block = view[local]
+        if block.dtype == layout.out_dtype:
+            return block
+        if layout.narrowing[shard]:
+            one.check_range(block, shard)
+        return block.astype(layout.out_dtype)
 
     def prefetch(self, ids: npt.ArrayLike | None) -> None:
-        """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
-        most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
-        ``cache_dir``) and the native loop, a read over several shards is planned now and
-        its file reads start on native threads in the background (without the GIL),
-        overlapping whatever the caller does until that read, which then waits for them
-        and finishes the plan. The bytes and the checks are those of the read without the
-        hint (each file's ``fstat`` is taken after its read and checked against the
-        manifest and the file first opened when the read comes; a file that could not be
-        read is read again then, raising the read's own error). ``None`` drops every
-        pending hint, and a read drops those hinted before its own (their reads are joined
-        first); a read not hinted keeps them. Nothing is raised here: bad ids or
-        unreadable files are the read's to report."""
+        """`detdata.TokenWindows.prefetch`: plan the read of ``ids`` and start its first
+        file read (``None``: drop every planned read). Reads that would not go through the
+        batched file loop (a narrowing or mixed-dtype dataset, a handle LRU with room:
+        shards get mapped; remote roots and cached copies; one shard: mapped) are not
+        planned: there would be nothing to overlap. Nothing is raised here: bad ids or a
+        plan that fails are the read's to report."""
+        ahead = self._ahead.get(_new_read_ahead)
         if ids is None:
-            self._prefetched.clear()
-        elif self._prefetched.enabled:
-            self._plan(ids)
-
-    def _plan(self, ids: npt.ArrayLike) -> None:
-        """`prefetch`: plan the read of ``ids`` and start its first file read (not a read
-        with file reads to start, or the plan failed: nothing; the read reports it). Reads
-        that would not go through the batched file loop (a narrowing or mixed-dtype
-        dataset, a handle LRU with room: shards get mapped; remote roots and cached
-        copies; one shard: mapped) are not planned: there would be nothing to overlap."""
+            ahead.clear()
+            return
+        if not ahead.enabled:
+            return
         try:
-            if not (self._batch_covers and self._handles.full):
+            if not (self.layout.batch_covers and self.files.local().handles.full):
                 return
             arr = np.array(ids, copy=True)  # the caller may reuse its array
             if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
                 return
             arr = arr.astype(np.int64, copy=False)
             lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self._num:
+            if lo < 0 or hi >= self.layout.num:
                 return
-            first = int(self._starts.searchsorted(lo, "right")) - 1
-            last = int(self._starts.searchsorted(hi, "right")) - 1
-            if isinstance(self._filesystem()[0], LocalFileSystem) and first != last:
-                self._prefetched.start(arr, self._gather_steps(arr, False))
+            first, last = self.layout.first_shard(lo), self.layout.first_shard(hi)
+            if self.files.is_local() and first != last:
+                plan, assembly = self.plan(arr, False)
+                ahead.start(arr, plan, assembly)
         except Exception:  # a hint: the read raises the error itself
             return
 
-    def _gather_steps(self, ids: IntArray, cached: bool) -> Plan[np.ndarray[Any, Any]]:
-        """`_gather_local` for ids of several shards (a plan: `detdata.storage.reads.Plan`).
+    def plan(self, ids: IntArray, cached: bool) -> tuple[ReadPlan, Assembly]:
+        """The read of ids of several shards: what storage reads (`ReadPlan`) and how the
+        rows come out of it (`Assembly`); mapped shards and scattered windows are read now.
 
         Grouping is vectorised: one argsort of the ids (ids of a shard are consecutive, so
         sorted ids are grouped by shard, windows ascending) and one ``searchsorted`` of the
@@ -173,11 +203,12 @@ class WindowReads(ShardWindows):
         `covered` (or a single window) are read by `_read_staged` / `_read_direct` with no
         per-shard Python; only shards with a handle, shards to map and scattered windows
         take the per-shard loop (`_gather_loop`)."""
+        layout, files = self.layout, self.files
         n = ids.size
         order = ids.argsort(kind="stable")
         sorted_ids = ids[order]
-        shard = self._starts.searchsorted(sorted_ids, "right") - 1
-        local = sorted_ids - self._starts[shard]
+        shard = layout.starts.searchsorted(sorted_ids, "right") - 1
+        local = sorted_ids - layout.starts[shard]
         cuts = np.flatnonzero(shard[1:] != shard[:-1]) + 1
         begin = np.concatenate((np.zeros(1, dtype=np.int64), cuts))
         end = np.concatenate((cuts, np.full(1, n, dtype=np.int64)))
@@ -185,12 +216,12 @@ class WindowReads(ShardWindows):
         count = end - begin
         extent = local[end - 1] - local[begin] + 1
         if cached:
-            self._refresh_copies(gshard.tolist())
-        handles = self._handles
-        staged_ok = self._batch_covers and not cached
+            files.refresh_copies(gshard.tolist())
+        handles = files.local().handles
+        staged_ok = layout.batch_covers and not cached
         covers = (count == 1) | (
             (extent <= DENSE_SPAN * count)
-            & (extent * (self.seq_len * self._itemsize[gshard]) <= COVER_MAX_BYTES)
+            & (extent * (layout.seq_len * layout.itemsize[gshard]) <= COVER_MAX_BYTES)
         )
         staged: list[int] | IntArray = []
         if staged_ok and handles.full:
@@ -203,18 +234,20 @@ class WindowReads(ShardWindows):
             loop: list[int] = np.flatnonzero(~fast).tolist()
         else:
             loop = list(range(gshard.size))
-        if len(staged) == gshard.size and not self._direct:  # one gather builds the result
-            sliding, starts, _ = yield from self._read_staged(
+        checks, first = files.checks(), files.local().first
+        if len(staged) == gshard.size and not layout.direct:  # one gather builds the result
+            whole = self._read_staged(
                 np.asarray(staged), gshard, begin, count, extent, local, order, whole=True
             )
-            got = sliding[starts]
-            return got if got.dtype == self.out_dtype else got.astype(self.out_dtype)
-        out = np.empty((n, self.window), dtype=self.out_dtype)
+            return ReadPlan((whole[0],), checks, first), Assembly(None, None, whole[1])
+        out = np.empty((n, layout.window), dtype=layout.out_dtype)
         more = self._gather_loop(
             loop, cached, staged_ok, covers, gshard, begin, count, extent, shard, local, order, out
         )
         chosen = np.concatenate((np.asarray(staged, dtype=np.int64), more))
-        if chosen.size and self._direct:  # runs of distinct windows: into `out` itself
+        planned: list[FileReads] = []
+        labels = None
+        if chosen.size and layout.direct:  # runs of distinct windows: into `out` itself
             fresh = np.ones(n, dtype=np.int64)  # 0 where a sorted id repeats the one before
             fresh[1:] = local[1:] != local[:-1]
             fresh[begin] = 1
@@ -225,14 +258,32 @@ class WindowReads(ShardWindows):
                 & (count[chosen] <= _IOV_ROWS)
             )
             if whole_run.any():
-                yield from self._read_direct(
+                direct, labels = self._read_direct(
                     chosen[whole_run], gshard, begin, count, local, order, out
                 )
+                planned.append(direct)
                 chosen = chosen[~whole_run]
+        staging: tuple[Array, IntArray, IntArray] | None = None
         if chosen.size:
-            sliding, starts, dest = yield from self._read_staged(
+            reads, staging = self._read_staged(
                 chosen, gshard, begin, count, extent, local, order, whole=False
             )
+            planned.append(reads)
+        return ReadPlan(tuple(planned), checks, first), Assembly(out, labels, staging)
+
+    def assemble(self, assembly: Assembly) -> Array:
+        """The result rows of a read whose `ReadPlan` storage has read (see `Assembly`)."""
+        out, labels, staged = assembly
+        if out is None:  # the staged windows are the whole result, in order
+            assert staged is not None
+            got = staged[0][staged[1]]
+            dtype = self.layout.out_dtype
+            return got if got.dtype == dtype else got.astype(dtype)
+        if labels is not None:  # row i's label token is row i+1's first token (same run)
+            rows, following = labels
+            out[rows, self.layout.seq_len] = out[following, 0]
+        if staged is not None:
+            sliding, starts, dest = staged
             out[dest] = sliding[starts]
         return out
 
@@ -249,14 +300,15 @@ class WindowReads(ShardWindows):
         shard: IntArray,
         local: IntArray,
         order: IntArray,
-        out: np.ndarray[Any, Any],
+        out: Array,
     ) -> IntArray:
-        """The per-shard loop of `_gather_steps` over the groups ``loop`` (O(1) Python work
-        each): a mapped shard (or one to map) is gathered from its window view, scattered
-        windows are read by `_pread_rows`; returns the groups left for `_read_staged`."""
+        """The per-shard loop of `plan` over the groups ``loop`` (O(1) Python work each): a
+        mapped shard (or one to map) is gathered from its window view, scattered windows are
+        read by `ShardWindows.pread_rows`; returns the groups left for `_read_staged`."""
         if not loop:
             return np.zeros(0, dtype=np.int64)
-        handles, sizes, narrowing = self._handles, self._sizes, self._narrowing
+        files, one, layout = self.files, self.shards, self.layout
+        handles, sizes, narrowing = files.local().handles, files.sizes, layout.narrowing
         shards, begins = gshard.tolist(), begin.tolist()
         counts, cover = count.tolist(), covers.tolist()
         rows: list[int] | None = None
@@ -277,19 +329,19 @@ class WindowReads(ShardWindows):
                         more.append(g)
                         continue
                     if offsets is None or rows is None or checks is None:
-                        offsets = self._byte_offsets(shard, local)
+                        offsets = layout.byte_offsets(shard, local)
                         rows = order.tolist()
-                        prefix = join(self._root_path, "")
-                        checks = self._checks()
-                    self._pread_rows(
+                        prefix = join(files.filesystem()[1], "")
+                        checks = files.checks()
+                    one.pread_rows(
                         s, prefix, rows[a:b], offsets[a:b], out, k > 1 and cover[g], checks
                     )
                     continue
-                view = self._view(s)  # size-checked when mapped
+                view = one.view(s)  # size-checked when mapped
             else:
                 found = handle.mapping.size()
                 if found < sizes[s]:
-                    self._check_size(s, found, handle.path)
+                    files.check_size(s, found, handle.path)
                 view = handle.view
             if b - a == 1 and not narrowing[s]:
                 if rows is None or windows is None:
@@ -298,7 +350,7 @@ class WindowReads(ShardWindows):
                 continue
             block = view[local[a:b]]
             if narrowing[s]:
-                self._check_range(block, s)
+                one.check_range(block, s)
             out[order[a:b]] = block  # casts to out_dtype (range checked above when narrowing)
         return np.asarray(more, dtype=np.int64)
 
@@ -310,34 +362,36 @@ class WindowReads(ShardWindows):
         count: IntArray,
         local: IntArray,
         order: IntArray,
-        out: np.ndarray[Any, Any],
-    ) -> Plan[None]:
-        """Read each of ``groups`` (``count[g]`` distinct consecutive windows of shard
-        ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``) with one open, ONE
-        ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close.
-        Only when the disk dtype is ``out_dtype`` (`_direct`). With ``labels`` consecutive
-        windows share a token: each row but a run's last gets its first ``seq_len`` tokens
-        from the file and its label token from the next row afterwards (one vectorised
-        copy)."""
+        out: Array,
+    ) -> tuple[FileReads, tuple[IntArray, IntArray] | None]:
+        """The reads of ``groups`` (``count[g]`` distinct consecutive windows of shard
+        ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``), each with one open,
+        ONE ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close,
+        and the label copies (`Assembly.labels`). Only when the disk dtype is ``out_dtype``
+        (`WindowLayout.direct`). With ``labels`` consecutive windows share a token: each row
+        but a run's last gets its first ``seq_len`` tokens from the file and its label token
+        from the next row afterwards (one vectorised copy)."""
+        layout = self.layout
         item = out.itemsize
-        nbytes, step = self.window * item, self.seq_len * item  # a row; file bytes a window
+        nbytes, step = layout.window * item, layout.seq_len * item  # a row; file bytes a window
         starts, cnt = begin[groups], count[groups]
         sel = np.repeat(starts - (np.cumsum(cnt) - cnt), cnt) + np.arange(
             int(cnt.sum()), dtype=np.int64
         )  # the sorted rows read, shard by shard
-        if self.labels:  # a run's last row is read whole, the others without the label
+        if layout.labels:  # a run's last row is read whole, the others without the label
             size = np.full(sel.size, step, dtype=np.int64)
             size[np.cumsum(cnt) - 1] = nbytes
         else:
             size = np.full(sel.size, nbytes, dtype=np.int64)
         s = gshard[groups]
-        file_at = self._offsets[s] + local[starts] * step
+        file_at = layout.offsets[s] + local[starts] * step
         wants = cnt * step + (nbytes - step)  # a run's last label token
         flat = out.view(np.uint8).reshape(-1)
-        yield from self._read_files(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
-        if self.labels:  # row i's label token is row i+1's first token (same run)
-            inner = sel[np.repeat(starts + cnt - 1, cnt) != sel]  # not a run's last
-            out[order[inner], self.seq_len] = out[order[inner + 1], 0]
+        reads = self._file_reads(s, file_at, wants, flat, order[sel] * nbytes, size, cnt)
+        if not layout.labels:
+            return reads, None
+        inner = sel[np.repeat(starts + cnt - 1, cnt) != sel]  # not a run's last
+        return reads, (order[inner], order[inner + 1])
 
     def _read_staged(
         self,
@@ -350,16 +404,17 @@ class WindowReads(ShardWindows):
         order: IntArray,
         *,
         whole: bool,
-    ) -> Plan[tuple[np.ndarray[Any, Any], IntArray, IntArray]]:
-        """Read the covering range of each of ``groups`` (shard ``gshard[g]``, sorted rows
-        ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows) with one open,
-        ONE ``preadv`` and one close per shard into one staging buffer (all shards of one
-        disk dtype, no narrowing cast: `_batch_covers`). Returns ``(sliding, starts,
-        dest)``: ``sliding[starts]`` are the windows of result rows ``dest`` (with
-        ``whole``: every group is read, ``starts`` is in result-row order, ``dest``
-        empty)."""
-        dtype = self._disk[int(gshard[groups[0]])]
-        item, width, seq = dtype.itemsize, self.window, self.seq_len
+    ) -> tuple[FileReads, tuple[Array, IntArray, IntArray]]:
+        """The reads of the covering range of each of ``groups`` (shard ``gshard[g]``, sorted
+        rows ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows), each with one
+        open, ONE ``preadv`` and one close per shard into one staging buffer (all shards of
+        one disk dtype, no narrowing cast: `WindowLayout.batch_covers`), and ``(sliding,
+        starts, dest)``: once read, ``sliding[starts]`` are the windows of result rows
+        ``dest`` (with ``whole``: every group is read, ``starts`` is in result-row order,
+        ``dest`` empty)."""
+        layout = self.layout
+        dtype = layout.disk[int(gshard[groups[0]])]
+        item, width, seq = dtype.itemsize, layout.window, layout.seq_len
         s = gshard[groups]
         cnt = count[groups]
         first = local[begin[groups]]
@@ -378,10 +433,10 @@ class WindowReads(ShardWindows):
             starts = base + local[sel] * seq
             dest = order[sel]
         staging = np.empty(int(pos[-1]), dtype=dtype)
-        file_at = self._offsets[s] + first * (seq * item)
+        file_at = layout.offsets[s] + first * (seq * item)
         lengths = np.diff(pos) * item
         flat = staging.view(np.uint8)
-        yield from self._read_files(
+        reads = self._file_reads(
             s, file_at, lengths, flat, pos[:-1] * item, lengths, np.ones_like(s)
         )
         sliding = np.lib.stride_tricks.as_strided(
@@ -390,9 +445,9 @@ class WindowReads(ShardWindows):
             strides=(item, item),
             writeable=False,
         )
-        return sliding, starts, dest
+        return reads, (sliding, starts, dest)
 
-    def _read_files(
+    def _file_reads(
         self,
         shards: IntArray,
         file_at: IntArray,
@@ -401,15 +456,16 @@ class WindowReads(ShardWindows):
         iov_off: IntArray,
         iov_len: IntArray,
         iov_count: IntArray,
-    ) -> Plan[None]:
+    ) -> FileReads:
         """For each shard ``shards[i]`` (each at most once): ``wants[i]`` bytes at
         ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ``flat[iov_off[j]:]
-        [:iov_len[j]]``), by `detdata.storage.reads.read_checked` (checked against the
-        manifest and the files first opened; a missing shard or a short read is a
-        `VerificationError` naming it)."""
-        files = FileReads(
-            os.fsencode(join(self._root_path, "")),
-            self._encoded_names(shards),
+        [:iov_len[j]]``), as storage reads them (`detdata.storage.reads.execute`: checked
+        against the manifest and the files first opened; a missing shard or a short read
+        is a `VerificationError` naming it)."""
+        files = self.files
+        return FileReads(
+            os.fsencode(join(files.filesystem()[1], "")),
+            files.encoded_names(shards),
             shards,
             file_at,
             wants,
@@ -417,51 +473,51 @@ class WindowReads(ShardWindows):
             iov_off,
             iov_len,
             iov_count,
-            None if self._uses_shard_cache() else self._first,
+            None if files.uses_shard_cache() else files.local().first,
         )
-        return read_checked(files, self._checks(), self._first)
 
     # remote reads ----------------------------------------------------------------------
-    def _gather_remote(
-        self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: np.ndarray[Any, Any]
-    ) -> None:
+    def gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: Array) -> None:
         """The windows ``ids`` of a remote root into ``out``: the ranges of each shard
         coalesced (`detdata.storage.ranges`: bytes fetched <= 1.2 x bytes needed per shard),
         all shards in one ``cat_ranges`` call, retried under ``retry``."""
+        layout, files = self.layout, self.files
+        manifest = files.manifest
         uniq, inverse = np.unique(ids, return_inverse=True)
-        shard_of = self._starts.searchsorted(uniq, "right") - 1
+        shard_of = layout.starts.searchsorted(uniq, "right") - 1
         _, shard_of, spans = stable_groups(shard_of)  # uniq is sorted: order = identity
-        local = uniq - self._starts[shard_of]
-        size = self._itemsize[shard_of]
-        starts = self._offsets[shard_of] + local * self.seq_len * size
-        ends = starts + self.window * size
-        shards = self.manifest.shards
-        paths = np.asarray([join(self._root_path, s.path) for s in shards], dtype=object)
+        local = uniq - layout.starts[shard_of]
+        size = layout.itemsize[shard_of]
+        starts = layout.offsets[shard_of] + local * layout.seq_len * size
+        ends = starts + layout.window * size
+        root_path = files.filesystem()[1]
+        shards = manifest.shards
+        paths = np.asarray([join(root_path, s.path) for s in shards], dtype=object)
         names = np.asarray([s.path for s in shards], dtype=object)
-        urls = np.asarray([self.manifest.url(s) for s in shards], dtype=object)
+        urls = np.asarray([manifest.url(s) for s in shards], dtype=object)
         blobs, _ = read_coalesced(
             fs,
             paths[shard_of].tolist(),
             starts.tolist(),
             ends.tolist(),
-            policy=self.retry,
+            policy=files.storage.retry,
             shards=names[shard_of].tolist(),
             urls=urls[shard_of].tolist(),
             what="token range read",
         )
-        rows = np.empty((uniq.size, self.window), dtype=self.out_dtype)
+        rows = np.empty((uniq.size, layout.window), dtype=layout.out_dtype)
         for shard, a, b in spans:
             data = b"".join(blobs[a:b])
-            expected = (b - a) * self.window * int(self._itemsize[shard])
+            expected = (b - a) * layout.window * int(layout.itemsize[shard])
             if len(data) != expected:
                 raise StorageError(
-                    f"shard {self.manifest.shards[shard].path}: expected {expected} "
+                    f"shard {manifest.shards[shard].path}: expected {expected} "
                     f"bytes for {b - a} windows, got {len(data)}; the file is "
                     "shorter than the manifest says (rewritten?)"
                 )
-            block = np.frombuffer(data, dtype=disk_dtype(self._dtypes[shard])).reshape(
-                b - a, self.window
+            block = np.frombuffer(data, dtype=disk_dtype(layout.dtypes[shard])).reshape(
+                b - a, layout.window
             )
-            self._check_range(block, shard)
+            self.shards.check_range(block, shard)
             rows[a:b] = block
         out[...] = rows[inverse.reshape(-1)]

@@ -6,7 +6,7 @@ here moves the bytes. Its checks come in as an `OpenChecks` (the reader's own ch
 which raise naming the shard: size against the manifest, the file against the one this
 process first opened for the shard, a missing file, a short read).
 
-* `read_checked`: for each file, one open, ONE ``preadv`` into its buffers, one ``fstat``
+* `execute`: for each file, one open, ONE ``preadv`` into its buffers, one ``fstat``
   after the read and one close. With the native loop (`NATIVE`: `detdata.storage.fileread`,
   C without the GIL) a shard not opened before in this process is recorded in the loop
   itself, from an ``fstat`` right after its open and before its read (one open serves the
@@ -14,10 +14,11 @@ process first opened for the shard, a missing file, a short read).
   first it could not read on go through the Python twin, which raises the error. Without
   the native loop the twin reads every file: the same bytes and the same checks, in the
   same order, slower with tens of thousands of small shards.
-* A read is a *plan* (`Plan`): a generator that yields the `FileReads` it needs and is sent
-  what `detdata.storage.fileread.read_files` returns for each; `drive` runs one now,
-  `ReadAhead` keeps a few planned ahead whose first file read runs on native threads in
-  the background (the read later waits for it and runs the rest of its plan).
+* A read is a value (`ReadPlan`): the `FileReads` it needs (files, byte ranges and the
+  buffers they go into), the reader's checks and first-open records. `execute` reads it
+  now; `ReadAhead` keeps a few planned ahead whose first file read runs on native threads
+  in the background (the read later waits for it and reads the rest of its plan). The
+  bytes go one way: into the plan's buffers, which the dataset that made the plan owns.
 * `opened` / `pread_exact`: one file read without the batched loop (open, check, reads,
   check again, close).
 
@@ -30,8 +31,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Callable, Generator
-from typing import Any, NamedTuple, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -49,17 +50,12 @@ from detdata.storage.fileread import (
 )
 from detdata.storage.first_opens import RECORDED, FirstOpens, file_identity
 
-T = TypeVar("T")
 IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
 #: Whether reads go through the native loop (built by ``pip install`` where a C compiler is
 #: present; tests set it False to run the Python twin). Read at each read, here only.
 NATIVE: bool = fileread.NATIVE
-
-#: A read's plan: it yields the native file reads it needs, is sent what
-#: `detdata.storage.fileread.read_files` returns for each, and returns its result.
-Plan = Generator[FileReads, tuple[int, IntArray], T]
 
 
 class OpenChecks(NamedTuple):
@@ -78,34 +74,45 @@ class OpenChecks(NamedTuple):
     short: Callable[[int, int, str, int, int], NoReturn]
 
 
-def read_checked(reads: FileReads, checks: OpenChecks, first: FirstOpens) -> Plan[None]:
-    """Read every file of ``reads`` (each shard at most once; see `FileReads` and
-    `detdata.storage.fileread.read_files`) with the native loop where `NATIVE`, checked
-    with ``checks`` before any byte is returned; the files from the first one it could not
-    read on (all of them without the native loop) are read by the Python twin, which
-    raises the error. ``first``: the reader's first-open records (the twin records each
-    shard's first open before its read; ``reads.first`` is what the native loop records
-    into, None for cached copies). The bytes and checks do not depend on which loop read
+class ReadPlan(NamedTuple):
+    """A read as a value: ``reads``, the `FileReads` to read in order (each file of each at
+    most once; see `detdata.storage.fileread.read_files`), checked with ``checks`` before
+    any byte is returned; ``first``: the reader's first-open records (the Python twin
+    records each shard's first open before its read; ``reads[i].first`` is what the native
+    loop records into, None for cached copies)."""
+
+    reads: tuple[FileReads, ...]
+    checks: OpenChecks
+    first: FirstOpens
+
+
+def execute(plan: ReadPlan, started: PendingRead | None = None) -> None:
+    """Read every file of ``plan`` into its buffers, in order, with the native loop where
+    `NATIVE`, checked with ``plan.checks`` before any byte is returned; the files from the
+    first one it could not read on (all of them without the native loop) are read by the
+    Python twin, which raises the error. ``started``: the native read of ``plan.reads[0]``
+    already running (`ReadAhead`). The bytes and checks do not depend on which loop read
     them."""
-    prefix = os.fsdecode(reads.prefix)
-    done = 0
-    if NATIVE:
-        done, stats = yield reads
-        checks.stats(
-            reads.shards[:done],
-            stats[:done, SIZE],
-            stats[:done, INODE : MTIME_NS + 1].view(np.uint64),
-            prefix,
-        )
-        if done == reads.shards.size:
-            return
-    _read_python(reads, done, checks, prefix, first.state)
+    for i, reads in enumerate(plan.reads):
+        prefix = os.fsdecode(reads.prefix)
+        done = 0
+        if (started is not None and i == 0) or NATIVE:
+            done, stats = started.wait() if started is not None and i == 0 else read_files(*reads)
+            plan.checks.stats(
+                reads.shards[:done],
+                stats[:done, SIZE],
+                stats[:done, INODE : MTIME_NS + 1].view(np.uint64),
+                prefix,
+            )
+            if done == reads.shards.size:
+                continue
+        _read_python(reads, done, plan.checks, prefix, plan.first.state)
 
 
 def _read_python(
     reads: FileReads, done: int, checks: OpenChecks, prefix: str, recorded: bytearray
 ) -> None:
-    """`read_checked`'s Python twin, from file ``done`` on. A shard's first open in this
+    """`execute`'s Python twin, from file ``done`` on. A shard's first open in this
     process is recorded before its bytes are read (``checks.stat``); every read is checked
     against an ``fstat`` taken after it, all at once at the end, also before a missing
     shard, a refused first open or a short read raises (the shards read before it are
@@ -161,39 +168,26 @@ def _check_all(
     checks.stats(np.asarray(shards[:n], dtype=np.int64), sizes, now, prefix)
 
 
-def drive(plan: Plan[T], sent: tuple[int, IntArray] | None = None) -> T:
-    """Run ``plan`` to its end, each file read it yields now; ``sent``: the result of the
-    read it is waiting on (started by `ReadAhead`)."""
-    try:
-        job = plan.send(sent)  # type: ignore[arg-type]  # None starts a fresh generator
-        while True:
-            job = plan.send(read_files(*job))
-    except StopIteration as stop:
-        result: T = stop.value
-        return result
-
-
 class Planned(NamedTuple):
-    """A read planned ahead: its key (the ids it reads) and either the plan waiting on its
-    first file read (``plan``, ``pending``) or its result (no file read needed)."""
+    """A read planned ahead: its key (the ids it reads), its plan, the background read of
+    the plan's first `FileReads` (None: nothing to read in the background), and what its
+    owner gets back once the plan is read (``result``: the owner's, untouched here)."""
 
     key: IntArray
-    plan: Plan[Any] | None
+    plan: ReadPlan
     pending: PendingRead | None
     result: Any
 
     def finish(self) -> Any:
-        """The result (waits for the background read, then runs the rest of the plan)."""
-        if self.plan is None or self.pending is None:
-            return self.result
-        return drive(self.plan, self.pending.wait())
+        """``result``, after the plan is read (waits for the background read, checks it,
+        then reads the rest of the plan)."""
+        execute(self.plan, self.pending)
+        return self.result
 
     def drop(self) -> None:
         """Forget it (its background read is joined first)."""
         if self.pending is not None:
             self.pending.wait()
-        if self.plan is not None:
-            self.plan.close()
 
 
 class ReadAhead:
@@ -220,15 +214,13 @@ class ReadAhead:
         without it there is no background read to overlap)."""
         return NATIVE
 
-    def start(self, key: IntArray, plan: Plan[Any]) -> None:
-        """Run ``plan`` up to its first file read, start that read in the background and
-        keep it under ``key`` (a plan that needs no file read is finished now)."""
-        try:
-            job = next(plan)
-        except StopIteration as stop:  # nothing to read in the background: done now
-            ready = Planned(key, None, None, stop.value)
-        else:
-            ready = Planned(key, plan, start_read_files(*job, threads=self.threads), None)
+    def start(self, key: IntArray, plan: ReadPlan, result: Any) -> None:
+        """Start the first file read of ``plan`` in the background and keep it under ``key``
+        with ``result`` (the owner's, handed back by `Planned.finish`)."""
+        pending = None
+        if plan.reads:
+            pending = start_read_files(*plan.reads[0], threads=self.threads)
+        ready = Planned(key, plan, pending, result)
         with self._lock:
             self._planned.append(ready)
             stale = [self._planned.popleft()] if len(self._planned) > self.depth else []

@@ -10,7 +10,6 @@ mapped shard files stay within ``max_open_shards`` (plus the reads in flight).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -113,7 +112,7 @@ CHILD = textwrap.dedent(
         batches = list(np.array_split(rng.permutation(n), 40))  # shuffled, ~1 per shard
         batches += [np.arange(a, min(a + 1000, n)) for a in range(0, n, 1000)]  # sequential
         if kind == "tokens":  # one whole shard per read: the single-shard path
-            starts = np.asarray(ds._starts)
+            starts = np.asarray(ds._layout.starts)
             ends = np.append(starts[1:], n)
             batches += [np.arange(a, b)[::-1] for a, b in zip(starts[::7], ends[::7])]
             big = [(a, b) for a, b in zip(starts, ends) if b - a >= 40]
@@ -125,7 +124,7 @@ CHILD = textwrap.dedent(
             peak["fds"] = max(peak["fds"], shard_fds())
             peak["maps"] = max(peak["maps"], shard_maps())
             assert len(ds.open_shards()) <= cap
-        evictions = ds._handles.evictions
+        evictions = ds.files.local().handles.evictions
     else:
         cap = ds_cap = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
         ds = make()
@@ -315,19 +314,19 @@ def test_cached_copies_evicted_by_the_lru_and_by_the_cache_reopen_correctly(
         ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 40))
         np.testing.assert_array_equal(ds.read(ids)["tokens"], windows[ids])
         open_now = ds.open_shards()
-        assert len(open_now) <= 2 and set(ds._copy_files) <= set(open_now)
+        assert len(open_now) <= 2 and set(ds.files.local().copies) <= set(open_now)
         cache = ds.shard_cache
         assert cache is not None and cache.usage() <= bound
-    assert ds._handles.evictions > 0 and cache.stats.evictions > 0
+    assert ds.files.local().handles.evictions > 0 and cache.stats.evictions > 0
     # a copy replaced under an open handle (another inode): dropped and re-opened
     shard = ds.open_shards()[-1]
-    copy = Path(ds._copy_files[shard][0])
+    copy = Path(ds.files.local().copies[shard][0])
     data = copy.read_bytes()
     copy.unlink()
     copy.write_bytes(data)
     ids = np.arange(30 * shard, 30 * shard + 30)
     np.testing.assert_array_equal(ds.read(ids)["tokens"], windows[ids])
-    assert ds._copy_files[shard][1] == copy.stat().st_ino
+    assert ds.files.local().copies[shard][1] == copy.stat().st_ino
 
 
 def test_table_rows_through_the_cache_with_one_open_reader(tmp_path: Path) -> None:
@@ -348,8 +347,8 @@ def test_table_rows_through_the_cache_with_one_open_reader(tmp_path: Path) -> No
     for _ in range(20):
         ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 30))
         np.testing.assert_array_equal(ds.read(ids)["x"], xs[ids])
-        assert len(ds.open_shards()) <= 1 and set(ds._copy_files) <= set(ds.open_shards())
-    assert ds._handles.evictions > 0
+        assert len(ds.open_shards()) <= 1 and set(ds.files.local().copies) <= set(ds.open_shards())
+    assert ds.files.local().handles.evictions > 0
 
 
 # ------------------------------------------- the process-wide budget: many datasets, one bound
@@ -358,7 +357,7 @@ MIX_SHARDS = 50  # per source: 2,000 shards in all, more than the descriptor lim
 
 MIX_CHILD = textwrap.dedent(
     '''
-    import collections, dataclasses, json, os, resource, sys
+    import collections, gc, json, os, resource, sys
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -419,10 +418,11 @@ MIX_CHILD = textwrap.dedent(
         }
 
 
-    def make(manifest):
+    def make(manifest, cap=None):
+        storage = detdata.Storage(verify="off", max_open_shards=cap)
         if kind == "tokens":
-            return detdata.TokenWindows(manifest, SEQ, storage=detdata.Storage(verify="off"))
-        return detdata.TableRows(manifest, ["x", "v"], storage=detdata.Storage(verify="off"))
+            return detdata.TokenWindows(manifest, SEQ, storage=storage)
+        return detdata.TableRows(manifest, ["x", "v"], storage=storage)
 
 
     names = json.loads(open(manifests).read())  # {source name: manifest path}
@@ -436,9 +436,11 @@ MIX_CHILD = textwrap.dedent(
         budget = 32
         shards_mod.set_max_open_shards(budget)
         assert shards_mod.process_max_open_shards() == shards_mod.DEFAULT_MAX_OPEN_SHARDS
-        for ds in sources.values():  # every dataset's own cap is 128: lower them to the budget
-            ds.storage = dataclasses.replace(ds.storage, max_open_shards=budget)
-            ds._reset_process_state()
+        # every dataset's own cap is 128: made again with the budget as their cap (the
+        # first ones dropped)
+        sources = {name: make(path, cap=budget) for name, path in names.items()}
+        mix = detdata.Mixture(sources, {name: 1 for name in names}, seed=3)
+        gc.collect()
         assert shards_mod.process_max_open_shards() == budget
         for a in range(0, 3 * total, 97):
             pos = np.arange(a, a + 97)
@@ -451,7 +453,7 @@ MIX_CHILD = textwrap.dedent(
             peak["maps"] = max(peak["maps"], shard_maps())
             peak["open"] = max(peak["open"], shards_mod.process_open_shards())
             assert sum(len(ds.open_shards()) for ds in sources.values()) <= budget
-        touched = sum(ds._handles.evictions for ds in sources.values())
+        touched = sum(ds.files.local().handles.evictions for ds in sources.values())
     else:
         budget = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
         loader = detdata.DataLoader(
@@ -626,13 +628,16 @@ def test_set_max_open_shards_bounds_several_datasets_together(tmp_path: Path) ->
         for i, arr in enumerate(arrays):
             np.save(folder / f"s{i:02d}.npy", arr)
         windows = np.stack([a[w * SEQ : w * SEQ + SEQ + 1] for a in arrays for w in range(5)])
-        data.append((detdata.TokenWindows(detdata.build_manifest(str(folder)), SEQ), windows))
+        # below the default own cap of 128, so the budget is 5
+        storage = detdata.Storage(max_open_shards=5)
+        data.append(
+            (
+                detdata.TokenWindows(detdata.build_manifest(str(folder)), SEQ, storage=storage),
+                windows,
+            )
+        )
     try:
         set_max_open_shards(5)
-        for ds, _ in data:
-            # below the default own cap of 128, so the budget is 5
-            ds.storage = dataclasses.replace(ds.storage, max_open_shards=5)
-            ds._reset_process_state()
         assert process_max_open_shards() == 5
         for _ in range(30):
             for ds, windows in data:

@@ -97,7 +97,7 @@ if kind == "tokens":
 while not os.path.exists(go):
     time.sleep(0.005)
 if kind == "tokens":
-    ds = detdata.TokenWindows(manifest, 16, verify="off")
+    ds = detdata.TokenWindows(manifest, 16, storage=detdata.Storage(verify="off"))
     got = ds.read(np.arange(ds.num_samples))["tokens"]
     result = {"sha": hashlib.sha256(got.tobytes()).hexdigest(), "shape": list(got.shape),
               "mapped": ds._index.path, "pid": os.getpid(),

@@ -92,7 +92,7 @@ def test_a_late_forget_of_an_eviction_keeps_the_record_of_a_reopened_handle() ->
         in_forget.wait(10)
         with lru._lock_now():  # B starts once A's put has let the lock go
             pass
-        records[0] = "second"  # as ShardReader._open_copy, before the put
+        records[0] = "second"  # as ShardFiles.open_copy, before the put
         lru.put(0, "second")
         b_done.set()
 

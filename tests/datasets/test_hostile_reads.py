@@ -93,7 +93,7 @@ def reference(root: Path, dtype: str, labels: bool, *, bin_files: bool = False) 
 def batches(ds: TokenWindows, rng: np.random.Generator) -> list[np.ndarray]:
     """Hostile id batches: 1 element, first/last window of every shard, duplicates, unsorted,
     a whole shard's run, every window twice shuffled (huge), random."""
-    starts = np.asarray(ds._starts)
+    starts = np.asarray(ds._layout.starts)
     counts = np.asarray(ds.windows_per_shard)
     live = counts > 0
     firsts = starts[live]

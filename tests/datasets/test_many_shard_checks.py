@@ -1,7 +1,7 @@
 """The open checks of many-shard reads (`TokenWindows` with its handle LRU full): every
 shard opened by one batch is checked against the manifest's size and against the file
 this process first opened for it, all at once after the batch's reads and before any byte
-is returned (`ShardReader._check_opened_arrays`). Every test over `opened` runs with each
+is returned (`ShardFiles.check_opened_arrays`). Every test over `opened` runs with each
 read loop: the native one (`detdata.storage.fileread`, taken once every shard of a batch
 was opened before; a spy proves it read) and the Python one.
 
@@ -105,7 +105,7 @@ def opened(
 
 
 def _victim_path(ds: TokenWindows, shard: int) -> Path:
-    return Path(ds._root_path) / ds.manifest.shards[shard].path
+    return Path(ds.files.filesystem()[1]) / ds.manifest.shards[shard].path
 
 
 def _all_but_shard_0() -> np.ndarray:
@@ -206,16 +206,16 @@ def test_file_identities_with_the_top_bit_set_are_compared(tmp_path: Path) -> No
     extra = [0.0, -1.5, 0.0, 0, -1_500_000_000, 0]  # st_atime..st_ctime, then *_ns
     first = os.stat_result(fields + extra)
     assert first.st_ino == (1 << 63) + 12345 and first.st_mtime_ns == -1_500_000_000
-    ds._check_stat(3, first, "p")
-    ds._check_stat(3, os.stat_result(fields + extra), "p")  # the same file: no error
+    ds.files.check_stat(3, first, "p")
+    ds.files.check_stat(3, os.stat_result(fields + extra), "p")  # the same file: no error
     moved = list(fields)
     moved[1] += 1
     with pytest.raises(VerificationError):
-        ds._check_stat(3, os.stat_result(moved + extra), "p")
+        ds.files.check_stat(3, os.stat_result(moved + extra), "p")
     touched = list(extra)
     touched[4] -= 1
     with pytest.raises(VerificationError):
-        ds._check_stat(3, os.stat_result(fields + touched), "p")
+        ds.files.check_stat(3, os.stat_result(fields + touched), "p")
 
 
 def _fresh(tmp_path: Path) -> tuple[TokenWindows, np.ndarray]:

@@ -134,7 +134,7 @@ def test_open_handles_stay_within_max_open_shards(tmp_path: Path) -> None:
     packed = _packed(documents, OPT)
     _check_all_windows(packed, docs, **_opt(OPT))
     assert 1 <= len(documents.open_shards()) <= 2
-    assert documents._handles.evictions > 0  # more shards read than handles held
+    assert documents.files.local().handles.evictions > 0  # more shards read than handles held
     everything = documents.gather(np.arange(documents.num_tokens, dtype=np.int64))
     assert everything.tolist() == np.concatenate(docs).tolist()
     assert len(documents.open_shards()) <= 2

@@ -71,7 +71,7 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
     layout = Layout.create(8, 4, 1, 0)
     first = shard_uses(detdata.OrderedStream(fast, seed=seed), layout.positions(0), [fast])
     for _, shard in first:
-        fast.prefetch_copy(shard)
+        fast.files.prefetch_copy(shard)
     assert len(first) < len(SIZES)
     smallest = min(s.bytes for s in manifest.shards)
     one_fill_s = smallest / BANDWIDTH

@@ -205,7 +205,7 @@ def test_fill_threads_asking_at_once_share_one_cache_and_file_system(
     def ask() -> None:
         start.wait(10)
         caches.append(ds.shard_cache)
-        systems.append(ds._filesystem()[0])
+        systems.append(ds.files.filesystem()[0])
 
     threads = [threading.Thread(target=ask) for _ in range(8)]
     for t in threads:

@@ -1,10 +1,10 @@
-"""`detdata.Storage`: one frozen options object taken by every shard dataset, and the old
-keywords (``verify=``, ``root=``, ``storage_options=``, ``cache_dir=``, ...) mapped onto it.
+"""`detdata.Storage`: one frozen options object taken by every shard dataset; the old
+keywords (``verify=``, ``root=``, ``storage_options=``, ``cache_dir=``, ...) are refused,
+naming the `Storage` field to pass instead.
 
 References: the writer's own tokens and rows (what the shards were written from), and the
-same dataset opened with the new spelling: the old keywords must deliver the same bytes,
-with a `DeprecationWarning` naming the new spelling. The tests in this file use the old
-keywords on purpose.
+`Storage` fields as the test lists them. The tests in this file use the old keywords on
+purpose.
 """
 
 from __future__ import annotations
@@ -69,64 +69,77 @@ def token_reference(arrays: list[np.ndarray]) -> np.ndarray:
     return np.stack(rows).astype(np.int32)
 
 
-OLD = {"verify": "full", "retry": RETRY, "cache_verify": "full", "max_open_shards": 2}
+#: the keywords before `Storage` -> the field of `Storage` that replaced each (listed here)
+OLD_TO_FIELD = {
+    "verify": "verify",
+    "root": "root",
+    "storage_options": "fs_options",
+    "retry": "retry",
+    "cache_dir": "cache_dir",
+    "shard_cache_bytes": "shard_cache_bytes",
+    "cache_verify": "cache_verify",
+    "max_open_shards": "max_open_shards",
+    "cache_bytes": "shard_cache_bytes",
+}
 NEW = {"verify": "full", "retry": RETRY, "cache_verify": "full", "max_open_shards": 2}
 
 
-def test_token_windows_old_keywords_give_the_same_bytes_with_a_warning(
-    moved: dict[str, Any],
+@pytest.mark.parametrize("old", sorted(OLD_TO_FIELD))
+@pytest.mark.parametrize("kind", ["tok", "tab", "doc"])
+def test_each_old_keyword_is_refused_naming_the_storage_field(
+    moved: dict[str, Any], old: str, kind: str
 ) -> None:
+    """An old keyword (with or without ``storage=``) is a `ConfigError` naming the field of
+    `Storage` to pass, with a hint; the dataset is not made. (`TableRows` refuses
+    ``cache_bytes=`` with its own message: `test_cache_bytes_is_refused_...`.)"""
+    if kind == "tab" and old == "cache_bytes":
+        return
+    manifest = moved["manifests"][kind]
+    make = {
+        "tok": lambda **kw: TokenWindows(manifest, SEQ, **kw),
+        "tab": lambda **kw: TableRows(manifest, **kw),
+        "doc": lambda **kw: Documents(manifest, eod_token=EOD, **kw),
+    }[kind]
+    owner = {"tok": "TokenWindows", "tab": "TableRows", "doc": "Documents"}[kind]
+    for extra in ({}, {"storage": Storage(root=moved["roots"][kind])}):
+        with pytest.raises(ConfigError) as info:
+            make(**{old: "x"}, **extra)
+        text = str(info.value)
+        assert f"{owner}({old}=...)" in text
+        assert f"hint: pass storage=detdata.Storage({OLD_TO_FIELD[old]}=...)" in text
+
+
+def test_the_storage_fields_give_the_writers_bytes(moved: dict[str, Any]) -> None:
     manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
-    with pytest.warns(DeprecationWarning) as caught:
-        old = TokenWindows(manifest, SEQ, root=root, cache_dir=None, **OLD)
     new = TokenWindows(manifest, SEQ, storage=Storage(root=root, cache_dir=None, **NEW))
-    (warning,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    text = str(warning.message)
-    assert "TokenWindows(root=..., cache_dir=..., verify=..., retry=..., cache_verify=..." in text
-    assert "pass storage=detdata.Storage(root=..., cache_dir=..., verify=..." in text
-    assert warning.filename == __file__  # attributed to the caller of the constructor
     ids = np.arange(new.num_samples)[::-1].copy()
     expected = token_reference(moved["tokens"])[ids]
-    assert np.array_equal(old.read(ids)["tokens"], expected)
     assert np.array_equal(new.read(ids)["tokens"], expected)
-    assert old.identity() == new.identity()
-    assert old.storage == new.storage
-    assert old.max_open_shards == new.max_open_shards == 2 and old.retry is RETRY
+    assert new.max_open_shards == 2 and new.storage.retry is RETRY
 
-
-def test_table_rows_and_documents_map_the_same_keywords(moved: dict[str, Any]) -> None:
     tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
-    with pytest.warns(DeprecationWarning, match=r"TableRows\(root=\.\.\., verify=\.\.\.\)"):
-        old = TableRows(tab, root=tab_root, verify="full")
-    new = TableRows(tab, storage=Storage(root=tab_root, verify="full"))
+    table = TableRows(tab, storage=Storage(root=tab_root, verify="full"))
     ids = np.arange(30)[::-1].copy()
-    for ds in (old, new):
-        got = ds.read(ids)
-        assert np.array_equal(got["x"], moved["rows"]["x"][ids])
-        assert np.array_equal(got["y"], moved["rows"]["y"][ids])
-    assert old.storage == new.storage and old.cache_dir is None and new.cache_dir is None
+    got = table.read(ids)
+    assert np.array_equal(got["x"], moved["rows"]["x"][ids])
+    assert np.array_equal(got["y"], moved["rows"]["y"][ids])
+    assert table.cache_dir is None
 
     doc, doc_root = moved["manifests"]["doc"], moved["roots"]["doc"]
-    with pytest.warns(DeprecationWarning, match=r"Documents\(root=\.\.\., max_open_shards"):
-        old_docs = Documents(doc, eod_token=EOD, root=doc_root, max_open_shards=1)
-    new_docs = Documents(doc, eod_token=EOD, storage=Storage(root=doc_root, max_open_shards=1))
-    for ds in (old_docs, new_docs):
-        assert ds.num_documents == len(moved["docs"])
-        for d, want in enumerate(moved["docs"]):
-            assert np.array_equal(ds.document(d), np.append(want, EOD))
-    assert old_docs.identity() == new_docs.identity()
+    docs = Documents(doc, eod_token=EOD, storage=Storage(root=doc_root, max_open_shards=1))
+    assert docs.num_documents == len(moved["docs"])
+    for d, want in enumerate(moved["docs"]):
+        assert np.array_equal(docs.document(d), np.append(want, EOD))
 
 
-def test_storage_options_keyword_becomes_fs_options(moved: dict[str, Any]) -> None:
+def test_fs_options_reach_the_file_system(moved: dict[str, Any]) -> None:
     manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
-    with pytest.warns(DeprecationWarning, match=r"storage=detdata\.Storage\(root=\.\.\., fs_"):
-        old = TokenWindows(manifest, SEQ, root=root, storage_options={"auto_mkdir": True})
-    new = TokenWindows(manifest, SEQ, storage=Storage(root=root, fs_options={"auto_mkdir": True}))
-    for ds in (old, new):
-        assert ds.storage.fs_options == {"auto_mkdir": True} == dict(ds.storage_options)
-        fs, _ = ds._filesystem()
-        assert fs.storage_options == {"auto_mkdir": True}  # reached the file system
-    assert np.array_equal(old.read([0, 9])["tokens"], new.read([0, 9])["tokens"])
+    ds = TokenWindows(manifest, SEQ, storage=Storage(root=root, fs_options={"auto_mkdir": True}))
+    assert ds.storage.fs_options == {"auto_mkdir": True}
+    fs, _ = ds.files.filesystem()
+    assert fs.storage_options == {"auto_mkdir": True}  # reached the file system
+    windows = token_reference(moved["tokens"])
+    assert np.array_equal(ds.read([0, 9])["tokens"], windows[[0, 9]])
 
 
 def test_verify_reaches_the_manifest_check_in_either_spelling(tmp_path: Path) -> None:
@@ -143,33 +156,28 @@ def test_verify_reaches_the_manifest_check_in_either_spelling(tmp_path: Path) ->
     TokenWindows(manifest, SEQ, storage=Storage(verify=Verify.QUICK))  # opens
     with pytest.raises(VerificationError, match=r"big\.npy"):
         TokenWindows(manifest, SEQ, storage=Storage(verify="full"))
-    with pytest.warns(DeprecationWarning), pytest.raises(VerificationError, match=r"big\.npy"):
-        TokenWindows(manifest, SEQ, verify="full")
+    with pytest.raises(ConfigError, match=r"Storage\(verify=\.\.\.\)"):
+        TokenWindows(manifest, SEQ, verify="full")  # type: ignore[arg-type]
 
 
-def test_old_keyword_next_to_storage_is_refused(moved: dict[str, Any]) -> None:
-    manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
-    with pytest.raises(ConfigError, match=r"verify=\.\.\. given next to storage=") as info:
-        TokenWindows(manifest, SEQ, storage=Storage(root=root), verify="full")
-    assert "hint:" in str(info.value)
+def test_a_storage_that_is_not_a_storage_is_refused(moved: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match=r"storage must be a detdata\.Storage, found dict"):
         TableRows(moved["manifests"]["tab"], storage={"root": moved["roots"]["tab"]})  # type: ignore[arg-type]
 
 
-def test_cache_bytes_has_one_meaning_and_table_rows_refuses_its_old_one(
+def test_cache_bytes_is_refused_and_table_rows_names_its_old_meaning(
     moved: dict[str, Any], tmp_path: Path
 ) -> None:
     tok, tok_root = moved["manifests"]["tok"], moved["roots"]["tok"]
-    with pytest.warns(
-        DeprecationWarning, match=r"Storage\(root=\.\.\., cache_dir=\.\.\., shard_cache"
-    ):
-        old = TokenWindows(tok, SEQ, root=tok_root, cache_dir=tmp_path, cache_bytes=1 << 20)
-    assert old.storage.shard_cache_bytes == old.shard_cache_bytes == 1 << 20
-    with pytest.raises(ConfigError, match="cache_bytes= is the deprecated name of shard_cache"):
-        TokenWindows(tok, SEQ, root=tok_root, cache_bytes=1, shard_cache_bytes=1)
+    with pytest.raises(ConfigError, match=r"Storage\(shard_cache_bytes=\.\.\.\)"):
+        TokenWindows(tok, SEQ, cache_bytes=1 << 20)  # type: ignore[arg-type]
+    ds = TokenWindows(
+        tok, SEQ, storage=Storage(root=tok_root, cache_dir=tmp_path, shard_cache_bytes=1 << 20)
+    )
+    assert ds.storage.shard_cache_bytes == 1 << 20
     tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
     with pytest.raises(ConfigError) as info:
-        TableRows(tab, cache_bytes=1 << 20, storage=Storage(root=tab_root))
+        TableRows(tab, cache_bytes=1 << 20, storage=Storage(root=tab_root))  # type: ignore[arg-type]
     text = str(info.value)
     assert "TableRows(cache_bytes=...)" in text and "hint:" in text
     assert "row_group_cache_bytes" in text and "shard_cache_bytes" in text
@@ -177,7 +185,7 @@ def test_cache_bytes_has_one_meaning_and_table_rows_refuses_its_old_one(
 
 def test_an_unknown_keyword_is_a_type_error(moved: dict[str, Any]) -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'verfy'"):
-        TokenWindows(moved["manifests"]["tok"], SEQ, verfy="full")
+        TokenWindows(moved["manifests"]["tok"], SEQ, verfy="full")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -219,8 +227,8 @@ def test_a_cache_bound_without_a_cache_is_refused_where_the_dataset_keeps_none(
     ds = TokenWindows(tok, SEQ, storage=Storage(root=tok_root, shard_cache_bytes=1 << 20))
     assert ds.storage.cache_dir is DefaultCache.USER
     assert ds.cache_dir is None  # a local root reads in place whatever the default cache
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="max_open_shards"):
-        TokenWindows(tok, SEQ, root=tok_root, max_open_shards=0)
+    with pytest.raises(ConfigError, match="max_open_shards"):
+        TokenWindows(tok, SEQ, storage=Storage(root=tok_root, max_open_shards=0))
 
 
 def test_fields_are_normalised_frozen_and_kept_out_of_the_repr(tmp_path: Path) -> None:

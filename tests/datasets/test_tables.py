@@ -524,7 +524,7 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
             got = ds.cache.get(key)
             assert got is not None and got.nbytes >= slot
             charges += got.nbytes
-            first = int(ds._group_starts[ds._shard_first_group[key[0]] + key[1]])
+            first = int(ds._index.starts[ds._index.shard_first[key[0]] + key[1]])
             np.testing.assert_array_equal(
                 got.columns["row"], np.arange(first, first + len(got.columns["row"]))
             )
@@ -532,7 +532,7 @@ def test_slots_with_strings_evict_honestly_and_reuse_slots(tmp_path: Path) -> No
     assert evicted and ds.cache.pool_bytes > 0
     pool_text = ds.cache._pool["text"]
     cached = ds.cache.keys()
-    live = {int(ds.cache._slot_of[ds._shard_first_group[k[0]] + k[1]]) for k in cached}
+    live = {int(ds.cache._slot_of[ds._index.shard_first[k[0]] + k[1]]) for k in cached}
     for free in set(range(ds.cache._slots)) - live:  # evicted slots hold no references
         assert all(v is None for v in pool_text[free * GROUP_ROWS : (free + 1) * GROUP_ROWS])
 

@@ -189,14 +189,15 @@ def test_slot_fill_path_decodes_each_group_once_and_keeps_lru_order(
     seen = _count_decodes(monkeypatch)
     ds = detdata.TableRows(detdata.build_manifest(str(root)), FIXED)
     model = RowGroupCache(10**6, 10**12)
-    starts = np.asarray(ds._group_starts)
+    starts = np.asarray(ds._index.starts)
     for ids in _batches(ds.num_samples, 13, seed=5):
         got = ds.read(ids)
         for name in FIXED:
             np.testing.assert_array_equal(got[name], data[name][ids])
         groups = np.searchsorted(starts, ids, side="right") - 1
         for g in dict.fromkeys(groups.tolist()):  # first use order
-            key = (int(ds._group_shard[g]), g - int(ds._shard_first_group[int(ds._group_shard[g])]))
+            shard = int(ds._index.shard[g])
+            key = (shard, g - int(ds._index.shard_first[shard]))
             if model.get(key) is None:
                 model.put(key, Group({}, 0))
         assert ds.cache.keys() == model.keys()

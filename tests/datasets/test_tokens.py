@@ -561,8 +561,8 @@ def test_many_shards_keep_only_the_bound_open_and_reopen_after_eviction(tmp_path
     for _ in range(30):
         ids = np.sort(rng.integers(0, ds.num_samples, size=rng.integers(1, 200)))
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
-        assert len(ds.open_shards()) <= 4 and not ds._copy_files
-    assert ds._handles.evictions > 0
+        assert len(ds.open_shards()) <= 4 and not ds.files.local().copies
+    assert ds.files.local().handles.evictions > 0
     every = rng.permutation(ds.num_samples)
     np.testing.assert_array_equal(ds.read(every)["tokens"], ref[every])
 

@@ -180,13 +180,13 @@ def test_reads_that_would_not_use_the_file_loop_are_not_planned(
     ids = np.random.default_rng(6).permutation(SHARDS * WINDOWS)[:40]
     for ds in (narrow, roomy):
         ds.prefetch(ids)
-        assert not ds._prefetched
+        assert not ds._reads.ahead
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
     assert started == []
 
 
 def _path(ds: TokenWindows, shard: int) -> Path:
-    return Path(ds._root_path) / ds.manifest.shards[shard].path
+    return Path(ds.files.filesystem()[1]) / ds.manifest.shards[shard].path
 
 
 def _replace(path: Path, tokens: np.ndarray) -> None:
@@ -234,7 +234,7 @@ def test_a_shard_deleted_after_its_hinted_read_ran_is_delivered_as_read(
     ds, ref = _dataset(tmp_path / "d")
     ids = np.arange(4 * WINDOWS, 12 * WINDOWS)
     ds.prefetch(ids)
-    pending = ds._prefetched[0].pending
+    pending = ds._reads.ahead[0].pending
     assert pending is not None
     pending.wait()  # the background read is over
     _path(ds, 7).unlink()
@@ -254,7 +254,7 @@ def test_pending_hints_are_not_pickled_and_a_forked_child_reads_afresh(
     ds.prefetch(ids)
     ds.prefetch(ids[::-1].copy())
     copy = pickle.loads(pickle.dumps(ds))
-    assert not copy._prefetched
+    assert not copy._reads.ahead
     np.testing.assert_array_equal(copy.read(ids)["tokens"], ref[ids])
     r, w = os.pipe()
     pid = os.fork()
@@ -283,8 +283,8 @@ def test_dropping_hints_joins_their_reads(tmp_path: Path, started: list[int]) ->
     batches = [rng.permutation(ds.num_samples)[:40] for _ in range(window_reads.PREFETCH_DEPTH + 2)]
     for ids in batches:
         ds.prefetch(ids)
-    assert len(ds._prefetched) == window_reads.PREFETCH_DEPTH
+    assert len(ds._reads.ahead) == window_reads.PREFETCH_DEPTH
     ds.prefetch(None)
-    assert not ds._prefetched
+    assert not ds._reads.ahead
     for ids in batches:
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])

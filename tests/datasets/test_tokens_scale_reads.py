@@ -74,7 +74,7 @@ def corpus(
 
 
 @contextmanager
-def counting(ds: TokenWindows, *names: str) -> Iterator[dict[str, int]]:
+def counting(ds: object, *names: str) -> Iterator[dict[str, int]]:
     """Count calls of the reader methods ``names`` on ``ds`` (they still run)."""
     calls = dict.fromkeys(names, 0)
 
@@ -108,10 +108,10 @@ def poisoned_read(ds: TokenWindows, ids: np.ndarray) -> np.ndarray:
 
 def fill_lru(ds: TokenWindows) -> None:
     """Map ``max_open_shards`` shards (the last ones), so the LRU is full."""
-    starts = np.asarray(ds._starts)
+    starts = np.asarray(ds._layout.starts)
     for s in range(len(starts) - ds.max_open_shards, len(starts)):
         ds.read(np.asarray([starts[s]]))
-    assert ds._handles.full
+    assert ds.files.local().handles.full
 
 
 ids_strategy = st.lists(st.integers(0, 10**6), min_size=2, max_size=300)
@@ -133,7 +133,7 @@ def test_reads_of_shards_not_open_match_np_load(
     fill_lru(ds)
     ids = np.asarray(raw, dtype=np.int64) % ds.num_samples
     if whole:  # every window (once) of a few shards, shuffled with the other ids
-        starts = np.append(np.asarray(ds._starts), ds.num_samples)
+        starts = np.append(np.asarray(ds._layout.starts), ds.num_samples)
         shards = np.unique(np.asarray(raw[:3]) % len(LENGTHS))
         runs = [np.arange(starts[s], starts[s + 1]) for s in shards.tolist()]
         if len(raw) % 2:  # a duplicate hiding a gap: as many ids as the run's extent
@@ -141,11 +141,11 @@ def test_reads_of_shards_not_open_match_np_load(
                 run[1:2] = run[:1]
         rest = ids[~np.isin(np.searchsorted(starts, ids, side="right") - 1, shards)]
         ids = np.random.default_rng(len(raw)).permutation(np.concatenate([rest, *runs]))
-    with counting(ds, "_read_staged", "_read_direct") as calls:
+    with counting(ds._reads, "_read_staged", "_read_direct") as calls:
         got = poisoned_read(ds, ids)
     np.testing.assert_array_equal(got, ref[ids])
-    assert got.dtype == np.dtype("int32" if ds._disk[0].itemsize <= 4 else "int64")
-    shard_of = np.searchsorted(np.asarray(ds._starts), ids, side="right") - 1
+    assert got.dtype == np.dtype("int32" if ds._layout.disk[0].itemsize <= 4 else "int64")
+    shard_of = np.searchsorted(np.asarray(ds._layout.starts), ids, side="right") - 1
     touched, times = np.unique(shard_of, return_counts=True)
     closed_once = set(touched[times == 1].tolist()) - set(range(len(LENGTHS) - cap, len(LENGTHS)))
     if touched.size > 1 and closed_once:  # one window of a shard not open: one preadv
@@ -164,7 +164,7 @@ def test_direct_reads_go_straight_into_the_result(corpus: tuple[Path, str], labe
     )
     ref = reference(root, labels=labels)
     fill_lru(ds)
-    starts = np.append(np.asarray(ds._starts), ds.num_samples)
+    starts = np.append(np.asarray(ds._layout.starts), ds.num_samples)
     rng = np.random.default_rng(3)
     every = rng.permutation(ds.num_samples)  # long runs (> 256 windows) staged
     counts = ds.windows_per_shard
@@ -186,12 +186,12 @@ def test_direct_reads_go_straight_into_the_result(corpus: tuple[Path, str], labe
         "a duplicate hiding a gap": (hidden[::-1], False, True),
     }
     for name, (ids, direct, staged) in cases.items():
-        with counting(ds, "_read_staged", "_read_direct") as calls:
+        with counting(ds._reads, "_read_staged", "_read_direct") as calls:
             got = poisoned_read(ds, ids)
         np.testing.assert_array_equal(got, ref[ids], err_msg=name)
-        assert calls["_read_direct"] == int(direct and ds._direct), name
-        assert calls["_read_staged"] == int(staged or not ds._direct), name
-    assert ds._direct == (ds._disk[0] == ds.out_dtype)  # uint16 shards widen: staged
+        assert calls["_read_direct"] == int(direct and ds._layout.direct), name
+        assert calls["_read_staged"] == int(staged or not ds._layout.direct), name
+    assert ds._layout.direct == (ds._layout.disk[0] == ds.out_dtype)  # uint16 shards widen: staged
 
 
 @pytest.mark.parametrize("labels", [False, True])

@@ -141,7 +141,7 @@ def test_leaving_the_loop_drops_the_hints(
         if j == 5:
             break
     assert started
-    assert not stream.dataset._prefetched  # type: ignore[attr-defined]
+    assert not stream.dataset._reads.ahead  # type: ignore[attr-defined]
     assert loader.samples_consumed == 6 * BATCH
     batch = next(iter(loader))
     np.testing.assert_array_equal(

@@ -269,21 +269,21 @@ def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: 
         ShardCache(tmp_path, 100, verify_on_open="none")
 
 
-def test_cache_bytes_is_the_deprecated_name_of_shard_cache_bytes(
+def test_cache_bytes_is_refused_naming_shard_cache_bytes(
     served: tuple[Manifest, Manifest, Path], tmp_path: Path
 ) -> None:
     _, remote, _ = served
     new = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
-    with pytest.warns(DeprecationWarning, match=r"Storage\(cache_dir=\.\.\., shard_cache_bytes="):
-        old = TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1 << 20)
-    assert old.shard_cache_bytes == new.shard_cache_bytes == 1 << 20
-    assert old.shard_cache is not None and old.shard_cache is old.cache
-    assert old.shard_cache.max_bytes == 1 << 20
-    assert old.identity() == new.identity() == TokenWindows(remote, SEQ).identity()
-    with pytest.raises(ConfigError, match="deprecated name of shard_cache_bytes"):
-        TokenWindows(remote, SEQ, cache_dir=tmp_path, cache_bytes=1, shard_cache_bytes=1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="without a cache"):
-        TokenWindows(remote, SEQ, cache_dir=None, cache_bytes=100)
+    assert new.shard_cache_bytes == 1 << 20
+    assert new.shard_cache is not None and new.shard_cache is new.cache
+    assert new.shard_cache.max_bytes == 1 << 20
+    assert new.identity() == TokenWindows(remote, SEQ).identity()
+    with pytest.raises(
+        ConfigError, match=r"hint: pass storage=detdata\.Storage\(shard_cache_bytes="
+    ):
+        TokenWindows(remote, SEQ, cache_bytes=1 << 20)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="without a cache"):
+        TokenWindows(remote, SEQ, storage=Storage(cache_dir=None, shard_cache_bytes=100))
 
 
 def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(

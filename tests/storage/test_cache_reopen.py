@@ -82,7 +82,7 @@ def test_reopening_a_copy_this_process_verified_reads_none_of_it(
     before = rchar()
     one_window_of_each(ds, windows, 30)  # 90 re-opens after evictions
     read = rchar() - before
-    assert ds._handles.evictions >= 90
+    assert ds.files.local().handles.evictions >= 90
     assert read < copy_bytes, (read, copy_bytes)  # without the memo: 90 x 2 x 64 KiB
     # the old cost, for comparison: forgetting the memo makes each re-open read the copy
     before = rchar()
@@ -106,7 +106,7 @@ def test_a_copy_this_process_filled_is_reopened_without_reading_it(
     digests = cache.stats.digests
     before = rchar()
     one_window_of_each(ds, windows, 5)  # 15 re-opens right after the fills, no sleep
-    assert ds._handles.evictions >= 15
+    assert ds.files.local().handles.evictions >= 15
     assert rchar() - before < copy_bytes
     assert cache.stats.digests == digests
 

@@ -21,7 +21,7 @@ from detdata.storage import digest, fileread, reads
 from detdata.storage.fileread import FileReads
 from detdata.storage.first_opens import FirstOpens, file_identity
 from detdata.storage.mapped import map_checked, record_view
-from detdata.storage.reads import OpenChecks, ReadAhead, drive, opened, pread_exact, read_checked
+from detdata.storage.reads import OpenChecks, ReadAhead, ReadPlan, execute, opened, pread_exact
 
 
 class Checks:
@@ -98,7 +98,7 @@ def test_both_loops_read_the_written_bytes_and_check_every_open(tmp_path: Path, 
     first = FirstOpens(np.asarray(sizes))
     job = _reads(tmp_path, sizes, [2, 0, 3, 1], first)
     log = Checks(sizes)
-    assert drive(read_checked(job, log.checks(), first)) is None
+    execute(ReadPlan((job,), log.checks(), first))
     assert job.out.tobytes() == contents[2] + contents[0] + contents[3] + contents[1]
     assert [s for what, s in log.log if what == "stats"] == [2, 0, 3, 1]  # all, in order
     if loop == "python":  # the twin checks each first open before its read
@@ -120,7 +120,7 @@ def test_both_loops_name_the_shards_read_before_a_bad_one_first(
     first = FirstOpens(np.asarray(sizes))
     log = Checks(sizes)
     with pytest.raises(VerificationError) as info:
-        drive(read_checked(_reads(tmp_path, sizes, [0, 1, 2, 3], first), log.checks(), first))
+        execute(ReadPlan((_reads(tmp_path, sizes, [0, 1, 2, 3], first),), log.checks(), first))
     assert info.value.shard == "2"
     named = [s for _, s in log.log]
     assert named.index(0) < named.index(1) < named.index(2) and 3 not in named
@@ -135,7 +135,7 @@ def test_a_short_read_raises_the_readers_error(tmp_path: Path, loop: str) -> Non
     job = job._replace(out=np.zeros(200, dtype=np.uint8))
     log = Checks(sizes)
     with pytest.raises(StorageError, match="short read"):
-        drive(read_checked(job, log.checks(), first))
+        execute(ReadPlan((job,), log.checks(), first))
     assert ("stats", 0) in log.log
 
 
@@ -153,14 +153,14 @@ def test_read_ahead_keeps_at_most_depth_and_hands_over_the_read(tmp_path: Path) 
     keys = [np.asarray([k]) for k in range(4)]
     jobs = [_reads(tmp_path, sizes, [k, k + 4], first) for k in range(4)]
     for key, job in zip(keys, jobs, strict=True):
-        ahead.start(key, read_checked(job, Checks(sizes).checks(), first))
+        ahead.start(key, ReadPlan((job,), Checks(sizes).checks(), first), key)
     assert len(ahead) == 2 and [p.key.tolist() for p in ahead] == [[2], [3]]
     assert ahead.take(keys[0]) is None and len(ahead) == 2  # never planned (dropped): kept
     found = ahead.take(keys[3])
     assert found is not None and len(ahead) == 0  # the one before it was dropped
-    assert found.finish() is None
+    assert found.finish() is keys[3]  # the owner's result, handed back once read
     assert jobs[3].out.tobytes() == contents[3] + contents[7]
-    ahead.start(keys[1], read_checked(jobs[1], Checks(sizes).checks(), first))
+    ahead.start(keys[1], ReadPlan((jobs[1],), Checks(sizes).checks(), first), keys[1])
     ahead.clear()
     assert len(ahead) == 0
 

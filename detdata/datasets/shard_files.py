@@ -1,48 +1,45 @@
-"""`ShardReader`: what `TokenWindows`, `TableRows` and `Documents` share about reading shards.
+"""`ShardFiles`: the shard files of one manifest, as a part held by `TokenWindows`,
+`TableRows` and `Documents` (each holds one and delegates to it).
 
-* Construction: one `Storage` (`detdata.datasets.shard_storage`: root, verification,
-  fsspec options, the ``retry`` policy, the disk cache ``cache_dir`` +
-  ``shard_cache_bytes`` + ``cache_verify``, ``max_open_shards``; each field checked when
-  it was made), its ``cache_dir=DefaultCache.AUTO`` resolved to the dataset's
-  `ShardReader.DEFAULT_CACHE`, and the manifest resolved and verified (`resolve_manifest`).
-* A lazy per-process file system: opened on first use and opened afresh after a
-  fork or an unpickle (`ProcessLocal` drops it from pickles; a pid check resets
-  it after a fork).
+* Construction: the manifest (resolved and verified by the owner, `resolve_manifest`), one
+  `Storage` (`detdata.datasets.shard_storage`: root, verification, fsspec options, the
+  ``retry`` policy, the disk cache ``cache_dir`` + ``shard_cache_bytes`` + ``cache_verify``,
+  ``max_open_shards``) whose ``cache_dir=DefaultCache.AUTO`` the owner resolved to its
+  default, and the bytes per shard the owner checks files against (its checked copy).
+* This process's side (`ProcessFiles`, in a `PerProcess` holder): a lazy file system, the
+  verified shard cache, the open handles, the first-open records. Pickled empty; made
+  again in each process (and after a fork).
 * With ``cache_dir`` and a remote root, whole shards are copied into a bounded,
-  blake3-verified local `ShardCache` (``shard_cache``, one per process) and
-  opened from there. Each open handle (a memory map, a reader) remembers the
-  copy it reads: ``(path, inode)``. Before a batch, a handle whose copy was
-  evicted or replaced (another inode now, or no file) is dropped and re-opened;
-  a copy that is still current gets its LRU time refreshed. A fill may evict
-  copies this process has open, so after each fill every handle is checked.
+  blake3-verified local `ShardCache` (``shard_cache``, one per process) and opened from
+  there. Each open handle (a memory map, a reader) remembers the copy it reads:
+  ``(path, inode)``. Before a batch, a handle whose copy was evicted or replaced (another
+  inode now, or no file) is dropped and re-opened; a copy that is still current gets its
+  LRU time refreshed. A fill may evict copies this process has open, so after each fill
+  every handle is checked.
 * Truncation and replacement: a memory-mapped file shorter than the manifest says would
   crash the process (SIGBUS) when read, so readers check the file's size first
-  (`check_not_truncated`: a `VerificationError` naming the shard when it differs from
-  the manifest's, shorter or longer). Each time a shard's path is opened again (a
-  mapping, or a read without one) the file is compared with the one this process
-  first opened for it (`_check_opened`: inode, device, size and modification time), so
-  a shard replaced (renamed over) or rewritten during the run is an error naming it,
-  whatever ``max_open_shards`` is, never other bytes. Not caught: a replacement before
-  this process first opened the shard (verification at open covers that, fully only
-  with ``verify="full"``), and bytes rewritten in place under a live mapping.
+  (`check_not_truncated`: a `VerificationError` naming the shard when it differs from the
+  manifest's, shorter or longer). Each time a shard's path is opened again (a mapping, or
+  a read without one) the file is compared with the one this process first opened for it
+  (`ShardFiles.check_stat`: inode, device, size and modification time), so a shard
+  replaced (renamed over) or rewritten during the run is an error naming it, whatever
+  ``max_open_shards`` is, never other bytes. Not caught: a replacement before this process
+  first opened the shard (verification at open covers that, fully only with
+  ``verify="full"``), and bytes rewritten in place under a live mapping.
 * Bounded handles: open handles live in a `HandleLRU` of at most ``max_open_shards``
-  shards per dataset, inside this process's budget (`detdata.datasets.handles`). A
-  forked child starts with no handles; an unpickled dataset starts empty and joins its
-  process's budget. Nothing else kept per shard grows with the shards touched: the
-  remembered cached copies (``(path, inode)``) are dropped with their handle. The
-  bounds never change the bytes read, so they are not part of ``identity()``.
-
-Subclasses own their handles: they implement `ShardReader._forget_handle` and
-extend `_build_index` / `_reset_process_state` (calling the base's).
+  shards per dataset, inside this process's budget (`detdata.datasets.handles`). A forked
+  child starts with no handles; an unpickled dataset starts empty and joins its process's
+  budget. Nothing else kept per shard grows with the shards touched: the remembered
+  cached copies (``(path, inode)``) are dropped with their handle. The bounds never change
+  the bytes read, so they are not part of ``identity()``.
 """
 
 from __future__ import annotations
 
-import abc
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Final, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Final, NoReturn, TypeVar
 
 import fsspec
 import numpy as np
@@ -52,45 +49,38 @@ from fsspec.implementations.local import LocalFileSystem
 from detdata.base.errors import ConfigError, StorageError, VerificationError
 from detdata.base.redact import get_logger, redact_url
 from detdata.datasets.handles import PROCESS_HANDLES, HandleLRU
-from detdata.datasets.process_local import ProcessLocal
+from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_storage import (
     DEFAULT_SHARD_CACHE_BYTES,
     DefaultCache,
     Storage,
     user_cache,
 )
-from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.storage.cache import ShardCache
 from detdata.storage.file_column import IntColumn
 from detdata.storage.first_opens import FirstOpens
 from detdata.storage.first_opens import file_identity as _identity
 from detdata.storage.fs import filesystem, join
-from detdata.storage.retry import RetryPolicy
+from detdata.storage.reads import OpenChecks
 
 #: How often a copy evicted between its fill and its open is fetched again.
 _OPEN_ATTEMPTS: Final = 5
 log: Final = get_logger("detdata.cache")
 H = TypeVar("H")
-T = TypeVar("T")
 
 
-def resolve_manifest(
-    manifest: Manifest | str,
-    *,
-    verify: str | Verify,
-    root: str | None,
-    storage_options: Mapping[str, Any],
-    retry: RetryPolicy | None = None,
-) -> Manifest:
-    """A verified `Manifest` from an object or a path/URL.
+def resolve_manifest(manifest: Manifest | str, storage: Storage) -> Manifest:
+    """A verified `Manifest` from an object or a path/URL, read as ``storage`` says.
 
-    A path is loaded with ``Manifest.load(path, root=root, verify=verify)``; a
-    `Manifest` object is re-rooted at ``root`` if given and then verified with
-    ``verify`` (``"quick"`` by default; ``"off"`` skips it).
+    A path is loaded with ``Manifest.load(path, root=storage.root, verify=storage.verify)``;
+    a `Manifest` object is re-rooted at ``storage.root`` if given and then verified with
+    ``storage.verify`` (``"quick"`` by default; ``"off"`` skips it).
     """
+    root = None if storage.root is None else os.fspath(storage.root)
+    options, retry = storage.fs_options, storage.retry
     if isinstance(manifest, str):
-        return Manifest.load(manifest, root=root, verify=verify, retry=retry, **storage_options)
+        return Manifest.load(manifest, root=root, verify=storage.verify, retry=retry, **options)
     if not isinstance(manifest, Manifest):
         raise ConfigError(
             f"expected a Manifest or a manifest path/URL, got {type(manifest).__name__}"
@@ -99,7 +89,7 @@ def resolve_manifest(
         manifest = manifest.with_root(root)
     if manifest.root is None:
         raise ConfigError("the manifest has no root; hint: pass root= or use Manifest.with_root()")
-    manifest.verify(verify, retry=retry, **storage_options)
+    manifest.verify(storage.verify, retry=retry, **options)
     return manifest
 
 
@@ -126,7 +116,7 @@ def check_not_truncated(name: str, path: str, expected: int, found: int) -> None
     )
 
 
-#: Serialises the lazy creation of a reader's file system and shard cache: the lookahead's
+#: Serialises the lazy creation of a process's file system and shard cache: the lookahead's
 #: fill threads and reader threads may ask for them at the same time, and two caches would
 #: split the counters (and two file systems the connection pools) of one reader.
 _LAZY = threading.Lock()
@@ -140,45 +130,50 @@ def _new_lazy_lock() -> None:
 os.register_at_fork(after_in_child=_new_lazy_lock)
 
 
-class ShardReader(ProcessLocal, abc.ABC):
-    """Base of datasets that read the shard files of one manifest (see the module docstring).
+class ProcessFiles:
+    """This process's side of a `ShardFiles`: the file system and shard cache (made on first
+    use), the open handles (``handles``, a `HandleLRU` in the process's budget), the cached
+    copy each open handle reads (``copies``: shard -> ``(path, inode)``), the first-open
+    records (``first``) and the file-system encoded shard names (``names``)."""
 
-    After ``__init__``: ``manifest`` (verified, with a root), ``storage`` (the `Storage`
-    it reads with, ``cache_dir=DefaultCache.AUTO`` resolved to `DEFAULT_CACHE`; its fields
-    also as ``storage_options``, ``retry``, ``cache_verify`` and ``max_open_shards``), and
-    the cache in force: ``cache_dir`` (str or None) and ``shard_cache_bytes`` (the default
-    cache may engage later, `use_user_cache`). None of these but the manifest changes the
-    data read. Subclasses keep their handles in ``self._handles`` (a `HandleLRU`), added
-    with `_keep_handle`.
+    __slots__ = ("cache", "copies", "first", "fs", "handles", "named", "names", "root_path")
+
+    def __init__(self, sizes: IntColumn, max_open_shards: int) -> None:
+        self.fs: fsspec.AbstractFileSystem | None = None
+        self.root_path = ""
+        self.cache: ShardCache | None = None
+        # shard -> (cached copy, inode), for shards with an open handle only
+        copies: dict[int, tuple[str, int]] = {}
+        self.copies = copies
+        # per shard, the file this process first opened: (inode, device, mtime_ns), each as
+        # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
+        # native loop may first open a shard at once)
+        self.first = FirstOpens(sizes)
+        self.names: list[bytes] | None = None  # `ShardFiles.encoded_names`, built when needed
+        self.named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
+        # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
+        self.handles: HandleLRU[Any] = HandleLRU(
+            max_open_shards, budget=PROCESS_HANDLES, forget=lambda shard: copies.pop(shard, None)
+        )
+
+
+class ShardFiles:
+    """The shard files of one manifest (see the module docstring): opened, mapped, cached
+    and checked for the dataset that holds it.
+
+    ``manifest`` (verified, with a root), ``storage`` (its ``cache_dir`` no longer
+    `DefaultCache.AUTO`), ``sizes``: bytes per shard in manifest order (the manifest's, or
+    an equal column the owner holds checked). After construction: the cache in force,
+    ``cache_dir`` (str or None) and ``shard_cache_bytes`` (the default cache may engage
+    later, `use_user_cache`). None of it but the manifest changes the data read. Pickled
+    without ``sizes`` and this process's side: the owner gives ``sizes`` again (`attach`).
     """
 
-    # pickling: parameters and manifest only, no file system, caches or handles
-    _TRANSIENT: ClassVar[tuple[str, ...]] = (
-        "_fs",
-        "_root_path",
-        "_pid",
-        "_shard_cache",
-        "_copy_files",
-        "_handles",
-        "_sizes",
-        "_size_array",
-        "_first",
-        "_names_bytes",
-        "_named",
-    )
-
-    #: what ``Storage(cache_dir=DefaultCache.AUTO)`` (the default) means for this dataset
-    DEFAULT_CACHE: ClassVar[DefaultCache | None] = None
-
-    def __init__(self, manifest: Manifest | str, storage: Storage) -> None:
-        self.storage = storage = storage.with_default_cache(self.DEFAULT_CACHE)
-        self.manifest = resolve_manifest(
-            manifest,
-            verify=storage.verify,
-            root=None if storage.root is None else os.fspath(storage.root),
-            storage_options=self.storage_options,
-            retry=self.retry,
-        )
+    def __init__(self, manifest: Manifest, storage: Storage, sizes: IntColumn) -> None:
+        self.manifest = manifest
+        self.storage = storage
+        self.sizes = sizes
+        self._local: PerProcess[ProcessFiles] = PerProcess()
         folder, bound = storage.cache_dir, storage.shard_cache_bytes
         self.cache_dir: str | None = None
         self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES
@@ -188,35 +183,31 @@ class ShardReader(ProcessLocal, abc.ABC):
         if not isinstance(folder, DefaultCache):
             self.cache_dir = None if folder is None else os.fspath(folder)
             self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES if bound is None else bound
-            return
-        found, size = user_cache(self.manifest, bound)
-        if found is None:
-            return
-        if int(self.manifest.bytes_per_shard().sum()) <= size:
-            self.cache_dir, self.shard_cache_bytes = found, size  # the whole corpus fits
         else:
-            self._user_cache = (found, size)
+            found, size = user_cache(manifest, bound)
+            if found is not None and int(manifest.bytes_per_shard().sum()) <= size:
+                self.cache_dir, self.shard_cache_bytes = found, size  # the whole corpus fits
+            elif found is not None:
+                self._user_cache = (found, size)
+        self.local()  # joins the process's budget of handles now
 
-    # the storage's fields, under the names the readers use -----------------------------
-    @property
-    def storage_options(self) -> Mapping[str, Any]:
-        """The fsspec file system's keyword arguments (``storage.fs_options``)."""
-        return self.storage.fs_options
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("sizes", None)
+        return state
 
-    @property
-    def retry(self) -> RetryPolicy:
-        """How remote reads retry (``storage.retry``)."""
-        return self.storage.retry
+    def attach(self, sizes: IntColumn) -> None:
+        """After an unpickle: the bytes per shard (the owner's checked copy, never pickled);
+        this process's side is made now (it joins the process's budget of handles)."""
+        self.sizes = sizes
+        self.local()
 
-    @property
-    def cache_verify(self) -> str:
-        """How a cached copy is re-checked when opened (``storage.cache_verify``)."""
-        return self.storage.cache_verify
+    def _new_local(self) -> ProcessFiles:
+        return ProcessFiles(self.sizes, self.storage.max_open_shards)
 
-    @property
-    def max_open_shards(self) -> int:
-        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
-        return self.storage.max_open_shards
+    def local(self) -> ProcessFiles:
+        """This process's side (made afresh after a fork or an unpickle)."""
+        return self._local.get(self._new_local)
 
     def use_user_cache(self, window_shards: int) -> None:
         """Read through the default cache from now on, for an order that reads
@@ -241,101 +232,75 @@ class ShardReader(ProcessLocal, abc.ABC):
             return
         self.cache_dir, self.shard_cache_bytes = folder, bound
         self._user_cache = None
-        self._reset_process_state()
+        self._local.reset()
+        self.local()
 
-    def _build_index(self) -> None:
-        # bytes per shard: the manifest's column (mapped for the fast form: no entry built)
-        self._size_array: IntColumn = self._shard_bytes()
-        self._sizes = self._size_array
-
-    def _shard_bytes(self) -> IntColumn:
-        """Bytes of every shard in manifest order: the manifest's column (a subclass may
-        give an equal column it already holds checked, read on demand)."""
-        return self.manifest.bytes_per_shard()
-
-    def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
-        self._fs: fsspec.AbstractFileSystem | None = None
-        self._root_path = ""
-        self._shard_cache: ShardCache | None = None
-        # shard -> (cached copy, inode), for shards with an open handle only
-        copy_files: dict[int, tuple[str, int]] = {}
-        self._copy_files = copy_files
-        # per shard, the file this process first opened: (inode, device, mtime_ns), each as
-        # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
-        # native loop may first open a shard at once)
-        self._first = FirstOpens(self._shard_bytes())
-        self._names_bytes: list[bytes] | None = None  # `_encoded_names`, built when needed
-        self._named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
-        # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
-        self._handles: HandleLRU[Any] = HandleLRU(
-            self.max_open_shards,
-            budget=PROCESS_HANDLES,
-            forget=lambda shard: copy_files.pop(shard, None),
-        )
-
-    def _keep_handle(self, shard: int, handle: object) -> None:
+    # handles -------------------------------------------------------------------------
+    def keep(self, shard: int, handle: object) -> None:
         """Hold ``handle`` of ``shard`` in the LRU (and the process's budget); the cached
         copies of evicted handles (this reader's or another's) are forgotten."""
-        self._handles.put(shard, handle)
+        self.local().handles.put(shard, handle)
+
+    def forget(self, shard: int) -> None:
+        """Drop this process's open handle of ``shard`` (re-opened on its next use)."""
+        self.local().handles.pop(shard)
 
     def open_shards(self) -> list[int]:
         """Shards this dataset holds an open handle of in this process, least recently used
         first (at most ``max_open_shards``; `process_open_shards` counts every dataset's)."""
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        return self._handles.keys()
+        return self.local().handles.keys()
 
-    @abc.abstractmethod
-    def _forget_handle(self, shard: int) -> None:
-        """Drop this process's open handle(s) of ``shard`` (its copy was evicted/replaced)."""
-
-    # the file system -----------------------------------------------------------
-    def _filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
+    # the file system -----------------------------------------------------------------
+    def filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """This process's ``(file system, root path)`` of the manifest's root (opened lazily)."""
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        if self._fs is None:
+        local = self.local()
+        if local.fs is None:
             root = self.manifest.root
             if root is None:
                 raise ConfigError("the manifest has no root; hint: pass root=")
             with _LAZY:
-                if self._fs is None:
-                    fs, root_path = filesystem(root, **self.storage_options)
-                    self._root_path = root_path  # before _fs: reader threads test _fs first
-                    self._fs = fs
-                return self._fs, self._root_path
-        return self._fs, self._root_path
+                if local.fs is None:
+                    fs, root_path = filesystem(root, **self.storage.fs_options)
+                    local.root_path = root_path  # before fs: reader threads test fs first
+                    local.fs = fs
+                return local.fs, local.root_path
+        return local.fs, local.root_path
+
+    def is_local(self) -> bool:
+        """Is the root on the local file system (read in place)?"""
+        return isinstance(self.filesystem()[0], LocalFileSystem)
 
     def uses_shard_cache(self) -> bool:
         """Are shards read from verified local copies (``cache_dir`` and a remote root)? The
         lookahead (`detdata.datasets.prefetch`) fills the caches of such readers only."""
-        return self.cache_dir is not None and not isinstance(self._filesystem()[0], LocalFileSystem)
+        return self.cache_dir is not None and not self.is_local()
 
-    _uses_shard_cache = uses_shard_cache  # the spelling the subclasses' read paths use
+    def path(self, shard: int) -> str:
+        """The path of ``shard``'s file under the root (its name decoded alone: no manifest
+        entry built)."""
+        return join(self.filesystem()[1], self.manifest.shard_path(shard))
 
-    # the cache of shard copies ---------------------------------------------------
+    # the cache of shard copies ---------------------------------------------------------
     @property
     def shard_cache(self) -> ShardCache | None:
         """This process's verified local `ShardCache` (None without ``cache_dir``)."""
         if self.cache_dir is None:
             return None
-        if self._pid != os.getpid():
-            self._reset_process_state()
-        cache = self._shard_cache
+        local = self.local()
+        cache = local.cache
         if cache is None:
             with _LAZY:
-                if self._shard_cache is None:
-                    self._shard_cache = ShardCache(
+                if local.cache is None:
+                    local.cache = ShardCache(
                         self.cache_dir,
                         self.shard_cache_bytes,
-                        retry=self.retry,
-                        verify_on_open=self.cache_verify,
+                        retry=self.storage.retry,
+                        verify_on_open=self.storage.cache_verify,
                     )
-                cache = self._shard_cache
+                cache = local.cache
         return cache
 
-    def _open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
+    def open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
         """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of
         ``shard``.
 
@@ -347,7 +312,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         cache = self.shard_cache
         assert cache is not None  # only called with cache_dir
         for _ in range(_OPEN_ATTEMPTS):
-            path = self._cached_path(shard)
+            path = self.cached_path(shard)
             try:
                 handle, inode = open_path(path)
             except (FileNotFoundError, NotADirectoryError):
@@ -355,7 +320,7 @@ class ShardReader(ProcessLocal, abc.ABC):
             if not cache.confirm_open(path, inode):
                 del handle  # not the file that was checked: closed with its last reference
                 continue
-            self._copy_files[shard] = (path, inode)
+            self.local().copies[shard] = (path, inode)
             return handle, path
         raise StorageError(
             f"shard {self.manifest.shards[shard].path}: its cached copy under "
@@ -364,21 +329,21 @@ class ShardReader(ProcessLocal, abc.ABC):
             "cache)"
         )
 
-    def _cached_path(self, shard: int) -> str:
+    def cached_path(self, shard: int) -> str:
         """A verified local copy of ``shard`` (filled on first use); drops handles of evicted
         copies."""
         cache = self.shard_cache
         assert cache is not None  # only called with cache_dir
         entry = self.manifest.shards[shard]
-        fs, root_path = self._filesystem()
+        fs, root_path = self.filesystem()
         fills = cache.stats.fills
         path = cache.path(
             entry, fs, join(root_path, entry.path), redact_url(self.manifest.url(entry))
         )
         if cache.stats.fills != fills:  # a fill may have evicted copies this process has open
-            for other in list(self._copy_files):  # a snapshot: reader threads change it
+            for other in list(self.local().copies):  # a snapshot: reader threads change it
                 if other != shard:
-                    self._drop_if_replaced(other)
+                    self.drop_if_replaced(other)
         return path
 
     def prefetch_copy(self, shard: int) -> None:
@@ -389,7 +354,7 @@ class ShardReader(ProcessLocal, abc.ABC):
         cache = self.shard_cache
         assert cache is not None
         entry = self.manifest.shards[shard]
-        fs, root_path = self._filesystem()
+        fs, root_path = self.filesystem()
         cache.path(
             entry, fs, join(root_path, entry.path), self.manifest.url(entry), background=True
         )
@@ -401,13 +366,14 @@ class ShardReader(ProcessLocal, abc.ABC):
         if cache is not None:
             cache.release(self.manifest.shards[shard])
 
-    def _drop_if_replaced(self, shard: int) -> str | None:
+    def drop_if_replaced(self, shard: int) -> str | None:
         """Forget the handle of ``shard`` if its cached copy was evicted or replaced.
 
         Returns the copy's path when the handle is still current (safe with reader
         threads: a concurrent drop just means the next use re-opens the copy).
         """
-        known = self._copy_files.get(shard)
+        local = self.local()
+        known = local.copies.get(shard)
         if known is None:
             return None
         path, inode = known
@@ -416,67 +382,98 @@ class ShardReader(ProcessLocal, abc.ABC):
         except (FileNotFoundError, NotADirectoryError):  # evicted, or the cache folder removed
             same = False
         if not same:
-            self._forget_handle(shard)
-            self._copy_files.pop(shard, None)
+            self.forget(shard)
+            local.copies.pop(shard, None)
             return None
         return path
 
-    def _refresh_copies(self, shards: Iterable[int]) -> None:
+    def refresh_copies(self, shards: Iterable[int]) -> None:
         """Before a batch: drop handles whose cached copy changed; refresh the others' LRU time."""
         cache = self.shard_cache
         if cache is not None and cache.copies_changed():  # another process filled or evicted
-            for other in list(self._copy_files):  # a snapshot: reader threads change it
-                self._drop_if_replaced(other)
+            for other in list(self.local().copies):  # a snapshot: reader threads change it
+                self.drop_if_replaced(other)
         for shard in shards:
-            path = self._drop_if_replaced(shard)
+            path = self.drop_if_replaced(shard)
             if path is not None and cache is not None:
                 cache.touch(path)
 
-    # truncation ------------------------------------------------------------------
-    def _check_size(self, shard: int, found: int, path: str) -> None:
+    def copy_path(self, shard: int) -> str:
+        """The cached copy the open handle of ``shard`` reads (``""``: none open)."""
+        return self.local().copies.get(shard, ("", 0))[0]
+
+    # the checks of every open ----------------------------------------------------------
+    def checks(self) -> OpenChecks:
+        """The checks of the files a read opens (`detdata.storage.reads`)."""
+        return OpenChecks(self.check_opened_arrays, self.check_stat, self.missing, self.short_read)
+
+    def missing(self, shard: int, path: str) -> VerificationError:
+        """The error for ``shard``'s file ``path`` that is not there."""
+        entry = self.manifest.shards[shard]
+        return VerificationError(
+            f"shard {entry.path} ({path}): missing; it was verified when the dataset "
+            "was opened, then deleted or renamed; hint: restore it and resume from the "
+            "last saved state",
+            shard=entry.path,
+            field="exists",
+            expected=True,
+            found=False,
+        )
+
+    def short_read(self, fd: int, shard: int, path: str, nbytes: int, offset: int) -> NoReturn:
+        """A ``preadv`` of ``nbytes`` at ``offset`` read fewer: the file was truncated
+        (`VerificationError` via `check_size`), else a `StorageError`; raises either way."""
+        self.check_size(shard, os.fstat(fd).st_size, path)
+        raise StorageError(
+            f"shard {self.manifest.shards[shard].path} ({path}): short read of "
+            f"{nbytes} bytes at offset {offset}; hint: check the file system"
+        )
+
+    def check_size(self, shard: int, found: int, path: str) -> None:
         """`VerificationError` when the mapped file ``path`` of ``shard`` has fewer bytes than
         the manifest says: touching a mapped page past the end of a truncated file kills the
         process with SIGBUS, so reads check the size first."""
-        expected = int(self._sizes[shard])
+        expected = int(self.sizes[shard])
         check_not_truncated(self.manifest.shards[shard].path, path, expected, found)
 
-    def _encoded_names(self, shards: npt.NDArray[np.int64]) -> list[bytes]:
+    def encoded_names(self, shards: npt.NDArray[np.int64]) -> list[bytes]:
         """A list indexed by shard holding, at least for ``shards``, each path under the root,
         file-system encoded (for `detdata.storage.fileread.read_files`). Names are filled in
         as shards are first read: the entries of shards never read are never built."""
-        names = self._names_bytes
+        local = self.local()
+        names = local.names
         if names is None:
             count = len(self.manifest.shards)
-            self._named = np.zeros(count, dtype=np.bool_)
-            names = self._names_bytes = [b""] * count
-        missing = shards[~self._named[shards]]
+            local.named = np.zeros(count, dtype=np.bool_)
+            names = local.names = [b""] * count
+        missing = shards[~local.named[shards]]
         if missing.size:
             shard_path = self.manifest.shard_path  # the path alone: no entry built
             for shard in missing.tolist():
                 names[shard] = os.fsencode(shard_path(shard))
-            self._named[missing] = True  # after the names: a reader thread tests it first
+            local.named[missing] = True  # after the names: a reader thread tests it first
         return names
 
-    def _check_opened(self, shard: int, fd: int, path: str) -> None:
+    def check_opened(self, shard: int, fd: int, path: str) -> None:
         """At an open of ``shard``'s local file ``path`` (descriptor ``fd``): its size is the
         manifest's, and it is the file this process first opened for the shard (same inode,
         device and modification time), else a `VerificationError` naming the shard."""
-        self._check_stat(shard, os.fstat(fd), path)
+        self.check_stat(shard, os.fstat(fd), path)
 
-    def _check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
-        """`_check_size`, then the file's identity against the first one this process opened
+    def check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
+        """`check_size`, then the file's identity against the first one this process opened
         for ``shard``; the first open records it (only a file of the manifest's size is
         recorded, and of two threads first opening the shard at once, one records and the
         other is compared with it)."""
         self._check_identity(shard, st.st_size, _identity(st), path)
 
     def _check_identity(self, shard: int, size: int, now: tuple[int, int, int], path: str) -> None:
-        """`_check_stat` of a file of ``size`` bytes and identity ``now`` (`_identity`)."""
-        if size != self._sizes[shard]:
-            self._check_size(shard, size, path)
+        """`check_stat` of a file of ``size`` bytes and identity ``now`` (`_identity`)."""
+        if size != self.sizes[shard]:
+            self.check_size(shard, size, path)
         if self.cache_dir is not None and self.uses_shard_cache():
-            return  # cached copies: checked against their (path, inode) (`_drop_if_replaced`)
-        seen = self._first.record(shard, now)
+            return  # cached copies: checked against their (path, inode) (`drop_if_replaced`)
+        seen = self.local().first.record(shard, now)
         if seen != now:
             name = self.manifest.shards[shard].path
             raise VerificationError(
@@ -490,27 +487,27 @@ class ShardReader(ProcessLocal, abc.ABC):
                 found=list(now),
             )
 
-    def _check_opened_arrays(
+    def check_opened_arrays(
         self,
         ids: npt.NDArray[np.int64],
         sizes: npt.NDArray[np.int64],
         now: npt.NDArray[np.uint64],
         prefix: str,
     ) -> None:
-        """`_check_stat` of many opens at once: shard ``ids[i]``'s file ``prefix + path``
+        """`check_stat` of many opens at once: shard ``ids[i]``'s file ``prefix + path``
         had ``sizes[i]`` bytes and identity ``now[i]`` (`_identity`, an ``fstat`` taken
         after its bytes were read). One vectorised comparison instead of ~6 us of Python
-        per shard. The first culprit, in the order given, raises `_check_stat`'s error. A
+        per shard. The first culprit, in the order given, raises `check_stat`'s error. A
         shard not recorded yet goes through `_check_identity` (callers record first opens
-        before reading: the native loop does, see `detdata.storage.reads.read_checked`). Callers
-        check before any byte
-        read under these opens is returned."""
+        before reading: the native loop does, see `detdata.storage.reads.execute`).
+        Callers check before any byte read under these opens is returned."""
         if not ids.size:
             return
-        bad = sizes != self._size_array.take(ids)
+        bad = sizes != self.sizes.take(ids)
         if not self.uses_shard_cache():
-            bad |= ~self._first.recorded(ids)
-            changed = self._first.ident.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
+            first = self.local().first
+            bad |= ~first.recorded(ids)
+            changed = first.ident.take(ids, axis=0) != now  # (n, 3): take ~3x cheaper
             bad |= changed[:, 0] | changed[:, 1] | changed[:, 2]  # ~2x cheaper than any(1)
         for i in np.flatnonzero(bad).tolist():  # the first real culprit raises
             shard = int(ids[i])
@@ -522,14 +519,14 @@ class ShardReader(ProcessLocal, abc.ABC):
                 prefix + self.manifest.shards[shard].path,
             )
 
-    def _check_file(self, shard: int, path: str) -> None:
-        """`_check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened
+    def check_file(self, shard: int, path: str) -> None:
+        """`check_stat` of file ``path`` (missing: a size of 0 bytes; ``""``: not opened
         yet)."""
         if not path:
             return
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            self._check_size(shard, 0, path)
+            self.check_size(shard, 0, path)
             return
-        self._check_stat(shard, st, path)
+        self.check_stat(shard, st, path)

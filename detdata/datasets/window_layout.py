@@ -1,0 +1,113 @@
+"""`WindowLayout`: where each window of a `detdata.TokenWindows` is, as arithmetic over its
+window index (`detdata.datasets.window_index`).
+
+Window ``w`` of shard ``s`` is ``window`` tokens (``seq_len`` + 1 label token with
+``labels``) at token ``w * seq_len`` of the shard's data, whose first token is at byte
+``offsets[s]`` of its file. Window ids are numbered shard by shard: shard ``s`` holds ids
+``[starts[s], starts[s + 1])``. Per-shard values that depend only on the shard's dtype
+(bytes per token, the disk dtype, whether ``out_dtype`` narrows it) are looked up through
+the shard's dtype code (`ByCode`, `ArrayByCode`): O(dtypes) to build, not O(shards). No
+file is touched here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.types import IntArray
+from detdata.datasets.window_index import WindowIndex
+from detdata.identity.formats import disk_dtype
+from detdata.storage.file_column import FileColumn, IntColumn
+
+T = TypeVar("T")
+
+
+class ByCode(Generic[T]):
+    """A per-shard value looked up through the shard's code: ``self[shard]`` is
+    ``values[codes[shard]]`` (a few distinct values for many shards, O(values) to build)."""
+
+    __slots__ = ("codes", "values")
+
+    def __init__(
+        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: tuple[T, ...]
+    ) -> None:
+        self.codes = codes
+        self.values = values
+
+    def __getitem__(self, shard: int | np.integer[Any]) -> T:
+        return self.values[int(self.codes[shard])]
+
+
+class ArrayByCode:
+    """A per-shard int64 value looked up through the shard's code, for one shard or an
+    array of them: ``self[shards]`` is ``values[codes[shards]]`` (int64), O(values) to
+    build and to keep."""
+
+    __slots__ = ("codes", "values")
+
+    def __init__(
+        self, codes: npt.NDArray[np.integer[Any]] | FileColumn, values: npt.ArrayLike
+    ) -> None:
+        self.codes = codes
+        self.values = np.asarray(values, dtype=np.int64)
+
+    def __getitem__(self, shard: Any) -> Any:
+        return self.values[self.codes[shard]]
+
+
+class WindowLayout:
+    """The windows of ``index`` for ``seq_len`` (+1 with ``labels``) delivered in
+    ``out_dtype`` (see the module docstring).
+
+    ``bounds``: cumulative windows (count + 1); ``starts``: the first window id of each
+    shard; ``offsets``: the byte offset of each shard's tokens; ``itemsize``, ``disk``,
+    ``dtypes``, ``narrowing``: per shard through its dtype code. ``batch_covers``: every
+    shard in use has one disk dtype that ``out_dtype`` does not narrow (the covered spans
+    of a batch are read into one staging buffer); ``direct``: besides, that dtype is
+    ``out_dtype`` (windows are read straight into the result)."""
+
+    def __init__(
+        self, index: WindowIndex, seq_len: int, labels: bool, out_dtype: np.dtype[Any]
+    ) -> None:
+        self.seq_len = seq_len
+        self.labels = labels
+        self.window = seq_len + int(labels)
+        self.out_dtype = out_dtype
+        self.num = index.windows
+        self.bounds: IntColumn = index.starts  # count + 1: shard s holds windows [s], [s + 1]
+        self.starts: IntColumn = index.starts[:-1]
+        self.offsets: IntColumn = index.offsets
+        code, names = index.codes, index.dtypes
+        # bytes per token of each shard, looked up through its dtype code (no per-shard copy)
+        self.itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
+        self.disk = ByCode(code, tuple(disk_dtype(d) for d in names))
+        self.dtypes = ByCode(code, names)
+        # per shard: does a cast to out_dtype narrow (values must be range-checked)?
+        narrowing = tuple(not np.can_cast(d, out_dtype, casting="safe") for d in names)
+        self.narrowing = ByCode(code, narrowing)
+        disks = {self.disk.values[c] for c in index.used}
+        self.batch_covers = len(disks) == 1 and not any(narrowing[c] for c in index.used)
+        self.direct = self.batch_covers and self.disk[0] == out_dtype
+
+    def shard_of(self, ids: IntArray) -> IntArray:
+        """The shard of each window id of ``ids`` (checked ids)."""
+        shard: IntArray = self.starts.searchsorted(ids, side="right").astype(np.int64) - 1
+        return shard
+
+    def first_shard(self, window: int) -> int:
+        """The shard of window ``window``."""
+        return int(self.starts.searchsorted(window, "right")) - 1
+
+    def windows_in(self, shard: int) -> int:
+        """Windows of ``shard``."""
+        return int(self.bounds[shard + 1] - self.bounds[shard])
+
+    def byte_offsets(self, shard: IntArray, local: IntArray) -> list[int]:
+        """File offset of window ``local[i]`` of shard ``shard[i]``, for the batch at once."""
+        offsets: list[int] = (
+            self.offsets[shard] + local * self.seq_len * self.itemsize[shard]
+        ).tolist()
+        return offsets
