@@ -9,8 +9,9 @@ checks (`verify`, `receipts`) use them without importing the manifest.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import is_digest
@@ -147,3 +148,20 @@ def parse_verify(value: str | Verify) -> Verify:
         return Verify(value)
     except ValueError:
         raise ConfigError(f"verify must be one of 'quick', 'full', 'off', got {value!r}") from None
+
+
+class ShardList(Protocol):
+    """What verification and receipts read of a manifest (`detdata.identity.manifest.Manifest`
+    fits): its id, root and entries, and an entry's URL. Declared here, below both, so
+    neither imports the manifest module."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def root(self) -> str | None: ...
+
+    @property
+    def shards(self) -> Sequence[ShardEntry]: ...
+
+    def url(self, shard: ShardEntry) -> str: ...

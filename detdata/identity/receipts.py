@@ -64,7 +64,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, cast
 
 import blake3
 import numpy as np
@@ -76,7 +76,7 @@ from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
-from detdata.identity.entry import STRENGTH, ShardEntry, Verify
+from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.verify import verify_manifest
@@ -85,9 +85,6 @@ from detdata.storage.boot import boot_id
 from detdata.storage.fs import check_relative_path, filesystem, is_local_fs, join
 from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
-
-if TYPE_CHECKING:
-    from detdata.identity.manifest import Manifest
 
 ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
@@ -115,7 +112,7 @@ def receipt_dir() -> str | None:
     return found or os.path.join(os.path.expanduser("~"), ".cache", "detdata", "receipts")
 
 
-def receipt_path(manifest: Manifest) -> str | None:
+def receipt_path(manifest: ShardList) -> str | None:
     """The receipt file of ``manifest`` under its root, named for this user's key (None
     when receipts are disabled or there is no usable key: `detdata.identity.local_key`)."""
     folder = receipt_dir()
@@ -134,7 +131,7 @@ _CALLS: dict[str, int] = {}
 
 
 def verify_job(
-    manifest: Manifest,
+    manifest: ShardList,
     level: Verify,
     *,
     threads: int,
@@ -179,7 +176,7 @@ def verify_job(
     _vouch(manifest, json.loads(store.get(key + "/columns")))
 
 
-def _vouch(manifest: Manifest, checked: list[Any] | None) -> None:
+def _vouch(manifest: ShardList, checked: list[Any] | None) -> None:
     """A fast-form manifest whose files are the ones this job's verification checked
     (``checked``: `_columns_identity` taken before the check) is read without hashing
     its chunks again (`detdata.identity.columns.ColumnsFile.vouch`)."""
@@ -222,13 +219,13 @@ def _error_class(name: str) -> type[DetdataError] | None:
     return None
 
 
-def _meeting(manifest: Manifest, level: Verify) -> tuple[Any, bool, str]:
+def _meeting(manifest: ShardList, level: Verify) -> tuple[Any, bool, str]:
     """`job_meeting` of the verification of ``manifest`` at ``level`` (the n-th call of
     every rank meets the others' n-th)."""
     return job_meeting(manifest, level.value, counted=True)
 
 
-def job_meeting(manifest: Manifest, tag: str, *, counted: bool = False) -> tuple[Any, bool, str]:
+def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tuple[Any, bool, str]:
     """``(store, is this rank the one that does it, key)`` for work ``tag`` on ``manifest``
     under its root, done once per job (a URL root, or ``DETDATA_VERIFY_SCOPE=job``) or once
     per node (a local root) under a process group of more than one rank; ``(None, True,
@@ -283,7 +280,7 @@ def root_key(root: str, local: bool) -> list[Any]:
 
 # ------------------------------------------------------------------------- receipts
 def verify_with_receipt(
-    manifest: Manifest,
+    manifest: ShardList,
     level: Verify,
     threads: int,
     progress: bool | None,
@@ -342,7 +339,7 @@ def verify_with_receipt(
 
 
 def _verify_entries(
-    manifest: Manifest,
+    manifest: ShardList,
     level: Verify,
     entries: Sequence[ShardEntry],
     *,
@@ -353,7 +350,7 @@ def _verify_entries(
 ) -> VerificationError | None:
     """`verify_manifest` of ``entries`` (shards of ``manifest``, in path order): the first
     failure among them, or None."""
-    subset = dataclasses.replace(manifest, shards=tuple(entries), metadata={})
+    subset = _Entries(manifest, tuple(entries))
     try:
         verify_manifest(
             subset, level, threads=threads, progress=progress, retry=retry, **storage_options
@@ -366,7 +363,26 @@ def _verify_entries(
 Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
-def _verify_shards(manifest: Manifest, todo: npt.NDArray[np.int64], check: Check) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Entries:
+    """Some entries of a manifest (in path order), verified as one: a `ShardList`."""
+
+    whole: ShardList
+    shards: tuple[ShardEntry, ...]
+
+    @property
+    def id(self) -> str:
+        return self.whole.id
+
+    @property
+    def root(self) -> str | None:
+        return self.whole.root
+
+    def url(self, shard: ShardEntry) -> str:
+        return self.whole.url(shard)
+
+
+def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
     """``check`` the shards ``todo`` (ascending), `VERIFY_PIECE` entries in memory at a time
     (a fast form's decoded in bulk where dense); every shard is checked and the first
     failure in path order is raised at the end, as one call over all would."""
@@ -377,7 +393,7 @@ def _verify_shards(manifest: Manifest, todo: npt.NDArray[np.int64], check: Check
     _raise_first(found)
 
 
-def _tie_and_verify(manifest: Manifest, todo: npt.NDArray[np.int64], check: Check) -> None:
+def _tie_and_verify(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
     """A fast form's full tie (`verify_columns_id`) and the check of the shards ``todo``
     in one pass over the columns: each entry is decoded (and its chunks hashed) once, for
     the id and, where in ``todo``, for its shard's check. A columns file that fails the
@@ -417,7 +433,7 @@ def _raise_first(found: Sequence[VerificationError | None]) -> None:
         raise first
 
 
-def _entries_at(manifest: Manifest, picked: npt.NDArray[np.int64]) -> tuple[ShardEntry, ...]:
+def _entries_at(manifest: ShardList, picked: npt.NDArray[np.int64]) -> tuple[ShardEntry, ...]:
     """The entries of shards ``picked`` (ascending): a fast form's decoded in bulk from the
     range they span when they are dense in it, else one by one (none kept cached)."""
     shards = manifest.shards
@@ -431,7 +447,7 @@ def _entries_at(manifest: Manifest, picked: npt.NDArray[np.int64]) -> tuple[Shar
     return tuple(shards.entries_between(i, i + 1)[0] for i in index)
 
 
-def _local_identities_of(manifest: Manifest, root: str, *, checked: bool) -> LocalIds:
+def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> LocalIds:
     """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time (a
     1M-shard table's paths are never all in memory at once). ``checked``: the fast form's
     paths were checked in full before (else each is checked as a path under the root
@@ -457,7 +473,7 @@ def _checked_paths(shards: ShardTable, lo: int, hi: int, checked: bool) -> list[
     return paths
 
 
-def _paths(manifest: Manifest, *, checked: bool) -> list[str]:
+def _paths(manifest: ShardList, *, checked: bool) -> list[str]:
     shards = manifest.shards
     if isinstance(shards, ShardTable):
         return _checked_paths(shards, 0, len(shards), checked)
@@ -567,7 +583,7 @@ def _remote_identity(info: dict[str, Any]) -> str | None:
     return f"etag={etag};size={size}"
 
 
-def _columns_identity(manifest: Manifest) -> list[Any] | None:
+def _columns_identity(manifest: ShardList) -> list[Any] | None:
     """What a fast-form manifest's full check covers: its header digest, the identity of
     the columns file this manifest has open (``fstat`` at its open, before any of it was
     read: the file the check reads, even if the path names another by now) and the JSON's
@@ -600,7 +616,7 @@ def _turn(path: str | None) -> Iterator[None]:
         yield
 
 
-def read_receipt(path: str, manifest: Manifest) -> dict[str, Any] | None:
+def read_receipt(path: str, manifest: ShardList) -> dict[str, Any] | None:
     """The receipt at ``path`` for ``manifest`` (same id, root, shard count, and a tag made
     under this user's key), else None: an unreadable, corrupted, stale or forged receipt
     only means every shard is read."""
@@ -640,7 +656,7 @@ def _tag(secret: bytes, head: dict[str, Any], body: bytes) -> str:
 
 def write_receipt(
     path: str,
-    manifest: Manifest,
+    manifest: ShardList,
     level: Verify,
     columns: list[Any] | None,
     identities: LocalIds | list[str | None],

@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
-from detdata.identity.entry import ShardEntry, Verify, parse_verify
+from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.digest import full_digest_fd, full_digest_retrying, quick_digest_retrying
 from detdata.storage.fs import filesystem, is_local_fs, join, read_ranges_upto, size_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
-
-if TYPE_CHECKING:
-    from detdata.identity.manifest import Manifest
 
 #: what each checked entry field is called in messages
 _LABELS: Final = {"bytes": "size", "quick": "quick digest", "blake3": "blake3"}
@@ -55,7 +52,7 @@ BATCH_BYTES: Final = 64 << 20
 
 
 def verify_manifest(
-    manifest: Manifest,
+    manifest: ShardList,
     mode: str | Verify = Verify.QUICK,
     *,
     threads: int = 8,
@@ -150,7 +147,7 @@ def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError
 def _verify_remote(
     fs: Any,
     root: str,
-    manifest: Manifest,
+    manifest: ShardList,
     mode: Verify,
     policy: RetryPolicy,
     threads: int,
@@ -217,7 +214,7 @@ def _verify_remote(
 
 
 def _full_remote(
-    fs: Any, path: str, manifest: Manifest, shard: ShardEntry, policy: RetryPolicy
+    fs: Any, path: str, manifest: ShardList, shard: ShardEntry, policy: RetryPolicy
 ) -> VerificationError | None:
     """The blake3 check of a large remote shard whose size and quick digest matched."""
     url = manifest.url(shard)
@@ -274,7 +271,7 @@ def _judge(
     return "full"
 
 
-def _where(manifest: Manifest, shard: ShardEntry) -> str:
+def _where(manifest: ShardList, shard: ShardEntry) -> str:
     return f"shard {shard.path} ({redact_url(manifest.url(shard))})"
 
 
