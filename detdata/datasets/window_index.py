@@ -1,4 +1,6 @@
-"""`TokenWindows`' per-shard index: built once per job, read by every rank (DESIGN.md 8).
+"""`TokenWindows`' per-shard index: built once per job, read by every rank.
+
+Contract: docs/design.md section 8 ("Start-up at scale").
 
 What a `TokenWindows` needs of every shard (`WindowIndex`): the cumulative window counts
 (``starts``, ``count + 1`` int64: window ids ``[starts[s], starts[s + 1])`` are shard

@@ -1,4 +1,6 @@
-"""The fast form of a manifest: fixed-width columns in one memory-mapped file (DESIGN.md 8).
+"""The fast form of a manifest: fixed-width columns in one memory-mapped file.
+
+Contract: docs/design.md section 8 ("Start-up at scale").
 
 A manifest's JSON is its readable form and defines its id; parsing it costs every
 rank O(shards) CPU and memory. `Manifest.save` (and `Registry.register`) also write

@@ -1,4 +1,4 @@
-"""The full tie of a fast-form manifest to its id, checked once per job (DESIGN.md 8).
+"""The full tie of a fast-form manifest to its id, checked once per job (docs/design.md section 8).
 
 `detdata.identity.columns` checks each chunk of the columns against its digest when used;
 that catches damage, not a file whose chunks were re-digested after an edit. What proves

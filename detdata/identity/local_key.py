@@ -1,4 +1,4 @@
-"""This user's secret key, for what detdata writes now and trusts later (DESIGN.md 8).
+"""This user's secret key, for what detdata writes now and trusts later (docs/design.md section 8).
 
 Some files in the receipts folder (``DETDATA_RECEIPTS``) are trusted by a later job
 without being read in full again: the window index (`detdata.datasets.window_index`) and

@@ -1,4 +1,6 @@
-"""Shard paths stored in compressed blocks: the path table of a fast-form manifest (DESIGN.md 8).
+"""Shard paths stored in compressed blocks: the path table of a fast-form manifest.
+
+Contract: docs/design.md section 8 ("Start-up at scale").
 
 A job's verifier takes the identity of every shard file at each start, so it reads every
 path at each start: the path table is the bulk of what a restart over unchanged files

@@ -1,4 +1,6 @@
-"""Verification once per job, and receipts that let a restart skip unchanged shards (DESIGN.md 8).
+"""Verification once per job, and receipts that let a restart skip unchanged shards.
+
+Contract: docs/design.md section 8 ("Start-up at scale").
 
 `verify_job` is what `Manifest.verify` runs (and so `Manifest.load`, `Registry.resolve`
 and the datasets):

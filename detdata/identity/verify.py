@@ -1,4 +1,4 @@
-"""Verifying shard bytes against a manifest's entries (DESIGN.md section 1).
+"""Verifying shard bytes against a manifest's entries (docs/design.md section 1).
 
 ``quick`` compares each shard's size and quick digest, ``full`` also re-hashes
 every byte against its blake3, ``off`` reads nothing. Every shard is checked;
