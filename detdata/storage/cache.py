@@ -110,8 +110,8 @@ from detdata.storage.verified import (
 )
 
 
-class ShardEntry(Protocol):
-    """What the cache needs of a manifest entry (`detdata.identity.manifest.ShardEntry` fits)."""
+class CacheEntry(Protocol):
+    """What the cache needs of a manifest entry (`detdata.identity.entry.ShardEntry` fits)."""
 
     @property
     def path(self) -> str: ...
@@ -152,7 +152,7 @@ class CacheStats:
     verified_skips: int = 0  # opens of a copy this process had verified: no digest read
 
 
-def _hex(entry: ShardEntry) -> str:
+def _hex(entry: CacheEntry) -> str:
     return entry.blake3[len(PREFIX) :]
 
 
@@ -224,7 +224,7 @@ class ShardCache:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes})"
 
     # paths -------------------------------------------------------------------
-    def object_path(self, entry: ShardEntry) -> str:
+    def object_path(self, entry: CacheEntry) -> str:
         """Where the verified copy of ``entry`` lives (whether or not it is there now)."""
         return os.path.join(self.directory, "objects", _hex(entry))
 
@@ -241,7 +241,7 @@ class ShardCache:
     # public API ------------------------------------------------------------
     def path(
         self,
-        entry: ShardEntry,
+        entry: CacheEntry,
         fs: fsspec.AbstractFileSystem,
         remote_path: str,
         url: str,
@@ -320,7 +320,7 @@ class ShardCache:
 
     def _path(
         self,
-        entry: ShardEntry,
+        entry: CacheEntry,
         fs: fsspec.AbstractFileSystem,
         remote_path: str,
         url: str,
@@ -346,7 +346,7 @@ class ShardCache:
         with self._mutex:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
-    def release(self, entry: ShardEntry) -> None:
+    def release(self, entry: CacheEntry) -> None:
         """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
         final = self.object_path(entry)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
@@ -368,7 +368,7 @@ class ShardCache:
 
     def _locked_path(
         self,
-        entry: ShardEntry,
+        entry: CacheEntry,
         fs: fsspec.AbstractFileSystem,
         remote_path: str,
         url: str,
@@ -397,7 +397,7 @@ class ShardCache:
                 self._count("background_fills")
             return final
 
-    def _drop_damaged(self, entry: ShardEntry, final: str) -> None:
+    def _drop_damaged(self, entry: CacheEntry, final: str) -> None:
         """Delete a damaged copy; one this user may not delete (another user's, in a folder
         with the sticky bit) is a `StorageError` naming it and its owner."""
         try:
@@ -431,7 +431,7 @@ class ShardCache:
             utime_remembered(path, None)
 
     # checks ------------------------------------------------------------------
-    def _check(self, path: str, entry: ShardEntry) -> str | None:
+    def _check(self, path: str, entry: CacheEntry) -> str | None:
         """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not."""
         seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
@@ -474,7 +474,7 @@ class ShardCache:
         known = verified_identity(path)
         return known is not None and known[1] == inode
 
-    def _check_digest(self, path: str, entry: ShardEntry, size: int, level: str) -> str | None:
+    def _check_digest(self, path: str, entry: CacheEntry, size: int, level: str) -> str | None:
         if level == "full":
             found = full_digest_path(path)
             if found != entry.blake3:
@@ -488,7 +488,7 @@ class ShardCache:
     # filling -----------------------------------------------------------------
     def _fill(
         self,
-        entry: ShardEntry,
+        entry: CacheEntry,
         fs: fsspec.AbstractFileSystem,
         remote_path: str,
         url: str,
@@ -545,7 +545,7 @@ class ShardCache:
         self.touch(final, force=True)
         self._make_room(0, keep=final)
 
-    def _filled(self, entry: ShardEntry, final: str, tmp: TempFill) -> None:
+    def _filled(self, entry: CacheEntry, final: str, tmp: TempFill) -> None:
         """Remember the copy just renamed to ``final`` as verified in full, if it is still
         the file this fill wrote (in a shared folder another process may have swapped it:
         then it is checked at its next open like any other)."""
@@ -562,7 +562,7 @@ class ShardCache:
 
     def _download(
         self,
-        entry: ShardEntry,
+        entry: CacheEntry,
         fs: fsspec.AbstractFileSystem,
         remote_path: str,
         url: str,
@@ -609,7 +609,7 @@ class ShardCache:
         return found, written
 
     # space accounting ----------------------------------------------------------
-    def _reserve(self, entry: ShardEntry, final: str) -> TempFill:
+    def _reserve(self, entry: CacheEntry, final: str) -> TempFill:
         """Evict until ``entry`` fits, then create its temp file (counted from now on).
 
         When the copies that are left plus the fills in progress (any thread or process)
@@ -665,7 +665,7 @@ class ShardCache:
 
     # locks -------------------------------------------------------------------
     @contextlib.contextmanager
-    def _shard_lock(self, entry: ShardEntry) -> Iterator[None]:
+    def _shard_lock(self, entry: CacheEntry) -> Iterator[None]:
         with flock(os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")):
             yield
 
