@@ -44,7 +44,6 @@ from typing import Any, Final, NoReturn, TypeVar
 import fsspec
 import numpy as np
 import numpy.typing as npt
-from fsspec.implementations.local import LocalFileSystem
 
 from detdata.base.errors import ConfigError, StorageError, VerificationError
 from detdata.base.redact import get_logger, redact_url
@@ -61,7 +60,7 @@ from detdata.storage.cache import ShardCache
 from detdata.storage.file_column import IntColumn
 from detdata.storage.first_opens import FirstOpens
 from detdata.storage.first_opens import file_identity as _identity
-from detdata.storage.fs import filesystem, join
+from detdata.storage.fs import filesystem, is_local_fs, join
 from detdata.storage.reads import OpenChecks
 
 #: How often a copy evicted between its fill and its open is fetched again.
@@ -268,7 +267,7 @@ class ShardFiles:
 
     def is_local(self) -> bool:
         """Is the root on the local file system (read in place)?"""
-        return isinstance(self.filesystem()[0], LocalFileSystem)
+        return is_local_fs(self.filesystem()[0])
 
     def uses_shard_cache(self) -> bool:
         """Are shards read from verified local copies (``cache_dir`` and a remote root)? The
