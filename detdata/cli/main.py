@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Final
 
 from detdata.base.errors import DetdataError, StorageError, VerificationError
-from detdata.base.redact import redacted_output
+from detdata.base.redact import get_logger, redacted_output
 
 EXIT_OK: Final = 0
 EXIT_FAIL: Final = 1
@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def _quiet_retries(verbose: bool) -> Iterator[None]:
     """Without ``verbose``: the `VERBOSE_LOGGERS` pass only errors while the body runs."""
-    loggers = [] if verbose else [logging.getLogger(name) for name in VERBOSE_LOGGERS]
+    loggers = [] if verbose else [get_logger(name) for name in VERBOSE_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
