@@ -24,30 +24,16 @@ Contracts:
   size and blake3 match the manifest entry (else the temp file is dropped and
   the download repeated, then `VerificationError`). Nothing unverified is
   ever served.
-* Every open (the first use of a shard in a process, or after the copy
-  changed) re-checks the copy's size and quick digest (``verify_on_open="full"``
+* Every open (the first use of a shard in a process, or after the copy changed) re-checks
+  the copy's size and quick digest on one open descriptor (``verify_on_open="full"``
   re-hashes every byte). A copy that fails is deleted, logged and fetched again.
-  Re-opening a copy this process already verified (or filled) is cheap: the
-  process remembers each verified copy's ``(device, inode, size, mtime, ctime)``
-  (at most `VERIFIED_MAX` copies, least recently used forgotten first) and skips
-  the digest while one ``stat`` shows the same values; a copy replaced (another
-  inode), rewritten or re-touched by another process (another mtime/ctime) is
-  verified again. This process's own LRU touches are folded in (a ``stat`` just
-  before and after the ``utime``). Racy-clean rule: a copy that had changed less
-  than 0.1 s before it was checked is checked again on its next open (a write
-  within the same timestamp tick would not show), except a copy this process has
-  just filled (hashed as written, stamped after its rename): a prefetched copy is
-  not re-read by the reader that first opens it. Not caught: bytes changed in
-  place within one timestamp tick after this process's own fill or touch, or with size,
-  mtime and ctime restored; on a file system with timestamps coarser than 0.1 s
-  (ext3, FAT) writes within one tick are not seen either.
-* Durability: a fill is not ``fsync``-ed (the disk would cap every fill at its write
-  speed: ~63 MB/s for new files on this VM, under a 200 MB/s link), since a process that
-  dies loses nothing the kernel holds. What a machine crash could lose is caught instead:
-  the copies known whole in this boot (filled in it, or hashed in full in it) are recorded
-  per boot id (`detdata.storage.boot`: ``checked-<boot_id>``); a copy not on this boot's
-  record is hashed in full at its first open, then recorded. Where there is no boot id,
-  fills are ``fsync``-ed and nothing is recorded.
+  Re-opening a copy this process verified (or filled) skips the digest while one ``stat``
+  shows its stamp (`detdata.storage.verified`: device, inode, size, mtime, ctime; the
+  racy-clean rule).
+* Durability: fills are not ``fsync``-ed (a process that dies loses nothing the kernel
+  holds); what a machine crash could lose is caught by the per-boot record
+  (`detdata.storage.boot`): a copy not on it is hashed in full at its first open. Without
+  a boot id, fills are synced.
 * ``max_bytes`` bounds the bytes in ``objects/`` plus fills in progress. Before
   a fill reserves its space, least recently used copies (file mtime, refreshed
   on use) are deleted; when the fills in progress (any thread or process) leave
@@ -56,7 +42,9 @@ Contracts:
   Processes that still have an evicted copy open keep reading it (POSIX keeps
   unlinked files alive while open), so eviction never corrupts a reader.
 * Fills of one shard are serialised by a per-shard ``flock`` (threads and
-  processes): concurrent readers wait for one download instead of racing.
+  processes): concurrent readers wait for one download instead of racing, while that fill
+  makes progress (`detdata.storage.cache_folder.LockWait`: a stopped holder is a
+  `StorageError` naming the lock after ``retry.deadline_s``, not a wait without end).
   Locks are released by the kernel when a process dies; a temp file nobody holds a lock
   on (a dead fill's, whatever its pid namespace) is removed at the next accounting.
 * A full or failing disk under a fill is a `StorageError` naming the cache folder, with the
@@ -76,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -90,14 +79,16 @@ from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
 from detdata.storage.boot import CheckedThisBoot
 from detdata.storage.cache_folder import (
+    LockWait,
     TempFill,
     copies,
     make_layout,
+    note_shared,
     owned_alone,
     reserved_bytes,
     shared_reason,
 )
-from detdata.storage.digest import digest_chunks, full_digest_path, quick_digest_path
+from detdata.storage.digest import digest_chunks, full_digest_fd, quick_digest_fd
 from detdata.storage.fs import iter_chunks
 from detdata.storage.locks import flock
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -158,7 +149,8 @@ def _hex(entry: CacheEntry) -> str:
 
 #: Errors of a disk that cannot take a fill's bytes (full, over quota, read-only, failing).
 _DISK_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
-_SHARED_LOGGED: Final[set[str]] = set()  # shared folders this process has logged
+#: How a copy is opened to be checked: never through a link, never blocking on a FIFO.
+_OPEN_COPY: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class ShardCache:
@@ -206,19 +198,6 @@ class ShardCache:
         except OSError as exc:
             raise self._unusable(exc) from exc
         self._boot = CheckedThisBoot(self.directory, trusted=self.shared is None)
-
-    def _note_shared(self) -> None:
-        """Log once per process that this folder is shared, and what that costs."""
-        if self.shared is None or self.directory in _SHARED_LOGGED:
-            return
-        _SHARED_LOGGED.add(self.directory)
-        log.warning(
-            "detdata: shard cache folder %s is shared (%s): its copies are not trusted; each "
-            "is hashed in full at its first use in this process (a folder only you can write "
-            "needs the quick check alone)",
-            self.directory,
-            self.shared,
-        )
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes})"
@@ -316,7 +295,7 @@ class ShardCache:
         why, or None)."""
         make_layout(self.directory)
         self.shared = shared_reason(self.directory)
-        self._note_shared()
+        note_shared(self.directory, self.shared)
 
     def _path(
         self,
@@ -349,7 +328,7 @@ class ShardCache:
     def release(self, entry: CacheEntry) -> None:
         """Make the copy of ``entry`` (if any) the first to be evicted; it stays usable."""
         final = self.object_path(entry)
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
             utime_remembered(final, (0, 0))
             with self._mutex:
                 self.stats.releases += 1
@@ -427,20 +406,36 @@ class ShardCache:
                 len(touched) > TOUCHED_MAX or now - next(iter(touched.values())) >= _TOUCH_EVERY_S
             ):
                 touched.popitem(last=False)
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        # another user's copy in a shared folder: its LRU time is not ours to set
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
             utime_remembered(path, None)
 
     # checks ------------------------------------------------------------------
     def _check(self, path: str, entry: CacheEntry) -> str | None:
-        """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not."""
+        """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not.
+
+        One open file is stat-ed, hashed and remembered (never a second open of the path: in
+        a shared folder another process could swap the file between the two)."""
         seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
-            st = os.stat(path)
+            fd = os.open(path, _OPEN_COPY)
         except (FileNotFoundError, NotADirectoryError):
             return "missing"
-        size = st.st_size
-        if size != entry.bytes:
-            return f"size {size} bytes, the manifest says {entry.bytes}"
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return "a symbolic link, not a copy"
+            raise
+        try:
+            return self._check_open(path, fd, entry, seen_ns)
+        finally:
+            os.close(fd)
+
+    def _check_open(self, path: str, fd: int, entry: CacheEntry, seen_ns: int) -> str | None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != entry.bytes:
+            return f"size {st.st_size} bytes, the manifest says {entry.bytes}"
         if was_verified(path, st, entry.blake3, self.verify_on_open):
             with self._mutex:
                 self.stats.verified_skips += 1
@@ -452,10 +447,7 @@ class ShardCache:
         name = os.path.basename(path)
         trusted = self.shared is None and owned_alone(st)
         level = self.verify_on_open if trusted and self._boot.has(name) else "full"
-        try:
-            problem = self._check_digest(path, entry, size, level)
-        except FileNotFoundError:  # evicted (another thread or process) since the stat
-            return "missing"
+        problem = self._check_digest(fd, entry, st.st_size, level)
         if problem is not None:
             forget_verified(path)
             return problem
@@ -474,13 +466,13 @@ class ShardCache:
         known = verified_identity(path)
         return known is not None and known[1] == inode
 
-    def _check_digest(self, path: str, entry: CacheEntry, size: int, level: str) -> str | None:
+    def _check_digest(self, fd: int, entry: CacheEntry, size: int, level: str) -> str | None:
         if level == "full":
-            found = full_digest_path(path)
+            found = full_digest_fd(fd)
             if found != entry.blake3:
                 return f"blake3 {found}, the manifest says {entry.blake3}"
             return None
-        found = quick_digest_path(path, size)
+        found = quick_digest_fd(fd, size)
         if found != entry.quick:
             return f"quick digest {found}, the manifest says {entry.quick}"
         return None
@@ -666,12 +658,17 @@ class ShardCache:
     # locks -------------------------------------------------------------------
     @contextlib.contextmanager
     def _shard_lock(self, entry: CacheEntry) -> Iterator[None]:
-        with flock(os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")):
+        lock = os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")
+        tmp = os.path.join(self.directory, "tmp")
+        with flock(
+            lock, stalled=LockWait(lock, self.retry.deadline_s, tmp_dir=tmp, hex_digest=_hex(entry))
+        ):
             yield
 
     @contextlib.contextmanager
     def _global_lock(self) -> Iterator[None]:
-        with flock(os.path.join(self.directory, ".lock")):
+        lock = os.path.join(self.directory, ".lock")
+        with flock(lock, stalled=LockWait(lock, self.retry.deadline_s)):
             yield
 
     # pickling: parameters only ---------------------------------------------------

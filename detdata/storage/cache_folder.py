@@ -38,11 +38,16 @@ import time
 from typing import Final
 
 from detdata.base.errors import StorageError
+from detdata.base.redact import get_logger
 from detdata.storage.locks import hold, is_held, let_go
 
 LAYOUT: Final = ("objects", "tmp", "locks")
 #: A temp file nobody holds and nobody has written for this long is a dead fill's leftover.
 LEFTOVER_S: Final = 30.0
+#: A wait for a cache lock longer than this is logged (once per wait).
+WARN_S: Final = 10.0
+log: Final = get_logger("detdata.cache")
+_SHARED_LOGGED: Final[set[str]] = set()  # shared folders this process has logged
 _OTHERS_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
 _CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -90,6 +95,20 @@ def shared_reason(directory: str) -> str | None:
         if st.st_mode & _OTHERS_WRITE:
             return f"{path} is writable by {_who(st.st_mode)} (mode {stat.filemode(st.st_mode)})"
     return None
+
+
+def note_shared(directory: str, reason: str | None) -> None:
+    """Log once per process that the cache folder ``directory`` is shared, and the cost."""
+    if reason is None or directory in _SHARED_LOGGED:
+        return
+    _SHARED_LOGGED.add(directory)
+    log.warning(
+        "detdata: shard cache folder %s is shared (%s): its copies are not trusted; each is "
+        "hashed in full at its first use in this process (a folder only you can write needs "
+        "the quick check alone)",
+        directory,
+        reason,
+    )
 
 
 def _who(mode: int) -> str:
@@ -180,3 +199,56 @@ def _declared_size(name: str) -> int | None:
     if len(parts) < 4 or parts[-1] != "part" or not parts[1].isdigit():
         return None
     return int(parts[1])
+
+
+class LockWait:
+    """A bounded wait for a cache lock (`detdata.storage.locks.Stalled`): a holder that stops
+    (a job suspended with Ctrl-Z, a debugger, a co-user holding the lock) is not waited for
+    forever. Waiting for a fill of ``hex_digest`` goes on while that fill's temp file keeps
+    changing; any other wait ends ``deadline_s`` after it began. A wait past `WARN_S` is
+    logged once, naming the lock; the end is a `StorageError` naming it, with the hint."""
+
+    def __init__(
+        self, lock: str, deadline_s: float, *, tmp_dir: str = "", hex_digest: str = ""
+    ) -> None:
+        self.lock = lock
+        self.deadline_s = deadline_s
+        self.tmp_dir = tmp_dir
+        self.hex_digest = hex_digest
+        self._warned = False
+        self._last_change = 0.0  # seconds into the wait when the fill last changed
+        self._seen: float | None = None  # the fill's temp file's newest mtime, last look
+        self._looked = -1.0
+
+    def __call__(self, waited: float) -> None:
+        if self.hex_digest and waited - self._looked >= 0.5:
+            self._looked = waited
+            newest = self._fill_mtime()
+            if newest is not None and newest != self._seen:
+                self._seen, self._last_change = newest, waited
+        if waited > WARN_S and not self._warned:
+            self._warned = True
+            log.warning(
+                "detdata: waiting %.0f s for lock %s, held by another process%s",
+                waited,
+                self.lock,
+                " filling that shard" if self.hex_digest else "",
+            )
+        if waited - self._last_change > self.deadline_s:
+            raise StorageError(
+                f"lock {self.lock} stayed held for {waited:.0f} s"
+                + (" with no progress of the fill it guards" if self.hex_digest else "")
+                + " (its holder is stopped or stuck: a suspended job, a debugger, another "
+                "user); hint: resume or end that process, or remove the lock's holder; "
+                "RetryPolicy(deadline_s=...) sets this wait"
+            )
+
+    def _fill_mtime(self) -> float | None:
+        newest = None
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.tmp_dir):
+                if name.startswith(self.hex_digest + "."):
+                    with contextlib.suppress(OSError):
+                        mtime = os.lstat(os.path.join(self.tmp_dir, name)).st_mtime
+                        newest = mtime if newest is None else max(newest, mtime)
+        return newest

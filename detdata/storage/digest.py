@@ -59,6 +59,12 @@ def quick_digest_path(path: str, size: int) -> str:
     return quick_digest_parts(size, head, tail)
 
 
+def quick_digest_fd(fd: int, size: int) -> str:
+    """The quick digest of an open local file of ``size`` bytes (first and last MiB)."""
+    span = min(size, QUICK_SPAN)
+    return quick_digest_parts(size, os.pread(fd, span, 0), os.pread(fd, span, size - span))
+
+
 def _fs_chunks(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[bytes]:
     with fs.open(path, "rb", block_size=CHUNK) as fh:
         while chunk := fh.read(CHUNK):

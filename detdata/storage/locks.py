@@ -25,7 +25,8 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from detdata.base.errors import StorageError
@@ -52,26 +53,41 @@ def _close_inherited_locks() -> None:
 os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
+#: What a waiter is told while a lock stays held: called with the seconds waited so far, it
+#: returns to keep waiting or raises to give up (the lock is then not taken).
+Stalled = Callable[[float], None]
+
+
 @contextlib.contextmanager
-def _holding(fd: int) -> Iterator[None]:
+def _holding(fd: int, stalled: Stalled | None = None) -> Iterator[None]:
     """An exclusive ``flock`` on the open descriptor ``fd`` for the block (waits for the
-    holder, retrying after signals; a forked child closes its copy); ``fd`` is closed
-    after."""
+    holder, retrying after signals; with ``stalled``, polls and asks it between tries; a
+    forked child closes its copy); ``fd`` is closed after."""
     with _HELD_MUTEX:
         _HELD.add(fd)
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                break
-            except OSError as exc:  # EINTR
-                if exc.errno != errno.EINTR:
-                    raise
+        _take(fd, stalled)
         yield
     finally:
         with _HELD_MUTEX:
             _HELD.discard(fd)
         os.close(fd)
+
+
+def _take(fd: int, stalled: Stalled | None) -> None:
+    began = time.monotonic()
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if stalled is None else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EINTR, errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if stalled is not None:
+            stalled(time.monotonic() - began)
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
 
 
 def open_lock_file(path: str) -> int:
@@ -99,12 +115,13 @@ def _not_a_lock_file(path: str, what: str) -> StorageError:
 
 
 @contextlib.contextmanager
-def flock(path: str) -> Iterator[None]:
+def flock(path: str, *, stalled: Stalled | None = None) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if missing; its own descriptor, so it
     excludes threads and processes) while the block runs. ``path`` is never followed
-    through a symbolic link (see `open_lock_file`)."""
+    through a symbolic link (see `open_lock_file`). ``stalled``: a bounded wait (see
+    `Stalled`); without it, the wait lasts as long as the holder holds the lock."""
     fd = open_lock_file(path)
-    with _holding(fd):
+    with _holding(fd, stalled):
         yield
 
 

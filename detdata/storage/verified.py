@@ -107,29 +107,29 @@ def forget_verified(path: str | None = None) -> None:
             _VERIFIED.pop(path, None)
 
 
-def _utime(path: str, ns: tuple[int, int] | None) -> None:
-    if ns is None:
-        os.utime(path)
-    else:
-        os.utime(path, ns=ns)
-
-
 def utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
-    """``os.utime(path)`` (now, or ``ns``), keeping this process's verification of ``path``:
-    when a ``stat`` just before shows the file as verified, the ``stat`` just after is its
-    new stamp (trusted as before); otherwise the verification is forgotten. (Not caught: a
-    write in place within the same timestamp tick right after this ``utime``.) Raises
-    FileNotFoundError when the file is gone."""
+    """``os.utime`` of ``path`` (now, or ``ns``), keeping this process's verification of it:
+    on one open descriptor (never through a link), when its ``fstat`` before shows the file
+    this process verified, its ``fstat`` after is the new stamp (trusted as before);
+    otherwise the verification is forgotten. A file swapped in at ``path`` by another
+    process is never given the verified file's trust. (Not caught: a write in place within
+    the same timestamp tick right after this ``utime``.) Raises FileNotFoundError when the
+    file is gone, PermissionError where this user may not set its times."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        before = _stamp(os.fstat(fd))
+        if ns is None:
+            os.utime(fd)
+        else:
+            os.utime(fd, ns=ns)
+        after = _stamp(os.fstat(fd))
+    finally:
+        os.close(fd)
     with _VERIFIED_MUTEX:
         known = _VERIFIED.get(path)
-    if known is None:
-        _utime(path, ns)
-        return
-    unchanged = _stamp(os.stat(path)) == known.stamp
-    _utime(path, ns)
-    after = os.stat(path)
-    with _VERIFIED_MUTEX:
-        if unchanged and _VERIFIED.get(path) == known:
-            _VERIFIED[path] = known._replace(stamp=_stamp(after))
+        if known is None:
+            return
+        if known.stamp == before:
+            _VERIFIED[path] = known._replace(stamp=after)
         else:
             _VERIFIED.pop(path, None)

@@ -15,6 +15,7 @@ import logging
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -396,3 +397,99 @@ def test_a_folder_the_cache_makes_is_private_under_any_umask(
     again = ShardCache(tmp_path / "a" / "cache", 1 << 26)
     again.path(entry, fs, url, url)
     assert again.stats.digests == 1  # the quick check of a private folder, not a full hash
+
+
+_SWAPPER = textwrap.dedent(
+    """
+    import os, sys, time
+    target, real, forged, until = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    side = os.path.join(os.path.dirname(real), "swap.tmp")
+    flip = False
+    while time.time() < until:
+        flip = not flip
+        try:
+            os.link(forged if flip else real, side)
+            os.rename(side, target)
+        except OSError:
+            pass
+    """
+)
+
+
+def test_a_copy_swapped_back_and_forth_is_never_read_unchecked(
+    scratch: Path, shard: tuple[ShardEntry, fsspec.AbstractFileSystem, str, bytes]
+) -> None:
+    """Another process keeps swapping a shared folder's copy between the real bytes and a
+    forgery (same size, same first and last MiB): the file that is stat-ed, hashed and
+    confirmed at a reader's open is one file, so a reader that is told to go ahead always
+    has the real bytes."""
+    entry, fs, url, true = shard
+    folder = scratch / "cache"
+    first = ShardCache(folder, 1 << 26)
+    os.chmod(folder, 0o777)
+    target = Path(first.path(entry, fs, url, url))
+    side = scratch / "side"
+    side.mkdir()
+    real, fake = side / "real", side / "forged"
+    os.link(target, real)
+    fake.write_bytes(forged(true))
+    (side / "swapper.py").write_text(_SWAPPER)
+    until = str(time.time() + 20)
+    swapper = subprocess.Popen(
+        [sys.executable, str(side / "swapper.py"), str(target), str(real), str(fake), until]
+    )
+    confirmed = 0
+    try:
+        for _ in range(150):
+            forget_verified()  # each a first use, as in a new process
+            cache = ShardCache(folder, 1 << 26)
+            try:
+                path = cache.path(entry, fs, url, url)
+                with open(path, "rb") as fh:
+                    inode, data = os.fstat(fh.fileno()).st_ino, fh.read()
+            except (FileNotFoundError, StorageError):
+                continue  # swapped away mid-way: asked again, as a reader does
+            if cache.confirm_open(path, inode):
+                confirmed += 1
+                assert data == true
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert confirmed > 0
+
+
+def test_a_stopped_fill_is_not_waited_for_without_end(
+    http_server: HttpServer, tmp_path: Path
+) -> None:
+    """A process stopped in the middle of a fill (Ctrl-Z, a debugger) holds the shard's
+    lock: another process waits while the fill progresses, then gives up with a
+    `StorageError` naming the lock, instead of waiting forever."""
+    directory, url = http_server.new_dir()
+    np.save(directory / "big.npy", np.arange(N, dtype=np.uint16))
+    manifest = build_manifest(url)
+    entry = manifest.shards[0]
+    (tmp_path / "child.py").write_text(_CHILD)
+    (tmp_path / "manifest.json").write_text(json.dumps(Manifest.to_json(manifest)))
+    cache_dir = tmp_path / "cache"
+    with FaultProxy(http_server.port) as proxy:
+        proxy.set_plan(schedule(rate_bps=400_000))  # an ~8 s fill
+        slow = f"{url}/big.npy".replace(f"127.0.0.1:{http_server.port}", proxy.address)
+        args = [str(tmp_path / "child.py"), str(tmp_path / "manifest.json"), str(cache_dir)]
+        child = subprocess.Popen(
+            [sys.executable, *args, slow],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        try:
+            _wait_for(lambda: list((cache_dir / "tmp").glob("*.part")), child)
+            time.sleep(0.5)
+            os.kill(child.pid, signal.SIGSTOP)  # stopped mid-fill, holding the lock
+            cache = ShardCache(cache_dir, 1 << 26, retry=RetryPolicy(deadline_s=3))
+            began = time.monotonic()
+            with pytest.raises(StorageError, match=r"lock .*locks/.*\.lock stayed held"):
+                cache.path(entry, fsspec.filesystem("http"), slow, slow)
+            assert time.monotonic() - began < 30
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
