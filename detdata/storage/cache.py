@@ -79,9 +79,11 @@ from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
 from detdata.storage.boot import CheckedThisBoot
 from detdata.storage.cache_folder import (
+    LayoutDirs,
     LockWait,
     TempFill,
     copies,
+    drop_damaged,
     make_layout,
     note_shared,
     owned_alone,
@@ -295,6 +297,10 @@ class ShardCache:
         why, or None)."""
         make_layout(self.directory)
         self.shared = shared_reason(self.directory)
+        old = getattr(self, "_dirs", None)
+        self._dirs = LayoutDirs(self.directory)
+        if old is not None:
+            old.close()
         note_shared(self.directory, self.shared)
 
     def _path(
@@ -370,27 +376,11 @@ class ShardCache:
                     problem,
                     url,
                 )
-                self._drop_damaged(entry, final)
+                drop_damaged(final, entry.path)
             self._fill(entry, fs, remote_path, url, final)
             if background:
                 self._count("background_fills")
             return final
-
-    def _drop_damaged(self, entry: CacheEntry, final: str) -> None:
-        """Delete a damaged copy; one this user may not delete (another user's, in a folder
-        with the sticky bit) is a `StorageError` naming it and its owner."""
-        try:
-            os.unlink(final)
-        except FileNotFoundError:
-            pass
-        except PermissionError as exc:
-            owner = os.lstat(final).st_uid
-            raise StorageError(
-                f"shard {entry.path}: the cached copy {final} is damaged and belongs to uid "
-                f"{owner}, so this user cannot replace it ({exc.strerror}); nothing was read "
-                "from it; hint: ask its owner to delete it, or use a cache folder of your own "
-                "(cache_dir=)"
-            ) from exc
 
     def touch(self, path: str, *, force: bool = False) -> None:
         """Mark a copy as recently used (LRU), at most once a second per copy unless forced."""
@@ -523,11 +513,16 @@ class ShardCache:
                     found=found,
                 )
             with self._global_lock():  # else a scan between the two dirs would miss this copy
-                os.replace(tmp.path, final)
+                os.replace(
+                    tmp.name,
+                    os.path.basename(final),
+                    src_dir_fd=tmp.tmp_fd,
+                    dst_dir_fd=self._dirs.fd("objects"),
+                )
             self._filled(entry, final, tmp)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp.path)
+                os.unlink(tmp.name, dir_fd=tmp.tmp_fd)
             raise
         finally:
             tmp.close()
@@ -626,7 +621,8 @@ class ShardCache:
                             self.max_bytes,
                             self.retry.deadline_s,
                         )
-                    return TempFill(tmp_dir, _hex(entry), entry.bytes)  # locked at once
+                    tmp_fd = self._dirs.fd("tmp")  # locked at once:
+                    return TempFill(tmp_fd, tmp_dir, _hex(entry), entry.bytes)
             time.sleep(pause)  # other fills hold the room: they finish or fail
             pause = min(0.05, pause * 2)
 
@@ -661,7 +657,9 @@ class ShardCache:
         lock = os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")
         tmp = os.path.join(self.directory, "tmp")
         with flock(
-            lock, stalled=LockWait(lock, self.retry.deadline_s, tmp_dir=tmp, hex_digest=_hex(entry))
+            lock,
+            dir_fd=self._dirs.fd("locks"),
+            stalled=LockWait(lock, self.retry.deadline_s, tmp_dir=tmp, hex_digest=_hex(entry)),
         ):
             yield
 

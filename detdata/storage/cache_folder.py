@@ -31,10 +31,12 @@ span machines keeps writing, so it is not mistaken for one).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
 import time
+import weakref
 from typing import Final
 
 from detdata.base.errors import StorageError
@@ -82,11 +84,7 @@ def shared_reason(directory: str) -> str | None:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode):
             kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
-            raise StorageError(
-                f"shard cache folder {directory}: {path} is {kind}; detdata never fills a "
-                "copy where someone else chose; hint: remove it (it is made again), and "
-                "keep the cache in a folder only you can write"
-            )
+            raise _not_a_layout_folder(directory, path, kind)
         found.append((path, st))
     me = os.geteuid()
     for path, st in found:
@@ -95,6 +93,22 @@ def shared_reason(directory: str) -> str | None:
         if st.st_mode & _OTHERS_WRITE:
             return f"{path} is writable by {_who(st.st_mode)} (mode {stat.filemode(st.st_mode)})"
     return None
+
+
+def drop_damaged(copy: str, shard: str) -> None:
+    """Delete the damaged copy ``copy`` of ``shard``; one this user may not delete (another
+    user's, in a folder with the sticky bit) is a `StorageError` naming it and its owner."""
+    try:
+        os.unlink(copy)
+    except FileNotFoundError:
+        pass
+    except PermissionError as exc:
+        raise StorageError(
+            f"shard {shard}: the cached copy {copy} is damaged and belongs to uid "
+            f"{os.lstat(copy).st_uid}, so this user cannot replace it ({exc.strerror}); "
+            "nothing was read from it; hint: ask its owner to delete it, or use a cache "
+            "folder of your own (cache_dir=)"
+        ) from exc
 
 
 def note_shared(directory: str, reason: str | None) -> None:
@@ -120,20 +134,79 @@ def owned_alone(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & _OTHERS_WRITE
 
 
-class TempFill:
-    """A fill's temp file in ``tmp/``: created exclusively under a random name and locked until
-    `close` (see the module docstring). ``fd`` is open for reading and writing."""
+class LayoutDirs:
+    """Open descriptors of the layout folders of the cache at ``directory``: what a fill
+    creates (temp files, lock files) and renames is made relative to them (``dir_fd``), so
+    a layout folder replaced by a link after the cache was opened never receives a byte.
+    `fd` checks that the folder at the path is still the one held (re-opened when it was
+    made again, a `StorageError` when it is now a link or not a folder)."""
 
-    def __init__(self, tmp_dir: str, hex_digest: str, size: int) -> None:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._fds: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self._fds)
+        for sub in LAYOUT:
+            self._fds[sub] = self._open(sub)
+
+    def _open(self, sub: str) -> int:
+        path = os.path.join(self.directory, sub)
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _not_a_layout_folder(
+                    self.directory, path, "a symbolic link or a file"
+                ) from exc
+            raise
+
+    def fd(self, sub: str) -> int:
+        """The descriptor of layout folder ``sub``, still the folder at its path
+        (FileNotFoundError naming the path when it was removed)."""
+        path = os.path.join(self.directory, sub)
+        st = os.lstat(path)
+        held = os.fstat(self._fds[sub])
+        if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            if not stat.S_ISDIR(st.st_mode):
+                raise _not_a_layout_folder(self.directory, path, "no longer a folder")
+            os.close(self._fds[sub])
+            self._fds[sub] = self._open(sub)
+        return self._fds[sub]
+
+    def close(self) -> None:
+        _close_all(self._fds)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+def _not_a_layout_folder(directory: str, path: str, what: str) -> StorageError:
+    return StorageError(
+        f"shard cache folder {directory}: {path} is {what}; detdata never fills a copy where "
+        "someone else chose; hint: remove it (it is made again), and keep the cache in a "
+        "folder only you can write"
+    )
+
+
+class TempFill:
+    """A fill's temp file in ``tmp/`` (the descriptor ``tmp_fd``): created exclusively under a
+    random name and locked until `close` (see the module docstring). ``fd`` is open for
+    reading and writing; ``name`` is relative to ``tmp_fd``, ``path`` names it in messages."""
+
+    def __init__(self, tmp_fd: int, tmp_dir: str, hex_digest: str, size: int) -> None:
         while True:
             name = f"{hex_digest}.{size}.{secrets.token_hex(8)}.part"
-            path = os.path.join(tmp_dir, name)
             try:
-                fd = os.open(path, _CREATE, 0o644)
+                fd = os.open(name, _CREATE, 0o644, dir_fd=tmp_fd)
             except FileExistsError:  # taken (or planted): another name
                 continue
             break
-        self.path = path
+        self.tmp_fd = tmp_fd
+        self.name = name
+        self.path = os.path.join(tmp_dir, name)
         self.fd = fd
         hold(fd)  # a fresh file nobody else has opened yet: taken at once
 

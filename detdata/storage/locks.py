@@ -90,12 +90,17 @@ def _take(fd: int, stalled: Stalled | None) -> None:
             pause = min(0.05, pause * 2)
 
 
-def open_lock_file(path: str) -> int:
-    """A read-only descriptor on the regular file ``path`` (created if missing), never through
-    a symbolic link: a `StorageError` naming ``path`` where it is a link or not a regular
-    file; other OS errors as they are."""
+def open_lock_file(path: str, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor on the regular file ``path`` (created if missing; relative to
+    the folder ``dir_fd`` when given), never through a symbolic link: a `StorageError`
+    naming ``path`` where it is a link or not a regular file; other OS errors as they are."""
     try:
-        fd = os.open(path, _LOCK_FLAGS, 0o644)
+        fd = os.open(
+            os.path.basename(path) if dir_fd is not None else path,
+            _LOCK_FLAGS,
+            0o644,
+            dir_fd=dir_fd,
+        )
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _not_a_lock_file(path, "a symbolic link") from exc
@@ -115,12 +120,15 @@ def _not_a_lock_file(path: str, what: str) -> StorageError:
 
 
 @contextlib.contextmanager
-def flock(path: str, *, stalled: Stalled | None = None) -> Iterator[None]:
+def flock(
+    path: str, *, stalled: Stalled | None = None, dir_fd: int | None = None
+) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if missing; its own descriptor, so it
     excludes threads and processes) while the block runs. ``path`` is never followed
     through a symbolic link (see `open_lock_file`). ``stalled``: a bounded wait (see
-    `Stalled`); without it, the wait lasts as long as the holder holds the lock."""
-    fd = open_lock_file(path)
+    `Stalled`); without it, the wait lasts as long as the holder holds the lock. ``dir_fd``:
+    the lock file is made in that folder (under ``path``'s base name; ``path`` names it)."""
+    fd = open_lock_file(path, dir_fd=dir_fd)
     with _holding(fd, stalled):
         yield
 

@@ -493,3 +493,25 @@ def test_a_stopped_fill_is_not_waited_for_without_end(
         finally:
             os.kill(child.pid, signal.SIGKILL)
             child.wait()
+
+
+@pytest.mark.parametrize("sub", ["locks", "tmp"])
+def test_a_layout_folder_relinked_after_the_cache_opened_receives_nothing(
+    co_user: str,
+    scratch: Path,
+    shard: tuple[ShardEntry, fsspec.AbstractFileSystem, str, bytes],
+    sub: str,
+) -> None:
+    """A co-user who owns the layout replaces one of its folders by a link to a folder they
+    chose once the job's cache is open: the fill is refused naming it, and nothing (no lock
+    file, no temp file with the shard's bytes) is made where the link points."""
+    entry, fs, url, _ = shard
+    cache = scratch / "cache"
+    planted_layout(co_user, cache)
+    chosen = scratch / "chosen"
+    as_user(co_user, f"mkdir -m 777 {chosen}")
+    job = ShardCache(cache, 1 << 26)
+    as_user(co_user, f"rmdir {cache}/{sub} && ln -s {chosen} {cache}/{sub}")
+    with pytest.raises(StorageError, match=rf"{sub} is no longer a folder"):
+        job.path(entry, fs, url, url)
+    assert list(chosen.iterdir()) == []
