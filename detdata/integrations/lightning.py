@@ -1,11 +1,16 @@
 """PyTorch Lightning (2.6): no glue, and no line; Lightning's optimizer step N is detdata's step
 N, or ``fit`` stops before its first batch naming the setting that fixes it.
 
+Both import styles are watched: ``import pytorch_lightning as pl`` and the unified package's
+``import lightning.pytorch as L`` (Lightning's recommended import since 2.0), which carries its
+own copy of every class below; the classes of each package are wrapped once that package is
+imported (`detdata.integrations.watch`), both when both are.
+
 Lightning saves the loader's state in its checkpoint and hands it back on resume; ``len()`` is
 whole global steps, so ``accumulate_grad_batches`` steps are detdata's steps. Two things only
 Lightning's side can see are watched (`detdata.integrations.watch` starts the watch once both
 detdata and Lightning are imported, in either order; two methods of Lightning's classes are
-wrapped, once per process):
+wrapped, once per process and package):
 
 - restore (``fit(ckpt_path=...)``; ``_CheckpointConnector.restore_loops``, before Lightning
   restores its loops and hands the loader its state): Lightning counts its position in micro
@@ -34,14 +39,11 @@ more (the watch does it all).
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from collections.abc import Callable, MutableMapping
-from typing import Any, Final
-
-import pytorch_lightning as pl
-from pytorch_lightning.callbacks import GradientAccumulationScheduler
-from pytorch_lightning.loops.fit_loop import _FitLoop
-from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
-from pytorch_lightning.trainer.states import TrainerFn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.redact import get_logger
@@ -49,15 +51,64 @@ from detdata.loading.loader import DataLoader
 from detdata.loading.state import KIND, LoaderState
 from detdata.loading.steps import MidStep
 
-__all__ = ["DetdataSteps", "LightningWatch", "align_checkpoint", "start_watch"]
+if TYPE_CHECKING:  # the annotations name PyTorch Lightning's classes; the unified package's
+    # copies (lightning.pytorch.*) are the same code, released together
+    import pytorch_lightning as pl
+    from pytorch_lightning.loops.fit_loop import _FitLoop
+    from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+__all__ = ["PACKAGES", "DetdataSteps", "LightningWatch", "align_checkpoint", "start_watch"]
 
 log: Final = get_logger("detdata.loader")
 
+#: the Lightning packages watched: PyTorch Lightning, and the unified package's subpackage
+#: (``sys.modules`` name of the top-level package it lives in, for `DetdataSteps`)
+PACKAGES: Final = {"pytorch_lightning": "pytorch_lightning", "lightning.pytorch": "lightning"}
 #: set on a wrapper, so that each method is wrapped once
 _MARK: Final = "__detdata_watch__"
 #: Lightning's batch counters (``_ProcessedTracker``)
 _COUNTERS: Final = ("ready", "started", "processed", "completed")
-_TRAINER: Final = "pytorch_lightning.Trainer"
+
+
+@dataclass(frozen=True)
+class _Package:
+    """The classes the watch uses, from one Lightning package (``name``: a key of
+    `PACKAGES`)."""
+
+    name: str
+    connector: type[_CheckpointConnector]
+    fit_loop: type[_FitLoop]
+    callback: type[pl.Callback]
+    scheduler: type[pl.callbacks.GradientAccumulationScheduler]
+    fitting: object  # TrainerFn.FITTING
+
+    @property
+    def trainer(self) -> str:
+        """The trainer's name in messages: ``pytorch_lightning.Trainer`` or
+        ``lightning.pytorch.Trainer``."""
+        return f"{self.name}.Trainer"
+
+
+@functools.cache
+def _load(name: str) -> _Package:
+    """The classes of Lightning package ``name`` (a key of `PACKAGES`; imported here if it is
+    not yet)."""
+    if name not in PACKAGES:
+        raise ConfigError(
+            f"detdata watches the Lightning packages {sorted(PACKAGES)}, not {name!r}; hint: "
+            "import pytorch_lightning or lightning.pytorch"
+        )
+    package = importlib.import_module(name)
+    return _Package(
+        name=name,
+        connector=importlib.import_module(
+            f"{name}.trainer.connectors.checkpoint_connector"
+        )._CheckpointConnector,
+        fit_loop=importlib.import_module(f"{name}.loops.fit_loop")._FitLoop,
+        callback=package.Callback,
+        scheduler=package.callbacks.GradientAccumulationScheduler,
+        fitting=importlib.import_module(f"{name}.trainer.states").TrainerFn.FITTING,
+    )
 
 
 class LightningWatch:
@@ -74,15 +125,17 @@ class LightningWatch:
 _WATCH: Final = LightningWatch()
 
 
-def start_watch() -> LightningWatch:
-    """Wrap ``_CheckpointConnector.restore_loops`` and ``FitLoop.on_run_start`` (once per
-    process) and return the watch."""
-    restore = _CheckpointConnector.restore_loops
+def start_watch(package: str = "pytorch_lightning") -> LightningWatch:
+    """Wrap ``_CheckpointConnector.restore_loops`` and ``FitLoop.on_run_start`` of Lightning
+    package ``package`` (a key of `PACKAGES`; once per process and package) and return the
+    watch."""
+    classes = _load(package)
+    restore = classes.connector.restore_loops
     if not getattr(restore, _MARK, False):
-        _CheckpointConnector.restore_loops = _marked(_aligned_restore(restore))  # type: ignore[method-assign]
-    run_start = _FitLoop.on_run_start
+        classes.connector.restore_loops = _marked(_aligned_restore(restore, classes))  # type: ignore[method-assign]
+    run_start = classes.fit_loop.on_run_start
     if not getattr(run_start, _MARK, False):
-        _FitLoop.on_run_start = _marked(_checked_run_start(run_start))  # type: ignore[method-assign]
+        classes.fit_loop.on_run_start = _marked(_checked_run_start(run_start, classes))  # type: ignore[method-assign]
     return _WATCH
 
 
@@ -91,36 +144,67 @@ def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _aligned_restore(original: Callable[..., Any]) -> Callable[..., Any]:
+def _aligned_restore(original: Callable[..., Any], classes: _Package) -> Callable[..., Any]:
     @functools.wraps(original)
     def restore_loops(self: _CheckpointConnector) -> None:
         checkpoint = self._loaded_checkpoint
         trainer = self.trainer
-        if checkpoint and trainer.state.fn == TrainerFn.FITTING:
+        if checkpoint and trainer.state.fn == classes.fitting:
             epoch = int(checkpoint.get("epoch", 0))
-            align_checkpoint(checkpoint, _accumulation(trainer, epoch))
+            align_checkpoint(checkpoint, _accumulation(trainer, epoch, classes))
         original(self)
 
     return restore_loops
 
 
-def _checked_run_start(original: Callable[..., Any]) -> Callable[..., Any]:
+def _checked_run_start(original: Callable[..., Any], classes: _Package) -> Callable[..., Any]:
     @functools.wraps(original)
     def on_run_start(self: _FitLoop) -> None:
-        check_fit(self.trainer)
+        check_fit(self.trainer, classes)
         original(self)
 
     return on_run_start
 
 
-class DetdataSteps(pl.Callback):
-    """The optional line of earlier versions, ``pl.Trainer(callbacks=[DetdataSteps()])``: now a
+class DetdataSteps:
+    """The optional line of earlier versions, ``Trainer(callbacks=[DetdataSteps()])``: now a
     callback that only makes sure the watch is started (it always is once detdata and Lightning
-    are imported); everything it did is done without it (see the module doc)."""
+    are imported); everything it did is done without it (see the module doc).
+
+    ``DetdataSteps()`` is a ``Callback`` of the Lightning package(s) imported when it is called
+    (``pytorch_lightning``, ``lightning.pytorch``, or both: it then subclasses both
+    ``Callback`` classes, so either ``Trainer`` takes it); with none imported yet, of
+    ``pytorch_lightning`` (as before)."""
+
+    packages: tuple[str, ...] = ()
+
+    def __new__(cls) -> DetdataSteps:
+        return object.__new__(_steps_class(_imported_packages()))
 
     def __init__(self) -> None:
         super().__init__()
-        start_watch()
+        for package in self.packages:
+            start_watch(package)
+
+    def __reduce__(self) -> tuple[type[DetdataSteps], tuple[()]]:
+        """Pickled (``ddp_spawn``) and copied as a fresh ``DetdataSteps()``: its class is made
+        for the packages imported where it is unpickled."""
+        return (DetdataSteps, ())
+
+
+def _imported_packages() -> tuple[str, ...]:
+    """The keys of `PACKAGES` whose top-level package is imported; ``("pytorch_lightning",)``
+    when none is."""
+    found = tuple(name for name, top in PACKAGES.items() if top in sys.modules)
+    return found or ("pytorch_lightning",)
+
+
+@functools.cache
+def _steps_class(packages: tuple[str, ...]) -> type[DetdataSteps]:
+    """`DetdataSteps` made a subclass of the ``Callback`` of each of ``packages``."""
+    bases: tuple[type, ...] = (DetdataSteps, *(_load(p).callback for p in packages))
+    namespace = {"packages": packages, "__module__": __name__}
+    return cast("type[DetdataSteps]", type("DetdataSteps", bases, namespace))
 
 
 # ------------------------------------------------------------------ restore
@@ -236,30 +320,30 @@ def _whole_steps(counters: Any, part: str, step: int, back: int, per_step: int) 
 
 
 # ------------------------------------------------------------------ train start
-def check_fit(trainer: pl.Trainer) -> None:
-    """Every `detdata.DataLoader` Lightning trains on: batch settings and position (see the
-    module doc)."""
+def check_fit(trainer: pl.Trainer, classes: _Package) -> None:
+    """Every `detdata.DataLoader` Lightning (the ``Trainer`` of ``classes``) trains on: batch
+    settings and position (see the module doc)."""
     combined = trainer.fit_loop._combined_loader
     loaders = [] if combined is None else list(combined.flattened)
-    accumulation = _accumulation(trainer, int(trainer.current_epoch))
+    accumulation = _accumulation(trainer, int(trainer.current_epoch), classes)
     for loader in loaders:
         if isinstance(loader, DataLoader):
             loader.check_trainer_batch(
                 micro_batch_size=loader.batch_size,
                 accumulation=accumulation,
                 world_size=int(trainer.world_size),
-                trainer=_TRAINER,
-                fix="pl.Trainer(accumulate_grad_batches={accumulation}), or a micro_batch_size "
+                trainer=classes.trainer,
+                fix="Trainer(accumulate_grad_batches={accumulation}), or a micro_batch_size "
                 "that makes micro x devices x accumulate_grad_batches the global batch",
             )
             _check_restored(loader, int(trainer.global_step))
 
 
-def _accumulation(trainer: pl.Trainer, epoch: int) -> int:
+def _accumulation(trainer: pl.Trainer, epoch: int, classes: _Package) -> int:
     """Micro batches per optimizer step at ``epoch``: ``accumulate_grad_batches``, or a
     ``GradientAccumulationScheduler``'s (which must not change it: `ConfigError`)."""
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
-    schedulers = [c for c in callbacks if isinstance(c, GradientAccumulationScheduler)]
+    schedulers = [c for c in callbacks if isinstance(c, classes.scheduler)]
     if not schedulers:
         return int(trainer.accumulate_grad_batches)
     scheduling = schedulers[0].scheduling

@@ -14,7 +14,9 @@ its watch started) once the framework itself has been imported:
 Today: accelerate (`detdata.integrations.accelerate`: ``Accelerator.load_state`` resuming a
 run whose detdata loader it does not checkpoint, ``gradient_accumulation_steps`` against the
 loader's global batch) and PyTorch Lightning (`detdata.integrations.lightning`: the loader's
-step and Lightning's restored counters, its batch settings). The other integrations check
+step and Lightning's restored counters, its batch settings), imported either as
+``pytorch_lightning`` or as the unified ``lightning`` package (``lightning.pytorch``), each
+package's classes watched once it is imported (both, if both are). The other integrations check
 inside the code the user adds (`DetdataTrainer`, the torchtitan and OLMo-core loaders).
 """
 
@@ -44,14 +46,23 @@ def _accelerate() -> FrameworkWatcher:
 def _lightning() -> FrameworkWatcher:
     from detdata.integrations.lightning import start_watch
 
-    return start_watch()
+    return start_watch("pytorch_lightning")
+
+
+def _lightning_unified() -> FrameworkWatcher:
+    from detdata.integrations.lightning import start_watch
+
+    return start_watch("lightning.pytorch")
 
 
 #: (the framework's top-level package, what starts its watch): started once that package has
-#: finished importing (every module its ``__init__`` imports is then complete)
+#: finished importing (every module its ``__init__`` imports is then complete). The unified
+#: ``lightning`` package imports its ``lightning.pytorch`` (its own copy of PyTorch Lightning's
+#: classes) from its ``__init__``, whichever of its modules a script imports.
 _FRAMEWORKS: Final[tuple[tuple[str, Callable[[], FrameworkWatcher]], ...]] = (
     ("accelerate", _accelerate),
     ("pytorch_lightning", _lightning),
+    ("lightning", _lightning_unified),
 )
 
 

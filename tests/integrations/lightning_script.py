@@ -6,14 +6,17 @@ It is a script because Lightning's ``strategy="ddp"`` re-launches this very file
 once per extra rank. The user's side is what the README shows: the loader goes to ``fit``
 (or comes out of ``train_dataloader()``) like a torch DataLoader; no callback, no glue.
 
-Config keys: ``out`` (folder for the trace), ``tag``, ``ckpt_dir``, ``devices``, ``workers``,
+Config keys: ``package`` (``"pytorch_lightning"``, the default, or ``"lightning.pytorch"``:
+``import lightning.pytorch as pl``, the unified package's copy of every class), ``out`` (folder
+for the trace), ``tag``, ``ckpt_dir``, ``devices``, ``workers``,
 ``source`` (``"arg"``: built before ``fit`` and passed as ``train_dataloaders=``;
 ``"module"``: built before ``fit``, returned by ``train_dataloader()``; ``"hook"``: built
 inside ``train_dataloader()``), ``global_batch``, ``micro``, ``accum``, ``seed``, ``n``,
 ``total_samples``, ``max_steps``, ``max_epochs``, ``every`` (checkpoint every N train
 steps, as ``step=S.ckpt``; each epoch's end writes ``end-epoch=E-step=S.ckpt`` too, as
 Lightning's default checkpoint does), ``resume`` (a ``ckpt_path``), ``steps_callback``
-(add `detdata.integrations.lightning.DetdataSteps`, the README's optional line),
+(add `detdata.integrations.lightning.DetdataSteps`, the README's optional line, which must be
+a ``Callback`` of ``package``),
 ``raise_at`` (``[step, k]``: ``training_step`` raises at micro batch ``k`` of optimizer step
 ``step``, after ``OnExceptionCheckpoint`` is set to write ``on_exception.ckpt``),
 ``val_every`` (a validation every this many micro batches, ``val_check_interval``, over a plain
@@ -22,12 +25,14 @@ the stock ``ModelCheckpoint(monitor="val_loss", every_n_train_steps=every, save_
 Lightning defers its save to the end of the next validation).
 
 Every rank writes ``out/trace-{tag}-rank{r}.json``: one record per ``training_step`` call
-(the global step it belongs to, the epoch, a digest of every row the model saw).
+(the global step it belongs to, the epoch, a digest of every row the model saw), and which
+Lightning top-level packages the process imported (``lightning_modules``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -80,9 +85,10 @@ def build_loader(cfg: dict[str, Any]) -> detdata.DataLoader:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    import pytorch_lightning as pl
+    pl = importlib.import_module(cfg.get("package", "pytorch_lightning"))
     import torch
-    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
     torch.set_num_threads(1)
     records: list[dict[str, Any]] = []
@@ -135,13 +141,13 @@ def main() -> None:
         rows = torch.utils.data.TensorDataset(torch.ones(8, FEATURES))
         val = torch.utils.data.DataLoader(rows, batch_size=4)
     if cfg.get("raise_at") is not None:
-        from pytorch_lightning.callbacks import OnExceptionCheckpoint
-
-        callbacks.append(OnExceptionCheckpoint(cfg["ckpt_dir"], "on_exception"))
+        callbacks.append(pl.callbacks.OnExceptionCheckpoint(cfg["ckpt_dir"], "on_exception"))
     if cfg.get("steps_callback"):
         from detdata.integrations.lightning import DetdataSteps
 
-        callbacks.append(DetdataSteps())
+        steps = DetdataSteps()
+        assert isinstance(steps, pl.Callback), type(steps).__mro__
+        callbacks.append(steps)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=cfg["devices"],
@@ -167,7 +173,12 @@ def main() -> None:
         ckpt_path=cfg["resume"],
     )
     trace = Path(cfg["out"]) / f"trace-{cfg['tag']}-rank{trainer.global_rank}.json"
-    trace.write_text(json.dumps({"records": records, "global_step": trainer.global_step}))
+    imported = [m for m in ("pytorch_lightning", "lightning") if m in sys.modules]
+    trace.write_text(
+        json.dumps(
+            {"records": records, "global_step": trainer.global_step, "lightning_modules": imported}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ returned by ``train_dataloader()``) or inside ``train_dataloader()``, gradient a
 ``total_samples`` (the resumed run ends its epoch where an uninterrupted one does), an epoch
 boundary crossed after the resume, and (a seventh run) a resume from Lightning's default
 end-of-epoch checkpoint. About 10 processes in all, most of their time importing Lightning.
+
+The script imports ``pytorch_lightning`` unless a config names the unified package
+(``"package": "lightning.pytorch"``, its own copy of Lightning's classes, watched as well):
+the refused batch settings and the monitored checkpoint inside accumulation run with both.
 """
 
 from __future__ import annotations
@@ -68,8 +72,11 @@ RESUMED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _run(cfg: dict[str, Any], out: Path, *, fails: str | None = None) -> list[dict[str, Any]]:
-    """One ``Trainer.fit`` in a fresh process; the trace of every rank, by rank."""
+def _run(
+    cfg: dict[str, Any], out: Path, *, fails: str | tuple[str, ...] | None = None
+) -> list[dict[str, Any]]:
+    """One ``Trainer.fit`` in a fresh process; the trace of every rank, by rank. With
+    ``fails``: the process must fail with (each of) ``fails`` in its stderr."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"global_batch": GLOBAL, "seed": SEED, "n": N, "out": str(out), **cfg}
     env = {
@@ -89,7 +96,9 @@ def _run(cfg: dict[str, Any], out: Path, *, fails: str | None = None) -> list[di
         check=False,
     )
     if fails is not None:
-        assert done.returncode != 0 and fails in done.stderr, done.stderr[-6000:]
+        wanted = (fails,) if isinstance(fails, str) else fails
+        assert done.returncode != 0, done.stderr[-6000:]
+        assert all(w in done.stderr for w in wanted), done.stderr[-6000:]
         return [
             json.loads(p.read_text()) for p in sorted(out.glob(f"trace-{cfg['tag']}-rank*.json"))
         ]
@@ -349,16 +358,20 @@ def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
     ]
 
 
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
 def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_batch(
-    tmp_path: Path,
+    tmp_path: Path, package: str
 ) -> None:
     """accumulate_grad_batches 1 x micro 4 is 4 samples a step, the loader's global batch is
     8 (plain Lightning, no detdata line): the fit stops before any training_step, naming the
-    accumulate_grad_batches that agrees (steps of 4 rows trained silently before)."""
+    Trainer of the package imported (``import pytorch_lightning as pl`` and the unified
+    ``import lightning.pytorch as pl``) and the accumulate_grad_batches that agrees (steps of
+    4 rows trained silently before; with the unified package, until it was watched too)."""
     cfg = dict(devices=1, micro=4, accum=1, workers=0, source="arg", total_samples=None)
     cfg |= {"max_steps": 2, "max_epochs": None, "every": 1000, "resume": None}
-    cfg |= {"tag": "mismatch", "ckpt_dir": str(tmp_path / "ck")}
-    assert _run(cfg, tmp_path, fails="pl.Trainer(accumulate_grad_batches=2)") == []
+    cfg |= {"tag": "mismatch", "ckpt_dir": str(tmp_path / "ck"), "package": package}
+    fails = (f"{package}.Trainer's batch settings disagree", "Trainer(accumulate_grad_batches=2)")
+    assert _run(cfg, tmp_path, fails=fails) == []
 
 
 def test_a_loader_lightning_did_not_restore_is_refused_at_train_start(tmp_path: Path) -> None:
@@ -388,9 +401,13 @@ MONITORED = dict(workers=0, source="arg", total_samples=None, max_epochs=None, e
 MONITORED |= {"monitored": True, "val_every": 10}
 
 
-@pytest.mark.parametrize(("devices", "micro"), [(1, 2), (2, 1)], ids=["1->1", "2->1"])
+@pytest.mark.parametrize(
+    ("devices", "micro", "package"),
+    [(1, 2, "pytorch_lightning"), (2, 1, "pytorch_lightning"), (1, 2, "lightning.pytorch")],
+    ids=["1->1", "2->1", "1->1 lightning.pytorch"],
+)
 def test_a_monitored_checkpoint_saved_inside_accumulation_resumes_exactly_with_no_line(
-    tmp_path: Path, devices: int, micro: int
+    tmp_path: Path, devices: int, micro: int, package: str
 ) -> None:
     """Plain Lightning (no detdata line), ``ModelCheckpoint(monitor="val_loss",
     every_n_train_steps=2, save_last=True)``, ``accumulate_grad_batches=4`` and a validation
@@ -398,17 +415,26 @@ def test_a_monitored_checkpoint_saved_inside_accumulation_resumes_exactly_with_n
     micro batch 2 of step 2. Resumed with ``fit(ckpt_path="last")`` at 1 device (from 1 and
     from 2): step 2 is trained whole from its first micro batch and every optimizer step from
     there on holds exactly an uninterrupted plain loader's step (rows, order, epoch and
-    batch_idx); before, step 2 trained 4 rows and every later step straddled two."""
+    batch_idx); before, step 2 trained 4 rows and every later step straddled two.
+
+    Also with the unified package (``import lightning.pytorch as pl``, its own copy of
+    Lightning's classes; the process never imports ``pytorch_lightning``): its first run passes
+    the optional ``DetdataSteps()``, which must be a ``lightning.pytorch`` Callback and change
+    nothing; the resumed run has no line."""
     import torch
 
     ck = tmp_path / "ck"
+    unified = package != "pytorch_lightning"
     first_cfg = MONITORED | {"devices": devices, "micro": micro, "accum": 4, "max_steps": 3}
+    first_cfg |= {"package": package, "steps_callback": unified}
     first = _run(first_cfg | {"resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
     saved = torch.load(ck / "last.ckpt", weights_only=True)
     (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert (saved["global_step"], state["samples_consumed"]) == (2, 2 * GLOBAL + GLOBAL // 2)
-    cfg = MONITORED | {"devices": 1, "micro": 2, "accum": 4, "max_steps": LAST}
+    cfg = MONITORED | {"devices": 1, "micro": 2, "accum": 4, "max_steps": LAST, "package": package}
     resumed = _run(cfg | {"resume": "last", "tag": "again", "ckpt_dir": str(ck)}, tmp_path)
+    top = package.split(".")[0]
+    assert [t["lightning_modules"] for t in first + resumed] == [[top]] * (devices + 1)
 
     want = {s: Counter(rows[0]) for s, rows in enumerate(reference(LAST))}
     assert per_step(first) == {s: want[s] for s in range(3)}
