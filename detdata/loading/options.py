@@ -18,19 +18,12 @@ Each object checks its fields when made and stores them normalised (a `WorkerMod
 `MidStep`, a frozenset, a concrete `torch.device`): a bad value is a `ConfigError` naming the
 field (``ReadOptions.read_ahead``), what was expected and what was found, with a hint. Only
 ``transform`` (user code) can change a delivered byte; no option changes a key of the state.
-
-The keywords of earlier versions (``rank=``, ``read_ahead=``, ``device=``, ...) are still
-taken: `LEGACY_KEYWORDS` maps each onto its field (the one place that knows both spellings)
-and `with_legacy` applies them, with a `DeprecationWarning` naming the new spelling; an old
-keyword whose field ``options`` sets too is a `ConfigError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
@@ -174,6 +167,16 @@ class DeviceFeed:
     def target(self) -> torch.device | None:
         """``device`` as the `torch.device` it is stored as once checked (None: CPU batches)."""
         return cast("torch.device | None", self.device)
+
+    def feed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` on ``device``, ``prefetch`` ahead (`device_batches`: prefetched
+        batches are not delivered, so a loader counting what it yields stays exact); as they
+        are without a device."""
+        if self.target is None:
+            return batches
+        from detdata.loading.device import device_batches
+
+        return device_batches(batches, self.target, self.prefetch)
 
     def __post_init__(self) -> None:
         from detdata.loading.device import check_depth, check_device
@@ -345,103 +348,3 @@ class LoaderOptions:
                 f"a detdata.{kind.__name__}",
                 example,
             )
-
-
-#: The keywords `DataLoader` took before `LoaderOptions`, each with the field it sets now:
-#: ``(LoaderOptions field, field of that group or None)``. The one table of both spellings.
-LEGACY_KEYWORDS: Final[Mapping[str, tuple[str, str | None]]] = {
-    "rank": ("rank", None),
-    "world_size": ("world_size", None),
-    "total_samples": ("total_samples", None),
-    "transform": ("transform", None),
-    "transform_id": ("transform_id", None),
-    "trace": ("trace", None),
-    "worker_mode": ("read", "worker_mode"),
-    "read_ahead": ("read", "read_ahead"),
-    "lookahead": ("read", "lookahead"),
-    "lookahead_connections": ("read", "lookahead_connections"),
-    "device": ("device", "device"),
-    "device_prefetch": ("device", "prefetch"),
-    "allow_on_resume": ("resume", "allow"),
-    "mid_step_on_resume": ("resume", "mid_step"),
-}
-_GROUPS: Final[Mapping[str, type]] = {
-    "read": ReadOptions,
-    "device": DeviceFeed,
-    "resume": ResumePolicy,
-}
-
-
-def new_spelling(keyword: str) -> str:
-    """How the old ``keyword=`` is spelt now, e.g.
-    ``options=LoaderOptions(read=ReadOptions(read_ahead=...))``."""
-    top, sub = LEGACY_KEYWORDS[keyword]
-    if sub is None:
-        return f"options=LoaderOptions({top}=...)"
-    return f"options=LoaderOptions({top}={_GROUPS[top].__name__}({sub}=...))"
-
-
-def split_legacy(keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
-    """``keywords`` (a `DataLoader`'s ``**torch_keywords``) split into the old keywords
-    `LEGACY_KEYWORDS` maps and the rest (torch habits and typos, refused by the caller)."""
-    legacy = {k: v for k, v in keywords.items() if k in LEGACY_KEYWORDS}
-    return legacy, {k: v for k, v in keywords.items() if k not in LEGACY_KEYWORDS}
-
-
-def _value(options: LoaderOptions, top: str, sub: str | None) -> object:
-    group = getattr(options, top)
-    return group if sub is None else getattr(group, sub)
-
-
-def _apply(options: LoaderOptions, keyword: str, value: object) -> LoaderOptions:
-    """``options`` with the old ``keyword=value`` set on its field (validated there: an error
-    names the old keyword and its new spelling)."""
-    top, sub = LEGACY_KEYWORDS[keyword]
-    change: dict[str, Any] = {top: value}
-    try:
-        if sub is not None:
-            group: Any = getattr(options, top)
-            change[top] = dataclasses.replace(group, **{sub: value})
-        return dataclasses.replace(options, **change)
-    except ConfigError as exc:
-        raise ConfigError(f"{keyword}= ({new_spelling(keyword)}): {exc}") from None
-
-
-def with_legacy(options: LoaderOptions | None, legacy: Mapping[str, object]) -> LoaderOptions:
-    """``options`` (None: the defaults) with the old keywords ``legacy`` applied, each onto
-    its field (`LEGACY_KEYWORDS`), warned as deprecated (one `DeprecationWarning` naming each
-    new spelling) and validated by the option objects.
-
-    An old keyword whose field ``options`` sets too (to anything but the field's default) is a
-    `ConfigError`: which of the two should win is not for detdata to guess."""
-    if options is None:
-        options = LoaderOptions()
-    elif not isinstance(options, LoaderOptions):
-        raise ConfigError(
-            f"DataLoader options must be a detdata.LoaderOptions, got "
-            f"{type(options).__name__} {options!r:.60}; hint: options=LoaderOptions(rank=0, "
-            "world_size=8, read=ReadOptions(read_ahead=16))"
-        )
-    if not legacy:
-        return options
-    defaults = LoaderOptions()
-    for keyword in legacy:
-        top, sub = LEGACY_KEYWORDS[keyword]
-        given = _value(options, top, sub)
-        if given != _value(defaults, top, sub):
-            where = top if sub is None else f"{top}.{sub}"
-            raise ConfigError(
-                f"DataLoader got {keyword}={legacy[keyword]!r:.40} and options.{where}="
-                f"{given!r:.40}: the same setting twice; hint: pass it once, as "
-                f"{new_spelling(keyword)}"
-            )
-    warnings.warn(
-        "DataLoader keyword(s) "
-        + ", ".join(f"{k}= (now {new_spelling(k)})" for k in legacy)
-        + " are deprecated: they still work, with the same bytes",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    for keyword, value in legacy.items():
-        options = _apply(options, keyword, value)
-    return options
