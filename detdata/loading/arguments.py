@@ -37,7 +37,7 @@ def check_torch_args(
     worker_init_fn: object,
 ) -> None:
     """Refuse at construction what torch would refuse late (or silently ignore), and what
-    thread mode would ignore (`check_thread_mode`)."""
+    thread mode would ignore."""
     for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         if fn is not None and not callable(fn):
             raise ConfigError(
@@ -80,32 +80,15 @@ def check_torch_args(
             f"multiprocessing_context must be a start method name or a multiprocessing "
             f"context, got {type(multiprocessing_context).__name__}"
         )
-    check_thread_mode(
-        worker_mode,
-        num_workers,
-        {
-            "persistent_workers": persistent_workers,
-            "timeout": timeout,
-            "multiprocessing_context": multiprocessing_context,
-            "worker_init_fn": worker_init_fn,
-        },
+    threads = worker_mode is WorkerMode.THREAD and num_workers != 0
+    process_only = (
+        ("persistent_workers", persistent_workers, False),
+        ("timeout", timeout, 0),
+        ("multiprocessing_context", multiprocessing_context, None),
+        ("worker_init_fn", worker_init_fn, None),
     )
-
-
-def check_thread_mode(
-    worker_mode: object, num_workers: object, process_only: Mapping[str, object]
-) -> None:
-    """Thread mode refuses the arguments that only mean something for worker processes."""
-    if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
-        return
-    unused = {
-        "persistent_workers": False,
-        "timeout": 0,
-        "multiprocessing_context": None,
-        "worker_init_fn": None,
-    }
-    given = sorted(k for k, v in process_only.items() if v != unused[k])
-    if given:
+    given = sorted(name for name, value, unused in process_only if threads and value != unused)
+    if given:  # thread mode would ignore what only means something for worker processes
         raise ConfigError(
             f"worker_mode='thread' runs reads on threads of this process and would ignore "
             f"{given} (they only apply to worker processes); hint: drop them, or use "

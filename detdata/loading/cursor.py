@@ -131,7 +131,6 @@ class Cursor:
     # ------------------------------------------------------------- read-only
     @property
     def samples_consumed(self) -> int:
-        """Global samples delivered so far (all ranks), i.e. the next step's first position."""
         return self._consumed
 
     @property
@@ -150,7 +149,7 @@ class Cursor:
 
     @property
     def stream(self) -> Stream:
-        """The stream in force (over a saved mixture: this loader's, continued from it)."""
+        """The stream in force (a resume may continue a mixture: `resume.stream_in_force`)."""
         return self._stream
 
     @property
@@ -165,15 +164,12 @@ class Cursor:
     # ------------------------------------------------------------ the run's steps
     @property
     def step(self) -> int:
-        """Index of the global step the next micro batch belongs to."""
         return self._plan.step_of(self._consumed)
 
     def position_of_step(self, step: int) -> int:
-        """First global position of step ``step`` of this run (all ranks)."""
         return self._plan.start_of(check_count(step, "step", minimum=0))
 
     def step_of_position(self, position: int) -> int:
-        """The step global position ``position`` belongs to in this run."""
         return self._plan.step_of(check_count(position, "position", minimum=0))
 
     def step_span(self) -> StepSpan:
@@ -187,7 +183,6 @@ class Cursor:
         )
 
     def positions_of_next(self) -> IntArray:
-        """Positions of the micro batch the next iteration will deliver on this rank."""
         return self._layout.positions(self._consumed // self._layout.samples_per_micro_step)
 
     def stop(self) -> int | None:

@@ -210,18 +210,20 @@ class DataLoader:
         self.device, self.device_prefetch = opts.device.target, opts.device.prefetch
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
         pin = self._pin_memory and self.device is None
+        workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
+            "num_workers": self.num_workers,
+            "pin_memory": pin,
+            "timeout": timeout,
+            "persistent_workers": persistent_workers,
+            "multiprocessing_context": multiprocessing_context,
+        }
+        if prefetch_factor is not None:
+            workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
         self._source = batch_source(
             Reads(opts.transform, self.seed, collate_fn, pin, self.read_ahead),
+            self.worker_mode,
+            workers,
             seed=self.seed,
-            num_workers=self.num_workers,
-            worker_mode=self.worker_mode,
-            prefetch_factor=None
-            if prefetch_factor is None
-            else check_count(prefetch_factor, "prefetch_factor"),
-            persistent_workers=persistent_workers,
-            timeout=timeout,
-            multiprocessing_context=multiprocessing_context,
-            pin_memory=pin,
             worker_init_fn=worker_init_fn,
         )
         self._trace = RankTrace(opts.trace, self._cursor.layout.rank)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, StateError
+from detdata.base.types import MAX_POSITION
 from detdata.loading.arguments import WorkerMode, parse_worker_mode
 from detdata.loading.state import check_allow
 from detdata.loading.steps import MidStep, parse_mid_step
@@ -58,21 +59,22 @@ def _checked(label: str, check: Callable[[], T], hint: str) -> T:
         raise ConfigError(text) from None
 
 
-def _count(label: str, value: object, minimum: int, hint: str, maximum: int | None = None) -> int:
-    """``value`` as an int in ``[minimum, maximum]`` (`check_count`), else `ConfigError`."""
-    if maximum is None:
-        return _checked(label, lambda: check_count(value, label, minimum=minimum), hint)
-    top = maximum
-    return _checked(label, lambda: check_count(value, label, minimum=minimum, maximum=top), hint)
+def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
+    """A field check: None, or an int in ``[minimum, maximum]`` (`check_count`)."""
+    return lambda v, label: (
+        None if v is None else check_count(v, label, minimum=minimum, maximum=maximum)
+    )
 
 
-def _optional_count(label: str, value: object, minimum: int, hint: str) -> int | None:
-    return None if value is None else _count(label, value, minimum, hint)
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    """Store a field's normalised value on a frozen dataclass (inside ``__post_init__``)."""
-    object.__setattr__(obj, name, value)
+def _fix(
+    obj: object, name: str, check: Callable[[Any, str], object], hint: str, label: str = ""
+) -> None:
+    """Store ``check(value, label)`` as field ``name`` of the frozen dataclass ``obj`` (inside
+    ``__post_init__``); its error is a `ConfigError` naming ``label`` (default
+    ``Class.name``) with ``hint``."""
+    label = label or f"{type(obj).__name__}.{name}"
+    value = getattr(obj, name)
+    object.__setattr__(obj, name, _checked(label, lambda: check(value, label), hint))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,47 +100,29 @@ class ReadOptions:
     lookahead_connections: int = 4
 
     def __post_init__(self) -> None:
-        mode = self.worker_mode
-        _set(
+        _fix(
             self,
             "worker_mode",
-            _checked(
-                "ReadOptions.worker_mode",
-                lambda: parse_worker_mode(mode),
-                "'process' (worker processes, as torch) or 'thread' (threads of this process)",
-            ),
+            lambda v, _: parse_worker_mode(v),
+            "'process' (worker processes, as torch) or 'thread' (threads of this process)",
         )
-        _set(
+        _fix(
             self,
             "read_ahead",
-            _count(
-                "ReadOptions.read_ahead",
-                self.read_ahead,
-                1,
-                "16 (the default) amortises the per-read cost; lower it for large samples",
-                MAX_READ_AHEAD,
-            ),
+            _counts(1, MAX_READ_AHEAD),
+            "16 (the default) amortises the per-read cost; lower it for large samples",
         )
-        _set(
+        _fix(
             self,
             "lookahead",
-            _optional_count(
-                "ReadOptions.lookahead",
-                self.lookahead,
-                0,
-                "None (the default window), 0 (off) or a number of micro steps",
-            ),
+            _counts(0),
+            "None (the default window), 0 (off) or a number of micro steps",
         )
-        _set(
+        _fix(
             self,
             "lookahead_connections",
-            _count(
-                "ReadOptions.lookahead_connections",
-                self.lookahead_connections,
-                1,
-                "4 (the default) threads fill the shard cache ahead",
-                MAX_LOOKAHEAD_CONNECTIONS,
-            ),
+            _counts(1, MAX_LOOKAHEAD_CONNECTIONS),
+            "4 (the default) threads fill the shard cache ahead",
         )
 
     @property
@@ -181,27 +165,13 @@ class DeviceFeed:
     def __post_init__(self) -> None:
         from detdata.loading.device import check_depth, check_device
 
-        depth = self.prefetch
-        _set(
+        _fix(self, "prefetch", check_depth, "2 overlaps one batch's copy with the current step")
+        _fix(
             self,
-            "prefetch",
-            _checked(
-                "DeviceFeed.prefetch",
-                lambda: check_depth(depth, "DeviceFeed.prefetch"),
-                "2 overlaps one batch's copy with the current step",
-            ),
+            "device",
+            lambda v, _: None if v is None else check_device(v),
+            "DeviceFeed(device='cuda'), 'cpu', or None for plain CPU batches",
         )
-        device = self.device
-        if device is not None:
-            _set(
-                self,
-                "device",
-                _checked(
-                    "DeviceFeed.device",
-                    lambda: check_device(device),
-                    "DeviceFeed(device='cuda'), 'cpu', or None for plain CPU batches",
-                ),
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,7 +198,6 @@ class ResumePolicy:
     fresh_each_run: bool = False
 
     def __post_init__(self) -> None:
-        allow, mid_step = self.allow, self.mid_step
         _of_type(
             "ResumePolicy.fresh_each_run",
             self.fresh_each_run,
@@ -236,23 +205,17 @@ class ResumePolicy:
             "True or False",
             "ResumePolicy(fresh_each_run=True) for an evaluation loader",
         )
-        _set(
+        _fix(
             self,
             "allow",
-            _checked(
-                "ResumePolicy.allow",
-                lambda: check_allow(allow),
-                "a list of checked field names, e.g. allow=['global_batch_size']",
-            ),
+            lambda v, _: check_allow(v),
+            "a list of checked field names, e.g. allow=['global_batch_size']",
         )
-        _set(
+        _fix(
             self,
             "mid_step",
-            _checked(
-                "ResumePolicy.mid_step",
-                lambda: parse_mid_step(mid_step, "ResumePolicy.mid_step"),
-                "'redo' unless the partial step's gradients are restored too",
-            ),
+            parse_mid_step,
+            "'redo' unless the partial step's gradients are restored too",
         )
 
     @property
@@ -306,21 +269,14 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         where = "reads torch.distributed's (or 0 of 1 without a process group)"
-        _set(self, "rank", _optional_count("rank", self.rank, 0, f"rank=None {where}"))
-        _set(
-            self,
-            "world_size",
-            _optional_count("world_size", self.world_size, 1, f"world_size=None {where}"),
-        )
-        _set(
+        _fix(self, "rank", _counts(0), f"rank=None {where}", label="rank")
+        _fix(self, "world_size", _counts(1), f"world_size=None {where}", label="world_size")
+        _fix(
             self,
             "total_samples",
-            _optional_count(
-                "total_samples",
-                self.total_samples,
-                0,
-                "a step end, or None to run on, epoch after epoch",
-            ),
+            _counts(0),
+            "a step end, or None to run on, epoch after epoch",
+            label="total_samples",
         )
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(

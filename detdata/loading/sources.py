@@ -11,7 +11,7 @@ in order and counts nothing (the iteration counts a batch once it reached the ca
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, Protocol
 
 from detdata.base.types import IntArray
@@ -102,32 +102,18 @@ class ThreadSource:
 
 def batch_source(
     reads: Reads,
+    mode: WorkerMode,
+    torch_kwargs: Mapping[str, Any],
     *,
     seed: int,
-    num_workers: int,
-    worker_mode: WorkerMode,
-    prefetch_factor: int | None,
-    persistent_workers: bool,
-    timeout: float,
-    multiprocessing_context: Any,
-    pin_memory: bool,
     worker_init_fn: Callable[[int], None] | None,
 ) -> BatchSource:
-    """The source of ``num_workers`` readers in ``worker_mode`` (torch's keywords as the
-    loader was given them; ``pin_memory`` as torch's worker loader applies it)."""
-    depth = 2 if prefetch_factor is None else prefetch_factor
-    if num_workers == 0:
+    """The source of ``torch_kwargs["num_workers"]`` readers in ``mode`` (torch's keywords
+    as the loader was given them: `WorkerSource`)."""
+    workers = torch_kwargs["num_workers"]
+    if workers == 0:
         return InlineSource(reads)
-    if worker_mode is WorkerMode.THREAD:
-        return ThreadSource(reads, threads=num_workers, depth=num_workers * depth)
-    return WorkerSource(
-        reads,
-        seed=seed,
-        num_workers=num_workers,
-        prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers,
-        timeout=timeout,
-        multiprocessing_context=multiprocessing_context,
-        pin_memory=pin_memory,
-        worker_init_fn=worker_init_fn,
-    )
+    if mode is WorkerMode.THREAD:
+        depth = workers * torch_kwargs.get("prefetch_factor", 2)
+        return ThreadSource(reads, threads=workers, depth=depth)
+    return WorkerSource(reads, torch_kwargs, seed=seed, worker_init_fn=worker_init_fn)

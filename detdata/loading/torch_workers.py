@@ -19,7 +19,7 @@ import contextlib
 import functools
 import random
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,30 +75,20 @@ class WorkerSource:
     def __init__(
         self,
         reads: Reads,
+        torch_kwargs: Mapping[str, Any],
         *,
         seed: int,
-        num_workers: int,
-        prefetch_factor: int | None,
-        persistent_workers: bool,
-        timeout: float,
-        multiprocessing_context: Any,
-        pin_memory: bool,
         worker_init_fn: Callable[[int], None] | None,
     ) -> None:
+        """``torch_kwargs``: torch's DataLoader keywords as given (``num_workers``,
+        ``prefetch_factor``, ``persistent_workers``, ...); ``worker_init_fn`` runs in each
+        worker after its globals are seeded from ``seed``, the rank and the worker id."""
         self._reads = reads
         self._seed = seed
         self._user_init = worker_init_fn
-        self._persistent = persistent_workers
-        self._depth = 2 if prefetch_factor is None else prefetch_factor  # groups per worker
-        self._torch_kwargs: dict[str, Any] = {
-            "num_workers": num_workers,
-            "pin_memory": pin_memory,
-            "timeout": timeout,
-            "persistent_workers": persistent_workers,
-            "multiprocessing_context": multiprocessing_context,
-        }
-        if prefetch_factor is not None:
-            self._torch_kwargs["prefetch_factor"] = prefetch_factor
+        self._torch_kwargs = dict(torch_kwargs)
+        self._persistent = bool(torch_kwargs.get("persistent_workers"))
+        self._depth = torch_kwargs.get("prefetch_factor", 2)  # groups per worker
         #: False: every group takes torch's transfer, not a shared-memory slot (benchmarks)
         self.slot_transfer = True
         self._loader: tud.DataLoader[Any] | None = None
