@@ -321,11 +321,11 @@ def test_positional_batch_sizes_are_refused_and_typos_are_type_errors() -> None:
         detdata.DataLoader(data(), global_batch_size=8, read_ahed=2)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="'option'"):
         detdata.DataLoader(data(), global_batch_size=8, option=detdata.LoaderOptions())  # type: ignore[call-arg]
-    # no hint points at a keyword the loader refuses (it once said "did you mean ...
-    # batch_size" for a misspelt micro_batch_size)
+    # no hint suggests a keyword the loader refuses (batch_siz= once got "did you mean
+    # batch_size or micro_batch_size or global_batch_size?")
     with pytest.raises(TypeError) as info:
-        detdata.DataLoader(data(), global_batch_size=8, micro_batch=4)  # type: ignore[call-arg]
-    assert "'micro_batch'" in str(info.value) and "batch_size" not in str(info.value)
+        detdata.DataLoader(data(), global_batch_size=8, batch_siz=4)  # type: ignore[call-arg]
+    assert "'batch_siz'" in str(info.value) and "did you mean" not in str(info.value)
 
 
 # ------------------------------------------------------------------- sizes
