@@ -10,8 +10,8 @@ writes one JSON result to ``spec["out"]``. Contenders:
   batched ``__getitems__`` (one numpy gather / one ``take`` per shard).
 * ``stateful``: torchdata ``StatefulDataLoader`` over the per-sample dataset.
 * ``detdata``: ``detdata.DataLoader`` over ``TokenWindows`` / ``TableRows``.
-* ``detdata-threads``: ``detdata.DataLoader(worker_mode="thread")``: a thread pool
-  in the main process instead of worker processes.
+* ``detdata-threads``: ``detdata.DataLoader`` with ``ReadOptions(worker_mode="thread")``: a
+  thread pool in the main process instead of worker processes.
 
 Timing excludes imports; the timed loop only copies each row's first token (full checks run
 after it, untimed, on the warm-up and 64 validation batches).

@@ -656,7 +656,8 @@ _CHILD = textwrap.dedent("""
 
     mode, workers = sys.argv[1], int(sys.argv[2])
     dl = detdata.DataLoader(Fragile(mode), global_batch_size=8, micro_batch_size=4, seed=SEED,
-                            num_workers=workers, timeout=2 if workers else 0, read_ahead=4)
+                            num_workers=workers, timeout=2 if workers else 0,
+                            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)))
     delivered, start = 0, time.monotonic()
     try:
         for _ in dl:

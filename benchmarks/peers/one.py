@@ -150,8 +150,8 @@ def _detdata(spec: dict[str, Any]) -> Any:
         ),
         num_workers=spec["workers"],
     )
-    if spec.get("slots") is False:
-        loader._slot_transfer = False
+    if spec.get("slots") is False:  # worker processes: every group takes torch's transfer
+        loader._source.slot_transfer = False
     return loader
 
 

@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "a",
-        help="trace A (JSONL written by DataLoader(trace=...)); with --state, a "
+        help="trace A (JSONL written by LoaderOptions(trace=...)); with --state, a "
         "loader state JSON file (json.dump(loader.state_dict()))",
     )
     p.add_argument("b", help="trace B (or state B)")

@@ -3,9 +3,8 @@ worker mode. Nothing is ignored silently: thread mode refuses process-only argum
 
 from __future__ import annotations
 
-import difflib
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
 from detdata.base.errors import ConfigError
@@ -28,15 +27,18 @@ class WorkerMode(str, enum.Enum):
 
 def check_torch_args(
     *,
+    worker_mode: WorkerMode,
     num_workers: object,
     prefetch_factor: object,
     persistent_workers: object,
     timeout: object,
     multiprocessing_context: object,
-    callables: Mapping[str, object],
+    collate_fn: object,
+    worker_init_fn: object,
 ) -> None:
-    """Refuse at construction what torch would refuse late (or silently ignore)."""
-    for name, fn in callables.items():
+    """Refuse at construction what torch would refuse late (or silently ignore), and what
+    thread mode would ignore."""
+    for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
         if fn is not None and not callable(fn):
             raise ConfigError(
                 f"{name} must be callable or None, got {type(fn).__name__} {fn!r:.60}"
@@ -78,20 +80,15 @@ def check_torch_args(
             f"multiprocessing_context must be a start method name or a multiprocessing "
             f"context, got {type(multiprocessing_context).__name__}"
         )
-
-
-def check_thread_mode(worker_mode: object, num_workers: object, **process_only: object) -> None:
-    """Thread mode refuses the arguments that only mean something for worker processes."""
-    if worker_mode not in (WorkerMode.THREAD, "thread") or num_workers == 0:
-        return
-    unused = {
-        "persistent_workers": False,
-        "timeout": 0,
-        "multiprocessing_context": None,
-        "worker_init_fn": None,
-    }
-    given = sorted(k for k, v in process_only.items() if v != unused[k])
-    if given:
+    threads = worker_mode is WorkerMode.THREAD and num_workers != 0
+    process_only = (
+        ("persistent_workers", persistent_workers, False),
+        ("timeout", timeout, 0),
+        ("multiprocessing_context", multiprocessing_context, None),
+        ("worker_init_fn", worker_init_fn, None),
+    )
+    given = sorted(name for name, value, unused in process_only if threads and value != unused)
+    if given:  # thread mode would ignore what only means something for worker processes
         raise ConfigError(
             f"worker_mode='thread' runs reads on threads of this process and would ignore "
             f"{given} (they only apply to worker processes); hint: drop them, or use "
@@ -122,14 +119,20 @@ TORCH_ONLY: Final = {
 }
 
 
-def refuse_torch_habits(
-    positional: tuple[object, ...], unknown: Mapping[str, object], known: Sequence[str]
-) -> None:
+class TorchOnly(enum.Enum):
+    """The default of each torch keyword the `DataLoader` refuses (``batch_size=``,
+    ``shuffle=``, ... `TORCH_ONLY`): any other value is a `ConfigError` naming detdata's
+    argument for it, and a type checker's error first."""
+
+    UNSET = "unset"
+
+
+def refuse_torch_habits(positional: tuple[object, ...], keywords: Mapping[str, object]) -> None:
     """A `ConfigError` for torch-style calls: ``DataLoader(ds, 8)``, ``batch_size=8``, ...
 
     ``positional``: arguments after the dataset (detdata takes every other argument by
-    keyword); ``unknown``: keywords the loader does not take, each answered with detdata's
-    argument for it (`TORCH_ONLY`) or the closest names of ``known`` ("did you mean").
+    keyword); ``keywords``: the loader's refused torch keywords (`TORCH_ONLY`), each
+    `TorchOnly.UNSET` unless given, answered with detdata's argument for it.
     """
     if positional:
         shown = ", ".join(f"{a!r:.40}" for a in positional)
@@ -138,12 +141,9 @@ def refuse_torch_habits(
             f"hint: {TORCH_ONLY['batch_size']}, e.g. DataLoader(data, "
             "global_batch_size=512, micro_batch_size=8, seed=1234)"
         )
-    for name, value in unknown.items():
-        if name in TORCH_ONLY:
+    for name, value in keywords.items():
+        if value is not TorchOnly.UNSET:
             raise ConfigError(
                 f"DataLoader({name}={value!r:.40}) is torch.utils.data.DataLoader's argument; "
                 f"hint: detdata takes {TORCH_ONLY[name]}"
             )
-        close = difflib.get_close_matches(name, [*known, *TORCH_ONLY], n=3, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise ConfigError(f"DataLoader got an unexpected keyword argument {name!r}{hint}")

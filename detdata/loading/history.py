@@ -281,6 +281,13 @@ class Plan:
         return Plan((*keep, moved), self.changes)
 
     # ---------------------------------------------------------- checks
+    def check_continues(self, layout: Layout, position: int) -> None:
+        """``layout`` can continue at ``position``: a micro-step boundary of its step
+        (`StateError`), and every global batch from there on divides into its micro steps
+        (`ConfigError`, `check_fits`)."""
+        layout.check_resume_position(position, self.start_of(self.step_of(position)))
+        self.check_fits(layout, position)
+
     def check_fits(self, layout: Layout, position: int) -> None:
         """Every global batch from the step of ``position`` on divides into ``layout``'s
         micro steps (`ConfigError` naming the first that does not)."""

@@ -127,6 +127,27 @@ class Layout:
             )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What a rank's `Layout` is made from: the constant global batch (None: a schedule), the
+    micro batch, and rank / world size (None: read from ``torch.distributed`` each time)."""
+
+    global_batch_size: int | None
+    micro_batch_size: int | None
+    rank: int | None
+    world_size: int | None
+
+    def layout_at(self, anchor: int) -> Layout:
+        """The layout now (rank / world size not given read from torch.distributed), its
+        micro-step grid through position ``anchor``."""
+        group_rank, group_world = process_group_rank_world()
+        world = group_world if self.world_size is None else self.world_size
+        rank = group_rank if self.rank is None else self.rank
+        return Layout.create(
+            self.global_batch_size, self.micro_batch_size, world, rank, anchor=anchor
+        )
+
+
 def process_group_rank_world() -> tuple[int, int]:
     """``(rank, world_size)`` of the initialised default ``torch.distributed`` group, else
     ``(0, 1)``."""

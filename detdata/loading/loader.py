@@ -1,34 +1,46 @@
 """`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
 
-The loader is assembled from concept-sized parts (`detdata.loading.loader_base`): its
-construction and the surface trainers probe live here; iteration and the worker lifecycle in
-`detdata.loading.iteration`; the state and resume in `detdata.loading.resume`; provenance
-queries over the run's history in `detdata.loading.lookup`; the options beyond torch's
-keywords in `detdata.loading.options`. The loader counts samples *delivered* to the caller;
-its state is that count plus identity fields (`LoaderState`).
+The loader holds its parts and delegates to them (the shape of torchdata's ``Loader`` over
+its node chain): a `Cursor` (`detdata.loading.cursor`: samples delivered, the run's plan and
+layout, iterator generations, ``state_dict`` / ``load_state_dict``), a `Lookup`
+(`detdata.loading.lookup`: provenance over the run's history, read through the cursor), a
+`BatchSource` (`detdata.loading.sources`: inline, threads or worker processes), the
+`DeviceFeed` and a `RankTrace`; each ``iter()`` is a `LoaderIterator`
+(`detdata.loading.iteration`) over them. This module holds construction and the surface
+trainers probe; the options beyond torch's keywords are `detdata.loading.options`. The
+loader counts samples *delivered* to the caller; its state is that count plus identity
+fields (`LoaderState`).
 """
 
 from __future__ import annotations
 
-import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
-from detdata.base.types import MAX_POSITION, Batch
+from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import OrdersDataset
-from detdata.datasets.streams import OrderedStream, as_stream
+from detdata.datasets.streams import OrderedStream
 from detdata.loading import frameworks
-from detdata.loading.arguments import check_thread_mode, check_torch_args, refuse_torch_habits
-from detdata.loading.history import Plan, as_schedule
-from detdata.loading.iteration import PREFETCH_GROUPS, Iteration, LoaderIterator, seed_globals
+from detdata.loading.arguments import (
+    TorchOnly,
+    check_torch_args,
+    refuse_torch_habits,
+)
+from detdata.loading.cursor import Cursor, Definition
+from detdata.loading.history import as_schedule
+from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
+from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
-from detdata.loading.options import LEGACY_KEYWORDS, LoaderOptions, split_legacy, with_legacy
-from detdata.loading.resume import Resume
+from detdata.loading.options import LoaderOptions
+from detdata.loading.reading import Reads
+from detdata.loading.sources import PREFETCH_GROUPS, batch_source
 from detdata.loading.state import transform_identity
+from detdata.loading.steps import MidStep
+from detdata.loading.torch_workers import seed_globals
+from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
@@ -37,6 +49,7 @@ __all__ = ["DEFAULT_LOOKAHEAD", "PREFETCH_GROUPS", "DataLoader", "EpochStart", "
 #: ``ReadOptions.lookahead``'s default: micro steps whose shards are filled into a shard cache
 #: ahead of the consumer (the window is cut where it would not fit the cache's bound).
 DEFAULT_LOOKAHEAD: Final = 1024
+_UNSET: Final = TorchOnly.UNSET
 
 
 class EpochStart:
@@ -50,7 +63,7 @@ class EpochStart:
         self._loader.set_epoch(epoch)
 
 
-class DataLoader(Iteration, Resume, Lookup):
+class DataLoader:
     """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
 
     ``DataLoader(data, global_batch_size=..., micro_batch_size=..., seed=..., order=...,
@@ -91,58 +104,31 @@ class DataLoader(Iteration, Resume, Lookup):
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
       ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
       ``worker_init_fn``, ``multiprocessing_context``.
-    * ``torch_positional`` (``*``) and ``torch_keywords`` (``**``): catch torch habits
-      (``DataLoader(ds, 8)``, ``batch_size=8``, ``shuffle=True``) with a `ConfigError` naming
-      detdata's argument, and a misspelt keyword with "did you mean"; ``torch_keywords``
-      also takes the keywords of earlier versions (below).
+    * torch's keywords the loader refuses, each keyword-only with the default
+      `TorchOnly.UNSET` (a type checker flags any other value): ``batch_size``, ``shuffle``,
+      ``sampler``, ``batch_sampler``, ``drop_last``, ``generator``, ``in_order``,
+      ``pin_memory_device``, and a positional batch size (``torch_positional``, as in
+      ``DataLoader(ds, 8)``): given, each is a `ConfigError` naming detdata's argument
+      (`detdata.loading.arguments.TORCH_ONLY`). Any other keyword (a typo) is Python's
+      ``TypeError``.
 
-    The keywords of earlier versions (``rank=``, ``world_size=``, ``total_samples=``,
-    ``transform=``, ``transform_id=``, ``trace=``, ``worker_mode=``, ``read_ahead=``,
-    ``lookahead=``, ``lookahead_connections=``, ``device=``, ``device_prefetch=``,
-    ``allow_on_resume=``, ``mid_step_on_resume=``) still work, with a `DeprecationWarning`
-    naming the new spelling (`detdata.loading.options.LEGACY_KEYWORDS`) and the same bytes;
-    one given together with its field in ``options`` is a `ConfigError`.
-
-    With ``DeviceFeed(device=...)`` set (e.g. ``"cuda"``), batches arrive on that device
-    through reused pinned buffers and a side stream, ``DeviceFeed.prefetch`` batches ahead;
-    those are not counted until yielded. ``pin_memory`` is then ignored: the device path
-    pins into its own reused buffers.
-
-    ``ReadOptions.read_ahead`` (default 16): this many consecutive micro batches of the rank
-    are read with one batched read and then split, which amortises the fixed per-read cost
-    and, with worker processes, the fixed per-transfer cost (with the default collate a
-    worker writes a group of numeric columns into a reused shared-memory slot and hands over
-    only its index, `detdata.loading.slots`; other groups cross as one tensor per column).
-    Bytes and order never depend on it. A group that fails to read is re-read batch by
-    batch, so the error surfaces exactly at the unreadable batch and every batch before it
-    is delivered. A worker process that hangs or dies takes its whole group with it (the
-    state still counts only delivered batches). With workers, ``prefetch_factor`` counts
-    groups per worker and ``timeout`` applies to each group. Memory in flight is about
-    ``read_ahead`` x micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower
-    ``read_ahead`` for large samples (images, long documents in big micro batches). With
-    ``num_workers=0`` the next `PREFETCH_GROUPS` groups are hinted to the stream while a
-    group is delivered: a `TokenWindows` over local shards reads their files in the
-    background (native threads, no GIL) while the caller trains, so memory in flight is up
-    to 3 groups there (the same bytes and checks; see `TokenWindows.prefetch`).
-    ``ReadOptions.worker_mode="thread"`` runs the ``num_workers`` readers on threads of this
-    process (`WorkerMode`).
-
-    ``persistent_workers=True`` keeps the worker processes from one iteration to the next
-    when the last one left them between two groups (``break``, the end of the data, a batch
-    with the caller). After an interrupt (Ctrl-C) or an error inside torch's iterator, its
-    reset of the kept workers at ``iter()`` included, the next iteration starts fresh
-    workers and continues exactly at ``samples_consumed``: a half-reset torch iterator is
-    never reused (it would raise torch's ``KeyError: _ResumeIteration`` or wait forever).
-    Worker processes ignore SIGINT: a terminal's Ctrl-C interrupts the main process only.
-
-    ``ReadOptions.lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where some
-    shards are read through a shard cache, e.g. `TokenWindows`' default cache of a remote
-    root; 0: off): with remote shards read through a shard cache (``cache_dir``), the shards
-    of the next ``lookahead`` micro steps of this rank are filled into the cache in the
-    background, in order of first use, on ``ReadOptions.lookahead_connections`` threads,
-    released after their last use, the window kept under the cache's byte bound
-    (`detdata.datasets.prefetch`). Make it larger than ``num_workers x prefetch_factor x
-    read_ahead``. It never changes a delivered byte.
+    How batches are read (never a byte or the order): ``ReadOptions.read_ahead`` (default
+    16) consecutive micro batches of the rank are read with one batched read and split (a
+    group that fails is re-read batch by batch, so the error surfaces exactly at the
+    unreadable batch); with workers ``prefetch_factor`` counts groups per worker and
+    ``timeout`` applies to each group, and memory in flight is about ``read_ahead`` x
+    micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1). The readers run inline
+    (``num_workers=0``: the next `PREFETCH_GROUPS` groups are hinted to the stream), on
+    threads (``ReadOptions.worker_mode="thread"``, `WorkerMode`) or in worker processes
+    (`detdata.loading.sources`); ``persistent_workers=True`` keeps the processes between
+    iterations unless an interrupt or error inside torch's iterator left them in an unknown
+    state (then fresh workers continue exactly at ``samples_consumed``; workers ignore
+    SIGINT). ``ReadOptions.lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where
+    shards are read through a shard cache; 0: off) fills the shards of the next micro steps
+    into the cache on ``ReadOptions.lookahead_connections`` threads. With
+    ``DeviceFeed(device=...)`` (e.g. ``"cuda"``) batches arrive on that device through reused
+    pinned buffers, ``DeviceFeed.prefetch`` ahead and counted only once yielded;
+    ``pin_memory`` is then ignored.
 
     ``LoaderOptions.trace``: a JSON-lines file with one record per delivered micro batch.
     ``ResumePolicy.allow`` and ``ResumePolicy.mid_step``: the defaults of
@@ -157,7 +143,7 @@ class DataLoader(Iteration, Resume, Lookup):
     def __init__(
         self,
         data: Dataset | Stream,
-        *torch_positional: object,
+        *torch_positional: TorchOnly,
         global_batch_size: int | BatchSchedule | None = None,
         micro_batch_size: int | None = None,
         seed: int = 0,
@@ -171,203 +157,157 @@ class DataLoader(Iteration, Resume, Lookup):
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: str | None = None,
-        **torch_keywords: object,
+        batch_size: TorchOnly = _UNSET,
+        shuffle: TorchOnly = _UNSET,
+        sampler: TorchOnly = _UNSET,
+        batch_sampler: TorchOnly = _UNSET,
+        drop_last: TorchOnly = _UNSET,
+        generator: TorchOnly = _UNSET,
+        in_order: TorchOnly = _UNSET,
+        pin_memory_device: TorchOnly = _UNSET,
     ) -> None:
-        legacy, unknown = split_legacy(torch_keywords)
-        refuse_torch_habits(torch_positional, unknown, _KEYWORDS)
-        opts = with_legacy(options, legacy)
+        refuse_torch_habits(
+            torch_positional,
+            {
+                "batch_size": batch_size,
+                "shuffle": shuffle,
+                "sampler": sampler,
+                "batch_sampler": batch_sampler,
+                "drop_last": drop_last,
+                "generator": generator,
+                "in_order": in_order,
+                "pin_memory_device": pin_memory_device,
+            },
+        )
+        opts = _checked_options(options)
         if global_batch_size is None:
             raise ConfigError(
                 "DataLoader needs global_batch_size= (samples per optimizer step over all "
                 "ranks); hint: micro_batch_size= is each rank's batch per iteration (torch's "
                 "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
             )
-        self.options = opts
-        self.seed = check_seed(seed)
+        self.options, self.seed = opts, check_seed(seed)
         check_torch_args(
+            worker_mode=opts.read.mode,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             timeout=timeout,
             multiprocessing_context=multiprocessing_context,
-            callables={"collate_fn": collate_fn, "worker_init_fn": worker_init_fn},
-        )
-        check_thread_mode(
-            opts.read.mode,
-            num_workers,
-            persistent_workers=persistent_workers,
-            timeout=timeout,
-            multiprocessing_context=multiprocessing_context,
+            collate_fn=collate_fn,
             worker_init_fn=worker_init_fn,
         )
-        self._init_plan(global_batch_size, micro_batch_size, opts)
+        self._cursor = _cursor(
+            data, global_batch_size, micro_batch_size, self.seed, order, opts, collate_fn
+        )
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
-        self._init_data(data, order, opts, collate_fn)
-        self._init_workers(
-            pin_memory=pin_memory,
-            timeout=timeout,
-            persistent_workers=persistent_workers,
-            multiprocessing_context=multiprocessing_context,
-            prefetch_factor=prefetch_factor,
-            worker_init_fn=worker_init_fn,
-        )
-        self._init_reads(opts)
-        self._init_iteration(opts)
-        frameworks.built()  # a framework integration watches the calls the user makes
-
-    def _init_plan(
-        self,
-        global_batch_size: int | BatchSchedule,
-        micro_batch_size: int | None,
-        opts: LoaderOptions,
-    ) -> None:
-        """The batch schedule, the layout of position 0 and the run's plan (``total_samples``
-        must be a step end of it)."""
-        self._schedule = as_schedule(global_batch_size)
-        constant = self._schedule.changes[0][1] if self._schedule.is_constant else None
-        self._layout_args = (constant, micro_batch_size, opts.rank, opts.world_size)
-        self.layout = self._layout_now(0)
-        self._plan = Plan.fresh(self._schedule, self.layout)
-        # the batches before the settled one are checked from the start position (0, or the
-        # saved one) when iteration starts or a state is loaded: a resume past a ramp-up
-        # may use a layout the ramp's batches do not fit
-        self._plan.check_settles(self.layout)
-        if opts.total_samples is not None:
-            self._plan.check_step_end(opts.total_samples)
-        self.total_samples = opts.total_samples
-        self._saved_plan = None
-
-    def _init_data(
-        self,
-        data: Dataset | Stream,
-        order: OrderLike | None,
-        opts: LoaderOptions,
-        collate_fn: Callable[[Batch], Any] | None,
-    ) -> None:
-        """The stream read (``data`` ordered by the loader unless it is a stream) and what user
-        code does to its samples (the checked ``transform`` field)."""
-        self._data = data
-        self._stream = as_stream(data, self.seed, order=order)
-        self._order = order
-        # the loader ordered a plain dataset with its seed, or an `Excluded` did with that same
-        # seed (adding exclusions at a resume of a loader-ordered run keeps ``stream_seed``)
-        stream = self._stream
-        self._wrapped = stream is not data or (
-            isinstance(stream, OrdersDataset)
-            and stream.orders_dataset is True
-            and stream.seed == self.seed
-        )
-        self._transform = opts.transform
-        self._collate_fn = collate_fn
-        self._transform_name = transform_identity(opts.transform_id, opts.transform, collate_fn)
-
-    def _init_workers(
-        self,
-        *,
-        pin_memory: bool,
-        timeout: float,
-        persistent_workers: bool,
-        multiprocessing_context: str | None,
-        prefetch_factor: int | None,
-        worker_init_fn: Callable[[int], None] | None,
-    ) -> None:
-        """torch's keywords, as its DataLoader of worker processes takes them."""
-        workers = self.num_workers > 0
-        self._torch_kwargs = {
-            "num_workers": self.num_workers,
-            "pin_memory": pin_memory,
-            "timeout": timeout,
-            "persistent_workers": persistent_workers and workers,
-            "multiprocessing_context": multiprocessing_context if workers else None,
-        }
-        self._user_worker_init = worker_init_fn
-        if workers and prefetch_factor is not None:
-            self._torch_kwargs["prefetch_factor"] = prefetch_factor
-        self._pin_memory = bool(pin_memory)
-        self._prefetch_factor = (
-            2 if prefetch_factor is None else check_count(prefetch_factor, "prefetch_factor")
-        )
-
-    def _init_reads(self, opts: LoaderOptions) -> None:
-        """`ReadOptions`, `DeviceFeed` and `ResumePolicy` as the loader's attributes."""
-        self._allow = opts.resume.allowed
-        self._mid_step = opts.resume.mid_step_mode
-        self.worker_mode = opts.read.mode
-        self.read_ahead = opts.read.read_ahead
+        self._lookup = Lookup(self._cursor)
+        self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
+        self.worker_mode, self.read_ahead = opts.read.mode, opts.read.read_ahead
         lookahead = opts.read.lookahead
         self.lookahead = DEFAULT_LOOKAHEAD if lookahead is None else lookahead
         self.lookahead_connections = opts.read.lookahead_connections
-        self.device = opts.device.target
-        self.device_prefetch = opts.device.prefetch
-        if self.device is not None:
-            # the device path stages into its own reused pinned buffers; torch pinning would copy
-            # twice
-            self._torch_kwargs["pin_memory"] = False
-
-    def _init_iteration(self, opts: LoaderOptions) -> None:
-        """Nothing delivered yet, no iterator, no workers; the trace file opened."""
-        self._live = weakref.WeakSet()
-        self._consumed = 0
-        self._schema = None
-        self._generation = 0
-        self._superseded = ""
-        self._torch_loader = None
-        self._sampler = None
-        # True from a call into torch's iterator (or the group it returns) until the batches
-        # reach the caller: still True at the next iteration means that call was interrupted
-        # (Ctrl-C, an error) and its persistent workers' state is unknown (`_loader_from_here`)
-        self._workers_busy = False
-        self._slot_transfer = True
-        self._trace_path = opts.trace
-        self._trace = self._new_trace()
+        self.device, self.device_prefetch = opts.device.target, opts.device.prefetch
+        # the device feed stages into its own reused pinned buffers; pinning would copy twice
+        pin = self._pin_memory and self.device is None
+        workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
+            "num_workers": self.num_workers,
+            "pin_memory": pin,
+            "timeout": timeout,
+            "persistent_workers": persistent_workers,
+            "multiprocessing_context": multiprocessing_context,
+        }
+        if prefetch_factor is not None:
+            workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
+        self._source = batch_source(
+            Reads(opts.transform, self.seed, collate_fn, pin, self.read_ahead),
+            self.worker_mode,
+            workers,
+            seed=self.seed,
+            worker_init_fn=worker_init_fn,
+        )
+        self._trace = RankTrace(opts.trace, self._cursor.layout.rank)
+        self._delivery = Delivery(
+            cursor=self._cursor,
+            source=self._source,
+            device=opts.device,
+            trace=self._trace,
+            schema=None if opts.transform is None else SchemaCheck(),
+            read_ahead=self.read_ahead,
+            lookahead=self.lookahead,
+            lookahead_connections=self.lookahead_connections,
+        )
+        self._live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
+        frameworks.built()  # a framework integration watches the calls the user makes
 
     # ------------------------------------------------------------------ info
     @property
     def samples_consumed(self) -> int:
         """Global samples delivered so far (all ranks), i.e. the next step's first position."""
-        return self._consumed
+        return self._cursor.samples_consumed
 
     @property
     def stream(self) -> Stream:
-        return self._stream
+        """The stream in force (over a saved mixture: this loader's, continued from it)."""
+        return self._cursor.stream
+
+    @property
+    def layout(self) -> Layout:
+        """This rank's micro batch and placement (re-read when an iteration starts)."""
+        return self._cursor.layout
+
+    @property
+    def total_samples(self) -> int | None:
+        """The run's bound (None: unbounded; `set_total_samples`)."""
+        return self._cursor.total_samples
+
+    @property
+    def step(self) -> int:
+        """Index of the global step the next micro batch belongs to (from the run's history:
+        right across schedule changes and resumes)."""
+        return self._cursor.step
+
+    def position_of_step(self, step: int) -> int:
+        """First global position of step ``step`` of this run (all ranks)."""
+        return self._cursor.position_of_step(step)
+
+    def step_of_position(self, position: int) -> int:
+        """The step global position ``position`` belongs to in this run."""
+        return self._cursor.step_of_position(position)
+
+    def positions_of_next(self) -> IntArray:
+        """Positions of the micro batch the next iteration will deliver on this rank."""
+        return self._cursor.positions_of_next()
 
     @property
     def global_batch_size(self) -> int:
         """Global batch of the current step (`step`): constant unless a `BatchSchedule` or
         a change at a resume (the state's ``history``) says otherwise."""
-        return self._plan.batch_of(self.step)
+        return self._cursor.plan.batch_of(self.step)
 
     @property
     def batch_schedule(self) -> BatchSchedule:
         """The global batch schedule in effect (the checked field ``global_batch_size``)."""
-        return self._schedule
+        return self._cursor.definition.schedule
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """The run's batch history as saved in the state (`detdata.loading.history`): one
         entry per schedule or layout, with the position and step it began at."""
-        return self._plan.to_json()
+        return self._cursor.plan.to_json()
 
     def set_total_samples(self, total_samples: int | None) -> None:
         """Bound the run at ``total_samples`` (None: unbounded), a step boundary of this run at
         or after ``samples_consumed``: after a global-batch change at a resume the steps end
         elsewhere than a fresh run's, so a bound for the resumed run is set here."""
-        if total_samples is not None:
-            total_samples = check_count(total_samples, "total_samples", minimum=0)
-            self._plan.check_step_end(total_samples)
-            if total_samples < self._consumed:
-                raise ConfigError(
-                    f"total_samples {total_samples} is before samples_consumed {self._consumed}"
-                )
-        self.total_samples = total_samples
-        self._torch_loader = None  # a persistent worker's sampler holds the old bound
+        self._cursor.set_total_samples(total_samples)
 
     def tokens_consumed(self) -> dict[str, int]:
         """Tokens delivered to the callers of all ranks so far, per source name (a `Mixture`'s
         sources, or one entry for a single dataset): see `detdata.loading.tokens`."""
         from detdata.loading.tokens import tokens_consumed
 
-        return tokens_consumed(self._stream, self._consumed)
+        return tokens_consumed(self._cursor.stream, self._cursor.samples_consumed)
 
     def __len__(self) -> int:
         """Micro batches of this rank per epoch of the run, in whole global steps: a constant,
@@ -388,12 +328,14 @@ class DataLoader(Iteration, Resume, Lookup):
         changes the micro steps per step, never the samples per micro step; its epoch is the
         steps of the schedule from position 0 that end within the pass.
         """
-        per = self._layout_now(self._consumed).samples_per_micro_step  # as iteration binds it
-        if self.total_samples is not None:
-            return self.total_samples // per
-        if isinstance(self._stream, OrderedStream):
-            return self._whole_steps(int(self._stream.dataset.num_samples)) // per
-        return self._whole_steps(MAX_POSITION) // per
+        per = self._cursor.layout_now().samples_per_micro_step  # as iteration binds it
+        total = self._cursor.total_samples
+        if total is not None:
+            return total // per
+        stream = self._cursor.stream
+        if isinstance(stream, OrderedStream):
+            return self._cursor.whole_steps(int(stream.dataset.num_samples)) // per
+        return self._cursor.whole_steps(MAX_POSITION) // per
 
     def check_trainer_batch(
         self,
@@ -410,14 +352,14 @@ class DataLoader(Iteration, Resume, Lookup):
         and global batch (of the step it is at). Otherwise a `ConfigError` naming both sides,
         with ``fix`` (formatted with ``micro`` and ``accumulation``: the values that agree) as
         the hint. Integrations call it before the first batch."""
-        layout = self._layout_now(self._consumed)  # as iteration binds it
+        layout = self._cursor.layout_now()  # as iteration binds it
         gbs = self.global_batch_size
         micro, world = layout.micro_batch_size, layout.world_size
         same_layout = micro_batch_size == micro and world_size == world
         agree = same_layout and accumulation * world * micro_batch_size == gbs
-        if agree and self._plan.single_constant:
+        if agree and self._cursor.plan.single_constant:
             return
-        if not self._plan.single_constant:
+        if not self._cursor.plan.single_constant:
             raise ConfigError(
                 f"{trainer} takes an optimizer step every {accumulation} micro batches, but this "
                 "detdata.DataLoader has a global batch schedule (its micro steps per step "
@@ -434,16 +376,11 @@ class DataLoader(Iteration, Resume, Lookup):
             + fix.format(micro=micro, accumulation=gbs // (micro * world))
         )
 
-    def _whole_steps(self, samples: int) -> int:
-        """Samples of the run's steps that end within ``samples`` (at least its first step)."""
-        end = self._plan.start_of(self._plan.step_of(samples))
-        return end if end > 0 else self._plan.start_of(1)
-
     # ------------------------------------------------ surface trainers probe
     @property
     def dataset(self) -> Any:
         """The dataset or stream this loader reads (what ``data`` was)."""
-        return self._data
+        return self._cursor.definition.data
 
     @property
     def batch_size(self) -> int:
@@ -485,7 +422,7 @@ class DataLoader(Iteration, Resume, Lookup):
         continuing would replay the run from its first sample: refused with a `StateError`.
         """
         epoch = check_count(epoch, "epoch", minimum=0)
-        if epoch > 0 and self._consumed == 0:
+        if epoch > 0 and self._cursor.samples_consumed == 0:
             raise StateError(
                 f"a trainer starts epoch {epoch}, but this loader has delivered nothing: its "
                 "state was not restored, and it would replay the run from its first sample; "
@@ -495,27 +432,153 @@ class DataLoader(Iteration, Resume, Lookup):
                 fields=("samples_consumed",),
             )
 
+    # ------------------------------------------------------ state and resume
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: samples delivered plus identity, layout and environment."""
+        return self._cursor.state_dict(
+            {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+        )
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any] | str,
+        *,
+        allow: Iterable[str] = (),
+        mid_step: str | MidStep | None = None,
+        at_step: int | None = None,
+    ) -> None:
+        """Resume at the saved position in O(1).
+
+        A state saved inside a global step (its ``step_position`` has ``delivered_in_step``
+        > 0: a checkpoint between two micro batches of gradient accumulation) resumes by
+        default at that step's first position: the whole step is delivered again, since the
+        partial step's gradients are in no state dict (logged as a warning; ``mid_step="redo"``,
+        `MidStep.REDO`). ``mid_step="continue"`` resumes right after the delivered part, for a
+        caller that saved and restores the partial gradients too
+        (``options=LoaderOptions(resume=ResumePolicy(mid_step=...))`` sets the default, for
+        callers such as ``torch.distributed.checkpoint`` that call ``load_state_dict(state)``
+        themselves). ``at_step`` (an integration's trainer step): resume at the first position
+        of that optimizer step, the saved step or, for a state saved at the end of a step the
+        trainer had not stepped yet, the one before (`LoaderState.resumed`); with an explicit
+        ``mid_step="continue"`` it is a `ConfigError` (the two contradict). Live iterators are
+        stale afterwards: the next batch asked of them raises `StaleIteratorError`.
+
+        Differences in checked fields (manifests, data, seed, algorithm,
+        mixture, global batch) are refused with a `StateError` listing each,
+        unless named in ``allow`` (or the loader's ``ResumePolicy.allow``). Over a saved
+        mixture, this loader's `Mixture` continues the saved one from the resume position
+        (`Mixture.continue_from`, each source from its consumed count): the ``mixture`` field
+        compared, recorded in the history and saved later is that continued mixture's (the
+        mixture in force), so a later resume with the same weights changes nothing and one
+        with other weights is a change from it, any number of times.
+        Layout may differ if the position is a micro-step boundary of this layout within
+        its step (counted from the step's first position).
+
+        An allowed ``global_batch_size`` change (another int or `BatchSchedule`) is appended
+        to the state's ``history``: the new schedule is in effect from the start of the
+        saved step (a step boundary; inside a step, the new batch completes the step being
+        accumulated), so every earlier step keeps its positions and ``step`` stays right;
+        this loader's micro steps start at the saved position.
+        """
+        self._cursor.load_state_dict(state_dict, allow=allow, mid_step=mid_step, at_step=at_step)
+        self._trace.follow(self._cursor.layout.rank)
+        self._trace.restore(self._cursor.samples_consumed)
+        self._source.reset()  # kept workers hold the old position's stream and sampler
+
+    # ------------------------------------------------------------ provenance
+    def provenance(
+        self,
+        step: int,
+        *,
+        decode: Callable[[Mapping[str, Any]], Any] | None = None,
+        as_saved: bool = False,
+    ) -> Any:
+        """Every sample of global ``step`` (all ranks): a list of
+        `detdata.loading.provenance.SampleRecord` (position, rank, micro step, source, sample id,
+        shard path and row/token/byte range, blake3 of the sample as the stream delivers it).
+        Reads that step's samples once; never moves ``samples_consumed``.
+
+        Each position is answered with the configuration in force when it was delivered: the
+        stream of the seed, data and order of that time (`stream_at`: a `StateError` when this
+        loader cannot rebuild it), the layout of the run's history. ``as_saved``: positions
+        after the loaded state's are placed with the layout that state was saved with, not
+        this process's (a diagnostic tool, whose own process is not one of the run's ranks).
+        A step past ``total_samples`` is never delivered: `ConfigError` naming the last."""
+        return self._lookup.provenance(step, decode=decode, as_saved=as_saved)
+
+    def positions_seen(self, source: str | None, sample_id: int, *, until: int) -> IntArray:
+        """Every global position ``< until`` at which this run delivered (or, past its
+        position, delivers) sample ``sample_id`` of ``source``, each range of positions
+        inverted with the stream in force there (`stream_at`); ``until`` past
+        ``total_samples`` is a `ConfigError`."""
+        return self._lookup.positions_seen(source, sample_id, until=until)
+
+    def stream_at(self, position: int) -> Stream:
+        """The stream that delivered (or delivers) ``position``: this loader's, or, before a
+        change of ``seed``, ``stream_seed``, ``manifests``, ``data`` or ``algorithm`` allowed
+        at a resume (the state's history), the stream of that time when this loader can
+        rebuild it (another seed over the same dataset and order, checked against the
+        fields in force then); otherwise a `StateError` naming the change."""
+        return self._lookup.stream_at(position)
+
+    # ------------------------------------------------------------ iteration
     def __iter__(self) -> LoaderIterator:
-        """This rank's micro batches from ``samples_consumed`` on (see `Iteration._iterate`).
+        """This rank's micro batches from ``samples_consumed`` on (`LoaderIterator`).
 
         Rank and world size not given explicitly are (re)read from torch.distributed here.
         """
-        self._bind_layout()
-        if self._consumed == 0:
+        self._cursor.bind()
+        self._trace.follow(self._cursor.layout.rank)
+        if self._cursor.samples_consumed == 0:
             frameworks.check_start(self)  # a framework resuming a loader that starts over
-        self._supersede("a second iter() on this loader started a new iterator")
-        iterator = LoaderIterator(self, self._generation)
+        self._cursor.supersede("a second iter() on this loader started a new iterator")
+        iterator = LoaderIterator(self._delivery)
         self._live.add(iterator)
         return iterator
 
+    def close(self) -> None:
+        """End every live iterator (their reader threads and worker processes stop now),
+        drop persistent workers and close the trace file. The loader can be iterated again."""
+        self._cursor.supersede("close() ended the loader's iterators")
+        for iterator in list(self._live):  # ended on purpose: they stop, they do not raise
+            iterator.close()
+        self._live.clear()
+        self._source.reset()  # the workers' shared-memory slots are unmapped with them
+        self._trace.close()
 
-#: The loader's keyword arguments and the old ones it still maps (the "did you mean"
-#: candidates of `refuse_torch_habits`).
-_KEYWORDS: Final = (
-    *(
-        name
-        for name, p in inspect.signature(DataLoader.__init__).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ),
-    *LEGACY_KEYWORDS,
-)
+
+def _cursor(
+    data: Dataset | Stream,
+    global_batch_size: int | BatchSchedule,
+    micro_batch_size: int | None,
+    seed: int,
+    order: OrderLike | None,
+    opts: LoaderOptions,
+    collate_fn: Callable[[Batch], Any] | None,
+) -> Cursor:
+    """The cursor of a fresh loader: its schedule and placement (the layout of position 0,
+    ``total_samples`` a step end of it) over what it reads."""
+    schedule = as_schedule(global_batch_size)
+    constant = schedule.changes[0][1] if schedule.is_constant else None
+    placement = Placement(constant, micro_batch_size, opts.rank, opts.world_size)
+    definition = Definition.of(
+        data,
+        seed=seed,
+        order=order,
+        schedule=schedule,
+        transform=transform_identity(opts.transform_id, opts.transform, collate_fn),
+    )
+    return Cursor(definition, placement, total_samples=opts.total_samples, policy=opts.resume)
+
+
+def _checked_options(options: LoaderOptions | None) -> LoaderOptions:
+    """``options``, or the defaults; anything else is a `ConfigError`."""
+    if options is None:
+        return LoaderOptions()
+    if not isinstance(options, LoaderOptions):
+        raise ConfigError(
+            f"DataLoader options must be a detdata.LoaderOptions, got "
+            f"{type(options).__name__} {options!r:.60}; hint: options=LoaderOptions(rank=0, "
+            "world_size=8, read=ReadOptions(read_ahead=16))"
+        )
+    return options

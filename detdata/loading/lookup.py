@@ -3,7 +3,8 @@
 `Lookup.provenance` answers every sample of a step, `Lookup.positions_seen` every position
 of a sample, each with the configuration in force when that position was delivered: the
 stream of the seed, data and order of that time (`Lookup.stream_at`, rebuilt when a change
-allowed at a resume replaced it) and the layout of the run's history.
+allowed at a resume replaced it) and the layout of the run's history. A `Lookup` reads the
+run through a read-only view (`RunHistory`: the loader's `Cursor`) and never moves it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -20,15 +21,10 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.streams import OrderedStream, as_stream
-from detdata.loading.loader_base import LoaderBase
-from detdata.loading.state import (
-    K_ALGORITHM,
-    K_DATA,
-    K_MANIFESTS,
-    K_SEED,
-    K_STREAM_SEED,
-    identity_fields,
-)
+from detdata.loading.cursor import Definition
+from detdata.loading.history import Plan
+from detdata.loading.layout import Layout
+from detdata.loading.state import K_ALGORITHM, K_DATA, K_MANIFESTS, K_SEED, K_STREAM_SEED
 
 #: Checked fields whose change at a resume gives earlier positions another stream.
 STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
@@ -38,8 +34,33 @@ def _same(a: Any, b: Any) -> bool:
     return bool(json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True))
 
 
-class Lookup(LoaderBase):
+class RunHistory(Protocol):
+    """What a `Lookup` reads of a run (a `Cursor` provides it): read-only."""
+
+    @property
+    def definition(self) -> Definition: ...
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def saved_plan(self) -> Plan | None: ...
+
+    @property
+    def stream(self) -> Stream: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def total_samples(self) -> int | None: ...
+
+
+class Lookup:
     """Provenance queries of a `DataLoader` over its run's history (never move the loader)."""
+
+    def __init__(self, run: RunHistory) -> None:
+        self._run = run
 
     def provenance(
         self,
@@ -48,23 +69,14 @@ class Lookup(LoaderBase):
         decode: Callable[[Mapping[str, Any]], Any] | None = None,
         as_saved: bool = False,
     ) -> Any:
-        """Every sample of global ``step`` (all ranks): a list of
-        `detdata.loading.provenance.SampleRecord` (position, rank, micro step, source, sample id,
-        shard path and row/token/byte range, blake3 of the sample as the stream delivers it).
-        Reads that step's samples once; never moves ``samples_consumed``.
-
-        Each position is answered with the configuration in force when it was delivered: the
-        stream of the seed, data and order of that time (`stream_at`: a `StateError` when this
-        loader cannot rebuild it), the layout of the run's history. ``as_saved``: positions
-        after the loaded state's are placed with the layout that state was saved with, not
-        this process's (a diagnostic tool, whose own process is not one of the run's ranks).
-        A step past ``total_samples`` is never delivered: `ConfigError` naming the last."""
+        """Every sample of global ``step`` (all ranks), as `DataLoader.provenance` states."""
         from detdata.loading import provenance as prov
 
         step = check_count(step, "step", minimum=0)
         self._check_delivered(step)
-        start, end = self.position_of_step(step), self.position_of_step(step + 1)
-        plan = self._saved_plan if as_saved and self._saved_plan is not None else self._plan
+        run = self._run
+        start, end = run.plan.start_of(step), run.plan.start_of(step + 1)
+        plan = run.saved_plan if as_saved and run.saved_plan is not None else run.plan
         layouts = [  # the layout each position was delivered with (history)
             (e.position, e.micro_batch_size, e.world_size)
             for e in plan.entries
@@ -76,8 +88,8 @@ class Lookup(LoaderBase):
                 self.stream_at(lo),
                 np.arange(lo, hi),
                 step=step,
-                micro_batch_size=self.layout.micro_batch_size,
-                world_size=self.layout.world_size,
+                micro_batch_size=run.layout.micro_batch_size,
+                world_size=run.layout.world_size,
                 decode=decode,
                 layouts=layouts,
                 first=start,
@@ -85,18 +97,15 @@ class Lookup(LoaderBase):
         return records
 
     def positions_seen(self, source: str | None, sample_id: int, *, until: int) -> IntArray:
-        """Every global position ``< until`` at which this run delivered (or, past its
-        position, delivers) sample ``sample_id`` of ``source``, each range of positions
-        inverted with the stream in force there (`stream_at`); ``until`` past
-        ``total_samples`` is a `ConfigError`."""
+        """The positions ``< until`` that delivered a sample (`DataLoader.positions_seen`)."""
         from detdata.loading.provenance import positions_seen
 
         until = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
-        if self.total_samples is not None and until > self.total_samples:
+        total = self._run.total_samples
+        if total is not None and until > total:
             raise ConfigError(
                 f"until={until} is past the last position this run delivers: total_samples is "
-                f"{self.total_samples} (last step {self._last_step()}); hint: until <= "
-                f"{self.total_samples}"
+                f"{total} (last step {self._last_step()}); hint: until <= {total}"
             )
         parts = [np.zeros(0, dtype=np.int64)]
         for lo, hi in self._segments(0, until):
@@ -106,28 +115,25 @@ class Lookup(LoaderBase):
 
     def _segments(self, start: int, end: int) -> list[tuple[int, int]]:
         """``[start, end)`` cut at the positions where a change of the stream took effect."""
-        cuts = sorted({c.position for c in self._plan.changes_after(start, STREAM_FIELDS)} - {end})
+        changes = self._run.plan.changes_after(start, STREAM_FIELDS)
+        cuts = sorted({c.position for c in changes} - {end})
         bounds = [start, *(c for c in cuts if c < end), end]
         return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
 
     def stream_at(self, position: int) -> Stream:
-        """The stream that delivered (or delivers) ``position``: this loader's, or, before a
-        change of ``seed``, ``stream_seed``, ``manifests``, ``data`` or ``algorithm`` allowed
-        at a resume (the state's history), the stream of that time when this loader can
-        rebuild it (another seed over the same dataset and order, checked against the
-        fields in force then); otherwise a `StateError` naming the change."""
-        later = self._plan.changes_after(position, STREAM_FIELDS)
+        """The stream that delivered ``position`` (`DataLoader.stream_at`)."""
+        later = self._run.plan.changes_after(position, STREAM_FIELDS)
         if not later:
-            return self._stream
-        then = dict(self._fields())
-        for change in reversed(self._plan.changes):
+            return self._run.stream
+        then = dict(self._run.definition.fields(self._run.stream))
+        for change in reversed(self._run.plan.changes):
             if change.position > position:
                 then[change.field] = change.old
         for candidate in self._earlier_streams(then):
             if self._delivers_as(candidate, then):
                 return candidate
         raise StateError(
-            f"position {position} (step {self.step_of_position(position)}) was delivered before "
+            f"position {position} (step {self._run.plan.step_of(position)}) was delivered before "
             + "; ".join(c.describe() for c in later)
             + ", and this loader cannot rebuild the stream of that time; hint: answer it with "
             "the data definition of that time and the state saved before the change",
@@ -137,7 +143,7 @@ class Lookup(LoaderBase):
     def _delivers_as(self, stream: Stream, then: Mapping[str, Any]) -> bool:
         """``stream`` has the fields in force ``then`` and orders with the seed of that time
         (its identity's own seed: ``stream_seed``, or ``seed`` when the loader ordered it)."""
-        fields = self._fields_of(stream, then)
+        fields = self._run.definition.fields(stream, seed=then[K_SEED])
         if not all(_same(fields[k], then[k]) for k in STREAM_FIELDS):
             return False
         own = stream.identity().get("seed")
@@ -148,45 +154,37 @@ class Lookup(LoaderBase):
         """This loader's stream (a change of the loader's own seed leaves a stream the caller
         built as it was), then the streams it can build with the seeds in force ``then``
         (same data, same order)."""
-        yield self._stream
+        stream, definition = self._run.stream, self._run.definition
+        yield stream
         seed = then[K_SEED]
-        if self._wrapped and isinstance(seed, int):  # the loader ordered it
-            yield as_stream(self._data, seed, order=self._order)
+        if definition.wrapped and isinstance(seed, int):  # the loader ordered it
+            yield as_stream(definition.data, seed, order=definition.order)
         own = then[K_STREAM_SEED]
-        if isinstance(self._stream, OrderedStream) and isinstance(own, int):
-            yield OrderedStream(self._stream.dataset, own, order=self._stream.order_choice)
-
-    def _fields_of(self, stream: Stream, then: Mapping[str, Any]) -> dict[str, Any]:
-        identity = stream.identity()
-        return identity_fields(  # as `_fields` derives them (a continued mixture included)
-            identity,
-            then[K_SEED],
-            self._schedule.to_json(),
-            stream_seed=None if self._wrapped else identity.get("seed"),
-            transform=self._transform_name,
-        )
+        if isinstance(stream, OrderedStream) and isinstance(own, int):
+            yield OrderedStream(stream.dataset, own, order=stream.order_choice)
 
     def _last_step(self) -> str:
-        total = self.total_samples
+        total = self._run.total_samples
         if not total:
             return "none: it delivers nothing"
-        return str(self._plan.step_of(total - 1))
+        return str(self._run.plan.step_of(total - 1))
 
     def _check_delivered(self, step: int) -> None:
         """``step`` ends at or before ``total_samples`` and the last addressable position
         ``2**62`` (`ConfigError` naming the last step delivered)."""
-        end = self._plan.start_of(step + 1)
+        plan, total = self._run.plan, self._run.total_samples
+        end = plan.start_of(step + 1)
         if end > MAX_POSITION:
             raise ConfigError(
                 f"step {step} is never delivered: it ends at position {end}, past the last "
                 f"addressable position 2**62 - 1 (last step "
-                f"{self._plan.step_of(MAX_POSITION - 1)}); hint: ask for a step the run delivers"
+                f"{plan.step_of(MAX_POSITION - 1)}); hint: ask for a step the run delivers"
             )
-        if self.total_samples is None:
+        if total is None:
             return
-        if end > self.total_samples:
+        if end > total:
             raise ConfigError(
                 f"step {step} is never delivered: this run stops at total_samples "
-                f"{self.total_samples} (last delivered step {self._last_step()}); hint: ask "
+                f"{total} (last delivered step {self._last_step()}); hint: ask "
                 "for a step the run delivers"
             )

@@ -18,24 +18,18 @@ Each object checks its fields when made and stores them normalised (a `WorkerMod
 `MidStep`, a frozenset, a concrete `torch.device`): a bad value is a `ConfigError` naming the
 field (``ReadOptions.read_ahead``), what was expected and what was found, with a hint. Only
 ``transform`` (user code) can change a delivered byte; no option changes a key of the state.
-
-The keywords of earlier versions (``rank=``, ``read_ahead=``, ``device=``, ...) are still
-taken: `LEGACY_KEYWORDS` maps each onto its field (the one place that knows both spellings)
-and `with_legacy` applies them, with a `DeprecationWarning` naming the new spelling; an old
-keyword whose field ``options`` sets too is a `ConfigError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, StateError
+from detdata.base.types import MAX_POSITION
 from detdata.loading.arguments import WorkerMode, parse_worker_mode
 from detdata.loading.state import check_allow
 from detdata.loading.steps import MidStep, parse_mid_step
@@ -65,21 +59,22 @@ def _checked(label: str, check: Callable[[], T], hint: str) -> T:
         raise ConfigError(text) from None
 
 
-def _count(label: str, value: object, minimum: int, hint: str, maximum: int | None = None) -> int:
-    """``value`` as an int in ``[minimum, maximum]`` (`check_count`), else `ConfigError`."""
-    if maximum is None:
-        return _checked(label, lambda: check_count(value, label, minimum=minimum), hint)
-    top = maximum
-    return _checked(label, lambda: check_count(value, label, minimum=minimum, maximum=top), hint)
+def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
+    """A field check: None, or an int in ``[minimum, maximum]`` (`check_count`)."""
+    return lambda v, label: (
+        None if v is None else check_count(v, label, minimum=minimum, maximum=maximum)
+    )
 
 
-def _optional_count(label: str, value: object, minimum: int, hint: str) -> int | None:
-    return None if value is None else _count(label, value, minimum, hint)
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    """Store a field's normalised value on a frozen dataclass (inside ``__post_init__``)."""
-    object.__setattr__(obj, name, value)
+def _fix(
+    obj: object, name: str, check: Callable[[Any, str], object], hint: str, label: str = ""
+) -> None:
+    """Store ``check(value, label)`` as field ``name`` of the frozen dataclass ``obj`` (inside
+    ``__post_init__``); its error is a `ConfigError` naming ``label`` (default
+    ``Class.name``) with ``hint``."""
+    label = label or f"{type(obj).__name__}.{name}"
+    value = getattr(obj, name)
+    object.__setattr__(obj, name, _checked(label, lambda: check(value, label), hint))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,47 +100,29 @@ class ReadOptions:
     lookahead_connections: int = 4
 
     def __post_init__(self) -> None:
-        mode = self.worker_mode
-        _set(
+        _fix(
             self,
             "worker_mode",
-            _checked(
-                "ReadOptions.worker_mode",
-                lambda: parse_worker_mode(mode),
-                "'process' (worker processes, as torch) or 'thread' (threads of this process)",
-            ),
+            lambda v, _: parse_worker_mode(v),
+            "'process' (worker processes, as torch) or 'thread' (threads of this process)",
         )
-        _set(
+        _fix(
             self,
             "read_ahead",
-            _count(
-                "ReadOptions.read_ahead",
-                self.read_ahead,
-                1,
-                "16 (the default) amortises the per-read cost; lower it for large samples",
-                MAX_READ_AHEAD,
-            ),
+            _counts(1, MAX_READ_AHEAD),
+            "16 (the default) amortises the per-read cost; lower it for large samples",
         )
-        _set(
+        _fix(
             self,
             "lookahead",
-            _optional_count(
-                "ReadOptions.lookahead",
-                self.lookahead,
-                0,
-                "None (the default window), 0 (off) or a number of micro steps",
-            ),
+            _counts(0),
+            "None (the default window), 0 (off) or a number of micro steps",
         )
-        _set(
+        _fix(
             self,
             "lookahead_connections",
-            _count(
-                "ReadOptions.lookahead_connections",
-                self.lookahead_connections,
-                1,
-                "4 (the default) threads fill the shard cache ahead",
-                MAX_LOOKAHEAD_CONNECTIONS,
-            ),
+            _counts(1, MAX_LOOKAHEAD_CONNECTIONS),
+            "4 (the default) threads fill the shard cache ahead",
         )
 
     @property
@@ -175,30 +152,26 @@ class DeviceFeed:
         """``device`` as the `torch.device` it is stored as once checked (None: CPU batches)."""
         return cast("torch.device | None", self.device)
 
+    def feed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` on ``device``, ``prefetch`` ahead (`device_batches`: prefetched
+        batches are not delivered, so a loader counting what it yields stays exact); as they
+        are without a device."""
+        if self.target is None:
+            return batches
+        from detdata.loading.device import device_batches
+
+        return device_batches(batches, self.target, self.prefetch)
+
     def __post_init__(self) -> None:
         from detdata.loading.device import check_depth, check_device
 
-        depth = self.prefetch
-        _set(
+        _fix(self, "prefetch", check_depth, "2 overlaps one batch's copy with the current step")
+        _fix(
             self,
-            "prefetch",
-            _checked(
-                "DeviceFeed.prefetch",
-                lambda: check_depth(depth, "DeviceFeed.prefetch"),
-                "2 overlaps one batch's copy with the current step",
-            ),
+            "device",
+            lambda v, _: None if v is None else check_device(v),
+            "DeviceFeed(device='cuda'), 'cpu', or None for plain CPU batches",
         )
-        device = self.device
-        if device is not None:
-            _set(
-                self,
-                "device",
-                _checked(
-                    "DeviceFeed.device",
-                    lambda: check_device(device),
-                    "DeviceFeed(device='cuda'), 'cpu', or None for plain CPU batches",
-                ),
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,7 +198,6 @@ class ResumePolicy:
     fresh_each_run: bool = False
 
     def __post_init__(self) -> None:
-        allow, mid_step = self.allow, self.mid_step
         _of_type(
             "ResumePolicy.fresh_each_run",
             self.fresh_each_run,
@@ -233,23 +205,17 @@ class ResumePolicy:
             "True or False",
             "ResumePolicy(fresh_each_run=True) for an evaluation loader",
         )
-        _set(
+        _fix(
             self,
             "allow",
-            _checked(
-                "ResumePolicy.allow",
-                lambda: check_allow(allow),
-                "a list of checked field names, e.g. allow=['global_batch_size']",
-            ),
+            lambda v, _: check_allow(v),
+            "a list of checked field names, e.g. allow=['global_batch_size']",
         )
-        _set(
+        _fix(
             self,
             "mid_step",
-            _checked(
-                "ResumePolicy.mid_step",
-                lambda: parse_mid_step(mid_step, "ResumePolicy.mid_step"),
-                "'redo' unless the partial step's gradients are restored too",
-            ),
+            parse_mid_step,
+            "'redo' unless the partial step's gradients are restored too",
         )
 
     @property
@@ -303,21 +269,14 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         where = "reads torch.distributed's (or 0 of 1 without a process group)"
-        _set(self, "rank", _optional_count("rank", self.rank, 0, f"rank=None {where}"))
-        _set(
-            self,
-            "world_size",
-            _optional_count("world_size", self.world_size, 1, f"world_size=None {where}"),
-        )
-        _set(
+        _fix(self, "rank", _counts(0), f"rank=None {where}", label="rank")
+        _fix(self, "world_size", _counts(1), f"world_size=None {where}", label="world_size")
+        _fix(
             self,
             "total_samples",
-            _optional_count(
-                "total_samples",
-                self.total_samples,
-                0,
-                "a step end, or None to run on, epoch after epoch",
-            ),
+            _counts(0),
+            "a step end, or None to run on, epoch after epoch",
+            label="total_samples",
         )
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(
@@ -345,103 +304,3 @@ class LoaderOptions:
                 f"a detdata.{kind.__name__}",
                 example,
             )
-
-
-#: The keywords `DataLoader` took before `LoaderOptions`, each with the field it sets now:
-#: ``(LoaderOptions field, field of that group or None)``. The one table of both spellings.
-LEGACY_KEYWORDS: Final[Mapping[str, tuple[str, str | None]]] = {
-    "rank": ("rank", None),
-    "world_size": ("world_size", None),
-    "total_samples": ("total_samples", None),
-    "transform": ("transform", None),
-    "transform_id": ("transform_id", None),
-    "trace": ("trace", None),
-    "worker_mode": ("read", "worker_mode"),
-    "read_ahead": ("read", "read_ahead"),
-    "lookahead": ("read", "lookahead"),
-    "lookahead_connections": ("read", "lookahead_connections"),
-    "device": ("device", "device"),
-    "device_prefetch": ("device", "prefetch"),
-    "allow_on_resume": ("resume", "allow"),
-    "mid_step_on_resume": ("resume", "mid_step"),
-}
-_GROUPS: Final[Mapping[str, type]] = {
-    "read": ReadOptions,
-    "device": DeviceFeed,
-    "resume": ResumePolicy,
-}
-
-
-def new_spelling(keyword: str) -> str:
-    """How the old ``keyword=`` is spelt now, e.g.
-    ``options=LoaderOptions(read=ReadOptions(read_ahead=...))``."""
-    top, sub = LEGACY_KEYWORDS[keyword]
-    if sub is None:
-        return f"options=LoaderOptions({top}=...)"
-    return f"options=LoaderOptions({top}={_GROUPS[top].__name__}({sub}=...))"
-
-
-def split_legacy(keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
-    """``keywords`` (a `DataLoader`'s ``**torch_keywords``) split into the old keywords
-    `LEGACY_KEYWORDS` maps and the rest (torch habits and typos, refused by the caller)."""
-    legacy = {k: v for k, v in keywords.items() if k in LEGACY_KEYWORDS}
-    return legacy, {k: v for k, v in keywords.items() if k not in LEGACY_KEYWORDS}
-
-
-def _value(options: LoaderOptions, top: str, sub: str | None) -> object:
-    group = getattr(options, top)
-    return group if sub is None else getattr(group, sub)
-
-
-def _apply(options: LoaderOptions, keyword: str, value: object) -> LoaderOptions:
-    """``options`` with the old ``keyword=value`` set on its field (validated there: an error
-    names the old keyword and its new spelling)."""
-    top, sub = LEGACY_KEYWORDS[keyword]
-    change: dict[str, Any] = {top: value}
-    try:
-        if sub is not None:
-            group: Any = getattr(options, top)
-            change[top] = dataclasses.replace(group, **{sub: value})
-        return dataclasses.replace(options, **change)
-    except ConfigError as exc:
-        raise ConfigError(f"{keyword}= ({new_spelling(keyword)}): {exc}") from None
-
-
-def with_legacy(options: LoaderOptions | None, legacy: Mapping[str, object]) -> LoaderOptions:
-    """``options`` (None: the defaults) with the old keywords ``legacy`` applied, each onto
-    its field (`LEGACY_KEYWORDS`), warned as deprecated (one `DeprecationWarning` naming each
-    new spelling) and validated by the option objects.
-
-    An old keyword whose field ``options`` sets too (to anything but the field's default) is a
-    `ConfigError`: which of the two should win is not for detdata to guess."""
-    if options is None:
-        options = LoaderOptions()
-    elif not isinstance(options, LoaderOptions):
-        raise ConfigError(
-            f"DataLoader options must be a detdata.LoaderOptions, got "
-            f"{type(options).__name__} {options!r:.60}; hint: options=LoaderOptions(rank=0, "
-            "world_size=8, read=ReadOptions(read_ahead=16))"
-        )
-    if not legacy:
-        return options
-    defaults = LoaderOptions()
-    for keyword in legacy:
-        top, sub = LEGACY_KEYWORDS[keyword]
-        given = _value(options, top, sub)
-        if given != _value(defaults, top, sub):
-            where = top if sub is None else f"{top}.{sub}"
-            raise ConfigError(
-                f"DataLoader got {keyword}={legacy[keyword]!r:.40} and options.{where}="
-                f"{given!r:.40}: the same setting twice; hint: pass it once, as "
-                f"{new_spelling(keyword)}"
-            )
-    warnings.warn(
-        "DataLoader keyword(s) "
-        + ", ".join(f"{k}= (now {new_spelling(k)})" for k in legacy)
-        + " are deprecated: they still work, with the same bytes",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    for keyword, value in legacy.items():
-        options = _apply(options, keyword, value)
-    return options

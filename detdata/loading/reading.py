@@ -161,19 +161,18 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
             yield group
 
 
-class SlotSampler(GroupSampler):
-    """`GroupSampler` whose groups go to worker processes as `SlotTask` objects, each naming a
-    free shared-memory slot of ``transport`` to write the group into (`detdata.loading.slots`)."""
+class SlotSampler(tud.Sampler[SlotTask]):
+    """The groups of a `GroupSampler` sent to worker processes as `SlotTask` objects, each
+    naming a free shared-memory slot of ``transport`` to write the group into
+    (`detdata.loading.slots`)."""
 
-    def __init__(
-        self, layout: Layout, start: int, stop: int | None, size: int, transport: SlotTransport
-    ) -> None:
-        super().__init__(layout, start, stop, size)
+    def __init__(self, groups: GroupSampler, transport: SlotTransport) -> None:
+        self.groups = groups
         self.transport = transport
 
-    def __iter__(self) -> Iterator[SlotTask]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[SlotTask]:
         self.transport.reset()  # torch starts a pass: the tasks of an earlier one are done
-        for group in super().__iter__():
+        for group in self.groups:
             yield self.transport.task(group)
 
 
@@ -411,6 +410,43 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
 
     def __len__(self) -> int:
         raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
+
+
+@dataclass(frozen=True)
+class RunSlice:
+    """What one iteration reads: this rank's micro batches of ``stream`` under ``layout``
+    from global position ``start``, stopping before ``stop`` (`Cursor.stop`; None: never)."""
+
+    stream: Stream
+    layout: Layout
+    start: int
+    stop: int | None
+
+    def groups(self, size: int) -> GroupSampler:
+        """Its micro batches in groups of ``size`` (``read_ahead``)."""
+        return GroupSampler(self.layout, self.start, self.stop, size)
+
+
+@dataclass(frozen=True)
+class Reads:
+    """How every batch source reads a group: with the per-sample ``transform`` (and the
+    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``read_ahead``
+    micro batches per group; ``pin_memory``: batches read in this process are pinned when
+    CUDA is present (torch's ``pin_memory``; off with a device feed, which pins itself)."""
+
+    transform: Transform | None
+    seed: int
+    collate_fn: Callable[[Batch], Any] | None
+    pin_memory: bool
+    read_ahead: int
+
+    def reader(self, stream: Stream, *, in_worker: bool) -> GroupReader:
+        """The `GroupReader` of ``stream``; in a worker process (``in_worker``) batches are
+        never pinned there: torch's pin-memory thread pins in the main process
+        (`ReadAhead.pin_memory`)."""
+        pin = not in_worker and self.pin_memory and torch.cuda.is_available()
+        dataset = PositionDataset(stream, self.transform, self.seed)
+        return GroupReader(dataset, self.collate_fn, pin, in_worker)
 
 
 def _bounds(group: list[IntArray]) -> list[tuple[int, int]]:

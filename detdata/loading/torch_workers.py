@@ -1,5 +1,8 @@
-"""torch's ``DataLoader`` of worker processes, started so that a Ctrl-C anywhere in an
-iterator's start surfaces as ``KeyboardInterrupt`` only (`WorkerLoader`).
+"""Batches read in worker processes (`WorkerSource`, the `BatchSource` of
+``num_workers > 0`` with ``worker_mode="process"``): torch's ``DataLoader`` of worker
+processes, kept between iterations with ``persistent_workers`` when that is safe, started so
+that a Ctrl-C anywhere in an iterator's start surfaces as ``KeyboardInterrupt`` only
+(`WorkerLoader`).
 
 torch registers an iterator's worker pids in a process-wide table keyed by ``id(iterator)``
 (``torch._C._set_worker_pids``, which refuses a key already there) and removes them at
@@ -13,11 +16,159 @@ _BaseDataLoaderIter`` (issue 40: about one run in four under repeated Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import functools
+import random
+import signal
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data as tud
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+
+from detdata.loading.reading import GroupSampler, ReadAhead, Reads, RunSlice, SlotSampler
+from detdata.loading.slots import SlotGroup, SlotTransport
+from detdata.order.rng import worker_seed
+from detdata.storage.fileread import set_read_threads
+
+
+def seed_globals(seed64: int) -> None:
+    """Seed python, numpy-legacy and torch global generators from one 64-bit value."""
+    random.seed(seed64)
+    np.random.seed(seed64 % (1 << 32))
+    torch.manual_seed(seed64 % (1 << 63))
+
+
+def _init_worker(
+    seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
+) -> None:
+    # a terminal's Ctrl-C (SIGINT to the process group) is for the main process, which
+    # keeps or replaces the workers (`WorkerSource.batches`): a kept worker that died
+    # of it would cost the next iteration torch's "worker exited unexpectedly" error
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    seed_globals(worker_seed(seed, rank, worker_id))
+    set_read_threads(1)  # the worker processes read side by side (never changes a byte)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class WorkerSource:
+    """Groups read in ``num_workers`` worker processes by torch's ``DataLoader`` (which
+    starts the workers, prefetches ``prefetch_factor`` groups per worker and pins), handed
+    over through reused shared-memory slots with the default collate (`slot_transfer`,
+    `detdata.loading.slots`) or as one tensor per column.
+
+    With ``persistent_workers`` the workers are kept from one iteration to the next of the
+    same stream, layout and bound, when the last one left them between two groups. A call
+    into torch's iterator that was interrupted (``_busy``: Ctrl-C in its ``_reset`` leaves
+    ``_ResumeIteration`` replies queued, one in ``next`` a half-received group) leaves them
+    in a state no later iteration can trust: the next one starts fresh workers. The old
+    loader's workers are shut down by torch when it is collected."""
+
+    in_processes = True
+
+    def __init__(
+        self,
+        reads: Reads,
+        torch_kwargs: Mapping[str, Any],
+        *,
+        seed: int,
+        worker_init_fn: Callable[[int], None] | None,
+    ) -> None:
+        """``torch_kwargs``: torch's DataLoader keywords as given (``num_workers``,
+        ``prefetch_factor``, ``persistent_workers``, ...); ``worker_init_fn`` runs in each
+        worker after its globals are seeded from ``seed``, the rank and the worker id."""
+        self._reads = reads
+        self._seed = seed
+        self._user_init = worker_init_fn
+        self._torch_kwargs = dict(torch_kwargs)
+        self._persistent = bool(torch_kwargs.get("persistent_workers"))
+        self._depth = torch_kwargs.get("prefetch_factor", 2)  # groups per worker
+        #: False: every group takes torch's transfer, not a shared-memory slot (benchmarks)
+        self.slot_transfer = True
+        self._loader: tud.DataLoader[Any] | None = None
+        self._groups: GroupSampler | None = None  # the sampler (or the slots') of `_loader`
+        self._transport: SlotTransport | None = None
+        self._built_for: RunSlice | None = None
+        # True from a call into torch's iterator (or the group it returns) until the batches
+        # reach the caller: still True at the next iteration means that call was interrupted
+        # (Ctrl-C, an error) and its persistent workers' state is unknown
+        self._busy = False
+
+    @property
+    def transport(self) -> SlotTransport | None:
+        """The shared-memory slots of the workers now (None: none started, or groups take
+        torch's transfer: a ``collate_fn``, `slot_transfer` off)."""
+        return self._transport
+
+    def batches(self, at: RunSlice) -> Iterator[Any]:
+        loader = self._loader_for(at)
+        self._busy = True
+        groups = iter(loader)  # forks the workers, or torch's ``_reset`` of persistent ones
+        return self._worker_batches(groups)
+
+    def reset(self) -> None:
+        """Drop the workers (kept or not) and their slots: the next iteration starts fresh
+        ones (torch shuts the old ones down when their loader is collected)."""
+        self._loader = self._groups = self._transport = self._built_for = None
+        self._busy = False
+
+    def _loader_for(self, at: RunSlice) -> tud.DataLoader[Any]:
+        """The persistent loader when its workers were left between two groups of the same
+        stream, layout and bound (its sampler moved to ``at.start``), else a new one."""
+        kept = self._built_for
+        same = (
+            kept is not None
+            and kept.stream is at.stream
+            and (kept.layout, kept.stop) == (at.layout, at.stop)
+        )
+        if self._loader is None or not self._persistent or self._busy or not same:
+            self.reset()  # before building: an interrupted build rebuilds again
+            self._loader = self._build(at)
+            self._built_for = at
+        else:
+            assert self._groups is not None  # built together with the loader
+            self._groups.start = at.start
+        return self._loader
+
+    def _build(self, at: RunSlice) -> tud.DataLoader[Any]:
+        self._groups = at.groups(self._reads.read_ahead)
+        sampler: GroupSampler | SlotSampler = self._groups
+        if self.slot_transfer and self._reads.collate_fn is None:
+            # groups come back through reused shared-memory slots (detdata.loading.slots)
+            self._transport = SlotTransport(self._torch_kwargs["num_workers"], self._depth)
+            sampler = SlotSampler(self._groups, self._transport)
+        return WorkerLoader(  # torch's, safe from a Ctrl-C in an iterator's start
+            self._reads.reader(at.stream, in_worker=True),
+            batch_size=None,
+            sampler=sampler,
+            collate_fn=_identity,
+            worker_init_fn=functools.partial(
+                _init_worker, self._seed, at.layout.rank, self._user_init
+            ),
+            **self._torch_kwargs,
+        )
+
+    def _worker_batches(self, groups: Iterator[ReadAhead | SlotGroup]) -> Iterator[Any]:
+        """The batches of the groups torch's iterator returns. ``_busy`` is False only
+        while a batch is with the caller (the generator suspended at ``yield``: torch's iterator
+        between two calls), so any interrupt or error inside torch or a group's hand-over leaves
+        it True and the next iteration starts fresh workers (`_loader_for`)."""
+        while True:
+            self._busy = True
+            group = next(groups, None)
+            if group is None:
+                self._busy = False
+                return
+            for batch in group.deliver():
+                self._busy = False
+                yield batch
+                self._busy = True
 
 
 class WorkerLoader(tud.DataLoader[Any]):

@@ -145,7 +145,7 @@ def _loader(stream: object, **kw: Any) -> Any:
 
 
 def test_a_stream_of_only_the_three_methods_loads_resumes_and_traces(tmp_path: Path) -> None:
-    full = _loader(Minimal(), trace=str(tmp_path / "t.jsonl"))
+    full = _loader(Minimal(), options=detdata.LoaderOptions(trace=str(tmp_path / "t.jsonl")))
     it = iter(full)
     batches = [next(it)["x"].tolist() for _ in range(6)]
     assert [r for b in batches for r in b] == _expected_x(range(12))  # world 1: in order

@@ -147,7 +147,11 @@ def _global_steps(
     per_rank = []
     for rank in range(world):
         dl = loader(
-            packed, global_batch_size=8, micro_batch_size=micro, rank=rank, world_size=world, **kw
+            packed,
+            global_batch_size=8,
+            micro_batch_size=micro,
+            options=detdata.LoaderOptions(rank=rank, world_size=world),
+            **kw,
         )
         per_rank.append(list(take(dl, steps * 8 // (micro * world))))
     per_step = 8 // (micro * world)
@@ -178,9 +182,10 @@ def test_workers_deliver_the_same_bytes_and_resume(
     packed = PackedWindows(docs, 40, seed=8, eos=1)
     straight = run_digests(loader(packed), 12)
     states: list[dict[str, Any]] = []
-    with_workers = run_digests(loader(packed, num_workers=2, worker_mode=mode), 12, states)
+    options = detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode=mode))
+    with_workers = run_digests(loader(packed, num_workers=2, options=options), 12, states)
     assert with_workers == straight
-    resumed = loader(packed, num_workers=2, worker_mode=mode)
+    resumed = loader(packed, num_workers=2, options=options)
     resumed.load_state_dict(states[4], mid_step="continue")
     assert run_digests(resumed, 7) == straight[5:]
 

@@ -16,6 +16,7 @@ import torch
 
 import detdata
 from detdata.loading.loader import DataLoader
+from detdata.loading.reading import Reads
 from tests.resume_checker import batch_bytes, check_resume_everywhere, digest, run_digests, take
 
 N = 1000  # samples
@@ -604,7 +605,8 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
         num_workers=2,
         options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
     )
-    reader = dl._reader(in_worker=True)
+    reads = Reads(transform=None, seed=4, collate_fn=None, pin_memory=False, read_ahead=4)
+    reader = reads.reader(dl.stream, in_worker=True)  # what each worker process reads with
     group = [dl.layout.positions(j) for j in range(4)]
     sent = reader(group)
     storages = {b["x"].untyped_storage().data_ptr() for b in sent.batches}

@@ -15,6 +15,7 @@ import numpy as np
 import detdata
 from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
+from detdata.loading.iteration import open_lookahead
 from detdata.loading.loader import DataLoader
 from detdata.storage.retry import RetryPolicy
 from tests.servers import HttpServer
@@ -65,7 +66,7 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
     assert new.layout.offset != 0  # 48 is not a multiple of 14: the grid is offset
     per = new.layout.samples_per_micro_step
     first = new.samples_consumed // per
-    plan = new._lookahead()
+    plan = open_lookahead(new._cursor, new.lookahead, new.lookahead_connections)
     assert plan is not None and plan.active
     delivered = [new.positions_of_next().tolist()]
     for _ in new:

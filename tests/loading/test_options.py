@@ -1,14 +1,14 @@
-"""The `DataLoader`'s options (issue 30): a short signature, self-validating option objects,
-and the keywords of earlier versions mapped onto them with the same bytes.
+"""The `DataLoader`'s options (issues 30, 42): a short signature, self-validating option
+objects, no legacy spellings.
 
-* the signature has at most 16 parameters, torch's keywords top-level, and ``help()``
-  documents each parameter and option;
+* the signature has at most 16 parameters a caller sets, torch's keywords top-level, every
+  other keyword of torch's DataLoader refused by name (keyword-only, default
+  `TorchOnly.UNSET`), no ``**kwargs``; ``help()`` documents each parameter and option;
 * every option object refuses a bad value with a `ConfigError` naming the field, what was
   expected and found, and a hint; they are frozen and keyword-only;
-* an old keyword (``rank=``, ``read_ahead=``, ...) gives the same options, bytes and state as
-  the new spelling, and the bytes the documented order gives (an independent reference);
-  it warns naming the new spelling; given together with its field in ``options`` it is a
-  `ConfigError`.
+* the options deliver the bytes the documented order gives (an independent reference);
+* the flat keywords of earlier versions (``rank=``, ``read_ahead=``, ...) and typos are
+  Python's ``TypeError``; torch habits a `ConfigError` naming detdata's argument.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import detdata
+from detdata.loading.arguments import TorchOnly
 from tests.resume_checker import digest, take
 
 N = 240
@@ -56,14 +58,19 @@ def double(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------- signature
-def test_signature_has_at_most_16_parameters_with_torchs_keywords_top_level() -> None:
+def test_signature_has_torchs_keywords_top_level_and_refuses_the_rest_by_name() -> None:
     params = inspect.signature(detdata.DataLoader).parameters
-    assert len(params) <= 16, list(params)
+    refused = {n for n, p in params.items() if p.default is TorchOnly.UNSET}
+    settable = [n for n, p in params.items() if n not in refused and p.kind is not p.VAR_POSITIONAL]
+    assert len(settable) <= 16, settable
     for name in (*TORCH_KEYWORDS, "global_batch_size", "micro_batch_size", "seed", "order"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     assert params["options"].kind is inspect.Parameter.KEYWORD_ONLY
-    kinds = {p.kind for p in params.values()}
-    assert inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in refused)
+    assert inspect.Parameter.VAR_KEYWORD not in {p.kind for p in params.values()}
+    # torch's own DataLoader is the reference: each of its keywords is taken or refused
+    torch_params = set(inspect.signature(torch.utils.data.DataLoader).parameters) - {"dataset"}
+    assert torch_params == set(TORCH_KEYWORDS) | refused
 
 
 def test_help_documents_every_parameter_and_every_option() -> None:
@@ -183,7 +190,7 @@ def test_a_loader_refuses_options_of_another_type() -> None:
         detdata.DataLoader(data(), global_batch_size=8, options={"rank": 0})  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------ old keywords
+# ------------------------------------------------------- bytes, old spellings
 def _documented_batches(seed: int, rank: int, world: int, micro: int, count: int) -> list[str]:
     """The micro batches of ``rank`` as docs/design.md section 4 places them, read straight
     from the array (feistel-v1 order, then ``double``): independent of the loader."""
@@ -192,53 +199,15 @@ def _documented_batches(seed: int, rank: int, world: int, micro: int, count: int
     for j in range(count):
         start = j * micro * world + rank * micro
         ids = order.ids(np.arange(start, start + micro)).astype(np.int64)
-        import torch
-
         batch = {"id": torch.from_numpy(ids), "x": torch.from_numpy((ids * 14).astype(np.int32))}
         out.append(digest(batch))
     return out
 
 
-def _run(loader: detdata.DataLoader, count: int) -> tuple[list[str], dict[str, Any]]:
-    got = [digest(b) for b in take(loader, count)]
-    state = loader.state_dict()
-    state.pop("environment")
-    loader.close()
-    return got, state
-
-
 @pytest.mark.parametrize("workers", [0, 2])
-def test_old_keywords_deliver_the_bytes_and_state_of_the_new_spelling(
+def test_options_deliver_the_documented_bytes_and_trace(
     tmp_path: pathlib.Path, workers: int
 ) -> None:
-    mode = "thread" if workers else "process"
-    common: dict[str, Any] = {
-        "global_batch_size": 16,
-        "micro_batch_size": 4,
-        "seed": 11,
-        "num_workers": workers,
-    }
-    with pytest.warns(DeprecationWarning) as caught:
-        old = detdata.DataLoader(
-            data(),
-            **common,
-            rank=1,
-            world_size=2,
-            total_samples=96,
-            transform=double,
-            transform_id="double-v1",
-            trace=tmp_path / "old.jsonl",
-            worker_mode=mode,
-            read_ahead=3,
-            lookahead=0,
-            lookahead_connections=2,
-            allow_on_resume=["global_batch_size"],
-            mid_step_on_resume="continue",
-            device_prefetch=3,
-        )
-    assert len(caught) == 1  # one warning, naming every new spelling
-    for spelling in ("rank= (now options=LoaderOptions(rank=...))", "ReadOptions(read_ahead="):
-        assert spelling in str(caught[0].message)
     options = detdata.LoaderOptions(
         rank=1,
         world_size=2,
@@ -247,120 +216,130 @@ def test_old_keywords_deliver_the_bytes_and_state_of_the_new_spelling(
         transform_id="double-v1",
         trace=tmp_path / "new.jsonl",
         read=detdata.ReadOptions(
-            worker_mode=mode, read_ahead=3, lookahead=0, lookahead_connections=2
+            worker_mode="thread" if workers else "process",
+            read_ahead=3,
+            lookahead=0,
+            lookahead_connections=2,
         ),
         resume=detdata.ResumePolicy(allow=["global_batch_size"], mid_step="continue"),
         device=detdata.DeviceFeed(prefetch=3),
     )
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spelling warns of nothing
-        new = detdata.DataLoader(data(), **common, options=options)
-    assert old.options == dataclasses.replace(new.options, trace=tmp_path / "old.jsonl")
-    old_batches, old_state = _run(old, 12)
-    new_batches, new_state = _run(new, 12)
-    assert old_batches == new_batches == _documented_batches(11, 1, 2, 4, 12)
-    assert old_state == new_state
-    old_trace = (tmp_path / "old.jsonl.rank1").read_bytes()  # rank 1 writes its own file
-    assert old_trace and old_trace == (tmp_path / "new.jsonl.rank1").read_bytes()
+        warnings.simplefilter("error")  # the options warn of nothing
+        loader = detdata.DataLoader(
+            data(),
+            global_batch_size=16,
+            micro_batch_size=4,
+            seed=11,
+            num_workers=workers,
+            options=options,
+        )
+    got = [digest(b) for b in take(loader, 12)]
+    loader.close()
+    assert got == _documented_batches(11, 1, 2, 4, 12)
+    trace = (tmp_path / "new.jsonl.rank1").read_text().splitlines()  # rank 1: its own file
+    assert len(trace) == 12
 
 
-def test_old_resume_keywords_act_as_the_resume_policy() -> None:
-    """``allow_on_resume=`` / ``mid_step_on_resume=`` still decide what a resume does."""
+def test_the_resume_policy_sets_load_state_dicts_defaults() -> None:
+    """``ResumePolicy(mid_step=...)`` / ``ResumePolicy(allow=...)`` decide what a plain
+    ``load_state_dict(state)`` does."""
     straight = detdata.DataLoader(data(), global_batch_size=8, micro_batch_size=4, seed=3)
     reference = [digest(b) for b in take(straight, 6)]
     saved = detdata.DataLoader(data(), global_batch_size=8, micro_batch_size=4, seed=3)
     list(take(saved, 3))  # inside step 1
     state = saved.state_dict()
-    with pytest.warns(DeprecationWarning, match="ResumePolicy"):
-        resumed = detdata.DataLoader(
-            data(), global_batch_size=8, micro_batch_size=4, seed=3, mid_step_on_resume="continue"
-        )
+    policy = detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step="continue"))
+    resumed = detdata.DataLoader(
+        data(), global_batch_size=8, micro_batch_size=4, seed=3, options=policy
+    )
     resumed.load_state_dict(state)
     assert [digest(b) for b in take(resumed, 3)] == reference[3:]
     other = detdata.DataLoader(data(), global_batch_size=8, micro_batch_size=4, seed=4)
     with pytest.raises(detdata.StateError, match="seed"):
         other.load_state_dict(state)
-    with pytest.warns(DeprecationWarning):
-        allowed = detdata.DataLoader(
-            data(), global_batch_size=8, micro_batch_size=4, seed=4, allow_on_resume=["seed"]
-        )
+    allow = detdata.LoaderOptions(resume=detdata.ResumePolicy(allow=["seed"]))
+    allowed = detdata.DataLoader(
+        data(), global_batch_size=8, micro_batch_size=4, seed=4, options=allow
+    )
     allowed.load_state_dict(state)
     assert allowed.samples_consumed == 8  # redo: the start of the saved step
 
 
-OLD_AND_NEW: list[tuple[str, Any, Any]] = [
-    ("rank", 1, detdata.LoaderOptions(rank=1, world_size=2)),
-    ("world_size", 2, detdata.LoaderOptions(rank=1, world_size=2)),
-    ("total_samples", 16, detdata.LoaderOptions(total_samples=16)),
-    ("transform", double, detdata.LoaderOptions(transform=double)),
-    ("transform_id", "t-v2", detdata.LoaderOptions(transform_id="t-v2")),
-    (
-        "worker_mode",
-        "thread",
-        detdata.LoaderOptions(read=detdata.ReadOptions(worker_mode="thread")),
-    ),
-    ("read_ahead", 2, detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2))),
-    ("lookahead", 7, detdata.LoaderOptions(read=detdata.ReadOptions(lookahead=7))),
-    (
-        "lookahead_connections",
-        9,
-        detdata.LoaderOptions(read=detdata.ReadOptions(lookahead_connections=9)),
-    ),
-    ("device", "cpu", detdata.LoaderOptions(device=detdata.DeviceFeed(device="cpu"))),
-    ("device_prefetch", 5, detdata.LoaderOptions(device=detdata.DeviceFeed(prefetch=5))),
-    (
-        "allow_on_resume",
-        ["seed"],
-        detdata.LoaderOptions(resume=detdata.ResumePolicy(allow=["seed"])),
-    ),
-    (
-        "mid_step_on_resume",
-        "continue",
-        detdata.LoaderOptions(resume=detdata.ResumePolicy(mid_step="continue")),
-    ),
+#: The flat keywords of earlier versions (issue 30 mapped them onto `LoaderOptions` with a
+#: `DeprecationWarning`; issue 42 removed them), each with a value its field takes.
+OLD_KEYWORDS: list[tuple[str, Any]] = [
+    ("rank", 1),
+    ("world_size", 2),
+    ("total_samples", 16),
+    ("transform", double),
+    ("transform_id", "t-v2"),
+    ("trace", "trace.jsonl"),
+    ("worker_mode", "thread"),
+    ("read_ahead", 2),
+    ("lookahead", 7),
+    ("lookahead_connections", 9),
+    ("device", "cpu"),
+    ("device_prefetch", 5),
+    ("allow_on_resume", ["seed"]),
+    ("mid_step_on_resume", "continue"),
 ]
 
 
-@pytest.mark.parametrize(("keyword", "value", "new"), OLD_AND_NEW, ids=[c[0] for c in OLD_AND_NEW])
-def test_each_old_keyword_sets_its_field_and_conflicts_with_it(
-    keyword: str, value: Any, new: detdata.LoaderOptions
+@pytest.mark.parametrize(("keyword", "value"), OLD_KEYWORDS, ids=[c[0] for c in OLD_KEYWORDS])
+def test_each_old_keyword_is_a_type_error(keyword: str, value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{keyword}'"):
+        detdata.DataLoader(data(), global_batch_size=8, **{keyword: value})
+
+
+TORCH_HABITS: list[tuple[str, Any, str]] = [
+    ("batch_size", 8, "micro_batch_size="),
+    ("shuffle", True, "seed="),
+    ("sampler", [0, 1], "order="),
+    ("batch_sampler", [[0, 1]], "DeterministicBatchSampler"),
+    ("drop_last", True, "every global batch is whole"),
+    ("generator", torch.Generator(), "seed="),
+    ("in_order", False, "always delivered in order"),
+    ("pin_memory_device", "cuda", "device="),
+]
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value", "named"), TORCH_HABITS, ids=[h[0] for h in TORCH_HABITS]
+)
+def test_each_refused_torch_keyword_names_detdatas_argument(
+    keyword: str, value: Any, named: str
 ) -> None:
-    other = {"rank": {"world_size": 2}, "world_size": {"rank": 1}}.get(keyword, {})
-    common: dict[str, Any] = {"global_batch_size": 8, "micro_batch_size": 4}
-    with pytest.warns(DeprecationWarning, match=rf"{keyword}= \(now options=LoaderOptions\("):
-        old = detdata.DataLoader(
-            data(), **common, options=detdata.LoaderOptions(**other), **{keyword: value}
-        )
-    assert old.options == new
-    with pytest.raises(detdata.ConfigError, match=rf"{keyword}=.*the same setting twice.*hint"):
-        detdata.DataLoader(data(), **common, options=new, **{keyword: value})
+    with pytest.raises(detdata.ConfigError, match=rf"DataLoader\({keyword}=.*hint: .*{named}"):
+        detdata.DataLoader(data(), global_batch_size=8, **{keyword: value})
 
 
-def test_a_bad_old_keyword_names_itself_and_its_new_spelling() -> None:
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(detdata.ConfigError, match=r"read_ahead= .*ReadOptions.read_ahead.*got 0"),
-    ):
-        detdata.DataLoader(data(), global_batch_size=8, read_ahead=0)
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(detdata.ConfigError, match=r"device_prefetch= .*DeviceFeed\.prefetch"),
-    ):
-        detdata.DataLoader(data(), global_batch_size=8, device_prefetch=0)
-
-
-def test_torch_habits_are_still_refused_and_typos_still_get_did_you_mean() -> None:
+def test_positional_batch_sizes_are_refused_and_typos_are_type_errors() -> None:
     with pytest.raises(detdata.ConfigError, match="micro_batch_size"):
-        detdata.DataLoader(data(), 8)
-    with pytest.raises(detdata.ConfigError, match="did you mean read_ahead"):
-        detdata.DataLoader(data(), global_batch_size=8, read_ahed=2)
-    with pytest.raises(detdata.ConfigError, match="did you mean options"):
-        detdata.DataLoader(data(), global_batch_size=8, option=detdata.LoaderOptions())
+        detdata.DataLoader(data(), 8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'read_ahed'"):
+        detdata.DataLoader(data(), global_batch_size=8, read_ahed=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'option'"):
+        detdata.DataLoader(data(), global_batch_size=8, option=detdata.LoaderOptions())  # type: ignore[call-arg]
+    # no hint suggests a keyword the loader refuses (batch_siz= once got "did you mean
+    # batch_size or micro_batch_size or global_batch_size?")
+    with pytest.raises(TypeError) as info:
+        detdata.DataLoader(data(), global_batch_size=8, batch_siz=4)  # type: ignore[call-arg]
+    assert "'batch_siz'" in str(info.value) and "did you mean" not in str(info.value)
 
 
 # ------------------------------------------------------------------- sizes
 LOADING = pathlib.Path(detdata.__file__).parent / "loading"
-LOADER_MODULES = ("loader", "loader_base", "iteration", "resume", "lookup", "options")
+LOADER_MODULES = (
+    "loader",
+    "cursor",
+    "iteration",
+    "sources",
+    "torch_workers",
+    "resume",
+    "lookup",
+    "options",
+)
 
 
 def test_the_loader_modules_and_classes_stay_small() -> None:

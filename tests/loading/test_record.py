@@ -203,7 +203,11 @@ CASES: dict[str, Any] = {
     "loader.global_batch_size": {"batch": 8, "also": ["execution.accumulation"]},
     # DP 1 x micro 4 -> DP 2 x micro 2: the same global batch and accumulation, other numerics
     "execution.micro_batch": {
-        "loader": {"global_batch_size": 4, "micro_batch_size": 2, "world_size": 2, "rank": 0}
+        "loader": {
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "options": detdata.LoaderOptions(world_size=2, rank=0),
+        }
     },
     "execution.workers": {"loader": {"global_batch_size": 4, "num_workers": 2}},
     "execution.worker_mode": {"edit": _edit(("execution", "worker_mode"), "thread")},

@@ -28,6 +28,7 @@ import torch
 import detdata
 from detdata.loading.loader import DataLoader
 from detdata.loading.slots import SlotTransport
+from detdata.loading.torch_workers import WorkerSource
 from tests.resume_checker import digest, take
 
 pytestmark = pytest.mark.multiproc
@@ -54,9 +55,9 @@ def make(data: Any = None, **kw: Any) -> DataLoader:
 
 
 def transport(dl: DataLoader) -> SlotTransport:
-    sampler = dl._sampler
-    assert sampler is not None and hasattr(sampler, "transport")
-    return sampler.transport  # type: ignore[no-any-return]
+    source = dl._source
+    assert isinstance(source, WorkerSource) and source.transport is not None
+    return source.transport
 
 
 def _plus_noise(sample: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, Any]:
@@ -418,7 +419,7 @@ _SPAWN_CHILD = textwrap.dedent("""
         reference = [digest(b) for b in take(make(), 60)]
         dl = make(num_workers=2, multiprocessing_context=sys.argv[1])
         got = [digest(b) for b in take(dl, 60)]
-        print(json.dumps({"same": got == reference, "slots": dl._sampler.transport.slot_groups}))
+        print(json.dumps({"same": got == reference, "slots": dl._source.transport.slot_groups}))
 """)
 
 
@@ -461,4 +462,4 @@ def test_collate_fn_keeps_torchs_transfer() -> None:
         num_workers=2,
     )
     assert [b["id"].tolist() for b in take(dl, 40)] == reference
-    assert not hasattr(dl._sampler, "transport")
+    assert isinstance(dl._source, WorkerSource) and dl._source.transport is None

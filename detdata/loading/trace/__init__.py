@@ -72,7 +72,7 @@ from detdata.loading.trace.digests import (
     position_runs,
 )
 from detdata.loading.trace.read import Record, parse_record, read_trace
-from detdata.loading.trace.write import StepSpan, TraceWriter
+from detdata.loading.trace.write import RankTrace, StepSpan, TraceWriter
 
 __all__ = [
     "KIND_PRIORITY",
@@ -81,6 +81,7 @@ __all__ = [
     "Block",
     "Comparison",
     "Finding",
+    "RankTrace",
     "Record",
     "StepSpan",
     "Trace",

@@ -67,7 +67,7 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
 def _bad(where: str, what: str) -> FormatError:
     return FormatError(
         f"{where}: {what}; hint: traces are the JSONL files written by "
-        "DataLoader(trace=...) with this detdata version"
+        "DataLoader(options=LoaderOptions(trace=...)) with this detdata version"
     )
 
 

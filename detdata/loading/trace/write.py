@@ -172,3 +172,33 @@ class TraceWriter:
                 os.close(fd)
             except Exception:  # a finaliser must never raise
                 return
+
+
+class RankTrace:
+    """A loader's trace: the `TraceWriter` of the rank it reads as now (``path`` None: no
+    trace). Opened when made (a path that cannot be written is a `ConfigError` then)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, rank: int) -> None:
+        self._path = path
+        self._writer = None if path is None else TraceWriter(path, rank)
+
+    @property
+    def writer(self) -> TraceWriter | None:
+        """The writer of the current rank (None: no trace)."""
+        return self._writer
+
+    def follow(self, rank: int) -> None:
+        """The loader reads as ``rank`` now: a rank of its own writes its own file."""
+        if self._writer is not None and self._writer.rank != rank:
+            assert self._path is not None
+            self._writer.close()
+            self._writer = TraceWriter(self._path, rank)
+
+    def restore(self, samples_consumed: int) -> None:
+        """A state was loaded: the next record is flagged ``restored``."""
+        if self._writer is not None:
+            self._writer.restore(samples_consumed)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

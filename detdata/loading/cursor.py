@@ -1,0 +1,329 @@
+"""Where a `DataLoader` stands in its run: the `Cursor` (samples delivered, the run's plan and
+this rank's layout, iterator generations, the state and its resume), over the immutable
+`Definition` of what the loader reads.
+
+The cursor is the one owner of the loader's position: iteration advances it once a batch
+reached the caller, ``state_dict`` saves it, ``load_state_dict`` moves it (the checks of a
+resume are the functions of `detdata.loading.resume`), and a provenance query
+(`detdata.loading.lookup`) reads its history through read-only properties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError, StaleIteratorError, StateError
+from detdata.base.redact import get_logger
+from detdata.base.types import IntArray
+from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.capabilities import OrdersDataset
+from detdata.datasets.streams import as_stream
+from detdata.loading import resume
+from detdata.loading.history import Plan
+from detdata.loading.layout import Layout, Placement
+from detdata.loading.options import ResumePolicy
+from detdata.loading.state import (
+    K_EXCLUSIONS,
+    K_GLOBAL_BATCH,
+    K_MIXTURE,
+    LoaderState,
+    check_allow,
+    environment,
+    identity_fields,
+    mismatch_message,
+)
+from detdata.loading.steps import MidStep, parse_mid_step
+from detdata.loading.trace import StepSpan
+from detdata.order.batches import BatchSchedule
+from detdata.order.choice import OrderLike
+
+_LOG: Final = get_logger("detdata")
+
+
+@dataclass(frozen=True)
+class Definition:
+    """What a loader reads and how its state names it; never changes after construction.
+
+    ``data`` as given, ``stream`` as built from it (``data`` ordered with ``seed`` and
+    ``order``, or ``data`` itself when it is a stream), the batch ``schedule`` and the
+    ``transform`` identity (`transform_identity`). ``wrapped``: the loader ordered a plain
+    dataset with its seed, or an `Excluded` did with that same seed (adding exclusions at a
+    resume of a loader-ordered run keeps ``stream_seed``)."""
+
+    data: Dataset | Stream
+    stream: Stream
+    order: OrderLike | None
+    seed: int
+    schedule: BatchSchedule
+    transform: str | None
+    wrapped: bool
+
+    @classmethod
+    def of(
+        cls,
+        data: Dataset | Stream,
+        *,
+        seed: int,
+        order: OrderLike | None,
+        schedule: BatchSchedule,
+        transform: str | None,
+    ) -> Definition:
+        stream = as_stream(data, seed, order=order)
+        wrapped = stream is not data or (
+            isinstance(stream, OrdersDataset)
+            and stream.orders_dataset is True
+            and stream.seed == seed
+        )
+        return cls(data, stream, order, seed, schedule, transform, wrapped)
+
+    def fields(self, stream: Stream, seed: int | None = None) -> dict[str, Any]:
+        """The checked identity fields of this loader reading ``stream`` (`identity_fields`),
+        with the loader's ``seed`` unless another is given (the seed of an earlier time)."""
+        identity = stream.identity()
+        return identity_fields(
+            identity,
+            self.seed if seed is None else seed,
+            self.schedule.to_json(),
+            stream_seed=None if self.wrapped else identity.get("seed"),
+            transform=self.transform,
+        )
+
+
+class Cursor:
+    """The position of a loader in its run, and everything that moves with it.
+
+    It owns ``samples_consumed``, the run's `Plan` (its steps and history), this rank's
+    `Layout` (re-read from torch.distributed when an iteration starts: `bind`), the stream
+    in force (a resume may continue a mixture), the run's bound ``total_samples``, and the
+    generation that makes superseded iterators stale. Everything it exposes is read-only;
+    it changes only through its methods."""
+
+    def __init__(
+        self,
+        definition: Definition,
+        placement: Placement,
+        *,
+        total_samples: int | None,
+        policy: ResumePolicy,
+    ) -> None:
+        """The layout of position 0 and a fresh plan (``total_samples`` must be a step end)."""
+        self.definition = definition
+        self._placement = placement
+        self._policy = policy
+        self._layout = placement.layout_at(0)
+        self._plan = Plan.fresh(definition.schedule, self._layout)
+        # the batches before the settled one are checked from the start position (0, or the
+        # saved one) when iteration starts or a state is loaded: a resume past a ramp-up
+        # may use a layout the ramp's batches do not fit
+        self._plan.check_settles(self._layout)
+        if total_samples is not None:
+            self._plan.check_step_end(total_samples)
+        self._total = total_samples
+        self._saved_plan: Plan | None = None  # the history of the state loaded last, as saved
+        self._stream = definition.stream
+        self._consumed = 0
+        self._generation = 0
+        self._superseded = ""  # what ended the iterators of earlier generations
+
+    # ------------------------------------------------------------- read-only
+    @property
+    def samples_consumed(self) -> int:
+        return self._consumed
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def plan(self) -> Plan:
+        """The run's history as it stands (steps, layouts, changes at resumes)."""
+        return self._plan
+
+    @property
+    def saved_plan(self) -> Plan | None:
+        """The history of the state loaded last, with its layouts as saved (None: none)."""
+        return self._saved_plan
+
+    @property
+    def stream(self) -> Stream:
+        """The stream in force (a resume may continue a mixture: `resume.stream_in_force`)."""
+        return self._stream
+
+    @property
+    def total_samples(self) -> int | None:
+        return self._total
+
+    @property
+    def generation(self) -> int:
+        """Incremented by `supersede`: iterators of an earlier generation are stale."""
+        return self._generation
+
+    # ------------------------------------------------------------ the run's steps
+    @property
+    def step(self) -> int:
+        return self._plan.step_of(self._consumed)
+
+    def position_of_step(self, step: int) -> int:
+        return self._plan.start_of(check_count(step, "step", minimum=0))
+
+    def step_of_position(self, position: int) -> int:
+        return self._plan.step_of(check_count(position, "position", minimum=0))
+
+    def step_span(self) -> StepSpan:
+        """Where the next micro batch lies in the run's steps (a trace record's step fields)."""
+        step = self._plan.step_of(self._consumed)
+        return StepSpan(
+            step=step,
+            start=self._plan.start_of(step),
+            size=self._plan.batch_of(step),
+            next=self._consumed + self._layout.samples_per_micro_step,
+        )
+
+    def positions_of_next(self) -> IntArray:
+        return self._layout.positions(self._consumed // self._layout.samples_per_micro_step)
+
+    def stop(self) -> int | None:
+        """``total_samples`` as a `GroupSampler` counts it: micro step ``j`` of the layout
+        begins at ``j * m * D + offset``, and the sampler stops before ``j * m * D`` reaches
+        the bound."""
+        return None if self._total is None else self._total - self._layout.offset
+
+    def whole_steps(self, samples: int) -> int:
+        """Samples of the run's steps that end within ``samples`` (at least its first step)."""
+        end = self._plan.start_of(self._plan.step_of(samples))
+        return end if end > 0 else self._plan.start_of(1)
+
+    # ------------------------------------------------------------ moves
+    def layout_now(self) -> Layout:
+        """The layout an iteration started now would bind (`bind`), not bound yet."""
+        return self._placement.layout_at(self._consumed)
+
+    def bind(self, *, check: bool = True) -> None:
+        """Re-read rank and world size (an iteration starts: a loader built before the
+        process group existed then reads its own rank's slice, not the whole global batch).
+
+        With ``check``, the layout must fit every global batch from ``samples_consumed`` on
+        (`ConfigError` naming the first batch and step that does not); a fresh run is
+        checked here from position 0."""
+        layout = self.layout_now()
+        if check:
+            self._plan.check_continues(layout, self._consumed)
+        if layout != self._layout:
+            self._layout = layout
+            self._plan = self._plan.with_layout(self._consumed, layout)
+
+    def advance(self) -> None:
+        """One micro batch reached the caller."""
+        self._consumed += self._layout.samples_per_micro_step
+
+    def set_total_samples(self, total_samples: int | None) -> None:
+        """Bound the run at ``total_samples`` (None: unbounded), a step end of this run at or
+        after ``samples_consumed`` (`ConfigError` otherwise)."""
+        if total_samples is not None:
+            total_samples = check_count(total_samples, "total_samples", minimum=0)
+            self._plan.check_step_end(total_samples)
+            if total_samples < self._consumed:
+                raise ConfigError(
+                    f"total_samples {total_samples} is before samples_consumed {self._consumed}"
+                )
+        self._total = total_samples
+
+    def supersede(self, why: str) -> None:
+        """Start a new generation: the live iterators of earlier ones raise at their next batch
+        (`stale`, saying ``why``), never end quietly."""
+        self._generation += 1
+        self._superseded = why
+
+    def stale(self) -> StaleIteratorError:
+        """The error an iterator of an earlier generation raises."""
+        return StaleIteratorError(
+            f"this detdata.DataLoader iterator is stale: {self._superseded} after it was "
+            f"created (samples_consumed is now {self._consumed}); a stale iterator would "
+            "deliver batches out of order, so it stops with this error rather than ending the "
+            "loop quietly; hint: iterate the new iterator (a `for batch in loader:` started "
+            "after the change), and call load_state_dict before the loop, not inside it"
+        )
+
+    # ------------------------------------------------------------ the state
+    def fields(self) -> dict[str, Any]:
+        """The checked identity fields of the loader now (of the stream in force)."""
+        return self.definition.fields(self._stream)
+
+    def state_dict(self, workers: Mapping[str, Any]) -> dict[str, Any]:
+        """JSON-serialisable state: samples delivered plus identity, layout (``workers``: the
+        loader's ``num_workers`` and ``worker_mode``, recorded with it) and environment."""
+        layout = {
+            "world_size": self._layout.world_size,
+            "micro_batch_size": self._layout.micro_batch_size,
+            **workers,
+        }
+        state = LoaderState(
+            samples_consumed=self._consumed,
+            fields=self.fields(),
+            stream=self._stream.identity(),
+            layout=layout,
+            env=environment(),
+            history=tuple(self._plan.to_json()),
+        )
+        return state.to_json()
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any] | str,
+        *,
+        allow: Iterable[str] = (),
+        mid_step: str | MidStep | None = None,
+        at_step: int | None = None,
+    ) -> None:
+        """Move to the saved position (`DataLoader.load_state_dict` states the contract):
+        nothing changes unless every check passes, except the layout re-read from
+        torch.distributed (as an iteration would bind it)."""
+        how = self._policy.mid_step_mode if mid_step is None else parse_mid_step(mid_step)
+        if at_step is not None:
+            resume.check_at_step(how if mid_step is not None else None)
+            at_step = check_count(at_step, "at_step", minimum=0)
+        self.bind(check=False)  # `resume.resumed_plan` checks from the saved position
+        saved = LoaderState.from_json(state_dict)
+        allowed = self._policy.allowed | check_allow(allow)
+        saved = saved.resumed(how, at_step)  # a state saved inside a step: by default, its start
+        stream, failure = resume.stream_in_force(self.definition.data, self._stream, saved)
+        current = self.definition.fields(stream)
+        diffs = saved.differences(current)
+        refused = [d for d in diffs if d not in allowed]
+        if refused:
+            raise StateError(
+                mismatch_message(refused, saved.fields, current), fields=tuple(refused)
+            )
+        if self._total is not None and saved.samples_consumed > self._total:
+            raise StateError(
+                f"saved samples_consumed {saved.samples_consumed} is beyond this loader's "
+                f"total_samples {self._total}"
+            )
+        layout = self._placement.layout_at(saved.samples_consumed)
+        plan = resume.resumed_plan(
+            saved,
+            self.definition.schedule if K_GLOBAL_BATCH in diffs else None,
+            layout,
+            self._total,
+        )
+        for name in diffs:  # each allowed change joins the history, and is logged
+            plan = plan.with_change(
+                name, saved.samples_consumed, saved.fields.get(name), current.get(name)
+            )
+            _LOG.warning(
+                "detdata: resume at samples_consumed=%d: %s (allowed by name)",
+                saved.samples_consumed,
+                plan.changes[-1].describe(),
+            )
+        if K_EXCLUSIONS in diffs:
+            resume.check_exclusions(self._stream, saved)
+        if K_MIXTURE in diffs:
+            resume.check_mixture_change(self.definition.data, saved, failure, diffs)
+        self._stream = stream
+        self._plan, self._layout = plan, layout
+        self._saved_plan = Plan(saved.plan.entries, plan.changes)
+        self._consumed = saved.samples_consumed
+        self.supersede("load_state_dict() moved the loader")
