@@ -47,6 +47,9 @@ def _init_worker(
     # keeps or replaces the workers (`WorkerSource.batches`): a kept worker that died
     # of it would cost the next iteration torch's "worker exited unexpectedly" error
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # forked with SIGINT blocked (`_WorkerIterator`): a Ctrl-C between the fork and the line
+    # above stayed pending and is now discarded, never the worker's end
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     seed_globals(worker_seed(seed, rank, worker_id))
     set_read_threads(1)  # the worker processes read side by side (never changes a byte)
     if user_init is not None:
@@ -194,6 +197,9 @@ class _WorkerIterator(_MultiProcessingDataLoaderIter):
 
     def __init__(self, loader: tud.DataLoader[Any]) -> None:
         _drop_worker_pids(id(self))
+        # the workers are forked with SIGINT blocked (the mask is inherited): a terminal's
+        # Ctrl-C reaching one before its `_init_worker` ignores it would end it
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             super().__init__(loader)
         except BaseException:
@@ -202,6 +208,8 @@ class _WorkerIterator(_MultiProcessingDataLoaderIter):
             fields = vars(self)
             fields.setdefault("_workers_status", [False] * len(fields.get("_workers", ())))
             raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _drop_worker_pids(key: int) -> None:

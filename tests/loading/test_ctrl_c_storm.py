@@ -167,3 +167,46 @@ def test_ctrl_c_in_a_worker_iterator_start_surfaces_as_keyboard_interrupt_only()
     assert [r for r in results if not r["exact"]] == [], results
     assert "Exception ignored" not in proc.stderr, proc.stderr[-6000:]
     assert summary["children_left"] == 0, summary
+
+
+_FORK_WINDOW = """
+import multiprocessing as mp, os, signal, sys
+import numpy as np
+import detdata
+
+class Interrupted(mp.context.ForkProcess):
+    def start(self):  # a terminal's Ctrl-C reaching a worker right after its fork
+        super().start()
+        os.kill(self.pid, signal.SIGINT)
+
+class Context(mp.context.ForkContext):
+    Process = Interrupted
+
+def make(context):
+    data = detdata.ArrayDataset({"x": np.arange(64 * 16, dtype=np.int64).reshape(64, 16)})
+    return detdata.DataLoader(data, global_batch_size=8, micro_batch_size=8, seed=5,
+                              num_workers=2, multiprocessing_context=context)
+
+want = [b["x"].numpy().tobytes() for _, b in zip(range(6), make(None))]
+for _ in range(3):
+    got = [b["x"].numpy().tobytes() for _, b in zip(range(6), make(Context()))]
+    assert got == want, "other bytes"
+print("ok")
+"""
+
+
+def test_a_ctrl_c_reaching_a_worker_right_after_its_fork_does_not_end_it() -> None:
+    """A terminal's Ctrl-C goes to the whole process group, workers included; one that
+    reaches a worker between its fork and its own ``SIG_IGN`` (here sent by the context's
+    ``Process.start`` at once) must not end it: the workers are forked with SIGINT blocked,
+    so the iteration delivers the uninterrupted run's bytes instead of torch's "worker
+    exited unexpectedly"."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_WINDOW],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
