@@ -34,7 +34,7 @@ lint: $(DEV)
 	$(BIN)/mypy detdata
 
 test: $(DEV) lint
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 bench: $(DEV)
 	$(BIN)/python -m benchmarks

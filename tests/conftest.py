@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import servers
+from tests import servers, soak
 from tests.faultproxy import FaultProxy
 
 
@@ -91,3 +91,92 @@ def _receipts_per_test(
     monkeypatch.setenv("DETDATA_RECEIPTS", str(tmp_path_factory.mktemp("receipts")))
     # the default shard cache of remote roots (detdata.datasets.shard_storage.user_cache) likewise
     monkeypatch.setenv("DETDATA_CACHE_DIR", str(tmp_path_factory.mktemp("shard-cache")))
+
+
+# --- soak counts and the order tests start in ---------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        default=False,
+        help="run soak and stress tests at their full counts (tests/soak.py); "
+        "the same as DETDATA_SOAK=1 or -m slow",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``--soak`` or a ``-m`` expression selecting ``slow`` asks for the full soak counts: set
+    before any test module is imported (their counts are read at import), inherited by the
+    xdist workers and every subprocess."""
+    if soak.requested(config.getoption("markexpr", "") or "", config.getoption("--soak")):
+        os.environ[soak.ENV] = "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The test files that take longest start first (`LONGEST_FIRST`), so that with ``-n 2``
+    the short ones fill in at the end and both workers finish together. A file's tests stay
+    together and in their order (module fixtures are built once per worker)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+#: The test files that take longest, longest first (summed test times of a ``-n 2`` run:
+#: ``pytest --durations=0``); the order matters, not the exact times. A file missing here
+#: only starts later; one that became long belongs near the top.
+LONGEST_FIRST: tuple[str, ...] = (
+    "tests/integrations/test_lightning.py",
+    "tests/cli/test_cli_replay.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/loading/test_error_classes.py",
+    "tests/cli/test_cli_env.py",
+    "tests/cli/test_cli_output_files.py",
+    "tests/datasets/test_bounded_handles.py",
+    "tests/cli/test_cli_exit_codes.py",
+    "tests/identity/test_receipts.py",
+    "tests/test_examples.py",
+    "tests/identity/test_verify_once.py",
+    "tests/test_bench_startup_smoke.py",
+    "tests/integrations/test_torchtitan.py",
+    "tests/loading/test_evidence.py",
+    "tests/integrations/test_transformers.py",
+    "tests/cli/test_plots.py",
+    "tests/cli/test_cli_where.py",
+    "tests/identity/test_manifest_id.py",
+    "tests/loading/test_workers_slots.py",
+    "tests/cli/test_plot_output.py",
+    "tests/test_no_secret_in_output.py",
+    "tests/cli/test_cli_server_down.py",
+    "tests/identity/test_columns.py",
+    "tests/loading/test_counting.py",
+    "tests/loading/test_ctrl_c_storm.py",
+    "tests/test_bench_smoke.py",
+    "tests/test_readme.py",
+    "tests/storage/test_remote.py",
+    "tests/loading/test_record.py",
+    "tests/datasets/test_built_once.py",
+    "tests/integrations/test_olmo_core.py",
+    "tests/loading/test_options.py",
+    "tests/loading/test_dcp_mid_step.py",
+    "tests/test_bad_inputs.py",
+    "tests/cli/test_cli_mix.py",
+    "tests/test_bench_scale_smoke.py",
+    "tests/datasets/test_derived_files.py",
+    "tests/datasets/test_window_index.py",
+    "tests/loading/test_inline_prefetch.py",
+    "tests/loading/test_loader.py",
+    "tests/identity/test_crash_safety.py",
+    "tests/identity/test_path_blocks.py",
+    "tests/cli/test_cli_split.py",
+    "tests/cli/test_cli_manifest.py",
+    "tests/datasets/test_tokens.py",
+    "tests/identity/test_registry.py",
+    "tests/identity/test_parts.py",
+    "tests/datasets/test_documents_packed.py",
+    "tests/storage/test_cache_shared.py",
+    "tests/loading/test_identity.py",
+    "tests/loading/test_distributed.py",
+    "tests/identity/test_names.py",
+    "tests/test_lean_install.py",
+    "tests/datasets/test_tables.py",
+    "tests/storage/test_http_status.py",
+)

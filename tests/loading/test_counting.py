@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import detdata
+from tests import soak
 from tests.resume_checker import digest, take
 
 N = 400
@@ -245,7 +246,9 @@ LAYOUTS = st.tuples(
 
 @pytest.mark.slow
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=soak.rounds(40, 12),  # tests/soak.py: 40 in a soak run
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(layout=LAYOUTS, stage=st.sampled_from(STAGES[:5]), bad_pos=st.integers(0, 60))
 def test_property_random_layout_and_failure_resume_exact(

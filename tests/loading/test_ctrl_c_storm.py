@@ -16,10 +16,14 @@ from typing import Any
 
 import pytest
 
+from tests import soak
 from tests.loading.ctrl_c_storm import NUM_WORKERS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUND_HANG_S = 20  # a round takes well under a second, a fresh-worker start included
+#: the soak forms (tests/soak.py): full counts under a soak run, bounded ones by default
+STORM_ROUNDS = soak.rounds(160, 40)
+START_ROUNDS = soak.rounds(25, 10)  # at least two presses at each of the five points
 
 
 def storm(rounds: int, seed: int, timeout: float) -> dict[str, Any]:
@@ -72,9 +76,9 @@ def test_ctrl_c_storm_with_persistent_workers_never_surfaces_torch_internals() -
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_ctrl_c_storm_with_persistent_workers_many_rounds() -> None:
-    """The same with 160 rounds: interrupts also land in ``next()``, in a group's hand-over
-    and in the start of fresh workers."""
-    check(storm(160, seed=7, timeout=540))
+    """The same with 160 rounds (40 outside a soak run): interrupts also land in ``next()``,
+    in a group's hand-over and in the start of fresh workers."""
+    check(storm(STORM_ROUNDS, seed=7, timeout=540))
 
 
 _STEP_SCRIPT = r"""
@@ -137,10 +141,12 @@ def test_ctrl_c_in_the_training_step_keeps_persistent_workers_alive(tmp_path: An
     assert proc.returncode == 0 and "EXACT 20" in proc.stdout, proc.stderr[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_ctrl_c_in_a_worker_iterator_start_surfaces_as_keyboard_interrupt_only() -> None:
     """A real SIGINT at each point of the start of torch's worker-process iterator (five
-    points, five rounds each; tests/loading/ctrl_c_start.py): the interrupted iteration raises
+    points, five rounds each in a soak run, two outside one; tests/loading/ctrl_c_start.py):
+    the interrupted iteration raises
     ``KeyboardInterrupt`` and nothing else, the next one delivers the bytes of an uninterrupted
     run from ``samples_consumed``, and torch prints no "Exception ignored" from the half-started
     iterator's finaliser. Before the fix (issue 40) a Ctrl-C right after torch registered the
@@ -149,7 +155,7 @@ def test_ctrl_c_in_a_worker_iterator_start_surfaces_as_keyboard_interrupt_only()
     be called only once`` (in 16 of 30 such rounds here), at the press or at the next
     iteration."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.loading.ctrl_c_start", "25"],
+        [sys.executable, "-m", "tests.loading.ctrl_c_start", str(START_ROUNDS)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -161,7 +167,7 @@ def test_ctrl_c_in_a_worker_iterator_start_surfaces_as_keyboard_interrupt_only()
     assert proc.returncode == 0 and lines, proc.stderr[-6000:]
     summary = json.loads(lines[-1])
     results = summary["results"]
-    assert summary["pressed"] == len(results) == 25  # every armed point was reached
+    assert summary["pressed"] == len(results) == START_ROUNDS  # every armed point was reached
     wrong = [r for r in results if r["raised"] != "KeyboardInterrupt: " or r["after"] != "nothing"]
     assert wrong == [], wrong
     assert [r for r in results if not r["exact"]] == [], results
