@@ -1,4 +1,7 @@
-"""Every example runs in a small configuration and checks its own claim (issue 8)."""
+"""Every example runs in a small configuration and checks its own claim (issue 8).
+
+Covers: detdata/cli/demo_run.py.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@
   never import pyarrow, checked in a fresh interpreter;
 * a Parquet read where pyarrow cannot be imported raises `DependencyError` (an `ImportError`)
   naming pyarrow and the ``pip install`` that fixes it.
+
+Covers: detdata/base/lazy.py.
 """
 
 from __future__ import annotations

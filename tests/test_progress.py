@@ -4,6 +4,8 @@ In a child whose stderr is a pipe (as under SLURM or CI), hashing shards (`build
 verifying them and hashing a content split's samples print ``detdata: ...: done/total (pct),
 rate unit/s, ETA ...`` lines and a closing ``done in`` line (the interval is set to 0 here so
 that tiny work shows them); ``DETDATA_PROGRESS=0`` silences every one of them.
+
+Covers: detdata/base/progress.py.
 """
 
 from __future__ import annotations

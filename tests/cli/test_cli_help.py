@@ -3,6 +3,8 @@
 * every argument of every command and sub-command has a help string;
 * no help shows reST markup (````--data````, ```name```);
 * the top-level help lists the commands grouped by task (`TASKS`), each exactly once.
+
+Covers: detdata/cli/__main__.py.
 """
 
 from __future__ import annotations

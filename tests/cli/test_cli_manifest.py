@@ -3,6 +3,8 @@
 The must-show flows run the real console script in a subprocess; edge cases go
 through ``detdata.cli.main.main`` in-process (same parser, same exit-code mapping)
 to keep the suite fast.
+
+Covers: detdata/cli/order.py.
 """
 
 from __future__ import annotations

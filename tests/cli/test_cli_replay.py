@@ -1,4 +1,7 @@
-"""``detdata replay-check -- CMD`` on a user's own script (tests/cli/replay_user_script.py)."""
+"""``detdata replay-check -- CMD`` on a user's own script (tests/cli/replay_user_script.py).
+
+Covers: detdata/loading/model_digest.py.
+"""
 
 from __future__ import annotations
 

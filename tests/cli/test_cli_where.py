@@ -1,4 +1,7 @@
-"""``detdata where`` and ``detdata seen`` through the real console entry point."""
+"""``detdata where`` and ``detdata seen`` through the real console entry point.
+
+Covers: detdata/cli/seen.py.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ lowered or raised, a key added or removed, the array forged *with its digest
 re-stamped*, so that only a recomputation can notice) and checks that the load warns
 naming the file and the field, and that what is delivered equals the independent
 reference: the brute-force packer over the writer's own documents.
+
+Covers: detdata/datasets/index_files.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Documents read in place from each format, compared token by token with the writer's input."""
+"""Documents read in place from each format, compared token by token with the writer's input.
+
+Covers: detdata/datasets/doc_table.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """`detdata.Split` (``split-v1``): the rule against a brute-force reference, and stability of the
-content-keyed split when shards are re-ordered, re-sharded or moved (real .npy and Parquet)."""
+content-keyed split when shards are re-ordered, re-sharded or moved (real .npy and Parquet).
+
+Covers: detdata/datasets/digest.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TokenWindows over real .npy / .bin token shards (local and a non-local fsspec root)."""
+"""TokenWindows over real .npy / .bin token shards (local and a non-local fsspec root).
+
+Covers: detdata/datasets/shard_files.py, detdata/datasets/shard_windows.py,
+  detdata/datasets/window_layout.py.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ what a later run would read:
 
 `test_checks_detect_half_written_files` shows the checks are not vacuous: the
 same checks refuse a torn (truncated) object, reference and save target.
+
+Covers: detdata/storage/atomic.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Manifests: building, identity, save/load, verification and refusals."""
+"""Manifests: building, identity, save/load, verification and refusals.
+
+Covers: detdata/base/hashing.py.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ HTTP request lines and bytes sent), expected digests are computed here with
 blake3 directly, and a manifest saved by detdata *before* these changes
 (tests/identity/data/pre18-manifest.json, generated once) must load, verify and
 keep its id.
+
+Covers: detdata/identity/verify.py.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ of step ``t`` are its micro batches of step ``t`` ordered by (micro step, proces
 
 Also here, in-process: accelerate's own ``BatchSamplerShard`` over detdata's samplers (the
 rows each process gets, and the refusals), with no process group.
+
+Covers: detdata/integrations/watch.py, detdata/loading/frameworks.py.
 """
 
 from __future__ import annotations

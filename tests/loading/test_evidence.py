@@ -4,6 +4,8 @@ The reference is always an uninterrupted run of the real `detdata.DataLoader`
 over the same files; the runs under test stop and resume in fresh processes
 appending to one trace file, rewind with ``load_state_dict``, restart their cursor
 by mistake, or deliver other bytes. ``detdata diff`` runs as a subprocess.
+
+Covers: detdata/cli/trace.py, detdata/loading/trace/read.py.
 """
 
 from __future__ import annotations

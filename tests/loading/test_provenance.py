@@ -4,6 +4,8 @@ Each test iterates two DP ranks of a real loader to the step, then checks every
 `SampleRecord` of ``loader.provenance(step)`` against (a) the row the rank actually
 received at the reported micro step and row, and (b) the shard file itself, opened
 with ``np.load`` / ``open`` / ``pyarrow`` at the reported path and range.
+
+Covers: detdata/loading/lookup.py, detdata/datasets/digest.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`detdata.RunRecord`: capture, plain JSON, and verify refusing each changed field (issue 15)."""
+"""`detdata.RunRecord`: capture, plain JSON, and verify refusing each changed field (issue 15).
+
+Covers: detdata/loading/record_format.py.
+"""
 
 from __future__ import annotations
 

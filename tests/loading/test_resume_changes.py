@@ -4,6 +4,8 @@ the diagnostics answer each step with the configuration in force then.
 The reference is what the loaders delivered, recorded by the test itself (the ``id`` column
 of an `ArrayDataset` is the sample id): `provenance` and `positions_seen` must give back
 exactly those deliveries, position by position, before and after each change.
+
+Covers: detdata/loading/resume.py, detdata/loading/lookup.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Traces and `detdata diff` (issue 3): digests, layout invariance, first differing step.
 
 More (resumes, replays, restarts, malformed traces, states): tests/loading/test_evidence.py.
+
+Covers: detdata/loading/trace/write.py, detdata/loading/trace/digests.py,
+  detdata/loading/trace/read.py.
 """
 
 from __future__ import annotations

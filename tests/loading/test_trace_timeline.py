@@ -5,6 +5,8 @@ Reference: the test records what each run trained on, training step by training 
 ``id`` column is the sample id), and finds the first training step where two runs got
 different samples by brute force. `compare` must name that step; a ``--steps`` window in
 which both runs delivered the same samples must compare identical.
+
+Covers: detdata/loading/trace/diff.py.
 """
 
 from __future__ import annotations

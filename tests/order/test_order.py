@@ -1,4 +1,7 @@
-"""GlobalOrder / feistel-v1: bijection, golden vectors, an independent reference, statistics."""
+"""GlobalOrder / feistel-v1: bijection, golden vectors, an independent reference, statistics.
+
+Covers: detdata/order/positions.py.
+"""
 
 from __future__ import annotations
 
