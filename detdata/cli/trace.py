@@ -5,8 +5,8 @@ Traces are compared per global step from what each run delivered (the JSONL
 trace a loader writes with ``LoaderOptions(trace=PATH)``): resumed runs appending to
 one file, replays after a restore, other micro batch sizes or worker counts compare
 equal when the same samples were delivered; conflicting replays, restarted cursors and
-missing steps are
-differences. Exit 0 identical, 1 different, 2 unreadable or malformed input.
+missing steps are differences. Exit 0 identical, 1 different, 2 unreadable or malformed
+input.
 """
 
 from __future__ import annotations
