@@ -1,7 +1,7 @@
 """Loader state: one JSON object, versioned, compared field by field on resume.
 
 The state counts samples *delivered* to the caller (global, all ranks), never
-what was prefetched. Checked fields must match on resume unless allowed by name;
+what was read or copied ahead. Checked fields must match on resume unless allowed by name;
 layout and environment are informational. ``exclusions`` (format 3) is the exclusion
 history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
 run's batch schedules and layouts with the step and position each began at
