@@ -144,5 +144,21 @@ def as_stream(data: Dataset | Stream, seed: int, *, order: OrderLike | None = No
         return OrderedStream(data, seed, order=Order.FEISTEL_V1 if order is None else order)
     raise ConfigError(
         f"expected a detdata Dataset (num_samples, read, identity) or Stream "
-        f"(fetch, sample_ids, identity), got {type(data).__name__}"
+        f"(fetch, sample_ids, identity), got {type(data).__name__}; hint: {_next_step(data)}"
+    )
+
+
+def _next_step(data: object) -> str:
+    """What to do with ``data`` that is neither a detdata dataset nor a stream."""
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):  # torch's map-style Dataset
+        return (
+            f"{type(data).__name__} looks like a torch map-style Dataset: keep it and torch's "
+            "DataLoader with batch_sampler=detdata.DeterministicBatchSampler(len(dataset), "
+            "global_batch_size=..., micro_batch_size=..., seed=...) for detdata's order and "
+            "resume, or build the data as a detdata dataset (TokenWindows / TableRows / "
+            "Documents over a manifest, ArrayDataset for arrays in memory)"
+        )
+    return (
+        "build a detdata dataset (TokenWindows / TableRows / Documents over a manifest, "
+        "ArrayDataset for arrays in memory)"
     )
