@@ -111,10 +111,18 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
         raise FormatError(
             f"{where}: list lengths vary from {int(lengths.min())} to "
             f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
-            "pad/pack to one length, store a fixed_size_list, or name the column in "
-            "ragged= to get an object array"
+            "token documents of varying length are read with Documents(manifest, "
+            f"column={_column(where)!r}) and packed into fixed windows with "
+            "PackedWindows(documents, seq_len=...); else pad to one length, store a "
+            "fixed_size_list, or name the column in ragged= to get an object array"
         )
     return flat.reshape(rows, int(lengths[0]) if rows else 0)
+
+
+def _column(where: str) -> str:
+    """The column name a ``where`` text (``shard S row group G column 'NAME'``) ends with."""
+    _, sep, tail = where.rpartition("column ")
+    return tail.strip("'\"") if sep and tail else "tokens"
 
 
 def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:

@@ -38,7 +38,6 @@ from detdata.datasets.window_layout import WindowLayout
 from detdata.datasets.window_reads import WindowReads
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
-from detdata.storage.cache import ShardCache
 
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
 
@@ -188,36 +187,6 @@ class TokenWindows:
             self.__dict__["_windows_tuple"] = found
         return found
 
-    # the shard files, under the names the readers use ----------------------------------
-    @property
-    def cache_dir(self) -> str | None:
-        """The folder of verified shard copies in force (None: no copies)."""
-        return self.files.cache_dir
-
-    @property
-    def shard_cache_bytes(self) -> int:
-        """The bound of the shard cache in force."""
-        return self.files.shard_cache_bytes
-
-    @property
-    def max_open_shards(self) -> int:
-        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
-        return self.storage.max_open_shards
-
-    @property
-    def shard_cache(self) -> ShardCache | None:
-        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        return self.files.shard_cache
-
-    @property
-    def cache(self) -> ShardCache | None:
-        """This process's `ShardCache` (None without ``cache_dir``): the same as ``shard_cache``."""
-        return self.files.shard_cache
-
-    def open_shards(self) -> list[int]:
-        """Shards this dataset holds an open handle of in this process (`ShardFiles`)."""
-        return self.files.open_shards()
-
     # Dataset protocol --------------------------------------------------------
     @property
     def num_samples(self) -> int:
@@ -290,7 +259,7 @@ class TokenWindows:
         self._reads.gather_remote(self.files.filesystem()[0], arr, out)
         return {"tokens": out}
 
-    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+    def read_ahead(self, ids: npt.ArrayLike | None) -> None:
         """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
         most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
         ``cache_dir``) and the native loop, a read over several shards is planned now and
@@ -303,7 +272,7 @@ class TokenWindows:
         pending hint, and a read drops those hinted before its own (their reads are joined
         first); a read not hinted keeps them. Nothing is raised here: bad ids or
         unreadable files are the read's to report."""
-        self._reads.prefetch(ids)
+        self._reads.read_ahead(ids)
 
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"

@@ -18,7 +18,7 @@ import pytest
 import detdata
 from detdata import Storage
 from detdata.datasets import prefetch
-from detdata.datasets.prefetch import Key, Lookahead, shard_uses, shard_uses_of_steps
+from detdata.datasets.prefetch import CacheAhead, Key, shard_uses, shard_uses_of_steps
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.retry import RetryPolicy
@@ -59,8 +59,8 @@ def brute_first_use(ids: np.ndarray, shard_of: np.ndarray) -> list[Key]:
     return seen
 
 
-class Recording(Lookahead):
-    """A Lookahead that records each submitted fill with the consumer's step at that time."""
+class Recording(CacheAhead):
+    """A CacheAhead that records each submitted fill with the consumer's step at that time."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -150,7 +150,7 @@ def test_the_window_reaches_steps_ahead_and_a_released_copy_is_not_fetched_again
                 future.result(timeout=20)  # let the fills finish: the cache has them all
     finally:
         ahead.close()
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     submitted = [k for _, k in ahead.submitted]
     assert ahead.stats.released > 0 and len(submitted) > len(set(submitted))  # planned again
@@ -204,7 +204,7 @@ def test_fill_threads_asking_at_once_share_one_cache_and_file_system(
 
     def ask() -> None:
         start.wait(10)
-        caches.append(ds.shard_cache)
+        caches.append(ds.files.shard_cache)
         systems.append(ds.files.filesystem()[0])
 
     threads = [threading.Thread(target=ask) for _ in range(8)]

@@ -663,7 +663,7 @@ def test_every_column_kind_through_the_default_collate(
         seed=8,
         options=LoaderOptions(
             total_samples=2 * ROWS,
-            read=ReadOptions(worker_mode="thread", read_ahead=read_ahead),
+            read=ReadOptions(worker_mode="thread", batches_ahead=read_ahead),
         ),
         num_workers=2 if mode == "thread" else 0,
     )
@@ -882,5 +882,5 @@ def test_one_open_reader_reopens_evicted_shards_and_matches_reference(
         batch = bounded.read(order)
         for name in batch:
             np.testing.assert_array_equal(batch[name], np.stack(per_sample(ref, name, order)))
-        assert len(bounded.open_shards()) <= 1
+        assert len(bounded.files.open_shards()) <= 1
     assert bounded.identity() == ds.identity()
