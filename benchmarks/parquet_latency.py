@@ -125,7 +125,7 @@ def child(loader: str, root: Path, resume: int, state: str, checkout: Path) -> d
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=root,  # not ROOT: ``python -c`` puts the working folder first on sys.path
         timeout=600,
         check=False,
     )
