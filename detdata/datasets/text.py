@@ -272,6 +272,12 @@ class TextDocuments:
             "num_tokens": self.num_tokens,
         }
 
+    def document_shards(self) -> npt.NDArray[np.int64]:
+        """The manifest shard of each document (read-only)."""
+        view: npt.NDArray[np.int64] = self._index[SHARD, :-1].view()
+        view.flags.writeable = False
+        return view
+
     def location(self, d: int) -> dict[str, Any]:
         """Where document ``d`` is: ``shard`` (manifest path) and ``line`` (JSONL, 1-based)
         or ``row`` (tables, 0-based)."""
@@ -289,6 +295,11 @@ class TextDocuments:
         """The tokens of document ``d`` (a new array, ``out_dtype``)."""
         d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
         return self._tokens([d])[d].astype(self.out_dtype)
+
+    def tokens(self, docs: list[int]) -> list[npt.NDArray[np.int64]]:
+        """The tokens of documents ``docs`` (int64, read-only), tokenised in one batch."""
+        found = self._tokens(sorted(set(docs)))
+        return [found[d] for d in docs]
 
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]

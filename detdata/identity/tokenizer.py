@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -165,3 +165,27 @@ def _tokenizer_json(source: object) -> str:
         f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, got "
         f"{type(source).__name__}"
     )
+
+
+#: The manifest metadata key holding the identity of the tokenizer that wrote token shards.
+MANIFEST_KEY: Final = "tokenizer"
+
+
+def check_manifest_tokenizer(metadata: Mapping[str, Any], tokenizer: TextTokenizer) -> None:
+    """Token shards written by ``detdata tokenize`` record their tokenizer's identity in the
+    manifest metadata (`MANIFEST_KEY`); `ConfigError` naming the first differing field when
+    ``tokenizer`` is another (or when the manifest records none)."""
+    recorded = metadata.get(MANIFEST_KEY)
+    if not isinstance(recorded, Mapping):
+        raise ConfigError(
+            "the manifest records no tokenizer (metadata 'tokenizer'); hint: token shards "
+            "written by `detdata tokenize` record it"
+        )
+    want = tokenizer.identity()
+    for key in sorted(set(recorded) | set(want)):
+        if recorded.get(key) != want.get(key):
+            raise ConfigError(
+                f"the token shards were written by another tokenizer: metadata tokenizer.{key} "
+                f"is {recorded.get(key)!r}, this tokenizer's is {want.get(key)!r}; hint: use "
+                "the tokenizer.json and options the shards were tokenised with"
+            )

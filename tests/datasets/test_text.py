@@ -302,3 +302,20 @@ def test_a_table_column_that_is_not_text_is_refused(corpus: Corpus, tmp_path: Pa
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "d" / "t.parquet")
     with pytest.raises(FormatError, match=re.escape("t.parquet row 1 field 'text': null")):
         TextDocuments(detdata.build_manifest(str(tmp_path / "d")), corpus[1])
+
+
+def test_jsonl_is_a_known_format_and_token_readers_point_to_text_documents(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """The first refusal a new user met ("cannot tell the format ... pass format=", then
+    "unknown shard format 'jsonl'") is replaced by this path; token readers say where to go."""
+    assert detdata.Format("jsonl") is detdata.Format.JSONL
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["one", "two"])
+    manifest = detdata.build_manifest(str(tmp_path / "d"), format="jsonl")
+    assert [s.num_samples for s in manifest.shards] == [2]
+    with pytest.raises(FormatError, match=r"a\.jsonl: a jsonl text shard.*TextDocuments"):
+        Documents(manifest)
+    with pytest.raises(ConfigError, match="a npy token shard, not text"):
+        np.save(tmp_path / "d" / "t.npy", np.arange(4, dtype=np.uint16))
+        TextDocuments(detdata.build_manifest(str(tmp_path / "d")), corpus[1])
