@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from tests.datasets.doc_corpora import random_documents, write_megatron
+from tests.datasets.text_corpora import make_documents, train_bpe, write_jsonl
 
 pytestmark = pytest.mark.multiproc  # the shell blocks run the real console command
 
@@ -113,6 +114,11 @@ def _prepare(tmp: Path) -> None:
         np.save(wiki / f"shard-{i:03d}.npy", rng.integers(0, 50_000, 820_000).astype(np.uint16))
     (tmp / "corpus").mkdir()
     write_megatron(tmp / "corpus" / "P", random_documents(rng, 3000, max_len=800, empty=False))
+    texts = make_documents(400, seed=3)  # "Raw text": JSONL shards and a local tokenizer.json
+    (tmp / "text").mkdir()
+    write_jsonl(tmp / "text" / "part-0.jsonl", texts[:200])
+    write_jsonl(tmp / "text" / "part-1.jsonl.zst", texts[200:])
+    train_bpe(tmp / "tokenizer.json", texts)
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -143,6 +149,7 @@ SHELL_RUN = {
     "detdata env --out run_record.json             # print (and save) this machine's record",
     "detdata split --manifest data/manifest.json --seq-len 2048 --fraction 0.01 --salt val-v1"
     " --out split/",
+    "detdata tokenize --root text/ --tokenizer tokenizer.json --eos '<eod>' --out tokens/",
 }
 
 
