@@ -3,7 +3,7 @@
 ``detdata tokenize --manifest M | --root DIR --tokenizer tokenizer.json --out OUT
 [--field text] [--bos TOKEN] [--eos TOKEN] [--empty error|skip] [--format bin|npy]``
 reads the text shards (``jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst``, Parquet / Arrow string
-columns) as `detdata.datasets.text.TextDocuments` does, and writes under ``OUT`` one token
+columns) as `detdata.TextDocuments` does, and writes under ``OUT`` one token
 shard per text shard (its name with the text suffix replaced):
 
 * ``--format bin`` (default): a Megatron indexed dataset ``NAME.bin`` + ``NAME.idx`` (one
@@ -15,7 +15,7 @@ shard per text shard (its name with the text suffix replaced):
 Then ``OUT/manifest.json``, whose metadata holds ``tokenizer`` (the tokenizer's identity,
 `TextTokenizer.identity`), ``text`` (field and policy) and ``text_manifest`` (the id of
 the text manifest): the manifest id, checked at every resume, changes with the tokenizer,
-and `detdata.identity.tokenizer.check_manifest_tokenizer` names the differing field. Prints
+and `check_manifest_tokenizer` (in the tokenizer module) names the differing field. Prints
 a JSON summary. Exit 0, or 2 (bad arguments or input: the error names shard, line, field).
 """
 
