@@ -20,7 +20,12 @@ def test_text_benchmark_smoke_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "text.json").read_text())
     names = [r["pipeline"] for r in doc["rows"]]
-    assert names == ["text at read", "pre-tokenised", "HF datasets + torch"]
+    assert names == [
+        "text at read",
+        "text at read, batches_ahead=1",
+        "pre-tokenised",
+        "HF datasets + torch",
+    ]
     for row in doc["rows"]:
         assert row["tokens_per_s"] > 0 and row["first_batch_s"] > 0, row
     assert doc["index_build_s_per_gb"] > 0 and doc["tokenizer_alone_tokens_per_s"] > 0
