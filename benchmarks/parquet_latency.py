@@ -181,8 +181,25 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"provenance": prov, "spec": SPEC, "summary": summary, "runs": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parquet_latency.json").write_text(json.dumps(doc, indent=1) + "\n")
+    figure(doc, args.out / "parquet_latency.png")
     print(table(doc))
     return 0 if all(v["ok"] for s in summary.values() for v in s.values()) else 1
+
+
+def figure(doc: dict[str, Any], path: Path) -> None:
+    """CPU ms of the first batch and of the resume, per loader (hatched bars)."""
+    from benchmarks import matrix_report
+
+    groups = {
+        name: {
+            "first batch": s["first"]["cpu_s"] * 1e3,
+            "resume @40,000": s["resume"]["cpu_s"] * 1e3,
+        }
+        for name, s in doc["summary"].items()
+    }
+    commit = doc["provenance"]["commit"]
+    title = f"Parquet, 50k x 512 int32, 20 shards, 128-row groups: CPU to first batch ({commit})"
+    matrix_report.bars(path, title, "CPU ms (median)", groups)
 
 
 def table(doc: dict[str, Any]) -> str:

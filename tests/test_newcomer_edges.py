@@ -152,7 +152,9 @@ def test_a_misspelt_root_says_did_you_mean(tmp_path: Path) -> None:
     assert "does not exist" in message and f"did you mean {str(tmp_path / 'wiki-en')!r}" in message
 
 
-def test_load_state_dict_given_a_path_shows_the_line_that_reads_it(tmp_path: Path) -> None:
+def test_load_state_dict_given_a_path_shows_the_line_that_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ds = detdata.ArrayDataset({"x": np.arange(100)})
     loader = detdata.DataLoader(ds, global_batch_size=10, seed=2)
     it = iter(loader)
@@ -160,7 +162,7 @@ def test_load_state_dict_given_a_path_shows_the_line_that_reads_it(tmp_path: Pat
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "loader.json").write_text(json.dumps(loader.state_dict()))
     want = next(it)["x"].tolist()
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     fresh = detdata.DataLoader(ds, global_batch_size=10, seed=2)
     with pytest.raises(detdata.StateError) as info:
         fresh.load_state_dict("ckpt/loader.json")  # type: ignore[arg-type]
@@ -170,9 +172,11 @@ def test_load_state_dict_given_a_path_shows_the_line_that_reads_it(tmp_path: Pat
     assert next(iter(fresh))["x"].tolist() == want
 
 
-def test_token_windows_of_a_folder_says_how_to_make_the_manifest(tmp_path: Path) -> None:
+def test_token_windows_of_a_folder_says_how_to_make_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_token_shards(tmp_path / "data", sizes=(300, 200))
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(detdata.ManifestError) as info:
         detdata.TokenWindows("data", seq_len=8)
     command = "detdata manifest build data -o data/manifest.json"

@@ -599,4 +599,4 @@ def _folder_given(path: str) -> str:
             f"make one first with `detdata manifest build {path} -o {inside}` (or "
             "detdata.build_manifest(...).save(...) in Python), then pass that file"
         )
-    return f"{path!r} is a folder, not a manifest file; hint: {step}"
+    return f"cannot read manifest {path}: a folder, not a manifest file; hint: {step}"

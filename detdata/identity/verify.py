@@ -99,8 +99,8 @@ def _check_root_exists(root: str, manifest: ShardList, shown: str) -> None:
     if manifest.shards and not os.path.isdir(root):
         first = manifest.shards[0]
         raise VerificationError(
-            f"root {shown!r} does not exist, so none of the manifest's {len(manifest.shards)} "
-            f"shards is there (first: {first.path}); {missing_folder_hint(root)} (root=, "
+            f"root {shown!r} does not exist, so all {len(manifest.shards)} shards of the "
+            f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
             "Storage(root=...) or detdata verify --root)",
             shard=first.path,
             field="exists",
