@@ -319,3 +319,30 @@ def test_jsonl_is_a_known_format_and_token_readers_point_to_text_documents(
     with pytest.raises(ConfigError, match="a npy token shard, not text"):
         np.save(tmp_path / "d" / "t.npy", np.arange(4, dtype=np.uint16))
         TextDocuments(detdata.build_manifest(str(tmp_path / "d")), corpus[1])
+
+
+def test_the_text_index_is_built_once_checked_and_a_forged_count_is_caught_at_read(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    from detdata.datasets.index_files import save_index
+
+    manifest = manifest_of(corpus)
+    tok = TextTokenizer(corpus[1], eos="<eod>")
+    first = TextDocuments(manifest, tok, index_dir=tmp_path)
+    (meta,) = tmp_path.glob("text-*.json")
+    stamp = meta.stat().st_mtime_ns
+    again = TextDocuments(manifest, tok, index_dir=tmp_path)  # loaded, not rebuilt
+    assert meta.stat().st_mtime_ns == stamp
+    assert np.array_equal(again.starts, first.starts)
+    record = json.loads(meta.read_text())
+    record["meta"]["tokens"] += 1  # an edited record: rebuilt, with a warning naming it
+    meta.write_text(json.dumps(record))
+    with pytest.warns(RuntimeWarning, match="meta.tokens"):
+        rebuilt = TextDocuments(manifest, tok, index_dir=tmp_path)
+    assert np.array_equal(rebuilt.starts, first.starts)
+    forged = np.array(first._index)  # consistent with the manifest, one count moved
+    forged[0, 1] += 1
+    save_index(str(tmp_path), "text", first._inputs(), forged, json.loads(meta.read_text())["meta"])
+    docs = TextDocuments(manifest, tok, index_dir=tmp_path)
+    with pytest.raises(FormatError, match=re.escape("shard a.jsonl line 1: tokenised to")):
+        docs.document(0)
