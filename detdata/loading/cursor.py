@@ -223,10 +223,14 @@ class Cursor:
 
     def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
         """Put ``weights`` in force from the first position of the next global step
-        (`reweighting.effect_position`), returned; checked first (weights of every source,
-        the same on every rank of the process group, before ``total_samples``), else a
-        `ConfigError` and nothing changes. Recorded in the history (`Plan.with_weights`);
-        an iteration in progress reads the new stream from its next batch on."""
+        (`reweighting.effect_position`: ``samples_consumed`` when no micro batch of the step
+        was delivered yet), returned. Checked first (weights of every source as for the
+        `Mixture` constructor, the same on every rank of the process group: a collective,
+        `reweighting.agree_across_ranks`; a position before ``total_samples``), else a
+        `ConfigError` and nothing changes. The change becomes a phase of the mixture in
+        force (each source continues its stream) and is appended to the sealed history
+        (`Plan.with_weights`, field ``mixture_weights``); an iteration in progress drops
+        what it read ahead and reads the new stream from its next batch on."""
         stream = reweighting.reweightable(self._stream)
         position = reweighting.effect_position(self._plan, self._consumed)
         step = self._plan.step_of(position)

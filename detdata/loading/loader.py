@@ -489,27 +489,18 @@ class DataLoader:
 
     # ------------------------------------------------------------ mixture weights
     def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
-        """Put ``weights`` (every source of the `Mixture`, exact as for its constructor) in
-        force from the first position of the next global step (``samples_consumed`` when
-        no micro batch of the step being trained was delivered yet), never inside a step;
-        returns that position. A collective under torch.distributed: every rank calls it at
-        the same step, and ranks passing different weights all get a `ConfigError` naming
-        the ranks and the step before it starts. The change is a new phase of the mixture
-        (each source continues its stream), appended to the state's sealed ``history``
-        (field ``mixture_weights``: step, position, old and new proportions) and replayed
-        by every later resume. A running iteration delivers the new weights from its next
-        batch (read-ahead batches are dropped and read again). docs/design.md."""
+        """Put ``weights`` (of every `Mixture` source) in force from the first position of
+        the next global step, returned (`Cursor.set_mixture_weights`; a collective under
+        torch.distributed: ranks that differ get a `ConfigError` naming them). README
+        "Mixtures that change during a run"."""
         return self._cursor.set_mixture_weights(weights)
 
     def set_mixture_controller(self, controller: MixtureController | None) -> None:
-        """Ask ``controller.mixture_weights(step)`` before the first micro batch of every
-        global step (`MixtureController`; None: stop asking); weights it returns are set
-        as by `set_mixture_weights`."""
+        """Ask ``controller.mixture_weights(step)`` before each global step (None: stop)."""
         self._cursor.set_controller(controller)
 
     def mixture_weights_at_step(self, step: int) -> dict[str, Fraction]:
-        """The exact proportions in force at global ``step``'s first position (`ConfigError`
-        when the loader's stream is not a mixture)."""
+        """The exact proportions in force at global ``step``'s first position."""
         position = self._cursor.position_of_step(step)
         return reweightable(self._cursor.stream).mixture_weights_at(position)
 

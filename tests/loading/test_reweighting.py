@@ -216,7 +216,13 @@ def test_changes_at_random_steps_resumed_on_other_layouts_equal_an_uninterrupted
     check_own_orders(names, ids)
     final = run.loaders[0]
     for step in rng.sample(range(steps), 40):  # the weights in force at each step
-        assert final.mixture_weights_at_step(step) == weights_at(schedule, GBS * step), step
+        expected = weights_at(schedule, GBS * step)
+        assert final.mixture_weights_at_step(step) == expected, step
+        for rec in final.provenance(step):  # provenance names the weights in force
+            assert rec.to_json()["mixture_weights"] == {
+                n: f"{f.numerator}/{f.denominator}" for n, f in expected.items()
+            }
+            assert rec.to_json()["sample_id"] + OFFSET[rec.source] == ids[rec.position]
     # the state holds the history, not per-step tables; it resumes again
     state = final.state_dict()
     again = DataLoader(run.data(), global_batch_size=GBS, micro_batch_size=4, seed=0)
