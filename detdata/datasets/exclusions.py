@@ -59,7 +59,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import Reweights
+from detdata.datasets.capabilities import Reweights, reweights
 from detdata.datasets.origins import Origins, origins
 from detdata.datasets.streams import as_stream
 
@@ -335,6 +335,11 @@ class Excluded:
             K_HISTORY: self.history_json(),
         }
 
+    @property
+    def mixes(self) -> bool:
+        """Whether the wrapped stream mixes sources (`Reweights`): its weights can change."""
+        return reweights(self.stream) is not None
+
     def mixture_weights_at(self, position: int) -> dict[str, Fraction]:
         """The wrapped mixture's proportions at ``position`` (`Reweights`)."""
         return self._reweighted().mixture_weights_at(position)
@@ -355,12 +360,13 @@ class Excluded:
         return out
 
     def _reweighted(self) -> Reweights:
-        if not isinstance(self.stream, Reweights):
+        inner = reweights(self.stream)
+        if inner is None:
             raise ConfigError(
                 f"cannot change mixture weights: this Excluded wraps a "
                 f"{type(self.stream).__name__}, not a Mixture; hint: wrap a detdata.Mixture"
             )
-        return self.stream
+        return inner
 
     def check_continues(self, saved_identity: Mapping[str, Any], position: int) -> None:
         """Refuse (`StateError`) unless this stream continues ``saved_identity`` at

@@ -44,11 +44,11 @@ from detdata.base.errors import CapabilityError, ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
-from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, Reweights, missing
-from detdata.datasets.digest import framed, framed_sample
+from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing, reweights
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.origins import origins
+from detdata.datasets.sample_framing import framed, framed_sample
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
@@ -56,7 +56,7 @@ from detdata.identity.formats import disk_dtype
 from detdata.loading.reweighting import weights_json
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
-from detdata.order.mixture import MixtureSchedule
+from detdata.order.mixing import MixtureSchedule
 
 #: Digest framing version of `sample_digest`.
 DIGEST_TAG: Final = b"detdata:sample-v1"
@@ -261,12 +261,13 @@ def provenance(
 def _weights_in_force(stream: Any, pos: IntArray) -> list[dict[str, str] | None]:
     """The mixture proportions in force at each position (`Reweights`: O(log phases) a
     position), else None each; equal maps are shared."""
-    if not isinstance(stream, Reweights):
+    mixture = reweights(stream)
+    if mixture is None:
         return [None] * pos.size
     out: list[dict[str, str] | None] = []
     last: dict[str, str] | None = None
     for p in pos.tolist():
-        now = weights_json(stream.mixture_weights_at(p))
+        now = weights_json(mixture.mixture_weights_at(p))
         last = last if last == now else now
         out.append(last)
     return out

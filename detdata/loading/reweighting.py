@@ -21,9 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import Reweights
+from detdata.datasets.capabilities import Reweights, reweights
 from detdata.loading.history import K_WEIGHTS, Change, Plan
-from detdata.order.mixture import rational
+from detdata.order.mixing import rational
 
 
 @runtime_checkable
@@ -55,14 +55,15 @@ def effect_position(plan: Plan, consumed: int) -> int:
 
 
 def reweightable(stream: Stream | Dataset) -> Reweights:
-    """``stream`` as a `Reweights` stream, or a `ConfigError` saying what it is."""
-    if not isinstance(stream, Reweights):
+    """``stream`` as a `Reweights` stream that mixes, or a `ConfigError` saying what it is."""
+    mixture = reweights(stream)
+    if mixture is None:
         raise ConfigError(
             f"cannot change mixture weights: this loader reads a {type(stream).__name__}, not "
             "a detdata.Mixture (or an Excluded over one); hint: build the loader over "
             "Mixture(sources, weights, seed=...)"
         )
-    return stream
+    return mixture
 
 
 def agree_across_ranks(step: int, position: int, weights: Mapping[str, str]) -> None:
@@ -119,7 +120,8 @@ def _weights_of(change: Change) -> dict[str, str]:
 def replay(stream: Stream | Dataset, changes: Sequence[tuple[int, Mapping[str, str]]]) -> Stream:
     """``stream`` after the recorded ``changes``; a stream that cannot change its weights
     is a `StateError` naming ``mixture_weights``."""
-    if not isinstance(stream, Reweights):
+    mixture = reweights(stream)
+    if mixture is None:
         raise StateError(
             f"the saved state's history changes the mixture weights during the run "
             f"({len(changes)} changes, the first at position {changes[0][0]}), but this "
@@ -128,7 +130,7 @@ def replay(stream: Stream | Dataset, changes: Sequence[tuple[int, Mapping[str, s
             fields=(K_WEIGHTS,),
         )
     try:
-        return stream.with_weight_changes(changes)
+        return mixture.with_weight_changes(changes)
     except ConfigError as exc:
         raise StateError(
             f"the saved state's mixture weight changes cannot be replayed on this loader's "

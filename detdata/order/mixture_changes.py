@@ -23,7 +23,7 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION
-from detdata.order.mixture import (
+from detdata.order.mixing import (
     MixtureSchedule,
     Phase,
     _build_nodes,
@@ -35,7 +35,7 @@ def change_schedule(
     schedule: MixtureSchedule, seed: int, changes: Sequence[tuple[int, Sequence[int]]]
 ) -> MixtureSchedule:
     """``schedule`` (built under root ``seed``) after each of ``changes`` in turn: integer
-    ``weights`` (from `detdata.order.mixture.normalize_weights`, sorted-name order) in force
+    ``weights`` (from `detdata.order.mixing.normalize_weights`, sorted-name order) in force
     from global ``position`` on, for each ``(position, weights)``.
 
     One change keeps the phases starting before its position as they are (same index, key

@@ -52,6 +52,7 @@ ALL = (
     caps.RowGroupSized,
     caps.HasProvenance,
     caps.InvertibleOrder,
+    caps.Reweights,
 )
 
 #: What each built-in type provides (from their documented contracts; the one list).
@@ -63,8 +64,8 @@ EXPECTED: dict[str, set[str]] = {
     "PackedWindows": {"TokenCounting", "HasSchema"},
     "SplitPart": set(),
     "OrderedStream": {"Prefetching", "OverOneDataset", "HasOrigins"},
-    "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom"},
-    "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset"},
+    "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom", "Reweights"},
+    "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset", "Reweights"},
     "GlobalOrder": set(),
     "WindowedOrder": {"InvertibleOrder", "ShardSized"},  # an order over shards
 }

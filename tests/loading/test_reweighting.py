@@ -30,7 +30,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.exclusions import Excluded, ExclusionList
 from detdata.loading.loader import DataLoader
 from detdata.order.feistel import GlobalOrder
-from detdata.order.mixture import source_seed
+from detdata.order.mixing import source_seed
 from tests.soak import rounds
 
 SIZES = {"a": 61, "b": 37, "c": 53, "d": 29, "e": 41}
@@ -487,6 +487,12 @@ def test_bad_weights_are_refused_and_change_nothing() -> None:
     plain = DataLoader(detdata.ArrayDataset({"id": np.arange(10)}), global_batch_size=2, seed=0)
     with pytest.raises(ConfigError, match=r"not a detdata\.Mixture"):
         plain.set_mixture_weights({"a": 1})
+    banned = ExclusionList.of([3])
+    excluded = Excluded(detdata.ArrayDataset({"id": np.arange(10)}), banned, seed=0)
+    over_one = DataLoader(excluded, global_batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match=r"not a detdata\.Mixture"):
+        over_one.set_mixture_weights({"a": 1})
+    assert over_one.provenance(0)[0].mixture_weights is None
 
 
 def test_recorded_changes_need_a_mixture_on_resume() -> None:

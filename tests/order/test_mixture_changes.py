@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from detdata.base.errors import ConfigError
-from detdata.order.mixture import MixtureSchedule
+from detdata.order.mixing import MixtureSchedule
 from detdata.order.mixture_changes import change_schedule
 from tests.datasets.test_mixture import Ref
 from tests.soak import rounds
