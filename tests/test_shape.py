@@ -47,7 +47,7 @@ def test_one_name_per_class_and_per_module() -> None:
     modules are named after their command (docs/architecture.md)."""
     classes: dict[str, list[str]] = {}
     bases: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "detdata").rglob("*.py*")):
+    for path in sorted(p for p in (ROOT / "detdata").rglob("*.py*") if p.suffix in (".py", ".pyi")):
         rel = path.relative_to(ROOT).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
