@@ -61,7 +61,7 @@ EXPECTED: dict[str, set[str]] = {
     "TokenWindows": {"ReadsAhead", "TokenCounting", "HasSchema", "TakesOrder", "ShardSized"},
     "TableRows": {"HasSchema", "TakesOrder", "ShardSized", "RowGroupSized"},
     "Documents": set(),
-    "PackedWindows": {"TokenCounting", "HasSchema"},
+    "PackedWindows": {"TokenCounting", "HasSchema", "HasProvenance"},
     "SplitPart": set(),
     "OrderedStream": {"ReadsAhead", "OverOneDataset", "HasOrigins"},
     "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom", "Reweights"},
