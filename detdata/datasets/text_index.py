@@ -166,9 +166,11 @@ class IndexBuilder:
         self._flush(shard, batch)
 
     def _flush(self, shard: int, batch: list[tuple[int, int, int, str]]) -> None:
-        counts = [int(t.size) for t in self.tokenizer.encode([b[3] for b in batch])]
+        encoded = self.tokenizer.encode([b[3] for b in batch])
         bound = self.policy.max_document_tokens
-        for (line, first, second, _), count in zip(batch, counts, strict=True):
+        for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
+            count = int(tokens.size)
+            self._check_markers(shard, line, tokens)
             if bound is not None and count > bound:
                 raise FormatError(
                     f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
@@ -180,6 +182,17 @@ class IndexBuilder:
             ):
                 row.append(value)
             self.tokens += count
+
+    def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
+        """`FormatError` when the document's text encodes to its own bos / eos id."""
+        inner = self.tokenizer.inner_marker(tokens)
+        if inner is not None:
+            raise FormatError(
+                f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: the text "
+                f"encodes to token {inner[1]}, the {inner[0]} id, which would cut the document "
+                f"there; hint: pass as {inner[0]} a token the text cannot produce (e.g. an "
+                "added special token of the tokenizer.json)"
+            )
 
     def finish(self) -> npt.NDArray[np.int64]:
         """The index array (`ROWS` x ``N + 1``)."""

@@ -14,7 +14,13 @@ of the checked ``data`` field of a loader state) is plain JSON of:
   the same text otherwise);
 * the options that change the output: ``add_special_tokens`` (the post-processor's
   templates applied or not), ``bos`` / ``eos`` (token ids put before / after every
-  document, None: none).
+  document, None: none);
+* ``encode_special_tokens``: always True: special / added tokens written in a document's
+  text (``<eod>``, ``<|endoftext|>``) are encoded as plain text, never as the special id,
+  so a document cannot end mid-text (``tokenizers``' ``Tokenizer.encode_special_tokens``).
+
+A bos / eos id still found among a document's text tokens (e.g. ``eos`` given as the id of
+an ordinary token) is refused where the document is indexed (`inner_marker`).
 
 A document's tokens are ``[bos] + encode(text).ids + [eos]`` (`encode`), in batches
 (``encode_batch_fast``: the Rust library encodes a batch on its own threads without the
@@ -85,7 +91,9 @@ class TextTokenizer:
     def tokenizer(self) -> Tokenizer:
         """The ``tokenizers.Tokenizer`` (made from the JSON once per process)."""
         if self._tokenizer is None:
-            self._tokenizer = _library().Tokenizer.from_str(self.json)
+            made = _library().Tokenizer.from_str(self.json)
+            made.encode_special_tokens = True  # special tokens in the text are plain text
+            self._tokenizer = made
         return self._tokenizer
 
     def _token_id(self, value: int | str | None, name: str) -> int | None:
@@ -133,6 +141,7 @@ class TextTokenizer:
         out["add_special_tokens"] = self.add_special_tokens
         out["bos"] = self.bos
         out["eos"] = self.eos
+        out["encode_special_tokens"] = True
         return out
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray[Any, Any]]:
@@ -145,6 +154,18 @@ class TextTokenizer:
         head = [] if self.bos is None else [self.bos]
         tail = [] if self.eos is None else [self.eos]
         return [np.array(head + e.ids + tail, dtype=np.int64) for e in found]
+
+    def inner_marker(self, tokens: np.ndarray[Any, Any]) -> tuple[str, int] | None:
+        """``("bos" | "eos", id)`` when that id is among the text tokens of ``tokens`` (an
+        `encode` output, its own leading bos / trailing eos aside), None otherwise; not
+        checked with ``add_special_tokens`` (the templates may hold the same ids)."""
+        if self.add_special_tokens:
+            return None
+        body = tokens[(self.bos is not None) : tokens.size - (self.eos is not None)]
+        for name, marker in (("bos", self.bos), ("eos", self.eos)):
+            if marker is not None and bool((body == marker).any()):
+                return name, marker
+        return None
 
 
 def _tokenizer_json(source: object) -> str:

@@ -346,3 +346,38 @@ def test_the_text_index_is_built_once_checked_and_a_forged_count_is_caught_at_re
     docs = TextDocuments(manifest, tok, index_dir=tmp_path)
     with pytest.raises(FormatError, match=re.escape("shard a.jsonl line 1: tokenised to")):
         docs.document(0)
+
+
+# ------------------------------------------------------------------ special tokens in text
+def test_a_special_token_written_in_the_text_is_plain_text(corpus: Corpus, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = ["alpha beta", "alpha <eod> beta <|endoftext|> gamma", "delta"]
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", texts)
+    tok = TextTokenizer(corpus[1], eos="<eod>")
+    docs = TextDocuments(detdata.build_manifest(str(tmp_path / "d")), tok)
+    assert docs.num_documents == 3
+    found = docs.tokens([0, 1, 2])
+    reference = Tokenizer.from_file(str(corpus[1]))
+    reference.encode_special_tokens = True  # the library's own plain-text encoding
+    eod = reference.token_to_id("<eod>")
+    for text, tokens in zip(texts, found, strict=True):
+        assert tokens[-1] == eod and eod not in tokens[:-1].tolist()
+        assert tokens.tolist() == [*reference.encode(text, add_special_tokens=False).ids, eod]
+    assert tok.identity()["encode_special_tokens"] is True
+
+
+def test_a_bos_or_eos_id_among_a_documents_tokens_names_its_line(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["beta", "gamma alpha gamma", "beta"])
+    alpha = Tokenizer.from_file(str(corpus[1])).encode(" alpha").ids[0]
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    for option in ("bos", "eos"):
+        with pytest.raises(FormatError, match=rf"a.jsonl line 2 field 'text': .*{option}") as err:
+            TextDocuments(manifest, TextTokenizer(corpus[1], **{option: alpha}))
+        assert f"token {alpha}" in str(err.value)
