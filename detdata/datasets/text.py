@@ -26,6 +26,7 @@ decoded a few at a time. Shard files are checked on open like every dataset's
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
@@ -61,6 +62,7 @@ from detdata.datasets.text_index import (
     line_spans,
     where_of,
 )
+from detdata.identity.entry import Verify
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.text_formats import PLAIN, read_text_bytes
@@ -112,6 +114,16 @@ class _Local:
         self.lock = threading.Lock()
 
 
+def _full_verify(storage: Storage) -> Storage:
+    """``storage`` with ``verify="quick"`` raised to ``"full"``: a quick check hashes a
+    shard's first and last MiB only, and an edit in the middle of a text shard that keeps its
+    size and token counts would pass it; hashing every byte (~1 GB/s) costs little next to
+    tokenising it (~1 MB/s). ``verify="off"`` stays off (docs/design.md, raw text)."""
+    if storage.verify is Verify.QUICK:
+        return dataclasses.replace(storage, verify=Verify.FULL)
+    return storage
+
+
 class TextDocuments:
     """The documents of a manifest of text shards, tokenised when read (module docstring).
 
@@ -120,7 +132,8 @@ class TextDocuments:
     manifest records, `text_metadata`, else ``"text"``). ``empty``: ``"error"`` (an empty
     text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
     a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
-    index is stored (None: built at each construction). ``storage``: as `Documents`'.
+    index is stored (None: built at each construction). ``storage``: as `Documents`', but
+    ``verify="quick"`` (the default) is raised to ``"full"`` (`_full_verify`).
     """
 
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
@@ -138,7 +151,7 @@ class TextDocuments:
         storage: Storage | None = None,
         **refused: Never,
     ) -> None:
-        storage = checked_storage("TextDocuments", storage, refused)
+        storage = _full_verify(checked_storage("TextDocuments", storage, refused))
         self.storage = storage.with_default_cache(None)
         self.manifest = resolve_manifest(manifest, self.storage)
         self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())

@@ -381,3 +381,21 @@ def test_a_bos_or_eos_id_among_a_documents_tokens_names_its_line(
         with pytest.raises(FormatError, match=rf"a.jsonl line 2 field 'text': .*{option}") as err:
             TextDocuments(manifest, TextTokenizer(corpus[1], **{option: alpha}))
         assert f"token {alpha}" in str(err.value)
+
+
+def test_a_same_size_edit_in_the_middle_of_a_text_shard_is_refused(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    texts = [f"alpha beta {i}" for i in range(80_000)]  # > 3 MiB: the middle is past the quick MiBs
+    texts[40_000] = "alpha beta gamma"
+    write_jsonl(root / "a.jsonl", texts)
+    assert (root / "a.jsonl").stat().st_size > 3 << 20
+    detdata.build_manifest(str(root)).save(str(tmp_path / "manifest.json"))
+    raw = (root / "a.jsonl").read_bytes()
+    edited = raw.replace(b'"alpha beta gamma"', b'"gamma beta alpha"')
+    assert len(edited) == len(raw) and edited != raw
+    (root / "a.jsonl").write_bytes(edited)
+    with pytest.raises(VerificationError, match=re.escape("a.jsonl")):
+        TextDocuments(str(tmp_path / "manifest.json"), corpus[1])
