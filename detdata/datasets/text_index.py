@@ -114,7 +114,23 @@ def document_text(raw: bytes, field: str, where: str) -> str:
     if field not in doc:
         keys = sorted(doc)[:8]
         raise FormatError(f"{where}: no field {field!r} (it has {keys}); hint: pass field=")
-    return checked_text(doc[field], field, where)
+    text = checked_text(doc[field], field, where)
+    if "\\u" in decoded:  # only a JSON escape can write a lone surrogate in UTF-8 input
+        _check_surrogates(text, field, where)
+    return text
+
+
+def _check_surrogates(text: str, field: str, where: str) -> None:
+    """`FormatError` when ``text`` holds a lone surrogate (``"\\ud800"`` in the JSON): it is no
+    Unicode text, and the tokenizer cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FormatError(
+            f"{where} field {field!r}: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+            f"character {exc.start}, not Unicode text; hint: fix the escape in the JSON (a "
+            "surrogate pair encodes one character)"
+        ) from None
 
 
 def checked_text(value: object, field: str, where: str) -> str:

@@ -96,3 +96,15 @@ def test_npy_without_eos_and_bad_text_are_refused(
                "--out", str(tmp_path / "o2"))  # fmt: skip
     assert run.returncode == 2 and "shard x.jsonl line 2: no field 'text'" in run.stderr
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_lone_surrogate_is_a_format_error_naming_the_line(
+    text: tuple[Path, Path, list[str]], tmp_path: Path
+) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_bytes(b'{"text": "a"}\n{"text": "bad \\ud800 x"}\n')
+    run = _run("tokenize", "--root", str(tmp_path / "bad"), "--tokenizer", str(text[1]),
+               "--out", str(tmp_path / "o"))  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "shard x.jsonl line 2 field 'text': a lone surrogate" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "o").exists()

@@ -257,6 +257,7 @@ BAD_LINES = {
     "invalid UTF-8": (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', "line 2: invalid UTF-8"),
     "empty": (b'{"text": ""}\n', "line 1 field 'text': an empty document"),
     "not an object": (b'["text"]\n', "line 1: a JSON list"),
+    "lone surrogate": (b'{"text": "a"}\n{"text": "b \\ud800 c"}\n', "line 2 field 'text': a lone"),
 }
 
 
