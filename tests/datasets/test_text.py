@@ -400,3 +400,24 @@ def test_a_same_size_edit_in_the_middle_of_a_text_shard_is_refused(
     (root / "a.jsonl").write_bytes(edited)
     with pytest.raises(VerificationError, match=re.escape("a.jsonl")):
         TextDocuments(str(tmp_path / "manifest.json"), corpus[1])
+
+
+def test_json_named_and_bz2_xz_jsonl_shards_are_read(corpus: Corpus, tmp_path: Path) -> None:
+    import bz2
+    import lzma
+
+    texts = corpus[2][:12]
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    root = tmp_path / "d"
+    root.mkdir()
+    (root / "a.json").write_bytes(body)  # HF datasets' name for JSON lines
+    (root / "b.jsonl.bz2").write_bytes(bz2.compress(body))
+    (root / "c.jsonl.xz").write_bytes(lzma.compress(body))
+    manifest = detdata.build_manifest(str(root), format="jsonl")
+    assert [(s.path, s.schema) for s in manifest.shards] == [
+        ("a.json", "jsonl"),
+        ("b.jsonl.bz2", "jsonl+bz2"),
+        ("c.jsonl.xz", "jsonl+xz"),
+    ]
+    docs = TextDocuments(manifest, corpus[1])
+    assert [docs.text(d) for d in range(docs.num_documents)] == texts * 3
