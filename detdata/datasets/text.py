@@ -84,6 +84,9 @@ else:  # imported where a table is first read (base/lazy.py)
 TEXT_FIELD: Final = "text_field"
 #: Decoded table row groups kept per process.
 _GROUPS: Final = 8
+#: Arrow IPC stream shards whose record batches a process holds (a stream has no footer:
+#: finding batch ``g`` reads the batches before it, so the list is kept, zero-copy).
+_STREAMS: Final = 4
 #: Tokens of recently tokenised documents kept per process.
 _CACHED_TOKENS: Final = 1 << 22
 
@@ -105,10 +108,12 @@ class _Text(NamedTuple):
 class _Local:
     """A `TextDocuments`' side of one process: decoded row groups and tokenised documents."""
 
-    __slots__ = ("groups", "held", "lock", "tokens")
+    __slots__ = ("groups", "held", "lock", "streams", "tokens")
 
     def __init__(self) -> None:
         self.groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        #: the record batches of Arrow IPC stream shards (over their memory maps)
+        self.streams: OrderedDict[int, list[Any]] = OrderedDict()
         self.tokens: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
         self.held = 0
         self.lock = threading.Lock()
@@ -446,11 +451,28 @@ class TextDocuments:
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
         elif entry.format is Format.ARROW_STREAM:
-            column = list(reader)[group].column(field)
+            column = self._stream_batches(shard, reader)[group].column(field)
         else:
             column = reader.get_batch(group).column(field)
         values: list[Any] = column.to_pylist()
         return values
+
+    def _stream_batches(self, shard: int, reader: Any) -> list[Any]:
+        """The record batches of Arrow IPC stream ``shard`` (``reader`` just opened on it),
+        read once per process and kept for the `_STREAMS` latest shards (a stream has no
+        footer: reading one batch by number would read all before it each time)."""
+        local = self._local.get(_Local)
+        with local.lock:
+            held = local.streams.get(shard)
+            if held is not None:
+                local.streams.move_to_end(shard)
+                return held
+        batches = list(reader)
+        with local.lock:
+            local.streams[shard] = batches
+            while len(local.streams) > _STREAMS:
+                local.streams.popitem(last=False)
+        return batches
 
 
 def _field(manifest: Manifest, field: str | None) -> str:

@@ -421,3 +421,25 @@ def test_json_named_and_bz2_xz_jsonl_shards_are_read(corpus: Corpus, tmp_path: P
     ]
     docs = TextDocuments(manifest, corpus[1])
     assert [docs.text(d) for d in range(docs.num_documents)] == texts * 3
+
+
+def test_an_arrow_stream_shard_of_many_batches_reads_every_document(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    texts = corpus[2][:200]
+    table = pa.table({"text": texts})
+    (tmp_path / "d").mkdir()
+    with (
+        pa.OSFile(str(tmp_path / "d" / "s.arrow"), "wb") as sink,
+        ipc.new_stream(sink, table.schema) as writer,
+    ):
+        for batch in table.to_batches(max_chunksize=3):
+            writer.write_batch(batch)
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    assert manifest.shards[0].format.value == "arrow_stream"
+    docs = TextDocuments(manifest, corpus[1])
+    order = np.random.default_rng(3).permutation(len(texts))
+    assert [docs.text(int(d)) for d in order] == [texts[int(d)] for d in order]
