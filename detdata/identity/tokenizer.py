@@ -5,8 +5,9 @@ Text read at run time (`detdata.datasets.text.TextDocuments`) is tokenised by a
 downloaded). Its identity (`TextTokenizer.identity`, part of the dataset's identity and so
 of the checked ``data`` field of a loader state) is plain JSON of:
 
-* ``json_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
-  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding);
+* ``whole_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
+  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding; named to
+  sort after the section digests, so a refused resume names the section first);
 * ``model_b3`` / ``normalizer_b3`` / ``pre_tokenizer_b3`` / ``post_processor_b3`` /
   ``added_tokens_b3``: the same of each section, and ``truncation`` / ``padding`` as
   stored, so a refused resume names what changed (another merge: ``model_b3``);
@@ -133,7 +134,7 @@ class TextTokenizer:
             "type": "hf_tokenizers",
             "library": "tokenizers",
             "version": str(library.__version__),
-            "json_b3": digest_bytes(canonical_json(self.document)),
+            "whole_b3": digest_bytes(canonical_json(self.document)),
         }
         for section in SECTIONS:
             out[f"{section}_b3"] = digest_bytes(canonical_json(self.document.get(section)))

@@ -220,7 +220,7 @@ def test_resume_refuses_another_tokenizer_or_option_naming_the_field(
     state = _saved(PackedWindows(TextDocuments(manifest, TextTokenizer(corpus[1], eos=0)), 32))
     other = _one_merge_changed(corpus[1], tmp_path / "other.json")
     cases = {
-        "stream.dataset.documents.tokenizer.json_b3": TextTokenizer(other, eos=0),
+        "stream.dataset.documents.tokenizer.model_b3": TextTokenizer(other, eos=0),
         "stream.dataset.documents.tokenizer.bos": TextTokenizer(corpus[1], bos=1, eos=0),
         "stream.dataset.documents.tokenizer.eos": TextTokenizer(corpus[1]),
     }
