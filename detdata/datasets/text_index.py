@@ -187,6 +187,8 @@ class IndexBuilder:
         for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
             count = int(tokens.size)
             self._check_markers(shard, line, tokens)
+            if not count and self._skips_no_tokens(shard, line):
+                continue
             if bound is not None and count > bound:
                 raise FormatError(
                     f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
@@ -198,6 +200,17 @@ class IndexBuilder:
             ):
                 row.append(value)
             self.tokens += count
+
+    def _skips_no_tokens(self, shard: int, line: int) -> bool:
+        """True (skip it) for a document of no tokens under ``empty="skip"``; `FormatError`
+        naming it otherwise (e.g. whitespace under a stripping normaliser)."""
+        if self.policy.empty == "skip":
+            return True
+        raise FormatError(
+            f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no tokens "
+            "(the text encodes to none, e.g. whitespace under a stripping normaliser); hint: "
+            "remove it, or pass empty='skip' (recorded in the identity)"
+        )
 
     def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
         """`FormatError` when the document's text encodes to its own bos / eos id."""

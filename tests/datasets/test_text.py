@@ -443,3 +443,23 @@ def test_an_arrow_stream_shard_of_many_batches_reads_every_document(
     docs = TextDocuments(manifest, corpus[1])
     order = np.random.default_rng(3).permutation(len(texts))
     assert [docs.text(int(d)) for d in order] == [texts[int(d)] for d in order]
+
+
+def test_a_document_of_no_tokens_is_refused_or_skipped_by_the_empty_policy(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer, normalizers
+
+    stripping = Tokenizer.from_file(str(corpus[1]))
+    stripping.normalizer = normalizers.Strip()
+    assert stripping.encode("   ", add_special_tokens=False).ids == []  # the reference
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["alpha", "   ", "beta"])
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    with pytest.raises(FormatError, match=r"a.jsonl line 2 field 'text': no tokens"):
+        TextDocuments(manifest, TextTokenizer(stripping))
+    docs = TextDocuments(manifest, TextTokenizer(stripping), empty="skip")
+    assert [docs.text(d) for d in range(docs.num_documents)] == ["alpha", "beta"]
+    assert docs.lengths().tolist() == [
+        len(stripping.encode(t, add_special_tokens=False).ids) for t in ("alpha", "beta")
+    ]
