@@ -317,6 +317,8 @@ def test_jsonl_is_a_known_format_and_token_readers_point_to_text_documents(
     assert [s.num_samples for s in manifest.shards] == [2]
     with pytest.raises(FormatError, match=r"a\.jsonl: a jsonl text shard.*TextDocuments"):
         Documents(manifest)
+    with pytest.raises(FormatError, match=r"a\.jsonl.*TextDocuments.*PackedWindows"):
+        detdata.TokenWindows(manifest, seq_len=4)
     with pytest.raises(ConfigError, match="a npy token shard, not text"):
         np.save(tmp_path / "d" / "t.npy", np.arange(4, dtype=np.uint16))
         TextDocuments(detdata.build_manifest(str(tmp_path / "d")), corpus[1])
