@@ -227,9 +227,13 @@ class TextDocuments:
                     f"shard {entry.path}: {first.size} lines, its manifest entry says "
                     f"{entry.num_samples}; hint: rebuild the manifest"
                 )
+            skip_blank = self.policy.empty == "skip"
             for i, (a, b) in enumerate(zip(first.tolist(), end.tolist(), strict=True)):
-                where = where_of(self.manifest, shard, i + 1)
-                yield i + 1, a, b, document_text(bytes(data[a:b]), field, where)
+                raw = bytes(data[a:b])
+                if skip_blank and not raw.strip():
+                    yield i + 1, a, b, ""  # a blank line: an empty document, skipped
+                    continue
+                yield i + 1, a, b, document_text(raw, field, where_of(self.manifest, shard, i + 1))
             return
         row = 0
         for g in range(len(entry.row_groups or ())):

@@ -465,3 +465,14 @@ def test_a_document_of_no_tokens_is_refused_or_skipped_by_the_empty_policy(
     assert docs.lengths().tolist() == [
         len(stripping.encode(t, add_special_tokens=False).ids) for t in ("alpha", "beta")
     ]
+
+
+def test_a_blank_line_is_skipped_under_empty_skip(corpus: Corpus, tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_bytes(b'{"text": "alpha"}\n\n{"text": "beta"}\n  \n')
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    docs = TextDocuments(manifest, corpus[1], empty="skip")
+    assert [docs.text(d) for d in range(docs.num_documents)] == ["alpha", "beta"]
+    assert [docs.location(d)["line"] for d in range(2)] == [1, 3]
+    with pytest.raises(FormatError, match=re.escape("shard a.jsonl line 2: not JSON")):
+        TextDocuments(manifest, corpus[1])  # empty="error": the blank line is named
