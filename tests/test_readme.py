@@ -74,7 +74,7 @@ NOT_RUN: dict[str, str] = {
     "sampler = detdata.DeterministicBatchSampler.sharded_by_framework(": (
         "accelerate processes: tests/integrations/test_accelerate.py"
     ),
-    "from detdata.integrations.torchtitan import DetdataDataLoader": (
+    "from detdata.integrations.torchtitan import TorchtitanDataLoader": (
         "a torchtitan job config: tests/integrations/test_torchtitan.py"
     ),
     "import pytorch_lightning as pl": (
@@ -83,7 +83,7 @@ NOT_RUN: dict[str, str] = {
     "from detdata.integrations.transformers import DetdataTrainer": (
         "a transformers Trainer with a model: tests/integrations/test_transformers.py"
     ),
-    "from detdata.integrations.olmo_core import DetdataDataLoader": (
+    "from detdata.integrations.olmo_core import OlmoCoreDataLoader": (
         "an OLMo-core trainer: tests/integrations/test_olmo_core.py"
     ),
     "detdata where --state ckpt/loader.json --step 41000 --data train.py:build_loader [--decode"

@@ -7,7 +7,7 @@ durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of varyin
 are a `FormatError` unless the column is ``ragged`` (then an object array of read-only
 1-D arrays, a slow path; `copy_rows` makes a batch's own copies). `check_column_type`
 refuses at construction the types it cannot convert; `arrow_kind` says, from the Arrow
-type alone, what a column becomes (`detdata.datasets.columns.describe_column` form).
+type alone, what a column becomes (`detdata.datasets.batch_columns.describe_column` form).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import lazy_module
 from detdata.base.types import IntArray
-from detdata.datasets.columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype
 
 if TYPE_CHECKING:
     import pyarrow as pa

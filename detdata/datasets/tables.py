@@ -26,7 +26,7 @@ length only for columns named in ``ragged``); the row-group cache is
 `detdata.datasets.rowgroups`. Nothing returned aliases the cache: gathers copy, and the
 rows of ragged columns (cached as read-only views) are copied for each batch.
 ``schema()`` says what each column holds; detdata's default collate turns each kind into
-torch objects (`detdata.datasets.columns`).
+torch objects (`detdata.datasets.batch_columns`).
 
 Remote roots: reads of a row group retry with backoff under ``storage.retry`` (a
 `RetryPolicy`; a failed attempt re-opens the shard). With ``storage.cache_dir``, whole
@@ -62,7 +62,7 @@ from detdata.datasets.arrow_numpy import (
     to_numpy,
 )
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_column
+from detdata.datasets.batch_columns import describe_column
 from detdata.datasets.process_local import PerProcess
 from detdata.datasets.rowgroups import (
     Columns,
@@ -413,7 +413,7 @@ class TableRows:
         return batch
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers in it (`detdata.datasets.columns.describe_column` form).
+        """Column -> what `read` delivers in it (`batch_columns.describe_column` form).
 
         ``'int64'``, ``'float32 (3,)'`` (fixed-size lists), ``'datetime64[ms]'``
         (timestamps; dates ``'datetime64[D]'``), ``'timedelta64[us]'``, ``'str'``,

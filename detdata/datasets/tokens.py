@@ -30,7 +30,7 @@ from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import DefaultCache, Storage, checked_storage
 from detdata.datasets.window_index import WindowIndex, open_window_index
@@ -249,8 +249,8 @@ class TokenWindows:
         return self.seq_len
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without
-        a read."""
+        """Column -> what `read` delivers (`detdata.datasets.batch_columns.describe_column`
+        form), without a read."""
         return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
 
     def identity(self) -> dict[str, Any]:

@@ -304,8 +304,8 @@ class DataLoader:
 
     def tokens_consumed(self) -> dict[str, int]:
         """Tokens delivered to the callers of all ranks so far, per source name (a `Mixture`'s
-        sources, or one entry for a single dataset): see `detdata.loading.tokens`."""
-        from detdata.loading.tokens import tokens_consumed
+        sources, or one entry for a single dataset): see `detdata.loading.token_counts`."""
+        from detdata.loading.token_counts import tokens_consumed
 
         return tokens_consumed(self._cursor.stream, self._cursor.samples_consumed)
 

@@ -1,5 +1,5 @@
 """OLMo-core 3.0: its own ``Trainer.fit()`` with a ``CheckpointerCallback`` over
-`detdata.integrations.olmo_core.DetdataDataLoader`, 2 ranks (DDP, gloo) then a resume at 1;
+`detdata.integrations.olmo_core.OlmoCoreDataLoader`, 2 ranks (DDP, gloo) then a resume at 1;
 and its batch-size warm-up (``BatchSizeSchedulerCallback``), refused with a clear error.
 
 The rows the model got at each step (input_ids and labels, recorded by a forward pre-hook in
