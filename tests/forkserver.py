@@ -58,6 +58,7 @@ class Forkserver:
         self._dir = tempfile.TemporaryDirectory(prefix="forkserver-")
         self.socket = os.path.join(self._dir.name, "server.sock")
         command = [sys.executable, str(SERVER), "--serve", self.socket, json.dumps(preload)]
+        command.append(str(os.getpid()))
         self._proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
     def client(self, script: Path) -> list[str]:
@@ -177,10 +178,10 @@ def _wait(pid: int, conn: socket.socket) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def serve(path: str, preload: list[str]) -> int:
+def serve(path: str, preload: list[str], parent: int) -> int:
     """Import ``preload``, listen on ``path``, fork a child per request (one at a time); in
     the child, return its exit status (it ends as an interpreter does); in the server, run
-    until terminated."""
+    until terminated or until ``parent`` (the process that started it) is gone."""
     for name in preload:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -189,6 +190,10 @@ def serve(path: str, preload: list[str]) -> int:
     os.rename(path + ".tmp", path)  # clients connect once the imports are done
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
+        if not select.select([listener], [], [], 1.0)[0]:
+            if os.getppid() != parent:  # the test process is gone (killed): so is its server
+                return 0
+            continue
         conn, _ = listener.accept()
         with conn:
             try:
@@ -221,5 +226,5 @@ def client(path: str, script: str, args: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        sys.exit(serve(sys.argv[2], json.loads(sys.argv[3])))
+        sys.exit(serve(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])))
     sys.exit(client(sys.argv[2], sys.argv[3], sys.argv[4:]))

@@ -16,7 +16,8 @@ world 2, so the four pairs 1->1, 1->2, 2->2, 2->1 cost six runs. Between them th
 returned by ``train_dataloader()``) or inside ``train_dataloader()``, gradient accumulation,
 ``total_samples`` (the resumed run ends its epoch where an uninterrupted one does), an epoch
 boundary crossed after the resume, and (a seventh run) a resume from Lightning's default
-end-of-epoch checkpoint. About 10 processes in all, most of their time importing Lightning.
+end-of-epoch checkpoint. Each process is forked from a warm interpreter that imported
+Lightning once (`Launcher`, tests/forkserver.py): importing it took most of a run's time.
 
 The script imports ``pytorch_lightning`` unless a config names the unified package
 (``"package": "lightning.pytorch"``, its own copy of Lightning's classes, watched as well):
@@ -95,7 +96,9 @@ class Launcher:
         env.pop("MASTER_PORT", None)  # Lightning picks a free port for its own ranks
         package = cfg.get("package", "pytorch_lightning")
         if package not in self._servers:
-            self._servers[package] = Forkserver([package, "torch", "numpy", "detdata"], env)
+            # in the script's order: detdata first, so that its watch sees Lightning's import
+            # (detdata/integrations/watch.py), then Lightning (and torch with it)
+            self._servers[package] = Forkserver(["numpy", "detdata", package, "torch"], env)
         server = self._servers[package]
         return server.run(SCRIPT, [json.dumps(cfg)], cwd=out, env=env, timeout=300)
 
