@@ -147,3 +147,60 @@ def figure(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def bars(path: Path, title: str, ylabel: str, groups: dict[str, dict[str, float]]) -> None:
+    """Grouped bars (one group per row, one hatched bar per series): greyscale-readable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(groups)
+    series = list(next(iter(groups.values())))
+    hatches = ["", "//", "xx", ".."]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(series)
+    for i, s in enumerate(series):
+        xs = [k + i * width for k in range(len(names))]
+        ax.bar(
+            xs,
+            [groups[n][s] for n in names],
+            width,
+            label=s,
+            color="white",
+            edgecolor="black",
+            hatch=hatches[i % len(hatches)],
+        )
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=12)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def lines(
+    path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]]
+) -> None:
+    """One line per series, each with its own marker and dash (greyscale-readable), log x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, (name, points) in enumerate(series.items()):
+        marker, dash = styles[i % len(styles)]
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker=marker, linestyle=dash, color="black", label=name)
+    ax.set_xscale("symlog", linthresh=1000)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

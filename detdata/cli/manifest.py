@@ -23,7 +23,7 @@ from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
-from detdata.storage.fs import is_url
+from detdata.storage.fs import is_url, missing_folder_hint
 from detdata.storage.retry import DEFAULT_RETRY
 
 
@@ -145,7 +145,8 @@ def _check_local(path: str, what: str, *, folder: bool) -> None:
     if is_url(path):
         return
     if not os.path.exists(path):
-        raise ConfigError(f"{what} {path}: not found; hint: check the path")
+        hint = missing_folder_hint(path) if folder else "hint: check the path"
+        raise ConfigError(f"{what} {path}: not found; {hint}")
     if folder and not os.path.isdir(path):
         raise ConfigError(
             f"{what} {path} is a file, not a folder; hint: pass the folder holding the shards"

@@ -380,6 +380,7 @@ class TableRows:
             # (no per-group copies of the cached ones); the cache ends as after the visit below
             todo = cache.missing(group)
             if todo is not None:
+                cache.reserve(todo.size)
                 for g in todo.tolist():
                     cache.insert(g, self._decode(*index.in_shard(g)))
                 fast = cache.gather(group, in_group, self.columns)
@@ -388,6 +389,7 @@ class TableRows:
         order, group, spans = stable_groups(index.starts.searchsorted(arr, "right") - 1)
         rows = arr[order] - index.starts[group]
         parts: list[Columns | None] = [None] * len(spans)
+        cache.reserve(len(spans))
         # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
         # so that the groups of the last stretch of positions are the most recently used
         # when the next read begins (an ordered stream continues there): with a windowed

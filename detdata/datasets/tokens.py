@@ -290,7 +290,7 @@ class TokenWindows:
         self._reads.gather_remote(self.files.filesystem()[0], arr, out)
         return {"tokens": out}
 
-    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+    def read_ahead(self, ids: npt.ArrayLike | None) -> None:
         """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
         most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
         ``cache_dir``) and the native loop, a read over several shards is planned now and
@@ -303,7 +303,7 @@ class TokenWindows:
         pending hint, and a read drops those hinted before its own (their reads are joined
         first); a read not hinted keeps them. Nothing is raised here: bad ids or
         unreadable files are the read's to report."""
-        self._reads.prefetch(ids)
+        self._reads.read_ahead(ids)
 
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"

@@ -40,6 +40,7 @@ from olmo_core.data.collator import DataCollator
 from olmo_core.data.data_loader import TextDataLoaderBase
 from olmo_core.distributed.utils import get_rank, get_world_size
 
+from detdata.base.checks import refuses_renamed
 from detdata.base.errors import ConfigError
 from detdata.datasets.base import Dataset, Stream
 from detdata.loading.loader import DataLoader
@@ -79,6 +80,7 @@ def olmo_batch(
     )
 
 
+@refuses_renamed(read_ahead="batches_ahead")
 class OlmoCoreDataLoader(TextDataLoaderBase):
     """An OLMo-core ``TextDataLoaderBase`` over a `detdata.DataLoader` (see the module doc).
 
@@ -105,7 +107,7 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
         tokens_key: str = "tokens",
         num_workers: int = 0,
         worker_mode: str = "process",
-        read_ahead: int = 16,
+        batches_ahead: int = 16,
         pin_memory: bool = False,
     ) -> None:
         length = sequence_length if sequence_length is not None else getattr(data, "seq_len", None)
@@ -139,7 +141,7 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
             options=LoaderOptions(
                 rank=rank,
                 world_size=world,
-                read=ReadOptions(worker_mode=worker_mode, read_ahead=read_ahead),
+                read=ReadOptions(worker_mode=worker_mode, batches_ahead=batches_ahead),
             ),
             num_workers=num_workers,
             pin_memory=pin_memory,

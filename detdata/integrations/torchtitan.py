@@ -51,6 +51,7 @@ import torch
 import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 
+from detdata.base.checks import refuses_renamed
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.tokens import TokenWindows
@@ -107,6 +108,7 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
     keyword arguments the trainer passes. ``loader`` is the underlying `detdata.DataLoader`.
     """
 
+    @refuses_renamed(read_ahead="batches_ahead")
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):  # type: ignore[misc]
         """What the data is and the global batch. ``dataset`` (inherited) is a detdata
@@ -140,7 +142,7 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
 
         num_workers: int = 0
         worker_mode: str = "process"
-        read_ahead: int = 16
+        batches_ahead: int = 16
         pin_memory: bool = False
 
     def __init__(
@@ -175,7 +177,9 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
                 rank=dp_rank,
                 world_size=dp_world_size,
                 total_samples=config.total_samples,
-                read=ReadOptions(worker_mode=config.worker_mode, read_ahead=config.read_ahead),
+                read=ReadOptions(
+                    worker_mode=config.worker_mode, batches_ahead=config.batches_ahead
+                ),
             ),
             num_workers=config.num_workers,
             pin_memory=config.pin_memory,

@@ -1,6 +1,6 @@
 """Reading groups of positions: from a group of micro batches to delivered batches.
 
-`GroupSampler` yields this rank's micro-batch positions in groups of ``read_ahead``;
+`GroupSampler` yields this rank's micro-batch positions in groups of ``batches_ahead``;
 `GroupReader` reads a group with one batched read (`PositionDataset`: stream fetch plus
 the per-sample transform), splits it, and returns a `GroupRead` (the unit a worker
 process hands over; with `SlotSampler`, a `SlotGroup` in a shared-memory slot).
@@ -30,7 +30,7 @@ from detdata.base.redact import get_logger
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.batch_columns import is_ragged, restack, to_torch
-from detdata.datasets.capabilities import hint_prefetch
+from detdata.datasets.capabilities import hint_read_ahead
 from detdata.loading.layout import Layout
 from detdata.loading.slots import (
     Receipt,
@@ -120,10 +120,10 @@ class PositionDataset(tud.Dataset[Batch]):
             batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
         return batch
 
-    def prefetch(self, positions: IntArray | None) -> None:
-        """Pass the hint that ``positions`` are read next to a `Prefetching` stream (others
-        get none: `hint_prefetch`)."""
-        hint_prefetch(self.stream, positions)
+    def read_ahead(self, positions: IntArray | None) -> None:
+        """Pass the hint that ``positions`` are read next to a `ReadsAhead` stream (others
+        get none: `hint_read_ahead`)."""
+        hint_read_ahead(self.stream, positions)
 
     def __len__(self) -> int:
         raise TypeError("PositionDataset is indexed by position arrays and has no length")
@@ -273,9 +273,9 @@ def owned(batch: Any) -> Any:
     """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
 
     docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
-    never keeps its group alive (16x its size with the default ``read_ahead``) and
+    never keeps its group alive (16x its size with the default ``batches_ahead``) and
     ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
-    storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
+    storage (pinned copies, device batches, ``batches_ahead=1``) are passed through.
     """
     if isinstance(batch, torch.Tensor):
         return own_copy(batch) if batch.untyped_storage().nbytes() > batch.nbytes else batch
@@ -291,7 +291,7 @@ def owned(batch: Any) -> Any:
 
 
 class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
-    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
+    """Reads a group of micro batches with one batched read, then splits it (see ``batches_ahead``).
 
     With the default collate the group becomes one tensor per column and each
     micro batch is a view of it: one allocation, one pinning and (from a worker
@@ -397,16 +397,16 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def __call__(self, group: list[IntArray]) -> GroupRead:
         return self._one_by_one(group) if len(group) == 1 else self._group(group)
 
-    def prefetch(self, group: list[IntArray] | None) -> None:
+    def read_ahead(self, group: list[IntArray] | None) -> None:
         """A hint: ``group`` is read next (None: drop what is pending); see
-        `OrderedStream.prefetch`. It never changes a delivered byte, and never raises for
+        `OrderedStream.read_ahead`. It never changes a delivered byte, and never raises for
         what the read would report."""
         if group is None:
-            self.dataset.prefetch(None)
+            self.dataset.read_ahead(None)
         elif len(group) == 1:  # read on its own (`_one_by_one`)
-            self.dataset.prefetch(group[0])
+            self.dataset.read_ahead(group[0])
         else:
-            self.dataset.prefetch(np.concatenate(group))
+            self.dataset.read_ahead(np.concatenate(group))
 
     def __len__(self) -> int:
         raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
@@ -423,14 +423,14 @@ class RunSlice:
     stop: int | None
 
     def groups(self, size: int) -> GroupSampler:
-        """Its micro batches in groups of ``size`` (``read_ahead``)."""
+        """Its micro batches in groups of ``size`` (``batches_ahead``)."""
         return GroupSampler(self.layout, self.start, self.stop, size)
 
 
 @dataclass(frozen=True)
 class Reads:
     """How every batch source reads a group: with the per-sample ``transform`` (and the
-    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``read_ahead``
+    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``batches_ahead``
     micro batches per group; ``pin_memory``: batches read in this process are pinned when
     CUDA is present (torch's ``pin_memory``; off with a device feed, which pins itself)."""
 
@@ -438,7 +438,7 @@ class Reads:
     seed: int
     collate_fn: Callable[[Batch], Any] | None
     pin_memory: bool
-    read_ahead: int
+    batches_ahead: int
 
     def reader(self, stream: Stream, *, in_worker: bool) -> GroupReader:
         """The `GroupReader` of ``stream``; in a worker process (``in_worker``) batches are

@@ -377,7 +377,7 @@ class SlotTransport:
             self._disabled = True
             log.info(
                 "detdata: a read-ahead group needs %d bytes; %d shared-memory slots of that "
-                "size exceed %d bytes, so groups use torch's transfer (lower read_ahead to "
+                "size exceed %d bytes, so groups use torch's transfer (lower batches_ahead to "
                 "use slots)",
                 self._largest,
                 self.count,

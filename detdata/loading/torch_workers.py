@@ -140,7 +140,7 @@ class WorkerSource:
         return self._loader
 
     def _build(self, at: RunSlice) -> tud.DataLoader[Any]:
-        self._groups = at.groups(self._reads.read_ahead)
+        self._groups = at.groups(self._reads.batches_ahead)
         sampler: GroupSampler | SlotSampler = self._groups
         if self.slot_transfer and self._reads.collate_fn is None:
             # groups come back through reused shared-memory slots (detdata.loading.slots)

@@ -132,6 +132,8 @@ def test_adapter_refuses_what_would_break_exactness(tmp_path: Path) -> None:
     kwargs = {"dp_world_size": 2, "dp_rank": 1, "seq_len": SEQ, "local_batch_size": 2}
     with pytest.raises(detdata.ConfigError, match=r"global_batch_size=\.\.\.\) is required"):
         TorchtitanDataLoader.Config(dataset_path=manifest).build(**kwargs)
+    with pytest.raises(detdata.ConfigError, match=r"\(read_ahead=\.\.\.\) is now .*batches_ahead"):
+        TorchtitanDataLoader.Config(dataset_path=manifest, read_ahead=4)  # renamed, no alias
     bare = detdata.TokenWindows(manifest, seq_len=SEQ, labels=False)
     batch = next(iter(detdata.DataLoader(bare, global_batch_size=4)))
     with pytest.raises(detdata.ConfigError, match=r"seq_len \+ 1 = 17 tokens"):
