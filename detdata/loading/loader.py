@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from fractions import Fraction
 from typing import Any, Final
 
 from detdata.base.checks import check_count, check_seed
@@ -36,6 +37,7 @@ from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
 from detdata.loading.options import LoaderOptions
 from detdata.loading.reading import Reads
+from detdata.loading.reweighting import MixtureController, reweightable
 from detdata.loading.sources import GROUPS_AHEAD, batch_source
 from detdata.loading.state import transform_identity
 from detdata.loading.steps import MidStep
@@ -484,6 +486,23 @@ class DataLoader:
         self._trace.follow(self._cursor.layout.rank)
         self._trace.restore(self._cursor.samples_consumed)
         self._source.reset()  # kept workers hold the old position's stream and sampler
+
+    # ------------------------------------------------------------ mixture weights
+    def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
+        """Put ``weights`` (of every `Mixture` source) in force from the first position of
+        the next global step, returned (`Cursor.set_mixture_weights`; a collective under
+        torch.distributed: ranks that differ get a `ConfigError` naming them). README
+        "Mixtures that change during a run"."""
+        return self._cursor.set_mixture_weights(weights)
+
+    def set_mixture_controller(self, controller: MixtureController | None) -> None:
+        """Ask ``controller.mixture_weights(step)`` before each global step (None: stop)."""
+        self._cursor.set_controller(controller)
+
+    def mixture_weights_at_step(self, step: int) -> dict[str, Fraction]:
+        """The exact proportions in force at global ``step``'s first position."""
+        position = self._cursor.position_of_step(step)
+        return reweightable(self._cursor.stream).mixture_weights_at(position)
 
     # ------------------------------------------------------------ provenance
     def provenance(
