@@ -22,13 +22,21 @@ from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import OrdersDataset
 from detdata.datasets.streams import as_stream
 from detdata.loading import resume
+from detdata.loading.attest import Attestation, Pending
 from detdata.loading.history import Plan
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.options import ResumePolicy
 from detdata.loading.state import (
+    CHECKED_FIELDS,
+    K_ALGORITHM,
+    K_DATA,
     K_EXCLUSIONS,
     K_GLOBAL_BATCH,
+    K_MANIFESTS,
     K_MIXTURE,
+    K_SEED,
+    K_STREAM_SEED,
+    K_TRANSFORM,
     LoaderState,
     check_allow,
     environment,
@@ -41,6 +49,11 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
 _LOG: Final = get_logger("detdata")
+#: Allowed changes after which the samples before the saved position are not the saved run's
+#: to re-derive (another seed, data, order or transform): such a resume is not attested; nor is
+#: one whose mixture or exclusions change at a position before an attested sample (a state
+#: saved inside a step, resumed at the step's start).
+_UNATTESTABLE: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_TRANSFORM)
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,7 @@ class Cursor:
         self._consumed = 0
         self._generation = 0
         self._superseded = ""  # what ended the iterators of earlier generations
+        self._pending: Pending | None = None  # the loaded state's attestation, not yet passed
 
     # ------------------------------------------------------------- read-only
     @property
@@ -155,6 +169,16 @@ class Cursor:
     @property
     def total_samples(self) -> int | None:
         return self._total
+
+    @property
+    def pending(self) -> Pending | None:
+        """The attestation the loaded state carries, until an iteration passed it (None: none
+        to check: `detdata.loading.attest`)."""
+        return self._pending
+
+    def attested(self) -> None:
+        """The pending attestation passed."""
+        self._pending = None
 
     @property
     def generation(self) -> int:
@@ -252,9 +276,13 @@ class Cursor:
         """The checked identity fields of the loader now (of the stream in force)."""
         return self.definition.fields(self._stream)
 
-    def state_dict(self, workers: Mapping[str, Any]) -> dict[str, Any]:
+    def state_dict(
+        self, workers: Mapping[str, Any], attestation: Attestation | None = None
+    ) -> dict[str, Any]:
         """JSON-serialisable state: samples delivered plus identity, layout (``workers``: the
-        loader's ``num_workers`` and ``worker_mode``, recorded with it) and environment."""
+        loader's ``num_workers`` and ``worker_mode``, recorded with it), environment and
+        ``attestation`` (`detdata.loading.attest`). A loaded state's attestation not yet
+        passed is carried instead of ``attestation``: it stays to be checked."""
         layout = {
             "world_size": self._layout.world_size,
             "micro_batch_size": self._layout.micro_batch_size,
@@ -267,6 +295,7 @@ class Cursor:
             layout=layout,
             env=environment(),
             history=tuple(self._plan.to_json()),
+            attestation=attestation if self._pending is None else self._pending.attestation,
         )
         return state.to_json()
 
@@ -326,4 +355,32 @@ class Cursor:
         self._plan, self._layout = plan, layout
         self._saved_plan = Plan(saved.plan.entries, plan.changes)
         self._consumed = saved.samples_consumed
+        self._pending = self._attestation_of(saved, diffs)
         self.supersede("load_state_dict() moved the loader")
+
+    def _attestation_of(self, saved: LoaderState, diffs: list[str]) -> Pending | None:
+        """The attestation the first iteration after this resume must pass (None: off, none
+        saved, or an allowed change of what the attested samples depend on; logged)."""
+        if not self._policy.attest:
+            return None
+        if saved.attestation is None:
+            if saved.upgraded_from is not None:
+                _LOG.warning(
+                    "detdata: this resume is not attested: the state was saved in format %d, "
+                    "before resume attestation (a state saved from now on carries one)",
+                    saved.upgraded_from,
+                )
+            return None  # otherwise nothing was delivered before the save, or attest was off
+        changed = [d for d in diffs if d in _UNATTESTABLE]
+        span = saved.attestation.first + len(saved.attestation.samples)
+        if not changed and span > self._consumed:  # a change takes effect at the position
+            changed = [d for d in diffs if d in (K_MIXTURE, K_EXCLUSIONS)]
+        if changed:
+            _LOG.warning(
+                "detdata: this resume is not attested: the allowed change of %s changes the "
+                "samples the state attests",
+                changed,
+            )
+            return None
+        equal = tuple(f for f in CHECKED_FIELDS if f not in diffs)
+        return Pending(saved.attestation, self._consumed, self.step, equal)

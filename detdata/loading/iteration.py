@@ -20,6 +20,7 @@ import torch
 from detdata.base.errors import ConfigError
 from detdata.base.types import IntArray
 from detdata.datasets.prefetch import Lookahead
+from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor
 from detdata.loading.options import DeviceFeed
 from detdata.loading.reading import RunSlice
@@ -72,14 +73,15 @@ class SchemaCheck:
 class Delivery:
     """The parts an iteration uses, wired by the `DataLoader` (each owns its state):
     the ``cursor`` it reads from and advances, the batch ``source``, the ``device`` feed,
-    the ``trace``, the ``schema`` check (None: no transform), and the read settings the
-    lookahead and the failure notes need."""
+    the ``trace``, the ``schema`` check (None: no transform), the ``attestor`` of a resume
+    and the read settings the lookahead and the failure notes need."""
 
     cursor: Cursor
     source: BatchSource
     device: DeviceFeed
     trace: RankTrace
     schema: SchemaCheck | None
+    attestor: Attestor
     read_ahead: int
     lookahead: int
     lookahead_connections: int
@@ -139,6 +141,10 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     lookahead = None
     clean = False
     try:  # from the start: torch's iter() itself can be interrupted
+        pending = cursor.pending
+        if pending is not None:  # a resume's attestation, before its first batch is read
+            d.attestor.verify(cursor.stream, pending)
+            cursor.attested()
         at = RunSlice(cursor.stream, cursor.layout, cursor.samples_consumed, cursor.stop())
         batches = iterator = d.source.batches(at)
         # after batches(): worker processes are forked by now

@@ -29,6 +29,7 @@ from detdata.loading.arguments import (
     check_torch_args,
     refuse_torch_habits,
 )
+from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor, Definition
 from detdata.loading.history import as_schedule
 from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
@@ -99,7 +100,7 @@ class DataLoader:
       ``transform_id``, ``trace``, ``read`` (a `ReadOptions`: ``worker_mode``,
       ``read_ahead``, ``lookahead``, ``lookahead_connections``), ``device`` (a `DeviceFeed`:
       ``device``, ``prefetch``) and ``resume`` (a `ResumePolicy`: ``allow``, ``mid_step``,
-      ``fresh_each_run``).
+      ``fresh_each_run``, ``attest``).
       Each is described below and on its class.
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
       ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
@@ -135,6 +136,9 @@ class DataLoader:
     `load_state_dict`'s ``allow`` (added to) and ``mid_step``. ``ResumePolicy.fresh_each_run``:
     this loader starts over in every run by design (evaluation); framework watches do not take
     it for a training loader a checkpoint left out (`detdata.integrations.accelerate`).
+    ``ResumePolicy.attest`` (default True): a state carries the digests of the last samples
+    delivered before it, and a resume re-derives them before its first batch
+    (`detdata.loading.attest`): what changed outside the checked fields is a `StateError`.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (prefetched batches are not counted).
@@ -219,8 +223,10 @@ class DataLoader:
         }
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
+        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.read_ahead)
+        self._attestor = Attestor(reads)
         self._source = batch_source(
-            Reads(opts.transform, self.seed, collate_fn, pin, self.read_ahead),
+            reads,
             self.worker_mode,
             workers,
             seed=self.seed,
@@ -233,6 +239,7 @@ class DataLoader:
             device=opts.device,
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
+            attestor=self._attestor,
             read_ahead=self.read_ahead,
             lookahead=self.lookahead,
             lookahead_connections=self.lookahead_connections,
@@ -434,9 +441,14 @@ class DataLoader:
 
     # ------------------------------------------------------ state and resume
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: samples delivered plus identity, layout and environment."""
+        """JSON-serialisable state: samples delivered plus identity, layout, environment and
+        the resume attestation (`detdata.loading.attest`: the digests of the last samples
+        delivered, read again here; ``ResumePolicy(attest=False)``: none)."""
+        attestation = None
+        if self.options.resume.attest and self._cursor.pending is None:
+            attestation = self._attestor.record(self._cursor.stream, self._cursor.samples_consumed)
         return self._cursor.state_dict(
-            {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+            {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}, attestation
         )
 
     def load_state_dict(
