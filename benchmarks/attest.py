@@ -72,7 +72,7 @@ def loader(manifest: Any, attest: bool) -> detdata.DataLoader:
         seed=1,
         options=detdata.LoaderOptions(
             resume=detdata.ResumePolicy(attest=attest),
-            read=detdata.ReadOptions(lookahead=0),
+            read=detdata.ReadOptions(steps_ahead=0),
         ),
     )
 

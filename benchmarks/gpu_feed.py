@@ -19,7 +19,7 @@ its numbers say the code runs, not how a GPU is fed.
       ``.to(device, non_blocking=True)``,
     * ``detdata_pin``: `detdata.DataLoader` with ``pin_memory=True`` and the same
       manual ``.to``,
-    * ``detdata_device``: `detdata.DataLoader` with ``DeviceFeed(device=..., prefetch=...)``.
+    * ``detdata_device``: `detdata.DataLoader` with ``DeviceFeed(device=..., copies_ahead=...)``.
     ``wait_frac`` = 1 - (time of the same steps on a batch already on the device)
     / (time with the loader): the fraction of step time spent waiting for data.
     ``host_next_frac`` = host time inside ``next()`` / total time (hidden when
@@ -232,7 +232,7 @@ def loaders(
         dl = detdata.DataLoader(
             data,
             options=detdata.LoaderOptions(
-                device=detdata.DeviceFeed(device=device, prefetch=args.depth)
+                device=detdata.DeviceFeed(device=device, copies_ahead=args.depth)
             ),
             **common,
         )

@@ -203,7 +203,7 @@ def bench_resume(root: Path, seq_len: int, batch: int, repeats: int) -> dict[str
             packed,
             global_batch_size=batch,
             seed=3,
-            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=1)),
         )
 
     def fresh() -> None:

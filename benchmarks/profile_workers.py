@@ -69,7 +69,7 @@ def threads(nbytes: int, n: int) -> Iterator[Any]:
     ds = Copies(nbytes, True)
     fetch: Callable[[np.ndarray], Any] = lambda pos: ds[int(pos[0])]  # noqa: E731
     positions = (np.arange(k, k + 1) for k in range(1 << 30))
-    return threaded_batches(fetch, positions, num_threads=n, prefetch=2 * n)
+    return threaded_batches(fetch, positions, num_threads=n, ahead=2 * n)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ else:
 def run(kept):
     for k, b in enumerate(ids):
         if case == "hinted" and k + 1 < len(ids):
-            ds.prefetch(ids[k + 1])
+            ds.read_ahead(ids[k + 1])
         got = ds.read(b)["tokens"]
         if kept is not None:
             kept.append(got)

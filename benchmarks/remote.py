@@ -432,9 +432,9 @@ def run_one(
     if default:
         loader = detdata.DataLoader(stream, global_batch_size=size.batch, seed=7)
         if ds.cache_dir is not None:  # until the default lookahead first reaches its depth
-            from detdata.loading.loader import DEFAULT_LOOKAHEAD
+            from detdata.loading.loader import DEFAULT_STEPS_AHEAD
 
-            warmup = max(warmup, DEFAULT_LOOKAHEAD)
+            warmup = max(warmup, DEFAULT_STEPS_AHEAD)
         last = ds.num_samples // size.batch
         warmup = min(warmup, last // 2)
         limit = size.seconds
@@ -445,7 +445,7 @@ def run_one(
             seed=7,
             options=detdata.LoaderOptions(
                 read=detdata.ReadOptions(
-                    read_ahead=READ_AHEAD, lookahead=lookahead if cache is not None else 0
+                    batches_ahead=READ_AHEAD, steps_ahead=lookahead if cache is not None else 0
                 )
             ),
         )

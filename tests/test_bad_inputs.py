@@ -657,7 +657,7 @@ _CHILD = textwrap.dedent("""
     mode, workers = sys.argv[1], int(sys.argv[2])
     dl = detdata.DataLoader(Fragile(mode), global_batch_size=8, micro_batch_size=4, seed=SEED,
                             num_workers=workers, timeout=2 if workers else 0,
-                            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)))
+                            options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)))
     delivered, start = 0, time.monotonic()
     try:
         for _ in dl:
@@ -717,7 +717,7 @@ def test_worker_failures_reach_the_main_process(tmp_path: Path, mode: str, worke
         assert "exited unexpectedly" in out["message"]
         assert "pid" in out["message"] or "handing over a batch" in out["message"]
     else:
-        # a worker process reads groups of read_ahead=4 micro batches: the group holding micro
+        # a worker process reads groups of batches_ahead=4 micro batches: the group holding micro
         # batch 5 (4..7) is the one that times out, so micro batch 4 is the next undelivered one
         assert out["type"] == "RuntimeError" and "timed out after 2 seconds" in out["message"]
         assert out["delivered"] == 4

@@ -1,18 +1,25 @@
-"""Every code block of README.md runs as written (issue 34).
+"""Every code block of README.md runs exactly as written, in order (issues 34, 46).
 
-The test extracts the fenced blocks of the README and runs the Python ones, in order, in one
-namespace (the README reads as one story: the Quickstart's loader is the one whose step 41,000
-spiked), inside a temporary folder holding tiny data prepared here: ``data/wiki-en/*.npy``
-token shards for the Quickstart, a Megatron ``corpus/P.bin`` + ``P.idx`` for "Real corpora".
-Names a block borrows from the reader's own script (a model, a config) are bound by
-``PRELUDES``, keyed by the block's first line, and each is the real object (a torch module, a
-dict), never a stand-in for detdata. The shell blocks that a test machine can run are run
-through ``bash`` in the same folder (``SHELL_RUN``); every other block is listed in ``NOT_RUN``
-with the reason and the test that runs the same calls, so a new block cannot go untested.
+The test extracts the fenced blocks of the README and runs them in README order inside one
+temporary folder: the Python blocks in one namespace (the README reads as one story: the
+Quickstart's loader is the one whose step 41,000 spiked), the ``bash`` blocks through
+``bash -e`` in the same folder, so a block that needs a file finds it only if an earlier
+block made it (the Quickstart writes ``data/manifest.json``, the loss-spike block writes
+``ckpt/loader.json`` and ``data_def.py``). Nothing is prepared but the reader's own inputs:
+their token shards (``data/wiki-en/*.npy``), a Megatron ``corpus/P.bin`` + ``P.idx`` for
+"Real corpora", and the git checkout of their code the run record names. Names a block
+borrows from the reader's own script (``max_steps``, a config dict) are bound by
+``PRELUDES``, keyed by the block's first line, each a real value. Every other block is
+listed in ``NOT_RUN`` with the reason and the test that runs the same calls, so a new block
+cannot go untested. A comment that lists a record's fields (``# fields: ...``) is checked
+against every record the block prints.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -74,7 +81,7 @@ NOT_RUN: dict[str, str] = {
     "sampler = detdata.DeterministicBatchSampler.sharded_by_framework(": (
         "accelerate processes: tests/integrations/test_accelerate.py"
     ),
-    "from detdata.integrations.torchtitan import DetdataDataLoader": (
+    "from detdata.integrations.torchtitan import TorchtitanDataLoader": (
         "a torchtitan job config: tests/integrations/test_torchtitan.py"
     ),
     "import pytorch_lightning as pl": (
@@ -83,11 +90,9 @@ NOT_RUN: dict[str, str] = {
     "from detdata.integrations.transformers import DetdataTrainer": (
         "a transformers Trainer with a model: tests/integrations/test_transformers.py"
     ),
-    "from detdata.integrations.olmo_core import DetdataDataLoader": (
+    "from detdata.integrations.olmo_core import OlmoCoreDataLoader": (
         "an OLMo-core trainer: tests/integrations/test_olmo_core.py"
     ),
-    "detdata where --state ckpt/loader.json --step 41000 --data train.py:build_loader [--decode"
-    " train.py:detok]": "a synopsis ([optional] flags): tests/cli/test_cli_where.py",
     "detdata manifest build ROOT --pattern '**/*.npy' -o manifest.json": (
         "a synopsis of every command (ROOT, FILES...): tests/cli"
     ),
@@ -131,23 +136,67 @@ def test_every_readme_block_is_run_or_listed_with_its_reason() -> None:
     unknown = [
         f"README.md:{b.line}: {b.first}"
         for b in blocks
-        if b.lang != "python" and b.first not in NOT_RUN and b.first not in SHELL_RUN
+        if b.lang not in RUNNERS and b.first not in NOT_RUN
     ]
-    assert unknown == [], "shell blocks neither run nor listed:\n" + "\n".join(unknown)
+    assert unknown == [], "blocks neither run nor listed:\n" + "\n".join(unknown)
     stale = sorted(set(NOT_RUN) - {b.first for b in blocks})
     assert stale == [], f"NOT_RUN names blocks the README no longer has: {stale}"
 
 
-# Shell blocks run through bash, each command line by line (comments stripped by bash).
-SHELL_RUN = {
-    "detdata env --out run_record.json             # print (and save) this machine's record",
-    "detdata split --manifest data/manifest.json --seq-len 2048 --fraction 0.01 --salt val-v1"
-    " --out split/",
-}
+#: The languages whose blocks are run (every other block must be in `NOT_RUN`).
+RUNNERS = ("python", "bash")
+FIELDS = re.compile(r"#\s*fields:(.*?)\n(?!\s*#\s{2,})", re.S)
+
+
+def promised_fields(code: str) -> list[str]:
+    """The record fields a ``# fields: a, b, ...`` comment (continued on ``#`` lines) lists."""
+    found = FIELDS.search(code + "\n")
+    if found is None:
+        return []
+    text = re.sub(r"\n\s*#", " ", found.group(1))
+    return [f.strip() for f in text.split(",") if f.strip()]
+
+
+def _run_python(block: Block, namespace: dict[str, object]) -> None:
+    """``block`` in ``namespace`` (warnings are errors); a ``# fields:`` comment must list
+    exactly the keys of every record the block prints."""
+    code = "\n" * (block.line - 1) + block.code  # tracebacks name README.md's lines
+    out = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+        warnings.simplefilter("error")  # a block that warns misleads as much as one that fails
+        exec(PRELUDES.get(block.first, ""), namespace)
+        exec(compile(code, "README.md", "exec"), namespace)
+    promised = promised_fields(block.code)
+    if promised:
+        records = [ast.literal_eval(line) for line in out.getvalue().splitlines()]
+        assert records, f"README.md:{block.line} printed no record"
+        for record in records:
+            assert sorted(record) == sorted(promised), (
+                f"README.md:{block.line}: the comment lists {promised}, a record holds "
+                f"{list(record)}"
+            )
+
+
+def _run_bash(block: Block, tmp: Path) -> None:
+    """``block`` as one ``bash -e`` script in ``tmp`` (a heredoc spans lines)."""
+    done = subprocess.run(
+        ["bash", "-e", "-c", block.code],
+        cwd=tmp,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"README.md:{block.line} ({block.first!r}) fails:\n{done.stdout[-2000:]}\n"
+        f"{done.stderr[-3000:]}"
+    )
+    assert "Warning" not in done.stderr, f"README.md:{block.line} warns:\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run_as_written(
+def test_readme_blocks_run_as_written_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _prepare(tmp_path)
@@ -155,49 +204,29 @@ def test_readme_python_blocks_run_as_written(
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__readme__"}
-    ran = 0
+    ran = {lang: 0 for lang in RUNNERS}
     for block in readme_blocks():
-        if block.lang != "python" or block.first in NOT_RUN:
+        if block.lang not in RUNNERS or block.first in NOT_RUN:
             continue
-        code = "\n" * (block.line - 1) + block.code  # tracebacks name README.md's lines
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter(
-                    "error"
-                )  # a block that warns misleads as much as one that fails
-                exec(PRELUDES.get(block.first, ""), namespace)
-                exec(compile(code, "README.md", "exec"), namespace)
+            if block.lang == "python":
+                _run_python(block, namespace)
+            else:
+                _run_bash(block, tmp_path)
         except Exception as exc:
             raise AssertionError(
                 f"README.md:{block.line} ({block.first!r}) fails: {exc!r}"
             ) from exc
-        ran += 1
-    assert ran >= 5
+        ran[block.lang] += 1
+    assert ran["python"] >= 5 and ran["bash"] >= 3, ran
 
 
-@pytest.mark.slow
-def test_readme_shell_blocks_run_as_written(tmp_path: Path) -> None:
-    _prepare(tmp_path)
-    env = _env(tmp_path)
-    blocks = [b for b in readme_blocks() if b.first in SHELL_RUN]
-    assert len(blocks) == len(SHELL_RUN)
-    setup = [  # the manifest the shell blocks name, built with the README's own command
-        "detdata manifest build data/wiki-en --pattern '**/*.npy' -o data/manifest.json",
-    ]
-    for line in [*setup, *(ln for b in blocks for ln in b.code.splitlines())]:
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        done = subprocess.run(
-            ["bash", "-c", line],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-        assert "Warning" not in done.stderr, f"{line} warns:\n{done.stderr[-3000:]}"
+def test_the_fields_comment_is_read_as_the_readme_writes_it() -> None:
+    """`promised_fields` reads a continued comment whole (the check above rests on it)."""
+    code = "print(r)  # fields: a, b_c,\n          #         d\nx = 1  # other\n"
+    assert promised_fields(code) == ["a", "b_c", "d"]
+    spike = next(b for b in readme_blocks() if "provenance(41_000)" in b.code)
+    assert "shard" in promised_fields(spike.code) and "digest" in promised_fields(spike.code)
 
 
 def test_replay_check_help_lists_every_flag_it_appends_to_your_command() -> None:

@@ -5,6 +5,7 @@ inheriting another concrete detdata class."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import sys
@@ -38,3 +39,21 @@ def test_the_package_keeps_its_shape() -> None:
         lines, methods = shape.size_over_mro(measured, name)
         assert lines <= 600 and methods <= 40, (name, lines, methods)
     assert set(shape.concrete_inheritance(measured)) <= ALLOWED
+
+
+def test_one_name_per_class_and_per_module() -> None:
+    """A class name is defined once in the package (the native module's ``.pyi`` stub
+    included), and a module basename is reused across layers only by ``cli/``, whose
+    modules are named after their command (docs/architecture.md)."""
+    classes: dict[str, list[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for path in sorted(p for p in (ROOT / "detdata").rglob("*.py*") if p.suffix in (".py", ".pyi")):
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(rel)
+        if path.suffix == ".py" and path.stem != "__init__" and "/cli/" not in rel:
+            bases.setdefault(path.stem, []).append(rel)
+    assert {n: p for n, p in classes.items() if len(p) > 1} == {}
+    assert {n: p for n, p in bases.items() if len(p) > 1} == {}

@@ -6,7 +6,9 @@ argument, what was expected and what was found. Bools are never integers here.
 
 from __future__ import annotations
 
-from typing import Final
+import functools
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -14,6 +16,8 @@ from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION
 
 _MAX_SEED: Final = 1 << 64
+
+C = TypeVar("C", bound=type)
 
 
 def check_seed(seed: object, what: str = "seed") -> int:
@@ -44,3 +48,27 @@ def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def refuses_renamed(**renamed: str) -> Callable[[C], C]:
+    """Class decorator: ``Cls(old=...)`` for a keyword renamed ``renamed[old]`` raises
+    `ConfigError` naming the new spelling (no alias: one spelling per option); every other
+    call goes to the class's own ``__init__`` unchanged (the one type checkers see)."""
+
+    def wrap(cls: C) -> C:
+        init = cls.__init__  # type: ignore[misc]  # the class's own, wrapped once
+
+        @functools.wraps(init)
+        def __init__(self: object, *args: Any, **kwargs: Any) -> None:
+            for old in sorted(kwargs.keys() & renamed.keys()):
+                new = renamed[old]
+                raise ConfigError(
+                    f"{cls.__name__}({old}=...) is now {cls.__name__}({new}=...); hint: "
+                    f"write {new}=... (the old spelling has no alias)"
+                )
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap

@@ -28,7 +28,11 @@ _MARKER_TEXT: Final = (
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
-        "demo", help="build a small corpus, train a tiny GPT with interrupt/resume/reshard proof"
+        "demo",
+        help="build a small corpus, train a tiny GPT with interrupt/resume/reshard proof",
+        description="Build a small byte-level corpus, register its manifests and train a tiny "
+        "GPT on CPU: an uninterrupted run, a run stopped at --stop-at and resumed, and a "
+        "resharded resume, then compare their data and weights.",
     )
     p.add_argument(
         "--out",

@@ -10,8 +10,9 @@ execution shape), ``--seed NAME=VALUE``, ``--execution KEY=VALUE`` (e.g. ``preci
 ``--extra-env NAME`` (recorded by the blake3 of its value unless ``--clear-env NAME``),
 ``--image`` / ``--image-digest``. A dirty tree is reported, not refused. With ``--check SAVED``
 the record is verified against a saved one (``--allow FIELD``, repeatable): exit 1 listing
-each refused difference, 0 when none; a record saved from Python compares equal when the
-same inputs are given here. A saved record that cannot be read, an ``--allow`` name that is
+each refused difference (after the record), 0 with one line ``ok: ...`` when none (the whole
+record too with ``-v``); a record saved from Python compares equal when the same inputs are
+given here. A saved record that cannot be read, an ``--allow`` name that is
 no field (or an ``env.NAME`` neither record holds) and ``--allow`` without ``--check`` are
 usage errors (exit 2, one line naming it and the valid names) before anything is printed or
 saved.
@@ -22,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detdata.base.errors import ConfigError, StateError
+
+if TYPE_CHECKING:
+    from detdata.loading.record import RunRecord
 
 
 def register(sub: Any) -> None:
@@ -41,6 +45,13 @@ def register(sub: Any) -> None:
     p.add_argument("--out", help="also save the record to this file")
     p.add_argument("--check", metavar="SAVED", help="verify against a saved record")
     p.add_argument("--allow", action="append", default=[], help="allowed field (repeatable)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        dest="show_record",
+        action="store_true",
+        help="with --check: print the whole record even when the check passes",
+    )
     p.add_argument("--layout", type=_pairs, help="the parallel layout: world=N,dp=N,tp=N,pp=N")
     p.add_argument("--loader-state", help="a saved loader state (JSON file)")
     p.add_argument(
@@ -150,13 +161,26 @@ def run_env(args: argparse.Namespace) -> int:
         record.check_allow(args.allow, saved, option="--allow")
     if args.out is not None:
         record.save(args.out)
-    print(json.dumps(record.to_json(), sort_keys=True, indent=1))
-    if saved is not None:
-        try:
-            record.verify(saved, allow=args.allow)
-        except StateError as exc:
-            if not exc.fields:
-                raise
-            print(f"detdata: run record check failed: {exc}", file=sys.stderr)
-            return 1
+    text = json.dumps(record.to_json(), sort_keys=True, indent=1)
+    if saved is None:
+        print(text)
+        return 0
+    return _check(record, saved, args, text)
+
+
+def _check(record: RunRecord, saved: RunRecord, args: argparse.Namespace, text: str) -> int:
+    """``--check``: one ``ok`` line when ``record`` matches ``saved`` (the record ``text`` too
+    with ``-v``); the record, then each refused difference on stderr, and 1 when not."""
+    try:
+        record.verify(saved, allow=args.allow)
+    except StateError as exc:
+        if not exc.fields:
+            raise
+        print(text)
+        print(f"detdata: run record check failed: {exc}", file=sys.stderr)
+        return 1
+    if args.show_record:
+        print(text)
+    allowed = f" (allowed: {', '.join(args.allow)})" if args.allow else ""
+    print(f"ok: this run's record matches {args.check}{allowed}")
     return 0

@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show each retry of a storage read as it happens (stderr)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog=parser.prog
+    )
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -23,7 +23,7 @@ from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
 from detdata.identity.parts import ManifestPart, build_part, merge_manifests
 from detdata.identity.registry import Registry
-from detdata.storage.fs import is_url
+from detdata.storage.fs import is_url, missing_folder_hint
 from detdata.storage.retry import DEFAULT_RETRY
 
 
@@ -44,10 +44,23 @@ def _meta_item(text: str) -> tuple[str, str]:
 
 
 def _add_manifest(subparsers: Any) -> None:
-    parser = subparsers.add_parser("manifest", help="build manifests")
+    parser = subparsers.add_parser(
+        "manifest",
+        help="build manifests",
+        description="Build a manifest: the content-addressed list of a dataset's shards\n"
+        "(path, size, blake3); its id names exactly these bytes.\n\n"
+        "  detdata manifest build data/wiki-en --pattern '**/*.npy' -o data/manifest.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="manifest_command", metavar="ACTION")
     sub.required = True
-    build = sub.add_parser("build", help="hash the shards under ROOT into a manifest file")
+    build = sub.add_parser(
+        "build",
+        help="hash the shards under ROOT into a manifest file",
+        description="Hash the shards under ROOT (a folder or fsspec URL) into a manifest file "
+        "and print its id. Large roots: split the work with --part I/N and join the parts with "
+        "detdata manifest merge.",
+    )
     build.add_argument("root", metavar="ROOT", help="directory or fsspec URL holding the shards")
     build.add_argument(
         "--pattern",
@@ -82,7 +95,10 @@ def _add_manifest(subparsers: Any) -> None:
     )
     build.set_defaults(func=_cmd_build)
     merge = sub.add_parser(
-        "merge", help="merge part files (from `manifest build --part I/N`) into one manifest"
+        "merge",
+        help="merge part files (from `manifest build --part I/N`) into one manifest",
+        description="Merge the N part files written by detdata manifest build --part I/N into "
+        "one manifest (the same id as one build over the whole root) and print its id.",
     )
     merge.add_argument("parts", nargs="+", metavar="PART", help="part files or URLs")
     merge.add_argument("--root", help="root of the merged manifest (default: the parts' root)")
@@ -129,7 +145,8 @@ def _check_local(path: str, what: str, *, folder: bool) -> None:
     if is_url(path):
         return
     if not os.path.exists(path):
-        raise ConfigError(f"{what} {path}: not found; hint: check the path")
+        hint = missing_folder_hint(path) if folder else "hint: check the path"
+        raise ConfigError(f"{what} {path}: not found; {hint}")
     if folder and not os.path.isdir(path):
         raise ConfigError(
             f"{what} {path} is a file, not a folder; hint: pass the folder holding the shards"
@@ -190,7 +207,11 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 def _add_verify(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "verify", help="check shard bytes against a manifest (exit 1 on mismatch)"
+        "verify",
+        help="check shard bytes against a manifest (exit 1 on mismatch)",
+        description="Check the shards a manifest names against the sizes and digests it "
+        "recorded: quick digests by default, every byte with --full. Prints 'ok ID' and exits 0, "
+        "or names the first shard that differs and exits 1.",
     )
     parser.add_argument("manifest", metavar="MANIFEST", help="manifest file or URL")
     parser.add_argument(
@@ -233,7 +254,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _add_hash(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "hash", help="print the blake3 of files: 'b3:<hex>  BYTES  PATH'"
+        "hash",
+        help="print the blake3 of files: 'b3:<hex>  BYTES  PATH'",
+        description="Print the blake3 digest, size and path of each file (local or URL), one "
+        "line each: the digest a manifest records for a shard.",
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="files or URLs")
     parser.set_defaults(func=_cmd_hash)
@@ -256,7 +280,12 @@ def _registry_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("register", help="store a manifest and name it NAME@VERSION")
+    parser = subparsers.add_parser(
+        "register",
+        help="store a manifest and name it NAME@VERSION",
+        description="Check a manifest's shards, store the manifest in the registry and name it "
+        "NAME@VERSION; a loader can then be built from the name.",
+    )
     parser.add_argument("manifest", metavar="MANIFEST", help="manifest file or URL")
     parser.add_argument("name", metavar="NAME", help="name@version, e.g. wiki-en@v3")
     _registry_arg(parser)
@@ -291,7 +320,10 @@ def _cmd_register(args: argparse.Namespace) -> int:
 
 def _add_inspect(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "inspect", help="print a JSON summary of a manifest (NAME, ID or FILE; no verification)"
+        "inspect",
+        help="print a JSON summary of a manifest (NAME, ID or FILE; no verification)",
+        description="Print a JSON summary of a manifest "
+        "named by a registry name, a manifest id or a file; the shards are not read.",
     )
     parser.add_argument(
         "target", metavar="NAME|ID|FILE", help="a registry name, a manifest id or a manifest file"

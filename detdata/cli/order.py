@@ -26,7 +26,13 @@ def register(subparsers: Any) -> None:
 
 def _add_order(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "order", help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)"
+        "order",
+        help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)",
+        description="Print the sample id at each global position G .. G+K-1 of the order\n"
+        "over --n samples with --seed, one per line. The order is a pure function of\n"
+        "seed and position: no data is read, and every run with that seed agrees.\n\n"
+        "  detdata order --n 1000000 --seed 1 --at 0 --count 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--n", type=int, required=True, help="number of samples")
     parser.add_argument("--seed", type=int, required=True, help="the order's seed")

@@ -20,7 +20,7 @@ CHECK: why`` on stderr for each: the device, the collective, or the manifest and
 ``--out FILE`` also saves the result with the run (atomically; rank r > 0 writes
 ``FILE.rank<r>``): ``{"kind": "detdata.preflight", "format_version": 1, "rank", "time",
 "passed", "checks": [{"check", "ok", "detail"}]}``, every text passed through the URL
-redaction (`detdata.base.redact.redact_text`).
+redaction every detdata output passes (no credential of a URL is written).
 """
 
 from __future__ import annotations

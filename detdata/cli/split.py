@@ -1,14 +1,14 @@
 """``detdata split --manifest M --fraction F --salt S --out DIR``: materialise a split.
 
-Builds `detdata.datasets.split.Split` over the manifest's dataset (`TokenWindows` with
+Builds a `detdata.Split` over the manifest's dataset (`TokenWindows` with
 ``--seq-len`` for token shards, `TableRows` for table shards) and writes, under ``DIR``:
 
 * ``train_ids.npy`` and ``validation_ids.npy``: the sample ids of each side (int64, sorted);
 * ``split.json``: ``{"kind": "detdata.split", "format_version": 1, "rule", "assignment",
   "validation_keys", "dataset", "num_samples", "train": {"count", "file", "blake3"},
   "validation": {...}}``, also printed on stdout. ``assignment`` is the digest of the
-  assignment (see `detdata.datasets.split.assignment_digest`); ``blake3`` of each file lets a
-  reader check the id lists. Exit 0, or 2 (bad arguments, manifest), 1 (shards fail the
+  assignment (the one ``Split.assignment`` holds in Python); ``blake3`` of each file lets
+  a reader check the id lists. Exit 0, or 2 (bad arguments, manifest), 1 (shards fail the
   manifest's quick check).
 """
 

@@ -1,11 +1,12 @@
 """``detdata diff A B``: the first global step where two loader traces differ; \
 ``--state``: two states.
 
-Traces are compared per global step from what each run delivered (see
-`detdata.loading.trace`): resumed runs appending to one file, replays after a restore,
-other micro batch sizes or worker counts compare equal when the same samples
-were delivered; conflicting replays, restarted cursors and missing steps are
-differences. Exit 0 identical, 1 different, 2 unreadable or malformed input.
+Traces are compared per global step from what each run delivered (the JSONL
+trace a loader writes with ``LoaderOptions(trace=PATH)``): resumed runs appending to
+one file, replays after a restore, other micro batch sizes or worker counts compare
+equal when the same samples were delivered; conflicting replays, restarted cursors and
+missing steps are differences. Exit 0 identical, 1 different, 2 unreadable or malformed
+input.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of varyin
 are a `FormatError` unless the column is ``ragged`` (then an object array of read-only
 1-D arrays, a slow path; `copy_rows` makes a batch's own copies). `check_column_type`
 refuses at construction the types it cannot convert; `arrow_kind` says, from the Arrow
-type alone, what a column becomes (`detdata.datasets.columns.describe_column` form).
+type alone, what a column becomes (`detdata.datasets.batch_columns.describe_column` form).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import lazy_module
 from detdata.base.types import IntArray
-from detdata.datasets.columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -53,7 +53,34 @@ def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray
             f"{where}: {array.null_count} null value(s) in a {kind} column; hint: "
             "fill nulls when writing the shards"
         )
-    return np.asarray(array.to_numpy(zero_copy_only=False))
+    return numbers(array)
+
+
+#: Arrow's fixed-width number types by name, as numpy dtypes (`numbers`)
+_NUMBERS = {
+    **{f"{s}int{b}": np.dtype(f"{s}int{b}") for s in ("", "u") for b in (8, 16, 32, 64)},
+    "halffloat": np.dtype(np.float16),
+    "float": np.dtype(np.float32),
+    "double": np.dtype(np.float64),
+}
+
+
+def numbers(array: pa.Array) -> np.ndarray[Any, Any]:
+    """``array`` (no nulls) as numpy: a read-only view of its data buffer for integer and
+    floating types, else ``array.to_numpy(zero_copy_only=False)``. The same values and dtype
+    as ``to_numpy``, without its first call's import of pandas (~0.3 s of CPU, paid by a
+    loader's first batch)."""
+    dtype = _NUMBERS.get(str(array.type))
+    if dtype is not None and len(array) == 0:
+        return np.empty(0, dtype=dtype)
+    buffers = array.buffers()
+    if dtype is None or len(buffers) != 2 or buffers[1] is None:
+        return np.asarray(array.to_numpy(zero_copy_only=False))
+    view = np.frombuffer(
+        buffers[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
+    )
+    view.flags.writeable = False
+    return view
 
 
 def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any, Any]:
@@ -68,26 +95,34 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
         values = array.values.slice(array.offset * size, rows * size)
         if values.null_count:
             raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-        flat = np.asarray(values.to_numpy(zero_copy_only=False))
+        flat = numbers(values)
         if ragged:
             return _object_rows(flat, np.full(rows, size, dtype=np.int64))
         return flat.reshape(rows, size)
-    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    offsets = np.asarray(numbers(array.offsets), dtype=np.int64)
     lengths = np.diff(offsets)
     values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     if values.null_count:
         raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-    flat = np.asarray(values.to_numpy(zero_copy_only=False))
+    flat = numbers(values)
     if ragged:
         return _object_rows(flat, lengths)
     if rows and int(lengths.min()) != int(lengths.max()):
         raise FormatError(
             f"{where}: list lengths vary from {int(lengths.min())} to "
             f"{int(lengths.max())}; only equal-length lists become 2-D arrays; hint: "
-            "pad/pack to one length, store a fixed_size_list, or name the column in "
-            "ragged= to get an object array"
+            "token documents of varying length are read with Documents(manifest, "
+            f"column={_column(where)!r}) and packed into fixed windows with "
+            "PackedWindows(documents, seq_len=...); else pad to one length, store a "
+            "fixed_size_list, or name the column in ragged= to get an object array"
         )
     return flat.reshape(rows, int(lengths[0]) if rows else 0)
+
+
+def _column(where: str) -> str:
+    """The column name a ``where`` text (``shard S row group G column 'NAME'``) ends with."""
+    _, sep, tail = where.rpartition("column ")
+    return tail.strip("'\"") if sep and tail else "tokens"
 
 
 def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
@@ -127,6 +162,9 @@ def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
 
 def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
     """The dtype `to_numpy` gives a column of Arrow type ``kind`` (converted the same way)."""
+    known = _NUMBERS.get(str(kind))  # without building an array: pa.array imports pandas
+    if known is not None:
+        return known
     return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
 
 

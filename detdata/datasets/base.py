@@ -22,7 +22,7 @@ import numpy.typing as npt
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
-from detdata.datasets.digest import framed
+from detdata.datasets.sample_framing import framed
 
 
 @runtime_checkable

@@ -13,8 +13,8 @@ of silently losing a feature. Each capability is either
 ============================  ==============================  ==========================
 capability                    provided by                     without it
 ============================  ==============================  ==========================
-`Prefetching`                 `OrderedStream`, `TokenWindows`  optional: no read-ahead
-                                                              hint (`hint_prefetch`)
+`ReadsAhead`                 `OrderedStream`, `TokenWindows`  optional: no read-ahead
+                                                              hint (`hint_read_ahead`)
 `OverOneDataset`              `OrderedStream`                 needed by ``tokens_consumed``
                                                               (or `HasSources`); lookahead
                                                               and ``len(loader)`` treat the
@@ -91,13 +91,13 @@ class Origins:
 
 # ------------------------------------------------------------------ streams
 @runtime_checkable
-class Prefetching(Protocol):
-    """Takes a hint of its next read: ``prefetch(x)`` where ``x`` is what the next call will be
+class ReadsAhead(Protocol):
+    """Takes a hint of its next read: ``read_ahead(x)`` where ``x`` is what the next call will be
     given (positions for a stream's ``fetch``, ids for a dataset's ``read``; None: drop what
     is pending). It may start that read's file reads in the background; it never changes a
     fetched byte and never raises for what the read itself would report. Optional."""
 
-    def prefetch(self, positions: IntArray | None) -> None: ...
+    def read_ahead(self, positions: IntArray | None) -> None: ...
 
 
 @runtime_checkable
@@ -230,7 +230,7 @@ class InvertibleOrder(Protocol):
 
 #: The members of each capability, as error messages show them.
 MEMBERS: Final[Mapping[type, str]] = {
-    Prefetching: "prefetch(positions)",
+    ReadsAhead: "read_ahead(positions)",
     OverOneDataset: ".dataset and sample_ids(positions)",
     HasSources: ".sources, .source_names, locate(positions) and consumed(position)",
     HasOrigins: "origins(positions) -> Origins",
@@ -260,8 +260,8 @@ def missing(capability: type, found: object, *, needed_by: str, hint: str) -> Ca
     )
 
 
-def hint_prefetch(target: object, positions: IntArray | None) -> None:
-    """Pass a read-ahead hint to ``target`` if it is `Prefetching`; otherwise nothing happens
+def hint_read_ahead(target: object, positions: IntArray | None) -> None:
+    """Pass a read-ahead hint to ``target`` if it is `ReadsAhead`; otherwise nothing happens
     (the default: the read is done when it is asked for, with the same bytes)."""
-    if isinstance(target, Prefetching):
-        target.prefetch(positions)
+    if isinstance(target, ReadsAhead):
+        target.read_ahead(positions)

@@ -153,6 +153,11 @@ class ExclusionList:
         return np.array(sorted(i for s, i in self.entries if s == source), dtype=np.int64)
 
 
+def entry_label(source: str | None, ident: int) -> str:
+    """An entry as a user writes it: ``web:1234`` on a mixture, ``1234`` on one dataset."""
+    return str(ident) if source is None else f"{source}:{ident}"
+
+
 def _parse_entry(entry: object) -> Entry:
     if isinstance(entry, str):
         source, sep, ident = entry.rpartition(":")
@@ -214,13 +219,16 @@ class Excluded:
                     else ""
                 )
                 raise ConfigError(
-                    f"exclusion {source}:{ident} names source {source!r}; this stream's "
-                    f"sources are {shown}{hint}"
+                    f"exclusion {entry_label(source, ident)} names source {source!r}; this "
+                    f"stream's sources are {shown}{hint}"
                 )
             n = self._datasets[self.names.index(source)].num_samples
             if ident >= n:
                 raise ConfigError(
-                    f"exclusion {source}:{ident}: sample id beyond the source's {n} samples"
+                    f"exclusion {entry_label(source, ident)}: sample id beyond the "
+                    f"{'source' if source is not None else 'dataset'}'s {n} samples (ids "
+                    f"0 .. {n - 1}); hint: an exclusion names a sample id (what where / "
+                    "seen print), not a global position"
                 )
         for s, name in enumerate(self.names):
             n = self._datasets[s].num_samples

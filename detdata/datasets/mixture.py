@@ -1,7 +1,7 @@
 """`Mixture`: several datasets as one seeded, exact, random-access `Stream` (``mixture-v1``).
 
 The algorithm (sources, weights, schedule, counts, blocks, the proportion bound)
-is defined, as pure functions, in `detdata.order.mixture`; a re-implementation in
+is defined, as pure functions, in `detdata.order.mixing`; a re-implementation in
 any language must reproduce the golden vectors in ``tests/golden/mixture_v1.json``.
 This module adds what needs datasets: each source's `GlobalOrder` over its
 ``num_samples``, the column checks across sources, batched reads, the identity and
@@ -25,12 +25,12 @@ from detdata.base.groupby import stable_groups
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset
+from detdata.datasets.batch_columns import describe_column, same_kind
 from detdata.datasets.capabilities import HasSchema, Origins
-from detdata.datasets.columns import describe_column, same_kind
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
 from detdata.order.feistel import GlobalOrder, permute_sources
 from detdata.order.memo import ChunkMemo
-from detdata.order.mixture import (
+from detdata.order.mixing import (
     ALGORITHM,
     MixtureSchedule,
     Phase,
@@ -48,7 +48,7 @@ from detdata.order.mixture import (
 
 _PER_SOURCE: Final = 8  # up to this many sources in a request, `locate` asks each one's order
 
-# Re-exported from detdata.order.mixture for old importers (temporary): BLOCK,
+# Re-exported from detdata.order.mixing for old importers (temporary): BLOCK,
 # MAX_TOTAL_WEIGHT, Phase, ScheduleLike, WeightLike, normalize_weights, source_seed, to_fraction.
 
 
@@ -64,7 +64,7 @@ class Mixture:
     used). A `Stream`:
     ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed``, ``origins`` and
     ``continue_from`` (it declares `HasSources`, `HasOrigins` and `ContinuesFrom`,
-    `detdata.datasets.capabilities`). See `detdata.order.mixture` for the exact algorithm and the
+    `detdata.datasets.capabilities`). See `detdata.order.mixing` for the exact algorithm and the
     proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.
 
     Every source must deliver the same columns with the same dtype, trailing shape

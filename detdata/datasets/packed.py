@@ -58,7 +58,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.progress import progress
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype
 from detdata.datasets.documents import Documents
 from detdata.datasets.index_files import (
     building,

@@ -1,7 +1,7 @@
-"""Lookahead prefetch: fill the shard cache from the known future of the order.
+"""CacheAhead prefetch: fill the shard cache from the known future of the order.
 
 The order is a pure function of the position, so the loader knows exactly which samples
-(hence which shards) the next micro steps read. `Lookahead` walks them ahead of the
+(hence which shards) the next micro steps read. `CacheAhead` walks them ahead of the
 consumer and fills their verified copies into the `ShardCache` (``cache_dir``) on a few
 background threads, so a reader finds its shards already on local disk. The rules:
 
@@ -37,7 +37,7 @@ background threads, so a reader finds its shards already on local disk. The rule
   (renamed into place), and a temp file left by a process that died is removed by the next
   scan of the cache.
 
-`Lookahead` runs in the loader's process. With worker processes it starts after they
+`CacheAhead` runs in the loader's process. With worker processes it starts after they
 are forked, and they share the cache directory: a worker that needs a shard the prefetch
 is filling waits on that shard's lock, then reads the copy (one download per shard).
 """
@@ -69,10 +69,10 @@ DEFAULT_CONNECTIONS: Final = 4
 #: Micro steps whose shards the lookahead maps at once (one vectorised `shard_uses_of_steps`).
 PLAN_CHUNK: Final = 64
 
-Key = tuple[int, int]  # (reader index in `Lookahead.readers`, shard)
+Key = tuple[int, int]  # (reader index in `CacheAhead.readers`, shard)
 _Work = queue.SimpleQueue[tuple[Future[None], Callable[[], None]] | None]
-#: Every open `Lookahead` of this process: closed at exit (their queued fills cancelled).
-_OPEN: weakref.WeakSet[Lookahead] = weakref.WeakSet()
+#: Every open `CacheAhead` of this process: closed at exit (their queued fills cancelled).
+_OPEN: weakref.WeakSet[CacheAhead] = weakref.WeakSet()
 
 
 @runtime_checkable
@@ -204,8 +204,8 @@ def _shards_at(
 
 
 @dataclass
-class LookaheadStats:
-    """Counters of one `Lookahead` (this process)."""
+class CacheAheadStats:
+    """Counters of one `CacheAhead` (this process)."""
 
     submitted: int = 0  # shard fills queued
     done: int = 0  # fills finished (hit or fetched)
@@ -216,7 +216,7 @@ class LookaheadStats:
     max_window_bytes: int = 0
 
 
-class Lookahead:
+class CacheAhead:
     """Fills the shard cache ahead of the consumer (see the module docstring).
 
     ``positions_of(j)``: the positions this rank reads at micro step ``j``; ``stop``: the
@@ -236,11 +236,13 @@ class Lookahead:
     ) -> None:
         self.stream = stream
         self.positions_of = positions_of
-        self.steps = check_count(steps, "lookahead", minimum=1)
-        self.connections = check_count(connections, "lookahead_connections", maximum=256)
+        self.steps = check_count(steps, "ReadOptions.steps_ahead", minimum=1)
+        self.connections = check_count(
+            connections, "ReadOptions.steps_ahead_connections", maximum=256
+        )
         self.stop = stop
         self.readers = cached_readers(stream) if readers is None else readers
-        self.stats = LookaheadStats()
+        self.stats = CacheAheadStats()
         self._budget = {r.files.cache_dir: r.files.shard_cache_bytes for r in self.readers}
         self._window_bytes: dict[str | None, int] = collections.defaultdict(int)
         self._plan: collections.deque[tuple[int, list[Key]]] = collections.deque()

@@ -164,6 +164,7 @@ class GroupSlots:
         self._pool: dict[str, np.ndarray[Any, Any]] = {}
         self._slots = 0  # allocated
         self._free: list[int] = []
+        self._reserve = 0  # groups a read is about to insert (`reserve`)
         self._lock = threading.Lock()
 
     # the plain-LRU interface -------------------------------------------
@@ -234,6 +235,14 @@ class GroupSlots:
             self.nbytes += charge
             self._stamp[g] = self._tick * self._total + g
             self._tick += 1
+
+    def reserve(self, groups: int) -> None:
+        """A read is about to `insert` up to ``groups`` groups: the next growth of the slot
+        arrays makes room for them at once (a first batch of a shuffled corpus inserts most
+        of its groups; growing by doubling would copy the arrays again at every step). Never
+        beyond the bounds; changes nothing cached."""
+        with self._lock:
+            self._reserve = max(0, int(groups))
 
     # batch reads --------------------------------------------------------------
     def gather(
@@ -357,7 +366,9 @@ class GroupSlots:
     def _alloc_slot(self) -> int:
         if not self._free:
             assert self._layout is not None and self._slots < self._max_slots  # bounds imply it
-            grown = min(self._max_slots, max(4, 2 * self._slots))
+            wanted = max(4, 2 * self._slots, self._slots + self._reserve)
+            grown = min(self._max_slots, wanted)
+            self._reserve = 0
             for name, (dtype, shape) in self._layout.items():
                 col = np.empty((grown * self.rows_per_slot, *shape), dtype=dtype)
                 old = self._pool.get(name)

@@ -46,7 +46,7 @@ from detdata.base.keys import derive_u64
 from detdata.base.progress import progress as base_progress
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, check_ids
-from detdata.datasets.digest import framed, framed_sample
+from detdata.datasets.sample_framing import framed, framed_sample
 
 ALGORITHM: Final = "split-v1"
 SPLIT_TAG: Final = b"detdata:split-v1"

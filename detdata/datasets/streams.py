@@ -16,7 +16,7 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import (
     Origins,
-    Prefetching,
+    ReadsAhead,
     RowGroupSized,
     ShardSized,
     TakesOrder,
@@ -67,7 +67,7 @@ class OrderedStream:
     ``row_group_sizes``). The order's name, with its parameters, is the identity's
     ``algorithm``. A dataset that is `TakesOrder` (`TableRows`, `TokenWindows`) is told
     the order, to size what it caches (never what it reads). It declares `OverOneDataset`,
-    `HasOrigins` and `Prefetching` (`detdata.datasets.capabilities`).
+    `HasOrigins` and `ReadsAhead` (`detdata.datasets.capabilities`).
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
@@ -110,14 +110,14 @@ class OrderedStream:
             notes=(None,) * pos.size,
         )
 
-    def prefetch(self, positions: IntArray | None) -> None:
+    def read_ahead(self, positions: IntArray | None) -> None:
         """A hint: the next `fetch` is of ``positions`` (None: drop what is pending). Passed
-        on as sample ids to a `Prefetching` dataset (`TokenWindows`), which may start that
+        on as sample ids to a `ReadsAhead` dataset (`TokenWindows`), which may start that
         read's file reads in the background; it never changes a fetched byte. Other
         datasets get no hint (the default: read when fetched)."""
-        if isinstance(self.dataset, Prefetching):
+        if isinstance(self.dataset, ReadsAhead):
             ids = None if positions is None else self.sample_ids(positions).reshape(-1)
-            self.dataset.prefetch(ids)
+            self.dataset.read_ahead(ids)
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -144,5 +144,21 @@ def as_stream(data: Dataset | Stream, seed: int, *, order: OrderLike | None = No
         return OrderedStream(data, seed, order=Order.FEISTEL_V1 if order is None else order)
     raise ConfigError(
         f"expected a detdata Dataset (num_samples, read, identity) or Stream "
-        f"(fetch, sample_ids, identity), got {type(data).__name__}"
+        f"(fetch, sample_ids, identity), got {type(data).__name__}; hint: {_next_step(data)}"
+    )
+
+
+def _next_step(data: object) -> str:
+    """What to do with ``data`` that is neither a detdata dataset nor a stream."""
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):  # torch's map-style Dataset
+        return (
+            f"{type(data).__name__} looks like a torch map-style Dataset: keep it and torch's "
+            "DataLoader with batch_sampler=detdata.DeterministicBatchSampler(len(dataset), "
+            "global_batch_size=..., micro_batch_size=..., seed=...) for detdata's order and "
+            "resume, or build the data as a detdata dataset (TokenWindows / TableRows / "
+            "Documents over a manifest, ArrayDataset for arrays in memory)"
+        )
+    return (
+        "build a detdata dataset (TokenWindows / TableRows / Documents over a manifest, "
+        "ArrayDataset for arrays in memory)"
     )

@@ -26,7 +26,7 @@ length only for columns named in ``ragged``); the row-group cache is
 `detdata.datasets.rowgroups`. Nothing returned aliases the cache: gathers copy, and the
 rows of ragged columns (cached as read-only views) are copied for each batch.
 ``schema()`` says what each column holds; detdata's default collate turns each kind into
-torch objects (`detdata.datasets.columns`).
+torch objects (`detdata.datasets.batch_columns`).
 
 Remote roots: reads of a row group retry with backoff under ``storage.retry`` (a
 `RetryPolicy`; a failed attempt re-opens the shard). With ``storage.cache_dir``, whole
@@ -62,7 +62,7 @@ from detdata.datasets.arrow_numpy import (
     to_numpy,
 )
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_column
+from detdata.datasets.batch_columns import describe_column
 from detdata.datasets.process_local import PerProcess
 from detdata.datasets.rowgroups import (
     Columns,
@@ -380,6 +380,7 @@ class TableRows:
             # (no per-group copies of the cached ones); the cache ends as after the visit below
             todo = cache.missing(group)
             if todo is not None:
+                cache.reserve(todo.size)
                 for g in todo.tolist():
                     cache.insert(g, self._decode(*index.in_shard(g)))
                 fast = cache.gather(group, in_group, self.columns)
@@ -388,6 +389,7 @@ class TableRows:
         order, group, spans = stable_groups(index.starts.searchsorted(arr, "right") - 1)
         rows = arr[order] - index.starts[group]
         parts: list[Columns | None] = [None] * len(spans)
+        cache.reserve(len(spans))
         # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
         # so that the groups of the last stretch of positions are the most recently used
         # when the next read begins (an ordered stream continues there): with a windowed
@@ -413,7 +415,7 @@ class TableRows:
         return batch
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers in it (`detdata.datasets.columns.describe_column` form).
+        """Column -> what `read` delivers in it (`batch_columns.describe_column` form).
 
         ``'int64'``, ``'float32 (3,)'`` (fixed-size lists), ``'datetime64[ms]'``
         (timestamps; dates ``'datetime64[D]'``), ``'timedelta64[us]'``, ``'str'``,

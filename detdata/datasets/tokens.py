@@ -30,7 +30,7 @@ from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
-from detdata.datasets.columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import DefaultCache, Storage, checked_storage
 from detdata.datasets.window_index import WindowIndex, open_window_index
@@ -249,8 +249,8 @@ class TokenWindows:
         return self.seq_len
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers (`detdata.datasets.columns.describe_column` form), without
-        a read."""
+        """Column -> what `read` delivers (`detdata.datasets.batch_columns.describe_column`
+        form), without a read."""
         return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
 
     def identity(self) -> dict[str, Any]:
@@ -290,7 +290,7 @@ class TokenWindows:
         self._reads.gather_remote(self.files.filesystem()[0], arr, out)
         return {"tokens": out}
 
-    def prefetch(self, ids: npt.ArrayLike | None) -> None:
+    def read_ahead(self, ids: npt.ArrayLike | None) -> None:
         """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
         most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
         ``cache_dir``) and the native loop, a read over several shards is planned now and
@@ -303,7 +303,7 @@ class TokenWindows:
         pending hint, and a read drops those hinted before its own (their reads are joined
         first); a read not hinted keeps them. Nothing is raised here: bad ids or
         unreadable files are the read's to report."""
-        self._reads.prefetch(ids)
+        self._reads.read_ahead(ids)
 
     def _what(self) -> str:
         return f"TokenWindows({self.manifest.id[:15]}…, seq_len={self.seq_len})"

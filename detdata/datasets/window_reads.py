@@ -33,7 +33,7 @@ ranges and the buffers they go into) and an `Assembly` (how the result rows come
 those buffers). Storage reads the plan (`detdata.storage.reads.execute`); then the rows are
 assembled here. The bytes go one way: from the files into the plan's buffers.
 
-Read-ahead (`prefetch`): a hinted read is planned at once and its first batch of file reads
+Read-ahead (`read_ahead`): a hinted read is planned at once and its first batch of file reads
 runs on native threads (`detdata.storage.reads.ReadAhead`); the read later waits for it and
 reads the rest of the plan (the checks, any further reads). A hint changes when files are
 read, not how: the bytes and checks are those of a read without it, taken when the files
@@ -74,9 +74,9 @@ from detdata.storage.reads import OpenChecks, ReadAhead, ReadPlan, execute
 #: At most this many windows (one buffer each) in one ``preadv`` straight into the result
 #: (well under the usual ``IOV_MAX`` of 1,024).
 _IOV_ROWS: Final = 256
-#: Native threads reading one `WindowReads.prefetch` in the background.
+#: Native threads reading one `WindowReads.read_ahead` in the background.
 PREFETCH_THREADS: Final = 2
-#: Reads a dataset keeps planned by `WindowReads.prefetch` (an older one is dropped; each
+#: Reads a dataset keeps planned by `WindowReads.read_ahead` (an older one is dropped; each
 #: holds its result buffer).
 PREFETCH_DEPTH: Final = 4
 
@@ -113,7 +113,7 @@ class WindowReads:
 
     @property
     def ahead(self) -> ReadAhead:
-        """This process's reads planned ahead (`prefetch`)."""
+        """This process's reads planned ahead (`read_ahead`)."""
         return self._ahead.get(_new_read_ahead)
 
     # local reads ---------------------------------------------------------------------
@@ -122,7 +122,7 @@ class WindowReads:
 
         Ids of a single mapped shard are gathered straight into the result (a fancy index:
         ``take`` would first copy a whole overlapping window view); others go through
-        `plan` (taken from `prefetch` when one was hinted), read by storage, then
+        `plan` (taken from `read_ahead` when one was hinted), read by storage, then
         `assemble`."""
         layout = self.layout
         first, last = layout.first_shard(lo), layout.first_shard(hi)
@@ -162,8 +162,8 @@ class WindowReads:
             one.check_range(block, shard)
         return block.astype(layout.out_dtype)
 
-    def prefetch(self, ids: npt.ArrayLike | None) -> None:
-        """`detdata.TokenWindows.prefetch`: plan the read of ``ids`` and start its first
+    def read_ahead(self, ids: npt.ArrayLike | None) -> None:
+        """`detdata.TokenWindows.read_ahead`: plan the read of ``ids`` and start its first
         file read (``None``: drop every planned read). Reads that would not go through the
         batched file loop (a narrowing or mixed-dtype dataset, a handle LRU with room:
         shards get mapped; remote roots and cached copies; one shard: mapped) are not

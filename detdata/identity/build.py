@@ -45,6 +45,7 @@ from detdata.storage.fs import (
     is_local_fs,
     is_url,
     join,
+    missing_folder_hint,
     unquote_path,
     url_join,
 )
@@ -259,7 +260,8 @@ def shard_names(
         rels = sorted(check_shard_name(p, root=root) for p in paths)
     else:
         if not fs.exists(rootpath):
-            raise ConfigError(f"root {redact_url(root)!r} does not exist")
+            hint = missing_folder_hint(root) if is_local_fs(fs) else "hint: check the URL"
+            raise ConfigError(f"root {redact_url(root)!r} does not exist; {hint}")
         rels = _list_shards(fs, rootpath, pattern, fmt)
     if not rels:
         raise ConfigError(

@@ -389,7 +389,9 @@ class Manifest:
                 f"manifest file not found: {shown}; hint: check the path "
                 "(or URL) of the manifest JSON"
             ) from None
-        except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        except IsADirectoryError:
+            raise ManifestError(redact_text(_folder_given(path))) from None
+        except (NotADirectoryError, PermissionError) as exc:
             raise ManifestError(
                 redact_text(
                     f"cannot read manifest {shown}: {type(exc).__name__}: "
@@ -584,3 +586,17 @@ def _resolve_root(stored: str | None, manifest_path: str) -> str:
     if is_url(stored) or stored.startswith("/"):
         return stored
     return base + "/" + stored
+
+
+def _folder_given(path: str) -> str:
+    """The error text for a folder passed where a manifest file is expected (a newcomer's
+    ``TokenWindows("data/")``): the manifest inside it, or the command that makes one."""
+    inside = os.path.join(path, "manifest.json")
+    if os.path.isfile(inside):
+        step = f"did you mean {inside!r}? pass that file"
+    else:
+        step = (
+            f"make one first with `detdata manifest build {path} -o {inside}` (or "
+            "detdata.build_manifest(...).save(...) in Python), then pass that file"
+        )
+    return f"cannot read manifest {path}: a folder, not a manifest file; hint: {step}"

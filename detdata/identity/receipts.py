@@ -172,7 +172,7 @@ def verify_job(
         )
 
         def split(todo: npt.NDArray[np.int64], columns: list[Any] | None) -> None:
-            plan = shared.Plan.of(todo, ranks, VERIFY_PIECE, columns)
+            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns)
             store.set(key + "/plan", plan.to_json())
             shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))
             found = shared.first_failure(store, key, plan)
@@ -188,12 +188,12 @@ def verify_job(
             raise
         finally:
             if not store.check([key + "/plan"]):  # nothing shared: the others only wait
-                store.set(key + "/plan", shared.Plan(np.zeros(0, np.int64), 1, None).to_json())
+                store.set(key + "/plan", shared.SlicePlan(np.zeros(0, np.int64), 1, None).to_json())
             store.set(key + "/verdict", _dumps(verdict))
         _vouch(manifest, checked)
         return
     store.wait([key + "/plan"], timedelta(days=7))
-    plan = shared.Plan.from_json(store.get(key + "/plan"))
+    plan = shared.SlicePlan.from_json(store.get(key + "/plan"))
     if plan.slices:  # take slices of the claimant's plan with it
         _vouch(manifest, plan.columns)
         shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))

@@ -38,7 +38,7 @@ Indices = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
-class Plan:
+class SlicePlan:
     """The shards to check (``todo``, ascending indices), ``size`` of a slice, and the fast
     form's ``columns`` identity the claimant vouched for (None: none)."""
 
@@ -63,14 +63,14 @@ class Plan:
         return canonical_json({"runs": runs, "size": self.size, "columns": self.columns})
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Plan:
+    def from_json(cls, raw: bytes) -> SlicePlan:
         doc = json.loads(raw)
         parts = [np.arange(a, a + n, dtype=np.int64) for a, n in doc["runs"]]
         todo = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return cls(todo, int(doc["size"]), doc["columns"])
 
     @classmethod
-    def of(cls, todo: Indices, ranks: int, limit: int, columns: list[Any] | None) -> Plan:
+    def of(cls, todo: Indices, ranks: int, limit: int, columns: list[Any] | None) -> SlicePlan:
         """A plan of slices of about ``todo / (ranks * SLICES_PER_RANK)`` shards (at most
         ``limit``)."""
         size = max(1, min(limit, math.ceil(todo.size / max(1, ranks * SLICES_PER_RANK))))
@@ -78,7 +78,7 @@ class Plan:
 
 
 def take_slices(
-    store: Any, key: str, plan: Plan, rank: int, check: Callable[[Indices], Exception | None]
+    store: Any, key: str, plan: SlicePlan, rank: int, check: Callable[[Indices], Exception | None]
 ) -> None:
     """Take slices of ``plan`` until none is left, ``check`` each; a failure (returned or
     raised) is published with ``rank`` in its message. Once any rank published one, the
@@ -101,7 +101,7 @@ def take_slices(
         store.add(key + "/done", 1)
 
 
-def first_failure(store: Any, key: str, plan: Plan) -> DetdataError | None:
+def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
     """Wait until every slice of ``plan`` is done (every taker finished its slice); the
     failure of the first failing slice (path order), or None."""
     pause = 0.005

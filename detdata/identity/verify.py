@@ -40,7 +40,14 @@ from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.digest import full_digest_fd, full_digest_retrying, quick_digest_retrying
-from detdata.storage.fs import filesystem, is_local_fs, join, read_ranges_upto, size_retrying
+from detdata.storage.fs import (
+    filesystem,
+    is_local_fs,
+    join,
+    missing_folder_hint,
+    read_ranges_upto,
+    size_retrying,
+)
 from detdata.storage.retry import RetryPolicy, check_policy
 
 #: what each checked entry field is called in messages
@@ -70,6 +77,7 @@ def verify_manifest(
     policy = check_policy(retry)
     shown = redact_url(manifest.root)
     if is_local_fs(fs):
+        _check_root_exists(root, manifest, shown)
         results = map_in_threads(
             lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
             manifest.shards,
@@ -85,6 +93,22 @@ def verify_manifest(
 
 
 # ------------------------------------------------------------------------ local
+def _check_root_exists(root: str, manifest: ShardList, shown: str) -> None:
+    """A `VerificationError` (field ``exists``) naming a local root that is not a folder:
+    every shard is missing then, and the next step is another root, not another file."""
+    if manifest.shards and not os.path.isdir(root):
+        first = manifest.shards[0]
+        raise VerificationError(
+            f"root {shown!r} does not exist, so all {len(manifest.shards)} shards of the "
+            f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
+            "Storage(root=...) or detdata verify --root)",
+            shard=first.path,
+            field="exists",
+            expected=True,
+            found=False,
+        )
+
+
 def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> VerificationError | None:
     """Check one local shard file: one open, ``fstat``, ``pread`` of the checked bytes."""
     try:

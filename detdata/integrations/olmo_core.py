@@ -3,11 +3,11 @@
 OLMo-core's ``Trainer`` takes any ``DataLoaderBase``; its global batch is counted in
 *tokens*, each rank receives its whole share of a step as one batch (the train module splits
 it into micro batches of ``rank_microbatch_size`` tokens) and labels are the inputs shifted
-left unless the batch carries ``"labels"``. `DetdataDataLoader` is such a loader::
+left unless the batch carries ``"labels"``. `OlmoCoreDataLoader` is such a loader::
 
-    from detdata.integrations.olmo_core import DetdataDataLoader
+    from detdata.integrations.olmo_core import OlmoCoreDataLoader
 
-    data_loader = DetdataDataLoader(
+    data_loader = OlmoCoreDataLoader(
         detdata.TokenWindows(manifest, seq_len=S),  # S + 1 tokens: input_ids and labels
         global_batch_size=256 * S,  # tokens, as everywhere in OLMo-core
         seed=1234,
@@ -40,12 +40,13 @@ from olmo_core.data.collator import DataCollator
 from olmo_core.data.data_loader import TextDataLoaderBase
 from olmo_core.distributed.utils import get_rank, get_world_size
 
+from detdata.base.checks import refuses_renamed
 from detdata.base.errors import ConfigError
 from detdata.datasets.base import Dataset, Stream
 from detdata.loading.loader import DataLoader
 from detdata.loading.options import LoaderOptions, ReadOptions
 
-__all__ = ["DetdataDataLoader", "olmo_batch"]
+__all__ = ["OlmoCoreDataLoader", "olmo_batch"]
 
 
 def olmo_batch(
@@ -60,7 +61,7 @@ def olmo_batch(
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
-            "hint: DetdataDataLoader(..., tokens_key=...) names the token column"
+            "hint: OlmoCoreDataLoader(..., tokens_key=...) names the token column"
         )
     tokens = batch[key]
     width = tokens.shape[1] if tokens.ndim == 2 else -1
@@ -79,7 +80,8 @@ def olmo_batch(
     )
 
 
-class DetdataDataLoader(TextDataLoaderBase):
+@refuses_renamed(read_ahead="batches_ahead")
+class OlmoCoreDataLoader(TextDataLoaderBase):
     """An OLMo-core ``TextDataLoaderBase`` over a `detdata.DataLoader` (see the module doc).
 
     ``global_batch_size`` is in tokens (a multiple of ``sequence_length`` x the data-parallel
@@ -105,13 +107,13 @@ class DetdataDataLoader(TextDataLoaderBase):
         tokens_key: str = "tokens",
         num_workers: int = 0,
         worker_mode: str = "process",
-        read_ahead: int = 16,
+        batches_ahead: int = 16,
         pin_memory: bool = False,
     ) -> None:
         length = sequence_length if sequence_length is not None else getattr(data, "seq_len", None)
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ConfigError(
-                "DetdataDataLoader needs sequence_length (the tokens of input_ids a row) "
+                "OlmoCoreDataLoader needs sequence_length (the tokens of input_ids a row) "
                 f"when the data has no seq_len; got {length!r}"
             )
         if not isinstance(global_batch_size, int) or global_batch_size % length:
@@ -139,7 +141,7 @@ class DetdataDataLoader(TextDataLoaderBase):
             options=LoaderOptions(
                 rank=rank,
                 world_size=world,
-                read=ReadOptions(worker_mode=worker_mode, read_ahead=read_ahead),
+                read=ReadOptions(worker_mode=worker_mode, batches_ahead=batches_ahead),
             ),
             num_workers=num_workers,
             pin_memory=pin_memory,
@@ -159,7 +161,7 @@ class DetdataDataLoader(TextDataLoaderBase):
             f"global batch change refused: OLMo-core set the data loader's global_batch_size "
             f"from {self._global_batch_size} to {new_global_batch_size} tokens before step "
             f"{self.loader.step + 1} (a batch-size schedule, e.g. BatchSizeSchedulerCallback's "
-            "warm-up); detdata.integrations.olmo_core.DetdataDataLoader keeps one global batch "
+            "warm-up); detdata.integrations.olmo_core.OlmoCoreDataLoader keeps one global batch "
             "for the whole run (batch-size schedules are not supported yet); hint: remove the "
             "schedule or train with one global batch"
         )
@@ -216,7 +218,7 @@ class DetdataDataLoader(TextDataLoaderBase):
         if "detdata" not in state_dict:
             raise ConfigError(
                 "this checkpoint's data-loader state was not saved by "
-                f"detdata.integrations.olmo_core.DetdataDataLoader (keys: {sorted(state_dict)})"
+                f"detdata.integrations.olmo_core.OlmoCoreDataLoader (keys: {sorted(state_dict)})"
             )
         self.loader.load_state_dict(state_dict["detdata"])
         self.batches_processed = int(state_dict["batches_processed"])

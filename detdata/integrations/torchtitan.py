@@ -3,12 +3,12 @@
 torchtitan builds its training data loader from ``Trainer.Config.dataloader`` with
 ``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
 ...)``: only the local batch and the data-parallel coordinates, never the global batch. Put a
-`DetdataDataLoader.Config` there, with the global batch (samples per optimizer step, what
+`TorchtitanDataLoader.Config` there, with the global batch (samples per optimizer step, what
 ``training.global_batch_size`` says) passed in explicitly::
 
-    from detdata.integrations.torchtitan import DetdataDataLoader
+    from detdata.integrations.torchtitan import TorchtitanDataLoader
 
-    config.dataloader = DetdataDataLoader.Config(
+    config.dataloader = TorchtitanDataLoader.Config(
         dataset="wiki-en@v3",  # a detdata registry name; or dataset_path="manifest.json"
         global_batch_size=config.training.global_batch_size,
         seed=1234,
@@ -51,6 +51,7 @@ import torch
 import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 
+from detdata.base.checks import refuses_renamed
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.tokens import TokenWindows
@@ -58,7 +59,7 @@ from detdata.identity.registry import Registry
 from detdata.loading.loader import DataLoader
 from detdata.loading.options import LoaderOptions, ReadOptions
 
-__all__ = ["DetdataDataLoader", "titan_batch"]
+__all__ = ["TorchtitanDataLoader", "titan_batch"]
 
 #: builds the data from torchtitan's ``seq_len`` (e.g. a `Mixture` of `TokenWindows`)
 DataFactory = Callable[[int], "Dataset | Stream"]
@@ -84,7 +85,7 @@ def titan_batch(
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
-            "hint: set DetdataDataLoader.Config(tokens_key=...) to the token column"
+            "hint: set TorchtitanDataLoader.Config(tokens_key=...) to the token column"
         )
     tokens = batch[key]
     if tokens.ndim != 2 or tokens.shape[1] != seq_len + 1:
@@ -100,13 +101,14 @@ def titan_batch(
     return inputs, tokens[:, 1:].to(torch.int64)
 
 
-class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is untyped
+class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is untyped
     """A torchtitan ``BaseDataLoader`` (a DCP ``Stateful``) over a `detdata.DataLoader`.
 
     Built by torchtitan's trainer from `Config`; also constructible directly with the same
     keyword arguments the trainer passes. ``loader`` is the underlying `detdata.DataLoader`.
     """
 
+    @refuses_renamed(read_ahead="batches_ahead")
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):  # type: ignore[misc]
         """What the data is and the global batch. ``dataset`` (inherited) is a detdata
@@ -140,7 +142,7 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
 
         num_workers: int = 0
         worker_mode: str = "process"
-        read_ahead: int = 16
+        batches_ahead: int = 16
         pin_memory: bool = False
 
     def __init__(
@@ -158,7 +160,7 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
         del tokenizer, snapshot_every_n_steps, kwargs  # the data is tokenized already
         if config.global_batch_size <= 0:
             raise ConfigError(
-                "DetdataDataLoader.Config(global_batch_size=...) is required: torchtitan "
+                "TorchtitanDataLoader.Config(global_batch_size=...) is required: torchtitan "
                 "passes only the local batch to data loaders; set it to "
                 "training.global_batch_size (samples per optimizer step)"
             )
@@ -175,7 +177,9 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
                 rank=dp_rank,
                 world_size=dp_world_size,
                 total_samples=config.total_samples,
-                read=ReadOptions(worker_mode=config.worker_mode, read_ahead=config.read_ahead),
+                read=ReadOptions(
+                    worker_mode=config.worker_mode, batches_ahead=config.batches_ahead
+                ),
             ),
             num_workers=config.num_workers,
             pin_memory=config.pin_memory,
@@ -211,7 +215,7 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
             world_size=self.dp_world_size,
             trainer="torchtitan (training.global_batch_size)",
             fix=f"config.training.global_batch_size = {gbs}, the loader's; or "
-            "DetdataDataLoader.Config(global_batch_size=config.training.global_batch_size)",
+            "TorchtitanDataLoader.Config(global_batch_size=config.training.global_batch_size)",
         )
         resumed = int(trainer.step) - 1  # the step restored from the checkpoint (0: none)
         if loader.samples_consumed == loader.position_of_step(resumed):
@@ -227,7 +231,7 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
             f"{loader.position_of_step(resumed)}), but the detdata loader {where}; it would "
             "not train the samples of the steps it resumes at; hint: load the dataloader "
             "state with the checkpoint (leave 'dataloader' out of "
-            "checkpoint.exclude_from_loading) and keep DetdataDataLoader.Config as saved",
+            "checkpoint.exclude_from_loading) and keep TorchtitanDataLoader.Config as saved",
             fields=("samples_consumed",),
         )
 
@@ -236,8 +240,8 @@ class DetdataDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is 
         consumed = self.loader.samples_consumed
         if consumed % self.loader.global_batch_size:
             raise ConfigError(
-                f"torchtitan saved its state after {consumed} samples, inside an optimizer step "
-                f"of DetdataDataLoader.Config(global_batch_size={self.loader.global_batch_size});"
+                f"torchtitan saved its state after {consumed} samples, inside an optimizer step of"
+                f" TorchtitanDataLoader.Config(global_batch_size={self.loader.global_batch_size});"
                 " hint: set training.global_batch_size to the same value (samples)"
             )
         return self.loader.state_dict()
@@ -256,7 +260,7 @@ def _titan_trainer(frame: FrameType | None) -> Any:
     return owner
 
 
-def _data(config: DetdataDataLoader.Config, seq_len: int) -> Dataset | Stream:
+def _data(config: TorchtitanDataLoader.Config, seq_len: int) -> Dataset | Stream:
     if config.data is not None:
         return config.data(seq_len)
     if config.dataset_path:
@@ -264,6 +268,6 @@ def _data(config: DetdataDataLoader.Config, seq_len: int) -> Dataset | Stream:
     if config.dataset:
         return TokenWindows(Registry(config.registry).resolve(config.dataset), seq_len)
     raise ConfigError(
-        "DetdataDataLoader.Config needs the data: dataset='name@version' (a detdata registry "
+        "TorchtitanDataLoader.Config needs the data: dataset='name@version' (a detdata registry "
         "name), dataset_path='manifest.json' or data=callable(seq_len)"
     )

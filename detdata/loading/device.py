@@ -1,10 +1,10 @@
-"""Batches on an accelerator: pinned staging buffers, a copy stream, prefetch.
+"""Batches on an accelerator: pinned staging buffers, a copy stream, batches copied ahead.
 
 `device_batches` wraps an iterator of CPU batches (dicts of tensors, possibly
 nested in dicts, lists and tuples) and yields the same batches, same structure,
 same bytes, with every CPU tensor moved to ``device``. `DataLoader` calls it
 between torch's DataLoader and its counting loop, so a batch this module has
-prefetched but not yet yielded is not counted as consumed: saving the state at
+copied ahead but not yet yielded is not counted as consumed: saving the state at
 any point and resuming continues with exactly the next batch (docs/design.md section 5).
 
 CUDA path, per batch pulled from the source::
@@ -35,7 +35,7 @@ import torch
 from detdata.base.errors import ConfigError
 
 MAX_DEPTH = 64
-"""Largest accepted prefetch depth (each slot holds one whole batch of host memory)."""
+"""Largest accepted ``DeviceFeed.copies_ahead`` (each slot holds one whole batch of host memory)."""
 
 KeyPath = tuple[Any, ...]
 """Where a tensor sits inside a batch: the dict keys / sequence indices leading to it."""
@@ -394,8 +394,8 @@ def device_batches(
       ``device``, other leaves (numbers, strings, numpy arrays) are unchanged.
       Yielded tensors are fresh memory, never a staging buffer: keeping them
       is safe however far the iterator advances.
-    * Prefetch: before yielding batch ``i`` the source has been pulled up to
-      batch ``i + depth`` and those copies issued. Those prefetched batches are
+    * Copies ahead: before yielding batch ``i`` the source has been pulled up to
+      batch ``i + depth`` and those copies issued. Those batches copied ahead are
       *not* delivered: a loader counting yielded batches stays exact, and
       dropping the iterator discards them. An exception from the source is
       raised after the batches pulled before it have been yielded.

@@ -1,10 +1,10 @@
 """Iterating a `DataLoader`: one `LoaderIterator` per ``iter()``, delivering and counting.
 
 A `BatchSource` (`detdata.loading.sources`: inline, threads or worker processes) reads this
-rank's micro batches from the `Cursor`'s position in groups of ``read_ahead``; the
+rank's micro batches from the `Cursor`'s position in groups of ``batches_ahead``; the
 `DeviceFeed` moves them to the device; each batch is checked (`SchemaCheck`), traced and
 counted (`Cursor.advance`) only once it reaches the caller (`_deliver`). The shard cache of a
-remote stream is filled ahead by a `Lookahead` (`open_lookahead`). The iterator holds the
+remote stream is filled ahead by a `CacheAhead` (`open_cache_ahead`). The iterator holds the
 parts it is given (`Delivery`) and keeps no state of its own beyond its generation.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from detdata.base.errors import ConfigError
 from detdata.base.types import IntArray
-from detdata.datasets.prefetch import Lookahead
+from detdata.datasets.prefetch import CacheAhead
 from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor
 from detdata.loading.options import DeviceFeed
@@ -74,7 +74,7 @@ class Delivery:
     """The parts an iteration uses, wired by the `DataLoader` (each owns its state):
     the ``cursor`` it reads from and advances, the batch ``source``, the ``device`` feed,
     the ``trace``, the ``schema`` check (None: no transform), the ``attestor`` of a resume
-    and the read settings the lookahead and the failure notes need."""
+    and the read settings the cache_ahead and the failure notes need."""
 
     cursor: Cursor
     source: BatchSource
@@ -82,9 +82,9 @@ class Delivery:
     trace: RankTrace
     schema: SchemaCheck | None
     attestor: Attestor
-    read_ahead: int
-    lookahead: int
-    lookahead_connections: int
+    batches_ahead: int
+    steps_ahead: int
+    steps_ahead_connections: int
 
 
 class LoaderIterator:
@@ -138,7 +138,7 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
         raise cursor.stale()
     batches: Iterator[Any] = iter(())
     iterator = batches
-    lookahead = None
+    cache_ahead = None
     clean = False
     try:  # from the start: torch's iter() itself can be interrupted
         pending = cursor.pending
@@ -148,30 +148,30 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
         at = RunSlice(cursor.stream, cursor.layout, cursor.samples_consumed, cursor.stop())
         batches = iterator = d.source.batches(at)
         # after batches(): worker processes are forked by now
-        lookahead = open_lookahead(cursor, d.lookahead, d.lookahead_connections)
+        cache_ahead = open_cache_ahead(cursor, d.steps_ahead, d.steps_ahead_connections)
         iterator = d.device.feed(batches)
-        yield from _deliver(d, iterator, generation, lookahead)
+        yield from _deliver(d, iterator, generation, cache_ahead)
         clean = True
     except GeneratorExit:
         clean = True  # the caller stopped early (break): nothing is in flight in a broken state
         raise
     finally:
-        if lookahead is not None:
-            lookahead.close()
+        if cache_ahead is not None:
+            cache_ahead.close()
         _close(iterator)
         _close(batches)
         if not clean and generation == cursor.generation:
             d.source.reset()  # persistent workers may be mid-transfer: start fresh
 
 
-def open_lookahead(cursor: Cursor, steps: int, connections: int) -> Lookahead | None:
-    """A started `detdata.datasets.prefetch.Lookahead` of the next ``steps`` micro steps from
+def open_cache_ahead(cursor: Cursor, steps: int, connections: int) -> CacheAhead | None:
+    """A started `detdata.datasets.prefetch.CacheAhead` of the next ``steps`` micro steps from
     the cursor's position on ``connections`` threads, or None (off, or nothing cached)."""
     if not steps:
         return None
     per = cursor.layout.samples_per_micro_step
     stop = cursor.stop()  # micro step j begins at j * per + offset: stop before the bound
-    plan = Lookahead(
+    plan = CacheAhead(
         cursor.stream,
         cursor.layout.positions,
         steps=steps,
@@ -182,15 +182,15 @@ def open_lookahead(cursor: Cursor, steps: int, connections: int) -> Lookahead | 
 
 
 def _deliver(
-    d: Delivery, iterator: Iterator[Any], generation: int, lookahead: Lookahead | None
+    d: Delivery, iterator: Iterator[Any], generation: int, cache_ahead: CacheAhead | None
 ) -> Iterator[Any]:
     cursor = d.cursor
     per = cursor.layout.samples_per_micro_step
     while True:
         if generation != cursor.generation:
             raise cursor.stale()
-        if lookahead is not None:
-            lookahead.advance(cursor.samples_consumed // per)
+        if cache_ahead is not None:
+            cache_ahead.advance(cursor.samples_consumed // per)
         try:
             batch = next(iterator)
         except StopIteration:
@@ -249,9 +249,9 @@ def _failure_note(d: Delivery) -> str:
     cursor = d.cursor
     positions = cursor.positions_of_next()
     grouped = ""
-    if d.source.in_processes and d.read_ahead > 1:
+    if d.source.in_processes and d.batches_ahead > 1:
         grouped = (
-            f"; worker processes read groups of {d.read_ahead} micro batches, so a "
+            f"; worker processes read groups of {d.batches_ahead} micro batches, so a "
             "worker that hung or died did so somewhere in the group starting here"
         )
     layout = cursor.layout

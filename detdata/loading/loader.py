@@ -37,7 +37,7 @@ from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
 from detdata.loading.options import LoaderOptions
 from detdata.loading.reading import Reads
-from detdata.loading.sources import PREFETCH_GROUPS, batch_source
+from detdata.loading.sources import GROUPS_AHEAD, batch_source
 from detdata.loading.state import transform_identity
 from detdata.loading.steps import MidStep
 from detdata.loading.torch_workers import seed_globals
@@ -45,11 +45,11 @@ from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
-__all__ = ["DEFAULT_LOOKAHEAD", "PREFETCH_GROUPS", "DataLoader", "EpochStart", "seed_globals"]
+__all__ = ["DEFAULT_STEPS_AHEAD", "GROUPS_AHEAD", "DataLoader", "EpochStart", "seed_globals"]
 
-#: ``ReadOptions.lookahead``'s default: micro steps whose shards are filled into a shard cache
-#: ahead of the consumer (the window is cut where it would not fit the cache's bound).
-DEFAULT_LOOKAHEAD: Final = 1024
+#: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
+#: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
+DEFAULT_STEPS_AHEAD: Final = 1024
 _UNSET: Final = TorchOnly.UNSET
 
 
@@ -98,9 +98,9 @@ class DataLoader:
     * ``options``: a `LoaderOptions`, everything detdata adds beyond torch's keywords:
       ``rank``, ``world_size`` (None: torch.distributed's), ``total_samples``, ``transform``,
       ``transform_id``, ``trace``, ``read`` (a `ReadOptions`: ``worker_mode``,
-      ``read_ahead``, ``lookahead``, ``lookahead_connections``), ``device`` (a `DeviceFeed`:
-      ``device``, ``prefetch``) and ``resume`` (a `ResumePolicy`: ``allow``, ``mid_step``,
-      ``fresh_each_run``, ``attest``).
+      ``batches_ahead``, ``steps_ahead``, ``steps_ahead_connections``), ``device`` (a
+      `DeviceFeed`: ``device``, ``copies_ahead``) and ``resume`` (a `ResumePolicy`:
+      ``allow``, ``mid_step``, ``fresh_each_run``, ``attest``).
       Each is described below and on its class.
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
       ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
@@ -113,22 +113,22 @@ class DataLoader:
       (`detdata.loading.arguments.TORCH_ONLY`). Any other keyword (a typo) is Python's
       ``TypeError``.
 
-    How batches are read (never a byte or the order): ``ReadOptions.read_ahead`` (default
+    How batches are read (never a byte or the order): ``ReadOptions.batches_ahead`` (default
     16) consecutive micro batches of the rank are read with one batched read and split (a
     group that fails is re-read batch by batch, so the error surfaces exactly at the
     unreadable batch); with workers ``prefetch_factor`` counts groups per worker and
-    ``timeout`` applies to each group, and memory in flight is about ``read_ahead`` x
+    ``timeout`` applies to each group, and memory in flight is about ``batches_ahead`` x
     micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1). The readers run inline
-    (``num_workers=0``: the next `PREFETCH_GROUPS` groups are hinted to the stream), on
+    (``num_workers=0``: the next `GROUPS_AHEAD` groups are hinted to the stream), on
     threads (``ReadOptions.worker_mode="thread"``, `WorkerMode`) or in worker processes
     (`detdata.loading.sources`); ``persistent_workers=True`` keeps the processes between
     iterations unless an interrupt or error inside torch's iterator left them in an unknown
     state (then fresh workers continue exactly at ``samples_consumed``; workers ignore
-    SIGINT). ``ReadOptions.lookahead`` (default None: `DEFAULT_LOOKAHEAD` micro steps where
-    shards are read through a shard cache; 0: off) fills the shards of the next micro steps
-    into the cache on ``ReadOptions.lookahead_connections`` threads. With
+    SIGINT). ``ReadOptions.steps_ahead`` (default None: `DEFAULT_STEPS_AHEAD` micro steps
+    where shards are read through a shard cache; 0: off) fills the shards of the next micro
+    steps into the cache on ``ReadOptions.steps_ahead_connections`` threads. With
     ``DeviceFeed(device=...)`` (e.g. ``"cuda"``) batches arrive on that device through reused
-    pinned buffers, ``DeviceFeed.prefetch`` ahead and counted only once yielded;
+    pinned buffers, ``DeviceFeed.copies_ahead`` ahead and counted only once yielded;
     ``pin_memory`` is then ignored.
 
     ``LoaderOptions.trace``: a JSON-lines file with one record per delivered micro batch.
@@ -141,7 +141,7 @@ class DataLoader:
     (`detdata.loading.attest`): what changed outside the checked fields is a `StateError`.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
-    delivered to the callers of all ranks (prefetched batches are not counted).
+    delivered to the callers of all ranks (batches read or copied ahead are not counted).
     """
 
     def __init__(
@@ -207,11 +207,11 @@ class DataLoader:
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
         self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
-        self.worker_mode, self.read_ahead = opts.read.mode, opts.read.read_ahead
-        lookahead = opts.read.lookahead
-        self.lookahead = DEFAULT_LOOKAHEAD if lookahead is None else lookahead
-        self.lookahead_connections = opts.read.lookahead_connections
-        self.device, self.device_prefetch = opts.device.target, opts.device.prefetch
+        self.worker_mode, self.batches_ahead = opts.read.mode, opts.read.batches_ahead
+        steps_ahead = opts.read.steps_ahead
+        self.steps_ahead = DEFAULT_STEPS_AHEAD if steps_ahead is None else steps_ahead
+        self.steps_ahead_connections = opts.read.steps_ahead_connections
+        self.device, self.copies_ahead = opts.device.target, opts.device.copies_ahead
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
         pin = self._pin_memory and self.device is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
@@ -223,7 +223,7 @@ class DataLoader:
         }
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
-        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.read_ahead)
+        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead)
         self._attestor = Attestor(reads)
         self._source = batch_source(
             reads,
@@ -240,9 +240,9 @@ class DataLoader:
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
             attestor=self._attestor,
-            read_ahead=self.read_ahead,
-            lookahead=self.lookahead,
-            lookahead_connections=self.lookahead_connections,
+            batches_ahead=self.batches_ahead,
+            steps_ahead=self.steps_ahead,
+            steps_ahead_connections=self.steps_ahead_connections,
         )
         self._live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
         frameworks.built()  # a framework integration watches the calls the user makes
@@ -311,8 +311,8 @@ class DataLoader:
 
     def tokens_consumed(self) -> dict[str, int]:
         """Tokens delivered to the callers of all ranks so far, per source name (a `Mixture`'s
-        sources, or one entry for a single dataset): see `detdata.loading.tokens`."""
-        from detdata.loading.tokens import tokens_consumed
+        sources, or one entry for a single dataset): see `detdata.loading.token_counts`."""
+        from detdata.loading.token_counts import tokens_consumed
 
         return tokens_consumed(self._cursor.stream, self._cursor.samples_consumed)
 
@@ -591,6 +591,6 @@ def _checked_options(options: LoaderOptions | None) -> LoaderOptions:
         raise ConfigError(
             f"DataLoader options must be a detdata.LoaderOptions, got "
             f"{type(options).__name__} {options!r:.60}; hint: options=LoaderOptions(rank=0, "
-            "world_size=8, read=ReadOptions(read_ahead=16))"
+            "world_size=8, read=ReadOptions(batches_ahead=16))"
         )
     return options

@@ -8,16 +8,22 @@ them; everything detdata adds lives here, grouped by concept:
 
 * `LoaderOptions`: placement (``rank``, ``world_size``), the run's bound (``total_samples``),
   user code (``transform``, ``transform_id``), the trace file (``trace``), and the groups below;
-* `ReadOptions`: how the reads run (``worker_mode``, ``read_ahead``, ``lookahead``,
-  ``lookahead_connections``);
-* `DeviceFeed`: batches on an accelerator (``device``, ``prefetch``);
+* `ReadOptions`: how the reads run (``worker_mode``, ``batches_ahead``, ``steps_ahead``,
+  ``steps_ahead_connections``);
+* `DeviceFeed`: batches on an accelerator (``device``, ``copies_ahead``);
 * `ResumePolicy`: what ``load_state_dict`` accepts (``allow``) and does inside a step
   (``mid_step``).
 
 Each object checks its fields when made and stores them normalised (a `WorkerMode`, a
 `MidStep`, a frozenset, a concrete `torch.device`): a bad value is a `ConfigError` naming the
-field (``ReadOptions.read_ahead``), what was expected and what was found, with a hint. Only
+field (``ReadOptions.batches_ahead``), what was expected and what was found, with a hint. Only
 ``transform`` (user code) can change a delivered byte; no option changes a key of the state.
+
+One word family names what is done before it is asked for: ``*_ahead`` (micro batches read
+ahead in one batched read, micro steps whose shards are cached ahead, batches copied ahead to
+the device). The former spellings (``read_ahead``, ``lookahead``, ``lookahead_connections``,
+``prefetch``) are refused with a `ConfigError` naming the new one (`refuses_renamed`). torch's
+own ``prefetch_factor`` keeps torch's name and meaning (groups in flight per worker).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
-from detdata.base.checks import check_count
+from detdata.base.checks import check_count, refuses_renamed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION
 from detdata.loading.arguments import WorkerMode, parse_worker_mode
@@ -41,10 +47,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: ``ReadOptions.read_ahead``'s upper bound: micro batches read with one batched read.
-MAX_READ_AHEAD: Final = 64
-#: ``ReadOptions.lookahead_connections``' upper bound.
-MAX_LOOKAHEAD_CONNECTIONS: Final = 256
+#: ``ReadOptions.batches_ahead``'s upper bound: micro batches read with one batched read.
+MAX_BATCHES_AHEAD: Final = 64
+#: ``ReadOptions.steps_ahead_connections``' upper bound.
+MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
 
 
 def _checked(label: str, check: Callable[[], T], hint: str) -> T:
@@ -77,27 +83,33 @@ def _fix(
     object.__setattr__(obj, name, _checked(label, lambda: check(value, label), hint))
 
 
+@refuses_renamed(
+    read_ahead="batches_ahead",
+    lookahead="steps_ahead",
+    lookahead_connections="steps_ahead_connections",
+)
 @dataclass(frozen=True, kw_only=True)
 class ReadOptions:
     """How a `DataLoader` reads; none of these changes a delivered byte or the order.
 
     * ``worker_mode`` (`WorkerMode` or its value, default ``"process"``): where the
       ``num_workers`` readers run: worker processes (as torch) or threads of this process.
-    * ``read_ahead`` (1..64, default 16): consecutive micro batches of the rank read with one
-      batched read and then split (amortises the per-read and, with worker processes, the
-      per-transfer cost). Memory in flight is about ``read_ahead`` x micro-batch bytes x
-      (``num_workers`` x ``prefetch_factor`` + 1): lower it for large samples.
-    * ``lookahead`` (None: `DEFAULT_LOOKAHEAD` micro steps where shards are read through a
-      shard cache; 0: off): the shards of the next ``lookahead`` micro steps of this rank are
-      filled into the shard cache in the background (`detdata.datasets.prefetch`); make it
-      larger than ``num_workers x prefetch_factor x read_ahead``.
-    * ``lookahead_connections`` (1..256, default 4): threads filling the lookahead.
+    * ``batches_ahead`` (1..64, default 16): consecutive micro batches of the rank read ahead
+      with one batched read and then split (amortises the per-read and, with worker
+      processes, the per-transfer cost). Memory in flight is about ``batches_ahead`` x
+      micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower it for large
+      samples.
+    * ``steps_ahead`` (None: `DEFAULT_STEPS_AHEAD` micro steps where shards are read through
+      a shard cache; 0: off): the shards of the next ``steps_ahead`` micro steps of this rank
+      are filled into the shard cache in the background (`detdata.datasets.prefetch`); make
+      it larger than ``num_workers x prefetch_factor x batches_ahead``.
+    * ``steps_ahead_connections`` (1..256, default 4): threads filling the cache ahead.
     """
 
     worker_mode: WorkerMode | str = WorkerMode.PROCESS
-    read_ahead: int = 16
-    lookahead: int | None = None
-    lookahead_connections: int = 4
+    batches_ahead: int = 16
+    steps_ahead: int | None = None
+    steps_ahead_connections: int = 4
 
     def __post_init__(self) -> None:
         _fix(
@@ -108,20 +120,20 @@ class ReadOptions:
         )
         _fix(
             self,
-            "read_ahead",
-            _counts(1, MAX_READ_AHEAD),
+            "batches_ahead",
+            _counts(1, MAX_BATCHES_AHEAD),
             "16 (the default) amortises the per-read cost; lower it for large samples",
         )
         _fix(
             self,
-            "lookahead",
+            "steps_ahead",
             _counts(0),
             "None (the default window), 0 (off) or a number of micro steps",
         )
         _fix(
             self,
-            "lookahead_connections",
-            _counts(1, MAX_LOOKAHEAD_CONNECTIONS),
+            "steps_ahead_connections",
+            _counts(1, MAX_STEPS_AHEAD_CONNECTIONS),
             "4 (the default) threads fill the shard cache ahead",
         )
 
@@ -131,6 +143,7 @@ class ReadOptions:
         return WorkerMode(self.worker_mode)
 
 
+@refuses_renamed(prefetch="copies_ahead")
 @dataclass(frozen=True, kw_only=True)
 class DeviceFeed:
     """Batches delivered on an accelerator.
@@ -140,12 +153,12 @@ class DeviceFeed:
       side stream; torch's ``pin_memory`` is then ignored (the feed pins into its own
       buffers). Stored as the concrete `torch.device` (``"cuda"``: the current one); a device
       this process cannot use is refused here.
-    * ``prefetch`` (1..64, default 2): batches copied ahead of the one delivered; they are not
-      counted in ``samples_consumed`` until delivered.
+    * ``copies_ahead`` (1..64, default 2): batches copied ahead of the one delivered; they are
+      not counted in ``samples_consumed`` until delivered.
     """
 
     device: str | torch.device | None = None
-    prefetch: int = 2
+    copies_ahead: int = 2
 
     @property
     def target(self) -> torch.device | None:
@@ -153,19 +166,19 @@ class DeviceFeed:
         return cast("torch.device | None", self.device)
 
     def feed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` on ``device``, ``prefetch`` ahead (`device_batches`: prefetched
-        batches are not delivered, so a loader counting what it yields stays exact); as they
+        """``batches`` on ``device``, ``copies_ahead`` ahead (`device_batches`: batches copied
+        ahead are not delivered, so a loader counting what it yields stays exact); as they
         are without a device."""
         if self.target is None:
             return batches
         from detdata.loading.device import device_batches
 
-        return device_batches(batches, self.target, self.prefetch)
+        return device_batches(batches, self.target, self.copies_ahead)
 
     def __post_init__(self) -> None:
         from detdata.loading.device import check_depth, check_device
 
-        _fix(self, "prefetch", check_depth, "2 overlaps one batch's copy with the current step")
+        _fix(self, "copies_ahead", check_depth, "2 overlaps one batch's copy with the current step")
         _fix(
             self,
             "device",
@@ -265,8 +278,8 @@ class LoaderOptions:
     * ``transform_id``: a name for the transform's version (e.g. ``"tokenize-v3"``), recorded
       in the state's checked ``transform`` field instead of the function's name.
     * ``trace`` (a path): one JSON line per delivered micro batch (positions, digests, step).
-    * ``read``: `ReadOptions` (worker mode, read-ahead, lookahead).
-    * ``device``: `DeviceFeed` (accelerator delivery and its prefetch).
+    * ``read``: `ReadOptions` (worker mode, batches and steps ahead).
+    * ``device``: `DeviceFeed` (accelerator delivery, batches copied ahead).
     * ``resume``: `ResumePolicy` (changes allowed at every resume, the mid-step default).
     """
 
@@ -306,7 +319,7 @@ class LoaderOptions:
         if self.trace is not None:
             _of_type("trace", self.trace, (str, os.PathLike), "a path", "trace='run/trace.jsonl'")
         for name, kind, example in (
-            ("read", ReadOptions, "read=ReadOptions(read_ahead=16)"),
+            ("read", ReadOptions, "read=ReadOptions(batches_ahead=16)"),
             ("device", DeviceFeed, "device=DeviceFeed(device='cuda')"),
             ("resume", ResumePolicy, "resume=ResumePolicy(allow=['global_batch_size'])"),
         ):

@@ -43,17 +43,17 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing
-from detdata.datasets.digest import framed, framed_sample
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.origins import origins
+from detdata.datasets.sample_framing import framed, framed_sample
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.formats import disk_dtype
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
-from detdata.order.mixture import MixtureSchedule
+from detdata.order.mixing import MixtureSchedule
 
 #: Digest framing version of `sample_digest`.
 DIGEST_TAG: Final = b"detdata:sample-v1"

@@ -1,8 +1,8 @@
 """Reading groups of positions: from a group of micro batches to delivered batches.
 
-`GroupSampler` yields this rank's micro-batch positions in groups of ``read_ahead``;
+`GroupSampler` yields this rank's micro-batch positions in groups of ``batches_ahead``;
 `GroupReader` reads a group with one batched read (`PositionDataset`: stream fetch plus
-the per-sample transform), splits it, and returns a `ReadAhead` (the unit a worker
+the per-sample transform), splits it, and returns a `GroupRead` (the unit a worker
 process hands over; with `SlotSampler`, a `SlotGroup` in a shared-memory slot).
 If the group read fails it is re-read one micro batch at a time,
 so the error lands exactly at the unreadable batch and every batch before it is
@@ -29,8 +29,8 @@ from detdata.base.errors import ConfigError
 from detdata.base.redact import get_logger
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Stream
-from detdata.datasets.capabilities import hint_prefetch
-from detdata.datasets.columns import is_ragged, restack, to_torch
+from detdata.datasets.batch_columns import is_ragged, restack, to_torch
+from detdata.datasets.capabilities import hint_read_ahead
 from detdata.loading.layout import Layout
 from detdata.loading.slots import (
     Receipt,
@@ -74,7 +74,7 @@ def apply_transform(
 
     Every sample's output must have the keys of the first one (a key missing
     or extra at one position is refused, naming it); each column is restacked
-    with `detdata.datasets.columns.restack`.
+    with `detdata.datasets.batch_columns.restack`.
     """
     outs: list[Mapping[str, Any]] = []
     with_rng = cast(
@@ -120,10 +120,10 @@ class PositionDataset(tud.Dataset[Batch]):
             batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
         return batch
 
-    def prefetch(self, positions: IntArray | None) -> None:
-        """Pass the hint that ``positions`` are read next to a `Prefetching` stream (others
-        get none: `hint_prefetch`)."""
-        hint_prefetch(self.stream, positions)
+    def read_ahead(self, positions: IntArray | None) -> None:
+        """Pass the hint that ``positions`` are read next to a `ReadsAhead` stream (others
+        get none: `hint_read_ahead`)."""
+        hint_read_ahead(self.stream, positions)
 
     def __len__(self) -> int:
         raise TypeError("PositionDataset is indexed by position arrays and has no length")
@@ -177,7 +177,7 @@ class SlotSampler(tud.Sampler[SlotTask]):
 
 
 @dataclass(frozen=True)
-class ReadAhead:
+class GroupRead:
     """Micro batches of one group read, and the error that stopped the group (if any)."""
 
     batches: list[Any]
@@ -194,11 +194,11 @@ class ReadAhead:
         if self.error is not None:
             raise self.error
 
-    def pin_memory(self) -> ReadAhead:
+    def pin_memory(self) -> GroupRead:
         """Called by torch's pin-memory thread for groups coming from worker processes."""
         if self.receipt is not None:
             settle(self.receipt)
-        return ReadAhead([pin(b) for b in self.batches], self.error)  # pinning copies: owned
+        return GroupRead([pin(b) for b in self.batches], self.error)  # pinning copies: owned
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -273,9 +273,9 @@ def owned(batch: Any) -> Any:
     """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
 
     docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
-    never keeps its group alive (16x its size with the default ``read_ahead``) and
+    never keeps its group alive (16x its size with the default ``batches_ahead``) and
     ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
-    storage (pinned copies, device batches, ``read_ahead=1``) are passed through.
+    storage (pinned copies, device batches, ``batches_ahead=1``) are passed through.
     """
     if isinstance(batch, torch.Tensor):
         return own_copy(batch) if batch.untyped_storage().nbytes() > batch.nbytes else batch
@@ -290,8 +290,8 @@ def owned(batch: Any) -> Any:
     return batch
 
 
-class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
-    """Reads a group of micro batches with one batched read, then splits it (see ``read_ahead``).
+class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
+    """Reads a group of micro batches with one batched read, then splits it (see ``batches_ahead``).
 
     With the default collate the group becomes one tensor per column and each
     micro batch is a view of it: one allocation, one pinning and (from a worker
@@ -320,23 +320,23 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
         batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
         return pin(batch) if self.pin else batch
 
-    def _one_by_one(self, group: list[IntArray]) -> ReadAhead:
+    def _one_by_one(self, group: list[IntArray]) -> GroupRead:
         done: list[Any] = []
         for positions in group:
             try:
                 done.append(self._finish(self.dataset[positions]))
             except Exception as exc:
-                return ReadAhead(done, portable(exc) if self.in_worker else exc)
-        return ReadAhead(done, None)
+                return GroupRead(done, portable(exc) if self.in_worker else exc)
+        return GroupRead(done, None)
 
-    def __getitem__(self, group: list[IntArray] | SlotTask) -> ReadAhead | SlotGroup:
+    def __getitem__(self, group: list[IntArray] | SlotTask) -> GroupRead | SlotGroup:
         if isinstance(group, SlotTask):
             return self._into_slot(group)
         if len(group) == 1:
             return self._one_by_one(group)
         return self._group(group)
 
-    def _into_slot(self, task: SlotTask) -> ReadAhead | SlotGroup:
+    def _into_slot(self, task: SlotTask) -> GroupRead | SlotGroup:
         """A worker's read of a group handed over through a shared-memory slot (`slots`).
 
         Reads, failures and the fallback are those of the plain path: a group that
@@ -357,14 +357,14 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
             whole = to_torch(raw)
         except Exception as exc:
             if len(group) == 1:
-                plain = ReadAhead([], portable(exc) if self.in_worker else exc)
+                plain = GroupRead([], portable(exc) if self.in_worker else exc)
             else:
                 plain = self._after_failure(group, exc)
             return dataclasses.replace(plain, receipt=task.receipt(0))
         parts = [rows(whole, a, b) for a, b in bounds]
-        return ReadAhead(parts, None, views=True, receipt=task.receipt(sent))
+        return GroupRead(parts, None, views=True, receipt=task.receipt(sent))
 
-    def _group(self, group: list[IntArray]) -> ReadAhead:
+    def _group(self, group: list[IntArray]) -> GroupRead:
         bounds = _bounds(group)
         try:
             raw = self.dataset[np.concatenate(group)]
@@ -374,13 +374,13 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
                 whole = to_torch(raw)
                 parts = [rows(whole, a, b) for a, b in bounds]
                 if self.in_worker:
-                    return ReadAhead(parts, None, views=True)  # owned after the transfer
-                return ReadAhead([pin(p) if self.pin else owned(p) for p in parts], None)
-            return ReadAhead([self._finish(owned(rows(raw, a, b))) for a, b in bounds], None)
+                    return GroupRead(parts, None, views=True)  # owned after the transfer
+                return GroupRead([pin(p) if self.pin else owned(p) for p in parts], None)
+            return GroupRead([self._finish(owned(rows(raw, a, b))) for a, b in bounds], None)
         except Exception as exc:
             return self._after_failure(group, exc)
 
-    def _after_failure(self, group: list[IntArray], exc: Exception) -> ReadAhead:
+    def _after_failure(self, group: list[IntArray], exc: Exception) -> GroupRead:
         """A group read failed: read it again batch by batch (deliver those before the error)."""
         result = self._one_by_one(group)  # locate the failing batch; deliver those before it
         if result.error is None:
@@ -394,19 +394,19 @@ class GroupReader(tud.Dataset[ReadAhead | SlotGroup]):
             )
         return result
 
-    def __call__(self, group: list[IntArray]) -> ReadAhead:
+    def __call__(self, group: list[IntArray]) -> GroupRead:
         return self._one_by_one(group) if len(group) == 1 else self._group(group)
 
-    def prefetch(self, group: list[IntArray] | None) -> None:
+    def read_ahead(self, group: list[IntArray] | None) -> None:
         """A hint: ``group`` is read next (None: drop what is pending); see
-        `OrderedStream.prefetch`. It never changes a delivered byte, and never raises for
+        `OrderedStream.read_ahead`. It never changes a delivered byte, and never raises for
         what the read would report."""
         if group is None:
-            self.dataset.prefetch(None)
+            self.dataset.read_ahead(None)
         elif len(group) == 1:  # read on its own (`_one_by_one`)
-            self.dataset.prefetch(group[0])
+            self.dataset.read_ahead(group[0])
         else:
-            self.dataset.prefetch(np.concatenate(group))
+            self.dataset.read_ahead(np.concatenate(group))
 
     def __len__(self) -> int:
         raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
@@ -423,14 +423,14 @@ class RunSlice:
     stop: int | None
 
     def groups(self, size: int) -> GroupSampler:
-        """Its micro batches in groups of ``size`` (``read_ahead``)."""
+        """Its micro batches in groups of ``size`` (``batches_ahead``)."""
         return GroupSampler(self.layout, self.start, self.stop, size)
 
 
 @dataclass(frozen=True)
 class Reads:
     """How every batch source reads a group: with the per-sample ``transform`` (and the
-    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``read_ahead``
+    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``batches_ahead``
     micro batches per group; ``pin_memory``: batches read in this process are pinned when
     CUDA is present (torch's ``pin_memory``; off with a device feed, which pins itself)."""
 
@@ -438,12 +438,12 @@ class Reads:
     seed: int
     collate_fn: Callable[[Batch], Any] | None
     pin_memory: bool
-    read_ahead: int
+    batches_ahead: int
 
     def reader(self, stream: Stream, *, in_worker: bool) -> GroupReader:
         """The `GroupReader` of ``stream``; in a worker process (``in_worker``) batches are
         never pinned there: torch's pin-memory thread pins in the main process
-        (`ReadAhead.pin_memory`)."""
+        (`GroupRead.pin_memory`)."""
         pin = not in_worker and self.pin_memory and torch.cuda.is_available()
         dataset = PositionDataset(stream, self.transform, self.seed)
         return GroupReader(dataset, self.collate_fn, pin, in_worker)

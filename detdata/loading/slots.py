@@ -31,7 +31,7 @@ up front (``posix_fallocate``): a full shared-memory filesystem is an ``OSError`
 here, answered by falling back to torch's transfer, never a SIGBUS mid-batch.
 
 Exactness does not depend on any of this: which path a group takes never changes
-a delivered byte, and errors travel as before (as values in a `ReadAhead`).
+a delivered byte, and errors travel as before (as values in a `GroupRead`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from detdata.base.redact import get_logger
-from detdata.datasets.columns import to_torch
+from detdata.datasets.batch_columns import to_torch
 
 log = get_logger("detdata.loader")
 
@@ -377,7 +377,7 @@ class SlotTransport:
             self._disabled = True
             log.info(
                 "detdata: a read-ahead group needs %d bytes; %d shared-memory slots of that "
-                "size exceed %d bytes, so groups use torch's transfer (lower read_ahead to "
+                "size exceed %d bytes, so groups use torch's transfer (lower batches_ahead to "
                 "use slots)",
                 self._largest,
                 self.count,

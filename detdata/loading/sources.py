@@ -3,7 +3,7 @@ three implementations, inline (`InlineSource`, ``num_workers=0``), on reader thr
 (`ThreadSource`, ``worker_mode="thread"``) and in worker processes
 (`detdata.loading.torch_workers.WorkerSource`).
 
-Every source reads the same groups of ``read_ahead`` micro batches with the same reader
+Every source reads the same groups of ``batches_ahead`` micro batches with the same reader
 (`Reads`), so bytes and order never depend on which one runs; a source hands batches over
 in order and counts nothing (the iteration counts a batch once it reached the caller).
 """
@@ -22,7 +22,7 @@ from detdata.loading.torch_workers import WorkerSource
 
 #: Groups of micro batches the inline loader (``num_workers=0``) hints to the stream ahead
 #: of the one it reads (`InlineSource`).
-PREFETCH_GROUPS: Final = 2
+GROUPS_AHEAD: Final = 2
 
 
 class BatchSource(Protocol):
@@ -41,8 +41,8 @@ class BatchSource(Protocol):
 
 class InlineSource:
     """``num_workers=0``: the workers' reader in this process, without torch's per-batch
-    plumbing. The order is known ahead, so the next `PREFETCH_GROUPS` groups are hinted to
-    the stream before a group's batches are delivered (`GroupReader.prefetch`): a dataset
+    plumbing. The order is known ahead, so the next `GROUPS_AHEAD` groups are hinted to
+    the stream before a group's batches are delivered (`GroupReader.read_ahead`): a dataset
     that takes the hint reads their files in the background meanwhile (the same bytes and
     checks; dropped when the loop ends)."""
 
@@ -53,19 +53,19 @@ class InlineSource:
 
     def batches(self, at: RunSlice) -> Iterator[Any]:
         read = self._reads.reader(at.stream, in_worker=False)
-        groups = iter(at.groups(self._reads.read_ahead))
+        groups = iter(at.groups(self._reads.batches_ahead))
         ahead: collections.deque[list[IntArray]] = collections.deque()
         try:
             while True:
-                while len(ahead) <= PREFETCH_GROUPS and (group := next(groups, None)):
-                    read.prefetch(group)
+                while len(ahead) <= GROUPS_AHEAD and (group := next(groups, None)):
+                    read.read_ahead(group)
                     ahead.append(group)
                 if not ahead:
                     return
                 result = read(ahead.popleft())
                 yield from result.deliver()
         finally:
-            read.prefetch(None)
+            read.read_ahead(None)
 
     def reset(self) -> None:
         """Nothing is kept between iterations."""
@@ -85,7 +85,7 @@ class ThreadSource:
     def batches(self, at: RunSlice) -> Iterator[Any]:
         groups = threaded_batches(
             self._reads.reader(at.stream, in_worker=False),
-            iter(at.groups(self._reads.read_ahead)),
+            iter(at.groups(self._reads.batches_ahead)),
             self._threads,
             self._depth,
         )

@@ -1,7 +1,7 @@
 """Loader state: one JSON object, versioned, compared field by field on resume.
 
 The state counts samples *delivered* to the caller (global, all ranks), never
-what was prefetched. Checked fields must match on resume unless allowed by name;
+what was read or copied ahead. Checked fields must match on resume unless allowed by name;
 layout and environment are informational. ``exclusions`` (format 3) is the exclusion
 history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
 run's batch schedules and layouts with the step and position each began at
@@ -315,14 +315,11 @@ class LoaderState:
     @classmethod
     def from_json(cls, state: object) -> LoaderState:
         if isinstance(state, (str, bytes)):
+            text = state
             try:
-                state = json.loads(state)
+                state = json.loads(text)
             except (ValueError, RecursionError) as exc:
-                raise StateError(
-                    f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
-                    "hint: pass the object DataLoader.state_dict() returned, or "
-                    "its JSON text"
-                ) from None
+                raise StateError(_not_json(text, exc)) from None
         if not isinstance(state, Mapping):
             raise StateError(f"loader state must be a JSON object, got {type(state).__name__}")
         if state.get(K_KIND) != KIND:
@@ -602,5 +599,41 @@ def mismatch_message(diffs: list[str], saved: Mapping[str, Any], current: Mappin
         "loader state does not match this loader; differing fields:\n"
         + "\n".join(lines)
         + f"\nhint: resume with the same data/seed/batch, or pass allow={diffs!r} to accept "
-        "the change knowingly"
+        "the change knowingly" + _stream_seed_hint(diffs, saved, current)
+    )
+
+
+def _stream_seed_hint(
+    diffs: list[str], saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> str:
+    """Why ``stream_seed`` differs when the saved run's loader ordered its dataset itself and
+    this one is given a stream (most often: the dataset wrapped in ``Excluded`` at a resume)."""
+    if K_STREAM_SEED not in diffs or saved.get(K_STREAM_SEED) is not None:
+        return ""
+    seed, now = saved.get(K_SEED), current.get(K_STREAM_SEED)
+    same = _norm(now) == _norm(seed)
+    return (
+        f"\nstream_seed: the saved run's loader ordered the dataset itself with seed={seed!r}; "
+        f"this loader is given a stream ordered with seed={now!r}"
+        + (" (the same order)" if same else f" (another order, not seed={seed!r})")
+        + ". To add exclusions at this resume, wrap the plain dataset with the loader's seed, "
+        f"Excluded(dataset, [(position, exclusion_list)], seed={seed!r}), and pass "
+        "allow=['exclusions']"
+        + (" (or keep this stream and add allow=['stream_seed'])" if same else "")
+    )
+
+
+def _not_json(text: str | bytes, exc: BaseException) -> str:
+    """The error text for a state string that is not JSON; a file path (a newcomer's
+    ``load_state_dict("ckpt/loader.json")``) gets the line that reads the file."""
+    line = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    if "\n" not in line and len(line) < 4096 and line.strip()[:1] not in ("{", "["):
+        return (
+            f"loader state {line!r} is not JSON but looks like a file path; load_state_dict "
+            "takes what state_dict() returned; hint: read the file first: "
+            f"loader.load_state_dict(json.load(open({line!r})))"
+        )
+    return (
+        f"loader state is not valid JSON: {type(exc).__name__}: {exc}; "
+        "hint: pass the object DataLoader.state_dict() returned, or its JSON text"
     )

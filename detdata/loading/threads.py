@@ -6,7 +6,7 @@ than the read itself. A batched read here is mostly numpy gathers and file I/O,
 which release the GIL, so a few threads in the main process overlap reads
 with the consumer and with each other, and batches need no transfer at all.
 
-`threaded_batches` keeps at most ``prefetch`` batches in flight, yields them in
+`threaded_batches` keeps at most ``ahead`` batches in flight, yields them in
 exactly the order of ``positions``, and re-raises a failed read in the caller
 with the failing positions noted on the exception. Closing (or dropping) the
 generator cancels reads not yet started and waits for running ones, so nothing
@@ -59,24 +59,24 @@ def describe_positions(positions: Positions) -> str:
 
 
 def threaded_batches(
-    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, prefetch: int
+    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, ahead: int
 ) -> Generator[T, None, None]:
     """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
 
-    At most ``prefetch`` (``>= 1``) reads are submitted ahead of the consumer;
+    At most ``ahead`` (``>= 1``) reads are submitted ahead of the consumer;
     ``positions`` is pulled lazily from the calling thread only (it may be
     infinite). An exception from ``fetch`` is raised from this generator when its
     batch is due, with a note naming the positions; an exception from
     ``positions`` is raised as is, after the batches before it were yielded.
     """
-    for value, name, minimum in ((num_threads, "num_threads", 1), (prefetch, "prefetch", 1)):
+    for value, name, minimum in ((num_threads, "num_threads", 1), (ahead, "ahead", 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return _generate(fetch, positions, num_threads, prefetch)
+    return _generate(fetch, positions, num_threads, ahead)
 
 
 def _generate(
-    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, prefetch: int
+    fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, ahead: int
 ) -> Generator[T, None, None]:
     source = iter(positions)
     pending: collections.deque[tuple[P, Future[T]]] = collections.deque()
@@ -99,7 +99,7 @@ def _generate(
         pending.append((pos, pool.submit(fetch, pos)))
 
     try:
-        while len(pending) < prefetch and not exhausted:
+        while len(pending) < ahead and not exhausted:
             submit_next()
         while pending:
             pos, future = pending.popleft()

@@ -27,7 +27,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from detdata.loading.reading import GroupSampler, ReadAhead, Reads, RunSlice, SlotSampler
+from detdata.loading.reading import GroupRead, GroupSampler, Reads, RunSlice, SlotSampler
 from detdata.loading.slots import SlotGroup, SlotTransport
 from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
@@ -140,7 +140,7 @@ class WorkerSource:
         return self._loader
 
     def _build(self, at: RunSlice) -> tud.DataLoader[Any]:
-        self._groups = at.groups(self._reads.read_ahead)
+        self._groups = at.groups(self._reads.batches_ahead)
         sampler: GroupSampler | SlotSampler = self._groups
         if self.slot_transfer and self._reads.collate_fn is None:
             # groups come back through reused shared-memory slots (detdata.loading.slots)
@@ -157,7 +157,7 @@ class WorkerSource:
             **self._torch_kwargs,
         )
 
-    def _worker_batches(self, groups: Iterator[ReadAhead | SlotGroup]) -> Iterator[Any]:
+    def _worker_batches(self, groups: Iterator[GroupRead | SlotGroup]) -> Iterator[Any]:
         """The batches of the groups torch's iterator returns. ``_busy`` is False only
         while a batch is with the caller (the generator suspended at ``yield``: torch's iterator
         between two calls), so any interrupt or error inside torch or a group's hand-over leaves

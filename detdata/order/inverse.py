@@ -11,7 +11,7 @@ walking it backwards from ``y`` stops at the first value ``< n``, which is ``i``
 So sample ``x`` sits at position ``e * n + D*(x)`` of every epoch ``e``: one
 inversion per epoch, nothing of size ``n``.
 
-``mixture-v1`` (`detdata.order.mixture`): a source's sample at index ``i`` of its
+``mixture-v1`` (`detdata.order.mixing`): a source's sample at index ``i`` of its
 own stream is at the unique global position ``g`` with ``consumed(g)[s] == i``
 and ``assign(g) == (s, i)``. `MixtureSchedule.consumed` is non-decreasing in ``g``, so
 ``g`` is found by binary search over positions: O(log P) calls of ``consumed``
@@ -38,7 +38,7 @@ from detdata.order.feistel import (
     mix64,
     round_keys,
 )
-from detdata.order.mixture import MixtureSchedule
+from detdata.order.mixing import MixtureSchedule
 
 #: A source's count of samples read by positions ``[0, p)``.
 Consumed = Callable[[int], int]
@@ -148,7 +148,7 @@ def mixture_positions_of(
     Per epoch of the source's own stream: one inversion of ``order`` gives the index ``i``
     in the source's stream; its position is searched in a window around the estimate
     from the phase's proportion (``|count_s(T) - p_s T| < depth + 4`` within a phase,
-    the bound of `detdata.order.mixture`), all windows in one vectorised
+    the bound of `detdata.order.mixing`), all windows in one vectorised
     `MixtureSchedule.assign`. An index not found in its window (never, if the bound holds) falls
     back to the exact binary search `position_of_index`. Cost: O(sources + depth / p_s)
     per epoch of the source.

@@ -544,15 +544,15 @@ static PyObject *read_shards(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* start_read_shards(...same arguments as read_shards...) -> PendingRead
+/* start_read_shards(...same arguments as read_shards...) -> NativeRead
  *
  * The same reads on threads of their own (every share, the caller's thread takes none):
- * returns at once; PendingRead.wait() joins them (without the GIL) and returns the files
+ * returns at once; NativeRead.wait() joins them (without the GIL) and returns the files
  * read whole from 0 on, as read_shards would. Until then the buffers and names stay held
  * and the caller must not touch `out` or `stats`. A share whose thread cannot be started
  * is read by start_read_shards itself (without the GIL). In a process forked while reads
  * ran, wait() joins nothing (those threads do not exist there) and returns 0: nothing
- * counts as read, the caller's loop reads again. Dropping a PendingRead not waited for
+ * counts as read, the caller's loop reads again. Dropping a NativeRead not waited for
  * joins its threads first. */
 typedef struct {
     PyObject_HEAD
@@ -580,7 +580,7 @@ static PyObject *pending_wait(PyObject *obj, PyObject *unused) {
     (void)unused;
     pending_t *p = (pending_t *)obj;
     if (p->state == 1) {
-        PyErr_SetString(PyExc_RuntimeError, "PendingRead.wait: already being waited for");
+        PyErr_SetString(PyExc_RuntimeError, "NativeRead.wait: already being waited for");
         return NULL;
     }
     if (p->state == 0) {
@@ -621,7 +621,7 @@ static PyMethodDef pending_methods[] = {
 
 static PyTypeObject PendingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "detdata.storage._fileread.PendingRead",
+    .tp_name = "detdata.storage._fileread.NativeRead",
     .tp_basicsize = sizeof(pending_t),
     .tp_dealloc = pending_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -724,7 +724,7 @@ static PyMethodDef methods[] = {
      "stats, threads=1, state=None, ident=None, sizes=None) -> shards fully read (see "
      "detdata.storage.fileread)"},
     {"start_read_shards", start_read_shards, METH_VARARGS,
-     "start_read_shards(...the arguments of read_shards...) -> PendingRead (see "
+     "start_read_shards(...the arguments of read_shards...) -> NativeRead (see "
      "detdata.storage.fileread)"},
     {NULL, NULL, 0, NULL},
 };

@@ -24,7 +24,7 @@ def record_firsts(
     state: Buffer, ident: Buffer, ids: Buffer, now: Buffer, seen: Buffer, /
 ) -> None: ...
 
-class PendingRead:
+class NativeRead:
     def wait(self) -> int: ...
 
 def start_read_shards(
@@ -43,4 +43,4 @@ def start_read_shards(
     ident: Buffer | None = None,
     sizes: Buffer | None = None,
     /,
-) -> PendingRead: ...
+) -> NativeRead: ...

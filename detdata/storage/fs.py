@@ -5,6 +5,7 @@ Digests of what is read are `detdata.storage.digest`'s."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 import posixpath
 import re
@@ -15,7 +16,7 @@ from urllib.parse import quote, unquote
 import fsspec
 from fsspec.core import url_to_fs
 
-from detdata.base.errors import ManifestError
+from detdata.base.errors import DependencyError, ManifestError
 from detdata.base.redact import (
     install_log_redaction,
     redact_text,
@@ -37,10 +38,44 @@ def is_url(path: str) -> bool:
     return bool(_SCHEME.match(path))
 
 
+def missing_folder_hint(path: str) -> str:
+    """The next step for a local folder ``path`` that does not exist: the closest names
+    beside it (a misspelt root), then what to pass instead."""
+    parent, name = os.path.split(os.path.normpath(path))
+    try:
+        near = sorted(os.listdir(parent or "."))
+    except OSError:
+        near = []
+    close = difflib.get_close_matches(name, near, n=3, cutoff=0.6)
+    guess = " or ".join(repr(os.path.join(parent, c)) for c in close)
+    found = f"did you mean {guess}? " if close else ""
+    return f"hint: {found}pass the folder (or URL) that holds the shards"
+
+
+#: The ``pip install`` extra of detdata that brings each URL scheme's fsspec backend.
+SCHEME_EXTRAS: Final = {"http": "http", "https": "http", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
 def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem for ``root`` and the root path inside it (no trailing slash)."""
-    fs, path = url_to_fs(root, **storage_options)
+    """The fsspec filesystem for ``root`` and the root path inside it (no trailing slash).
+
+    `DependencyError` when the backend for ``root``'s scheme cannot be imported: it names the
+    scheme, the root (redacted) and the ``pip install 'detdata[EXTRA]'`` that brings it."""
+    try:
+        fs, path = url_to_fs(root, **storage_options)
+    except ImportError as exc:
+        raise _missing_backend(root, exc) from exc
     return fs, path.rstrip("/") if path != "/" else path
+
+
+def _missing_backend(root: str, exc: ImportError) -> DependencyError:
+    scheme = root.split("://", 1)[0].lower() if is_url(root) else "file"
+    extra = SCHEME_EXTRAS.get(scheme)
+    install = f"pip install 'detdata[{extra}]'" if extra else "install the fsspec backend"
+    return DependencyError(
+        f"root {redact_url(root)}: reading {scheme}:// URLs needs a package that cannot be "
+        f"imported ({redact_text(str(exc))}); hint: {install}"
+    )
 
 
 PATH_RULES: Final = (

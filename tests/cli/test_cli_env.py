@@ -224,12 +224,13 @@ def test_env_check_of_a_record_saved_from_python_reports_no_false_difference(
         "--layout", "world=8,tp=2", "--loader-state", str(state), "--extra-env", "MY_TOKEN",
         "--execution", "precision=bf16-mixed", "--check", str(saved),
     ]  # fmt: skip
-    same = subprocess.run(
-        [detdata_exe(), *args], capture_output=True, text=True, timeout=300, env=env
+    same = subprocess.run(  # -v: the record too, not only the ok line
+        [detdata_exe(), *args, "-v"], capture_output=True, text=True, timeout=300, env=env
     )
     assert same.returncode == 0, same.stderr
     assert "differs" not in same.stderr
-    assert RunRecord.load(saved).differences(RunRecord.from_json(same.stdout)) == []
+    printed = same.stdout.rstrip("\n").rpartition("\n")[0]  # the record, then the ok line
+    assert RunRecord.load(saved).differences(RunRecord.from_json(printed)) == []
     other = DataLoader(
         TokenWindows(Manifest.load(str(manifest)), 8),
         global_batch_size=16,
@@ -314,3 +315,26 @@ def test_preflight_with_a_bad_timeout_is_a_one_line_usage_error(
     check_failure(done, 2, f"--timeout {timeout}", "positive")
     assert done.stdout == ""  # no check ran
     assert not out.exists()
+
+
+def test_env_check_prints_one_line_when_it_passes_and_the_record_with_v(tmp_path: Path) -> None:
+    """Issue 46: ``env --check`` printed the whole record (187 lines) on success. Now one
+    ``ok`` line; the record with ``-v``; on a refused difference the record and the difference."""
+    repo = _repo(tmp_path)
+    saved = tmp_path / "record.json"
+    assert _run("env", "--repo", str(repo), "--out", str(saved)).returncode == 0
+    record = json.loads(saved.read_text())
+    passed = _run("env", "--repo", str(repo), "--check", str(saved))
+    assert passed.returncode == 0, passed.stderr
+    assert passed.stdout.splitlines() == [f"ok: this run's record matches {saved}"]
+    verbose = _run("env", "--repo", str(repo), "--check", str(saved), "-v")
+    assert verbose.returncode == 0, verbose.stderr
+    body, _, last = verbose.stdout.rstrip("\n").rpartition("\n")
+    assert json.loads(body)["code"] == record["code"]
+    assert last == f"ok: this run's record matches {saved}"
+    (repo / "uv.lock").write_text("another lock\n")
+    _git(repo, "commit", "-qam", "second")
+    failed = _run("env", "--repo", str(repo), "--check", str(saved))
+    assert failed.returncode == 1
+    assert json.loads(failed.stdout)["code"]["revision"] == _git(repo, "rev-parse", "HEAD")
+    assert "run record check failed" in failed.stderr and "revision" in failed.stderr

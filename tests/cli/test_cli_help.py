@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,3 +82,33 @@ def test_top_level_help_groups_the_commands_by_task() -> None:
             if command in registered:
                 assert listed[command] == title, (command, listed[command])
     assert "usage: detdata [-h] [--traceback] [-v] COMMAND ..." in done.stdout
+
+
+def test_every_usage_line_starts_with_the_command_a_user_types() -> None:
+    """Issue 46: ``detdata manifest build --help`` showed ``usage: detdata [-h] [--traceback]
+    COMMAND ... manifest build``; each usage line now starts with the command itself."""
+    garbled = []
+    for name, parser in _parsers("detdata", build_parser()):
+        usage = parser.format_usage()
+        if not usage.startswith(f"usage: {name} ") or (name != "detdata" and "COMMAND" in usage):
+            garbled.append(usage.splitlines()[0])
+    assert garbled == [], f"usage lines that do not start with their command: {garbled}"
+
+
+def test_every_command_has_a_description_and_no_help_names_an_internal_module() -> None:
+    """Issue 46: ``manifest``, ``hash``, ``verify``, ``order``, ``demo`` had no description;
+    ``diff``, ``preflight``, ``split`` named ``detdata.loading.trace``,
+    ``detdata.base.redact.redact_text``, ``detdata.datasets.split.Split``; no help spells the
+    deprecated ``DataLoader(trace=...)`` (the option is ``LoaderOptions(trace=...)``)."""
+    internal = re.compile(r"\bdetdata\.(base|storage|identity|order|datasets|loading|cli)\.")
+    undescribed, naming, deprecated = [], [], []
+    for name, parser in _parsers("detdata", build_parser()):
+        text = parser.format_help()
+        if not (parser.description or "").strip():
+            undescribed.append(name)
+        naming += [f"{name}: {m.group(0)}" for m in internal.finditer(text)]
+        if "DataLoader(trace=" in text.replace(" ", ""):
+            deprecated.append(name)
+    assert undescribed == [], f"commands without a description: {undescribed}"
+    assert naming == [], f"help naming internal modules: {naming}"
+    assert deprecated == [], f"help spelling DataLoader(trace=...): {deprecated}"

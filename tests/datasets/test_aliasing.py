@@ -210,7 +210,7 @@ def run_loader(
         global_batch_size=8,
         seed=5,
         options=LoaderOptions(
-            total_samples=total, read=ReadOptions(worker_mode="thread", read_ahead=read_ahead)
+            total_samples=total, read=ReadOptions(worker_mode="thread", batches_ahead=read_ahead)
         ),
         num_workers=2 if mode == "thread" else 0,
         collate_fn=edit_in_collate if collate == "custom" else None,
@@ -310,7 +310,7 @@ def test_token_windows_edits_never_reach_the_shards_or_later_reads(
         global_batch_size=8,
         seed=5,
         options=LoaderOptions(
-            total_samples=total, read=ReadOptions(worker_mode="thread", read_ahead=4)
+            total_samples=total, read=ReadOptions(worker_mode="thread", batches_ahead=4)
         ),
         num_workers=2 if mode == "thread" else 0,
         collate_fn=edit if collate == "custom" else None,
@@ -341,7 +341,7 @@ def test_array_dataset_edits_never_reach_later_reads() -> None:
             ds,
             global_batch_size=8,
             seed=1,
-            options=LoaderOptions(total_samples=80, read=ReadOptions(read_ahead=2)),
+            options=LoaderOptions(total_samples=80, read=ReadOptions(batches_ahead=2)),
             collate_fn=collate,
         ):
             if collate is None:
@@ -381,7 +381,7 @@ def test_default_collate_copies_read_only_arrays(mode: str) -> None:
             global_batch_size=3,
             seed=2,
             options=LoaderOptions(
-                total_samples=60, read=ReadOptions(worker_mode="thread", read_ahead=1)
+                total_samples=60, read=ReadOptions(worker_mode="thread", batches_ahead=1)
             ),
             num_workers=1 if mode == "thread" else 0,
         )
@@ -417,7 +417,7 @@ def test_a_delivered_batch_owns_its_memory(
         data,
         global_batch_size=4,
         options=detdata.LoaderOptions(
-            total_samples=64, read=detdata.ReadOptions(worker_mode=mode, read_ahead=16)
+            total_samples=64, read=detdata.ReadOptions(worker_mode=mode, batches_ahead=16)
         ),
         num_workers=workers,
         pin_memory=pin,
@@ -429,7 +429,7 @@ def test_a_delivered_batch_owns_its_memory(
     solo = detdata.DataLoader(
         data,
         global_batch_size=4,
-        options=detdata.LoaderOptions(total_samples=4, read=detdata.ReadOptions(read_ahead=1)),
+        options=detdata.LoaderOptions(total_samples=4, read=detdata.ReadOptions(batches_ahead=1)),
     )
     torch.save(next(iter(solo)), tmp_path / "solo.pt")
     kept, own = (tmp_path / "b.pt").stat().st_size, (tmp_path / "solo.pt").stat().st_size

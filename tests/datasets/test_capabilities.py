@@ -37,7 +37,7 @@ from detdata.order.locality import WindowedOrder
 from tests.datasets.doc_corpora import random_documents, write_megatron
 
 ALL = (
-    caps.Prefetching,
+    caps.ReadsAhead,
     caps.OverOneDataset,
     caps.HasSources,
     caps.HasOrigins,
@@ -57,12 +57,12 @@ ALL = (
 #: What each built-in type provides (from their documented contracts; the one list).
 EXPECTED: dict[str, set[str]] = {
     "ArrayDataset": {"Named"},
-    "TokenWindows": {"Prefetching", "TokenCounting", "HasSchema", "TakesOrder", "ShardSized"},
+    "TokenWindows": {"ReadsAhead", "TokenCounting", "HasSchema", "TakesOrder", "ShardSized"},
     "TableRows": {"HasSchema", "TakesOrder", "ShardSized", "RowGroupSized"},
     "Documents": set(),
     "PackedWindows": {"TokenCounting", "HasSchema"},
     "SplitPart": set(),
-    "OrderedStream": {"Prefetching", "OverOneDataset", "HasOrigins"},
+    "OrderedStream": {"ReadsAhead", "OverOneDataset", "HasOrigins"},
     "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom"},
     "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset"},
     "GlobalOrder": set(),
@@ -269,11 +269,11 @@ def test_optional_capabilities_fall_back_to_their_documented_default() -> None:
     calls: list[object] = []
 
     class Hinted(Minimal):
-        def prefetch(self, positions: Any) -> None:
+        def read_ahead(self, positions: Any) -> None:
             calls.append(positions)
 
-    caps.hint_prefetch(Minimal(), np.arange(3))  # no hint taken: nothing happens
-    caps.hint_prefetch(Hinted(), np.arange(3))
+    caps.hint_read_ahead(Minimal(), np.arange(3))  # no hint taken: nothing happens
+    caps.hint_read_ahead(Hinted(), np.arange(3))
     assert len(calls) == 1 and calls[0].tolist() == [0, 1, 2]  # type: ignore[attr-defined]
     plain = detdata.ArrayDataset({"x": np.arange(6)})
     records = _loader(plain).provenance(0)

@@ -72,7 +72,7 @@ def test_schema_identity_and_argument_checks(corpus: tuple[Path, list[np.ndarray
     docs = documents_of(corpus)
     packed = PackedWindows(docs, 32, seed=1)
     batch = packed.read(np.array([0, 1]))
-    from detdata.datasets.columns import describe_column
+    from detdata.datasets.batch_columns import describe_column
 
     assert {k: describe_column(v) for k, v in batch.items()} == packed.schema()
     ident = packed.identity()

@@ -25,7 +25,7 @@ import torch.utils.data as tud
 
 from detdata import LocalityOrder, Order, Storage
 from detdata.base.errors import DetdataError, StorageError, VerificationError
-from detdata.datasets.columns import to_torch
+from detdata.datasets.batch_columns import to_torch
 from detdata.datasets.handles import (
     process_max_open_shards,
     process_open_shards,
@@ -518,7 +518,7 @@ def test_delivered_micro_batches_own_their_memory_and_equal_the_group(
     table: tuple[Path, dict[str, list[Any]]],
 ) -> None:
     """A group read of rows with numbers, fixed lists, strings and ragged lists, collated,
-    cut into micro batches and made owned (as `ReadAhead.deliver` does)."""
+    cut into micro batches and made owned (as `GroupRead.deliver` does)."""
     root, cols = table
     ds = TableRows(build_manifest(str(root)), ragged=["r"])
     ids = np.random.default_rng(6).integers(0, ds.num_samples, size=48)

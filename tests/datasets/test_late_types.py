@@ -212,7 +212,7 @@ def test_transform_keys_changing_at_one_position_are_refused(change: str, read_a
         global_batch_size=4,
         seed=7,
         options=LoaderOptions(
-            total_samples=N, transform=transform, read=ReadOptions(read_ahead=read_ahead)
+            total_samples=N, transform=transform, read=ReadOptions(batches_ahead=read_ahead)
         ),
     )
     delivered = 0
@@ -275,7 +275,7 @@ def test_transform_output_changing_between_micro_batches_is_refused(
         options=detdata.LoaderOptions(
             total_samples=40,
             transform=transform,
-            read=detdata.ReadOptions(worker_mode=mode, read_ahead=read_ahead),
+            read=detdata.ReadOptions(worker_mode=mode, batches_ahead=read_ahead),
         ),
         num_workers=workers,
     )

@@ -1,4 +1,4 @@
-"""Lookahead prefetch into the shard cache (`detdata.datasets.prefetch`) on a real nginx.
+"""CacheAhead prefetch into the shard cache (`detdata.datasets.prefetch`) on a real nginx.
 
 References are independent of the code under test: the writer's own arrays (windows cut
 by hand), first-use orders and shard sets computed by brute force from the ids, and a
@@ -19,7 +19,7 @@ import pytest
 
 import detdata
 from detdata import Storage
-from detdata.datasets.prefetch import Lookahead, shard_uses
+from detdata.datasets.prefetch import CacheAhead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.locks import flock as _flock
@@ -89,7 +89,7 @@ def test_window_stays_under_the_cache_bound_and_covers_the_next_step(
     ds = remote(f"{http_server.base}/{directory.name}", manifest, tmp_path / "cache", bound)
     stream = detdata.OrderedStream(ds, seed=4)
     layout = Layout.create(8, 4, 1, 0)
-    ahead = Lookahead(stream, layout.positions, steps=12, connections=2)
+    ahead = CacheAhead(stream, layout.positions, steps=12, connections=2)
     assert ahead.active
     cache = ds.shard_cache
     assert cache is not None
@@ -128,7 +128,7 @@ def test_loader_with_lookahead_delivers_the_local_bytes(
         ds,
         num_workers=num_workers,
         options=detdata.LoaderOptions(
-            read=detdata.ReadOptions(worker_mode=mode, read_ahead=2, lookahead=24)
+            read=detdata.ReadOptions(worker_mode=mode, batches_ahead=2, steps_ahead=24)
         ),
         **kw,
     )
@@ -164,7 +164,7 @@ def test_a_missing_shard_fails_at_the_first_batch_that_needs_it(
         global_batch_size=8,
         micro_batch_size=4,
         seed=6,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4, lookahead=64)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4, steps_ahead=64)),
     )
     delivered = 0
     with pytest.raises((FileNotFoundError, detdata.StorageError)) as info:

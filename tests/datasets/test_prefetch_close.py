@@ -20,7 +20,7 @@ import pytest
 
 import detdata
 from detdata import Storage
-from detdata.datasets.prefetch import Lookahead, shard_uses
+from detdata.datasets.prefetch import CacheAhead, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.retry import RetryPolicy
@@ -82,7 +82,7 @@ def test_break_does_not_wait_for_a_running_fill_and_leaves_nothing_partial(
             slow,
             seed=seed,
             options=detdata.LoaderOptions(
-                read=detdata.ReadOptions(read_ahead=1, lookahead=16, lookahead_connections=1)
+                read=detdata.ReadOptions(batches_ahead=1, steps_ahead=16, steps_ahead_connections=1)
             ),
             **KW,
         )
@@ -131,7 +131,7 @@ def test_a_deferred_release_skips_a_shard_planned_again(
     holder = threading.Thread(target=hold_shard_lock)
     holder.start()
     assert held.wait(10)
-    ahead = Lookahead(stream, layout.positions, steps=1, connections=1)
+    ahead = CacheAhead(stream, layout.positions, steps=1, connections=1)
     try:
         ahead.advance(0)
         deadline = time.monotonic() + 10
@@ -153,7 +153,7 @@ def test_a_deferred_release_skips_a_shard_planned_again(
 EXIT_SCRIPT = """
 import sys, time
 import detdata
-from detdata.datasets.prefetch import Lookahead
+from detdata.datasets.prefetch import CacheAhead
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.retry import RetryPolicy
@@ -165,7 +165,7 @@ ds = TokenWindows(
     manifest, 15, storage=detdata.Storage(verify="off", retry=retry, cache_dir=cache)
 )
 stream = detdata.OrderedStream(ds, seed=3)
-ahead = Lookahead(stream, Layout.create(8, 4, 1, 0).positions, steps=16, connections=1)
+ahead = CacheAhead(stream, Layout.create(8, 4, 1, 0).positions, steps=16, connections=1)
 ahead.advance(0)  # queues every shard's fill; never closed
 while not any(f.running() for f in ahead._futures.values()):
     time.sleep(0.01)

@@ -18,7 +18,7 @@ import pytest
 import detdata
 from detdata import Storage
 from detdata.datasets import prefetch
-from detdata.datasets.prefetch import Key, Lookahead, shard_uses, shard_uses_of_steps
+from detdata.datasets.prefetch import CacheAhead, Key, shard_uses, shard_uses_of_steps
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.retry import RetryPolicy
@@ -59,8 +59,8 @@ def brute_first_use(ids: np.ndarray, shard_of: np.ndarray) -> list[Key]:
     return seen
 
 
-class Recording(Lookahead):
-    """A Lookahead that records each submitted fill with the consumer's step at that time."""
+class Recording(CacheAhead):
+    """A CacheAhead that records each submitted fill with the consumer's step at that time."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """`detdata.Split` (``split-v1``): the rule against a brute-force reference, and stability of the
 content-keyed split when shards are re-ordered, re-sharded or moved (real .npy and Parquet).
 
-Covers: detdata/datasets/digest.py.
+Covers: detdata/datasets/sample_framing.py.
 """
 
 from __future__ import annotations

@@ -663,7 +663,7 @@ def test_every_column_kind_through_the_default_collate(
         seed=8,
         options=LoaderOptions(
             total_samples=2 * ROWS,
-            read=ReadOptions(worker_mode="thread", read_ahead=read_ahead),
+            read=ReadOptions(worker_mode="thread", batches_ahead=read_ahead),
         ),
         num_workers=2 if mode == "thread" else 0,
     )

@@ -1,4 +1,4 @@
-"""`TokenWindows.prefetch`: a read hinted ahead is planned and its file reads run in the
+"""`TokenWindows.read_ahead`: a read hinted ahead is planned and its file reads run in the
 background; the read later returns what it would have returned without the hint, with the
 same checks.
 
@@ -100,16 +100,16 @@ def test_hinted_reads_deliver_the_writers_windows(
             ahead = data.draw(st.integers(0, 3))
             skip = data.draw(st.sets(st.integers(0, 7)))  # hinted but never read
             for i in range(min(ahead, len(batches))):
-                ds.prefetch(batches[i])
+                ds.read_ahead(batches[i])
             for i, ids in enumerate(batches):
                 if i + ahead < len(batches):
-                    ds.prefetch(batches[i + ahead])
+                    ds.read_ahead(batches[i + ahead])
                 if i in skip:
                     continue
                 np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
             stray = rng.permutation(ds.num_samples)[:size]
             np.testing.assert_array_equal(ds.read(stray)["tokens"], ref[stray])
-            ds.prefetch(None)
+            ds.read_ahead(None)
         finally:
             reads_module.start_read_files = real  # type: ignore[assignment]
         if ahead:
@@ -125,7 +125,7 @@ def test_a_hint_reads_in_the_background_and_the_read_waits_for_it(
     ds, ref = _dataset(tmp_path / "d")
     rng = np.random.default_rng(1)
     ids = rng.permutation(np.arange(1, SHARDS) * WINDOWS + rng.integers(0, WINDOWS, SHARDS - 1))
-    ds.prefetch(ids)
+    ds.read_ahead(ids)
     assert started and started[0] >= 10
     calls: list[int] = []
     real = reads_module.read_files
@@ -146,8 +146,8 @@ def test_a_hint_never_raises_and_the_read_reports_the_error(
     tmp_path: Path, bad: np.ndarray, started: list[int]
 ) -> None:
     ds, _ = _dataset(tmp_path / "d")
-    ds.prefetch(bad)  # nothing raised, nothing started
-    ds.prefetch(np.zeros(0, dtype=np.int64))
+    ds.read_ahead(bad)  # nothing raised, nothing started
+    ds.read_ahead(np.zeros(0, dtype=np.int64))
     assert started == []
     with pytest.raises(ConfigError, match="ids"):
         ds.read(bad)
@@ -163,8 +163,8 @@ def test_a_hint_of_what_is_not_an_id_array_does_not_raise(
 ) -> None:
     """A ragged list or an object that cannot become an array: the hint does nothing."""
     ds, ref = _dataset(tmp_path / "d")
-    ds.prefetch([[1, 2], [3]])  # type: ignore[list-item]
-    ds.prefetch(_Unconvertible())  # type: ignore[arg-type]
+    ds.read_ahead([[1, 2], [3]])  # type: ignore[list-item]
+    ds.read_ahead(_Unconvertible())  # type: ignore[arg-type]
     assert started == []
     np.testing.assert_array_equal(ds.read(np.arange(8))["tokens"], ref[np.arange(8)])
 
@@ -179,7 +179,7 @@ def test_reads_that_would_not_use_the_file_loop_are_not_planned(
     roomy = TokenWindows(build_manifest(str(tmp_path / "d")), SEQ)
     ids = np.random.default_rng(6).permutation(SHARDS * WINDOWS)[:40]
     for ds in (narrow, roomy):
-        ds.prefetch(ids)
+        ds.read_ahead(ids)
         assert not ds._reads.ahead
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
     assert started == []
@@ -216,12 +216,12 @@ def test_a_shard_changed_before_the_hinted_read_is_named(
     else:
         victim.unlink()
     ids = np.arange(4 * WINDOWS, 12 * WINDOWS)  # shards 4-11
-    ds.prefetch(ids)
+    ds.read_ahead(ids)
     with pytest.raises(VerificationError, match=r"s007\.npy"):
         ds.read(ids)
     assert started
     others = ids[(ids < 7 * WINDOWS) | (ids >= 8 * WINDOWS)]
-    ds.prefetch(others)
+    ds.read_ahead(others)
     np.testing.assert_array_equal(ds.read(others)["tokens"], ref[others])
 
 
@@ -233,7 +233,7 @@ def test_a_shard_deleted_after_its_hinted_read_ran_is_delivered_as_read(
     while it existed (the verified ones), and the next read of it names it missing."""
     ds, ref = _dataset(tmp_path / "d")
     ids = np.arange(4 * WINDOWS, 12 * WINDOWS)
-    ds.prefetch(ids)
+    ds.read_ahead(ids)
     pending = ds._reads.ahead[0].pending
     assert pending is not None
     pending.wait()  # the background read is over
@@ -251,8 +251,8 @@ def test_pending_hints_are_not_pickled_and_a_forked_child_reads_afresh(
     (the parent's background threads are not there: the child reads for itself)."""
     ds, ref = _dataset(tmp_path / "d")
     ids = np.random.default_rng(3).permutation(ds.num_samples)[:64]
-    ds.prefetch(ids)
-    ds.prefetch(ids[::-1].copy())
+    ds.read_ahead(ids)
+    ds.read_ahead(ids[::-1].copy())
     copy = pickle.loads(pickle.dumps(ds))
     assert not copy._reads.ahead
     np.testing.assert_array_equal(copy.read(ids)["tokens"], ref[ids])
@@ -282,9 +282,9 @@ def test_dropping_hints_joins_their_reads(tmp_path: Path, started: list[int]) ->
     rng = np.random.default_rng(4)
     batches = [rng.permutation(ds.num_samples)[:40] for _ in range(window_reads.PREFETCH_DEPTH + 2)]
     for ids in batches:
-        ds.prefetch(ids)
+        ds.read_ahead(ids)
     assert len(ds._reads.ahead) == window_reads.PREFETCH_DEPTH
-    ds.prefetch(None)
+    ds.read_ahead(None)
     assert not ds._reads.ahead
     for ids in batches:
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])

@@ -5,7 +5,7 @@ test_olmo_core.py under ``python -m torch.distributed.run`` (CPU, gloo).
 
 The user's side is what the README shows: a stock OLMo-core script (a tiny ``olmo2_1M``
 ``TransformerConfig``, ``TransformerTrainModuleConfig`` with DDP, ``TrainerConfig`` with a
-``CheckpointerCallback``) whose data loader is ``DetdataDataLoader(TokenWindows(...), ...)``.
+``CheckpointerCallback``) whose data loader is ``OlmoCoreDataLoader(TokenWindows(...), ...)``.
 ``hard_stop`` ends a run after ``stop_at`` steps (a preemption right after the checkpoint of
 that step); the next run with the same ``save`` folder loads its latest checkpoint, as
 OLMo-core does on a restart. ``warmup`` adds OLMo-core's ``BatchSizeSchedulerCallback``
@@ -45,7 +45,7 @@ from olmo_core.train.train_module import (
 )
 
 import detdata
-from detdata.integrations.olmo_core import DetdataDataLoader
+from detdata.integrations.olmo_core import OlmoCoreDataLoader
 
 VOCAB = 512
 
@@ -92,7 +92,7 @@ def build_train_module(cfg: dict[str, Any], state: dict[str, Any]) -> Any:
 def run(cfg: dict[str, Any], train_module: Any, state: dict[str, Any]) -> None:
     """One ``Trainer.fit()``; writes the trace (and the error ``fit`` raised, if any)."""
     state.update(step=None, records=[])
-    data_loader = DetdataDataLoader(
+    data_loader = OlmoCoreDataLoader(
         detdata.TokenWindows(cfg["manifest"], seq_len=cfg["seq_len"], labels=cfg["labels"]),
         global_batch_size=cfg["global_tokens"],
         seed=cfg["seed"],

@@ -1,5 +1,5 @@
 """OLMo-core 3.0: its own ``Trainer.fit()`` with a ``CheckpointerCallback`` over
-`detdata.integrations.olmo_core.DetdataDataLoader`, 2 ranks (DDP, gloo) then a resume at 1;
+`detdata.integrations.olmo_core.OlmoCoreDataLoader`, 2 ranks (DDP, gloo) then a resume at 1;
 and its batch-size warm-up (``BatchSizeSchedulerCallback``), refused with a clear error.
 
 The rows the model got at each step (input_ids and labels, recorded by a forward pre-hook in
@@ -168,3 +168,13 @@ def test_batch_size_warmup_is_refused_before_a_sample_of_the_new_batch_is_read(
     assert result["samples_consumed"] == 2 * SAMPLES
     seen = _steps_seen(out, "warmup", 1)
     assert [seen[1], seen[2]] == _reference(manifest, 2, labels=False)
+
+
+def test_a_renamed_keyword_is_refused_naming_the_new_one() -> None:
+    """``read_ahead`` is ``batches_ahead`` now (one word family for what is read ahead): the
+    old spelling is a `ConfigError` naming the new one, not an alias."""
+    from detdata.integrations.olmo_core import OlmoCoreDataLoader
+
+    data = detdata.ArrayDataset({"tokens": np.zeros((8, 5), np.int64)})
+    with pytest.raises(detdata.ConfigError, match=r"\(read_ahead=\.\.\.\) is now .*batches_ahead"):
+        OlmoCoreDataLoader(data, global_batch_size=8, sequence_length=4, read_ahead=4)  # type: ignore[call-arg]

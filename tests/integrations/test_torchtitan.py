@@ -1,5 +1,5 @@
 """torchtitan 0.3: its own ``Trainer.train()`` and DCP ``CheckpointManager`` over
-`detdata.integrations.torchtitan.DetdataDataLoader`, 2 ranks (FSDP, gloo) then a resume at 1.
+`detdata.integrations.torchtitan.TorchtitanDataLoader`, 2 ranks (FSDP, gloo) then a resume at 1.
 
 The rows the model got at each step (recorded in ``forward_backward_step``, titan_script.py)
 are compared with the rows of an uninterrupted plain `detdata.DataLoader` over the same
@@ -126,18 +126,20 @@ def test_trainer_checkpoint_at_2_ranks_resumed_at_1_rank_sees_the_uninterrupted_
 
 def test_adapter_refuses_what_would_break_exactness(tmp_path: Path) -> None:
     """No global batch; windows without the label token; a state saved inside a step."""
-    from detdata.integrations.torchtitan import DetdataDataLoader, titan_batch
+    from detdata.integrations.torchtitan import TorchtitanDataLoader, titan_batch
 
     manifest = _manifest(tmp_path)
     kwargs = {"dp_world_size": 2, "dp_rank": 1, "seq_len": SEQ, "local_batch_size": 2}
     with pytest.raises(detdata.ConfigError, match=r"global_batch_size=\.\.\.\) is required"):
-        DetdataDataLoader.Config(dataset_path=manifest).build(**kwargs)
+        TorchtitanDataLoader.Config(dataset_path=manifest).build(**kwargs)
+    with pytest.raises(detdata.ConfigError, match=r"\(read_ahead=\.\.\.\) is now .*batches_ahead"):
+        TorchtitanDataLoader.Config(dataset_path=manifest, read_ahead=4)  # renamed, no alias
     bare = detdata.TokenWindows(manifest, seq_len=SEQ, labels=False)
     batch = next(iter(detdata.DataLoader(bare, global_batch_size=4)))
     with pytest.raises(detdata.ConfigError, match=r"seq_len \+ 1 = 17 tokens"):
         titan_batch(batch, SEQ)
 
-    loader = DetdataDataLoader.Config(
+    loader = TorchtitanDataLoader.Config(
         dataset_path=manifest, global_batch_size=GLOBAL, seed=SEED
     ).build(tokenizer=None, snapshot_every_n_steps=None, **kwargs)
     batches = iter(loader)

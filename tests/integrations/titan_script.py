@@ -3,7 +3,7 @@ test_torchtitan.py under ``python -m torch.distributed.run`` (CPU, gloo).
 
     python -m torch.distributed.run --nproc-per-node N ... titan_script.py '<config as JSON>'
 
-The user's side is what the README shows: ``config.dataloader = DetdataDataLoader.Config(...)``
+The user's side is what the README shows: ``config.dataloader = TorchtitanDataLoader.Config(...)``
 in an otherwise stock llama3 ``debugmodel`` config, checkpoints by torchtitan's own DCP
 ``CheckpointManager`` in ``dump_folder``. A run stops after step ``stop_at`` (a preemption
 right after the checkpoint of that step); the next run with the same ``dump`` loads the
@@ -84,7 +84,7 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: 
 from torchtitan.trainer import Trainer  # noqa: E402
 
 import detdata  # noqa: E402
-from detdata.integrations.torchtitan import DetdataDataLoader  # noqa: E402
+from detdata.integrations.torchtitan import TorchtitanDataLoader  # noqa: E402
 
 assert torchtitan.tools.utils.device_type == "cpu"
 
@@ -162,7 +162,7 @@ def main(cfg: dict[str, Any]) -> None:
             setattr(parent, attr, ScaledDotProductAttention.Config())
     config.dump_folder = cfg["dump"]
     config.tokenizer = ByteTokenizer.Config()
-    config.dataloader = DetdataDataLoader.Config(
+    config.dataloader = TorchtitanDataLoader.Config(
         dataset_path=cfg["manifest"], global_batch_size=cfg["global_batch"], seed=cfg["seed"]
     )
     config.training.local_batch_size = cfg["local_batch"]

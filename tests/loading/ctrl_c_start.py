@@ -100,7 +100,7 @@ def run(rounds: int) -> dict[str, Any]:
         num_workers=2,
         persistent_workers=True,
         prefetch_factor=2,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=1)),
     )
     presses = Presses()
     results: list[dict[str, Any]] = []

@@ -97,7 +97,7 @@ def storm(rounds: int, seed: int, hang_s: float) -> dict[str, Any]:
         Slow(),
         num_workers=NUM_WORKERS,
         persistent_workers=True,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=1)),
         prefetch_factor=1,
     )
     kept: dict[int, list[str]] = {}  # batch index -> digests of the batches kept there

@@ -153,7 +153,7 @@ def test_reader_threads_end_when_an_error_leaves_the_loop() -> None:
             data=FailsAt(bad),
             num_workers=2,
             options=detdata.LoaderOptions(
-                read=detdata.ReadOptions(worker_mode="thread", read_ahead=2)
+                read=detdata.ReadOptions(worker_mode="thread", batches_ahead=2)
             ),
         )
         with pytest.raises(LookupError):
@@ -208,7 +208,7 @@ def make(data, **kw):
 
 reference = [digest(b) for b in take(make(plain), 24)]
 dl = make(Slow(), num_workers=2, persistent_workers=True,
-          options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)))
+          options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=1)))
 batches = []
 for delay in (0.05, 0.1, 0.02):
     it = iter(dl)

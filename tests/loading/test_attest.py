@@ -331,7 +331,7 @@ def _soak_loader(
             rank=rank,
             world_size=world,
             transform=extra.get("transform"),
-            read=detdata.ReadOptions(worker_mode=mode, read_ahead=extra.get("read_ahead", 2)),
+            read=detdata.ReadOptions(worker_mode=mode, batches_ahead=extra.get("batches_ahead", 2)),
         ),
     )
 

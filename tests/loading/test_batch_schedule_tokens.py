@@ -4,7 +4,7 @@ Two token corpora whose token values do not overlap (source ``web`` < 1000 <= ``
 so the source of every delivered window is read back from its tokens; the reference is a
 count over the batches every rank delivered.
 
-Covers: detdata/loading/tokens.py.
+Covers: detdata/loading/token_counts.py.
 """
 
 from __future__ import annotations

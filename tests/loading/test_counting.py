@@ -142,7 +142,7 @@ def make(
             trace=trace,
             transform=transform,
             device=device,
-            read=detdata.ReadOptions(worker_mode=mode, read_ahead=read_ahead),
+            read=detdata.ReadOptions(worker_mode=mode, batches_ahead=read_ahead),
         ),
         num_workers=workers,
         **extra,

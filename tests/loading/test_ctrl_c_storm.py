@@ -98,7 +98,7 @@ def make(**kw):
 
 
 dl = make(num_workers=2, persistent_workers=True,
-          options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=1)))
+          options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=1)))
 kept = []
 for press_at in (3, 7, 12):
     try:

@@ -94,7 +94,7 @@ def test_device_path_same_order_and_bytes_as_plain(depth: int, workers: int) -> 
             loader(
                 num_workers=workers,
                 options=detdata.LoaderOptions(
-                    device=detdata.DeviceFeed(device="cpu", prefetch=depth)
+                    device=detdata.DeviceFeed(device="cpu", copies_ahead=depth)
                 ),
             ),
             count,
@@ -109,7 +109,7 @@ def test_finite_loader_delivers_every_batch_then_stops() -> None:
     plain = [digest(b) for b in loader(options=detdata.LoaderOptions(total_samples=total))]
     dl = loader(
         options=detdata.LoaderOptions(
-            total_samples=total, device=detdata.DeviceFeed(device="cpu", prefetch=3)
+            total_samples=total, device=detdata.DeviceFeed(device="cpu", copies_ahead=3)
         )
     )
     got = [digest(b) for b in dl]
@@ -170,8 +170,8 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
     straight = run_digests(loader(), 12)
     dl = loader(
         options=detdata.LoaderOptions(
-            read=detdata.ReadOptions(read_ahead=1),
-            device=detdata.DeviceFeed(device="cpu", prefetch=3),
+            read=detdata.ReadOptions(batches_ahead=1),
+            device=detdata.DeviceFeed(device="cpu", copies_ahead=3),
         ),
         collate_fn=collate,
     )  # one read per pull
@@ -184,7 +184,7 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
     assert state["samples_consumed"] == 20
     for device in (None, "cpu"):  # resume on either path continues with exactly the next batch
         resumed = loader(
-            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device=device, prefetch=2))
+            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device=device, copies_ahead=2))
         )
         # the observing collate delivers the default collate's bytes: allow the changed "transform"
         resumed.load_state_dict(state, allow=["transform"], mid_step="continue")
@@ -196,7 +196,7 @@ def test_state_counts_yielded_batches_not_prefetched() -> None:
 def test_resume_everywhere_on_device_path() -> None:
     reference = check_resume_everywhere(
         lambda: loader(
-            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cpu", prefetch=2))
+            options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cpu", copies_ahead=2))
         ),
         16,
     )
@@ -289,12 +289,12 @@ def test_bad_device_refused(device: Any) -> None:
 def test_bad_depth_refused(depth: Any) -> None:
     with pytest.raises(detdata.ConfigError, match="depth"):
         device_batches(iter([]), "cpu", depth)
-    with pytest.raises(detdata.ConfigError, match=r"DeviceFeed\.prefetch"):
+    with pytest.raises(detdata.ConfigError, match=r"DeviceFeed\.copies_ahead"):
         next(
             iter(
                 loader(
                     options=detdata.LoaderOptions(
-                        device=detdata.DeviceFeed(device="cpu", prefetch=depth)
+                        device=detdata.DeviceFeed(device="cpu", copies_ahead=depth)
                     )
                 )
             )
@@ -317,7 +317,9 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time at ~2 GHz
 @needs_cuda
 def test_cuda_same_order_and_bytes_and_state() -> None:
     straight = run_digests(loader(), 20)
-    dl = loader(options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cuda", prefetch=2)))
+    dl = loader(
+        options=detdata.LoaderOptions(device=detdata.DeviceFeed(device="cuda", copies_ahead=2))
+    )
     it = iter(dl)
     first = [next(it) for _ in range(8)]
     assert all(t.device.type == "cuda" for b in first for t in b.values())

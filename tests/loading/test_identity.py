@@ -163,7 +163,9 @@ def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
             transform=c.transform,
             transform_id=c.transform_id,
             read=detdata.ReadOptions(
-                worker_mode=c.worker_mode, read_ahead=c.read_ahead, lookahead=c.lookahead or None
+                worker_mode=c.worker_mode,
+                batches_ahead=c.read_ahead,
+                steps_ahead=c.lookahead or None,
             ),
             resume=detdata.ResumePolicy(attest=c.attest),
         ),

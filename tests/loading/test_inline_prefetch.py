@@ -89,7 +89,7 @@ def test_hinted_batches_are_the_writers_windows_in_the_order(
     loader = detdata.DataLoader(
         stream,
         global_batch_size=BATCH,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         seed=3,
     )
     count = 2 * SHARDS * WINDOWS // BATCH + 5
@@ -113,7 +113,7 @@ def test_inline_bytes_equal_worker_processes_and_resume_anywhere(
         return detdata.DataLoader(
             _stream(root, order),
             global_batch_size=BATCH,
-            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
             seed=3,
             num_workers=workers,
         )
@@ -134,7 +134,7 @@ def test_leaving_the_loop_drops_the_hints(
     loader = detdata.DataLoader(
         stream,
         global_batch_size=BATCH,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         seed=3,
     )
     for j, _ in enumerate(loader):
@@ -160,7 +160,7 @@ def test_a_shard_replaced_mid_run_stops_at_a_batch_after_the_good_ones(
     loader = detdata.DataLoader(
         stream,
         global_batch_size=BATCH,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         seed=3,
     )
     epoch = SHARDS * WINDOWS // BATCH

@@ -512,7 +512,7 @@ def test_read_ahead_groups_never_change_bytes(read_ahead: int) -> None:
             micro_batch_size=4,
             seed=6,
             options=detdata.LoaderOptions(
-                total_samples=16 * 7, read=detdata.ReadOptions(read_ahead=ra, worker_mode=mode)
+                total_samples=16 * 7, read=detdata.ReadOptions(batches_ahead=ra, worker_mode=mode)
             ),
             **kw,
         )
@@ -549,7 +549,7 @@ def test_failure_inside_a_read_ahead_group_delivers_the_batches_before_it(mode: 
         seed=2,
         options=detdata.LoaderOptions(
             read=detdata.ReadOptions(
-                worker_mode="thread" if mode == "thread" else "process", read_ahead=4
+                worker_mode="thread" if mode == "thread" else "process", batches_ahead=4
             )
         ),
         num_workers=0 if mode == "inline" else 2,
@@ -603,9 +603,9 @@ def test_process_workers_send_one_group_as_one_tensor_per_column() -> None:
         micro_batch_size=4,
         seed=4,
         num_workers=2,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
     )
-    reads = Reads(transform=None, seed=4, collate_fn=None, pin_memory=False, read_ahead=4)
+    reads = Reads(transform=None, seed=4, collate_fn=None, pin_memory=False, batches_ahead=4)
     reader = reads.reader(dl.stream, in_worker=True)  # what each worker process reads with
     group = [dl.layout.positions(j) for j in range(4)]
     sent = reader(group)
@@ -631,7 +631,7 @@ def test_persistent_workers_resume_mid_group() -> None:
             seed=9,
             num_workers=2,
             persistent_workers=True,
-            options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+            options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         )
 
     reference = [digest(b) for b in take(make(), 24)]

@@ -1,4 +1,5 @@
-"""Lookahead after a global-batch change: the planned micro steps end where delivery ends.
+"""The shard cache filled ahead after a global-batch change: the planned micro steps end
+where delivery ends.
 
 After DP 8 -> DP 7 at a resume the micro-step grid starts at an offset (`Layout.offset`);
 the lookahead's last planned micro step must be the last one the loader delivers (counted
@@ -15,7 +16,7 @@ import numpy as np
 import detdata
 from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
-from detdata.loading.iteration import open_lookahead
+from detdata.loading.iteration import open_cache_ahead
 from detdata.loading.loader import DataLoader
 from detdata.storage.retry import RetryPolicy
 from tests.servers import HttpServer
@@ -59,14 +60,14 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
         next(it)
     state = old.state_dict()
     old.close()
-    new = loader(7, 14, 2, lookahead=1000)
+    new = loader(7, 14, 2, steps_ahead=1000)
     new.load_state_dict(state, allow=("global_batch_size",))
     total = 48 + 4 * 14
     new.set_total_samples(total)
     assert new.layout.offset != 0  # 48 is not a multiple of 14: the grid is offset
     per = new.layout.samples_per_micro_step
     first = new.samples_consumed // per
-    plan = open_lookahead(new._cursor, new.lookahead, new.lookahead_connections)
+    plan = open_cache_ahead(new._cursor, new.steps_ahead, new.steps_ahead_connections)
     assert plan is not None and plan.active
     delivered = [new.positions_of_next().tolist()]
     for _ in new:

@@ -19,6 +19,7 @@ import inspect
 import pathlib
 import pydoc
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,29 +90,33 @@ def test_help_documents_every_parameter_and_every_option() -> None:
 BAD: list[tuple[str, Any, list[str]]] = [
     (
         "read_ahead",
-        lambda: detdata.ReadOptions(read_ahead=0),
-        ["ReadOptions.read_ahead", "[1, 64]", "got 0"],
+        lambda: detdata.ReadOptions(batches_ahead=0),
+        ["ReadOptions.batches_ahead", "[1, 64]", "got 0"],
     ),
     (
         "read_ahead-type",
-        lambda: detdata.ReadOptions(read_ahead="16"),
-        ["ReadOptions.read_ahead", "integer", "'16'"],
+        lambda: detdata.ReadOptions(batches_ahead="16"),
+        ["ReadOptions.batches_ahead", "integer", "'16'"],
     ),
     (
         "worker_mode",
         lambda: detdata.ReadOptions(worker_mode="greenlet"),
         ["ReadOptions.worker_mode", "'thread'", "'greenlet'"],
     ),
-    ("lookahead", lambda: detdata.ReadOptions(lookahead=-1), ["ReadOptions.lookahead", "got -1"]),
+    (
+        "lookahead",
+        lambda: detdata.ReadOptions(steps_ahead=-1),
+        ["ReadOptions.steps_ahead", "got -1"],
+    ),
     (
         "connections",
-        lambda: detdata.ReadOptions(lookahead_connections=0),
-        ["ReadOptions.lookahead_connections", "got 0"],
+        lambda: detdata.ReadOptions(steps_ahead_connections=0),
+        ["ReadOptions.steps_ahead_connections", "got 0"],
     ),
     (
         "prefetch",
-        lambda: detdata.DeviceFeed(prefetch=0),
-        ["DeviceFeed.prefetch", "[1, 64]", "got 0"],
+        lambda: detdata.DeviceFeed(copies_ahead=0),
+        ["DeviceFeed.copies_ahead", "[1, 64]", "got 0"],
     ),
     ("device", lambda: detdata.DeviceFeed(device="tpu"), ["DeviceFeed.device", "'tpu'"]),
     (
@@ -176,10 +181,10 @@ def test_a_bad_option_is_a_config_error_naming_the_field_with_a_hint(
 def test_options_are_frozen_keyword_only_and_normalised() -> None:
     with pytest.raises(TypeError):
         detdata.ReadOptions(8)  # type: ignore[misc]
-    read = detdata.ReadOptions(worker_mode="thread", read_ahead=np.int64(4))
-    assert read.worker_mode is detdata.WorkerMode.THREAD and type(read.read_ahead) is int
+    read = detdata.ReadOptions(worker_mode="thread", batches_ahead=np.int64(4))
+    assert read.worker_mode is detdata.WorkerMode.THREAD and type(read.batches_ahead) is int
     with pytest.raises(dataclasses.FrozenInstanceError):
-        read.read_ahead = 2  # type: ignore[misc]
+        read.batches_ahead = 2  # type: ignore[misc]
     resume = detdata.ResumePolicy(allow=["seed", "seed"], mid_step="continue")
     assert resume.allow == frozenset({"seed"}) and resume.mid_step is detdata.MidStep.CONTINUE
     assert detdata.LoaderOptions() == detdata.LoaderOptions(read=detdata.ReadOptions())
@@ -217,12 +222,12 @@ def test_options_deliver_the_documented_bytes_and_trace(
         trace=tmp_path / "new.jsonl",
         read=detdata.ReadOptions(
             worker_mode="thread" if workers else "process",
-            read_ahead=3,
-            lookahead=0,
-            lookahead_connections=2,
+            batches_ahead=3,
+            steps_ahead=0,
+            steps_ahead_connections=2,
         ),
         resume=detdata.ResumePolicy(allow=["global_batch_size"], mid_step="continue"),
-        device=detdata.DeviceFeed(prefetch=3),
+        device=detdata.DeviceFeed(copies_ahead=3),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the options warn of nothing
@@ -290,6 +295,26 @@ OLD_KEYWORDS: list[tuple[str, Any]] = [
 def test_each_old_keyword_is_a_type_error(keyword: str, value: Any) -> None:
     with pytest.raises(TypeError, match=rf"unexpected keyword argument '{keyword}'"):
         detdata.DataLoader(data(), global_batch_size=8, **{keyword: value})
+
+
+#: One word family for what is done ahead (issue 42): each former spelling of an option
+#: object's field, refused with a `ConfigError` naming the new one (no alias).
+RENAMED: list[tuple[Callable[..., object], str, str]] = [
+    (detdata.ReadOptions, "read_ahead", "batches_ahead"),
+    (detdata.ReadOptions, "lookahead", "steps_ahead"),
+    (detdata.ReadOptions, "lookahead_connections", "steps_ahead_connections"),
+    (detdata.DeviceFeed, "prefetch", "copies_ahead"),
+]
+
+
+@pytest.mark.parametrize(("make", "old", "new"), RENAMED, ids=[c[1] for c in RENAMED])
+def test_each_renamed_field_is_refused_naming_the_new_one(
+    make: Callable[..., object], old: str, new: str
+) -> None:
+    with pytest.raises(detdata.ConfigError, match=rf"\({old}=\.\.\.\) is now .*\({new}=") as err:
+        make(**{old: 2})
+    assert f"hint: write {new}=" in str(err.value)
+    assert getattr(make(**{new: 2}), new) == 2  # the new spelling takes the same value
 
 
 TORCH_HABITS: list[tuple[str, Any, str]] = [

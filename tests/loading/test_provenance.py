@@ -5,7 +5,7 @@ Each test iterates two DP ranks of a real loader to the step, then checks every
 received at the reported micro step and row, and (b) the shard file itself, opened
 with ``np.load`` / ``open`` / ``pyarrow`` at the reported path and range.
 
-Covers: detdata/loading/lookup.py, detdata/datasets/digest.py.
+Covers: detdata/loading/lookup.py, detdata/datasets/sample_framing.py.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def expected(layout: Layout, start: int, stop: int) -> list[list[int]]:
 
 def source(mode: str, **torch_kwargs: Any) -> Any:
     workers, worker_mode = MODES[mode]
-    reads = Reads(transform=None, seed=SEED, collate_fn=None, pin_memory=False, read_ahead=3)
+    reads = Reads(transform=None, seed=SEED, collate_fn=None, pin_memory=False, batches_ahead=3)
     kwargs = {"num_workers": workers, "pin_memory": False, "timeout": 0, **torch_kwargs}
     kwargs.setdefault("persistent_workers", False)
     return batch_source(reads, worker_mode, kwargs, seed=SEED, worker_init_fn=None)

@@ -36,7 +36,7 @@ def jittery(pos: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(("threads", "prefetch"), [(1, 1), (2, 2), (3, 8), (8, 3)])
 def test_order_is_exactly_the_order_of_positions(threads: int, prefetch: int) -> None:
-    got = list(threaded_batches(jittery, positions(60), num_threads=threads, prefetch=prefetch))
+    got = list(threaded_batches(jittery, positions(60), num_threads=threads, ahead=prefetch))
     assert len(got) == 60
     for k, batch in enumerate(got):
         np.testing.assert_array_equal(batch, np.arange(k * B, (k + 1) * B) * 10)
@@ -51,7 +51,7 @@ def test_infinite_positions_are_pulled_lazily_and_bounded_by_prefetch() -> None:
             pulled += 1
             yield pos
 
-    gen = threaded_batches(lambda p: p, counting(), num_threads=2, prefetch=4)
+    gen = threaded_batches(lambda p: p, counting(), num_threads=2, ahead=4)
     first = [next(gen) for _ in range(5)]
     assert [int(b[0]) for b in first] == [0, 8, 16, 24, 32]
     assert pulled <= 5 + 4
@@ -66,7 +66,7 @@ def test_fetch_error_reaches_the_caller_with_its_positions_after_earlier_batches
 
     got = []
     with pytest.raises(OSError, match="disk on fire") as info:
-        for batch in threaded_batches(fetch, positions(20), num_threads=3, prefetch=6):
+        for batch in threaded_batches(fetch, positions(20), num_threads=3, ahead=6):
             got.append(int(batch[0]))
     assert got == [k * B for k in range(5)]
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -80,7 +80,7 @@ def test_error_from_the_positions_iterator_comes_after_the_batches_before_it() -
 
     got = []
     with pytest.raises(ValueError, match="bad schedule"):
-        for batch in threaded_batches(lambda p: p, broken(), num_threads=2, prefetch=8):
+        for batch in threaded_batches(lambda p: p, broken(), num_threads=2, ahead=8):
             got.append(int(batch[0]))
     assert got == [0, 8, 16]
 
@@ -96,7 +96,7 @@ def test_closing_early_does_not_hang_and_leaves_no_threads() -> None:
         return pos
 
     before = {t.ident for t in threading.enumerate()}
-    gen = threaded_batches(slow, positions(None), num_threads=2, prefetch=4)
+    gen = threaded_batches(slow, positions(None), num_threads=2, ahead=4)
     assert int(next(gen)[0]) == 0
     assert started.wait(5)
     release.set()
@@ -121,18 +121,18 @@ def test_a_failing_batch_does_not_hang_while_others_are_still_running() -> None:
 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="first batch fails"):
-        list(threaded_batches(fetch, positions(None), num_threads=2, prefetch=4))
+        list(threaded_batches(fetch, positions(None), num_threads=2, ahead=4))
     assert time.monotonic() - t0 < 5
 
 
 def test_empty_positions_yield_nothing() -> None:
-    assert list(threaded_batches(lambda p: p, iter([]), num_threads=2, prefetch=2)) == []
+    assert list(threaded_batches(lambda p: p, iter([]), num_threads=2, ahead=2)) == []
 
 
 @pytest.mark.parametrize(("threads", "prefetch"), [(0, 1), (1, 0), (True, 2), (2, 1.5)])
 def test_bad_arguments_are_refused(threads: object, prefetch: object) -> None:
     with pytest.raises(ConfigError):
-        threaded_batches(lambda p: p, positions(1), num_threads=threads, prefetch=prefetch)  # type: ignore[arg-type]
+        threaded_batches(lambda p: p, positions(1), num_threads=threads, ahead=prefetch)  # type: ignore[arg-type]
 
 
 def test_detdata_stream_read_from_threads_matches_the_serial_read(token_shards) -> None:  # type: ignore[no-untyped-def]
@@ -142,7 +142,7 @@ def test_detdata_stream_read_from_threads_matches_the_serial_read(token_shards) 
     ds = TokenWindows(detdata.build_manifest(str(token_shards), progress=False), 16)
     stream = detdata.OrderedStream(ds, seed=7)
     serial = [stream.fetch(p)["tokens"] for p in positions(40)]
-    threaded = list(threaded_batches(stream.fetch, positions(40), num_threads=3, prefetch=6))
+    threaded = list(threaded_batches(stream.fetch, positions(40), num_threads=3, ahead=6))
     for a, b in zip(serial, threaded, strict=True):
         np.testing.assert_array_equal(a, b["tokens"])
 

@@ -73,12 +73,12 @@ def test_same_bytes_as_inline_and_groups_use_slots(read_ahead: int) -> None:
     reference = [
         digest(b)
         for b in take(
-            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=read_ahead))),
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=read_ahead))),
             count,
         )
     ]
     dl = make(
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=read_ahead)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=read_ahead)),
         num_workers=2,
     )
     assert [digest(b) for b in take(dl, count)] == reference
@@ -87,7 +87,9 @@ def test_same_bytes_as_inline_and_groups_use_slots(read_ahead: int) -> None:
 
 
 def test_transformed_batches_through_slots_equal_inline() -> None:
-    options = detdata.LoaderOptions(transform=_plus_noise, read=detdata.ReadOptions(read_ahead=4))
+    options = detdata.LoaderOptions(
+        transform=_plus_noise, read=detdata.ReadOptions(batches_ahead=4)
+    )
     kw = {"options": options}
     reference = [digest(b) for b in take(make(**kw), 120)]
     dl = make(num_workers=2, **kw)
@@ -100,11 +102,11 @@ def test_kept_batches_own_their_memory_and_are_never_overwritten() -> None:
     reference = [
         digest(b)
         for b in take(
-            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2))), 200
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=2))), 200
         )
     ]
     dl = make(
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=2)),
         num_workers=2,
         prefetch_factor=1,
     )  # few slots: each reused often
@@ -115,7 +117,7 @@ def test_kept_batches_own_their_memory_and_are_never_overwritten() -> None:
         for value in batch.values():
             assert value.untyped_storage().nbytes() == value.nbytes  # owns exactly its bytes
     dl = make(
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=2)),
         num_workers=2,
         prefetch_factor=1,
         persistent_workers=True,
@@ -153,13 +155,15 @@ def test_strings_and_ragged_columns_fall_back_to_torchs_transfer() -> None:
     reference = [
         _plain(b)
         for b in take(
-            make(_Mixed(), options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))),
+            make(
+                _Mixed(), options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4))
+            ),
             90,
         )
     ]
     dl = make(
         _Mixed(),
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
     )
     assert [_plain(b) for b in take(dl, 90)] == reference
@@ -184,13 +188,15 @@ def test_groups_that_outgrow_their_slots_grow_the_ring() -> None:
     reference = [
         digest(b)
         for b in take(
-            make(_Growing(), options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))),
+            make(
+                _Growing(), options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4))
+            ),
             400,
         )
     ]
     dl = make(
         _Growing(),
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
     )
     assert [digest(b) for b in take(dl, 400)] == reference
@@ -205,11 +211,11 @@ def test_resume_and_persistent_workers_across_iterations() -> None:
     reference = [
         digest(b)
         for b in take(
-            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))), 150
+            make(options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4))), 150
         )
     ]
     dl = make(
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
         persistent_workers=True,
     )
@@ -220,7 +226,7 @@ def test_resume_and_persistent_workers_across_iterations() -> None:
     assert transport(dl) is first and first.slot_groups > 0
     assert got == reference[:77]
     fresh = make(
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)), num_workers=2
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)), num_workers=2
     )
     fresh.load_state_dict(state, mid_step="continue")
     assert [digest(b) for b in take(fresh, 113)] == reference[37:]
@@ -251,7 +257,7 @@ def test_dataset_error_after_slots_are_in_use_keeps_type_message_and_position() 
     position = 4 * 60 + 2  # micro batch 60: well past the groups that size the slots
     dl = make(
         _FailsAt(_bad_id_at(position), "raise"),
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
     )
     delivered, used = 0, 0
@@ -268,7 +274,7 @@ def test_dataset_error_after_slots_are_in_use_keeps_type_message_and_position() 
 def test_worker_exit_after_slots_are_in_use_is_a_runtime_error() -> None:
     dl = make(
         _FailsAt(_bad_id_at(4 * 60 + 2), "exit"),
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
         timeout=20,
     )
@@ -287,13 +293,16 @@ def test_worker_killed_from_outside_mid_run_is_a_runtime_error_state_exact() -> 
     reference = [
         digest(b)
         for b in take(
-            make(data, options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4))), 3000
+            make(data, options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4))),
+            3000,
         )
     ]
     before = {p.pid for p in multiprocessing.active_children()}
     dl = make(
         data,
-        options=detdata.LoaderOptions(total_samples=total, read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(
+            total_samples=total, read=detdata.ReadOptions(batches_ahead=4)
+        ),
         num_workers=2,
         timeout=20,
     )
@@ -372,7 +381,7 @@ def test_no_shared_memory_left_behind(ending: str) -> None:
     bad = _bad_id_at(4 * 40) if ending == "error" else -1
     dl = make(
         _FailsAt(bad, "raise"),
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
     )
     try:
@@ -413,7 +422,7 @@ _SPAWN_CHILD = textwrap.dedent("""
         data = detdata.ArrayDataset({"id": ids, "x": np.repeat(ids[:, None], 40, axis=1)})
         return detdata.DataLoader(data, global_batch_size=8, micro_batch_size=4, seed=1,
                                   options=detdata.LoaderOptions(
-                                      read=detdata.ReadOptions(read_ahead=4)), **kw)
+                                      read=detdata.ReadOptions(batches_ahead=4)), **kw)
 
     if __name__ == "__main__":
         reference = [digest(b) for b in take(make(), 60)]
@@ -451,14 +460,14 @@ def test_collate_fn_keeps_torchs_transfer() -> None:
         for b in take(
             make(
                 collate_fn=collate,
-                options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+                options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
             ),
             40,
         )
     ]
     dl = make(
         collate_fn=collate,
-        options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=4)),
+        options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=4)),
         num_workers=2,
     )
     assert [b["id"].tolist() for b in take(dl, 40)] == reference

@@ -14,7 +14,7 @@ from detdata.order.inverse import (
     unpermute,
     unpermute_epochs,
 )
-from detdata.order.mixture import MixtureSchedule, source_seed
+from detdata.order.mixing import MixtureSchedule, source_seed
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 65, 1000, 4097])

@@ -116,7 +116,7 @@ def test_worker_processes_deliver_the_same(tokens: detdata.TokenWindows) -> None
                 tokens,
                 2,
                 num_workers=2,
-                options=detdata.LoaderOptions(read=detdata.ReadOptions(read_ahead=2)),
+                options=detdata.LoaderOptions(read=detdata.ReadOptions(batches_ahead=2)),
             ),
             12,
         )

@@ -1,6 +1,6 @@
 """mixture-v1 at O(positions + sources): the new `MixtureSchedule.assign` equals the old dense one.
 
-The reference below is the dense implementation of ``detdata.order.mixture`` as it stood
+The reference below is the dense implementation of ``detdata.order.mixing`` as it stood
 before the sparse rewrite (copied verbatim, only renamed): it builds ``blocks x sources``
 arrays, so it costs O(blocks x sources) per call, and it reproduced the golden vectors
 ``tests/golden/mixture_v1.json``. The new implementation must agree with it on every
@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detdata.base.types import IntArray
-from detdata.order import mixture as mx
+from detdata.order import mixing as mx
 from detdata.order.feistel import mix64
-from detdata.order.mixture import BLOCK, MixtureSchedule, Phase
+from detdata.order.mixing import BLOCK, MixtureSchedule, Phase
 
 _GAMMA: Final = np.uint64(0x9E3779B97F4A7C15)
 _J: Final = np.arange(BLOCK, dtype=np.int64)
