@@ -28,7 +28,7 @@ import numpy as np
 
 from detdata.base.errors import DetdataError, StateError
 from detdata.base.redact import get_logger
-from detdata.base.types import IntArray
+from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
 from detdata.loading.reading import Reads
 from detdata.loading.trace.digests import position_digests
@@ -69,13 +69,12 @@ class Attestation:
         return {K_FIRST: self.first, K_SAMPLES: list(self.samples), K_GROUP: self.group}
 
     @classmethod
-    def from_json(cls, value: object, consumed: int) -> Attestation | None:
+    def from_json(cls, value: object) -> Attestation | None:
         """Parse a state's ``attestation`` field (`NONE`: None); `StateError` naming it when
-        malformed or when it attests positions at or after the saved ``consumed`` (never
-        delivered)."""
+        malformed."""
         if value == NONE:
             return None
-        problem = _problem(value, consumed)
+        problem = _problem(value)
         if problem:
             raise StateError(
                 f"loader state field 'attestation' {problem} (found {value!r:.120}); the "
@@ -91,7 +90,7 @@ def _is_hex(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
 
 
-def _problem(value: object, consumed: int) -> str:
+def _problem(value: object) -> str:
     """What is wrong with a saved attestation ("" when nothing)."""
     if not isinstance(value, Mapping) or set(value) != {K_FIRST, K_SAMPLES, K_GROUP}:
         return f"must be an object with keys {[K_FIRST, K_SAMPLES, K_GROUP]}"
@@ -102,9 +101,10 @@ def _problem(value: object, consumed: int) -> str:
         return f"{K_SAMPLES!r} must list 1 to {ATTESTED} digests"
     if not all(_is_hex(s) for s in samples) or not (group is None or _is_hex(group)):
         return "holds a digest that is not 64 lowercase hex digits"
-    if first + len(samples) > consumed:
-        return f"attests positions past samples_consumed {consumed}"
-    return ""
+    if first + len(samples) > MAX_POSITION:
+        return "attests positions past the last addressable one, 2**62 - 1"
+    return ""  # past ``consumed`` is no error: a state saved again before a resume's
+    # first batch (at a step's start) carries the saved attestation still to be passed
 
 
 @dataclass(frozen=True)

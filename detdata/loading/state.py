@@ -374,7 +374,7 @@ class LoaderState:
             upgraded_from=upgraded_from,
             history=tuple(history) if isinstance(history, list) else (),
             history_b3=state[K_SEAL] if isinstance(state[K_SEAL], str) else repr(state[K_SEAL]),
-            attestation=Attestation.from_json(state[K_ATTESTATION], consumed),
+            attestation=Attestation.from_json(state[K_ATTESTATION]),
         )
         if not isinstance(history, list):
             raise StateError(
