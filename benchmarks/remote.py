@@ -411,7 +411,7 @@ def run_one(
     }
     stream = make_stream(order, ds, size)  # a locality order may engage the default cache
     if default:
-        row["cache_bytes"] = ds.shard_cache_bytes if ds.cache_dir is not None else None
+        row["cache_bytes"] = ds.files.shard_cache_bytes if ds.files.cache_dir is not None else None
     sample_bytes = size.seq_len * 2
     ceiling = size.bandwidth_bps / sample_bytes
     probed = store.ceiling_samples_per_s(sample_bytes)
@@ -431,7 +431,7 @@ def run_one(
     last = None  # default modes: the first epoch only (a cache holding the corpus hits after)
     if default:
         loader = detdata.DataLoader(stream, global_batch_size=size.batch, seed=7)
-        if ds.cache_dir is not None:  # until the default lookahead first reaches its depth
+        if ds.files.cache_dir is not None:  # until the default lookahead first reaches its depth
             from detdata.loading.loader import DEFAULT_STEPS_AHEAD
 
             warmup = max(warmup, DEFAULT_STEPS_AHEAD)
@@ -472,7 +472,7 @@ def run_one(
             if batches == warmup:
                 warm_at = now
                 warm_proxy, warm_cpu = store.proxy.stats, time.process_time()
-                stats = ds.shard_cache.stats if ds.shard_cache is not None else None
+                stats = ds.files.shard_cache.stats if ds.files.shard_cache is not None else None
                 warm_stall = stats.stall_s if stats else 0.0
                 warm_stalls = stats.stalls if stats else 0
             if batches >= warmup + 2 * READ_AHEAD and now - began >= limit:
@@ -486,7 +486,7 @@ def run_one(
         loader.close()
     measured = (batches - warmup) * size.batch
     rate = measured / (end - warm_at)
-    stats = ds.shard_cache.stats if ds.shard_cache is not None else None
+    stats = ds.files.shard_cache.stats if ds.files.shard_cache is not None else None
     delivered = batches * size.batch * sample_bytes
     return {
         **row,

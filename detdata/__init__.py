@@ -35,12 +35,14 @@ from detdata.datasets.shard_storage import Storage
 from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
+from detdata.datasets.text import TextDocuments, text_metadata
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest, hash_files
 from detdata.identity.entry import ShardEntry, Verify
 from detdata.identity.formats import Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import RefEvent, Registry
+from detdata.identity.tokenizer import TextTokenizer
 from detdata.integrations.watch import WATCHER as _imported_frameworks
 from detdata.loading.arguments import WorkerMode
 from detdata.loading.frameworks import add_watcher as _add_watcher
@@ -140,6 +142,8 @@ __all__ = [
     "StorageError",
     "Stream",
     "TableRows",
+    "TextDocuments",
+    "TextTokenizer",
     "TokenWindows",
     "VerificationError",
     "Verify",
@@ -150,6 +154,7 @@ __all__ = [
     "hash_files",
     "report_model_step",
     "set_max_open_shards",
+    "text_metadata",
 ]
 for _name in __all__:
     if _name in globals():  # the lazy ones: when first loaded (`__getattr__`)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from tests.datasets.doc_corpora import random_documents, write_megatron
+from tests.datasets.text_corpora import make_documents, train_bpe, write_jsonl
 
 pytestmark = pytest.mark.multiproc  # the shell blocks run the real console command
 
@@ -118,6 +119,11 @@ def _prepare(tmp: Path) -> None:
         np.save(wiki / f"shard-{i:03d}.npy", rng.integers(0, 50_000, 820_000).astype(np.uint16))
     (tmp / "corpus").mkdir()
     write_megatron(tmp / "corpus" / "P", random_documents(rng, 3000, max_len=800, empty=False))
+    texts = make_documents(400, seed=3)  # "Raw text": JSONL shards and a local tokenizer.json
+    (tmp / "text").mkdir()
+    write_jsonl(tmp / "text" / "part-0.jsonl", texts[:200])
+    write_jsonl(tmp / "text" / "part-1.jsonl.zst", texts[200:])
+    train_bpe(tmp / "tokenizer.json", texts)
 
 
 def _env(tmp: Path) -> dict[str, str]:

@@ -10,10 +10,14 @@ raises `DependencyError` naming it, why, and the ``pip install`` that fixes it.
 from __future__ import annotations
 
 import importlib
+import threading
 import types
-from typing import Any
+from typing import Any, Final
 
 from detdata.base.errors import DependencyError
+
+#: Held while a lazy module is first imported (see `LazyModule._load`).
+_IMPORTING: Final = threading.RLock()
 
 
 class LazyModule(types.ModuleType):
@@ -26,9 +30,16 @@ class LazyModule(types.ModuleType):
 
     def _load(self) -> types.ModuleType:
         if self._lazy_module is None:
-            self._lazy_module = require(
-                self.__name__, install=self._lazy_install, purpose="to read Parquet / Arrow tables"
-            )
+            # One first import at a time: threads importing pyarrow, pyarrow.ipc and
+            # pyarrow.parquet at once (shards inspected in parallel) otherwise see a partially
+            # initialised pyarrow.ipc ("cannot import name 'serialize_pandas'").
+            with _IMPORTING:
+                if self._lazy_module is None:
+                    self._lazy_module = require(
+                        self.__name__,
+                        install=self._lazy_install,
+                        purpose="to read Parquet / Arrow tables",
+                    )
         return self._lazy_module
 
     def __getattr__(self, attr: str) -> Any:

@@ -5,7 +5,10 @@ line on stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,
 45.3 shard/s, ETA 3m14s``) and a closing line, so a SLURM or CI log shows how far a run is;
 True: the same, with a closing line even for short work; False: nothing.
 ``DETDATA_PROGRESS=0`` in the environment silences both, everywhere (the one switch; ``=1``
-forces them on). Progress never changes a result.
+forces them on, closing line included, as ``enabled=True``). Work that is asked for once
+(a manifest build) passes ``closing=True``: its log gets the closing line however short it
+was. `counting` is the same for work whose total is not known ahead (listing a root's files).
+Progress never changes a result.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ def wanted(enabled: bool | None) -> bool:
     if switch in {"1", "true", "yes", "on"}:
         return True
     return True if enabled is None else bool(enabled)
+
+
+def forced(enabled: bool | None) -> bool:
+    """Whether the closing line is printed even for short work: ``enabled=True``, or
+    ``DETDATA_PROGRESS=1`` (which forces progress on, as ``enabled=True`` does)."""
+    switch = os.environ.get(ENV, "").strip().lower()
+    return enabled is True or switch in {"1", "true", "yes", "on"}
 
 
 def _duration(seconds: float) -> str:
@@ -90,9 +100,15 @@ class LogLines:
 
 @contextlib.contextmanager
 def progress(
-    total: int, desc: str, *, unit: str = "it", enabled: bool | None = None
+    total: int,
+    desc: str,
+    *,
+    unit: str = "it",
+    enabled: bool | None = None,
+    closing: bool = False,
 ) -> Iterator[Callable[[int], None]]:
-    """A callback ``update(n)`` (n more units done) for ``total`` units (see the module)."""
+    """A callback ``update(n)`` (n more units done) for ``total`` units (see the module);
+    ``closing``: a log gets the closing line even when the work was short."""
     if total <= 0 or not wanted(enabled):
         yield lambda _n: None
         return
@@ -105,7 +121,60 @@ def progress(
         finally:
             bar.close()
         return
-    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=enabled is True)
+    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced(enabled))
+    try:
+        yield lines.update
+    finally:
+        lines.close()
+
+
+class CountLines:
+    """`LogLines` for work of unknown size: ``detdata: DESC: N UNIT so far, R UNIT/s``
+    at most every ``every_s`` seconds, and ``detdata: DESC: N UNIT in TIME`` at the end."""
+
+    def __init__(self, desc: str, unit: str, *, stream: TextIO, closing: bool) -> None:
+        self.desc, self.unit, self.stream, self.closing = desc, unit, stream, closing
+        self.done = 0
+        self.start = self.last = time.monotonic()
+        self.lines = 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= LOG_EVERY_S:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            self._print(f"{self.done:,} {self.unit} so far, {rate:,.1f} {self.unit}/s")
+
+    def close(self) -> None:
+        if self.lines or self.closing:
+            elapsed = _duration(time.monotonic() - self.start)
+            self._print(f"{self.done:,} {self.unit} in {elapsed}")
+
+    def _print(self, text: str) -> None:
+        print(f"detdata: {self.desc}: {text}", file=self.stream, flush=True)
+        self.lines += 1
+
+
+@contextlib.contextmanager
+def counting(
+    desc: str, *, unit: str = "it", enabled: bool | None = None, closing: bool = False
+) -> Iterator[Callable[[int], None]]:
+    """`progress` for work whose total is unknown: a callback ``update(n)``; a tqdm counter
+    on a terminal, else `CountLines` on stderr."""
+    if not wanted(enabled):
+        yield lambda _n: None
+        return
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc=desc, unit=unit, unit_scale=True, file=sys.stderr)
+        try:
+            yield bar.update
+        finally:
+            bar.close()
+        return
+    lines = CountLines(desc, unit, stream=sys.stderr, closing=closing or forced(enabled))
     try:
         yield lines.update
     finally:

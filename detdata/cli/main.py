@@ -65,6 +65,7 @@ COMMAND_MODULES: Final = (
     "detdata.cli.env",
     "detdata.cli.preflight",
     "detdata.cli.split",
+    "detdata.cli.tokenize",
 )
 
 #: The commands by task, as ``detdata --help`` lists them; a command missing here is listed
@@ -72,6 +73,7 @@ COMMAND_MODULES: Final = (
 TASKS: Final = (
     ("try it", ("demo", "replay-check", "bench")),
     ("hash, name and check data", ("manifest", "hash", "verify", "register", "inspect")),
+    ("raw text", ("tokenize",)),
     ("order, mixtures and splits", ("order", "mix", "split")),
     ("before, during and after a run", ("env", "preflight", "diff", "where", "seen")),
 )

@@ -178,6 +178,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             metadata=metadata,
             threads=check_count(args.threads, "--threads"),
+            progress=True,  # asked for once: the log says how it went, however short
         )
         part.save(args.output)
         print(f"part {part.index}/{part.count}: {len(part.shards)} shards -> {args.output}")
@@ -189,6 +190,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         metadata=metadata,
         threads=check_count(args.threads, "--threads"),
+        progress=True,  # a bar on a terminal; in a log, lines and the closing line
     )
     manifest.save(args.output)
     print(manifest.id)

@@ -34,15 +34,27 @@ if TYPE_CHECKING:
 
 INSTALL: Final = "detdata[plots]"
 SAME: Final = "same"
-#: colour of each step status in the diff picture (finding kinds of `detdata.loading.trace`)
+#: colour of each step status in the diff picture (finding kinds of `detdata.loading.trace`):
+#: the Okabe-Ito palette, told apart with red-green colour blindness
 DIFF_COLOURS: Final = {
-    SAME: "#4caf50",
-    "differs": "#e53935",
-    "missing": "#9e9e9e",
-    "overlap": "#fb8c00",
-    "discontinuity": "#8e24aa",
-    "conflict": "#212121",
+    SAME: "#0072b2",
+    "differs": "#d55e00",
+    "missing": "#999999",
+    "overlap": "#e69f00",
+    "discontinuity": "#cc79a7",
+    "conflict": "#000000",
 }
+#: hatch of each status: the picture reads in greyscale too (`SAME` plain, each kind its own)
+DIFF_HATCHES: Final = {
+    SAME: "",
+    "differs": "xxxx",
+    "missing": "....",
+    "overlap": "////",
+    "discontinuity": "\\\\\\\\",
+    "conflict": "++++",
+}
+#: marker of each source's lines in the mixture picture (told apart without colour)
+SOURCE_MARKERS: Final = ("o", "s", "^", "D", "v", "P", "X", "*")
 _DPI: Final = 110
 
 PathLike = str | os.PathLike[str]
@@ -105,8 +117,14 @@ def diff_runs(comparison: Comparison) -> tuple[DiffRun, ...]:
 
 
 def plot_diff(comparison: Comparison, path: PathLike, *, title: str = "A vs B") -> None:
-    """PNG at ``path``: the steps where two traces match and part (`diff_runs`, one coloured
-    band), and the count of differing steps against the step."""
+    """PNG at ``path`` of `diff_figure`."""
+    _save(diff_figure(comparison, title=title), path)
+
+
+def diff_figure(comparison: Comparison, *, title: str = "A vs B") -> Figure:
+    """The steps where two traces match and part (`diff_runs`: one band, each status its
+    colour and hatch, so it reads in greyscale; the legend beside the band, not over it),
+    and the count of differing steps against the step; both x axes labelled."""
     runs = diff_runs(comparison)
     if not runs:
         raise ConfigError("nothing to plot: the comparison holds no step")
@@ -114,20 +132,31 @@ def plot_diff(comparison: Comparison, path: PathLike, *, title: str = "A vs B") 
     band, count = fig.axes
     _diff_band(band, runs, comparison, title)
     _diff_count(count, runs)
-    _save(fig, path)
+    return fig
 
 
 def _diff_band(ax: Axes, runs: Sequence[DiffRun], comparison: Comparison, title: str) -> None:
     for status in dict.fromkeys(r.status for r in runs):
         spans = [(r.start, r.stop - r.start) for r in runs if r.status == status]
-        ax.broken_barh(spans, (0, 1), color=DIFF_COLOURS.get(status, "#1e88e5"), label=status)
+        ax.broken_barh(
+            spans,
+            (0, 1),
+            facecolor=DIFF_COLOURS.get(status, "#56b4e9"),
+            edgecolor="white",
+            linewidth=0,
+            hatch=DIFF_HATCHES.get(status, "oo"),
+            label=status,
+        )
     first = comparison.first
     if first is not None:
-        ax.axvline(first.step, color="black", linewidth=1)
+        ax.axvline(
+            first.step, color="black", linewidth=1.5, linestyle="--", label="first difference"
+        )
     ax.set_yticks([])
     ax.set_xlim(runs[0].start, runs[-1].stop)
+    ax.set_xlabel("global step")
     ax.set_title(f"{title}: {_diff_summary(runs, comparison)}", loc="left", fontsize=10)
-    ax.legend(loc="upper right", fontsize=8, ncols=len({r.status for r in runs}))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
 
 
 def _diff_summary(runs: Sequence[DiffRun], comparison: Comparison) -> str:
@@ -156,13 +185,16 @@ def _diff_count(ax: Axes, runs: Sequence[DiffRun]) -> None:
 class MixtureShares:
     """Positions ``[start, start + n)`` of a mixture at ``n`` in ``lengths``: ``counts[s][k]``
     samples of source ``names[s]`` among the first ``lengths[k]`` positions, ``targets[s][k]``
-    the exact number its proportions ask for there (sum of ``p_s`` over those positions)."""
+    the exact number its proportions ask for there (sum of ``p_s`` over those positions).
+    ``phases``: each phase of the schedule that overlaps those positions, as
+    ``(first, stop, proportions)`` (positions ``[first, stop)``, one proportion per source)."""
 
     names: tuple[str, ...]
     start: int
     lengths: tuple[int, ...]
     counts: tuple[tuple[int, ...], ...]
     targets: tuple[tuple[Fraction, ...], ...]
+    phases: tuple[tuple[int, int, tuple[Fraction, ...]], ...] = ()
 
 
 def sample_lengths(count: int, points: int) -> tuple[int, ...]:
@@ -189,7 +221,23 @@ def mixture_shares(
         lengths=lengths,
         counts=tuple(tuple(c[s] - before[s] for c in after) for s in names),
         targets=tuple(tuple(_target(mixture, s, start, n) for n in lengths) for s in names),
+        phases=_phases(mixture, start, start + count),
     )
+
+
+def _phases(
+    mixture: Mixture, start: int, end: int
+) -> tuple[tuple[int, int, tuple[Fraction, ...]], ...]:
+    """The schedule's phases over positions ``[start, end)``, each cut to them, with their
+    proportions in `Mixture.source_names` order."""
+    ends = [p.start for p in mixture.phases[1:]] + [end]
+    out = []
+    for phase, phase_end in zip(mixture.phases, ends, strict=True):
+        lo, hi = max(start, phase.start), min(end, phase_end)
+        if hi > lo:
+            weights = mixture.weights_at(phase.start)
+            out.append((lo, hi, tuple(weights[n] for n in mixture.source_names)))
+    return tuple(out)
 
 
 def _target(mixture: Mixture, name: str, start: int, length: int) -> Fraction:
@@ -205,13 +253,29 @@ def _target(mixture: Mixture, name: str, start: int, length: int) -> Fraction:
 
 
 def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
-    """PNG at ``path``: each source's cumulative share (solid) against its target (dashed)
-    over positions (log scale), and the count minus the target in samples."""
+    """PNG at ``path`` of `mixture_figure`."""
+    _save(mixture_figure(shares), path)
+
+
+def mixture_figure(shares: MixtureShares) -> Figure:
+    """Each source's cumulative share (solid) against its cumulative target (dashed) and
+    each phase's own proportion (dotted, one segment per phase of the schedule) over
+    positions (log scale), and the count minus the target in samples. Each source has its
+    colour and its marker (readable in greyscale); the legend is beside the axes."""
     fig = _figure(2, 6.0)
     share_ax, gap_ax = fig.axes
     xs = [shares.start + n for n in shares.lengths]
-    for name, counts, targets in zip(shares.names, shares.counts, shares.targets, strict=True):
-        line = share_ax.plot(xs, [c / n for c, n in zip(counts, shares.lengths, strict=True)])
+    every = max(1, len(xs) // 12)
+    rows = zip(shares.names, shares.counts, shares.targets, strict=True)
+    for s, (name, counts, targets) in enumerate(rows):
+        marker = SOURCE_MARKERS[s % len(SOURCE_MARKERS)]
+        line = share_ax.plot(
+            xs,
+            [c / n for c, n in zip(counts, shares.lengths, strict=True)],
+            marker=marker,
+            markevery=every,
+            markersize=4,
+        )
         colour = line[0].get_color()
         line[0].set_label(f"{name} ({counts[-1] / shares.lengths[-1]:.4f})")
         share_ax.plot(
@@ -220,15 +284,36 @@ def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
             linestyle="--",
             color=colour,
         )
-        gap_ax.plot(xs, [c - float(t) for c, t in zip(counts, targets, strict=True)], color=colour)
+        for first, stop, weights in shares.phases:  # from position 1 on the log axis
+            share_ax.plot(
+                [max(first, xs[0]), stop],
+                [float(weights[s])] * 2,
+                linestyle=":",
+                linewidth=2,
+                color=colour,
+            )
+        gap_ax.plot(
+            xs,
+            [c - float(t) for c, t in zip(counts, targets, strict=True)],
+            color=colour,
+            marker=marker,
+            markevery=every,
+            markersize=4,
+        )
     share_ax.set_ylabel(f"cumulative share since position {shares.start:,}")
-    share_ax.set_title("mixture: share per source (solid) and its target (dashed)", loc="left")
-    share_ax.legend(fontsize=8)
+    share_ax.set_title(
+        "mixture: share per source (solid), its cumulative target (dashed) and each "
+        "phase's target (dotted)",
+        loc="left",
+        fontsize=10,
+    )
+    share_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     gap_ax.set_ylabel("samples - target")
     gap_ax.set_xlabel("global position")
     for ax in (share_ax, gap_ax):
         ax.set_xscale("log")
-    _save(fig, path)
+    share_ax.set_xlabel("global position")
+    return fig
 
 
 # ------------------------------------------------------------------ batch schedule

@@ -115,8 +115,12 @@ class UnitPlanner:
                 planned[i] = self._table_unit(i)
             elif token[i]:
                 planned[i] = self._eod_unit(i)
-            else:  # pragma: no cover - every format is handled above
-                raise FormatError(f"shard {m.shards[i].path}: format {values[fmt[i]]} unknown")
+            else:  # text (jsonl) shards: documents to tokenise, read by TextDocuments
+                raise FormatError(
+                    f"shard {m.shards[i].path}: a {values[fmt[i]]} text shard, not tokens; "
+                    "hint: read raw text with TextDocuments(manifest, tokenizer) (tokenised "
+                    "when read; PackedWindows packs it as Documents)"
+                )
         reps = [planned[i] for i in first.tolist()]
         tokens = np.where(table, 0, m.samples_per_shard()).tolist()
         return [

@@ -85,7 +85,6 @@ from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
-from detdata.storage.cache import ShardCache
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -320,31 +319,6 @@ class Documents:
                 str(self._table_digest),
                 lambda: self._build_table(list(self.units))[0],
             )
-
-    # the shard files, under the names the readers use ----------------------------------
-    @property
-    def cache_dir(self) -> str | None:
-        """The folder of verified shard copies in force (None: no copies)."""
-        return self.files.cache_dir
-
-    @property
-    def shard_cache_bytes(self) -> int:
-        """The bound of the shard cache in force."""
-        return self.files.shard_cache_bytes
-
-    @property
-    def max_open_shards(self) -> int:
-        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
-        return self.storage.max_open_shards
-
-    @property
-    def shard_cache(self) -> ShardCache | None:
-        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        return self.files.shard_cache
-
-    def open_shards(self) -> list[int]:
-        """Shards this dataset holds an open handle of in this process (`ShardFiles`)."""
-        return self.files.open_shards()
 
     # properties ----------------------------------------------------------------------
     @property

@@ -48,9 +48,6 @@ from detdata.order.mixing import (
 
 _PER_SOURCE: Final = 8  # up to this many sources in a request, `locate` asks each one's order
 
-# Re-exported from detdata.order.mixing for old importers (temporary): BLOCK,
-# MAX_TOTAL_WEIGHT, Phase, ScheduleLike, WeightLike, normalize_weights, source_seed, to_fraction.
-
 
 # ------------------------------------------------------------------ the stream
 class Mixture:

@@ -66,6 +66,8 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
+from detdata.datasets.packed_provenance import window_documents
+from detdata.datasets.text import TextDocuments
 from detdata.order.packing import (
     ALGORITHM,
     Tail,
@@ -98,7 +100,7 @@ class PackedWindows:
 
     def __init__(
         self,
-        documents: Documents,
+        documents: Documents | TextDocuments,
         seq_len: int,
         *,
         seed: int = 0,
@@ -112,9 +114,10 @@ class PackedWindows:
         index_dir: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
     ) -> None:
-        if not isinstance(documents, Documents):
+        if not isinstance(documents, (Documents, TextDocuments)):
             raise ConfigError(
-                f"PackedWindows packs a detdata Documents corpus, got {type(documents).__name__}"
+                "PackedWindows packs a detdata Documents or TextDocuments corpus, got "
+                f"{type(documents).__name__}"
             )
         self.documents = documents
         self.seq_len = check_positive_int(seq_len, "seq_len")
@@ -321,6 +324,10 @@ class PackedWindows:
         if self.tail is not Tail.PAD or pad <= 0:
             return {}
         return {self._num - 1: pad}
+
+    def provenance(self, ids: IntArray) -> list[dict[str, Any]]:
+        """Each window's documents and their pieces (`detdata.datasets.packed_provenance`)."""
+        return window_documents(self, ids)
 
     def document_at(self, positions: IntArray) -> IntArray:
         """The document at each shuffled position (the packing order)."""

@@ -77,7 +77,6 @@ from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import OrderChoice
-from detdata.storage.cache import ShardCache
 from detdata.storage.fs import filesystem, join
 
 if TYPE_CHECKING:
@@ -268,31 +267,6 @@ class TableRows:
     def cache(self) -> GroupSlots:
         """This process's cache of decoded row groups (`GroupSlots`)."""
         return self._local.get(self._new_local).cache
-
-    # the shard files, under the names the readers use ----------------------------------
-    @property
-    def cache_dir(self) -> str | None:
-        """The folder of verified shard copies in force (None: no copies)."""
-        return self.files.cache_dir
-
-    @property
-    def shard_cache_bytes(self) -> int:
-        """The bound of the shard cache in force."""
-        return self.files.shard_cache_bytes
-
-    @property
-    def max_open_shards(self) -> int:
-        """The bound of this dataset's open readers per process (``storage.max_open_shards``)."""
-        return self.storage.max_open_shards
-
-    @property
-    def shard_cache(self) -> ShardCache | None:
-        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        return self.files.shard_cache
-
-    def open_shards(self) -> list[int]:
-        """Shards this dataset holds an open reader of in this process (`ShardFiles`)."""
-        return self.files.open_shards()
 
     @property
     def cache_groups(self) -> int:

@@ -38,7 +38,6 @@ from detdata.datasets.window_layout import WindowLayout
 from detdata.datasets.window_reads import WindowReads
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import LocalityOrder, OrderChoice
-from detdata.storage.cache import ShardCache
 
 _WIDEN: dict[str, str] = {"uint16": "int32", "uint32": "int64", "int32": "int32", "int64": "int64"}
 
@@ -187,36 +186,6 @@ class TokenWindows:
             found = tuple(np.diff(np.asarray(self._layout.bounds)).tolist())  # read whole
             self.__dict__["_windows_tuple"] = found
         return found
-
-    # the shard files, under the names the readers use ----------------------------------
-    @property
-    def cache_dir(self) -> str | None:
-        """The folder of verified shard copies in force (None: no copies)."""
-        return self.files.cache_dir
-
-    @property
-    def shard_cache_bytes(self) -> int:
-        """The bound of the shard cache in force."""
-        return self.files.shard_cache_bytes
-
-    @property
-    def max_open_shards(self) -> int:
-        """The bound of this dataset's open handles per process (``storage.max_open_shards``)."""
-        return self.storage.max_open_shards
-
-    @property
-    def shard_cache(self) -> ShardCache | None:
-        """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        return self.files.shard_cache
-
-    @property
-    def cache(self) -> ShardCache | None:
-        """This process's `ShardCache` (None without ``cache_dir``): the same as ``shard_cache``."""
-        return self.files.shard_cache
-
-    def open_shards(self) -> list[int]:
-        """Shards this dataset holds an open handle of in this process (`ShardFiles`)."""
-        return self.files.open_shards()
 
     # Dataset protocol --------------------------------------------------------
     @property

@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
+from glob import has_magic
 from typing import Any
 
+from fsspec.utils import glob_translate
+
 from detdata.base.errors import ConfigError, DetdataError, StorageError
+from detdata.base.progress import counting
 from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import (
@@ -82,7 +87,7 @@ def build_manifest(
     root = os.fspath(root)  # a pathlib.Path as torch users pass one
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
-    rels = shard_names(fs, root, rootpath, pattern, fmt, paths)
+    rels = shard_names(fs, root, rootpath, pattern, fmt, paths, progress=progress)
     entries = hash_entries(
         root,
         rels,
@@ -254,15 +259,18 @@ def shard_names(
     pattern: str | None,
     fmt: Format | None,
     paths: Sequence[str] | None,
+    *,
+    progress: bool | None = None,
 ) -> list[str]:
-    """The sorted, checked relative names to build: ``paths``, else a listing of ``root``."""
+    """The sorted, checked relative names to build: ``paths``, else a listing of ``root``
+    (its progress shown as `detdata.base.progress.counting`: files found so far)."""
     if paths is not None:
         rels = sorted(check_shard_name(p, root=root) for p in paths)
     else:
         if not fs.exists(rootpath):
             hint = missing_folder_hint(root) if is_local_fs(fs) else "hint: check the URL"
             raise ConfigError(f"root {redact_url(root)!r} does not exist; {hint}")
-        rels = _list_shards(fs, rootpath, pattern, fmt)
+        rels = _list_shards(fs, rootpath, pattern, fmt, progress)
     if not rels:
         raise ConfigError(
             f"no shards found under {redact_url(root)!r} (pattern={pattern!r}); hint: check the "
@@ -271,17 +279,28 @@ def shard_names(
     return rels
 
 
-def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) -> list[str]:
+def _list_shards(
+    fs: Any, root: str, pattern: str | None, fmt: Format | None, progress: bool | None = None
+) -> list[str]:
     """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`).
 
     HTTP listings give percent-encoded URLs; their paths are decoded, so a manifest
     built over HTTP holds the same file names (and id) as one built from the files.
+    A local root is listed folder by folder, with progress (`_walk_local`).
     """
-    if pattern is None:
-        found = [p for p in fs.find(root) if not p.endswith(".json")]
+    full = (
+        None
+        if pattern is None
+        else (posixpath.join(root, pattern) if root not in ("", "/") else root + pattern)
+    )
+    if is_local_fs(fs):
+        found = _walk_local(fs, root, full, progress)
+    elif full is None:
+        found = list(fs.find(root))
     else:
-        found = fs.glob(posixpath.join(root, pattern) if root not in ("", "/") else root + pattern)
-        found = [p for p in found if not fs.isdir(p)]
+        found = [p for p in fs.glob(full) if not fs.isdir(p)]
+    if pattern is None:
+        found = [p for p in found if not p.endswith(".json")]
     prefix = root.rstrip("/") + "/"
     outside = [p for p in found if not p.startswith(prefix)]
     if outside:
@@ -296,6 +315,22 @@ def _list_shards(fs: Any, root: str, pattern: str | None, fmt: Format | None) ->
     if fmt is None and pattern is None:
         rels = [r for r in rels if suffix_format(r) is not None]
     return [check_shard_name(r, root=root) for r in rels]
+
+
+def _walk_local(fs: Any, root: str, full: str | None, progress: bool | None) -> list[str]:
+    """The files under local ``root`` (those matching the glob ``full`` when given: the same
+    rule as ``fs.glob``, `glob_translate`), listed with ``fs.walk`` one folder at a time so
+    that a large listing shows how many files it has found so far."""
+    if full is not None and not has_magic(full):
+        return [full] if fs.isfile(full) else []
+    match = None if full is None else re.compile(glob_translate(full)).match
+    found: list[str] = []
+    with counting("listing files", unit="files", enabled=progress) as update:
+        for folder, _, files in fs.walk(root):
+            paths = [posixpath.join(folder, name) for name in files]
+            found += paths if match is None else [p for p in paths if match(p)]
+            update(len(files))
+    return found
 
 
 def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | None) -> ShardEntry:

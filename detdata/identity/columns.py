@@ -542,11 +542,6 @@ class ShardTable(Sequence["ShardEntry"]):
             )
         return out
 
-    def all_entries(self) -> list[ShardEntry]:
-        """Every entry (`entries_between` over all: O(shards) entries in memory at once;
-        `verify_columns_id` goes piece by piece instead)."""
-        return self.entries_between(0, len(self))
-
     def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
         (checked chunks, then checked as a whole: ends from 0, non-decreasing, to the

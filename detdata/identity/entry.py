@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import is_digest
-from detdata.identity.formats import TABLE_FORMATS, TOKEN_DTYPES, Format
+from detdata.identity.formats import JSONL_LAYOUTS, TABLE_FORMATS, TOKEN_DTYPES, Format
 from detdata.storage.fs import check_relative_path
 
 FORMAT_VERSION: Final = 1
@@ -110,6 +110,13 @@ class ShardEntry:
 
 def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
     """Token shards need a token dtype and a data offset; tables need a schema fingerprint."""
+    if fmt is Format.JSONL:
+        if obj.get("schema") not in JSONL_LAYOUTS:
+            raise ManifestError(
+                f"{where}: jsonl shard field 'schema' must be one of {JSONL_LAYOUTS} (its "
+                f"compression), found {obj.get('schema')!r}"
+            )
+        return
     if fmt in TABLE_FORMATS:
         if obj.get("schema") is None:
             raise ManifestError(

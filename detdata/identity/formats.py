@@ -12,6 +12,10 @@ Formats:
   ``arrow_stream`` (Arrow IPC *stream* format: the ``data-*.arrow`` cache files
   Hugging Face ``datasets`` writes): tables; ``row_groups`` holds the row counts
   of the row groups / record batches.
+* ``jsonl``: text, one JSON object a line (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``);
+  ``num_samples`` is its lines, ``schema`` its compression (``jsonl``, ``jsonl+gzip``,
+  ``jsonl+zstd``, read from its first bytes): `detdata.identity.text_formats`, read by
+  `detdata.datasets.text.TextDocuments` (docs/design.md, "Raw text").
 * ``megatron_idx``: the ``.idx`` index of a Megatron indexed dataset (the
   ``.bin`` + ``.idx`` pair that Megatron-LM, NeMo, NeMo Curator and datatrove
   write). A pair is **two linked manifest entries**: ``P.bin`` is a plain ``bin``
@@ -53,6 +57,7 @@ import numpy as np
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.lazy import lazy_module
+from detdata.identity.text_formats import inspect_jsonl
 from detdata.storage.fs import is_local_fs
 
 if TYPE_CHECKING:
@@ -74,11 +79,17 @@ class Format(str, enum.Enum):
     ARROW = "arrow"
     ARROW_STREAM = "arrow_stream"
     MEGATRON_IDX = "megatron_idx"
+    JSONL = "jsonl"
 
 
 TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
+#: The ``schema`` of a ``jsonl`` shard: how its bytes are compressed (from its first bytes).
+JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd")
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
+    ".jsonl": Format.JSONL,
+    ".jsonl.gz": Format.JSONL,
+    ".jsonl.zst": Format.JSONL,
     ".npy": Format.NPY,
     ".bin": Format.BIN,
     ".parquet": Format.PARQUET,
@@ -328,6 +339,9 @@ def inspect_shard(
         return _inspect_npy(fs, path, size, rel)
     if fmt is Format.MEGATRON_IDX:
         return _inspect_megatron(fs, path, size, rel)
+    if fmt is Format.JSONL:  # text: one document a line (detdata.identity.text_formats)
+        layout = inspect_jsonl(fs, path, rel=rel)
+        return ShardLayout(num_samples=layout.lines, schema=layout.schema)
     if fmt is Format.BIN:
         name = check_token_dtype(_bin_dtype(fs, path, dtype, rel), where=rel)
         _refuse_container(fs, path, size, rel)

@@ -219,7 +219,7 @@ def build_part(
             "build_part needs part=(index, count) or paths=; hint: for one machine use "
             "build_manifest"
         )
-    rels = shard_names(fs, root, rootpath, pattern, fmt, paths)
+    rels = shard_names(fs, root, rootpath, pattern, fmt, paths, progress=progress)
     index = count = listing = None
     if part is not None:
         index, count = part

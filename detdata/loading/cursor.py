@@ -24,6 +24,7 @@ from detdata.datasets.streams import as_stream
 from detdata.loading import resume
 from detdata.loading.attest import Attestation, Pending
 from detdata.loading.history import Plan
+from detdata.loading.identity_diff import first_difference
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.options import ResumePolicy
 from detdata.loading.state import (
@@ -323,8 +324,10 @@ class Cursor:
         diffs = saved.differences(current)
         refused = [d for d in diffs if d not in allowed]
         if refused:
+            where = first_difference(dict(saved.stream), stream.identity())
+            detail = f"\nfirst differing identity field: {where}" if where else ""
             raise StateError(
-                mismatch_message(refused, saved.fields, current), fields=tuple(refused)
+                mismatch_message(refused, saved.fields, current) + detail, fields=tuple(refused)
             )
         if self._total is not None and saved.samples_consumed > self._total:
             raise StateError(

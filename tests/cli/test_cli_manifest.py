@@ -85,7 +85,9 @@ def test_build_then_verify_quick_and_full(big_shards: Path, tmp_path: Path) -> N
         str(big_shards), metadata={"tokenizer": "b3:tok", "description": "test set"}
     )
     assert built.stdout.strip() == expected.id == Manifest.load(str(out)).id
-    assert built.stderr == ""  # not a terminal: no progress bar
+    # not a terminal: no bar; the closing lines of the listing and the hashing (issue 46)
+    assert [ln.split(":")[1] for ln in built.stderr.splitlines()] == [" listing files", " hashing"]
+    assert "hashing: 3/3 (100%)" in built.stderr and "done in" in built.stderr
 
     middle = big_shards / "shard-001.npy"  # 3 MiB: its middle is outside the quick digest
     data = bytearray(middle.read_bytes())

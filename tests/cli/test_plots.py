@@ -318,3 +318,79 @@ def test_import_detdata_and_the_cli_parser_never_import_matplotlib() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ figures (issue 46)
+def _figures(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The matplotlib figures the ``plot_*`` functions draw (their PNG is not written)."""
+    import detdata.cli.plots as plots
+
+    drawn: list[object] = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig))
+    return drawn
+
+
+def _outside(legend: object, ax: object) -> bool:
+    """Whether ``legend``'s drawn box and ``ax``'s plotting area do not overlap."""
+    box, area = legend.get_window_extent(), ax.get_window_extent()  # type: ignore[attr-defined]
+    return bool(box.x0 >= area.x1 or box.x1 <= area.x0 or box.y0 >= area.y1 or box.y1 <= area.y0)
+
+
+def test_diff_figure_reads_in_greyscale_labels_its_axes_and_keeps_the_legend_off_the_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 46: the diff picture told steps apart by red vs green only, its legend covered
+    the band, and the band had no x label."""
+    _run((), tmp_path / "a.jsonl", 60)
+    _run(BAD_SAMPLES, tmp_path / "b.jsonl", 60)
+    comparison = compare(read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl"))
+    drawn = _figures(monkeypatch)
+    plot_diff(comparison, tmp_path / "diff.png")
+    (fig,) = drawn
+    band, count = fig.axes  # type: ignore[attr-defined]
+    fig.draw_without_rendering()  # type: ignore[attr-defined]
+    hatches = {c.get_label(): c.get_hatch() or "" for c in band.collections}
+    assert set(hatches) == {SAME, "differs"}
+    assert hatches[SAME] != hatches["differs"]  # a pattern, not only a colour, tells them apart
+    marker = [ln for ln in band.lines if ln.get_label() == "first difference"]
+    assert len(marker) == 1 and marker[0].get_linestyle() == "--"
+    assert marker[0].get_xdata()[0] == comparison.first.step  # type: ignore[union-attr]
+    assert band.get_xlabel() == "global step" and count.get_xlabel() == "global step"
+    legend = band.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert sorted(labels) == sorted([SAME, "differs", "first difference"])
+    assert _outside(legend, band)
+
+
+def test_mixture_figure_draws_every_phase_target_and_tells_sources_apart_without_colour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 46: the mixture picture showed only the cumulative target, so a schedule's
+    second phase had no target line; each phase's proportions (the SCHEDULE written above)
+    are now drawn over that phase's positions."""
+    shares = mixture_shares(_mixture(), start=0, count=2560, points=60)
+    drawn = _figures(monkeypatch)
+    plot_mixture_shares(shares, tmp_path / "shares.png")
+    (fig,) = drawn
+    share_ax = fig.axes[0]  # type: ignore[attr-defined]
+    fig.draw_without_rendering()  # type: ignore[attr-defined]
+    solid = [ln for ln in share_ax.lines if ln.get_linestyle() == "-"]
+    assert len(solid) == 3 and len({ln.get_marker() for ln in solid}) == 3
+    for line, name in zip(solid, ("code", "math", "web"), strict=True):
+        dotted = [
+            ln
+            for ln in share_ax.lines
+            if ln.get_linestyle() == ":" and ln.get_color() == line.get_color()
+        ]
+        drawn_phases = sorted(
+            (float(ln.get_xdata()[-1]), float(ln.get_ydata()[0])) for ln in dotted
+        )
+        want = [
+            (float(stop), weights[name] / sum(weights.values()))
+            for (first, weights), stop in zip(SCHEDULE, [1000, 2560], strict=True)
+        ]
+        assert [x for pair in drawn_phases for x in pair] == pytest.approx(
+            [x for pair in want for x in pair]
+        ), name
+    assert _outside(share_ax.get_legend(), share_ax)
+    assert fig.axes[1].get_xlabel() == "global position"  # type: ignore[attr-defined]

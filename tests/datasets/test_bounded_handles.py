@@ -123,7 +123,7 @@ CHILD = textwrap.dedent(
                 assert np.array_equal(got[k], v[ids]), (k, ids[:5])
             peak["fds"] = max(peak["fds"], shard_fds())
             peak["maps"] = max(peak["maps"], shard_maps())
-            assert len(ds.open_shards()) <= cap
+            assert len(ds.files.open_shards()) <= cap
         evictions = ds.files.local().handles.evictions
     else:
         cap = ds_cap = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
@@ -267,7 +267,11 @@ def test_max_open_shards_is_checked_and_defaults_below_the_usual_descriptor_limi
 ) -> None:
     np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int32))
     manifest = detdata.build_manifest(str(tmp_path))
-    assert detdata.TokenWindows(manifest, 8).max_open_shards == DEFAULT_MAX_OPEN_SHARDS < 1024 // 4
+    assert (
+        detdata.TokenWindows(manifest, 8).storage.max_open_shards
+        == DEFAULT_MAX_OPEN_SHARDS
+        < 1024 // 4
+    )
     for bad in (0, -1, True, 2.5, "8"):
         with pytest.raises(ConfigError, match="max_open_shards"):
             detdata.TokenWindows(manifest, 8, storage=detdata.Storage(max_open_shards=bad))  # type: ignore[arg-type]
@@ -313,13 +317,13 @@ def test_cached_copies_evicted_by_the_lru_and_by_the_cache_reopen_correctly(
     for _ in range(40):
         ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 40))
         np.testing.assert_array_equal(ds.read(ids)["tokens"], windows[ids])
-        open_now = ds.open_shards()
+        open_now = ds.files.open_shards()
         assert len(open_now) <= 2 and set(ds.files.local().copies) <= set(open_now)
-        cache = ds.shard_cache
+        cache = ds.files.shard_cache
         assert cache is not None and cache.usage() <= bound
     assert ds.files.local().handles.evictions > 0 and cache.stats.evictions > 0
     # a copy replaced under an open handle (another inode): dropped and re-opened
-    shard = ds.open_shards()[-1]
+    shard = ds.files.open_shards()[-1]
     copy = Path(ds.files.local().copies[shard][0])
     data = copy.read_bytes()
     copy.unlink()
@@ -347,7 +351,9 @@ def test_table_rows_through_the_cache_with_one_open_reader(tmp_path: Path) -> No
     for _ in range(20):
         ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 30))
         np.testing.assert_array_equal(ds.read(ids)["x"], xs[ids])
-        assert len(ds.open_shards()) <= 1 and set(ds.files.local().copies) <= set(ds.open_shards())
+        assert len(ds.files.open_shards()) <= 1 and set(ds.files.local().copies) <= set(
+            ds.files.open_shards()
+        )
     assert ds.files.local().handles.evictions > 0
 
 
@@ -452,7 +458,7 @@ MIX_CHILD = textwrap.dedent(
             peak["fds"] = max(peak["fds"], shard_fds())
             peak["maps"] = max(peak["maps"], shard_maps())
             peak["open"] = max(peak["open"], shards_mod.process_open_shards())
-            assert sum(len(ds.open_shards()) for ds in sources.values()) <= budget
+            assert sum(len(ds.files.open_shards()) for ds in sources.values()) <= budget
         touched = sum(ds.files.local().handles.evictions for ds in sources.values())
     else:
         budget = detdata.datasets.handles.DEFAULT_MAX_OPEN_SHARDS
@@ -591,7 +597,7 @@ def test_the_process_budget_is_shared_by_every_lru_and_evicts_any_owner() -> Non
 
 
 def _forked_counts(queue: Any) -> None:
-    queue.put((process_open_shards(), len(_READER_KEEP[0].open_shards())))
+    queue.put((process_open_shards(), len(_READER_KEEP[0].files.open_shards())))
 
 
 _READER_KEEP: list[Any] = []
@@ -604,7 +610,7 @@ def test_a_forked_child_starts_with_an_empty_budget(tmp_path: Path) -> None:
         np.save(tmp_path / f"s{i}.npy", np.arange(100 * i, 100 * i + 41, dtype=np.int32))
     ds = detdata.TokenWindows(detdata.build_manifest(str(tmp_path)), 8)
     ds.read(np.arange(ds.num_samples))
-    assert process_open_shards() >= 3 and len(ds.open_shards()) == 3
+    assert process_open_shards() >= 3 and len(ds.files.open_shards()) == 3
     _READER_KEEP[:] = [ds]
     try:
         ctx = mp.get_context("fork")
@@ -615,7 +621,7 @@ def test_a_forked_child_starts_with_an_empty_budget(tmp_path: Path) -> None:
         proc.join(60)
     finally:
         _READER_KEEP.clear()
-    assert len(ds.open_shards()) == 3  # the parent keeps its own
+    assert len(ds.files.open_shards()) == 3  # the parent keeps its own
 
 
 def test_set_max_open_shards_bounds_several_datasets_together(tmp_path: Path) -> None:
@@ -643,7 +649,7 @@ def test_set_max_open_shards_bounds_several_datasets_together(tmp_path: Path) ->
             for ds, windows in data:
                 ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 20))
                 np.testing.assert_array_equal(ds.read(ids)["tokens"], windows[ids])
-                assert sum(len(d.open_shards()) for d, _ in data) <= 5
+                assert sum(len(d.files.open_shards()) for d, _ in data) <= 5
                 assert process_open_shards() <= 5
     finally:
         set_max_open_shards(None)

@@ -125,7 +125,7 @@ def test_default_remote_reads_equal_local_through_the_user_cache(
         manifest, SEQ, storage=Storage(fs_options=opts)
     )  # no cache_dir: the default
     local = TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ)
-    assert remote.cache_dir == str(folder) and local.cache_dir is None
+    assert remote.files.cache_dir == str(folder) and local.files.cache_dir is None
     ids = np.random.default_rng(4).permutation(remote.num_samples)[:100]
     np.testing.assert_array_equal(remote.read(ids)["tokens"], _expected(arrays, ids))
     copies = _objects(folder)
@@ -148,10 +148,10 @@ def test_the_default_cache_stays_within_its_bound(
     folder = Path(os.environ["DETDATA_CACHE_DIR"])
     ds = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=bound))
     # the corpus is larger than the bound: under the default global shuffle, range reads
-    assert ds.cache_dir is None
+    assert ds.files.cache_dir is None
     order = detdata.LocalityOrder(window_shards=2)  # 2 windows of 2 shards fit: engaged
     loader = detdata.DataLoader(ds, global_batch_size=8, micro_batch_size=8, seed=1, order=order)
-    assert ds.cache_dir == str(folder) and ds.shard_cache_bytes == bound
+    assert ds.files.cache_dir == str(folder) and ds.files.shard_cache_bytes == bound
     local = TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ)
     want = [
         np.asarray(b["tokens"]).copy()
@@ -172,7 +172,7 @@ def test_the_default_cache_stays_within_its_bound(
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     assert len(got) == len(want)
-    assert ds.shard_cache is not None and ds.shard_cache.stats.fills >= SHARDS
+    assert ds.files.shard_cache is not None and ds.files.shard_cache.stats.fills >= SHARDS
 
 
 def test_a_corpus_larger_than_the_default_bound_is_cached_for_a_locality_order_only(
@@ -186,14 +186,14 @@ def test_a_corpus_larger_than_the_default_bound_is_cached_for_a_locality_order_o
     # global shuffle: range reads (a whole shard per sample would be fetched otherwise)
     shuffled = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=5 * largest))
     got = _batches(shuffled, 12)
-    assert shuffled.cache_dir is None and not _objects(Path(os.environ["DETDATA_CACHE_DIR"]))
+    assert shuffled.files.cache_dir is None and not _objects(Path(os.environ["DETDATA_CACHE_DIR"]))
     for a, b in zip(got, _batches(local, 12), strict=True):
         np.testing.assert_array_equal(a, b)
     # a locality window too large for two windows in the bound: range reads, logged
     caplog.set_level(logging.WARNING, "detdata.cache")
     wide = TokenWindows(manifest, SEQ, storage=Storage(shard_cache_bytes=5 * largest))
     detdata.OrderedStream(wide, 3, order=detdata.LocalityOrder(window_shards=3))
-    assert wide.cache_dir is None
+    assert wide.files.cache_dir is None
     assert any("too small for two windows" in r.getMessage() for r in caplog.records)
 
 
@@ -231,13 +231,13 @@ def test_fallbacks_to_range_reads_are_logged_and_read_the_same_bytes(
     arrays = corpus[1]
     ids = np.arange(0, 1200, 7)
     # a local root: no cache at all (the files are read in place)
-    assert TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ).cache_dir is None
+    assert TokenWindows(detdata.build_manifest(str(corpus[0])), SEQ).files.cache_dir is None
     # a bound under USER_CACHE_MIN_SHARDS of the largest shard
     caplog.set_level(logging.WARNING, "detdata.cache")
     small = TokenWindows(
         manifest, SEQ, storage=Storage(shard_cache_bytes=max(s.bytes for s in manifest.shards))
     )
-    assert small.cache_dir is None
+    assert small.files.cache_dir is None
     assert any("range requests" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(small.read(ids)["tokens"], _expected(arrays, ids))
     # a folder that cannot be made (a file is in the way)
@@ -246,8 +246,8 @@ def test_fallbacks_to_range_reads_are_logged_and_read_the_same_bytes(
     blocker.write_text("not a folder")
     monkeypatch.setenv("DETDATA_CACHE_DIR", str(blocker / "shards"))
     blocked = TokenWindows(manifest, SEQ)
-    assert blocked.cache_dir is None
+    assert blocked.files.cache_dir is None
     assert any(str(blocker) in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(blocked.read(ids)["tokens"], _expected(arrays, ids))
     # cache_dir=None: the coalesced range reads, as asked
-    assert TokenWindows(manifest, SEQ, storage=Storage(cache_dir=None)).cache_dir is None
+    assert TokenWindows(manifest, SEQ, storage=Storage(cache_dir=None)).files.cache_dir is None

@@ -146,7 +146,7 @@ def test_any_ids_match_np_load_with_any_handle_bound(
         got = ds.read(ids)["tokens"]
         assert got.dtype == WIDEN[dtype], i
         np.testing.assert_array_equal(got, ref[ids], err_msg=f"batch {i}")
-        assert len(ds.open_shards()) <= (cap or 128)
+        assert len(ds.files.open_shards()) <= (cap or 128)
 
 
 def test_explicit_out_dtype_matches_np_load(tokens: tuple[Path, str]) -> None:
@@ -240,7 +240,7 @@ def test_threads_reading_one_dataset_get_the_reference(tokens: tuple[Path, str],
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors[:5]
-    assert len(ds.open_shards()) <= cap
+    assert len(ds.files.open_shards()) <= cap
 
 
 class _Batches(tud.Dataset[Any]):
@@ -337,7 +337,7 @@ def test_the_handle_bound_never_changes_the_bytes_of_a_replaced_shard(
         np.testing.assert_array_equal(ds.read(arr)["tokens"], ref[arr])
     scattered = 100 + np.asarray([0, 1, 2, 3, 4, 5, 6, 19])  # 8 windows of shard 5, not dense
     np.testing.assert_array_equal(small.read(scattered)["tokens"], ref[scattered])
-    assert small.open_shards() == [5]  # shard 2 (if it was mapped) is evicted
+    assert small.files.open_shards() == [5]  # shard 2 (if it was mapped) is evicted
     victim = tmp_path / "d" / manifest.shards[2].path
     _replace(victim, (np.arange(20 * SEQ + 1, dtype=np.int32) * 7 - 3).astype(np.int32))
     kept = big.read(arr)["tokens"]

@@ -133,8 +133,8 @@ def test_open_handles_stay_within_max_open_shards(tmp_path: Path) -> None:
     documents = Documents(detdata.build_manifest(str(tmp_path)), storage=Storage(max_open_shards=2))
     packed = _packed(documents, OPT)
     _check_all_windows(packed, docs, **_opt(OPT))
-    assert 1 <= len(documents.open_shards()) <= 2
+    assert 1 <= len(documents.files.open_shards()) <= 2
     assert documents.files.local().handles.evictions > 0  # more shards read than handles held
     everything = documents.gather(np.arange(documents.num_tokens, dtype=np.int64))
     assert everything.tolist() == np.concatenate(docs).tolist()
-    assert len(documents.open_shards()) <= 2
+    assert len(documents.files.open_shards()) <= 2

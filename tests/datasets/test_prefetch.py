@@ -91,7 +91,7 @@ def test_window_stays_under_the_cache_bound_and_covers_the_next_step(
     layout = Layout.create(8, 4, 1, 0)
     ahead = CacheAhead(stream, layout.positions, steps=12, connections=2)
     assert ahead.active
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     try:
         for j in range(60):
@@ -136,7 +136,7 @@ def test_loader_with_lookahead_delivers_the_local_bytes(
     try:
         for k, (a, b) in enumerate(zip(got, want, strict=False)):
             assert np.array_equal(a["tokens"].numpy(), b["tokens"].numpy())
-            cache = ds.shard_cache
+            cache = ds.files.shard_cache
             assert cache is not None and cache.usage() <= bound
             if k == 80:
                 break

@@ -119,7 +119,7 @@ def test_a_deferred_release_skips_a_shard_planned_again(
     layout = Layout.create(8, 4, 1, 0)
     key = shard_uses(stream, layout.positions(0), [ds])[0]  # the first fill submitted
     target = next(j for j in range(5, 5000) if key in shard_uses(stream, layout.positions(j), [ds]))
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     held, let_go = threading.Event(), threading.Event()
 

@@ -150,7 +150,7 @@ def test_the_window_reaches_steps_ahead_and_a_released_copy_is_not_fetched_again
                 future.result(timeout=20)  # let the fills finish: the cache has them all
     finally:
         ahead.close()
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     submitted = [k for _, k in ahead.submitted]
     assert ahead.stats.released > 0 and len(submitted) > len(set(submitted))  # planned again
@@ -204,7 +204,7 @@ def test_fill_threads_asking_at_once_share_one_cache_and_file_system(
 
     def ask() -> None:
         start.wait(10)
-        caches.append(ds.shard_cache)
+        caches.append(ds.files.shard_cache)
         systems.append(ds.files.filesystem()[0])
 
     threads = [threading.Thread(target=ask) for _ in range(8)]

@@ -115,7 +115,7 @@ def test_the_storage_fields_give_the_writers_bytes(moved: dict[str, Any]) -> Non
     ids = np.arange(new.num_samples)[::-1].copy()
     expected = token_reference(moved["tokens"])[ids]
     assert np.array_equal(new.read(ids)["tokens"], expected)
-    assert new.max_open_shards == 2 and new.storage.retry is RETRY
+    assert new.storage.max_open_shards == 2 and new.storage.retry is RETRY
 
     tab, tab_root = moved["manifests"]["tab"], moved["roots"]["tab"]
     table = TableRows(tab, storage=Storage(root=tab_root, verify="full"))
@@ -123,7 +123,7 @@ def test_the_storage_fields_give_the_writers_bytes(moved: dict[str, Any]) -> Non
     got = table.read(ids)
     assert np.array_equal(got["x"], moved["rows"]["x"][ids])
     assert np.array_equal(got["y"], moved["rows"]["y"][ids])
-    assert table.cache_dir is None
+    assert table.files.cache_dir is None
 
     doc, doc_root = moved["manifests"]["doc"], moved["roots"]["doc"]
     docs = Documents(doc, eod_token=EOD, storage=Storage(root=doc_root, max_open_shards=1))
@@ -226,7 +226,7 @@ def test_a_cache_bound_without_a_cache_is_refused_where_the_dataset_keeps_none(
     tok, tok_root = moved["manifests"]["tok"], moved["roots"]["tok"]
     ds = TokenWindows(tok, SEQ, storage=Storage(root=tok_root, shard_cache_bytes=1 << 20))
     assert ds.storage.cache_dir is DefaultCache.USER
-    assert ds.cache_dir is None  # a local root reads in place whatever the default cache
+    assert ds.files.cache_dir is None  # a local root reads in place whatever the default cache
     with pytest.raises(ConfigError, match="max_open_shards"):
         TokenWindows(tok, SEQ, storage=Storage(root=tok_root, max_open_shards=0))
 
@@ -251,7 +251,7 @@ def test_storage_travels_with_a_pickled_dataset(moved: dict[str, Any]) -> None:
     manifest, root = moved["manifests"]["tok"], moved["roots"]["tok"]
     ds = TokenWindows(manifest, SEQ, storage=Storage(root=root, max_open_shards=1, retry=RETRY))
     back = pickle.loads(pickle.dumps(ds))
-    assert back.storage == ds.storage and back.max_open_shards == 1
+    assert back.storage == ds.storage and back.storage.max_open_shards == 1
     ids = np.arange(ds.num_samples)
     assert np.array_equal(back.read(ids)["tokens"], token_reference(moved["tokens"]))
     assert isinstance(back.manifest, Manifest) and back.manifest.id == manifest.id

@@ -882,5 +882,5 @@ def test_one_open_reader_reopens_evicted_shards_and_matches_reference(
         batch = bounded.read(order)
         for name in batch:
             np.testing.assert_array_equal(batch[name], np.stack(per_sample(ref, name, order)))
-        assert len(bounded.open_shards()) <= 1
+        assert len(bounded.files.open_shards()) <= 1
     assert bounded.identity() == ds.identity()

@@ -250,14 +250,14 @@ def test_pickle_after_use_is_small_and_reads(tmp_path: Path) -> None:
 
 
 def _child(ds: TokenWindows, ids: np.ndarray, queue: Any) -> None:
-    queue.put((ds.read(ids)["tokens"], sorted(ds.open_shards())))
+    queue.put((ds.read(ids)["tokens"], sorted(ds.files.open_shards())))
 
 
 def test_forked_worker_reopens_memmaps(tmp_path: Path) -> None:
     write_npy_shards(tmp_path, "uint16", (500, 300))
     ds = TokenWindows(build_manifest(str(tmp_path)), 16)
     ds.read(np.array([0, 40]))  # memmaps of both shards now open in the parent
-    assert sorted(ds.open_shards()) == [0, 1]
+    assert sorted(ds.files.open_shards()) == [0, 1]
     ids = np.array([40, 33, 35, 33])  # all in shard 1 (shard 0 holds 31 windows)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -463,7 +463,7 @@ if case.startswith("pread"):  # shard 0 holds the only handle: shard 1 is read b
 first = None
 if case != "before-first-read":
     first = ds.read(np.asarray(ids))["tokens"].tolist()
-path = (ds.cache.object_path(victim) if case == "cached"
+path = (ds.files.shard_cache.object_path(victim) if case == "cached"
         else os.path.join(root, victim.path))
 os.truncate(path, 4096)
 try:
@@ -554,7 +554,7 @@ def test_reads_with_few_open_shards_match_reference(
         assert got.dtype == np.dtype(out_dtype or "int64") and got.shape == (ids.size, SEQ + 1)
         for row, i in zip(got, ids.tolist(), strict=True):
             np.testing.assert_array_equal(row, ref[i])
-        assert len(ds.open_shards()) <= cap
+        assert len(ds.files.open_shards()) <= cap
 
 
 def test_many_shards_keep_only_the_bound_open_and_reopen_after_eviction(tmp_path: Path) -> None:
@@ -565,7 +565,7 @@ def test_many_shards_keep_only_the_bound_open_and_reopen_after_eviction(tmp_path
     for _ in range(30):
         ids = np.sort(rng.integers(0, ds.num_samples, size=rng.integers(1, 200)))
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
-        assert len(ds.open_shards()) <= 4 and not ds.files.local().copies
+        assert len(ds.files.open_shards()) <= 4 and not ds.files.local().copies
     assert ds.files.local().handles.evictions > 0
     every = rng.permutation(ds.num_samples)
     np.testing.assert_array_equal(ds.read(every)["tokens"], ref[every])
@@ -585,4 +585,4 @@ def test_uniform_dtype_reads_with_few_open_shards_match_reference(
         got = bounded.read(ids)["tokens"]
         assert got.dtype == np.dtype(EXPECTED_OUT[arrays[0].dtype.name])
         np.testing.assert_array_equal(got, ref[ids])
-        assert len(bounded.open_shards()) <= cap
+        assert len(bounded.files.open_shards()) <= cap

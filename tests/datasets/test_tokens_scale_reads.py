@@ -109,7 +109,7 @@ def poisoned_read(ds: TokenWindows, ids: np.ndarray) -> np.ndarray:
 def fill_lru(ds: TokenWindows) -> None:
     """Map ``max_open_shards`` shards (the last ones), so the LRU is full."""
     starts = np.asarray(ds._layout.starts)
-    for s in range(len(starts) - ds.max_open_shards, len(starts)):
+    for s in range(len(starts) - ds.storage.max_open_shards, len(starts)):
         ds.read(np.asarray([starts[s]]))
     assert ds.files.local().handles.full
 
@@ -150,7 +150,7 @@ def test_reads_of_shards_not_open_match_np_load(
     closed_once = set(touched[times == 1].tolist()) - set(range(len(LENGTHS) - cap, len(LENGTHS)))
     if touched.size > 1 and closed_once:  # one window of a shard not open: one preadv
         assert calls["_read_staged"] + calls["_read_direct"] >= 1
-    assert len(ds.open_shards()) <= cap
+    assert len(ds.files.open_shards()) <= cap
 
 
 @pytest.mark.parametrize("labels", [False, True])
@@ -169,7 +169,7 @@ def test_direct_reads_go_straight_into_the_result(corpus: tuple[Path, str], labe
     every = rng.permutation(ds.num_samples)  # long runs (> 256 windows) staged
     counts = ds.windows_per_shard
     big = [s for s, c in enumerate(counts) if c >= 100]
-    small = [s for s, c in enumerate(counts) if c < 100 and s not in ds.open_shards()][:11]
+    small = [s for s, c in enumerate(counts) if c < 100 and s not in ds.files.open_shards()][:11]
     assert len(big) >= 3 and len(small) == 11
     runs = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in small])
     gappy = np.concatenate([np.arange(starts[s], starts[s + 1], 2) for s in big])

@@ -69,7 +69,7 @@ def test_fill_is_verified_named_by_blake3_and_reused(
     ref = TokenWindows(local, SEQ)
     ids = np.arange(ref.num_samples)[::-1]
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
-    assert ds.cache is not None and ds.cache.stats.fills == len(SIZES)
+    assert ds.files.shard_cache is not None and ds.files.shard_cache.stats.fills == len(SIZES)
     files = objects(tmp_path)
     assert [f.name for f in files] == sorted(s.blake3[3:] for s in remote.shards)
     for f in files:  # every copy holds exactly the bytes its name promises
@@ -86,8 +86,11 @@ def test_fill_is_verified_named_by_blake3_and_reused(
             storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20, verify="off"),
         )
         np.testing.assert_array_equal(again.read(ids)["tokens"], ref.read(ids)["tokens"])
-        assert again.cache is not None
-        assert again.cache.stats.fills == 0 and again.cache.stats.hits == len(SIZES)
+        assert again.files.shard_cache is not None
+        assert (
+            again.files.shard_cache.stats.fills == 0
+            and again.files.shard_cache.stats.hits == len(SIZES)
+        )
     finally:
         moved.rename(directory)
 
@@ -107,15 +110,15 @@ def test_corrupted_cache_file_is_detected_and_refetched(
     caplog.set_level(logging.WARNING, "detdata.cache")
     ds = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
     np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
-    assert ds.cache is not None
-    assert (ds.cache.stats.corrupt, ds.cache.stats.fills) == (1, 1)
+    assert ds.files.shard_cache is not None
+    assert (ds.files.shard_cache.stats.corrupt, ds.files.shard_cache.stats.fills) == (1, 1)
     assert victim.read_bytes() == good  # the copy was fetched again
     assert any("s2.npy" in r.getMessage() and "corrupted" in r.getMessage() for r in caplog.records)
     # a truncated copy is caught by its size
     victim.write_bytes(good[:-10])
     ds2 = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
     np.testing.assert_array_equal(ds2.read(ids)["tokens"], ref.read(ids)["tokens"])
-    assert ds2.cache is not None and ds2.cache.stats.corrupt == 1
+    assert ds2.files.shard_cache is not None and ds2.files.shard_cache.stats.corrupt == 1
     assert victim.read_bytes() == good
 
 
@@ -152,8 +155,8 @@ def test_cache_stays_under_its_byte_bound_with_lru_eviction(
         ids = rng.integers(0, ref.num_samples, size=rng.integers(1, 6))
         np.testing.assert_array_equal(ds.read(ids)["tokens"], ref.read(ids)["tokens"])
         on_disk = sum(f.stat().st_size for f in objects(tmp_path))
-        assert ds.cache is not None and on_disk == ds.cache.usage() <= bound
-    assert ds.cache is not None and ds.cache.stats.evictions > 0
+        assert ds.files.shard_cache is not None and on_disk == ds.files.shard_cache.usage() <= bound
+    assert ds.files.shard_cache is not None and ds.files.shard_cache.stats.evictions > 0
     # LRU: with A and B cached, using A then filling C evicts B
     fs = fsspec.filesystem("http")
     cache = ShardCache(tmp_path / "lru", 2 * 8400)
@@ -250,7 +253,7 @@ def test_table_rows_read_through_the_cache(http_server: HttpServer, tmp_path: Pa
     got, want = ds.read(ids), local.read(ids)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
-    assert ds.shard_cache is not None and ds.shard_cache.stats.fills == 2
+    assert ds.files.shard_cache is not None and ds.files.shard_cache.stats.fills == 2
 
 
 def test_bad_cache_arguments(served: tuple[Manifest, Manifest, Path], tmp_path: Path) -> None:
@@ -274,9 +277,9 @@ def test_cache_bytes_is_refused_naming_shard_cache_bytes(
 ) -> None:
     _, remote, _ = served
     new = TokenWindows(remote, SEQ, storage=Storage(cache_dir=tmp_path, shard_cache_bytes=1 << 20))
-    assert new.shard_cache_bytes == 1 << 20
-    assert new.shard_cache is not None and new.shard_cache is new.cache
-    assert new.shard_cache.max_bytes == 1 << 20
+    assert new.files.shard_cache_bytes == 1 << 20
+    assert new.files.shard_cache is not None
+    assert new.files.shard_cache.max_bytes == 1 << 20
     assert new.identity() == TokenWindows(remote, SEQ).identity()
     with pytest.raises(
         ConfigError, match=r"hint: pass storage=detdata\.Storage\(shard_cache_bytes="
@@ -303,7 +306,7 @@ def test_token_windows_cache_verify_full_refetches_a_mid_file_flip(
         manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="full")
     )
     np.testing.assert_array_equal(again.read(ids)["tokens"], expected)
-    assert again.cache is not None and again.cache.stats.corrupt == 1
+    assert again.files.shard_cache is not None and again.files.shard_cache.stats.corrupt == 1
     with pytest.raises(ConfigError, match="cache_verify"):
         TokenWindows(
             manifest, 256, storage=Storage(cache_dir=tmp_path / "c", cache_verify="sometimes")

@@ -100,7 +100,7 @@ def test_a_copy_this_process_filled_is_reopened_without_reading_it(
     root, windows = corpus
     ds = reader(root, tmp_path / "cache")
     one_window_of_each(ds, windows, 1)  # fills
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None and cache.stats.fills == 3
     copy_bytes = windows.nbytes // 3
     digests = cache.stats.digests
@@ -120,7 +120,7 @@ def test_a_copy_changed_right_after_its_fill_is_caught(
     root, windows = corpus
     ds = reader(root, tmp_path / "cache")
     one_window_of_each(ds, windows, 1)
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     victim = sorted((tmp_path / "cache" / "objects").iterdir())[0]
     time.sleep(0.02)
@@ -144,7 +144,7 @@ def test_a_copy_changed_on_disk_is_verified_again(
     one_window_of_each(ds, windows, 1)
     time.sleep(RACY_S)
     one_window_of_each(ds, windows, 2)
-    cache = ds.shard_cache
+    cache = ds.files.shard_cache
     assert cache is not None
     copies = sorted((tmp_path / "cache" / "objects").iterdir())
     assert len(copies) == 3

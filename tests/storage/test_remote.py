@@ -268,7 +268,8 @@ def test_token_windows_remote_equal_local(
         ids = rng.integers(0, local.num_samples, size=40)
         np.testing.assert_array_equal(remote.read(ids)["tokens"], local.read(ids)["tokens"])
     if cached:
-        assert remote.cache is not None and remote.cache.stats.fills == len(TOKENS)
+        cache = remote.files.shard_cache
+        assert cache is not None and cache.stats.fills == len(TOKENS)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])

@@ -1,0 +1,464 @@
+"""`TextDocuments`: raw text shards, tokenised when read (docs/design.md, "Raw text").
+
+The documents of a manifest of text shards: ``jsonl`` files (plain, ``.jsonl.gz``,
+``.jsonl.zst``; one JSON object a line, the text in field ``field``) or the string column
+``field`` of ``parquet`` / ``arrow`` / ``arrow_stream`` tables (one row, one document).
+Each document is tokenised by a `TextTokenizer` (a ``tokenizer.json``: its identity, the
+options that change a token and the text policy are part of `identity`, so a resume with
+another vocabulary, merge or option is refused naming ``data``, and the first differing
+identity field is named).
+
+A `TextDocuments` is a document corpus like `Documents`: ``starts`` (document ``d`` is
+tokens ``[starts[d], starts[d + 1])`` of the corpus), ``copy_ranges`` and ``document``,
+so `PackedWindows` packs it with the same guarantees (random access by window id, O(1)
+resume, the same windows at every layout, document masks). ``starts`` comes from the
+text index (`detdata.datasets.text_index`), built once by tokenising every document (or
+loaded from ``index_dir``). Reading a window tokenises the documents it touches, in one
+batch (the Rust library encodes on its own threads, without the GIL), with a per-process
+cache of recently tokenised documents; each document's token count is checked against the
+index when it is tokenised (`FormatError` naming it on a difference).
+
+Per process: JSONL shards are memory-mapped (plain) or decompressed whole into memory
+(gzip / zstd: held as open handles, at most ``max_open_shards`` at once), table row groups
+decoded a few at a time. Shard files are checked on open like every dataset's
+(`ShardFiles`). ``location(d)`` says where document ``d`` is (shard, line or row).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.checks import check_count
+from detdata.base.errors import ConfigError, FormatError
+from detdata.base.lazy import lazy_module
+from detdata.base.progress import progress
+from detdata.base.types import IntArray
+from detdata.datasets.index_files import building, load_index, reload_index, save_index
+from detdata.datasets.process_local import PerProcess
+from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.shard_storage import Storage, checked_storage
+from detdata.datasets.text_index import (
+    ALGORITHM,
+    FIRST,
+    LINE,
+    SECOND,
+    SHARD,
+    STARTS,
+    TextPolicy,
+    build_text_index,
+    check_policy,
+    check_text_index,
+    checked_text,
+    document_text,
+    index_meta,
+    line_spans,
+    where_of,
+)
+from detdata.identity.formats import TABLE_FORMATS, Format
+from detdata.identity.manifest import Manifest
+from detdata.identity.text_formats import PLAIN, read_text_bytes
+from detdata.identity.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+else:  # imported where a table is first read (base/lazy.py)
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
+    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
+
+#: The manifest metadata key that records the text field (`text_metadata`).
+TEXT_FIELD: Final = "text_field"
+#: Decoded table row groups kept per process.
+_GROUPS: Final = 8
+#: Tokens of recently tokenised documents kept per process.
+_CACHED_TOKENS: Final = 1 << 22
+
+
+def text_metadata(field: str) -> dict[str, str]:
+    """Manifest metadata recording the text field: ``build_manifest(root, metadata=
+    text_metadata("text"))``; a `TextDocuments` over it reads that field (and refuses
+    another)."""
+    return {TEXT_FIELD: field}
+
+
+class _Text(NamedTuple):
+    """An open JSONL shard: its text bytes (a memory map, or the decompressed bytes)."""
+
+    data: mmap.mmap | bytes
+    path: str
+
+
+class _Local:
+    """A `TextDocuments`' side of one process: decoded row groups and tokenised documents."""
+
+    __slots__ = ("groups", "held", "lock", "tokens")
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        self.tokens: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
+        self.held = 0
+        self.lock = threading.Lock()
+
+
+class TextDocuments:
+    """The documents of a manifest of text shards, tokenised when read (module docstring).
+
+    ``tokenizer``: a `TextTokenizer`, a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``
+    (then with default options). ``field``: the text field / column (default: the one the
+    manifest records, `text_metadata`, else ``"text"``). ``empty``: ``"error"`` (an empty
+    text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
+    a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
+    index is stored (None: built at each construction). ``storage``: as `Documents`'.
+    """
+
+    _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
+
+    def __init__(
+        self,
+        manifest: Manifest | str,
+        tokenizer: TextTokenizer | str | os.PathLike[str] | Tokenizer,
+        *,
+        field: str | None = None,
+        empty: str = "error",
+        max_document_tokens: int | None = None,
+        index_dir: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+        storage: Storage | None = None,
+        **refused: Never,
+    ) -> None:
+        storage = checked_storage("TextDocuments", storage, refused)
+        self.storage = storage.with_default_cache(None)
+        self.manifest = resolve_manifest(manifest, self.storage)
+        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
+        self._local: PerProcess[_Local] = PerProcess()
+        if not isinstance(tokenizer, TextTokenizer):
+            tokenizer = TextTokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.policy: TextPolicy = check_policy(
+            _field(self.manifest, field), empty, max_document_tokens
+        )
+        _check_formats(self.manifest)
+        if self.files.cache_dir is None and not self.files.is_local():
+            raise ConfigError(
+                f"TextDocuments reads the shards of a remote root ({self.manifest.root}) from "
+                "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
+            )
+        self.index_dir = None if index_dir is None else os.fspath(index_dir)
+        self.progress = progress
+        #: what a token id fits (`PackedWindows` checks bos / pad ids against it)
+        self.stored_dtype = tokenizer.token_dtype
+        self.out_dtype = np.dtype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64)
+        self._index = self._text_index()
+        self._starts: npt.NDArray[np.int64] = self._index[STARTS]
+
+    # the text index ---------------------------------------------------------------
+    def _inputs(self) -> dict[str, Any]:
+        return {
+            "algorithm": ALGORITHM,
+            "manifest": self.manifest.id,
+            "text": self.policy.identity(),
+            "tokenizer": self.tokenizer.identity(),
+        }
+
+    def _check(self, array: np.ndarray[Any, Any], meta: Any) -> str | None:
+        return check_text_index(self.manifest, self.policy, array, meta)
+
+    def _text_index(self) -> npt.NDArray[np.int64]:
+        """The text index: loaded from ``index_dir`` (checked) or built by one process."""
+        inputs = self._inputs()
+        stored = load_index(self.index_dir, "text", inputs, self._check)
+        if stored is None:
+            with building(self.index_dir, "text", inputs):
+                stored = load_index(self.index_dir, "text", inputs, self._check)
+                if stored is None:
+                    array = self._build()
+                    meta = index_meta(self.manifest, array)
+                    self._digest = save_index(self.index_dir, "text", inputs, array, meta)
+                    return array
+        self._digest = stored.digest
+        return np.asarray(stored.array)
+
+    def _build(self) -> npt.NDArray[np.int64]:
+        total = int(self.manifest.bytes_per_shard().sum())
+        with progress(total, "text index", unit="B", enabled=self.progress) as update:
+            return build_text_index(
+                self.manifest, self.tokenizer, self.policy, self._shard_documents, update
+            )
+
+    def _shard_documents(self, shard: int) -> Iterator[tuple[int, int, int, str]]:
+        """Each document of ``shard`` as ``(line or row, first, second, text)`` (text_index)."""
+        entry = self.manifest.shards[shard]
+        field = self.policy.field
+        if entry.format is Format.JSONL:
+            data = self._jsonl(shard)
+            first, end = line_spans(data)
+            if first.size != entry.num_samples:
+                raise FormatError(
+                    f"shard {entry.path}: {first.size} lines, its manifest entry says "
+                    f"{entry.num_samples}; hint: rebuild the manifest"
+                )
+            for i, (a, b) in enumerate(zip(first.tolist(), end.tolist(), strict=True)):
+                where = where_of(self.manifest, shard, i + 1)
+                yield i + 1, a, b, document_text(bytes(data[a:b]), field, where)
+            return
+        row = 0
+        for g in range(len(entry.row_groups or ())):
+            for r, value in enumerate(self._group(shard, g)):
+                yield row, g, r, checked_text(value, field, where_of(self.manifest, shard, row))
+                row += 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in self._DERIVED:
+            state.pop(key, None)
+        if self.index_dir is not None:
+            state["_index"] = None  # re-loaded from the index file, not pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.files.attach(self.manifest.bytes_per_shard())
+        if self._index is None:
+            self._index = reload_index(
+                self.index_dir, "text", self._inputs(), str(self._digest), self._build
+            )
+        self._starts = self._index[STARTS]
+
+    # the corpus ---------------------------------------------------------------------
+    @property
+    def num_documents(self) -> int:
+        """Documents in the corpus."""
+        return int(self._starts.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the corpus (every document's, ``bos`` / ``eos`` included)."""
+        return int(self._starts[-1])
+
+    @property
+    def starts(self) -> npt.NDArray[np.int64]:
+        """The document table: ``N + 1`` corpus offsets (read-only)."""
+        view: npt.NDArray[np.int64] = self._starts.view()
+        view.flags.writeable = False
+        return view
+
+    def lengths(self) -> npt.NDArray[np.int64]:
+        """Tokens per document (a new array)."""
+        lengths: npt.NDArray[np.int64] = np.diff(self._starts)
+        return lengths
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest, the text policy and the tokenizer."""
+        return {
+            "type": "text_documents",
+            "algorithm": ALGORITHM,
+            "manifest": self.manifest.id,
+            "text": self.policy.identity(),
+            "tokenizer": self.tokenizer.identity(),
+            "out_dtype": self.out_dtype.name,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+        }
+
+    def document_shards(self) -> npt.NDArray[np.int64]:
+        """The manifest shard of each document (read-only)."""
+        view: npt.NDArray[np.int64] = self._index[SHARD, :-1].view()
+        view.flags.writeable = False
+        return view
+
+    def location(self, d: int) -> dict[str, Any]:
+        """Where document ``d`` is: ``shard`` (manifest path) and ``line`` (JSONL, 1-based)
+        or ``row`` (tables, 0-based)."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        entry = self.manifest.shards[int(self._index[SHARD, d])]
+        key = "line" if entry.format is Format.JSONL else "row"
+        return {"shard": entry.path, key: int(self._index[LINE, d])}
+
+    def text(self, d: int) -> str:
+        """The text of document ``d``, as read from its shard."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        return self._texts([d])[0]
+
+    def document(self, d: int) -> np.ndarray[Any, Any]:
+        """The tokens of document ``d`` (a new array, ``out_dtype``)."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        return self._tokens([d])[d].astype(self.out_dtype)
+
+    def tokens(self, docs: list[int]) -> list[npt.NDArray[np.int64]]:
+        """The tokens of documents ``docs`` (int64, read-only), tokenised in one batch."""
+        found = self._tokens(sorted(set(docs)))
+        return [found[d] for d in docs]
+
+    def copy_ranges(
+        self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
+    ) -> None:
+        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
+        ``out[target[j] : target[j] + count[j]]`` (each range inside one document, as
+        `Documents.copy_ranges`); the documents touched are tokenised in one batch."""
+        if not count.size:
+            return
+        doc = np.searchsorted(self._starts, source, side="right").astype(np.int64) - 1
+        tokens = self._tokens(np.unique(doc).tolist())
+        local = source - self._starts[doc]
+        for d, s, n, t in zip(
+            doc.tolist(), local.tolist(), count.tolist(), target.tolist(), strict=True
+        ):
+            out[t : t + n] = tokens[d][s : s + n]
+
+    # reading and tokenising ------------------------------------------------------------
+    def _tokens(self, docs: list[int]) -> dict[int, npt.NDArray[np.int64]]:
+        """The tokens of ``docs`` (cached per process; the missing ones in one batch)."""
+        local = self._local.get(_Local)
+        found: dict[int, npt.NDArray[np.int64]] = {}
+        with local.lock:
+            for d in docs:
+                hit = local.tokens.get(d)
+                if hit is not None:
+                    local.tokens.move_to_end(d)
+                    found[d] = hit
+        missing = [d for d in docs if d not in found]
+        encoded = self.tokenizer.encode(self._texts(missing))
+        for d, tokens in zip(missing, encoded, strict=True):
+            want = int(self._starts[d + 1] - self._starts[d])
+            if tokens.size != want:
+                where = where_of(
+                    self.manifest, int(self._index[SHARD, d]), int(self._index[LINE, d])
+                )
+                raise FormatError(
+                    f"{where}: tokenised to {tokens.size} tokens, the text index says {want}; "
+                    "the text or the tokenizer changed under the index; hint: rebuild the "
+                    "manifest and the index"
+                )
+            tokens.flags.writeable = False
+            found[d] = tokens
+        with local.lock:
+            for d in missing:
+                local.tokens[d] = found[d]
+                local.held += int(found[d].size)
+            while local.held > _CACHED_TOKENS and len(local.tokens) > 1:
+                local.held -= int(local.tokens.popitem(last=False)[1].size)
+        return found
+
+    def _texts(self, docs: list[int]) -> list[str]:
+        """The texts of ``docs``, read from their shards (checked as when indexed)."""
+        out: list[str] = []
+        field = self.policy.field
+        for d in docs:
+            shard, line = int(self._index[SHARD, d]), int(self._index[LINE, d])
+            a, b = int(self._index[FIRST, d]), int(self._index[SECOND, d])
+            where = where_of(self.manifest, shard, line)
+            if self.manifest.shards[shard].format is Format.JSONL:
+                out.append(document_text(bytes(self._jsonl(shard)[a:b]), field, where))
+            else:
+                out.append(checked_text(self._group(shard, a)[b], field, where))
+        return out
+
+    def _path(self, shard: int) -> str:
+        """A local path of ``shard``: the file, or its verified cached copy."""
+        if self.files.uses_shard_cache():
+            return self.files.cached_path(shard)
+        path = self.files.path(shard)
+        if not os.path.exists(path):
+            raise self.files.missing(shard, path)
+        return path
+
+    def _jsonl(self, shard: int) -> mmap.mmap | bytes:
+        """The text bytes of JSONL ``shard`` (held open per process, checked on open)."""
+        files = self.files
+        held: _Text | None = files.local().handles.get(shard)
+        if held is not None:
+            files.check_file(shard, held.path)
+            return held.data
+        entry = self.manifest.shards[shard]
+        path = self._path(shard)
+        data: mmap.mmap | bytes
+        with open(path, "rb") as fh:
+            files.check_opened(shard, fh.fileno(), path)
+            if entry.schema == PLAIN:
+                data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else b""
+            else:
+                data = read_text_bytes(path, str(entry.schema), rel=entry.path)
+        files.keep(shard, _Text(data, path))
+        return data
+
+    def _group(self, shard: int, group: int) -> list[Any]:
+        """The values of the text column in row group / record batch ``group`` of ``shard``."""
+        local = self._local.get(_Local)
+        key = (shard, group)
+        with local.lock:
+            cached = local.groups.get(key)
+            if cached is not None:
+                local.groups.move_to_end(key)
+                return cached
+        values = self._read_group(shard, group)
+        with local.lock:
+            local.groups[key] = values
+            while len(local.groups) > _GROUPS:
+                local.groups.popitem(last=False)
+        return values
+
+    def _read_group(self, shard: int, group: int) -> list[Any]:
+        entry = self.manifest.shards[shard]
+        path = self._path(shard)
+        with open(path, "rb") as fh:
+            self.files.check_opened(shard, fh.fileno(), path)
+        field = self.policy.field
+        if entry.format is Format.PARQUET:
+            reader = pq.ParquetFile(path, memory_map=True)
+            schema = reader.schema_arrow
+        else:
+            source = pa.memory_map(path)
+            stream = entry.format is Format.ARROW_STREAM
+            reader = ipc.open_stream(source) if stream else ipc.open_file(source)
+            schema = reader.schema
+        if field not in schema.names:
+            raise FormatError(f"shard {entry.path}: no column {field!r}; it has {schema.names}")
+        kind = schema.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise FormatError(
+                f"shard {entry.path} column {field!r}: type {kind}, not a string column of text"
+            )
+        if entry.format is Format.PARQUET:
+            column = reader.read_row_group(group, columns=[field]).column(field)
+        elif entry.format is Format.ARROW_STREAM:
+            column = list(reader)[group].column(field)
+        else:
+            column = reader.get_batch(group).column(field)
+        values: list[Any] = column.to_pylist()
+        return values
+
+
+def _field(manifest: Manifest, field: str | None) -> str:
+    """The text field: ``field``, else the manifest's recorded one, else ``"text"``; a
+    ``field`` that contradicts the manifest's record is a `ConfigError`."""
+    recorded = manifest.metadata.get(TEXT_FIELD)
+    if field is not None and recorded is not None and field != recorded:
+        raise ConfigError(
+            f"field={field!r} but manifest {manifest.id} records text field {recorded!r}; "
+            "hint: leave field= out, or build another manifest"
+        )
+    chosen = field if field is not None else recorded if recorded is not None else "text"
+    return str(chosen)
+
+
+def _check_formats(manifest: Manifest) -> None:
+    """Every shard is a text shard (``jsonl``) or a table; `ConfigError` naming the first
+    that is not."""
+    for entry in manifest.shards:
+        if entry.format is not Format.JSONL and entry.format not in TABLE_FORMATS:
+            raise ConfigError(
+                f"shard {entry.path}: a {entry.format.value} token shard, not text; hint: read "
+                "token shards with Documents (TextDocuments reads jsonl / parquet / arrow text)"
+            )

@@ -1,0 +1,256 @@
+"""The document index of raw text: where each document's text is and how many tokens it has.
+
+`TextDocuments` (`detdata.datasets.text`) reads text shards (``jsonl``, or a string column
+of ``parquet`` / ``arrow`` / ``arrow_stream`` tables) and tokenises each document when it
+is read. Random access and packing need each document's token count before any window is
+read, so one pass tokenises the whole corpus once (`build_text_index`, in batches) and
+stores the *text index* (`ROWS` x ``N + 1`` int64, 40 bytes a document) under
+``index_dir`` like every derived index (`detdata.datasets.index_files`: content-addressed
+by the manifest id, the text field, the tokenizer's identity and the policies; built by
+one process of a job, the others load it):
+
+====  ===============================================================================
+row   meaning (document ``d``; the last column closes the table)
+====  ===============================================================================
+0     corpus token start (``starts``: document ``d`` is tokens ``[s[d], s[d + 1])``)
+1     shard (manifest index)
+2     line (JSONL, 1-based) or row (tables, 0-based) in the shard
+3     JSONL: first byte of the line in the decompressed text; tables: row group
+4     JSONL: end byte of the line; tables: row within the row group
+====  ===============================================================================
+
+What each line / row must hold (`document_text`), each failure a `FormatError` naming the
+shard, the line or row, and the field: valid UTF-8, one JSON object, the field present,
+its value a string; an empty string is an error unless ``empty="skip"`` (then the line is
+no document; the policy is part of the identity); with ``max_document_tokens``, a longer
+document is an error (None: any length, documents are split across windows by packing).
+
+A stored index is checked against the manifest before use (`check_text_index`: the shape,
+every shard's lines or rows, the counts in its record); the token counts themselves are
+checked each time a document is read (its tokens are counted again there), so a wrong
+count is an error naming the document, never a shifted window.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base.errors import ConfigError, FormatError
+from detdata.identity.formats import Format
+from detdata.identity.manifest import Manifest
+from detdata.identity.tokenizer import TextTokenizer
+
+#: Rows of the text index (module docstring).
+ROWS: Final = 5
+STARTS, SHARD, LINE, FIRST, SECOND = range(ROWS)
+#: The algorithm that cuts and counts text documents (part of the index key and identity).
+ALGORITHM: Final = "text-documents-v1"
+#: Documents tokenised per batch while the index is built.
+BATCH: Final = 2048
+EMPTY_POLICIES: Final = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class TextPolicy:
+    """How documents are cut from text: the field, the empty-document policy and the bound."""
+
+    field: str
+    empty: str
+    max_document_tokens: int | None
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON of the policy (part of the dataset's identity and the index key)."""
+        return {
+            "field": self.field,
+            "empty": self.empty,
+            "max_document_tokens": self.max_document_tokens,
+        }
+
+
+def check_policy(field: object, empty: object, max_document_tokens: object) -> TextPolicy:
+    """A `TextPolicy` from the user's arguments, or `ConfigError` naming the bad one."""
+    if not isinstance(field, str) or not field:
+        raise ConfigError(f"field must be the name of the text field, got {field!r}")
+    if empty not in EMPTY_POLICIES:
+        raise ConfigError(f"empty must be one of {EMPTY_POLICIES}, got {empty!r}")
+    bound = max_document_tokens
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ConfigError(f"max_document_tokens must be a positive int or None, got {bound!r}")
+    return TextPolicy(field, str(empty), bound)
+
+
+def where_of(manifest: Manifest, shard: int, line: int) -> str:
+    """``shard P line N`` (JSONL) or ``shard P row N`` (tables): how errors name a document."""
+    entry = manifest.shards[shard]
+    return f"shard {entry.path} {'line' if entry.format is Format.JSONL else 'row'} {line}"
+
+
+def document_text(raw: bytes, field: str, where: str) -> str:
+    """The text of one JSONL line ``raw`` (field ``field``); `FormatError` naming ``where``."""
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(
+            f"{where}: invalid UTF-8 at byte {exc.start} of the line ({exc.reason}); hint: "
+            "re-encode the file as UTF-8"
+        ) from None
+    try:
+        doc = json.loads(decoded)
+    except ValueError as exc:
+        raise FormatError(
+            f"{where}: not JSON ({exc}); hint: a JSONL shard holds one JSON object a line"
+        ) from None
+    if not isinstance(doc, dict):
+        raise FormatError(
+            f"{where}: a JSON {type(doc).__name__}, not an object with field {field!r}"
+        )
+    if field not in doc:
+        keys = sorted(doc)[:8]
+        raise FormatError(f"{where}: no field {field!r} (it has {keys}); hint: pass field=")
+    return checked_text(doc[field], field, where)
+
+
+def checked_text(value: object, field: str, where: str) -> str:
+    """``value`` when it is a string; `FormatError` naming ``where`` and ``field`` otherwise."""
+    if not isinstance(value, str):
+        found = "null" if value is None else type(value).__name__
+        raise FormatError(f"{where} field {field!r}: {found}, not a string of text")
+    return value
+
+
+def line_spans(data: bytes | mmap.mmap) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(first, end)`` byte of each line of JSONL text ``data`` (cut at ``\\n``)."""
+    breaks = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10).astype(np.int64)
+    first = np.concatenate([[0], breaks + 1]).astype(np.int64)
+    end = np.concatenate([breaks, [len(data)]]).astype(np.int64)
+    if first[-1] == len(data):  # a final newline ends the last line; it starts none
+        first, end = first[:-1], end[:-1]
+    return first, end
+
+
+@dataclass
+class IndexBuilder:
+    """Accumulates the text index shard by shard (`build_text_index`)."""
+
+    manifest: Manifest
+    tokenizer: TextTokenizer
+    policy: TextPolicy
+
+    def __post_init__(self) -> None:
+        self.columns: list[list[int]] = [[] for _ in range(ROWS)]
+        self.tokens = 0
+
+    def add(self, shard: int, items: Iterable[tuple[int, int, int, str]]) -> None:
+        """Documents ``(line or row, first, second, text)`` of ``shard``, in file order."""
+        batch: list[tuple[int, int, int, str]] = []
+        for item in items:
+            if not item[3]:
+                if self.policy.empty == "skip":
+                    continue
+                raise FormatError(
+                    f"{where_of(self.manifest, shard, item[0])} field {self.policy.field!r}: an "
+                    "empty document; hint: remove it, or pass empty='skip' (recorded in the "
+                    "identity)"
+                )
+            batch.append(item)
+            if len(batch) >= BATCH:
+                self._flush(shard, batch)
+                batch = []
+        self._flush(shard, batch)
+
+    def _flush(self, shard: int, batch: list[tuple[int, int, int, str]]) -> None:
+        counts = [int(t.size) for t in self.tokenizer.encode([b[3] for b in batch])]
+        bound = self.policy.max_document_tokens
+        for (line, first, second, _), count in zip(batch, counts, strict=True):
+            if bound is not None and count > bound:
+                raise FormatError(
+                    f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
+                    f"{count} tokens, more than max_document_tokens={bound}; hint: split the "
+                    "document, or raise or drop the bound (None: packing splits documents)"
+                )
+            for row, value in zip(
+                self.columns, (self.tokens, shard, line, first, second), strict=True
+            ):
+                row.append(value)
+            self.tokens += count
+
+    def finish(self) -> npt.NDArray[np.int64]:
+        """The index array (`ROWS` x ``N + 1``)."""
+        closing = (self.tokens, len(self.manifest.shards), 0, 0, 0)
+        return np.array(
+            [[*row, c] for row, c in zip(self.columns, closing, strict=True)], dtype=np.int64
+        ).reshape(ROWS, -1)
+
+
+def index_meta(manifest: Manifest, array: npt.NDArray[np.int64]) -> dict[str, Any]:
+    """The record stored with a text index: documents and tokens, and documents per shard."""
+    per = np.bincount(array[SHARD, :-1], minlength=len(manifest.shards))
+    return {
+        "documents": int(array.shape[1]) - 1,
+        "tokens": int(array[STARTS, -1]),
+        "per_shard": per.tolist(),
+    }
+
+
+def check_text_index(
+    manifest: Manifest, policy: TextPolicy, array: np.ndarray[Any, Any], meta: Mapping[str, Any]
+) -> str | None:
+    """What is wrong with a stored text index and its record (None: nothing), from the
+    manifest: the shape, starts from 0 non-decreasing, shards in order, lines / rows
+    increasing within each shard and inside it (every one of them unless ``empty="skip"``),
+    and a record equal to `index_meta` of the array."""
+    if array.dtype != np.int64 or array.ndim != 2 or array.shape[0] != ROWS or array.shape[1] < 1:
+        return f"array {array.dtype} of shape {array.shape}, expected int64 ({ROWS}, N + 1)"
+    n = int(array.shape[1]) - 1
+    starts, shard, line = array[STARTS], array[SHARD, :n], array[LINE, :n]
+    if int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
+        return "token starts do not run non-decreasing from 0"
+    if n and (int(shard[0]) < 0 or bool((np.diff(shard) < 0).any())):
+        return "documents are not in shard order"
+    lines = manifest.samples_per_shard()
+    if n and int(shard[-1]) >= len(lines):
+        return f"shard {int(shard[-1])} is not in the manifest"
+    rel = line - _bases(manifest, shard)
+    if bool((rel < 0).any()) or bool((rel >= lines[shard]).any()):
+        return "a line or row outside its shard"
+    same = np.diff(shard) == 0
+    if bool((np.diff(line)[same] <= 0).any()):
+        return "lines or rows do not increase within a shard"
+    if policy.empty == "error" and n != int(lines.sum()):
+        return f"{n} documents, the manifest's shards have {int(lines.sum())} lines and rows"
+    want = index_meta(manifest, array)
+    for key in sorted(set(want) | set(meta)):
+        if meta.get(key) != want.get(key):
+            return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}"
+    return None
+
+
+def _bases(manifest: Manifest, shard: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The first line / row number of each document's shard (JSONL lines count from 1)."""
+    values, fmt = manifest.codes("format")
+    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
+    return jsonl[fmt[shard]].astype(np.int64)
+
+
+def build_text_index(
+    manifest: Manifest,
+    tokenizer: TextTokenizer,
+    policy: TextPolicy,
+    shard_documents: Callable[[int], Iterable[tuple[int, int, int, str]]],
+    update: Callable[[int], None],
+) -> npt.NDArray[np.int64]:
+    """The text index of ``manifest``: ``shard_documents(s)`` yields each shard's documents
+    ``(line or row, first, second, text)``; ``update`` is told each shard's bytes."""
+    builder = IndexBuilder(manifest, tokenizer, policy)
+    sizes = manifest.bytes_per_shard()
+    for s in range(len(manifest.shards)):
+        builder.add(s, shard_documents(s))
+        update(int(sizes[s]))
+    return builder.finish()

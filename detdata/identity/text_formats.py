@@ -1,0 +1,88 @@
+"""Text shards: JSONL files (plain, gzip or zstd), one document a line.
+
+A ``jsonl`` shard is registered like every shard (`detdata.identity.build`): its size,
+quick digest and blake3 are those of the file's bytes as stored (compressed or not), its
+``num_samples`` is its lines (a last line without a newline counts; a file ending in a
+newline has no empty last line) and its ``schema`` is how its bytes are compressed, read
+from its first bytes (gzip magic ``1f 8b``, zstd magic ``28 b5 2f fd``, else plain), not
+from its name. Lines are cut at ``\\n`` in the decompressed bytes; what a line holds is
+checked where it is read (`detdata.datasets.text_index`). Zstd is read through pyarrow
+(no extra dependency), gzip through the standard library.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from typing import IO, TYPE_CHECKING, Final, NamedTuple
+
+from detdata.base.errors import FormatError
+from detdata.base.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import fsspec
+    import pyarrow as pa
+else:  # imported where a zstd shard is first read (base/lazy.py)
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+
+#: Decompressed bytes read per pass when counting lines (bounded memory).
+_CHUNK: Final = 1 << 22
+_GZIP_MAGIC: Final = b"\x1f\x8b"
+_ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
+PLAIN, GZIP, ZSTD = "jsonl", "jsonl+gzip", "jsonl+zstd"
+
+
+class JsonlLayout(NamedTuple):
+    """What inspecting a JSONL shard finds: its lines and its compression (``schema``)."""
+
+    lines: int
+    schema: str
+
+
+def compression_of(head: bytes) -> str:
+    """The layout (`PLAIN`, `GZIP`, `ZSTD`) of a JSONL file from its first 4 bytes."""
+    if head[:2] == _GZIP_MAGIC:
+        return GZIP
+    if head[:4] == _ZSTD_MAGIC:
+        return ZSTD
+    return PLAIN
+
+
+def decompressed(raw: IO[bytes], schema: str) -> io.BufferedIOBase | IO[bytes]:
+    """A reader of the text bytes of an open JSONL file ``raw`` stored as ``schema``."""
+    if schema == GZIP:
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if schema == ZSTD:
+        source = pa.PythonFile(raw, mode="r")
+        return io.BufferedReader(pa.CompressedInputStream(source, "zstd"))
+    return raw
+
+
+def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
+    """The whole decompressed bytes of the local JSONL file ``path`` (``rel`` names it)."""
+    try:
+        with open(path, "rb") as fh:
+            if schema == PLAIN:
+                return fh.read()
+            return decompressed(fh, schema).read()
+    except (OSError, EOFError, ValueError) as exc:
+        raise FormatError(
+            f"shard {rel}: cannot decompress its {schema} bytes ({exc}); hint: check the file "
+            "(it no longer matches its manifest entry if it changed)"
+        ) from None
+
+
+def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> JsonlLayout:
+    """`JsonlLayout` of the JSONL file at ``path``: one streamed pass over its text bytes."""
+    with fs.open(path, "rb") as fh:
+        schema = compression_of(fh.read(4))
+        fh.seek(0)
+        lines, last = 0, b"\n"
+        try:
+            reader = decompressed(fh, schema)
+            while chunk := reader.read(_CHUNK):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+        except (OSError, EOFError, ValueError) as exc:
+            raise FormatError(f"shard {rel}: not valid {schema} ({exc})") from None
+    return JsonlLayout(lines + (last != b"\n"), schema)

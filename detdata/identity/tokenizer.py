@@ -1,0 +1,191 @@
+"""`TextTokenizer`: a Hugging Face ``tokenizers`` tokenizer pinned by its content.
+
+Text read at run time (`detdata.datasets.text.TextDocuments`) is tokenised by a
+``tokenizer.json`` (the file, or a ``tokenizers.Tokenizer`` built from one: nothing is
+downloaded). Its identity (`TextTokenizer.identity`, part of the dataset's identity and so
+of the checked ``data`` field of a loader state) is plain JSON of:
+
+* ``json_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
+  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding);
+* ``model_b3`` / ``normalizer_b3`` / ``pre_tokenizer_b3`` / ``post_processor_b3`` /
+  ``added_tokens_b3``: the same of each section, and ``truncation`` / ``padding`` as
+  stored, so a refused resume names what changed (another merge: ``model_b3``);
+* ``library`` / ``version``: ``tokenizers`` and its version (another version may cut
+  the same text otherwise);
+* the options that change the output: ``add_special_tokens`` (the post-processor's
+  templates applied or not), ``bos`` / ``eos`` (token ids put before / after every
+  document, None: none).
+
+A document's tokens are ``[bos] + encode(text).ids + [eos]`` (`encode`), in batches
+(``encode_batch_fast``: the Rust library encodes a batch on its own threads without the
+GIL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import ConfigError
+from detdata.base.hashing import digest_bytes
+from detdata.base.lazy import require
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+#: The sections of a tokenizer.json each pinned by its own digest in the identity.
+SECTIONS: Final = ("model", "normalizer", "pre_tokenizer", "post_processor", "added_tokens")
+#: The ``pip install`` that provides the library (the ``detdata[text]`` extra).
+INSTALL: Final = "detdata[text] (tokenizers)"
+
+
+def _library() -> Any:
+    return require("tokenizers", install=INSTALL, purpose="to tokenise text")
+
+
+class TextTokenizer:
+    """A ``tokenizers`` tokenizer and the options a document is encoded with (module doc).
+
+    ``source``: a ``tokenizer.json`` path, or a ``tokenizers.Tokenizer`` (its JSON is
+    taken: later changes to the object are not seen). ``bos`` / ``eos``: a token id or a
+    token string (looked up in the vocabulary) put before / after each document.
+    ``add_special_tokens``: apply the tokenizer's post-processor templates (default False:
+    a document is its text's tokens plus ``bos`` / ``eos``). Pickles as its JSON.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Tokenizer,
+        *,
+        bos: int | str | None = None,
+        eos: int | str | None = None,
+        add_special_tokens: bool = False,
+    ) -> None:
+        self.json = _tokenizer_json(source)
+        try:
+            self.document = json.loads(self.json)
+        except ValueError as exc:
+            raise ConfigError(f"tokenizer: not a tokenizer.json ({exc})") from None
+        self._tokenizer: Tokenizer | None = None
+        if not isinstance(add_special_tokens, bool):
+            raise ConfigError(
+                f"add_special_tokens must be True or False, got {add_special_tokens!r}"
+            )
+        self.add_special_tokens = add_special_tokens
+        self.vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        self.bos = self._token_id(bos, "bos")
+        self.eos = self._token_id(eos, "eos")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The ``tokenizers.Tokenizer`` (made from the JSON once per process)."""
+        if self._tokenizer is None:
+            self._tokenizer = _library().Tokenizer.from_str(self.json)
+        return self._tokenizer
+
+    def _token_id(self, value: int | str | None, name: str) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            found = self.tokenizer.token_to_id(value)
+            if found is None:
+                raise ConfigError(
+                    f"{name}={value!r}: no such token in the tokenizer's vocabulary; hint: pass "
+                    "the token id, or a token the tokenizer.json defines (e.g. its added tokens)"
+                )
+            return int(found)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be a token id (int >= 0) or a token, got {value!r}")
+        if value >= self.vocab_size:
+            raise ConfigError(
+                f"{name}={value} is not below the tokenizer's vocabulary size {self.vocab_size}"
+            )
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tokenizer"] = None  # made again from the JSON in each process
+        return state
+
+    @property
+    def token_dtype(self) -> np.dtype[Any]:
+        """The narrowest unsigned dtype every token id of this tokenizer fits."""
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the tokenizer and every option that changes a token (module doc)."""
+        library = _library()
+        out: dict[str, Any] = {
+            "type": "hf_tokenizers",
+            "library": "tokenizers",
+            "version": str(library.__version__),
+            "json_b3": digest_bytes(canonical_json(self.document)),
+        }
+        for section in SECTIONS:
+            out[f"{section}_b3"] = digest_bytes(canonical_json(self.document.get(section)))
+        out["truncation"] = self.document.get("truncation")
+        out["padding"] = self.document.get("padding")
+        out["add_special_tokens"] = self.add_special_tokens
+        out["bos"] = self.bos
+        out["eos"] = self.eos
+        return out
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray[Any, Any]]:
+        """The tokens of each text (``bos``, the text's ids, ``eos``), as int64 arrays."""
+        if not texts:
+            return []
+        found = self.tokenizer.encode_batch_fast(
+            list(texts), add_special_tokens=self.add_special_tokens
+        )
+        head = [] if self.bos is None else [self.bos]
+        tail = [] if self.eos is None else [self.eos]
+        return [np.array(head + e.ids + tail, dtype=np.int64) for e in found]
+
+
+def _tokenizer_json(source: object) -> str:
+    """The JSON text of a tokenizer given as a path or a ``tokenizers.Tokenizer``."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"tokenizer {path}: cannot read it ({exc.strerror or exc}); hint: pass the "
+                "path of a tokenizer.json (nothing is downloaded)"
+            ) from None
+    if isinstance(source, _library().Tokenizer):
+        return str(source.to_str())
+    raise ConfigError(
+        f"tokenizer must be a tokenizer.json path or a tokenizers.Tokenizer, got "
+        f"{type(source).__name__}"
+    )
+
+
+#: The manifest metadata key holding the identity of the tokenizer that wrote token shards.
+MANIFEST_KEY: Final = "tokenizer"
+
+
+def check_manifest_tokenizer(metadata: Mapping[str, Any], tokenizer: TextTokenizer) -> None:
+    """Token shards written by ``detdata tokenize`` record their tokenizer's identity in the
+    manifest metadata (`MANIFEST_KEY`); `ConfigError` naming the first differing field when
+    ``tokenizer`` is another (or when the manifest records none)."""
+    recorded = metadata.get(MANIFEST_KEY)
+    if not isinstance(recorded, Mapping):
+        raise ConfigError(
+            "the manifest records no tokenizer (metadata 'tokenizer'); hint: token shards "
+            "written by `detdata tokenize` record it"
+        )
+    want = tokenizer.identity()
+    for key in sorted(set(recorded) | set(want)):
+        if recorded.get(key) != want.get(key):
+            raise ConfigError(
+                f"the token shards were written by another tokenizer: metadata tokenizer.{key} "
+                f"is {recorded.get(key)!r}, this tokenizer's is {want.get(key)!r}; hint: use "
+                "the tokenizer.json and options the shards were tokenised with"
+            )
