@@ -3,8 +3,10 @@
 Data: 50,000 rows of 512 int32 tokens (one ``list<int32>`` column, snappy), 20 shards, row
 groups of 128 rows (`benchmarks.bench_data`: token ``j`` of row ``s`` is ``512 s + j``).
 Batch 64, shuffled, ``num_workers=0``. Every run is a fresh interpreter that imports torch,
-numpy, pyarrow, torchdata and detdata (``import detdata.loading.loader`` included) before the
-clock, then times from the dataset's construction to the first batch in hand:
+numpy, pyarrow and the loader's own modules (torchdata for StatefulDataLoader; detdata with
+``detdata.loading.loader``; not each other's: torchdata imports pandas, which would hide what
+a loader's first Arrow conversion costs) before the clock, then times from the dataset's
+construction to the first batch in hand:
 
 * ``torch``: torch's ``DataLoader(shuffle=True)`` over a per-sample ``Dataset`` that reads each
   shard's table (``pq.read_table(memory_map=True)``) at first use (`benchmarks.contenders.
@@ -48,10 +50,15 @@ LOADERS = ("torch", "torch batched", "StatefulDataLoader", "detdata")
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np, pyarrow, pyarrow.parquet, torch, torch.utils.data
-import torchdata.stateful_dataloader
-import detdata, detdata.loading.loader
+# each loader's own imports, no other's (torchdata imports pandas, which a first
+# conversion of Arrow numbers would otherwise import on the clock)
+if sys.argv[1] == "detdata":
+    import detdata, detdata.loading.loader
+else:
+    from benchmarks.contenders import ParquetBatched, ParquetSamples
+    if sys.argv[1] == "StatefulDataLoader":
+        import torchdata.stateful_dataloader
 from benchmarks.bench_data import data_files, check_rows
-from benchmarks.contenders import ParquetBatched, ParquetSamples
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -118,7 +125,7 @@ def child(loader: str, root: Path, resume: int, state: str, checkout: Path) -> d
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=root,  # not ROOT: ``python -c`` puts the working folder first on sys.path
         timeout=600,
         check=False,
     )
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, help="a checkout of the code before the change")
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "detdata-pqlat")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--loaders", default=",".join(LOADERS), help="a subset of " + str(LOADERS))
     args = parser.parse_args(argv)
     prov = matrix_report.provenance(
         "python -m benchmarks.parquet_latency " + " ".join(argv or sys.argv[1:])
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if prepared.returncode:
         raise RuntimeError(f"preparing StatefulDataLoader's state failed:\n{prepared.stderr}")
-    runs: list[tuple[str, Path]] = [(name, ROOT) for name in LOADERS]
+    runs: list[tuple[str, Path]] = [(name, ROOT) for name in args.loaders.split(",")]
     if args.before:
         runs.append(("detdata (before)", args.before))
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}

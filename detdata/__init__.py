@@ -69,6 +69,7 @@ _imported_frameworks.built()
 _LAZY = {
     "DataLoader": "detdata.loading.loader",
     "DeterministicBatchSampler": "detdata.loading.sampler",
+    "MixtureController": "detdata.loading.reweighting",
     "report_model_step": "detdata.loading.model_digest",
 }
 
@@ -94,6 +95,7 @@ def __getattr__(name: str) -> _typing.Any:
 if _typing.TYPE_CHECKING:
     from detdata.loading.loader import DataLoader
     from detdata.loading.model_digest import report_model_step
+    from detdata.loading.reweighting import MixtureController
     from detdata.loading.sampler import DeterministicBatchSampler
 
 #: the public names (docs/api.md documents each; tests/test_layers.py checks the two agree)
@@ -120,6 +122,7 @@ __all__ = [
     "ManifestError",
     "MidStep",
     "Mixture",
+    "MixtureController",
     "NATIVE_READS",
     "Order",
     "OrderedStream",

@@ -8,7 +8,12 @@ Config (JSON)::
      "schedule": [[0, {"web": 1, "code": 1}], [100000, {"web": 3, "code": 1}]],
      "allow_zero": false}                                # optional
 
-Exactly one of ``weights`` / ``schedule``. Output: a header line, then one
+Exactly one of ``weights`` / ``schedule``. ``--state STATE.json`` (a saved
+``loader.state_dict()`` of a run over this mixture): the mixture in force in that run
+instead, the weights changed during the run (``set_mixture_weights``, a controller) and at
+resumes included, so each position is answered, and ``--plot`` draws the target, with the
+weights in force there (the config then gives the seed and sources only; the state's seed
+must be the config's). Output: a header line, then one
 tab-separated line per position: ``position source index_in_source sample_id``.
 With ``--plot OUT.png``: instead, a picture of each source's cumulative share against
 its target over the positions, and one line per source with its share at the end.
@@ -113,9 +118,39 @@ def mixture_from_config(doc: Mapping[str, Any]) -> Mixture:
     )
 
 
+def schedule_of_state(path: str, seed: object) -> list[Any]:
+    """The schedule of the mixture in force in a saved loader state (`ConfigError` when the
+    state's stream is no mixture or has another seed than ``seed``)."""
+    from detdata.datasets.exclusions import split_identity
+    from detdata.loading.state import LoaderState
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --state {path!r}: {exc}") from None
+    core, _ = split_identity(LoaderState.from_json(text).stream)
+    if core.get("type") != "mixture" or not isinstance(core.get("schedule"), list):
+        raise ConfigError(
+            f"--state {path!r}: the saved run did not read a Mixture (its stream is "
+            f"{core.get('type')!r}); hint: pass the state of a loader over the mixture"
+        )
+    if core.get("seed") != seed:
+        raise ConfigError(
+            f"--state {path!r}: the saved mixture's seed is {core.get('seed')!r}, the "
+            f"config's {seed!r}; hint: use the config of that run"
+        )
+    return list(core["schedule"])
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the assignment of positions ``[at, at + count)``."""
-    mixture = mixture_from_config(load_config(args.config))
+    doc = load_config(args.config)
+    if args.state is not None:
+        schedule = schedule_of_state(args.state, doc.get("seed"))
+        doc = {k: v for k, v in doc.items() if k not in ("weights", "schedule")}
+        doc = {**doc, "schedule": schedule, "allow_zero": True}
+    mixture = mixture_from_config(doc)
     at = check_count(args.at, "--at", minimum=0, maximum=MAX_POSITION - 1)
     count = check_count(args.count, "--count", minimum=0, maximum=MAX_POSITION - at)
     if args.plot is not None:
@@ -163,6 +198,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", required=True, help="mix config JSON file")
     parser.add_argument("--at", type=int, default=0, help="first global position (default 0)")
     parser.add_argument("--count", type=int, default=16, help="number of positions (default 16)")
+    parser.add_argument(
+        "--state",
+        metavar="STATE.json",
+        help="a saved loader state of a run over this mixture: answer with the weights in "
+        "force in that run (changed during it or at resumes) instead of the config's",
+    )
     parser.add_argument(
         "--plot",
         metavar="OUT.png",

@@ -12,6 +12,7 @@ state, no display needed). Every picture is drawn in memory and then written ato
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 from collections.abc import Sequence
@@ -208,7 +209,7 @@ def mixture_shares(
     mixture: Mixture, *, start: int = 0, count: int, points: int = 400
 ) -> MixtureShares:
     """A mixture's cumulative counts per source against its target over positions
-    ``[start, start + count)``, at `sample_lengths` (O(points x (phases + sources)), from
+    ``[start, start + count)``, at `sample_lengths` (O(points x sources + phases), from
     `Mixture.consumed`)."""
     count = check_count(count, "count")
     lengths = sample_lengths(count, check_count(points, "points"))
@@ -220,7 +221,7 @@ def mixture_shares(
         start=start,
         lengths=lengths,
         counts=tuple(tuple(c[s] - before[s] for c in after) for s in names),
-        targets=tuple(tuple(_target(mixture, s, start, n) for n in lengths) for s in names),
+        targets=_targets(mixture, start, lengths),
         phases=_phases(mixture, start, start + count),
     )
 
@@ -240,16 +241,30 @@ def _phases(
     return tuple(out)
 
 
-def _target(mixture: Mixture, name: str, start: int, length: int) -> Fraction:
-    """Sum of source ``name``'s exact proportion over positions ``[start, start + length)``."""
-    end = start + length
-    ends = [p.start for p in mixture.phases[1:]] + [end]
-    total = Fraction(0)
-    for phase, phase_end in zip(mixture.phases, ends, strict=True):
-        lo, hi = max(start, phase.start), min(end, phase_end)
-        if hi > lo:
-            total += mixture.weights_at(phase.start)[name] * (hi - lo)
-    return total
+def _targets(
+    mixture: Mixture, start: int, lengths: Sequence[int]
+) -> tuple[tuple[Fraction, ...], ...]:
+    """Per source, the sum of its exact proportion over positions ``[start, start + n)`` for
+    each of the ascending ``lengths``: each phase's target (weights changed during a run are
+    phases too), in one sweep over the phases the positions cross (O(points + phases))."""
+    phases = mixture.phases
+    k = bisect.bisect_right([p.start for p in phases], start) - 1  # the phase at ``start``
+    acc = [Fraction(0)] * len(mixture.source_names)
+    out: list[list[Fraction]] = [[] for _ in acc]
+    pos = start
+    for n in lengths:
+        end = start + n
+        while pos < end:
+            phase_end = phases[k + 1].start if k + 1 < len(phases) else end
+            hi = min(end, phase_end)
+            for s, f in enumerate(phases[k].fractions()):
+                acc[s] += f * (hi - pos)
+            pos = hi
+            if hi == phase_end and k + 1 < len(phases):
+                k += 1
+        for s, total in enumerate(acc):
+            out[s].append(total)
+    return tuple(tuple(v) for v in out)
 
 
 def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:

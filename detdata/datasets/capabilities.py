@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Final, Protocol, runtime_checkable
 
 import numpy.typing as npt
@@ -142,6 +143,31 @@ class ContinuesFrom(Protocol):
     weights from there on): ``continue_from(saved_identity, position) -> Stream``."""
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Stream: ...
+
+
+@runtime_checkable
+class Reweights(Protocol):
+    """Can change its mixture weights from a position on (`Mixture`, an `Excluded` over one):
+    ``with_mixture_weights(position, weights)`` is the stream with ``weights`` in force from
+    global ``position`` on (every earlier position unchanged, each source continuing its
+    stream), ``with_weight_changes(changes)`` the same for each ``(position, weights)`` in
+    turn, ``mixture_weights_at(position)`` the exact proportions in force there. ``mixes``:
+    whether it does mix sources (an `Excluded` has the methods over any stream, and mixes only
+    over a mixture); use `reweights` rather than an isinstance check."""
+
+    @property
+    def mixes(self) -> bool: ...
+
+    def with_mixture_weights(self, position: int, weights: Mapping[str, Any]) -> Stream: ...
+
+    def with_weight_changes(self, changes: Sequence[tuple[int, Mapping[str, Any]]]) -> Stream: ...
+
+    def mixture_weights_at(self, position: int) -> dict[str, Fraction]: ...
+
+
+def reweights(stream: object) -> Reweights | None:
+    """``stream`` as a `Reweights` that mixes sources, else None."""
+    return stream if isinstance(stream, Reweights) and stream.mixes else None
 
 
 @runtime_checkable
@@ -236,6 +262,8 @@ MEMBERS: Final[Mapping[type, str]] = {
     HasOrigins: "origins(positions) -> Origins",
     ContinuesFrom: "continue_from(saved_identity, position)",
     ChecksContinuation: "check_continues(saved_identity, position)",
+    Reweights: ".mixes, with_mixture_weights(position, weights), with_weight_changes(changes) "
+    "and mixture_weights_at(position)",
     OrdersDataset: ".orders_dataset and .seed",
     TokenCounting: ".tokens_per_sample",
     Named: ".name",

@@ -47,6 +47,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Final
 
 import numpy as np
@@ -58,6 +59,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
+from detdata.datasets.capabilities import Reweights, reweights
 from detdata.datasets.origins import Origins, origins
 from detdata.datasets.streams import as_stream
 
@@ -340,6 +342,39 @@ class Excluded:
             K_STREAM: self.stream.identity(),
             K_HISTORY: self.history_json(),
         }
+
+    @property
+    def mixes(self) -> bool:
+        """Whether the wrapped stream mixes sources (`Reweights`): its weights can change."""
+        return reweights(self.stream) is not None
+
+    def mixture_weights_at(self, position: int) -> dict[str, Fraction]:
+        """The wrapped mixture's proportions at ``position`` (`Reweights`)."""
+        return self._reweighted().mixture_weights_at(position)
+
+    def with_mixture_weights(self, position: int, weights: Mapping[str, Any]) -> Excluded:
+        """These exclusions over the wrapped mixture with ``weights`` in force from
+        ``position`` on (`Mixture.with_mixture_weights`): an excluded sample stays excluded
+        (and replaced) at every position its list is in force, whatever the weights."""
+        return self.with_weight_changes([(position, weights)])
+
+    def with_weight_changes(self, changes: Sequence[tuple[int, Mapping[str, Any]]]) -> Excluded:
+        """`with_mixture_weights` of each ``(position, weights)`` in turn."""
+        inner = self._reweighted().with_weight_changes(changes)
+        if inner is self.stream:
+            return self
+        out = Excluded(inner, self.history, seed=self.seed)
+        out.orders_dataset = self.orders_dataset
+        return out
+
+    def _reweighted(self) -> Reweights:
+        inner = reweights(self.stream)
+        if inner is None:
+            raise ConfigError(
+                f"cannot change mixture weights: this Excluded wraps a "
+                f"{type(self.stream).__name__}, not a Mixture; hint: wrap a detdata.Mixture"
+            )
+        return inner
 
     def check_continues(self, saved_identity: Mapping[str, Any], position: int) -> None:
         """Refuse (`StateError`) unless this stream continues ``saved_identity`` at

@@ -10,6 +10,7 @@ This module adds what needs datasets: each source's `GlobalOrder` over its
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,6 +46,7 @@ from detdata.order.mixing import (
     schedule_to_json,
     source_seed,
 )
+from detdata.order.mixture_changes import change_schedule
 
 _PER_SOURCE: Final = 8  # up to this many sources in a request, `locate` asks each one's order
 
@@ -241,6 +243,51 @@ class Mixture:
         return dict(
             zip(self.source_names, self._schedule.phase_at(position).fractions(), strict=True)
         )
+
+    @property
+    def mixes(self) -> bool:
+        """A mixture mixes its sources (`Reweights`)."""
+        return True
+
+    def mixture_weights_at(self, position: int) -> dict[str, Fraction]:
+        """`weights_at` (the `Reweights` capability)."""
+        return self.weights_at(position)
+
+    def with_mixture_weights(self, position: int, weights: Mapping[str, WeightLike]) -> Mixture:
+        """This mixture with ``weights`` in force from global ``position`` on: a new phase
+        there (`detdata.order.mixture_changes.change_schedule`: every position before it
+        keeps its source and index, each source continues its stream from its consumed
+        count). Weights as for the constructor (every source, exact; a 0 needs
+        ``allow_zero``), else `ConfigError`. O(log phases + sources) when no planned phase
+        follows ``position``; the sources and their orders are shared, nothing is read."""
+        return self.with_weight_changes([(position, weights)])
+
+    def with_weight_changes(
+        self, changes: Sequence[tuple[int, Mapping[str, WeightLike]]]
+    ) -> Mixture:
+        """`with_mixture_weights` of each ``(position, weights)`` in turn (a recorded
+        trajectory replayed): O(changes x (log phases + sources)) in all."""
+        ints = [
+            (
+                position,
+                normalize_weights(
+                    weights,
+                    self.source_names,
+                    allow_zero=self.allow_zero,
+                    where=f"mixture weights from position {position}",
+                ),
+            )
+            for position, weights in changes
+        ]
+        schedule = change_schedule(self._schedule, self.seed, ints)
+        if schedule is self._schedule:
+            return self
+        out = copy.copy(self)
+        out._schedule, out.phases = schedule, schedule.phases
+        # the cached positions before the first change stay valid (the phases before it
+        # are the same objects): only the rest is located again
+        out._memo = self._memo.forked(out.locate, min(p for p, _ in ints))
+        return out
 
     # -------------------------------------------------------------- identity
     def schedule_json(self) -> list[list[Any]]:

@@ -21,8 +21,8 @@ from detdata.base.types import IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import OrdersDataset
 from detdata.datasets.streams import as_stream
-from detdata.loading import resume
-from detdata.loading.attest import Attestation, Pending
+from detdata.loading import resume, reweighting
+from detdata.loading.attest import Attestation, Attestor, Pending
 from detdata.loading.history import Plan
 from detdata.loading.identity_diff import first_difference
 from detdata.loading.layout import Layout, Placement
@@ -142,6 +142,8 @@ class Cursor:
         self._generation = 0
         self._superseded = ""  # what ended the iterators of earlier generations
         self._pending: Pending | None = None  # the loaded state's attestation, not yet passed
+        self._controller: reweighting.MixtureController | None = None
+        self._asked = -1  # the position whose step the controller was asked for last
 
     # ------------------------------------------------------------- read-only
     @property
@@ -244,6 +246,60 @@ class Cursor:
         """One micro batch reached the caller."""
         self._consumed += self._layout.samples_per_micro_step
 
+    def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
+        """Put ``weights`` in force from the first position of the next global step
+        (`reweighting.effect_position`: ``samples_consumed`` when no micro batch of the step
+        was delivered yet), returned. Checked first (weights of every source as for the
+        `Mixture` constructor, the same on every rank of the process group: a collective,
+        `reweighting.agree_across_ranks`; a position before ``total_samples``), else a
+        `ConfigError` and nothing changes. The change becomes a phase of the mixture in
+        force (each source continues its stream) and is appended to the sealed history
+        (`Plan.with_weights`, field ``mixture_weights``); an iteration in progress drops
+        what it read ahead and reads the new stream from its next batch on."""
+        stream = reweighting.reweightable(self._stream)
+        position = reweighting.effect_position(self._plan, self._consumed)
+        step = self._plan.step_of(position)
+        if self._total is not None and position >= self._total:
+            raise ConfigError(
+                f"mixture weights from step {step} (position {position}) would never take "
+                f"effect: this run stops at total_samples {self._total}"
+            )
+        new = stream.with_mixture_weights(position, weights)
+        new_weights = reweighting.weights_json(
+            reweighting.reweightable(new).mixture_weights_at(position)
+        )
+        reweighting.agree_across_ranks(step, position, new_weights)
+        old_weights = reweighting.weights_json(stream.mixture_weights_at(position))
+        pending = self._plan.weight_changes()
+        if new_weights != old_weights or (pending and pending[-1].position == position):
+            self._plan = self._plan.with_weights(position, old_weights, new_weights)
+            self._stream = new
+        return position
+
+    def ask_controller(self) -> None:
+        """Before a step's first micro batch: the controller's weights for that step, once
+        (`reweighting.MixtureController`)."""
+        if self._controller is None:
+            return
+        step = self._plan.step_of(self._consumed)
+        if self._plan.start_of(step) != self._consumed or self._asked == self._consumed:
+            return
+        self._asked = self._consumed
+        weights = self._controller.mixture_weights(step)
+        if weights is not None:
+            self.set_mixture_weights(weights)
+
+    def set_controller(self, controller: reweighting.MixtureController | None) -> None:
+        """The controller asked at each step boundary (None: none)."""
+        if controller is not None and not isinstance(controller, reweighting.MixtureController):
+            raise ConfigError(
+                f"a mixture controller needs mixture_weights(step) -> weights or None, got "
+                f"{type(controller).__name__}"
+            )
+        if controller is not None:
+            reweighting.reweightable(self._stream)
+        self._controller, self._asked = controller, -1
+
     def set_total_samples(self, total_samples: int | None) -> None:
         """Bound the run at ``total_samples`` (None: unbounded), a step end of this run at or
         after ``samples_consumed`` (`ConfigError` otherwise)."""
@@ -278,12 +334,18 @@ class Cursor:
         return self.definition.fields(self._stream)
 
     def state_dict(
-        self, workers: Mapping[str, Any], attestation: Attestation | None = None
+        self, workers: Mapping[str, Any], attestor: Attestor | None = None
     ) -> dict[str, Any]:
         """JSON-serialisable state: samples delivered plus identity, layout (``workers``: the
-        loader's ``num_workers`` and ``worker_mode``, recorded with it), environment and
-        ``attestation`` (`detdata.loading.attest`). A loaded state's attestation not yet
-        passed is carried instead of ``attestation``: it stays to be checked."""
+        loader's ``num_workers`` and ``worker_mode``, recorded with it), environment and the
+        attestation ``attestor`` derives of the last samples delivered (`detdata.loading.attest`;
+        None: none). A loaded state's attestation not yet passed is carried instead: it stays
+        to be checked."""
+        attestation: Attestation | None = None
+        if self._pending is not None:
+            attestation = self._pending.attestation
+        elif attestor is not None:
+            attestation = attestor.record(self._stream, self._consumed)
         layout = {
             "world_size": self._layout.world_size,
             "micro_batch_size": self._layout.micro_batch_size,
@@ -296,7 +358,7 @@ class Cursor:
             layout=layout,
             env=environment(),
             history=tuple(self._plan.to_json()),
-            attestation=attestation if self._pending is None else self._pending.attestation,
+            attestation=attestation,
         )
         return state.to_json()
 
@@ -359,6 +421,7 @@ class Cursor:
         self._saved_plan = Plan(saved.plan.entries, plan.changes)
         self._consumed = saved.samples_consumed
         self._pending = self._attestation_of(saved, diffs)
+        self._asked = -1  # the controller is asked again from the resumed step on
         self.supersede("load_state_dict() moved the loader")
 
     def _attestation_of(self, saved: LoaderState, diffs: list[str]) -> Pending | None:

@@ -39,6 +39,8 @@ K_FIELD: Final = "field"
 K_OLD: Final = "old"
 K_NEW: Final = "new"
 K_SEAL: Final = "history_b3"
+#: The field of a weight change made during the run (`Plan.with_weights`), not at a resume.
+K_WEIGHTS: Final = "mixture_weights"
 _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
 
@@ -216,7 +218,28 @@ class Plan:
         """``field`` changed from ``old`` to ``new`` at the resume position ``position``."""
         step = self.step_of(position)
         change = Change(field=field, position=position, step=step, old=old, new=new)
-        return Plan(self.entries, (*self.changes, change))
+        changes = list(self.changes)  # after any at or before it: a weight change may be pending
+        at = len(changes)
+        while at and changes[at - 1].position > position:
+            at -= 1
+        changes.insert(at, change)
+        return Plan(self.entries, tuple(changes))
+
+    def with_weights(self, position: int, old: Any, new: Any) -> Plan:
+        """Mixture weights changed during the run: ``new`` (``{name: "p/q"}``) in force from
+        ``position`` (the first position of a step) on, ``old`` before. A change not yet in
+        effect at the same position (asked again before its step started) is replaced."""
+        changes = self.changes
+        if changes and changes[-1].field == K_WEIGHTS and changes[-1].position == position:
+            changes = changes[:-1]
+        change = Change(
+            field=K_WEIGHTS, position=position, step=self.step_of(position), old=old, new=new
+        )
+        return Plan(self.entries, (*changes, change))
+
+    def weight_changes(self) -> list[Change]:
+        """The mixture weight changes made during the run, in order (`with_weights`)."""
+        return [c for c in self.changes if c.field == K_WEIGHTS]
 
     def changes_after(self, position: int, fields: Sequence[str]) -> list[Change]:
         """The changes of ``fields`` made at a position after ``position``, in order."""
@@ -256,7 +279,8 @@ class Plan:
         layout is replaced by the resuming loader's. A change of a checked field recorded
         inside the step (`Change`) cannot be moved: `StateError`.
         """
-        inside = [c for c in self.changes if c.position > position]
+        # a weight change lies at a step's first position: it is never inside a step
+        inside = [c for c in self.changes if c.position > position and c.field != K_WEIGHTS]
         if inside:
             raise StateError(
                 f"cannot re-deliver the step from position {position}: the history records "

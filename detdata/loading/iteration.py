@@ -19,6 +19,7 @@ import torch
 
 from detdata.base.errors import ConfigError
 from detdata.base.types import IntArray
+from detdata.datasets.base import Stream
 from detdata.datasets.prefetch import CacheAhead
 from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor
@@ -81,7 +82,7 @@ class Delivery:
     device: DeviceFeed
     trace: RankTrace
     schema: SchemaCheck | None
-    attestor: Attestor
+    attestor: Attestor | None  # None: ResumePolicy(attest=False)
     batches_ahead: int
     steps_ahead: int
     steps_ahead_connections: int
@@ -142,15 +143,27 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     clean = False
     try:  # from the start: torch's iter() itself can be interrupted
         pending = cursor.pending
-        if pending is not None:  # a resume's attestation, before its first batch is read
+        if pending is not None and d.attestor is not None:  # before the first batch is read
             d.attestor.verify(cursor.stream, pending)
             cursor.attested()
-        at = RunSlice(cursor.stream, cursor.layout, cursor.samples_consumed, cursor.stop())
-        batches = iterator = d.source.batches(at)
-        # after batches(): worker processes are forked by now
-        cache_ahead = open_cache_ahead(cursor, d.steps_ahead, d.steps_ahead_connections)
-        iterator = d.device.feed(batches)
-        yield from _deliver(d, iterator, generation, cache_ahead)
+        while True:
+            cursor.ask_controller()  # before the readers start: they read the stream in force
+            stream = cursor.stream
+            at = RunSlice(stream, cursor.layout, cursor.samples_consumed, cursor.stop())
+            batches = iterator = d.source.batches(at)
+            # after batches(): worker processes are forked by now
+            cache_ahead = open_cache_ahead(cursor, d.steps_ahead, d.steps_ahead_connections)
+            iterator = d.device.feed(batches)
+            if not (yield from _deliver(d, iterator, generation, cache_ahead, stream)):
+                break
+            # the mixture weights changed: what was read ahead is dropped, the readers
+            # start again at the next batch with the stream now in force
+            if cache_ahead is not None:
+                cache_ahead.close()
+                cache_ahead = None
+            _close(iterator)
+            _close(batches)
+            d.source.reset()
         clean = True
     except GeneratorExit:
         clean = True  # the caller stopped early (break): nothing is in flight in a broken state
@@ -182,19 +195,29 @@ def open_cache_ahead(cursor: Cursor, steps: int, connections: int) -> CacheAhead
 
 
 def _deliver(
-    d: Delivery, iterator: Iterator[Any], generation: int, cache_ahead: CacheAhead | None
-) -> Iterator[Any]:
+    d: Delivery,
+    iterator: Iterator[Any],
+    generation: int,
+    cache_ahead: CacheAhead | None,
+    stream: Stream,
+) -> Generator[Any, None, bool]:
+    """Yield ``iterator``'s batches (read from ``stream``), counting each; True when the
+    stream in force changed (mixture weights: the caller restarts the readers), False at
+    the end."""
     cursor = d.cursor
     per = cursor.layout.samples_per_micro_step
     while True:
         if generation != cursor.generation:
             raise cursor.stale()
+        cursor.ask_controller()
+        if cursor.stream is not stream:
+            return True
         if cache_ahead is not None:
             cache_ahead.advance(cursor.samples_consumed // per)
         try:
             batch = next(iterator)
         except StopIteration:
-            return
+            return False
         except Exception as exc:
             if generation == cursor.generation:
                 _explain_failure(exc, d)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from fractions import Fraction
 from typing import Any, Final
 
 from detdata.base.checks import check_count, check_seed
@@ -37,6 +38,7 @@ from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
 from detdata.loading.options import LoaderOptions
 from detdata.loading.reading import Reads
+from detdata.loading.reweighting import MixtureController, reweightable
 from detdata.loading.sources import GROUPS_AHEAD, batch_source
 from detdata.loading.state import transform_identity
 from detdata.loading.steps import MidStep
@@ -136,9 +138,6 @@ class DataLoader:
     `load_state_dict`'s ``allow`` (added to) and ``mid_step``. ``ResumePolicy.fresh_each_run``:
     this loader starts over in every run by design (evaluation); framework watches do not take
     it for a training loader a checkpoint left out (`detdata.integrations.accelerate`).
-    ``ResumePolicy.attest`` (default True): a state carries the digests of the last samples
-    delivered before it, and a resume re-derives them before its first batch
-    (`detdata.loading.attest`): what changed outside the checked fields is a `StateError`.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
     delivered to the callers of all ranks (batches read or copied ahead are not counted).
@@ -224,7 +223,6 @@ class DataLoader:
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
         reads = Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead)
-        self._attestor = Attestor(reads)
         self._source = batch_source(
             reads,
             self.worker_mode,
@@ -239,7 +237,7 @@ class DataLoader:
             device=opts.device,
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
-            attestor=self._attestor,
+            attestor=Attestor(reads) if opts.resume.attest else None,
             batches_ahead=self.batches_ahead,
             steps_ahead=self.steps_ahead,
             steps_ahead_connections=self.steps_ahead_connections,
@@ -441,15 +439,9 @@ class DataLoader:
 
     # ------------------------------------------------------ state and resume
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: samples delivered plus identity, layout, environment and
-        the resume attestation (`detdata.loading.attest`: the digests of the last samples
-        delivered, read again here; ``ResumePolicy(attest=False)``: none)."""
-        attestation = None
-        if self.options.resume.attest and self._cursor.pending is None:
-            attestation = self._attestor.record(self._cursor.stream, self._cursor.samples_consumed)
-        return self._cursor.state_dict(
-            {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}, attestation
-        )
+        """JSON state: samples delivered, identity, layout, environment, attestation."""
+        workers = {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+        return self._cursor.state_dict(workers, self._delivery.attestor)
 
     def load_state_dict(
         self,
@@ -496,6 +488,23 @@ class DataLoader:
         self._trace.follow(self._cursor.layout.rank)
         self._trace.restore(self._cursor.samples_consumed)
         self._source.reset()  # kept workers hold the old position's stream and sampler
+
+    # ------------------------------------------------------------ mixture weights
+    def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
+        """Put ``weights`` (of every `Mixture` source) in force from the first position of
+        the next global step, returned (`Cursor.set_mixture_weights`; a collective under
+        torch.distributed: ranks that differ get a `ConfigError` naming them). README
+        "Mixtures that change during a run"."""
+        return self._cursor.set_mixture_weights(weights)
+
+    def set_mixture_controller(self, controller: MixtureController | None) -> None:
+        """Ask ``controller.mixture_weights(step)`` before each global step (None: stop)."""
+        self._cursor.set_controller(controller)
+
+    def mixture_weights_at_step(self, step: int) -> dict[str, Fraction]:
+        """The exact proportions in force at global ``step``'s first position."""
+        position = self._cursor.position_of_step(step)
+        return reweightable(self._cursor.stream).mixture_weights_at(position)
 
     # ------------------------------------------------------------ provenance
     def provenance(

@@ -17,7 +17,9 @@ mixture's source name), sample id, and where the bytes live:
 
 plus ``digest``: the blake3 (`sample_digest`) of the sample exactly as the stream
 delivers it (before a loader ``transform``/``collate_fn``), and, through an
-`Excluded` stream, ``replaced`` (the excluded id and the number of draws).
+`Excluded` stream, ``replaced`` (the excluded id and the number of draws), and, over a
+`Mixture` (or an `Excluded` over one), ``mixture_weights``: the exact proportions
+``{source: "p/q"}`` in force at the position (weights changed during the run included).
 ``decode`` (a callable taking the sample as a dict of column -> array) adds its
 result as ``text``.
 
@@ -42,7 +44,7 @@ from detdata.base.errors import CapabilityError, ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
-from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing
+from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing, reweights
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.origins import origins
@@ -51,6 +53,7 @@ from detdata.datasets.streams import OrderedStream
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.formats import disk_dtype
+from detdata.loading.reweighting import weights_json
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
 from detdata.order.mixing import MixtureSchedule
@@ -75,6 +78,7 @@ class SampleRecord:
     location: Mapping[str, Any] = field(default_factory=dict)
     replaced: Mapping[str, Any] | None = None
     text: Any = None
+    mixture_weights: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         # the redaction boundary: a location's URL never carries credentials
@@ -99,6 +103,8 @@ class SampleRecord:
             out["replaced"] = dict(self.replaced)
         if self.text is not None:
             out["text"] = self.text
+        if self.mixture_weights is not None:
+            out["mixture_weights"] = dict(self.mixture_weights)
         return out
 
 
@@ -226,6 +232,7 @@ def provenance(
             for j, loc in zip(rows.tolist(), locations(dataset, found.ids[rows]), strict=True):
                 where[j] = loc
     records = []
+    weights = _weights_in_force(stream, pos)
     base = int(pos[0]) if first is None and pos.size else int(first or 0)
     for j in range(pos.size):
         sample = row_of(batch, j)
@@ -245,9 +252,25 @@ def provenance(
                 location=where[j],
                 replaced=found.notes[j],
                 text=None if decode is None else decode(sample),
+                mixture_weights=weights[j],
             )
         )
     return records
+
+
+def _weights_in_force(stream: Any, pos: IntArray) -> list[dict[str, str] | None]:
+    """The mixture proportions in force at each position (`Reweights`: O(log phases) a
+    position), else None each; equal maps are shared."""
+    mixture = reweights(stream)
+    if mixture is None:
+        return [None] * pos.size
+    out: list[dict[str, str] | None] = []
+    last: dict[str, str] | None = None
+    for p in pos.tolist():
+        now = weights_json(mixture.mixture_weights_at(p))
+        last = last if last == now else now
+        out.append(last)
+    return out
 
 
 # ------------------------------------------------------------------ the reverse

@@ -13,6 +13,7 @@ from __future__ import annotations
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import ChecksContinuation, ContinuesFrom
+from detdata.loading import reweighting
 from detdata.loading.history import Plan
 from detdata.loading.layout import Layout
 from detdata.loading.state import K_EXCLUSIONS, K_GLOBAL_BATCH, K_MIXTURE, K_SEED, LoaderState
@@ -69,11 +70,19 @@ def stream_in_force(
     the saved one (`Mixture.continue_from`: the saved phases before the position, the
     loader's weights from it on; the same mixture when the weights in force do not change).
     Anything else is ``stream``; so is a mixture that cannot continue the saved one (other
-    sources or seed: the differences name them), returned with the reason.
+    sources or seed: the differences name them), returned with the reason. Weights changed
+    during the saved run (its history's ``mixture_weights`` changes) are replayed on the
+    loader's data first (`reweighting.replay`): the trajectory is part of the run, so a
+    resume needs no controller to continue it.
 
     The checked fields are compared, recorded in a change and saved from this one
     stream, so a change's ``new`` value is the field every later state holds, and a
     later resume with the same definition is no change at all."""
+    changes = reweighting.recorded(saved.plan)
+    if changes:  # weights changed during the saved run: its trajectory, replayed
+        replayed = reweighting.replay(stream, changes)
+        data = replayed if data is stream else reweighting.replay(data, changes)
+        stream = replayed
     if saved.fields.get(K_MIXTURE) is None or not isinstance(data, ContinuesFrom):
         return stream, None
     try:

@@ -30,7 +30,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.attest import Attestation
-from detdata.loading.history import K_HISTORY, K_SEAL, Plan, seal, upgraded_history
+from detdata.loading.history import K_HISTORY, K_SEAL, K_WEIGHTS, Plan, seal, upgraded_history
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
@@ -427,6 +427,9 @@ class LoaderState:
         now: dict[str, Any] = {}
         for c in plan.changes:
             problem = None
+            if c.field == K_WEIGHTS:  # made during the run: it moves the mixture field on
+                now.pop(K_MIXTURE, None)
+                continue
             if c.field not in CHECKED_FIELDS:
                 problem = f"names {c.field!r}, not a checked field {list(CHECKED_FIELDS)}"
             elif c.position > self.samples_consumed:

@@ -48,6 +48,24 @@ class ChunkMemo:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def forked(self, fn: Fn, since: int) -> ChunkMemo:
+        """A memo of ``fn``, a map equal to this one's before position ``since`` (a mixture
+        whose weights change there): the cached chunks before ``since`` are kept, the rest
+        of a chunk holding ``since`` is computed with ``fn``, later chunks are dropped."""
+        out = ChunkMemo(fn, chunk=self.chunk, slots=self.slots)
+        with self._lock:
+            cached = list(self._cache.items())
+        for c, values in cached:
+            lo = c * self.chunk
+            if lo + self.chunk <= since:
+                out._cache[c] = values
+            elif lo < since:
+                tail = fn(np.arange(since, lo + self.chunk, dtype=np.int64))
+                out._cache[c] = tuple(
+                    np.concatenate((v[: since - lo], t)) for v, t in zip(values, tail, strict=True)
+                )
+        return out
+
     def _chunk(self, c: int) -> tuple[IntArray, ...]:
         with self._lock:  # get + move_to_end raced with another thread's eviction (KeyError)
             hit = self._cache.get(c)

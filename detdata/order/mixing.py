@@ -82,7 +82,6 @@ positions or sources. ``consumed`` is O(sources).
 
 from __future__ import annotations
 
-import bisect
 import decimal
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -625,8 +624,11 @@ class MixtureSchedule:
         return src.reshape(pos.shape), index.reshape(pos.shape)
 
     def _phase_of(self, position: int) -> Phase:
-        starts: list[int] = self._starts.tolist()
-        return self.phases[bisect.bisect_right(starts, position) - 1]
+        return self.phases[int(np.searchsorted(self._starts, position, side="right")) - 1]
+
+    def phases_before(self, position: int) -> int:
+        """How many phases start before ``position`` (a binary search: O(log phases))."""
+        return int(np.searchsorted(self._starts, position, side="left"))
 
     def phase_at(self, position: int) -> Phase:
         """The phase in effect at global ``position`` (in ``[0, 2**62)``)."""

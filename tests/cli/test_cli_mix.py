@@ -122,3 +122,67 @@ def test_mix_config_errors_in_process(tmp_path: Path) -> None:
         mixture_from_config({**CONFIG, "allow_zero": "yes"})
     with pytest.raises(ConfigError, match="no data to read"):
         mixture_from_config(CONFIG).fetch(np.arange(4))
+
+
+def test_mix_state_answers_with_the_weights_changed_during_the_run(tmp_path: Path) -> None:
+    """``--state``: a run that changed its weights twice during the run (issue 44) is listed
+    and plotted with the weights in force at each position: equal to the mixture built
+    with those phases (the reference), and the plot's printed target shares are each
+    phase's proportions summed over its positions."""
+    from fractions import Fraction
+
+    import detdata
+
+    sizes = {n: s["num_samples"] for n, s in CONFIG["sources"].items()}
+    data = {n: detdata.ArrayDataset({"id": np.arange(min(n_, 5000))}) for n, n_ in sizes.items()}
+    sizes = {n: min(v, 5000) for n, v in sizes.items()}
+    w0 = {"web": 1, "code": 1, "math": 1}
+    loader = detdata.DataLoader(
+        Mixture(data, w0, seed=CONFIG["seed"]), global_batch_size=16, seed=0
+    )
+    it = iter(loader)
+    changes = {2: {"web": 5, "code": 2, "math": 1}, 5: {"web": 1, "code": 0.5, "math": 2}}
+    for step in range(8):
+        if step in changes:
+            loader.set_mixture_weights(changes[step])
+        next(it)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loader.state_dict()), encoding="utf-8")
+    config = tmp_path / "mix.json"
+    doc = {"seed": CONFIG["seed"], "sources": {n: {"num_samples": v} for n, v in sizes.items()}}
+    config.write_text(json.dumps({**doc, "weights": {"web": 9, "code": 1, "math": 1}}))
+    schedule = [(0, w0), (32, changes[2]), (80, changes[5])]
+    ref = Mixture(
+        {n: CountDataset(v, name=n) for n, v in sizes.items()},
+        seed=CONFIG["seed"],
+        schedule=schedule,
+    )
+    proc = run_mix(config, "--state", str(state), "--at", "20", "--count", "100")
+    assert proc.returncode == 0, proc.stderr
+    positions = np.arange(20, 120)
+    src, idx, ids = ref.locate(positions)
+    expected = [
+        f"{g}\t{ref.source_names[s]}\t{i}\t{d}"
+        for g, s, i, d in zip(
+            positions.tolist(), src.tolist(), idx.tolist(), ids.tolist(), strict=True
+        )
+    ]
+    assert proc.stdout.splitlines()[1:] == expected
+    png = tmp_path / "shares.png"
+    proc = run_mix(config, "--state", str(state), "--count", "128", "--plot", str(png))
+    if "matplotlib" in proc.stderr:
+        pytest.fail("matplotlib missing: the plots extra is part of the dev environment")
+    assert proc.returncode == 0, proc.stderr
+    assert png.stat().st_size > 1000
+    bounds = [0, 32, 80, 128]
+    for line in proc.stdout.splitlines()[1:4]:
+        name, _, _, target = line.split("\t")
+        total = Fraction(0)
+        for k, (_, w) in enumerate(schedule):
+            fr = {n: Fraction(str(v)) for n, v in w.items()}
+            total += fr[name] / sum(fr.values()) * (bounds[k + 1] - bounds[k])
+        assert target == f"{float(total) / 128:.6f}", (name, target)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**doc, "seed": 5, "weights": w0}))
+    proc = run_mix(other, "--state", str(state))
+    assert proc.returncode != 0 and "seed is 1234, the config's 5" in proc.stderr

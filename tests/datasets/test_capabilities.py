@@ -52,6 +52,7 @@ ALL = (
     caps.RowGroupSized,
     caps.HasProvenance,
     caps.InvertibleOrder,
+    caps.Reweights,
 )
 
 #: What each built-in type provides (from their documented contracts; the one list).
@@ -60,11 +61,11 @@ EXPECTED: dict[str, set[str]] = {
     "TokenWindows": {"ReadsAhead", "TokenCounting", "HasSchema", "TakesOrder", "ShardSized"},
     "TableRows": {"HasSchema", "TakesOrder", "ShardSized", "RowGroupSized"},
     "Documents": set(),
-    "PackedWindows": {"TokenCounting", "HasSchema"},
+    "PackedWindows": {"TokenCounting", "HasSchema", "HasProvenance"},
     "SplitPart": set(),
     "OrderedStream": {"ReadsAhead", "OverOneDataset", "HasOrigins"},
-    "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom"},
-    "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset"},
+    "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom", "Reweights"},
+    "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset", "Reweights"},
     "GlobalOrder": set(),
     "WindowedOrder": {"InvertibleOrder", "ShardSized"},  # an order over shards
 }
