@@ -20,6 +20,9 @@ TABLES = (  # (table, title, log scale)
     ("gil", "with a GIL-holding transform", False),
     ("parquet", "Parquet rows", False),
 )
+#: Series told apart by fill and hatch as well as shade, so the picture reads in greyscale.
+SHADES = ("#4c4c4c", "#bdbdbd")
+HATCHES = ("", "//")
 RESUMES = (("resume_40000", "resume at 40k"), ("resume_1000000000", "resume at 1e9"))
 
 
@@ -71,7 +74,15 @@ def _barh(
     for j, name in enumerate(names):
         ys = [i + (j - 0.5) * height for i in range(len(rows))]
         values = [row[1 + j] for row in rows]
-        ax.barh(ys, [v or 0 for v in values], height, label=name)
+        ax.barh(
+            ys,
+            [v or 0 for v in values],
+            height,
+            label=name,
+            color=SHADES[j % len(SHADES)],
+            edgecolor="black",
+            hatch=HATCHES[j % len(HATCHES)],
+        )
         for y, v in zip(ys, values, strict=True):
             if v:
                 ax.text(v, y, " " + _text(v, seconds), va="center", fontsize=7)
@@ -87,7 +98,10 @@ def _barh(
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.margins(x=0.12)
-    ax.legend(fontsize=8, loc="best")
+    ax.set_xlabel(
+        "seconds to the first batch (log)" if seconds else "samples per second", fontsize=8
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -103,7 +117,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{title}: samples/s, whole run{scale}", loc="left", fontsize=10)
     _barh(axes[-1], resumes(report), tuple(t for _, t in RESUMES), log=True, seconds=True)
     axes[-1].set_title(
-        "time to the first batch after a resume (log; no bar: not possible)",
+        "time to the first batch after a resume, seconds (log; no bar: not possible)",
         loc="left",
         fontsize=10,
     )
