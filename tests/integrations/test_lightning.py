@@ -290,6 +290,9 @@ def test_checkpoint_loads_with_weights_only_and_counts_only_trained_batches(
     assert json.loads(json.dumps(state)) == state
     assert state["samples_consumed"] == CKPT_STEP * GLOBAL
     assert checkpoint["global_step"] == CKPT_STEP
+    # what a resume re-derives before its first batch: the last 4 samples before the save
+    attested = state["attestation"]
+    assert attested["first"] == CKPT_STEP * GLOBAL - 4 and len(attested["samples"]) == 4
 
 
 def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed(

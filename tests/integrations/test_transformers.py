@@ -182,6 +182,9 @@ def test_stop_and_resume_trains_the_steps_of_an_uninterrupted_loader(runs: Runs,
     state = json.loads((runs.checkpoint(first_name) / "detdata_loader.json").read_text())
     assert state["samples_consumed"] == CKPT * BASE["global_batch"]
     assert state["step_position"]["delivered_in_step"] == 0
+    # the resume above passed the attestation of the last 4 samples before the checkpoint
+    attested = state["attestation"]
+    assert attested["first"] == CKPT * BASE["global_batch"] - 4 and len(attested["samples"]) == 4
 
 
 def test_accumulation_8_over_a_ragged_epoch_keeps_the_trainer_on_detdata_steps(
