@@ -1,6 +1,7 @@
 """Data wait in a real trainer: the share of step time a training loop waits for its next batch.
 
-Run: ``python -m benchmarks.data_wait [--steps 40 --rounds 3 --threads 1 --no-doc]``.
+Run: ``python -m benchmarks.data_wait [--steps 40 --rounds 3 --threads 1 --no-doc]``
+(``--report``: only regenerate the table and figure from the JSON).
 Writes ``benchmarks/results/data_wait.{json,png}`` and the generated table between the
 markers `BEGIN` / `END` of ``docs/benchmarks.md``.
 
@@ -219,7 +220,7 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     for row in doc["summary"]:
         lines.append(
-            f"| {LABELS[row['contender']]} | {row['workers']} | {row['share_waited']:.1%} | "
+            f"| {LABELS[row['contender']]} | {row['workers']} | {row['share_waited']:.2%} | "
             f"{row['wait_ms']:.2f} | {row['step_ms']:.0f} | {row['steps_per_s']:.2f} | "
             f"{row['first_batch_s']:.2f} |"
         )
@@ -267,11 +268,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--out", default=str(RESULTS / "data_wait.json"))
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument(
+        "--report", action="store_true", help="only regenerate table and figure from --out"
+    )
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.report:
+        return report(json.loads(Path(args.out).read_text()), Path(args.out), args.no_doc)
     torch.set_num_threads(args.threads)
     command = "python -m benchmarks.data_wait " + " ".join(sys.argv[1:] if argv is None else argv)
     prov = provenance(command.strip())
@@ -287,10 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
+    return report(doc, out, args.no_doc)
+
+
+def report(doc: dict[str, Any], out: Path, no_doc: bool) -> int:
+    """The figure beside ``out`` and the table (printed; into docs/benchmarks.md unless
+    ``no_doc``), from a result document."""
     figure(doc, out.with_suffix(".png"))
     section = markdown(doc)
     print(section)
-    if not args.no_doc:
+    if not no_doc:
         write_doc(section)
     return 0
 
