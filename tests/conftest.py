@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # gcsfs >= 2026 first asks the bucket's type over gRPC (experimental zonal/HNS support); a
 # local GCS emulator speaks only the JSON API, so every call would wait 60 s for that probe.
 # Set before anything imports gcsfs. It changes transport only, never bytes.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Compiled bytecode is cached (``__pycache__``, ignored by git) even where the environment
+# says not to (PYTHONDONTWRITEBYTECODE=1, as this project's CI image sets): the suite starts
+# hundreds of Python processes (the CLI, scripts, worker processes, ranks), and each would
+# compile detdata and the test helpers from source again, about a third of a CLI call's CPU.
+# It changes which files Python reads at import, never a result. (Empty is unset.)
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +24,8 @@ import pytest
 
 from tests import servers, soak
 from tests.faultproxy import FaultProxy
+
+sys.dont_write_bytecode = False  # this process too (see PYTHONDONTWRITEBYTECODE above)
 
 
 def write_token_shards(

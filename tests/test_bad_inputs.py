@@ -469,7 +469,7 @@ STATES: list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]], tuple[s
         "same",
         lambda s: {**s, "format_version": 99},
         (),
-        r"unknown loader state format_version 99; this detdata reads \[1, 2, 3, 4\]",
+        r"unknown loader state format_version 99; this detdata reads \[1, 2, 3, 4, 5\]",
     ),
     (
         "algorithm-version",

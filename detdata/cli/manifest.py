@@ -68,7 +68,7 @@ def _add_manifest(subparsers: Any) -> None:
     )
     build.add_argument(
         "--format",
-        choices=["npy", "bin", "parquet", "arrow"],
+        choices=["npy", "bin", "parquet", "arrow", "jsonl"],
         help="shard format (default: from the suffix)",
     )
     build.add_argument(

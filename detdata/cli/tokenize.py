@@ -33,7 +33,17 @@ from detdata.base.errors import ConfigError
 
 #: Megatron ``.idx`` dtype codes of the token dtypes written here.
 _CODES = {"uint16": 8, "int32": 4}
-_TEXT_SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".arrow", ".feather", ".ipc")
+_TEXT_SUFFIXES = (
+    ".jsonl.gz",
+    ".jsonl.zst",
+    ".jsonl.bz2",
+    ".jsonl.xz",
+    ".jsonl",
+    ".parquet",
+    ".arrow",
+    ".feather",
+    ".ipc",
+)
 
 
 def register(sub: Any) -> None:

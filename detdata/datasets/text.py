@@ -26,6 +26,7 @@ decoded a few at a time. Shard files are checked on open like every dataset's
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
@@ -61,6 +62,7 @@ from detdata.datasets.text_index import (
     line_spans,
     where_of,
 )
+from detdata.identity.entry import Verify
 from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.text_formats import PLAIN, read_text_bytes
@@ -82,6 +84,9 @@ else:  # imported where a table is first read (base/lazy.py)
 TEXT_FIELD: Final = "text_field"
 #: Decoded table row groups kept per process.
 _GROUPS: Final = 8
+#: Arrow IPC stream shards whose record batches a process holds (a stream has no footer:
+#: finding batch ``g`` reads the batches before it, so the list is kept, zero-copy).
+_STREAMS: Final = 4
 #: Tokens of recently tokenised documents kept per process.
 _CACHED_TOKENS: Final = 1 << 22
 
@@ -103,13 +108,25 @@ class _Text(NamedTuple):
 class _Local:
     """A `TextDocuments`' side of one process: decoded row groups and tokenised documents."""
 
-    __slots__ = ("groups", "held", "lock", "tokens")
+    __slots__ = ("groups", "held", "lock", "streams", "tokens")
 
     def __init__(self) -> None:
         self.groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        #: the record batches of Arrow IPC stream shards (over their memory maps)
+        self.streams: OrderedDict[int, list[Any]] = OrderedDict()
         self.tokens: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
         self.held = 0
         self.lock = threading.Lock()
+
+
+def _full_verify(storage: Storage) -> Storage:
+    """``storage`` with ``verify="quick"`` raised to ``"full"``: a quick check hashes a
+    shard's first and last MiB only, and an edit in the middle of a text shard that keeps its
+    size and token counts would pass it; hashing every byte (~1 GB/s) costs little next to
+    tokenising it (~1 MB/s). ``verify="off"`` stays off (docs/design.md, raw text)."""
+    if storage.verify is Verify.QUICK:
+        return dataclasses.replace(storage, verify=Verify.FULL)
+    return storage
 
 
 class TextDocuments:
@@ -120,7 +137,8 @@ class TextDocuments:
     manifest records, `text_metadata`, else ``"text"``). ``empty``: ``"error"`` (an empty
     text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
     a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
-    index is stored (None: built at each construction). ``storage``: as `Documents`'.
+    index is stored (None: built at each construction). ``storage``: as `Documents`', but
+    ``verify="quick"`` (the default) is raised to ``"full"`` (`_full_verify`).
     """
 
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
@@ -138,7 +156,7 @@ class TextDocuments:
         storage: Storage | None = None,
         **refused: Never,
     ) -> None:
-        storage = checked_storage("TextDocuments", storage, refused)
+        storage = _full_verify(checked_storage("TextDocuments", storage, refused))
         self.storage = storage.with_default_cache(None)
         self.manifest = resolve_manifest(manifest, self.storage)
         self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
@@ -209,9 +227,13 @@ class TextDocuments:
                     f"shard {entry.path}: {first.size} lines, its manifest entry says "
                     f"{entry.num_samples}; hint: rebuild the manifest"
                 )
+            skip_blank = self.policy.empty == "skip"
             for i, (a, b) in enumerate(zip(first.tolist(), end.tolist(), strict=True)):
-                where = where_of(self.manifest, shard, i + 1)
-                yield i + 1, a, b, document_text(bytes(data[a:b]), field, where)
+                raw = bytes(data[a:b])
+                if skip_blank and not raw.strip():
+                    yield i + 1, a, b, ""  # a blank line: an empty document, skipped
+                    continue
+                yield i + 1, a, b, document_text(raw, field, where_of(self.manifest, shard, i + 1))
             return
         row = 0
         for g in range(len(entry.row_groups or ())):
@@ -433,11 +455,28 @@ class TextDocuments:
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
         elif entry.format is Format.ARROW_STREAM:
-            column = list(reader)[group].column(field)
+            column = self._stream_batches(shard, reader)[group].column(field)
         else:
             column = reader.get_batch(group).column(field)
         values: list[Any] = column.to_pylist()
         return values
+
+    def _stream_batches(self, shard: int, reader: Any) -> list[Any]:
+        """The record batches of Arrow IPC stream ``shard`` (``reader`` just opened on it),
+        read once per process and kept for the `_STREAMS` latest shards (a stream has no
+        footer: reading one batch by number would read all before it each time)."""
+        local = self._local.get(_Local)
+        with local.lock:
+            held = local.streams.get(shard)
+            if held is not None:
+                local.streams.move_to_end(shard)
+                return held
+        batches = list(reader)
+        with local.lock:
+            local.streams[shard] = batches
+            while len(local.streams) > _STREAMS:
+                local.streams.popitem(last=False)
+        return batches
 
 
 def _field(manifest: Manifest, field: str | None) -> str:

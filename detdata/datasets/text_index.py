@@ -114,7 +114,23 @@ def document_text(raw: bytes, field: str, where: str) -> str:
     if field not in doc:
         keys = sorted(doc)[:8]
         raise FormatError(f"{where}: no field {field!r} (it has {keys}); hint: pass field=")
-    return checked_text(doc[field], field, where)
+    text = checked_text(doc[field], field, where)
+    if "\\u" in decoded:  # only a JSON escape can write a lone surrogate in UTF-8 input
+        _check_surrogates(text, field, where)
+    return text
+
+
+def _check_surrogates(text: str, field: str, where: str) -> None:
+    """`FormatError` when ``text`` holds a lone surrogate (``"\\ud800"`` in the JSON): it is no
+    Unicode text, and the tokenizer cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FormatError(
+            f"{where} field {field!r}: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+            f"character {exc.start}, not Unicode text; hint: fix the escape in the JSON (a "
+            "surrogate pair encodes one character)"
+        ) from None
 
 
 def checked_text(value: object, field: str, where: str) -> str:
@@ -166,9 +182,13 @@ class IndexBuilder:
         self._flush(shard, batch)
 
     def _flush(self, shard: int, batch: list[tuple[int, int, int, str]]) -> None:
-        counts = [int(t.size) for t in self.tokenizer.encode([b[3] for b in batch])]
+        encoded = self.tokenizer.encode([b[3] for b in batch])
         bound = self.policy.max_document_tokens
-        for (line, first, second, _), count in zip(batch, counts, strict=True):
+        for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
+            count = int(tokens.size)
+            self._check_markers(shard, line, tokens)
+            if not count and self._skips_no_tokens(shard, line):
+                continue
             if bound is not None and count > bound:
                 raise FormatError(
                     f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
@@ -180,6 +200,28 @@ class IndexBuilder:
             ):
                 row.append(value)
             self.tokens += count
+
+    def _skips_no_tokens(self, shard: int, line: int) -> bool:
+        """True (skip it) for a document of no tokens under ``empty="skip"``; `FormatError`
+        naming it otherwise (e.g. whitespace under a stripping normaliser)."""
+        if self.policy.empty == "skip":
+            return True
+        raise FormatError(
+            f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no tokens "
+            "(the text encodes to none, e.g. whitespace under a stripping normaliser); hint: "
+            "remove it, or pass empty='skip' (recorded in the identity)"
+        )
+
+    def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
+        """`FormatError` when the document's text encodes to its own bos / eos id."""
+        inner = self.tokenizer.inner_marker(tokens)
+        if inner is not None:
+            raise FormatError(
+                f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: the text "
+                f"encodes to token {inner[1]}, the {inner[0]} id, which would cut the document "
+                f"there; hint: pass as {inner[0]} a token the text cannot produce (e.g. an "
+                "added special token of the tokenizer.json)"
+            )
 
     def finish(self) -> npt.NDArray[np.int64]:
         """The index array (`ROWS` x ``N + 1``)."""

@@ -204,6 +204,11 @@ def _check_token_shards(manifest: Manifest) -> tuple[tuple[str, ...], npt.NDArra
 def check_token_shard(shard: ShardEntry) -> str:
     """The shard's token dtype; `FormatError` if it is not a 1-D token shard with a
     consistent size."""
+    if shard.format is Format.JSONL:
+        raise FormatError(
+            f"shard {shard.path}: format 'jsonl' is text, not tokens (npy, bin); hint: read it "
+            "with TextDocuments(manifest, tokenizer) and pack it with PackedWindows"
+        )
     if shard.format not in (Format.NPY, Format.BIN):
         raise FormatError(
             f"shard {shard.path}: format {shard.format.value!r} is not a token format "

@@ -299,7 +299,7 @@ def _list_shards(
         found = list(fs.find(root))
     else:
         found = [p for p in fs.glob(full) if not fs.isdir(p)]
-    if pattern is None:
+    if pattern is None and fmt is not Format.JSONL:  # format="jsonl": .json names are shards
         found = [p for p in found if not p.endswith(".json")]
     prefix = root.rstrip("/") + "/"
     outside = [p for p in found if not p.startswith(prefix)]

@@ -12,9 +12,11 @@ Formats:
   ``arrow_stream`` (Arrow IPC *stream* format: the ``data-*.arrow`` cache files
   Hugging Face ``datasets`` writes): tables; ``row_groups`` holds the row counts
   of the row groups / record batches.
-* ``jsonl``: text, one JSON object a line (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``);
+* ``jsonl``: text, one JSON object a line (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``,
+  ``.jsonl.bz2``, ``.jsonl.xz``; with ``format="jsonl"`` also ``.json`` names);
   ``num_samples`` is its lines, ``schema`` its compression (``jsonl``, ``jsonl+gzip``,
-  ``jsonl+zstd``, read from its first bytes): `detdata.identity.text_formats`, read by
+  ``jsonl+zstd``, ``jsonl+bz2``, ``jsonl+xz``, read from its first bytes):
+  `detdata.identity.text_formats`, read by
   `detdata.datasets.text.TextDocuments` (docs/design.md, "Raw text").
 * ``megatron_idx``: the ``.idx`` index of a Megatron indexed dataset (the
   ``.bin`` + ``.idx`` pair that Megatron-LM, NeMo, NeMo Curator and datatrove
@@ -84,12 +86,14 @@ class Format(str, enum.Enum):
 
 TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
 #: The ``schema`` of a ``jsonl`` shard: how its bytes are compressed (from its first bytes).
-JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd")
+JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd", "jsonl+bz2", "jsonl+xz")
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
     ".jsonl": Format.JSONL,
     ".jsonl.gz": Format.JSONL,
     ".jsonl.zst": Format.JSONL,
+    ".jsonl.bz2": Format.JSONL,
+    ".jsonl.xz": Format.JSONL,
     ".npy": Format.NPY,
     ".bin": Format.BIN,
     ".parquet": Format.PARQUET,

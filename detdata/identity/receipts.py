@@ -6,18 +6,18 @@ Contract: docs/design.md section 8 ("Start-up at scale").
 and the datasets):
 
 * **Once per job.** Under an initialised ``torch.distributed`` process group with more
-  than one rank, one rank verifies each distinct (manifest, root, level) and every rank
-  that opens the same receives its verdict (the same `VerificationError`, naming the same
-  shard) through the group's key-value store: for a local root one rank per node (the
-  node: host name and boot id; the root: its path and its folder's device and inode, so
-  node-local disks, and per-rank copies of one manifest under different roots, are each
-  checked), for a URL root one rank of the job. ``DETDATA_VERIFY_SCOPE=job`` makes a
-  local root on a shared file system verified by one rank per job too; ``=node`` forces
-  per node. The verifier is the first rank to claim the work (an atomic ``add`` on the
-  store): it has started by the time another rank looks, so nobody waits for a verifier
-  that never comes. Without a process group, processes of one machine opening the same
-  manifest take turns (a file lock next to the receipt): the first verifies and writes the
-  receipt, the others find it.
+  than one rank, each distinct (manifest, root, level) is verified once, its shards shared
+  by the ranks that open it (`detdata.identity.shared`), every rank receiving the verdict
+  (the same `VerificationError`, naming the same shard) through the group's store: for a
+  local root once per node (the node: host name and boot id; the root: its path and its
+  folder's device and inode, so node-local disks, and per-rank copies of one manifest under
+  different roots, are each checked), for a URL root once per job.
+  ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system verified once per
+  job too; ``=node`` forces per node. The claimant is the first rank to claim the work (an
+  atomic ``add`` on the store): it has started by the time another rank looks, so nobody
+  waits for a verifier that never comes. Without a process group, processes of one machine
+  opening the same manifest take turns (a file lock next to the receipt): the first
+  verifies and writes the receipt, the others find it.
 * **Receipts.** After a verification passes, a receipt is written (atomically) under
   ``DETDATA_RECEIPTS`` (default ``~/.cache/detdata/receipts``; ``off`` disables them):
   the manifest id, the root (without credentials), the level, and for each shard the
@@ -72,10 +72,10 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from detdata.base import errors
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, VerificationError
 from detdata.base.redact import strip_credentials
+from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
@@ -156,21 +156,47 @@ def verify_job(
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
         return
+    check = functools.partial(
+        _verify_entries,
+        manifest,
+        level,
+        threads=threads,
+        progress=progress,
+        retry=retry,
+        storage_options=storage_options,
+    )
+    rank, ranks = _rank_world()
     if leader:
         verdict: BaseException | None = DetdataError(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
         )
+
+        def split(todo: npt.NDArray[np.int64], columns: list[Any] | None) -> None:
+            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns)
+            store.set(key + "/plan", plan.to_json())
+            shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))
+            found = shared.first_failure(store, key, plan)
+            if found is not None:
+                raise found
+
         try:
-            checked = verify_with_receipt(*args)
+            checked = verify_with_receipt(*args, split=split)
             store.set(key + "/columns", canonical_json(checked))
             verdict = None
         except Exception as exc:  # every rank waiting on this key raises it too
             verdict = exc
             raise
         finally:
+            if not store.check([key + "/plan"]):  # nothing shared: the others only wait
+                store.set(key + "/plan", shared.SlicePlan(np.zeros(0, np.int64), 1, None).to_json())
             store.set(key + "/verdict", _dumps(verdict))
         _vouch(manifest, checked)
         return
+    store.wait([key + "/plan"], timedelta(days=7))
+    plan = shared.SlicePlan.from_json(store.get(key + "/plan"))
+    if plan.slices:  # take slices of the claimant's plan with it
+        _vouch(manifest, plan.columns)
+        shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))
     store.wait([key + "/verdict"], timedelta(days=7))
     found = _loads(store.get(key + "/verdict"))
     if found is not None:
@@ -186,39 +212,8 @@ def _vouch(manifest: ShardList, checked: list[Any] | None) -> None:
         manifest.shards.columns.vouch(checked)
 
 
-def _dumps(verdict: BaseException | None) -> bytes:
-    """The verdict for the store, as JSON (never pickle: the store takes what any peer on
-    the network sends): the detdata error class's name, its message and its JSON-plain
-    fields; another exception becomes a `DetdataError` carrying its type and text."""
-    if verdict is None:
-        return b"null"
-    if not isinstance(verdict, DetdataError) or _error_class(type(verdict).__name__) is None:
-        verdict = DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
-    fields = {
-        k: v for k, v in vars(verdict).items() if isinstance(v, (str, int, float, bool, type(None)))
-    }
-    message = str(verdict.args[0]) if verdict.args else str(verdict)
-    return canonical_json({"type": type(verdict).__name__, "message": message, "fields": fields})
-
-
-def _loads(raw: bytes) -> DetdataError | None:
-    """The verdict `_dumps` wrote: the same detdata error class, message and fields."""
-    found = json.loads(raw)
-    if found is None:
-        return None
-    cls = _error_class(str(found.get("type", ""))) or DetdataError
-    error = cls(str(found.get("message", "")))
-    for name, value in dict(found.get("fields", {})).items():
-        setattr(error, str(name), value)
-    return error
-
-
-def _error_class(name: str) -> type[DetdataError] | None:
-    """The detdata error class of that name (`detdata.base.errors`), or None."""
-    found = getattr(errors, name, None)
-    if isinstance(found, type) and issubclass(found, DetdataError):
-        return found
-    return None
+_dumps = shared.dumps_verdict  # the verdict's JSON form (`detdata.identity.shared`)
+_loads = shared.loads_verdict
 
 
 def _meeting(manifest: ShardList, level: Verify) -> tuple[Any, bool, str]:
@@ -259,6 +254,12 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     return store, int(store.add(key + "/claim", 1)) == 1, key
 
 
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and the job's world size (a process group is initialised)."""
+    dist = sys.modules["torch.distributed"]
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
 def node_key() -> str:
     """This node, as the once-per-node work is keyed: its host name and boot id (two
     machines of one job with the same host name still differ)."""
@@ -289,11 +290,14 @@ def verify_with_receipt(
     retry: RetryPolicy | None,
     storage_options: dict[str, Any],
     use_receipt: bool = True,
+    split: Callable[[npt.NDArray[np.int64], list[Any] | None], None] | None = None,
 ) -> list[Any] | None:
     """Verify the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
     receipt. Returns what the fast form's check covered (`_columns_identity`, taken before
-    it: None where it could not be taken or there is no fast form)."""
+    it: None where it could not be taken or there is no fast form). ``split``: checks the
+    shards to read (with the fast form's identity, its tie checked first) shared with the
+    job's other ranks (`detdata.identity.shared`), raising the first failure."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     path = receipt_path(manifest)
@@ -327,7 +331,13 @@ def verify_with_receipt(
             todo = _changed(old, now, level)
         if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
             check_json(cast(ShardTable, manifest.shards))
+        if tie and split is not None and todo.size:  # the tie here, the shards shared
+            verify_columns_id(cast(ShardTable, manifest.shards))
+            _vouch(manifest, columns)
+        if tie and (split is None or not todo.size):
             _tie_and_verify(manifest, todo, check)
+        elif todo.size and split is not None:
+            split(todo, columns)
         elif todo.size:
             _verify_shards(manifest, todo, check)
         if path is None or now is None:

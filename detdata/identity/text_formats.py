@@ -1,19 +1,22 @@
-"""Text shards: JSONL files (plain, gzip or zstd), one document a line.
+"""Text shards: JSONL files (plain, gzip, zstd, bzip2 or xz), one document a line.
 
 A ``jsonl`` shard is registered like every shard (`detdata.identity.build`): its size,
 quick digest and blake3 are those of the file's bytes as stored (compressed or not), its
 ``num_samples`` is its lines (a last line without a newline counts; a file ending in a
 newline has no empty last line) and its ``schema`` is how its bytes are compressed, read
-from its first bytes (gzip magic ``1f 8b``, zstd magic ``28 b5 2f fd``, else plain), not
-from its name. Lines are cut at ``\\n`` in the decompressed bytes; what a line holds is
-checked where it is read (`detdata.datasets.text_index`). Zstd is read through pyarrow
-(no extra dependency), gzip through the standard library.
+from its first bytes (gzip magic ``1f 8b``, zstd ``28 b5 2f fd``, bzip2 ``BZh``, xz
+``fd 37 7a 58 5a 00``, else plain), not from its name. Lines are cut at ``\\n`` in the
+decompressed bytes; what a line holds is checked where it is read
+(`detdata.datasets.text_index`). Zstd is read through pyarrow (no extra dependency), gzip,
+bzip2 and xz through the standard library.
 """
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
+import lzma
 from typing import IO, TYPE_CHECKING, Final, NamedTuple
 
 from detdata.base.errors import FormatError
@@ -29,7 +32,12 @@ else:  # imported where a zstd shard is first read (base/lazy.py)
 _CHUNK: Final = 1 << 22
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 _ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
+_BZ2_MAGIC: Final = b"BZh"
+_XZ_MAGIC: Final = b"\xfd7zXZ\x00"
 PLAIN, GZIP, ZSTD = "jsonl", "jsonl+gzip", "jsonl+zstd"
+BZ2, XZ = "jsonl+bz2", "jsonl+xz"
+#: Bytes read to tell the compression (`compression_of`).
+HEAD_BYTES: Final = 6
 
 
 class JsonlLayout(NamedTuple):
@@ -40,18 +48,22 @@ class JsonlLayout(NamedTuple):
 
 
 def compression_of(head: bytes) -> str:
-    """The layout (`PLAIN`, `GZIP`, `ZSTD`) of a JSONL file from its first 4 bytes."""
-    if head[:2] == _GZIP_MAGIC:
-        return GZIP
-    if head[:4] == _ZSTD_MAGIC:
-        return ZSTD
-    return PLAIN
+    """The layout (`PLAIN`, `GZIP`, `ZSTD`, `BZ2`, `XZ`) of a JSONL file from its first
+    `HEAD_BYTES` bytes (a JSON line starts with none of these magics)."""
+    for magic, layout in ((_GZIP_MAGIC, GZIP), (_ZSTD_MAGIC, ZSTD), (_BZ2_MAGIC, BZ2)):
+        if head.startswith(magic):
+            return layout
+    return XZ if head.startswith(_XZ_MAGIC) else PLAIN
 
 
 def decompressed(raw: IO[bytes], schema: str) -> io.BufferedIOBase | IO[bytes]:
     """A reader of the text bytes of an open JSONL file ``raw`` stored as ``schema``."""
     if schema == GZIP:
         return gzip.GzipFile(fileobj=raw, mode="rb")
+    if schema == BZ2:
+        return bz2.BZ2File(raw, mode="rb")
+    if schema == XZ:
+        return lzma.LZMAFile(raw, mode="rb")
     if schema == ZSTD:
         source = pa.PythonFile(raw, mode="r")
         return io.BufferedReader(pa.CompressedInputStream(source, "zstd"))
@@ -65,7 +77,7 @@ def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
             if schema == PLAIN:
                 return fh.read()
             return decompressed(fh, schema).read()
-    except (OSError, EOFError, ValueError) as exc:
+    except (OSError, EOFError, ValueError, lzma.LZMAError) as exc:
         raise FormatError(
             f"shard {rel}: cannot decompress its {schema} bytes ({exc}); hint: check the file "
             "(it no longer matches its manifest entry if it changed)"
@@ -75,7 +87,7 @@ def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
 def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> JsonlLayout:
     """`JsonlLayout` of the JSONL file at ``path``: one streamed pass over its text bytes."""
     with fs.open(path, "rb") as fh:
-        schema = compression_of(fh.read(4))
+        schema = compression_of(fh.read(HEAD_BYTES))
         fh.seek(0)
         lines, last = 0, b"\n"
         try:
@@ -83,6 +95,6 @@ def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> Json
             while chunk := reader.read(_CHUNK):
                 lines += chunk.count(b"\n")
                 last = chunk[-1:]
-        except (OSError, EOFError, ValueError) as exc:
+        except (OSError, EOFError, ValueError, lzma.LZMAError) as exc:
             raise FormatError(f"shard {rel}: not valid {schema} ({exc})") from None
     return JsonlLayout(lines + (last != b"\n"), schema)

@@ -5,8 +5,9 @@ Text read at run time (`detdata.datasets.text.TextDocuments`) is tokenised by a
 downloaded). Its identity (`TextTokenizer.identity`, part of the dataset's identity and so
 of the checked ``data`` field of a loader state) is plain JSON of:
 
-* ``json_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
-  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding);
+* ``whole_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
+  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding; named to
+  sort after the section digests, so a refused resume names the section first);
 * ``model_b3`` / ``normalizer_b3`` / ``pre_tokenizer_b3`` / ``post_processor_b3`` /
   ``added_tokens_b3``: the same of each section, and ``truncation`` / ``padding`` as
   stored, so a refused resume names what changed (another merge: ``model_b3``);
@@ -14,7 +15,13 @@ of the checked ``data`` field of a loader state) is plain JSON of:
   the same text otherwise);
 * the options that change the output: ``add_special_tokens`` (the post-processor's
   templates applied or not), ``bos`` / ``eos`` (token ids put before / after every
-  document, None: none).
+  document, None: none);
+* ``encode_special_tokens``: always True: special / added tokens written in a document's
+  text (``<eod>``, ``<|endoftext|>``) are encoded as plain text, never as the special id,
+  so a document cannot end mid-text (``tokenizers``' ``Tokenizer.encode_special_tokens``).
+
+A bos / eos id still found among a document's text tokens (e.g. ``eos`` given as the id of
+an ordinary token) is refused where the document is indexed (`inner_marker`).
 
 A document's tokens are ``[bos] + encode(text).ids + [eos]`` (`encode`), in batches
 (``encode_batch_fast``: the Rust library encodes a batch on its own threads without the
@@ -72,6 +79,7 @@ class TextTokenizer:
         except ValueError as exc:
             raise ConfigError(f"tokenizer: not a tokenizer.json ({exc})") from None
         self._tokenizer: Tokenizer | None = None
+        _check_no_padding(self.document)
         if not isinstance(add_special_tokens, bool):
             raise ConfigError(
                 f"add_special_tokens must be True or False, got {add_special_tokens!r}"
@@ -85,7 +93,9 @@ class TextTokenizer:
     def tokenizer(self) -> Tokenizer:
         """The ``tokenizers.Tokenizer`` (made from the JSON once per process)."""
         if self._tokenizer is None:
-            self._tokenizer = _library().Tokenizer.from_str(self.json)
+            made = _library().Tokenizer.from_str(self.json)
+            made.encode_special_tokens = True  # special tokens in the text are plain text
+            self._tokenizer = made
         return self._tokenizer
 
     def _token_id(self, value: int | str | None, name: str) -> int | None:
@@ -124,7 +134,7 @@ class TextTokenizer:
             "type": "hf_tokenizers",
             "library": "tokenizers",
             "version": str(library.__version__),
-            "json_b3": digest_bytes(canonical_json(self.document)),
+            "whole_b3": digest_bytes(canonical_json(self.document)),
         }
         for section in SECTIONS:
             out[f"{section}_b3"] = digest_bytes(canonical_json(self.document.get(section)))
@@ -133,6 +143,7 @@ class TextTokenizer:
         out["add_special_tokens"] = self.add_special_tokens
         out["bos"] = self.bos
         out["eos"] = self.eos
+        out["encode_special_tokens"] = True
         return out
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray[Any, Any]]:
@@ -145,6 +156,29 @@ class TextTokenizer:
         head = [] if self.bos is None else [self.bos]
         tail = [] if self.eos is None else [self.eos]
         return [np.array(head + e.ids + tail, dtype=np.int64) for e in found]
+
+    def inner_marker(self, tokens: np.ndarray[Any, Any]) -> tuple[str, int] | None:
+        """``("bos" | "eos", id)`` when that id is among the text tokens of ``tokens`` (an
+        `encode` output, its own leading bos / trailing eos aside), None otherwise; not
+        checked with ``add_special_tokens`` (the templates may hold the same ids)."""
+        if self.add_special_tokens:
+            return None
+        body = tokens[(self.bos is not None) : tokens.size - (self.eos is not None)]
+        for name, marker in (("bos", self.bos), ("eos", self.eos)):
+            if marker is not None and bool((body == marker).any()):
+                return name, marker
+        return None
+
+
+def _check_no_padding(document: Mapping[str, Any]) -> None:
+    """`ConfigError` naming ``padding`` when the tokenizer pads: a padded encoding depends
+    on the batch a document is encoded in (or adds pad tokens to every document)."""
+    if isinstance(document, Mapping) and document.get("padding") is not None:
+        raise ConfigError(
+            f"tokenizer: padding is enabled ({document['padding']!r}); a document's tokens "
+            "would depend on the batch it is encoded in; hint: call tokenizer.no_padding() "
+            '(or set "padding": null in the tokenizer.json): packing needs no padding'
+        )
 
 
 def _tokenizer_json(source: object) -> str:

@@ -22,14 +22,22 @@ from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import OrdersDataset
 from detdata.datasets.streams import as_stream
 from detdata.loading import resume, reweighting
+from detdata.loading.attest import Attestation, Attestor, Pending
 from detdata.loading.history import Plan
 from detdata.loading.identity_diff import first_difference
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.options import ResumePolicy
 from detdata.loading.state import (
+    CHECKED_FIELDS,
+    K_ALGORITHM,
+    K_DATA,
     K_EXCLUSIONS,
     K_GLOBAL_BATCH,
+    K_MANIFESTS,
     K_MIXTURE,
+    K_SEED,
+    K_STREAM_SEED,
+    K_TRANSFORM,
     LoaderState,
     check_allow,
     environment,
@@ -42,6 +50,11 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
 _LOG: Final = get_logger("detdata")
+#: Allowed changes after which the samples before the saved position are not the saved run's
+#: to re-derive (another seed, data, order or transform): such a resume is not attested; nor is
+#: one whose mixture or exclusions change at a position before an attested sample (a state
+#: saved inside a step, resumed at the step's start).
+_UNATTESTABLE: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_TRANSFORM)
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,7 @@ class Cursor:
         self._consumed = 0
         self._generation = 0
         self._superseded = ""  # what ended the iterators of earlier generations
+        self._pending: Pending | None = None  # the loaded state's attestation, not yet passed
         self._controller: reweighting.MixtureController | None = None
         self._asked = -1  # the position whose step the controller was asked for last
 
@@ -158,6 +172,16 @@ class Cursor:
     @property
     def total_samples(self) -> int | None:
         return self._total
+
+    @property
+    def pending(self) -> Pending | None:
+        """The attestation the loaded state carries, until an iteration passed it (None: none
+        to check: `detdata.loading.attest`)."""
+        return self._pending
+
+    def attested(self) -> None:
+        """The pending attestation passed."""
+        self._pending = None
 
     @property
     def generation(self) -> int:
@@ -309,9 +333,19 @@ class Cursor:
         """The checked identity fields of the loader now (of the stream in force)."""
         return self.definition.fields(self._stream)
 
-    def state_dict(self, workers: Mapping[str, Any]) -> dict[str, Any]:
+    def state_dict(
+        self, workers: Mapping[str, Any], attestor: Attestor | None = None
+    ) -> dict[str, Any]:
         """JSON-serialisable state: samples delivered plus identity, layout (``workers``: the
-        loader's ``num_workers`` and ``worker_mode``, recorded with it) and environment."""
+        loader's ``num_workers`` and ``worker_mode``, recorded with it), environment and the
+        attestation ``attestor`` derives of the last samples delivered (`detdata.loading.attest`;
+        None: none). A loaded state's attestation not yet passed is carried instead: it stays
+        to be checked."""
+        attestation: Attestation | None = None
+        if self._pending is not None:
+            attestation = self._pending.attestation
+        elif attestor is not None:
+            attestation = attestor.record(self._stream, self._consumed)
         layout = {
             "world_size": self._layout.world_size,
             "micro_batch_size": self._layout.micro_batch_size,
@@ -324,6 +358,7 @@ class Cursor:
             layout=layout,
             env=environment(),
             history=tuple(self._plan.to_json()),
+            attestation=attestation,
         )
         return state.to_json()
 
@@ -385,5 +420,33 @@ class Cursor:
         self._plan, self._layout = plan, layout
         self._saved_plan = Plan(saved.plan.entries, plan.changes)
         self._consumed = saved.samples_consumed
+        self._pending = self._attestation_of(saved, diffs)
         self._asked = -1  # the controller is asked again from the resumed step on
         self.supersede("load_state_dict() moved the loader")
+
+    def _attestation_of(self, saved: LoaderState, diffs: list[str]) -> Pending | None:
+        """The attestation the first iteration after this resume must pass (None: off, none
+        saved, or an allowed change of what the attested samples depend on; logged)."""
+        if not self._policy.attest:
+            return None
+        if saved.attestation is None:
+            if saved.upgraded_from is not None:
+                _LOG.warning(
+                    "detdata: this resume is not attested: the state was saved in format %d, "
+                    "before resume attestation (a state saved from now on carries one)",
+                    saved.upgraded_from,
+                )
+            return None  # otherwise nothing was delivered before the save, or attest was off
+        changed = [d for d in diffs if d in _UNATTESTABLE]
+        span = saved.attestation.first + len(saved.attestation.samples)
+        if not changed and span > self._consumed:  # a change takes effect at the position
+            changed = [d for d in diffs if d in (K_MIXTURE, K_EXCLUSIONS)]
+        if changed:
+            _LOG.warning(
+                "detdata: this resume is not attested: the allowed change of %s changes the "
+                "samples the state attests",
+                changed,
+            )
+            return None
+        equal = tuple(f for f in CHECKED_FIELDS if f not in diffs)
+        return Pending(saved.attestation, self._consumed, self.step, equal)

@@ -21,6 +21,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.types import IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.prefetch import CacheAhead
+from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor
 from detdata.loading.options import DeviceFeed
 from detdata.loading.reading import RunSlice
@@ -73,14 +74,15 @@ class SchemaCheck:
 class Delivery:
     """The parts an iteration uses, wired by the `DataLoader` (each owns its state):
     the ``cursor`` it reads from and advances, the batch ``source``, the ``device`` feed,
-    the ``trace``, the ``schema`` check (None: no transform), and the read settings the
-    cache_ahead and the failure notes need."""
+    the ``trace``, the ``schema`` check (None: no transform), the ``attestor`` of a resume
+    and the read settings the cache_ahead and the failure notes need."""
 
     cursor: Cursor
     source: BatchSource
     device: DeviceFeed
     trace: RankTrace
     schema: SchemaCheck | None
+    attestor: Attestor | None  # None: ResumePolicy(attest=False)
     batches_ahead: int
     steps_ahead: int
     steps_ahead_connections: int
@@ -140,6 +142,10 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     cache_ahead = None
     clean = False
     try:  # from the start: torch's iter() itself can be interrupted
+        pending = cursor.pending
+        if pending is not None and d.attestor is not None:  # before the first batch is read
+            d.attestor.verify(cursor.stream, pending)
+            cursor.attested()
         while True:
             cursor.ask_controller()  # before the readers start: they read the stream in force
             stream = cursor.stream

@@ -30,6 +30,7 @@ from detdata.loading.arguments import (
     check_torch_args,
     refuse_torch_habits,
 )
+from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor, Definition
 from detdata.loading.history import as_schedule
 from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
@@ -101,7 +102,7 @@ class DataLoader:
       ``transform_id``, ``trace``, ``read`` (a `ReadOptions`: ``worker_mode``,
       ``batches_ahead``, ``steps_ahead``, ``steps_ahead_connections``), ``device`` (a
       `DeviceFeed`: ``device``, ``copies_ahead``) and ``resume`` (a `ResumePolicy`:
-      ``allow``, ``mid_step``, ``fresh_each_run``).
+      ``allow``, ``mid_step``, ``fresh_each_run``, ``attest``).
       Each is described below and on its class.
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
       ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
@@ -221,8 +222,9 @@ class DataLoader:
         }
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
+        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead)
         self._source = batch_source(
-            Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead),
+            reads,
             self.worker_mode,
             workers,
             seed=self.seed,
@@ -235,6 +237,7 @@ class DataLoader:
             device=opts.device,
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
+            attestor=Attestor(reads) if opts.resume.attest else None,
             batches_ahead=self.batches_ahead,
             steps_ahead=self.steps_ahead,
             steps_ahead_connections=self.steps_ahead_connections,
@@ -436,10 +439,9 @@ class DataLoader:
 
     # ------------------------------------------------------ state and resume
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: samples delivered plus identity, layout and environment."""
-        return self._cursor.state_dict(
-            {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
-        )
+        """JSON state: samples delivered, identity, layout, environment, attestation."""
+        workers = {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+        return self._cursor.state_dict(workers, self._delivery.attestor)
 
     def load_state_dict(
         self,

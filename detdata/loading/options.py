@@ -204,13 +204,26 @@ class ResumePolicy:
       position 0 in a resumed run (accelerate's ``load_state`` with no detdata loader
       registered: `detdata.integrations.accelerate`) leaves it alone. It changes nothing
       else: ``load_state_dict`` still resumes it when asked.
+    * ``attest`` (default True): resume attestation (`detdata.loading.attest`): a saved state
+      carries the digests of the last samples delivered before it, and a resume re-derives
+      them before its first batch, refusing with a `StateError` what differs (code, tables,
+      globals or bytes outside the checked fields). False: states carry none and resumes
+      check none.
     """
 
     allow: Iterable[str] = ()
     mid_step: MidStep | str = MidStep.REDO
     fresh_each_run: bool = False
+    attest: bool = True
 
     def __post_init__(self) -> None:
+        _of_type(
+            "ResumePolicy.attest",
+            self.attest,
+            bool,
+            "True or False",
+            "ResumePolicy(attest=False) to save and resume without attestation",
+        )
         _of_type(
             "ResumePolicy.fresh_each_run",
             self.fresh_each_run,

@@ -8,7 +8,9 @@ run's batch schedules and layouts with the step and position each began at
 (`detdata.loading.history`); the step <-> position map follows it. Format 4 adds to it one
 change entry per checked field a resume changed by name (field, position, step, old and new
 value) and seals it (``history_b3``): a history that is edited, or whose changes do not lead
-to the saved fields, is refused naming ``history``.
+to the saved fields, is refused naming ``history``. Format 5 adds ``attestation``: the digests
+of the samples just before the save point, re-derived at a resume (`detdata.loading.attest`;
+empty: nothing delivered yet, attestation off, or a state of an older format, resumed without).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
+from detdata.loading.attest import Attestation
 from detdata.loading.history import K_HISTORY, K_SEAL, K_WEIGHTS, Plan, seal, upgraded_history
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
-STATE_VERSION: Final = 4
+STATE_VERSION: Final = 5
 #: Older versions this detdata still reads (fields added since are derived: see `_upgrade_v1`,
-#: `_upgrade_v2`, `_upgrade_v3`).
-READABLE_VERSIONS: Final = (1, 2, 3, 4)
+#: `_upgrade_v2`, `_upgrade_v3`, `_upgrade_v4`).
+READABLE_VERSIONS: Final = (1, 2, 3, 4, 5)
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
 KIND: Final = "detdata.loader_state"
@@ -51,6 +54,7 @@ K_STREAM: Final = "stream"
 K_LAYOUT: Final = "layout"
 K_ENV: Final = "environment"
 K_EXCLUSIONS: Final = FIELD  # "exclusions": `detdata.datasets.exclusions` raises with it
+K_ATTESTATION: Final = "attestation"  # `detdata.loading.attest.Attestation` (format 5)
 
 #: Fields that must match on resume unless named in ``allow=``.
 #: ``seed`` is the loader's own seed (per-sample transform randomness, and the order of a plain
@@ -78,6 +82,7 @@ _REQUIRED: Final = (
     K_STREAM,
     K_HISTORY,
     K_SEAL,
+    K_ATTESTATION,
 )
 #: Top-level stream identity keys checked through their own field instead of ``data``.
 _TOP_LEVEL_VOLATILE: Final = ("schedule", "seed", "algorithm")
@@ -234,6 +239,7 @@ class LoaderState:
     upgraded_from: int | None = None  # the format version read, when older than STATE_VERSION
     history: tuple[Mapping[str, Any], ...] = ()  # the run's batch history (`Plan.to_json`)
     history_b3: str | None = None  # the seal read (None: computed when written)
+    attestation: Attestation | None = None  # the samples before the save point (`attest`)
 
     @property
     def plan(self) -> Plan:
@@ -303,6 +309,7 @@ class LoaderState:
         out[K_STEP_POSITION] = self.step_position.to_json()
         out[K_LAYOUT] = dict(self.layout)
         out[K_ENV] = dict(self.env)
+        out[K_ATTESTATION] = Attestation.json_of(self.attestation)
         return out
 
     @classmethod
@@ -332,6 +339,8 @@ class LoaderState:
             state = _upgrade_v2(state)
         if state[K_VERSION] == 3:
             state = _upgrade_v3(state)
+        if state[K_VERSION] == 4:
+            state = _upgrade_v4(state)
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -365,6 +374,7 @@ class LoaderState:
             upgraded_from=upgraded_from,
             history=tuple(history) if isinstance(history, list) else (),
             history_b3=state[K_SEAL] if isinstance(state[K_SEAL], str) else repr(state[K_SEAL]),
+            attestation=Attestation.from_json(state[K_ATTESTATION]),
         )
         if not isinstance(history, list):
             raise StateError(
@@ -548,6 +558,15 @@ def _upgrade_v3(state: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(state)
     history = state.get(K_HISTORY)
     out[K_SEAL] = seal(history) if isinstance(history, list) else None
+    out[K_VERSION] = 4
+    return out
+
+
+def _upgrade_v4(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A format-4 state in format 5: no attestation (its resume is not attested, said in the
+    log by `Cursor.load_state_dict`)."""
+    out = dict(state)
+    out[K_ATTESTATION] = Attestation.json_of(None)
     out[K_VERSION] = STATE_VERSION
     return out
 

@@ -1,29 +1,48 @@
 """``detdata replay-check -- CMD`` on a user's own script (tests/cli/replay_user_script.py).
 
+The CLI runs in a fresh process and starts each of its four runs in a fresh process, as a
+user's would be. The command it is given starts the script in a process forked from a warm
+interpreter that imported torch, numpy, blake3, detdata and what the script's
+``torch.use_deterministic_algorithms(True)`` imports (``torch._inductor``) once
+(tests/forkserver.py: a new pid, session, environment and working directory, the CLI's
+stdout and stderr), not in one that imports them again: about 7 CPU-seconds a run.
+
 Covers: detdata/loading/model_digest.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cli.test_cli_mix import detdata_exe
+from tests.forkserver import Forkserver
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # fresh processes: the CLI + the script
 
 SCRIPT = Path(__file__).with_name("replay_user_script.py")
 
 
+@pytest.fixture(scope="module")
+def warm() -> Iterator[Forkserver]:
+    """The warm interpreter the user script's runs are forked from."""
+    preload = ["blake3", "numpy", "torch", "detdata", "torch._inductor"]  # the script's order
+    server = Forkserver(preload, dict(os.environ))
+    yield server
+    server.close()
+
+
 def _check(
-    tmp_path: Path, *flags: str, timeout: str = "600"
+    warm: Forkserver, tmp_path: Path, *flags: str, timeout: str = "600"
 ) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path / "replay"
-    cmd = [sys.executable, str(SCRIPT), "--data", str(tmp_path / "data"), *flags]
+    cmd = [*warm.client(SCRIPT), "--data", str(tmp_path / "data"), *flags]
     done = subprocess.run(
         [detdata_exe(), "replay-check", "--out", str(out), "--steps", "6", "--stop-at", "3",
          "--timeout", timeout, "--", *cmd],
@@ -33,8 +52,10 @@ def _check(
     return done, report
 
 
-def test_a_sampler_reset_fails_at_the_step_after_the_restart(tmp_path: Path) -> None:
-    done, report = _check(tmp_path, "--forget-loader-state")
+def test_a_sampler_reset_fails_at_the_step_after_the_restart(
+    warm: Forkserver, tmp_path: Path
+) -> None:
+    done, report = _check(warm, tmp_path, "--forget-loader-state")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL" in done.stdout
     assert report["first_divergent_step_A_B"] is None
@@ -61,10 +82,10 @@ SCENARIOS = [
 
 @pytest.mark.parametrize(("fault", "first"), SCENARIOS, ids=[str(f) for f, _ in SCENARIOS])
 def test_model_side_faults_get_their_first_divergent_step(
-    tmp_path: Path, fault: str | None, first: int | None
+    warm: Forkserver, tmp_path: Path, fault: str | None, first: int | None
 ) -> None:
     flags = ["--report-model"] + ([] if fault is None else ["--fault", fault])
-    done, report = _check(tmp_path, *flags)
+    done, report = _check(warm, tmp_path, *flags)
     assert done.returncode == (0 if fault is None else 1), done.stdout + done.stderr
     assert report["first_divergent_step_A_B"] is None  # the data is right in every scenario
     assert report["first_divergent_step_A_C"] is None
@@ -77,15 +98,15 @@ def test_model_side_faults_get_their_first_divergent_step(
     assert ("PASS" in done.stdout) is (fault is None)
 
 
-def test_a_script_ignoring_stop_at_fails(tmp_path: Path) -> None:
-    done, report = _check(tmp_path, "--ignore-stop-at")
+def test_a_script_ignoring_stop_at_fails(warm: Forkserver, tmp_path: Path) -> None:
+    done, report = _check(warm, tmp_path, "--ignore-stop-at")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "run C did not stop at step 3" in done.stdout and "FAIL" in done.stdout
     assert report["weights_identical"] is True  # what the old check passed on
 
 
-def test_empty_traces_fail(tmp_path: Path) -> None:
-    done, _ = _check(tmp_path, "--empty-trace")
+def test_empty_traces_fail(warm: Forkserver, tmp_path: Path) -> None:
+    done, _ = _check(warm, tmp_path, "--empty-trace")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the trace of run A is empty: nothing was compared" in done.stdout
 

@@ -96,3 +96,29 @@ def test_npy_without_eos_and_bad_text_are_refused(
                "--out", str(tmp_path / "o2"))  # fmt: skip
     assert run.returncode == 2 and "shard x.jsonl line 2: no field 'text'" in run.stderr
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_lone_surrogate_is_a_format_error_naming_the_line(
+    text: tuple[Path, Path, list[str]], tmp_path: Path
+) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_bytes(b'{"text": "a"}\n{"text": "bad \\ud800 x"}\n')
+    run = _run("tokenize", "--root", str(tmp_path / "bad"), "--tokenizer", str(text[1]),
+               "--out", str(tmp_path / "o"))  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "shard x.jsonl line 2 field 'text': a lone surrogate" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "o").exists()
+
+
+def test_manifest_build_takes_format_jsonl(
+    text: tuple[Path, Path, list[str]], tmp_path: Path
+) -> None:
+    data, _, texts = text
+    out = tmp_path / "m.json"
+    run = _run("manifest", "build", str(data), "--pattern", "*.jsonl*", "--format", "jsonl",
+               "-o", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    shards = json.loads(out.read_text(encoding="utf-8"))["shards"]
+    assert [s["format"] for s in shards] == ["jsonl"] * 3
+    written = np.array_split(np.arange(len(texts)), 5)[:3]  # write_corpus: a, b, c are JSONL
+    assert [s["num_samples"] for s in shards] == [len(part) for part in written]

@@ -220,7 +220,7 @@ def test_resume_refuses_another_tokenizer_or_option_naming_the_field(
     state = _saved(PackedWindows(TextDocuments(manifest, TextTokenizer(corpus[1], eos=0)), 32))
     other = _one_merge_changed(corpus[1], tmp_path / "other.json")
     cases = {
-        "stream.dataset.documents.tokenizer.json_b3": TextTokenizer(other, eos=0),
+        "stream.dataset.documents.tokenizer.model_b3": TextTokenizer(other, eos=0),
         "stream.dataset.documents.tokenizer.bos": TextTokenizer(corpus[1], bos=1, eos=0),
         "stream.dataset.documents.tokenizer.eos": TextTokenizer(corpus[1]),
     }
@@ -257,6 +257,7 @@ BAD_LINES = {
     "invalid UTF-8": (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', "line 2: invalid UTF-8"),
     "empty": (b'{"text": ""}\n', "line 1 field 'text': an empty document"),
     "not an object": (b'["text"]\n', "line 1: a JSON list"),
+    "lone surrogate": (b'{"text": "a"}\n{"text": "b \\ud800 c"}\n', "line 2 field 'text': a lone"),
 }
 
 
@@ -316,6 +317,8 @@ def test_jsonl_is_a_known_format_and_token_readers_point_to_text_documents(
     assert [s.num_samples for s in manifest.shards] == [2]
     with pytest.raises(FormatError, match=r"a\.jsonl: a jsonl text shard.*TextDocuments"):
         Documents(manifest)
+    with pytest.raises(FormatError, match=r"a\.jsonl.*TextDocuments.*PackedWindows"):
+        detdata.TokenWindows(manifest, seq_len=4)
     with pytest.raises(ConfigError, match="a npy token shard, not text"):
         np.save(tmp_path / "d" / "t.npy", np.arange(4, dtype=np.uint16))
         TextDocuments(detdata.build_manifest(str(tmp_path / "d")), corpus[1])
@@ -346,3 +349,130 @@ def test_the_text_index_is_built_once_checked_and_a_forged_count_is_caught_at_re
     docs = TextDocuments(manifest, tok, index_dir=tmp_path)
     with pytest.raises(FormatError, match=re.escape("shard a.jsonl line 1: tokenised to")):
         docs.document(0)
+
+
+# ------------------------------------------------------------------ special tokens in text
+def test_a_special_token_written_in_the_text_is_plain_text(corpus: Corpus, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    texts = ["alpha beta", "alpha <eod> beta <|endoftext|> gamma", "delta"]
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", texts)
+    tok = TextTokenizer(corpus[1], eos="<eod>")
+    docs = TextDocuments(detdata.build_manifest(str(tmp_path / "d")), tok)
+    assert docs.num_documents == 3
+    found = docs.tokens([0, 1, 2])
+    reference = Tokenizer.from_file(str(corpus[1]))
+    reference.encode_special_tokens = True  # the library's own plain-text encoding
+    eod = reference.token_to_id("<eod>")
+    for text, tokens in zip(texts, found, strict=True):
+        assert tokens[-1] == eod and eod not in tokens[:-1].tolist()
+        assert tokens.tolist() == [*reference.encode(text, add_special_tokens=False).ids, eod]
+    assert tok.identity()["encode_special_tokens"] is True
+
+
+def test_a_bos_or_eos_id_among_a_documents_tokens_names_its_line(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["beta", "gamma alpha gamma", "beta"])
+    alpha = Tokenizer.from_file(str(corpus[1])).encode(" alpha").ids[0]
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    for option in ("bos", "eos"):
+        with pytest.raises(FormatError, match=rf"a.jsonl line 2 field 'text': .*{option}") as err:
+            TextDocuments(manifest, TextTokenizer(corpus[1], **{option: alpha}))
+        assert f"token {alpha}" in str(err.value)
+
+
+def test_a_same_size_edit_in_the_middle_of_a_text_shard_is_refused(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    texts = [f"alpha beta {i}" for i in range(80_000)]  # > 3 MiB: the middle is past the quick MiBs
+    texts[40_000] = "alpha beta gamma"
+    write_jsonl(root / "a.jsonl", texts)
+    assert (root / "a.jsonl").stat().st_size > 3 << 20
+    detdata.build_manifest(str(root)).save(str(tmp_path / "manifest.json"))
+    raw = (root / "a.jsonl").read_bytes()
+    edited = raw.replace(b'"alpha beta gamma"', b'"gamma beta alpha"')
+    assert len(edited) == len(raw) and edited != raw
+    (root / "a.jsonl").write_bytes(edited)
+    with pytest.raises(VerificationError, match=re.escape("a.jsonl")):
+        TextDocuments(str(tmp_path / "manifest.json"), corpus[1])
+
+
+def test_json_named_and_bz2_xz_jsonl_shards_are_read(corpus: Corpus, tmp_path: Path) -> None:
+    import bz2
+    import lzma
+
+    texts = corpus[2][:12]
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    root = tmp_path / "d"
+    root.mkdir()
+    (root / "a.json").write_bytes(body)  # HF datasets' name for JSON lines
+    (root / "b.jsonl.bz2").write_bytes(bz2.compress(body))
+    (root / "c.jsonl.xz").write_bytes(lzma.compress(body))
+    manifest = detdata.build_manifest(str(root), format="jsonl")
+    assert [(s.path, s.schema) for s in manifest.shards] == [
+        ("a.json", "jsonl"),
+        ("b.jsonl.bz2", "jsonl+bz2"),
+        ("c.jsonl.xz", "jsonl+xz"),
+    ]
+    docs = TextDocuments(manifest, corpus[1])
+    assert [docs.text(d) for d in range(docs.num_documents)] == texts * 3
+
+
+def test_an_arrow_stream_shard_of_many_batches_reads_every_document(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    texts = corpus[2][:200]
+    table = pa.table({"text": texts})
+    (tmp_path / "d").mkdir()
+    with (
+        pa.OSFile(str(tmp_path / "d" / "s.arrow"), "wb") as sink,
+        ipc.new_stream(sink, table.schema) as writer,
+    ):
+        for batch in table.to_batches(max_chunksize=3):
+            writer.write_batch(batch)
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    assert manifest.shards[0].format.value == "arrow_stream"
+    docs = TextDocuments(manifest, corpus[1])
+    order = np.random.default_rng(3).permutation(len(texts))
+    assert [docs.text(int(d)) for d in order] == [texts[int(d)] for d in order]
+
+
+def test_a_document_of_no_tokens_is_refused_or_skipped_by_the_empty_policy(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer, normalizers
+
+    stripping = Tokenizer.from_file(str(corpus[1]))
+    stripping.normalizer = normalizers.Strip()
+    assert stripping.encode("   ", add_special_tokens=False).ids == []  # the reference
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["alpha", "   ", "beta"])
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    with pytest.raises(FormatError, match=r"a.jsonl line 2 field 'text': no tokens"):
+        TextDocuments(manifest, TextTokenizer(stripping))
+    docs = TextDocuments(manifest, TextTokenizer(stripping), empty="skip")
+    assert [docs.text(d) for d in range(docs.num_documents)] == ["alpha", "beta"]
+    assert docs.lengths().tolist() == [
+        len(stripping.encode(t, add_special_tokens=False).ids) for t in ("alpha", "beta")
+    ]
+
+
+def test_a_blank_line_is_skipped_under_empty_skip(corpus: Corpus, tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_bytes(b'{"text": "alpha"}\n\n{"text": "beta"}\n  \n')
+    manifest = detdata.build_manifest(str(tmp_path / "d"))
+    docs = TextDocuments(manifest, corpus[1], empty="skip")
+    assert [docs.text(d) for d in range(docs.num_documents)] == ["alpha", "beta"]
+    assert [docs.location(d)["line"] for d in range(2)] == [1, 3]
+    with pytest.raises(FormatError, match=re.escape("shard a.jsonl line 2: not JSON")):
+        TextDocuments(manifest, corpus[1])  # empty="error": the blank line is named

@@ -35,6 +35,7 @@ detdata.TokenWindows(
 import detdata.identity.receipts  # noqa: E402
 import detdata.identity.verify  # noqa: E402
 
+dist.barrier()  # every rank opens at about the same time
 before = rchar()
 result: dict[str, object] = {"rank": rank}
 if who in ("all", str(rank)):

@@ -73,3 +73,15 @@ def test_bad_tokenizer_arguments_name_what_is_wrong(trained: Path, tmp_path: Pat
         TextTokenizer(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match=r"a tokenizer\.json path or a tokenizers\.Tokenizer"):
         TextTokenizer(42)  # type: ignore[arg-type]
+
+
+def test_a_tokenizer_with_padding_is_refused_naming_padding(trained: Path) -> None:
+    padded = Tokenizer.from_file(str(trained))
+    padded.enable_padding(pad_id=0, pad_token="<eod>")  # batch-longest: counts vary by batch
+    lengths = [len(e.ids) for e in padded.encode_batch(["alpha", "alpha beta gamma delta"])]
+    assert lengths[0] == lengths[1]  # the hazard: a document's tokens depend on its batch
+    with pytest.raises(ConfigError, match="padding") as err:
+        TextTokenizer(padded, eos="<eod>")
+    assert "no_padding" in str(err.value)
+    padded.no_padding()
+    assert TextTokenizer(padded, eos="<eod>").identity()["padding"] is None

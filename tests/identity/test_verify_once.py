@@ -1,7 +1,11 @@
-"""Verification once per job (DESIGN.md 8): under torchrun (3 ranks, gloo) one rank reads
-the shards and every rank gets its verdict; a changed shard is named in every rank. Ranks
-reading one manifest from different roots (per-rank copies) each get their root verified,
-at once: one verifier per distinct (manifest, root).
+"""Verification once per job, shared by its ranks (docs/design.md section 8, issue 43): under
+torchrun (3 ranks, gloo) the ranks opening a manifest split its shards (each shard read by one
+rank: the ranks' bytes add up to the corpus once) and every rank gets the verdict; a changed
+shard is named in every rank, with the rank that found it. Ranks reading one manifest from
+different roots (per-rank copies) each get their root verified, at once: one shared
+verification per distinct (manifest, root).
+
+Covers: detdata/identity/shared.py.
 
 Bytes read per rank are counted by the kernel (``rchar`` of /proc/self/io), in the child
 processes (tests/dist/verify_once_check.py).
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -66,7 +71,9 @@ def _run(
 
 
 @pytest.mark.slow
-def test_one_rank_verifies_and_every_rank_gets_the_verdict(tmp_path: Path) -> None:
+def test_the_ranks_share_the_verification_and_every_rank_gets_the_verdict(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "data"
     root.mkdir()
     rng = np.random.default_rng(5)
@@ -80,11 +87,9 @@ def test_one_rank_verifies_and_every_rank_gets_the_verdict(tmp_path: Path) -> No
 
     # receipts off: what is measured is the once-per-job verification alone
     ranks = _run(path, tmp_path / "ok", "off")
-    readers = [r["rank"] for r in ranks if int(str(r["read"])) >= corpus]
-    assert len(readers) == 1, ranks  # one rank of the (only) node read the corpus
-    for r in ranks:
-        if r["rank"] not in readers:
-            assert int(str(r["read"])) <= corpus // 100, r
+    read = [int(str(r["read"])) for r in ranks]
+    # every shard read once, by one rank or another (disjoint slices), not once per rank
+    assert corpus <= sum(read) <= corpus + corpus // 5, ranks
     want = shards[0][:65].astype(np.int32).tobytes().hex()  # the writer's own first window
     assert all(r["first"] == want for r in ranks)
 
@@ -93,6 +98,9 @@ def test_one_rank_verifies_and_every_rank_gets_the_verdict(tmp_path: Path) -> No
     (root / "s13.npy").write_bytes(bytes(data))
     ranks = _run(path, tmp_path / "bad", "off")
     assert [r.get("error") for r in ranks] == [["s13.npy", "quick"]] * RANKS, ranks
+    found_by = {re.search(r"found by rank (\d)", str(r["message"])) for r in ranks}
+    assert None not in found_by, ranks
+    assert len({m.group(1) for m in found_by if m is not None}) == 1  # the same rank, everywhere
 
     # a rank opening a manifest the others do not open never waits for them (no
     # collective), nor do they wait for it
@@ -137,7 +145,7 @@ def test_ranks_reading_one_manifest_from_different_roots_each_verify_their_root_
     assert all(float(str(r["open_s"])) < 30 for r in ranks), ranks
     read = [int(str(r["read"])) for r in ranks]
     assert read[2] >= corpus, ranks  # the only rank under B verified B
-    assert sorted(read[:2])[1] >= corpus >= 100 * sorted(read[:2])[0], ranks  # one of A's
+    assert corpus <= read[0] + read[1] <= corpus + corpus // 5, ranks  # A's two shared A
 
     for damaged, named in (("B", [2]), ("A", [0, 1])):
         data = bytearray((tmp_path / damaged / "s07.npy").read_bytes())

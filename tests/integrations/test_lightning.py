@@ -16,7 +16,8 @@ world 2, so the four pairs 1->1, 1->2, 2->2, 2->1 cost six runs. Between them th
 returned by ``train_dataloader()``) or inside ``train_dataloader()``, gradient accumulation,
 ``total_samples`` (the resumed run ends its epoch where an uninterrupted one does), an epoch
 boundary crossed after the resume, and (a seventh run) a resume from Lightning's default
-end-of-epoch checkpoint. About 10 processes in all, most of their time importing Lightning.
+end-of-epoch checkpoint. Each process is forked from a warm interpreter that imported
+Lightning once (`Launcher`, tests/forkserver.py): importing it took most of a run's time.
 
 The script imports ``pytorch_lightning`` unless a config names the unified package
 (``"package": "lightning.pytorch"``, its own copy of Lightning's classes, watched as well):
@@ -29,14 +30,15 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import detdata
+from tests.forkserver import Forkserver
 from tests.integrations.lightning_script import make_dataset, row_digests
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -72,29 +74,58 @@ RESUMED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+class Launcher:
+    """Starts each run as a fresh process forked from a warm interpreter that imported the
+    run's Lightning package once (tests/forkserver.py: a new pid, environment and working
+    directory, the script as ``__main__``; DDP's rank 1 is Lightning's own re-launch of the
+    script). One server per package, so that a ``lightning.pytorch`` run never sees
+    ``pytorch_lightning`` imported."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, Forkserver] = {}
+
+    def run(self, cfg: dict[str, Any], out: Path) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p
+            ),
+        }
+        env.pop("MASTER_PORT", None)  # Lightning picks a free port for its own ranks
+        package = cfg.get("package", "pytorch_lightning")
+        if package not in self._servers:
+            # in the script's order: detdata first, so that its watch sees Lightning's import
+            # (detdata/integrations/watch.py), then Lightning (and torch with it)
+            self._servers[package] = Forkserver(["numpy", "detdata", package, "torch"], env)
+        server = self._servers[package]
+        return server.run(SCRIPT, [json.dumps(cfg)], cwd=out, env=env, timeout=300)
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+
+
+@pytest.fixture(scope="module")
+def launcher() -> Iterator[Launcher]:
+    started = Launcher()
+    yield started
+    started.close()
+
+
 def _run(
-    cfg: dict[str, Any], out: Path, *, fails: str | tuple[str, ...] | None = None
+    launcher: Launcher,
+    cfg: dict[str, Any],
+    out: Path,
+    *,
+    fails: str | tuple[str, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """One ``Trainer.fit`` in a fresh process; the trace of every rank, by rank. With
     ``fails``: the process must fail with (each of) ``fails`` in its stderr."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"global_batch": GLOBAL, "seed": SEED, "n": N, "out": str(out), **cfg}
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
-    }
-    env.pop("MASTER_PORT", None)  # Lightning picks a free port for its own ranks
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(cfg)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = launcher.run(cfg, out)
     if fails is not None:
         wanted = (fails,) if isinstance(fails, str) else fails
         assert done.returncode != 0, done.stderr[-6000:]
@@ -113,13 +144,14 @@ def _run(
 class Runs:
     """The runs, each made once per test session and shared by the tests that read it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, launcher: Launcher) -> None:
         self.root = root
+        self.launcher = launcher
 
     @functools.cache  # noqa: B019 (one instance per session)
     def first(self, name: str) -> list[dict[str, Any]]:
         cfg = {**FIRST[name], "tag": name, "ckpt_dir": str(self.root / name / "ckpt")}
-        return _run(cfg | {"every": CKPT_STEP, "resume": None}, self.root / name)
+        return _run(self.launcher, cfg | {"every": CKPT_STEP, "resume": None}, self.root / name)
 
     def checkpoint(self, name: str, file: str = f"step={CKPT_STEP}.ckpt") -> Path:
         self.first(name)
@@ -140,12 +172,12 @@ class Runs:
             "every": CKPT_STEP,
             "resume": str(self.checkpoint(first)),
         }
-        return _run(cfg, self.root / tag)
+        return _run(self.launcher, cfg, self.root / tag)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("lightning"))
+def runs(tmp_path_factory: pytest.TempPathFactory, launcher: Launcher) -> Runs:
+    return Runs(tmp_path_factory.mktemp("lightning"), launcher)
 
 
 def reference(steps: int, *, world: int = 1, micro: int = GLOBAL, rank: int = 0) -> list[Any]:
@@ -258,6 +290,9 @@ def test_checkpoint_loads_with_weights_only_and_counts_only_trained_batches(
     assert json.loads(json.dumps(state)) == state
     assert state["samples_consumed"] == CKPT_STEP * GLOBAL
     assert checkpoint["global_step"] == CKPT_STEP
+    # what a resume re-derives before its first batch: the last 4 samples before the save
+    attested = state["attestation"]
+    assert attested["first"] == CKPT_STEP * GLOBAL - 4 and len(attested["samples"]) == 4
 
 
 def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed(
@@ -271,6 +306,7 @@ def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed
     epoch = N // GLOBAL
     ckpt = runs.checkpoint("w2", f"end-epoch=0-step={epoch}.ckpt")
     second = _run(
+        runs.launcher,
         dict(devices=1, micro=8, accum=1, workers=0, source="module", total_samples=None)
         | {"max_steps": -1, "max_epochs": 2, "every": CKPT_STEP, "resume": str(ckpt)}
         | {"tag": "epoch2", "ckpt_dir": str(runs.root / "epoch2" / "ckpt")},
@@ -286,7 +322,13 @@ def test_resume_from_the_default_end_of_epoch_checkpoint_is_refused_not_replayed
     ids=["accumulate-2", "accumulate-8"],
 )
 def test_accumulation_over_a_ragged_epoch_keeps_lightning_on_detdata_steps(
-    tmp_path: Path, n: int, global_batch: int, micro: int, accum: int, steps: int
+    launcher: Launcher,
+    tmp_path: Path,
+    n: int,
+    global_batch: int,
+    micro: int,
+    accum: int,
+    steps: int,
 ) -> None:
     """An epoch that is not a whole number of global steps (44 rows of 8, 40 of 16), trained
     by ``max_steps`` across two or more epoch ends with ``accumulate_grad_batches`` 2 and 8 and
@@ -297,7 +339,7 @@ def test_accumulation_over_a_ragged_epoch_keeps_lightning_on_detdata_steps(
     cfg = dict(devices=1, micro=micro, accum=accum, workers=0, source="arg", total_samples=None)
     cfg |= {"n": n, "global_batch": global_batch, "max_steps": steps, "max_epochs": None}
     cfg |= {"every": 1000, "resume": None, "tag": "ragged", "ckpt_dir": str(tmp_path / "ck")}
-    (trace,) = _run(cfg, tmp_path)
+    (trace,) = _run(launcher, cfg, tmp_path)
     plain = detdata.DataLoader(
         make_dataset(n), global_batch_size=global_batch, micro_batch_size=micro, seed=SEED
     )
@@ -317,7 +359,12 @@ def test_accumulation_over_a_ragged_epoch_keeps_lightning_on_detdata_steps(
     ids=["mid-step", "after-the-last-micro-batch"],
 )
 def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
-    tmp_path: Path, micro: int, accum: int, raise_at: list[int], steps_callback: bool
+    launcher: Launcher,
+    tmp_path: Path,
+    micro: int,
+    accum: int,
+    raise_at: list[int],
+    steps_callback: bool,
 ) -> None:
     """``training_step`` raises inside gradient accumulation and ``OnExceptionCheckpoint``
     writes a checkpoint there: the loader state counts the micro batches of the step (the
@@ -332,6 +379,7 @@ def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
     base |= {"steps_callback": steps_callback}
     ck = tmp_path / "ck"
     _run(
+        launcher,
         base | {"resume": None, "tag": "first", "ckpt_dir": str(ck), "raise_at": raise_at},
         tmp_path,
         fails="injected failure inside gradient accumulation",
@@ -344,7 +392,9 @@ def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
     assert state["samples_consumed"] == raise_at[0] * 8 + (raise_at[1] + 1) * micro
     resume = str(ck / "on_exception.ckpt")
     (trace,) = _run(
-        base | {"resume": resume, "tag": "again", "ckpt_dir": str(tmp_path / "c2")}, tmp_path
+        launcher,
+        base | {"resume": resume, "tag": "again", "ckpt_dir": str(tmp_path / "c2")},
+        tmp_path,
     )
     plain = detdata.DataLoader(
         make_dataset(44), global_batch_size=8, micro_batch_size=micro, seed=SEED
@@ -360,7 +410,7 @@ def test_a_checkpoint_inside_an_optimizer_step_trains_that_step_whole(
 
 @pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
 def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_batch(
-    tmp_path: Path, package: str
+    launcher: Launcher, tmp_path: Path, package: str
 ) -> None:
     """accumulate_grad_batches 1 x micro 4 is 4 samples a step, the loader's global batch is
     8 (plain Lightning, no detdata line): the fit stops before any training_step, naming the
@@ -371,10 +421,12 @@ def test_lightning_batch_settings_that_disagree_are_refused_before_the_first_bat
     cfg |= {"max_steps": 2, "max_epochs": None, "every": 1000, "resume": None}
     cfg |= {"tag": "mismatch", "ckpt_dir": str(tmp_path / "ck"), "package": package}
     fails = (f"{package}.Trainer's batch settings disagree", "Trainer(accumulate_grad_batches=2)")
-    assert _run(cfg, tmp_path, fails=fails) == []
+    assert _run(launcher, cfg, tmp_path, fails=fails) == []
 
 
-def test_a_loader_lightning_did_not_restore_is_refused_at_train_start(tmp_path: Path) -> None:
+def test_a_loader_lightning_did_not_restore_is_refused_at_train_start(
+    launcher: Launcher, tmp_path: Path
+) -> None:
     """Epoch-based training (44 rows of global batch 8: 5 steps an epoch, ``max_epochs=1``)
     resumed for a second epoch from Lightning's end-of-epoch checkpoint at step 5: Lightning
     restores ``global_step`` 5 but hands the loader no state (its epoch had ended), so it
@@ -384,13 +436,17 @@ def test_a_loader_lightning_did_not_restore_is_refused_at_train_start(tmp_path: 
     base = dict(devices=1, micro=4, accum=2, workers=0, source="arg", total_samples=None)
     base |= {"n": 44, "max_steps": -1, "every": 1000}
     ck = tmp_path / "ck"
-    _run(base | {"max_epochs": 1, "resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
+    _run(
+        launcher,
+        base | {"max_epochs": 1, "resume": None, "tag": "first", "ckpt_dir": str(ck)},
+        tmp_path,
+    )
     resume = str(ck / "end-epoch=0-step=5.ckpt")
     again = base | {"max_epochs": 2, "resume": resume, "tag": "again", "ckpt_dir": str(ck / "2")}
     fails = (
         "Lightning resumes at optimizer step 5, but this detdata.DataLoader starts at position 0"
     )
-    assert _run(again, tmp_path, fails=fails) == []
+    assert _run(launcher, again, tmp_path, fails=fails) == []
 
 
 # A stock monitored checkpoint (what a Lightning user writes): every 2 steps, but Lightning
@@ -407,7 +463,7 @@ MONITORED |= {"monitored": True, "val_every": 10}
     ids=["1->1", "2->1", "1->1 lightning.pytorch"],
 )
 def test_a_monitored_checkpoint_saved_inside_accumulation_resumes_exactly_with_no_line(
-    tmp_path: Path, devices: int, micro: int, package: str
+    launcher: Launcher, tmp_path: Path, devices: int, micro: int, package: str
 ) -> None:
     """Plain Lightning (no detdata line), ``ModelCheckpoint(monitor="val_loss",
     every_n_train_steps=2, save_last=True)``, ``accumulate_grad_batches=4`` and a validation
@@ -427,12 +483,16 @@ def test_a_monitored_checkpoint_saved_inside_accumulation_resumes_exactly_with_n
     unified = package != "pytorch_lightning"
     first_cfg = MONITORED | {"devices": devices, "micro": micro, "accum": 4, "max_steps": 3}
     first_cfg |= {"package": package, "steps_callback": unified}
-    first = _run(first_cfg | {"resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path)
+    first = _run(
+        launcher, first_cfg | {"resume": None, "tag": "first", "ckpt_dir": str(ck)}, tmp_path
+    )
     saved = torch.load(ck / "last.ckpt", weights_only=True)
     (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert (saved["global_step"], state["samples_consumed"]) == (2, 2 * GLOBAL + GLOBAL // 2)
     cfg = MONITORED | {"devices": 1, "micro": 2, "accum": 4, "max_steps": LAST, "package": package}
-    resumed = _run(cfg | {"resume": "last", "tag": "again", "ckpt_dir": str(ck)}, tmp_path)
+    resumed = _run(
+        launcher, cfg | {"resume": "last", "tag": "again", "ckpt_dir": str(ck)}, tmp_path
+    )
     top = package.split(".")[0]
     assert [t["lightning_modules"] for t in first + resumed] == [[top]] * (devices + 1)
 

@@ -199,3 +199,46 @@ def test_a_resume_whose_loader_starts_at_position_0_is_refused_at_the_first_batc
     assert trace["records"] == []
     assert trace["refused"].startswith("StateError: torchtitan resumes after optimizer step 3")
     assert "starts at position 0" in trace["refused"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_resume_over_shards_edited_under_a_rewritten_receipt_is_refused_at_the_first_batch(
+    tmp_path: Path,
+) -> None:
+    """Issue 43, through torchtitan's DCP checkpoint: after the step-3 checkpoint every shard
+    is edited in place (same size, other tokens) and the verification receipt rewritten to
+    vouch for the edited files, so the start-up check passes and every checked field is
+    equal. The resume attestation re-derives the last samples before the checkpoint and
+    refuses at the first batch, before the model gets a micro batch, naming the position."""
+    import re
+    import time
+
+    from detdata.identity import receipts
+    from detdata.identity.manifest import Manifest
+
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = _manifest(tmp_path)
+    cfg = {"manifest": manifest, "dump": str(tmp_path / "dump"), "out": str(out)}
+    cfg |= {"global_batch": GLOBAL, "local_batch": 4, "seq_len": SEQ, "seed": SEED}
+    cfg |= {"steps": 6, "interval": 3}
+    _torchrun(1, {**cfg, "tag": "first", "stop_at": 3})
+    assert _titan_trace(out, "first")["refused"] is None
+    for shard in sorted((tmp_path / "tokens").glob("*.npy")):
+        tokens = np.load(shard)
+        np.save(shard, ((tokens.astype(np.int64) + 1) % VOCAB).astype(tokens.dtype))
+    time.sleep(receipts.RACY_S + 0.2)
+    loaded = Manifest.load(manifest, verify="off")
+    path = receipts.receipt_path(loaded)
+    assert path is not None and os.path.exists(path) and loaded.root is not None
+    ids = receipts.local_identities(loaded.root, [s.path for s in loaded.shards])
+    receipts.write_receipt(path, loaded, detdata.Verify.QUICK, None, ids)
+
+    _torchrun(1, {**cfg, "tag": "resumed", "stop_at": 6})
+    trace = _titan_trace(out, "resumed")
+    assert trace["records"] == []
+    refused = trace["refused"]
+    assert refused.startswith("StateError: resume attestation failed at step 3"), refused
+    found = re.search(r"at global position (\d+)", refused)
+    assert found and 3 * GLOBAL - 4 <= int(found.group(1)) < 3 * GLOBAL

@@ -2,14 +2,16 @@
 (`detdata.integrations.transformers.DetdataTrainer`): stop, resume, exact, step for step.
 
 Each run is a real ``Trainer.train`` in a fresh process (``hf_script.py``; two processes are
-``torch.distributed.run`` on gloo, CPU) with ``save_steps=3`` and a resume through
-``train(resume_from_checkpoint=...)``. Every micro batch the model is handed is recorded with
-the Trainer's ``global_step`` at that moment (the optimizer step it is accumulated into) and
-its ``epoch``. The reference is an uninterrupted plain `detdata.DataLoader` iterated here by
-hand at each run's rank / world size / micro batch: the Trainer's optimizer step k must hold
-exactly the micro batches of detdata's step k, in order, on every rank, before and after the
-resume; and its ``epoch`` must be an uninterrupted run's (an epoch is the loader's whole
-steps: 44 rows of global batch 8 are 5 steps, the 4 rows left over start the next epoch).
+``torch.distributed.run`` on gloo, CPU; one is forked from a warm interpreter that imported
+torch and transformers' Trainer once, tests/forkserver.py) with ``save_steps=3`` and a
+resume through ``train(resume_from_checkpoint=...)``. Every micro batch the model is handed
+is recorded with the Trainer's ``global_step`` at that moment (the optimizer step it is
+accumulated into) and its ``epoch``. The reference is an uninterrupted plain
+`detdata.DataLoader` iterated here by hand at each run's rank / world size / micro batch:
+the Trainer's optimizer step k must hold exactly the micro batches of detdata's step k, in
+order, on every rank, before and after the resume; and its ``epoch`` must be an
+uninterrupted run's (an epoch is the loader's whole steps: 44 rows of global batch 8 are 5
+steps, the 4 rows left over start the next epoch).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import detdata
+from tests.forkserver import Forkserver
 from tests.integrations.hf_script import make_dataset, make_trainer
 from tests.integrations.lightning_script import row_digests
 
@@ -57,29 +61,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
-    """One ``Trainer.train`` (one or two processes); the trace of every rank, by rank."""
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {**BASE, "out": str(out), "output_dir": str(out / "ck"), **cfg}
-    env = {
+def _env() -> dict[str, str]:
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
     }
-    launch = [sys.executable, str(SCRIPT)]
-    if cfg["procs"] > 1:  # a free port: torchrun's "--master_port 0" hangs the workers here
+
+
+@pytest.fixture(scope="module")
+def warm() -> Iterator[Forkserver]:
+    """The warm interpreter one-process runs are forked from (what hf_script.py imports, in
+    its order)."""
+    preload = ["numpy", "detdata", "torch", "transformers", "detdata.integrations.transformers"]
+    server = Forkserver(preload, _env())
+    yield server
+    server.close()
+
+
+def _run(warm: Forkserver, cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """One ``Trainer.train`` (one or two processes); the trace of every rank, by rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {**BASE, "out": str(out), "output_dir": str(out / "ck"), **cfg}
+    env = _env()
+    if cfg["procs"] == 1:
+        done = warm.run(SCRIPT, [json.dumps(cfg)], cwd=out, env=env, timeout=400)
+    else:  # a free port: torchrun's "--master_port 0" hangs the workers here
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                   str(cfg["procs"]), "--master_addr", "127.0.0.1", "--master_port",
                   str(_free_port()), str(SCRIPT)]  # fmt: skip
-    done = subprocess.run(
-        [*launch, json.dumps(cfg)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+        done = subprocess.run(
+            [*launch, json.dumps(cfg)],
+            cwd=out,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
+        )
     assert done.returncode == 0, f"{cfg}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return [
         json.loads((out / f"trace-{cfg['tag']}-rank{r}.json").read_text())
@@ -88,13 +107,14 @@ def _run(cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
 
 
 class Runs:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, warm: Forkserver) -> None:
         self.root = root
+        self.warm = warm
 
     @functools.cache  # noqa: B019 (one instance per module)
     def first(self, name: str) -> list[dict[str, Any]]:
         cfg = {**RUNS[name], "tag": name, "max_steps": FIRST_STOP, "resume": None}
-        return _run(cfg, self.root / name)
+        return _run(self.warm, cfg, self.root / name)
 
     def checkpoint(self, name: str) -> Path:
         self.first(name)
@@ -105,12 +125,12 @@ class Runs:
         first, settings = RESUMED[pair]
         tag = pair.replace("->", "to")
         cfg = {**settings, "tag": tag, "max_steps": LAST, "resume": str(self.checkpoint(first))}
-        return _run(cfg, self.root / tag)
+        return _run(self.warm, cfg, self.root / tag)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("hf"))
+def runs(tmp_path_factory: pytest.TempPathFactory, warm: Forkserver) -> Runs:
+    return Runs(tmp_path_factory.mktemp("hf"), warm)
 
 
 def reference(cfg: dict[str, Any], steps: int, rank: int) -> list[list[list[str]]]:
@@ -162,16 +182,19 @@ def test_stop_and_resume_trains_the_steps_of_an_uninterrupted_loader(runs: Runs,
     state = json.loads((runs.checkpoint(first_name) / "detdata_loader.json").read_text())
     assert state["samples_consumed"] == CKPT * BASE["global_batch"]
     assert state["step_position"]["delivered_in_step"] == 0
+    # the resume above passed the attestation of the last 4 samples before the checkpoint
+    attested = state["attestation"]
+    assert attested["first"] == CKPT * BASE["global_batch"] - 4 and len(attested["samples"]) == 4
 
 
 def test_accumulation_8_over_a_ragged_epoch_keeps_the_trainer_on_detdata_steps(
-    tmp_path: Path,
+    warm: Forkserver, tmp_path: Path
 ) -> None:
     """40 rows, global batch 16 (micro 2 x accumulation 8): an epoch is 2 whole steps, 8 rows
     left over. Over 5 steps (three epoch ends) the Trainer never takes a short step at an
     epoch's end: its step k is detdata's step k, micro batch for micro batch."""
     cfg = dict(procs=1, micro=2, accum=8, workers=0, n=40, global_batch=16, save_steps=100)
-    traces = _run({**cfg, "tag": "acc8", "max_steps": 5, "resume": None}, tmp_path)
+    traces = _run(warm, {**cfg, "tag": "acc8", "max_steps": 5, "resume": None}, tmp_path)
     check_steps(traces, cfg, range(5), steps_per_epoch=2)
 
 
@@ -235,17 +258,19 @@ def test_a_checkpoint_without_the_loader_state_is_refused(runs: Runs, tmp_path: 
     assert trainer.detdata_loader.samples_consumed == 0
 
 
-def test_a_checkpoint_inside_gradient_accumulation_trains_that_step_whole(tmp_path: Path) -> None:
+def test_a_checkpoint_inside_gradient_accumulation_trains_that_step_whole(
+    warm: Forkserver, tmp_path: Path
+) -> None:
     """A checkpoint written after the first micro batch of step 2 (accumulation 4; the
     Trainer had fetched all four): its loader state is the step's first position, so the
     resumed run trains step 2 whole, then 3 and 4, micro batch for micro batch the
     uninterrupted loader's, with the Trainer's step and epoch counters."""
     cfg = dict(procs=1, micro=2, accum=4, workers=0, save_steps=100)
     first = {**cfg, "tag": "inside", "max_steps": 3, "resume": None, "save_inside": 2}
-    _run(first, tmp_path / "first")
+    _run(warm, first, tmp_path / "first")
     ck = tmp_path / "first" / "ck" / "checkpoint-2"
     state = json.loads((ck / "detdata_loader.json").read_text())
     assert state["samples_consumed"] == 2 * BASE["global_batch"]
     again = {**cfg, "tag": "again", "max_steps": 5, "resume": str(ck)}
-    traces = _run(again, tmp_path / "again")
+    traces = _run(warm, again, tmp_path / "again")
     check_steps(traces, cfg, range(2, 5), BASE["n"] // BASE["global_batch"])

@@ -109,6 +109,7 @@ class Config:
     collate_fn: Callable[..., Any] | None = None
     lookahead: int = 0
     order: Any = None  # DataLoader order= (None: not passed)
+    attest: bool = True  # ResumePolicy.attest
 
 
 def _tokens(c: Config, corpus: Corpus) -> detdata.TokenWindows:
@@ -166,6 +167,7 @@ def build(c: Config, corpus: Corpus) -> detdata.DataLoader:
                 batches_ahead=c.read_ahead,
                 steps_ahead=c.lookahead or None,
             ),
+            resume=detdata.ResumePolicy(attest=c.attest),
         ),
         collate_fn=c.collate_fn,
         **extra,
@@ -384,11 +386,18 @@ def test_parameter_that_keeps_bytes_resumes_silently(
         a = replace(a, transform=add_one, transform_id="same")
     b = replace(a, **change)
     state, base_next = saved_state(a, corpus)
+    if case == "DataLoader.transform_id keeps":
+        # the checked fields believe the id; the resume attestation sees the other bytes
+        refused = build(b, corpus)
+        refused.load_state_dict(state)
+        with pytest.raises(detdata.StateError, match="resume attestation failed at step"):
+            next(iter(refused))
+        b = replace(b, attest=False)  # without attestation, detdata believes the id (documented)
     loader = build(b, corpus)
     loader.load_state_dict(state)
     got = steps_bytes(loader, COMPARE * MICRO // b.micro_batch_size)
     if case == "DataLoader.transform_id keeps":
-        assert got != base_next  # the user said "same": detdata believes the id (documented)
+        assert got != base_next
         assert got == fresh_suffix(b, corpus)
     else:
         assert got == base_next

@@ -39,7 +39,7 @@ def saved_after(dl: DataLoader, batches: int) -> dict[str, Any]:
 
 def test_history_is_written_as_plain_json() -> None:
     state = saved_after(loader(), 3)
-    assert state["format_version"] == STATE_VERSION == 4 and READABLE_VERSIONS == (1, 2, 3, 4)
+    assert state["format_version"] == STATE_VERSION == 5 and READABLE_VERSIONS == (1, 2, 3, 4, 5)
     assert state["history"] == [
         {"position": 0, "step": 0, "global_batch_size": 8, "world_size": 1, "micro_batch_size": 4}
     ]

@@ -191,3 +191,24 @@ def position_runs(positions: npt.NDArray[np.int64]) -> list[list[int]]:
         else:
             runs.append([p, 1])
     return runs
+
+
+def position_digests(positions: npt.NDArray[np.int64], batch: Any) -> tuple[list[str], str | None]:
+    """(one blake3 hex per position, one over the batch-level leaves or None when there are
+    none) of a delivered batch read for ``positions``: a position's digest covers every
+    per-sample leaf's name, description and that sample's bytes, so it is the same in any
+    micro batch the sample is delivered in (resume attestation: `detdata.loading.attest`).
+    A leaf that cannot be digested is the `ConfigError` of `batch_digests`."""
+    n = len(positions)
+    hashers = [blake3.blake3(_TAG) for _ in range(n)]
+    group: blake3.blake3 | None = None
+    for leaf in _leaves(batch, n):
+        head = leaf.name.encode() + b"\0" + leaf.meta.encode() + b"\0"
+        if leaf.rows is None:
+            group = group or blake3.blake3(_TAG)
+            group.update(head + len(leaf.blob).to_bytes(8, "little") + leaf.blob)
+            continue
+        for hasher, row in zip(hashers, leaf.rows, strict=True):
+            data = bytes(row)
+            hasher.update(head + len(data).to_bytes(8, "little") + data)
+    return [h.hexdigest() for h in hashers], None if group is None else group.hexdigest()

@@ -1,0 +1,153 @@
+"""Verification shared by the job's ranks (docs/design.md section 8, "Start-up at scale").
+
+The rank that claims a verification (`detdata.identity.receipts.job_meeting`) works out which
+shards need reading (the receipt's changed ones, or all) and publishes that *plan* under the
+meeting's key in the process group's store; then every rank that opens the same manifest
+(the claimant included) takes slices of it, one atomic ``add`` on the store per slice, and
+checks them, until none is left. So each shard is read by one rank, the slices are disjoint,
+and the job's wall time to verify falls with the ranks that take part, while a rank that
+opens a manifest nobody else opens still checks it all alone, waiting for nobody. A slice
+that fails is published (as JSON, `dumps_verdict`, with the rank that found it in the
+message); the claimant waits until every slice is done, raises the first failure in path
+order, and publishes that verdict, which every rank raises: the same error, naming the shard
+and the rank, on every rank.
+
+Verdicts cross the store as JSON, never pickle (the store takes what any peer sends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from detdata.base import errors
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import DetdataError
+
+#: Slices per taking rank, about: small enough to balance ranks of different speed.
+SLICES_PER_RANK: Final = 4
+
+Indices = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    """The shards to check (``todo``, ascending indices), ``size`` of a slice, and the fast
+    form's ``columns`` identity the claimant vouched for (None: none)."""
+
+    todo: Indices
+    size: int
+    columns: list[Any] | None
+
+    @property
+    def slices(self) -> int:
+        return math.ceil(self.todo.size / self.size) if self.todo.size else 0
+
+    def slice(self, i: int) -> Indices:
+        return self.todo[i * self.size : (i + 1) * self.size]
+
+    def to_json(self) -> bytes:
+        runs: list[list[int]] = []
+        for p in self.todo.tolist():
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        return canonical_json({"runs": runs, "size": self.size, "columns": self.columns})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SlicePlan:
+        doc = json.loads(raw)
+        parts = [np.arange(a, a + n, dtype=np.int64) for a, n in doc["runs"]]
+        todo = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return cls(todo, int(doc["size"]), doc["columns"])
+
+    @classmethod
+    def of(cls, todo: Indices, ranks: int, limit: int, columns: list[Any] | None) -> SlicePlan:
+        """A plan of slices of about ``todo / (ranks * SLICES_PER_RANK)`` shards (at most
+        ``limit``)."""
+        size = max(1, min(limit, math.ceil(todo.size / max(1, ranks * SLICES_PER_RANK))))
+        return cls(todo, size, columns)
+
+
+def take_slices(
+    store: Any, key: str, plan: SlicePlan, rank: int, check: Callable[[Indices], Exception | None]
+) -> None:
+    """Take slices of ``plan`` until none is left, ``check`` each; a failure (returned or
+    raised) is published with ``rank`` in its message. Once any rank published one, the
+    slices still untaken are marked done unchecked: they come after the failing one in path
+    order (slices are taken in order), so the first failure stays the verdict."""
+    while True:
+        i = int(store.add(key + "/next", 1)) - 1
+        if i >= plan.slices:
+            return
+        found = None
+        if not store.check([key + "/stop"]):
+            try:
+                found = check(plan.slice(i))
+            except Exception as exc:  # an I/O error, say: the verdict, for every rank
+                found = exc
+        if found is not None:
+            store.set(f"{key}/fail/{i}", dumps_verdict(found, found_by=rank))
+            store.add(key + "/fails", 1)
+            store.set(key + "/stop", b"1")
+        store.add(key + "/done", 1)
+
+
+def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
+    """Wait until every slice of ``plan`` is done (every taker finished its slice); the
+    failure of the first failing slice (path order), or None."""
+    pause = 0.005
+    while int(store.add(key + "/done", 0)) < plan.slices:
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+    if int(store.add(key + "/fails", 0)) == 0:
+        return None
+    for i in range(plan.slices):
+        if store.check([f"{key}/fail/{i}"]):
+            return loads_verdict(store.get(f"{key}/fail/{i}"))
+    return None  # unreachable: a failure counted is set first
+
+
+def dumps_verdict(verdict: BaseException | None, *, found_by: int | None = None) -> bytes:
+    """A verdict for the store, as JSON: the detdata error class's name, its message and
+    its JSON-plain fields; another exception becomes a `DetdataError` carrying its type and
+    text. ``found_by``: the rank that found it, said in the message."""
+    if verdict is None:
+        return b"null"
+    if not isinstance(verdict, DetdataError) or error_class(type(verdict).__name__) is None:
+        verdict = DetdataError(f"the verifying rank failed: {type(verdict).__name__}: {verdict}")
+    fields = {
+        k: v for k, v in vars(verdict).items() if isinstance(v, (str, int, float, bool, type(None)))
+    }
+    message = str(verdict.args[0]) if verdict.args else str(verdict)
+    if found_by is not None:
+        message += f" (found by rank {found_by}, one of the ranks sharing the verification)"
+    return canonical_json({"type": type(verdict).__name__, "message": message, "fields": fields})
+
+
+def loads_verdict(raw: bytes) -> DetdataError | None:
+    """The verdict `dumps_verdict` wrote: the same detdata error class, message and fields."""
+    found = json.loads(raw)
+    if found is None:
+        return None
+    cls = error_class(str(found.get("type", ""))) or DetdataError
+    error = cls(str(found.get("message", "")))
+    for name, value in dict(found.get("fields", {})).items():
+        setattr(error, str(name), value)
+    return error
+
+
+def error_class(name: str) -> type[DetdataError] | None:
+    """The detdata error class of that name (`detdata.base.errors`), or None."""
+    found = getattr(errors, name, None)
+    if isinstance(found, type) and issubclass(found, DetdataError):
+        return found
+    return None
