@@ -2,8 +2,8 @@
 
 The figures are measured by each rank process itself (/proc/self, getrusage); the checks
 here are the ones a smoke run can make on a shared machine: every rank delivered a batch,
-the ranks' batches differ, one rank per job read the corpus at the first start and the
-restart read under 1% of it (receipts)."""
+the ranks' batches differ, the ranks together read the corpus once at the first start (the
+job's verification is shared) and the restart read under 1% of it (receipts)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def test_startup_benchmark_smoke_run(tmp_path: Path) -> None:
         assert len(row["per_rank"]) == 2
     first, restart = rows["first"], rows["restart"]
     corpus = first["corpus_bytes"]
-    reads = sorted(r["rchar"] for r in first["per_rank"])
-    assert reads[-1] >= corpus  # the verifier read every checked byte
-    assert reads[0] < corpus // 4  # the other rank did not
+    reads = [r["rchar"] for r in first["per_rank"]]
+    # the job's verification is shared by its ranks (issue 43): together they read every
+    # checked byte, and no shard twice (each rank's own first batch is a small extra)
+    assert corpus <= sum(reads) < corpus * 3 // 2
     assert restart["job_rchar"] < first["job_rchar"] - corpus // 2
 
 

@@ -500,10 +500,15 @@ def test_diff_states_reports_each_differing_field(tmp_path: Path) -> None:
     assert same.returncode == 0 and same.stdout.startswith("identical: "), same.stdout + same.stderr
     moved = diff("--state", paths["one"], paths["two"])
     assert moved.returncode == 1
-    assert moved.stdout.splitlines()[1:] == [
+    lines = moved.stdout.splitlines()[1:]
+    assert [line for line in lines if not line.startswith("attestation.")] == [
         "samples_consumed: A 0 | B 6  [position]",
         "step_position.delivered_in_step: A 0 | B 6  [position]",  # 6 of step 0's 8 samples
     ]
+    # B attests the last 4 samples delivered before it (issue 43): positions 2..5
+    assert "attestation.first: A null | B 2" in lines
+    attested = [line.split(":")[0] for line in lines if line.startswith("attestation.samples[")]
+    assert attested == [f"attestation.samples[{i}]" for i in range(4)]
     seeded = diff("--state", paths["one"], paths["seed"])
     assert seeded.returncode == 1 and "\nseed: A 4 | B 5  [checked on resume]" in seeded.stdout
     (tmp_path / "bad.json").write_text("{")
