@@ -10,7 +10,8 @@ Each case drives one path of ``TokenWindows.read`` (see `detdata.datasets.window
   file loop straight into the rows; native where built);
 * ``batched-python``: the same with the native loop switched off (its Python twin);
 * ``batched-uint16``: the same over uint16 shards (staged, widened to int32);
-* ``hinted``: ``batched`` with each read hinted one batch ahead (``read_ahead``; ``prefetch`` in a checkout before issue 42).
+* ``hinted``: ``batched`` with each read hinted one batch ahead (``read_ahead``;
+  ``prefetch`` in a checkout before issue 42).
 
 Every measured run is a fresh interpreter that builds the dataset, reads one warm-up pass
 of its batches, then reads ``--batches`` batches; reported: CPU seconds of the process

@@ -118,7 +118,7 @@ class LoaderIterator:
         self._batches.close()
 
 
-def _close(iterator: Iterator[Any], _generator: type = Generator) -> None:
+def _close(iterator: Iterator[Any], _generator: type[Generator[Any, Any, Any]] = Generator) -> None:
     # ``_generator`` keeps the type reachable when an unfinished iterator is finalized at
     # interpreter exit, after the module's globals are gone (the stdlib's ``__del__`` idiom)
     if isinstance(iterator, _generator):
