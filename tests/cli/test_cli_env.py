@@ -281,8 +281,13 @@ def _saved_record(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def saved_record(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """One checkout and the record ``detdata env`` saved of it, shared by the tests below that
-    only read them (each writes its own output under its own ``tmp_path``)."""
-    return _saved_record(tmp_path_factory.mktemp("env-record"))
+    only read them (each writes its own output under its own ``tmp_path``). Receipts and the
+    shard cache in folders of its own, as tests/conftest.py gives each test."""
+    tmp = tmp_path_factory.mktemp("env-record")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DETDATA_RECEIPTS", str(tmp / "receipts"))
+        env.setenv("DETDATA_CACHE_DIR", str(tmp / "shard-cache"))
+        return _saved_record(tmp)
 
 
 @pytest.mark.parametrize(
