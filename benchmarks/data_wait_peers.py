@@ -7,9 +7,10 @@ Both read the same samples as detdata and torch's loaders (the ``.npy`` token sh
   format (a folder beside the shards, reused while the data's spec is the same), then
   ``StreamingDataset(shuffle=True, seed)`` + ``StreamingDataLoader(batch_size, num_workers)``;
 * ``grain``: a random-access source over the same ``.npy`` shards (memory-mapped, one record
-  a sample), ``grain.IndexSampler(shuffle=True, seed)`` + ``grain.DataLoader`` with
-  ``grain.Batch`` and ``worker_count`` (reads in the calling thread, as in
-  ``benchmarks/peers``: grain's default 16 reader threads a process thrash on 2 cores).
+  a sample), ``grain.MapDataset.source(...).shuffle(seed).repeat().batch(...)``, then
+  ``to_iter_dataset`` and, with workers, ``mp_prefetch(MultiprocessingOptions(num_workers))``
+  (reads in the calling thread, as in ``benchmarks/peers``: grain's default 16 reader
+  threads a process thrash on 2 cores).
 
 They are installed in ``benchmarks/peers/.venv`` only (``benchmarks/peers/install.sh``), never
 in the project's ``.venv``: where one cannot be imported it is not run, with the reason.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import multiprocessing
 import os
 import shutil
 import uuid
@@ -82,6 +84,9 @@ def litdata_folder(root: Path) -> Path:
         output_dir=str(partial),
         chunk_bytes="64MB",
         num_workers=1,
+        # litData sets the process-wide start method (spawn by default): keep the one every
+        # other contender's workers start with
+        start_method=multiprocessing.get_start_method(),
     )
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(partial, folder)
@@ -120,7 +125,7 @@ class PeerRunner:
         self.batch: int = spec["batch"]
         self.seed: int = spec["seed"]
         self.num_samples = 0
-        self._loader: Any = None
+        self._open: list[Any] = []  # iterators to close
 
     def batches(self, resume_at: int | None) -> Iterator[Any]:
         if resume_at:
@@ -134,32 +139,30 @@ class PeerRunner:
 
         ds = StreamingDataset(str(litdata_folder(self.root)), shuffle=True, seed=self.seed)
         self.num_samples = len(ds)
-        self._loader = StreamingDataLoader(ds, batch_size=self.batch, num_workers=self.workers)
-        return _epochs(self._loader)
+        loader = StreamingDataLoader(ds, batch_size=self.batch, num_workers=self.workers)
+        epochs = _epochs(loader)
+        self._open.append(epochs)  # closing it ends the epoch's iterator and its workers
+        return epochs
 
     def _grain(self) -> Iterator[Any]:
         import grain.python as grain
 
         source = _NpyShards([str(p) for p in data_files(self.root, "tokens")])
         self.num_samples = len(source)
-        sampler = grain.IndexSampler(
-            num_records=len(source),
-            shard_options=grain.NoSharding(),
-            shuffle=True,
-            num_epochs=None,
-            seed=self.seed,
+        ds = grain.MapDataset.source(source).shuffle(seed=self.seed).repeat(None)
+        batched = ds.batch(self.batch, drop_remainder=True).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
         )
-        self._loader = grain.DataLoader(
-            data_source=source,
-            sampler=sampler,
-            operations=[grain.Batch(self.batch, drop_remainder=True)],
-            worker_count=self.workers,
-            read_options=grain.ReadOptions(num_threads=0, prefetch_buffer_size=0),
-        )
-        return iter(self._loader)  # num_epochs=None: one iterator for ever
+        if self.workers:
+            batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
+        iterator = iter(batched)  # repeat(None): one iterator for ever
+        self._open.append(iterator)
+        return iterator
 
     def close(self) -> None:
-        self._loader = None  # both stop their worker processes when collected
+        for it in self._open:
+            it.close()  # grain: stops its worker processes; litData: ends the epoch's workers
+        self._open.clear()
 
 
 def _epochs(loader: Any) -> Iterator[Any]:
