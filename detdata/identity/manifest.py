@@ -52,6 +52,7 @@ from detdata.identity.entry import (
 )
 from detdata.identity.formats import Format
 from detdata.identity.manifest_id import manifest_id
+from detdata.identity.node_copy import node_source
 from detdata.identity.receipts import verify_job
 from detdata.storage.fs import is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -376,30 +377,18 @@ class Manifest:
         naming the URL at its deadline).
         """
         mode = parse_verify(verify)
-        shown = redact_url(path)
+        where = f"manifest {redact_url(path)}"
+        reader = functools.partial(_read_files, path, check_policy(retry), storage_options)
+        copy = node_source(path, reader)  # one read per node (docs/design.md section 8)
+        if copy is not None:
+            fast = _load_columns(copy.path, root) if copy.columns else None
+            manifest = fast or cls.loads(copy.text, root=root, where=where)
+            return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
         fast = _load_columns(path, root)
         if fast is not None:
             return cls._finish_load(fast, path, root, mode, threads, retry, storage_options)
-        try:
-            text = read_file_retrying(
-                path, policy=check_policy(retry), what="manifest read", **storage_options
-            )
-        except FileNotFoundError:
-            raise ManifestError(
-                f"manifest file not found: {shown}; hint: check the path "
-                "(or URL) of the manifest JSON"
-            ) from None
-        except IsADirectoryError:
-            raise ManifestError(redact_text(_folder_given(path))) from None
-        except (NotADirectoryError, PermissionError) as exc:
-            raise ManifestError(
-                redact_text(
-                    f"cannot read manifest {shown}: {type(exc).__name__}: "
-                    f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                    "(e.g. DIR/manifest.json), readable by this user"
-                )
-            ) from None
-        manifest = cls.loads(text, root=root, where=f"manifest {shown}")
+        text = _read_text(path, check_policy(retry), storage_options)
+        manifest = cls.loads(text, root=root, where=where)
         return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
 
     @classmethod
@@ -514,6 +503,44 @@ def _load_columns(path: str, root: str | None) -> Manifest | None:
         metadata=header["metadata"],
         root=root if root is not None else stored_root,
     )
+
+
+def _read_text(path: str, policy: RetryPolicy, storage_options: dict[str, Any]) -> bytes:
+    """Every byte of the manifest file at ``path``; a `ManifestError` naming it when it
+    cannot be read."""
+    shown = redact_url(path)
+    try:
+        return read_file_retrying(path, policy=policy, what="manifest read", **storage_options)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"manifest file not found: {shown}; hint: check the path (or URL) of the manifest JSON"
+        ) from None
+    except IsADirectoryError:
+        raise ManifestError(redact_text(_folder_given(path))) from None
+    except (NotADirectoryError, PermissionError) as exc:
+        raise ManifestError(
+            redact_text(
+                f"cannot read manifest {shown}: {type(exc).__name__}: "
+                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                "(e.g. DIR/manifest.json), readable by this user"
+            )
+        ) from None
+
+
+def _read_files(
+    path: str, policy: RetryPolicy, storage_options: dict[str, Any]
+) -> tuple[bytes, bytes | None]:
+    """The manifest JSON at ``path`` and, for a local one, its fast form's bytes (None
+    where there is none or it cannot be read: the JSON decides), for the node copy."""
+    text = _read_text(path, policy, storage_options)
+    local = _local(path)
+    if local is None:
+        return text, None
+    try:
+        with open(columns_path(local), "rb") as fh:
+            return text, fh.read()
+    except OSError:
+        return text, None
 
 
 def _or_minus_one(value: int | None) -> int:
