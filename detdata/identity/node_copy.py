@@ -3,13 +3,14 @@
 Under an initialised ``torch.distributed`` process group of more than one rank, the ranks
 of one node that load the same manifest (`detdata.identity.manifest.Manifest.load`) meet
 under a key of the process group's store: the manifest's path (a local one absolute, with
-its file's device and inode; a URL without credentials), this node (`node_key`: host name
-and boot id) and the n-th load of that path in each process. The first rank to claim the
-key (an atomic ``add``; under torchrun usually local rank 0) is the node's *reader*: it
-reads (local root) or fetches (object store, through fsspec) the manifest JSON and, for a
-local manifest, its fast form (`detdata.identity.columns`), writes both atomically into
-``manifests/`` of the default cache folder (``$DETDATA_CACHE_DIR``, else
-``~/.cache/detdata/shards``), named for their blake3, and publishes their blake3 digests
+its file's device, inode, size and times, so ranks meet only over the same file; a URL
+without credentials), this node (`node_key`: host name and boot id) and the n-th load of
+that path in each process. The first rank to claim the key (an atomic ``add``; under
+torchrun usually local rank 0) is the node's *reader*: it reads (local root) or fetches
+(object store, through fsspec) the manifest JSON and, for a local manifest, its fast form
+(`detdata.identity.columns`), writes both atomically into ``manifests/`` of the default
+cache folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``), named for their
+blake3 (a copy already there with those bytes is kept), and publishes their blake3 digests
 under the key. The node's other ranks map those copies instead of reading the manifest
 themselves: each hashes what it mapped and uses it only when it is the published digest.
 
@@ -118,7 +119,7 @@ def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
         where = [os.path.abspath(local)]
         with contextlib.suppress(OSError):
             st = os.stat(local)
-            where += [st.st_dev, st.st_ino]
+            where += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     digest = blake3.blake3(canonical_json([where, node_key()])).hexdigest()[:32]
     count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
     key = f"detdata/manifest/{digest}/{count}"
@@ -162,12 +163,28 @@ def _write_copy(text: bytes, columns: bytes | None) -> tuple[dict[str, str | Non
     path = _copy_path(copy, folder)
     try:
         if columns is not None:
-            atomic_write_bytes(columns_path(path), columns)
-        atomic_write_bytes(path, text)
+            _keep_or_write(columns_path(path), columns, copy[K_COLUMNS])
+        _keep_or_write(path, text, copy[K_JSON])
     except (OSError, DetdataError) as exc:
         _log_once(folder, f"cannot write the node copy of a manifest there ({exc})")
         return None, ""
     return copy, path
+
+
+def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
+    """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
+    blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
+    if _file_digest(path) != digest:
+        atomic_write_bytes(path, data)
+
+
+def _file_digest(path: str) -> str | None:
+    """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return blake3.blake3(mm).hexdigest()
+    except (OSError, ValueError):
+        return None
 
 
 def _map_copy(copy: object, path: str) -> NodeSource | None:

@@ -171,3 +171,12 @@ def test_the_readers_error_is_named_on_every_rank_of_the_node(job: dict[str, Any
     reader = [r["rank"] for r, m in zip(ranks, named, strict=True) if m is None]
     assert len(reader) == 1, ranks  # one rank tried; the others were told, naming it
     assert {m.group(1) for m in named if m is not None} == {str(reader[0])}, ranks
+
+
+def test_without_a_process_group_the_manifest_is_read_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest, path = _manifest(tmp_path / "one", 5)
+    monkeypatch.setenv("DETDATA_CACHE_DIR", str(tmp_path / "cache"))
+    assert Manifest.load(str(path), verify="off").id == manifest.id
+    assert not (tmp_path / "cache" / "manifests").exists()
