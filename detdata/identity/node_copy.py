@@ -7,8 +7,10 @@ its file's device, inode, size and times, so ranks meet only over the same file;
 without credentials), this node (`node_key`: host name and boot id) and the n-th load of
 that path in each process. The first rank to claim the key (an atomic ``add``; under
 torchrun usually local rank 0) is the node's *reader*: it reads (local root) or fetches
-(object store, through fsspec) the manifest JSON and, for a local manifest, its fast form
-(`detdata.identity.columns`), writes both atomically into ``manifests/`` of the default
+(object store, through fsspec) the manifest: its JSON or, for a local manifest with a fast
+form (`detdata.identity.columns`), the columns file and the JSON's head (the fields before
+its shards: a fast form's open reads no more of the JSON, and the verification, when it
+reads the JSON, reads the original), writes them atomically into ``manifests/`` of the default
 cache folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``), named for their
 blake3 (a copy already there with those bytes is kept), and publishes their blake3 digests
 under the key. The node's other ranks map those copies instead of reading the manifest
@@ -54,7 +56,6 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import DetdataError
 from detdata.base.redact import get_logger, redact_text, redact_url, strip_credentials
 from detdata.identity import shared
-from detdata.identity.columns import columns_path
 from detdata.identity.receipts import node_key
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.cache_folder import make_layout, owned_alone, user_cache_dir
@@ -62,8 +63,6 @@ from detdata.storage.fs import is_url
 
 #: the cache folder's sub-folder holding the node copies of manifests
 FOLDER: Final = "manifests"
-#: store fields published by the reader: the copies' digests, and its verdict
-K_JSON, K_COLUMNS = "json", "columns"
 _HEX: Final = re.compile(r"[0-9a-f]{64}")
 _ROLE: Final = "the rank that read the manifest for this node"
 _WAIT: Final = timedelta(days=7)
@@ -72,19 +71,25 @@ log: Final = get_logger("detdata.manifest")
 _CALLS: dict[str, int] = {}
 _LOGGED: set[str] = set()
 
-#: reads the manifest from its path: (the JSON's bytes, the fast form's bytes or None)
-Reader = Callable[[], tuple[bytes, bytes | None]]
+#: what a node copy holds, each kind a file of the copy: the JSON (``json``), or a fast
+#: form's columns (``columns``) and the JSON's head (``head``: the fields before its shards)
+KINDS: Final = ("json", "head", "columns")
+#: the kinds a copy holds together: a JSON, or a fast form
+_SHAPES: Final = ({"json"}, {"head", "columns"})
+#: the kinds a rank takes as bytes (the columns are opened by path: `ColumnsFile`)
+_AS_BYTES: Final = ("json", "head")
+#: reads the manifest from its path: kind -> bytes
+Reader = Callable[[], dict[str, bytes]]
 
 
 @dataclass(frozen=True)
 class NodeSource:
-    """The node copy of a manifest: ``path`` of its JSON (its fast form, when ``columns``,
-    at `columns_path` of it), and ``text``, the JSON's bytes, checked against the digest
-    the node's reader published."""
+    """The node copy of a manifest: the ``path`` of each kind's file (`KINDS`) and the
+    bytes of the small ones (``json``, ``head``), each checked against the digest the
+    node's reader published."""
 
-    path: str
-    text: bytes
-    columns: bool
+    path: dict[str, str]
+    data: dict[str, bytes]
 
 
 def node_source(path: str, read: Reader) -> NodeSource | None:
@@ -133,42 +138,38 @@ def _read_and_share(store: Any, key: str, rank: int, read: Reader) -> NodeSource
         "the rank reading the manifest for this node stopped before it was read "
         "(interrupted); hint: restart the job"
     )
-    copy: dict[str, str | None] | None = None
+    digests: dict[str, str] | None = None
     try:
-        text, columns = read()
-        copy, where = _write_copy(text, columns)
+        files = read()
+        digests, paths = _write_copy(files)
         verdict = None
     except Exception as exc:  # every rank of the node waiting on this key raises it too
         verdict = exc
         raise
     finally:
-        store.set(key + "/copy", canonical_json(copy))
+        store.set(key + "/copy", canonical_json(digests))
         store.set(key + "/verdict", shared.dumps_verdict(verdict, found_by=rank, role=_ROLE))
-    if copy is None:
+    if digests is None:
         return None
-    return NodeSource(where, text, copy[K_COLUMNS] is not None)
+    return NodeSource(paths, {k: v for k, v in files.items() if k in _AS_BYTES})
 
 
-def _write_copy(text: bytes, columns: bytes | None) -> tuple[dict[str, str | None] | None, str]:
-    """Write the node copy (JSON, fast form) atomically; ``(its digests, its JSON's
-    path)``, or ``(None, "")`` where it cannot be written (logged: every rank then reads
-    the manifest itself)."""
+def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """Write the node copy's files atomically; ``(their digests, their paths)``, or
+    ``(None, {})`` where they cannot be written (logged: every rank then reads the
+    manifest itself)."""
     folder = copy_folder()
     if folder is None:
-        return None, ""
-    copy = {
-        K_JSON: blake3.blake3(text).hexdigest(),
-        K_COLUMNS: None if columns is None else blake3.blake3(columns).hexdigest(),
-    }
-    path = _copy_path(copy, folder)
+        return None, {}
+    digests = {kind: blake3.blake3(data).hexdigest() for kind, data in files.items()}
+    paths = _copy_paths(digests, folder)
     try:
-        if columns is not None:
-            _keep_or_write(columns_path(path), columns, copy[K_COLUMNS])
-        _keep_or_write(path, text, copy[K_JSON])
+        for kind, data in sorted(files.items()):
+            _keep_or_write(paths[kind], data, digests[kind])
     except (OSError, DetdataError) as exc:
         _log_once(folder, f"cannot write the node copy of a manifest there ({exc})")
-        return None, ""
-    return copy, path
+        return None, {}
+    return digests, paths
 
 
 def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
@@ -187,30 +188,34 @@ def _file_digest(path: str) -> str | None:
         return None
 
 
-def _map_copy(copy: object, path: str) -> NodeSource | None:
+def _map_copy(digests: object, path: str) -> NodeSource | None:
     """The reader's node copy, mapped and checked against the digests it published; None
     (and a warning naming the copy) where it is missing, torn or other bytes."""
-    if not isinstance(copy, dict) or not all(_valid(copy.get(k)) for k in (K_JSON, K_COLUMNS)):
+    if not isinstance(digests, dict) or set(digests) not in _SHAPES:
         return None  # the reader made no copy (or sent something else): read it yourself
+    if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests.values()):
+        return None
     folder = copy_folder()
-    if copy[K_JSON] is None or folder is None:
+    if folder is None:
         return None
-    where = _copy_path(copy, folder)
-    text = _mapped(where, copy[K_JSON], path)
-    if text is None:
-        return None
-    if copy[K_COLUMNS] is not None and _mapped(columns_path(where), copy[K_COLUMNS], path) is None:
-        return None
-    return NodeSource(where, text, copy[K_COLUMNS] is not None)
+    paths = _copy_paths(digests, folder)
+    data: dict[str, bytes] = {}
+    for kind, want in sorted(digests.items()):
+        found = _mapped(paths[kind], want, path, keep=kind in _AS_BYTES)
+        if found is None:
+            return None
+        if kind in _AS_BYTES:
+            data[kind] = found
+    return NodeSource(paths, data)
 
 
-def _mapped(copy: str, want: str, path: str) -> bytes | None:
-    """The bytes of ``copy`` (mapped, not read) when their blake3 is ``want``, else None
-    with a warning naming the copy, both digests and the manifest."""
+def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
+    """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
+    ``want``, else None with a warning naming the copy, both digests and the manifest."""
     try:
         with open(copy, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             found = blake3.blake3(mm).hexdigest()
-            data = bytes(mm) if found == want else b""
+            data = bytes(mm) if keep and found == want else b""
     except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
         found = f"unreadable ({type(exc).__name__}: {exc})"
         data = b""
@@ -247,14 +252,11 @@ def copy_folder() -> str | None:
     return None
 
 
-def _copy_path(copy: dict[str, Any], folder: str) -> str:
-    """The copy's JSON path in ``folder``: named for the blake3 of both files' digests."""
-    name = blake3.blake3(canonical_json([copy[K_JSON], copy[K_COLUMNS]])).hexdigest()[:40]
-    return os.path.join(folder, name + ".json")
-
-
-def _valid(digest: object) -> bool:
-    return digest is None or (isinstance(digest, str) and _HEX.fullmatch(digest) is not None)
+def _copy_paths(digests: dict[str, str], folder: str) -> dict[str, str]:
+    """Each kind's file of the copy in ``folder``: ``<name>.<kind>``, the name the blake3
+    of every file's digest (never a path sent by a peer)."""
+    name = blake3.blake3(canonical_json(digests)).hexdigest()[:40]
+    return {kind: os.path.join(folder, f"{name}.{kind}") for kind in digests}
 
 
 def _local(path: str) -> str | None:

@@ -133,8 +133,10 @@ def test_a_fast_form_manifest_and_its_columns_are_opened_once_on_the_node(
     assert [(r["id"], r["shards"]) for r in ranks] == [(manifest.id, 1200)] * RANKS, ranks
     # one rank opened the JSON and its columns, once each; nobody else opened them ...
     assert [r["opened"] for r in ranks].count([]) == RANKS - 1, ranks
-    both = path.stat().st_size + Path(columns_path(str(path))).stat().st_size
-    (reader,) = _readers(ranks, both)  # ... and it read both in full
+    (reader,) = _readers(ranks, Path(columns_path(str(path))).stat().st_size)
+    # ... and read the columns in full, and of the JSON only its head (the fields before
+    # the shards, as every rank read it before: the JSON's entries are the columns')
+    assert ranks[reader]["read"] < Path(columns_path(str(path))).stat().st_size + 40_000, ranks
     assert sorted(ranks[reader]["opened"]) == [str(path), columns_path(str(path))], ranks
 
 
