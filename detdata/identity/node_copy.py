@@ -108,7 +108,11 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
     found = shared.loads_verdict(store.get(key + "/verdict"))
     if found is not None:
         raise found
-    return _map_copy(json.loads(store.get(key + "/copy")), path)
+    try:
+        digests = json.loads(store.get(key + "/copy"))
+    except ValueError:  # not what a reader sends: read the manifest yourself
+        return None
+    return _map_copy(digests, path)
 
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
