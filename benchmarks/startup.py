@@ -20,7 +20,9 @@ batch (8 windows at its positions of a `GlobalOrder`). Per rank it reports, from
   torch import, reported apart);
 * ``manifest_opens``: opens of the manifest's own files (the JSON and its fast form, at
   their path: CPython's ``open`` audit event) by the rank; with one manifest read per
-  node, one rank of the node opens them and the others map its node copy
+  node, one rank of the node opens them to load the manifest and the others map its node
+  copy; the job's verifier (any rank) opens the JSON too when it checks it against the
+  columns (a first start, or files changed within 2 s of their receipt)
   (``ranks_opening_manifest`` in the summary);
 * ``rchar`` / ``read_bytes``: bytes the rank read through system calls / from the block
   device during the open (``/proc/self/io``). ``rchar`` misses what a process reads
@@ -408,7 +410,8 @@ def main() -> None:
                             f"{row['job_rchar_over_corpus']:.4f}x corpus (from disk "
                             f"{row['job_read_bytes_over_corpus']:.4f}x"
                             f"{', cold' if row['cold_cache'] else ''}); manifest files "
-                            f"opened by {row['ranks_opening_manifest']}/{ranks} ranks  "
+                            f"opened by {row['ranks_opening_manifest']}/{ranks} ranks "
+                            "(loading it, or verifying its JSON)  "
                             f"wall {row['job_wall_s']:.1f}s",
                             flush=True,
                         )
