@@ -155,7 +155,7 @@ class PeerRunner:
         )
         if self.workers:
             batched = batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
-        iterator = iter(batched)  # repeat(None): one iterator for ever
+        iterator: Iterator[Any] = iter(batched)  # repeat(None): one iterator for ever
         self._open.append(iterator)
         return iterator
 

@@ -171,9 +171,10 @@ def bars(
     width = 0.8 / len(series)
     for i, s in enumerate(series):
         xs = [k + i * width for k in range(len(names))]
+        values = [groups[n][s] for n in names]
         drawn = ax.bar(
             xs,
-            [groups[n][s] for n in names],
+            values,
             width,
             label=s,
             color="white",
@@ -181,7 +182,7 @@ def bars(
             hatch=hatches[i % len(hatches)],
         )
         if value_format is not None:
-            ax.bar_label(drawn, [value_format.format(v) for v in drawn.datavalues], fontsize=7)
+            ax.bar_label(drawn, [value_format.format(v) for v in values], fontsize=7)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=12)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
