@@ -51,7 +51,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
+from typing import Any, ClassVar, Final, NamedTuple, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -59,7 +59,7 @@ import numpy.typing as npt
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.doc_table import (
@@ -85,15 +85,6 @@ from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 #: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
 _MASK_UNITS: Final = 8

@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.index_files import building, load_index, reload_index, save_index
@@ -71,14 +71,7 @@ from detdata.identity.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
     from tokenizers import Tokenizer
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 #: The manifest metadata key that records the text field (`text_metadata`).
 TEXT_FIELD: Final = "text_field"
