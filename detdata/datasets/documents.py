@@ -80,7 +80,7 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
@@ -291,12 +291,7 @@ class Documents:
         return found
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        if self.index_dir is not None:
-            state["_starts"] = None  # re-loaded from the index file, not pickled
-        return state
+        return pickled_state(self, self._DERIVED, "_starts")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -63,7 +63,7 @@ from detdata.datasets.arrow_numpy import (
 )
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_column
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.rowgroups import (
     Columns,
     Group,
@@ -232,9 +232,7 @@ class TableRows:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_index", None)  # made again from the manifest's columns
-        return state
+        return pickled_state(self, ("_index",))  # made again from the manifest's columns
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

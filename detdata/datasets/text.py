@@ -42,7 +42,7 @@ from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.index_files import building, load_index, reload_index, save_index
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.datasets.text_index import (
@@ -235,12 +235,7 @@ class TextDocuments:
                 row += 1
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        if self.index_dir is not None:
-            state["_index"] = None  # re-loaded from the index file, not pickled
-        return state
+        return pickled_state(self, self._DERIVED, "_index")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
