@@ -117,20 +117,18 @@ def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> Verif
         return missing(shard, where)
     try:
         size = os.fstat(fd).st_size
-        if size != shard.bytes:
-            return mismatch(shard, "bytes", size, where)
-        if size <= SMALL_SHARD:
+        if size == shard.bytes <= SMALL_SHARD:
             return check_whole(shard, _pread_all(fd, size), where)
-        head = _pread_all(fd, QUICK_SPAN, 0)
-        tail = _pread_all(fd, QUICK_SPAN, size - QUICK_SPAN)
-        found_quick = quick_digest_parts(size, head, tail)
-        if found_quick != shard.quick:
-            return mismatch(shard, "quick", found_quick, where)
-        if mode is Verify.FULL:
-            found_full = full_digest_fd(fd)
-            if found_full != shard.blake3:
-                return mismatch(shard, "blake3", found_full, where)
-        return None
+        return check_bytes(
+            shard,
+            mode,
+            where,
+            size=lambda: size,
+            quick=lambda n: quick_digest_parts(
+                n, _pread_all(fd, QUICK_SPAN, 0), _pread_all(fd, QUICK_SPAN, n - QUICK_SPAN)
+            ),
+            full=lambda _n: full_digest_fd(fd),
+        )
     finally:
         os.close(fd)
 
