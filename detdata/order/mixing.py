@@ -626,10 +626,6 @@ class MixtureSchedule:
     def _phase_of(self, position: int) -> Phase:
         return self.phases[int(np.searchsorted(self._starts, position, side="right")) - 1]
 
-    def phases_before(self, position: int) -> int:
-        """How many phases start before ``position`` (a binary search: O(log phases))."""
-        return int(np.searchsorted(self._starts, position, side="left"))
-
     def phase_at(self, position: int) -> Phase:
         """The phase in effect at global ``position`` (in ``[0, 2**62)``)."""
         return self._phase_of(
