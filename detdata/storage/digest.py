@@ -49,16 +49,6 @@ def full_digest_path(path: str) -> str:
         os.close(fd)
 
 
-def quick_digest_path(path: str, size: int) -> str:
-    """The quick digest of the local file ``path`` of ``size`` bytes (first and last MiB)."""
-    span = min(size, QUICK_SPAN)
-    with open(path, "rb") as fh:
-        head = fh.read(span)
-        fh.seek(size - span)
-        tail = fh.read(span)
-    return quick_digest_parts(size, head, tail)
-
-
 def quick_digest_fd(fd: int, size: int) -> str:
     """The quick digest of an open local file of ``size`` bytes (first and last MiB)."""
     span = min(size, QUICK_SPAN)
