@@ -39,7 +39,7 @@ from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
-from detdata.storage.digest import full_digest_fd, full_digest_retrying, quick_digest_retrying
+from detdata.storage.digest import digest_retrying, full_digest_fd
 from detdata.storage.fs import (
     filesystem,
     is_local_fs,
@@ -240,7 +240,9 @@ def _full_remote(
 ) -> VerificationError | None:
     """The blake3 check of a large remote shard whose size and quick digest matched."""
     url = manifest.url(shard)
-    found = full_digest_retrying(fs, path, shard.bytes, policy=policy, shard=shard.path, url=url)
+    found = digest_retrying(
+        fs, path, shard.bytes, full=True, policy=policy, shard=shard.path, url=url
+    )
     if found != shard.blake3:
         return mismatch(shard, "blake3", found, _where(manifest, shard))
     return None
@@ -307,8 +309,10 @@ def check_remote(
         mode,
         f"shard {name} ({redact_url(url)})",
         size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
-        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+        quick=lambda n: digest_retrying(
+            fs, path, n, full=False, policy=policy, shard=name, url=url
+        ),
+        full=lambda n: digest_retrying(fs, path, n, full=True, policy=policy, shard=name, url=url),
     )
 
 
