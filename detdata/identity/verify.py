@@ -210,28 +210,22 @@ def _verify_remote(
                     full_after.append(i)
             elif isinstance(verdict, VerificationError):
                 results[i] = verdict
-    if again:
-        checked = map_in_threads(
-            lambda i: check_remote(
-                fs, join(root, shards[i].path), shards[i], mode, manifest.url(shards[i]), policy
-            ),
-            again,
-            threads=threads,
-            desc="verifying",
-            progress=progress,
-        )
-        for i, err in zip(again, checked, strict=True):
-            results[i] = err
-    if full_after:
-        hashed = map_in_threads(
-            lambda i: _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy),
-            full_after,
-            threads=threads,
-            desc="hashing",
-            progress=progress,
-        )
-        for i, err in zip(full_after, hashed, strict=True):
-            results[i] = err
+
+    def again_one(i: int) -> VerificationError | None:
+        s = shards[i]
+        return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
+
+    def full_one(i: int) -> VerificationError | None:
+        return _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy)
+
+    for indices, check, desc in (
+        (again, again_one, "verifying"),
+        (full_after, full_one, "hashing"),
+    ):
+        if indices:
+            found = map_in_threads(check, indices, threads=threads, desc=desc, progress=progress)
+            for i, err in zip(indices, found, strict=True):
+                results[i] = err
     return results
 
 
