@@ -647,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None, help="only --doc, from this remote.json")
     args = parser.parse_args(argv)
     if args.report:
-        remote_report.write_doc(remote_report.markdown(json.loads(Path(args.report).read_text())))
+        saved = json.loads(Path(args.report).read_text())
+        remote_report.write_doc(remote_report.markdown(saved))
+        remote_report.figure(saved)
         return 0
     # a SIGTERM (``timeout``) unwinds like Ctrl-C, so the servers and proxies are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -672,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"size": dataclasses.asdict(size), "rows": rows, remote_report.PROVENANCE: prov}
     if args.doc:
         remote_report.write_doc(remote_report.markdown(doc))
+        remote_report.figure(doc)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

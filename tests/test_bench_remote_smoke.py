@@ -49,3 +49,7 @@ def _generated_block_shows_every_row(rows: list[dict[str, object]], doc_path: Pa
     doc_path.write_text(f"before\n{remote_report.BEGIN}\nold table\n{remote_report.END}\nafter\n")
     remote_report.write_doc(section, doc_path)
     assert doc_path.read_text() == f"before\n{section}\nafter\n"
+    assert "](../benchmarks/results/remote.png)" in section
+    png = doc_path.with_name("remote.png")
+    remote_report.figure({"provenance": provenance, "rows": rows}, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
