@@ -47,7 +47,8 @@ def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None
         dataset,
         member=member,
         needed_by=f"order {order_name(choice)}",
-        hint=f"{hint} or order=Order.FEISTEL_V1",
+        hint=f"{hint}; subclass DatasetInfo and give your dataset {member}; or "
+        "order=Order.FEISTEL_V1",
     )
 
 
