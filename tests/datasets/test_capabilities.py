@@ -1,8 +1,9 @@
 """Declared capabilities (`detdata.datasets.capabilities`): every built-in type declares what
 this file's own list says it provides; a stream with only the three `Stream` methods loads,
 resumes and traces; a call that needs a capability such a stream lacks raises
-`CapabilityError` naming the capability and the type; a custom stream that declares a
-capability gets the feature, whatever its class.
+`CapabilityError` naming the capability (and the member) and the type; a custom stream that
+declares a capability gets the feature, whatever its class, and a custom dataset that
+subclasses `DatasetInfo` gets the features of the members it overrides (defaults otherwise).
 
 References: the list below (written from the types' documented contracts, not computed from
 the code), an uninterrupted run for the resume, and counts computed here by hand.
