@@ -295,18 +295,17 @@ def tables(doc: dict[str, Any]) -> str:
     ]
     out += [
         "",
-        "| shards | ranks | code | run | wall to first batch s | own CPU-s per rank (min-max) | "
-        "job own CPU-s | bytes read per rank / corpus (min-max) | job bytes / corpus | "
-        "load avg before-after |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "| shards | ranks | code | run | wall to first batch s | claimant own CPU-s | "
+        "other ranks own CPU-s (median; min-max) | job own CPU-s | claimant bytes / corpus | "
+        "other ranks bytes / corpus (median; min-max) | job bytes / corpus | load avg |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in doc["rows"]:
-        c = r["corpus_bytes"]
+        lead, others = split_claimant(r)
         out.append(
             f"| {r['shards']:,} | {r['ranks']} | {r['code']} | {r.get('run', '')} | "
-            f"{r['wall_to_first_batch_s']:.1f} | "
-            f"{min(r['own_cpu_s']):.2f}-{max(r['own_cpu_s']):.2f} | {r['own_cpu_s_total']:.1f} | "
-            f"{min(r['rchar']) / c:.3f}-{max(r['rchar']) / c:.3f} | "
+            f"{r['wall_to_first_batch_s']:.1f} | {lead[0]:.2f} | {spread(others[0], '.2f')} | "
+            f"{r['own_cpu_s_total']:.1f} | {lead[1]:.3f} | {spread(others[1], '.3f')} | "
             f"{r['rchar_total_over_corpus']:.3f} | "
             f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f} |"
         )
@@ -314,6 +313,26 @@ def tables(doc: dict[str, Any]) -> str:
     if m:
         out += ["", model_table(m)]
     return "\n".join(out)
+
+
+def split_claimant(
+    row: dict[str, Any],
+) -> tuple[tuple[float, float], tuple[list[float], list[float]]]:
+    """(claimant's own CPU-s, bytes / corpus) and the other ranks' lists: the claimant is
+    the rank of the most own CPU (it does the serial part, or, before, everything)."""
+    per = sorted(
+        zip(row["own_cpu_s"], [b / row["corpus_bytes"] for b in row["rchar"]], strict=True)
+    )
+    lead = per[-1]
+    return lead, ([c for c, _ in per[:-1]], [b for _, b in per[:-1]])
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median; min-max`` of ``values`` (``-`` for none)."""
+    if not values:
+        return "-"
+    v = sorted(values)
+    return f"{v[len(v) // 2]:{fmt}}; {v[0]:{fmt}}-{v[-1]:{fmt}}"
 
 
 def model_table(m: dict[str, Any]) -> str:
