@@ -229,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the results file's rows of (code, shards, ranks) this run does not measure",
     )
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="add the rows of another results file (a run made at the same time); with "
+        "--rows '' nothing is measured, the model and tables are made again",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows = "2000x1,2000x2"
@@ -237,8 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     name = "shared_verify_smoke.json" if args.smoke else "shared_verify.json"
     rows: list[dict[str, Any]] = []
-    kept, earlier = kept_rows(args.out / name, parse_rows(args.rows), args.keep)
-    for shards, ranks in parse_rows(args.rows):
+    planned = parse_rows(args.rows) if args.rows else []
+    kept, earlier = kept_rows(args.out / name, planned, args.keep)
+    for other in args.merge:
+        more = json.loads(other.read_text())
+        kept += more["rows"]
+        earlier += [*more.get("earlier", []), more["provenance"]]
+    if not planned and earlier:  # only merged: the latest run measured stands for the file
+        prov = earlier.pop()
+    for shards, ranks in planned:
         manifest = startup.write_corpus(args.data_dir / f"n{shards}", shards)
         codes = [("after", args.code.resolve())]
         if args.before is not None and ranks == args.before_ranks:
@@ -252,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = kept + rows
     doc: dict[str, Any] = {"provenance": prov, "earlier": earlier, "rows": rows}
     doc["model"] = model(rows, quick_bytes_cost(TARGET["shard_bytes"]), store_op_cost()["wall_s"])
-    prov["load_after"] = round(os.getloadavg()[0], 1)
+    if planned:
+        prov["load_after"] = round(os.getloadavg()[0], 1)
     write(args.out / name, doc)
     print(tables(doc))
     return 0 if all(r["distinct_batches"] == r["ranks"] for r in rows) else 1
