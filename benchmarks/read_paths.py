@@ -10,7 +10,8 @@ Each case drives one path of ``TokenWindows.read`` (see `detdata.datasets.window
   file loop straight into the rows; native where built);
 * ``batched-python``: the same with the native loop switched off (its Python twin);
 * ``batched-uint16``: the same over uint16 shards (staged, widened to int32);
-* ``hinted``: ``batched`` with each read hinted one batch ahead (``prefetch``).
+* ``hinted``: ``batched`` with each read hinted one batch ahead (``read_ahead``;
+  ``prefetch`` in a checkout before issue 42).
 
 Every measured run is a fresh interpreter that builds the dataset, reads one warm-up pass
 of its batches, then reads ``--batches`` batches; reported: CPU seconds of the process
@@ -75,10 +76,12 @@ else:
                               storage=detdata.Storage(max_open_shards=1))
     ds.read(np.asarray([0]))
     ids = [rng.permutation(ds.num_samples)[:256] for _ in range(batches)]
+# the hint's name in the checkout under test (``prefetch`` before issue 42's one vocabulary)
+hint = ds.read_ahead if hasattr(ds, "read_ahead") else ds.prefetch
 def run(kept):
     for k, b in enumerate(ids):
         if case == "hinted" and k + 1 < len(ids):
-            ds.read_ahead(ids[k + 1])
+            hint(ids[k + 1])
         got = ds.read(b)["tokens"]
         if kept is not None:
             kept.append(got)

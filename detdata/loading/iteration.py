@@ -118,8 +118,10 @@ class LoaderIterator:
         self._batches.close()
 
 
-def _close(iterator: Iterator[Any]) -> None:
-    if isinstance(iterator, Generator):
+def _close(iterator: Iterator[Any], _generator: type[Generator[Any, Any, Any]] = Generator) -> None:
+    # ``_generator`` keeps the type reachable when an unfinished iterator is finalized at
+    # interpreter exit, after the module's globals are gone (the stdlib's ``__del__`` idiom)
+    if isinstance(iterator, _generator):
         iterator.close()
 
 
@@ -135,6 +137,7 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     mid-transfer).
     """
     cursor = d.cursor
+    close = _close  # reachable in ``finally`` at interpreter exit (see `_close`)
     if generation != cursor.generation:
         raise cursor.stale()
     batches: Iterator[Any] = iter(())
@@ -171,8 +174,8 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     finally:
         if cache_ahead is not None:
             cache_ahead.close()
-        _close(iterator)
-        _close(batches)
+        close(iterator)
+        close(batches)
         if not clean and generation == cursor.generation:
             d.source.reset()  # persistent workers may be mid-transfer: start fresh
 
