@@ -246,7 +246,7 @@ def figure(doc: dict[str, Any], path: Path) -> None:
             series.setdefault(f"{int(n):,} shards", []).append(
                 (int(position), s["resume_cpu_s"] * 1e3)
             )
-    commit = doc["provenance"]["commit"]
+    commit = ", ".join(p["commit"] for p in [*doc.get("earlier", []), doc["provenance"]])
     matrix_report.lines(
         path,
         f"Resume: load_state_dict + first batch ({commit})",
