@@ -18,6 +18,12 @@ batch (8 windows at its positions of a `GlobalOrder`). Per rank it reports, from
   thread started during the open (detdata's work);
 * ``total_cpu_s``: from interpreter start to the first batch, and ``torch_cpu_s`` (the
   torch import, reported apart);
+* ``manifest_opens``: opens of the manifest's own files (the JSON and its fast form, at
+  their path: CPython's ``open`` audit event) by the rank; with one manifest read per
+  node, one rank of the node opens them to load the manifest and the others map its node
+  copy; the job's verifier (any rank) opens the JSON too when it checks it against the
+  columns (a first start, or files changed within 2 s of their receipt)
+  (``ranks_opening_manifest`` in the summary);
 * ``rchar`` / ``read_bytes``: bytes the rank read through system calls / from the block
   device during the open (``/proc/self/io``). ``rchar`` misses what a process reads
   through a memory map (a page fault is no system call): code that maps its metadata looks
@@ -114,6 +120,12 @@ for name in ("detdata.identity.verify", "detdata.identity.receipts", "detdata.da
         __import__(name)
     except ImportError:  # an older checkout without receipts
         pass
+MANIFEST_FILES = {os.path.abspath(manifest), os.path.abspath(manifest) + ".columns"}
+OPENS = []
+sys.addaudithook(  # opens of the manifest's own files (JSON, fast form) by this rank
+    lambda event, args: event == "open" and isinstance(args[0], str)
+    and os.path.abspath(args[0]) in MANIFEST_FILES and OPENS.append(args[0])
+)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 dist.barrier()
@@ -139,6 +151,7 @@ result = {
     "total_cpu_s": cpu1,
     "torch_cpu_s": torch_cpu,
     "rchar": io1["rchar"] - io0["rchar"],
+    "manifest_opens": len(OPENS),
     "read_bytes": io1["read_bytes"] - io0["read_bytes"],
     "batch_digest": __import__("hashlib").sha256(batch.tobytes()).hexdigest(),
     "first_ids": ids.tolist(),
@@ -258,6 +271,7 @@ def run_job(
             "LOCAL_RANK": str(r),
             "LOCAL_WORLD_SIZE": str(ranks),
             "DETDATA_RECEIPTS": receipts,
+            "DETDATA_CACHE_DIR": str(work / "cache"),  # node copies of the manifest
         }
         out = work / f"rank{r}.json"
         out.unlink(missing_ok=True)
@@ -317,6 +331,7 @@ def summary(job: dict[str, Any], corpus_bytes: int) -> dict[str, Any]:
         "cold_cache": job["cold_cache"],
         "job_rchar_over_corpus": job["job_rchar"] / corpus_bytes,
         "job_wall_s": job["job_wall_s"],
+        "ranks_opening_manifest": sum(1 for r in ranks if r.get("manifest_opens")),
     }
 
 
@@ -394,7 +409,9 @@ def main() -> None:
                             f"{row['rank0_open_peak_mb']:.0f} MB; job read "
                             f"{row['job_rchar_over_corpus']:.4f}x corpus (from disk "
                             f"{row['job_read_bytes_over_corpus']:.4f}x"
-                            f"{', cold' if row['cold_cache'] else ''})  "
+                            f"{', cold' if row['cold_cache'] else ''}); manifest files "
+                            f"opened by {row['ranks_opening_manifest']}/{ranks} ranks "
+                            "(loading it, or verifying its JSON)  "
                             f"wall {row['job_wall_s']:.1f}s",
                             flush=True,
                         )

@@ -4,6 +4,7 @@ pyarrow (about 170 MB, ~0.3 s to import) is needed only where Parquet / Arrow ta
 a user with ``.npy`` or Megatron tokens never imports it. `lazy_module` returns a stand-in
 module whose first attribute access imports the real one; a module that cannot be imported
 raises `DependencyError` naming it, why, and the ``pip install`` that fixes it.
+The pyarrow stand-ins ``pa``, ``ipc`` and ``pq`` live here, one set for every table reader.
 `require` imports an optional module (matplotlib for `detdata.cli.plots`) the same way, now.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 import threading
 import types
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from detdata.base.errors import DependencyError
 
@@ -63,3 +64,15 @@ def require(name: str, *, install: str, purpose: str) -> types.ModuleType:
 def lazy_module(name: str, *, install: str) -> Any:
     """A stand-in for module ``name`` that imports it at first use (see `LazyModule`)."""
     return LazyModule(name, install=install)
+
+
+__all__ = ["LazyModule", "ipc", "lazy_module", "pa", "pq", "require"]
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+else:
+    pa = lazy_module("pyarrow", install="pyarrow>=15")
+    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
+    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")

@@ -26,6 +26,13 @@ _MARKER_TEXT: Final = (
 )
 
 
+def _add_steps(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
+    parser.add_argument(
+        "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
+    )
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -40,10 +47,7 @@ def register(sub: Any) -> None:
         help="working folder: created, or cleared if an earlier "
         f"demo made it (it holds {MARKER}); any other non-empty folder is refused",
     )
-    p.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
-    p.add_argument(
-        "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
-    )
+    _add_steps(p)
     p.set_defaults(func=run_demo)
     r = sub.add_parser(
         "replay-check",
@@ -60,10 +64,7 @@ def register(sub: Any) -> None:
         help="folder holding a demo corpus (built if the folder is "
         f"new or empty; else it must hold {MARKER})",
     )
-    r.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
-    r.add_argument(
-        "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
-    )
+    _add_steps(r)
     r.add_argument(
         "--timeout",
         type=float,

@@ -110,25 +110,12 @@ def _merged(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def _loader_state(path: str | None) -> dict[str, Any] | None:
+def _json_object(path: str | None, what: str) -> dict[str, Any] | None:
     if path is None:
         return None
-    from detdata.cli.where import read_state
+    from detdata.cli.where import read_object
 
-    return read_state(path)
-
-
-def _config(path: str | None) -> dict[str, Any] | None:
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as fh:
-        try:
-            doc = json.load(fh)
-        except ValueError as exc:
-            raise ConfigError(f"--config {path}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--config {path}: expected a JSON object")
-    return doc
+    return read_object(path, what)
 
 
 def run_env(args: argparse.Namespace) -> int:
@@ -146,10 +133,10 @@ def run_env(args: argparse.Namespace) -> int:
         repo=args.repo,
         allow_dirty=True,
         lock_files=args.lock,
-        config=_config(args.config),
+        config=_json_object(args.config, "--config"),
         manifests=manifests,
         layout=args.layout,
-        loader=_loader_state(args.loader_state),
+        loader=_json_object(args.loader_state, "state"),
         seeds=_merged(args.seed, "--seed") or None,
         execution=_merged(args.execution, "--execution") or None,
         extra_env=args.extra_env,

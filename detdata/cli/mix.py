@@ -22,7 +22,6 @@ its target over the positions, and one line per source with its share at the end
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping
 from typing import Any, Final
@@ -32,6 +31,7 @@ import numpy as np
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
+from detdata.cli.where import read_object
 from detdata.datasets.mixture import Mixture
 
 HEADER: Final = "position\tsource\tindex_in_source\tsample_id"
@@ -71,19 +71,7 @@ class CountDataset:
 
 def load_config(path: str) -> dict[str, Any]:
     """Read and shape-check a mix config file (JSON object)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read mix config {path!r}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"mix config {path!r} is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"mix config {path!r} is not UTF-8 text (byte {exc.start})") from None
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"mix config {path!r} is not usable JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"mix config {path!r} must be a JSON object, got {type(doc).__name__}")
+    doc = read_object(path, "mix config")
     unknown = sorted(set(doc) - _CONFIG_KEYS)
     if unknown:
         raise ConfigError(

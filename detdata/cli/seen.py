@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from detdata.base.errors import ConfigError
-from detdata.cli.where import loader_for, read_state
+from detdata.cli.where import loader_for, read_object
 
 
 def parse_sample(text: str) -> tuple[str | None, int]:
@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
 def run_seen(args: argparse.Namespace) -> int:
     if args.until < 0:
         raise ConfigError(f"--until must be >= 0, got {args.until}")
-    state = None if args.state is None else read_state(args.state)
+    state = None if args.state is None else read_object(args.state)
     loader = loader_for(args.data, state)
     source, ident = args.sample
     positions = loader.positions_seen(source, ident, until=args.until)

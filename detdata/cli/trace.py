@@ -21,6 +21,7 @@ from detdata.base.errors import ConfigError
 from detdata.loading.state import CHECKED_FIELDS, K_CONSUMED, K_ENV, K_KIND, K_LAYOUT, KIND
 from detdata.loading.steps import K_STEP_POSITION
 from detdata.loading.trace import Comparison, compare, read_trace
+from detdata.loading.trace.read import read_local
 
 _SHOWN_VALUE: Final = 160
 
@@ -120,15 +121,7 @@ def _print_difference(result: Comparison, window: str) -> None:
 
 
 def _load_state(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"state file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"state path {path} is a directory; hint: pass the JSON file") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read state file {path}: {exc.strerror or exc}") from None
+    raw = read_local(path, "state", "pass the JSON file")
     try:
         doc = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

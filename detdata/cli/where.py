@@ -70,15 +70,20 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def read_state(path: str) -> dict[str, Any]:
+def read_object(path: str, what: str = "state") -> dict[str, Any]:
+    """The JSON object in file ``path`` (a ``what``: ``state``, ``--config``, ``mix config``),
+    or `ConfigError` naming it: unreadable, not UTF-8 JSON (or nested too deep), or not an
+    object."""
     try:
         with open(path, encoding="utf-8") as fh:
-            state = json.load(fh)
-    except ValueError as exc:
-        raise ConfigError(f"state {path}: not JSON ({exc})") from None
-    if not isinstance(state, dict):
-        raise ConfigError(f"state {path}: expected a JSON object")
-    return state
+            doc = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep
+        raise ConfigError(f"{what} {path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{what} {path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def loader_for(data_spec: str, state: dict[str, Any] | None) -> Any:
@@ -141,7 +146,7 @@ def register(sub: Any) -> None:
 def run_where(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise ConfigError(f"--step must be >= 0, got {args.step}")
-    loader = loader_for(args.data, read_state(args.state))
+    loader = loader_for(args.data, read_object(args.state))
     decode = None if args.decode is None else load_callable(args.decode, "--decode")
     records = loader.provenance(args.step, decode=decode, as_saved=True)
     saved = loader.samples_consumed

@@ -12,19 +12,14 @@ type alone, what a column becomes (`detdata.datasets.batch_columns.describe_colu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from detdata.base.errors import FormatError
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import pa
 from detdata.base.types import IntArray
 from detdata.datasets.batch_columns import describe_dtype
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from detdata.base.errors import ConfigError, FormatError
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import pa
 from detdata.base.types import IntArray
 from detdata.identity.formats import (
     MEGATRON_HEADER_BYTES,
@@ -35,11 +35,6 @@ from detdata.identity.formats import (
     parse_megatron_header,
 )
 from detdata.identity.manifest import Manifest
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
 
 #: The algorithm that cuts documents (part of a `Documents` identity and of the table's key).
 ALGORITHM: Final = "documents-v1"

@@ -51,7 +51,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
+from typing import Any, ClassVar, Final, NamedTuple, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -59,7 +59,7 @@ import numpy.typing as npt
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.doc_table import (
@@ -80,20 +80,11 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 #: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
 _MASK_UNITS: Final = 8
@@ -300,12 +291,7 @@ class Documents:
         return found
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        if self.index_dir is not None:
-            state["_starts"] = None  # re-loaded from the index file, not pickled
-        return state
+        return pickled_state(self, self._DERIVED, "_starts")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

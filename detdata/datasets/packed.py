@@ -67,6 +67,7 @@ from detdata.datasets.index_files import (
     save_index,
 )
 from detdata.datasets.packed_provenance import window_documents
+from detdata.datasets.process_local import pickled_state
 from detdata.datasets.text import TextDocuments
 from detdata.order.packing import (
     ALGORITHM,
@@ -247,12 +248,7 @@ class PackedWindows:
         self._ramp: IntArray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        if self.index_dir is not None:
-            state["_index"] = None  # re-loaded from the index file, not pickled
-        return state
+        return pickled_state(self, self._DERIVED, "_index")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -59,3 +59,15 @@ class PerProcess(Generic[T]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._value, self._generation = None, -1
+
+
+def pickled_state(
+    owner: object, derived: tuple[str, ...], index: str | None = None
+) -> dict[str, Any]:
+    """``owner``'s attributes to pickle: less the ``derived`` ones (made again when it is
+    unpickled) and, where ``owner.index_dir`` is set, with ``index`` as None (the worker
+    re-loads it from the file, `detdata.datasets.index_files.reload_index`)."""
+    state = {key: value for key, value in vars(owner).items() if key not in derived}
+    if index is not None and state.get("index_dir") is not None:
+        state[index] = None
+    return state

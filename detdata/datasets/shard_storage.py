@@ -51,6 +51,7 @@ from detdata.base.redact import MASK, get_logger, redact_url
 from detdata.datasets.handles import DEFAULT_MAX_OPEN_SHARDS
 from detdata.identity.entry import Verify
 from detdata.identity.manifest import Manifest
+from detdata.storage.cache_folder import ENV_CACHE_DIR, user_cache_dir
 from detdata.storage.fs import is_url
 from detdata.storage.retry import DEFAULT_RETRY, RetryPolicy
 
@@ -63,7 +64,6 @@ DEFAULT_USER_CACHE_BYTES: Final = 4 << 30
 USER_CACHE_MIN_SHARDS: Final = 4
 #: The environment variable naming the default cache's folder (it chooses where copies
 #: live, never which bytes are read).
-ENV_CACHE_DIR: Final = "DETDATA_CACHE_DIR"
 #: A dataset's keywords before `Storage` (refused) -> the field of `Storage` to pass instead.
 REMOVED_KEYWORDS: Final = {
     "verify": "verify",
@@ -294,16 +294,6 @@ def _check_max_open_shards(value: object) -> int:
 
 
 # the default cache (DefaultCache.USER) -----------------------------------------------------
-def user_cache_dir() -> str:
-    """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
-    found = os.environ.get(ENV_CACHE_DIR, "")
-    if found:
-        return found
-    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "detdata", "shards")
-
-
 def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str | None, int]:
     """``(cache_dir, shard_cache_bytes)`` of the default cache for ``manifest`` (resolved,
     with a root). A reader uses it at once where the whole corpus fits in the bound (each

@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, Never
+from typing import Any, Final, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -52,7 +52,7 @@ from fsspec.implementations.local import LocalFileSystem
 from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.groupby import stable_groups
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.arrow_numpy import (
     arrow_kind,
@@ -63,7 +63,7 @@ from detdata.datasets.arrow_numpy import (
 )
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_column
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.rowgroups import (
     Columns,
     Group,
@@ -78,15 +78,6 @@ from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.order.choice import OrderChoice
 from detdata.storage.fs import filesystem, join
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 #: Default bound of the in-memory cache of decoded row groups (``row_group_cache_bytes``).
 DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
@@ -241,9 +232,7 @@ class TableRows:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_index", None)  # made again from the manifest's columns
-        return state
+        return pickled_state(self, ("_index",))  # made again from the manifest's columns
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -38,11 +38,11 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
 from detdata.datasets.index_files import building, load_index, reload_index, save_index
-from detdata.datasets.process_local import PerProcess
+from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.datasets.text_index import (
@@ -71,14 +71,7 @@ from detdata.identity.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
     from tokenizers import Tokenizer
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 #: The manifest metadata key that records the text field (`text_metadata`).
 TEXT_FIELD: Final = "text_field"
@@ -242,12 +235,7 @@ class TextDocuments:
                 row += 1
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        if self.index_dir is not None:
-            state["_index"] = None  # re-loaded from the index file, not pickled
-        return state
+        return pickled_state(self, self._DERIVED, "_index")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -31,6 +31,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.process_local import pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import DefaultCache, Storage, checked_storage
 from detdata.datasets.window_index import WindowIndex, open_window_index
@@ -157,10 +158,7 @@ class TokenWindows:
         self._reads = WindowReads(self._layout, self.files)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in self._DERIVED:
-            state.pop(key, None)
-        return state
+        return pickled_state(self, self._DERIVED)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -203,34 +203,22 @@ def _hash_with(
 ) -> ShardEntry:
     """The entry of ``rel``; an OS error that does not name the shard is a `StorageError`
     that does (the task may run on another machine)."""
+    check_shard_name(rel, root=root)
     try:
-        return _hash_checked(fs, rootpath, root, rel, fmt, dtype, policy)
+        if is_local_fs(fs):
+            return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
+        return policy.run(
+            lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
+            what="hashing",
+            shard=rel,
+            url=url_join(root, rel),
+        )
     except OSError as exc:
         if isinstance(exc, DetdataError):
             raise
         where = redact_url(url_join(root, rel))
         reason = exc.strerror or exc
         raise StorageError(f"shard {rel}: cannot be hashed: {reason} ({where})") from exc
-
-
-def _hash_checked(
-    fs: Any,
-    rootpath: str,
-    root: str,
-    rel: str,
-    fmt: Format | None,
-    dtype: str | None,
-    policy: RetryPolicy,
-) -> ShardEntry:
-    check_shard_name(rel, root=root)
-    if is_local_fs(fs):
-        return _build_entry(fs, join(rootpath, rel), rel, fmt, dtype)
-    return policy.run(
-        lambda _t: _build_entry(fs, join(rootpath, rel), rel, fmt, dtype),
-        what="hashing",
-        shard=rel,
-        url=url_join(root, rel),
-    )
 
 
 def hash_files(

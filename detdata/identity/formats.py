@@ -51,25 +51,16 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import fsspec
 import numpy as np
 
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import ipc, pa, pq
 from detdata.identity.text_formats import inspect_jsonl
 from detdata.storage.fs import is_local_fs
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
-else:  # imported where a table is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
 
 
 class Format(str, enum.Enum):

@@ -52,6 +52,7 @@ from detdata.identity.entry import (
 )
 from detdata.identity.formats import Format
 from detdata.identity.manifest_id import manifest_id
+from detdata.identity.node_copy import NodeSource, node_source
 from detdata.identity.receipts import verify_job
 from detdata.storage.fs import is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
@@ -376,30 +377,17 @@ class Manifest:
         naming the URL at its deadline).
         """
         mode = parse_verify(verify)
-        shown = redact_url(path)
-        fast = _load_columns(path, root)
+        where = f"manifest {redact_url(path)}"
+        reader = functools.partial(_read_files, path, check_policy(retry), storage_options)
+        copy = node_source(path, reader)  # one read per node (docs/design.md section 8)
+        if copy is not None and "json" in copy.data:
+            manifest = cls.loads(copy.data["json"], root=root, where=where)
+            return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
+        fast = _load_columns(path, root, copy)
         if fast is not None:
             return cls._finish_load(fast, path, root, mode, threads, retry, storage_options)
-        try:
-            text = read_file_retrying(
-                path, policy=check_policy(retry), what="manifest read", **storage_options
-            )
-        except FileNotFoundError:
-            raise ManifestError(
-                f"manifest file not found: {shown}; hint: check the path "
-                "(or URL) of the manifest JSON"
-            ) from None
-        except IsADirectoryError:
-            raise ManifestError(redact_text(_folder_given(path))) from None
-        except (NotADirectoryError, PermissionError) as exc:
-            raise ManifestError(
-                redact_text(
-                    f"cannot read manifest {shown}: {type(exc).__name__}: "
-                    f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                    "(e.g. DIR/manifest.json), readable by this user"
-                )
-            ) from None
-        manifest = cls.loads(text, root=root, where=f"manifest {shown}")
+        text = _read_text(path, check_policy(retry), storage_options)
+        manifest = cls.loads(text, root=root, where=where)
         return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
 
     @classmethod
@@ -476,25 +464,26 @@ class Manifest:
         return level
 
 
-def _load_columns(path: str, root: str | None) -> Manifest | None:
+def _load_columns(path: str, root: str | None, copy: NodeSource | None = None) -> Manifest | None:
     """The manifest at local ``path`` from its fast form (`detdata.identity.columns`), when
     that file exists and is tied to the JSON: same id and metadata as the JSON's head. None
     otherwise (the JSON is parsed); a fast form that fails its own checks is reported with
-    a warning and the JSON is parsed instead."""
+    a warning and the JSON is parsed instead. ``copy``: the node's copy of the columns and
+    the JSON's head (`detdata.identity.node_copy`), used instead of the files at ``path``."""
     local = _local(path)
     if local is None:
         return None
-    cpath = columns_path(local)
+    cpath = columns_path(local) if copy is None else copy.path["columns"]
     if not os.path.exists(cpath):
         return None
     try:
-        head = read_json_head(local)
-    except OSError:
+        head = read_json_head(local) if copy is None else json.loads(copy.data["head"])
+    except (OSError, ValueError):
         return None  # the JSON path reports it
-    if head is None or head.get(K_KIND) != KIND or head.get(K_VERSION) != FORMAT_VERSION:
+    if not isinstance(head, dict) or head.get(K_KIND) != KIND:
         return None
     stored_root = head.get(K_ROOT)
-    if stored_root is not None and not isinstance(stored_root, str):
+    if head.get(K_VERSION) != FORMAT_VERSION or not isinstance(stored_root, str | None):
         return None
     try:
         columns = ColumnsFile(cpath)
@@ -514,6 +503,47 @@ def _load_columns(path: str, root: str | None) -> Manifest | None:
         metadata=header["metadata"],
         root=root if root is not None else stored_root,
     )
+
+
+def _read_text(path: str, policy: RetryPolicy, storage_options: dict[str, Any]) -> bytes:
+    """Every byte of the manifest file at ``path``; a `ManifestError` naming it when it
+    cannot be read."""
+    shown = redact_url(path)
+    try:
+        return read_file_retrying(path, policy=policy, what="manifest read", **storage_options)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"manifest file not found: {shown}; hint: check the path (or URL) of the manifest JSON"
+        ) from None
+    except IsADirectoryError:
+        raise ManifestError(redact_text(_folder_given(path))) from None
+    except (NotADirectoryError, PermissionError) as exc:
+        raise ManifestError(
+            redact_text(
+                f"cannot read manifest {shown}: {type(exc).__name__}: "
+                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+                "(e.g. DIR/manifest.json), readable by this user"
+            )
+        ) from None
+
+
+def _read_files(
+    path: str, policy: RetryPolicy, storage_options: dict[str, Any]
+) -> dict[str, bytes]:
+    """What a node copy holds of the manifest at ``path`` (`detdata.identity.node_copy`):
+    for a local one with a fast form, its columns and the JSON's head (what `_load_columns`
+    reads), else the JSON."""
+    local = _local(path)
+    if local is not None and os.path.exists(columns_path(local)):
+        try:
+            head = read_json_head(local)
+            with open(columns_path(local), "rb") as fh:
+                columns = fh.read()
+        except OSError:
+            head = None  # the JSON path reports it
+        if head is not None:
+            return {"head": canonical_json(head), "columns": columns}
+    return {"json": _read_text(path, policy, storage_options)}
 
 
 def _or_minus_one(value: int | None) -> int:

@@ -232,11 +232,10 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     others wait for what it publishes under the key. ``counted``: the key is the n-th of
     this process for the same work (verification: each call meets); otherwise one key per
     job."""
-    dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    found = shared.group()
+    if found is None:
         return None, True, ""
-    if dist.get_world_size() < 2:
-        return None, True, ""
+    store = found[0]
     scope = os.environ.get(ENV_SCOPE, "")
     if scope not in ("", "job", "node"):
         raise ConfigError(f"{ENV_SCOPE} must be 'job' or 'node', got {scope!r}")
@@ -245,7 +244,6 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     where = "job" if scope == "job" or (scope == "" and not local) else node_key()
     base = canonical_json([manifest.id, root_key(root, local), tag, where])
     digest = blake3.blake3(base).hexdigest()[:32]
-    store = dist.distributed_c10d._get_default_store()
     if counted:
         count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
         key = f"detdata/verify/{digest}/{count}"

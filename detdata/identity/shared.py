@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,10 +117,26 @@ def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
     return None  # unreachable: a failure counted is set first
 
 
-def dumps_verdict(verdict: BaseException | None, *, found_by: int | None = None) -> bytes:
+def group() -> tuple[Any, int] | None:
+    """``(store, rank)`` of the initialised ``torch.distributed`` process group of more than
+    one rank (its key-value store, where ranks meet without a collective), else None."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() < 2:
+        return None
+    return dist.distributed_c10d._get_default_store(), int(dist.get_rank())
+
+
+def dumps_verdict(
+    verdict: BaseException | None,
+    *,
+    found_by: int | None = None,
+    role: str = "one of the ranks sharing the verification",
+) -> bytes:
     """A verdict for the store, as JSON: the detdata error class's name, its message and
     its JSON-plain fields; another exception becomes a `DetdataError` carrying its type and
-    text. ``found_by``: the rank that found it, said in the message."""
+    text. ``found_by``: the rank that found it, said in the message with its ``role``."""
     if verdict is None:
         return b"null"
     if not isinstance(verdict, DetdataError) or error_class(type(verdict).__name__) is None:
@@ -129,7 +146,7 @@ def dumps_verdict(verdict: BaseException | None, *, found_by: int | None = None)
     }
     message = str(verdict.args[0]) if verdict.args else str(verdict)
     if found_by is not None:
-        message += f" (found by rank {found_by}, one of the ranks sharing the verification)"
+        message += f" (found by rank {found_by}, {role})"
     return canonical_json({"type": type(verdict).__name__, "message": message, "fields": fields})
 
 

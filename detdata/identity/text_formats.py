@@ -20,13 +20,10 @@ import lzma
 from typing import IO, TYPE_CHECKING, Final, NamedTuple
 
 from detdata.base.errors import FormatError
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import pa
 
 if TYPE_CHECKING:
     import fsspec
-    import pyarrow as pa
-else:  # imported where a zstd shard is first read (base/lazy.py)
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
 
 #: Decompressed bytes read per pass when counting lines (bounded memory).
 _CHUNK: Final = 1 << 22

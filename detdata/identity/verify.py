@@ -39,7 +39,7 @@ from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
 from detdata.identity.parallel import map_in_threads
-from detdata.storage.digest import full_digest_fd, full_digest_retrying, quick_digest_retrying
+from detdata.storage.digest import digest_retrying, full_digest_fd
 from detdata.storage.fs import (
     filesystem,
     is_local_fs,
@@ -117,20 +117,18 @@ def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> Verif
         return missing(shard, where)
     try:
         size = os.fstat(fd).st_size
-        if size != shard.bytes:
-            return mismatch(shard, "bytes", size, where)
-        if size <= SMALL_SHARD:
+        if size == shard.bytes <= SMALL_SHARD:
             return check_whole(shard, _pread_all(fd, size), where)
-        head = _pread_all(fd, QUICK_SPAN, 0)
-        tail = _pread_all(fd, QUICK_SPAN, size - QUICK_SPAN)
-        found_quick = quick_digest_parts(size, head, tail)
-        if found_quick != shard.quick:
-            return mismatch(shard, "quick", found_quick, where)
-        if mode is Verify.FULL:
-            found_full = full_digest_fd(fd)
-            if found_full != shard.blake3:
-                return mismatch(shard, "blake3", found_full, where)
-        return None
+        return check_bytes(
+            shard,
+            mode,
+            where,
+            size=lambda: size,
+            quick=lambda n: quick_digest_parts(
+                n, _pread_all(fd, QUICK_SPAN, 0), _pread_all(fd, QUICK_SPAN, n - QUICK_SPAN)
+            ),
+            full=lambda _n: full_digest_fd(fd),
+        )
     finally:
         os.close(fd)
 
@@ -212,28 +210,22 @@ def _verify_remote(
                     full_after.append(i)
             elif isinstance(verdict, VerificationError):
                 results[i] = verdict
-    if again:
-        checked = map_in_threads(
-            lambda i: check_remote(
-                fs, join(root, shards[i].path), shards[i], mode, manifest.url(shards[i]), policy
-            ),
-            again,
-            threads=threads,
-            desc="verifying",
-            progress=progress,
-        )
-        for i, err in zip(again, checked, strict=True):
-            results[i] = err
-    if full_after:
-        hashed = map_in_threads(
-            lambda i: _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy),
-            full_after,
-            threads=threads,
-            desc="hashing",
-            progress=progress,
-        )
-        for i, err in zip(full_after, hashed, strict=True):
-            results[i] = err
+
+    def again_one(i: int) -> VerificationError | None:
+        s = shards[i]
+        return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
+
+    def full_one(i: int) -> VerificationError | None:
+        return _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy)
+
+    for indices, check, desc in (
+        (again, again_one, "verifying"),
+        (full_after, full_one, "hashing"),
+    ):
+        if indices:
+            found = map_in_threads(check, indices, threads=threads, desc=desc, progress=progress)
+            for i, err in zip(indices, found, strict=True):
+                results[i] = err
     return results
 
 
@@ -242,7 +234,9 @@ def _full_remote(
 ) -> VerificationError | None:
     """The blake3 check of a large remote shard whose size and quick digest matched."""
     url = manifest.url(shard)
-    found = full_digest_retrying(fs, path, shard.bytes, policy=policy, shard=shard.path, url=url)
+    found = digest_retrying(
+        fs, path, shard.bytes, full=True, policy=policy, shard=shard.path, url=url
+    )
     if found != shard.blake3:
         return mismatch(shard, "blake3", found, _where(manifest, shard))
     return None
@@ -309,8 +303,10 @@ def check_remote(
         mode,
         f"shard {name} ({redact_url(url)})",
         size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-        quick=lambda n: quick_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
-        full=lambda n: full_digest_retrying(fs, path, n, policy=policy, shard=name, url=url),
+        quick=lambda n: digest_retrying(
+            fs, path, n, full=False, policy=policy, shard=name, url=url
+        ),
+        full=lambda n: digest_retrying(fs, path, n, full=True, policy=policy, shard=name, url=url),
     )
 
 

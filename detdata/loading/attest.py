@@ -20,7 +20,7 @@ bytes; a resume reads them once more. ``ResumePolicy(attest=False)`` turns both 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -197,8 +197,3 @@ def mismatch(
         "LoaderOptions(resume=ResumePolicy(attest=False))",
         fields=("attestation",),
     )
-
-
-def equal_fields(fields: Sequence[str], diffs: Sequence[str]) -> tuple[str, ...]:
-    """The checked fields a resume found equal."""
-    return tuple(f for f in fields if f not in diffs)

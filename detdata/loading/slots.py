@@ -429,18 +429,17 @@ class SlotTransport:
     def close(self) -> None:
         """Free every ring now (workers' mappings go when they exit)."""
         with self._lock:
-            for ring in self._rings.values():
-                ring.close()
-            self._rings.clear()
-            self._current = None
-            self._free = []
-            self._disabled = True
+            self._drop_rings()
         _TRANSPORTS.pop(self.id, None)
 
     def _drop_in_child(self) -> None:
         """In a forked child: unmap and close the inherited rings (no lock: another thread
         of the parent may have held it at the fork); the child's copy hands out no slot."""
         self._lock = threading.Lock()
+        self._drop_rings()
+
+    def _drop_rings(self) -> None:
+        """Unmap and close every ring; no slot is handed out after."""
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()

@@ -515,27 +515,24 @@ def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
     return tuple(total)
 
 
-def build_phases(
-    seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
-) -> tuple[Phase, ...]:
-    """The phases starting at ``starts`` with integer ``weights``, each with its offsets (samples
-    of each source consumed before it) and its tree and block key under ``seed``."""
-    phases: list[Phase] = []
-    offsets = (0,) * len(weights[0])
-    for index, (start, w) in enumerate(zip(starts, weights, strict=True)):
-        phase = Phase(
-            index=index,
-            start=start,
-            weights=w,
-            offsets=offsets,
-            nodes=_build_nodes(w, seed, index),
-            key=derive_u64(b"detdata:mixture-v1:block", seed, index),
-        )
-        phases.append(phase)
-        if index + 1 < len(starts):
-            used = _phase_prefix_counts(phase, starts[index + 1] - start)
-            offsets = tuple(o + u for o, u in zip(offsets, used, strict=True))
-    return tuple(phases)
+def next_phase(phases: Sequence[Phase], seed: int, start: int, weights: tuple[int, ...]) -> Phase:
+    """The phase after ``phases`` (none: the first, at 0) from ``start`` on with ``weights``:
+    its offsets continue the last phase's consumption up to ``start``."""
+    index = len(phases)
+    if phases:
+        last = phases[-1]
+        used = _phase_prefix_counts(last, start - last.start)
+        offsets = tuple(o + u for o, u in zip(last.offsets, used, strict=True))
+    else:
+        offsets = (0,) * len(weights)
+    return Phase(
+        index=index,
+        start=start,
+        weights=weights,
+        offsets=offsets,
+        nodes=_build_nodes(weights, seed, index),
+        key=derive_u64(b"detdata:mixture-v1:block", seed, index),
+    )
 
 
 # ------------------------------------------------------------------ validation
@@ -600,8 +597,12 @@ class MixtureSchedule:
         cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
     ) -> MixtureSchedule:
         """The schedule of phases at ``starts`` (checked by `check_schedule`) with integer
-        ``weights`` (from `normalize_weights`) under root ``seed``."""
-        return cls(build_phases(seed, starts, weights))
+        ``weights`` (from `normalize_weights`) under root ``seed``: each phase with its offsets
+        (samples of each source consumed before it), tree and block key (`next_phase`)."""
+        phases: list[Phase] = []
+        for start, w in zip(starts, weights, strict=True):
+            phases.append(next_phase(phases, seed, start, w))
+        return cls(tuple(phases))
 
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """``(source_index, index_in_source)`` for each global position (same shape).
@@ -625,10 +626,6 @@ class MixtureSchedule:
 
     def _phase_of(self, position: int) -> Phase:
         return self.phases[int(np.searchsorted(self._starts, position, side="right")) - 1]
-
-    def phases_before(self, position: int) -> int:
-        """How many phases start before ``position`` (a binary search: O(log phases))."""
-        return int(np.searchsorted(self._starts, position, side="left"))
 
     def phase_at(self, position: int) -> Phase:
         """The phase in effect at global ``position`` (in ``[0, 2**62)``)."""

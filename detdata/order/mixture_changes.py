@@ -21,14 +21,8 @@ from collections.abc import Sequence
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
-from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION
-from detdata.order.mixing import (
-    MixtureSchedule,
-    Phase,
-    _build_nodes,
-    _phase_prefix_counts,
-)
+from detdata.order.mixing import MixtureSchedule, next_phase
 
 
 def change_schedule(
@@ -67,30 +61,10 @@ def change_schedule(
             continue  # nothing changes
         del phases[kept:], starts[kept:]
         for start, tail_weights in tail:
-            phases.append(_next_phase(phases, seed, start, tail_weights))
+            phases.append(next_phase(phases, seed, start, tail_weights))
             starts.append(start)
     if len(phases) == len(schedule.phases) and all(
         a is b for a, b in zip(phases, schedule.phases, strict=True)
     ):
         return schedule
     return MixtureSchedule(tuple(phases))
-
-
-def _next_phase(phases: Sequence[Phase], seed: int, start: int, weights: tuple[int, ...]) -> Phase:
-    """The phase after ``phases`` (none: the first, at 0) from ``start`` on with ``weights``:
-    its offsets continue the last phase's consumption up to ``start``."""
-    index = len(phases)
-    if phases:
-        last = phases[-1]
-        used = _phase_prefix_counts(last, start - last.start)
-        offsets = tuple(o + u for o, u in zip(last.offsets, used, strict=True))
-    else:
-        offsets = (0,) * len(weights)
-    return Phase(
-        index=index,
-        start=start,
-        weights=weights,
-        offsets=offsets,
-        nodes=_build_nodes(weights, seed, index),
-        key=derive_u64(b"detdata:mixture-v1:block", seed, index),
-    )

@@ -40,9 +40,9 @@ Nothing here reads files: `build_offsets` turns document starts into the packing
 index, `locate` turns window ids into pieces with two ``searchsorted`` calls,
 `copy_plan` turns pieces into contiguous corpus ranges to copy (plus BOS / EOS
 positions) and `packed_columns` into the delivered mask columns, by per-piece
-arithmetic and a few vectorised passes (no per-token layout). `token_layout`,
-`raw_tokens` and `window_columns` are the same step written token by token: the
-formulation the fast one is tested against. Window ``w`` costs O(log N + its tokens)
+arithmetic and a few vectorised passes (no per-token layout); the same step written
+token by token, the formulation the fast one is tested against, is in
+tests/order/packing_per_token.py. Window ``w`` costs O(log N + its tokens)
 wherever it is; no window is packed to reach another.
 """
 
@@ -232,51 +232,6 @@ def segments_bound(
     return best
 
 
-@dataclass(frozen=True)
-class TokenLayout:
-    """Per-token positions of pieces: flat output index, piece, and offset within the piece."""
-
-    flat: IntArray
-    piece: IntArray
-    within: IntArray
-
-
-def token_layout(pieces: Pieces, width: int) -> TokenLayout:
-    """Where each token of ``pieces`` goes in a ``(rows, width)`` output, flattened."""
-    piece = np.repeat(np.arange(pieces.count.size, dtype=np.int64), pieces.count)
-    firsts = np.cumsum(pieces.count) - pieces.count
-    within = np.arange(piece.size, dtype=np.int64) - firsts[piece]
-    flat = pieces.row[piece] * width + pieces.start[piece] + within
-    return TokenLayout(flat=flat, piece=piece, within=within)
-
-
-def window_columns(
-    pieces: Pieces, layout: TokenLayout, *, rows: int, width: int, seq_len: int, max_segments: int
-) -> dict[str, np.ndarray]:
-    """``doc_index``, ``position_ids`` (``(rows, width)`` int32), ``cu_seqlens``
-    (``(rows, max_segments + 1)`` int32) and ``num_segments`` (``(rows,)`` int32).
-
-    The per-token formulation (every token placed through ``layout``): the reference
-    `packed_columns` is checked against; `PackedWindows` reads with `packed_columns`.
-    """
-    doc_index = np.full(rows * width, PAD_SEGMENT, dtype=np.int32)
-    positions = np.zeros(rows * width, dtype=np.int32)
-    doc_index[layout.flat] = pieces.segment[layout.piece]
-    positions[layout.flat] = layout.within
-    ends = np.minimum(pieces.start + pieces.count, seq_len)
-    inputs = pieces.start < seq_len
-    last = np.zeros(rows, dtype=np.int64)
-    if inputs.any():
-        np.maximum.at(last, pieces.row[inputs], ends[inputs])
-    cu, count = _cu_seqlens(pieces, rows, seq_len, max_segments, last)
-    return {
-        "doc_index": doc_index.reshape(rows, width),
-        "position_ids": positions.reshape(rows, width),
-        "cu_seqlens": cu,
-        "num_segments": count,
-    }
-
-
 def _cu_seqlens(
     pieces: Pieces, rows: int, seq_len: int, max_segments: int, last: IntArray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -321,7 +276,10 @@ def packed_columns(
     max_segments: int,
     ramp: IntArray | None = None,
 ) -> dict[str, np.ndarray]:
-    """`window_columns` without a per-token layout (the same arrays, byte for byte).
+    """The mask columns of ``pieces``: ``doc_index``, ``position_ids`` (``(rows, width)``
+    int32), ``cu_seqlens`` (``(rows, max_segments + 1)`` int32) and ``num_segments``
+    (``(rows,)`` int32), the same arrays, byte for byte, as the per-token
+    ``window_columns`` (tests/order/packing_per_token.py), without a per-token layout.
 
     ``ramp``: optionally a cached ``arange`` (int32, or int64 past 2**31 tokens) at
     least as long as the pieces' tokens, saving one pass and one allocation.
@@ -360,27 +318,6 @@ def packed_columns(
     }
 
 
-def raw_tokens(
-    pieces: Pieces,
-    layout: TokenLayout,
-    first: npt.NDArray[np.int64],
-    *,
-    bos: bool,
-    eos: bool,
-) -> tuple[IntArray, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
-    """``(corpus token index, is_bos, is_eos)`` of every token of ``pieces``.
-
-    ``first`` is row 1 of the packing index (corpus start of the document at each
-    shuffled position). Inserted tokens get index -1.
-    """
-    eff = pieces.offset[layout.piece] + layout.within
-    is_bos = eff == 0 if bos else np.zeros(eff.size, dtype=np.bool_)
-    is_eos = (eff == pieces.length[layout.piece] - 1) if eos else np.zeros(eff.size, dtype=np.bool_)
-    index = first[pieces.position][layout.piece] + eff - int(bos)
-    index[is_bos | is_eos] = -1
-    return index, is_bos, is_eos
-
-
 @dataclass(frozen=True)
 class CopyPlan:
     """How to fill a flat ``(rows * width)`` token buffer from the corpus, per piece.
@@ -402,7 +339,8 @@ def copy_plan(
     pieces: Pieces, first: npt.NDArray[np.int64], *, width: int, bos: bool, eos: bool
 ) -> CopyPlan:
     """The `CopyPlan` of ``pieces`` (``first``: row 1 of the packing index): the same
-    tokens as `raw_tokens` through `token_layout`, as contiguous ranges (O(pieces)).
+    tokens as the per-token ``raw_tokens`` (tests/order/packing_per_token.py), as
+    contiguous ranges (O(pieces)).
 
     The effective token at offset ``e`` of a document is the BOS for ``e = 0`` (with
     BOS), the EOS for ``e = length - 1`` (with EOS), else corpus token

@@ -44,6 +44,8 @@ from detdata.base.redact import get_logger
 from detdata.storage.locks import hold, is_held, let_go
 
 LAYOUT: Final = ("objects", "tmp", "locks")
+#: The default cache folder's variable (`user_cache_dir`).
+ENV_CACHE_DIR: Final = "DETDATA_CACHE_DIR"
 #: A temp file nobody holds and nobody has written for this long is a dead fill's leftover.
 LEFTOVER_S: Final = 30.0
 #: A wait for a cache lock longer than this is logged (once per wait).
@@ -52,6 +54,16 @@ log: Final = get_logger("detdata.cache")
 _SHARED_LOGGED: Final[set[str]] = set()  # shared folders this process has logged
 _OTHERS_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
 _CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def user_cache_dir() -> str:
+    """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
+    found = os.environ.get(ENV_CACHE_DIR, "")
+    if found:
+        return found
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "detdata", "shards")
 
 
 def make_layout(directory: str) -> None:

@@ -49,16 +49,6 @@ def full_digest_path(path: str) -> str:
         os.close(fd)
 
 
-def quick_digest_path(path: str, size: int) -> str:
-    """The quick digest of the local file ``path`` of ``size`` bytes (first and last MiB)."""
-    span = min(size, QUICK_SPAN)
-    with open(path, "rb") as fh:
-        head = fh.read(span)
-        fh.seek(size - span)
-        tail = fh.read(span)
-    return quick_digest_parts(size, head, tail)
-
-
 def quick_digest_fd(fd: int, size: int) -> str:
     """The quick digest of an open local file of ``size`` bytes (first and last MiB)."""
     span = min(size, QUICK_SPAN)
@@ -101,32 +91,22 @@ def digests_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[s
     return full, quick_digest_parts(size, head, tail)
 
 
-def quick_digest_retrying(
+def digest_retrying(
     fs: fsspec.AbstractFileSystem,
     path: str,
     size: int,
     *,
+    full: bool,
     policy: RetryPolicy,
     shard: str,
     url: str,
 ) -> str:
-    """The quick digest of a remote file from two retried range reads (head, tail)."""
+    """A remote file's ``full`` digest (``b3:<hex>`` of every byte, streamed in retried
+    chunks) or quick digest (from two retried range reads: head, tail)."""
+    if full:
+        chunks = iter_chunks(fs, path, size, policy=policy, shard=shard, url=url, chunk=CHUNK)
+        return digest_chunks(chunks)
     span = min(size, QUICK_SPAN)
     head = range_retrying(fs, path, 0, span, policy=policy, shard=shard, url=url)
     tail = range_retrying(fs, path, size - span, size, policy=policy, shard=shard, url=url)
     return quick_digest_parts(size, head, tail)
-
-
-def full_digest_retrying(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    *,
-    policy: RetryPolicy,
-    shard: str,
-    url: str,
-) -> str:
-    """``b3:<hex>`` of every byte of a remote file, streamed in retried chunks."""
-    return digest_chunks(
-        iter_chunks(fs, path, size, policy=policy, shard=shard, url=url, chunk=CHUNK)
-    )

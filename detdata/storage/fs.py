@@ -336,56 +336,8 @@ def read_ranges_retrying(
     `RetriesExhausted` naming the first failing shard and URL. A permanent error
     (missing object, permission denied) raises `StorageError` naming it at once.
     """
-    from detdata.base.errors import ShortRead, StorageError
-    from detdata.storage.retry import is_transient
-
-    out: list[bytes | None] = [None] * len(paths)
-    pending = list(range(len(paths)))
-
-    def attempt(timeout: float | None) -> None:
-        nonlocal pending
-        batch = [paths[i] for i in pending]
-        blobs = cat_ranges_each(
-            fs, batch, [starts[i] for i in pending], [ends[i] for i in pending], timeout=timeout
-        )
-        failed: list[int] = []
-        first: BaseException | None = None
-        for i, blob in zip(pending, blobs, strict=True):
-            if isinstance(blob, BaseException):
-                err: BaseException = blob
-            elif len(blob) != ends[i] - starts[i]:
-                err = ShortRead(
-                    f"asked for bytes [{starts[i]}, {ends[i]}) of {redact_url(urls[i])} "
-                    f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
-                    "short, or a server that ignores Range)"
-                )
-            else:
-                out[i] = bytes(blob)
-                continue
-            scrub_exception(err)
-            if not is_transient(err):
-                raise StorageError(
-                    redact_text(
-                        f"{what} failed for shard {shards[i]} at {urls[i]}: "
-                        f"{type(err).__name__}: {err}; hint: the object is missing or "
-                        "not readable; check the root URL, credentials and that the "
-                        "store still holds the manifest's shards"
-                    )
-                ) from err
-            failed.append(i)
-            first = first or err
-        pending = failed
-        if first is not None:
-            raise first
-
-    if pending:
-        policy.run(
-            attempt,
-            what=f"{what} of {len(paths)} range(s)",
-            shard=lambda: shards[pending[0]],
-            url=lambda: urls[pending[0]],
-        )
-    return [b for b in out if b is not None]
+    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=False)
+    return [b for b in out if isinstance(b, bytes)]
 
 
 def size_retrying(
@@ -475,6 +427,26 @@ def read_ranges_upto(
     ``policy``; a *permanent* error of one range (missing object, a range past
     the end) is returned in its place, redacted, for the caller to look into.
     """
+    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=True)
+    return [b if b is not None else RuntimeError("range not read") for b in out]
+
+
+def _fetch_ranges(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    policy: RetryPolicy,
+    shards: list[str],
+    urls: list[str],
+    what: str,
+    *,
+    upto: bool,
+) -> list[bytes | BaseException | None]:
+    """The ranges of `read_ranges_retrying` (``upto`` False: a short answer is a transient
+    `ShortRead`, a permanent error raises `StorageError`) or of `read_ranges_upto` (``upto``:
+    a short answer is kept, a permanent error is kept in its place)."""
+    from detdata.base.errors import ShortRead, StorageError
     from detdata.storage.retry import is_transient
 
     out: list[bytes | BaseException | None] = [None] * len(paths)
@@ -492,15 +464,32 @@ def read_ranges_upto(
         failed: list[int] = []
         first: BaseException | None = None
         for i, blob in zip(pending, blobs, strict=True):
-            if not isinstance(blob, BaseException):
+            if isinstance(blob, BaseException):
+                err: BaseException = blob
+            elif not upto and len(blob) != ends[i] - starts[i]:
+                err = ShortRead(
+                    f"asked for bytes [{starts[i]}, {ends[i]}) of {redact_url(urls[i])} "
+                    f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
+                    "short, or a server that ignores Range)"
+                )
+            else:
                 out[i] = bytes(blob)
                 continue
-            scrub_exception(blob)
-            if not is_transient(blob):
-                out[i] = blob
-                continue
+            scrub_exception(err)
+            if not is_transient(err):
+                if upto:
+                    out[i] = err
+                    continue
+                raise StorageError(
+                    redact_text(
+                        f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                        f"{type(err).__name__}: {err}; hint: the object is missing or "
+                        "not readable; check the root URL, credentials and that the "
+                        "store still holds the manifest's shards"
+                    )
+                ) from err
             failed.append(i)
-            first = first or blob
+            first = first or err
         pending = failed
         if first is not None:
             raise first
@@ -512,4 +501,4 @@ def read_ranges_upto(
             shard=lambda: shards[pending[0]],
             url=lambda: urls[pending[0]],
         )
-    return [b if b is not None else RuntimeError("range not read") for b in out]
+    return out

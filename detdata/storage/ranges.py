@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from detdata.base.errors import ConfigError
 from detdata.storage.fs import read_ranges_retrying
-from detdata.storage.retry import RetryPolicy, check_policy
+from detdata.storage.retry import RetryPolicy
 
 #: Default waste bound: bytes fetched per file <= (1 + WASTE) x bytes needed.
 WASTE: Final = 0.2
@@ -189,29 +189,3 @@ def _union_bytes(starts: I64, ends: I64) -> int:
     reach = np.maximum.accumulate(sb)
     prev = np.concatenate(([sa[0]], reach[:-1]))
     return int((sb - np.maximum(sa, prev)).clip(min=0).sum())
-
-
-def read_ranges(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    *,
-    retry: RetryPolicy | None = None,
-    shards: list[str] | None = None,
-    urls: list[str] | None = None,
-) -> list[bytes]:
-    """Bytes ``[start, end)`` of each path, uncoalesced: one ``fs.cat_ranges`` call per
-    attempt. Failed or short ranges are read again with backoff under ``retry``; when the
-    deadline passes, `StorageError` names the shard and URL (default: the path) and the
-    last error."""
-    return read_ranges_retrying(
-        fs,
-        paths,
-        starts,
-        ends,
-        policy=check_policy(retry),
-        shards=shards if shards is not None else paths,
-        urls=urls if urls is not None else paths,
-        what="token range read",
-    )

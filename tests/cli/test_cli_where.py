@@ -354,3 +354,23 @@ def test_seen_follows_a_seed_change_at_a_resume(
         assert main([*args, "--state", str(path)]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["positions"] == sorted(p for p, v in delivered.items() if v[0] == sample)
+
+
+def test_a_json_file_nested_too_deep_is_a_usage_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--state`` (where), ``--config`` (env, mix): JSON nested deeper than the parser goes is
+    refused as not valid JSON, naming the file, not reported as an internal error."""
+    from detdata.cli.main import main
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    for args in (
+        ["where", "--state", str(deep), "--step", "0", "--data", "x:y"],
+        ["env", "--config", str(deep)],
+        ["mix", "--config", str(deep)],
+    ):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"{deep}: not valid JSON" in err and "internal error" not in err, err

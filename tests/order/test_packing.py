@@ -18,13 +18,11 @@ from detdata.order.packing import (
     build_offsets,
     locate,
     parse_tail,
-    raw_tokens,
     segments_bound,
     shuffled_documents,
-    token_layout,
-    window_columns,
     window_count,
 )
+from tests.order.packing_per_token import raw_tokens, token_layout, window_columns
 from tests.order.packing_reference import brute_windows, ref_order
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "packing_v1.json"

@@ -18,10 +18,9 @@ from detdata.order.packing import (
     packed_columns,
     parse_tail,
     segments_bound,
-    token_layout,
-    window_columns,
     window_count,
 )
+from tests.order.packing_per_token import token_layout, window_columns
 from tests.order.packing_reference import brute_windows
 from tests.order.test_packing import CASES, corpus_of
 

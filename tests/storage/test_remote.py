@@ -32,8 +32,7 @@ from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.trace import first_difference, read_trace, step_digests
-from detdata.storage.fs import filesystem
-from detdata.storage.ranges import read_ranges
+from detdata.storage.fs import filesystem, read_ranges_retrying
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
 from tests.resume_checker import run_digests
@@ -144,12 +143,12 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
     fs, _ = filesystem(url)
     start = time.monotonic()
     with pytest.raises(StorageError, match=r"shard gone\.npy .*missing or not readable"):
-        read_ranges(
+        read_ranges_retrying(
             fs,
             [f"{url}/gone.npy"],
             [0],
             [10],
-            retry=RetryPolicy(deadline_s=10),
+            policy=RetryPolicy(deadline_s=10),
             shards=["gone.npy"],
             urls=[f"{url}/gone.npy"],
         )

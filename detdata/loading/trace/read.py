@@ -197,18 +197,7 @@ def read_trace(path: str | os.PathLike[str]) -> list[Record]:
     Missing or unreadable files raise `ConfigError` naming the path.
     """
     p = os.fspath(path)
-    try:
-        with open(p, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"trace file not found: {p}") from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"trace path {p} is a directory; hint: pass the trace file inside it"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
-    lines = data.split(b"\n")
+    lines = read_local(p, "trace", "pass the trace file inside it").split(b"\n")
     records = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -217,3 +206,17 @@ def read_trace(path: str | os.PathLike[str]) -> list[Record]:
         last = number == len(lines)  # only a last line without its newline can be cut short
         records.append(parse_record(_decode(raw, where, last), where))
     return records
+
+
+def read_local(path: str, what: str, hint: str) -> bytes:
+    """The bytes of local file ``path`` (a ``what`` file), or `ConfigError` naming it: not found,
+    a directory (with ``hint``), unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} path {path} is a directory; hint: {hint}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,280 @@
+"""One manifest read per node (docs/design.md section 8, "Start-up at scale").
+
+Under an initialised ``torch.distributed`` process group of more than one rank, the ranks
+of one node that load the same manifest (`detdata.identity.manifest.Manifest.load`) meet
+under a key of the process group's store: the manifest's path (a local one absolute, with
+its file's device, inode, size and times, so ranks meet only over the same file; a URL
+without credentials), this node (`node_key`: host name and boot id) and the n-th load of
+that path in each process. The first rank to claim the key (an atomic ``add``; under
+torchrun usually local rank 0) is the node's *reader*: it reads (local root) or fetches
+(object store, through fsspec) the manifest: its JSON or, for a local manifest with a fast
+form (`detdata.identity.columns`), the columns file and the JSON's head (the fields before
+its shards: a fast form's open reads no more of the JSON, and the verification, when it
+reads the JSON, reads the original), writes them atomically into ``manifests/`` of the default
+cache folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``), named for their
+blake3 (a copy already there with those bytes is kept), and publishes their blake3 digests
+under the key. The node's other ranks map those copies instead of reading the manifest
+themselves: each hashes what it mapped and uses it only when it is the published digest.
+
+What a wrong guess costs, never a wrong byte:
+
+* Only the digests cross the store; a rank finds the copies under its *own* cache folder,
+  by the digests' names. A rank whose cache folder differs (another ``DETDATA_CACHE_DIR``,
+  another machine under a node key that collided) finds no copy or a copy of other bytes,
+  and reads the manifest itself, as do the ranks that find a copy torn or changed (named in
+  a warning: the copy, the digest published and the digest found).
+* The copies are written only into a folder owned by this user that nobody else can write
+  (`detdata.storage.cache_folder.owned_alone`); elsewhere, or when a copy cannot be
+  written, every rank reads the manifest itself (today's behaviour, logged once).
+* A reader that fails (a missing manifest, a refused fetch) publishes its error as JSON
+  (`detdata.identity.shared.dumps_verdict`); every rank waiting on the key raises the same
+  error, naming the reader's rank. Nobody waits for a reader that never comes: the reader
+  is the first rank that asked, and it publishes before returning or raising.
+
+Without a process group, with one rank, or with ``LOCAL_WORLD_SIZE=1`` (one rank on this
+node, as torchrun says), nothing is met and nothing copied: the manifest is read as
+before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+import stat
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import blake3
+
+from detdata.base.canonical import canonical_json
+from detdata.base.errors import DetdataError
+from detdata.base.redact import get_logger, redact_text, redact_url, strip_credentials
+from detdata.identity import shared
+from detdata.identity.receipts import node_key
+from detdata.storage.atomic import atomic_write_bytes
+from detdata.storage.cache_folder import make_layout, owned_alone, user_cache_dir
+from detdata.storage.fs import is_url
+
+#: the cache folder's sub-folder holding the node copies of manifests
+FOLDER: Final = "manifests"
+_HEX: Final = re.compile(r"[0-9a-f]{64}")
+_ROLE: Final = "the rank that read the manifest for this node"
+_WAIT: Final = timedelta(days=7)
+log: Final = get_logger("detdata.manifest")
+#: loads of each path in this process: the n-th load of every rank of a node meets
+_CALLS: dict[str, int] = {}
+_LOGGED: set[str] = set()
+
+#: what a node copy holds, each kind a file of the copy: the JSON (``json``), or a fast
+#: form's columns (``columns``) and the JSON's head (``head``: the fields before its shards)
+KINDS: Final = ("json", "head", "columns")
+#: the kinds a copy holds together: a JSON, or a fast form
+_SHAPES: Final = ({"json"}, {"head", "columns"})
+#: the kinds a rank takes as bytes (the columns are opened by path: `ColumnsFile`)
+_AS_BYTES: Final = ("json", "head")
+#: reads the manifest from its path: kind -> bytes
+Reader = Callable[[], dict[str, bytes]]
+
+
+@dataclass(frozen=True)
+class NodeSource:
+    """The node copy of a manifest: the ``path`` of each kind's file (`KINDS`) and the
+    bytes of the small ones (``json``, ``head``), each checked against the digest the
+    node's reader published."""
+
+    path: dict[str, str]
+    data: dict[str, bytes]
+
+
+def node_source(path: str, read: Reader) -> NodeSource | None:
+    """The node copy of the manifest at ``path`` (see the module docstring): read with
+    ``read`` and copied by this rank when it is the node's reader, else mapped from the
+    reader's copy. None: no node copy (no process group, one rank on the node, no private
+    cache folder, or a copy refused): the caller reads ``path`` itself. The reader's error
+    is raised on every rank of the node."""
+    meeting = _meeting(path)
+    if meeting is None:
+        return None
+    store, rank, key, reader = meeting
+    if reader:
+        return _read_and_share(store, key, rank, read)
+    store.wait([key + "/verdict"], _WAIT)
+    found = shared.loads_verdict(store.get(key + "/verdict"))
+    if found is not None:
+        raise found
+    try:
+        digests = json.loads(store.get(key + "/copy"))
+    except ValueError:  # not what a reader sends: read the manifest yourself
+        return None
+    return _map_copy(digests, path)
+
+
+def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
+    """``(store, rank, key, is this rank the reader)`` of this load of ``path`` on this
+    node, or None (nothing to meet: see the module docstring)."""
+    group = shared.group()
+    if group is None or os.environ.get("LOCAL_WORLD_SIZE", "") == "1":
+        return None
+    store, rank = group
+    local = _local(path)
+    where: list[Any] = [strip_credentials(path)]
+    if local is not None:
+        where = [os.path.abspath(local)]
+        with contextlib.suppress(OSError):
+            st = os.stat(local)
+            where += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    digest = blake3.blake3(canonical_json([where, node_key()])).hexdigest()[:32]
+    count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
+    key = f"detdata/manifest/{digest}/{count}"
+    return store, rank, key, int(store.add(key + "/claim", 1)) == 1
+
+
+def _read_and_share(store: Any, key: str, rank: int, read: Reader) -> NodeSource | None:
+    """Read the manifest, copy it for the node, publish the copies' digests (or the
+    error, which is raised here too)."""
+    verdict: BaseException | None = DetdataError(
+        "the rank reading the manifest for this node stopped before it was read "
+        "(interrupted); hint: restart the job"
+    )
+    digests: dict[str, str] | None = None
+    try:
+        files = read()
+        digests, paths = _write_copy(files)
+        verdict = None
+    except Exception as exc:  # every rank of the node waiting on this key raises it too
+        verdict = exc
+        raise
+    finally:
+        store.set(key + "/copy", canonical_json(digests))
+        store.set(key + "/verdict", shared.dumps_verdict(verdict, found_by=rank, role=_ROLE))
+    if digests is None:
+        return None
+    return NodeSource(paths, {k: v for k, v in files.items() if k in _AS_BYTES})
+
+
+def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """Write the node copy's files atomically; ``(their digests, their paths)``, or
+    ``(None, {})`` where they cannot be written (logged: every rank then reads the
+    manifest itself)."""
+    folder = copy_folder()
+    if folder is None:
+        return None, {}
+    digests = {kind: blake3.blake3(data).hexdigest() for kind, data in files.items()}
+    paths = _copy_paths(digests, folder)
+    try:
+        for kind, data in sorted(files.items()):
+            _keep_or_write(paths[kind], data, digests[kind])
+    except (OSError, DetdataError) as exc:
+        _log_once(folder, f"cannot write the node copy of a manifest there ({exc})")
+        return None, {}
+    return digests, paths
+
+
+def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
+    """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
+    blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
+    if _file_digest(path) != digest:
+        atomic_write_bytes(path, data)
+
+
+def _file_digest(path: str) -> str | None:
+    """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return blake3.blake3(mm).hexdigest()
+    except (OSError, ValueError):
+        return None
+
+
+def _map_copy(digests: object, path: str) -> NodeSource | None:
+    """The reader's node copy, mapped and checked against the digests it published; None
+    (and a warning naming the copy) where it is missing, torn or other bytes."""
+    if not isinstance(digests, dict) or set(digests) not in _SHAPES:
+        return None  # the reader made no copy (or sent something else): read it yourself
+    if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests.values()):
+        return None
+    folder = copy_folder()
+    if folder is None:
+        return None
+    paths = _copy_paths(digests, folder)
+    data: dict[str, bytes] = {}
+    for kind, want in sorted(digests.items()):
+        found = _mapped(paths[kind], want, path, keep=kind in _AS_BYTES)
+        if found is None:
+            return None
+        if kind in _AS_BYTES:
+            data[kind] = found
+    return NodeSource(paths, data)
+
+
+def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
+    """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
+    ``want``, else None with a warning naming the copy, both digests and the manifest."""
+    try:
+        with open(copy, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            found = blake3.blake3(mm).hexdigest()
+            data = bytes(mm) if keep and found == want else b""
+    except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
+        found = f"unreadable ({type(exc).__name__}: {exc})"
+        data = b""
+    if found == want:
+        return data
+    warnings.warn(
+        redact_text(
+            f"node copy {copy} of manifest {redact_url(path)} refused: blake3 {found}, but "
+            f"the rank that read the manifest for this node published {want} (a torn or "
+            "changed copy, or another cache folder); reading the manifest itself instead"
+        ),
+        stacklevel=4,
+    )
+    return None
+
+
+def copy_folder() -> str | None:
+    """The folder of node copies (``manifests/`` of the default cache folder), made when
+    missing; None (logged once) unless it and the cache folder are folders owned by this
+    user that nobody else can write."""
+    cache = user_cache_dir()
+    folder = os.path.join(cache, FOLDER)
+    try:
+        make_layout(cache)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        found = [os.lstat(cache), os.lstat(folder)]
+    except OSError as exc:
+        _log_once(cache, f"it cannot be made ({exc})")
+        return None
+    if all(stat.S_ISDIR(st.st_mode) and owned_alone(st) for st in found):
+        return folder
+    _log_once(cache, "it or its manifests/ is not a folder only this user can write")
+    return None
+
+
+def _copy_paths(digests: dict[str, str], folder: str) -> dict[str, str]:
+    """Each kind's file of the copy in ``folder``: ``<name>.<kind>``, the name the blake3
+    of every file's digest (never a path sent by a peer)."""
+    name = blake3.blake3(canonical_json(digests)).hexdigest()[:40]
+    return {kind: os.path.join(folder, f"{name}.{kind}") for kind in digests}
+
+
+def _local(path: str) -> str | None:
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    return None if is_url(path) else path
+
+
+def _log_once(folder: str, why: str) -> None:
+    if folder not in _LOGGED:
+        _LOGGED.add(folder)
+        log.warning(
+            "detdata: no node copy of manifests in the cache folder %s: %s; each rank reads "
+            "the manifest itself",
+            folder,
+            why,
+        )
