@@ -42,6 +42,7 @@ declare and checks it, and that a stream with only the three `Stream` methods lo
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -141,12 +142,13 @@ def hint_read_ahead(target: object, positions: IntArray | None) -> None:
 
 
 # ------------------------------------------------------------------ datasets
-@runtime_checkable
-class DatasetInfo(Protocol):
+class DatasetInfo(ABC):  # noqa: B024 (a base of defaults: no member is abstract)
     """What a dataset may say about itself beyond `Dataset`, each member with its default: a
     dataset subclasses this class and overrides what it knows (`TokenWindows`, `TableRows`,
     `PackedWindows`); `info` gives any other dataset the defaults. None means "not known":
-    the call that needs the member raises `missing` naming it."""
+    the call that needs the member raises `missing` naming it. Declared by subclassing (a
+    nominal check: ``isinstance`` never evaluates a member, and a dataset that defines some
+    of these names without subclassing gets the defaults)."""
 
     @property
     def tokens_per_sample(self) -> int | None:
