@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import blake3
 
@@ -179,6 +179,8 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
 def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
     """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
     blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
+    if os.path.islink(path):  # never written through: the copy is this folder's file
+        os.unlink(path)
     if _file_digest(path) != digest:
         atomic_write_bytes(path, data)
 
@@ -186,10 +188,21 @@ def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
 def _file_digest(path: str) -> str | None:
     """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             return blake3.blake3(mm).hexdigest()
     except (OSError, ValueError):
         return None
+
+
+def _open_file(path: str) -> BinaryIO:
+    """``path`` opened for reading, refused (`OSError`) unless it is a regular file that is
+    not a symbolic link: a node copy is a file of this user's private folder, never what a
+    link planted at its name points to."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _map_copy(digests: object, path: str) -> NodeSource | None:
@@ -217,7 +230,7 @@ def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
     """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
     ``want``, else None with a warning naming the copy, both digests and the manifest."""
     try:
-        with open(copy, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with _open_file(copy) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             found = blake3.blake3(mm).hexdigest()
             data = bytes(mm) if keep and found == want else b""
     except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)

@@ -1,0 +1,68 @@
+"""Hostile files in the folder of node copies (docs/design.md section 8, "One manifest read
+per node"): a link planted at a copy's name or at the folder itself, in a real cache folder.
+
+Covers: detdata/identity/node_copy.py (`_write_copy`, the node's reader writing its copy;
+`_map_copy`, another rank of the node mapping it). The references are the bytes the test
+wrote itself (the victim file's, the manifest's).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from detdata.identity import node_copy
+
+DATA = b'{"kind": "a manifest, as its reader read it"}' * 50
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DETDATA_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _one_copy() -> tuple[dict[str, str], Path]:
+    digests, paths = node_copy._write_copy({"json": DATA})
+    assert digests is not None and Path(paths["json"]).read_bytes() == DATA
+    return digests, Path(paths["json"])
+
+
+def test_a_link_at_a_copys_name_is_replaced_never_written_through(
+    cache: Path, tmp_path: Path
+) -> None:
+    _, copy = _one_copy()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"a file of this user outside the cache")
+    copy.unlink()
+    copy.symlink_to(victim)  # planted where the next reader writes its copy
+    digests, paths = node_copy._write_copy({"json": DATA})
+    assert victim.read_bytes() == b"a file of this user outside the cache"
+    assert not copy.is_symlink() and copy.read_bytes() == DATA
+    assert paths["json"] == str(copy) and digests is not None
+
+
+def test_a_link_at_a_copys_name_is_refused_by_the_ranks_that_map_it(
+    cache: Path, tmp_path: Path
+) -> None:
+    digests, copy = _one_copy()
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_bytes(DATA)  # even the right bytes: the link's target is not the copy
+    copy.unlink()
+    copy.symlink_to(elsewhere)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert node_copy._map_copy(digests, "/data/manifest.json") is None
+    (said,) = [str(w.message) for w in caught]
+    assert "refused" in said and str(copy) in said and "manifest.json" in said, said
+
+
+def test_a_link_at_the_folder_of_copies_is_never_used(cache: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    cache.mkdir(mode=0o700)
+    (cache / node_copy.FOLDER).symlink_to(elsewhere)
+    assert node_copy._write_copy({"json": DATA}) == (None, {})
+    assert list(elsewhere.iterdir()) == []
