@@ -29,7 +29,12 @@ What a wrong guess costs, never a wrong byte:
 * A reader that fails (a missing manifest, a refused fetch) publishes its error as JSON
   (`detdata.identity.shared.dumps_verdict`); every rank waiting on the key raises the same
   error, naming the reader's rank. Nobody waits for a reader that never comes: the reader
-  is the first rank that asked, and it publishes before returning or raising.
+  is the first rank that asked, and it publishes before returning or raising. A reader that
+  hangs or dies is waited for at most the store's timeout (``store.timeout``, the
+  ``timeout`` of ``init_process_group``); past it a rank says so and reads the manifest
+  itself.
+* A copy is a regular file of that folder: a link planted at a copy's name is replaced by
+  the reader (never written through) and refused by the ranks that map it.
 
 Without a process group, with one rank, or with ``LOCAL_WORLD_SIZE=1`` (one rank on this
 node, as torchrun says), nothing is met and nothing copied: the manifest is read as
@@ -65,7 +70,6 @@ from detdata.storage.fs import is_url
 FOLDER: Final = "manifests"
 _HEX: Final = re.compile(r"[0-9a-f]{64}")
 _ROLE: Final = "the rank that read the manifest for this node"
-_WAIT: Final = timedelta(days=7)
 log: Final = get_logger("detdata.manifest")
 #: loads of each path in this process: the n-th load of every rank of a node meets
 _CALLS: dict[str, int] = {}
@@ -104,7 +108,8 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
     store, rank, key, reader = meeting
     if reader:
         return _read_and_share(store, key, rank, read)
-    store.wait([key + "/verdict"], _WAIT)
+    if not _wait_for_reader(store, key, path):
+        return None
     found = shared.loads_verdict(store.get(key + "/verdict"))
     if found is not None:
         raise found
@@ -113,6 +118,27 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
     except ValueError:  # not what a reader sends: read the manifest yourself
         return None
     return _map_copy(digests, path)
+
+
+def _wait_for_reader(store: Any, key: str, path: str) -> bool:
+    """Wait for the node's reader to publish under ``key``, at most the store's timeout
+    (``store.timeout``: the ``timeout`` of ``init_process_group``); False (with a warning
+    naming the manifest and the wait) past it or when the store fails: the caller reads
+    the manifest itself (a reader that died or hangs never holds the node's ranks)."""
+    bound: timedelta = store.timeout
+    try:
+        store.wait([key + "/verdict"], bound)
+    except RuntimeError as exc:  # torch's DistStoreError: a timeout, a store gone
+        warnings.warn(
+            redact_text(
+                f"manifest {redact_url(path)}: the rank reading it for this node published "
+                f"nothing within {bound.total_seconds():g} s (the process group store's "
+                f"timeout; {type(exc).__name__}); reading the manifest itself instead"
+            ),
+            stacklevel=4,
+        )
+        return False
+    return True
 
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:

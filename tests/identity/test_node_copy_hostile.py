@@ -8,6 +8,7 @@ wrote itself (the victim file's, the manifest's).
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -66,3 +67,32 @@ def test_a_link_at_the_folder_of_copies_is_never_used(cache: Path, tmp_path: Pat
     (cache / node_copy.FOLDER).symlink_to(elsewhere)
     assert node_copy._write_copy({"json": DATA}) == (None, {})
     assert list(elsewhere.iterdir()) == []
+
+
+#: giving a folder to another user needs root: that case is built only where it can be
+HOWS = ["others can write it"] + (["another user owns it"] if os.geteuid() == 0 else [])
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_cache_folder_another_user_can_write_or_owns_gets_no_copy(cache: Path, how: str) -> None:
+    cache.mkdir(mode=0o700)
+    if how == "others can write it":
+        cache.chmod(0o777)
+    else:
+        os.chown(cache, os.geteuid() + 4242, -1)
+    assert node_copy._write_copy({"json": DATA}) == (None, {})
+    assert not (cache / node_copy.FOLDER).exists() or not any((cache / node_copy.FOLDER).iterdir())
+
+
+def test_a_copy_absent_from_this_ranks_file_system_is_read_again_not_waited_for(
+    cache: Path,
+) -> None:
+    """A reader in another container (same host name and boot id, another file system)
+    published digests of a copy this rank's cache folder does not hold."""
+    digests, copy = _one_copy()
+    copy.unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert node_copy._map_copy(digests, "/data/manifest.json") is None
+    (said,) = [str(w.message) for w in caught]
+    assert "unreadable" in said and str(copy) in said, said
