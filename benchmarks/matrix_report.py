@@ -149,8 +149,16 @@ def figure(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def bars(path: Path, title: str, ylabel: str, groups: dict[str, dict[str, float]]) -> None:
-    """Grouped bars (one group per row, one hatched bar per series): greyscale-readable."""
+def bars(
+    path: Path,
+    title: str,
+    ylabel: str,
+    groups: dict[str, dict[str, float]],
+    value_format: str | None = None,
+) -> None:
+    """Grouped bars (one group per row, one hatched bar per series): greyscale-readable; the
+    legend beside the axes, never over the bars; with ``value_format`` (``"{:.2f}"``) each bar
+    carries its value."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,24 +166,27 @@ def bars(path: Path, title: str, ylabel: str, groups: dict[str, dict[str, float]
 
     names = list(groups)
     series = list(next(iter(groups.values())))
-    hatches = ["", "//", "xx", ".."]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    hatches = ["", "//", "xx", "..", "\\\\", "oo", "--", "++"]
+    fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(series)
     for i, s in enumerate(series):
         xs = [k + i * width for k in range(len(names))]
-        ax.bar(
+        values = [groups[n][s] for n in names]
+        drawn = ax.bar(
             xs,
-            [groups[n][s] for n in names],
+            values,
             width,
             label=s,
             color="white",
             edgecolor="black",
             hatch=hatches[i % len(hatches)],
         )
+        if value_format is not None:
+            ax.bar_label(drawn, [value_format.format(v) for v in values], fontsize=7)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=12)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,13 +1,15 @@
 """Remote reads at link speed: lookahead prefetch and range coalescing over an emulated link.
 
-``python -m benchmarks.remote [--smoke] [--out DIR]``
+``python -m benchmarks.remote [--smoke] [--out DIR] [--doc]`` (``--doc``: the table, with the
+command, date, commit, machine and load average, into ``docs/benchmarks.md`` between the
+markers of `benchmarks.remote_report`; ``--report JSON``: only that, from a saved run)
 
-Starts nginx (HTTP) and SeaweedFS (S3) on 127.0.0.1 (tests/servers.py), writes a token
-corpus ~10x larger than the shard cache bound (``shard_cache_bytes``) to both, and puts
-the fault proxy (tests/faultproxy.py) in front of each, emulating a link of
-``bandwidth_bps`` bytes/s and ``latency_s`` per request, in a process of its own
-(`ProxyProcess`: the emulated network must not compete with the loader for its GIL). For
-each store and order it runs a `detdata.DataLoader` for ``--seconds`` and reports:
+Starts nginx (HTTP; Twisted's web server where nginx is absent) and SeaweedFS (S3) on
+127.0.0.1 (tests/servers.py), writes a token corpus ~10x larger than the shard cache bound
+(``shard_cache_bytes``) to both, and puts the fault proxy (tests/faultproxy.py) in front of
+each, emulating a link of ``bandwidth_bps`` bytes/s and ``latency_s`` per request, in a
+process of its own (`ProxyProcess`: the emulated network must not compete with the loader for
+its GIL). For each store and order it runs a `detdata.DataLoader` for ``--seconds`` and reports:
 
 * ``samples_per_s`` after warm-up, and ``link_fraction``: that rate over the link's
   ceiling ``bandwidth / sample_bytes`` (target >= 0.70 with a locality-aware order);
@@ -55,6 +57,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -71,10 +74,12 @@ from typing import Any
 import numpy as np
 
 import detdata
+from benchmarks import remote_report
+from benchmarks.matrix_report import provenance
 from detdata import Storage
 from detdata.datasets.tokens import TokenWindows
 from tests.faultproxy import FaultProxy, Link, Plan, clean
-from tests.servers import start_nginx, start_seaweedfs, stop_pid
+from tests.servers import start_http, start_seaweedfs, stop_pid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +236,7 @@ class Store:
     options: dict[str, Any]
     proxy: ProxyProcess
     paths: list[str]  # the corpus's files, relative to url
+    server: str  # the server's software: nginx, twisted or seaweedfs
     ceiling_bps: float = 0.0  # measured by `probe_ceiling` (answer bytes/s)
     probe_cpu_per_s: float = 0.0  # the proxy's CPU seconds per second during the probe
 
@@ -332,7 +338,8 @@ def write_corpus(directory: Path, size: Size) -> None:
 
 @contextlib.contextmanager
 def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iterator[list[Store]]:
-    """nginx and/or SeaweedFS serving ``corpus``, each behind an emulated link."""
+    """nginx (Twisted where nginx is absent) and/or SeaweedFS serving ``corpus``, each
+    behind an emulated link."""
     link = Link(bandwidth_bps=size.bandwidth_bps, latency_s=size.latency_s)
     pids: list[int] = []
     proxies: list[ProxyProcess] = []
@@ -340,7 +347,7 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
     names = [f.name for f in sorted(corpus.iterdir())]
     try:
         if "http" in which:
-            http = start_nginx(work / "nginx")
+            http = start_http(work / "http")  # nginx where the machine has it, else Twisted
             pids.append(http.pid)
             directory, _ = http.new_dir()
             for f in sorted(corpus.iterdir()):
@@ -348,7 +355,7 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
             proxy = ProxyProcess(http.port, link)
             proxies.append(proxy)
             url = f"http://{proxy.address}/{directory.name}"
-            out.append(Store("http", url, {}, proxy, names))
+            out.append(Store("http", url, {}, proxy, names, http.software))
         if "s3" in which:
             import s3fs
 
@@ -361,7 +368,7 @@ def stores(work: Path, corpus: Path, size: Size, which: tuple[str, ...]) -> Iter
             proxy = ProxyProcess(s3.port, link)
             proxies.append(proxy)
             opts = s3.storage_options(endpoint=f"http://{proxy.address}")
-            out.append(Store("s3", f"s3://{prefix}", opts, proxy, names))
+            out.append(Store("s3", f"s3://{prefix}", opts, proxy, names, "seaweedfs"))
         yield out
     finally:
         for proxy in proxies:
@@ -402,6 +409,7 @@ def run_one(
     )
     row: dict[str, Any] = {
         "store": store.name,
+        "server": store.server,
         "order": order,
         "mode": mode,
         "bandwidth_MBps": size.bandwidth_bps / 1e6,
@@ -497,6 +505,7 @@ def run_one(
         "measured_ceiling_samples_per_s": round(probed, 1),
         "measured_fraction": round(rate / probed, 3),
         "probe_proxy_cpu_per_s": round(store.probe_cpu_per_s, 2),
+        "probe_connections": PROBE_CONNECTIONS,
         "loader_cpu_per_s": round((end_cpu - warm_cpu) / (end - warm_at), 2),
         "proxy_cpu_per_s": round((proxy.cpu_s - warm_proxy.cpu_s) / (end - warm_at), 2),
         "torch_threads": torch_threads(),
@@ -634,7 +643,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch.set_num_threads(N) first (default: torch's own; see torch_threads)",
     )
+    parser.add_argument("--doc", action="store_true", help="the table into docs/benchmarks.md")
+    parser.add_argument("--report", default=None, help="only --doc, from this remote.json")
     args = parser.parse_args(argv)
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        remote_report.write_doc(remote_report.markdown(saved))
+        remote_report.figure(saved)
+        return 0
     # a SIGTERM (``timeout``) unwinds like Ctrl-C, so the servers and proxies are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.torch_threads is not None:
@@ -646,18 +662,23 @@ def main(argv: list[str] | None = None) -> int:
         size = dataclasses.replace(size, seconds=args.seconds)
     if args.shards is not None:
         size = dataclasses.replace(size, shards=args.shards)
+    command = "python -m benchmarks.remote " + shlex.join(sys.argv[1:] if argv is None else argv)
+    prov = provenance(command.strip())
     load = os.getloadavg()
     rows = remote_rows(
         size=size, which=tuple(args.stores.split(",")), modes=tuple(args.modes.split(","))
     )
     text = table(rows) + "\n\n" + summary(rows, load, os.getloadavg())
     print(text)
+    prov["load_after"] = round(os.getloadavg()[0], 1)
+    doc = {"size": dataclasses.asdict(size), "rows": rows, remote_report.PROVENANCE: prov}
+    if args.doc:
+        remote_report.write_doc(remote_report.markdown(doc))
+        remote_report.figure(doc)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "remote.json").write_text(
-            json.dumps({"size": dataclasses.asdict(size), "rows": rows}, indent=1)
-        )
+        (out / "remote.json").write_text(json.dumps(doc, indent=1))
         (out / "remote.md").write_text("# Remote reads over an emulated link\n\n" + text + "\n")
     return 0
 

@@ -241,6 +241,7 @@ class HttpServer:
     docroot: str
     pid: int
     workdir: str
+    software: str = "nginx"  # or "twisted" (`start_twisted`)
 
     @property
     def base(self) -> str:
@@ -341,7 +342,9 @@ def start_twisted(workdir: Path) -> HttpServer:
         args = [twistd, "--nodaemon", "--pidfile=", f"--logfile={work / 'twistd.log'}", "web"]
         args += ["--listen", f"tcp:{port}:interface=127.0.0.1", "--resource-script", str(root)]
         proc = _launch(args, work / "stderr.log", cwd=work)
-        server = HttpServer(port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work))
+        server = HttpServer(
+            port=port, docroot=str(docroot), pid=proc.pid, workdir=str(work), software="twisted"
+        )
         if _wait_ready(proc, server, lambda s: _http_answers(s.base + "/"), timeout=30, poll=0.05):
             return server
         last = (work / "stderr.log").read_text(errors="replace")

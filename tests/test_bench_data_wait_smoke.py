@@ -2,6 +2,8 @@
 
 The reference is a direct ``np.load`` of the shard files (not the contenders' readers): one
 epoch of steps must deliver exactly the rows of the files, each once, whatever the order.
+litData and Grain run where they can be imported (``benchmarks/peers/.venv``); elsewhere (the
+project's ``.venv``) each must be reported as not run, with the reason, not silently dropped.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ def test_every_contender_feeds_the_files_bytes_and_shares_are_fractions(tmp_path
         torch.set_num_threads(threads)
     reference = direct_rows(data)
     assert reference.shape == (64, SEQ)  # 8 steps x batch 8 = one epoch
+    names, skipped = data_wait.contenders()
+    assert set(data_wait.CONTENDERS) <= set(names)
+    assert set(names) | set(skipped) == set(data_wait.CONTENDERS) | set(data_wait.PEERS)
+    assert not set(names) & set(skipped)
     for workers in data_wait.WORKERS:
-        for contender in data_wait.CONTENDERS:
+        for contender in names:
             spec = data_wait.spec_for(contender, workers, data, args)
             result = data_wait.train(spec, args, keep_rows=True)
             rows = result["rows"]
@@ -77,12 +83,14 @@ def test_every_contender_feeds_the_files_bytes_and_shares_are_fractions(tmp_path
     doc = json.loads(out.read_text())
     summary = doc["summary"]
     assert {(r["contender"], r["workers"]) for r in summary} == {
-        (c, w) for c in data_wait.CONTENDERS for w in data_wait.WORKERS
+        (c, w) for c in names for w in data_wait.WORKERS
     }
     for row in summary:
         assert 0.0 <= row["share_waited"] <= 1.0, row
         assert row["steps_per_s"] > 0 and row["validated"] is True, row
-    assert doc["not_installed"] == ["litdata", "grain"]
+    assert doc["not_run"] == skipped
     section = data_wait.markdown(doc)
+    for peer, why in skipped.items():
+        assert why.startswith("not installed") and f"{data_wait.LABELS[peer]}: {why}" in section
     assert section.startswith(data_wait.BEGIN) and section.endswith(data_wait.END)
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -12,8 +12,9 @@ PIP="$VENV/bin/pip"
 C="$HERE/constraints.txt"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$PIP" install -q torch==2.13.0 || { echo "torch==2.13.0 could not be installed"; exit 1; }
-# detdata's own dependencies, at the versions of the project's lock file
-"$PIP" install -q -c "$C" $(grep -E '^(numpy|pyarrow|fsspec|blake3|tqdm)==' "$ROOT/requirements-lock.txt")
+# detdata's own dependencies, matplotlib (figures), pytest and hypothesis (data_wait's smoke
+# test with the peers), at the versions of the project's lock file
+"$PIP" install -q -c "$C" $(grep -E '^(numpy|pyarrow|fsspec|blake3|tqdm|matplotlib|pytest|hypothesis)==' "$ROOT/requirements-lock.txt")
 "$PIP" install -q --no-deps -e "$ROOT"
 : > "$VENV/install-status.txt"
 grep -vE '^(#|torch==|$)' "$HERE/requirements.txt" | while read -r peer; do
