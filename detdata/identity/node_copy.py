@@ -33,8 +33,9 @@ What a wrong guess costs, never a wrong byte:
   hangs or dies is waited for at most the store's timeout (``store.timeout``, the
   ``timeout`` of ``init_process_group``); past it a rank says so and reads the manifest
   itself.
-* A copy is a regular file of that folder: a link planted at a copy's name is replaced by
-  the reader (never written through) and refused by the ranks that map it.
+* A copy is a regular file of that folder: a link or a pipe planted at a copy's name is
+  replaced by the reader (never written through, never waited on) and refused by the ranks
+  that map it.
 
 Without a process group, with one rank, or with ``LOCAL_WORLD_SIZE=1`` (one rank on this
 node, as torchrun says), nothing is met and nothing copied: the manifest is read as
@@ -205,8 +206,10 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
 def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
     """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
     blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
-    if os.path.islink(path):  # never written through: the copy is this folder's file
-        os.unlink(path)
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            os.unlink(path)  # a link or a pipe is never written through: a copy is a file
     if _file_digest(path) != digest:
         atomic_write_bytes(path, data)
 
@@ -223,8 +226,8 @@ def _file_digest(path: str) -> str | None:
 def _open_file(path: str) -> BinaryIO:
     """``path`` opened for reading, refused (`OSError`) unless it is a regular file that is
     not a symbolic link: a node copy is a file of this user's private folder, never what a
-    link planted at its name points to."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    link planted at its name points to, nor a pipe (opened without waiting for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{path} is not a regular file")

@@ -8,7 +8,10 @@ wrote itself (the victim file's, the manifest's).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -96,3 +99,34 @@ def test_a_copy_absent_from_this_ranks_file_system_is_read_again_not_waited_for(
         assert node_copy._map_copy(digests, "/data/manifest.json") is None
     (said,) = [str(w.message) for w in caught]
     assert "unreadable" in said and str(copy) in said, said
+
+
+CHILD = """
+import json, sys, warnings
+from detdata.identity import node_copy
+from tests.identity.test_node_copy_hostile import DATA
+digests = json.loads(sys.argv[1])
+warnings.simplefilter("ignore")
+print(node_copy._map_copy(digests, "/data/manifest.json") is None)
+print(node_copy._write_copy({"json": DATA})[0] == digests)
+"""
+
+
+def test_a_pipe_at_a_copys_name_neither_blocks_the_reader_nor_the_ranks_that_map_it(
+    cache: Path,
+) -> None:
+    """A named pipe planted at a copy's name: opening it, or writing into it in place, waits
+    for a peer that never comes; the ranks refuse it and the reader replaces it with its copy."""
+    digests, copy = _one_copy()
+    copy.unlink()
+    os.mkfifo(copy)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(digests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
+    assert copy.is_file() and copy.read_bytes() == DATA
