@@ -14,10 +14,17 @@ imports torch, numpy and detdata before the clock, then times:
   0: no load) and ``next(iter(loader))``.
 
 Every first batch is checked: each row is ``64 w + arange(65)`` and ``w`` is the id the
-loader's order assigns to positions ``P .. P+63``. Wall and CPU seconds (every thread),
+loader's order assigns to positions ``P .. P+63``. The shard counts of ``--startup-shards``
+(1M in the docs) use instead the corpus of `benchmarks.startup` (N shards of 2 KiB, 960
+uint16 tokens: token ``j`` of shard ``s`` is ``(7 j + 13 s) mod 60000``, 14 windows a shard),
+written once with its manifest under ``--startup-data`` and shared with
+`benchmarks.shared_verify`; there window ``w`` is checked against that formula at shard
+``w // 14``, offset ``64 (w mod 14)``. Wall and CPU seconds (every thread),
 medians of ``--repeats`` rounds, the configurations interleaved in each round.
 
     python -m benchmarks.resume_latency [--shards 1,100,10000,100000] [--repeats 3]
+    python -m benchmarks.resume_latency --shards 1000000 --startup-shards 1000000 \
+        --startup-data /tmp/bench1m --repeats 1 --keep
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
-manifest, position = sys.argv[1], int(sys.argv[2])
+manifest, position, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 c0, w0 = cpu(), time.perf_counter()
 ds = detdata.TokenWindows(manifest, 64)
 dl = detdata.DataLoader(ds, global_batch_size=64, seed=0)
@@ -60,11 +67,15 @@ if position:
     dl.load_state_dict(state)
 tokens = next(iter(dl))["tokens"].numpy()
 c2, w2 = cpu(), time.perf_counter()
-first = tokens[:, 0].astype(np.int64)
-ids = first // 64
-rows_ok = bool((tokens == first[:, None] + np.arange(65)).all() and (first % 64 == 0).all())
 order = detdata.OrderedStream(ds, 0).sample_ids(np.arange(position, position + 64))
-ok = rows_ok and ids.tolist() == order.tolist()
+if kind == "startup":  # benchmarks.startup's corpus: the writer's formula, 14 windows a shard
+    s, o = order[:, None] // 14, (order[:, None] % 14) * 64 + np.arange(65)
+    ok = bool((tokens.astype(np.int64) == (7 * o + 13 * s) % 60000).all())
+else:
+    first = tokens[:, 0].astype(np.int64)
+    ids = first // 64
+    rows_ok = bool((tokens == first[:, None] + np.arange(65)).all() and (first % 64 == 0).all())
+    ok = rows_ok and ids.tolist() == order.tolist()
 print(json.dumps({"open_s": w1 - w0, "open_cpu_s": c1 - c0, "resume_s": w2 - w1,
                   "resume_cpu_s": c2 - c1, "ok": ok}))
 """
@@ -96,14 +107,30 @@ def write_corpus(folder: Path, shards: int) -> dict[str, Any]:
     return info
 
 
-def child(manifest: Path, position: int, receipts: Path) -> dict[str, Any]:
+def startup_corpus(folder: Path, shards: int) -> dict[str, Any]:
+    """`benchmarks.startup`'s corpus of ``shards`` 2 KiB shards (written once, with its
+    manifest's entries computed as it writes: no `build_manifest` timed)."""
+    from benchmarks import startup
+
+    t = time.perf_counter()
+    startup.write_corpus(folder, shards)
+    return {
+        "write_s": time.perf_counter() - t,
+        "build_manifest_s": None,
+        "shards": shards,
+        "kind": "startup",
+        "tokens_per_shard": startup.TOKENS,
+    }
+
+
+def child(manifest: Path, position: int, receipts: Path, kind: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), DETDATA_RECEIPTS=str(receipts))
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(manifest), str(position)],
+        [sys.executable, "-c", CHILD, str(manifest), str(position), kind],
         capture_output=True,
         text=True,
         env=env,
-        timeout=1200,
+        timeout=3600,
         check=False,
     )
     if proc.returncode:
@@ -121,26 +148,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "detdata-rl")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--startup-shards",
+        default="",
+        help="shard counts that use benchmarks.startup's corpus (2 KiB shards) instead",
+    )
+    parser.add_argument(
+        "--startup-data",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "detdata-startup",
+        help="where benchmarks.startup's corpora are (n<shards>/)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the results file's shard counts this run does not measure",
+    )
     args = parser.parse_args(argv)
     prov = matrix_report.provenance(
         "python -m benchmarks.resume_latency " + " ".join(argv or sys.argv[1:])
     )
     shards = [int(s) for s in args.shards.split(",")]
     positions = [int(p) for p in args.positions.split(",")]
-    corpora = {str(n): write_corpus(args.data / f"n{n}", n) for n in shards}
+    big = {int(s) for s in args.startup_shards.split(",") if s}
+    folders = {n: (args.startup_data if n in big else args.data) / f"n{n}" for n in shards}
+    corpora = {
+        str(n): startup_corpus(folders[n], n) if n in big else write_corpus(folders[n], n)
+        for n in shards
+    }
     runs: dict[str, list[dict[str, Any]]] = {}
     for round_ in range(args.repeats):
         for n in shards:
-            manifest = args.data / f"n{n}" / "manifest.json"
-            first = Path(tempfile.mkdtemp(prefix="receipts-", dir=args.data))
-            runs.setdefault(f"{n}|first|0", []).append(child(manifest, 0, first))
-            restart = args.data / f"n{n}" / "receipts"
+            kind = "startup" if n in big else "windows"
+            manifest = folders[n] / "manifest.json"
+            first = Path(tempfile.mkdtemp(prefix="receipts-", dir=folders[n]))
+            runs.setdefault(f"{n}|first|0", []).append(child(manifest, 0, first, kind))
+            restart = folders[n] / "receipts"
             if round_ == 0:
-                child(manifest, 0, restart)  # the earlier start a restart finds
+                child(manifest, 0, restart, kind)  # the earlier start a restart finds
             for p in positions:
-                runs.setdefault(f"{n}|restart|{p}", []).append(child(manifest, p, restart))
+                runs.setdefault(f"{n}|restart|{p}", []).append(child(manifest, p, restart, kind))
             print(f"round {round_}: {n} shards done", flush=True)
     prov["load_after"] = round(os.getloadavg()[0], 1)
+    prov["shards"] = shards
     summary = {
         key: {
             m: statistics.median(r[m] for r in rs)
@@ -150,11 +200,38 @@ def main(argv: list[str] | None = None) -> int:
         for key, rs in runs.items()
     }
     doc = {"provenance": prov, "corpora": corpora, "summary": summary, "runs": runs}
+    if args.keep and (args.out / "resume_latency.json").exists():
+        doc = merged(json.loads((args.out / "resume_latency.json").read_text()), doc)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "resume_latency.json").write_text(json.dumps(doc, indent=1) + "\n")
     figure(doc, args.out / "resume_latency.png")
     print(tables(doc))
     return 0 if all(s["ok"] for s in summary.values()) else 1
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the shard counts of ``old`` it did not measure, and the provenance of
+    the earlier runs that measured those (under ``earlier``)."""
+    ran = {str(n) for n in new["provenance"]["shards"]}
+    kept = {n for n in old["corpora"] if n not in ran}
+    earlier = [
+        p
+        for p in [*old.get("earlier", []), old["provenance"]]
+        if {str(n) for n in p.get("shards", old["corpora"])} & kept
+    ]
+    for p in earlier:  # the shard counts each earlier run stands for here
+        p["shards"] = sorted(int(n) for n in set(map(str, p.get("shards", kept))) & kept)
+
+    def pick(table: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in table.items() if k.split("|")[0] in kept}
+
+    return {
+        "provenance": new["provenance"],
+        "earlier": earlier,
+        "corpora": {n: old["corpora"][n] for n in kept} | new["corpora"],
+        "summary": pick(old["summary"]) | new["summary"],
+        "runs": pick(old["runs"]) | new["runs"],
+    }
 
 
 def figure(doc: dict[str, Any], path: Path) -> None:
@@ -169,7 +246,7 @@ def figure(doc: dict[str, Any], path: Path) -> None:
             series.setdefault(f"{int(n):,} shards", []).append(
                 (int(position), s["resume_cpu_s"] * 1e3)
             )
-    commit = doc["provenance"]["commit"]
+    commit = ", ".join(p["commit"] for p in [*doc.get("earlier", []), doc["provenance"]])
     matrix_report.lines(
         path,
         f"Resume: load_state_dict + first batch ({commit})",
@@ -181,13 +258,17 @@ def figure(doc: dict[str, Any], path: Path) -> None:
 
 def tables(doc: dict[str, Any]) -> str:
     """Markdown: start-up (first start, restart) and resume by position, per shard count."""
-    p, summary = doc["provenance"], doc["summary"]
+    summary = doc["summary"]
     shards = sorted({int(k.split("|")[0]) for k in summary})
     positions = sorted({int(k.split("|")[2]) for k in summary if "|restart|" in k})
     head = " | ".join(f"resume @{x:,}" for x in positions)
     lines = [
         f"`{p['command'].strip()}`: {p['date_utc']}, commit `{p['commit']}`, {p['machine']}; "
-        f"load average {p['load_before']} before, {p['load_after']} after.",
+        f"load average {p['load_before']} before, {p['load_after']} after"
+        + (f" (shards {', '.join(f'{n:,}' for n in p['shards'])})." if "shards" in p else ".")
+        for p in [*doc.get("earlier", []), doc["provenance"]]
+    ]
+    lines += [
         "",
         "| shards | build manifest s | open, first start: wall ms (CPU ms) | open, restart | "
         + head
@@ -199,11 +280,16 @@ def tables(doc: dict[str, Any]) -> str:
         cells = [
             f"{summary[f'{n}|restart|{x}']['resume_s'] * 1e3:.1f} "
             f"({summary[f'{n}|restart|{x}']['resume_cpu_s'] * 1e3:.0f})"
+            if f"{n}|restart|{x}" in summary
+            else "not run"
             for x in positions
         ]
         ok = all(v["ok"] for k, v in summary.items() if k.startswith(f"{n}|"))
+        corpus = doc["corpora"][str(n)]
+        built = corpus["build_manifest_s"]
         lines.append(
-            f"| {n:,} | {doc['corpora'][str(n)]['build_manifest_s']:.1f} | "
+            f"| {n:,}{' (2 KiB shards)' if corpus.get('kind') == 'startup' else ''} | "
+            f"{'written with its entries' if built is None else f'{built:.1f}'} | "
             f"{first['open_s'] * 1e3:.0f} ({first['open_cpu_s'] * 1e3:.0f}) | "
             f"{restart['open_s'] * 1e3:.0f} ({restart['open_cpu_s'] * 1e3:.0f}) | "
             + " | ".join(cells)
