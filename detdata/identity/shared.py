@@ -5,7 +5,9 @@ shards need reading (the receipt's changed ones, or all) and publishes that *pla
 meeting's key in the process group's store; then every rank that opens the same manifest
 (the claimant included) takes slices of it, one atomic ``add`` on the store per slice, and
 checks them, until none is left. So each shard is read by one rank, the slices are disjoint,
-and the job's wall time to verify falls with the ranks that take part, while a rank that
+and the job's wall time to verify falls with the ranks that take part (at a first start
+each taker also takes its slices' file identities and tie part in the same pass, published
+as extras next to its verdict: `detdata.identity.shared_pass`), while a rank that
 opens a manifest nobody else opens still checks it all alone, waiting for nobody. A slice
 that fails is published (as JSON, `dumps_verdict`, with the rank that found it in the
 message); the claimant waits until every slice is done, raises the first failure in path
