@@ -1,15 +1,20 @@
-# Two commands on a fresh machine:  make demo   and   make test
+# Two commands on a fresh machine:  make demo   and   make check (= make test + make test-slow)
 #   make demo: a virtual environment from the runtime lock only (torch, numpy, pyarrow, fsspec,
 #              blake3, tqdm and their dependencies; requirements-runtime-lock.txt), then the demo.
 #   make test: adds the dev lock (test tools, servers, the frameworks the integrations test;
-#              requirements-lock.txt) to the same environment, then ruff + mypy + pytest.
+#              requirements-lock.txt) to the same environment, then ruff + mypy + pytest of
+#              every test not marked `slow`.
+#   make test-slow: the tests marked `slow` (framework runs, soak and stress loops) at their
+#              bounded counts (tests/soak.py).
+#   make check: both, every test: what CI (.ci/run) runs and the README's test command.
+#   make test-soak: the whole suite at the full soak counts.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-slow test-soak check lint bench clean
 
 $(RUNTIME): requirements-runtime-lock.txt pyproject.toml setup.py detdata/storage/_fileread.c
 	$(PY) -m venv $(VENV)
@@ -33,8 +38,22 @@ lint: $(DEV)
 	$(BIN)/ruff format --check detdata tests benchmarks examples
 	$(BIN)/mypy detdata
 
+# --durations=20: every run prints its slowest 20 tests (where the suite's time goes).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
+
 test: $(DEV) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) -m "not slow" tests
+
+# DETDATA_SOAK=0: `-m slow` alone asks for the full soak counts (tests/soak.py); CI runs the
+# bounded ones. `make test-soak`: the whole suite at the full counts (not part of CI).
+test-slow: $(DEV)
+	DETDATA_SOAK=0 $(PYTEST) -m slow tests
+
+check: test
+	$(MAKE) test-slow
+
+test-soak: $(DEV)
+	$(PYTEST) --soak tests
 
 bench: $(DEV)
 	$(BIN)/python -m benchmarks

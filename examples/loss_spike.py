@@ -92,7 +92,7 @@ def main() -> None:
     bad.save(work / "exclusions.json")
     position = resume_at["samples_consumed"]
     skipping = Excluded(stream, [(position, bad)])
-    skipping.check_continues(resume_at["stream"], position)  # only appended exclusions
+    skipping.continue_from(resume_at["stream"], position)  # only appended exclusions
     resumed = detdata.DataLoader(skipping, global_batch_size=GBS)
     resumed.load_state_dict(resume_at, allow=["exclusions"])
     later = np.arange(position, position + 20_000)

@@ -116,8 +116,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """``--soak`` or a ``-m`` expression selecting ``slow`` asks for the full soak counts: set
     before any test module is imported (their counts are read at import), inherited by the
-    xdist workers and every subprocess."""
-    if soak.requested(config.getoption("markexpr", "") or "", config.getoption("--soak")):
+    xdist workers and every subprocess. An explicit ``DETDATA_SOAK=0`` keeps the bounded
+    counts for ``-m slow`` (``make test-slow``, CI); ``--soak`` overrides it."""
+    markexpr = config.getoption("markexpr", "") or ""
+    if config.getoption("--soak") or (
+        soak.requested(markexpr, False) and os.environ.get(soak.ENV) != "0"
+    ):
         os.environ[soak.ENV] = "1"
 
 

@@ -4,10 +4,12 @@ A soak test (marked ``slow``) proves its property over many rounds: Ctrl-C storm
 resumes, property tests with many examples. Every run executes every such test; the number
 of rounds is the only thing that changes:
 
-* ``make test`` and CI (the default): the bounded count, so the suite stays within its time;
-* ``DETDATA_SOAK=1``, ``pytest --soak`` or ``pytest -m slow``: the full count
-  (tests/conftest.py sets ``DETDATA_SOAK`` for the two pytest forms, before any test module
-  is imported, and worker processes inherit it).
+* the default: the bounded count, so the suite stays within its time. ``make test`` runs
+  every test not marked ``slow``; ``make test-slow`` (``DETDATA_SOAK=0 pytest -m slow``) the
+  slow set at these bounded counts; CI (.ci/run) runs both;
+* ``DETDATA_SOAK=1``, ``pytest --soak`` (``make test-soak``) or ``pytest -m slow`` without
+  ``DETDATA_SOAK=0``: the full count (tests/conftest.py sets ``DETDATA_SOAK`` for the two
+  pytest forms, before any test module is imported, and worker processes inherit it).
 
 The bounded count of each test is chosen so that it still exercises every branch the test
 names (each interrupt point, each stage, each mode); the full count is the historical one.

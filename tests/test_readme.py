@@ -71,7 +71,7 @@ PRELUDES: dict[str, str] = {
 # Blocks not run here, with the reason and the test that runs the same calls.
 NOT_RUN: dict[str, str] = {
     "make demo   # builds a byte-level corpus from the Python stdlib, registers 3 manifests,": (
-        "builds a virtual environment; .ci/run runs `make test`, tests/cli runs `detdata demo`"
+        "builds a virtual environment; .ci/run runs `make check`, tests/cli runs `detdata demo`"
     ),
     "loader = detdata.DataLoader(ds, global_batch_size=512, micro_batch_size=8, seed=1234)": (
         "Lightning on 8 devices: tests/integrations/test_lightning.py runs the same calls on 1-2"

@@ -1,6 +1,7 @@
 """The soak switch (tests/soak.py): bounded counts by default, the full counts under
-``DETDATA_SOAK=1``, ``pytest --soak`` or ``pytest -m slow``, set before test modules are
-imported (their counts are read at import) by tests/conftest.py."""
+``DETDATA_SOAK=1``, ``pytest --soak`` or ``pytest -m slow`` (bounded again with an explicit
+``DETDATA_SOAK=0``: ``make test-slow``), set before test modules are imported (their counts
+are read at import) by tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -47,12 +48,21 @@ def test_a_run_asks_for_full_counts_by_flag_or_by_selecting_slow(
 
 
 @pytest.mark.parametrize(
-    ("args", "full"),
-    [([], "unset"), (["-m", "slow"], "1"), (["--soak"], "1"), (["-m", "not slow"], "unset")],
+    ("args", "given", "full"),
+    [
+        ([], None, "unset"),
+        (["-m", "slow"], None, "1"),
+        (["--soak"], None, "1"),
+        (["-m", "not slow"], None, "unset"),
+        (["-m", "slow"], "0", "0"),  # make test-slow (CI): the slow set at bounded counts
+        (["--soak"], "0", "1"),
+    ],
 )
-def test_pytest_sets_the_switch_before_collecting(args: list[str], full: str) -> None:
+def test_pytest_sets_the_switch_before_collecting(
+    args: list[str], given: str | None, full: str
+) -> None:
     """A real pytest run (collection only) in a fresh process: what the environment holds
-    once pytest configured itself."""
+    once pytest configured itself (``given``: DETDATA_SOAK before the run; None: unset)."""
     code = (
         "import os, pytest\n"
         f"pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', *{args!r}, "
@@ -60,6 +70,8 @@ def test_pytest_sets_the_switch_before_collecting(args: list[str], full: str) ->
         f"print('SOAK=' + os.environ.get({soak.ENV!r}, 'unset'))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != soak.ENV}
+    if given is not None:
+        env[soak.ENV] = given
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )

@@ -2,51 +2,39 @@
 
 `Stream` (``fetch``, ``sample_ids``, ``identity``) and `Dataset` (``num_samples``, ``read``,
 ``identity``) are all the loader needs to deliver batches. Everything else a caller may
-use is a *capability*: a small `typing.Protocol` below, checked with ``isinstance`` (never
-by probing an attribute name), so a stream type that lacks one is told so by name instead
-of silently losing a feature. Each capability is either
+use is one of five *capabilities*: a small `typing.Protocol` below, checked with
+``isinstance`` (never by probing an attribute name), so a type that lacks one is told so by
+name instead of silently losing a feature. A call that needs a capability (or a member
+without a default) raises `CapabilityError` naming it, its members, the type that lacks it
+and a hint (`missing`); where a default exists it applies, stated below and at the call.
 
-* **needed** by a call: without it the call raises `CapabilityError` naming the
-  capability, the type that lacks it and a hint (`missing`); or
-* **optional**: without it the documented default applies, stated below and at the call.
+=================  ==========================  ===========================================
+capability         provided by                 without it
+=================  ==========================  ===========================================
+`HasOrigins`       `OrderedStream`, `Mixture`, needed by provenance, exclusions and
+                   `Excluded`                  ``tokens_consumed``; the shard-cache
+                                               prefetch sees no dataset (none is prefetched)
+`ContinuesFrom`    `Mixture`, `Excluded`       needed by a resume that allows a
+                                               ``mixture`` or ``exclusions`` change
+`Reweights`        `Mixture`, `Excluded`       needed by a weight change (`reweights`)
+`ReadsAhead`       `OrderedStream`,            optional: no read-ahead hint
+                   `TokenWindows`              (`hint_read_ahead`)
+`DatasetInfo`      `TokenWindows`,             each member has its default (`info`):
+                   `TableRows`,                ``tokens_per_sample`` None (needed by
+                   `PackedWindows`             ``tokens_consumed``), ``shard_sizes`` /
+                                               ``row_group_sizes`` None (needed by
+                                               ``LocalityOrder``), ``schema()`` None (a
+                                               `Mixture` reads sample 0 to learn columns),
+                                               ``provenance(ids)`` None (records carry no
+                                               shard or range), ``use_order`` does nothing
+=================  ==========================  ===========================================
 
-============================  ==============================  ==========================
-capability                    provided by                     without it
-============================  ==============================  ==========================
-`ReadsAhead`                 `OrderedStream`, `TokenWindows`  optional: no read-ahead
-                                                              hint (`hint_read_ahead`)
-`OverOneDataset`              `OrderedStream`                 needed by ``tokens_consumed``
-                                                              (or `HasSources`); lookahead
-                                                              and ``len(loader)`` treat the
-                                                              stream as opaque
-`HasSources`                  `Mixture`                       as `OverOneDataset`
-`HasOrigins`                  `OrderedStream`, `Mixture`,     needed by provenance,
-                              `Excluded`                      exclusions (`origins`)
-`ContinuesFrom`               `Mixture`                       needed by a resume that
-                                                              allows a mixture change
-`ChecksContinuation`          `Excluded`                      needed by a resume that
-                                                              allows an exclusions change
-`OrdersDataset`               `Excluded`                      optional: the stream is not
-                                                              counted as loader-ordered
-`TokenCounting`               `TokenWindows`,                 needed by ``tokens_consumed``
-                              `PackedWindows`
-`Named`                       `ArrayDataset`                  optional: the identity's
-                                                              ``type`` names the source
-`HasSchema`                   `TokenWindows`, `TableRows`,    optional: a `Mixture` reads
-                              `PackedWindows`                 sample 0 to learn columns
-`TakesOrder`                  `TokenWindows`, `TableRows`     optional: the dataset is not
-                                                              told its order
-`ShardSized`                  `TokenWindows`, `TableRows`     needed by
-                                                              ``LocalityOrder(window_shards)``
-`RowGroupSized`               `TableRows`                     needed by ``LocalityOrder(
-                                                              window_row_groups)``
-`HasProvenance`               any dataset (`TokenWindows` and optional: provenance records
-                              `TableRows` are located          carry no shard or range
-                              directly)
-`InvertibleOrder`             `WindowedOrder`                 needed by ``positions_seen``
-                                                              (`GlobalOrder` is inverted
-                                                              directly)
-============================  ==============================  ==========================
+`HasOrigins` answers "what datasets does the stream draw from, and which sample is at each
+position" in one call (`Origins`; a single-dataset stream is the one-source case with
+``names == (None,)``). `DatasetInfo` is a Protocol with a default for every member: a
+dataset subclasses it and overrides what it knows (a dataset that does not subclass it gets
+every default). A single dataset's key in ``tokens_consumed`` is its identity's ``name``,
+else its identity's ``type``.
 
 ``tests/datasets/test_capabilities.py`` holds the list of what each built-in type must
 declare and checks it, and that a stream with only the three `Stream` methods loads.
@@ -54,12 +42,11 @@ declare and checks it, and that a stream with only the three `Stream` methods lo
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final, Protocol, runtime_checkable
-
-import numpy.typing as npt
 
 from detdata.base.errors import CapabilityError, ConfigError
 from detdata.base.types import IntArray
@@ -92,55 +79,21 @@ class Origins:
 
 # ------------------------------------------------------------------ streams
 @runtime_checkable
-class ReadsAhead(Protocol):
-    """Takes a hint of its next read: ``read_ahead(x)`` where ``x`` is what the next call will be
-    given (positions for a stream's ``fetch``, ids for a dataset's ``read``; None: drop what
-    is pending). It may start that read's file reads in the background; it never changes a
-    fetched byte and never raises for what the read itself would report. Optional."""
-
-    def read_ahead(self, positions: IntArray | None) -> None: ...
-
-
-@runtime_checkable
-class OverOneDataset(Protocol):
-    """A stream that reads one dataset: position ``g`` delivers ``dataset.read(sample_ids(g))``
-    (`OrderedStream`)."""
-
-    @property
-    def dataset(self) -> Dataset: ...
-
-    def sample_ids(self, positions: IntArray) -> IntArray: ...
-
-
-@runtime_checkable
-class HasSources(Protocol):
-    """A stream over several named datasets (`Mixture`): ``sources`` in ``source_names`` order,
-    ``locate(positions) -> (source index, index in source, sample id)`` and ``consumed(p)``,
-    the samples of each source among positions ``[0, p)``."""
-
-    @property
-    def sources(self) -> Mapping[str, Dataset]: ...
-
-    @property
-    def source_names(self) -> tuple[str, ...]: ...
-
-    def locate(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]: ...
-
-    def consumed(self, position: int) -> dict[str, int]: ...
-
-
-@runtime_checkable
 class HasOrigins(Protocol):
-    """Says where each position's sample comes from: its source, dataset and sample id
-    (`Origins`), without reading it."""
+    """Says what it draws from and where each position's sample comes from, without reading
+    it: ``origins(positions) -> Origins`` (its sources' names and datasets, and per position
+    the source and sample id; ``origins([])`` lists the datasets alone)."""
 
     def origins(self, positions: IntArray) -> Origins: ...
 
 
 @runtime_checkable
 class ContinuesFrom(Protocol):
-    """Can continue a saved stream of another configuration at a position (`Mixture`: new
-    weights from there on): ``continue_from(saved_identity, position) -> Stream``."""
+    """Continues a saved stream of another configuration at a position, after a resume that
+    allows a change: ``continue_from(saved_identity, position) -> Stream`` (`Mixture`: new
+    weights from there on; `Excluded`: checks that only lists in force from there on were
+    appended, and returns itself). It raises `ConfigError` / `StateError` naming why it
+    cannot."""
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Stream: ...
 
@@ -170,122 +123,15 @@ def reweights(stream: object) -> Reweights | None:
     return stream if isinstance(stream, Reweights) and stream.mixes else None
 
 
+# ------------------------------------------------------------------ streams and datasets
 @runtime_checkable
-class ChecksContinuation(Protocol):
-    """Can tell whether it continues a saved stream at a position (`Excluded`: only lists
-    appended from there on): ``check_continues`` raises `StateError` otherwise."""
+class ReadsAhead(Protocol):
+    """Takes a hint of its next read: ``read_ahead(x)`` where ``x`` is what the next call will be
+    given (positions for a stream's ``fetch``, ids for a dataset's ``read``; None: drop what
+    is pending). It may start that read's file reads in the background; it never changes a
+    fetched byte and never raises for what the read itself would report. Optional."""
 
-    def check_continues(self, saved_identity: Mapping[str, Any], position: int) -> None: ...
-
-
-@runtime_checkable
-class OrdersDataset(Protocol):
-    """A wrapper that ordered a plain dataset itself with ``seed`` (``orders_dataset`` True),
-    as a `DataLoader` would (`Excluded`): with the loader's own seed the run counts as
-    loader-ordered."""
-
-    @property
-    def orders_dataset(self) -> bool: ...
-
-    @property
-    def seed(self) -> int: ...
-
-
-# ------------------------------------------------------------------ datasets
-@runtime_checkable
-class TokenCounting(Protocol):
-    """Every sample delivers ``tokens_per_sample`` tokens (`TokenWindows`, `PackedWindows`: the
-    ``seq_len`` input tokens of a window, not the extra label token)."""
-
-    @property
-    def tokens_per_sample(self) -> int: ...
-
-
-@runtime_checkable
-class Named(Protocol):
-    """Has a ``name`` (`ArrayDataset`): the key a single dataset's counts are reported under."""
-
-    @property
-    def name(self) -> str: ...
-
-
-@runtime_checkable
-class HasSchema(Protocol):
-    """Says what `read` delivers without reading: column -> `describe_column` text."""
-
-    def schema(self) -> Mapping[str, str]: ...
-
-
-@runtime_checkable
-class TakesOrder(Protocol):
-    """Wants to know the order it is read in (to size caches, never to change a byte)."""
-
-    def use_order(self, choice: OrderChoice) -> None: ...
-
-
-@runtime_checkable
-class ShardSized(Protocol):
-    """Samples per shard in id order (ids laid out shard after shard)."""
-
-    @property
-    def shard_sizes(self) -> Sequence[int]: ...
-
-
-@runtime_checkable
-class RowGroupSized(Protocol):
-    """Samples per row group in id order (`TableRows`)."""
-
-    @property
-    def row_group_sizes(self) -> Sequence[int]: ...
-
-
-@runtime_checkable
-class HasProvenance(Protocol):
-    """Says where each sample's bytes live: one plain-JSON dict per id (shard, url, range)."""
-
-    def provenance(self, ids: IntArray) -> Sequence[Mapping[str, Any]]: ...
-
-
-# ------------------------------------------------------------------ orders
-@runtime_checkable
-class InvertibleOrder(Protocol):
-    """An order that lists the positions ``< until`` holding a sample id, ascending."""
-
-    def positions_of(self, sample_id: int, *, until: int) -> IntArray: ...
-
-
-#: The members of each capability, as error messages show them.
-MEMBERS: Final[Mapping[type, str]] = {
-    ReadsAhead: "read_ahead(positions)",
-    OverOneDataset: ".dataset and sample_ids(positions)",
-    HasSources: ".sources, .source_names, locate(positions) and consumed(position)",
-    HasOrigins: "origins(positions) -> Origins",
-    ContinuesFrom: "continue_from(saved_identity, position)",
-    ChecksContinuation: "check_continues(saved_identity, position)",
-    Reweights: ".mixes, with_mixture_weights(position, weights), with_weight_changes(changes) "
-    "and mixture_weights_at(position)",
-    OrdersDataset: ".orders_dataset and .seed",
-    TokenCounting: ".tokens_per_sample",
-    Named: ".name",
-    HasSchema: "schema()",
-    TakesOrder: "use_order(choice)",
-    ShardSized: ".shard_sizes",
-    RowGroupSized: ".row_group_sizes",
-    HasProvenance: "provenance(ids)",
-    InvertibleOrder: "positions_of(sample_id, until=...)",
-}
-
-
-def missing(capability: type, found: object, *, needed_by: str, hint: str) -> CapabilityError:
-    """The error for a call (``needed_by``) that needs ``capability`` of ``found``, which lacks
-    it: names the capability, its members, the type of ``found`` and ``hint``."""
-    kind = type(found).__name__
-    return CapabilityError(
-        f"{needed_by} needs the capability {capability.__name__} "
-        f"({MEMBERS.get(capability, '?')}), and {kind} does not declare it; hint: {hint}",
-        capability=capability.__name__,
-        kind=kind,
-    )
+    def read_ahead(self, positions: IntArray | None) -> None: ...
 
 
 def hint_read_ahead(target: object, positions: IntArray | None) -> None:
@@ -293,3 +139,89 @@ def hint_read_ahead(target: object, positions: IntArray | None) -> None:
     (the default: the read is done when it is asked for, with the same bytes)."""
     if isinstance(target, ReadsAhead):
         target.read_ahead(positions)
+
+
+# ------------------------------------------------------------------ datasets
+class DatasetInfo(ABC):  # noqa: B024 (a base of defaults: no member is abstract)
+    """What a dataset may say about itself beyond `Dataset`, each member with its default: a
+    dataset subclasses this class and overrides what it knows (`TokenWindows`, `TableRows`,
+    `PackedWindows`); `info` gives any other dataset the defaults. None means "not known":
+    the call that needs the member raises `missing` naming it. Declared by subclassing (a
+    nominal check: ``isinstance`` never evaluates a member, and a dataset that defines some
+    of these names without subclassing gets the defaults)."""
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Tokens every sample delivers (`TokenWindows`, `PackedWindows`: the ``seq_len``
+        input tokens of a window, not the extra label token); needed by
+        ``tokens_consumed``."""
+        return None
+
+    @property
+    def shard_sizes(self) -> Sequence[int] | None:
+        """Samples per shard in id order (ids laid out shard after shard); needed by
+        ``LocalityOrder(window_shards=k)``."""
+        return None
+
+    @property
+    def row_group_sizes(self) -> Sequence[int] | None:
+        """Samples per row group in id order (`TableRows`); needed by
+        ``LocalityOrder(window_row_groups=k)``."""
+        return None
+
+    def schema(self) -> Mapping[str, str] | None:
+        """Column -> `describe_column` text of what `read` delivers, without reading (None:
+        a `Mixture` reads sample 0 to learn it)."""
+        return None
+
+    def provenance(self, ids: IntArray) -> Sequence[Mapping[str, Any]] | None:
+        """Where each sample's bytes live: one plain-JSON dict per id (None: provenance
+        records carry no shard or range)."""
+        del ids
+        return None
+
+    def use_order(self, choice: OrderChoice) -> None:
+        """Told the order it is read in, to size caches (never to change a byte); the
+        default does nothing."""
+        del choice
+
+
+class _Defaults(DatasetInfo):
+    """Every `DatasetInfo` default, for a dataset that does not declare it."""
+
+
+_DEFAULTS: Final = _Defaults()
+
+
+def info(dataset: object) -> DatasetInfo:
+    """``dataset`` if it declares `DatasetInfo`, else the defaults of every member."""
+    return dataset if isinstance(dataset, DatasetInfo) else _DEFAULTS
+
+
+#: The members of each capability, as error messages show them.
+MEMBERS: Final[Mapping[type, str]] = {
+    HasOrigins: "origins(positions) -> Origins",
+    ContinuesFrom: "continue_from(saved_identity, position)",
+    Reweights: ".mixes, with_mixture_weights(position, weights), with_weight_changes(changes) "
+    "and mixture_weights_at(position)",
+    ReadsAhead: "read_ahead(positions)",
+    DatasetInfo: ".tokens_per_sample, .shard_sizes, .row_group_sizes, schema(), "
+    "provenance(ids) and use_order(choice), each with a default",
+}
+
+
+def missing(
+    capability: type, found: object, *, needed_by: str, hint: str, member: str | None = None
+) -> CapabilityError:
+    """The error for a call (``needed_by``) that needs ``capability`` of ``found`` (or its
+    ``member``, which has no default), which lacks it: names the capability, its members
+    (the one needed), the type of ``found`` and ``hint``."""
+    kind = type(found).__name__
+    what = member or MEMBERS.get(capability, "?")
+    lacks = f"{kind} does not provide {member}" if member else f"{kind} does not declare it"
+    return CapabilityError(
+        f"{needed_by} needs the capability {capability.__name__} ({what}), and {lacks}; "
+        f"hint: {hint}",
+        capability=capability.__name__,
+        kind=kind,
+    )

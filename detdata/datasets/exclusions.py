@@ -37,7 +37,7 @@ The identity records the wrapped stream's identity and the history
 (`split_identity`): the wrapped stream in ``data`` (as if it were not wrapped), the
 rule, seed and history in their own checked field ``exclusions``. So adding a list at
 a resume is refused unless allowed by that name (``allow=("exclusions",)``), and the
-loader then calls `Excluded.check_continues`: the only change may be lists appended
+loader then calls `Excluded.continue_from`: the only change may be lists appended
 from the resume position on; any other data change is still refused as ``data``.
 """
 
@@ -376,11 +376,12 @@ class Excluded:
             )
         return inner
 
-    def check_continues(self, saved_identity: Mapping[str, Any], position: int) -> None:
-        """Refuse (`StateError`) unless this stream continues ``saved_identity`` at
-        ``position``: same wrapped stream and seed, the saved history a prefix of this one
-        (or no exclusions at all when the saved stream is the bare stream), and every
-        added list in force only from ``position`` on."""
+    def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Excluded:
+        """This stream, after a resume of ``saved_identity`` at ``position`` that allows an
+        ``exclusions`` change (`ContinuesFrom`): `StateError` unless it continues it there
+        (same wrapped stream and seed, the saved history a prefix of this one, or no
+        exclusions at all when the saved stream is the bare stream, and every added list
+        in force only from ``position`` on)."""
         p = check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1)
         saved = dict(saved_identity)
         if saved.get(K_TYPE) == TYPE:
@@ -408,6 +409,7 @@ class Excluded:
                 f"{p} (the saved samples_consumed) on",
                 fields=(FIELD,),
             )
+        return self
 
 
 def split_identity(identity: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any] | None]:

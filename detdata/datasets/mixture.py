@@ -27,7 +27,7 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset
 from detdata.datasets.batch_columns import describe_column, same_kind
-from detdata.datasets.capabilities import HasSchema, Origins
+from detdata.datasets.capabilities import Origins, info
 from detdata.order.feistel import ALGORITHM as ORDER_ALGORITHM
 from detdata.order.feistel import GlobalOrder, permute_sources
 from detdata.order.memo import ChunkMemo
@@ -62,7 +62,7 @@ class Mixture:
     mixture and ``{"a": 0.7, "b": 0.2}`` means 7/9 and 2/9 (``repr`` shows the proportions
     used). A `Stream`:
     ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed``, ``origins`` and
-    ``continue_from`` (it declares `HasSources`, `HasOrigins` and `ContinuesFrom`,
+    ``continue_from`` (it declares `HasOrigins`, `ContinuesFrom` and `Reweights`,
     `detdata.datasets.capabilities`). See `detdata.order.mixing` for the exact algorithm and the
     proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.
 
@@ -423,15 +423,14 @@ def _check_sources(sources: object) -> dict[str, Dataset]:
 
 def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
     """Column -> `describe_column` of what ``dataset`` delivers: its ``schema()`` if it is
-    `HasSchema` and answers in that form (without reading samples, e.g. `TableRows`), else
+    `DatasetInfo` and answers in that form (without reading samples, e.g. `TableRows`), else
     (the documented default) described from ``read([0])`` (a ``schema()`` of another kind,
     say a pyarrow schema, is not ours to interpret)."""
-    if isinstance(dataset, HasSchema):
-        found: object = dataset.schema()
-        if isinstance(found, Mapping) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in found.items()
-        ):
-            return dict(found)
+    found: object = info(dataset).schema()
+    if isinstance(found, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+    ):
+        return dict(found)
     try:
         batch = dataset.read(np.zeros(1, dtype=np.int64))
     except Exception as exc:

@@ -59,6 +59,7 @@ from detdata.base.progress import progress
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.documents import Documents
 from detdata.datasets.index_files import (
     building,
@@ -86,7 +87,7 @@ from detdata.order.packing import (
 COLUMNS: Final = ("tokens", "doc_index", "position_ids", "cu_seqlens", "num_segments")
 
 
-class PackedWindows:
+class PackedWindows(DatasetInfo):
     """``seq_len`` windows packed from ``documents`` (module docstring; ``packing-v1``).
 
     ``seed`` keys the document shuffle (``shuffle=False``: canonical document
@@ -275,7 +276,7 @@ class PackedWindows:
     @property
     def tokens_per_sample(self) -> int:
         """``seq_len``: the input tokens of a window (not the extra label token; padding is
-        subtracted by ``DataLoader.tokens_consumed``), `TokenCounting`."""
+        subtracted by ``DataLoader.tokens_consumed``), `DatasetInfo`."""
         return self.seq_len
 
     @property

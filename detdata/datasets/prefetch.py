@@ -60,7 +60,7 @@ import numpy.typing as npt
 from detdata.base.checks import check_count
 from detdata.base.redact import get_logger
 from detdata.base.types import IntArray
-from detdata.datasets.capabilities import HasSources, OverOneDataset
+from detdata.datasets.capabilities import HasOrigins
 from detdata.datasets.shard_files import ShardFiles
 
 log: Final = get_logger("detdata.prefetch")
@@ -122,19 +122,17 @@ def _close_all() -> None:
 
 
 def _datasets_of(stream: object) -> list[object]:
-    """The datasets ``stream`` reads, in source order: a `HasSources` stream's sources, an
-    `OverOneDataset` stream's dataset, else ``stream`` itself (a dataset, or a stream that
-    declares neither: then nothing is prefetched, the documented default)."""
-    if isinstance(stream, HasSources):
-        return [stream.sources[n] for n in stream.source_names]
-    if isinstance(stream, OverOneDataset):
-        return [stream.dataset]
+    """The datasets ``stream`` reads, in source order: a `HasOrigins` stream's datasets, else
+    ``stream`` itself (a dataset, or a stream that does not say: then nothing is
+    prefetched, the documented default)."""
+    if isinstance(stream, HasOrigins):
+        return list(stream.origins(np.empty(0, dtype=np.int64)).datasets)
     return [stream]
 
 
 def cached_readers(stream: object) -> list[ShardReader]:
-    """The shard readers of ``stream`` (a dataset, or a stream declaring `HasSources` or
-    `OverOneDataset`) that read through a shard cache (``cache_dir`` and a remote root), in
+    """The shard readers of ``stream`` (a dataset, or a stream declaring `HasOrigins`) that
+    read through a shard cache (``cache_dir`` and a remote root), in
     source order."""
     candidates = _datasets_of(stream)
     return [r for r in candidates if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
@@ -143,9 +141,9 @@ def cached_readers(stream: object) -> list[ShardReader]:
 def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> list[Key]:
     """``(reader index, shard)`` read at ``positions`` of ``stream``, in order of first use.
 
-    Only readers in ``readers`` count. `HasSources` streams (mixtures) are split by
-    source with ``locate``; `OverOneDataset` streams map positions to their ``dataset``
-    with ``sample_ids``; anything else is taken as a dataset read at ``positions``.
+    Only readers in ``readers`` count. A `HasOrigins` stream maps positions to each
+    source's dataset and sample id (``origins``); anything else is taken as a dataset read
+    at ``positions``.
     """
     return shard_uses_of_steps(stream, [positions], readers)[0]
 
@@ -185,13 +183,11 @@ def _shards_at(
 ) -> tuple[IntArray, IntArray]:
     """``(reader index or -1, shard)`` of each position of ``stream`` (`_datasets_of`)."""
     index = {id(r): i for i, r in enumerate(readers)}
-    if isinstance(stream, HasSources):
-        src, _, ids = stream.locate(pos)
-        datasets = _datasets_of(stream)
-        which = np.asarray([index.get(id(d), -1) for d in datasets], dtype=np.int64)[src]
-    elif isinstance(stream, OverOneDataset):
-        ids = np.asarray(stream.sample_ids(pos)).reshape(-1)
-        which = np.full(ids.shape, index.get(id(stream.dataset), -1), dtype=np.int64)
+    if isinstance(stream, HasOrigins):
+        found = stream.origins(pos)
+        ids = found.ids
+        which = np.asarray([index.get(id(d), -1) for d in found.datasets], dtype=np.int64)
+        which = which[found.source]
     else:  # a dataset: positions are its ids
         ids = np.asarray(pos).reshape(-1)
         which = np.full(ids.shape, index.get(id(stream), -1), dtype=np.int64)

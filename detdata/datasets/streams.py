@@ -14,14 +14,7 @@ from detdata.base.checks import check_seed
 from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import (
-    Origins,
-    ReadsAhead,
-    RowGroupSized,
-    ShardSized,
-    TakesOrder,
-    missing,
-)
+from detdata.datasets.capabilities import DatasetInfo, Origins, ReadsAhead, info, missing
 from detdata.order.choice import (
     LocalityOrder,
     LocalityUnit,
@@ -36,25 +29,26 @@ from detdata.order.memo import ChunkMemo
 
 
 def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None:
-    """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` (`ShardSized`)
-    or its ``row_group_sizes`` (`RowGroupSized`); None for a global order. A dataset without
-    the capability the order needs is a `CapabilityError` naming it."""
+    """What a `LocalityOrder` ``choice`` windows: the dataset's ``shard_sizes`` or its
+    ``row_group_sizes`` (`DatasetInfo`); None for a global order. A dataset without the
+    member the order needs is a `CapabilityError` naming it."""
     if not isinstance(choice, LocalityOrder):
         return None
     if choice.unit is LocalityUnit.ROW_GROUPS:
-        if isinstance(dataset, RowGroupSized):
-            return tuple(int(c) for c in dataset.row_group_sizes)
-        need: type = RowGroupSized
+        sizes, member = info(dataset).row_group_sizes, ".row_group_sizes"
         hint = "use a TableRows dataset (Parquet / Arrow row groups) or window_shards=k"
     else:
-        if isinstance(dataset, ShardSized):
-            return tuple(int(c) for c in dataset.shard_sizes)
-        need, hint = ShardSized, "use a sharded dataset (TokenWindows, TableRows)"
+        sizes, member = info(dataset).shard_sizes, ".shard_sizes"
+        hint = "use a sharded dataset (TokenWindows, TableRows)"
+    if sizes is not None:
+        return tuple(int(c) for c in sizes)
     raise missing(
-        need,
+        DatasetInfo,
         dataset,
+        member=member,
         needed_by=f"order {order_name(choice)}",
-        hint=f"{hint} or order=Order.FEISTEL_V1",
+        hint=f"{hint}; subclass DatasetInfo and give your dataset {member}; or "
+        "order=Order.FEISTEL_V1",
     )
 
 
@@ -65,9 +59,9 @@ class OrderedStream:
     `LocalityOrder(window_shards=k)` (`WindowedOrder` over the dataset's
     ``shard_sizes``) / `LocalityOrder(window_row_groups=k)` (over its
     ``row_group_sizes``). The order's name, with its parameters, is the identity's
-    ``algorithm``. A dataset that is `TakesOrder` (`TableRows`, `TokenWindows`) is told
-    the order, to size what it caches (never what it reads). It declares `OverOneDataset`,
-    `HasOrigins` and `ReadsAhead` (`detdata.datasets.capabilities`).
+    ``algorithm``. The dataset is told the order (`DatasetInfo.use_order`: `TableRows`,
+    `TokenWindows`), to size what it caches (never what it reads). It declares `HasOrigins`
+    and `ReadsAhead` (`detdata.datasets.capabilities`).
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
@@ -83,8 +77,7 @@ class OrderedStream:
             )
         sizes = unit_sizes_of(dataset, self.order_choice)
         self.order = build_order(self.order_choice, n, self.seed, sizes)
-        if isinstance(dataset, TakesOrder):
-            dataset.use_order(self.order_choice)
+        info(dataset).use_order(self.order_choice)
         self._memo = ChunkMemo(self._ids)
 
     def _ids(self, positions: IntArray) -> tuple[IntArray]:

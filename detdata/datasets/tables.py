@@ -63,6 +63,7 @@ from detdata.datasets.arrow_numpy import (
 )
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_column
+from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.rowgroups import (
     Columns,
@@ -97,7 +98,7 @@ class _Decoding:
         self.io_lock = threading.Lock()
 
 
-class TableRows:
+class TableRows(DatasetInfo):
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
     All shards must share one schema fingerprint (`FormatError` naming two

@@ -31,6 +31,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.types import Batch, IntArray
 from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.process_local import pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import DefaultCache, Storage, checked_storage
@@ -65,7 +66,7 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
     return dt
 
 
-class TokenWindows:
+class TokenWindows(DatasetInfo):
     """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
 
     ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
@@ -212,7 +213,7 @@ class TokenWindows:
     @property
     def tokens_per_sample(self) -> int:
         """``seq_len``: the input tokens of a window (not the extra label token), as
-        ``DataLoader.tokens_consumed`` counts them (`TokenCounting`)."""
+        ``DataLoader.tokens_consumed`` counts them (`DatasetInfo`)."""
         return self.seq_len
 
     def schema(self) -> dict[str, str]:

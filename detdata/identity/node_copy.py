@@ -29,7 +29,13 @@ What a wrong guess costs, never a wrong byte:
 * A reader that fails (a missing manifest, a refused fetch) publishes its error as JSON
   (`detdata.identity.shared.dumps_verdict`); every rank waiting on the key raises the same
   error, naming the reader's rank. Nobody waits for a reader that never comes: the reader
-  is the first rank that asked, and it publishes before returning or raising.
+  is the first rank that asked, and it publishes before returning or raising. A reader that
+  hangs or dies is waited for at most the store's timeout (``store.timeout``, the
+  ``timeout`` of ``init_process_group``); past it a rank says so and reads the manifest
+  itself.
+* A copy is a regular file of that folder: a link or a pipe planted at a copy's name is
+  replaced by the reader (never written through, never waited on) and refused by the ranks
+  that map it.
 
 Without a process group, with one rank, or with ``LOCAL_WORLD_SIZE=1`` (one rank on this
 node, as torchrun says), nothing is met and nothing copied: the manifest is read as
@@ -48,7 +54,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import blake3
 
@@ -65,7 +71,6 @@ from detdata.storage.fs import is_url
 FOLDER: Final = "manifests"
 _HEX: Final = re.compile(r"[0-9a-f]{64}")
 _ROLE: Final = "the rank that read the manifest for this node"
-_WAIT: Final = timedelta(days=7)
 log: Final = get_logger("detdata.manifest")
 #: loads of each path in this process: the n-th load of every rank of a node meets
 _CALLS: dict[str, int] = {}
@@ -104,7 +109,8 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
     store, rank, key, reader = meeting
     if reader:
         return _read_and_share(store, key, rank, read)
-    store.wait([key + "/verdict"], _WAIT)
+    if not _wait_for_reader(store, key, path):
+        return None
     found = shared.loads_verdict(store.get(key + "/verdict"))
     if found is not None:
         raise found
@@ -113,6 +119,27 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
     except ValueError:  # not what a reader sends: read the manifest yourself
         return None
     return _map_copy(digests, path)
+
+
+def _wait_for_reader(store: Any, key: str, path: str) -> bool:
+    """Wait for the node's reader to publish under ``key``, at most the store's timeout
+    (``store.timeout``: the ``timeout`` of ``init_process_group``); False (with a warning
+    naming the manifest and the wait) past it or when the store fails: the caller reads
+    the manifest itself (a reader that died or hangs never holds the node's ranks)."""
+    bound: timedelta = store.timeout
+    try:
+        store.wait([key + "/verdict"], bound)
+    except RuntimeError as exc:  # torch's DistStoreError: a timeout, a store gone
+        warnings.warn(
+            redact_text(
+                f"manifest {redact_url(path)}: the rank reading it for this node published "
+                f"nothing within {bound.total_seconds():g} s (the process group store's "
+                f"timeout; {type(exc).__name__}); reading the manifest itself instead"
+            ),
+            stacklevel=4,
+        )
+        return False
+    return True
 
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
@@ -179,6 +206,10 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
 def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
     """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
     blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            os.unlink(path)  # a link or a pipe is never written through: a copy is a file
     if _file_digest(path) != digest:
         atomic_write_bytes(path, data)
 
@@ -186,10 +217,21 @@ def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
 def _file_digest(path: str) -> str | None:
     """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             return blake3.blake3(mm).hexdigest()
     except (OSError, ValueError):
         return None
+
+
+def _open_file(path: str) -> BinaryIO:
+    """``path`` opened for reading, refused (`OSError`) unless it is a regular file that is
+    not a symbolic link: a node copy is a file of this user's private folder, never what a
+    link planted at its name points to, nor a pipe (opened without waiting for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _map_copy(digests: object, path: str) -> NodeSource | None:
@@ -217,7 +259,7 @@ def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
     """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
     ``want``, else None with a warning naming the copy, both digests and the manifest."""
     try:
-        with open(copy, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with _open_file(copy) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             found = blake3.blake3(mm).hexdigest()
             data = bytes(mm) if keep and found == want else b""
     except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from detdata.base.errors import DetdataError, StateError
+from detdata.base.errors import StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
@@ -144,13 +144,16 @@ class Attestor:
 
     def record(self, stream: Stream, consumed: int) -> Attestation | None:
         """The attestation of a state saved at ``consumed`` (None: nothing delivered,
-        or the samples cannot be read or digested now: said in a warning)."""
+        or the samples cannot be read or digested now: said in a warning). The span may hold
+        other ranks' positions, which this rank never read: a failure reading them (the
+        dataset's, the transform's, the collate's; an interrupt is not caught) leaves the
+        state unattested, never the save failed."""
         first, count = attested_span(consumed)
         if count == 0:
             return None
         try:
             return self.derive(stream, np.arange(first, consumed, dtype=np.int64))
-        except (DetdataError, OSError, ValueError, TypeError) as exc:
+        except Exception as exc:  # any failure of user code too: saving must not fail
             log.warning(
                 "detdata: this state is saved without resume attestation: the samples at "
                 "positions [%d, %d) could not be read or digested again (%s: %s)",

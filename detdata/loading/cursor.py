@@ -19,7 +19,7 @@ from detdata.base.errors import ConfigError, StaleIteratorError, StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import IntArray
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import OrdersDataset
+from detdata.datasets.exclusions import Excluded
 from detdata.datasets.streams import as_stream
 from detdata.loading import resume, reweighting
 from detdata.loading.attest import Attestation, Attestor, Pending
@@ -87,9 +87,7 @@ class Definition:
     ) -> Definition:
         stream = as_stream(data, seed, order=order)
         wrapped = stream is not data or (
-            isinstance(stream, OrdersDataset)
-            and stream.orders_dataset is True
-            and stream.seed == seed
+            isinstance(stream, Excluded) and stream.orders_dataset is True and stream.seed == seed
         )
         return cls(data, stream, order, seed, schedule, transform, wrapped)
 
@@ -413,7 +411,7 @@ class Cursor:
                 plan.changes[-1].describe(),
             )
         if K_EXCLUSIONS in diffs:
-            resume.check_exclusions(self._stream, saved)
+            resume.check_exclusions(self._stream, saved, failure)
         if K_MIXTURE in diffs:
             resume.check_mixture_change(self.definition.data, saved, failure, diffs)
         self._stream = stream

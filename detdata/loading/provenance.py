@@ -10,8 +10,8 @@ mixture's source name), sample id, and where the bytes live:
   read them);
 * `TableRows`: ``shard``, ``url``, ``rows`` ``[row, row + 1)`` in the shard and its
   ``row_group``;
-* any dataset with a ``provenance(ids) -> list[dict]`` method (`HasProvenance`,
-  `detdata.datasets.capabilities`): those dicts; other datasets: none. Packed
+* any dataset whose ``provenance(ids)`` (`DatasetInfo`, `detdata.datasets.capabilities`)
+  gives a list of dicts: those dicts; other datasets: none. Packed
   windows (`PackedWindows`) and `Documents` have none yet: their records carry id and
   digest only, no shard or range;
 
@@ -44,7 +44,7 @@ from detdata.base.errors import CapabilityError, ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_value
 from detdata.base.types import MAX_POSITION, Batch, IntArray
-from detdata.datasets.capabilities import HasProvenance, InvertibleOrder, missing, reweights
+from detdata.datasets.capabilities import info, reweights
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.origins import origins
@@ -56,6 +56,7 @@ from detdata.identity.formats import disk_dtype
 from detdata.loading.reweighting import weights_json
 from detdata.order.feistel import GlobalOrder
 from detdata.order.inverse import mixture_positions_of, positions_of
+from detdata.order.locality import WindowedOrder
 from detdata.order.mixing import MixtureSchedule
 
 #: Digest framing version of `sample_digest`.
@@ -179,14 +180,16 @@ def _table_locations(ds: TableRows, ids: IntArray) -> list[dict[str, Any]]:
 
 def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
     """Shard-level location of each id of ``dataset``: `TokenWindows` and `TableRows` are
-    located here, any other dataset by its ``provenance(ids)`` (`HasProvenance`); without it,
-    the documented default: an empty dict per id (the record carries id and digest only)."""
+    located here, any other dataset by its ``provenance(ids)`` (`DatasetInfo`); without it
+    (None), the documented default: an empty dict per id (the record carries id and digest
+    only)."""
     if isinstance(dataset, TokenWindows):
         return _token_locations(dataset, ids)
     if isinstance(dataset, TableRows):
         return _table_locations(dataset, ids)
-    if isinstance(dataset, HasProvenance):
-        found = list(dataset.provenance(ids))
+    located = info(dataset).provenance(ids)
+    if located is not None:
+        found = list(located)
         if len(found) != ids.size:
             raise ConfigError(
                 f"{type(dataset).__name__}.provenance returned {len(found)} records for "
@@ -293,13 +296,11 @@ def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: in
         order = stream.order
         if isinstance(order, GlobalOrder):
             return positions_of(order, sample_id, until=hi)
-        if isinstance(order, InvertibleOrder):
+        if isinstance(order, WindowedOrder):
             return np.asarray(order.positions_of(sample_id, until=hi), dtype=np.int64)
-        raise missing(
-            InvertibleOrder,
-            order,
-            needed_by="positions_seen (the reverse lookup of an order)",
-            hint="feistel-v1 (the default order), locality-v1 and mixtures are invertible",
+        raise ConfigError(
+            f"positions_seen cannot invert a {type(order).__name__} order; hint: "
+            "feistel-v1 (the default order), locality-v1 and mixtures are invertible"
         )
     if isinstance(stream, Mixture):
         if source not in stream.source_names:

@@ -5,14 +5,16 @@ mixture continued from the saved one, the mixture in force; a difference is refu
 allowed by name), places the saved position on a step of the saved run's history
 (`MidStep`), continues that history with the loader's schedule and layout
 (`resumed_plan`), and applies an allowed mixture or exclusion change from the saved
-position on (`check_mixture_change`, `check_exclusions`). Nothing here modifies anything.
+position on (`ContinuesFrom.continue_from` in `stream_in_force`; its refusal raised by
+`check_mixture_change`, `check_exclusions`). Nothing here modifies anything.
 """
 
 from __future__ import annotations
 
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import ChecksContinuation, ContinuesFrom
+from detdata.datasets.capabilities import ContinuesFrom
+from detdata.datasets.exclusions import Excluded
 from detdata.loading import reweighting
 from detdata.loading.history import Plan
 from detdata.loading.layout import Layout
@@ -48,29 +50,35 @@ def resumed_plan(
     return plan.with_layout(position, layout)
 
 
-def check_exclusions(stream: Stream, saved: LoaderState) -> None:
+def check_exclusions(
+    stream: Stream, saved: LoaderState, failure: ConfigError | StateError | None
+) -> None:
     """An allowed ``exclusions`` change may only append lists in force from the saved
-    position on (`Excluded.check_continues`); anything else is a `StateError`."""
-    if not isinstance(stream, ChecksContinuation):
+    position on (`Excluded.continue_from`, run by `stream_in_force`: its refusal is
+    ``failure``); anything else is a `StateError`."""
+    if not isinstance(stream, Excluded):
         raise StateError(
             "the saved state excludes samples but this loader's stream is not an "
             "Excluded stream: the excluded samples would be delivered again; hint: wrap "
             "the data in detdata.Excluded with the saved lists (and append new ones)",
             fields=(K_EXCLUSIONS,),
         )
-    stream.check_continues(dict(saved.stream), saved.samples_consumed)
+    if failure is not None:
+        raise failure
 
 
 def stream_in_force(
     data: Dataset | Stream, stream: Stream, saved: LoaderState
-) -> tuple[Stream, ConfigError | None]:
+) -> tuple[Stream, ConfigError | StateError | None]:
     """The stream a loader over ``data`` (reading ``stream`` now) delivers from the resume
     position on, the one definition of "the mixture in force": over a saved mixture, the
     loader's `Mixture` ``data`` (as built, not as an earlier resume left it) continued from
     the saved one (`Mixture.continue_from`: the saved phases before the position, the
-    loader's weights from it on; the same mixture when the weights in force do not change).
-    Anything else is ``stream``; so is a mixture that cannot continue the saved one (other
-    sources or seed: the differences name them), returned with the reason. Weights changed
+    loader's weights from it on; the same mixture when the weights in force do not change);
+    an `Excluded` ``data`` is itself once it continues the saved exclusions
+    (`Excluded.continue_from`). Anything else is ``stream``; so is data that cannot continue
+    the saved stream (other sources or seed, a list in force too early: the differences
+    name them), returned with the reason. Weights changed
     during the saved run (its history's ``mixture_weights`` changes) are replayed on the
     loader's data first (`reweighting.replay`): the trajectory is part of the run, so a
     resume needs no controller to continue it.
@@ -83,16 +91,19 @@ def stream_in_force(
         replayed = reweighting.replay(stream, changes)
         data = replayed if data is stream else reweighting.replay(data, changes)
         stream = replayed
-    if saved.fields.get(K_MIXTURE) is None or not isinstance(data, ContinuesFrom):
+    if not isinstance(data, ContinuesFrom):
         return stream, None
     try:
         return data.continue_from(dict(saved.stream), saved.samples_consumed), None
-    except ConfigError as exc:
+    except (ConfigError, StateError) as exc:
         return stream, exc
 
 
 def check_mixture_change(
-    data: Dataset | Stream, saved: LoaderState, failure: ConfigError | None, diffs: list[str]
+    data: Dataset | Stream,
+    saved: LoaderState,
+    failure: ConfigError | StateError | None,
+    diffs: list[str],
 ) -> None:
     """An allowed ``mixture`` change continues the saved mixture (`StateError` naming why
     it cannot)."""

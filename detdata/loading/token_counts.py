@@ -1,44 +1,48 @@
 """Tokens delivered per source (`DataLoader.tokens_consumed`), as trainers log them.
 
-Counted on samples that reached the callers of all ranks (``samples_consumed``): for a
-`HasSources` stream (`Mixture`), each source's consumed count at that position
-(`Mixture.consumed`, exact, O(phases + sources)) times its tokens per sample; for an
-`OverOneDataset` stream (`OrderedStream`), one entry. A source's tokens per sample is
-its ``tokens_per_sample`` (the `TokenCounting` capability: `TokenWindows`,
-`PackedWindows` give the ``seq_len`` input tokens of a window, not the extra label
-token); the padding of ``tail="pad"`` windows is not counted. A stream or source without
-the capability it needs is a `CapabilityError` naming it
-(`detdata.datasets.capabilities`).
+Counted on samples that reached the callers of all ranks (``samples_consumed``), per
+source of the stream's `HasOrigins` (`detdata.datasets.capabilities`): a single-dataset
+stream (`OrderedStream`) has one entry, keyed by its dataset's identity ``name`` (else its
+``type``); a `Mixture` one per source, from each source's consumed count at that position
+(`Mixture.consumed`, exact, O(phases + sources)); another stream over several sources is
+counted from its origins (O(position)). A source's tokens per sample is its
+``tokens_per_sample`` (`DatasetInfo`: `TokenWindows`, `PackedWindows` give the ``seq_len``
+input tokens of a window, not the extra label token); the padding of ``tail="pad"``
+windows is not counted. A stream or source without what it needs is a `CapabilityError`
+naming it.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
+import numpy as np
+
 from detdata.base.errors import ConfigError
 from detdata.datasets.base import Dataset, Stream
-from detdata.datasets.capabilities import (
-    HasSources,
-    Named,
-    OverOneDataset,
-    TokenCounting,
-    missing,
-)
+from detdata.datasets.capabilities import DatasetInfo, HasOrigins, Origins, info, missing
 from detdata.datasets.exclusions import Excluded
+from detdata.datasets.mixture import Mixture
 from detdata.datasets.packed import PackedWindows
 from detdata.loading.provenance import positions_seen
 
+_CHUNK: Final = 1 << 20  # positions whose origins are counted at once
+
 
 def tokens_per_sample(dataset: Dataset, name: str) -> int:
-    """The fixed number of tokens one sample of ``dataset`` delivers (`TokenCounting`;
+    """The fixed number of tokens one sample of ``dataset`` delivers (`DatasetInfo`;
     `CapabilityError` without it, `ConfigError` if it is not a positive int)."""
-    if not isinstance(dataset, TokenCounting):
+    value = info(dataset).tokens_per_sample
+    if value is None:
         raise missing(
-            TokenCounting,
+            DatasetInfo,
             dataset,
+            member=".tokens_per_sample",
             needed_by=f"tokens_consumed() of source {name!r} ({type(dataset).__name__})",
             hint="tokens_consumed() counts fixed-length token windows (TokenWindows, "
-            "PackedWindows); give your dataset a tokens_per_sample property",
+            "PackedWindows); subclass DatasetInfo and give your dataset a tokens_per_sample "
+            "property",
         )
-    value = dataset.tokens_per_sample
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(
             f"source {name!r} ({type(dataset).__name__}): tokens_per_sample must be a "
@@ -48,14 +52,13 @@ def tokens_per_sample(dataset: Dataset, name: str) -> int:
 
 
 def source_name(dataset: Dataset) -> str:
-    """The key of a single dataset: its ``name`` (`Named`), else (the default) its identity's
-    ``type``."""
-    if isinstance(dataset, Named):
-        name = dataset.name
-        if isinstance(name, str) and name:
-            return name
-    kind = dataset.identity().get("type")
-    return str(kind) if kind else type(dataset).__name__
+    """The key of a single dataset: its identity's ``name`` (`ArrayDataset`), else (the
+    default) its identity's ``type``."""
+    identity = dataset.identity()
+    for key in ("name", "type"):
+        if isinstance(identity.get(key), str) and identity[key]:
+            return str(identity[key])
+    return type(dataset).__name__
 
 
 def tokens_consumed(stream: Stream, consumed: int) -> dict[str, int]:
@@ -69,24 +72,37 @@ def tokens_consumed(stream: Stream, consumed: int) -> dict[str, int]:
     delivered = stream
     while isinstance(stream, Excluded):
         stream = stream.stream
-    if isinstance(stream, HasSources):
-        sources = stream.sources
-        return {
-            n: c * tokens_per_sample(sources[n], n) - _padding(delivered, n, sources[n], consumed)
-            for n, c in stream.consumed(consumed).items()
-        }
-    if not isinstance(stream, OverOneDataset):
+    if not isinstance(stream, HasOrigins):
         raise missing(
-            OverOneDataset,
+            HasOrigins,
             stream,
             needed_by="tokens_consumed()",
-            hint="count tokens of a Mixture (HasSources) or of a stream over one dataset "
-            "(OrderedStream: give your stream a .dataset and sample_ids)",
+            hint="count tokens of a Mixture or an OrderedStream, or give your stream "
+            "origins(positions) (what it draws from)",
         )
-    dataset = stream.dataset
-    name = source_name(dataset)
-    full = consumed * tokens_per_sample(dataset, name)
-    return {name: full - _padding(delivered, None, dataset, consumed)}
+    found = stream.origins(np.empty(0, dtype=np.int64))
+    out: dict[str, int] = {}
+    for name, dataset, count in zip(
+        found.names, found.datasets, _counts(stream, found, consumed), strict=True
+    ):
+        key = source_name(dataset) if name is None else name
+        full = count * tokens_per_sample(dataset, key)
+        out[key] = full - _padding(delivered, name, dataset, consumed)
+    return out
+
+
+def _counts(stream: HasOrigins, found: Origins, consumed: int) -> list[int]:
+    """Samples of each source of ``found`` among positions ``[0, consumed)``."""
+    if len(found.datasets) == 1:
+        return [consumed]
+    if isinstance(stream, Mixture):
+        counts = stream.consumed(consumed)
+        return [counts[str(n)] for n in found.names]
+    total = np.zeros(len(found.datasets), dtype=np.int64)
+    for lo in range(0, consumed, _CHUNK):
+        src = stream.origins(np.arange(lo, min(consumed, lo + _CHUNK), dtype=np.int64)).source
+        total += np.bincount(src, minlength=len(found.datasets))
+    return [int(c) for c in total]
 
 
 def _padding(stream: Stream, source: str | None, dataset: Dataset, consumed: int) -> int:

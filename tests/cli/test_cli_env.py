@@ -278,6 +278,18 @@ def _saved_record(tmp_path: Path) -> tuple[Path, Path]:
     return repo, saved
 
 
+@pytest.fixture(scope="module")
+def saved_record(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One checkout and the record ``detdata env`` saved of it, shared by the tests below that
+    only read them (each writes its own output under its own ``tmp_path``). Receipts and the
+    shard cache in folders of its own, as tests/conftest.py gives each test."""
+    tmp = tmp_path_factory.mktemp("env-record")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DETDATA_RECEIPTS", str(tmp / "receipts"))
+        env.setenv("DETDATA_CACHE_DIR", str(tmp / "shard-cache"))
+        return _saved_record(tmp)
+
+
 @pytest.mark.parametrize(
     ("name", "valid"),
     [
@@ -287,9 +299,9 @@ def _saved_record(tmp_path: Path) -> tuple[Path, Path]:
     ],
 )
 def test_env_check_with_a_misspelt_allow_is_a_one_line_usage_error(
-    tmp_path: Path, name: str, valid: str
+    tmp_path: Path, saved_record: tuple[Path, Path], name: str, valid: str
 ) -> None:
-    repo, saved = _saved_record(tmp_path)
+    repo, saved = saved_record
     new = tmp_path / "new.json"
     done = _run(
         "env", "--repo", str(repo), "--check", str(saved), "--allow", name, "--out", str(new)

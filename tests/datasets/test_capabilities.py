@@ -1,8 +1,9 @@
 """Declared capabilities (`detdata.datasets.capabilities`): every built-in type declares what
 this file's own list says it provides; a stream with only the three `Stream` methods loads,
 resumes and traces; a call that needs a capability such a stream lacks raises
-`CapabilityError` naming the capability and the type; a custom stream that declares a
-capability gets the feature, whatever its class.
+`CapabilityError` naming the capability (and the member) and the type; a custom stream that
+declares a capability gets the feature, whatever its class, and a custom dataset that
+subclasses `DatasetInfo` gets the features of the members it overrides (defaults otherwise).
 
 References: the list below (written from the types' documented contracts, not computed from
 the code), an uninterrupted run for the resume, and counts computed here by hand.
@@ -31,43 +32,37 @@ from detdata.datasets.exclusions import Excluded, ExclusionList
 from detdata.datasets.packed import PackedWindows
 from detdata.datasets.split import Split, SplitKey
 from detdata.datasets.streams import OrderedStream
+from detdata.loading.token_counts import tokens_consumed
 from detdata.order.choice import LocalityOrder
 from detdata.order.feistel import GlobalOrder
 from detdata.order.locality import WindowedOrder
 from tests.datasets.doc_corpora import random_documents, write_megatron
 
-ALL = (
-    caps.ReadsAhead,
-    caps.OverOneDataset,
-    caps.HasSources,
-    caps.HasOrigins,
-    caps.ContinuesFrom,
-    caps.ChecksContinuation,
-    caps.OrdersDataset,
-    caps.TokenCounting,
-    caps.Named,
-    caps.HasSchema,
-    caps.TakesOrder,
-    caps.ShardSized,
-    caps.RowGroupSized,
-    caps.HasProvenance,
-    caps.InvertibleOrder,
-    caps.Reweights,
-)
+ALL = (caps.HasOrigins, caps.ContinuesFrom, caps.Reweights, caps.ReadsAhead, caps.DatasetInfo)
 
 #: What each built-in type provides (from their documented contracts; the one list).
 EXPECTED: dict[str, set[str]] = {
-    "ArrayDataset": {"Named"},
-    "TokenWindows": {"ReadsAhead", "TokenCounting", "HasSchema", "TakesOrder", "ShardSized"},
-    "TableRows": {"HasSchema", "TakesOrder", "ShardSized", "RowGroupSized"},
+    "ArrayDataset": set(),
+    "TokenWindows": {"ReadsAhead", "DatasetInfo"},
+    "TableRows": {"DatasetInfo"},
     "Documents": set(),
-    "PackedWindows": {"TokenCounting", "HasSchema", "HasProvenance"},
+    "PackedWindows": {"DatasetInfo"},
     "SplitPart": set(),
-    "OrderedStream": {"ReadsAhead", "OverOneDataset", "HasOrigins"},
-    "Mixture": {"HasSources", "HasOrigins", "ContinuesFrom", "Reweights"},
-    "Excluded": {"HasOrigins", "ChecksContinuation", "OrdersDataset", "Reweights"},
+    "OrderedStream": {"ReadsAhead", "HasOrigins"},
+    "Mixture": {"HasOrigins", "ContinuesFrom", "Reweights"},
+    "Excluded": {"HasOrigins", "ContinuesFrom", "Reweights"},
     "GlobalOrder": set(),
-    "WindowedOrder": {"InvertibleOrder", "ShardSized"},  # an order over shards
+    "WindowedOrder": set(),
+}
+
+#: The `DatasetInfo` members each dataset answers (not None / overridden): the rest default.
+INFO: dict[str, set[str]] = {
+    "ArrayDataset": set(),
+    "TokenWindows": {"tokens_per_sample", "shard_sizes", "schema", "use_order"},
+    "TableRows": {"shard_sizes", "row_group_sizes", "schema", "use_order"},
+    "Documents": set(),
+    "PackedWindows": {"tokens_per_sample", "schema", "provenance"},
+    "SplitPart": set(),
 }
 
 
@@ -143,6 +138,25 @@ def test_every_capability_is_named_in_the_error_table() -> None:
     assert set(caps.MEMBERS) == set(ALL)
 
 
+def _answers(obj: object) -> set[str]:
+    """The `DatasetInfo` members ``obj`` answers, through `caps.info` (defaults otherwise)."""
+    facts = caps.info(obj)
+    found = {
+        m
+        for m in ("tokens_per_sample", "shard_sizes", "row_group_sizes")
+        if getattr(facts, m) is not None
+    }
+    found |= {"schema"} if facts.schema() is not None else set()
+    found |= {"provenance"} if facts.provenance(np.zeros(1, dtype=np.int64)) is not None else set()
+    overridden = type(facts).use_order is not caps.DatasetInfo.use_order
+    return found | ({"use_order"} if overridden else set())
+
+
+def test_every_builtin_dataset_answers_the_members_of_the_list(built: dict[str, object]) -> None:
+    for name, members in INFO.items():
+        assert _answers(built[name]) == members, name
+
+
 def _loader(stream: object, **kw: Any) -> Any:
     return detdata.DataLoader(stream, global_batch_size=4, micro_batch_size=2, **kw)
 
@@ -178,7 +192,7 @@ def test_calls_that_need_a_capability_the_stream_lacks_name_it() -> None:
     loader = _loader(Minimal())
     with pytest.raises(CapabilityError) as err:
         loader.tokens_consumed()
-    _assert_names(err.value, "OverOneDataset", "Minimal")
+    _assert_names(err.value, "HasOrigins", "Minimal")
     with pytest.raises(CapabilityError) as err:
         loader.provenance(0)
     _assert_names(err.value, "HasOrigins", "Minimal")
@@ -194,20 +208,36 @@ def test_calls_that_need_a_dataset_capability_name_it() -> None:
     arrays = detdata.ArrayDataset({"x": np.arange(10)})
     with pytest.raises(CapabilityError) as err:
         OrderedStream(arrays, 0, order=LocalityOrder(window_shards=2))
-    _assert_names(err.value, "ShardSized", "ArrayDataset")
+    _assert_names(err.value, "DatasetInfo", "ArrayDataset")
+    assert ".shard_sizes" in str(err.value)
     with pytest.raises(CapabilityError) as err:
         OrderedStream(arrays, 0, order=LocalityOrder(window_row_groups=2))
-    _assert_names(err.value, "RowGroupSized", "ArrayDataset")
+    _assert_names(err.value, "DatasetInfo", "ArrayDataset")
+    assert ".row_group_sizes" in str(err.value)
     with pytest.raises(CapabilityError) as err:
         _loader(arrays).tokens_consumed()
-    _assert_names(err.value, "TokenCounting", "ArrayDataset")
+    _assert_names(err.value, "DatasetInfo", "ArrayDataset")
+    assert ".tokens_per_sample" in str(err.value)
 
 
-class Windows:
-    """A custom dataset (no detdata base class): sample ``i`` is 3 tokens; it says where."""
+def test_a_member_a_declaring_dataset_leaves_at_its_default_is_named(
+    built: dict[str, object],
+) -> None:
+    """`TokenWindows` declares `DatasetInfo` but has no row groups: the order that needs
+    them names the member and the type."""
+    with pytest.raises(CapabilityError) as err:
+        OrderedStream(built["TokenWindows"], 0, order=LocalityOrder(window_row_groups=2))  # type: ignore[arg-type]
+    _assert_names(err.value, "DatasetInfo", "TokenWindows")
+    assert "TokenWindows does not provide .row_group_sizes" in str(err.value)
 
-    tokens_per_sample = 3
-    name = "custom"
+
+class Windows(caps.DatasetInfo):
+    """A custom dataset (only the `DatasetInfo` base with its defaults): sample ``i`` is 3
+    tokens; it says where. Its identity's ``name`` keys its token count."""
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return 3
 
     @property
     def num_samples(self) -> int:
@@ -218,7 +248,7 @@ class Windows:
         return {"t": np.stack([i, i + 1, i + 2], axis=1)}
 
     def identity(self) -> dict[str, Any]:
-        return {"type": "windows"}
+        return {"type": "windows", "name": "custom"}
 
     def provenance(self, ids: Any) -> list[Mapping[str, Any]]:
         return [{"where": f"row {int(i)}"} for i in np.asarray(ids).reshape(-1)]
@@ -226,7 +256,7 @@ class Windows:
 
 class Custom:
     """A custom stream (no detdata base class) over `Windows`, reversed: it declares
-    `OverOneDataset` and `HasOrigins`."""
+    `HasOrigins`."""
 
     def __init__(self) -> None:
         self.dataset = Windows()
@@ -278,4 +308,51 @@ def test_optional_capabilities_fall_back_to_their_documented_default() -> None:
     assert len(calls) == 1 and calls[0].tolist() == [0, 1, 2]  # type: ignore[attr-defined]
     plain = detdata.ArrayDataset({"x": np.arange(6)})
     records = _loader(plain).provenance(0)
-    assert [dict(r.location) for r in records] == [{}] * 4  # no HasProvenance: no location
+    assert [dict(r.location) for r in records] == [{}] * 4  # provenance() None: no location
+
+
+class Longer(Windows):
+    """`Windows` whose samples count 5 tokens."""
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return 5
+
+
+class TwoSources:
+    """A custom stream over two named datasets (no `Mixture`): position ``g`` reads source
+    ``"short"`` when ``g % 3 == 0``, else ``"long"``; it declares `HasOrigins` only."""
+
+    def __init__(self) -> None:
+        self.short, self.long = Windows(), Longer()
+
+    def sample_ids(self, positions: Any) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64) % 9
+
+    def fetch(self, positions: Any) -> dict[str, np.ndarray]:
+        return self.short.read(self.sample_ids(positions).reshape(-1))
+
+    def identity(self) -> dict[str, Any]:
+        return {"type": "two-sources"}
+
+    def origins(self, positions: Any) -> Origins:
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        return Origins(
+            names=("short", "long"),
+            datasets=(self.short, self.long),
+            source=(pos % 3 != 0).astype(np.int64),
+            ids=self.sample_ids(pos),
+            notes=(None,) * pos.size,
+        )
+
+
+def test_a_custom_stream_over_several_sources_counts_tokens_from_its_origins() -> None:
+    """No `Mixture.consumed` to ask: the positions are counted from ``origins`` in chunks
+    (more than one here); the reference is counted by hand (every third position short)."""
+    stream = TwoSources()
+    for consumed in (0, 1, 7, 2_500_001):
+        short = (consumed + 2) // 3  # positions 0, 3, 6, ... below consumed
+        assert tokens_consumed(stream, consumed) == {
+            "short": 3 * short,
+            "long": 5 * (consumed - short),
+        }

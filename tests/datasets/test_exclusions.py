@@ -148,7 +148,7 @@ def test_adding_exclusions_at_a_resume(windows: TokenWindows) -> None:
     later = base.sample_ids(np.arange(p, 80))
     bad = ExclusionList.of([int(later[1]), int(later[9])])
     stream = Excluded(base, [(p, bad)])
-    stream.check_continues(saved["stream"], p)
+    assert stream.continue_from(saved["stream"], p) is stream
     resumed = DataLoader(stream, global_batch_size=8)
     with pytest.raises(StateError, match="exclusions") as err:
         resumed.load_state_dict(saved)
@@ -167,13 +167,13 @@ def test_adding_exclusions_at_a_resume(windows: TokenWindows) -> None:
     assert [digest(next(pit)) for _ in range(4)] == original[2:6]
     assert [r.digest for r in replay.provenance(3)] == [r.digest for r in run.provenance(3)]
     with pytest.raises(StateError, match="before the resume position"):
-        Excluded(base, [(p - 8, bad)]).check_continues(saved["stream"], p)
+        Excluded(base, [(p - 8, bad)]).continue_from(saved["stream"], p)
     newer = Excluded(base, [(p, bad), (p + 16, ExclusionList.of([0]))])
-    newer.check_continues(stream.identity(), p + 16)
+    assert newer.continue_from(stream.identity(), p + 16) is newer
     with pytest.raises(StateError, match="prefix"):
-        Excluded(base, [(p + 16, ExclusionList.of([0]))]).check_continues(stream.identity(), p + 16)
+        Excluded(base, [(p + 16, ExclusionList.of([0]))]).continue_from(stream.identity(), p + 16)
     with pytest.raises(StateError, match="not the stream"):
-        Excluded(OrderedStream(windows, seed=9), [(p, bad)]).check_continues(saved["stream"], p)
+        Excluded(OrderedStream(windows, seed=9), [(p, bad)]).continue_from(saved["stream"], p)
 
 
 def test_adding_exclusions_is_allowed_as_exclusions_not_as_data(windows: TokenWindows) -> None:
@@ -204,7 +204,7 @@ def test_adding_exclusions_is_allowed_as_exclusions_not_as_data(windows: TokenWi
     assert state["exclusions"] == [
         {"rule": "exclude-v1", "seed": 8, "history": [{"from": p, "list": bad.digest, "count": 3}]}
     ]
-    # the loader runs Excluded.check_continues itself: a list in force before p is refused
+    # the loader runs Excluded.continue_from itself: a list in force before p is refused
     early = fresh(Excluded(base, [(p - 8, bad)]))
     with pytest.raises(StateError, match="before the resume position") as err:
         early.load_state_dict(saved, allow=("exclusions",))

@@ -19,7 +19,7 @@ import pytest
 
 import detdata
 from detdata import Storage
-from detdata.datasets.prefetch import CacheAhead, shard_uses
+from detdata.datasets.prefetch import CacheAhead, cached_readers, shard_uses
 from detdata.datasets.tokens import TokenWindows
 from detdata.loading.layout import Layout
 from detdata.storage.locks import flock as _flock
@@ -75,6 +75,29 @@ def test_shard_uses_are_in_order_of_first_use(
             if int(shard_of[i]) not in brute:
                 brute.append(int(shard_of[i]))
         assert shard_uses(stream, positions, [ds]) == [(0, s) for s in brute]
+
+
+def test_an_excluded_stream_prefetches_the_shards_of_what_it_delivers(
+    written: tuple[list[np.ndarray], detdata.Manifest, Path], http_server: HttpServer
+) -> None:
+    """An `Excluded` stream says where its samples come from (`HasOrigins`), replacements
+    included: its cached readers are its dataset's and its shard uses are those of the ids
+    it delivers (brute force from the hand-cut windows)."""
+    arrays, manifest, directory = written
+    ds = remote(f"{http_server.base}/{directory.name}", manifest, directory.parent / "c1", 1 << 20)
+    inner = detdata.OrderedStream(ds, seed=3)
+    positions = np.arange(0, 40)
+    bad = detdata.ExclusionList.of(inner.sample_ids(positions)[::3].tolist())
+    stream = detdata.Excluded(inner, bad, seed=3)
+    assert cached_readers(stream) == [ds]
+    ids = stream.sample_ids(positions)
+    assert not np.isin(ids, inner.sample_ids(positions)[::3]).any()  # replaced
+    _, shard_of = windows_of(arrays)
+    brute: list[int] = []
+    for i in ids.tolist():
+        if int(shard_of[i]) not in brute:
+            brute.append(int(shard_of[i]))
+    assert shard_uses(stream, positions, [ds]) == [(0, s) for s in brute]
 
 
 def test_window_stays_under_the_cache_bound_and_covers_the_next_step(

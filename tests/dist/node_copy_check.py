@@ -8,13 +8,16 @@ files (the JSON and its fast form, seen by CPython's ``open`` audit event, which
 ``open`` and ``os.open`` raises), the manifest's id and shard count, the
 warnings it got and the error it got (class, message), if any. A ``tamper`` phase: rank 0
 loads first, alone (the others wait at a store key), then flips a byte of every node copy
-under ``$DETDATA_CACHE_DIR/manifests`` before the others load. The results go to
+under ``$DETDATA_CACHE_DIR/manifests`` before the others load. A phase with ``wait_s``
+sets the store's timeout to that many seconds for its load. Each phase also records its
+load's ``wall`` seconds. The results go to
 ``OUT.rank<r>`` as a JSON object of phase name -> result.
 """
 
 import json
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -75,7 +78,14 @@ for phase in phases:
     go = f"test/go/{phase['name']}"
     if phase["tamper"] and rank != 0:
         store.wait([go], timedelta(seconds=120))
+    if "wait_s" in phase:  # the store's timeout: how long a rank waits for the node's reader
+        kept = store.timeout
+        store.set_timeout(timedelta(seconds=phase["wait_s"]))
+    start = time.monotonic()
     results[phase["name"]] = {"rank": rank, **load(phase["path"])}
+    results[phase["name"]]["wall"] = time.monotonic() - start
+    if "wait_s" in phase:
+        store.set_timeout(kept)
     if phase["tamper"] and rank == 0:
         tamper()
         store.set(go, b"1")

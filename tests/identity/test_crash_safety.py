@@ -146,6 +146,7 @@ def _wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # a stress loop: 6 writers SIGKILLed mid-write
 @pytest.mark.multiproc
 def test_sigkill_during_writes_leaves_nothing_half_written(tmp_path: Path) -> None:
     write_shards(tmp_path / "data")

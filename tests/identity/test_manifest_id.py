@@ -66,6 +66,7 @@ def test_the_streamed_id_is_the_whole_body_hash(count: int) -> None:
     assert manifest.id == _whole_body_id(manifest.body())
 
 
+@pytest.mark.slow  # a 40,000-shard body (> 8 MiB) under tracemalloc: a scale test
 def test_the_fast_form_check_streams_the_id_with_a_bounded_peak(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

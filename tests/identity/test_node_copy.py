@@ -31,7 +31,7 @@ import pytest
 
 from detdata import Manifest, build_manifest
 from detdata.identity.columns import columns_path
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import FaultProxy, schedule
 from tests.servers import HttpServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -39,6 +39,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "node_copy_check.py"
 REPO = Path(__file__).resolve().parents[2]
 RANKS = 4
+#: seconds the node's reader is stalled by the server, and the store's timeout meanwhile
+STALL, WAIT = 10.0, 2.0
 Phases = dict[str, list[dict[str, Any]]]
 
 
@@ -87,6 +89,8 @@ def job(
     tampered.write_bytes(plain_path.read_bytes())
     proxy = FaultProxy(http_server.port).start()
     url = url.replace(f"127.0.0.1:{http_server.port}", proxy.address) + "/manifest.json"
+    stalling = FaultProxy(http_server.port, schedule(stall_at=(0,), stall_s=STALL)).start()
+    stalled = url.replace(proxy.address, stalling.address)  # its first answer held STALL s
     Manifest.load(url, verify="off")  # the reference: one load of this URL, in one process
     one_load = proxy.stats.requests
     phases = [
@@ -95,6 +99,7 @@ def job(
         {"name": "missing", "path": str(tmp / "absent" / "manifest.json"), "tamper": False},
         {"name": "http", "path": url, "tamper": False},
         {"name": "tampered", "path": str(tampered), "tamper": True},
+        {"name": "stalled", "path": stalled, "tamper": False, "wait_s": WAIT},
     ]
     try:
         ranks = _run(phases, warm, tmp / "out", tmp / "cache")
@@ -107,6 +112,7 @@ def job(
         }
     finally:
         proxy.stop()
+        stalling.stop()
 
 
 def _readers(ranks: list[dict[str, Any]], size: int) -> list[int]:
@@ -182,3 +188,23 @@ def test_without_a_process_group_the_manifest_is_read_as_before(
     monkeypatch.setenv("DETDATA_CACHE_DIR", str(tmp_path / "cache"))
     assert Manifest.load(str(path), verify="off").id == manifest.id
     assert not (tmp_path / "cache" / "manifests").exists()
+
+
+def test_a_rank_waits_for_the_nodes_reader_at_most_the_stores_timeout(
+    job: dict[str, Any],
+) -> None:
+    """The node's reader hangs (the server holds its first answer STALL s): the node's other
+    ranks stop waiting after the store's timeout (WAIT s), say so, and fetch the manifest
+    themselves; nobody gets other bytes."""
+    manifest, _ = job["plain"]
+    ranks = job["ranks"]["stalled"]
+    assert [(r["id"], r["shards"]) for r in ranks] == [(manifest.id, 1500)] * RANKS, ranks
+    held = [r for r in ranks if r["wall"] >= STALL]
+    assert len(held) == 1, ranks  # the reader, whom the server held; nobody waited for it
+    reader = held[0]
+    assert not [w for w in reader["warnings"] if "published nothing" in w], reader
+    for r in ranks:
+        if r is not reader:
+            assert r["wall"] < STALL - 3, ranks  # about WAIT s and a fetch, not STALL s
+            (said,) = [w for w in r["warnings"] if "published nothing" in w]
+            assert f"within {WAIT:g} s" in said and "reading the manifest itself" in said, said

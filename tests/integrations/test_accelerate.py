@@ -261,6 +261,7 @@ def _stop_and_resume(tmp_path: Path, **left_out: bool) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # accelerate launches: a framework run, like the other resumes
 def test_a_loader_accelerate_does_not_checkpoint_is_refused_at_its_first_batch(
     tmp_path: Path,
 ) -> None:
@@ -277,6 +278,7 @@ def test_a_loader_accelerate_does_not_checkpoint_is_refused_at_its_first_batch(
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # accelerate launches: a framework run, like the other resumes
 def test_a_prepared_detdata_sampler_without_a_stateful_loader_is_refused_at_load_state(
     tmp_path: Path,
 ) -> None:
@@ -389,6 +391,7 @@ def _layout_reference(world: int, micro: int, rank: int, steps: range) -> list[A
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # accelerate launches: a framework run, like the other resumes
 def test_accumulation_changed_at_a_resume_keeps_accelerate_on_detdata_steps(
     tmp_path: Path,
 ) -> None:

@@ -225,6 +225,18 @@ def test_trace_write_failure_disk_full_leaves_the_count(tmp_path: Any) -> None:
     assert loader.state_dict()["samples_consumed"] == delivered * 4
 
 
+@pytest.mark.parametrize("mode", [(0, "process"), (1, "thread")])
+def test_a_read_failing_in_another_ranks_attested_position_does_not_fail_the_save(
+    tmp_path: Any, mode: tuple[int, str]
+) -> None:
+    """Rank 0 of 2 stops at a read that fails at position 21, a position of rank 1 inside the
+    span its state attests (the samples before the save point, all ranks'): ``state_dict``
+    still saves (unattested, said in a warning) and the resume equals the uninterrupted run
+    (found by the property test below)."""
+    workers, wmode = mode
+    check_exact_after_failure((2, 0, 1, workers, wmode, 2), STAGES[0], 21, str(tmp_path))
+
+
 def test_iterating_again_after_a_transient_failure_continues_exactly(tmp_path: Any) -> None:
     reference = [plain(b) for b in take(make(1, 0, 4, 0, "process", 4), 10)]
     order = detdata.GlobalOrder(N, 9)

@@ -81,17 +81,27 @@ MODES: list[dict[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize("kind", ERROR_TYPES, ids=lambda t: t.__name__)
-@pytest.mark.parametrize("mode", MODES, ids=["inline", "thread", "process", "spawn"])
+#: spawn start-up is slow: three representative classes run under spawn (the others take the
+#: same path); the others' spawn cases run the process case again, in the slow set only
+SPAWNED = (errors.RetriesExhausted, errors.StorageError, errors.VerificationError)
+MODE_IDS = ["inline", "thread", "process", "spawn"]
+CASES = [
+    pytest.param(
+        mode,
+        kind,
+        id=f"{mode_id}-{kind.__name__}",
+        marks=[pytest.mark.slow] if mode_id == "spawn" and kind not in SPAWNED else [],
+    )
+    for mode_id, mode in zip(MODE_IDS, MODES, strict=True)
+    for kind in ERROR_TYPES
+]
+
+
+@pytest.mark.parametrize(("mode", "kind"), CASES)
 def test_each_error_keeps_its_class_in_each_worker_mode(
     kind: type[BaseException], mode: dict[str, Any]
 ) -> None:
-    if mode.get("multiprocessing_context") == "spawn" and kind not in (
-        errors.RetriesExhausted,
-        errors.StorageError,
-        errors.VerificationError,
-    ):
-        # spawn start-up is slow: three representative classes (the others take the same path)
+    if mode.get("multiprocessing_context") == "spawn" and kind not in SPAWNED:
         mode = {"num_workers": 2}
     loader = detdata.DataLoader(
         Failing(kind), global_batch_size=4, micro_batch_size=2, seed=0, **mode
