@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Final
 
+import blake3
+
+from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
+from detdata.base.hashing import PREFIX
 from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
-from detdata.identity.manifest_id import PIECE, streamed_id
+from detdata.identity.manifest_id import PIECE, body_ends, streamed_id
 from detdata.storage.digest import full_digest_path
 
 
@@ -104,6 +108,14 @@ def verify_columns_id(
             yield [e.to_json() for e in entries]
 
     found = streamed_id(c.header["metadata"], pieces())
+    _judge(table, found, totals)
+    return found
+
+
+def _judge(table: ShardTable, found: str, totals: list[int]) -> None:
+    """`ManifestError` unless ``found`` (the id re-computed) is the header's and
+    ``totals`` (samples, bytes of the entries) its claimed totals."""
+    c = table.columns
     if found != c.header["id"]:
         raise c._error(
             f"its entries hash to {found}, the header says {c.header['id']} (edited or "
@@ -115,4 +127,52 @@ def verify_columns_id(
             f"the entries hold {totals[0]} samples in {totals[1]} bytes, the header says "
             f"{claimed[0]} in {claimed[1]}"
         )
-    return found
+
+
+# --------------------------------------------------------- the tie cut by shard ranges
+#: a tie part's head fields: first and last path, in canonical order within, sums
+FIRST: Final = "first"
+LAST: Final = "last"
+ORDERED: Final = "ordered"
+SAMPLES: Final = "samples"
+BYTES: Final = "bytes"
+
+
+def tie_part(entries: Sequence[ShardEntry]) -> bytes:
+    """What the tie needs of a run of consecutive entries (not empty), taken by the rank
+    that decodes them (docs/design.md section 8): one line of canonical JSON (first and
+    last path, whether they are in canonical order, their sample and byte sums), then the
+    entries as the id hashes them (`ShardEntry.to_json`, canonical, joined by ",")."""
+    paths = [e.path for e in entries]
+    head = {
+        FIRST: paths[0],
+        LAST: paths[-1],
+        ORDERED: all(a < b for a, b in itertools.pairwise(paths)),
+        SAMPLES: sum(e.num_samples for e in entries),
+        BYTES: sum(e.bytes for e in entries),
+    }
+    return canonical_json(head) + b"\n" + canonical_json([e.to_json() for e in entries])[1:-1]
+
+
+def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> None:
+    """`verify_columns_id` from the `tie_part` of every run of ``table``'s entries, in
+    order, together covering them all: the same `ManifestError`s (canonical order first,
+    then the id, then the totals); the entries are not decoded again, their bytes hashed."""
+    c = table.columns
+    head, tail = body_ends(c.header["metadata"])
+    hasher = blake3.blake3(head)
+    totals = [0, 0]
+    last: str | None = None
+    for i, raw in enumerate(parts):
+        line, _, body = raw.partition(b"\n")
+        doc = json.loads(line)
+        if not doc[ORDERED] or (last is not None and last >= doc[FIRST]):
+            raise c._error("shards are not in canonical order (sorted, unique paths)")
+        last = doc[LAST]
+        totals[0] += int(doc[SAMPLES])
+        totals[1] += int(doc[BYTES])
+        if i:
+            hasher.update(b",")
+        hasher.update(body)
+    hasher.update(tail)
+    _judge(table, PREFIX + hasher.hexdigest(), totals)

@@ -79,12 +79,27 @@ from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
+from detdata.identity.local_ids import (
+    FIELDS,
+    LocalIds,
+    checked_paths,
+)
+from detdata.identity.local_ids import (
+    RACY_S as RACY_S,
+)
+from detdata.identity.local_ids import (
+    identity_digests as identity_digests,
+)
+from detdata.identity.local_ids import (
+    local_identities as local_identities,
+)
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
+from detdata.identity.shared_pass import entries_at, settle, slice_check
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.boot import boot_id
-from detdata.storage.fs import check_relative_path, filesystem, is_local_fs, join
+from detdata.storage.fs import filesystem, is_local_fs, join
 from detdata.storage.locks import file_lock
 from detdata.storage.retry import RetryPolicy
 
@@ -94,16 +109,8 @@ KIND: Final = "detdata.receipt"
 VERSION: Final = 2
 #: the head's field holding its tag (keyed blake3 of the rest of the head and the body)
 TAG: Final = "tag"
-#: an identity taken this soon after the file's last change is not recorded
-RACY_S: Final = 2.0
-#: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
-_FIELDS: Final = 5
-_NOT_RECORDED: Final = -1
-_MISSING: Final = -2
 #: shards verified per call of `verify_manifest` (their entries are in memory at once)
 VERIFY_PIECE: Final = 1 << 16
-
-LocalIds = npt.NDArray[np.int64]
 
 
 def receipt_dir() -> str | None:
@@ -171,16 +178,13 @@ def verify_job(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
         )
 
-        def split(todo: npt.NDArray[np.int64], columns: list[Any] | None) -> None:
-            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns)
+        def split(plan: shared.SlicePlan, root: str) -> LocalIds | None:
             store.set(key + "/plan", plan.to_json())
-            shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))
-            found = shared.first_failure(store, key, plan)
-            if found is not None:
-                raise found
+            shared.take_slices(store, key, plan, rank, slice_check(manifest, plan, root, check))
+            return settle(store, key, plan, manifest)
 
         try:
-            checked = verify_with_receipt(*args, split=split)
+            checked = verify_with_receipt(*args, split=split, ranks=ranks)
             store.set(key + "/columns", canonical_json(checked))
             verdict = None
         except Exception as exc:  # every rank waiting on this key raises it too
@@ -195,8 +199,10 @@ def verify_job(
     store.wait([key + "/plan"], timedelta(days=7))
     plan = shared.SlicePlan.from_json(store.get(key + "/plan"))
     if plan.slices:  # take slices of the claimant's plan with it
-        _vouch(manifest, plan.columns)
-        shared.take_slices(store, key, plan, rank, lambda at: check(_entries_at(manifest, at)))
+        if not plan.tie:  # else vouched for once the tie holds (the verdict's columns)
+            _vouch(manifest, plan.columns)
+        root = filesystem(manifest.root or "", **storage_options)[1] if plan.ids else ""
+        shared.take_slices(store, key, plan, rank, slice_check(manifest, plan, root, check))
     store.wait([key + "/verdict"], timedelta(days=7))
     found = _loads(store.get(key + "/verdict"))
     if found is not None:
@@ -288,14 +294,17 @@ def verify_with_receipt(
     retry: RetryPolicy | None,
     storage_options: dict[str, Any],
     use_receipt: bool = True,
-    split: Callable[[npt.NDArray[np.int64], list[Any] | None], None] | None = None,
+    split: Split | None = None,
+    ranks: int = 1,
 ) -> list[Any] | None:
     """Verify the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
     receipt. Returns what the fast form's check covered (`_columns_identity`, taken before
     it: None where it could not be taken or there is no fast form). ``split``: checks the
-    shards to read (with the fast form's identity, its tie checked first) shared with the
-    job's other ranks (`detdata.identity.shared`), raising the first failure."""
+    plan's shards shared with the job's ``ranks`` (`detdata.identity.shared`), raising the
+    first failure; at a first start under a local root (or without receipts) the plan
+    covers every shard and the takers take the files' identities and the tie's parts too
+    (`detdata.identity.shared_pass`), else the tie is checked here first."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     path = receipt_path(manifest)
@@ -319,25 +328,21 @@ def verify_with_receipt(
             storage_options=storage_options,
         )
         now: LocalIds | list[str | None] | None = None
-        if path is None:  # receipts disabled: no identities to take, every shard is read
+        local = path is None or is_local_fs(fs)
+        if split is not None and local and _reads_all(old, level) and len(manifest.shards):
             todo = np.arange(len(manifest.shards), dtype=np.int64)
+            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=path is not None)
+            now = _first_start(manifest, dataclasses.replace(plan, tie=tie), split, root)
         else:
-            if is_local_fs(fs):
-                now = _local_identities_of(manifest, root, checked=not tie)
+            if path is None:  # receipts disabled: no identities to take, every shard is read
+                todo = np.arange(len(manifest.shards), dtype=np.int64)
             else:
-                now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
-            todo = _changed(old, now, level)
-        if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
-            check_json(cast(ShardTable, manifest.shards))
-        if tie and split is not None and todo.size:  # the tie here, the shards shared
-            verify_columns_id(cast(ShardTable, manifest.shards))
-            _vouch(manifest, columns)
-        if tie and (split is None or not todo.size):
-            _tie_and_verify(manifest, todo, check)
-        elif todo.size and split is not None:
-            split(todo, columns)
-        elif todo.size:
-            _verify_shards(manifest, todo, check)
+                if is_local_fs(fs):
+                    now = _local_identities_of(manifest, root, checked=not tie)
+                else:
+                    now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
+                todo = _changed(old, now, level)
+            _check_changed(manifest, todo, tie, columns, check, split, ranks, root)
         if path is None or now is None:
             return columns
         # nothing read again: the recorded level still holds for every shard
@@ -346,6 +351,54 @@ def verify_with_receipt(
         kept = level if todo.size or old is None else Verify(old["level"])
         write_receipt(path, manifest, kept, columns, now)
         return columns
+
+
+Split = Callable[[shared.SlicePlan, str], "LocalIds | None"]
+
+
+def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
+    """Whether every shard is read whatever the files' identities (`_changed`)."""
+    return old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]
+
+
+def _first_start(
+    manifest: ShardList, plan: shared.SlicePlan, split: Split, root: str
+) -> LocalIds | None:
+    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared_pass`):
+    a fast form's JSON digest here first, its tie's parts and (an ``ids`` plan) the files'
+    identities taken by the takers; returns those identities."""
+    if plan.tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
+        check_json(cast(ShardTable, manifest.shards))
+    now = split(plan, root)
+    if plan.tie:
+        _vouch(manifest, plan.columns)
+    return now
+
+
+def _check_changed(
+    manifest: ShardList,
+    todo: npt.NDArray[np.int64],
+    tie: bool,
+    columns: list[Any] | None,
+    check: Check,
+    split: Split | None,
+    ranks: int,
+    root: str,
+) -> None:
+    """Check the shards ``todo`` (a fast form's tie first where ``tie``), shared with the
+    job's ranks by ``split`` where given (the tie then here, before the plan); ``columns``:
+    the fast form's identity (`_columns_identity`)."""
+    if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
+        check_json(cast(ShardTable, manifest.shards))
+    if split is not None and todo.size:
+        if tie:
+            verify_columns_id(cast(ShardTable, manifest.shards))
+            _vouch(manifest, columns)
+        split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
+    elif tie:
+        _tie_and_verify(manifest, todo, check)
+    elif todo.size:
+        _verify_shards(manifest, todo, check)
 
 
 def _verify_entries(
@@ -397,7 +450,7 @@ def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Chec
     (a fast form's decoded in bulk where dense); every shard is checked and the first
     failure in path order is raised at the end, as one call over all would."""
     found = [
-        check(_entries_at(manifest, todo[lo : lo + VERIFY_PIECE]))
+        check(entries_at(manifest, todo[lo : lo + VERIFY_PIECE]))
         for lo in range(0, todo.size, VERIFY_PIECE)
     ]
     _raise_first(found)
@@ -443,20 +496,6 @@ def _raise_first(found: Sequence[VerificationError | None]) -> None:
         raise first
 
 
-def _entries_at(manifest: ShardList, picked: npt.NDArray[np.int64]) -> tuple[ShardEntry, ...]:
-    """The entries of shards ``picked`` (ascending): a fast form's decoded in bulk from the
-    range they span when they are dense in it, else one by one (none kept cached)."""
-    shards = manifest.shards
-    index = picked.tolist()
-    if not isinstance(shards, ShardTable):
-        return tuple(shards[i] for i in index)
-    lo, hi = index[0], index[-1] + 1
-    if len(index) * 8 > hi - lo:
-        span = shards.entries_between(lo, hi)
-        return tuple(span[i - lo] for i in index)
-    return tuple(shards.entries_between(i, i + 1)[0] for i in index)
-
-
 def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> LocalIds:
     """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time (a
     1M-shard table's paths are never all in memory at once). ``checked``: the fast form's
@@ -465,28 +504,17 @@ def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> Lo
     shards = manifest.shards
     if not isinstance(shards, ShardTable):
         return local_identities(root, [s.path for s in shards])
-    out = np.empty((len(shards), _FIELDS), dtype=np.int64)
+    out = np.empty((len(shards), FIELDS), dtype=np.int64)
     for lo in range(0, len(shards), VERIFY_PIECE):
         hi = min(len(shards), lo + VERIFY_PIECE)
-        out[lo:hi] = local_identities(root, _checked_paths(shards, lo, hi, checked))
+        out[lo:hi] = local_identities(root, checked_paths(shards, lo, hi, checked))
     return out
-
-
-def _checked_paths(shards: ShardTable, lo: int, hi: int, checked: bool) -> list[str]:
-    """Paths of shards ``[lo, hi)``, each checked as a path under the root unless
-    ``checked`` (`check_relative_path`, as `ShardTable.path` does)."""
-    paths = shards.paths_between(lo, hi)
-    if not checked:
-        where = f"manifest columns {shards.columns.path}"
-        for i, rel in enumerate(paths, start=lo):
-            check_relative_path(rel, where=f"{where} shard #{i}")
-    return paths
 
 
 def _paths(manifest: ShardList, *, checked: bool) -> list[str]:
     shards = manifest.shards
     if isinstance(shards, ShardTable):
-        return _checked_paths(shards, 0, len(shards), checked)
+        return checked_paths(shards, 0, len(shards), checked)
     return [s.path for s in shards]
 
 
@@ -511,41 +539,6 @@ def _changed(
         [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a is None or a != b],
         dtype=np.int64,
     )
-
-
-def local_identities(root: str, paths: Sequence[str]) -> LocalIds:
-    """``(size, mtime_ns, ctime_ns, inode, device)`` per shard file under ``root``, from
-    ``stat`` (a row of -2: missing; -1: changed within `RACY_S`, not to be recorded)."""
-    out = np.full((len(paths), _FIELDS), _MISSING, dtype=np.int64)
-    racy = time.time_ns() - int(RACY_S * 1e9)
-    stat = os.stat
-    prefix = join(root, "")
-    for i, rel in enumerate(paths):
-        try:
-            st = stat(prefix + rel)
-        except OSError:
-            continue
-        if max(st.st_mtime_ns, st.st_ctime_ns) >= racy:
-            out[i] = _NOT_RECORDED
-            continue
-        out[i] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-    return out
-
-
-def identity_digests(ids: LocalIds) -> npt.NDArray[np.uint64]:
-    """A 64-bit digest of each local identity row (splitmix64 rounds over its fields; 0:
-    not recorded), what a receipt stores: 8 bytes a shard. Two different identities share
-    a digest with probability about 2**-64."""
-    h = np.full(ids.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
-    for col in range(ids.shape[1]):
-        h ^= ids[:, col].view(np.uint64)
-        h ^= h >> np.uint64(30)
-        h *= np.uint64(0xBF58476D1CE4E5B9)
-        h ^= h >> np.uint64(27)
-        h *= np.uint64(0x94D049BB133111EB)
-        h ^= h >> np.uint64(31)
-    h[ids[:, 0] < 0] = 0
-    return h
 
 
 def remote_identities(fs: Any, root: str, paths: Sequence[str], threads: int) -> list[str | None]:

@@ -5,7 +5,9 @@ shards need reading (the receipt's changed ones, or all) and publishes that *pla
 meeting's key in the process group's store; then every rank that opens the same manifest
 (the claimant included) takes slices of it, one atomic ``add`` on the store per slice, and
 checks them, until none is left. So each shard is read by one rank, the slices are disjoint,
-and the job's wall time to verify falls with the ranks that take part, while a rank that
+and the job's wall time to verify falls with the ranks that take part (at a first start
+each taker also takes its slices' file identities and tie part in the same pass, published
+as extras next to its verdict: `detdata.identity.shared_pass`), while a rank that
 opens a manifest nobody else opens still checks it all alone, waiting for nobody. A slice
 that fails is published (as JSON, `dumps_verdict`, with the rank that found it in the
 message); the claimant waits until every slice is done, raises the first failure in path
@@ -38,14 +40,30 @@ SLICES_PER_RANK: Final = 4
 Indices = npt.NDArray[np.int64]
 
 
+#: a plan's JSON fields
+RUNS: Final = "runs"
+SIZE: Final = "size"
+COLUMNS: Final = "columns"
+IDS: Final = "ids"
+TIE: Final = "tie"
+
+#: what a slice's taker publishes next to its verdict: ``{key}/{name}/{slice}``
+Extras = dict[str, bytes]
+
+
 @dataclass(frozen=True)
 class SlicePlan:
     """The shards to check (``todo``, ascending indices), ``size`` of a slice, and the fast
-    form's ``columns`` identity the claimant vouched for (None: none)."""
+    form's ``columns`` identity the claimant vouched for (None: none). ``ids``: each taker
+    takes the receipt's identity of its slices' files before reading them; ``tie``: each
+    taker takes its slices' part of the fast form's tie (``todo`` is then every shard, and
+    the claimant has not vouched for the columns yet)."""
 
     todo: Indices
     size: int
     columns: list[Any] | None
+    ids: bool = False
+    tie: bool = False
 
     @property
     def slices(self) -> int:
@@ -61,40 +79,55 @@ class SlicePlan:
                 runs[-1][1] += 1
             else:
                 runs.append([p, 1])
-        return canonical_json({"runs": runs, "size": self.size, "columns": self.columns})
+        doc = {RUNS: runs, SIZE: self.size, COLUMNS: self.columns, IDS: self.ids, TIE: self.tie}
+        return canonical_json(doc)
 
     @classmethod
     def from_json(cls, raw: bytes) -> SlicePlan:
         doc = json.loads(raw)
-        parts = [np.arange(a, a + n, dtype=np.int64) for a, n in doc["runs"]]
+        parts = [np.arange(a, a + n, dtype=np.int64) for a, n in doc[RUNS]]
         todo = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return cls(todo, int(doc["size"]), doc["columns"])
+        return cls(todo, int(doc[SIZE]), doc[COLUMNS], bool(doc[IDS]), bool(doc[TIE]))
 
     @classmethod
-    def of(cls, todo: Indices, ranks: int, limit: int, columns: list[Any] | None) -> SlicePlan:
+    def of(
+        cls,
+        todo: Indices,
+        ranks: int,
+        limit: int,
+        columns: list[Any] | None,
+        *,
+        ids: bool = False,
+        tie: bool = False,
+    ) -> SlicePlan:
         """A plan of slices of about ``todo / (ranks * SLICES_PER_RANK)`` shards (at most
         ``limit``)."""
         size = max(1, min(limit, math.ceil(todo.size / max(1, ranks * SLICES_PER_RANK))))
-        return cls(todo, size, columns)
+        return cls(todo, size, columns, ids, tie)
 
 
-def take_slices(
-    store: Any, key: str, plan: SlicePlan, rank: int, check: Callable[[Indices], Exception | None]
-) -> None:
-    """Take slices of ``plan`` until none is left, ``check`` each; a failure (returned or
-    raised) is published with ``rank`` in its message. Once any rank published one, the
-    slices still untaken are marked done unchecked: they come after the failing one in path
-    order (slices are taken in order), so the first failure stays the verdict."""
+#: ``check(slice, stopped)``: a slice's verdict (None: it holds) and its extras; with
+#: ``stopped`` (a failure was published) only the extras the plan needs whatever the verdict
+SliceCheck = Callable[[Indices, bool], tuple[Exception | None, Extras]]
+
+
+def take_slices(store: Any, key: str, plan: SlicePlan, rank: int, check: SliceCheck) -> None:
+    """Take slices of ``plan`` until none is left, ``check`` each and publish its extras;
+    a failure (returned or raised) is published with ``rank`` in its message. Once any rank
+    published one, the slices still untaken are checked ``stopped``: they come after the
+    failing one in path order (slices are taken in order), so the first failure stays the
+    verdict."""
     while True:
         i = int(store.add(key + "/next", 1)) - 1
         if i >= plan.slices:
             return
         found = None
-        if not store.check([key + "/stop"]):
-            try:
-                found = check(plan.slice(i))
-            except Exception as exc:  # an I/O error, say: the verdict, for every rank
-                found = exc
+        try:
+            found, extras = check(plan.slice(i), store.check([key + "/stop"]))
+            for name, value in extras.items():
+                store.set(f"{key}/{name}/{i}", value)
+        except Exception as exc:  # an I/O error, say: the verdict, for every rank
+            found = exc
         if found is not None:
             store.set(f"{key}/fail/{i}", dumps_verdict(found, found_by=rank))
             store.add(key + "/fails", 1)
@@ -115,6 +148,19 @@ def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
         if store.check([f"{key}/fail/{i}"]):
             return loads_verdict(store.get(f"{key}/fail/{i}"))
     return None  # unreachable: a failure counted is set first
+
+
+def gathered(store: Any, key: str, plan: SlicePlan, name: str) -> list[bytes] | None:
+    """The extras ``name`` of every slice of ``plan``, in order, each taken off the store
+    (once `first_failure` returned); None where a slice has none (its check failed)."""
+    found: list[bytes] = []
+    for i in range(plan.slices):
+        at = f"{key}/{name}/{i}"
+        if not store.check([at]):
+            return None
+        found.append(store.get(at))
+        store.delete_key(at)
+    return found
 
 
 def group() -> tuple[Any, int] | None:
