@@ -32,6 +32,7 @@ from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.cli.where import read_object
+from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.mixture import Mixture
 
 HEADER: Final = "position\tsource\tindex_in_source\tsample_id"
@@ -39,8 +40,9 @@ _CHUNK: Final = 1 << 16
 _CONFIG_KEYS: Final = frozenset({"seed", "sources", "weights", "schedule", "allow_zero"})
 
 
-class CountDataset:
-    """A dataset known only by its size: enough to compute a mixture's assignment (no reads)."""
+class CountDataset(DatasetInfo):
+    """A dataset known only by its size: enough to compute a mixture's assignment (no reads).
+    Declares its (empty) `schema` through `DatasetInfo`, so a `Mixture` over it never reads."""
 
     def __init__(self, num_samples: int, *, name: str) -> None:
         if isinstance(num_samples, int) and num_samples == 0:

@@ -1,4 +1,4 @@
-"""Verification receipts (DESIGN.md 8): a restart over unchanged shards reads (almost)
+"""Verification receipts (docs/design.md section 8): a restart over unchanged shards reads (almost)
 nothing, and a shard changed between two starts (same size new bytes, replaced, truncated)
 is still caught at the next start, naming it: local files, S3 and HTTP.
 
@@ -6,6 +6,8 @@ Bytes read are measured outside the code under test: for local files by the kern
 (``rchar`` of ``/proc/self/io``: bytes read through ``read``-family system calls), for
 the servers by a TCP proxy in front of them (`tests.faultproxy`: bytes sent to the
 client).
+
+Covers: detdata/identity/local_ids.py (the ``stat`` identities a local receipt records).
 """
 
 from __future__ import annotations
