@@ -48,7 +48,7 @@ if not __package__:  # run as ``python benchmarks/data_wait.py``: benchmarks.* f
 from benchmarks.bench_data import DataSpec, check_rows, generate
 from benchmarks.contenders import Runner, rows_of
 from benchmarks.data_wait_peers import PEERS, BatchSource, PeerRunner, unavailable
-from benchmarks.matrix_report import DOC, bars, provenance
+from benchmarks.matrix_report import DOC, bars, provenance, replace_block
 from benchmarks.timing import Stopwatch, median
 
 CONTENDERS = ("vanilla", "vanilla-batched", "detdata")  # always run; PEERS where importable
@@ -247,13 +247,8 @@ def _not_run(skipped: dict[str, str]) -> str:
 
 
 def write_doc(section: str, path: Path = DOC) -> None:
-    """Replace the text between this benchmark's markers in ``path`` with ``section``."""
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the data-wait markers {BEGIN!r} ... {END!r}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(head + section + tail)
+    """Replace this benchmark's block of ``path`` with ``section``."""
+    replace_block(path, BEGIN, END, section, "data-wait")
 
 
 def figure(doc: dict[str, Any], path: Path) -> None:

@@ -94,14 +94,21 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(section: str, path: Path = DOC) -> None:
-    """Replace the text between the markers of ``path`` with ``section``."""
+def replace_block(path: Path, begin: str, end: str, section: str, what: str) -> None:
+    """Replace the text between the markers ``begin`` ... ``end`` of ``path`` (markers
+    included) with ``section``; a file without them is refused naming ``what``'s markers.
+    One home for every benchmark's generated block in docs/benchmarks.md."""
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the matrix markers {BEGIN!r} ... {END!r}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} lacks the {what} markers {begin!r} ... {end!r}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     path.write_text(head + section + tail)
+
+
+def write_doc(section: str, path: Path = DOC) -> None:
+    """Replace the matrix's block of ``path`` with ``section``."""
+    replace_block(path, BEGIN, END, section, "matrix")
 
 
 def figure(doc: dict[str, Any], path: Path) -> None:

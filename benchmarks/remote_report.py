@@ -103,10 +103,5 @@ def figure(doc: dict[str, Any], path: Path = FIGURE) -> None:
 
 
 def write_doc(section: str, path: Path = DOC) -> None:
-    """Replace the text between this benchmark's markers in ``path`` with ``section``."""
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the remote markers {BEGIN!r} ... {END!r}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(head + section + tail)
+    """Replace this benchmark's block of ``path`` with ``section``."""
+    matrix_report.replace_block(path, BEGIN, END, section, "remote")
