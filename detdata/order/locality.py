@@ -62,8 +62,9 @@ from detdata.order.feistel import (
     domain_bits,
     domain_bits_many,
     encrypt_many,
+    key_rows,
     permute_many,
-    unpermute_one,
+    unpermute_many,
 )
 from detdata.order.positions import check_positions_array, index_positions
 
@@ -86,8 +87,7 @@ def _shard_keys(seed: int, epoch: int) -> U64Array:
 def _window_keys(seed: int, epoch: int, windows: Sequence[int]) -> U64Array:
     """Round keys of each of ``windows`` as ``(ROUNDS, len(windows))``."""
     material = derive_many(_WINDOW_TAG, seed, epoch, last=windows, length=_KEY_BYTES)
-    table = np.frombuffer(material, dtype="<u8").reshape(len(windows), ROUNDS)
-    return np.ascontiguousarray(table.T, dtype=np.uint64)
+    return key_rows(material, len(windows))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,7 +364,8 @@ class WindowedOrder:
             size = int(table.window_starts[w + 1]) - first
             q = int(table.slot_starts[slot]) + offset - first
             keys = _window_keys(self.seed, epoch, [w])
-            g = epoch * n + first + unpermute_one(size, keys, q)
+            inside = unpermute_many(np.array([q], dtype=np.uint64), size, keys)
+            g = epoch * n + first + int(inside[0])
             if lo <= g < hi:
                 out.append(g)
         return np.asarray(out, dtype=np.int64)
