@@ -29,15 +29,9 @@ read only its ``k`` shards (in a random order of samples), and windows come in a
 order of shards. ``k >= S`` is one window: a full shuffle (not the `feistel-v1` one). Keys
 depend on ``(algorithm, seed, epoch[, window])`` through blake3 only.
 
-Cost: per epoch touched, O(S) once (``sigma`` and the prefix sums, cached for a few
-epochs); then O(1) per position (a binary search over windows and over slots, and one
-derived key per distinct window of a request). Nothing of size ``n`` is stored. Step 5
-is evaluated one of two ways, whichever costs less for the request (`_tables_pay`; the
-values are the same): the positions encrypted, then the ones still outside ``[0, m_w)``
-re-encrypted pass after pass (`permute_many`), or, when a request covers most of its
-windows (small windows: cycle walking would take many passes), every value of each
-window's domain encrypted once and the cycles walked by lookups in that table
-(`_walk_tables`, O(request + its windows' domains) memory).
+Cost: O(S) once per epoch touched (cached for a few epochs), then O(1) per position; nothing
+of size ``n`` is stored. Step 5 runs as `permute_many` or, when cheaper (`_tables_pay`),
+`_walk_tables`: the same values.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Chunked memo for position -> index maps (amortised O(1) per position).
 
-Order and mixture maps are pure functions of the position, vectorised but with
-a fixed per-call cost (tens of numpy calls). A loader asks for a few dozen
-positions at a time, nearly contiguous. `ChunkMemo` evaluates the map on whole
-aligned chunks of positions once and answers from the cached chunks; a request
-spanning more than ``slots`` chunks (random access) is computed directly. The
-values are identical either way: this is a cache, never a different algorithm.
-The cache is per process and never pickled; it is thread-safe (reader threads
-share it), and the arrays it returns are new (editing them never changes the cache).
+`ChunkMemo` evaluates a vectorised map (fixed cost per call: tens of numpy calls) on whole
+aligned chunks of positions once and answers nearly contiguous requests from the cached
+chunks; a request spanning more than ``slots`` chunks is computed directly. The values are
+identical either way. Per process, never pickled, thread-safe; the arrays returned are new.
 """
 
 from __future__ import annotations

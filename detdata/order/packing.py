@@ -36,14 +36,9 @@ and the ``tail`` policy.
    zero-length segments) and ``num_segments`` (the used count, so
    ``cu_seqlens[: num_segments + 1]`` is exact).
 
-Nothing here reads files: `build_offsets` turns document starts into the packing
-index, `locate` turns window ids into pieces with two ``searchsorted`` calls,
-`copy_plan` turns pieces into contiguous corpus ranges to copy (plus BOS / EOS
-positions) and `packed_columns` into the delivered mask columns, by per-piece
-arithmetic and a few vectorised passes (no per-token layout); the same step written
-token by token, the formulation the fast one is tested against, is in
-tests/order/packing_per_token.py. Window ``w`` costs O(log N + its tokens)
-wherever it is; no window is packed to reach another.
+Nothing here reads files (`build_offsets`, `locate`, `copy_plan`, `packed_columns`); the
+per-token formulation they are tested against is tests/order/packing_per_token.py. Window
+``w`` costs O(log N + its tokens) wherever it is.
 """
 
 from __future__ import annotations
