@@ -1,42 +1,20 @@
-"""torchtitan (0.3) data loader backed by `detdata.DataLoader`.
+"""torchtitan (0.3) data loader backed by `detdata.DataLoader` (README, "torchtitan").
 
-torchtitan builds its training data loader from ``Trainer.Config.dataloader`` with
-``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
-...)``: only the local batch and the data-parallel coordinates, never the global batch. Put a
-`TorchtitanDataLoader.Config` there, with the global batch (samples per optimizer step, what
-``training.global_batch_size`` says) passed in explicitly::
+torchtitan builds its data loader from ``Trainer.Config.dataloader`` with only the local batch
+and the data-parallel coordinates, so `TorchtitanDataLoader.Config` takes the global batch
+(samples per optimizer step, ``training.global_batch_size``) explicitly. Each batch is
+torchtitan's ``({"input": tokens[:, :-1], "positions": ...}, tokens[:, 1:])`` over
+``TokenWindows(manifest, seq_len=training.seq_len)``; micro batches and ranks take the
+positions of docs/design.md section 4.
 
-    from detdata.integrations.torchtitan import TorchtitanDataLoader
+Checkpoints: ``states["dataloader"]`` (a DCP ``Stateful``) is detdata's JSON state, identical
+on every rank, so a run resumes at another data-parallel degree. A state saved between two
+optimizer steps of the configured global batch is refused (`ConfigError`).
 
-    config.dataloader = TorchtitanDataLoader.Config(
-        dataset="wiki-en@v3",  # a detdata registry name; or dataset_path="manifest.json"
-        global_batch_size=config.training.global_batch_size,
-        seed=1234,
-    )
-
-Each batch is torchtitan's ``({"input": tokens[:, :-1], "positions": ...}, tokens[:, 1:])`` over
-``TokenWindows(manifest, seq_len=training.seq_len)`` (``seq_len + 1`` tokens a window).
-Micro batches of gradient accumulation and data-parallel ranks take the positions of
-docs/design.md section 4, so the rows of each optimizer step never depend on the number of
-ranks or on ``local_batch_size``.
-
-Checkpoints: torchtitan's ``CheckpointManager`` saves ``states["dataloader"]`` with
-``torch.distributed.checkpoint`` as a ``Stateful``. The state is detdata's JSON state (the
-samples consumed by all ranks, identical on every rank), not one entry per dp rank, so a run
-saved at one data-parallel degree resumes at another (torchtitan's own loader refuses that).
-torchtitan draws exactly the micro batches of a step before it saves, so the state is exact at
-every step; a state saved between two optimizer steps of the configured global batch (that
-is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused. (A state
-saved inside a step elsewhere, e.g. by your own DCP save, says so in its ``step_position`` and
-is resumed from that step's start: ``load_state_dict``'s default, `detdata.MidStep`.)
-
-At the first batch, when torchtitan's ``Trainer`` starts iterating the loader (``iter()``
-called from a ``Trainer`` method, its ``batch_generator``: that frame's ``self``), two checks:
-``gradient_accumulation_steps x pipeline micro batches x local batch x dp degree`` (what
-``training.global_batch_size`` makes) must be the loader's global batch (`ConfigError` naming
-both and the setting that agrees), and the loader must stand at the first position of the
-step the Trainer resumes after (`StateError`; e.g. position 0 when
-``checkpoint.exclude_from_loading`` names ``"dataloader"``), before any micro batch trains.
+When a torchtitan ``Trainer`` method starts iterating the loader (its ``batch_generator``),
+``gradient_accumulation_steps x pipeline micro batches x local batch x dp degree`` must be the
+loader's global batch (`ConfigError`) and the loader must stand at the first position of the
+step the Trainer resumes after (`StateError`), before any micro batch trains.
 """
 
 from __future__ import annotations
