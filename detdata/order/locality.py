@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, overload
+from typing import Final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +58,7 @@ from detdata.order.feistel import (
     permute_many,
     unpermute_many,
 )
+from detdata.order.memo import LruCache
 from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "locality-v1"
@@ -201,18 +200,7 @@ class WindowedOrder:
         sizes = np.asarray(self.shard_sizes, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._sizes = sizes
-        self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_epochs"] = OrderedDict()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._epochs: LruCache[int, _Epoch] = LruCache(_EPOCHS_KEPT)
 
     def __repr__(self) -> str:
         return (
@@ -245,27 +233,20 @@ class WindowedOrder:
         return permute_many(slots, m, keys, bits).astype(np.int64)
 
     def _epoch(self, epoch: int) -> _Epoch:
-        with self._lock:
-            hit = self._epochs.get(epoch)
-            if hit is not None:
-                self._epochs.move_to_end(epoch)
-                return hit
+        return self._epochs.get(epoch, self._epoch_tables)
+
+    def _epoch_tables(self, epoch: int) -> _Epoch:
         sigma = self.shard_order(epoch)
         slot_starts = np.zeros(sigma.size + 1, dtype=np.int64)
         np.cumsum(self._sizes[sigma], out=slot_starts[1:])
         slot_of = np.empty_like(sigma)
         slot_of[sigma] = np.arange(sigma.size, dtype=np.int64)
-        table = _Epoch(
+        return _Epoch(
             window_starts=np.append(slot_starts[: -1 : self.window_shards], slot_starts[-1]),
             slot_starts=slot_starts,
             id_offset=self._starts[sigma] - slot_starts[:-1],
             slot_of=slot_of,
         )
-        with self._lock:
-            self._epochs[epoch] = table
-            while len(self._epochs) > _EPOCHS_KEPT:
-                self._epochs.popitem(last=False)
-        return table
 
     # ------------------------------------------------------------------ positions
     @overload
