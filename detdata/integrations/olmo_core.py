@@ -35,12 +35,8 @@ __all__ = ["OlmoCoreDataLoader", "olmo_batch"]
 def olmo_batch(
     batch: Mapping[str, torch.Tensor], sequence_length: int, key: str = "tokens"
 ) -> dict[str, torch.Tensor]:
-    """OLMo-core's batch from a detdata batch of ``sequence_length`` (+1) tokens a row.
-
-    ``sequence_length + 1`` tokens: ``{"input_ids": w[:, :-1], "labels": w[:, 1:]}``;
-    ``sequence_length`` tokens: ``{"input_ids": w}`` (OLMo-core derives the labels).
-    int64 copies (they own their memory); any other width is a `ConfigError`.
-    """
+    """OLMo-core's batch (module doc; int64 copies) from a detdata batch of
+    ``sequence_length`` (+1) tokens a row; any other width is a `ConfigError`."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
@@ -179,9 +175,7 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
                 if remaining is not None and delivered >= remaining:
                     return  # the epoch's last step: nothing more is read (or counted)
         finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
+            batches.close()
 
     def get_mock_batch(self) -> dict[str, Any]:
         """A batch of this rank's shape (zeros) for OLMo-core's dry run; reads no data."""

@@ -51,15 +51,10 @@ def titan_batch(
     positions: bool = True,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """torchtitan's ``({"input": x, "positions": p}, labels)`` from a detdata batch of
-    ``seq_len + 1`` tokens a row.
-
-    ``x`` is the first ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies: they
-    own their memory); ``positions`` (``0 .. seq_len - 1`` in every row, as torchtitan's own
-    text loader gives for one document; omitted with ``positions=False``) lets torchtitan build
-    the causal masks of its flex / varlen attention. A window of another width is a
-    `ConfigError`: each window needs one token more than ``seq_len``
-    (``TokenWindows(..., seq_len=seq_len)``, ``labels=True``).
-    """
+    ``seq_len + 1`` tokens a row (another width is a `ConfigError`): ``x`` the first
+    ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies); ``positions`` (``0 ..
+    seq_len - 1`` in every row, omitted with ``positions=False``) lets torchtitan build the
+    causal masks of its flex / varlen attention."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
