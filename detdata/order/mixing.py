@@ -257,12 +257,9 @@ class Phase:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tree", _Tree.of(self.nodes, self.offsets))
 
-    @property
-    def total(self) -> int:
-        return sum(self.weights)
-
     def fractions(self) -> tuple[Fraction, ...]:
-        return tuple(Fraction(w, self.total) for w in self.weights)
+        total = sum(self.weights)
+        return tuple(Fraction(w, total) for w in self.weights)
 
 
 def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, ...]:
