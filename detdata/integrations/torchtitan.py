@@ -173,11 +173,8 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
             )
 
     def _check_trainer(self, trainer: Any) -> None:
-        """The Trainer takes an optimizer step every ``gradient_accumulation_steps x
-        pipeline micro batches`` of this loader's micro batches on ``dp_world_size`` ranks: that
-        must be the loader's global batch (`ConfigError`); and it trains step ``trainer.step``
-        (counted before the step's first batch), so the loader must stand at the first position
-        of the step before it (`StateError`: a loader at position 0 was not restored)."""
+        """The module doc's two checks against ``trainer`` (``trainer.step`` is counted before
+        the step's first batch: the loader stands at the first position of the step before)."""
         loader = self.loader
         steps = int(trainer.gradient_accumulation_steps)
         steps *= int(getattr(trainer, "num_pipeline_parallel_microbatches", 1))
