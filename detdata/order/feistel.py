@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, overload
 
 import numpy as np
@@ -107,7 +107,7 @@ _Words = np.uint64 | U64Array
 
 def _rounds(
     x: U64Array,
-    keys: Sequence[_Words] | U64Array,
+    keys: Sequence[_Words],
     lo_mask: _Words,
     hi_mask: _Words,
     shift: _Words,
@@ -153,43 +153,23 @@ def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
     return np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
 
 
-def _feistel(x: U64Array, keys: Sequence[_Words] | U64Array, bits: int) -> U64Array:
-    """``E(x)`` (module docstring, step 4) on ``[0, 2**bits)`` with round key ``keys[r]``: a
-    scalar (one epoch for all of ``x``) or an array shaped like ``x``, xored element-wise."""
-    lo_bits = bits // 2
-    lo_mask = np.uint64((1 << lo_bits) - 1)
-    hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
-    return _rounds(x, keys, lo_mask, hi_mask, np.uint64(lo_bits))
-
-
 def permute(indices: U64Array, n: int, seed: int, epoch: int) -> U64Array:
     """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
     keys = _key_table(seed, np.array([epoch], dtype=np.uint64))[:, 0]  # scalars: cheapest
-    return _permute_one_domain(indices, n, keys)
+    return cycle_walk(encrypt_many, indices, n, keys)
+
+
+def epoch_keys(seed: int, epochs: U64Array) -> U64Array:
+    """The round keys of each element's epoch (1-D ``epochs``) as ``(ROUNDS, size)``, derived
+    once per distinct epoch."""
+    unique, inverse = np.unique(epochs, return_inverse=True)
+    return np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)
 
 
 def permute_epochs(indices: U64Array, epochs: U64Array, n: int, seed: int) -> U64Array:
-    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised:
-    keys derived once per distinct epoch, one set of Feistel passes for all elements."""
-    unique, inverse = np.unique(epochs, return_inverse=True)
-    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
-    return _permute_one_domain(indices, n, keys)
-
-
-def _permute_one_domain(indices: U64Array, n: int, keys: U64Array) -> U64Array:
-    """Step 6 on ``[0, n)`` under ``keys``: ``(ROUNDS,)`` for all elements, or ``(ROUNDS,
-    size)``, one column per element. Never writes ``indices``."""
-    if n == 1:
-        return np.zeros_like(indices)
-    bits = domain_bits(n)
-    out = _feistel(indices, keys, bits)
-    limit = np.uint64(n)
-    pending = np.flatnonzero(out >= limit)
-    while pending.size:
-        walked = _feistel(out[pending], keys if keys.ndim == 1 else keys[:, pending], bits)
-        out[pending] = walked
-        pending = pending[walked >= limit]
-    return out
+    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), in one
+    set of vectorised Feistel passes."""
+    return cycle_walk(encrypt_many, indices, n, epoch_keys(seed, epochs))
 
 
 # ------------------------------------------------------------------ per-element domains
@@ -218,18 +198,24 @@ def decrypt_many(y: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) 
     return (hi << lo_bits) | lo
 
 
-def unpermute_many(y: U64Array, n: int, keys: U64Array) -> U64Array:
-    """The inverse of `permute_many` on one domain ``[0, n)`` (``keys``: one column for all, or
-    one per element): ``D`` (`decrypt_many`), then while a value is ``>= n``, ``D`` again. The
-    forward walk passes only values ``>= n`` between ``x`` and ``y``, so walking back from ``y``
-    stops at ``x``."""
+#: `encrypt_many` or `decrypt_many`.
+Step = Callable[[U64Array, U64Array, _Words, _Words], U64Array]
+
+
+def cycle_walk(step: Step, x: U64Array, n: int, keys: U64Array) -> U64Array:
+    """Step 6 on ``[0, n)``: ``step`` (``E``, or ``D`` to invert) applied until each value is
+    ``< n``, under ``keys``: ``(ROUNDS,)`` for all elements, or ``(ROUNDS, size)``, one column
+    per element. Never writes ``x``; ``n == 1`` gives 0 without walking. Walking back with
+    ``D`` from ``y`` stops at ``x``: the forward walk passes only values ``>= n`` between."""
+    if n == 1:
+        return np.zeros_like(x)
     bits = domain_bits(n)
     lo_bits, hi_bits = np.uint64(bits // 2), np.uint64(bits - bits // 2)
     limit = np.uint64(n)
-    out = decrypt_many(y, keys, lo_bits, hi_bits)
+    out = step(x, keys, lo_bits, hi_bits)
     pending = np.flatnonzero(out >= limit)
     while pending.size:
-        walked = decrypt_many(out[pending], _at(keys, pending), lo_bits, hi_bits)
+        walked = step(out[pending], keys if keys.ndim == 1 else keys[:, pending], lo_bits, hi_bits)
         out[pending] = walked
         pending = pending[walked >= limit]
     return out

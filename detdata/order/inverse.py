@@ -1,7 +1,7 @@
 """Inverting the orders: sample -> the global positions that deliver it, O(1) per epoch.
 
 ``feistel-v1``: sample ``x`` sits at position ``e * n + D*(x)`` of every epoch ``e``, with
-``D*`` the decryption with backward cycle walking (`detdata.order.feistel.unpermute_many`).
+``D*`` the decryption with backward cycle walking (`detdata.order.feistel.cycle_walk` with ``D``).
 
 ``mixture-v1``: a source's sample at index ``i`` of its own stream is at the unique global
 position ``g`` with ``consumed(g)[s] == i`` and ``assign(g) == (s, i)``;
@@ -20,7 +20,7 @@ import numpy as np
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.feistel import GlobalOrder, U64Array, _key_table, unpermute_many
+from detdata.order.feistel import GlobalOrder, U64Array, cycle_walk, decrypt_many, epoch_keys
 from detdata.order.mixing import MixtureSchedule
 
 #: A source's count of samples read by positions ``[0, p)``.
@@ -32,11 +32,7 @@ _CHUNK: Final = 1 << 16  # epochs per vectorised pass
 def unpermute_epochs(ids: U64Array, epochs: U64Array, n: int, seed: int) -> U64Array:
     """The local indices ``i`` with ``permute(i, n, seed, epochs[j]) == ids[j]`` (1-D, same
     length, all ``< n``), vectorised over epochs."""
-    if n == 1:
-        return np.zeros_like(ids)
-    unique, inverse = np.unique(epochs, return_inverse=True)
-    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
-    return unpermute_many(ids, n, keys)
+    return cycle_walk(decrypt_many, ids, n, epoch_keys(seed, epochs))
 
 
 def positions_of(order: GlobalOrder, sample_id: int, *, until: int, start: int = 0) -> IntArray:

@@ -51,12 +51,13 @@ from detdata.base.keys import derive, derive_many
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import (
     ROUNDS,
+    cycle_walk,
+    decrypt_many,
     domain_bits,
     domain_bits_many,
     encrypt_many,
     key_rows,
     permute_many,
-    unpermute_many,
 )
 from detdata.order.memo import LruCache
 from detdata.order.positions import check_positions_array, index_positions
@@ -339,7 +340,7 @@ class WindowedOrder:
             size = int(table.window_starts[w + 1]) - first
             q = int(table.slot_starts[slot]) + offset - first
             keys = _window_keys(self.seed, epoch, [w])
-            inside = unpermute_many(np.array([q], dtype=np.uint64), size, keys)
+            inside = cycle_walk(decrypt_many, np.array([q], dtype=np.uint64), size, keys[:, 0])
             g = epoch * n + first + int(inside[0])
             if lo <= g < hi:
                 out.append(g)
