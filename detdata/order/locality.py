@@ -53,7 +53,6 @@ from detdata.order.feistel import (
     ROUNDS,
     cycle_walk,
     decrypt_many,
-    domain_bits,
     domain_bits_many,
     encrypt_many,
     key_rows,
@@ -226,12 +225,9 @@ class WindowedOrder:
     # ------------------------------------------------------------------ epochs
     def shard_order(self, epoch: int) -> IntArray:
         """``sigma``: the shard at each slot of ``epoch`` (step 3), a new array."""
-        s = len(self.shard_sizes)
-        slots = np.arange(s, dtype=np.uint64)
-        keys = _shard_keys(self.seed, epoch)[:, None]
-        m = np.array([s], dtype=np.uint64)
-        bits = np.array([domain_bits(s)], dtype=np.uint64)
-        return permute_many(slots, m, keys, bits).astype(np.int64)
+        slots = np.arange(len(self.shard_sizes), dtype=np.uint64)
+        keys = _shard_keys(self.seed, epoch)
+        return cycle_walk(encrypt_many, slots, slots.size, keys).astype(np.int64)
 
     def _epoch(self, epoch: int) -> _Epoch:
         return self._epochs.get(epoch, self._epoch_tables)
