@@ -79,9 +79,7 @@ class DetdataTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         state = self.state  # type: ignore[attr-defined]
-        # the loader state at the first position of the Trainer's step: the same state between
-        # two steps; inside gradient accumulation (the Trainer fetched the step's micro batches
-        # before training them, their gradients are not saved) the step is trained again
+        # the state at the first position of the Trainer's step (module doc)
         try:
             saved = LoaderState.from_json(self.detdata_loader.state_dict()).resumed(
                 MidStep.REDO, at_step=int(state.global_step)
