@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final
 
 from accelerate import Accelerator
@@ -226,18 +226,11 @@ def _align_step(accelerator: Any, loaders: list[DataLoader]) -> None:
 
 
 def _detdata_sampler(prepared: Any) -> Any:
-    """The detdata batch sampler a (prepared) data loader draws from, or None."""
-    for start in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
-        for obj in _chain(start):
+    """The detdata batch sampler a (prepared) data loader draws from: its ``batch_sampler`` or
+    ``sampler``, or one they wrap as ``.batch_sampler`` (at most `_DEPTH` deep); else None."""
+    for obj in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
+        for _ in range(_DEPTH):
             if isinstance(obj, _SAMPLERS):
                 return obj
+            obj = getattr(obj, "batch_sampler", None)
     return None
-
-
-def _chain(obj: Any) -> Iterator[Any]:
-    """``obj`` and the batch samplers it wraps (``.batch_sampler``), at most `_DEPTH`."""
-    for _ in range(_DEPTH):
-        if obj is None:
-            return
-        yield obj
-        obj = getattr(obj, "batch_sampler", None)

@@ -151,7 +151,8 @@ class DetdataSteps:
     packages: tuple[str, ...] = ()
 
     def __new__(cls) -> DetdataSteps:
-        return object.__new__(_steps_class(_imported_packages()))
+        imported = tuple(name for name, top in PACKAGES.items() if top in sys.modules)
+        return object.__new__(_steps_class(imported or ("pytorch_lightning",)))
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,13 +163,6 @@ class DetdataSteps:
         """Pickled (``ddp_spawn``) and copied as a fresh ``DetdataSteps()``: its class is made
         for the packages imported where it is unpickled."""
         return (DetdataSteps, ())
-
-
-def _imported_packages() -> tuple[str, ...]:
-    """The keys of `PACKAGES` whose top-level package is imported; ``("pytorch_lightning",)``
-    when none is."""
-    found = tuple(name for name, top in PACKAGES.items() if top in sys.modules)
-    return found or ("pytorch_lightning",)
 
 
 @functools.cache
