@@ -198,7 +198,7 @@ class WindowedOrder:
         self.window_shards = check_count(window_shards, "window_shards", maximum=(1 << 31) - 1)
         self.num_samples = sum(self.shard_sizes)
         sizes = np.asarray(self.shard_sizes, dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._starts = _starts(sizes)
         self._sizes = sizes
         self._epochs: LruCache[int, _Epoch] = LruCache(_EPOCHS_KEPT)
 
