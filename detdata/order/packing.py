@@ -80,17 +80,13 @@ def parse_tail(value: str | Tail) -> Tail:
         raise ConfigError(f"tail must be 'drop' or 'pad', got {value!r}") from None
 
 
-def document_seed(seed: int) -> int:
-    """The ``feistel-v1`` seed of the document shuffle: blake3-derived from ``seed``."""
-    return derive_u64(_TAG, check_seed(seed))
-
-
 def shuffled_documents(positions: IntArray, n: int, seed: int, shuffle: bool) -> IntArray:
-    """The document at each shuffled position (all in ``[0, n)``), int64."""
+    """The document at each shuffled position (all in ``[0, n)``), int64 (step 2)."""
     pos = np.asarray(positions, dtype=np.int64)
     if not shuffle:
         return pos.copy()
-    return permute(pos.astype(np.uint64), n, document_seed(seed), 0).astype(np.int64)
+    document_seed = derive_u64(_TAG, check_seed(seed))
+    return permute(pos.astype(np.uint64), n, document_seed, 0).astype(np.int64)
 
 
 def build_offsets(
