@@ -33,15 +33,14 @@ from detdata.loading.lookup import Lookup
 from detdata.loading.options import LoaderOptions
 from detdata.loading.reading import Reads
 from detdata.loading.reweighting import MixtureController, reweightable
-from detdata.loading.sources import GROUPS_AHEAD, batch_source
+from detdata.loading.sources import batch_source
 from detdata.loading.state import transform_identity
 from detdata.loading.steps import MidStep
-from detdata.loading.torch_workers import seed_globals
 from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
-__all__ = ["DEFAULT_STEPS_AHEAD", "GROUPS_AHEAD", "DataLoader", "EpochStart", "seed_globals"]
+__all__ = ["DEFAULT_STEPS_AHEAD", "DataLoader", "EpochStart"]
 
 #: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
 #: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).

@@ -359,12 +359,7 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def read_ahead(self, group: list[IntArray] | None) -> None:
         """A hint that ``group`` is read next (None: drop what is pending); never changes a
         byte (`OrderedStream.read_ahead`)."""
-        if group is None:
-            self.dataset.read_ahead(None)
-        elif len(group) == 1:  # read on its own (`_one_by_one`)
-            self.dataset.read_ahead(group[0])
-        else:
-            self.dataset.read_ahead(np.concatenate(group))
+        self.dataset.read_ahead(None if group is None else np.concatenate(group))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ resume from inside a step re-delivers the step whole by default (`MidStep`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Final
@@ -68,12 +69,7 @@ class StepPosition:
         )
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "step": self.step,
-            "first_position": self.first_position,
-            "global_batch_size": self.global_batch_size,
-            "delivered_in_step": self.delivered_in_step,
-        }
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         return (

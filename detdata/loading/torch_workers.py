@@ -57,7 +57,7 @@ def _identity(item: Any) -> Any:
 
 class WorkerSource:
     """Groups read in worker processes by torch's ``DataLoader``, handed over through
-    shared-memory slots with the default collate (`slot_transfer`, `detdata.loading.slots`)
+    shared-memory slots with the default collate (`detdata.loading.slots`)
     or as one tensor per column. With ``persistent_workers`` the workers are kept for the
     next iteration of the same stream, layout and bound if the last one left them between two
     groups; an interrupted call into torch's iterator (``_busy``) leaves them untrustworthy,
@@ -81,8 +81,6 @@ class WorkerSource:
         self._torch_kwargs = dict(torch_kwargs)
         self._persistent = bool(torch_kwargs.get("persistent_workers"))
         self._depth = torch_kwargs.get("prefetch_factor", 2)  # groups per worker
-        #: False: every group takes torch's transfer, not a shared-memory slot (benchmarks)
-        self.slot_transfer = True
         self._loader: tud.DataLoader[Any] | None = None
         self._groups: GroupSampler | None = None  # the sampler (or the slots') of `_loader`
         self._transport: SlotTransport | None = None
@@ -94,8 +92,8 @@ class WorkerSource:
 
     @property
     def transport(self) -> SlotTransport | None:
-        """The shared-memory slots of the workers now (None: none started, or groups take
-        torch's transfer: a ``collate_fn``, `slot_transfer` off)."""
+        """The shared-memory slots of the workers now (None: none started, or a
+        ``collate_fn``)."""
         return self._transport
 
     def batches(self, at: RunSlice) -> Iterator[Any]:
@@ -131,7 +129,7 @@ class WorkerSource:
     def _build(self, at: RunSlice) -> tud.DataLoader[Any]:
         self._groups = at.groups(self._reads.batches_ahead)
         sampler: GroupSampler | SlotSampler = self._groups
-        if self.slot_transfer and self._reads.collate_fn is None:
+        if self._reads.collate_fn is None:
             # groups come back through reused shared-memory slots (detdata.loading.slots)
             self._transport = SlotTransport(self._torch_kwargs["num_workers"], self._depth)
             sampler = SlotSampler(self._groups, self._transport)
