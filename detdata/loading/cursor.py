@@ -299,9 +299,6 @@ class Cursor:
         )
 
     # ------------------------------------------------------------ the state
-    def fields(self) -> dict[str, Any]:
-        return self.definition.fields(self._stream)
-
     def state_dict(
         self, workers: Mapping[str, Any], attestor: Attestor | None = None
     ) -> dict[str, Any]:
@@ -320,7 +317,7 @@ class Cursor:
         }
         state = LoaderState(
             samples_consumed=self._consumed,
-            fields=self.fields(),
+            fields=self.definition.fields(self._stream),
             stream=self._stream.identity(),
             layout=layout,
             env=environment(),

@@ -42,12 +42,9 @@ class Layout:
         *,
         anchor: int = 0,
     ) -> Layout:
-        """Layout with ``micro_batch_size`` defaulting to one micro step per step of the
-        constant ``global_batch_size``, whose micro steps include position ``anchor``.
-
-        ``global_batch_size`` None (a schedule) needs ``micro_batch_size``; given, it must be a
-        multiple of ``micro_batch_size x world_size``.
-        """
+        """Layout whose micro steps include position ``anchor``; ``micro_batch_size`` defaults
+        to one micro step per step of the constant ``global_batch_size`` (None, a schedule,
+        needs it), which must be a multiple of ``micro_batch_size x world_size``."""
         ws = check_count(world_size, "world_size")
         gbs = (
             None

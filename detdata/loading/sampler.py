@@ -84,13 +84,9 @@ def _caller() -> FrameType | None:
 
 
 def _dealer(frame: FrameType | None, sampler: object) -> Any:
-    """The object that called ``iter(sampler)`` if it deals the sampler's items to several
-    processes (it holds the sampler as ``.batch_sampler`` and has ``num_processes > 1``, as
-    accelerate's ``BatchSamplerShard`` does), else None.
-
-    Python code that iterates a batch sampler runs in a frame whose ``self`` is the
-    iterating object; torch's own DataLoader iterators hold no ``batch_sampler`` there.
-    """
+    """The object (the ``self`` of the calling frame) that called ``iter(sampler)`` if it
+    deals the items to several processes (holds it as ``.batch_sampler``, has
+    ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else None."""
     owner = None if frame is None else frame.f_locals.get("self")
     processes = getattr(owner, "num_processes", None)
     if (

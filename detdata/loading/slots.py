@@ -1,18 +1,14 @@
 """Shared-memory slots: how worker processes hand a read-ahead group to the main process.
 
-torch's worker -> main transfer makes, maps and passes a shared-memory segment per tensor
-per group, which on small batches costs more than the read. Here the main process owns a
-ring of ``num_workers * prefetch_factor + 2`` preallocated slots in one anonymous file
-(``memfd_create``: nothing can leak in ``/dev/shm``; pages reserved up front, so a full
-filesystem is an ``OSError`` and a fallback, never a SIGBUS), reused for the torch
-DataLoader's life: the sampler hands each group a free slot (`SlotTransport.task`), the
-worker writes the columns there and returns a small `SlotGroup`, and the main process
-copies each micro batch out (delivered batches own their memory, docs/design.md section 4)
-and frees the slot (`settle`). The ring reaches a worker once, attached to its first tasks
-(`RingHandle`); a forked process drops inherited rings (`_drop_inherited_rings`). Slots are
-sized from the first groups read; until then, and for any group that does not fit (ragged
-or string columns, a ``collate_fn``), the group takes torch's transfer. The path never
-changes a delivered byte; errors travel as values in a `GroupRead`.
+torch's transfer makes and maps a shared-memory segment per tensor per group (on small
+batches, more than the read costs). Here the main process owns a ring of ``num_workers *
+prefetch_factor + 2`` slots in one anonymous, pre-reserved file (``memfd_create``: nothing
+leaks in ``/dev/shm``; a full filesystem is an ``OSError`` and a fallback, never a SIGBUS):
+the sampler hands each group a free slot (`SlotTransport.task`), the worker writes it and
+returns a small `SlotGroup`, the main process copies each micro batch out and frees the
+slot (`settle`). The ring reaches a worker once (`RingHandle`); forked processes drop
+inherited rings. Until slots are sized, and for groups that do not fit, torch's transfer
+is used. Neither path changes a delivered byte.
 """
 
 from __future__ import annotations

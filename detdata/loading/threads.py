@@ -51,14 +51,10 @@ def describe_positions(positions: Positions) -> str:
 def threaded_batches(
     fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, ahead: int
 ) -> Generator[T, None, None]:
-    """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
-
-    At most ``ahead`` (``>= 1``) reads are submitted ahead of the consumer;
-    ``positions`` is pulled lazily from the calling thread only (it may be
-    infinite). An exception from ``fetch`` is raised from this generator when its
-    batch is due, with a note naming the positions; an exception from
-    ``positions`` is raised as is, after the batches before it were yielded.
-    """
+    """``fetch(p)`` for each ``p`` of ``positions`` (pulled lazily from the calling thread;
+    may be infinite), on ``num_threads`` threads, in order, at most ``ahead`` ahead. A
+    ``fetch`` error is raised when its batch is due, with a note naming the positions; a
+    ``positions`` error after the batches before it."""
     for value, name, minimum in ((num_threads, "num_threads", 1), (ahead, "ahead", 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
