@@ -95,12 +95,8 @@ def check_device(device: object) -> torch.device:
 
 
 # ---------------------------------------------------------- stream backends
-class Event(Protocol):
-    """A point on the copy stream (`torch.cuda.Event` fits; None: a synchronous copy)."""
-
-    def synchronize(self) -> None: ...
-
-    def wait(self, stream: Any = None) -> None: ...
+#: A point on the copy stream (None: a synchronous copy, always complete).
+Event = torch.cuda.Event
 
 
 class _Backend(Protocol):
