@@ -64,8 +64,7 @@ class _Ids:
     def items(self, positions: IntArray) -> list[Any]:
         if self.order is not None:
             return list(self.order.ids(positions).tolist())
-        if self.mixture is None:
-            raise ConfigError("a detdata batch sampler has neither an order nor a mixture")
+        assert self.mixture is not None  # one of the two, by construction
         src, _, ids = self.mixture.locate(positions)
         names = self.mixture.source_names
         return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
