@@ -222,9 +222,8 @@ def _spawn(cfg: RunConfig) -> dict[str, Any]:
 def replay_check(
     out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234
 ) -> dict[str, Any]:
-    """Three runs in fresh processes; compares final weights and data traces bytewise."""
-    if not 0 < stop_at < steps:
-        raise ConfigError(f"stop_at must be in (0, {steps}), got {stop_at}")
+    """Three runs in fresh processes (``0 < stop_at < steps``, `check_run_args`); compares
+    final weights and data traces bytewise."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for old in (out / "runs").glob("*"):
         old.unlink()
@@ -247,7 +246,7 @@ def replay_check(
 
 
 def loader_throughput(out: Path, seconds: float = 3.0) -> float:
-    """Samples/s of the demo mixture loader (global batch 64, 512-token windows... here seq 64)."""
+    """Samples/s of the demo mixture loader (global batch 64, seq 64)."""
     dl = DataLoader(make_mixture(out, 64, 1), global_batch_size=64, seed=1)
     it = iter(dl)
     next(it)
