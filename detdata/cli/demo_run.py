@@ -1,12 +1,9 @@
 """The demo: a real (tiny) pretraining loop with interrupt, resume and reshard proof.
 
-`build_corpus` tokenises Python standard-library sources with a byte-level
-tokenizer (token = byte, vocab 256) into three sources of ``.npy`` shards,
-builds and registers their manifests. `train_run` trains a tiny GPT on a
-`Mixture` of the three for a number of steps, writing a data trace and hashing
-the final weights. `replay_check` runs it in fresh processes three ways
-(straight A, straight B, interrupted at step k on 2 in-process ranks and resumed
-at 1 rank) and compares weights and traces bytewise.
+`build_corpus` writes Python standard-library sources as byte tokens (vocab 256) into three
+registered sources; `train_run` trains a tiny GPT on their `Mixture`, tracing the data and
+hashing the final weights; `replay_check` runs it in fresh processes three ways (A, B, and C
+stopped at step k on 2 in-process ranks, resumed on 1) and compares weights and traces.
 """
 
 from __future__ import annotations

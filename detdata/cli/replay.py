@@ -153,10 +153,8 @@ def model_difference(a: Mapping[int, str], b: Mapping[int, str]) -> dict[str, An
 def user_replay_check(
     command: Sequence[str], out: Path, *, steps: int, stop_at: int, timeout: float | None = None
 ) -> dict[str, Any]:
-    """Runs A, B and stopped-and-resumed C of ``command`` under ``out`` (its ``A``, ``B``, ``C``
-    folders are replaced); returns the comparison as plain JSON."""
-    if not command:
-        raise ConfigError("replay-check: no command after '--'; hint: -- python train.py ...")
+    """Runs A, B and stopped-and-resumed C of ``command`` (non-empty) under ``out`` (its
+    ``A``, ``B``, ``C`` folders are replaced); returns the comparison as plain JSON."""
     weights, models = {}, {}
     for tag in ("A", "B", "C"):
         run_dir = out / tag
@@ -180,7 +178,6 @@ def user_replay_check(
     problems = [f"the trace of run {t} is empty: nothing was compared" for t, r in
                 (("A", ta), ("B", tb), ("C", tc)) if not r]  # fmt: skip
     problems += resume_problems(before, _rank0(out / "C")[len(before) :], stop_at)
-    reported = any(models.values())
     return {
         "command": list(command),
         "steps": steps,
@@ -189,13 +186,10 @@ def user_replay_check(
         "weights_identical": len(set(weights.values())) == 1,
         "first_divergent_step_A_B": first_difference(ta, tb, labels=("A", "B")),
         "first_divergent_step_A_C": first_difference(ta, tc, labels=("A", "C")),
-        "model_digests": reported,
-        "first_divergent_model_step_A_B": model_difference(models["A"], models["B"])
-        if reported
-        else None,
-        "first_divergent_model_step_A_C": model_difference(models["A"], models["C"])
-        if reported
-        else None,
+        "model_digests": any(models.values()),
+        # None when no run reported: no step then differs
+        "first_divergent_model_step_A_B": model_difference(models["A"], models["B"]),
+        "first_divergent_model_step_A_C": model_difference(models["A"], models["C"]),
         "problems": problems,
     }
 
