@@ -34,7 +34,6 @@ class ProcessHandles:
     def __init__(self, bound: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
         self.bound = check_positive_int(bound, "max_open_shards")
         self._capacity = self.bound
-        self.evictions = 0
         self.lock = threading.Lock()
         self.order: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._owners: dict[int, weakref.ref[HandleLRU[Any]]] = {}
@@ -108,7 +107,6 @@ class ProcessHandles:
         mine: list[int] = []
         while len(self.order) > self._capacity:
             (owner_token, shard), _ = self.order.popitem(last=False)
-            self.evictions += 1
             if owner_token == token:
                 mine.append(shard)
                 continue

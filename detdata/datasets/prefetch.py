@@ -166,9 +166,7 @@ class CacheAheadStats:
     """Counters of one `CacheAhead` (this process)."""
 
     submitted: int = 0  # shard fills queued
-    done: int = 0  # fills finished (hit or fetched)
     failed: int = 0  # fills that raised (the reader fetches again and reports)
-    cancelled: int = 0  # queued fills dropped: released first
     released: int = 0  # copies released after their last use in the window
     shrunk: int = 0  # times the window stopped short of `steps` to stay under the bound
     max_window_bytes: int = 0
@@ -244,8 +242,7 @@ class CacheAhead:
         self._closed = True
         _OPEN.discard(self)
         for future in list(self._futures.values()):
-            if future.cancel():
-                self.stats.cancelled += 1
+            future.cancel()
         if self._stopper is not None:
             self._stopper()
 
@@ -330,9 +327,6 @@ class CacheAhead:
                 type(exc).__name__,
                 exc,
             )
-            return
-        with self._lock:
-            self.stats.done += 1
 
     def _release(self, key: Key) -> None:
         reader = self.readers[key[0]]
@@ -342,7 +336,6 @@ class CacheAhead:
         future = self._futures.pop(key, None)
         if future is not None and not future.done():
             if future.cancel():
-                self.stats.cancelled += 1
                 return
             last_use = self._last_use
 

@@ -47,12 +47,8 @@ H = TypeVar("H")
 
 
 def resolve_manifest(manifest: Manifest | str, storage: Storage) -> Manifest:
-    """A verified `Manifest` from an object or a path/URL, read as ``storage`` says.
-
-    A path is loaded with ``Manifest.load(path, root=storage.root, verify=storage.verify)``;
-    a `Manifest` object is re-rooted at ``storage.root`` if given and then verified with
-    ``storage.verify`` (``"quick"`` by default; ``"off"`` skips it).
-    """
+    """A verified `Manifest` from an object (re-rooted at ``storage.root`` if given) or a
+    path/URL (loaded under it), verified as ``storage.verify`` says."""
     root = None if storage.root is None else os.fspath(storage.root)
     options, retry = storage.fs_options, storage.retry
     if isinstance(manifest, str):

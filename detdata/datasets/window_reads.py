@@ -317,7 +317,7 @@ class WindowReads:
     def _read_direct(
         self, picked: IntArray, groups: _Groups, out: Array
     ) -> tuple[FileReads, tuple[IntArray, IntArray] | None]:
-        """The reads of groups ``picked`` (each ``count[g]`` distinct consecutive windows):
+        """The reads of groups ``picked`` (each ``counts[g]`` distinct consecutive windows):
         ONE ``preadv`` per shard straight into its rows of ``out`` (`WindowLayout.direct`),
         and the label copies (`Assembly.labels`: with ``labels`` a row but a run's last
         reads ``seq_len`` tokens and takes its label token from the next row)."""
