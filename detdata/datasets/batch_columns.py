@@ -23,7 +23,6 @@ _NUMERIC = "biufc"
 _TEMPORAL = "Mm"
 
 
-# ------------------------------------------------------------------ describing columns
 def describe_dtype(dtype: np.dtype[Any], shape: Sequence[int] = ()) -> str:
     """``'int32'``, ``'float32 (3,)'``, ``'datetime64[ms]'``: a numpy dtype name and trailing
     shape; a non-native byte order is part of it (``'int32 [>]'``)."""
@@ -78,7 +77,6 @@ def is_ragged(column: object) -> bool:
     return bool(rows) and all(isinstance(v, np.ndarray) and v.ndim == 1 for v in rows)
 
 
-# ------------------------------------------------------------------ restacking transform outputs
 def _position(positions: Sequence[int] | npt.NDArray[np.int64], i: int) -> str:
     return f"position {int(positions[i])}" if i < len(positions) else f"sample {i} of the batch"
 
@@ -134,7 +132,6 @@ def _objects(values: Sequence[Any]) -> Array:
     return out
 
 
-# ------------------------------------------------------------------ the default collate
 def to_torch(batch: Any) -> Any:
     """The default collate: a read batch (dict of numpy columns) into torch objects, per
     column as the module docstring's reference says (a numeric tensor shares memory with

@@ -111,18 +111,13 @@ class UnitPlanner:
         """The units of a manifest with Megatron indexes (shard by shard)."""
         shards = self.manifest.shards
         by_path = {s.path: i for i, s in enumerate(shards)}
-        paired = {
-            by_path[p]
-            for s in shards
-            if s.format is Format.MEGATRON_IDX
-            and (p := s.path[: -len(".idx")] + ".bin" if s.path.endswith(".idx") else "") in by_path
-        }
         units: list[Unit] = []
         for i, entry in enumerate(shards):
             if entry.format is Format.MEGATRON_IDX:
                 continue  # planned with its .bin
-            if i in paired:
-                idx = by_path[megatron_index_path(entry.path)]
+            idx = by_path.get(megatron_index_path(entry.path), -1)
+            paired = idx >= 0 and shards[idx].format is Format.MEGATRON_IDX
+            if paired and entry.path.endswith(".bin"):
                 units.append(self._megatron_unit(i, idx))
             elif entry.format in (Format.NPY, Format.BIN):
                 units.append(self._eod_unit(i))
@@ -208,7 +203,6 @@ class UnitPlanner:
         return Unit(shard, -1, "table", np.dtype(f"{sign}{value.bit_width // 8}").name, 0)
 
 
-# the document starts of one unit ----------------------------------------------------------
 def megatron_starts(manifest: Manifest, unit: Unit, raw: mmap.mmap) -> IntArray:
     """Local document starts of Megatron pair ``unit`` (ending with its token count) from
     ``raw``, its ``.idx`` bytes; `FormatError` unless it describes its ``.bin`` exactly."""
@@ -287,7 +281,6 @@ def table_starts(
     return starts, Unit(unit.shard, -1, "table", unit.dtype, int(starts[-1]), tuple(sizes))
 
 
-# a stored table against the manifest -------------------------------------------------------
 def table_meta(units: list[Unit]) -> dict[str, Any]:
     """The record stored with a document table: the units' token and row-group counts."""
     return {"tokens": [u.tokens for u in units], "groups": [list(u.groups) for u in units]}

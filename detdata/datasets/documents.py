@@ -241,7 +241,6 @@ class Documents(CorpusBase):
             )
         return schema
 
-    # the document table -----------------------------------------------------------
     def _table_inputs(self) -> dict[str, Any]:
         return {
             "algorithm": ALGORITHM,
@@ -307,7 +306,6 @@ class Documents(CorpusBase):
         groups = (self._read_group(unit.shard, g) for g in range(len(entry.row_groups or ())))
         return table_starts(unit, entry.path, str(self.column), groups)
 
-    # construction helpers --------------------------------------------------------
     def _build_index(self) -> None:
         """Where each unit's tokens start in the corpus (from the units: no file read)."""
         self._all_token_files = all(u.kind != "table" for u in self.units)
@@ -360,7 +358,6 @@ class Documents(CorpusBase):
         a, b = int(self._starts[d]), int(self._starts[d + 1])
         return self.gather(np.arange(a, b, dtype=np.int64))
 
-    # reading ---------------------------------------------------------------------------
     def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
         """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""
         index = np.asarray(index, dtype=np.int64)

@@ -210,7 +210,6 @@ class Excluded:
                     "must remain to draw replacements from"
                 )
 
-    # -------------------------------------------------------------- mapping
     def source_index(self, name: str | None) -> int:
         """Index of source ``name`` in `names` (`ConfigError` naming the sources if unknown)."""
         if name not in self.names:
@@ -290,7 +289,6 @@ class Excluded:
             out[col] = arr
         return out
 
-    # -------------------------------------------------------------- identity
     def history_json(self) -> list[dict[str, Any]]:
         return [
             {K_FROM: g, K_LIST: lst.digest, K_COUNT: len(lst.entries)} for g, lst in self.history

@@ -137,7 +137,6 @@ class GroupSlots:
         self._reserve = 0  # groups a read is about to insert (`reserve`)
         self._lock = threading.Lock()
 
-    # the plain-LRU interface -------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -212,7 +211,6 @@ class GroupSlots:
         with self._lock:
             self._reserve = max(0, int(groups))
 
-    # batch reads --------------------------------------------------------------
     def gather(
         self, groups: IntArray, rows: IntArray, columns: Sequence[str]
     ) -> dict[str, np.ndarray[Any, Any]] | None:
@@ -260,7 +258,6 @@ class GroupSlots:
             index = rows + entry.slot * self.rows_per_slot
             return {n: c.take(index, axis=0) for n, c in self._pool.items()}
 
-    # internals (called with the lock held) -------------------------------------
     def _global(self, key: tuple[int, int]) -> int:
         return int(self._first[key[0]]) + int(key[1])
 

@@ -36,12 +36,10 @@ READ_CHUNK: Final = 4096
 """Samples read per ``read`` call while building a content assignment."""
 CACHE_KIND: Final = "detdata.split_assignment"
 K_RULE, K_KEY, K_FRACTION, K_SALT = "rule", "key", "fraction", "salt"
-K_ASSIGNMENT, K_VALIDATION_KEYS, K_PART, K_DATASET = (
-    "assignment",
-    "validation_keys",
-    "part",
-    "dataset",
-)
+K_ASSIGNMENT: Final = "assignment"
+K_VALIDATION_KEYS: Final = "validation_keys"
+K_PART: Final = "part"
+K_DATASET: Final = "dataset"
 TRAIN, VALIDATION = "train", "validation"
 
 

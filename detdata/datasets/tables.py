@@ -141,7 +141,6 @@ class TableRows(DatasetInfo):
         self._index = GroupIndex.of(self.manifest)
         self._local: PerProcess[_Decoding] = PerProcess()
 
-    # construction helpers --------------------------------------------------
     def _check_same_schema(self) -> None:
         """`FormatError` naming the first shard whose schema differs from the first's."""
         shards = self.manifest.shards
@@ -217,7 +216,6 @@ class TableRows(DatasetInfo):
         if self.cache_groups != before:
             self._local.reset()  # a new, empty cache with the new bound
 
-    # Dataset protocol --------------------------------------------------------
     @property
     def num_samples(self) -> int:
         """Total rows over all shards."""
@@ -285,10 +283,8 @@ class TableRows(DatasetInfo):
         rows = arr[order] - index.starts[group]
         parts: list[Columns | None] = [None] * len(spans)
         cache.reserve(len(spans))
-        # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
-        # so that the groups of the last stretch of positions are the most recently used
-        # when the next read begins (an ordered stream continues there): with a windowed
-        # order a cache of one window's groups decodes each group once per window
+        # groups in order of first use (``order[a]``: a run's first id): the last window's
+        # groups are then the most recently used when an ordered stream continues
         for i in sorted(range(len(spans)), key=lambda i: int(order[spans[i][1]])):
             g, a, b = spans[i]
             part = cache.take_rows(g, rows[a:b])
@@ -319,7 +315,6 @@ class TableRows(DatasetInfo):
             }
         return {n: str(t) for n, t in self._types.items()}
 
-    # reading -----------------------------------------------------------------
     def _what(self) -> str:
         return f"TableRows({self.manifest.id[:15]}…)"
 

@@ -154,7 +154,6 @@ class TextDocuments(CorpusBase):
         self._index = self._text_index()
         self._starts: npt.NDArray[np.int64] = self._index[STARTS]
 
-    # the text index ---------------------------------------------------------------
     def _inputs(self) -> dict[str, Any]:
         return {
             "algorithm": ALGORITHM,
@@ -226,7 +225,6 @@ class TextDocuments(CorpusBase):
             )
         self._starts = self._index[STARTS]
 
-    # the corpus ---------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest, the text policy and the tokenizer."""
         return {
@@ -285,7 +283,6 @@ class TextDocuments(CorpusBase):
         ):
             out[t : t + n] = tokens[d][s : s + n]
 
-    # reading and tokenising ------------------------------------------------------------
     def _tokens(self, docs: list[int]) -> dict[int, npt.NDArray[np.int64]]:
         """The tokens of ``docs`` (cached per process; the missing ones in one batch)."""
         local = self._local.get(_Local)
