@@ -173,17 +173,13 @@ class Split:
         n = self.dataset.num_samples
         limit = threshold(self.fraction)
         salt = self.salt.encode("utf-8")
+
+        def in_validation(key: bytes) -> bool:
+            return derive_u64(SPLIT_TAG, len(salt), tail=salt + key) < limit
+
         if self.key is SplitKey.ID:
-            mask = np.fromiter(
-                (
-                    derive_u64(SPLIT_TAG, len(salt), tail=salt + int(i).to_bytes(8, "little"))
-                    < limit
-                    for i in range(n)
-                ),
-                dtype=bool,
-                count=n,
-            )
-            return mask, None
+            ids = (i.to_bytes(8, "little") for i in range(n))
+            return np.fromiter(map(in_validation, ids), dtype=bool, count=n), None
         path = None
         if cache is not None:
             name = digest_bytes(canonical_json([self.rule, self.dataset.identity()]))
@@ -192,7 +188,7 @@ class Split:
             if cached is not None:
                 return cached
         keys = content_keys(self.dataset, progress=self.progress)
-        hits = [derive_u64(SPLIT_TAG, len(salt), tail=salt + k) < limit for k in keys]
+        hits = [in_validation(k) for k in keys]
         mask = np.array(hits, dtype=bool).reshape(n)
         val_keys = digest_bytes(b"".join(sorted(k for k, h in zip(keys, hits, strict=True) if h)))
         if path is not None:
