@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Final
 
@@ -258,13 +258,7 @@ class Excluded:
                 new, draws = self._replace(int(pos[j]), int(base.source[j]))
                 notes[j] = {"excluded": int(ids[j]), "draws": draws}
                 ids[j] = new
-        return Origins(
-            names=base.names,
-            datasets=base.datasets,
-            source=base.source,
-            ids=ids,
-            notes=tuple(notes),
-        )
+        return replace(base, ids=ids, notes=tuple(notes))
 
     def sample_ids(self, positions: IntArray) -> IntArray:
         pos = np.asarray(positions)

@@ -508,12 +508,8 @@ def _check_ragged(
 ) -> tuple[str, ...]:
     names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
     for name in names:
-        kind = schema.field(name).type if name in schema.names else None
-        if (
-            name not in columns
-            or kind is None
-            or not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
-        ):
+        kind = schema.field(name).type if name in columns else None  # columns: in the schema
+        if kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
             raise ConfigError(
                 f"ragged names {name!r}, which is not a selected list column; "
                 f"selected columns: {list(columns)}"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import mmap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -55,11 +55,7 @@ class TextPolicy:
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON of the policy (part of the dataset's identity and the index key)."""
-        return {
-            "field": self.field,
-            "empty": self.empty,
-            "max_document_tokens": self.max_document_tokens,
-        }
+        return asdict(self)
 
 
 def check_policy(field: object, empty: object, max_document_tokens: object) -> TextPolicy:
