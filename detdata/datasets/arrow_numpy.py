@@ -12,7 +12,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
 from detdata.base.types import IntArray
-from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype, object_array
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -120,10 +120,7 @@ def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[An
 
 def copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
-    out = np.empty(len(column), dtype=object)
-    for i, row in enumerate(column.tolist()):
-        out[i] = row.copy()
-    return out
+    return object_array([row.copy() for row in column.tolist()])
 
 
 def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:

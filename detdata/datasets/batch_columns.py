@@ -95,7 +95,7 @@ def restack(
     or differ in dtype (numpy would upcast silently) or shape."""
     texts = [v is None or isinstance(v, (str, bytes)) for v in values]
     if all(texts):
-        return _objects(values)
+        return object_array(values)
     if any(texts):
         i = texts.index(not texts[0])
         raise ConfigError(
@@ -113,7 +113,7 @@ def restack(
                 "cast in the transform, e.g. np.asarray(value, dtype=np.int64)"
             )
     if ragged and all(a.ndim == 1 for a in arrays):
-        return _objects(arrays)
+        return object_array(arrays)
     for i, arr in enumerate(arrays):
         if arr.shape != first.shape:
             raise ConfigError(
@@ -125,7 +125,8 @@ def restack(
     return np.stack(arrays)
 
 
-def _objects(values: Sequence[Any]) -> Array:
+def object_array(values: Sequence[Any]) -> Array:
+    """A 1-D object array of ``values``, filled element by element."""
     out = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):  # element by element: numpy would broadcast equal-length arrays
         out[i] = v

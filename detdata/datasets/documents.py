@@ -415,12 +415,7 @@ class Documents(CorpusBase):
         return self._token_view(unit)
 
     def _copy_unit(
-        self,
-        u: int,
-        local: IntArray,
-        count: IntArray,
-        target: IntArray,
-        out: np.ndarray[Any, Any],
+        self, u: int, local: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
         unit = self.units[u]
         if unit.kind != "table":
@@ -471,10 +466,7 @@ class Documents(CorpusBase):
             view: np.ndarray[Any, Any] = np.empty(0, dtype=disk_dtype(unit.dtype))
             return view
         view = np.frombuffer(
-            mapping,
-            dtype=disk_dtype(unit.dtype),
-            count=unit.tokens,
-            offset=entry.data_offset or 0,
+            mapping, dtype=disk_dtype(unit.dtype), count=unit.tokens, offset=entry.data_offset or 0
         )
         view.flags.writeable = False
         files.keep(unit.shard, _MappedTokens(view, mapping, path))

@@ -71,11 +71,7 @@ class ExclusionList:
         return cls(tuple(sorted(parsed, key=lambda e: (e[0] is not None, e[0] or "", e[1]))))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            K_KIND: KIND,
-            K_VERSION: LIST_VERSION,
-            K_ENTRIES: [[s, i] for s, i in self.entries],
-        }
+        return {K_KIND: KIND, K_VERSION: LIST_VERSION, K_ENTRIES: [[s, i] for s, i in self.entries]}
 
     @property
     def digest(self) -> str:
