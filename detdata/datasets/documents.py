@@ -477,15 +477,10 @@ class Documents(CorpusBase):
 
     def _read_group(self, shard: int, group: int) -> pa.ListArray:
         """Row group / record batch ``group`` of the token column of ``shard`` (one chunk)."""
-        entry = self.manifest.shards[shard]
-        if entry.format is Format.PARQUET:
-            table = self._table_reader(shard).read_row_group(group, columns=[self.column])
-            column = table.column(self.column).combine_chunks()
-        else:
-            column = self._arrow_batches(shard)[group]
-        if isinstance(column, pa.ChunkedArray):  # pragma: no cover - combined above
-            column = column.combine_chunks()
-        return column
+        if self.manifest.shards[shard].format is not Format.PARQUET:
+            return self._arrow_batches(shard)[group]
+        table = self._table_reader(shard).read_row_group(group, columns=[self.column])
+        return table.column(self.column).combine_chunks()
 
     def _arrow_batches(self, shard: int) -> list[Any]:
         reader = self._table_reader(shard)
