@@ -1,48 +1,25 @@
 """The fast form of a manifest: fixed-width columns in one memory-mapped file.
 
-Contract: docs/design.md section 8 ("Start-up at scale").
-
-A manifest's JSON is its readable form and defines its id; parsing it costs every
-rank O(shards) CPU and memory. `Manifest.save` (and `Registry.register`) also write
-this form next to the JSON (``<file>.columns``); `Manifest.load` maps it instead of
-parsing the JSON whenever it is there and tied to the JSON (below), with no step for
-the user. Opening it reads a header and a small table of chunk digests, whatever the
-number of shards; entries are materialised when used (`ShardTable`).
+Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
+verification, receipts"). `Manifest.save` and `Registry.register` write it next to the
+JSON (``<file>.columns``); `Manifest.load` maps it whenever it is tied to the JSON.
 
 Layout (little-endian)::
 
     magic "DDMCOLS1"  u64 header length  header (canonical JSON)  blake3(header) (32 bytes)
     chunk digest table (32 bytes per CHUNK bytes of data, blake3)      data sections
 
-The header names the manifest id, shard count, totals, metadata, the distinct
-formats / dtypes / schemas, each section's (offset, length, dtype) in the data and
-the blake3 of the chunk digest table. Sections: ``bytes``, ``num_samples``,
-``sample_starts`` (cumulative, ``count + 1``), ``data_offset`` (-1: none), ``format``,
-``dtype``, ``schema`` (indices into the header's lists, -1: none),
-``path_block_ends`` / ``path_blocks`` (the paths, 256 to a compressed block:
-`detdata.identity.path_blocks`; version 1, still read, stored ``path_ends`` / ``paths``,
-a plain UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each), ``row_group_ends`` /
-``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
+Sections: ``bytes``, ``num_samples``, ``sample_starts`` (cumulative, ``count + 1``),
+``data_offset`` (-1: none), ``format``, ``dtype``, ``schema`` (indices into the
+header's lists, -1: none), ``path_block_ends`` / ``path_blocks`` (`detdata.identity.path_blocks`;
+version 1 stored ``path_ends`` / ``paths``, a plain UTF-8 blob), ``blake3`` / ``quick``
+(32 raw bytes each), ``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none,
+at ``-e - 1``). The file is replaced atomically, never rewritten in place.
 
-The file is replaced atomically (`Manifest.save`, the registry), never rewritten in
-place: a mapping keeps the file it mapped. (Truncating a mapped file in place would
-fault the reading process, as for any mapped file.)
-
-Checks: the header is checked against its digest and the chunk table against the
-header at open (O(1) in the shards: a 1M-shard manifest has ~2,000 chunks); every
-data chunk is checked against its digest the first time any byte of it is used, so a
-rank touches and hashes only the chunks it uses. A mismatch is a `ManifestError`
-naming the file and the chunk. Every materialised entry passes the JSON loader's
-field checks (`ShardEntry.from_json`: a path never escapes the root).
-
-What ties the columns to the JSON, per rank at open (O(1)): the JSON file has the size
-the header recorded, and its claimed id and metadata (read from the head of the file,
-before its shard list: `read_json_head`) are the header's. Otherwise the JSON is
-parsed as before. What ties them in full, once per job: the job's verifier hashes the
-JSON file against the header's ``json_digest`` (`detdata.identity.columns_tie.check_json`)
-and re-computes the manifest id from the columns' entries (`verify_columns_id`), before
-any rank reads a shard with verification on; the verification receipt records it
-(`detdata.identity.receipts`).
+Checks: the header and chunk table at open (O(1) in the shards); each data chunk the
+first time any byte of it is used (a `ManifestError` naming the file and chunk); every
+entry by the JSON loader's field checks. The tie to the JSON at open: its size and head
+(`read_json_head`) match the header; in full, once per job, `detdata.identity.columns_tie`.
 """
 
 from __future__ import annotations
@@ -90,7 +67,6 @@ def columns_path(json_path: str) -> str:
     return json_path + SUFFIX
 
 
-# --------------------------------------------------------------------------- writing
 def encode_columns(
     shards: Sequence[ShardEntry], metadata: Mapping[str, Any], manifest_id: str, json_doc: bytes
 ) -> bytes:
@@ -185,16 +161,12 @@ def encode_columns(
     )
 
 
-# --------------------------------------------------------------------------- reading
 class ColumnsFile:
     """A fast-form file; every data chunk is checked against its digest on first use.
 
-    Reads go through ``pread`` on a descriptor held open (the inode opened stays the one
-    read, as a mapping's would): a rank's scattered lookups (`items`) cost a few small
-    reads and no resident pages. A page-cache fault maps a whole folio (64 KiB or more
-    here) into the process, so a few hundred mapped lookups alone were ~13 MB of a 1M-shard
-    rank's RSS. Only `array` (a whole section: the verifier, an index build) maps the file,
-    on first use."""
+    Reads go through ``pread`` on a descriptor held open: scattered lookups (`items`)
+    cost no resident pages (a mapped fault pulls a whole folio). Only `array` (a whole
+    section) maps the file, on first use."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -272,12 +244,9 @@ class ColumnsFile:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def vouch(self, files: Sequence[Any] | None) -> bool:
-        """Trust this file's bytes without hashing them: ``files`` is what a verification
-        of this job checked in full (`detdata.identity.receipts`: ``[header digest, the
-        columns file's identity, the JSON's]``, taken before its reads), and the file this
-        object opened has that header and that identity (same inode, size and times: not
-        replaced or rewritten since). Reads then take only the bytes asked for. False (and
-        chunks checked on use as before) otherwise."""
+        """Trust this file's bytes without hashing them where ``files`` (what this job's
+        verification checked in full: ``[header digest, columns identity, JSON identity]``,
+        `detdata.identity.receipts`) names this very file; return whether it is trusted."""
         if (
             files is not None
             and len(files) == 3
@@ -288,11 +257,9 @@ class ColumnsFile:
         return self._vouched
 
     def _read_checked(self, start: int, stop: int) -> bytes:
-        """Data bytes ``[start, stop)``, every chunk covering them checked (each once: a
-        chunk not yet checked is read whole and hashed, the bytes asked for cut from it;
-        none once the file is vouched for). A chunk read whole that reaches past ``stop``
-        is kept (the last `_KEPT` of them): a scan in pieces (the verifier's) reads each
-        byte once."""
+        """Data bytes ``[start, stop)``, every chunk covering them checked once (none once
+        vouched for). The last `_KEPT` chunks read whole past ``stop`` are kept, so a scan
+        in pieces reads each byte once."""
         if self._vouched:
             return self._pread(self._data_at + start, stop - start)
         first, last = start // CHUNK, max(start, stop - 1) // CHUNK
@@ -323,9 +290,8 @@ class ColumnsFile:
         return c
 
     def _read_unchecked(self, c: int, run: int, at: int, stop: int, parts: list[bytes]) -> int:
-        """Read chunks ``c..run`` whole, check each, append the bytes from ``at`` (up to
-        ``stop``) to ``parts``; returns where they end. The last chunk is kept when it
-        reaches past ``stop``."""
+        """Read chunks ``c..run`` whole, check each, append the bytes ``[at, stop)`` of them
+        to ``parts``; returns where they end."""
         lo = c * CHUNK
         hi: int = min((run + 1) * CHUNK, self.header["data_bytes"])
         data = self._pread(self._data_at + lo, hi - lo)
@@ -398,12 +364,9 @@ class ColumnsFile:
 
 
 class ShardTable(Sequence["ShardEntry"]):
-    """A manifest's shards, backed by a `ColumnsFile`: entries are built when used.
-
-    Indexing builds (and keeps, up to a bound) one `ShardEntry`, checked as the JSON
-    loader checks one; a slice gives a tuple; iterating builds every entry. Equal to
-    any sequence of the same entries. Pickled as its file path and header digest (a
-    process that unpickles it maps the file again and refuses another file).
+    """A manifest's shards, backed by a `ColumnsFile`: entries are built (and checked as
+    the JSON loader checks one) when used. Equal to any sequence of the same entries.
+    Pickled as its file path and header digest (another file is refused on unpickling).
     """
 
     def __init__(self, columns: ColumnsFile, json_path: str | None = None) -> None:
@@ -432,9 +395,7 @@ class ShardTable(Sequence["ShardEntry"]):
         return self.entry(i)
 
     def __iter__(self) -> Iterator[ShardEntry]:
-        """Every entry, decoded `_ITER_PIECE` at a time (`entries_between`: the same checks
-        as `entry`), none kept: saving or iterating a 1M-shard table is a bulk decode, not a
-        million single lookups."""
+        """Every entry, decoded in bulk `_ITER_PIECE` at a time, none kept."""
         for lo in range(0, len(self), _ITER_PIECE):
             yield from self.entries_between(lo, min(len(self), lo + _ITER_PIECE))
 
@@ -443,15 +404,15 @@ class ShardTable(Sequence["ShardEntry"]):
         hit = self._cache.get(i)
         if hit is not None:
             return hit
-        entry = self._build(i)
+        (entry,) = self.entries_between(i, i + 1)
         if len(self._cache) >= _ENTRY_CACHE:
             self._cache.clear()
         self._cache[i] = entry
         return entry
 
     def path(self, i: int) -> str:
-        """Shard ``i``'s relative path, checked as an entry's is (``check_relative_path``),
-        decoding only the path columns (a built entry's path when there is one)."""
+        """Shard ``i``'s relative path, checked as an entry's is, decoding only the path
+        columns."""
         found = self._paths.get(i)
         if found is not None:
             return found
@@ -466,10 +427,6 @@ class ShardTable(Sequence["ShardEntry"]):
             self._paths.clear()
         self._paths[i] = path
         return path
-
-    def _build(self, i: int) -> ShardEntry:
-        (entry,) = self.entries_between(i, i + 1)
-        return entry
 
     def paths_between(self, lo: int, hi: int) -> list[str]:
         """The relative paths of shards ``[lo, hi)`` decoded in bulk (UTF-8 and bounds
@@ -497,11 +454,6 @@ class ShardTable(Sequence["ShardEntry"]):
             out += decode_block(raw, count, c.header["path_block_raw"], c._error, b)
         self._block = (last, out[(last - first) * PATH_BLOCK :])
         return out[lo - first * PATH_BLOCK : hi - first * PATH_BLOCK]
-
-    def all_paths(self) -> list[str]:
-        """Every shard's relative path (`paths_between` over all: O(shards), what a
-        verifier takes identities of)."""
-        return self.paths_between(0, len(self))
 
     def entries_between(self, lo: int, hi: int) -> list[ShardEntry]:
         """Shards ``[lo, hi)`` decoded in bulk from their checked chunks, each checked as
@@ -543,10 +495,8 @@ class ShardTable(Sequence["ShardEntry"]):
         return out
 
     def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
-        (checked chunks, then checked as a whole: ends from 0, non-decreasing, to the
-        end of ``row_groups``; sizes non-negative, as `ShardEntry.from_json` requires);
-        O(shards) in numpy, no entry built."""
+        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns,
+        checked as a whole as `ShardEntry.from_json` checks one; no entry built."""
         c = self.columns
         ends = c.array("row_group_ends")
         sizes = c.array("row_groups")
@@ -660,16 +610,14 @@ def _reopen(path: str, header_digest: str, json_path: str | None) -> ShardTable:
     return ShardTable(columns, json_path)
 
 
-# ----------------------------------------------------------------------- the JSON tie
 #: how a JSON written by `Manifest.save` introduces its shard list (sorted keys, indent=1)
 _SHARDS_KEY: Final = b'\n "shards": ['
 _HEAD_LIMIT: Final = 1 << 20
 
 
 def read_json_head(path: str) -> dict[str, Any] | None:
-    """The top-level fields before ``"shards"`` of a manifest JSON written by `save`
-    (id, kind, version, metadata, root), read from the file's head only; None when the
-    file is not laid out that way within its first MiB (then it is parsed whole)."""
+    """The top-level fields before ``"shards"`` of a manifest JSON written by `save`, read
+    from the file's head only; None when not laid out that way within its first MiB."""
     head = b""
     step = 1 << 10  # the fields before "shards" are a few hundred bytes unless metadata is big
     with open(path, "rb", buffering=0) as fh:  # unbuffered: no 8 KiB read-ahead per rank

@@ -1,31 +1,15 @@
 """Verifying shard bytes against a manifest's entries (docs/design.md section 1).
 
-``quick`` compares each shard's size and quick digest, ``full`` also re-hashes
-every byte against its blake3, ``off`` reads nothing. Every shard is checked;
-the `VerificationError` raised names the first bad one in path order, with its
-``shard``, ``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``),
-``expected`` and ``found`` values.
+``quick`` compares each shard's size and quick digest, ``full`` also re-hashes every
+byte against its blake3, ``off`` reads nothing. Every shard is checked; the
+`VerificationError` raised names the first bad one in path order, with its ``shard``,
+``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``), ``expected`` and ``found``.
 
-Each checked byte is read once:
-
-* A *small* shard (at most ``2 * QUICK_SPAN`` bytes, so its first and last MiB
-  cover every byte) is read whole, once, and hashed once with blake3, which is
-  compared with the entry's full hash: equal full hashes (and sizes) mean equal
-  quick digests, so a small shard's quick check is as strong as a full one and
-  costs one read. The quick digest is computed only to report a mismatch.
-* A larger shard: its first and last MiB (quick), then (``full``) every byte.
-
-Local shards are read with plain ``pread`` calls (one open, no size request:
-``fstat``) in ``threads`` threads. Remote shards are read in concurrent batches
-of range requests (`read_ranges_upto`, up to the file system's ``batch_size``
-in flight, ``BATCH_BYTES`` per batch): one request per small shard and two per
-large one, each asking for one byte past the expected end, so a size change
-shows without a size request; an error or a size change is then looked into
-with the per-shard, retried path (`check_bytes`) to report exact values.
-
-A `Manifest` records the strongest level it was verified at and the root it
-was verified under (`Manifest.verify` skips a check already done at that
-level or a stronger one, on the same root); `Manifest.with_root` starts over.
+Each checked byte is read once (docs/design.md, "Verification reads each checked byte
+once"): a shard of at most `SMALL_SHARD` bytes is read and hashed whole. Remote shards
+are read in concurrent batches of range requests, each one byte past the expected end
+so that a size change shows; an error or size change is looked into per shard, retried
+(`check_bytes`), to report exact values.
 """
 
 from __future__ import annotations
@@ -92,10 +76,8 @@ def verify_manifest(
             raise err
 
 
-# ------------------------------------------------------------------------ local
 def _check_root_exists(root: str, manifest: ShardList, shown: str) -> None:
-    """A `VerificationError` (field ``exists``) naming a local root that is not a folder:
-    every shard is missing then, and the next step is another root, not another file."""
+    """A `VerificationError` (field ``exists``) naming a local root that is not a folder."""
     if manifest.shards and not os.path.isdir(root):
         first = manifest.shards[0]
         raise VerificationError(
@@ -147,12 +129,8 @@ def _pread_all(fd: int, count: int, offset: int = 0) -> bytes:
 
 
 def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError | None:
-    """Check a small shard (at most `SMALL_SHARD` bytes) from all of its bytes, hashed once.
-
-    The full blake3 is compared; equal means the quick digest (a function of the
-    same bytes) is equal too. On a difference, the quick digest is computed to
-    report the field the entry's own checks would name first (``quick``).
-    """
+    """Check a small shard (at most `SMALL_SHARD` bytes) from all of its bytes, hashed once
+    (equal blake3 implies equal quick digest; a difference reports ``quick`` first)."""
     if len(data) != shard.bytes:
         return mismatch(shard, "bytes", len(data), where)
     found_full = digest_bytes(data)
@@ -165,7 +143,6 @@ def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError
     return mismatch(shard, "blake3", found_full, where)
 
 
-# ----------------------------------------------------------------------- remote
 def _verify_remote(
     fs: Any,
     root: str,
@@ -181,21 +158,16 @@ def _verify_remote(
     again: list[int] = []  # shards to look into with the per-shard path
     full_after: list[int] = []  # large shards whose quick check passed, in FULL mode
     for batch in _batches(shards):
-        paths: list[str] = []
-        starts: list[int] = []
-        ends: list[int] = []
-        names: list[str] = []
-        urls: list[str] = []
-        for i in batch:
-            s = shards[i]
-            for start, end in _ranges(s):
-                paths.append(join(root, s.path))
-                starts.append(start)
-                ends.append(end)
-                names.append(s.path)
-                urls.append(manifest.url(s))
+        asks = [(shards[i], span) for i in batch for span in _ranges(shards[i])]
         blobs = read_ranges_upto(
-            fs, paths, starts, ends, policy=policy, shards=names, urls=urls, what="verifying"
+            fs,
+            [join(root, s.path) for s, _ in asks],
+            [span[0] for _, span in asks],
+            [span[1] for _, span in asks],
+            policy=policy,
+            shards=[s.path for s, _ in asks],
+            urls=[manifest.url(s) for s, _ in asks],
+            what="verifying",
         )
         at = 0
         for i in batch:
@@ -268,11 +240,8 @@ def _ranges(shard: ShardEntry) -> list[tuple[int, int]]:
 def _judge(
     shard: ShardEntry, got: list[bytes | BaseException], where: str
 ) -> VerificationError | str | None:
-    """A verdict from the bytes read: None (good), an error, ``"again"`` or ``"full"``.
-
-    ``"again"``: an error or a size change, to be looked into per shard (exact
-    size, missing file). ``"full"``: a large shard whose quick check passed.
-    """
+    """A verdict from the bytes read: None (good), an error, ``"again"`` (an error or a size
+    change: look into it per shard) or ``"full"`` (a large shard whose quick check passed)."""
     if not got or any(isinstance(g, BaseException) for g in got):
         return "again"
     blobs = [g for g in got if isinstance(g, bytes)]
@@ -319,11 +288,8 @@ def check_bytes(
     quick: Callable[[int], str],
     full: Callable[[int], str],
 ) -> VerificationError | None:
-    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None.
-
-    ``size()`` raising `FileNotFoundError` means the shard is missing; ``quick`` and
-    ``full`` are called with the size found, only when every earlier field matched.
-    """
+    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or
+    None. ``size()`` raising `FileNotFoundError` means the shard is missing."""
     try:
         found_size = size()
     except FileNotFoundError:
