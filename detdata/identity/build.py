@@ -9,6 +9,7 @@ build. Partial manifests built on different machines and merged: `detdata.identi
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import re
@@ -116,18 +117,10 @@ def hash_entries(
                 f"executor must be a concurrent.futures.Executor, got {type(executor).__name__}; "
                 "hint: a Dask client gives one with client.get_executor()"
             )
-        n = len(rels)
-        entries = list(
-            executor.map(
-                hash_entry,
-                [root] * n,
-                list(rels),
-                [format] * n,
-                [dtype] * n,
-                [policy] * n,
-                [options] * n,
-            )
+        task = functools.partial(
+            hash_entry, root, format=format, dtype=dtype, retry=policy, storage_options=options
         )
+        entries = list(executor.map(task, list(rels)))
         _check_returned(entries, rels)
         return entries
     fs, rootpath = filesystem(root, **options)

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, cast, overload
+from typing import Any, Final, overload
 
 import blake3
 import numpy as np
@@ -59,12 +59,22 @@ _ITER_PIECE: Final = 1 << 12
 #: checked chunks kept after a read that stopped inside them (1 MiB at most)
 _KEPT: Final = 16
 
-_INT_SECTIONS: Final = ("bytes", "num_samples", "data_offset")
-
 
 def columns_path(json_path: str) -> str:
     """Where the fast form of the manifest file ``json_path`` lives."""
     return json_path + SUFFIX
+
+
+def string_codes(
+    values: Sequence[str | None], dtype: type[np.integer[Any]]
+) -> tuple[list[str], np.ndarray[Any, Any]]:
+    """``(distinct, codes)``: the distinct non-None ``values``, sorted, and each value's
+    index into them (-1: None) as a ``dtype`` array."""
+    distinct = sorted({v for v in values if v is not None})
+    index = {v: i for i, v in enumerate(distinct)}
+    return distinct, np.fromiter(
+        (-1 if v is None else index[v] for v in values), dtype, len(values)
+    )
 
 
 def encode_columns(
@@ -75,12 +85,9 @@ def encode_columns(
     if not isinstance(shards, (tuple, list)):  # a `ShardTable`: decoded once, not per column
         shards = list(shards)
     n = len(shards)
-    formats = sorted({s.format.value for s in shards})
-    dtypes = sorted({s.dtype for s in shards if s.dtype is not None})
-    schemas = sorted({s.schema for s in shards if s.schema is not None})
-    fmt_of = {f: i for i, f in enumerate(formats)}
-    dt_of = {d: i for i, d in enumerate(dtypes)}
-    sc_of = {s: i for i, s in enumerate(schemas)}
+    formats, format_codes = string_codes([s.format.value for s in shards], np.uint8)
+    dtypes, dtype_codes = string_codes([s.dtype for s in shards], np.int16)
+    schemas, schema_codes = string_codes([s.schema for s in shards], np.int32)
     counts = np.fromiter((s.num_samples for s in shards), np.int64, n)
     blocks, block_ends, largest = encode_paths([s.path.encode("utf-8") for s in shards])
     groups = [s.row_groups for s in shards]
@@ -98,13 +105,9 @@ def encode_columns(
         "data_offset": np.fromiter(
             (-1 if s.data_offset is None else s.data_offset for s in shards), np.int64, n
         ),
-        "format": np.fromiter((fmt_of[s.format.value] for s in shards), np.uint8, n),
-        "dtype": np.fromiter(
-            (-1 if s.dtype is None else dt_of[s.dtype] for s in shards), np.int16, n
-        ),
-        "schema": np.fromiter(
-            (-1 if s.schema is None else sc_of[s.schema] for s in shards), np.int32, n
-        ),
+        "format": format_codes,
+        "dtype": dtype_codes,
+        "schema": schema_codes,
         "path_block_ends": block_ends,
         "path_blocks": np.frombuffer(blocks, dtype=np.uint8),
         "blake3": np.frombuffer(
@@ -318,25 +321,22 @@ class ColumnsFile:
                 self._buf = memoryview(self._map)
             return self._buf
 
-    def _view(self, name: str) -> np.ndarray[Any, Any]:
-        view = self._arrays.get(name)
-        if view is None:
-            offset, length, dtype = self.header["sections"][name]
-            at = self._data_at + offset
-            view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
-            self._arrays[name] = view
-        return view
-
     def array(self, name: str) -> np.ndarray[Any, Any]:
         """All of section ``name`` (every chunk of it checked): a read-only mapped view."""
-        offset, length, _ = self.header["sections"][name]
-        if not self._vouched and name not in self._arrays:
+        view = self._arrays.get(name)
+        if view is not None:
+            return view
+        offset, length, dtype = self.header["sections"][name]
+        if not self._vouched:
             for at in range(offset, offset + length, 1 << 24):  # checked 16 MiB at a time
                 stop = min(offset + length, at + (1 << 24))
                 first, last = at // CHUNK, max(at, stop - 1) // CHUNK
                 if not all(self._checked[first : last + 1]):
                     self._read_checked(at, stop)
-        return self._view(name)
+        at = self._data_at + offset
+        view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
+        self._arrays[name] = view
+        return view
 
     def items(self, name: str, lo: int, hi: int) -> np.ndarray[Any, Any]:
         """Elements ``[lo, hi)`` of section ``name`` (their chunks checked): a read-only
@@ -511,14 +511,6 @@ class ShardTable(Sequence["ShardEntry"]):
         counts = steps.astype(np.int64)
         counts[ends[1:] < 0] = -1
         return counts, np.asarray(sizes, dtype=np.int64)
-
-    def num_samples(self) -> npt.NDArray[np.int64]:
-        """Samples per shard (a checked, read-only view of the mapped column)."""
-        return cast(npt.NDArray[np.int64], self.columns.array("num_samples"))
-
-    def sizes(self) -> npt.NDArray[np.int64]:
-        """Bytes per shard (a checked, read-only view of the mapped column)."""
-        return cast(npt.NDArray[np.int64], self.columns.array("bytes"))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ShardTable) and other.columns.header_digest == (

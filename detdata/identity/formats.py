@@ -19,6 +19,7 @@ magic ``b"MMIDIDX\\x00\\x00"``, ``u64`` version (1), ``u8`` dtype code
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import json
@@ -55,11 +56,7 @@ TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
 JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd", "jsonl+bz2", "jsonl+xz")
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
-    ".jsonl": Format.JSONL,
-    ".jsonl.gz": Format.JSONL,
-    ".jsonl.zst": Format.JSONL,
-    ".jsonl.bz2": Format.JSONL,
-    ".jsonl.xz": Format.JSONL,
+    **dict.fromkeys((".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz"), Format.JSONL),
     ".npy": Format.NPY,
     ".bin": Format.BIN,
     ".parquet": Format.PARQUET,
@@ -125,14 +122,9 @@ def parse_megatron_header(head: bytes, *, rel: str) -> MegatronHeader:
     return MegatronHeader(dtype=name, sequences=sequences, document_index=document_index)
 
 
-def read_megatron_header(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> MegatronHeader:
-    """The header of the ``.idx`` at ``path`` (one small read)."""
-    with fs.open(path, "rb") as fh:
-        return parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
-
-
 def _inspect_megatron(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> ShardLayout:
-    header = read_megatron_header(fs, path, rel=rel)
+    with fs.open(path, "rb") as fh:
+        header = parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
     if size != header.nbytes:
         multimodal = size == header.nbytes + header.sequences
         raise FormatError(
@@ -437,18 +429,14 @@ def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
         kind = None
         if head[:6] == b"\x93NUMPY":
             fh.seek(0)
-            try:
+            with contextlib.suppress(ValueError):
                 _read_npy_header(fh)
                 kind = "npy"
-            except ValueError:
-                kind = None
         elif head[:8] == MEGATRON_MAGIC[:8]:
             fh.seek(0)
-            try:
+            with contextlib.suppress(FormatError):
                 parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
                 kind = "megatron_idx"
-            except FormatError:
-                kind = None
         elif size >= 12 and head[:6] == _ARROW_MAGIC:
             fh.seek(size - 6)
             kind = "arrow" if fh.read(6) == _ARROW_MAGIC else None

@@ -31,15 +31,9 @@ from detdata.identity.columns import (
     columns_path,
     encode_columns,
     read_json_head,
+    string_codes,
 )
-from detdata.identity.entry import (
-    FORMAT_VERSION,
-    KIND,
-    STRENGTH,
-    ShardEntry,
-    Verify,
-    parse_verify,
-)
+from detdata.identity.entry import FORMAT_VERSION, KIND, STRENGTH, ShardEntry, Verify, parse_verify
 from detdata.identity.formats import Format
 from detdata.identity.manifest_id import manifest_id
 from detdata.identity.node_copy import NodeSource, local_path, node_source
@@ -171,11 +165,8 @@ class Manifest:
             else:
                 raw = [getattr(s, field) for s in self.shards]
                 names = [v.value if isinstance(v, Format) else v for v in raw]
-                values = tuple(sorted({v for v in names if v is not None}))
-                index = {v: i for i, v in enumerate(values)}
-                codes = np.fromiter(
-                    (-1 if v is None else index[v] for v in names), np.int64, len(names)
-                )
+                distinct, codes = string_codes(names, np.int64)
+                values = tuple(distinct)
             codes.flags.writeable = False
             found = (values, codes)
             self.__dict__[key] = found

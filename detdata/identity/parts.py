@@ -64,13 +64,8 @@ class ManifestPart:
         root = None if self.root is None else redact_url(self.root)
         return f"ManifestPart(shards={len(self.shards)}{where}, root={root!r})"
 
-    @property
-    def name(self) -> str:
-        """How messages name this part."""
-        return f"part {self.index}/{self.count}" if self.index is not None else "a part"
-
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
+        return {
             "kind": PART_KIND,
             "format_version": PART_VERSION,
             "manifest_format_version": FORMAT_VERSION,
@@ -81,7 +76,6 @@ class ManifestPart:
             if self.index is None
             else {"index": self.index, "count": self.count, "listing": self.listing},
         }
-        return doc
 
     def save(self, path: str, **storage_options: Any) -> None:
         """Write the part as JSON (atomically on local disk)."""
@@ -284,7 +278,8 @@ def _overlap(entry: ShardEntry, seen: tuple[int, ShardEntry], i: int, items: lis
 
 def _label(items: list[ManifestPart], i: int) -> str:
     """A part's name in messages: its index of a split, else its place among the inputs."""
-    return items[i].name if items[i].index is not None else f"input #{i + 1}"
+    part = items[i]
+    return f"part {part.index}/{part.count}" if part.index is not None else f"input #{i + 1}"
 
 
 def _check_same_metadata(items: list[ManifestPart]) -> None:

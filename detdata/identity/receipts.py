@@ -43,20 +43,10 @@ from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
-from detdata.identity.local_ids import (
-    FIELDS,
-    LocalIds,
-    checked_paths,
-)
-from detdata.identity.local_ids import (
-    RACY_S as RACY_S,
-)
-from detdata.identity.local_ids import (
-    identity_digests as identity_digests,
-)
-from detdata.identity.local_ids import (
-    local_identities as local_identities,
-)
+from detdata.identity.local_ids import FIELDS, LocalIds, checked_paths
+from detdata.identity.local_ids import RACY_S as RACY_S
+from detdata.identity.local_ids import identity_digests as identity_digests
+from detdata.identity.local_ids import local_identities as local_identities
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.shared_pass import entries_at, settle, slice_check
@@ -117,12 +107,6 @@ def verify_job(
     Ranks meet through the group's key-value store, never a collective: a rank opening
     what the others do not claims it and does it alone; a rank that finds the work
     claimed waits for the claimant's verdict however long it takes."""
-    args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
-    # the n-th call of every rank meets the others' n-th
-    store, leader, key = job_meeting(manifest, level.value, counted=True)
-    if store is None:
-        _vouch(manifest, verify_with_receipt(*args))
-        return
     check = functools.partial(
         _verify_entries,
         manifest,
@@ -132,6 +116,12 @@ def verify_job(
         retry=retry,
         storage_options=storage_options,
     )
+    args = (manifest, level, check, threads, storage_options, use_receipt)
+    # the n-th call of every rank meets the others' n-th
+    store, leader, key = job_meeting(manifest, level.value, counted=True)
+    if store is None:
+        _vouch(manifest, verify_with_receipt(*args))
+        return
     rank, ranks = _rank_world()
     if leader:
         verdict: BaseException | None = DetdataError(
@@ -230,15 +220,14 @@ def root_key(root: str, local: bool) -> list[Any]:
 def verify_with_receipt(
     manifest: ShardList,
     level: Verify,
+    check: Check,
     threads: int,
-    progress: bool | None,
-    retry: RetryPolicy | None,
     storage_options: dict[str, Any],
     use_receipt: bool = True,
     split: Split | None = None,
     ranks: int = 1,
 ) -> list[Any] | None:
-    """Verify the shards whose identity changed since the receipt (all without one, or
+    """``check`` the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
     receipt. Returns `_columns_identity` (taken before the check). ``split``: checks the
     plan's shards shared with the job's ``ranks`` (`detdata.identity.shared`)."""
@@ -256,15 +245,6 @@ def verify_with_receipt(
         )
         if not tie:  # the very file the receipt's full check read: read without its chunks
             _vouch(manifest, columns)
-        check = functools.partial(
-            _verify_entries,
-            manifest,
-            level,
-            threads=threads,
-            progress=progress,
-            retry=retry,
-            storage_options=storage_options,
-        )
         now: LocalIds | list[str | None] | None = None
         local = path is None or is_local_fs(fs)
         if split is not None and local and _reads_all(old, level) and len(manifest.shards):
@@ -348,10 +328,15 @@ def _verify_entries(
     storage_options: dict[str, Any],
 ) -> VerificationError | None:
     """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
-    subset = _Entries(manifest, tuple(entries))
     try:
         verify_manifest(
-            subset, level, threads=threads, progress=progress, retry=retry, **storage_options
+            manifest,
+            level,
+            shards=entries,
+            threads=threads,
+            progress=progress,
+            retry=retry,
+            **storage_options,
         )
     except VerificationError as exc:
         return exc
@@ -359,25 +344,6 @@ def _verify_entries(
 
 
 Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entries:
-    """Some entries of a manifest (in path order), verified as one: a `ShardList`."""
-
-    whole: ShardList
-    shards: tuple[ShardEntry, ...]
-
-    @property
-    def id(self) -> str:
-        return self.whole.id
-
-    @property
-    def root(self) -> str | None:
-        return self.whole.root
-
-    def url(self, shard: ShardEntry) -> str:
-        return self.whole.url(shard)
 
 
 def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:

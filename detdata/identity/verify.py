@@ -46,13 +46,16 @@ def verify_manifest(
     manifest: ShardList,
     mode: str | Verify = Verify.QUICK,
     *,
+    shards: Sequence[ShardEntry] | None = None,
     threads: int = 8,
     progress: bool | None = None,
     retry: RetryPolicy | None = None,
     **storage_options: Any,
 ) -> None:
-    """Check the bytes under ``manifest.root`` (`Manifest.verify`); see the module docstring."""
+    """Check the bytes under ``manifest.root`` of ``shards`` (default: all of them, in path
+    order); see the module docstring."""
     mode = parse_verify(mode)
+    shards = manifest.shards if shards is None else shards
     if mode is Verify.OFF:
         return
     if manifest.root is None:
@@ -61,27 +64,27 @@ def verify_manifest(
     policy = check_policy(retry)
     shown = redact_url(manifest.root)
     if is_local_fs(fs):
-        _check_root_exists(root, manifest, shown)
+        _check_root_exists(root, shards, shown)
         results = map_in_threads(
             lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
-            manifest.shards,
+            shards,
             threads=threads,
             desc="verifying",
             progress=progress,
         )
     else:
-        results = _verify_remote(fs, root, manifest, mode, policy, threads, progress)
+        results = _verify_remote(fs, root, manifest, shards, mode, policy, threads, progress)
     for err in results:
         if err is not None:
             raise err
 
 
-def _check_root_exists(root: str, manifest: ShardList, shown: str) -> None:
+def _check_root_exists(root: str, shards: Sequence[ShardEntry], shown: str) -> None:
     """A `VerificationError` (field ``exists``) naming a local root that is not a folder."""
-    if manifest.shards and not os.path.isdir(root):
-        first = manifest.shards[0]
+    if shards and not os.path.isdir(root):
+        first = shards[0]
         raise VerificationError(
-            f"root {shown!r} does not exist, so all {len(manifest.shards)} shards of the "
+            f"root {shown!r} does not exist, so all {len(shards)} shards of the "
             f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
             "Storage(root=...) or detdata verify --root)",
             shard=first.path,
@@ -147,13 +150,13 @@ def _verify_remote(
     fs: Any,
     root: str,
     manifest: ShardList,
+    shards: Sequence[ShardEntry],
     mode: Verify,
     policy: RetryPolicy,
     threads: int,
     progress: bool | None,
 ) -> list[VerificationError | None]:
     """Batched, concurrent range reads of the checked bytes; odd cases per shard, retried."""
-    shards = manifest.shards
     results: list[VerificationError | None] = [None] * len(shards)
     again: list[int] = []  # shards to look into with the per-shard path
     full_after: list[int] = []  # large shards whose quick check passed, in FULL mode
@@ -188,7 +191,18 @@ def _verify_remote(
         return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
 
     def full_one(i: int) -> VerificationError | None:
-        return _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy)
+        """The blake3 check of a large shard whose size and quick digest matched."""
+        s = shards[i]
+        found = digest_retrying(
+            fs,
+            join(root, s.path),
+            s.bytes,
+            full=True,
+            policy=policy,
+            shard=s.path,
+            url=manifest.url(s),
+        )
+        return mismatch(s, "blake3", found, _where(manifest, s)) if found != s.blake3 else None
 
     for indices, check, desc in (
         (again, again_one, "verifying"),
@@ -199,19 +213,6 @@ def _verify_remote(
             for i, err in zip(indices, found, strict=True):
                 results[i] = err
     return results
-
-
-def _full_remote(
-    fs: Any, path: str, manifest: ShardList, shard: ShardEntry, policy: RetryPolicy
-) -> VerificationError | None:
-    """The blake3 check of a large remote shard whose size and quick digest matched."""
-    url = manifest.url(shard)
-    found = digest_retrying(
-        fs, path, shard.bytes, full=True, policy=policy, shard=shard.path, url=url
-    )
-    if found != shard.blake3:
-        return mismatch(shard, "blake3", found, _where(manifest, shard))
-    return None
 
 
 def _batches(shards: Sequence[ShardEntry]) -> list[list[int]]:
