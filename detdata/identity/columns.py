@@ -182,7 +182,6 @@ class ColumnsFile:
         if size < _HEAD + 32:
             self._closer()
             raise self._error(f"{size} bytes is too short for a header")
-        self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         #: ``[size, mtime_ns, ctime_ns, inode, device]`` of the file opened (before a read),
         #: and the wall time it was taken at
         self.identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]

@@ -19,7 +19,6 @@ optimisation: a missing, stale or forged one means every shard is read.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import email.utils
 import functools
 import hmac
@@ -249,8 +248,9 @@ def verify_with_receipt(
         local = path is None or is_local_fs(fs)
         if split is not None and local and _reads_all(old, level) and len(manifest.shards):
             todo = np.arange(len(manifest.shards), dtype=np.int64)
-            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=path is not None)
-            now = _first_start(manifest, dataclasses.replace(plan, tie=tie), split, root)
+            ids = path is not None
+            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=ids, tie=tie)
+            now = _first_start(manifest, plan, split, root)
         else:
             if path is None:  # receipts disabled: no identities to take, every shard is read
                 todo = np.arange(len(manifest.shards), dtype=np.int64)
