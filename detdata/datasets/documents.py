@@ -2,15 +2,11 @@
 
 Where document boundaries come from, per shard format:
 
-* **Megatron indexed datasets** (a ``P.bin`` ``bin`` shard + its ``P.idx``
-  ``megatron_idx`` shard, `detdata.identity.formats`): document ``d`` is sequences
-  ``[document_index[d], document_index[d + 1])`` of the ``.idx``, i.e. the tokens
-  from the first sequence's pointer to the end of the last sequence in the
-  ``.bin``. The ``.idx`` must describe the ``.bin`` exactly: sequence pointers
-  are consecutive (``pointers[i + 1] = pointers[i] + sizes[i] * itemsize``, as
-  Megatron's writer makes them), the sizes add up to the ``.bin``'s tokens and the
-  document index runs from 0 to the sequence count; anything else is a
-  `FormatError` naming the ``.idx``.
+* **Megatron indexed datasets** (a ``P.bin`` ``bin`` shard + its ``P.idx`` ``megatron_idx``
+  shard): document ``d`` is sequences ``[document_index[d], document_index[d + 1])`` of the
+  ``.idx``, which must describe the ``.bin`` exactly (consecutive pointers:
+  ``pointers[i + 1] = pointers[i] + sizes[i] * itemsize``; sizes adding up to the ``.bin``'s
+  tokens; a document index from 0 to the sequence count), else a `FormatError` naming it.
 * **Token shards** (``npy`` / ``bin`` without a ``.idx``) with ``eod_token``: a
   document ends after each ``eod_token`` (the token belongs to the document it
   ends); tokens after a shard's last ``eod_token`` are one more document.
