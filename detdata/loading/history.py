@@ -1,22 +1,14 @@
 """A run's batch history: which schedule and layout held from which step (the loader state's
-``history``).
+``history``), the checked fields changed at resumes (`Change`), and its seal (`seal`).
 
-Each `Entry` records where a layout began (``position``, possibly inside a step), the step
-``step`` its ``schedule`` is in effect from, and the layout (world size, micro batch). A
-deliberate global-batch change at a resume adds an entry whose schedule takes effect at the
-start of the step the saved position falls in (a step boundary, or inside the step being
-accumulated, which the new batch then completes); a layout change adds an entry at the resume
-position. Entries only ever append, so the steps and positions of everything before a change
-stay as they were. The step <-> position map (`Plan.step_map`) follows the schedules.
-
-Every checked field a resume changes by name (``allow=``) adds a `Change` entry to the same
-history: ``{"field", "position", "step", "old", "new"}`` (the saved position, the step it falls
-in, the field's value before and after). The history is sealed (`seal`): a state whose history
-does not hash to its ``history_b3`` was edited, and is refused naming ``history``.
+Entries only ever append, so the steps and positions of everything before a change stay as
+they were; the step <-> position map (`Plan.step_map`) follows the schedules. The rules:
+docs/design.md, "Batch-size schedules and elastic resume".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Mapping, Sequence
@@ -43,6 +35,17 @@ K_SEAL: Final = "history_b3"
 K_WEIGHTS: Final = "mixture_weights"
 _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
+
+
+def _nonneg(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
+    """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "positive" if minimum else "non-negative"
+        raise StateError(
+            f"{where}.{key} must be a {kind} integer, found {value!r}", fields=(K_HISTORY,)
+        )
+    return value
 
 
 def seal(history: object) -> str:
@@ -79,17 +82,10 @@ class Change:
                 f"a field name, found {doc!r:.120}",
                 fields=(K_HISTORY,),
             )
-        for key in (K_POSITION, K_STEP):
-            value = doc[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateError(
-                    f"{where}.{key} must be a non-negative integer, found {value!r}",
-                    fields=(K_HISTORY,),
-                )
         return cls(
             field=doc[K_FIELD],
-            position=doc[K_POSITION],
-            step=doc[K_STEP],
+            position=_nonneg(doc, K_POSITION, where),
+            step=_nonneg(doc, K_STEP, where),
             old=doc[K_OLD],
             new=doc[K_NEW],
         )
@@ -128,30 +124,20 @@ class Entry:
                 f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}",
                 fields=(K_HISTORY,),
             )
-        ints: dict[str, int | None] = {}
-        for key in (K_POSITION, K_STEP, K_WORLD, K_MICRO):
-            value = doc[key]
-            optional = key in (K_WORLD, K_MICRO)
-            if value is None and optional:
-                ints[key] = None
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < int(optional):
-                raise StateError(
-                    f"{where}.{key} must be a {'positive' if optional else 'non-negative'} "
-                    f"integer, found {value!r}",
-                    fields=(K_HISTORY,),
-                )
-            ints[key] = value
+        position, step = _nonneg(doc, K_POSITION, where), _nonneg(doc, K_STEP, where)
+        world, micro = (
+            None if doc[k] is None else _nonneg(doc, k, where, 1) for k in (K_WORLD, K_MICRO)
+        )
         try:
             schedule = BatchSchedule.from_json(doc[K_BATCH])
         except ConfigError as exc:
             raise StateError(f"{where}.{K_BATCH}: {exc}", fields=(K_HISTORY,)) from None
         return cls(
-            position=int(ints[K_POSITION] or 0),  # checked above: never None
-            step=int(ints[K_STEP] or 0),
+            position=position,
+            step=step,
             schedule=schedule,
-            world_size=ints[K_WORLD],
-            micro_batch_size=ints[K_MICRO],
+            world_size=world,
+            micro_batch_size=micro,
         )
 
 
@@ -292,15 +278,8 @@ class Plan:
         later = [e for e in self.entries if e.position > position]
         if not later:
             return self
-        last = later[-1]
-        moved = Entry(
-            position=position,
-            step=last.step,
-            schedule=last.schedule,
-            world_size=last.world_size,
-            micro_batch_size=last.micro_batch_size,
-        )
-        if keep and keep[-1].position == position and keep[-1].step == last.step:
+        moved = dataclasses.replace(later[-1], position=position)
+        if keep and keep[-1].position == position and keep[-1].step == moved.step:
             keep = keep[:-1]
         return Plan((*keep, moved), self.changes)
 
@@ -442,21 +421,13 @@ def _entry(position: int, step: int, schedule: BatchSchedule, layout: Layout) ->
 
 
 def upgraded_history(global_batch: object, layout: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The history of a state written before histories existed: one entry from position 0."""
-
-    def plain(value: object) -> int | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return value if ok else None  # type: ignore[return-value]
-
-    return [
-        {
-            K_POSITION: 0,
-            K_STEP: 0,
-            K_BATCH: global_batch,
-            K_WORLD: plain(layout.get(K_WORLD)),
-            K_MICRO: plain(layout.get(K_MICRO)),
-        }
-    ]
+    """The history of a state written before histories existed: one entry from position 0
+    (a layout value that is not a positive int is None)."""
+    sizes = {
+        k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        for k, v in ((K_WORLD, layout.get(K_WORLD)), (K_MICRO, layout.get(K_MICRO)))
+    }
+    return [{K_POSITION: 0, K_STEP: 0, K_BATCH: global_batch, **sizes}]
 
 
 def as_schedule(value: object) -> BatchSchedule:
