@@ -186,19 +186,21 @@ class Plan:
         """One constant global batch for the whole run."""
         return len(_segments(self.entries)) == 1 and self.schedule.is_constant
 
-    # ----------------------------------------------------------- changes
     def with_layout(self, position: int, layout: Layout) -> Plan:
         """The same schedule with ``layout`` from ``position`` on."""
         last = self.entries[-1]
         if (last.world_size, last.micro_batch_size) == (layout.world_size, layout.micro_batch_size):
             return self
-        if position == last.position:  # nothing was delivered with the last entry's layout
-            entry = _entry(position, last.step, last.schedule, layout)
-            return Plan((*self.entries[:-1], entry), self.changes)
-        return Plan(
-            (*self.entries, _entry(position, self.step_of(position), last.schedule, layout)),
-            self.changes,
-        )
+        # at the last entry's position nothing was delivered with its layout: it is replaced
+        step = last.step if position == last.position else self.step_of(position)
+        return self._with_entry(_entry(position, step, last.schedule, layout))
+
+    def _with_entry(self, entry: Entry) -> Plan:
+        """``entry`` appended, or in place of the last entry when it starts where that one does."""
+        last = self.entries[-1]
+        same = (entry.position, entry.step) == (last.position, last.step)
+        kept = self.entries[:-1] if same else self.entries
+        return Plan((*kept, entry), self.changes)
 
     def with_change(self, field: str, position: int, old: Any, new: Any) -> Plan:
         """``field`` changed from ``old`` to ``new`` at the resume position ``position``."""
@@ -249,11 +251,7 @@ class Plan:
                 "hint: save the state at a step boundary before changing the global batch",
                 fields=(K_BATCH,),
             )
-        entry = _entry(position, step, schedule, layout)
-        last = self.entries[-1]
-        if position == last.position and step == last.step:
-            return Plan((*self.entries[:-1], entry), self.changes)
-        return Plan((*self.entries, entry), self.changes)
+        return self._with_entry(_entry(position, step, schedule, layout))
 
     def rewound_to(self, position: int) -> Plan:
         """The history as a run that stopped at ``position`` (the first position of the step
@@ -283,7 +281,6 @@ class Plan:
             keep = keep[:-1]
         return Plan((*keep, moved), self.changes)
 
-    # ---------------------------------------------------------- checks
     def check_continues(self, layout: Layout, position: int) -> None:
         """``layout`` can continue at ``position``: a micro-step boundary of its step
         (`StateError`), and every global batch from there on divides into its micro steps
@@ -327,7 +324,6 @@ class Plan:
                 f"total_samples={start} or {start + self.batch_of(step)}"
             )
 
-    # ------------------------------------------------------------ JSON
     def to_json(self) -> list[dict[str, Any]]:
         """Layout entries and changes in one list, by position (a change after the layout
         entries at its position)."""

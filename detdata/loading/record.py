@@ -89,7 +89,6 @@ class RunRecord:
 
     doc: Mapping[str, Any] = field(repr=False)
 
-    # -- capture --------------------------------------------------------------------------
     @classmethod
     def capture(
         cls,
@@ -142,7 +141,7 @@ class RunRecord:
             K_LOCKS: lock_hashes(where, code.get("toplevel"), lock_files),
             K_PACKAGES: packages_section(installed_packages()),
             K_VERSIONS: library_versions(),
-            K_GPUS: [],
+            K_GPUS: gpus(),
             K_ENV: env_section(env_names(extra_env), env_names(clear_env, "clear_env")),
             K_LAYOUT: layout_section(layout),
             K_CONFIG: None if config is None else digest_bytes(canonical_json(dict(config))),
@@ -153,10 +152,8 @@ class RunRecord:
         }
         doc[K_EXECUTION] = execution_section(doc[K_DATA][K_LOADER_STATE], execution)
         code.pop("toplevel", None)
-        doc[K_GPUS] = gpus()
         return cls(doc=redact_value(plain(doc)))  # the redaction boundary: no secret kept
 
-    # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-plain dict (a deep copy)."""
         return dict(json.loads(json.dumps(self.doc)))
@@ -206,7 +203,6 @@ class RunRecord:
         """Read a record `save` wrote."""
         return cls.from_json(Path(path).read_text(encoding="utf-8"), where=f"run record {path}")
 
-    # -- checks ---------------------------------------------------------------------------
     def fields(self) -> dict[str, Any]:
         """The checked fields, flat: name -> value (what `verify` compares)."""
         d = self.doc
@@ -299,7 +295,6 @@ def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
     return packages_section(package_list((name, version) for name, version in pairs))
 
 
-# -- verify helpers -----------------------------------------------------------------------
 def _check_allow(allow: Iterable[str], option: str = "allow=") -> frozenset[str]:
     if isinstance(allow, (str, bytes)):
         raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")

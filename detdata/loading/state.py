@@ -245,16 +245,17 @@ class LoaderState:
         after the last micro batch was counted); anything else is a `StateError`.
         """
         if at_step is not None:
-            return self._at_step(at_step)
-        position = resume_position(self.step_position, self.samples_consumed, mid_step)
+            position = self._start_of(at_step)
+        else:
+            position = resume_position(self.step_position, self.samples_consumed, mid_step)
         if position == self.samples_consumed:
             return self
         history = tuple(self.plan.rewound_to(position).to_json())
         return dataclasses.replace(self, samples_consumed=position, history=history)
 
-    def _at_step(self, step: int) -> LoaderState:
+    def _start_of(self, step: int) -> int:
+        """The first position of the trainer's step ``step`` (logged when it re-delivers)."""
         here = self.step_position
-        plan = self.plan
         if not (step == here.step or (step == here.step - 1 and not here.inside)):
             raise StateError(
                 f"cannot resume at step {step}: the state was saved at samples_consumed "
@@ -264,35 +265,33 @@ class LoaderState:
                 "loader state was saved with",
                 fields=(K_CONSUMED,),
             )
-        position = plan.start_of(step)
-        if position == self.samples_consumed:
-            return self
-        log.warning(
-            "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole from "
-            "position %d (the state was saved at %d, %s)",
-            step,
-            position,
-            self.samples_consumed,
-            here.describe() if here.inside else "at the end of that step",
-        )
-        history = tuple(plan.rewound_to(position).to_json())
-        return dataclasses.replace(self, samples_consumed=position, history=history)
+        position = self.plan.start_of(step)
+        if position != self.samples_consumed:
+            log.warning(
+                "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole "
+                "from position %d (the state was saved at %d, %s)",
+                step,
+                position,
+                self.samples_consumed,
+                here.describe() if here.inside else "at the end of that step",
+            )
+        return position
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        history = [dict(e) for e in self.history]
+        return {
             K_KIND: KIND,
             K_VERSION: STATE_VERSION,
             K_CONSUMED: self.samples_consumed,
+            **self.fields,
+            K_STREAM: dict(self.stream),
+            K_HISTORY: history,
+            K_SEAL: seal(history),
+            K_STEP_POSITION: self.step_position.to_json(),
+            K_LAYOUT: dict(self.layout),
+            K_ENV: dict(self.env),
+            K_ATTESTATION: Attestation.json_of(self.attestation),
         }
-        out.update(self.fields)
-        out[K_STREAM] = dict(self.stream)
-        out[K_HISTORY] = [dict(e) for e in self.history]
-        out[K_SEAL] = seal(out[K_HISTORY])
-        out[K_STEP_POSITION] = self.step_position.to_json()
-        out[K_LAYOUT] = dict(self.layout)
-        out[K_ENV] = dict(self.env)
-        out[K_ATTESTATION] = Attestation.json_of(self.attestation)
-        return out
 
     @classmethod
     def from_json(cls, state: object) -> LoaderState:
