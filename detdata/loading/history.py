@@ -37,7 +37,7 @@ _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
 
 
-def _nonneg(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
+def _checked_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
     """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
     value = doc[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -84,8 +84,8 @@ class Change:
             )
         return cls(
             field=doc[K_FIELD],
-            position=_nonneg(doc, K_POSITION, where),
-            step=_nonneg(doc, K_STEP, where),
+            position=_checked_int(doc, K_POSITION, where),
+            step=_checked_int(doc, K_STEP, where),
             old=doc[K_OLD],
             new=doc[K_NEW],
         )
@@ -124,9 +124,9 @@ class Entry:
                 f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}",
                 fields=(K_HISTORY,),
             )
-        position, step = _nonneg(doc, K_POSITION, where), _nonneg(doc, K_STEP, where)
+        position, step = _checked_int(doc, K_POSITION, where), _checked_int(doc, K_STEP, where)
         world, micro = (
-            None if doc[k] is None else _nonneg(doc, k, where, 1) for k in (K_WORLD, K_MICRO)
+            None if doc[k] is None else _checked_int(doc, k, where, 1) for k in (K_WORLD, K_MICRO)
         )
         try:
             schedule = BatchSchedule.from_json(doc[K_BATCH])

@@ -56,9 +56,5 @@ def report_model_step(step: int, model: Any, *, file: TextIO | None = None) -> s
 def parse_model_steps(stdout: str) -> dict[int, str]:
     """step -> digest of every `report_model_step` line in ``stdout`` (a later line for a step
     replaces an earlier one: a resumed process repeats the steps after its checkpoint)."""
-    found: dict[int, str] = {}
-    for line in stdout.splitlines():
-        match = LINE.match(line)
-        if match:
-            found[int(match.group(1))] = match.group(2)
-    return found
+    matches = (LINE.match(line) for line in stdout.splitlines())
+    return {int(m.group(1)): m.group(2) for m in matches if m}
