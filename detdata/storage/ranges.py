@@ -1,22 +1,10 @@
 """Range coalescing: the byte ranges one read needs, in as few requests as the waste bound allows.
 
-The rule, per file (one shard):
-
-1. Ranges are sorted by start; overlapping and touching ranges are merged (free: no byte
-   is fetched twice and none is wasted). ``needed`` is the size of their union.
-2. The gaps between the merged runs are bridged smallest first (ties: the leftmost gap
-   first) while the bridged bytes stay ``<= waste * needed`` (default ``waste = 0.2``). A
-   bridged gap's bytes are fetched and dropped; what is left are the requests.
-
-So a file's bytes fetched are at most ``(1 + waste)`` times its bytes needed, and no other
-choice of gaps within that byte budget gives fewer requests (bridging the smallest gaps
-first bridges the most gaps for any budget). Multi-range requests (``Range: bytes=a-b,c-d``)
-are not used: S3 does not serve them and fsspec does not parse ``multipart/byteranges``; a
-covering range does the same job within the waste bound. All runs of a read (every shard)
-go out in ONE ``cat_ranges`` call (concurrent requests), retried per run under the
-`RetryPolicy` (`read_ranges_retrying`: failed or short runs are fetched again, errors
-name the shard and URL). The plan is a pure function of the ranges, so the bytes
-delivered never depend on it.
+Per file, ranges are sorted and overlapping or touching ones merged; then the gaps between
+runs are bridged smallest first (ties: leftmost) while the bridged bytes stay ``<= waste *
+needed``. So bytes fetched are at most ``(1 + waste)`` x bytes needed, with no fewer requests
+possible in that budget (docs/design.md, "Remote reads"). The plan is a pure function of the
+ranges: delivered bytes never depend on it.
 """
 
 from __future__ import annotations
@@ -129,13 +117,8 @@ def read_coalesced(
     what: str = "range read",
     waste: float = WASTE,
 ) -> tuple[list[memoryview], FetchStats]:
-    """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i``, via coalesced requests.
-
-    Ranges are grouped by path and coalesced per path (`coalesce`); all runs are fetched
-    with one `read_ranges_retrying` (one ``cat_ranges`` call per attempt, each run checked
-    to be exactly its length). Returns zero-copy views into the fetched runs, in input
-    order, and the request / byte counts.
-    """
+    """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i`` (zero-copy views, input
+    order), coalesced per path and fetched with one `read_ranges_retrying`; and the counts."""
     n = len(paths)
     if not (len(starts) == len(ends) == len(shards) == len(urls) == n):
         raise ConfigError("read_coalesced: paths, starts, ends, shards and urls differ in length")
