@@ -130,10 +130,7 @@ def strip_credentials(url: str) -> str:
     out = head + path
     if query:
         kept = _query_secrets(query[1:], None)
-        if kept and not kept.startswith("#"):
-            out += "?" + kept
-        elif kept:
-            out += kept
+        out += kept if not kept or kept.startswith("#") else "?" + kept
     return out
 
 
@@ -154,13 +151,19 @@ def scrub_exception(exc: BaseException) -> BaseException:
     """Redact the URLs in ``exc``'s text and its chain's, in place (``args``, an OSError's file
     names, aiohttp's ``request_info``), before a client's error is re-raised, chained or
     kept. Returns ``exc``; its type and other attributes are unchanged."""
+    for current in exception_chain(exc):
+        _scrub_one(current)
+    return exc
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then its ``__cause__`` (else ``__context__``), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        _scrub_one(current)
+        yield current
         current = current.__cause__ or current.__context__
-    return exc
 
 
 def _scrub_one(exc: BaseException) -> None:

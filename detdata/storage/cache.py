@@ -27,9 +27,9 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 import fsspec
 
@@ -79,7 +79,6 @@ class CacheEntry(Protocol):
 
 
 log: Final = get_logger("detdata.cache")
-T = TypeVar("T")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
 _TOUCH_EVERY_S: Final = 1.0
@@ -167,7 +166,6 @@ class ShardCache:
             objects, reserved = self._scan()
         return sum(size for _, size, _ in objects) + reserved
 
-    # public API ------------------------------------------------------------
     def path(
         self,
         entry: CacheEntry,
@@ -183,13 +181,8 @@ class ShardCache:
         not stalls). A cache folder removed while in use is recreated, with a warning; one
         that cannot be written is a `StorageError` naming it.
         """
-        return self._surviving(lambda: self._path(entry, fs, remote_path, url, background))
-
-    def _surviving(self, fn: Callable[[], T]) -> T:
-        """``fn()``; a removed cache folder is recreated and ``fn`` run once more; an OS error
-        on the folder is a `StorageError` naming it."""
         try:
-            return fn()
+            return self._path(entry, fs, remote_path, url, background)
         except OSError as exc:
             if not self._is_mine(exc):
                 raise
@@ -206,7 +199,7 @@ class ShardCache:
                 exc.strerror or exc,
             )
         try:
-            return fn()
+            return self._path(entry, fs, remote_path, url, background)
         except OSError as exc:
             if self._is_mine(exc):
                 raise self._unusable(exc) from exc
@@ -238,8 +231,7 @@ class ShardCache:
         )
 
     def _make_layout(self) -> None:
-        """Make the folders (`make_layout`); decide who else can write them (``shared``:
-        why, or None)."""
+        """Make the folders; ``shared``: why others can write them, or None."""
         make_layout(self.directory)
         self.shared = shared_reason(self.directory)
         old = getattr(self, "_dirs", None)

@@ -22,14 +22,14 @@ from typing import Final, TypeVar
 
 import blake3
 
-from detdata.base.errors import (
-    ConfigError,
-    DetdataError,
-    RetriesExhausted,
-    ShortRead,
-    StorageError,
+from detdata.base.errors import ConfigError, DetdataError, RetriesExhausted, ShortRead, StorageError
+from detdata.base.redact import (
+    exception_chain,
+    get_logger,
+    redact_text,
+    redact_url,
+    scrub_exception,
 )
-from detdata.base.redact import get_logger, redact_text, redact_url, scrub_exception
 
 T = TypeVar("T")
 log: Final = get_logger("detdata.retry")
@@ -96,10 +96,7 @@ def denied_status(exc: BaseException) -> int | None:
     request's credentials: aiohttp's ``status``, botocore's HTTP status or error code,
     gcsfs's ``code``; else None. (fsspec's HTTP ``info`` raises `FileNotFoundError` *from*
     the real error, so the chain is followed.)"""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         for attr in ("status", "code"):
             value = getattr(current, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value in (401, 403):
@@ -111,7 +108,6 @@ def denied_status(exc: BaseException) -> int | None:
                 return int(http)
             if str(response.get("Error", {}).get("Code", "")) in _DENIED_CODES:
                 return 403
-        current = current.__cause__ or current.__context__
     return None
 
 
