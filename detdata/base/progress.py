@@ -1,14 +1,10 @@
 """Progress of long work (hashing, verifying, index builds, splits): one home for every caller.
 
-``enabled`` None (the default everywhere): a tqdm bar when stderr is a terminal, else one plain
-line on stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,000 (12%),
-45.3 shard/s, ETA 3m14s``) and a closing line, so a SLURM or CI log shows how far a run is;
-True: the same, with a closing line even for short work; False: nothing.
-``DETDATA_PROGRESS=0`` in the environment silences both, everywhere (the one switch; ``=1``
-forces them on, closing line included, as ``enabled=True``). Work that is asked for once
-(a manifest build) passes ``closing=True``: its log gets the closing line however short it
-was. `counting` is the same for work whose total is not known ahead (listing a root's files).
-Progress never changes a result.
+``enabled`` None (the default): a tqdm bar when stderr is a terminal, else a plain line on
+stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,000 (12%), 45.3
+shard/s, ETA 3m14s``) and a closing line where lines were shown (also for short work with
+``enabled=True`` or ``closing=True``); False: nothing. ``DETDATA_PROGRESS=0`` silences it
+everywhere, ``=1`` acts as ``enabled=True``. Progress never changes a result.
 """
 
 from __future__ import annotations
@@ -24,8 +20,6 @@ from typing import Final, TextIO
 #: Seconds between two log lines when stderr is not a terminal.
 LOG_EVERY_S: Final = 30.0
 ENV: Final = "DETDATA_PROGRESS"
-
-
 _ON: Final = {"1", "true", "yes", "on"}
 
 

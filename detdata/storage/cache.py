@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import threading
@@ -330,9 +331,8 @@ class ShardCache:
     # checks ------------------------------------------------------------------
     def _check(self, path: str, entry: CacheEntry) -> str | None:
         """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not.
-
-        One open file is stat-ed, hashed and remembered (never a second open of the path: in
-        a shared folder another process could swap the file between the two)."""
+        One open file is stat-ed, hashed and remembered (in a shared folder another process
+        could swap the file between two opens)."""
         seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
             fd = os.open(path, _OPEN_COPY)
@@ -382,14 +382,10 @@ class ShardCache:
 
     def _check_digest(self, fd: int, entry: CacheEntry, size: int, level: str) -> str | None:
         if level == "full":
-            found = full_digest_fd(fd)
-            if found != entry.blake3:
-                return f"blake3 {found}, the manifest says {entry.blake3}"
-            return None
-        found = quick_digest_fd(fd, size)
-        if found != entry.quick:
-            return f"quick digest {found}, the manifest says {entry.quick}"
-        return None
+            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
+        else:
+            field, found, want = "quick digest", quick_digest_fd(fd, size), entry.quick
+        return None if found == want else f"{field} {found}, the manifest says {want}"
 
     # filling -----------------------------------------------------------------
     def _fill(
@@ -584,21 +580,12 @@ class ShardCache:
         with flock(lock, stalled=LockWait(lock, self.retry.deadline_s)):
             yield
 
-    # pickling: parameters only ---------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "max_bytes": self.max_bytes,
-            "chunk_bytes": self.chunk_bytes,
-            "verify_on_open": self.verify_on_open,
-            "retry": self.retry,
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["directory"],
-            state["max_bytes"],
-            retry=state["retry"],
-            chunk_bytes=state["chunk_bytes"],
-            verify_on_open=state["verify_on_open"],
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its parameters: the copy opens the folder anew."""
+        remake = functools.partial(
+            ShardCache,
+            retry=self.retry,
+            chunk_bytes=self.chunk_bytes,
+            verify_on_open=self.verify_on_open,
         )
+        return remake, (self.directory, self.max_bytes)

@@ -44,18 +44,13 @@ _CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 def user_cache_dir() -> str:
     """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
-    found = os.environ.get(ENV_CACHE_DIR, "")
-    if found:
-        return found
     base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "detdata", "shards")
+    return os.environ.get(ENV_CACHE_DIR, "") or os.path.join(base, "detdata", "shards")
 
 
 def make_layout(directory: str) -> None:
-    """Make the cache folder (only you can use a folder this makes: mode 0700, whatever the
-    umask) and its layout folders, each made with the cache folder's own permissions (a
-    team folder's layout is as writable as the folder; a private folder's stays private
-    under a umask of 002)."""
+    """Make the cache folder (mode 0700, whatever the umask) and its layout folders, each
+    with the cache folder's own permissions (a team folder's layout is as writable)."""
     if not os.path.isdir(directory):
         parent = os.path.dirname(directory)
         if parent:

@@ -103,14 +103,8 @@ class FileColumn:
     def coarse(self) -> npt.NDArray[Any]:
         """Every `BLOCK`-th element (read on first use: one small ``pread`` each)."""
         if self._coarse is None:
-            item = self.dtype.itemsize
-            self._coarse = np.array(
-                [
-                    np.frombuffer(self.file.pread(self.at + k * item, item), self.dtype)[0]
-                    for k in range(0, self.length, BLOCK)
-                ],
-                dtype=self.dtype,
-            )
+            picks = [self._element(k) for k in range(0, self.length, BLOCK)]
+            self._coarse = np.array(picks, dtype=self.dtype)
         return self._coarse
 
     # shape ---------------------------------------------------------------------------
@@ -134,10 +128,7 @@ class FileColumn:
         found = self._blocks.get(b)
         if found is not None:
             return found
-        lo = b * BLOCK
-        hi = min(self.length, lo + BLOCK)
-        item = self.dtype.itemsize
-        block = np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
+        block = self._range(b * BLOCK, min(self.length, (b + 1) * BLOCK))
         with self._lock:
             self._blocks[b] = block
         return block
@@ -153,19 +144,14 @@ class FileColumn:
             if self._promoting or len(self._blocks) + missing < threshold:
                 return None
             self._promoting = True
-        whole = self._range(0, self.length)
-        whole.flags.writeable = False
-        self._whole = whole
+        self._whole = whole = self.whole()
         self._blocks = {}
         return whole
 
     def _element(self, i: int) -> Any:
         """Element ``i`` (0 <= i < length): from its block if read, else read alone."""
         block = self._blocks.get(i // BLOCK)
-        if block is not None:
-            return block[i % BLOCK]
-        item = self.dtype.itemsize
-        return np.frombuffer(self.file.pread(self.at + i * item, item), self.dtype)[0]
+        return block[i % BLOCK] if block is not None else self._range(i, i + 1)[0]
 
     def _search_one(self, k: int, value: Any, side: str) -> int:
         """`searchsorted` of one ``value`` whose ``coarse`` count is ``k``: a binary search

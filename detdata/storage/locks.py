@@ -49,18 +49,12 @@ Stalled = Callable[[float], None]
 
 @contextlib.contextmanager
 def _holding(fd: int, stalled: Stalled | None = None) -> Iterator[None]:
-    """An exclusive ``flock`` on the open descriptor ``fd`` for the block (waits for the
-    holder, retrying after signals; with ``stalled``, polls and asks it between tries; a
-    forked child closes its copy); ``fd`` is closed after."""
-    with _HELD_MUTEX:
-        _HELD.add(fd)
+    """`hold` of the open descriptor ``fd`` for the block; ``fd`` is closed after."""
+    hold(fd, stalled)
     try:
-        _take(fd, stalled)
         yield
     finally:
-        with _HELD_MUTEX:
-            _HELD.discard(fd)
-        os.close(fd)
+        let_go(fd)
 
 
 def _take(fd: int, stalled: Stalled | None) -> None:
@@ -120,19 +114,17 @@ def flock(
         yield
 
 
-def hold(fd: int) -> None:
-    """Take an exclusive ``flock`` on the caller's descriptor ``fd`` now (waiting for a
-    holder); it lasts until `let_go(fd)`. A forked child closes its copy at once."""
+def hold(fd: int, stalled: Stalled | None = None) -> None:
+    """Take an exclusive ``flock`` on the caller's descriptor ``fd`` now, waiting for the
+    holder (retrying after signals; with ``stalled``, polling and asking it between tries);
+    it lasts until `let_go(fd)` (at once on failure). A forked child closes its copy."""
     with _HELD_MUTEX:
         _HELD.add(fd)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return
-        except OSError as exc:  # EINTR
-            if exc.errno != errno.EINTR:
-                let_go(fd)
-                raise
+    try:
+        _take(fd, stalled)
+    except BaseException:
+        let_go(fd)
+        raise
 
 
 def let_go(fd: int) -> None:

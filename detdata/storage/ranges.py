@@ -33,12 +33,14 @@ class Coalesced:
 
     ``run_starts`` / ``run_ends``: the requests, sorted, disjoint. ``run_of[i]`` is the run
     holding range ``i`` (input order) and ``offset[i]`` its first byte inside that run.
+    ``needed``: the bytes of the ranges' union.
     """
 
     run_starts: I64
     run_ends: I64
     run_of: I64
     offset: I64
+    needed: int = 0
 
     @property
     def fetched(self) -> int:
@@ -46,16 +48,10 @@ class Coalesced:
         return int((self.run_ends - self.run_starts).sum())
 
 
-def check_waste(waste: object) -> float:
-    """``waste`` as a float ``>= 0`` (`ConfigError` otherwise)."""
-    if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 0:
-        raise ConfigError(f"range coalescing waste must be a number >= 0, got {waste!r}")
-    return float(waste)
-
-
 def coalesce(starts: npt.ArrayLike, ends: npt.ArrayLike, *, waste: float = WASTE) -> Coalesced:
     """The requests for byte ranges ``[starts[i], ends[i])`` of ONE file (see the module rule)."""
-    waste = check_waste(waste)
+    if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 0:
+        raise ConfigError(f"range coalescing waste must be a number >= 0, got {waste!r}")
     a = np.asarray(starts, dtype=np.int64).reshape(-1)
     b = np.asarray(ends, dtype=np.int64).reshape(-1)
     if a.shape != b.shape or (a.size and (int(a.min()) < 0 or bool((b < a).any()))):
@@ -92,6 +88,7 @@ def coalesce(starts: npt.ArrayLike, ends: npt.ArrayLike, *, waste: float = WASTE
         run_ends=run_ends,
         run_of=run_of,
         offset=a - run_starts[run_of],
+        needed=needed,
     )
 
 
@@ -147,7 +144,7 @@ def read_coalesced(
         r_urls += [urls[members[0]]] * k
         where_run[idx] = plan.run_of + first
         where_off[idx] = plan.offset
-        needed += _union_bytes(a[idx], b[idx])
+        needed += plan.needed
     blobs = read_ranges_retrying(
         fs, r_paths, r_starts, r_ends, policy=policy, shards=r_shards, urls=r_urls, what=what
     )
@@ -161,14 +158,3 @@ def read_coalesced(
     return out, FetchStats(
         ranges=n, requests=len(r_paths), bytes_needed=needed, bytes_fetched=fetched
     )
-
-
-def _union_bytes(starts: I64, ends: I64) -> int:
-    """Size of the union of ranges (what a read of them needs)."""
-    if starts.size == 0:
-        return 0
-    order = np.argsort(starts, kind="stable")
-    sa, sb = starts[order], ends[order]
-    reach = np.maximum.accumulate(sb)
-    prev = np.concatenate(([sa[0]], reach[:-1]))
-    return int((sb - np.maximum(sa, prev)).clip(min=0).sum())
