@@ -37,8 +37,7 @@ from detdata.storage.first_opens import RECORDED, FirstOpens, file_identity
 IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
-#: Whether reads go through the native loop (built by ``pip install`` where a C compiler is
-#: present; tests set it False to run the Python twin). Read at each read, here only.
+#: Whether reads go through the native loop (tests set it False to run the Python twin).
 NATIVE: bool = fileread.NATIVE
 
 
@@ -56,11 +55,9 @@ class OpenChecks(NamedTuple):
 
 
 class ReadPlan(NamedTuple):
-    """A read as a value: ``reads``, the `FileReads` to read in order (each file of each at
-    most once; see `detdata.storage.fileread.read_files`), checked with ``checks`` before
-    any byte is returned; ``first``: the reader's first-open records (the Python twin
-    records each shard's first open before its read; ``reads[i].first`` is what the native
-    loop records into, None for cached copies)."""
+    """A read as a value: the `FileReads` to read in order, checked with ``checks`` before
+    any byte is returned; ``first``: the reader's first-open records (``reads[i].first``,
+    what the native loop records into, is None for cached copies)."""
 
     reads: tuple[FileReads, ...]
     checks: OpenChecks
@@ -146,9 +143,8 @@ def _check_all(
 
 
 class Planned(NamedTuple):
-    """A read planned ahead: its key (the ids it reads), its plan, the background read of
-    the plan's first `FileReads` (None: nothing to read in the background), and what its
-    owner gets back once the plan is read (``result``: the owner's, untouched here)."""
+    """A read planned ahead: its key (the ids it reads), its plan, the background read of its
+    first `FileReads` (or None), and the owner's ``result``, handed back by `finish`."""
 
     key: IntArray
     plan: ReadPlan
@@ -156,8 +152,7 @@ class Planned(NamedTuple):
     result: Any
 
     def finish(self) -> Any:
-        """``result``, after the plan is read (waits for the background read, checks it,
-        then reads the rest of the plan)."""
+        """``result``, after the plan is read (`execute`)."""
         execute(self.plan, self.pending)
         return self.result
 
@@ -186,16 +181,12 @@ class ReadAhead:
 
     @property
     def enabled(self) -> bool:
-        """Whether reads are planned ahead at all (only with the native loop, `NATIVE`:
-        without it there is no background read to overlap)."""
+        """Whether reads are planned ahead (only with the native loop: `NATIVE`)."""
         return NATIVE
 
     def start(self, key: IntArray, plan: ReadPlan, result: Any) -> None:
-        """Start the first file read of ``plan`` in the background and keep it under ``key``
-        with ``result`` (the owner's, handed back by `Planned.finish`)."""
-        pending = None
-        if plan.reads:
-            pending = start_read_files(*plan.reads[0], threads=self.threads)
+        """Start the first file read of ``plan`` in the background; keep it under ``key``."""
+        pending = start_read_files(*plan.reads[0], threads=self.threads) if plan.reads else None
         ready = Planned(key, plan, pending, result)
         with self._lock:
             self._planned.append(ready)
