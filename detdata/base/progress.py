@@ -36,12 +36,6 @@ def wanted(enabled: bool | None) -> bool:
     return True if switch in _ON or enabled is None else bool(enabled)
 
 
-def forced(enabled: bool | None) -> bool:
-    """Whether the closing line is printed even for short work: ``enabled=True``, or
-    ``DETDATA_PROGRESS=1`` (which forces progress on, as ``enabled=True`` does)."""
-    return enabled is True or _switch() in _ON
-
-
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -113,7 +107,8 @@ def progress(
         finally:
             bar.close()
         return
-    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced(enabled))
+    forced = enabled is True or _switch() in _ON  # a closing line even for short work
+    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced)
     try:
         yield lines.update
     finally:
