@@ -11,15 +11,10 @@ from detdata.base.errors import ConfigError
 
 
 class WorkerMode(str, enum.Enum):
-    """Where ``num_workers`` readers run.
-
-    ``PROCESS`` (default, as torch): worker processes; each seeds python/numpy/torch
-    globals from a hash of (seed, rank, worker). ``THREAD``: threads of the main
-    process; batched numpy/pyarrow reads release the GIL and batches need no
-    inter-process transfer (much faster for small samples on few cores), but
-    global generators are shared and not re-seeded: transforms must use the
-    ``rng`` they are handed (which is identical in both modes).
-    """
+    """Where ``num_workers`` readers run. ``PROCESS`` (default, as torch): worker processes,
+    each seeding python/numpy/torch globals from (seed, rank, worker). ``THREAD``: threads
+    of this process (no transfer: faster for small samples), sharing global generators:
+    transforms must use the ``rng`` they are handed (identical in both modes)."""
 
     PROCESS = "process"
     THREAD = "thread"
@@ -128,12 +123,8 @@ class TorchOnly(enum.Enum):
 
 
 def refuse_torch_habits(positional: tuple[object, ...], keywords: Mapping[str, object]) -> None:
-    """A `ConfigError` for torch-style calls: ``DataLoader(ds, 8)``, ``batch_size=8``, ...
-
-    ``positional``: arguments after the dataset (detdata takes every other argument by
-    keyword); ``keywords``: the loader's refused torch keywords (`TORCH_ONLY`), each
-    `TorchOnly.UNSET` unless given, answered with detdata's argument for it.
-    """
+    """A `ConfigError` for torch-style calls: ``DataLoader(ds, 8)`` (``positional``),
+    ``batch_size=8`` (``keywords``, each `TorchOnly.UNSET` unless given)."""
     if positional:
         shown = ", ".join(f"{a!r:.40}" for a in positional)
         raise ConfigError(

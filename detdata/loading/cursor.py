@@ -1,11 +1,6 @@
-"""Where a `DataLoader` stands in its run: the `Cursor` (samples delivered, the run's plan and
-this rank's layout, iterator generations, the state and its resume), over the immutable
-`Definition` of what the loader reads.
-
-The cursor is the one owner of the loader's position: iteration advances it once a batch
-reached the caller, ``state_dict`` saves it, ``load_state_dict`` moves it (the checks of a
-resume are the functions of `detdata.loading.resume`), and a provenance query
-(`detdata.loading.lookup`) reads its history through read-only properties.
+"""Where a `DataLoader` stands in its run: the `Cursor`, the one owner of the loader's
+position (iteration advances it, ``state_dict`` saves it, ``load_state_dict`` moves it with
+the checks of `detdata.loading.resume`), over the immutable `Definition` of what it reads.
 """
 
 from __future__ import annotations
@@ -61,11 +56,9 @@ _UNATTESTABLE: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM,
 class Definition:
     """What a loader reads and how its state names it; never changes after construction.
 
-    ``data`` as given, ``stream`` as built from it (``data`` ordered with ``seed`` and
-    ``order``, or ``data`` itself when it is a stream), the batch ``schedule`` and the
-    ``transform`` identity (`transform_identity`). ``wrapped``: the loader ordered a plain
-    dataset with its seed, or an `Excluded` did with that same seed (adding exclusions at a
-    resume of a loader-ordered run keeps ``stream_seed``)."""
+    ``stream``: ``data`` ordered with ``seed`` and ``order`` (or ``data``, a stream).
+    ``wrapped``: the loader ordered a plain dataset with its seed, or an `Excluded` did with
+    that same seed (so adding exclusions at a resume keeps ``stream_seed``)."""
 
     data: Dataset | Stream
     stream: Stream
@@ -92,8 +85,8 @@ class Definition:
         return cls(data, stream, order, seed, schedule, transform, wrapped)
 
     def fields(self, stream: Stream, seed: int | None = None) -> dict[str, Any]:
-        """The checked identity fields of this loader reading ``stream`` (`identity_fields`),
-        with the loader's ``seed`` unless another is given (the seed of an earlier time)."""
+        """The checked identity fields of this loader reading ``stream`` with ``seed`` (None:
+        the loader's)."""
         identity = stream.identity()
         return identity_fields(
             identity,
@@ -105,13 +98,10 @@ class Definition:
 
 
 class Cursor:
-    """The position of a loader in its run, and everything that moves with it.
-
-    It owns ``samples_consumed``, the run's `Plan` (its steps and history), this rank's
-    `Layout` (re-read from torch.distributed when an iteration starts: `bind`), the stream
-    in force (a resume may continue a mixture), the run's bound ``total_samples``, and the
-    generation that makes superseded iterators stale. Everything it exposes is read-only;
-    it changes only through its methods."""
+    """The position of a loader in its run and what moves with it: ``samples_consumed``, the
+    run's `Plan`, this rank's `Layout` (re-read at `bind`), the stream in force, the bound
+    ``total_samples`` and the generation that makes superseded iterators stale. It changes
+    only through its methods."""
 
     def __init__(
         self,
@@ -121,15 +111,13 @@ class Cursor:
         total_samples: int | None,
         policy: ResumePolicy,
     ) -> None:
-        """The layout of position 0 and a fresh plan (``total_samples`` must be a step end)."""
         self.definition = definition
         self._placement = placement
         self._policy = policy
         self._layout = placement.layout_at(0)
         self._plan = Plan.fresh(definition.schedule, self._layout)
-        # the batches before the settled one are checked from the start position (0, or the
-        # saved one) when iteration starts or a state is loaded: a resume past a ramp-up
-        # may use a layout the ramp's batches do not fit
+        # earlier batches are checked from the start position (`bind`, a resume): a resume
+        # past a ramp-up may use a layout the ramp's batches do not fit
         self._plan.check_settles(self._layout)
         if total_samples is not None:
             self._plan.check_step_end(total_samples)
@@ -154,7 +142,6 @@ class Cursor:
 
     @property
     def plan(self) -> Plan:
-        """The run's history as it stands (steps, layouts, changes at resumes)."""
         return self._plan
 
     @property
@@ -164,7 +151,6 @@ class Cursor:
 
     @property
     def stream(self) -> Stream:
-        """The stream in force (a resume may continue a mixture: `resume.stream_in_force`)."""
         return self._stream
 
     @property
@@ -173,12 +159,10 @@ class Cursor:
 
     @property
     def pending(self) -> Pending | None:
-        """The attestation the loaded state carries, until an iteration passed it (None: none
-        to check: `detdata.loading.attest`)."""
+        """The loaded state's attestation until an iteration passed it (None: none)."""
         return self._pending
 
     def attested(self) -> None:
-        """The pending attestation passed."""
         self._pending = None
 
     @property
@@ -211,9 +195,8 @@ class Cursor:
         return self._layout.positions(self._consumed // self._layout.samples_per_micro_step)
 
     def stop(self) -> int | None:
-        """``total_samples`` as a `GroupSampler` counts it: micro step ``j`` of the layout
-        begins at ``j * m * D + offset``, and the sampler stops before ``j * m * D`` reaches
-        the bound."""
+        """``total_samples`` as a `GroupSampler` counts it (micro step ``j`` begins at
+        ``j * m * D + offset``; it stops before ``j * m * D`` reaches the bound)."""
         return None if self._total is None else self._total - self._layout.offset
 
     def whole_steps(self, samples: int) -> int:
@@ -227,12 +210,9 @@ class Cursor:
         return self._placement.layout_at(self._consumed)
 
     def bind(self, *, check: bool = True) -> None:
-        """Re-read rank and world size (an iteration starts: a loader built before the
-        process group existed then reads its own rank's slice, not the whole global batch).
-
-        With ``check``, the layout must fit every global batch from ``samples_consumed`` on
-        (`ConfigError` naming the first batch and step that does not); a fresh run is
-        checked here from position 0."""
+        """Re-read rank and world size (an iteration starts). With ``check``, the layout must
+        fit every global batch from ``samples_consumed`` on (`ConfigError` naming the first
+        that does not)."""
         layout = self.layout_now()
         if check:
             self._plan.check_continues(layout, self._consumed)
@@ -241,19 +221,15 @@ class Cursor:
             self._plan = self._plan.with_layout(self._consumed, layout)
 
     def advance(self) -> None:
-        """One micro batch reached the caller."""
         self._consumed += self._layout.samples_per_micro_step
 
     def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
         """Put ``weights`` in force from the first position of the next global step
-        (`reweighting.effect_position`: ``samples_consumed`` when no micro batch of the step
-        was delivered yet), returned. Checked first (weights of every source as for the
-        `Mixture` constructor, the same on every rank of the process group: a collective,
-        `reweighting.agree_across_ranks`; a position before ``total_samples``), else a
-        `ConfigError` and nothing changes. The change becomes a phase of the mixture in
-        force (each source continues its stream) and is appended to the sealed history
-        (`Plan.with_weights`, field ``mixture_weights``); an iteration in progress drops
-        what it read ahead and reads the new stream from its next batch on."""
+        (`reweighting.effect_position`), returned. Checked first (as the `Mixture`
+        constructor does; equal on every rank: `reweighting.agree_across_ranks`; before
+        ``total_samples``), else a `ConfigError` and nothing changes. The change becomes a
+        phase of the mixture in force and joins the history (`Plan.with_weights`); an
+        iteration in progress drops what it read ahead."""
         stream = reweighting.reweightable(self._stream)
         position = reweighting.effect_position(self._plan, self._consumed)
         step = self._plan.step_of(position)
@@ -275,8 +251,7 @@ class Cursor:
         return position
 
     def ask_controller(self) -> None:
-        """Before a step's first micro batch: the controller's weights for that step, once
-        (`reweighting.MixtureController`)."""
+        """Before a step's first micro batch: the controller's weights for it, once."""
         if self._controller is None:
             return
         step = self._plan.step_of(self._consumed)
@@ -288,7 +263,6 @@ class Cursor:
             self.set_mixture_weights(weights)
 
     def set_controller(self, controller: reweighting.MixtureController | None) -> None:
-        """The controller asked at each step boundary (None: none)."""
         if controller is not None and not isinstance(controller, reweighting.MixtureController):
             raise ConfigError(
                 f"a mixture controller needs mixture_weights(step) -> weights or None, got "
@@ -299,8 +273,8 @@ class Cursor:
         self._controller, self._asked = controller, -1
 
     def set_total_samples(self, total_samples: int | None) -> None:
-        """Bound the run at ``total_samples`` (None: unbounded), a step end of this run at or
-        after ``samples_consumed`` (`ConfigError` otherwise)."""
+        """`DataLoader.set_total_samples` (`ConfigError` unless a step end at or after
+        ``samples_consumed``)."""
         if total_samples is not None:
             total_samples = check_count(total_samples, "total_samples", minimum=0)
             self._plan.check_step_end(total_samples)
@@ -311,13 +285,11 @@ class Cursor:
         self._total = total_samples
 
     def supersede(self, why: str) -> None:
-        """Start a new generation: the live iterators of earlier ones raise at their next batch
-        (`stale`, saying ``why``), never end quietly."""
+        """Start a new generation: earlier iterators raise `stale` (saying ``why``)."""
         self._generation += 1
         self._superseded = why
 
     def stale(self) -> StaleIteratorError:
-        """The error an iterator of an earlier generation raises."""
         return StaleIteratorError(
             f"this detdata.DataLoader iterator is stale: {self._superseded} after it was "
             f"created (samples_consumed is now {self._consumed}); a stale iterator would "
@@ -327,18 +299,12 @@ class Cursor:
         )
 
     # ------------------------------------------------------------ the state
-    def fields(self) -> dict[str, Any]:
-        """The checked identity fields of the loader now (of the stream in force)."""
-        return self.definition.fields(self._stream)
-
     def state_dict(
         self, workers: Mapping[str, Any], attestor: Attestor | None = None
     ) -> dict[str, Any]:
-        """JSON-serialisable state: samples delivered plus identity, layout (``workers``: the
-        loader's ``num_workers`` and ``worker_mode``, recorded with it), environment and the
-        attestation ``attestor`` derives of the last samples delivered (`detdata.loading.attest`;
-        None: none). A loaded state's attestation not yet passed is carried instead: it stays
-        to be checked."""
+        """JSON state: samples delivered, identity, layout (with ``workers``), environment and
+        the attestation ``attestor`` derives (None: none); a loaded attestation not yet passed
+        is carried instead."""
         attestation: Attestation | None = None
         if self._pending is not None:
             attestation = self._pending.attestation
@@ -351,7 +317,7 @@ class Cursor:
         }
         state = LoaderState(
             samples_consumed=self._consumed,
-            fields=self.fields(),
+            fields=self.definition.fields(self._stream),
             stream=self._stream.identity(),
             layout=layout,
             env=environment(),
@@ -368,9 +334,8 @@ class Cursor:
         mid_step: str | MidStep | None = None,
         at_step: int | None = None,
     ) -> None:
-        """Move to the saved position (`DataLoader.load_state_dict` states the contract):
-        nothing changes unless every check passes, except the layout re-read from
-        torch.distributed (as an iteration would bind it)."""
+        """`DataLoader.load_state_dict`: nothing changes unless every check passes, except the
+        layout re-read from torch.distributed."""
         how = self._policy.mid_step_mode if mid_step is None else parse_mid_step(mid_step)
         if at_step is not None:
             resume.check_at_step(how if mid_step is not None else None)
@@ -424,7 +389,7 @@ class Cursor:
 
     def _attestation_of(self, saved: LoaderState, diffs: list[str]) -> Pending | None:
         """The attestation the first iteration after this resume must pass (None: off, none
-        saved, or an allowed change of what the attested samples depend on; logged)."""
+        saved, or an allowed change of what it depends on; logged)."""
         if not self._policy.attest:
             return None
         if saved.attestation is None:

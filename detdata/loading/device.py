@@ -1,13 +1,8 @@
 """Batches on an accelerator: pinned staging buffers, a copy stream, batches copied ahead.
 
-`device_batches` wraps an iterator of CPU batches (dicts of tensors, possibly
-nested in dicts, lists and tuples) and yields the same batches, same structure,
-same bytes, with every CPU tensor moved to ``device``. `DataLoader` calls it
-between torch's DataLoader and its counting loop, so a batch this module has
-copied ahead but not yet yielded is not counted as consumed: saving the state at
-any point and resuming continues with exactly the next batch (docs/design.md section 5).
-
-CUDA path, per batch pulled from the source::
+`device_batches` yields its source's batches with every CPU tensor moved to ``device``;
+the loader counts a batch only once yielded, so batches copied ahead are never counted
+(docs/design.md section 5). CUDA path, per batch pulled from the source::
 
     slot = n % pool.slots                  # a ring of ``depth + 1`` slots
     pool.wait(slot)                        # host waits for this slot's last H2D copy
@@ -17,9 +12,8 @@ CUDA path, per batch pulled from the source::
     ... later, when yielded:
     current_stream.wait_event(event); dev.record_stream(current_stream)
 
-Without CUDA the same staging code runs for ``device="cpu"``: buffers are
-ordinary (unpinned) host memory, the "device copy" is a plain ``clone`` into
-fresh memory, and streams/events are no-ops (`_HostBackend`).
+``device="cpu"`` runs the same staging with unpinned buffers, a ``clone`` and no-op
+events (`_HostBackend`).
 """
 
 from __future__ import annotations
@@ -58,13 +52,9 @@ def check_depth(depth: object, name: str = "depth") -> int:
 
 
 def check_device(device: object) -> torch.device:
-    """``device`` as a concrete `torch.device` that `device_batches` can feed.
-
-    Accepts ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (str or `torch.device`).
-    ``"cuda"`` without an index resolves to the current CUDA device. Raises
-    `ConfigError` when CUDA is requested but not available, when the index is
-    out of range, or for other device types.
-    """
+    """``device`` (``"cpu"``, ``"cuda"``: the current one, ``"cuda:N"``; str or `torch.device`)
+    as a concrete `torch.device`; `ConfigError` for other types, CUDA unavailable or an
+    index out of range."""
     if isinstance(device, str):
         try:
             dev = torch.device(device)
@@ -105,24 +95,8 @@ def check_device(device: object) -> torch.device:
 
 
 # ---------------------------------------------------------- stream backends
-class Event(Protocol):
-    """A point on the copy stream (`torch.cuda.Event` fits)."""
-
-    def synchronize(self) -> None:
-        """Block the host until the work recorded before the event has completed."""
-
-    def wait(self, stream: Any = None) -> None:
-        """Make work submitted to ``stream`` after this call wait for the event."""
-
-
-class _DoneEvent:
-    """The event of a synchronous copy: always complete."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
+#: A point on the copy stream (None: a synchronous copy, always complete).
+Event = torch.cuda.Event
 
 
 class _Backend(Protocol):
@@ -133,9 +107,9 @@ class _Backend(Protocol):
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
 
-    def record(self) -> Event: ...
+    def record(self) -> Event | None: ...
 
-    def hand_over(self, event: Event, tensors: list[torch.Tensor]) -> None: ...
+    def hand_over(self, event: Event | None, tensors: list[torch.Tensor]) -> None: ...
 
 
 class _HostBackend:
@@ -152,10 +126,10 @@ class _HostBackend:
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.clone()  # fresh memory: the staging buffer may be rewritten right away
 
-    def record(self) -> Event:
-        return _DoneEvent()
+    def record(self) -> Event | None:
+        return None
 
-    def hand_over(self, event: Event, tensors: list[torch.Tensor]) -> None:
+    def hand_over(self, event: Event | None, tensors: list[torch.Tensor]) -> None:
         return None
 
 
@@ -181,8 +155,9 @@ class _CudaBackend:
         event.record(self.stream)
         return event
 
-    def hand_over(self, event: Event, tensors: list[torch.Tensor]) -> None:
+    def hand_over(self, event: Event | None, tensors: list[torch.Tensor]) -> None:
         consumer = torch.cuda.current_stream(self.device)
+        assert event is not None  # `record` returns one
         event.wait(consumer)
         for tensor in tensors:
             # Allocated on the copy stream but used on the consumer's: without this the
@@ -201,20 +176,11 @@ class _Slot:
 class PinnedBufferPool:
     """A ring of ``slots`` staging slots, each holding one host buffer per tensor key.
 
-    Contract:
-
-    * A buffer is a flat byte tensor allocated once per (slot, key path) —
-      pinned when ``pin`` is true — and reused for every later batch staged in
-      that slot; a leaf with a different shape or dtype reuses it when it fits
-      (a shorter last batch allocates nothing). Only a leaf needing more bytes
-      than the buffer holds replaces it with one of ``max(needed, 1.5 x old)``
-      bytes. So over a run with fixed shapes there are exactly
-      ``slots x keys`` allocations, counted in `allocations`.
-    * Each slot has the event recorded after its last copy; `wait` blocks the
-      host on it. `device_batches` calls `wait` before writing any buffer of a
-      slot, so no buffer is rewritten while a copy from it may be in flight.
-    * A pool is used by one live `device_batches` iterator at a time; it may be
-      handed to a later one (buffers are kept, in-flight copies are waited for).
+    A buffer is a flat byte tensor (pinned when ``pin``) allocated once per (slot, key path)
+    and reused while it fits; a leaf needing more replaces it with ``max(needed, 1.5 x old)``
+    bytes, so fixed shapes make exactly ``slots x keys`` `allocations`. A slot's buffers are
+    rewritten only after `wait` on the event of its last copy. One live `device_batches`
+    iterator uses a pool at a time; a later one may reuse it.
     """
 
     def __init__(self, slots: int, *, pin: bool) -> None:
@@ -222,17 +188,11 @@ class PinnedBufferPool:
         self.pin = bool(pin)
         self._slots = [_Slot() for _ in range(self.slots)]
         self.allocations = 0
-        """Host buffers allocated so far (pinned when ``pin``)."""
         self._in_use = False
 
     def buffers(self) -> list[torch.Tensor]:
         """Every host buffer currently held (all slots, all keys)."""
         return [b for s in self._slots for b in s.buffers.values()]
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of host memory currently held by the buffers of all slots."""
-        return sum(b.numel() for b in self.buffers())
 
     def wait(self, slot: int) -> None:
         """Block until the last copy out of ``slot``'s buffers has completed."""
@@ -245,16 +205,14 @@ class PinnedBufferPool:
         for slot in range(self.slots):
             self.wait(slot)
 
-    def set_event(self, slot: int, event: Event) -> None:
+    def set_event(self, slot: int, event: Event | None) -> None:
         self._slots[slot].event = event
 
     def buffer(
         self, slot: int, key: KeyPath, shape: torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
-        """A host tensor of ``shape`` / ``dtype`` backed by ``slot``'s buffer for ``key``.
-
-        The caller must have called ``wait(slot)`` since the slot's last copy.
-        """
+        """A host tensor of ``shape`` / ``dtype`` backed by ``slot``'s buffer for ``key`` (call
+        ``wait(slot)`` first)."""
         needed = shape.numel() * dtype.itemsize
         buffers = self._slots[slot].buffers
         flat = buffers.get(key)
@@ -283,7 +241,7 @@ class PinnedBufferPool:
 @dataclass
 class _Staged:
     batch: Any
-    event: Event
+    event: Event | None
     tensors: list[torch.Tensor]
 
 
@@ -386,30 +344,16 @@ def device_batches(
 ) -> Iterator[Any]:
     """Yield ``batches`` with every CPU tensor moved to ``device``, ``depth`` batches ahead.
 
-    Contract:
-
-    * Order, structure and bytes: the i-th yielded batch is the i-th source
-      batch, same nesting of dicts / lists / tuples (container types kept when
-      they can be rebuilt), same dtypes, shapes and bytes; CPU tensors are on
-      ``device``, other leaves (numbers, strings, numpy arrays) are unchanged.
-      Yielded tensors are fresh memory, never a staging buffer: keeping them
-      is safe however far the iterator advances.
-    * Copies ahead: before yielding batch ``i`` the source has been pulled up to
-      batch ``i + depth`` and those copies issued. Those batches copied ahead are
-      *not* delivered: a loader counting yielded batches stays exact, and
-      dropping the iterator discards them. An exception from the source is
-      raised after the batches pulled before it have been yielded.
-    * Buffer reuse: host staging buffers come from ``pool`` (a new
-      `PinnedBufferPool` of ``depth + 1`` slots by default), allocated once per
-      (slot, key) and reused; a slot's buffers are rewritten only after the
-      host waited on the event recorded after that slot's previous copy.
-    * CUDA: copies run with ``non_blocking=True`` on ``copy_stream`` (a new
-      dedicated stream by default); on delivery the caller's current stream
-      waits on the batch's event and every delivered tensor is marked with
-      ``record_stream`` so the caching allocator does not recycle it while the
-      caller's stream still uses it. ``device="cpu"`` runs the same staging
-      with plain copies and no-op events.
-    * ``device`` and ``depth`` are validated here, eagerly (`ConfigError`).
+    * The i-th batch yielded is the i-th of the source: same nesting (container types kept
+      when they can be rebuilt), dtypes, shapes and bytes; other leaves unchanged. Yielded
+      tensors are fresh memory, never a staging buffer.
+    * Before yielding batch ``i`` the source was pulled up to ``i + depth``; those batches
+      are not delivered (dropping the iterator discards them). A source's exception is
+      raised after the batches pulled before it.
+    * Staging buffers come from ``pool`` (default: a `PinnedBufferPool` of ``depth + 1``
+      slots). CUDA copies run non-blocking on ``copy_stream`` (default: a new stream); the
+      caller's stream waits on the batch's event and each tensor is ``record_stream``-ed.
+    * ``device``, ``depth`` and ``pool`` are checked eagerly (`ConfigError`).
     """
     dev = check_device(device)
     depth = check_depth(depth)

@@ -1,11 +1,7 @@
-"""Iterating a `DataLoader`: one `LoaderIterator` per ``iter()``, delivering and counting.
-
-A `BatchSource` (`detdata.loading.sources`: inline, threads or worker processes) reads this
-rank's micro batches from the `Cursor`'s position in groups of ``batches_ahead``; the
-`DeviceFeed` moves them to the device; each batch is checked (`SchemaCheck`), traced and
-counted (`Cursor.advance`) only once it reaches the caller (`_deliver`). The shard cache of a
-remote stream is filled ahead by a `CacheAhead` (`open_cache_ahead`). The iterator holds the
-parts it is given (`Delivery`) and keeps no state of its own beyond its generation.
+"""Iterating a `DataLoader`: one `LoaderIterator` per ``iter()`` over the parts it is given
+(`Delivery`). A `BatchSource` reads from the `Cursor`'s position, the `DeviceFeed` moves
+batches to the device, and each is checked (`SchemaCheck`), traced and counted
+(`Cursor.advance`) only once it reaches the caller (`_deliver`).
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ def _schema(batch: Any) -> dict[str, str] | str:
 
 
 class SchemaCheck:
-    """Batches of a transformed stream keep the keys and dtypes of the first one delivered.
-
-    A transform whose output keys or dtypes depend on the sample is refused within a micro
-    batch by `apply_transform`; across micro batches (and worker processes) it is caught
-    here, before the batch is counted. The first schema is kept for the loader's life."""
+    """Batches of a transformed stream keep the keys and dtypes of the first one delivered
+    (for the loader's life), checked before a batch is counted."""
 
     def __init__(self) -> None:
         self._first: dict[str, str] | str | None = None
@@ -72,10 +65,7 @@ class SchemaCheck:
 
 @dataclass(frozen=True)
 class Delivery:
-    """The parts an iteration uses, wired by the `DataLoader` (each owns its state):
-    the ``cursor`` it reads from and advances, the batch ``source``, the ``device`` feed,
-    the ``trace``, the ``schema`` check (None: no transform), the ``attestor`` of a resume
-    and the read settings the cache_ahead and the failure notes need."""
+    """The parts an iteration uses, wired by the `DataLoader` (each owns its state)."""
 
     cursor: Cursor
     source: BatchSource
@@ -89,10 +79,9 @@ class Delivery:
 
 
 class LoaderIterator:
-    """One iteration of a `DataLoader` (what ``iter(loader)`` returns): its micro batches from
-    ``samples_consumed`` on. Once superseded (a second ``iter()``, ``load_state_dict``), every
-    further ``next()`` raises `StaleIteratorError` (its readers are released at the first),
-    never `StopIteration`: a training loop over a stale iterator fails, it does not end early."""
+    """``iter(loader)``: its micro batches from ``samples_consumed`` on. Once superseded (a
+    second ``iter()``, ``load_state_dict``), ``next()`` raises `StaleIteratorError`, never
+    `StopIteration`: a training loop over a stale iterator fails, it does not end early."""
 
     def __init__(self, delivery: Delivery) -> None:
         self._cursor = delivery.cursor
@@ -112,8 +101,7 @@ class LoaderIterator:
         return next(self._batches)
 
     def close(self) -> None:
-        """End this iteration now (its readers and worker processes stop); `DataLoader.close`
-        calls it for every live iterator. Later ``next()`` calls end the iteration."""
+        """End this iteration now (its readers stop); later ``next()`` calls end it."""
         self._closed = True
         self._batches.close()
 
@@ -126,16 +114,10 @@ def _close(iterator: Iterator[Any], _generator: type[Generator[Any, Any, Any]] =
 
 
 def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
-    """This rank's micro batches from ``samples_consumed`` on.
-
-    A batch is counted (and traced) only once it reaches the caller: any failure before
-    that (read, transform, collate, device copy, trace, an interrupt) leaves
-    ``samples_consumed`` at that batch. Leaving the loop early (``break``, an exception)
-    closes the readers at once; after an abnormal end, or an interrupt anywhere inside
-    torch's iterator (its creation and reset included), persistent worker processes are
-    replaced on the next iteration (`BatchSource.reset`: torch's iterator may be
-    mid-transfer).
-    """
+    """This rank's micro batches from ``samples_consumed`` on. A batch is counted only once
+    it reaches the caller: any failure before leaves ``samples_consumed`` at it. Leaving the
+    loop closes the readers at once; after an abnormal end persistent workers are replaced
+    (`BatchSource.reset`: torch's iterator may be mid-transfer)."""
     cursor = d.cursor
     close = _close  # reachable in ``finally`` at interpreter exit (see `_close`)
     if generation != cursor.generation:

@@ -1,15 +1,9 @@
 """Which global positions each rank reads at each micro step (docs/design.md section 4).
 
-Step ``t`` with global batch ``B(t)`` covers positions ``[c, c + B(t))`` where ``c``
-is the number of samples consumed before it (`detdata.order.batches`). With ``D``
-ranks and micro batch ``m``, micro step ``k`` of the step covers ``[c + k*m*D, c +
-(k+1)*m*D)`` and rank ``r`` takes ``[.. + r*m, .. + (r+1)*m)``; the step has ``B(t) /
-(m*D)`` micro steps (gradient accumulation varies per step with a fixed micro batch,
-as in Megatron-LM). Since every ``B(t)`` is a multiple of ``m*D``, the micro steps of a
-layout form one grid: the ``j``-th is ``j*m*D + offset + r*m + arange(m)``, where
-``offset`` (in ``[0, m*D)``) is where the layout's first step began modulo ``m*D``
-(0 for a run that starts with it; a layout bound at a resume carries the resume
-position's).
+With ``D`` ranks and micro batch ``m``, every global batch is a multiple of ``m*D``, so a
+layout's micro steps form one grid: the ``j``-th is ``j*m*D + offset + r*m + arange(m)`` on
+rank ``r``, where ``offset`` (in ``[0, m*D)``) is where the layout's first step began
+modulo ``m*D`` (0 for a fresh run; a resume position's for a layout bound there).
 """
 
 from __future__ import annotations
@@ -48,12 +42,9 @@ class Layout:
         *,
         anchor: int = 0,
     ) -> Layout:
-        """Layout with ``micro_batch_size`` defaulting to one micro step per step of the
-        constant ``global_batch_size``, whose micro steps include position ``anchor``.
-
-        ``global_batch_size`` None (a schedule) needs ``micro_batch_size``; given, it must be a
-        multiple of ``micro_batch_size x world_size``.
-        """
+        """Layout whose micro steps include position ``anchor``; ``micro_batch_size`` defaults
+        to one micro step per step of the constant ``global_batch_size`` (None, a schedule,
+        needs it), which must be a multiple of ``micro_batch_size x world_size``."""
         ws = check_count(world_size, "world_size")
         gbs = (
             None
@@ -88,22 +79,8 @@ class Layout:
         """Global samples consumed by one iteration on every rank (``m * D``)."""
         return self.micro_batch_size * self.world_size
 
-    def micro_steps(self, global_batch: int) -> int:
-        """Micro steps (iterations of every rank) of a step of ``global_batch`` samples."""
-        if global_batch % self.samples_per_micro_step:
-            raise ConfigError(
-                f"global batch {global_batch} is not divisible by micro_batch_size "
-                f"{self.micro_batch_size} x world_size {self.world_size} = "
-                f"{self.samples_per_micro_step}"
-            )
-        return global_batch // self.samples_per_micro_step
-
     def positions(self, micro_step: int) -> npt.NDArray[np.int64]:
-        """Positions of micro step ``micro_step`` of the grid on this rank.
-
-        Micro step ``j`` begins at ``j * m * D + offset``, so a grid position ``p`` begins
-        micro step ``p // (m * D)``.
-        """
+        """Positions of micro step ``micro_step`` of the grid on this rank."""
         start = (
             micro_step * self.samples_per_micro_step
             + self.offset

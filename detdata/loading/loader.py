@@ -1,15 +1,9 @@
 """`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
 
-The loader holds its parts and delegates to them (the shape of torchdata's ``Loader`` over
-its node chain): a `Cursor` (`detdata.loading.cursor`: samples delivered, the run's plan and
-layout, iterator generations, ``state_dict`` / ``load_state_dict``), a `Lookup`
-(`detdata.loading.lookup`: provenance over the run's history, read through the cursor), a
-`BatchSource` (`detdata.loading.sources`: inline, threads or worker processes), the
-`DeviceFeed` and a `RankTrace`; each ``iter()`` is a `LoaderIterator`
-(`detdata.loading.iteration`) over them. This module holds construction and the surface
-trainers probe; the options beyond torch's keywords are `detdata.loading.options`. The
-loader counts samples *delivered* to the caller; its state is that count plus identity
-fields (`LoaderState`).
+The loader holds its parts and delegates (torchdata's ``Loader`` over its node chain): a
+`Cursor` (position, plan, layout, state), a `Lookup` (provenance), a `BatchSource` (inline,
+threads or worker processes), the `DeviceFeed` and a `RankTrace`; each ``iter()`` is a
+`LoaderIterator` over them. Its state counts samples *delivered* to the caller (`LoaderState`).
 """
 
 from __future__ import annotations
@@ -39,15 +33,14 @@ from detdata.loading.lookup import Lookup
 from detdata.loading.options import LoaderOptions
 from detdata.loading.reading import Reads
 from detdata.loading.reweighting import MixtureController, reweightable
-from detdata.loading.sources import GROUPS_AHEAD, batch_source
+from detdata.loading.sources import batch_source
 from detdata.loading.state import transform_identity
 from detdata.loading.steps import MidStep
-from detdata.loading.torch_workers import seed_globals
 from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
-__all__ = ["DEFAULT_STEPS_AHEAD", "GROUPS_AHEAD", "DataLoader", "EpochStart", "seed_globals"]
+__all__ = ["DEFAULT_STEPS_AHEAD", "DataLoader", "EpochStart"]
 
 #: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
 #: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
@@ -69,78 +62,50 @@ class EpochStart:
 class DataLoader:
     """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
 
-    ``DataLoader(data, global_batch_size=..., micro_batch_size=..., seed=..., order=...,
-    options=LoaderOptions(...), <torch's keywords>)``. Each iteration yields this rank's next
-    micro batch (``micro_batch_size`` samples, positions in order) as a dict of tensors.
-    Global positions are assigned as in docs/design.md section 4, so the samples of a step
-    never depend on ``world_size``, ``micro_batch_size`` or ``num_workers``. Iteration is
-    infinite (epochs continue) unless ``total_samples`` is given.
+    Each iteration yields this rank's next micro batch (``micro_batch_size`` samples,
+    positions in order) as a dict of tensors; global positions follow docs/design.md section
+    4, so a step's samples never depend on ``world_size``, ``micro_batch_size`` or
+    ``num_workers``. Iteration is infinite unless ``total_samples`` is given. Every argument
+    after ``data`` is a keyword:
 
-    Arguments (every one after ``data`` is a keyword; torch's ``batch_size=``, ``shuffle=``,
-    ``sampler=`` or a positional batch size get a `ConfigError` naming detdata's own):
-
-    * ``data``: a `Dataset` (the loader orders it with ``seed`` and ``order``) or a `Stream`
-      (a `Mixture`, an `OrderedStream`, an `Excluded`: it has its own order).
+    * ``data``: a `Dataset` (ordered with ``seed`` and ``order``) or a `Stream` (a `Mixture`,
+      `OrderedStream`, `Excluded`: it has its own order).
     * ``global_batch_size``: samples per optimizer step over all ranks, an int or a
-      `BatchSchedule` (a Megatron-style ramp-up, explicit ``(step, global_batch)`` or
-      ``(samples, global_batch)`` changes): positions stay sample-counted, the micro batch
-      stays fixed and the micro steps per step follow the schedule (``global_batch_size(step)
-      / (micro_batch_size * world_size)``, which must divide for every step; a schedule needs
-      ``micro_batch_size``). It is the checked field ``global_batch_size``; a change allowed by
-      name at a resume is recorded in the state's ``history`` and takes effect at the saved
-      step (`load_state_dict`).
-    * ``micro_batch_size``: this rank's batch per iteration (torch's ``batch_size``); default
-      one micro step per step.
-    * ``seed``: the order of a dataset the loader orders, and every sample's transform
-      generator.
-    * ``order`` (for a dataset the loader orders itself; a stream has its own): the default
-      `Order.FEISTEL_V1`, or ``LocalityOrder(window_shards=k)`` to read shards in windows of
-      ``k`` (large or remote corpora: `detdata.order.locality`). Its name with its
-      parameters is the checked field ``algorithm``.
-    * ``options``: a `LoaderOptions`, everything detdata adds beyond torch's keywords:
-      ``rank``, ``world_size`` (None: torch.distributed's), ``total_samples``, ``transform``,
-      ``transform_id``, ``trace``, ``read`` (a `ReadOptions`: ``worker_mode``,
-      ``batches_ahead``, ``steps_ahead``, ``steps_ahead_connections``), ``device`` (a
-      `DeviceFeed`: ``device``, ``copies_ahead``) and ``resume`` (a `ResumePolicy`:
-      ``allow``, ``mid_step``, ``fresh_each_run``, ``attest``).
-      Each is described below and on its class.
+      `BatchSchedule` (ramp-up or explicit changes; needs ``micro_batch_size``, and
+      ``micro_batch_size * world_size`` must divide every step's batch). A checked field;
+      a change allowed at a resume joins the state's ``history`` (`load_state_dict`).
+    * ``micro_batch_size``: this rank's batch per iteration (torch's ``batch_size``);
+      default one micro step per step.
+    * ``seed``: the order of a dataset, and every sample's transform generator.
+    * ``order``: for a dataset, `Order.FEISTEL_V1` (default) or
+      ``LocalityOrder(window_shards=k)`` (`detdata.order.locality`); the checked field
+      ``algorithm``.
+    * ``options``: a `LoaderOptions` (``rank``, ``world_size``, ``total_samples``,
+      ``transform``, ``transform_id``, ``trace``, ``read``: a `ReadOptions` with
+      ``worker_mode``, ``batches_ahead``, ``steps_ahead``, ``steps_ahead_connections``;
+      ``device``: a `DeviceFeed` with ``device``, ``copies_ahead``; ``resume``: a
+      `ResumePolicy` with ``allow``, ``mid_step``, ``fresh_each_run``, ``attest``), each
+      described on its class (`detdata.loading.options`).
     * torch's keywords, as torch: ``num_workers``, ``pin_memory``, ``collate_fn``,
-      ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per group),
-      ``worker_init_fn``, ``multiprocessing_context``.
-    * torch's keywords the loader refuses, each keyword-only with the default
-      `TorchOnly.UNSET` (a type checker flags any other value): ``batch_size``, ``shuffle``,
-      ``sampler``, ``batch_sampler``, ``drop_last``, ``generator``, ``in_order``,
-      ``pin_memory_device``, and a positional batch size (``torch_positional``, as in
-      ``DataLoader(ds, 8)``): given, each is a `ConfigError` naming detdata's argument
-      (`detdata.loading.arguments.TORCH_ONLY`). Any other keyword (a typo) is Python's
-      ``TypeError``.
+      ``prefetch_factor`` (groups per worker), ``persistent_workers``, ``timeout`` (per
+      group), ``worker_init_fn``, ``multiprocessing_context``. ``persistent_workers`` keeps
+      the processes unless an interrupt or error left them in an unknown state (fresh
+      workers then continue at ``samples_consumed``); with a ``DeviceFeed`` device,
+      ``pin_memory`` is ignored.
+    * torch's keywords refused, keyword-only with default `TorchOnly.UNSET`:
+      ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``, ``drop_last``,
+      ``generator``, ``in_order``, ``pin_memory_device``, and a positional batch size
+      (``torch_positional``): each a `ConfigError` naming detdata's argument
+      (`detdata.loading.arguments.TORCH_ONLY`). Any other keyword is Python's ``TypeError``.
 
-    How batches are read (never a byte or the order): ``ReadOptions.batches_ahead`` (default
-    16) consecutive micro batches of the rank are read with one batched read and split (a
-    group that fails is re-read batch by batch, so the error surfaces exactly at the
-    unreadable batch); with workers ``prefetch_factor`` counts groups per worker and
-    ``timeout`` applies to each group, and memory in flight is about ``batches_ahead`` x
-    micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1). The readers run inline
-    (``num_workers=0``: the next `GROUPS_AHEAD` groups are hinted to the stream), on
-    threads (``ReadOptions.worker_mode="thread"``, `WorkerMode`) or in worker processes
-    (`detdata.loading.sources`); ``persistent_workers=True`` keeps the processes between
-    iterations unless an interrupt or error inside torch's iterator left them in an unknown
-    state (then fresh workers continue exactly at ``samples_consumed``; workers ignore
-    SIGINT). ``ReadOptions.steps_ahead`` (default None: `DEFAULT_STEPS_AHEAD` micro steps
-    where shards are read through a shard cache; 0: off) fills the shards of the next micro
-    steps into the cache on ``ReadOptions.steps_ahead_connections`` threads. With
-    ``DeviceFeed(device=...)`` (e.g. ``"cuda"``) batches arrive on that device through reused
-    pinned buffers, ``DeviceFeed.copies_ahead`` ahead and counted only once yielded;
-    ``pin_memory`` is then ignored.
+    Readers run inline (``num_workers=0``, the next `GROUPS_AHEAD` groups hinted to the
+    stream), on threads (`WorkerMode`) or in worker processes (`detdata.loading.sources`);
+    a failed group is re-read batch by batch, so an error surfaces at the unreadable batch.
+    Memory in flight is about ``batches_ahead`` x micro-batch bytes x (``num_workers`` x
+    ``prefetch_factor`` + 1). ``steps_ahead`` None means `DEFAULT_STEPS_AHEAD`.
 
-    ``LoaderOptions.trace``: a JSON-lines file with one record per delivered micro batch.
-    ``ResumePolicy.allow`` and ``ResumePolicy.mid_step``: the defaults of
-    `load_state_dict`'s ``allow`` (added to) and ``mid_step``. ``ResumePolicy.fresh_each_run``:
-    this loader starts over in every run by design (evaluation); framework watches do not take
-    it for a training loader a checkpoint left out (`detdata.integrations.accelerate`).
-
-    ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples
-    delivered to the callers of all ranks (batches read or copied ahead are not counted).
+    ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples delivered to
+    the callers of all ranks (batches read or copied ahead are not counted).
     """
 
     def __init__(
@@ -268,8 +233,7 @@ class DataLoader:
 
     @property
     def step(self) -> int:
-        """Index of the global step the next micro batch belongs to (from the run's history:
-        right across schedule changes and resumes)."""
+        """The global step the next micro batch belongs to (from the run's history)."""
         return self._cursor.step
 
     def position_of_step(self, step: int) -> int:
@@ -286,52 +250,34 @@ class DataLoader:
 
     @property
     def global_batch_size(self) -> int:
-        """Global batch of the current step (`step`): constant unless a `BatchSchedule` or
-        a change at a resume (the state's ``history``) says otherwise."""
+        """Global batch of the current step (`step`)."""
         return self._cursor.plan.batch_of(self.step)
 
     @property
-    def batch_schedule(self) -> BatchSchedule:
-        """The global batch schedule in effect (the checked field ``global_batch_size``)."""
-        return self._cursor.definition.schedule
-
-    @property
     def history(self) -> list[dict[str, Any]]:
-        """The run's batch history as saved in the state (`detdata.loading.history`): one
-        entry per schedule or layout, with the position and step it began at."""
+        """The run's batch history as saved in the state (`detdata.loading.history`)."""
         return self._cursor.plan.to_json()
 
     def set_total_samples(self, total_samples: int | None) -> None:
-        """Bound the run at ``total_samples`` (None: unbounded), a step boundary of this run at
-        or after ``samples_consumed``: after a global-batch change at a resume the steps end
-        elsewhere than a fresh run's, so a bound for the resumed run is set here."""
+        """Bound the run at ``total_samples`` (None: unbounded), a step end of this run at or
+        after ``samples_consumed`` (after a global-batch change at a resume, set it here)."""
         self._cursor.set_total_samples(total_samples)
 
     def tokens_consumed(self) -> dict[str, int]:
-        """Tokens delivered to the callers of all ranks so far, per source name (a `Mixture`'s
-        sources, or one entry for a single dataset): see `detdata.loading.token_counts`."""
+        """Tokens delivered to all ranks, per source name (`detdata.loading.token_counts`)."""
         from detdata.loading.token_counts import tokens_consumed
 
         return tokens_consumed(self._cursor.stream, self._cursor.samples_consumed)
 
     def __len__(self) -> int:
-        """Micro batches of this rank per epoch of the run, in whole global steps: a constant,
-        whatever was consumed.
+        """Micro batches of this rank per epoch, in whole global steps: a constant.
 
-        An epoch is the whole global steps of one pass over the dataset a plain
-        `OrderedStream` orders (the steps that end within ``num_samples`` samples; one step
-        when the dataset is smaller than a global batch), all of ``total_samples`` (a step
-        end), or the steps within ``2**62`` samples for other streams (a `Mixture` has no
-        epoch); counted in this rank's micro batches (``/ (micro_batch_size * world_size)``).
-        So a trainer that takes an optimizer step every ``global_batch / (micro_batch *
-        world_size)`` micro batches (gradient accumulation) and one at each epoch's end never
-        takes a short step: its step N is detdata's step N. The samples past the last whole
-        step of a pass are not lost: a new ``iter()`` never restarts the stream, it continues
-        at ``samples_consumed`` (the order is a function of the global position), so a
-        trainer that counts ``len(loader)`` batches per epoch (and, knowing the length, does
-        not fetch ahead) sees each batch once, across epochs and resumes. A `BatchSchedule`
-        changes the micro steps per step, never the samples per micro step; its epoch is the
-        steps of the schedule from position 0 that end within the pass.
+        An epoch is the whole steps within one pass over a plain `OrderedStream`'s dataset
+        (at least one step), all of ``total_samples``, or the steps within ``2**62`` samples
+        for other streams, counted in micro batches (``/ (micro_batch_size * world_size)``):
+        a trainer stepping every ``global_batch / (micro_batch * world_size)`` batches and at
+        each epoch's end never takes a short step. Samples past the last whole step are not
+        lost: a new ``iter()`` continues at ``samples_consumed``.
         """
         per = self._cursor.layout_now().samples_per_micro_step  # as iteration binds it
         total = self._cursor.total_samples
@@ -351,12 +297,10 @@ class DataLoader:
         trainer: str,
         fix: str,
     ) -> None:
-        """A trainer's batch settings agree with this loader's global batch: it takes an
-        optimizer step every ``accumulation`` micro batches of ``micro_batch_size`` samples on
-        each of ``world_size`` processes, which must be this loader's micro batch, world size
-        and global batch (of the step it is at). Otherwise a `ConfigError` naming both sides,
-        with ``fix`` (formatted with ``micro`` and ``accumulation``: the values that agree) as
-        the hint. Integrations call it before the first batch."""
+        """A trainer stepping every ``accumulation`` micro batches of ``micro_batch_size`` on
+        ``world_size`` processes must match this loader's micro batch, world size and global
+        batch; otherwise a `ConfigError` naming both sides with ``fix`` (formatted with the
+        agreeing ``micro`` and ``accumulation``) as the hint."""
         layout = self._cursor.layout_now()  # as iteration binds it
         gbs = self.global_batch_size
         micro, world = layout.micro_batch_size, layout.world_size
@@ -399,9 +343,8 @@ class DataLoader:
 
     @property
     def sampler(self) -> EpochStart:
-        """Not a torch sampler: positions come from detdata's layout (a trainer must not
-        inject a DistributedSampler: the data is sharded by rank already). It carries only
-        ``set_epoch``, which trainers call on ``loader.sampler``: see `set_epoch`."""
+        """Not a torch sampler (the data is sharded by rank already): it carries only
+        ``set_epoch``, which trainers call on ``loader.sampler``."""
         return EpochStart(self)
 
     @property
@@ -418,13 +361,11 @@ class DataLoader:
         return self._pin_memory
 
     def set_epoch(self, epoch: int) -> None:
-        """Never moves the position: the order is a function of the global position, not of
-        an epoch counter, so a trainer's epoch numbers never change which samples come next.
+        """Never moves the position (the order is a function of the global position).
 
-        One check: a trainer starting epoch ``epoch > 0`` on a loader that has delivered
-        nothing did not restore its state (Lightning resuming from an end-of-epoch
-        checkpoint hands a loader its state only when the saved epoch was unfinished), and
-        continuing would replay the run from its first sample: refused with a `StateError`.
+        A trainer starting epoch ``epoch > 0`` on a loader that has delivered nothing did not
+        restore its state (Lightning from an end-of-epoch checkpoint) and would replay the
+        run from its first sample: a `StateError`.
         """
         epoch = check_count(epoch, "epoch", minimum=0)
         if epoch > 0 and self._cursor.samples_consumed == 0:
@@ -453,36 +394,23 @@ class DataLoader:
     ) -> None:
         """Resume at the saved position in O(1).
 
-        A state saved inside a global step (its ``step_position`` has ``delivered_in_step``
-        > 0: a checkpoint between two micro batches of gradient accumulation) resumes by
-        default at that step's first position: the whole step is delivered again, since the
-        partial step's gradients are in no state dict (logged as a warning; ``mid_step="redo"``,
-        `MidStep.REDO`). ``mid_step="continue"`` resumes right after the delivered part, for a
-        caller that saved and restores the partial gradients too
-        (``options=LoaderOptions(resume=ResumePolicy(mid_step=...))`` sets the default, for
-        callers such as ``torch.distributed.checkpoint`` that call ``load_state_dict(state)``
-        themselves). ``at_step`` (an integration's trainer step): resume at the first position
-        of that optimizer step, the saved step or, for a state saved at the end of a step the
-        trainer had not stepped yet, the one before (`LoaderState.resumed`); with an explicit
-        ``mid_step="continue"`` it is a `ConfigError` (the two contradict). Live iterators are
-        stale afterwards: the next batch asked of them raises `StaleIteratorError`.
+        A state saved inside a global step (``step_position.delivered_in_step`` > 0) resumes
+        by default at that step's first position, re-delivering it whole (its partial
+        gradients are in no state dict; logged; ``mid_step="redo"``, `MidStep.REDO`);
+        ``mid_step="continue"`` resumes right after the delivered part (the default comes
+        from ``ResumePolicy.mid_step``). ``at_step`` (an integration's trainer step): resume at
+        that optimizer step's first position (`LoaderState.resumed`); with an explicit
+        ``mid_step="continue"`` a `ConfigError`. Live iterators are stale afterwards
+        (`StaleIteratorError` at their next batch).
 
-        Differences in checked fields (manifests, data, seed, algorithm,
-        mixture, global batch) are refused with a `StateError` listing each,
-        unless named in ``allow`` (or the loader's ``ResumePolicy.allow``). Over a saved
-        mixture, this loader's `Mixture` continues the saved one from the resume position
-        (`Mixture.continue_from`, each source from its consumed count): the ``mixture`` field
-        compared, recorded in the history and saved later is that continued mixture's (the
-        mixture in force), so a later resume with the same weights changes nothing and one
-        with other weights is a change from it, any number of times.
-        Layout may differ if the position is a micro-step boundary of this layout within
-        its step (counted from the step's first position).
-
-        An allowed ``global_batch_size`` change (another int or `BatchSchedule`) is appended
-        to the state's ``history``: the new schedule is in effect from the start of the
-        saved step (a step boundary; inside a step, the new batch completes the step being
-        accumulated), so every earlier step keeps its positions and ``step`` stays right;
-        this loader's micro steps start at the saved position.
+        Differences in checked fields (manifests, data, seed, algorithm, mixture, global
+        batch) are a `StateError` listing each, unless named in ``allow`` (or
+        ``ResumePolicy.allow``). Over a saved mixture, this loader's `Mixture` continues the
+        saved one from the resume position (`Mixture.continue_from`): that mixture in force is
+        what is compared, recorded and saved, so resuming again with the same weights changes
+        nothing. The layout may differ if the position is a micro-step boundary of it within
+        its step. An allowed ``global_batch_size`` change joins the state's ``history``, in
+        effect from the saved step's start, so earlier steps keep their positions.
         """
         self._cursor.load_state_dict(state_dict, allow=allow, mid_step=mid_step, at_step=at_step)
         self._trace.follow(self._cursor.layout.rank)
@@ -492,9 +420,7 @@ class DataLoader:
     # ------------------------------------------------------------ mixture weights
     def set_mixture_weights(self, weights: Mapping[str, Any]) -> int:
         """Put ``weights`` (of every `Mixture` source) in force from the first position of
-        the next global step, returned (`Cursor.set_mixture_weights`; a collective under
-        torch.distributed: ranks that differ get a `ConfigError` naming them). README
-        "Mixtures that change during a run"."""
+        the next global step, returned (`Cursor.set_mixture_weights`; a collective)."""
         return self._cursor.set_mixture_weights(weights)
 
     def set_mixture_controller(self, controller: MixtureController | None) -> None:
@@ -514,40 +440,32 @@ class DataLoader:
         decode: Callable[[Mapping[str, Any]], Any] | None = None,
         as_saved: bool = False,
     ) -> Any:
-        """Every sample of global ``step`` (all ranks): a list of
-        `detdata.loading.provenance.SampleRecord` (position, rank, micro step, source, sample id,
-        shard path and row/token/byte range, blake3 of the sample as the stream delivers it).
-        Reads that step's samples once; never moves ``samples_consumed``.
+        """Every sample of global ``step`` (all ranks) as a list of
+        `detdata.loading.provenance.SampleRecord`, read once; never moves ``samples_consumed``.
 
-        Each position is answered with the configuration in force when it was delivered: the
-        stream of the seed, data and order of that time (`stream_at`: a `StateError` when this
-        loader cannot rebuild it), the layout of the run's history. ``as_saved``: positions
-        after the loaded state's are placed with the layout that state was saved with, not
-        this process's (a diagnostic tool, whose own process is not one of the run's ranks).
-        A step past ``total_samples`` is never delivered: `ConfigError` naming the last."""
+        Each position is answered with the stream (`stream_at`) and layout in force when it
+        was delivered; ``as_saved``: positions after the loaded state's use the layout that
+        state was saved with (a diagnostic tool outside the run's ranks). A step past
+        ``total_samples`` is a `ConfigError` naming the last."""
         return self._lookup.provenance(step, decode=decode, as_saved=as_saved)
 
     def positions_seen(self, source: str | None, sample_id: int, *, until: int) -> IntArray:
-        """Every global position ``< until`` at which this run delivered (or, past its
-        position, delivers) sample ``sample_id`` of ``source``, each range of positions
-        inverted with the stream in force there (`stream_at`); ``until`` past
+        """Every global position ``< until`` at which this run delivers sample ``sample_id``
+        of ``source`` (inverted with the stream in force there: `stream_at`); ``until`` past
         ``total_samples`` is a `ConfigError`."""
         return self._lookup.positions_seen(source, sample_id, until=until)
 
     def stream_at(self, position: int) -> Stream:
-        """The stream that delivered (or delivers) ``position``: this loader's, or, before a
-        change of ``seed``, ``stream_seed``, ``manifests``, ``data`` or ``algorithm`` allowed
-        at a resume (the state's history), the stream of that time when this loader can
-        rebuild it (another seed over the same dataset and order, checked against the
-        fields in force then); otherwise a `StateError` naming the change."""
+        """The stream that delivered ``position``: this loader's, or, before a change of
+        ``seed``, ``stream_seed``, ``manifests``, ``data`` or ``algorithm`` allowed at a resume,
+        the stream of that time when this loader can rebuild it; otherwise a `StateError`
+        naming the change."""
         return self._lookup.stream_at(position)
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> LoaderIterator:
-        """This rank's micro batches from ``samples_consumed`` on (`LoaderIterator`).
-
-        Rank and world size not given explicitly are (re)read from torch.distributed here.
-        """
+        """This rank's micro batches from ``samples_consumed`` on (`LoaderIterator`); rank and
+        world size not given are (re)read from torch.distributed here."""
         self._cursor.bind()
         self._trace.follow(self._cursor.layout.rank)
         if self._cursor.samples_consumed == 0:
@@ -558,8 +476,8 @@ class DataLoader:
         return iterator
 
     def close(self) -> None:
-        """End every live iterator (their reader threads and worker processes stop now),
-        drop persistent workers and close the trace file. The loader can be iterated again."""
+        """End every live iterator (their readers stop now), drop persistent workers and
+        close the trace file; the loader can be iterated again."""
         self._cursor.supersede("close() ended the loader's iterators")
         for iterator in list(self._live):  # ended on purpose: they stop, they do not raise
             iterator.close()
@@ -577,8 +495,7 @@ def _cursor(
     opts: LoaderOptions,
     collate_fn: Callable[[Batch], Any] | None,
 ) -> Cursor:
-    """The cursor of a fresh loader: its schedule and placement (the layout of position 0,
-    ``total_samples`` a step end of it) over what it reads."""
+    """The cursor of a fresh loader."""
     schedule = as_schedule(global_batch_size)
     constant = schedule.changes[0][1] if schedule.is_constant else None
     placement = Placement(constant, micro_batch_size, opts.rank, opts.world_size)

@@ -1,10 +1,7 @@
-"""Which stream and which samples a `DataLoader` delivered at a position of its run.
-
-`Lookup.provenance` answers every sample of a step, `Lookup.positions_seen` every position
-of a sample, each with the configuration in force when that position was delivered: the
-stream of the seed, data and order of that time (`Lookup.stream_at`, rebuilt when a change
-allowed at a resume replaced it) and the layout of the run's history. A `Lookup` reads the
-run through a read-only view (`RunHistory`: the loader's `Cursor`) and never moves it.
+"""Which stream and which samples a `DataLoader` delivered at a position of its run, each
+answered with the stream and layout in force then (`DataLoader.provenance`,
+`DataLoader.positions_seen`, `DataLoader.stream_at`). A `Lookup` reads the run through a
+read-only view (`RunHistory`: the loader's `Cursor`) and never moves it.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ class Lookup:
         decode: Callable[[Mapping[str, Any]], Any] | None = None,
         as_saved: bool = False,
     ) -> Any:
-        """Every sample of global ``step`` (all ranks), as `DataLoader.provenance` states."""
+        """`DataLoader.provenance`."""
         from detdata.loading import provenance as prov
 
         step = check_count(step, "step", minimum=0)
@@ -97,7 +94,7 @@ class Lookup:
         return records
 
     def positions_seen(self, source: str | None, sample_id: int, *, until: int) -> IntArray:
-        """The positions ``< until`` that delivered a sample (`DataLoader.positions_seen`)."""
+        """`DataLoader.positions_seen`."""
         from detdata.loading.provenance import positions_seen
 
         until = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
@@ -121,7 +118,7 @@ class Lookup:
         return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
 
     def stream_at(self, position: int) -> Stream:
-        """The stream that delivered ``position`` (`DataLoader.stream_at`)."""
+        """`DataLoader.stream_at`."""
         later = self._run.plan.changes_after(position, STREAM_FIELDS)
         if not later:
             return self._run.stream
@@ -151,8 +148,7 @@ class Lookup:
         return own is None or _same(own, expected)
 
     def _earlier_streams(self, then: Mapping[str, Any]) -> Iterator[Stream]:
-        """This loader's stream (a change of the loader's own seed leaves a stream the caller
-        built as it was), then the streams it can build with the seeds in force ``then``
+        """This loader's stream, then those it can build with the seeds in force ``then``
         (same data, same order)."""
         stream, definition = self._run.stream, self._run.definition
         yield stream
@@ -170,8 +166,7 @@ class Lookup:
         return str(self._run.plan.step_of(total - 1))
 
     def _check_delivered(self, step: int) -> None:
-        """``step`` ends at or before ``total_samples`` and the last addressable position
-        ``2**62`` (`ConfigError` naming the last step delivered)."""
+        """``step`` ends by ``total_samples`` and ``2**62`` (`ConfigError` otherwise)."""
         plan, total = self._run.plan, self._run.total_samples
         end = plan.start_of(step + 1)
         if end > MAX_POSITION:

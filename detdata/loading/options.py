@@ -1,29 +1,13 @@
 """The `DataLoader`'s options beyond torch's keywords: frozen, keyword-only, self-validating.
 
-``DataLoader(data, global_batch_size=..., micro_batch_size=..., seed=..., order=...,
-options=LoaderOptions(...), <torch's keywords>)``. torch's own keywords (``num_workers``,
-``pin_memory``, ``collate_fn``, ``prefetch_factor``, ``persistent_workers``, ``timeout``,
-``worker_init_fn``, ``multiprocessing_context``) stay top-level, where a torch user looks for
-them; everything detdata adds lives here, grouped by concept:
-
-* `LoaderOptions`: placement (``rank``, ``world_size``), the run's bound (``total_samples``),
-  user code (``transform``, ``transform_id``), the trace file (``trace``), and the groups below;
-* `ReadOptions`: how the reads run (``worker_mode``, ``batches_ahead``, ``steps_ahead``,
-  ``steps_ahead_connections``);
-* `DeviceFeed`: batches on an accelerator (``device``, ``copies_ahead``);
-* `ResumePolicy`: what ``load_state_dict`` accepts (``allow``) and does inside a step
-  (``mid_step``).
-
-Each object checks its fields when made and stores them normalised (a `WorkerMode`, a
-`MidStep`, a frozenset, a concrete `torch.device`): a bad value is a `ConfigError` naming the
-field (``ReadOptions.batches_ahead``), what was expected and what was found, with a hint. Only
-``transform`` (user code) can change a delivered byte; no option changes a key of the state.
-
-One word family names what is done before it is asked for: ``*_ahead`` (micro batches read
-ahead in one batched read, micro steps whose shards are cached ahead, batches copied ahead to
-the device). The former spellings (``read_ahead``, ``lookahead``, ``lookahead_connections``,
-``prefetch``) are refused with a `ConfigError` naming the new one (`refuses_renamed`). torch's
-own ``prefetch_factor`` keeps torch's name and meaning (groups in flight per worker).
+torch's own keywords stay top-level on `DataLoader`; everything detdata adds lives here:
+`LoaderOptions` (placement, bound, transform, trace) and its groups `ReadOptions`,
+`DeviceFeed` and `ResumePolicy`. Each checks its fields when made and stores them
+normalised; a bad value is a `ConfigError` naming the field (``ReadOptions.batches_ahead``),
+expected vs found, with a hint. Only ``transform`` can change a delivered byte. One word
+family names work done before it is asked for, ``*_ahead``; the former spellings
+(``read_ahead``, ``lookahead``, ``lookahead_connections``, ``prefetch``) are refused naming
+the new one (`refuses_renamed`); torch's ``prefetch_factor`` keeps torch's meaning.
 """
 
 from __future__ import annotations
@@ -94,15 +78,13 @@ class ReadOptions:
 
     * ``worker_mode`` (`WorkerMode` or its value, default ``"process"``): where the
       ``num_workers`` readers run: worker processes (as torch) or threads of this process.
-    * ``batches_ahead`` (1..64, default 16): consecutive micro batches of the rank read ahead
-      with one batched read and then split (amortises the per-read and, with worker
-      processes, the per-transfer cost). Memory in flight is about ``batches_ahead`` x
-      micro-batch bytes x (``num_workers`` x ``prefetch_factor`` + 1): lower it for large
-      samples.
-    * ``steps_ahead`` (None: `DEFAULT_STEPS_AHEAD` micro steps where shards are read through
-      a shard cache; 0: off): the shards of the next ``steps_ahead`` micro steps of this rank
-      are filled into the shard cache in the background (`detdata.datasets.prefetch`); make
-      it larger than ``num_workers x prefetch_factor x batches_ahead``.
+    * ``batches_ahead`` (1..64, default 16): consecutive micro batches of the rank read with
+      one batched read and then split (amortises the per-read and per-transfer cost); lower
+      it for large samples (memory in flight: see `DataLoader`).
+    * ``steps_ahead`` (None: `DEFAULT_STEPS_AHEAD` where shards are read through a shard
+      cache; 0: off): the shards of the next ``steps_ahead`` micro steps are filled into the
+      cache in the background (`detdata.datasets.prefetch`); make it larger than
+      ``num_workers x prefetch_factor x batches_ahead``.
     * ``steps_ahead_connections`` (1..256, default 4): threads filling the cache ahead.
     """
 
@@ -148,13 +130,12 @@ class ReadOptions:
 class DeviceFeed:
     """Batches delivered on an accelerator.
 
-    * ``device`` (None: CPU batches as read; ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a
-      `torch.device`): batches arrive on that device through reused pinned buffers and a
-      side stream; torch's ``pin_memory`` is then ignored (the feed pins into its own
-      buffers). Stored as the concrete `torch.device` (``"cuda"``: the current one); a device
-      this process cannot use is refused here.
-    * ``copies_ahead`` (1..64, default 2): batches copied ahead of the one delivered; they are
-      not counted in ``samples_consumed`` until delivered.
+    * ``device`` (None: CPU batches; ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a `torch.device`):
+      batches arrive there through reused pinned buffers and a side stream (torch's
+      ``pin_memory`` is then ignored). Stored as the concrete `torch.device`; a device this
+      process cannot use is refused here.
+    * ``copies_ahead`` (1..64, default 2): batches copied ahead of the one delivered (not
+      counted in ``samples_consumed`` until delivered).
     """
 
     device: str | torch.device | None = None
@@ -166,9 +147,8 @@ class DeviceFeed:
         return cast("torch.device | None", self.device)
 
     def feed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` on ``device``, ``copies_ahead`` ahead (`device_batches`: batches copied
-        ahead are not delivered, so a loader counting what it yields stays exact); as they
-        are without a device."""
+        """``batches`` on ``device``, ``copies_ahead`` ahead (`device_batches`); as they are
+        without a device."""
         if self.target is None:
             return batches
         from detdata.loading.device import device_batches
@@ -194,21 +174,15 @@ class ResumePolicy:
     * ``allow`` (names of checked state fields, e.g. ``["global_batch_size"]``): changes
       accepted at every resume of this loader, besides those ``load_state_dict(allow=...)``
       names. Stored as a frozenset.
-    * ``mid_step`` (`MidStep` or its value, default ``"redo"``): a state saved inside a global
-      step resumes at that step's first position (``"redo"``) or right after the delivered
-      part (``"continue"``, for a caller that restores the partial gradients too); the
-      default of ``load_state_dict(mid_step=None)``, for callers such as
+    * ``mid_step`` (`MidStep` or its value, default ``"redo"``): the default of
+      ``load_state_dict(mid_step=None)`` (`MidStep`), for callers such as
       ``torch.distributed.checkpoint`` that call ``load_state_dict(state)`` themselves.
-    * ``fresh_each_run`` (default False): this loader starts at position 0 in every run, by
-      design (an evaluation loader). A framework watch that refuses a loader starting at
-      position 0 in a resumed run (accelerate's ``load_state`` with no detdata loader
-      registered: `detdata.integrations.accelerate`) leaves it alone. It changes nothing
-      else: ``load_state_dict`` still resumes it when asked.
-    * ``attest`` (default True): resume attestation (`detdata.loading.attest`): a saved state
-      carries the digests of the last samples delivered before it, and a resume re-derives
-      them before its first batch, refusing with a `StateError` what differs (code, tables,
-      globals or bytes outside the checked fields). False: states carry none and resumes
-      check none.
+    * ``fresh_each_run`` (default False): this loader starts at position 0 in every run by
+      design (evaluation): framework watches that refuse a loader starting over in a resumed
+      run leave it alone (`detdata.integrations.accelerate`); nothing else changes.
+    * ``attest`` (default True): resume attestation (`detdata.loading.attest`): a state
+      carries the digests of the last samples delivered, re-derived before a resume's first
+      batch (a `StateError` when they differ). False: states carry none, resumes check none.
     """
 
     allow: Iterable[str] = ()
@@ -217,20 +191,11 @@ class ResumePolicy:
     attest: bool = True
 
     def __post_init__(self) -> None:
-        _of_type(
-            "ResumePolicy.attest",
-            self.attest,
-            bool,
-            "True or False",
-            "ResumePolicy(attest=False) to save and resume without attestation",
-        )
-        _of_type(
-            "ResumePolicy.fresh_each_run",
-            self.fresh_each_run,
-            bool,
-            "True or False",
-            "ResumePolicy(fresh_each_run=True) for an evaluation loader",
-        )
+        for name, example in (
+            ("attest", "ResumePolicy(attest=False) to save and resume without attestation"),
+            ("fresh_each_run", "ResumePolicy(fresh_each_run=True) for an evaluation loader"),
+        ):
+            _of_type(f"ResumePolicy.{name}", getattr(self, name), bool, "True or False", example)
         _fix(
             self,
             "allow",

@@ -1,12 +1,9 @@
 """Reading groups of positions: from a group of micro batches to delivered batches.
 
 `GroupSampler` yields this rank's micro-batch positions in groups of ``batches_ahead``;
-`GroupReader` reads a group with one batched read (`PositionDataset`: stream fetch plus
-the per-sample transform), splits it, and returns a `GroupRead` (the unit a worker
-process hands over; with `SlotSampler`, a `SlotGroup` in a shared-memory slot).
-If the group read fails it is re-read one micro batch at a time,
-so the error lands exactly at the unreadable batch and every batch before it is
-delivered. Delivered batches own their memory (`owned`).
+`GroupReader` reads a group with one batched read (`PositionDataset`: fetch plus the
+per-sample transform) and splits it into a `GroupRead` (or, with `SlotSampler`, a
+`SlotGroup` in a shared-memory slot). Delivered batches own their memory (`owned`).
 """
 
 from __future__ import annotations
@@ -69,13 +66,9 @@ def takes_rng(transform: Callable[..., Any]) -> bool:
 def apply_transform(
     batch: Batch, positions: IntArray, transform: Transform, seed: int, *, rng: bool = True
 ) -> Batch:
-    """Apply ``transform(sample, rng)`` to each sample with its position's generator
-    (``transform(sample)`` when ``rng`` is False); restack.
-
-    Every sample's output must have the keys of the first one (a key missing
-    or extra at one position is refused, naming it); each column is restacked
-    with `detdata.datasets.batch_columns.restack`.
-    """
+    """Apply ``transform(sample, rng)`` (``transform(sample)`` when ``rng`` is False) to each
+    sample with its position's generator, and restack; every output must have the first
+    one's keys (`ConfigError` naming the position)."""
     outs: list[Mapping[str, Any]] = []
     with_rng = cast(
         Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]], transform
@@ -121,28 +114,8 @@ class PositionDataset(tud.Dataset[Batch]):
         return batch
 
     def read_ahead(self, positions: IntArray | None) -> None:
-        """Pass the hint that ``positions`` are read next to a `ReadsAhead` stream (others
-        get none: `hint_read_ahead`)."""
+        """Hint a `ReadsAhead` stream that ``positions`` are read next (`hint_read_ahead`)."""
         hint_read_ahead(self.stream, positions)
-
-    def __len__(self) -> int:
-        raise TypeError("PositionDataset is indexed by position arrays and has no length")
-
-
-class MicroBatchSampler(tud.Sampler[IntArray]):
-    """Yields this rank's position arrays, one per micro step, from a start position."""
-
-    def __init__(self, layout: Layout, start: int, stop: int | None) -> None:
-        self.layout = layout
-        self.start = start
-        self.stop = stop
-
-    def __iter__(self) -> Iterator[IntArray]:
-        per = self.layout.samples_per_micro_step
-        j = self.start // per
-        while self.stop is None or j * per < self.stop:
-            yield self.layout.positions(j)
-            j += 1
 
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
@@ -156,15 +129,21 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
         self.size = size
 
     def __iter__(self) -> Iterator[list[IntArray]]:
-        micro = iter(MicroBatchSampler(self.layout, self.start, self.stop))
+        micro = self._micro_batches()
         while group := list(itertools.islice(micro, self.size)):
             yield group
 
+    def _micro_batches(self) -> Iterator[IntArray]:
+        per = self.layout.samples_per_micro_step
+        j = self.start // per
+        while self.stop is None or j * per < self.stop:
+            yield self.layout.positions(j)
+            j += 1
+
 
 class SlotSampler(tud.Sampler[SlotTask]):
-    """The groups of a `GroupSampler` sent to worker processes as `SlotTask` objects, each
-    naming a free shared-memory slot of ``transport`` to write the group into
-    (`detdata.loading.slots`)."""
+    """The groups of a `GroupSampler` as `SlotTask` objects naming a free slot of
+    ``transport``."""
 
     def __init__(self, groups: GroupSampler, transport: SlotTransport) -> None:
         self.groups = groups
@@ -202,12 +181,8 @@ class GroupRead:
 
 
 def portable(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback as a note, or a RuntimeError carrying its text if it cannot be
-    pickled.
-
-    A worker process returns a failed group's error as a value (the batches before
-    it are delivered first), so it must survive pickling; tracebacks do not.
-    """
+    """``exc`` with its traceback as a note (or a RuntimeError with its text if it cannot be
+    pickled): a worker returns a failed group's error as a value, which must pickle."""
     text = "".join(traceback.format_exception(exc))
     try:
         pickle.loads(pickle.dumps(exc))
@@ -232,9 +207,8 @@ def own_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` in memory of its own, made by one thread (a numpy copy of its
     bytes, any dtype) for contiguous CPU tensors; ``clone()`` otherwise.
 
-    ``clone()`` runs on torch's intra-op threads: on a busy machine (the trainer's own
-    threads, other loaders) their start-up and contention made each copy of a 0.5 MB micro
-    batch cost milliseconds instead of tens of microseconds.
+    ``clone()`` runs on torch's intra-op threads: on a busy machine their start-up and
+    contention made each copy of a 0.5 MB micro batch cost milliseconds, not microseconds.
     """
     cpu = tensor.device.type == "cpu" and not tensor.requires_grad
     if not cpu or not tensor.is_contiguous() or tensor.numel() == 0:
@@ -270,13 +244,8 @@ _NUMPY_DTYPES: Final = frozenset(
 
 
 def owned(batch: Any) -> Any:
-    """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied.
-
-    docs/design.md section 4: a delivered batch owns its memory, so keeping one batch
-    never keeps its group alive (16x its size with the default ``batches_ahead``) and
-    ``torch.save(batch)`` writes only its own bytes. Tensors that already own their
-    storage (pinned copies, device batches, ``batches_ahead=1``) are passed through.
-    """
+    """``batch`` with every tensor that views a larger buffer (its read-ahead group) copied:
+    a delivered batch owns its memory (docs/design.md section 4)."""
     if isinstance(batch, torch.Tensor):
         return own_copy(batch) if batch.untyped_storage().nbytes() > batch.nbytes else batch
     if isinstance(batch, np.ndarray):
@@ -293,15 +262,11 @@ def owned(batch: Any) -> Any:
 class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     """Reads a group of micro batches with one batched read, then splits it (see ``batches_ahead``).
 
-    With the default collate the group becomes one tensor per column and each
-    micro batch is a view of it: one allocation, one pinning and (from a worker
-    process) one transfer per group instead of per micro batch. Given a `SlotTask`
-    (worker processes), the group is written into that shared-memory slot instead and
-    only a `SlotGroup` crosses (`detdata.loading.slots`); groups that cannot use a
-    slot go as before.
-    If the group read fails, it is read again one micro batch at a time, so every
-    micro batch before the failing one is still delivered and the error is raised
-    exactly at the batch that cannot be read.
+    With the default collate the group is one tensor per column and each micro batch a view
+    of it (one allocation, pinning and transfer per group); given a `SlotTask` it is written
+    into that shared-memory slot instead (`detdata.loading.slots`). A failed group is read
+    again batch by batch: the batches before the failing one are delivered and the error is
+    raised exactly at the one that cannot be read.
     """
 
     def __init__(
@@ -332,21 +297,15 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def __getitem__(self, group: list[IntArray] | SlotTask) -> GroupRead | SlotGroup:
         if isinstance(group, SlotTask):
             return self._into_slot(group)
-        if len(group) == 1:
-            return self._one_by_one(group)
-        return self._group(group)
+        return self(group)
 
     def _into_slot(self, task: SlotTask) -> GroupRead | SlotGroup:
-        """A worker's read of a group handed over through a shared-memory slot (`slots`).
-
-        Reads, failures and the fallback are those of the plain path: a group that
-        cannot use its slot (no slot yet, too large, columns other than numbers, a
-        ``collate_fn``) is sent as before, with a receipt that frees the slot.
-        """
+        """A worker's read of a group into its shared-memory slot; a group that cannot use it
+        is sent as on the plain path, with a receipt that frees the slot."""
         task.held()  # take the ring attached to this task, if any
         group = task.group
         if self.collate_fn is not None:
-            plain = self._one_by_one(group) if len(group) == 1 else self._group(group)
+            plain = self(group)
             return dataclasses.replace(plain, receipt=task.receipt(0))
         bounds = _bounds(group)
         try:
@@ -398,18 +357,9 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
         return self._one_by_one(group) if len(group) == 1 else self._group(group)
 
     def read_ahead(self, group: list[IntArray] | None) -> None:
-        """A hint: ``group`` is read next (None: drop what is pending); see
-        `OrderedStream.read_ahead`. It never changes a delivered byte, and never raises for
-        what the read would report."""
-        if group is None:
-            self.dataset.read_ahead(None)
-        elif len(group) == 1:  # read on its own (`_one_by_one`)
-            self.dataset.read_ahead(group[0])
-        else:
-            self.dataset.read_ahead(np.concatenate(group))
-
-    def __len__(self) -> int:
-        raise TypeError("GroupReader is indexed by groups of position arrays and has no length")
+        """A hint that ``group`` is read next (None: drop what is pending); never changes a
+        byte (`OrderedStream.read_ahead`)."""
+        self.dataset.read_ahead(None if group is None else np.concatenate(group))
 
 
 @dataclass(frozen=True)
@@ -429,10 +379,8 @@ class RunSlice:
 
 @dataclass(frozen=True)
 class Reads:
-    """How every batch source reads a group: with the per-sample ``transform`` (and the
-    generators of ``seed``), ``collate_fn`` (None: one tensor per column), ``batches_ahead``
-    micro batches per group; ``pin_memory``: batches read in this process are pinned when
-    CUDA is present (torch's ``pin_memory``; off with a device feed, which pins itself)."""
+    """How every batch source reads a group (``pin_memory``: pin batches read in this process
+    when CUDA is present; off with a device feed, which pins itself)."""
 
     transform: Transform | None
     seed: int
@@ -441,9 +389,8 @@ class Reads:
     batches_ahead: int
 
     def reader(self, stream: Stream, *, in_worker: bool) -> GroupReader:
-        """The `GroupReader` of ``stream``; in a worker process (``in_worker``) batches are
-        never pinned there: torch's pin-memory thread pins in the main process
-        (`GroupRead.pin_memory`)."""
+        """The `GroupReader` of ``stream`` (never pinning ``in_worker``: torch's pin-memory
+        thread does, `GroupRead.pin_memory`)."""
         pin = not in_worker and self.pin_memory and torch.cuda.is_available()
         dataset = PositionDataset(stream, self.transform, self.seed)
         return GroupReader(dataset, self.collate_fn, pin, in_worker)

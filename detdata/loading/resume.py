@@ -1,12 +1,6 @@
-"""The checks of a resume (`Cursor.load_state_dict`), as functions of what they are given.
-
-A resume checks the saved identity fields against the loader's (over a saved mixture: its
-mixture continued from the saved one, the mixture in force; a difference is refused unless
-allowed by name), places the saved position on a step of the saved run's history
-(`MidStep`), continues that history with the loader's schedule and layout
-(`resumed_plan`), and applies an allowed mixture or exclusion change from the saved
-position on (`ContinuesFrom.continue_from` in `stream_in_force`; its refusal raised by
-`check_mixture_change`, `check_exclusions`). Nothing here modifies anything.
+"""The checks of a resume (`Cursor.load_state_dict`), as pure functions of what they are
+given: the stream in force (`stream_in_force`), the resumed history (`resumed_plan`) and the
+refusals of an allowed mixture or exclusion change. Nothing here modifies anything.
 """
 
 from __future__ import annotations
@@ -54,8 +48,7 @@ def check_exclusions(
     stream: Stream, saved: LoaderState, failure: ConfigError | StateError | None
 ) -> None:
     """An allowed ``exclusions`` change may only append lists in force from the saved
-    position on (`Excluded.continue_from`, run by `stream_in_force`: its refusal is
-    ``failure``); anything else is a `StateError`."""
+    position on (``failure``: `stream_in_force`'s refusal); else a `StateError`."""
     if not isinstance(stream, Excluded):
         raise StateError(
             "the saved state excludes samples but this loader's stream is not an "
@@ -71,21 +64,13 @@ def stream_in_force(
     data: Dataset | Stream, stream: Stream, saved: LoaderState
 ) -> tuple[Stream, ConfigError | StateError | None]:
     """The stream a loader over ``data`` (reading ``stream`` now) delivers from the resume
-    position on, the one definition of "the mixture in force": over a saved mixture, the
-    loader's `Mixture` ``data`` (as built, not as an earlier resume left it) continued from
-    the saved one (`Mixture.continue_from`: the saved phases before the position, the
-    loader's weights from it on; the same mixture when the weights in force do not change);
-    an `Excluded` ``data`` is itself once it continues the saved exclusions
-    (`Excluded.continue_from`). Anything else is ``stream``; so is data that cannot continue
-    the saved stream (other sources or seed, a list in force too early: the differences
-    name them), returned with the reason. Weights changed
-    during the saved run (its history's ``mixture_weights`` changes) are replayed on the
-    loader's data first (`reweighting.replay`): the trajectory is part of the run, so a
-    resume needs no controller to continue it.
-
-    The checked fields are compared, recorded in a change and saved from this one
-    stream, so a change's ``new`` value is the field every later state holds, and a
-    later resume with the same definition is no change at all."""
+    position on: the one definition of "the mixture in force". ``data`` that continues the
+    saved stream (`ContinuesFrom.continue_from`: a `Mixture` with the saved phases before
+    the position and its weights after, an `Excluded` appending lists) is that
+    continuation; otherwise ``stream``, with the reason when it cannot continue. Weight
+    changes of the saved run's history are replayed first (`reweighting.replay`), so a
+    resume needs no controller. The checked fields are compared, recorded and saved from
+    this one stream, so a later resume with the same definition is no change."""
     changes = reweighting.recorded(saved.plan)
     if changes:  # weights changed during the saved run: its trajectory, replayed
         replayed = reweighting.replay(stream, changes)
@@ -125,8 +110,7 @@ def check_mixture_change(
 
 
 def check_at_step(mid_step: MidStep | None) -> None:
-    """``at_step`` names the step whose first position the resume starts at; an explicit
-    ``mid_step="continue"`` (resume after the delivered part) contradicts it."""
+    """An explicit ``mid_step="continue"`` contradicts ``at_step`` (`ConfigError`)."""
     if mid_step is MidStep.CONTINUE:
         raise ConfigError(
             "load_state_dict(at_step=..., mid_step='continue') contradicts itself: at_step "

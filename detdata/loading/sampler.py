@@ -1,27 +1,14 @@
 """Batch samplers with detdata's positions for loaders you keep (docs/design.md sections 2-4, 7).
 
-`DeterministicBatchSampler`: pass it as ``batch_sampler=`` to ``torch.utils.data.DataLoader``
-or torchdata's ``StatefulDataLoader`` over your own map-style dataset. Each item is this
-rank's micro batch as a list of sample ids, exactly the ids detdata's own DataLoader would
-read at those positions. Given a `Mixture` instead of a sample count, each item is a list
-of ``(source_name, sample_id)`` pairs (section 3), for a dataset that dispatches by source.
-Rank and world size not given explicitly are read from torch.distributed when an iteration
-starts (a sampler built before the process group exists still reads its rank's slice).
-
-State is the same one integer: global samples consumed. ``StatefulDataLoader`` snapshots
-the sampler when it dispatches a batch, so its saved state matches the batches it
-delivered. With the vanilla DataLoader (which prefetches and keeps no state) use
-`state_after(batches_delivered)`.
-
-`FrameworkBatchSampler` (``DeterministicBatchSampler.sharded_by_framework(...)``) is for a
-framework that shards batches itself, such as accelerate's ``prepare`` (its
-``BatchSamplerShard``): it yields the run's global micro steps whole, and the framework
-splits each into its processes' slices, which are exactly detdata's rank slices. The
-framework then also keeps the position (it counts the batches it delivered).
-
-A framework never shards detdata's data a second time silently: a rank-sliced sampler
-iterated by a wrapper that deals its items to several processes raises `ConfigError`, and
-so does a framework-sharded one iterated at world size > 1 with nobody splitting its items.
+`DeterministicBatchSampler`: ``batch_sampler=`` of ``torch.utils.data.DataLoader`` or
+torchdata's ``StatefulDataLoader`` over your own map-style dataset; each item is this rank's
+micro batch as the sample ids (or, over a `Mixture`, ``(source_name, sample_id)`` pairs)
+detdata's own DataLoader would read. Its state is one integer, global samples consumed
+(``StatefulDataLoader`` snapshots it per dispatched batch; with torch's DataLoader use
+`state_after`). `FrameworkBatchSampler` (``DeterministicBatchSampler.sharded_by_framework``)
+yields whole global micro steps for a framework that shards them itself (accelerate's
+``BatchSamplerShard``) and keeps the position. Sharding detdata's data twice, or not at all
+at world size > 1, is a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
 from detdata.loading import frameworks
 from detdata.loading.history import Plan, as_schedule
-from detdata.loading.layout import Layout, process_group_rank_world
+from detdata.loading.layout import Layout, Placement, process_group_rank_world
 from detdata.order.batches import BatchSchedule
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 
@@ -77,8 +64,7 @@ class _Ids:
     def items(self, positions: IntArray) -> list[Any]:
         if self.order is not None:
             return list(self.order.ids(positions).tolist())
-        if self.mixture is None:
-            raise ConfigError("a detdata batch sampler has neither an order nor a mixture")
+        assert self.mixture is not None  # one of the two, by construction
         src, _, ids = self.mixture.locate(positions)
         names = self.mixture.source_names
         return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
@@ -97,13 +83,9 @@ def _caller() -> FrameType | None:
 
 
 def _dealer(frame: FrameType | None, sampler: object) -> Any:
-    """The object that called ``iter(sampler)`` if it deals the sampler's items to several
-    processes (it holds the sampler as ``.batch_sampler`` and has ``num_processes > 1``, as
-    accelerate's ``BatchSamplerShard`` does), else None.
-
-    Python code that iterates a batch sampler runs in a frame whose ``self`` is the
-    iterating object; torch's own DataLoader iterators hold no ``batch_sampler`` there.
-    """
+    """The object (the ``self`` of the calling frame) that called ``iter(sampler)`` if it
+    deals the items to several processes (holds it as ``.batch_sampler``, has
+    ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else None."""
     owner = None if frame is None else frame.f_locals.get("self")
     processes = getattr(owner, "num_processes", None)
     if (
@@ -126,11 +108,9 @@ def _check_total(total_samples: int | None) -> int | None:
 class DeterministicBatchSampler:
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on.
 
-    The surface a ``BatchSampler`` has: ``batch_size`` (the micro batch), ``drop_last``
-    (True: every item is a full micro batch), ``sampler`` (None), a constant ``len()`` and
-    a no-op ``set_epoch``. Iteration is infinite unless ``total_samples`` is given, and a
-    new ``iter()`` continues at ``samples_consumed`` (the order is a function of the global
-    position, so epochs continue).
+    A ``BatchSampler``'s surface (``batch_size``, ``drop_last``, ``sampler``, a constant
+    ``len()``, a no-op ``set_epoch``); infinite unless ``total_samples`` is given, and a new
+    ``iter()`` continues at ``samples_consumed``.
     """
 
     def __init__(
@@ -148,8 +128,8 @@ class DeterministicBatchSampler:
         self.mixture, self.order, self.seed = self._ids.mixture, self._ids.order, self._ids.seed
         self._schedule = as_schedule(global_batch_size)
         constant = self._schedule.changes[0][1] if self._schedule.is_constant else None
-        self._layout_args = (constant, micro_batch_size, rank, world_size)
-        self.layout = self._layout_now(0)
+        self._placement = Placement(constant, micro_batch_size, rank, world_size)
+        self.layout = self._placement.layout_at(0)
         self._plan = Plan.fresh(self._schedule, self.layout)
         # earlier batches are checked from the start position (iteration, load_state_dict):
         # a resume past a ramp-up may use a layout the ramp's batches do not fit
@@ -179,29 +159,16 @@ class DeterministicBatchSampler:
             total_samples=total_samples,
         )
 
-    # ------------------------------------------------------ rank and world
-    def _layout_now(self, anchor: int) -> Layout:
-        """The layout with rank / world size not given explicitly read from torch.distributed,
-        its micro-step grid through position ``anchor``."""
-        gbs, micro, rank, world = self._layout_args
-        group_rank, group_world = process_group_rank_world()
-        world = group_world if world is None else world
-        return Layout.create(gbs, micro, world, group_rank if rank is None else rank, anchor=anchor)
-
-    def _check_resume(self, layout: Layout, consumed: int) -> None:
-        """``layout`` continues at ``consumed``: a micro-step boundary of its step, and every
-        global batch from there on divides into its micro steps."""
+    def _bind(self, consumed: int) -> None:
+        """Continue at ``consumed`` with rank and world size re-read from torch.distributed: a
+        micro-step boundary of its step whose every later global batch divides into micro
+        steps (`StateError` / `ConfigError` otherwise)."""
+        layout = self._placement.layout_at(consumed)
         layout.check_resume_position(consumed, self._plan.start_of(self._plan.step_of(consumed)))
         self._plan.check_fits(layout, consumed)
+        self.layout, self._start, self._yielded = layout, consumed, 0
 
     # ------------------------------------------------------ steps
-    @property
-    def batch_schedule(self) -> BatchSchedule:
-        """The global batch schedule (one batch, a ramp-up, explicit changes): the checked
-        state field ``global_batch_size``. It never changes at a resume here (no history:
-        use `detdata.DataLoader` for a global-batch change at a resume)."""
-        return self._schedule
-
     @property
     def global_batch_size(self) -> int:
         """Global batch of the step at ``samples_consumed`` (constant unless a schedule)."""
@@ -219,18 +186,6 @@ class DeterministicBatchSampler:
     def step_of_position(self, position: int) -> int:
         """The step global position ``position`` belongs to."""
         return self._plan.step_of(check_count(position, "position", minimum=0))
-
-    def _bind_layout(self) -> None:
-        """Re-read rank and world size at iteration start; the layout must fit every global
-        batch from ``samples_consumed`` on (a fresh run: from position 0).
-
-        The micro batches yielded so far are folded into ``_start`` first, counted with the
-        layout they were yielded with (the new one may have another size)."""
-        consumed = self.samples_consumed
-        layout = self._layout_now(consumed)
-        self._check_resume(layout, consumed)
-        self._start, self._yielded = consumed, 0
-        self.layout = layout
 
     # ------------------------------------------------------ BatchSampler surface
     @property
@@ -253,12 +208,8 @@ class DeterministicBatchSampler:
         del epoch
 
     def __len__(self) -> int:
-        """Micro batches of this rank per epoch of the run: a constant, whatever was consumed.
-
-        With ``total_samples``: all of them (``total_samples // (micro_batch_size *
-        world_size)``); otherwise one pass over ``num_samples`` (at least 1), or
-        ``2**62 // (micro_batch_size * world_size)`` for a `Mixture` (it has no epoch).
-        """
+        """Micro batches of this rank per epoch: a constant, all of ``total_samples``, one
+        pass over ``num_samples`` (at least 1), or ``2**62`` samples' worth for a `Mixture`."""
         per = self.layout.samples_per_micro_step
         if self.total_samples is not None:
             return self.total_samples // per
@@ -273,18 +224,12 @@ class DeterministicBatchSampler:
         """Global position after the micro batches yielded so far."""
         return self._start + self._yielded * self.layout.samples_per_micro_step
 
-    def _items(self, positions: IntArray) -> list[Any]:
-        return self._ids.items(positions)
-
     def __iter__(self) -> Iterator[list[Any]]:
-        """This rank's micro batches from ``samples_consumed`` on (rank and world size not
-        given explicitly are re-read from torch.distributed here).
-
-        Raises `ConfigError` when the caller deals the items to several processes
-        (accelerate's ``BatchSamplerShard``): they are this rank's slice already.
-        """
+        """This rank's micro batches from ``samples_consumed`` on (rank and world size re-read
+        here); `ConfigError` when the caller deals the items to several processes (accelerate's
+        ``BatchSamplerShard``): they are this rank's slice already."""
         dealer = _dealer(_caller(), self)
-        self._bind_layout()
+        self._bind(self.samples_consumed)  # counted with the layout they were yielded with
         if dealer is not None:
             raise ConfigError(
                 f"DeterministicBatchSampler yields rank {self.layout.rank}'s micro batches "
@@ -293,14 +238,12 @@ class DeterministicBatchSampler:
                 "would train on a fraction of its slice and whole micro batches would "
                 f"never be used; hint: let the framework shard: {_FRAMEWORK_HINT}"
             )
-        self._start = self.samples_consumed
-        self._yielded = 0
         return self._generate(self._start // self.layout.samples_per_micro_step)
 
     def _generate(self, j: int) -> Iterator[list[Any]]:
         per, offset = self.layout.samples_per_micro_step, self.layout.offset
         while self.total_samples is None or (j + 1) * per + offset <= self.total_samples:
-            items = self._items(self.layout.positions(j))
+            items = self._ids.items(self.layout.positions(j))
             self._yielded += 1
             j += 1
             yield items
@@ -367,37 +310,22 @@ class DeterministicBatchSampler:
                 "total_samples the state was saved with",
                 fields=("samples_consumed",),
             )
-        layout = self._layout_now(consumed)  # rank and world size bound now, as at iteration
-        self._check_resume(layout, consumed)
-        self.layout, self._start, self._yielded = layout, consumed, 0
+        self._bind(consumed)  # rank and world size bound now, as at iteration
 
 
 class FrameworkBatchSampler:
     """The run's global micro steps, whole, for a framework that shards them itself.
 
-    Item ``j`` is the ids at global positions ``[j * batch_size, (j + 1) * batch_size)``,
-    the same for every process and world size. A framework that splits each item into its
-    processes' consecutive slices in rank order (accelerate with ``split_batches=True``:
-    ``BatchSamplerShard`` hands process ``r`` slice ``r``) gives each process exactly the
-    rows detdata's own DataLoader gives rank ``r`` with micro batch ``batch_size //
-    world_size``; a global step is ``global_batch_size // batch_size`` items (gradient
-    accumulation steps), whatever the world size.
-
-    The framework keeps the position: every ``iter()`` starts at the beginning of the run,
-    as torch expects of a batch sampler, and a resumed ``StatefulDataLoader`` (accelerate's
-    ``use_stateful_dataloader=True``) skips the items it had delivered. Since an item is a
-    whole micro step of every process, that count means the same samples at any world size,
-    so a run saved at 2 processes resumes exactly at 1 (skipping computes the skipped items'
-    ids, about 0.2 microseconds per sample on one core, and reads no data). This object has no
-    ``state_dict`` on purpose: torchdata would otherwise ask it for a state that a world
-    size > 1 never saved (accelerate's shard wrapper has none) instead of skipping.
-
-    One pass covers the run: ``total_samples`` if given (``len()`` is then ``total_samples
-    // batch_size``), else unbounded (positions go on through later epochs of the order).
-    Iterated at world size > 1 it must be split by its caller: `ConfigError` otherwise (each
-    process would train on the same rows), and also when the caller deals whole items to
-    processes (accelerate's default ``split_batches=False``: the count the framework keeps
-    would then mean other samples at another world size).
+    Item ``j`` is the ids at global positions ``[j * batch_size, (j + 1) * batch_size)`` at
+    every world size; split into consecutive slices in rank order (accelerate's
+    ``split_batches=True``), process ``r`` gets exactly what detdata's DataLoader gives rank
+    ``r`` with micro batch ``batch_size // world_size``. The framework keeps the position:
+    every ``iter()`` starts at the run's beginning and a resumed ``StatefulDataLoader``
+    skips the items delivered (the same samples at any world size; skipping reads no data).
+    No ``state_dict`` on purpose: torchdata would ask it for a state a world size > 1 never
+    saved instead of skipping. One pass covers the run (``total_samples``, else unbounded).
+    Iterated at world size > 1 unsplit, or dealt whole to processes
+    (``split_batches=False``), it is a `ConfigError`.
     """
 
     def __init__(
@@ -472,9 +400,8 @@ class FrameworkBatchSampler:
         return self._generate()
 
     def _generate(self) -> Iterator[list[Any]]:
-        """Items in order; ids are computed for up to `_CHUNK_POSITIONS` positions at once
-        (one call's fixed cost, ~0.2 ms, spread over many items: a framework that skips the
-        items it had delivered on resume skips ~100x faster)."""
+        """Items in order, ids computed for `_CHUNK_POSITIONS` positions at once (a framework
+        skipping delivered items on resume skips ~100x faster)."""
         per = self.batch_size
         total = MAX_POSITION if self.total_samples is None else self.total_samples
         items = total // per

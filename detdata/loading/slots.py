@@ -1,37 +1,14 @@
 """Shared-memory slots: how worker processes hand a read-ahead group to the main process.
 
-torch's own worker -> main transfer creates one shared-memory segment per tensor,
-passes its file descriptor over a socket and maps it again in the main process,
-for every group: on small batches that per-transfer setup costs more than the read.
-Here the main process owns a **ring of preallocated slots** (one anonymous
-shared-memory file, ``num_workers * prefetch_factor + 2`` slots), reused for the
-life of the torch DataLoader (for persistent workers: the life of the workers):
-
-* the sampler (main process) hands each group a free slot (`SlotTransport.task`);
-* the worker reads the group, writes its columns into that slot and returns only
-  a small `SlotGroup` (slot index, column dtypes, shapes, offsets);
-* the main process copies each micro batch out of the slot (delivered batches own
-  their memory, docs/design.md section 4) and frees the slot (`settle`).
-
-The ring's file reaches each worker once, as a duplicated descriptor attached to
-its first tasks (`RingHandle`), never per transfer. Slots are sized from the
-first groups the workers read (the loader cannot know a transform's output size
-in advance): until then, and whenever a group does not fit (ragged columns,
-strings, a ``collate_fn``, a larger group), the group takes torch's transfer as
-before, so nothing is refused; a larger group grows the ring for the next ones.
-
-The file is anonymous (``memfd_create``; elsewhere a POSIX segment unlinked at
-once): it has no name in ``/dev/shm``, so nothing can leak there, whatever ends
-the process, and its memory returns when the last process holding it lets go
-(the transport is closed or collected, the workers exit). A process forked while a
-ring exists (another loader's workers, any ``os.fork``) drops its inherited copy of
-every ring at once (`_drop_inherited_rings`): workers get their ring through their
-tasks, never by inheritance, so only they keep it. Its pages are reserved
-up front (``posix_fallocate``): a full shared-memory filesystem is an ``OSError``
-here, answered by falling back to torch's transfer, never a SIGBUS mid-batch.
-
-Exactness does not depend on any of this: which path a group takes never changes
-a delivered byte, and errors travel as before (as values in a `GroupRead`).
+torch's transfer makes and maps a shared-memory segment per tensor per group (on small
+batches, more than the read costs). Here the main process owns a ring of ``num_workers *
+prefetch_factor + 2`` slots in one anonymous, pre-reserved file (``memfd_create``: nothing
+leaks in ``/dev/shm``; a full filesystem is an ``OSError`` and a fallback, never a SIGBUS):
+the sampler hands each group a free slot (`SlotTransport.task`), the worker writes it and
+returns a small `SlotGroup`, the main process copies each micro batch out and frees the
+slot (`settle`). The ring reaches a worker once (`RingHandle`); forked processes drop
+inherited rings. Until slots are sized, and for groups that do not fit, torch's transfer
+is used. Neither path changes a delivered byte.
 """
 
 from __future__ import annotations
@@ -180,11 +157,8 @@ class SlotTask:
 
 
 def slot_layout(raw: Any, rows: int) -> list[tuple[Any, np.ndarray, int]] | None:
-    """(key, column, offset) of each column of ``raw`` in a slot, or None if it cannot use one.
-
-    Only a flat mapping of numeric / bool / temporal numpy columns with ``rows`` rows fits;
-    strings, ragged and object columns, nested mappings take torch's transfer.
-    """
+    """(key, column, offset) of each column of ``raw`` in a slot, or None if it cannot use one
+    (only a flat mapping of `SLOT_KINDS` numpy columns with ``rows`` rows fits)."""
     if not isinstance(raw, Mapping) or not raw:
         return None
     out, offset = [], 0
@@ -196,11 +170,6 @@ def slot_layout(raw: Any, rows: int) -> list[tuple[Any, np.ndarray, int]] | None
         out.append((key, col, offset))
         offset = _round_up(offset + col.nbytes, ALIGN)
     return out
-
-
-def layout_bytes(layout: list[tuple[Any, np.ndarray, int]]) -> int:
-    _, col, offset = layout[-1]
-    return offset + col.nbytes
 
 
 @dataclass(frozen=True)
@@ -232,16 +201,13 @@ class PinnedGroup:
 
 
 def write_slot(task: SlotTask, raw: Any, bounds: list[tuple[int, int]]) -> SlotGroup | int:
-    """Write ``raw`` (a group read in a worker) into the task's slot.
-
-    Returns the `SlotGroup` to send, or the bytes the group would need (0: it can never
-    use a slot) when it does not fit or the task has no slot: the caller then sends it
-    through torch's transfer, with that number in its receipt.
-    """
+    """Write ``raw`` (a group read in a worker) into the task's slot: the `SlotGroup` to
+    send, or the bytes the group would need (0: never fits) for torch's transfer."""
     layout = slot_layout(raw, bounds[-1][1] if bounds else 0)
     if layout is None:
         return 0
-    needed = layout_bytes(layout)
+    _, last, offset = layout[-1]
+    needed = offset + last.nbytes
     ring = task.held()
     if (
         task.slot is None
@@ -449,9 +415,8 @@ class SlotTransport:
 
 
 def _drop_inherited_rings() -> None:
-    """After a fork, in the child: drop every ring inherited from the parent (main side and
-    worker side). A worker of a transport gets its ring through its tasks (`RingHandle`),
-    so no child needs an inherited one, and an unrelated child must not keep it alive."""
+    """After a fork, in the child: drop every inherited ring (workers get theirs through
+    their tasks, and an unrelated child must not keep one alive)."""
     for transport in list(_TRANSPORTS.values()):
         transport._drop_in_child()
     _TRANSPORTS.clear()

@@ -1,11 +1,7 @@
-"""Where a `DataLoader`'s micro batches are read: one small protocol (`BatchSource`) and its
-three implementations, inline (`InlineSource`, ``num_workers=0``), on reader threads
-(`ThreadSource`, ``worker_mode="thread"``) and in worker processes
-(`detdata.loading.torch_workers.WorkerSource`).
-
-Every source reads the same groups of ``batches_ahead`` micro batches with the same reader
-(`Reads`), so bytes and order never depend on which one runs; a source hands batches over
-in order and counts nothing (the iteration counts a batch once it reached the caller).
+"""Where a `DataLoader`'s micro batches are read: the `BatchSource` protocol, inline
+(`InlineSource`), on threads (`ThreadSource`) or in worker processes
+(`detdata.loading.torch_workers.WorkerSource`). Every source reads the same groups with the
+same reader (`Reads`), so bytes and order never depend on which runs; none counts batches.
 """
 
 from __future__ import annotations
@@ -40,11 +36,8 @@ class BatchSource(Protocol):
 
 
 class InlineSource:
-    """``num_workers=0``: the workers' reader in this process, without torch's per-batch
-    plumbing. The order is known ahead, so the next `GROUPS_AHEAD` groups are hinted to
-    the stream before a group's batches are delivered (`GroupReader.read_ahead`): a dataset
-    that takes the hint reads their files in the background meanwhile (the same bytes and
-    checks; dropped when the loop ends)."""
+    """``num_workers=0``: the workers' reader in this process, the next `GROUPS_AHEAD` groups
+    hinted to the stream ahead (`GroupReader.read_ahead`; dropped when the loop ends)."""
 
     in_processes = False
 
@@ -108,8 +101,7 @@ def batch_source(
     seed: int,
     worker_init_fn: Callable[[int], None] | None,
 ) -> BatchSource:
-    """The source of ``torch_kwargs["num_workers"]`` readers in ``mode`` (torch's keywords
-    as the loader was given them: `WorkerSource`)."""
+    """The source of ``torch_kwargs["num_workers"]`` readers in ``mode``."""
     workers = torch_kwargs["num_workers"]
     if workers == 0:
         return InlineSource(reads)

@@ -1,18 +1,14 @@
 """The optimizer step as a unit of the loader state (docs/design.md section 5).
 
-A trainer with gradient accumulation takes an optimizer step every ``global_batch /
-(micro_batch * world_size)`` micro batches. A state saved between two of those micro batches
-(a ``torch.distributed.checkpoint`` save in the middle of accumulation, an
-exception-time checkpoint) counts samples whose gradients live only in ``.grad``, which no
-state dict carries. The state says where in its step it was saved (`StepPosition`, the state's
-``step_position``), and a resume from inside a step re-delivers the whole step by default
-(`MidStep.REDO`); continuing after the delivered part (`MidStep.CONTINUE`) is asked for by
-name, by a caller that saved the partial gradients too. ``step_position`` is derived from
-``samples_consumed`` and ``history`` (for the reader of a state); a resume derives it again.
+A state saved between two micro batches of gradient accumulation counts samples whose
+gradients no state dict carries. The state says where in its step it was saved
+(`StepPosition`, ``step_position``, derived from ``samples_consumed`` and ``history``), and a
+resume from inside a step re-delivers the step whole by default (`MidStep`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Final
@@ -27,14 +23,10 @@ log: Final = get_logger("detdata.loader")
 
 
 class MidStep(str, enum.Enum):
-    """What a resume from a state saved inside a global step does.
-
-    ``REDO`` (default): resume at the step's first position, so the step is delivered whole
-    again (its partial gradients were not saved: an optimizer step over part of it would train
-    on a short batch and the delivered part would never reach an update). ``CONTINUE``: resume
-    at the saved position, right after the delivered part (the caller restored the partial
-    gradients, or accepts a short step knowingly).
-    """
+    """What a resume from a state saved inside a global step does: ``REDO`` (default) resumes
+    at the step's first position, re-delivering it whole (its partial gradients were not
+    saved); ``CONTINUE`` right after the delivered part (the caller restored the partial
+    gradients, or accepts a short step knowingly)."""
 
     REDO = "redo"
     CONTINUE = "continue"
@@ -62,7 +54,7 @@ class StepPosition:
 
     @property
     def inside(self) -> bool:
-        """Part of the step was delivered (the state was saved between two micro batches of it)."""
+        """Part of the step was delivered."""
         return self.delivered_in_step > 0
 
     @classmethod
@@ -77,12 +69,7 @@ class StepPosition:
         )
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "step": self.step,
-            "first_position": self.first_position,
-            "global_batch_size": self.global_batch_size,
-            "delivered_in_step": self.delivered_in_step,
-        }
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         return (

@@ -1,20 +1,10 @@
-"""Order-preserving thread pool for batch reads (an alternative to worker processes).
+"""Order-preserving thread pool for batch reads (an alternative to worker processes: batched
+reads release the GIL, and batches need no inter-process transfer).
 
-Process workers hand every batch to the main process through pickling and a
-shared-memory segment per tensor; for small batches that transfer costs more
-than the read itself. A batched read here is mostly numpy gathers and file I/O,
-which release the GIL, so a few threads in the main process overlap reads
-with the consumer and with each other, and batches need no transfer at all.
-
-`threaded_batches` keeps at most ``ahead`` batches in flight, yields them in
-exactly the order of ``positions``, and re-raises a failed read in the caller
-with the failing positions noted on the exception. Closing (or dropping) the
-generator cancels reads not yet started and waits for running ones, so nothing
-hangs and no thread outlives it. A generator dropped without being closed and freed by
-the cyclic garbage collector is the exception: the collector may run inside threading's
-own bookkeeping (a thread starting or being joined holds ``threading``'s shutdown lock
-then), where joining a thread deadlocks, so a generator finalised during a collection
-cancels its reads and lets its threads end on their own, without waiting.
+Closing (or dropping) a `threaded_batches` generator cancels reads not yet started and
+waits for running ones, so no thread outlives it. Except when the cyclic garbage collector
+finalises it: the collector may run inside threading's own bookkeeping (holding its
+shutdown lock), where joining a thread deadlocks, so then the threads end on their own.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from detdata.base.errors import ConfigError
 
 T = TypeVar("T")
 
-#: True while the cyclic garbage collector runs (set by `_collecting`, a ``gc`` callback)
+#: True while the cyclic garbage collector runs (`_collecting`, a ``gc`` callback)
 _IN_COLLECTION = False
 
 
@@ -61,14 +51,10 @@ def describe_positions(positions: Positions) -> str:
 def threaded_batches(
     fetch: Callable[[P], T], positions: Iterator[P], num_threads: int, ahead: int
 ) -> Generator[T, None, None]:
-    """``fetch(p)`` for each ``p`` of ``positions``, run on ``num_threads`` threads, in order.
-
-    At most ``ahead`` (``>= 1``) reads are submitted ahead of the consumer;
-    ``positions`` is pulled lazily from the calling thread only (it may be
-    infinite). An exception from ``fetch`` is raised from this generator when its
-    batch is due, with a note naming the positions; an exception from
-    ``positions`` is raised as is, after the batches before it were yielded.
-    """
+    """``fetch(p)`` for each ``p`` of ``positions`` (pulled lazily from the calling thread;
+    may be infinite), on ``num_threads`` threads, in order, at most ``ahead`` ahead. A
+    ``fetch`` error is raised when its batch is due, with a note naming the positions; a
+    ``positions`` error after the batches before it."""
     for value, name, minimum in ((num_threads, "num_threads", 1), (ahead, "ahead", 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")

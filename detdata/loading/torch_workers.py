@@ -1,16 +1,11 @@
-"""Batches read in worker processes (`WorkerSource`, the `BatchSource` of
-``num_workers > 0`` with ``worker_mode="process"``): torch's ``DataLoader`` of worker
-processes, kept between iterations with ``persistent_workers`` when that is safe, started so
-that a Ctrl-C anywhere in an iterator's start surfaces as ``KeyboardInterrupt`` only
-(`WorkerLoader`).
+"""Batches read in worker processes (`WorkerSource`: ``worker_mode="process"``): torch's
+``DataLoader`` of worker processes, kept with ``persistent_workers`` when safe, started so a
+Ctrl-C in an iterator's start surfaces only as ``KeyboardInterrupt`` (`WorkerLoader`).
 
-torch registers an iterator's worker pids in a process-wide table keyed by ``id(iterator)``
-(``torch._C._set_worker_pids``, which refuses a key already there) and removes them at
-shutdown only when the iterator's ``_worker_pids_set`` flag was set. A ``KeyboardInterrupt``
-between the registration and the flag (or inside the shutdown itself) leaves the entry
-behind, and a later iterator that CPython places at the same address then fails its start
-with ``ValueError: _set_worker_pids should be called only once for each
-_BaseDataLoaderIter`` (issue 40: about one run in four under repeated Ctrl-C).
+torch registers an iterator's worker pids under ``id(iterator)`` (refusing a key already
+there) and removes them only if its ``_worker_pids_set`` flag was set: an interrupt between
+the two left an entry that failed a later iterator at the same address with ``ValueError:
+_set_worker_pids should be called only once`` (issue 40).
 """
 
 from __future__ import annotations
@@ -61,17 +56,12 @@ def _identity(item: Any) -> Any:
 
 
 class WorkerSource:
-    """Groups read in ``num_workers`` worker processes by torch's ``DataLoader`` (which
-    starts the workers, prefetches ``prefetch_factor`` groups per worker and pins), handed
-    over through reused shared-memory slots with the default collate (`slot_transfer`,
-    `detdata.loading.slots`) or as one tensor per column.
-
-    With ``persistent_workers`` the workers are kept from one iteration to the next of the
-    same stream, layout and bound, when the last one left them between two groups. A call
-    into torch's iterator that was interrupted (``_busy``: Ctrl-C in its ``_reset`` leaves
-    ``_ResumeIteration`` replies queued, one in ``next`` a half-received group) leaves them
-    in a state no later iteration can trust: the next one starts fresh workers. The old
-    loader's workers are shut down by torch when it is collected."""
+    """Groups read in worker processes by torch's ``DataLoader``, handed over through
+    shared-memory slots with the default collate (`detdata.loading.slots`)
+    or as one tensor per column. With ``persistent_workers`` the workers are kept for the
+    next iteration of the same stream, layout and bound if the last one left them between two
+    groups; an interrupted call into torch's iterator (``_busy``) leaves them untrustworthy,
+    so the next iteration starts fresh ones."""
 
     in_processes = True
 
@@ -83,17 +73,14 @@ class WorkerSource:
         seed: int,
         worker_init_fn: Callable[[int], None] | None,
     ) -> None:
-        """``torch_kwargs``: torch's DataLoader keywords as given (``num_workers``,
-        ``prefetch_factor``, ``persistent_workers``, ...); ``worker_init_fn`` runs in each
-        worker after its globals are seeded from ``seed``, the rank and the worker id."""
+        """``torch_kwargs``: torch's DataLoader keywords as given; ``worker_init_fn`` runs in
+        each worker after its globals are seeded from ``seed``, the rank and the worker id."""
         self._reads = reads
         self._seed = seed
         self._user_init = worker_init_fn
         self._torch_kwargs = dict(torch_kwargs)
         self._persistent = bool(torch_kwargs.get("persistent_workers"))
         self._depth = torch_kwargs.get("prefetch_factor", 2)  # groups per worker
-        #: False: every group takes torch's transfer, not a shared-memory slot (benchmarks)
-        self.slot_transfer = True
         self._loader: tud.DataLoader[Any] | None = None
         self._groups: GroupSampler | None = None  # the sampler (or the slots') of `_loader`
         self._transport: SlotTransport | None = None
@@ -105,8 +92,8 @@ class WorkerSource:
 
     @property
     def transport(self) -> SlotTransport | None:
-        """The shared-memory slots of the workers now (None: none started, or groups take
-        torch's transfer: a ``collate_fn``, `slot_transfer` off)."""
+        """The shared-memory slots of the workers now (None: none started, or a
+        ``collate_fn``)."""
         return self._transport
 
     def batches(self, at: RunSlice) -> Iterator[Any]:
@@ -142,7 +129,7 @@ class WorkerSource:
     def _build(self, at: RunSlice) -> tud.DataLoader[Any]:
         self._groups = at.groups(self._reads.batches_ahead)
         sampler: GroupSampler | SlotSampler = self._groups
-        if self.slot_transfer and self._reads.collate_fn is None:
+        if self._reads.collate_fn is None:
             # groups come back through reused shared-memory slots (detdata.loading.slots)
             self._transport = SlotTransport(self._torch_kwargs["num_workers"], self._depth)
             sampler = SlotSampler(self._groups, self._transport)
@@ -158,10 +145,8 @@ class WorkerSource:
         )
 
     def _worker_batches(self, groups: Iterator[GroupRead | SlotGroup]) -> Iterator[Any]:
-        """The batches of the groups torch's iterator returns. ``_busy`` is False only
-        while a batch is with the caller (the generator suspended at ``yield``: torch's iterator
-        between two calls), so any interrupt or error inside torch or a group's hand-over leaves
-        it True and the next iteration starts fresh workers (`_loader_for`)."""
+        """The batches of ``groups``; ``_busy`` is False only while a batch is with the caller,
+        so an interrupt or error inside torch leaves it True (`_loader_for`)."""
         while True:
             self._busy = True
             group = next(groups, None)
@@ -185,15 +170,9 @@ class WorkerLoader(tud.DataLoader[Any]):
 
 
 class _WorkerIterator(_MultiProcessingDataLoaderIter):
-    """torch's worker-process iterator whose start leaves no registration behind.
-
-    An entry under a new iterator's address can only be a dead iterator's leftover (two live
-    objects never share an address): it is dropped before the start, so no leftover, however
-    it came about, fails a later start. A start that raises (a Ctrl-C in it) drops its own
-    entry at once, and gives torch's finaliser what it needs to shut down the workers
-    already started (``_workers_status``, which only the first ``_reset`` sets), so the
-    interrupt is the only thing the caller sees.
-    """
+    """torch's worker-process iterator whose start leaves no registration behind: an entry
+    under its address can only be a dead iterator's, dropped first; a start that raises drops
+    its own and gives torch's finaliser ``_workers_status`` to shut down started workers."""
 
     def __init__(self, loader: tud.DataLoader[Any]) -> None:
         _drop_worker_pids(id(self))

@@ -149,8 +149,8 @@ def test_world_change_between_iterations_continues_at_the_next_position(
     """Built before the process group (world 1), 4 micro batches of 2 are yielded; the group
     then comes up with world 2 and each rank iterates again: together they continue at
     position 8, with no gap or repeat against `GlobalOrder` by position. (The process group
-    is simulated: the sampler reads it through `process_group_rank_world`.)"""
-    import detdata.loading.sampler as sampler_module
+    is simulated: the sampler's `Placement` reads it through `process_group_rank_world`.)"""
+    import detdata.loading.layout as layout_module
 
     group = [(0, 1), (0, 1)]  # per sampler: (rank, world) its process group reports
     samplers = [
@@ -159,7 +159,7 @@ def test_world_change_between_iterations_continues_at_the_next_position(
     ]
     first: list[list[int]] = []
     for k, s in enumerate(samplers):
-        monkeypatch.setattr(sampler_module, "process_group_rank_world", lambda k=k: group[k])
+        monkeypatch.setattr(layout_module, "process_group_rank_world", lambda k=k: group[k])
         it = iter(s)
         batches = [next(it) for _ in range(4)]
         assert s.samples_consumed == 8
@@ -167,7 +167,7 @@ def test_world_change_between_iterations_continues_at_the_next_position(
     group[:] = [(0, 2), (1, 2)]
     per_rank = []
     for k, s in enumerate(samplers):
-        monkeypatch.setattr(sampler_module, "process_group_rank_world", lambda k=k: group[k])
+        monkeypatch.setattr(layout_module, "process_group_rank_world", lambda k=k: group[k])
         it = iter(s)
         assert s.samples_consumed == 8
         per_rank.append([next(it) for _ in range(3)])
