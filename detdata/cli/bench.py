@@ -1,9 +1,8 @@
 """``detdata bench``: run the throughput and resume benchmarks (``python -m benchmarks``).
 
-The benchmark harness lives in the ``benchmarks/`` folder of a source checkout
-(it is not part of the installed package); this command finds it next to the
-``detdata`` package, or in ``--repo``, and runs it in a subprocess with the same
-Python, forwarding every other argument (``--smoke``, ``--out``, sizes...).
+The harness is the ``benchmarks/`` folder of a source checkout (not in the wheel), found
+next to the ``detdata`` package or in ``--repo``; it runs with the same Python, given the
+other arguments.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def _print_check(check: dict[str, Any]) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     check_run_args(args.steps, args.stop_at)
-    from detdata.cli.demo_run import build_corpus, loader_throughput, replay_check
+    from detdata.cli.demo_run import WEIGHTS, build_corpus, loader_throughput, replay_check
 
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -151,7 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"registered demo-{name}@v1 -> {mid}")
     check = replay_check(out, steps=args.steps, stop_at=args.stop_at)
     print(
-        f"trained {check['steps']} steps on the mixture {json.dumps(_weights())}: "
+        f"trained {check['steps']} steps on the mixture {json.dumps(WEIGHTS)}: "
         f"loss {check['first_loss']:.3f} -> {check['final_loss']:.3f}"
     )
     code = _print_check(check)
@@ -162,12 +162,6 @@ def run_demo(args: argparse.Namespace) -> int:
     (out / "report.json").write_text(json.dumps({"manifests": ids, **check}, indent=1, default=str))
     print(f"report: {out / 'report.json'}  ({time.perf_counter() - t0:.0f} s)")
     return code
-
-
-def _weights() -> dict[str, str]:
-    from detdata.cli.demo_run import WEIGHTS
-
-    return dict(WEIGHTS)
 
 
 def run_replay_check(args: argparse.Namespace) -> int:

@@ -1,12 +1,9 @@
 """The demo: a real (tiny) pretraining loop with interrupt, resume and reshard proof.
 
-`build_corpus` tokenises Python standard-library sources with a byte-level
-tokenizer (token = byte, vocab 256) into three sources of ``.npy`` shards,
-builds and registers their manifests. `train_run` trains a tiny GPT on a
-`Mixture` of the three for a number of steps, writing a data trace and hashing
-the final weights. `replay_check` runs it in fresh processes three ways
-(straight A, straight B, interrupted at step k on 2 in-process ranks and resumed
-at 1 rank) and compares weights and traces bytewise.
+`build_corpus` writes Python standard-library sources as byte tokens (vocab 256) into three
+registered sources; `train_run` trains a tiny GPT on their `Mixture`, tracing the data and
+hashing the final weights; `replay_check` runs it in fresh processes three ways (A, B, and C
+stopped at step k on 2 in-process ranks, resumed on 1) and compares weights and traces.
 """
 
 from __future__ import annotations
@@ -222,9 +219,8 @@ def _spawn(cfg: RunConfig) -> dict[str, Any]:
 def replay_check(
     out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234
 ) -> dict[str, Any]:
-    """Three runs in fresh processes; compares final weights and data traces bytewise."""
-    if not 0 < stop_at < steps:
-        raise ConfigError(f"stop_at must be in (0, {steps}), got {stop_at}")
+    """Three runs in fresh processes (``0 < stop_at < steps``, `check_run_args`); compares
+    final weights and data traces bytewise."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for old in (out / "runs").glob("*"):
         old.unlink()
@@ -247,7 +243,7 @@ def replay_check(
 
 
 def loader_throughput(out: Path, seconds: float = 3.0) -> float:
-    """Samples/s of the demo mixture loader (global batch 64, 512-token windows... here seq 64)."""
+    """Samples/s of the demo mixture loader (global batch 64, seq 64)."""
     dl = DataLoader(make_mixture(out, 64, 1), global_batch_size=64, seed=1)
     it = iter(dl)
     next(it)

@@ -26,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from detdata.base.errors import ConfigError, StateError
+from detdata.cli.where import read_object
 
 if TYPE_CHECKING:
     from detdata.loading.record import RunRecord
@@ -110,14 +111,6 @@ def _merged(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def _json_object(path: str | None, what: str) -> dict[str, Any] | None:
-    if path is None:
-        return None
-    from detdata.cli.where import read_object
-
-    return read_object(path, what)
-
-
 def run_env(args: argparse.Namespace) -> int:
     from detdata.identity.manifest import Manifest
     from detdata.loading.record import RunRecord
@@ -133,10 +126,10 @@ def run_env(args: argparse.Namespace) -> int:
         repo=args.repo,
         allow_dirty=True,
         lock_files=args.lock,
-        config=_json_object(args.config, "--config"),
+        config=None if args.config is None else read_object(args.config, "--config"),
         manifests=manifests,
         layout=args.layout,
-        loader=_json_object(args.loader_state, "state"),
+        loader=None if args.loader_state is None else read_object(args.loader_state, "state"),
         seeds=_merged(args.seed, "--seed") or None,
         execution=_merged(args.execution, "--execution") or None,
         extra_env=args.extra_env,

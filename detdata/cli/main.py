@@ -1,13 +1,9 @@
 """The detdata console command: reproducible, resumable data for LLM pretraining.
 
-Each area registers its sub-commands from its own module (``detdata.cli.*``)
-listed in `COMMAND_MODULES`. Every failure ends in one ``detdata: ...`` message
-on stderr and an exit code (`EPILOG`); a Python traceback is shown only with
-``--traceback``. The retries of a storage read are not listed one line each (the error
-that ends a read which kept failing says how many attempts it made, for how long, and the
-last error); ``--verbose`` shows each as it happens. Every command runs behind the
-redaction boundary: no credential of a URL reaches stdout or stderr
-(`detdata.base.redact.redacted_output`).
+Each module in `COMMAND_MODULES` registers its sub-commands. Every failure ends in one
+``detdata: ...`` line on stderr and an exit code (`EPILOG`), a traceback only with
+``--traceback``; storage retries show one line each only with ``--verbose``. Everything
+printed passes the redaction boundary (`detdata.base.redact.redacted_output`).
 """
 
 from __future__ import annotations
@@ -165,46 +161,33 @@ def _plain_help(parser: argparse.ArgumentParser) -> None:
                 _plain_help(child)
 
 
-def _message(exc: BaseException) -> str:
-    notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str)]
-    return " ".join([str(exc) or type(exc).__name__, *notes])
-
-
-def exit_code(exc: BaseException) -> int:
-    """The exit code for an exception that ended a command (see `EPILOG`)."""
+def _classify(exc: BaseException) -> tuple[int, str]:
+    """The exit code (`EPILOG`) and the kind of error the ``detdata: KIND: ...`` line names."""
     if isinstance(exc, VerificationError):
-        return EXIT_FAIL
+        return EXIT_FAIL, "verification failed"
     if isinstance(exc, StorageError):
-        return EXIT_STORAGE
+        return EXIT_STORAGE, "storage error"
     if isinstance(exc, DetdataError):
-        return EXIT_USAGE
+        return EXIT_USAGE, "error"
     if isinstance(exc, OSError):
-        return EXIT_USAGE if exc.errno in _PATH_ERRNOS else EXIT_STORAGE
-    return EXIT_USAGE
+        return (
+            (EXIT_USAGE, "error") if exc.errno in _PATH_ERRNOS else (EXIT_STORAGE, "storage error")
+        )
+    return EXIT_USAGE, (
+        f"internal error ({type(exc).__name__}; a bug in detdata: "
+        "rerun with --traceback and report it)"
+    )
 
 
 def _report(exc: BaseException) -> int:
-    code = exit_code(exc)
-    if isinstance(exc, VerificationError):
-        kind = "verification failed"
-    elif isinstance(exc, StorageError):
-        kind = "storage error"
-    elif isinstance(exc, DetdataError):
-        kind = "error"
-    elif isinstance(exc, OSError):
-        kind = "storage error" if code == EXIT_STORAGE else "error"
+    code, kind = _classify(exc)
+    if isinstance(exc, OSError) and not isinstance(exc, DetdataError):
         where = " ".join(repr(f) for f in (exc.filename, exc.filename2) if f is not None)
-        print(
-            f"detdata: {kind}: {where + ': ' if where else ''}{exc.strerror or exc}",
-            file=sys.stderr,
-        )
-        return code
+        message = f"{where + ': ' if where else ''}{exc.strerror or exc}"
     else:
-        kind = (
-            f"internal error ({type(exc).__name__}; a bug in detdata: "
-            "rerun with --traceback and report it)"
-        )
-    print(f"detdata: {kind}: {_message(exc)}", file=sys.stderr)
+        notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str)]
+        message = " ".join([str(exc) or type(exc).__name__, *notes])
+    print(f"detdata: {kind}: {message}", file=sys.stderr)
     return code
 
 
@@ -213,13 +196,6 @@ def _quiet_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; everything it writes to stdout and stderr (results, warnings,
-    progress, the final error line) passes the redaction boundary (`redacted_output`)."""
-    with redacted_output():
-        return _main(argv)
 
 
 @contextlib.contextmanager
@@ -236,24 +212,26 @@ def _quiet_retries(verbose: bool) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        with _quiet_retries(args.verbose):
-            code: int = args.func(args)
-        sys.stdout.flush()
-    except KeyboardInterrupt:
-        print("detdata: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        _quiet_stdout()
-        return EXIT_BROKEN_PIPE
-    except Exception as exc:
-        if args.traceback:
-            raise
-        return _report(exc)
-    return code
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; everything it writes to stdout and stderr (results, warnings,
+    progress, the final error line) passes the redaction boundary (`redacted_output`)."""
+    with redacted_output():
+        args = build_parser().parse_args(argv)
+        try:
+            with _quiet_retries(args.verbose):
+                code: int = args.func(args)
+            sys.stdout.flush()
+        except KeyboardInterrupt:
+            print("detdata: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
+        except Exception as exc:
+            if args.traceback:
+                raise
+            return _report(exc)
+        return code
 
 
 if __name__ == "__main__":

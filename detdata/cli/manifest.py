@@ -1,10 +1,6 @@
-"""Sub-commands for bytes identity: ``manifest build`` (``--part I/N``),
-``manifest merge``, ``verify``, ``hash``, ``register`` and ``inspect``.
-
-Each command prints its result on stdout (ids, JSON or one value per line) and
-returns an exit code; errors are raised as `DetdataError` and mapped by
-`detdata.cli.main.main` (verification failure -> 1, storage failure -> 3, anything else
--> 2). Paths named on the command line are checked before any work starts.
+"""Sub-commands for bytes identity: ``manifest build`` (``--part I/N``), ``manifest merge``,
+``verify``, ``hash``, ``register`` and ``inspect``. Each prints its result on stdout; errors
+are `DetdataError`s (exit codes: `detdata.cli.main.EPILOG`), paths checked before any work.
 """
 
 from __future__ import annotations
@@ -169,29 +165,20 @@ def _cmd_build(args: argparse.Namespace) -> int:
             f"ROOT {args.root} is a file, not a folder; hint: pass the folder holding the "
             "shards (and --pattern to pick files)"
         )
+    options: dict[str, Any] = {
+        "pattern": args.pattern,
+        "format": args.format,
+        "dtype": args.dtype,
+        "metadata": metadata,
+        "threads": check_count(args.threads, "--threads"),
+        "progress": True,  # asked for: a bar on a terminal; in a log, lines and a closing line
+    }
     if args.part is not None:
-        part = build_part(
-            args.root,
-            part=args.part,
-            pattern=args.pattern,
-            format=args.format,
-            dtype=args.dtype,
-            metadata=metadata,
-            threads=check_count(args.threads, "--threads"),
-            progress=True,  # asked for once: the log says how it went, however short
-        )
+        part = build_part(args.root, part=args.part, **options)
         part.save(args.output)
         print(f"part {part.index}/{part.count}: {len(part.shards)} shards -> {args.output}")
         return 0
-    manifest = build_manifest(
-        args.root,
-        pattern=args.pattern,
-        format=args.format,
-        dtype=args.dtype,
-        metadata=metadata,
-        threads=check_count(args.threads, "--threads"),
-        progress=True,  # a bar on a terminal; in a log, lines and the closing line
-    )
+    manifest = build_manifest(args.root, **options)
     manifest.save(args.output)
     print(manifest.id)
     return 0

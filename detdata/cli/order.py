@@ -1,8 +1,5 @@
-"""The ``order`` sub-command: the sample ids a seeded global order puts at positions.
-
-``detdata order --n N --seed S --at G --count K`` prints ``GlobalOrder(N, S).ids`` of
-positions ``G .. G+K-1``, one per line (what the loader reads there, before a mixture or
-exclusions). Errors are raised as `DetdataError` and mapped by `detdata.cli.main.main`.
+"""``detdata order --n N --seed S --at G --count K``: ``GlobalOrder(N, S).ids`` of positions
+``G .. G+K-1``, one per line (what the loader reads there, before a mixture or exclusions).
 """
 
 from __future__ import annotations
@@ -20,11 +17,6 @@ MAX_COUNT: Final = 10_000_000
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``order`` command to the ``detdata`` parser's ``subparsers``."""
-    _add_order(subparsers)
-
-
-def _add_order(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "order",
         help="print the sample ids at global positions AT .. AT+COUNT-1 (one per line)",

@@ -1,18 +1,14 @@
 """Pictures where people look: a trace diff, a mixture's shares, a batch-size schedule.
 
-Each picture is drawn from a data series computed by a pure function here (`diff_runs`,
-`mixture_shares`, `schedule_curve`), which is what the tests compare with a brute-force
-reference; the ``plot_*`` functions only draw that series into a PNG file. matplotlib is an
-optional extra (``pip install 'detdata[plots]'``): it is imported when a picture is drawn,
-never by ``import detdata`` or by ``detdata --help``; without it a ``plot_*`` call raises
-`DependencyError` naming the install line. Figures are built without pyplot (no global
-state, no display needed). Every picture is drawn in memory and then written atomically, as
-``-o`` writes (`detdata.storage.atomic.atomic_write_bytes`).
+Each picture draws a data series computed by a pure function here (`diff_runs`,
+`mixture_shares`, `schedule_curve`: what the tests compare with a brute-force reference).
+matplotlib (``pip install 'detdata[plots]'``) is imported only when a picture is drawn
+(else `DependencyError` naming the install line); figures are built without pyplot and
+written atomically, as ``-o`` writes.
 """
 
 from __future__ import annotations
 
-import bisect
 import io
 import os
 from collections.abc import Sequence
@@ -35,24 +31,16 @@ if TYPE_CHECKING:
 
 INSTALL: Final = "detdata[plots]"
 SAME: Final = "same"
-#: colour of each step status in the diff picture (finding kinds of `detdata.loading.trace`):
-#: the Okabe-Ito palette, told apart with red-green colour blindness
-DIFF_COLOURS: Final = {
-    SAME: "#0072b2",
-    "differs": "#d55e00",
-    "missing": "#999999",
-    "overlap": "#e69f00",
-    "discontinuity": "#cc79a7",
-    "conflict": "#000000",
-}
-#: hatch of each status: the picture reads in greyscale too (`SAME` plain, each kind its own)
-DIFF_HATCHES: Final = {
-    SAME: "",
-    "differs": "xxxx",
-    "missing": "....",
-    "overlap": "////",
-    "discontinuity": "\\\\\\\\",
-    "conflict": "++++",
+#: (colour, hatch) of each step status in the diff picture (finding kinds of
+#: `detdata.loading.trace`): Okabe-Ito colours, told apart with red-green colour blindness,
+#: and a hatch per kind so the picture reads in greyscale too (`SAME` plain)
+DIFF_STYLES: Final = {
+    SAME: ("#0072b2", ""),
+    "differs": ("#d55e00", "xxxx"),
+    "missing": ("#999999", "...."),
+    "overlap": ("#e69f00", "////"),
+    "discontinuity": ("#cc79a7", "\\\\\\\\"),
+    "conflict": ("#000000", "++++"),
 }
 #: marker of each source's lines in the mixture picture (told apart without colour)
 SOURCE_MARKERS: Final = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -73,9 +61,8 @@ def _figure(rows: int, height: float) -> Figure:
 
 def _save(fig: Figure, path: PathLike) -> None:
     """Render ``fig`` as PNG in memory, then publish it with `atomic_write_bytes` (the writer
-    of ``-o``): readers see the old file or the whole new picture, never a torn one; a symlink
-    is written through by replacing its target (never overwritten in place), a folder is
-    refused, a full disk is a `StorageError` naming ``path``."""
+    of ``-o``, with its contract: never a torn file, a folder refused, a full disk a
+    `StorageError` naming ``path``)."""
     from detdata.storage.atomic import atomic_write_bytes
 
     buffer = io.BytesIO()
@@ -95,20 +82,16 @@ class DiffRun:
     status: str
 
 
-def step_status(comparison: Comparison) -> dict[int, str]:
-    """Each step of ``comparison`` (those compared and those with a finding): `SAME`, or the
-    kind of its most telling finding (the order `detdata diff` reports them in)."""
-    status = dict.fromkeys(comparison.steps, SAME)
-    for finding in sorted(comparison.findings, key=lambda f: KIND_PRIORITY[f.kind], reverse=True):
-        status[finding.step] = finding.kind
-    return dict(sorted(status.items()))
-
-
 def diff_runs(comparison: Comparison) -> tuple[DiffRun, ...]:
-    """`step_status` as runs of consecutive steps with one status (a step neither trace
-    holds ends a run): O(steps), whatever the run's length."""
+    """Each step of ``comparison`` (those compared and those with a finding) with its status,
+    `SAME` or the kind of its most telling finding (the order `detdata diff` reports them
+    in), as runs of consecutive steps with one status (a step neither trace holds ends a
+    run): O(steps), whatever the run's length."""
+    statuses = dict.fromkeys(comparison.steps, SAME)
+    for finding in sorted(comparison.findings, key=lambda f: KIND_PRIORITY[f.kind], reverse=True):
+        statuses[finding.step] = finding.kind
     runs: list[DiffRun] = []
-    for step, status in step_status(comparison).items():
+    for step, status in sorted(statuses.items()):
         last = runs[-1] if runs else None
         if last is not None and last.stop == step and last.status == status:
             runs[-1] = DiffRun(start=last.start, stop=step + 1, status=status)
@@ -118,14 +101,9 @@ def diff_runs(comparison: Comparison) -> tuple[DiffRun, ...]:
 
 
 def plot_diff(comparison: Comparison, path: PathLike, *, title: str = "A vs B") -> None:
-    """PNG at ``path`` of `diff_figure`."""
-    _save(diff_figure(comparison, title=title), path)
-
-
-def diff_figure(comparison: Comparison, *, title: str = "A vs B") -> Figure:
-    """The steps where two traces match and part (`diff_runs`: one band, each status its
-    colour and hatch, so it reads in greyscale; the legend beside the band, not over it),
-    and the count of differing steps against the step; both x axes labelled."""
+    """PNG at ``path``: the steps where two traces match and part (`diff_runs`: one band, each
+    status its `DIFF_STYLES`; the legend beside the band, not over it), and the count of
+    differing steps against the step; both x axes labelled."""
     runs = diff_runs(comparison)
     if not runs:
         raise ConfigError("nothing to plot: the comparison holds no step")
@@ -133,19 +111,20 @@ def diff_figure(comparison: Comparison, *, title: str = "A vs B") -> Figure:
     band, count = fig.axes
     _diff_band(band, runs, comparison, title)
     _diff_count(count, runs)
-    return fig
+    _save(fig, path)
 
 
 def _diff_band(ax: Axes, runs: Sequence[DiffRun], comparison: Comparison, title: str) -> None:
     for status in dict.fromkeys(r.status for r in runs):
         spans = [(r.start, r.stop - r.start) for r in runs if r.status == status]
+        colour, hatch = DIFF_STYLES.get(status, ("#56b4e9", "oo"))
         ax.broken_barh(
             spans,
             (0, 1),
-            facecolor=DIFF_COLOURS.get(status, "#56b4e9"),
+            facecolor=colour,
             edgecolor="white",
             linewidth=0,
-            hatch=DIFF_HATCHES.get(status, "oo"),
+            hatch=hatch,
             label=status,
         )
     first = comparison.first
@@ -175,7 +154,7 @@ def _diff_count(ax: Axes, runs: Sequence[DiffRun]) -> None:
             differing += r.stop - r.start
         xs.append(r.stop)
         ys.append(differing)
-    ax.plot(xs, ys, color=DIFF_COLOURS["differs"])
+    ax.plot(xs, ys, color=DIFF_STYLES["differs"][0])
     ax.set_xlim(runs[0].start, runs[-1].stop)
     ax.set_xlabel("global step")
     ax.set_ylabel("steps that differ\n(cumulative)")
@@ -216,13 +195,14 @@ def mixture_shares(
     before = mixture.consumed(start)
     after = [mixture.consumed(start + n) for n in lengths]
     names = mixture.source_names
+    phases = _phases(mixture, start, start + count)
     return MixtureShares(
         names=names,
         start=start,
         lengths=lengths,
         counts=tuple(tuple(c[s] - before[s] for c in after) for s in names),
-        targets=_targets(mixture, start, lengths),
-        phases=_phases(mixture, start, start + count),
+        targets=_targets(phases, start, lengths),
+        phases=phases,
     )
 
 
@@ -230,37 +210,33 @@ def _phases(
     mixture: Mixture, start: int, end: int
 ) -> tuple[tuple[int, int, tuple[Fraction, ...]], ...]:
     """The schedule's phases over positions ``[start, end)``, each cut to them, with their
-    proportions in `Mixture.source_names` order."""
+    proportions (`Mixture.source_names` order)."""
     ends = [p.start for p in mixture.phases[1:]] + [end]
     out = []
     for phase, phase_end in zip(mixture.phases, ends, strict=True):
         lo, hi = max(start, phase.start), min(end, phase_end)
         if hi > lo:
-            weights = mixture.weights_at(phase.start)
-            out.append((lo, hi, tuple(weights[n] for n in mixture.source_names)))
+            out.append((lo, hi, phase.fractions()))
     return tuple(out)
 
 
 def _targets(
-    mixture: Mixture, start: int, lengths: Sequence[int]
+    phases: Sequence[tuple[int, int, tuple[Fraction, ...]]], start: int, lengths: Sequence[int]
 ) -> tuple[tuple[Fraction, ...], ...]:
     """Per source, the sum of its exact proportion over positions ``[start, start + n)`` for
-    each of the ascending ``lengths``: each phase's target (weights changed during a run are
-    phases too), in one sweep over the phases the positions cross (O(points + phases))."""
-    phases = mixture.phases
-    k = bisect.bisect_right([p.start for p in phases], start) - 1  # the phase at ``start``
-    acc = [Fraction(0)] * len(mixture.source_names)
+    each of the ascending ``lengths``, in one sweep over ``phases`` (`_phases` of those
+    positions; weights changed during a run are phases too): O(points + phases)."""
+    acc = [Fraction(0)] * len(phases[0][2])
     out: list[list[Fraction]] = [[] for _ in acc]
-    pos = start
+    k, pos = 0, start
     for n in lengths:
-        end = start + n
-        while pos < end:
-            phase_end = phases[k + 1].start if k + 1 < len(phases) else end
-            hi = min(end, phase_end)
-            for s, f in enumerate(phases[k].fractions()):
+        while pos < start + n:
+            _, stop, fractions = phases[k]
+            hi = min(start + n, stop)
+            for s, f in enumerate(fractions):
                 acc[s] += f * (hi - pos)
             pos = hi
-            if hi == phase_end and k + 1 < len(phases):
+            if hi == stop:
                 k += 1
         for s, total in enumerate(acc):
             out[s].append(total)
@@ -268,15 +244,10 @@ def _targets(
 
 
 def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
-    """PNG at ``path`` of `mixture_figure`."""
-    _save(mixture_figure(shares), path)
-
-
-def mixture_figure(shares: MixtureShares) -> Figure:
-    """Each source's cumulative share (solid) against its cumulative target (dashed) and
-    each phase's own proportion (dotted, one segment per phase of the schedule) over
-    positions (log scale), and the count minus the target in samples. Each source has its
-    colour and its marker (readable in greyscale); the legend is beside the axes."""
+    """PNG at ``path``: each source's cumulative share (solid) against its cumulative target
+    (dashed) and each phase's own proportion (dotted, one segment per phase) over positions
+    (log scale), and the count minus the target in samples; each source its colour and
+    marker (readable in greyscale), the legend beside the axes."""
     fig = _figure(2, 6.0)
     share_ax, gap_ax = fig.axes
     xs = [shares.start + n for n in shares.lengths]
@@ -328,7 +299,7 @@ def mixture_figure(shares: MixtureShares) -> Figure:
     for ax in (share_ax, gap_ax):
         ax.set_xscale("log")
     share_ax.set_xlabel("global position")
-    return fig
+    _save(fig, path)
 
 
 # ------------------------------------------------------------------ batch schedule

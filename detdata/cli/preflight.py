@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import math
 import os
 import shutil
@@ -40,7 +41,6 @@ from detdata.base.errors import ConfigError
 from detdata.base.redact import redact_text
 from detdata.cli.main import EXIT_FAIL, EXIT_OK
 
-_STORE_FOLDERS: list[str] = []
 #: The longest ``--timeout`` (seconds, about 31 years): ``datetime.timedelta`` and torch's
 #: millisecond count both hold it.
 MAX_TIMEOUT_S: Final = 1e9
@@ -84,8 +84,9 @@ def check_devices() -> str:
     return "devices " + ", ".join(names)
 
 
-def form_group(backend: str | None, timeout: float) -> tuple[int, int, str]:
-    """Initialise the default process group; returns (rank, world, backend)."""
+def form_group(backend: str | None, timeout: float, folder: str) -> tuple[int, int, str]:
+    """Initialise the default process group (alone: a file store in ``folder``); returns
+    (rank, world, backend)."""
     import torch
     import torch.distributed as dist
 
@@ -96,24 +97,26 @@ def form_group(backend: str | None, timeout: float) -> tuple[int, int, str]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(chosen, init_method="env://", timeout=wait)
     else:
-        # a file store in a private folder, removed by `run_preflight` after the group is gone
-        folder = tempfile.mkdtemp(prefix="detdata-preflight-")
-        _STORE_FOLDERS.append(folder)
         init = "file://" + os.path.join(folder, "store")
         dist.init_process_group(chosen, init_method=init, rank=0, world_size=1, timeout=wait)
     return dist.get_rank(), dist.get_world_size(), chosen
 
 
-def check_collective(rank: int, world: int, backend: str) -> str:
+def _all_reduce(value: float, backend: str, *, largest: bool = False) -> float:
+    """``value`` summed (or the largest) over the ranks of the default process group."""
     import torch
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    t = torch.tensor([float(rank + 1)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    expected = world * (world + 1) / 2
-    if float(t.item()) != expected:
-        raise RuntimeError(f"all_reduce gave {float(t.item())}, expected {expected}")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def check_collective(rank: int, world: int, backend: str) -> str:
+    found, expected = _all_reduce(float(rank + 1), backend), world * (world + 1) / 2
+    if found != expected:
+        raise RuntimeError(f"all_reduce gave {found}, expected {expected}")
     return f"all_reduce world {world} ({backend})"
 
 
@@ -125,28 +128,21 @@ def check_manifest(path: str, root: str | None) -> str:
     return redact_text(done)  # a record of its own: through the redaction boundary
 
 
-_RESULTS: list[dict[str, object]] = []
-
-
-def _run(label: str, rank: int, failures: list[str], fn: Callable[[], str]) -> bool:
+def _run(label: str, rank: int, results: list[dict[str, Any]], fn: Callable[[], str]) -> None:
+    """Run one check: print its ``ok`` line, add ``{"check", "ok", "detail"}`` to ``results``."""
     try:
         detail = fn()
         print(f"preflight[rank {rank}]: ok {detail}", flush=True)
-        _RESULTS.append({"check": label, "ok": True, "detail": detail})
-        return True
+        results.append({"check": label, "ok": True, "detail": detail})
     except Exception as exc:  # every failure is reported, named, and ends in exit 1
-        failures.append(f"{label}: {type(exc).__name__}: {exc}")
-        _RESULTS.append({"check": label, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
-        return False
+        results.append({"check": label, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
 
 
-def save_result(path: str, rank: int, failures: list[str]) -> None:
-    """Write the checks run in this process (`_RESULTS`) as JSON, atomically."""
-    import json
-
+def save_result(path: str, rank: int, results: list[dict[str, Any]], failures: list[str]) -> None:
+    """Write the checks run in this process (`_run`'s ``results``) as JSON, atomically."""
     from detdata.storage.atomic import atomic_write_bytes
 
-    checks = [{**r, "detail": redact_text(str(r["detail"]))} for r in _RESULTS]
+    checks = [{**r, "detail": redact_text(str(r["detail"]))} for r in results]
     doc = {
         "kind": "detdata.preflight",
         "format_version": 1,
@@ -180,36 +176,27 @@ def run_preflight(args: argparse.Namespace) -> int:
 
     timeout = check_timeout(args.timeout)
     rank = int(os.environ.get("RANK", "0"))
-    failures: list[str] = []
-    _run("devices", rank, failures, check_devices)
+    results: list[dict[str, Any]] = []
+    _run("devices", rank, results, check_devices)
     group: list[tuple[int, int, str]] = []
+    store = tempfile.mkdtemp(prefix="detdata-preflight-")  # of a group formed alone
 
     def formed() -> str:
-        group.append(form_group(args.backend, timeout))
+        group.append(form_group(args.backend, timeout, store))
         return check_collective(*group[0])
 
-    _run("process group", rank, failures, formed)
+    _run("process group", rank, results, formed)
     for path in args.manifest:
-        _run(f"manifest {path}", rank, failures, functools.partial(check_manifest, path, args.root))
+        _run(f"manifest {path}", rank, results, functools.partial(check_manifest, path, args.root))
+    failures = [f"{r['check']}: {r['detail']}" for r in results if not r["ok"]]
     if group and dist.is_initialized():
-        _agree(group[0][2], failures)
+        # all ranks learn whether any rank failed (so they exit alike)
+        if _all_reduce(float(len(failures)), group[0][2], largest=True) > 0 and not failures:
+            failures.append("another rank: a check failed there (see its messages)")
         dist.destroy_process_group()
-    for folder in _STORE_FOLDERS:
-        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(store, ignore_errors=True)  # once the group is gone
     for failure in failures:
         print(f"detdata: preflight failed: {failure}", file=sys.stderr)
     if args.out is not None:
-        save_result(args.out, rank, failures)
+        save_result(args.out, rank, results, failures)
     return EXIT_FAIL if failures else EXIT_OK
-
-
-def _agree(backend: str, failures: list[str]) -> None:
-    """All ranks learn whether any rank failed (so they exit alike)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    t = torch.tensor([float(len(failures))], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t.item() > 0 and not failures:
-        failures.append("another rank: a check failed there (see its messages)")

@@ -1,34 +1,10 @@
 """``detdata replay-check [--steps N] [--stop-at K] [--out DIR] -- CMD ...``: your own script.
 
-Runs your training command three times, each in a fresh process, and compares
-what the runs trained on and the weights they ended with:
-
-* **A** and **B**: ``CMD --steps N --run-dir DIR/A`` (and ``DIR/B``);
-* **C**: ``CMD --steps N --stop-at K --run-dir DIR/C``, then, in a new process,
-  ``CMD --steps N --resume --run-dir DIR/C``.
-
-**The contract** your script follows (the flags are appended to ``CMD``):
-
-* ``--steps N``: train until global step N (the run's last step is N - 1);
-* ``--stop-at K``: stop after step K - 1 and save a checkpoint in ``--run-dir``:
-  the model, the optimizer and ``loader.state_dict()``;
-* ``--resume``: load that checkpoint (including ``loader.load_state_dict``) and
-  continue to step N;
-* ``--run-dir DIR``: build the loader with
-  ``DataLoader(..., options=LoaderOptions(trace=DIR/"trace.jsonl"))``
-  (rank r > 0 writes ``trace.jsonl.rank<r>`` by itself): the per-step data digests;
-* print ``weights <hex digest of the final weights>`` on stdout (the last such line counts);
-* optionally ``detdata.report_model_step(step, model)`` after each optimizer step (one
-  ``detdata-model step=<t> b3:<hex>`` line): the first step where the models differ is
-  then named for faults outside the data too.
-
-The check passes when the three weight digests are equal, the traces of B and
-of C deliver, step by step, what A delivered (`detdata.loading.trace.compare`:
-a resume that forgot the loader state shows as a discontinuity at step K, the
-step after the restart), the reported model digests agree, and C really stopped at K and
-restored there (`resume_problems`); an empty trace fails. Each run is killed past
-``--timeout``. Exit 0 pass, 1 a difference, 2 a run that failed, timed out or broke the
-contract (its stderr tail is shown). The same text: `CONTRACT`, in ``--help``.
+Runs ``CMD`` three times, each in fresh processes (A, B, and C stopped at step K, then
+resumed), and compares the final weight digests, the data traces step by step
+(`detdata.loading.trace.compare`) and the optional per-step model digests. `CONTRACT` (in
+``--help``) is the whole contract: the flags appended, what the script prints, when the
+check passes, the exit codes. docs/design.md, "Replay check of a user script".
 """
 
 from __future__ import annotations
@@ -177,10 +153,8 @@ def model_difference(a: Mapping[int, str], b: Mapping[int, str]) -> dict[str, An
 def user_replay_check(
     command: Sequence[str], out: Path, *, steps: int, stop_at: int, timeout: float | None = None
 ) -> dict[str, Any]:
-    """Runs A, B and stopped-and-resumed C of ``command`` under ``out`` (its ``A``, ``B``, ``C``
-    folders are replaced); returns the comparison as plain JSON."""
-    if not command:
-        raise ConfigError("replay-check: no command after '--'; hint: -- python train.py ...")
+    """Runs A, B and stopped-and-resumed C of ``command`` (non-empty) under ``out`` (its
+    ``A``, ``B``, ``C`` folders are replaced); returns the comparison as plain JSON."""
     weights, models = {}, {}
     for tag in ("A", "B", "C"):
         run_dir = out / tag
@@ -204,7 +178,6 @@ def user_replay_check(
     problems = [f"the trace of run {t} is empty: nothing was compared" for t, r in
                 (("A", ta), ("B", tb), ("C", tc)) if not r]  # fmt: skip
     problems += resume_problems(before, _rank0(out / "C")[len(before) :], stop_at)
-    reported = any(models.values())
     return {
         "command": list(command),
         "steps": steps,
@@ -213,36 +186,18 @@ def user_replay_check(
         "weights_identical": len(set(weights.values())) == 1,
         "first_divergent_step_A_B": first_difference(ta, tb, labels=("A", "B")),
         "first_divergent_step_A_C": first_difference(ta, tc, labels=("A", "C")),
-        "model_digests": reported,
-        "first_divergent_model_step_A_B": model_difference(models["A"], models["B"])
-        if reported
-        else None,
-        "first_divergent_model_step_A_C": model_difference(models["A"], models["C"])
-        if reported
-        else None,
+        "model_digests": any(models.values()),
+        # None when no run reported: no step then differs
+        "first_divergent_model_step_A_B": model_difference(models["A"], models["B"]),
+        "first_divergent_model_step_A_C": model_difference(models["A"], models["C"]),
         "problems": problems,
     }
 
 
-def print_user_check(check: dict[str, Any]) -> int:
-    w = check["weights"]
-    print(
-        f"final weights: A {w['A'][:16]}  B {w['B'][:16]}  "
-        f"C (stopped at step {check['stop_at']}, resumed) {w['C'][:16]}"
-    )
-    return print_verdict(check)
-
-
 def print_verdict(check: dict[str, Any]) -> int:
-    """Print a replay check's first divergent steps (A vs B, A vs C) and its verdict.
-
-    ``check`` holds ``weights_identical`` and ``first_divergent_step_A_B`` / ``_A_C``
-    (``None`` or a difference with ``step`` and ``reason``), and optionally
-    ``first_divergent_model_step_A_B`` / ``_A_C`` (per-step model digests, with
-    ``model_digests`` saying whether the runs reported any) and ``problems`` (why the
-    check itself could not pass: an empty trace, a run C that never stopped or resumed).
-    Returns the exit code: 0 when the runs are bitwise identical, else 1.
-    """
+    """Print a replay check's first divergent steps (A vs B, A vs C) and its verdict; the exit
+    code: 0 when the runs are bitwise identical, else 1. ``check`` is `user_replay_check`'s
+    (the demo's has no model digests and no ``problems``)."""
     for pair in ("A_B", "A_C"):
         diff = check[f"first_divergent_step_{pair}"]
         print(
@@ -286,4 +241,9 @@ def run_user(
     """The ``replay-check -- CMD`` command: run, report, write ``out/report.json``."""
     check = user_replay_check(command, out, steps=steps, stop_at=stop_at, timeout=timeout)
     (out / "report.json").write_text(json.dumps(check, indent=1, default=str))
-    return print_user_check(check)
+    w = check["weights"]
+    print(
+        f"final weights: A {w['A'][:16]}  B {w['B'][:16]}  "
+        f"C (stopped at step {stop_at}, resumed) {w['C'][:16]}"
+    )
+    return print_verdict(check)

@@ -61,16 +61,13 @@ def run_seen(args: argparse.Namespace) -> int:
     loader = loader_for(args.data, state)
     source, ident = args.sample
     positions = loader.positions_seen(source, ident, until=args.until)
-    print(
-        json.dumps(
-            {
-                "source": source,
-                "sample_id": ident,
-                "until": args.until,
-                "count": int(positions.size),
-                "positions": positions.tolist(),
-                "steps": [loader.step_of_position(p) for p in positions.tolist()],
-            }
-        )
-    )
+    found = {
+        "source": source,
+        "sample_id": ident,
+        "until": args.until,
+        "count": int(positions.size),
+        "positions": positions.tolist(),
+        "steps": [loader.step_of_position(p) for p in positions.tolist()],
+    }
+    print(json.dumps(found))
     return 0

@@ -70,12 +70,6 @@ def dataset_for(manifest_path: str, args: argparse.Namespace) -> Any:
     return TokenWindows(manifest, args.seq_len, labels=not args.no_labels)
 
 
-def _npy(ids: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, ids.astype("<i8"), allow_pickle=False)
-    return buf.getvalue()
-
-
 def run_split(args: argparse.Namespace) -> int:
     from detdata.datasets.split import Split
     from detdata.storage.atomic import atomic_write_bytes
@@ -96,8 +90,9 @@ def run_split(args: argparse.Namespace) -> int:
     }
     os.makedirs(args.out, exist_ok=True)
     for part in (split.train, split.validation):
-        name = f"{part.part}_ids.npy"
-        data = _npy(part.ids)
+        name, buffer = f"{part.part}_ids.npy", io.BytesIO()
+        np.save(buffer, part.ids.astype("<i8"), allow_pickle=False)
+        data = buffer.getvalue()
         atomic_write_bytes(os.path.join(args.out, name), data)
         doc[part.part] = {"count": part.num_samples, "file": name, "blake3": digest_bytes(data)}
     text = json.dumps(doc, sort_keys=True, indent=1)

@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 
 from detdata.base.errors import ConfigError
+from detdata.identity.formats import MEGATRON_DTYPES, MEGATRON_MAGIC
 
-#: Megatron ``.idx`` dtype codes of the token dtypes written here.
-_CODES = {"uint16": 8, "int32": 4}
 _TEXT_SUFFIXES = (
     ".jsonl.gz",
     ".jsonl.zst",
@@ -134,18 +133,16 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 def _output_names(paths: list[str]) -> list[str]:
     """Each text shard's output stem (its text suffix dropped); `ConfigError` on a clash."""
-    stems = []
+    seen: dict[str, str] = {}  # stem -> its shard
     for p in paths:
         suffix = next((x for x in _TEXT_SUFFIXES if p.endswith(x)), "")
-        stems.append(p[: len(p) - len(suffix)])
-    seen: dict[str, str] = {}
-    for p, stem in zip(paths, stems, strict=True):
+        stem = p[: len(p) - len(suffix)]
         if stem in seen:
             raise ConfigError(
                 f"shards {seen[stem]} and {p} would both be written as {stem}; hint: rename one"
             )
         seen[stem] = p
-    return stems
+    return list(seen)
 
 
 def write_megatron(stem: str, documents: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> None:
@@ -157,9 +154,8 @@ def write_megatron(stem: str, documents: list[np.ndarray[Any, Any]], dtype: np.d
     with open(stem + ".bin", "wb") as fh:
         for d in documents:
             fh.write(d.astype(dtype.newbyteorder("<")).tobytes())
-    header = b"MMIDIDX\x00\x00" + struct.pack(
-        "<QBQQ", 1, _CODES[dtype.name], sizes.size, sizes.size + 1
-    )
+    code = next(c for c, name in MEGATRON_DTYPES.items() if name == dtype.name)
+    header = MEGATRON_MAGIC + struct.pack("<QBQQ", 1, code, sizes.size, sizes.size + 1)
     with open(stem + ".idx", "wb") as fh:
         fh.write(header)
         fh.write(sizes.astype("<i4").tobytes())

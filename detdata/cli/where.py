@@ -94,37 +94,30 @@ def loader_for(data_spec: str, state: dict[str, Any] | None) -> Any:
     made = load_callable(data_spec, "--data")()
     if isinstance(made, DataLoader):
         loader = made
+    elif state is None or state.get(K_GLOBAL_BATCH) is None:
+        raise ConfigError(
+            "--data returned a stream or dataset and no --state gives the global batch; "
+            "hint: pass --state, or return the DataLoader"
+        )
     else:
-        layout = (state or {}).get(K_LAYOUT) or {}
-        gbs = (state or {}).get(K_GLOBAL_BATCH)
-        if gbs is None:
-            raise ConfigError(
-                "--data returned a stream or dataset and no --state gives the global batch; "
-                "hint: pass --state, or return the DataLoader"
-            )
+        layout = state.get(K_LAYOUT) or {}
         world = int(layout.get("world_size", 1))
+        try:  # an int or a `BatchSchedule`'s JSON: steps then follow the state's history
+            schedule = BatchSchedule.from_json(state[K_GLOBAL_BATCH])
+        except ConfigError as exc:
+            raise ConfigError(
+                f"--state: field {K_GLOBAL_BATCH!r} is not a batch schedule: {exc}"
+            ) from None
         loader = DataLoader(
             made,
-            global_batch_size=saved_schedule(gbs),
+            global_batch_size=schedule,
             micro_batch_size=layout.get("micro_batch_size"),
             options=LoaderOptions(rank=0, world_size=world),
-            seed=int((state or {}).get(K_SEED, 0)),
+            seed=int(state.get(K_SEED, 0)),
         )
     if state is not None:
         loader.load_state_dict(state)
     return loader
-
-
-def saved_schedule(value: object) -> BatchSchedule:
-    """The saved ``global_batch_size`` field: one global batch (an int) or a `BatchSchedule`'s
-    JSON. The step -> position map is then the loaded state's (its ``history``), so a ramp-up
-    or a global-batch change at a resume is followed (`DataLoader.position_of_step`)."""
-    try:
-        return BatchSchedule.from_json(value)
-    except ConfigError as exc:
-        raise ConfigError(
-            f"--state: field {K_GLOBAL_BATCH!r} is not a batch schedule: {exc}"
-        ) from None
 
 
 def register(sub: Any) -> None:
