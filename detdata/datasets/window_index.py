@@ -105,7 +105,13 @@ def build_window_index(
     if not allow_short:
         short = np.flatnonzero(counts == 0)
         if short.size:
-            raise short_shard_error(manifest.shards[int(short[0])], seq_len, labels)
+            shard = manifest.shards[int(short[0])]
+            raise FormatError(
+                f"shard {shard.path}: {shard.num_samples} tokens is too short for one window "
+                f"of seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
+                f"labels={labels}); hint: pass allow_short_shards=True to skip "
+                "such shards, or use a smaller seq_len"
+            )
     starts = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     arrays = (
@@ -170,16 +176,6 @@ def check_token_shard(shard: ShardEntry) -> str:
             "hint: rebuild the manifest"
         )
     return shard.dtype
-
-
-def short_shard_error(shard: ShardEntry, seq_len: int, labels: bool) -> FormatError:
-    """The error for a shard too short for one window."""
-    return FormatError(
-        f"shard {shard.path}: {shard.num_samples} tokens is too short for one window of "
-        f"seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
-        f"labels={labels}); hint: pass allow_short_shards=True to skip "
-        "such shards, or use a smaller seq_len"
-    )
 
 
 # ------------------------------------------------------------------ built once, mapped
