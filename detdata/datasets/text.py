@@ -229,10 +229,7 @@ class TextDocuments(CorpusBase):
         """Plain JSON pinning the manifest, the text policy and the tokenizer."""
         return {
             "type": "text_documents",
-            "algorithm": ALGORITHM,
-            "manifest": self.manifest.id,
-            "text": self.policy.identity(),
-            "tokenizer": self.tokenizer.identity(),
+            **self._inputs(),
             "out_dtype": self.out_dtype.name,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
