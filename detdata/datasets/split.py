@@ -161,13 +161,13 @@ class Split:
             K_FRACTION: str(self.fraction),
             K_SALT: salt,
         }
-        mask, val_keys = self._assign(None if cache_dir is None else Path(cache_dir))
-        self.mask = mask
+        self.mask, self.validation_keys = self._assign(
+            None if cache_dir is None else Path(cache_dir)
+        )
         self.mask.setflags(write=False)
-        self.assignment = assignment_digest(mask)
-        self.validation_keys = val_keys
-        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(mask))
-        self.train = SplitPart(self, TRAIN, np.flatnonzero(~mask))
+        self.assignment = assignment_digest(self.mask)
+        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(self.mask))
+        self.train = SplitPart(self, TRAIN, np.flatnonzero(~self.mask))
 
     def _assign(self, cache: Path | None) -> tuple[npt.NDArray[np.bool_], str | None]:
         n = self.dataset.num_samples
