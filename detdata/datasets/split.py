@@ -74,11 +74,6 @@ def check_fraction(fraction: object) -> Fraction:
     return value
 
 
-def threshold(fraction: Fraction) -> int:
-    """``floor(fraction * 2**64)``: a key below it is validation."""
-    return (fraction.numerator << 64) // fraction.denominator
-
-
 def _value_bytes(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
@@ -171,7 +166,8 @@ class Split:
 
     def _assign(self, cache: Path | None) -> tuple[npt.NDArray[np.bool_], str | None]:
         n = self.dataset.num_samples
-        limit = threshold(self.fraction)
+        # floor(fraction * 2**64): a key below it is validation
+        limit = (self.fraction.numerator << 64) // self.fraction.denominator
         salt = self.salt.encode("utf-8")
 
         def in_validation(key: bytes) -> bool:

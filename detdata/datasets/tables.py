@@ -334,7 +334,12 @@ class TableRows(DatasetInfo):
     def _empty(self, name: str) -> np.ndarray[Any, Any]:
         """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
         first = int(np.searchsorted(self._index.starts, 0, side="right")) - 1
-        return self._group(first).columns[name][:0].copy()
+        key = self._index.in_shard(first)
+        group = self.cache.get(key)
+        if group is None:
+            group = self._decode(*key)
+            self.cache.put(key, group)
+        return group.columns[name][:0].copy()
 
     def _reader(self, shard: int, local_path: str | None = None) -> Any:
         """The open reader of ``shard`` (kept in the handle LRU): of the local file
@@ -366,16 +371,6 @@ class TableRows(DatasetInfo):
             reader = pq.ParquetFile(source) if is_parquet else ipc.open_file(source)
         files.keep(shard, reader)
         return reader
-
-    def _group(self, global_group: int) -> Group:
-        key = self._index.in_shard(global_group)
-        cache = self.cache
-        cached = cache.get(key)
-        if cached is not None:
-            return cached
-        decoded = self._decode(*key)
-        cache.put(key, decoded)
-        return decoded
 
     def _read_arrays(self, shard: int, group: int, reader: Any) -> dict[str, Any]:
         if self.manifest.shards[shard].format is Format.PARQUET:

@@ -98,14 +98,6 @@ class _Local:
         self.lock = threading.Lock()
 
 
-def _full_verify(storage: Storage) -> Storage:
-    """``storage`` with ``verify="quick"`` raised to ``"full"``; ``"off"`` stays off (why:
-    docs/design.md, "Raw text")."""
-    if storage.verify is Verify.QUICK:
-        return dataclasses.replace(storage, verify=Verify.FULL)
-    return storage
-
-
 class TextDocuments(CorpusBase):
     """The documents of a manifest of text shards, tokenised when read (module docstring).
 
@@ -115,7 +107,7 @@ class TextDocuments(CorpusBase):
     text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
     a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
     index is stored (None: built at each construction). ``storage``: as `Documents`', but
-    ``verify="quick"`` (the default) is raised to ``"full"`` (`_full_verify`).
+    ``verify="quick"`` (the default) is raised to ``"full"``; ``"off"`` stays off.
     """
 
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
@@ -133,7 +125,9 @@ class TextDocuments(CorpusBase):
         storage: Storage | None = None,
         **refused: Never,
     ) -> None:
-        storage = _full_verify(checked_storage("TextDocuments", storage, refused))
+        storage = checked_storage("TextDocuments", storage, refused)
+        if storage.verify is Verify.QUICK:  # raised to "full" (why: docs/design.md, "Raw text")
+            storage = dataclasses.replace(storage, verify=Verify.FULL)
         self.storage = storage.with_default_cache(None)
         self.manifest = resolve_manifest(manifest, self.storage)
         self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())

@@ -213,7 +213,9 @@ def check_text_index(
     lines = manifest.samples_per_shard()
     if n and int(shard[-1]) >= len(lines):
         return f"shard {int(shard[-1])} is not in the manifest"
-    rel = line - _bases(manifest, shard)
+    values, fmt = manifest.codes("format")
+    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
+    rel = line - jsonl[fmt[shard]].astype(np.int64)  # JSONL lines count from 1, rows from 0
     if bool((rel < 0).any()) or bool((rel >= lines[shard]).any()):
         return "a line or row outside its shard"
     same = np.diff(shard) == 0
@@ -226,13 +228,6 @@ def check_text_index(
         if meta.get(key) != want.get(key):
             return f"meta.{key}: expected {want.get(key)!r}, found {meta.get(key)!r}"
     return None
-
-
-def _bases(manifest: Manifest, shard: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The first line / row number of each document's shard (JSONL lines count from 1)."""
-    values, fmt = manifest.codes("format")
-    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
-    return jsonl[fmt[shard]].astype(np.int64)
 
 
 def build_text_index(
