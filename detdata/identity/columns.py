@@ -576,10 +576,9 @@ def _entry(
     }
     if row["data_offset"] >= 0:
         obj["data_offset"] = row["data_offset"]
-    if row["dtype"] >= 0:
-        obj["dtype"] = _pick(h["dtypes"], row["dtype"], c, i, "dtype")
-    if row["schema"] >= 0:
-        obj["schema"] = _pick(h["schemas"], row["schema"], c, i, "schema")
+    for name in ("dtype", "schema"):
+        if row[name] >= 0:
+            obj[name] = _pick(h[f"{name}s"], row[name], c, i, name)
     if groups is not None:
         obj["row_groups"] = groups
     return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")

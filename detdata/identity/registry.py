@@ -154,13 +154,7 @@ class _Ref:
             if not isinstance(doc["history"], list):
                 raise ValueError("field 'history' must be a list")
             events = tuple(
-                RefEvent(
-                    name=name,
-                    id=check_id(e["id"]),
-                    root=_check_root(e["root"]),
-                    time_ns=_check_ns(e["time_ns"]),
-                    forced=_check_bool(e["forced"]),
-                )
+                RefEvent(name=name, id=check_id(e["id"]), **_event_fields(e))
                 for e in doc["history"]
             )
             if not events or events[-1].id != doc["id"]:
@@ -189,22 +183,21 @@ def _check_registry_root(root: object) -> str:
     return root
 
 
-def _check_root(value: object) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"a history root must be a string or null, found {value!r:.60}")
-    return value
-
-
 def _check_ns(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"a time must be a non-negative integer (ns), found {value!r:.60}")
     return value
 
 
-def _check_bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"field 'forced' must be true or false, found {value!r:.60}")
-    return value
+def _event_fields(event: dict[str, Any]) -> dict[str, Any]:
+    """A history entry's ``root``, ``time_ns`` and ``forced``, checked (`ValueError`)."""
+    root = event["root"]
+    if root is not None and not isinstance(root, str):
+        raise ValueError(f"a history root must be a string or null, found {root!r:.60}")
+    time_ns, forced = _check_ns(event["time_ns"]), event["forced"]
+    if not isinstance(forced, bool):
+        raise ValueError(f"field 'forced' must be true or false, found {forced!r:.60}")
+    return {"root": root, "time_ns": time_ns, "forced": forced}
 
 
 class Registry:
@@ -311,7 +304,7 @@ class Registry:
         self._put_object(manifest)
         with self._lock():
             self._sweep_temps(("tmp",))
-            return self._point(f"{base}@{version}", base, version, manifest, force)
+            return self._point(base, version, manifest, force)
 
     def resolve(
         self,
@@ -456,27 +449,26 @@ class Registry:
             return None
         return Manifest(shards=ShardTable(columns, path), metadata=header["metadata"])
 
-    def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
+    def _point(self, base: str, version: str, manifest: Manifest, force: bool) -> str:
+        name = f"{base}@{version}"
         ref = self._find_ref(base, version)
         now = time.time_ns()
         root = None if manifest.root is None else strip_credentials(manifest.root)
-        event = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=False)
-        if ref is None:
-            new = _Ref(name=name, created_ns=now, history=(event,))
-        elif ref.current.id == manifest.id:
-            if ref.current.root == root or root is None:
-                return manifest.id
-            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
-        elif not force:
+        moved = ref is not None and ref.current.id != manifest.id
+        if ref is not None and not moved and (ref.current.root == root or root is None):
+            return manifest.id
+        if ref is not None and moved and not force:
             raise RegistryError(
                 f"{name} already points at {ref.current.id}, not {manifest.id}; "
                 "registered names are immutable; hint: register a new version "
                 f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
                 "it (the old id stays in its history)"
             )
+        event = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=moved)
+        if ref is None:
+            new = _Ref(name=name, created_ns=now, history=(event,))
         else:
-            forced = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=True)
-            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
         self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
         return manifest.id
 
