@@ -43,6 +43,7 @@ from detdata.base.hashing import PREFIX
 from detdata.identity.columns_header import ALIGN, CHUNK, KIND, parse_header
 from detdata.identity.entry import ShardEntry
 from detdata.identity.path_blocks import PATH_BLOCK, decode_block, encode_paths
+from detdata.identity.verify import pread_all
 from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
@@ -235,15 +236,10 @@ class ColumnsFile:
 
     def _pread(self, at: int, count: int) -> bytes:
         """``count`` bytes of the file from ``at`` (a short read is a truncated file)."""
-        parts = []
-        got = 0
-        while got < count:
-            part = os.pread(self._fd, count - got, at + got)
-            if not part:
-                raise self._error(f"{count} bytes at {at} are past its end (truncated in place?)")
-            parts.append(part)
-            got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = pread_all(self._fd, count, at)
+        if len(data) < count:
+            raise self._error(f"{count} bytes at {at} are past its end (truncated in place?)")
+        return data
 
     def vouch(self, files: Sequence[Any] | None) -> bool:
         """Trust this file's bytes without hashing them where ``files`` (what this job's

@@ -168,24 +168,24 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
     return digests, paths
 
 
-def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
+def _keep_or_write(path: str, data: bytes, digest: str) -> None:
     """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
     blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
     with contextlib.suppress(FileNotFoundError):
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
             os.unlink(path)  # a link or a pipe is never written through: a copy is a file
-    if _file_digest(path) != digest:
-        atomic_write_bytes(path, data)
+    with contextlib.suppress(OSError, ValueError):
+        if _file_digest(path)[0] == digest:
+            return
+    atomic_write_bytes(path, data)
 
 
-def _file_digest(path: str) -> str | None:
-    """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
-    try:
-        with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return blake3.blake3(mm).hexdigest()
-    except (OSError, ValueError):
-        return None
+def _file_digest(path: str, keep: bool = False) -> tuple[str, bytes]:
+    """blake3 of the file at ``path``, hashed through a mapping, and its bytes where
+    ``keep`` (else b""); `OSError` unless a regular file, `ValueError` when empty."""
+    with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
 
 
 def _open_file(path: str) -> BinaryIO:
@@ -223,12 +223,9 @@ def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
     """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
     ``want``, else None with a warning naming the copy, both digests and the manifest."""
     try:
-        with _open_file(copy) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            found = blake3.blake3(mm).hexdigest()
-            data = bytes(mm) if keep and found == want else b""
+        found, data = _file_digest(copy, keep)
     except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
         found = f"unreadable ({type(exc).__name__}: {exc})"
-        data = b""
     if found == want:
         return data
     warnings.warn(
