@@ -258,7 +258,8 @@ def verify_with_receipt(
                 if is_local_fs(fs):
                     now = _local_identities_of(manifest, root, checked=not tie)
                 else:
-                    now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
+                    paths = checked_paths(manifest.shards, 0, len(manifest.shards), not tie)
+                    now = remote_identities(fs, root, paths, threads)
                 todo = _changed(old, now, level)
             _check_changed(manifest, todo, tie, columns, check, split, ranks, root)
         if path is None or now is None:
@@ -399,20 +400,11 @@ def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> Lo
     ``checked``: the fast form's paths were checked in full before (else each is checked
     here: the tie comes after)."""
     shards = manifest.shards
-    if not isinstance(shards, ShardTable):
-        return local_identities(root, [s.path for s in shards])
     out = np.empty((len(shards), FIELDS), dtype=np.int64)
     for lo in range(0, len(shards), VERIFY_PIECE):
         hi = min(len(shards), lo + VERIFY_PIECE)
         out[lo:hi] = local_identities(root, checked_paths(shards, lo, hi, checked))
     return out
-
-
-def _paths(manifest: ShardList, *, checked: bool) -> list[str]:
-    shards = manifest.shards
-    if isinstance(shards, ShardTable):
-        return checked_paths(shards, 0, len(shards), checked)
-    return [s.path for s in shards]
 
 
 def _changed(
