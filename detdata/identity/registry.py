@@ -282,12 +282,6 @@ class Registry:
             lambda _t: atomic_write_bytes(url, data, temp_dir=temp_dir, **self._options),
         )
 
-    def _data_options(self, manifest: Manifest) -> dict[str, Any]:
-        """Storage options for a manifest's root: the registry's own when on the same store."""
-        root = manifest.root or ""
-        protocol = root.split("://", 1)[0] if is_url(root) else "file"
-        return dict(self._options) if protocol == self._protocol else {}
-
     # public API ------------------------------------------------------------
     def register(
         self,
@@ -300,7 +294,13 @@ class Registry:
         """Store the manifest (or load it from a path) and point ``name@version`` at its id;
         return the id. Re-pointing at a different id is a `RegistryError` unless ``force``."""
         base, version = full_name(name)
-        manifest = self._as_manifest(manifest_or_path, verify)
+        manifest = manifest_or_path
+        if isinstance(manifest, str):
+            manifest = Manifest.load(manifest, verify=verify, retry=self.retry, **self._options)
+        elif not isinstance(manifest, Manifest):
+            raise RegistryError(
+                f"register() takes a Manifest or a manifest path, got {type(manifest).__name__}"
+            )
         self._put_object(manifest)
         with self._lock():
             self._sweep_temps(("tmp",))
@@ -324,25 +324,34 @@ class Registry:
         and unverified unless ``root`` is given.
         """
         if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
-            manifest = self.get(name_or_id)
-            if root is None:
-                return manifest
-            return self._verified(manifest.with_root(root), verify, name_or_id, storage_options)
-        event = self._current(name_or_id)
-        if split_name(name_or_id)[1] is None and not latest:
-            warnings.warn(
-                f"resolve({name_or_id!r}) took the latest version, {event.name} ({event.id}): a "
-                "bare name follows every new registration, so a script that names it reads "
-                f"other data after the next one; hint: resolve({event.name!r}) pins it "
-                "(latest=True says floating is meant)",
-                BareNameWarning,
-                stacklevel=2,
-            )
-        manifest = self.get(event.id)
-        chosen = root if root is not None else event.root
+            manifest, chosen = self.get(name_or_id), root
+        else:
+            base, version = split_name(name_or_id)
+            ref = self._refs_of(base)[-1] if version is None else self._ref(base, version)
+            event = ref.current
+            if version is None and not latest:
+                warnings.warn(
+                    f"resolve({name_or_id!r}) took the latest version, {event.name} ({event.id}): "
+                    "a bare name follows every new registration, so a script that names it "
+                    f"reads other data after the next one; hint: resolve({event.name!r}) pins "
+                    "it (latest=True says floating is meant)",
+                    BareNameWarning,
+                    stacklevel=2,
+                )
+            manifest = self.get(event.id)
+            chosen = root if root is not None else event.root
         if chosen is None:
             return manifest
-        return self._verified(manifest.with_root(chosen), verify, name_or_id, storage_options)
+        manifest = manifest.with_root(chosen)
+        if storage_options is None:  # the registry's own where the root is on the same store
+            protocol = chosen.split("://", 1)[0] if is_url(chosen) else "file"
+            storage_options = self._options if protocol == self._protocol else {}
+        try:
+            manifest.verify(verify, retry=self.retry, **storage_options)
+        except DetdataError as exc:
+            exc.add_note(f"(resolving {name_or_id} from registry {self._shown})")
+            raise
+        return manifest
 
     def get(self, manifest_id: str) -> Manifest:
         """The stored manifest with this id (no root), checked intact: its fast form
@@ -409,15 +418,6 @@ class Registry:
         return [r.name.partition("@")[2] for r in self._refs_of(base)]
 
     # internals -------------------------------------------------------------
-    def _as_manifest(self, manifest_or_path: Manifest | str, verify: str) -> Manifest:
-        if isinstance(manifest_or_path, Manifest):
-            return manifest_or_path
-        if isinstance(manifest_or_path, str):
-            return Manifest.load(manifest_or_path, verify=verify, retry=self.retry, **self._options)
-        raise RegistryError(
-            f"register() takes a Manifest or a manifest path, got {type(manifest_or_path).__name__}"
-        )
-
     def _put_object(self, manifest: Manifest) -> None:
         """Store ``manifest`` (without root) under its id; a no-op when present."""
         url = self._url("manifests", self._object(manifest.id))
@@ -531,29 +531,6 @@ class Registry:
                 + (self._did_you_mean(base) or f"`detdata register MANIFEST {base}@v1`")
             )
         return sorted(refs, key=lambda r: (r.created_ns, r.name))
-
-    def _current(self, name: str) -> RefEvent:
-        base, version = split_name(name)
-        if version is None:
-            return self._refs_of(base)[-1].current
-        return self._ref(base, version).current
-
-    def _verified(
-        self,
-        manifest: Manifest,
-        verify: str,
-        what: str,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> Manifest:
-        options = (
-            dict(storage_options) if storage_options is not None else self._data_options(manifest)
-        )
-        try:
-            manifest.verify(verify, retry=self.retry, **options)
-        except DetdataError as exc:
-            exc.add_note(f"(resolving {what} from registry {self._shown})")
-            raise
-        return manifest
 
     def gc(self) -> int:
         """Remove stale temp files in every local registry folder (O(entries)); return how
