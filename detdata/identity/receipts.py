@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import functools
 import hmac
 import json
 import os
@@ -106,22 +105,31 @@ def verify_job(
     Ranks meet through the group's key-value store, never a collective: a rank opening
     what the others do not claims it and does it alone; a rank that finds the work
     claimed waits for the claimant's verdict however long it takes."""
-    check = functools.partial(
-        _verify_entries,
-        manifest,
-        level,
-        threads=threads,
-        progress=progress,
-        retry=retry,
-        storage_options=storage_options,
-    )
+
+    def check(entries: Sequence[ShardEntry]) -> VerificationError | None:
+        """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
+        try:
+            verify_manifest(
+                manifest,
+                level,
+                shards=entries,
+                threads=threads,
+                progress=progress,
+                retry=retry,
+                **storage_options,
+            )
+        except VerificationError as exc:
+            return exc
+        return None
+
     args = (manifest, level, check, threads, storage_options, use_receipt)
     # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
         return
-    rank, ranks = _rank_world()
+    dist = sys.modules["torch.distributed"]
+    rank, ranks = int(dist.get_rank()), int(dist.get_world_size())
     if leader:
         verdict: BaseException | None = DetdataError(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
@@ -190,11 +198,6 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     else:
         key = f"detdata/once/{digest}"
     return store, int(store.add(key + "/claim", 1)) == 1, key
-
-
-def _rank_world() -> tuple[int, int]:
-    dist = sys.modules["torch.distributed"]
-    return int(dist.get_rank()), int(dist.get_world_size())
 
 
 def node_key() -> str:
@@ -316,32 +319,6 @@ def _check_changed(
         _tie_and_verify(manifest, todo, check)
     elif todo.size:
         _verify_shards(manifest, todo, check)
-
-
-def _verify_entries(
-    manifest: ShardList,
-    level: Verify,
-    entries: Sequence[ShardEntry],
-    *,
-    threads: int,
-    progress: bool | None,
-    retry: RetryPolicy | None,
-    storage_options: dict[str, Any],
-) -> VerificationError | None:
-    """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
-    try:
-        verify_manifest(
-            manifest,
-            level,
-            shards=entries,
-            threads=threads,
-            progress=progress,
-            retry=retry,
-            **storage_options,
-        )
-    except VerificationError as exc:
-        return exc
-    return None
 
 
 Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
