@@ -379,10 +379,7 @@ class Manifest:
         """The strongest level `verify` passed on this object under its current root (None:
         never); kept by pickling."""
         record = self.__dict__.get(_VERIFIED)
-        if record is None or record[1] != self.root:
-            return None
-        level: Verify = record[0]
-        return level
+        return None if record is None or record[1] != self.root else cast(Verify, record[0])
 
 
 def _load_columns(path: str, root: str | None, copy: NodeSource | None = None) -> Manifest | None:

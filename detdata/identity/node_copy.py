@@ -70,28 +70,14 @@ class NodeSource:
 def node_source(path: str, read: Reader) -> NodeSource | None:
     """The node copy of the manifest at ``path``: read with ``read`` and copied when this
     rank is the node's reader, else mapped from the reader's copy. None: the caller reads
-    ``path`` itself. The reader's error is raised on every rank of the node."""
+    ``path`` itself (with a warning where the reader published nothing within the store's
+    timeout). The reader's error is raised on every rank of the node."""
     meeting = _meeting(path)
     if meeting is None:
         return None
     store, rank, key, reader = meeting
     if reader:
         return _read_and_share(store, key, rank, read)
-    if not _wait_for_reader(store, key, path):
-        return None
-    found = shared.loads_verdict(store.get(key + "/verdict"))
-    if found is not None:
-        raise found
-    try:
-        digests = json.loads(store.get(key + "/copy"))
-    except ValueError:  # not what a reader sends: read the manifest yourself
-        return None
-    return _map_copy(digests, path)
-
-
-def _wait_for_reader(store: Any, key: str, path: str) -> bool:
-    """Wait for the node's reader to publish under ``key``, at most ``store.timeout``;
-    False (with a warning) past it or when the store fails."""
     bound: timedelta = store.timeout
     try:
         store.wait([key + "/verdict"], bound)
@@ -102,10 +88,17 @@ def _wait_for_reader(store: Any, key: str, path: str) -> bool:
                 f"nothing within {bound.total_seconds():g} s (the process group store's "
                 f"timeout; {type(exc).__name__}); reading the manifest itself instead"
             ),
-            stacklevel=4,
+            stacklevel=3,
         )
-        return False
-    return True
+        return None
+    found = shared.loads_verdict(store.get(key + "/verdict"))
+    if found is not None:
+        raise found
+    try:
+        digests = json.loads(store.get(key + "/copy"))
+    except ValueError:  # not what a reader sends: read the manifest yourself
+        return None
+    return _map_copy(digests, path)
 
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:

@@ -304,8 +304,7 @@ def _check_same_root(items: list[ManifestPart]) -> str | None:
             f"the parts were hashed under different roots {shown}; hint: hash every part "
             "from the same root (or pass root= to merge parts of copies of one corpus)"
         )
-    with_root = [p.root for p in items if p.root is not None]
-    return with_root[0] if with_root else None
+    return next((p.root for p in items if p.root is not None), None)
 
 
 def _check_part_set(items: list[ManifestPart]) -> None:
