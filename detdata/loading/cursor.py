@@ -116,8 +116,6 @@ class Cursor:
         self._policy = policy
         self._layout = placement.layout_at(0)
         self._plan = Plan.fresh(definition.schedule, self._layout)
-        # earlier batches are checked from the start position (`bind`, a resume): a resume
-        # past a ramp-up may use a layout the ramp's batches do not fit
         self._plan.check_settles(self._layout)
         if total_samples is not None:
             self._plan.check_step_end(total_samples)
@@ -174,12 +172,6 @@ class Cursor:
     @property
     def step(self) -> int:
         return self._plan.step_of(self._consumed)
-
-    def position_of_step(self, step: int) -> int:
-        return self._plan.start_of(check_count(step, "step", minimum=0))
-
-    def step_of_position(self, position: int) -> int:
-        return self._plan.step_of(check_count(position, "position", minimum=0))
 
     def step_span(self) -> StepSpan:
         """Where the next micro batch lies in the run's steps (a trace record's step fields)."""

@@ -18,7 +18,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream
-from detdata.loading import frameworks
+from detdata.loading import frameworks, steps
 from detdata.loading.arguments import (
     TorchOnly,
     check_torch_args,
@@ -238,11 +238,11 @@ class DataLoader:
 
     def position_of_step(self, step: int) -> int:
         """First global position of step ``step`` of this run (all ranks)."""
-        return self._cursor.position_of_step(step)
+        return steps.position_of_step(self._cursor.plan, step)
 
     def step_of_position(self, position: int) -> int:
         """The step global position ``position`` belongs to in this run."""
-        return self._cursor.step_of_position(position)
+        return steps.step_of_position(self._cursor.plan, position)
 
     def positions_of_next(self) -> IntArray:
         """Positions of the micro batch the next iteration will deliver on this rank."""
@@ -429,7 +429,7 @@ class DataLoader:
 
     def mixture_weights_at_step(self, step: int) -> dict[str, Fraction]:
         """The exact proportions in force at global ``step``'s first position."""
-        position = self._cursor.position_of_step(step)
+        position = self.position_of_step(step)
         return reweightable(self._cursor.stream).mixture_weights_at(position)
 
     # ------------------------------------------------------------ provenance

@@ -24,7 +24,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
-from detdata.loading import frameworks
+from detdata.loading import frameworks, steps
 from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, Placement, process_group_rank_world
 from detdata.order.batches import BatchSchedule
@@ -131,8 +131,6 @@ class DeterministicBatchSampler:
         self._placement = Placement(constant, micro_batch_size, rank, world_size)
         self.layout = self._placement.layout_at(0)
         self._plan = Plan.fresh(self._schedule, self.layout)
-        # earlier batches are checked from the start position (iteration, load_state_dict):
-        # a resume past a ramp-up may use a layout the ramp's batches do not fit
         self._plan.check_settles(self.layout)
         self.total_samples = _check_total(total_samples)
         self._start = 0
@@ -164,8 +162,7 @@ class DeterministicBatchSampler:
         micro-step boundary of its step whose every later global batch divides into micro
         steps (`StateError` / `ConfigError` otherwise)."""
         layout = self._placement.layout_at(consumed)
-        layout.check_resume_position(consumed, self._plan.start_of(self._plan.step_of(consumed)))
-        self._plan.check_fits(layout, consumed)
+        self._plan.check_continues(layout, consumed)
         self.layout, self._start, self._yielded = layout, consumed, 0
 
     # ------------------------------------------------------ steps
@@ -180,12 +177,12 @@ class DeterministicBatchSampler:
         return self._plan.step_of(self.samples_consumed)
 
     def position_of_step(self, step: int) -> int:
-        """First global position of step ``step`` (all ranks)."""
-        return self._plan.start_of(check_count(step, "step", minimum=0))
+        """`steps.position_of_step` of this sampler's run."""
+        return steps.position_of_step(self._plan, step)
 
     def step_of_position(self, position: int) -> int:
-        """The step global position ``position`` belongs to."""
-        return self._plan.step_of(check_count(position, "position", minimum=0))
+        """`steps.step_of_position` of this sampler's run."""
+        return steps.step_of_position(self._plan, position)
 
     # ------------------------------------------------------ BatchSampler surface
     @property
