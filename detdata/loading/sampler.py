@@ -69,10 +69,6 @@ class _Ids:
         names = self.mixture.source_names
         return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
 
-    def epoch_samples(self) -> int | None:
-        """Samples in one pass over the dataset (None for a `Mixture`, which has no epoch)."""
-        return None if self.order is None else int(self.order.num_samples)
-
 
 def _caller() -> FrameType | None:
     """The frame of whoever called the ``__iter__`` that calls this (None if there is none)."""
@@ -190,15 +186,9 @@ class DeterministicBatchSampler:
         """Ids per item: this rank's micro batch."""
         return self.layout.micro_batch_size
 
-    @property
-    def drop_last(self) -> bool:
-        """Always True: every item is a full micro batch."""
-        return True
-
-    @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, not from a torch sampler."""
-        return None
+    #: every item is a full micro batch; positions come from detdata's layout, not a sampler
+    drop_last: Final = True
+    sampler: Final = None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: the order is a function of the global position, not of an epoch counter."""
@@ -210,9 +200,8 @@ class DeterministicBatchSampler:
         per = self.layout.samples_per_micro_step
         if self.total_samples is not None:
             return self.total_samples // per
-        epoch = self._ids.epoch_samples()
-        if epoch is not None:
-            return max(1, epoch // per)
+        if self.order is not None:  # one pass over the dataset (a `Mixture` has no epoch)
+            return max(1, int(self.order.num_samples) // per)
         return MAX_POSITION // per
 
     # ------------------------------------------------------------- iteration
@@ -354,15 +343,9 @@ class FrameworkBatchSampler:
         """Ids per item: one micro step of all processes together."""
         return self._layout.micro_batch_size
 
-    @property
-    def drop_last(self) -> bool:
-        """Always True: every item is a full micro step."""
-        return True
-
-    @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, not from a torch sampler."""
-        return None
+    #: every item is a full micro step; positions come from detdata's layout, not a sampler
+    drop_last: Final = True
+    sampler: Final = None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: one pass covers the whole run."""
@@ -399,9 +382,7 @@ class FrameworkBatchSampler:
     def _generate(self) -> Iterator[list[Any]]:
         """Items in order, ids computed for `_CHUNK_POSITIONS` positions at once (a framework
         skipping delivered items on resume skips ~100x faster)."""
-        per = self.batch_size
-        total = MAX_POSITION if self.total_samples is None else self.total_samples
-        items = total // per
+        per, items = self.batch_size, len(self)
         chunk = max(1, _CHUNK_POSITIONS // per)
         for first in range(0, items, chunk):
             count = min(chunk, items - first)
