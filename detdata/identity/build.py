@@ -1,22 +1,15 @@
 """Building manifests: list the shard files under a root, hash them in parallel.
 
-`build_manifest` is the only way detdata creates a `Manifest` from data: every
-name it records has passed `check_shard_name` (so the loader accepts it), the
-shards are sorted by relative path, and each is streamed once for its blake3
-and quick digest (bounded memory) plus a header/footer read for its layout.
-
-A manifest is the canonical merge of per-shard entries, and an entry depends
-only on the shard's bytes and name (`hash_entry`, a plain picklable function):
-so the hashing can run anywhere. ``executor=`` takes any
-`concurrent.futures.Executor` (a process pool, Dask's
-``Client.get_executor()``, Ray's ``ray.util.multiprocessing.Pool``-backed
-executors...) and the result is the same manifest, same id, as a local build.
-Partial manifests over disjoint shard lists, built on different machines and
-merged, are `detdata.identity.parts`.
+`build_manifest` is the only way detdata creates a `Manifest` from data: every name it
+records has passed `check_shard_name`, and each shard is streamed once for its digests.
+An entry depends only on the shard's bytes and name (`hash_entry`, a picklable task), so
+hashing on any `concurrent.futures.Executor` gives the same manifest, same id, as a local
+build. Partial manifests built on different machines and merged: `detdata.identity.parts`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import re
@@ -73,16 +66,11 @@ def build_manifest(
 ) -> Manifest:
     """Hash the shards under ``root`` (path or fsspec URL) into a `Manifest`.
 
-    Shards are ``paths`` (relative) if given, else files matching the glob
-    ``pattern`` (default: every file with a known suffix, recursively), sorted
-    by relative path. ``format`` overrides suffix detection (a ``.arrow`` file is
-    ``arrow`` or, by its first bytes, ``arrow_stream``); ``.bin`` needs
-    ``dtype``. Shards are hashed in ``threads`` parallel threads, each streamed in
-    bounded memory, or, with ``executor`` (any `concurrent.futures.Executor`,
-    e.g. a Dask ``Client.get_executor()``), as one `hash_entry` task per shard
-    there: the root and ``storage_options`` travel to the workers, which must
-    reach the same store. ``metadata`` (tokenizer hash, description...) is part
-    of the id; the id does not depend on where the hashing ran.
+    Shards are ``paths`` (relative) if given, else files matching the glob ``pattern``
+    (default: every file with a known suffix, recursively). ``format`` overrides suffix
+    detection; ``.bin`` needs ``dtype``. Hashed in ``threads`` threads, or as one
+    `hash_entry` task per shard on ``executor`` (whose workers must reach the same
+    store). ``metadata`` is part of the id.
     """
     root = os.fspath(root)  # a pathlib.Path as torch users pass one
     fs, rootpath = filesystem(root, **storage_options)
@@ -119,10 +107,8 @@ def hash_entries(
     executor: Executor | None = None,
     **storage_options: Any,
 ) -> list[ShardEntry]:
-    """The entries of the (checked) shard names ``rels`` under ``root``, in input order.
-
-    In ``threads`` local threads, or one `hash_entry` task per shard on ``executor``.
-    """
+    """The entries of the (checked) shard names ``rels`` under ``root``, in input order, in
+    ``threads`` local threads or one `hash_entry` task per shard on ``executor``."""
     policy = check_policy(retry)
     options = dict(storage_options)
     if executor is not None:
@@ -131,18 +117,10 @@ def hash_entries(
                 f"executor must be a concurrent.futures.Executor, got {type(executor).__name__}; "
                 "hint: a Dask client gives one with client.get_executor()"
             )
-        n = len(rels)
-        entries = list(
-            executor.map(
-                hash_entry,
-                [root] * n,
-                list(rels),
-                [format] * n,
-                [dtype] * n,
-                [policy] * n,
-                [options] * n,
-            )
+        task = functools.partial(
+            hash_entry, root, format=format, dtype=dtype, retry=policy, storage_options=options
         )
+        entries = list(executor.map(task, list(rels)))
         _check_returned(entries, rels)
         return entries
     fs, rootpath = filesystem(root, **options)
@@ -163,18 +141,14 @@ def hash_entry(
     retry: RetryPolicy,
     storage_options: Mapping[str, Any],
 ) -> ShardEntry:
-    """The manifest entry of shard ``rel`` under ``root`` (a self-contained, picklable task).
-
-    Depends only on the shard's name and bytes (and ``format`` / ``dtype``), so
-    any machine that reaches the store computes the same entry.
-    """
+    """The manifest entry of shard ``rel`` under ``root`` (a self-contained, picklable task)."""
     fs, rootpath = filesystem(root, **dict(storage_options))
     return _hash_with(fs, rootpath, root, rel, format, dtype, retry)
 
 
 def _check_returned(entries: list[Any], rels: Sequence[str]) -> None:
-    """An executor must return one entry per shard, in order: a lost, duplicated or
-    reordered task is a `StorageError` naming the first shard without its entry."""
+    """A `StorageError` naming the first shard without its entry unless the executor
+    returned one entry per shard, in order."""
     for i, rel in enumerate(rels):
         got = entries[i] if i < len(entries) else None
         if not isinstance(got, ShardEntry) or got.path != rel:
@@ -270,12 +244,8 @@ def shard_names(
 def _list_shards(
     fs: Any, root: str, pattern: str | None, fmt: Format | None, progress: bool | None = None
 ) -> list[str]:
-    """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`).
-
-    HTTP listings give percent-encoded URLs; their paths are decoded, so a manifest
-    built over HTTP holds the same file names (and id) as one built from the files.
-    A local root is listed folder by folder, with progress (`_walk_local`).
-    """
+    """Sorted relative paths of the shard files under ``root`` (checked by `check_shard_name`;
+    HTTP listings decoded, so a build over HTTP has the same names and id)."""
     full = (
         None
         if pattern is None
@@ -306,9 +276,8 @@ def _list_shards(
 
 
 def _walk_local(fs: Any, root: str, full: str | None, progress: bool | None) -> list[str]:
-    """The files under local ``root`` (those matching the glob ``full`` when given: the same
-    rule as ``fs.glob``, `glob_translate`), listed with ``fs.walk`` one folder at a time so
-    that a large listing shows how many files it has found so far."""
+    """The files under local ``root`` (matching the glob ``full`` as ``fs.glob`` would), one
+    folder at a time so that a large listing shows its progress."""
     if full is not None and not has_magic(full):
         return [full] if fs.isfile(full) else []
     match = None if full is None else re.compile(glob_translate(full)).match

@@ -1,48 +1,25 @@
 """The fast form of a manifest: fixed-width columns in one memory-mapped file.
 
-Contract: docs/design.md section 8 ("Start-up at scale").
-
-A manifest's JSON is its readable form and defines its id; parsing it costs every
-rank O(shards) CPU and memory. `Manifest.save` (and `Registry.register`) also write
-this form next to the JSON (``<file>.columns``); `Manifest.load` maps it instead of
-parsing the JSON whenever it is there and tied to the JSON (below), with no step for
-the user. Opening it reads a header and a small table of chunk digests, whatever the
-number of shards; entries are materialised when used (`ShardTable`).
+Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
+verification, receipts"). `Manifest.save` and `Registry.register` write it next to the
+JSON (``<file>.columns``); `Manifest.load` maps it whenever it is tied to the JSON.
 
 Layout (little-endian)::
 
     magic "DDMCOLS1"  u64 header length  header (canonical JSON)  blake3(header) (32 bytes)
     chunk digest table (32 bytes per CHUNK bytes of data, blake3)      data sections
 
-The header names the manifest id, shard count, totals, metadata, the distinct
-formats / dtypes / schemas, each section's (offset, length, dtype) in the data and
-the blake3 of the chunk digest table. Sections: ``bytes``, ``num_samples``,
-``sample_starts`` (cumulative, ``count + 1``), ``data_offset`` (-1: none), ``format``,
-``dtype``, ``schema`` (indices into the header's lists, -1: none),
-``path_block_ends`` / ``path_blocks`` (the paths, 256 to a compressed block:
-`detdata.identity.path_blocks`; version 1, still read, stored ``path_ends`` / ``paths``,
-a plain UTF-8 blob), ``blake3`` / ``quick`` (32 raw bytes each), ``row_group_ends`` /
-``row_groups`` (an end ``e < 0`` means none, at ``-e - 1``).
+Sections: ``bytes``, ``num_samples``, ``sample_starts`` (cumulative, ``count + 1``),
+``data_offset`` (-1: none), ``format``, ``dtype``, ``schema`` (indices into the
+header's lists, -1: none), ``path_block_ends`` / ``path_blocks`` (`detdata.identity.path_blocks`;
+version 1 stored ``path_ends`` / ``paths``, a plain UTF-8 blob), ``blake3`` / ``quick``
+(32 raw bytes each), ``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none,
+at ``-e - 1``). The file is replaced atomically, never rewritten in place.
 
-The file is replaced atomically (`Manifest.save`, the registry), never rewritten in
-place: a mapping keeps the file it mapped. (Truncating a mapped file in place would
-fault the reading process, as for any mapped file.)
-
-Checks: the header is checked against its digest and the chunk table against the
-header at open (O(1) in the shards: a 1M-shard manifest has ~2,000 chunks); every
-data chunk is checked against its digest the first time any byte of it is used, so a
-rank touches and hashes only the chunks it uses. A mismatch is a `ManifestError`
-naming the file and the chunk. Every materialised entry passes the JSON loader's
-field checks (`ShardEntry.from_json`: a path never escapes the root).
-
-What ties the columns to the JSON, per rank at open (O(1)): the JSON file has the size
-the header recorded, and its claimed id and metadata (read from the head of the file,
-before its shard list: `read_json_head`) are the header's. Otherwise the JSON is
-parsed as before. What ties them in full, once per job: the job's verifier hashes the
-JSON file against the header's ``json_digest`` (`detdata.identity.columns_tie.check_json`)
-and re-computes the manifest id from the columns' entries (`verify_columns_id`), before
-any rank reads a shard with verification on; the verification receipt records it
-(`detdata.identity.receipts`).
+Checks: the header and chunk table at open (O(1) in the shards); each data chunk the
+first time any byte of it is used (a `ManifestError` naming the file and chunk); every
+entry by the JSON loader's field checks. The tie to the JSON at open: its size and head
+(`read_json_head`) match the header; in full, once per job, `detdata.identity.columns_tie`.
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, cast, overload
+from typing import Any, Final, overload
 
 import blake3
 import numpy as np
@@ -82,15 +59,24 @@ _ITER_PIECE: Final = 1 << 12
 #: checked chunks kept after a read that stopped inside them (1 MiB at most)
 _KEPT: Final = 16
 
-_INT_SECTIONS: Final = ("bytes", "num_samples", "data_offset")
-
 
 def columns_path(json_path: str) -> str:
     """Where the fast form of the manifest file ``json_path`` lives."""
     return json_path + SUFFIX
 
 
-# --------------------------------------------------------------------------- writing
+def string_codes(
+    values: Sequence[str | None], dtype: type[np.integer[Any]]
+) -> tuple[list[str], np.ndarray[Any, Any]]:
+    """``(distinct, codes)``: the distinct non-None ``values``, sorted, and each value's
+    index into them (-1: None) as a ``dtype`` array."""
+    distinct = sorted({v for v in values if v is not None})
+    index = {v: i for i, v in enumerate(distinct)}
+    return distinct, np.fromiter(
+        (-1 if v is None else index[v] for v in values), dtype, len(values)
+    )
+
+
 def encode_columns(
     shards: Sequence[ShardEntry], metadata: Mapping[str, Any], manifest_id: str, json_doc: bytes
 ) -> bytes:
@@ -99,12 +85,9 @@ def encode_columns(
     if not isinstance(shards, (tuple, list)):  # a `ShardTable`: decoded once, not per column
         shards = list(shards)
     n = len(shards)
-    formats = sorted({s.format.value for s in shards})
-    dtypes = sorted({s.dtype for s in shards if s.dtype is not None})
-    schemas = sorted({s.schema for s in shards if s.schema is not None})
-    fmt_of = {f: i for i, f in enumerate(formats)}
-    dt_of = {d: i for i, d in enumerate(dtypes)}
-    sc_of = {s: i for i, s in enumerate(schemas)}
+    formats, format_codes = string_codes([s.format.value for s in shards], np.uint8)
+    dtypes, dtype_codes = string_codes([s.dtype for s in shards], np.int16)
+    schemas, schema_codes = string_codes([s.schema for s in shards], np.int32)
     counts = np.fromiter((s.num_samples for s in shards), np.int64, n)
     blocks, block_ends, largest = encode_paths([s.path.encode("utf-8") for s in shards])
     groups = [s.row_groups for s in shards]
@@ -122,13 +105,9 @@ def encode_columns(
         "data_offset": np.fromiter(
             (-1 if s.data_offset is None else s.data_offset for s in shards), np.int64, n
         ),
-        "format": np.fromiter((fmt_of[s.format.value] for s in shards), np.uint8, n),
-        "dtype": np.fromiter(
-            (-1 if s.dtype is None else dt_of[s.dtype] for s in shards), np.int16, n
-        ),
-        "schema": np.fromiter(
-            (-1 if s.schema is None else sc_of[s.schema] for s in shards), np.int32, n
-        ),
+        "format": format_codes,
+        "dtype": dtype_codes,
+        "schema": schema_codes,
         "path_block_ends": block_ends,
         "path_blocks": np.frombuffer(blocks, dtype=np.uint8),
         "blake3": np.frombuffer(
@@ -185,16 +164,12 @@ def encode_columns(
     )
 
 
-# --------------------------------------------------------------------------- reading
 class ColumnsFile:
     """A fast-form file; every data chunk is checked against its digest on first use.
 
-    Reads go through ``pread`` on a descriptor held open (the inode opened stays the one
-    read, as a mapping's would): a rank's scattered lookups (`items`) cost a few small
-    reads and no resident pages. A page-cache fault maps a whole folio (64 KiB or more
-    here) into the process, so a few hundred mapped lookups alone were ~13 MB of a 1M-shard
-    rank's RSS. Only `array` (a whole section: the verifier, an index build) maps the file,
-    on first use."""
+    Reads go through ``pread`` on a descriptor held open: scattered lookups (`items`)
+    cost no resident pages (a mapped fault pulls a whole folio). Only `array` (a whole
+    section) maps the file, on first use."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -207,7 +182,6 @@ class ColumnsFile:
         if size < _HEAD + 32:
             self._closer()
             raise self._error(f"{size} bytes is too short for a header")
-        self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         #: ``[size, mtime_ns, ctime_ns, inode, device]`` of the file opened (before a read),
         #: and the wall time it was taken at
         self.identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
@@ -272,12 +246,9 @@ class ColumnsFile:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def vouch(self, files: Sequence[Any] | None) -> bool:
-        """Trust this file's bytes without hashing them: ``files`` is what a verification
-        of this job checked in full (`detdata.identity.receipts`: ``[header digest, the
-        columns file's identity, the JSON's]``, taken before its reads), and the file this
-        object opened has that header and that identity (same inode, size and times: not
-        replaced or rewritten since). Reads then take only the bytes asked for. False (and
-        chunks checked on use as before) otherwise."""
+        """Trust this file's bytes without hashing them where ``files`` (what this job's
+        verification checked in full: ``[header digest, columns identity, JSON identity]``,
+        `detdata.identity.receipts`) names this very file; return whether it is trusted."""
         if (
             files is not None
             and len(files) == 3
@@ -288,11 +259,9 @@ class ColumnsFile:
         return self._vouched
 
     def _read_checked(self, start: int, stop: int) -> bytes:
-        """Data bytes ``[start, stop)``, every chunk covering them checked (each once: a
-        chunk not yet checked is read whole and hashed, the bytes asked for cut from it;
-        none once the file is vouched for). A chunk read whole that reaches past ``stop``
-        is kept (the last `_KEPT` of them): a scan in pieces (the verifier's) reads each
-        byte once."""
+        """Data bytes ``[start, stop)``, every chunk covering them checked once (none once
+        vouched for). The last `_KEPT` chunks read whole past ``stop`` are kept, so a scan
+        in pieces reads each byte once."""
         if self._vouched:
             return self._pread(self._data_at + start, stop - start)
         first, last = start // CHUNK, max(start, stop - 1) // CHUNK
@@ -323,9 +292,8 @@ class ColumnsFile:
         return c
 
     def _read_unchecked(self, c: int, run: int, at: int, stop: int, parts: list[bytes]) -> int:
-        """Read chunks ``c..run`` whole, check each, append the bytes from ``at`` (up to
-        ``stop``) to ``parts``; returns where they end. The last chunk is kept when it
-        reaches past ``stop``."""
+        """Read chunks ``c..run`` whole, check each, append the bytes ``[at, stop)`` of them
+        to ``parts``; returns where they end."""
         lo = c * CHUNK
         hi: int = min((run + 1) * CHUNK, self.header["data_bytes"])
         data = self._pread(self._data_at + lo, hi - lo)
@@ -352,25 +320,22 @@ class ColumnsFile:
                 self._buf = memoryview(self._map)
             return self._buf
 
-    def _view(self, name: str) -> np.ndarray[Any, Any]:
-        view = self._arrays.get(name)
-        if view is None:
-            offset, length, dtype = self.header["sections"][name]
-            at = self._data_at + offset
-            view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
-            self._arrays[name] = view
-        return view
-
     def array(self, name: str) -> np.ndarray[Any, Any]:
         """All of section ``name`` (every chunk of it checked): a read-only mapped view."""
-        offset, length, _ = self.header["sections"][name]
-        if not self._vouched and name not in self._arrays:
+        view = self._arrays.get(name)
+        if view is not None:
+            return view
+        offset, length, dtype = self.header["sections"][name]
+        if not self._vouched:
             for at in range(offset, offset + length, 1 << 24):  # checked 16 MiB at a time
                 stop = min(offset + length, at + (1 << 24))
                 first, last = at // CHUNK, max(at, stop - 1) // CHUNK
                 if not all(self._checked[first : last + 1]):
                     self._read_checked(at, stop)
-        return self._view(name)
+        at = self._data_at + offset
+        view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
+        self._arrays[name] = view
+        return view
 
     def items(self, name: str, lo: int, hi: int) -> np.ndarray[Any, Any]:
         """Elements ``[lo, hi)`` of section ``name`` (their chunks checked): a read-only
@@ -398,12 +363,9 @@ class ColumnsFile:
 
 
 class ShardTable(Sequence["ShardEntry"]):
-    """A manifest's shards, backed by a `ColumnsFile`: entries are built when used.
-
-    Indexing builds (and keeps, up to a bound) one `ShardEntry`, checked as the JSON
-    loader checks one; a slice gives a tuple; iterating builds every entry. Equal to
-    any sequence of the same entries. Pickled as its file path and header digest (a
-    process that unpickles it maps the file again and refuses another file).
+    """A manifest's shards, backed by a `ColumnsFile`: entries are built (and checked as
+    the JSON loader checks one) when used. Equal to any sequence of the same entries.
+    Pickled as its file path and header digest (another file is refused on unpickling).
     """
 
     def __init__(self, columns: ColumnsFile, json_path: str | None = None) -> None:
@@ -432,9 +394,7 @@ class ShardTable(Sequence["ShardEntry"]):
         return self.entry(i)
 
     def __iter__(self) -> Iterator[ShardEntry]:
-        """Every entry, decoded `_ITER_PIECE` at a time (`entries_between`: the same checks
-        as `entry`), none kept: saving or iterating a 1M-shard table is a bulk decode, not a
-        million single lookups."""
+        """Every entry, decoded in bulk `_ITER_PIECE` at a time, none kept."""
         for lo in range(0, len(self), _ITER_PIECE):
             yield from self.entries_between(lo, min(len(self), lo + _ITER_PIECE))
 
@@ -443,15 +403,15 @@ class ShardTable(Sequence["ShardEntry"]):
         hit = self._cache.get(i)
         if hit is not None:
             return hit
-        entry = self._build(i)
+        (entry,) = self.entries_between(i, i + 1)
         if len(self._cache) >= _ENTRY_CACHE:
             self._cache.clear()
         self._cache[i] = entry
         return entry
 
     def path(self, i: int) -> str:
-        """Shard ``i``'s relative path, checked as an entry's is (``check_relative_path``),
-        decoding only the path columns (a built entry's path when there is one)."""
+        """Shard ``i``'s relative path, checked as an entry's is, decoding only the path
+        columns."""
         found = self._paths.get(i)
         if found is not None:
             return found
@@ -466,10 +426,6 @@ class ShardTable(Sequence["ShardEntry"]):
             self._paths.clear()
         self._paths[i] = path
         return path
-
-    def _build(self, i: int) -> ShardEntry:
-        (entry,) = self.entries_between(i, i + 1)
-        return entry
 
     def paths_between(self, lo: int, hi: int) -> list[str]:
         """The relative paths of shards ``[lo, hi)`` decoded in bulk (UTF-8 and bounds
@@ -497,11 +453,6 @@ class ShardTable(Sequence["ShardEntry"]):
             out += decode_block(raw, count, c.header["path_block_raw"], c._error, b)
         self._block = (last, out[(last - first) * PATH_BLOCK :])
         return out[lo - first * PATH_BLOCK : hi - first * PATH_BLOCK]
-
-    def all_paths(self) -> list[str]:
-        """Every shard's relative path (`paths_between` over all: O(shards), what a
-        verifier takes identities of)."""
-        return self.paths_between(0, len(self))
 
     def entries_between(self, lo: int, hi: int) -> list[ShardEntry]:
         """Shards ``[lo, hi)`` decoded in bulk from their checked chunks, each checked as
@@ -543,10 +494,8 @@ class ShardTable(Sequence["ShardEntry"]):
         return out
 
     def row_group_columns(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns
-        (checked chunks, then checked as a whole: ends from 0, non-decreasing, to the
-        end of ``row_groups``; sizes non-negative, as `ShardEntry.from_json` requires);
-        O(shards) in numpy, no entry built."""
+        """``(counts, sizes)`` of `Manifest.row_groups_per_shard` from the mapped columns,
+        checked as a whole as `ShardEntry.from_json` checks one; no entry built."""
         c = self.columns
         ends = c.array("row_group_ends")
         sizes = c.array("row_groups")
@@ -561,14 +510,6 @@ class ShardTable(Sequence["ShardEntry"]):
         counts = steps.astype(np.int64)
         counts[ends[1:] < 0] = -1
         return counts, np.asarray(sizes, dtype=np.int64)
-
-    def num_samples(self) -> npt.NDArray[np.int64]:
-        """Samples per shard (a checked, read-only view of the mapped column)."""
-        return cast(npt.NDArray[np.int64], self.columns.array("num_samples"))
-
-    def sizes(self) -> npt.NDArray[np.int64]:
-        """Bytes per shard (a checked, read-only view of the mapped column)."""
-        return cast(npt.NDArray[np.int64], self.columns.array("bytes"))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ShardTable) and other.columns.header_digest == (
@@ -660,16 +601,14 @@ def _reopen(path: str, header_digest: str, json_path: str | None) -> ShardTable:
     return ShardTable(columns, json_path)
 
 
-# ----------------------------------------------------------------------- the JSON tie
 #: how a JSON written by `Manifest.save` introduces its shard list (sorted keys, indent=1)
 _SHARDS_KEY: Final = b'\n "shards": ['
 _HEAD_LIMIT: Final = 1 << 20
 
 
 def read_json_head(path: str) -> dict[str, Any] | None:
-    """The top-level fields before ``"shards"`` of a manifest JSON written by `save`
-    (id, kind, version, metadata, root), read from the file's head only; None when the
-    file is not laid out that way within its first MiB (then it is parsed whole)."""
+    """The top-level fields before ``"shards"`` of a manifest JSON written by `save`, read
+    from the file's head only; None when not laid out that way within its first MiB."""
     head = b""
     step = 1 << 10  # the fields before "shards" are a few hundred bytes unless metadata is big
     with open(path, "rb", buffering=0) as fh:  # unbuffered: no 8 KiB read-ahead per rank

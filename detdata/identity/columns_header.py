@@ -1,9 +1,5 @@
-"""The header of a fast-form manifest file, validated (`detdata.identity.columns`).
-
-`parse_header` checks every field a reader relies on before any data is read: kind,
-version (1: plain paths, 2: paths in compressed blocks), chunk size, counts, and that
-every section the version has is described (offset aligned, inside the data, the
-length its shard count implies, its dtype)."""
+"""The header of a fast-form manifest file, validated (`detdata.identity.columns`): every
+field a reader relies on, before any data is read."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The full tie of a fast-form manifest to its id, checked once per job (docs/design.md section 8).
 
-`detdata.identity.columns` checks each chunk of the columns against its digest when used;
-that catches damage, not a file whose chunks were re-digested after an edit. What proves
-the columns are the manifest the id names is re-computing the id from every entry
-(`verify_columns_id`); what proves the JSON next to them (the readable form) is the one
-they were saved with is hashing it against the digest the columns recorded
-(`check_json`): a JSON edited in place (same size, same claimed id, a shard's digest
-changed) is refused, naming the file and the first field that differs. Both are
-O(shards), run once per job by the job's verifier (`detdata.identity.receipts`), their
-result recorded in the receipt (with the files' identities: a restart whose columns and
-JSON are unchanged runs neither).
+Chunk digests (`detdata.identity.columns`) catch damage, not an edit whose chunks were
+re-digested: `verify_columns_id` re-computes the id from every entry, and `check_json`
+hashes the JSON next to the columns against the digest they recorded (an edited JSON is
+refused, naming the first field that differs). Both are O(shards), run by the job's
+verifier and recorded in its receipt (`detdata.identity.receipts`).
 """
 
 from __future__ import annotations
@@ -31,10 +26,9 @@ from detdata.storage.digest import full_digest_path
 
 
 def check_json(table: ShardTable) -> None:
-    """The JSON file the columns were loaded for (``table.json_path``; nothing without one)
-    hashes to the header's ``json_digest`` (read in pieces: bounded memory); else a
-    `ManifestError` naming the JSON file and the first field where it differs from the
-    columns (`_first_difference`)."""
+    """A `ManifestError` naming the JSON file (``table.json_path``, if any) and the first
+    field where it differs from the columns, unless it hashes to the header's
+    ``json_digest``."""
     c, json_path = table.columns, table.json_path
     if json_path is None:
         return
@@ -50,9 +44,8 @@ def check_json(table: ShardTable) -> None:
 
 
 def _first_difference(table: ShardTable, json_path: str) -> str:
-    """The first field (top level, then shard by shard in path order) where the JSON at
-    ``json_path`` differs from the columns, in words; what can be said where it does not
-    parse or no field differs. O(shards): only on the way to an error."""
+    """The first field (top level, then shard by shard) where the JSON at ``json_path``
+    differs from the columns, in words (only on the way to an error)."""
     try:
         with open(json_path, "rb") as fh:
             doc = json.loads(fh.read())
@@ -84,12 +77,10 @@ def _first_difference(table: ShardTable, json_path: str) -> str:
 def verify_columns_id(
     table: ShardTable, *, each: Callable[[int, list[ShardEntry]], None] | None = None
 ) -> str:
-    """The id re-computed from every entry of the columns (O(shards) time, one piece of
-    `PIECE` entries in memory at a time: `detdata.identity.manifest_id.streamed_id`);
+    """The id re-computed from every entry of the columns, `PIECE` entries at a time;
     `ManifestError` unless it is the header's, the shards are in canonical order and the
-    header's sample and byte totals are the entries' sums. ``each(lo, entries)`` is called
-    with every piece (shards ``lo, lo + 1, ...``) as it is decoded, before the verdict:
-    what it derives from them holds only once this returns."""
+    header's totals are the entries' sums. ``each(lo, entries)`` sees every piece as it is
+    decoded, before the verdict."""
     c = table.columns
     totals = [0, 0]  # samples, bytes
     last: list[str] = []
@@ -113,8 +104,8 @@ def verify_columns_id(
 
 
 def _judge(table: ShardTable, found: str, totals: list[int]) -> None:
-    """`ManifestError` unless ``found`` (the id re-computed) is the header's and
-    ``totals`` (samples, bytes of the entries) its claimed totals."""
+    """`ManifestError` unless the id ``found`` and ``totals`` (samples, bytes) are the
+    header's."""
     c = table.columns
     if found != c.header["id"]:
         raise c._error(
@@ -129,7 +120,6 @@ def _judge(table: ShardTable, found: str, totals: list[int]) -> None:
         )
 
 
-# --------------------------------------------------------- the tie cut by shard ranges
 #: a tie part's head fields: first and last path, in canonical order within, sums
 FIRST: Final = "first"
 LAST: Final = "last"
@@ -139,10 +129,9 @@ BYTES: Final = "bytes"
 
 
 def tie_part(entries: Sequence[ShardEntry]) -> bytes:
-    """What the tie needs of a run of consecutive entries (not empty), taken by the rank
-    that decodes them (docs/design.md section 8): one line of canonical JSON (first and
-    last path, whether they are in canonical order, their sample and byte sums), then the
-    entries as the id hashes them (`ShardEntry.to_json`, canonical, joined by ",")."""
+    """What the tie needs of a run of consecutive entries (not empty): a line of canonical
+    JSON (first and last path, whether in canonical order, their sums), then the entries
+    as the id hashes them (joined by ",")."""
     paths = [e.path for e in entries]
     head = {
         FIRST: paths[0],
@@ -156,8 +145,7 @@ def tie_part(entries: Sequence[ShardEntry]) -> bytes:
 
 def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> None:
     """`verify_columns_id` from the `tie_part` of every run of ``table``'s entries, in
-    order, together covering them all: the same `ManifestError`s (canonical order first,
-    then the id, then the totals); the entries are not decoded again, their bytes hashed."""
+    order (the same `ManifestError`s), hashing their bytes without decoding them again."""
     c = table.columns
     head, tail = body_ends(c.header["metadata"])
     hasher = blake3.blake3(head)

@@ -1,9 +1,5 @@
-"""A manifest's shard entry and verification levels: the leaf types of `detdata.identity`.
-
-`ShardEntry` is one shard of a manifest as its JSON says (every field validated by
-`ShardEntry.from_json`: a document is untrusted); `Verify` the levels a manifest is checked
-at. They live below `detdata.identity.manifest` so that the fast form (`columns`) and the
-checks (`verify`, `receipts`) use them without importing the manifest.
+"""A manifest's shard entry and verification levels: the leaf types of `detdata.identity`,
+below `detdata.identity.manifest` so that the fast form and the checks need not import it.
 """
 
 from __future__ import annotations
@@ -159,8 +155,7 @@ def parse_verify(value: str | Verify) -> Verify:
 
 class ShardList(Protocol):
     """What verification and receipts read of a manifest (`detdata.identity.manifest.Manifest`
-    fits): its id, root and entries, and an entry's URL. Declared here, below both, so
-    neither imports the manifest module."""
+    fits)."""
 
     @property
     def id(self) -> str: ...

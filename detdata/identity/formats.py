@@ -1,49 +1,25 @@
 """Shard formats: detection, sample counts and schema fingerprints.
 
-A "sample" at the manifest level is one token (1-D token files), one row
-(tables) or one document (Megatron indexes). Datasets build larger samples
-(token windows, packed windows) on top.
+A manifest-level sample is one token (``npy`` / ``bin`` token files), one row
+(``parquet``, ``arrow`` IPC files, ``arrow_stream`` IPC streams such as Hugging Face
+``datasets`` cache files; ``row_groups`` holds the rows of each row group / batch),
+one line (``jsonl``, ``schema`` its compression: `detdata.identity.text_formats`) or
+one document (``megatron_idx``).
 
-Formats:
-
-* ``npy`` / ``bin``: 1-D token files (``bin``: raw little-endian tokens of a
-  declared ``dtype``).
-* ``parquet``, ``arrow`` (Arrow IPC *file* format, with a footer) and
-  ``arrow_stream`` (Arrow IPC *stream* format: the ``data-*.arrow`` cache files
-  Hugging Face ``datasets`` writes): tables; ``row_groups`` holds the row counts
-  of the row groups / record batches.
-* ``jsonl``: text, one JSON object a line (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``,
-  ``.jsonl.bz2``, ``.jsonl.xz``; with ``format="jsonl"`` also ``.json`` names);
-  ``num_samples`` is its lines, ``schema`` its compression (``jsonl``, ``jsonl+gzip``,
-  ``jsonl+zstd``, ``jsonl+bz2``, ``jsonl+xz``, read from its first bytes):
-  `detdata.identity.text_formats`, read by
-  `detdata.datasets.text.TextDocuments` (docs/design.md, "Raw text").
-* ``megatron_idx``: the ``.idx`` index of a Megatron indexed dataset (the
-  ``.bin`` + ``.idx`` pair that Megatron-LM, NeMo, NeMo Curator and datatrove
-  write). A pair is **two linked manifest entries**: ``P.bin`` is a plain ``bin``
-  token shard (its ``dtype`` read from the ``P.idx`` header when not declared)
-  and ``P.idx`` a ``megatron_idx`` shard (``num_samples`` = its documents,
-  ``dtype`` = the token dtype its header declares, ``data_offset`` = where its
-  arrays start). Each entry has its own size, quick digest and blake3, so a
-  changed ``.idx`` is a `VerificationError` naming the ``.idx`` shard, checked by
-  the same code as every other shard; the documents reader
-  (`detdata.datasets.documents`) pairs them by name and refuses a ``.bin``
-  without its ``.idx`` (or one whose dtype disagrees).
-
-The ``.idx`` layout (as Megatron-LM's ``megatron/core/datasets/indexed_dataset.py``
-documents and writes it), all little-endian: the 9-byte magic
-``b"MMIDIDX\\x00\\x00"``, ``u64`` version (1), ``u8`` dtype code (1 uint8, 2 int8,
-3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), ``u64`` sequence
-count ``S``, ``u64`` document-index count ``D``, then ``int32 sizes[S]`` (tokens
-per sequence), ``int64 pointers[S]`` (byte offset of each sequence in the
-``.bin``) and ``int64 document_index[D]`` (sequence index ranges: document ``d``
-is sequences ``[document_index[d], document_index[d + 1])``, so there are
-``D - 1`` documents). Multimodal indexes (one more ``int8`` mode per sequence)
-are refused.
+A Megatron ``.bin`` + ``.idx`` pair is two linked manifest entries: ``P.bin`` a
+``bin`` token shard (its ``dtype`` read from ``P.idx`` when not declared) and
+``P.idx`` a ``megatron_idx`` shard (``num_samples``: its documents; ``data_offset``:
+where its arrays start), each verified as any shard; `detdata.datasets.documents`
+pairs them. The ``.idx`` layout (Megatron-LM's ``indexed_dataset.py``), little-endian:
+magic ``b"MMIDIDX\\x00\\x00"``, ``u64`` version (1), ``u8`` dtype code
+(`MEGATRON_DTYPES`), ``u64`` sequence count ``S``, ``u64`` document-index count
+``D``, ``int32 sizes[S]``, ``int64 pointers[S]``, ``int64 document_index[D]``
+(``D - 1`` documents). Multimodal indexes are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import json
@@ -80,11 +56,7 @@ TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
 JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd", "jsonl+bz2", "jsonl+xz")
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
-    ".jsonl": Format.JSONL,
-    ".jsonl.gz": Format.JSONL,
-    ".jsonl.zst": Format.JSONL,
-    ".jsonl.bz2": Format.JSONL,
-    ".jsonl.xz": Format.JSONL,
+    **dict.fromkeys((".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz"), Format.JSONL),
     ".npy": Format.NPY,
     ".bin": Format.BIN,
     ".parquet": Format.PARQUET,
@@ -150,14 +122,9 @@ def parse_megatron_header(head: bytes, *, rel: str) -> MegatronHeader:
     return MegatronHeader(dtype=name, sequences=sequences, document_index=document_index)
 
 
-def read_megatron_header(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> MegatronHeader:
-    """The header of the ``.idx`` at ``path`` (one small read)."""
-    with fs.open(path, "rb") as fh:
-        return parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
-
-
 def _inspect_megatron(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> ShardLayout:
-    header = read_megatron_header(fs, path, rel=rel)
+    with fs.open(path, "rb") as fh:
+        header = parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
     if size != header.nbytes:
         multimodal = size == header.nbytes + header.sequences
         raise FormatError(
@@ -181,10 +148,8 @@ def megatron_index_path(bin_path: str) -> str:
 
 
 def _bin_dtype(fs: fsspec.AbstractFileSystem, path: str, dtype: str | None, rel: str) -> str | None:
-    """The dtype of a ``bin`` shard: declared, or read from its Megatron ``.idx`` sibling.
-
-    A declared dtype that contradicts the sibling index is a `FormatError`.
-    """
+    """The dtype of a ``bin`` shard: declared, or read from its Megatron ``.idx`` sibling
+    (a `FormatError` where they contradict)."""
     if not path.endswith(".bin"):
         return dtype
     idx = megatron_index_path(path)
@@ -252,9 +217,7 @@ _ARROW_STREAM_MARK: Final = b"\xff\xff\xff\xff"
 
 def sniff_format(fs: fsspec.AbstractFileSystem, path: str, fmt: Format) -> Format:
     """``fmt`` detected from a suffix, refined by the file's first bytes: a ``.arrow``
-    file that starts with the Arrow IPC stream's continuation marker rather than the
-    file magic ``ARROW1`` is ``arrow_stream`` (Hugging Face ``datasets`` cache files).
-    Only used when no ``format=`` is declared; anything else is returned unchanged."""
+    file that starts with the IPC stream's continuation marker is ``arrow_stream``."""
     if fmt is not Format.ARROW:
         return fmt
     with fs.open(path, "rb") as fh:
@@ -265,12 +228,8 @@ def sniff_format(fs: fsspec.AbstractFileSystem, path: str, fmt: Format) -> Forma
 
 
 def check_token_dtype(dtype: str | None, *, where: str) -> str:
-    """Canonical numpy dtype name for token shards; token bytes are little-endian on disk.
-
-    A manifest's ``dtype`` is a plain name (``uint16``...) meaning little-endian,
-    so a big-endian declaration (``">u2"``) is refused here rather than recorded
-    as ``uint16`` and read with its bytes swapped.
-    """
+    """Canonical numpy dtype name for token shards (a plain name meaning little-endian:
+    a big-endian declaration is refused, never recorded and read swapped)."""
     if dtype is None:
         raise ConfigError(f"{where}: raw .bin shards need a declared dtype, e.g. dtype='uint16'")
     try:
@@ -335,8 +294,8 @@ def inspect_shard(
     if fmt is Format.MEGATRON_IDX:
         return _inspect_megatron(fs, path, size, rel)
     if fmt is Format.JSONL:  # text: one document a line (detdata.identity.text_formats)
-        layout = inspect_jsonl(fs, path, rel=rel)
-        return ShardLayout(num_samples=layout.lines, schema=layout.schema)
+        lines, schema = inspect_jsonl(fs, path, rel=rel)
+        return ShardLayout(num_samples=lines, schema=schema)
     if fmt is Format.BIN:
         name = check_token_dtype(_bin_dtype(fs, path, dtype, rel), where=rel)
         _refuse_container(fs, path, size, rel)
@@ -368,7 +327,7 @@ def inspect_shard(
         try:
             reader = ipc.open_file(fh)
         except pa.ArrowInvalid as exc:
-            stream = fh.seek(0) == 0 and fh.read(4) == b"\xff\xff\xff\xff"
+            stream = fh.seek(0) == 0 and fh.read(4) == _ARROW_STREAM_MARK
             raise FormatError(
                 f"shard {rel}: not an Arrow IPC file ({exc})"
                 + (
@@ -401,11 +360,8 @@ def _inspect_arrow_stream(fs: fsspec.AbstractFileSystem, path: str, rel: str) ->
         )
 
 
-# numpy parses .npy headers with ast.literal_eval, and CPython 3.11's AST builder keeps its
-# recursion depth in interpreter-wide state: two threads parsing at once can fail with
-# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905; seen here
-# when manifests hashed shards in parallel threads). Header bytes are read without the lock;
-# only the parse is serialised.
+# numpy parses .npy headers with ast.literal_eval, which is not thread-safe on CPython 3.11
+# (python/cpython#106905: "AST constructor recursion depth mismatch"): the parse is serialised.
 _NPY_PARSE_LOCK: Final = threading.Lock()
 _NPY_MAX_HEADER: Final = 1 << 20
 
@@ -439,7 +395,7 @@ def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) 
             header, offset = _read_npy_header(fh)
         except ValueError as exc:
             raise FormatError(f"shard {rel}: not a valid .npy file ({exc})") from None
-    shape, fortran, dtype = header
+    shape, _, dtype = header
     if len(shape) != 1:
         raise FormatError(
             f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
@@ -457,7 +413,6 @@ def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) 
             f"shard {rel}: header says {shape[0]} x {dtype.name} "
             f"({expected} bytes) but the file has {size} bytes"
         )
-    del fortran
     return ShardLayout(num_samples=int(shape[0]), dtype=dtype.name, data_offset=offset)
 
 
@@ -466,30 +421,22 @@ _ARROW_MAGIC: Final = b"ARROW1"
 
 
 def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) -> None:
-    """`FormatError` when a shard declared raw ``bin`` is really a .npy, Parquet or Arrow file.
-
-    Read as raw tokens, such a file would deliver its header bytes as tokens. A
-    file counts as one only if its start *and* structure say so (a .npy header
-    that parses; Parquet / Arrow magic at both ends), so raw token files whose
-    first tokens happen to spell a magic string are not refused.
-    """
+    """`FormatError` when a shard declared raw ``bin`` is really a .npy, Megatron, Parquet
+    or Arrow file: its start *and* structure say so (raw tokens that happen to spell a
+    magic string are not refused)."""
     with fs.open(path, "rb") as fh:
         head = fh.read(8)
         kind = None
         if head[:6] == b"\x93NUMPY":
             fh.seek(0)
-            try:
+            with contextlib.suppress(ValueError):
                 _read_npy_header(fh)
                 kind = "npy"
-            except ValueError:
-                kind = None
         elif head[:8] == MEGATRON_MAGIC[:8]:
             fh.seek(0)
-            try:
+            with contextlib.suppress(FormatError):
                 parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
                 kind = "megatron_idx"
-            except FormatError:
-                kind = None
         elif size >= 12 and head[:6] == _ARROW_MAGIC:
             fh.seek(size - 6)
             kind = "arrow" if fh.read(6) == _ARROW_MAGIC else None

@@ -1,9 +1,6 @@
-"""A local shard file's identity, as a receipt records it (docs/design.md section 8).
-
-``(size, mtime_ns, ctime_ns, inode, device)`` from a ``stat`` taken before the file's bytes
-are read (`local_identities`), and the 8-byte digest of it a receipt stores
-(`identity_digests`). `detdata.identity.receipts` says what a receipt proves with them.
-"""
+"""A local shard file's identity, as a receipt records it (`detdata.identity.receipts`):
+``(size, mtime_ns, ctime_ns, inode, device)`` from a ``stat`` taken before its bytes are
+read, and its 8-byte digest."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ def local_identities(root: str, paths: Sequence[str]) -> LocalIds:
 
 def identity_digests(ids: LocalIds) -> npt.NDArray[np.uint64]:
     """A 64-bit digest of each local identity row (splitmix64 rounds over its fields; 0:
-    not recorded), what a receipt stores: 8 bytes a shard. Two different identities share
-    a digest with probability about 2**-64."""
+    not recorded), what a receipt stores."""
     h = np.full(ids.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
     for col in range(ids.shape[1]):
         h ^= ids[:, col].view(np.uint64)

@@ -1,31 +1,15 @@
-"""This user's secret key, for what detdata writes now and trusts later (docs/design.md section 8).
+"""This user's secret key, for what detdata writes now and trusts later (docs/design.md,
+"Start-up at scale": the window index's key).
 
-Some files in the receipts folder (``DETDATA_RECEIPTS``) are trusted by a later job
-without being read in full again: the window index (`detdata.datasets.window_index`) and
-its ``.checked`` note, which lets a later open skip the index's digest while the file
-keeps the ``stat`` identity it had when it was checked, and the verification receipts
-(`detdata.identity.receipts`), which let a restart skip the shards whose identity held.
-A digest anyone can compute does not hold against whoever can write the folder: a forged
-index is written with a valid digest, and a note with the identity of an edited file
-takes nothing but a ``stat``. So these files are keyed: the index's digest and the
-note's and the receipt's tags are blake3 in keyed mode under a 32-byte key that only
-this user can read.
-
-Trust model. The key is ``.key-<uid>`` in the receipts folder: 32 random bytes, created
-exclusively (never through a symbolic link, never over a planted file) with mode 0600,
-and used only while the file is a regular file owned by this process's user that neither
-its group nor others can read or write. What it protects against: anyone who cannot read
-that file (another user of a shared receipts folder, someone who can write the index, its
-note or a receipt but not read the key) cannot make a file this user's jobs trust; a
-forged index is checked in full, named and rebuilt, a forged receipt ignored. What it
-cannot protect against: this user (or root), who can read the key, and edit detdata
-itself. A key file that fails those checks is never used: the index is then built in
-memory in every process and no receipt is written or read (every shard is read at every
-start), with a warning naming the file (another user, or a copy others can read, made
-it). A key that cannot be made (a read-only folder) is the same, without the warning (as
-an index or a receipt that cannot be written). Files written under another key (another
-user's, or before the key was made again) are named by their key's public id (`key_id`),
-so users sharing a folder never overwrite each other's, and never read them.
+The window index (`detdata.datasets.window_index`), its ``.checked`` note and the
+verification receipts (`detdata.identity.receipts`) are trusted later without being read
+in full, so their digests / tags are blake3 in keyed mode under a 32-byte key only this
+user can read: whoever can write the receipts folder but not read the key cannot make a
+file this user's jobs trust. The key is ``.key-<uid>`` in the receipts folder, created
+exclusively (never through a link, never over a planted file) with mode 0600, and used
+only while a regular file of this user that nobody else can read or write; otherwise it
+is refused (with a warning) and nothing is stored or trusted. Files are named by their
+key's public id (`key_id`), so users sharing a folder never read each other's.
 """
 
 from __future__ import annotations
@@ -55,8 +39,8 @@ def key_path(folder: str) -> str:
 
 
 def local_key(folder: str) -> bytes | None:
-    """This user's key in ``folder``, made on first use (see the module docstring); None
-    where it cannot be made or fails its checks (a `RuntimeWarning` names it once)."""
+    """This user's key in ``folder``, made on first use; None where it cannot be made or
+    fails its checks (a `RuntimeWarning` names it once)."""
     path = key_path(folder)
     with _LOCK:
         if path not in _KEYS:
@@ -65,8 +49,7 @@ def local_key(folder: str) -> bytes | None:
 
 
 def key_id(key: bytes) -> str:
-    """A public name of ``key`` (16 hex digits of a keyed hash of a constant: says
-    nothing about the key, tells one key's files from another's)."""
+    """A public name of ``key`` (16 hex digits of a keyed hash of a constant)."""
     return blake3.blake3(b"detdata.key-id", key=key).hexdigest()[:16]
 
 

@@ -1,21 +1,11 @@
 """Content-addressed shard manifests: the model (docs/design.md section 1).
 
-A manifest is a JSON document: a format version, a canonically sorted list of
-shards (relative path, bytes, blake3, quick digest, sample count, format and
-format details) and free user metadata. Its id is ``b3:`` + blake3 of the
-canonical JSON of that body (sorted keys, no whitespace, UTF-8). The root URL
-the shards live under is *not* part of the body, so moving data keeps the id.
-
-This module holds the model: its fields and id, JSON in and out (documents are
-untrusted: every field is validated, shard paths included), load and save.
-Building a manifest from files is `detdata.identity.build`; checking bytes
-against one is `detdata.identity.verify` (`Manifest.verify` delegates to it).
-
-Credentials stay runtime arguments: a root such as ``http://alice:TOKEN@host/d``
-or a presigned/SAS URL is used as given to read, but shown redacted (``repr``,
-messages: `detdata.base.redact.redact_url`) and saved without its user info
-and credential query parameters (`strip_credentials`); ``storage_options`` are
-never saved.
+A manifest is a JSON document: a format version, a canonically sorted list of shards
+and free user metadata. Its id is ``b3:`` + blake3 of the canonical JSON of that body;
+the root URL is *not* part of it, so moving data keeps the id. Documents are untrusted:
+every field is validated, shard paths included. Building is `detdata.identity.build`,
+checking bytes `detdata.identity.verify`. Roots are shown redacted and saved without
+credentials (docs/design.md "Scale: identity and secrets").
 """
 
 from __future__ import annotations
@@ -41,31 +31,22 @@ from detdata.identity.columns import (
     columns_path,
     encode_columns,
     read_json_head,
+    string_codes,
 )
-from detdata.identity.entry import (
-    FORMAT_VERSION,
-    KIND,
-    STRENGTH,
-    ShardEntry,
-    Verify,
-    parse_verify,
-)
+from detdata.identity.entry import FORMAT_VERSION, KIND, STRENGTH, ShardEntry, Verify, parse_verify
 from detdata.identity.formats import Format
 from detdata.identity.manifest_id import manifest_id
-from detdata.identity.node_copy import NodeSource, node_source
+from detdata.identity.node_copy import NodeSource, local_path, node_source
 from detdata.identity.receipts import verify_job
 from detdata.storage.fs import is_url, read_file_retrying, url_join
 from detdata.storage.retry import RetryPolicy, check_policy
 
-# JSON keys (named constants so the schema lives in one place).
-K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT = (
-    "kind",
-    "format_version",
-    "shards",
-    "metadata",
-    "id",
-    "root",
-)
+K_KIND: Final = "kind"
+K_VERSION: Final = "format_version"
+K_SHARDS: Final = "shards"
+K_METADATA: Final = "metadata"
+K_ID: Final = "id"
+K_ROOT: Final = "root"
 _VERIFIED: Final = "_detdata_verified"
 
 
@@ -73,15 +54,9 @@ _VERIFIED: Final = "_detdata_verified"
 class Manifest:
     """An immutable, content-addressed list of shards under a root URL.
 
-    The object remembers the strongest verification that passed on it and the
-    root it ran under (`verified_level`): verifying again at that level or a
-    weaker one, on the same root, reads nothing. A new object (`with_root`,
-    `load`) starts unverified.
-
-    ``shards`` is a tuple of entries, or a `ShardTable` over the mapped fast form
-    (`detdata.identity.columns`: what `load` gives for a manifest saved by this
-    version), whose entries are built when used; both are sequences of `ShardEntry`.
-    Per-shard counts and sizes as arrays: `samples_per_shard`, `bytes_per_shard`.
+    It remembers the strongest verification that passed on it under its root
+    (`verified_level`); a new object (`with_root`, `load`) starts unverified.
+    ``shards`` is a tuple of entries or a `ShardTable` over the mapped fast form.
     """
 
     shards: Sequence[ShardEntry]
@@ -130,11 +105,7 @@ class Manifest:
 
     @functools.cached_property
     def id(self) -> str:
-        """``b3:<hex>`` of the canonical JSON body; independent of the root URL.
-
-        Computed once per (immutable) manifest and cached, a piece of entries at a time
-        (`detdata.identity.manifest_id`: the body's JSON is never held whole).
-        """
+        """``b3:<hex>`` of the canonical JSON body (`detdata.identity.manifest_id`)."""
         return manifest_id(self.metadata, self.shards)
 
     @property
@@ -150,8 +121,7 @@ class Manifest:
         return int(self.bytes_per_shard().sum())
 
     def samples_per_shard(self) -> npt.NDArray[np.int64]:
-        """``num_samples`` of every shard, in manifest order: a read-only int64 array (a
-        view of the mapped column for the fast form, no entry built)."""
+        """``num_samples`` of every shard, in manifest order: a read-only int64 array."""
         return self._column("num_samples")
 
     def bytes_per_shard(self) -> npt.NDArray[np.int64]:
@@ -163,10 +133,8 @@ class Manifest:
         return self._column("data_offset")
 
     def row_groups_per_shard(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(counts, sizes)``: the row groups of every shard, in manifest order, without
-        building entries for the fast form. ``sizes`` (int64) is every shard's
-        ``row_groups`` concatenated; ``counts`` (int64, one a shard) how many of them are
-        the shard's, -1 where the entry has no ``row_groups`` (token shards). Read-only."""
+        """``(counts, sizes)``, read-only int64: ``sizes`` is every shard's ``row_groups``
+        concatenated, ``counts`` how many of them are each shard's (-1: no ``row_groups``)."""
         found = self.__dict__.get("_column_row_groups")
         if found is None:
             if isinstance(self.shards, ShardTable):
@@ -185,9 +153,8 @@ class Manifest:
 
     def codes(self, field: str) -> tuple[tuple[str, ...], npt.NDArray[np.int64]]:
         """``(values, codes)`` of string field ``field`` (``format``, ``dtype`` or ``schema``):
-        the distinct values, sorted, and each shard's index into them (-1: none): a signed
-        integer array (for the fast form the mapped column itself, int16 / int32, or uint8
-        for ``format``, which every shard has; no copy), for indexing, not arithmetic."""
+        the distinct values, sorted, and each shard's index into them (-1: none), a
+        read-only integer array of any width (the fast form's mapped column)."""
         key = f"_codes_{field}"
         found = self.__dict__.get(key)
         if found is None:
@@ -198,11 +165,8 @@ class Manifest:
             else:
                 raw = [getattr(s, field) for s in self.shards]
                 names = [v.value if isinstance(v, Format) else v for v in raw]
-                values = tuple(sorted({v for v in names if v is not None}))
-                index = {v: i for i, v in enumerate(values)}
-                codes = np.fromiter(
-                    (-1 if v is None else index[v] for v in names), np.int64, len(names)
-                )
+                distinct, codes = string_codes(names, np.int64)
+                values = tuple(distinct)
             codes.flags.writeable = False
             found = (values, codes)
             self.__dict__[key] = found
@@ -215,11 +179,8 @@ class Manifest:
             if isinstance(self.shards, ShardTable):
                 arr = self.shards.columns.array(name)
             else:
-                arr = np.fromiter(
-                    (_or_minus_one(getattr(s, name)) for s in self.shards),
-                    np.int64,
-                    len(self.shards),
-                )
+                values = (getattr(s, name) for s in self.shards)
+                arr = np.fromiter((-1 if v is None else v for v in values), np.int64)
                 arr.flags.writeable = False
             self.__dict__[key] = arr
         return cast(npt.NDArray[np.int64], arr)
@@ -229,8 +190,7 @@ class Manifest:
         return Manifest(shards=self.shards, metadata=self.metadata, root=root)
 
     def shard_path(self, index: int) -> str:
-        """Shard ``index``'s relative path; for the fast form decoded from the path columns
-        alone (checked as an entry's path is), without building its entry."""
+        """Shard ``index``'s relative path, without building a fast form's entry."""
         if isinstance(self.shards, ShardTable):
             return self.shards.path(index)
         return self.shards[index].path
@@ -253,20 +213,10 @@ class Manifest:
         return doc
 
     def save(self, path: str, **storage_options: Any) -> str:
-        """Write the manifest as JSON (atomically on local disk); returns its id.
-
-        The root is stored for convenience (it is not part of the id). When both
-        are local and the file is saved inside the root directory, the root is
-        stored relative to the file (e.g. ``"."``), so moving the directory with
-        the manifest in it keeps it loadable. A URL root is stored without user
-        info or credential query parameters (`strip_credentials`): pass the
-        credentials again when loading (``root=`` or ``storage_options``).
-
-        The document is first parsed back with the loader's own checks
-        (`Manifest.from_json`), so a manifest that loading would refuse (say, built
-        by hand with an unsafe shard path or dtype) raises `ManifestError` and
-        nothing is written.
-        """
+        """Write the manifest as JSON and its fast form (atomically on local disk); returns
+        its id. The root is stored without credentials, relative to the file when the file
+        is inside it. A manifest the loader would refuse is a `ManifestError`, nothing
+        written."""
         from detdata.storage.atomic import atomic_write_bytes
 
         doc = self.to_json()
@@ -369,12 +319,9 @@ class Manifest:
     ) -> Manifest:
         """Read a manifest file/URL and verify the shards under its root.
 
-        ``root`` overrides the stored root; a relative stored root is relative
-        to the manifest file's directory; without either, the manifest file's
-        directory is used. ``verify``: ``"quick"`` (default: sizes and quick
-        digests), ``"full"`` (re-hash every byte) or ``"off"`` (named explicitly).
-        Remote reads retry under ``retry`` (a `RetryPolicy`; `StorageError`
-        naming the URL at its deadline).
+        ``root`` overrides the stored root; a relative stored root is relative to the
+        manifest file's directory, as is a missing one. ``verify``: ``"quick"``
+        (default), ``"full"`` or ``"off"``. Remote reads retry under ``retry``.
         """
         mode = parse_verify(verify)
         where = f"manifest {redact_url(path)}"
@@ -382,25 +329,11 @@ class Manifest:
         copy = node_source(path, reader)  # one read per node (docs/design.md section 8)
         if copy is not None and "json" in copy.data:
             manifest = cls.loads(copy.data["json"], root=root, where=where)
-            return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
-        fast = _load_columns(path, root, copy)
-        if fast is not None:
-            return cls._finish_load(fast, path, root, mode, threads, retry, storage_options)
-        text = _read_text(path, check_policy(retry), storage_options)
-        manifest = cls.loads(text, root=root, where=where)
-        return cls._finish_load(manifest, path, root, mode, threads, retry, storage_options)
-
-    @classmethod
-    def _finish_load(
-        cls,
-        manifest: Manifest,
-        path: str,
-        root: str | None,
-        mode: Verify,
-        threads: int,
-        retry: RetryPolicy | None,
-        storage_options: dict[str, Any],
-    ) -> Manifest:
+        elif (fast := _load_columns(path, root, copy)) is not None:
+            manifest = fast
+        else:
+            text = _read_text(path, check_policy(retry), storage_options)
+            manifest = cls.loads(text, root=root, where=where)
         if root is None:
             manifest = manifest.with_root(_resolve_root(manifest.root, path))
         if mode is not Verify.OFF:
@@ -418,20 +351,11 @@ class Manifest:
         again: bool = False,
         **storage_options: Any,
     ) -> None:
-        """Check the bytes under the root; raise `VerificationError` at the first bad shard.
-
-        Every shard is checked; the error names the first (in path order) that
-        failed, with the field, expected and found values. See
-        `detdata.identity.verify.verify_manifest`. A check this object already
-        passed, at ``mode`` or a stronger level and on the same root, is not run
-        again unless ``again=True`` (`verified_level`).
-
-        Once per job (`detdata.identity.receipts.verify_job`): under a
-        ``torch.distributed`` process group one rank verifies (per node for a local
-        root, per job for a URL) and every rank gets its verdict; the verifier reads
-        only the shards whose file identity changed since its last receipt (all of
-        them with ``again=True``), and a fast-form manifest's columns are checked in
-        full against the JSON and the id once.
+        """Check the bytes under the root; raise `VerificationError` naming the first bad
+        shard in path order (`detdata.identity.verify.verify_manifest`), once per job
+        (`detdata.identity.receipts.verify_job`). A check this object already passed, at
+        ``mode`` or stronger on the same root, is not run again unless ``again=True``,
+        which also ignores receipts.
         """
         level = parse_verify(mode)
         if level is Verify.OFF:
@@ -452,11 +376,8 @@ class Manifest:
 
     @property
     def verified_level(self) -> Verify | None:
-        """The strongest level verified on this object under its current root (None: never).
-
-        Set by `verify` (and so by `load`, `Registry.resolve` and the datasets when
-        they verify); kept by pickling (a worker gets the parent's verified object).
-        """
+        """The strongest level `verify` passed on this object under its current root (None:
+        never); kept by pickling."""
         record = self.__dict__.get(_VERIFIED)
         if record is None or record[1] != self.root:
             return None
@@ -465,12 +386,10 @@ class Manifest:
 
 
 def _load_columns(path: str, root: str | None, copy: NodeSource | None = None) -> Manifest | None:
-    """The manifest at local ``path`` from its fast form (`detdata.identity.columns`), when
-    that file exists and is tied to the JSON: same id and metadata as the JSON's head. None
-    otherwise (the JSON is parsed); a fast form that fails its own checks is reported with
-    a warning and the JSON is parsed instead. ``copy``: the node's copy of the columns and
-    the JSON's head (`detdata.identity.node_copy`), used instead of the files at ``path``."""
-    local = _local(path)
+    """The manifest at local ``path`` from its fast form where tied to the JSON's head (a
+    fast form failing its own checks warns), else None. ``copy``: the node's copy of the
+    columns and head (`detdata.identity.node_copy`), used instead of the files."""
+    local = local_path(path)
     if local is None:
         return None
     cpath = columns_path(local) if copy is None else copy.path["columns"]
@@ -530,10 +449,9 @@ def _read_text(path: str, policy: RetryPolicy, storage_options: dict[str, Any]) 
 def _read_files(
     path: str, policy: RetryPolicy, storage_options: dict[str, Any]
 ) -> dict[str, bytes]:
-    """What a node copy holds of the manifest at ``path`` (`detdata.identity.node_copy`):
-    for a local one with a fast form, its columns and the JSON's head (what `_load_columns`
-    reads), else the JSON."""
-    local = _local(path)
+    """What a node copy holds of the manifest at ``path``: the columns and JSON head that
+    `_load_columns` reads, else the JSON."""
+    local = local_path(path)
     if local is not None and os.path.exists(columns_path(local)):
         try:
             head = read_json_head(local)
@@ -544,10 +462,6 @@ def _read_files(
         if head is not None:
             return {"head": canonical_json(head), "columns": columns}
     return {"json": _read_text(path, policy, storage_options)}
-
-
-def _or_minus_one(value: int | None) -> int:
-    return -1 if value is None else value
 
 
 class _DuplicateKeyError(ValueError):
@@ -582,16 +496,9 @@ def _normalise_metadata(metadata: object) -> dict[str, Any]:
         ) from None
 
 
-def _local(path: str) -> str | None:
-    """The local filesystem path for ``path`` / ``file://`` URLs, else None."""
-    if path.startswith("file://"):
-        return path[len("file://") :]
-    return None if is_url(path) else path
-
-
 def _portable_root(root: str, manifest_path: str) -> str:
     """``root`` as stored in a file at ``manifest_path`` (relative when the file is inside it)."""
-    local_root, local_file = _local(root), _local(manifest_path)
+    local_root, local_file = local_path(root), local_path(manifest_path)
     if local_root is None or local_file is None:
         return root
     rel = os.path.relpath(os.path.abspath(local_root), os.path.dirname(os.path.abspath(local_file)))
@@ -602,7 +509,7 @@ def _portable_root(root: str, manifest_path: str) -> str:
 
 def _resolve_root(stored: str | None, manifest_path: str) -> str:
     """The root to read shards from: stored absolute/URL as is, else relative to the file."""
-    local_file = _local(manifest_path)
+    local_file = local_path(manifest_path)
     if local_file is not None:
         base = os.path.dirname(os.path.abspath(local_file))
         if stored is None:
@@ -619,8 +526,7 @@ def _resolve_root(stored: str | None, manifest_path: str) -> str:
 
 
 def _folder_given(path: str) -> str:
-    """The error text for a folder passed where a manifest file is expected (a newcomer's
-    ``TokenWindows("data/")``): the manifest inside it, or the command that makes one."""
+    """The error text for a folder passed where a manifest file is expected."""
     inside = os.path.join(path, "manifest.json")
     if os.path.isfile(inside):
         step = f"did you mean {inside!r}? pass that file"

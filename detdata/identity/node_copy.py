@@ -1,45 +1,18 @@
-"""One manifest read per node (docs/design.md section 8, "Start-up at scale").
+"""One manifest read per node (docs/design.md, "One manifest read per node").
 
-Under an initialised ``torch.distributed`` process group of more than one rank, the ranks
-of one node that load the same manifest (`detdata.identity.manifest.Manifest.load`) meet
-under a key of the process group's store: the manifest's path (a local one absolute, with
-its file's device, inode, size and times, so ranks meet only over the same file; a URL
-without credentials), this node (`node_key`: host name and boot id) and the n-th load of
-that path in each process. The first rank to claim the key (an atomic ``add``; under
-torchrun usually local rank 0) is the node's *reader*: it reads (local root) or fetches
-(object store, through fsspec) the manifest: its JSON or, for a local manifest with a fast
-form (`detdata.identity.columns`), the columns file and the JSON's head (the fields before
-its shards: a fast form's open reads no more of the JSON, and the verification, when it
-reads the JSON, reads the original), writes them atomically into ``manifests/`` of the default
-cache folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``), named for their
-blake3 (a copy already there with those bytes is kept), and publishes their blake3 digests
-under the key. The node's other ranks map those copies instead of reading the manifest
-themselves: each hashes what it mapped and uses it only when it is the published digest.
+Under a ``torch.distributed`` group of more than one rank, the ranks of one node loading
+the same manifest file (same path and file identity; a URL without credentials) meet under
+a key of the group's store. The first to claim it reads the manifest (its JSON, or a fast
+form's columns and the JSON's head), writes copies named for their blake3 into
+``manifests/`` of this user's private cache folder and publishes only the digests; the
+other ranks map the copies from their own cache folder and use them only when their
+digest is the one published.
 
-What a wrong guess costs, never a wrong byte:
-
-* Only the digests cross the store; a rank finds the copies under its *own* cache folder,
-  by the digests' names. A rank whose cache folder differs (another ``DETDATA_CACHE_DIR``,
-  another machine under a node key that collided) finds no copy or a copy of other bytes,
-  and reads the manifest itself, as do the ranks that find a copy torn or changed (named in
-  a warning: the copy, the digest published and the digest found).
-* The copies are written only into a folder owned by this user that nobody else can write
-  (`detdata.storage.cache_folder.owned_alone`); elsewhere, or when a copy cannot be
-  written, every rank reads the manifest itself (today's behaviour, logged once).
-* A reader that fails (a missing manifest, a refused fetch) publishes its error as JSON
-  (`detdata.identity.shared.dumps_verdict`); every rank waiting on the key raises the same
-  error, naming the reader's rank. Nobody waits for a reader that never comes: the reader
-  is the first rank that asked, and it publishes before returning or raising. A reader that
-  hangs or dies is waited for at most the store's timeout (``store.timeout``, the
-  ``timeout`` of ``init_process_group``); past it a rank says so and reads the manifest
-  itself.
-* A copy is a regular file of that folder: a link or a pipe planted at a copy's name is
-  replaced by the reader (never written through, never waited on) and refused by the ranks
-  that map it.
-
-Without a process group, with one rank, or with ``LOCAL_WORLD_SIZE=1`` (one rank on this
-node, as torchrun says), nothing is met and nothing copied: the manifest is read as
-before.
+A wrong guess costs a read, never a wrong byte: a missing, torn or changed copy, another
+cache folder, a folder others can write, a reader that waited past the store's timeout,
+a link or pipe planted at a copy's name: each rank then reads the manifest itself (with a
+warning or one log line). A reader's error is raised on every rank of the node. Without a
+group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
 """
 
 from __future__ import annotations
@@ -76,10 +49,8 @@ log: Final = get_logger("detdata.manifest")
 _CALLS: dict[str, int] = {}
 _LOGGED: set[str] = set()
 
-#: what a node copy holds, each kind a file of the copy: the JSON (``json``), or a fast
-#: form's columns (``columns``) and the JSON's head (``head``: the fields before its shards)
-KINDS: Final = ("json", "head", "columns")
-#: the kinds a copy holds together: a JSON, or a fast form
+#: the kinds a copy holds together, each a file: the JSON, or a fast form's columns and
+#: the JSON's head (the fields before its shards)
 _SHAPES: Final = ({"json"}, {"head", "columns"})
 #: the kinds a rank takes as bytes (the columns are opened by path: `ColumnsFile`)
 _AS_BYTES: Final = ("json", "head")
@@ -89,20 +60,17 @@ Reader = Callable[[], dict[str, bytes]]
 
 @dataclass(frozen=True)
 class NodeSource:
-    """The node copy of a manifest: the ``path`` of each kind's file (`KINDS`) and the
-    bytes of the small ones (``json``, ``head``), each checked against the digest the
-    node's reader published."""
+    """The node copy of a manifest: the ``path`` of each kind's file and the bytes of the
+    small ones (``json``, ``head``), checked against the digests the reader published."""
 
     path: dict[str, str]
     data: dict[str, bytes]
 
 
 def node_source(path: str, read: Reader) -> NodeSource | None:
-    """The node copy of the manifest at ``path`` (see the module docstring): read with
-    ``read`` and copied by this rank when it is the node's reader, else mapped from the
-    reader's copy. None: no node copy (no process group, one rank on the node, no private
-    cache folder, or a copy refused): the caller reads ``path`` itself. The reader's error
-    is raised on every rank of the node."""
+    """The node copy of the manifest at ``path``: read with ``read`` and copied when this
+    rank is the node's reader, else mapped from the reader's copy. None: the caller reads
+    ``path`` itself. The reader's error is raised on every rank of the node."""
     meeting = _meeting(path)
     if meeting is None:
         return None
@@ -122,10 +90,8 @@ def node_source(path: str, read: Reader) -> NodeSource | None:
 
 
 def _wait_for_reader(store: Any, key: str, path: str) -> bool:
-    """Wait for the node's reader to publish under ``key``, at most the store's timeout
-    (``store.timeout``: the ``timeout`` of ``init_process_group``); False (with a warning
-    naming the manifest and the wait) past it or when the store fails: the caller reads
-    the manifest itself (a reader that died or hangs never holds the node's ranks)."""
+    """Wait for the node's reader to publish under ``key``, at most ``store.timeout``;
+    False (with a warning) past it or when the store fails."""
     bound: timedelta = store.timeout
     try:
         store.wait([key + "/verdict"], bound)
@@ -144,12 +110,12 @@ def _wait_for_reader(store: Any, key: str, path: str) -> bool:
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
     """``(store, rank, key, is this rank the reader)`` of this load of ``path`` on this
-    node, or None (nothing to meet: see the module docstring)."""
+    node, or None (nothing to meet)."""
     group = shared.group()
     if group is None or os.environ.get("LOCAL_WORLD_SIZE", "") == "1":
         return None
     store, rank = group
-    local = _local(path)
+    local = local_path(path)
     where: list[Any] = [strip_credentials(path)]
     if local is not None:
         where = [os.path.abspath(local)]
@@ -187,8 +153,7 @@ def _read_and_share(store: Any, key: str, rank: int, read: Reader) -> NodeSource
 
 def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[str, str]]:
     """Write the node copy's files atomically; ``(their digests, their paths)``, or
-    ``(None, {})`` where they cannot be written (logged: every rank then reads the
-    manifest itself)."""
+    ``(None, {})`` (logged) where they cannot be written."""
     folder = copy_folder()
     if folder is None:
         return None, {}
@@ -224,9 +189,8 @@ def _file_digest(path: str) -> str | None:
 
 
 def _open_file(path: str) -> BinaryIO:
-    """``path`` opened for reading, refused (`OSError`) unless it is a regular file that is
-    not a symbolic link: a node copy is a file of this user's private folder, never what a
-    link planted at its name points to, nor a pipe (opened without waiting for a writer)."""
+    """``path`` opened for reading, refused (`OSError`) unless a regular file, not a link
+    (a pipe is opened without waiting for a writer)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -280,8 +244,7 @@ def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
 
 def copy_folder() -> str | None:
     """The folder of node copies (``manifests/`` of the default cache folder), made when
-    missing; None (logged once) unless it and the cache folder are folders owned by this
-    user that nobody else can write."""
+    missing; None (logged once) unless it and the cache folder are this user's alone."""
     cache = user_cache_dir()
     folder = os.path.join(cache, FOLDER)
     try:
@@ -305,7 +268,8 @@ def _copy_paths(digests: dict[str, str], folder: str) -> dict[str, str]:
     return {kind: os.path.join(folder, f"{name}.{kind}") for kind in digests}
 
 
-def _local(path: str) -> str | None:
+def local_path(path: str) -> str | None:
+    """The local filesystem path for ``path`` / ``file://`` URLs, else None."""
     if path.startswith("file://"):
         return path[len("file://") :]
     return None if is_url(path) else path

@@ -24,13 +24,9 @@ def map_in_threads(
     desc: str = "",
     progress: bool | None = False,
 ) -> list[R]:
-    """``[fn(item) for item in items]`` computed in ``max(1, threads)`` threads.
-
-    Every item is run; the first exception (in input order) is raised once all
-    have finished. Items go to the threads in contiguous chunks (about
-    ``16 * threads`` of them), so 100k tiny items cost 100k calls, not 100k
-    pool tasks. ``progress``: `detdata.base.progress` (``None``: a bar on a
-    terminal, else a log line every 30 s).
+    """``[fn(item) for item in items]`` computed in ``max(1, threads)`` threads, in
+    contiguous chunks; every item is run and the first exception (in input order) raised
+    once all have finished. ``progress``: `detdata.base.progress`.
     """
     items = list(items)
     workers = max(1, threads)

@@ -1,24 +1,11 @@
 """Partial manifests: hash disjoint shard lists on different machines, merge into one manifest.
 
-A manifest is the canonical merge of per-shard entries (`hash_entry`), so a
-corpus can be hashed anywhere and put together afterwards:
-
-* `build_part` hashes part ``index`` of ``count`` of the sorted shard listing
-  under a root (contiguous slices of the listing every machine computes the
-  same way), or an explicit ``paths`` list, into a `ManifestPart`. A part
-  built from a listing records ``index``, ``count`` and ``listing`` (the
-  ``b3:`` digest of the whole sorted listing), so the merge can check that the
-  parts are the complete set and came from the same listing.
-* `merge_manifests` puts parts (and/or whole manifests) together in canonical
-  order into the `Manifest` a one-machine `build_manifest` gives: same entries,
-  same id. It refuses, naming the culprit: a shard in two parts (conflicting
-  entries are shown side by side), parts with different metadata, roots or
-  listings, a missing or repeated part index, and a listing whose shards are
-  not all present.
-
-A part is saved as JSON of kind ``detdata.manifest-part`` (never loadable as a
-dataset manifest by mistake: `Manifest.load` refuses the kind). Its root is
-stored without credentials, like a manifest's.
+`build_part` hashes part ``index`` of ``count`` of the sorted shard listing (a
+contiguous slice every machine computes the same way; the part records the listing's
+digest) or an explicit ``paths`` list into a `ManifestPart`. `merge_manifests` puts
+parts (and/or manifests) together into the `Manifest` a one-machine `build_manifest`
+gives: same entries, same id. A part is saved as JSON of kind ``detdata.manifest-part``
+(which `Manifest.load` refuses), its root without credentials.
 """
 
 from __future__ import annotations
@@ -49,12 +36,9 @@ _KEYS: Final = frozenset(
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class ManifestPart:
-    """Entries of some shards of a corpus, to be merged (`merge_manifests`).
-
-    ``index`` / ``count`` / ``listing``: set for a part of a listing (`build_part`
-    with ``part=``): which slice, of how many, of the listing whose digest is
-    ``listing``. None for a part over explicit ``paths``.
-    """
+    """Entries of some shards of a corpus, to be merged (`merge_manifests`). ``index`` /
+    ``count`` / ``listing``: which slice, of how many, of which listing (None for a part
+    over explicit ``paths``)."""
 
     shards: tuple[ShardEntry, ...]
     metadata: Mapping[str, Any] = field(default_factory=dict)
@@ -80,13 +64,8 @@ class ManifestPart:
         root = None if self.root is None else redact_url(self.root)
         return f"ManifestPart(shards={len(self.shards)}{where}, root={root!r})"
 
-    @property
-    def name(self) -> str:
-        """How messages name this part."""
-        return f"part {self.index}/{self.count}" if self.index is not None else "a part"
-
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
+        return {
             "kind": PART_KIND,
             "format_version": PART_VERSION,
             "manifest_format_version": FORMAT_VERSION,
@@ -97,7 +76,6 @@ class ManifestPart:
             if self.index is None
             else {"index": self.index, "count": self.count, "listing": self.listing},
         }
-        return doc
 
     def save(self, path: str, **storage_options: Any) -> None:
         """Write the part as JSON (atomically on local disk)."""
@@ -203,15 +181,8 @@ def build_part(
     executor: Executor | None = None,
     **storage_options: Any,
 ) -> ManifestPart:
-    """Hash part ``part=(index, count)`` of the listing under ``root``, or exactly ``paths``.
-
-    With ``part``, every machine lists the root the same way (``pattern`` /
-    ``paths`` / ``format`` as in `build_manifest`) and hashes its own contiguous
-    slice (`split_listing`); the part records the listing's digest so that
-    `merge_manifests` can check completeness. Without ``part``, ``paths`` names
-    the shards of this part (checked like any shard name). The other arguments
-    are `build_manifest`'s.
-    """
+    """Hash part ``part=(index, count)`` of the listing under ``root`` (`split_listing`), or
+    exactly ``paths``. The other arguments are `build_manifest`'s."""
     fs, rootpath = filesystem(root, **storage_options)
     fmt = parse_format(format) if format is not None else None
     if part is None and paths is None:
@@ -249,14 +220,10 @@ def build_part(
 def merge_manifests(
     parts: Sequence[ManifestPart | Manifest], *, root: str | None = None
 ) -> Manifest:
-    """One `Manifest` from parts (and/or manifests) over disjoint shards, in canonical order.
-
-    The result equals the one-machine `build_manifest` of the same shards: the
-    same entries and so the same id. ``root``: the merged manifest's root
-    (default: the parts' common root). Refused with `ManifestError`, naming
-    the shard or part: overlapping shards (conflicting entries shown), different
-    metadata or roots, parts of different listings, a missing or repeated part
-    index, a listing whose shards are not all present.
+    """One `Manifest` from parts (and/or manifests) over disjoint shards, equal to the
+    one-machine `build_manifest` of the same shards. ``root`` defaults to the parts' common
+    root. Overlapping shards, different metadata, roots or listings, a missing or repeated
+    part index, or an incomplete listing is a `ManifestError` naming the shard or part.
     """
     items = [p if isinstance(p, ManifestPart) else _as_part(p) for p in parts]
     if not items:
@@ -300,28 +267,26 @@ def _overlap(entry: ShardEntry, seen: tuple[int, ShardEntry], i: int, items: lis
             f"shard {entry.path} is in two parts ({a} and {b}); hint: hash disjoint shard "
             "lists (`detdata manifest build --part I/N` splits one listing)"
         )
-    diff = {
-        k: (other.to_json().get(k), entry.to_json().get(k))
-        for k in sorted(set(other.to_json()) | set(entry.to_json()))
-        if other.to_json().get(k) != entry.to_json().get(k)
-    }
+    x, y = other.to_json(), entry.to_json()
+    diff = [k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
     raise ManifestError(
         f"conflicting entries for shard {entry.path} in {a} and {b}: "
-        + ", ".join(f"{k}: {x!r} vs {y!r}" for k, (x, y) in diff.items())
+        + ", ".join(f"{k}: {x.get(k)!r} vs {y.get(k)!r}" for k in diff)
         + "; hint: the shard changed between the two hashing runs: rebuild both parts"
     )
 
 
 def _label(items: list[ManifestPart], i: int) -> str:
     """A part's name in messages: its index of a split, else its place among the inputs."""
-    return items[i].name if items[i].index is not None else f"input #{i + 1}"
+    part = items[i]
+    return f"part {part.index}/{part.count}" if part.index is not None else f"input #{i + 1}"
 
 
 def _check_same_metadata(items: list[ManifestPart]) -> None:
     first = dict(items[0].metadata)
-    for item in items[1:]:
+    for i, item in enumerate(items):
         if dict(item.metadata) != first:
-            where = _label(items, items.index(item))
+            where = _label(items, i)
             keys = sorted(
                 k for k in set(first) | set(item.metadata) if first.get(k) != item.metadata.get(k)
             )

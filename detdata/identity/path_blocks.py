@@ -1,17 +1,10 @@
 """Shard paths stored in compressed blocks: the path table of a fast-form manifest.
 
-Contract: docs/design.md section 8 ("Start-up at scale").
-
-A job's verifier takes the identity of every shard file at each start, so it reads every
-path at each start: the path table is the bulk of what a restart over unchanged files
-reads. Stored plainly (UTF-8 bytes plus an 8-byte end per shard) it was ~25 bytes a shard
-for names like ``0000/s0000123.npy``, 1.2% of a corpus of 2 KiB shards; sorted paths
-share long prefixes, and `PATH_BLOCK` of them compressed together take ~2-3 bytes a
-shard (names without a shared pattern, such as content hashes, stay near their entropy).
-
-A block is ``zlib(u32 length of each path, little-endian) + (the UTF-8 paths))``; block
-``b`` holds shards ``[b * PATH_BLOCK, (b + 1) * PATH_BLOCK)``, the last one fewer. One
-path costs one block's decompression (~10 us): a rank reads a block, not the table.
+Contract: docs/design.md section 8 ("Start-up at scale"). Sorted paths share long
+prefixes: `PATH_BLOCK` of them compressed together take a few bytes a shard, and one
+path costs one block's decompression. A block is ``zlib(u32 length of each path,
+little-endian) + (the UTF-8 paths))``; block ``b`` holds shards ``[b * PATH_BLOCK,
+(b + 1) * PATH_BLOCK)``, the last one fewer.
 """
 
 from __future__ import annotations
@@ -33,10 +26,9 @@ _LEVEL: Final = 9
 
 
 def encode_paths(paths: Sequence[bytes]) -> tuple[bytes, npt.NDArray[np.int64], int]:
-    """``(blob, ends, largest)``: the compressed blocks of ``paths`` (UTF-8, each at most
-    `MAX_PATH_BYTES`: `detdata.storage.fs.path_problem`) back to back,
+    """``(blob, ends, largest)``: the compressed blocks of ``paths`` (UTF-8) back to back,
     the cumulative end of each block in the blob (``blocks + 1`` values, from 0), and the
-    most bytes one block decompresses to (what a reader allows: `decode_block`)."""
+    most bytes one block decompresses to (what `decode_block` allows)."""
     parts: list[bytes] = []
     ends = [0]
     largest = 0
@@ -59,9 +51,8 @@ def decode_block(
     raw: bytes, count: int, largest: int, error: Callable[[str], Exception], block: int
 ) -> list[str]:
     """The ``count`` paths of compressed block number ``block`` (``raw``); ``error(what)``
-    (raised) for a block that does not decompress to at most ``largest`` bytes (the
-    writer's `encode_paths` figure), whose lengths do not add up to its bytes, or with a
-    path that is not UTF-8."""
+    raised for a block that does not decompress to at most ``largest`` bytes, whose
+    lengths do not add up to its bytes, or with a path that is not UTF-8."""
     where = f"path block {block}"
     inflate = zlib.decompressobj()
     if not 0 <= largest <= MAX_BLOCK_RAW:

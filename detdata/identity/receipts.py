@@ -1,61 +1,24 @@
 """Verification once per job, and receipts that let a restart skip unchanged shards.
 
-Contract: docs/design.md section 8 ("Start-up at scale").
+Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
+verification, receipts"; "Receipts: what they prove, and what they do not").
 
-`verify_job` is what `Manifest.verify` runs (and so `Manifest.load`, `Registry.resolve`
-and the datasets):
+`verify_job` is what `Manifest.verify` runs. Under a ``torch.distributed`` group of more
+than one rank each (manifest, root, level) is verified once per node for a local root
+(once per job for a URL root, or with ``DETDATA_VERIFY_SCOPE=job``), the first rank to
+claim it sharing the shards with the others and every rank receiving the verdict; without
+a group, processes of one machine take turns on a lock next to the receipt.
 
-* **Once per job.** Under an initialised ``torch.distributed`` process group with more
-  than one rank, each distinct (manifest, root, level) is verified once, its shards shared
-  by the ranks that open it (`detdata.identity.shared`), every rank receiving the verdict
-  (the same `VerificationError`, naming the same shard) through the group's store: for a
-  local root once per node (the node: host name and boot id; the root: its path and its
-  folder's device and inode, so node-local disks, and per-rank copies of one manifest under
-  different roots, are each checked), for a URL root once per job.
-  ``DETDATA_VERIFY_SCOPE=job`` makes a local root on a shared file system verified once per
-  job too; ``=node`` forces per node. The claimant is the first rank to claim the work (an
-  atomic ``add`` on the store): it has started by the time another rank looks, so nobody
-  waits for a verifier that never comes. Without a process group, processes of one machine
-  opening the same manifest take turns (a file lock next to the receipt): the first
-  verifies and writes the receipt, the others find it.
-* **Receipts.** After a verification passes, a receipt is written (atomically) under
-  ``DETDATA_RECEIPTS`` (default ``~/.cache/detdata/receipts``; ``off`` disables them):
-  the manifest id, the root (without credentials), the level, and for each shard the
-  identity of what was checked: for a local file ``(size, mtime_ns, ctime_ns, inode,
-  device)`` from a ``stat`` taken *before* its bytes were read; for an object store its
-  ETag (S3), generation (GCS) or version id where the listing gives one; for HTTP the
-  ETag with Last-Modified. The next verification of the same manifest, root and level
-  (or weaker) takes the identities again and reads only the shards whose identity
-  changed or was not recorded; a fast-form manifest's full check (its JSON hashed against
-  the digest its columns recorded, `check_json`, and the id re-computed from the columns,
-  `verify_columns_id`) is skipped when its files' identities are the ones recorded.
-
-What a receipt proves, and what it does not: a shard is skipped only if its identity
-now equals the identity it had when its bytes were read and found to match. A write
-through the file system changes the modification and change times (the change time
-cannot be set back by a user), a replacement changes the inode, a truncation the size;
-an object store assigns a new ETag / generation on every write. An identity taken less
-than `RACY_S` seconds after the file's last change (or the object's Last-Modified) is not
-recorded, since a same-size rewrite within the clock's granularity could keep it; that
-shard is read again next time. A receipt does not prove anything about bytes changed
-without changing those identities: a write to the block device or a file system that
-does not update times, times set back with the system clock, an HTTP server whose ETag
-does not follow the content. It is local to the machine that wrote it and is only ever
-an optimisation: a missing, unreadable or stale receipt means every shard is read.
-
-Who can make a receipt: its head carries a tag, keyed blake3 of the rest of the head and
-the body under this user's key (`detdata.identity.local_key`: 32 bytes in a 0600 file only
-this user can read), and it is named for that key's public id. Someone who can write the
-receipts folder but not read the key (a co-user of a shared ``DETDATA_RECEIPTS``) cannot
-make a receipt this user's jobs trust: a shard they changed and a receipt they rewrote to
-record its new identity are read and named. Without a usable key there are no receipts
-(every shard is read at every start).
+A receipt (under ``DETDATA_RECEIPTS``, ``off`` disables them) records, per shard, the
+identity of what was checked (a local ``stat`` taken before the read; an object store's
+ETag / generation / version id), tagged under this user's key (`detdata.identity.local_key`).
+A restart reads only the shards whose identity changed. A receipt is only ever an
+optimisation: a missing, stale or forged one means every shard is read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import email.utils
 import functools
 import hmac
@@ -64,7 +27,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final, cast
 
@@ -79,20 +42,10 @@ from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
-from detdata.identity.local_ids import (
-    FIELDS,
-    LocalIds,
-    checked_paths,
-)
-from detdata.identity.local_ids import (
-    RACY_S as RACY_S,
-)
-from detdata.identity.local_ids import (
-    identity_digests as identity_digests,
-)
-from detdata.identity.local_ids import (
-    local_identities as local_identities,
-)
+from detdata.identity.local_ids import FIELDS, LocalIds, checked_paths
+from detdata.identity.local_ids import RACY_S as RACY_S
+from detdata.identity.local_ids import identity_digests as identity_digests
+from detdata.identity.local_ids import local_identities as local_identities
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
 from detdata.identity.shared_pass import entries_at, settle, slice_check
@@ -107,7 +60,6 @@ ENV_DIR: Final = "DETDATA_RECEIPTS"
 ENV_SCOPE: Final = "DETDATA_VERIFY_SCOPE"
 KIND: Final = "detdata.receipt"
 VERSION: Final = 2
-#: the head's field holding its tag (keyed blake3 of the rest of the head and the body)
 TAG: Final = "tag"
 #: shards verified per call of `verify_manifest` (their entries are in memory at once)
 VERIFY_PIECE: Final = 1 << 16
@@ -134,7 +86,6 @@ def receipt_path(manifest: ShardList) -> str | None:
     return os.path.join(folder, blake3.blake3(name).hexdigest()[:40] + ".receipt")
 
 
-# -------------------------------------------------------------------- once per job
 #: calls per (manifest, root, level) in this process: the n-th call of every rank meets
 _CALLS: dict[str, int] = {}
 
@@ -149,20 +100,12 @@ def verify_job(
     storage_options: dict[str, Any],
     use_receipt: bool = True,
 ) -> None:
-    """Verify ``manifest`` at ``level`` once per job (see the module docstring); raises the
-    verifier's error in every rank. ``use_receipt=False``: every shard is read (a new
-    receipt is still written).
+    """Verify ``manifest`` at ``level`` once per job; raises the verifier's error in every
+    rank. ``use_receipt=False``: every shard is read (a new receipt is still written).
 
-    Ranks meet through the process group's key-value store, never a collective: a rank
-    that opens a manifest the others do not open (say, rank 0 logging its id), or under a
-    root the others do not use, claims that work and does it, neither waiting for them nor
-    making them wait. A rank that finds the work claimed waits for the claimant's verdict
-    however long the verification takes."""
-    args = (manifest, level, threads, progress, retry, storage_options, use_receipt)
-    store, leader, key = _meeting(manifest, level)
-    if store is None:
-        _vouch(manifest, verify_with_receipt(*args))
-        return
+    Ranks meet through the group's key-value store, never a collective: a rank opening
+    what the others do not claims it and does it alone; a rank that finds the work
+    claimed waits for the claimant's verdict however long it takes."""
     check = functools.partial(
         _verify_entries,
         manifest,
@@ -172,6 +115,12 @@ def verify_job(
         retry=retry,
         storage_options=storage_options,
     )
+    args = (manifest, level, check, threads, storage_options, use_receipt)
+    # the n-th call of every rank meets the others' n-th
+    store, leader, key = job_meeting(manifest, level.value, counted=True)
+    if store is None:
+        _vouch(manifest, verify_with_receipt(*args))
+        return
     rank, ranks = _rank_world()
     if leader:
         verdict: BaseException | None = DetdataError(
@@ -193,7 +142,7 @@ def verify_job(
         finally:
             if not store.check([key + "/plan"]):  # nothing shared: the others only wait
                 store.set(key + "/plan", shared.SlicePlan(np.zeros(0, np.int64), 1, None).to_json())
-            store.set(key + "/verdict", _dumps(verdict))
+            store.set(key + "/verdict", shared.dumps_verdict(verdict))
         _vouch(manifest, checked)
         return
     store.wait([key + "/plan"], timedelta(days=7))
@@ -204,40 +153,25 @@ def verify_job(
         root = filesystem(manifest.root or "", **storage_options)[1] if plan.ids else ""
         shared.take_slices(store, key, plan, rank, slice_check(manifest, plan, root, check))
     store.wait([key + "/verdict"], timedelta(days=7))
-    found = _loads(store.get(key + "/verdict"))
+    found = shared.loads_verdict(store.get(key + "/verdict"))
     if found is not None:
         raise found
     _vouch(manifest, json.loads(store.get(key + "/columns")))
 
 
 def _vouch(manifest: ShardList, checked: list[Any] | None) -> None:
-    """A fast-form manifest whose files are the ones this job's verification checked
-    (``checked``: `_columns_identity` taken before the check) is read without hashing
-    its chunks again (`detdata.identity.columns.ColumnsFile.vouch`)."""
+    """`detdata.identity.columns.ColumnsFile.vouch` of a fast-form manifest's columns."""
     if isinstance(manifest.shards, ShardTable):
         manifest.shards.columns.vouch(checked)
-
-
-_dumps = shared.dumps_verdict  # the verdict's JSON form (`detdata.identity.shared`)
-_loads = shared.loads_verdict
-
-
-def _meeting(manifest: ShardList, level: Verify) -> tuple[Any, bool, str]:
-    """`job_meeting` of the verification of ``manifest`` at ``level`` (the n-th call of
-    every rank meets the others' n-th)."""
-    return job_meeting(manifest, level.value, counted=True)
 
 
 def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tuple[Any, bool, str]:
     """``(store, is this rank the one that does it, key)`` for work ``tag`` on ``manifest``
     under its root, done once per job (a URL root, or ``DETDATA_VERIFY_SCOPE=job``) or once
     per node (a local root) under a process group of more than one rank; ``(None, True,
-    "")`` otherwise (this process does it itself). The work is keyed by what it is done on:
-    the manifest id, the root (`root_key`), ``tag`` and, per node, the node (`node_key`).
-    The first rank to claim the key (an atomic ``add`` on the group's store) does it; the
-    others wait for what it publishes under the key. ``counted``: the key is the n-th of
-    this process for the same work (verification: each call meets); otherwise one key per
-    job."""
+    "")`` otherwise. The first rank to claim the key (an atomic ``add``) does it; the others
+    wait for what it publishes. ``counted``: the key is the n-th of this process for the
+    same work; otherwise one key per job."""
     found = shared.group()
     if found is None:
         return None, True, ""
@@ -259,21 +193,18 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
 
 
 def _rank_world() -> tuple[int, int]:
-    """This process's rank and the job's world size (a process group is initialised)."""
     dist = sys.modules["torch.distributed"]
     return int(dist.get_rank()), int(dist.get_world_size())
 
 
 def node_key() -> str:
-    """This node, as the once-per-node work is keyed: its host name and boot id (two
-    machines of one job with the same host name still differ)."""
+    """This node, as the once-per-node work is keyed: its host name and boot id."""
     return f"{socket.gethostname()}/{boot_id() or ''}"
 
 
 def root_key(root: str, local: bool) -> list[Any]:
     """A root, as once-per-job work is keyed: the root without credentials and, for a
-    local one, the device and inode of its folder (two mount namespaces showing different
-    disks under one path differ; [] where it cannot be taken)."""
+    local one, the device and inode of its folder where it can be taken."""
     shown = strip_credentials(root)
     if not local:
         return [shown]
@@ -285,30 +216,25 @@ def root_key(root: str, local: bool) -> list[Any]:
     return [shown, st.st_dev, st.st_ino]
 
 
-# ------------------------------------------------------------------------- receipts
 def verify_with_receipt(
     manifest: ShardList,
     level: Verify,
+    check: Check,
     threads: int,
-    progress: bool | None,
-    retry: RetryPolicy | None,
     storage_options: dict[str, Any],
     use_receipt: bool = True,
     split: Split | None = None,
     ranks: int = 1,
 ) -> list[Any] | None:
-    """Verify the shards whose identity changed since the receipt (all without one, or
+    """``check`` the shards whose identity changed since the receipt (all without one, or
     without ``use_receipt``), check a fast form's tie unless recorded, then write the new
-    receipt. Returns what the fast form's check covered (`_columns_identity`, taken before
-    it: None where it could not be taken or there is no fast form). ``split``: checks the
-    plan's shards shared with the job's ``ranks`` (`detdata.identity.shared`), raising the
-    first failure; at a first start under a local root (or without receipts) the plan
-    covers every shard and the takers take the files' identities and the tie's parts too
-    (`detdata.identity.shared_pass`), else the tie is checked here first."""
+    receipt. Returns `_columns_identity` (taken before the check). ``split``: checks the
+    plan's shards shared with the job's ``ranks`` (`detdata.identity.shared`)."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     path = receipt_path(manifest)
-    with _turn(path):
+    # processes of one machine verify one after another (the later ones find the receipt)
+    with file_lock(path + ".lock") if path is not None else contextlib.nullcontext():
         old = read_receipt(path, manifest) if path is not None and use_receipt else None
         fs, root = filesystem(manifest.root, **storage_options)
         columns = _columns_identity(manifest)
@@ -318,21 +244,13 @@ def verify_with_receipt(
         )
         if not tie:  # the very file the receipt's full check read: read without its chunks
             _vouch(manifest, columns)
-        check = functools.partial(
-            _verify_entries,
-            manifest,
-            level,
-            threads=threads,
-            progress=progress,
-            retry=retry,
-            storage_options=storage_options,
-        )
         now: LocalIds | list[str | None] | None = None
         local = path is None or is_local_fs(fs)
         if split is not None and local and _reads_all(old, level) and len(manifest.shards):
             todo = np.arange(len(manifest.shards), dtype=np.int64)
-            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=path is not None)
-            now = _first_start(manifest, dataclasses.replace(plan, tie=tie), split, root)
+            ids = path is not None
+            plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=ids, tie=tie)
+            now = _first_start(manifest, plan, split, root)
         else:
             if path is None:  # receipts disabled: no identities to take, every shard is read
                 todo = np.arange(len(manifest.shards), dtype=np.int64)
@@ -364,9 +282,8 @@ def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
 def _first_start(
     manifest: ShardList, plan: shared.SlicePlan, split: Split, root: str
 ) -> LocalIds | None:
-    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared_pass`):
-    a fast form's JSON digest here first, its tie's parts and (an ``ids`` plan) the files'
-    identities taken by the takers; returns those identities."""
+    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared_pass`);
+    returns the files' identities the takers took (an ``ids`` plan)."""
     if plan.tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
         check_json(cast(ShardTable, manifest.shards))
     now = split(plan, root)
@@ -386,8 +303,7 @@ def _check_changed(
     root: str,
 ) -> None:
     """Check the shards ``todo`` (a fast form's tie first where ``tie``), shared with the
-    job's ranks by ``split`` where given (the tie then here, before the plan); ``columns``:
-    the fast form's identity (`_columns_identity`)."""
+    job's ranks by ``split`` where given."""
     if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
         check_json(cast(ShardTable, manifest.shards))
     if split is not None and todo.size:
@@ -411,12 +327,16 @@ def _verify_entries(
     retry: RetryPolicy | None,
     storage_options: dict[str, Any],
 ) -> VerificationError | None:
-    """`verify_manifest` of ``entries`` (shards of ``manifest``, in path order): the first
-    failure among them, or None."""
-    subset = _Entries(manifest, tuple(entries))
+    """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
     try:
         verify_manifest(
-            subset, level, threads=threads, progress=progress, retry=retry, **storage_options
+            manifest,
+            level,
+            shards=entries,
+            threads=threads,
+            progress=progress,
+            retry=retry,
+            **storage_options,
         )
     except VerificationError as exc:
         return exc
@@ -426,29 +346,9 @@ def _verify_entries(
 Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entries:
-    """Some entries of a manifest (in path order), verified as one: a `ShardList`."""
-
-    whole: ShardList
-    shards: tuple[ShardEntry, ...]
-
-    @property
-    def id(self) -> str:
-        return self.whole.id
-
-    @property
-    def root(self) -> str | None:
-        return self.whole.root
-
-    def url(self, shard: ShardEntry) -> str:
-        return self.whole.url(shard)
-
-
 def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
-    """``check`` the shards ``todo`` (ascending), `VERIFY_PIECE` entries in memory at a time
-    (a fast form's decoded in bulk where dense); every shard is checked and the first
-    failure in path order is raised at the end, as one call over all would."""
+    """``check`` the shards ``todo`` (ascending), `VERIFY_PIECE` entries at a time; raise the
+    first failure in path order at the end, as one call over all would."""
     found = [
         check(entries_at(manifest, todo[lo : lo + VERIFY_PIECE]))
         for lo in range(0, todo.size, VERIFY_PIECE)
@@ -458,10 +358,8 @@ def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Chec
 
 def _tie_and_verify(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
     """A fast form's full tie (`verify_columns_id`) and the check of the shards ``todo``
-    in one pass over the columns: each entry is decoded (and its chunks hashed) once, for
-    the id and, where in ``todo``, for its shard's check. A columns file that fails the
-    tie is the error (its entries are not the manifest's); else the first shard failure
-    in path order, as `_verify_shards`."""
+    in one pass over the columns (each entry decoded once). A failed tie is the error;
+    else the first shard failure in path order, as `_verify_shards`."""
     wanted = np.zeros(len(manifest.shards), dtype=bool)
     wanted[todo] = True
     batch: list[ShardEntry] = []
@@ -497,10 +395,9 @@ def _raise_first(found: Sequence[VerificationError | None]) -> None:
 
 
 def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> LocalIds:
-    """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time (a
-    1M-shard table's paths are never all in memory at once). ``checked``: the fast form's
-    paths were checked in full before (else each is checked as a path under the root
-    before anything is asked of it: the tie comes after)."""
+    """`local_identities` of every shard, the paths decoded `VERIFY_PIECE` at a time.
+    ``checked``: the fast form's paths were checked in full before (else each is checked
+    here: the tie comes after)."""
     shards = manifest.shards
     if not isinstance(shards, ShardTable):
         return local_identities(root, [s.path for s in shards])
@@ -521,11 +418,10 @@ def _paths(manifest: ShardList, *, checked: bool) -> list[str]:
 def _changed(
     old: dict[str, Any] | None, now: LocalIds | list[str | None], level: Verify
 ) -> npt.NDArray[np.int64]:
-    """Indices of the shards to read: all without a usable receipt (or one of a weaker
-    level), else those whose identity now differs from the recorded one or is not
-    recorded."""
+    """Indices of the shards to read: all where `_reads_all`, else those whose identity
+    now differs from the recorded one or is not recorded."""
     count = len(now)
-    if old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]:
+    if old is None or _reads_all(old, level):
         return np.arange(count, dtype=np.int64)
     before = old["identities"]
     if isinstance(now, np.ndarray):
@@ -588,9 +484,8 @@ def _remote_identity(info: dict[str, Any]) -> str | None:
 
 def _columns_identity(manifest: ShardList) -> list[Any] | None:
     """What a fast-form manifest's full check covers: its header digest, the identity of
-    the columns file this manifest has open (``fstat`` at its open, before any of it was
-    read: the file the check reads, even if the path names another by now) and the JSON's
-    (None: not a fast form, or changed within `RACY_S` of the identity being taken)."""
+    the columns file it has open (``fstat`` at its open) and the JSON's (None: not a fast
+    form, or changed within `RACY_S` of the identity being taken)."""
     shards = manifest.shards
     if not isinstance(shards, ShardTable):
         return None
@@ -608,21 +503,9 @@ def _columns_identity(manifest: ShardList) -> list[Any] | None:
     return [*files, [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]]
 
 
-@contextlib.contextmanager
-def _turn(path: str | None) -> Iterator[None]:
-    """Hold the receipt's lock file: processes of one machine verify one after another (the
-    later ones find the receipt). No lock without receipts or where one cannot be made."""
-    if path is None:
-        yield
-        return
-    with file_lock(path + ".lock"):
-        yield
-
-
 def read_receipt(path: str, manifest: ShardList) -> dict[str, Any] | None:
     """The receipt at ``path`` for ``manifest`` (same id, root, shard count, and a tag made
-    under this user's key), else None: an unreadable, corrupted, stale or forged receipt
-    only means every shard is read."""
+    under this user's key), else None (every shard is read)."""
     secret = local_key(os.path.dirname(path))
     try:
         with open(path, "rb") as fh:
@@ -652,8 +535,7 @@ def read_receipt(path: str, manifest: ShardList) -> dict[str, Any] | None:
 
 
 def _tag(secret: bytes, head: dict[str, Any], body: bytes) -> str:
-    """A receipt's tag: keyed blake3 (under ``secret``) of its head without the tag, and
-    its body (hex)."""
+    """A receipt's tag: keyed blake3 of its head without the tag, and its body (hex)."""
     return keyed(secret, canonical_json(head) + b"\n" + body).hex()
 
 
@@ -664,8 +546,8 @@ def write_receipt(
     columns: list[Any] | None,
     identities: LocalIds | list[str | None],
 ) -> None:
-    """Write the receipt (atomically), tagged under this user's key; a receipt that cannot
-    be written is left out (the next start reads every shard)."""
+    """Write the receipt (atomically), tagged under this user's key; left out where it
+    cannot be written."""
     secret = local_key(os.path.dirname(path))
     if secret is None:
         return

@@ -9,36 +9,15 @@ Layout under the registry root (a local directory or any fsspec URL)::
 
 Contracts:
 
-* Manifests are stored by id and never change; storing an id that exists is a
-  no-op. Reading one re-hashes it, so a corrupted object is refused.
-* A reference ``name@version`` points at one id and remembers every id (and
-  root) it pointed at, in order. Registering the same id again is idempotent;
-  pointing an existing reference at a different id needs ``force=True``.
-* A bare ``name`` resolves to its *latest* version: the version whose reference
-  was created most recently (creation time, ties broken by version string).
-  Re-pointing a version with ``force`` does not make it the latest.
-* Writes are atomic (temp file + rename locally, one PUT on object stores). On a
-  local registry, writers of different processes are serialised by an
-  ``fcntl`` lock, so concurrent registrations leave it consistent and lose no
-  history. Object stores have no lock: concurrent writers of the *same*
-  reference are last-writer-wins there.
-* A local writer killed mid-write (kill -9, power loss) can leave an unpublished
-  ``.tmp-*`` file; nothing ever reads one. Local writes make their temp files in
-  the one folder ``tmp/`` (same file system, so the rename into place stays
-  atomic), and each later `register` removes those older than ``STALE_TEMP_S``
-  there (a live write takes milliseconds), so they do not accumulate. Listing
-  ``tmp/`` costs the number of leftovers, not the number of entries: a
-  `register` costs O(1) amortised however many manifests the registry holds.
-  `Registry.gc` also sweeps ``manifests/`` and ``refs/`` for temp files left
-  there by older detdata versions (a full listing: run it now and then).
-* Credentials stay out: a reference records the manifest's root without user
-  info or credential query parameters (`detdata.base.redact.strip_credentials`);
-  the registry's own root and every root appear redacted in messages and
-  ``repr``; ``storage_options`` are never written.
-* On remote roots (``s3://``, ``gs://``, ...) every read and write retries
-  under ``retry`` (a `RetryPolicy`; writes are whole-object PUTs of immutable
-  or complete content, so repeating one is safe) and listings bypass fsspec's
-  listing cache, so a reference written by another process is seen at once.
+* Objects are immutable and re-hashed on read. A reference remembers every id (and
+  root) it pointed at; re-pointing it needs ``force=True``. A bare ``name`` resolves
+  to the version created most recently (ties broken by version string).
+* Writes are atomic; local writers are serialised by an ``fcntl`` lock (object
+  stores: last writer wins). Stale temp files are swept as docs/design.md ("Registry
+  writes are O(1) amortised") says.
+* Roots are recorded and shown without credentials; ``storage_options`` are never
+  written. Remote reads and writes retry under ``retry`` and listings bypass
+  fsspec's cache.
 """
 
 from __future__ import annotations
@@ -69,8 +48,7 @@ T = TypeVar("T")
 ENV_VAR: Final = "DETDATA_REGISTRY"
 REF_KIND: Final = "detdata.ref"
 REF_VERSION: Final = 1
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # names and versions
 _LOCK_TIMEOUT_S: Final = 60.0
 STALE_TEMP_S: Final = 600.0
 
@@ -86,15 +64,12 @@ def default_root() -> str:
 
 
 def split_name(name: object) -> tuple[str, str | None]:
-    """``"wiki-en@v3"`` -> ``("wiki-en", "v3")``; ``"wiki-en"`` -> ``("wiki-en", None)``.
-
-    Raises `RegistryError` for anything else (names and versions: a letter or
-    digit, then letters, digits, ``.``, ``_``, ``-``; at most 128 characters each).
-    """
+    """``"wiki-en@v3"`` -> ``("wiki-en", "v3")``; ``"wiki-en"`` -> ``("wiki-en", None)``;
+    `RegistryError` for anything else (`NAME_RE`)."""
     if not isinstance(name, str):
         raise RegistryError(f"registry name must be a string, got {name!r}")
     base, sep, version = name.partition("@")
-    if not NAME_RE.fullmatch(base) or (sep and not VERSION_RE.fullmatch(version)):
+    if not NAME_RE.fullmatch(base) or (sep and not NAME_RE.fullmatch(version)):
         raise RegistryError(
             f"invalid registry name {name!r}; hint: use 'name@version' such as "
             "'wiki-en@v3' (letters, digits, '.', '_', '-'; starting with a "
@@ -127,8 +102,7 @@ def check_id(manifest_id: object) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RefEvent:
-    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``) at
-    ``time_ns``."""
+    """One entry of a reference's history: ``name`` pointed at ``id`` (under ``root``)."""
 
     name: str
     id: str
@@ -234,13 +208,10 @@ def _check_bool(value: object) -> bool:
 
 
 class Registry:
-    """Manifests by id and names ``name@version`` -> id, under a local directory or fsspec URL.
+    """Manifests by id and names ``name@version`` -> id (contracts: the module docstring).
 
-    ``root``: the argument (a path, ``os.PathLike`` or URL), else (``None``)
-    ``$DETDATA_REGISTRY``, else the user cache dir (see `default_root`); an empty
-    or blank ``root`` is a `ConfigError`, never the default. Storage failures
-    other than "not found" (a directory where a file belongs, permissions) are
-    `RegistryError` naming the path. See the module docstring for the contracts.
+    ``root=None`` is `default_root`; an empty or blank ``root`` is a `ConfigError`.
+    Storage failures other than "not found" are `RegistryError` naming the path.
     """
 
     def __init__(
@@ -262,7 +233,6 @@ class Registry:
 
     @property
     def _shown(self) -> str:
-        """The root as shown in messages (credentials redacted)."""
         return redact_url(self.root)
 
     # paths -----------------------------------------------------------------
@@ -278,11 +248,7 @@ class Registry:
     # remote robustness -------------------------------------------------------
     def _io(self, what: str, path: str, fn: Callable[[float | None], T]) -> T:
         """``fn(timeout)`` once on local roots; retried under ``self.retry`` on remote ones.
-
-        ``FileNotFoundError`` passes through (callers treat it as "absent"); any other
-        ``OSError`` (a directory where a file belongs, permission denied...) becomes a
-        `RegistryError` naming the path.
-        """
+        ``FileNotFoundError`` passes through; any other ``OSError`` is a `RegistryError`."""
         try:
             if self._local:
                 return fn(None)
@@ -338,13 +304,8 @@ class Registry:
         force: bool = False,
         verify: str = "quick",
     ) -> str:
-        """Store the manifest and point ``name@version`` at its id; return the id.
-
-        A path is loaded with ``Manifest.load(path, verify=verify)``. Registering
-        the id a name already points at is a no-op (if the root changed, the new
-        root is recorded). Pointing it at a different id raises `RegistryError`
-        unless ``force=True``, which appends to the name's history.
-        """
+        """Store the manifest (or load it from a path) and point ``name@version`` at its id;
+        return the id. Re-pointing at a different id is a `RegistryError` unless ``force``."""
         base, version = full_name(name)
         manifest = self._as_manifest(manifest_or_path, verify)
         self._put_object(manifest)
@@ -361,20 +322,13 @@ class Registry:
         storage_options: Mapping[str, Any] | None = None,
         latest: bool = False,
     ) -> Manifest:
-        """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version).
+        """The manifest for ``b3:<hex>``, ``name@version`` or a bare ``name`` (latest version;
+        warns `BareNameWarning` unless ``latest=True``).
 
-        A bare ``name`` warns (`BareNameWarning`, naming the version it took) unless
-        ``latest=True``: a training script that names no version reads other data once a new
-        version is registered.
-
-        A name's manifest carries the root it was registered with (``root``
-        overrides it: the recorded root has no credentials, so a store that needs
-        them in the URL gets ``root=`` again) and is verified with ``verify``
-        (``quick`` by default, as on every open; the returned object remembers it,
-        so a dataset opened on it does not verify again). ``storage_options`` are
-        for the data's store (default: the registry's own when on the same
-        protocol). An id alone has no root: it is returned without root and
-        unverified unless ``root`` is given.
+        A name's manifest carries its registered root (``root`` overrides it, e.g. to
+        add credentials) and is verified with ``verify``; ``storage_options`` default to
+        the registry's own on the same protocol. An id alone is returned without root
+        and unverified unless ``root`` is given.
         """
         if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
             manifest = self.get(name_or_id)
@@ -398,14 +352,8 @@ class Registry:
         return self._verified(manifest.with_root(chosen), verify, name_or_id, storage_options)
 
     def get(self, manifest_id: str) -> Manifest:
-        """The stored manifest with this id (no root), checked intact.
-
-        On a local registry the object's fast form (`detdata.identity.columns`, written by
-        `register`) is mapped when it is there and tied to the object: its header and the
-        chunks used are checked against their digests, and a verification re-computes the
-        id from it once (`detdata.identity.receipts`). Otherwise the object is read and
-        re-hashed.
-        """
+        """The stored manifest with this id (no root), checked intact: its fast form
+        (`detdata.identity.columns`) where tied to the object, else the object re-hashed."""
         check_id(manifest_id)
         path = self._fspath("manifests", self._object(manifest_id))
         fast = self._get_columns(manifest_id, path)
@@ -433,10 +381,8 @@ class Registry:
         return manifest
 
     def history(self, name: str) -> tuple[RefEvent, ...]:
-        """Every id ``name@version`` pointed at, oldest first.
-
-        A bare ``name`` gives the history of all its versions, ordered by time.
-        """
+        """Every id ``name@version`` (a bare ``name``: all its versions) pointed at, oldest
+        first."""
         base, version = split_name(name)
         if version is not None:
             return self._ref(base, version).history
@@ -485,8 +431,8 @@ class Registry:
         path = self._fspath("manifests", self._object(manifest.id))
         self._fresh(path)
         if self._io("lookup", path, lambda _t: self._fs.exists(path)):
-            if self._local and not os.path.exists(columns_path(path)):
-                self._write_columns(self.get(manifest.id), url, path)  # stored before columns
+            if self._local and not os.path.exists(columns_path(path)):  # stored before columns
+                self._write(columns_path(url), self.get(manifest.id).columns_bytes(self._cat(path)))
             return
         manifest.check_loadable(where=f"manifest {manifest.id} to register")
         doc = manifest.body()
@@ -496,14 +442,8 @@ class Registry:
         if self._local:  # mapped only from a local registry (`_get_columns`)
             self._write(columns_path(url), manifest.columns_bytes(data))
 
-    def _write_columns(self, manifest: Manifest, url: str, path: str) -> None:
-        """Store the fast form of stored object ``path`` next to it (`detdata.identity.columns`),
-        tied to the bytes stored (their size and digest)."""
-        self._write(columns_path(url), manifest.columns_bytes(self._cat(path)))
-
     def _get_columns(self, manifest_id: str, path: str) -> Manifest | None:
-        """The stored object ``path`` of ``manifest_id`` from its fast form, on a local registry
-        where it exists and is tied to the object (same id, the object's size); else None."""
+        """``manifest_id`` from the fast form of ``path`` where it is tied to it, else None."""
         if not self._local or not os.path.exists(columns_path(path)):
             return None
         try:
@@ -624,13 +564,8 @@ class Registry:
         return manifest
 
     def gc(self) -> int:
-        """Remove stale temp files (older than ``STALE_TEMP_S``) in every registry folder.
-
-        `register` sweeps only ``tmp/``, where this version writes; ``gc`` also
-        lists ``manifests/`` and each ``refs/<name>/`` for temp files that older
-        versions left beside the objects (O(entries)). Returns how many were
-        removed. A no-op on object stores (their writes are single PUTs).
-        """
+        """Remove stale temp files in every local registry folder (O(entries)); return how
+        many. A no-op on object stores."""
         if not self._local:
             return 0
         folders: list[tuple[str, ...]] = [("tmp",), ("manifests",), ("refs",)]
@@ -640,11 +575,8 @@ class Registry:
             return self._sweep_temps(*folders)
 
     def _sweep_temps(self, *folders: tuple[str, ...]) -> int:
-        """Remove unpublished temp files older than ``STALE_TEMP_S`` (local roots only).
-
-        Called under the writer lock; the age test also spares a concurrent
-        ``_put_object``, which writes outside the lock. Returns how many were removed.
-        """
+        """Remove temp files older than ``STALE_TEMP_S`` (local roots only; the age test
+        spares a concurrent ``_put_object``, which writes outside the lock); return how many."""
         removed = 0
         if not self._local:
             return 0

@@ -1,20 +1,11 @@
-"""Verification shared by the job's ranks (docs/design.md section 8, "Start-up at scale").
+"""Verification shared by the job's ranks (docs/design.md, "Verification once per job").
 
-The rank that claims a verification (`detdata.identity.receipts.job_meeting`) works out which
-shards need reading (the receipt's changed ones, or all) and publishes that *plan* under the
-meeting's key in the process group's store; then every rank that opens the same manifest
-(the claimant included) takes slices of it, one atomic ``add`` on the store per slice, and
-checks them, until none is left. So each shard is read by one rank, the slices are disjoint,
-and the job's wall time to verify falls with the ranks that take part (at a first start
-each taker also takes its slices' file identities and tie part in the same pass, published
-as extras next to its verdict: `detdata.identity.shared_pass`), while a rank that
-opens a manifest nobody else opens still checks it all alone, waiting for nobody. A slice
-that fails is published (as JSON, `dumps_verdict`, with the rank that found it in the
-message); the claimant waits until every slice is done, raises the first failure in path
-order, and publishes that verdict, which every rank raises: the same error, naming the shard
-and the rank, on every rank.
-
-Verdicts cross the store as JSON, never pickle (the store takes what any peer sends).
+The claimant (`detdata.identity.receipts.job_meeting`) publishes a *plan* of the shards to
+read under the meeting's key; every rank opening the same manifest takes slices of it (one
+atomic ``add`` each) until none is left, so each shard is read by one rank, while a rank
+alone checks it all, waiting for nobody. A failing slice is published with the rank that
+found it; the claimant raises the first failure in path order and publishes that verdict,
+which every rank raises. Verdicts cross the store as JSON, never pickle.
 """
 
 from __future__ import annotations
@@ -53,11 +44,10 @@ Extras = dict[str, bytes]
 
 @dataclass(frozen=True)
 class SlicePlan:
-    """The shards to check (``todo``, ascending indices), ``size`` of a slice, and the fast
-    form's ``columns`` identity the claimant vouched for (None: none). ``ids``: each taker
-    takes the receipt's identity of its slices' files before reading them; ``tie``: each
-    taker takes its slices' part of the fast form's tie (``todo`` is then every shard, and
-    the claimant has not vouched for the columns yet)."""
+    """The shards to check (``todo``, ascending), ``size`` of a slice, and the fast form's
+    ``columns`` identity the claimant vouched for (None: none). ``ids`` / ``tie``: each
+    taker also takes its slices' file identities / part of the fast form's tie
+    (`detdata.identity.shared_pass`)."""
 
     todo: Indices
     size: int
@@ -112,11 +102,9 @@ SliceCheck = Callable[[Indices, bool], tuple[Exception | None, Extras]]
 
 
 def take_slices(store: Any, key: str, plan: SlicePlan, rank: int, check: SliceCheck) -> None:
-    """Take slices of ``plan`` until none is left, ``check`` each and publish its extras;
-    a failure (returned or raised) is published with ``rank`` in its message. Once any rank
-    published one, the slices still untaken are checked ``stopped``: they come after the
-    failing one in path order (slices are taken in order), so the first failure stays the
-    verdict."""
+    """Take slices of ``plan`` until none is left, ``check`` each and publish its extras
+    and any failure (with ``rank``). Once a failure is published, later slices (after it in
+    path order) are checked ``stopped``."""
     while True:
         i = int(store.add(key + "/next", 1)) - 1
         if i >= plan.slices:
@@ -136,8 +124,7 @@ def take_slices(store: Any, key: str, plan: SlicePlan, rank: int, check: SliceCh
 
 
 def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
-    """Wait until every slice of ``plan`` is done (every taker finished its slice); the
-    failure of the first failing slice (path order), or None."""
+    """Wait until every slice of ``plan`` is done; the first failure in path order, or None."""
     pause = 0.005
     while int(store.add(key + "/done", 0)) < plan.slices:
         time.sleep(pause)
@@ -151,8 +138,8 @@ def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
 
 
 def gathered(store: Any, key: str, plan: SlicePlan, name: str) -> list[bytes] | None:
-    """The extras ``name`` of every slice of ``plan``, in order, each taken off the store
-    (once `first_failure` returned); None where a slice has none (its check failed)."""
+    """The extras ``name`` of every slice of ``plan``, in order, each taken off the store;
+    None where a slice has none (its check failed)."""
     found: list[bytes] = []
     for i in range(plan.slices):
         at = f"{key}/{name}/{i}"
@@ -165,7 +152,7 @@ def gathered(store: Any, key: str, plan: SlicePlan, name: str) -> list[bytes] | 
 
 def group() -> tuple[Any, int] | None:
     """``(store, rank)`` of the initialised ``torch.distributed`` process group of more than
-    one rank (its key-value store, where ranks meet without a collective), else None."""
+    one rank, else None."""
     dist = sys.modules.get("torch.distributed")  # never imported here: no import, no group
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
@@ -180,9 +167,9 @@ def dumps_verdict(
     found_by: int | None = None,
     role: str = "one of the ranks sharing the verification",
 ) -> bytes:
-    """A verdict for the store, as JSON: the detdata error class's name, its message and
-    its JSON-plain fields; another exception becomes a `DetdataError` carrying its type and
-    text. ``found_by``: the rank that found it, said in the message with its ``role``."""
+    """A verdict for the store, as JSON: the detdata error class's name, message and
+    JSON-plain fields (another exception becomes a `DetdataError`). ``found_by``: the rank
+    that found it, said in the message with its ``role``."""
     if verdict is None:
         return b"null"
     if not isinstance(verdict, DetdataError) or error_class(type(verdict).__name__) is None:

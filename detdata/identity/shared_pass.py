@@ -1,17 +1,11 @@
-"""A slice's whole pass at a shared first start (docs/design.md section 8, issue 43).
+"""A slice's whole pass at a shared first start (docs/design.md, "Verification once per job").
 
-At a first start (no receipt, or one of a weaker level: every shard is read whatever the
-files' identities) the claimant of a shared verification publishes only the plan; each rank
-that takes a slice (`detdata.identity.shared.take_slices`) does, in one pass over the
-slice's entries: its part of the fast form's tie (`columns_tie.tie_part`: the entries'
-bytes as the id hashes them, their order and sums), the receipt's identity of the slice's
-files (`stat`, taken before their bytes are read), and the check of the shards. The
-claimant gathers the parts through the store (bytes, never pickle) and settles the job's
-verdict with them (`settle`): the tie first (`columns_tie.check_tie_parts`: the same
-errors as `verify_columns_id` alone), then the first shard failure in path order; else the
-identities for the receipt, the very rows a lone verifier would have taken. So the serial
-part left to the claimant is the JSON's digest (`check_json`) and hashing the gathered
-bytes, and the job's time to verify falls with its ranks.
+At a first start (every shard is read) each rank taking a slice
+(`detdata.identity.shared.take_slices`) does, in one pass over its entries: its part of
+the fast form's tie (`columns_tie.tie_part`), the receipt's identities of its files
+(taken before their bytes are read) and the check of its shards. The claimant gathers
+the parts through the store and settles the verdict (`settle`): the tie first, then the
+first shard failure in path order; else the identities for the receipt.
 """
 
 from __future__ import annotations
@@ -54,9 +48,8 @@ def slice_check(
     manifest: ShardList, plan: shared.SlicePlan, root: str, check: Check
 ) -> shared.SliceCheck:
     """What a taker does with a slice of ``plan`` (`detdata.identity.shared.SliceCheck`):
-    its tie part (even once stopped: the tie's verdict comes before a shard's), then, unless
-    stopped, the identities of its files under ``root`` and ``check`` of its entries. An
-    ``ids`` plan covers every shard, so a slice is a range of them."""
+    its tie part (even once stopped: the tie's verdict comes first), then, unless stopped,
+    the identities of its files under ``root`` and ``check`` of its entries."""
 
     def one(at: npt.NDArray[np.int64], stopped: bool) -> tuple[Exception | None, shared.Extras]:
         if stopped and not plan.tie:
@@ -95,9 +88,8 @@ def _identities(
 
 
 def settle(store: Any, key: str, plan: shared.SlicePlan, manifest: ShardList) -> LocalIds | None:
-    """The claimant's verdict once every slice of ``plan`` is done: a fast form's tie from
-    the gathered parts (its error first, as a lone verifier's), then the first failure in
-    path order; else the identities gathered (an ``ids`` plan; None otherwise)."""
+    """The claimant's verdict once every slice of ``plan`` is done: the tie's error, then the
+    first failure in path order; else the identities gathered (None: not an ``ids`` plan)."""
     found = shared.first_failure(store, key, plan)
     if plan.tie:
         parts = shared.gathered(store, key, plan, TIE)

@@ -1,14 +1,10 @@
 """Text shards: JSONL files (plain, gzip, zstd, bzip2 or xz), one document a line.
 
-A ``jsonl`` shard is registered like every shard (`detdata.identity.build`): its size,
-quick digest and blake3 are those of the file's bytes as stored (compressed or not), its
-``num_samples`` is its lines (a last line without a newline counts; a file ending in a
-newline has no empty last line) and its ``schema`` is how its bytes are compressed, read
-from its first bytes (gzip magic ``1f 8b``, zstd ``28 b5 2f fd``, bzip2 ``BZh``, xz
-``fd 37 7a 58 5a 00``, else plain), not from its name. Lines are cut at ``\\n`` in the
-decompressed bytes; what a line holds is checked where it is read
-(`detdata.datasets.text_index`). Zstd is read through pyarrow (no extra dependency), gzip,
-bzip2 and xz through the standard library.
+A ``jsonl`` shard's digests are those of its bytes as stored; its ``num_samples`` is its
+lines (a last line without a newline counts) and its ``schema`` its compression, read from
+its first bytes, not its name. Lines are cut at ``\\n`` in the decompressed bytes; what a
+line holds is checked where it is read (`detdata.datasets.text_index`). Zstd is read
+through pyarrow, the others through the standard library.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ import bz2
 import gzip
 import io
 import lzma
-from typing import IO, TYPE_CHECKING, Final, NamedTuple
+from typing import IO, TYPE_CHECKING, Final
 
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
@@ -35,13 +31,6 @@ PLAIN, GZIP, ZSTD = "jsonl", "jsonl+gzip", "jsonl+zstd"
 BZ2, XZ = "jsonl+bz2", "jsonl+xz"
 #: Bytes read to tell the compression (`compression_of`).
 HEAD_BYTES: Final = 6
-
-
-class JsonlLayout(NamedTuple):
-    """What inspecting a JSONL shard finds: its lines and its compression (``schema``)."""
-
-    lines: int
-    schema: str
 
 
 def compression_of(head: bytes) -> str:
@@ -81,8 +70,8 @@ def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
         ) from None
 
 
-def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> JsonlLayout:
-    """`JsonlLayout` of the JSONL file at ``path``: one streamed pass over its text bytes."""
+def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> tuple[int, str]:
+    """``(lines, schema)`` of the JSONL file at ``path``: one streamed pass over its text."""
     with fs.open(path, "rb") as fh:
         schema = compression_of(fh.read(HEAD_BYTES))
         fh.seek(0)
@@ -94,4 +83,4 @@ def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> Json
                 last = chunk[-1:]
         except (OSError, EOFError, ValueError, lzma.LZMAError) as exc:
             raise FormatError(f"shard {rel}: not valid {schema} ({exc})") from None
-    return JsonlLayout(lines + (last != b"\n"), schema)
+    return lines + (last != b"\n"), schema

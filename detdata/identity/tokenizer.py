@@ -1,31 +1,15 @@
 """`TextTokenizer`: a Hugging Face ``tokenizers`` tokenizer pinned by its content.
 
 Text read at run time (`detdata.datasets.text.TextDocuments`) is tokenised by a
-``tokenizer.json`` (the file, or a ``tokenizers.Tokenizer`` built from one: nothing is
-downloaded). Its identity (`TextTokenizer.identity`, part of the dataset's identity and so
-of the checked ``data`` field of a loader state) is plain JSON of:
-
-* ``whole_b3``: blake3 of the canonical JSON of the whole tokenizer (vocabulary, merges,
-  normaliser, pre-tokeniser, post-processor, added tokens, truncation, padding; named to
-  sort after the section digests, so a refused resume names the section first);
-* ``model_b3`` / ``normalizer_b3`` / ``pre_tokenizer_b3`` / ``post_processor_b3`` /
-  ``added_tokens_b3``: the same of each section, and ``truncation`` / ``padding`` as
-  stored, so a refused resume names what changed (another merge: ``model_b3``);
-* ``library`` / ``version``: ``tokenizers`` and its version (another version may cut
-  the same text otherwise);
-* the options that change the output: ``add_special_tokens`` (the post-processor's
-  templates applied or not), ``bos`` / ``eos`` (token ids put before / after every
-  document, None: none);
-* ``encode_special_tokens``: always True: special / added tokens written in a document's
-  text (``<eod>``, ``<|endoftext|>``) are encoded as plain text, never as the special id,
-  so a document cannot end mid-text (``tokenizers``' ``Tokenizer.encode_special_tokens``).
-
-A bos / eos id still found among a document's text tokens (e.g. ``eos`` given as the id of
-an ordinary token) is refused where the document is indexed (`inner_marker`).
-
-A document's tokens are ``[bos] + encode(text).ids + [eos]`` (`encode`), in batches
-(``encode_batch_fast``: the Rust library encodes a batch on its own threads without the
-GIL).
+``tokenizer.json`` (nothing is downloaded); a document's tokens are ``[bos] +
+encode(text).ids + [eos]``. Its identity (part of the dataset's, so of a loader state's
+checked ``data`` field; docs/design.md "Raw text") is plain JSON of: ``whole_b3`` and
+one digest per section (`SECTIONS`; the whole sorts after them, so a refused resume
+names the section), ``truncation`` / ``padding``, the library and its version, and
+the options that change the output (``add_special_tokens``, ``bos``, ``eos``,
+``encode_special_tokens``: always True, so special tokens written in the text are
+encoded as plain text). A bos / eos id among a document's text tokens is refused
+where it is indexed (`inner_marker`).
 """
 
 from __future__ import annotations
@@ -58,11 +42,9 @@ def _library() -> Any:
 class TextTokenizer:
     """A ``tokenizers`` tokenizer and the options a document is encoded with (module doc).
 
-    ``source``: a ``tokenizer.json`` path, or a ``tokenizers.Tokenizer`` (its JSON is
-    taken: later changes to the object are not seen). ``bos`` / ``eos``: a token id or a
-    token string (looked up in the vocabulary) put before / after each document.
-    ``add_special_tokens``: apply the tokenizer's post-processor templates (default False:
-    a document is its text's tokens plus ``bos`` / ``eos``). Pickles as its JSON.
+    ``source``: a ``tokenizer.json`` path, or a ``tokenizers.Tokenizer`` (its JSON taken
+    now). ``bos`` / ``eos``: a token id or token string put before / after each document.
+    ``add_special_tokens``: apply the post-processor's templates. Pickles as its JSON.
     """
 
     def __init__(
@@ -129,22 +111,23 @@ class TextTokenizer:
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the tokenizer and every option that changes a token (module doc)."""
-        library = _library()
-        out: dict[str, Any] = {
+        sections = {
+            f"{section}_b3": digest_bytes(canonical_json(self.document.get(section)))
+            for section in SECTIONS
+        }
+        return {
             "type": "hf_tokenizers",
             "library": "tokenizers",
-            "version": str(library.__version__),
+            "version": str(_library().__version__),
             "whole_b3": digest_bytes(canonical_json(self.document)),
+            **sections,
+            "truncation": self.document.get("truncation"),
+            "padding": self.document.get("padding"),
+            "add_special_tokens": self.add_special_tokens,
+            "bos": self.bos,
+            "eos": self.eos,
+            "encode_special_tokens": True,
         }
-        for section in SECTIONS:
-            out[f"{section}_b3"] = digest_bytes(canonical_json(self.document.get(section)))
-        out["truncation"] = self.document.get("truncation")
-        out["padding"] = self.document.get("padding")
-        out["add_special_tokens"] = self.add_special_tokens
-        out["bos"] = self.bos
-        out["eos"] = self.eos
-        out["encode_special_tokens"] = True
-        return out
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray[Any, Any]]:
         """The tokens of each text (``bos``, the text's ids, ``eos``), as int64 arrays."""
@@ -159,8 +142,7 @@ class TextTokenizer:
 
     def inner_marker(self, tokens: np.ndarray[Any, Any]) -> tuple[str, int] | None:
         """``("bos" | "eos", id)`` when that id is among the text tokens of ``tokens`` (an
-        `encode` output, its own leading bos / trailing eos aside), None otherwise; not
-        checked with ``add_special_tokens`` (the templates may hold the same ids)."""
+        `encode` output), None otherwise or with ``add_special_tokens``."""
         if self.add_special_tokens:
             return None
         body = tokens[(self.bos is not None) : tokens.size - (self.eos is not None)]
@@ -171,8 +153,7 @@ class TextTokenizer:
 
 
 def _check_no_padding(document: Mapping[str, Any]) -> None:
-    """`ConfigError` naming ``padding`` when the tokenizer pads: a padded encoding depends
-    on the batch a document is encoded in (or adds pad tokens to every document)."""
+    """`ConfigError` naming ``padding`` when the tokenizer pads."""
     if isinstance(document, Mapping) and document.get("padding") is not None:
         raise ConfigError(
             f"tokenizer: padding is enabled ({document['padding']!r}); a document's tokens "
@@ -206,9 +187,8 @@ MANIFEST_KEY: Final = "tokenizer"
 
 
 def check_manifest_tokenizer(metadata: Mapping[str, Any], tokenizer: TextTokenizer) -> None:
-    """Token shards written by ``detdata tokenize`` record their tokenizer's identity in the
-    manifest metadata (`MANIFEST_KEY`); `ConfigError` naming the first differing field when
-    ``tokenizer`` is another (or when the manifest records none)."""
+    """`ConfigError` naming the first differing field unless ``tokenizer`` is the one the
+    manifest metadata records (`MANIFEST_KEY`, written by ``detdata tokenize``)."""
     recorded = metadata.get(MANIFEST_KEY)
     if not isinstance(recorded, Mapping):
         raise ConfigError(

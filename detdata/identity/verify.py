@@ -1,31 +1,15 @@
 """Verifying shard bytes against a manifest's entries (docs/design.md section 1).
 
-``quick`` compares each shard's size and quick digest, ``full`` also re-hashes
-every byte against its blake3, ``off`` reads nothing. Every shard is checked;
-the `VerificationError` raised names the first bad one in path order, with its
-``shard``, ``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``),
-``expected`` and ``found`` values.
+``quick`` compares each shard's size and quick digest, ``full`` also re-hashes every
+byte against its blake3, ``off`` reads nothing. Every shard is checked; the
+`VerificationError` raised names the first bad one in path order, with its ``shard``,
+``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``), ``expected`` and ``found``.
 
-Each checked byte is read once:
-
-* A *small* shard (at most ``2 * QUICK_SPAN`` bytes, so its first and last MiB
-  cover every byte) is read whole, once, and hashed once with blake3, which is
-  compared with the entry's full hash: equal full hashes (and sizes) mean equal
-  quick digests, so a small shard's quick check is as strong as a full one and
-  costs one read. The quick digest is computed only to report a mismatch.
-* A larger shard: its first and last MiB (quick), then (``full``) every byte.
-
-Local shards are read with plain ``pread`` calls (one open, no size request:
-``fstat``) in ``threads`` threads. Remote shards are read in concurrent batches
-of range requests (`read_ranges_upto`, up to the file system's ``batch_size``
-in flight, ``BATCH_BYTES`` per batch): one request per small shard and two per
-large one, each asking for one byte past the expected end, so a size change
-shows without a size request; an error or a size change is then looked into
-with the per-shard, retried path (`check_bytes`) to report exact values.
-
-A `Manifest` records the strongest level it was verified at and the root it
-was verified under (`Manifest.verify` skips a check already done at that
-level or a stronger one, on the same root); `Manifest.with_root` starts over.
+Each checked byte is read once (docs/design.md, "Verification reads each checked byte
+once"): a shard of at most `SMALL_SHARD` bytes is read and hashed whole. Remote shards
+are read in concurrent batches of range requests, each one byte past the expected end
+so that a size change shows; an error or size change is looked into per shard, retried
+(`check_bytes`), to report exact values.
 """
 
 from __future__ import annotations
@@ -62,13 +46,16 @@ def verify_manifest(
     manifest: ShardList,
     mode: str | Verify = Verify.QUICK,
     *,
+    shards: Sequence[ShardEntry] | None = None,
     threads: int = 8,
     progress: bool | None = None,
     retry: RetryPolicy | None = None,
     **storage_options: Any,
 ) -> None:
-    """Check the bytes under ``manifest.root`` (`Manifest.verify`); see the module docstring."""
+    """Check the bytes under ``manifest.root`` of ``shards`` (default: all of them, in path
+    order); see the module docstring."""
     mode = parse_verify(mode)
+    shards = manifest.shards if shards is None else shards
     if mode is Verify.OFF:
         return
     if manifest.root is None:
@@ -77,29 +64,27 @@ def verify_manifest(
     policy = check_policy(retry)
     shown = redact_url(manifest.root)
     if is_local_fs(fs):
-        _check_root_exists(root, manifest, shown)
+        _check_root_exists(root, shards, shown)
         results = map_in_threads(
             lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
-            manifest.shards,
+            shards,
             threads=threads,
             desc="verifying",
             progress=progress,
         )
     else:
-        results = _verify_remote(fs, root, manifest, mode, policy, threads, progress)
+        results = _verify_remote(fs, root, manifest, shards, mode, policy, threads, progress)
     for err in results:
         if err is not None:
             raise err
 
 
-# ------------------------------------------------------------------------ local
-def _check_root_exists(root: str, manifest: ShardList, shown: str) -> None:
-    """A `VerificationError` (field ``exists``) naming a local root that is not a folder:
-    every shard is missing then, and the next step is another root, not another file."""
-    if manifest.shards and not os.path.isdir(root):
-        first = manifest.shards[0]
+def _check_root_exists(root: str, shards: Sequence[ShardEntry], shown: str) -> None:
+    """A `VerificationError` (field ``exists``) naming a local root that is not a folder."""
+    if shards and not os.path.isdir(root):
+        first = shards[0]
         raise VerificationError(
-            f"root {shown!r} does not exist, so all {len(manifest.shards)} shards of the "
+            f"root {shown!r} does not exist, so all {len(shards)} shards of the "
             f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
             "Storage(root=...) or detdata verify --root)",
             shard=first.path,
@@ -147,12 +132,8 @@ def _pread_all(fd: int, count: int, offset: int = 0) -> bytes:
 
 
 def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError | None:
-    """Check a small shard (at most `SMALL_SHARD` bytes) from all of its bytes, hashed once.
-
-    The full blake3 is compared; equal means the quick digest (a function of the
-    same bytes) is equal too. On a difference, the quick digest is computed to
-    report the field the entry's own checks would name first (``quick``).
-    """
+    """Check a small shard (at most `SMALL_SHARD` bytes) from all of its bytes, hashed once
+    (equal blake3 implies equal quick digest; a difference reports ``quick`` first)."""
     if len(data) != shard.bytes:
         return mismatch(shard, "bytes", len(data), where)
     found_full = digest_bytes(data)
@@ -165,37 +146,31 @@ def check_whole(shard: ShardEntry, data: bytes, where: str) -> VerificationError
     return mismatch(shard, "blake3", found_full, where)
 
 
-# ----------------------------------------------------------------------- remote
 def _verify_remote(
     fs: Any,
     root: str,
     manifest: ShardList,
+    shards: Sequence[ShardEntry],
     mode: Verify,
     policy: RetryPolicy,
     threads: int,
     progress: bool | None,
 ) -> list[VerificationError | None]:
     """Batched, concurrent range reads of the checked bytes; odd cases per shard, retried."""
-    shards = manifest.shards
     results: list[VerificationError | None] = [None] * len(shards)
     again: list[int] = []  # shards to look into with the per-shard path
     full_after: list[int] = []  # large shards whose quick check passed, in FULL mode
     for batch in _batches(shards):
-        paths: list[str] = []
-        starts: list[int] = []
-        ends: list[int] = []
-        names: list[str] = []
-        urls: list[str] = []
-        for i in batch:
-            s = shards[i]
-            for start, end in _ranges(s):
-                paths.append(join(root, s.path))
-                starts.append(start)
-                ends.append(end)
-                names.append(s.path)
-                urls.append(manifest.url(s))
+        asks = [(shards[i], span) for i in batch for span in _ranges(shards[i])]
         blobs = read_ranges_upto(
-            fs, paths, starts, ends, policy=policy, shards=names, urls=urls, what="verifying"
+            fs,
+            [join(root, s.path) for s, _ in asks],
+            [span[0] for _, span in asks],
+            [span[1] for _, span in asks],
+            policy=policy,
+            shards=[s.path for s, _ in asks],
+            urls=[manifest.url(s) for s, _ in asks],
+            what="verifying",
         )
         at = 0
         for i in batch:
@@ -216,7 +191,18 @@ def _verify_remote(
         return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
 
     def full_one(i: int) -> VerificationError | None:
-        return _full_remote(fs, join(root, shards[i].path), manifest, shards[i], policy)
+        """The blake3 check of a large shard whose size and quick digest matched."""
+        s = shards[i]
+        found = digest_retrying(
+            fs,
+            join(root, s.path),
+            s.bytes,
+            full=True,
+            policy=policy,
+            shard=s.path,
+            url=manifest.url(s),
+        )
+        return mismatch(s, "blake3", found, _where(manifest, s)) if found != s.blake3 else None
 
     for indices, check, desc in (
         (again, again_one, "verifying"),
@@ -227,19 +213,6 @@ def _verify_remote(
             for i, err in zip(indices, found, strict=True):
                 results[i] = err
     return results
-
-
-def _full_remote(
-    fs: Any, path: str, manifest: ShardList, shard: ShardEntry, policy: RetryPolicy
-) -> VerificationError | None:
-    """The blake3 check of a large remote shard whose size and quick digest matched."""
-    url = manifest.url(shard)
-    found = digest_retrying(
-        fs, path, shard.bytes, full=True, policy=policy, shard=shard.path, url=url
-    )
-    if found != shard.blake3:
-        return mismatch(shard, "blake3", found, _where(manifest, shard))
-    return None
 
 
 def _batches(shards: Sequence[ShardEntry]) -> list[list[int]]:
@@ -268,11 +241,8 @@ def _ranges(shard: ShardEntry) -> list[tuple[int, int]]:
 def _judge(
     shard: ShardEntry, got: list[bytes | BaseException], where: str
 ) -> VerificationError | str | None:
-    """A verdict from the bytes read: None (good), an error, ``"again"`` or ``"full"``.
-
-    ``"again"``: an error or a size change, to be looked into per shard (exact
-    size, missing file). ``"full"``: a large shard whose quick check passed.
-    """
+    """A verdict from the bytes read: None (good), an error, ``"again"`` (an error or a size
+    change: look into it per shard) or ``"full"`` (a large shard whose quick check passed)."""
     if not got or any(isinstance(g, BaseException) for g in got):
         return "again"
     blobs = [g for g in got if isinstance(g, bytes)]
@@ -319,11 +289,8 @@ def check_bytes(
     quick: Callable[[int], str],
     full: Callable[[int], str],
 ) -> VerificationError | None:
-    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or None.
-
-    ``size()`` raising `FileNotFoundError` means the shard is missing; ``quick`` and
-    ``full`` are called with the size found, only when every earlier field matched.
-    """
+    """Compare size, quick digest and (``FULL``) blake3 with the entry; the first mismatch, or
+    None. ``size()`` raising `FileNotFoundError` means the shard is missing."""
     try:
         found_size = size()
     except FileNotFoundError:

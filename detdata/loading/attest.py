@@ -1,21 +1,11 @@
-"""Resume attestation (docs/design.md section 6, "Attested resumes").
+"""Resume attestation (docs/design.md section 5, "Attested resumes").
 
-The checked identity fields of a state cover what the loader can name: manifests, data,
-seed, order, batch, the transform's name. What they cannot see is what user code and the
-environment do under those names: an edited transform body, a tokenizer object whose table
-changed, a global a transform reads, a library that changed a random stream, bytes edited
-under a kept receipt. So a saved state also carries an `Attestation`: the digests of the
-samples at the ``ATTESTED`` global positions just before the save point (the last samples
-the run delivered, on whatever ranks), as the caller receives them (transform and
-``collate_fn`` applied, the attested samples collated as one group of their own), keyed by
-global position so that any layout re-derives them. At a resume the loader reads those
-positions again, before the first batch reaches the caller, and compares
-(`Attestor.verify`): a difference is a `StateError` naming the step, the position, both
-digests and the checked fields that were equal.
-
-Cost: nothing per step. ``state_dict`` reads the ``ATTESTED`` samples once (in the saving
-process, through the stream's own reads and caches) and the state grows by about 250
-bytes; a resume reads them once more. ``ResumePolicy(attest=False)`` turns both off.
+A saved state carries an `Attestation`: the digests of the samples at the ``ATTESTED`` global
+positions just before the save point, as the caller receives them, keyed by global position so
+that any layout re-derives them. A resume reads those positions again before its first batch
+(`Attestor.verify`): a difference is a `StateError` naming the step, the position, both digests
+and the checked fields that were equal. It catches what the checked fields cannot name: an
+edited transform body, a changed tokenizer table, bytes edited under a kept receipt.
 """
 
 from __future__ import annotations
@@ -118,12 +108,6 @@ class Pending:
     equal: tuple[str, ...]
 
 
-def attested_span(consumed: int) -> tuple[int, int]:
-    """``(first, count)``: the positions attested by a state saved at ``consumed``."""
-    first = max(0, consumed - ATTESTED)
-    return first, consumed - first
-
-
 class Attestor:
     """Derives and compares attestations with the loader's reads (`Reads`: its transform,
     seed and ``collate_fn``), in the calling process."""
@@ -148,8 +132,8 @@ class Attestor:
         other ranks' positions, which this rank never read: a failure reading them (the
         dataset's, the transform's, the collate's; an interrupt is not caught) leaves the
         state unattested, never the save failed."""
-        first, count = attested_span(consumed)
-        if count == 0:
+        first = max(0, consumed - ATTESTED)
+        if first == consumed:
             return None
         try:
             return self.derive(stream, np.arange(first, consumed, dtype=np.int64))

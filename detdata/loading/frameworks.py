@@ -1,18 +1,10 @@
 """Framework watchers: how integration code sees the calls a user makes to a training framework
-without a line of detdata glue (docs: README, per framework).
+(e.g. accelerate's ``load_state`` resuming everything but an unregistered detdata loader).
 
-Some mistakes are only visible from the framework's side: accelerate's
-``Accelerator.load_state`` resumes the model and optimizer but not a detdata loader that was
-never registered for checkpointing, and nothing of that call reaches the loader. A
-`FrameworkWatcher` closes the gap in two declared moments of every loader and sampler:
-
-- ``built()``: a `detdata.DataLoader` or a detdata batch sampler was just built (the watcher
-  starts watching the frameworks imported by then, e.g. wraps ``load_state``);
-- ``check_start(loader)``: a `detdata.DataLoader` at position 0 starts an iteration (its
-  first batch): the watcher raises (a `DetdataError`) if a framework says the run resumes.
-
-Watchers are registered by the package's top level (``detdata/__init__.py``), so this layer
-imports no integration; the registry is process-wide and a watcher is added once.
+A `FrameworkWatcher` is told of two moments: ``built()`` (a detdata loader or batch sampler was
+built) and ``check_start(loader)`` (a loader at position 0 starts its first batch: raise a
+`DetdataError` if a framework says the run resumes). Watchers are registered by
+``detdata/__init__.py``, so this layer imports no integration.
 """
 
 from __future__ import annotations
@@ -23,13 +15,11 @@ __all__ = ["FrameworkWatcher", "add_watcher", "built", "check_start"]
 
 
 class FrameworkWatcher(Protocol):
-    """What a framework integration watches (see the module doc)."""
+    """What a framework integration watches (see the module doc); ``built`` must be cheap."""
 
-    def built(self) -> None:
-        """A detdata loader or sampler was built (cheap: called for every one)."""
+    def built(self) -> None: ...
 
-    def check_start(self, loader: object) -> None:
-        """A `detdata.DataLoader` at position 0 starts an iteration; raise to refuse it."""
+    def check_start(self, loader: object) -> None: ...
 
 
 _WATCHERS: list[FrameworkWatcher] = []

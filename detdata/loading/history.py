@@ -1,22 +1,14 @@
 """A run's batch history: which schedule and layout held from which step (the loader state's
-``history``).
+``history``), the checked fields changed at resumes (`Change`), and its seal (`seal`).
 
-Each `Entry` records where a layout began (``position``, possibly inside a step), the step
-``step`` its ``schedule`` is in effect from, and the layout (world size, micro batch). A
-deliberate global-batch change at a resume adds an entry whose schedule takes effect at the
-start of the step the saved position falls in (a step boundary, or inside the step being
-accumulated, which the new batch then completes); a layout change adds an entry at the resume
-position. Entries only ever append, so the steps and positions of everything before a change
-stay as they were. The step <-> position map (`Plan.step_map`) follows the schedules.
-
-Every checked field a resume changes by name (``allow=``) adds a `Change` entry to the same
-history: ``{"field", "position", "step", "old", "new"}`` (the saved position, the step it falls
-in, the field's value before and after). The history is sealed (`seal`): a state whose history
-does not hash to its ``history_b3`` was edited, and is refused naming ``history``.
+Entries only ever append, so the steps and positions of everything before a change stay as
+they were; the step <-> position map (`Plan.step_map`) follows the schedules. The rules:
+docs/design.md, "Batch-size schedules and elastic resume".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Mapping, Sequence
@@ -43,6 +35,17 @@ K_SEAL: Final = "history_b3"
 K_WEIGHTS: Final = "mixture_weights"
 _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
+
+
+def _checked_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
+    """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "positive" if minimum else "non-negative"
+        raise StateError(
+            f"{where}.{key} must be a {kind} integer, found {value!r}", fields=(K_HISTORY,)
+        )
+    return value
 
 
 def seal(history: object) -> str:
@@ -79,17 +82,10 @@ class Change:
                 f"a field name, found {doc!r:.120}",
                 fields=(K_HISTORY,),
             )
-        for key in (K_POSITION, K_STEP):
-            value = doc[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateError(
-                    f"{where}.{key} must be a non-negative integer, found {value!r}",
-                    fields=(K_HISTORY,),
-                )
         return cls(
             field=doc[K_FIELD],
-            position=doc[K_POSITION],
-            step=doc[K_STEP],
+            position=_checked_int(doc, K_POSITION, where),
+            step=_checked_int(doc, K_STEP, where),
             old=doc[K_OLD],
             new=doc[K_NEW],
         )
@@ -128,30 +124,20 @@ class Entry:
                 f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}",
                 fields=(K_HISTORY,),
             )
-        ints: dict[str, int | None] = {}
-        for key in (K_POSITION, K_STEP, K_WORLD, K_MICRO):
-            value = doc[key]
-            optional = key in (K_WORLD, K_MICRO)
-            if value is None and optional:
-                ints[key] = None
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < int(optional):
-                raise StateError(
-                    f"{where}.{key} must be a {'positive' if optional else 'non-negative'} "
-                    f"integer, found {value!r}",
-                    fields=(K_HISTORY,),
-                )
-            ints[key] = value
+        position, step = _checked_int(doc, K_POSITION, where), _checked_int(doc, K_STEP, where)
+        world, micro = (
+            None if doc[k] is None else _checked_int(doc, k, where, 1) for k in (K_WORLD, K_MICRO)
+        )
         try:
             schedule = BatchSchedule.from_json(doc[K_BATCH])
         except ConfigError as exc:
             raise StateError(f"{where}.{K_BATCH}: {exc}", fields=(K_HISTORY,)) from None
         return cls(
-            position=int(ints[K_POSITION] or 0),  # checked above: never None
-            step=int(ints[K_STEP] or 0),
+            position=position,
+            step=step,
             schedule=schedule,
-            world_size=ints[K_WORLD],
-            micro_batch_size=ints[K_MICRO],
+            world_size=world,
+            micro_batch_size=micro,
         )
 
 
@@ -200,19 +186,21 @@ class Plan:
         """One constant global batch for the whole run."""
         return len(_segments(self.entries)) == 1 and self.schedule.is_constant
 
-    # ----------------------------------------------------------- changes
     def with_layout(self, position: int, layout: Layout) -> Plan:
         """The same schedule with ``layout`` from ``position`` on."""
         last = self.entries[-1]
         if (last.world_size, last.micro_batch_size) == (layout.world_size, layout.micro_batch_size):
             return self
-        if position == last.position:  # nothing was delivered with the last entry's layout
-            entry = _entry(position, last.step, last.schedule, layout)
-            return Plan((*self.entries[:-1], entry), self.changes)
-        return Plan(
-            (*self.entries, _entry(position, self.step_of(position), last.schedule, layout)),
-            self.changes,
-        )
+        # at the last entry's position nothing was delivered with its layout: it is replaced
+        step = last.step if position == last.position else self.step_of(position)
+        return self._with_entry(_entry(position, step, last.schedule, layout))
+
+    def _with_entry(self, entry: Entry) -> Plan:
+        """``entry`` appended, or in place of the last entry when it starts where that one does."""
+        last = self.entries[-1]
+        same = (entry.position, entry.step) == (last.position, last.step)
+        kept = self.entries[:-1] if same else self.entries
+        return Plan((*kept, entry), self.changes)
 
     def with_change(self, field: str, position: int, old: Any, new: Any) -> Plan:
         """``field`` changed from ``old`` to ``new`` at the resume position ``position``."""
@@ -263,11 +251,7 @@ class Plan:
                 "hint: save the state at a step boundary before changing the global batch",
                 fields=(K_BATCH,),
             )
-        entry = _entry(position, step, schedule, layout)
-        last = self.entries[-1]
-        if position == last.position and step == last.step:
-            return Plan((*self.entries[:-1], entry), self.changes)
-        return Plan((*self.entries, entry), self.changes)
+        return self._with_entry(_entry(position, step, schedule, layout))
 
     def rewound_to(self, position: int) -> Plan:
         """The history as a run that stopped at ``position`` (the first position of the step
@@ -292,19 +276,11 @@ class Plan:
         later = [e for e in self.entries if e.position > position]
         if not later:
             return self
-        last = later[-1]
-        moved = Entry(
-            position=position,
-            step=last.step,
-            schedule=last.schedule,
-            world_size=last.world_size,
-            micro_batch_size=last.micro_batch_size,
-        )
-        if keep and keep[-1].position == position and keep[-1].step == last.step:
+        moved = dataclasses.replace(later[-1], position=position)
+        if keep and keep[-1].position == position and keep[-1].step == moved.step:
             keep = keep[:-1]
         return Plan((*keep, moved), self.changes)
 
-    # ---------------------------------------------------------- checks
     def check_continues(self, layout: Layout, position: int) -> None:
         """``layout`` can continue at ``position``: a micro-step boundary of its step
         (`StateError`), and every global batch from there on divides into its micro steps
@@ -348,7 +324,6 @@ class Plan:
                 f"total_samples={start} or {start + self.batch_of(step)}"
             )
 
-    # ------------------------------------------------------------ JSON
     def to_json(self) -> list[dict[str, Any]]:
         """Layout entries and changes in one list, by position (a change after the layout
         entries at its position)."""
@@ -442,21 +417,13 @@ def _entry(position: int, step: int, schedule: BatchSchedule, layout: Layout) ->
 
 
 def upgraded_history(global_batch: object, layout: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The history of a state written before histories existed: one entry from position 0."""
-
-    def plain(value: object) -> int | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        return value if ok else None  # type: ignore[return-value]
-
-    return [
-        {
-            K_POSITION: 0,
-            K_STEP: 0,
-            K_BATCH: global_batch,
-            K_WORLD: plain(layout.get(K_WORLD)),
-            K_MICRO: plain(layout.get(K_MICRO)),
-        }
-    ]
+    """The history of a state written before histories existed: one entry from position 0
+    (a layout value that is not a positive int is None)."""
+    sizes = {
+        k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        for k, v in ((K_WORLD, layout.get(K_WORLD)), (K_MICRO, layout.get(K_MICRO)))
+    }
+    return [{K_POSITION: 0, K_STEP: 0, K_BATCH: global_batch, **sizes}]
 
 
 def as_schedule(value: object) -> BatchSchedule:

@@ -1,10 +1,6 @@
-"""Where two stream identities differ: the first differing field, named by its path.
-
-A refused resume names the checked field (``data``: the digest of the stream identity);
-`first_difference` adds which nested field of the identity differs (for example
-``stream.documents.tokenizer.model_b3`` for another merge of a tokenizer, or
-``stream.documents.tokenizer.eos``), so the message says what changed, not only that
-something did. Values are shown redacted (`detdata.base.redact.redact_value`).
+"""Where two stream identities differ: the first differing field, named by its path (for
+example ``stream.documents.tokenizer.model_b3``), so a refused resume says what changed.
+Values are shown redacted (`detdata.base.redact.redact_value`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Per-step model digests: the optional half of the ``replay-check`` protocol.
-
-A training script calls `report_model_step` once per global step (after the optimizer step);
-it prints one line ``detdata-model step=<t> b3:<hex>`` on stdout, the blake3 of the model's
-``state_dict`` (parameters and buffers, by name: name, dtype, shape and bytes of each).
-``detdata replay-check`` reads these lines from each run and names the first step where two
-runs' models differ, so a fault outside the data (an optimizer or scheduler not restored,
-a dropout generator reset at a resume, another reduction order) gets its step, not only a
-different final weight digest.
+"""Per-step model digests: the optional half of the ``replay-check`` protocol (README, "Your
+own script"): `report_model_step` prints ``detdata-model step=<t> b3:<hex>`` per global step
+and ``detdata replay-check`` names the first step where two runs' models differ.
 """
 
 from __future__ import annotations
@@ -50,12 +44,8 @@ def model_digest(model: Any) -> str:
 
 
 def report_model_step(step: int, model: Any, *, file: TextIO | None = None) -> str:
-    """Print ``detdata-model step=<step> b3:<hex>`` (one line, flushed) and return the digest.
-
-    One line of glue in a training loop, after ``optimizer.step()`` of global step ``step``::
-
-        detdata.report_model_step(step, model)
-    """
+    """Print ``detdata-model step=<step> b3:<hex>`` (one line, flushed) and return the digest;
+    call it after ``optimizer.step()`` of global step ``step``."""
     step = check_count(step, "step", minimum=0)
     digest = model_digest(model)
     out = sys.stdout if file is None else file
@@ -66,9 +56,5 @@ def report_model_step(step: int, model: Any, *, file: TextIO | None = None) -> s
 def parse_model_steps(stdout: str) -> dict[int, str]:
     """step -> digest of every `report_model_step` line in ``stdout`` (a later line for a step
     replaces an earlier one: a resumed process repeats the steps after its checkpoint)."""
-    found: dict[int, str] = {}
-    for line in stdout.splitlines():
-        match = LINE.match(line)
-        if match:
-            found[int(match.group(1))] = match.group(2)
-    return found
+    matches = (LINE.match(line) for line in stdout.splitlines())
+    return {int(m.group(1)): m.group(2) for m in matches if m}

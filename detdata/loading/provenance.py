@@ -1,33 +1,10 @@
 """Provenance: every sample of a global step, down to its shard file and byte range.
 
-`provenance(stream, positions, ...)` describes each position: rank, micro step
-and row in that rank's micro batch, source (None for one dataset, else the
-mixture's source name), sample id, and where the bytes live:
-
-* `TokenWindows`: ``shard`` (manifest-relative path), ``url`` (its full path or URL),
-  ``tokens`` ``[start, end)`` (token indices in the shard, the label token included)
-  and ``bytes`` ``[start, end)`` (in the shard file, header included: ``dd`` can
-  read them);
-* `TableRows`: ``shard``, ``url``, ``rows`` ``[row, row + 1)`` in the shard and its
-  ``row_group``;
-* any dataset whose ``provenance(ids)`` (`DatasetInfo`, `detdata.datasets.capabilities`)
-  gives a list of dicts: those dicts; other datasets: none. Packed
-  windows (`PackedWindows`) and `Documents` have none yet: their records carry id and
-  digest only, no shard or range;
-
-plus ``digest``: the blake3 (`sample_digest`) of the sample exactly as the stream
-delivers it (before a loader ``transform``/``collate_fn``), and, through an
-`Excluded` stream, ``replaced`` (the excluded id and the number of draws), and, over a
-`Mixture` (or an `Excluded` over one), ``mixture_weights``: the exact proportions
-``{source: "p/q"}`` in force at the position (weights changed during the run included).
-``decode`` (a callable taking the sample as a dict of column -> array) adds its
-result as ``text``.
-
-Positions of a step: ``[start(step), start(step + 1))`` from the loader's step map
-(`DataLoader.position_of_step`: right under batch schedules and batch changes at a
-resume). Within a step, position ``c + q``
-is row ``q % m`` of micro step ``q // (m * D)`` on rank ``(q // m) % D``
-(docs/design.md section 4).
+`provenance` gives a `SampleRecord` per position (rank, micro step, row, source, sample id,
+``digest``, location; fields and their meaning: docs/design.md, "Provenance, exclusions, run
+record"); `positions_seen` is the reverse (every position a sample was delivered at).
+Within a step from ``c``, position ``c + q`` is row ``q % m`` of micro step ``q // (m * D)``
+on rank ``(q // m) % D`` (docs/design.md section 4).
 """
 
 from __future__ import annotations
@@ -66,7 +43,9 @@ Decode = Callable[[Mapping[str, Any]], Any]
 
 @dataclass(frozen=True, kw_only=True)
 class SampleRecord:
-    """Where one delivered sample came from (see the module docstring for each field)."""
+    """Where one delivered sample came from: ``location`` is `locations`'s, ``replaced`` set
+    through an `Excluded` stream, ``mixture_weights`` over a `Mixture` (``{source: "p/q"}`` in
+    force at the position), ``text`` the ``decode`` of the sample."""
 
     position: int
     step: int
@@ -179,10 +158,10 @@ def _table_locations(ds: TableRows, ids: IntArray) -> list[dict[str, Any]]:
 
 
 def locations(dataset: Any, ids: IntArray) -> list[dict[str, Any]]:
-    """Shard-level location of each id of ``dataset``: `TokenWindows` and `TableRows` are
-    located here, any other dataset by its ``provenance(ids)`` (`DatasetInfo`); without it
-    (None), the documented default: an empty dict per id (the record carries id and digest
-    only)."""
+    """Shard-level location of each id of ``dataset``: `TokenWindows` (shard, url, ``tokens``
+    and ``bytes`` ranges, header included) and `TableRows` (shard, url, ``rows``,
+    ``row_group``) here, any other dataset by its ``provenance(ids)`` (`DatasetInfo`), else an
+    empty dict per id."""
     if isinstance(dataset, TokenWindows):
         return _token_locations(dataset, ids)
     if isinstance(dataset, TableRows):
@@ -276,14 +255,10 @@ def _weights_in_force(stream: Any, pos: IntArray) -> list[dict[str, str] | None]
     return out
 
 
-# ------------------------------------------------------------------ the reverse
 def positions_seen(stream: Any, source: str | None, sample_id: int, *, until: int) -> IntArray:
     """Every global position ``< until`` at which ``stream`` delivers sample ``sample_id`` of
     ``source`` (None for a single-dataset stream), ascending, by inverting the order per
-    epoch (`detdata.order.inverse`): O(1) per epoch for an `OrderedStream`, O(log until)
-    `Mixture.consumed` calls per epoch of the source for a `Mixture`. Through an `Excluded`
-    stream, positions where the sample is excluded are dropped and positions where it is
-    drawn as a replacement are added (O(entries x epochs))."""
+    epoch (`detdata.order.inverse`; costs: docs/design.md, "Reverse lookup")."""
     hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
     if isinstance(stream, Excluded):
         return _seen_excluded(stream, source, sample_id, hi)

@@ -1,57 +1,10 @@
 """The run record: everything outside the data cursor that a resume must match (issue 15).
 
-`RunRecord.capture` is taken at step 0 and saved with every checkpoint; before a resume the
-record captured then is checked against the saved one with `RunRecord.verify`, which refuses
-every difference not allowed by name. The record is plain JSON (``format_version``
-`RECORD_VERSION`): JSON-plain types, keys named by the ``K_*`` constants below.
-
-What it holds (the checked field names, as ``allow=`` takes them, in brackets):
-
-* code: the git revision [``revision``] and whether the tree is dirty [``dirty``] (tracked
-  files modified or staged: ``git status --porcelain --untracked-files=no``, as
-  ``git describe --dirty`` counts; untracked files are not counted), or None with a note
-  outside a git repository (or without git);
-* blake3 of lock files [``lock_files``]: given paths, or by default `DEFAULT_LOCK_FILES` that
-  exist at the repository root;
-* installed packages [``packages``]: every ``importlib.metadata`` distribution as
-  ``[normalised name (PEP 503), version in PEP 440 normal form]`` (``1.0RC1`` and ``1.0rc1``
-  record alike; a version PEP 440 cannot parse is kept as spelt), sorted and de-duplicated,
-  and the blake3 of its canonical JSON; a record saved before versions were normalised is read
-  with its list normalised and its digest recomputed (when the digest is its list's);
-* versions [``python``, ``torch``, ``cuda``, ``cudnn``, ``nccl``, ``driver``]: None where the
-  build or machine has none (a CPU build of torch has no CUDA, cuDNN or NCCL);
-* GPUs: names [``gpus``] and UUIDs [``gpu_uuids``] (torch device properties; the UUIDs
-  change whenever the job lands on other cards, so a resume on other nodes allows
-  ``gpu_uuids``);
-* numerics-changing environment variables [``env.NAME``, or ``env`` for all]:
-  `NUMERICS_ENV` in clear text, plus ``extra_env``, whose values are stored as their blake3
-  (``b3:...``: a token named there never lands in the record) unless named in ``clear_env``;
-  an unset variable is recorded as None;
-* the execution shape [``execution.NAME``, or ``execution``]: ``micro_batch``,
-  ``accumulation`` (global batch / (micro batch x world size)), ``workers``, ``worker_mode``
-  (from the loader state's layout) and ``precision`` (given: e.g. ``"bf16-mixed"``), each
-  overridable through ``execution=``;
-* determinism flags [``determinism.NAME``, or ``determinism``]: torch's deterministic
-  algorithms (and warn-only), cuDNN deterministic and benchmark, TF32 for matmul and cuDNN,
-  the float32 matmul precision, reduced-precision fp16/bf16 reductions;
-* the platform [``platform.NAME``, or ``platform``]: ``os``, ``kernel`` (release),
-  ``machine`` and ``libc``;
-* the container [``container.image``, ``container.image_digest``, or ``container``]: given,
-  else from the environment the job sets (`IMAGE_ENV`, `IMAGE_DIGEST_ENV`, first set wins:
-  ``DETDATA_IMAGE`` / ``DETDATA_IMAGE_DIGEST``, ``CONTAINER_IMAGE`` /
-  ``CONTAINER_IMAGE_DIGEST``, ``IMAGE`` / ``IMAGE_DIGEST``; put the digest there in the job
-  template: Kubernetes ``env:``, Slurm ``--export``, a Dockerfile ``ENV``), with ``source``
-  naming where it came from;
-* the parallel layout [``layout``]: ``world``, ``dp``, ``tp``, ``pp`` (given; by default
-  from torch.distributed when initialised, else 1);
-* the blake3 of the canonical JSON of the user's config [``config``];
-* data: manifest ids [``manifests``], seeds [``seeds``] and the loader's other checked fields
-  [``loader.data``, ``loader.algorithm``, ... or ``loader`` for all] from the loader state,
-  which is stored too (``data.loader_state``; its position is the loader's own business:
-  ``DataLoader.load_state_dict`` checks it, the record does not compare it).
-
-Format 2 added execution, determinism, platform and container; a format-1 record is read with
-those sections empty (each field then differs as absent: allow the groups by name).
+`RunRecord.capture` is taken at step 0 and saved with every checkpoint; before a resume a fresh
+capture is checked against the saved one with `RunRecord.verify`, which refuses every
+difference not allowed by name. Plain JSON (``format_version`` `RECORD_VERSION`; format 1 is
+read with the format-2 sections empty). Its sections, checked field names and choices:
+docs/design.md, "Run record and split".
 """
 
 from __future__ import annotations
@@ -136,7 +89,6 @@ class RunRecord:
 
     doc: Mapping[str, Any] = field(repr=False)
 
-    # -- capture --------------------------------------------------------------------------
     @classmethod
     def capture(
         cls,
@@ -157,21 +109,15 @@ class RunRecord:
     ) -> RunRecord:
         """Capture the record of this process (call it at step 0 and save it with checkpoints).
 
-        ``repo``: the code's directory (default: the current directory). A dirty tree raises
-        `ConfigError` naming how many files are modified unless ``allow_dirty``. ``lock_files``:
-        paths to hash (relative ones under the repository root); default `DEFAULT_LOCK_FILES`
-        found there. ``layout``: ``{"world", "dp", "tp", "pp"}`` (missing keys: world from
-        torch.distributed when initialised, else 1; dp = world / (tp * pp); tp, pp = 1).
-        ``config``: any JSON-plain mapping; its canonical JSON is hashed. ``loader``: a
-        `DataLoader` (its ``state_dict()``) or a saved loader state mapping; ``manifests``:
-        more `Manifest` objects or ``b3:`` ids; ``seeds``: more named seeds. ``extra_env``:
-        more variables, recorded by the blake3 of their values unless also in ``clear_env``.
-        ``execution``: keys of `EXECUTION_KEYS` (override what the loader state gives).
-        ``image`` / ``image_digest``: the container (default: `IMAGE_ENV` / `IMAGE_DIGEST_ENV`).
-
-        When git cannot say whether the tree is dirty (not a repository, git missing, or git
-        refusing the checkout: "dubious ownership"), capture refuses unless ``allow_dirty``;
-        the record's ``code.note`` says why (git's own words).
+        ``repo``: the code's directory (default: the current directory). A dirty tree, or one
+        git cannot tell (``code.note`` says why), raises `ConfigError` unless ``allow_dirty``.
+        ``lock_files``: paths to hash (relative ones under the repository root; default
+        `DEFAULT_LOCK_FILES` found there). ``layout``: ``{"world", "dp", "tp", "pp"}``
+        (`layout_section` fills missing keys). ``config``: a JSON-plain mapping, hashed.
+        ``loader``: a `DataLoader` or a saved loader state; ``manifests``, ``seeds``: more
+        manifests (or ``b3:`` ids) and named seeds. ``extra_env``: more variables, stored as
+        blake3 unless also in ``clear_env``. ``execution``: keys of `EXECUTION_KEYS`.
+        ``image`` / ``image_digest``: default `IMAGE_ENV` / `IMAGE_DIGEST_ENV`.
         """
         where = Path(repo if repo is not None else os.getcwd())
         code = code_section(where)
@@ -195,7 +141,7 @@ class RunRecord:
             K_LOCKS: lock_hashes(where, code.get("toplevel"), lock_files),
             K_PACKAGES: packages_section(installed_packages()),
             K_VERSIONS: library_versions(),
-            K_GPUS: [],
+            K_GPUS: gpus(),
             K_ENV: env_section(env_names(extra_env), env_names(clear_env, "clear_env")),
             K_LAYOUT: layout_section(layout),
             K_CONFIG: None if config is None else digest_bytes(canonical_json(dict(config))),
@@ -206,14 +152,11 @@ class RunRecord:
         }
         doc[K_EXECUTION] = execution_section(doc[K_DATA][K_LOADER_STATE], execution)
         code.pop("toplevel", None)
-        doc[K_GPUS] = gpus()
         return cls(doc=redact_value(plain(doc)))  # the redaction boundary: no secret kept
 
-    # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-plain dict (a deep copy)."""
-        copy: dict[str, Any] = json.loads(json.dumps(self.doc))
-        return copy
+        return dict(json.loads(json.dumps(self.doc)))
 
     @classmethod
     def from_json(cls, doc: object, *, where: str = "run record") -> RunRecord:
@@ -260,7 +203,6 @@ class RunRecord:
         """Read a record `save` wrote."""
         return cls.from_json(Path(path).read_text(encoding="utf-8"), where=f"run record {path}")
 
-    # -- checks ---------------------------------------------------------------------------
     def fields(self) -> dict[str, Any]:
         """The checked fields, flat: name -> value (what `verify` compares)."""
         d = self.doc
@@ -335,14 +277,10 @@ class RunRecord:
 
     def _describe(self, name: str, saved: RunRecord) -> str:
         if name == K_PACKAGES:
-            return f"{name}: {_package_changes(saved.doc[K_PACKAGES][K_LIST], self._packages)}"
+            changes = _package_changes(saved.doc[K_PACKAGES][K_LIST], self.doc[K_PACKAGES][K_LIST])
+            return f"{name}: {changes}"
         then, now = saved.fields().get(name), self.fields().get(name)
         return f"{name}: saved {_short(then)}, now {_short(now)}"
-
-    @property
-    def _packages(self) -> list[list[str]]:
-        packages: list[list[str]] = self.doc[K_PACKAGES][K_LIST]
-        return packages
 
 
 def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -357,7 +295,6 @@ def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
     return packages_section(package_list((name, version) for name, version in pairs))
 
 
-# -- verify helpers -----------------------------------------------------------------------
 def _check_allow(allow: Iterable[str], option: str = "allow=") -> frozenset[str]:
     if isinstance(allow, (str, bytes)):
         raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")

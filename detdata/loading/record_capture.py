@@ -84,7 +84,6 @@ _VERSION: Final = re.compile(
 _PRE_LETTERS: Final = {"alpha": "a", "beta": "b", "c": "rc", "pre": "rc", "preview": "rc"}
 
 
-# -- code ---------------------------------------------------------------------------------
 def _git(where: Path, *args: str) -> tuple[str | None, str]:
     """(stdout, or None when git failed; git's stderr or why it could not run)."""
     try:
@@ -163,7 +162,6 @@ def lock_hashes(
     return out
 
 
-# -- software and machine -------------------------------------------------------------------
 def normalise_name(name: str) -> str:
     """PEP 503 normalised distribution name."""
     return _NAME_RUN.sub("-", name).lower()
@@ -209,12 +207,10 @@ def package_list(pairs: Iterable[tuple[str, str]]) -> list[list[str]]:
 
 def installed_packages() -> list[list[str]]:
     """`package_list` of every installed distribution (``importlib.metadata``)."""
-    pairs = []
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] if dist.metadata is not None else None
-        if name:
-            pairs.append((str(name), str(dist.version)))
-    return package_list(pairs)
+    dists = [d for d in importlib.metadata.distributions() if d.metadata is not None]
+    return package_list(
+        (str(d.metadata["Name"]), str(d.version)) for d in dists if d.metadata["Name"]
+    )
 
 
 def packages_section(packages: list[list[str]]) -> dict[str, Any]:
@@ -322,7 +318,6 @@ def container_section(image: str | None, digest: str | None) -> dict[str, str | 
     return out
 
 
-# -- the run ---------------------------------------------------------------------------------
 def layout_section(given: Mapping[str, int] | None) -> dict[str, int]:
     """``{"world", "dp", "tp", "pp"}``: given keys, world from torch.distributed (else 1),
     tp = pp = 1 and dp = world / (tp * pp) by default."""

@@ -1,15 +1,6 @@
 """Mixture weights that change during a run (`DataLoader.set_mixture_weights`, a
-`MixtureController`), replayed exactly (docs/design.md).
-
-A change takes effect at the first position of the next global step (`effect_position`),
-never inside one: the stream in force becomes the mixture with a new phase there
-(`Reweights.with_mixture_weights`), so every earlier position keeps its sample and each
-source continues its own stream. Every rank must ask for the same weights at the same step:
-`agree_across_ranks` compares them through the process group before the step starts and
-stops every rank with an error naming the ranks that differ. The change is appended to the
-state's sealed history (`Plan.with_weights`: position, step, old and new proportions), and
-a resume replays the recorded trajectory (`replay`) before continuing, so a run resumed
-from any state needs no controller to deliver the same samples.
+`MixtureController`), replayed exactly at a resume (`replay`): docs/design.md section 3,
+"Weights changed during a run".
 """
 
 from __future__ import annotations
@@ -28,14 +19,10 @@ from detdata.order.mixing import rational
 
 @runtime_checkable
 class MixtureController(Protocol):
-    """Decides the mixture weights of each global step (a loss-driven controller, a
-    curriculum, a hot-reloaded weight file).
-
-    The loader asks ``mixture_weights(step)`` once before the first micro batch of every
-    global step it delivers (on every rank); a mapping of every source name to a weight
-    puts those weights in force from that step's first position (as
-    `DataLoader.set_mixture_weights` would), None keeps the weights in force. Every rank
-    must answer the same for the same step (checked through the process group)."""
+    """Decides the mixture weights of each global step: the loader asks
+    ``mixture_weights(step)`` before the first micro batch of every global step, on every rank
+    (which must answer alike); weights of every source take effect from that step's first
+    position (as `DataLoader.set_mixture_weights`), None keeps those in force."""
 
     def mixture_weights(self, step: int) -> Mapping[str, Any] | None: ...
 
@@ -97,10 +84,7 @@ def agree_across_ranks(step: int, position: int, weights: Mapping[str, str]) -> 
 
 def recorded(plan: Plan) -> list[tuple[int, dict[str, str]]]:
     """The weight changes of ``plan``'s history as ``(position, {name: "p/q"})``, in order."""
-    out = []
-    for change in plan.weight_changes():
-        out.append((change.position, _weights_of(change)))
-    return out
+    return [(change.position, _weights_of(change)) for change in plan.weight_changes()]
 
 
 def _weights_of(change: Change) -> dict[str, str]:

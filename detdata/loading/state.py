@@ -1,16 +1,8 @@
 """Loader state: one JSON object, versioned, compared field by field on resume.
 
-The state counts samples *delivered* to the caller (global, all ranks), never
-what was read or copied ahead. Checked fields must match on resume unless allowed by name;
-layout and environment are informational. ``exclusions`` (format 3) is the exclusion
-history of an `Excluded` stream, checked apart from ``data``. ``history`` (format 3) lists the
-run's batch schedules and layouts with the step and position each began at
-(`detdata.loading.history`); the step <-> position map follows it. Format 4 adds to it one
-change entry per checked field a resume changed by name (field, position, step, old and new
-value) and seals it (``history_b3``): a history that is edited, or whose changes do not lead
-to the saved fields, is refused naming ``history``. Format 5 adds ``attestation``: the digests
-of the samples just before the save point, re-derived at a resume (`detdata.loading.attest`;
-empty: nothing delivered yet, attestation off, or a state of an older format, resumed without).
+It counts samples *delivered* to the caller (global, all ranks). Checked fields must match on
+resume unless allowed by name; layout and environment are informational. The fields and
+formats 1 to 5: docs/design.md section 5 and "Batch-size schedules and elastic resume".
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, r
 from detdata.order.batches import BatchSchedule
 
 STATE_VERSION: Final = 5
-#: Older versions this detdata still reads (fields added since are derived: see `_upgrade_v1`,
-#: `_upgrade_v2`, `_upgrade_v3`, `_upgrade_v4`).
+#: Versions this detdata reads (an older one is upgraded: `_UPGRADES`).
 READABLE_VERSIONS: Final = (1, 2, 3, 4, 5)
 K_VERSION: Final = "format_version"
 K_KIND: Final = "kind"
@@ -56,13 +47,7 @@ K_ENV: Final = "environment"
 K_EXCLUSIONS: Final = FIELD  # "exclusions": `detdata.datasets.exclusions` raises with it
 K_ATTESTATION: Final = "attestation"  # `detdata.loading.attest.Attestation` (format 5)
 
-#: Fields that must match on resume unless named in ``allow=``.
-#: ``seed`` is the loader's own seed (per-sample transform randomness, and the order of a plain
-#: dataset the loader wraps itself); ``stream_seed`` is the seed of a stream handed to the
-#: loader (a `Mixture`'s or an `OrderedStream`'s own), None when the loader ordered the dataset.
-#: ``transform`` names what user code does to samples (see `transform_identity`).
-#: ``exclusions`` is the exclusion history of an `Excluded` stream (None: nothing excluded),
-#: checked apart from ``data`` so that adding lists at a resume is allowed by its own name.
+#: Fields that must match on resume unless named in ``allow=`` (docs/design.md section 5).
 CHECKED_FIELDS: Final = (
     K_MANIFESTS,
     K_DATA,
@@ -121,14 +106,11 @@ def identity_fields(
 ) -> dict[str, Any]:
     """The checked fields derived from a stream identity and the loader's own inputs.
 
-    Every input that can change a delivered byte lands in exactly one field:
-    nested parameters (dataset parameters, source identities, nested seeds) in
-    ``data``; the top-level seed in ``seed`` (loader-wrapped dataset) or
-    ``stream_seed`` (a stream the caller built), so each is allowed by its own name.
-    ``global_batch`` is the batch schedule's identity (`BatchSchedule.to_json`: the global
-    batch itself when constant). An `Excluded` wrapper's rule, seed and history go to
-    ``exclusions``, and ``data``/``mixture`` are those of the stream it wraps
-    (`detdata.datasets.exclusions.split_identity`).
+    Every input that can change a delivered byte lands in exactly one field, so each is
+    allowed by its own name: nested parameters in ``data``, the top-level seed in ``seed``
+    (loader-wrapped dataset) or ``stream_seed`` (a stream the caller built), an `Excluded`
+    wrapper's rule and history in ``exclusions`` (`split_identity`). ``global_batch`` is
+    the schedule's identity (`BatchSchedule.to_json`).
     """
     core, exclusions = split_identity(identity)
     data = {k: v for k, v in core.items() if k not in _TOP_LEVEL_VOLATILE}
@@ -263,16 +245,17 @@ class LoaderState:
         after the last micro batch was counted); anything else is a `StateError`.
         """
         if at_step is not None:
-            return self._at_step(at_step)
-        position = resume_position(self.step_position, self.samples_consumed, mid_step)
+            position = self._start_of(at_step)
+        else:
+            position = resume_position(self.step_position, self.samples_consumed, mid_step)
         if position == self.samples_consumed:
             return self
         history = tuple(self.plan.rewound_to(position).to_json())
         return dataclasses.replace(self, samples_consumed=position, history=history)
 
-    def _at_step(self, step: int) -> LoaderState:
+    def _start_of(self, step: int) -> int:
+        """The first position of the trainer's step ``step`` (logged when it re-delivers)."""
         here = self.step_position
-        plan = self.plan
         if not (step == here.step or (step == here.step - 1 and not here.inside)):
             raise StateError(
                 f"cannot resume at step {step}: the state was saved at samples_consumed "
@@ -282,35 +265,33 @@ class LoaderState:
                 "loader state was saved with",
                 fields=(K_CONSUMED,),
             )
-        position = plan.start_of(step)
-        if position == self.samples_consumed:
-            return self
-        log.warning(
-            "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole from "
-            "position %d (the state was saved at %d, %s)",
-            step,
-            position,
-            self.samples_consumed,
-            here.describe() if here.inside else "at the end of that step",
-        )
-        history = tuple(plan.rewound_to(position).to_json())
-        return dataclasses.replace(self, samples_consumed=position, history=history)
+        position = self.plan.start_of(step)
+        if position != self.samples_consumed:
+            log.warning(
+                "detdata: resuming at the trainer's optimizer step %d: re-delivering it whole "
+                "from position %d (the state was saved at %d, %s)",
+                step,
+                position,
+                self.samples_consumed,
+                here.describe() if here.inside else "at the end of that step",
+            )
+        return position
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        history = [dict(e) for e in self.history]
+        return {
             K_KIND: KIND,
             K_VERSION: STATE_VERSION,
             K_CONSUMED: self.samples_consumed,
+            **self.fields,
+            K_STREAM: dict(self.stream),
+            K_HISTORY: history,
+            K_SEAL: seal(history),
+            K_STEP_POSITION: self.step_position.to_json(),
+            K_LAYOUT: dict(self.layout),
+            K_ENV: dict(self.env),
+            K_ATTESTATION: Attestation.json_of(self.attestation),
         }
-        out.update(self.fields)
-        out[K_STREAM] = dict(self.stream)
-        out[K_HISTORY] = [dict(e) for e in self.history]
-        out[K_SEAL] = seal(out[K_HISTORY])
-        out[K_STEP_POSITION] = self.step_position.to_json()
-        out[K_LAYOUT] = dict(self.layout)
-        out[K_ENV] = dict(self.env)
-        out[K_ATTESTATION] = Attestation.json_of(self.attestation)
-        return out
 
     @classmethod
     def from_json(cls, state: object) -> LoaderState:
@@ -333,14 +314,9 @@ class LoaderState:
                 f"detdata reads {list(READABLE_VERSIONS)}; hint: upgrade detdata"
             )
         upgraded_from = None if state[K_VERSION] == STATE_VERSION else int(state[K_VERSION])
-        if state[K_VERSION] == 1:
-            state = _upgrade_v1(state)
-        if state[K_VERSION] == 2:
-            state = _upgrade_v2(state)
-        if state[K_VERSION] == 3:
-            state = _upgrade_v3(state)
-        if state[K_VERSION] == 4:
-            state = _upgrade_v4(state)
+        for version, upgrade in _UPGRADES:
+            if state[K_VERSION] == version:
+                state = {**upgrade(state), K_VERSION: version + 1}
         missing = [k for k in _REQUIRED if k not in state]
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
@@ -455,12 +431,8 @@ class LoaderState:
                 )
 
     def _check_consistent(self) -> None:
-        """The checked fields must be the ones derived from the saved ``stream`` identity.
-
-        A state whose fields disagree with its own stream was edited by hand or
-        corrupted; resuming from it (in particular continuing a mixture from
-        the saved schedule) would silently use the wrong history.
-        """
+        """The checked fields must be the ones derived from the saved ``stream`` identity (else
+        the state was edited: a resume would continue from a history it does not describe)."""
         try:
             derived = identity_fields(
                 self.stream,
@@ -492,15 +464,9 @@ class LoaderState:
     def _seed_mismatch(self) -> list[str]:
         """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped
         it."""
-        own = self.stream.get("seed")
-        expected = (
-            self.fields[K_SEED]
-            if self.fields[K_STREAM_SEED] is None
-            else self.fields[K_STREAM_SEED]
-        )
-        if own is None or _norm(own) == _norm(expected):
-            return []
-        return [K_STREAM_SEED]
+        own, stream_seed = self.stream.get("seed"), self.fields[K_STREAM_SEED]
+        expected = self.fields[K_SEED] if stream_seed is None else stream_seed
+        return [] if own is None or _norm(own) == _norm(expected) else [K_STREAM_SEED]
 
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
@@ -524,51 +490,41 @@ class LoaderState:
 
 
 def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A format-1 state in format 2: ``stream_seed`` derived from its stream, no transform recorded.
-
-    Format 1 checked only the loader's seed; a stream's own seed lived in the
-    saved ``stream`` identity alone, so it is recovered from there.
-    """
-    out = dict(state)
+    """Format 1 -> 2: ``stream_seed`` recovered from the saved stream identity (format 1
+    checked only the loader's seed), no transform recorded."""
     stream = state.get(K_STREAM)
     own = stream.get("seed") if isinstance(stream, Mapping) else None
-    out[K_STREAM_SEED] = None if own is None or _norm(own) == _norm(state.get(K_SEED)) else own
-    out[K_TRANSFORM] = None
-    out[K_VERSION] = 2
-    return out
+    same = own is None or _norm(own) == _norm(state.get(K_SEED))
+    return {**state, K_STREAM_SEED: None if same else own, K_TRANSFORM: None}
 
 
 def _upgrade_v2(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A format-2 state in format 3: a history of one entry (one global batch from position 0,
-    the saved layout), and the ``exclusions`` its stream identity holds (None: format 2
-    streams were never `Excluded`)."""
-    out = dict(state)
-    stream = state.get(K_STREAM)
-    out[K_EXCLUSIONS] = split_identity(stream)[1] if isinstance(stream, Mapping) else None
-    layout = state.get(K_LAYOUT)
-    out[K_HISTORY] = upgraded_history(
-        state.get(K_GLOBAL_BATCH), layout if isinstance(layout, Mapping) else {}
-    )
-    out[K_VERSION] = 3
-    return out
+    """Format 2 -> 3: a history of one entry (from position 0, the saved layout), and the
+    ``exclusions`` its stream identity holds (None: format 2 streams were never `Excluded`)."""
+    stream, layout = state.get(K_STREAM), state.get(K_LAYOUT)
+    return {
+        **state,
+        K_EXCLUSIONS: split_identity(stream)[1] if isinstance(stream, Mapping) else None,
+        K_HISTORY: upgraded_history(
+            state.get(K_GLOBAL_BATCH), layout if isinstance(layout, Mapping) else {}
+        ),
+    }
 
 
 def _upgrade_v3(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A format-3 state in format 4: its history (no change entries then) gets its seal."""
-    out = dict(state)
+    """Format 3 -> 4: its history (no change entries then) gets its seal."""
     history = state.get(K_HISTORY)
-    out[K_SEAL] = seal(history) if isinstance(history, list) else None
-    out[K_VERSION] = 4
-    return out
+    return {**state, K_SEAL: seal(history) if isinstance(history, list) else None}
 
 
 def _upgrade_v4(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A format-4 state in format 5: no attestation (its resume is not attested, said in the
-    log by `Cursor.load_state_dict`)."""
-    out = dict(state)
-    out[K_ATTESTATION] = Attestation.json_of(None)
-    out[K_VERSION] = STATE_VERSION
-    return out
+    """Format 4 -> 5: no attestation (the resume is not attested: `Cursor.load_state_dict`
+    logs it)."""
+    return {**state, K_ATTESTATION: Attestation.json_of(None)}
+
+
+#: ``(version, upgrade to version + 1)``, applied in order to a state of an older format.
+_UPGRADES: Final = ((1, _upgrade_v1), (2, _upgrade_v2), (3, _upgrade_v3), (4, _upgrade_v4))
 
 
 def _norm(value: Any) -> Any:

@@ -1,15 +1,9 @@
-"""Tokens delivered per source (`DataLoader.tokens_consumed`), as trainers log them.
+"""Tokens delivered per source (`DataLoader.tokens_consumed`), as trainers log them
+(docs/design.md, "Batch-size schedules and elastic resume").
 
-Counted on samples that reached the callers of all ranks (``samples_consumed``), per
-source of the stream's `HasOrigins` (`detdata.datasets.capabilities`): a single-dataset
-stream (`OrderedStream`) has one entry, keyed by its dataset's identity ``name`` (else its
-``type``); a `Mixture` one per source, from each source's consumed count at that position
-(`Mixture.consumed`, exact, O(phases + sources)); another stream over several sources is
-counted from its origins (O(position)). A source's tokens per sample is its
-``tokens_per_sample`` (`DatasetInfo`: `TokenWindows`, `PackedWindows` give the ``seq_len``
-input tokens of a window, not the extra label token); the padding of ``tail="pad"``
-windows is not counted. A stream or source without what it needs is a `CapabilityError`
-naming it.
+Counted on ``samples_consumed`` (all ranks): a `Mixture` per source from `Mixture.consumed`
+(exact, O(phases + sources)), another stream over several sources from its origins
+(O(position)). A stream or source without what it needs is a `CapabilityError` naming it.
 """
 
 from __future__ import annotations

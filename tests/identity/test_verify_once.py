@@ -165,14 +165,14 @@ def test_a_verdict_crosses_the_store_as_json_never_pickle(tmp_path: Path) -> Non
     detdata error class by name, its message and fields), and bytes that are not such JSON
     (a pickle that would run code) are an error, never run."""
     from detdata.base.errors import VerificationError
-    from detdata.identity import receipts
+    from detdata.identity.shared import dumps_verdict, loads_verdict
 
     sent = VerificationError("shard a.npy: blake3 differs", shard="a.npy", field="blake3")
-    got = receipts._loads(receipts._dumps(sent))
+    got = loads_verdict(dumps_verdict(sent))
     assert type(got) is VerificationError and str(got) == str(sent)
     assert (got.shard, got.field) == ("a.npy", "blake3")
-    assert receipts._loads(receipts._dumps(None)) is None
-    odd = receipts._loads(receipts._dumps(KeyError("x")))
+    assert loads_verdict(dumps_verdict(None)) is None
+    odd = loads_verdict(dumps_verdict(KeyError("x")))
     assert type(odd).__name__ == "DetdataError" and "KeyError" in str(odd)
     marker = tmp_path / "ran"
 
@@ -181,5 +181,5 @@ def test_a_verdict_crosses_the_store_as_json_never_pickle(tmp_path: Path) -> Non
             return (os.system, (f"touch {marker}",))
 
     with pytest.raises(ValueError):
-        receipts._loads(pickle.dumps(Payload()))
+        loads_verdict(pickle.dumps(Payload()))
     assert not marker.exists()

@@ -11,8 +11,6 @@ from typing import Any, Final
 from detdata.loading.trace.digests import SUM_MODULUS
 from detdata.loading.trace.read import Record
 
-# -------------------------------------------------------------- assembling
-
 
 def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Union of ``[start, end)`` intervals, sorted and merged."""
@@ -99,13 +97,8 @@ def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str |
     """Why the two sides of a block differ (None when they delivered the same samples)."""
     left, right = _spans(block.left), _spans(block.right)
     if left != right:
-        only_a = _minus(left, right)
-        only_b = _minus(right, left)
-        parts = [
-            f"positions {_text(s)} only in {side}"
-            for s, side in zip((only_a, only_b), sides, strict=True)
-            if s
-        ]
+        only = ((_minus(left, right), sides[0]), (_minus(right, left), sides[1]))
+        parts = [f"positions {_text(s)} only in {side}" for s, side in only if s]
         return "positions differ: " + "; ".join(parts)
     cols_a, sums_a, clash_a = _summed(block.left)
     cols_b, sums_b, clash_b = _summed(block.right)
@@ -116,15 +109,13 @@ def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str |
     changed = [name for name in sorted(sums_a) if sums_a[name] != sums_b[name]]
     if changed:
         batch = [n for n in changed if cols_a[n].startswith("batch:")]
-        hint = (
-            (
+        why = f"differs: batch_b3 of leaf {changed} at positions {_text(left)}"
+        if batch:
+            why += (
                 f" (leaves {batch} are batch-level values, not per sample: they depend on the "
                 "micro batch size)"
             )
-            if batch
-            else ""
-        )
-        return f"differs: batch_b3 of leaf {changed} at positions {_text(left)}{hint}"
+        return why
     return None
 
 
@@ -167,13 +158,7 @@ class Finding:
 
 
 #: the order in which findings of one step are reported (the first is the most telling)
-KIND_PRIORITY: Final = {
-    "conflict": 0,
-    "discontinuity": 1,
-    "overlap": 2,
-    "missing": 3,
-    "differs": 4,
-}
+KIND_PRIORITY: Final = {"conflict": 0, "discontinuity": 1, "overlap": 2, "missing": 3, "differs": 4}
 
 
 @dataclass
@@ -251,18 +236,15 @@ def _break_finding(label: str, prev: Record, rec: Record) -> Finding:
 
 
 def assemble(records: Sequence[Record], label: str = "A") -> Trace:
-    """Replay a trace's records in file order into its final records per step
-    (`detdata.loading.trace`).
+    """Replay a trace's records in file order into its final records per step.
 
-    Each rank's records form a timeline of what the run trained on, step after step. A
-    *restore* (a record flagged ``restored``) rolls the timeline back to the latest moment
-    the cursor was at its ``at`` (`_restore_point`; the superseded records are kept to
-    check that replayed positions carry the same bytes). A record that does not continue
-    the previous one without a restore is a *restart* (at 0) or a *discontinuity*: the
-    run's next step got other data, so it is reported at the step the run should have
-    delivered next, and nothing the rank delivered from there on (until a restore rolls
-    back before it) stands for a step: the first divergent step is the true one whatever
-    the lengths of the parts, and the steps before it compare as delivered."""
+    A *restore* (a record flagged ``restored``) rolls the rank's timeline back to
+    `_restore_point` (the superseded records are kept to check that replayed positions carry
+    the same bytes). A record that does not continue the previous one without a restore is a
+    *restart* (at 0) or a *discontinuity*, reported at the step the run should have delivered
+    next; nothing the rank delivered from there on (until a restore rolls back before it)
+    stands for a step, so the first divergent step is the true one whatever the lengths of the
+    parts."""
     timelines: dict[int, list[Record]] = {}
     jumps: dict[int, dict[int, Record]] = {}  # rank -> index in its timeline -> record before
     arrivals: dict[int, list[Record]] = {}  # each rank's records in file order
@@ -343,9 +325,6 @@ def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
     return out
 
 
-# ------------------------------------------------------------------ diffing
-
-
 @dataclass(frozen=True)
 class Comparison:
     """All differences between two traces (sorted: the first is the first divergence);
@@ -399,8 +378,9 @@ def compare(
     stop: int | None = None,
     labels: tuple[str, str] = ("A", "B"),
 ) -> Comparison:
-    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)``, first divergence
-    first; ``labels`` name the two runs in the reasons."""
+    """Differences between traces ``a`` and ``b`` in steps ``[start, stop)`` (each trace's own
+    conflicts and discontinuities included), first divergence first; ``labels`` name the two
+    runs in the reasons."""
     ta, tb = assemble(a, labels[0]), assemble(b, labels[1])
 
     def inside(step: int) -> bool:

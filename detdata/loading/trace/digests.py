@@ -144,21 +144,16 @@ def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
         )
 
 
-def leaf_digest(
-    leaf_name: str,
-    meta: str,
-    positions: npt.NDArray[np.int64],
-    rows: Sequence[Any] | np.ndarray | None,
-    blob: bytes = b"",
-) -> int:
+def _leaf_digest(leaf: _Leaf, positions: npt.NDArray[np.int64]) -> int:
     """The digest sum of one leaf over a micro batch (see `detdata.loading.trace`)."""
-    prefix = _TAG + leaf_name.encode() + b"\0" + meta.encode() + b"\0"
-    if rows is None:
+    prefix = _TAG + leaf.name.encode() + b"\0" + leaf.meta.encode() + b"\0"
+    if leaf.rows is None:
         return int.from_bytes(
-            blake3.blake3(prefix + positions.astype("<i8").tobytes() + blob).digest(), "little"
+            blake3.blake3(prefix + positions.astype("<i8").tobytes() + leaf.blob).digest(),
+            "little",
         )
     total = 0
-    for pos, row in zip(positions.tolist(), rows, strict=True):
+    for pos, row in zip(positions.tolist(), leaf.rows, strict=True):
         hasher = blake3.blake3(prefix + pos.to_bytes(8, "little", signed=True))
         hasher.update(row)
         total += int.from_bytes(hasher.digest(), "little")
@@ -178,7 +173,7 @@ def batch_digests(
                 "alike); hint: use distinct string keys"
             )
         cols[leaf.name] = leaf.meta
-        sums[leaf.name] = leaf_digest(leaf.name, leaf.meta, positions, leaf.rows, leaf.blob)
+        sums[leaf.name] = _leaf_digest(leaf, positions)
     return cols, sums
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.errors import ConfigError, StorageError
-from detdata.loading.trace.digests import TRACE_VERSION, batch_digests, position_runs
+from detdata.loading.trace.digests import batch_digests, position_runs
+from detdata.loading.trace.read import Record
 
 
 def _open_append(path: str) -> int:
@@ -52,17 +53,12 @@ class StepSpan:
 
 class TraceWriter:
     """Appends one record per delivered micro batch to a JSONL file (format:
-    `detdata.loading.trace`).
+    `detdata.loading.trace`); rank ``r > 0`` writes ``{path}.rank{r}``. Opening (when made)
+    raises `ConfigError` naming the path when it cannot (a directory, an unwritable place, a URL).
 
-    Rank ``r > 0`` writes ``{path}.rank{r}``. The constructor opens the file for
-    appending (creating parent folders) and raises `ConfigError` naming the path
-    when it cannot (a directory, an unwritable place, a URL).
-
-    Protocol for the loader: ``add(samples_consumed, positions, batch, span=...)`` for
-    each micro batch *before* it is counted and delivered (if it raises, nothing was
-    written: the batch must not be delivered); ``restore(samples_consumed)`` after
-    a state was loaded (``load_state_dict``); ``close()`` at the end. ``span`` (a
-    `StepSpan`) places the batch in the run's steps; without it the writer assumes one
+    The loader calls ``add`` for each micro batch *before* it is counted and delivered (if it
+    raises, nothing was written: the batch must not be delivered), ``restore`` after a state
+    was loaded and ``close`` at the end. Without a ``span`` (`StepSpan`), ``add`` assumes one
     constant ``global_batch_size`` and ``samples_per_micro_step`` (then both are needed).
     """
 
@@ -126,22 +122,21 @@ class TraceWriter:
                 f"trace {self.path!r}: a micro batch without positions cannot be recorded"
             )
         cols, sums = batch_digests(positions, batch)
-        record: dict[str, Any] = {
-            "v": TRACE_VERSION,
-            "rank": self.rank,
-            "step": where.step,
-            "step_at": where.start,
-            "gbs": where.size,
-            "micro": (at - where.start) // (where.next - at),
-            "at": at,
-            "next": where.next,
-            "pos": position_runs(positions),
-            "cols": cols,
-            "batch_b3": {k: f"{v:064x}" for k, v in sums.items()},
-        }
-        if self._restored:
-            record["restored"] = True
-        self._append((json.dumps(record, sort_keys=True) + "\n").encode())
+        record = Record(
+            where=self.path,
+            rank=self.rank,
+            step=where.step,
+            at=at,
+            next=where.next,
+            gbs=where.size,
+            runs=tuple((first, n) for first, n in position_runs(positions)),
+            cols=cols,
+            sums=sums,
+            restored=self._restored,
+            step_at=where.start,
+            micro=(at - where.start) // (where.next - at),
+        )
+        self._append((json.dumps(record.to_json(), sort_keys=True) + "\n").encode())
         self._restored = False
 
     def _append(self, line: bytes) -> None:
@@ -175,30 +170,25 @@ class TraceWriter:
 
 
 class RankTrace:
-    """A loader's trace: the `TraceWriter` of the rank it reads as now (``path`` None: no
-    trace). Opened when made (a path that cannot be written is a `ConfigError` then)."""
+    """A loader's trace: ``writer``, the `TraceWriter` of the rank it reads as now (``path``
+    None: no trace). Opened when made (a path that cannot be written is a `ConfigError` then)."""
 
     def __init__(self, path: str | os.PathLike[str] | None, rank: int) -> None:
         self._path = path
-        self._writer = None if path is None else TraceWriter(path, rank)
-
-    @property
-    def writer(self) -> TraceWriter | None:
-        """The writer of the current rank (None: no trace)."""
-        return self._writer
+        self.writer = None if path is None else TraceWriter(path, rank)
 
     def follow(self, rank: int) -> None:
         """The loader reads as ``rank`` now: a rank of its own writes its own file."""
-        if self._writer is not None and self._writer.rank != rank:
+        if self.writer is not None and self.writer.rank != rank:
             assert self._path is not None
-            self._writer.close()
-            self._writer = TraceWriter(self._path, rank)
+            self.writer.close()
+            self.writer = TraceWriter(self._path, rank)
 
     def restore(self, samples_consumed: int) -> None:
         """A state was loaded: the next record is flagged ``restored``."""
-        if self._writer is not None:
-            self._writer.restore(samples_consumed)
+        if self.writer is not None:
+            self.writer.restore(samples_consumed)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self.writer is not None:
+            self.writer.close()
