@@ -129,16 +129,13 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
         self.size = size
 
     def __iter__(self) -> Iterator[list[IntArray]]:
-        micro = self._micro_batches()
+        per = self.layout.samples_per_micro_step
+        steps: Iterator[int] = itertools.count(self.start // per)
+        if self.stop is not None:  # the micro steps that begin before ``stop``
+            steps = iter(range(self.start // per, -(-self.stop // per)))
+        micro = map(self.layout.positions, steps)
         while group := list(itertools.islice(micro, self.size)):
             yield group
-
-    def _micro_batches(self) -> Iterator[IntArray]:
-        per = self.layout.samples_per_micro_step
-        j = self.start // per
-        while self.stop is None or j * per < self.stop:
-            yield self.layout.positions(j)
-            j += 1
 
 
 class SlotSampler(tud.Sampler[SlotTask]):

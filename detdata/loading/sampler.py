@@ -333,15 +333,11 @@ class FrameworkBatchSampler:
             )
         self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
         self.seed = self._ids.seed
-        self._layout = Layout.create(global_batch_size, batch_size, 1, 0)
+        #: ids per item, one micro step of all processes together (a divisor of the global batch)
+        self.batch_size = Layout.create(global_batch_size, batch_size, 1, 0).micro_batch_size
         self.global_batch_size = check_count(global_batch_size, "global_batch_size")
         self.total_samples = _check_total(total_samples)
         frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
-
-    @property
-    def batch_size(self) -> int:
-        """Ids per item: one micro step of all processes together."""
-        return self._layout.micro_batch_size
 
     #: every item is a full micro step; positions come from detdata's layout, not a sampler
     drop_last: Final = True
