@@ -117,12 +117,10 @@ class Cursor:
         self._layout = placement.layout_at(0)
         self._plan = Plan.fresh(definition.schedule, self._layout)
         self._plan.check_settles(self._layout)
-        if total_samples is not None:
-            self._plan.check_step_end(total_samples)
-        self._total = total_samples
+        self._consumed = 0
+        self.set_total_samples(total_samples)
         self._saved_plan: Plan | None = None  # the history of the state loaded last, as saved
         self._stream = definition.stream
-        self._consumed = 0
         self._generation = 0
         self._superseded = ""  # what ended the iterators of earlier generations
         self._pending: Pending | None = None  # the loaded state's attestation, not yet passed

@@ -70,18 +70,15 @@ class _Ids:
         return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
 
 
-def _caller() -> FrameType | None:
-    """The frame of whoever called the ``__iter__`` that calls this (None if there is none)."""
+def _dealer(sampler: object) -> Any:
+    """The object that called ``iter(sampler)`` (the ``self`` of the frame that called the
+    ``__iter__`` calling this) if it deals the items to several processes (holds it as
+    ``.batch_sampler``, has ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else
+    None."""
     try:
-        return sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
     except ValueError:  # called from C with no Python frame below
-        return None
-
-
-def _dealer(frame: FrameType | None, sampler: object) -> Any:
-    """The object (the ``self`` of the calling frame) that called ``iter(sampler)`` if it
-    deals the items to several processes (holds it as ``.batch_sampler``, has
-    ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else None."""
+        frame = None
     owner = None if frame is None else frame.f_locals.get("self")
     processes = getattr(owner, "num_processes", None)
     if (
@@ -214,7 +211,7 @@ class DeterministicBatchSampler:
         """This rank's micro batches from ``samples_consumed`` on (rank and world size re-read
         here); `ConfigError` when the caller deals the items to several processes (accelerate's
         ``BatchSamplerShard``): they are this rank's slice already."""
-        dealer = _dealer(_caller(), self)
+        dealer = _dealer(self)
         self._bind(self.samples_consumed)  # counted with the layout they were yielded with
         if dealer is not None:
             raise ConfigError(
@@ -355,7 +352,7 @@ class FrameworkBatchSampler:
     def __iter__(self) -> Iterator[list[Any]]:
         """The run's items from its first; `ConfigError` at world size > 1 unless the caller
         splits each item among the processes."""
-        dealer = _dealer(_caller(), self)
+        dealer = _dealer(self)
         _, world = process_group_rank_world()
         if world > 1 and dealer is None:
             raise ConfigError(
