@@ -366,7 +366,7 @@ class Cursor:
                 plan.changes[-1].describe(),
             )
         if K_EXCLUSIONS in diffs:
-            resume.check_exclusions(self._stream, saved, failure)
+            resume.check_exclusions(self._stream, failure)
         if K_MIXTURE in diffs:
             resume.check_mixture_change(self.definition.data, saved, failure, diffs)
         self._stream = stream
