@@ -1,13 +1,8 @@
-"""The document index of raw text: where each document's text is and how many tokens it has.
+"""The text index of `TextDocuments`: where each document's text is and how many tokens it
+has (docs/design.md, "Raw text").
 
-`TextDocuments` (`detdata.datasets.text`) reads text shards (``jsonl``, or a string column
-of ``parquet`` / ``arrow`` / ``arrow_stream`` tables) and tokenises each document when it
-is read. Random access and packing need each document's token count before any window is
-read, so one pass tokenises the whole corpus once (`build_text_index`, in batches) and
-stores the *text index* (`ROWS` x ``N + 1`` int64, 40 bytes a document) under
-``index_dir`` like every derived index (`detdata.datasets.index_files`: content-addressed
-by the manifest id, the text field, the tokenizer's identity and the policies; built by
-one process of a job, the others load it):
+One pass tokenises the whole corpus (`build_text_index`, in batches) into `ROWS` x
+``N + 1`` int64, stored under ``index_dir`` (`detdata.datasets.index_files`):
 
 ====  ===============================================================================
 row   meaning (document ``d``; the last column closes the table)
@@ -19,16 +14,9 @@ row   meaning (document ``d``; the last column closes the table)
 4     JSONL: end byte of the line; tables: row within the row group
 ====  ===============================================================================
 
-What each line / row must hold (`document_text`), each failure a `FormatError` naming the
-shard, the line or row, and the field: valid UTF-8, one JSON object, the field present,
-its value a string; an empty string is an error unless ``empty="skip"`` (then the line is
-no document; the policy is part of the identity); with ``max_document_tokens``, a longer
-document is an error (None: any length, documents are split across windows by packing).
-
-A stored index is checked against the manifest before use (`check_text_index`: the shape,
-every shard's lines or rows, the counts in its record); the token counts themselves are
-checked each time a document is read (its tokens are counted again there), so a wrong
-count is an error naming the document, never a shifted window.
+Each line / row must be valid UTF-8 holding one JSON object whose field is a string
+(`document_text`), non-empty unless ``empty="skip"``, and within ``max_document_tokens``;
+else a `FormatError` naming the shard, the line or row, and the field.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ from __future__ import annotations
 import json
 import mmap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -67,11 +55,7 @@ class TextPolicy:
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON of the policy (part of the dataset's identity and the index key)."""
-        return {
-            "field": self.field,
-            "empty": self.empty,
-            "max_document_tokens": self.max_document_tokens,
-        }
+        return asdict(self)
 
 
 def check_policy(field: object, empty: object, max_document_tokens: object) -> TextPolicy:
@@ -187,8 +171,14 @@ class IndexBuilder:
         for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
             count = int(tokens.size)
             self._check_markers(shard, line, tokens)
-            if not count and self._skips_no_tokens(shard, line):
-                continue
+            if not count:
+                if self.policy.empty == "skip":
+                    continue
+                raise FormatError(
+                    f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no "
+                    "tokens (the text encodes to none, e.g. whitespace under a stripping "
+                    "normaliser); hint: remove it, or pass empty='skip' (recorded in the identity)"
+                )
             if bound is not None and count > bound:
                 raise FormatError(
                     f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
@@ -200,17 +190,6 @@ class IndexBuilder:
             ):
                 row.append(value)
             self.tokens += count
-
-    def _skips_no_tokens(self, shard: int, line: int) -> bool:
-        """True (skip it) for a document of no tokens under ``empty="skip"``; `FormatError`
-        naming it otherwise (e.g. whitespace under a stripping normaliser)."""
-        if self.policy.empty == "skip":
-            return True
-        raise FormatError(
-            f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no tokens "
-            "(the text encodes to none, e.g. whitespace under a stripping normaliser); hint: "
-            "remove it, or pass empty='skip' (recorded in the identity)"
-        )
 
     def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
         """`FormatError` when the document's text encodes to its own bos / eos id."""
@@ -244,10 +223,8 @@ def index_meta(manifest: Manifest, array: npt.NDArray[np.int64]) -> dict[str, An
 def check_text_index(
     manifest: Manifest, policy: TextPolicy, array: np.ndarray[Any, Any], meta: Mapping[str, Any]
 ) -> str | None:
-    """What is wrong with a stored text index and its record (None: nothing), from the
-    manifest: the shape, starts from 0 non-decreasing, shards in order, lines / rows
-    increasing within each shard and inside it (every one of them unless ``empty="skip"``),
-    and a record equal to `index_meta` of the array."""
+    """What is wrong with a stored text index and its record (None: nothing), checked
+    against the manifest (shape, order, every line or row in its shard) and `index_meta`."""
     if array.dtype != np.int64 or array.ndim != 2 or array.shape[0] != ROWS or array.shape[1] < 1:
         return f"array {array.dtype} of shape {array.shape}, expected int64 ({ROWS}, N + 1)"
     n = int(array.shape[1]) - 1
