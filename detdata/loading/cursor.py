@@ -39,7 +39,7 @@ from detdata.loading.state import (
     identity_fields,
     mismatch_message,
 )
-from detdata.loading.steps import MidStep, parse_mid_step
+from detdata.loading.steps import MidStep, StepPosition, parse_mid_step
 from detdata.loading.trace import StepSpan
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
@@ -173,11 +173,11 @@ class Cursor:
 
     def step_span(self) -> StepSpan:
         """Where the next micro batch lies in the run's steps (a trace record's step fields)."""
-        step = self._plan.step_of(self._consumed)
+        at = StepPosition.of(self._plan, self._consumed)
         return StepSpan(
-            step=step,
-            start=self._plan.start_of(step),
-            size=self._plan.batch_of(step),
+            step=at.step,
+            start=at.first_position,
+            size=at.global_batch_size,
             next=self._consumed + self._layout.samples_per_micro_step,
         )
 
