@@ -284,9 +284,8 @@ class DataLoader:
         if total is not None:
             return total // per
         stream = self._cursor.stream
-        if isinstance(stream, OrderedStream):
-            return self._cursor.whole_steps(int(stream.dataset.num_samples)) // per
-        return self._cursor.whole_steps(MAX_POSITION) // per
+        epoch = stream.dataset.num_samples if isinstance(stream, OrderedStream) else MAX_POSITION
+        return self._cursor.whole_steps(int(epoch)) // per
 
     def check_trainer_batch(
         self,
