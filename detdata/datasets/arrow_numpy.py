@@ -163,13 +163,17 @@ def _is_text(kind: pa.DataType) -> bool:
     )
 
 
+def _is_number(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    )
+
+
 def check_column_type(field: pa.Field, shard: str) -> None:
     kind = field.type
     if _is_list(kind):
         kind = kind.value_type
-        if not (
-            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-        ):
+        if not _is_number(kind):
             raise FormatError(
                 f"shard {shard} column {field.name!r}: lists of {kind} are not "
                 "supported (only lists of numbers/booleans); hint: drop it via columns="
@@ -181,13 +185,7 @@ def check_column_type(field: pa.Field, shard: str) -> None:
             "supported; hint: store it as integer columns (months, days, nanoseconds) "
             "or drop it via columns="
         )
-    if not (
-        pa.types.is_integer(kind)
-        or pa.types.is_floating(kind)
-        or pa.types.is_boolean(kind)
-        or pa.types.is_temporal(kind)
-        or _is_text(kind)
-    ):
+    if not (_is_number(kind) or pa.types.is_temporal(kind) or _is_text(kind)):
         raise FormatError(
             f"shard {shard} column {field.name!r}: type {kind} is not supported; "
             "hint: select other columns via columns="

@@ -138,14 +138,12 @@ def to_torch(batch: Any) -> Any:
     column as the module docstring's reference says (a numeric tensor shares memory with
     its array only if the array is writable); other kinds raise `ConfigError` naming the
     column. Mappings are converted per value; anything else is returned unchanged."""
-    if isinstance(batch, Mapping):
-        return {k: _convert(v, str(k)) for k, v in batch.items()}
-    return _convert(batch, "") if isinstance(batch, np.ndarray) else batch
+    return _convert(batch, "")
 
 
 def _convert(value: Any, name: str) -> Any:
     if isinstance(value, Mapping):
-        return {k: _convert(v, f"{name}.{k}") for k, v in value.items()}
+        return {k: _convert(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
     if not isinstance(value, np.ndarray):
         return value
     kind = value.dtype.kind
@@ -192,13 +190,10 @@ def _object_column(arr: Array, name: str) -> list[Any]:
         raise _refuse(name, found)
     if any(v is None for v in items):
         raise _refuse(name, "None (null list)")
-    dtype = items[0].dtype if items else np.dtype(np.int64)
+    dtype = items[0].dtype  # not empty: an empty column is "object"
     if dtype.kind not in _NUMERIC and dtype.kind not in _TEMPORAL:
         raise _refuse(name, found)
-    lengths = [len(v) for v in items]
-    if not items:
-        return []
     import torch
 
     flat = _tensor(np.concatenate(items))  # one new buffer: rows never alias the read's arrays
-    return list(torch.split(flat, lengths))
+    return list(torch.split(flat, [len(v) for v in items]))

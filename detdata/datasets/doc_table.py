@@ -64,9 +64,8 @@ class UnitPlanner:
     def units(self) -> list[Unit]:
         """The token spaces of the manifest in path order."""
         values, _ = self.manifest.codes("format")
-        if Format.MEGATRON_IDX.value in values:
-            return self._plan_pairs()
-        units = self._plan_singles()
+        pairs = Format.MEGATRON_IDX.value in values
+        units = self._plan_pairs() if pairs else self._plan_singles()
         self._check_kinds({u.kind for u in units})
         return units
 
@@ -135,7 +134,6 @@ class UnitPlanner:
                     )
             elif entry.format is Format.MEGATRON_IDX:
                 raise FormatError(f"shard {entry.path}: a Megatron index must be named *.idx")
-        self._check_kinds({u.kind for u in units})
         return units
 
     def _check_kinds(self, kinds: set[str]) -> None:

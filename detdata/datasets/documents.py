@@ -339,10 +339,7 @@ class Documents(CorpusBase):
         """Plain JSON pinning the manifest and how documents are cut from it."""
         return {
             "type": "documents",
-            "algorithm": ALGORITHM,
-            "manifest": self.manifest.id,
-            "eod_token": self.eod_token,
-            "column": self.column,
+            **self._table_inputs(),
             "out_dtype": self.out_dtype.name,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,

@@ -175,7 +175,7 @@ class HandleLRU(Generic[H]):
 
     def keys(self) -> list[int]:
         """Shards with an open handle, least recently used first."""
-        with self._lock_now():
+        with self._budget.lock:  # made anew in a forked child
             return list(self._items)
 
     def get(self, shard: int) -> H | None:
@@ -184,7 +184,7 @@ class HandleLRU(Generic[H]):
         if handle is None:
             return None
         # under the lock: a put/purge iterating the budget's order must not see it move
-        with self._lock_now():
+        with self._budget.lock:
             try:
                 self._items.move_to_end(shard)
                 self._budget.order.move_to_end((self._token, shard))
@@ -197,7 +197,7 @@ class HandleLRU(Generic[H]):
         handles were evicted to stay within ``capacity`` (and the budget)."""
         evicted: list[int] = []
         budget = self._budget
-        with self._lock_now():
+        with self._budget.lock:
             self._items[shard] = handle
             self._items.move_to_end(shard)
             budget._purge_locked()
@@ -220,15 +220,11 @@ class HandleLRU(Generic[H]):
 
     def pop(self, shard: int) -> H | None:
         """Forget the handle of ``shard`` (not counted as an eviction); returns it, or None."""
-        with self._lock_now():
+        with self._budget.lock:
             self._budget.order.pop((self._token, shard), None)
             return self._items.pop(shard, None)
 
     # the budget's side (called under its lock) ------------------------------------------
-    def _lock_now(self) -> threading.Lock:
-        """The lock to take now (a budget's lock is made anew in a forked child)."""
-        return self._budget.lock
-
     def _evicted(self, shard: int) -> None:
         """Another owner's put evicted ``shard``'s handle from the shared budget."""
         if self._items.pop(shard, None) is not None:

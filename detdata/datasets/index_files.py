@@ -33,13 +33,10 @@ from detdata.storage.locks import file_lock
 LAYOUT: Final = "detdata.index-v1"
 
 
-def index_key(inputs: Mapping[str, Any]) -> str:
-    """Hex blake3 of the canonical JSON of ``inputs``: the name an index is stored under."""
-    return blake3.blake3(canonical_json(dict(inputs))).hexdigest()
-
-
 def _paths(index_dir: str, name: str, inputs: Mapping[str, Any]) -> tuple[str, str]:
-    stem = os.path.join(os.fspath(index_dir), f"{name}-{index_key(inputs)}")
+    """The index files of ``inputs``, named by the hex blake3 of their canonical JSON."""
+    key = blake3.blake3(canonical_json(dict(inputs))).hexdigest()
+    stem = os.path.join(os.fspath(index_dir), f"{name}-{key}")
     return stem + ".npy", stem + ".json"
 
 
@@ -184,13 +181,11 @@ def save_index(
             "meta": dict(meta),
         }
         atomic_write_bytes(meta_path, canonical_json(record) + b"\n")
-    except OSError as exc:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise _unwritable(index_dir, name, exc) from exc
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _unwritable(index_dir, name, exc) from exc
         raise
     return digest
 

@@ -149,15 +149,16 @@ class PackedWindows(DatasetInfo):
 
     # the packing index ------------------------------------------------------------
     def _inputs(self) -> dict[str, Any]:
+        """What the packing index is a function of (its key; also `identity`'s first keys)."""
         return {
             "algorithm": ALGORITHM,
             "documents": self.documents.identity(),
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "bos": self.bos,
-            "eos": self.eos,
             "seq_len": self.seq_len,
             "labels": self.labels,
+            "bos": self.bos,
+            "eos": self.eos,
             "tail": self.tail.value,
         }
 
@@ -279,15 +280,7 @@ class PackedWindows(DatasetInfo):
         """Plain JSON pinning the documents, the algorithm and every packing option."""
         return {
             "type": "packed_windows",
-            "algorithm": ALGORITHM,
-            "documents": self.documents.identity(),
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "seq_len": self.seq_len,
-            "labels": self.labels,
-            "bos": self.bos,
-            "eos": self.eos,
-            "tail": self.tail.value,
+            **self._inputs(),
             "pad_id": self.pad_id,
             "max_segments": self.max_segments,
             "num_samples": self._num,

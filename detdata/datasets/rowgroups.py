@@ -153,18 +153,8 @@ class GroupSlots:
 
     def get(self, key: tuple[int, int]) -> Group | None:
         """The cached group (marked most recently used), or None."""
-        g = self._global(key)
         with self._lock:
-            entry = self._entries.get(g)
-            if entry is None:
-                return None
-            self._touch(g)
-            if entry.group is not None:
-                return entry.group
-            a = entry.slot * self.rows_per_slot
-            return Group(
-                {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
-            )
+            return self._use(self._global(key))
 
     def put(self, key: tuple[int, int], item: Group) -> None:
         """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
@@ -249,14 +239,19 @@ class GroupSlots:
     def take_rows(self, group: int, rows: IntArray) -> Columns | None:
         """Copies of ``rows`` of one cached global row group (marked used), or None."""
         with self._lock:
-            entry = self._entries.get(group)
-            if entry is None:
-                return None
-            self._touch(group)
-            if entry.group is not None:
-                return {n: c[rows] for n, c in entry.group.columns.items()}
-            index = rows + entry.slot * self.rows_per_slot
-            return {n: c.take(index, axis=0) for n, c in self._pool.items()}
+            found = self._use(group)
+            return None if found is None else {n: c[rows] for n, c in found.columns.items()}
+
+    def _use(self, g: int) -> Group | None:
+        """Cached group ``g`` (a slot's as views), marked most recently used; or None."""
+        entry = self._entries.get(g)
+        if entry is None:
+            return None
+        self._touch(g)
+        if entry.group is not None:
+            return entry.group
+        a = entry.slot * self.rows_per_slot
+        return Group({n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes)
 
     def _global(self, key: tuple[int, int]) -> int:
         return int(self._first[key[0]]) + int(key[1])

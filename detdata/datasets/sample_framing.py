@@ -19,7 +19,5 @@ def framed_sample(
     tag: bytes, sample: Mapping[str, Any], value_bytes: Callable[[Any], bytes]
 ) -> bytes:
     """``framed(tag, framed(name, value_bytes(value)) for each column in sorted name order)``."""
-    parts = [tag]
-    for name in sorted(sample):
-        parts.append(framed(name.encode("utf-8"), value_bytes(sample[name])))
-    return framed(*parts)
+    parts = (framed(name.encode("utf-8"), value_bytes(sample[name])) for name in sorted(sample))
+    return framed(tag, *parts)

@@ -218,16 +218,19 @@ def _check_cache_dir(value: object) -> str | DefaultCache | None:
     )
 
 
+def _positive_int(value: object, name: str, unit: str, hint: str) -> int:
+    """``value`` as an integer >= 1, else `_bad` naming field ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(name, f"an integer >= 1 ({unit}) or None", repr(value), hint)
+    return int(value)
+
+
 def _check_cache_bytes(value: object, cache_dir: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(
-            "shard_cache_bytes",
-            "an integer >= 1 (bytes) or None",
-            repr(value),
-            "shard_cache_bytes=64 << 30 for 64 GiB",
-        )
+    size = _positive_int(
+        value, "shard_cache_bytes", "bytes", "shard_cache_bytes=64 << 30 for 64 GiB"
+    )
     if cache_dir is None:
         raise _bad(
             "shard_cache_bytes",
@@ -236,12 +239,12 @@ def _check_cache_bytes(value: object, cache_dir: object) -> int | None:
             repr(value),
             "pass cache_dir='/local/dir' to cache remote shards, or leave shard_cache_bytes out",
         )
-    return int(value)
+    return size
 
 
 def _check_cache_verify(value: object) -> str:
-    if value == "quick" or value == "full":
-        return "quick" if value == "quick" else "full"
+    if value in ("quick", "full"):
+        return str(value)
     raise _bad(
         "cache_verify",
         "'quick' (size + first/last MiB) or 'full' (re-hash the whole copy on open)",
@@ -253,14 +256,12 @@ def _check_cache_verify(value: object) -> str:
 def _check_max_open_shards(value: object) -> int:
     if value is None:
         return DEFAULT_MAX_OPEN_SHARDS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(
-            "max_open_shards",
-            "an integer >= 1 (shards with an open handle per process) or None",
-            repr(value),
-            f"leave it out for the default {DEFAULT_MAX_OPEN_SHARDS}",
-        )
-    return int(value)
+    return _positive_int(
+        value,
+        "max_open_shards",
+        "shards with an open handle per process",
+        f"leave it out for the default {DEFAULT_MAX_OPEN_SHARDS}",
+    )
 
 
 # the default cache (DefaultCache.USER) -----------------------------------------------------

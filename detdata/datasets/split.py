@@ -74,11 +74,6 @@ def check_fraction(fraction: object) -> Fraction:
     return value
 
 
-def threshold(fraction: Fraction) -> int:
-    """``floor(fraction * 2**64)``: a key below it is validation."""
-    return (fraction.numerator << 64) // fraction.denominator
-
-
 def _value_bytes(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
@@ -161,17 +156,18 @@ class Split:
             K_FRACTION: str(self.fraction),
             K_SALT: salt,
         }
-        mask, val_keys = self._assign(None if cache_dir is None else Path(cache_dir))
-        self.mask = mask
+        self.mask, self.validation_keys = self._assign(
+            None if cache_dir is None else Path(cache_dir)
+        )
         self.mask.setflags(write=False)
-        self.assignment = assignment_digest(mask)
-        self.validation_keys = val_keys
-        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(mask))
-        self.train = SplitPart(self, TRAIN, np.flatnonzero(~mask))
+        self.assignment = assignment_digest(self.mask)
+        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(self.mask))
+        self.train = SplitPart(self, TRAIN, np.flatnonzero(~self.mask))
 
     def _assign(self, cache: Path | None) -> tuple[npt.NDArray[np.bool_], str | None]:
         n = self.dataset.num_samples
-        limit = threshold(self.fraction)
+        # floor(fraction * 2**64): a key below it is validation
+        limit = (self.fraction.numerator << 64) // self.fraction.denominator
         salt = self.salt.encode("utf-8")
 
         def in_validation(key: bytes) -> bool:

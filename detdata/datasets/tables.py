@@ -110,12 +110,10 @@ class TableRows(DatasetInfo):
             else check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
         )
         self._order_choice: OrderChoice | None = None  # announced by use_order
+        if row_group_cache_bytes is None:
+            row_group_cache_bytes = DEFAULT_ROW_GROUP_CACHE_BYTES
         self.row_group_cache_bytes = check_positive_int(
-            DEFAULT_ROW_GROUP_CACHE_BYTES
-            if row_group_cache_bytes is None
-            else row_group_cache_bytes,
-            "row_group_cache_bytes",
-            minimum=0,
+            row_group_cache_bytes, "row_group_cache_bytes", minimum=0
         )
         shards = self.manifest.shards
         if not shards:
@@ -336,61 +334,43 @@ class TableRows(DatasetInfo):
     def _empty(self, name: str) -> np.ndarray[Any, Any]:
         """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
         first = int(np.searchsorted(self._index.starts, 0, side="right")) - 1
-        return self._group(first).columns[name][:0].copy()
+        key = self._index.in_shard(first)
+        group = self.cache.get(key)
+        if group is None:
+            group = self._decode(*key)
+            self.cache.put(key, group)
+        return group.columns[name][:0].copy()
 
-    def _reader(self, shard: int) -> Any:
-        """The open reader of remote ``shard`` or of its cached copy (kept in the handle LRU)."""
+    def _reader(self, shard: int, local_path: str | None = None) -> Any:
+        """The open reader of ``shard`` (kept in the handle LRU): of the local file
+        ``local_path`` (checked first, `check_file`), else of its verified cached copy
+        (filled if needed), else of the remote file. Local Parquet is read without
+        pre-buffering (it only coalesces remote reads and costs ~100 us locally), the file
+        mapped from `PARQUET_MAP_MIN_BYTES`; local Arrow IPC is always mapped."""
         files = self.files
+        if local_path is not None:
+            files.check_file(shard, local_path)
         reader = files.local().handles.get(shard)
-        if reader is None:
-            if files.uses_shard_cache():
-                reader = self._open_cached(shard)
-            else:
-                fs, root = files.filesystem()
-                entry = self.manifest.shards[shard]
-                source = fs.open(join(root, entry.path), "rb")
-                is_parquet = entry.format is Format.PARQUET
-                reader = pq.ParquetFile(source) if is_parquet else ipc.open_file(source)
-            files.keep(shard, reader)
+        if reader is not None:
+            return reader
+        entry = self.manifest.shards[shard]
+        is_parquet = entry.format is Format.PARQUET
+        if local_path is not None and is_parquet:
+            mapped = files.sizes[shard] >= PARQUET_MAP_MIN_BYTES
+            reader = pq.ParquetFile(local_path, memory_map=mapped, pre_buffer=False)
+        elif local_path is not None:
+            reader = ipc.open_file(pa.memory_map(local_path))
+        elif files.uses_shard_cache():  # a local copy: nothing to coalesce
+            source, _ = files.open_copy(shard, _map_copy)
+            reader = (
+                pq.ParquetFile(source, pre_buffer=False) if is_parquet else ipc.open_file(source)
+            )
+        else:
+            fs, root = files.filesystem()
+            source = fs.open(join(root, entry.path), "rb")
+            reader = pq.ParquetFile(source) if is_parquet else ipc.open_file(source)
+        files.keep(shard, reader)
         return reader
-
-    def _local_reader(self, shard: int, path: str) -> Any:
-        """The open reader of local ``shard`` at ``path``, checked (`check_file`) first.
-        Parquet without pre-buffering (it only coalesces remote reads and costs ~100 us
-        locally), mapped from `PARQUET_MAP_MIN_BYTES`; Arrow IPC always mapped."""
-        files = self.files
-        files.check_file(shard, path)
-        reader = files.local().handles.get(shard)
-        if reader is None:
-            if self.manifest.shards[shard].format is Format.PARQUET:
-                mapped = files.sizes[shard] >= PARQUET_MAP_MIN_BYTES
-                reader = pq.ParquetFile(path, memory_map=mapped, pre_buffer=False)
-            else:
-                reader = ipc.open_file(pa.memory_map(path))
-            files.keep(shard, reader)
-        return reader
-
-    def _open_cached(self, shard: int) -> Any:
-        """A local reader over the verified cached copy of ``shard`` (filled if needed)."""
-
-        def open_path(path: str) -> tuple[pa.MemoryMappedFile, int]:
-            source = pa.memory_map(path)  # maps the inode, even if it is evicted later
-            return source, os.stat(path).st_ino
-
-        source, _ = self.files.open_copy(shard, open_path)
-        if self.manifest.shards[shard].format is Format.PARQUET:
-            return pq.ParquetFile(source, pre_buffer=False)  # a local copy: nothing to coalesce
-        return ipc.open_file(source)
-
-    def _group(self, global_group: int) -> Group:
-        key = self._index.in_shard(global_group)
-        cache = self.cache
-        cached = cache.get(key)
-        if cached is not None:
-            return cached
-        decoded = self._decode(*key)
-        cache.put(key, decoded)
-        return decoded
 
     def _read_arrays(self, shard: int, group: int, reader: Any) -> dict[str, Any]:
         if self.manifest.shards[shard].format is Format.PARQUET:
@@ -405,7 +385,7 @@ class TableRows(DatasetInfo):
         with lock:
             fs, root = files.filesystem()
             if isinstance(fs, LocalFileSystem):
-                reader = self._local_reader(shard, join(root, entry.path))  # checks the file
+                reader = self._reader(shard, join(root, entry.path))  # checks the file
                 arrays = self._read_arrays(shard, group, reader)
             elif files.uses_shard_cache():
                 files.refresh_copies((shard,))
@@ -441,6 +421,12 @@ class TableRows(DatasetInfo):
             for n, c in columns.items()
         )
         return Group(columns, nbytes)
+
+
+def _map_copy(path: str) -> tuple[pa.MemoryMappedFile, int]:
+    """A memory map of the cached copy at ``path`` (it maps the inode, even if the copy is
+    evicted later) and that inode (`ShardFiles.open_copy`)."""
+    return pa.memory_map(path), os.stat(path).st_ino
 
 
 def _check_table_shards(manifest: Manifest) -> None:

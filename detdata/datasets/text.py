@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 TEXT_FIELD: Final = "text_field"
 #: Decoded table row groups kept per process.
 _GROUPS: Final = 8
-#: Arrow IPC stream shards whose record batches a process holds (`_stream_batches`).
+#: Arrow IPC stream shards whose record batches a process holds (`_read_group`).
 _STREAMS: Final = 4
 #: Tokens of recently tokenised documents kept per process.
 _CACHED_TOKENS: Final = 1 << 22
@@ -98,14 +98,6 @@ class _Local:
         self.lock = threading.Lock()
 
 
-def _full_verify(storage: Storage) -> Storage:
-    """``storage`` with ``verify="quick"`` raised to ``"full"``; ``"off"`` stays off (why:
-    docs/design.md, "Raw text")."""
-    if storage.verify is Verify.QUICK:
-        return dataclasses.replace(storage, verify=Verify.FULL)
-    return storage
-
-
 class TextDocuments(CorpusBase):
     """The documents of a manifest of text shards, tokenised when read (module docstring).
 
@@ -115,7 +107,7 @@ class TextDocuments(CorpusBase):
     text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
     a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
     index is stored (None: built at each construction). ``storage``: as `Documents`', but
-    ``verify="quick"`` (the default) is raised to ``"full"`` (`_full_verify`).
+    ``verify="quick"`` (the default) is raised to ``"full"``; ``"off"`` stays off.
     """
 
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
@@ -133,7 +125,9 @@ class TextDocuments(CorpusBase):
         storage: Storage | None = None,
         **refused: Never,
     ) -> None:
-        storage = _full_verify(checked_storage("TextDocuments", storage, refused))
+        storage = checked_storage("TextDocuments", storage, refused)
+        if storage.verify is Verify.QUICK:  # raised to "full" (why: docs/design.md, "Raw text")
+            storage = dataclasses.replace(storage, verify=Verify.FULL)
         self.storage = storage.with_default_cache(None)
         self.manifest = resolve_manifest(manifest, self.storage)
         self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
@@ -162,16 +156,14 @@ class TextDocuments(CorpusBase):
             "tokenizer": self.tokenizer.identity(),
         }
 
-    def _check(self, array: np.ndarray[Any, Any], meta: Any) -> str | None:
-        return check_text_index(self.manifest, self.policy, array, meta)
-
     def _text_index(self) -> npt.NDArray[np.int64]:
         """The text index: loaded from ``index_dir`` (checked) or built by one process."""
         inputs = self._inputs()
-        stored = load_index(self.index_dir, "text", inputs, self._check)
+        check = functools.partial(check_text_index, self.manifest, self.policy)
+        stored = load_index(self.index_dir, "text", inputs, check)
         if stored is None:
             with building(self.index_dir, "text", inputs):
-                stored = load_index(self.index_dir, "text", inputs, self._check)
+                stored = load_index(self.index_dir, "text", inputs, check)
                 if stored is None:
                     array = self._build()
                     meta = index_meta(self.manifest, array)
@@ -229,10 +221,7 @@ class TextDocuments(CorpusBase):
         """Plain JSON pinning the manifest, the text policy and the tokenizer."""
         return {
             "type": "text_documents",
-            "algorithm": ALGORITHM,
-            "manifest": self.manifest.id,
-            "text": self.policy.identity(),
-            "tokenizer": self.tokenizer.identity(),
+            **self._inputs(),
             "out_dtype": self.out_dtype.name,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
@@ -372,19 +361,14 @@ class TextDocuments(CorpusBase):
             )
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
-        elif entry.format is Format.ARROW_STREAM:
-            column = self._stream_batches(shard, reader)[group].column(field)
+        elif entry.format is Format.ARROW_STREAM:  # no footer: batch g is read after all before
+            local = self._local.get(_Local)
+            batches = cached(local.streams, local.lock, shard, lambda: list(reader), _STREAMS)
+            column = batches[group].column(field)
         else:
             column = reader.get_batch(group).column(field)
         values: list[Any] = column.to_pylist()
         return values
-
-    def _stream_batches(self, shard: int, reader: Any) -> list[Any]:
-        """The record batches of Arrow IPC stream ``shard`` (``reader`` just opened on it),
-        kept for the `_STREAMS` latest shards (a stream has no footer: reading batch ``g``
-        reads all before it)."""
-        local = self._local.get(_Local)
-        return cached(local.streams, local.lock, shard, lambda: list(reader), _STREAMS)
 
 
 def _field(manifest: Manifest, field: str | None) -> str:

@@ -21,9 +21,10 @@ else a `FormatError` naming the shard, the line or row, and the field.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -135,79 +136,55 @@ def line_spans(data: bytes | mmap.mmap) -> tuple[npt.NDArray[np.int64], npt.NDAr
     return first, end
 
 
-@dataclass
-class IndexBuilder:
-    """Accumulates the text index shard by shard (`build_text_index`)."""
-
-    manifest: Manifest
-    tokenizer: TextTokenizer
-    policy: TextPolicy
-
-    def __post_init__(self) -> None:
-        self.columns: list[list[int]] = [[] for _ in range(ROWS)]
-        self.tokens = 0
-
-    def add(self, shard: int, items: Iterable[tuple[int, int, int, str]]) -> None:
-        """Documents ``(line or row, first, second, text)`` of ``shard``, in file order."""
-        batch: list[tuple[int, int, int, str]] = []
-        for item in items:
-            if not item[3]:
-                if self.policy.empty == "skip":
-                    continue
-                raise FormatError(
-                    f"{where_of(self.manifest, shard, item[0])} field {self.policy.field!r}: an "
-                    "empty document; hint: remove it, or pass empty='skip' (recorded in the "
-                    "identity)"
-                )
-            batch.append(item)
-            if len(batch) >= BATCH:
-                self._flush(shard, batch)
-                batch = []
-        self._flush(shard, batch)
-
-    def _flush(self, shard: int, batch: list[tuple[int, int, int, str]]) -> None:
-        encoded = self.tokenizer.encode([b[3] for b in batch])
-        bound = self.policy.max_document_tokens
-        for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
-            count = int(tokens.size)
-            self._check_markers(shard, line, tokens)
-            if not count:
-                if self.policy.empty == "skip":
-                    continue
-                raise FormatError(
-                    f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no "
-                    "tokens (the text encodes to none, e.g. whitespace under a stripping "
-                    "normaliser); hint: remove it, or pass empty='skip' (recorded in the identity)"
-                )
-            if bound is not None and count > bound:
-                raise FormatError(
-                    f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
-                    f"{count} tokens, more than max_document_tokens={bound}; hint: split the "
-                    "document, or raise or drop the bound (None: packing splits documents)"
-                )
-            for row, value in zip(
-                self.columns, (self.tokens, shard, line, first, second), strict=True
-            ):
-                row.append(value)
-            self.tokens += count
-
-    def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
-        """`FormatError` when the document's text encodes to its own bos / eos id."""
-        inner = self.tokenizer.inner_marker(tokens)
+def _counted(
+    manifest: Manifest,
+    tokenizer: TextTokenizer,
+    policy: TextPolicy,
+    shard: int,
+    batch: list[tuple[int, int, int, str]],
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(line or row, first, second, token count)`` of each document of ``batch`` that the
+    index keeps, tokenised in one call; `FormatError` for a document the policy refuses."""
+    encoded = tokenizer.encode([b[3] for b in batch])
+    for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
+        where = f"{where_of(manifest, shard, line)} field {policy.field!r}"
+        count = int(tokens.size)
+        inner = tokenizer.inner_marker(tokens)
         if inner is not None:
             raise FormatError(
-                f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: the text "
-                f"encodes to token {inner[1]}, the {inner[0]} id, which would cut the document "
-                f"there; hint: pass as {inner[0]} a token the text cannot produce (e.g. an "
-                "added special token of the tokenizer.json)"
+                f"{where}: the text encodes to token {inner[1]}, the {inner[0]} id, which would "
+                f"cut the document there; hint: pass as {inner[0]} a token the text cannot "
+                "produce (e.g. an added special token of the tokenizer.json)"
             )
+        if not count:
+            if policy.empty == "skip":
+                continue
+            raise FormatError(
+                f"{where}: no tokens (the text encodes to none, e.g. whitespace under a "
+                "stripping normaliser); hint: remove it, or pass empty='skip' (recorded in the "
+                "identity)"
+            )
+        if policy.max_document_tokens is not None and count > policy.max_document_tokens:
+            raise FormatError(
+                f"{where}: {count} tokens, more than max_document_tokens="
+                f"{policy.max_document_tokens}; hint: split the document, or raise or drop the "
+                "bound (None: packing splits documents)"
+            )
+        yield line, first, second, count
 
-    def finish(self) -> npt.NDArray[np.int64]:
-        """The index array (`ROWS` x ``N + 1``)."""
-        closing = (self.tokens, len(self.manifest.shards), 0, 0, 0)
-        return np.array(
-            [[*row, c] for row, c in zip(self.columns, closing, strict=True)], dtype=np.int64
-        ).reshape(ROWS, -1)
+
+def _non_empty(
+    manifest: Manifest, policy: TextPolicy, shard: int, items: Iterable[tuple[int, int, int, str]]
+) -> Iterator[tuple[int, int, int, str]]:
+    """``items`` without empty texts (skipped, or a `FormatError` naming the first)."""
+    for item in items:
+        if item[3]:
+            yield item
+        elif policy.empty != "skip":
+            raise FormatError(
+                f"{where_of(manifest, shard, item[0])} field {policy.field!r}: an empty "
+                "document; hint: remove it, or pass empty='skip' (recorded in the identity)"
+            )
 
 
 def index_meta(manifest: Manifest, array: npt.NDArray[np.int64]) -> dict[str, Any]:
@@ -236,7 +213,9 @@ def check_text_index(
     lines = manifest.samples_per_shard()
     if n and int(shard[-1]) >= len(lines):
         return f"shard {int(shard[-1])} is not in the manifest"
-    rel = line - _bases(manifest, shard)
+    values, fmt = manifest.codes("format")
+    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
+    rel = line - jsonl[fmt[shard]].astype(np.int64)  # JSONL lines count from 1, rows from 0
     if bool((rel < 0).any()) or bool((rel >= lines[shard]).any()):
         return "a line or row outside its shard"
     same = np.diff(shard) == 0
@@ -251,13 +230,6 @@ def check_text_index(
     return None
 
 
-def _bases(manifest: Manifest, shard: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The first line / row number of each document's shard (JSONL lines count from 1)."""
-    values, fmt = manifest.codes("format")
-    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
-    return jsonl[fmt[shard]].astype(np.int64)
-
-
 def build_text_index(
     manifest: Manifest,
     tokenizer: TextTokenizer,
@@ -265,11 +237,21 @@ def build_text_index(
     shard_documents: Callable[[int], Iterable[tuple[int, int, int, str]]],
     update: Callable[[int], None],
 ) -> npt.NDArray[np.int64]:
-    """The text index of ``manifest``: ``shard_documents(s)`` yields each shard's documents
-    ``(line or row, first, second, text)``; ``update`` is told each shard's bytes."""
-    builder = IndexBuilder(manifest, tokenizer, policy)
+    """The text index of ``manifest`` (`ROWS` x ``N + 1``): ``shard_documents(s)`` yields
+    each shard's documents ``(line or row, first, second, text)`` in file order, tokenised
+    `BATCH` at a time; ``update`` is told each shard's bytes."""
+    columns: list[list[int]] = [[] for _ in range(ROWS)]
+    tokens = 0
     sizes = manifest.bytes_per_shard()
-    for s in range(len(manifest.shards)):
-        builder.add(s, shard_documents(s))
-        update(int(sizes[s]))
-    return builder.finish()
+    for shard in range(len(manifest.shards)):
+        documents = _non_empty(manifest, policy, shard, shard_documents(shard))
+        while batch := list(itertools.islice(documents, BATCH)):
+            for line, first, second, count in _counted(manifest, tokenizer, policy, shard, batch):
+                for row, value in zip(columns, (tokens, shard, line, first, second), strict=True):
+                    row.append(value)
+                tokens += count
+        update(int(sizes[shard]))
+    closing = (tokens, len(manifest.shards), 0, 0, 0)
+    return np.array(
+        [[*row, c] for row, c in zip(columns, closing, strict=True)], dtype=np.int64
+    ).reshape(ROWS, -1)

@@ -105,7 +105,13 @@ def build_window_index(
     if not allow_short:
         short = np.flatnonzero(counts == 0)
         if short.size:
-            raise short_shard_error(manifest.shards[int(short[0])], seq_len, labels)
+            shard = manifest.shards[int(short[0])]
+            raise FormatError(
+                f"shard {shard.path}: {shard.num_samples} tokens is too short for one window "
+                f"of seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
+                f"labels={labels}); hint: pass allow_short_shards=True to skip "
+                "such shards, or use a smaller seq_len"
+            )
     starts = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     arrays = (
@@ -170,16 +176,6 @@ def check_token_shard(shard: ShardEntry) -> str:
             "hint: rebuild the manifest"
         )
     return shard.dtype
-
-
-def short_shard_error(shard: ShardEntry, seq_len: int, labels: bool) -> FormatError:
-    """The error for a shard too short for one window."""
-    return FormatError(
-        f"shard {shard.path}: {shard.num_samples} tokens is too short for one window of "
-        f"seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
-        f"labels={labels}); hint: pass allow_short_shards=True to skip "
-        "such shards, or use a smaller seq_len"
-    )
 
 
 # ------------------------------------------------------------------ built once, mapped
@@ -379,47 +375,36 @@ def _load_warning(
     reported: set[str],
     trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
-    """`load_window_index`, a failed check reported once (`RuntimeWarning`), then None."""
-    try:
-        return load_window_index(path, inputs, count, secret, trusted)
-    except _Invalid as exc:
-        if str(exc) in reported:
-            return None
-        reported.add(str(exc))
-        warnings.warn(
-            f"token windows index {path} does not match what it records (damaged, "
-            f"truncated, stale or of other inputs): {exc}; rebuilding it",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-
-
-def load_window_index(
-    path: str,
-    inputs: dict[str, Any],
-    count: int,
-    secret: bytes,
-    trusted: Sequence[list[int] | None] = (),
-) -> WindowIndex | None:
     """The index file ``path`` checked for ``inputs`` and ``count`` shards, its sections as
-    `FileColumn` s; None where there is none; `_Invalid` naming the failed check. The
-    digest is not re-checked when the open file's identity is one of ``trusted`` (that of
-    its last full check)."""
+    `FileColumn` s; None where there is none, or where it fails a check (each failed check
+    reported once, a `RuntimeWarning`). The digest is not re-checked when the open file's
+    identity is one of ``trusted`` (that of its last full check)."""
     try:
         file = OpenFile(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
-        raise _Invalid(f"unreadable ({exc})") from None
-    try:
-        return _checked(file, inputs, count, secret, trusted)
-    except OSError as exc:  # shortened while read
-        file.close()
-        raise _Invalid(f"unreadable ({exc})") from None
-    except BaseException:
-        file.close()
-        raise
+        problem = f"unreadable ({exc})"
+    else:
+        try:
+            return _checked(file, inputs, count, secret, trusted)
+        except BaseException as exc:
+            file.close()
+            if isinstance(exc, _Invalid):
+                problem = str(exc)
+            elif isinstance(exc, OSError):  # shortened while read
+                problem = f"unreadable ({exc})"
+            else:
+                raise
+    if problem not in reported:
+        reported.add(problem)
+        warnings.warn(
+            f"token windows index {path} does not match what it records (damaged, "
+            f"truncated, stale or of other inputs): {problem}; rebuilding it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
 
 
 def _checked(
@@ -429,7 +414,7 @@ def _checked(
     secret: bytes,
     trusted: Sequence[list[int] | None],
 ) -> WindowIndex:
-    """`load_window_index` of the open ``file``."""
+    """`_load_warning` of the open ``file``: `_Invalid` naming the failed check."""
     size = os.fstat(file.fd).st_size
     if size < _HEAD + _DIGEST:
         raise _Invalid(f"{size} bytes is too short for a header")

@@ -57,7 +57,7 @@ class WindowLayout:
     """The windows of ``index`` for ``seq_len`` (+1 with ``labels``) in ``out_dtype``.
 
     ``bounds``: cumulative windows (count + 1); ``starts``: each shard's first window id;
-    ``offsets``: each shard's first token byte; ``itemsize``, ``disk``, ``dtypes``,
+    ``offsets``: each shard's first token byte; ``itemsize``, ``disk``,
     ``narrowing``: per shard through its dtype code. ``batch_covers``: every shard in use
     has one disk dtype that ``out_dtype`` does not narrow (one staging buffer per batch);
     ``direct``: besides, that dtype is ``out_dtype`` (read straight into the result)."""
@@ -76,7 +76,6 @@ class WindowLayout:
         code, names = index.codes, index.dtypes
         self.itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
         self.disk = ByCode(code, tuple(disk_dtype(d) for d in names))
-        self.dtypes = ByCode(code, names)
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         narrowing = tuple(not np.can_cast(d, out_dtype, casting="safe") for d in names)
         self.narrowing = ByCode(code, narrowing)

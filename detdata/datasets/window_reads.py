@@ -27,7 +27,6 @@ from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_files import ShardFiles
 from detdata.datasets.shard_windows import COVER_MAX_BYTES, DENSE_SPAN, MAP_MIN_ROWS, ShardWindows
 from detdata.datasets.window_layout import WindowLayout
-from detdata.identity.formats import disk_dtype
 from detdata.storage.fileread import FileReads
 from detdata.storage.fs import join
 from detdata.storage.mapped import Mapped
@@ -446,9 +445,7 @@ class WindowReads:
                     f"bytes for {b - a} windows, got {len(data)}; the file is "
                     "shorter than the manifest says (rewritten?)"
                 )
-            block = np.frombuffer(data, dtype=disk_dtype(layout.dtypes[shard])).reshape(
-                b - a, layout.window
-            )
+            block = np.frombuffer(data, dtype=layout.disk[shard]).reshape(b - a, layout.window)
             self.shards.check_range(block, shard)
             rows[a:b] = block
         out[...] = rows[inverse.reshape(-1)]

@@ -563,22 +563,18 @@ class ShardCache:
         return copies(self.directory), reserved_bytes(os.path.join(self.directory, "tmp"))
 
     # locks -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _shard_lock(self, entry: CacheEntry) -> Iterator[None]:
+    def _shard_lock(self, entry: CacheEntry) -> contextlib.AbstractContextManager[None]:
         lock = os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")
         tmp = os.path.join(self.directory, "tmp")
-        with flock(
+        return flock(
             lock,
             dir_fd=self._dirs.fd("locks"),
             stalled=LockWait(lock, self.retry.deadline_s, tmp_dir=tmp, hex_digest=_hex(entry)),
-        ):
-            yield
+        )
 
-    @contextlib.contextmanager
-    def _global_lock(self) -> Iterator[None]:
+    def _global_lock(self) -> contextlib.AbstractContextManager[None]:
         lock = os.path.join(self.directory, ".lock")
-        with flock(lock, stalled=LockWait(lock, self.retry.deadline_s)):
-            yield
+        return flock(lock, stalled=LockWait(lock, self.retry.deadline_s))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its parameters: the copy opens the folder anew."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Final, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -59,57 +60,38 @@ GOT, SIZE, INODE, DEVICE, MTIME_NS = range(5)
 IntArray = npt.NDArray[np.int64]
 
 
-def read_files(
-    prefix: bytes,
-    names: list[bytes],
-    shards: IntArray,
-    file_at: IntArray,
-    wants: IntArray,
-    out: npt.NDArray[np.uint8],
-    iov_off: IntArray,
-    iov_len: IntArray,
-    iov_count: IntArray,
-    first: FirstOpens | None = None,
-    *,
-    threads: int | None = None,
-) -> tuple[int, IntArray]:
-    """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ...: ``wants[i]`` bytes at
-    ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of ``out[iov_off[j]:
-    iov_off[j] + iov_len[j]]``). Returns ``(done, stats)``: files ``[0, done)`` were read
-    whole, ``stats[i]`` = (bytes read, size, inode, device, mtime_ns) of an ``fstat`` after the
-    read (columns 2-4 are ``uint64`` patterns). ``done`` is the first file it could not open,
-    read whole or ``fstat`` (0 without the extension). ``threads`` (at most 2; None:
-    `set_read_threads`) take contiguous shares. With ``first``, an unrecorded shard of
-    ``first.sizes[shard]`` bytes is recorded right after its open (another size stops the
-    loop there). Mismatched arguments (a buffer outside ``out``) are a `ValueError`."""
-    n = int(shards.size)
-    stats = np.zeros((n, 5), dtype=np.int64)
-    if _fileread is None or n == 0:
+def read_files(reads: FileReads, *, threads: int | None = None) -> tuple[int, IntArray]:
+    """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ... (the fields of ``reads``):
+    ``wants[i]`` bytes at ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of
+    ``out[iov_off[j]: iov_off[j] + iov_len[j]]``). Returns ``(done, stats)``: files
+    ``[0, done)`` were read whole, ``stats[i]`` = (bytes read, size, inode, device, mtime_ns)
+    of an ``fstat`` after the read (columns 2-4 are ``uint64`` patterns). ``done`` is the
+    first file it could not open, read whole or ``fstat`` (0 without the extension).
+    ``threads`` (at most 2; None: `set_read_threads`) take contiguous shares. With ``first``,
+    an unrecorded shard of ``first.sizes[shard]`` bytes is recorded right after its open
+    (another size stops the loop there). Mismatched arguments (a buffer outside ``out``) are
+    a `ValueError`."""
+    stats = np.zeros((int(reads.shards.size), 5), dtype=np.int64)
+    if _fileread is None or not reads.shards.size:
         return 0, stats
-    done = _fileread.read_shards(
-        prefix,
-        names,
-        _plain(shards),
-        _plain(file_at),
-        _plain(wants),
-        out,
-        _plain(iov_off),
-        _plain(iov_len),
-        _plain(iov_count),
-        stats,
-        _threads if threads is None else threads,
-        *_table(first, shards),
-    )
-    return done, stats
+    threads = _threads if threads is None else threads
+    return _fileread.read_shards(*_native_args(reads, stats, _plain, threads)), stats
 
 
-def _table(first: FirstOpens | None, shards: IntArray) -> tuple[object, object, object]:
-    """The native loop's (state, ident, sizes) arguments of ``first`` (None: no records),
-    the sizes of ``shards`` filled in (`FirstOpens.prepare`)."""
-    if first is None:
-        return None, None, None
-    first.prepare(shards)
-    return first.state, first.ident, first.sizes
+def _native_args(
+    reads: FileReads, stats: IntArray, array: Callable[[IntArray], IntArray], threads: int
+) -> tuple[Any, ...]:
+    """The native loop's arguments for ``reads`` (its index arrays passed through ``array``),
+    the first-open records' (state, ident, sizes) last (None: no records; the sizes of the
+    shards read filled in by `FirstOpens.prepare`)."""
+    prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, first = reads
+    table: tuple[object, ...] = (None, None, None)
+    if first is not None:
+        first.prepare(shards)
+        table = (first.state, first.ident, first.sizes)
+    indexes = [array(a) for a in (shards, file_at, wants)]
+    iovs = [array(a) for a in (iov_off, iov_len, iov_count)]
+    return (prefix, names, *indexes, out, *iovs, stats, threads, *table)
 
 
 class FileReads(NamedTuple):
@@ -169,42 +151,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_join_before_fork)
 
 
-def start_read_files(
-    prefix: bytes,
-    names: list[bytes],
-    shards: IntArray,
-    file_at: IntArray,
-    wants: IntArray,
-    out: npt.NDArray[np.uint8],
-    iov_off: IntArray,
-    iov_len: IntArray,
-    iov_count: IntArray,
-    first: FirstOpens | None = None,
-    *,
-    threads: int = 1,
-) -> PendingRead:
+def start_read_files(reads: FileReads, *, threads: int = 1) -> PendingRead:
     """`read_files` on ``threads`` (1 or 2) native threads of their own: returns at once;
     `PendingRead.wait` joins them and returns what `read_files` would have. The index arrays
     are copied; ``out`` is written until then. Mismatched arguments: `ValueError`, here."""
-    n = int(shards.size)
-    stats = np.zeros((n, 5), dtype=np.int64)
-    if _fileread is None or n == 0:
+    stats = np.zeros((int(reads.shards.size), 5), dtype=np.int64)
+    if _fileread is None or not reads.shards.size:
         return PendingRead(None, stats)
-    native = _fileread.start_read_shards(
-        prefix,
-        names,
-        _owned(shards),
-        _owned(file_at),
-        _owned(wants),
-        out,
-        _owned(iov_off),
-        _owned(iov_len),
-        _owned(iov_count),
-        stats,
-        max(1, min(2, int(threads))),
-        *_table(first, shards),
+    threads = max(1, min(2, int(threads)))
+    return PendingRead(
+        _fileread.start_read_shards(*_native_args(reads, stats, _owned, threads)), stats
     )
-    return PendingRead(native, stats)
 
 
 def _owned(values: IntArray) -> IntArray:

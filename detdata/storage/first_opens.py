@@ -94,9 +94,9 @@ class FirstOpens:
         identity recorded (``now`` when this call recorded it)."""
         if self.state[shard] == RECORDED:
             got = self.ident[shard].tolist()
-            return (got[0], got[1], got[2])
-        seen = self.record_many(np.asarray([shard], dtype=np.int64), np.asarray([now], np.uint64))
-        got = seen[0].tolist()
+        else:
+            ids = np.asarray([shard], dtype=np.int64)
+            got = self.record_many(ids, np.asarray([now], np.uint64))[0].tolist()
         return (got[0], got[1], got[2])
 
     def record_many(self, ids: IntArray, now: U64Array) -> U64Array:

@@ -282,24 +282,6 @@ def _short(start: int, end: int, url: str, got: int) -> ShortRead:
     )
 
 
-def read_ranges_retrying(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    *,
-    policy: RetryPolicy,
-    shards: list[str],
-    urls: list[str],
-    what: str = "range read",
-) -> list[bytes]:
-    """Bytes ``[start, end)`` of each path, one ``cat_ranges`` call per attempt; failed or
-    short ranges are fetched again under ``policy`` (then `RetriesExhausted`); a permanent
-    error (missing object, permission denied) is a `StorageError` naming it at once."""
-    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=False)
-    return [b for b in out if isinstance(b, bytes)]
-
-
 def size_retrying(
     fs: fsspec.AbstractFileSystem, path: str, *, policy: RetryPolicy, shard: str, url: str
 ) -> int:
@@ -365,6 +347,26 @@ def read_file_retrying(
     )
 
 
+def read_ranges_retrying(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    policy: RetryPolicy,
+    shards: list[str],
+    urls: list[str],
+    what: str = "range read",
+) -> list[bytes]:
+    """Bytes ``[start, end)`` of each path, one ``cat_ranges`` call per attempt; failed or
+    short ranges are fetched again under ``policy`` (then `RetriesExhausted`); a permanent
+    error (missing object, permission denied) is a `StorageError` naming it at once."""
+    got = read_ranges_upto(
+        fs, paths, starts, ends, policy=policy, shards=shards, urls=urls, what=what, upto=False
+    )
+    return [b for b in got if isinstance(b, bytes)]
+
+
 def read_ranges_upto(
     fs: fsspec.AbstractFileSystem,
     paths: list[str],
@@ -375,27 +377,11 @@ def read_ranges_upto(
     shards: list[str],
     urls: list[str],
     what: str = "range read",
+    upto: bool = True,
 ) -> list[bytes | BaseException]:
     """`read_ranges_retrying`, but a short answer is kept (where the object ends first: for
     checks that ask one byte past the expected end) and a permanent error of one range is
-    returned in its place, redacted."""
-    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=True)
-    return [b if b is not None else RuntimeError("range not read") for b in out]
-
-
-def _fetch_ranges(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    policy: RetryPolicy,
-    shards: list[str],
-    urls: list[str],
-    what: str,
-    *,
-    upto: bool,
-) -> list[bytes | BaseException | None]:
-    """The ranges of `read_ranges_upto` (``upto``) or of `read_ranges_retrying`."""
+    returned in its place, redacted (``upto`` False: `read_ranges_retrying`'s rules)."""
     out: list[bytes | BaseException | None] = [None] * len(paths)
     pending = list(range(len(paths)))
 
@@ -444,4 +430,4 @@ def _fetch_ranges(
             shard=lambda: shards[pending[0]],
             url=lambda: urls[pending[0]],
         )
-    return out
+    return [b if b is not None else RuntimeError("range not read") for b in out]

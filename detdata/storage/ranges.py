@@ -42,11 +42,6 @@ class Coalesced:
     offset: I64
     needed: int = 0
 
-    @property
-    def fetched(self) -> int:
-        """Bytes the runs fetch."""
-        return int((self.run_ends - self.run_starts).sum())
-
 
 def coalesce(starts: npt.ArrayLike, ends: npt.ArrayLike, *, waste: float = WASTE) -> Coalesced:
     """The requests for byte ranges ``[starts[i], ends[i])`` of ONE file (see the module rule)."""

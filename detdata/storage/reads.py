@@ -73,7 +73,7 @@ def execute(plan: ReadPlan, started: PendingRead | None = None) -> None:
         prefix = os.fsdecode(reads.prefix)
         done = 0
         if (started is not None and i == 0) or NATIVE:
-            done, stats = started.wait() if started is not None and i == 0 else read_files(*reads)
+            done, stats = started.wait() if started is not None and i == 0 else read_files(reads)
             plan.checks.stats(
                 reads.shards[:done],
                 stats[:done, SIZE],
@@ -186,7 +186,7 @@ class ReadAhead:
 
     def start(self, key: IntArray, plan: ReadPlan, result: Any) -> None:
         """Start the first file read of ``plan`` in the background; keep it under ``key``."""
-        pending = start_read_files(*plan.reads[0], threads=self.threads) if plan.reads else None
+        pending = start_read_files(plan.reads[0], threads=self.threads) if plan.reads else None
         ready = Planned(key, plan, pending, result)
         with self._lock:
             self._planned.append(ready)

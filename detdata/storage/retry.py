@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import blake3
 
@@ -101,14 +101,21 @@ def denied_status(exc: BaseException) -> int | None:
             value = getattr(current, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value in (401, 403):
                 return value
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if http in (401, 403):
-                return int(http)
-            if str(response.get("Error", {}).get("Code", "")) in _DENIED_CODES:
-                return 403
+        code, http = _boto_response(current)
+        if http in (401, 403):
+            return int(http)
+        if code in _DENIED_CODES:
+            return 403
     return None
+
+
+def _boto_response(exc: BaseException) -> tuple[str, Any]:
+    """``(error code, HTTP status)`` of botocore's ``response`` dict (``("", None)`` without)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", None
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code, response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -133,12 +140,8 @@ def is_transient(exc: BaseException) -> bool:
         name = type(exc).__name__
         if name in _BOTO_TRANSIENT:
             return True
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return code in _BOTO_CODES or (isinstance(http, int) and http in _RETRY_STATUS)
-        return False
+        code, http = _boto_response(exc)
+        return code in _BOTO_CODES or (isinstance(http, int) and http in _RETRY_STATUS)
     # EIO-style errors from fsspec back ends, pyarrow's ArrowIOError
     return isinstance(exc, OSError)
 
@@ -187,17 +190,15 @@ class RetryPolicy:
         what: str,
         shard: str | Callable[[], str],
         url: str | Callable[[], str],
-        key: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> T:
         """``fn(attempt_timeout)`` with retries. ``shard`` and ``url`` name what is read in
-        messages (callables: asked at each failure); ``key`` seeds the jitter (default: the
-        URL at the first failure)."""
-        start = clock()
+        messages (callables: asked at each failure); the URL at the first failure seeds the
+        jitter."""
+        start = time.monotonic()
         attempt = 0
+        key = ""
         while True:
-            remaining = self.deadline_s - (clock() - start)
+            remaining = self.deadline_s - (time.monotonic() - start)
             timeout = self.attempt_timeout_s
             if timeout is not None:
                 timeout = max(0.05, min(timeout, remaining))
@@ -214,7 +215,7 @@ class RetryPolicy:
                     raise
                 last = exc
             attempt += 1
-            elapsed = clock() - start
+            elapsed = time.monotonic() - start
             shard_now, url_now = _now(shard), _now(url)
             key = key or url_now
             url_now = redact_url(url_now)
@@ -244,7 +245,7 @@ class RetryPolicy:
                 redact_text(str(last)),
                 wait,
             )
-            sleep(wait)
+            time.sleep(wait)
 
 
 def _denied(
