@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final, NamedTuple, Never, TypeVar
@@ -112,9 +113,26 @@ def open_table(fmt: Format, path: str) -> Any:
     return ipc.open_stream(source) if fmt is Format.ARROW_STREAM else ipc.open_file(source)
 
 
-class CorpusBase:
-    """What `Documents` and `TextDocuments` share: the document table ``_starts`` over the
-    shards of ``manifest`` (``files``)."""
+class CorpusBase(ABC):
+    """A document corpus `PackedWindows` packs (`Documents`, `TextDocuments`): the document
+    table ``_starts`` over the shards of ``manifest`` (``files``), and the reads each kind
+    declares."""
+
+    @abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and how documents are cut from it."""
+
+    @abstractmethod
+    def document(self, d: int) -> np.ndarray[Any, Any]:
+        """The tokens of document ``d`` (a new array)."""
+
+    @abstractmethod
+    def copy_ranges(
+        self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
+    ) -> None:
+        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
+        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``; ``out``
+        1-D, tokens cast to its dtype). Each range lies inside one document."""
 
     manifest: Manifest
     files: ShardFiles

@@ -170,14 +170,14 @@ class DataLoader:
         )
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
-        self.collate_fn, self.pin_memory = collate_fn, bool(pin_memory)
+        self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
         self.worker_mode, self.batches_ahead = opts.read.mode, opts.read.batches_ahead
         steps_ahead = opts.read.steps_ahead
         self.steps_ahead = DEFAULT_STEPS_AHEAD if steps_ahead is None else steps_ahead
         self.steps_ahead_connections = opts.read.steps_ahead_connections
         self.device, self.copies_ahead = opts.device.target, opts.device.copies_ahead
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
-        pin = self.pin_memory and self.device is None
+        pin = self._pin_memory and self.device is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
             "num_workers": self.num_workers,
             "pin_memory": pin,
@@ -335,9 +335,23 @@ class DataLoader:
         """Samples per delivered batch: this rank's micro batch."""
         return self.layout.micro_batch_size
 
-    #: every delivered batch is a full micro batch; no batch sampler (see `sampler`)
-    drop_last: Final = True
-    batch_sampler: Final = None
+    @property
+    def drop_last(self) -> bool:
+        """True: every delivered batch is a full micro batch (read-only, as torch's)."""
+        return True
+
+    @property
+    def batch_sampler(self) -> None:
+        """None (see `sampler`)."""
+        return None
+
+    @property
+    def collate_fn(self) -> Callable[[Batch], Any] | None:
+        return self._collate_fn
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._pin_memory
 
     @property
     def sampler(self) -> EpochStart:

@@ -183,9 +183,15 @@ class DeterministicBatchSampler:
         """Ids per item: this rank's micro batch."""
         return self.layout.micro_batch_size
 
-    #: every item is a full micro batch; positions come from detdata's layout, not a sampler
-    drop_last: Final = True
-    sampler: Final = None
+    @property
+    def drop_last(self) -> bool:
+        """Always True (read-only): every item is a full micro batch."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, not from a torch sampler."""
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: the order is a function of the global position, not of an epoch counter."""
@@ -336,9 +342,15 @@ class FrameworkBatchSampler:
         self.total_samples = _check_total(total_samples)
         frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
 
-    #: every item is a full micro step; positions come from detdata's layout, not a sampler
-    drop_last: Final = True
-    sampler: Final = None
+    @property
+    def drop_last(self) -> bool:
+        """Always True (read-only): every item is a full micro step."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, not from a torch sampler."""
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: one pass covers the whole run."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import detdata
+from detdata.loading.sampler import FrameworkBatchSampler
 from tests.resume_checker import digest, take
 
 N = 300
@@ -117,6 +118,25 @@ def test_sampler_refuses_a_seed_the_mixture_would_ignore() -> None:
         detdata.DeterministicBatchSampler(mix, global_batch_size=8, seed=999)
     same = detdata.DeterministicBatchSampler(mix, global_batch_size=8, seed=4)
     assert same.seed == 4
+
+
+@pytest.mark.parametrize("name", ["drop_last", "batch_sampler", "collate_fn", "pin_memory"])
+def test_torch_surface_of_the_loader_is_read_only(name: str) -> None:
+    """These are fixed at construction (the reads are built from them): assigning one later
+    would change nothing, so it is refused rather than silently kept."""
+    made = loader()
+    with pytest.raises(AttributeError):
+        setattr(made, name, getattr(made, name))
+
+
+@pytest.mark.parametrize("name", ["drop_last", "sampler"])
+def test_torch_surface_of_the_samplers_is_read_only(name: str) -> None:
+    for sampler in (
+        detdata.DeterministicBatchSampler(64, global_batch_size=8, seed=0),
+        FrameworkBatchSampler(64, global_batch_size=8, batch_size=4, seed=0),
+    ):
+        with pytest.raises(AttributeError):
+            setattr(sampler, name, getattr(sampler, name))
 
 
 def _reader_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
