@@ -1,10 +1,8 @@
 """detdata: exactly reproducible, resumable data loading for LLM pretraining.
 
-Bytes identity (blake3 manifests), order as a function of (seed, global index),
-exact seeded mixtures, and one-integer resume. See docs/design.md for the contracts and
-docs/api.md for this surface: every name below, one line each (tests/test_layers.py checks
-the two agree). Exported classes and functions show as ``detdata.<name>`` (in ``repr``,
-tracebacks and pickles); their code lives in the layer folders (docs/architecture.md).
+Contracts: docs/design.md; this surface: docs/api.md (tests/test_layers.py checks the two
+agree). Exported classes and functions show as ``detdata.<name>`` (in ``repr``, tracebacks
+and pickles); their code lives in the layer folders (docs/architecture.md).
 """
 
 import types as _types
@@ -75,8 +73,7 @@ _LAZY = {
 
 
 def _public(value: object, name: str) -> object:
-    """``value`` shown as ``detdata.<name>`` (classes and functions; aliases are left as
-    they are). Pickles by reference then name ``detdata.<name>``, which resolves."""
+    """``value`` shown (and pickled by reference) as ``detdata.<name>`` (not aliases)."""
     if isinstance(value, (type, _types.FunctionType)) and value.__name__ == name:
         value.__module__ = __name__
     return value

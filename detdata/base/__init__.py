@@ -1,5 +1,3 @@
-"""Layer 1: the exception tree and the small primitives every other layer shares.
-
-Nothing here imports another detdata layer. The public surface is `detdata` itself;
-modules in these folders are internal and may move.
+"""Layer 1: the exception tree and the small primitives every other layer shares; imports no
+other detdata layer. Modules here are internal and may move (the public surface is `detdata`).
 """

@@ -1,7 +1,6 @@
-"""Argument validators: the one home for the checks every constructor makes.
-
-Each returns the value as a plain ``int`` or raises `ConfigError` naming the
-argument, what was expected and what was found. Bools are never integers here.
+"""Argument validators: the one home for the checks every constructor makes. Each returns the
+value as a plain ``int`` or raises `ConfigError` naming the argument, expected and found
+(bools are never integers here).
 """
 
 from __future__ import annotations

@@ -14,15 +14,10 @@
     ├── StaleIteratorError (RuntimeError)     an iterator superseded by a newer one
     └── DependencyError (ImportError)         an optional package is missing; names the extra
 
-Each class also derives from the built-in that fits, so callers that catch
-`ValueError` / `OSError` keep working. Messages say what went wrong, where
-(which shard, field, position) and how to fix it.
-
-Every class can be made from its message alone (keyword attributes have defaults) and
-pickles with its attributes (``BaseException.__reduce__``: the arguments and the
-``__dict__``), so the class survives where exceptions are re-made from their type and
-text: torch's DataLoader worker processes (``ExceptionWrapper.reraise`` calls
-``type(message)``), multiprocessing, threads.
+Each also derives from the built-in that fits (callers catching `ValueError` / `OSError`
+keep working). Every class can be made from its message alone (keyword attributes have
+defaults) and pickles with its attributes, so it survives where exceptions are re-made from
+type and text (torch's DataLoader workers call ``type(message)``, multiprocessing).
 """
 
 from __future__ import annotations
@@ -31,12 +26,8 @@ from detdata.base.redact import redact_args
 
 
 class DetdataError(Exception):
-    """Root of every error detdata raises on purpose.
-
-    Its text passes the redaction boundary when it is made: every URL in a string
-    argument has its credentials replaced by ``***`` (`detdata.base.redact`), so no
-    message of any layer can carry a secret.
-    """
+    """Root of every error detdata raises on purpose; its text is redacted when it is made
+    (`detdata.base.redact`), so no message of any layer can carry a secret."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*redact_args(args))
@@ -48,9 +39,7 @@ class ConfigError(DetdataError, ValueError):
 
 class CapabilityError(ConfigError, TypeError):
     """A call needs a capability (`detdata.datasets.capabilities`) that the stream or dataset
-    it was given does not declare: names the capability (``capability``), the type that lacks
-    it (``kind``) and a hint. A `ConfigError` (the data passed is unsuitable) and a
-    `TypeError` (the object lacks an interface)."""
+    given does not declare: names it (``capability``), the type lacking it (``kind``), a hint."""
 
     def __init__(self, message: str, *, capability: str = "", kind: str = "") -> None:
         super().__init__(message)

@@ -1,9 +1,4 @@
-"""Stable group-by of integer keys: the one way readers group ids by shard or row group.
-
-`stable_groups` sorts keys with a stable argsort (equal keys keep their input
-order) and cuts the sorted keys into runs of one value each. A reader gathers
-each run from one shard (or row group) and scatters it back with ``order``.
-"""
+"""Stable group-by of integer keys: the one way readers group ids by shard or row group."""
 
 from __future__ import annotations
 

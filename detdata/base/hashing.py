@@ -1,7 +1,5 @@
-"""blake3 digests: the ``b3:<hex>`` format, digests of bytes and the quick digest.
-
-Pure functions of bytes (no storage access): digesting stored files and streams of chunks
-(local, through fsspec, remote with retries) is `detdata.storage.digest`.
+"""blake3 digests: the ``b3:<hex>`` format, digests of bytes and the quick digest (pure
+functions of bytes; stored files and streams: `detdata.storage.digest`).
 """
 
 from __future__ import annotations

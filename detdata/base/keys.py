@@ -1,10 +1,8 @@
 """Key derivation: the one primitive every seed, round key and sample key comes from.
 
-``derive(tag, *words, tail=b"", length=8)`` is blake3's XOF over ``tag`` (a domain
-tag such as ``b"detdata:feistel-v1"``), the words as unsigned 64-bit little-endian
-integers, then ``tail``. Seeds are derived by hashing, never by arithmetic, so
-``(seed s, epoch 1)`` is unrelated to ``(seed s + 1, epoch 0)``. The byte layouts
-are pinned by the golden vectors of the algorithms that use them.
+``derive`` is blake3's XOF over a domain tag, the words as u64le, then ``tail``: seeds are
+derived by hashing, never by arithmetic, so ``(seed s, epoch 1)`` is unrelated to ``(seed
+s + 1, epoch 0)``. The byte layouts are pinned by the golden vectors.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Modules imported at first use, so that ``import detdata`` stays light.
 
-pyarrow (about 170 MB, ~0.3 s to import) is needed only where Parquet / Arrow tables are read;
-a user with ``.npy`` or Megatron tokens never imports it. `lazy_module` returns a stand-in
-module whose first attribute access imports the real one; a module that cannot be imported
-raises `DependencyError` naming it, why, and the ``pip install`` that fixes it.
-The pyarrow stand-ins ``pa``, ``ipc`` and ``pq`` live here, one set for every table reader.
-`require` imports an optional module (matplotlib for `detdata.cli.plots`) the same way, now.
+`lazy_module` returns a stand-in whose first attribute access imports the real module (pyarrow
+as ``pa``, ``ipc``, ``pq`` here: ~0.3 s, needed only for tables); `require` imports one now.
+A module that cannot be imported is a `DependencyError` naming it and the ``pip install``.
 """
 
 from __future__ import annotations

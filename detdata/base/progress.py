@@ -1,14 +1,10 @@
 """Progress of long work (hashing, verifying, index builds, splits): one home for every caller.
 
-``enabled`` None (the default everywhere): a tqdm bar when stderr is a terminal, else one plain
-line on stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,000 (12%),
-45.3 shard/s, ETA 3m14s``) and a closing line, so a SLURM or CI log shows how far a run is;
-True: the same, with a closing line even for short work; False: nothing.
-``DETDATA_PROGRESS=0`` in the environment silences both, everywhere (the one switch; ``=1``
-forces them on, closing line included, as ``enabled=True``). Work that is asked for once
-(a manifest build) passes ``closing=True``: its log gets the closing line however short it
-was. `counting` is the same for work whose total is not known ahead (listing a root's files).
-Progress never changes a result.
+``enabled`` None (the default): a tqdm bar when stderr is a terminal, else a plain line on
+stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,000 (12%), 45.3
+shard/s, ETA 3m14s``) and a closing line where lines were shown (also for short work with
+``enabled=True`` or ``closing=True``); False: nothing. ``DETDATA_PROGRESS=0`` silences it
+everywhere, ``=1`` acts as ``enabled=True``. Progress never changes a result.
 """
 
 from __future__ import annotations
@@ -24,24 +20,20 @@ from typing import Final, TextIO
 #: Seconds between two log lines when stderr is not a terminal.
 LOG_EVERY_S: Final = 30.0
 ENV: Final = "DETDATA_PROGRESS"
+_ON: Final = {"1", "true", "yes", "on"}
+
+
+def _switch() -> str:
+    return os.environ.get(ENV, "").strip().lower()
 
 
 def wanted(enabled: bool | None) -> bool:
     """Whether progress is shown: ``DETDATA_PROGRESS`` (0 / 1) decides first, then ``enabled``
     (None: always, as a bar on a terminal or as log lines elsewhere)."""
-    switch = os.environ.get(ENV, "").strip().lower()
+    switch = _switch()
     if switch in {"0", "false", "no", "off"}:
         return False
-    if switch in {"1", "true", "yes", "on"}:
-        return True
-    return True if enabled is None else bool(enabled)
-
-
-def forced(enabled: bool | None) -> bool:
-    """Whether the closing line is printed even for short work: ``enabled=True``, or
-    ``DETDATA_PROGRESS=1`` (which forces progress on, as ``enabled=True`` does)."""
-    switch = os.environ.get(ENV, "").strip().lower()
-    return enabled is True or switch in {"1", "true", "yes", "on"}
+    return True if switch in _ON or enabled is None else bool(enabled)
 
 
 def _duration(seconds: float) -> str:
@@ -52,21 +44,14 @@ def _duration(seconds: float) -> str:
 
 
 class LogLines:
-    """Plain progress lines on ``stream`` at most every ``every_s`` seconds, and a last one."""
+    """Plain progress lines on ``stream`` at most every `LOG_EVERY_S` seconds, and a closing
+    one where lines were shown (or ``closing``). ``total`` None: work of unknown size."""
 
     def __init__(
-        self,
-        total: int,
-        desc: str,
-        unit: str,
-        *,
-        stream: TextIO,
-        every_s: float | None = None,
-        closing: bool = False,
+        self, total: int | None, desc: str, unit: str, *, stream: TextIO, closing: bool
     ) -> None:
         self.total, self.desc, self.unit = total, desc, unit
         self.stream = stream
-        self.every_s = LOG_EVERY_S if every_s is None else every_s
         self.done = 0
         self.start = self.last = time.monotonic()
         self.lines = 0
@@ -75,32 +60,33 @@ class LogLines:
     def update(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
-        if now - self.last >= self.every_s:
+        if now - self.last >= LOG_EVERY_S:
             self.last = now
             self._line(now)
 
     def close(self) -> None:
-        if self.lines or self.closing:  # by default only where lines were shown (long work)
+        if self.lines or self.closing:
             self._line(time.monotonic(), final=True)
 
     def _line(self, now: float, *, final: bool = False) -> None:
         elapsed = max(now - self.start, 1e-9)
         rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else math.inf
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        tail = f"done in {_duration(elapsed)}" if final else f"ETA {_duration(eta)}"
-        print(
-            f"detdata: {self.desc}: {self.done:,}/{self.total:,} ({pct:.0f}%), "
-            f"{rate:,.1f} {self.unit}/s, {tail}",
-            file=self.stream,
-            flush=True,
-        )
+        if self.total is None:
+            text = f"{self.done:,} {self.unit} so far, {rate:,.1f} {self.unit}/s"
+            if final:
+                text = f"{self.done:,} {self.unit} in {_duration(elapsed)}"
+        else:
+            eta = (self.total - self.done) / rate if rate > 0 else math.inf
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            tail = f"done in {_duration(elapsed)}" if final else f"ETA {_duration(eta)}"
+            text = f"{self.done:,}/{self.total:,} ({pct:.0f}%), {rate:,.1f} {self.unit}/s, {tail}"
+        print(f"detdata: {self.desc}: {text}", file=self.stream, flush=True)
         self.lines += 1
 
 
 @contextlib.contextmanager
 def progress(
-    total: int,
+    total: int | None,
     desc: str,
     *,
     unit: str = "it",
@@ -109,7 +95,7 @@ def progress(
 ) -> Iterator[Callable[[int], None]]:
     """A callback ``update(n)`` (n more units done) for ``total`` units (see the module);
     ``closing``: a log gets the closing line even when the work was short."""
-    if total <= 0 or not wanted(enabled):
+    if (total is not None and total <= 0) or not wanted(enabled):
         yield lambda _n: None
         return
     if sys.stderr.isatty():
@@ -121,61 +107,16 @@ def progress(
         finally:
             bar.close()
         return
-    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced(enabled))
+    forced = enabled is True or _switch() in _ON  # a closing line even for short work
+    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced)
     try:
         yield lines.update
     finally:
         lines.close()
 
 
-class CountLines:
-    """`LogLines` for work of unknown size: ``detdata: DESC: N UNIT so far, R UNIT/s``
-    at most every ``every_s`` seconds, and ``detdata: DESC: N UNIT in TIME`` at the end."""
-
-    def __init__(self, desc: str, unit: str, *, stream: TextIO, closing: bool) -> None:
-        self.desc, self.unit, self.stream, self.closing = desc, unit, stream, closing
-        self.done = 0
-        self.start = self.last = time.monotonic()
-        self.lines = 0
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= LOG_EVERY_S:
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            self._print(f"{self.done:,} {self.unit} so far, {rate:,.1f} {self.unit}/s")
-
-    def close(self) -> None:
-        if self.lines or self.closing:
-            elapsed = _duration(time.monotonic() - self.start)
-            self._print(f"{self.done:,} {self.unit} in {elapsed}")
-
-    def _print(self, text: str) -> None:
-        print(f"detdata: {self.desc}: {text}", file=self.stream, flush=True)
-        self.lines += 1
-
-
-@contextlib.contextmanager
 def counting(
     desc: str, *, unit: str = "it", enabled: bool | None = None, closing: bool = False
-) -> Iterator[Callable[[int], None]]:
-    """`progress` for work whose total is unknown: a callback ``update(n)``; a tqdm counter
-    on a terminal, else `CountLines` on stderr."""
-    if not wanted(enabled):
-        yield lambda _n: None
-        return
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(desc=desc, unit=unit, unit_scale=True, file=sys.stderr)
-        try:
-            yield bar.update
-        finally:
-            bar.close()
-        return
-    lines = CountLines(desc, unit, stream=sys.stderr, closing=closing or forced(enabled))
-    try:
-        yield lines.update
-    finally:
-        lines.close()
+) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+    """`progress` for work whose total is unknown (lines ``N UNIT so far, R UNIT/s``)."""
+    return progress(None, desc, unit=unit, enabled=enabled, closing=closing)

@@ -1,44 +1,13 @@
 """Keeping credentials out of messages, logs, records, CLI output and saved files: the one
-redaction home, and the boundary every output of detdata passes through.
+redaction home, and the boundary every output passes (docs/design.md, "Scale: identity and
+secrets"): `DetdataError` text (`redact_args`), storage clients' exceptions
+(`scrub_exception`), CLI output (`redacted_output`), records (`redact_value`) and logs
+(`get_logger`, `install_log_redaction`).
 
-The boundary (so that a new feature cannot forget it):
-
-* **messages**: every `detdata.base.errors.DetdataError` redacts its text when it is
-  made (`redact_args`), whichever layer raises it; `scrub_exception` does it for a
-  storage client's exception before detdata chains or keeps it;
-* **CLI lines**: ``detdata``'s ``main`` runs every command inside `redacted_output`,
-  which passes everything written to stdout and stderr (results, warnings, progress
-  bars, the final error line) through `redact_text` line by line;
-* **records**: `redact_value` redacts every string of a JSON-like record
-  (`SampleRecord` locations, ``where`` / ``provenance`` output);
-* **logs**: every detdata logger comes from `get_logger`, which attaches the
-  `RedactingFilter`; the storage clients' loggers get it at import
-  (`install_log_redaction`).
-
-Two kinds of secrets ride in URLs:
-
-* **user info**: ``http://alice:TOKEN@host/data``, ``s3://KEY:SECRET@bucket`` (and a
-  bare ``https://TOKEN@host``): everything between ``://`` and the ``@`` that ends
-  the authority;
-* **credential-bearing query parameters**, as in presigned or SAS URLs. A
-  parameter is a credential when its name, compared case-insensitively, is one of
-  `SECRET_PARAMS` (``X-Amz-Signature``, ``X-Amz-Credential``,
-  ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``X-Goog-Credential``,
-  ``Signature``, ``sig``, ``token``, ``access_token``, ``key``, ``api_key``,
-  ``password``, ``secret``, ``client_secret``, ``auth``, ...) or contains one of
-  `SECRET_WORDS` (``token``, ``secret``, ``signature``, ``password``,
-  ``credential``, ``apikey``, ``api_key``, ``access_key``, ...).
-
-`redact_url` replaces them with ``***`` (parameter names stay, so a reader sees
-*which* credentials a URL carried); `redact_text` does that for every URL inside
-a message. `strip_credentials` removes them (no ``***`` left behind that a later
-reader would send as a credential): the form in which a root is persisted.
-`scrub_exception` redacts an exception's text in place before detdata re-raises
-or chains it. `RedactingFilter` redacts log records; `install_log_redaction`
-puts one on the loggers of the fsspec back ends detdata reads through (their
-DEBUG lines quote every URL), once, when `detdata.storage.fs` is imported.
-Everything else in a URL (host, path, other parameters, a ``?`` or ``#`` in a
-shard name) is kept byte for byte.
+Secrets ride in URLs as user info (``http://alice:TOKEN@host``) and as query parameters
+named in `SECRET_PARAMS` or containing one of `SECRET_WORDS` (case-insensitive).
+`redact_url` masks them with ``***`` (parameter names stay); `strip_credentials` removes them
+(the form a root is persisted in). Everything else in a URL is kept byte for byte.
 """
 
 from __future__ import annotations
@@ -56,35 +25,9 @@ T = TypeVar("T")
 
 MASK: Final = "***"
 
-SECRET_PARAMS: Final = frozenset(
-    {
-        "x-amz-signature",
-        "x-amz-credential",
-        "x-amz-security-token",
-        "x-goog-signature",
-        "x-goog-credential",
-        "x-goog-security-token",
-        "signature",
-        "sig",
-        "token",
-        "access_token",
-        "id_token",
-        "refresh_token",
-        "key",
-        "api_key",
-        "apikey",
-        "access_key",
-        "password",
-        "passwd",
-        "pwd",
-        "secret",
-        "client_secret",
-        "awsaccesskeyid",
-        "googleaccessid",
-        "auth",
-        "authorization",
-    }
-)
+#: credential parameter names that contain none of `SECRET_WORDS` (which catch the rest:
+#: ``x-amz-signature``, ``access_token``, ``client_secret``, ``awsaccesskeyid``...)
+SECRET_PARAMS: Final = frozenset({"sig", "key", "pwd", "auth", "authorization", "googleaccessid"})
 SECRET_WORDS: Final = (
     "token",
     "secret",
@@ -141,12 +84,8 @@ def _query_secrets(query: str, replace: str | None) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with user info and credential query values replaced by ``***``.
-
-    ``http://alice:TOKEN@host/d?X-Amz-Signature=abc&part=1`` ->
-    ``http://***@host/d?X-Amz-Signature=***&part=1``. Strings without either are
-    returned unchanged (local paths, ``s3://bucket/key``).
-    """
+    """``url`` with user info and credential query values replaced by ``***``:
+    ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://***@host/d?sig=***&part=1``."""
     if not isinstance(url, str) or "://" not in url:
         return url
     head, userinfo, path, query = _split(url)
@@ -157,27 +96,16 @@ def redact_url(url: str) -> str:
 
 
 def strip_credentials(url: str) -> str:
-    """``url`` without user info and without credential query parameters (what is persisted).
-
-    ``http://alice:TOKEN@host/d?sig=abc&part=1`` -> ``http://host/d?part=1``. The
-    credentials stay runtime arguments (a ``root=`` or ``storage_options``).
-    """
+    """``url`` without user info and credential query parameters (what is persisted):
+    ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://host/d?part=1``."""
     if not isinstance(url, str) or "://" not in url:
         return url
     head, _, path, query = _split(url)
     out = head + path
     if query:
         kept = _query_secrets(query[1:], None)
-        if kept and not kept.startswith("#"):
-            out += "?" + kept
-        elif kept:
-            out += kept
+        out += kept if not kept or kept.startswith("#") else "?" + kept
     return out
-
-
-def has_credentials(url: str) -> bool:
-    """Whether `strip_credentials` would change ``url``."""
-    return strip_credentials(url) != url
 
 
 def redact_text(text: str) -> str:
@@ -194,26 +122,27 @@ def redact_text(text: str) -> str:
 
 
 def scrub_exception(exc: BaseException) -> BaseException:
-    """Redact the URLs in ``exc``'s text in place (its ``args``, and an OSError's file names).
+    """Redact the URLs in ``exc``'s text and its chain's, in place (``args``, an OSError's file
+    names, aiohttp's ``request_info``), before a client's error is re-raised, chained or
+    kept. Returns ``exc``; its type and other attributes are unchanged."""
+    for current in exception_chain(exc):
+        _scrub_one(current)
+    return exc
 
-    Used before an exception from a storage client is re-raised, chained or
-    kept (``RetriesExhausted.last_error``): fsspec and aiohttp put the URL they
-    were given, credentials included, in their messages. Returns ``exc``. The
-    type and every other attribute are unchanged (so ``FileNotFoundError`` still
-    means "absent").
-    """
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then its ``__cause__`` (else ``__context__``), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        _scrub_one(current)
+        yield current
         current = current.__cause__ or current.__context__
-    return exc
 
 
 def _scrub_one(exc: BaseException) -> None:
     with contextlib.suppress(AttributeError, TypeError):  # exotic exception types
-        exc.args = tuple(redact_text(a) if isinstance(a, str) else a for a in exc.args)
+        exc.args = redact_args(exc.args)
     if isinstance(exc, OSError):
         for attr in ("strerror", "filename", "filename2"):
             value = getattr(exc, attr, None)
@@ -323,10 +252,8 @@ def redact_value(value: T) -> T:
 
 
 class RedactingWriter(io.TextIOBase):
-    """A text stream that writes ``target`` every line (ended by ``\\n`` or ``\\r``) through
-    `redact_text`. A URL never spans a line end, so nothing is cut in two; the unfinished
-    line is written (redacted) on `flush`. Attributes it does not have (``encoding``,
-    ``fileno``, ``buffer``...) are the target's."""
+    """A text stream that writes ``target`` each whole line (a URL never spans a line end)
+    through `redact_text`, the unfinished line on `flush`; other attributes are the target's."""
 
     def __init__(self, target: TextIO) -> None:
         super().__init__()

@@ -1,13 +1,6 @@
-"""Arrow columns as numpy arrays: what `detdata.datasets.tables.TableRows` delivers.
-
-`to_numpy` turns one column of a row group into numpy: primitive columns 1-D; fixed-size
-lists and lists whose rows all have one length 2-D ``(rows, length)`` (flattened values +
-reshape, no per-row Python); strings/binary 1-D object arrays; timestamps, dates and
-durations ``datetime64`` / ``timedelta64`` in the column's unit. Lists of varying length
-are a `FormatError` unless the column is ``ragged`` (then an object array of read-only
-1-D arrays, a slow path; `copy_rows` makes a batch's own copies). `check_column_type`
-refuses at construction the types it cannot convert; `arrow_kind` says, from the Arrow
-type alone, what a column becomes (`detdata.datasets.batch_columns.describe_column` form).
+"""Arrow columns as numpy arrays: what `TableRows` delivers (the kinds: docs/guarantees.md,
+"Column kinds and the default collate"). `check_column_type` refuses at construction the
+types `to_numpy` cannot convert; `arrow_kind` says from the Arrow type what a column becomes.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
 from detdata.base.types import IntArray
-from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype, object_array
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -34,14 +27,9 @@ def to_numpy(array: pa.Array, where: str, *, ragged: bool = False) -> np.ndarray
     ``where``). Lists of varying length are a `FormatError` unless ``ragged``.
     """
     kind = array.type
-    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    if _is_list(kind):
         return _list_to_numpy(array, where, ragged)
-    if (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-    ):
+    if _is_text(kind):
         return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
     if array.null_count:
         raise FormatError(
@@ -62,9 +50,8 @@ _NUMBERS = {
 
 def numbers(array: pa.Array) -> np.ndarray[Any, Any]:
     """``array`` (no nulls) as numpy: a read-only view of its data buffer for integer and
-    floating types, else ``array.to_numpy(zero_copy_only=False)``. The same values and dtype
-    as ``to_numpy``, without its first call's import of pandas (~0.3 s of CPU, paid by a
-    loader's first batch)."""
+    floating types (pyarrow's ``to_numpy`` would import pandas, ~0.3 s), else
+    ``array.to_numpy(zero_copy_only=False)``."""
     dtype = _NUMBERS.get(str(array.type))
     if dtype is not None and len(array) == 0:
         return np.empty(0, dtype=dtype)
@@ -133,10 +120,7 @@ def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[An
 
 def copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
-    out = np.empty(len(column), dtype=object)
-    for i, row in enumerate(column.tolist()):
-        out[i] = row.copy()
-    return out
+    return object_array([row.copy() for row in column.tolist()])
 
 
 def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:
@@ -163,13 +147,33 @@ def _numpy_dtype(kind: pa.DataType) -> np.dtype[Any]:
     return np.asarray(pa.array([], type=kind).to_numpy(zero_copy_only=False)).dtype
 
 
+def _is_list(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    )
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    """A string or binary type (read as an object array of str / bytes)."""
+    return bool(
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
+
+
+def _is_number(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    )
+
+
 def check_column_type(field: pa.Field, shard: str) -> None:
     kind = field.type
-    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    if _is_list(kind):
         kind = kind.value_type
-        if not (
-            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-        ):
+        if not _is_number(kind):
             raise FormatError(
                 f"shard {shard} column {field.name!r}: lists of {kind} are not "
                 "supported (only lists of numbers/booleans); hint: drop it via columns="
@@ -181,17 +185,7 @@ def check_column_type(field: pa.Field, shard: str) -> None:
             "supported; hint: store it as integer columns (months, days, nanoseconds) "
             "or drop it via columns="
         )
-    simple = (
-        pa.types.is_integer(kind)
-        or pa.types.is_floating(kind)
-        or pa.types.is_boolean(kind)
-        or pa.types.is_temporal(kind)
-        or pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-    )
-    if not simple:
+    if not (_is_number(kind) or pa.types.is_temporal(kind) or _is_text(kind)):
         raise FormatError(
             f"shard {shard} column {field.name!r}: type {kind} is not supported; "
             "hint: select other columns via columns="

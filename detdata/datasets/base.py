@@ -1,14 +1,8 @@
-"""The two protocols everything composes through.
-
-* A `Dataset` reads samples by id: ``read(ids) -> Batch`` with one batched read,
-  rows in exactly the order of ``ids``.
-* A `Stream` reads samples by *global position*: ``fetch(positions) -> Batch``.
-  `OrderedStream` (`detdata.datasets.streams`) turns a dataset into a stream
-  with `GlobalOrder`; `detdata.Mixture` is a stream over several datasets.
-
-A `Batch` is a dict of column name -> numpy array whose first axis is the batch.
-``identity()`` returns plain JSON that pins what the data is (manifest ids and
-parameters); it enters the loader state and the resume checks.
+"""The two protocols everything composes through: a `Dataset` reads samples by id
+(``read(ids) -> Batch``, one batched read, rows in the order of ``ids``); a `Stream` by
+global position (``fetch(positions) -> Batch``: `OrderedStream`, `detdata.Mixture`). A
+`Batch` maps column name -> numpy array, batch first; ``identity()`` is plain JSON pinning
+what the data is (it enters the loader state and the resume checks).
 """
 
 from __future__ import annotations
@@ -64,10 +58,8 @@ def check_ids(ids: npt.ArrayLike, num_samples: int, what: str) -> IntArray:
 
 
 class ArrayDataset:
-    """An in-memory dataset of equal-length columns (tests, small examples).
-
-    Its identity includes a blake3 of every column's bytes, dtype and shape.
-    """
+    """An in-memory dataset of equal-length columns (tests, small examples); its identity
+    includes a blake3 of every column's bytes, dtype and shape."""
 
     def __init__(self, columns: Mapping[str, npt.ArrayLike], *, name: str = "arrays") -> None:
         if not isinstance(columns, Mapping):

@@ -1,35 +1,8 @@
-"""Column kinds of a read batch: how they are described, restacked and turned into torch.
-
-A `Batch` is a dict of column name -> numpy array whose first axis is the row.
-The kinds a detdata dataset delivers, and what the default collate (`to_torch`,
-used by `detdata.DataLoader` when ``collate_fn`` is None) makes of each:
-
-==========================  ==============================  ===============================
-column                      numpy (``read`` / ``fetch``)    default collate
-==========================  ==============================  ===============================
-integer / float / bool      ``(rows,)``                     tensor ``(rows,)``
-fixed-size or equal lists   ``(rows, width)``               tensor ``(rows, width)``
-ragged lists                object array of 1-D arrays      list of 1-D tensors (one a row)
-strings / binary            object array of str / bytes     list of str / list of bytes
-timestamps, dates,          ``datetime64[unit]`` /          int64 tensor of the raw counts
-durations                   ``timedelta64[unit]``           (unit as in the numpy dtype)
-==========================  ==============================  ===============================
-
-Ragged columns stay a list of tensors (no padding: a pad value and side are the
-model's choice, e.g. ``torch.nn.utils.rnn.pad_sequence(batch[name],
-batch_first=True)`` in a ``collate_fn``). Timestamps count units since
-1970-01-01 UTC (time-zone-aware Arrow timestamps are stored in UTC); the unit
-is the column's `TableRows.schema` entry (``datetime64[ms]``: milliseconds).
-Anything else (e.g. time-of-day columns, which read as ``datetime.time``
-objects) is a `ConfigError` naming the column: pass ``collate_fn=``.
-
-Memory: a numeric tensor shares the memory of the array it comes from only when
-that array is writable (a fresh array a read made for this batch); a read-only
-array (a memory map, a cache) is copied first, so no delivered tensor can write
-into a dataset's storage. Ragged rows are copied into one new buffer per column.
-
-This module imports torch only when `to_torch` runs (the CLI and manifest tools
-stay fast).
+"""Column kinds of a read batch (a dict of column -> numpy array, rows on the first axis):
+how they are described (`describe_column`), restacked from a transform's outputs
+(`restack`) and turned into torch objects by the default collate (`to_torch`); the kinds
+and what the collate makes of each: docs/guarantees.md, "Column kinds and the default
+collate". torch is imported only when `to_torch` runs.
 """
 
 from __future__ import annotations
@@ -50,13 +23,9 @@ _NUMERIC = "biufc"
 _TEMPORAL = "Mm"
 
 
-# ------------------------------------------------------------------ describing columns
 def describe_dtype(dtype: np.dtype[Any], shape: Sequence[int] = ()) -> str:
-    """``'int32'``, ``'float32 (3,)'``, ``'datetime64[ms]'``: a numpy dtype name and trailing shape.
-
-    A non-native byte order is part of the description (``'int32 [>]'``), so two sources
-    that store the same values in other byte orders never pass as the same column type.
-    """
+    """``'int32'``, ``'float32 (3,)'``, ``'datetime64[ms]'``: a numpy dtype name and trailing
+    shape; a non-native byte order is part of it (``'int32 [>]'``)."""
     name = dtype.name if dtype.isnative else f"{dtype.name} [{dtype.byteorder}]"
     return name if not len(shape) else f"{name} {tuple(int(s) for s in shape)}"
 
@@ -72,13 +41,9 @@ def _element_kind(value: object) -> str:
 
 
 def describe_column(column: npt.ArrayLike) -> str:
-    """What one batch column holds, in a form two sources can be compared by.
-
-    Non-object arrays: `describe_dtype` of their dtype and trailing shape. Object
-    arrays by their elements (``None`` skipped): ``'str'``, ``'bytes'``,
-    ``'list<int32>'`` (ragged rows), another type's name (``'time'``), ``'object'``
-    when every element is None, ``'mixed<bytes|str>'`` when they differ.
-    """
+    """What one batch column holds, comparable across sources: `describe_dtype`, or for
+    object arrays their elements' kind (None skipped): ``'str'``, ``'bytes'``,
+    ``'list<int32>'``, a type name (``'time'``), ``'object'`` (all None) or ``'mixed<...>'``."""
     arr = np.asarray(column)
     if arr.dtype != object:
         return describe_dtype(arr.dtype, arr.shape[1:])
@@ -112,7 +77,6 @@ def is_ragged(column: object) -> bool:
     return bool(rows) and all(isinstance(v, np.ndarray) and v.ndim == 1 for v in rows)
 
 
-# ------------------------------------------------------------------ restacking transform outputs
 def _position(positions: Sequence[int] | npt.NDArray[np.int64], i: int) -> str:
     return f"position {int(positions[i])}" if i < len(positions) else f"sample {i} of the batch"
 
@@ -124,22 +88,14 @@ def restack(
     *,
     ragged: bool = False,
 ) -> Array:
-    """One batch column from the per-sample values a transform returned for ``column``.
-
-    * str / bytes (or None) values: an object array of them (bytes keep trailing
-      NUL bytes, which numpy's fixed-width ``S`` dtype would drop);
-    * ``ragged`` (the input column of that name was ragged) and every value 1-D:
-      an object array of the 1-D arrays, whatever their lengths (so a ragged
-      column never turns 2-D in the batches where its lengths happen to agree);
-    * otherwise arrays of one dtype and shape, stacked.
-
-    `ConfigError` naming ``column`` and the sample's position when values mix
-    strings and arrays, or differ in dtype (numpy would silently upcast, so one
-    batch's dtype would depend on which samples it holds) or in shape.
-    """
+    """One batch column from the per-sample values a transform returned for ``column``:
+    an object array for str / bytes / None values (bytes keep trailing NULs), or when
+    ``ragged`` (the input column was) and every value is 1-D; else the arrays stacked.
+    `ConfigError` naming ``column`` and the position when values mix strings and arrays
+    or differ in dtype (numpy would upcast silently) or shape."""
     texts = [v is None or isinstance(v, (str, bytes)) for v in values]
     if all(texts):
-        return _objects(values)
+        return object_array(values)
     if any(texts):
         i = texts.index(not texts[0])
         raise ConfigError(
@@ -157,7 +113,7 @@ def restack(
                 "cast in the transform, e.g. np.asarray(value, dtype=np.int64)"
             )
     if ragged and all(a.ndim == 1 for a in arrays):
-        return _objects(arrays)
+        return object_array(arrays)
     for i, arr in enumerate(arrays):
         if arr.shape != first.shape:
             raise ConfigError(
@@ -169,34 +125,25 @@ def restack(
     return np.stack(arrays)
 
 
-def _objects(values: Sequence[Any]) -> Array:
+def object_array(values: Sequence[Any]) -> Array:
+    """A 1-D object array of ``values``, filled element by element."""
     out = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):  # element by element: numpy would broadcast equal-length arrays
         out[i] = v
     return out
 
 
-# ------------------------------------------------------------------ the default collate
 def to_torch(batch: Any) -> Any:
-    """The default collate: a read batch (dict of numpy columns) into torch objects.
-
-    Per column (the table in the module docstring): numeric, bool and fixed-width
-    list columns become tensors; ragged columns a list of 1-D tensors (one per
-    row, each in one new buffer per column); strings and binary a list of str /
-    bytes (None kept); ``datetime64`` / ``timedelta64`` an int64 tensor of the raw
-    counts in the column's unit. A numeric tensor shares memory with its array
-    only if the array is writable; read-only arrays are copied. Other columns
-    raise `ConfigError` naming the column (hint: ``collate_fn=``). Mappings are
-    converted per value; anything else is returned unchanged.
-    """
-    if isinstance(batch, Mapping):
-        return {k: _convert(v, str(k)) for k, v in batch.items()}
-    return _convert(batch, "") if isinstance(batch, np.ndarray) else batch
+    """The default collate: a read batch (dict of numpy columns) into torch objects, per
+    column as the module docstring's reference says (a numeric tensor shares memory with
+    its array only if the array is writable); other kinds raise `ConfigError` naming the
+    column. Mappings are converted per value; anything else is returned unchanged."""
+    return _convert(batch, "")
 
 
 def _convert(value: Any, name: str) -> Any:
     if isinstance(value, Mapping):
-        return {k: _convert(v, f"{name}.{k}") for k, v in value.items()}
+        return {k: _convert(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
     if not isinstance(value, np.ndarray):
         return value
     kind = value.dtype.kind
@@ -243,13 +190,10 @@ def _object_column(arr: Array, name: str) -> list[Any]:
         raise _refuse(name, found)
     if any(v is None for v in items):
         raise _refuse(name, "None (null list)")
-    dtype = items[0].dtype if items else np.dtype(np.int64)
+    dtype = items[0].dtype  # not empty: an empty column is "object"
     if dtype.kind not in _NUMERIC and dtype.kind not in _TEMPORAL:
         raise _refuse(name, found)
-    lengths = [len(v) for v in items]
-    if not items:
-        return []
     import torch
 
     flat = _tensor(np.concatenate(items))  # one new buffer: rows never alias the read's arrays
-    return list(torch.split(flat, lengths))
+    return list(torch.split(flat, [len(v) for v in items]))

@@ -1,12 +1,9 @@
 """What a stream or dataset declares it can do, beyond the `Stream` / `Dataset` protocols.
 
-`Stream` (``fetch``, ``sample_ids``, ``identity``) and `Dataset` (``num_samples``, ``read``,
-``identity``) are all the loader needs to deliver batches. Everything else a caller may
-use is one of five *capabilities*: a small `typing.Protocol` below, checked with
-``isinstance`` (never by probing an attribute name), so a type that lacks one is told so by
-name instead of silently losing a feature. A call that needs a capability (or a member
-without a default) raises `CapabilityError` naming it, its members, the type that lacks it
-and a hint (`missing`); where a default exists it applies, stated below and at the call.
+Everything beyond `Stream` / `Dataset` is one of five *capabilities*, each a small
+`typing.Protocol` checked with ``isinstance`` (never an attribute probe). A call that needs
+one (or a member without a default) raises `CapabilityError` naming it, its members, the
+type that lacks it and a hint (`missing`); where a default exists it applies.
 
 =================  ==========================  ===========================================
 capability         provided by                 without it
@@ -29,15 +26,7 @@ capability         provided by                 without it
                                                shard or range), ``use_order`` does nothing
 =================  ==========================  ===========================================
 
-`HasOrigins` answers "what datasets does the stream draw from, and which sample is at each
-position" in one call (`Origins`; a single-dataset stream is the one-source case with
-``names == (None,)``). `DatasetInfo` is a Protocol with a default for every member: a
-dataset subclasses it and overrides what it knows (a dataset that does not subclass it gets
-every default). A single dataset's key in ``tokens_consumed`` is its identity's ``name``,
-else its identity's ``type``.
-
-``tests/datasets/test_capabilities.py`` holds the list of what each built-in type must
-declare and checks it, and that a stream with only the three `Stream` methods loads.
+``tests/datasets/test_capabilities.py`` pins what each built-in type declares.
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final, Protocol, runtime_checkable
 
-from detdata.base.errors import CapabilityError, ConfigError
+from detdata.base.errors import CapabilityError
 from detdata.base.types import IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.order.choice import OrderChoice
@@ -69,13 +58,6 @@ class Origins:
     ids: IntArray
     notes: tuple[dict[str, Any] | None, ...]
 
-    def source_index(self, name: str | None) -> int:
-        """The index of source ``name`` (`ConfigError` naming the sources if unknown)."""
-        if name not in self.names:
-            shown = [n for n in self.names if n is not None] or ["(one unnamed source)"]
-            raise ConfigError(f"unknown source {name!r}; this stream's sources are {shown}")
-        return self.names.index(name)
-
 
 # ------------------------------------------------------------------ streams
 @runtime_checkable
@@ -90,10 +72,8 @@ class HasOrigins(Protocol):
 @runtime_checkable
 class ContinuesFrom(Protocol):
     """Continues a saved stream of another configuration at a position, after a resume that
-    allows a change: ``continue_from(saved_identity, position) -> Stream`` (`Mixture`: new
-    weights from there on; `Excluded`: checks that only lists in force from there on were
-    appended, and returns itself). It raises `ConfigError` / `StateError` naming why it
-    cannot."""
+    allows a change: ``continue_from(saved_identity, position) -> Stream``, else
+    `ConfigError` / `StateError` naming why it cannot."""
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Stream: ...
 
@@ -101,12 +81,9 @@ class ContinuesFrom(Protocol):
 @runtime_checkable
 class Reweights(Protocol):
     """Can change its mixture weights from a position on (`Mixture`, an `Excluded` over one):
-    ``with_mixture_weights(position, weights)`` is the stream with ``weights`` in force from
-    global ``position`` on (every earlier position unchanged, each source continuing its
-    stream), ``with_weight_changes(changes)`` the same for each ``(position, weights)`` in
-    turn, ``mixture_weights_at(position)`` the exact proportions in force there. ``mixes``:
-    whether it does mix sources (an `Excluded` has the methods over any stream, and mixes only
-    over a mixture); use `reweights` rather than an isinstance check."""
+    ``with_mixture_weights(position, weights)``, ``with_weight_changes(changes)`` (each in
+    turn), ``mixture_weights_at(position)``. ``mixes``: whether it does mix sources (an
+    `Excluded` mixes only over a mixture); use `reweights`, not an isinstance check."""
 
     @property
     def mixes(self) -> bool: ...
@@ -126,10 +103,9 @@ def reweights(stream: object) -> Reweights | None:
 # ------------------------------------------------------------------ streams and datasets
 @runtime_checkable
 class ReadsAhead(Protocol):
-    """Takes a hint of its next read: ``read_ahead(x)`` where ``x`` is what the next call will be
-    given (positions for a stream's ``fetch``, ids for a dataset's ``read``; None: drop what
-    is pending). It may start that read's file reads in the background; it never changes a
-    fetched byte and never raises for what the read itself would report. Optional."""
+    """Takes a hint of its next read: ``read_ahead(x)``, ``x`` what the next ``fetch`` /
+    ``read`` will be given (None: drop what is pending). Never changes a fetched byte and
+    never raises for what the read itself would report."""
 
     def read_ahead(self, positions: IntArray | None) -> None: ...
 
@@ -143,12 +119,9 @@ def hint_read_ahead(target: object, positions: IntArray | None) -> None:
 
 # ------------------------------------------------------------------ datasets
 class DatasetInfo(ABC):  # noqa: B024 (a base of defaults: no member is abstract)
-    """What a dataset may say about itself beyond `Dataset`, each member with its default: a
-    dataset subclasses this class and overrides what it knows (`TokenWindows`, `TableRows`,
-    `PackedWindows`); `info` gives any other dataset the defaults. None means "not known":
-    the call that needs the member raises `missing` naming it. Declared by subclassing (a
-    nominal check: ``isinstance`` never evaluates a member, and a dataset that defines some
-    of these names without subclassing gets the defaults)."""
+    """What a dataset may say about itself beyond `Dataset`, each member with its default
+    (None: "not known"). Declared by subclassing (nominal: a dataset that defines these
+    names without subclassing gets the defaults, `info`)."""
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -186,11 +159,7 @@ class DatasetInfo(ABC):  # noqa: B024 (a base of defaults: no member is abstract
         del choice
 
 
-class _Defaults(DatasetInfo):
-    """Every `DatasetInfo` default, for a dataset that does not declare it."""
-
-
-_DEFAULTS: Final = _Defaults()
+_DEFAULTS: Final = DatasetInfo()  # every default, for a dataset that does not declare it
 
 
 def info(dataset: object) -> DatasetInfo:

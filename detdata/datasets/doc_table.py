@@ -1,16 +1,7 @@
-"""The document table of `detdata.datasets.documents.Documents`: its units and its checks.
-
-A *unit* (`Unit`) is one token space of the corpus: a token file (a plain ``npy`` / ``bin``
-shard cut at ``eod_token``, or the ``.bin`` of a Megatron pair) or the token-list column
-of a table shard. `UnitPlanner` plans the units of a manifest in path order from the
-manifest's columns (the checks of a shard's kind are made once per kind); the document
-*starts* of each unit come from its ``.idx`` (`megatron_starts`), a scan for
-``eod_token`` (`eod_starts`) or the list offsets of its rows (`table_starts`).
-
-A stored document table (``index_dir``) is trusted only after `check_stored_table` finds
-it consistent with the manifest; the units' token and row-group counts are then
-recomputed from it and the manifest (`table_units`), never read from the record.
-`stored_dtype` / `common_dtype` say what the shards store and what is delivered.
+"""The document table of `Documents`: its units (`Unit`: a token file or the token column
+of a table shard, planned by `UnitPlanner`), each unit's document starts
+(`megatron_starts`, `eod_starts`, `table_starts`) and the checks of a stored table
+(`check_stored_table`; docs/design.md, "Documents and packing").
 """
 
 from __future__ import annotations
@@ -61,13 +52,9 @@ class Unit:
 
 @dataclass(frozen=True)
 class UnitPlanner:
-    """Plans the units of ``manifest`` (documents not read yet): `units`.
-
-    ``eod_token`` / ``column``: the end-of-document token of plain token shards and the
-    token-list column of table shards (each required where shards of its kind are, refused
-    otherwise); ``table_schema(shard)``: the Arrow schema of table shard ``shard``, checked
-    to hold ``column`` as a list column (it opens the file).
-    """
+    """Plans the units of ``manifest`` (`units`). ``eod_token`` / ``column`` are required
+    where shards of their kind are, refused otherwise; ``table_schema(shard)`` is the
+    checked Arrow schema of a table shard (it opens the file)."""
 
     manifest: Manifest
     eod_token: int | None
@@ -77,19 +64,15 @@ class UnitPlanner:
     def units(self) -> list[Unit]:
         """The token spaces of the manifest in path order."""
         values, _ = self.manifest.codes("format")
-        if Format.MEGATRON_IDX.value in values:
-            return self._plan_pairs()
-        units = self._plan_singles()
+        pairs = Format.MEGATRON_IDX.value in values
+        units = self._plan_pairs() if pairs else self._plan_singles()
         self._check_kinds({u.kind for u in units})
         return units
 
     def _plan_singles(self) -> list[Unit]:
-        """The units of a manifest without Megatron indexes: one per shard, from the
-        manifest's columns. The checks of a shard depend only on its format with its dtype
-        (token shards) or its schema fingerprint (tables: names, types, nullability), so
-        each is made once, on the first shard of each kind (in path order: the error names
-        the first shard that fails), and one footer is read per distinct schema, not per
-        shard."""
+        """One unit per shard of a manifest without Megatron indexes. A shard's checks
+        depend only on its format with its dtype or schema fingerprint, so each is made
+        once, on the first shard of each kind (the error names the first that fails)."""
         m = self.manifest
         values, fmt = m.codes("format")
         _, dtype = m.codes("dtype")
@@ -127,18 +110,13 @@ class UnitPlanner:
         """The units of a manifest with Megatron indexes (shard by shard)."""
         shards = self.manifest.shards
         by_path = {s.path: i for i, s in enumerate(shards)}
-        paired = {
-            by_path[p]
-            for s in shards
-            if s.format is Format.MEGATRON_IDX
-            and (p := s.path[: -len(".idx")] + ".bin" if s.path.endswith(".idx") else "") in by_path
-        }
         units: list[Unit] = []
         for i, entry in enumerate(shards):
             if entry.format is Format.MEGATRON_IDX:
                 continue  # planned with its .bin
-            if i in paired:
-                idx = by_path[megatron_index_path(entry.path)]
+            idx = by_path.get(megatron_index_path(entry.path), -1)
+            paired = idx >= 0 and shards[idx].format is Format.MEGATRON_IDX
+            if paired and entry.path.endswith(".bin"):
                 units.append(self._megatron_unit(i, idx))
             elif entry.format in (Format.NPY, Format.BIN):
                 units.append(self._eod_unit(i))
@@ -156,7 +134,6 @@ class UnitPlanner:
                     )
             elif entry.format is Format.MEGATRON_IDX:
                 raise FormatError(f"shard {entry.path}: a Megatron index must be named *.idx")
-        self._check_kinds({u.kind for u in units})
         return units
 
     def _check_kinds(self, kinds: set[str]) -> None:
@@ -224,11 +201,9 @@ class UnitPlanner:
         return Unit(shard, -1, "table", np.dtype(f"{sign}{value.bit_width // 8}").name, 0)
 
 
-# the document starts of one unit ----------------------------------------------------------
 def megatron_starts(manifest: Manifest, unit: Unit, raw: mmap.mmap) -> IntArray:
     """Local document starts of Megatron pair ``unit`` (ending with its token count) from
-    ``raw``, the bytes of its ``.idx``; `FormatError` naming the ``.idx`` unless it
-    describes its ``.bin`` exactly (see the `detdata.datasets.documents` docstring)."""
+    ``raw``, its ``.idx`` bytes; `FormatError` unless it describes its ``.bin`` exactly."""
     entry = manifest.shards[unit.index]
     header = parse_megatron_header(raw[:MEGATRON_HEADER_BYTES], rel=entry.path)
     s, d = header.sequences, header.document_index
@@ -304,7 +279,6 @@ def table_starts(
     return starts, Unit(unit.shard, -1, "table", unit.dtype, int(starts[-1]), tuple(sizes))
 
 
-# a stored table against the manifest -------------------------------------------------------
 def table_meta(units: list[Unit]) -> dict[str, Any]:
     """The record stored with a document table: the units' token and row-group counts."""
     return {"tokens": [u.tokens for u in units], "groups": [list(u.groups) for u in units]}
@@ -313,16 +287,9 @@ def table_meta(units: list[Unit]) -> dict[str, Any]:
 def check_stored_table(
     manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any], meta: Mapping[str, Any]
 ) -> tuple[str | None, list[Unit]]:
-    """What is wrong with a stored document table and its record (None: nothing), and
-    the units recomputed from it and the manifest.
-
-    Checked against the manifest: a 1-D int64 array from 0, non-decreasing, each
-    token unit ending exactly at its shard's token count, each Megatron pair and
-    table holding exactly its manifest document / row count; ``meta`` must be
-    exactly what `table_units` recomputes. (The ``eod_token`` positions inside a
-    plain token shard are covered by the file digest only: checking them is the
-    full scan the table saves.)
-    """
+    """What is wrong with a stored document table and its record (None: nothing), and the
+    units recomputed from it and the manifest (`table_units`; the rules: docs/design.md,
+    "Documents and packing")."""
     if starts.dtype != np.int64 or starts.ndim != 1 or starts.shape[0] < 1:
         return f"array {starts.dtype} of shape {starts.shape}, expected 1-D int64", []
     if int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
@@ -340,13 +307,7 @@ def check_stored_table(
 
 def table_units(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
     """``units`` with token and row-group counts recomputed from ``starts`` (non-decreasing)
-    and the manifest.
-
-    A `ValueError` says where ``starts`` disagrees with the manifest (a token unit not
-    ending at its shard's token count, a table or Megatron pair whose documents do not
-    fit, documents left over). All tables, or all token shards: in numpy over the
-    manifest's columns (no entry built); otherwise unit by unit.
-    """
+    and the manifest; a `ValueError` says where they disagree."""
     kinds = {u.kind for u in units}
     if kinds == {"table"}:
         return _tables_only(manifest, units, starts)
@@ -362,8 +323,7 @@ def stored_dtype(units: list[Unit]) -> np.dtype[Any]:
 
 def common_dtype(units: list[Unit], out_dtype: str | None) -> np.dtype[Any]:
     """The dtype gathered tokens are delivered in: ``out_dtype``, else the stored type widened
-    to one a model embeds (as `TokenWindows`): up to 16 bits and int32 -> int32, uint32 and
-    int64 -> int64 (values unchanged; ``nn.Embedding`` refuses ``torch.uint16``)."""
+    to int32 or int64 (as `TokenWindows`; ``nn.Embedding`` refuses ``torch.uint16``)."""
     found = sorted({u.dtype for u in units})
     common = stored_dtype(units)
     if out_dtype is None:
@@ -408,9 +368,8 @@ def _tables_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, 
 
 
 def _eod_only(manifest: Manifest, units: list[Unit], starts: np.ndarray[Any, Any]) -> list[Unit]:
-    """`table_units` when every unit is a plain token shard: each must end at a document
-    start (eod documents are never empty: a unit ends at the first start equal to its
-    end, searched from where the previous unit ended)."""
+    """`table_units` when every unit is a plain token shard (eod documents are never empty:
+    a unit ends at the first start equal to its end)."""
     n = int(starts.shape[0]) - 1
     ends = np.cumsum(np.fromiter((u.tokens for u in units), np.int64, len(units)))
     stop = np.maximum.accumulate(np.searchsorted(starts, ends, side="left"))

@@ -2,15 +2,11 @@
 
 Where document boundaries come from, per shard format:
 
-* **Megatron indexed datasets** (a ``P.bin`` ``bin`` shard + its ``P.idx``
-  ``megatron_idx`` shard, `detdata.identity.formats`): document ``d`` is sequences
-  ``[document_index[d], document_index[d + 1])`` of the ``.idx``, i.e. the tokens
-  from the first sequence's pointer to the end of the last sequence in the
-  ``.bin``. The ``.idx`` must describe the ``.bin`` exactly: sequence pointers
-  are consecutive (``pointers[i + 1] = pointers[i] + sizes[i] * itemsize``, as
-  Megatron's writer makes them), the sizes add up to the ``.bin``'s tokens and the
-  document index runs from 0 to the sequence count; anything else is a
-  `FormatError` naming the ``.idx``.
+* **Megatron indexed datasets** (a ``P.bin`` ``bin`` shard + its ``P.idx`` ``megatron_idx``
+  shard): document ``d`` is sequences ``[document_index[d], document_index[d + 1])`` of the
+  ``.idx``, which must describe the ``.bin`` exactly (consecutive pointers:
+  ``pointers[i + 1] = pointers[i] + sizes[i] * itemsize``; sizes adding up to the ``.bin``'s
+  tokens; a document index from 0 to the sequence count), else a `FormatError` naming it.
 * **Token shards** (``npy`` / ``bin`` without a ``.idx``) with ``eod_token``: a
   document ends after each ``eod_token`` (the token belongs to the document it
   ends); tokens after a shard's last ``eod_token`` are one more document.
@@ -19,29 +15,11 @@ Where document boundaries come from, per shard format:
   the row's list in the integer list column ``column``. Null lists or tokens are a
   `FormatError` naming the shard and column.
 
-Documents are numbered in manifest (path) order, and within a shard in file order.
-The corpus is the concatenation of the shards' tokens in that order; the
-*document table* ``starts`` (``N + 1`` int64, 8 bytes a document) says document
-``d`` is corpus tokens ``[starts[d], starts[d + 1])``. It is built once (for
-Megatron from the ``.idx``; for token shards by one chunked scan for
-``eod_token``; for tables from the list offsets) with a progress bar, and with
-``index_dir`` stored there, content-addressed by (manifest id, ``eod_token``,
-``column``) (`detdata.datasets.index_files`).
-
-``gather(index)`` reads the corpus tokens at any int64 indices with one
-fancy-index gather per touched shard; ``copy_ranges`` copies whole token ranges
-(document pieces) into a buffer: one slice copy per range, or for many short ranges
-one fancy-index gather per touched shard (token files and Arrow files are
-memory-mapped; Parquet row groups are decoded, a few kept in a small per-process
-LRU). Open handles (memory maps, Arrow files) are bounded per process by
-``max_open_shards`` (`detdata.datasets.handles.HandleLRU`: the least recently used is
-dropped and re-opened on its next use), whatever the number of shards.
-Local roots are read directly; remote roots need ``cache_dir`` (whole shards are
-copied into the verified local `ShardCache` first).
-
-A `Documents` holds its parts: the document table (``starts``, with its `Unit` s) and the
-shard files (`detdata.datasets.shard_files.ShardFiles`: opened, cached and checked per
-process), and per process the decoded Parquet row groups it keeps.
+Documents are numbered in manifest (path) order, and within a shard in file order. The
+*document table* ``starts`` (``N + 1`` int64) says document ``d`` is corpus tokens
+``[starts[d], starts[d + 1])``; it is built once and, with ``index_dir``, stored there
+(`detdata.datasets.index_files`; docs/design.md, "Documents and packing"). Token files and
+Arrow files are memory-mapped, Parquet row groups decoded a few at a time per process.
 """
 
 from __future__ import annotations
@@ -50,8 +28,8 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any, ClassVar, Final, NamedTuple, Never
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Final, NamedTuple, Never, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -74,12 +52,7 @@ from detdata.datasets.doc_table import (
     table_meta,
     table_starts,
 )
-from detdata.datasets.index_files import (
-    building,
-    load_index,
-    reload_index,
-    save_index,
-)
+from detdata.datasets.index_files import building, load_index, reload_index, save_index
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
@@ -93,6 +66,9 @@ _PARQUET_GROUPS: Final = 8
 #: `Documents.copy_ranges` copies ranges one slice at a time when they average at least
 #: this many tokens, else through one fancy-index gather per touched shard.
 _SLICE_MIN_TOKENS: Final = 48
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class _MappedTokens(NamedTuple):
@@ -110,6 +86,79 @@ class _ArrowValues(NamedTuple):
     path: str
 
 
+def cached(
+    lru: OrderedDict[K, V], lock: threading.Lock, key: K, make: Callable[[], V], bound: int
+) -> V:
+    """``lru[key]`` (marked most recently used), else ``make()`` stored there, keeping the
+    ``bound`` most recently used entries; ``lock`` guards ``lru``, not ``make``."""
+    with lock:
+        found = lru.get(key)
+        if found is not None:
+            lru.move_to_end(key)
+            return found
+    made = make()
+    with lock:
+        lru[key] = made
+        while len(lru) > bound:
+            lru.popitem(last=False)
+    return made
+
+
+def open_table(fmt: Format, path: str) -> Any:
+    """A reader of local table file ``path``: Parquet (memory-mapped), Arrow IPC stream or file."""
+    if fmt is Format.PARQUET:
+        return pq.ParquetFile(path, memory_map=True)
+    source = pa.memory_map(path)
+    return ipc.open_stream(source) if fmt is Format.ARROW_STREAM else ipc.open_file(source)
+
+
+class CorpusBase:
+    """What `Documents` and `TextDocuments` share: the document table ``_starts`` over the
+    shards of ``manifest`` (``files``)."""
+
+    manifest: Manifest
+    files: ShardFiles
+    _starts: npt.NDArray[np.int64]
+
+    def _check_local(self, name: str) -> None:
+        """`ConfigError` for a remote root without a cache of local copies."""
+        if self.files.cache_dir is None and not self.files.is_local():
+            raise ConfigError(
+                f"{name} reads the shards of a remote root ({self.manifest.root}) from "
+                "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
+            )
+
+    @property
+    def num_documents(self) -> int:
+        """Documents in the corpus."""
+        return int(self._starts.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the corpus (every document's)."""
+        return int(self._starts[-1])
+
+    @property
+    def starts(self) -> npt.NDArray[np.int64]:
+        """The document table: ``N + 1`` corpus offsets (read-only)."""
+        view = self._starts.view()
+        view.flags.writeable = False
+        return view
+
+    def lengths(self) -> npt.NDArray[np.int64]:
+        """Tokens per document (a new array)."""
+        return np.diff(self._starts)
+
+    def _path(self, shard: int) -> str:
+        """A local path of ``shard``: the file, or its verified cached copy."""
+        if self.files.uses_shard_cache():
+            return self.files.cached_path(shard)
+        path = self.files.path(shard)
+        if not os.path.exists(path):
+            raise self.files.missing(shard, path)
+        return path
+
+
 class _Decoded:
     """A `Documents`' side of one process: its decoded Parquet row groups (an LRU of at most
     `_PARQUET_GROUPS`, keyed ``(shard, group)``) and their lock."""
@@ -121,26 +170,16 @@ class _Decoded:
         self.lock = threading.Lock()
 
 
-class Documents:
+class Documents(CorpusBase):
     """The documents of a manifest, read in place (see the module docstring).
 
-    ``eod_token``: the end-of-document token of plain token shards (required when
-    the manifest has some; refused otherwise). ``column``: the token-list column of
-    table shards (likewise). ``out_dtype``: the dtype of gathered tokens (default:
-    the common type of every shard's tokens widened to one a model embeds, as `TokenWindows`:
-    uint8 / int8 / uint16 / int16 / int32 shards -> int32, uint32 / int64 -> int64; the values
-    are unchanged; an explicit ``out_dtype`` must hold all of them). ``index_dir``:
-    where the document table is stored (None: rebuilt at each construction).
-    ``storage``: where and how the shards are read (`Storage`: root, verification,
-    fsspec options, retries, the cache of shard copies, ``max_open_shards``; default
-    ``Storage()``, whose ``cache_dir`` here is None: a remote root needs
-    ``Storage(cache_dir=...)``). None of it changes a token read, so none is in
-    ``identity()``. The keywords of its fields given directly (``verify=``, ``root=``,
-    ``storage_options=``, ...) are refused, naming the field to pass (`checked_storage`).
-
-    Parts: ``files`` (`ShardFiles`), the document table and, per process, the decoded
-    Parquet row groups. Pickled with its parameters, manifest, units and ``files`` (the
-    table too, unless ``index_dir`` holds it).
+    ``eod_token``: the end-of-document token of plain token shards; ``column``: the
+    token-list column of table shards (each required where such shards are, refused
+    otherwise). ``out_dtype``: the dtype of gathered tokens (default: `common_dtype`; an
+    explicit one must hold every token). ``index_dir``: where the document table is stored
+    (None: rebuilt at each construction). ``storage``: where and how the shards are read
+    (`Storage`; a remote root needs ``Storage(cache_dir=...)``); not in ``identity()``.
+    Pickled without the document table when ``index_dir`` holds it.
     """
 
     #: made again when unpickled, never pickled
@@ -171,11 +210,7 @@ class Documents:
         self.column = column
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.progress = progress
-        if self.files.cache_dir is None and not self.files.is_local():
-            raise ConfigError(
-                f"Documents reads the shards of a remote root ({self.manifest.root}) from "
-                "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
-            )
+        self._check_local("Documents")
         planner = UnitPlanner(self.manifest, self.eod_token, self.column, self._table_schema)
         units = planner.units()
         #: what the shards store (token ids must fit it); `out_dtype` is what is delivered
@@ -202,7 +237,6 @@ class Documents:
             )
         return schema
 
-    # the document table -----------------------------------------------------------
     def _table_inputs(self) -> dict[str, Any]:
         return {
             "algorithm": ALGORITHM,
@@ -212,12 +246,8 @@ class Documents:
         }
 
     def _document_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
-        """``(starts, units with token counts)``: loaded from ``index_dir`` or built.
-
-        A stored table is used only when `check_stored_table` finds it consistent with the
-        manifest; the units' token and row-group counts are then recomputed from it and
-        the manifest (never read from the record).
-        """
+        """``(starts, units with token counts)``: loaded from ``index_dir`` (when
+        `check_stored_table` accepts it) or built."""
         inputs = self._table_inputs()
         recomputed: list[Unit] = []
         self._table_digest: str | None = None
@@ -272,7 +302,6 @@ class Documents:
         groups = (self._read_group(unit.shard, g) for g in range(len(entry.row_groups or ())))
         return table_starts(unit, entry.path, str(self.column), groups)
 
-    # construction helpers --------------------------------------------------------
     def _build_index(self) -> None:
         """Where each unit's tokens start in the corpus (from the units: no file read)."""
         self._all_token_files = all(u.kind != "table" for u in self.units)
@@ -306,36 +335,11 @@ class Documents:
                 lambda: self._build_table(list(self.units))[0],
             )
 
-    # properties ----------------------------------------------------------------------
-    @property
-    def num_documents(self) -> int:
-        """Documents in the corpus."""
-        return int(self._starts.shape[0]) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the corpus (every document's)."""
-        return int(self._starts[-1])
-
-    @property
-    def starts(self) -> npt.NDArray[np.int64]:
-        """The document table: ``N + 1`` corpus offsets (read-only)."""
-        view = self._starts.view()
-        view.flags.writeable = False
-        return view
-
-    def lengths(self) -> npt.NDArray[np.int64]:
-        """Tokens per document (a new array)."""
-        return np.diff(self._starts)
-
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest and how documents are cut from it."""
         return {
             "type": "documents",
-            "algorithm": ALGORITHM,
-            "manifest": self.manifest.id,
-            "eod_token": self.eod_token,
-            "column": self.column,
+            **self._table_inputs(),
             "out_dtype": self.out_dtype.name,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
@@ -347,7 +351,6 @@ class Documents:
         a, b = int(self._starts[d]), int(self._starts[d + 1])
         return self.gather(np.arange(a, b, dtype=np.int64))
 
-    # reading ---------------------------------------------------------------------------
     def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
         """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""
         index = np.asarray(index, dtype=np.int64)
@@ -375,13 +378,9 @@ class Documents:
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
         """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
-        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``).
-
-        Each range must lie inside one document (so inside one shard and one row group),
-        as document pieces do; ``out`` is 1-D (tokens are cast to its dtype). Long ranges
-        are copied slice by slice (one ``memcpy`` each); many short ones through one
-        fancy-index gather per touched shard or row group: O(tokens) in C either way.
-        """
+        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``; ``out``
+        1-D, tokens cast to its dtype). Each range lies inside one document. Long ranges are
+        copied slice by slice, many short ones by one gather per shard or row group."""
         if not count.size:
             return
         unit = np.searchsorted(self._unit_base, source, side="right").astype(np.int64) - 1
@@ -409,12 +408,7 @@ class Documents:
         return self._token_view(unit)
 
     def _copy_unit(
-        self,
-        u: int,
-        local: IntArray,
-        count: IntArray,
-        target: IntArray,
-        out: np.ndarray[Any, Any],
+        self, u: int, local: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
         unit = self.units[u]
         if unit.kind != "table":
@@ -449,15 +443,6 @@ class Documents:
             out[runs.order[a:b]] = self._group_values(unit, g)[inner[a:b]]
         return out
 
-    def _path(self, shard: int) -> str:
-        """A local path of ``shard``: the file, or its verified cached copy."""
-        if self.files.uses_shard_cache():
-            return self.files.cached_path(shard)
-        path = self.files.path(shard)
-        if not os.path.exists(path):
-            raise self.files.missing(shard, path)
-        return path
-
     def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
         """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""
         files = self.files
@@ -474,36 +459,21 @@ class Documents:
             view: np.ndarray[Any, Any] = np.empty(0, dtype=disk_dtype(unit.dtype))
             return view
         view = np.frombuffer(
-            mapping,
-            dtype=disk_dtype(unit.dtype),
-            count=unit.tokens,
-            offset=entry.data_offset or 0,
+            mapping, dtype=disk_dtype(unit.dtype), count=unit.tokens, offset=entry.data_offset or 0
         )
         view.flags.writeable = False
         files.keep(unit.shard, _MappedTokens(view, mapping, path))
         return view
 
     def _table_reader(self, shard: int) -> Any:
-        entry = self.manifest.shards[shard]
-        path = self._path(shard)
-        if entry.format is Format.PARQUET:
-            return pq.ParquetFile(path, memory_map=True)
-        source = pa.memory_map(path)
-        if entry.format is Format.ARROW_STREAM:
-            return ipc.open_stream(source)
-        return ipc.open_file(source)
+        return open_table(self.manifest.shards[shard].format, self._path(shard))
 
     def _read_group(self, shard: int, group: int) -> pa.ListArray:
         """Row group / record batch ``group`` of the token column of ``shard`` (one chunk)."""
-        entry = self.manifest.shards[shard]
-        if entry.format is Format.PARQUET:
-            table = self._table_reader(shard).read_row_group(group, columns=[self.column])
-            column = table.column(self.column).combine_chunks()
-        else:
-            column = self._arrow_batches(shard)[group]
-        if isinstance(column, pa.ChunkedArray):  # pragma: no cover - combined above
-            column = column.combine_chunks()
-        return column
+        if self.manifest.shards[shard].format is not Format.PARQUET:
+            return self._arrow_batches(shard)[group]
+        table = self._table_reader(shard).read_row_group(group, columns=[self.column])
+        return table.column(self.column).combine_chunks()
 
     def _arrow_batches(self, shard: int) -> list[Any]:
         reader = self._table_reader(shard)
@@ -529,20 +499,14 @@ class Documents:
                 files.keep(unit.shard, held)
             files.check_file(unit.shard, held.path)
             return held.values[group]
-        key = (unit.shard, group)
+
+        def decode() -> np.ndarray[Any, Any]:
+            decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
+            decoded.setflags(write=False)
+            return decoded
+
         local = self._local.get(_Decoded)
-        with local.lock:
-            cached = local.groups.get(key)
-            if cached is not None:
-                local.groups.move_to_end(key)
-                return cached
-        decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
-        decoded.setflags(write=False)
-        with local.lock:
-            local.groups[key] = decoded
-            while len(local.groups) > _PARQUET_GROUPS:
-                local.groups.popitem(last=False)
-        return decoded
+        return cached(local.groups, local.lock, (unit.shard, group), decode, _PARQUET_GROUPS)
 
 
 def _copy_bytes(

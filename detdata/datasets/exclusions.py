@@ -1,44 +1,15 @@
 """Excluding samples deterministically: `ExclusionList` and the `Excluded` stream (``exclude-v1``).
 
-An `ExclusionList` is a set of samples, each ``(source, sample_id)`` (source None
-for a single-dataset stream, else a `Mixture` source name), addressed by the
-blake3 of its canonical JSON (`ExclusionList.digest`). `Excluded` wraps a stream
-with a *history* of lists, each in force from a global position on: at position
-``g`` the samples of every list whose ``from`` is ``<= g`` are excluded.
-
-**Replacement mode** (the chosen mode). A position whose sample is excluded
-delivers a replacement from the same source instead; every other position keeps
-its sample. The replacement of position ``g`` (source ``s`` of ``n_s`` samples) is
-the first of the draws ``r_k = u64le⁻¹(blake3(b"detdata:exclude-v1" + u64le(seed)
-+ u64le(g) + u64le(k))[:8]) mod n_s``, ``k = 0, 1, ...``, that is not excluded at
-``g`` (``seed`` is the wrapped stream's seed). So:
-
-* an excluded sample is never delivered from its list's ``from`` position on;
-* no position whose sample is not excluded changes (compare position by position);
-* batch shapes, the token budget per step and each source's share stay as they were;
-* positions before a list's ``from`` deliver what they delivered before the list was
-  added, so a replay of an earlier step reproduces what it saw.
-
-Why not a mask mode (positions keep their samples plus a per-row ``keep`` flag)?
-It would still deliver the bad bytes, so a trainer that forgets the flag trains
-on them, and it spends the step's compute on rows whose loss is zeroed. The
-price of replacement: the draws of different positions are independent, so one
-sample may replace several excluded ones and repeat within an epoch, even within
-one micro batch (next to itself or to its own position's delivery); the draw's
-``modulo`` bias is below ``n_s / 2**64``.
-
-A plain dataset is ordered by `Excluded` with its ``seed`` (``orders_dataset``); given
-the DataLoader's own seed, the run counts as loader-ordered (state ``stream_seed``
-None), so exclusions can be added at a resume of ``DataLoader(data, seed=S)`` with
-``Excluded(data, [(P, lst)], seed=S)`` and ``allow=("exclusions",)``.
-
-The identity records the wrapped stream's identity and the history
-``[{"from": g, "list": digest, "count": k}]``. The loader state checks the two apart
-(`split_identity`): the wrapped stream in ``data`` (as if it were not wrapped), the
-rule, seed and history in their own checked field ``exclusions``. So adding a list at
-a resume is refused unless allowed by that name (``allow=("exclusions",)``), and the
-loader then calls `Excluded.continue_from`: the only change may be lists appended
-from the resume position on; any other data change is still refused as ``data``.
+An `ExclusionList` is a set of ``(source, sample_id)`` (source None for a single-dataset
+stream, else a `Mixture` source name), addressed by the blake3 of its canonical JSON.
+`Excluded` wraps a stream with a *history* of lists, each in force from a global position
+on. A position ``g`` whose sample is excluded delivers the first of the draws ``r_k =
+u64le⁻¹(blake3(b"detdata:exclude-v1" + u64le(seed) + u64le(g) + u64le(k))[:8]) mod n_s``,
+``k = 0, 1, ...`` (``n_s`` the samples of its source, ``seed`` the wrapped stream's) that
+is not excluded at ``g``; every other position keeps its sample. The identity holds the
+wrapped stream and ``[{"from": g, "list": digest, "count": k}]``, checked at a resume as
+``data`` and ``exclusions`` apart (`split_identity`, `Excluded.continue_from`). Why
+replacement and not a mask, and the loader-ordered case: docs/design.md, "Exclusions".
 """
 
 from __future__ import annotations
@@ -46,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Final
 
@@ -100,11 +71,7 @@ class ExclusionList:
         return cls(tuple(sorted(parsed, key=lambda e: (e[0] is not None, e[0] or "", e[1]))))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            K_KIND: KIND,
-            K_VERSION: LIST_VERSION,
-            K_ENTRIES: [[s, i] for s, i in self.entries],
-        }
+        return {K_KIND: KIND, K_VERSION: LIST_VERSION, K_ENTRIES: [[s, i] for s, i in self.entries]}
 
     @property
     def digest(self) -> str:
@@ -178,12 +145,10 @@ def _parse_entry(entry: object) -> Entry:
 
 
 class Excluded:
-    """``stream`` with the samples of each list of ``history`` replaced from its position on.
-
-    ``history`` is ``[(from_position, ExclusionList), ...]`` with strictly increasing
-    positions (a single `ExclusionList` means ``[(0, it)]``). A plain dataset is first
-    ordered with ``seed`` (`OrderedStream`). See the module docstring for the rule.
-    """
+    """``stream`` with the samples of each list of ``history`` replaced from its position on
+    (the rule: module docstring). ``history`` is ``[(from_position, ExclusionList), ...]``,
+    positions strictly increasing (one `ExclusionList`: ``[(0, it)]``). A plain dataset is
+    first ordered with ``seed`` (`OrderedStream`)."""
 
     algorithm: Final = ALGORITHM
 
@@ -241,7 +206,6 @@ class Excluded:
                     "must remain to draw replacements from"
                 )
 
-    # -------------------------------------------------------------- mapping
     def source_index(self, name: str | None) -> int:
         """Index of source ``name`` in `names` (`ConfigError` naming the sources if unknown)."""
         if name not in self.names:
@@ -253,14 +217,8 @@ class Excluded:
         """The ids of source index ``source`` in ``history[k]``'s list, sorted."""
         return [int(i) for i in self._ids[k][source].tolist()]
 
-    def excluded_mask(
-        self, source: IntArray, ids: IntArray, positions: IntArray
-    ) -> np.ndarray[Any, Any]:
-        """Which ``(source index, id)`` pairs are excluded at their ``positions``."""
-        return self._excluded_at(source, ids, positions)
-
-    def _excluded_at(self, source: IntArray, ids: IntArray, pos: IntArray) -> np.ndarray[Any, Any]:
-        """Which ``(source, id)`` pairs are excluded at their positions ``pos``."""
+    def excluded_mask(self, source: IntArray, ids: IntArray, pos: IntArray) -> np.ndarray[Any, Any]:
+        """Which ``(source index, id)`` pairs are excluded at their positions ``pos``."""
         out = np.zeros(pos.size, dtype=bool)
         for k, start in enumerate(self._starts.tolist()):
             live = pos >= start
@@ -277,7 +235,7 @@ class Excluded:
         src = np.array([source], dtype=np.int64)
         for k in range(_MAX_DRAWS):
             candidate = derive_u64(_TAG, self.seed, position, k) % n
-            if not self._excluded_at(src, np.array([candidate], dtype=np.int64), pos)[0]:
+            if not self.excluded_mask(src, np.array([candidate], dtype=np.int64), pos)[0]:
                 return candidate, k + 1
         raise ConfigError(
             f"position {position}: no replacement found in {_MAX_DRAWS} draws; nearly every "
@@ -292,17 +250,11 @@ class Excluded:
         ids = base.ids.copy()
         notes: list[dict[str, Any] | None] = list(base.notes)
         if self.history:
-            for j in np.flatnonzero(self._excluded_at(base.source, base.ids, pos)).tolist():
+            for j in np.flatnonzero(self.excluded_mask(base.source, base.ids, pos)).tolist():
                 new, draws = self._replace(int(pos[j]), int(base.source[j]))
                 notes[j] = {"excluded": int(ids[j]), "draws": draws}
                 ids[j] = new
-        return Origins(
-            names=base.names,
-            datasets=base.datasets,
-            source=base.source,
-            ids=ids,
-            notes=tuple(notes),
-        )
+        return replace(base, ids=ids, notes=tuple(notes))
 
     def sample_ids(self, positions: IntArray) -> IntArray:
         pos = np.asarray(positions)
@@ -327,7 +279,6 @@ class Excluded:
             out[col] = arr
         return out
 
-    # -------------------------------------------------------------- identity
     def history_json(self) -> list[dict[str, Any]]:
         return [
             {K_FROM: g, K_LIST: lst.digest, K_COUNT: len(lst.entries)} for g, lst in self.history
@@ -378,10 +329,9 @@ class Excluded:
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Excluded:
         """This stream, after a resume of ``saved_identity`` at ``position`` that allows an
-        ``exclusions`` change (`ContinuesFrom`): `StateError` unless it continues it there
-        (same wrapped stream and seed, the saved history a prefix of this one, or no
-        exclusions at all when the saved stream is the bare stream, and every added list
-        in force only from ``position`` on)."""
+        ``exclusions`` change (`ContinuesFrom`): `StateError` unless the wrapped stream is
+        the saved one, the saved history is a prefix of this one and every added list is in
+        force only from ``position`` on."""
         p = check_count(position, "position", minimum=0, maximum=MAX_POSITION - 1)
         saved = dict(saved_identity)
         if saved.get(K_TYPE) == TYPE:
@@ -413,24 +363,16 @@ class Excluded:
 
 
 def split_identity(identity: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any] | None]:
-    """``identity`` with every `Excluded` wrapper replaced by the stream it wraps, and the
-    exclusions taken out: ``[{"rule", "seed", "history"}]``, one per wrapper with a non-empty
-    history (outermost first), or None when nothing is excluded (an empty history delivers
-    the wrapped stream's bytes). The loader state checks the first as ``data`` and the
-    second as ``exclusions``."""
+    """``identity`` with every `Excluded` wrapper replaced by the stream it wraps (checked as
+    ``data``), and the exclusions taken out (checked as ``exclusions``): ``[{"rule", "seed",
+    "history"}]`` per wrapper with a non-empty history, outermost first, or None."""
     found: list[Any] = []
 
     def walk(node: Any) -> Any:
         if isinstance(node, Mapping):
             if node.get(K_TYPE) == TYPE and isinstance(node.get(K_STREAM), Mapping):
                 if node.get(K_HISTORY):
-                    found.append(
-                        {
-                            K_RULE: node.get(K_RULE),
-                            K_SEED: node.get(K_SEED),
-                            K_HISTORY: node.get(K_HISTORY),
-                        }
-                    )
+                    found.append({k: node.get(k) for k in (K_RULE, K_SEED, K_HISTORY)})
                 return walk(node[K_STREAM])
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):

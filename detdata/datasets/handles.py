@@ -1,16 +1,8 @@
-"""Bounded open shard handles: per dataset (`HandleLRU`) and per process (`ProcessHandles`).
-
-Open handles of a shard dataset (memory maps, readers; each holds at most one descriptor
-and one mapping) live in a `HandleLRU` of at most ``max_open_shards`` (default
-`DEFAULT_MAX_OPEN_SHARDS`) shards per dataset, whatever the number of shards read: the
-least recently used handle is dropped (closed when its last reference goes) to make room,
-and re-opened on its next use. The bound is also process-wide: every reader's LRU shares
-this process's `ProcessHandles` budget, so all datasets of a process together (the N
-sources of a `detdata.Mixture`, several loaders, reader threads) hold at most
-``max(set_max_open_shards bound (default 128), the largest max_open_shards of a live
-dataset)`` handles; a put over it evicts the least recently used handle of any dataset. A
-forked child starts with no handles (its inherited ones are dropped at the fork). The
-bounds never change the bytes read.
+"""Bounded open shard handles: per dataset (`HandleLRU`, at most ``max_open_shards``) and per
+process (`ProcessHandles`: all datasets of a process together hold at most
+``max(set_max_open_shards bound, the largest max_open_shards of a live dataset)``). The
+least recently used handle is dropped to make room and re-opened on its next use; a forked
+child starts with none. The bounds never change the bytes read.
 """
 
 from __future__ import annotations
@@ -33,21 +25,15 @@ H = TypeVar("H")
 
 
 class ProcessHandles:
-    """The process-wide budget of open shard handles, shared by every `HandleLRU` given it.
-
-    It orders ``(owner, shard)`` pairs of all its owners least recently used first and holds
-    at most `capacity` of them: ``max(bound, the largest capacity of a live owner)``, where
-    ``bound`` is set with `set_bound` (`set_max_open_shards` for the process's budget). A put
-    that goes over it evicts the least recently used handle of *any* owner (the owner's
-    ``forget`` callback runs). Owners are held weakly: a dead owner's entries are purged at
-    the next put. After a fork the child starts empty (`after_fork`: every owner's handles
-    are dropped, the lock made anew), as the per-process file system state does.
+    """The process-wide budget of open shard handles, shared by every `HandleLRU` given it:
+    ``(owner, shard)`` pairs, least recently used first, at most `capacity`; a put over it
+    evicts the least recently used handle of *any* owner. Owners are held weakly (a dead
+    one's entries are purged at the next put); a forked child starts empty (`after_fork`).
     """
 
     def __init__(self, bound: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
         self.bound = check_positive_int(bound, "max_open_shards")
         self._capacity = self.bound
-        self.evictions = 0
         self.lock = threading.Lock()
         self.order: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._owners: dict[int, weakref.ref[HandleLRU[Any]]] = {}
@@ -121,7 +107,6 @@ class ProcessHandles:
         mine: list[int] = []
         while len(self.order) > self._capacity:
             (owner_token, shard), _ = self.order.popitem(last=False)
-            self.evictions += 1
             if owner_token == token:
                 mine.append(shard)
                 continue
@@ -138,14 +123,11 @@ os.register_at_fork(after_in_child=PROCESS_HANDLES.after_fork)
 
 
 def set_max_open_shards(bound: int | None) -> None:
-    """Bound the shards with an open handle in this process, over all datasets together.
-
-    The process budget is ``max(bound, the largest max_open_shards of a live dataset)``
-    (None restores the default, `DEFAULT_MAX_OPEN_SHARDS`), so a dataset's own
-    ``max_open_shards`` is always honoured while any number of datasets (the sources of a
-    `detdata.Mixture`, several loaders) together hold at most the budget. Lowering it
-    evicts at once. Per process: a forked or spawned worker starts with the default
-    unless it calls this itself (e.g. in ``worker_init_fn``). Never changes the bytes read.
+    """Bound the shards with an open handle in this process, over all datasets together:
+    the budget is ``max(bound, the largest max_open_shards of a live dataset)`` (None: the
+    default, `DEFAULT_MAX_OPEN_SHARDS`). Lowering it evicts at once. Per process: a worker
+    starts with the default unless it calls this (e.g. in ``worker_init_fn``). Never
+    changes the bytes read.
     """
     PROCESS_HANDLES.set_bound(DEFAULT_MAX_OPEN_SHARDS if bound is None else bound)
 
@@ -161,26 +143,19 @@ def process_open_shards() -> int:
 
 
 class HandleLRU(Generic[H]):
-    """At most ``capacity`` open handles keyed by shard index, least recently used evicted first.
-
-    ``get`` marks a handle most recently used; ``put`` adds (or replaces) one and, when
-    more than ``capacity`` are held, drops the least recently used ones and returns
-    their shards. With a ``budget`` (a `ProcessHandles`; every `ShardReader` uses the
-    process's), the handles of all its owners together also stay within the budget's
-    capacity: a put may evict another owner's handle (that owner's ``forget(shard)``
-    runs, and its `evictions` counts it). A dropped handle is only unreferenced: it is
-    closed when its last user (e.g. a reader thread still gathering from it) lets it go,
-    so eviction never invalidates a read in progress. Thread-safe: ``get``/``put``/``pop``
-    hold the (budget's) lock while they change the order (``get`` once per touched shard
-    per read), and ``forget`` runs under it too, so an eviction's late forget can never
-    drop the copy record of a handle another thread has reopened meanwhile.
+    """At most ``capacity`` open handles keyed by shard, least recently used evicted first;
+    all owners of ``budget`` (`ProcessHandles`) together also stay within it (a put may
+    evict another owner's handle: its ``forget(shard)`` runs). A dropped handle is
+    only unreferenced, closed when its last user lets it go, so an eviction never breaks a
+    read in progress. Thread-safe: order changes and ``forget`` run under the budget's
+    lock, so a late forget never drops the record of a handle reopened meanwhile.
     """
 
     def __init__(
         self,
         capacity: int,
         *,
-        budget: ProcessHandles | None = None,
+        budget: ProcessHandles,
         forget: Callable[[int], object] | None = None,
     ) -> None:
         self.capacity = capacity
@@ -188,22 +163,19 @@ class HandleLRU(Generic[H]):
         self._items: OrderedDict[int, H] = OrderedDict()
         self._budget = budget
         self._forget = forget
-        self._lock = threading.Lock() if budget is None else budget.lock
-        self._token = -1 if budget is None else budget.register(self)
+        self._token = budget.register(self)
 
     def __len__(self) -> int:
         return len(self._items)
 
     @property
     def full(self) -> bool:
-        """Would a new handle evict another (this LRU's, or, with a budget, any owner's)?"""
-        if len(self._items) >= self.capacity:
-            return True
-        return self._budget is not None and self._budget.full
+        """Would a new handle evict another (this LRU's, or any owner's)?"""
+        return len(self._items) >= self.capacity or self._budget.full
 
     def keys(self) -> list[int]:
         """Shards with an open handle, least recently used first."""
-        with self._lock_now():
+        with self._budget.lock:  # made anew in a forked child
             return list(self._items)
 
     def get(self, shard: int) -> H | None:
@@ -212,11 +184,10 @@ class HandleLRU(Generic[H]):
         if handle is None:
             return None
         # under the lock: a put/purge iterating the budget's order must not see it move
-        with self._lock_now():
+        with self._budget.lock:
             try:
                 self._items.move_to_end(shard)
-                if self._budget is not None:
-                    self._budget.order.move_to_end((self._token, shard))
+                self._budget.order.move_to_end((self._token, shard))
             except KeyError:  # evicted by another thread meanwhile: still valid for this read
                 pass
         return handle
@@ -226,22 +197,19 @@ class HandleLRU(Generic[H]):
         handles were evicted to stay within ``capacity`` (and the budget)."""
         evicted: list[int] = []
         budget = self._budget
-        with self._lock_now():
+        with self._budget.lock:
             self._items[shard] = handle
             self._items.move_to_end(shard)
-            if budget is not None:
-                budget._purge_locked()
-                budget.order[(self._token, shard)] = None
-                budget.order.move_to_end((self._token, shard))
+            budget._purge_locked()
+            budget.order[(self._token, shard)] = None
+            budget.order.move_to_end((self._token, shard))
             while len(self._items) > self.capacity:
                 old = self._items.popitem(last=False)[0]
                 evicted.append(old)
-                if budget is not None:
-                    budget.order.pop((self._token, old), None)
-            if budget is not None:
-                for old in budget._shrink_locked(self._token):
-                    self._items.pop(old, None)
-                    evicted.append(old)
+                budget.order.pop((self._token, old), None)
+            for old in budget._shrink_locked(self._token):
+                self._items.pop(old, None)
+                evicted.append(old)
             self.evictions += len(evicted)
             # under the lock: a late forget must not drop the record of a handle reopened
             # (and put) by another thread meanwhile
@@ -252,16 +220,11 @@ class HandleLRU(Generic[H]):
 
     def pop(self, shard: int) -> H | None:
         """Forget the handle of ``shard`` (not counted as an eviction); returns it, or None."""
-        with self._lock_now():
-            if self._budget is not None:
-                self._budget.order.pop((self._token, shard), None)
+        with self._budget.lock:
+            self._budget.order.pop((self._token, shard), None)
             return self._items.pop(shard, None)
 
     # the budget's side (called under its lock) ------------------------------------------
-    def _lock_now(self) -> threading.Lock:
-        """The lock to take now (a budget's lock is made anew in a forked child)."""
-        return self._lock if self._budget is None else self._budget.lock
-
     def _evicted(self, shard: int) -> None:
         """Another owner's put evicted ``shard``'s handle from the shared budget."""
         if self._items.pop(shard, None) is not None:

@@ -1,20 +1,10 @@
-"""Content-addressed index files: small arrays built once, keyed by the inputs that make them.
-
-An index (a document table, a packing index) is a pure function of its inputs
-(manifest ids, seeds, options, algorithm versions). `load_index` / `save_index`
-store it under ``index_dir`` as ``NAME-<key>.npy`` plus ``NAME-<key>.json``, where
-``key`` is the blake3 of the canonical JSON of the inputs. The JSON holds the
-inputs themselves, small metadata and the blake3 of the ``.npy`` file. Nothing
-derived is trusted: a load re-checks the record's every key, the ``.npy``'s digest,
-and hands both to the owner's ``check``, which recomputes every metadata field (and
-what it can of the array) from independent inputs; a file that was edited, truncated
-or belongs to other inputs is rebuilt, with a warning naming it and the field, so a
-cache never changes a delivered byte. The
-``.json`` is written last (atomically), so a crash mid-write leaves no index that
-loads. Loaded arrays are read-only memory maps.
-
-Ranks opening the same dataset at once take turns (`building`, a lock of
-``index_dir``): the first builds and saves, the others find and check its files.
+"""Content-addressed index files (a document table, a packing index): arrays that are a pure
+function of their inputs, built once and stored under ``index_dir`` as ``NAME-<key>.npy`` +
+``NAME-<key>.json`` (``key``: blake3 of the inputs' canonical JSON; the record holds the
+inputs, small metadata and the ``.npy``'s blake3, written last, atomically). Nothing stored
+is trusted: a load re-checks the record, the digest and the owner's recomputation
+(``check``); a file that fails is rebuilt with a warning naming it. Loaded arrays are
+read-only memory maps. Ranks opening a dataset at once take turns (`building`).
 """
 
 from __future__ import annotations
@@ -43,13 +33,10 @@ from detdata.storage.locks import file_lock
 LAYOUT: Final = "detdata.index-v1"
 
 
-def index_key(inputs: Mapping[str, Any]) -> str:
-    """Hex blake3 of the canonical JSON of ``inputs``: the name an index is stored under."""
-    return blake3.blake3(canonical_json(dict(inputs))).hexdigest()
-
-
 def _paths(index_dir: str, name: str, inputs: Mapping[str, Any]) -> tuple[str, str]:
-    stem = os.path.join(os.fspath(index_dir), f"{name}-{index_key(inputs)}")
+    """The index files of ``inputs``, named by the hex blake3 of their canonical JSON."""
+    key = blake3.blake3(canonical_json(dict(inputs))).hexdigest()
+    stem = os.path.join(os.fspath(index_dir), f"{name}-{key}")
     return stem + ".npy", stem + ".json"
 
 
@@ -73,13 +60,10 @@ class StoredIndex:
 
 @contextlib.contextmanager
 def building(index_dir: str | None, name: str, inputs: Mapping[str, Any]) -> Iterator[None]:
-    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself: no file is
-    added to it): processes (ranks) opening the same dataset at once build its indexes one
-    at a time, and each `load_index` again under the lock before building, so an index is
-    built once per machine (per job on a file system whose locks span machines) and the
-    others load and check it. The lock only saves work: whatever a process loads is
-    checked in full by `load_index`. No lock without ``index_dir`` (or where the folder
-    cannot be made: `save_index` then names it)."""
+    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself): processes
+    opening the same dataset at once build its indexes one at a time (each calls
+    `load_index` again under it first). It only saves work: loads are checked in full. No
+    lock without ``index_dir`` or where the folder cannot be made."""
     del name, inputs  # one lock per folder: builds of one job follow one another anyway
     if index_dir is None:
         yield
@@ -102,14 +86,10 @@ def load_index(
     *,
     digest: str | None = None,
 ) -> StoredIndex | None:
-    """The stored index of ``inputs``, or None (absent, or not valid: rebuilt with a warning).
-
-    Nothing in the two files is trusted: the record must have exactly `RECORD_KEYS`, this
-    layout and these inputs; the ``.npy`` must hash to the record's digest (or, given, to
-    ``digest``: a worker re-loading the file its parent checked); and the owner's
-    ``check`` recomputes every metadata field (and what it can of the array) from
-    independent inputs. Any mismatch is a `RuntimeWarning` naming the file and the
-    field, and None (the caller rebuilds).
+    """The stored index of ``inputs``, or None: absent, or (with a `RuntimeWarning` naming
+    the file and field) not valid: the record must have exactly `RECORD_KEYS`, this layout
+    and these inputs, the ``.npy`` hash to its digest (and to ``digest`` if given: a worker
+    re-loading what its parent checked), and ``check`` must pass.
     """
     if index_dir is None:
         return None
@@ -176,11 +156,9 @@ def save_index(
     array: np.ndarray[Any, Any],
     meta: Mapping[str, Any],
 ) -> str | None:
-    """Store ``array`` (and JSON ``meta``) as the index of ``inputs``; the ``.npy``'s digest.
-
-    No-op (None) without a dir. A folder that cannot be written is a `StorageError`
-    naming it (with the OS's reason), and leaves no partial file behind.
-    """
+    """Store ``array`` (and JSON ``meta``) as the index of ``inputs``; the ``.npy``'s digest
+    (None without a dir). An unwritable folder is a `StorageError` naming it, no partial
+    file left behind."""
     if index_dir is None:
         return None
     npy, meta_path = _paths(index_dir, name, inputs)
@@ -203,13 +181,11 @@ def save_index(
             "meta": dict(meta),
         }
         atomic_write_bytes(meta_path, canonical_json(record) + b"\n")
-    except OSError as exc:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise _unwritable(index_dir, name, exc) from exc
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _unwritable(index_dir, name, exc) from exc
         raise
     return digest
 
@@ -236,12 +212,9 @@ def reload_index(
     digest: str,
     rebuild: Callable[[], np.ndarray[Any, Any]],
 ) -> np.ndarray[Any, Any]:
-    """In a worker: the index array the parent checked (``digest``), from ``index_dir``.
-
-    When the file is gone or changed since (a cleaner, an edit), the index is rebuilt
-    in this process with a warning (it is a pure function of its inputs) and must hash
-    to ``digest``; else a `VerificationError` naming the folder. Never a silent
-    difference, and never a worker that dies while being unpickled.
+    """In a worker: the index array the parent checked (``digest``), from ``index_dir``;
+    where it is gone or changed, rebuilt with a warning, and it must hash to ``digest``
+    (else a `VerificationError` naming the folder).
     """
     stored = load_index(index_dir, name, inputs, lambda _a, _m: None, digest=digest)
     if stored is not None:

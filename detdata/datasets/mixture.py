@@ -1,18 +1,15 @@
 """`Mixture`: several datasets as one seeded, exact, random-access `Stream` (``mixture-v1``).
 
-The algorithm (sources, weights, schedule, counts, blocks, the proportion bound)
-is defined, as pure functions, in `detdata.order.mixing`; a re-implementation in
-any language must reproduce the golden vectors in ``tests/golden/mixture_v1.json``.
-This module adds what needs datasets: each source's `GlobalOrder` over its
-``num_samples``, the column checks across sources, batched reads, the identity and
-`Mixture.continue_from` against a saved identity.
+The algorithm is defined, as pure functions, in `detdata.order.mixing` (golden vectors
+``tests/golden/mixture_v1.json``); this module adds what needs datasets: each source's
+`GlobalOrder`, the column checks across sources, batched reads, the identity and
+`Mixture.continue_from`.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final
 
@@ -60,19 +57,13 @@ class Mixture:
     relative and exact (int, decimal string, ``"p/q"``, `Fraction`, float by its repr): each
     is divided by their sum, so ``{"a": 7, "b": 3}`` and ``{"a": "0.7", "b": "0.3"}`` are one
     mixture and ``{"a": 0.7, "b": 0.2}`` means 7/9 and 2/9 (``repr`` shows the proportions
-    used). A `Stream`:
-    ``fetch``/``sample_ids``/``identity``, plus ``locate``, ``consumed``, ``origins`` and
-    ``continue_from`` (it declares `HasOrigins`, `ContinuesFrom` and `Reweights`,
-    `detdata.datasets.capabilities`). See `detdata.order.mixing` for the exact algorithm and the
-    proportion bound ``|count_s(T) - p_s T| < ceil(log2 S) + 16 p_s (1 - p_s)`` per phase.
+    used). A `Stream` declaring `HasOrigins`, `ContinuesFrom` and `Reweights`; the exact
+    algorithm and proportion bound: `detdata.order.mixing`.
 
-    Every source must deliver the same columns with the same dtype, trailing shape
-    and object kind (str, bytes, ragged ``list<dtype>``): checked at construction from
-    each source's ``schema()`` (`TableRows`) or else its ``read([0])``, with a
-    `FormatError` naming both sources and each differing column; ``columns`` holds
-    the result, and every read is checked against it (a `FormatError` naming the
-    source instead of a batch whose dtype depends on the sources it draws from).
-    `fetch` returns new arrays (nothing aliases a source's memory).
+    Every source must deliver the same columns (dtype, trailing shape, object kind):
+    checked at construction (`source_columns`, a `FormatError` naming both sources and each
+    differing column) into ``columns``, and every read against it. `fetch` returns new
+    arrays (nothing aliases a source's memory).
     """
 
     algorithm: Final = ALGORITHM
@@ -128,18 +119,13 @@ class Mixture:
 
     # -------------------------------------------------------------- mapping
     def assign(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
-        """``(source_index, index_in_source)`` for each global position (same shape), no sample ids.
-
-        Cost: O(positions + sources) per call, memory bounded (`MixtureSchedule.assign`).
-        """
+        """``(source_index, index_in_source)`` for each global position (same shape), no
+        sample ids (`MixtureSchedule.assign`)."""
         return self._schedule.assign(positions)
 
     def locate(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
-        """``(source_index, index_in_source, sample_id)`` for each global position (same shape).
-
-        ``source_index`` indexes `source_names`; ``sample_id`` is the id in that source's
-        dataset: ``GlobalOrder(n_s, source_seeds[name]).ids(index_in_source)``.
-        """
+        """``(source_index, index_in_source, sample_id)`` for each global position (same
+        shape): ``sample_id = GlobalOrder(n_s, source_seeds[name]).ids(index_in_source)``."""
         src, index = self.assign(positions)
         flat, flat_index = src.reshape(-1), index.reshape(-1)
         present = np.flatnonzero(np.bincount(flat, minlength=len(self.source_names)))
@@ -171,11 +157,8 @@ class Mixture:
         )
 
     def fetch(self, positions: IntArray) -> Batch:
-        """The samples at ``positions``, rows in position order: one batched read per source.
-
-        Positions are resolved through a per-process chunk cache of `locate`
-        (identical values; amortised O(1) per position for loader-style requests).
-        """
+        """The samples at ``positions``, rows in position order: one batched read per source
+        (positions resolved through a chunk cache of `locate`)."""
         src, _, ids = self._memo(np.asarray(positions, dtype=np.int64).reshape(-1))
         if src.size == 0:
             return self.sources[self.source_names[0]].read(np.empty(0, dtype=np.int64))
@@ -194,9 +177,7 @@ class Mixture:
         self, size: int, runs: Sequence[tuple[int, IntArray | None]], parts: Mapping[int, Batch]
     ) -> Batch:
         """One new output array per column, each source's rows scattered to its positions
-        (``rows`` of a run; None: all of them). Every part must hold exactly the columns
-        `columns` found at construction (`FormatError` naming the source otherwise), so
-        a batch's dtypes never depend on which sources it happens to draw from."""
+        (``rows`` of a run; None: all of them); each part checked against `columns`."""
         for s, batch in parts.items():
             self._check_part(self.source_names[s], batch)
         first = next(iter(parts.values()))
@@ -254,12 +235,9 @@ class Mixture:
         return self.weights_at(position)
 
     def with_mixture_weights(self, position: int, weights: Mapping[str, WeightLike]) -> Mixture:
-        """This mixture with ``weights`` in force from global ``position`` on: a new phase
-        there (`detdata.order.mixture_changes.change_schedule`: every position before it
-        keeps its source and index, each source continues its stream from its consumed
-        count). Weights as for the constructor (every source, exact; a 0 needs
-        ``allow_zero``), else `ConfigError`. O(log phases + sources) when no planned phase
-        follows ``position``; the sources and their orders are shared, nothing is read."""
+        """This mixture with ``weights`` (as for the constructor, else `ConfigError`) in force
+        from global ``position`` on: a new phase there (`change_schedule`: earlier positions
+        unchanged, each source continuing from its consumed count). Nothing is read."""
         return self.with_weight_changes([(position, weights)])
 
     def with_weight_changes(
@@ -311,26 +289,13 @@ class Mixture:
 
     def continue_from(self, saved_identity: Mapping[str, Any], position: int) -> Mixture:
         """This mixture's weights from ``position`` on, after the saved mixture's schedule
-        before it.
-
-        The result agrees with the saved mixture on every position ``< position``
-        (same phases, indices and offsets) and then follows this mixture's
-        schedule (its phase in effect at ``position`` starts there). Every
-        source continues from its consumed count, so no source sample is
-        repeated or skipped because of the change. If the weights in effect do
-        not change at ``position``, the saved phase simply continues. Sources
-        (names and identities), seed and algorithms must match the saved ones.
-        When the result has this mixture's own phases, it is this mixture (nothing rebuilt).
+        before it: equal to the saved mixture on every position ``< position``, each source
+        continuing from its consumed count (no sample repeated or skipped). Sources, seed
+        and algorithms must match the saved ones (`ConfigError` listing what differs).
+        Returns ``self`` when the result has this mixture's own phases.
         """
-        saved = _SavedMixture.parse(saved_identity)
-        diffs = saved.differences(self)
-        if diffs:
-            raise ConfigError(
-                "cannot continue the saved mixture: "
-                + "; ".join(diffs)
-                + "; hint: continue_from only changes weights"
-            )
-        phases = continue_schedule(saved.schedule, self._schedule.proportions(), position)
+        saved = _saved_schedule(saved_identity, self)
+        phases = continue_schedule(saved, self._schedule.proportions(), position)
         if tuple(phases) == self._schedule.proportions():
             return self
         schedule = [(s, dict(zip(self.source_names, w, strict=True))) for s, w in phases]
@@ -340,60 +305,48 @@ class Mixture:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class _SavedMixture:
-    """A parsed mixture identity (as saved in a loader state)."""
-
-    seed: object
-    algorithm: object
-    order_algorithm: object
-    sources: Mapping[str, Any]
-    schedule: tuple[PhaseSpec, ...]
-
-    @classmethod
-    def parse(cls, doc: Mapping[str, Any]) -> _SavedMixture:
-        if not isinstance(doc, Mapping) or doc.get("type") != "mixture":
-            raise ConfigError(
-                "saved identity is not a mixture identity (type "
-                f"{doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})"
-            )
-        sources = doc.get("sources")
-        schedule = doc.get("schedule")
-        if not isinstance(sources, Mapping) or not isinstance(schedule, list) or not schedule:
-            raise ConfigError(
-                "saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)"
-            )
-        return cls(
-            seed=doc.get("seed"),
-            algorithm=doc.get("algorithm"),
-            order_algorithm=doc.get("source_order_algorithm"),
-            sources=sources,
-            schedule=schedule_from_json(schedule, sorted(sources)),
+def _saved_schedule(doc: Mapping[str, Any], mixture: Mixture) -> tuple[PhaseSpec, ...]:
+    """The schedule of the saved mixture identity ``doc`` (as in a loader state); a
+    `ConfigError` where it is not one, or where it differs from ``mixture`` in anything but
+    its weights (each difference listed)."""
+    if not isinstance(doc, Mapping) or doc.get("type") != "mixture":
+        raise ConfigError(
+            "saved identity is not a mixture identity (type "
+            f"{doc.get('type') if isinstance(doc, Mapping) else type(doc).__name__!r})"
         )
-
-    def differences(self, mixture: Mixture) -> list[str]:
-        """Human-readable differences that forbid continuing into ``mixture``."""
-        diffs = []
-        if self.algorithm != ALGORITHM:
-            diffs.append(f"algorithm: saved {self.algorithm!r}, now {ALGORITHM!r}")
-        if self.order_algorithm != ORDER_ALGORITHM:
+    sources = doc.get("sources")
+    schedule = doc.get("schedule")
+    if not isinstance(sources, Mapping) or not isinstance(schedule, list) or not schedule:
+        raise ConfigError(
+            "saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)"
+        )
+    phases = schedule_from_json(schedule, sorted(sources))
+    diffs = []
+    algorithm, order_algorithm = doc.get("algorithm"), doc.get("source_order_algorithm")
+    if algorithm != ALGORITHM:
+        diffs.append(f"algorithm: saved {algorithm!r}, now {ALGORITHM!r}")
+    if order_algorithm != ORDER_ALGORITHM:
+        diffs.append(f"source_order_algorithm: saved {order_algorithm!r}, now {ORDER_ALGORITHM!r}")
+    if doc.get("seed") != mixture.seed:
+        diffs.append(f"seed: saved {doc.get('seed')!r}, now {mixture.seed}")
+    saved_names, names = set(sources), set(mixture.source_names)
+    if saved_names - names:
+        diffs.append(f"sources removed: {sorted(saved_names - names)}")
+    if names - saved_names:
+        diffs.append(f"sources added: {sorted(names - saved_names)}")
+    for n in sorted(saved_names & names):
+        if sources[n] != mixture.sources[n].identity():
             diffs.append(
-                f"source_order_algorithm: saved {self.order_algorithm!r}, now {ORDER_ALGORITHM!r}"
+                f"source {n!r} identity differs: saved {sources[n]!r:.120}, "
+                f"now {mixture.sources[n].identity()!r:.120}"
             )
-        if self.seed != mixture.seed:
-            diffs.append(f"seed: saved {self.seed!r}, now {mixture.seed}")
-        saved_names, names = set(self.sources), set(mixture.source_names)
-        if saved_names - names:
-            diffs.append(f"sources removed: {sorted(saved_names - names)}")
-        if names - saved_names:
-            diffs.append(f"sources added: {sorted(names - saved_names)}")
-        for n in sorted(saved_names & names):
-            if self.sources[n] != mixture.sources[n].identity():
-                diffs.append(
-                    f"source {n!r} identity differs: saved {self.sources[n]!r:.120}, "
-                    f"now {mixture.sources[n].identity()!r:.120}"
-                )
-        return diffs
+    if diffs:
+        raise ConfigError(
+            "cannot continue the saved mixture: "
+            + "; ".join(diffs)
+            + "; hint: continue_from only changes weights"
+        )
+    return phases
 
 
 # ------------------------------------------------------------------ validation
@@ -422,10 +375,8 @@ def _check_sources(sources: object) -> dict[str, Dataset]:
 
 
 def source_columns(name: str, dataset: Dataset) -> dict[str, str]:
-    """Column -> `describe_column` of what ``dataset`` delivers: its ``schema()`` if it is
-    `DatasetInfo` and answers in that form (without reading samples, e.g. `TableRows`), else
-    (the documented default) described from ``read([0])`` (a ``schema()`` of another kind,
-    say a pyarrow schema, is not ours to interpret)."""
+    """Column -> `describe_column` of what ``dataset`` delivers: its `DatasetInfo` ``schema()``
+    if it answers in that form, else described from ``read([0])``."""
     found: object = info(dataset).schema()
     if isinstance(found, Mapping) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in found.items()

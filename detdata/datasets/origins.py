@@ -1,9 +1,5 @@
-"""Where a stream's positions come from: source, dataset and sample id of each position.
-
-`origins(stream, positions)` asks a stream that declares `HasOrigins`
-(`detdata.datasets.capabilities`): `OrderedStream` (one unnamed source), `Mixture` (its
-named sources) and `detdata.datasets.exclusions.Excluded` do, so provenance and exclusions
-never reach into a stream's internals. A stream without it is a `CapabilityError`.
+"""`origins(stream, positions)`: source, dataset and sample id of each position, asked of a
+stream that declares `HasOrigins` (`detdata.datasets.capabilities`), else `CapabilityError`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """`PackedWindows`: fixed ``seq_len`` windows packed from documents (``packing-v1``).
 
-A `Dataset` of windows over a `Documents` corpus: window ``w`` is tokens
-``[w * seq_len, w * seq_len + seq_len + labels)`` of the stream of (optionally
-shuffled, optionally BOS/EOS-wrapped) documents, documents split across windows
-where the boundary falls (`detdata.order.packing` defines the algorithm exactly).
-The loader orders the windows by its `GlobalOrder` like any dataset, so
-positions, resume, resharding and mixtures work as for `TokenWindows`.
-
-Each window delivers:
+Window ``w`` is tokens ``[w * seq_len, w * seq_len + seq_len + labels)`` of the stream of
+(optionally shuffled, optionally BOS/EOS-wrapped) documents, split across windows where the
+boundary falls (`detdata.order.packing` defines it exactly; docs/design.md "Documents and
+packing"). Each window delivers:
 
 ==================  ==========================  =========================================
 column              shape, dtype                meaning
@@ -32,23 +28,17 @@ input's crosses a document boundary). For a batch, flash-attention's varlen
 ``cu_seqlens`` is the concatenation over rows ``b`` of ``cu_seqlens[b, 1 :
 num_segments[b] + 1] + b * seq_len`` after a leading 0.
 
-``max_segments`` (the width of ``cu_seqlens``) defaults to a bound computed from
-the index (`detdata.order.packing.segments_bound`); pass the same value to every
-source of a `Mixture` so their columns agree.
-
-The packing index (16 bytes a document: the stream offset and corpus start of each
-shuffled document; the `Documents` table adds 8) is built once at
-construction in chunks with a progress bar, or loaded from ``index_dir``
-(content-addressed by the documents' identity, the seed and every option,
-`detdata.datasets.index_files`). Reading window ``w`` never packs windows before it:
-two ``searchsorted`` calls locate its documents.
+``max_segments`` (the width of ``cu_seqlens``) defaults to `segments_bound`; pass the same
+value to every source of a `Mixture` so their columns agree. The packing index (16 bytes a
+document) is built once or loaded from ``index_dir`` (`detdata.datasets.index_files`);
+window ``w`` is located with two ``searchsorted`` calls.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -67,7 +57,6 @@ from detdata.datasets.index_files import (
     reload_index,
     save_index,
 )
-from detdata.datasets.packed_provenance import window_documents
 from detdata.datasets.process_local import pickled_state
 from detdata.datasets.text import TextDocuments
 from detdata.order.packing import (
@@ -83,8 +72,6 @@ from detdata.order.packing import (
     shuffled_documents,
     window_count,
 )
-
-COLUMNS: Final = ("tokens", "doc_index", "position_ids", "cu_seqlens", "num_segments")
 
 
 class PackedWindows(DatasetInfo):
@@ -162,25 +149,22 @@ class PackedWindows(DatasetInfo):
 
     # the packing index ------------------------------------------------------------
     def _inputs(self) -> dict[str, Any]:
+        """What the packing index is a function of (its key; also `identity`'s first keys)."""
         return {
             "algorithm": ALGORITHM,
             "documents": self.documents.identity(),
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "bos": self.bos,
-            "eos": self.eos,
             "seq_len": self.seq_len,
             "labels": self.labels,
+            "bos": self.bos,
+            "eos": self.eos,
             "tail": self.tail.value,
         }
 
     def _packing_index(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
-        """The packing index and its counts: loaded from ``index_dir`` or built.
-
-        Nothing stored is trusted: the window count comes from the documents (never from
-        the record), and a stored index is used only when `_check_index` finds it equal
-        to a recomputation (the offsets and the segments bound).
-        """
+        """The packing index and its counts: loaded from ``index_dir`` (used only when
+        `_check_index` finds it equal to a recomputation) or built."""
         inputs = self._inputs()
         stored = load_index(self.index_dir, "packing", inputs, self._check_index)
         if stored is None:  # built by one process of those opening it at once (`building`)
@@ -222,12 +206,8 @@ class PackedWindows(DatasetInfo):
         return {"windows": windows, "segments_bound": bound}
 
     def _check_index(self, array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
-        """What is wrong with a stored packing index and its record, or None.
-
-        The offsets are recomputed from the documents and compared in full (the stored
-        copy saves the segments bound and is shared by worker processes as one memory
-        map); every metadata field must equal its recomputation.
-        """
+        """What is wrong with a stored packing index and its record (the offsets and every
+        metadata field recomputed and compared in full), or None."""
         n = self.documents.num_documents
         if array.dtype != np.int64 or array.shape != (2, n + 1):
             return f"array {array.dtype} of shape {array.shape}, expected int64 (2, {n + 1})"
@@ -300,15 +280,7 @@ class PackedWindows(DatasetInfo):
         """Plain JSON pinning the documents, the algorithm and every packing option."""
         return {
             "type": "packed_windows",
-            "algorithm": ALGORITHM,
-            "documents": self.documents.identity(),
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "seq_len": self.seq_len,
-            "labels": self.labels,
-            "bos": self.bos,
-            "eos": self.eos,
-            "tail": self.tail.value,
+            **self._inputs(),
             "pad_id": self.pad_id,
             "max_segments": self.max_segments,
             "num_samples": self._num,
@@ -323,8 +295,34 @@ class PackedWindows(DatasetInfo):
         return {self._num - 1: pad}
 
     def provenance(self, ids: IntArray) -> list[dict[str, Any]]:
-        """Each window's documents and their pieces (`detdata.datasets.packed_provenance`)."""
-        return window_documents(self, ids)
+        """Per window of ``ids``, ``{"documents": [...]}``: in window order, each document
+        whose tokens it holds: ``document`` (corpus number), ``tokens`` ``[a, b)`` (the
+        piece, as offsets in the document's packed tokens, ``bos`` / ``eos`` counted),
+        ``window`` ``[a, b)`` (where it lies in the window) and, for `TextDocuments`, where
+        its text is (`TextDocuments.location`). From the packing index alone (no token read).
+        """
+        win = check_ids(ids, self._num, f"PackedWindows(seq_len={self.seq_len})")
+        pieces = locate(self._offsets, win, seq_len=self.seq_len, width=self.window)
+        docs = self.document_at(pieces.position).tolist()
+        out: list[dict[str, Any]] = [{"documents": []} for _ in range(int(win.size))]
+        corpus = self.documents
+        for row, d, off, start, n in zip(
+            pieces.row.tolist(),
+            docs,
+            pieces.offset.tolist(),
+            pieces.start.tolist(),
+            pieces.count.tolist(),
+            strict=True,
+        ):
+            entry: dict[str, Any] = {
+                "document": int(d),
+                "tokens": [off, off + n],
+                "window": [start, start + n],
+            }
+            if isinstance(corpus, TextDocuments):
+                entry.update(corpus.location(int(d)))
+            out[row]["documents"].append(entry)
+        return out
 
     def document_at(self, positions: IntArray) -> IntArray:
         """The document at each shuffled position (the packing order)."""
@@ -336,13 +334,9 @@ class PackedWindows(DatasetInfo):
         )
 
     def read(self, ids: npt.ArrayLike) -> Batch:
-        """The columns of windows ``ids`` (module docstring), rows in the order of ``ids``.
-
-        O(tokens) in vectorised passes: whole document pieces are copied as contiguous
-        token ranges (`copy_plan`, `Documents.copy_ranges`) and the mask columns come
-        from per-piece arithmetic (`packed_columns`); Python work is per touched shard
-        (per piece at most).
-        """
+        """The columns of windows ``ids`` (module docstring), rows in the order of ``ids``:
+        whole document pieces copied as token ranges (`copy_plan`), the mask columns from
+        per-piece arithmetic (`packed_columns`)."""
         win = check_ids(ids, self._num, f"PackedWindows(seq_len={self.seq_len})")
         rows, width = int(win.size), self.window
         pieces = locate(self._offsets, win, seq_len=self.seq_len, width=width)

@@ -1,45 +1,15 @@
-"""CacheAhead prefetch: fill the shard cache from the known future of the order.
+"""`CacheAhead`: fill the shard cache from the known future of the order.
 
-The order is a pure function of the position, so the loader knows exactly which samples
-(hence which shards) the next micro steps read. `CacheAhead` walks them ahead of the
-consumer and fills their verified copies into the `ShardCache` (``cache_dir``) on a few
-background threads, so a reader finds its shards already on local disk. The rules:
-
-* **Order of first use.** Shards are submitted in the order the coming micro steps first
-  read them; ``connections`` threads fill them (FIFO), so at most ``connections`` shard
-  downloads are in flight (each a sequence of retried range reads).
-* **Mapped in chunks.** The shards of the coming micro steps are mapped for `PLAN_CHUNK`
-  steps at once (`shard_uses_of_steps`: one vectorised mapping, the same first-use order
-  per step as `shard_uses`), so the consumer pays the mapping's fixed cost once per chunk,
-  not once per delivered batch.
-* **Window under the byte bound.** The window is the micro steps from the one about to be
-  delivered up to ``steps`` ahead. The distinct shards of the window must fit in the
-  cache bound (``shard_cache_bytes`` of their cache directory): the window is extended
-  only while they do, so the lookahead shrinks when shards are large (never below the
-  step about to be read). The cache itself never holds more than its bound (it evicts
-  before a fill reserves space).
-* **Evict after last use.** When the consumer passes a shard's last use in the window, its
-  copy is *released*: it becomes the first one the cache evicts (`ShardCache.release`),
-  so copies still ahead in the window are not evicted by LRU while released ones remain.
-  A fill still queued for a released shard is cancelled.
-* **Errors surface at the batch.** A failed prefetch is logged and dropped: the reader that
-  needs the shard finds no copy and fetches it itself, through the same verified fill
-  with the same `RetryPolicy`, so the error (naming shard and URL) is raised at exactly
-  the batch that needs it, never lost and never raised early.
-* **Bytes unchanged.** Prefetch only decides *when* a verified copy is filled; readers
-  read the same bytes either way, so it is not part of any identity.
-
-* **Abandoned at once.** `close` (a ``break``, Ctrl-C, the end) cancels the queued fills
-  and does not wait for the running ones: the fill threads are daemon threads, so neither a
-  ``break`` nor the interpreter's exit waits for a shard download (an iterator never closed
-  is closed at exit too, cancelling its queue). A running fill that is abandoned finishes
-  or stops in its temp file: a copy appears in the cache only complete and verified
-  (renamed into place), and a temp file left by a process that died is removed by the next
-  scan of the cache.
-
-`CacheAhead` runs in the loader's process. With worker processes it starts after they
-are forked, and they share the cache directory: a worker that needs a shard the prefetch
-is filling waits on that shard's lock, then reads the copy (one download per shard).
+The order is a pure function of the position, so the shards of the coming micro steps are
+known: they are filled into the verified `ShardCache` on ``connections`` daemon threads in
+order of first use (mapped `PLAN_CHUNK` steps at a time), within a window of up to
+``steps`` micro steps whose distinct shards fit the cache bound (never below the step
+about to be read). A copy past its last use in the window is released (first to evict;
+a queued fill of it is cancelled). A failed fill is logged and dropped: the reader fetches
+the shard itself and raises at the batch that needs it. `close` cancels queued fills
+without waiting for running ones (an unclosed one is closed at exit). Prefetch decides
+only when a copy is filled, never a byte: docs/design.md "Remote reads: coalescing and
+lookahead prefetch".
 """
 
 from __future__ import annotations
@@ -132,28 +102,21 @@ def _datasets_of(stream: object) -> list[object]:
 
 def cached_readers(stream: object) -> list[ShardReader]:
     """The shard readers of ``stream`` (a dataset, or a stream declaring `HasOrigins`) that
-    read through a shard cache (``cache_dir`` and a remote root), in
-    source order."""
-    candidates = _datasets_of(stream)
-    return [r for r in candidates if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
+    read through a shard cache, in source order."""
+    found = _datasets_of(stream)
+    return [r for r in found if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
 
 
 def shard_uses(stream: Any, positions: IntArray, readers: list[ShardReader]) -> list[Key]:
-    """``(reader index, shard)`` read at ``positions`` of ``stream``, in order of first use.
-
-    Only readers in ``readers`` count. A `HasOrigins` stream maps positions to each
-    source's dataset and sample id (``origins``); anything else is taken as a dataset read
-    at ``positions``.
-    """
+    """``(reader index, shard)`` read at ``positions`` of ``stream`` (a `HasOrigins` stream,
+    else a dataset), in order of first use; only readers in ``readers`` count."""
     return shard_uses_of_steps(stream, [positions], readers)[0]
 
 
 def shard_uses_of_steps(
     stream: Any, steps: list[IntArray], readers: list[ShardReader]
 ) -> list[list[Key]]:
-    """`shard_uses` of each position array in ``steps``, computed with one vectorised
-    mapping of all their positions (the lookahead plans micro steps in chunks: per step,
-    the mapping's fixed cost would be paid once per delivered batch)."""
+    """`shard_uses` of each position array in ``steps``, with one vectorised mapping."""
     if not steps:
         return []
     arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in steps]
@@ -191,7 +154,6 @@ def _shards_at(
     else:  # a dataset: positions are its ids
         ids = np.asarray(pos).reshape(-1)
         which = np.full(ids.shape, index.get(id(stream), -1), dtype=np.int64)
-    which = np.asarray(which, dtype=np.int64)
     shard = np.full(ids.shape, -1, dtype=np.int64)
     for i in np.unique(which[which >= 0]).tolist():
         sel = which == i
@@ -204,20 +166,16 @@ class CacheAheadStats:
     """Counters of one `CacheAhead` (this process)."""
 
     submitted: int = 0  # shard fills queued
-    done: int = 0  # fills finished (hit or fetched)
     failed: int = 0  # fills that raised (the reader fetches again and reports)
-    cancelled: int = 0  # queued fills dropped: released first
     released: int = 0  # copies released after their last use in the window
     shrunk: int = 0  # times the window stopped short of `steps` to stay under the bound
     max_window_bytes: int = 0
 
 
 class CacheAhead:
-    """Fills the shard cache ahead of the consumer (see the module docstring).
-
-    ``positions_of(j)``: the positions this rank reads at micro step ``j``; ``stop``: the
-    first micro step never read (None: endless). Call `advance` with the micro step about
-    to be delivered, before reading it; `close` when done.
+    """Fills the shard cache ahead of the consumer. ``positions_of(j)``: the positions this
+    rank reads at micro step ``j``; ``stop``: the first micro step never read (None:
+    endless). Call `advance` with the micro step about to be delivered; `close` when done.
     """
 
     def __init__(
@@ -278,15 +236,13 @@ class CacheAhead:
         self._extend(step)
 
     def close(self) -> None:
-        """Cancel queued fills and stop the fill threads; running fills are not waited for
-        (they finish or fail in the background; a reader fetches what it needs itself)."""
+        """Cancel queued fills and stop the fill threads (running fills are not waited for)."""
         if self._closed:
             return
         self._closed = True
         _OPEN.discard(self)
         for future in list(self._futures.values()):
-            if future.cancel():
-                self.stats.cancelled += 1
+            future.cancel()
         if self._stopper is not None:
             self._stopper()
 
@@ -371,9 +327,6 @@ class CacheAhead:
                 type(exc).__name__,
                 exc,
             )
-            return
-        with self._lock:
-            self.stats.done += 1
 
     def _release(self, key: Key) -> None:
         reader = self.readers[key[0]]
@@ -383,7 +336,6 @@ class CacheAhead:
         future = self._futures.pop(key, None)
         if future is not None and not future.done():
             if future.cancel():
-                self.stats.cancelled += 1
                 return
             last_use = self._last_use
 

@@ -1,11 +1,7 @@
 """`PerProcess`: a value owned by one process (memory maps, file handles, caches), held as a
-part.
-
-A dataset is pickled into torch worker processes: only its parameters and manifest travel.
-A part keeps what one process owns in a `PerProcess` holder: pickled empty, made at its first
-`get` in a process and again in a forked child (a fork bumps this module's generation: no
-``getpid`` per use). The maker is given at each `get`, so the holder keeps no reference to
-its owner: an owner goes (with its handles) with its last reference.
+part: pickled empty, made at its first `get` in a process and again in a forked child (a
+fork bumps this module's generation: no ``getpid`` per use). The maker is given at each
+`get`, so the holder keeps no reference to its owner.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The row groups of a `detdata.datasets.tables.TableRows`: where each row is, and the
-per-process cache of decoded row groups.
-
-`GroupIndex` is where each row id is: its global row group, that group's shard and its
-place in the shard (from the manifest's columns, no file read). `GroupSlots` is a bounded
-LRU of decoded row groups (`Group`: one numpy array per selected column) whose groups
-live, when the whole manifest fits its bounds, in slots of shared column arrays, so that a
-batch of cached rows is one ``take`` per column (see its docstring). `auto_cache_row_groups`
-sizes its count bound from the order the dataset is read in.
-"""
+"""The row groups of a `TableRows`: where each row is (`GroupIndex`) and the per-process
+cache of decoded row groups (`GroupSlots`, sized by `auto_cache_row_groups`)."""
 
 from __future__ import annotations
 
@@ -61,21 +53,11 @@ class GroupIndex:
 
 
 def auto_cache_row_groups(choice: OrderChoice | None, groups_per_shard: Sequence[int]) -> int:
-    """The row groups a `TableRows` with the default ``cache_row_groups`` (None) caches when
-    read in ``choice`` (None: not told, read as if shuffled globally), unless the whole
-    decoded manifest fits ``row_group_cache_bytes``: then every row group, whatever the
-    order (`GroupSlots` ``whole_if_fits``; later epochs decode nothing).
-
-    * A global shuffle (`Order.FEISTEL_V1`, or no order): every row group of the manifest,
-      the working set of a shuffled epoch (``row_group_cache_bytes`` still bounds the bytes:
-      a dataset larger than that bound is re-decoded whatever the count).
-    * ``LocalityOrder(window_row_groups=k)``: ``2k`` (capped at all row groups). A stretch of
-      positions reads the ``k`` groups of one window, and a read that crosses into the next
-      window also needs that window's ``k``: with ``2k`` cached, each row group is decoded
-      once per window it lies in, i.e. once per epoch.
-    * ``LocalityOrder(window_shards=k)``: twice the row groups of the ``k`` shards with the
-      most row groups (a window's shards, and the next window's, whichever they are).
-    """
+    """The row groups a `TableRows` with the default ``cache_row_groups`` caches when read
+    in ``choice`` (None: as if shuffled globally): every row group for a global shuffle,
+    ``2k`` for ``window_row_groups=k`` (a read may cross into the next window), twice the
+    row groups of the ``k`` largest shards for ``window_shards=k``; capped at all row
+    groups (docs/design.md, section 2)."""
     total = sum(groups_per_shard)
     if not isinstance(choice, LocalityOrder):
         return total
@@ -105,33 +87,21 @@ class _Entry:
 
 class GroupSlots:
     """The per-process cache of decoded row groups of a `TableRows`: a bounded LRU (the
-    contract of the plain LRU model in `tests/datasets/lru_model.py`) whose groups live in
-    slots of shared column arrays.
+    model: `tests/datasets/lru_model.py`) keyed ``(shard, row group in shard)``.
 
-    Bounds, as for a plain LRU: at most ``max_groups`` groups and ``max_bytes``
-    bytes (``nbytes``, the sum of the groups' charges); ``put`` evicts least recently
-    used groups until both hold; a group charged more than ``max_bytes`` is not kept;
-    ``max_groups == 0`` disables caching. Keys are ``(shard, row group in shard)``.
-    With ``whole_if_fits`` (a `TableRows` with the default ``cache_row_groups``), the
-    count bound is raised to every row group of the manifest when the first group shows
-    that they all fit ``max_bytes`` at the slot charge below.
+    At most ``max_groups`` groups (0: no caching) and ``max_bytes`` bytes (``nbytes``);
+    ``put`` evicts least recently used groups until both hold; a group charged more than
+    ``max_bytes`` is not kept. With ``whole_if_fits`` the count bound is raised to every
+    row group once the first group shows that they all fit ``max_bytes``.
 
-    Storage: when every row group of the manifest fits both bounds (at the slot charge
-    below: the dataset can be cached whole, the working set of shuffled reads), groups
-    are copied into slots of one array per column, ``rows_per_slot`` rows (the largest
-    row group of the manifest) per slot, so a batch whose groups are all cached is ONE
-    ``take`` per column (`gather`), rows already in the requested order. A group in a
-    slot is charged the slot's bytes (``rows_per_slot`` rows even when the group is
-    shorter; 8 bytes a row for object columns) plus the Arrow bytes of its string/ragged
-    values. The slot arrays grow by doubling up to one slot per row group of the
-    manifest, which fits in ``max_bytes`` (``pool_bytes``; it can be up to twice the
-    slot bytes of the groups cached so far, never above ``max_bytes``). Otherwise (a
-    smaller cache: most of a shuffled batch's groups must be decoded anyway, and a copy
-    would only add to that), and for a group whose columns do not match the slot layout
-    (a list column of another width; the slots are then given up), groups are kept as
-    their own arrays, charged their own bytes, as a plain LRU does. Slots of evicted
-    groups are reused, so a `Group` from ``get`` is only valid until the next ``put``.
-    Thread-safe: gathers and slot changes hold one lock.
+    When every row group fits both bounds, groups are copied into slots of one array per
+    column (``rows_per_slot`` rows each, the largest group's), so a batch of cached groups
+    is one ``take`` per column (`gather`); a slotted group is charged the slot's bytes (8
+    a row for object columns) plus the Arrow bytes of its string/ragged values, and the
+    slot arrays grow by doubling within ``max_bytes`` (``pool_bytes``). Otherwise, or once
+    a group does not match the slot layout (the slots are then given up), groups keep
+    their own arrays and bytes. Slots are reused: a `Group` from ``get`` is valid until
+    the next ``put``. Thread-safe (one lock).
     """
 
     def __init__(
@@ -167,7 +137,6 @@ class GroupSlots:
         self._reserve = 0  # groups a read is about to insert (`reserve`)
         self._lock = threading.Lock()
 
-    # the plain-LRU interface -------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -184,18 +153,8 @@ class GroupSlots:
 
     def get(self, key: tuple[int, int]) -> Group | None:
         """The cached group (marked most recently used), or None."""
-        g = self._global(key)
         with self._lock:
-            entry = self._entries.get(g)
-            if entry is None:
-                return None
-            self._touch(g)
-            if entry.group is not None:
-                return entry.group
-            a = entry.slot * self.rows_per_slot
-            return Group(
-                {n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes
-            )
+            return self._use(self._global(key))
 
     def put(self, key: tuple[int, int], item: Group) -> None:
         """Cache ``item`` as the most recently used group, evicting LRU groups to fit."""
@@ -238,13 +197,10 @@ class GroupSlots:
 
     def reserve(self, groups: int) -> None:
         """A read is about to `insert` up to ``groups`` groups: the next growth of the slot
-        arrays makes room for them at once (a first batch of a shuffled corpus inserts most
-        of its groups; growing by doubling would copy the arrays again at every step). Never
-        beyond the bounds; changes nothing cached."""
+        arrays makes room for them at once (within the bounds)."""
         with self._lock:
             self._reserve = max(0, int(groups))
 
-    # batch reads --------------------------------------------------------------
     def gather(
         self, groups: IntArray, rows: IntArray, columns: Sequence[str]
     ) -> dict[str, np.ndarray[Any, Any]] | None:
@@ -268,11 +224,8 @@ class GroupSlots:
 
     def missing(self, groups: IntArray) -> IntArray | None:
         """The global row groups of ``groups`` (non-empty) not cached, in order of first use,
-        when caching them cannot evict any group: the groups sit in slots and every column
-        has a fixed width (each group is then charged the slot's bytes, and the manifest's
-        row groups all fit both bounds at that charge); None otherwise (no slots, or object
-        columns, whose charge varies). `insert` them, then `gather` the batch: that leaves
-        the cache as a visit of ``groups`` in order of first use would (`TableRows.read`)."""
+        when inserting them cannot evict (slots and fixed-width columns only); else None.
+        Inserting them, then a `gather`, leaves the cache as a visit in that order would."""
         with self._lock:
             layout = self._layout
             if not self._pool or layout is None or any(d.kind == "O" for d, _ in layout.values()):
@@ -286,16 +239,20 @@ class GroupSlots:
     def take_rows(self, group: int, rows: IntArray) -> Columns | None:
         """Copies of ``rows`` of one cached global row group (marked used), or None."""
         with self._lock:
-            entry = self._entries.get(group)
-            if entry is None:
-                return None
-            self._touch(group)
-            if entry.group is not None:
-                return {n: c[rows] for n, c in entry.group.columns.items()}
-            index = rows + entry.slot * self.rows_per_slot
-            return {n: c.take(index, axis=0) for n, c in self._pool.items()}
+            found = self._use(group)
+            return None if found is None else {n: c[rows] for n, c in found.columns.items()}
 
-    # internals (called with the lock held) -------------------------------------
+    def _use(self, g: int) -> Group | None:
+        """Cached group ``g`` (a slot's as views), marked most recently used; or None."""
+        entry = self._entries.get(g)
+        if entry is None:
+            return None
+        self._touch(g)
+        if entry.group is not None:
+            return entry.group
+        a = entry.slot * self.rows_per_slot
+        return Group({n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes)
+
     def _global(self, key: tuple[int, int]) -> int:
         return int(self._first[key[0]]) + int(key[1])
 

@@ -1,37 +1,14 @@
-"""`ShardFiles`: the shard files of one manifest, as a part held by `TokenWindows`,
-`TableRows` and `Documents` (each holds one and delegates to it).
+"""`ShardFiles`: the shard files of one manifest, a part held by `TokenWindows`, `TableRows`
+and `Documents`: opened, mapped, cached and checked per process (`ProcessFiles`: the lazy
+file system, the verified `ShardCache` with ``cache_dir``, the open handles in a
+`HandleLRU`, the first-open records; pickled empty, made again after a fork).
 
-* Construction: the manifest (resolved and verified by the owner, `resolve_manifest`), one
-  `Storage` (`detdata.datasets.shard_storage`: root, verification, fsspec options, the
-  ``retry`` policy, the disk cache ``cache_dir`` + ``shard_cache_bytes`` + ``cache_verify``,
-  ``max_open_shards``) whose ``cache_dir=DefaultCache.AUTO`` the owner resolved to its
-  default, and the bytes per shard the owner checks files against (its checked copy).
-* This process's side (`ProcessFiles`, in a `PerProcess` holder): a lazy file system, the
-  verified shard cache, the open handles, the first-open records. Pickled empty; made
-  again in each process (and after a fork).
-* With ``cache_dir`` and a remote root, whole shards are copied into a bounded,
-  blake3-verified local `ShardCache` (``shard_cache``, one per process) and opened from
-  there. Each open handle (a memory map, a reader) remembers the copy it reads:
-  ``(path, inode)``. Before a batch, a handle whose copy was evicted or replaced (another
-  inode now, or no file) is dropped and re-opened; a copy that is still current gets its
-  LRU time refreshed. A fill may evict copies this process has open, so after each fill
-  every handle is checked.
-* Truncation and replacement: a memory-mapped file shorter than the manifest says would
-  crash the process (SIGBUS) when read, so readers check the file's size first
-  (`check_not_truncated`: a `VerificationError` naming the shard when it differs from the
-  manifest's, shorter or longer). Each time a shard's path is opened again (a mapping, or
-  a read without one) the file is compared with the one this process first opened for it
-  (`ShardFiles.check_stat`: inode, device, size and modification time), so a shard
-  replaced (renamed over) or rewritten during the run is an error naming it, whatever
-  ``max_open_shards`` is, never other bytes. Not caught: a replacement before this process
-  first opened the shard (verification at open covers that, fully only with
-  ``verify="full"``), and bytes rewritten in place under a live mapping.
-* Bounded handles: open handles live in a `HandleLRU` of at most ``max_open_shards``
-  shards per dataset, inside this process's budget (`detdata.datasets.handles`). A forked
-  child starts with no handles; an unpickled dataset starts empty and joins its process's
-  budget. Nothing else kept per shard grows with the shards touched: the remembered
-  cached copies (``(path, inode)``) are dropped with their handle. The bounds never change
-  the bytes read, so they are not part of ``identity()``.
+A mapped file shorter than the manifest says would SIGBUS, so reads check the size first
+(`check_not_truncated`); every open is compared with the file this process first opened
+(`ShardFiles.check_stat`: inode, device, size, mtime), so a shard replaced or rewritten
+during the run is a `VerificationError` naming it. A handle of a cached copy that was
+evicted or replaced is dropped and re-opened. Not caught: a replacement before the first
+open, bytes rewritten in place under a live mapping.
 """
 
 from __future__ import annotations
@@ -70,12 +47,8 @@ H = TypeVar("H")
 
 
 def resolve_manifest(manifest: Manifest | str, storage: Storage) -> Manifest:
-    """A verified `Manifest` from an object or a path/URL, read as ``storage`` says.
-
-    A path is loaded with ``Manifest.load(path, root=storage.root, verify=storage.verify)``;
-    a `Manifest` object is re-rooted at ``storage.root`` if given and then verified with
-    ``storage.verify`` (``"quick"`` by default; ``"off"`` skips it).
-    """
+    """A verified `Manifest` from an object (re-rooted at ``storage.root`` if given) or a
+    path/URL (loaded under it), verified as ``storage.verify`` says."""
     root = None if storage.root is None else os.fspath(storage.root)
     options, retry = storage.fs_options, storage.retry
     if isinstance(manifest, str):
@@ -131,9 +104,9 @@ os.register_at_fork(after_in_child=_new_lazy_lock)
 
 class ProcessFiles:
     """This process's side of a `ShardFiles`: the file system and shard cache (made on first
-    use), the open handles (``handles``, a `HandleLRU` in the process's budget), the cached
-    copy each open handle reads (``copies``: shard -> ``(path, inode)``), the first-open
-    records (``first``) and the file-system encoded shard names (``names``)."""
+    use), the open handles (``handles``), the cached copy each open handle reads
+    (``copies``: shard -> ``(path, inode)``), the first-open records (``first``: per
+    shard ``(inode, device, mtime_ns)``) and the encoded shard names (``names``)."""
 
     __slots__ = ("cache", "copies", "first", "fs", "handles", "named", "names", "root_path")
 
@@ -141,32 +114,23 @@ class ProcessFiles:
         self.fs: fsspec.AbstractFileSystem | None = None
         self.root_path = ""
         self.cache: ShardCache | None = None
-        # shard -> (cached copy, inode), for shards with an open handle only
         copies: dict[int, tuple[str, int]] = {}
         self.copies = copies
-        # per shard, the file this process first opened: (inode, device, mtime_ns), each as
-        # an unsigned 64-bit pattern (`_identity`), recorded once (reader threads and the
-        # native loop may first open a shard at once)
         self.first = FirstOpens(sizes)
         self.names: list[bytes] | None = None  # `ShardFiles.encoded_names`, built when needed
         self.named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
-        # in the process's budget; an evicted handle's copy is forgotten (no reference to self)
+        # an evicted handle's copy is forgotten (no reference to self)
         self.handles: HandleLRU[Any] = HandleLRU(
             max_open_shards, budget=PROCESS_HANDLES, forget=lambda shard: copies.pop(shard, None)
         )
 
 
 class ShardFiles:
-    """The shard files of one manifest (see the module docstring): opened, mapped, cached
-    and checked for the dataset that holds it.
-
-    ``manifest`` (verified, with a root), ``storage`` (its ``cache_dir`` no longer
-    `DefaultCache.AUTO`), ``sizes``: bytes per shard in manifest order (the manifest's, or
-    an equal column the owner holds checked). After construction: the cache in force,
-    ``cache_dir`` (str or None) and ``shard_cache_bytes`` (the default cache may engage
-    later, `use_user_cache`). None of it but the manifest changes the data read. Pickled
-    without ``sizes`` and this process's side: the owner gives ``sizes`` again (`attach`).
-    """
+    """The shard files of ``manifest`` (verified, with a root) read as ``storage`` says (its
+    ``cache_dir`` resolved from `DefaultCache.AUTO`), checked against ``sizes`` (bytes per
+    shard). ``cache_dir`` / ``shard_cache_bytes``: the cache in force (the default cache may
+    engage later, `use_user_cache`). Pickled without ``sizes`` (given again, `attach`) and
+    this process's side."""
 
     def __init__(self, manifest: Manifest, storage: Storage, sizes: IntColumn) -> None:
         self.manifest = manifest
@@ -209,11 +173,9 @@ class ShardFiles:
         return self._local.get(self._new_local)
 
     def use_user_cache(self, window_shards: int) -> None:
-        """Read through the default cache from now on, for an order that reads
-        ``window_shards`` shards at a time (`LocalityOrder`), if its bound holds two such
-        windows of the largest shard (the one read and the one prefetched); else the range
-        reads go on, logged. Only for the default ``cache_dir`` of a corpus larger than its
-        bound (a corpus that fits uses it already). Never changes a byte read."""
+        """Read through the default cache (of a corpus larger than its bound) from now on,
+        for a `LocalityOrder` of ``window_shards`` shards, if the bound holds two such
+        windows of the largest shard; else log why range reads go on."""
         if self._user_cache is None or self.cache_dir is not None:
             return
         folder, bound = self._user_cache
@@ -236,8 +198,7 @@ class ShardFiles:
 
     # handles -------------------------------------------------------------------------
     def keep(self, shard: int, handle: object) -> None:
-        """Hold ``handle`` of ``shard`` in the LRU (and the process's budget); the cached
-        copies of evicted handles (this reader's or another's) are forgotten."""
+        """Hold ``handle`` of ``shard`` in the LRU (and the process's budget)."""
         self.local().handles.put(shard, handle)
 
     def forget(self, shard: int) -> None:
@@ -301,13 +262,8 @@ class ShardFiles:
 
     def open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
         """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of
-        ``shard``.
-
-        The copy is filled first if needed. A copy evicted by another process between
-        the fill and the open (``FileNotFoundError``), or in a shared cache folder replaced
-        by another file since it was checked (`ShardCache.confirm_open`), is fetched or
-        checked again, up to 5 times.
-        """
+        ``shard``, filled first if needed; a copy evicted or replaced before the open
+        (`ShardCache.confirm_open`) is fetched again, up to `_OPEN_ATTEMPTS` times."""
         cache = self.shard_cache
         assert cache is not None  # only called with cache_dir
         for _ in range(_OPEN_ATTEMPTS):
@@ -366,11 +322,8 @@ class ShardFiles:
             cache.release(self.manifest.shards[shard])
 
     def drop_if_replaced(self, shard: int) -> str | None:
-        """Forget the handle of ``shard`` if its cached copy was evicted or replaced.
-
-        Returns the copy's path when the handle is still current (safe with reader
-        threads: a concurrent drop just means the next use re-opens the copy).
-        """
+        """Forget the handle of ``shard`` if its cached copy was evicted or replaced; the
+        copy's path when the handle is still current."""
         local = self.local()
         known = local.copies.get(shard)
         if known is None:
@@ -437,8 +390,7 @@ class ShardFiles:
 
     def encoded_names(self, shards: npt.NDArray[np.int64]) -> list[bytes]:
         """A list indexed by shard holding, at least for ``shards``, each path under the root,
-        file-system encoded (for `detdata.storage.fileread.read_files`). Names are filled in
-        as shards are first read: the entries of shards never read are never built."""
+        file-system encoded (filled in as shards are first read)."""
         local = self.local()
         names = local.names
         if names is None:
@@ -461,9 +413,7 @@ class ShardFiles:
 
     def check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
         """`check_size`, then the file's identity against the first one this process opened
-        for ``shard``; the first open records it (only a file of the manifest's size is
-        recorded, and of two threads first opening the shard at once, one records and the
-        other is compared with it)."""
+        for ``shard`` (the first open of a file of the manifest's size records it)."""
         self._check_identity(shard, st.st_size, _identity(st), path)
 
     def _check_identity(self, shard: int, size: int, now: tuple[int, int, int], path: str) -> None:
@@ -493,13 +443,9 @@ class ShardFiles:
         now: npt.NDArray[np.uint64],
         prefix: str,
     ) -> None:
-        """`check_stat` of many opens at once: shard ``ids[i]``'s file ``prefix + path``
-        had ``sizes[i]`` bytes and identity ``now[i]`` (`_identity`, an ``fstat`` taken
-        after its bytes were read). One vectorised comparison instead of ~6 us of Python
-        per shard. The first culprit, in the order given, raises `check_stat`'s error. A
-        shard not recorded yet goes through `_check_identity` (callers record first opens
-        before reading: the native loop does, see `detdata.storage.reads.execute`).
-        Callers check before any byte read under these opens is returned."""
+        """`check_stat` of many opens at once (vectorised): shard ``ids[i]``'s file ``prefix
+        + path`` had ``sizes[i]`` bytes and identity ``now[i]`` (an ``fstat`` after its
+        read); the first culprit, in the order given, raises `check_stat`'s error."""
         if not ids.size:
             return
         bad = sizes != self.sizes.take(ids)

@@ -1,39 +1,6 @@
-"""`Storage`: where and how a shard dataset reads its files, as one frozen object.
-
-Every dataset that reads the shard files of a manifest (`TokenWindows`, `TableRows`,
-`Documents`: each holds a `detdata.datasets.shard_files.ShardFiles`) takes one
-``storage=Storage(...)``. Its fields:
-
-* ``root``: the path or fsspec URL the manifest's shards are read under (None: the
-  manifest's own root).
-* ``verify``: how much of the bytes is checked when the dataset is opened (`Verify`:
-  ``"quick"``, ``"full"``, ``"off"``).
-* ``fs_options``: the keyword arguments of the fsspec file system of the root
-  (credentials, endpoint, ...): what fsspec calls ``storage_options``. Its values are never
-  shown (``repr`` masks them).
-* ``retry``: how remote reads retry (`RetryPolicy`; default ``RetryPolicy()``).
-* ``cache_dir``: where whole remote shards are copied (verified against the manifest's
-  blake3, in a bounded `detdata.storage.cache.ShardCache`) and read from: a local folder;
-  None: no copies (remote shards are read with range requests); `DefaultCache.USER`: a
-  bounded per-user folder (`user_cache`); `DefaultCache.AUTO` (the default): the dataset's
-  own default, USER for `TokenWindows` and None for `TableRows` and `Documents`.
-* ``shard_cache_bytes``: the bound of that cache (None: 16 GiB for a folder, see
-  `user_cache` for USER); only with a cache.
-* ``cache_verify``: how a cached copy is re-checked when it is opened (``"quick"``: its
-  size and first and last MiB; ``"full"``: re-hashed).
-* ``max_open_shards``: the shards of the dataset with an open handle per process
-  (default 128; `detdata.set_max_open_shards` bounds all datasets of a process together).
-
-None of them changes a byte delivered (remote bytes are checked against the manifest
-wherever they are read from), so none is part of a dataset's ``identity()``. Every field is
-checked when the object is made: a bad value is a `ConfigError` naming the field, what was
-expected and what was found, with a hint.
-
-The keywords of those fields given to the dataset itself (``TokenWindows(path, 64,
-verify="full")``, the spelling before `Storage`) are refused (`checked_storage`): a
-`ConfigError` naming the `Storage` field to pass instead (``storage_options`` is
-``fs_options``, ``cache_bytes`` is ``shard_cache_bytes``; `TableRows`, where
-``cache_bytes`` named the in-memory row-group cache, says so).
+"""`Storage`: where and how a shard dataset (`TokenWindows`, `TableRows`, `Documents`) reads
+its files, as one frozen, checked object; `checked_storage` refuses its fields given to the
+dataset itself (the spelling before `Storage`), naming the field to pass instead.
 """
 
 from __future__ import annotations
@@ -62,18 +29,11 @@ DEFAULT_SHARD_CACHE_BYTES: Final = 16 << 30
 DEFAULT_USER_CACHE_BYTES: Final = 4 << 30
 #: The default cache is used only where it holds this many of the largest shard at once.
 USER_CACHE_MIN_SHARDS: Final = 4
-#: The environment variable naming the default cache's folder (it chooses where copies
-#: live, never which bytes are read).
 #: A dataset's keywords before `Storage` (refused) -> the field of `Storage` to pass instead.
+_SAME: Final = ("verify", "root", "retry", "cache_dir", "shard_cache_bytes", "cache_verify")
 REMOVED_KEYWORDS: Final = {
-    "verify": "verify",
-    "root": "root",
+    **{name: name for name in (*_SAME, "max_open_shards")},
     "storage_options": "fs_options",
-    "retry": "retry",
-    "cache_dir": "cache_dir",
-    "shard_cache_bytes": "shard_cache_bytes",
-    "cache_verify": "cache_verify",
-    "max_open_shards": "max_open_shards",
     "cache_bytes": "shard_cache_bytes",  # its older name
 }
 
@@ -81,11 +41,8 @@ log: Final = get_logger("detdata.cache")
 
 
 class DefaultCache(enum.Enum):
-    """The values of ``Storage.cache_dir`` that are not a folder or None.
-
-    ``USER``: a bounded per-user folder (`user_cache_dir`), used for remote roots only (see
-    `user_cache`). ``AUTO``: the dataset's default (``USER`` for `TokenWindows`, whose remote
-    windows are small reads; None for `TableRows` and `Documents`)."""
+    """The values of ``Storage.cache_dir`` that are not a folder or None: ``USER``, a bounded
+    per-user folder for remote roots (`user_cache`); ``AUTO``, the dataset's default."""
 
     USER = "user"
     AUTO = "auto"
@@ -93,12 +50,25 @@ class DefaultCache(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, repr=False)
 class Storage:
-    """Where and how a shard dataset reads its files (see the module docstring).
+    """Where and how a shard dataset reads its files:
 
-    Frozen and checked when made: each field is normalised (``root`` and a ``cache_dir``
-    folder to ``str``, ``verify`` to `Verify`, ``fs_options`` to a ``dict`` copy, a None
-    ``retry`` / ``max_open_shards`` to the default) or refused with a `ConfigError` naming
-    it. ``repr`` masks the values of ``fs_options`` and the credentials of a root URL.
+    * ``root``: path or fsspec URL the shards are read under (None: the manifest's root).
+    * ``verify``: how much is checked at open (`Verify`: ``"quick"``, ``"full"``, ``"off"``).
+    * ``fs_options``: the fsspec file system's keyword arguments (``storage_options``).
+    * ``retry``: how remote reads retry (`RetryPolicy`).
+    * ``cache_dir``: a local folder whole remote shards are copied into (verified, bounded
+      `detdata.storage.cache.ShardCache`) and read from; None: range requests, no copies;
+      `DefaultCache.USER`: a per-user folder (`user_cache`); `DefaultCache.AUTO`: the
+      dataset's default (USER for `TokenWindows`, None for `TableRows` and `Documents`).
+    * ``shard_cache_bytes``: that cache's bound (None: 16 GiB, or `user_cache`'s for USER).
+    * ``cache_verify``: re-check of a cached copy at open (``"quick"``: size and first and
+      last MiB; ``"full"``: re-hashed).
+    * ``max_open_shards``: shards of the dataset with an open handle per process
+      (`detdata.set_max_open_shards` bounds all datasets of a process together).
+
+    None changes a delivered byte, so none is in ``identity()``. Frozen; each field is
+    normalised or refused with a `ConfigError` naming it. ``repr`` masks ``fs_options``'
+    values and a root URL's credentials.
     """
 
     root: str | os.PathLike[str] | None = None
@@ -144,12 +114,10 @@ class Storage:
 def checked_storage(owner: str, storage: Storage | None, refused: Mapping[str, object]) -> Storage:
     """The `Storage` dataset ``owner`` reads with: ``storage`` (None: ``Storage()``).
 
-    ``refused``: the keywords given to ``owner``'s constructor that it does not take (its
-    ``**refused``, typed ``Never`` so that type checkers flag each). A field of `Storage`
-    given there (the spelling before `Storage`, `REMOVED_KEYWORDS`) is a `ConfigError`
-    naming the field to pass in ``storage=Storage(...)``; any other keyword is the
-    `TypeError` Python gives an unknown one. A ``storage`` that is not a `Storage` is a
-    `ConfigError`.
+    ``refused``: the keywords ``owner``'s constructor does not take (its ``**refused:
+    Never``): one in `REMOVED_KEYWORDS` is a `ConfigError` naming the field to pass in
+    ``storage=Storage(...)``, any other Python's `TypeError`. A ``storage`` that is not a
+    `Storage` is a `ConfigError`.
     """
     for name in refused:
         field = REMOVED_KEYWORDS.get(name)
@@ -172,13 +140,16 @@ def _bad(name: str, expected: str, found: str, hint: str) -> ConfigError:
     return ConfigError(f"Storage.{name}: expected {expected}, found {found}; hint: {hint}")
 
 
+def _path(value: object) -> str | None:
+    """``value`` as a non-empty path string (from a str or ``os.PathLike``), else None."""
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    return path if isinstance(path, str) and path else None
+
+
 def _check_root(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        root = os.fspath(value)
-        if isinstance(root, str) and root:
-            return root
+    root = _path(value)
+    if value is None or root is not None:
+        return root
     raise _bad(
         "root",
         "a path or fsspec URL (a non-empty str or os.PathLike) or None",
@@ -236,10 +207,9 @@ def _check_retry(value: object) -> RetryPolicy:
 def _check_cache_dir(value: object) -> str | DefaultCache | None:
     if value is None or isinstance(value, DefaultCache):
         return value
-    if isinstance(value, (str, os.PathLike)):
-        folder = os.fspath(value)
-        if isinstance(folder, str) and folder:
-            return folder
+    folder = _path(value)
+    if folder is not None:
+        return folder
     raise _bad(
         "cache_dir",
         "a local folder (a non-empty str or os.PathLike), None (no copies) or a DefaultCache",
@@ -248,16 +218,19 @@ def _check_cache_dir(value: object) -> str | DefaultCache | None:
     )
 
 
+def _positive_int(value: object, name: str, unit: str, hint: str) -> int:
+    """``value`` as an integer >= 1, else `_bad` naming field ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(name, f"an integer >= 1 ({unit}) or None", repr(value), hint)
+    return int(value)
+
+
 def _check_cache_bytes(value: object, cache_dir: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(
-            "shard_cache_bytes",
-            "an integer >= 1 (bytes) or None",
-            repr(value),
-            "shard_cache_bytes=64 << 30 for 64 GiB",
-        )
+    size = _positive_int(
+        value, "shard_cache_bytes", "bytes", "shard_cache_bytes=64 << 30 for 64 GiB"
+    )
     if cache_dir is None:
         raise _bad(
             "shard_cache_bytes",
@@ -266,12 +239,12 @@ def _check_cache_bytes(value: object, cache_dir: object) -> int | None:
             repr(value),
             "pass cache_dir='/local/dir' to cache remote shards, or leave shard_cache_bytes out",
         )
-    return int(value)
+    return size
 
 
 def _check_cache_verify(value: object) -> str:
-    if value == "quick" or value == "full":
-        return "quick" if value == "quick" else "full"
+    if value in ("quick", "full"):
+        return str(value)
     raise _bad(
         "cache_verify",
         "'quick' (size + first/last MiB) or 'full' (re-hash the whole copy on open)",
@@ -283,29 +256,21 @@ def _check_cache_verify(value: object) -> str:
 def _check_max_open_shards(value: object) -> int:
     if value is None:
         return DEFAULT_MAX_OPEN_SHARDS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(
-            "max_open_shards",
-            "an integer >= 1 (shards with an open handle per process) or None",
-            repr(value),
-            f"leave it out for the default {DEFAULT_MAX_OPEN_SHARDS}",
-        )
-    return int(value)
+    return _positive_int(
+        value,
+        "max_open_shards",
+        "shards with an open handle per process",
+        f"leave it out for the default {DEFAULT_MAX_OPEN_SHARDS}",
+    )
 
 
 # the default cache (DefaultCache.USER) -----------------------------------------------------
 def user_cache(manifest: Manifest, shard_cache_bytes: int | None) -> tuple[str | None, int]:
     """``(cache_dir, shard_cache_bytes)`` of the default cache for ``manifest`` (resolved,
-    with a root). A reader uses it at once where the whole corpus fits in the bound (each
-    shard is then fetched once, in any order), else only for a locality order
-    (`ShardFiles.use_user_cache`): under a global shuffle a cache smaller than the corpus
-    would fetch a whole shard for each sample, where range reads fetch the sample.
-
-    None (coalesced range reads, as with ``cache_dir=None``) for a local root, and, with a
-    logged warning, where the folder cannot be made or written, or where the bound (
-    ``shard_cache_bytes``, else `DEFAULT_USER_CACHE_BYTES` and at most half the free space)
-    holds fewer than `USER_CACHE_MIN_SHARDS` of the largest shard. Which of these applies
-    never changes a byte read: copies are verified against the manifest's blake3."""
+    with a root; docs/design.md "Remote reads"). None (range reads) for a local root, and,
+    with a logged warning, where the folder cannot be made or written, or where the bound
+    (``shard_cache_bytes``, else `DEFAULT_USER_CACHE_BYTES` and at most half the free
+    space) holds fewer than `USER_CACHE_MIN_SHARDS` of the largest shard."""
     root = manifest.root or ""
     if not is_url(root) or root.startswith("file://"):
         return None, DEFAULT_SHARD_CACHE_BYTES

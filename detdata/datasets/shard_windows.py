@@ -1,16 +1,10 @@
-"""`ShardWindows`: one shard's windows for `detdata.TokenWindows`, a part it holds: through
-the shard's memory map (kept in the handle LRU) or, without one, by single-file ``preadv`` s;
-the checks every open runs (`detdata.datasets.shard_files.ShardFiles`).
+"""`ShardWindows`: one shard's windows for `detdata.TokenWindows` (a part it holds): through
+the shard's memory map (kept in the handle LRU) or, without one, by single-file ``preadv`` s.
 
-The bytes are moved by `detdata.storage` (`detdata.storage.mapped`: the map and its strided
-window view; `detdata.storage.reads`: ``opened`` / ``pread_exact``); this class decides
-which; where each window's bytes are (shard, byte offset) is `WindowLayout`'s arithmetic. A
-shard that is not mapped while the handle LRU is full is read without keeping anything open
-unless the read needs at least `MAP_MIN_ROWS` of its windows and they are not
-`ShardWindows.covered` (then it is mapped, evicting one): covered windows (dense, in at
-most `COVER_MAX_BYTES`; or a single window) are read with ONE ``preadv`` of the range that
-covers them, others with one each. Either costs a few syscalls instead of a ~40 us map +
-page faults + unmap.
+With the handle LRU full, a shard not mapped is mapped (evicting one) only when a read
+needs at least `MAP_MIN_ROWS` of its windows and they are not `ShardWindows.covered`;
+covered windows are read with ONE ``preadv`` of their covering range, others with one each
+(a few syscalls instead of a ~40 us map + page faults + unmap).
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ COVER_MAX_BYTES: Final = 64 << 10
 
 
 class ShardWindows:
-    """Reads of one shard's windows (see the module docstring): the windows of ``layout``
-    from the files of ``files``."""
+    """Reads of one shard's windows of ``layout`` from the files of ``files``."""
 
     def __init__(self, layout: WindowLayout, files: ShardFiles) -> None:
         self.layout = layout
@@ -48,8 +41,7 @@ class ShardWindows:
 
     # memory maps -------------------------------------------------------------------
     def _map_cached(self, shard: int) -> tuple[mmap.mmap, str]:
-        """Mapping of the cached copy of ``shard`` and its path (made from the file opened:
-        a copy evicted by another process between the fill and the open is fetched again)."""
+        """Mapping of the cached copy of ``shard`` and its path (`ShardFiles.open_copy`)."""
         checks = self.files.checks()
 
         def open_path(path: str) -> tuple[mmap.mmap, int]:
@@ -62,12 +54,9 @@ class ShardWindows:
     def mapped_view(
         self, shard: int, rows: int, cover: bool, *, cached: bool
     ) -> np.ndarray[Any, Any] | None:
-        """The window view of ``shard`` for a read of ``rows`` of its windows (``cover``:
-        they are `covered`), after checking its file still has every byte; None: read them
-        with `pread_rows`. A shard already mapped is used (marked recently used); else it
-        is mapped (evicting the least recently used mapping when the LRU is full) when it
-        is a cached copy, the LRU has room, or the read needs `MAP_MIN_ROWS` windows not
-        ``cover``-ed."""
+        """The (size-checked) window view of ``shard`` for a read of ``rows`` windows
+        (``cover``: they are `covered`): its mapping, or a new one for a cached copy, an LRU
+        with room, or `MAP_MIN_ROWS` windows not covered; None: read them with `pread_rows`."""
         handles = self.files.local().handles
         handle: Mapped | None = handles.get(shard)
         if handle is not None:
@@ -124,10 +113,9 @@ class ShardWindows:
         cover: bool,
         checks: OpenChecks,
     ) -> None:
-        """Read without mapping: one window of ``shard`` (file ``prefix + path``) at each
-        byte offset into row ``rows[i]`` of ``out``: one open and close (checked at both,
-        `detdata.storage.reads.opened`), and one ``preadv`` of the range covering all the
-        windows when ``cover`` (they are `covered`), else one ``preadv`` per window."""
+        """Read without mapping the window of ``shard`` (file ``prefix + path``) at each of
+        ``offsets`` into row ``rows[i]`` of ``out``: one checked open, then one ``preadv`` of
+        the covering range when ``cover``, else one per window."""
         dtype = self.layout.disk[shard]
         path = prefix + self.files.manifest.shard_path(shard)
         with opened(path, shard, checks) as fd:
@@ -153,8 +141,7 @@ class ShardWindows:
         out: np.ndarray[Any, Any],
         checks: OpenChecks,
     ) -> None:
-        """One ``preadv`` of the bytes of ``shard`` that cover the windows at ``offsets``, then
-        each window copied into its row of ``rows`` (basic slices, cast; range-checked)."""
+        """One ``preadv`` covering the windows at ``offsets``, each copied into its row."""
         dtype = self.layout.disk[shard]
         item, width = dtype.itemsize, self.layout.window
         lo = min(offsets)

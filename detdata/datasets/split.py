@@ -1,29 +1,10 @@
 """A deterministic train/validation split (``split-v1``), keyed by content or by salted id.
 
 A sample is in validation iff ``derive_u64(SPLIT_TAG, len(salt), tail=salt + key) <
-fraction * 2**64`` (`detdata.base.keys.derive_u64`; ``salt`` UTF-8, the threshold
-``floor(fraction * 2**64)`` computed exactly from a `fractions.Fraction`), where ``key`` is
-
-* `SplitKey.CONTENT` (default): the 32-byte blake3 of the sample's bytes (`content_key`:
-  columns in sorted name order, each length-prefixed with its dtype and shape). The
-  assignment is a property of the sample itself, so it survives re-ordering the shards,
-  re-sharding them (the same samples cut into other files) and moving them (another root),
-  and a duplicated sample is on one side only. Cost: every sample is read once to build
-  the assignment, O(samples) reads and blake3 (the ``cache_dir`` keeps the result);
-* `SplitKey.ID`: the sample id as u64le. Reads nothing; survives moving, but re-ordering
-  or re-sharding renumbers the ids and so changes the split.
-
-Token windows: a window's content depends on where the windows are cut (they never cross
-shard boundaries, and with labels neighbouring windows share a token), so re-sharding keeps
-the content split only when the new files hold the same windows (e.g. ``labels=False`` and
-shard lengths that are multiples of ``seq_len``).
-
-`Split` gives two datasets, ``train`` and ``validation`` (the ids of each side in increasing
-order). Their ``identity()`` carries the rule (algorithm, key kind, fraction, salt), the
-wrapped dataset's identity and ``assignment``: the blake3 of the assignment (``num_samples``
-u64le then the packed validation bit of every id). With content keys the identity also has
-``validation_keys``: the blake3 of the sorted content keys of the validation side, equal for
-every re-ordered, re-sharded or moved copy.
+floor(fraction * 2**64)``, ``key`` being the blake3 of the sample's framed bytes
+(`SplitKey.CONTENT`, `content_key`: survives re-ordering, re-sharding and moving shards) or
+the sample id as u64le (`SplitKey.ID`: reads nothing). The rule, the identities and the
+trade-offs: docs/design.md, "Run record and split".
 """
 
 from __future__ import annotations
@@ -55,12 +36,10 @@ READ_CHUNK: Final = 4096
 """Samples read per ``read`` call while building a content assignment."""
 CACHE_KIND: Final = "detdata.split_assignment"
 K_RULE, K_KEY, K_FRACTION, K_SALT = "rule", "key", "fraction", "salt"
-K_ASSIGNMENT, K_VALIDATION_KEYS, K_PART, K_DATASET = (
-    "assignment",
-    "validation_keys",
-    "part",
-    "dataset",
-)
+K_ASSIGNMENT: Final = "assignment"
+K_VALIDATION_KEYS: Final = "validation_keys"
+K_PART: Final = "part"
+K_DATASET: Final = "dataset"
 TRAIN, VALIDATION = "train", "validation"
 
 
@@ -95,11 +74,6 @@ def check_fraction(fraction: object) -> Fraction:
     return value
 
 
-def threshold(fraction: Fraction) -> int:
-    """``floor(fraction * 2**64)``: a key below it is validation."""
-    return (fraction.numerator << 64) // fraction.denominator
-
-
 def _value_bytes(value: Any) -> bytes:
     if isinstance(value, np.ndarray) and value.dtype != object:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d shape
@@ -125,16 +99,13 @@ def content_key(sample: dict[str, Any]) -> bytes:
     return blake3.blake3(framed_sample(CONTENT_TAG, sample, _value_bytes)).digest()
 
 
-def content_keys(
-    dataset: Dataset, *, chunk: int = READ_CHUNK, progress: bool | None = None
-) -> list[bytes]:
-    """`content_key` of every sample of ``dataset`` in id order (reads each once), with
-    progress (`detdata.base.progress`: a bar on a terminal, else a log line every 30 s)."""
+def content_keys(dataset: Dataset, *, progress: bool | None = None) -> list[bytes]:
+    """`content_key` of every sample of ``dataset`` in id order (reads each once)."""
     keys: list[bytes] = []
     n = dataset.num_samples
     with base_progress(n, "split: hashing samples", unit="sample", enabled=progress) as update:
-        for start in range(0, n, chunk):
-            batch = dataset.read(np.arange(start, min(n, start + chunk), dtype=np.int64))
+        for start in range(0, n, READ_CHUNK):
+            batch = dataset.read(np.arange(start, min(n, start + READ_CHUNK), dtype=np.int64))
             rows = len(next(iter(batch.values())))
             keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
             update(rows)
@@ -149,11 +120,10 @@ def assignment_digest(mask: npt.NDArray[np.bool_]) -> str:
 class Split:
     """``Split(dataset, fraction=Fraction(1, 100), salt="v1", key=SplitKey.CONTENT)``.
 
-    ``train`` and ``validation`` are datasets over the two sides (see the module docstring
-    for the rule). ``cache_dir``: content assignments are stored there under a name derived
-    from the dataset identity and the rule, and checked against their digest when read back.
-    ``progress``: of the content hashing (`detdata.base.progress`; None: a bar on a terminal,
-    else a log line every 30 s; ``DETDATA_PROGRESS=0`` silences it).
+    ``train`` and ``validation`` are datasets over the two sides (ids of each in increasing
+    order). ``cache_dir``: content assignments are stored there under a name derived from
+    the dataset identity and the rule, and checked against their digest when read back.
+    ``progress``: of the content hashing (`detdata.base.progress`).
     """
 
     def __init__(
@@ -186,29 +156,26 @@ class Split:
             K_FRACTION: str(self.fraction),
             K_SALT: salt,
         }
-        mask, val_keys = self._assign(None if cache_dir is None else Path(cache_dir))
-        self.mask = mask
+        self.mask, self.validation_keys = self._assign(
+            None if cache_dir is None else Path(cache_dir)
+        )
         self.mask.setflags(write=False)
-        self.assignment = assignment_digest(mask)
-        self.validation_keys = val_keys
-        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(mask))
-        self.train = SplitPart(self, TRAIN, np.flatnonzero(~mask))
+        self.assignment = assignment_digest(self.mask)
+        self.validation = SplitPart(self, VALIDATION, np.flatnonzero(self.mask))
+        self.train = SplitPart(self, TRAIN, np.flatnonzero(~self.mask))
 
     def _assign(self, cache: Path | None) -> tuple[npt.NDArray[np.bool_], str | None]:
         n = self.dataset.num_samples
-        limit = threshold(self.fraction)
+        # floor(fraction * 2**64): a key below it is validation
+        limit = (self.fraction.numerator << 64) // self.fraction.denominator
         salt = self.salt.encode("utf-8")
+
+        def in_validation(key: bytes) -> bool:
+            return derive_u64(SPLIT_TAG, len(salt), tail=salt + key) < limit
+
         if self.key is SplitKey.ID:
-            mask = np.fromiter(
-                (
-                    derive_u64(SPLIT_TAG, len(salt), tail=salt + int(i).to_bytes(8, "little"))
-                    < limit
-                    for i in range(n)
-                ),
-                dtype=bool,
-                count=n,
-            )
-            return mask, None
+            ids = (i.to_bytes(8, "little") for i in range(n))
+            return np.fromiter(map(in_validation, ids), dtype=bool, count=n), None
         path = None
         if cache is not None:
             name = digest_bytes(canonical_json([self.rule, self.dataset.identity()]))
@@ -217,7 +184,7 @@ class Split:
             if cached is not None:
                 return cached
         keys = content_keys(self.dataset, progress=self.progress)
-        hits = [derive_u64(SPLIT_TAG, len(salt), tail=salt + k) < limit for k in keys]
+        hits = [in_validation(k) for k in keys]
         mask = np.array(hits, dtype=bool).reshape(n)
         val_keys = digest_bytes(b"".join(sorted(k for k, h in zip(keys, hits, strict=True) if h)))
         if path is not None:

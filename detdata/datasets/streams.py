@@ -1,7 +1,5 @@
-"""Streams over one dataset: `OrderedStream` (a dataset read in an order) and `as_stream`.
-
-`detdata.Mixture` (`detdata.datasets.mixture`) is the stream over several datasets.
-"""
+"""Streams over one dataset: `OrderedStream` and `as_stream` (`detdata.Mixture` is the
+stream over several)."""
 
 from __future__ import annotations
 
@@ -55,13 +53,10 @@ def unit_sizes_of(dataset: Dataset, choice: OrderChoice) -> Sequence[int] | None
 class OrderedStream:
     """A dataset read in an order: position ``g`` -> ``dataset.read(order.ids(g))``.
 
-    ``order`` is `Order.FEISTEL_V1` (default: `GlobalOrder`) or a
-    `LocalityOrder(window_shards=k)` (`WindowedOrder` over the dataset's
-    ``shard_sizes``) / `LocalityOrder(window_row_groups=k)` (over its
-    ``row_group_sizes``). The order's name, with its parameters, is the identity's
-    ``algorithm``. The dataset is told the order (`DatasetInfo.use_order`: `TableRows`,
-    `TokenWindows`), to size what it caches (never what it reads). It declares `HasOrigins`
-    and `ReadsAhead` (`detdata.datasets.capabilities`).
+    ``order``: `Order.FEISTEL_V1` (default) or a `LocalityOrder` over the dataset's
+    ``shard_sizes`` / ``row_group_sizes`` (`unit_sizes_of`); its name is the identity's
+    ``algorithm``. The dataset is told the order (`DatasetInfo.use_order`). Declares
+    `HasOrigins` and `ReadsAhead`.
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:
@@ -104,10 +99,8 @@ class OrderedStream:
         )
 
     def read_ahead(self, positions: IntArray | None) -> None:
-        """A hint: the next `fetch` is of ``positions`` (None: drop what is pending). Passed
-        on as sample ids to a `ReadsAhead` dataset (`TokenWindows`), which may start that
-        read's file reads in the background; it never changes a fetched byte. Other
-        datasets get no hint (the default: read when fetched)."""
+        """A hint: the next `fetch` is of ``positions`` (None: drop what is pending), passed
+        on as sample ids to a `ReadsAhead` dataset."""
         if isinstance(self.dataset, ReadsAhead):
             ids = None if positions is None else self.sample_ids(positions).reshape(-1)
             self.dataset.read_ahead(ids)

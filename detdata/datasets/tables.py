@@ -1,41 +1,12 @@
-"""Rows of Parquet / Arrow IPC shards as samples.
+"""Rows of Parquet / Arrow IPC shards as samples (`TableRows`).
 
-A `TableRows` dataset numbers the rows of every shard of a manifest in path
-order. ``read(ids)`` maps ids to ``(row group, row in group)`` with one
-``np.searchsorted`` over the manifest's row-group sizes. When the per-process
-cache (`GroupSlots`) holds every needed row group in its slots, the batch is one
-``take`` per column, rows already in the requested order. Otherwise the ids are
-grouped by row group (`stable_groups`) so that each needed row group is visited once,
-in order of first use: it is decoded (selected
-columns only) or taken from the cache, the wanted rows are gathered with a numpy
-fancy index, and scattered back into the requested order.
-
-Shuffled reads touch row groups all over the dataset: a 64-row batch over 128 row
-groups needs ~50 of them. Unless the cache holds the working set (for a global
-shuffle: every row group; ``cache_row_groups`` and ``row_group_cache_bytes`` large enough),
-nearly every batch decodes most of its row groups (milliseconds each for Parquet).
-With a cache that small, prefer small row groups or Arrow IPC shards (memory-mapped,
-no decode), or read in row-group windows (``LocalityOrder(window_row_groups=k)``): a
-stretch of positions then needs only ``k`` row groups, and the default cache count,
-chosen from the announced order (`auto_cache_row_groups`, `TableRows.use_order`), holds
-them. A read visits its row groups in order of first use (not group order), so the
-last window's groups are the most recently used when the next read continues there.
-
-Columns become numpy arrays as `detdata.datasets.arrow_numpy` says (lists of varying
-length only for columns named in ``ragged``); the row-group cache is
-`detdata.datasets.rowgroups`. Nothing returned aliases the cache: gathers copy, and the
-rows of ragged columns (cached as read-only views) are copied for each batch.
-``schema()`` says what each column holds; detdata's default collate turns each kind into
-torch objects (`detdata.datasets.batch_columns`).
-
-Remote roots: reads of a row group retry with backoff under ``storage.retry`` (a
-`RetryPolicy`; a failed attempt re-opens the shard). With ``storage.cache_dir``, whole
-shards are copied into a bounded, blake3-verified local `ShardCache` first and
-read with the local (memory-mapped) readers.
-
-A `TableRows` holds its parts: the row index (`GroupIndex`: where each row id is), the
-shard files (`detdata.datasets.shard_files.ShardFiles`: opened, cached and checked per
-process) and, per process, the cache of decoded row groups (`GroupSlots`).
+``read(ids)`` finds each id's row group with one ``searchsorted``; a batch whose row
+groups are all cached is one ``take`` per column, else each needed row group is visited
+once, in order of first use (so the last window's groups are the most recently used when
+an ordered stream continues), decoded or taken from the cache, and its rows scattered into
+the requested order. Column kinds: `detdata.datasets.arrow_numpy`; the row-group cache and
+its sizing from the announced order: `detdata.datasets.rowgroups` (docs/design.md, section
+2). Nothing returned aliases the cache.
 """
 
 from __future__ import annotations
@@ -65,13 +36,7 @@ from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_column
 from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.process_local import PerProcess, pickled_state
-from detdata.datasets.rowgroups import (
-    Columns,
-    Group,
-    GroupIndex,
-    GroupSlots,
-    auto_cache_row_groups,
-)
+from detdata.datasets.rowgroups import Columns, Group, GroupIndex, GroupSlots, auto_cache_row_groups
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.entry import ShardEntry
@@ -101,41 +66,20 @@ class _Decoding:
 class TableRows(DatasetInfo):
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
-    All shards must share one schema fingerprint (`FormatError` naming two
-    shards and the differing fields otherwise). ``columns`` selects columns
-    (default: all, in schema order). Decoded row groups are kept in an LRU per
-    process (`GroupSlots`, ``self.cache``) of at most ``cache_row_groups`` groups and
-    ``row_group_cache_bytes`` bytes (default 1 GiB, in memory). The default
-    ``cache_row_groups=None`` caches every row group when they all fit
-    ``row_group_cache_bytes``, and otherwise sizes the count from the order the dataset is
-    read in (`auto_cache_row_groups`: every row group for a global shuffle, ``2k`` for
-    ``LocalityOrder(window_row_groups=k)``), which a loader or `OrderedStream` announces
-    through `use_order`; ``cache_groups`` is that count. When every row group of
-    the manifest fits both bounds (each charged the size of the largest row group), cached
-    groups sit in slots of one array per column and a batch of cached rows is one gather
-    per column; for shuffled reads, size the cache for that (see the module docstring).
-    ``ragged`` names list columns to return as object arrays of 1-D arrays
-    when their rows differ in length. Pickles carry the manifest and
-    parameters only; readers and caches are re-opened lazily per process.
+    All shards must share one schema fingerprint (`FormatError` naming two shards and the
+    differing fields otherwise). ``columns`` selects columns (default: all, in schema
+    order); ``ragged`` names list columns to return as object arrays of 1-D arrays.
+    Decoded row groups are kept per process (`GroupSlots`, ``self.cache``): at most
+    ``cache_row_groups`` groups (None: every group when they all fit, else
+    `auto_cache_row_groups` of the order announced through `use_order`; ``cache_groups``
+    is that count) and ``row_group_cache_bytes`` bytes (default 1 GiB).
 
-    ``storage`` (a `Storage`, default ``Storage()``) says where and how shards are read.
-    Remote roots: its ``retry`` (a `RetryPolicy`) governs reads; its ``cache_dir`` (None
-    here by default; with ``shard_cache_bytes``, default 16 GiB, on disk;
-    ``cache_verify="full"`` re-hashes a cached copy on open) copies whole shards into a
-    verified local `ShardCache` (``shard_cache``). Neither changes the rows read, and no
-    cache bound is part of ``identity()``. Its ``max_open_shards`` (default 128) bounds the
-    shards with an open reader of this dataset per process (a `HandleLRU`: at most one
-    descriptor and one mapping each, plus what cached row groups of an Arrow IPC shard
-    still reference), and all datasets of a process together stay within its budget
-    (`detdata.set_max_open_shards`); the least recently used reader is dropped and
-    re-opened on its next use (a Parquet footer read). It never changes the rows read and
-    is not part of ``identity()``. The keywords of `Storage`'s fields given directly
-    (``verify=``, ``root=``, ``storage_options=``, ...) are refused, naming the field to
-    pass (`checked_storage`); so is ``cache_bytes=`` (it meant ``row_group_cache_bytes``
-    here; elsewhere ``shard_cache_bytes``).
-
-    Parts: ``files`` (`ShardFiles`), the row index (`GroupIndex`) and, per process, the
-    decoded row groups. Pickled with its parameters, manifest and ``files`` only.
+    ``storage`` (a `Storage`, default ``Storage()`` without a shard cache) says where and
+    how shards are read: retries for remote roots, a verified local `ShardCache` with
+    ``cache_dir``, ``max_open_shards`` readers per process (a `HandleLRU`). Neither the
+    caches nor their bounds change the rows read or ``identity()``. `Storage`'s field
+    keywords given directly, and ``cache_bytes=``, are refused naming what to pass
+    (`checked_storage`). Pickled with its parameters, manifest and ``files`` only.
     """
 
     def __init__(
@@ -166,12 +110,10 @@ class TableRows(DatasetInfo):
             else check_positive_int(cache_row_groups, "cache_row_groups", minimum=0)
         )
         self._order_choice: OrderChoice | None = None  # announced by use_order
+        if row_group_cache_bytes is None:
+            row_group_cache_bytes = DEFAULT_ROW_GROUP_CACHE_BYTES
         self.row_group_cache_bytes = check_positive_int(
-            DEFAULT_ROW_GROUP_CACHE_BYTES
-            if row_group_cache_bytes is None
-            else row_group_cache_bytes,
-            "row_group_cache_bytes",
-            minimum=0,
+            row_group_cache_bytes, "row_group_cache_bytes", minimum=0
         )
         shards = self.manifest.shards
         if not shards:
@@ -197,10 +139,8 @@ class TableRows(DatasetInfo):
         self._index = GroupIndex.of(self.manifest)
         self._local: PerProcess[_Decoding] = PerProcess()
 
-    # construction helpers --------------------------------------------------
     def _check_same_schema(self) -> None:
-        """Every shard has the first one's schema fingerprint (the manifest's column: no
-        entry built); else `FormatError` naming the first that differs and the fields."""
+        """`FormatError` naming the first shard whose schema differs from the first's."""
         shards = self.manifest.shards
         _, codes = self.manifest.codes("schema")
         differ = np.flatnonzero(codes != codes[0])
@@ -260,25 +200,20 @@ class TableRows(DatasetInfo):
 
     @property
     def cache_groups(self) -> int:
-        """The bound on cached row groups: ``cache_row_groups``, or with the default (None)
-        the count `auto_cache_row_groups` gives for the announced order (raised to every row
-        group once the cache finds that they all fit ``row_group_cache_bytes``:
-        ``cache.max_groups``)."""
+        """``cache_row_groups``, else `auto_cache_row_groups` of the announced order (the
+        cache may raise it to every row group: ``cache.max_groups``)."""
         if self.cache_row_groups is not None:
             return self.cache_row_groups
         return auto_cache_row_groups(self._order_choice, self._index.per_shard)
 
     def use_order(self, choice: OrderChoice) -> None:
-        """Announce the order this dataset is read in (`OrderedStream` does), so that the
-        default ``cache_row_groups`` is sized for it. Changes what is cached, never what is
-        read; the order travels with the dataset's pickle to worker processes. An explicit
-        ``cache_row_groups`` is kept as given. The last announced order wins."""
+        """Announce the order this dataset is read in (`OrderedStream` does), to size the
+        default cache for it; never changes what is read. The last announced order wins."""
         before = self.cache_groups
         self._order_choice = choice
         if self.cache_groups != before:
             self._local.reset()  # a new, empty cache with the new bound
 
-    # Dataset protocol --------------------------------------------------------
     @property
     def num_samples(self) -> int:
         """Total rows over all shards."""
@@ -290,15 +225,13 @@ class TableRows(DatasetInfo):
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
-        """Rows per shard in manifest order (ids are laid out shard after shard): what a
-        `detdata.LocalityOrder` groups into windows of shards."""
+        """Rows per shard in manifest (id) order: what `LocalityOrder` windows."""
         return tuple(self.manifest.samples_per_shard().tolist())
 
     @property
     def row_group_sizes(self) -> tuple[int, ...]:
-        """Rows per row group, shard after shard in manifest order and groups in file order
-        (ids are laid out that way): what ``LocalityOrder(window_row_groups=k)`` groups
-        into windows."""
+        """Rows per row group in id order: what ``LocalityOrder(window_row_groups=k)``
+        windows."""
         return tuple(self.manifest.row_groups_per_shard()[1].tolist())
 
     def identity(self) -> dict[str, Any]:
@@ -322,14 +255,8 @@ class TableRows(DatasetInfo):
         return shard, group - index.shard_first[shard], arr - index.starts[group]
 
     def read(self, ids: npt.ArrayLike) -> Batch:
-        """One array per selected column, rows in exactly the order of ``ids``.
-
-        When every needed row group is cached, one gather per column from the slot
-        arrays; otherwise each needed row group is decoded (or taken from the
-        cache) once per call, in order of first use. Every array returned (and every row
-        of a ragged column) is new memory owned by the batch: editing it never
-        changes what a later read returns.
-        """
+        """One array per selected column, rows in the order of ``ids``; every array (and
+        row of a ragged column) is new memory owned by the batch."""
         arr = check_ids(ids, self._num, self._what())
         index, cache = self._index, self.cache
         if arr.size == 0:
@@ -354,10 +281,8 @@ class TableRows(DatasetInfo):
         rows = arr[order] - index.starts[group]
         parts: list[Columns | None] = [None] * len(spans)
         cache.reserve(len(spans))
-        # visit groups in order of first use in ``ids`` (``order[a]``: the first id of a run),
-        # so that the groups of the last stretch of positions are the most recently used
-        # when the next read begins (an ordered stream continues there): with a windowed
-        # order a cache of one window's groups decodes each group once per window
+        # groups in order of first use (``order[a]``: a run's first id): the last window's
+        # groups are then the most recently used when an ordered stream continues
         for i in sorted(range(len(spans)), key=lambda i: int(order[spans[i][1]])):
             g, a, b = spans[i]
             part = cache.take_rows(g, rows[a:b])
@@ -372,22 +297,15 @@ class TableRows(DatasetInfo):
         )
 
     def _own(self, batch: Batch) -> Batch:
-        """``batch`` with the rows of ragged columns copied (gathers copy the object arrays
-        only: their rows would still be the cached row group's arrays)."""
+        """``batch`` with the rows of ragged columns copied (a gather copies no row)."""
         for name in self.ragged:
             batch[name] = copy_rows(batch[name])
         return batch
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers in it (`batch_columns.describe_column` form).
-
-        ``'int64'``, ``'float32 (3,)'`` (fixed-size lists), ``'datetime64[ms]'``
-        (timestamps; dates ``'datetime64[D]'``), ``'timedelta64[us]'``, ``'str'``,
-        ``'bytes'``, ``'list<int32>'`` (ragged), ``'time'`` (time of day). From the
-        Arrow schema, except the width of a variable-length list column not named in
-        ``ragged``, which is read from row 0 (lists of another width in other row
-        groups are a `FormatError` when read, see `to_numpy`).
-        """
+        """Column -> what `read` delivers in it (`describe_column` form: ``'int64'``,
+        ``'float32 (3,)'``, ``'list<int32>'``, ``'str'``, ...). From the Arrow schema, except
+        the width of a non-ragged variable-length list column, read from row 0."""
         if any(t is None for t in self._types.values()):
             first = self.read(np.zeros(1, dtype=np.int64))
             self._types = {
@@ -395,7 +313,6 @@ class TableRows(DatasetInfo):
             }
         return {n: str(t) for n, t in self._types.items()}
 
-    # reading -----------------------------------------------------------------
     def _what(self) -> str:
         return f"TableRows({self.manifest.id[:15]}…)"
 
@@ -417,75 +334,46 @@ class TableRows(DatasetInfo):
     def _empty(self, name: str) -> np.ndarray[Any, Any]:
         """A 0-row array for an empty ``ids`` (decodes the first non-empty row group)."""
         first = int(np.searchsorted(self._index.starts, 0, side="right")) - 1
-        return self._group(first).columns[name][:0].copy()
+        key = self._index.in_shard(first)
+        group = self.cache.get(key)
+        if group is None:
+            group = self._decode(*key)
+            self.cache.put(key, group)
+        return group.columns[name][:0].copy()
 
-    def _reader(self, shard: int) -> Any:
-        """The open reader of ``shard`` (opened on a miss; kept in the handle LRU)."""
+    def _reader(self, shard: int, local_path: str | None = None) -> Any:
+        """The open reader of ``shard`` (kept in the handle LRU): of the local file
+        ``local_path`` (checked first, `check_file`), else of its verified cached copy
+        (filled if needed), else of the remote file. Local Parquet is read without
+        pre-buffering (it only coalesces remote reads and costs ~100 us locally), the file
+        mapped from `PARQUET_MAP_MIN_BYTES`; local Arrow IPC is always mapped."""
         files = self.files
+        if local_path is not None:
+            files.check_file(shard, local_path)
         reader = files.local().handles.get(shard)
-        if reader is None:
-            fs, root = files.filesystem()
-            entry = self.manifest.shards[shard]
-            path = join(root, entry.path)
-            if files.uses_shard_cache():
-                reader = self._open_cached(shard)
-            elif isinstance(fs, LocalFileSystem):
-                return self._local_reader(shard, path)
-            elif entry.format is Format.PARQUET:
-                reader = pq.ParquetFile(fs.open(path, "rb"))
-            else:
-                reader = ipc.open_file(fs.open(path, "rb"))
-            files.keep(shard, reader)
-        return reader
-
-    def _local_reader(self, shard: int, path: str) -> Any:
-        """The open reader of local ``shard`` (file ``path``; opened on a miss, kept in the
-        handle LRU), after `_check_file` of ``path`` (the manifest's size, and the file this
-        process first opened for the shard), before any open or read.
-
-        Parquet without pre-buffering (it only coalesces reads for remote stores; on a small
-        local file it costs ~100 us in pyarrow's I/O threads), memory-mapped from
-        `PARQUET_MAP_MIN_BYTES` (below that a map and its unmap cost more than ``pread``
-        saves); Arrow IPC always mapped (its batches are zero-copy views of the file)."""
-        files = self.files
-        files.check_file(shard, path)
-        reader = files.local().handles.get(shard)
-        if reader is None:
-            if self.manifest.shards[shard].format is Format.PARQUET:
-                mapped = files.sizes[shard] >= PARQUET_MAP_MIN_BYTES
-                reader = pq.ParquetFile(path, memory_map=mapped, pre_buffer=False)
-            else:
-                reader = ipc.open_file(pa.memory_map(path))
-            files.keep(shard, reader)
-        return reader
-
-    def _open_cached(self, shard: int) -> Any:
-        """A local reader over the verified cached copy of ``shard`` (filled if needed)."""
-
-        def open_path(path: str) -> tuple[pa.MemoryMappedFile, int]:
-            source = pa.memory_map(path)  # maps the inode, even if it is evicted later
-            return source, os.stat(path).st_ino
-
-        source, _ = self.files.open_copy(shard, open_path)
-        if self.manifest.shards[shard].format is Format.PARQUET:
-            return pq.ParquetFile(source, pre_buffer=False)  # a local copy: nothing to coalesce
-        return ipc.open_file(source)
-
-    def _group(self, global_group: int) -> Group:
-        key = self._index.in_shard(global_group)
-        cache = self.cache
-        cached = cache.get(key)
-        if cached is not None:
-            return cached
-        decoded = self._decode(*key)
-        cache.put(key, decoded)
-        return decoded
-
-    def _read_arrays(self, shard: int, group: int, reader: Any = None) -> dict[str, Any]:
+        if reader is not None:
+            return reader
         entry = self.manifest.shards[shard]
-        if reader is None:
-            reader = self._reader(shard)
-        if entry.format is Format.PARQUET:
+        is_parquet = entry.format is Format.PARQUET
+        if local_path is not None and is_parquet:
+            mapped = files.sizes[shard] >= PARQUET_MAP_MIN_BYTES
+            reader = pq.ParquetFile(local_path, memory_map=mapped, pre_buffer=False)
+        elif local_path is not None:
+            reader = ipc.open_file(pa.memory_map(local_path))
+        elif files.uses_shard_cache():  # a local copy: nothing to coalesce
+            source, _ = files.open_copy(shard, _map_copy)
+            reader = (
+                pq.ParquetFile(source, pre_buffer=False) if is_parquet else ipc.open_file(source)
+            )
+        else:
+            fs, root = files.filesystem()
+            source = fs.open(join(root, entry.path), "rb")
+            reader = pq.ParquetFile(source) if is_parquet else ipc.open_file(source)
+        files.keep(shard, reader)
+        return reader
+
+    def _read_arrays(self, shard: int, group: int, reader: Any) -> dict[str, Any]:
+        if self.manifest.shards[shard].format is Format.PARQUET:
             table = reader.read_row_group(group, columns=list(self.columns), use_threads=False)
             return {n: one_chunk(table.column(n)) for n in self.columns}
         batch = reader.get_batch(group)
@@ -493,22 +381,21 @@ class TableRows(DatasetInfo):
 
     def _decode(self, shard: int, group: int) -> Group:
         entry, files = self.manifest.shards[shard], self.files
-        with self._local.get(
-            self._new_local
-        ).io_lock:  # remote readers share one seekable handle per shard
+        lock = self._local.get(self._new_local).io_lock  # remote readers share a handle
+        with lock:
             fs, root = files.filesystem()
             if isinstance(fs, LocalFileSystem):
-                reader = self._local_reader(shard, join(root, entry.path))  # checks the file
+                reader = self._reader(shard, join(root, entry.path))  # checks the file
                 arrays = self._read_arrays(shard, group, reader)
             elif files.uses_shard_cache():
                 files.refresh_copies((shard,))
                 files.check_file(shard, files.copy_path(shard))
-                arrays = self._read_arrays(shard, group)
+                arrays = self._read_arrays(shard, group, self._reader(shard))
             else:
 
                 def attempt(_timeout: float | None) -> dict[str, Any]:
                     try:
-                        return self._read_arrays(shard, group)
+                        return self._read_arrays(shard, group, self._reader(shard))
                     except Exception:
                         files.forget(shard)  # re-open on the next attempt
                         raise
@@ -536,9 +423,14 @@ class TableRows(DatasetInfo):
         return Group(columns, nbytes)
 
 
+def _map_copy(path: str) -> tuple[pa.MemoryMappedFile, int]:
+    """A memory map of the cached copy at ``path`` (it maps the inode, even if the copy is
+    evicted later) and that inode (`ShardFiles.open_copy`)."""
+    return pa.memory_map(path), os.stat(path).st_ino
+
+
 def _check_table_shards(manifest: Manifest) -> None:
-    """`_check_table_shard` of every shard, from the manifest's columns (no entry built but
-    the first failing one, whose error is raised)."""
+    """`_check_table_shard` of the first shard that fails it (found from the columns)."""
     values, codes = manifest.codes("format")
     table = np.array(
         [Format(v) in TABLE_FORMATS and Format(v) is not Format.ARROW_STREAM for v in values],
@@ -602,12 +494,8 @@ def _check_ragged(
 ) -> tuple[str, ...]:
     names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
     for name in names:
-        kind = schema.field(name).type if name in schema.names else None
-        if (
-            name not in columns
-            or kind is None
-            or not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
-        ):
+        kind = schema.field(name).type if name in columns else None  # columns: in the schema
+        if kind is None or not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
             raise ConfigError(
                 f"ragged names {name!r}, which is not a selected list column; "
                 f"selected columns: {list(columns)}"

@@ -1,32 +1,18 @@
 """`TextDocuments`: raw text shards, tokenised when read (docs/design.md, "Raw text").
 
-The documents of a manifest of text shards: ``jsonl`` files (plain, ``.jsonl.gz``,
-``.jsonl.zst``; one JSON object a line, the text in field ``field``) or the string column
-``field`` of ``parquet`` / ``arrow`` / ``arrow_stream`` tables (one row, one document).
-Each document is tokenised by a `TextTokenizer` (a ``tokenizer.json``: its identity, the
-options that change a token and the text policy are part of `identity`, so a resume with
-another vocabulary, merge or option is refused naming ``data``, and the first differing
-identity field is named).
-
-A `TextDocuments` is a document corpus like `Documents`: ``starts`` (document ``d`` is
-tokens ``[starts[d], starts[d + 1])`` of the corpus), ``copy_ranges`` and ``document``,
-so `PackedWindows` packs it with the same guarantees (random access by window id, O(1)
-resume, the same windows at every layout, document masks). ``starts`` comes from the
-text index (`detdata.datasets.text_index`), built once by tokenising every document (or
-loaded from ``index_dir``). Reading a window tokenises the documents it touches, in one
-batch (the Rust library encodes on its own threads, without the GIL), with a per-process
-cache of recently tokenised documents; each document's token count is checked against the
-index when it is tokenised (`FormatError` naming it on a difference).
-
-Per process: JSONL shards are memory-mapped (plain) or decompressed whole into memory
-(gzip / zstd: held as open handles, at most ``max_open_shards`` at once), table row groups
-decoded a few at a time. Shard files are checked on open like every dataset's
-(`ShardFiles`). ``location(d)`` says where document ``d`` is (shard, line or row).
+The documents of ``jsonl`` shards (plain or compressed; the text in field ``field`` of one
+JSON object a line) or of the string column ``field`` of table shards (one row, one
+document), each tokenised by a `TextTokenizer`. A document corpus like `Documents`
+(``starts``, ``copy_ranges``), so `PackedWindows` packs it; ``starts`` comes from the text
+index (`detdata.datasets.text_index`). A read tokenises the documents it touches in one
+batch, with a per-process cache, and checks each token count against the index
+(`FormatError` naming the document on a difference).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import threading
@@ -38,9 +24,10 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
-from detdata.base.lazy import ipc, pa, pq
+from detdata.base.lazy import pa
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
+from detdata.datasets.documents import CorpusBase, cached, open_table
 from detdata.datasets.index_files import building, load_index, reload_index, save_index
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
@@ -77,8 +64,7 @@ if TYPE_CHECKING:
 TEXT_FIELD: Final = "text_field"
 #: Decoded table row groups kept per process.
 _GROUPS: Final = 8
-#: Arrow IPC stream shards whose record batches a process holds (a stream has no footer:
-#: finding batch ``g`` reads the batches before it, so the list is kept, zero-copy).
+#: Arrow IPC stream shards whose record batches a process holds (`_read_group`).
 _STREAMS: Final = 4
 #: Tokens of recently tokenised documents kept per process.
 _CACHED_TOKENS: Final = 1 << 22
@@ -112,17 +98,7 @@ class _Local:
         self.lock = threading.Lock()
 
 
-def _full_verify(storage: Storage) -> Storage:
-    """``storage`` with ``verify="quick"`` raised to ``"full"``: a quick check hashes a
-    shard's first and last MiB only, and an edit in the middle of a text shard that keeps its
-    size and token counts would pass it; hashing every byte (~1 GB/s) costs little next to
-    tokenising it (~1 MB/s). ``verify="off"`` stays off (docs/design.md, raw text)."""
-    if storage.verify is Verify.QUICK:
-        return dataclasses.replace(storage, verify=Verify.FULL)
-    return storage
-
-
-class TextDocuments:
+class TextDocuments(CorpusBase):
     """The documents of a manifest of text shards, tokenised when read (module docstring).
 
     ``tokenizer``: a `TextTokenizer`, a ``tokenizer.json`` path or a ``tokenizers.Tokenizer``
@@ -131,7 +107,7 @@ class TextDocuments:
     text is a `FormatError` naming it) or ``"skip"`` (no document). ``max_document_tokens``:
     a longer document is a `FormatError` (None: no bound). ``index_dir``: where the text
     index is stored (None: built at each construction). ``storage``: as `Documents`', but
-    ``verify="quick"`` (the default) is raised to ``"full"`` (`_full_verify`).
+    ``verify="quick"`` (the default) is raised to ``"full"``; ``"off"`` stays off.
     """
 
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
@@ -149,7 +125,9 @@ class TextDocuments:
         storage: Storage | None = None,
         **refused: Never,
     ) -> None:
-        storage = _full_verify(checked_storage("TextDocuments", storage, refused))
+        storage = checked_storage("TextDocuments", storage, refused)
+        if storage.verify is Verify.QUICK:  # raised to "full" (why: docs/design.md, "Raw text")
+            storage = dataclasses.replace(storage, verify=Verify.FULL)
         self.storage = storage.with_default_cache(None)
         self.manifest = resolve_manifest(manifest, self.storage)
         self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
@@ -161,11 +139,7 @@ class TextDocuments:
             _field(self.manifest, field), empty, max_document_tokens
         )
         _check_formats(self.manifest)
-        if self.files.cache_dir is None and not self.files.is_local():
-            raise ConfigError(
-                f"TextDocuments reads the shards of a remote root ({self.manifest.root}) from "
-                "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
-            )
+        self._check_local("TextDocuments")
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.progress = progress
         #: what a token id fits (`PackedWindows` checks bos / pad ids against it)
@@ -174,7 +148,6 @@ class TextDocuments:
         self._index = self._text_index()
         self._starts: npt.NDArray[np.int64] = self._index[STARTS]
 
-    # the text index ---------------------------------------------------------------
     def _inputs(self) -> dict[str, Any]:
         return {
             "algorithm": ALGORITHM,
@@ -183,16 +156,14 @@ class TextDocuments:
             "tokenizer": self.tokenizer.identity(),
         }
 
-    def _check(self, array: np.ndarray[Any, Any], meta: Any) -> str | None:
-        return check_text_index(self.manifest, self.policy, array, meta)
-
     def _text_index(self) -> npt.NDArray[np.int64]:
         """The text index: loaded from ``index_dir`` (checked) or built by one process."""
         inputs = self._inputs()
-        stored = load_index(self.index_dir, "text", inputs, self._check)
+        check = functools.partial(check_text_index, self.manifest, self.policy)
+        stored = load_index(self.index_dir, "text", inputs, check)
         if stored is None:
             with building(self.index_dir, "text", inputs):
-                stored = load_index(self.index_dir, "text", inputs, self._check)
+                stored = load_index(self.index_dir, "text", inputs, check)
                 if stored is None:
                     array = self._build()
                     meta = index_meta(self.manifest, array)
@@ -246,37 +217,11 @@ class TextDocuments:
             )
         self._starts = self._index[STARTS]
 
-    # the corpus ---------------------------------------------------------------------
-    @property
-    def num_documents(self) -> int:
-        """Documents in the corpus."""
-        return int(self._starts.shape[0]) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the corpus (every document's, ``bos`` / ``eos`` included)."""
-        return int(self._starts[-1])
-
-    @property
-    def starts(self) -> npt.NDArray[np.int64]:
-        """The document table: ``N + 1`` corpus offsets (read-only)."""
-        view: npt.NDArray[np.int64] = self._starts.view()
-        view.flags.writeable = False
-        return view
-
-    def lengths(self) -> npt.NDArray[np.int64]:
-        """Tokens per document (a new array)."""
-        lengths: npt.NDArray[np.int64] = np.diff(self._starts)
-        return lengths
-
     def identity(self) -> dict[str, Any]:
         """Plain JSON pinning the manifest, the text policy and the tokenizer."""
         return {
             "type": "text_documents",
-            "algorithm": ALGORITHM,
-            "manifest": self.manifest.id,
-            "text": self.policy.identity(),
-            "tokenizer": self.tokenizer.identity(),
+            **self._inputs(),
             "out_dtype": self.out_dtype.name,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
@@ -327,7 +272,6 @@ class TextDocuments:
         ):
             out[t : t + n] = tokens[d][s : s + n]
 
-    # reading and tokenising ------------------------------------------------------------
     def _tokens(self, docs: list[int]) -> dict[int, npt.NDArray[np.int64]]:
         """The tokens of ``docs`` (cached per process; the missing ones in one batch)."""
         local = self._local.get(_Local)
@@ -375,15 +319,6 @@ class TextDocuments:
                 out.append(checked_text(self._group(shard, a)[b], field, where))
         return out
 
-    def _path(self, shard: int) -> str:
-        """A local path of ``shard``: the file, or its verified cached copy."""
-        if self.files.uses_shard_cache():
-            return self.files.cached_path(shard)
-        path = self.files.path(shard)
-        if not os.path.exists(path):
-            raise self.files.missing(shard, path)
-        return path
-
     def _jsonl(self, shard: int) -> mmap.mmap | bytes:
         """The text bytes of JSONL ``shard`` (held open per process, checked on open)."""
         files = self.files
@@ -406,18 +341,8 @@ class TextDocuments:
     def _group(self, shard: int, group: int) -> list[Any]:
         """The values of the text column in row group / record batch ``group`` of ``shard``."""
         local = self._local.get(_Local)
-        key = (shard, group)
-        with local.lock:
-            cached = local.groups.get(key)
-            if cached is not None:
-                local.groups.move_to_end(key)
-                return cached
-        values = self._read_group(shard, group)
-        with local.lock:
-            local.groups[key] = values
-            while len(local.groups) > _GROUPS:
-                local.groups.popitem(last=False)
-        return values
+        read = functools.partial(self._read_group, shard, group)
+        return cached(local.groups, local.lock, (shard, group), read, _GROUPS)
 
     def _read_group(self, shard: int, group: int) -> list[Any]:
         entry = self.manifest.shards[shard]
@@ -425,14 +350,8 @@ class TextDocuments:
         with open(path, "rb") as fh:
             self.files.check_opened(shard, fh.fileno(), path)
         field = self.policy.field
-        if entry.format is Format.PARQUET:
-            reader = pq.ParquetFile(path, memory_map=True)
-            schema = reader.schema_arrow
-        else:
-            source = pa.memory_map(path)
-            stream = entry.format is Format.ARROW_STREAM
-            reader = ipc.open_stream(source) if stream else ipc.open_file(source)
-            schema = reader.schema
+        reader = open_table(entry.format, path)
+        schema = reader.schema_arrow if entry.format is Format.PARQUET else reader.schema
         if field not in schema.names:
             raise FormatError(f"shard {entry.path}: no column {field!r}; it has {schema.names}")
         kind = schema.field(field).type
@@ -442,29 +361,14 @@ class TextDocuments:
             )
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
-        elif entry.format is Format.ARROW_STREAM:
-            column = self._stream_batches(shard, reader)[group].column(field)
+        elif entry.format is Format.ARROW_STREAM:  # no footer: batch g is read after all before
+            local = self._local.get(_Local)
+            batches = cached(local.streams, local.lock, shard, lambda: list(reader), _STREAMS)
+            column = batches[group].column(field)
         else:
             column = reader.get_batch(group).column(field)
         values: list[Any] = column.to_pylist()
         return values
-
-    def _stream_batches(self, shard: int, reader: Any) -> list[Any]:
-        """The record batches of Arrow IPC stream ``shard`` (``reader`` just opened on it),
-        read once per process and kept for the `_STREAMS` latest shards (a stream has no
-        footer: reading one batch by number would read all before it each time)."""
-        local = self._local.get(_Local)
-        with local.lock:
-            held = local.streams.get(shard)
-            if held is not None:
-                local.streams.move_to_end(shard)
-                return held
-        batches = list(reader)
-        with local.lock:
-            local.streams[shard] = batches
-            while len(local.streams) > _STREAMS:
-                local.streams.popitem(last=False)
-        return batches
 
 
 def _field(manifest: Manifest, field: str | None) -> str:

@@ -1,13 +1,8 @@
-"""The document index of raw text: where each document's text is and how many tokens it has.
+"""The text index of `TextDocuments`: where each document's text is and how many tokens it
+has (docs/design.md, "Raw text").
 
-`TextDocuments` (`detdata.datasets.text`) reads text shards (``jsonl``, or a string column
-of ``parquet`` / ``arrow`` / ``arrow_stream`` tables) and tokenises each document when it
-is read. Random access and packing need each document's token count before any window is
-read, so one pass tokenises the whole corpus once (`build_text_index`, in batches) and
-stores the *text index* (`ROWS` x ``N + 1`` int64, 40 bytes a document) under
-``index_dir`` like every derived index (`detdata.datasets.index_files`: content-addressed
-by the manifest id, the text field, the tokenizer's identity and the policies; built by
-one process of a job, the others load it):
+One pass tokenises the whole corpus (`build_text_index`, in batches) into `ROWS` x
+``N + 1`` int64, stored under ``index_dir`` (`detdata.datasets.index_files`):
 
 ====  ===============================================================================
 row   meaning (document ``d``; the last column closes the table)
@@ -19,24 +14,18 @@ row   meaning (document ``d``; the last column closes the table)
 4     JSONL: end byte of the line; tables: row within the row group
 ====  ===============================================================================
 
-What each line / row must hold (`document_text`), each failure a `FormatError` naming the
-shard, the line or row, and the field: valid UTF-8, one JSON object, the field present,
-its value a string; an empty string is an error unless ``empty="skip"`` (then the line is
-no document; the policy is part of the identity); with ``max_document_tokens``, a longer
-document is an error (None: any length, documents are split across windows by packing).
-
-A stored index is checked against the manifest before use (`check_text_index`: the shape,
-every shard's lines or rows, the counts in its record); the token counts themselves are
-checked each time a document is read (its tokens are counted again there), so a wrong
-count is an error naming the document, never a shifted window.
+Each line / row must be valid UTF-8 holding one JSON object whose field is a string
+(`document_text`), non-empty unless ``empty="skip"``, and within ``max_document_tokens``;
+else a `FormatError` naming the shard, the line or row, and the field.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -67,11 +56,7 @@ class TextPolicy:
 
     def identity(self) -> dict[str, Any]:
         """Plain JSON of the policy (part of the dataset's identity and the index key)."""
-        return {
-            "field": self.field,
-            "empty": self.empty,
-            "max_document_tokens": self.max_document_tokens,
-        }
+        return asdict(self)
 
 
 def check_policy(field: object, empty: object, max_document_tokens: object) -> TextPolicy:
@@ -151,84 +136,55 @@ def line_spans(data: bytes | mmap.mmap) -> tuple[npt.NDArray[np.int64], npt.NDAr
     return first, end
 
 
-@dataclass
-class IndexBuilder:
-    """Accumulates the text index shard by shard (`build_text_index`)."""
-
-    manifest: Manifest
-    tokenizer: TextTokenizer
-    policy: TextPolicy
-
-    def __post_init__(self) -> None:
-        self.columns: list[list[int]] = [[] for _ in range(ROWS)]
-        self.tokens = 0
-
-    def add(self, shard: int, items: Iterable[tuple[int, int, int, str]]) -> None:
-        """Documents ``(line or row, first, second, text)`` of ``shard``, in file order."""
-        batch: list[tuple[int, int, int, str]] = []
-        for item in items:
-            if not item[3]:
-                if self.policy.empty == "skip":
-                    continue
-                raise FormatError(
-                    f"{where_of(self.manifest, shard, item[0])} field {self.policy.field!r}: an "
-                    "empty document; hint: remove it, or pass empty='skip' (recorded in the "
-                    "identity)"
-                )
-            batch.append(item)
-            if len(batch) >= BATCH:
-                self._flush(shard, batch)
-                batch = []
-        self._flush(shard, batch)
-
-    def _flush(self, shard: int, batch: list[tuple[int, int, int, str]]) -> None:
-        encoded = self.tokenizer.encode([b[3] for b in batch])
-        bound = self.policy.max_document_tokens
-        for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
-            count = int(tokens.size)
-            self._check_markers(shard, line, tokens)
-            if not count and self._skips_no_tokens(shard, line):
-                continue
-            if bound is not None and count > bound:
-                raise FormatError(
-                    f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: "
-                    f"{count} tokens, more than max_document_tokens={bound}; hint: split the "
-                    "document, or raise or drop the bound (None: packing splits documents)"
-                )
-            for row, value in zip(
-                self.columns, (self.tokens, shard, line, first, second), strict=True
-            ):
-                row.append(value)
-            self.tokens += count
-
-    def _skips_no_tokens(self, shard: int, line: int) -> bool:
-        """True (skip it) for a document of no tokens under ``empty="skip"``; `FormatError`
-        naming it otherwise (e.g. whitespace under a stripping normaliser)."""
-        if self.policy.empty == "skip":
-            return True
-        raise FormatError(
-            f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: no tokens "
-            "(the text encodes to none, e.g. whitespace under a stripping normaliser); hint: "
-            "remove it, or pass empty='skip' (recorded in the identity)"
-        )
-
-    def _check_markers(self, shard: int, line: int, tokens: npt.NDArray[np.int64]) -> None:
-        """`FormatError` when the document's text encodes to its own bos / eos id."""
-        inner = self.tokenizer.inner_marker(tokens)
+def _counted(
+    manifest: Manifest,
+    tokenizer: TextTokenizer,
+    policy: TextPolicy,
+    shard: int,
+    batch: list[tuple[int, int, int, str]],
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(line or row, first, second, token count)`` of each document of ``batch`` that the
+    index keeps, tokenised in one call; `FormatError` for a document the policy refuses."""
+    encoded = tokenizer.encode([b[3] for b in batch])
+    for (line, first, second, _), tokens in zip(batch, encoded, strict=True):
+        where = f"{where_of(manifest, shard, line)} field {policy.field!r}"
+        count = int(tokens.size)
+        inner = tokenizer.inner_marker(tokens)
         if inner is not None:
             raise FormatError(
-                f"{where_of(self.manifest, shard, line)} field {self.policy.field!r}: the text "
-                f"encodes to token {inner[1]}, the {inner[0]} id, which would cut the document "
-                f"there; hint: pass as {inner[0]} a token the text cannot produce (e.g. an "
-                "added special token of the tokenizer.json)"
+                f"{where}: the text encodes to token {inner[1]}, the {inner[0]} id, which would "
+                f"cut the document there; hint: pass as {inner[0]} a token the text cannot "
+                "produce (e.g. an added special token of the tokenizer.json)"
             )
+        if not count:
+            if policy.empty == "skip":
+                continue
+            raise FormatError(
+                f"{where}: no tokens (the text encodes to none, e.g. whitespace under a "
+                "stripping normaliser); hint: remove it, or pass empty='skip' (recorded in the "
+                "identity)"
+            )
+        if policy.max_document_tokens is not None and count > policy.max_document_tokens:
+            raise FormatError(
+                f"{where}: {count} tokens, more than max_document_tokens="
+                f"{policy.max_document_tokens}; hint: split the document, or raise or drop the "
+                "bound (None: packing splits documents)"
+            )
+        yield line, first, second, count
 
-    def finish(self) -> npt.NDArray[np.int64]:
-        """The index array (`ROWS` x ``N + 1``)."""
-        closing = (self.tokens, len(self.manifest.shards), 0, 0, 0)
-        return np.array(
-            [[*row, c] for row, c in zip(self.columns, closing, strict=True)], dtype=np.int64
-        ).reshape(ROWS, -1)
+
+def _non_empty(
+    manifest: Manifest, policy: TextPolicy, shard: int, items: Iterable[tuple[int, int, int, str]]
+) -> Iterator[tuple[int, int, int, str]]:
+    """``items`` without empty texts (skipped, or a `FormatError` naming the first)."""
+    for item in items:
+        if item[3]:
+            yield item
+        elif policy.empty != "skip":
+            raise FormatError(
+                f"{where_of(manifest, shard, item[0])} field {policy.field!r}: an empty "
+                "document; hint: remove it, or pass empty='skip' (recorded in the identity)"
+            )
 
 
 def index_meta(manifest: Manifest, array: npt.NDArray[np.int64]) -> dict[str, Any]:
@@ -244,10 +200,8 @@ def index_meta(manifest: Manifest, array: npt.NDArray[np.int64]) -> dict[str, An
 def check_text_index(
     manifest: Manifest, policy: TextPolicy, array: np.ndarray[Any, Any], meta: Mapping[str, Any]
 ) -> str | None:
-    """What is wrong with a stored text index and its record (None: nothing), from the
-    manifest: the shape, starts from 0 non-decreasing, shards in order, lines / rows
-    increasing within each shard and inside it (every one of them unless ``empty="skip"``),
-    and a record equal to `index_meta` of the array."""
+    """What is wrong with a stored text index and its record (None: nothing), checked
+    against the manifest (shape, order, every line or row in its shard) and `index_meta`."""
     if array.dtype != np.int64 or array.ndim != 2 or array.shape[0] != ROWS or array.shape[1] < 1:
         return f"array {array.dtype} of shape {array.shape}, expected int64 ({ROWS}, N + 1)"
     n = int(array.shape[1]) - 1
@@ -259,7 +213,9 @@ def check_text_index(
     lines = manifest.samples_per_shard()
     if n and int(shard[-1]) >= len(lines):
         return f"shard {int(shard[-1])} is not in the manifest"
-    rel = line - _bases(manifest, shard)
+    values, fmt = manifest.codes("format")
+    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
+    rel = line - jsonl[fmt[shard]].astype(np.int64)  # JSONL lines count from 1, rows from 0
     if bool((rel < 0).any()) or bool((rel >= lines[shard]).any()):
         return "a line or row outside its shard"
     same = np.diff(shard) == 0
@@ -274,13 +230,6 @@ def check_text_index(
     return None
 
 
-def _bases(manifest: Manifest, shard: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The first line / row number of each document's shard (JSONL lines count from 1)."""
-    values, fmt = manifest.codes("format")
-    jsonl = np.array([v == Format.JSONL.value for v in values], dtype=bool)
-    return jsonl[fmt[shard]].astype(np.int64)
-
-
 def build_text_index(
     manifest: Manifest,
     tokenizer: TextTokenizer,
@@ -288,11 +237,21 @@ def build_text_index(
     shard_documents: Callable[[int], Iterable[tuple[int, int, int, str]]],
     update: Callable[[int], None],
 ) -> npt.NDArray[np.int64]:
-    """The text index of ``manifest``: ``shard_documents(s)`` yields each shard's documents
-    ``(line or row, first, second, text)``; ``update`` is told each shard's bytes."""
-    builder = IndexBuilder(manifest, tokenizer, policy)
+    """The text index of ``manifest`` (`ROWS` x ``N + 1``): ``shard_documents(s)`` yields
+    each shard's documents ``(line or row, first, second, text)`` in file order, tokenised
+    `BATCH` at a time; ``update`` is told each shard's bytes."""
+    columns: list[list[int]] = [[] for _ in range(ROWS)]
+    tokens = 0
     sizes = manifest.bytes_per_shard()
-    for s in range(len(manifest.shards)):
-        builder.add(s, shard_documents(s))
-        update(int(sizes[s]))
-    return builder.finish()
+    for shard in range(len(manifest.shards)):
+        documents = _non_empty(manifest, policy, shard, shard_documents(shard))
+        while batch := list(itertools.islice(documents, BATCH)):
+            for line, first, second, count in _counted(manifest, tokenizer, policy, shard, batch):
+                for row, value in zip(columns, (tokens, shard, line, first, second), strict=True):
+                    row.append(value)
+                tokens += count
+        update(int(sizes[shard]))
+    closing = (tokens, len(manifest.shards), 0, 0, 0)
+    return np.array(
+        [[*row, c] for row, c in zip(columns, closing, strict=True)], dtype=np.int64
+    ).reshape(ROWS, -1)

@@ -1,25 +1,17 @@
-"""Fixed-length token windows over ``.npy`` / ``.bin`` token shards.
+"""`TokenWindows`: fixed-length token windows over ``.npy`` / ``.bin`` token shards.
 
-A `TokenWindows` dataset cuts every token shard of a manifest into windows of
-``seq_len`` tokens. With ``labels=True`` (default) a window carries one extra
-token for next-token labels, so window ``w`` of a shard covers tokens
-``[w * seq_len, w * seq_len + seq_len + 1)`` and consecutive windows share one
-token. Windows never cross shard boundaries; a shard of ``T`` tokens holds
-``(T - 1) // seq_len`` windows with labels (``T // seq_len`` without) and its
-tail tokens are dropped. Window ids are numbered shard by shard in manifest
-(path) order.
-
-A `TokenWindows` holds its parts and delegates to them: the window index
-(`detdata.datasets.window_index`) and its arithmetic (`WindowLayout`: where each window's
-bytes are), the shard files (`detdata.datasets.shard_files.ShardFiles`: opened, mapped,
-cached and checked per process) and the read path (`detdata.datasets.window_reads.
-WindowReads`: window ids -> a read plan that `detdata.storage` reads, memory maps, coalesced
-remote ranges). A shard changed, truncated or deleted during the run is a
-`VerificationError` naming it, never other bytes.
+With ``labels=True`` (default) window ``w`` of a shard covers tokens ``[w * seq_len,
+w * seq_len + seq_len + 1)``: consecutive windows share one token. Windows never cross
+shards; a shard of ``T`` tokens holds ``(T - 1) // seq_len`` windows with labels (``T //
+seq_len`` without), its tail dropped; ids are numbered shard by shard in manifest order.
+A `TokenWindows` delegates to its parts: the window index and `WindowLayout`, the shard
+files (`ShardFiles`) and the read path (`WindowReads`). A shard changed, truncated or
+deleted during the run is a `VerificationError` naming it, never other bytes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Never
 
@@ -67,54 +59,22 @@ def _resolve_out_dtype(out_dtype: str | None, shard_dtypes: Sequence[str]) -> np
 
 
 class TokenWindows(DatasetInfo):
-    """Windows of ``seq_len`` (+1 label token) tokens over a token manifest.
-
-    ``num_samples`` is the sum over shards of ``(T - 1) // seq_len`` with
-    ``labels`` (``T // seq_len`` without); tail tokens that do not fill a window
-    are dropped and windows never cross shards. ``read(ids)`` returns
-    ``{"tokens": (len(ids), seq_len + labels)}`` in ``out_dtype`` (default: int32
-    and int64 kept, uint16 -> int32, uint32 -> int64), rows in the order of
-    ``ids``. A shard too short for one window raises `FormatError` unless
-    ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
-    `ConfigError`. Narrowing ``out_dtype`` casts are range-checked per batch.
-
-    Opening: the per-shard facts (window starts, token offsets, sizes, dtype codes) and the
-    open-time checks come from the window index (`detdata.datasets.window_index`): for a
-    fast-form manifest a file built once per job and mapped, after a full check of its
-    digest, by every process; so a rank's open touches none of the manifest's columns.
-
-    ``storage`` (a `Storage`, default ``Storage()``) says where and how shards are read.
-    Remote roots: its ``retry`` (a `RetryPolicy`) governs every read; with its
-    ``cache_dir`` (and ``shard_cache_bytes``, default 16 GiB, on disk;
-    ``cache_verify="full"`` re-hashes a cached copy whenever it is opened instead of
-    checking size + first/last MiB) whole shards are copied into a verified, bounded
-    local `ShardCache` (``shard_cache``) and read from there. By default
-    (``cache_dir=DefaultCache.AUTO``, here `DefaultCache.USER`) a remote root uses a
-    per-user folder (``$DETDATA_CACHE_DIR``, else ``~/.cache/detdata/shards``) bounded by
-    ``shard_cache_bytes`` or else 4 GiB and half the free space (`user_cache`: without
-    room for 4 of the largest shard, or a writable folder, it reads with range requests
-    and logs why); ``cache_dir=None`` reads remote shards with coalesced range requests
-    and keeps no copy. Neither changes the data read, so neither is part of ``identity()``.
-
-    Its ``max_open_shards`` (default 128) bounds the shards this dataset memory-maps at
-    once per process (one descriptor + one mapping each; see the module docstring);
-    all datasets of a process together also stay within the process budget
-    (`detdata.set_max_open_shards`). Other shards are read without keeping anything
-    open. It never changes the data read and is not part of ``identity()``. The keywords
-    of `Storage`'s fields given directly (``verify=``, ``root=``, ``cache_dir=``, ...) are
-    refused, naming the field to pass (`checked_storage`).
-
-    Parts: ``files`` (`ShardFiles`), the window index and its `WindowLayout`, the read
-    path (`WindowReads`). Pickled with its parameters, manifest and ``files`` only; the
-    index, layout and read path are made again (the index mapped, or built) in the
-    process that unpickles it.
+    """Windows of ``seq_len`` (+1 label token) tokens over a token manifest (module
+    docstring). ``read(ids)`` returns ``{"tokens": (len(ids), seq_len + labels)}`` in
+    ``out_dtype`` (default: int32 and int64 kept, uint16 -> int32, uint32 -> int64),
+    narrowing casts range-checked. A shard too short for one window raises `FormatError`
+    unless ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
+    `ConfigError`. The per-shard facts and open-time checks come from the window index.
+    ``storage`` (default ``Storage()``, its ``cache_dir`` default here `DefaultCache.USER`)
+    says where and how shards are read; none of it changes the data or ``identity()``.
+    Pickled with its parameters, manifest and ``files`` only.
     """
 
     #: what ``Storage(cache_dir=DefaultCache.AUTO)`` (the default) means here: remote
     #: windows are small reads, so whole shards are copied
     DEFAULT_CACHE = DefaultCache.USER
     #: made again when unpickled, never pickled
-    _DERIVED = ("_index", "_layout", "_reads", "_windows_tuple")
+    _DERIVED = ("_index", "_layout", "_reads", "windows_per_shard")
 
     def __init__(
         self,
@@ -147,8 +107,7 @@ class TokenWindows(DatasetInfo):
                 f"(labels={self.labels}) in {len(shards)} shard(s); the dataset is "
                 "empty; hint: use a smaller seq_len"
             )
-        #: the shard files (its sizes: the window index's copy, checked with it, so the
-        #: manifest's column is not touched at open)
+        #: the shard files (its sizes: the window index's checked copy)
         self.files = ShardFiles(self.manifest, self.storage, index.sizes)
         self._wire(index)
 
@@ -168,23 +127,15 @@ class TokenWindows(DatasetInfo):
         self._wire(index)
 
     def _open_index(self, *, meet: bool = True) -> WindowIndex:
-        """The per-shard index (`detdata.datasets.window_index`): mapped from the file built
-        once per job for a fast-form manifest, else built here. Its build runs the open-time
-        checks: `FormatError` naming the first shard that is not a token shard of a
-        consistent size, or, unless ``allow_short_shards``, too short for one window.
-        ``meet=False``: unpickled in a worker (no meeting through a process group)."""
+        """`open_window_index` of this dataset (its `FormatError` for a bad shard)."""
         return open_window_index(
             self.manifest, self.seq_len, self.labels, self.allow_short_shards, meet=meet
         )
 
-    @property
+    @functools.cached_property
     def windows_per_shard(self) -> tuple[int, ...]:
         """Windows per shard, in manifest order (a tuple built on first use: O(shards))."""
-        found: tuple[int, ...] | None = self.__dict__.get("_windows_tuple")
-        if found is None:
-            found = tuple(np.diff(np.asarray(self._layout.bounds)).tolist())  # read whole
-            self.__dict__["_windows_tuple"] = found
-        return found
+        return tuple(np.diff(np.asarray(self._layout.bounds)).tolist())  # read whole
 
     # Dataset protocol --------------------------------------------------------
     @property
@@ -259,18 +210,11 @@ class TokenWindows(DatasetInfo):
         return {"tokens": out}
 
     def read_ahead(self, ids: npt.ArrayLike | None) -> None:
-        """A hint: a coming `read` asks for ``ids`` (hints in the order of the reads; at
-        most `PREFETCH_DEPTH` are kept, the oldest dropped). With a local root (no
-        ``cache_dir``) and the native loop, a read over several shards is planned now and
-        its file reads start on native threads in the background (without the GIL),
-        overlapping whatever the caller does until that read, which then waits for them
-        and finishes the plan. The bytes and the checks are those of the read without the
-        hint (each file's ``fstat`` is taken after its read and checked against the
-        manifest and the file first opened when the read comes; a file that could not be
-        read is read again then, raising the read's own error). ``None`` drops every
-        pending hint, and a read drops those hinted before its own (their reads are joined
-        first); a read not hinted keeps them. Nothing is raised here: bad ids or
-        unreadable files are the read's to report."""
+        """A hint: a coming `read` asks for ``ids`` (at most `PREFETCH_DEPTH` kept, the
+        oldest dropped; None drops them all; a read drops those hinted before its own). A
+        local read over several shards is planned now and its file reads start on native
+        threads; the bytes and checks are those of the read without the hint. Never
+        raises: bad ids or unreadable files are the read's to report."""
         self._reads.read_ahead(ids)
 
     def _what(self) -> str:

@@ -1,76 +1,23 @@
-"""`TokenWindows`' per-shard index: built once per job, read by every rank.
+"""`TokenWindows`' per-shard index (`WindowIndex`): built once per job, read by every rank.
 
-Contract: docs/design.md section 8 ("Start-up at scale").
-
-What a `TokenWindows` needs of every shard (`WindowIndex`): the cumulative window counts
-(``starts``, ``count + 1`` int64: window ids ``[starts[s], starts[s + 1])`` are shard
-``s``'s), the byte offset of its tokens, its size in bytes and its dtype code. Making it
-(`build_window_index`) reads the manifest's columns whole and runs the open-time checks
-(every shard a token shard whose size its dtype and sample count explain; none too short
-for a window unless ``allow_short_shards``): O(shards) CPU and memory, ~26 MB at 1M shards.
-
-Built once, read by every rank. For a manifest in the mapped fast form
-(`detdata.identity.columns`) with receipts on, the index is a file in the receipts folder
-(``DETDATA_RECEIPTS``, per machine): ``<name>.windows``, ``name`` the blake3 of its inputs
-(`window_inputs`: the manifest id, the columns file's header digest, ``seq_len``,
-``labels``, ``allow_short_shards`` and this layout's version) and of the public id of the
-key it is written under (`detdata.identity.local_key`: each user's files their own). A
-rank that finds it maps it (`load_window_index`); otherwise one process builds and writes
-it while the others wait:
-under a ``torch.distributed`` group the rank that claims it first among those of the
-node opening it under the same root (`detdata.identity.receipts.job_meeting`; the others
-wait for it through the group's store, as for a verdict), else whichever process takes
-the file's lock first (the others find the file once they hold the lock). Other
-manifests, manifests of fewer than `STORE_MIN_SHARDS` shards, ``DETDATA_RECEIPTS=off``,
-or no usable key: the index is built in memory in every process.
+Per shard: cumulative window counts (``starts``, ``count + 1``: window ids ``[starts[s],
+starts[s + 1])`` are shard ``s``'s), the byte offset of its tokens, its size and its dtype
+code. `build_window_index` runs the open-time checks over the manifest's columns (O(shards)).
+For a fast-form manifest with receipts on it is stored as ``<name>.windows`` in the receipts
+folder (`window_inputs`, `window_index_path`), built by one process while the others wait,
+checked in full once (keyed blake3 under this user's `detdata.identity.local_key`), then
+trusted by file identity (the ``.checked`` note, `write_checked_note`); a file failing a
+check is named in a `RuntimeWarning` and rebuilt, replaced atomically. Sections are read
+with ``pread`` (`detdata.storage.file_column.FileColumn`), never mapped (a mapping's page
+faults keep whole folios resident). Contract, trust model and what is not protected:
+docs/design.md "Start-up at scale: the fast manifest form, once-per-job verification,
+receipts".
 
 Layout (little-endian)::
 
     magic "DDWINDX1"  u64 header length  header (canonical JSON)  zero padding to 64
     sections: starts <i8 (count + 1)  offsets <i8  sizes <i8  codes <i2 (each 64-aligned)
     keyed blake3 of every byte above (32 bytes; the key: this user's, `local_key`)
-
-Checked in full, once: the trailing keyed blake3 over every byte (read a MiB at a time into one
-buffer), the header's inputs equal to the dataset's, its sections exactly where a header
-for that many shards puts them, ``starts[0] == 0``, ``starts[-1]`` the header's window
-count, the dtypes token dtypes and the codes in use among them. A file failing any of
-these (damaged, truncated, stale, of other inputs) is reported with a `RuntimeWarning`
-naming it and what differs, and rebuilt. It is replaced atomically, never rewritten in
-place: the descriptor a rank holds keeps reading the file it checked.
-
-Who checks it in full: the leader (or, without a group, the process holding the lock),
-when it builds or opens the file. It publishes the identity of the file it checked
-(``[size, mtime_ns, ctime_ns, inode, device]``, taken at its open, before any byte was
-read) in the store; a rank whose open file has that identity, or the one its note keeps,
-runs every check but the digest. The ``.checked`` note next to the file
-(`write_checked_note`) keeps the identity of the last full check for the next job, with a
-tag (`note_tag`: keyed blake3 of the file's name and that identity) that only the holder
-of this user's key can make; a note without a valid tag is ignored. Neither
-is written or published for a file changed less than `detdata.identity.receipts.RACY_S`
-before its identity was taken, as for a receipt (a write in the same timestamp tick would
-not show), except the builder's own write. While the file keeps it, the digest is not
-recomputed. What that trusts is what a
-receipt trusts for a shard: a write through the file system moves the change time (even
-with the mtime set back), a replacement the inode; bytes changed without either (the
-block device written directly, bit rot) are not seen until a full check.
-
-Not mapped: a rank reads the sections through `detdata.storage.file_column.FileColumn`
-(``pread`` of 4 KiB blocks, a binary search through every 512th start kept in memory). A
-page-cache fault on a mapping maps the whole large folio around it (up to 2 MiB here): a
-rank that searched and looked up a handful of shards through a mapping of a 1M-shard index
-held ~20 MB of it resident after one batch.
-
-Trust model. The file is detdata's own output, computed from the checked columns by this
-user's process; the check does not recompute it from its inputs. What makes it trusted is
-the key: an index's digest and a note's tag are keyed under 32 secret bytes only this user
-can read (`detdata.identity.local_key`: a 0600 file of this user's, refused otherwise).
-Whoever can write the receipts folder (or the index and its note) but cannot read the key
-(another user of a shared folder) cannot make a file or a note that is trusted: an index
-edited in place with a note for its new ``stat`` identity, or rewritten with a valid
-unkeyed digest, fails the full check, is named and rebuilt. A ``stat`` alone, or the bytes
-of the index, are not enough to forge a note: the tag needs the key. What is not
-protected: this user (and root), who can read the key and edit detdata itself; and, as
-for a receipt, bytes changed without changing the file's identity (above).
 """
 
 from __future__ import annotations
@@ -128,11 +75,8 @@ _CODES: Final = ("codes", "<i2", 0)
 
 @dataclass(frozen=True, eq=False)
 class WindowIndex:
-    """Per shard of a token manifest (in manifest order): ``starts`` (cumulative windows,
-    ``count + 1``), ``offsets`` (byte offset of its tokens), ``sizes`` (bytes) and
-    ``codes`` (index into ``dtypes``); ``used``: the codes some shard has. Read-only:
-    arrays built in this process (``path`` None), or `FileColumn` s over the file
-    ``path``."""
+    """Per shard, in manifest order (module docstring); ``codes`` index ``dtypes``, ``used``:
+    the codes some shard has. Read-only arrays (``path`` None) or `FileColumn` s of ``path``."""
 
     starts: IntColumn
     offsets: IntColumn
@@ -152,17 +96,22 @@ class WindowIndex:
 def build_window_index(
     manifest: Manifest, seq_len: int, labels: bool, allow_short: bool
 ) -> WindowIndex:
-    """The index of ``manifest`` for windows of ``seq_len`` (+1 with ``labels``), from its
-    columns (vectorised; an entry is built only for a culprit). `FormatError` naming the
-    first shard that is not a token shard of a consistent size (`check_token_shard`), or,
-    unless ``allow_short``, the first too short for one window (`short_shard_error`)."""
+    """The index of ``manifest`` for windows of ``seq_len`` (+1 with ``labels``). `FormatError`
+    naming the first shard that is not a token shard of a consistent size, or, unless
+    ``allow_short``, the first too short for one window."""
     dtypes, codes = _check_token_shards(manifest)
     tokens = manifest.samples_per_shard()
     counts = np.maximum(0, (tokens - int(labels)) // seq_len)
     if not allow_short:
         short = np.flatnonzero(counts == 0)
         if short.size:
-            raise short_shard_error(manifest.shards[int(short[0])], seq_len, labels)
+            shard = manifest.shards[int(short[0])]
+            raise FormatError(
+                f"shard {shard.path}: {shard.num_samples} tokens is too short for one window "
+                f"of seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
+                f"labels={labels}); hint: pass allow_short_shards=True to skip "
+                "such shards, or use a smaller seq_len"
+            )
     starts = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     arrays = (
@@ -184,8 +133,7 @@ def distinct_codes(code: npt.NDArray[Any]) -> tuple[int, ...]:
 
 def _check_token_shards(manifest: Manifest) -> tuple[tuple[str, ...], npt.NDArray[Any]]:
     """``(dtypes, codes)``: the manifest's dtype names and each shard's index into them;
-    `FormatError` naming the first shard that is not a token shard with a consistent size
-    (`check_token_shard`). Vectorised over the manifest's columns."""
+    `check_token_shard`'s error for the first bad shard."""
     formats, fcode = manifest.codes("format")
     dtypes, dcode = manifest.codes("dtype")
     token_fmt = np.array([Format(f) in (Format.NPY, Format.BIN) for f in formats] + [False])
@@ -230,16 +178,6 @@ def check_token_shard(shard: ShardEntry) -> str:
     return shard.dtype
 
 
-def short_shard_error(shard: ShardEntry, seq_len: int, labels: bool) -> FormatError:
-    """The error for a shard too short for one window."""
-    return FormatError(
-        f"shard {shard.path}: {shard.num_samples} tokens is too short for one window of "
-        f"seq_len={seq_len} (needs {seq_len + int(labels)} tokens with "
-        f"labels={labels}); hint: pass allow_short_shards=True to skip "
-        "such shards, or use a smaller seq_len"
-    )
-
-
 # ------------------------------------------------------------------ built once, mapped
 def window_inputs(
     manifest: Manifest, seq_len: int, labels: bool, allow_short: bool
@@ -268,11 +206,9 @@ def open_window_index(
     manifest: Manifest, seq_len: int, labels: bool, allow_short: bool, *, meet: bool = True
 ) -> WindowIndex:
     """The index of ``manifest`` for these windows: read from its file, built once per
-    job where it is missing or fails its checks (see the module docstring), or built in
-    memory (a manifest not in the fast form, receipts off, or no usable key:
-    `detdata.identity.local_key`). ``meet=False`` (a dataset unpickled in a worker
-    process, which must not use the parent's process group): no meeting through the
-    group, the file's lock only."""
+    job where it is missing or fails its checks, or built in memory (not the fast form,
+    receipts off, or no usable key). ``meet=False`` (unpickled in a worker): the file's
+    lock only, no meeting through the parent's process group."""
     if not isinstance(manifest.shards, ShardTable) or len(manifest.shards) < STORE_MIN_SHARDS:
         return build_window_index(manifest, seq_len, labels, allow_short)
     inputs = window_inputs(manifest, seq_len, labels, allow_short)
@@ -316,16 +252,14 @@ def _store(
     secret: bytes,
     load: Callable[[Sequence[list[int] | None]], WindowIndex | None],
 ) -> tuple[WindowIndex | None, list[int] | None]:
-    """Write ``built`` to ``path`` and open it: ``(the index read from the file, its noted
-    identity)``, or ``(None, None)`` where it cannot be stored (every process builds its
-    own)."""
+    """Write ``built`` to ``path`` and open it: ``(index, noted identity)``, or ``(None,
+    None)`` where it cannot be stored (every process builds its own)."""
     try:
         atomic_write_bytes(path, encode_window_index(built, inputs, secret))
         st = os.stat(path)
     except OSError:
         return None, None
-    # its own write, renamed into place: its digest is of bytes this process made, not
-    # read again (as a cache fill's copy, hashed while written)
+    # its own write: the digest is of bytes this process made, not read again
     own = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     found = load([own])
     if found is None:
@@ -343,9 +277,9 @@ def _vouched(store: Any, key: str) -> list[int] | None:
 
 # --------------------------------------------------------------- checked once, noted
 def read_checked_note(path: str, secret: bytes) -> list[int] | None:
-    """The identity the index file ``path`` had when this user's process last checked it
-    in full (its ``.checked`` note, its tag made under ``secret``); None without a readable
-    note or with one whose tag is not (`note_tag`: a note only the key's holder makes)."""
+    """The identity the index file ``path`` had at its last full check (its ``.checked``
+    note); None without a readable note or with one whose `note_tag` under ``secret`` is
+    wrong."""
     try:
         with open(path + CHECKED, "rb") as fh:
             found = json.loads(fh.read(1 << 12))
@@ -374,14 +308,9 @@ def write_checked_note(
     index: WindowIndex, secret: bytes, *, own_write: bool = False
 ) -> list[int] | None:
     """Note the identity of the file ``index`` was read from (taken at its open, before
-    its bytes were read and checked), tagged under ``secret``: the identity a later open
-    may trust, returned for the leader to publish. None (no note, nothing published) for
-    an index built in memory, or for a file changed less than
-    `detdata.identity.receipts.RACY_S` before that identity was taken (a write within the
-    same timestamp tick, or a server clock ahead of this one, would not show: the next
-    open checks it in full, then notes it), unless ``own_write``: this process has just
-    written and renamed it into place (the exposure is then a write in place within the
-    same tick after that, as for a cache's fill)."""
+    its bytes were checked), tagged under ``secret``, and return it for the leader to
+    publish. None for an index built in memory, or for a file changed less than `RACY_S`
+    before that identity was taken, unless ``own_write`` (this process just wrote it)."""
     if not isinstance(index.starts, FileColumn):
         return None
     file = index.starts.file
@@ -446,50 +375,36 @@ def _load_warning(
     reported: set[str],
     trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
-    """`load_window_index`, a file that fails its checks reported (`RuntimeWarning`; a
-    problem already in ``reported`` is not reported again)."""
-    try:
-        return load_window_index(path, inputs, count, secret, trusted)
-    except _Invalid as exc:
-        if str(exc) in reported:
-            return None
-        reported.add(str(exc))
-        warnings.warn(
-            f"token windows index {path} does not match what it records (damaged, "
-            f"truncated, stale or of other inputs): {exc}; rebuilding it",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-
-
-def load_window_index(
-    path: str,
-    inputs: dict[str, Any],
-    count: int,
-    secret: bytes,
-    trusted: Sequence[list[int] | None] = (),
-) -> WindowIndex | None:
-    """The index file ``path`` checked for ``inputs`` and ``count`` shards (see the module
-    docstring), its sections as `FileColumn` s read with ``pread``; None where there is
-    none; `_Invalid` (a message naming the check) where it fails one. Its digest (every
-    byte read) is not re-checked when the open file's identity is one of ``trusted``: the
-    identity it had when it was checked in full (by this job's leader, or by the last
-    check on this machine)."""
+    """The index file ``path`` checked for ``inputs`` and ``count`` shards, its sections as
+    `FileColumn` s; None where there is none, or where it fails a check (each failed check
+    reported once, a `RuntimeWarning`). The digest is not re-checked when the open file's
+    identity is one of ``trusted`` (that of its last full check)."""
     try:
         file = OpenFile(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
-        raise _Invalid(f"unreadable ({exc})") from None
-    try:
-        return _checked(file, inputs, count, secret, trusted)
-    except OSError as exc:  # shortened while read
-        file.close()
-        raise _Invalid(f"unreadable ({exc})") from None
-    except BaseException:
-        file.close()
-        raise
+        problem = f"unreadable ({exc})"
+    else:
+        try:
+            return _checked(file, inputs, count, secret, trusted)
+        except BaseException as exc:
+            file.close()
+            if isinstance(exc, _Invalid):
+                problem = str(exc)
+            elif isinstance(exc, OSError):  # shortened while read
+                problem = f"unreadable ({exc})"
+            else:
+                raise
+    if problem not in reported:
+        reported.add(problem)
+        warnings.warn(
+            f"token windows index {path} does not match what it records (damaged, "
+            f"truncated, stale or of other inputs): {problem}; rebuilding it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
 
 
 def _checked(
@@ -499,7 +414,7 @@ def _checked(
     secret: bytes,
     trusted: Sequence[list[int] | None],
 ) -> WindowIndex:
-    """`load_window_index` of the open ``file``."""
+    """`_load_warning` of the open ``file``: `_Invalid` naming the failed check."""
     size = os.fstat(file.fd).st_size
     if size < _HEAD + _DIGEST:
         raise _Invalid(f"{size} bytes is too short for a header")
@@ -518,8 +433,7 @@ def _checked(
     if header.get("sections") != layout:
         raise _Invalid(f"sections {header.get('sections')}, expected {layout}")
     data_at = _HEAD + hlen + (-(_HEAD + hlen) % _ALIGN)
-    name = _CODES[0]
-    end = data_at + layout[name][0] + layout[name][1]
+    end = data_at + layout["codes"][0] + layout["codes"][1]
     end += -end % _ALIGN
     if size != end + _DIGEST:
         raise _Invalid(f"{size} bytes, the header describes {end + _DIGEST} (truncated?)")
@@ -536,16 +450,8 @@ def _checked(
             f"window starts run from {int(starts[0])} to {int(starts[-1])}, the header says "
             f"0 to {header['windows']}"
         )
-    dtypes, used = header["dtypes"], header["used"]
-    return WindowIndex(
-        starts=starts,
-        offsets=offsets,
-        sizes=sizes,
-        codes=codes,
-        dtypes=tuple(dtypes),
-        used=tuple(used),
-        path=file.path,
-    )
+    dtypes, used = tuple(header["dtypes"]), tuple(header["used"])
+    return WindowIndex(starts, offsets, sizes, codes, dtypes, used, path=file.path)
 
 
 def _header(raw: bytes) -> dict[str, Any]:

@@ -1,13 +1,10 @@
 """`WindowLayout`: where each window of a `detdata.TokenWindows` is, as arithmetic over its
-window index (`detdata.datasets.window_index`).
+window index (`detdata.datasets.window_index`); no file is touched here.
 
-Window ``w`` of shard ``s`` is ``window`` tokens (``seq_len`` + 1 label token with
-``labels``) at token ``w * seq_len`` of the shard's data, whose first token is at byte
-``offsets[s]`` of its file. Window ids are numbered shard by shard: shard ``s`` holds ids
-``[starts[s], starts[s + 1])``. Per-shard values that depend only on the shard's dtype
-(bytes per token, the disk dtype, whether ``out_dtype`` narrows it) are looked up through
-the shard's dtype code (`ByCode`, `ArrayByCode`): O(dtypes) to build, not O(shards). No
-file is touched here.
+Window ``w`` of shard ``s`` is ``window`` tokens at token ``w * seq_len`` of the shard's
+data, which starts at byte ``offsets[s]``; shard ``s`` holds ids ``[starts[s], starts[s +
+1])``. Values that depend only on a shard's dtype are looked up through its dtype code
+(`ByCode`, `ArrayByCode`): O(dtypes) to build, not O(shards).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ T = TypeVar("T")
 
 
 class ByCode(Generic[T]):
-    """A per-shard value looked up through the shard's code: ``self[shard]`` is
-    ``values[codes[shard]]`` (a few distinct values for many shards, O(values) to build)."""
+    """A per-shard value: ``self[shard]`` is ``values[codes[shard]]``."""
 
     __slots__ = ("codes", "values")
 
@@ -42,9 +38,8 @@ class ByCode(Generic[T]):
 
 
 class ArrayByCode:
-    """A per-shard int64 value looked up through the shard's code, for one shard or an
-    array of them: ``self[shards]`` is ``values[codes[shards]]`` (int64), O(values) to
-    build and to keep."""
+    """A per-shard int64 value, for one shard or an array of them: ``self[shards]`` is
+    ``values[codes[shards]]``."""
 
     __slots__ = ("codes", "values")
 
@@ -59,15 +54,13 @@ class ArrayByCode:
 
 
 class WindowLayout:
-    """The windows of ``index`` for ``seq_len`` (+1 with ``labels``) delivered in
-    ``out_dtype`` (see the module docstring).
+    """The windows of ``index`` for ``seq_len`` (+1 with ``labels``) in ``out_dtype``.
 
-    ``bounds``: cumulative windows (count + 1); ``starts``: the first window id of each
-    shard; ``offsets``: the byte offset of each shard's tokens; ``itemsize``, ``disk``,
-    ``dtypes``, ``narrowing``: per shard through its dtype code. ``batch_covers``: every
-    shard in use has one disk dtype that ``out_dtype`` does not narrow (the covered spans
-    of a batch are read into one staging buffer); ``direct``: besides, that dtype is
-    ``out_dtype`` (windows are read straight into the result)."""
+    ``bounds``: cumulative windows (count + 1); ``starts``: each shard's first window id;
+    ``offsets``: each shard's first token byte; ``itemsize``, ``disk``,
+    ``narrowing``: per shard through its dtype code. ``batch_covers``: every shard in use
+    has one disk dtype that ``out_dtype`` does not narrow (one staging buffer per batch);
+    ``direct``: besides, that dtype is ``out_dtype`` (read straight into the result)."""
 
     def __init__(
         self, index: WindowIndex, seq_len: int, labels: bool, out_dtype: np.dtype[Any]
@@ -81,10 +74,8 @@ class WindowLayout:
         self.starts: IntColumn = index.starts[:-1]
         self.offsets: IntColumn = index.offsets
         code, names = index.codes, index.dtypes
-        # bytes per token of each shard, looked up through its dtype code (no per-shard copy)
         self.itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
         self.disk = ByCode(code, tuple(disk_dtype(d) for d in names))
-        self.dtypes = ByCode(code, names)
         # per shard: does a cast to out_dtype narrow (values must be range-checked)?
         narrowing = tuple(not np.can_cast(d, out_dtype, casting="safe") for d in names)
         self.narrowing = ByCode(code, narrowing)
@@ -93,7 +84,7 @@ class WindowLayout:
         self.direct = self.batch_covers and self.disk[0] == out_dtype
 
     def shard_of(self, ids: IntArray) -> IntArray:
-        """The shard of each window id of ``ids`` (checked ids)."""
+        """The shard of each (checked) window id of ``ids``."""
         shard: IntArray = self.starts.searchsorted(ids, side="right").astype(np.int64) - 1
         return shard
 

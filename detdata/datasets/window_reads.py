@@ -1,51 +1,14 @@
 """`WindowReads`, the read path of `detdata.TokenWindows` (a part it holds): window ids ->
-(shard, byte range, result row).
+(shard, byte range, result row). Arithmetic only: `detdata.storage` moves the bytes.
 
-This module is arithmetic only; the bytes are moved by `detdata.storage`: memory maps
-(`detdata.storage.mapped`), the batched file loop, single-file reads and read-ahead
-(`detdata.storage.reads`), coalesced remote ranges (`detdata.storage.ranges`).
-
-``read(ids)`` checks the ids once (min/max), and when they all fall in one shard does ONE
-fancy-index gather from a strided 2-D view of that shard's read-only memory map straight
-into the result. Otherwise it maps ids to shards with one ``np.searchsorted`` over the
-cumulative window counts, groups them by shard (stable argsort), does one gather per touched
-mapped shard straight into the result (local roots) or, for remote fsspec roots, ONE
-``fs.cat_ranges`` call for the whole batch, after the windows of each shard are coalesced
-into few covering requests (at most 20% extra bytes per shard; failed requests are retried
-with backoff under ``retry``). With ``cache_dir``, remote shards are copied whole into a
-bounded, blake3-verified local `ShardCache` and read through the memmap path.
-
-Bounded handles (local roots and cached copies): at most ``max_open_shards`` shards of a
-dataset are memory-mapped per process (`detdata.datasets.handles.HandleLRU`). When the LRU
-(or the process budget) is full, a shard that is not mapped is read without keeping anything
-open unless the read needs at least `MAP_MIN_ROWS` of its windows and they are not
-`covered`: windows that are covered (dense, in at most `COVER_MAX_BYTES`; or a single
-window) are read with ONE ``preadv`` of the range that covers them, other windows with one
-``preadv`` each. For a batch over many shards the bookkeeping is vectorised: covered ranges
-of all such shards are read by one batched file loop into one staging buffer and gathered
-with ONE fancy index (`_read_staged`), or, for runs of consecutive windows stored as
-delivered, straight into the rows of the result (`_read_direct`: one buffer per row; with
-``labels`` each row's shared label token is copied from the next row after). The bound and
-the read path never change the bytes read.
-
-A read over several shards is a value: a `detdata.storage.reads.ReadPlan` (the files, byte
-ranges and the buffers they go into) and an `Assembly` (how the result rows come out of
-those buffers). Storage reads the plan (`detdata.storage.reads.execute`); then the rows are
-assembled here. The bytes go one way: from the files into the plan's buffers.
-
-Read-ahead (`read_ahead`): a hinted read is planned at once and its first batch of file reads
-runs on native threads (`detdata.storage.reads.ReadAhead`); the read later waits for it and
-reads the rest of the plan (the checks, any further reads). A hint changes when files are
-read, not how: the bytes and checks are those of a read without it, taken when the files
-are read (a shard changed after its background read but before the read is delivered as it
-was read, and named at its next read).
-
-Checks: before touching a shard's mapping every read checks that the mapped file still has
-the manifest's size (a truncated shard is a `VerificationError` naming it, not a SIGBUS);
-every open of a shard's path checks its size and its identity against the file this process
-first opened for the shard (`ShardFiles.check_opened`). Not caught: a truncation racing
-with the read itself, a replacement before this process first opened the shard, and bytes
-rewritten in place under a live mapping at the same size.
+Ids of one shard: ONE fancy-index gather from a strided view of its memory map. Ids of
+several: grouped by shard (`_Groups`); mapped shards gathered from their views, the others
+(with the handle LRU full) read without keeping anything open, as a value: a
+`detdata.storage.reads.ReadPlan` that storage executes (`read_ahead` starts it early) and
+an `Assembly` that makes the rows. Remote roots: coalesced ranges in one ``cat_ranges``
+call, or whole shards copied into a verified `ShardCache`. Every read checks each shard's
+size before touching its mapping (a truncated shard is a `VerificationError`, not a
+SIGBUS) and each open against the file first opened (`ShardFiles.check_stat`).
 """
 
 from __future__ import annotations
@@ -64,7 +27,6 @@ from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_files import ShardFiles
 from detdata.datasets.shard_windows import COVER_MAX_BYTES, DENSE_SPAN, MAP_MIN_ROWS, ShardWindows
 from detdata.datasets.window_layout import WindowLayout
-from detdata.identity.formats import disk_dtype
 from detdata.storage.fileread import FileReads
 from detdata.storage.fs import join
 from detdata.storage.mapped import Mapped
@@ -84,16 +46,35 @@ Array = np.ndarray[Any, Any]
 
 
 class Assembly(NamedTuple):
-    """How the result rows of a planned read come out of its buffers once storage has read
-    its `ReadPlan`: ``out`` (the result, rows already written by maps, single-file reads and
-    direct reads; None: the staged windows are the whole result); ``labels``: ``(rows,
-    next)``, each row's label token is the first token of row ``next`` (direct reads of
-    runs); ``staged``: ``(sliding, starts, dest)``, rows ``dest`` are ``sliding[starts]``
-    (all rows, in order, without ``out``)."""
+    """How the result rows come out of a read `ReadPlan`'s buffers: ``out`` (rows already
+    written; None: the staged windows are the whole result); ``labels``: ``(rows, next)``,
+    each row's label token is row ``next``'s first; ``staged``: ``(sliding, starts,
+    dest)``, rows ``dest`` are ``sliding[starts]`` (all rows, in order, without ``out``)."""
 
     out: Array | None
     labels: tuple[IntArray, IntArray] | None
     staged: tuple[Array, IntArray, IntArray] | None
+
+
+class _Groups(NamedTuple):
+    """A read's ids sorted and grouped by shard: per sorted id its ``shard``, ``local``
+    window and result row (``order``); per group (touched shard) ``gshard``, its first
+    sorted row ``begin``, ``counts`` and ``extent`` (max - min + 1 windows)."""
+
+    shard: IntArray
+    local: IntArray
+    order: IntArray
+    gshard: IntArray
+    begin: IntArray
+    counts: IntArray
+    extent: IntArray
+
+
+def _sorted_rows(begin: IntArray, count: IntArray) -> IntArray:
+    """The concatenated ranges ``[begin[i], begin[i] + count[i])`` (sorted rows of groups)."""
+    return np.repeat(begin - (np.cumsum(count) - count), count) + np.arange(
+        int(count.sum()), dtype=np.int64
+    )
 
 
 def _new_read_ahead() -> ReadAhead:
@@ -101,9 +82,8 @@ def _new_read_ahead() -> ReadAhead:
 
 
 class WindowReads:
-    """The read path of `detdata.TokenWindows` (see the module docstring): the windows of
-    ``layout`` from the files of ``files``; batches over many shards, read-ahead and remote
-    roots. One shard's reads are `ShardWindows`' (``shards``)."""
+    """The windows of ``layout`` from the files of ``files`` (module docstring); one
+    shard's reads are `ShardWindows`' (``shards``)."""
 
     def __init__(self, layout: WindowLayout, files: ShardFiles) -> None:
         self.layout = layout
@@ -118,17 +98,14 @@ class WindowReads:
 
     # local reads ---------------------------------------------------------------------
     def gather_local(self, ids: IntArray, lo: int, hi: int, *, cached: bool = False) -> Array:
-        """The windows ``ids`` (all in ``[lo, hi]``) from the shard files, in ``out_dtype``.
-
-        Ids of a single mapped shard are gathered straight into the result (a fancy index:
-        ``take`` would first copy a whole overlapping window view); others go through
-        `plan` (taken from `read_ahead` when one was hinted), read by storage, then
-        `assemble`."""
+        """The windows ``ids`` (all in ``[lo, hi]``) in ``out_dtype``: one shard's straight
+        from its view (a fancy index, not ``take``), others by `plan` (or the `read_ahead`
+        one), storage, then `assemble`."""
         layout = self.layout
         first, last = layout.first_shard(lo), layout.first_shard(hi)
         if first == last:
             return self._gather_one(first, ids, cached)
-        ahead = self._ahead.get(_new_read_ahead)
+        ahead = self.ahead
         planned = ahead.take(ids) if len(ahead) and not cached else None
         if planned is not None:
             assembly: Assembly = planned.finish()
@@ -163,13 +140,11 @@ class WindowReads:
         return block.astype(layout.out_dtype)
 
     def read_ahead(self, ids: npt.ArrayLike | None) -> None:
-        """`detdata.TokenWindows.read_ahead`: plan the read of ``ids`` and start its first
-        file read (``None``: drop every planned read). Reads that would not go through the
-        batched file loop (a narrowing or mixed-dtype dataset, a handle LRU with room:
-        shards get mapped; remote roots and cached copies; one shard: mapped) are not
-        planned: there would be nothing to overlap. Nothing is raised here: bad ids or a
-        plan that fails are the read's to report."""
-        ahead = self._ahead.get(_new_read_ahead)
+        """`detdata.TokenWindows.read_ahead`: plan the read of ``ids`` and start its file
+        reads (None: drop every planned read). Only reads of several local shards through
+        the batched file loop are planned (others have nothing to overlap). Never raises:
+        errors are the read's to report."""
+        ahead = self.ahead
         if ids is None:
             ahead.clear()
             return
@@ -195,14 +170,10 @@ class WindowReads:
     def plan(self, ids: IntArray, cached: bool) -> tuple[ReadPlan, Assembly]:
         """The read of ids of several shards: what storage reads (`ReadPlan`) and how the
         rows come out of it (`Assembly`); mapped shards and scattered windows are read now.
-
-        Grouping is vectorised: one argsort of the ids (ids of a shard are consecutive, so
-        sorted ids are grouped by shard, windows ascending) and one ``searchsorted`` of the
-        sorted ids give per touched shard its first row, count and extent (max - min + 1
-        windows). When the handle LRU is full, shards without a handle whose windows are
-        `covered` (or a single window) are read by `_read_staged` / `_read_direct` with no
-        per-shard Python; only shards with a handle, shards to map and scattered windows
-        take the per-shard loop (`_gather_loop`)."""
+        Per touched shard (one argsort, one ``searchsorted``): first sorted row, count and
+        extent (max - min + 1 windows). With the handle LRU full, unmapped shards whose
+        windows are `covered` go to `_read_staged` / `_read_direct` (no per-shard Python);
+        the rest to `_gather_loop`."""
         layout, files = self.layout, self.files
         n = ids.size
         order = ids.argsort(kind="stable")
@@ -215,6 +186,7 @@ class WindowReads:
         gshard = shard[begin]
         count = end - begin
         extent = local[end - 1] - local[begin] + 1
+        groups = _Groups(shard, local, order, gshard, begin, count, extent)
         if cached:
             files.refresh_copies(gshard.tolist())
         handles = files.local().handles
@@ -236,14 +208,10 @@ class WindowReads:
             loop = list(range(gshard.size))
         checks, first = files.checks(), files.local().first
         if len(staged) == gshard.size and not layout.direct:  # one gather builds the result
-            whole = self._read_staged(
-                np.asarray(staged), gshard, begin, count, extent, local, order, whole=True
-            )
+            whole = self._read_staged(np.asarray(staged), groups, whole=True)
             return ReadPlan((whole[0],), checks, first), Assembly(None, None, whole[1])
         out = np.empty((n, layout.window), dtype=layout.out_dtype)
-        more = self._gather_loop(
-            loop, cached, staged_ok, covers, gshard, begin, count, extent, shard, local, order, out
-        )
+        more = self._gather_loop(loop, cached, staged_ok, covers, groups, out)
         chosen = np.concatenate((np.asarray(staged, dtype=np.int64), more))
         planned: list[FileReads] = []
         labels = None
@@ -258,16 +226,12 @@ class WindowReads:
                 & (count[chosen] <= _IOV_ROWS)
             )
             if whole_run.any():
-                direct, labels = self._read_direct(
-                    chosen[whole_run], gshard, begin, count, local, order, out
-                )
+                direct, labels = self._read_direct(chosen[whole_run], groups, out)
                 planned.append(direct)
                 chosen = chosen[~whole_run]
         staging: tuple[Array, IntArray, IntArray] | None = None
         if chosen.size:
-            reads, staging = self._read_staged(
-                chosen, gshard, begin, count, extent, local, order, whole=False
-            )
+            reads, staging = self._read_staged(chosen, groups, whole=False)
             planned.append(reads)
         return ReadPlan(tuple(planned), checks, first), Assembly(out, labels, staging)
 
@@ -293,24 +257,19 @@ class WindowReads:
         cached: bool,
         staged_ok: bool,
         covers: npt.NDArray[np.bool_],
-        gshard: IntArray,
-        begin: IntArray,
-        count: IntArray,
-        extent: IntArray,
-        shard: IntArray,
-        local: IntArray,
-        order: IntArray,
+        groups: _Groups,
         out: Array,
     ) -> IntArray:
-        """The per-shard loop of `plan` over the groups ``loop`` (O(1) Python work each): a
-        mapped shard (or one to map) is gathered from its window view, scattered windows are
-        read by `ShardWindows.pread_rows`; returns the groups left for `_read_staged`."""
+        """`plan`'s per-shard loop over the groups ``loop``: gathers from window views, reads
+        scattered windows (`ShardWindows.pread_rows`); returns the groups left for
+        `_read_staged`."""
         if not loop:
             return np.zeros(0, dtype=np.int64)
         files, one, layout = self.files, self.shards, self.layout
         handles, sizes, narrowing = files.local().handles, files.sizes, layout.narrowing
-        shards, begins = gshard.tolist(), begin.tolist()
-        counts, cover = count.tolist(), covers.tolist()
+        shard, local, order = groups.shard, groups.local, groups.order
+        shards, begins = groups.gshard.tolist(), groups.begin.tolist()
+        counts, cover = groups.counts.tolist(), covers.tolist()
         rows: list[int] | None = None
         windows: list[int] | None = None
         offsets: list[int] | None = None  # byte offsets of the sorted ids, when first needed
@@ -355,35 +314,23 @@ class WindowReads:
         return np.asarray(more, dtype=np.int64)
 
     def _read_direct(
-        self,
-        groups: IntArray,
-        gshard: IntArray,
-        begin: IntArray,
-        count: IntArray,
-        local: IntArray,
-        order: IntArray,
-        out: Array,
+        self, picked: IntArray, groups: _Groups, out: Array
     ) -> tuple[FileReads, tuple[IntArray, IntArray] | None]:
-        """The reads of ``groups`` (``count[g]`` distinct consecutive windows of shard
-        ``gshard[g]``: sorted rows ``[begin[g], begin[g] + count[g])``), each with one open,
-        ONE ``preadv`` straight into its rows of ``out`` (one buffer per row) and one close,
-        and the label copies (`Assembly.labels`). Only when the disk dtype is ``out_dtype``
-        (`WindowLayout.direct`). With ``labels`` consecutive windows share a token: each row
-        but a run's last gets its first ``seq_len`` tokens from the file and its label token
-        from the next row afterwards (one vectorised copy)."""
-        layout = self.layout
+        """The reads of groups ``picked`` (each ``counts[g]`` distinct consecutive windows):
+        ONE ``preadv`` per shard straight into its rows of ``out`` (`WindowLayout.direct`),
+        and the label copies (`Assembly.labels`: with ``labels`` a row but a run's last
+        reads ``seq_len`` tokens and takes its label token from the next row)."""
+        layout, local, order = self.layout, groups.local, groups.order
         item = out.itemsize
         nbytes, step = layout.window * item, layout.seq_len * item  # a row; file bytes a window
-        starts, cnt = begin[groups], count[groups]
-        sel = np.repeat(starts - (np.cumsum(cnt) - cnt), cnt) + np.arange(
-            int(cnt.sum()), dtype=np.int64
-        )  # the sorted rows read, shard by shard
+        starts, cnt = groups.begin[picked], groups.counts[picked]
+        sel = _sorted_rows(starts, cnt)
         if layout.labels:  # a run's last row is read whole, the others without the label
             size = np.full(sel.size, step, dtype=np.int64)
             size[np.cumsum(cnt) - 1] = nbytes
         else:
             size = np.full(sel.size, nbytes, dtype=np.int64)
-        s = gshard[groups]
+        s = groups.gshard[picked]
         file_at = layout.offsets[s] + local[starts] * step
         wants = cnt * step + (nbytes - step)  # a run's last label token
         flat = out.view(np.uint8).reshape(-1)
@@ -394,31 +341,19 @@ class WindowReads:
         return reads, (order[inner], order[inner + 1])
 
     def _read_staged(
-        self,
-        groups: IntArray,
-        gshard: IntArray,
-        begin: IntArray,
-        count: IntArray,
-        extent: IntArray,
-        local: IntArray,
-        order: IntArray,
-        *,
-        whole: bool,
+        self, picked: IntArray, groups: _Groups, *, whole: bool
     ) -> tuple[FileReads, tuple[Array, IntArray, IntArray]]:
-        """The reads of the covering range of each of ``groups`` (shard ``gshard[g]``, sorted
-        rows ``[begin[g], begin[g] + count[g])`` over ``extent[g]`` windows), each with one
-        open, ONE ``preadv`` and one close per shard into one staging buffer (all shards of
-        one disk dtype, no narrowing cast: `WindowLayout.batch_covers`), and ``(sliding,
-        starts, dest)``: once read, ``sliding[starts]`` are the windows of result rows
-        ``dest`` (with ``whole``: every group is read, ``starts`` is in result-row order,
-        ``dest`` empty)."""
-        layout = self.layout
-        dtype = layout.disk[int(gshard[groups[0]])]
+        """The reads of the covering range of each of groups ``picked``: ONE ``preadv`` per
+        shard into one staging buffer (`WindowLayout.batch_covers`), and ``(sliding, starts,
+        dest)``: once read, ``sliding[starts]`` are result rows ``dest`` (``whole``: every
+        group, ``starts`` in result-row order, ``dest`` empty)."""
+        layout, local, order = self.layout, groups.local, groups.order
+        s = groups.gshard[picked]
+        dtype = layout.disk[int(s[0])]
         item, width, seq = dtype.itemsize, layout.window, layout.seq_len
-        s = gshard[groups]
-        cnt = count[groups]
-        first = local[begin[groups]]
-        tokens = (extent[groups] - 1) * seq + width  # tokens of each covering range
+        cnt = groups.counts[picked]
+        first = local[groups.begin[picked]]
+        tokens = (groups.extent[picked] - 1) * seq + width  # tokens of each covering range
         pos = np.zeros(s.size + 1, dtype=np.int64)
         np.cumsum(tokens, out=pos[1:])
         base = np.repeat(pos[:-1] - first * seq, cnt)  # staging position of window 0
@@ -426,10 +361,8 @@ class WindowReads:
             starts = np.empty(order.size, dtype=np.int64)
             starts[order] = base + local * seq  # result row order
             dest = np.zeros(0, dtype=np.int64)
-        else:  # the sorted rows of these groups: concatenated ranges [begin, begin + count)
-            sel = np.repeat(begin[groups] - (np.cumsum(cnt) - cnt), cnt) + np.arange(
-                int(cnt.sum()), dtype=np.int64
-            )
+        else:
+            sel = _sorted_rows(groups.begin[picked], cnt)
             starts = base + local[sel] * seq
             dest = order[sel]
         staging = np.empty(int(pos[-1]), dtype=dtype)
@@ -459,9 +392,7 @@ class WindowReads:
     ) -> FileReads:
         """For each shard ``shards[i]`` (each at most once): ``wants[i]`` bytes at
         ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ``flat[iov_off[j]:]
-        [:iov_len[j]]``), as storage reads them (`detdata.storage.reads.execute`: checked
-        against the manifest and the files first opened; a missing shard or a short read
-        is a `VerificationError` naming it)."""
+        [:iov_len[j]]``), for `detdata.storage.reads.execute`."""
         files = self.files
         return FileReads(
             os.fsencode(join(files.filesystem()[1], "")),
@@ -478,9 +409,8 @@ class WindowReads:
 
     # remote reads ----------------------------------------------------------------------
     def gather_remote(self, fs: fsspec.AbstractFileSystem, ids: IntArray, out: Array) -> None:
-        """The windows ``ids`` of a remote root into ``out``: the ranges of each shard
-        coalesced (`detdata.storage.ranges`: bytes fetched <= 1.2 x bytes needed per shard),
-        all shards in one ``cat_ranges`` call, retried under ``retry``."""
+        """The windows ``ids`` of a remote root into ``out`` (coalesced ranges, one
+        ``cat_ranges`` call, retried under ``retry``)."""
         layout, files = self.layout, self.files
         manifest = files.manifest
         uniq, inverse = np.unique(ids, return_inverse=True)
@@ -515,9 +445,7 @@ class WindowReads:
                     f"bytes for {b - a} windows, got {len(data)}; the file is "
                     "shorter than the manifest says (rewritten?)"
                 )
-            block = np.frombuffer(data, dtype=disk_dtype(layout.dtypes[shard])).reshape(
-                b - a, layout.window
-            )
+            block = np.frombuffer(data, dtype=layout.disk[shard]).reshape(b - a, layout.window)
             self.shards.check_range(block, shard)
             rows[a:b] = block
         out[...] = rows[inverse.reshape(-1)]

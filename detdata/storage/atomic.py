@@ -26,19 +26,11 @@ def atomic_write_bytes(
 ) -> None:
     """Write ``data`` so that readers see either the old file or the whole new one.
 
-    Locally the data goes to a ``TEMP_PREFIX`` file, is fsynced and renamed over
-    ``path``. The temp file is made in ``temp_dir`` when given (a folder on the
-    same file system, so the rename stays atomic: a registry keeps its temp files
-    in one folder so that sweeping crash leftovers never lists its objects), else
-    in the target's directory.
-
-    What ``path`` names is respected: a symlink is written *through* (its final
-    target is replaced, the link stays); a character device or FIFO (``/dev/stdout``,
-    a named pipe, ``/dev/full``) is written in place, not replaced; any other file that
-    is not a regular file (a folder, a socket) is refused with a `ConfigError` naming
-    it. A new file gets mode ``0o666`` less the umask, a replaced regular file keeps
-    its mode. A full disk, a quota or an I/O error is a `StorageError` naming ``path``
-    (and leaves no temp file).
+    Locally: a ``TEMP_PREFIX`` file in ``temp_dir`` (same file system) or the target's
+    folder, fsynced and renamed over ``path``. A symlink is written through; a character
+    device or FIFO (``/dev/stdout``) is written in place; another non-regular file is a
+    `ConfigError` naming it. A new file gets ``0o666`` less the umask, a replaced one keeps
+    its mode. A full disk, a quota or an I/O error is a `StorageError` naming ``path``.
     """
     if is_url(path) and not path.startswith("file://"):
         fs, fpath = filesystem(path, **storage_options)

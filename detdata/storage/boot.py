@@ -1,24 +1,10 @@
 """Which boot of this machine a cache copy is known whole in (`detdata.storage.cache`).
 
-A file written without ``fsync`` is safe against a process dying (the kernel still holds
-and writes its pages) but not against the machine going down before they reached the
-disk. The shard cache writes its copies without ``fsync`` and records, per boot, the
-copies known whole in it: filled in it (every byte hashed as written), or hashed in full
-in it. A copy not on the current boot's record may hold what a crash lost, and is hashed
-in full at its first open. The boot is the kernel's ``boot_id`` (a random UUID drawn at
-each boot: not a time, so no clock, ``chmod``, ``touch`` or copy of the folder makes an
-old copy look checked). Where there is no ``boot_id``, nothing is recorded and fills are
-synced.
-
-The record is ``checked-<boot_id>`` in the cache folder: one object name a line,
-appended (``O_APPEND``, a line per write), never opened through a symbolic link. Records of
-other boots unchanged for `STALE_RECORD_S` are deleted when a cache is opened: a folder
-shared by several machines (each with its own boot id) keeps the records of the machines
-still using it, so none makes the others hash their copies again.
-
-The record is a claim that a copy was hashed in full; it is trusted only in a folder that
-nobody else can write (`CheckedThisBoot(trusted=False)`: never read, never written, every
-copy counts as not known whole). `detdata.storage.cache` decides which folders those are.
+The cache writes copies without ``fsync`` and records, per boot (the kernel's random
+``boot_id``), the copies known whole in it: filled or hashed in full in it. A copy not on the
+record may hold what a crash lost and is hashed in full at its first open (docs/design.md,
+"Remote reads"). The record, ``checked-<boot_id>``, is one name a line, appended, never
+opened through a link; other boots' records unchanged for `STALE_RECORD_S` are deleted.
 """
 
 from __future__ import annotations
@@ -52,10 +38,9 @@ def boot_id() -> str | None:
 
 
 class CheckedThisBoot:
-    """The copies of the cache at ``directory`` known whole in this boot (see the module
-    docstring). ``enabled`` is False without a boot id: then every copy counts as whole
-    (its fill was synced) and nothing is recorded. ``trusted=False`` (a folder others can
-    write): the record is neither read nor written and no copy counts as known whole."""
+    """The copies of the cache at ``directory`` known whole in this boot. ``enabled`` False
+    (no boot id): every copy counts as whole (fills are synced). ``trusted=False``: the
+    record is neither read nor written and no copy counts as known whole."""
 
     def __init__(self, directory: str, *, trusted: bool = True) -> None:
         found = boot_id()

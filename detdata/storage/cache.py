@@ -1,76 +1,36 @@
 """A bounded, verified local cache of whole remote shards, safe across processes.
 
-`ShardCache(directory, max_bytes)` keeps copies of remote shards on local disk
-so that readers use the local fast path (memmaps, local Parquet/Arrow readers).
-Layout under ``directory``::
+Layout under ``directory``: ``objects/<blake3 hex>`` (verified copies), ``tmp/*.part`` (fills
+in progress, locked by their filler), ``locks/<hex>.lock`` (one fill per shard, ``flock``),
+``.lock`` (space accounting and eviction), ``checked-<boot id>`` (`detdata.storage.boot`).
+Contracts (docs/design.md, "Remote reads: coalescing and lookahead prefetch"):
 
-    objects/<blake3 hex>                 a verified copy (named by its content digest)
-    tmp/<hex>.<bytes>.<random>.part      a fill in progress, locked by its filler
-    locks/<hex>.lock                     serialises fills of one shard (fcntl.flock)
-    .lock                                serialises space accounting and eviction
-    checked-<boot id>                    copies known whole in this boot (`storage.boot`)
-
-Contracts:
-
-* Who else can write the folder decides what is trusted (`detdata.storage.cache_folder`):
-  a private folder (owned by this user, writable by nobody else) works as below; a shared
-  one is usable but untrusted: every copy is hashed in full at its first use in each
-  process, the boot record is ignored, and a reader's open is confirmed to be the file that
-  was hashed (`confirm_open`). Lock, record and temp files are never followed through links.
-
-* A copy is named by the manifest's blake3 of its content, so it can only hold
-  those bytes: a fill streams the shard in retried range reads to a temp file,
-  hashes every byte while writing, and is renamed into ``objects/`` only when
-  size and blake3 match the manifest entry (else the temp file is dropped and
-  the download repeated, then `VerificationError`). Nothing unverified is
-  ever served.
-* Every open (the first use of a shard in a process, or after the copy changed) re-checks
-  the copy's size and quick digest on one open descriptor (``verify_on_open="full"``
-  re-hashes every byte). A copy that fails is deleted, logged and fetched again.
-  Re-opening a copy this process verified (or filled) skips the digest while one ``stat``
-  shows its stamp (`detdata.storage.verified`: device, inode, size, mtime, ctime; the
-  racy-clean rule).
-* Durability: fills are not ``fsync``-ed (a process that dies loses nothing the kernel
-  holds); what a machine crash could lose is caught by the per-boot record
-  (`detdata.storage.boot`): a copy not on it is hashed in full at its first open. Without
-  a boot id, fills are synced.
-* ``max_bytes`` bounds the bytes in ``objects/`` plus fills in progress. Before
-  a fill reserves its space, least recently used copies (file mtime, refreshed
-  on use) are deleted; when the fills in progress (any thread or process) leave
-  no room, the fill waits for them instead of going over the bound. A shard
-  larger than ``max_bytes`` is a `ConfigError`.
-  Processes that still have an evicted copy open keep reading it (POSIX keeps
-  unlinked files alive while open), so eviction never corrupts a reader.
-* Fills of one shard are serialised by a per-shard ``flock`` (threads and
-  processes): concurrent readers wait for one download instead of racing, while that fill
-  makes progress (`detdata.storage.cache_folder.LockWait`: a stopped holder is a
-  `StorageError` naming the lock after ``retry.deadline_s``, not a wait without end).
-  Locks are released by the kernel when a process dies; a temp file nobody holds a lock
-  on (a dead fill's, whatever its pid namespace) is removed at the next accounting.
-* A full or failing disk under a fill is a `StorageError` naming the cache folder, with the
-  hint (free space, a lower ``shard_cache_bytes``, or ``cache_dir=None``).
-* A process forked while one of its threads holds a lock closes its inherited copy of that
-  lock's descriptor at once (``os.register_at_fork``), so the parent's release is a release.
-* Background fills (``path(..., background=True)``, the lookahead prefetch of
-  `detdata.datasets.prefetch`) go through exactly the same locked, verified
-  fill. ``release(entry)`` marks a copy as the first to evict (its LRU time is
-  set to the epoch) without deleting it: the prefetch calls it after a shard's
-  last use in its window. A reader that finds a copy missing or being filled
-  (not a hit) adds the time it waited to ``stats.stall_s``.
+* Nothing unverified is served: a fill hashes every byte as it writes and is renamed into
+  ``objects/`` only when size and blake3 match the manifest (else downloaded again, then
+  `VerificationError`). Every open re-checks size and quick digest (``verify_on_open="full"``:
+  every byte); a copy that fails is deleted, logged and fetched again. A copy this process
+  verified is not hashed again while its stamp holds (`detdata.storage.verified`).
+* Who can write the folder decides what is trusted (`detdata.storage.cache_folder`).
+* ``max_bytes`` bounds copies plus fills in progress: least recently used copies are evicted
+  first, and a fill with no room waits for other fills; a larger shard is a `ConfigError`.
+  Eviction never corrupts a reader (POSIX keeps an open unlinked file alive).
+* A stopped lock holder is a `StorageError` after ``retry.deadline_s``; a full or failing
+  disk is a `StorageError` naming the folder, with the hint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 import fsspec
 
@@ -120,7 +80,6 @@ class CacheEntry(Protocol):
 
 
 log: Final = get_logger("detdata.cache")
-T = TypeVar("T")
 VERIFY_ON_OPEN: Final = ("quick", "full")
 FILL_ATTEMPTS: Final = 3  # downloads of one shard whose blake3 does not match, before giving up
 _TOUCH_EVERY_S: Final = 1.0
@@ -134,15 +93,12 @@ class CacheStats:
 
     hits: int = 0
     fills: int = 0
-    fill_bytes: int = 0
     corrupt: int = 0
     evictions: int = 0
-    background_fills: int = 0
     stalls: int = 0  # reader calls of `path` that were not an immediate hit
     stall_s: float = 0.0  # time those reader calls waited (a fill, or another's fill)
     releases: int = 0
     digests: int = 0  # opens that re-read a copy to check its digest
-    verified_skips: int = 0  # opens of a copy this process had verified: no digest read
 
 
 def _hex(entry: CacheEntry) -> str:
@@ -156,13 +112,8 @@ _OPEN_COPY: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class ShardCache:
-    """Verified copies of remote shards under ``directory``, at most ``max_bytes`` in total.
-
-    ``path(entry, fs, remote_path, url)`` returns the local path of a verified
-    copy, filling it first if needed. ``retry`` governs the range reads of a
-    fill (each ``chunk_bytes`` chunk is retried on its own). See the module
-    docstring for the contracts.
-    """
+    """Verified copies of remote shards under ``directory``, at most ``max_bytes`` in total
+    (the module docstring). ``retry`` governs each ``chunk_bytes`` range read of a fill."""
 
     def __init__(
         self,
@@ -210,16 +161,12 @@ class ShardCache:
         return os.path.join(self.directory, "objects", _hex(entry))
 
     def usage(self) -> int:
-        """Bytes in verified copies plus fills in progress (their full size).
-
-        Read under the accounting lock: a fill's eviction and its reservation are seen
-        together, never the evicted copy and the new reservation both.
-        """
+        """Bytes in verified copies plus fills in progress (their full size), read under the
+        accounting lock (never an evicted copy and the reservation that replaced it both)."""
         with self._global_lock():
             objects, reserved = self._scan()
         return sum(size for _, size, _ in objects) + reserved
 
-    # public API ------------------------------------------------------------
     def path(
         self,
         entry: CacheEntry,
@@ -231,20 +178,12 @@ class ShardCache:
     ) -> str:
         """The local path of a verified copy of ``entry`` (fetched from ``remote_path`` if needed).
 
-        ``url`` names the shard's location in errors and logs. ``background``: a
-        prefetch, not a reader (its waits are not stalls; its fills are counted in
-        ``stats.background_fills``). The cache survives its folder being removed (a tmp
-        cleaner): the layout is recreated, with a warning, and the copy fetched again
-        (the cache only holds verified copies). A folder that cannot be written is a
-        `StorageError` naming it.
+        ``url`` names the shard in errors and logs; ``background``: a prefetch (its waits are
+        not stalls). A cache folder removed while in use is recreated, with a warning; one
+        that cannot be written is a `StorageError` naming it.
         """
-        return self._surviving(lambda: self._path(entry, fs, remote_path, url, background))
-
-    def _surviving(self, fn: Callable[[], T]) -> T:
-        """``fn()``; a removed cache folder is recreated and ``fn`` run once more; an OS error
-        on the folder is a `StorageError` naming it."""
         try:
-            return fn()
+            return self._path(entry, fs, remote_path, url, background)
         except OSError as exc:
             if not self._is_mine(exc):
                 raise
@@ -261,7 +200,7 @@ class ShardCache:
                 exc.strerror or exc,
             )
         try:
-            return fn()
+            return self._path(entry, fs, remote_path, url, background)
         except OSError as exc:
             if self._is_mine(exc):
                 raise self._unusable(exc) from exc
@@ -293,8 +232,7 @@ class ShardCache:
         )
 
     def _make_layout(self) -> None:
-        """Make the folders (`make_layout`); decide who else can write them (``shared``:
-        why, or None)."""
+        """Make the folders; ``shared``: why others can write them, or None."""
         make_layout(self.directory)
         self.shared = shared_reason(self.directory)
         old = getattr(self, "_dirs", None)
@@ -312,19 +250,40 @@ class ShardCache:
         background: bool,
     ) -> str:
         final = self.object_path(entry)
-        problem = self._check(final, entry)
-        if problem is None:
-            self._count("hits")
-            self.touch(final, force=True)
+        if self._hit(final, entry) is None:
             return final
         began = time.monotonic()
         try:
-            return self._locked_path(entry, fs, remote_path, url, final, background)
+            with self._shard_lock(entry):
+                problem = self._hit(final, entry)  # another thread/process may have filled it
+                if problem is None:
+                    return final
+                if problem != "missing":
+                    self._count("corrupt")
+                    log.warning(
+                        "detdata: cached copy of shard %s (%s) is corrupted: %s; deleting "
+                        "it and fetching %s again",
+                        entry.path,
+                        final,
+                        problem,
+                        url,
+                    )
+                    drop_damaged(final, entry.path)
+                self._fill(entry, fs, remote_path, url, final)
+                return final
         finally:
             if not background:
                 with self._mutex:
                     self.stats.stalls += 1
                     self.stats.stall_s += time.monotonic() - began
+
+    def _hit(self, final: str, entry: CacheEntry) -> str | None:
+        """`_check` of ``final``; a hit (None) is counted and touched."""
+        problem = self._check(final, entry)
+        if problem is None:
+            self._count("hits")
+            self.touch(final, force=True)
+        return problem
 
     def _count(self, counter: str) -> None:
         """Add one to ``stats.<counter>`` (fill threads and readers count concurrently)."""
@@ -351,37 +310,6 @@ class ShardCache:
             changed, self._generation = now != self._generation, now
         return changed
 
-    def _locked_path(
-        self,
-        entry: CacheEntry,
-        fs: fsspec.AbstractFileSystem,
-        remote_path: str,
-        url: str,
-        final: str,
-        background: bool,
-    ) -> str:
-        with self._shard_lock(entry):
-            problem = self._check(final, entry)  # another thread/process may have filled it
-            if problem is None:
-                self._count("hits")
-                self.touch(final, force=True)
-                return final
-            if problem != "missing":
-                self._count("corrupt")
-                log.warning(
-                    "detdata: cached copy of shard %s (%s) is corrupted: %s; deleting "
-                    "it and fetching %s again",
-                    entry.path,
-                    final,
-                    problem,
-                    url,
-                )
-                drop_damaged(final, entry.path)
-            self._fill(entry, fs, remote_path, url, final)
-            if background:
-                self._count("background_fills")
-            return final
-
     def touch(self, path: str, *, force: bool = False) -> None:
         """Mark a copy as recently used (LRU), at most once a second per copy unless forced."""
         now = time.monotonic()
@@ -403,9 +331,8 @@ class ShardCache:
     # checks ------------------------------------------------------------------
     def _check(self, path: str, entry: CacheEntry) -> str | None:
         """None if ``path`` holds ``entry``'s bytes (size + quick or full digest), else why not.
-
-        One open file is stat-ed, hashed and remembered (never a second open of the path: in
-        a shared folder another process could swap the file between the two)."""
+        One open file is stat-ed, hashed and remembered (in a shared folder another process
+        could swap the file between two opens)."""
         seen_ns = time.time_ns()  # the wall clock of file timestamps, just before the stat
         try:
             fd = os.open(path, _OPEN_COPY)
@@ -427,11 +354,8 @@ class ShardCache:
         if st.st_size != entry.bytes:
             return f"size {st.st_size} bytes, the manifest says {entry.bytes}"
         if was_verified(path, st, entry.blake3, self.verify_on_open):
-            with self._mutex:
-                self.stats.verified_skips += 1
             return None
-        with self._mutex:
-            self.stats.digests += 1
+        self._count("digests")
         # a copy not known whole in this boot may have lost unsynced writes in a crash; one
         # others can write (a shared folder, another's copy) is hashed in full
         name = os.path.basename(path)
@@ -458,14 +382,10 @@ class ShardCache:
 
     def _check_digest(self, fd: int, entry: CacheEntry, size: int, level: str) -> str | None:
         if level == "full":
-            found = full_digest_fd(fd)
-            if found != entry.blake3:
-                return f"blake3 {found}, the manifest says {entry.blake3}"
-            return None
-        found = quick_digest_fd(fd, size)
-        if found != entry.quick:
-            return f"quick digest {found}, the manifest says {entry.quick}"
-        return None
+            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
+        else:
+            field, found, want = "quick digest", quick_digest_fd(fd, size), entry.quick
+        return None if found == want else f"{field} {found}, the manifest says {want}"
 
     # filling -----------------------------------------------------------------
     def _fill(
@@ -526,11 +446,10 @@ class ShardCache:
             raise
         finally:
             tmp.close()
-        with self._mutex:
-            self.stats.fills += 1
-            self.stats.fill_bytes += entry.bytes
+        self._count("fills")
         self.touch(final, force=True)
-        self._make_room(0, keep=final)
+        with self._global_lock():
+            self._evict_locked(0, keep=final)
 
     def _filled(self, entry: CacheEntry, final: str, tmp: TempFill) -> None:
         """Remember the copy just renamed to ``final`` as verified in full, if it is still
@@ -597,13 +516,9 @@ class ShardCache:
 
     # space accounting ----------------------------------------------------------
     def _reserve(self, entry: CacheEntry, final: str) -> TempFill:
-        """Evict until ``entry`` fits, then create its temp file (counted from now on).
-
-        When the copies that are left plus the fills in progress (any thread or process)
-        leave no room, wait for those fills to finish (they only ever shrink the
-        reservations) rather than go over the bound; after ``retry.deadline_s`` of waiting
-        (a fill that hangs), go ahead with a warning.
-        """
+        """Evict until ``entry`` fits, then create its temp file (counted from now on). Where
+        fills in progress leave no room, wait for them; after ``retry.deadline_s`` (a fill
+        that hangs), go ahead with a warning."""
         tmp_dir = os.path.join(self.directory, "tmp")
         began = time.monotonic()
         pause = 0.002
@@ -625,10 +540,6 @@ class ShardCache:
                     return TempFill(tmp_fd, tmp_dir, _hex(entry), entry.bytes)
             time.sleep(pause)  # other fills hold the room: they finish or fail
             pause = min(0.05, pause * 2)
-
-    def _make_room(self, incoming: int, *, keep: str) -> None:
-        with self._global_lock():
-            self._evict_locked(incoming, keep=keep)
 
     def _evict_locked(self, incoming: int, *, keep: str) -> int:
         """Evict oldest copies (never ``keep``) until ``incoming`` more bytes fit; return the
@@ -652,38 +563,25 @@ class ShardCache:
         return copies(self.directory), reserved_bytes(os.path.join(self.directory, "tmp"))
 
     # locks -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _shard_lock(self, entry: CacheEntry) -> Iterator[None]:
+    def _shard_lock(self, entry: CacheEntry) -> contextlib.AbstractContextManager[None]:
         lock = os.path.join(self.directory, "locks", f"{_hex(entry)}.lock")
         tmp = os.path.join(self.directory, "tmp")
-        with flock(
+        return flock(
             lock,
             dir_fd=self._dirs.fd("locks"),
             stalled=LockWait(lock, self.retry.deadline_s, tmp_dir=tmp, hex_digest=_hex(entry)),
-        ):
-            yield
-
-    @contextlib.contextmanager
-    def _global_lock(self) -> Iterator[None]:
-        lock = os.path.join(self.directory, ".lock")
-        with flock(lock, stalled=LockWait(lock, self.retry.deadline_s)):
-            yield
-
-    # pickling: parameters only ---------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "max_bytes": self.max_bytes,
-            "chunk_bytes": self.chunk_bytes,
-            "verify_on_open": self.verify_on_open,
-            "retry": self.retry,
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["directory"],
-            state["max_bytes"],
-            retry=state["retry"],
-            chunk_bytes=state["chunk_bytes"],
-            verify_on_open=state["verify_on_open"],
         )
+
+    def _global_lock(self) -> contextlib.AbstractContextManager[None]:
+        lock = os.path.join(self.directory, ".lock")
+        return flock(lock, stalled=LockWait(lock, self.retry.deadline_s))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its parameters: the copy opens the folder anew."""
+        remake = functools.partial(
+            ShardCache,
+            retry=self.retry,
+            chunk_bytes=self.chunk_bytes,
+            verify_on_open=self.verify_on_open,
+        )
+        return remake, (self.directory, self.max_bytes)

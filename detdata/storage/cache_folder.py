@@ -1,31 +1,16 @@
 """Who else can write a shard-cache folder, and the fills in progress in it (`storage.cache`).
 
-Trust model of a cache folder (README "Shared cache folders", `docs/design.md` section 6):
+Trust model (README "Shared cache folders", docs/design.md "Remote reads"): a folder is
+**private** when it and its layout (``objects/``, ``tmp/``, ``locks/``) are owned by this user
+and writable by nobody else; only then are the per-boot record (`detdata.storage.boot`) and
+the quick check of copies this user owns alone trusted. Any other folder is **shared**:
+usable, but every copy is hashed in full at its first use in each process (and whenever its
+``stat`` changes), and a reader's open is confirmed to be the file hashed. A layout folder
+that is a link (or not a folder) is refused, naming it.
 
-* A folder is **private** when it and its layout (``objects/``, ``tmp/``, ``locks/``) are
-  owned by this process's user and writable by nobody else (no group or other write bit).
-  Only then are its claims trusted: the per-boot record of copies known whole
-  (`detdata.storage.boot`) and the quick check (size + first and last MiB) of a copy this
-  user owns and nobody else can write.
-* Any other folder is **shared** (a team scratch folder, a folder of another user). It is
-  usable, and untrusted: every copy is hashed in full at its first use in each process (and
-  again whenever its ``stat`` changes), the boot record is neither read nor written, and the
-  file a reader opens is confirmed to be the one that was hashed (same device and inode). A
-  copy in a private folder that another user owns or others can write is treated the same.
-  What a shared folder cannot stop: a co-user rewriting a copy *they own* in place while a
-  process of yours has it open (seen at that process's next open of it, not inside an open
-  mapping); a team that does not trust its co-users keeps a folder per user (the default).
-* A layout folder that is a symbolic link (or not a folder) is refused, naming it: a fill
-  never writes where someone else chose. Lock and record files are never followed through
-  links (`detdata.storage.locks`, `detdata.storage.boot`).
-
-Fills in progress are ``tmp/<hex>.<bytes>.<random>.part``, created exclusively (never
-through a link, never over a planted file) and locked (``flock``) by their filler for as
-long as the fill lives. A temp file is judged by its lock, never by a pid (pids repeat after a
-reboot and differ between containers that share a folder): a locked file is a live fill
-(counted at its full size); one nobody holds is a leftover of a process that died, deleted
-once unchanged for `LEFTOVER_S` (a fill on another machine whose file system's locks do not
-span machines keeps writing, so it is not mistaken for one).
+Fills in progress are ``tmp/<hex>.<bytes>.<random>.part``, created exclusively and locked
+(``flock``) by their filler: judged by the lock, never by a pid (pids repeat and differ
+between containers). One nobody holds, unchanged for `LEFTOVER_S`, is a dead fill's leftover.
 """
 
 from __future__ import annotations
@@ -59,18 +44,13 @@ _CREATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 def user_cache_dir() -> str:
     """The default cache's folder: ``$DETDATA_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/detdata/shards``, else ``~/.cache/detdata/shards``."""
-    found = os.environ.get(ENV_CACHE_DIR, "")
-    if found:
-        return found
     base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "detdata", "shards")
+    return os.environ.get(ENV_CACHE_DIR, "") or os.path.join(base, "detdata", "shards")
 
 
 def make_layout(directory: str) -> None:
-    """Make the cache folder (only you can use a folder this makes: mode 0700, whatever the
-    umask) and its layout folders, each made with the cache folder's own permissions (a
-    team folder's layout is as writable as the folder; a private folder's stays private
-    under a umask of 002)."""
+    """Make the cache folder (mode 0700, whatever the umask) and its layout folders, each
+    with the cache folder's own permissions (a team folder's layout is as writable)."""
     if not os.path.isdir(directory):
         parent = os.path.dirname(directory)
         if parent:
@@ -103,7 +83,8 @@ def shared_reason(directory: str) -> str | None:
         if st.st_uid != me:
             return f"{path} is owned by uid {st.st_uid}, not by this user (uid {me})"
         if st.st_mode & _OTHERS_WRITE:
-            return f"{path} is writable by {_who(st.st_mode)} (mode {stat.filemode(st.st_mode)})"
+            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+            return f"{path} is writable by {who} (mode {stat.filemode(st.st_mode)})"
     return None
 
 
@@ -137,21 +118,14 @@ def note_shared(directory: str, reason: str | None) -> None:
     )
 
 
-def _who(mode: int) -> str:
-    return "others" if mode & stat.S_IWOTH else "its group"
-
-
 def owned_alone(st: os.stat_result) -> bool:
     """Is a copy with this ``stat`` owned by this user and writable by nobody else?"""
     return st.st_uid == os.geteuid() and not st.st_mode & _OTHERS_WRITE
 
 
 class LayoutDirs:
-    """Open descriptors of the layout folders of the cache at ``directory``: what a fill
-    creates (temp files, lock files) and renames is made relative to them (``dir_fd``), so
-    a layout folder replaced by a link after the cache was opened never receives a byte.
-    `fd` checks that the folder at the path is still the one held (re-opened when it was
-    made again, a `StorageError` when it is now a link or not a folder)."""
+    """Open descriptors of the cache's layout folders: fills create and rename relative to
+    them (``dir_fd``), so a layout folder later replaced by a link never receives a byte."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -172,8 +146,8 @@ class LayoutDirs:
             raise
 
     def fd(self, sub: str) -> int:
-        """The descriptor of layout folder ``sub``, still the folder at its path
-        (FileNotFoundError naming the path when it was removed)."""
+        """The descriptor of layout folder ``sub``, re-opened if the folder was made again
+        (FileNotFoundError when removed; a `StorageError` when now a link or not a folder)."""
         path = os.path.join(self.directory, sub)
         st = os.lstat(path)
         held = os.fstat(self._fds[sub])
@@ -204,9 +178,8 @@ def _not_a_layout_folder(directory: str, path: str, what: str) -> StorageError:
 
 
 class TempFill:
-    """A fill's temp file in ``tmp/`` (the descriptor ``tmp_fd``): created exclusively under a
-    random name and locked until `close` (see the module docstring). ``fd`` is open for
-    reading and writing; ``name`` is relative to ``tmp_fd``, ``path`` names it in messages."""
+    """A fill's temp file in ``tmp/`` (descriptor ``tmp_fd``), created exclusively under a
+    random name and locked until `close`; ``name`` is relative to ``tmp_fd``."""
 
     def __init__(self, tmp_fd: int, tmp_dir: str, hex_digest: str, size: int) -> None:
         while True:
@@ -287,11 +260,9 @@ def _declared_size(name: str) -> int | None:
 
 
 class LockWait:
-    """A bounded wait for a cache lock (`detdata.storage.locks.Stalled`): a holder that stops
-    (a job suspended with Ctrl-Z, a debugger, a co-user holding the lock) is not waited for
-    forever. Waiting for a fill of ``hex_digest`` goes on while that fill's temp file keeps
-    changing; any other wait ends ``deadline_s`` after it began. A wait past `WARN_S` is
-    logged once, naming the lock; the end is a `StorageError` naming it, with the hint."""
+    """A bounded wait for a cache lock (`detdata.storage.locks.Stalled`): a wait for a fill of
+    ``hex_digest`` goes on while its temp file keeps changing, any other ends ``deadline_s``
+    after it began (then a `StorageError` naming the lock). Logged once past `WARN_S`."""
 
     def __init__(
         self, lock: str, deadline_s: float, *, tmp_dir: str = "", hex_digest: str = ""

@@ -1,10 +1,7 @@
 """Digests of stored bytes: the one home of "blake3 this file / these chunks".
 
-The definitions (``b3:<hex>``, 8 MiB chunks, ``quick-v1`` over the size and the first and
-last MiB) are `detdata.base.hashing`'s, pure functions of bytes. Here they are applied to
-storage: a local descriptor or path, a file through an fsspec file system, a remote object
-through retried range reads, or a stream of chunks (a download hashed as it is written). A
-file has one full and one quick digest however it is read.
+The definitions are `detdata.base.hashing`'s; here they are applied to a local descriptor or
+path, a file through fsspec, a remote object through retried range reads, or a stream of chunks.
 """
 
 from __future__ import annotations
@@ -67,12 +64,7 @@ def full_digest_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def digests_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[str, str]:
-    """``(full blake3, quick digest)`` of ``path`` of known ``size``, every byte read once.
-
-    The file is streamed once: the full hash takes every chunk, the first and last
-    `QUICK_SPAN` bytes are kept from the same stream for the quick digest (a small file is
-    one read). Equal to `full_digest_file` and the quick digest of the same bytes.
-    """
+    """``(full blake3, quick digest)`` of ``path`` of known ``size``, from one stream of it."""
     head = b""
     tail = b""
     span = min(size, QUICK_SPAN)

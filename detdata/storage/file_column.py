@@ -1,20 +1,11 @@
 """A read-only integer array kept in a file and read with ``pread``, never mapped.
 
-Why not a memory map: on this kernel (and any with large page-cache folios) a fault maps
-the whole folio around the page touched, up to 2 MiB, into the process. A rank that
-binary-searches a 1M-shard index and looks up a handful of shards through a mapping held
-~20 MB of it resident after one batch. `FileColumn` reads what it is asked for in
-`BLOCK`-element blocks (4 KiB of int64), keeps them (a column that has read `PROMOTE_BLOCKS`
-of them is read whole and kept: a run reading all over the corpus), and keeps
-every `BLOCK`-th element in memory (``coarse``) so that `searchsorted` reads one block per
-distinct answer: a lookup costs a ``pread`` or two and no resident pages.
-
-The file is the caller's: its bytes must be checked before a column is made over them (the
-window index is checked in full first, or trusted by the identity of its last full check),
-and it is replaced
-atomically, never rewritten in place, so the descriptor held open keeps reading the bytes
-that were checked. `whole` (and ``np.asarray(column)``) reads every element: for the
-O(shards) callers only (an order's per-shard sizes, an index build).
+Not a memory map: a fault maps the whole page-cache folio around a page (up to 2 MiB), so a
+rank looking up a handful of shards of a 1M-shard index held ~20 MB resident. `FileColumn`
+reads `BLOCK`-element blocks on demand (a column that has read `PROMOTE_BLOCKS` is read whole)
+and keeps every `BLOCK`-th element (``coarse``) so a `searchsorted` reads one block per
+distinct answer. The file's bytes must be checked before a column is made over them, and it
+is replaced atomically, never rewritten in place.
 """
 
 from __future__ import annotations
@@ -32,13 +23,10 @@ import numpy.typing as npt
 BLOCK: Final = 512
 #: a per-shard integer array: in memory, or a `FileColumn` read on demand
 IntColumn: TypeAlias = "npt.NDArray[np.int64] | FileColumn"
-#: a request for at most this many distinct elements (or values to search) whose blocks
-#: are not read yet reads just those elements (``pread`` of one element each; a search:
-#: ~9 of them): a rank's first batch reads bytes, not pages
+#: a request for at most this many distinct elements (or values to search) reads just those
+#: elements (a ``pread`` each; a search ~9): a rank's first batch reads bytes, not pages
 SMALL_READS: Final = 16
-#: blocks read (or half the column's, if fewer) before a column is read whole and kept (a
-#: run reading all over the corpus: lookups at numpy's speed from then on; a rank's first
-#: batch of a large corpus reads far fewer)
+#: blocks read (or half the column's, if fewer) before a column is read whole and kept
 PROMOTE_BLOCKS: Final = 256
 
 
@@ -77,13 +65,9 @@ class OpenFile:
 
 
 class FileColumn:
-    """``length`` elements of ``dtype`` at byte ``at`` of ``file``, read on demand.
-
-    Supports what the datasets ask of a per-shard array: ``len``, ``size``, ``dtype``,
-    ``column[i]`` (an int, or an integer array: an array of the same shape), ``take``,
-    ``column[a:b]`` (a column over the elements between), ``searchsorted`` (the column
-    ascending) and ``np.asarray(column)`` (every element read: O(length)). ``coarse``:
-    every `BLOCK`-th element (None: read on the first `searchsorted`)."""
+    """``length`` elements of ``dtype`` at byte ``at`` of ``file``, read on demand: what the
+    datasets ask of a per-shard array (``len``, indexing, ``take``, slices, ``searchsorted``
+    of the ascending column, ``np.asarray``). ``coarse``: every `BLOCK`-th element, or None."""
 
     __slots__ = (
         "_blocks",
@@ -119,14 +103,8 @@ class FileColumn:
     def coarse(self) -> npt.NDArray[Any]:
         """Every `BLOCK`-th element (read on first use: one small ``pread`` each)."""
         if self._coarse is None:
-            item = self.dtype.itemsize
-            self._coarse = np.array(
-                [
-                    np.frombuffer(self.file.pread(self.at + k * item, item), self.dtype)[0]
-                    for k in range(0, self.length, BLOCK)
-                ],
-                dtype=self.dtype,
-            )
+            picks = [self._element(k) for k in range(0, self.length, BLOCK)]
+            self._coarse = np.array(picks, dtype=self.dtype)
         return self._coarse
 
     # shape ---------------------------------------------------------------------------
@@ -150,19 +128,14 @@ class FileColumn:
         found = self._blocks.get(b)
         if found is not None:
             return found
-        lo = b * BLOCK
-        hi = min(self.length, lo + BLOCK)
-        item = self.dtype.itemsize
-        block = np.frombuffer(self.file.pread(self.at + lo * item, (hi - lo) * item), self.dtype)
+        block = self._range(b * BLOCK, min(self.length, (b + 1) * BLOCK))
         with self._lock:
             self._blocks[b] = block
         return block
 
     def _promoted(self, wanted: npt.NDArray[np.int64]) -> npt.NDArray[Any] | None:
-        """The whole column, read now if reading ``wanted`` blocks would bring the blocks
-        read to `PROMOTE_BLOCKS` (or half the column's); None while it is read in blocks.
-        One thread reads it (the others go on with blocks meanwhile), and the blocks are
-        dropped once it is kept."""
+        """The whole column, read now (by one thread) if reading ``wanted`` blocks would bring
+        the blocks read to `PROMOTE_BLOCKS` (or half the column's); else None."""
         if self._whole is not None:
             return self._whole
         missing = sum(1 for b in wanted.tolist() if b not in self._blocks)
@@ -171,19 +144,14 @@ class FileColumn:
             if self._promoting or len(self._blocks) + missing < threshold:
                 return None
             self._promoting = True
-        whole = self._range(0, self.length)
-        whole.flags.writeable = False
-        self._whole = whole
+        self._whole = whole = self.whole()
         self._blocks = {}
         return whole
 
     def _element(self, i: int) -> Any:
         """Element ``i`` (0 <= i < length): from its block if read, else read alone."""
         block = self._blocks.get(i // BLOCK)
-        if block is not None:
-            return block[i % BLOCK]
-        item = self.dtype.itemsize
-        return np.frombuffer(self.file.pread(self.at + i * item, item), self.dtype)[0]
+        return block[i % BLOCK] if block is not None else self._range(i, i + 1)[0]
 
     def _search_one(self, k: int, value: Any, side: str) -> int:
         """`searchsorted` of one ``value`` whose ``coarse`` count is ``k``: a binary search

@@ -1,20 +1,13 @@
 """Batched reads of many small local files: open, ONE ``preadv``, ``fstat``, close each.
 
-With tens of thousands of shards of a few KiB, a shuffled batch opens a file per few
-samples, and the interpreter around four system calls per file costs more than the
-calls. `read_files` runs that loop in C without the GIL (``detdata.storage._fileread``,
-built by ``pip install`` when a C compiler is present; `NATIVE` says whether it is). It
-opens each file through its prefix's folder (``openat``: the kernel walks only the
-name's components), that folder opened once per call and thread and closed at the call's
-end: one more descriptor per reading thread while a call runs, and a folder renamed over
-between two calls is seen by the next one, as opens by path see it. Given the caller's
-first-open table (`detdata.storage.first_opens`), it records a shard's first open from
-the same open, before reading it. Otherwise it
-only reads: the caller checks each file's ``fstat`` (taken after its read) against the
-manifest and the file first opened, and handles the files from the first failure on
-with its own Python loop, so errors (a missing shard, a short read, permissions) are
-the Python loop's, raised at the same file. Without the extension, `read_files` reads
-nothing and the caller's loop reads every file: the same bytes and checks, slower.
+With tens of thousands of shards of a few KiB, the interpreter around four system calls per
+file costs more than the calls: `read_files` runs the loop in C without the GIL
+(``detdata.storage._fileread``, built where a C compiler is present: `NATIVE`). It opens each
+file through its prefix's folder (``openat``, the folder opened once per call and thread),
+records a shard's first open from the same open (`detdata.storage.first_opens`), and
+otherwise only reads: the caller checks the ``fstat`` s and reads the files from the first
+failure on with its own Python loop, which raises the errors. Without the extension,
+`read_files` reads nothing and the caller's loop reads every file.
 """
 
 from __future__ import annotations
@@ -22,7 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Final, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -66,62 +60,38 @@ GOT, SIZE, INODE, DEVICE, MTIME_NS = range(5)
 IntArray = npt.NDArray[np.int64]
 
 
-def read_files(
-    prefix: bytes,
-    names: list[bytes],
-    shards: IntArray,
-    file_at: IntArray,
-    wants: IntArray,
-    out: npt.NDArray[np.uint8],
-    iov_off: IntArray,
-    iov_len: IntArray,
-    iov_count: IntArray,
-    first: FirstOpens | None = None,
-    *,
-    threads: int | None = None,
-) -> tuple[int, IntArray]:
-    """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ...: ``wants[i]`` bytes at
-    ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of ``out[iov_off[j]:
-    iov_off[j] + iov_len[j]]``, in order). Returns ``(done, stats)``: files ``[0, done)``
-    were read whole, with ``stats[i]`` = (bytes read, size, inode, device, mtime_ns) of an
-    ``fstat`` after the read (64-bit patterns: view columns 2-4 as ``uint64``). It stops
-    at the first file it cannot open, read whole or ``fstat`` (``done`` is that file's
-    index; nothing of it counts as read; a later file may have been read too, and is read
-    again by the caller), and returns ``done = 0`` without the extension. ``threads``
-    (at most 2; None: this process's default, `set_read_threads`) split the files into
-    contiguous shares. With ``first`` (`detdata.storage.first_opens.FirstOpens`), a shard
-    it has no record of is recorded from an ``fstat`` taken right after its open and
-    before its read (only a file of ``first.sizes[shard]`` bytes: another size stops the
-    loop at that file, unread and unrecorded).
-    Mismatched arguments (a buffer outside ``out``) are a `ValueError`."""
-    n = int(shards.size)
-    stats = np.zeros((n, 5), dtype=np.int64)
-    if _fileread is None or n == 0:
+def read_files(reads: FileReads, *, threads: int | None = None) -> tuple[int, IntArray]:
+    """Read file ``prefix + names[shards[i]]`` for i = 0, 1, ... (the fields of ``reads``):
+    ``wants[i]`` bytes at ``file_at[i]`` into its ``iov_count[i]`` buffers (the next ones of
+    ``out[iov_off[j]: iov_off[j] + iov_len[j]]``). Returns ``(done, stats)``: files
+    ``[0, done)`` were read whole, ``stats[i]`` = (bytes read, size, inode, device, mtime_ns)
+    of an ``fstat`` after the read (columns 2-4 are ``uint64`` patterns). ``done`` is the
+    first file it could not open, read whole or ``fstat`` (0 without the extension).
+    ``threads`` (at most 2; None: `set_read_threads`) take contiguous shares. With ``first``,
+    an unrecorded shard of ``first.sizes[shard]`` bytes is recorded right after its open
+    (another size stops the loop there). Mismatched arguments (a buffer outside ``out``) are
+    a `ValueError`."""
+    stats = np.zeros((int(reads.shards.size), 5), dtype=np.int64)
+    if _fileread is None or not reads.shards.size:
         return 0, stats
-    done = _fileread.read_shards(
-        prefix,
-        names,
-        _plain(shards),
-        _plain(file_at),
-        _plain(wants),
-        out,
-        _plain(iov_off),
-        _plain(iov_len),
-        _plain(iov_count),
-        stats,
-        _threads if threads is None else threads,
-        *_table(first, shards),
-    )
-    return done, stats
+    threads = _threads if threads is None else threads
+    return _fileread.read_shards(*_native_args(reads, stats, _plain, threads)), stats
 
 
-def _table(first: FirstOpens | None, shards: IntArray) -> tuple[object, object, object]:
-    """The native loop's (state, ident, sizes) arguments of ``first`` (None: no records),
-    the sizes of ``shards`` filled in (`FirstOpens.prepare`)."""
-    if first is None:
-        return None, None, None
-    first.prepare(shards)
-    return first.state, first.ident, first.sizes
+def _native_args(
+    reads: FileReads, stats: IntArray, array: Callable[[IntArray], IntArray], threads: int
+) -> tuple[Any, ...]:
+    """The native loop's arguments for ``reads`` (its index arrays passed through ``array``),
+    the first-open records' (state, ident, sizes) last (None: no records; the sizes of the
+    shards read filled in by `FirstOpens.prepare`)."""
+    prefix, names, shards, file_at, wants, out, iov_off, iov_len, iov_count, first = reads
+    table: tuple[object, ...] = (None, None, None)
+    if first is not None:
+        first.prepare(shards)
+        table = (first.state, first.ident, first.sizes)
+    indexes = [array(a) for a in (shards, file_at, wants)]
+    iovs = [array(a) for a in (iov_off, iov_len, iov_count)]
+    return (prefix, names, *indexes, out, *iovs, stats, threads, *table)
 
 
 class FileReads(NamedTuple):
@@ -140,14 +110,9 @@ class FileReads(NamedTuple):
 
 
 class PendingRead:
-    """Reads started by `start_read_files`; `wait` returns what `read_files` would.
-
-    Until `wait` returns, the reads may still be writing into ``out`` and the caller must
-    not read or reuse it (the index arrays were copied: the caller may reuse its own).
-    Dropping one not waited for joins its reads first; so does a fork of the process
-    (`_join_before_fork`: no read is in flight when a child is made, so none of their
-    file descriptors is inherited). `wait` may be called from several threads.
-    """
+    """Reads started by `start_read_files`; `wait` (from any thread) returns what
+    `read_files` would. Until then ``out`` is being written. Dropping one, or a fork of the
+    process (`_join_before_fork`), joins its reads first."""
 
     __slots__ = ("__weakref__", "_done", "_lock", "_native", "_stats")
 
@@ -186,46 +151,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_join_before_fork)
 
 
-def start_read_files(
-    prefix: bytes,
-    names: list[bytes],
-    shards: IntArray,
-    file_at: IntArray,
-    wants: IntArray,
-    out: npt.NDArray[np.uint8],
-    iov_off: IntArray,
-    iov_len: IntArray,
-    iov_count: IntArray,
-    first: FirstOpens | None = None,
-    *,
-    threads: int = 1,
-) -> PendingRead:
-    """`read_files` on threads of their own: returns at once, while the files are read
-    (without the GIL) by ``threads`` (1 or 2) native threads; `PendingRead.wait` joins
-    them and returns ``(done, stats)`` exactly as `read_files` would have. The caller's
-    thread goes on meanwhile (reading the next batch's files while the current one is
-    delivered). The index arrays are copied (the caller may reuse them at once); ``out``
-    is written until `PendingRead.wait` returns. Without the extension nothing is read
-    (``done = 0``). Mismatched arguments are a `ValueError`, raised here."""
-    n = int(shards.size)
-    stats = np.zeros((n, 5), dtype=np.int64)
-    if _fileread is None or n == 0:
+def start_read_files(reads: FileReads, *, threads: int = 1) -> PendingRead:
+    """`read_files` on ``threads`` (1 or 2) native threads of their own: returns at once;
+    `PendingRead.wait` joins them and returns what `read_files` would have. The index arrays
+    are copied; ``out`` is written until then. Mismatched arguments: `ValueError`, here."""
+    stats = np.zeros((int(reads.shards.size), 5), dtype=np.int64)
+    if _fileread is None or not reads.shards.size:
         return PendingRead(None, stats)
-    native = _fileread.start_read_shards(
-        prefix,
-        names,
-        _owned(shards),
-        _owned(file_at),
-        _owned(wants),
-        out,
-        _owned(iov_off),
-        _owned(iov_len),
-        _owned(iov_count),
-        stats,
-        max(1, min(2, int(threads))),
-        *_table(first, shards),
+    threads = max(1, min(2, int(threads)))
+    return PendingRead(
+        _fileread.start_read_shards(*_native_args(reads, stats, _owned, threads)), stats
     )
-    return PendingRead(native, stats)
 
 
 def _owned(values: IntArray) -> IntArray:

@@ -1,19 +1,10 @@
 """Per process, the file first opened for each shard: the reference every later open is
-checked against.
+checked against (a shard replaced or rewritten while a run reads it is named, not delivered).
 
-A shard's first open in a process records the file's identity (inode, device,
-mtime_ns); every later open or read of the shard compares its ``fstat`` with that record,
-so a shard replaced or rewritten while a run reads it is named instead of delivered. The
-record must be made before any of the first file's bytes are read (a read that delivered
-a replacement would otherwise become the reference itself), and of several threads that
-first open a shard at once exactly one records, the others compare.
-
-`FirstOpens` holds the records as arrays the native read loop
-(`detdata.storage.fileread`) writes without the GIL, right after each first open and
-before its read: per shard a state byte (`NONE`, `BUSY` while one thread writes its
-record, `RECORDED`) and its identity. Python records through the same compare-and-swap
-(`record`, `record_many`), so a record from either side is made once. Without the
-extension no native thread exists and a lock serialises the Python records.
+The record is made before any of the first file's bytes are read, and of several threads
+that first open a shard at once exactly one records. The native loop
+(`detdata.storage.fileread`) writes the records without the GIL through a compare-and-swap
+of a per-shard state byte (`NONE`, `BUSY`, `RECORDED`); Python records through the same one.
 """
 
 from __future__ import annotations
@@ -53,13 +44,8 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int]:
 
 class FirstOpens:
     """The first-open records of ``len(sizes)`` shards (``sizes``: the manifest's bytes per
-    shard, an array or a `detdata.storage.file_column.FileColumn`; the native loop records
-    only a file of that size). Per process: never pickled (a dataset makes a new one in
-    each process).
-
-    ``sizes`` here is this process's table for the native loop, indexed by shard: zero pages
-    until `prepare` copies in the sizes of shards about to be read (a 1M-shard manifest's
-    column is not copied, nor mapped, whole)."""
+    shard; the native loop records only a file of that size). Per process, never pickled.
+    The ``sizes`` attribute is the native loop's table: zero pages until `prepare`."""
 
     __slots__ = ("_column", "_filled", "_lock", "ident", "sizes", "state", "states")
 
@@ -108,9 +94,9 @@ class FirstOpens:
         identity recorded (``now`` when this call recorded it)."""
         if self.state[shard] == RECORDED:
             got = self.ident[shard].tolist()
-            return (got[0], got[1], got[2])
-        seen = self.record_many(np.asarray([shard], dtype=np.int64), np.asarray([now], np.uint64))
-        got = seen[0].tolist()
+        else:
+            ids = np.asarray([shard], dtype=np.int64)
+            got = self.record_many(ids, np.asarray([now], np.uint64))[0].tolist()
         return (got[0], got[1], got[2])
 
     def record_many(self, ids: IntArray, now: U64Array) -> U64Array:

@@ -10,23 +10,15 @@ import os
 import posixpath
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import quote, unquote
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from detdata.base.errors import DependencyError, ManifestError
-from detdata.base.redact import (
-    install_log_redaction,
-    redact_text,
-    redact_url,
-    scrub_exception,
-)
-
-if TYPE_CHECKING:
-    from detdata.storage.retry import RetryPolicy
-
+from detdata.base.errors import DependencyError, ManifestError, ShortRead, StorageError
+from detdata.base.redact import install_log_redaction, redact_text, redact_url, scrub_exception
+from detdata.storage.retry import RetryPolicy, is_transient
 
 install_log_redaction()  # fsspec's DEBUG lines quote URLs, credentials included
 
@@ -88,16 +80,9 @@ MAX_PATH_BYTES: Final = 1 << 16
 
 
 def path_problem(rel: object) -> str | None:
-    """Why ``rel`` cannot be a shard path of a manifest, or None when it can.
-
-    The one rule for shard paths, used both where manifests are built and where
-    they are loaded, so `build_manifest` never writes a path that loading refuses.
-    Refused: non-strings and ``""``; text that is not valid UTF-8 (a file name
-    whose bytes are not UTF-8 decodes to lone surrogates); URLs; paths starting
-    with ``/``, ``~`` or a drive letter (``d:``); backslashes; ``.``, ``..`` and
-    empty segments; NUL. Other characters (spaces, ``#``, ``?``, ``%``, non-ASCII
-    letters) are allowed: URLs escape them (`url_join`).
-    """
+    """Why ``rel`` cannot be a shard path of a manifest (`PATH_RULES`), or None when it can:
+    the one rule, used where manifests are built and where they are loaded. Spaces, ``#``,
+    ``?``, ``%`` and non-ASCII letters are allowed (URLs escape them: `url_join`)."""
     if not isinstance(rel, str) or not rel:
         return f"shard path must be a non-empty string, got {rel!r}"
     try:
@@ -148,11 +133,8 @@ def _absolute_reason(rel: str) -> str | None:
 
 
 def check_relative_path(rel: object, *, where: str) -> str:
-    """Validate a shard path stored in a manifest: relative, normalised, inside the root.
-
-    `ManifestError` (prefixed with ``where``) for anything `path_problem` refuses,
-    so a manifest can never make detdata read outside its root.
-    """
+    """``rel``, a shard path stored in a manifest; `ManifestError` (prefixed with ``where``)
+    for anything `path_problem` refuses, so a manifest never reads outside its root."""
     problem = path_problem(rel)
     if problem is not None:
         raise ManifestError(f"{where}: {problem}")
@@ -161,11 +143,8 @@ def check_relative_path(rel: object, *, where: str) -> str:
 
 
 def check_shard_name(rel: object, *, root: str) -> str:
-    """``rel`` (a file found under ``root`` while building) if a manifest can hold it.
-
-    Else `ManifestError` naming the file, why, and a hint: the builder refuses
-    exactly what `check_relative_path` refuses on load.
-    """
+    """``rel`` (a file found under ``root`` while building) if a manifest can hold it, else
+    `ManifestError` naming the file, why, and a hint."""
     problem = path_problem(rel)
     if problem is not None:
         raise ManifestError(
@@ -203,12 +182,9 @@ def _split_query(root: str) -> tuple[str, str]:
 def join(root: str, rel: str) -> str:
     """Join a root path (inside its filesystem) and a checked relative shard path.
 
-    For HTTP(S) roots (fsspec's HTTP file system addresses files by URL) the
-    shard path is percent-encoded, so names with ``#``, ``?``, ``%`` or spaces
-    reach the file they name (unescaped, ``#`` would start a fragment and
-    ``%41`` would fetch ``A``). An HTTP(S) root with a query string (a shared
-    access token such as ``https://host/container?sv=..&sig=..``) keeps it on
-    every shard URL: ``https://host/container/<shard>?sv=..&sig=..``.
+    For HTTP(S) roots the shard path is percent-encoded (so ``#``, ``?``, ``%`` reach the
+    file they name), and a query string on the root (a SAS token) goes on every shard URL:
+    ``https://host/container/<shard>?sv=..&sig=..``.
     """
     root, query = _split_query(root)
     if is_http(root):
@@ -219,17 +195,12 @@ def join(root: str, rel: str) -> str:
 
 
 def url_join(root_url: str, rel: str) -> str:
-    """The URL of shard ``rel`` under ``root_url`` (percent-encoded for HTTP(S) roots).
-
-    A query string on an HTTP(S) root moves after the shard path (see `join`).
-    """
+    """The URL of shard ``rel`` under ``root_url`` (HTTP(S): as in `join`)."""
     base, query = _split_query(root_url)
     return base.rstrip("/") + "/" + (quote_path(rel) if is_http(base) else rel) + query
 
 
-# ---------------------------------------------------------------------------
 # Remote reads: attempt timeouts, retries, exact lengths.
-# ---------------------------------------------------------------------------
 
 
 def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
@@ -242,13 +213,8 @@ def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
 def call_fs(
     fs: fsspec.AbstractFileSystem, method: str, *args: Any, timeout: float | None, **kwargs: Any
 ) -> Any:
-    """``fs.<method>(*args, **kwargs)``, cancelled after ``timeout`` s on async file systems.
-
-    fsspec's asynchronous back ends (s3fs, gcsfs, http) run ``fs._<method>`` on
-    their event loop; here it is wrapped in ``asyncio.wait_for`` so a stalled
-    connection cannot hang a reader (raises ``FSTimeoutError``, a TimeoutError).
-    Synchronous file systems are called directly.
-    """
+    """``fs.<method>(*args, **kwargs)``; on fsspec's asynchronous file systems (s3, gcs,
+    http) cancelled after ``timeout`` s (``FSTimeoutError``, a TimeoutError)."""
     from fsspec.asyn import AsyncFileSystem, sync
 
     if (
@@ -269,13 +235,9 @@ def cat_ranges_each(
     *,
     timeout: float | None,
 ) -> list[Any]:
-    """``fs.cat_ranges(paths, starts, ends)`` with per-range errors returned in place.
-
-    On fsspec's asynchronous file systems each range gets its own ``timeout``
-    (one stalled connection fails only its own ranges, the others are kept);
-    at most ``fs.batch_size`` (default 128) requests are in flight. Other file
-    systems get one plain ``cat_ranges`` call.
-    """
+    """``fs.cat_ranges(paths, starts, ends)`` with per-range errors returned in place. On
+    asynchronous file systems each range gets its own ``timeout``, at most ``fs.batch_size``
+    (default 128) in flight; others get one plain ``cat_ranges`` call."""
     from fsspec.asyn import AsyncFileSystem, sync
 
     if timeout is None or not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
@@ -305,39 +267,19 @@ def read_range(
     fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *, timeout: float | None
 ) -> bytes:
     """Exactly bytes ``[start, end)`` of ``path``; `ShortRead` (transient) otherwise."""
-    from detdata.base.errors import ShortRead
-
     if end <= start:
         return b""
     data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
     if len(data) != end - start:
-        raise ShortRead(
-            f"asked for bytes [{start}, {end}) of {redact_url(path)} ({end - start} bytes), got "
-            f"{len(data)} (connection cut short, or a server that ignores Range)"
-        )
+        raise _short(start, end, path, len(data))
     return bytes(data)
 
 
-def read_ranges_retrying(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    *,
-    policy: RetryPolicy,
-    shards: list[str],
-    urls: list[str],
-    what: str = "range read",
-) -> list[bytes]:
-    """Bytes ``[start, end)`` of each path, fetched with one ``cat_ranges`` call per attempt.
-
-    Ranges that failed (per-range errors, short reads, a timed-out attempt) are
-    fetched again after a backoff, the others are kept; the result is exact or a
-    `RetriesExhausted` naming the first failing shard and URL. A permanent error
-    (missing object, permission denied) raises `StorageError` naming it at once.
-    """
-    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=False)
-    return [b for b in out if isinstance(b, bytes)]
+def _short(start: int, end: int, url: str, got: int) -> ShortRead:
+    return ShortRead(
+        f"asked for bytes [{start}, {end}) of {redact_url(url)} ({end - start} bytes), got "
+        f"{got} (connection cut short, or a server that ignores Range)"
+    )
 
 
 def size_retrying(
@@ -380,10 +322,8 @@ def iter_chunks(
     url: str,
     chunk: int = 8 << 20,
 ) -> Iterator[bytes]:
-    """The ``size`` bytes of ``path`` in ``chunk``-byte range reads, each retried on its own.
-
-    Bounded memory; a failure costs one chunk, not the whole download.
-    """
+    """The ``size`` bytes of ``path`` in ``chunk``-byte range reads, each retried on its own
+    (bounded memory; a failure costs one chunk)."""
     for start in range(0, size, chunk):
         yield range_retrying(
             fs, path, start, min(size, start + chunk), policy=policy, shard=shard, url=url
@@ -407,6 +347,26 @@ def read_file_retrying(
     )
 
 
+def read_ranges_retrying(
+    fs: fsspec.AbstractFileSystem,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    *,
+    policy: RetryPolicy,
+    shards: list[str],
+    urls: list[str],
+    what: str = "range read",
+) -> list[bytes]:
+    """Bytes ``[start, end)`` of each path, one ``cat_ranges`` call per attempt; failed or
+    short ranges are fetched again under ``policy`` (then `RetriesExhausted`); a permanent
+    error (missing object, permission denied) is a `StorageError` naming it at once."""
+    got = read_ranges_upto(
+        fs, paths, starts, ends, policy=policy, shards=shards, urls=urls, what=what, upto=False
+    )
+    return [b for b in got if isinstance(b, bytes)]
+
+
 def read_ranges_upto(
     fs: fsspec.AbstractFileSystem,
     paths: list[str],
@@ -417,38 +377,11 @@ def read_ranges_upto(
     shards: list[str],
     urls: list[str],
     what: str = "range read",
+    upto: bool = True,
 ) -> list[bytes | BaseException]:
-    """Bytes ``[start, end)`` of each path, *or fewer* where the object ends first.
-
-    For checks that ask for one byte past the expected end (so a longer object
-    shows as one byte too many, a shorter one as a short answer, with no size
-    request). All ranges go in one concurrent ``cat_ranges`` call per attempt
-    (`cat_ranges_each`); ranges that failed transiently are fetched again under
-    ``policy``; a *permanent* error of one range (missing object, a range past
-    the end) is returned in its place, redacted, for the caller to look into.
-    """
-    out = _fetch_ranges(fs, paths, starts, ends, policy, shards, urls, what, upto=True)
-    return [b if b is not None else RuntimeError("range not read") for b in out]
-
-
-def _fetch_ranges(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    policy: RetryPolicy,
-    shards: list[str],
-    urls: list[str],
-    what: str,
-    *,
-    upto: bool,
-) -> list[bytes | BaseException | None]:
-    """The ranges of `read_ranges_retrying` (``upto`` False: a short answer is a transient
-    `ShortRead`, a permanent error raises `StorageError`) or of `read_ranges_upto` (``upto``:
-    a short answer is kept, a permanent error is kept in its place)."""
-    from detdata.base.errors import ShortRead, StorageError
-    from detdata.storage.retry import is_transient
-
+    """`read_ranges_retrying`, but a short answer is kept (where the object ends first: for
+    checks that ask one byte past the expected end) and a permanent error of one range is
+    returned in its place, redacted (``upto`` False: `read_ranges_retrying`'s rules)."""
     out: list[bytes | BaseException | None] = [None] * len(paths)
     pending = list(range(len(paths)))
 
@@ -467,11 +400,7 @@ def _fetch_ranges(
             if isinstance(blob, BaseException):
                 err: BaseException = blob
             elif not upto and len(blob) != ends[i] - starts[i]:
-                err = ShortRead(
-                    f"asked for bytes [{starts[i]}, {ends[i]}) of {redact_url(urls[i])} "
-                    f"({ends[i] - starts[i]} bytes), got {len(blob)} (connection cut "
-                    "short, or a server that ignores Range)"
-                )
+                err = _short(starts[i], ends[i], urls[i], len(blob))
             else:
                 out[i] = bytes(blob)
                 continue
@@ -501,4 +430,4 @@ def _fetch_ranges(
             shard=lambda: shards[pending[0]],
             url=lambda: urls[pending[0]],
         )
-    return out
+    return [b if b is not None else RuntimeError("range not read") for b in out]

@@ -1,20 +1,9 @@
 """Exclusive file locks (``fcntl.flock``) that exclude threads and processes, fork-safe.
 
-`flock(path)` opens its own descriptor on ``path`` (created if needed) and holds an
-exclusive ``flock`` on it for the ``with`` block; `file_lock(path)` is the same, best
-effort (no lock where the file cannot be made). A lock file is never followed through a
-symbolic link, never opened for writing (``flock`` needs only a read descriptor, so a lock
-file another user made is usable) and must be a regular file: a planted link, FIFO or
-device is refused by `flock` (a `StorageError` naming it) and skipped by `file_lock`.
-`hold(fd)` keeps an exclusive lock on a descriptor the caller opened, for as long as the
-caller keeps it (the shard cache's temp files: a fill is alive while its lock is held).
-
-A lock belongs to the open file description, which a fork shares: a child that kept its
-copy of a descriptor locked by the parent would keep the lock alive after the parent's
-``close`` and every later taker (the child included) would wait forever. So a forked
-child closes its copies of the locks this process holds at once (``os.register_at_fork``),
-and the parent's release is a release.
-Locks are released by the kernel when a process dies.
+A lock file is never followed through a symbolic link, opened read-only (a lock file another
+user made is usable) and must be a regular file (`open_lock_file`). A lock belongs to the
+open file description, which a fork shares: so a forked child closes its copies of the locks
+this process holds at once (``os.register_at_fork``), and the parent's release is a release.
 """
 
 from __future__ import annotations
@@ -60,18 +49,12 @@ Stalled = Callable[[float], None]
 
 @contextlib.contextmanager
 def _holding(fd: int, stalled: Stalled | None = None) -> Iterator[None]:
-    """An exclusive ``flock`` on the open descriptor ``fd`` for the block (waits for the
-    holder, retrying after signals; with ``stalled``, polls and asks it between tries; a
-    forked child closes its copy); ``fd`` is closed after."""
-    with _HELD_MUTEX:
-        _HELD.add(fd)
+    """`hold` of the open descriptor ``fd`` for the block; ``fd`` is closed after."""
+    hold(fd, stalled)
     try:
-        _take(fd, stalled)
         yield
     finally:
-        with _HELD_MUTEX:
-            _HELD.discard(fd)
-        os.close(fd)
+        let_go(fd)
 
 
 def _take(fd: int, stalled: Stalled | None) -> None:
@@ -123,29 +106,25 @@ def _not_a_lock_file(path: str, what: str) -> StorageError:
 def flock(
     path: str, *, stalled: Stalled | None = None, dir_fd: int | None = None
 ) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if missing; its own descriptor, so it
-    excludes threads and processes) while the block runs. ``path`` is never followed
-    through a symbolic link (see `open_lock_file`). ``stalled``: a bounded wait (see
-    `Stalled`); without it, the wait lasts as long as the holder holds the lock. ``dir_fd``:
-    the lock file is made in that folder (under ``path``'s base name; ``path`` names it)."""
+    """An exclusive ``flock`` on ``path`` (`open_lock_file`) while the block runs. ``stalled``:
+    a bounded wait (`Stalled`; without it, as long as the holder holds it). ``dir_fd``: the
+    lock file is made in that folder (``path`` names it in errors)."""
     fd = open_lock_file(path, dir_fd=dir_fd)
     with _holding(fd, stalled):
         yield
 
 
-def hold(fd: int) -> None:
-    """Take an exclusive ``flock`` on the caller's descriptor ``fd`` now (waiting for a
-    holder); it lasts until `let_go(fd)`. A forked child closes its copy at once."""
+def hold(fd: int, stalled: Stalled | None = None) -> None:
+    """Take an exclusive ``flock`` on the caller's descriptor ``fd`` now, waiting for the
+    holder (retrying after signals; with ``stalled``, polling and asking it between tries);
+    it lasts until `let_go(fd)` (at once on failure). A forked child closes its copy."""
     with _HELD_MUTEX:
         _HELD.add(fd)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return
-        except OSError as exc:  # EINTR
-            if exc.errno != errno.EINTR:
-                let_go(fd)
-                raise
+    try:
+        _take(fd, stalled)
+    except BaseException:
+        let_go(fd)
+        raise
 
 
 def let_go(fd: int) -> None:
@@ -179,12 +158,9 @@ def is_held(path: str) -> bool | None:
 
 @contextlib.contextmanager
 def file_lock(path: str) -> Iterator[bool]:
-    """`flock`, best effort: hold an exclusive lock on the local file ``path`` (made if
-    missing, its folder too; an existing folder is locked itself, leaving nothing in it)
-    while the block runs: processes of one machine (and of a file system whose locks span
-    machines) take turns. Yields True when held; False (no lock, the block still runs)
-    where the lock file cannot be made, e.g. a read-only folder: for locks that only ever
-    save work, never guard correctness."""
+    """`flock`, best effort, for locks that only save work: the local file ``path`` (made if
+    missing, its folder too; an existing folder is locked itself). Yields True when held;
+    False (the block still runs) where the lock file cannot be made."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

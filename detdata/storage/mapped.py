@@ -1,10 +1,6 @@
-"""Read-only memory maps of local shard files and strided record views over them.
-
-A mapping is made from a descriptor the caller opened (and checked: `map_checked` runs
-the reader's ``stat`` check on it first, so a file shorter than the manifest says is an
-error naming the shard instead of a SIGBUS at a later read). The view is built over the
-mapping without copying: ``rows`` records of ``width`` items starting every ``step`` items
-(records may overlap: a token window shares its label token with the next).
+"""Read-only memory maps of checked local shard files (`map_checked`: the reader's ``stat``
+check first, so a short file is an error naming the shard, not a SIGBUS later) and strided
+record views over them without copying (records may overlap).
 """
 
 from __future__ import annotations

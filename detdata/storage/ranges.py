@@ -1,22 +1,10 @@
 """Range coalescing: the byte ranges one read needs, in as few requests as the waste bound allows.
 
-The rule, per file (one shard):
-
-1. Ranges are sorted by start; overlapping and touching ranges are merged (free: no byte
-   is fetched twice and none is wasted). ``needed`` is the size of their union.
-2. The gaps between the merged runs are bridged smallest first (ties: the leftmost gap
-   first) while the bridged bytes stay ``<= waste * needed`` (default ``waste = 0.2``). A
-   bridged gap's bytes are fetched and dropped; what is left are the requests.
-
-So a file's bytes fetched are at most ``(1 + waste)`` times its bytes needed, and no other
-choice of gaps within that byte budget gives fewer requests (bridging the smallest gaps
-first bridges the most gaps for any budget). Multi-range requests (``Range: bytes=a-b,c-d``)
-are not used: S3 does not serve them and fsspec does not parse ``multipart/byteranges``; a
-covering range does the same job within the waste bound. All runs of a read (every shard)
-go out in ONE ``cat_ranges`` call (concurrent requests), retried per run under the
-`RetryPolicy` (`read_ranges_retrying`: failed or short runs are fetched again, errors
-name the shard and URL). The plan is a pure function of the ranges, so the bytes
-delivered never depend on it.
+Per file, ranges are sorted and overlapping or touching ones merged; then the gaps between
+runs are bridged smallest first (ties: leftmost) while the bridged bytes stay ``<= waste *
+needed``. So bytes fetched are at most ``(1 + waste)`` x bytes needed, with no fewer requests
+possible in that budget (docs/design.md, "Remote reads"). The plan is a pure function of the
+ranges: delivered bytes never depend on it.
 """
 
 from __future__ import annotations
@@ -45,29 +33,20 @@ class Coalesced:
 
     ``run_starts`` / ``run_ends``: the requests, sorted, disjoint. ``run_of[i]`` is the run
     holding range ``i`` (input order) and ``offset[i]`` its first byte inside that run.
+    ``needed``: the bytes of the ranges' union.
     """
 
     run_starts: I64
     run_ends: I64
     run_of: I64
     offset: I64
-
-    @property
-    def fetched(self) -> int:
-        """Bytes the runs fetch."""
-        return int((self.run_ends - self.run_starts).sum())
-
-
-def check_waste(waste: object) -> float:
-    """``waste`` as a float ``>= 0`` (`ConfigError` otherwise)."""
-    if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 0:
-        raise ConfigError(f"range coalescing waste must be a number >= 0, got {waste!r}")
-    return float(waste)
+    needed: int = 0
 
 
 def coalesce(starts: npt.ArrayLike, ends: npt.ArrayLike, *, waste: float = WASTE) -> Coalesced:
     """The requests for byte ranges ``[starts[i], ends[i])`` of ONE file (see the module rule)."""
-    waste = check_waste(waste)
+    if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 0:
+        raise ConfigError(f"range coalescing waste must be a number >= 0, got {waste!r}")
     a = np.asarray(starts, dtype=np.int64).reshape(-1)
     b = np.asarray(ends, dtype=np.int64).reshape(-1)
     if a.shape != b.shape or (a.size and (int(a.min()) < 0 or bool((b < a).any()))):
@@ -104,6 +83,7 @@ def coalesce(starts: npt.ArrayLike, ends: npt.ArrayLike, *, waste: float = WASTE
         run_ends=run_ends,
         run_of=run_of,
         offset=a - run_starts[run_of],
+        needed=needed,
     )
 
 
@@ -129,13 +109,8 @@ def read_coalesced(
     what: str = "range read",
     waste: float = WASTE,
 ) -> tuple[list[memoryview], FetchStats]:
-    """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i``, via coalesced requests.
-
-    Ranges are grouped by path and coalesced per path (`coalesce`); all runs are fetched
-    with one `read_ranges_retrying` (one ``cat_ranges`` call per attempt, each run checked
-    to be exactly its length). Returns zero-copy views into the fetched runs, in input
-    order, and the request / byte counts.
-    """
+    """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i`` (zero-copy views, input
+    order), coalesced per path and fetched with one `read_ranges_retrying`; and the counts."""
     n = len(paths)
     if not (len(starts) == len(ends) == len(shards) == len(urls) == n):
         raise ConfigError("read_coalesced: paths, starts, ends, shards and urls differ in length")
@@ -164,7 +139,7 @@ def read_coalesced(
         r_urls += [urls[members[0]]] * k
         where_run[idx] = plan.run_of + first
         where_off[idx] = plan.offset
-        needed += _union_bytes(a[idx], b[idx])
+        needed += plan.needed
     blobs = read_ranges_retrying(
         fs, r_paths, r_starts, r_ends, policy=policy, shards=r_shards, urls=r_urls, what=what
     )
@@ -178,14 +153,3 @@ def read_coalesced(
     return out, FetchStats(
         ranges=n, requests=len(r_paths), bytes_needed=needed, bytes_fetched=fetched
     )
-
-
-def _union_bytes(starts: I64, ends: I64) -> int:
-    """Size of the union of ranges (what a read of them needs)."""
-    if starts.size == 0:
-        return 0
-    order = np.argsort(starts, kind="stable")
-    sa, sb = starts[order], ends[order]
-    reach = np.maximum.accumulate(sb)
-    prev = np.concatenate(([sa[0]], reach[:-1]))
-    return int((sb - np.maximum(sa, prev)).clip(min=0).sum())

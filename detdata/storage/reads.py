@@ -1,29 +1,13 @@
 """Reads of byte ranges of local shard files, checked at every open: the one home of the
 batched file loop, single-file reads, read plans and read-ahead.
 
-A dataset turns sample ids into ``(shard, byte range, buffer)`` arithmetic; everything
-here moves the bytes. Its checks come in as an `OpenChecks` (the reader's own checks,
-which raise naming the shard: size against the manifest, the file against the one this
-process first opened for the shard, a missing file, a short read).
-
-* `execute`: for each file, one open, ONE ``preadv`` into its buffers, one ``fstat``
-  after the read and one close. With the native loop (`NATIVE`: `detdata.storage.fileread`,
-  C without the GIL) a shard not opened before in this process is recorded in the loop
-  itself, from an ``fstat`` right after its open and before its read (one open serves the
-  record and the read); the loop's ``fstat`` s are checked at once and the files from the
-  first it could not read on go through the Python twin, which raises the error. Without
-  the native loop the twin reads every file: the same bytes and the same checks, in the
-  same order, slower with tens of thousands of small shards.
-* A read is a value (`ReadPlan`): the `FileReads` it needs (files, byte ranges and the
-  buffers they go into), the reader's checks and first-open records. `execute` reads it
-  now; `ReadAhead` keeps a few planned ahead whose first file read runs on native threads
-  in the background (the read later waits for it and reads the rest of its plan). The
-  bytes go one way: into the plan's buffers, which the dataset that made the plan owns.
-* `opened` / `pread_exact`: one file read without the batched loop (open, check, reads,
-  check again, close).
-
-`NATIVE` is the one switch: where it is False (no C compiler at install, or set False),
-nothing calls the native loop. `detdata.NATIVE_READS` says which at import.
+A dataset turns sample ids into ``(shard, byte range, buffer)``; everything here moves the
+bytes, checked by the reader's `OpenChecks` (size against the manifest, the file against the
+one first opened, a missing file, a short read; each raises naming the shard). `execute`
+reads a `ReadPlan` (per file: one open, ONE ``preadv``, an ``fstat`` after, a close) with the
+native loop (`detdata.storage.fileread`) where `NATIVE`, else with its Python twin: the same
+bytes and checks, in the same order. `ReadAhead` keeps plans whose first files are read on
+native threads in the background. `opened` / `pread_exact`: one file without the batched loop.
 """
 
 from __future__ import annotations
@@ -53,20 +37,16 @@ from detdata.storage.first_opens import RECORDED, FirstOpens, file_identity
 IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
-#: Whether reads go through the native loop (built by ``pip install`` where a C compiler is
-#: present; tests set it False to run the Python twin). Read at each read, here only.
+#: Whether reads go through the native loop (tests set it False to run the Python twin).
 NATIVE: bool = fileread.NATIVE
 
 
 class OpenChecks(NamedTuple):
-    """The reader's checks of the files a read opens (each raises naming the shard).
-
-    ``stats(shards, sizes, idents, prefix)``: many opens at once (``fstat`` s taken after
-    the reads; the first culprit, in the order given, raises); ``stat(shard, st, path)``:
-    one open (a first open is recorded); ``missing(shard, path)``: the error for a file
-    that is not there; ``short(fd, shard, path, nbytes, offset)``: raises for a read of
-    ``nbytes`` at ``offset`` that got fewer (truncated, else a storage error).
-    """
+    """The reader's checks of the files a read opens (each raises naming the shard):
+    ``stats(shards, sizes, idents, prefix)`` of many ``fstat`` s taken after the reads (the
+    first culprit raises); ``stat(shard, st, path)`` of one open (a first open is recorded);
+    ``missing(shard, path)``: the error for an absent file; ``short(fd, shard, path, nbytes,
+    offset)`` raises for a read that got fewer bytes."""
 
     stats: Callable[[IntArray, IntArray, U64Array, str], None]
     stat: Callable[[int, os.stat_result, str], None]
@@ -75,11 +55,9 @@ class OpenChecks(NamedTuple):
 
 
 class ReadPlan(NamedTuple):
-    """A read as a value: ``reads``, the `FileReads` to read in order (each file of each at
-    most once; see `detdata.storage.fileread.read_files`), checked with ``checks`` before
-    any byte is returned; ``first``: the reader's first-open records (the Python twin
-    records each shard's first open before its read; ``reads[i].first`` is what the native
-    loop records into, None for cached copies)."""
+    """A read as a value: the `FileReads` to read in order, checked with ``checks`` before
+    any byte is returned; ``first``: the reader's first-open records (``reads[i].first``,
+    what the native loop records into, is None for cached copies)."""
 
     reads: tuple[FileReads, ...]
     checks: OpenChecks
@@ -87,17 +65,15 @@ class ReadPlan(NamedTuple):
 
 
 def execute(plan: ReadPlan, started: PendingRead | None = None) -> None:
-    """Read every file of ``plan`` into its buffers, in order, with the native loop where
-    `NATIVE`, checked with ``plan.checks`` before any byte is returned; the files from the
-    first one it could not read on (all of them without the native loop) are read by the
-    Python twin, which raises the error. ``started``: the native read of ``plan.reads[0]``
-    already running (`ReadAhead`). The bytes and checks do not depend on which loop read
-    them."""
+    """Read every file of ``plan`` into its buffers, in order, checked with ``plan.checks``:
+    the native loop where `NATIVE`, then the Python twin from the first file it could not read
+    (the twin raises the error). ``started``: the native read of ``plan.reads[0]`` already
+    running (`ReadAhead`)."""
     for i, reads in enumerate(plan.reads):
         prefix = os.fsdecode(reads.prefix)
         done = 0
         if (started is not None and i == 0) or NATIVE:
-            done, stats = started.wait() if started is not None and i == 0 else read_files(*reads)
+            done, stats = started.wait() if started is not None and i == 0 else read_files(reads)
             plan.checks.stats(
                 reads.shards[:done],
                 stats[:done, SIZE],
@@ -112,11 +88,9 @@ def execute(plan: ReadPlan, started: PendingRead | None = None) -> None:
 def _read_python(
     reads: FileReads, done: int, checks: OpenChecks, prefix: str, recorded: bytearray
 ) -> None:
-    """`execute`'s Python twin, from file ``done`` on. A shard's first open in this
-    process is recorded before its bytes are read (``checks.stat``); every read is checked
-    against an ``fstat`` taken after it, all at once at the end, also before a missing
-    shard, a refused first open or a short read raises (the shards read before it are
-    named first)."""
+    """`execute`'s Python twin, from file ``done`` on: a first open is recorded before its
+    read (``checks.stat``); the ``fstat`` s after the reads are checked at the end, and before
+    any other error raises (the shards read before it are named first)."""
     skip = int(reads.iov_count[:done].sum())
     shards: list[int] = reads.shards[done:].tolist()
     iov_off: list[int] = reads.iov_off[skip:].tolist()
@@ -169,9 +143,8 @@ def _check_all(
 
 
 class Planned(NamedTuple):
-    """A read planned ahead: its key (the ids it reads), its plan, the background read of
-    the plan's first `FileReads` (None: nothing to read in the background), and what its
-    owner gets back once the plan is read (``result``: the owner's, untouched here)."""
+    """A read planned ahead: its key (the ids it reads), its plan, the background read of its
+    first `FileReads` (or None), and the owner's ``result``, handed back by `finish`."""
 
     key: IntArray
     plan: ReadPlan
@@ -179,8 +152,7 @@ class Planned(NamedTuple):
     result: Any
 
     def finish(self) -> Any:
-        """``result``, after the plan is read (waits for the background read, checks it,
-        then reads the rest of the plan)."""
+        """``result``, after the plan is read (`execute`)."""
         execute(self.plan, self.pending)
         return self.result
 
@@ -191,10 +163,9 @@ class Planned(NamedTuple):
 
 
 class ReadAhead:
-    """Reads planned before they are asked for, at most ``depth`` (the oldest dropped),
-    each with its first file read running on ``threads`` native threads (without the GIL)
-    meanwhile. Thread-safe. A hint changes when files are read, never what: the plan's
-    checks run when the read is taken (`take`) and finished."""
+    """At most ``depth`` reads planned ahead (the oldest dropped), each with its first file
+    read running on ``threads`` native threads meanwhile; thread-safe. The checks run when a
+    read is taken and finished, so planning changes when files are read, never what."""
 
     def __init__(self, depth: int, threads: int) -> None:
         self.depth = depth
@@ -210,16 +181,12 @@ class ReadAhead:
 
     @property
     def enabled(self) -> bool:
-        """Whether reads are planned ahead at all (only with the native loop, `NATIVE`:
-        without it there is no background read to overlap)."""
+        """Whether reads are planned ahead (only with the native loop: `NATIVE`)."""
         return NATIVE
 
     def start(self, key: IntArray, plan: ReadPlan, result: Any) -> None:
-        """Start the first file read of ``plan`` in the background and keep it under ``key``
-        with ``result`` (the owner's, handed back by `Planned.finish`)."""
-        pending = None
-        if plan.reads:
-            pending = start_read_files(*plan.reads[0], threads=self.threads)
+        """Start the first file read of ``plan`` in the background; keep it under ``key``."""
+        pending = start_read_files(plan.reads[0], threads=self.threads) if plan.reads else None
         ready = Planned(key, plan, pending, result)
         with self._lock:
             self._planned.append(ready)
@@ -253,10 +220,9 @@ class ReadAhead:
 
 
 class opened:
-    """``path`` (shard ``shard``'s file) open for reading: checked (``checks.stat``) at the
-    open and again after the reads inside the block (a write they saw shows), closed after;
-    a missing file raises ``checks.missing``. (A class, not a generator: it runs once per
-    shard read without the batched loop.)"""
+    """``path`` (shard ``shard``'s file) open for the block: ``checks.stat`` at the open and
+    after the reads, closed after; a missing file raises ``checks.missing``. (A class, not a
+    generator: it runs once per shard read.)"""
 
     __slots__ = ("checks", "fd", "path", "shard")
 

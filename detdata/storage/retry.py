@@ -1,28 +1,15 @@
 """Retries for storage reads: exponential backoff, deterministic jitter, a deadline.
 
-`RetryPolicy.run(fn, ...)` calls ``fn(attempt_timeout)`` until it returns, a
-*permanent* error is raised (missing object, permission denied, bad input:
-re-raised unchanged), or the deadline passes; then it raises `RetriesExhausted`
-(a `StorageError`) naming the operation, the shard, the URL, the number of
-attempts, the time spent and the last error.
+`RetryPolicy.run(fn, ...)` calls ``fn(attempt_timeout)`` until it returns, a *permanent*
+error is raised (re-raised unchanged; HTTP 401/403 is a `StorageError` at once), or
+``deadline_s`` passes: then `RetriesExhausted` names the operation, shard, URL (redacted),
+attempts, time spent and last error. ``deadline_s`` bounds one operation (a batch of range
+reads, one chunk of a fill, one manifest read); ``attempt_timeout_s`` cancels one stalled
+attempt (enforced on fsspec's asynchronous file systems).
 
-Backoff before attempt ``n + 1`` is ``min(max_delay_s, base_delay_s * 2**n)``
-scaled by a jitter factor in ``[0.5, 1)``. The factor is blake3 of
-``(key, n)`` -- the key is the URL being read -- so readers of different objects
-spread out, while the same read always waits the same way: no global random
-generator is touched or consumed, and nothing here can change which bytes are
-delivered (retries only ever re-read immutable, manifest-checked bytes).
-
-``deadline_s`` bounds one operation (a batch of range reads, one chunk of a
-cache fill, one manifest/registry read): a read that makes progress gets a new
-budget for its next chunk, a read that fails or stalls for ``deadline_s`` fails.
-``attempt_timeout_s`` cancels a single attempt that stalls (enforced for
-fsspec's asynchronous file systems: s3, gcs, http).
-
-Credentials never reach a message: every URL in a `RetriesExhausted`, a retry
-log line or a re-raised client error passes through
-`detdata.base.redact.redact_text` first (user info and credential query
-parameters become ``***``).
+Backoff before attempt ``n + 1`` is ``min(max_delay_s, base_delay_s * 2**n)`` times a jitter
+factor in ``[0.5, 1)`` taken from blake3 of ``(key, n)`` (the key: the URL read), so no
+random generator is consumed and retries never change which bytes are delivered.
 """
 
 from __future__ import annotations
@@ -31,18 +18,18 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import blake3
 
-from detdata.base.errors import (
-    ConfigError,
-    DetdataError,
-    RetriesExhausted,
-    ShortRead,
-    StorageError,
+from detdata.base.errors import ConfigError, DetdataError, RetriesExhausted, ShortRead, StorageError
+from detdata.base.redact import (
+    exception_chain,
+    get_logger,
+    redact_text,
+    redact_url,
+    scrub_exception,
 )
-from detdata.base.redact import get_logger, redact_text, redact_url, scrub_exception
 
 T = TypeVar("T")
 log: Final = get_logger("detdata.retry")
@@ -109,23 +96,26 @@ def denied_status(exc: BaseException) -> int | None:
     request's credentials: aiohttp's ``status``, botocore's HTTP status or error code,
     gcsfs's ``code``; else None. (fsspec's HTTP ``info`` raises `FileNotFoundError` *from*
     the real error, so the chain is followed.)"""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         for attr in ("status", "code"):
             value = getattr(current, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value in (401, 403):
                 return value
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if http in (401, 403):
-                return int(http)
-            if str(response.get("Error", {}).get("Code", "")) in _DENIED_CODES:
-                return 403
-        current = current.__cause__ or current.__context__
+        code, http = _boto_response(current)
+        if http in (401, 403):
+            return int(http)
+        if code in _DENIED_CODES:
+            return 403
     return None
+
+
+def _boto_response(exc: BaseException) -> tuple[str, Any]:
+    """``(error code, HTTP status)`` of botocore's ``response`` dict (``("", None)`` without)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", None
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code, response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -150,26 +140,16 @@ def is_transient(exc: BaseException) -> bool:
         name = type(exc).__name__
         if name in _BOTO_TRANSIENT:
             return True
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return code in _BOTO_CODES or (isinstance(http, int) and http in _RETRY_STATUS)
-        return False
+        code, http = _boto_response(exc)
+        return code in _BOTO_CODES or (isinstance(http, int) and http in _RETRY_STATUS)
     # EIO-style errors from fsspec back ends, pyarrow's ArrowIOError
     return isinstance(exc, OSError)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    """How storage reads retry. Defaults suit object stores; tests use short deadlines.
-
-    ``deadline_s``: total time one operation may take, retries included.
-    ``attempt_timeout_s``: time one attempt may take before it is cancelled
-    (None: only the client's own timeouts apply). ``base_delay_s`` /
-    ``max_delay_s``: exponential backoff bounds. ``max_attempts``: optional cap
-    on attempts (None: until the deadline).
-    """
+    """How storage reads retry (the module docstring). ``attempt_timeout_s`` None: only the
+    client's own timeouts apply; ``max_attempts`` None: until the deadline."""
 
     deadline_s: float = 120.0
     attempt_timeout_s: float | None = 30.0
@@ -210,20 +190,15 @@ class RetryPolicy:
         what: str,
         shard: str | Callable[[], str],
         url: str | Callable[[], str],
-        key: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> T:
-        """``fn(attempt_timeout)`` with retries; see the module docstring.
-
-        ``shard`` and ``url`` name what is read in messages (callables are asked
-        at each failure, for reads whose culprit changes between attempts).
-        ``key`` seeds the jitter (default: the URL at the first failure).
-        """
-        start = clock()
+        """``fn(attempt_timeout)`` with retries. ``shard`` and ``url`` name what is read in
+        messages (callables: asked at each failure); the URL at the first failure seeds the
+        jitter."""
+        start = time.monotonic()
         attempt = 0
+        key = ""
         while True:
-            remaining = self.deadline_s - (clock() - start)
+            remaining = self.deadline_s - (time.monotonic() - start)
             timeout = self.attempt_timeout_s
             if timeout is not None:
                 timeout = max(0.05, min(timeout, remaining))
@@ -240,9 +215,8 @@ class RetryPolicy:
                     raise
                 last = exc
             attempt += 1
-            elapsed = clock() - start
-            shard_now = shard() if callable(shard) else shard
-            url_now = url() if callable(url) else url
+            elapsed = time.monotonic() - start
+            shard_now, url_now = _now(shard), _now(url)
             key = key or url_now
             url_now = redact_url(url_now)
             wait = self.delay(key, attempt - 1)
@@ -271,20 +245,23 @@ class RetryPolicy:
                 redact_text(str(last)),
                 wait,
             )
-            sleep(wait)
+            time.sleep(wait)
 
 
 def _denied(
     what: str, shard: str | Callable[[], str], url: str | Callable[[], str], status: int
 ) -> StorageError:
-    shard_now = shard() if callable(shard) else shard
-    url_now = redact_url(url() if callable(url) else url)
+    shard_now, url_now = _now(shard), redact_url(_now(url))
     meaning = "unauthorized" if status == 401 else "forbidden"
     return StorageError(
         f"{what} failed for shard {shard_now} at {url_now}: HTTP {status} ({meaning}: the "
         "store refused these credentials); hint: renew the token or presigned URL (an "
         "expired signature gives 403), or check the storage_options credentials"
     )
+
+
+def _now(name: str | Callable[[], str]) -> str:
+    return name() if callable(name) else name
 
 
 DEFAULT_RETRY: Final = RetryPolicy()

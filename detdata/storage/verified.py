@@ -1,14 +1,10 @@
 """The shard copies this process verified: re-opening one skips its digest while its stamp
 holds (`detdata.storage.cache`).
 
-Per path, what one ``stat`` showed when its digest was checked: ``(device, inode, size,
-mtime_ns, ctime_ns)``, the digest and the level checked (a fill hashed every byte:
-``full``). At most `VERIFIED_MAX` are remembered, least recently used forgotten first. A
-copy replaced, rewritten or re-touched by another process shows another stamp and is
-verified again; this process's own touches are folded in (`utime_remembered`). Racy-clean
-rule (as git's index): a file changed less than `RACY_NS` before it was seen could be
-written again within the same timestamp tick without changing its stamp, so such a
-verification is remembered but not trusted.
+Per path: the ``stat`` stamp ``(device, inode, size, mtime_ns, ctime_ns)`` when checked, the
+digest and the level checked; at most `VERIFIED_MAX`, least recently used forgotten first.
+Racy-clean rule (as git's index): a file changed less than `RACY_NS` before it was seen could
+be written again within the same timestamp tick, so such a verification is not trusted.
 """
 
 from __future__ import annotations
@@ -80,15 +76,9 @@ def remember_verified(
     *,
     own_fill: bool = False,
 ) -> None:
-    """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``.
-
-    Racy-clean rule (as git's index): a file changed less than `RACY_NS` before it was
-    seen could be written again within the same timestamp tick without changing its
-    stamp, so such a verification is remembered but not trusted (the next open verifies
-    again). ``own_fill``: ``path`` was just renamed into place by this process after it
-    hashed every byte it wrote, and ``st`` was taken after the rename: trusted at once
-    (the only write the stamp could miss is one in place within the same tick after the
-    ``stat``, the exposure this process's own touches already carry)."""
+    """Remember that ``path`` as ``st`` (taken at wall time ``seen_ns``) holds ``blake3_hex``
+    (untrusted under the racy-clean rule). ``own_fill``: this process just renamed it into
+    place after hashing every byte it wrote, ``st`` taken after: trusted at once."""
     trusted = own_fill or seen_ns - st.st_ctime_ns >= RACY_NS
     with _VERIFIED_MUTEX:
         _VERIFIED[path] = _Verified(_stamp(st), blake3_hex, _LEVELS[level], trusted)
@@ -108,13 +98,9 @@ def forget_verified(path: str | None = None) -> None:
 
 
 def utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
-    """``os.utime`` of ``path`` (now, or ``ns``), keeping this process's verification of it:
-    on one open descriptor (never through a link), when its ``fstat`` before shows the file
-    this process verified, its ``fstat`` after is the new stamp (trusted as before);
-    otherwise the verification is forgotten. A file swapped in at ``path`` by another
-    process is never given the verified file's trust. (Not caught: a write in place within
-    the same timestamp tick right after this ``utime``.) Raises FileNotFoundError when the
-    file is gone, PermissionError where this user may not set its times."""
+    """``os.utime`` of ``path`` (now, or ``ns``) on one descriptor (never through a link),
+    keeping this process's verification only if the ``fstat`` before shows the file it
+    verified. FileNotFoundError when gone, PermissionError where times cannot be set."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         before = _stamp(os.fstat(fd))

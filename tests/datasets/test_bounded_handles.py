@@ -253,7 +253,7 @@ def test_more_shards_than_the_descriptor_limit_read_every_byte_within_the_bound(
 
 
 def test_handle_lru_keeps_the_most_recently_used_and_reports_evictions() -> None:
-    lru: HandleLRU[str] = HandleLRU(2)
+    lru: HandleLRU[str] = HandleLRU(2, budget=ProcessHandles(2))
     assert lru.put(1, "a") == [] and lru.put(2, "b") == []
     assert lru.get(1) == "a"  # 1 is now the most recently used
     assert lru.put(3, "c") == [2]

@@ -90,7 +90,7 @@ def test_a_late_forget_of_an_eviction_keeps_the_record_of_a_reopened_handle() ->
 
     def reopen() -> None:
         in_forget.wait(10)
-        with lru._lock_now():  # B starts once A's put has let the lock go
+        with lru._budget.lock:  # B starts once A's put has let the lock go
             pass
         records[0] = "second"  # as ShardFiles.open_copy, before the put
         lru.put(0, "second")

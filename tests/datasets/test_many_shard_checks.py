@@ -170,7 +170,7 @@ def test_a_replaced_shard_is_named_before_a_later_first_open_of_the_wrong_size(
     assert (info.value.shard, info.value.field) == (ds.manifest.shards[3].path, "file")
     if reads_module.NATIVE:
         monkeypatch.setattr(
-            reads_module, "read_files", lambda *a, **k: (0, np.zeros((a[2].size, 5), np.int64))
+            reads_module, "read_files", lambda r, **k: (0, np.zeros((r.shards.size, 5), np.int64))
         )
         with pytest.raises(VerificationError) as again:
             ds.read(ids)
@@ -332,7 +332,7 @@ def test_a_shard_rewritten_in_place_before_its_read_fails_that_batch(
         real_files = reads_module.read_files
 
         def read_files(*args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
-            if not done and 17 in args[2].tolist():  # args[2]: the shards it reads
+            if not done and 17 in args[0].shards.tolist():
                 rewrite()
             return real_files(*args, **kwargs)
 

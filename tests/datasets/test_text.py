@@ -6,7 +6,7 @@ into windows by the test's packer (`tests.datasets.text_corpora.reference_window
 written by the test as token shards and packed by the token path.
 
 Covers: detdata/datasets/text_index.py, detdata/identity/text_formats.py,
-detdata/datasets/packed_provenance.py, detdata/loading/identity_diff.py.
+detdata/datasets/packed.py (provenance), detdata/loading/identity_diff.py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     real = reads_module.start_read_files
 
     def spy(*args: object, **kwargs: object) -> fileread.PendingRead:
-        seen.append(int(args[2].size))  # type: ignore[attr-defined]
+        seen.append(int(args[0].shards.size))  # type: ignore[attr-defined]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(reads_module, "start_read_files", spy)

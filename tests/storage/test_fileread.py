@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detdata.storage import fileread, first_opens
-from detdata.storage.fileread import DEVICE, GOT, INODE, MTIME_NS, SIZE, read_files
+from detdata.storage.fileread import DEVICE, GOT, INODE, MTIME_NS, SIZE, FileReads, read_files
 from detdata.storage.first_opens import NONE, RECORDED, FirstOpens
 
 #: the tests of the loop itself need it built (the first test fails where it could be)
@@ -57,7 +57,9 @@ def test_scattered_buffers_get_the_files_bytes_and_stats_after_the_read(tmp_path
     # file 2: 30 bytes at 10 into out[200:210] + out[0:20]; file 0: 60 at 40 into out[100:160]
     shards, file_at, wants, count = _arrays([2, 0], [10, 40], [30, 60], [2, 1])
     iov_off, iov_len = _arrays([200, 0, 100], [10, 20, 60])
-    done, stats = read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count)
+    done, stats = read_files(
+        FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count)
+    )
     assert done == 2
     assert out[200:210].tobytes() + out[0:20].tobytes() == contents[2][10:40]
     assert out[100:160].tobytes() == contents[0][40:100]
@@ -95,7 +97,9 @@ def test_any_layout_matches_a_python_read(tmp_path_factory: pytest.TempPathFacto
     iov_off = [int(w) * slot for w in where]
     out = np.zeros(slot * max(len(pieces), 1), dtype=np.uint8)
     done, _ = read_files(
-        prefix, names, *_arrays(shards, file_at, wants), out, *_arrays(iov_off, pieces, count)
+        FileReads(
+            prefix, names, *_arrays(shards, file_at, wants), out, *_arrays(iov_off, pieces, count)
+        )
     )
     assert done == len(order)
     j = 0
@@ -121,11 +125,13 @@ def test_it_stops_at_the_first_file_it_cannot_read_whole(tmp_path: Path) -> None
         lens = [w // c for w, c in zip(wants, count, strict=True) for _ in range(c)]
         offs = list(range(0, len(lens)))
         done, _ = read_files(
-            prefix,
-            names,
-            *_arrays(shards, [0] * len(shards), wants),
-            out,
-            *_arrays(offs, lens, count),
+            FileReads(
+                prefix,
+                names,
+                *_arrays(shards, [0] * len(shards), wants),
+                out,
+                *_arrays(offs, lens, count),
+            )
         )
         if done:
             assert out[0:1].tobytes() == contents[shards[0]][:1] or wants[0] == 0
@@ -155,11 +161,9 @@ def test_two_threads_count_the_files_read_from_the_first_on(
     offs = [i * 256 for i in shards]
     out = np.zeros(256 * 100, dtype=np.uint8)
     done, stats = read_files(
-        prefix,
-        names,
-        *_arrays(shards, [0] * 100, wants),
-        out,
-        *_arrays(offs, wants, [1] * 100),
+        FileReads(
+            prefix, names, *_arrays(shards, [0] * 100, wants), out, *_arrays(offs, wants, [1] * 100)
+        ),
         threads=2,
     )
     assert done == (min(missing) if missing else 100)
@@ -175,7 +179,7 @@ def test_arguments_that_do_not_fit_raise_before_any_read(tmp_path: Path) -> None
     one = _arrays([0], [0], [40])
 
     def call(*args: object) -> None:
-        read_files(*args)  # type: ignore[arg-type]
+        read_files(FileReads(*args))  # type: ignore[arg-type]
 
     with pytest.raises(ValueError, match="outside"):
         call(prefix, names, *one, out, *_arrays([40], [40], [1]))
@@ -190,7 +194,7 @@ def test_arguments_that_do_not_fit_raise_before_any_read(tmp_path: Path) -> None
     frozen = np.zeros(64, dtype=np.uint8)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="threads"):
-        read_files(prefix, names, *one, out, *_arrays([0], [40], [1]), threads=0)
+        read_files(FileReads(prefix, names, *one, out, *_arrays([0], [40], [1])), threads=0)
     with pytest.raises(ValueError, match="writable"):
         call(prefix, names, *one, frozen, *_arrays([0], [40], [1]))
     assert not out.any()
@@ -202,7 +206,9 @@ def test_without_the_extension_nothing_is_read(
     prefix, names, _ = _files(tmp_path, [40])
     monkeypatch.setattr(fileread, "_fileread", None)
     out = np.zeros(40, dtype=np.uint8)
-    done, stats = read_files(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
+    done, stats = read_files(
+        FileReads(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
+    )
     assert done == 0 and not out.any() and not stats.any()
 
 
@@ -249,15 +255,9 @@ def test_buffer_counts_that_wrap_around_are_refused(tmp_path: Path) -> None:
     offs, lens = np.arange(14, dtype=np.int64) * 64, np.full(14, 64, dtype=np.int64)
     with pytest.raises(ValueError, match="add up"):
         read_files(
-            prefix,
-            names,
-            np.arange(32),
-            np.zeros(32, np.int64),
-            wants,
-            out,
-            offs,
-            lens,
-            count,
+            FileReads(
+                prefix, names, np.arange(32), np.zeros(32, np.int64), wants, out, offs, lens, count
+            ),
             threads=2,
         )
     assert not out.any()
@@ -305,7 +305,7 @@ def test_names_replaced_by_another_thread_during_the_read_are_not_followed(
 
 def _read_into(got: list[int], args: tuple[object, ...]) -> None:
     try:
-        got.append(read_files(*args, threads=1)[0])  # type: ignore[arg-type]
+        got.append(read_files(FileReads(*args), threads=1)[0])  # type: ignore[arg-type]
     except ValueError:
         got.append(-1)
 
@@ -315,11 +315,13 @@ def _read_whole(prefix: bytes, names: list[bytes], shards: list[int], size: int)
     out = np.zeros(size * len(shards), dtype=np.uint8)
     offs = [size * i for i in range(len(shards))]
     done, _ = read_files(
-        prefix,
-        names,
-        *_arrays(shards, [0] * len(shards), [size] * len(shards)),
-        out,
-        *_arrays(offs, [size] * len(shards), [1] * len(shards)),
+        FileReads(
+            prefix,
+            names,
+            *_arrays(shards, [0] * len(shards), [size] * len(shards)),
+            out,
+            *_arrays(offs, [size] * len(shards), [1] * len(shards)),
+        ),
         threads=1,
     )
     return [out[o : o + size].tobytes() for o in offs] if done == len(shards) else []
@@ -392,7 +394,9 @@ def test_the_loop_records_a_first_open_and_keeps_it_after_a_replacement(tmp_path
     prefix, names, contents = _files(tmp_path, sizes)
     first = FirstOpens(np.asarray(sizes))
     shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [2, 0])
-    done, _ = read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+    done, _ = read_files(
+        FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+    )
     assert done == 2 and out.tobytes() == contents[2] + contents[0]
     assert first.states.tolist() == [RECORDED, NONE, RECORDED]
     assert first.ident[0].tolist() == _ident(tmp_path / "f0")
@@ -402,7 +406,7 @@ def test_the_loop_records_a_first_open_and_keeps_it_after_a_replacement(tmp_path
     os.replace(tmp_path / "new", tmp_path / "f2")
     shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [2])
     done, stats = read_files(
-        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first
+        FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
     )
     assert done == 1 and out.tobytes() == contents[2][::-1]
     assert first.ident[2].tolist() == original != _ident(tmp_path / "f2")
@@ -424,7 +428,8 @@ def test_a_file_of_the_wrong_size_stops_the_loop_unread_and_unrecorded(
     shards, file_at, wants, out, iov_off, iov_len, count = _whole([64] * 40, order)
     wants[5] = iov_len[5] = 32  # a read of what the file holds would succeed
     done, _ = read_files(
-        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first, threads=threads
+        FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first),
+        threads=threads,
     )
     assert done == 5
     assert out[5 * 64 : 6 * 64].tobytes() == bytes(64)  # unread
@@ -443,7 +448,9 @@ def test_a_shard_outside_the_table_and_a_partial_table_raise_before_any_read(
     first = FirstOpens(np.asarray(sizes[:2]))  # no row for shard 2
     shards, file_at, wants, out, iov_off, iov_len, count = _whole(sizes, [0, 2])
     with pytest.raises(ValueError, match="outside the first-open table"):
-        read_files(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+        read_files(
+            FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, first)
+        )
     assert not out.any() and first.states.tolist() == [NONE, NONE]
     stats = np.zeros((2, 5), dtype=np.int64)
     args = (prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, stats, 1)
@@ -487,7 +494,7 @@ def test_arrays_of_another_element_type_raise_before_any_read(tmp_path: Path) ->
             first.state, first.ident, shards, now, np.zeros((2, 3), dtype=np.float64)
         )
     assert not out.any() and first.states.tolist() == [NONE, NONE]
-    assert read_files(prefix, names, *good[:7], first)[0] == 2  # the right types read
+    assert read_files(FileReads(prefix, names, *good[:7], first))[0] == 2  # the right types read
 
 
 @pytest.mark.parametrize("native_record", [True, False])
@@ -559,9 +566,11 @@ def test_a_background_read_gives_what_read_files_gives(
     total = sum(wants)
     threads = data.draw(st.sampled_from([1, 2]))
     ref_out = np.zeros(total, dtype=np.uint8)
-    ref_done, ref_stats = read_files(prefix, names, *args[:3], ref_out, *args[4:])
+    ref_done, ref_stats = read_files(FileReads(prefix, names, *args[:3], ref_out, *args[4:]))
     out = np.zeros(total, dtype=np.uint8)
-    pending = fileread.start_read_files(prefix, names, *args[:3], out, *args[4:], threads=threads)
+    pending = fileread.start_read_files(
+        FileReads(prefix, names, *args[:3], out, *args[4:]), threads=threads
+    )
     done, stats = pending.wait()
     first_gone = next((i for i, s in enumerate(order) if s in gone), len(order))
     assert done == ref_done == first_gone
@@ -581,7 +590,7 @@ def test_dropping_a_background_read_joins_it_first(tmp_path: Path) -> None:
     out = np.zeros(64 << 20, dtype=np.uint8)
     args = _arrays([0], [0], [64 << 20])
     pending = fileread.start_read_files(
-        prefix, names, *args, out, *_arrays([0], [64 << 20], [1]), threads=1
+        FileReads(prefix, names, *args, out, *_arrays([0], [64 << 20], [1])), threads=1
     )
     del pending
     assert out[-4096:].tobytes() == contents[0][-4096:]  # the last page first: read already
@@ -595,11 +604,13 @@ def test_a_background_read_keeps_its_buffer_alive(tmp_path: Path) -> None:
     prefix, names, _contents = _files(tmp_path, [4096] * 20)
     pendings = [
         fileread.start_read_files(
-            prefix,
-            names,
-            *_arrays(list(range(20)), [0] * 20, [4096] * 20),
-            np.zeros(20 * 4096, dtype=np.uint8),
-            *_arrays([i * 4096 for i in range(20)], [4096] * 20, [1] * 20),
+            FileReads(
+                prefix,
+                names,
+                *_arrays(list(range(20)), [0] * 20, [4096] * 20),
+                np.zeros(20 * 4096, dtype=np.uint8),
+                *_arrays([i * 4096 for i in range(20)], [4096] * 20, [1] * 20),
+            ),
             threads=2,
         )
         for _ in range(50)
@@ -646,7 +657,9 @@ def test_a_fork_waits_for_background_reads_so_no_child_inherits_their_files(
     for _ in range(20):
         out = np.zeros(32 << 20, dtype=np.uint8)
         pending = fileread.start_read_files(
-            prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1])
+            FileReads(
+                prefix, names, *_arrays([0], [0], [32 << 20]), out, *_arrays([0], [32 << 20], [1])
+            )
         )
 
         def child(pending: fileread.PendingRead = pending, out: np.ndarray = out) -> str:
@@ -692,7 +705,7 @@ def test_a_background_read_copies_its_index_arrays(tmp_path: Path) -> None:
     out = np.zeros(200 * 4096, dtype=np.uint8)
     guard = np.zeros(1 << 20, dtype=np.uint8)  # memory that a stray write could hit
     pending = fileread.start_read_files(
-        prefix, names, shards, file_at, wants, out, iov_off, iov_len, count, threads=2
+        FileReads(prefix, names, shards, file_at, wants, out, iov_off, iov_len, count), threads=2
     )
     iov_off += 1 << 30
     count[:] = 7
@@ -713,11 +726,13 @@ def test_waiting_from_several_threads_answers_each_the_same(tmp_path: Path) -> N
     for _ in range(20):
         out = np.zeros(8 << 20, dtype=np.uint8)
         pending = fileread.start_read_files(
-            prefix,
-            names,
-            *_arrays(list(range(8)), [0] * 8, [1 << 20] * 8),
-            out,
-            *_arrays([i << 20 for i in range(8)], [1 << 20] * 8, [1] * 8),
+            FileReads(
+                prefix,
+                names,
+                *_arrays(list(range(8)), [0] * 8, [1 << 20] * 8),
+                out,
+                *_arrays([i << 20 for i in range(8)], [1 << 20] * 8, [1] * 8),
+            ),
             threads=2,
         )
         answers: list[int] = []
@@ -737,7 +752,7 @@ def test_a_background_read_refuses_arguments_that_do_not_fit_before_reading(
     out = np.zeros(10, dtype=np.uint8)
     with pytest.raises(ValueError, match="outside `out`"):
         fileread.start_read_files(
-            prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1])
+            FileReads(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
         )
     assert not out.any()
 
@@ -749,7 +764,7 @@ def test_a_background_read_without_the_extension_reads_nothing(
     monkeypatch.setattr(fileread, "_fileread", None)
     out = np.zeros(40, dtype=np.uint8)
     pending = fileread.start_read_files(
-        prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1])
+        FileReads(prefix, names, *_arrays([0], [0], [40]), out, *_arrays([0], [40], [1]))
     )
     done, stats = pending.wait()
     assert done == 0 and not out.any() and stats.shape == (1, 5)
