@@ -26,7 +26,6 @@ from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import (
     Format,
-    ShardLayout,
     detect_format,
     inspect_shard,
     parse_format,
@@ -302,17 +301,8 @@ def _build_entry(fs: Any, path: str, rel: str, fmt: Format | None, dtype: str | 
         ) from None
     if fmt is None:  # a .arrow file is an Arrow IPC file or stream: its first bytes say
         shard_format = sniff_format(fs, path, shard_format)
-    layout: ShardLayout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
+    layout = inspect_shard(fs, path, size, shard_format, dtype, rel=rel)
     full, quick = digests_file(fs, path, size)
     return ShardEntry(
-        path=rel,
-        bytes=size,
-        blake3=full,
-        quick=quick,
-        num_samples=layout.num_samples,
-        format=shard_format,
-        dtype=layout.dtype,
-        data_offset=layout.data_offset,
-        schema=layout.schema,
-        row_groups=layout.row_groups,
+        path=rel, bytes=size, blake3=full, quick=quick, format=shard_format, **vars(layout)
     )

@@ -43,6 +43,7 @@ from detdata.base.hashing import PREFIX
 from detdata.identity.columns_header import ALIGN, CHUNK, KIND, parse_header
 from detdata.identity.entry import ShardEntry
 from detdata.identity.path_blocks import PATH_BLOCK, decode_block, encode_paths
+from detdata.identity.verify import pread_all
 from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
@@ -235,15 +236,10 @@ class ColumnsFile:
 
     def _pread(self, at: int, count: int) -> bytes:
         """``count`` bytes of the file from ``at`` (a short read is a truncated file)."""
-        parts = []
-        got = 0
-        while got < count:
-            part = os.pread(self._fd, count - got, at + got)
-            if not part:
-                raise self._error(f"{count} bytes at {at} are past its end (truncated in place?)")
-            parts.append(part)
-            got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        data = pread_all(self._fd, count, at)
+        if len(data) < count:
+            raise self._error(f"{count} bytes at {at} are past its end (truncated in place?)")
+        return data
 
     def vouch(self, files: Sequence[Any] | None) -> bool:
         """Trust this file's bytes without hashing them where ``files`` (what this job's
@@ -576,10 +572,9 @@ def _entry(
     }
     if row["data_offset"] >= 0:
         obj["data_offset"] = row["data_offset"]
-    if row["dtype"] >= 0:
-        obj["dtype"] = _pick(h["dtypes"], row["dtype"], c, i, "dtype")
-    if row["schema"] >= 0:
-        obj["schema"] = _pick(h["schemas"], row["schema"], c, i, "schema")
+    for name in ("dtype", "schema"):
+        if row[name] >= 0:
+            obj[name] = _pick(h[f"{name}s"], row[name], c, i, name)
     if groups is not None:
         obj["row_groups"] = groups
     return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")

@@ -45,14 +45,8 @@ class ShardEntry:
     row_groups: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "path": self.path,
-            "bytes": self.bytes,
-            "blake3": self.blake3,
-            "quick": self.quick,
-            "num_samples": self.num_samples,
-            "format": self.format.value,
-        }
+        out: dict[str, Any] = {key: getattr(self, key) for key in _SHARD_REQUIRED}
+        out["format"] = self.format.value
         for key in _SHARD_OPTIONAL:
             value = getattr(self, key)
             if value is not None:
@@ -90,18 +84,8 @@ class ShardEntry:
             if obj.get(key) is not None and not isinstance(obj[key], str):
                 raise ManifestError(f"{where} ({path}): field {key!r} must be a string")
         _check_format_fields(fmt, obj, f"{where} ({path})")
-        return cls(
-            path=path,
-            bytes=obj["bytes"],
-            blake3=obj["blake3"],
-            quick=obj["quick"],
-            num_samples=obj["num_samples"],
-            format=fmt,
-            dtype=obj.get("dtype"),
-            data_offset=offset,
-            schema=obj.get("schema"),
-            row_groups=groups,
-        )
+        fields: dict[str, Any] = {k: obj.get(k) for k in (*_SHARD_REQUIRED, *_SHARD_OPTIONAL)}
+        return cls(**{**fields, "path": path, "format": fmt, "row_groups": groups})
 
 
 def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:

@@ -194,10 +194,7 @@ def parse_format(value: str | Format) -> Format:
 
 def suffix_format(path: str) -> Format | None:
     """The format a file suffix names, or None when the suffix is not a known one."""
-    for suffix, fmt in _SUFFIXES.items():
-        if path.endswith(suffix):
-            return fmt
-    return None
+    return next((fmt for suffix, fmt in _SUFFIXES.items() if path.endswith(suffix)), None)
 
 
 def detect_format(path: str) -> Format:

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.identity.columns import ShardTable
+from detdata.identity.entry import ShardEntry
 from detdata.storage.fs import check_relative_path, join
 
 #: an identity taken this soon after the file's last change is not recorded
@@ -59,9 +60,11 @@ def identity_digests(ids: LocalIds) -> npt.NDArray[np.uint64]:
     return h
 
 
-def checked_paths(shards: ShardTable, lo: int, hi: int, checked: bool) -> list[str]:
-    """Paths of shards ``[lo, hi)``, each checked as a path under the root unless
-    ``checked`` (`check_relative_path`, as `ShardTable.path` does)."""
+def checked_paths(shards: Sequence[ShardEntry], lo: int, hi: int, checked: bool) -> list[str]:
+    """Paths of shards ``[lo, hi)``; a fast form's each checked as a path under the root
+    unless ``checked`` (`check_relative_path`, as `ShardTable.path` does)."""
+    if not isinstance(shards, ShardTable):  # entries: checked where parsed
+        return [s.path for s in shards[lo:hi]]
     paths = shards.paths_between(lo, hi)
     if not checked:
         where = f"manifest columns {shards.columns.path}"

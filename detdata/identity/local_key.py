@@ -60,19 +60,14 @@ def keyed(key: bytes, data: bytes) -> bytes:
 
 def _load_or_make(path: str) -> bytes | None:
     try:
-        return _read(path)
-    except FileNotFoundError:
-        pass
+        with contextlib.suppress(FileNotFoundError):
+            return _read(path)
+        try:
+            _make(path)
+        except OSError:  # a read-only folder: no key, no stored index (as where not writable)
+            return None
+        return _read(path)  # refused where a link or FIFO was planted before ours was linked
     except OSError as exc:  # a link (ELOOP), a planted FIFO, unreadable
-        _refused(path, f"cannot be opened as a file ({exc.strerror or exc})")
-        return None
-    try:
-        _make(path)
-    except OSError:  # a read-only folder: no key, no stored index (as where it cannot be written)
-        return None
-    try:
-        return _read(path)
-    except OSError as exc:  # a link or FIFO planted before ours could be linked in
         _refused(path, f"cannot be opened as a file ({exc.strerror or exc})")
         return None
 

@@ -294,9 +294,9 @@ class Manifest:
     ) -> Manifest:
         try:
             doc = json.loads(text, object_pairs_hook=_unique_keys)
-        except _DuplicateKeyError as exc:
+        except KeyError as exc:  # `_unique_keys`
             raise ManifestError(
-                f"{where}: malformed JSON: duplicate key {exc.key!r} in an "
+                f"{where}: malformed JSON: duplicate key {exc.args[0]!r} in an "
                 "object; hint: a manifest must be written by detdata"
             ) from None
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -379,10 +379,7 @@ class Manifest:
         """The strongest level `verify` passed on this object under its current root (None:
         never); kept by pickling."""
         record = self.__dict__.get(_VERIFIED)
-        if record is None or record[1] != self.root:
-            return None
-        level: Verify = record[0]
-        return level
+        return None if record is None or record[1] != self.root else cast(Verify, record[0])
 
 
 def _load_columns(path: str, root: str | None, copy: NodeSource | None = None) -> Manifest | None:
@@ -464,18 +461,13 @@ def _read_files(
     return {"json": _read_text(path, policy, storage_options)}
 
 
-class _DuplicateKeyError(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json`` object hook refusing duplicate keys (the last one would silently win)."""
+    """``json`` object hook refusing duplicate keys (the last one would silently win): a
+    `KeyError` naming the key."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKeyError(key)
+            raise KeyError(key)
         out[key] = value
     return out
 

@@ -70,28 +70,14 @@ class NodeSource:
 def node_source(path: str, read: Reader) -> NodeSource | None:
     """The node copy of the manifest at ``path``: read with ``read`` and copied when this
     rank is the node's reader, else mapped from the reader's copy. None: the caller reads
-    ``path`` itself. The reader's error is raised on every rank of the node."""
+    ``path`` itself (with a warning where the reader published nothing within the store's
+    timeout). The reader's error is raised on every rank of the node."""
     meeting = _meeting(path)
     if meeting is None:
         return None
     store, rank, key, reader = meeting
     if reader:
         return _read_and_share(store, key, rank, read)
-    if not _wait_for_reader(store, key, path):
-        return None
-    found = shared.loads_verdict(store.get(key + "/verdict"))
-    if found is not None:
-        raise found
-    try:
-        digests = json.loads(store.get(key + "/copy"))
-    except ValueError:  # not what a reader sends: read the manifest yourself
-        return None
-    return _map_copy(digests, path)
-
-
-def _wait_for_reader(store: Any, key: str, path: str) -> bool:
-    """Wait for the node's reader to publish under ``key``, at most ``store.timeout``;
-    False (with a warning) past it or when the store fails."""
     bound: timedelta = store.timeout
     try:
         store.wait([key + "/verdict"], bound)
@@ -102,10 +88,17 @@ def _wait_for_reader(store: Any, key: str, path: str) -> bool:
                 f"nothing within {bound.total_seconds():g} s (the process group store's "
                 f"timeout; {type(exc).__name__}); reading the manifest itself instead"
             ),
-            stacklevel=4,
+            stacklevel=3,
         )
-        return False
-    return True
+        return None
+    found = shared.loads_verdict(store.get(key + "/verdict"))
+    if found is not None:
+        raise found
+    try:
+        digests = json.loads(store.get(key + "/copy"))
+    except ValueError:  # not what a reader sends: read the manifest yourself
+        return None
+    return _map_copy(digests, path)
 
 
 def _meeting(path: str) -> tuple[Any, int, str, bool] | None:
@@ -168,24 +161,24 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
     return digests, paths
 
 
-def _keep_or_write(path: str, data: bytes, digest: str | None) -> None:
+def _keep_or_write(path: str, data: bytes, digest: str) -> None:
     """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
     blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
     with contextlib.suppress(FileNotFoundError):
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
             os.unlink(path)  # a link or a pipe is never written through: a copy is a file
-    if _file_digest(path) != digest:
-        atomic_write_bytes(path, data)
+    with contextlib.suppress(OSError, ValueError):
+        if _file_digest(path)[0] == digest:
+            return
+    atomic_write_bytes(path, data)
 
 
-def _file_digest(path: str) -> str | None:
-    """blake3 of the file at ``path``, hashed through a mapping (None: missing, empty)."""
-    try:
-        with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return blake3.blake3(mm).hexdigest()
-    except (OSError, ValueError):
-        return None
+def _file_digest(path: str, keep: bool = False) -> tuple[str, bytes]:
+    """blake3 of the file at ``path``, hashed through a mapping, and its bytes where
+    ``keep`` (else b""); `OSError` unless a regular file, `ValueError` when empty."""
+    with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
 
 
 def _open_file(path: str) -> BinaryIO:
@@ -223,12 +216,9 @@ def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
     """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
     ``want``, else None with a warning naming the copy, both digests and the manifest."""
     try:
-        with _open_file(copy) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            found = blake3.blake3(mm).hexdigest()
-            data = bytes(mm) if keep and found == want else b""
+        found, data = _file_digest(copy, keep)
     except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
         found = f"unreadable ({type(exc).__name__}: {exc})"
-        data = b""
     if found == want:
         return data
     warnings.warn(

@@ -225,7 +225,12 @@ def merge_manifests(
     root. Overlapping shards, different metadata, roots or listings, a missing or repeated
     part index, or an incomplete listing is a `ManifestError` naming the shard or part.
     """
-    items = [p if isinstance(p, ManifestPart) else _as_part(p) for p in parts]
+    items = [
+        p
+        if isinstance(p, ManifestPart)
+        else ManifestPart(shards=tuple(p.shards), metadata=p.metadata, root=p.root)
+        for p in parts
+    ]
     if not items:
         raise ManifestError("merge_manifests needs at least one part")
     _check_same_metadata(items)
@@ -251,12 +256,6 @@ def merge_manifests(
             "built from another listing: rebuild it"
         )
     return merged
-
-
-def _as_part(manifest: Manifest) -> ManifestPart:
-    return ManifestPart(
-        shards=tuple(manifest.shards), metadata=manifest.metadata, root=manifest.root
-    )
 
 
 def _overlap(entry: ShardEntry, seen: tuple[int, ShardEntry], i: int, items: list[Any]) -> None:
@@ -305,8 +304,7 @@ def _check_same_root(items: list[ManifestPart]) -> str | None:
             f"the parts were hashed under different roots {shown}; hint: hash every part "
             "from the same root (or pass root= to merge parts of copies of one corpus)"
         )
-    with_root = [p.root for p in items if p.root is not None]
-    return with_root[0] if with_root else None
+    return next((p.root for p in items if p.root is not None), None)
 
 
 def _check_part_set(items: list[ManifestPart]) -> None:

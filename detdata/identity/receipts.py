@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import functools
 import hmac
 import json
 import os
@@ -106,22 +105,31 @@ def verify_job(
     Ranks meet through the group's key-value store, never a collective: a rank opening
     what the others do not claims it and does it alone; a rank that finds the work
     claimed waits for the claimant's verdict however long it takes."""
-    check = functools.partial(
-        _verify_entries,
-        manifest,
-        level,
-        threads=threads,
-        progress=progress,
-        retry=retry,
-        storage_options=storage_options,
-    )
+
+    def check(entries: Sequence[ShardEntry]) -> VerificationError | None:
+        """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
+        try:
+            verify_manifest(
+                manifest,
+                level,
+                shards=entries,
+                threads=threads,
+                progress=progress,
+                retry=retry,
+                **storage_options,
+            )
+        except VerificationError as exc:
+            return exc
+        return None
+
     args = (manifest, level, check, threads, storage_options, use_receipt)
     # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
         return
-    rank, ranks = _rank_world()
+    dist = sys.modules["torch.distributed"]
+    rank, ranks = int(dist.get_rank()), int(dist.get_world_size())
     if leader:
         verdict: BaseException | None = DetdataError(
             "the verifying rank stopped before a verdict (interrupted); hint: restart the job"
@@ -192,11 +200,6 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     return store, int(store.add(key + "/claim", 1)) == 1, key
 
 
-def _rank_world() -> tuple[int, int]:
-    dist = sys.modules["torch.distributed"]
-    return int(dist.get_rank()), int(dist.get_world_size())
-
-
 def node_key() -> str:
     """This node, as the once-per-node work is keyed: its host name and boot id."""
     return f"{socket.gethostname()}/{boot_id() or ''}"
@@ -258,7 +261,8 @@ def verify_with_receipt(
                 if is_local_fs(fs):
                     now = _local_identities_of(manifest, root, checked=not tie)
                 else:
-                    now = remote_identities(fs, root, _paths(manifest, checked=not tie), threads)
+                    paths = checked_paths(manifest.shards, 0, len(manifest.shards), not tie)
+                    now = remote_identities(fs, root, paths, threads)
                 todo = _changed(old, now, level)
             _check_changed(manifest, todo, tie, columns, check, split, ranks, root)
         if path is None or now is None:
@@ -317,32 +321,6 @@ def _check_changed(
         _verify_shards(manifest, todo, check)
 
 
-def _verify_entries(
-    manifest: ShardList,
-    level: Verify,
-    entries: Sequence[ShardEntry],
-    *,
-    threads: int,
-    progress: bool | None,
-    retry: RetryPolicy | None,
-    storage_options: dict[str, Any],
-) -> VerificationError | None:
-    """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
-    try:
-        verify_manifest(
-            manifest,
-            level,
-            shards=entries,
-            threads=threads,
-            progress=progress,
-            retry=retry,
-            **storage_options,
-        )
-    except VerificationError as exc:
-        return exc
-    return None
-
-
 Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
@@ -399,20 +377,11 @@ def _local_identities_of(manifest: ShardList, root: str, *, checked: bool) -> Lo
     ``checked``: the fast form's paths were checked in full before (else each is checked
     here: the tie comes after)."""
     shards = manifest.shards
-    if not isinstance(shards, ShardTable):
-        return local_identities(root, [s.path for s in shards])
     out = np.empty((len(shards), FIELDS), dtype=np.int64)
     for lo in range(0, len(shards), VERIFY_PIECE):
         hi = min(len(shards), lo + VERIFY_PIECE)
         out[lo:hi] = local_identities(root, checked_paths(shards, lo, hi, checked))
     return out
-
-
-def _paths(manifest: ShardList, *, checked: bool) -> list[str]:
-    shards = manifest.shards
-    if isinstance(shards, ShardTable):
-        return checked_paths(shards, 0, len(shards), checked)
-    return [s.path for s in shards]
 
 
 def _changed(

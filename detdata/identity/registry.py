@@ -154,13 +154,7 @@ class _Ref:
             if not isinstance(doc["history"], list):
                 raise ValueError("field 'history' must be a list")
             events = tuple(
-                RefEvent(
-                    name=name,
-                    id=check_id(e["id"]),
-                    root=_check_root(e["root"]),
-                    time_ns=_check_ns(e["time_ns"]),
-                    forced=_check_bool(e["forced"]),
-                )
+                RefEvent(name=name, id=check_id(e["id"]), **_event_fields(e))
                 for e in doc["history"]
             )
             if not events or events[-1].id != doc["id"]:
@@ -189,22 +183,21 @@ def _check_registry_root(root: object) -> str:
     return root
 
 
-def _check_root(value: object) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"a history root must be a string or null, found {value!r:.60}")
-    return value
-
-
 def _check_ns(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"a time must be a non-negative integer (ns), found {value!r:.60}")
     return value
 
 
-def _check_bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"field 'forced' must be true or false, found {value!r:.60}")
-    return value
+def _event_fields(event: dict[str, Any]) -> dict[str, Any]:
+    """A history entry's ``root``, ``time_ns`` and ``forced``, checked (`ValueError`)."""
+    root = event["root"]
+    if root is not None and not isinstance(root, str):
+        raise ValueError(f"a history root must be a string or null, found {root!r:.60}")
+    time_ns, forced = _check_ns(event["time_ns"]), event["forced"]
+    if not isinstance(forced, bool):
+        raise ValueError(f"field 'forced' must be true or false, found {forced!r:.60}")
+    return {"root": root, "time_ns": time_ns, "forced": forced}
 
 
 class Registry:
@@ -289,12 +282,6 @@ class Registry:
             lambda _t: atomic_write_bytes(url, data, temp_dir=temp_dir, **self._options),
         )
 
-    def _data_options(self, manifest: Manifest) -> dict[str, Any]:
-        """Storage options for a manifest's root: the registry's own when on the same store."""
-        root = manifest.root or ""
-        protocol = root.split("://", 1)[0] if is_url(root) else "file"
-        return dict(self._options) if protocol == self._protocol else {}
-
     # public API ------------------------------------------------------------
     def register(
         self,
@@ -307,11 +294,17 @@ class Registry:
         """Store the manifest (or load it from a path) and point ``name@version`` at its id;
         return the id. Re-pointing at a different id is a `RegistryError` unless ``force``."""
         base, version = full_name(name)
-        manifest = self._as_manifest(manifest_or_path, verify)
+        manifest = manifest_or_path
+        if isinstance(manifest, str):
+            manifest = Manifest.load(manifest, verify=verify, retry=self.retry, **self._options)
+        elif not isinstance(manifest, Manifest):
+            raise RegistryError(
+                f"register() takes a Manifest or a manifest path, got {type(manifest).__name__}"
+            )
         self._put_object(manifest)
         with self._lock():
             self._sweep_temps(("tmp",))
-            return self._point(f"{base}@{version}", base, version, manifest, force)
+            return self._point(base, version, manifest, force)
 
     def resolve(
         self,
@@ -331,25 +324,34 @@ class Registry:
         and unverified unless ``root`` is given.
         """
         if isinstance(name_or_id, str) and name_or_id.startswith("b3:"):
-            manifest = self.get(name_or_id)
-            if root is None:
-                return manifest
-            return self._verified(manifest.with_root(root), verify, name_or_id, storage_options)
-        event = self._current(name_or_id)
-        if split_name(name_or_id)[1] is None and not latest:
-            warnings.warn(
-                f"resolve({name_or_id!r}) took the latest version, {event.name} ({event.id}): a "
-                "bare name follows every new registration, so a script that names it reads "
-                f"other data after the next one; hint: resolve({event.name!r}) pins it "
-                "(latest=True says floating is meant)",
-                BareNameWarning,
-                stacklevel=2,
-            )
-        manifest = self.get(event.id)
-        chosen = root if root is not None else event.root
+            manifest, chosen = self.get(name_or_id), root
+        else:
+            base, version = split_name(name_or_id)
+            ref = self._refs_of(base)[-1] if version is None else self._ref(base, version)
+            event = ref.current
+            if version is None and not latest:
+                warnings.warn(
+                    f"resolve({name_or_id!r}) took the latest version, {event.name} ({event.id}): "
+                    "a bare name follows every new registration, so a script that names it "
+                    f"reads other data after the next one; hint: resolve({event.name!r}) pins "
+                    "it (latest=True says floating is meant)",
+                    BareNameWarning,
+                    stacklevel=2,
+                )
+            manifest = self.get(event.id)
+            chosen = root if root is not None else event.root
         if chosen is None:
             return manifest
-        return self._verified(manifest.with_root(chosen), verify, name_or_id, storage_options)
+        manifest = manifest.with_root(chosen)
+        if storage_options is None:  # the registry's own where the root is on the same store
+            protocol = chosen.split("://", 1)[0] if is_url(chosen) else "file"
+            storage_options = self._options if protocol == self._protocol else {}
+        try:
+            manifest.verify(verify, retry=self.retry, **storage_options)
+        except DetdataError as exc:
+            exc.add_note(f"(resolving {name_or_id} from registry {self._shown})")
+            raise
+        return manifest
 
     def get(self, manifest_id: str) -> Manifest:
         """The stored manifest with this id (no root), checked intact: its fast form
@@ -416,15 +418,6 @@ class Registry:
         return [r.name.partition("@")[2] for r in self._refs_of(base)]
 
     # internals -------------------------------------------------------------
-    def _as_manifest(self, manifest_or_path: Manifest | str, verify: str) -> Manifest:
-        if isinstance(manifest_or_path, Manifest):
-            return manifest_or_path
-        if isinstance(manifest_or_path, str):
-            return Manifest.load(manifest_or_path, verify=verify, retry=self.retry, **self._options)
-        raise RegistryError(
-            f"register() takes a Manifest or a manifest path, got {type(manifest_or_path).__name__}"
-        )
-
     def _put_object(self, manifest: Manifest) -> None:
         """Store ``manifest`` (without root) under its id; a no-op when present."""
         url = self._url("manifests", self._object(manifest.id))
@@ -456,27 +449,26 @@ class Registry:
             return None
         return Manifest(shards=ShardTable(columns, path), metadata=header["metadata"])
 
-    def _point(self, name: str, base: str, version: str, manifest: Manifest, force: bool) -> str:
+    def _point(self, base: str, version: str, manifest: Manifest, force: bool) -> str:
+        name = f"{base}@{version}"
         ref = self._find_ref(base, version)
         now = time.time_ns()
         root = None if manifest.root is None else strip_credentials(manifest.root)
-        event = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=False)
-        if ref is None:
-            new = _Ref(name=name, created_ns=now, history=(event,))
-        elif ref.current.id == manifest.id:
-            if ref.current.root == root or root is None:
-                return manifest.id
-            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
-        elif not force:
+        moved = ref is not None and ref.current.id != manifest.id
+        if ref is not None and not moved and (ref.current.root == root or root is None):
+            return manifest.id
+        if ref is not None and moved and not force:
             raise RegistryError(
                 f"{name} already points at {ref.current.id}, not {manifest.id}; "
                 "registered names are immutable; hint: register a new version "
                 f"(e.g. {base}@<next>) or pass force=True (--force) to re-point "
                 "it (the old id stays in its history)"
             )
+        event = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=moved)
+        if ref is None:
+            new = _Ref(name=name, created_ns=now, history=(event,))
         else:
-            forced = RefEvent(name=name, id=manifest.id, root=root, time_ns=now, forced=True)
-            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, forced))
+            new = _Ref(name=name, created_ns=ref.created_ns, history=(*ref.history, event))
         self._write(self._url("refs", base, f"{version}.json"), new.to_bytes())
         return manifest.id
 
@@ -539,29 +531,6 @@ class Registry:
                 + (self._did_you_mean(base) or f"`detdata register MANIFEST {base}@v1`")
             )
         return sorted(refs, key=lambda r: (r.created_ns, r.name))
-
-    def _current(self, name: str) -> RefEvent:
-        base, version = split_name(name)
-        if version is None:
-            return self._refs_of(base)[-1].current
-        return self._ref(base, version).current
-
-    def _verified(
-        self,
-        manifest: Manifest,
-        verify: str,
-        what: str,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> Manifest:
-        options = (
-            dict(storage_options) if storage_options is not None else self._data_options(manifest)
-        )
-        try:
-            manifest.verify(verify, retry=self.retry, **options)
-        except DetdataError as exc:
-            exc.add_note(f"(resolving {what} from registry {self._shown})")
-            raise
-        return manifest
 
     def gc(self) -> int:
         """Remove stale temp files in every local registry folder (O(entries)); return how

@@ -61,30 +61,15 @@ def slice_check(
         if stopped:
             return None, extras
         if plan.ids:
-            extras[IDS] = _identities(manifest, root, entries, at, plan.tie).astype("<i8").tobytes()
+            # a fast form's paths checked first where its tie is not checked yet
+            paths = checked_paths(manifest.shards, int(at[0]), int(at[-1]) + 1, not plan.tie)
+            extras[IDS] = local_identities(root, paths).astype("<i8").tobytes()
         try:
             return check(entries), extras
         except Exception as exc:  # an I/O error, say: the slice's verdict, its tie part kept
             return exc, extras
 
     return one
-
-
-def _identities(
-    manifest: ShardList,
-    root: str,
-    entries: Sequence[ShardEntry],
-    at: npt.NDArray[np.int64],
-    unchecked: bool,
-) -> LocalIds:
-    """`local_identities` of the slice ``at``'s files; a fast form's paths each checked as
-    a path under the root first where its tie is not checked yet (``unchecked``)."""
-    shards = manifest.shards
-    if isinstance(shards, ShardTable):
-        paths = checked_paths(shards, int(at[0]), int(at[-1]) + 1, not unchecked)
-    else:
-        paths = [e.path for e in entries]
-    return local_identities(root, paths)
 
 
 def settle(store: Any, key: str, plan: shared.SlicePlan, manifest: ShardList) -> LocalIds | None:

@@ -60,8 +60,6 @@ def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
     """The whole decompressed bytes of the local JSONL file ``path`` (``rel`` names it)."""
     try:
         with open(path, "rb") as fh:
-            if schema == PLAIN:
-                return fh.read()
             return decompressed(fh, schema).read()
     except (OSError, EOFError, ValueError, lzma.LZMAError) as exc:
         raise FormatError(

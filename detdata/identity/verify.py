@@ -103,14 +103,14 @@ def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> Verif
     try:
         size = os.fstat(fd).st_size
         if size == shard.bytes <= SMALL_SHARD:
-            return check_whole(shard, _pread_all(fd, size), where)
+            return check_whole(shard, pread_all(fd, size), where)
         return check_bytes(
             shard,
             mode,
             where,
             size=lambda: size,
             quick=lambda n: quick_digest_parts(
-                n, _pread_all(fd, QUICK_SPAN, 0), _pread_all(fd, QUICK_SPAN, n - QUICK_SPAN)
+                n, pread_all(fd, QUICK_SPAN, 0), pread_all(fd, QUICK_SPAN, n - QUICK_SPAN)
             ),
             full=lambda _n: full_digest_fd(fd),
         )
@@ -118,7 +118,7 @@ def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> Verif
         os.close(fd)
 
 
-def _pread_all(fd: int, count: int, offset: int = 0) -> bytes:
+def pread_all(fd: int, count: int, offset: int = 0) -> bytes:
     """Exactly ``count`` bytes at ``offset`` (fewer only at the end of the file)."""
     parts: list[bytes] = []
     done = 0

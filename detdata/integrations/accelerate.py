@@ -1,53 +1,24 @@
 """accelerate (1.15): a resume that would restart the data or misalign its steps is refused or
-repaired, with no glue.
+repaired; the one line is ``accelerator.register_for_checkpointing(loader)`` (README,
+"accelerate"; docs/design.md section 7).
 
-The user's one line (README) is ``accelerator.register_for_checkpointing(loader)``: then
-``save_state`` / ``load_state`` carry the loader's state. Without it, ``load_state`` resumes
-the model, optimizer, RNG and ``accelerator.step`` while the loader starts its run over at
-position 0, and nothing of that call reaches the loader. Likewise a torch ``DataLoader`` with a
-detdata batch sampler prepared without ``use_stateful_dataloader=True``: accelerate saves and
-restores no position for it.
-
-So detdata watches three methods of ``Accelerator`` (wrapped once per process, as soon as
-detdata and accelerate are both imported, in either order: `detdata.integrations.watch`):
-
-- ``register_for_checkpointing``: notes which accelerator each `detdata.DataLoader` is
-  registered with; with ``gradient_accumulation_steps > 1`` its batch settings are checked
-  at once (below);
-- ``accumulate`` (its first call per accelerator, before the micro batch in hand trains):
-  ``gradient_accumulation_steps x num_processes x micro batch`` must be the global batch of
-  every detdata loader registered with that accelerator (`ConfigError` naming the
-  ``gradient_accumulation_steps`` that agrees);
-- ``load_state``, after accelerate's own returns:
-
-  - a prepared data loader whose batch sampler is a detdata sampler, while that loader is not
-    a stateful one: `StateError`, naming ``use_stateful_dataloader=True``;
-  - each detdata loader it restored stands at the first position of its step (a state saved
-    inside gradient accumulation re-delivers the step whole); ``accelerator.step``, which
-    ``accumulate()`` syncs on (``step % gradient_accumulation_steps``), is set to the micro
-    batches this run's layout has delivered by then when it differs (logged): restored at
-    the saving run's accumulation or inside a step, it would make the first optimizer step
-    short and every later one straddle two of detdata's;
-
-- a `detdata.DataLoader` that starts an iteration at position 0 (its first batch) is refused
-  with a `StateError` naming ``register_for_checkpointing`` when an accelerator it belongs to
-  resumed without it: registered with an accelerator only after that accelerator's
-  ``load_state``; or registered with none while some ``Accelerator`` of this process returned
-  from ``load_state`` with no detdata loader registered (with one registered, another loader
-  at position 0 is taken to be meant). A loader registered with an accelerator that did not
-  resume (a teacher model's ``Accelerator`` loading its own checkpoint beside a fresh run) is
-  never refused. A loader that starts over in every run by design (evaluation, e.g. beside
-  the torch-sampler path, whose prepared DataLoader accelerate restores) declares so and is
-  never refused: ``LoaderOptions(resume=ResumePolicy(fresh_each_run=True))``.
-
-Nothing else changes: each wrapper returns what accelerate returns and raises what it raises.
+Three ``Accelerator`` methods are wrapped once per process, as soon as detdata and accelerate
+are both imported (`detdata.integrations.watch`): ``register_for_checkpointing`` notes each
+`detdata.DataLoader`'s accelerators; the first ``accumulate`` per accelerator checks that
+``gradient_accumulation_steps x num_processes x micro batch`` is the global batch of its
+loaders (`ConfigError`); after ``load_state``, a prepared detdata sampler without
+``use_stateful_dataloader=True`` is a `StateError`, and ``accelerator.step`` is set to the
+micro batches the restored loaders' layout has delivered (logged when it changes). A loader
+whose accelerator resumed without it is refused at its first batch
+(`AcceleratorWatch.check_start`). Each wrapper returns what accelerate returns and raises what
+it raises.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final
 
 from accelerate import Accelerator
@@ -110,7 +81,7 @@ class AcceleratorWatch:
                 if int(accelerator.gradient_accumulation_steps) > 1:
                     _check_batch(accelerator, obj)
 
-    def accumulating(self, accelerator: Any) -> None:
+    def accumulating(self, accelerator: Any, _models: tuple[Any, ...]) -> None:
         """``accelerator.accumulate(...)`` is called: check its loaders' batch (once)."""
         if accelerator in self.checked:
             return
@@ -118,7 +89,7 @@ class AcceleratorWatch:
             _check_batch(accelerator, loader)
         self.checked.add(accelerator)
 
-    def loaded(self, accelerator: Any) -> None:
+    def loaded(self, accelerator: Any, _args: tuple[Any, ...]) -> None:
         """``accelerator.load_state`` returned (see the module doc)."""
         for prepared in getattr(accelerator, "_dataloaders", ()):
             sampler = _detdata_sampler(prepared)
@@ -141,7 +112,10 @@ class AcceleratorWatch:
 
     # -------------------------------------------------------- the loader's first batch
     def check_start(self, loader: object) -> None:
-        """A `DataLoader` at position 0 starts an iteration (see the module doc)."""
+        """A `DataLoader` at position 0 starts an iteration: `StateError` when an accelerator
+        it is registered with resumed without it (registered after ``load_state``), or when it
+        is registered with none while some ``Accelerator`` returned from ``load_state`` with no
+        detdata loader registered. Never for ``ResumePolicy(fresh_each_run=True)``."""
         if not isinstance(loader, DataLoader) or loader.options.resume.fresh_each_run:
             return
         owners = self.registered.get(loader)
@@ -172,46 +146,35 @@ _WATCH: Final = AcceleratorWatch()
 def start_watch() -> AcceleratorWatch:
     """Wrap ``Accelerator.load_state``, ``register_for_checkpointing`` and ``accumulate`` (once
     per process) and return the watch."""
-    for name, wrap in (
-        ("load_state", _watched_load),
-        ("register_for_checkpointing", _watched_register),
-        ("accumulate", _watched_accumulate),
+    for name, hook, before in (
+        ("load_state", _WATCH.loaded, False),
+        ("register_for_checkpointing", _WATCH.registering, False),
+        ("accumulate", _WATCH.accumulating, True),
     ):
         original = getattr(Accelerator, name)
         if not getattr(original, _MARK, False):
-            wrapped = wrap(original)
+            wrapped = _watched(original, hook, before=before)
             setattr(wrapped, _MARK, True)
             setattr(Accelerator, name, wrapped)
     return _WATCH
 
 
-def _watched_load(original: Callable[..., Any]) -> Callable[..., Any]:
+def _watched(
+    original: Callable[..., Any], hook: Callable[[Any, tuple[Any, ...]], None], *, before: bool
+) -> Callable[..., Any]:
+    """``original`` with ``hook(accelerator, positional arguments)`` run before it, or after it
+    returns."""
+
     @functools.wraps(original)
-    def load_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before:
+            hook(self, args)
         out = original(self, *args, **kwargs)
-        _WATCH.loaded(self)
+        if not before:
+            hook(self, args)
         return out
 
-    return load_state
-
-
-def _watched_register(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def register_for_checkpointing(self: Any, *objects: Any) -> Any:
-        out = original(self, *objects)
-        _WATCH.registering(self, objects)
-        return out
-
-    return register_for_checkpointing
-
-
-def _watched_accumulate(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def accumulate(self: Any, *models: Any) -> Any:
-        _WATCH.accumulating(self)
-        return original(self, *models)
-
-    return accumulate
+    return method
 
 
 def _loaders(accelerator: Any) -> list[DataLoader]:
@@ -263,18 +226,11 @@ def _align_step(accelerator: Any, loaders: list[DataLoader]) -> None:
 
 
 def _detdata_sampler(prepared: Any) -> Any:
-    """The detdata batch sampler a (prepared) data loader draws from, or None."""
-    for start in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
-        for obj in _chain(start):
+    """The detdata batch sampler a (prepared) data loader draws from: its ``batch_sampler`` or
+    ``sampler``, or one they wrap as ``.batch_sampler`` (at most `_DEPTH` deep); else None."""
+    for obj in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
+        for _ in range(_DEPTH):
             if isinstance(obj, _SAMPLERS):
                 return obj
+            obj = getattr(obj, "batch_sampler", None)
     return None
-
-
-def _chain(obj: Any) -> Iterator[Any]:
-    """``obj`` and the batch samplers it wraps (``.batch_sampler``), at most `_DEPTH`."""
-    for _ in range(_DEPTH):
-        if obj is None:
-            return
-        yield obj
-        obj = getattr(obj, "batch_sampler", None)

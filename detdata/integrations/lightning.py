@@ -1,39 +1,22 @@
 """PyTorch Lightning (2.6): no glue, and no line; Lightning's optimizer step N is detdata's step
-N, or ``fit`` stops before its first batch naming the setting that fixes it.
+N, or ``fit`` stops before its first batch naming the setting that fixes it (README, "PyTorch
+Lightning"; docs/design.md section 7).
 
-Both import styles are watched: ``import pytorch_lightning as pl`` and the unified package's
-``import lightning.pytorch as L`` (Lightning's recommended import since 2.0), which carries its
-own copy of every class below; the classes of each package are wrapped once that package is
-imported (`detdata.integrations.watch`), both when both are.
+Both ``pytorch_lightning`` and the unified ``lightning.pytorch`` (its own copy of every class
+below) are watched, each once it is imported (`detdata.integrations.watch`). Two methods are
+wrapped, once per process and package:
 
-Lightning saves the loader's state in its checkpoint and hands it back on resume; ``len()`` is
-whole global steps, so ``accumulate_grad_batches`` steps are detdata's steps. Two things only
-Lightning's side can see are watched (`detdata.integrations.watch` starts the watch once both
-detdata and Lightning are imported, in either order; two methods of Lightning's classes are
-wrapped, once per process and package):
-
-- restore (``fit(ckpt_path=...)``; ``_CheckpointConnector.restore_loops``, before Lightning
-  restores its loops and hands the loader its state): Lightning counts its position in micro
-  batches (``epoch_loop.batch_progress``) and steps when that count is a multiple of
-  ``accumulate_grad_batches``. (1) A checkpoint written inside an optimizer step (a monitored
-  ``ModelCheckpoint(every_n_train_steps=...)`` deferring its save to a validation that runs
-  inside gradient accumulation, ``OnExceptionCheckpoint``, a time-based checkpoint, your own
-  ``save_checkpoint`` between two micro batches): its partial gradients were not saved, so the
-  loader state is moved to the first position of the checkpoint's ``global_step``
-  (`LoaderState.resumed` with ``at_step``) and the micro batches of that step Lightning had
-  fetched are taken off its counters: the step is trained whole. (2) An
-  ``accumulate_grad_batches`` other than the saving run's (logged): the counters are
-  recounted in this run's micro batches per step (whole steps x ``accumulate_grad_batches``),
-  so Lightning steps at detdata's step boundaries;
-- train start (``FitLoop.on_run_start``, before ``on_train_start`` and the first batch), for
-  every `detdata.DataLoader` Lightning trains on: ``accumulate_grad_batches x devices x micro
-  batch`` must be the loader's global batch (`ConfigError` naming the
-  ``accumulate_grad_batches`` that agrees), and the loader must stand at the first position
-  of Lightning's restored ``global_step`` (`StateError`: position 0 when Lightning did not
-  restore its state, e.g. from an end-of-epoch checkpoint; never a silent replay).
-
-`DetdataSteps`, the optional line of earlier versions, is kept as a callback that does nothing
-more (the watch does it all).
+- ``_CheckpointConnector.restore_loops`` (`align_checkpoint`, before Lightning restores its
+  loops and hands the loader its state): Lightning counts micro batches
+  (``epoch_loop.batch_progress``). A checkpoint written inside an optimizer step (its partial
+  gradients not saved) has its loader state moved to the first position of ``global_step``
+  and that step's fetched micro batches taken off the counters: the step is trained whole.
+  An ``accumulate_grad_batches`` other than the saving run's has the counters recounted in
+  this run's micro batches per step (logged);
+- ``FitLoop.on_run_start`` (`check_fit`, before the first batch): for every
+  `detdata.DataLoader` trained on, ``accumulate_grad_batches x devices x micro batch`` must be
+  its global batch (`ConfigError`) and it must stand at the first position of the restored
+  ``global_step`` (`StateError`; never a silent replay).
 """
 
 from __future__ import annotations
@@ -81,12 +64,6 @@ class _Package:
     callback: type[pl.Callback]
     scheduler: type[pl.callbacks.GradientAccumulationScheduler]
     fitting: object  # TrainerFn.FITTING
-
-    @property
-    def trainer(self) -> str:
-        """The trainer's name in messages: ``pytorch_lightning.Trainer`` or
-        ``lightning.pytorch.Trainer``."""
-        return f"{self.name}.Trainer"
 
 
 @functools.cache
@@ -167,19 +144,15 @@ def _checked_run_start(original: Callable[..., Any], classes: _Package) -> Calla
 
 
 class DetdataSteps:
-    """The optional line of earlier versions, ``Trainer(callbacks=[DetdataSteps()])``: now a
-    callback that only makes sure the watch is started (it always is once detdata and Lightning
-    are imported); everything it did is done without it (see the module doc).
-
-    ``DetdataSteps()`` is a ``Callback`` of the Lightning package(s) imported when it is called
-    (``pytorch_lightning``, ``lightning.pytorch``, or both: it then subclasses both
-    ``Callback`` classes, so either ``Trainer`` takes it); with none imported yet, of
-    ``pytorch_lightning`` (as before)."""
+    """The optional line of earlier versions, ``Trainer(callbacks=[DetdataSteps()])``: a
+    callback that only starts the watch. It is a ``Callback`` of each Lightning package imported
+    when it is called (of ``pytorch_lightning`` when none is), so either ``Trainer`` takes it."""
 
     packages: tuple[str, ...] = ()
 
     def __new__(cls) -> DetdataSteps:
-        return object.__new__(_steps_class(_imported_packages()))
+        imported = tuple(name for name, top in PACKAGES.items() if top in sys.modules)
+        return object.__new__(_steps_class(imported or ("pytorch_lightning",)))
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,13 +163,6 @@ class DetdataSteps:
         """Pickled (``ddp_spawn``) and copied as a fresh ``DetdataSteps()``: its class is made
         for the packages imported where it is unpickled."""
         return (DetdataSteps, ())
-
-
-def _imported_packages() -> tuple[str, ...]:
-    """The keys of `PACKAGES` whose top-level package is imported; ``("pytorch_lightning",)``
-    when none is."""
-    found = tuple(name for name, top in PACKAGES.items() if top in sys.modules)
-    return found or ("pytorch_lightning",)
 
 
 @functools.cache
@@ -332,7 +298,7 @@ def check_fit(trainer: pl.Trainer, classes: _Package) -> None:
                 micro_batch_size=loader.batch_size,
                 accumulation=accumulation,
                 world_size=int(trainer.world_size),
-                trainer=classes.trainer,
+                trainer=f"{classes.name}.Trainer",
                 fix="Trainer(accumulate_grad_batches={accumulation}), or a micro_batch_size "
                 "that makes micro x devices x accumulate_grad_batches the global batch",
             )

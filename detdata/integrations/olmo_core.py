@@ -1,31 +1,14 @@
-"""OLMo-core (3.0) data loader backed by `detdata.DataLoader`.
+"""OLMo-core (3.0) data loader backed by `detdata.DataLoader` (README, "OLMo-core").
 
-OLMo-core's ``Trainer`` takes any ``DataLoaderBase``; its global batch is counted in
-*tokens*, each rank receives its whole share of a step as one batch (the train module splits
-it into micro batches of ``rank_microbatch_size`` tokens) and labels are the inputs shifted
-left unless the batch carries ``"labels"``. `OlmoCoreDataLoader` is such a loader::
+OLMo-core's ``Trainer`` takes any ``DataLoaderBase``; its global batch is counted in *tokens*
+and each rank receives its whole share of a step as one batch. Windows of ``S + 1`` tokens
+(``TokenWindows(..., seq_len=S)``) become ``{"input_ids": w[:, :-1], "labels": w[:, 1:]}``;
+windows of ``S`` tokens (``labels=False``) ``{"input_ids": w}`` (OLMo-core shifts the labels).
 
-    from detdata.integrations.olmo_core import OlmoCoreDataLoader
-
-    data_loader = OlmoCoreDataLoader(
-        detdata.TokenWindows(manifest, seq_len=S),  # S + 1 tokens: input_ids and labels
-        global_batch_size=256 * S,  # tokens, as everywhere in OLMo-core
-        seed=1234,
-        dp_process_group=train_module.dp_process_group,
-    )
-    trainer = trainer_config.build(train_module, data_loader)
-
-Windows of ``S + 1`` tokens (``TokenWindows(..., seq_len=S)``, the default ``labels=True``)
-become ``{"input_ids": w[:, :-1], "labels": w[:, 1:]}``: every position has a target. Windows
-of ``S`` tokens (``labels=False``) become ``{"input_ids": w}`` and OLMo-core shifts the labels
-itself (its own convention: the last position has no target).
-
-State: ``state_dict()`` is detdata's JSON state plus OLMo-core's epoch bookkeeping; the
-``Trainer`` saves it with its checkpoint (``train/rank{r}.pt``, identical on every rank) and a
-run resumes at another data-parallel size. Epochs are bookkeeping only: ``reshuffle`` changes
-nothing, the sample at each global position is fixed by the seed. The global batch cannot
-change during a run: setting ``global_batch_size`` to another value (what OLMo-core's
-``BatchSizeSchedulerCallback`` does for a batch-size warm-up) is a `ConfigError`.
+State: detdata's JSON state plus OLMo-core's epoch bookkeeping, identical on every rank, so a
+run resumes at another data-parallel size. Epochs are bookkeeping only (``reshuffle`` changes
+no sample). Setting ``global_batch_size`` to another value (``BatchSizeSchedulerCallback``'s
+warm-up) is a `ConfigError`.
 """
 
 from __future__ import annotations
@@ -52,12 +35,8 @@ __all__ = ["OlmoCoreDataLoader", "olmo_batch"]
 def olmo_batch(
     batch: Mapping[str, torch.Tensor], sequence_length: int, key: str = "tokens"
 ) -> dict[str, torch.Tensor]:
-    """OLMo-core's batch from a detdata batch of ``sequence_length`` (+1) tokens a row.
-
-    ``sequence_length + 1`` tokens: ``{"input_ids": w[:, :-1], "labels": w[:, 1:]}``;
-    ``sequence_length`` tokens: ``{"input_ids": w}`` (OLMo-core derives the labels).
-    int64 copies (they own their memory); any other width is a `ConfigError`.
-    """
+    """OLMo-core's batch (module doc; int64 copies) from a detdata batch of
+    ``sequence_length`` (+1) tokens a row; any other width is a `ConfigError`."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
@@ -196,9 +175,7 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
                 if remaining is not None and delivered >= remaining:
                     return  # the epoch's last step: nothing more is read (or counted)
         finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
+            batches.close()
 
     def get_mock_batch(self) -> dict[str, Any]:
         """A batch of this rank's shape (zeros) for OLMo-core's dry run; reads no data."""

@@ -1,42 +1,20 @@
-"""torchtitan (0.3) data loader backed by `detdata.DataLoader`.
+"""torchtitan (0.3) data loader backed by `detdata.DataLoader` (README, "torchtitan").
 
-torchtitan builds its training data loader from ``Trainer.Config.dataloader`` with
-``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
-...)``: only the local batch and the data-parallel coordinates, never the global batch. Put a
-`TorchtitanDataLoader.Config` there, with the global batch (samples per optimizer step, what
-``training.global_batch_size`` says) passed in explicitly::
+torchtitan builds its data loader from ``Trainer.Config.dataloader`` with only the local batch
+and the data-parallel coordinates, so `TorchtitanDataLoader.Config` takes the global batch
+(samples per optimizer step, ``training.global_batch_size``) explicitly. Each batch is
+torchtitan's ``({"input": tokens[:, :-1], "positions": ...}, tokens[:, 1:])`` over
+``TokenWindows(manifest, seq_len=training.seq_len)``; micro batches and ranks take the
+positions of docs/design.md section 4.
 
-    from detdata.integrations.torchtitan import TorchtitanDataLoader
+Checkpoints: ``states["dataloader"]`` (a DCP ``Stateful``) is detdata's JSON state, identical
+on every rank, so a run resumes at another data-parallel degree. A state saved between two
+optimizer steps of the configured global batch is refused (`ConfigError`).
 
-    config.dataloader = TorchtitanDataLoader.Config(
-        dataset="wiki-en@v3",  # a detdata registry name; or dataset_path="manifest.json"
-        global_batch_size=config.training.global_batch_size,
-        seed=1234,
-    )
-
-Each batch is torchtitan's ``({"input": tokens[:, :-1], "positions": ...}, tokens[:, 1:])`` over
-``TokenWindows(manifest, seq_len=training.seq_len)`` (``seq_len + 1`` tokens a window).
-Micro batches of gradient accumulation and data-parallel ranks take the positions of
-docs/design.md section 4, so the rows of each optimizer step never depend on the number of
-ranks or on ``local_batch_size``.
-
-Checkpoints: torchtitan's ``CheckpointManager`` saves ``states["dataloader"]`` with
-``torch.distributed.checkpoint`` as a ``Stateful``. The state is detdata's JSON state (the
-samples consumed by all ranks, identical on every rank), not one entry per dp rank, so a run
-saved at one data-parallel degree resumes at another (torchtitan's own loader refuses that).
-torchtitan draws exactly the micro batches of a step before it saves, so the state is exact at
-every step; a state saved between two optimizer steps of the configured global batch (that
-is, ``training.global_batch_size`` differs from ``global_batch_size``) is refused. (A state
-saved inside a step elsewhere, e.g. by your own DCP save, says so in its ``step_position`` and
-is resumed from that step's start: ``load_state_dict``'s default, `detdata.MidStep`.)
-
-At the first batch, when torchtitan's ``Trainer`` starts iterating the loader (``iter()``
-called from a ``Trainer`` method, its ``batch_generator``: that frame's ``self``), two checks:
-``gradient_accumulation_steps x pipeline micro batches x local batch x dp degree`` (what
-``training.global_batch_size`` makes) must be the loader's global batch (`ConfigError` naming
-both and the setting that agrees), and the loader must stand at the first position of the
-step the Trainer resumes after (`StateError`; e.g. position 0 when
-``checkpoint.exclude_from_loading`` names ``"dataloader"``), before any micro batch trains.
+When a torchtitan ``Trainer`` method starts iterating the loader (its ``batch_generator``),
+``gradient_accumulation_steps x pipeline micro batches x local batch x dp degree`` must be the
+loader's global batch (`ConfigError`) and the loader must stand at the first position of the
+step the Trainer resumes after (`StateError`), before any micro batch trains.
 """
 
 from __future__ import annotations
@@ -73,15 +51,10 @@ def titan_batch(
     positions: bool = True,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """torchtitan's ``({"input": x, "positions": p}, labels)`` from a detdata batch of
-    ``seq_len + 1`` tokens a row.
-
-    ``x`` is the first ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies: they
-    own their memory); ``positions`` (``0 .. seq_len - 1`` in every row, as torchtitan's own
-    text loader gives for one document; omitted with ``positions=False``) lets torchtitan build
-    the causal masks of its flex / varlen attention. A window of another width is a
-    `ConfigError`: each window needs one token more than ``seq_len``
-    (``TokenWindows(..., seq_len=seq_len)``, ``labels=True``).
-    """
+    ``seq_len + 1`` tokens a row (another width is a `ConfigError`): ``x`` the first
+    ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies); ``positions`` (``0 ..
+    seq_len - 1`` in every row, omitted with ``positions=False``) lets torchtitan build the
+    causal masks of its flex / varlen attention."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
@@ -200,11 +173,8 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
             )
 
     def _check_trainer(self, trainer: Any) -> None:
-        """The Trainer takes an optimizer step every ``gradient_accumulation_steps x
-        pipeline micro batches`` of this loader's micro batches on ``dp_world_size`` ranks: that
-        must be the loader's global batch (`ConfigError`); and it trains step ``trainer.step``
-        (counted before the step's first batch), so the loader must stand at the first position
-        of the step before it (`StateError`: a loader at position 0 was not restored)."""
+        """The module doc's two checks against ``trainer`` (``trainer.step`` is counted before
+        the step's first batch: the loader stands at the first position of the step before)."""
         loader = self.loader
         steps = int(trainer.gradient_accumulation_steps)
         steps *= int(getattr(trainer, "num_pipeline_parallel_microbatches", 1))

@@ -1,43 +1,20 @@
-"""Hugging Face transformers (5.x) ``Trainer`` over a `detdata.DataLoader`.
+"""Hugging Face transformers (5.x) ``Trainer`` over a `detdata.DataLoader` (README, "Hugging
+Face transformers"): `DetdataTrainer`, or `DetdataTrainerMixin` in your own ``Trainer``
+subclass, with the loader as ``train_dataloader``.
 
-The one line: build the trainer as `DetdataTrainer` (a ``Trainer`` subclass; or mix
-`DetdataTrainerMixin` into your own ``Trainer`` subclass) and hand it the loader::
+- ``get_train_dataloader()`` returns the loader itself, after checking the Trainer's batch
+  settings (``gradient_accumulation_steps x world_size x per_device_train_batch_size`` is the
+  global batch, ``per_device_train_batch_size`` the micro batch) and worker settings
+  (`check_worker_args`): `ConfigError` naming the fix;
+- each ``checkpoint-N`` folder gets ``detdata_loader.json``, the loader's state at the first
+  position of the Trainer's ``global_step`` (a checkpoint inside gradient accumulation
+  resumes by training that step whole);
+- a resume loads it, checks the loader stands at the start of the restored ``global_step``
+  (`StateError`) and lets the Trainer count the resumed epoch's steps without reading or
+  skipping a batch (its ``skip_first_batches`` is not applied to the loader).
 
-    from detdata.integrations.transformers import DetdataTrainer
-
-    loader = detdata.DataLoader(ds, global_batch_size=512, micro_batch_size=8, seed=1234)
-    trainer = DetdataTrainer(model=model, args=args, train_dataloader=loader)
-    trainer.train()                               # later, in a fresh process:
-    trainer.train(resume_from_checkpoint=True)    # the next step's micro batches, exactly
-
-What it does, and nothing else:
-
-- ``get_train_dataloader()`` returns the loader (rank and world size come from
-  torch.distributed when iteration starts: the loader shards by rank itself, nothing
-  wraps it);
-- every checkpoint folder (``checkpoint-N``) gets the loader's JSON state,
-  ``detdata_loader.json``, written by the process that saves (identical on every rank);
-- a resume loads it before training, checks that the loader stands at the start of the
-  trainer's restored optimizer step ``global_step`` (`StateError` otherwise) and lets the
-  Trainer count the resumed epoch's steps as an uninterrupted run does, without reading or
-  skipping a batch (the Trainer's own ``skip_first_batches`` is not applied to the loader:
-  detdata resumes at the position in O(1));
-- the Trainer's batch settings must agree with the loader's global batch:
-  ``gradient_accumulation_steps x world_size x per_device_train_batch_size ==
-  global_batch_size`` and ``per_device_train_batch_size`` is the loader's micro batch,
-  checked before the first batch (`ConfigError` with the line that fixes it);
-- the Trainer's worker settings are the loader's own: ``dataloader_num_workers`` other than 0
-  and the loader's ``num_workers``, and ``dataloader_persistent_workers`` /
-  ``dataloader_prefetch_factor`` / ``dataloader_multiprocessing_context`` set at all, are a
-  `ConfigError` naming the loader's keyword (the Trainer would not apply them).
-
-``len(loader)`` counts whole global steps' worth of micro batches, so the Trainer never takes
-a short step at an epoch's end: its optimizer step N, epoch and ``epoch`` fraction are an
-uninterrupted run's, and step N holds detdata's step N (``loader.position_of_step(N)`` on).
-The Trainer fetches a whole step's micro batches before training any; the state written is
-the loader's at the first position of the Trainer's ``global_step``, so a checkpoint written
-inside gradient accumulation (your own ``_save_checkpoint`` from a callback's
-``on_substep_end``) resumes by training that step whole (its partial gradients are not saved).
+``len(loader)`` counts whole global steps' worth of micro batches, so optimizer step N holds
+detdata's step N.
 """
 
 from __future__ import annotations
@@ -102,9 +79,7 @@ class DetdataTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         state = self.state  # type: ignore[attr-defined]
-        # the loader state at the first position of the Trainer's step: the same state between
-        # two steps; inside gradient accumulation (the Trainer fetched the step's micro batches
-        # before training them, their gradients are not saved) the step is trained again
+        # the state at the first position of the Trainer's step (module doc)
         try:
             saved = LoaderState.from_json(self.detdata_loader.state_dict()).resumed(
                 MidStep.REDO, at_step=int(state.global_step)

@@ -1,27 +1,17 @@
 """The `detdata.loading.frameworks` watcher the package registers: it starts the watch of each
-supported framework as soon as both detdata and the framework are imported, in either order.
+supported framework (accelerate, PyTorch Lightning as ``pytorch_lightning`` or
+``lightning.pytorch``) as soon as both detdata and the framework are imported, in either order.
 
-Importing this module imports no framework. A framework's integration module is imported (and
-its watch started) once the framework itself has been imported:
-
-- already imported when detdata is (or when a detdata loader or sampler is built): at once;
-- imported later: right after the framework's top-level package has finished importing. A
-  finder on ``sys.meta_path`` (`_AfterImport`, added at ``import detdata``, removed once every
-  watched framework is imported) notices the import, lets the usual finders find and load the
-  package unchanged, then starts the watch, before the script can build an ``Accelerator`` or
-  a ``Trainer``. A loader built before ``import accelerate`` is watched like any other.
-
-Today: accelerate (`detdata.integrations.accelerate`: ``Accelerator.load_state`` resuming a
-run whose detdata loader it does not checkpoint, ``gradient_accumulation_steps`` against the
-loader's global batch) and PyTorch Lightning (`detdata.integrations.lightning`: the loader's
-step and Lightning's restored counters, its batch settings), imported either as
-``pytorch_lightning`` or as the unified ``lightning`` package (``lightning.pytorch``), each
-package's classes watched once it is imported (both, if both are). The other integrations check
-inside the code the user adds (`DetdataTrainer`, the torchtitan and OLMo-core loaders).
+Importing this module imports no framework. A framework imported before detdata (or before a
+detdata loader or sampler is built) is watched at once; one imported later, right after its
+top-level package has finished importing: a finder on ``sys.meta_path`` (`_AfterImport`, added
+at ``import detdata``, removed once every framework is imported) lets the usual finders load the
+package unchanged, then starts the watch.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -37,33 +27,14 @@ __all__ = ["WATCHER", "ImportedFrameworks"]
 log: Final = get_logger("detdata")
 
 
-def _accelerate() -> FrameworkWatcher:
-    from detdata.integrations.accelerate import start_watch
-
-    return start_watch()
-
-
-def _lightning() -> FrameworkWatcher:
-    from detdata.integrations.lightning import start_watch
-
-    return start_watch("pytorch_lightning")
-
-
-def _lightning_unified() -> FrameworkWatcher:
-    from detdata.integrations.lightning import start_watch
-
-    return start_watch("lightning.pytorch")
-
-
-#: (the framework's top-level package, what starts its watch): started once that package has
-#: finished importing (every module its ``__init__`` imports is then complete). The unified
-#: ``lightning`` package imports its ``lightning.pytorch`` (its own copy of PyTorch Lightning's
-#: classes) from its ``__init__``, whichever of its modules a script imports.
-_FRAMEWORKS: Final[tuple[tuple[str, Callable[[], FrameworkWatcher]], ...]] = (
-    ("accelerate", _accelerate),
-    ("pytorch_lightning", _lightning),
-    ("lightning", _lightning_unified),
-)
+#: the framework's top-level package -> (the integration module, its ``start_watch`` arguments):
+#: started once that package has finished importing. The unified ``lightning`` package imports
+#: ``lightning.pytorch`` (its own copy of PyTorch Lightning's classes) from its ``__init__``.
+_FRAMEWORKS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
+    "accelerate": ("detdata.integrations.accelerate", ()),
+    "pytorch_lightning": ("detdata.integrations.lightning", ("pytorch_lightning",)),
+    "lightning": ("detdata.integrations.lightning", ("lightning.pytorch",)),
+}
 
 
 class ImportedFrameworks:
@@ -76,11 +47,11 @@ class ImportedFrameworks:
     def built(self) -> None:
         """Start the watch of every framework imported by now; the first call (at ``import
         detdata``) also adds the finder that starts the others when they are imported."""
-        for module, _ in _FRAMEWORKS:
+        for module in _FRAMEWORKS:
             if module in sys.modules:
                 self._start(module)
         if self._finder is None:
-            pending = [m for m, _ in _FRAMEWORKS if m not in self._started]
+            pending = [m for m in _FRAMEWORKS if m not in self._started]
             self._finder = _AfterImport(pending, self._start)
             self._finder.install()
         for watcher in tuple(self._started.values()):
@@ -91,10 +62,10 @@ class ImportedFrameworks:
             watcher.check_start(loader)
 
     def _start(self, module: str) -> None:
-        if module in self._started:
-            return
-        start = dict(_FRAMEWORKS)[module]
-        self._started[module] = start()
+        if module not in self._started:
+            integration, args = _FRAMEWORKS[module]
+            watcher: FrameworkWatcher = importlib.import_module(integration).start_watch(*args)
+            self._started[module] = watcher
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

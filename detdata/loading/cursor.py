@@ -39,7 +39,7 @@ from detdata.loading.state import (
     identity_fields,
     mismatch_message,
 )
-from detdata.loading.steps import MidStep, parse_mid_step
+from detdata.loading.steps import MidStep, StepPosition, parse_mid_step
 from detdata.loading.trace import StepSpan
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
@@ -116,15 +116,11 @@ class Cursor:
         self._policy = policy
         self._layout = placement.layout_at(0)
         self._plan = Plan.fresh(definition.schedule, self._layout)
-        # earlier batches are checked from the start position (`bind`, a resume): a resume
-        # past a ramp-up may use a layout the ramp's batches do not fit
         self._plan.check_settles(self._layout)
-        if total_samples is not None:
-            self._plan.check_step_end(total_samples)
-        self._total = total_samples
+        self._consumed = 0
+        self.set_total_samples(total_samples)
         self._saved_plan: Plan | None = None  # the history of the state loaded last, as saved
         self._stream = definition.stream
-        self._consumed = 0
         self._generation = 0
         self._superseded = ""  # what ended the iterators of earlier generations
         self._pending: Pending | None = None  # the loaded state's attestation, not yet passed
@@ -175,19 +171,13 @@ class Cursor:
     def step(self) -> int:
         return self._plan.step_of(self._consumed)
 
-    def position_of_step(self, step: int) -> int:
-        return self._plan.start_of(check_count(step, "step", minimum=0))
-
-    def step_of_position(self, position: int) -> int:
-        return self._plan.step_of(check_count(position, "position", minimum=0))
-
     def step_span(self) -> StepSpan:
         """Where the next micro batch lies in the run's steps (a trace record's step fields)."""
-        step = self._plan.step_of(self._consumed)
+        at = StepPosition.of(self._plan, self._consumed)
         return StepSpan(
-            step=step,
-            start=self._plan.start_of(step),
-            size=self._plan.batch_of(step),
+            step=at.step,
+            start=at.first_position,
+            size=at.global_batch_size,
             next=self._consumed + self._layout.samples_per_micro_step,
         )
 
@@ -376,7 +366,7 @@ class Cursor:
                 plan.changes[-1].describe(),
             )
         if K_EXCLUSIONS in diffs:
-            resume.check_exclusions(self._stream, saved, failure)
+            resume.check_exclusions(self._stream, failure)
         if K_MIXTURE in diffs:
             resume.check_mixture_change(self.definition.data, saved, failure, diffs)
         self._stream = stream

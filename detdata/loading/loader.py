@@ -18,7 +18,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream
-from detdata.loading import frameworks
+from detdata.loading import frameworks, steps
 from detdata.loading.arguments import (
     TorchOnly,
     check_torch_args,
@@ -170,14 +170,14 @@ class DataLoader:
         )
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
-        self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
+        self.collate_fn, self.pin_memory = collate_fn, bool(pin_memory)
         self.worker_mode, self.batches_ahead = opts.read.mode, opts.read.batches_ahead
         steps_ahead = opts.read.steps_ahead
         self.steps_ahead = DEFAULT_STEPS_AHEAD if steps_ahead is None else steps_ahead
         self.steps_ahead_connections = opts.read.steps_ahead_connections
         self.device, self.copies_ahead = opts.device.target, opts.device.copies_ahead
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
-        pin = self._pin_memory and self.device is None
+        pin = self.pin_memory and self.device is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
             "num_workers": self.num_workers,
             "pin_memory": pin,
@@ -238,11 +238,11 @@ class DataLoader:
 
     def position_of_step(self, step: int) -> int:
         """First global position of step ``step`` of this run (all ranks)."""
-        return self._cursor.position_of_step(step)
+        return steps.position_of_step(self._cursor.plan, step)
 
     def step_of_position(self, position: int) -> int:
         """The step global position ``position`` belongs to in this run."""
-        return self._cursor.step_of_position(position)
+        return steps.step_of_position(self._cursor.plan, position)
 
     def positions_of_next(self) -> IntArray:
         """Positions of the micro batch the next iteration will deliver on this rank."""
@@ -284,9 +284,8 @@ class DataLoader:
         if total is not None:
             return total // per
         stream = self._cursor.stream
-        if isinstance(stream, OrderedStream):
-            return self._cursor.whole_steps(int(stream.dataset.num_samples)) // per
-        return self._cursor.whole_steps(MAX_POSITION) // per
+        epoch = stream.dataset.num_samples if isinstance(stream, OrderedStream) else MAX_POSITION
+        return self._cursor.whole_steps(int(epoch)) // per
 
     def check_trainer_batch(
         self,
@@ -336,29 +335,15 @@ class DataLoader:
         """Samples per delivered batch: this rank's micro batch."""
         return self.layout.micro_batch_size
 
-    @property
-    def drop_last(self) -> bool:
-        """Always True: every delivered batch is a full micro batch."""
-        return True
+    #: every delivered batch is a full micro batch; no batch sampler (see `sampler`)
+    drop_last: Final = True
+    batch_sampler: Final = None
 
     @property
     def sampler(self) -> EpochStart:
         """Not a torch sampler (the data is sharded by rank already): it carries only
         ``set_epoch``, which trainers call on ``loader.sampler``."""
         return EpochStart(self)
-
-    @property
-    def batch_sampler(self) -> None:
-        """None (see `sampler`)."""
-        return None
-
-    @property
-    def collate_fn(self) -> Callable[[Batch], Any] | None:
-        return self._collate_fn
-
-    @property
-    def pin_memory(self) -> bool:
-        return self._pin_memory
 
     def set_epoch(self, epoch: int) -> None:
         """Never moves the position (the order is a function of the global position).
@@ -429,7 +414,7 @@ class DataLoader:
 
     def mixture_weights_at_step(self, step: int) -> dict[str, Fraction]:
         """The exact proportions in force at global ``step``'s first position."""
-        position = self._cursor.position_of_step(step)
+        position = self.position_of_step(step)
         return reweightable(self._cursor.stream).mixture_weights_at(position)
 
     # ------------------------------------------------------------ provenance

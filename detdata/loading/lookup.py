@@ -1,7 +1,7 @@
 """Which stream and which samples a `DataLoader` delivered at a position of its run, each
 answered with the stream and layout in force then (`DataLoader.provenance`,
 `DataLoader.positions_seen`, `DataLoader.stream_at`). A `Lookup` reads the run through a
-read-only view (`RunHistory`: the loader's `Cursor`) and never moves it.
+loader's `Cursor` and never moves it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import numpy as np
 
@@ -18,9 +18,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.streams import OrderedStream, as_stream
-from detdata.loading.cursor import Definition
-from detdata.loading.history import Plan
-from detdata.loading.layout import Layout
+from detdata.loading.cursor import Cursor
 from detdata.loading.state import K_ALGORITHM, K_DATA, K_MANIFESTS, K_SEED, K_STREAM_SEED
 
 #: Checked fields whose change at a resume gives earlier positions another stream.
@@ -31,32 +29,10 @@ def _same(a: Any, b: Any) -> bool:
     return bool(json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True))
 
 
-class RunHistory(Protocol):
-    """What a `Lookup` reads of a run (a `Cursor` provides it): read-only."""
-
-    @property
-    def definition(self) -> Definition: ...
-
-    @property
-    def plan(self) -> Plan: ...
-
-    @property
-    def saved_plan(self) -> Plan | None: ...
-
-    @property
-    def stream(self) -> Stream: ...
-
-    @property
-    def layout(self) -> Layout: ...
-
-    @property
-    def total_samples(self) -> int | None: ...
-
-
 class Lookup:
     """Provenance queries of a `DataLoader` over its run's history (never move the loader)."""
 
-    def __init__(self, run: RunHistory) -> None:
+    def __init__(self, run: Cursor) -> None:
         self._run = run
 
     def provenance(

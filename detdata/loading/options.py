@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from detdata.base.checks import check_count, refuses_renamed
 from detdata.base.errors import ConfigError, StateError
@@ -29,24 +29,10 @@ if TYPE_CHECKING:
 
     from detdata.loading.reading import Transform
 
-T = TypeVar("T")
-
 #: ``ReadOptions.batches_ahead``'s upper bound: micro batches read with one batched read.
 MAX_BATCHES_AHEAD: Final = 64
 #: ``ReadOptions.steps_ahead_connections``' upper bound.
 MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
-
-
-def _checked(label: str, check: Callable[[], T], hint: str) -> T:
-    """``check()``'s value; its error re-raised as a `ConfigError` naming ``label`` (unless
-    the message already starts with it) with ``hint``."""
-    try:
-        return check()
-    except (ConfigError, StateError) as exc:
-        text = str(exc) if str(exc).startswith(label) else f"{label}: {exc}"
-        if "hint:" not in text:
-            text = f"{text}; hint: {hint}"
-        raise ConfigError(text) from None
 
 
 def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
@@ -61,10 +47,16 @@ def _fix(
 ) -> None:
     """Store ``check(value, label)`` as field ``name`` of the frozen dataclass ``obj`` (inside
     ``__post_init__``); its error is a `ConfigError` naming ``label`` (default
-    ``Class.name``) with ``hint``."""
+    ``Class.name``, unless the message starts with it) with ``hint`` (unless it has one)."""
     label = label or f"{type(obj).__name__}.{name}"
-    value = getattr(obj, name)
-    object.__setattr__(obj, name, _checked(label, lambda: check(value, label), hint))
+    try:
+        value = check(getattr(obj, name), label)
+    except (ConfigError, StateError) as exc:
+        text = str(exc) if str(exc).startswith(label) else f"{label}: {exc}"
+        if "hint:" not in text:
+            text = f"{text}; hint: {hint}"
+        raise ConfigError(text) from None
+    object.__setattr__(obj, name, value)
 
 
 @refuses_renamed(

@@ -113,10 +113,6 @@ class PositionDataset(tud.Dataset[Batch]):
             batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
         return batch
 
-    def read_ahead(self, positions: IntArray | None) -> None:
-        """Hint a `ReadsAhead` stream that ``positions`` are read next (`hint_read_ahead`)."""
-        hint_read_ahead(self.stream, positions)
-
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
     """Yields groups of up to ``size`` consecutive micro batches (position arrays) from
@@ -129,16 +125,13 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
         self.size = size
 
     def __iter__(self) -> Iterator[list[IntArray]]:
-        micro = self._micro_batches()
+        per = self.layout.samples_per_micro_step
+        steps: Iterator[int] = itertools.count(self.start // per)
+        if self.stop is not None:  # the micro steps that begin before ``stop``
+            steps = iter(range(self.start // per, -(-self.stop // per)))
+        micro = map(self.layout.positions, steps)
         while group := list(itertools.islice(micro, self.size)):
             yield group
-
-    def _micro_batches(self) -> Iterator[IntArray]:
-        per = self.layout.samples_per_micro_step
-        j = self.start // per
-        while self.stop is None or j * per < self.stop:
-            yield self.layout.positions(j)
-            j += 1
 
 
 class SlotSampler(tud.Sampler[SlotTask]):
@@ -357,9 +350,9 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
         return self._one_by_one(group) if len(group) == 1 else self._group(group)
 
     def read_ahead(self, group: list[IntArray] | None) -> None:
-        """A hint that ``group`` is read next (None: drop what is pending); never changes a
-        byte (`OrderedStream.read_ahead`)."""
-        self.dataset.read_ahead(None if group is None else np.concatenate(group))
+        """A hint that ``group`` is read next (None: drop what is pending) to a `ReadsAhead`
+        stream (`hint_read_ahead`); never changes a byte (`OrderedStream.read_ahead`)."""
+        hint_read_ahead(self.dataset.stream, None if group is None else np.concatenate(group))
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,7 @@ def resumed_plan(
     return plan.with_layout(position, layout)
 
 
-def check_exclusions(
-    stream: Stream, saved: LoaderState, failure: ConfigError | StateError | None
-) -> None:
+def check_exclusions(stream: Stream, failure: ConfigError | StateError | None) -> None:
     """An allowed ``exclusions`` change may only append lists in force from the saved
     position on (``failure``: `stream_in_force`'s refusal); else a `StateError`."""
     if not isinstance(stream, Excluded):

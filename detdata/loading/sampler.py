@@ -24,7 +24,7 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
-from detdata.loading import frameworks
+from detdata.loading import frameworks, steps
 from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, Placement, process_group_rank_world
 from detdata.order.batches import BatchSchedule
@@ -69,23 +69,16 @@ class _Ids:
         names = self.mixture.source_names
         return [(names[s], i) for s, i in zip(src.tolist(), ids.tolist(), strict=True)]
 
-    def epoch_samples(self) -> int | None:
-        """Samples in one pass over the dataset (None for a `Mixture`, which has no epoch)."""
-        return None if self.order is None else int(self.order.num_samples)
 
-
-def _caller() -> FrameType | None:
-    """The frame of whoever called the ``__iter__`` that calls this (None if there is none)."""
+def _dealer(sampler: object) -> Any:
+    """The object that called ``iter(sampler)`` (the ``self`` of the frame that called the
+    ``__iter__`` calling this) if it deals the items to several processes (holds it as
+    ``.batch_sampler``, has ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else
+    None."""
     try:
-        return sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
     except ValueError:  # called from C with no Python frame below
-        return None
-
-
-def _dealer(frame: FrameType | None, sampler: object) -> Any:
-    """The object (the ``self`` of the calling frame) that called ``iter(sampler)`` if it
-    deals the items to several processes (holds it as ``.batch_sampler``, has
-    ``num_processes > 1``: accelerate's ``BatchSamplerShard``), else None."""
+        frame = None
     owner = None if frame is None else frame.f_locals.get("self")
     processes = getattr(owner, "num_processes", None)
     if (
@@ -131,8 +124,6 @@ class DeterministicBatchSampler:
         self._placement = Placement(constant, micro_batch_size, rank, world_size)
         self.layout = self._placement.layout_at(0)
         self._plan = Plan.fresh(self._schedule, self.layout)
-        # earlier batches are checked from the start position (iteration, load_state_dict):
-        # a resume past a ramp-up may use a layout the ramp's batches do not fit
         self._plan.check_settles(self.layout)
         self.total_samples = _check_total(total_samples)
         self._start = 0
@@ -164,8 +155,7 @@ class DeterministicBatchSampler:
         micro-step boundary of its step whose every later global batch divides into micro
         steps (`StateError` / `ConfigError` otherwise)."""
         layout = self._placement.layout_at(consumed)
-        layout.check_resume_position(consumed, self._plan.start_of(self._plan.step_of(consumed)))
-        self._plan.check_fits(layout, consumed)
+        self._plan.check_continues(layout, consumed)
         self.layout, self._start, self._yielded = layout, consumed, 0
 
     # ------------------------------------------------------ steps
@@ -180,12 +170,12 @@ class DeterministicBatchSampler:
         return self._plan.step_of(self.samples_consumed)
 
     def position_of_step(self, step: int) -> int:
-        """First global position of step ``step`` (all ranks)."""
-        return self._plan.start_of(check_count(step, "step", minimum=0))
+        """`steps.position_of_step` of this sampler's run."""
+        return steps.position_of_step(self._plan, step)
 
     def step_of_position(self, position: int) -> int:
-        """The step global position ``position`` belongs to."""
-        return self._plan.step_of(check_count(position, "position", minimum=0))
+        """`steps.step_of_position` of this sampler's run."""
+        return steps.step_of_position(self._plan, position)
 
     # ------------------------------------------------------ BatchSampler surface
     @property
@@ -193,15 +183,9 @@ class DeterministicBatchSampler:
         """Ids per item: this rank's micro batch."""
         return self.layout.micro_batch_size
 
-    @property
-    def drop_last(self) -> bool:
-        """Always True: every item is a full micro batch."""
-        return True
-
-    @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, not from a torch sampler."""
-        return None
+    #: every item is a full micro batch; positions come from detdata's layout, not a sampler
+    drop_last: Final = True
+    sampler: Final = None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: the order is a function of the global position, not of an epoch counter."""
@@ -213,9 +197,8 @@ class DeterministicBatchSampler:
         per = self.layout.samples_per_micro_step
         if self.total_samples is not None:
             return self.total_samples // per
-        epoch = self._ids.epoch_samples()
-        if epoch is not None:
-            return max(1, epoch // per)
+        if self.order is not None:  # one pass over the dataset (a `Mixture` has no epoch)
+            return max(1, int(self.order.num_samples) // per)
         return MAX_POSITION // per
 
     # ------------------------------------------------------------- iteration
@@ -228,7 +211,7 @@ class DeterministicBatchSampler:
         """This rank's micro batches from ``samples_consumed`` on (rank and world size re-read
         here); `ConfigError` when the caller deals the items to several processes (accelerate's
         ``BatchSamplerShard``): they are this rank's slice already."""
-        dealer = _dealer(_caller(), self)
+        dealer = _dealer(self)
         self._bind(self.samples_consumed)  # counted with the layout they were yielded with
         if dealer is not None:
             raise ConfigError(
@@ -347,25 +330,15 @@ class FrameworkBatchSampler:
             )
         self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
         self.seed = self._ids.seed
-        self._layout = Layout.create(global_batch_size, batch_size, 1, 0)
+        #: ids per item, one micro step of all processes together (a divisor of the global batch)
+        self.batch_size = Layout.create(global_batch_size, batch_size, 1, 0).micro_batch_size
         self.global_batch_size = check_count(global_batch_size, "global_batch_size")
         self.total_samples = _check_total(total_samples)
         frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
 
-    @property
-    def batch_size(self) -> int:
-        """Ids per item: one micro step of all processes together."""
-        return self._layout.micro_batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        """Always True: every item is a full micro step."""
-        return True
-
-    @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, not from a torch sampler."""
-        return None
+    #: every item is a full micro step; positions come from detdata's layout, not a sampler
+    drop_last: Final = True
+    sampler: Final = None
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: one pass covers the whole run."""
@@ -379,7 +352,7 @@ class FrameworkBatchSampler:
     def __iter__(self) -> Iterator[list[Any]]:
         """The run's items from its first; `ConfigError` at world size > 1 unless the caller
         splits each item among the processes."""
-        dealer = _dealer(_caller(), self)
+        dealer = _dealer(self)
         _, world = process_group_rank_world()
         if world > 1 and dealer is None:
             raise ConfigError(
@@ -402,9 +375,7 @@ class FrameworkBatchSampler:
     def _generate(self) -> Iterator[list[Any]]:
         """Items in order, ids computed for `_CHUNK_POSITIONS` positions at once (a framework
         skipping delivered items on resume skips ~100x faster)."""
-        per = self.batch_size
-        total = MAX_POSITION if self.total_samples is None else self.total_samples
-        items = total // per
+        per, items = self.batch_size, len(self)
         chunk = max(1, _CHUNK_POSITIONS // per)
         for first in range(0, items, chunk):
             count = min(chunk, items - first)

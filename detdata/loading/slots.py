@@ -398,12 +398,6 @@ class SlotTransport:
             self._drop_rings()
         _TRANSPORTS.pop(self.id, None)
 
-    def _drop_in_child(self) -> None:
-        """In a forked child: unmap and close the inherited rings (no lock: another thread
-        of the parent may have held it at the fork); the child's copy hands out no slot."""
-        self._lock = threading.Lock()
-        self._drop_rings()
-
     def _drop_rings(self) -> None:
         """Unmap and close every ring; no slot is handed out after."""
         for ring in self._rings.values():
@@ -418,7 +412,9 @@ def _drop_inherited_rings() -> None:
     """After a fork, in the child: drop every inherited ring (workers get theirs through
     their tasks, and an unrelated child must not keep one alive)."""
     for transport in list(_TRANSPORTS.values()):
-        transport._drop_in_child()
+        # a new lock: another thread of the parent may have held the old one at the fork
+        transport._lock = threading.Lock()
+        transport._drop_rings()
     _TRANSPORTS.clear()
     _HELD.clear()
 

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
+from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.redact import get_logger
 from detdata.loading.history import Plan
@@ -41,6 +42,16 @@ def parse_mid_step(value: object, name: str = "mid_step") -> MidStep:
             f"{name} must be 'redo' (re-deliver the whole step, the default) or 'continue' "
             f"(the partial step's gradients were saved too), got {value!r}"
         ) from None
+
+
+def position_of_step(plan: Plan, step: int) -> int:
+    """First global position of step ``step`` of ``plan``'s run (all ranks)."""
+    return plan.start_of(check_count(step, "step", minimum=0))
+
+
+def step_of_position(plan: Plan, position: int) -> int:
+    """The step of ``plan``'s run global position ``position`` belongs to."""
+    return plan.step_of(check_count(position, "position", minimum=0))
 
 
 @dataclass(frozen=True, kw_only=True)

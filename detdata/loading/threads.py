@@ -18,7 +18,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from detdata.base.errors import ConfigError
+from detdata.base.checks import check_positive_int
 
 T = TypeVar("T")
 
@@ -55,9 +55,8 @@ def threaded_batches(
     may be infinite), on ``num_threads`` threads, in order, at most ``ahead`` ahead. A
     ``fetch`` error is raised when its batch is due, with a note naming the positions; a
     ``positions`` error after the batches before it."""
-    for value, name, minimum in ((num_threads, "num_threads", 1), (ahead, "ahead", 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    check_positive_int(num_threads, "num_threads")
+    check_positive_int(ahead, "ahead")
     return _generate(fetch, positions, num_threads, ahead)
 
 

@@ -28,13 +28,6 @@ from detdata.order.rng import worker_seed
 from detdata.storage.fileread import set_read_threads
 
 
-def seed_globals(seed64: int) -> None:
-    """Seed python, numpy-legacy and torch global generators from one 64-bit value."""
-    random.seed(seed64)
-    np.random.seed(seed64 % (1 << 32))
-    torch.manual_seed(seed64 % (1 << 63))
-
-
 def _init_worker(
     seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
 ) -> None:
@@ -45,7 +38,10 @@ def _init_worker(
     # forked with SIGINT blocked (`_WorkerIterator`): a Ctrl-C between the fork and the line
     # above stayed pending and is now discarded, never the worker's end
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    seed_globals(worker_seed(seed, rank, worker_id))
+    seed64 = worker_seed(seed, rank, worker_id)  # python, numpy-legacy and torch globals
+    random.seed(seed64)
+    np.random.seed(seed64 % (1 << 32))
+    torch.manual_seed(seed64 % (1 << 63))
     set_read_threads(1)  # the worker processes read side by side (never changes a byte)
     if user_init is not None:
         user_init(worker_id)

@@ -1,27 +1,18 @@
-"""Global batch schedules: the global batch of every step, and the step <-> position map.
+"""Global batch schedules: the global batch of every step, and the step <-> position map
+(docs/design.md, "Batch-size schedules and elastic resume").
 
-Positions stay sample-counted (docs/design.md section 4): step ``t`` covers
-``[c(t), c(t) + B(t))`` where ``c(t) = B(0) + ... + B(t - 1)`` is the number of
-samples consumed before it. A `BatchSchedule` says what ``B(t)`` is, as a list of
-changes ``((0, B0), (a1, B1), ...)`` counted in one `BatchUnit`:
-
-- ``STEPS``: ``B(t)`` is the batch of the last change with ``a_i <= t`` (explicit
-  ``(step, global_batch)`` changes; OLMo-core's batch-size warm-up with step durations);
-- ``SAMPLES``: ``B(t)`` is the batch of the last change with ``a_i <= c(t)``: a change
-  takes effect at the first step that *starts* at or after its position (Megatron's
-  ``--rampup-batch-size``, which `BatchSchedule.rampup` compiles to this form; a warm-up
-  counted in tokens is one in samples: tokens / sequence length).
-
-A run whose schedule changed at a resume is a `StepMap`: segments ``(T_i, schedule_i)``,
-each schedule in effect from step ``T_i`` (which starts where the segments before it say).
-Compiling a segment costs O(changes); a query costs O(log pieces). Pure functions of
-integers: no I/O, no torch.
+Step ``t`` covers positions ``[c(t), c(t) + B(t))``, ``c(t) = B(0) + ... + B(t - 1)``. A
+`BatchSchedule` lists its changes ``((0, B0), (a1, B1), ...)`` in one `BatchUnit`: ``STEPS``
+(``B(t)`` is the batch of the last change with ``a_i <= t``) or ``SAMPLES`` (the last change
+with ``a_i <= c(t)``: it takes effect at the first step that starts at or after it). A
+`StepMap` joins the schedules of a run's segments. Pure functions of integers.
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -134,15 +125,9 @@ class BatchSchedule:
     def rampup(
         cls, start: int, increment: int, ramp_samples: int, *, global_batch_size: int
     ) -> BatchSchedule:
-        """Megatron-LM's ``--rampup-batch-size <start> <increment> <ramp_samples>``.
-
-        As ``RampupBatchsizeNumMicroBatchesCalculator`` (megatron/core/
-        num_microbatches_calculator.py): with ``n = (global - start) / increment`` and
-        ``per = ramp_samples / n`` (a float), a step that starts after ``c`` consumed samples
-        has batch ``global`` if ``c > ramp_samples``, else ``start + int(c / per) *
-        increment``. Compiled here to the ``SAMPLES`` changes of the same function (the
-        float division reproduced exactly, so boundaries match Megatron's).
-        """
+        """Megatron-LM's ``--rampup-batch-size <start> <increment> <ramp_samples>`` compiled to
+        ``SAMPLES`` changes of exactly its function, float division included (docs/design.md,
+        "Batch-size schedules and elastic resume")."""
         gbs = check_count(global_batch_size, "global_batch_size")
         first = check_count(start, "rampup start")
         inc = check_count(increment, "rampup increment")
@@ -180,11 +165,6 @@ class BatchSchedule:
     @property
     def is_constant(self) -> bool:
         return len(self.changes) == 1
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """Every global batch the schedule sets, in order of the changes."""
-        return tuple(b for _, b in self.changes)
 
     def to_json(self) -> int | dict[str, Any]:
         """The identity: the global batch if constant, else ``{"unit", "changes"}``."""
@@ -244,9 +224,8 @@ class StepMap:
     def __init__(self, segments: Sequence[tuple[int, BatchSchedule]]) -> None:
         if not segments or segments[0][0] != 0:
             raise ConfigError("a step map's first segment starts at step 0")
-        steps: list[int] = []
-        positions: list[int] = []
-        batches: list[int] = []
+        #: The runs of equal global batches, in order (the last goes on forever).
+        self.pieces: tuple[Piece, ...] = ()
         last = 0
         for step, schedule in segments:
             if step < last:
@@ -254,44 +233,36 @@ class StepMap:
                     f"step map segments must not go back in steps: step {step} after {last}"
                 )
             last = step
-            start = self._start(steps, positions, batches, step) if steps else 0
-            keep = bisect.bisect_left(steps, step)
-            del steps[keep:], positions[keep:], batches[keep:]
+            start = self.start_of(step) if self.pieces else 0
+            pieces: list[Piece] = list(
+                self.pieces[: bisect.bisect_left(self.pieces, step, key=_STEP)]
+            )
             for piece in schedule.pieces(step, start):
-                if batches and batches[-1] == piece.batch:
-                    continue  # the same batch goes on across the segment boundary
-                steps.append(piece.step)
-                positions.append(piece.position)
-                batches.append(piece.batch)
-        self._steps, self._positions, self._batches = steps, positions, batches
+                if not pieces or pieces[-1].batch != piece.batch:  # else the same batch goes on
+                    pieces.append(piece)
+            self.pieces = tuple(pieces)
 
-    @staticmethod
-    def _start(steps: list[int], positions: list[int], batches: list[int], step: int) -> int:
-        i = bisect.bisect_right(steps, step) - 1
-        return positions[i] + (step - steps[i]) * batches[i]
-
-    @property
-    def pieces(self) -> tuple[Piece, ...]:
-        """The runs of equal global batches, in order (the last goes on forever)."""
-        return tuple(
-            Piece(s, p, b)
-            for s, p, b in zip(self._steps, self._positions, self._batches, strict=True)
-        )
+    def _piece(self, step: int) -> Piece:
+        return self.pieces[bisect.bisect_right(self.pieces, step, key=_STEP) - 1]
 
     def start_of(self, step: int) -> int:
         """First position of step ``step``."""
-        return self._start(self._steps, self._positions, self._batches, step)
+        piece = self._piece(step)
+        return piece.position + (step - piece.step) * piece.batch
 
     def step_of(self, position: int) -> int:
         """The step position ``position`` belongs to."""
-        i = bisect.bisect_right(self._positions, position) - 1
-        return self._steps[i] + (position - self._positions[i]) // self._batches[i]
+        piece = self.pieces[bisect.bisect_right(self.pieces, position, key=_POSITION) - 1]
+        return piece.step + (position - piece.position) // piece.batch
 
     def batch_of(self, step: int) -> int:
         """Global batch of step ``step``."""
-        return self._batches[bisect.bisect_right(self._steps, step) - 1]
+        return self._piece(step).batch
 
     def batches_from(self, step: int) -> tuple[Piece, ...]:
         """The pieces that hold steps ``>= step`` (the first one possibly begun earlier)."""
-        i = bisect.bisect_right(self._steps, step) - 1
-        return self.pieces[i:]
+        return self.pieces[bisect.bisect_right(self.pieces, step, key=_STEP) - 1 :]
+
+
+_STEP: Final = operator.attrgetter("step")
+_POSITION: Final = operator.attrgetter("position")

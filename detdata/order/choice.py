@@ -1,16 +1,8 @@
-"""Which order a dataset is read in: `Order` (the algorithms) and `LocalityOrder` (parameters).
-
-``Order.FEISTEL_V1`` (the default): `GlobalOrder`, a keyed permutation of all samples
-per epoch. ``LocalityOrder(window_shards=k)`` (``Order.LOCALITY_V1`` with the default
-``k``): `WindowedOrder`, shards permuted per epoch, then samples inside each window of
-``k`` consecutive shards, so a stretch of positions touches at most ``k`` shards (for
-large or remote corpora: fewer open files, whole-shard reads, prefetch that knows what
-comes next). ``LocalityOrder(window_row_groups=k)`` is the same algorithm over the
-dataset's row groups instead of its shards (`TableRows`: Parquet / Arrow row groups, the
-unit a reader decodes), so a stretch of positions decodes at most ``k`` row groups,
-however many rows a file holds. Both are bijections per epoch with O(1) random access;
-the choice, its unit and its parameter are part of a stream's identity (`order_name`),
-so a resume with another order, unit or ``k`` is refused naming the ``algorithm`` field.
+"""Which order a dataset is read in (docs/design.md section 2): `Order.FEISTEL_V1` (the
+default, `GlobalOrder`) or a `LocalityOrder` (`WindowedOrder`: shards or row groups permuted
+per epoch, then samples inside windows of ``k`` of them). The order, its unit and ``k`` are
+part of a stream's identity (`order_name`): a resume with another is refused naming the
+``algorithm`` field.
 """
 
 from __future__ import annotations
@@ -49,16 +41,9 @@ class LocalityUnit(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class LocalityOrder:
     """``locality-v1`` with ``window_shards`` shards per window (default 8), or with
-    ``window_row_groups`` row groups per window (give one of the two).
-
-    Larger windows shuffle better (a window of every unit is a full shuffle) and touch
-    more shards (decode more row groups) per stretch of positions; see docs/benchmarks.md
-    for the measured trade-off. ``window_row_groups`` needs a dataset with
-    ``row_group_sizes`` (`TableRows`); its units are the row groups in id order, so one
-    Parquet file of many row groups is shuffled in windows of ``k`` row groups, each row
-    group decoded once per window when the reader caches ``k`` of them (a `TableRows`
-    with the default ``cache_row_groups`` sizes its cache from the order).
-    """
+    ``window_row_groups`` row groups per window (give one of the two; row groups need a
+    dataset with ``row_group_sizes``, `TableRows`). Larger windows shuffle better and touch
+    more shards per stretch of positions (docs/benchmarks.md)."""
 
     window_shards: int | None = None
     window_row_groups: int | None = None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, overload
 
 import numpy as np
@@ -51,16 +51,12 @@ _CHUNK: Final = 65536  # positions per vectorised pass: keeps temporaries in cac
 
 _KEY_PREFIX: Final = b"detdata:" + ALGORITHM.encode()
 _KEY_BYTES: Final = 8 * ROUNDS
+U64Array = npt.NDArray[np.uint64]
 
 
 @functools.lru_cache(maxsize=4096)
 def _key_material(seed: int, epoch: int) -> bytes:
-    """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``.
-
-    Cached separately from `round_keys` (and larger) so that a multi-epoch
-    request of one chunk (e.g. 4096 positions of a small source) finds its keys
-    again on the next call without converting them through Python ints.
-    """
+    """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``."""
     return derive(_KEY_PREFIX, seed, epoch, length=_KEY_BYTES)
 
 
@@ -70,21 +66,21 @@ def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     return struct.unpack(f"<{ROUNDS}Q", _key_material(seed, epoch))
 
 
-def _key_table(seed: int, epochs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table: row ``r`` is
-    ``k_r``."""
-    material = b"".join([_key_material(seed, e) for e in epochs.tolist()])
-    table = np.frombuffer(material, dtype="<u8").reshape(epochs.size, ROUNDS)
+def key_rows(material: bytes, count: int) -> U64Array:
+    """``count`` runs of ``8 * ROUNDS`` key bytes as a ``(ROUNDS, count)`` table: row ``r`` holds
+    the round keys ``k_r`` (read little-endian)."""
+    table = np.frombuffer(material, dtype="<u8").reshape(count, ROUNDS)
     return np.ascontiguousarray(table.T, dtype=np.uint64)  # native order, one row per round
 
 
-def mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+def _key_table(seed: int, epochs: U64Array) -> U64Array:
+    """Round keys of each of ``epochs`` as a ``(ROUNDS, len(epochs))`` table."""
+    return key_rows(b"".join([_key_material(seed, e) for e in epochs.tolist()]), epochs.size)
+
+
+def mix64(z: U64Array) -> U64Array:
     """splitmix64 finaliser, in place on ``z`` (which is returned)."""
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
+    _mix_into(z, np.empty_like(z))
     return z
 
 
@@ -93,7 +89,7 @@ _S27: Final = np.uint64(27)
 _S31: Final = np.uint64(31)
 
 
-def _mix_into(z: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:
+def _mix_into(z: U64Array, tmp: U64Array) -> None:
     """`mix64` on ``z`` in place, with ``tmp`` (same shape) as scratch: no allocations."""
     np.right_shift(z, _S30, out=tmp)
     z ^= tmp
@@ -105,39 +101,17 @@ def _mix_into(z: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> None:
     z ^= tmp
 
 
-@functools.lru_cache(maxsize=1024)
-def _keys_u64(keys: tuple[int, ...]) -> tuple[np.uint64, ...]:
-    return tuple(np.uint64(k) for k in keys)
-
-
-def _encrypt(x: npt.NDArray[np.uint64], keys: tuple[int, ...], bits: int) -> npt.NDArray[np.uint64]:
-    """``E(x)`` (module docstring, step 4): ``ROUNDS`` Feistel rounds, in scratch buffers."""
-    return _feistel(x, _keys_u64(keys), bits)
-
-
-def _feistel(
-    x: npt.NDArray[np.uint64], keys: Sequence[np.uint64] | npt.NDArray[np.uint64], bits: int
-) -> npt.NDArray[np.uint64]:
-    """``E(x)`` with round key ``keys[r]`` per round: a scalar (one epoch for all of ``x``)
-    or an array shaped like ``x`` (each element's own epoch key), xored element-wise."""
-    lo_bits = bits // 2
-    lo_mask = np.uint64((1 << lo_bits) - 1)
-    hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
-    shift = np.uint64(lo_bits)
-    return _rounds(x, keys, lo_mask, hi_mask, shift)
-
-
 #: A 64-bit word, or one per element of ``x`` (`_rounds`).
-_Words = np.uint64 | npt.NDArray[np.uint64]
+_Words = np.uint64 | U64Array
 
 
 def _rounds(
-    x: npt.NDArray[np.uint64],
-    keys: Sequence[_Words] | npt.NDArray[np.uint64],
+    x: U64Array,
+    keys: Sequence[_Words],
     lo_mask: _Words,
     hi_mask: _Words,
     shift: _Words,
-) -> npt.NDArray[np.uint64]:
+) -> U64Array:
     """The Feistel rounds of ``E(x)`` in scratch buffers: round ``r`` xors ``keys[r]`` (a
     scalar or an array shaped like ``x``); masks and ``shift`` (the low half's bits) are
     scalars or arrays shaped like ``x``."""
@@ -179,53 +153,26 @@ def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
     return np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
 
 
-def permute(
-    indices: npt.NDArray[np.uint64], n: int, seed: int, epoch: int
-) -> npt.NDArray[np.uint64]:
+def permute(indices: U64Array, n: int, seed: int, epoch: int) -> U64Array:
     """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
-    if n == 1:
-        return np.zeros_like(indices)
-    keys = round_keys(seed, epoch)
-    bits = domain_bits(n)
-    out = _encrypt(indices, keys, bits)
-    limit = np.uint64(n)
-    pending = np.flatnonzero(out >= limit)
-    while pending.size:
-        walked = _encrypt(out[pending], keys, bits)
-        out[pending] = walked
-        pending = pending[walked >= limit]
-    return out
+    keys = _key_table(seed, np.array([epoch], dtype=np.uint64))[:, 0]  # scalars: cheapest
+    return cycle_walk(encrypt_many, indices, n, keys)
 
 
-def permute_epochs(
-    indices: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int, seed: int
-) -> npt.NDArray[np.uint64]:
-    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised.
-
-    The same bits as calling `permute` once per distinct epoch: keys are derived
-    once per distinct epoch, gathered into per-element key rows, and the Feistel
-    rounds and cycle walking run on all elements at once (the pending subset
-    carries its own keys).
-    """
-    if n == 1:
-        return np.zeros_like(indices)
+def epoch_keys(seed: int, epochs: U64Array) -> U64Array:
+    """The round keys of each element's epoch (1-D ``epochs``) as ``(ROUNDS, size)``, derived
+    once per distinct epoch."""
     unique, inverse = np.unique(epochs, return_inverse=True)
-    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
-    bits = domain_bits(n)
-    out = _feistel(indices, keys, bits)
-    limit = np.uint64(n)
-    pending = np.flatnonzero(out >= limit)
-    keys = keys[:, pending]
-    while pending.size:
-        walked = _feistel(out[pending], keys, bits)
-        out[pending] = walked
-        more = walked >= limit
-        pending, keys = pending[more], keys[:, more]
-    return out
+    return np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)
+
+
+def permute_epochs(indices: U64Array, epochs: U64Array, n: int, seed: int) -> U64Array:
+    """`permute` of each ``indices[j]`` under its own ``epochs[j]`` (1-D, same length), in one
+    set of vectorised Feistel passes."""
+    return cycle_walk(encrypt_many, indices, n, epoch_keys(seed, epochs))
 
 
 # ------------------------------------------------------------------ per-element domains
-U64Array = npt.NDArray[np.uint64]
 _ONE: Final = np.uint64(1)
 
 
@@ -237,7 +184,7 @@ def encrypt_many(x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) 
     return _rounds(x, [keys[r] for r in range(ROUNDS)], lo_mask, hi_mask, lo_bits)
 
 
-def decrypt_many(y: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Array) -> U64Array:
+def decrypt_many(y: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """The inverse of `encrypt_many`: the rounds undone in reverse order."""
     lo_mask = (_ONE << lo_bits) - _ONE
     hi_mask = (_ONE << hi_bits) - _ONE
@@ -251,16 +198,27 @@ def decrypt_many(y: U64Array, keys: U64Array, lo_bits: U64Array, hi_bits: U64Arr
     return (hi << lo_bits) | lo
 
 
-def unpermute_one(m: int, keys: U64Array, y: int) -> int:
-    """The inverse of `permute_many` for one ``y < m`` under ``keys`` (``(ROUNDS, 1)``):
-    decryption with cycle walking."""
-    bits = domain_bits(m)
-    lo_bits = np.array([bits // 2], dtype=np.uint64)
-    hi_bits = np.array([bits - bits // 2], dtype=np.uint64)
-    x = decrypt_many(np.array([y], dtype=np.uint64), keys, lo_bits, hi_bits)
-    while int(x[0]) >= m:
-        x = decrypt_many(x, keys, lo_bits, hi_bits)
-    return int(x[0])
+#: `encrypt_many` or `decrypt_many`.
+Step = Callable[[U64Array, U64Array, _Words, _Words], U64Array]
+
+
+def cycle_walk(step: Step, x: U64Array, n: int, keys: U64Array) -> U64Array:
+    """Step 6 on ``[0, n)``: ``step`` (``E``, or ``D`` to invert) applied until each value is
+    ``< n``, under ``keys``: ``(ROUNDS,)`` for all elements, or ``(ROUNDS, size)``, one column
+    per element. Never writes ``x``; ``n == 1`` gives 0 without walking. Walking back with
+    ``D`` from ``y`` stops at ``x``: the forward walk passes only values ``>= n`` between."""
+    if n == 1:
+        return np.zeros_like(x)
+    bits = domain_bits(n)
+    lo_bits, hi_bits = np.uint64(bits // 2), np.uint64(bits - bits // 2)
+    limit = np.uint64(n)
+    out = step(x, keys, lo_bits, hi_bits)
+    pending = np.flatnonzero(out >= limit)
+    while pending.size:
+        walked = step(out[pending], keys if keys.ndim == 1 else keys[:, pending], lo_bits, hi_bits)
+        out[pending] = walked
+        pending = pending[walked >= limit]
+    return out
 
 
 def _at(values: U64Array, index: IntArray) -> U64Array:
@@ -316,8 +274,7 @@ def permute_sources(
     epochs, local = np.divmod(indices, n)
     pair_seeds, pair_epochs, inverse = _distinct_pairs(seeds, epochs)
     material = b"".join(map(_key_material, pair_seeds.tolist(), pair_epochs.tolist()))
-    table = np.frombuffer(material, dtype="<u8").reshape(pair_seeds.size, ROUNDS)
-    keys = np.ascontiguousarray(table.T, dtype=np.uint64)[:, inverse]
+    keys = key_rows(material, pair_seeds.size)[:, inverse]
     sizes, which = np.unique(n, return_inverse=True)
     bits = np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
     return permute_many(local, n, keys, bits[which.reshape(-1)])

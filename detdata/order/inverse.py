@@ -1,22 +1,13 @@
 """Inverting the orders: sample -> the global positions that deliver it, O(1) per epoch.
 
-``feistel-v1`` (`detdata.order.feistel`) maps local index ``i`` of epoch ``e`` to
-``y = E(i)`` cycle-walked into ``[0, n)``. Each Feistel round is its own inverse
-given the other half, so the decryption ``D`` runs the rounds backwards
-(round ``r`` from ``ROUNDS - 1`` down to 0, with the same keys and halves as the
-encryption). Cycle walking inverts in the opposite direction: from ``y``,
-``x = D(y)``; while ``x >= n``: ``x = D(x)``. (The forward walk
-``i -> E(i) -> ... -> y`` passes only values ``>= n`` between ``i`` and ``y``;
-walking it backwards from ``y`` stops at the first value ``< n``, which is ``i``.)
-So sample ``x`` sits at position ``e * n + D*(x)`` of every epoch ``e``: one
-inversion per epoch, nothing of size ``n``.
+``feistel-v1``: sample ``x`` sits at position ``e * n + D*(x)`` of every epoch ``e``, with
+``D*`` the decryption with backward cycle walking (`detdata.order.feistel.cycle_walk` with ``D``).
 
-``mixture-v1`` (`detdata.order.mixing`): a source's sample at index ``i`` of its
-own stream is at the unique global position ``g`` with ``consumed(g)[s] == i``
-and ``assign(g) == (s, i)``. `MixtureSchedule.consumed` is non-decreasing in ``g``, so
-``g`` is found by binary search over positions: O(log P) calls of ``consumed``
-(each O(phases + sources + 16)) per source epoch. This uses the public functions
-of the schedule only, so it stays correct whatever their internals become.
+``mixture-v1``: a source's sample at index ``i`` of its own stream is at the unique global
+position ``g`` with ``consumed(g)[s] == i`` and ``assign(g) == (s, i)``;
+`MixtureSchedule.consumed` is non-decreasing in ``g``, so ``g`` is found by binary search
+(`position_of_index`), or first in a window around its estimate (`mixture_positions_of`).
+Only the schedule's public functions are used.
 """
 
 from __future__ import annotations
@@ -25,77 +16,23 @@ from collections.abc import Callable
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.feistel import (
-    ROUNDS,
-    GlobalOrder,
-    _key_table,
-    domain_bits,
-    mix64,
-    round_keys,
-)
+from detdata.order.feistel import GlobalOrder, U64Array, cycle_walk, decrypt_many, epoch_keys
 from detdata.order.mixing import MixtureSchedule
 
 #: A source's count of samples read by positions ``[0, p)``.
 Consumed = Callable[[int], int]
-KeyRows = npt.NDArray[np.uint64]
 _MAX_EPOCHS: Final = 1 << 24  # a guard: a reverse lookup over more epochs is refused
 _CHUNK: Final = 1 << 16  # epochs per vectorised pass
 
 
-def _decrypt(y: npt.NDArray[np.uint64], keys: KeyRows, bits: int) -> npt.NDArray[np.uint64]:
-    """``D(y)``: the ``feistel-v1`` rounds backwards (``E(D(y)) == y``); ``keys[r]`` is round
-    ``r``'s key, a scalar or one per element of ``y``."""
-    lo_bits = bits // 2
-    lo_mask = np.uint64((1 << lo_bits) - 1)
-    hi_mask = np.uint64((1 << (bits - lo_bits)) - 1)
-    shift = np.uint64(lo_bits)
-    lo = y & lo_mask
-    hi = y >> shift
-    for r in range(ROUNDS - 1, -1, -1):
-        if r % 2 == 0:
-            hi ^= mix64(lo ^ keys[r]) & hi_mask
-        else:
-            lo ^= mix64(hi ^ keys[r]) & lo_mask
-    return (hi << shift) | lo
-
-
-def _walk_back(
-    y: npt.NDArray[np.uint64], keys: npt.NDArray[np.uint64], n: int
-) -> npt.NDArray[np.uint64]:
-    """Inverse cycle walking: ``D`` until each value is ``< n`` (``keys``: ``(ROUNDS, size)``)."""
-    bits = domain_bits(n)
-    out = _decrypt(y, keys, bits)
-    limit = np.uint64(n)
-    pending = np.flatnonzero(out >= limit)
-    while pending.size:
-        walked = _decrypt(out[pending], keys[:, pending], bits)
-        out[pending] = walked
-        pending = pending[walked >= limit]
-    return out
-
-
-def unpermute(ids: npt.NDArray[np.uint64], n: int, seed: int, epoch: int) -> npt.NDArray[np.uint64]:
-    """The local indices ``i`` with ``permute(i, n, seed, epoch) == ids`` (all ``< n``)."""
-    if n == 1:
-        return np.zeros_like(ids)
-    keys = np.array(round_keys(seed, epoch), dtype=np.uint64)[:, None]
-    return _walk_back(ids, np.repeat(keys, ids.size, axis=1), n)
-
-
-def unpermute_epochs(
-    ids: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64], n: int, seed: int
-) -> npt.NDArray[np.uint64]:
-    """`unpermute` of each ``ids[j]`` under its own ``epochs[j]`` (1-D, same length), vectorised."""
-    if n == 1:
-        return np.zeros_like(ids)
-    unique, inverse = np.unique(epochs, return_inverse=True)
-    keys = np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)  # (ROUNDS, size)
-    return _walk_back(ids, keys, n)
+def unpermute_epochs(ids: U64Array, epochs: U64Array, n: int, seed: int) -> U64Array:
+    """The local indices ``i`` with ``permute(i, n, seed, epochs[j]) == ids[j]`` (1-D, same
+    length, all ``< n``), vectorised over epochs."""
+    return cycle_walk(decrypt_many, ids, n, epoch_keys(seed, epochs))
 
 
 def positions_of(order: GlobalOrder, sample_id: int, *, until: int, start: int = 0) -> IntArray:
@@ -104,11 +41,16 @@ def positions_of(order: GlobalOrder, sample_id: int, *, until: int, start: int =
     vectorised over epochs)."""
     n = order.num_samples
     x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
-    lo, hi = _check_range(start, until)
+    lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
+    hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
     if hi <= lo:
         return np.empty(0, dtype=np.int64)
     first, last = lo // n, (hi - 1) // n
-    _check_epochs(last - first + 1)
+    if last - first + 1 > _MAX_EPOCHS:
+        raise ConfigError(
+            f"a reverse lookup over {last - first + 1} epochs is refused (more than "
+            f"{_MAX_EPOCHS}); hint: ask over a shorter range of positions"
+        )
     parts = []
     for a in range(first, last + 1, _CHUNK):
         epochs = np.arange(a, min(a + _CHUNK, last + 1), dtype=np.uint64)
@@ -205,17 +147,3 @@ def _ranges(lengths: IntArray) -> IntArray:
     total = int(lengths.sum())
     firsts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(total, dtype=np.int64) - firsts
-
-
-def _check_range(start: int, until: int) -> tuple[int, int]:
-    lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
-    hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
-    return lo, hi
-
-
-def _check_epochs(count: int) -> None:
-    if count > _MAX_EPOCHS:
-        raise ConfigError(
-            f"a reverse lookup over {count} epochs is refused (more than {_MAX_EPOCHS}); "
-            "hint: ask over a shorter range of positions"
-        )

@@ -29,26 +29,18 @@ read only its ``k`` shards (in a random order of samples), and windows come in a
 order of shards. ``k >= S`` is one window: a full shuffle (not the `feistel-v1` one). Keys
 depend on ``(algorithm, seed, epoch[, window])`` through blake3 only.
 
-Cost: per epoch touched, O(S) once (``sigma`` and the prefix sums, cached for a few
-epochs); then O(1) per position (a binary search over windows and over slots, and one
-derived key per distinct window of a request). Nothing of size ``n`` is stored. Step 5
-is evaluated one of two ways, whichever costs less for the request (`_tables_pay`; the
-values are the same): the positions encrypted, then the ones still outside ``[0, m_w)``
-re-encrypted pass after pass (`permute_many`), or, when a request covers most of its
-windows (small windows: cycle walking would take many passes), every value of each
-window's domain encrypted once and the cycles walked by lookups in that table
-(`_walk_tables`, O(request + its windows' domains) memory).
+Cost: O(S) once per epoch touched (cached for a few epochs), then O(1) per position; nothing
+of size ``n`` is stored. Step 5 runs as `permute_many` or, when cheaper (`_tables_pay`),
+`_walk_tables`: the same values.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, overload
+from typing import Final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -59,12 +51,14 @@ from detdata.base.keys import derive, derive_many
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import (
     ROUNDS,
-    domain_bits,
+    cycle_walk,
+    decrypt_many,
     domain_bits_many,
     encrypt_many,
+    key_rows,
     permute_many,
-    unpermute_one,
 )
+from detdata.order.memo import LruCache
 from detdata.order.positions import check_positions_array, index_positions
 
 ALGORITHM: Final = "locality-v1"
@@ -86,8 +80,7 @@ def _shard_keys(seed: int, epoch: int) -> U64Array:
 def _window_keys(seed: int, epoch: int, windows: Sequence[int]) -> U64Array:
     """Round keys of each of ``windows`` as ``(ROUNDS, len(windows))``."""
     material = derive_many(_WINDOW_TAG, seed, epoch, last=windows, length=_KEY_BYTES)
-    table = np.frombuffer(material, dtype="<u8").reshape(len(windows), ROUNDS)
-    return np.ascontiguousarray(table.T, dtype=np.uint64)
+    return key_rows(material, len(windows))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,20 +198,9 @@ class WindowedOrder:
         self.window_shards = check_count(window_shards, "window_shards", maximum=(1 << 31) - 1)
         self.num_samples = sum(self.shard_sizes)
         sizes = np.asarray(self.shard_sizes, dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._starts = _starts(sizes)
         self._sizes = sizes
-        self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_epochs"] = OrderedDict()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._epochs: LruCache[int, _Epoch] = LruCache(_EPOCHS_KEPT)
 
     def __repr__(self) -> str:
         return (
@@ -243,35 +225,25 @@ class WindowedOrder:
     # ------------------------------------------------------------------ epochs
     def shard_order(self, epoch: int) -> IntArray:
         """``sigma``: the shard at each slot of ``epoch`` (step 3), a new array."""
-        s = len(self.shard_sizes)
-        slots = np.arange(s, dtype=np.uint64)
-        keys = _shard_keys(self.seed, epoch)[:, None]
-        m = np.array([s], dtype=np.uint64)
-        bits = np.array([domain_bits(s)], dtype=np.uint64)
-        return permute_many(slots, m, keys, bits).astype(np.int64)
+        slots = np.arange(len(self.shard_sizes), dtype=np.uint64)
+        keys = _shard_keys(self.seed, epoch)
+        return cycle_walk(encrypt_many, slots, slots.size, keys).astype(np.int64)
 
     def _epoch(self, epoch: int) -> _Epoch:
-        with self._lock:
-            hit = self._epochs.get(epoch)
-            if hit is not None:
-                self._epochs.move_to_end(epoch)
-                return hit
+        return self._epochs.get(epoch, self._epoch_tables)
+
+    def _epoch_tables(self, epoch: int) -> _Epoch:
         sigma = self.shard_order(epoch)
         slot_starts = np.zeros(sigma.size + 1, dtype=np.int64)
         np.cumsum(self._sizes[sigma], out=slot_starts[1:])
         slot_of = np.empty_like(sigma)
         slot_of[sigma] = np.arange(sigma.size, dtype=np.int64)
-        table = _Epoch(
+        return _Epoch(
             window_starts=np.append(slot_starts[: -1 : self.window_shards], slot_starts[-1]),
             slot_starts=slot_starts,
             id_offset=self._starts[sigma] - slot_starts[:-1],
             slot_of=slot_of,
         )
-        with self._lock:
-            self._epochs[epoch] = table
-            while len(self._epochs) > _EPOCHS_KEPT:
-                self._epochs.popitem(last=False)
-        return table
 
     # ------------------------------------------------------------------ positions
     @overload
@@ -364,7 +336,8 @@ class WindowedOrder:
             size = int(table.window_starts[w + 1]) - first
             q = int(table.slot_starts[slot]) + offset - first
             keys = _window_keys(self.seed, epoch, [w])
-            g = epoch * n + first + unpermute_one(size, keys, q)
+            inside = cycle_walk(decrypt_many, np.array([q], dtype=np.uint64), size, keys[:, 0])
+            g = epoch * n + first + int(inside[0])
             if lo <= g < hi:
                 out.append(g)
         return np.asarray(out, dtype=np.int64)

@@ -70,14 +70,8 @@ and ``> -d - min(j p_s, (16 - j)(1 - p_s))``, both at most ``16 p_s (1 - p_s)``
 beyond ``d``. Across a schedule the deviation from the piecewise-linear target
 is below the sum of the per-phase bounds of the phases reached.
 
-**Cost** (of this implementation; the definition above is what is pinned). A block holds
-at most 16 sources, so nothing of size ``blocks x sources`` is built: a request for few
-positions per block (random access) follows one root-to-leaf path per position (its rank
-in the block's hash order picks the child at each node), a request of whole blocks
-(contiguous) descends once per block only into nodes whose count changes across the
-block. ``MixtureSchedule.assign`` costs O(positions x depth + sources) per call; its memory is
-the outputs plus a bound (positions are taken 8,192 at a time), whatever the number of
-positions or sources. ``consumed`` is O(sources).
+**Cost** (not pinned): ``MixtureSchedule.assign`` is O(positions x depth + sources) per call,
+nothing of size ``blocks x sources`` (`_locate_chunk`); ``consumed`` is O(sources).
 """
 
 from __future__ import annotations
@@ -263,12 +257,9 @@ class Phase:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tree", _Tree.of(self.nodes, self.offsets))
 
-    @property
-    def total(self) -> int:
-        return sum(self.weights)
-
     def fractions(self) -> tuple[Fraction, ...]:
-        return tuple(Fraction(w, self.total) for w in self.weights)
+        total = sum(self.weights)
+        return tuple(Fraction(w, total) for w in self.weights)
 
 
 def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, ...]:

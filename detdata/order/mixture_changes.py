@@ -1,17 +1,7 @@
-"""Weight changes during a run as ``mixture-v1`` phases (pure functions; docs/design.md).
-
-A weight change at global position ``p`` (the first position of a global step) is a new
-phase of the `MixtureSchedule` starting at ``p`` (`change_schedule`): the phases before ``p``
-keep their indices, keys and offsets, so every earlier position keeps its source and index,
-and each source's stream continues from its consumed count without a repeat or a skip. The
-schedule stays the one pure function of the root seed and the phases' ``(start,
-proportions)``: an uninterrupted run and a run resumed any number of times that apply the
-same changes at the same positions deliver the same samples.
-
-`change_schedule` builds the schedule after a change incrementally: the phases the change
-leaves as they were are reused, only the phases from the change on are built
-(O(sources) each), so a run with ``n`` changes costs O(n) phase builds in all, not O(n²).
-A position -> source lookup bisects the phase starts: O(log phases) (`MixtureSchedule`).
+"""Weight changes during a run as ``mixture-v1`` phases (docs/design.md section 3, "Weights
+changed during a run"): a change at global position ``p`` is a new phase starting at ``p``;
+the phases before it keep their indices, keys and offsets, so every earlier position keeps its
+source and index and each source's stream continues without a repeat or a skip.
 """
 
 from __future__ import annotations
@@ -32,14 +22,10 @@ def change_schedule(
     ``weights`` (from `detdata.order.mixing.normalize_weights`, sorted-name order) in force
     from global ``position`` on, for each ``(position, weights)``.
 
-    One change keeps the phases starting before its position as they are (same index, key
-    and offsets); a phase starting exactly there (an earlier change not yet in effect, or
-    a planned phase) is replaced; the phases starting after it (a planned curriculum)
-    follow it again: the latest event wins. When the phase in force just before the
-    position already has those weights, no phase is added (that phase continues). The
-    result equals `MixtureSchedule.build` of the resulting phases; a change costs O(log
-    phases) to find its place plus O(sources) per phase built from there on (the phases
-    after it: none without a planned schedule), whatever the number of changes before it.
+    A phase starting exactly at the position is replaced, later (planned) phases follow it
+    again, and weights equal to those in force add no phase. The result equals
+    `MixtureSchedule.build` of the resulting phases; a change costs O(log phases) plus
+    O(sources) per phase built from it on, whatever the number of changes before it.
     """
     phases = list(schedule.phases)
     starts = [ph.start for ph in phases]

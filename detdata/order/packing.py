@@ -36,14 +36,9 @@ and the ``tail`` policy.
    zero-length segments) and ``num_segments`` (the used count, so
    ``cu_seqlens[: num_segments + 1]`` is exact).
 
-Nothing here reads files: `build_offsets` turns document starts into the packing
-index, `locate` turns window ids into pieces with two ``searchsorted`` calls,
-`copy_plan` turns pieces into contiguous corpus ranges to copy (plus BOS / EOS
-positions) and `packed_columns` into the delivered mask columns, by per-piece
-arithmetic and a few vectorised passes (no per-token layout); the same step written
-token by token, the formulation the fast one is tested against, is in
-tests/order/packing_per_token.py. Window ``w`` costs O(log N + its tokens)
-wherever it is; no window is packed to reach another.
+Nothing here reads files (`build_offsets`, `locate`, `copy_plan`, `packed_columns`); the
+per-token formulation they are tested against is tests/order/packing_per_token.py. Window
+``w`` costs O(log N + its tokens) wherever it is.
 """
 
 from __future__ import annotations
@@ -85,17 +80,13 @@ def parse_tail(value: str | Tail) -> Tail:
         raise ConfigError(f"tail must be 'drop' or 'pad', got {value!r}") from None
 
 
-def document_seed(seed: int) -> int:
-    """The ``feistel-v1`` seed of the document shuffle: blake3-derived from ``seed``."""
-    return derive_u64(_TAG, check_seed(seed))
-
-
 def shuffled_documents(positions: IntArray, n: int, seed: int, shuffle: bool) -> IntArray:
-    """The document at each shuffled position (all in ``[0, n)``), int64."""
+    """The document at each shuffled position (all in ``[0, n)``), int64 (step 2)."""
     pos = np.asarray(positions, dtype=np.int64)
     if not shuffle:
         return pos.copy()
-    return permute(pos.astype(np.uint64), n, document_seed(seed), 0).astype(np.int64)
+    document_seed = derive_u64(_TAG, check_seed(seed))
+    return permute(pos.astype(np.uint64), n, document_seed, 0).astype(np.int64)
 
 
 def build_offsets(

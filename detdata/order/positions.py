@@ -1,7 +1,5 @@
-"""Input checks shared by the position -> sample id orders (`GlobalOrder`, `WindowedOrder`).
-
-One home for how an order reads its positions: an ``int`` (one id), a ``slice`` with a
-stop (an array of ids) or an array of non-negative integers of any shape.
+"""How the position -> sample id orders (`GlobalOrder`, `WindowedOrder`) read positions: an
+``int`` (one id), a ``slice`` with a stop, or an array of non-negative integers of any shape.
 """
 
 from __future__ import annotations

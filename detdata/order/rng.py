@@ -1,34 +1,22 @@
-"""Counter-based randomness derived by hashing: per sample and per worker.
-
-* `sample_rng(seed, position)`: a numpy ``Generator(Philox)`` whose key is
-  blake3(``"detdata:sample-rng-v1"``, seed, position). The same global position
-  gets the same random stream on any rank, worker or resume.
-* `worker_seed(seed, rank, worker)`: a 64-bit seed for the global generators of
-  one worker process (python ``random``, numpy legacy, torch; seeded by
-  `detdata.loading.loader`), for libraries that insist on global state.
+"""Counter-based randomness derived by hashing (docs/design.md section 4): the same global
+position gets the same random stream on any rank, worker or resume.
 """
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 
-from detdata.base.keys import derive
-
-SAMPLE_RNG: Final = "sample-rng-v1"
-
-
-def _hash_u64s(tag: str, *values: int, length: int = 8) -> bytes:
-    return derive(f"detdata:{tag}".encode(), *values, length=length)
+from detdata.base.keys import derive, derive_u64
 
 
 def sample_rng(seed: int, position: int) -> np.random.Generator:
-    """Generator for the sample at global ``position`` under ``seed`` (Philox, 128-bit key)."""
-    key = int.from_bytes(_hash_u64s(SAMPLE_RNG, seed, position, length=16), "little")
+    """Generator for the sample at global ``position`` under ``seed``: ``Philox`` keyed by
+    blake3(``"detdata:sample-rng-v1"``, seed, position)."""
+    key = int.from_bytes(derive(b"detdata:sample-rng-v1", seed, position, length=16), "little")
     return np.random.Generator(np.random.Philox(key=key))
 
 
 def worker_seed(seed: int, rank: int, worker: int) -> int:
-    """64-bit seed for worker ``worker`` of rank ``rank``."""
-    return int.from_bytes(_hash_u64s("worker-seed-v1", seed, rank, worker), "little")
+    """64-bit seed for the global generators (python, numpy, torch) of worker ``worker`` of
+    rank ``rank``."""
+    return derive_u64(b"detdata:worker-seed-v1", seed, rank, worker)

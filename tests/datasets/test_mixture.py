@@ -730,10 +730,10 @@ def test_position_memo_under_reader_threads() -> None:
                 rival.join(timeout=0.5)  # a lock held across lookup + update makes it wait
             return value
 
-    memo._cache = SwitchAfterHit()
+    memo._cache._values = SwitchAfterHit()
     p = np.arange(3, 6, dtype=np.int64)
     memo(p)
-    memo._cache.armed = True
+    memo._cache._values.armed = True
     assert np.array_equal(memo(p)[0], p * 3 + 1)
     time.sleep(0.1)
     assert np.array_equal(memo(np.arange(40, 43))[0], np.arange(40, 43) * 3 + 1)
@@ -750,7 +750,7 @@ def test_position_memo_under_reader_threads() -> None:
         except Exception as exc:
             errors.append(repr(exc))
 
-    memo._cache = OrderedDict()
+    memo._cache._values = OrderedDict()
     threads = [threading.Thread(target=hammer, args=(s,)) for s in range(4)]
     for t in threads:
         t.start()

@@ -11,6 +11,7 @@ import detdata
 from detdata.loading.cursor import Cursor, Definition
 from detdata.loading.history import as_schedule
 from detdata.loading.layout import Placement
+from detdata.loading.steps import position_of_step, step_of_position
 
 WORKERS = {"num_workers": 0, "worker_mode": "process"}
 
@@ -34,7 +35,7 @@ def test_it_counts_micro_steps_on_the_step_grid() -> None:
         c.advance()
     assert c.samples_consumed == 5 * 4 and c.step == 20 // 8
     assert c.positions_of_next().tolist() == [22, 23]
-    assert (c.position_of_step(3), c.step_of_position(23)) == (24, 2)
+    assert (position_of_step(c.plan, 3), step_of_position(c.plan, 23)) == (24, 2)
     span = c.step_span()
     assert (span.step, span.start, span.size, span.next) == (2, 16, 8, 24)
 

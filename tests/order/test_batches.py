@@ -58,7 +58,7 @@ def check_map(step_map: StepMap, expected: list[tuple[int, int]]) -> None:
 )
 def test_rampup_matches_megatron(start: int, inc: int, ramp: int, gbs: int) -> None:
     schedule = BatchSchedule.rampup(start, inc, ramp, global_batch_size=gbs)
-    assert schedule.unit is BatchUnit.SAMPLES and schedule.batch_sizes[-1] == gbs
+    assert schedule.unit is BatchUnit.SAMPLES and schedule.changes[-1][1] == gbs
     steps = ramp // start + 40
     expected = walk(lambda t, c: megatron_batch(c, start, inc, ramp, gbs), steps)
     check_map(StepMap([(0, schedule)]), expected)
