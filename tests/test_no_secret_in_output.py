@@ -171,7 +171,7 @@ def _records(site: dict[str, Any]) -> dict[str, str]:
     from detdata.cli import preflight, replay
     from detdata.loading.provenance import positions_seen
     from detdata.loading.record import RunRecord
-    from detdata.loading.trace import first_difference, read_trace
+    from detdata.loading.trace import compare, read_trace
 
     w = site["work"]
     out: dict[str, str] = {}
@@ -197,7 +197,7 @@ def _records(site: dict[str, Any]) -> dict[str, str]:
     record = RunRecord.capture(allow_dirty=True, manifests=[manifest])
     out["env"] = json.dumps(record.to_json()) + repr(record)
     trace = read_trace(str(w / "trace.jsonl"))
-    out["diff"] = repr(first_difference(trace, trace))
+    out["diff"] = repr(compare(trace, trace).first)
     out["inspect"] = json.dumps(manifest.to_json())
     out["replay"] = repr(getattr(replay, "__doc__", ""))
     get_logger("detdata.test").warning("reading %s", site["root"])

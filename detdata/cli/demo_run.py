@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from detdata.base.errors import ConfigError
+from detdata.cli.replay import first_divergences
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.registry import Registry
 from detdata.loading.loader import DataLoader
 from detdata.loading.options import LoaderOptions
-from detdata.loading.trace import TraceWriter, first_difference, read_trace
+from detdata.loading.trace import StepSpan, TraceWriter, read_trace
 
 #: Three sources, each a sorted list of standard-library packages (byte-tokenised).
 SOURCES: Final = {
@@ -170,12 +171,7 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         state = json.loads((out / "runs" / f"{cfg.tag}.loader.json").read_text())
         for dl in loaders:
             dl.load_state_dict(state)
-    trace = TraceWriter(
-        out / "runs" / f"{cfg.tag}.trace.jsonl",
-        0,
-        global_batch_size=cfg.global_batch,
-        samples_per_micro_step=cfg.global_batch,
-    )
+    trace = TraceWriter(out / "runs" / f"{cfg.tag}.trace.jsonl", 0)
     if cfg.resume:
         trace.restore(loaders[0].samples_consumed)  # the resumed run appends to the same trace
     iters = [iter(dl) for dl in loaders]
@@ -187,7 +183,9 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
             [dl.positions_of_next() - dl.layout.samples_per_micro_step for dl in loaders]
         )
         tokens = torch.cat([p["tokens"] for p in parts]).long()
-        trace.add(step * cfg.global_batch, positions, {"tokens": tokens})
+        at = step * cfg.global_batch
+        span = StepSpan(step=step, start=at, size=cfg.global_batch, next=at + cfg.global_batch)
+        trace.add(at, positions, {"tokens": tokens}, span=span)
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
@@ -233,8 +231,7 @@ def replay_check(
     return {
         "weights": {"A": a["weights_b3"], "B": b["weights_b3"], "C": c["weights_b3"]},
         "weights_identical": a["weights_b3"] == b["weights_b3"] == c["weights_b3"],
-        "first_divergent_step_A_B": first_difference(ta, tb),
-        "first_divergent_step_A_C": first_difference(ta, tc, labels=("A", "C")),
+        **first_divergences(ta, tb, tc),
         "steps": steps,
         "stop_at": stop_at,
         "final_loss": a["losses"][-1],

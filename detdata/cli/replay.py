@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from detdata.base.errors import ConfigError
 from detdata.loading.model_digest import parse_model_steps
-from detdata.loading.trace import Record, first_difference, read_trace
+from detdata.loading.trace import Record, compare, read_trace
 
 #: The flags ``replay-check -- CMD`` appends to your command (shown by ``--help``).
 CONTRACT: Final = """\
@@ -150,6 +150,18 @@ def model_difference(a: Mapping[int, str], b: Mapping[int, str]) -> dict[str, An
     return None
 
 
+def first_divergences(
+    a: Sequence[Record], b: Sequence[Record], c: Sequence[Record]
+) -> dict[str, Any]:
+    """The first divergence (`Finding` JSON, None when none) of trace ``a`` from ``b`` and from
+    ``c``, keyed as a replay check reports them."""
+    found = {run: compare(a, t, labels=("A", run)).first for run, t in (("B", b), ("C", c))}
+    return {
+        f"first_divergent_step_A_{run}": None if f is None else f.to_json()
+        for run, f in found.items()
+    }
+
+
 def user_replay_check(
     command: Sequence[str], out: Path, *, steps: int, stop_at: int, timeout: float | None = None
 ) -> dict[str, Any]:
@@ -184,8 +196,7 @@ def user_replay_check(
         "stop_at": stop_at,
         "weights": weights,
         "weights_identical": len(set(weights.values())) == 1,
-        "first_divergent_step_A_B": first_difference(ta, tb, labels=("A", "B")),
-        "first_divergent_step_A_C": first_difference(ta, tc, labels=("A", "C")),
+        **first_divergences(ta, tb, tc),
         "model_digests": any(models.values()),
         # None when no run reported: no step then differs
         "first_divergent_model_step_A_B": model_difference(models["A"], models["B"]),

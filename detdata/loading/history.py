@@ -8,6 +8,7 @@ docs/design.md, "Batch-size schedules and elastic resume".
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import numbers
@@ -65,13 +66,7 @@ class Change:
     new: Any
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            K_FIELD: self.field,
-            K_POSITION: self.position,
-            K_STEP: self.step,
-            K_OLD: self.old,
-            K_NEW: self.new,
-        }
+        return {key: getattr(self, key) for key in _CHANGE_KEYS}  # the keys name the fields
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], i: int) -> Change:
@@ -207,10 +202,7 @@ class Plan:
         step = self.step_of(position)
         change = Change(field=field, position=position, step=step, old=old, new=new)
         changes = list(self.changes)  # after any at or before it: a weight change may be pending
-        at = len(changes)
-        while at and changes[at - 1].position > position:
-            at -= 1
-        changes.insert(at, change)
+        bisect.insort(changes, change, key=lambda c: c.position)  # changes ascend by position
         return Plan(self.entries, tuple(changes))
 
     def with_weights(self, position: int, old: Any, new: Any) -> Plan:

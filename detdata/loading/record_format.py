@@ -96,20 +96,10 @@ variable or flag)."""
 def check_shape(doc: Mapping[str, Any], where: str) -> None:
     """Every section has the type `RunRecord.fields` reads (`StateError` naming the first that
     has not): a record edited by hand is refused here, never with a raw Python error later."""
-    expected: list[tuple[str, Any, type | tuple[type, ...]]] = [
-        (K_CODE, doc[K_CODE], dict),
-        (K_LOCKS, doc[K_LOCKS], dict),
-        (K_PACKAGES, doc[K_PACKAGES], dict),
-        (K_VERSIONS, doc[K_VERSIONS], dict),
-        (K_GPUS, doc[K_GPUS], list),
-        (K_ENV, doc[K_ENV], dict),
-        (K_LAYOUT, doc[K_LAYOUT], dict),
-        (K_CONFIG, doc[K_CONFIG], (str, type(None))),
-        (K_DATA, doc[K_DATA], dict),
-        *((k, doc[k], dict) for k in V2_SECTIONS),
-    ]
-    for name, value, kind in expected:
-        if not isinstance(value, kind):
+    odd: dict[str, type | tuple[type, ...]] = {K_GPUS: list, K_CONFIG: (str, type(None))}
+    for name in TOP_KEYS[2:]:  # the sections, after kind and format_version
+        value = doc[name]
+        if not isinstance(value, odd.get(name, dict)):
             raise StateError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
     packages = doc[K_PACKAGES]
     if not isinstance(packages.get(K_DIGEST), str) or not isinstance(packages.get(K_LIST), list):

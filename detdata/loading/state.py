@@ -12,7 +12,7 @@ import functools
 import json
 import platform
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -82,18 +82,16 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def _collect(obj: Any, key: str) -> list[str]:
-    found: list[str] = []
+def _collect(obj: Any, key: str) -> Iterator[str]:
     if isinstance(obj, Mapping):
         for k, v in obj.items():
             if k == key and isinstance(v, str):
-                found.append(v)
+                yield v
             else:
-                found.extend(_collect(v, key))
+                yield from _collect(v, key)
     elif isinstance(obj, list):
         for v in obj:
-            found.extend(_collect(v, key))
-    return found
+            yield from _collect(v, key)
 
 
 def identity_fields(
@@ -116,7 +114,7 @@ def identity_fields(
     data = {k: v for k, v in core.items() if k not in _TOP_LEVEL_VOLATILE}
     is_mixture = core.get("type") == "mixture"
     return {
-        K_MANIFESTS: sorted(set(_collect(identity, "manifest") + _collect(identity, "digest"))),
+        K_MANIFESTS: sorted({*_collect(identity, "manifest"), *_collect(identity, "digest")}),
         K_DATA: digest_bytes(canonical_json(data)),
         K_SEED: seed,
         K_STREAM_SEED: stream_seed,

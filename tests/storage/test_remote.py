@@ -31,7 +31,7 @@ from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
-from detdata.loading.trace import first_difference, read_trace, step_digests
+from detdata.loading.trace import compare, read_trace, step_digests
 from detdata.storage.fs import filesystem, read_ranges_retrying
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
@@ -429,7 +429,7 @@ def test_loader_through_resets_stalls_slow_link_equals_local(
     got = list(loader_for(remote(), tmp_path / "remote.jsonl", num_workers=workers))
     assert len(got) == 2 * 13
     a, b = read_trace(tmp_path / "local.jsonl"), read_trace(tmp_path / "remote.jsonl")
-    assert len(step_digests(a)) == 13 and first_difference(a, b) is None
+    assert len(step_digests(a)) == 13 and compare(a, b).first is None
     stats = proxy.stats
     # the faults really happened: at least one of each (how many connections a run opens, and so
     # how many the every-3rd rule resets, depends on the pool's reuse: 5 in one loaded run)

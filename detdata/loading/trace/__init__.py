@@ -36,7 +36,6 @@ from detdata.loading.trace.diff import (
     KIND_PRIORITY,
     Comparison,
     compare,
-    first_difference,
     step_digests,
 )
 from detdata.loading.trace.read import Record, parse_record, read_trace
@@ -50,7 +49,6 @@ __all__ = [
     "StepSpan",
     "TraceWriter",
     "compare",
-    "first_difference",
     "parse_record",
     "read_trace",
     "step_digests",

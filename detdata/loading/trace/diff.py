@@ -1,6 +1,6 @@
 """Comparing traces: each trace assembled per global step from its final records (`assemble`:
 the timeline rules of `detdata.loading.trace`), then two traces compared step by step
-(`compare`, `first_difference`)."""
+(`compare`)."""
 
 from __future__ import annotations
 
@@ -394,17 +394,3 @@ def compare(
             findings.append(found)
     findings.sort(key=lambda f: (f.step, KIND_PRIORITY[f.kind], f.rank))
     return Comparison(tuple(findings), len(steps), tuple(steps))
-
-
-def first_difference(
-    a: Sequence[Record],
-    b: Sequence[Record],
-    *,
-    start: int = 0,
-    stop: int | None = None,
-    labels: tuple[str, str] = ("A", "B"),
-) -> dict[str, Any] | None:
-    """The first divergence of two traces as JSON (``step``, ``rank``, ``kind``, ``reason``,
-    ``records``), or None when they delivered the same samples in every compared step."""
-    found = compare(a, b, start=start, stop=stop, labels=labels).first
-    return None if found is None else found.to_json()

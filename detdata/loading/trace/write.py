@@ -83,24 +83,13 @@ class TraceWriter:
         del samples_consumed  # the next record's ``at`` says where; the flag says it was on purpose
         self._restored = True
 
-    def _span(self, at: int) -> StepSpan:
-        """The constant-batch span of ``at`` (callers that pass no `StepSpan`)."""
-        gbs, per = self.global_batch_size, self.samples_per_micro_step
-        if gbs is None or per is None:
-            raise ConfigError(
-                f"trace {self.path!r}: a record needs its step: pass span=StepSpan(...) to "
-                "add(), or global_batch_size= and samples_per_micro_step= to TraceWriter"
-            )
-        step = at // gbs
-        return StepSpan(step=step, start=step * gbs, size=gbs, next=at + per)
-
     def add(
         self,
         samples_consumed: int,
         positions: npt.NDArray[np.int64],
         batch: Any,
         *,
-        span: StepSpan | None = None,
+        span: StepSpan,
     ) -> None:
         """Record the micro batch about to be delivered (``samples_consumed`` before counting
         it; ``span`` where it lies in the run's steps)."""
@@ -110,11 +99,10 @@ class TraceWriter:
                 "deliver more batches with its trace"
             )
         at = int(samples_consumed)
-        where = self._span(at) if span is None else span
-        if not where.start <= at < where.next <= where.start + where.size:
+        if not span.start <= at < span.next <= span.start + span.size:
             raise ConfigError(
-                f"trace {self.path!r}: micro batch [{at}, {where.next}) is not inside its step "
-                f"{where.step} [{where.start}, {where.start + where.size})"
+                f"trace {self.path!r}: micro batch [{at}, {span.next}) is not inside its step "
+                f"{span.step} [{span.start}, {span.start + span.size})"
             )
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not len(positions):
@@ -125,16 +113,16 @@ class TraceWriter:
         record = Record(
             where=self.path,
             rank=self.rank,
-            step=where.step,
+            step=span.step,
             at=at,
-            next=where.next,
-            gbs=where.size,
+            next=span.next,
+            gbs=span.size,
             runs=tuple((first, n) for first, n in position_runs(positions)),
             cols=cols,
             sums=sums,
             restored=self._restored,
-            step_at=where.start,
-            micro=(at - where.start) // (where.next - at),
+            step_at=span.start,
+            micro=(at - span.start) // (span.next - at),
         )
         self._append((json.dumps(record.to_json(), sort_keys=True) + "\n").encode())
         self._restored = False
