@@ -20,6 +20,7 @@ from detdata.base.errors import StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
+from detdata.loading.history import is_count
 from detdata.loading.reading import Reads
 from detdata.loading.trace.digests import position_digests
 
@@ -85,7 +86,7 @@ def _problem(value: object) -> str:
     if not isinstance(value, Mapping) or set(value) != {K_FIRST, K_SAMPLES, K_GROUP}:
         return f"must be an object with keys {[K_FIRST, K_SAMPLES, K_GROUP]}"
     first, samples, group = value[K_FIRST], value[K_SAMPLES], value[K_GROUP]
-    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+    if not is_count(first):
         return f"{K_FIRST!r} must be a non-negative integer"
     if not isinstance(samples, list) or not 0 < len(samples) <= ATTESTED:
         return f"{K_SAMPLES!r} must list 1 to {ATTESTED} digests"

@@ -14,7 +14,7 @@ import functools
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, StateError
@@ -38,10 +38,16 @@ _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
 
 
+def is_count(value: object, minimum: int = 0) -> TypeGuard[int]:
+    """``value`` is a JSON-plain int ``>= minimum`` (a bool is not): the one check of the int
+    fields of the documents detdata reads back (state, history, attestation, trace)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _checked_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
     """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
     value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         kind = "positive" if minimum else "non-negative"
         raise StateError(
             f"{where}.{key} must be a {kind} integer, found {value!r}", fields=(K_HISTORY,)
@@ -412,7 +418,7 @@ def upgraded_history(global_batch: object, layout: Mapping[str, Any]) -> list[di
     """The history of a state written before histories existed: one entry from position 0
     (a layout value that is not a positive int is None)."""
     sizes = {
-        k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        k: v if is_count(v, 1) else None
         for k, v in ((K_WORLD, layout.get(K_WORLD)), (K_MICRO, layout.get(K_MICRO)))
     }
     return [{K_POSITION: 0, K_STEP: 0, K_BATCH: global_batch, **sizes}]

@@ -19,6 +19,7 @@ from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import get_logger
+from detdata.loading.history import is_count
 from detdata.loading.record_format import (
     EXECUTION_KEYS,
     K_DIGEST,
@@ -404,7 +405,7 @@ def execution_section(
         out["workers"] = layout.get("num_workers")
         out["worker_mode"] = layout.get("worker_mode")
         gbs: Any = state.get("global_batch_size")
-        if _positive(gbs) and _positive(micro) and _positive(world):
+        if is_count(gbs, 1) and is_count(micro, 1) and is_count(world, 1):
             out["accumulation"] = gbs // (micro * world)
     unknown = sorted(set(given or {}) - set(EXECUTION_KEYS))
     if unknown:
@@ -413,7 +414,3 @@ def execution_section(
         )
     out.update(dict(given or {}))
     return out
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -22,7 +22,15 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.attest import Attestation
-from detdata.loading.history import K_HISTORY, K_SEAL, K_WEIGHTS, Plan, seal, upgraded_history
+from detdata.loading.history import (
+    K_HISTORY,
+    K_SEAL,
+    K_WEIGHTS,
+    Plan,
+    is_count,
+    seal,
+    upgraded_history,
+)
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
@@ -319,7 +327,7 @@ class LoaderState:
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
         consumed = state[K_CONSUMED]
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+        if not is_count(consumed):
             raise StateError(
                 f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
                 f"found {consumed!r}",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detdata.base.errors import ConfigError, FormatError
+from detdata.loading.history import is_count
 from detdata.loading.trace.digests import HEX_DIGITS, READABLE_VERSIONS, TRACE_VERSION
 
 
@@ -60,10 +61,6 @@ class Record:
         return f"{self.where}: " + json.dumps(self.to_json(), sort_keys=True)
 
 
-def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
 def _bad(where: str, what: str) -> FormatError:
     return FormatError(
         f"{where}: {what}; hint: traces are the JSONL files written by "
@@ -78,7 +75,9 @@ def _runs(where: str, pos: Any, at: int, nxt: int) -> tuple[tuple[int, int], ...
         )
     runs = []
     for run in pos:
-        if not (isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1], 1)):
+        if not (
+            isinstance(run, list) and len(run) == 2 and is_count(run[0]) and is_count(run[1], 1)
+        ):
             raise _bad(
                 where, f"field 'pos' must hold [first, count] pairs of integers, found {run!r:.60}"
             )
@@ -126,7 +125,7 @@ def parse_record(doc: Any, where: str) -> Record:
     if version >= 3:
         ints += [("step_at", 0), ("micro", 0)]
     for key, minimum in ints:
-        if not _is_int(doc.get(key), minimum):
+        if not is_count(doc.get(key), minimum):
             raise _bad(
                 where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}"
             )
