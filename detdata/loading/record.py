@@ -238,7 +238,6 @@ class RunRecord:
         ``field: saved X, now Y``; each allowed one is logged (WARNING, one line per field).
         """
         old = saved if isinstance(saved, RunRecord) else RunRecord.from_json(saved)
-        allowed = _check_allow(allow)
         try:
             diffs = self.differences(old)
         except DetdataError:
@@ -248,7 +247,7 @@ class RunRecord:
                 f"the saved run record cannot be compared: {type(exc).__name__}: {exc}; it was "
                 "edited or corrupted; hint: compare with a record RunRecord.save wrote"
             ) from None
-        _check_held(allowed, {*self.fields(), *old.fields()})
+        allowed = self.check_allow(allow, old)
         refused = [k for k in diffs if not _is_allowed(k, allowed)]
         for k in diffs:
             if k not in refused:

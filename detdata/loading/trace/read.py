@@ -7,11 +7,15 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from detdata.base.errors import ConfigError, FormatError
 from detdata.loading.history import is_count
 from detdata.loading.trace.digests import HEX_DIGITS, READABLE_VERSIONS, TRACE_VERSION
+
+#: A record's int fields and their minimums (named as in `Record`), and those format 3 added.
+_V2_INTS: Final = (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1))
+_V3_INTS: Final = (("step_at", 0), ("micro", 0))
 
 
 @dataclass(frozen=True)
@@ -39,20 +43,12 @@ class Record:
         return self.step if self.next < self.step_at + self.gbs else self.step + 1
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "v": self.version,
-            "rank": self.rank,
-            "step": self.step,
-            "at": self.at,
-            "next": self.next,
-            "gbs": self.gbs,
-            "pos": [list(r) for r in self.runs],
-            "cols": dict(self.cols),
-            "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()},
-        }
+        out: dict[str, Any] = {"v": self.version, **{k: getattr(self, k) for k, _ in _V2_INTS}}
+        out["pos"] = [list(r) for r in self.runs]
+        out["cols"] = dict(self.cols)
+        out["batch_b3"] = {k: f"{v:064x}" for k, v in self.sums.items()}
         if self.version >= 3:
-            out["step_at"] = self.step_at
-            out["micro"] = self.micro
+            out.update({k: getattr(self, k) for k, _ in _V3_INTS})
         if self.restored:
             out["restored"] = True
         return out
@@ -121,10 +117,7 @@ def parse_record(doc: Any, where: str) -> Record:
             f"{list(READABLE_VERSIONS)} (version 1 traces held one record per step and cannot "
             "be compared; re-record)",
         )
-    ints = [("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)]
-    if version >= 3:
-        ints += [("step_at", 0), ("micro", 0)]
-    for key, minimum in ints:
+    for key, minimum in _V2_INTS + (_V3_INTS if version >= 3 else ()):
         if not is_count(doc.get(key), minimum):
             raise _bad(
                 where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}"
