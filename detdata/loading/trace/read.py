@@ -11,7 +11,7 @@ from typing import Any, Final
 
 from detdata.base.errors import ConfigError, FormatError
 from detdata.loading.history import is_count
-from detdata.loading.trace.digests import HEX_DIGITS, READABLE_VERSIONS, TRACE_VERSION
+from detdata.loading.trace.digests import READABLE_VERSIONS, TRACE_VERSION, is_hex_digest
 
 #: A record's int fields and their minimums (named as in `Record`), and those format 3 added.
 _V2_INTS: Final = (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1))
@@ -93,11 +93,7 @@ def _digests(where: str, cols: Any, sums: Any) -> tuple[dict[str, str], dict[str
         raise _bad(where, "field 'batch_b3' must have one digest per leaf named in 'cols'")
     out = {}
     for name, text in sums.items():
-        if not (
-            isinstance(text, str)
-            and len(text) == HEX_DIGITS
-            and all(c in "0123456789abcdef" for c in text)
-        ):
+        if not is_hex_digest(text):
             raise _bad(
                 where, f"batch_b3[{name!r}] must be 64 lowercase hex digits, found {text!r:.80}"
             )
