@@ -251,7 +251,7 @@ class RunRecord:
                 "edited or corrupted; hint: compare with a record RunRecord.save wrote"
             ) from None
         allowed = self.check_allow(allow, old)
-        refused = [k for k in diffs if not _is_allowed(k, allowed)]
+        refused = [k for k in diffs if k not in allowed and k.split(".", 1)[0] not in allowed]
         for k in diffs:
             if k not in refused:
                 logger.warning("run record: allowed difference %s", self._describe(k, old))
@@ -316,10 +316,6 @@ def _check_allow(allow: Iterable[str], option: str) -> frozenset[str]:
             f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME; hint: check the spelling"
         )
     return names
-
-
-def _is_allowed(name: str, allowed: frozenset[str]) -> bool:
-    return name in allowed or ("." in name and name.split(".", 1)[0] in allowed)
 
 
 def _short(value: Any) -> str:

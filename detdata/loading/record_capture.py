@@ -163,11 +163,6 @@ def lock_hashes(
     return out
 
 
-def normalise_name(name: str) -> str:
-    """PEP 503 normalised distribution name."""
-    return _NAME_RUN.sub("-", name).lower()
-
-
 def normalise_version(version: str) -> str:
     """``version`` in PEP 440 normal form (``1.0RC1``, ``v1.0-rc.1`` -> ``1.0rc1``;
     ``1.0-1`` -> ``1.0.post1``; ``01.2`` -> ``1.2``; ``0!1.0`` -> ``1.0``; ``1.0+Ubuntu-01``
@@ -199,10 +194,12 @@ def _number(digits: str | None) -> str:
 
 
 def package_list(pairs: Iterable[tuple[str, str]]) -> list[list[str]]:
-    """``[[name, version], ...]`` of ``(name, version)`` pairs: names PEP 503 normalised
-    (`normalise_name`), versions in PEP 440 normal form (`normalise_version`), sorted and
-    de-duplicated: two spellings of one version record alike."""
-    found = {(normalise_name(name), normalise_version(version)) for name, version in pairs}
+    """``[[name, version], ...]`` of ``(name, version)`` pairs: names PEP 503 normalised, versions
+    in PEP 440 normal form (`normalise_version`), sorted and de-duplicated: two spellings of
+    one version record alike."""
+    found = {
+        (_NAME_RUN.sub("-", name).lower(), normalise_version(version)) for name, version in pairs
+    }
     return [list(p) for p in sorted(found)]
 
 
