@@ -321,14 +321,12 @@ def _saved_schedule(doc: Mapping[str, Any], mixture: Mixture) -> tuple[PhaseSpec
             "saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)"
         )
     phases = schedule_from_json(schedule, sorted(sources))
-    diffs = []
-    algorithm, order_algorithm = doc.get("algorithm"), doc.get("source_order_algorithm")
-    if algorithm != ALGORITHM:
-        diffs.append(f"algorithm: saved {algorithm!r}, now {ALGORITHM!r}")
-    if order_algorithm != ORDER_ALGORITHM:
-        diffs.append(f"source_order_algorithm: saved {order_algorithm!r}, now {ORDER_ALGORITHM!r}")
-    if doc.get("seed") != mixture.seed:
-        diffs.append(f"seed: saved {doc.get('seed')!r}, now {mixture.seed}")
+    now = {
+        "algorithm": ALGORITHM,
+        "source_order_algorithm": ORDER_ALGORITHM,
+        "seed": mixture.seed,
+    }
+    diffs = [f"{k}: saved {doc.get(k)!r}, now {v!r}" for k, v in now.items() if doc.get(k) != v]
     saved_names, names = set(sources), set(mixture.source_names)
     if saved_names - names:
         diffs.append(f"sources removed: {sorted(saved_names - names)}")

@@ -91,19 +91,13 @@ def _close_all() -> None:
         ahead.close()
 
 
-def _datasets_of(stream: object) -> list[object]:
-    """The datasets ``stream`` reads, in source order: a `HasOrigins` stream's datasets, else
-    ``stream`` itself (a dataset, or a stream that does not say: then nothing is
-    prefetched, the documented default)."""
-    if isinstance(stream, HasOrigins):
-        return list(stream.origins(np.empty(0, dtype=np.int64)).datasets)
-    return [stream]
-
-
 def cached_readers(stream: object) -> list[ShardReader]:
-    """The shard readers of ``stream`` (a dataset, or a stream declaring `HasOrigins`) that
-    read through a shard cache, in source order."""
-    found = _datasets_of(stream)
+    """The shard readers of ``stream`` that read through a shard cache, in source order: of
+    a `HasOrigins` stream's datasets, else of ``stream`` itself (a dataset, or a stream that
+    does not say: then nothing is prefetched, the documented default)."""
+    found: list[object] = [stream]
+    if isinstance(stream, HasOrigins):
+        found = list(stream.origins(np.empty(0, dtype=np.int64)).datasets)
     return [r for r in found if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
 
 
@@ -144,7 +138,7 @@ def shard_uses_of_steps(
 def _shards_at(
     stream: object, pos: IntArray, readers: list[ShardReader]
 ) -> tuple[IntArray, IntArray]:
-    """``(reader index or -1, shard)`` of each position of ``stream`` (`_datasets_of`)."""
+    """``(reader index or -1, shard)`` of each position of ``stream`` (`cached_readers`)."""
     index = {id(r): i for i, r in enumerate(readers)}
     if isinstance(stream, HasOrigins):
         found = stream.origins(pos)
