@@ -87,12 +87,7 @@ class Mixture:
             )
         raw = [(0, weights)] if weights is not None else check_schedule(schedule)
         ints = [
-            normalize_weights(
-                w,
-                self.source_names,
-                allow_zero=self.allow_zero,
-                where="weights" if schedule is None else f"schedule[{i}] weights",
-            )
+            self._normalized(w, "weights" if schedule is None else f"schedule[{i}] weights")
             for i, (_, w) in enumerate(raw)
         ]
         self._schedule = MixtureSchedule.build(self.seed, [s for s, _ in raw], ints)
@@ -106,6 +101,13 @@ class Mixture:
         self._seeds_u64 = np.array([o.seed for o in self.orders.values()], np.uint64)
         self.columns: dict[str, str] = _common_columns(self.sources)
         self._memo = ChunkMemo(self.locate)
+
+    def _normalized(self, weights: Mapping[str, object], where: str) -> tuple[int, ...]:
+        """`normalize_weights` of ``weights`` over this mixture's sources (``where`` names
+        them in its `ConfigError`)."""
+        return normalize_weights(
+            weights, self.source_names, allow_zero=self.allow_zero, where=where
+        )
 
     def __repr__(self) -> str:
         weights = {
@@ -246,15 +248,7 @@ class Mixture:
         """`with_mixture_weights` of each ``(position, weights)`` in turn (a recorded
         trajectory replayed): O(changes x (log phases + sources)) in all."""
         ints = [
-            (
-                position,
-                normalize_weights(
-                    weights,
-                    self.source_names,
-                    allow_zero=self.allow_zero,
-                    where=f"mixture weights from position {position}",
-                ),
-            )
+            (position, self._normalized(weights, f"mixture weights from position {position}"))
             for position, weights in changes
         ]
         schedule = change_schedule(self._schedule, self.seed, ints)
