@@ -180,7 +180,6 @@ class CacheAhead:
         steps: int,
         connections: int = DEFAULT_CONNECTIONS,
         stop: int | None = None,
-        readers: list[ShardReader] | None = None,
     ) -> None:
         self.stream = stream
         self.positions_of = positions_of
@@ -189,7 +188,7 @@ class CacheAhead:
             connections, "ReadOptions.steps_ahead_connections", maximum=256
         )
         self.stop = stop
-        self.readers = cached_readers(stream) if readers is None else readers
+        self.readers = cached_readers(stream)
         self.stats = CacheAheadStats()
         self._budget = {r.files.cache_dir: r.files.shard_cache_bytes for r in self.readers}
         self._window_bytes: dict[str | None, int] = collections.defaultdict(int)

@@ -171,7 +171,7 @@ class ShardFiles:
 
     def open_shards(self) -> list[int]:
         """Shards this dataset holds an open handle of in this process, least recently used
-        first (at most ``max_open_shards``; `process_open_shards` counts every dataset's)."""
+        first (at most ``max_open_shards``; ``len(PROCESS_HANDLES)`` counts every dataset's)."""
         return self.local().handles.keys()
 
     # the file system -----------------------------------------------------------------
