@@ -5,17 +5,17 @@ the timeline rules of `detdata.loading.trace`), then two traces compared step by
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from detdata.loading.trace.digests import SUM_MODULUS
 from detdata.loading.trace.read import Record
 
 
-def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Union of ``[start, end)`` intervals, sorted and merged."""
+def _spans(records: Sequence[Record]) -> list[tuple[int, int]]:
+    """The positions of ``records`` as sorted, merged ``[start, end)`` intervals."""
     out: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
+    for start, end in sorted((first, first + n) for r in records for first, n in r.runs):
         if out and start <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
@@ -23,28 +23,15 @@ def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _spans(records: Sequence[Record]) -> list[tuple[int, int]]:
-    return _merged([(first, first + n) for r in records for first, n in r.runs])
-
-
 def _text(spans: Sequence[tuple[int, int]]) -> str:
     return ", ".join(f"[{a}, {b})" for a, b in spans[:4]) + (" ..." if len(spans) > 4 else "")
 
 
-@dataclass(frozen=True)
-class Block:
-    """Records of two sides whose positions overlap transitively (compared as one unit)."""
-
-    left: tuple[Record, ...]
-    right: tuple[Record, ...]
-
-    @property
-    def start(self) -> int:
-        return min(first for r in (*self.left, *self.right) for first, _ in r.runs)
-
-
-def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
-    """Connected groups of records (either side) with overlapping positions, by first position."""
+def blocks(
+    left: Sequence[Record], right: Sequence[Record]
+) -> list[tuple[tuple[Record, ...], tuple[Record, ...]]]:
+    """Connected groups of records (either side) whose positions overlap transitively, each
+    compared as one unit: (left's records, right's records) per group, by first position."""
     items = [*((r, 0) for r in left), *((r, 1) for r in right)]
     parent = list(range(len(items)))
 
@@ -67,14 +54,14 @@ def blocks(left: Sequence[Record], right: Sequence[Record]) -> list[Block]:
     groups: dict[int, list[int]] = {}
     for i in range(len(items)):
         groups.setdefault(find(i), []).append(i)
-    out = [
-        Block(
+    by_start = sorted(groups.values(), key=lambda g: min(s for i in g for s, _ in items[i][0].runs))
+    return [
+        (
             tuple(items[i][0] for i in g if items[i][1] == 0),
             tuple(items[i][0] for i in g if items[i][1] == 1),
         )
-        for g in groups.values()
+        for g in by_start
     ]
-    return sorted(out, key=lambda b: b.start)
 
 
 def _summed(records: Sequence[Record]) -> tuple[dict[str, str], dict[str, int], list[str]]:
@@ -93,15 +80,17 @@ def _summed(records: Sequence[Record]) -> tuple[dict[str, str], dict[str, int], 
     return cols, sums, clashes
 
 
-def block_difference(block: Block, sides: tuple[str, str] = ("A", "B")) -> str | None:
+def block_difference(
+    a: Sequence[Record], b: Sequence[Record], sides: tuple[str, str]
+) -> str | None:
     """Why the two sides of a block differ (None when they delivered the same samples)."""
-    left, right = _spans(block.left), _spans(block.right)
+    left, right = _spans(a), _spans(b)
     if left != right:
         only = ((_minus(left, right), sides[0]), (_minus(right, left), sides[1]))
         parts = [f"positions {_text(s)} only in {side}" for s, side in only if s]
         return "positions differ: " + "; ".join(parts)
-    cols_a, sums_a, clash_a = _summed(block.left)
-    cols_b, sums_b, clash_b = _summed(block.right)
+    cols_a, sums_a, clash_a = _summed(a)
+    cols_b, sums_b, clash_b = _summed(b)
     if clash_a or clash_b:
         return f"leaves described differently within a step: {sorted({*clash_a, *clash_b})}"
     if cols_a != cols_b:
@@ -161,14 +150,6 @@ class Finding:
 KIND_PRIORITY: Final = {"conflict": 0, "discontinuity": 1, "overlap": 2, "missing": 3, "differs": 4}
 
 
-@dataclass
-class Trace:
-    """A trace assembled per global step: the final records and its own inconsistencies."""
-
-    steps: dict[int, list[Record]] = field(default_factory=dict)
-    findings: list[Finding] = field(default_factory=list)
-
-
 def _conflicts(
     label: str, rank: int, generation: list[Record], final: list[Record]
 ) -> Iterator[Finding]:
@@ -180,20 +161,20 @@ def _conflicts(
         if rec.step in by_step:
             by_step[rec.step][1].append(rec)
     for step, (before, after) in sorted(by_step.items()):
-        for block in blocks(before, after):
-            if not block.left or not block.right or _spans(block.left) != _spans(block.right):
+        for first, again in blocks(before, after):
+            if not first or not again or _spans(first) != _spans(again):
                 continue  # not delivered again (or not comparable as one unit): nothing to check
-            why = block_difference(block, ("before", "after"))
+            why = block_difference(first, again, ("before", "after"))
             if why is not None:
                 shown = (
-                    *((f"{label} first", r) for r in block.left[:2]),
-                    *((f"{label} again", r) for r in block.right[:2]),
+                    *((f"{label} first", r) for r in first[:2]),
+                    *((f"{label} again", r) for r in again[:2]),
                 )
                 yield Finding(
                     step,
                     rank,
                     "conflict",
-                    f"conflict in {label}: positions {_text(_spans(block.left))} of rank {rank} "
+                    f"conflict in {label}: positions {_text(_spans(first))} of rank {rank} "
                     f"were delivered twice with different bytes ({why})",
                     shown,
                 )
@@ -235,8 +216,11 @@ def _break_finding(label: str, prev: Record, rec: Record) -> Finding:
     return Finding(expected, rec.rank, "discontinuity", what, shown)
 
 
-def assemble(records: Sequence[Record], label: str = "A") -> Trace:
-    """Replay a trace's records in file order into its final records per step.
+def assemble(
+    records: Sequence[Record], label: str = "A"
+) -> tuple[dict[int, list[Record]], list[Finding]]:
+    """Replay a trace's records in file order into (its final records per step, its own
+    inconsistencies).
 
     A *restore* (a record flagged ``restored``) rolls the rank's timeline back to
     `_restore_point` (the superseded records are kept to check that replayed positions carry
@@ -265,24 +249,22 @@ def assemble(records: Sequence[Record], label: str = "A") -> Trace:
             breaks[len(mine)] = mine[-1]
         mine.append(rec)
         arrived.append(rec)
-    trace = Trace()
-    final: dict[int, list[Record]] = {}
+    steps: dict[int, list[Record]] = {}
+    findings: list[Finding] = []
     for rank, mine in timelines.items():
         breaks = jumps[rank]
         first = min(breaks, default=len(mine))
-        final[rank] = mine[:first]
+        for rec in mine[:first]:
+            steps.setdefault(rec.step, []).append(rec)
         if breaks:
-            trace.findings.append(_break_finding(label, breaks[first], mine[first]))
+            findings.append(_break_finding(label, breaks[first], mine[first]))
     for rank, happened in events.items():
         ends = [start for _, start in happened[1:]] + [len(arrivals[rank])]
         for (gone, start), end in zip(happened, ends, strict=True):
-            trace.findings.extend(_conflicts(label, rank, gone, arrivals[rank][start:end]))
-    for mine in final.values():
-        for rec in mine:
-            trace.steps.setdefault(rec.step, []).append(rec)
-    for step, recs in sorted(trace.steps.items()):
-        trace.findings.extend(_overlaps(label, step, recs))
-    return trace
+            findings.extend(_conflicts(label, rank, gone, arrivals[rank][start:end]))
+    for step, recs in sorted(steps.items()):
+        findings.extend(_overlaps(label, step, recs))
+    return steps, findings
 
 
 def _overlaps(label: str, step: int, records: list[Record]) -> Iterator[Finding]:
@@ -315,7 +297,7 @@ def step_digests(records: Sequence[Record]) -> dict[int, dict[str, Any]]:
     values whatever their micro batch size, workers, resumes and replays.
     """
     out = {}
-    for step, recs in sorted(assemble(records).steps.items()):
+    for step, recs in sorted(assemble(records)[0].items()):
         cols, sums, _ = _summed(recs)
         out[step] = {
             "positions": [list(s) for s in _spans(recs)],
@@ -343,9 +325,7 @@ class Comparison:
         return len({f.step for f in self.findings})
 
 
-def _cross(
-    step: int, a: list[Record], b: list[Record], labels: tuple[str, str] = ("A", "B")
-) -> Finding | None:
+def _cross(step: int, a: list[Record], b: list[Record], labels: tuple[str, str]) -> Finding | None:
     la, lb = labels
     if not a or not b:
         have = a or b
@@ -356,16 +336,15 @@ def _cross(
             f"missing in {la if not a else lb}",
             tuple(((la if a else lb), r) for r in have[:2]),
         )
-    for block in blocks(a, b):
-        why = block_difference(block, labels)
+    for left, right in blocks(a, b):
+        why = block_difference(left, right, labels)
         if why is not None:
-            rank = min(r.rank for r in (*block.left, *block.right))
             return Finding(
                 step,
-                rank,
+                min(r.rank for r in (*left, *right)),
                 "differs",
                 why,
-                (*((la, r) for r in block.left[:2]), *((lb, r) for r in block.right[:2])),
+                (*((la, r) for r in left[:2]), *((lb, r) for r in right[:2])),
             )
     return None
 
@@ -381,15 +360,15 @@ def compare(
     """Differences between traces ``a`` and ``b`` in steps ``[start, stop)`` (each trace's own
     conflicts and discontinuities included), first divergence first; ``labels`` name the two
     runs in the reasons."""
-    ta, tb = assemble(a, labels[0]), assemble(b, labels[1])
+    (steps_a, found_a), (steps_b, found_b) = assemble(a, labels[0]), assemble(b, labels[1])
 
     def inside(step: int) -> bool:
         return step >= start and (stop is None or step < stop)
 
-    findings = [f for f in (*ta.findings, *tb.findings) if inside(f.step)]
-    steps = sorted(s for s in set(ta.steps) | set(tb.steps) if inside(s))
+    findings = [f for f in (*found_a, *found_b) if inside(f.step)]
+    steps = sorted(s for s in set(steps_a) | set(steps_b) if inside(s))
     for step in steps:
-        found = _cross(step, ta.steps.get(step, []), tb.steps.get(step, []), labels)
+        found = _cross(step, steps_a.get(step, []), steps_b.get(step, []), labels)
         if found is not None:
             findings.append(found)
     findings.sort(key=lambda f: (f.step, KIND_PRIORITY[f.kind], f.rank))
