@@ -188,11 +188,11 @@ class RunRecord:
         if missing:
             raise StateError(f"{where}: missing fields {missing}")
         try:
-            record = cls(doc=plain(doc))
+            parsed = plain(doc)
         except ConfigError as exc:
             raise StateError(f"{where}: {exc}") from None
-        check_shape(record.doc, where)
-        return cls(doc={**record.doc, K_PACKAGES: _normal_packages(record.doc[K_PACKAGES])})
+        check_shape(parsed, where)
+        return cls(doc={**parsed, K_PACKAGES: _normal_packages(parsed[K_PACKAGES])})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the record as JSON, atomically (readers see the old file or the whole new one)."""
@@ -273,7 +273,18 @@ class RunRecord:
         record nor ``saved`` holds, is a `ConfigError` naming it (as ``option``, e.g.
         ``--allow`` on the command line) and listing the valid names. For a caller that acts
         (prints, saves) before `verify`: a misspelt name is refused before anything is done."""
-        allowed = _check_allow(allow, option)
+        if isinstance(allow, (str, bytes)):
+            raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")
+        allowed = frozenset(allow)
+        known = {*FIELDS, *GROUPS}
+        unknown = sorted(
+            str(n) for n in allowed if n not in known and not str(n).startswith(_PREFIXES)
+        )
+        if unknown:
+            raise ConfigError(
+                f"{option} names unknown run record fields {unknown}; known names are "
+                f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME; hint: check the spelling"
+            )
         held = {*self.fields(), *saved.fields()}
         unheld = sorted(n for n in allowed if n.startswith(_PREFIXES) and n not in held)
         if unheld:  # a typo there would allow nothing and say nothing
@@ -297,25 +308,10 @@ def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
     digest recomputed, when it is what an earlier capture wrote (its digest is its list's);
     a section edited by hand is kept as it is (`verify` compares its digest as saved)."""
     pairs = section[K_LIST]
-    if not all(isinstance(x, str) for pair in pairs for x in pair):
-        return section
-    if packages_section(pairs) != section:
+    strings = all(isinstance(x, str) for pair in pairs for x in pair)
+    if not strings or packages_section(pairs) != section:
         return section
     return packages_section(package_list((name, version) for name, version in pairs))
-
-
-def _check_allow(allow: Iterable[str], option: str) -> frozenset[str]:
-    if isinstance(allow, (str, bytes)):
-        raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")
-    names = frozenset(allow)
-    known = {*FIELDS, *GROUPS}
-    unknown = sorted(str(n) for n in names if n not in known and not str(n).startswith(_PREFIXES))
-    if unknown:
-        raise ConfigError(
-            f"{option} names unknown run record fields {unknown}; known names are "
-            f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME; hint: check the spelling"
-        )
-    return names
 
 
 def _short(value: Any) -> str:

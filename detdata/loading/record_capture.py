@@ -325,19 +325,14 @@ def layout_section(given: Mapping[str, int] | None) -> dict[str, int]:
         raise ConfigError(f"layout has unknown keys {unknown}; known keys are {list(LAYOUT_KEYS)}")
     vals = {k: check_positive_int(v, f"layout[{k!r}]") for k, v in given.items()}
     if "world" not in vals:
-        vals["world"] = _world()
+        import torch.distributed as dist
+
+        running = dist.is_available() and dist.is_initialized()
+        vals["world"] = int(dist.get_world_size()) if running else 1
     vals.setdefault("tp", 1)
     vals.setdefault("pp", 1)
     vals.setdefault("dp", max(1, vals["world"] // (vals["tp"] * vals["pp"])))
     return {k: vals[k] for k in LAYOUT_KEYS}
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
 
 
 def data_section(
