@@ -44,13 +44,12 @@ def is_count(value: object, minimum: int = 0) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def _checked_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
-    """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
+def _check_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> None:
+    """``doc[key]`` is an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
     value = doc[key]
     if not is_count(value, minimum):
         kind = "positive" if minimum else "non-negative"
         raise history_error(f"{where}.{key} must be a {kind} integer, found {value!r}")
-    return value
 
 
 def history_error(message: str) -> StateError:
@@ -85,13 +84,9 @@ class Change:
                 f"{where} (a change) must be an object with the keys {list(_CHANGE_KEYS)} and "
                 f"a field name, found {doc!r:.120}"
             )
-        return cls(
-            field=doc[K_FIELD],
-            position=_checked_int(doc, K_POSITION, where),
-            step=_checked_int(doc, K_STEP, where),
-            old=doc[K_OLD],
-            new=doc[K_NEW],
-        )
+        _check_int(doc, K_POSITION, where)
+        _check_int(doc, K_STEP, where)
+        return cls(**doc)  # the keys name the fields
 
     def describe(self) -> str:
         return (
@@ -111,13 +106,8 @@ class Entry:
     micro_batch_size: int | None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            K_POSITION: self.position,
-            K_STEP: self.step,
-            K_BATCH: self.schedule.to_json(),
-            K_WORLD: self.world_size,
-            K_MICRO: self.micro_batch_size,
-        }
+        # the keys name the fields, except global_batch_size: the schedule's JSON
+        return {k: self.schedule.to_json() if k == K_BATCH else getattr(self, k) for k in _KEYS}
 
     @classmethod
     def from_json(cls, doc: object, i: int) -> Entry:
@@ -126,21 +116,16 @@ class Entry:
             raise history_error(
                 f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}"
             )
-        position, step = _checked_int(doc, K_POSITION, where), _checked_int(doc, K_STEP, where)
-        world, micro = (
-            None if doc[k] is None else _checked_int(doc, k, where, 1) for k in (K_WORLD, K_MICRO)
-        )
+        _check_int(doc, K_POSITION, where)
+        _check_int(doc, K_STEP, where)
+        for key in (K_WORLD, K_MICRO):  # None: the layout was not known
+            if doc[key] is not None:
+                _check_int(doc, key, where, 1)
         try:
             schedule = BatchSchedule.from_json(doc[K_BATCH])
         except ConfigError as exc:
             raise history_error(f"{where}.{K_BATCH}: {exc}") from None
-        return cls(
-            position=position,
-            step=step,
-            schedule=schedule,
-            world_size=world,
-            micro_batch_size=micro,
-        )
+        return cls(schedule=schedule, **{k: doc[k] for k in _KEYS if k != K_BATCH})
 
 
 def _segments(entries: Sequence[Entry]) -> list[tuple[int, BatchSchedule]]:
@@ -162,7 +147,6 @@ class Plan:
 
     @classmethod
     def fresh(cls, schedule: BatchSchedule, layout: Layout) -> Plan:
-        """A run that starts with ``schedule`` and ``layout``."""
         return cls((_entry(0, 0, schedule, layout),))
 
     @functools.cached_property
@@ -233,12 +217,9 @@ class Plan:
         return [c for c in self.changes if c.field in fields and c.position > position]
 
     def with_schedule(self, position: int, schedule: BatchSchedule, layout: Layout) -> Plan:
-        """``schedule`` from the start of the step ``position`` falls in, ``layout`` from
-        ``position`` on (a deliberate global-batch change at a resume).
-
-        The step being accumulated at ``position`` keeps its first position and is completed
-        by the new batch; `StateError` when more than that batch was delivered in it already.
-        """
+        """``schedule`` from the start of the step ``position`` falls in (that step completed by
+        its new batch), ``layout`` from ``position`` on: a deliberate global-batch change at a
+        resume; `StateError` when more than the new batch was delivered in that step already."""
         step = self.step_of(position)
         start = self.start_of(step)
         batch = schedule.batch_at(step, start)

@@ -111,14 +111,9 @@ def identity_fields(
     stream_seed: int | None,
     transform: str | None,
 ) -> dict[str, Any]:
-    """The checked fields derived from a stream identity and the loader's own inputs.
-
-    Every input that can change a delivered byte lands in exactly one field, so each is
-    allowed by its own name: nested parameters in ``data``, the top-level seed in ``seed``
-    (loader-wrapped dataset) or ``stream_seed`` (a stream the caller built), an `Excluded`
-    wrapper's rule and history in ``exclusions`` (`split_identity`). ``global_batch`` is
-    the schedule's identity (`BatchSchedule.to_json`).
-    """
+    """The checked fields (docs/design.md section 5) derived from a stream identity and the
+    loader's own inputs, each input in exactly one field; ``global_batch`` is the schedule's
+    identity (`BatchSchedule.to_json`)."""
     core, exclusions = split_identity(identity)
     data = {k: v for k, v in core.items() if k not in _TOP_LEVEL_VOLATILE}
     is_mixture = core.get("type") == "mixture"
@@ -242,15 +237,11 @@ class LoaderState:
         return StepPosition.of(self.plan, self.samples_consumed)
 
     def resumed(self, mid_step: MidStep, at_step: int | None = None) -> LoaderState:
-        """This state as the resume continues from it: unchanged at a step boundary or with
-        `MidStep.CONTINUE`; saved inside a step, by default (`MidStep.REDO`) the state at that
-        step's first position, so the whole step is delivered again (`resume_position`).
-
-        ``at_step``: the first position of that step instead (a trainer's restored optimizer
-        step): the saved step, or the one before it when the state was saved at the end of
-        that step (the trainer saved before its optimizer step: an exception-time checkpoint
-        after the last micro batch was counted); anything else is a `StateError`.
-        """
+        """This state as the resume continues from it (docs/design.md section 5): unchanged at
+        a step boundary or with `MidStep.CONTINUE`; saved inside a step, by default
+        (`MidStep.REDO`) the state at that step's first position (`resume_position`). With
+        ``at_step`` (a trainer's restored step) that step's first position: the saved step, or
+        the one before it when saved at its end; any other step is a `StateError`."""
         if at_step is not None:
             position = self._start_of(at_step)
         else:
@@ -451,7 +442,11 @@ class LoaderState:
                 fields=(K_STREAM,),
             ) from None
         bad = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(derived.get(k))]
-        bad += self._seed_mismatch()
+        # the identity's own seed is stream_seed, or seed when the loader wrapped the stream
+        own, stream_seed = self.stream.get("seed"), self.fields[K_STREAM_SEED]
+        expected = self.fields[K_SEED] if stream_seed is None else stream_seed
+        if own is not None and _norm(own) != _norm(expected):
+            bad.append(K_STREAM_SEED)
         if bad:
             detail = "; ".join(
                 f"{k}: stored {self.fields.get(k)!r:.80}, derived from 'stream' "
@@ -465,32 +460,16 @@ class LoaderState:
                 fields=tuple(bad),
             )
 
-    def _seed_mismatch(self) -> list[str]:
-        """The stream identity's own seed is ``stream_seed``, or ``seed`` when the loader wrapped
-        it."""
-        own, stream_seed = self.stream.get("seed"), self.fields[K_STREAM_SEED]
-        expected = self.fields[K_SEED] if stream_seed is None else stream_seed
-        return [] if own is None or _norm(own) == _norm(expected) else [K_STREAM_SEED]
-
     def differences(self, current: Mapping[str, Any]) -> list[str]:
         """Names of checked fields whose saved value differs from ``current``."""
-        return [
-            k
-            for k in CHECKED_FIELDS
-            if _norm(self.fields.get(k)) != _norm(current.get(k))
-            and not self._format1_seed_equal(k, current)
-        ]
-
-    def _format1_seed_equal(self, key: str, current: Mapping[str, Any]) -> bool:
-        """A format-1 state cannot say whether the caller or the loader built its stream when
-        both seeds were equal (``stream_seed`` is then None): a caller-built stream with
-        that same seed is the same order."""
-        return (
-            key == K_STREAM_SEED
-            and self.upgraded_from == 1
-            and self.fields.get(K_STREAM_SEED) is None
-            and _norm(current.get(K_STREAM_SEED)) == _norm(self.fields.get(K_SEED))
-        )
+        diffs = [k for k in CHECKED_FIELDS if _norm(self.fields.get(k)) != _norm(current.get(k))]
+        # a format-1 state cannot say whether the caller or the loader built its stream when
+        # both seeds were equal (stream_seed is then None): a caller-built stream with that
+        # same seed is the same order
+        same = _norm(current.get(K_STREAM_SEED)) == _norm(self.fields.get(K_SEED))
+        if same and self.upgraded_from == 1 and self.fields.get(K_STREAM_SEED) is None:
+            diffs = [k for k in diffs if k != K_STREAM_SEED]
+        return diffs
 
 
 def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
