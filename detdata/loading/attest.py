@@ -1,11 +1,6 @@
-"""Resume attestation (docs/design.md section 5, "Attested resumes").
-
-A saved state carries an `Attestation`: the digests of the samples at the ``ATTESTED`` global
-positions just before the save point, as the caller receives them, keyed by global position so
-that any layout re-derives them. A resume reads those positions again before its first batch
-(`Attestor.verify`): a difference is a `StateError` naming the step, the position, both digests
-and the checked fields that were equal. It catches what the checked fields cannot name: an
-edited transform body, a changed tokenizer table, bytes edited under a kept receipt.
+"""Resume attestation: the digests of the samples just before a save point, read again
+before a resume's first batch (`Attestor.verify`); what they hold and when: docs/design.md
+section 5, "Attested resumes".
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["FrameworkWatcher", "add_watcher", "built", "check_start"]
-
 
 class FrameworkWatcher(Protocol):
     """What a framework integration watches (see the module doc); ``built`` must be cheap."""

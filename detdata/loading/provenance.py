@@ -1,10 +1,8 @@
 """Provenance: every sample of a global step, down to its shard file and byte range.
 
-`provenance` gives a `SampleRecord` per position (rank, micro step, row, source, sample id,
-``digest``, location; fields and their meaning: docs/design.md, "Provenance, exclusions, run
-record"); `positions_seen` is the reverse (every position a sample was delivered at).
-Within a step from ``c``, position ``c + q`` is row ``q % m`` of micro step ``q // (m * D)``
-on rank ``(q // m) % D`` (docs/design.md section 4).
+`provenance` gives a `SampleRecord` per position (fields and their meaning: docs/design.md,
+"Provenance, exclusions, run record"; rank, micro step and row from the layout: section 4);
+`positions_seen` is the reverse (every position a sample was delivered at).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Delivery evidence: one JSONL record per delivered micro batch, and the diff of two traces.
 
-One concept per module: `digests` (what a record holds about a batch), `write`
-(`TraceWriter`), `read` (`read_trace`, `Record`) and `diff` (`assemble`, `compare`); this
-package names the parts other modules use. docs/guarantees.md, "Traces", says what a trace
-proves and how `detdata diff` reads it.
+docs/guarantees.md, "Traces", says what a trace proves and how `detdata diff` reads it.
 
 **Record** (format version 3), written by `TraceWriter` when a micro batch is
 delivered::

@@ -135,15 +135,9 @@ class Finding:
     records: tuple[tuple[str, Record], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "kind": self.kind,
-            "reason": self.reason,
-            "records": [
-                [label, rec.to_json() | {"where": rec.where}] for label, rec in self.records
-            ],
-        }
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("step", "rank", "kind", "reason")}
+        out["records"] = [[label, r.to_json() | {"where": r.where}] for label, r in self.records]
+        return out
 
 
 #: the order in which findings of one step are reported (the first is the most telling)

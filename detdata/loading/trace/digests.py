@@ -84,11 +84,6 @@ def _tensor_array(tensor: Any, name: str) -> tuple[np.ndarray, str, tuple[int, .
     return raw, str(t.dtype), shape
 
 
-def _is_array(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor))
-
-
 def _sample_array_bytes(value: Any, name: str) -> bytes:
     """One sample's array as bytes that include its dtype and shape (so [1, 2] != [[1], [2]])."""
     if isinstance(value, np.ndarray):
@@ -119,6 +114,7 @@ def _array_leaf(name: str, arr: np.ndarray, dtype: str, shape: tuple[int, ...], 
 def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
     """Flatten a delivered batch (tensors/arrays/scalars in dicts, lists, tuples) into leaves."""
     torch = sys.modules.get("torch")
+    arrays = (np.ndarray,) if torch is None else (np.ndarray, torch.Tensor)
     label = name or "_"
     if torch is not None and isinstance(batch, torch.Tensor):
         yield _array_leaf(label, *_tensor_array(batch, label), n)
@@ -130,7 +126,7 @@ def _leaves(batch: Any, n: int, name: str = "") -> Iterator[_Leaf]:
     elif isinstance(batch, (list, tuple)):
         if len(batch) == n and n > 0 and all(isinstance(v, _SCALARS) for v in batch):
             yield _Leaf(label, "list", rows=[_scalar_bytes(v) for v in batch])
-        elif len(batch) == n and n > 0 and all(_is_array(v) for v in batch):
+        elif len(batch) == n and n > 0 and all(isinstance(v, arrays) for v in batch):
             # one array per sample (ragged rows): per-sample digests, so steps stay micro-batch
             # invariant
             yield _Leaf(

@@ -143,11 +143,7 @@ def parse_record(doc: Any, where: str) -> Record:
     cols, sums = _digests(where, doc.get("cols"), doc.get("batch_b3"))
     return Record(
         where=where,
-        rank=doc["rank"],
-        step=step,
-        at=at,
-        next=nxt,
-        gbs=gbs,
+        **{key: doc[key] for key, _ in _V2_INTS},
         runs=_runs(where, doc.get("pos"), at, nxt),
         cols=cols,
         sums=sums,
@@ -180,10 +176,8 @@ def _decode(raw: bytes, where: str, last: bool) -> Any:
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[Record]:
-    """Records of a trace file, in file order; `FormatError` naming ``file:line`` if malformed.
-
-    Missing or unreadable files raise `ConfigError` naming the path.
-    """
+    """Records of a trace file, in file order; `FormatError` naming ``file:line`` if malformed,
+    `ConfigError` naming the path if it is missing or unreadable."""
     p = os.fspath(path)
     lines = read_local(p, "trace", "pass the trace file inside it").split(b"\n")
     records = []
