@@ -41,13 +41,20 @@ from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
-from detdata.identity.local_ids import FIELDS, LocalIds, checked_paths
-from detdata.identity.local_ids import RACY_S as RACY_S
-from detdata.identity.local_ids import identity_digests as identity_digests
-from detdata.identity.local_ids import local_identities as local_identities
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
-from detdata.identity.shared_pass import entries_at, settle, slice_check
+from detdata.identity.shared import (
+    FIELDS,
+    Check,
+    LocalIds,
+    checked_paths,
+    entries_at,
+    settle,
+    slice_check,
+)
+from detdata.identity.shared import RACY_S as RACY_S
+from detdata.identity.shared import identity_digests as identity_digests
+from detdata.identity.shared import local_identities as local_identities
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.boot import boot_id
@@ -286,7 +293,7 @@ def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
 def _first_start(
     manifest: ShardList, plan: shared.SlicePlan, split: Split, root: str
 ) -> LocalIds | None:
-    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared_pass`);
+    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared.slice_check`);
     returns the files' identities the takers took (an ``ids`` plan)."""
     if plan.tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
         check_json(cast(ShardTable, manifest.shards))
@@ -319,9 +326,6 @@ def _check_changed(
         _tie_and_verify(manifest, todo, check)
     elif todo.size:
         _verify_shards(manifest, todo, check)
-
-
-Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
 def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:

@@ -41,6 +41,7 @@ from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
+from detdata.storage.locks import hold, let_go, open_lock_file
 from detdata.storage.retry import RetryPolicy, check_policy
 
 T = TypeVar("T")
@@ -573,29 +574,23 @@ class Registry:
         if not self._local:
             yield
             return
-        import fcntl
+        lock = os.path.join(self._path, ".lock")
 
-        directory = self._path
-        lock = os.path.join(directory, ".lock")
+        def stalled(waited: float) -> None:
+            if waited > _LOCK_TIMEOUT_S:
+                raise RegistryError(
+                    f"registry {self._shown} is locked by another writer for "
+                    f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
+                    "for a hung process"
+                )
+
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+            os.makedirs(self._path, exist_ok=True)
+            fd = open_lock_file(lock)
+        except OSError as exc:  # a planted link or folder (`StorageError`) included
             raise self._os_error("locking", lock, exc) from exc
+        hold(fd, stalled)
         try:
-            deadline = time.monotonic() + _LOCK_TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RegistryError(
-                            f"registry {self._shown} is locked by another writer for "
-                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
-                            "for a hung process"
-                        ) from None
-                    time.sleep(0.01)
             yield
         finally:
-            os.close(fd)
+            let_go(fd)
