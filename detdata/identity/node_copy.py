@@ -193,7 +193,8 @@ def _open_file(path: str) -> BinaryIO:
 
 def _map_copy(digests: object, path: str) -> NodeSource | None:
     """The reader's node copy, mapped and checked against the digests it published; None
-    (and a warning naming the copy) where it is missing, torn or other bytes."""
+    (and a warning naming the copy, both digests and the manifest) where it is missing,
+    torn or other bytes."""
     if not isinstance(digests, dict) or set(digests) not in _SHAPES:
         return None  # the reader made no copy (or sent something else): read it yourself
     if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests.values()):
@@ -204,32 +205,22 @@ def _map_copy(digests: object, path: str) -> NodeSource | None:
     paths = _copy_paths(digests, folder)
     data: dict[str, bytes] = {}
     for kind, want in sorted(digests.items()):
-        found = _mapped(paths[kind], want, path, keep=kind in _AS_BYTES)
-        if found is None:
+        try:  # mapped, not read; the columns' bytes are not kept
+            found, data[kind] = _file_digest(paths[kind], keep=kind in _AS_BYTES)
+        except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
+            found = f"unreadable ({type(exc).__name__}: {exc})"
+        if found != want:
+            warnings.warn(
+                redact_text(
+                    f"node copy {paths[kind]} of manifest {redact_url(path)} refused: blake3 "
+                    f"{found}, but the rank that read the manifest for this node published "
+                    f"{want} (a torn or changed copy, or another cache folder); reading the "
+                    "manifest itself instead"
+                ),
+                stacklevel=3,
+            )
             return None
-        if kind in _AS_BYTES:
-            data[kind] = found
-    return NodeSource(paths, data)
-
-
-def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
-    """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
-    ``want``, else None with a warning naming the copy, both digests and the manifest."""
-    try:
-        found, data = _file_digest(copy, keep)
-    except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
-        found = f"unreadable ({type(exc).__name__}: {exc})"
-    if found == want:
-        return data
-    warnings.warn(
-        redact_text(
-            f"node copy {copy} of manifest {redact_url(path)} refused: blake3 {found}, but "
-            f"the rank that read the manifest for this node published {want} (a torn or "
-            "changed copy, or another cache folder); reading the manifest itself instead"
-        ),
-        stacklevel=4,
-    )
-    return None
+    return NodeSource(paths, {k: v for k, v in data.items() if k in _AS_BYTES})
 
 
 def copy_folder() -> str | None:

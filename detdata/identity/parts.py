@@ -23,7 +23,7 @@ from detdata.base.redact import redact_url, strip_credentials
 from detdata.identity.build import canonical, hash_entries, shard_names
 from detdata.identity.entry import FORMAT_VERSION, ShardEntry
 from detdata.identity.formats import Format, parse_format
-from detdata.identity.manifest import Manifest
+from detdata.identity.manifest import Manifest, document_fields
 from detdata.storage.fs import filesystem, read_file_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
 
@@ -105,16 +105,7 @@ class ManifestPart:
         unknown = sorted(set(doc) - _KEYS)
         if unknown:
             raise ManifestError(f"{where}: unknown fields {unknown}")
-        shards_doc = doc.get("shards")
-        if not isinstance(shards_doc, list):
-            raise ManifestError(f"{where}: field 'shards' must be a list")
-        shards = tuple(
-            ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc)
-        )
-        metadata = doc.get("metadata", {})
-        root = doc.get("root")
-        if root is not None and not isinstance(root, str):
-            raise ManifestError(f"{where}: field 'root' must be a string or null")
+        shards, metadata, root = document_fields(doc, where)
         part = doc.get("part")
         index = count = listing = None
         if part is not None:
@@ -125,8 +116,6 @@ class ManifestPart:
                 raise ManifestError(f"{where}: part index and count must be integers")
             if not isinstance(listing, str):
                 raise ManifestError(f"{where}: part listing must be a digest string")
-        if not isinstance(metadata, dict):
-            raise ManifestError(f"{where}: field 'metadata' must be an object")
         return cls(
             shards=shards, metadata=metadata, root=root, index=index, count=count, listing=listing
         )

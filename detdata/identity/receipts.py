@@ -254,13 +254,17 @@ def verify_with_receipt(
         )
         if not tie:  # the very file the receipt's full check read: read without its chunks
             _vouch(manifest, columns)
+        else:  # the JSON's tie first: a few bytes a shard, and names the edited field
+            check_json(cast(ShardTable, manifest.shards))
         now: LocalIds | list[str | None] | None = None
         local = path is None or is_local_fs(fs)
         if split is not None and local and _reads_all(old, level) and len(manifest.shards):
             todo = np.arange(len(manifest.shards), dtype=np.int64)
             ids = path is not None
             plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=ids, tie=tie)
-            now = _first_start(manifest, plan, split, root)
+            now = split(plan, root)  # every shard checked by the job's ranks in one pass
+            if tie:
+                _vouch(manifest, columns)
         else:
             if path is None:  # receipts disabled: no identities to take, every shard is read
                 todo = np.arange(len(manifest.shards), dtype=np.int64)
@@ -290,19 +294,6 @@ def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
     return old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]
 
 
-def _first_start(
-    manifest: ShardList, plan: shared.SlicePlan, split: Split, root: str
-) -> LocalIds | None:
-    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared.slice_check`);
-    returns the files' identities the takers took (an ``ids`` plan)."""
-    if plan.tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
-        check_json(cast(ShardTable, manifest.shards))
-    now = split(plan, root)
-    if plan.tie:
-        _vouch(manifest, plan.columns)
-    return now
-
-
 def _check_changed(
     manifest: ShardList,
     todo: npt.NDArray[np.int64],
@@ -313,10 +304,8 @@ def _check_changed(
     ranks: int,
     root: str,
 ) -> None:
-    """Check the shards ``todo`` (a fast form's tie first where ``tie``), shared with the
+    """Check the shards ``todo`` (and a fast form's full tie where ``tie``), shared with the
     job's ranks by ``split`` where given."""
-    if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
-        check_json(cast(ShardTable, manifest.shards))
     if split is not None and todo.size:
         if tie:
             verify_columns_id(cast(ShardTable, manifest.shards))

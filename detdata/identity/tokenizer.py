@@ -61,7 +61,13 @@ class TextTokenizer:
         except ValueError as exc:
             raise ConfigError(f"tokenizer: not a tokenizer.json ({exc})") from None
         self._tokenizer: Tokenizer | None = None
-        _check_no_padding(self.document)
+        if isinstance(self.document, Mapping) and self.document.get("padding") is not None:
+            raise ConfigError(
+                f"tokenizer: padding is enabled ({self.document['padding']!r}); a document's "
+                "tokens would depend on the batch it is encoded in; hint: call "
+                'tokenizer.no_padding() (or set "padding": null in the tokenizer.json): '
+                "packing needs no padding"
+            )
         if not isinstance(add_special_tokens, bool):
             raise ConfigError(
                 f"add_special_tokens must be True or False, got {add_special_tokens!r}"
@@ -150,16 +156,6 @@ class TextTokenizer:
             if marker is not None and bool((body == marker).any()):
                 return name, marker
         return None
-
-
-def _check_no_padding(document: Mapping[str, Any]) -> None:
-    """`ConfigError` naming ``padding`` when the tokenizer pads."""
-    if isinstance(document, Mapping) and document.get("padding") is not None:
-        raise ConfigError(
-            f"tokenizer: padding is enabled ({document['padding']!r}); a document's tokens "
-            "would depend on the batch it is encoded in; hint: call tokenizer.no_padding() "
-            '(or set "padding": null in the tokenizer.json): packing needs no padding'
-        )
 
 
 def _tokenizer_json(source: object) -> str:

@@ -14,6 +14,7 @@ so that a size change shows; an error or size change is looked into per shard, r
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -187,8 +188,18 @@ def _verify_remote(
                 results[i] = verdict
 
     def again_one(i: int) -> VerificationError | None:
+        """One shard with timed-out, retried reads: size, quick digest, (full) blake3."""
         s = shards[i]
-        return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
+        path, url = join(root, s.path), manifest.url(s)
+        read = functools.partial(digest_retrying, fs, path, policy=policy, shard=s.path, url=url)
+        return check_bytes(
+            s,
+            mode,
+            _where(manifest, s),
+            size=lambda: size_retrying(fs, path, policy=policy, shard=s.path, url=url),
+            quick=lambda n: read(n, full=False),
+            full=lambda n: read(n, full=True),
+        )
 
     def full_one(i: int) -> VerificationError | None:
         """The blake3 check of a large shard whose size and quick digest matched."""
@@ -261,23 +272,6 @@ def _judge(
 
 def _where(manifest: ShardList, shard: ShardEntry) -> str:
     return f"shard {shard.path} ({redact_url(manifest.url(shard))})"
-
-
-def check_remote(
-    fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str, policy: RetryPolicy
-) -> VerificationError | None:
-    """One remote shard with timed-out, retried reads: size, quick digest, (full) blake3."""
-    name = shard.path
-    return check_bytes(
-        shard,
-        mode,
-        f"shard {name} ({redact_url(url)})",
-        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-        quick=lambda n: digest_retrying(
-            fs, path, n, full=False, policy=policy, shard=name, url=url
-        ),
-        full=lambda n: digest_retrying(fs, path, n, full=True, policy=policy, shard=name, url=url),
-    )
 
 
 def check_bytes(
