@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from detdata.base.canonical import canonical_json
+from detdata.base.checks import check_count, check_positive_int
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_url, strip_credentials
@@ -146,10 +147,8 @@ def listing_digest(rels: Sequence[str]) -> str:
 
 def split_listing(rels: Sequence[str], index: int, count: int) -> list[str]:
     """Part ``index`` of ``count`` of the sorted listing: a contiguous slice, sizes within 1."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ConfigError(f"part count must be an integer >= 1, got {count!r}")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
-        raise ConfigError(f"part index must be an integer in [0, {count}), got {index!r}")
+    count = check_positive_int(count, "part count")
+    index = check_count(index, "part index", minimum=0, maximum=count - 1)
     ordered = sorted(rels)
     n = len(ordered)
     return ordered[index * n // count : (index + 1) * n // count]

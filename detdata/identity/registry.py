@@ -83,17 +83,6 @@ class BareNameWarning(UserWarning):
     """`Registry.resolve` was given a bare name: it took the latest version (named)."""
 
 
-def full_name(name: object) -> tuple[str, str]:
-    """Like `split_name` but the version is required."""
-    base, version = split_name(name)
-    if version is None:
-        raise RegistryError(
-            f"registry name {name!r} has no version; hint: register as "
-            f"'{base}@v1' (resolve accepts a bare name for the latest version)"
-        )
-    return base, version
-
-
 def check_id(manifest_id: object) -> str:
     """``manifest_id`` if it looks like ``b3:<64 hex>``, else `RegistryError`."""
     if not is_digest(manifest_id):
@@ -294,7 +283,12 @@ class Registry:
     ) -> str:
         """Store the manifest (or load it from a path) and point ``name@version`` at its id;
         return the id. Re-pointing at a different id is a `RegistryError` unless ``force``."""
-        base, version = full_name(name)
+        base, version = split_name(name)
+        if version is None:
+            raise RegistryError(
+                f"registry name {name!r} has no version; hint: register as "
+                f"'{base}@v1' (resolve accepts a bare name for the latest version)"
+            )
         manifest = manifest_or_path
         if isinstance(manifest, str):
             manifest = Manifest.load(manifest, verify=verify, retry=self.retry, **self._options)

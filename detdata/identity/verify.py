@@ -22,7 +22,7 @@ from typing import Any, Final
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
-from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
+from detdata.identity.entry import ShardEntry, ShardList, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.digest import digest_retrying, full_digest_fd
 from detdata.storage.fs import (
@@ -45,27 +45,33 @@ BATCH_BYTES: Final = 64 << 20
 
 def verify_manifest(
     manifest: ShardList,
-    mode: str | Verify = Verify.QUICK,
+    mode: Verify,
     *,
-    shards: Sequence[ShardEntry] | None = None,
-    threads: int = 8,
-    progress: bool | None = None,
-    retry: RetryPolicy | None = None,
+    shards: Sequence[ShardEntry],
+    threads: int,
+    progress: bool | None,
+    retry: RetryPolicy | None,
     **storage_options: Any,
 ) -> None:
-    """Check the bytes under ``manifest.root`` of ``shards`` (default: all of them, in path
-    order); see the module docstring."""
-    mode = parse_verify(mode)
-    shards = manifest.shards if shards is None else shards
-    if mode is Verify.OFF:
-        return
+    """Check the bytes under ``manifest.root`` of ``shards`` (some of its entries, in path
+    order) at ``mode`` (quick or full); see the module docstring."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     fs, root = filesystem(manifest.root, **storage_options)
     policy = check_policy(retry)
     shown = redact_url(manifest.root)
     if is_local_fs(fs):
-        _check_root_exists(root, shards, shown)
+        if shards and not os.path.isdir(root):  # every shard missing: said once, of the root
+            first = shards[0]
+            raise VerificationError(
+                f"root {shown!r} does not exist, so all {len(shards)} shards of the "
+                f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
+                "Storage(root=...) or detdata verify --root)",
+                shard=first.path,
+                field="exists",
+                expected=True,
+                found=False,
+            )
         results = map_in_threads(
             lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
             shards,
@@ -78,21 +84,6 @@ def verify_manifest(
     for err in results:
         if err is not None:
             raise err
-
-
-def _check_root_exists(root: str, shards: Sequence[ShardEntry], shown: str) -> None:
-    """A `VerificationError` (field ``exists``) naming a local root that is not a folder."""
-    if shards and not os.path.isdir(root):
-        first = shards[0]
-        raise VerificationError(
-            f"root {shown!r} does not exist, so all {len(shards)} shards of the "
-            f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
-            "Storage(root=...) or detdata verify --root)",
-            shard=first.path,
-            field="exists",
-            expected=True,
-            found=False,
-        )
 
 
 def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> VerificationError | None:
