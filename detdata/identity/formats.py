@@ -91,11 +91,6 @@ class MegatronHeader:
     document_index: int
 
     @property
-    def documents(self) -> int:
-        """Documents in the index: ``document_index`` entries minus the leading 0."""
-        return max(0, self.document_index - 1)
-
-    @property
     def nbytes(self) -> int:
         """The size of a (text, not multimodal) ``.idx`` with this header."""
         return MEGATRON_HEADER_BYTES + 12 * self.sequences + 8 * self.document_index
@@ -137,9 +132,8 @@ def _inspect_megatron(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
                 else "; hint: the index is truncated or not a Megatron index"
             )
         )
-    return ShardLayout(
-        num_samples=header.documents, dtype=header.dtype, data_offset=MEGATRON_HEADER_BYTES
-    )
+    documents = max(0, header.document_index - 1)  # the document index starts with a 0
+    return ShardLayout(num_samples=documents, dtype=header.dtype, data_offset=MEGATRON_HEADER_BYTES)
 
 
 def megatron_index_path(bin_path: str) -> str:

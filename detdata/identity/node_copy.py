@@ -1,18 +1,11 @@
 """One manifest read per node (docs/design.md, "One manifest read per node").
 
-Under a ``torch.distributed`` group of more than one rank, the ranks of one node loading
-the same manifest file (same path and file identity; a URL without credentials) meet under
-a key of the group's store. The first to claim it reads the manifest (its JSON, or a fast
-form's columns and the JSON's head), writes copies named for their blake3 into
-``manifests/`` of this user's private cache folder and publishes only the digests; the
-other ranks map the copies from their own cache folder and use them only when their
-digest is the one published.
-
-A wrong guess costs a read, never a wrong byte: a missing, torn or changed copy, another
-cache folder, a folder others can write, a reader that waited past the store's timeout,
-a link or pipe planted at a copy's name: each rank then reads the manifest itself (with a
-warning or one log line). A reader's error is raised on every rank of the node. Without a
-group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
+Under a ``torch.distributed`` group of more than one rank, the first rank of a node to
+claim a load of a manifest file reads it, writes copies named for their blake3 into
+``manifests/`` of this user's private cache folder and publishes their digests; the other
+ranks map the copies and use them only when their digest is the published one. A wrong
+guess costs a read, never a wrong byte; a reader's error is raised on every rank of the
+node. Without a group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
 """
 
 from __future__ import annotations

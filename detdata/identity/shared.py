@@ -1,19 +1,10 @@
 """Verification shared by the job's ranks (docs/design.md, "Verification once per job").
 
-The claimant (`detdata.identity.receipts.job_meeting`) publishes a *plan* of the shards to
-read under the meeting's key; every rank opening the same manifest takes slices of it (one
-atomic ``add`` each) until none is left, so each shard is read by one rank, while a rank
-alone checks it all, waiting for nobody. A failing slice is published with the rank that
-found it; the claimant raises the first failure in path order and publishes that verdict,
-which every rank raises. Verdicts cross the store as JSON, never pickle.
-
-At a first start (every shard is read) each taker does, in one pass over its slice's
-entries (`slice_check`): its part of the fast form's tie (`columns_tie.tie_part`), the
-receipt's identities of its files (`local_identities`, taken before their bytes are read)
-and the check of its shards. The claimant gathers the parts and settles the verdict
-(`settle`): the tie first, then the first shard failure in path order; else the identities
-for the receipt. A local file's identity is ``(size, mtime_ns, ctime_ns, inode, device)``
-from a ``stat``; a receipt stores its 8-byte digest (`identity_digests`).
+The claimant (`detdata.identity.receipts.job_meeting`) publishes a plan of the shards to
+read; every rank opening the same manifest takes slices of it (`take_slices`), at a first
+start in one pass with their tie parts and files' identities (`slice_check`); the claimant
+settles the verdict (`settle`: the tie first, then the first failure in path order), which
+every rank raises. Verdicts cross the store as JSON, never pickle.
 """
 
 from __future__ import annotations
