@@ -281,7 +281,7 @@ def entries_at(manifest: ShardList, picked: npt.NDArray[np.int64]) -> tuple[Shar
 
 
 def slice_check(manifest: ShardList, plan: SlicePlan, root: str, check: Check) -> SliceCheck:
-    """What a taker does with a slice of ``plan`` (`detdata.identity.SliceCheck`):
+    """What a taker does with a slice of ``plan`` (`SliceCheck`):
     its tie part (even once stopped: the tie's verdict comes first), then, unless stopped,
     the identities of its files under ``root`` and ``check`` of its entries."""
 

@@ -1,15 +1,10 @@
 """Verifying shard bytes against a manifest's entries (docs/design.md section 1).
 
 ``quick`` compares each shard's size and quick digest, ``full`` also re-hashes every
-byte against its blake3, ``off`` reads nothing. Every shard is checked; the
-`VerificationError` raised names the first bad one in path order, with its ``shard``,
-``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``), ``expected`` and ``found``.
-
-Each checked byte is read once (docs/design.md, "Verification reads each checked byte
-once"): a shard of at most `SMALL_SHARD` bytes is read and hashed whole. Remote shards
-are read in concurrent batches of range requests, each one byte past the expected end
-so that a size change shows; an error or size change is looked into per shard, retried
-(`check_bytes`), to report exact values.
+byte against its blake3. Every shard is checked; the `VerificationError` raised names the
+first bad one in path order, with its ``shard``, ``field`` (``exists``, ``bytes``,
+``quick`` or ``blake3``), ``expected`` and ``found``. Each checked byte is read once
+(docs/design.md, "Verification reads each checked byte once").
 """
 
 from __future__ import annotations
