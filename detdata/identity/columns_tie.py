@@ -1,10 +1,6 @@
-"""The full tie of a fast-form manifest to its id, checked once per job (docs/design.md section 8).
-
-Chunk digests (`detdata.identity.columns`) catch damage, not an edit whose chunks were
-re-digested: `verify_columns_id` re-computes the id from every entry, and `check_json`
-hashes the JSON next to the columns against the digest they recorded (an edited JSON is
-refused, naming the first field that differs). Both are O(shards), run by the job's
-verifier and recorded in its receipt (`detdata.identity.receipts`).
+"""The full tie of a fast-form manifest to its id, checked once per job (docs/design.md
+section 8: chunk digests catch damage, not a forger): `verify_columns_id` re-computes the id
+from every entry, `check_json` hashes the JSON against the digest the columns recorded.
 """
 
 from __future__ import annotations

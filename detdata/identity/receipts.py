@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import hmac
 import json
 import os
@@ -113,22 +114,15 @@ def verify_job(
     what the others do not claims it and does it alone; a rank that finds the work
     claimed waits for the claimant's verdict however long it takes."""
 
-    def check(entries: Sequence[ShardEntry]) -> VerificationError | None:
-        """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
-        try:
-            verify_manifest(
-                manifest,
-                level,
-                shards=entries,
-                threads=threads,
-                progress=progress,
-                retry=retry,
-                **storage_options,
-            )
-        except VerificationError as exc:
-            return exc
-        return None
-
+    check: Check = functools.partial(
+        verify_manifest,
+        manifest,
+        level,
+        threads=threads,
+        progress=progress,
+        retry=retry,
+        **storage_options,
+    )
     args = (manifest, level, check, threads, storage_options, use_receipt)
     # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)

@@ -9,7 +9,6 @@ first bad one in path order, with its ``shard``, ``field`` (``exists``, ``bytes`
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -41,15 +40,15 @@ BATCH_BYTES: Final = 64 << 20
 def verify_manifest(
     manifest: ShardList,
     mode: Verify,
-    *,
     shards: Sequence[ShardEntry],
+    *,
     threads: int,
     progress: bool | None,
     retry: RetryPolicy | None,
     **storage_options: Any,
-) -> None:
-    """Check the bytes under ``manifest.root`` of ``shards`` (some of its entries, in path
-    order) at ``mode`` (quick or full); see the module docstring."""
+) -> VerificationError | None:
+    """The first failure in path order (None: none) of the bytes under ``manifest.root`` of
+    ``shards`` (some of its entries, in path order) at ``mode`` (quick or full)."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     fs, root = filesystem(manifest.root, **storage_options)
@@ -58,7 +57,7 @@ def verify_manifest(
     if is_local_fs(fs):
         if shards and not os.path.isdir(root):  # every shard missing: said once, of the root
             first = shards[0]
-            raise VerificationError(
+            return VerificationError(
                 f"root {shown!r} does not exist, so all {len(shards)} shards of the "
                 f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
                 "Storage(root=...) or detdata verify --root)",
@@ -76,9 +75,7 @@ def verify_manifest(
         )
     else:
         results = _verify_remote(fs, root, manifest, shards, mode, policy, threads, progress)
-    for err in results:
-        if err is not None:
-            raise err
+    return next((err for err in results if err is not None), None)
 
 
 def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> VerificationError | None:
@@ -173,32 +170,26 @@ def _verify_remote(
             elif isinstance(verdict, VerificationError):
                 results[i] = verdict
 
+    def retried(s: ShardEntry) -> dict[str, Any]:
+        return {"policy": policy, "shard": s.path, "url": manifest.url(s)}
+
     def again_one(i: int) -> VerificationError | None:
         """One shard with timed-out, retried reads: size, quick digest, (full) blake3."""
         s = shards[i]
-        path, url = join(root, s.path), manifest.url(s)
-        read = functools.partial(digest_retrying, fs, path, policy=policy, shard=s.path, url=url)
+        path, kw = join(root, s.path), retried(s)
         return check_bytes(
             s,
             mode,
             _where(manifest, s),
-            size=lambda: size_retrying(fs, path, policy=policy, shard=s.path, url=url),
-            quick=lambda n: read(n, full=False),
-            full=lambda n: read(n, full=True),
+            size=lambda: size_retrying(fs, path, **kw),
+            quick=lambda n: digest_retrying(fs, path, n, full=False, **kw),
+            full=lambda n: digest_retrying(fs, path, n, full=True, **kw),
         )
 
     def full_one(i: int) -> VerificationError | None:
         """The blake3 check of a large shard whose size and quick digest matched."""
         s = shards[i]
-        found = digest_retrying(
-            fs,
-            join(root, s.path),
-            s.bytes,
-            full=True,
-            policy=policy,
-            shard=s.path,
-            url=manifest.url(s),
-        )
+        found = digest_retrying(fs, join(root, s.path), s.bytes, full=True, **retried(s))
         return mismatch(s, "blake3", found, _where(manifest, s)) if found != s.blake3 else None
 
     for indices, check, desc in (
