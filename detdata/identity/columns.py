@@ -1,8 +1,7 @@
 """The fast form of a manifest: fixed-width columns in one memory-mapped file.
 
 Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
-verification, receipts"). `Manifest.save` and `Registry.register` write it next to the
-JSON (``<file>.columns``); `Manifest.load` maps it whenever it is tied to the JSON.
+verification, receipts"), which says when it is written, tied to the JSON and checked.
 
 Layout (little-endian)::
 
@@ -15,11 +14,6 @@ header's lists, -1: none), ``path_block_ends`` / ``path_blocks`` (`detdata.ident
 version 1 stored ``path_ends`` / ``paths``, a plain UTF-8 blob), ``blake3`` / ``quick``
 (32 raw bytes each), ``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none,
 at ``-e - 1``). The file is replaced atomically, never rewritten in place.
-
-Checks: the header and chunk table at open (O(1) in the shards); each data chunk the
-first time any byte of it is used (a `ManifestError` naming the file and chunk); every
-entry by the JSON loader's field checks. The tie to the JSON at open: its size and head
-(`read_json_head`) match the header; in full, once per job, `detdata.identity.columns_tie`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Partial manifests: hash disjoint shard lists on different machines, merge into one manifest.
-
-`build_part` hashes part ``index`` of ``count`` of the sorted shard listing (a
-contiguous slice every machine computes the same way; the part records the listing's
-digest) or an explicit ``paths`` list into a `ManifestPart`. `merge_manifests` puts
-parts (and/or manifests) together into the `Manifest` a one-machine `build_manifest`
-gives: same entries, same id. A part is saved as JSON of kind ``detdata.manifest-part``
-(which `Manifest.load` refuses), its root without credentials.
+"""Partial manifests: hash disjoint shard lists on different machines, merge into one manifest
+(docs/design.md, "Hashing across machines"): the merge of the parts is the `Manifest` a
+one-machine `build_manifest` gives, same entries, same id. A part is saved as JSON of kind
+``detdata.manifest-part`` (which `Manifest.load` refuses), its root without credentials.
 """
 
 from __future__ import annotations

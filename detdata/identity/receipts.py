@@ -3,17 +3,14 @@
 Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
 verification, receipts"; "Receipts: what they prove, and what they do not").
 
-`verify_job` is what `Manifest.verify` runs. Under a ``torch.distributed`` group of more
-than one rank each (manifest, root, level) is verified once per node for a local root
-(once per job for a URL root, or with ``DETDATA_VERIFY_SCOPE=job``), the first rank to
-claim it sharing the shards with the others and every rank receiving the verdict; without
-a group, processes of one machine take turns on a lock next to the receipt.
-
-A receipt (under ``DETDATA_RECEIPTS``, ``off`` disables them) records, per shard, the
-identity of what was checked (a local ``stat`` taken before the read; an object store's
-ETag / generation / version id), tagged under this user's key (`detdata.identity.local_key`).
-A restart reads only the shards whose identity changed. A receipt is only ever an
-optimisation: a missing, stale or forged one means every shard is read.
+`verify_job` is what `Manifest.verify` runs: under a ``torch.distributed`` group of more
+than one rank, once per node for a local root, once per job for a URL root or with
+``DETDATA_VERIFY_SCOPE=job`` (`detdata.identity.shared`); without a group, processes of
+one machine take turns on a lock next to the receipt. A receipt (under
+``DETDATA_RECEIPTS``, ``off`` disables them) records each shard's identity (a local
+``stat`` before the read; an object store's ETag / generation / version id), tagged under
+this user's key (`detdata.identity.local_key`): a restart reads only the shards whose
+identity changed, and a missing, stale or forged receipt means every shard is read.
 """
 
 from __future__ import annotations
@@ -269,7 +266,15 @@ def verify_with_receipt(
                     paths = checked_paths(manifest.shards, 0, len(manifest.shards), not tie)
                     now = remote_identities(fs, root, paths, threads)
                 todo = _changed(old, now, level)
-            _check_changed(manifest, todo, tie, columns, check, split, ranks, root)
+            if split is not None and todo.size:  # shared with the job's ranks
+                if tie:
+                    verify_columns_id(cast(ShardTable, manifest.shards))
+                    _vouch(manifest, columns)
+                split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
+            elif tie:
+                _tie_and_verify(manifest, todo, check)
+            elif todo.size:
+                _verify_shards(manifest, todo, check)
         if path is None or now is None:
             return columns
         # nothing read again: the recorded level still holds for every shard
@@ -286,29 +291,6 @@ Split = Callable[[shared.SlicePlan, str], "LocalIds | None"]
 def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
     """Whether every shard is read whatever the files' identities (`_changed`)."""
     return old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]
-
-
-def _check_changed(
-    manifest: ShardList,
-    todo: npt.NDArray[np.int64],
-    tie: bool,
-    columns: list[Any] | None,
-    check: Check,
-    split: Split | None,
-    ranks: int,
-    root: str,
-) -> None:
-    """Check the shards ``todo`` (and a fast form's full tie where ``tie``), shared with the
-    job's ranks by ``split`` where given."""
-    if split is not None and todo.size:
-        if tie:
-            verify_columns_id(cast(ShardTable, manifest.shards))
-            _vouch(manifest, columns)
-        split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
-    elif tie:
-        _tie_and_verify(manifest, todo, check)
-    elif todo.size:
-        _verify_shards(manifest, todo, check)
 
 
 def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
