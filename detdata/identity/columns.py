@@ -302,14 +302,6 @@ class ColumnsFile:
                 self._kept[run] = data[run * CHUNK - lo :]
         return end
 
-    def _mapped(self) -> memoryview:
-        """The whole file mapped (on first use: only `array` maps it)."""
-        with self._lock:
-            if self._buf is None:
-                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-                self._buf = memoryview(self._map)
-            return self._buf
-
     def array(self, name: str) -> np.ndarray[Any, Any]:
         """All of section ``name`` (every chunk of it checked): a read-only mapped view."""
         view = self._arrays.get(name)
@@ -322,8 +314,12 @@ class ColumnsFile:
                 first, last = at // CHUNK, max(at, stop - 1) // CHUNK
                 if not all(self._checked[first : last + 1]):
                     self._read_checked(at, stop)
+        with self._lock:  # the whole file mapped on first use (only here)
+            if self._buf is None:
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+                self._buf = memoryview(self._map)
         at = self._data_at + offset
-        view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
+        view = np.frombuffer(self._buf[at : at + length], dtype=np.dtype(dtype))
         self._arrays[name] = view
         return view
 

@@ -422,14 +422,12 @@ def _read_text(path: str, policy: RetryPolicy, storage_options: dict[str, Any]) 
             f"manifest file not found: {shown}; hint: check the path (or URL) of the manifest JSON"
         ) from None
     except IsADirectoryError:
-        raise ManifestError(redact_text(_folder_given(path))) from None
+        raise ManifestError(_folder_given(path)) from None  # redacted as every DetdataError
     except (NotADirectoryError, PermissionError) as exc:
         raise ManifestError(
-            redact_text(
-                f"cannot read manifest {shown}: {type(exc).__name__}: "
-                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                "(e.g. DIR/manifest.json), readable by this user"
-            )
+            f"cannot read manifest {shown}: {type(exc).__name__}: "
+            f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+            "(e.g. DIR/manifest.json), readable by this user"
         ) from None
 
 

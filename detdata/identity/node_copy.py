@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO, Final
+from typing import Any, Final
 
 import blake3
 
@@ -169,19 +169,14 @@ def _keep_or_write(path: str, data: bytes, digest: str) -> None:
 
 def _file_digest(path: str, keep: bool = False) -> tuple[str, bytes]:
     """blake3 of the file at ``path``, hashed through a mapping, and its bytes where
-    ``keep`` (else b""); `OSError` unless a regular file, `ValueError` when empty."""
-    with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
-
-
-def _open_file(path: str) -> BinaryIO:
-    """``path`` opened for reading, refused (`OSError`) unless a regular file, not a link
-    (a pipe is opened without waiting for a writer)."""
+    ``keep`` (else b""); `OSError` unless a regular file, not a link (a pipe is opened
+    without waiting for a writer), `ValueError` when empty."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{path} is not a regular file")
-    return os.fdopen(fd, "rb")
+    with os.fdopen(fd, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
 
 
 def _map_copy(digests: object, path: str) -> NodeSource | None:

@@ -36,7 +36,7 @@ from typing import Any, Final, TypeVar
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata.base.hashing import is_digest
-from detdata.base.redact import redact_text, redact_url, scrub_exception, strip_credentials
+from detdata.base.redact import redact_url, scrub_exception, strip_credentials
 from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
@@ -156,23 +156,6 @@ class _Ref:
             ) from None
 
 
-def _check_registry_root(root: object) -> str:
-    """The registry root to use for the ``root`` argument (``None``: `default_root`)."""
-    if root is None:
-        return default_root()
-    if isinstance(root, os.PathLike):
-        root = os.fspath(root)
-    if not isinstance(root, str):
-        raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
-    if not root.strip():
-        raise ConfigError(
-            f"Registry(root={root!r}): the registry root is empty; hint: pass a "
-            "directory or URL, or root=None for the default "
-            f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
-        )
-    return root
-
-
 def _check_ns(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"a time must be a non-negative integer (ns), found {value!r:.60}")
@@ -204,7 +187,19 @@ class Registry:
         retry: RetryPolicy | None = None,
         **storage_options: Any,
     ) -> None:
-        self.root = _check_registry_root(root).rstrip("/") or "/"
+        if root is None:
+            root = default_root()
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str):
+            raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
+        if not root.strip():
+            raise ConfigError(
+                f"Registry(root={root!r}): the registry root is empty; hint: pass a "
+                "directory or URL, or root=None for the default "
+                f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
+            )
+        self.root = root.rstrip("/") or "/"
         self._options = storage_options
         self.retry = check_policy(retry)
         self._fs, self._path = filesystem(self.root, **storage_options)
@@ -245,13 +240,11 @@ class Registry:
     def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
         scrub_exception(exc)
         return RegistryError(
-            redact_text(
-                f"registry {self._shown}: {what} of {path} failed: "
-                f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
-                "files are written only by detdata: remove or repair whatever is "
-                "in their place (a directory, a file where a folder belongs) and "
-                "check permissions"
-            )
+            f"registry {self._shown}: {what} of {path} failed: "
+            f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+            "files are written only by detdata: remove or repair whatever is "
+            "in their place (a directory, a file where a folder belongs) and "
+            "check permissions"
         )
 
     def _cat(self, path: str) -> bytes:
