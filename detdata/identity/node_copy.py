@@ -147,24 +147,18 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
     paths = _copy_paths(digests, folder)
     try:
         for kind, data in sorted(files.items()):
-            _keep_or_write(paths[kind], data, digests[kind])
+            with contextlib.suppress(FileNotFoundError):
+                mode = os.lstat(paths[kind]).st_mode
+                if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                    os.unlink(paths[kind])  # a link or a pipe is never written through
+            with contextlib.suppress(OSError, ValueError):
+                if _file_digest(paths[kind])[0] == digests[kind]:
+                    continue  # a copy an earlier start made holds it: it keeps its inode
+            atomic_write_bytes(paths[kind], data)
     except (OSError, DetdataError) as exc:
         _log_once(folder, f"cannot write the node copy of a manifest there ({exc})")
         return None, {}
     return digests, paths
-
-
-def _keep_or_write(path: str, data: bytes, digest: str) -> None:
-    """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
-    blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.lstat(path).st_mode
-        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            os.unlink(path)  # a link or a pipe is never written through: a copy is a file
-    with contextlib.suppress(OSError, ValueError):
-        if _file_digest(path)[0] == digest:
-            return
-    atomic_write_bytes(path, data)
 
 
 def _file_digest(path: str, keep: bool = False) -> tuple[str, bytes]:

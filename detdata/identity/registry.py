@@ -132,15 +132,9 @@ class _Ref:
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
-            if (
-                doc["kind"] != REF_KIND
-                or doc["format_version"] != REF_VERSION
-                or doc["name"] != name
-            ):
-                raise ValueError(
-                    f"kind/format_version/name {doc['kind']!r}/"
-                    f"{doc['format_version']!r}/{doc['name']!r}"
-                )
+            head = (doc["kind"], doc["format_version"], doc["name"])
+            if head != (REF_KIND, REF_VERSION, name):
+                raise ValueError("kind/format_version/name " + "/".join(map(repr, head)))
             if not isinstance(doc["history"], list):
                 raise ValueError("field 'history' must be a list")
             events = tuple(
