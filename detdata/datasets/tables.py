@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, Final, Never
+from typing import Any, Final, NamedTuple, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -52,15 +52,12 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 PARQUET_MAP_MIN_BYTES: Final = 256 << 10
 
 
-class _Decoding:
+class _Decoding(NamedTuple):
     """A `TableRows`' side of one process: its decoded row groups (``cache``) and the lock
     its remote readers share (``io_lock``)."""
 
-    __slots__ = ("cache", "io_lock")
-
-    def __init__(self, cache: GroupSlots) -> None:
-        self.cache = cache
-        self.io_lock = threading.Lock()
+    cache: GroupSlots
+    io_lock: threading.Lock
 
 
 class TableRows(DatasetInfo):
@@ -190,7 +187,8 @@ class TableRows(DatasetInfo):
                 shard_first_group=index.shard_first,
                 rows_per_slot=index.max_rows,
                 whole_if_fits=self.cache_row_groups is None,
-            )
+            ),
+            threading.Lock(),
         )
 
     @property

@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -27,10 +27,8 @@ from detdata.base.errors import ConfigError, FormatError
 from detdata.base.lazy import pa
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
-from detdata.datasets.documents import CorpusBase, cached, open_table
-from detdata.datasets.index_files import building, load_index, reload_index, save_index
-from detdata.datasets.process_local import PerProcess, pickled_state
-from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.documents import CorpusBase, Held, cached, open_table
+from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.datasets.text_index import (
     ALGORITHM,
@@ -77,13 +75,6 @@ def text_metadata(field: str) -> dict[str, str]:
     return {TEXT_FIELD: field}
 
 
-class _Text(NamedTuple):
-    """An open JSONL shard: its text bytes (a memory map, or the decompressed bytes)."""
-
-    data: mmap.mmap | bytes
-    path: str
-
-
 class _Local:
     """A `TextDocuments`' side of one process: decoded row groups and tokenised documents."""
 
@@ -110,6 +101,8 @@ class TextDocuments(CorpusBase):
     ``verify="quick"`` (the default) is raised to ``"full"``; ``"off"`` stays off.
     """
 
+    _TYPE: ClassVar[str] = "text_documents"
+    _KIND: ClassVar[str] = "text"
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
 
     def __init__(
@@ -128,9 +121,7 @@ class TextDocuments(CorpusBase):
         storage = checked_storage("TextDocuments", storage, refused)
         if storage.verify is Verify.QUICK:  # raised to "full" (why: docs/design.md, "Raw text")
             storage = dataclasses.replace(storage, verify=Verify.FULL)
-        self.storage = storage.with_default_cache(None)
-        self.manifest = resolve_manifest(manifest, self.storage)
-        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
+        self._open("TextDocuments", manifest, storage, index_dir, progress)
         self._local: PerProcess[_Local] = PerProcess()
         if not isinstance(tokenizer, TextTokenizer):
             tokenizer = TextTokenizer(tokenizer)
@@ -139,14 +130,10 @@ class TextDocuments(CorpusBase):
             _field(self.manifest, field), empty, max_document_tokens
         )
         _check_formats(self.manifest)
-        self._check_local("TextDocuments")
-        self.index_dir = None if index_dir is None else os.fspath(index_dir)
-        self.progress = progress
         #: what a token id fits (`PackedWindows` checks bos / pad ids against it)
         self.stored_dtype = tokenizer.token_dtype
         self.out_dtype = np.dtype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64)
-        self._index = self._text_index()
-        self._starts: npt.NDArray[np.int64] = self._index[STARTS]
+        self._load(functools.partial(check_text_index, self.manifest, self.policy))
 
     def _inputs(self) -> dict[str, Any]:
         return {
@@ -156,28 +143,17 @@ class TextDocuments(CorpusBase):
             "tokenizer": self.tokenizer.identity(),
         }
 
-    def _text_index(self) -> npt.NDArray[np.int64]:
-        """The text index: loaded from ``index_dir`` (checked) or built by one process."""
-        inputs = self._inputs()
-        check = functools.partial(check_text_index, self.manifest, self.policy)
-        stored = load_index(self.index_dir, "text", inputs, check)
-        if stored is None:
-            with building(self.index_dir, "text", inputs):
-                stored = load_index(self.index_dir, "text", inputs, check)
-                if stored is None:
-                    array = self._build()
-                    meta = index_meta(self.manifest, array)
-                    self._digest = save_index(self.index_dir, "text", inputs, array, meta)
-                    return array
-        self._digest = stored.digest
-        return np.asarray(stored.array)
-
-    def _build(self) -> npt.NDArray[np.int64]:
+    def _build(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        """The text index, tokenising every document, and its record (`index_meta`)."""
         total = int(self.manifest.bytes_per_shard().sum())
         with progress(total, "text index", unit="B", enabled=self.progress) as update:
-            return build_text_index(
+            array = build_text_index(
                 self.manifest, self.tokenizer, self.policy, self._shard_documents, update
             )
+        return array, index_meta(self.manifest, array)
+
+    def _derive(self) -> None:
+        self._starts = self._index[STARTS]
 
     def _shard_documents(self, shard: int) -> Iterator[tuple[int, int, int, str]]:
         """Each document of ``shard`` as ``(line or row, first, second, text)`` (text_index)."""
@@ -204,28 +180,6 @@ class TextDocuments(CorpusBase):
             for r, value in enumerate(self._group(shard, g)):
                 yield row, g, r, checked_text(value, field, where_of(self.manifest, shard, row))
                 row += 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self, self._DERIVED, "_index")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.files.attach(self.manifest.bytes_per_shard())
-        if self._index is None:
-            self._index = reload_index(
-                self.index_dir, "text", self._inputs(), str(self._digest), self._build
-            )
-        self._starts = self._index[STARTS]
-
-    def identity(self) -> dict[str, Any]:
-        """Plain JSON pinning the manifest, the text policy and the tokenizer."""
-        return {
-            "type": "text_documents",
-            **self._inputs(),
-            "out_dtype": self.out_dtype.name,
-            "num_documents": self.num_documents,
-            "num_tokens": self.num_tokens,
-        }
 
     def document_shards(self) -> npt.NDArray[np.int64]:
         """The manifest shard of each document (read-only)."""
@@ -320,9 +274,10 @@ class TextDocuments(CorpusBase):
         return out
 
     def _jsonl(self, shard: int) -> mmap.mmap | bytes:
-        """The text bytes of JSONL ``shard`` (held open per process, checked on open)."""
+        """The text bytes of JSONL ``shard`` (a memory map, or the decompressed bytes; held open
+        per process, checked on open)."""
         files = self.files
-        held: _Text | None = files.local().handles.get(shard)
+        held: Held[mmap.mmap | bytes] | None = files.local().handles.get(shard)
         if held is not None:
             files.check_file(shard, held.path)
             return held.data
@@ -335,7 +290,7 @@ class TextDocuments(CorpusBase):
                 data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else b""
             else:
                 data = read_text_bytes(path, str(entry.schema), rel=entry.path)
-        files.keep(shard, _Text(data, path))
+        files.keep(shard, Held(data, path))
         return data
 
     def _group(self, shard: int, group: int) -> list[Any]:
