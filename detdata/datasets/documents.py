@@ -24,12 +24,11 @@ Arrow files are memory-mapped, Parquet row groups decoded a few at a time per pr
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
-import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Final, Generic, NamedTuple, Never, TypeVar
 
 import numpy as np
@@ -59,6 +58,7 @@ from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
+from detdata.order.memo import LruCache
 
 #: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
 _MASK_UNITS: Final = 8
@@ -68,7 +68,6 @@ _PARQUET_GROUPS: Final = 8
 #: this many tokens, else through one fancy-index gather per touched shard.
 _SLICE_MIN_TOKENS: Final = 48
 
-K = TypeVar("K")
 V = TypeVar("V")
 
 
@@ -86,24 +85,6 @@ class Held(NamedTuple, Generic[V]):
 
     data: V
     path: str
-
-
-def cached(
-    lru: OrderedDict[K, V], lock: threading.Lock, key: K, make: Callable[[], V], bound: int
-) -> V:
-    """``lru[key]`` (marked most recently used), else ``make()`` stored there, keeping the
-    ``bound`` most recently used entries; ``lock`` guards ``lru``, not ``make``."""
-    with lock:
-        found = lru.get(key)
-        if found is not None:
-            lru.move_to_end(key)
-            return found
-    made = make()
-    with lock:
-        lru[key] = made
-        while len(lru) > bound:
-            lru.popitem(last=False)
-    return made
 
 
 def open_table(fmt: Format, path: str) -> Any:
@@ -253,17 +234,6 @@ class CorpusBase(ABC):
         return path
 
 
-class _Decoded:
-    """A `Documents`' side of one process: its decoded Parquet row groups (an LRU of at most
-    `_PARQUET_GROUPS`, keyed ``(shard, group)``) and their lock."""
-
-    __slots__ = ("groups", "lock")
-
-    def __init__(self) -> None:
-        self.groups: OrderedDict[tuple[int, int], np.ndarray[Any, Any]] = OrderedDict()
-        self.lock = threading.Lock()
-
-
 class Documents(CorpusBase):
     """The documents of a manifest, read in place (see the module docstring).
 
@@ -304,7 +274,7 @@ class Documents(CorpusBase):
             raise ConfigError(f"column must be a column name, got {column!r}")
         self.column = column
         self._open("Documents", manifest, storage, index_dir, progress)
-        self._local: PerProcess[_Decoded] = PerProcess()
+        self._groups: PerProcess[LruCache[tuple[int, int], np.ndarray[Any, Any]]] = PerProcess()
         planner = UnitPlanner(self.manifest, self.eod_token, self.column, self._table_schema)
         planned = planner.units()
         #: what the shards store (token ids must fit it); `out_dtype` is what is delivered
@@ -553,13 +523,13 @@ class Documents(CorpusBase):
             files.check_file(unit.shard, held.path)
             return held.data[group]
 
-        def decode() -> np.ndarray[Any, Any]:
-            decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
+        def decode(key: tuple[int, int]) -> np.ndarray[Any, Any]:
+            decoded = np.asarray(self._read_group(*key).flatten().to_numpy())
             decoded.setflags(write=False)
             return decoded
 
-        local = self._local.get(_Decoded)
-        return cached(local.groups, local.lock, (unit.shard, group), decode, _PARQUET_GROUPS)
+        groups = self._groups.get(functools.partial(LruCache, _PARQUET_GROUPS))
+        return groups.get((unit.shard, group), decode)
 
 
 def _copy_bytes(

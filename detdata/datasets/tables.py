@@ -178,18 +178,11 @@ class TableRows(DatasetInfo):
         self.files.attach(self.manifest.bytes_per_shard())
 
     def _new_local(self) -> _Decoding:
-        index = self._index
-        return _Decoding(
-            GroupSlots(
-                self.cache_groups,
-                self.row_group_cache_bytes,
-                group_shard=index.shard,
-                shard_first_group=index.shard_first,
-                rows_per_slot=index.max_rows,
-                whole_if_fits=self.cache_row_groups is None,
-            ),
-            threading.Lock(),
+        whole = self.cache_row_groups is None
+        slots = GroupSlots(
+            self.cache_groups, self.row_group_cache_bytes, self._index, whole_if_fits=whole
         )
+        return _Decoding(slots, threading.Lock())
 
     @property
     def cache(self) -> GroupSlots:

@@ -27,7 +27,7 @@ from detdata.base.errors import ConfigError, FormatError
 from detdata.base.lazy import pa
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
-from detdata.datasets.documents import CorpusBase, Held, cached, open_table
+from detdata.datasets.documents import CorpusBase, Held, open_table
 from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.datasets.text_index import (
@@ -52,6 +52,7 @@ from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.text_formats import PLAIN, read_text_bytes
 from detdata.identity.tokenizer import TextTokenizer
+from detdata.order.memo import LruCache
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -81,9 +82,9 @@ class _Local:
     __slots__ = ("groups", "held", "lock", "streams", "tokens")
 
     def __init__(self) -> None:
-        self.groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        self.groups: LruCache[tuple[int, int], list[Any]] = LruCache(_GROUPS)
         #: the record batches of Arrow IPC stream shards (over their memory maps)
-        self.streams: OrderedDict[int, list[Any]] = OrderedDict()
+        self.streams: LruCache[int, list[Any]] = LruCache(_STREAMS)
         self.tokens: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
         self.held = 0
         self.lock = threading.Lock()
@@ -295,11 +296,10 @@ class TextDocuments(CorpusBase):
 
     def _group(self, shard: int, group: int) -> list[Any]:
         """The values of the text column in row group / record batch ``group`` of ``shard``."""
-        local = self._local.get(_Local)
-        read = functools.partial(self._read_group, shard, group)
-        return cached(local.groups, local.lock, (shard, group), read, _GROUPS)
+        return self._local.get(_Local).groups.get((shard, group), self._read_group)
 
-    def _read_group(self, shard: int, group: int) -> list[Any]:
+    def _read_group(self, key: tuple[int, int]) -> list[Any]:
+        shard, group = key
         entry = self.manifest.shards[shard]
         path = self._path(shard)
         with open(path, "rb") as fh:
@@ -317,8 +317,7 @@ class TextDocuments(CorpusBase):
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
         elif entry.format is Format.ARROW_STREAM:  # no footer: batch g is read after all before
-            local = self._local.get(_Local)
-            batches = cached(local.streams, local.lock, shard, lambda: list(reader), _STREAMS)
+            batches = self._local.get(_Local).streams.get(shard, lambda _: list(reader))
             column = batches[group].column(field)
         else:
             column = reader.get_batch(group).column(field)
