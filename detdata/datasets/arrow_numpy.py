@@ -12,7 +12,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
 from detdata.base.types import IntArray
-from detdata.datasets.batch_columns import describe_dtype, object_array
+from detdata.datasets.batch_columns import describe_dtype
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -113,11 +113,6 @@ def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[An
     for i, part in enumerate(np.split(flat, bounds)):
         out[i] = part
     return out
-
-
-def copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
-    return object_array([row.copy() for row in column.tolist()])
 
 
 def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:

@@ -400,10 +400,8 @@ class Documents(CorpusBase):
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
-        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``; ``out``
-        1-D, tokens cast to its dtype). Each range lies inside one document. Long ranges are
-        copied slice by slice, many short ones by one gather per shard or row group."""
+        """`CorpusBase.copy_ranges`: long ranges are copied slice by slice, many short ones by
+        one gather per shard or row group."""
         if not count.size:
             return
         unit = np.searchsorted(self._unit_base, source, side="right").astype(np.int64) - 1

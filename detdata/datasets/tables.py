@@ -28,12 +28,11 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.arrow_numpy import (
     arrow_kind,
     check_column_type,
-    copy_rows,
     one_chunk,
     to_numpy,
 )
 from detdata.datasets.base import check_ids
-from detdata.datasets.batch_columns import describe_column
+from detdata.datasets.batch_columns import describe_column, object_array
 from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.rowgroups import Columns, Group, GroupIndex, GroupSlots, auto_cache_row_groups
@@ -290,7 +289,7 @@ class TableRows(DatasetInfo):
     def _own(self, batch: Batch) -> Batch:
         """``batch`` with the rows of ragged columns copied (a gather copies no row)."""
         for name in self.ragged:
-            batch[name] = copy_rows(batch[name])
+            batch[name] = object_array([row.copy() for row in batch[name].tolist()])
         return batch
 
     def schema(self) -> dict[str, str]:

@@ -39,7 +39,6 @@ from detdata.datasets.text_index import (
     STARTS,
     TextPolicy,
     build_text_index,
-    check_policy,
     check_text_index,
     checked_text,
     document_text,
@@ -127,9 +126,7 @@ class TextDocuments(CorpusBase):
         if not isinstance(tokenizer, TextTokenizer):
             tokenizer = TextTokenizer(tokenizer)
         self.tokenizer = tokenizer
-        self.policy: TextPolicy = check_policy(
-            _field(self.manifest, field), empty, max_document_tokens
-        )
+        self.policy = TextPolicy(_field(self.manifest, field), empty, max_document_tokens)
         _check_formats(self.manifest)
         #: what a token id fits (`PackedWindows` checks bos / pad ids against it)
         self.stored_dtype = tokenizer.token_dtype
@@ -214,9 +211,7 @@ class TextDocuments(CorpusBase):
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
-        ``out[target[j] : target[j] + count[j]]`` (each range inside one document, as
-        `Documents.copy_ranges`); the documents touched are tokenised in one batch."""
+        """`CorpusBase.copy_ranges`; the documents touched are tokenised in one batch."""
         if not count.size:
             return
         doc = np.searchsorted(self._starts, source, side="right").astype(np.int64) - 1
