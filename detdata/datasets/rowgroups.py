@@ -156,7 +156,7 @@ class GroupSlots:
         """`put` by global row group index."""
         if self.max_groups == 0:
             return
-        rows = _rows(item)
+        rows = len(next(iter(item.columns.values()))) if item.columns else 0
         with self._lock:
             pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
             charge = item.nbytes
@@ -334,7 +334,3 @@ class GroupSlots:
                 if col.dtype == object:
                     col[a : a + self.rows_per_slot] = None  # drop the references
             self._free.append(entry.slot)
-
-
-def _rows(item: Group) -> int:
-    return len(next(iter(item.columns.values()))) if item.columns else 0
