@@ -121,10 +121,6 @@ class CorpusBase(ABC):
         """Make the `_DERIVED` attributes from ``_index``."""
 
     @abstractmethod
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array)."""
-
-    @abstractmethod
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
@@ -219,6 +215,16 @@ class CorpusBase(ABC):
         view = self._starts.view()
         view.flags.writeable = False
         return view
+
+    def document(self, d: int) -> np.ndarray[Any, Any]:
+        """The tokens of document ``d`` (a new array, ``out_dtype``)."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        a, b = int(self._starts[d]), int(self._starts[d + 1])
+        out = np.empty(b - a, dtype=self.out_dtype)
+        if b > a:
+            source, count, target = np.array([[a], [b - a], [0]], dtype=np.int64)
+            self.copy_ranges(source, count, target, out)
+        return out
 
     def lengths(self) -> npt.NDArray[np.int64]:
         """Tokens per document (a new array)."""
@@ -367,12 +373,6 @@ class Documents(CorpusBase):
             found = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
             self._group_bases[u] = found
         return found
-
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array)."""
-        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
-        a, b = int(self._starts[d]), int(self._starts[d + 1])
-        return self.gather(np.arange(a, b, dtype=np.int64))
 
     def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
         """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""

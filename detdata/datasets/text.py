@@ -198,11 +198,6 @@ class TextDocuments(CorpusBase):
         d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
         return self._texts([d])[0]
 
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array, ``out_dtype``)."""
-        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
-        return self._tokens([d])[d].astype(self.out_dtype)
-
     def tokens(self, docs: list[int]) -> list[npt.NDArray[np.int64]]:
         """The tokens of documents ``docs`` (int64, read-only), tokenised in one batch."""
         found = self._tokens(sorted(set(docs)))
