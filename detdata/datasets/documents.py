@@ -408,7 +408,7 @@ class Documents(CorpusBase):
         local = source - self._unit_base[unit]
         touched = np.flatnonzero(np.bincount(unit)).tolist()
         if self._all_token_files and int(count.sum()) >= _SLICE_MIN_TOKENS * count.size:
-            views = {u: self._unit_tokens(u) for u in touched}  # one handle lookup per shard
+            views = {u: self._token_view(self._refreshed(u)) for u in touched}  # one per shard
             if out.flags.c_contiguous and all(v.dtype == out.dtype for v in views.values()):
                 _copy_bytes(views, unit, local, count, target, out)
                 return
@@ -421,22 +421,20 @@ class Documents(CorpusBase):
             mine = slice(None) if len(touched) == 1 else unit == u
             self._copy_unit(u, local[mine], count[mine], target[mine], out)
 
-    def _unit_tokens(self, u: int) -> np.ndarray[Any, Any]:
-        """The token view of token-file unit ``u`` (its cached copy refreshed first)."""
+    def _refreshed(self, u: int) -> Unit:
+        """Unit ``u``, its shard's cached copy refreshed first (when reading copies)."""
         unit = self.units[u]
         if self.files.uses_shard_cache():
             self.files.refresh_copies((unit.shard,))
-        return self._token_view(unit)
+        return unit
 
     def _copy_unit(
         self, u: int, local: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        unit = self.units[u]
+        unit = self._refreshed(u)
         if unit.kind != "table":
-            _copy_from(self._unit_tokens(u), local, count, target, out)
+            _copy_from(self._token_view(unit), local, count, target, out)
             return
-        if self.files.uses_shard_cache():
-            self.files.refresh_copies((unit.shard,))
         bases = self._bases(u)
         group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
         groups = np.unique(group).tolist()
@@ -446,9 +444,7 @@ class Documents(CorpusBase):
             _copy_from(values, local[mine] - bases[g], count[mine], target[mine], out)
 
     def _gather_unit(self, u: int, local: IntArray) -> np.ndarray[Any, Any]:
-        unit = self.units[u]
-        if self.files.uses_shard_cache():
-            self.files.refresh_copies((unit.shard,))
+        unit = self._refreshed(u)
         if unit.kind != "table":
             return self._token_view(unit)[local]
         bases = self._bases(u)
