@@ -99,19 +99,6 @@ def content_key(sample: dict[str, Any]) -> bytes:
     return blake3.blake3(framed_sample(CONTENT_TAG, sample, _value_bytes)).digest()
 
 
-def content_keys(dataset: Dataset, *, progress: bool | None = None) -> list[bytes]:
-    """`content_key` of every sample of ``dataset`` in id order (reads each once)."""
-    keys: list[bytes] = []
-    n = dataset.num_samples
-    with base_progress(n, "split: hashing samples", unit="sample", enabled=progress) as update:
-        for start in range(0, n, READ_CHUNK):
-            batch = dataset.read(np.arange(start, min(n, start + READ_CHUNK), dtype=np.int64))
-            rows = len(next(iter(batch.values())))
-            keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
-            update(rows)
-    return keys
-
-
 def assignment_digest(mask: npt.NDArray[np.bool_]) -> str:
     """``b3:`` of ``u64le(len(mask))`` then the packed bits (big-endian bit order per byte)."""
     return digest_bytes(len(mask).to_bytes(8, "little") + np.packbits(mask).tobytes())
@@ -183,7 +170,17 @@ class Split:
             cached = _read_cache(path)
             if cached is not None:
                 return cached
-        keys = content_keys(self.dataset, progress=self.progress)
+        keys: list[bytes] = []  # every sample's content key, in id order (each read once)
+        with base_progress(
+            n, "split: hashing samples", unit="sample", enabled=self.progress
+        ) as update:
+            for start in range(0, n, READ_CHUNK):
+                batch = self.dataset.read(
+                    np.arange(start, min(n, start + READ_CHUNK), dtype=np.int64)
+                )
+                rows = len(next(iter(batch.values())))
+                keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
+                update(rows)
         hits = [in_validation(k) for k in keys]
         mask = np.array(hits, dtype=bool).reshape(n)
         val_keys = digest_bytes(b"".join(sorted(k for k, h in zip(keys, hits, strict=True) if h)))
