@@ -1,10 +1,6 @@
-"""A deterministic train/validation split (``split-v1``), keyed by content or by salted id.
-
-A sample is in validation iff ``derive_u64(SPLIT_TAG, len(salt), tail=salt + key) <
-floor(fraction * 2**64)``, ``key`` being the blake3 of the sample's framed bytes
-(`SplitKey.CONTENT`, `content_key`: survives re-ordering, re-sharding and moving shards) or
-the sample id as u64le (`SplitKey.ID`: reads nothing). The rule, the identities and the
-trade-offs: docs/design.md, "Run record and split".
+"""A deterministic train/validation split (``split-v1``), keyed by the blake3 of each sample's
+framed bytes (`SplitKey.CONTENT`, `content_key`) or by its id (`SplitKey.ID`: reads nothing).
+The rule, the identities and the trade-offs: docs/design.md, "Run record and split".
 """
 
 from __future__ import annotations
@@ -105,12 +101,9 @@ def assignment_digest(mask: npt.NDArray[np.bool_]) -> str:
 
 
 class Split:
-    """``Split(dataset, fraction=Fraction(1, 100), salt="v1", key=SplitKey.CONTENT)``.
-
-    ``train`` and ``validation`` are datasets over the two sides (ids of each in increasing
-    order). ``cache_dir``: content assignments are stored there under a name derived from
-    the dataset identity and the rule, and checked against their digest when read back.
-    ``progress``: of the content hashing (`detdata.base.progress`).
+    """The two sides of ``dataset``: ``train`` and ``validation``, datasets over the ids of
+    each in increasing order. ``cache_dir``: where content assignments are stored (checked
+    against their digest when read back); ``progress``: of the content hashing.
     """
 
     def __init__(
