@@ -1,15 +1,11 @@
-"""`CacheAhead`: fill the shard cache from the known future of the order.
+"""`CacheAhead`: fill the shard cache from the known future of the order (docs/design.md
+"Remote reads: coalescing and lookahead prefetch": the window, its bound, releases).
 
-The order is a pure function of the position, so the shards of the coming micro steps are
-known: they are filled into the verified `ShardCache` on ``connections`` daemon threads in
-order of first use (mapped `PLAN_CHUNK` steps at a time), within a window of up to
-``steps`` micro steps whose distinct shards fit the cache bound (never below the step
-about to be read). A copy past its last use in the window is released (first to evict;
-a queued fill of it is cancelled). A failed fill is logged and dropped: the reader fetches
-the shard itself and raises at the batch that needs it. `close` cancels queued fills
-without waiting for running ones (an unclosed one is closed at exit). Prefetch decides
-only when a copy is filled, never a byte: docs/design.md "Remote reads: coalescing and
-lookahead prefetch".
+Shards are mapped `PLAN_CHUNK` micro steps at a time. A queued fill of a released copy is
+cancelled. A failed fill is logged and dropped: the reader fetches the shard itself and
+raises at the batch that needs it. `close` cancels queued fills without waiting for running
+ones (an unclosed one is closed at exit). Prefetch decides only when a copy is filled,
+never a byte.
 """
 
 from __future__ import annotations
@@ -206,7 +202,7 @@ class CacheAhead:
 
     @property
     def active(self) -> bool:
-        """Whether there is anything to prefetch (some reader uses a shard cache)."""
+        """Does some reader use a shard cache (anything to prefetch)?"""
         return bool(self.readers)
 
     def window_bytes(self) -> int:

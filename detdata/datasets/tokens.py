@@ -144,7 +144,6 @@ class TokenWindows(DatasetInfo):
         return self._layout.num
 
     def __len__(self) -> int:
-        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
         return self.num_samples
 
     def use_order(self, choice: OrderChoice) -> None:
