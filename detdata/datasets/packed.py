@@ -231,8 +231,7 @@ class PackedWindows(DatasetInfo):
 
     @property
     def tokens_per_sample(self) -> int:
-        """``seq_len``: the input tokens of a window (not the extra label token; padding is
-        subtracted by ``DataLoader.tokens_consumed``), `DatasetInfo`."""
+        """``seq_len`` (padding is subtracted by ``DataLoader.tokens_consumed``)."""
         return self.seq_len
 
     @property
@@ -243,7 +242,6 @@ class PackedWindows(DatasetInfo):
         return view
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers per row (`describe_dtype` form), without a read."""
         return {
             "tokens": describe_dtype(self.documents.out_dtype, (self.window,)),
             "doc_index": describe_dtype(np.dtype(np.int32), (self.window,)),

@@ -196,8 +196,7 @@ class CacheAhead:
         self._uses_ahead: collections.deque[tuple[int, list[Key]]] = collections.deque()
         self._lock = threading.Lock()
         self._work: _Work = queue.SimpleQueue()
-        self._threads = 0  # fill threads started (daemon threads, on the first fill)
-        self._stopper: Callable[[], object] | None = None  # stops them (once)
+        self._stopper: Callable[[], object] | None = None  # stops the fill threads (once)
         self._closed = False
 
     @property
@@ -287,16 +286,14 @@ class CacheAhead:
 
     # fills and releases -----------------------------------------------------------
     def _submit(self, key: Key) -> None:
-        if self._threads == 0:
+        if self._stopper is None:
             _OPEN.add(self)
             self._stopper = weakref.finalize(self, _stop_fills, self._work, self.connections)
             for i in range(self.connections):
                 name = f"detdata-prefetch-{i}"
-                thread = threading.Thread(
+                threading.Thread(
                     target=_run_fills, args=(self._work,), name=name, daemon=True
-                )
-                thread.start()
-                self._threads += 1
+                ).start()
         self.stats.submitted += 1
         future: Future[None] = Future()
         self._work.put((future, lambda: self._fill(key)))
