@@ -6,9 +6,8 @@ several: grouped by shard (`_Groups`); mapped shards gathered from their views, 
 (with the handle LRU full) read without keeping anything open, as a value: a
 `detdata.storage.reads.ReadPlan` that storage executes (`read_ahead` starts it early) and
 an `Assembly` that makes the rows. Remote roots: coalesced ranges in one ``cat_ranges``
-call, or whole shards copied into a verified `ShardCache`. Every read checks each shard's
-size before touching its mapping (a truncated shard is a `VerificationError`, not a
-SIGBUS) and each open against the file first opened (`ShardFiles.check_stat`).
+call, or whole shards copied into a verified `ShardCache`. Every read and open is checked
+as `detdata.datasets.shard_files` says.
 """
 
 from __future__ import annotations
