@@ -109,22 +109,16 @@ def prepare_out(out: Path, *, clear: bool) -> None:
             raise _refuse(
                 out, f"is a non-empty folder that detdata did not create (no {MARKER} file in it)"
             )
-        if clear:
-            for name in entries:
-                if name != MARKER:
-                    _remove(out / name)
+        for path in (out / name for name in entries if clear and name != MARKER):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / MARKER).write_text(_MARKER_TEXT, encoding="utf-8")
     except OSError as exc:
         raise _refuse(out, f"cannot create it ({exc.strerror or exc})") from None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 def _print_check(check: dict[str, Any]) -> int:
