@@ -146,14 +146,8 @@ def run(args: argparse.Namespace) -> int:
     for start in range(at, at + count, _CHUNK):
         positions = np.arange(start, min(start + _CHUNK, at + count), dtype=np.int64)
         src, index, ids = mixture.locate(positions)
-        out.write(
-            "".join(
-                f"{g}\t{names[s]}\t{i}\t{d}\n"
-                for g, s, i, d in zip(
-                    positions.tolist(), src.tolist(), index.tolist(), ids.tolist(), strict=True
-                )
-            )
-        )
+        rows = zip(positions.tolist(), src.tolist(), index.tolist(), ids.tolist(), strict=True)
+        out.write("".join(f"{g}\t{names[s]}\t{i}\t{d}\n" for g, s, i, d in rows))
     return 0
 
 
