@@ -10,6 +10,7 @@ written atomically, as ``-o`` writes.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,12 +145,8 @@ def _diff_band(ax: Axes, runs: Sequence[DiffRun], comparison: Comparison, title:
 
 
 def _diff_count(ax: Axes, runs: Sequence[DiffRun]) -> None:
-    xs, ys, differing = [runs[0].start], [0], 0
-    for r in runs:
-        if r.status != SAME:
-            differing += r.stop - r.start
-        xs.append(r.stop)
-        ys.append(differing)
+    xs = [runs[0].start, *(r.stop for r in runs)]
+    ys = [0, *itertools.accumulate(r.stop - r.start if r.status != SAME else 0 for r in runs)]
     ax.plot(xs, ys, color=DIFF_STYLES["differs"][0])
     ax.set_ylabel("steps that differ\n(cumulative)")
 
