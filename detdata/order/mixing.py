@@ -189,24 +189,11 @@ def normalize_weights(
 
 # ------------------------------------------------------------------ phases
 @dataclass(frozen=True, kw_only=True)
-class _Node:
-    """One internal tree node: splits the count arriving at ``node_id`` between two children."""
-
-    node_id: int
-    left: tuple[int, int]  # (child node id, source index if the child is a leaf else -1)
-    right: tuple[int, int]
-    a: int
-    b: int
-    phi: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class _Tree:
-    """A phase's internal nodes as arrays for the vectorised descent (row 0 is the root).
-
-    ``left[r]`` / ``right[r]``: the row of an internal child, or ``-1 - s`` for the leaf of
-    source ``s``. O(sources) memory, built once per phase.
-    """
+    """A phase's internal nodes as rows, parents before children (row 0 is the root; none for
+    one source). ``left[r]`` / ``right[r]``: the row of an internal child, or ``-1 - s`` for
+    the leaf of source ``s``. ``b`` is at least 1: a node of weight 0 (``a == phi == 0``)
+    only ever receives 0 (`_split`). O(sources) memory, built once per phase."""
 
     a: IntArray
     b: IntArray
@@ -217,26 +204,39 @@ class _Tree:
     lists: tuple[list[int], ...]  # a, b, phi, left, right as Python ints
 
     @classmethod
-    def of(cls, nodes: Sequence[_Node], offsets: Sequence[int]) -> _Tree:
-        row = {node.node_id: r for r, node in enumerate(nodes)}
-
-        def child(ref: tuple[int, int]) -> int:
-            node_id, leaf = ref
-            return -1 - leaf if leaf >= 0 else row[node_id]
-
-        def column(values: Iterable[int]) -> IntArray:
-            return np.fromiter(values, dtype=np.int64, count=len(nodes))
-
-        lists = (
-            [n.a for n in nodes],
-            [max(n.b, 1) for n in nodes],  # b == 0 nodes are never split (`_split`)
-            [n.phi for n in nodes],
-            [child(n.left) for n in nodes],
-            [child(n.right) for n in nodes],
+    def build(cls, weights: Sequence[int], seed: int, phase: int, offsets: Sequence[int]) -> _Tree:
+        """The balanced tree over ``weights`` of phase ``phase`` (``phi`` by heap node id)."""
+        lists = tuple([0] * (len(weights) - 1) for _ in range(5))
+        a, b, phi, left, right = lists
+        pending = [(0, 1, 0, len(weights))] if len(weights) > 1 else []  # row, node id, lo, hi
+        rows = 1
+        while pending:
+            row, node_id, lo, hi = pending.pop()
+            mid = lo + (hi - lo + 1) // 2
+            a[row], total = sum(weights[lo:mid]), sum(weights[lo:hi])
+            if total:
+                phi[row] = derive_u64(b"detdata:mixture-v1:phi", seed, phase, node_id) % total
+            b[row] = max(total, 1)
+            for side, child, clo, chi in (
+                (left, 2 * node_id, lo, mid),
+                (right, 2 * node_id + 1, mid, hi),
+            ):
+                if chi - clo == 1:
+                    side[row] = -1 - clo
+                else:
+                    side[row] = rows
+                    pending.append((rows, child, clo, chi))
+                    rows += 1
+        a_, b_, phi_, left_, right_ = (np.array(values, dtype=np.int64) for values in lists)
+        return cls(
+            a=a_,
+            b=b_,
+            phi=phi_,
+            left=left_,
+            right=right_,
+            offsets=np.asarray(offsets, dtype=np.int64),
+            lists=lists,
         )
-        a, b, phi, left, right = (column(values) for values in lists)
-        offsets_array = np.asarray(offsets, dtype=np.int64)
-        return cls(a=a, b=b, phi=phi, left=left, right=right, offsets=offsets_array, lists=lists)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,50 +250,25 @@ class Phase:
     start: int
     weights: tuple[int, ...]
     offsets: tuple[int, ...]
-    nodes: tuple[_Node, ...]
     key: int
-    tree: _Tree = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tree", _Tree.of(self.nodes, self.offsets))
+    tree: _Tree = field(repr=False, compare=False)
 
     def fractions(self) -> tuple[Fraction, ...]:
         total = sum(self.weights)
         return tuple(Fraction(w, total) for w in self.weights)
 
 
-def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, ...]:
-    """The internal nodes of the balanced tree, parents before children (none for one source)."""
-    nodes: list[_Node] = []
-    if len(weights) == 1:
-        return ()
-    stack = [(1, 0, len(weights))]
-    while stack:
-        node_id, lo, hi = stack.pop()
-        mid = lo + (hi - lo + 1) // 2
-        a, b = sum(weights[lo:mid]), sum(weights[lo:hi])
-        phi = derive_u64(b"detdata:mixture-v1:phi", seed, phase, node_id) % b if b else 0
-        children = []
-        for child_id, clo, chi in ((2 * node_id, lo, mid), (2 * node_id + 1, mid, hi)):
-            children.append((child_id, clo if chi - clo == 1 else -1))
-            if chi - clo > 1:
-                stack.append((child_id, clo, chi))
-        nodes.append(_Node(node_id=node_id, left=children[0], right=children[1], a=a, b=b, phi=phi))
-    return tuple(nodes)
-
-
 def _tree_counts(phase: Phase, total: int) -> list[int]:
     """``C_s(total)`` for every source (Python ints): one pass over the tree, O(sources)."""
-    if not phase.nodes:
-        return [total]
-    out = [0] * len(phase.weights)
-    arriving = {1: total}
-    for node in phase.nodes:
-        t = arriving.pop(node.node_id)
-        left = (t * node.a + node.phi) // node.b if node.b else 0
-        for (child, leaf), value in ((node.left, left), (node.right, t - left)):
-            if leaf >= 0:
-                out[leaf] = value
+    a, b, phi, left, right = phase.tree.lists
+    out = [total] * len(phase.weights)  # every leaf is set (one source: no rows)
+    arriving = [total] + [0] * len(a)
+    for row in range(len(a)):
+        t = arriving[row]
+        share = (t * a[row] + phi[row]) // b[row]
+        for child, value in ((left[row], share), (right[row], t - share)):
+            if child < 0:
+                out[-1 - child] = value
             else:
                 arriving[child] = value
     return out
@@ -330,7 +305,7 @@ def _descend(
     """
     n = blocks.size
     lo = blocks * BLOCK
-    if not phase.nodes:
+    if len(phase.weights) == 1:
         return np.zeros(n, dtype=np.int64), lo, np.full(n, BLOCK, dtype=np.int64), 0 * lo
     tree = phase.tree
     src, start, count = (np.empty(n, dtype=np.int64) for _ in range(3))
@@ -427,7 +402,7 @@ def _block_leaves(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray, I
     block, never blocks x sources.
     """
     nb = blocks.size
-    if not phase.nodes:
+    if len(phase.weights) == 1:
         return np.zeros(nb, dtype=np.int64), blocks * BLOCK, np.full(nb, BLOCK, dtype=np.int64)
     if nb <= _SMALL:
         return _block_leaves_small(phase, blocks.tolist())
@@ -521,7 +496,7 @@ def next_phase(phases: Sequence[Phase], seed: int, start: int, weights: tuple[in
         start=start,
         weights=weights,
         offsets=offsets,
-        nodes=_build_nodes(weights, seed, index),
+        tree=_Tree.build(weights, seed, index, offsets),
         key=derive_u64(b"detdata:mixture-v1:block", seed, index),
     )
 
