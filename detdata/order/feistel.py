@@ -155,8 +155,9 @@ def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
 
 def permute(indices: U64Array, n: int, seed: int, epoch: int) -> U64Array:
     """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
-    keys = _key_table(seed, np.array([epoch], dtype=np.uint64))[:, 0]  # scalars: cheapest
-    return cycle_walk(encrypt_many, indices, n, keys)
+    return cycle_walk(
+        encrypt_many, indices, n, _key_table(seed, np.array([epoch], dtype=np.uint64))
+    )
 
 
 def epoch_keys(seed: int, epochs: U64Array) -> U64Array:
@@ -209,16 +210,8 @@ def cycle_walk(step: Step, x: U64Array, n: int, keys: U64Array) -> U64Array:
     ``D`` from ``y`` stops at ``x``: the forward walk passes only values ``>= n`` between."""
     if n == 1:
         return np.zeros_like(x)
-    bits = domain_bits(n)
-    lo_bits, hi_bits = np.uint64(bits // 2), np.uint64(bits - bits // 2)
-    limit = np.uint64(n)
-    out = step(x, keys, lo_bits, hi_bits)
-    pending = np.flatnonzero(out >= limit)
-    while pending.size:
-        walked = step(out[pending], keys if keys.ndim == 1 else keys[:, pending], lo_bits, hi_bits)
-        out[pending] = walked
-        pending = pending[walked >= limit]
-    return out
+    m, bits = np.array([n], dtype=np.uint64), np.array([domain_bits(n)], dtype=np.uint64)
+    return permute_many(x, m, keys[:, None] if keys.ndim == 1 else keys, bits, step=step)
 
 
 def _at(values: U64Array, index: IntArray) -> U64Array:
@@ -226,17 +219,20 @@ def _at(values: U64Array, index: IntArray) -> U64Array:
     return values if values.shape[-1] == 1 else values[..., index]
 
 
-def permute_many(x: U64Array, m: U64Array, keys: U64Array, bits: U64Array) -> U64Array:
+def permute_many(
+    x: U64Array, m: U64Array, keys: U64Array, bits: U64Array, *, step: Step = encrypt_many
+) -> U64Array:
     """The cycle-walking bijection on ``[0, m[e])`` under the round keys ``keys[:, e]`` for
     each element ``x[e] < m[e]`` (step 6 with a per-element domain; ``bits[e] =
-    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element. ``m``,
-    ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``) may be one value for all."""
+    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element (its inverse with
+    ``step=decrypt_many``). ``m``, ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``)
+    may be one value for all."""
     lo_bits = bits // np.uint64(2)
     hi_bits = bits - lo_bits
-    out = encrypt_many(x, keys, lo_bits, hi_bits)
+    out = step(x, keys, lo_bits, hi_bits)
     pending = np.flatnonzero(out >= m)
     while pending.size:
-        walked = encrypt_many(
+        walked = step(
             out[pending], _at(keys, pending), _at(lo_bits, pending), _at(hi_bits, pending)
         )
         out[pending] = walked
