@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
-from typing import Final, overload
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +40,7 @@ import numpy.typing as npt
 from detdata.base.checks import check_count, check_seed
 from detdata.base.keys import derive
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.positions import check_positions_array, index_positions
+from detdata.order.positions import PositionOrder, check_positions_array
 
 ALGORITHM: Final = "feistel-v1"
 ROUNDS: Final = 8
@@ -276,7 +276,7 @@ def permute_sources(
     return permute_many(local, n, keys, bits[which.reshape(-1)])
 
 
-class GlobalOrder:
+class GlobalOrder(PositionOrder):
     """Global position -> sample id for ``num_samples`` samples under ``seed``.
 
     Position ``g`` maps to ``perm(seed, epoch=g // n)(g % n)`` with ``perm`` the
@@ -296,29 +296,10 @@ class GlobalOrder:
             f"algorithm={ALGORITHM!r})"
         )
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, GlobalOrder)
-            and other.num_samples == self.num_samples
-            and other.seed == self.seed
-        )
-
-    def __hash__(self) -> int:
-        return hash((ALGORITHM, self.num_samples, self.seed))
-
-    @overload
-    def __getitem__(self, position: int) -> int: ...
-    @overload
-    def __getitem__(self, position: slice) -> IntArray: ...
-
-    def __getitem__(self, position: int | slice) -> int | IntArray:
-        return index_positions(self.ids, position, "GlobalOrder")
+    def _identity(self) -> tuple[object, ...]:
+        return (ALGORITHM, self.num_samples, self.seed)
 
     def ids(self, positions: npt.ArrayLike) -> IntArray:
-        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
         pos = check_positions_array(positions).astype(np.uint64, copy=False)
         epochs, local = np.divmod(pos, np.uint64(self.num_samples))
         out = np.empty(pos.shape, dtype=np.uint64)

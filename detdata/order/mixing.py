@@ -91,6 +91,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import mix64
+from detdata.order.positions import check_positions_array
 
 ALGORITHM: Final = "mixture-v1"
 BLOCK: Final = 16
@@ -531,10 +532,8 @@ def check_schedule(schedule: object) -> list[tuple[int, Mapping[str, object]]]:
 
 def check_positions(positions: npt.ArrayLike) -> IntArray:
     """``positions`` (any shape) as int64, every value in ``[0, 2**62)``, else `ConfigError`."""
-    pos = np.asarray(positions)
-    if pos.dtype.kind not in "iu":
-        raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
-    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= MAX_POSITION):
+    pos = check_positions_array(positions)
+    if pos.size and int(pos.max()) >= MAX_POSITION:
         raise ConfigError(
             f"positions must be in [0, 2**62), found [{int(pos.min())}, {int(pos.max())}]"
         )

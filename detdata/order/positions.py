@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -26,18 +27,42 @@ def check_positions_array(positions: npt.ArrayLike) -> npt.NDArray[np.integer]:
     return pos
 
 
-def index_positions(
-    ids: Callable[[npt.ArrayLike], IntArray], position: int | slice, kind: str
-) -> int | IntArray:
-    """``order[position]`` through the order's vector lookup ``ids``.
+class PositionOrder(abc.ABC):
+    """Global position -> sample id over ``num_samples`` samples: `ids` of an array,
+    ``order[g]`` (one id) or ``order[start:stop:step]`` (a stop is needed: an order is
+    infinite). Orders with equal `_identity` are equal and give equal ids."""
 
-    An ``int`` gives one id; a ``slice`` (which needs a stop: an order is infinite, ``kind``
-    names the order class in the error) gives the ids of ``range(start, stop, step)``.
-    """
-    if isinstance(position, slice):
-        if position.stop is None:
-            raise ConfigError(f"{kind} slices need a stop: the order is infinite")
-        start, stop, step = position.start or 0, position.stop, position.step or 1
-        return ids(np.arange(start, stop, step, dtype=np.int64))
-    g = check_count(position, "position", minimum=0, maximum=_MAX_INDEX)
-    return int(ids(np.array([g], dtype=np.int64))[0])
+    num_samples: int
+
+    @abc.abstractmethod
+    def ids(self, positions: npt.ArrayLike) -> IntArray:
+        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
+
+    @abc.abstractmethod
+    def _identity(self) -> tuple[object, ...]:
+        """The algorithm and its parameters."""
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._identity() == self._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    @overload
+    def __getitem__(self, position: int) -> int: ...
+    @overload
+    def __getitem__(self, position: slice) -> IntArray: ...
+
+    def __getitem__(self, position: int | slice) -> int | IntArray:
+        if isinstance(position, slice):
+            if position.stop is None:
+                raise ConfigError(
+                    f"{type(self).__name__} slices need a stop: the order is infinite"
+                )
+            start, stop, step = position.start or 0, position.stop, position.step or 1
+            return self.ids(np.arange(start, stop, step, dtype=np.int64))
+        g = check_count(position, "position", minimum=0, maximum=_MAX_INDEX)
+        return int(self.ids(np.array([g], dtype=np.int64))[0])
