@@ -59,14 +59,14 @@ from detdata.order.feistel import (
     permute_many,
 )
 from detdata.order.memo import LruCache
-from detdata.order.positions import PositionOrder, check_positions_array
+from detdata.order.positions import PositionOrder, check_positions_array, reverse_epochs
 
 ALGORITHM: Final = "locality-v1"
 _SHARD_TAG: Final = b"detdata:locality-v1:shards"
 _WINDOW_TAG: Final = b"detdata:locality-v1:window"
 _KEY_BYTES: Final = 8 * ROUNDS
 _EPOCHS_KEPT: Final = 4  # epoch tables cached per order (O(S) each)
-_MAX_EPOCHS_INVERTED: Final = 100_000  # per positions_of call
+_MAX_EPOCHS_INVERTED: Final = 100_000  # per positions_of call (each costs O(shards))
 U64Array = npt.NDArray[np.uint64]
 
 
@@ -293,18 +293,7 @@ class WindowedOrder(PositionOrder):
         ascending: one per epoch, by undoing steps 6-3 (the window's permutation inverted
         by decryption with cycle walking). O(shards) per epoch (its tables), O(1) after."""
         n = self.num_samples
-        x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
-        lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
-        hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
-        if hi <= lo:
-            return np.empty(0, dtype=np.int64)
-        epochs = range(lo // n, (hi - 1) // n + 1)
-        if len(epochs) > _MAX_EPOCHS_INVERTED:
-            raise ConfigError(
-                f"positions_of over [{lo}, {hi}) spans {len(epochs)} epochs of {n} samples "
-                f"(more than {_MAX_EPOCHS_INVERTED}; each costs O(shards)); hint: ask for "
-                "a narrower range of positions"
-            )
+        x, lo, hi, epochs = reverse_epochs(n, sample_id, start, until, most=_MAX_EPOCHS_INVERTED)
         shard = int(np.searchsorted(self._starts, x, side="right")) - 1
         offset = x - int(self._starts[shard])
         out = []

@@ -338,10 +338,6 @@ def copy_plan(
     ``first + e - bos``.
     """
     at = pieces.row * width + pieces.start  # flat position of each piece's first token
-    if not (bos or eos):  # every piece is corpus tokens only
-        empty = np.empty(0, dtype=np.int64)
-        source = first[pieces.position] + pieces.offset
-        return CopyPlan(source=source, target=at, count=pieces.count, bos_at=empty, eos_at=empty)
     b = int(bos)
     end = pieces.offset + pieces.count
     lo = np.maximum(pieces.offset, b)

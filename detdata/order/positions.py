@@ -12,9 +12,28 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
-from detdata.base.types import IntArray
+from detdata.base.types import MAX_POSITION, IntArray
 
 _MAX_INDEX = (1 << 63) - 1
+
+
+def reverse_epochs(
+    n: int, sample_id: int, start: int, until: int, *, most: int
+) -> tuple[int, int, int, range]:
+    """A reverse lookup's arguments checked (``sample_id < n``, ``start`` and ``until`` in
+    ``[0, 2**62]``), with the epochs of ``n`` samples holding positions ``[start, until)``
+    (none when ``until <= start``): ``(sample_id, start, until, epochs)``. More than ``most``
+    epochs is a `ConfigError`."""
+    x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
+    lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
+    hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
+    epochs = range(lo // n, (hi - 1) // n + 1) if hi > lo else range(0)
+    if len(epochs) > most:
+        raise ConfigError(
+            f"positions_of over [{lo}, {hi}) spans {len(epochs)} epochs of {n} samples (more "
+            f"than {most}); hint: ask for a narrower range of positions"
+        )
+    return x, lo, hi, epochs
 
 
 def check_positions_array(positions: npt.ArrayLike) -> npt.NDArray[np.integer]:
