@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import numpy as np
@@ -101,36 +101,36 @@ def _mix_into(z: U64Array, tmp: U64Array) -> None:
     z ^= tmp
 
 
-#: A 64-bit word, or one per element of ``x`` (`_rounds`).
+#: A 64-bit word, or one per element of ``x`` (`_feistel`).
 _Words = np.uint64 | U64Array
+_ONE: Final = np.uint64(1)
 
 
-def _rounds(
-    x: U64Array,
-    keys: Sequence[_Words],
-    lo_mask: _Words,
-    hi_mask: _Words,
-    shift: _Words,
+def _feistel(
+    x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words, rounds: Iterable[int]
 ) -> U64Array:
-    """The Feistel rounds of ``E(x)`` in scratch buffers: round ``r`` xors ``keys[r]`` (a
-    scalar or an array shaped like ``x``); masks and ``shift`` (the low half's bits) are
-    scalars or arrays shaped like ``x``."""
+    """The Feistel rounds ``rounds`` of step 4, in that order, on ``x`` in scratch buffers:
+    round ``r`` xors ``keys[r]`` (a scalar, or an array shaped like ``x``); ``lo_bits`` /
+    ``hi_bits`` (the domain split) are scalars or arrays shaped like ``x``. Each round is
+    its own inverse (an xor), so the rounds in reverse order undo them."""
+    lo_mask = (_ONE << lo_bits) - _ONE
+    hi_mask = (_ONE << hi_bits) - _ONE
     lo = x & lo_mask
-    hi = x >> shift
+    hi = x >> lo_bits
     z = np.empty_like(lo)
     tmp = np.empty_like(lo)
-    for r, k in enumerate(keys):
+    for r in rounds:
         if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
-            np.bitwise_xor(lo, k, out=z)
+            np.bitwise_xor(lo, keys[r], out=z)
             _mix_into(z, tmp)
             z &= hi_mask
             hi ^= z
         else:  # lo ^= F(k, hi) & lo_mask
-            np.bitwise_xor(hi, k, out=z)
+            np.bitwise_xor(hi, keys[r], out=z)
             _mix_into(z, tmp)
             z &= lo_mask
             lo ^= z
-    hi <<= shift
+    hi <<= lo_bits
     hi |= lo
     return hi
 
@@ -144,7 +144,7 @@ def domain_bits(n: int) -> int:
 _EXACT_FLOAT: Final = 1 << 52
 
 
-def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
+def domain_bits_many(n: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     """`domain_bits` of each of ``n`` (each ``>= 1``), vectorised."""
     sizes = np.asarray(n, dtype=np.int64)
     if sizes.size and int(sizes.max()) < _EXACT_FLOAT:  # frexp(x)[1] == bit_length(x)
@@ -174,29 +174,15 @@ def permute_epochs(indices: U64Array, epochs: U64Array, n: int, seed: int) -> U6
 
 
 # ------------------------------------------------------------------ per-element domains
-_ONE: Final = np.uint64(1)
-
-
 def encrypt_many(x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """``E(x)`` (step 4) with per-element round keys ``keys[r]`` and domain split (each an
     array shaped like ``x``, or one value broadcast to all); allocates its temporaries."""
-    lo_mask = (_ONE << lo_bits) - _ONE
-    hi_mask = (_ONE << hi_bits) - _ONE
-    return _rounds(x, [keys[r] for r in range(ROUNDS)], lo_mask, hi_mask, lo_bits)
+    return _feistel(x, keys, lo_bits, hi_bits, range(ROUNDS))
 
 
 def decrypt_many(y: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """The inverse of `encrypt_many`: the rounds undone in reverse order."""
-    lo_mask = (_ONE << lo_bits) - _ONE
-    hi_mask = (_ONE << hi_bits) - _ONE
-    lo = y & lo_mask
-    hi = y >> lo_bits
-    for r in reversed(range(ROUNDS)):
-        if r % 2 == 0:
-            hi ^= mix64(lo ^ keys[r]) & hi_mask
-        else:
-            lo ^= mix64(hi ^ keys[r]) & lo_mask
-    return (hi << lo_bits) | lo
+    return _feistel(y, keys, lo_bits, hi_bits, reversed(range(ROUNDS)))
 
 
 #: `encrypt_many` or `decrypt_many`.
@@ -272,8 +258,7 @@ def permute_sources(
     material = b"".join(map(_key_material, pair_seeds.tolist(), pair_epochs.tolist()))
     keys = key_rows(material, pair_seeds.size)[:, inverse]
     sizes, which = np.unique(n, return_inverse=True)
-    bits = np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
-    return permute_many(local, n, keys, bits[which.reshape(-1)])
+    return permute_many(local, n, keys, domain_bits_many(sizes)[which.reshape(-1)])
 
 
 class GlobalOrder(PositionOrder):
