@@ -30,7 +30,6 @@ epoch 1 and seed ``s + 1`` at epoch 0 are unrelated permutations.
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -58,12 +57,6 @@ U64Array = npt.NDArray[np.uint64]
 def _key_material(seed: int, epoch: int) -> bytes:
     """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``."""
     return derive(_KEY_PREFIX, seed, epoch, length=_KEY_BYTES)
-
-
-@functools.lru_cache(maxsize=1024)
-def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
-    """The ``ROUNDS`` 64-bit round keys of ``feistel-v1`` for ``(seed, epoch)``."""
-    return struct.unpack(f"<{ROUNDS}Q", _key_material(seed, epoch))
 
 
 def key_rows(material: bytes, count: int) -> U64Array:
