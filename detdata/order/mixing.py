@@ -627,17 +627,13 @@ def schedule_to_json(schedule: MixtureSchedule, names: Sequence[str]) -> list[li
 
 def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ...]:
     """The proportions of a saved `schedule_to_json` over the sources ``names`` (sorted), or
-    `ConfigError` (each phase must weight exactly ``names``, non-negative, not all zero)."""
+    `ConfigError` (each phase must weight exactly ``names``, as `normalize_weights` checks
+    weights, zeros allowed)."""
     phases = []
     for i, (start, start_weights) in enumerate(check_schedule(doc)):
-        if not isinstance(start_weights, Mapping) or sorted(start_weights) != list(names):
-            raise ConfigError(
-                f"saved mixture schedule[{i}] does not weight exactly the sources {list(names)}"
-            )
-        fracs = [to_fraction(start_weights[n], f"saved schedule[{i}][{n!r}]") for n in names]
-        if any(f < 0 for f in fracs) or sum(fracs) <= 0:
-            raise ConfigError(f"saved mixture schedule[{i}] has negative or all-zero weights")
-        phases.append((start, tuple(f / sum(fracs) for f in fracs)))
+        where = f"saved mixture schedule[{i}]"
+        weights = normalize_weights(start_weights, names, allow_zero=True, where=where)
+        phases.append((start, tuple(Fraction(w, sum(weights)) for w in weights)))
     return tuple(phases)
 
 
