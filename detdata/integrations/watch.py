@@ -17,14 +17,15 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from detdata.base.redact import get_logger
-from detdata.loading.frameworks import FrameworkWatcher
 
-__all__ = ["WATCHER", "ImportedFrameworks"]
+__all__ = ["WATCHER", "ImportedFrameworks", "wrap_once"]
 
 log: Final = get_logger("detdata")
+#: set on each wrapper (`wrap_once`), so that each method is wrapped once
+_MARK: Final = "__detdata_watch__"
 
 
 #: the framework's top-level package -> (the integration module, its ``start_watch`` arguments):
@@ -38,10 +39,12 @@ _FRAMEWORKS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
 
 
 class ImportedFrameworks:
-    """A `FrameworkWatcher` over the watches of the frameworks imported so far."""
+    """A `FrameworkWatcher` over the watches of the frameworks imported so far: each
+    integration's ``start_watch`` wraps the framework's methods and returns the check of a
+    loader starting at position 0 (`FrameworkWatcher.check_start`), or None."""
 
     def __init__(self) -> None:
-        self._started: dict[str, FrameworkWatcher] = {}
+        self._started: dict[str, Callable[[object], None] | None] = {}
         self._finder: _AfterImport | None = None
 
     def built(self) -> None:
@@ -54,18 +57,28 @@ class ImportedFrameworks:
             pending = [m for m in _FRAMEWORKS if m not in self._started]
             self._finder = _AfterImport(pending, self._start)
             self._finder.install()
-        for watcher in tuple(self._started.values()):
-            watcher.built()
 
     def check_start(self, loader: object) -> None:
-        for watcher in tuple(self._started.values()):
-            watcher.check_start(loader)
+        for check in tuple(self._started.values()):
+            if check is not None:
+                check(loader)
 
     def _start(self, module: str) -> None:
         if module not in self._started:
             integration, args = _FRAMEWORKS[module]
-            watcher: FrameworkWatcher = importlib.import_module(integration).start_watch(*args)
-            self._started[module] = watcher
+            self._started[module] = importlib.import_module(integration).start_watch(*args)
+
+
+def wrap_once(
+    owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Replace the method ``name`` of ``owner`` with ``wrap(method)``, once per process (the
+    wrapper is marked)."""
+    original = getattr(owner, name)
+    if not getattr(original, _MARK, False):
+        wrapped = wrap(original)
+        setattr(wrapped, _MARK, True)
+        setattr(owner, name, wrapped)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
