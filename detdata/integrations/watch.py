@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -83,9 +84,9 @@ def wrap_once(
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls ``after(name)`` once the top-level package ``name`` (one of ``names``) has been
-    imported: it finds the package's spec with the finders after it on ``sys.meta_path`` and
-    wraps only its loader's ``exec_module`` (the module gets the original loader back before
-    its code runs); removes itself once every name was seen."""
+    imported: it finds the package's spec with the other finders (it answers None for a name
+    once seen) and wraps only its loader's ``exec_module`` (the module gets the original loader
+    back before its code runs); removes itself once every name was seen."""
 
     def __init__(self, names: Sequence[str], after: Callable[[str], None]) -> None:
         self._pending = set(names)
@@ -106,20 +107,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self._pending.discard(fullname)  # once; also keeps the search below from recursing
         if not self._pending and self in sys.meta_path:
             sys.meta_path.remove(self)
-        for finder in tuple(sys.meta_path):
-            if finder is self:
-                continue
-            # the import system's own protocol: a meta path finder may lack find_spec
-            find = getattr(finder, "find_spec", None)
-            spec: importlib.machinery.ModuleSpec | None = (
-                None if find is None else find(fullname, path, target)
-            )
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _ThenStart(spec.loader, spec, lambda: self._started(fullname))
-            return spec
-        return None
+        spec = importlib.util.find_spec(fullname)  # the other finders: this one now answers None
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenStart(spec.loader, spec, lambda: self._started(fullname))
+        return spec
 
     def _started(self, name: str) -> None:
         try:
