@@ -155,7 +155,9 @@ def permute(indices: U64Array, n: int, seed: int, epoch: int) -> U64Array:
 
 def epoch_keys(seed: int, epochs: U64Array) -> U64Array:
     """The round keys of each element's epoch (1-D ``epochs``) as ``(ROUNDS, size)``, derived
-    once per distinct epoch."""
+    once per distinct epoch; ``(ROUNDS, 1)``, broadcast to all, when they share one epoch."""
+    if epochs.size and bool((epochs == epochs[0]).all()):
+        return _key_table(seed, epochs[:1])
     unique, inverse = np.unique(epochs, return_inverse=True)
     return np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)
 
@@ -284,13 +286,7 @@ class GlobalOrder(PositionOrder):
         flat_e, flat_l, flat_o = epochs.reshape(-1), local.reshape(-1), out.reshape(-1)
         for start in range(0, flat_o.size, _CHUNK):
             stop = start + _CHUNK
-            flat_o[start:stop] = self._chunk(flat_e[start:stop], flat_l[start:stop])
+            flat_o[start:stop] = permute_epochs(
+                flat_l[start:stop], flat_e[start:stop], self.num_samples, self.seed
+            )
         return out.view(np.int64)  # ids < n < 2**62: the same bits, no copy
-
-    def _chunk(
-        self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]
-    ) -> npt.NDArray[np.uint64]:
-        first = int(epochs[0])
-        if bool((epochs == first).all()):
-            return permute(local, self.num_samples, self.seed, first)  # never writes its input
-        return permute_epochs(local, epochs, self.num_samples, self.seed)
