@@ -77,6 +77,7 @@ nothing of size ``blocks x sources`` (`_locate_chunk`); ``consumed`` is O(source
 from __future__ import annotations
 
 import decimal
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -348,8 +349,6 @@ def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]
     """Source index and index in source for phase-local positions ``local`` (1-D):
     O(positions x depth + sources) time; memory: the two outputs plus a bound (`_CHUNK`
     positions at a time), whatever the number of positions or sources."""
-    if local.size <= _CHUNK:
-        return _locate_chunk(phase, local)
     src = np.empty(local.size, dtype=np.int64)
     index = np.empty(local.size, dtype=np.int64)
     for a in range(0, local.size, _CHUNK):
@@ -550,12 +549,10 @@ class MixtureSchedule:
     """
 
     phases: tuple[Phase, ...]
-    _starts: IntArray = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "_starts", np.array([p.start for p in self.phases], dtype=np.int64)
-        )
+    @functools.cached_property
+    def _starts(self) -> IntArray:
+        return np.array([p.start for p in self.phases], dtype=np.int64)
 
     @classmethod
     def build(

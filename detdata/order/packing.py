@@ -209,9 +209,8 @@ def segments_bound(
     """
     total = int(offsets[-1])
     best = 0
-    step = CHUNK
-    for a in range(0, windows, step):
-        w = np.arange(a, min(windows, a + step), dtype=np.int64)
+    for a in range(0, windows, CHUNK):
+        w = np.arange(a, min(windows, a + CHUNK), dtype=np.int64)
         s = w * seq_len
         e = np.minimum(s + seq_len, total)
         k0 = np.searchsorted(offsets, s, side="right")
