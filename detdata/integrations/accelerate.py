@@ -37,11 +37,6 @@ _SAMPLERS: Final = (DeterministicBatchSampler, FrameworkBatchSampler)
 #: how deep a data loader's batch sampler may be wrapped (accelerate: BatchSamplerShard,
 #: SkipBatchSampler)
 _DEPTH: Final = 4
-_TRAINER: Final = "accelerate.Accelerator"
-_FIX: Final = (
-    "Accelerator(gradient_accumulation_steps={accumulation}), or a micro_batch_size that makes "
-    "micro x processes x gradient_accumulation_steps the global batch"
-)
 _REGISTER: Final = (
     "hint: accelerator.register_for_checkpointing(loader) right after building the "
     "Accelerator, before load_state, in the run that saves and the one that resumes (a "
@@ -179,8 +174,9 @@ def _check_batch(accelerator: Any, loader: DataLoader) -> None:
         micro_batch_size=loader.batch_size,
         accumulation=int(accelerator.gradient_accumulation_steps),
         world_size=int(accelerator.num_processes),
-        trainer=_TRAINER,
-        fix=_FIX,
+        trainer="accelerate.Accelerator",
+        fix="Accelerator(gradient_accumulation_steps={accumulation}), or a micro_batch_size that "
+        "makes micro x processes x gradient_accumulation_steps the global batch",
     )
 
 

@@ -62,7 +62,6 @@ class _Package:
     fit_loop: type[_FitLoop]
     callback: type[pl.Callback]
     scheduler: type[pl.callbacks.GradientAccumulationScheduler]
-    fitting: object  # TrainerFn.FITTING
 
 
 @functools.cache
@@ -83,7 +82,6 @@ def _load(name: str) -> _Package:
         fit_loop=importlib.import_module(f"{name}.loops.fit_loop")._FitLoop,
         callback=package.Callback,
         scheduler=package.callbacks.GradientAccumulationScheduler,
-        fitting=importlib.import_module(f"{name}.trainer.states").TrainerFn.FITTING,
     )
 
 
@@ -105,7 +103,7 @@ def _aligned_restore(original: Callable[..., Any], classes: _Package) -> Callabl
     def restore_loops(self: _CheckpointConnector) -> None:
         checkpoint = self._loaded_checkpoint
         trainer = self.trainer
-        if checkpoint and trainer.state.fn == classes.fitting:
+        if checkpoint and trainer.state.fn == "fit":  # TrainerFn.FITTING, a str enum
             epoch = int(checkpoint.get("epoch", 0))
             align_checkpoint(checkpoint, _accumulation(trainer, epoch, classes))
         original(self)
