@@ -470,10 +470,11 @@ def _block_layout(ranks: IntArray, leaf_count: IntArray) -> tuple[IntArray, IntA
     return leaf_at, within
 
 
-def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
-    """Samples of each source among the first ``length`` phase-local positions: O(sources)."""
-    k, j = divmod(length, BLOCK)
-    total = _tree_counts(phase, k * BLOCK)
+def _consumed(phase: Phase, position: int) -> tuple[int, ...]:
+    """Samples of each source consumed by global positions ``[0, position)``, ``position`` in
+    ``phase`` or at its end: its offsets plus the counts of its first positions, O(sources)."""
+    k, j = divmod(position - phase.start, BLOCK)
+    total = [o + c for o, c in zip(phase.offsets, _tree_counts(phase, k * BLOCK), strict=True)]
     if j:
         src, _ = _locate_chunk(phase, np.arange(k * BLOCK, k * BLOCK + j, dtype=np.int64))
         for s in src.tolist():
@@ -485,12 +486,7 @@ def next_phase(phases: Sequence[Phase], seed: int, start: int, weights: tuple[in
     """The phase after ``phases`` (none: the first, at 0) from ``start`` on with ``weights``:
     its offsets continue the last phase's consumption up to ``start``."""
     index = len(phases)
-    if phases:
-        last = phases[-1]
-        used = _phase_prefix_counts(last, start - last.start)
-        offsets = tuple(o + u for o, u in zip(last.offsets, used, strict=True))
-    else:
-        offsets = (0,) * len(weights)
+    offsets = _consumed(phases[-1], start) if phases else (0,) * len(weights)
     return Phase(
         index=index,
         start=start,
@@ -599,9 +595,7 @@ class MixtureSchedule:
         """Samples of each source consumed by positions ``[0, position)``:
         O(phases + sources + 16)."""
         p = check_count(position, "position", minimum=0, maximum=MAX_POSITION)
-        phase = self._phase_of(p)
-        used = _phase_prefix_counts(phase, p - phase.start)
-        return tuple(o + u for o, u in zip(phase.offsets, used, strict=True))
+        return _consumed(self._phase_of(p), p)
 
     def proportions(self) -> tuple[PhaseSpec, ...]:
         """``(start, exact p_s)`` of each phase."""
