@@ -230,21 +230,15 @@ def _cu_seqlens(
     inputs = pieces.start < seq_len
     row, seg = pieces.row[inputs], pieces.segment[inputs]
     ends = np.minimum(pieces.start[inputs] + pieces.count[inputs], seq_len)
-    cu = np.full((rows, max_segments + 1), seq_len, dtype=np.int32)
-    cu[:, 0] = 0
-    used = np.bincount(row, minlength=rows)
-    if row.size:
-        if int(seg.max()) + 1 > max_segments:
-            raise ConfigError(
-                f"a window has {int(seg.max()) + 1} segments, more than max_segments="
-                f"{max_segments}; hint: raise max_segments (or leave it None)"
-            )
-        cu.reshape(-1)[row * (max_segments + 1) + seg + 1] = ends
-    count = used + (last < seq_len)
+    count = np.bincount(row, minlength=rows) + (last < seq_len)  # input pieces: segments 0, 1, ..
     if int(count.max(initial=0)) > max_segments:
         raise ConfigError(
-            f"a window has {int(count.max())} segments, more than max_segments={max_segments}"
+            f"a window has {int(count.max())} segments, more than max_segments="
+            f"{max_segments}; hint: raise max_segments (or leave it None)"
         )
+    cu = np.full((rows, max_segments + 1), seq_len, dtype=np.int32)
+    cu[:, 0] = 0
+    cu.reshape(-1)[row * (max_segments + 1) + seg + 1] = ends
     return cu, count.astype(np.int32)
 
 
