@@ -55,9 +55,9 @@ class ImportedFrameworks:
             if module in sys.modules:
                 self._start(module)
         if self._finder is None:
-            pending = [m for m in _FRAMEWORKS if m not in self._started]
-            self._finder = _AfterImport(pending, self._start)
-            self._finder.install()
+            self._finder = _AfterImport(
+                [m for m in _FRAMEWORKS if m not in self._started], self._start
+            )
 
     def check_start(self, loader: object) -> None:
         for check in tuple(self._started.values()):
@@ -86,14 +86,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls ``after(name)`` once the top-level package ``name`` (one of ``names``) has been
     imported: it finds the package's spec with the other finders (it answers None for a name
     once seen) and wraps only its loader's ``exec_module`` (the module gets the original loader
-    back before its code runs); removes itself once every name was seen."""
+    back before its code runs); first on ``sys.meta_path`` from its construction until every
+    name was seen."""
 
     def __init__(self, names: Sequence[str], after: Callable[[str], None]) -> None:
         self._pending = set(names)
         self._after = after
-
-    def install(self) -> None:
-        if self._pending and self not in sys.meta_path:
+        if self._pending:
             sys.meta_path.insert(0, self)
 
     def find_spec(
