@@ -18,7 +18,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream
-from detdata.loading import frameworks, steps
+from detdata.loading import frameworks
 from detdata.loading.arguments import (
     TorchOnly,
     check_torch_args,
@@ -26,7 +26,7 @@ from detdata.loading.arguments import (
 )
 from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor, Definition
-from detdata.loading.history import as_schedule
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
@@ -35,7 +35,7 @@ from detdata.loading.reading import Reads
 from detdata.loading.reweighting import MixtureController, reweightable
 from detdata.loading.sources import batch_source
 from detdata.loading.state import transform_identity
-from detdata.loading.steps import MidStep
+from detdata.loading.steps import MidStep, RunSteps
 from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
@@ -59,7 +59,7 @@ class EpochStart:
         self._loader.set_epoch(epoch)
 
 
-class DataLoader:
+class DataLoader(RunSteps):
     """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
 
     Each iteration yields this rank's next micro batch (``micro_batch_size`` samples,
@@ -217,6 +217,10 @@ class DataLoader:
         return self._cursor.samples_consumed
 
     @property
+    def _steps_plan(self) -> Plan:
+        return self._cursor.plan
+
+    @property
     def stream(self) -> Stream:
         """The stream in force (over a saved mixture: this loader's, continued from it)."""
         return self._cursor.stream
@@ -231,27 +235,9 @@ class DataLoader:
         """The run's bound (None: unbounded; `set_total_samples`)."""
         return self._cursor.total_samples
 
-    @property
-    def step(self) -> int:
-        """The global step the next micro batch belongs to (from the run's history)."""
-        return self._cursor.step
-
-    def position_of_step(self, step: int) -> int:
-        """First global position of step ``step`` of this run (all ranks)."""
-        return steps.position_of_step(self._cursor.plan, step)
-
-    def step_of_position(self, position: int) -> int:
-        """The step global position ``position`` belongs to in this run."""
-        return steps.step_of_position(self._cursor.plan, position)
-
     def positions_of_next(self) -> IntArray:
         """Positions of the micro batch the next iteration will deliver on this rank."""
         return self._cursor.positions_of_next()
-
-    @property
-    def global_batch_size(self) -> int:
-        """Global batch of the current step (`step`)."""
-        return self._cursor.plan.batch_of(self.step)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -334,11 +320,6 @@ class DataLoader:
     def batch_size(self) -> int:
         """Samples per delivered batch: this rank's micro batch."""
         return self.layout.micro_batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        """True: every delivered batch is a full micro batch (read-only, as torch's)."""
-        return True
 
     @property
     def batch_sampler(self) -> None:

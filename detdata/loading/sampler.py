@@ -24,9 +24,10 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
-from detdata.loading import frameworks, steps
+from detdata.loading import frameworks
 from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, Placement, process_group_rank_world
+from detdata.loading.steps import RunSteps
 from detdata.order.batches import BatchSchedule
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 
@@ -98,7 +99,7 @@ def _check_total(total_samples: int | None) -> int | None:
     return check_count(total_samples, "total_samples", minimum=0)
 
 
-class DeterministicBatchSampler:
+class DeterministicBatchSampler(RunSteps):
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on.
 
     A ``BatchSampler``'s surface (``batch_size``, ``drop_last``, ``sampler``, a constant
@@ -158,35 +159,15 @@ class DeterministicBatchSampler:
         self._plan.check_continues(layout, consumed)
         self.layout, self._start, self._yielded = layout, consumed, 0
 
-    # ------------------------------------------------------ steps
     @property
-    def global_batch_size(self) -> int:
-        """Global batch of the step at ``samples_consumed`` (constant unless a schedule)."""
-        return self._plan.batch_of(self.step)
-
-    @property
-    def step(self) -> int:
-        """The global step the next micro batch belongs to."""
-        return self._plan.step_of(self.samples_consumed)
-
-    def position_of_step(self, step: int) -> int:
-        """`steps.position_of_step` of this sampler's run."""
-        return steps.position_of_step(self._plan, step)
-
-    def step_of_position(self, position: int) -> int:
-        """`steps.step_of_position` of this sampler's run."""
-        return steps.step_of_position(self._plan, position)
+    def _steps_plan(self) -> Plan:
+        return self._plan
 
     # ------------------------------------------------------ BatchSampler surface
     @property
     def batch_size(self) -> int:
         """Ids per item: this rank's micro batch."""
         return self.layout.micro_batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        """Always True (read-only): every item is a full micro batch."""
-        return True
 
     @property
     def sampler(self) -> None:
