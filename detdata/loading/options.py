@@ -148,9 +148,14 @@ class DeviceFeed:
         return device_batches(batches, self.target, self.copies_ahead)
 
     def __post_init__(self) -> None:
-        from detdata.loading.device import check_depth, check_device
+        from detdata.loading.device import MAX_DEPTH, check_device
 
-        _fix(self, "copies_ahead", check_depth, "2 overlaps one batch's copy with the current step")
+        _fix(
+            self,
+            "copies_ahead",
+            lambda v, label: check_count(v, label, maximum=MAX_DEPTH),
+            "2 overlaps one batch's copy with the current step",
+        )
         _fix(
             self,
             "device",
