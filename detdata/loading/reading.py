@@ -206,9 +206,7 @@ def own_copy(tensor: torch.Tensor) -> torch.Tensor:
     cpu = tensor.device.type == "cpu" and not tensor.requires_grad
     if not cpu or not tensor.is_contiguous() or tensor.numel() == 0:
         return tensor.clone()
-    if tensor.dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(tensor.numpy().copy())
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # e.g. bfloat16
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     np.copyto(_bytes(out), _bytes(tensor))
     return out
 
@@ -216,24 +214,6 @@ def own_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _bytes(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """The bytes of a contiguous CPU tensor (any dtype) as a uint8 array, not copied."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-#: torch dtypes `torch.Tensor.numpy` supports (others are copied as bytes).
-_NUMPY_DTYPES: Final = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
 
 
 def owned(batch: Any) -> Any:
@@ -297,9 +277,6 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
         is sent as on the plain path, with a receipt that frees the slot."""
         task.held()  # take the ring attached to this task, if any
         group = task.group
-        if self.collate_fn is not None:
-            plain = self(group)
-            return dataclasses.replace(plain, receipt=task.receipt(0))
         bounds = _bounds(group)
         try:
             raw = self.dataset[group[0] if len(group) == 1 else np.concatenate(group)]
