@@ -30,7 +30,7 @@ from detdata.loading.history import Plan, as_schedule
 from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
-from detdata.loading.options import LoaderOptions
+from detdata.loading.options import DEFAULT_STEPS_AHEAD, LoaderOptions
 from detdata.loading.reading import Reads
 from detdata.loading.reweighting import MixtureController, reweightable
 from detdata.loading.sources import batch_source
@@ -42,9 +42,6 @@ from detdata.order.choice import OrderLike
 
 __all__ = ["DEFAULT_STEPS_AHEAD", "DataLoader", "EpochStart"]
 
-#: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
-#: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
-DEFAULT_STEPS_AHEAD: Final = 1024
 _UNSET: Final = TorchOnly.UNSET
 
 
@@ -171,13 +168,8 @@ class DataLoader(RunSteps):
         self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
         self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
-        self.worker_mode, self.batches_ahead = opts.read.mode, opts.read.batches_ahead
-        steps_ahead = opts.read.steps_ahead
-        self.steps_ahead = DEFAULT_STEPS_AHEAD if steps_ahead is None else steps_ahead
-        self.steps_ahead_connections = opts.read.steps_ahead_connections
-        self.device, self.copies_ahead = opts.device.target, opts.device.copies_ahead
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
-        pin = self._pin_memory and self.device is None
+        pin = self._pin_memory and opts.device.target is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
             "num_workers": self.num_workers,
             "pin_memory": pin,
@@ -187,10 +179,10 @@ class DataLoader(RunSteps):
         }
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
-        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead)
+        reads = Reads(opts.transform, self.seed, collate_fn, pin, opts.read.batches_ahead)
         self._source = batch_source(
             reads,
-            self.worker_mode,
+            opts.read.mode,
             workers,
             seed=self.seed,
             worker_init_fn=worker_init_fn,
@@ -203,9 +195,7 @@ class DataLoader(RunSteps):
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
             attestor=Attestor(reads) if opts.resume.attest else None,
-            batches_ahead=self.batches_ahead,
-            steps_ahead=self.steps_ahead,
-            steps_ahead_connections=self.steps_ahead_connections,
+            read=opts.read,
         )
         self._live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
         frameworks.built()  # a framework integration watches the calls the user makes
@@ -361,7 +351,7 @@ class DataLoader(RunSteps):
     # ------------------------------------------------------ state and resume
     def state_dict(self) -> dict[str, Any]:
         """JSON state: samples delivered, identity, layout, environment, attestation."""
-        workers = {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+        workers = {"num_workers": self.num_workers, "worker_mode": self.options.read.mode.value}
         return self._cursor.state_dict(workers, self._delivery.attestor)
 
     def load_state_dict(

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 MAX_BATCHES_AHEAD: Final = 64
 #: ``ReadOptions.steps_ahead_connections``' upper bound.
 MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
+#: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
+#: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
+DEFAULT_STEPS_AHEAD: Final = 1024
 
 
 def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
