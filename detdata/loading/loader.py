@@ -152,9 +152,10 @@ class DataLoader(RunSteps):
                 "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
             )
         self.options, self.seed = opts, check_seed(seed)
+        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         check_torch_args(
             worker_mode=opts.read.mode,
-            num_workers=num_workers,
+            num_workers=self.num_workers,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             timeout=timeout,
@@ -165,7 +166,6 @@ class DataLoader(RunSteps):
         self._cursor = _cursor(
             data, global_batch_size, micro_batch_size, self.seed, order, opts, collate_fn
         )
-        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
         self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
