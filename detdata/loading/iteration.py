@@ -118,8 +118,6 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     (`BatchSource.reset`: torch's iterator may be mid-transfer)."""
     cursor = d.cursor
     close = _close  # reachable in ``finally`` at interpreter exit (see `_close`)
-    if generation != cursor.generation:
-        raise cursor.stale()
     batches: Iterator[Any] = iter(())
     iterator = batches
     cache_ahead = None

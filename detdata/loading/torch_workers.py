@@ -156,11 +156,10 @@ class WorkerSource:
 
 
 class WorkerLoader(tud.DataLoader[Any]):
-    """torch's ``DataLoader``; with worker processes, its iterators are `_WorkerIterator`."""
+    """torch's ``DataLoader`` of worker processes (``num_workers > 0``: `batch_source`), whose
+    iterators are `_WorkerIterator`."""
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        if self.num_workers == 0:
-            return super()._get_iterator()
         self.check_worker_number_rationality()
         return _WorkerIterator(self)
 
