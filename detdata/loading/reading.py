@@ -1,8 +1,8 @@
 """Reading groups of positions: from a group of micro batches to delivered batches.
 
 `GroupSampler` yields this rank's micro-batch positions in groups of ``batches_ahead``;
-`GroupReader` reads a group with one batched read (`PositionDataset`: fetch plus the
-per-sample transform) and splits it into a `GroupRead` (or, with `SlotSampler`, a
+`GroupReader` reads a group with one batched read (a fetch plus the per-sample
+transform) and splits it into a `GroupRead` (or, with `SlotSampler`, a
 `SlotGroup` in a shared-memory slot). Delivered batches own their memory (`owned`).
 """
 
@@ -96,22 +96,6 @@ def apply_transform(
         k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k)))
         for k in outs[0]
     }
-
-
-class PositionDataset(tud.Dataset[Batch]):
-    """Map-style dataset whose "index" is an array of global positions (one batch)."""
-
-    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
-        self.stream = stream
-        self.transform = transform
-        self.seed = seed
-        self.rng = transform is not None and takes_rng(transform)
-
-    def __getitem__(self, positions: IntArray) -> Batch:
-        batch = self.stream.fetch(positions)
-        if self.transform is not None:
-            batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
-        return batch
 
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
@@ -242,27 +226,29 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     raised exactly at the one that cannot be read.
     """
 
-    def __init__(
-        self,
-        dataset: PositionDataset,
-        collate_fn: Callable[[Batch], Any] | None,
-        pin: bool,
-        in_worker: bool,
-    ) -> None:
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.pin = pin
-        self.in_worker = in_worker
+    def __init__(self, stream: Stream, reads: Reads, pin: bool, in_worker: bool) -> None:
+        self.stream, self.reads = stream, reads
+        self.pin, self.in_worker = pin, in_worker
+        self.rng = reads.transform is not None and takes_rng(reads.transform)
+
+    def _read(self, positions: IntArray) -> Batch:
+        """The samples at ``positions`` (one batched fetch), each transformed."""
+        batch = self.stream.fetch(positions)
+        transform = self.reads.transform
+        if transform is not None:
+            batch = apply_transform(batch, positions, transform, self.reads.seed, rng=self.rng)
+        return batch
 
     def _finish(self, raw: Any) -> Any:
-        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        collate_fn = self.reads.collate_fn
+        batch = to_torch(raw) if collate_fn is None else collate_fn(raw)
         return pin(batch) if self.pin else batch
 
     def _one_by_one(self, group: list[IntArray]) -> GroupRead:
         done: list[Any] = []
         for positions in group:
             try:
-                done.append(self._finish(self.dataset[positions]))
+                done.append(self._finish(self._read(positions)))
             except Exception as exc:
                 return GroupRead(done, portable(exc) if self.in_worker else exc)
         return GroupRead(done, None)
@@ -279,7 +265,7 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
         group = task.group
         bounds = _bounds(group)
         try:
-            raw = self.dataset[group[0] if len(group) == 1 else np.concatenate(group)]
+            raw = self._read(group[0] if len(group) == 1 else np.concatenate(group))
             sent = write_slot(task, raw, bounds)
             if isinstance(sent, SlotGroup):
                 return sent
@@ -296,8 +282,8 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def _group(self, group: list[IntArray]) -> GroupRead:
         bounds = _bounds(group)
         try:
-            raw = self.dataset[np.concatenate(group)]
-            if self.collate_fn is None:
+            raw = self._read(np.concatenate(group))
+            if self.reads.collate_fn is None:
                 # one tensor per column for the group: one transfer from a worker process;
                 # the micro batches are copied out of it when delivered (or when pinned)
                 whole = to_torch(raw)
@@ -329,7 +315,7 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def read_ahead(self, group: list[IntArray] | None) -> None:
         """A hint that ``group`` is read next (None: drop what is pending) to a `ReadsAhead`
         stream (`hint_read_ahead`); never changes a byte (`OrderedStream.read_ahead`)."""
-        hint_read_ahead(self.dataset.stream, None if group is None else np.concatenate(group))
+        hint_read_ahead(self.stream, None if group is None else np.concatenate(group))
 
 
 @dataclass(frozen=True)
@@ -362,8 +348,7 @@ class Reads:
         """The `GroupReader` of ``stream`` (never pinning ``in_worker``: torch's pin-memory
         thread does, `GroupRead.pin_memory`)."""
         pin = not in_worker and self.pin_memory and torch.cuda.is_available()
-        dataset = PositionDataset(stream, self.transform, self.seed)
-        return GroupReader(dataset, self.collate_fn, pin, in_worker)
+        return GroupReader(stream, self, pin, in_worker)
 
 
 def _bounds(group: list[IntArray]) -> list[tuple[int, int]]:
