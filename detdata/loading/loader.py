@@ -180,13 +180,7 @@ class DataLoader(RunSteps):
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
         reads = Reads(opts.transform, self.seed, collate_fn, pin, opts.read.batches_ahead)
-        self._source = batch_source(
-            reads,
-            opts.read.mode,
-            workers,
-            seed=self.seed,
-            worker_init_fn=worker_init_fn,
-        )
+        self._source = batch_source(reads, opts.read.mode, workers, worker_init_fn)
         self._trace = RankTrace(opts.trace, self._cursor.layout.rank)
         self._delivery = Delivery(
             cursor=self._cursor,
