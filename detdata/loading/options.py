@@ -38,10 +38,12 @@ MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
 DEFAULT_STEPS_AHEAD: Final = 1024
 
 
-def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
-    """A field check: None, or an int in ``[minimum, maximum]`` (`check_count`)."""
+def _counts(
+    minimum: int, maximum: int = MAX_POSITION - 1, *, or_none: bool = True
+) -> Callable[[object, str], object]:
+    """A field check: an int in ``[minimum, maximum]`` (`check_count`), or None if ``or_none``."""
     return lambda v, label: (
-        None if v is None else check_count(v, label, minimum=minimum, maximum=maximum)
+        None if v is None and or_none else check_count(v, label, minimum=minimum, maximum=maximum)
     )
 
 
@@ -98,7 +100,7 @@ class ReadOptions:
         _fix(
             self,
             "batches_ahead",
-            _counts(1, MAX_BATCHES_AHEAD),
+            _counts(1, MAX_BATCHES_AHEAD, or_none=False),
             "16 (the default) amortises the per-read cost; lower it for large samples",
         )
         _fix(
@@ -110,7 +112,7 @@ class ReadOptions:
         _fix(
             self,
             "steps_ahead_connections",
-            _counts(1, MAX_STEPS_AHEAD_CONNECTIONS),
+            _counts(1, MAX_STEPS_AHEAD_CONNECTIONS, or_none=False),
             "4 (the default) threads fill the shard cache ahead",
         )
 
@@ -156,7 +158,7 @@ class DeviceFeed:
         _fix(
             self,
             "copies_ahead",
-            lambda v, label: check_count(v, label, maximum=MAX_DEPTH),
+            _counts(1, MAX_DEPTH, or_none=False),
             "2 overlaps one batch's copy with the current step",
         )
         _fix(
