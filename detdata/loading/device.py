@@ -22,7 +22,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -85,19 +85,6 @@ def check_device(device: object) -> torch.device:
 Event = torch.cuda.Event
 
 
-class _Backend(Protocol):
-    device: torch.device
-    pin: bool
-
-    def copy_scope(self) -> contextlib.AbstractContextManager[Any]: ...
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
-
-    def record(self) -> Event | None: ...
-
-    def hand_over(self, event: Event | None, tensors: list[torch.Tensor]) -> None: ...
-
-
 class _HostBackend:
     """``device="cpu"``: plain copies into fresh memory; streams and events are no-ops."""
 
@@ -150,6 +137,10 @@ class _CudaBackend:
             # caching allocator could hand the block to the next copy while the consumer's
             # kernels still read it.
             tensor.record_stream(consumer)
+
+
+#: Where `_stage` copies to: the host (``device="cpu"``) or CUDA, with the same methods.
+_Backend = _HostBackend | _CudaBackend
 
 
 # -------------------------------------------------------------------- pool
