@@ -16,7 +16,7 @@ import pickle
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -70,13 +70,10 @@ def apply_transform(
     sample with its position's generator, and restack; every output must have the first
     one's keys (`ConfigError` naming the position)."""
     outs: list[Mapping[str, Any]] = []
-    with_rng = cast(
-        Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]], transform
-    )
-    alone = cast(Callable[[dict[str, np.ndarray]], Mapping[str, Any]], transform)
+    call: Callable[..., Mapping[str, Any]] = transform  # one of the two `Transform` shapes
     for i in range(len(positions)):
         sample = {k: v[i] for k, v in batch.items()}
-        result = with_rng(sample, sample_rng(seed, int(positions[i]))) if rng else alone(sample)
+        result = call(sample, sample_rng(seed, int(positions[i]))) if rng else call(sample)
         if not isinstance(result, Mapping):
             raise ConfigError(
                 f"transform must return a mapping of column -> array, got "
