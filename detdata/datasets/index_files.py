@@ -2,9 +2,8 @@
 function of their inputs, built once and stored under ``index_dir`` as ``NAME-<key>.npy`` +
 ``NAME-<key>.json`` (``key``: blake3 of the inputs' canonical JSON; the record holds the
 inputs, small metadata and the ``.npy``'s blake3, written last, atomically). Nothing stored
-is trusted: a load re-checks the record, the digest and the owner's recomputation
-(``check``); a file that fails is rebuilt with a warning naming it. Loaded arrays are
-read-only memory maps. Ranks opening a dataset at once take turns (`building`).
+is trusted (`load_index`; docs/design.md "Documents and packing"). Loaded arrays are
+read-only memory maps.
 """
 
 from __future__ import annotations
@@ -55,27 +54,44 @@ class StoredIndex:
 
     array: np.ndarray[Any, Any]
     meta: dict[str, Any]
-    digest: str
+    digest: str | None  # None: built without an ``index_dir``
 
 
 @contextlib.contextmanager
-def building(index_dir: str | None, name: str, inputs: Mapping[str, Any]) -> Iterator[None]:
-    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself): processes
-    opening the same dataset at once build its indexes one at a time (each calls
-    `load_index` again under it first). It only saves work: loads are checked in full. No
-    lock without ``index_dir`` or where the folder cannot be made."""
-    del name, inputs  # one lock per folder: builds of one job follow one another anyway
-    if index_dir is None:
+def _building(index_dir: str | None) -> Iterator[None]:
+    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself; one per folder).
+    It only saves work: loads are checked in full. No lock without ``index_dir`` or where the
+    folder cannot be made."""
+    if index_dir is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(index_dir, exist_ok=True)
+    if index_dir is None or not os.path.isdir(index_dir):
         yield
         return
-    folder = os.fspath(index_dir)
-    with contextlib.suppress(OSError):
-        os.makedirs(folder, exist_ok=True)
-    if not os.path.isdir(folder):
+    with file_lock(index_dir):
         yield
-        return
-    with file_lock(folder):
-        yield
+
+
+def load_or_build(
+    index_dir: str | None,
+    name: str,
+    inputs: Mapping[str, Any],
+    check: Check,
+    build: Callable[[], tuple[np.ndarray[Any, Any], Mapping[str, Any]]],
+) -> StoredIndex:
+    """The stored index of ``inputs`` (`load_index`), else ``build()``'s ``(array, meta)``,
+    saved by one process of those opening it at once: each loads again under the folder's
+    build lock first (``digest`` None without ``index_dir``)."""
+    stored = load_index(index_dir, name, inputs, check)
+    if stored is not None:
+        return stored
+    with _building(index_dir):
+        stored = load_index(index_dir, name, inputs, check)
+        if stored is None:
+            array, meta = build()
+            digest = save_index(index_dir, name, inputs, array, meta)
+            stored = StoredIndex(array, dict(meta), digest)
+    return stored
 
 
 def load_index(
@@ -89,8 +105,7 @@ def load_index(
     """The stored index of ``inputs``, or None: absent, or (with a `RuntimeWarning` naming
     the file and field) not valid: the record must have exactly `RECORD_KEYS`, this layout
     and these inputs, the ``.npy`` hash to its digest (and to ``digest`` if given: a worker
-    re-loading what its parent checked), and ``check`` must pass.
-    """
+    re-loading what its parent checked), and ``check`` must pass."""
     if index_dir is None:
         return None
     npy, meta_path = _paths(index_dir, name, inputs)
@@ -204,8 +219,7 @@ def reload_index(
 ) -> np.ndarray[Any, Any]:
     """In a worker: the index array the parent checked (``digest``), from ``index_dir``;
     where it is gone or changed, rebuilt with a warning, and it must hash to ``digest``
-    (else a `VerificationError` naming the folder).
-    """
+    (else a `VerificationError` naming the folder)."""
     stored = load_index(index_dir, name, inputs, lambda _a, _m: None, digest=digest)
     if stored is not None:
         return stored.array
