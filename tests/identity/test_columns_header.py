@@ -1,4 +1,4 @@
-"""The fast form's header check (`detdata.identity.columns_header.parse_header`): the header a
+"""The fast form's header check (`detdata.identity.columns.parse_header`): the header a
 real ``Manifest.save`` writes is accepted as written, and each field a reader relies on,
 broken one at a time, is refused before any data is read with an error naming that field."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from detdata.base.errors import ManifestError
 from detdata.identity.build import build_manifest
-from detdata.identity.columns_header import parse_header
+from detdata.identity.columns import parse_header
 from tests.conftest import write_token_shards
 
 
