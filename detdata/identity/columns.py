@@ -176,7 +176,9 @@ def parse_header(raw: bytes, error: Any) -> dict[str, Any]:
         header = json.loads(raw)
     except ValueError as exc:
         raise error(f"malformed header ({exc})") from None
-    if not isinstance(header, dict) or header.get("kind") != KIND:
+    if not isinstance(header, dict):
+        raise error(f"malformed header (a JSON {type(header).__name__}, not an object)")
+    if header.get("kind") != KIND:
         raise error(f"not a manifest columns file (kind {header.get('kind')!r})")
     version = header.get("version")
     if type(version) is not int or version not in READS:

@@ -78,3 +78,5 @@ def test_each_broken_field_is_refused_naming_it(written: bytes, case: str) -> No
 def test_a_header_that_is_not_json_is_refused() -> None:
     with pytest.raises(ManifestError, match="malformed header"):
         parse_header(b"{not json", ManifestError)
+    with pytest.raises(ManifestError, match="malformed header \\(a JSON list, not an object\\)"):
+        parse_header(b"[]", ManifestError)
