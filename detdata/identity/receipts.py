@@ -115,7 +115,6 @@ def verify_job(
         **storage_options,
     )
     args = (manifest, level, check, threads, storage_options, use_receipt)
-    # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
