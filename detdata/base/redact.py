@@ -86,25 +86,24 @@ def _query_secrets(query: str, replace: str | None) -> str:
 def redact_url(url: str) -> str:
     """``url`` with user info and credential query values replaced by ``***``:
     ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://***@host/d?sig=***&part=1``."""
-    if not isinstance(url, str) or "://" not in url:
-        return url
-    head, userinfo, path, query = _split(url)
-    shown = head + (f"{MASK}@" if userinfo else "") + path
-    if query:
-        shown += "?" + _query_secrets(query[1:], MASK)
-    return shown
+    return _rewrite(url, MASK)
 
 
 def strip_credentials(url: str) -> str:
     """``url`` without user info and credential query parameters (what is persisted):
     ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://host/d?part=1``."""
+    return _rewrite(url, None)
+
+
+def _rewrite(url: str, mask: str | None) -> str:
+    """``url`` with its credentials masked with ``mask`` (None: removed)."""
     if not isinstance(url, str) or "://" not in url:
         return url
-    head, _, path, query = _split(url)
-    out = head + path
+    head, userinfo, path, query = _split(url)
+    out = head + (f"{mask}@" if userinfo and mask else "") + path
     if query:
-        kept = _query_secrets(query[1:], None)
-        out += kept if not kept or kept.startswith("#") else "?" + kept
+        kept = _query_secrets(query[1:], mask)
+        out += kept if mask is None and (not kept or kept.startswith("#")) else "?" + kept
     return out
 
 
