@@ -34,6 +34,7 @@ from typing import Any, Final, Protocol
 
 import fsspec
 
+from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, DetdataError, StorageError, VerificationError
 from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
@@ -124,10 +125,8 @@ class ShardCache:
         chunk_bytes: int = 8 << 20,
         verify_on_open: str = "quick",
     ) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ConfigError(f"cache max_bytes must be a positive integer, got {max_bytes!r}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ConfigError(f"cache chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        max_bytes = check_positive_int(max_bytes, "cache max_bytes")
+        chunk_bytes = check_positive_int(chunk_bytes, "cache chunk_bytes")
         if verify_on_open not in VERIFY_ON_OPEN:
             raise ConfigError(
                 f"verify_on_open must be one of {VERIFY_ON_OPEN}, got {verify_on_open!r}"
@@ -182,29 +181,25 @@ class ShardCache:
         not stalls). A cache folder removed while in use is recreated, with a warning; one
         that cannot be written is a `StorageError` naming it.
         """
-        try:
-            return self._path(entry, fs, remote_path, url, background)
-        except OSError as exc:
-            if not self._is_mine(exc):
-                raise
-            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
-                raise self._unusable(exc) from exc
+        for again in (False, True):
             try:
-                self._make_layout()
-            except OSError as again:
-                raise self._unusable(again) from exc
-            log.warning(
-                "detdata: shard cache folder %s was removed while in use (%s); recreated it: "
-                "its copies are fetched again",
-                self.directory,
-                exc.strerror or exc,
-            )
-        try:
-            return self._path(entry, fs, remote_path, url, background)
-        except OSError as exc:
-            if self._is_mine(exc):
-                raise self._unusable(exc) from exc
-            raise
+                return self._path(entry, fs, remote_path, url, background)
+            except OSError as exc:
+                if not self._is_mine(exc):
+                    raise
+                if again or not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                    raise self._unusable(exc) from exc
+                try:
+                    self._make_layout()
+                except OSError as remade:
+                    raise self._unusable(remade) from exc
+                log.warning(
+                    "detdata: shard cache folder %s was removed while in use (%s); recreated "
+                    "it: its copies are fetched again",
+                    self.directory,
+                    exc.strerror or exc,
+                )
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def _is_mine(self, exc: OSError) -> bool:
         """Whether ``exc`` is about a file of this cache (not a storage client's error)."""
