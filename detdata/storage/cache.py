@@ -114,7 +114,7 @@ _OPEN_COPY: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class ShardCache:
     """Verified copies of remote shards under ``directory``, at most ``max_bytes`` in total
-    (the module docstring). ``retry`` governs each ``chunk_bytes`` range read of a fill."""
+    (the module docstring). ``retry`` governs each 8 MiB range read of a fill."""
 
     def __init__(
         self,
@@ -122,11 +122,9 @@ class ShardCache:
         max_bytes: int,
         *,
         retry: RetryPolicy | None = None,
-        chunk_bytes: int = 8 << 20,
         verify_on_open: str = "quick",
     ) -> None:
         max_bytes = check_positive_int(max_bytes, "cache max_bytes")
-        chunk_bytes = check_positive_int(chunk_bytes, "cache chunk_bytes")
         if verify_on_open not in VERIFY_ON_OPEN:
             raise ConfigError(
                 f"verify_on_open must be one of {VERIFY_ON_OPEN}, got {verify_on_open!r}"
@@ -136,7 +134,6 @@ class ShardCache:
             raise ConfigError(f"cache_dir must be a local directory, got {directory!r}")
         self.directory = os.path.abspath(directory.removeprefix("file://"))
         self.max_bytes = max_bytes
-        self.chunk_bytes = chunk_bytes
         self.verify_on_open = verify_on_open
         self.retry = check_policy(retry)
         self.stats = CacheStats()
@@ -356,10 +353,13 @@ class ShardCache:
         name = os.path.basename(path)
         trusted = self.shared is None and owned_alone(st)
         level = self.verify_on_open if trusted and self._boot.has(name) else "full"
-        problem = self._check_digest(fd, entry, st.st_size, level)
-        if problem is not None:
+        if level == "full":
+            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
+        else:
+            field, found, want = "quick digest", quick_digest_fd(fd, st.st_size), entry.quick
+        if found != want:
             forget_verified(path)
-            return problem
+            return f"{field} {found}, the manifest says {want}"
         remember_verified(path, st, seen_ns, entry.blake3, level)
         if level == "full" and trusted:  # read from disk and found whole: known whole
             self._boot.add(name)
@@ -374,13 +374,6 @@ class ShardCache:
             return True
         known = verified_identity(path)
         return known is not None and known[1] == inode
-
-    def _check_digest(self, fd: int, entry: CacheEntry, size: int, level: str) -> str | None:
-        if level == "full":
-            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
-        else:
-            field, found, want = "quick digest", quick_digest_fd(fd, size), entry.quick
-        return None if found == want else f"{field} {found}, the manifest says {want}"
 
     # filling -----------------------------------------------------------------
     def _fill(
@@ -488,19 +481,10 @@ class ShardCache:
                     written += len(data)
                     yield data
 
-            found = digest_chunks(
-                kept(
-                    iter_chunks(
-                        fs,
-                        remote_path,
-                        entry.bytes,
-                        policy=self.retry,
-                        shard=entry.path,
-                        url=url,
-                        chunk=self.chunk_bytes,
-                    )
-                )
+            chunks = iter_chunks(
+                fs, remote_path, entry.bytes, policy=self.retry, shard=entry.path, url=url
             )
+            found = digest_chunks(kept(chunks))
             try:
                 fh.flush()
                 if not self._boot.enabled:  # else not synced: the per-boot record covers it
@@ -576,7 +560,6 @@ class ShardCache:
         remake = functools.partial(
             ShardCache,
             retry=self.retry,
-            chunk_bytes=self.chunk_bytes,
             verify_on_open=self.verify_on_open,
         )
         return remake, (self.directory, self.max_bytes)

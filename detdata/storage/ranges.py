@@ -107,7 +107,6 @@ def read_coalesced(
     shards: Sequence[str],
     urls: Sequence[str],
     what: str = "range read",
-    waste: float = WASTE,
 ) -> tuple[list[memoryview], FetchStats]:
     """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i`` (zero-copy views, input
     order), coalesced per path and fetched with one strict `read_ranges_upto`; and the counts."""
@@ -129,7 +128,7 @@ def read_coalesced(
     needed = 0
     for path, members in by_path.items():
         idx = np.asarray(members, dtype=np.int64)
-        plan = coalesce(a[idx], b[idx], waste=waste)
+        plan = coalesce(a[idx], b[idx])
         first = len(r_paths)
         k = plan.run_starts.size
         r_paths += [path] * k
