@@ -49,7 +49,6 @@ from detdata.storage.cache_folder import (
     note_shared,
     owned_alone,
     reserved_bytes,
-    shared_reason,
 )
 from detdata.storage.digest import digest_chunks, full_digest_fd, quick_digest_fd
 from detdata.storage.fs import iter_chunks
@@ -226,11 +225,11 @@ class ShardCache:
     def _make_layout(self) -> None:
         """Make the folders; ``shared``: why others can write them, or None."""
         make_layout(self.directory)
-        self.shared = shared_reason(self.directory)
         old = getattr(self, "_dirs", None)
         self._dirs = LayoutDirs(self.directory)
         if old is not None:
             old.close()
+        self.shared = self._dirs.shared_reason()
         note_shared(self.directory, self.shared)
 
     def _path(
