@@ -57,18 +57,14 @@ def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSy
     try:
         fs, path = url_to_fs(root, **storage_options)
     except ImportError as exc:
-        raise _missing_backend(root, exc) from exc
+        scheme = root.split("://", 1)[0].lower() if is_url(root) else "file"
+        extra = SCHEME_EXTRAS.get(scheme)
+        install = f"pip install 'detdata[{extra}]'" if extra else "install the fsspec backend"
+        raise DependencyError(
+            f"root {redact_url(root)}: reading {scheme}:// URLs needs a package that cannot be "
+            f"imported ({redact_text(str(exc))}); hint: {install}"
+        ) from exc
     return fs, path.rstrip("/") if path != "/" else path
-
-
-def _missing_backend(root: str, exc: ImportError) -> DependencyError:
-    scheme = root.split("://", 1)[0].lower() if is_url(root) else "file"
-    extra = SCHEME_EXTRAS.get(scheme)
-    install = f"pip install 'detdata[{extra}]'" if extra else "install the fsspec backend"
-    return DependencyError(
-        f"root {redact_url(root)}: reading {scheme}:// URLs needs a package that cannot be "
-        f"imported ({redact_text(str(exc))}); hint: {install}"
-    )
 
 
 PATH_RULES: Final = (

@@ -204,9 +204,7 @@ class RetryPolicy:
                 timeout = max(0.05, min(timeout, remaining))
             try:
                 return fn(timeout)
-            except BaseException as exc:
-                if not isinstance(exc, Exception):
-                    raise
+            except Exception as exc:  # not KeyboardInterrupt, SystemExit: they pass at once
                 scrub_exception(exc)  # client errors quote the URL, credentials included
                 status = denied_status(exc)
                 if status is not None:  # a retry cannot renew a signature: at once
