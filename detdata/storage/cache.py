@@ -447,7 +447,7 @@ class ShardCache:
             st = os.stat(final)
         except FileNotFoundError:
             return
-        if (st.st_dev, st.st_ino) != tmp.identity():
+        if not os.path.samestat(st, os.fstat(tmp.fd)):
             return
         if self.shared is None:
             self._boot.add(os.path.basename(final))  # every byte hashed as written

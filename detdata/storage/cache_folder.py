@@ -192,11 +192,6 @@ class TempFill:
         os.ftruncate(self.fd, 0)
         os.lseek(self.fd, 0, os.SEEK_SET)
 
-    def identity(self) -> tuple[int, int]:
-        """``(device, inode)`` of the file this fill wrote."""
-        st = os.fstat(self.fd)
-        return st.st_dev, st.st_ino
-
     def close(self) -> None:
         """Release the lock (the fill is over: renamed into ``objects/`` or deleted)."""
         let_go(self.fd)
