@@ -49,12 +49,6 @@ _PARAM: Final = re.compile(r"(^|[&;])([^&;=#]+)=([^&;#]*)")
 _URL_IN_TEXT: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}]+")
 
 
-def is_secret_param(name: str) -> bool:
-    """Whether a query parameter named ``name`` carries a credential (see the module doc)."""
-    low = name.strip().lower()
-    return low in SECRET_PARAMS or any(word in low for word in SECRET_WORDS)
-
-
 def _split(url: str) -> tuple[str, str, str, str]:
     """``(before userinfo, userinfo with '@' or '', rest up to '?', query with '?' or '')``."""
     m = _USERINFO.match(url)
@@ -73,8 +67,9 @@ def _query_secrets(query: str, replace: str | None) -> str:
 
     def sub(m: re.Match[str]) -> str:
         lead, name, _ = m.groups()
-        if not is_secret_param(name):
-            return m.group(0)
+        low = name.strip().lower()
+        if low not in SECRET_PARAMS and not any(word in low for word in SECRET_WORDS):
+            return m.group(0)  # not a credential (see the module docstring)
         return "" if replace is None else f"{lead}{name}={replace}"
 
     out = _PARAM.sub(sub, query)
