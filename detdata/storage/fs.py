@@ -375,13 +375,11 @@ def read_ranges_upto(
                 if upto:
                     out[i] = err
                     continue
-                raise StorageError(
-                    redact_text(
-                        f"{what} failed for shard {shards[i]} at {urls[i]}: "
-                        f"{type(err).__name__}: {err}; hint: the object is missing or "
-                        "not readable; check the root URL, credentials and that the "
-                        "store still holds the manifest's shards"
-                    )
+                raise StorageError(  # its text is redacted when it is made (DetdataError)
+                    f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                    f"{type(err).__name__}: {err}; hint: the object is missing or "
+                    "not readable; check the root URL, credentials and that the "
+                    "store still holds the manifest's shards"
                 ) from err
             failed.append(i)
             first = first or err
