@@ -514,8 +514,7 @@ class ShardCache:
                             self.max_bytes,
                             self.retry.deadline_s,
                         )
-                    tmp_fd = self._dirs.fd("tmp")  # locked at once:
-                    return TempFill(tmp_fd, tmp_dir, _hex(entry), entry.bytes)
+                    return TempFill(self._dirs.fd("tmp"), tmp_dir, _hex(entry), entry.bytes)
             time.sleep(pause)  # other fills hold the room: they finish or fail
             pause = min(0.05, pause * 2)
 

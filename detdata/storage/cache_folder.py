@@ -200,14 +200,11 @@ class TempFill:
 def copies(directory: str) -> list[tuple[int, int, str]]:
     """``(mtime_ns, size, path)`` of each copy in ``objects/`` (the LRU order's input)."""
     found = []
-    objects = os.path.join(directory, "objects")
-    for name in os.listdir(objects):
-        path = os.path.join(objects, name)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        found.append((st.st_mtime_ns, st.st_size, path))
+    with os.scandir(os.path.join(directory, "objects")) as listing:
+        for item in listing:
+            with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                st = item.stat()  # through a link, as os.stat
+                found.append((st.st_mtime_ns, st.st_size, item.path))
     return found
 
 
