@@ -132,16 +132,6 @@ def set_max_open_shards(bound: int | None) -> None:
     PROCESS_HANDLES.set_bound(DEFAULT_MAX_OPEN_SHARDS if bound is None else bound)
 
 
-def process_max_open_shards() -> int:
-    """This process's budget of shards with an open handle (see `set_max_open_shards`)."""
-    return PROCESS_HANDLES.capacity
-
-
-def process_open_shards() -> int:
-    """Shards with an open handle in this process, over every dataset (<= the budget)."""
-    return len(PROCESS_HANDLES)
-
-
 class HandleLRU(Generic[H]):
     """At most ``capacity`` open handles keyed by shard, least recently used evicted first;
     all owners of ``budget`` (`ProcessHandles`) together also stay within it (a put may

@@ -102,42 +102,39 @@ def load_index(
     except (OSError, ValueError) as exc:
         _invalid(meta_path, f"unreadable ({exc})")
         return None
-    problem, array = _check_files(doc, npy, json.loads(canonical_json(dict(inputs))), digest)
-    if problem is None:
-        assert array is not None and isinstance(doc, dict)
-        problem = check(array, doc["meta"])
-    if problem is not None:
-        _invalid(meta_path, problem)
+    found = _checked(doc, npy, json.loads(canonical_json(dict(inputs))), check, digest)
+    if isinstance(found, str):
+        _invalid(meta_path, found)
         return None
-    assert array is not None and isinstance(doc, dict)
-    return StoredIndex(array, dict(doc["meta"]), str(doc["digest"]))
+    return found
 
 
-def _check_files(
-    doc: object, npy: str, inputs: object, digest: str | None
-) -> tuple[str | None, np.ndarray[Any, Any] | None]:
-    """``(problem, None)`` or ``(None, the memory-mapped array)``."""
+def _checked(
+    doc: object, npy: str, inputs: object, check: Check, digest: str | None
+) -> StoredIndex | str:
+    """The index of record ``doc`` (its array memory-mapped), or what is wrong with it."""
     if not isinstance(doc, dict) or set(doc) != RECORD_KEYS:
         keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        return f"record keys {keys}, expected {sorted(RECORD_KEYS)}", None
+        return f"record keys {keys}, expected {sorted(RECORD_KEYS)}"
     if doc["layout"] != LAYOUT:
-        return f"layout {doc['layout']!r}, expected {LAYOUT!r}", None
+        return f"layout {doc['layout']!r}, expected {LAYOUT!r}"
     if doc["inputs"] != inputs:
-        return "inputs are not the ones its name is the key of", None
+        return "inputs are not the ones its name is the key of"
     if not isinstance(doc["meta"], dict):
-        return f"meta is a {type(doc['meta']).__name__}, expected an object", None
+        return f"meta is a {type(doc['meta']).__name__}, expected an object"
     try:
         found = full_digest_path(npy)
     except OSError as exc:
-        return f"{npy} unreadable ({exc})", None
+        return f"{npy} unreadable ({exc})"
     want = doc["digest"] if digest is None else digest
     if found != want or found != doc["digest"]:
-        return f"{npy} hashes to {found}, expected {want}", None
+        return f"{npy} hashes to {found}, expected {want}"
     try:
         array = np.load(npy, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
-        return f"{npy} is not a valid .npy file ({exc})", None
-    return None, array
+        return f"{npy} is not a valid .npy file ({exc})"
+    problem = check(array, doc["meta"])
+    return StoredIndex(array, dict(doc["meta"]), found) if problem is None else problem
 
 
 def _invalid(meta_path: str, problem: str) -> None:
@@ -198,13 +195,6 @@ def _unwritable(index_dir: str, name: str, exc: OSError) -> StorageError:
     )
 
 
-def array_digest(array: np.ndarray[Any, Any]) -> str:
-    """The digest `save_index` records for ``array`` (of its ``.npy`` serialisation)."""
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
-    return digest_bytes(buffer.getbuffer())
-
-
 def reload_index(
     index_dir: str | None,
     name: str,
@@ -226,7 +216,9 @@ def reload_index(
         stacklevel=3,
     )
     array = rebuild()
-    if array_digest(array) != digest:
+    buffer = io.BytesIO()  # hashed as `save_index` records it: its .npy serialisation
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    if digest_bytes(buffer.getbuffer()) != digest:
         raise VerificationError(
             f"the {name} index rebuilt in process {os.getpid()} differs from the one the "
             f"parent process checked in index_dir {index_dir}: the inputs changed under "

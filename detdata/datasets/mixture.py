@@ -87,12 +87,7 @@ class Mixture:
             )
         raw = [(0, weights)] if weights is not None else check_schedule(schedule)
         ints = [
-            normalize_weights(
-                w,
-                self.source_names,
-                allow_zero=self.allow_zero,
-                where="weights" if schedule is None else f"schedule[{i}] weights",
-            )
+            self._normalized(w, "weights" if schedule is None else f"schedule[{i}] weights")
             for i, (_, w) in enumerate(raw)
         ]
         self._schedule = MixtureSchedule.build(self.seed, [s for s, _ in raw], ints)
@@ -106,6 +101,13 @@ class Mixture:
         self._seeds_u64 = np.array([o.seed for o in self.orders.values()], np.uint64)
         self.columns: dict[str, str] = _common_columns(self.sources)
         self._memo = ChunkMemo(self.locate)
+
+    def _normalized(self, weights: Mapping[str, object], where: str) -> tuple[int, ...]:
+        """`normalize_weights` of ``weights`` over this mixture's sources (``where`` names
+        them in its `ConfigError`)."""
+        return normalize_weights(
+            weights, self.source_names, allow_zero=self.allow_zero, where=where
+        )
 
     def __repr__(self) -> str:
         weights = {
@@ -246,15 +248,7 @@ class Mixture:
         """`with_mixture_weights` of each ``(position, weights)`` in turn (a recorded
         trajectory replayed): O(changes x (log phases + sources)) in all."""
         ints = [
-            (
-                position,
-                normalize_weights(
-                    weights,
-                    self.source_names,
-                    allow_zero=self.allow_zero,
-                    where=f"mixture weights from position {position}",
-                ),
-            )
+            (position, self._normalized(weights, f"mixture weights from position {position}"))
             for position, weights in changes
         ]
         schedule = change_schedule(self._schedule, self.seed, ints)
@@ -321,14 +315,12 @@ def _saved_schedule(doc: Mapping[str, Any], mixture: Mixture) -> tuple[PhaseSpec
             "saved mixture identity needs 'sources' (object) and 'schedule' (non-empty list)"
         )
     phases = schedule_from_json(schedule, sorted(sources))
-    diffs = []
-    algorithm, order_algorithm = doc.get("algorithm"), doc.get("source_order_algorithm")
-    if algorithm != ALGORITHM:
-        diffs.append(f"algorithm: saved {algorithm!r}, now {ALGORITHM!r}")
-    if order_algorithm != ORDER_ALGORITHM:
-        diffs.append(f"source_order_algorithm: saved {order_algorithm!r}, now {ORDER_ALGORITHM!r}")
-    if doc.get("seed") != mixture.seed:
-        diffs.append(f"seed: saved {doc.get('seed')!r}, now {mixture.seed}")
+    now = {
+        "algorithm": ALGORITHM,
+        "source_order_algorithm": ORDER_ALGORITHM,
+        "seed": mixture.seed,
+    }
+    diffs = [f"{k}: saved {doc.get(k)!r}, now {v!r}" for k, v in now.items() if doc.get(k) != v]
     saved_names, names = set(sources), set(mixture.source_names)
     if saved_names - names:
         diffs.append(f"sources removed: {sorted(saved_names - names)}")

@@ -135,16 +135,14 @@ class PackedWindows(DatasetInfo):
                 f"{self.documents.num_documents} documents; hint: use a smaller seq_len"
             )
         bound = int(meta["segments_bound"])
-        if max_segments is None:
-            self.max_segments = bound
-        else:
+        self.max_segments = bound
+        if max_segments is not None:
             self.max_segments = check_positive_int(max_segments, "max_segments")
-            if self.max_segments < bound:
-                raise ConfigError(
-                    f"max_segments={self.max_segments} is below the {bound} segments a window "
-                    "of this corpus can have; hint: pass max_segments >= "
-                    f"{bound} (or None)"
-                )
+        if self.max_segments < bound:
+            raise ConfigError(
+                f"max_segments={self.max_segments} is below the {bound} segments a window "
+                f"of this corpus can have; hint: pass max_segments >= {bound} (or None)"
+            )
         self._build_index()
 
     # the packing index ------------------------------------------------------------

@@ -91,19 +91,13 @@ def _close_all() -> None:
         ahead.close()
 
 
-def _datasets_of(stream: object) -> list[object]:
-    """The datasets ``stream`` reads, in source order: a `HasOrigins` stream's datasets, else
-    ``stream`` itself (a dataset, or a stream that does not say: then nothing is
-    prefetched, the documented default)."""
-    if isinstance(stream, HasOrigins):
-        return list(stream.origins(np.empty(0, dtype=np.int64)).datasets)
-    return [stream]
-
-
 def cached_readers(stream: object) -> list[ShardReader]:
-    """The shard readers of ``stream`` (a dataset, or a stream declaring `HasOrigins`) that
-    read through a shard cache, in source order."""
-    found = _datasets_of(stream)
+    """The shard readers of ``stream`` that read through a shard cache, in source order: of
+    a `HasOrigins` stream's datasets, else of ``stream`` itself (a dataset, or a stream that
+    does not say: then nothing is prefetched, the documented default)."""
+    found: list[object] = [stream]
+    if isinstance(stream, HasOrigins):
+        found = list(stream.origins(np.empty(0, dtype=np.int64)).datasets)
     return [r for r in found if isinstance(r, ShardReader) and r.files.uses_shard_cache()]
 
 
@@ -144,7 +138,7 @@ def shard_uses_of_steps(
 def _shards_at(
     stream: object, pos: IntArray, readers: list[ShardReader]
 ) -> tuple[IntArray, IntArray]:
-    """``(reader index or -1, shard)`` of each position of ``stream`` (`_datasets_of`)."""
+    """``(reader index or -1, shard)`` of each position of ``stream`` (`cached_readers`)."""
     index = {id(r): i for i, r in enumerate(readers)}
     if isinstance(stream, HasOrigins):
         found = stream.origins(pos)
@@ -186,7 +180,6 @@ class CacheAhead:
         steps: int,
         connections: int = DEFAULT_CONNECTIONS,
         stop: int | None = None,
-        readers: list[ShardReader] | None = None,
     ) -> None:
         self.stream = stream
         self.positions_of = positions_of
@@ -195,7 +188,7 @@ class CacheAhead:
             connections, "ReadOptions.steps_ahead_connections", maximum=256
         )
         self.stop = stop
-        self.readers = cached_readers(stream) if readers is None else readers
+        self.readers = cached_readers(stream)
         self.stats = CacheAheadStats()
         self._budget = {r.files.cache_dir: r.files.shard_cache_bytes for r in self.readers}
         self._window_bytes: dict[str | None, int] = collections.defaultdict(int)

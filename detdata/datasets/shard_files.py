@@ -4,7 +4,7 @@ file system, the verified `ShardCache` with ``cache_dir``, the open handles in a
 `HandleLRU`, the first-open records; pickled empty, made again after a fork).
 
 A mapped file shorter than the manifest says would SIGBUS, so reads check the size first
-(`check_not_truncated`); every open is compared with the file this process first opened
+(`ShardFiles.check_size`); every open is compared with the file this process first opened
 (`ShardFiles.check_stat`: inode, device, size, mtime), so a shard replaced or rewritten
 during the run is a `VerificationError` naming it. A handle of a cached copy that was
 evicted or replaced is dropped and re-opened. Not caught: a replacement before the first
@@ -14,7 +14,6 @@ open, bytes rewritten in place under a live mapping.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -65,55 +64,15 @@ def resolve_manifest(manifest: Manifest | str, storage: Storage) -> Manifest:
     return manifest
 
 
-def check_not_truncated(name: str, path: str, expected: int, found: int) -> None:
-    """`VerificationError` naming shard ``name`` when its file does not have the manifest's
-    ``expected`` bytes (fewer: truncated, which a mapped read would turn into SIGBUS; more:
-    rewritten or replaced by another file)."""
-    if found == expected:
-        return
-    what = (
-        "was truncated while this run read it"
-        if found < expected
-        else "grew or was replaced by another file while this run read it"
-    )
-    crash = "; reading on would crash the process (SIGBUS)" if found < expected else ""
-    raise VerificationError(
-        f"shard {name} ({path}): the file {what}: the manifest says {expected} bytes, the "
-        f"file now has {found}{crash}; hint: restore the shard (or rebuild the manifest) "
-        "and resume from the last saved state",
-        shard=name,
-        field="bytes",
-        expected=expected,
-        found=found,
-    )
-
-
-#: Serialises the lazy creation of a process's file system and shard cache: the lookahead's
-#: fill threads and reader threads may ask for them at the same time, and two caches would
-#: split the counters (and two file systems the connection pools) of one reader.
-_LAZY = threading.Lock()
-
-
-def _new_lazy_lock() -> None:
-    global _LAZY
-    _LAZY = threading.Lock()  # a thread of the parent may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_new_lazy_lock)
-
-
 class ProcessFiles:
-    """This process's side of a `ShardFiles`: the file system and shard cache (made on first
-    use), the open handles (``handles``), the cached copy each open handle reads
-    (``copies``: shard -> ``(path, inode)``), the first-open records (``first``: per
-    shard ``(inode, device, mtime_ns)``) and the encoded shard names (``names``)."""
+    """This process's side of a `ShardFiles` besides its file system and shard cache: the
+    open handles (``handles``), the cached copy each open handle reads (``copies``: shard
+    -> ``(path, inode)``), the first-open records (``first``: per shard ``(inode, device,
+    mtime_ns)``) and the encoded shard names (``names``)."""
 
-    __slots__ = ("cache", "copies", "first", "fs", "handles", "named", "names", "root_path")
+    __slots__ = ("copies", "first", "handles", "named", "names")
 
     def __init__(self, sizes: IntColumn, max_open_shards: int) -> None:
-        self.fs: fsspec.AbstractFileSystem | None = None
-        self.root_path = ""
-        self.cache: ShardCache | None = None
         copies: dict[int, tuple[str, int]] = {}
         self.copies = copies
         self.first = FirstOpens(sizes)
@@ -137,6 +96,10 @@ class ShardFiles:
         self.storage = storage
         self.sizes = sizes
         self._local: PerProcess[ProcessFiles] = PerProcess()
+        # made once per process (`PerProcess`: one maker at a time): fill threads and reader
+        # threads may ask at once, and two would split one reader's counters and pools
+        self._fs: PerProcess[tuple[fsspec.AbstractFileSystem, str]] = PerProcess()
+        self._cache: PerProcess[ShardCache] = PerProcess()
         folder, bound = storage.cache_dir, storage.shard_cache_bytes
         self.cache_dir: str | None = None
         self.shard_cache_bytes = DEFAULT_SHARD_CACHE_BYTES
@@ -194,6 +157,7 @@ class ShardFiles:
         self.cache_dir, self.shard_cache_bytes = folder, bound
         self._user_cache = None
         self._local.reset()
+        self._cache.reset()
         self.local()
 
     # handles -------------------------------------------------------------------------
@@ -207,24 +171,19 @@ class ShardFiles:
 
     def open_shards(self) -> list[int]:
         """Shards this dataset holds an open handle of in this process, least recently used
-        first (at most ``max_open_shards``; `process_open_shards` counts every dataset's)."""
+        first (at most ``max_open_shards``; ``len(PROCESS_HANDLES)`` counts every dataset's)."""
         return self.local().handles.keys()
 
     # the file system -----------------------------------------------------------------
     def filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """This process's ``(file system, root path)`` of the manifest's root (opened lazily)."""
-        local = self.local()
-        if local.fs is None:
-            root = self.manifest.root
-            if root is None:
-                raise ConfigError("the manifest has no root; hint: pass root=")
-            with _LAZY:
-                if local.fs is None:
-                    fs, root_path = filesystem(root, **self.storage.fs_options)
-                    local.root_path = root_path  # before fs: reader threads test fs first
-                    local.fs = fs
-                return local.fs, local.root_path
-        return local.fs, local.root_path
+        return self._fs.get(self._open_filesystem)
+
+    def _open_filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        root = self.manifest.root
+        if root is None:
+            raise ConfigError("the manifest has no root; hint: pass root=")
+        return filesystem(root, **self.storage.fs_options)
 
     def is_local(self) -> bool:
         """Is the root on the local file system (read in place)?"""
@@ -244,21 +203,16 @@ class ShardFiles:
     @property
     def shard_cache(self) -> ShardCache | None:
         """This process's verified local `ShardCache` (None without ``cache_dir``)."""
-        if self.cache_dir is None:
-            return None
-        local = self.local()
-        cache = local.cache
-        if cache is None:
-            with _LAZY:
-                if local.cache is None:
-                    local.cache = ShardCache(
-                        self.cache_dir,
-                        self.shard_cache_bytes,
-                        retry=self.storage.retry,
-                        verify_on_open=self.storage.cache_verify,
-                    )
-                cache = local.cache
-        return cache
+        return None if self.cache_dir is None else self._cache.get(self._new_cache)
+
+    def _new_cache(self) -> ShardCache:
+        assert self.cache_dir is not None
+        return ShardCache(
+            self.cache_dir,
+            self.shard_cache_bytes,
+            retry=self.storage.retry,
+            verify_on_open=self.storage.cache_verify,
+        )
 
     def open_copy(self, shard: int, open_path: Callable[[str], tuple[H, int]]) -> tuple[H, str]:
         """``(handle, path)``: ``open_path(path) -> (handle, inode)`` on the cached copy of
@@ -289,17 +243,18 @@ class ShardFiles:
         copies."""
         cache = self.shard_cache
         assert cache is not None  # only called with cache_dir
+        fills = cache.stats.fills
+        path = self._fill(cache, shard, background=False)
+        if cache.stats.fills != fills:  # a fill may have evicted copies this process has open
+            self._drop_replaced(but=shard)
+        return path
+
+    def _fill(self, cache: ShardCache, shard: int, *, background: bool) -> str:
+        """`ShardCache.path` of ``shard``: its verified copy, filled first if needed."""
         entry = self.manifest.shards[shard]
         fs, root_path = self.filesystem()
-        fills = cache.stats.fills
-        path = cache.path(
-            entry, fs, join(root_path, entry.path), redact_url(self.manifest.url(entry))
-        )
-        if cache.stats.fills != fills:  # a fill may have evicted copies this process has open
-            for other in list(self.local().copies):  # a snapshot: reader threads change it
-                if other != shard:
-                    self.drop_if_replaced(other)
-        return path
+        url = redact_url(self.manifest.url(entry))
+        return cache.path(entry, fs, join(root_path, entry.path), url, background=background)
 
     def prefetch_copy(self, shard: int) -> None:
         """Fill the verified cached copy of ``shard`` now, as a background prefetch would
@@ -308,11 +263,7 @@ class ShardFiles:
             return
         cache = self.shard_cache
         assert cache is not None
-        entry = self.manifest.shards[shard]
-        fs, root_path = self.filesystem()
-        cache.path(
-            entry, fs, join(root_path, entry.path), self.manifest.url(entry), background=True
-        )
+        self._fill(cache, shard, background=True)
 
     def release_copy(self, shard: int) -> None:
         """Mark the cached copy of ``shard`` as the first to evict (its last use in a prefetch
@@ -339,12 +290,17 @@ class ShardFiles:
             return None
         return path
 
+    def _drop_replaced(self, but: int = -1) -> None:
+        """`drop_if_replaced` of every shard with an open copy (but ``but``)."""
+        for other in list(self.local().copies):  # a snapshot: reader threads change it
+            if other != but:
+                self.drop_if_replaced(other)
+
     def refresh_copies(self, shards: Iterable[int]) -> None:
         """Before a batch: drop handles whose cached copy changed; refresh the others' LRU time."""
         cache = self.shard_cache
         if cache is not None and cache.copies_changed():  # another process filled or evicted
-            for other in list(self.local().copies):  # a snapshot: reader threads change it
-                self.drop_if_replaced(other)
+            self._drop_replaced()
         for shard in shards:
             path = self.drop_if_replaced(shard)
             if path is not None and cache is not None:
@@ -382,11 +338,28 @@ class ShardFiles:
         )
 
     def check_size(self, shard: int, found: int, path: str) -> None:
-        """`VerificationError` when the mapped file ``path`` of ``shard`` has fewer bytes than
-        the manifest says: touching a mapped page past the end of a truncated file kills the
-        process with SIGBUS, so reads check the size first."""
+        """`VerificationError` naming ``shard`` when its file ``path`` does not have the
+        manifest's bytes (fewer: truncated, and touching a mapped page past its end kills the
+        process with SIGBUS, so reads check the size first; more: rewritten or replaced)."""
         expected = int(self.sizes[shard])
-        check_not_truncated(self.manifest.shards[shard].path, path, expected, found)
+        if found == expected:
+            return
+        name = self.manifest.shards[shard].path
+        what = (
+            "was truncated while this run read it"
+            if found < expected
+            else "grew or was replaced by another file while this run read it"
+        )
+        crash = "; reading on would crash the process (SIGBUS)" if found < expected else ""
+        raise VerificationError(
+            f"shard {name} ({path}): the file {what}: the manifest says {expected} bytes, the "
+            f"file now has {found}{crash}; hint: restore the shard (or rebuild the manifest) "
+            "and resume from the last saved state",
+            shard=name,
+            field="bytes",
+            expected=expected,
+            found=found,
+        )
 
     def encoded_names(self, shards: npt.NDArray[np.int64]) -> list[bytes]:
         """A list indexed by shard holding, at least for ``shards``, each path under the root,

@@ -140,20 +140,20 @@ def _bad(name: str, expected: str, found: str, hint: str) -> ConfigError:
     return ConfigError(f"Storage.{name}: expected {expected}, found {found}; hint: {hint}")
 
 
-def _path(value: object) -> str | None:
-    """``value`` as a non-empty path string (from a str or ``os.PathLike``), else None."""
+def _check_path(name: str, value: object, expected: str, hint: str) -> str | None:
+    """``value`` as a non-empty path string (from a str or ``os.PathLike``) or None, else
+    `_bad` naming field ``name``."""
     path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
-    return path if isinstance(path, str) and path else None
+    if value is None or (isinstance(path, str) and path):
+        return path
+    raise _bad(name, expected, repr(value), hint)
 
 
 def _check_root(value: object) -> str | None:
-    root = _path(value)
-    if value is None or root is not None:
-        return root
-    raise _bad(
+    return _check_path(
         "root",
+        value,
         "a path or fsspec URL (a non-empty str or os.PathLike) or None",
-        repr(value),
         "root='s3://bucket/prefix' or a local folder; None reads under the manifest's root",
     )
 
@@ -205,15 +205,12 @@ def _check_retry(value: object) -> RetryPolicy:
 
 
 def _check_cache_dir(value: object) -> str | DefaultCache | None:
-    if value is None or isinstance(value, DefaultCache):
+    if isinstance(value, DefaultCache):
         return value
-    folder = _path(value)
-    if folder is not None:
-        return folder
-    raise _bad(
+    return _check_path(
         "cache_dir",
+        value,
         "a local folder (a non-empty str or os.PathLike), None (no copies) or a DefaultCache",
-        repr(value),
         "cache_dir='/local/ssd/detdata-cache'",
     )
 

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from detdata.base.errors import StorageError
 from detdata.base.groupby import stable_groups
 from detdata.base.types import IntArray
+from detdata.datasets.base import check_ids
 from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_files import ShardFiles
 from detdata.datasets.shard_windows import COVER_MAX_BYTES, DENSE_SPAN, MAP_MIN_ROWS, ShardWindows
@@ -153,13 +154,11 @@ class WindowReads:
         try:
             if not (self.layout.batch_covers and self.files.local().handles.full):
                 return
-            arr = np.array(ids, copy=True)  # the caller may reuse its array
-            if arr.ndim != 1 or arr.dtype.kind not in "iu" or not arr.size:
+            # a copy (the caller may reuse its array); bad ids raise, as the read would
+            arr = check_ids(np.array(ids, copy=True), self.layout.num, "read_ahead")
+            if not arr.size:
                 return
-            arr = arr.astype(np.int64, copy=False)
             lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.layout.num:
-                return
             first, last = self.layout.first_shard(lo), self.layout.first_shard(hi)
             if self.files.is_local() and first != last:
                 plan, assembly = self.plan(arr, False)

@@ -28,10 +28,9 @@ import detdata
 from detdata.base.errors import ConfigError
 from detdata.datasets.handles import (
     DEFAULT_MAX_OPEN_SHARDS,
+    PROCESS_HANDLES,
     HandleLRU,
     ProcessHandles,
-    process_max_open_shards,
-    process_open_shards,
     set_max_open_shards,
 )
 
@@ -400,7 +399,7 @@ MIX_CHILD = textwrap.dedent(
         COUNTS["calls"] += 1
         if COUNTS["calls"] % 4 == 1:
             COUNTS["fds"], COUNTS["maps"] = shard_fds(), shard_maps()
-            COUNTS["open"] = shards_mod.process_open_shards()
+            COUNTS["open"] = len(shards_mod.PROCESS_HANDLES)
         out = {k: sample[k] for k in sample}
         for k in ("fds", "maps", "open"):
             out[k] = np.int64(COUNTS[k])
@@ -441,13 +440,13 @@ MIX_CHILD = textwrap.dedent(
     if mode == "direct":
         budget = 32
         shards_mod.set_max_open_shards(budget)
-        assert shards_mod.process_max_open_shards() == shards_mod.DEFAULT_MAX_OPEN_SHARDS
+        assert shards_mod.PROCESS_HANDLES.capacity == shards_mod.DEFAULT_MAX_OPEN_SHARDS
         # every dataset's own cap is 128: made again with the budget as their cap (the
         # first ones dropped)
         sources = {name: make(path, cap=budget) for name, path in names.items()}
         mix = detdata.Mixture(sources, {name: 1 for name in names}, seed=3)
         gc.collect()
-        assert shards_mod.process_max_open_shards() == budget
+        assert shards_mod.PROCESS_HANDLES.capacity == budget
         for a in range(0, 3 * total, 97):
             pos = np.arange(a, a + 97)
             got = mix.fetch(pos)
@@ -457,7 +456,7 @@ MIX_CHILD = textwrap.dedent(
                 assert np.array_equal(got[k], want), (k, a)
             peak["fds"] = max(peak["fds"], shard_fds())
             peak["maps"] = max(peak["maps"], shard_maps())
-            peak["open"] = max(peak["open"], shards_mod.process_open_shards())
+            peak["open"] = max(peak["open"], len(shards_mod.PROCESS_HANDLES))
             assert sum(len(ds.files.open_shards()) for ds in sources.values()) <= budget
         touched = sum(ds.files.local().handles.evictions for ds in sources.values())
     else:
@@ -597,7 +596,7 @@ def test_the_process_budget_is_shared_by_every_lru_and_evicts_any_owner() -> Non
 
 
 def _forked_counts(queue: Any) -> None:
-    queue.put((process_open_shards(), len(_READER_KEEP[0].files.open_shards())))
+    queue.put((len(PROCESS_HANDLES), len(_READER_KEEP[0].files.open_shards())))
 
 
 _READER_KEEP: list[Any] = []
@@ -610,7 +609,7 @@ def test_a_forked_child_starts_with_an_empty_budget(tmp_path: Path) -> None:
         np.save(tmp_path / f"s{i}.npy", np.arange(100 * i, 100 * i + 41, dtype=np.int32))
     ds = detdata.TokenWindows(detdata.build_manifest(str(tmp_path)), 8)
     ds.read(np.arange(ds.num_samples))
-    assert process_open_shards() >= 3 and len(ds.files.open_shards()) == 3
+    assert len(PROCESS_HANDLES) >= 3 and len(ds.files.open_shards()) == 3
     _READER_KEEP[:] = [ds]
     try:
         ctx = mp.get_context("fork")
@@ -644,15 +643,15 @@ def test_set_max_open_shards_bounds_several_datasets_together(tmp_path: Path) ->
         )
     try:
         set_max_open_shards(5)
-        assert process_max_open_shards() == 5
+        assert PROCESS_HANDLES.capacity == 5
         for _ in range(30):
             for ds, windows in data:
                 ids = rng.integers(0, ds.num_samples, size=rng.integers(1, 20))
                 np.testing.assert_array_equal(ds.read(ids)["tokens"], windows[ids])
                 assert sum(len(d.files.open_shards()) for d, _ in data) <= 5
-                assert process_open_shards() <= 5
+                assert len(PROCESS_HANDLES) <= 5
     finally:
         set_max_open_shards(None)
-    assert process_max_open_shards() == DEFAULT_MAX_OPEN_SHARDS
+    assert PROCESS_HANDLES.capacity == DEFAULT_MAX_OPEN_SHARDS
     with pytest.raises(ConfigError, match="max_open_shards"):
         set_max_open_shards(0)

@@ -26,11 +26,7 @@ import torch.utils.data as tud
 from detdata import LocalityOrder, Order, Storage
 from detdata.base.errors import DetdataError, StorageError, VerificationError
 from detdata.datasets.batch_columns import to_torch
-from detdata.datasets.handles import (
-    process_max_open_shards,
-    process_open_shards,
-    set_max_open_shards,
-)
+from detdata.datasets.handles import PROCESS_HANDLES, set_max_open_shards
 from detdata.datasets.tables import TableRows
 from detdata.datasets.tokens import TokenWindows
 from detdata.identity.build import build_manifest
@@ -201,12 +197,12 @@ def test_datasets_sharing_a_budget_of_one_handle_read_exactly(tmp_path: Path) ->
     gc.collect()  # datasets of earlier tests, unreachable but not yet collected, hold handles
     set_max_open_shards(1)
     try:
-        assert process_max_open_shards() == 1  # no other live dataset raises the budget
+        assert PROCESS_HANDLES.capacity == 1  # no other live dataset raises the budget
         for step in range(30):
             for ds, ref, bs in sets:
                 ids = bs[(step * 7) % len(bs)]
                 np.testing.assert_array_equal(ds.read(ids)["tokens"], ref[ids])
-                assert process_open_shards() <= 1
+                assert len(PROCESS_HANDLES) <= 1
     finally:
         set_max_open_shards(None)
 
