@@ -12,7 +12,7 @@ import numpy as np
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
 from detdata.base.types import IntArray
-from detdata.datasets.batch_columns import describe_dtype, object_array
+from detdata.datasets.batch_columns import describe_dtype
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -72,16 +72,11 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
             "or pad instead of nulls"
         )
     rows = len(array)
-    if pa.types.is_fixed_size_list(array.type):  # one length by type: nothing to compare
-        size = int(array.type.list_size)
-        values = array.values.slice(array.offset * size, rows * size)
-        if values.null_count:
-            raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
-        flat = numbers(values)
-        if ragged:
-            return _object_rows(flat, np.full(rows, size, dtype=np.int64))
-        return flat.reshape(rows, size)
-    offsets = np.asarray(numbers(array.offsets), dtype=np.int64)
+    size = int(array.type.list_size) if pa.types.is_fixed_size_list(array.type) else None
+    if size is not None:  # one length by type
+        offsets = (np.arange(rows + 1, dtype=np.int64) + array.offset) * size
+    else:
+        offsets = np.asarray(numbers(array.offsets), dtype=np.int64)
     lengths = np.diff(offsets)
     values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     if values.null_count:
@@ -89,6 +84,8 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
     flat = numbers(values)
     if ragged:
         return _object_rows(flat, lengths)
+    if size is not None:  # nothing to compare
+        return flat.reshape(rows, size)
     if rows and int(lengths.min()) != int(lengths.max()):
         raise FormatError(
             f"{where}: list lengths vary from {int(lengths.min())} to "
@@ -116,11 +113,6 @@ def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[An
     for i, part in enumerate(np.split(flat, bounds)):
         out[i] = part
     return out
-
-
-def copy_rows(column: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A new object array whose rows are copies of ``column``'s (writable, owned by the batch)."""
-    return object_array([row.copy() for row in column.tolist()])
 
 
 def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:

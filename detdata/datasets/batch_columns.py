@@ -133,17 +133,14 @@ def object_array(values: Sequence[Any]) -> Array:
     return out
 
 
-def to_torch(batch: Any) -> Any:
+def to_torch(value: Any, name: str = "") -> Any:
     """The default collate: a read batch (dict of numpy columns) into torch objects, per
     column as the module docstring's reference says (a numeric tensor shares memory with
     its array only if the array is writable); other kinds raise `ConfigError` naming the
-    column. Mappings are converted per value; anything else is returned unchanged."""
-    return _convert(batch, "")
-
-
-def _convert(value: Any, name: str) -> Any:
+    column (``name``: where ``value`` is in the batch). Mappings are converted per value;
+    anything else is returned unchanged."""
     if isinstance(value, Mapping):
-        return {k: _convert(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
+        return {k: to_torch(v, f"{name}.{k}" if name else str(k)) for k, v in value.items()}
     if not isinstance(value, np.ndarray):
         return value
     kind = value.dtype.kind

@@ -24,13 +24,12 @@ Arrow files are memory-mapped, Parquet row groups decoded a few at a time per pr
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
-import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Final, NamedTuple, Never, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final, Generic, NamedTuple, Never, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -53,12 +52,13 @@ from detdata.datasets.doc_table import (
     table_meta,
     table_starts,
 )
-from detdata.datasets.index_files import building, load_index, reload_index, save_index
+from detdata.datasets.index_files import Check, building, load_index, reload_index, save_index
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
+from detdata.order.memo import LruCache
 
 #: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
 _MASK_UNITS: Final = 8
@@ -68,7 +68,6 @@ _PARQUET_GROUPS: Final = 8
 #: this many tokens, else through one fancy-index gather per touched shard.
 _SLICE_MIN_TOKENS: Final = 48
 
-K = TypeVar("K")
 V = TypeVar("V")
 
 
@@ -80,29 +79,12 @@ class _MappedTokens(NamedTuple):
     path: str
 
 
-class _ArrowValues(NamedTuple):
-    """An open Arrow shard: the token values of each record batch (views of its memory map)."""
+class Held(NamedTuple, Generic[V]):
+    """An open shard kept in its process's handle LRU: what was read from it (``data``) and
+    the local file (``path``)."""
 
-    values: list[np.ndarray[Any, Any]]
+    data: V
     path: str
-
-
-def cached(
-    lru: OrderedDict[K, V], lock: threading.Lock, key: K, make: Callable[[], V], bound: int
-) -> V:
-    """``lru[key]`` (marked most recently used), else ``make()`` stored there, keeping the
-    ``bound`` most recently used entries; ``lock`` guards ``lru``, not ``make``."""
-    with lock:
-        found = lru.get(key)
-        if found is not None:
-            lru.move_to_end(key)
-            return found
-    made = make()
-    with lock:
-        lru[key] = made
-        while len(lru) > bound:
-            lru.popitem(last=False)
-    return made
 
 
 def open_table(fmt: Format, path: str) -> Any:
@@ -114,17 +96,29 @@ def open_table(fmt: Format, path: str) -> Any:
 
 
 class CorpusBase(ABC):
-    """A document corpus `PackedWindows` packs (`Documents`, `TextDocuments`): the document
-    table ``_starts`` over the shards of ``manifest`` (``files``), and the reads each kind
-    declares."""
+    """A document corpus `PackedWindows` packs (`Documents`, `TextDocuments`): the index
+    ``_index`` (stored as index ``_KIND``; its ``_DERIVED`` attributes, the document table
+    ``_starts`` among them, are made from it) over the shards of ``manifest`` (``files``),
+    and the reads each kind declares. Pickled without the index when ``index_dir`` holds it.
+    """
+
+    #: the ``type`` of `identity`; the name of the stored index (`detdata.datasets.index_files`)
+    _TYPE: ClassVar[str]
+    _KIND: ClassVar[str]
+    #: made again when unpickled, never pickled
+    _DERIVED: ClassVar[tuple[str, ...]]
 
     @abstractmethod
-    def identity(self) -> dict[str, Any]:
-        """Plain JSON pinning the manifest and how documents are cut from it."""
+    def _inputs(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and how documents are cut from it (the index key)."""
 
     @abstractmethod
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array)."""
+    def _build(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        """The index read from the shards, and its record."""
+
+    @abstractmethod
+    def _derive(self) -> None:
+        """Make the `_DERIVED` attributes from ``_index``."""
 
     @abstractmethod
     def copy_ranges(
@@ -136,15 +130,74 @@ class CorpusBase(ABC):
 
     manifest: Manifest
     files: ShardFiles
+    index_dir: str | None
+    out_dtype: np.dtype[Any]
+    _index: npt.NDArray[np.int64]
     _starts: npt.NDArray[np.int64]
 
-    def _check_local(self, name: str) -> None:
-        """`ConfigError` for a remote root without a cache of local copies."""
+    def _open(
+        self,
+        name: str,
+        manifest: Manifest | str,
+        storage: Storage,
+        index_dir: str | os.PathLike[str] | None,
+        progress: bool | None,
+    ) -> None:
+        """Set ``storage`` (no shard copies unless asked for), ``manifest``, ``files``,
+        ``index_dir`` and ``progress``; `ConfigError` for a remote root without a cache of
+        local copies."""
+        self.storage = storage.with_default_cache(None)
+        self.manifest = resolve_manifest(manifest, self.storage)
+        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
+        self.index_dir = None if index_dir is None else os.fspath(index_dir)
+        self.progress = progress
         if self.files.cache_dir is None and not self.files.is_local():
             raise ConfigError(
                 f"{name} reads the shards of a remote root ({self.manifest.root}) from "
                 "verified local copies; hint: pass storage=Storage(cache_dir='/local/dir')"
             )
+
+    def _load(self, check: Check) -> None:
+        """Set ``_index``, loaded from ``index_dir`` when ``check`` accepts it, else built
+        and saved there by one process of those opening it at once (`building`), and what
+        is derived from it."""
+        inputs = self._inputs()
+        stored = load_index(self.index_dir, self._KIND, inputs, check)
+        if stored is None:
+            with building(self.index_dir, self._KIND, inputs):
+                stored = load_index(self.index_dir, self._KIND, inputs, check)
+                if stored is None:
+                    self._index, meta = self._build()
+                    self._digest = save_index(self.index_dir, self._KIND, inputs, self._index, meta)
+        if stored is not None:
+            self._index, self._digest = np.asarray(stored.array), stored.digest
+        self._derive()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pickled_state(self, self._DERIVED, "_index")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.files.attach(self.manifest.bytes_per_shard())
+        if self._index is None:
+            self._index = reload_index(
+                self.index_dir,
+                self._KIND,
+                self._inputs(),
+                str(self._digest),
+                lambda: self._build()[0],
+            )
+        self._derive()
+
+    def identity(self) -> dict[str, Any]:
+        """Plain JSON pinning the manifest and how documents are cut and tokens delivered."""
+        return {
+            "type": self._TYPE,
+            **self._inputs(),
+            "out_dtype": self.out_dtype.name,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+        }
 
     @property
     def num_documents(self) -> int:
@@ -163,6 +216,16 @@ class CorpusBase(ABC):
         view.flags.writeable = False
         return view
 
+    def document(self, d: int) -> np.ndarray[Any, Any]:
+        """The tokens of document ``d`` (a new array, ``out_dtype``)."""
+        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
+        a, b = int(self._starts[d]), int(self._starts[d + 1])
+        out = np.empty(b - a, dtype=self.out_dtype)
+        if b > a:
+            source, count, target = np.array([[a], [b - a], [0]], dtype=np.int64)
+            self.copy_ranges(source, count, target, out)
+        return out
+
     def lengths(self) -> npt.NDArray[np.int64]:
         """Tokens per document (a new array)."""
         return np.diff(self._starts)
@@ -177,17 +240,6 @@ class CorpusBase(ABC):
         return path
 
 
-class _Decoded:
-    """A `Documents`' side of one process: its decoded Parquet row groups (an LRU of at most
-    `_PARQUET_GROUPS`, keyed ``(shard, group)``) and their lock."""
-
-    __slots__ = ("groups", "lock")
-
-    def __init__(self) -> None:
-        self.groups: OrderedDict[tuple[int, int], np.ndarray[Any, Any]] = OrderedDict()
-        self.lock = threading.Lock()
-
-
 class Documents(CorpusBase):
     """The documents of a manifest, read in place (see the module docstring).
 
@@ -197,11 +249,16 @@ class Documents(CorpusBase):
     explicit one must hold every token). ``index_dir``: where the document table is stored
     (None: rebuilt at each construction). ``storage``: where and how the shards are read
     (`Storage`; a remote root needs ``Storage(cache_dir=...)``); not in ``identity()``.
-    Pickled without the document table when ``index_dir`` holds it.
     """
 
-    #: made again when unpickled, never pickled
-    _DERIVED: ClassVar[tuple[str, ...]] = ("_all_token_files", "_unit_base", "_group_bases")
+    _TYPE: ClassVar[str] = "documents"
+    _KIND: ClassVar[str] = "documents"
+    _DERIVED: ClassVar[tuple[str, ...]] = (
+        "_starts",
+        "_all_token_files",
+        "_unit_base",
+        "_group_bases",
+    )
 
     def __init__(
         self,
@@ -216,28 +273,29 @@ class Documents(CorpusBase):
         **refused: Never,
     ) -> None:
         storage = checked_storage("Documents", storage, refused)
-        self.storage = storage.with_default_cache(None)  # no copies unless asked for
-        self.manifest = resolve_manifest(manifest, self.storage)
-        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
-        self._local: PerProcess[_Decoded] = PerProcess()
         self.eod_token = (
             None if eod_token is None else check_count(eod_token, "eod_token", minimum=0)
         )
         if column is not None and (not isinstance(column, str) or not column):
             raise ConfigError(f"column must be a column name, got {column!r}")
         self.column = column
-        self.index_dir = None if index_dir is None else os.fspath(index_dir)
-        self.progress = progress
-        self._check_local("Documents")
+        self._open("Documents", manifest, storage, index_dir, progress)
+        self._groups: PerProcess[LruCache[tuple[int, int], np.ndarray[Any, Any]]] = PerProcess()
         planner = UnitPlanner(self.manifest, self.eod_token, self.column, self._table_schema)
-        units = planner.units()
+        planned = planner.units()
         #: what the shards store (token ids must fit it); `out_dtype` is what is delivered
-        self.stored_dtype = stored_dtype(units)
-        self.out_dtype = common_dtype(units, out_dtype)
-        starts, units = self._document_table(units)
-        self.units: tuple[Unit, ...] = tuple(units)
-        self._starts = starts
-        self._build_index()
+        self.stored_dtype = stored_dtype(planned)
+        self.out_dtype = common_dtype(planned, out_dtype)
+        #: the token spaces, with their token counts once the document table is loaded or built
+        self.units: tuple[Unit, ...] = tuple(planned)
+
+        def check(array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
+            problem, done = check_stored_table(self.manifest, planned, array, meta)
+            if problem is None:
+                self.units = tuple(done)
+            return problem
+
+        self._load(check)
 
     def _table_schema(self, shard: int) -> pa.Schema:
         entry = self.manifest.shards[shard]
@@ -255,7 +313,7 @@ class Documents(CorpusBase):
             )
         return schema
 
-    def _table_inputs(self) -> dict[str, Any]:
+    def _inputs(self) -> dict[str, Any]:
         return {
             "algorithm": ALGORITHM,
             "manifest": self.manifest.id,
@@ -263,46 +321,23 @@ class Documents(CorpusBase):
             "column": self.column,
         }
 
-    def _document_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
-        """``(starts, units with token counts)``: loaded from ``index_dir`` (when
-        `check_stored_table` accepts it) or built."""
-        inputs = self._table_inputs()
-        recomputed: list[Unit] = []
-        self._table_digest: str | None = None
-
-        def check(array: np.ndarray[Any, Any], meta: Mapping[str, Any]) -> str | None:
-            problem, done = check_stored_table(self.manifest, units, array, meta)
-            recomputed[:] = done
-            return problem
-
-        stored = load_index(self.index_dir, "documents", inputs, check)
-        if stored is None:  # built by one process of those opening it at once (`building`)
-            with building(self.index_dir, "documents", inputs):
-                stored = load_index(self.index_dir, "documents", inputs, check)
-                if stored is None:
-                    starts, done = self._build_table(units)
-                    self._table_digest = save_index(
-                        self.index_dir, "documents", inputs, starts, table_meta(done)
-                    )
-                    return starts, done
-        self._table_digest = stored.digest
-        return stored.array, recomputed
-
-    def _build_table(self, units: list[Unit]) -> tuple[npt.NDArray[np.int64], list[Unit]]:
+    def _build(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        """The document table read from the shards (``units`` given their token counts)."""
         parts: list[npt.NDArray[np.int64]] = []
         done: list[Unit] = []
         base = 0
         sizes = self.manifest.bytes_per_shard()
-        total_bytes = int(sum(int(sizes[u.shard]) for u in units))
+        total_bytes = int(sum(int(sizes[u.shard]) for u in self.units))
         with progress(total_bytes, "documents", unit="doc", enabled=self.progress) as update:
-            for unit in units:
+            for unit in self.units:
                 local, unit = self._unit_documents(unit)
                 parts.append(local[:-1] + base)
                 base += int(local[-1])
                 done.append(unit)
                 update(int(sizes[unit.shard]))
         parts.append(np.array([base], dtype=np.int64))
-        return np.concatenate(parts).astype(np.int64, copy=False), done
+        self.units = tuple(done)
+        return np.concatenate(parts).astype(np.int64, copy=False), table_meta(done)
 
     def _unit_documents(self, unit: Unit) -> tuple[npt.NDArray[np.int64], Unit]:
         """Local document starts (ending with the unit's token count) and the unit's sizes."""
@@ -320,8 +355,10 @@ class Documents(CorpusBase):
         groups = (self._read_group(unit.shard, g) for g in range(len(entry.row_groups or ())))
         return table_starts(unit, entry.path, str(self.column), groups)
 
-    def _build_index(self) -> None:
-        """Where each unit's tokens start in the corpus (from the units: no file read)."""
+    def _derive(self) -> None:
+        """The document table, and where each unit's tokens start in the corpus (from the
+        units: no file read)."""
+        self._starts = self._index
         self._all_token_files = all(u.kind != "table" for u in self.units)
         base = np.zeros(len(self.units) + 1, dtype=np.int64)
         np.cumsum([u.tokens for u in self.units], out=base[1:])
@@ -336,38 +373,6 @@ class Documents(CorpusBase):
             found = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
             self._group_bases[u] = found
         return found
-
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self, self._DERIVED, "_starts")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._build_index()
-        self.files.attach(self.manifest.bytes_per_shard())
-        if self._starts is None:
-            self._starts = reload_index(
-                self.index_dir,
-                "documents",
-                self._table_inputs(),
-                str(self._table_digest),
-                lambda: self._build_table(list(self.units))[0],
-            )
-
-    def identity(self) -> dict[str, Any]:
-        """Plain JSON pinning the manifest and how documents are cut from it."""
-        return {
-            "type": "documents",
-            **self._table_inputs(),
-            "out_dtype": self.out_dtype.name,
-            "num_documents": self.num_documents,
-            "num_tokens": self.num_tokens,
-        }
-
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array)."""
-        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
-        a, b = int(self._starts[d]), int(self._starts[d + 1])
-        return self.gather(np.arange(a, b, dtype=np.int64))
 
     def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
         """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""
@@ -395,17 +400,15 @@ class Documents(CorpusBase):
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
-        ``out[target[j] : target[j] + count[j]]`` (1-D int64 arrays, ``count >= 1``; ``out``
-        1-D, tokens cast to its dtype). Each range lies inside one document. Long ranges are
-        copied slice by slice, many short ones by one gather per shard or row group."""
+        """`CorpusBase.copy_ranges`: long ranges are copied slice by slice, many short ones by
+        one gather per shard or row group."""
         if not count.size:
             return
         unit = np.searchsorted(self._unit_base, source, side="right").astype(np.int64) - 1
         local = source - self._unit_base[unit]
         touched = np.flatnonzero(np.bincount(unit)).tolist()
         if self._all_token_files and int(count.sum()) >= _SLICE_MIN_TOKENS * count.size:
-            views = {u: self._unit_tokens(u) for u in touched}  # one handle lookup per shard
+            views = {u: self._token_view(self._refreshed(u)) for u in touched}  # one per shard
             if out.flags.c_contiguous and all(v.dtype == out.dtype for v in views.values()):
                 _copy_bytes(views, unit, local, count, target, out)
                 return
@@ -418,22 +421,20 @@ class Documents(CorpusBase):
             mine = slice(None) if len(touched) == 1 else unit == u
             self._copy_unit(u, local[mine], count[mine], target[mine], out)
 
-    def _unit_tokens(self, u: int) -> np.ndarray[Any, Any]:
-        """The token view of token-file unit ``u`` (its cached copy refreshed first)."""
+    def _refreshed(self, u: int) -> Unit:
+        """Unit ``u``, its shard's cached copy refreshed first (when reading copies)."""
         unit = self.units[u]
         if self.files.uses_shard_cache():
             self.files.refresh_copies((unit.shard,))
-        return self._token_view(unit)
+        return unit
 
     def _copy_unit(
         self, u: int, local: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        unit = self.units[u]
+        unit = self._refreshed(u)
         if unit.kind != "table":
-            _copy_from(self._unit_tokens(u), local, count, target, out)
+            _copy_from(self._token_view(unit), local, count, target, out)
             return
-        if self.files.uses_shard_cache():
-            self.files.refresh_copies((unit.shard,))
         bases = self._bases(u)
         group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
         groups = np.unique(group).tolist()
@@ -443,9 +444,7 @@ class Documents(CorpusBase):
             _copy_from(values, local[mine] - bases[g], count[mine], target[mine], out)
 
     def _gather_unit(self, u: int, local: IntArray) -> np.ndarray[Any, Any]:
-        unit = self.units[u]
-        if self.files.uses_shard_cache():
-            self.files.refresh_copies((unit.shard,))
+        unit = self._refreshed(u)
         if unit.kind != "table":
             return self._token_view(unit)[local]
         bases = self._bases(u)
@@ -506,25 +505,25 @@ class Documents(CorpusBase):
         entry = self.manifest.shards[unit.shard]
         if entry.format is not Format.PARQUET:
             files = self.files
-            held: _ArrowValues | None = files.local().handles.get(unit.shard)
+            held: Held[list[np.ndarray[Any, Any]]] | None = files.local().handles.get(unit.shard)
             if held is None:
                 path = self._path(unit.shard)
                 values = [
                     np.asarray(c.flatten().to_numpy(zero_copy_only=False))
                     for c in self._arrow_batches(unit.shard)
                 ]
-                held = _ArrowValues(values, path)
+                held = Held(values, path)
                 files.keep(unit.shard, held)
             files.check_file(unit.shard, held.path)
-            return held.values[group]
+            return held.data[group]
 
-        def decode() -> np.ndarray[Any, Any]:
-            decoded = np.asarray(self._read_group(unit.shard, group).flatten().to_numpy())
+        def decode(key: tuple[int, int]) -> np.ndarray[Any, Any]:
+            decoded = np.asarray(self._read_group(*key).flatten().to_numpy())
             decoded.setflags(write=False)
             return decoded
 
-        local = self._local.get(_Decoded)
-        return cached(local.groups, local.lock, (unit.shard, group), decode, _PARQUET_GROUPS)
+        groups = self._groups.get(functools.partial(LruCache, _PARQUET_GROUPS))
+        return groups.get((unit.shard, group), decode)
 
 
 def _copy_bytes(

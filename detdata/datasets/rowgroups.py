@@ -105,23 +105,15 @@ class GroupSlots:
     """
 
     def __init__(
-        self,
-        max_groups: int,
-        max_bytes: int,
-        *,
-        group_shard: IntArray,
-        shard_first_group: IntArray,
-        rows_per_slot: int,
-        whole_if_fits: bool = False,
+        self, max_groups: int, max_bytes: int, index: GroupIndex, *, whole_if_fits: bool = False
     ) -> None:
         self.max_groups = max_groups
         self.whole_if_fits = whole_if_fits
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.rows_per_slot = rows_per_slot
-        self._group_shard = group_shard
-        self._first = shard_first_group
-        total = int(group_shard.size)
+        self.rows_per_slot = index.max_rows
+        self._index = index
+        total = int(index.shard.size)
         self._total = max(total, 1)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU first, unless _dirty
         self._stamp = np.full(total, -1, dtype=np.int64)  # last use: tick * total + group
@@ -149,7 +141,7 @@ class GroupSlots:
         """Cached (shard, group) keys, least recently used first."""
         with self._lock:
             self._order()
-            return [self._key(g) for g in self._entries]
+            return [self._index.in_shard(g) for g in self._entries]
 
     def get(self, key: tuple[int, int]) -> Group | None:
         """The cached group (marked most recently used), or None."""
@@ -164,7 +156,7 @@ class GroupSlots:
         """`put` by global row group index."""
         if self.max_groups == 0:
             return
-        rows = _rows(item)
+        rows = len(next(iter(item.columns.values()))) if item.columns else 0
         with self._lock:
             pooled = (self._max_slots > 0 or self._layout is None) and self._fits(item, rows)
             charge = item.nbytes
@@ -254,11 +246,7 @@ class GroupSlots:
         return Group({n: col[a : a + entry.rows] for n, col in self._pool.items()}, entry.nbytes)
 
     def _global(self, key: tuple[int, int]) -> int:
-        return int(self._first[key[0]]) + int(key[1])
-
-    def _key(self, g: int) -> tuple[int, int]:
-        shard = int(self._group_shard[g])
-        return shard, g - int(self._first[shard])
+        return int(self._index.shard_first[key[0]]) + int(key[1])
 
     def _touch(self, g: int) -> None:
         self._stamp[g] = self._tick * self._total + g
@@ -282,7 +270,7 @@ class GroupSlots:
                 d.itemsize * int(np.prod(shape, dtype=np.int64)) for d, shape in layout.values()
             )
             self._slot_bytes = self.rows_per_slot * row_bytes
-            total = int(self._group_shard.size)
+            total = int(self._index.shard.size)
             fit = self.max_bytes // self._slot_bytes if self._slot_bytes else total
             if self.whole_if_fits and fit >= total:
                 self.max_groups = max(self.max_groups, total)  # the whole manifest fits
@@ -346,7 +334,3 @@ class GroupSlots:
                 if col.dtype == object:
                     col[a : a + self.rows_per_slot] = None  # drop the references
             self._free.append(entry.slot)
-
-
-def _rows(item: Group) -> int:
-    return len(next(iter(item.columns.values()))) if item.columns else 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, Final, Never
+from typing import Any, Final, NamedTuple, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -28,12 +28,11 @@ from detdata.base.types import Batch, IntArray
 from detdata.datasets.arrow_numpy import (
     arrow_kind,
     check_column_type,
-    copy_rows,
     one_chunk,
     to_numpy,
 )
 from detdata.datasets.base import check_ids
-from detdata.datasets.batch_columns import describe_column
+from detdata.datasets.batch_columns import describe_column, object_array
 from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.rowgroups import Columns, Group, GroupIndex, GroupSlots, auto_cache_row_groups
@@ -52,15 +51,12 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 PARQUET_MAP_MIN_BYTES: Final = 256 << 10
 
 
-class _Decoding:
+class _Decoding(NamedTuple):
     """A `TableRows`' side of one process: its decoded row groups (``cache``) and the lock
     its remote readers share (``io_lock``)."""
 
-    __slots__ = ("cache", "io_lock")
-
-    def __init__(self, cache: GroupSlots) -> None:
-        self.cache = cache
-        self.io_lock = threading.Lock()
+    cache: GroupSlots
+    io_lock: threading.Lock
 
 
 class TableRows(DatasetInfo):
@@ -181,17 +177,11 @@ class TableRows(DatasetInfo):
         self.files.attach(self.manifest.bytes_per_shard())
 
     def _new_local(self) -> _Decoding:
-        index = self._index
-        return _Decoding(
-            GroupSlots(
-                self.cache_groups,
-                self.row_group_cache_bytes,
-                group_shard=index.shard,
-                shard_first_group=index.shard_first,
-                rows_per_slot=index.max_rows,
-                whole_if_fits=self.cache_row_groups is None,
-            )
+        whole = self.cache_row_groups is None
+        slots = GroupSlots(
+            self.cache_groups, self.row_group_cache_bytes, self._index, whole_if_fits=whole
         )
+        return _Decoding(slots, threading.Lock())
 
     @property
     def cache(self) -> GroupSlots:
@@ -299,7 +289,7 @@ class TableRows(DatasetInfo):
     def _own(self, batch: Batch) -> Batch:
         """``batch`` with the rows of ragged columns copied (a gather copies no row)."""
         for name in self.ragged:
-            batch[name] = copy_rows(batch[name])
+            batch[name] = object_array([row.copy() for row in batch[name].tolist()])
         return batch
 
     def schema(self) -> dict[str, str]:

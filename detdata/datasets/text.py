@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple, Never
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -27,10 +27,8 @@ from detdata.base.errors import ConfigError, FormatError
 from detdata.base.lazy import pa
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
-from detdata.datasets.documents import CorpusBase, cached, open_table
-from detdata.datasets.index_files import building, load_index, reload_index, save_index
-from detdata.datasets.process_local import PerProcess, pickled_state
-from detdata.datasets.shard_files import ShardFiles, resolve_manifest
+from detdata.datasets.documents import CorpusBase, Held, open_table
+from detdata.datasets.process_local import PerProcess
 from detdata.datasets.shard_storage import Storage, checked_storage
 from detdata.datasets.text_index import (
     ALGORITHM,
@@ -41,7 +39,6 @@ from detdata.datasets.text_index import (
     STARTS,
     TextPolicy,
     build_text_index,
-    check_policy,
     check_text_index,
     checked_text,
     document_text,
@@ -54,6 +51,7 @@ from detdata.identity.formats import TABLE_FORMATS, Format
 from detdata.identity.manifest import Manifest
 from detdata.identity.text_formats import PLAIN, read_text_bytes
 from detdata.identity.tokenizer import TextTokenizer
+from detdata.order.memo import LruCache
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -77,22 +75,15 @@ def text_metadata(field: str) -> dict[str, str]:
     return {TEXT_FIELD: field}
 
 
-class _Text(NamedTuple):
-    """An open JSONL shard: its text bytes (a memory map, or the decompressed bytes)."""
-
-    data: mmap.mmap | bytes
-    path: str
-
-
 class _Local:
     """A `TextDocuments`' side of one process: decoded row groups and tokenised documents."""
 
     __slots__ = ("groups", "held", "lock", "streams", "tokens")
 
     def __init__(self) -> None:
-        self.groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
+        self.groups: LruCache[tuple[int, int], list[Any]] = LruCache(_GROUPS)
         #: the record batches of Arrow IPC stream shards (over their memory maps)
-        self.streams: OrderedDict[int, list[Any]] = OrderedDict()
+        self.streams: LruCache[int, list[Any]] = LruCache(_STREAMS)
         self.tokens: OrderedDict[int, npt.NDArray[np.int64]] = OrderedDict()
         self.held = 0
         self.lock = threading.Lock()
@@ -110,6 +101,8 @@ class TextDocuments(CorpusBase):
     ``verify="quick"`` (the default) is raised to ``"full"``; ``"off"`` stays off.
     """
 
+    _TYPE: ClassVar[str] = "text_documents"
+    _KIND: ClassVar[str] = "text"
     _DERIVED: ClassVar[tuple[str, ...]] = ("_starts",)
 
     def __init__(
@@ -128,25 +121,17 @@ class TextDocuments(CorpusBase):
         storage = checked_storage("TextDocuments", storage, refused)
         if storage.verify is Verify.QUICK:  # raised to "full" (why: docs/design.md, "Raw text")
             storage = dataclasses.replace(storage, verify=Verify.FULL)
-        self.storage = storage.with_default_cache(None)
-        self.manifest = resolve_manifest(manifest, self.storage)
-        self.files = ShardFiles(self.manifest, self.storage, self.manifest.bytes_per_shard())
+        self._open("TextDocuments", manifest, storage, index_dir, progress)
         self._local: PerProcess[_Local] = PerProcess()
         if not isinstance(tokenizer, TextTokenizer):
             tokenizer = TextTokenizer(tokenizer)
         self.tokenizer = tokenizer
-        self.policy: TextPolicy = check_policy(
-            _field(self.manifest, field), empty, max_document_tokens
-        )
+        self.policy = TextPolicy(_field(self.manifest, field), empty, max_document_tokens)
         _check_formats(self.manifest)
-        self._check_local("TextDocuments")
-        self.index_dir = None if index_dir is None else os.fspath(index_dir)
-        self.progress = progress
         #: what a token id fits (`PackedWindows` checks bos / pad ids against it)
         self.stored_dtype = tokenizer.token_dtype
         self.out_dtype = np.dtype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64)
-        self._index = self._text_index()
-        self._starts: npt.NDArray[np.int64] = self._index[STARTS]
+        self._load(functools.partial(check_text_index, self.manifest, self.policy))
 
     def _inputs(self) -> dict[str, Any]:
         return {
@@ -156,28 +141,17 @@ class TextDocuments(CorpusBase):
             "tokenizer": self.tokenizer.identity(),
         }
 
-    def _text_index(self) -> npt.NDArray[np.int64]:
-        """The text index: loaded from ``index_dir`` (checked) or built by one process."""
-        inputs = self._inputs()
-        check = functools.partial(check_text_index, self.manifest, self.policy)
-        stored = load_index(self.index_dir, "text", inputs, check)
-        if stored is None:
-            with building(self.index_dir, "text", inputs):
-                stored = load_index(self.index_dir, "text", inputs, check)
-                if stored is None:
-                    array = self._build()
-                    meta = index_meta(self.manifest, array)
-                    self._digest = save_index(self.index_dir, "text", inputs, array, meta)
-                    return array
-        self._digest = stored.digest
-        return np.asarray(stored.array)
-
-    def _build(self) -> npt.NDArray[np.int64]:
+    def _build(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
+        """The text index, tokenising every document, and its record (`index_meta`)."""
         total = int(self.manifest.bytes_per_shard().sum())
         with progress(total, "text index", unit="B", enabled=self.progress) as update:
-            return build_text_index(
+            array = build_text_index(
                 self.manifest, self.tokenizer, self.policy, self._shard_documents, update
             )
+        return array, index_meta(self.manifest, array)
+
+    def _derive(self) -> None:
+        self._starts = self._index[STARTS]
 
     def _shard_documents(self, shard: int) -> Iterator[tuple[int, int, int, str]]:
         """Each document of ``shard`` as ``(line or row, first, second, text)`` (text_index)."""
@@ -205,28 +179,6 @@ class TextDocuments(CorpusBase):
                 yield row, g, r, checked_text(value, field, where_of(self.manifest, shard, row))
                 row += 1
 
-    def __getstate__(self) -> dict[str, Any]:
-        return pickled_state(self, self._DERIVED, "_index")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.files.attach(self.manifest.bytes_per_shard())
-        if self._index is None:
-            self._index = reload_index(
-                self.index_dir, "text", self._inputs(), str(self._digest), self._build
-            )
-        self._starts = self._index[STARTS]
-
-    def identity(self) -> dict[str, Any]:
-        """Plain JSON pinning the manifest, the text policy and the tokenizer."""
-        return {
-            "type": "text_documents",
-            **self._inputs(),
-            "out_dtype": self.out_dtype.name,
-            "num_documents": self.num_documents,
-            "num_tokens": self.num_tokens,
-        }
-
     def document_shards(self) -> npt.NDArray[np.int64]:
         """The manifest shard of each document (read-only)."""
         view: npt.NDArray[np.int64] = self._index[SHARD, :-1].view()
@@ -246,11 +198,6 @@ class TextDocuments(CorpusBase):
         d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
         return self._texts([d])[0]
 
-    def document(self, d: int) -> np.ndarray[Any, Any]:
-        """The tokens of document ``d`` (a new array, ``out_dtype``)."""
-        d = check_count(d, "document", minimum=0, maximum=self.num_documents - 1)
-        return self._tokens([d])[d].astype(self.out_dtype)
-
     def tokens(self, docs: list[int]) -> list[npt.NDArray[np.int64]]:
         """The tokens of documents ``docs`` (int64, read-only), tokenised in one batch."""
         found = self._tokens(sorted(set(docs)))
@@ -259,9 +206,7 @@ class TextDocuments(CorpusBase):
     def copy_ranges(
         self, source: IntArray, count: IntArray, target: IntArray, out: np.ndarray[Any, Any]
     ) -> None:
-        """Copy corpus tokens ``[source[j], source[j] + count[j])`` to
-        ``out[target[j] : target[j] + count[j]]`` (each range inside one document, as
-        `Documents.copy_ranges`); the documents touched are tokenised in one batch."""
+        """`CorpusBase.copy_ranges`; the documents touched are tokenised in one batch."""
         if not count.size:
             return
         doc = np.searchsorted(self._starts, source, side="right").astype(np.int64) - 1
@@ -320,9 +265,10 @@ class TextDocuments(CorpusBase):
         return out
 
     def _jsonl(self, shard: int) -> mmap.mmap | bytes:
-        """The text bytes of JSONL ``shard`` (held open per process, checked on open)."""
+        """The text bytes of JSONL ``shard`` (a memory map, or the decompressed bytes; held open
+        per process, checked on open)."""
         files = self.files
-        held: _Text | None = files.local().handles.get(shard)
+        held: Held[mmap.mmap | bytes] | None = files.local().handles.get(shard)
         if held is not None:
             files.check_file(shard, held.path)
             return held.data
@@ -335,16 +281,15 @@ class TextDocuments(CorpusBase):
                 data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if entry.bytes else b""
             else:
                 data = read_text_bytes(path, str(entry.schema), rel=entry.path)
-        files.keep(shard, _Text(data, path))
+        files.keep(shard, Held(data, path))
         return data
 
     def _group(self, shard: int, group: int) -> list[Any]:
         """The values of the text column in row group / record batch ``group`` of ``shard``."""
-        local = self._local.get(_Local)
-        read = functools.partial(self._read_group, shard, group)
-        return cached(local.groups, local.lock, (shard, group), read, _GROUPS)
+        return self._local.get(_Local).groups.get((shard, group), self._read_group)
 
-    def _read_group(self, shard: int, group: int) -> list[Any]:
+    def _read_group(self, key: tuple[int, int]) -> list[Any]:
+        shard, group = key
         entry = self.manifest.shards[shard]
         path = self._path(shard)
         with open(path, "rb") as fh:
@@ -362,8 +307,7 @@ class TextDocuments(CorpusBase):
         if entry.format is Format.PARQUET:
             column = reader.read_row_group(group, columns=[field]).column(field)
         elif entry.format is Format.ARROW_STREAM:  # no footer: batch g is read after all before
-            local = self._local.get(_Local)
-            batches = cached(local.streams, local.lock, shard, lambda: list(reader), _STREAMS)
+            batches = self._local.get(_Local).streams.get(shard, lambda _: list(reader))
             column = batches[group].column(field)
         else:
             column = reader.get_batch(group).column(field)

@@ -48,27 +48,27 @@ EMPTY_POLICIES: Final = ("error", "skip")
 
 @dataclass(frozen=True)
 class TextPolicy:
-    """How documents are cut from text: the field, the empty-document policy and the bound."""
+    """How documents are cut from text: the field, the empty-document policy and the bound
+    (`ConfigError` naming a bad one)."""
 
     field: str
     empty: str
     max_document_tokens: int | None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.field, str) or not self.field:
+            raise ConfigError(f"field must be the name of the text field, got {self.field!r}")
+        if self.empty not in EMPTY_POLICIES:
+            raise ConfigError(f"empty must be one of {EMPTY_POLICIES}, got {self.empty!r}")
+        bound = self.max_document_tokens
+        if bound is not None and (
+            isinstance(bound, bool) or not isinstance(bound, int) or bound < 1
+        ):
+            raise ConfigError(f"max_document_tokens must be a positive int or None, got {bound!r}")
+
     def identity(self) -> dict[str, Any]:
         """Plain JSON of the policy (part of the dataset's identity and the index key)."""
         return asdict(self)
-
-
-def check_policy(field: object, empty: object, max_document_tokens: object) -> TextPolicy:
-    """A `TextPolicy` from the user's arguments, or `ConfigError` naming the bad one."""
-    if not isinstance(field, str) or not field:
-        raise ConfigError(f"field must be the name of the text field, got {field!r}")
-    if empty not in EMPTY_POLICIES:
-        raise ConfigError(f"empty must be one of {EMPTY_POLICIES}, got {empty!r}")
-    bound = max_document_tokens
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
-        raise ConfigError(f"max_document_tokens must be a positive int or None, got {bound!r}")
-    return TextPolicy(field, str(empty), bound)
 
 
 def where_of(manifest: Manifest, shard: int, line: int) -> str:

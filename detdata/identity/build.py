@@ -1,10 +1,9 @@
 """Building manifests: list the shard files under a root, hash them in parallel.
 
 `build_manifest` is the only way detdata creates a `Manifest` from data: every name it
-records has passed `check_shard_name`, and each shard is streamed once for its digests.
-An entry depends only on the shard's bytes and name (`hash_entry`, a picklable task), so
-hashing on any `concurrent.futures.Executor` gives the same manifest, same id, as a local
-build. Partial manifests built on different machines and merged: `detdata.identity.parts`.
+records has passed `check_shard_name`, and each shard is streamed once for its digests,
+locally or as one `hash_entry` task per shard on any executor, same id (docs/design.md,
+"Hashing across machines").
 """
 
 from __future__ import annotations

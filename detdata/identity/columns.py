@@ -1,8 +1,7 @@
 """The fast form of a manifest: fixed-width columns in one memory-mapped file.
 
 Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
-verification, receipts"). `Manifest.save` and `Registry.register` write it next to the
-JSON (``<file>.columns``); `Manifest.load` maps it whenever it is tied to the JSON.
+verification, receipts"), which says when it is written, tied to the JSON and checked.
 
 Layout (little-endian)::
 
@@ -15,11 +14,6 @@ header's lists, -1: none), ``path_block_ends`` / ``path_blocks`` (`detdata.ident
 version 1 stored ``path_ends`` / ``paths``, a plain UTF-8 blob), ``blake3`` / ``quick``
 (32 raw bytes each), ``row_group_ends`` / ``row_groups`` (an end ``e < 0`` means none,
 at ``-e - 1``). The file is replaced atomically, never rewritten in place.
-
-Checks: the header and chunk table at open (O(1) in the shards); each data chunk the
-first time any byte of it is used (a `ManifestError` naming the file and chunk); every
-entry by the JSON loader's field checks. The tie to the JSON at open: its size and head
-(`read_json_head`) match the header; in full, once per job, `detdata.identity.columns_tie`.
 """
 
 from __future__ import annotations
@@ -308,14 +302,6 @@ class ColumnsFile:
                 self._kept[run] = data[run * CHUNK - lo :]
         return end
 
-    def _mapped(self) -> memoryview:
-        """The whole file mapped (on first use: only `array` maps it)."""
-        with self._lock:
-            if self._buf is None:
-                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-                self._buf = memoryview(self._map)
-            return self._buf
-
     def array(self, name: str) -> np.ndarray[Any, Any]:
         """All of section ``name`` (every chunk of it checked): a read-only mapped view."""
         view = self._arrays.get(name)
@@ -328,8 +314,12 @@ class ColumnsFile:
                 first, last = at // CHUNK, max(at, stop - 1) // CHUNK
                 if not all(self._checked[first : last + 1]):
                     self._read_checked(at, stop)
+        with self._lock:  # the whole file mapped on first use (only here)
+            if self._buf is None:
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+                self._buf = memoryview(self._map)
         at = self._data_at + offset
-        view = np.frombuffer(self._mapped()[at : at + length], dtype=np.dtype(dtype))
+        view = np.frombuffer(self._buf[at : at + length], dtype=np.dtype(dtype))
         self._arrays[name] = view
         return view
 

@@ -1,10 +1,6 @@
-"""The full tie of a fast-form manifest to its id, checked once per job (docs/design.md section 8).
-
-Chunk digests (`detdata.identity.columns`) catch damage, not an edit whose chunks were
-re-digested: `verify_columns_id` re-computes the id from every entry, and `check_json`
-hashes the JSON next to the columns against the digest they recorded (an edited JSON is
-refused, naming the first field that differs). Both are O(shards), run by the job's
-verifier and recorded in its receipt (`detdata.identity.receipts`).
+"""The full tie of a fast-form manifest to its id, checked once per job (docs/design.md
+section 8: chunk digests catch damage, not a forger): `verify_columns_id` re-computes the id
+from every entry, `check_json` hashes the JSON against the digest the columns recorded.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
 from detdata.identity.columns import ShardTable
 from detdata.identity.entry import ShardEntry
-from detdata.identity.manifest_id import PIECE, body_ends, streamed_id
+from detdata.identity.manifest_id import PIECE, body_ends
 from detdata.storage.digest import full_digest_path
 
 
@@ -77,30 +73,20 @@ def _first_difference(table: ShardTable, json_path: str) -> str:
 def verify_columns_id(
     table: ShardTable, *, each: Callable[[int, list[ShardEntry]], None] | None = None
 ) -> str:
-    """The id re-computed from every entry of the columns, `PIECE` entries at a time;
-    `ManifestError` unless it is the header's, the shards are in canonical order and the
-    header's totals are the entries' sums. ``each(lo, entries)`` sees every piece as it is
-    decoded, before the verdict."""
-    c = table.columns
-    totals = [0, 0]  # samples, bytes
-    last: list[str] = []
+    """The id re-computed from every entry of the columns, `PIECE` entries at a time (the
+    `tie_part` of each, checked by `check_tie_parts`); `ManifestError` unless it is the
+    header's, the shards are in canonical order and the header's totals are the entries'
+    sums. ``each(lo, entries)`` sees every piece once its order is checked, before the
+    verdict."""
 
-    def pieces() -> Iterator[list[dict[str, Any]]]:
+    def parts() -> Iterator[bytes]:
         for lo in range(0, len(table), PIECE):
             entries = table.entries_between(lo, min(len(table), lo + PIECE))
-            paths = last + [e.path for e in entries]
-            if any(a >= b for a, b in itertools.pairwise(paths)):
-                raise c._error("shards are not in canonical order (sorted, unique paths)")
-            last[:] = paths[-1:]
-            if each is not None:
+            yield tie_part(entries)
+            if each is not None:  # the piece's order was checked when it was taken
                 each(lo, entries)
-            totals[0] += sum(e.num_samples for e in entries)
-            totals[1] += sum(e.bytes for e in entries)
-            yield [e.to_json() for e in entries]
 
-    found = streamed_id(c.header["metadata"], pieces())
-    _judge(table, found, totals)
-    return found
+    return check_tie_parts(table, parts())
 
 
 def _judge(table: ShardTable, found: str, totals: list[int]) -> None:
@@ -143,9 +129,9 @@ def tie_part(entries: Sequence[ShardEntry]) -> bytes:
     return canonical_json(head) + b"\n" + canonical_json([e.to_json() for e in entries])[1:-1]
 
 
-def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> None:
-    """`verify_columns_id` from the `tie_part` of every run of ``table``'s entries, in
-    order (the same `ManifestError`s), hashing their bytes without decoding them again."""
+def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> str:
+    """The id hashed from the `tie_part` of every run of ``table``'s entries, in order,
+    without decoding them again; `ManifestError` as `verify_columns_id` says."""
     c = table.columns
     head, tail = body_ends(c.header["metadata"])
     hasher = blake3.blake3(head)
@@ -163,4 +149,6 @@ def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> None:
             hasher.update(b",")
         hasher.update(body)
     hasher.update(tail)
-    _judge(table, PREFIX + hasher.hexdigest(), totals)
+    found = PREFIX + hasher.hexdigest()
+    _judge(table, found, totals)
+    return found

@@ -65,7 +65,11 @@ class ShardEntry:
         for key in ("bytes", "num_samples"):
             _check_int(obj[key], f"{where} ({path}) field {key!r}")
         for key in ("blake3", "quick"):
-            _check_digest(obj[key], f"{where} ({path}) field {key!r}")
+            if not is_digest(obj[key]):
+                raise ManifestError(
+                    f"{where} ({path}) field {key!r} must look like 'b3:<64 hex>', "
+                    f"found {obj[key]!r}"
+                )
         try:
             fmt = Format(obj["format"])
         except ValueError:
@@ -116,12 +120,6 @@ def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
 def _check_int(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
-    return value
-
-
-def _check_digest(value: object, where: str) -> str:
-    if not is_digest(value):
-        raise ManifestError(f"{where} must look like 'b3:<64 hex>', found {value!r}")
     return value
 
 

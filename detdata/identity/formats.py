@@ -91,11 +91,6 @@ class MegatronHeader:
     document_index: int
 
     @property
-    def documents(self) -> int:
-        """Documents in the index: ``document_index`` entries minus the leading 0."""
-        return max(0, self.document_index - 1)
-
-    @property
     def nbytes(self) -> int:
         """The size of a (text, not multimodal) ``.idx`` with this header."""
         return MEGATRON_HEADER_BYTES + 12 * self.sequences + 8 * self.document_index
@@ -137,9 +132,8 @@ def _inspect_megatron(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
                 else "; hint: the index is truncated or not a Megatron index"
             )
         )
-    return ShardLayout(
-        num_samples=header.documents, dtype=header.dtype, data_offset=MEGATRON_HEADER_BYTES
-    )
+    documents = max(0, header.document_index - 1)  # the document index starts with a 0
+    return ShardLayout(num_samples=documents, dtype=header.dtype, data_offset=MEGATRON_HEADER_BYTES)
 
 
 def megatron_index_path(bin_path: str) -> str:
@@ -240,7 +234,9 @@ def check_token_dtype(dtype: str | None, *, where: str) -> str:
         raise ConfigError(
             f"{where}: dtype {name} is not a token dtype; expected one of {TOKEN_DTYPES}"
         )
-    if _declares_big_endian(dtype, parsed):
+    # a byte-order mark declared (a plain name, no mark, means little-endian)
+    mark = dtype.strip()[:1] if isinstance(dtype, str) else parsed.str[0]
+    if mark in (">", "!") or (mark == "=" and sys.byteorder == "big"):
         raise ConfigError(
             f"{where}: dtype {dtype!r} is big-endian; detdata token shards are "
             f"little-endian (a manifest records only {name!r}, which would read "
@@ -250,19 +246,6 @@ def check_token_dtype(dtype: str | None, *, where: str) -> str:
             "are little-endian"
         )
     return name
-
-
-def _declares_big_endian(declared: object, parsed: np.dtype[Any]) -> bool:
-    """Whether a declared token dtype asks for big-endian bytes (plain names mean little)."""
-    if isinstance(declared, str):
-        mark = declared.strip()[:1]
-        return mark in (">", "!") or (mark == "=" and sys.byteorder == "big")
-    return is_big_endian(parsed)
-
-
-def is_big_endian(dtype: np.dtype[Any]) -> bool:
-    """True when multi-byte ``dtype`` stores its most significant byte first (on any host)."""
-    return dtype.itemsize > 1 and dtype.str[0] == ">"
 
 
 def disk_dtype(name: str) -> np.dtype[Any]:
@@ -398,7 +381,7 @@ def _inspect_npy(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: str) 
             f"shard {rel}: token .npy files must be 1-D, found shape {shape}; "
             "hint: save tokens with np.save(path, tokens.reshape(-1))"
         )
-    if is_big_endian(dtype) or dtype.name not in TOKEN_DTYPES:
+    if dtype.str[0] == ">" or dtype.name not in TOKEN_DTYPES:
         raise FormatError(
             f"shard {rel}: dtype {dtype.str} is not a little-endian token dtype "
             f"({', '.join(TOKEN_DTYPES)}); hint: save little-endian tokens, e.g. "

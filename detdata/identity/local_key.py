@@ -1,15 +1,10 @@
 """This user's secret key, for what detdata writes now and trusts later (docs/design.md,
-"Start-up at scale": the window index's key).
+"Start-up at scale": "Keyed, so that only this user makes what this user trusts").
 
-The window index (`detdata.datasets.window_index`), its ``.checked`` note and the
-verification receipts (`detdata.identity.receipts`) are trusted later without being read
-in full, so their digests / tags are blake3 in keyed mode under a 32-byte key only this
-user can read: whoever can write the receipts folder but not read the key cannot make a
-file this user's jobs trust. The key is ``.key-<uid>`` in the receipts folder, created
-exclusively (never through a link, never over a planted file) with mode 0600, and used
-only while a regular file of this user that nobody else can read or write; otherwise it
-is refused (with a warning) and nothing is stored or trusted. Files are named by their
-key's public id (`key_id`), so users sharing a folder never read each other's.
+The window index, its ``.checked`` note and the receipts are tagged in blake3's keyed mode
+under a 32-byte key, ``.key-<uid>`` in the receipts folder, made exclusively with mode 0600
+and used only while a regular file of this user that nobody else can read or write (else
+refused with a warning: nothing is stored or trusted). Files are named by its public id.
 """
 
 from __future__ import annotations

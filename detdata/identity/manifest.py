@@ -259,17 +259,7 @@ class Manifest:
         unknown = sorted(set(doc) - {K_KIND, K_VERSION, K_SHARDS, K_METADATA, K_ID, K_ROOT})
         if unknown:
             raise ManifestError(f"{where}: unknown top-level fields {unknown}")
-        shards_doc, metadata = doc.get(K_SHARDS), doc.get(K_METADATA, {})
-        if not isinstance(shards_doc, list):
-            raise ManifestError(f"{where}: field 'shards' must be a list")
-        if not isinstance(metadata, dict):
-            raise ManifestError(f"{where}: field 'metadata' must be an object")
-        shards = tuple(
-            ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc)
-        )
-        stored_root = doc.get(K_ROOT)
-        if stored_root is not None and not isinstance(stored_root, str):
-            raise ManifestError(f"{where}: field 'root' must be a string")
+        shards, metadata, stored_root = document_fields(doc, where)
         manifest = cls(
             shards=shards, metadata=metadata, root=root if root is not None else stored_root
         )
@@ -432,14 +422,12 @@ def _read_text(path: str, policy: RetryPolicy, storage_options: dict[str, Any]) 
             f"manifest file not found: {shown}; hint: check the path (or URL) of the manifest JSON"
         ) from None
     except IsADirectoryError:
-        raise ManifestError(redact_text(_folder_given(path))) from None
+        raise ManifestError(_folder_given(path)) from None  # redacted as every DetdataError
     except (NotADirectoryError, PermissionError) as exc:
         raise ManifestError(
-            redact_text(
-                f"cannot read manifest {shown}: {type(exc).__name__}: "
-                f"{exc.strerror or exc}; hint: pass the manifest JSON file "
-                "(e.g. DIR/manifest.json), readable by this user"
-            )
+            f"cannot read manifest {shown}: {type(exc).__name__}: "
+            f"{exc.strerror or exc}; hint: pass the manifest JSON file "
+            "(e.g. DIR/manifest.json), readable by this user"
         ) from None
 
 
@@ -459,6 +447,21 @@ def _read_files(
         if head is not None:
             return {"head": canonical_json(head), "columns": columns}
     return {"json": _read_text(path, policy, storage_options)}
+
+
+def document_fields(
+    doc: dict[str, Any], where: str
+) -> tuple[tuple[ShardEntry, ...], dict[str, Any], str | None]:
+    """``(shards, metadata, root)`` of a manifest (or part) document, each checked."""
+    shards_doc, metadata, root = doc.get(K_SHARDS), doc.get(K_METADATA, {}), doc.get(K_ROOT)
+    if not isinstance(shards_doc, list):
+        raise ManifestError(f"{where}: field 'shards' must be a list")
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{where}: field 'metadata' must be an object")
+    if root is not None and not isinstance(root, str):
+        raise ManifestError(f"{where}: field 'root' must be a string or null")
+    shards = tuple(ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc))
+    return shards, metadata, root
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -1,18 +1,11 @@
 """One manifest read per node (docs/design.md, "One manifest read per node").
 
-Under a ``torch.distributed`` group of more than one rank, the ranks of one node loading
-the same manifest file (same path and file identity; a URL without credentials) meet under
-a key of the group's store. The first to claim it reads the manifest (its JSON, or a fast
-form's columns and the JSON's head), writes copies named for their blake3 into
-``manifests/`` of this user's private cache folder and publishes only the digests; the
-other ranks map the copies from their own cache folder and use them only when their
-digest is the one published.
-
-A wrong guess costs a read, never a wrong byte: a missing, torn or changed copy, another
-cache folder, a folder others can write, a reader that waited past the store's timeout,
-a link or pipe planted at a copy's name: each rank then reads the manifest itself (with a
-warning or one log line). A reader's error is raised on every rank of the node. Without a
-group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
+Under a ``torch.distributed`` group of more than one rank, the first rank of a node to
+claim a load of a manifest file reads it, writes copies named for their blake3 into
+``manifests/`` of this user's private cache folder and publishes their digests; the other
+ranks map the copies and use them only when their digest is the published one. A wrong
+guess costs a read, never a wrong byte; a reader's error is raised on every rank of the
+node. Without a group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, BinaryIO, Final
+from typing import Any, Final
 
 import blake3
 
@@ -154,46 +147,36 @@ def _write_copy(files: dict[str, bytes]) -> tuple[dict[str, str] | None, dict[st
     paths = _copy_paths(digests, folder)
     try:
         for kind, data in sorted(files.items()):
-            _keep_or_write(paths[kind], data, digests[kind])
+            with contextlib.suppress(FileNotFoundError):
+                mode = os.lstat(paths[kind]).st_mode
+                if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                    os.unlink(paths[kind])  # a link or a pipe is never written through
+            with contextlib.suppress(OSError, ValueError):
+                if _file_digest(paths[kind])[0] == digests[kind]:
+                    continue  # a copy an earlier start made holds it: it keeps its inode
+            atomic_write_bytes(paths[kind], data)
     except (OSError, DetdataError) as exc:
         _log_once(folder, f"cannot write the node copy of a manifest there ({exc})")
         return None, {}
     return digests, paths
 
 
-def _keep_or_write(path: str, data: bytes, digest: str) -> None:
-    """Write ``data`` to ``path`` atomically, unless the file there already holds it (its
-    blake3 is ``digest``: a copy an earlier start made keeps its inode)."""
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.lstat(path).st_mode
-        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            os.unlink(path)  # a link or a pipe is never written through: a copy is a file
-    with contextlib.suppress(OSError, ValueError):
-        if _file_digest(path)[0] == digest:
-            return
-    atomic_write_bytes(path, data)
-
-
 def _file_digest(path: str, keep: bool = False) -> tuple[str, bytes]:
     """blake3 of the file at ``path``, hashed through a mapping, and its bytes where
-    ``keep`` (else b""); `OSError` unless a regular file, `ValueError` when empty."""
-    with _open_file(path) as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
-
-
-def _open_file(path: str) -> BinaryIO:
-    """``path`` opened for reading, refused (`OSError`) unless a regular file, not a link
-    (a pipe is opened without waiting for a writer)."""
+    ``keep`` (else b""); `OSError` unless a regular file, not a link (a pipe is opened
+    without waiting for a writer), `ValueError` when empty."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{path} is not a regular file")
-    return os.fdopen(fd, "rb")
+    with os.fdopen(fd, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return blake3.blake3(mm).hexdigest(), bytes(mm) if keep else b""
 
 
 def _map_copy(digests: object, path: str) -> NodeSource | None:
     """The reader's node copy, mapped and checked against the digests it published; None
-    (and a warning naming the copy) where it is missing, torn or other bytes."""
+    (and a warning naming the copy, both digests and the manifest) where it is missing,
+    torn or other bytes."""
     if not isinstance(digests, dict) or set(digests) not in _SHAPES:
         return None  # the reader made no copy (or sent something else): read it yourself
     if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests.values()):
@@ -204,32 +187,22 @@ def _map_copy(digests: object, path: str) -> NodeSource | None:
     paths = _copy_paths(digests, folder)
     data: dict[str, bytes] = {}
     for kind, want in sorted(digests.items()):
-        found = _mapped(paths[kind], want, path, keep=kind in _AS_BYTES)
-        if found is None:
+        try:  # mapped, not read; the columns' bytes are not kept
+            found, data[kind] = _file_digest(paths[kind], keep=kind in _AS_BYTES)
+        except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
+            found = f"unreadable ({type(exc).__name__}: {exc})"
+        if found != want:
+            warnings.warn(
+                redact_text(
+                    f"node copy {paths[kind]} of manifest {redact_url(path)} refused: blake3 "
+                    f"{found}, but the rank that read the manifest for this node published "
+                    f"{want} (a torn or changed copy, or another cache folder); reading the "
+                    "manifest itself instead"
+                ),
+                stacklevel=3,
+            )
             return None
-        if kind in _AS_BYTES:
-            data[kind] = found
-    return NodeSource(paths, data)
-
-
-def _mapped(copy: str, want: str, path: str, *, keep: bool) -> bytes | None:
-    """The bytes of ``copy`` (mapped, not read; ``keep=False``: b"") when their blake3 is
-    ``want``, else None with a warning naming the copy, both digests and the manifest."""
-    try:
-        found, data = _file_digest(copy, keep)
-    except (OSError, ValueError) as exc:  # missing, or empty (no map of 0 bytes)
-        found = f"unreadable ({type(exc).__name__}: {exc})"
-    if found == want:
-        return data
-    warnings.warn(
-        redact_text(
-            f"node copy {copy} of manifest {redact_url(path)} refused: blake3 {found}, but "
-            f"the rank that read the manifest for this node published {want} (a torn or "
-            "changed copy, or another cache folder); reading the manifest itself instead"
-        ),
-        stacklevel=4,
-    )
-    return None
+    return NodeSource(paths, {k: v for k, v in data.items() if k in _AS_BYTES})
 
 
 def copy_folder() -> str | None:

@@ -1,11 +1,7 @@
-"""Partial manifests: hash disjoint shard lists on different machines, merge into one manifest.
-
-`build_part` hashes part ``index`` of ``count`` of the sorted shard listing (a
-contiguous slice every machine computes the same way; the part records the listing's
-digest) or an explicit ``paths`` list into a `ManifestPart`. `merge_manifests` puts
-parts (and/or manifests) together into the `Manifest` a one-machine `build_manifest`
-gives: same entries, same id. A part is saved as JSON of kind ``detdata.manifest-part``
-(which `Manifest.load` refuses), its root without credentials.
+"""Partial manifests: hash disjoint shard lists on different machines, merge into one manifest
+(docs/design.md, "Hashing across machines"): the merge of the parts is the `Manifest` a
+one-machine `build_manifest` gives, same entries, same id. A part is saved as JSON of kind
+``detdata.manifest-part`` (which `Manifest.load` refuses), its root without credentials.
 """
 
 from __future__ import annotations
@@ -17,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from detdata.base.canonical import canonical_json
+from detdata.base.checks import check_count, check_positive_int
 from detdata.base.errors import ConfigError, ManifestError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import redact_url, strip_credentials
 from detdata.identity.build import canonical, hash_entries, shard_names
 from detdata.identity.entry import FORMAT_VERSION, ShardEntry
 from detdata.identity.formats import Format, parse_format
-from detdata.identity.manifest import Manifest
+from detdata.identity.manifest import Manifest, document_fields
 from detdata.storage.fs import filesystem, read_file_retrying
 from detdata.storage.retry import RetryPolicy, check_policy
 
@@ -105,16 +102,7 @@ class ManifestPart:
         unknown = sorted(set(doc) - _KEYS)
         if unknown:
             raise ManifestError(f"{where}: unknown fields {unknown}")
-        shards_doc = doc.get("shards")
-        if not isinstance(shards_doc, list):
-            raise ManifestError(f"{where}: field 'shards' must be a list")
-        shards = tuple(
-            ShardEntry.from_json(s, f"{where} shard #{i}") for i, s in enumerate(shards_doc)
-        )
-        metadata = doc.get("metadata", {})
-        root = doc.get("root")
-        if root is not None and not isinstance(root, str):
-            raise ManifestError(f"{where}: field 'root' must be a string or null")
+        shards, metadata, root = document_fields(doc, where)
         part = doc.get("part")
         index = count = listing = None
         if part is not None:
@@ -125,8 +113,6 @@ class ManifestPart:
                 raise ManifestError(f"{where}: part index and count must be integers")
             if not isinstance(listing, str):
                 raise ManifestError(f"{where}: part listing must be a digest string")
-        if not isinstance(metadata, dict):
-            raise ManifestError(f"{where}: field 'metadata' must be an object")
         return cls(
             shards=shards, metadata=metadata, root=root, index=index, count=count, listing=listing
         )
@@ -157,10 +143,8 @@ def listing_digest(rels: Sequence[str]) -> str:
 
 def split_listing(rels: Sequence[str], index: int, count: int) -> list[str]:
     """Part ``index`` of ``count`` of the sorted listing: a contiguous slice, sizes within 1."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ConfigError(f"part count must be an integer >= 1, got {count!r}")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
-        raise ConfigError(f"part index must be an integer in [0, {count}), got {index!r}")
+    count = check_positive_int(count, "part count")
+    index = check_count(index, "part index", minimum=0, maximum=count - 1)
     ordered = sorted(rels)
     n = len(ordered)
     return ordered[index * n // count : (index + 1) * n // count]

@@ -1,10 +1,8 @@
-"""Shard paths stored in compressed blocks: the path table of a fast-form manifest.
+"""Shard paths stored in compressed blocks: the path table of a fast-form manifest
+(docs/design.md section 8, "Start-up at scale").
 
-Contract: docs/design.md section 8 ("Start-up at scale"). Sorted paths share long
-prefixes: `PATH_BLOCK` of them compressed together take a few bytes a shard, and one
-path costs one block's decompression. A block is ``zlib(u32 length of each path,
-little-endian) + (the UTF-8 paths))``; block ``b`` holds shards ``[b * PATH_BLOCK,
-(b + 1) * PATH_BLOCK)``, the last one fewer.
+A block is ``zlib(u32 length of each path, little-endian) + (the UTF-8 paths))``; block
+``b`` holds shards ``[b * PATH_BLOCK, (b + 1) * PATH_BLOCK)``, the last one fewer.
 """
 
 from __future__ import annotations

@@ -3,23 +3,21 @@
 Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
 verification, receipts"; "Receipts: what they prove, and what they do not").
 
-`verify_job` is what `Manifest.verify` runs. Under a ``torch.distributed`` group of more
-than one rank each (manifest, root, level) is verified once per node for a local root
-(once per job for a URL root, or with ``DETDATA_VERIFY_SCOPE=job``), the first rank to
-claim it sharing the shards with the others and every rank receiving the verdict; without
-a group, processes of one machine take turns on a lock next to the receipt.
-
-A receipt (under ``DETDATA_RECEIPTS``, ``off`` disables them) records, per shard, the
-identity of what was checked (a local ``stat`` taken before the read; an object store's
-ETag / generation / version id), tagged under this user's key (`detdata.identity.local_key`).
-A restart reads only the shards whose identity changed. A receipt is only ever an
-optimisation: a missing, stale or forged one means every shard is read.
+`verify_job` is what `Manifest.verify` runs: under a ``torch.distributed`` group of more
+than one rank, once per node for a local root, once per job for a URL root or with
+``DETDATA_VERIFY_SCOPE=job`` (`detdata.identity.shared`); without a group, processes of
+one machine take turns on a lock next to the receipt. A receipt (under
+``DETDATA_RECEIPTS``, ``off`` disables them) records each shard's identity (a local
+``stat`` before the read; an object store's ETag / generation / version id), tagged under
+this user's key (`detdata.identity.local_key`): a restart reads only the shards whose
+identity changed, and a missing, stale or forged receipt means every shard is read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import hmac
 import json
 import os
@@ -41,13 +39,20 @@ from detdata.identity import shared
 from detdata.identity.columns import ShardTable
 from detdata.identity.columns_tie import check_json, verify_columns_id
 from detdata.identity.entry import STRENGTH, ShardEntry, ShardList, Verify
-from detdata.identity.local_ids import FIELDS, LocalIds, checked_paths
-from detdata.identity.local_ids import RACY_S as RACY_S
-from detdata.identity.local_ids import identity_digests as identity_digests
-from detdata.identity.local_ids import local_identities as local_identities
 from detdata.identity.local_key import key_id, keyed, local_key
 from detdata.identity.parallel import map_in_threads
-from detdata.identity.shared_pass import entries_at, settle, slice_check
+from detdata.identity.shared import (
+    FIELDS,
+    Check,
+    LocalIds,
+    checked_paths,
+    entries_at,
+    settle,
+    slice_check,
+)
+from detdata.identity.shared import RACY_S as RACY_S
+from detdata.identity.shared import identity_digests as identity_digests
+from detdata.identity.shared import local_identities as local_identities
 from detdata.identity.verify import verify_manifest
 from detdata.storage.atomic import atomic_write_bytes
 from detdata.storage.boot import boot_id
@@ -106,22 +111,15 @@ def verify_job(
     what the others do not claims it and does it alone; a rank that finds the work
     claimed waits for the claimant's verdict however long it takes."""
 
-    def check(entries: Sequence[ShardEntry]) -> VerificationError | None:
-        """The first failure of `verify_manifest` over ``entries`` (in path order), or None."""
-        try:
-            verify_manifest(
-                manifest,
-                level,
-                shards=entries,
-                threads=threads,
-                progress=progress,
-                retry=retry,
-                **storage_options,
-            )
-        except VerificationError as exc:
-            return exc
-        return None
-
+    check: Check = functools.partial(
+        verify_manifest,
+        manifest,
+        level,
+        threads=threads,
+        progress=progress,
+        retry=retry,
+        **storage_options,
+    )
     args = (manifest, level, check, threads, storage_options, use_receipt)
     # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)
@@ -247,13 +245,17 @@ def verify_with_receipt(
         )
         if not tie:  # the very file the receipt's full check read: read without its chunks
             _vouch(manifest, columns)
+        else:  # the JSON's tie first: a few bytes a shard, and names the edited field
+            check_json(cast(ShardTable, manifest.shards))
         now: LocalIds | list[str | None] | None = None
         local = path is None or is_local_fs(fs)
         if split is not None and local and _reads_all(old, level) and len(manifest.shards):
             todo = np.arange(len(manifest.shards), dtype=np.int64)
             ids = path is not None
             plan = shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns, ids=ids, tie=tie)
-            now = _first_start(manifest, plan, split, root)
+            now = split(plan, root)  # every shard checked by the job's ranks in one pass
+            if tie:
+                _vouch(manifest, columns)
         else:
             if path is None:  # receipts disabled: no identities to take, every shard is read
                 todo = np.arange(len(manifest.shards), dtype=np.int64)
@@ -264,7 +266,15 @@ def verify_with_receipt(
                     paths = checked_paths(manifest.shards, 0, len(manifest.shards), not tie)
                     now = remote_identities(fs, root, paths, threads)
                 todo = _changed(old, now, level)
-            _check_changed(manifest, todo, tie, columns, check, split, ranks, root)
+            if split is not None and todo.size:  # shared with the job's ranks
+                if tie:
+                    verify_columns_id(cast(ShardTable, manifest.shards))
+                    _vouch(manifest, columns)
+                split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
+            elif tie:
+                _tie_and_verify(manifest, todo, check)
+            elif todo.size:
+                _verify_shards(manifest, todo, check)
         if path is None or now is None:
             return columns
         # nothing read again: the recorded level still holds for every shard
@@ -281,47 +291,6 @@ Split = Callable[[shared.SlicePlan, str], "LocalIds | None"]
 def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
     """Whether every shard is read whatever the files' identities (`_changed`)."""
     return old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]
-
-
-def _first_start(
-    manifest: ShardList, plan: shared.SlicePlan, split: Split, root: str
-) -> LocalIds | None:
-    """Every shard checked by the job's ranks in one pass (`detdata.identity.shared_pass`);
-    returns the files' identities the takers took (an ``ids`` plan)."""
-    if plan.tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
-        check_json(cast(ShardTable, manifest.shards))
-    now = split(plan, root)
-    if plan.tie:
-        _vouch(manifest, plan.columns)
-    return now
-
-
-def _check_changed(
-    manifest: ShardList,
-    todo: npt.NDArray[np.int64],
-    tie: bool,
-    columns: list[Any] | None,
-    check: Check,
-    split: Split | None,
-    ranks: int,
-    root: str,
-) -> None:
-    """Check the shards ``todo`` (a fast form's tie first where ``tie``), shared with the
-    job's ranks by ``split`` where given."""
-    if tie:  # the JSON's tie first: a few bytes a shard, and names the edited field
-        check_json(cast(ShardTable, manifest.shards))
-    if split is not None and todo.size:
-        if tie:
-            verify_columns_id(cast(ShardTable, manifest.shards))
-            _vouch(manifest, columns)
-        split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
-    elif tie:
-        _tie_and_verify(manifest, todo, check)
-    elif todo.size:
-        _verify_shards(manifest, todo, check)
-
-
-Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
 def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:

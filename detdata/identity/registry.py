@@ -36,11 +36,12 @@ from typing import Any, Final, TypeVar
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, ManifestError, RegistryError
 from detdata.base.hashing import is_digest
-from detdata.base.redact import redact_text, redact_url, scrub_exception, strip_credentials
+from detdata.base.redact import redact_url, scrub_exception, strip_credentials
 from detdata.identity.columns import ColumnsFile, ShardTable, columns_path
 from detdata.identity.manifest import Manifest
 from detdata.storage.atomic import TEMP_PREFIX, atomic_write_bytes
 from detdata.storage.fs import call_fs, filesystem, is_url
+from detdata.storage.locks import hold, let_go, open_lock_file
 from detdata.storage.retry import RetryPolicy, check_policy
 
 T = TypeVar("T")
@@ -80,17 +81,6 @@ def split_name(name: object) -> tuple[str, str | None]:
 
 class BareNameWarning(UserWarning):
     """`Registry.resolve` was given a bare name: it took the latest version (named)."""
-
-
-def full_name(name: object) -> tuple[str, str]:
-    """Like `split_name` but the version is required."""
-    base, version = split_name(name)
-    if version is None:
-        raise RegistryError(
-            f"registry name {name!r} has no version; hint: register as "
-            f"'{base}@v1' (resolve accepts a bare name for the latest version)"
-        )
-    return base, version
 
 
 def check_id(manifest_id: object) -> str:
@@ -142,15 +132,9 @@ class _Ref:
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
-            if (
-                doc["kind"] != REF_KIND
-                or doc["format_version"] != REF_VERSION
-                or doc["name"] != name
-            ):
-                raise ValueError(
-                    f"kind/format_version/name {doc['kind']!r}/"
-                    f"{doc['format_version']!r}/{doc['name']!r}"
-                )
+            head = (doc["kind"], doc["format_version"], doc["name"])
+            if head != (REF_KIND, REF_VERSION, name):
+                raise ValueError("kind/format_version/name " + "/".join(map(repr, head)))
             if not isinstance(doc["history"], list):
                 raise ValueError("field 'history' must be a list")
             events = tuple(
@@ -164,23 +148,6 @@ class _Ref:
             raise RegistryError(
                 f"reference {name!r} is corrupted ({exc}); hint: re-register it with force=True"
             ) from None
-
-
-def _check_registry_root(root: object) -> str:
-    """The registry root to use for the ``root`` argument (``None``: `default_root`)."""
-    if root is None:
-        return default_root()
-    if isinstance(root, os.PathLike):
-        root = os.fspath(root)
-    if not isinstance(root, str):
-        raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
-    if not root.strip():
-        raise ConfigError(
-            f"Registry(root={root!r}): the registry root is empty; hint: pass a "
-            "directory or URL, or root=None for the default "
-            f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
-        )
-    return root
 
 
 def _check_ns(value: object) -> int:
@@ -214,7 +181,19 @@ class Registry:
         retry: RetryPolicy | None = None,
         **storage_options: Any,
     ) -> None:
-        self.root = _check_registry_root(root).rstrip("/") or "/"
+        if root is None:
+            root = default_root()
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str):
+            raise ConfigError(f"Registry(root=...) must be a path or URL string, got {root!r}")
+        if not root.strip():
+            raise ConfigError(
+                f"Registry(root={root!r}): the registry root is empty; hint: pass a "
+                "directory or URL, or root=None for the default "
+                f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
+            )
+        self.root = root.rstrip("/") or "/"
         self._options = storage_options
         self.retry = check_policy(retry)
         self._fs, self._path = filesystem(self.root, **storage_options)
@@ -255,13 +234,11 @@ class Registry:
     def _os_error(self, what: str, path: str, exc: OSError) -> RegistryError:
         scrub_exception(exc)
         return RegistryError(
-            redact_text(
-                f"registry {self._shown}: {what} of {path} failed: "
-                f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
-                "files are written only by detdata: remove or repair whatever is "
-                "in their place (a directory, a file where a folder belongs) and "
-                "check permissions"
-            )
+            f"registry {self._shown}: {what} of {path} failed: "
+            f"{type(exc).__name__}: {exc.strerror or exc}; hint: registry "
+            "files are written only by detdata: remove or repair whatever is "
+            "in their place (a directory, a file where a folder belongs) and "
+            "check permissions"
         )
 
     def _cat(self, path: str) -> bytes:
@@ -293,7 +270,12 @@ class Registry:
     ) -> str:
         """Store the manifest (or load it from a path) and point ``name@version`` at its id;
         return the id. Re-pointing at a different id is a `RegistryError` unless ``force``."""
-        base, version = full_name(name)
+        base, version = split_name(name)
+        if version is None:
+            raise RegistryError(
+                f"registry name {name!r} has no version; hint: register as "
+                f"'{base}@v1' (resolve accepts a bare name for the latest version)"
+            )
         manifest = manifest_or_path
         if isinstance(manifest, str):
             manifest = Manifest.load(manifest, verify=verify, retry=self.retry, **self._options)
@@ -573,29 +555,23 @@ class Registry:
         if not self._local:
             yield
             return
-        import fcntl
+        lock = os.path.join(self._path, ".lock")
 
-        directory = self._path
-        lock = os.path.join(directory, ".lock")
+        def stalled(waited: float) -> None:
+            if waited > _LOCK_TIMEOUT_S:
+                raise RegistryError(
+                    f"registry {self._shown} is locked by another writer for "
+                    f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
+                    "for a hung process"
+                )
+
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+            os.makedirs(self._path, exist_ok=True)
+            fd = open_lock_file(lock)
+        except OSError as exc:  # a planted link or folder (`StorageError`) included
             raise self._os_error("locking", lock, exc) from exc
+        hold(fd, stalled)
         try:
-            deadline = time.monotonic() + _LOCK_TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RegistryError(
-                            f"registry {self._shown} is locked by another writer for "
-                            f"over {_LOCK_TIMEOUT_S:.0f}s; hint: retry, or check "
-                            "for a hung process"
-                        ) from None
-                    time.sleep(0.01)
             yield
         finally:
-            os.close(fd)
+            let_go(fd)

@@ -1,20 +1,20 @@
 """Verification shared by the job's ranks (docs/design.md, "Verification once per job").
 
-The claimant (`detdata.identity.receipts.job_meeting`) publishes a *plan* of the shards to
-read under the meeting's key; every rank opening the same manifest takes slices of it (one
-atomic ``add`` each) until none is left, so each shard is read by one rank, while a rank
-alone checks it all, waiting for nobody. A failing slice is published with the rank that
-found it; the claimant raises the first failure in path order and publishes that verdict,
-which every rank raises. Verdicts cross the store as JSON, never pickle.
+The claimant (`detdata.identity.receipts.job_meeting`) publishes a plan of the shards to
+read; every rank opening the same manifest takes slices of it (`take_slices`), at a first
+start in one pass with their tie parts and files' identities (`slice_check`); the claimant
+settles the verdict (`settle`: the tie first, then the first failure in path order), which
+every rank raises. Verdicts cross the store as JSON, never pickle.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,7 +23,11 @@ import numpy.typing as npt
 
 from detdata.base import errors
 from detdata.base.canonical import canonical_json
-from detdata.base.errors import DetdataError
+from detdata.base.errors import DetdataError, VerificationError
+from detdata.identity.columns import ShardTable
+from detdata.identity.columns_tie import check_tie_parts, tie_part
+from detdata.identity.entry import ShardEntry, ShardList
+from detdata.storage.fs import check_relative_path, join
 
 #: Slices per taking rank, about: small enough to balance ranks of different speed.
 SLICES_PER_RANK: Final = 4
@@ -31,7 +35,8 @@ SLICES_PER_RANK: Final = 4
 Indices = npt.NDArray[np.int64]
 
 
-#: a plan's JSON fields
+#: a plan's JSON fields; `TIE` and `IDS` also name the extras a taker publishes per slice
+#: (its tie part, its files' identities)
 RUNS: Final = "runs"
 SIZE: Final = "size"
 COLUMNS: Final = "columns"
@@ -40,6 +45,7 @@ TIE: Final = "tie"
 
 #: what a slice's taker publishes next to its verdict: ``{key}/{name}/{slice}``
 Extras = dict[str, bytes]
+Check = Callable[[Sequence[ShardEntry]], VerificationError | None]
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ class SlicePlan:
     """The shards to check (``todo``, ascending), ``size`` of a slice, and the fast form's
     ``columns`` identity the claimant vouched for (None: none). ``ids`` / ``tie``: each
     taker also takes its slices' file identities / part of the fast form's tie
-    (`detdata.identity.shared_pass`)."""
+    (`slice_check`)."""
 
     todo: Indices
     size: int
@@ -201,3 +207,118 @@ def error_class(name: str) -> type[DetdataError] | None:
     if isinstance(found, type) and issubclass(found, DetdataError):
         return found
     return None
+
+
+#: an identity taken this soon after the file's last change is not recorded
+RACY_S: Final = 2.0
+#: columns of a local identity: size, mtime_ns, ctime_ns, inode, device (-1: not recorded)
+FIELDS: Final = 5
+NOT_RECORDED: Final = -1
+MISSING: Final = -2
+
+LocalIds = npt.NDArray[np.int64]
+
+
+def local_identities(root: str, paths: Sequence[str]) -> LocalIds:
+    """``(size, mtime_ns, ctime_ns, inode, device)`` per shard file under ``root``, from
+    ``stat`` (a row of -2: missing; -1: changed within `RACY_S`, not to be recorded)."""
+    out = np.full((len(paths), FIELDS), MISSING, dtype=np.int64)
+    racy = time.time_ns() - int(RACY_S * 1e9)
+    stat = os.stat
+    prefix = join(root, "")
+    for i, rel in enumerate(paths):
+        try:
+            st = stat(prefix + rel)
+        except OSError:
+            continue
+        if max(st.st_mtime_ns, st.st_ctime_ns) >= racy:
+            out[i] = NOT_RECORDED
+            continue
+        out[i] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    return out
+
+
+def identity_digests(ids: LocalIds) -> npt.NDArray[np.uint64]:
+    """A 64-bit digest of each local identity row (splitmix64 rounds over its fields; 0:
+    not recorded), what a receipt stores."""
+    h = np.full(ids.shape[0], 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for col in range(ids.shape[1]):
+        h ^= ids[:, col].view(np.uint64)
+        h ^= h >> np.uint64(30)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    h[ids[:, 0] < 0] = 0
+    return h
+
+
+def checked_paths(shards: Sequence[ShardEntry], lo: int, hi: int, checked: bool) -> list[str]:
+    """Paths of shards ``[lo, hi)``; a fast form's each checked as a path under the root
+    unless ``checked`` (`check_relative_path`, as `ShardTable.path` does)."""
+    if not isinstance(shards, ShardTable):  # entries: checked where parsed
+        return [s.path for s in shards[lo:hi]]
+    paths = shards.paths_between(lo, hi)
+    if not checked:
+        where = f"manifest columns {shards.columns.path}"
+        for i, rel in enumerate(paths, start=lo):
+            check_relative_path(rel, where=f"{where} shard #{i}")
+    return paths
+
+
+def entries_at(manifest: ShardList, picked: npt.NDArray[np.int64]) -> tuple[ShardEntry, ...]:
+    """The entries of shards ``picked`` (ascending): a fast form's decoded in bulk from the
+    range they span when they are dense in it, else one by one (none kept cached)."""
+    shards = manifest.shards
+    index = picked.tolist()
+    if not isinstance(shards, ShardTable):
+        return tuple(shards[i] for i in index)
+    lo, hi = index[0], index[-1] + 1
+    if len(index) * 8 > hi - lo:
+        span = shards.entries_between(lo, hi)
+        return tuple(span[i - lo] for i in index)
+    return tuple(shards.entries_between(i, i + 1)[0] for i in index)
+
+
+def slice_check(manifest: ShardList, plan: SlicePlan, root: str, check: Check) -> SliceCheck:
+    """What a taker does with a slice of ``plan`` (`SliceCheck`):
+    its tie part (even once stopped: the tie's verdict comes first), then, unless stopped,
+    the identities of its files under ``root`` and ``check`` of its entries."""
+
+    def one(at: npt.NDArray[np.int64], stopped: bool) -> tuple[Exception | None, Extras]:
+        if stopped and not plan.tie:
+            return None, {}
+        entries = entries_at(manifest, at)
+        extras: Extras = {}
+        if plan.tie:
+            extras[TIE] = tie_part(entries)
+        if stopped:
+            return None, extras
+        if plan.ids:
+            # a fast form's paths checked first where its tie is not checked yet
+            paths = checked_paths(manifest.shards, int(at[0]), int(at[-1]) + 1, not plan.tie)
+            extras[IDS] = local_identities(root, paths).astype("<i8").tobytes()
+        try:
+            return check(entries), extras
+        except Exception as exc:  # an I/O error, say: the slice's verdict, its tie part kept
+            return exc, extras
+
+    return one
+
+
+def settle(store: Any, key: str, plan: SlicePlan, manifest: ShardList) -> LocalIds | None:
+    """The claimant's verdict once every slice of ``plan`` is done: the tie's error, then the
+    first failure in path order; else the identities gathered (None: not an ``ids`` plan)."""
+    found = first_failure(store, key, plan)
+    if plan.tie:
+        parts = gathered(store, key, plan, TIE)
+        if parts is not None:  # else a slice failed before its part: that failure is the verdict
+            assert isinstance(manifest.shards, ShardTable)
+            check_tie_parts(manifest.shards, parts)
+    if found is not None:
+        raise found
+    if not plan.ids:
+        return None
+    rows = gathered(store, key, plan, IDS)
+    assert rows is not None  # every slice passed, so every taker published its rows
+    return np.frombuffer(b"".join(rows), dtype="<i8").astype(np.int64).reshape(-1, FIELDS)

@@ -1,15 +1,10 @@
 """`TextTokenizer`: a Hugging Face ``tokenizers`` tokenizer pinned by its content.
 
-Text read at run time (`detdata.datasets.text.TextDocuments`) is tokenised by a
-``tokenizer.json`` (nothing is downloaded); a document's tokens are ``[bos] +
-encode(text).ids + [eos]``. Its identity (part of the dataset's, so of a loader state's
-checked ``data`` field; docs/design.md "Raw text") is plain JSON of: ``whole_b3`` and
-one digest per section (`SECTIONS`; the whole sorts after them, so a refused resume
-names the section), ``truncation`` / ``padding``, the library and its version, and
-the options that change the output (``add_special_tokens``, ``bos``, ``eos``,
-``encode_special_tokens``: always True, so special tokens written in the text are
-encoded as plain text). A bos / eos id among a document's text tokens is refused
-where it is indexed (`inner_marker`).
+A document's tokens are ``[bos] + encode(text).ids + [eos]`` from a ``tokenizer.json``
+(nothing is downloaded). Its identity (docs/design.md "Raw text": in the loader state's
+checked ``data`` field) is plain JSON of ``whole_b3``, one digest per section
+(`SECTIONS`; the whole sorts after them, so a refused resume names the section) and every
+option that changes a token.
 """
 
 from __future__ import annotations
@@ -61,7 +56,13 @@ class TextTokenizer:
         except ValueError as exc:
             raise ConfigError(f"tokenizer: not a tokenizer.json ({exc})") from None
         self._tokenizer: Tokenizer | None = None
-        _check_no_padding(self.document)
+        if isinstance(self.document, Mapping) and self.document.get("padding") is not None:
+            raise ConfigError(
+                f"tokenizer: padding is enabled ({self.document['padding']!r}); a document's "
+                "tokens would depend on the batch it is encoded in; hint: call "
+                'tokenizer.no_padding() (or set "padding": null in the tokenizer.json): '
+                "packing needs no padding"
+            )
         if not isinstance(add_special_tokens, bool):
             raise ConfigError(
                 f"add_special_tokens must be True or False, got {add_special_tokens!r}"
@@ -150,16 +151,6 @@ class TextTokenizer:
             if marker is not None and bool((body == marker).any()):
                 return name, marker
         return None
-
-
-def _check_no_padding(document: Mapping[str, Any]) -> None:
-    """`ConfigError` naming ``padding`` when the tokenizer pads."""
-    if isinstance(document, Mapping) and document.get("padding") is not None:
-        raise ConfigError(
-            f"tokenizer: padding is enabled ({document['padding']!r}); a document's tokens "
-            "would depend on the batch it is encoded in; hint: call tokenizer.no_padding() "
-            '(or set "padding": null in the tokenizer.json): packing needs no padding'
-        )
 
 
 def _tokenizer_json(source: object) -> str:

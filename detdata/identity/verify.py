@@ -1,15 +1,10 @@
 """Verifying shard bytes against a manifest's entries (docs/design.md section 1).
 
 ``quick`` compares each shard's size and quick digest, ``full`` also re-hashes every
-byte against its blake3, ``off`` reads nothing. Every shard is checked; the
-`VerificationError` raised names the first bad one in path order, with its ``shard``,
-``field`` (``exists``, ``bytes``, ``quick`` or ``blake3``), ``expected`` and ``found``.
-
-Each checked byte is read once (docs/design.md, "Verification reads each checked byte
-once"): a shard of at most `SMALL_SHARD` bytes is read and hashed whole. Remote shards
-are read in concurrent batches of range requests, each one byte past the expected end
-so that a size change shows; an error or size change is looked into per shard, retried
-(`check_bytes`), to report exact values.
+byte against its blake3. Every shard is checked; the `VerificationError` raised names the
+first bad one in path order, with its ``shard``, ``field`` (``exists``, ``bytes``,
+``quick`` or ``blake3``), ``expected`` and ``found``. Each checked byte is read once
+(docs/design.md, "Verification reads each checked byte once").
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from typing import Any, Final
 from detdata.base.errors import ConfigError, VerificationError
 from detdata.base.hashing import QUICK_SPAN, digest_bytes, quick_digest_parts
 from detdata.base.redact import redact_url
-from detdata.identity.entry import ShardEntry, ShardList, Verify, parse_verify
+from detdata.identity.entry import ShardEntry, ShardList, Verify
 from detdata.identity.parallel import map_in_threads
 from detdata.storage.digest import digest_retrying, full_digest_fd
 from detdata.storage.fs import (
@@ -44,27 +39,33 @@ BATCH_BYTES: Final = 64 << 20
 
 def verify_manifest(
     manifest: ShardList,
-    mode: str | Verify = Verify.QUICK,
+    mode: Verify,
+    shards: Sequence[ShardEntry],
     *,
-    shards: Sequence[ShardEntry] | None = None,
-    threads: int = 8,
-    progress: bool | None = None,
-    retry: RetryPolicy | None = None,
+    threads: int,
+    progress: bool | None,
+    retry: RetryPolicy | None,
     **storage_options: Any,
-) -> None:
-    """Check the bytes under ``manifest.root`` of ``shards`` (default: all of them, in path
-    order); see the module docstring."""
-    mode = parse_verify(mode)
-    shards = manifest.shards if shards is None else shards
-    if mode is Verify.OFF:
-        return
+) -> VerificationError | None:
+    """The first failure in path order (None: none) of the bytes under ``manifest.root`` of
+    ``shards`` (some of its entries, in path order) at ``mode`` (quick or full)."""
     if manifest.root is None:
         raise ConfigError("cannot verify a manifest without a root")
     fs, root = filesystem(manifest.root, **storage_options)
     policy = check_policy(retry)
     shown = redact_url(manifest.root)
     if is_local_fs(fs):
-        _check_root_exists(root, shards, shown)
+        if shards and not os.path.isdir(root):  # every shard missing: said once, of the root
+            first = shards[0]
+            return VerificationError(
+                f"root {shown!r} does not exist, so all {len(shards)} shards of the "
+                f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
+                "Storage(root=...) or detdata verify --root)",
+                shard=first.path,
+                field="exists",
+                expected=True,
+                found=False,
+            )
         results = map_in_threads(
             lambda s: check_local(join(root, s.path), s, mode, f"shard {s.path} (under {shown})"),
             shards,
@@ -74,24 +75,7 @@ def verify_manifest(
         )
     else:
         results = _verify_remote(fs, root, manifest, shards, mode, policy, threads, progress)
-    for err in results:
-        if err is not None:
-            raise err
-
-
-def _check_root_exists(root: str, shards: Sequence[ShardEntry], shown: str) -> None:
-    """A `VerificationError` (field ``exists``) naming a local root that is not a folder."""
-    if shards and not os.path.isdir(root):
-        first = shards[0]
-        raise VerificationError(
-            f"root {shown!r} does not exist, so all {len(shards)} shards of the "
-            f"manifest are missing (first: {first.path}); {missing_folder_hint(root)} (root=, "
-            "Storage(root=...) or detdata verify --root)",
-            shard=first.path,
-            field="exists",
-            expected=True,
-            found=False,
-        )
+    return next((err for err in results if err is not None), None)
 
 
 def check_local(path: str, shard: ShardEntry, mode: Verify, where: str) -> VerificationError | None:
@@ -186,22 +170,26 @@ def _verify_remote(
             elif isinstance(verdict, VerificationError):
                 results[i] = verdict
 
+    def retried(s: ShardEntry) -> dict[str, Any]:
+        return {"policy": policy, "shard": s.path, "url": manifest.url(s)}
+
     def again_one(i: int) -> VerificationError | None:
+        """One shard with timed-out, retried reads: size, quick digest, (full) blake3."""
         s = shards[i]
-        return check_remote(fs, join(root, s.path), s, mode, manifest.url(s), policy)
+        path, kw = join(root, s.path), retried(s)
+        return check_bytes(
+            s,
+            mode,
+            _where(manifest, s),
+            size=lambda: size_retrying(fs, path, **kw),
+            quick=lambda n: digest_retrying(fs, path, n, full=False, **kw),
+            full=lambda n: digest_retrying(fs, path, n, full=True, **kw),
+        )
 
     def full_one(i: int) -> VerificationError | None:
         """The blake3 check of a large shard whose size and quick digest matched."""
         s = shards[i]
-        found = digest_retrying(
-            fs,
-            join(root, s.path),
-            s.bytes,
-            full=True,
-            policy=policy,
-            shard=s.path,
-            url=manifest.url(s),
-        )
+        found = digest_retrying(fs, join(root, s.path), s.bytes, full=True, **retried(s))
         return mismatch(s, "blake3", found, _where(manifest, s)) if found != s.blake3 else None
 
     for indices, check, desc in (
@@ -261,23 +249,6 @@ def _judge(
 
 def _where(manifest: ShardList, shard: ShardEntry) -> str:
     return f"shard {shard.path} ({redact_url(manifest.url(shard))})"
-
-
-def check_remote(
-    fs: Any, path: str, shard: ShardEntry, mode: Verify, url: str, policy: RetryPolicy
-) -> VerificationError | None:
-    """One remote shard with timed-out, retried reads: size, quick digest, (full) blake3."""
-    name = shard.path
-    return check_bytes(
-        shard,
-        mode,
-        f"shard {name} ({redact_url(url)})",
-        size=lambda: size_retrying(fs, path, policy=policy, shard=name, url=url),
-        quick=lambda n: digest_retrying(
-            fs, path, n, full=False, policy=policy, shard=name, url=url
-        ),
-        full=lambda n: digest_retrying(fs, path, n, full=True, policy=policy, shard=name, url=url),
-    )
 
 
 def check_bytes(

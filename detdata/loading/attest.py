@@ -20,8 +20,9 @@ from detdata.base.errors import StateError
 from detdata.base.redact import get_logger
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
+from detdata.loading.history import is_count
 from detdata.loading.reading import Reads
-from detdata.loading.trace.digests import position_digests
+from detdata.loading.trace.digests import is_hex_digest, position_digests
 
 log = get_logger("detdata.loader")
 
@@ -30,7 +31,6 @@ ATTESTED: Final = 4
 K_FIRST: Final = "first"  # global position of the first attested sample
 K_SAMPLES: Final = "samples"  # one blake3 hex per attested position, in order
 K_GROUP: Final = "group"  # blake3 hex of the batch-level leaves of the group, or None
-_HEX: Final = frozenset("0123456789abcdef")
 #: The ``attestation`` field of a state that attests nothing: the same keys as one that does,
 #: so that a fresh loader's state is a template of a saved one (torch.distributed.checkpoint
 #: loads into the template's keys).
@@ -76,20 +76,16 @@ class Attestation:
         return cls(int(value[K_FIRST]), tuple(value[K_SAMPLES]), value[K_GROUP])
 
 
-def _is_hex(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
-
-
 def _problem(value: object) -> str:
     """What is wrong with a saved attestation ("" when nothing)."""
     if not isinstance(value, Mapping) or set(value) != {K_FIRST, K_SAMPLES, K_GROUP}:
         return f"must be an object with keys {[K_FIRST, K_SAMPLES, K_GROUP]}"
     first, samples, group = value[K_FIRST], value[K_SAMPLES], value[K_GROUP]
-    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+    if not is_count(first):
         return f"{K_FIRST!r} must be a non-negative integer"
     if not isinstance(samples, list) or not 0 < len(samples) <= ATTESTED:
         return f"{K_SAMPLES!r} must list 1 to {ATTESTED} digests"
-    if not all(_is_hex(s) for s in samples) or not (group is None or _is_hex(group)):
+    if not all(is_hex_digest(s) for s in samples) or not (group is None or is_hex_digest(group)):
         return "holds a digest that is not 64 lowercase hex digits"
     if first + len(samples) > MAX_POSITION:
         return "attests positions past the last addressable one, 2**62 - 1"

@@ -14,7 +14,7 @@ import functools
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, StateError
@@ -38,15 +38,24 @@ _KEYS: Final = (K_POSITION, K_STEP, K_BATCH, K_WORLD, K_MICRO)
 _CHANGE_KEYS: Final = (K_FIELD, K_POSITION, K_STEP, K_OLD, K_NEW)
 
 
+def is_count(value: object, minimum: int = 0) -> TypeGuard[int]:
+    """``value`` is a JSON-plain int ``>= minimum`` (a bool is not): the one check of the int
+    fields of the documents detdata reads back (state, history, attestation, trace)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _checked_int(doc: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
     """``doc[key]``, an int ``>= minimum`` (`StateError` naming ``where.key`` otherwise)."""
     value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         kind = "positive" if minimum else "non-negative"
-        raise StateError(
-            f"{where}.{key} must be a {kind} integer, found {value!r}", fields=(K_HISTORY,)
-        )
+        raise history_error(f"{where}.{key} must be a {kind} integer, found {value!r}")
     return value
+
+
+def history_error(message: str) -> StateError:
+    """The `StateError` of a loader state's ``history`` (its ``fields`` name it)."""
+    return StateError(message, fields=(K_HISTORY,))
 
 
 def seal(history: object) -> str:
@@ -72,10 +81,9 @@ class Change:
     def from_json(cls, doc: Mapping[str, Any], i: int) -> Change:
         where = f"loader state history[{i}]"
         if set(doc) != set(_CHANGE_KEYS) or not isinstance(doc[K_FIELD], str):
-            raise StateError(
+            raise history_error(
                 f"{where} (a change) must be an object with the keys {list(_CHANGE_KEYS)} and "
-                f"a field name, found {doc!r:.120}",
-                fields=(K_HISTORY,),
+                f"a field name, found {doc!r:.120}"
             )
         return cls(
             field=doc[K_FIELD],
@@ -115,9 +123,8 @@ class Entry:
     def from_json(cls, doc: object, i: int) -> Entry:
         where = f"loader state history[{i}]"
         if not isinstance(doc, Mapping) or set(doc) != set(_KEYS):
-            raise StateError(
-                f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}",
-                fields=(K_HISTORY,),
+            raise history_error(
+                f"{where} must be an object with the keys {list(_KEYS)}, found {doc!r:.120}"
             )
         position, step = _checked_int(doc, K_POSITION, where), _checked_int(doc, K_STEP, where)
         world, micro = (
@@ -126,7 +133,7 @@ class Entry:
         try:
             schedule = BatchSchedule.from_json(doc[K_BATCH])
         except ConfigError as exc:
-            raise StateError(f"{where}.{K_BATCH}: {exc}", fields=(K_HISTORY,)) from None
+            raise history_error(f"{where}.{K_BATCH}: {exc}") from None
         return cls(
             position=position,
             step=step,
@@ -258,11 +265,10 @@ class Plan:
         # a weight change lies at a step's first position: it is never inside a step
         inside = [c for c in self.changes if c.position > position and c.field != K_WEIGHTS]
         if inside:
-            raise StateError(
+            raise history_error(
                 f"cannot re-deliver the step from position {position}: the history records "
                 f"{inside[0].describe()}, inside that step; hint: load_state_dict(state, "
-                "mid_step='continue') resumes where the state was saved",
-                fields=(K_HISTORY,),
+                "mid_step='continue') resumes where the state was saved"
             )
         keep = tuple(e for e in self.entries if e.position <= position)
         later = [e for e in self.entries if e.position > position]
@@ -332,9 +338,8 @@ class Plan:
     def from_json(cls, doc: object) -> Plan:
         """Parse and check a state's history (`StateError` naming ``history``)."""
         if not isinstance(doc, list) or not doc:
-            raise StateError(
-                f"loader state field {K_HISTORY!r} must be a non-empty list, found {doc!r:.80}",
-                fields=(K_HISTORY,),
+            raise history_error(
+                f"loader state field {K_HISTORY!r} must be a non-empty list, found {doc!r:.80}"
             )
         parsed = [
             Change.from_json(d, i)
@@ -346,42 +351,35 @@ class Plan:
         entries = tuple(e for e in parsed if isinstance(e, Entry))
         changes = tuple(c for c in parsed if isinstance(c, Change))
         if not entries:
-            raise StateError(
-                "loader state history holds changes but no batch entry", fields=(K_HISTORY,)
-            )
+            raise history_error("loader state history holds changes but no batch entry")
         if (entries[0].position, entries[0].step) != (0, 0):
-            raise StateError(
-                "loader state history[0] must start at position 0, step 0", fields=(K_HISTORY,)
-            )
+            raise history_error("loader state history[0] must start at position 0, step 0")
         for i in range(1, len(entries)):
             a, b = entries[i - 1], entries[i]
             if b.position < a.position or b.step < a.step:
-                raise StateError(
+                raise history_error(
                     f"loader state history[{i}] (position {b.position}, step {b.step}) goes "
-                    f"back from history[{i - 1}] (position {a.position}, step {a.step})",
-                    fields=(K_HISTORY,),
+                    f"back from history[{i - 1}] (position {a.position}, step {a.step})"
                 )
         try:
             plan = cls(entries, changes)
             plan.step_map  # noqa: B018  # compiled now: a bad history fails here
         except ConfigError as exc:
-            raise StateError(f"loader state history: {exc}", fields=(K_HISTORY,)) from None
+            raise history_error(f"loader state history: {exc}") from None
         for i, e in enumerate(entries):
             start, end = plan.start_of(e.step), plan.start_of(e.step + 1)
             if not start <= e.position <= end:
-                raise StateError(
+                raise history_error(
                     f"loader state history[{i}]: position {e.position} is not in step "
                     f"{e.step} (positions [{start}, {end})) of the schedules the history "
-                    "gives; the state was edited or corrupted",
-                    fields=(K_HISTORY,),
+                    "gives; the state was edited or corrupted"
                 )
         for c in changes:
             if plan.step_of(c.position) != c.step:
-                raise StateError(
+                raise history_error(
                     f"loader state history: the change {c.describe()} names step {c.step}, but "
                     f"position {c.position} is in step {plan.step_of(c.position)}; the state "
-                    "was edited or corrupted",
-                    fields=(K_HISTORY,),
+                    "was edited or corrupted"
                 )
         return plan
 
@@ -391,10 +389,9 @@ def _check_ascending(parsed: Sequence[Entry | Change]) -> None:
     for i in range(1, len(parsed)):
         a, b = parsed[i - 1], parsed[i]
         if (isinstance(a, Change) or isinstance(b, Change)) and b.position < a.position:
-            raise StateError(
+            raise history_error(
                 f"loader state history[{i}] (position {b.position}) goes back from "
-                f"history[{i - 1}] (position {a.position})",
-                fields=(K_HISTORY,),
+                f"history[{i - 1}] (position {a.position})"
             )
 
 
@@ -412,7 +409,7 @@ def upgraded_history(global_batch: object, layout: Mapping[str, Any]) -> list[di
     """The history of a state written before histories existed: one entry from position 0
     (a layout value that is not a positive int is None)."""
     sizes = {
-        k: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        k: v if is_count(v, 1) else None
         for k, v in ((K_WORLD, layout.get(K_WORLD)), (K_MICRO, layout.get(K_MICRO)))
     }
     return [{K_POSITION: 0, K_STEP: 0, K_BATCH: global_batch, **sizes}]

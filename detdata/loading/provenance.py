@@ -39,6 +39,8 @@ from detdata.order.mixing import MixtureSchedule
 #: Digest framing version of `sample_digest`.
 DIGEST_TAG: Final = b"detdata:sample-v1"
 Decode = Callable[[Mapping[str, Any]], Any]
+#: The fields of a `SampleRecord` its JSON always holds, in order (named as in the record).
+_KEYS: Final = ("position", "step", "rank", "micro_step", "row", "source", "sample_id", "digest")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,16 +70,7 @@ class SampleRecord:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (locations flattened into the record)."""
-        out: dict[str, Any] = {
-            "position": self.position,
-            "step": self.step,
-            "rank": self.rank,
-            "micro_step": self.micro_step,
-            "row": self.row,
-            "source": self.source,
-            "sample_id": self.sample_id,
-            "digest": self.digest,
-        }
+        out: dict[str, Any] = {key: getattr(self, key) for key in _KEYS}
         out.update(self.location)
         if self.replaced is not None:
             out["replaced"] = dict(self.replaced)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, DetdataError, StateError
@@ -78,6 +78,9 @@ from detdata.loading.record_format import (
     plain,
 )
 from detdata.loading.state import K_MANIFESTS
+
+#: The prefixes of the checked fields named per variable or flag (``env.NAME``, ...).
+_PREFIXES: Final = (f"{K_ENV}.", f"{K_DETERMINISM}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,7 +241,6 @@ class RunRecord:
         ``field: saved X, now Y``; each allowed one is logged (WARNING, one line per field).
         """
         old = saved if isinstance(saved, RunRecord) else RunRecord.from_json(saved)
-        allowed = _check_allow(allow)
         try:
             diffs = self.differences(old)
         except DetdataError:
@@ -248,8 +250,8 @@ class RunRecord:
                 f"the saved run record cannot be compared: {type(exc).__name__}: {exc}; it was "
                 "edited or corrupted; hint: compare with a record RunRecord.save wrote"
             ) from None
-        _check_held(allowed, {*self.fields(), *old.fields()})
-        refused = [k for k in diffs if not _is_allowed(k, allowed)]
+        allowed = self.check_allow(allow, old)
+        refused = [k for k in diffs if k not in allowed and k.split(".", 1)[0] not in allowed]
         for k in diffs:
             if k not in refused:
                 logger.warning("run record: allowed difference %s", self._describe(k, old))
@@ -272,7 +274,14 @@ class RunRecord:
         ``--allow`` on the command line) and listing the valid names. For a caller that acts
         (prints, saves) before `verify`: a misspelt name is refused before anything is done."""
         allowed = _check_allow(allow, option)
-        _check_held(allowed, {*self.fields(), *saved.fields()}, option)
+        held = {*self.fields(), *saved.fields()}
+        unheld = sorted(n for n in allowed if n.startswith(_PREFIXES) and n not in held)
+        if unheld:  # a typo there would allow nothing and say nothing
+            recorded = sorted(n for n in held if n.startswith(_PREFIXES))
+            raise ConfigError(
+                f"{option} names {unheld}, which neither run record holds; recorded: {recorded}; "
+                "hint: check the spelling, or allow the whole group ('env', 'determinism')"
+            )
         return allowed
 
     def _describe(self, name: str, saved: RunRecord) -> str:
@@ -295,39 +304,18 @@ def _normal_packages(section: Mapping[str, Any]) -> Mapping[str, Any]:
     return packages_section(package_list((name, version) for name, version in pairs))
 
 
-def _check_allow(allow: Iterable[str], option: str = "allow=") -> frozenset[str]:
+def _check_allow(allow: Iterable[str], option: str) -> frozenset[str]:
     if isinstance(allow, (str, bytes)):
         raise ConfigError(f"{option} takes a list of field names, got the string {allow!r}")
     names = frozenset(allow)
     known = {*FIELDS, *GROUPS}
-    unknown = sorted(
-        str(n)
-        for n in names
-        if n not in known and not str(n).startswith((f"{K_ENV}.", f"{K_DETERMINISM}."))
-    )
+    unknown = sorted(str(n) for n in names if n not in known and not str(n).startswith(_PREFIXES))
     if unknown:
         raise ConfigError(
             f"{option} names unknown run record fields {unknown}; known names are "
             f"{[*FIELDS, *GROUPS]}, env.NAME and determinism.NAME; hint: check the spelling"
         )
     return names
-
-
-def _check_held(allowed: frozenset[str], held: set[str], option: str = "allow=") -> None:
-    """`ConfigError` for an ``env.NAME`` / ``determinism.NAME`` neither record holds: a typo
-    there would allow nothing and say nothing."""
-    prefixes = (f"{K_ENV}.", f"{K_DETERMINISM}.")
-    unheld = sorted(n for n in allowed if n.startswith(prefixes) and n not in held)
-    if unheld:
-        recorded = sorted(n for n in held if n.startswith(prefixes))
-        raise ConfigError(
-            f"{option} names {unheld}, which neither run record holds; recorded: {recorded}; "
-            "hint: check the spelling, or allow the whole group ('env', 'determinism')"
-        )
-
-
-def _is_allowed(name: str, allowed: frozenset[str]) -> bool:
-    return name in allowed or ("." in name and name.split(".", 1)[0] in allowed)
 
 
 def _short(value: Any) -> str:

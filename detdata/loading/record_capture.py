@@ -19,6 +19,7 @@ from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError
 from detdata.base.hashing import digest_bytes
 from detdata.base.redact import get_logger
+from detdata.loading.history import is_count
 from detdata.loading.record_format import (
     EXECUTION_KEYS,
     K_DIGEST,
@@ -162,11 +163,6 @@ def lock_hashes(
     return out
 
 
-def normalise_name(name: str) -> str:
-    """PEP 503 normalised distribution name."""
-    return _NAME_RUN.sub("-", name).lower()
-
-
 def normalise_version(version: str) -> str:
     """``version`` in PEP 440 normal form (``1.0RC1``, ``v1.0-rc.1`` -> ``1.0rc1``;
     ``1.0-1`` -> ``1.0.post1``; ``01.2`` -> ``1.2``; ``0!1.0`` -> ``1.0``; ``1.0+Ubuntu-01``
@@ -198,10 +194,12 @@ def _number(digits: str | None) -> str:
 
 
 def package_list(pairs: Iterable[tuple[str, str]]) -> list[list[str]]:
-    """``[[name, version], ...]`` of ``(name, version)`` pairs: names PEP 503 normalised
-    (`normalise_name`), versions in PEP 440 normal form (`normalise_version`), sorted and
-    de-duplicated: two spellings of one version record alike."""
-    found = {(normalise_name(name), normalise_version(version)) for name, version in pairs}
+    """``[[name, version], ...]`` of ``(name, version)`` pairs: names PEP 503 normalised, versions
+    in PEP 440 normal form (`normalise_version`), sorted and de-duplicated: two spellings of
+    one version record alike."""
+    found = {
+        (_NAME_RUN.sub("-", name).lower(), normalise_version(version)) for name, version in pairs
+    }
     return [list(p) for p in sorted(found)]
 
 
@@ -404,7 +402,7 @@ def execution_section(
         out["workers"] = layout.get("num_workers")
         out["worker_mode"] = layout.get("worker_mode")
         gbs: Any = state.get("global_batch_size")
-        if _positive(gbs) and _positive(micro) and _positive(world):
+        if is_count(gbs, 1) and is_count(micro, 1) and is_count(world, 1):
             out["accumulation"] = gbs // (micro * world)
     unknown = sorted(set(given or {}) - set(EXECUTION_KEYS))
     if unknown:
@@ -413,7 +411,3 @@ def execution_section(
         )
     out.update(dict(given or {}))
     return out
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -13,7 +13,7 @@ from detdata.base.canonical import canonical_json
 from detdata.base.errors import ConfigError, StateError
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.capabilities import Reweights, reweights
-from detdata.loading.history import K_WEIGHTS, Change, Plan
+from detdata.loading.history import K_WEIGHTS, Change, Plan, history_error
 from detdata.order.mixing import rational
 
 
@@ -92,11 +92,10 @@ def _weights_of(change: Change) -> dict[str, str]:
     if not isinstance(new, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in new.items()
     ):
-        raise StateError(
+        raise history_error(
             f"loader state history: the change {change.describe()} must give the new "
             f"{K_WEIGHTS} as {{source: 'p/q'}}, found {new!r:.80}; the state was edited or "
-            "corrupted",
-            fields=("history",),
+            "corrupted"
         )
     return dict(new)
 

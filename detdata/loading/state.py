@@ -22,7 +22,16 @@ from detdata.base.hashing import digest_bytes
 from detdata.base.types import MAX_POSITION
 from detdata.datasets.exclusions import FIELD, split_identity
 from detdata.loading.attest import Attestation
-from detdata.loading.history import K_HISTORY, K_SEAL, K_WEIGHTS, Plan, seal, upgraded_history
+from detdata.loading.history import (
+    K_HISTORY,
+    K_SEAL,
+    K_WEIGHTS,
+    Plan,
+    history_error,
+    is_count,
+    seal,
+    upgraded_history,
+)
 from detdata.loading.steps import K_STEP_POSITION, MidStep, StepPosition, log, resume_position
 from detdata.order.batches import BatchSchedule
 
@@ -319,7 +328,7 @@ class LoaderState:
         if missing:
             raise StateError(f"loader state is missing fields {missing}", fields=tuple(missing))
         consumed = state[K_CONSUMED]
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+        if not is_count(consumed):
             raise StateError(
                 f"loader state field {K_CONSUMED!r} must be a non-negative integer, "
                 f"found {consumed!r}",
@@ -339,6 +348,10 @@ class LoaderState:
         if not isinstance(layout, Mapping) or not isinstance(env, Mapping):
             raise StateError("loader state fields 'layout' and 'environment' must be objects")
         history = state[K_HISTORY]
+        if not isinstance(history, list):
+            raise history_error(
+                f"loader state field {K_HISTORY!r} must be a list, found {history!r:.80}"
+            )
         parsed = cls(
             samples_consumed=consumed,
             fields={k: state[k] for k in CHECKED_FIELDS},
@@ -346,15 +359,10 @@ class LoaderState:
             layout=layout,
             env=env,
             upgraded_from=upgraded_from,
-            history=tuple(history) if isinstance(history, list) else (),
+            history=tuple(history),
             history_b3=state[K_SEAL] if isinstance(state[K_SEAL], str) else repr(state[K_SEAL]),
             attestation=Attestation.from_json(state[K_ATTESTATION]),
         )
-        if not isinstance(history, list):
-            raise StateError(
-                f"loader state field {K_HISTORY!r} must be a list, found {history!r:.80}",
-                fields=(K_HISTORY,),
-            )
         parsed._check_consistent()
         parsed._check_history()
         return parsed
@@ -387,12 +395,11 @@ class LoaderState:
             )
         self._check_changes(plan)
         if self.history_b3 != seal([dict(e) for e in self.history]):
-            raise StateError(
+            raise history_error(
                 f"loader state is inconsistent: its {K_HISTORY!r} does not match its seal "
                 f"{K_SEAL!r} ({self.history_b3!r:.80}); the history was edited (an entry "
                 "dropped, added or changed); hint: use the state exactly as "
-                "DataLoader.state_dict() returned it",
-                fields=(K_HISTORY,),
+                "DataLoader.state_dict() returned it"
             )
 
     def _check_changes(self, plan: Plan) -> None:
@@ -413,10 +420,9 @@ class LoaderState:
                     f"starts from {c.old!r:.80}, but the change before left {now[c.field]!r:.80}"
                 )
             if problem is not None:
-                raise StateError(
+                raise history_error(
                     f"loader state history: the change {c.describe()} {problem}; the state was "
-                    "edited or corrupted",
-                    fields=(K_HISTORY,),
+                    "edited or corrupted"
                 )
             now[c.field] = c.new
         for key, value in now.items():

@@ -18,6 +18,7 @@ from detdata.datasets.capabilities import DatasetInfo, HasOrigins, Origins, info
 from detdata.datasets.exclusions import Excluded
 from detdata.datasets.mixture import Mixture
 from detdata.datasets.packed import PackedWindows
+from detdata.loading.history import is_count
 from detdata.loading.provenance import positions_seen
 
 _CHUNK: Final = 1 << 20  # positions whose origins are counted at once
@@ -37,7 +38,7 @@ def tokens_per_sample(dataset: Dataset, name: str) -> int:
             "PackedWindows); subclass DatasetInfo and give your dataset a tokens_per_sample "
             "property",
         )
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_count(value, 1):
         raise ConfigError(
             f"source {name!r} ({type(dataset).__name__}): tokens_per_sample must be a "
             f"positive int, found {value!r:.40}"

@@ -69,7 +69,7 @@ def counted(cls, name, tag):
 import detdata.datasets.documents as documents_module
 import detdata.datasets.packed as packed_module
 
-counted(Documents, "_build_table", "documents")  # reads every shard: once per job
+counted(Documents, "_build", "documents")  # reads every shard: once per job
 for module in (documents_module, packed_module):  # an index written: once per job each
     save = module.save_index
     def saving(index_dir, name, *args, _save=save, **kwargs):

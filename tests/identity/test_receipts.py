@@ -7,7 +7,7 @@ Bytes read are measured outside the code under test: for local files by the kern
 the servers by a TCP proxy in front of them (`tests.faultproxy`: bytes sent to the
 client).
 
-Covers: detdata/identity/local_ids.py (the ``stat`` identities a local receipt records).
+Covers: detdata/identity/shared.py (the ``stat`` identities a local receipt records).
 """
 
 from __future__ import annotations

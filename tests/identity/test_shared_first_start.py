@@ -11,7 +11,7 @@ with that rank (the one whose ``stat`` took the shard's identity). In process: t
 from parts cut anywhere is the manifest's id, and tampered parts are refused as
 `verify_columns_id` refuses tampered columns.
 
-Covers: detdata/identity/shared_pass.py, detdata/identity/columns_tie.py.
+Covers: detdata/identity/shared.py, detdata/identity/columns_tie.py.
 """
 
 from __future__ import annotations

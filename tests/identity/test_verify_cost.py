@@ -148,9 +148,9 @@ def test_a_verified_object_is_not_verified_again(
     calls: list[str] = []
     real = verifier.verify_manifest
 
-    def spy(m: Manifest, mode: Any, **kw: Any) -> None:
+    def spy(m: Manifest, mode: Any, *args: Any, **kw: Any) -> Any:
         calls.append(str(Verify(mode).value))
-        real(m, mode, **kw)
+        return real(m, mode, *args, **kw)
 
     monkeypatch.setattr(verifier, "verify_manifest", spy)
     reg = Registry(str(root.parent / "reg"))

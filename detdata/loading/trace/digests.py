@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import blake3
 import numpy as np
@@ -22,7 +22,14 @@ SUM_MODULUS: Final = 1 << 256
 #: Hex digits of a digest sum in a record.
 HEX_DIGITS: Final = 64
 _TAG: Final = b"detdata-trace-v2\0"
+_HEX: Final = frozenset("0123456789abcdef")
 _SCALARS: Final = (str, bytes, bool, int, float, type(None))
+
+
+def is_hex_digest(value: object) -> TypeGuard[str]:
+    """``value`` is `HEX_DIGITS` lowercase hex digits: a digest sum of a trace record, a sample
+    digest of an attestation."""
+    return isinstance(value, str) and len(value) == HEX_DIGITS and _HEX.issuperset(value)
 
 
 @dataclass(frozen=True)

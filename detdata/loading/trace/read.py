@@ -7,10 +7,15 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from detdata.base.errors import ConfigError, FormatError
-from detdata.loading.trace.digests import HEX_DIGITS, READABLE_VERSIONS, TRACE_VERSION
+from detdata.loading.history import is_count
+from detdata.loading.trace.digests import READABLE_VERSIONS, TRACE_VERSION, is_hex_digest
+
+#: A record's int fields and their minimums (named as in `Record`), and those format 3 added.
+_V2_INTS: Final = (("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1))
+_V3_INTS: Final = (("step_at", 0), ("micro", 0))
 
 
 @dataclass(frozen=True)
@@ -38,30 +43,18 @@ class Record:
         return self.step if self.next < self.step_at + self.gbs else self.step + 1
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "v": self.version,
-            "rank": self.rank,
-            "step": self.step,
-            "at": self.at,
-            "next": self.next,
-            "gbs": self.gbs,
-            "pos": [list(r) for r in self.runs],
-            "cols": dict(self.cols),
-            "batch_b3": {k: f"{v:064x}" for k, v in self.sums.items()},
-        }
+        out: dict[str, Any] = {"v": self.version, **{k: getattr(self, k) for k, _ in _V2_INTS}}
+        out["pos"] = [list(r) for r in self.runs]
+        out["cols"] = dict(self.cols)
+        out["batch_b3"] = {k: f"{v:064x}" for k, v in self.sums.items()}
         if self.version >= 3:
-            out["step_at"] = self.step_at
-            out["micro"] = self.micro
+            out.update({k: getattr(self, k) for k, _ in _V3_INTS})
         if self.restored:
             out["restored"] = True
         return out
 
     def describe(self) -> str:
         return f"{self.where}: " + json.dumps(self.to_json(), sort_keys=True)
-
-
-def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _bad(where: str, what: str) -> FormatError:
@@ -78,7 +71,9 @@ def _runs(where: str, pos: Any, at: int, nxt: int) -> tuple[tuple[int, int], ...
         )
     runs = []
     for run in pos:
-        if not (isinstance(run, list) and len(run) == 2 and _is_int(run[0]) and _is_int(run[1], 1)):
+        if not (
+            isinstance(run, list) and len(run) == 2 and is_count(run[0]) and is_count(run[1], 1)
+        ):
             raise _bad(
                 where, f"field 'pos' must hold [first, count] pairs of integers, found {run!r:.60}"
             )
@@ -98,11 +93,7 @@ def _digests(where: str, cols: Any, sums: Any) -> tuple[dict[str, str], dict[str
         raise _bad(where, "field 'batch_b3' must have one digest per leaf named in 'cols'")
     out = {}
     for name, text in sums.items():
-        if not (
-            isinstance(text, str)
-            and len(text) == HEX_DIGITS
-            and all(c in "0123456789abcdef" for c in text)
-        ):
+        if not is_hex_digest(text):
             raise _bad(
                 where, f"batch_b3[{name!r}] must be 64 lowercase hex digits, found {text!r:.80}"
             )
@@ -122,11 +113,8 @@ def parse_record(doc: Any, where: str) -> Record:
             f"{list(READABLE_VERSIONS)} (version 1 traces held one record per step and cannot "
             "be compared; re-record)",
         )
-    ints = [("rank", 0), ("step", 0), ("at", 0), ("next", 1), ("gbs", 1)]
-    if version >= 3:
-        ints += [("step_at", 0), ("micro", 0)]
-    for key, minimum in ints:
-        if not _is_int(doc.get(key), minimum):
+    for key, minimum in _V2_INTS + (_V3_INTS if version >= 3 else ()):
+        if not is_count(doc.get(key), minimum):
             raise _bad(
                 where, f"field {key!r} must be an integer >= {minimum}, found {doc.get(key)!r:.60}"
             )

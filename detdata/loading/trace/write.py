@@ -58,23 +58,13 @@ class TraceWriter:
 
     The loader calls ``add`` for each micro batch *before* it is counted and delivered (if it
     raises, nothing was written: the batch must not be delivered), ``restore`` after a state
-    was loaded and ``close`` at the end. Without a ``span`` (`StepSpan`), ``add`` assumes one
-    constant ``global_batch_size`` and ``samples_per_micro_step`` (then both are needed).
+    was loaded and ``close`` at the end.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        rank: int,
-        *,
-        global_batch_size: int | None = None,
-        samples_per_micro_step: int | None = None,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], rank: int) -> None:
         p = os.fspath(path)
         self.path = p if rank == 0 else f"{p}.rank{rank}"
         self.rank = rank
-        self.global_batch_size = global_batch_size
-        self.samples_per_micro_step = samples_per_micro_step
         self._restored = False
         self._fd: int | None = _open_append(self.path)
 
