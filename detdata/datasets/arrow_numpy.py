@@ -5,14 +5,14 @@ types `to_numpy` cannot convert; `arrow_kind` says from the Arrow type what a co
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 
 from detdata.base.errors import FormatError
 from detdata.base.lazy import pa
-from detdata.base.types import IntArray
-from detdata.datasets.batch_columns import describe_dtype
+from detdata.datasets.batch_columns import describe_dtype, object_array
 
 
 def one_chunk(column: pa.ChunkedArray) -> pa.Array:
@@ -82,8 +82,10 @@ def _list_to_numpy(array: pa.Array, where: str, ragged: bool) -> np.ndarray[Any,
     if values.null_count:
         raise FormatError(f"{where}: {values.null_count} null value(s) inside lists")
     flat = numbers(values)
-    if ragged:
-        return _object_rows(flat, lengths)
+    if ragged:  # read-only views: these rows are cached; `TableRows.read` delivers copies
+        flat.flags.writeable = False
+        ends = (offsets - offsets[0]).tolist()
+        return object_array([flat[a:b] for a, b in itertools.pairwise(ends)])
     if size is not None:  # nothing to compare
         return flat.reshape(rows, size)
     if rows and int(lengths.min()) != int(lengths.max()):
@@ -102,17 +104,6 @@ def _column(where: str) -> str:
     """The column name a ``where`` text (``shard S row group G column 'NAME'``) ends with."""
     _, sep, tail = where.rpartition("column ")
     return tail.strip("'\"") if sep and tail else "tokens"
-
-
-def _object_rows(flat: np.ndarray[Any, Any], lengths: IntArray) -> np.ndarray[Any, Any]:
-    """Object array of 1-D read-only views (the explicitly requested slow path for ragged
-    lists). Read-only: these rows are cached; `TableRows.read` delivers copies."""
-    flat.flags.writeable = False
-    out = np.empty(len(lengths), dtype=object)
-    bounds = np.cumsum(lengths)[:-1]
-    for i, part in enumerate(np.split(flat, bounds)):
-        out[i] = part
-    return out
 
 
 def arrow_kind(kind: pa.DataType, ragged: bool) -> str | None:

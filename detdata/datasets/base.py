@@ -89,7 +89,6 @@ class ArrayDataset:
         return self._n
 
     def __len__(self) -> int:
-        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
         return self.num_samples
 
     def read(self, ids: IntArray) -> Batch:

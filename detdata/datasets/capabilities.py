@@ -1,30 +1,22 @@
-"""What a stream or dataset declares it can do, beyond the `Stream` / `Dataset` protocols.
+"""What a stream or dataset declares it can do, beyond the `Stream` / `Dataset` protocols
+(docs/architecture.md "Adding a stream").
 
-Everything beyond `Stream` / `Dataset` is one of five *capabilities*, each a small
-`typing.Protocol` checked with ``isinstance`` (never an attribute probe). A call that needs
-one (or a member without a default) raises `CapabilityError` naming it, its members, the
-type that lacks it and a hint (`missing`); where a default exists it applies.
+Each of the five *capabilities* is a small `typing.Protocol` checked with ``isinstance``
+(never an attribute probe). A call that needs one (or a member without a default) raises
+`CapabilityError` naming it, its members, the type that lacks it and a hint (`missing`).
 
-=================  ==========================  ===========================================
-capability         provided by                 without it
-=================  ==========================  ===========================================
-`HasOrigins`       `OrderedStream`, `Mixture`, needed by provenance, exclusions and
-                   `Excluded`                  ``tokens_consumed``; the shard-cache
-                                               prefetch sees no dataset (none is prefetched)
-`ContinuesFrom`    `Mixture`, `Excluded`       needed by a resume that allows a
-                                               ``mixture`` or ``exclusions`` change
-`Reweights`        `Mixture`, `Excluded`       needed by a weight change (`reweights`)
-`ReadsAhead`       `OrderedStream`,            optional: no read-ahead hint
-                   `TokenWindows`              (`hint_read_ahead`)
-`DatasetInfo`      `TokenWindows`,             each member has its default (`info`):
-                   `TableRows`,                ``tokens_per_sample`` None (needed by
-                   `PackedWindows`             ``tokens_consumed``), ``shard_sizes`` /
-                                               ``row_group_sizes`` None (needed by
-                                               ``LocalityOrder``), ``schema()`` None (a
-                                               `Mixture` reads sample 0 to learn columns),
-                                               ``provenance(ids)`` None (records carry no
-                                               shard or range), ``use_order`` does nothing
-=================  ==========================  ===========================================
+=================  ===========================================  ==========================
+capability         provided by                                  without it
+=================  ===========================================  ==========================
+`HasOrigins`       `OrderedStream`, `Mixture`, `Excluded`       no provenance, exclusions,
+                                                                ``tokens_consumed`` or
+                                                                shard-cache prefetch
+`ContinuesFrom`    `Mixture`, `Excluded`                        no ``mixture`` /
+                                                                ``exclusions`` change
+`Reweights`        `Mixture`, `Excluded`                        no weight change
+`ReadsAhead`       `OrderedStream`, `TokenWindows`              no read-ahead hint
+`DatasetInfo`      `TokenWindows`, `TableRows`, `PackedWindows` each member's default
+=================  ===========================================  ==========================
 
 ``tests/datasets/test_capabilities.py`` pins what each built-in type declares.
 """

@@ -36,7 +36,6 @@ import numpy.typing as npt
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError, FormatError
-from detdata.base.groupby import stable_groups
 from detdata.base.lazy import ipc, pa, pq
 from detdata.base.progress import progress
 from detdata.base.types import IntArray
@@ -60,8 +59,6 @@ from detdata.identity.formats import Format, disk_dtype
 from detdata.identity.manifest import Manifest
 from detdata.order.memo import LruCache
 
-#: Up to this many touched shards, `Documents.gather` splits tokens with boolean masks.
-_MASK_UNITS: Final = 8
 #: Decoded Parquet row groups kept per process.
 _PARQUET_GROUPS: Final = 8
 #: `Documents.copy_ranges` copies ranges one slice at a time when they average at least
@@ -375,26 +372,12 @@ class Documents(CorpusBase):
         return found
 
     def gather(self, index: IntArray) -> np.ndarray[Any, Any]:
-        """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``."""
+        """The corpus tokens at ``index`` (1-D int64 in ``[0, num_tokens)``), in ``out_dtype``:
+        `copy_ranges` of one-token ranges."""
         index = np.asarray(index, dtype=np.int64)
         out = np.empty(index.size, dtype=self.out_dtype)
-        if not index.size:
-            return out
-        unit = np.searchsorted(self._unit_base, index, side="right").astype(np.int64) - 1
-        lo, hi = int(unit.min()), int(unit.max())
-        if lo == hi:
-            out[:] = self._gather_unit(lo, index - self._unit_base[lo])
-            return out
-        touched = np.flatnonzero(np.bincount(unit - lo)) + lo
-        if touched.size <= _MASK_UNITS:  # a few masks beat a stable argsort of every token
-            for u in touched.tolist():
-                rows = unit == u
-                out[rows] = self._gather_unit(u, index[rows] - self._unit_base[u])
-            return out
-        groups = stable_groups(unit)
-        local = index[groups.order] - self._unit_base[groups.sorted_keys]
-        for u, a, b in groups.spans:
-            out[groups.order[a:b]] = self._gather_unit(u, local[a:b])
+        ones = np.ones(index.size, dtype=np.int64)
+        self.copy_ranges(index, ones, np.arange(index.size, dtype=np.int64), out)
         return out
 
     def copy_ranges(
@@ -442,23 +425,6 @@ class Documents(CorpusBase):
             mine = slice(None) if len(groups) == 1 else group == g
             values = self._group_values(unit, g)
             _copy_from(values, local[mine] - bases[g], count[mine], target[mine], out)
-
-    def _gather_unit(self, u: int, local: IntArray) -> np.ndarray[Any, Any]:
-        unit = self._refreshed(u)
-        if unit.kind != "table":
-            return self._token_view(unit)[local]
-        bases = self._bases(u)
-        group = np.searchsorted(bases, local, side="right").astype(np.int64) - 1
-        g0, g1 = int(group.min()), int(group.max())
-        if g0 == g1:
-            picked: np.ndarray[Any, Any] = self._group_values(unit, g0)[local - bases[g0]]
-            return picked
-        out = np.empty(local.size, dtype=np.dtype(unit.dtype))
-        runs = stable_groups(group)
-        inner = local[runs.order] - bases[runs.sorted_keys]
-        for g, a, b in runs.spans:
-            out[runs.order[a:b]] = self._group_values(unit, g)[inner[a:b]]
-        return out
 
     def _token_view(self, unit: Unit) -> np.ndarray[Any, Any]:
         """The tokens of a token-file unit: a read-only view of its memory map (size-checked)."""

@@ -6,10 +6,9 @@ stream, else a `Mixture` source name), addressed by the blake3 of its canonical 
 on. A position ``g`` whose sample is excluded delivers the first of the draws ``r_k =
 u64le⁻¹(blake3(b"detdata:exclude-v1" + u64le(seed) + u64le(g) + u64le(k))[:8]) mod n_s``,
 ``k = 0, 1, ...`` (``n_s`` the samples of its source, ``seed`` the wrapped stream's) that
-is not excluded at ``g``; every other position keeps its sample. The identity holds the
-wrapped stream and ``[{"from": g, "list": digest, "count": k}]``, checked at a resume as
-``data`` and ``exclusions`` apart (`split_identity`, `Excluded.continue_from`). Why
-replacement and not a mask, and the loader-ordered case: docs/design.md, "Exclusions".
+is not excluded at ``g``; every other position keeps its sample. Why replacement and not a
+mask, the identity checked at a resume and the loader-ordered case: docs/design.md,
+"Exclusions".
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Bounded open shard handles: per dataset (`HandleLRU`, at most ``max_open_shards``) and per
-process (`ProcessHandles`: all datasets of a process together hold at most
-``max(set_max_open_shards bound, the largest max_open_shards of a live dataset)``). The
-least recently used handle is dropped to make room and re-opened on its next use; a forked
-child starts with none. The bounds never change the bytes read.
+"""Bounded open shard handles: per dataset (`HandleLRU`) and per process (`ProcessHandles`,
+bounded by `set_max_open_shards`). The least recently used handle is dropped to make room
+and re-opened on its next use; the bounds never change the bytes read.
 """
 
 from __future__ import annotations

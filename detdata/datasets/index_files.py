@@ -2,9 +2,8 @@
 function of their inputs, built once and stored under ``index_dir`` as ``NAME-<key>.npy`` +
 ``NAME-<key>.json`` (``key``: blake3 of the inputs' canonical JSON; the record holds the
 inputs, small metadata and the ``.npy``'s blake3, written last, atomically). Nothing stored
-is trusted: a load re-checks the record, the digest and the owner's recomputation
-(``check``); a file that fails is rebuilt with a warning naming it. Loaded arrays are
-read-only memory maps. Ranks opening a dataset at once take turns (`building`).
+is trusted (`load_index`; docs/design.md "Documents and packing"). Loaded arrays are
+read-only memory maps.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def load_index(
     """The stored index of ``inputs``, or None: absent, or (with a `RuntimeWarning` naming
     the file and field) not valid: the record must have exactly `RECORD_KEYS`, this layout
     and these inputs, the ``.npy`` hash to its digest (and to ``digest`` if given: a worker
-    re-loading what its parent checked), and ``check`` must pass.
-    """
+    re-loading what its parent checked), and ``check`` must pass."""
     if index_dir is None:
         return None
     npy, meta_path = _paths(index_dir, name, inputs)
@@ -204,8 +202,7 @@ def reload_index(
 ) -> np.ndarray[Any, Any]:
     """In a worker: the index array the parent checked (``digest``), from ``index_dir``;
     where it is gone or changed, rebuilt with a warning, and it must hash to ``digest``
-    (else a `VerificationError` naming the folder).
-    """
+    (else a `VerificationError` naming the folder)."""
     stored = load_index(index_dir, name, inputs, lambda _a, _m: None, digest=digest)
     if stored is not None:
         return stored.array

@@ -1,9 +1,6 @@
-"""`Mixture`: several datasets as one seeded, exact, random-access `Stream` (``mixture-v1``).
-
-The algorithm is defined, as pure functions, in `detdata.order.mixing` (golden vectors
-``tests/golden/mixture_v1.json``); this module adds what needs datasets: each source's
-`GlobalOrder`, the column checks across sources, batched reads, the identity and
-`Mixture.continue_from`.
+"""`Mixture`: several datasets as one seeded, exact, random-access `Stream` (``mixture-v1``,
+defined as pure functions in `detdata.order.mixing`); here what needs datasets: each
+source's `GlobalOrder`, the column checks across sources, batched reads, the identity.
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ class Mixture:
     relative and exact (int, decimal string, ``"p/q"``, `Fraction`, float by its repr): each
     is divided by their sum, so ``{"a": 7, "b": 3}`` and ``{"a": "0.7", "b": "0.3"}`` are one
     mixture and ``{"a": 0.7, "b": 0.2}`` means 7/9 and 2/9 (``repr`` shows the proportions
-    used). A `Stream` declaring `HasOrigins`, `ContinuesFrom` and `Reweights`; the exact
-    algorithm and proportion bound: `detdata.order.mixing`.
+    used).
 
     Every source must deliver the same columns (dtype, trailing shape, object kind):
     checked at construction (`source_columns`, a `FormatError` naming both sources and each

@@ -1,37 +1,15 @@
-"""`PackedWindows`: fixed ``seq_len`` windows packed from documents (``packing-v1``).
+"""`PackedWindows`: fixed ``seq_len`` windows packed from documents (``packing-v1``,
+defined exactly in `detdata.order.packing`; docs/design.md "Documents and packing").
 
-Window ``w`` is tokens ``[w * seq_len, w * seq_len + seq_len + labels)`` of the stream of
-(optionally shuffled, optionally BOS/EOS-wrapped) documents, split across windows where the
-boundary falls (`detdata.order.packing` defines it exactly; docs/design.md "Documents and
-packing"). Each window delivers:
-
-==================  ==========================  =========================================
-column              shape, dtype                meaning
-==================  ==========================  =========================================
-``tokens``          ``(window,)`` out dtype      the window's tokens (``window`` =
-                                                 ``seq_len + labels``)
-``doc_index``       ``(window,)`` int32          segment number within the window
-                                                 (0, 1, ...; ``-1``: padding)
-``position_ids``    ``(window,)`` int32          offset within the segment (restarts at
-                                                 each document)
-``cu_seqlens``      ``(max_segments + 1,)``      cumulative segment ends over the
-                    int32                        ``seq_len`` input tokens (flash-attention
-                                                 varlen layout); unused entries repeat
-                                                 ``seq_len``
-``num_segments``    ``()`` int32                 used segments: ``cu_seqlens[:n + 1]``
-==================  ==========================  =========================================
-
-With ``labels=True`` the model's inputs are ``tokens[:-1]`` with
-``position_ids[:-1]`` and masks from ``doc_index[:-1]`` / ``cu_seqlens``; the
-targets are ``tokens[1:]`` (a target whose ``doc_index`` differs from its
-input's crosses a document boundary). For a batch, flash-attention's varlen
-``cu_seqlens`` is the concatenation over rows ``b`` of ``cu_seqlens[b, 1 :
-num_segments[b] + 1] + b * seq_len`` after a leading 0.
-
-``max_segments`` (the width of ``cu_seqlens``) defaults to `segments_bound`; pass the same
-value to every source of a `Mixture` so their columns agree. The packing index (16 bytes a
-document) is built once or loaded from ``index_dir`` (`detdata.datasets.index_files`);
-window ``w`` is located with two ``searchsorted`` calls.
+Each window delivers ``tokens``, ``doc_index`` (segment within the window, ``-1``:
+padding), ``position_ids`` (offset within the segment), ``cu_seqlens`` (cumulative segment
+ends over the ``seq_len`` input tokens, unused entries repeat ``seq_len``) and
+``num_segments`` (``cu_seqlens[:n + 1]`` are used); shapes and dtypes: `schema`. With
+``labels=True`` the targets are ``tokens[1:]``; a batch's flash-attention varlen
+``cu_seqlens`` is a leading 0 then, over rows ``b``, ``cu_seqlens[b, 1 : num_segments[b] +
+1] + b * seq_len``. Pass one ``max_segments`` to every source of a `Mixture` so their
+columns agree. The packing index (16 bytes a document) is built once or loaded from
+``index_dir`` (`detdata.datasets.index_files`).
 """
 
 from __future__ import annotations
@@ -80,7 +58,8 @@ class PackedWindows(DatasetInfo):
     ``seed`` keys the document shuffle (``shuffle=False``: canonical document
     order). ``bos`` / ``eos``: token ids inserted before / after every document.
     ``tail``: ``"drop"`` (the last partial window is not delivered) or ``"pad"``
-    (it is, filled with ``pad_id``). ``index_dir``: where the packing index is
+    (it is, filled with ``pad_id``). ``max_segments``: the width of ``cu_seqlens``
+    (default and minimum: `segments_bound`). ``index_dir``: where the packing index is
     stored (default: ``documents.index_dir``; None: built at every construction).
     """
 
@@ -248,13 +227,11 @@ class PackedWindows(DatasetInfo):
         return self._num
 
     def __len__(self) -> int:
-        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
         return self.num_samples
 
     @property
     def tokens_per_sample(self) -> int:
-        """``seq_len``: the input tokens of a window (not the extra label token; padding is
-        subtracted by ``DataLoader.tokens_consumed``), `DatasetInfo`."""
+        """``seq_len`` (padding is subtracted by ``DataLoader.tokens_consumed``)."""
         return self.seq_len
 
     @property
@@ -265,7 +242,6 @@ class PackedWindows(DatasetInfo):
         return view
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers per row (`describe_dtype` form), without a read."""
         return {
             "tokens": describe_dtype(self.documents.out_dtype, (self.window,)),
             "doc_index": describe_dtype(np.dtype(np.int32), (self.window,)),

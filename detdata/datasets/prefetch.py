@@ -1,15 +1,11 @@
-"""`CacheAhead`: fill the shard cache from the known future of the order.
+"""`CacheAhead`: fill the shard cache from the known future of the order (docs/design.md
+"Remote reads: coalescing and lookahead prefetch": the window, its bound, releases).
 
-The order is a pure function of the position, so the shards of the coming micro steps are
-known: they are filled into the verified `ShardCache` on ``connections`` daemon threads in
-order of first use (mapped `PLAN_CHUNK` steps at a time), within a window of up to
-``steps`` micro steps whose distinct shards fit the cache bound (never below the step
-about to be read). A copy past its last use in the window is released (first to evict;
-a queued fill of it is cancelled). A failed fill is logged and dropped: the reader fetches
-the shard itself and raises at the batch that needs it. `close` cancels queued fills
-without waiting for running ones (an unclosed one is closed at exit). Prefetch decides
-only when a copy is filled, never a byte: docs/design.md "Remote reads: coalescing and
-lookahead prefetch".
+Shards are mapped `PLAN_CHUNK` micro steps at a time. A queued fill of a released copy is
+cancelled. A failed fill is logged and dropped: the reader fetches the shard itself and
+raises at the batch that needs it. `close` cancels queued fills without waiting for running
+ones (an unclosed one is closed at exit). Prefetch decides only when a copy is filled,
+never a byte.
 """
 
 from __future__ import annotations
@@ -200,13 +196,12 @@ class CacheAhead:
         self._uses_ahead: collections.deque[tuple[int, list[Key]]] = collections.deque()
         self._lock = threading.Lock()
         self._work: _Work = queue.SimpleQueue()
-        self._threads = 0  # fill threads started (daemon threads, on the first fill)
-        self._stopper: Callable[[], object] | None = None  # stops them (once)
+        self._stopper: Callable[[], object] | None = None  # stops the fill threads (once)
         self._closed = False
 
     @property
     def active(self) -> bool:
-        """Whether there is anything to prefetch (some reader uses a shard cache)."""
+        """Does some reader use a shard cache (anything to prefetch)?"""
         return bool(self.readers)
 
     def window_bytes(self) -> int:
@@ -291,16 +286,14 @@ class CacheAhead:
 
     # fills and releases -----------------------------------------------------------
     def _submit(self, key: Key) -> None:
-        if self._threads == 0:
+        if self._stopper is None:
             _OPEN.add(self)
             self._stopper = weakref.finalize(self, _stop_fills, self._work, self.connections)
             for i in range(self.connections):
                 name = f"detdata-prefetch-{i}"
-                thread = threading.Thread(
+                threading.Thread(
                     target=_run_fills, args=(self._work,), name=name, daemon=True
-                )
-                thread.start()
-                self._threads += 1
+                ).start()
         self.stats.submitted += 1
         future: Future[None] = Future()
         self._work.put((future, lambda: self._fill(key)))

@@ -184,8 +184,7 @@ class GroupSlots:
                 self._slot_of[g] = entry.slot
             entries[g] = entry  # the most recently used
             self.nbytes += charge
-            self._stamp[g] = self._tick * self._total + g
-            self._tick += 1
+            self._touch(g)
 
     def reserve(self, groups: int) -> None:
         """A read is about to `insert` up to ``groups`` groups: the next growth of the slot
@@ -291,8 +290,7 @@ class GroupSlots:
         return False
 
     def _unpool(self) -> None:
-        """Turn every group in a slot into its own arrays (charged their own bytes); drop the
-        slots."""
+        """Drop the slots: each slotted group gets its own arrays, charged their own bytes."""
         for g, entry in self._entries.items():
             if entry.slot < 0:
                 continue

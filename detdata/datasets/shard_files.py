@@ -1,14 +1,12 @@
 """`ShardFiles`: the shard files of one manifest, a part held by `TokenWindows`, `TableRows`
-and `Documents`: opened, mapped, cached and checked per process (`ProcessFiles`: the lazy
-file system, the verified `ShardCache` with ``cache_dir``, the open handles in a
-`HandleLRU`, the first-open records; pickled empty, made again after a fork).
+and `Documents`: opened, mapped, cached and checked per process (pickled empty, made again
+after a fork).
 
-A mapped file shorter than the manifest says would SIGBUS, so reads check the size first
-(`ShardFiles.check_size`); every open is compared with the file this process first opened
-(`ShardFiles.check_stat`: inode, device, size, mtime), so a shard replaced or rewritten
-during the run is a `VerificationError` naming it. A handle of a cached copy that was
-evicted or replaced is dropped and re-opened. Not caught: a replacement before the first
-open, bytes rewritten in place under a live mapping.
+Reads check a file's size before touching its mapping (`ShardFiles.check_size`: a short
+file would SIGBUS) and compare every open with the file this process first opened
+(`ShardFiles.check_stat`), so a shard replaced or rewritten during the run is a
+`VerificationError` naming it. Not caught: a replacement before the first open, bytes
+rewritten in place under a live mapping.
 """
 
 from __future__ import annotations
@@ -65,10 +63,9 @@ def resolve_manifest(manifest: Manifest | str, storage: Storage) -> Manifest:
 
 
 class ProcessFiles:
-    """This process's side of a `ShardFiles` besides its file system and shard cache: the
-    open handles (``handles``), the cached copy each open handle reads (``copies``: shard
-    -> ``(path, inode)``), the first-open records (``first``: per shard ``(inode, device,
-    mtime_ns)``) and the encoded shard names (``names``)."""
+    """This process's side of a `ShardFiles` besides its file system and shard cache:
+    ``copies``: shard -> ``(path, inode)`` of the cached copy its open handle reads;
+    ``first``: the first-open records; ``names``: `ShardFiles.encoded_names`."""
 
     __slots__ = ("copies", "first", "handles", "named", "names")
 
@@ -76,7 +73,7 @@ class ProcessFiles:
         copies: dict[int, tuple[str, int]] = {}
         self.copies = copies
         self.first = FirstOpens(sizes)
-        self.names: list[bytes] | None = None  # `ShardFiles.encoded_names`, built when needed
+        self.names: list[bytes] | None = None  # built when needed
         self.named: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)
         # an evicted handle's copy is forgotten (no reference to self)
         self.handles: HandleLRU[Any] = HandleLRU(
@@ -162,7 +159,6 @@ class ShardFiles:
 
     # handles -------------------------------------------------------------------------
     def keep(self, shard: int, handle: object) -> None:
-        """Hold ``handle`` of ``shard`` in the LRU (and the process's budget)."""
         self.local().handles.put(shard, handle)
 
     def forget(self, shard: int) -> None:
@@ -186,7 +182,6 @@ class ShardFiles:
         return filesystem(root, **self.storage.fs_options)
 
     def is_local(self) -> bool:
-        """Is the root on the local file system (read in place)?"""
         return is_local_fs(self.filesystem()[0])
 
     def uses_shard_cache(self) -> bool:
@@ -250,7 +245,6 @@ class ShardFiles:
         return path
 
     def _fill(self, cache: ShardCache, shard: int, *, background: bool) -> str:
-        """`ShardCache.path` of ``shard``: its verified copy, filled first if needed."""
         entry = self.manifest.shards[shard]
         fs, root_path = self.filesystem()
         url = redact_url(self.manifest.url(entry))
@@ -312,11 +306,9 @@ class ShardFiles:
 
     # the checks of every open ----------------------------------------------------------
     def checks(self) -> OpenChecks:
-        """The checks of the files a read opens (`detdata.storage.reads`)."""
         return OpenChecks(self.check_opened_arrays, self.check_stat, self.missing, self.short_read)
 
     def missing(self, shard: int, path: str) -> VerificationError:
-        """The error for ``shard``'s file ``path`` that is not there."""
         entry = self.manifest.shards[shard]
         return VerificationError(
             f"shard {entry.path} ({path}): missing; it was verified when the dataset "
@@ -379,18 +371,15 @@ class ShardFiles:
         return names
 
     def check_opened(self, shard: int, fd: int, path: str) -> None:
-        """At an open of ``shard``'s local file ``path`` (descriptor ``fd``): its size is the
-        manifest's, and it is the file this process first opened for the shard (same inode,
-        device and modification time), else a `VerificationError` naming the shard."""
+        """`check_stat` of the open descriptor ``fd`` of ``shard``'s file ``path``."""
         self.check_stat(shard, os.fstat(fd), path)
 
     def check_stat(self, shard: int, st: os.stat_result, path: str) -> None:
-        """`check_size`, then the file's identity against the first one this process opened
-        for ``shard`` (the first open of a file of the manifest's size records it)."""
+        """`check_size`, then a `VerificationError` unless the file is the one (inode, device,
+        mtime) this process first opened for ``shard`` (recorded at that open)."""
         self._check_identity(shard, st.st_size, _identity(st), path)
 
     def _check_identity(self, shard: int, size: int, now: tuple[int, int, int], path: str) -> None:
-        """`check_stat` of a file of ``size`` bytes and identity ``now`` (`_identity`)."""
         if size != self.sizes[shard]:
             self.check_size(shard, size, path)
         if self.cache_dir is not None and self.uses_shard_cache():

@@ -112,13 +112,9 @@ class Storage:
 
 
 def checked_storage(owner: str, storage: Storage | None, refused: Mapping[str, object]) -> Storage:
-    """The `Storage` dataset ``owner`` reads with: ``storage`` (None: ``Storage()``).
-
-    ``refused``: the keywords ``owner``'s constructor does not take (its ``**refused:
-    Never``): one in `REMOVED_KEYWORDS` is a `ConfigError` naming the field to pass in
-    ``storage=Storage(...)``, any other Python's `TypeError`. A ``storage`` that is not a
-    `Storage` is a `ConfigError`.
-    """
+    """``storage`` (None: ``Storage()``) for dataset ``owner``, else a `ConfigError`.
+    ``refused`` (``owner``'s ``**refused: Never``): one in `REMOVED_KEYWORDS` is a
+    `ConfigError` naming the field to pass instead, any other Python's `TypeError`."""
     for name in refused:
         field = REMOVED_KEYWORDS.get(name)
         if field is None:

@@ -1,10 +1,6 @@
 """`ShardWindows`: one shard's windows for `detdata.TokenWindows` (a part it holds): through
-the shard's memory map (kept in the handle LRU) or, without one, by single-file ``preadv`` s.
-
-With the handle LRU full, a shard not mapped is mapped (evicting one) only when a read
-needs at least `MAP_MIN_ROWS` of its windows and they are not `ShardWindows.covered`;
-covered windows are read with ONE ``preadv`` of their covering range, others with one each
-(a few syscalls instead of a ~40 us map + page faults + unmap).
+the shard's memory map (kept in the handle LRU) or, without one (the LRU full, and fewer
+than `MAP_MIN_ROWS` windows or `ShardWindows.covered` ones), by single-file ``preadv`` s.
 """
 
 from __future__ import annotations

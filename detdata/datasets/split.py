@@ -1,10 +1,6 @@
-"""A deterministic train/validation split (``split-v1``), keyed by content or by salted id.
-
-A sample is in validation iff ``derive_u64(SPLIT_TAG, len(salt), tail=salt + key) <
-floor(fraction * 2**64)``, ``key`` being the blake3 of the sample's framed bytes
-(`SplitKey.CONTENT`, `content_key`: survives re-ordering, re-sharding and moving shards) or
-the sample id as u64le (`SplitKey.ID`: reads nothing). The rule, the identities and the
-trade-offs: docs/design.md, "Run record and split".
+"""A deterministic train/validation split (``split-v1``), keyed by the blake3 of each sample's
+framed bytes (`SplitKey.CONTENT`, `content_key`) or by its id (`SplitKey.ID`: reads nothing).
+The rule, the identities and the trade-offs: docs/design.md, "Run record and split".
 """
 
 from __future__ import annotations
@@ -99,31 +95,15 @@ def content_key(sample: dict[str, Any]) -> bytes:
     return blake3.blake3(framed_sample(CONTENT_TAG, sample, _value_bytes)).digest()
 
 
-def content_keys(dataset: Dataset, *, progress: bool | None = None) -> list[bytes]:
-    """`content_key` of every sample of ``dataset`` in id order (reads each once)."""
-    keys: list[bytes] = []
-    n = dataset.num_samples
-    with base_progress(n, "split: hashing samples", unit="sample", enabled=progress) as update:
-        for start in range(0, n, READ_CHUNK):
-            batch = dataset.read(np.arange(start, min(n, start + READ_CHUNK), dtype=np.int64))
-            rows = len(next(iter(batch.values())))
-            keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
-            update(rows)
-    return keys
-
-
 def assignment_digest(mask: npt.NDArray[np.bool_]) -> str:
     """``b3:`` of ``u64le(len(mask))`` then the packed bits (big-endian bit order per byte)."""
     return digest_bytes(len(mask).to_bytes(8, "little") + np.packbits(mask).tobytes())
 
 
 class Split:
-    """``Split(dataset, fraction=Fraction(1, 100), salt="v1", key=SplitKey.CONTENT)``.
-
-    ``train`` and ``validation`` are datasets over the two sides (ids of each in increasing
-    order). ``cache_dir``: content assignments are stored there under a name derived from
-    the dataset identity and the rule, and checked against their digest when read back.
-    ``progress``: of the content hashing (`detdata.base.progress`).
+    """The two sides of ``dataset``: ``train`` and ``validation``, datasets over the ids of
+    each in increasing order. ``cache_dir``: where content assignments are stored (checked
+    against their digest when read back); ``progress``: of the content hashing.
     """
 
     def __init__(
@@ -183,7 +163,17 @@ class Split:
             cached = _read_cache(path)
             if cached is not None:
                 return cached
-        keys = content_keys(self.dataset, progress=self.progress)
+        keys: list[bytes] = []  # every sample's content key, in id order (each read once)
+        with base_progress(
+            n, "split: hashing samples", unit="sample", enabled=self.progress
+        ) as update:
+            for start in range(0, n, READ_CHUNK):
+                batch = self.dataset.read(
+                    np.arange(start, min(n, start + READ_CHUNK), dtype=np.int64)
+                )
+                rows = len(next(iter(batch.values())))
+                keys.extend(content_key({k: v[j] for k, v in batch.items()}) for j in range(rows))
+                update(rows)
         hits = [in_validation(k) for k in keys]
         mask = np.array(hits, dtype=bool).reshape(n)
         val_keys = digest_bytes(b"".join(sorted(k for k, h in zip(keys, hits, strict=True) if h)))

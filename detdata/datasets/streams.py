@@ -55,8 +55,7 @@ class OrderedStream:
 
     ``order``: `Order.FEISTEL_V1` (default) or a `LocalityOrder` over the dataset's
     ``shard_sizes`` / ``row_group_sizes`` (`unit_sizes_of`); its name is the identity's
-    ``algorithm``. The dataset is told the order (`DatasetInfo.use_order`). Declares
-    `HasOrigins` and `ReadsAhead`.
+    ``algorithm``. The dataset is told the order (`DatasetInfo.use_order`).
     """
 
     def __init__(self, dataset: Dataset, seed: int, *, order: OrderLike = Order.FEISTEL_V1) -> None:

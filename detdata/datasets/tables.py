@@ -1,12 +1,7 @@
-"""Rows of Parquet / Arrow IPC shards as samples (`TableRows`).
-
-``read(ids)`` finds each id's row group with one ``searchsorted``; a batch whose row
-groups are all cached is one ``take`` per column, else each needed row group is visited
-once, in order of first use (so the last window's groups are the most recently used when
-an ordered stream continues), decoded or taken from the cache, and its rows scattered into
-the requested order. Column kinds: `detdata.datasets.arrow_numpy`; the row-group cache and
-its sizing from the announced order: `detdata.datasets.rowgroups` (docs/design.md, section
-2). Nothing returned aliases the cache.
+"""Rows of Parquet / Arrow IPC shards as samples (`TableRows`). Column kinds:
+`detdata.datasets.arrow_numpy`; the row-group cache and its sizing from the announced
+order: `detdata.datasets.rowgroups` (docs/design.md, section 2). Nothing returned aliases
+the cache.
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, Final, NamedTuple, Never
+from typing import Any, Final, Never
 
 import numpy as np
 import numpy.typing as npt
@@ -51,14 +46,6 @@ DEFAULT_ROW_GROUP_CACHE_BYTES: Final = 1 << 30
 PARQUET_MAP_MIN_BYTES: Final = 256 << 10
 
 
-class _Decoding(NamedTuple):
-    """A `TableRows`' side of one process: its decoded row groups (``cache``) and the lock
-    its remote readers share (``io_lock``)."""
-
-    cache: GroupSlots
-    io_lock: threading.Lock
-
-
 class TableRows(DatasetInfo):
     """Rows of a Parquet / Arrow IPC manifest; ``read(ids)`` -> one array per column.
 
@@ -70,12 +57,10 @@ class TableRows(DatasetInfo):
     `auto_cache_row_groups` of the order announced through `use_order`; ``cache_groups``
     is that count) and ``row_group_cache_bytes`` bytes (default 1 GiB).
 
-    ``storage`` (a `Storage`, default ``Storage()`` without a shard cache) says where and
-    how shards are read: retries for remote roots, a verified local `ShardCache` with
-    ``cache_dir``, ``max_open_shards`` readers per process (a `HandleLRU`). Neither the
-    caches nor their bounds change the rows read or ``identity()``. `Storage`'s field
-    keywords given directly, and ``cache_bytes=``, are refused naming what to pass
-    (`checked_storage`). Pickled with its parameters, manifest and ``files`` only.
+    ``storage``: where and how shards are read (`Storage`; default without a shard cache).
+    Neither the caches nor their bounds change the rows read or ``identity()``. `Storage`'s
+    fields given directly, and ``cache_bytes=``, are refused naming what to pass. Pickled
+    with its parameters, manifest and ``files`` only.
     """
 
     def __init__(
@@ -133,7 +118,8 @@ class TableRows(DatasetInfo):
                 "the dataset is empty"
             )
         self._index = GroupIndex.of(self.manifest)
-        self._local: PerProcess[_Decoding] = PerProcess()
+        self._local: PerProcess[GroupSlots] = PerProcess()
+        self._io_lock: PerProcess[threading.Lock] = PerProcess()  # remote readers share a handle
 
     def _check_same_schema(self) -> None:
         """`FormatError` naming the first shard whose schema differs from the first's."""
@@ -176,17 +162,16 @@ class TableRows(DatasetInfo):
         self._index = GroupIndex.of(self.manifest)
         self.files.attach(self.manifest.bytes_per_shard())
 
-    def _new_local(self) -> _Decoding:
+    def _new_cache(self) -> GroupSlots:
         whole = self.cache_row_groups is None
-        slots = GroupSlots(
+        return GroupSlots(
             self.cache_groups, self.row_group_cache_bytes, self._index, whole_if_fits=whole
         )
-        return _Decoding(slots, threading.Lock())
 
     @property
     def cache(self) -> GroupSlots:
         """This process's cache of decoded row groups (`GroupSlots`)."""
-        return self._local.get(self._new_local).cache
+        return self._local.get(self._new_cache)
 
     @property
     def cache_groups(self) -> int:
@@ -371,8 +356,7 @@ class TableRows(DatasetInfo):
 
     def _decode(self, shard: int, group: int) -> Group:
         entry, files = self.manifest.shards[shard], self.files
-        lock = self._local.get(self._new_local).io_lock  # remote readers share a handle
-        with lock:
+        with self._io_lock.get(threading.Lock):
             fs, root = files.filesystem()
             if isinstance(fs, LocalFileSystem):
                 reader = self._reader(shard, join(root, entry.path))  # checks the file
@@ -433,9 +417,6 @@ def _check_table_shards(manifest: Manifest) -> None:
     bad = (codes < 0) | ~table[codes] | (counts < 0) | (rows != manifest.samples_per_shard())
     for index in np.flatnonzero(bad)[:1].tolist():
         _check_table_shard(manifest.shards[index])
-        raise FormatError(  # pragma: no cover - the entry check names it first
-            f"shard {manifest.shards[index].path}: not a readable table shard"
-        )
 
 
 def _check_table_shard(shard: ShardEntry) -> None:

@@ -1,12 +1,8 @@
-"""`TextDocuments`: raw text shards, tokenised when read (docs/design.md, "Raw text").
-
-The documents of ``jsonl`` shards (plain or compressed; the text in field ``field`` of one
-JSON object a line) or of the string column ``field`` of table shards (one row, one
-document), each tokenised by a `TextTokenizer`. A document corpus like `Documents`
-(``starts``, ``copy_ranges``), so `PackedWindows` packs it; ``starts`` comes from the text
-index (`detdata.datasets.text_index`). A read tokenises the documents it touches in one
-batch, with a per-process cache, and checks each token count against the index
-(`FormatError` naming the document on a difference).
+"""`TextDocuments`: raw text shards, tokenised when read (docs/design.md, "Raw text"): the
+documents of ``jsonl`` shards (the text in field ``field`` of one JSON object a line) or of the
+string column ``field`` of table shards (one row, one document). A read tokenises the
+documents it touches in one batch, with a per-process cache, and checks each token count
+against the text index (`detdata.datasets.text_index`; a `FormatError` names a difference).
 """
 
 from __future__ import annotations

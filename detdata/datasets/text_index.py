@@ -13,10 +13,6 @@ row   meaning (document ``d``; the last column closes the table)
 3     JSONL: first byte of the line in the decompressed text; tables: row group
 4     JSONL: end byte of the line; tables: row within the row group
 ====  ===============================================================================
-
-Each line / row must be valid UTF-8 holding one JSON object whose field is a string
-(`document_text`), non-empty unless ``empty="skip"``, and within ``max_document_tokens``;
-else a `FormatError` naming the shard, the line or row, and the field.
 """
 
 from __future__ import annotations

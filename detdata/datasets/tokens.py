@@ -64,10 +64,9 @@ class TokenWindows(DatasetInfo):
     ``out_dtype`` (default: int32 and int64 kept, uint16 -> int32, uint32 -> int64),
     narrowing casts range-checked. A shard too short for one window raises `FormatError`
     unless ``allow_short_shards`` (then it holds 0 windows); an empty dataset raises
-    `ConfigError`. The per-shard facts and open-time checks come from the window index.
-    ``storage`` (default ``Storage()``, its ``cache_dir`` default here `DefaultCache.USER`)
-    says where and how shards are read; none of it changes the data or ``identity()``.
-    Pickled with its parameters, manifest and ``files`` only.
+    `ConfigError`. ``storage`` (default ``Storage()``, its ``cache_dir`` default here
+    `DefaultCache.USER`) says where and how shards are read; none of it changes the data or
+    ``identity()``. Pickled with its parameters, manifest and ``files`` only.
     """
 
     #: what ``Storage(cache_dir=DefaultCache.AUTO)`` (the default) means here: remote
@@ -144,32 +143,23 @@ class TokenWindows(DatasetInfo):
         return self._layout.num
 
     def __len__(self) -> int:
-        """`num_samples` (samples of one epoch), as torch's ``len(dataset)``."""
         return self.num_samples
 
     def use_order(self, choice: OrderChoice) -> None:
-        """Announce the order this dataset is read in (`OrderedStream` does): a
-        `LocalityOrder` over shards engages the default cache of a remote corpus larger than
-        its bound (`ShardFiles.use_user_cache`). Changes where shards are read from, never
-        the bytes."""
+        """A `LocalityOrder` over shards engages the default cache of a remote corpus larger
+        than its bound (`ShardFiles.use_user_cache`)."""
         if isinstance(choice, LocalityOrder) and choice.window_shards is not None:
             self.files.use_user_cache(choice.window_shards)
 
     @property
     def shard_sizes(self) -> tuple[int, ...]:
-        """Windows per shard in manifest order (ids are laid out shard after shard): what
-        a `detdata.LocalityOrder` groups into windows of shards."""
         return self.windows_per_shard
 
     @property
     def tokens_per_sample(self) -> int:
-        """``seq_len``: the input tokens of a window (not the extra label token), as
-        ``DataLoader.tokens_consumed`` counts them (`DatasetInfo`)."""
         return self.seq_len
 
     def schema(self) -> dict[str, str]:
-        """Column -> what `read` delivers (`detdata.datasets.batch_columns.describe_column`
-        form), without a read."""
         return {"tokens": describe_dtype(self.out_dtype, (self.window,))}
 
     def identity(self) -> dict[str, Any]:
@@ -201,20 +191,17 @@ class TokenWindows(DatasetInfo):
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= num:
             check_ids(arr, num, self._what())  # raises the error
-        if self.files.is_local():
-            return {"tokens": self._reads.gather_local(arr, lo, hi)}
-        if self.files.cache_dir is not None:
-            return {"tokens": self._reads.gather_local(arr, lo, hi, cached=True)}
+        local = self.files.is_local()
+        if local or self.files.cache_dir is not None:
+            return {"tokens": self._reads.gather_local(arr, lo, hi, cached=not local)}
         out = np.empty((arr.size, self.window), dtype=self.out_dtype)
         self._reads.gather_remote(self.files.filesystem()[0], arr, out)
         return {"tokens": out}
 
     def read_ahead(self, ids: npt.ArrayLike | None) -> None:
-        """A hint: a coming `read` asks for ``ids`` (at most `PREFETCH_DEPTH` kept, the
-        oldest dropped; None drops them all; a read drops those hinted before its own). A
-        local read over several shards is planned now and its file reads start on native
-        threads; the bytes and checks are those of the read without the hint. Never
-        raises: bad ids or unreadable files are the read's to report."""
+        """`ReadsAhead`: at most `PREFETCH_DEPTH` hints kept, the oldest dropped (a read drops
+        those hinted before its own). A local read over several shards is planned now and
+        its file reads start on native threads."""
         self._reads.read_ahead(ids)
 
     def _what(self) -> str:

@@ -1,17 +1,13 @@
 """`TokenWindows`' per-shard index (`WindowIndex`): built once per job, read by every rank.
 
-Per shard: cumulative window counts (``starts``, ``count + 1``: window ids ``[starts[s],
-starts[s + 1])`` are shard ``s``'s), the byte offset of its tokens, its size and its dtype
-code. `build_window_index` runs the open-time checks over the manifest's columns (O(shards)).
-For a fast-form manifest with receipts on it is stored as ``<name>.windows`` in the receipts
-folder (`window_inputs`, `window_index_path`), built by one process while the others wait,
-checked in full once (keyed blake3 under this user's `detdata.identity.local_key`), then
-trusted by file identity (the ``.checked`` note, `write_checked_note`); a file failing a
-check is named in a `RuntimeWarning` and rebuilt, replaced atomically. Sections are read
-with ``pread`` (`detdata.storage.file_column.FileColumn`), never mapped (a mapping's page
-faults keep whole folios resident). Contract, trust model and what is not protected:
-docs/design.md "Start-up at scale: the fast manifest form, once-per-job verification,
-receipts".
+Per shard: cumulative window counts (``starts``, ``count + 1``), the byte offset of its
+tokens, its size and its dtype code. For a fast-form manifest with receipts on it is stored
+as ``<name>.windows`` in the receipts folder, checked in full once (keyed blake3 under this
+user's `detdata.identity.local_key`), then trusted by file identity (its ``.checked`` note);
+a file failing a check is named in a `RuntimeWarning` and rebuilt. Sections are read with
+``pread`` (`FileColumn`), never mapped (a mapping's page faults keep whole folios
+resident). Contract and trust model: docs/design.md "Start-up at scale: the fast manifest
+form, once-per-job verification, receipts".
 
 Layout (little-endian)::
 
@@ -75,8 +71,8 @@ _CODES: Final = ("codes", "<i2", 0)
 
 @dataclass(frozen=True, eq=False)
 class WindowIndex:
-    """Per shard, in manifest order (module docstring); ``codes`` index ``dtypes``, ``used``:
-    the codes some shard has. Read-only arrays (``path`` None) or `FileColumn` s of ``path``."""
+    """Per shard, in manifest order; ``codes`` index ``dtypes``, ``used``: the codes some
+    shard has. Read-only arrays (``path`` None) or `FileColumn` s of ``path``."""
 
     starts: IntColumn
     offsets: IntColumn
@@ -88,7 +84,6 @@ class WindowIndex:
 
     @property
     def windows(self) -> int:
-        """Windows over all shards."""
         return int(self.starts[-1])
 
 
@@ -179,7 +174,7 @@ def check_token_shard(shard: ShardEntry) -> str:
 def window_inputs(
     manifest: Manifest, seq_len: int, labels: bool, allow_short: bool
 ) -> dict[str, Any]:
-    """What the index of a fast-form ``manifest`` is a function of (its file's tie)."""
+    """What the index of a fast-form ``manifest`` is a function of."""
     assert isinstance(manifest.shards, ShardTable)
     return {
         "kind": KIND,
@@ -295,8 +290,7 @@ def read_checked_note(path: str, secret: bytes) -> list[int] | None:
 
 
 def note_tag(path: str, identity: list[int], secret: bytes) -> str:
-    """The tag of a note saying the index file named like ``path`` had ``identity`` when
-    checked in full: a keyed blake3 under ``secret`` (hex)."""
+    """The hex keyed blake3 tagging a note that the index file ``path`` had ``identity``."""
     signed = canonical_json([KIND + "/checked", os.path.basename(path), identity])
     return keyed(secret, signed).hex()
 
@@ -323,8 +317,7 @@ def write_checked_note(
 
 
 def encode_window_index(index: WindowIndex, inputs: dict[str, Any], secret: bytes) -> bytes:
-    """The file of ``index`` for ``inputs``, its digest keyed under ``secret`` (the layout
-    of the module docstring)."""
+    """The file of ``index`` for ``inputs`` (module docstring), keyed under ``secret``."""
     count = index.codes.size
     header = canonical_json(
         {
@@ -372,10 +365,9 @@ def _load_warning(
     reported: set[str],
     trusted: Sequence[list[int] | None] = (),
 ) -> WindowIndex | None:
-    """The index file ``path`` checked for ``inputs`` and ``count`` shards, its sections as
-    `FileColumn` s; None where there is none, or where it fails a check (each failed check
-    reported once, a `RuntimeWarning`). The digest is not re-checked when the open file's
-    identity is one of ``trusted`` (that of its last full check)."""
+    """The index file ``path`` checked for ``inputs`` and ``count`` shards; None where there
+    is none or it fails a check (each failure reported once, a `RuntimeWarning`). The digest
+    is not re-checked when the open file's identity is one of ``trusted``."""
     try:
         file = OpenFile(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -478,8 +470,7 @@ def _header(raw: bytes) -> dict[str, Any]:
 
 
 def _digest(file: OpenFile, end: int, secret: bytes) -> bytes:
-    """The keyed blake3 (under ``secret``) of the file's first ``end`` bytes, read
-    `HASH_PIECE` bytes at a time into one buffer (nothing mapped, nothing kept)."""
+    """The keyed blake3 of the file's first ``end`` bytes, read `HASH_PIECE` at a time."""
     hasher = blake3.blake3(key=secret)
     buf = bytearray(HASH_PIECE)
     with memoryview(buf) as view:

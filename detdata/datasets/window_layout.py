@@ -55,12 +55,9 @@ class ArrayByCode:
 
 class WindowLayout:
     """The windows of ``index`` for ``seq_len`` (+1 with ``labels``) in ``out_dtype``.
-
-    ``bounds``: cumulative windows (count + 1); ``starts``: each shard's first window id;
-    ``offsets``: each shard's first token byte; ``itemsize``, ``disk``,
-    ``narrowing``: per shard through its dtype code. ``batch_covers``: every shard in use
-    has one disk dtype that ``out_dtype`` does not narrow (one staging buffer per batch);
-    ``direct``: besides, that dtype is ``out_dtype`` (read straight into the result)."""
+    ``batch_covers``: every shard in use has one disk dtype that ``out_dtype`` does not
+    narrow (one staging buffer per batch); ``direct``: besides, that dtype is ``out_dtype``
+    (read straight into the result)."""
 
     def __init__(
         self, index: WindowIndex, seq_len: int, labels: bool, out_dtype: np.dtype[Any]
@@ -71,8 +68,8 @@ class WindowLayout:
         self.out_dtype = out_dtype
         self.num = index.windows
         self.bounds: IntColumn = index.starts  # count + 1: shard s holds windows [s], [s + 1]
-        self.starts: IntColumn = index.starts[:-1]
-        self.offsets: IntColumn = index.offsets
+        self.starts: IntColumn = index.starts[:-1]  # each shard's first window id
+        self.offsets: IntColumn = index.offsets  # each shard's first token byte
         code, names = index.codes, index.dtypes
         self.itemsize = ArrayByCode(code, np.asarray([np.dtype(d).itemsize for d in names]))
         self.disk = ByCode(code, tuple(disk_dtype(d) for d in names))

@@ -6,9 +6,8 @@ several: grouped by shard (`_Groups`); mapped shards gathered from their views, 
 (with the handle LRU full) read without keeping anything open, as a value: a
 `detdata.storage.reads.ReadPlan` that storage executes (`read_ahead` starts it early) and
 an `Assembly` that makes the rows. Remote roots: coalesced ranges in one ``cat_ranges``
-call, or whole shards copied into a verified `ShardCache`. Every read checks each shard's
-size before touching its mapping (a truncated shard is a `VerificationError`, not a
-SIGBUS) and each open against the file first opened (`ShardFiles.check_stat`).
+call, or whole shards copied into a verified `ShardCache`. Every read and open is checked
+as `detdata.datasets.shard_files` says.
 """
 
 from __future__ import annotations
@@ -99,9 +98,7 @@ class WindowReads:
 
     # local reads ---------------------------------------------------------------------
     def gather_local(self, ids: IntArray, lo: int, hi: int, *, cached: bool = False) -> Array:
-        """The windows ``ids`` (all in ``[lo, hi]``) in ``out_dtype``: one shard's straight
-        from its view (a fancy index, not ``take``), others by `plan` (or the `read_ahead`
-        one), storage, then `assemble`."""
+        """The windows ``ids`` (all in ``[lo, hi]``) in ``out_dtype`` (module docstring)."""
         layout = self.layout
         first, last = layout.first_shard(lo), layout.first_shard(hi)
         if first == last:
@@ -109,8 +106,7 @@ class WindowReads:
         ahead = self.ahead
         planned = ahead.take(ids) if len(ahead) and not cached else None
         if planned is not None:
-            assembly: Assembly = planned.finish()
-            return self.assemble(assembly)
+            return self.assemble(planned.finish())
         plan, assembly = self.plan(ids, cached)
         execute(plan)
         return self.assemble(assembly)
@@ -141,10 +137,8 @@ class WindowReads:
         return block.astype(layout.out_dtype)
 
     def read_ahead(self, ids: npt.ArrayLike | None) -> None:
-        """`detdata.TokenWindows.read_ahead`: plan the read of ``ids`` and start its file
-        reads (None: drop every planned read). Only reads of several local shards through
-        the batched file loop are planned (others have nothing to overlap). Never raises:
-        errors are the read's to report."""
+        """`detdata.TokenWindows.read_ahead`. Only reads of several local shards through the
+        batched file loop are planned (others have nothing to overlap)."""
         ahead = self.ahead
         if ids is None:
             ahead.clear()
@@ -169,10 +163,8 @@ class WindowReads:
     def plan(self, ids: IntArray, cached: bool) -> tuple[ReadPlan, Assembly]:
         """The read of ids of several shards: what storage reads (`ReadPlan`) and how the
         rows come out of it (`Assembly`); mapped shards and scattered windows are read now.
-        Per touched shard (one argsort, one ``searchsorted``): first sorted row, count and
-        extent (max - min + 1 windows). With the handle LRU full, unmapped shards whose
-        windows are `covered` go to `_read_staged` / `_read_direct` (no per-shard Python);
-        the rest to `_gather_loop`."""
+        With the handle LRU full, unmapped shards whose windows are covered go to
+        `_read_staged` / `_read_direct` (no per-shard Python); the rest to `_gather_loop`."""
         layout, files = self.layout, self.files
         n = ids.size
         order = ids.argsort(kind="stable")
