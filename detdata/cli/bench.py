@@ -83,8 +83,6 @@ def register(subparsers: Any) -> None:
         "--smoke", action="store_true", help="tiny data, one round (well under a minute)"
     )
     for flag, kind, text in _OPTIONS:
-        p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument(
-        "--repo", default=None, help="source checkout holding benchmarks/ (default: auto)"
-    )
+        p.add_argument(flag, type=kind, help=text)
+    p.add_argument("--repo", help="source checkout holding benchmarks/ (default: auto)")
     p.set_defaults(func=run_bench)

@@ -26,7 +26,8 @@ _MARKER_TEXT: Final = (
 )
 
 
-def _add_steps(parser: argparse.ArgumentParser) -> None:
+def _add_run_args(parser: argparse.ArgumentParser, out_help: str) -> None:
+    parser.add_argument("--out", default="demo_out", help=out_help)
     parser.add_argument("--steps", type=int, default=40, help="training steps (>= 2)")
     parser.add_argument(
         "--stop-at", type=int, default=17, help="step where run C is interrupted (1 .. steps-1)"
@@ -41,13 +42,11 @@ def register(sub: Any) -> None:
         "GPT on CPU: an uninterrupted run, a run stopped at --stop-at and resumed, and a "
         "resharded resume, then compare their data and weights.",
     )
-    p.add_argument(
-        "--out",
-        default="demo_out",
-        help="working folder: created, or cleared if an earlier "
-        f"demo made it (it holds {MARKER}); any other non-empty folder is refused",
+    _add_run_args(
+        p,
+        f"working folder: created, or cleared if an earlier demo made it (it holds {MARKER}); "
+        "any other non-empty folder is refused",
     )
-    _add_steps(p)
     p.set_defaults(func=run_demo)
     r = sub.add_parser(
         "replay-check",
@@ -58,13 +57,11 @@ def register(sub: Any) -> None:
         epilog=CONTRACT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument(
-        "--out",
-        default="demo_out",
-        help="folder holding a demo corpus (built if the folder is "
-        f"new or empty; else it must hold {MARKER})",
+    _add_run_args(
+        r,
+        "folder holding a demo corpus (built if the folder is new or empty; else it must "
+        f"hold {MARKER})",
     )
-    _add_steps(r)
     r.add_argument(
         "--timeout",
         type=float,
@@ -112,22 +109,16 @@ def prepare_out(out: Path, *, clear: bool) -> None:
             raise _refuse(
                 out, f"is a non-empty folder that detdata did not create (no {MARKER} file in it)"
             )
-        if clear:
-            for name in entries:
-                if name != MARKER:
-                    _remove(out / name)
+        for path in (out / name for name in entries if clear and name != MARKER):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / MARKER).write_text(_MARKER_TEXT, encoding="utf-8")
     except OSError as exc:
         raise _refuse(out, f"cannot create it ({exc.strerror or exc})") from None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 def _print_check(check: dict[str, Any]) -> int:
@@ -169,17 +160,16 @@ def run_replay_check(args: argparse.Namespace) -> int:
     command = list(args.command or [])
     if command[:1] == ["--"]:
         command = command[1:]
+    if command and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    out = Path(args.out)
+    prepare_out(out, clear=False)
     if command:
         from detdata.cli.replay import run_user
 
-        prepare_out(Path(args.out), clear=False)
-        if not args.timeout > 0:
-            raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-        return run_user(command, Path(args.out), args.steps, args.stop_at, args.timeout)
+        return run_user(command, out, args.steps, args.stop_at, args.timeout)
     from detdata.cli.demo_run import build_corpus, replay_check
 
-    out = Path(args.out)
-    prepare_out(out, clear=False)
     if not (out / "registry").exists():
         build_corpus(out)
     return _print_check(replay_check(out, steps=args.steps, stop_at=args.stop_at))

@@ -60,9 +60,7 @@ class RunConfig:
 
 def _source_files(packages: tuple[str, ...]) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for pkg in packages:
-        files.extend(p for p in (stdlib / pkg).rglob("*.py") if "test" not in p.parts)
+    files = [p for pkg in packages for p in (stdlib / pkg).rglob("*.py") if "test" not in p.parts]
     return sorted(files, key=lambda p: p.relative_to(stdlib).as_posix())  # never listing order
 
 
@@ -164,6 +162,7 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     model, optim, loaders = _setup(cfg)
     ckpt = out / "runs" / f"{cfg.tag}.ckpt"
+    trace = TraceWriter(out / "runs" / f"{cfg.tag}.trace.jsonl", 0)
     if cfg.resume:
         saved = torch.load(ckpt, weights_only=True)
         model.load_state_dict(saved["model"])
@@ -171,8 +170,6 @@ def train_run(cfg: RunConfig) -> dict[str, Any]:
         state = json.loads((out / "runs" / f"{cfg.tag}.loader.json").read_text())
         for dl in loaders:
             dl.load_state_dict(state)
-    trace = TraceWriter(out / "runs" / f"{cfg.tag}.trace.jsonl", 0)
-    if cfg.resume:
         trace.restore(loaders[0].samples_consumed)  # the resumed run appends to the same trace
     iters = [iter(dl) for dl in loaders]
     step, last = loaders[0].step, cfg.stop_at if cfg.stop_at is not None else cfg.steps
@@ -214,15 +211,13 @@ def _spawn(cfg: RunConfig) -> dict[str, Any]:
     return result
 
 
-def replay_check(
-    out: Path, *, steps: int = 40, stop_at: int = 17, seed: int = 1234
-) -> dict[str, Any]:
+def replay_check(out: Path, *, steps: int, stop_at: int) -> dict[str, Any]:
     """Three runs in fresh processes (``0 < stop_at < steps``, `check_run_args`); compares
     final weights and data traces bytewise."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
     for old in (out / "runs").glob("*"):
         old.unlink()
-    base = RunConfig(out=str(out), steps=steps, seed=seed)
+    base = RunConfig(out=str(out), steps=steps)
     a = _spawn(replace(base, tag="A"))
     b = _spawn(replace(base, tag="B"))
     _spawn(replace(base, tag="C", world_size=2, stop_at=stop_at))

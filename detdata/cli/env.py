@@ -23,13 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from detdata.base.errors import ConfigError, StateError
 from detdata.cli.where import read_object
 
 if TYPE_CHECKING:
     from detdata.loading.record import RunRecord
+
+#: (flag, metavar, help) of the repeatable options after ``--loader-state``
+_REPEATED: Final = (
+    ("--seed", "NAME=VALUE", "a seed (repeatable)"),
+    ("--execution", "KEY=VALUE", "an execution field: micro_batch, grad_accum, ... (repeatable)"),
+    ("--extra-env", "NAME", "also record this environment variable, as its blake3 (repeatable)"),
+    ("--clear-env", "NAME", "record this --extra-env variable in clear text (repeatable)"),
+)
 
 
 def register(sub: Any) -> None:
@@ -55,30 +63,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--layout", type=_pairs, help="the parallel layout: world=N,dp=N,tp=N,pp=N")
     p.add_argument("--loader-state", help="a saved loader state (JSON file)")
-    p.add_argument(
-        "--seed", action="append", default=[], metavar="NAME=VALUE", help="a seed (repeatable)"
-    )
-    p.add_argument(
-        "--execution",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an execution field: micro_batch, grad_accum, ... (repeatable)",
-    )
-    p.add_argument(
-        "--extra-env",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="also record this environment variable, as its blake3 (repeatable)",
-    )
-    p.add_argument(
-        "--clear-env",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="record this --extra-env variable in clear text (repeatable)",
-    )
+    for flag, metavar, text in _REPEATED:
+        p.add_argument(flag, action="append", default=[], metavar=metavar, help=text)
     p.add_argument("--image", help="the container image (default: from the environment)")
     p.add_argument("--image-digest", help="its digest (default: from the environment)")
     p.set_defaults(func=run_env)

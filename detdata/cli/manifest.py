@@ -24,7 +24,6 @@ from detdata.storage.retry import DEFAULT_RETRY
 
 
 def register(subparsers: Any) -> None:
-    """Add this module's commands to the ``detdata`` parser's ``subparsers``."""
     _add_manifest(subparsers)
     _add_verify(subparsers)
     _add_hash(subparsers)

@@ -114,12 +114,7 @@ def schedule_of_state(path: str, seed: object) -> list[Any]:
     from detdata.datasets.exclusions import split_identity
     from detdata.loading.state import LoaderState
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --state {path!r}: {exc}") from None
-    core, _ = split_identity(LoaderState.from_json(text).stream)
+    core, _ = split_identity(LoaderState.from_json(read_object(path, "--state")).stream)
     if core.get("type") != "mixture" or not isinstance(core.get("schedule"), list):
         raise ConfigError(
             f"--state {path!r}: the saved run did not read a Mixture (its stream is "
@@ -151,14 +146,8 @@ def run(args: argparse.Namespace) -> int:
     for start in range(at, at + count, _CHUNK):
         positions = np.arange(start, min(start + _CHUNK, at + count), dtype=np.int64)
         src, index, ids = mixture.locate(positions)
-        out.write(
-            "".join(
-                f"{g}\t{names[s]}\t{i}\t{d}\n"
-                for g, s, i, d in zip(
-                    positions.tolist(), src.tolist(), index.tolist(), ids.tolist(), strict=True
-                )
-            )
-        )
+        rows = zip(positions.tolist(), src.tolist(), index.tolist(), ids.tolist(), strict=True)
+        out.write("".join(f"{g}\t{names[s]}\t{i}\t{d}\n" for g, s, i, d in rows))
     return 0
 
 
@@ -178,7 +167,6 @@ def plot_shares(mixture: Mixture, at: int, count: int, path: str) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``mix`` sub-command."""
     parser = subparsers.add_parser(
         "mix",
         help="show the source, index in source and sample id of global positions of a mixture",

@@ -10,11 +10,12 @@ written atomically, as ``-o`` writes.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -111,6 +112,9 @@ def plot_diff(comparison: Comparison, path: PathLike, *, title: str = "A vs B") 
     band, count = fig.axes
     _diff_band(band, runs, comparison, title)
     _diff_count(count, runs)
+    for ax in fig.axes:
+        ax.set_xlim(runs[0].start, runs[-1].stop)
+        ax.set_xlabel("global step")
     _save(fig, path)
 
 
@@ -132,31 +136,18 @@ def _diff_band(ax: Axes, runs: Sequence[DiffRun], comparison: Comparison, title:
         ax.axvline(
             first.step, color="black", linewidth=1.5, linestyle="--", label="first difference"
         )
+    total = sum(r.stop - r.start for r in runs)
+    same = sum(r.stop - r.start for r in runs if r.status == SAME)
+    where = "" if first is None else f"; first difference at step {first.step} ({first.kind})"
     ax.set_yticks([])
-    ax.set_xlim(runs[0].start, runs[-1].stop)
-    ax.set_xlabel("global step")
-    ax.set_title(f"{title}: {_diff_summary(runs, comparison)}", loc="left", fontsize=10)
+    ax.set_title(f"{title}: {same:,} of {total:,} steps match{where}", loc="left", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
 
 
-def _diff_summary(runs: Sequence[DiffRun], comparison: Comparison) -> str:
-    total = sum(r.stop - r.start for r in runs)
-    same = sum(r.stop - r.start for r in runs if r.status == SAME)
-    first = comparison.first
-    where = "" if first is None else f"; first difference at step {first.step} ({first.kind})"
-    return f"{same:,} of {total:,} steps match{where}"
-
-
 def _diff_count(ax: Axes, runs: Sequence[DiffRun]) -> None:
-    xs, ys, differing = [runs[0].start], [0], 0
-    for r in runs:
-        if r.status != SAME:
-            differing += r.stop - r.start
-        xs.append(r.stop)
-        ys.append(differing)
+    xs = [runs[0].start, *(r.stop for r in runs)]
+    ys = [0, *itertools.accumulate(r.stop - r.start if r.status != SAME else 0 for r in runs)]
     ax.plot(xs, ys, color=DIFF_STYLES["differs"][0])
-    ax.set_xlim(runs[0].start, runs[-1].stop)
-    ax.set_xlabel("global step")
     ax.set_ylabel("steps that differ\n(cumulative)")
 
 
@@ -254,16 +245,18 @@ def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
     every = max(1, len(xs) // 12)
     rows = zip(shares.names, shares.counts, shares.targets, strict=True)
     for s, (name, counts, targets) in enumerate(rows):
-        marker = SOURCE_MARKERS[s % len(SOURCE_MARKERS)]
+        marks: dict[str, Any] = {
+            "marker": SOURCE_MARKERS[s % len(SOURCE_MARKERS)],
+            "markevery": every,
+            "markersize": 4,
+        }
         line = share_ax.plot(
             xs,
             [c / n for c, n in zip(counts, shares.lengths, strict=True)],
-            marker=marker,
-            markevery=every,
-            markersize=4,
+            label=f"{name} ({counts[-1] / shares.lengths[-1]:.4f})",
+            **marks,
         )
         colour = line[0].get_color()
-        line[0].set_label(f"{name} ({counts[-1] / shares.lengths[-1]:.4f})")
         share_ax.plot(
             xs,
             [float(t) / n for t, n in zip(targets, shares.lengths, strict=True)],
@@ -278,14 +271,8 @@ def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
                 linewidth=2,
                 color=colour,
             )
-        gap_ax.plot(
-            xs,
-            [c - float(t) for c, t in zip(counts, targets, strict=True)],
-            color=colour,
-            marker=marker,
-            markevery=every,
-            markersize=4,
-        )
+        gaps = [c - float(t) for c, t in zip(counts, targets, strict=True)]
+        gap_ax.plot(xs, gaps, color=colour, **marks)
     share_ax.set_ylabel(f"cumulative share since position {shares.start:,}")
     share_ax.set_title(
         "mixture: share per source (solid), its cumulative target (dashed) and each "
@@ -295,10 +282,9 @@ def plot_mixture_shares(shares: MixtureShares, path: PathLike) -> None:
     )
     share_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     gap_ax.set_ylabel("samples - target")
-    gap_ax.set_xlabel("global position")
     for ax in (share_ax, gap_ax):
         ax.set_xscale("log")
-    share_ax.set_xlabel("global position")
+        ax.set_xlabel("global position")
     _save(fig, path)
 
 

@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from detdata.base.errors import ConfigError
+from detdata.cli.where import read_object
 from detdata.loading.state import CHECKED_FIELDS, K_CONSUMED, K_ENV, K_KIND, K_LAYOUT, KIND
 from detdata.loading.steps import K_STEP_POSITION
 from detdata.loading.trace import Comparison, compare, read_trace
-from detdata.loading.trace.read import read_local
 
 _SHOWN_VALUE: Final = 160
+_STATE_HINT: Final = "; hint: write it with json.dump(loader.state_dict(), f)"
 
 
 def steps_window(text: str) -> tuple[int, int | None]:
@@ -121,22 +122,11 @@ def _print_difference(result: Comparison, window: str) -> None:
 
 
 def _load_state(path: str) -> dict[str, Any]:
-    raw = read_local(path, "state", "pass the JSON file")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"state file {path} is not UTF-8 text (byte {exc.start})") from None
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(
-            f"state file {path} is not valid JSON ({exc}); hint: write it with "
-            "json.dump(loader.state_dict(), f)"
-        ) from None
-    if not isinstance(doc, dict) or doc.get(K_KIND) != KIND:
-        found = doc.get(K_KIND) if isinstance(doc, dict) else type(doc).__name__
+    doc = read_object(path, "state file", _STATE_HINT)
+    if doc.get(K_KIND) != KIND:
         raise ConfigError(
             f"state file {path} is not a detdata loader state (field {K_KIND!r} is "
-            f"{found!r}, expected {KIND!r}); hint: write it with "
-            "json.dump(loader.state_dict(), f)"
+            f"{doc.get(K_KIND)!r}, expected {KIND!r}){_STATE_HINT}"
         )
     return doc
 

@@ -70,19 +70,19 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def read_object(path: str, what: str = "state") -> dict[str, Any]:
+def read_object(path: str, what: str = "state", hint: str = "") -> dict[str, Any]:
     """The JSON object in file ``path`` (a ``what``: ``state``, ``--config``, ``mix config``),
     or `ConfigError` naming it: unreadable, not UTF-8 JSON (or nested too deep), or not an
-    object."""
+    object (these two end in ``hint``)."""
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep
-        raise ConfigError(f"{what} {path}: not valid JSON ({exc})") from None
+        raise ConfigError(f"{what} {path}: not valid JSON ({exc}){hint}") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{what} {path}: expected a JSON object, got {type(doc).__name__}")
+        raise ConfigError(f"{what} {path}: expected a JSON object, got {type(doc).__name__}{hint}")
     return doc
 
 

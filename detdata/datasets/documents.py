@@ -51,7 +51,7 @@ from detdata.datasets.doc_table import (
     table_meta,
     table_starts,
 )
-from detdata.datasets.index_files import Check, building, load_index, reload_index, save_index
+from detdata.datasets.index_files import Check, load_or_build, reload_index
 from detdata.datasets.process_local import PerProcess, pickled_state
 from detdata.datasets.shard_files import ShardFiles, resolve_manifest
 from detdata.datasets.shard_storage import Storage, checked_storage
@@ -158,16 +158,8 @@ class CorpusBase(ABC):
         """Set ``_index``, loaded from ``index_dir`` when ``check`` accepts it, else built
         and saved there by one process of those opening it at once (`building`), and what
         is derived from it."""
-        inputs = self._inputs()
-        stored = load_index(self.index_dir, self._KIND, inputs, check)
-        if stored is None:
-            with building(self.index_dir, self._KIND, inputs):
-                stored = load_index(self.index_dir, self._KIND, inputs, check)
-                if stored is None:
-                    self._index, meta = self._build()
-                    self._digest = save_index(self.index_dir, self._KIND, inputs, self._index, meta)
-        if stored is not None:
-            self._index, self._digest = np.asarray(stored.array), stored.digest
+        stored = load_or_build(self.index_dir, self._KIND, self._inputs(), check, self._build)
+        self._index, self._digest = np.asarray(stored.array), stored.digest
         self._derive()
 
     def __getstate__(self) -> dict[str, Any]:

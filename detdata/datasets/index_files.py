@@ -54,27 +54,44 @@ class StoredIndex:
 
     array: np.ndarray[Any, Any]
     meta: dict[str, Any]
-    digest: str
+    digest: str | None  # None: built without an ``index_dir``
 
 
 @contextlib.contextmanager
-def building(index_dir: str | None, name: str, inputs: Mapping[str, Any]) -> Iterator[None]:
-    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself): processes
-    opening the same dataset at once build its indexes one at a time (each calls
-    `load_index` again under it first). It only saves work: loads are checked in full. No
-    lock without ``index_dir`` or where the folder cannot be made."""
-    del name, inputs  # one lock per folder: builds of one job follow one another anyway
-    if index_dir is None:
+def _building(index_dir: str | None) -> Iterator[None]:
+    """Hold the build lock of ``index_dir`` (a ``flock`` of the folder itself; one per folder).
+    It only saves work: loads are checked in full. No lock without ``index_dir`` or where the
+    folder cannot be made."""
+    if index_dir is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(index_dir, exist_ok=True)
+    if index_dir is None or not os.path.isdir(index_dir):
         yield
         return
-    folder = os.fspath(index_dir)
-    with contextlib.suppress(OSError):
-        os.makedirs(folder, exist_ok=True)
-    if not os.path.isdir(folder):
+    with file_lock(index_dir):
         yield
-        return
-    with file_lock(folder):
-        yield
+
+
+def load_or_build(
+    index_dir: str | None,
+    name: str,
+    inputs: Mapping[str, Any],
+    check: Check,
+    build: Callable[[], tuple[np.ndarray[Any, Any], Mapping[str, Any]]],
+) -> StoredIndex:
+    """The stored index of ``inputs`` (`load_index`), else ``build()``'s ``(array, meta)``,
+    saved by one process of those opening it at once: each loads again under the folder's
+    build lock first (``digest`` None without ``index_dir``)."""
+    stored = load_index(index_dir, name, inputs, check)
+    if stored is not None:
+        return stored
+    with _building(index_dir):
+        stored = load_index(index_dir, name, inputs, check)
+        if stored is None:
+            array, meta = build()
+            digest = save_index(index_dir, name, inputs, array, meta)
+            stored = StoredIndex(array, dict(meta), digest)
+    return stored
 
 
 def load_index(

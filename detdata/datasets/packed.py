@@ -29,12 +29,7 @@ from detdata.datasets.base import check_ids
 from detdata.datasets.batch_columns import describe_dtype
 from detdata.datasets.capabilities import DatasetInfo
 from detdata.datasets.documents import Documents
-from detdata.datasets.index_files import (
-    building,
-    load_index,
-    reload_index,
-    save_index,
-)
+from detdata.datasets.index_files import load_or_build, reload_index
 from detdata.datasets.process_local import pickled_state
 from detdata.datasets.text import TextDocuments
 from detdata.order.packing import (
@@ -142,20 +137,15 @@ class PackedWindows(DatasetInfo):
     def _packing_index(self) -> tuple[npt.NDArray[np.int64], dict[str, Any]]:
         """The packing index and its counts: loaded from ``index_dir`` (used only when
         `_check_index` finds it equal to a recomputation) or built."""
-        inputs = self._inputs()
-        stored = load_index(self.index_dir, "packing", inputs, self._check_index)
-        if stored is None:  # built by one process of those opening it at once (`building`)
-            with building(self.index_dir, "packing", inputs):
-                stored = load_index(self.index_dir, "packing", inputs, self._check_index)
-                if stored is None:
-                    offsets = self._offsets_of_documents()
-                    meta = self._counts(offsets)
-                    self._index_digest: str | None = save_index(
-                        self.index_dir, "packing", inputs, offsets, meta
-                    )
-                    return offsets, meta
+        stored = load_or_build(
+            self.index_dir, "packing", self._inputs(), self._check_index, self._built_index
+        )
         self._index_digest = stored.digest
-        return stored.array, self._checked_counts
+        return stored.array, stored.meta  # a stored meta equals `_counts` (`_check_index`)
+
+    def _built_index(self) -> tuple[npt.NDArray[np.int64], dict[str, int]]:
+        offsets = self._offsets_of_documents()
+        return offsets, self._counts(offsets)
 
     def _offsets_of_documents(self) -> npt.NDArray[np.int64]:
         extra = int(self.bos is not None) + int(self.eos is not None)
@@ -194,7 +184,6 @@ class PackedWindows(DatasetInfo):
             found = int(array[row, col])
             return f"offsets[{row}, {col}]: expected {int(want[row, col])}, found {found}"
         counts = self._counts(want)
-        self._checked_counts = counts
         for key in sorted(set(counts) | set(meta)):
             if meta.get(key) != counts.get(key):
                 return f"meta.{key}: expected {counts.get(key)!r}, found {meta.get(key)!r}"

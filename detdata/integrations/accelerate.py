@@ -25,6 +25,7 @@ from accelerate import Accelerator
 
 from detdata.base.errors import StateError
 from detdata.base.redact import get_logger
+from detdata.integrations.watch import wrap_once
 from detdata.loading.loader import DataLoader
 from detdata.loading.sampler import DeterministicBatchSampler, FrameworkBatchSampler
 
@@ -32,17 +33,10 @@ __all__ = ["AcceleratorWatch", "start_watch"]
 
 log: Final = get_logger("detdata.loader")
 
-#: set on each wrapper, so that each method is wrapped once
-_MARK: Final = "__detdata_watch__"
 _SAMPLERS: Final = (DeterministicBatchSampler, FrameworkBatchSampler)
 #: how deep a data loader's batch sampler may be wrapped (accelerate: BatchSamplerShard,
 #: SkipBatchSampler)
 _DEPTH: Final = 4
-_TRAINER: Final = "accelerate.Accelerator"
-_FIX: Final = (
-    "Accelerator(gradient_accumulation_steps={accumulation}), or a micro_batch_size that makes "
-    "micro x processes x gradient_accumulation_steps the global batch"
-)
 _REGISTER: Final = (
     "hint: accelerator.register_for_checkpointing(loader) right after building the "
     "Accelerator, before load_state, in the run that saves and the one that resumes (a "
@@ -55,7 +49,7 @@ _REGISTER: Final = (
 
 class AcceleratorWatch:
     """What the wrapped ``Accelerator`` methods saw (accelerators and loaders weakly held), and
-    the check of a loader starting at position 0 (a `FrameworkWatcher`; see the module doc)."""
+    the check of a loader starting at position 0 (see the module doc)."""
 
     def __init__(self) -> None:
         #: accelerators whose ``load_state`` returned -> whether it restored a detdata loader
@@ -68,9 +62,6 @@ class AcceleratorWatch:
         self.restored: weakref.WeakSet[DataLoader] = weakref.WeakSet()
         #: accelerators whose batch settings were checked at their first ``accumulate()``
         self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def built(self) -> None:
-        """Nothing: the wrappers are in place (`start_watch`)."""
 
     # -------------------------------------------------------- the wrapped methods
     def registering(self, accelerator: Any, objects: tuple[Any, ...]) -> None:
@@ -143,20 +134,16 @@ class AcceleratorWatch:
 _WATCH: Final = AcceleratorWatch()
 
 
-def start_watch() -> AcceleratorWatch:
+def start_watch() -> Callable[[object], None]:
     """Wrap ``Accelerator.load_state``, ``register_for_checkpointing`` and ``accumulate`` (once
-    per process) and return the watch."""
+    per process) and return the check of a loader's start (`AcceleratorWatch.check_start`)."""
     for name, hook, before in (
         ("load_state", _WATCH.loaded, False),
         ("register_for_checkpointing", _WATCH.registering, False),
         ("accumulate", _WATCH.accumulating, True),
     ):
-        original = getattr(Accelerator, name)
-        if not getattr(original, _MARK, False):
-            wrapped = _watched(original, hook, before=before)
-            setattr(wrapped, _MARK, True)
-            setattr(Accelerator, name, wrapped)
-    return _WATCH
+        wrap_once(Accelerator, name, functools.partial(_watched, hook=hook, before=before))
+    return _WATCH.check_start
 
 
 def _watched(
@@ -187,8 +174,9 @@ def _check_batch(accelerator: Any, loader: DataLoader) -> None:
         micro_batch_size=loader.batch_size,
         accumulation=int(accelerator.gradient_accumulation_steps),
         world_size=int(accelerator.num_processes),
-        trainer=_TRAINER,
-        fix=_FIX,
+        trainer="accelerate.Accelerator",
+        fix="Accelerator(gradient_accumulation_steps={accumulation}), or a micro_batch_size that "
+        "makes micro x processes x gradient_accumulation_steps the global batch",
     )
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.redact import get_logger
+from detdata.integrations.watch import wrap_once
 from detdata.loading.loader import DataLoader
 from detdata.loading.state import KIND, LoaderState
 from detdata.loading.steps import MidStep
@@ -40,15 +41,13 @@ if TYPE_CHECKING:  # the annotations name PyTorch Lightning's classes; the unifi
     from pytorch_lightning.loops.fit_loop import _FitLoop
     from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-__all__ = ["PACKAGES", "DetdataSteps", "LightningWatch", "align_checkpoint", "start_watch"]
+__all__ = ["PACKAGES", "DetdataSteps", "align_checkpoint", "start_watch"]
 
 log: Final = get_logger("detdata.loader")
 
 #: the Lightning packages watched: PyTorch Lightning, and the unified package's subpackage
 #: (``sys.modules`` name of the top-level package it lives in, for `DetdataSteps`)
 PACKAGES: Final = {"pytorch_lightning": "pytorch_lightning", "lightning.pytorch": "lightning"}
-#: set on a wrapper, so that each method is wrapped once
-_MARK: Final = "__detdata_watch__"
 #: Lightning's batch counters (``_ProcessedTracker``)
 _COUNTERS: Final = ("ready", "started", "processed", "completed")
 
@@ -63,7 +62,6 @@ class _Package:
     fit_loop: type[_FitLoop]
     callback: type[pl.Callback]
     scheduler: type[pl.callbacks.GradientAccumulationScheduler]
-    fitting: object  # TrainerFn.FITTING
 
 
 @functools.cache
@@ -84,41 +82,20 @@ def _load(name: str) -> _Package:
         fit_loop=importlib.import_module(f"{name}.loops.fit_loop")._FitLoop,
         callback=package.Callback,
         scheduler=package.callbacks.GradientAccumulationScheduler,
-        fitting=importlib.import_module(f"{name}.trainer.states").TrainerFn.FITTING,
     )
 
 
-class LightningWatch:
-    """The watch of Lightning's restore and train start (a `FrameworkWatcher`; the checks run
-    inside Lightning's own calls, see the module doc)."""
-
-    def built(self) -> None:
-        """Nothing: the wrappers are in place (`start_watch`)."""
-
-    def check_start(self, loader: object) -> None:
-        """Nothing: Lightning's train start checks its loaders (`check_fit`)."""
-
-
-_WATCH: Final = LightningWatch()
-
-
-def start_watch(package: str = "pytorch_lightning") -> LightningWatch:
+def start_watch(package: str = "pytorch_lightning") -> None:
     """Wrap ``_CheckpointConnector.restore_loops`` and ``FitLoop.on_run_start`` of Lightning
-    package ``package`` (a key of `PACKAGES`; once per process and package) and return the
-    watch."""
+    package ``package`` (a key of `PACKAGES`; once per process and package): Lightning's own
+    calls check its loaders (see the module doc), so no check is left for a loader's start."""
     classes = _load(package)
-    restore = classes.connector.restore_loops
-    if not getattr(restore, _MARK, False):
-        classes.connector.restore_loops = _marked(_aligned_restore(restore, classes))  # type: ignore[method-assign]
-    run_start = classes.fit_loop.on_run_start
-    if not getattr(run_start, _MARK, False):
-        classes.fit_loop.on_run_start = _marked(_checked_run_start(run_start, classes))  # type: ignore[method-assign]
-    return _WATCH
-
-
-def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(fn, _MARK, True)
-    return fn
+    wrap_once(
+        classes.connector, "restore_loops", functools.partial(_aligned_restore, classes=classes)
+    )
+    wrap_once(
+        classes.fit_loop, "on_run_start", functools.partial(_checked_run_start, classes=classes)
+    )
 
 
 def _aligned_restore(original: Callable[..., Any], classes: _Package) -> Callable[..., Any]:
@@ -126,7 +103,7 @@ def _aligned_restore(original: Callable[..., Any], classes: _Package) -> Callabl
     def restore_loops(self: _CheckpointConnector) -> None:
         checkpoint = self._loaded_checkpoint
         trainer = self.trainer
-        if checkpoint and trainer.state.fn == classes.fitting:
+        if checkpoint and trainer.state.fn == "fit":  # TrainerFn.FITTING, a str enum
             epoch = int(checkpoint.get("epoch", 0))
             align_checkpoint(checkpoint, _accumulation(trainer, epoch, classes))
         original(self)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -34,6 +33,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.loading.loader import DataLoader
 from detdata.loading.state import LoaderState
 from detdata.loading.steps import MidStep
+from detdata.storage.atomic import atomic_write_bytes
 
 __all__ = ["STATE_FILE", "DetdataTrainer", "DetdataTrainerMixin"]
 
@@ -96,9 +96,7 @@ class DetdataTrainerMixin:
             return
         folder = Path(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
         target = folder / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(saved.to_json()))
-        os.replace(tmp, target)
+        atomic_write_bytes(str(target), json.dumps(saved.to_json()).encode())
 
     def _init_training_state(
         self,

@@ -14,17 +14,19 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from detdata.base.redact import get_logger
-from detdata.loading.frameworks import FrameworkWatcher
 
-__all__ = ["WATCHER", "ImportedFrameworks"]
+__all__ = ["WATCHER", "ImportedFrameworks", "wrap_once"]
 
 log: Final = get_logger("detdata")
+#: set on each wrapper (`wrap_once`), so that each method is wrapped once
+_MARK: Final = "__detdata_watch__"
 
 
 #: the framework's top-level package -> (the integration module, its ``start_watch`` arguments):
@@ -38,10 +40,12 @@ _FRAMEWORKS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
 
 
 class ImportedFrameworks:
-    """A `FrameworkWatcher` over the watches of the frameworks imported so far."""
+    """A `FrameworkWatcher` over the watches of the frameworks imported so far: each
+    integration's ``start_watch`` wraps the framework's methods and returns the check of a
+    loader starting at position 0 (`FrameworkWatcher.check_start`), or None."""
 
     def __init__(self) -> None:
-        self._started: dict[str, FrameworkWatcher] = {}
+        self._started: dict[str, Callable[[object], None] | None] = {}
         self._finder: _AfterImport | None = None
 
     def built(self) -> None:
@@ -51,35 +55,44 @@ class ImportedFrameworks:
             if module in sys.modules:
                 self._start(module)
         if self._finder is None:
-            pending = [m for m in _FRAMEWORKS if m not in self._started]
-            self._finder = _AfterImport(pending, self._start)
-            self._finder.install()
-        for watcher in tuple(self._started.values()):
-            watcher.built()
+            self._finder = _AfterImport(
+                [m for m in _FRAMEWORKS if m not in self._started], self._start
+            )
 
     def check_start(self, loader: object) -> None:
-        for watcher in tuple(self._started.values()):
-            watcher.check_start(loader)
+        for check in tuple(self._started.values()):
+            if check is not None:
+                check(loader)
 
     def _start(self, module: str) -> None:
         if module not in self._started:
             integration, args = _FRAMEWORKS[module]
-            watcher: FrameworkWatcher = importlib.import_module(integration).start_watch(*args)
-            self._started[module] = watcher
+            self._started[module] = importlib.import_module(integration).start_watch(*args)
+
+
+def wrap_once(
+    owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Replace the method ``name`` of ``owner`` with ``wrap(method)``, once per process (the
+    wrapper is marked)."""
+    original = getattr(owner, name)
+    if not getattr(original, _MARK, False):
+        wrapped = wrap(original)
+        setattr(wrapped, _MARK, True)
+        setattr(owner, name, wrapped)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls ``after(name)`` once the top-level package ``name`` (one of ``names``) has been
-    imported: it finds the package's spec with the finders after it on ``sys.meta_path`` and
-    wraps only its loader's ``exec_module`` (the module gets the original loader back before
-    its code runs); removes itself once every name was seen."""
+    imported: it finds the package's spec with the other finders (it answers None for a name
+    once seen) and wraps only its loader's ``exec_module`` (the module gets the original loader
+    back before its code runs); first on ``sys.meta_path`` from its construction until every
+    name was seen."""
 
     def __init__(self, names: Sequence[str], after: Callable[[str], None]) -> None:
         self._pending = set(names)
         self._after = after
-
-    def install(self) -> None:
-        if self._pending and self not in sys.meta_path:
+        if self._pending:
             sys.meta_path.insert(0, self)
 
     def find_spec(
@@ -93,20 +106,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self._pending.discard(fullname)  # once; also keeps the search below from recursing
         if not self._pending and self in sys.meta_path:
             sys.meta_path.remove(self)
-        for finder in tuple(sys.meta_path):
-            if finder is self:
-                continue
-            # the import system's own protocol: a meta path finder may lack find_spec
-            find = getattr(finder, "find_spec", None)
-            spec: importlib.machinery.ModuleSpec | None = (
-                None if find is None else find(fullname, path, target)
-            )
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _ThenStart(spec.loader, spec, lambda: self._started(fullname))
-            return spec
-        return None
+        spec = importlib.util.find_spec(fullname)  # the other finders: this one now answers None
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenStart(spec.loader, spec, lambda: self._started(fullname))
+        return spec
 
     def _started(self, name: str) -> None:
         try:

@@ -92,15 +92,13 @@ class BatchSchedule:
                     f"BatchSchedule changes[{i}] repeats the global batch {b1} of "
                     f"changes[{i - 1}]; hint: drop it (a schedule is its list of changes)"
                 )
-        unit = self.unit
-        if not isinstance(unit, BatchUnit):
-            try:
-                unit = BatchUnit(unit)
-            except ValueError:
-                raise ConfigError(
-                    f"BatchSchedule unit must be one of {[u.value for u in BatchUnit]}, "
-                    f"got {unit!r}"
-                ) from None
+        try:
+            unit = BatchUnit(self.unit)  # a unit or its value
+        except ValueError:
+            raise ConfigError(
+                f"BatchSchedule unit must be one of {[u.value for u in BatchUnit]}, "
+                f"got {self.unit!r}"
+            ) from None
         object.__setattr__(self, "changes", changes)
         object.__setattr__(self, "unit", BatchUnit.STEPS if len(changes) == 1 else unit)
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
-
-import numpy.typing as npt
+from typing import Final
 
 from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
-from detdata.base.types import IntArray
 from detdata.order.feistel import GlobalOrder
 from detdata.order.locality import WindowedOrder
+from detdata.order.positions import PositionOrder
 
 
 class Order(enum.Enum):
@@ -82,15 +80,6 @@ class LocalityOrder:
 OrderLike = Order | LocalityOrder | str
 #: A checked choice.
 OrderChoice = Order | LocalityOrder
-
-
-class PositionOrder(Protocol):
-    """Global position -> sample id (`GlobalOrder`, `WindowedOrder`)."""
-
-    @property
-    def num_samples(self) -> int: ...
-
-    def ids(self, positions: npt.ArrayLike) -> IntArray: ...
 
 
 def check_order(value: object) -> OrderChoice:

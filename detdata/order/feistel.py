@@ -30,9 +30,8 @@ epoch 1 and seed ``s + 1`` at epoch 0 are unrelated permutations.
 from __future__ import annotations
 
 import functools
-import struct
-from collections.abc import Callable, Sequence
-from typing import Final, overload
+from collections.abc import Callable, Iterable
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +39,7 @@ import numpy.typing as npt
 from detdata.base.checks import check_count, check_seed
 from detdata.base.keys import derive
 from detdata.base.types import MAX_POSITION, IntArray
-from detdata.order.positions import check_positions_array, index_positions
+from detdata.order.positions import PositionOrder, check_positions_array
 
 ALGORITHM: Final = "feistel-v1"
 ROUNDS: Final = 8
@@ -58,12 +57,6 @@ U64Array = npt.NDArray[np.uint64]
 def _key_material(seed: int, epoch: int) -> bytes:
     """The ``8 * ROUNDS`` blake3 XOF bytes holding the round keys of ``(seed, epoch)``."""
     return derive(_KEY_PREFIX, seed, epoch, length=_KEY_BYTES)
-
-
-@functools.lru_cache(maxsize=1024)
-def round_keys(seed: int, epoch: int) -> tuple[int, ...]:
-    """The ``ROUNDS`` 64-bit round keys of ``feistel-v1`` for ``(seed, epoch)``."""
-    return struct.unpack(f"<{ROUNDS}Q", _key_material(seed, epoch))
 
 
 def key_rows(material: bytes, count: int) -> U64Array:
@@ -101,36 +94,36 @@ def _mix_into(z: U64Array, tmp: U64Array) -> None:
     z ^= tmp
 
 
-#: A 64-bit word, or one per element of ``x`` (`_rounds`).
+#: A 64-bit word, or one per element of ``x`` (`_feistel`).
 _Words = np.uint64 | U64Array
+_ONE: Final = np.uint64(1)
 
 
-def _rounds(
-    x: U64Array,
-    keys: Sequence[_Words],
-    lo_mask: _Words,
-    hi_mask: _Words,
-    shift: _Words,
+def _feistel(
+    x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words, rounds: Iterable[int]
 ) -> U64Array:
-    """The Feistel rounds of ``E(x)`` in scratch buffers: round ``r`` xors ``keys[r]`` (a
-    scalar or an array shaped like ``x``); masks and ``shift`` (the low half's bits) are
-    scalars or arrays shaped like ``x``."""
+    """The Feistel rounds ``rounds`` of step 4, in that order, on ``x`` in scratch buffers:
+    round ``r`` xors ``keys[r]`` (a scalar, or an array shaped like ``x``); ``lo_bits`` /
+    ``hi_bits`` (the domain split) are scalars or arrays shaped like ``x``. Each round is
+    its own inverse (an xor), so the rounds in reverse order undo them."""
+    lo_mask = (_ONE << lo_bits) - _ONE
+    hi_mask = (_ONE << hi_bits) - _ONE
     lo = x & lo_mask
-    hi = x >> shift
+    hi = x >> lo_bits
     z = np.empty_like(lo)
     tmp = np.empty_like(lo)
-    for r, k in enumerate(keys):
+    for r in rounds:
         if r % 2 == 0:  # hi ^= F(k, lo) & hi_mask
-            np.bitwise_xor(lo, k, out=z)
+            np.bitwise_xor(lo, keys[r], out=z)
             _mix_into(z, tmp)
             z &= hi_mask
             hi ^= z
         else:  # lo ^= F(k, hi) & lo_mask
-            np.bitwise_xor(hi, k, out=z)
+            np.bitwise_xor(hi, keys[r], out=z)
             _mix_into(z, tmp)
             z &= lo_mask
             lo ^= z
-    hi <<= shift
+    hi <<= lo_bits
     hi |= lo
     return hi
 
@@ -144,7 +137,7 @@ def domain_bits(n: int) -> int:
 _EXACT_FLOAT: Final = 1 << 52
 
 
-def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
+def domain_bits_many(n: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     """`domain_bits` of each of ``n`` (each ``>= 1``), vectorised."""
     sizes = np.asarray(n, dtype=np.int64)
     if sizes.size and int(sizes.max()) < _EXACT_FLOAT:  # frexp(x)[1] == bit_length(x)
@@ -155,13 +148,16 @@ def domain_bits_many(n: IntArray) -> npt.NDArray[np.uint64]:
 
 def permute(indices: U64Array, n: int, seed: int, epoch: int) -> U64Array:
     """Apply the epoch permutation to ``indices`` (all ``< n``); vectorised, cycle-walking."""
-    keys = _key_table(seed, np.array([epoch], dtype=np.uint64))[:, 0]  # scalars: cheapest
-    return cycle_walk(encrypt_many, indices, n, keys)
+    return cycle_walk(
+        encrypt_many, indices, n, _key_table(seed, np.array([epoch], dtype=np.uint64))
+    )
 
 
 def epoch_keys(seed: int, epochs: U64Array) -> U64Array:
     """The round keys of each element's epoch (1-D ``epochs``) as ``(ROUNDS, size)``, derived
-    once per distinct epoch."""
+    once per distinct epoch; ``(ROUNDS, 1)``, broadcast to all, when they share one epoch."""
+    if epochs.size and bool((epochs == epochs[0]).all()):
+        return _key_table(seed, epochs[:1])
     unique, inverse = np.unique(epochs, return_inverse=True)
     return np.take(_key_table(seed, unique), inverse.reshape(-1), axis=1)
 
@@ -173,29 +169,15 @@ def permute_epochs(indices: U64Array, epochs: U64Array, n: int, seed: int) -> U6
 
 
 # ------------------------------------------------------------------ per-element domains
-_ONE: Final = np.uint64(1)
-
-
 def encrypt_many(x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """``E(x)`` (step 4) with per-element round keys ``keys[r]`` and domain split (each an
     array shaped like ``x``, or one value broadcast to all); allocates its temporaries."""
-    lo_mask = (_ONE << lo_bits) - _ONE
-    hi_mask = (_ONE << hi_bits) - _ONE
-    return _rounds(x, [keys[r] for r in range(ROUNDS)], lo_mask, hi_mask, lo_bits)
+    return _feistel(x, keys, lo_bits, hi_bits, range(ROUNDS))
 
 
 def decrypt_many(y: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words) -> U64Array:
     """The inverse of `encrypt_many`: the rounds undone in reverse order."""
-    lo_mask = (_ONE << lo_bits) - _ONE
-    hi_mask = (_ONE << hi_bits) - _ONE
-    lo = y & lo_mask
-    hi = y >> lo_bits
-    for r in reversed(range(ROUNDS)):
-        if r % 2 == 0:
-            hi ^= mix64(lo ^ keys[r]) & hi_mask
-        else:
-            lo ^= mix64(hi ^ keys[r]) & lo_mask
-    return (hi << lo_bits) | lo
+    return _feistel(y, keys, lo_bits, hi_bits, reversed(range(ROUNDS)))
 
 
 #: `encrypt_many` or `decrypt_many`.
@@ -209,16 +191,8 @@ def cycle_walk(step: Step, x: U64Array, n: int, keys: U64Array) -> U64Array:
     ``D`` from ``y`` stops at ``x``: the forward walk passes only values ``>= n`` between."""
     if n == 1:
         return np.zeros_like(x)
-    bits = domain_bits(n)
-    lo_bits, hi_bits = np.uint64(bits // 2), np.uint64(bits - bits // 2)
-    limit = np.uint64(n)
-    out = step(x, keys, lo_bits, hi_bits)
-    pending = np.flatnonzero(out >= limit)
-    while pending.size:
-        walked = step(out[pending], keys if keys.ndim == 1 else keys[:, pending], lo_bits, hi_bits)
-        out[pending] = walked
-        pending = pending[walked >= limit]
-    return out
+    m, bits = np.array([n], dtype=np.uint64), np.array([domain_bits(n)], dtype=np.uint64)
+    return permute_many(x, m, keys[:, None] if keys.ndim == 1 else keys, bits, step=step)
 
 
 def _at(values: U64Array, index: IntArray) -> U64Array:
@@ -226,17 +200,20 @@ def _at(values: U64Array, index: IntArray) -> U64Array:
     return values if values.shape[-1] == 1 else values[..., index]
 
 
-def permute_many(x: U64Array, m: U64Array, keys: U64Array, bits: U64Array) -> U64Array:
+def permute_many(
+    x: U64Array, m: U64Array, keys: U64Array, bits: U64Array, *, step: Step = encrypt_many
+) -> U64Array:
     """The cycle-walking bijection on ``[0, m[e])`` under the round keys ``keys[:, e]`` for
     each element ``x[e] < m[e]`` (step 6 with a per-element domain; ``bits[e] =
-    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element. ``m``,
-    ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``) may be one value for all."""
+    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element (its inverse with
+    ``step=decrypt_many``). ``m``, ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``)
+    may be one value for all."""
     lo_bits = bits // np.uint64(2)
     hi_bits = bits - lo_bits
-    out = encrypt_many(x, keys, lo_bits, hi_bits)
+    out = step(x, keys, lo_bits, hi_bits)
     pending = np.flatnonzero(out >= m)
     while pending.size:
-        walked = encrypt_many(
+        walked = step(
             out[pending], _at(keys, pending), _at(lo_bits, pending), _at(hi_bits, pending)
         )
         out[pending] = walked
@@ -276,11 +253,10 @@ def permute_sources(
     material = b"".join(map(_key_material, pair_seeds.tolist(), pair_epochs.tolist()))
     keys = key_rows(material, pair_seeds.size)[:, inverse]
     sizes, which = np.unique(n, return_inverse=True)
-    bits = np.array([domain_bits(int(m)) for m in sizes.tolist()], dtype=np.uint64)
-    return permute_many(local, n, keys, bits[which.reshape(-1)])
+    return permute_many(local, n, keys, domain_bits_many(sizes)[which.reshape(-1)])
 
 
-class GlobalOrder:
+class GlobalOrder(PositionOrder):
     """Global position -> sample id for ``num_samples`` samples under ``seed``.
 
     Position ``g`` maps to ``perm(seed, epoch=g // n)(g % n)`` with ``perm`` the
@@ -300,42 +276,17 @@ class GlobalOrder:
             f"algorithm={ALGORITHM!r})"
         )
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, GlobalOrder)
-            and other.num_samples == self.num_samples
-            and other.seed == self.seed
-        )
-
-    def __hash__(self) -> int:
-        return hash((ALGORITHM, self.num_samples, self.seed))
-
-    @overload
-    def __getitem__(self, position: int) -> int: ...
-    @overload
-    def __getitem__(self, position: slice) -> IntArray: ...
-
-    def __getitem__(self, position: int | slice) -> int | IntArray:
-        return index_positions(self.ids, position, "GlobalOrder")
+    def _identity(self) -> tuple[object, ...]:
+        return (ALGORITHM, self.num_samples, self.seed)
 
     def ids(self, positions: npt.ArrayLike) -> IntArray:
-        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
         pos = check_positions_array(positions).astype(np.uint64, copy=False)
         epochs, local = np.divmod(pos, np.uint64(self.num_samples))
         out = np.empty(pos.shape, dtype=np.uint64)
         flat_e, flat_l, flat_o = epochs.reshape(-1), local.reshape(-1), out.reshape(-1)
         for start in range(0, flat_o.size, _CHUNK):
             stop = start + _CHUNK
-            flat_o[start:stop] = self._chunk(flat_e[start:stop], flat_l[start:stop])
+            flat_o[start:stop] = permute_epochs(
+                flat_l[start:stop], flat_e[start:stop], self.num_samples, self.seed
+            )
         return out.view(np.int64)  # ids < n < 2**62: the same bits, no copy
-
-    def _chunk(
-        self, epochs: npt.NDArray[np.uint64], local: npt.NDArray[np.uint64]
-    ) -> npt.NDArray[np.uint64]:
-        first = int(epochs[0])
-        if bool((epochs == first).all()):
-            return permute(local, self.num_samples, self.seed, first)  # never writes its input
-        return permute_epochs(local, epochs, self.num_samples, self.seed)

@@ -18,10 +18,10 @@ from typing import Final
 import numpy as np
 
 from detdata.base.checks import check_count
-from detdata.base.errors import ConfigError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import GlobalOrder, U64Array, cycle_walk, decrypt_many, epoch_keys
 from detdata.order.mixing import MixtureSchedule
+from detdata.order.positions import reverse_epochs
 
 #: A source's count of samples read by positions ``[0, p)``.
 Consumed = Callable[[int], int]
@@ -40,20 +40,12 @@ def positions_of(order: GlobalOrder, sample_id: int, *, until: int, start: int =
     ascending: exactly one per epoch, each found by one inversion (O(1) per epoch,
     vectorised over epochs)."""
     n = order.num_samples
-    x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
-    lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
-    hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
-    if hi <= lo:
+    x, lo, hi, epoch_range = reverse_epochs(n, sample_id, start, until, most=_MAX_EPOCHS)
+    if not epoch_range:
         return np.empty(0, dtype=np.int64)
-    first, last = lo // n, (hi - 1) // n
-    if last - first + 1 > _MAX_EPOCHS:
-        raise ConfigError(
-            f"a reverse lookup over {last - first + 1} epochs is refused (more than "
-            f"{_MAX_EPOCHS}); hint: ask over a shorter range of positions"
-        )
     parts = []
-    for a in range(first, last + 1, _CHUNK):
-        epochs = np.arange(a, min(a + _CHUNK, last + 1), dtype=np.uint64)
+    for a in range(epoch_range.start, epoch_range.stop, _CHUNK):
+        epochs = np.arange(a, min(a + _CHUNK, epoch_range.stop), dtype=np.uint64)
         local = unpermute_epochs(np.full(epochs.size, x, dtype=np.uint64), epochs, n, order.seed)
         parts.append((epochs * np.uint64(n) + local).astype(np.int64))
     found = np.concatenate(parts)

@@ -40,7 +40,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, overload
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -59,14 +59,14 @@ from detdata.order.feistel import (
     permute_many,
 )
 from detdata.order.memo import LruCache
-from detdata.order.positions import check_positions_array, index_positions
+from detdata.order.positions import PositionOrder, check_positions_array, reverse_epochs
 
 ALGORITHM: Final = "locality-v1"
 _SHARD_TAG: Final = b"detdata:locality-v1:shards"
 _WINDOW_TAG: Final = b"detdata:locality-v1:window"
 _KEY_BYTES: Final = 8 * ROUNDS
 _EPOCHS_KEPT: Final = 4  # epoch tables cached per order (O(S) each)
-_MAX_EPOCHS_INVERTED: Final = 100_000  # per positions_of call
+_MAX_EPOCHS_INVERTED: Final = 100_000  # per positions_of call (each costs O(shards))
 U64Array = npt.NDArray[np.uint64]
 
 
@@ -181,7 +181,7 @@ def _walk_tables(
     return out
 
 
-class WindowedOrder:
+class WindowedOrder(PositionOrder):
     """Global position -> sample id under ``locality-v1`` (module docstring).
 
     ``WindowedOrder(shard_sizes, seed, window_shards=k)``: the shards are permuted per
@@ -208,19 +208,8 @@ class WindowedOrder:
             f"seed={self.seed}, window_shards={self.window_shards}, algorithm={ALGORITHM!r})"
         )
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, WindowedOrder)
-            and other.shard_sizes == self.shard_sizes
-            and other.seed == self.seed
-            and other.window_shards == self.window_shards
-        )
-
-    def __hash__(self) -> int:
-        return hash((ALGORITHM, self.shard_sizes, self.seed, self.window_shards))
+    def _identity(self) -> tuple[object, ...]:
+        return (ALGORITHM, self.shard_sizes, self.seed, self.window_shards)
 
     # ------------------------------------------------------------------ epochs
     def shard_order(self, epoch: int) -> IntArray:
@@ -246,16 +235,7 @@ class WindowedOrder:
         )
 
     # ------------------------------------------------------------------ positions
-    @overload
-    def __getitem__(self, position: int) -> int: ...
-    @overload
-    def __getitem__(self, position: slice) -> IntArray: ...
-
-    def __getitem__(self, position: int | slice) -> int | IntArray:
-        return index_positions(self.ids, position, "WindowedOrder")
-
     def ids(self, positions: npt.ArrayLike) -> IntArray:
-        """Sample ids of the global ``positions`` (any shape of non-negative ints)."""
         pos = check_positions_array(positions)
         flat = pos.astype(np.uint64, copy=False).reshape(-1)
         epochs, local = np.divmod(flat, np.uint64(self.num_samples))
@@ -313,18 +293,7 @@ class WindowedOrder:
         ascending: one per epoch, by undoing steps 6-3 (the window's permutation inverted
         by decryption with cycle walking). O(shards) per epoch (its tables), O(1) after."""
         n = self.num_samples
-        x = check_count(sample_id, "sample_id", minimum=0, maximum=n - 1)
-        lo = check_count(start, "start", minimum=0, maximum=MAX_POSITION)
-        hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
-        if hi <= lo:
-            return np.empty(0, dtype=np.int64)
-        epochs = range(lo // n, (hi - 1) // n + 1)
-        if len(epochs) > _MAX_EPOCHS_INVERTED:
-            raise ConfigError(
-                f"positions_of over [{lo}, {hi}) spans {len(epochs)} epochs of {n} samples "
-                f"(more than {_MAX_EPOCHS_INVERTED}; each costs O(shards)); hint: ask for "
-                "a narrower range of positions"
-            )
+        x, lo, hi, epochs = reverse_epochs(n, sample_id, start, until, most=_MAX_EPOCHS_INVERTED)
         shard = int(np.searchsorted(self._starts, x, side="right")) - 1
         offset = x - int(self._starts[shard])
         out = []

@@ -77,6 +77,7 @@ nothing of size ``blocks x sources`` (`_locate_chunk`); ``consumed`` is O(source
 from __future__ import annotations
 
 import decimal
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ from detdata.base.errors import ConfigError
 from detdata.base.keys import derive_u64
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.order.feistel import mix64
+from detdata.order.positions import check_positions_array
 
 ALGORITHM: Final = "mixture-v1"
 BLOCK: Final = 16
@@ -189,24 +191,11 @@ def normalize_weights(
 
 # ------------------------------------------------------------------ phases
 @dataclass(frozen=True, kw_only=True)
-class _Node:
-    """One internal tree node: splits the count arriving at ``node_id`` between two children."""
-
-    node_id: int
-    left: tuple[int, int]  # (child node id, source index if the child is a leaf else -1)
-    right: tuple[int, int]
-    a: int
-    b: int
-    phi: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class _Tree:
-    """A phase's internal nodes as arrays for the vectorised descent (row 0 is the root).
-
-    ``left[r]`` / ``right[r]``: the row of an internal child, or ``-1 - s`` for the leaf of
-    source ``s``. O(sources) memory, built once per phase.
-    """
+    """A phase's internal nodes as rows, parents before children (row 0 is the root; none for
+    one source). ``left[r]`` / ``right[r]``: the row of an internal child, or ``-1 - s`` for
+    the leaf of source ``s``. ``b`` is at least 1: a node of weight 0 (``a == phi == 0``)
+    only ever receives 0 (`_split`). O(sources) memory, built once per phase."""
 
     a: IntArray
     b: IntArray
@@ -217,26 +206,39 @@ class _Tree:
     lists: tuple[list[int], ...]  # a, b, phi, left, right as Python ints
 
     @classmethod
-    def of(cls, nodes: Sequence[_Node], offsets: Sequence[int]) -> _Tree:
-        row = {node.node_id: r for r, node in enumerate(nodes)}
-
-        def child(ref: tuple[int, int]) -> int:
-            node_id, leaf = ref
-            return -1 - leaf if leaf >= 0 else row[node_id]
-
-        def column(values: Iterable[int]) -> IntArray:
-            return np.fromiter(values, dtype=np.int64, count=len(nodes))
-
-        lists = (
-            [n.a for n in nodes],
-            [max(n.b, 1) for n in nodes],  # b == 0 nodes are never split (`_split`)
-            [n.phi for n in nodes],
-            [child(n.left) for n in nodes],
-            [child(n.right) for n in nodes],
+    def build(cls, weights: Sequence[int], seed: int, phase: int, offsets: Sequence[int]) -> _Tree:
+        """The balanced tree over ``weights`` of phase ``phase`` (``phi`` by heap node id)."""
+        lists = tuple([0] * (len(weights) - 1) for _ in range(5))
+        a, b, phi, left, right = lists
+        pending = [(0, 1, 0, len(weights))] if len(weights) > 1 else []  # row, node id, lo, hi
+        rows = 1
+        while pending:
+            row, node_id, lo, hi = pending.pop()
+            mid = lo + (hi - lo + 1) // 2
+            a[row], total = sum(weights[lo:mid]), sum(weights[lo:hi])
+            if total:
+                phi[row] = derive_u64(b"detdata:mixture-v1:phi", seed, phase, node_id) % total
+            b[row] = max(total, 1)
+            for side, child, clo, chi in (
+                (left, 2 * node_id, lo, mid),
+                (right, 2 * node_id + 1, mid, hi),
+            ):
+                if chi - clo == 1:
+                    side[row] = -1 - clo
+                else:
+                    side[row] = rows
+                    pending.append((rows, child, clo, chi))
+                    rows += 1
+        a_, b_, phi_, left_, right_ = (np.array(values, dtype=np.int64) for values in lists)
+        return cls(
+            a=a_,
+            b=b_,
+            phi=phi_,
+            left=left_,
+            right=right_,
+            offsets=np.asarray(offsets, dtype=np.int64),
+            lists=lists,
         )
-        a, b, phi, left, right = (column(values) for values in lists)
-        offsets_array = np.asarray(offsets, dtype=np.int64)
-        return cls(a=a, b=b, phi=phi, left=left, right=right, offsets=offsets_array, lists=lists)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,50 +252,25 @@ class Phase:
     start: int
     weights: tuple[int, ...]
     offsets: tuple[int, ...]
-    nodes: tuple[_Node, ...]
     key: int
-    tree: _Tree = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tree", _Tree.of(self.nodes, self.offsets))
+    tree: _Tree = field(repr=False, compare=False)
 
     def fractions(self) -> tuple[Fraction, ...]:
         total = sum(self.weights)
         return tuple(Fraction(w, total) for w in self.weights)
 
 
-def _build_nodes(weights: Sequence[int], seed: int, phase: int) -> tuple[_Node, ...]:
-    """The internal nodes of the balanced tree, parents before children (none for one source)."""
-    nodes: list[_Node] = []
-    if len(weights) == 1:
-        return ()
-    stack = [(1, 0, len(weights))]
-    while stack:
-        node_id, lo, hi = stack.pop()
-        mid = lo + (hi - lo + 1) // 2
-        a, b = sum(weights[lo:mid]), sum(weights[lo:hi])
-        phi = derive_u64(b"detdata:mixture-v1:phi", seed, phase, node_id) % b if b else 0
-        children = []
-        for child_id, clo, chi in ((2 * node_id, lo, mid), (2 * node_id + 1, mid, hi)):
-            children.append((child_id, clo if chi - clo == 1 else -1))
-            if chi - clo > 1:
-                stack.append((child_id, clo, chi))
-        nodes.append(_Node(node_id=node_id, left=children[0], right=children[1], a=a, b=b, phi=phi))
-    return tuple(nodes)
-
-
 def _tree_counts(phase: Phase, total: int) -> list[int]:
     """``C_s(total)`` for every source (Python ints): one pass over the tree, O(sources)."""
-    if not phase.nodes:
-        return [total]
-    out = [0] * len(phase.weights)
-    arriving = {1: total}
-    for node in phase.nodes:
-        t = arriving.pop(node.node_id)
-        left = (t * node.a + node.phi) // node.b if node.b else 0
-        for (child, leaf), value in ((node.left, left), (node.right, t - left)):
-            if leaf >= 0:
-                out[leaf] = value
+    a, b, phi, left, right = phase.tree.lists
+    out = [total] * len(phase.weights)  # every leaf is set (one source: no rows)
+    arriving = [total] + [0] * len(a)
+    for row in range(len(a)):
+        t = arriving[row]
+        share = (t * a[row] + phi[row]) // b[row]
+        for child, value in ((left[row], share), (right[row], t - share)):
+            if child < 0:
+                out[-1 - child] = value
             else:
                 arriving[child] = value
     return out
@@ -330,7 +307,7 @@ def _descend(
     """
     n = blocks.size
     lo = blocks * BLOCK
-    if not phase.nodes:
+    if len(phase.weights) == 1:
         return np.zeros(n, dtype=np.int64), lo, np.full(n, BLOCK, dtype=np.int64), 0 * lo
     tree = phase.tree
     src, start, count = (np.empty(n, dtype=np.int64) for _ in range(3))
@@ -372,8 +349,6 @@ def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]
     """Source index and index in source for phase-local positions ``local`` (1-D):
     O(positions x depth + sources) time; memory: the two outputs plus a bound (`_CHUNK`
     positions at a time), whatever the number of positions or sources."""
-    if local.size <= _CHUNK:
-        return _locate_chunk(phase, local)
     src = np.empty(local.size, dtype=np.int64)
     index = np.empty(local.size, dtype=np.int64)
     for a in range(0, local.size, _CHUNK):
@@ -427,7 +402,7 @@ def _block_leaves(phase: Phase, blocks: IntArray) -> tuple[IntArray, IntArray, I
     block, never blocks x sources.
     """
     nb = blocks.size
-    if not phase.nodes:
+    if len(phase.weights) == 1:
         return np.zeros(nb, dtype=np.int64), blocks * BLOCK, np.full(nb, BLOCK, dtype=np.int64)
     if nb <= _SMALL:
         return _block_leaves_small(phase, blocks.tolist())
@@ -495,10 +470,11 @@ def _block_layout(ranks: IntArray, leaf_count: IntArray) -> tuple[IntArray, IntA
     return leaf_at, within
 
 
-def _phase_prefix_counts(phase: Phase, length: int) -> tuple[int, ...]:
-    """Samples of each source among the first ``length`` phase-local positions: O(sources)."""
-    k, j = divmod(length, BLOCK)
-    total = _tree_counts(phase, k * BLOCK)
+def _consumed(phase: Phase, position: int) -> tuple[int, ...]:
+    """Samples of each source consumed by global positions ``[0, position)``, ``position`` in
+    ``phase`` or at its end: its offsets plus the counts of its first positions, O(sources)."""
+    k, j = divmod(position - phase.start, BLOCK)
+    total = [o + c for o, c in zip(phase.offsets, _tree_counts(phase, k * BLOCK), strict=True)]
     if j:
         src, _ = _locate_chunk(phase, np.arange(k * BLOCK, k * BLOCK + j, dtype=np.int64))
         for s in src.tolist():
@@ -510,18 +486,13 @@ def next_phase(phases: Sequence[Phase], seed: int, start: int, weights: tuple[in
     """The phase after ``phases`` (none: the first, at 0) from ``start`` on with ``weights``:
     its offsets continue the last phase's consumption up to ``start``."""
     index = len(phases)
-    if phases:
-        last = phases[-1]
-        used = _phase_prefix_counts(last, start - last.start)
-        offsets = tuple(o + u for o, u in zip(last.offsets, used, strict=True))
-    else:
-        offsets = (0,) * len(weights)
+    offsets = _consumed(phases[-1], start) if phases else (0,) * len(weights)
     return Phase(
         index=index,
         start=start,
         weights=weights,
         offsets=offsets,
-        nodes=_build_nodes(weights, seed, index),
+        tree=_Tree.build(weights, seed, index, offsets),
         key=derive_u64(b"detdata:mixture-v1:block", seed, index),
     )
 
@@ -556,10 +527,8 @@ def check_schedule(schedule: object) -> list[tuple[int, Mapping[str, object]]]:
 
 def check_positions(positions: npt.ArrayLike) -> IntArray:
     """``positions`` (any shape) as int64, every value in ``[0, 2**62)``, else `ConfigError`."""
-    pos = np.asarray(positions)
-    if pos.dtype.kind not in "iu":
-        raise ConfigError(f"positions must be integers, got dtype {pos.dtype}")
-    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= MAX_POSITION):
+    pos = check_positions_array(positions)
+    if pos.size and int(pos.max()) >= MAX_POSITION:
         raise ConfigError(
             f"positions must be in [0, 2**62), found [{int(pos.min())}, {int(pos.max())}]"
         )
@@ -576,12 +545,10 @@ class MixtureSchedule:
     """
 
     phases: tuple[Phase, ...]
-    _starts: IntArray = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "_starts", np.array([p.start for p in self.phases], dtype=np.int64)
-        )
+    @functools.cached_property
+    def _starts(self) -> IntArray:
+        return np.array([p.start for p in self.phases], dtype=np.int64)
 
     @classmethod
     def build(
@@ -628,9 +595,7 @@ class MixtureSchedule:
         """Samples of each source consumed by positions ``[0, position)``:
         O(phases + sources + 16)."""
         p = check_count(position, "position", minimum=0, maximum=MAX_POSITION)
-        phase = self._phase_of(p)
-        used = _phase_prefix_counts(phase, p - phase.start)
-        return tuple(o + u for o, u in zip(phase.offsets, used, strict=True))
+        return _consumed(self._phase_of(p), p)
 
     def proportions(self) -> tuple[PhaseSpec, ...]:
         """``(start, exact p_s)`` of each phase."""
@@ -653,17 +618,13 @@ def schedule_to_json(schedule: MixtureSchedule, names: Sequence[str]) -> list[li
 
 def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ...]:
     """The proportions of a saved `schedule_to_json` over the sources ``names`` (sorted), or
-    `ConfigError` (each phase must weight exactly ``names``, non-negative, not all zero)."""
+    `ConfigError` (each phase must weight exactly ``names``, as `normalize_weights` checks
+    weights, zeros allowed)."""
     phases = []
     for i, (start, start_weights) in enumerate(check_schedule(doc)):
-        if not isinstance(start_weights, Mapping) or sorted(start_weights) != list(names):
-            raise ConfigError(
-                f"saved mixture schedule[{i}] does not weight exactly the sources {list(names)}"
-            )
-        fracs = [to_fraction(start_weights[n], f"saved schedule[{i}][{n!r}]") for n in names]
-        if any(f < 0 for f in fracs) or sum(fracs) <= 0:
-            raise ConfigError(f"saved mixture schedule[{i}] has negative or all-zero weights")
-        phases.append((start, tuple(f / sum(fracs) for f in fracs)))
+        where = f"saved mixture schedule[{i}]"
+        weights = normalize_weights(start_weights, names, allow_zero=True, where=where)
+        phases.append((start, tuple(Fraction(w, sum(weights)) for w in weights)))
     return tuple(phases)
 
 

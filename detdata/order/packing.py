@@ -209,9 +209,8 @@ def segments_bound(
     """
     total = int(offsets[-1])
     best = 0
-    step = CHUNK
-    for a in range(0, windows, step):
-        w = np.arange(a, min(windows, a + step), dtype=np.int64)
+    for a in range(0, windows, CHUNK):
+        w = np.arange(a, min(windows, a + CHUNK), dtype=np.int64)
         s = w * seq_len
         e = np.minimum(s + seq_len, total)
         k0 = np.searchsorted(offsets, s, side="right")
@@ -231,21 +230,15 @@ def _cu_seqlens(
     inputs = pieces.start < seq_len
     row, seg = pieces.row[inputs], pieces.segment[inputs]
     ends = np.minimum(pieces.start[inputs] + pieces.count[inputs], seq_len)
-    cu = np.full((rows, max_segments + 1), seq_len, dtype=np.int32)
-    cu[:, 0] = 0
-    used = np.bincount(row, minlength=rows)
-    if row.size:
-        if int(seg.max()) + 1 > max_segments:
-            raise ConfigError(
-                f"a window has {int(seg.max()) + 1} segments, more than max_segments="
-                f"{max_segments}; hint: raise max_segments (or leave it None)"
-            )
-        cu.reshape(-1)[row * (max_segments + 1) + seg + 1] = ends
-    count = used + (last < seq_len)
+    count = np.bincount(row, minlength=rows) + (last < seq_len)  # input pieces: segments 0, 1, ..
     if int(count.max(initial=0)) > max_segments:
         raise ConfigError(
-            f"a window has {int(count.max())} segments, more than max_segments={max_segments}"
+            f"a window has {int(count.max())} segments, more than max_segments="
+            f"{max_segments}; hint: raise max_segments (or leave it None)"
         )
+    cu = np.full((rows, max_segments + 1), seq_len, dtype=np.int32)
+    cu[:, 0] = 0
+    cu.reshape(-1)[row * (max_segments + 1) + seg + 1] = ends
     return cu, count.astype(np.int32)
 
 
@@ -338,10 +331,6 @@ def copy_plan(
     ``first + e - bos``.
     """
     at = pieces.row * width + pieces.start  # flat position of each piece's first token
-    if not (bos or eos):  # every piece is corpus tokens only
-        empty = np.empty(0, dtype=np.int64)
-        source = first[pieces.position] + pieces.offset
-        return CopyPlan(source=source, target=at, count=pieces.count, bos_at=empty, eos_at=empty)
     b = int(bos)
     end = pieces.offset + pieces.count
     lo = np.maximum(pieces.offset, b)

@@ -88,6 +88,10 @@ def test_usage_and_input_errors_exit_2_naming_the_culprit(tmp_path: Path) -> Non
         (["diff", str(folder), str(manifest)], [str(folder)]),
         (["diff", str(manifest), str(manifest)], [f"{manifest}:1"]),
         (["replay-check", "--steps", "-3", "--out", str(tmp_path / "rc")], ["--steps", "-3"]),
+        (
+            ["replay-check", "--timeout", "0", "--out", str(tmp_path / "rt"), "--", "true"],
+            ["--timeout", "got 0.0"],
+        ),
         (["demo", "--steps", "40", "--stop-at", "40", "--out", str(tmp_path / "d")], ["--stop-at"]),
         (["demo", "--out", str(a_file)], ["--out", str(a_file)]),
         (["bench", "--repo", str(tmp_path / "no-checkout")], ["no-checkout"]),
@@ -95,7 +99,8 @@ def test_usage_and_input_errors_exit_2_naming_the_culprit(tmp_path: Path) -> Non
     for args, culprits in cases:
         check_failure(run(*args), 2, *culprits)
     assert sorted(p.name for p in folder.iterdir()) == []  # the refused build wrote nothing there
-    assert not (tmp_path / "rc").exists() and not (tmp_path / "d").exists()
+    for untouched in ("rc", "rt", "d"):  # every argument is checked before the disk is touched
+        assert not (tmp_path / untouched).exists(), untouched
     check_failure(run("no-such-command"), 2, "no-such-command", one_line=False)  # argparse usage
     shard = root / "shard-000.npy"  # while a real verification failure stays 1
     shard.write_bytes(shard.read_bytes()[:-2])

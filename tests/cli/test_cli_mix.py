@@ -107,6 +107,24 @@ def test_mix_unreadable_config(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr
 
 
+def test_mix_unreadable_state_is_a_usage_error_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``--state`` file that is missing, not UTF-8 or not JSON: exit 2 naming the file (a
+    non-UTF-8 one was reported as an internal error, a bug in detdata)."""
+    from detdata.cli.main import main
+
+    config = tmp_path / "mix.json"
+    config.write_text(json.dumps(CONFIG), encoding="utf-8")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{")
+    (tmp_path / "cut.json").write_text('{"kind": ', encoding="utf-8")
+    for name in ("missing.json", "binary.json", "cut.json"):
+        state = tmp_path / name
+        assert main(["mix", "--config", str(config), "--state", str(state)]) == 2, name
+        err = capsys.readouterr().err
+        assert str(state) in err and "internal error" not in err, err
+
+
 def test_mix_config_errors_in_process(tmp_path: Path) -> None:
     """The remaining config checks, without paying for a process start each."""
     from detdata.base.errors import ConfigError

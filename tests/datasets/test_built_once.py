@@ -66,16 +66,14 @@ def counted(cls, name, tag):
         return original(self, *args, **kwargs)
     setattr(cls, name, wrapper)
 
-import detdata.datasets.documents as documents_module
-import detdata.datasets.packed as packed_module
+import detdata.datasets.index_files as index_files
 
 counted(Documents, "_build", "documents")  # reads every shard: once per job
-for module in (documents_module, packed_module):  # an index written: once per job each
-    save = module.save_index
-    def saving(index_dir, name, *args, _save=save, **kwargs):
-        Path(counts, f"save_{name}-{os.getpid()}-{time.monotonic_ns()}").touch()
-        return _save(index_dir, name, *args, **kwargs)
-    module.save_index = saving
+save = index_files.save_index  # an index written: once per job each
+def saving(index_dir, name, *args, _save=save, **kwargs):
+    Path(counts, f"save_{name}-{os.getpid()}-{time.monotonic_ns()}").touch()
+    return _save(index_dir, name, *args, **kwargs)
+index_files.save_index = saving
 footers = []
 class Counting(pq.ParquetFile):
     def __init__(self, source, *args, **kwargs):

@@ -35,14 +35,15 @@ HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChec
 def _tree_counts_small(phase: Phase, totals: Sequence[int]) -> IntArray:
     """`_tree_counts` with Python ints: cheaper than numpy for a few boundaries."""
     out = np.empty((len(totals), len(phase.weights)), dtype=np.int64)
+    a, b, phi, left_row, right_row = phase.tree.lists
     for row, total in enumerate(totals):
-        arriving = {1: total}
-        for node in phase.nodes:
-            t = arriving.pop(node.node_id)
-            left = (t * node.a + node.phi) // node.b if node.b else 0
-            for (child, leaf), value in ((node.left, left), (node.right, t - left)):
-                if leaf >= 0:
-                    out[row, leaf] = value
+        arriving = {0: total}
+        for node in range(len(a)):
+            t = arriving.pop(node)
+            left = (t * a[node] + phi[node]) // b[node]
+            for child, value in ((left_row[node], left), (right_row[node], t - left)):
+                if child < 0:
+                    out[row, -1 - child] = value
                 else:
                     arriving[child] = value
     return out
@@ -50,22 +51,20 @@ def _tree_counts_small(phase: Phase, totals: Sequence[int]) -> IntArray:
 
 def _tree_counts(phase: Phase, totals: IntArray) -> IntArray:
     """``C_s(T)`` for each ``T`` in ``totals`` (block boundaries): shape ``(len(totals), S)``."""
-    if not phase.nodes:
+    if len(phase.weights) == 1:
         return totals.astype(np.int64).reshape(-1, 1)
     if totals.size <= _SMALL:
         return _tree_counts_small(phase, totals.tolist())
     out = np.empty((totals.size, len(phase.weights)), dtype=np.int64)
-    arriving: dict[int, IntArray] = {1: totals}
-    for node in phase.nodes:
-        t = arriving.pop(node.node_id)
-        if node.b == 0:
-            left = np.zeros_like(t)
-        else:
-            q, r = np.divmod(t, node.b)
-            left = q * node.a + (r * node.a + node.phi) // node.b
-        for (child, leaf), value in ((node.left, left), (node.right, t - left)):
-            if leaf >= 0:
-                out[:, leaf] = value
+    a, b, phi, left_row, right_row = phase.tree.lists  # b >= 1: a weight-0 node has a == phi == 0
+    arriving: dict[int, IntArray] = {0: totals}
+    for node in range(len(a)):
+        t = arriving.pop(node)
+        q, r = np.divmod(t, b[node])
+        left = q * a[node] + (r * a[node] + phi[node]) // b[node]
+        for child, value in ((left_row[node], left), (right_row[node], t - left)):
+            if child < 0:
+                out[:, -1 - child] = value
             else:
                 arriving[child] = value
     return out

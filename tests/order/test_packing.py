@@ -16,7 +16,9 @@ from detdata.order.packing import (
     ALGORITHM,
     Tail,
     build_offsets,
+    covered_tokens,
     locate,
+    packed_columns,
     parse_tail,
     segments_bound,
     shuffled_documents,
@@ -225,6 +227,21 @@ def test_too_small_max_segments_and_bad_tail_are_config_errors() -> None:
         window_columns(pieces, token_layout(pieces, 4), rows=1, width=4, seq_len=4, max_segments=2)
     with pytest.raises(ConfigError, match="tail must be"):
         parse_tail("keep")
+
+
+@pytest.mark.parametrize(("window", "fits"), [(0, 3), (1, 2)])
+def test_packed_columns_refuse_more_segments_than_max_segments(window: int, fits: int) -> None:
+    """Window 0 holds three one-token documents; window 1 the fourth and a padded tail (a
+    segment too): each needs ``fits`` segments, and one fewer is a `ConfigError`."""
+    starts, _ = corpus_of([1, 1, 1, 1])
+    offsets = build_offsets(starts, seed=0, shuffle=False, extra=0)[0]
+    windows = np.array([window])
+    pieces = locate(offsets, windows, seq_len=3, width=3)
+    covered = covered_tokens(offsets, windows, seq_len=3, width=3)
+    columns = packed_columns(pieces, covered, width=3, seq_len=3, max_segments=fits)
+    assert columns["num_segments"].tolist() == [fits]
+    with pytest.raises(ConfigError, match=f"more than max_segments={fits - 1}; hint"):
+        packed_columns(pieces, covered, width=3, seq_len=3, max_segments=fits - 1)
 
 
 # ------------------------------------------------------------------ golden vectors
