@@ -111,10 +111,3 @@ def progress(
         yield lines.update
     finally:
         lines.close()
-
-
-def counting(
-    desc: str, *, unit: str = "it", enabled: bool | None = None
-) -> contextlib.AbstractContextManager[Callable[[int], None]]:
-    """`progress` for work whose total is unknown (lines ``N UNIT so far, R UNIT/s``)."""
-    return progress(None, desc, unit=unit, enabled=enabled)
