@@ -23,7 +23,7 @@ class WorkerMode(str, enum.Enum):
 def check_torch_args(
     *,
     worker_mode: WorkerMode,
-    num_workers: object,
+    num_workers: int,
     prefetch_factor: object,
     persistent_workers: object,
     timeout: object,
@@ -44,23 +44,15 @@ def check_torch_args(
         )
     if not isinstance(persistent_workers, bool):
         raise ConfigError(f"persistent_workers must be True or False, got {persistent_workers!r}")
-    no_workers = (
-        isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers == 0
-    )
-    if no_workers and prefetch_factor is not None:
-        raise ConfigError(
-            "prefetch_factor needs num_workers > 0 (it counts read-ahead groups per "
-            "worker); hint: drop prefetch_factor or set num_workers"
-        )
-    if no_workers and persistent_workers:
-        raise ConfigError(
-            "persistent_workers=True needs num_workers > 0; hint: drop it or set num_workers"
-        )
-    if no_workers and multiprocessing_context is not None:
-        raise ConfigError(
-            "multiprocessing_context needs num_workers > 0 (there are no worker "
-            "processes to start); hint: drop it or set num_workers"
-        )
+    for name, passed, why in (
+        ("prefetch_factor", prefetch_factor is not None, " (read-ahead groups per worker)"),
+        ("persistent_workers=True", persistent_workers, ""),
+        ("multiprocessing_context", multiprocessing_context is not None, " (no process to start)"),
+    ):
+        if passed and num_workers == 0:
+            raise ConfigError(
+                f"{name} needs num_workers > 0{why}; hint: drop it or set num_workers"
+            )
     if multiprocessing_context is not None and isinstance(multiprocessing_context, str):
         import multiprocessing
 

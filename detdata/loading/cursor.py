@@ -45,11 +45,13 @@ from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
 _LOG: Final = get_logger("detdata")
+#: Checked fields whose change at a resume gives earlier positions another stream.
+STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
 #: Allowed changes after which the samples before the saved position are not the saved run's
-#: to re-derive (another seed, data, order or transform): such a resume is not attested; nor is
-#: one whose mixture or exclusions change at a position before an attested sample (a state
+#: to re-derive (another stream or transform): such a resume is not attested; nor is one
+#: whose mixture or exclusions change at a position before an attested sample (a state
 #: saved inside a step, resumed at the step's start).
-_UNATTESTABLE: Final = (K_MANIFESTS, K_DATA, K_SEED, K_STREAM_SEED, K_ALGORITHM, K_TRANSFORM)
+_UNATTESTABLE: Final = (*STREAM_FIELDS, K_TRANSFORM)
 
 
 @dataclass(frozen=True)

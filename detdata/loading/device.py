@@ -22,10 +22,11 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from detdata.base.checks import check_count
 from detdata.base.errors import ConfigError
 
 MAX_DEPTH = 64
@@ -36,21 +37,6 @@ KeyPath = tuple[Any, ...]
 
 
 # ------------------------------------------------------------------ checks
-def check_depth(depth: object, name: str = "depth") -> int:
-    """``depth`` as an int in ``[1, MAX_DEPTH]``, else `ConfigError` naming ``name``."""
-    if isinstance(depth, bool) or not isinstance(depth, int):
-        raise ConfigError(
-            f"{name} must be an integer >= 1 (batches copied ahead of the one delivered), "
-            f"got {depth!r} ({type(depth).__name__})"
-        )
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ConfigError(
-            f"{name} must be in [1, {MAX_DEPTH}], got {depth}; hint: 2 is enough to "
-            "overlap one batch's copy with the current step"
-        )
-    return depth
-
-
 def check_device(device: object) -> torch.device:
     """``device`` (``"cpu"``, ``"cuda"``: the current one, ``"cuda:N"``; str or `torch.device`)
     as a concrete `torch.device`; `ConfigError` for other types, CUDA unavailable or an
@@ -97,19 +83,6 @@ def check_device(device: object) -> torch.device:
 # ---------------------------------------------------------- stream backends
 #: A point on the copy stream (None: a synchronous copy, always complete).
 Event = torch.cuda.Event
-
-
-class _Backend(Protocol):
-    device: torch.device
-    pin: bool
-
-    def copy_scope(self) -> contextlib.AbstractContextManager[Any]: ...
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
-
-    def record(self) -> Event | None: ...
-
-    def hand_over(self, event: Event | None, tensors: list[torch.Tensor]) -> None: ...
 
 
 class _HostBackend:
@@ -166,6 +139,10 @@ class _CudaBackend:
             tensor.record_stream(consumer)
 
 
+#: Where `_stage` copies to: the host (``device="cpu"``) or CUDA, with the same methods.
+_Backend = _HostBackend | _CudaBackend
+
+
 # -------------------------------------------------------------------- pool
 @dataclass
 class _Slot:
@@ -184,7 +161,7 @@ class PinnedBufferPool:
     """
 
     def __init__(self, slots: int, *, pin: bool) -> None:
-        self.slots = check_depth(slots, "slots")
+        self.slots = check_count(slots, "slots", maximum=MAX_DEPTH)
         self.pin = bool(pin)
         self._slots = [_Slot() for _ in range(self.slots)]
         self.allocations = 0
@@ -356,7 +333,7 @@ def device_batches(
     * ``device``, ``depth`` and ``pool`` are checked eagerly (`ConfigError`).
     """
     dev = check_device(device)
-    depth = check_depth(depth)
+    depth = check_count(depth, "depth", maximum=MAX_DEPTH)
     backend: _Backend
     if dev.type == "cuda":
         if copy_stream is not None and copy_stream.device != dev:

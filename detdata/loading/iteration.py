@@ -19,7 +19,7 @@ from detdata.datasets.base import Stream
 from detdata.datasets.prefetch import CacheAhead
 from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor
-from detdata.loading.options import DeviceFeed
+from detdata.loading.options import DEFAULT_STEPS_AHEAD, DeviceFeed, ReadOptions
 from detdata.loading.reading import RunSlice
 from detdata.loading.sources import BatchSource
 from detdata.loading.trace import RankTrace
@@ -73,9 +73,7 @@ class Delivery:
     trace: RankTrace
     schema: SchemaCheck | None
     attestor: Attestor | None  # None: ResumePolicy(attest=False)
-    batches_ahead: int
-    steps_ahead: int
-    steps_ahead_connections: int
+    read: ReadOptions
 
 
 class LoaderIterator:
@@ -120,8 +118,6 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
     (`BatchSource.reset`: torch's iterator may be mid-transfer)."""
     cursor = d.cursor
     close = _close  # reachable in ``finally`` at interpreter exit (see `_close`)
-    if generation != cursor.generation:
-        raise cursor.stale()
     batches: Iterator[Any] = iter(())
     iterator = batches
     cache_ahead = None
@@ -137,7 +133,7 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
             at = RunSlice(stream, cursor.layout, cursor.samples_consumed, cursor.stop())
             batches = iterator = d.source.batches(at)
             # after batches(): worker processes are forked by now
-            cache_ahead = open_cache_ahead(cursor, d.steps_ahead, d.steps_ahead_connections)
+            cache_ahead = open_cache_ahead(cursor, d.read)
             iterator = d.device.feed(batches)
             if not (yield from _deliver(d, iterator, generation, cache_ahead, stream)):
                 break
@@ -162,9 +158,11 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
             d.source.reset()  # persistent workers may be mid-transfer: start fresh
 
 
-def open_cache_ahead(cursor: Cursor, steps: int, connections: int) -> CacheAhead | None:
-    """A started `detdata.datasets.prefetch.CacheAhead` of the next ``steps`` micro steps from
-    the cursor's position on ``connections`` threads, or None (off, or nothing cached)."""
+def open_cache_ahead(cursor: Cursor, read: ReadOptions) -> CacheAhead | None:
+    """A started `detdata.datasets.prefetch.CacheAhead` of the next ``read.steps_ahead`` micro
+    steps from the cursor's position on ``read.steps_ahead_connections`` threads, or None
+    (off, or nothing cached)."""
+    steps = DEFAULT_STEPS_AHEAD if read.steps_ahead is None else read.steps_ahead
     if not steps:
         return None
     per = cursor.layout.samples_per_micro_step
@@ -173,7 +171,7 @@ def open_cache_ahead(cursor: Cursor, steps: int, connections: int) -> CacheAhead
         cursor.stream,
         cursor.layout.positions,
         steps=steps,
-        connections=connections,
+        connections=read.steps_ahead_connections,
         stop=None if stop is None else -(-stop // per),
     )
     return plan if plan.active else None
@@ -257,9 +255,9 @@ def _failure_note(d: Delivery) -> str:
     cursor = d.cursor
     positions = cursor.positions_of_next()
     grouped = ""
-    if d.source.in_processes and d.batches_ahead > 1:
+    if d.source.in_processes and d.read.batches_ahead > 1:
         grouped = (
-            f"; worker processes read groups of {d.batches_ahead} micro batches, so a "
+            f"; worker processes read groups of {d.read.batches_ahead} micro batches, so a "
             "worker that hung or died did so somewhere in the group starting here"
         )
     layout = cursor.layout

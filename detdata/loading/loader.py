@@ -18,7 +18,7 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, Batch, IntArray
 from detdata.datasets.base import Dataset, Stream
 from detdata.datasets.streams import OrderedStream
-from detdata.loading import frameworks, steps
+from detdata.loading import frameworks
 from detdata.loading.arguments import (
     TorchOnly,
     check_torch_args,
@@ -26,25 +26,22 @@ from detdata.loading.arguments import (
 )
 from detdata.loading.attest import Attestor
 from detdata.loading.cursor import Cursor, Definition
-from detdata.loading.history import as_schedule
+from detdata.loading.history import Plan, as_schedule
 from detdata.loading.iteration import Delivery, LoaderIterator, SchemaCheck
 from detdata.loading.layout import Layout, Placement
 from detdata.loading.lookup import Lookup
-from detdata.loading.options import LoaderOptions
+from detdata.loading.options import DEFAULT_STEPS_AHEAD, LoaderOptions
 from detdata.loading.reading import Reads
 from detdata.loading.reweighting import MixtureController, reweightable
 from detdata.loading.sources import batch_source
 from detdata.loading.state import transform_identity
-from detdata.loading.steps import MidStep
+from detdata.loading.steps import MidStep, RunSteps
 from detdata.loading.trace import RankTrace
 from detdata.order.batches import BatchSchedule
 from detdata.order.choice import OrderLike
 
 __all__ = ["DEFAULT_STEPS_AHEAD", "DataLoader", "EpochStart"]
 
-#: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
-#: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
-DEFAULT_STEPS_AHEAD: Final = 1024
 _UNSET: Final = TorchOnly.UNSET
 
 
@@ -59,7 +56,7 @@ class EpochStart:
         self._loader.set_epoch(epoch)
 
 
-class DataLoader:
+class DataLoader(RunSteps):
     """Deterministic, resumable loader over a `Dataset` or `Stream` (e.g. `Mixture`).
 
     Each iteration yields this rank's next micro batch (``micro_batch_size`` samples,
@@ -155,9 +152,10 @@ class DataLoader:
                 "batch_size), e.g. DataLoader(data, global_batch_size=512, micro_batch_size=8)"
             )
         self.options, self.seed = opts, check_seed(seed)
+        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         check_torch_args(
             worker_mode=opts.read.mode,
-            num_workers=num_workers,
+            num_workers=self.num_workers,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             timeout=timeout,
@@ -168,16 +166,10 @@ class DataLoader:
         self._cursor = _cursor(
             data, global_batch_size, micro_batch_size, self.seed, order, opts, collate_fn
         )
-        self.num_workers = check_count(num_workers, "num_workers", minimum=0, maximum=1024)
         self._lookup = Lookup(self._cursor)
         self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
-        self.worker_mode, self.batches_ahead = opts.read.mode, opts.read.batches_ahead
-        steps_ahead = opts.read.steps_ahead
-        self.steps_ahead = DEFAULT_STEPS_AHEAD if steps_ahead is None else steps_ahead
-        self.steps_ahead_connections = opts.read.steps_ahead_connections
-        self.device, self.copies_ahead = opts.device.target, opts.device.copies_ahead
         # the device feed stages into its own reused pinned buffers; pinning would copy twice
-        pin = self._pin_memory and self.device is None
+        pin = self._pin_memory and opts.device.target is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
             "num_workers": self.num_workers,
             "pin_memory": pin,
@@ -187,14 +179,8 @@ class DataLoader:
         }
         if prefetch_factor is not None:
             workers["prefetch_factor"] = check_count(prefetch_factor, "prefetch_factor")
-        reads = Reads(opts.transform, self.seed, collate_fn, pin, self.batches_ahead)
-        self._source = batch_source(
-            reads,
-            self.worker_mode,
-            workers,
-            seed=self.seed,
-            worker_init_fn=worker_init_fn,
-        )
+        reads = Reads(opts.transform, self.seed, collate_fn, pin, opts.read.batches_ahead)
+        self._source = batch_source(reads, opts.read.mode, workers, worker_init_fn)
         self._trace = RankTrace(opts.trace, self._cursor.layout.rank)
         self._delivery = Delivery(
             cursor=self._cursor,
@@ -203,9 +189,7 @@ class DataLoader:
             trace=self._trace,
             schema=None if opts.transform is None else SchemaCheck(),
             attestor=Attestor(reads) if opts.resume.attest else None,
-            batches_ahead=self.batches_ahead,
-            steps_ahead=self.steps_ahead,
-            steps_ahead_connections=self.steps_ahead_connections,
+            read=opts.read,
         )
         self._live: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
         frameworks.built()  # a framework integration watches the calls the user makes
@@ -215,6 +199,10 @@ class DataLoader:
     def samples_consumed(self) -> int:
         """Global samples delivered so far (all ranks), i.e. the next step's first position."""
         return self._cursor.samples_consumed
+
+    @property
+    def _steps_plan(self) -> Plan:
+        return self._cursor.plan
 
     @property
     def stream(self) -> Stream:
@@ -231,27 +219,9 @@ class DataLoader:
         """The run's bound (None: unbounded; `set_total_samples`)."""
         return self._cursor.total_samples
 
-    @property
-    def step(self) -> int:
-        """The global step the next micro batch belongs to (from the run's history)."""
-        return self._cursor.step
-
-    def position_of_step(self, step: int) -> int:
-        """First global position of step ``step`` of this run (all ranks)."""
-        return steps.position_of_step(self._cursor.plan, step)
-
-    def step_of_position(self, position: int) -> int:
-        """The step global position ``position`` belongs to in this run."""
-        return steps.step_of_position(self._cursor.plan, position)
-
     def positions_of_next(self) -> IntArray:
         """Positions of the micro batch the next iteration will deliver on this rank."""
         return self._cursor.positions_of_next()
-
-    @property
-    def global_batch_size(self) -> int:
-        """Global batch of the current step (`step`)."""
-        return self._cursor.plan.batch_of(self.step)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -336,11 +306,6 @@ class DataLoader:
         return self.layout.micro_batch_size
 
     @property
-    def drop_last(self) -> bool:
-        """True: every delivered batch is a full micro batch (read-only, as torch's)."""
-        return True
-
-    @property
     def batch_sampler(self) -> None:
         """None (see `sampler`)."""
         return None
@@ -380,7 +345,7 @@ class DataLoader:
     # ------------------------------------------------------ state and resume
     def state_dict(self) -> dict[str, Any]:
         """JSON state: samples delivered, identity, layout, environment, attestation."""
-        workers = {"num_workers": self.num_workers, "worker_mode": self.worker_mode.value}
+        workers = {"num_workers": self.num_workers, "worker_mode": self.options.read.mode.value}
         return self._cursor.state_dict(workers, self._delivery.attestor)
 
     def load_state_dict(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -18,11 +18,8 @@ from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.base import Stream
 from detdata.datasets.streams import OrderedStream, as_stream
-from detdata.loading.cursor import Cursor
-from detdata.loading.state import K_ALGORITHM, K_DATA, K_MANIFESTS, K_SEED, K_STREAM_SEED
-
-#: Checked fields whose change at a resume gives earlier positions another stream.
-STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
+from detdata.loading.cursor import STREAM_FIELDS, Cursor
+from detdata.loading.state import K_SEED, K_STREAM_SEED
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -33,12 +33,17 @@ if TYPE_CHECKING:
 MAX_BATCHES_AHEAD: Final = 64
 #: ``ReadOptions.steps_ahead_connections``' upper bound.
 MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
+#: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
+#: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
+DEFAULT_STEPS_AHEAD: Final = 1024
 
 
-def _counts(minimum: int, maximum: int = MAX_POSITION - 1) -> Callable[[object, str], object]:
-    """A field check: None, or an int in ``[minimum, maximum]`` (`check_count`)."""
+def _counts(
+    minimum: int, maximum: int = MAX_POSITION - 1, *, or_none: bool = True
+) -> Callable[[object, str], object]:
+    """A field check: an int in ``[minimum, maximum]`` (`check_count`), or None if ``or_none``."""
     return lambda v, label: (
-        None if v is None else check_count(v, label, minimum=minimum, maximum=maximum)
+        None if v is None and or_none else check_count(v, label, minimum=minimum, maximum=maximum)
     )
 
 
@@ -95,7 +100,7 @@ class ReadOptions:
         _fix(
             self,
             "batches_ahead",
-            _counts(1, MAX_BATCHES_AHEAD),
+            _counts(1, MAX_BATCHES_AHEAD, or_none=False),
             "16 (the default) amortises the per-read cost; lower it for large samples",
         )
         _fix(
@@ -107,7 +112,7 @@ class ReadOptions:
         _fix(
             self,
             "steps_ahead_connections",
-            _counts(1, MAX_STEPS_AHEAD_CONNECTIONS),
+            _counts(1, MAX_STEPS_AHEAD_CONNECTIONS, or_none=False),
             "4 (the default) threads fill the shard cache ahead",
         )
 
@@ -148,9 +153,14 @@ class DeviceFeed:
         return device_batches(batches, self.target, self.copies_ahead)
 
     def __post_init__(self) -> None:
-        from detdata.loading.device import check_depth, check_device
+        from detdata.loading.device import MAX_DEPTH, check_device
 
-        _fix(self, "copies_ahead", check_depth, "2 overlaps one batch's copy with the current step")
+        _fix(
+            self,
+            "copies_ahead",
+            _counts(1, MAX_DEPTH, or_none=False),
+            "2 overlaps one batch's copy with the current step",
+        )
         _fix(
             self,
             "device",

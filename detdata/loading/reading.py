@@ -1,8 +1,8 @@
 """Reading groups of positions: from a group of micro batches to delivered batches.
 
 `GroupSampler` yields this rank's micro-batch positions in groups of ``batches_ahead``;
-`GroupReader` reads a group with one batched read (`PositionDataset`: fetch plus the
-per-sample transform) and splits it into a `GroupRead` (or, with `SlotSampler`, a
+`GroupReader` reads a group with one batched read (a fetch plus the per-sample
+transform) and splits it into a `GroupRead` (or, with `SlotSampler`, a
 `SlotGroup` in a shared-memory slot). Delivered batches own their memory (`owned`).
 """
 
@@ -16,7 +16,7 @@ import pickle
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -70,13 +70,10 @@ def apply_transform(
     sample with its position's generator, and restack; every output must have the first
     one's keys (`ConfigError` naming the position)."""
     outs: list[Mapping[str, Any]] = []
-    with_rng = cast(
-        Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]], transform
-    )
-    alone = cast(Callable[[dict[str, np.ndarray]], Mapping[str, Any]], transform)
+    call: Callable[..., Mapping[str, Any]] = transform  # one of the two `Transform` shapes
     for i in range(len(positions)):
         sample = {k: v[i] for k, v in batch.items()}
-        result = with_rng(sample, sample_rng(seed, int(positions[i]))) if rng else alone(sample)
+        result = call(sample, sample_rng(seed, int(positions[i]))) if rng else call(sample)
         if not isinstance(result, Mapping):
             raise ConfigError(
                 f"transform must return a mapping of column -> array, got "
@@ -96,22 +93,6 @@ def apply_transform(
         k: restack([o[k] for o in outs], k, positions, ragged=is_ragged(batch.get(k)))
         for k in outs[0]
     }
-
-
-class PositionDataset(tud.Dataset[Batch]):
-    """Map-style dataset whose "index" is an array of global positions (one batch)."""
-
-    def __init__(self, stream: Stream, transform: Transform | None, seed: int) -> None:
-        self.stream = stream
-        self.transform = transform
-        self.seed = seed
-        self.rng = transform is not None and takes_rng(transform)
-
-    def __getitem__(self, positions: IntArray) -> Batch:
-        batch = self.stream.fetch(positions)
-        if self.transform is not None:
-            batch = apply_transform(batch, positions, self.transform, self.seed, rng=self.rng)
-        return batch
 
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
@@ -206,9 +187,7 @@ def own_copy(tensor: torch.Tensor) -> torch.Tensor:
     cpu = tensor.device.type == "cpu" and not tensor.requires_grad
     if not cpu or not tensor.is_contiguous() or tensor.numel() == 0:
         return tensor.clone()
-    if tensor.dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(tensor.numpy().copy())
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # e.g. bfloat16
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     np.copyto(_bytes(out), _bytes(tensor))
     return out
 
@@ -216,24 +195,6 @@ def own_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _bytes(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """The bytes of a contiguous CPU tensor (any dtype) as a uint8 array, not copied."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-#: torch dtypes `torch.Tensor.numpy` supports (others are copied as bytes).
-_NUMPY_DTYPES: Final = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
 
 
 def owned(batch: Any) -> Any:
@@ -262,27 +223,29 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     raised exactly at the one that cannot be read.
     """
 
-    def __init__(
-        self,
-        dataset: PositionDataset,
-        collate_fn: Callable[[Batch], Any] | None,
-        pin: bool,
-        in_worker: bool,
-    ) -> None:
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.pin = pin
-        self.in_worker = in_worker
+    def __init__(self, stream: Stream, reads: Reads, pin: bool, in_worker: bool) -> None:
+        self.stream, self.reads = stream, reads
+        self.pin, self.in_worker = pin, in_worker
+        self.rng = reads.transform is not None and takes_rng(reads.transform)
+
+    def _read(self, positions: IntArray) -> Batch:
+        """The samples at ``positions`` (one batched fetch), each transformed."""
+        batch = self.stream.fetch(positions)
+        transform = self.reads.transform
+        if transform is not None:
+            batch = apply_transform(batch, positions, transform, self.reads.seed, rng=self.rng)
+        return batch
 
     def _finish(self, raw: Any) -> Any:
-        batch = to_torch(raw) if self.collate_fn is None else self.collate_fn(raw)
+        collate_fn = self.reads.collate_fn
+        batch = to_torch(raw) if collate_fn is None else collate_fn(raw)
         return pin(batch) if self.pin else batch
 
     def _one_by_one(self, group: list[IntArray]) -> GroupRead:
         done: list[Any] = []
         for positions in group:
             try:
-                done.append(self._finish(self.dataset[positions]))
+                done.append(self._finish(self._read(positions)))
             except Exception as exc:
                 return GroupRead(done, portable(exc) if self.in_worker else exc)
         return GroupRead(done, None)
@@ -297,12 +260,9 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
         is sent as on the plain path, with a receipt that frees the slot."""
         task.held()  # take the ring attached to this task, if any
         group = task.group
-        if self.collate_fn is not None:
-            plain = self(group)
-            return dataclasses.replace(plain, receipt=task.receipt(0))
         bounds = _bounds(group)
         try:
-            raw = self.dataset[group[0] if len(group) == 1 else np.concatenate(group)]
+            raw = self._read(group[0] if len(group) == 1 else np.concatenate(group))
             sent = write_slot(task, raw, bounds)
             if isinstance(sent, SlotGroup):
                 return sent
@@ -319,8 +279,8 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def _group(self, group: list[IntArray]) -> GroupRead:
         bounds = _bounds(group)
         try:
-            raw = self.dataset[np.concatenate(group)]
-            if self.collate_fn is None:
+            raw = self._read(np.concatenate(group))
+            if self.reads.collate_fn is None:
                 # one tensor per column for the group: one transfer from a worker process;
                 # the micro batches are copied out of it when delivered (or when pinned)
                 whole = to_torch(raw)
@@ -352,7 +312,7 @@ class GroupReader(tud.Dataset[GroupRead | SlotGroup]):
     def read_ahead(self, group: list[IntArray] | None) -> None:
         """A hint that ``group`` is read next (None: drop what is pending) to a `ReadsAhead`
         stream (`hint_read_ahead`); never changes a byte (`OrderedStream.read_ahead`)."""
-        hint_read_ahead(self.dataset.stream, None if group is None else np.concatenate(group))
+        hint_read_ahead(self.stream, None if group is None else np.concatenate(group))
 
 
 @dataclass(frozen=True)
@@ -385,8 +345,7 @@ class Reads:
         """The `GroupReader` of ``stream`` (never pinning ``in_worker``: torch's pin-memory
         thread does, `GroupRead.pin_memory`)."""
         pin = not in_worker and self.pin_memory and torch.cuda.is_available()
-        dataset = PositionDataset(stream, self.transform, self.seed)
-        return GroupReader(dataset, self.collate_fn, pin, in_worker)
+        return GroupReader(stream, self, pin, in_worker)
 
 
 def _bounds(group: list[IntArray]) -> list[tuple[int, int]]:

@@ -24,9 +24,10 @@ from detdata.base.checks import check_count, check_seed
 from detdata.base.errors import ConfigError, StateError
 from detdata.base.types import MAX_POSITION, IntArray
 from detdata.datasets.mixture import Mixture
-from detdata.loading import frameworks, steps
+from detdata.loading import frameworks
 from detdata.loading.history import Plan, as_schedule
 from detdata.loading.layout import Layout, Placement, process_group_rank_world
+from detdata.loading.steps import RunSteps
 from detdata.order.batches import BatchSchedule
 from detdata.order.feistel import ALGORITHM, GlobalOrder
 
@@ -98,7 +99,101 @@ def _check_total(total_samples: int | None) -> int | None:
     return check_count(total_samples, "total_samples", minimum=0)
 
 
-class DeterministicBatchSampler:
+class FrameworkBatchSampler:
+    """The run's global micro steps, whole, for a framework that shards them itself.
+
+    Item ``j`` is the ids at global positions ``[j * batch_size, (j + 1) * batch_size)`` at
+    every world size; split into consecutive slices in rank order (accelerate's
+    ``split_batches=True``), process ``r`` gets exactly what detdata's DataLoader gives rank
+    ``r`` with micro batch ``batch_size // world_size``. The framework keeps the position:
+    every ``iter()`` starts at the run's beginning and a resumed ``StatefulDataLoader``
+    skips the items delivered (the same samples at any world size; skipping reads no data).
+    No ``state_dict`` on purpose: torchdata would ask it for a state a world size > 1 never
+    saved instead of skipping. One pass covers the run (``total_samples``, else unbounded).
+    Iterated at world size > 1 unsplit, or dealt whole to processes
+    (``split_batches=False``), it is a `ConfigError`.
+    """
+
+    def __init__(
+        self,
+        num_samples: int | Mixture,
+        *,
+        global_batch_size: int,
+        batch_size: int,
+        seed: int | None = None,
+        total_samples: int | None = None,
+    ) -> None:
+        if isinstance(global_batch_size, BatchSchedule):
+            raise ConfigError(
+                "FrameworkBatchSampler takes one global batch, not a BatchSchedule: the "
+                "framework that shards its items counts a fixed number of items per step "
+                "(accelerate's gradient_accumulation_steps); hint: use "
+                "DeterministicBatchSampler (this rank's slice) or detdata.DataLoader with "
+                "the schedule"
+            )
+        self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
+        self.seed = self._ids.seed
+        #: ids per item, one micro step of all processes together (a divisor of the global batch)
+        self.batch_size = Layout.create(global_batch_size, batch_size, 1, 0).micro_batch_size
+        self.global_batch_size = check_count(global_batch_size, "global_batch_size")
+        self.total_samples = _check_total(total_samples)
+        frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
+
+    @property
+    def drop_last(self) -> bool:
+        """Always True (read-only): every item is a full micro step."""
+        return True
+
+    @property
+    def sampler(self) -> None:
+        """None: positions come from detdata's layout, not from a torch sampler."""
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: one pass covers the whole run."""
+        del epoch
+
+    def __len__(self) -> int:
+        """Items in the run: ``total_samples // batch_size``, or ``2**62 // batch_size``."""
+        total = MAX_POSITION if self.total_samples is None else self.total_samples
+        return total // self.batch_size
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        """The run's items from its first; `ConfigError` at world size > 1 unless the caller
+        splits each item among the processes."""
+        dealer = _dealer(self)
+        _, world = process_group_rank_world()
+        if world > 1 and dealer is None:
+            raise ConfigError(
+                f"FrameworkBatchSampler yields whole micro steps for a framework to split, "
+                f"but it is iterated in a process group of {world} with nobody splitting "
+                "them: every process would train on the same rows; hint: prepare the "
+                f"DataLoader with the framework ({_FRAMEWORK_HINT}), or use "
+                "DeterministicBatchSampler(...), which yields this rank's slice"
+            )
+        if dealer is not None and getattr(dealer, "split_batches", None) is not True:
+            raise ConfigError(
+                f"{type(dealer).__name__} deals whole FrameworkBatchSampler items to "
+                f"{dealer.num_processes} processes (split_batches=False): the batch count "
+                "the framework saves would then stand for other samples when the world size "
+                "changes; hint: split each item among the processes: "
+                f"{_FRAMEWORK_HINT}"
+            )
+        return self._generate()
+
+    def _generate(self) -> Iterator[list[Any]]:
+        """Items in order, ids computed for `_CHUNK_POSITIONS` positions at once (a framework
+        skipping delivered items on resume skips ~100x faster)."""
+        per, items = self.batch_size, len(self)
+        chunk = max(1, _CHUNK_POSITIONS // per)
+        for first in range(0, items, chunk):
+            count = min(chunk, items - first)
+            ids = self._ids.items(np.arange(first * per, (first + count) * per, dtype=np.int64))
+            for i in range(count):
+                yield ids[i * per : (i + 1) * per]
+
+
+class DeterministicBatchSampler(RunSteps):
     """Yields lists of sample ids: this rank's micro batches from ``samples_consumed`` on.
 
     A ``BatchSampler``'s surface (``batch_size``, ``drop_last``, ``sampler``, a constant
@@ -130,25 +225,10 @@ class DeterministicBatchSampler:
         self._yielded = 0  # micro batches yielded by the current iterator
         frameworks.built()  # a framework integration watches the calls the user makes
 
-    @classmethod
-    def sharded_by_framework(
-        cls,
-        num_samples: int | Mixture,
-        *,
-        global_batch_size: int,
-        batch_size: int,
-        seed: int | None = None,
-        total_samples: int | None = None,
-    ) -> FrameworkBatchSampler:
-        """A `FrameworkBatchSampler`: the run's micro steps of ``batch_size`` samples (all
-        processes together), for a framework that splits each among its processes."""
-        return FrameworkBatchSampler(
-            num_samples,
-            global_batch_size=global_batch_size,
-            batch_size=batch_size,
-            seed=seed,
-            total_samples=total_samples,
-        )
+    #: ``sharded_by_framework(num_samples, *, global_batch_size, batch_size, seed=None,
+    #: total_samples=None)``: a `FrameworkBatchSampler`, the run's micro steps of ``batch_size``
+    #: samples (all processes together), for a framework that splits each among its processes
+    sharded_by_framework = FrameworkBatchSampler
 
     def _bind(self, consumed: int) -> None:
         """Continue at ``consumed`` with rank and world size re-read from torch.distributed: a
@@ -158,35 +238,15 @@ class DeterministicBatchSampler:
         self._plan.check_continues(layout, consumed)
         self.layout, self._start, self._yielded = layout, consumed, 0
 
-    # ------------------------------------------------------ steps
     @property
-    def global_batch_size(self) -> int:
-        """Global batch of the step at ``samples_consumed`` (constant unless a schedule)."""
-        return self._plan.batch_of(self.step)
-
-    @property
-    def step(self) -> int:
-        """The global step the next micro batch belongs to."""
-        return self._plan.step_of(self.samples_consumed)
-
-    def position_of_step(self, step: int) -> int:
-        """`steps.position_of_step` of this sampler's run."""
-        return steps.position_of_step(self._plan, step)
-
-    def step_of_position(self, position: int) -> int:
-        """`steps.step_of_position` of this sampler's run."""
-        return steps.step_of_position(self._plan, position)
+    def _steps_plan(self) -> Plan:
+        return self._plan
 
     # ------------------------------------------------------ BatchSampler surface
     @property
     def batch_size(self) -> int:
         """Ids per item: this rank's micro batch."""
         return self.layout.micro_batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        """Always True (read-only): every item is a full micro batch."""
-        return True
 
     @property
     def sampler(self) -> None:
@@ -300,97 +360,3 @@ class DeterministicBatchSampler:
                 fields=("samples_consumed",),
             )
         self._bind(consumed)  # rank and world size bound now, as at iteration
-
-
-class FrameworkBatchSampler:
-    """The run's global micro steps, whole, for a framework that shards them itself.
-
-    Item ``j`` is the ids at global positions ``[j * batch_size, (j + 1) * batch_size)`` at
-    every world size; split into consecutive slices in rank order (accelerate's
-    ``split_batches=True``), process ``r`` gets exactly what detdata's DataLoader gives rank
-    ``r`` with micro batch ``batch_size // world_size``. The framework keeps the position:
-    every ``iter()`` starts at the run's beginning and a resumed ``StatefulDataLoader``
-    skips the items delivered (the same samples at any world size; skipping reads no data).
-    No ``state_dict`` on purpose: torchdata would ask it for a state a world size > 1 never
-    saved instead of skipping. One pass covers the run (``total_samples``, else unbounded).
-    Iterated at world size > 1 unsplit, or dealt whole to processes
-    (``split_batches=False``), it is a `ConfigError`.
-    """
-
-    def __init__(
-        self,
-        num_samples: int | Mixture,
-        *,
-        global_batch_size: int,
-        batch_size: int,
-        seed: int | None = None,
-        total_samples: int | None = None,
-    ) -> None:
-        if isinstance(global_batch_size, BatchSchedule):
-            raise ConfigError(
-                "FrameworkBatchSampler takes one global batch, not a BatchSchedule: the "
-                "framework that shards its items counts a fixed number of items per step "
-                "(accelerate's gradient_accumulation_steps); hint: use "
-                "DeterministicBatchSampler (this rank's slice) or detdata.DataLoader with "
-                "the schedule"
-            )
-        self._ids = _Ids(num_samples, seed, "FrameworkBatchSampler")
-        self.seed = self._ids.seed
-        #: ids per item, one micro step of all processes together (a divisor of the global batch)
-        self.batch_size = Layout.create(global_batch_size, batch_size, 1, 0).micro_batch_size
-        self.global_batch_size = check_count(global_batch_size, "global_batch_size")
-        self.total_samples = _check_total(total_samples)
-        frameworks.built()  # e.g. accelerate's load_state without use_stateful_dataloader
-
-    @property
-    def drop_last(self) -> bool:
-        """Always True (read-only): every item is a full micro step."""
-        return True
-
-    @property
-    def sampler(self) -> None:
-        """None: positions come from detdata's layout, not from a torch sampler."""
-        return None
-
-    def set_epoch(self, epoch: int) -> None:
-        """No-op: one pass covers the whole run."""
-        del epoch
-
-    def __len__(self) -> int:
-        """Items in the run: ``total_samples // batch_size``, or ``2**62 // batch_size``."""
-        total = MAX_POSITION if self.total_samples is None else self.total_samples
-        return total // self.batch_size
-
-    def __iter__(self) -> Iterator[list[Any]]:
-        """The run's items from its first; `ConfigError` at world size > 1 unless the caller
-        splits each item among the processes."""
-        dealer = _dealer(self)
-        _, world = process_group_rank_world()
-        if world > 1 and dealer is None:
-            raise ConfigError(
-                f"FrameworkBatchSampler yields whole micro steps for a framework to split, "
-                f"but it is iterated in a process group of {world} with nobody splitting "
-                "them: every process would train on the same rows; hint: prepare the "
-                f"DataLoader with the framework ({_FRAMEWORK_HINT}), or use "
-                "DeterministicBatchSampler(...), which yields this rank's slice"
-            )
-        if dealer is not None and getattr(dealer, "split_batches", None) is not True:
-            raise ConfigError(
-                f"{type(dealer).__name__} deals whole FrameworkBatchSampler items to "
-                f"{dealer.num_processes} processes (split_batches=False): the batch count "
-                "the framework saves would then stand for other samples when the world size "
-                "changes; hint: split each item among the processes: "
-                f"{_FRAMEWORK_HINT}"
-            )
-        return self._generate()
-
-    def _generate(self) -> Iterator[list[Any]]:
-        """Items in order, ids computed for `_CHUNK_POSITIONS` positions at once (a framework
-        skipping delivered items on resume skips ~100x faster)."""
-        per, items = self.batch_size, len(self)
-        chunk = max(1, _CHUNK_POSITIONS // per)
-        for first in range(0, items, chunk):
-            count = min(chunk, items - first)
-            ids = self._ids.items(np.arange(first * per, (first + count) * per, dtype=np.int64))
-            for i in range(count):
-                yield ids[i * per : (i + 1) * per]

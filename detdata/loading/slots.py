@@ -6,9 +6,9 @@ prefetch_factor + 2`` slots in one anonymous, pre-reserved file (``memfd_create`
 leaks in ``/dev/shm``; a full filesystem is an ``OSError`` and a fallback, never a SIGBUS):
 the sampler hands each group a free slot (`SlotTransport.task`), the worker writes it and
 returns a small `SlotGroup`, the main process copies each micro batch out and frees the
-slot (`settle`). The ring reaches a worker once (`RingHandle`); forked processes drop
-inherited rings. Until slots are sized, and for groups that do not fit, torch's transfer
-is used. Neither path changes a delivered byte.
+slot (`settle`). The ring reaches a worker once (a `MainRing` pickles as its descriptor);
+forked processes drop inherited rings. Until slots are sized, and for groups that do not
+fit, torch's transfer is used. Neither path changes a delivered byte.
 """
 
 from __future__ import annotations
@@ -85,21 +85,6 @@ class Receipt:
     needed: int  # bytes the group takes in a slot (0: it cannot use one)
 
 
-class RingHandle:
-    """A ring's file, pickled as a duplicated descriptor (attached to tasks until every
-    worker has reported holding it; a worker that already holds it does not map it again)."""
-
-    def __init__(
-        self, transport: str, generation: int, slot_bytes: int, count: int, fd: int
-    ) -> None:
-        self.transport, self.generation = transport, generation
-        self.slot_bytes, self.count, self.fd = slot_bytes, count, fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        dup = reduction.DupFd(self.fd)
-        return (_attach, (self.transport, self.generation, self.slot_bytes, self.count, dup))
-
-
 class WorkerRing:
     """A worker process's mapping of a ring."""
 
@@ -130,7 +115,7 @@ class SlotTask:
     transport: str
     generation: int | None
     slot: int | None
-    ring: WorkerRing | RingHandle | None  # a RingHandle here unpickles as a WorkerRing
+    ring: WorkerRing | MainRing | None  # a MainRing here unpickles as a WorkerRing
 
     def receipt(self, needed: int) -> Receipt:
         """The receipt of this task (called in the worker, after `held`)."""
@@ -228,10 +213,13 @@ def write_slot(task: SlotTask, raw: Any, bounds: list[tuple[int, int]]) -> SlotG
 
 # ------------------------------------------------------------------ the main process's side
 class MainRing:
-    """One generation of slots in the main process."""
+    """One generation of slots in the main process of transport ``transport``. It pickles as
+    its file's duplicated descriptor (attached to tasks until every worker has reported
+    holding it; a worker that already holds it does not map it again: `_attach`)."""
 
-    def __init__(self, generation: int, slot_bytes: int, count: int) -> None:
-        self.generation, self.slot_bytes, self.count = generation, slot_bytes, count
+    def __init__(self, transport: str, generation: int, slot_bytes: int, count: int) -> None:
+        self.transport, self.generation = transport, generation
+        self.slot_bytes, self.count = slot_bytes, count
         self.fd = _anonymous_file(slot_bytes * count)
         try:
             self.memory = _map(self.fd, slot_bytes * count)
@@ -242,8 +230,9 @@ class MainRing:
         self.in_use = 0
         self._closer = weakref.finalize(self, _close_ring, self.fd, self.memory)
 
-    def handle(self, transport: str) -> RingHandle:
-        return RingHandle(transport, self.generation, self.slot_bytes, self.count, self.fd)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        dup = reduction.DupFd(self.fd)
+        return (_attach, (self.transport, self.generation, self.slot_bytes, self.count, dup))
 
     def close(self) -> None:
         del self.array
@@ -313,8 +302,7 @@ class SlotTransport:
             ring.in_use += 1
             known = [self._holds.get(w) for w in range(self.num_workers)]
             attach = any(h != ring.generation for h in known)
-            handle = ring.handle(self.id) if attach else None
-            return SlotTask(group, self.id, ring.generation, slot, handle)
+            return SlotTask(group, self.id, ring.generation, slot, ring if attach else None)
 
     # -------------------------------------------------------------- receiving side
     def settle(self, receipt: Receipt) -> None:
@@ -351,7 +339,7 @@ class SlotTransport:
             )
             return
         try:
-            ring = MainRing(next(self._generations), slot_bytes, self.count)
+            ring = MainRing(self.id, next(self._generations), slot_bytes, self.count)
         except OSError as exc:
             self._disabled = True
             log.warning(

@@ -97,8 +97,6 @@ def batch_source(
     reads: Reads,
     mode: WorkerMode,
     torch_kwargs: Mapping[str, Any],
-    *,
-    seed: int,
     worker_init_fn: Callable[[int], None] | None,
 ) -> BatchSource:
     """The source of ``torch_kwargs["num_workers"]`` readers in ``mode``."""
@@ -108,4 +106,4 @@ def batch_source(
     if mode is WorkerMode.THREAD:
         depth = workers * torch_kwargs.get("prefetch_factor", 2)
         return ThreadSource(reads, threads=workers, depth=depth)
-    return WorkerSource(reads, torch_kwargs, seed=seed, worker_init_fn=worker_init_fn)
+    return WorkerSource(reads, torch_kwargs, worker_init_fn)

@@ -8,6 +8,7 @@ resume from inside a step re-delivers the step whole by default (`MidStep`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 from dataclasses import dataclass
@@ -44,14 +45,42 @@ def parse_mid_step(value: object, name: str = "mid_step") -> MidStep:
         ) from None
 
 
-def position_of_step(plan: Plan, step: int) -> int:
-    """First global position of step ``step`` of ``plan``'s run (all ranks)."""
-    return plan.start_of(check_count(step, "step", minimum=0))
+class RunSteps(abc.ABC):
+    """The run's global steps as the `DataLoader` and the `DeterministicBatchSampler` answer
+    them, from their `Plan` (``_steps_plan``) and ``samples_consumed``."""
 
+    @property
+    @abc.abstractmethod
+    def samples_consumed(self) -> int:
+        """Global samples delivered so far (all ranks), i.e. the next step's first position."""
 
-def step_of_position(plan: Plan, position: int) -> int:
-    """The step of ``plan``'s run global position ``position`` belongs to."""
-    return plan.step_of(check_count(position, "position", minimum=0))
+    @property
+    @abc.abstractmethod
+    def _steps_plan(self) -> Plan:
+        """The run's history of global batches."""
+
+    @property
+    def step(self) -> int:
+        """The global step the next micro batch belongs to (from the run's history)."""
+        return self._steps_plan.step_of(self.samples_consumed)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Global batch of the current step (`step`; constant unless a schedule)."""
+        return self._steps_plan.batch_of(self.step)
+
+    def position_of_step(self, step: int) -> int:
+        """First global position of step ``step`` of this run (all ranks)."""
+        return self._steps_plan.start_of(check_count(step, "step", minimum=0))
+
+    def step_of_position(self, position: int) -> int:
+        """The step global position ``position`` belongs to in this run."""
+        return self._steps_plan.step_of(check_count(position, "position", minimum=0))
+
+    @property
+    def drop_last(self) -> bool:
+        """True (read-only, as torch's): every delivered batch is a full micro batch."""
+        return True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,14 +65,12 @@ class WorkerSource:
         self,
         reads: Reads,
         torch_kwargs: Mapping[str, Any],
-        *,
-        seed: int,
         worker_init_fn: Callable[[int], None] | None,
     ) -> None:
         """``torch_kwargs``: torch's DataLoader keywords as given; ``worker_init_fn`` runs in
-        each worker after its globals are seeded from ``seed``, the rank and the worker id."""
+        each worker after its globals are seeded from ``reads.seed``, the rank and the worker
+        id."""
         self._reads = reads
-        self._seed = seed
         self._user_init = worker_init_fn
         self._torch_kwargs = dict(torch_kwargs)
         self._persistent = bool(torch_kwargs.get("persistent_workers"))
@@ -135,7 +133,7 @@ class WorkerSource:
             sampler=sampler,
             collate_fn=_identity,
             worker_init_fn=functools.partial(
-                _init_worker, self._seed, at.layout.rank, self._user_init
+                _init_worker, self._reads.seed, at.layout.rank, self._user_init
             ),
             **self._torch_kwargs,
         )
@@ -156,11 +154,10 @@ class WorkerSource:
 
 
 class WorkerLoader(tud.DataLoader[Any]):
-    """torch's ``DataLoader``; with worker processes, its iterators are `_WorkerIterator`."""
+    """torch's ``DataLoader`` of worker processes (``num_workers > 0``: `batch_source`), whose
+    iterators are `_WorkerIterator`."""
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        if self.num_workers == 0:
-            return super()._get_iterator()
         self.check_worker_number_rationality()
         return _WorkerIterator(self)
 

@@ -11,7 +11,6 @@ import detdata
 from detdata.loading.cursor import Cursor, Definition
 from detdata.loading.history import as_schedule
 from detdata.loading.layout import Placement
-from detdata.loading.steps import position_of_step, step_of_position
 
 WORKERS = {"num_workers": 0, "worker_mode": "process"}
 
@@ -35,7 +34,7 @@ def test_it_counts_micro_steps_on_the_step_grid() -> None:
         c.advance()
     assert c.samples_consumed == 5 * 4 and c.step == 20 // 8
     assert c.positions_of_next().tolist() == [22, 23]
-    assert (position_of_step(c.plan, 3), step_of_position(c.plan, 23)) == (24, 2)
+    assert (c.plan.start_of(3), c.plan.step_of(23)) == (24, 2)
     span = c.step_span()
     assert (span.step, span.start, span.size, span.next) == (2, 16, 8, 24)
 

@@ -67,7 +67,7 @@ def test_lookahead_stops_at_the_last_delivered_micro_step_on_an_offset_grid(
     assert new.layout.offset != 0  # 48 is not a multiple of 14: the grid is offset
     per = new.layout.samples_per_micro_step
     first = new.samples_consumed // per
-    plan = open_cache_ahead(new._cursor, new.steps_ahead, new.steps_ahead_connections)
+    plan = open_cache_ahead(new._cursor, new.options.read)
     assert plan is not None and plan.active
     delivered = [new.positions_of_next().tolist()]
     for _ in new:

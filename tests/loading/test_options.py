@@ -94,6 +94,16 @@ BAD: list[tuple[str, Any, list[str]]] = [
         ["ReadOptions.batches_ahead", "[1, 64]", "got 0"],
     ),
     (
+        "read_ahead-none",
+        lambda: detdata.ReadOptions(batches_ahead=None),
+        ["ReadOptions.batches_ahead", "integer", "None"],
+    ),
+    (
+        "connections-none",
+        lambda: detdata.ReadOptions(steps_ahead_connections=None),
+        ["ReadOptions.steps_ahead_connections", "integer", "None"],
+    ),
+    (
         "read_ahead-type",
         lambda: detdata.ReadOptions(batches_ahead="16"),
         ["ReadOptions.batches_ahead", "integer", "'16'"],

@@ -85,11 +85,11 @@ def test_a_worker_sent_a_ring_it_holds_does_not_map_it_again() -> None:
     ring = transport._current
     assert ring is not None
     try:
-        first = pickle.loads(pickle.dumps(ring.handle(transport.id)))  # as a worker unpickles
+        first = pickle.loads(pickle.dumps(ring))  # as a worker unpickles
         slots._HELD[transport.id] = first  # what `SlotTask.held` records in the worker
         inode = os.fstat(ring.fd).st_ino
         maps, fds = ring_maps(inode), len(ring_fds(inode))  # this ring's only: other tests of
-        again = pickle.loads(pickle.dumps(ring.handle(transport.id)))  # the process run too
+        again = pickle.loads(pickle.dumps(ring))  # the process run too
         assert again is first
         assert ring_maps(inode) == maps  # no second mapping
         assert len(ring_fds(inode)) == fds  # the sent descriptor was closed

@@ -41,7 +41,7 @@ def source(mode: str, **torch_kwargs: Any) -> Any:
     reads = Reads(transform=None, seed=SEED, collate_fn=None, pin_memory=False, batches_ahead=3)
     kwargs = {"num_workers": workers, "pin_memory": False, "timeout": 0, **torch_kwargs}
     kwargs.setdefault("persistent_workers", False)
-    return batch_source(reads, worker_mode, kwargs, seed=SEED, worker_init_fn=None)
+    return batch_source(reads, worker_mode, kwargs, worker_init_fn=None)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
