@@ -96,3 +96,21 @@ def test_diff_reports_missing_steps_and_bad_files(tmp_path: Path) -> None:
     assert result.returncode == 1 and "step 4" in result.stdout and "missing in B" in result.stdout
     missing = _diff(tmp_path / "long.jsonl", tmp_path / "nope.jsonl")
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr
+
+
+def test_the_writer_refuses_a_batch_outside_its_step_or_without_positions(tmp_path: Path) -> None:
+    """The trace never misstates the run: a micro batch that does not lie in the step its span
+    names, or that has no positions, is refused before anything is written."""
+    from detdata.loading.trace.write import StepSpan, TraceWriter
+
+    writer = TraceWriter(tmp_path / "t.jsonl", rank=0)
+    batch = {"x": np.zeros((2, 3), dtype=np.int64)}
+    with pytest.raises(detdata.ConfigError, match=r"micro batch \[8, 10\) is not inside its step"):
+        writer.add(8, np.array([8, 9]), batch, span=StepSpan(step=1, start=4, size=4, next=10))
+    with pytest.raises(detdata.ConfigError, match="without positions"):
+        writer.add(
+            4, np.array([], dtype=np.int64), {}, span=StepSpan(step=1, start=4, size=4, next=5)
+        )
+    writer.add(4, np.array([4, 5]), batch, span=StepSpan(step=1, start=4, size=4, next=6))
+    writer.close()
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 1  # only the good batch

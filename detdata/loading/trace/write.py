@@ -82,15 +82,24 @@ class TraceWriter:
         span: StepSpan,
     ) -> None:
         """Record the micro batch about to be delivered (``samples_consumed`` before counting
-        it; ``span`` where it lies in the run's steps: the caller's step map keeps the batch, never
-        empty, inside its step)."""
+        it; ``span`` where it lies in the run's steps); a batch outside its step or without
+        positions is a `ConfigError` (never a trace that misstates the run)."""
         if self._fd is None:
             raise ConfigError(
                 f"trace file {self.path!r} was closed; hint: a closed DataLoader cannot "
                 "deliver more batches with its trace"
             )
         at = int(samples_consumed)
+        if not span.start <= at < span.next <= span.start + span.size:
+            raise ConfigError(
+                f"trace {self.path!r}: micro batch [{at}, {span.next}) is not inside its step "
+                f"{span.step} [{span.start}, {span.start + span.size})"
+            )
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not len(positions):
+            raise ConfigError(
+                f"trace {self.path!r}: a micro batch without positions cannot be recorded"
+            )
         cols, sums = batch_digests(positions, batch)
         record = Record(
             where=self.path,
