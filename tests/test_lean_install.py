@@ -40,7 +40,7 @@ def test_every_declared_dependency_is_imported_by_the_package() -> None:
     for name in names:
         module = MODULE.get(name, name.replace("-", "_"))
         used = re.search(
-            rf"^\s*(import {module}\b|from {module}\b)|lazy_module\(\"{module}\b", source, re.M
+            rf"^\s*(import {module}\b|from {module}\b)|LazyModule\(\"{module}\b", source, re.M
         )
         if used is None:
             unused.append(name)

@@ -22,15 +22,22 @@ type and text (torch's DataLoader workers call ``type(message)``, multiprocessin
 
 from __future__ import annotations
 
+import typing
+
 from detdata.base.redact import redact_args
 
 
 class DetdataError(Exception):
     """Root of every error detdata raises on purpose; its text is redacted when it is made
-    (`detdata.base.redact`), so no message of any layer can carry a secret."""
+    (`detdata.base.redact`), so no message of any layer can carry a secret. Keyword arguments
+    set the attributes a subclass declares (with their defaults); any other is a TypeError."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **attributes: object) -> None:
         super().__init__(*redact_args(args))
+        for name, value in attributes.items():
+            if name not in typing.get_type_hints(type(self)):
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword {name!r}")
+            setattr(self, name, value)
 
 
 class ConfigError(DetdataError, ValueError):
@@ -41,10 +48,8 @@ class CapabilityError(ConfigError, TypeError):
     """A call needs a capability (`detdata.datasets.capabilities`) that the stream or dataset
     given does not declare: names it (``capability``), the type lacking it (``kind``), a hint."""
 
-    def __init__(self, message: str, *, capability: str = "", kind: str = "") -> None:
-        super().__init__(message)
-        self.capability = capability
-        self.kind = kind
+    capability: str = ""
+    kind: str = ""
 
 
 class ManifestError(DetdataError, ValueError):
@@ -54,20 +59,10 @@ class ManifestError(DetdataError, ValueError):
 class VerificationError(DetdataError, ValueError):
     """Shard bytes on storage do not match the manifest (size, quick digest or blake3)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        shard: str = "",
-        field: str = "",
-        expected: object = None,
-        found: object = None,
-    ) -> None:
-        super().__init__(message)
-        self.shard = shard
-        self.field = field
-        self.expected = expected
-        self.found = found
+    shard: str = ""
+    field: str = ""
+    expected: object = None
+    found: object = None
 
 
 class FormatError(DetdataError, ValueError):
@@ -81,9 +76,7 @@ class RegistryError(DetdataError, ValueError):
 class StateError(DetdataError, ValueError):
     """A loader state is malformed or does not match the loader it is loaded into."""
 
-    def __init__(self, message: str, *, fields: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.fields = fields
+    fields: tuple[str, ...] = ()
 
 
 class StorageError(DetdataError, OSError):
@@ -93,20 +86,10 @@ class StorageError(DetdataError, OSError):
 class RetriesExhausted(StorageError):
     """A storage read kept failing until its deadline (or a permanent error after retries)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        shard: str = "",
-        url: str = "",
-        attempts: int = 0,
-        last_error: BaseException | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.shard = shard
-        self.url = url
-        self.attempts = attempts
-        self.last_error = last_error
+    shard: str = ""
+    url: str = ""
+    attempts: int = 0
+    last_error: BaseException | None = None
 
 
 class ShortRead(StorageError):

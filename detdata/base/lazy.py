@@ -1,7 +1,7 @@
 """Modules imported at first use, so that ``import detdata`` stays light.
 
-`lazy_module` returns a stand-in whose first attribute access imports the real module (pyarrow
-as ``pa``, ``ipc``, ``pq`` here: ~0.3 s, needed only for tables); `require` imports one now.
+`LazyModule` is a stand-in whose first attribute access imports the real module (pyarrow as
+``pa``, ``ipc``, ``pq`` here: ~0.3 s, needed only for tables); `require` imports one now.
 A module that cannot be imported is a `DependencyError` naming it and the ``pip install``.
 """
 
@@ -58,18 +58,13 @@ def require(name: str, *, install: str, purpose: str) -> types.ModuleType:
         ) from exc
 
 
-def lazy_module(name: str, *, install: str) -> Any:
-    """A stand-in for module ``name`` that imports it at first use (see `LazyModule`)."""
-    return LazyModule(name, install=install)
-
-
-__all__ = ["LazyModule", "ipc", "lazy_module", "pa", "pq", "require"]
+__all__ = ["LazyModule", "ipc", "pa", "pq", "require"]
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 else:
-    pa = lazy_module("pyarrow", install="pyarrow>=15")
-    ipc = lazy_module("pyarrow.ipc", install="pyarrow>=15")
-    pq = lazy_module("pyarrow.parquet", install="pyarrow>=15")
+    pa = LazyModule("pyarrow", install="pyarrow>=15")
+    ipc = LazyModule("pyarrow.ipc", install="pyarrow>=15")
+    pq = LazyModule("pyarrow.parquet", install="pyarrow>=15")

@@ -3,7 +3,7 @@
 ``enabled`` None (the default): a tqdm bar when stderr is a terminal, else a plain line on
 stderr every `LOG_EVERY_S` seconds (``detdata: hashing shards: 1,200/10,000 (12%), 45.3
 shard/s, ETA 3m14s``) and a closing line where lines were shown (also for short work with
-``enabled=True`` or ``closing=True``); False: nothing. ``DETDATA_PROGRESS=0`` silences it
+``enabled=True``); False: nothing. ``DETDATA_PROGRESS=0`` silences it
 everywhere, ``=1`` acts as ``enabled=True``. Progress never changes a result.
 """
 
@@ -91,10 +91,8 @@ def progress(
     *,
     unit: str = "it",
     enabled: bool | None = None,
-    closing: bool = False,
 ) -> Iterator[Callable[[int], None]]:
-    """A callback ``update(n)`` (n more units done) for ``total`` units (see the module);
-    ``closing``: a log gets the closing line even when the work was short."""
+    """A callback ``update(n)`` (n more units done) for ``total`` units (see the module)."""
     if (total is not None and total <= 0) or not wanted(enabled):
         yield lambda _n: None
         return
@@ -108,15 +106,8 @@ def progress(
             bar.close()
         return
     forced = enabled is True or _switch() in _ON  # a closing line even for short work
-    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=closing or forced)
+    lines = LogLines(total, desc, unit, stream=sys.stderr, closing=forced)
     try:
         yield lines.update
     finally:
         lines.close()
-
-
-def counting(
-    desc: str, *, unit: str = "it", enabled: bool | None = None, closing: bool = False
-) -> contextlib.AbstractContextManager[Callable[[int], None]]:
-    """`progress` for work whose total is unknown (lines ``N UNIT so far, R UNIT/s``)."""
-    return progress(None, desc, unit=unit, enabled=enabled, closing=closing)

@@ -49,12 +49,6 @@ _PARAM: Final = re.compile(r"(^|[&;])([^&;=#]+)=([^&;#]*)")
 _URL_IN_TEXT: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}]+")
 
 
-def is_secret_param(name: str) -> bool:
-    """Whether a query parameter named ``name`` carries a credential (see the module doc)."""
-    low = name.strip().lower()
-    return low in SECRET_PARAMS or any(word in low for word in SECRET_WORDS)
-
-
 def _split(url: str) -> tuple[str, str, str, str]:
     """``(before userinfo, userinfo with '@' or '', rest up to '?', query with '?' or '')``."""
     m = _USERINFO.match(url)
@@ -73,8 +67,9 @@ def _query_secrets(query: str, replace: str | None) -> str:
 
     def sub(m: re.Match[str]) -> str:
         lead, name, _ = m.groups()
-        if not is_secret_param(name):
-            return m.group(0)
+        low = name.strip().lower()
+        if low not in SECRET_PARAMS and not any(word in low for word in SECRET_WORDS):
+            return m.group(0)  # not a credential (see the module docstring)
         return "" if replace is None else f"{lead}{name}={replace}"
 
     out = _PARAM.sub(sub, query)
@@ -86,25 +81,24 @@ def _query_secrets(query: str, replace: str | None) -> str:
 def redact_url(url: str) -> str:
     """``url`` with user info and credential query values replaced by ``***``:
     ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://***@host/d?sig=***&part=1``."""
-    if not isinstance(url, str) or "://" not in url:
-        return url
-    head, userinfo, path, query = _split(url)
-    shown = head + (f"{MASK}@" if userinfo else "") + path
-    if query:
-        shown += "?" + _query_secrets(query[1:], MASK)
-    return shown
+    return _rewrite(url, MASK)
 
 
 def strip_credentials(url: str) -> str:
     """``url`` without user info and credential query parameters (what is persisted):
     ``http://alice:T@host/d?sig=abc&part=1`` -> ``http://host/d?part=1``."""
+    return _rewrite(url, None)
+
+
+def _rewrite(url: str, mask: str | None) -> str:
+    """``url`` with its credentials masked with ``mask`` (None: removed)."""
     if not isinstance(url, str) or "://" not in url:
         return url
-    head, _, path, query = _split(url)
-    out = head + path
+    head, userinfo, path, query = _split(url)
+    out = head + (f"{mask}@" if userinfo and mask else "") + path
     if query:
-        kept = _query_secrets(query[1:], None)
-        out += kept if not kept or kept.startswith("#") else "?" + kept
+        kept = _query_secrets(query[1:], mask)
+        out += kept if mask is None and (not kept or kept.startswith("#")) else "?" + kept
     return out
 
 

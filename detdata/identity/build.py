@@ -20,7 +20,7 @@ from typing import Any
 from fsspec.utils import glob_translate
 
 from detdata.base.errors import ConfigError, DetdataError, StorageError
-from detdata.base.progress import counting
+from detdata.base.progress import progress
 from detdata.base.redact import redact_url
 from detdata.identity.entry import ShardEntry
 from detdata.identity.formats import (
@@ -223,7 +223,7 @@ def shard_names(
     progress: bool | None = None,
 ) -> list[str]:
     """The sorted, checked relative names to build: ``paths``, else a listing of ``root``
-    (its progress shown as `detdata.base.progress.counting`: files found so far)."""
+    (its progress: files found so far)."""
     if paths is not None:
         rels = sorted(check_shard_name(p, root=root) for p in paths)
     else:
@@ -273,14 +273,14 @@ def _list_shards(
     return [check_shard_name(r, root=root) for r in rels]
 
 
-def _walk_local(fs: Any, root: str, full: str | None, progress: bool | None) -> list[str]:
+def _walk_local(fs: Any, root: str, full: str | None, show: bool | None) -> list[str]:
     """The files under local ``root`` (matching the glob ``full`` as ``fs.glob`` would), one
     folder at a time so that a large listing shows its progress."""
     if full is not None and not has_magic(full):
         return [full] if fs.isfile(full) else []
     match = None if full is None else re.compile(glob_translate(full)).match
     found: list[str] = []
-    with counting("listing files", unit="files", enabled=progress) as update:
+    with progress(None, "listing files", unit="files", enabled=show) as update:
         for folder, _, files in fs.walk(root):
             paths = [posixpath.join(folder, name) for name in files]
             found += paths if match is None else [p for p in paths if match(p)]

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, overload
+from typing import Any, Final, cast, overload
 
 import blake3
 import numpy as np
@@ -34,15 +34,27 @@ import numpy.typing as npt
 from detdata.base.canonical import canonical_json
 from detdata.base.errors import ManifestError
 from detdata.base.hashing import PREFIX
-from detdata.identity.columns_header import ALIGN, CHUNK, KIND, parse_header
 from detdata.identity.entry import ShardEntry
-from detdata.identity.path_blocks import PATH_BLOCK, decode_block, encode_paths
+from detdata.identity.path_blocks import (
+    MAX_BLOCK_RAW,
+    PATH_BLOCK,
+    decode_block,
+    encode_paths,
+)
 from detdata.identity.verify import pread_all
 from detdata.storage.fs import check_relative_path
 
 MAGIC: Final = b"DDMCOLS1"
-#: the version written (`detdata.identity.columns_header.READS`: the versions read)
+#: the version written (`READS`: the versions read)
 VERSION: Final = 2
+KIND: Final = "detdata.manifest-columns"
+#: versions read: 1 stored paths plainly (``path_ends`` / ``paths``), 2 in compressed
+#: blocks (``path_block_ends`` / ``path_blocks``: `detdata.identity.path_blocks`)
+READS: Final = (1, 2)
+#: data bytes per checked chunk (a rank hashes only the chunks it touches)
+CHUNK: Final = 64 << 10
+#: sections start at multiples of this
+ALIGN: Final = 64
 #: a header larger than this is refused (metadata and schema strings live there)
 MAX_HEADER: Final = 256 << 20
 SUFFIX: Final = ".columns"
@@ -159,6 +171,80 @@ def encode_columns(
     )
 
 
+def parse_header(raw: bytes, error: Any) -> dict[str, Any]:
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise error(f"malformed header ({exc})") from None
+    if not isinstance(header, dict):
+        raise error(f"malformed header (a JSON {type(header).__name__}, not an object)")
+    if header.get("kind") != KIND:
+        raise error(f"not a manifest columns file (kind {header.get('kind')!r})")
+    version = header.get("version")
+    if type(version) is not int or version not in READS:
+        raise error(f"version {version!r}; this detdata reads versions {list(READS)}")
+    if header.get("chunk") != CHUNK:
+        raise error(f"chunk size {header.get('chunk')!r}, expected {CHUNK}")
+    for key in ("count", "num_samples", "total_bytes", "data_bytes", "json_bytes"):
+        if not isinstance(header.get(key), int) or header[key] < 0:
+            raise error(f"header field {key!r} must be a non-negative integer")
+    sections = header.get("sections")
+    n = header["count"]
+    if version == 1:  # the path sections
+        paths = {"path_ends": ("<i8", n + 1), "paths": ("|u1", None)}
+    else:
+        largest = header.get("path_block_raw")
+        if header.get("path_block") != PATH_BLOCK or not (
+            type(largest) is int and 0 <= largest <= MAX_BLOCK_RAW
+        ):
+            raise error(
+                f"header fields 'path_block' ({header.get('path_block')!r}, expected {PATH_BLOCK})"
+                f" and 'path_block_raw' ({largest!r}, at most {MAX_BLOCK_RAW}) are wrong"
+            )
+        blocks = -(-n // PATH_BLOCK)
+        paths = {"path_block_ends": ("<i8", blocks + 1), "path_blocks": ("|u1", None)}
+    want = {
+        "bytes": ("<i8", n),
+        "num_samples": ("<i8", n),
+        "sample_starts": ("<i8", n + 1),
+        "data_offset": ("<i8", n),
+        "format": ("|u1", n),
+        "dtype": ("<i2", n),
+        "schema": ("<i4", n),
+        **paths,
+        "blake3": ("|u1", 32 * n),
+        "quick": ("|u1", 32 * n),
+        "row_group_ends": ("<i8", n + 1),
+        "row_groups": ("<i8", None),
+    }
+    if not isinstance(sections, dict) or set(sections) != set(want):
+        raise error("header field 'sections' does not list the expected sections")
+    for name, (dtype, items) in want.items():
+        spec = sections[name]
+        ok = (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and all(isinstance(v, int) and v >= 0 for v in spec[:2])
+            and spec[2] == dtype
+            and spec[0] % ALIGN == 0
+            and spec[0] + spec[1] <= header["data_bytes"]
+            and spec[1] % np.dtype(dtype).itemsize == 0
+            and (items is None or spec[1] == items * np.dtype(dtype).itemsize)
+        )
+        if not ok:
+            raise error(f"section {name!r} is described as {spec!r}")
+    for key in ("formats", "dtypes", "schemas"):
+        if not isinstance(header.get(key), list) or not all(
+            isinstance(v, str) for v in header[key]
+        ):
+            raise error(f"header field {key!r} must be a list of strings")
+    if not isinstance(header.get("metadata"), dict) or not all(
+        isinstance(header.get(k), str) for k in ("id", "json_digest")
+    ):
+        raise error("header fields 'metadata' (object), 'id' and 'json_digest' are required")
+    return cast(dict[str, Any], header)
+
+
 class ColumnsFile:
     """A fast-form file; every data chunk is checked against its digest on first use.
 
@@ -173,10 +259,6 @@ class ColumnsFile:
         self._closer = weakref.finalize(self, os.close, fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # scattered chunk reads
         st = os.fstat(fd)
-        size = st.st_size
-        if size < _HEAD + 32:
-            self._closer()
-            raise self._error(f"{size} bytes is too short for a header")
         #: ``[size, mtime_ns, ctime_ns, inode, device]`` of the file opened (before a read),
         #: and the wall time it was taken at
         self.identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
@@ -188,13 +270,15 @@ class ColumnsFile:
         self._kept: dict[int, bytes] = {}  # checked chunks read whole, by index
         self._lock = threading.Lock()
         try:
-            self._open_checked(size)
+            self._open_checked(st.st_size)
         except BaseException:
             self.close()
             raise
 
     def _open_checked(self, size: int) -> None:
         """Read and check the header and the chunk table (O(1) in the shards)."""
+        if size < _HEAD + 32:
+            raise self._error(f"{size} bytes is too short for a header")
         head = self._pread(0, _HEAD)
         if head[:8] != MAGIC:
             raise self._error(f"magic {head[:8]!r}, expected {MAGIC!r}")
@@ -524,16 +608,16 @@ def _plain_paths(c: ColumnsFile, lo: int, hi: int) -> list[str]:
     if not 0 <= base <= top <= c.header["sections"]["paths"][1]:
         raise c._error(f"shards #{lo}..{hi - 1}: path bounds {base}..{top} are out of range")
     blob = c.items("paths", base, top).tobytes()
-    return [_path_at(c, lo + k, blob, ends[k] - base, ends[k + 1] - base) for k in range(hi - lo)]
-
-
-def _path_at(c: ColumnsFile, i: int, blob: bytes, lo: int, hi: int) -> str:
-    if not 0 <= lo <= hi <= len(blob):
-        raise c._error(f"shard #{i}: path bounds {lo}..{hi} are out of range")
-    try:
-        return blob[lo:hi].decode("utf-8")
-    except UnicodeDecodeError:
-        raise c._error(f"shard #{i}: path {blob[lo:hi]!r} is not UTF-8") from None
+    out: list[str] = []
+    for i, start, end in zip(range(lo, hi), ends, ends[1:], strict=False):
+        if not base <= start <= end <= top:
+            raise c._error(f"shard #{i}: path bounds {start - base}..{end - base} are out of range")
+        raw = blob[start - base : end - base]
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise c._error(f"shard #{i}: path {raw!r} is not UTF-8") from None
+    return out
 
 
 def _group_at(end: int) -> int:
@@ -551,29 +635,25 @@ def _entry(
     groups: list[int] | None,
 ) -> ShardEntry:
     """Shard ``i`` from its decoded fields, checked by the JSON loader's own checks."""
-    h = c.header
     obj: dict[str, Any] = {
         "path": path,
         "bytes": row["bytes"],
         "num_samples": row["num_samples"],
         "blake3": PREFIX + b3.hex(),
         "quick": PREFIX + quick.hex(),
-        "format": _pick(h["formats"], row["format"], c, i, "format"),
     }
     if row["data_offset"] >= 0:
         obj["data_offset"] = row["data_offset"]
-    for name in ("dtype", "schema"):
-        if row[name] >= 0:
-            obj[name] = _pick(h[f"{name}s"], row[name], c, i, name)
+    for name in ("format", "dtype", "schema"):  # an index into the header's list (format: u8)
+        values, index = c.header[f"{name}s"], row[name]
+        if index < 0:
+            continue  # none (-1)
+        if index >= len(values):
+            raise c._error(f"shard #{i}: {name} index {index} out of range")
+        obj[name] = values[index]
     if groups is not None:
         obj["row_groups"] = groups
     return ShardEntry.from_json(obj, f"manifest columns {c.path} shard #{i}")
-
-
-def _pick(values: list[str], index: int, c: ColumnsFile, i: int, what: str) -> str:
-    if not 0 <= index < len(values):
-        raise c._error(f"shard #{i}: {what} index {index} out of range")
-    return values[index]
 
 
 def _reopen(path: str, header_digest: str, json_path: str | None) -> ShardTable:

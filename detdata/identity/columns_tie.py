@@ -89,23 +89,6 @@ def verify_columns_id(
     return check_tie_parts(table, parts())
 
 
-def _judge(table: ShardTable, found: str, totals: list[int]) -> None:
-    """`ManifestError` unless the id ``found`` and ``totals`` (samples, bytes) are the
-    header's."""
-    c = table.columns
-    if found != c.header["id"]:
-        raise c._error(
-            f"its entries hash to {found}, the header says {c.header['id']} (edited or "
-            "written by another manifest)"
-        )
-    claimed = [c.header["num_samples"], c.header["total_bytes"]]
-    if totals != claimed:
-        raise c._error(
-            f"the entries hold {totals[0]} samples in {totals[1]} bytes, the header says "
-            f"{claimed[0]} in {claimed[1]}"
-        )
-
-
 #: a tie part's head fields: first and last path, in canonical order within, sums
 FIRST: Final = "first"
 LAST: Final = "last"
@@ -150,5 +133,15 @@ def check_tie_parts(table: ShardTable, parts: Iterable[bytes]) -> str:
         hasher.update(body)
     hasher.update(tail)
     found = PREFIX + hasher.hexdigest()
-    _judge(table, found, totals)
+    if found != c.header["id"]:
+        raise c._error(
+            f"its entries hash to {found}, the header says {c.header['id']} (edited or "
+            "written by another manifest)"
+        )
+    claimed = [c.header["num_samples"], c.header["total_bytes"]]
+    if totals != claimed:
+        raise c._error(
+            f"the entries hold {totals[0]} samples in {totals[1]} bytes, the header says "
+            f"{claimed[0]} in {claimed[1]}"
+        )
     return found

@@ -117,10 +117,9 @@ def _check_format_fields(fmt: Format, obj: dict[str, Any], where: str) -> None:
         raise ManifestError(f"{where}: {fmt.value} shard without field 'data_offset'")
 
 
-def _check_int(value: object, where: str) -> int:
+def _check_int(value: object, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ManifestError(f"{where} must be a non-negative integer, found {value!r}")
-    return value
 
 
 #: verification levels, weakest first (a level covers every weaker one)

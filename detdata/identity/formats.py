@@ -35,7 +35,7 @@ import numpy as np
 from detdata.base.errors import ConfigError, FormatError
 from detdata.base.hashing import digest_bytes
 from detdata.base.lazy import ipc, pa, pq
-from detdata.identity.text_formats import inspect_jsonl
+from detdata.identity.text_formats import MAGICS, PLAIN, inspect_jsonl
 from detdata.storage.fs import is_local_fs
 
 
@@ -53,7 +53,7 @@ class Format(str, enum.Enum):
 
 TOKEN_DTYPES: Final = ("uint16", "uint32", "int32", "int64")
 #: The ``schema`` of a ``jsonl`` shard: how its bytes are compressed (from its first bytes).
-JSONL_LAYOUTS: Final = ("jsonl", "jsonl+gzip", "jsonl+zstd", "jsonl+bz2", "jsonl+xz")
+JSONL_LAYOUTS: Final = (PLAIN, *MAGICS.values())
 TABLE_FORMATS: Final = (Format.PARQUET, Format.ARROW, Format.ARROW_STREAM)
 _SUFFIXES: Final = {
     **dict.fromkeys((".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz"), Format.JSONL),
@@ -406,30 +406,26 @@ def _refuse_container(fs: fsspec.AbstractFileSystem, path: str, size: int, rel: 
     magic string are not refused)."""
     with fs.open(path, "rb") as fh:
         head = fh.read(8)
-        kind = None
+        kind = what = None
         if head[:6] == b"\x93NUMPY":
             fh.seek(0)
             with contextlib.suppress(ValueError):
                 _read_npy_header(fh)
-                kind = "npy"
+                kind, what = "npy", "a .npy"
         elif head[:8] == MEGATRON_MAGIC[:8]:
             fh.seek(0)
             with contextlib.suppress(FormatError):
                 parse_megatron_header(fh.read(MEGATRON_HEADER_BYTES), rel=rel)
-                kind = "megatron_idx"
+                kind, what = "megatron_idx", "a Megatron index (.idx)"
         elif size >= 12 and head[:6] == _ARROW_MAGIC:
             fh.seek(size - 6)
-            kind = "arrow" if fh.read(6) == _ARROW_MAGIC else None
+            if fh.read(6) == _ARROW_MAGIC:
+                kind, what = "arrow", "an Arrow IPC"
         elif size >= 8 and head[:4] == _PARQUET_MAGIC:
             fh.seek(size - 4)
-            kind = "parquet" if fh.read(4) == _PARQUET_MAGIC else None
+            if fh.read(4) == _PARQUET_MAGIC:
+                kind, what = "parquet", "a Parquet"
     if kind is not None:
-        what = {
-            "npy": "a .npy",
-            "arrow": "an Arrow IPC",
-            "parquet": "a Parquet",
-            "megatron_idx": "a Megatron index (.idx)",
-        }[kind]
         raise FormatError(
             f"shard {rel}: declared format 'bin' (raw tokens) but it is {what} "
             f"file (it starts with {head[:6]!r}); read as raw tokens its header "

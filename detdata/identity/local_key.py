@@ -1,10 +1,7 @@
-"""This user's secret key, for what detdata writes now and trusts later (docs/design.md,
-"Start-up at scale": "Keyed, so that only this user makes what this user trusts").
-
-The window index, its ``.checked`` note and the receipts are tagged in blake3's keyed mode
-under a 32-byte key, ``.key-<uid>`` in the receipts folder, made exclusively with mode 0600
-and used only while a regular file of this user that nobody else can read or write (else
-refused with a warning: nothing is stored or trusted). Files are named by its public id.
+"""This user's secret key, for what detdata writes now and trusts later: the window index,
+its ``.checked`` note and the receipts are tagged under it in blake3's keyed mode. Where it
+lives, how it is made and when it is refused (with a warning: nothing is stored or
+trusted): docs/design.md ("Keyed, so that only this user makes what this user trusts").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Content-addressed shard manifests: the model (docs/design.md section 1).
-
-A manifest is a JSON document: a format version, a canonically sorted list of shards
-and free user metadata. Its id is ``b3:`` + blake3 of the canonical JSON of that body;
-the root URL is *not* part of it, so moving data keeps the id. Documents are untrusted:
-every field is validated, shard paths included. Building is `detdata.identity.build`,
-checking bytes `detdata.identity.verify`. Roots are shown redacted and saved without
-credentials (docs/design.md "Scale: identity and secrets").
+"""Content-addressed shard manifests: the model (docs/design.md section 1: the id, the
+canonical order, untrusted documents). Building is `detdata.identity.build`, checking bytes
+`detdata.identity.verify`. Roots are shown redacted and saved without credentials
+(docs/design.md "Scale: identity and secrets").
 """
 
 from __future__ import annotations

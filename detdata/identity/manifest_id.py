@@ -2,13 +2,13 @@
 
 The id is ``b3:`` + blake3 of the canonical JSON of the body ``{"format_version", "kind",
 "metadata", "shards"}``. Keys are sorted, so its bytes are everything up to
-``"shards":[``, the canonical entries joined by ``,``, then ``]}``: `streamed_id` hashes
+``"shards":[``, the canonical entries joined by ``,``, then ``]}``: `manifest_id` hashes
 those a piece of entries at a time (bounded memory). It is the only definition of the id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import blake3
@@ -29,25 +29,14 @@ def body_ends(metadata: Mapping[str, Any]) -> tuple[bytes, bytes]:
     return empty[:-2], b"]}"  # "shards" sorts after the other keys: ``..."shards":[]}``
 
 
-def streamed_id(metadata: Mapping[str, Any], pieces: Iterable[Sequence[Mapping[str, Any]]]) -> str:
-    """The id of the manifest with ``metadata`` whose entries (`ShardEntry.to_json`, in
-    canonical order) come in ``pieces``."""
-    head, tail = body_ends(metadata)
-    hasher = blake3.blake3(head)
-    first = True
-    for piece in pieces:
-        if not piece:
-            continue
-        joined = canonical_json(list(piece))  # b"[e1,e2,...]": the entries joined by ","
-        if not first:
-            hasher.update(b",")
-        hasher.update(memoryview(joined)[1:-1])
-        first = False
-    hasher.update(tail)
-    return PREFIX + hasher.hexdigest()
-
-
 def manifest_id(metadata: Mapping[str, Any], shards: Sequence[ShardEntry]) -> str:
     """The id of a manifest with ``metadata`` and ``shards`` (in canonical order)."""
-    pieces = ([s.to_json() for s in shards[lo : lo + PIECE]] for lo in range(0, len(shards), PIECE))
-    return streamed_id(metadata, pieces)
+    head, tail = body_ends(metadata)
+    hasher = blake3.blake3(head)
+    for lo in range(0, len(shards), PIECE):
+        joined = canonical_json([s.to_json() for s in shards[lo : lo + PIECE]])  # b"[e1,...]"
+        if lo:
+            hasher.update(b",")
+        hasher.update(memoryview(joined)[1:-1])
+    hasher.update(tail)
+    return PREFIX + hasher.hexdigest()

@@ -1,11 +1,7 @@
-"""One manifest read per node (docs/design.md, "One manifest read per node").
-
-Under a ``torch.distributed`` group of more than one rank, the first rank of a node to
-claim a load of a manifest file reads it, writes copies named for their blake3 into
-``manifests/`` of this user's private cache folder and publishes their digests; the other
-ranks map the copies and use them only when their digest is the published one. A wrong
-guess costs a read, never a wrong byte; a reader's error is raised on every rank of the
-node. Without a group, with one rank, or ``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
+"""One manifest read per node: docs/design.md ("One manifest read per node") says how the
+ranks of a node meet, copy and check. A wrong guess costs a read, never a wrong byte; a
+reader's error is raised on every rank of the node. Without a group, with one rank, or
+``LOCAL_WORLD_SIZE=1``, nothing is met or copied.
 """
 
 from __future__ import annotations

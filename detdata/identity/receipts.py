@@ -1,16 +1,10 @@
 """Verification once per job, and receipts that let a restart skip unchanged shards.
 
-Contract: docs/design.md ("Start-up at scale: the fast manifest form, once-per-job
-verification, receipts"; "Receipts: what they prove, and what they do not").
-
-`verify_job` is what `Manifest.verify` runs: under a ``torch.distributed`` group of more
-than one rank, once per node for a local root, once per job for a URL root or with
-``DETDATA_VERIFY_SCOPE=job`` (`detdata.identity.shared`); without a group, processes of
-one machine take turns on a lock next to the receipt. A receipt (under
-``DETDATA_RECEIPTS``, ``off`` disables them) records each shard's identity (a local
-``stat`` before the read; an object store's ETag / generation / version id), tagged under
-this user's key (`detdata.identity.local_key`): a restart reads only the shards whose
-identity changed, and a missing, stale or forged receipt means every shard is read.
+Contract: docs/design.md ("Verification once per job"; "Receipts: what they prove, and
+what they do not"). `verify_job` is what `Manifest.verify` runs. A receipt (under
+``DETDATA_RECEIPTS``, ``off`` disables them), tagged under this user's key
+(`detdata.identity.local_key`), records each shard's identity: a restart reads only the
+shards whose identity changed; a missing, stale or forged receipt means every shard is read.
 """
 
 from __future__ import annotations
@@ -121,7 +115,6 @@ def verify_job(
         **storage_options,
     )
     args = (manifest, level, check, threads, storage_options, use_receipt)
-    # the n-th call of every rank meets the others' n-th
     store, leader, key = job_meeting(manifest, level.value, counted=True)
     if store is None:
         _vouch(manifest, verify_with_receipt(*args))
@@ -188,7 +181,12 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
     root = manifest.root or ""
     local = not ("://" in root and not root.startswith("file://"))
     where = "job" if scope == "job" or (scope == "" and not local) else node_key()
-    base = canonical_json([manifest.id, root_key(root, local), tag, where])
+    keyed_root: list[Any] = [strip_credentials(root)]
+    if local:  # and its folder's device and inode where they can be taken
+        with contextlib.suppress(OSError):
+            st = os.stat(root.removeprefix("file://") or ".")
+            keyed_root += [st.st_dev, st.st_ino]
+    base = canonical_json([manifest.id, keyed_root, tag, where])
     digest = blake3.blake3(base).hexdigest()[:32]
     if counted:
         count = _CALLS[digest] = _CALLS.get(digest, 0) + 1
@@ -201,20 +199,6 @@ def job_meeting(manifest: ShardList, tag: str, *, counted: bool = False) -> tupl
 def node_key() -> str:
     """This node, as the once-per-node work is keyed: its host name and boot id."""
     return f"{socket.gethostname()}/{boot_id() or ''}"
-
-
-def root_key(root: str, local: bool) -> list[Any]:
-    """A root, as once-per-job work is keyed: the root without credentials and, for a
-    local one, the device and inode of its folder where it can be taken."""
-    shown = strip_credentials(root)
-    if not local:
-        return [shown]
-    path = root[len("file://") :] if root.startswith("file://") else root
-    try:
-        st = os.stat(path or ".")
-    except OSError:
-        return [shown]
-    return [shown, st.st_dev, st.st_ino]
 
 
 def verify_with_receipt(
@@ -273,8 +257,11 @@ def verify_with_receipt(
                 split(shared.SlicePlan.of(todo, ranks, VERIFY_PIECE, columns), root)
             elif tie:
                 _tie_and_verify(manifest, todo, check)
-            elif todo.size:
-                _verify_shards(manifest, todo, check)
+            else:  # `VERIFY_PIECE` at a time; the first failure in path order, at the end
+                pieces = range(0, todo.size, VERIFY_PIECE)
+                _raise_first(
+                    [check(entries_at(manifest, todo[lo : lo + VERIFY_PIECE])) for lo in pieces]
+                )
         if path is None or now is None:
             return columns
         # nothing read again: the recorded level still holds for every shard
@@ -293,20 +280,10 @@ def _reads_all(old: dict[str, Any] | None, level: Verify) -> bool:
     return old is None or STRENGTH[Verify(old["level"])] < STRENGTH[level]
 
 
-def _verify_shards(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
-    """``check`` the shards ``todo`` (ascending), `VERIFY_PIECE` entries at a time; raise the
-    first failure in path order at the end, as one call over all would."""
-    found = [
-        check(entries_at(manifest, todo[lo : lo + VERIFY_PIECE]))
-        for lo in range(0, todo.size, VERIFY_PIECE)
-    ]
-    _raise_first(found)
-
-
 def _tie_and_verify(manifest: ShardList, todo: npt.NDArray[np.int64], check: Check) -> None:
     """A fast form's full tie (`verify_columns_id`) and the check of the shards ``todo``
     in one pass over the columns (each entry decoded once). A failed tie is the error;
-    else the first shard failure in path order, as `_verify_shards`."""
+    else the first shard failure in path order."""
     wanted = np.zeros(len(manifest.shards), dtype=bool)
     wanted[todo] = True
     batch: list[ShardEntry] = []

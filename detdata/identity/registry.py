@@ -194,6 +194,7 @@ class Registry:
                 f"(${ENV_VAR}, else ~/.cache/detdata/registry)"
             )
         self.root = root.rstrip("/") or "/"
+        self._shown = redact_url(self.root)  # the root as messages show it
         self._options = storage_options
         self.retry = check_policy(retry)
         self._fs, self._path = filesystem(self.root, **storage_options)
@@ -202,10 +203,6 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"Registry({self._shown!r})"
-
-    @property
-    def _shown(self) -> str:
-        return redact_url(self.root)
 
     # paths -----------------------------------------------------------------
     def _url(self, *parts: str) -> str:

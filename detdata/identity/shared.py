@@ -1,10 +1,7 @@
-"""Verification shared by the job's ranks (docs/design.md, "Verification once per job").
-
-The claimant (`detdata.identity.receipts.job_meeting`) publishes a plan of the shards to
-read; every rank opening the same manifest takes slices of it (`take_slices`), at a first
-start in one pass with their tie parts and files' identities (`slice_check`); the claimant
-settles the verdict (`settle`: the tie first, then the first failure in path order), which
-every rank raises. Verdicts cross the store as JSON, never pickle.
+"""Verification shared by the job's ranks (docs/design.md, "Verification once per job"):
+a plan of slices (`SlicePlan`) every rank takes from (`take_slices`, `slice_check`), a
+verdict the claimant settles (`settle`) and every rank raises. Verdicts cross the store as
+JSON, never pickle.
 """
 
 from __future__ import annotations
@@ -127,20 +124,6 @@ def take_slices(store: Any, key: str, plan: SlicePlan, rank: int, check: SliceCh
             store.add(key + "/fails", 1)
             store.set(key + "/stop", b"1")
         store.add(key + "/done", 1)
-
-
-def first_failure(store: Any, key: str, plan: SlicePlan) -> DetdataError | None:
-    """Wait until every slice of ``plan`` is done; the first failure in path order, or None."""
-    pause = 0.005
-    while int(store.add(key + "/done", 0)) < plan.slices:
-        time.sleep(pause)
-        pause = min(0.2, pause * 2)
-    if int(store.add(key + "/fails", 0)) == 0:
-        return None
-    for i in range(plan.slices):
-        if store.check([f"{key}/fail/{i}"]):
-            return loads_verdict(store.get(f"{key}/fail/{i}"))
-    return None  # unreachable: a failure counted is set first
 
 
 def gathered(store: Any, key: str, plan: SlicePlan, name: str) -> list[bytes] | None:
@@ -309,7 +292,14 @@ def slice_check(manifest: ShardList, plan: SlicePlan, root: str, check: Check) -
 def settle(store: Any, key: str, plan: SlicePlan, manifest: ShardList) -> LocalIds | None:
     """The claimant's verdict once every slice of ``plan`` is done: the tie's error, then the
     first failure in path order; else the identities gathered (None: not an ``ids`` plan)."""
-    found = first_failure(store, key, plan)
+    pause = 0.005
+    while int(store.add(key + "/done", 0)) < plan.slices:
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+    found: DetdataError | None = None
+    if int(store.add(key + "/fails", 0)):  # a failure is set before it is counted
+        first = next(i for i in range(plan.slices) if store.check([f"{key}/fail/{i}"]))
+        found = loads_verdict(store.get(f"{key}/fail/{first}"))
     if plan.tie:
         parts = gathered(store, key, plan, TIE)
         if parts is not None:  # else a slice failed before its part: that failure is the verdict

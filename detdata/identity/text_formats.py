@@ -23,23 +23,10 @@ if TYPE_CHECKING:
 
 #: Decompressed bytes read per pass when counting lines (bounded memory).
 _CHUNK: Final = 1 << 22
-_GZIP_MAGIC: Final = b"\x1f\x8b"
-_ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
-_BZ2_MAGIC: Final = b"BZh"
-_XZ_MAGIC: Final = b"\xfd7zXZ\x00"
 PLAIN, GZIP, ZSTD = "jsonl", "jsonl+gzip", "jsonl+zstd"
 BZ2, XZ = "jsonl+bz2", "jsonl+xz"
-#: Bytes read to tell the compression (`compression_of`).
-HEAD_BYTES: Final = 6
-
-
-def compression_of(head: bytes) -> str:
-    """The layout (`PLAIN`, `GZIP`, `ZSTD`, `BZ2`, `XZ`) of a JSONL file from its first
-    `HEAD_BYTES` bytes (a JSON line starts with none of these magics)."""
-    for magic, layout in ((_GZIP_MAGIC, GZIP), (_ZSTD_MAGIC, ZSTD), (_BZ2_MAGIC, BZ2)):
-        if head.startswith(magic):
-            return layout
-    return XZ if head.startswith(_XZ_MAGIC) else PLAIN
+#: The first bytes of each compressed layout (a JSON line starts with none of them).
+MAGICS: Final = {b"\x1f\x8b": GZIP, b"\x28\xb5\x2f\xfd": ZSTD, b"BZh": BZ2, b"\xfd7zXZ\x00": XZ}
 
 
 def decompressed(raw: IO[bytes], schema: str) -> io.BufferedIOBase | IO[bytes]:
@@ -71,7 +58,8 @@ def read_text_bytes(path: str, schema: str, *, rel: str) -> bytes:
 def inspect_jsonl(fs: fsspec.AbstractFileSystem, path: str, *, rel: str) -> tuple[int, str]:
     """``(lines, schema)`` of the JSONL file at ``path``: one streamed pass over its text."""
     with fs.open(path, "rb") as fh:
-        schema = compression_of(fh.read(HEAD_BYTES))
+        head = fh.read(max(map(len, MAGICS)))
+        schema = next((layout for magic, layout in MAGICS.items() if head.startswith(magic)), PLAIN)
         fh.seek(0)
         lines, last = 0, b"\n"
         try:

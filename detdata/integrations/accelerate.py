@@ -2,16 +2,13 @@
 repaired; the one line is ``accelerator.register_for_checkpointing(loader)`` (README,
 "accelerate"; docs/design.md section 7).
 
-Three ``Accelerator`` methods are wrapped once per process, as soon as detdata and accelerate
-are both imported (`detdata.integrations.watch`): ``register_for_checkpointing`` notes each
-`detdata.DataLoader`'s accelerators; the first ``accumulate`` per accelerator checks that
-``gradient_accumulation_steps x num_processes x micro batch`` is the global batch of its
-loaders (`ConfigError`); after ``load_state``, a prepared detdata sampler without
-``use_stateful_dataloader=True`` is a `StateError`, and ``accelerator.step`` is set to the
-micro batches the restored loaders' layout has delivered (logged when it changes). A loader
-whose accelerator resumed without it is refused at its first batch
-(`AcceleratorWatch.check_start`). Each wrapper returns what accelerate returns and raises what
-it raises.
+Wrapped once per process (`detdata.integrations.watch`), each returning and raising what
+accelerate does: ``register_for_checkpointing`` notes each loader's accelerators; the first
+``accumulate`` per accelerator checks ``gradient_accumulation_steps x num_processes x micro
+batch`` = its loaders' global batch (`ConfigError`); after ``load_state`` a prepared detdata
+sampler without ``use_stateful_dataloader=True`` is a `StateError` and ``accelerator.step`` is
+set to the micro batches the restored loaders delivered (logged). A loader whose accelerator
+resumed without it is refused at its first batch (`AcceleratorWatch.check_start`).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ __all__ = ["AcceleratorWatch", "start_watch"]
 log: Final = get_logger("detdata.loader")
 
 _SAMPLERS: Final = (DeterministicBatchSampler, FrameworkBatchSampler)
-#: how deep a data loader's batch sampler may be wrapped (accelerate: BatchSamplerShard,
-#: SkipBatchSampler)
+#: how deep accelerate wraps a batch sampler (BatchSamplerShard, SkipBatchSampler)
 _DEPTH: Final = 4
 _REGISTER: Final = (
     "hint: accelerator.register_for_checkpointing(loader) right after building the "
@@ -48,8 +44,7 @@ _REGISTER: Final = (
 
 
 class AcceleratorWatch:
-    """What the wrapped ``Accelerator`` methods saw (accelerators and loaders weakly held), and
-    the check of a loader starting at position 0 (see the module doc)."""
+    """What the wrapped ``Accelerator`` methods saw (weakly held), and `check_start`."""
 
     def __init__(self) -> None:
         #: accelerators whose ``load_state`` returned -> whether it restored a detdata loader
@@ -65,7 +60,6 @@ class AcceleratorWatch:
 
     # -------------------------------------------------------- the wrapped methods
     def registering(self, accelerator: Any, objects: tuple[Any, ...]) -> None:
-        """``accelerator.register_for_checkpointing(*objects)`` returned."""
         for obj in objects:
             if isinstance(obj, DataLoader):
                 self.registered.setdefault(obj, weakref.WeakSet()).add(accelerator)
@@ -73,7 +67,7 @@ class AcceleratorWatch:
                     _check_batch(accelerator, obj)
 
     def accumulating(self, accelerator: Any, _models: tuple[Any, ...]) -> None:
-        """``accelerator.accumulate(...)`` is called: check its loaders' batch (once)."""
+        """Before ``accelerator.accumulate(...)``: check its loaders' batch (once)."""
         if accelerator in self.checked:
             return
         for loader in _loaders(accelerator):
@@ -81,7 +75,6 @@ class AcceleratorWatch:
         self.checked.add(accelerator)
 
     def loaded(self, accelerator: Any, _args: tuple[Any, ...]) -> None:
-        """``accelerator.load_state`` returned (see the module doc)."""
         for prepared in getattr(accelerator, "_dataloaders", ()):
             sampler = _detdata_sampler(prepared)
             if sampler is not None and not getattr(prepared, "use_stateful_dataloader", False):
@@ -103,10 +96,9 @@ class AcceleratorWatch:
 
     # -------------------------------------------------------- the loader's first batch
     def check_start(self, loader: object) -> None:
-        """A `DataLoader` at position 0 starts an iteration: `StateError` when an accelerator
-        it is registered with resumed without it (registered after ``load_state``), or when it
-        is registered with none while some ``Accelerator`` returned from ``load_state`` with no
-        detdata loader registered. Never for ``ResumePolicy(fresh_each_run=True)``."""
+        """A `DataLoader` at position 0 starts: `StateError` if an accelerator it is registered
+        with resumed without it, or it is registered with none while some ``load_state``
+        restored no detdata loader. Never for ``ResumePolicy(fresh_each_run=True)``."""
         if not isinstance(loader, DataLoader) or loader.options.resume.fresh_each_run:
             return
         owners = self.registered.get(loader)
@@ -135,8 +127,7 @@ _WATCH: Final = AcceleratorWatch()
 
 
 def start_watch() -> Callable[[object], None]:
-    """Wrap ``Accelerator.load_state``, ``register_for_checkpointing`` and ``accumulate`` (once
-    per process) and return the check of a loader's start (`AcceleratorWatch.check_start`)."""
+    """Wrap the module doc's three methods; returns `AcceleratorWatch.check_start`."""
     for name, hook, before in (
         ("load_state", _WATCH.loaded, False),
         ("register_for_checkpointing", _WATCH.registering, False),
@@ -149,8 +140,7 @@ def start_watch() -> Callable[[object], None]:
 def _watched(
     original: Callable[..., Any], hook: Callable[[Any, tuple[Any, ...]], None], *, before: bool
 ) -> Callable[..., Any]:
-    """``original`` with ``hook(accelerator, positional arguments)`` run before it, or after it
-    returns."""
+    """``original`` with ``hook(accelerator, positional arguments)`` run before or after it."""
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -165,7 +155,6 @@ def _watched(
 
 
 def _loaders(accelerator: Any) -> list[DataLoader]:
-    """The detdata loaders registered with ``accelerator`` for checkpointing."""
     return [o for o in getattr(accelerator, "_custom_objects", ()) if isinstance(o, DataLoader)]
 
 
@@ -181,8 +170,7 @@ def _check_batch(accelerator: Any, loader: DataLoader) -> None:
 
 
 def _align_step(accelerator: Any, loaders: list[DataLoader]) -> None:
-    """``accelerator.step`` as the micro batches the restored loaders' layout has delivered
-    (see the module doc); loaders that disagree are a `StateError`."""
+    """Set ``accelerator.step`` (module doc); loaders that disagree are a `StateError`."""
     accumulation = int(accelerator.gradient_accumulation_steps)
     if accumulation > 1:
         for loader in loaders:
@@ -214,8 +202,7 @@ def _align_step(accelerator: Any, loaders: list[DataLoader]) -> None:
 
 
 def _detdata_sampler(prepared: Any) -> Any:
-    """The detdata batch sampler a (prepared) data loader draws from: its ``batch_sampler`` or
-    ``sampler``, or one they wrap as ``.batch_sampler`` (at most `_DEPTH` deep); else None."""
+    """The detdata batch sampler ``prepared`` draws from (possibly wrapped), or None."""
     for obj in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
         for _ in range(_DEPTH):
             if isinstance(obj, _SAMPLERS):

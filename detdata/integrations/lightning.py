@@ -2,21 +2,16 @@
 N, or ``fit`` stops before its first batch naming the setting that fixes it (README, "PyTorch
 Lightning"; docs/design.md section 7).
 
-Both ``pytorch_lightning`` and the unified ``lightning.pytorch`` (its own copy of every class
-below) are watched, each once it is imported (`detdata.integrations.watch`). Two methods are
-wrapped, once per process and package:
+Wrapped once per process and package (``pytorch_lightning`` and ``lightning.pytorch``, each
+once imported, `detdata.integrations.watch`):
 
-- ``_CheckpointConnector.restore_loops`` (`align_checkpoint`, before Lightning restores its
-  loops and hands the loader its state): Lightning counts micro batches
-  (``epoch_loop.batch_progress``). A checkpoint written inside an optimizer step (its partial
-  gradients not saved) has its loader state moved to the first position of ``global_step``
-  and that step's fetched micro batches taken off the counters: the step is trained whole.
-  An ``accumulate_grad_batches`` other than the saving run's has the counters recounted in
-  this run's micro batches per step (logged);
-- ``FitLoop.on_run_start`` (`check_fit`, before the first batch): for every
-  `detdata.DataLoader` trained on, ``accumulate_grad_batches x devices x micro batch`` must be
-  its global batch (`ConfigError`) and it must stand at the first position of the restored
-  ``global_step`` (`StateError`; never a silent replay).
+- ``_CheckpointConnector.restore_loops`` (`align_checkpoint`): a checkpoint written inside an
+  optimizer step has its loader state moved to the first position of ``global_step`` and
+  Lightning's micro-batch counters (``epoch_loop.batch_progress``) moved back with it, recounted
+  in this run's ``accumulate_grad_batches`` if it differs (logged): the step is trained whole;
+- ``FitLoop.on_run_start`` (`check_fit`, before the first batch): each `detdata.DataLoader`
+  needs ``accumulate_grad_batches x devices x micro batch`` = its global batch (`ConfigError`)
+  and must stand at the first position of the restored ``global_step`` (`StateError`).
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ from detdata.loading.loader import DataLoader
 from detdata.loading.state import KIND, LoaderState
 from detdata.loading.steps import MidStep
 
-if TYPE_CHECKING:  # the annotations name PyTorch Lightning's classes; the unified package's
-    # copies (lightning.pytorch.*) are the same code, released together
+if TYPE_CHECKING:  # lightning.pytorch's copies of these classes are the same code
     import pytorch_lightning as pl
     from pytorch_lightning.loops.fit_loop import _FitLoop
     from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -45,8 +39,7 @@ __all__ = ["PACKAGES", "DetdataSteps", "align_checkpoint", "start_watch"]
 
 log: Final = get_logger("detdata.loader")
 
-#: the Lightning packages watched: PyTorch Lightning, and the unified package's subpackage
-#: (``sys.modules`` name of the top-level package it lives in, for `DetdataSteps`)
+#: the Lightning packages watched -> the top-level package in ``sys.modules`` (`DetdataSteps`)
 PACKAGES: Final = {"pytorch_lightning": "pytorch_lightning", "lightning.pytorch": "lightning"}
 #: Lightning's batch counters (``_ProcessedTracker``)
 _COUNTERS: Final = ("ready", "started", "processed", "completed")
@@ -54,8 +47,7 @@ _COUNTERS: Final = ("ready", "started", "processed", "completed")
 
 @dataclass(frozen=True)
 class _Package:
-    """The classes the watch uses, from one Lightning package (``name``: a key of
-    `PACKAGES`)."""
+    """The classes the watch uses, from one Lightning package (a key of `PACKAGES`)."""
 
     name: str
     connector: type[_CheckpointConnector]
@@ -66,8 +58,7 @@ class _Package:
 
 @functools.cache
 def _load(name: str) -> _Package:
-    """The classes of Lightning package ``name`` (a key of `PACKAGES`; imported here if it is
-    not yet)."""
+    """The classes of Lightning package ``name`` (imported here if it is not yet)."""
     if name not in PACKAGES:
         raise ConfigError(
             f"detdata watches the Lightning packages {sorted(PACKAGES)}, not {name!r}; hint: "
@@ -86,9 +77,8 @@ def _load(name: str) -> _Package:
 
 
 def start_watch(package: str = "pytorch_lightning") -> None:
-    """Wrap ``_CheckpointConnector.restore_loops`` and ``FitLoop.on_run_start`` of Lightning
-    package ``package`` (a key of `PACKAGES`; once per process and package): Lightning's own
-    calls check its loaders (see the module doc), so no check is left for a loader's start."""
+    """Wrap the two methods of the module doc in Lightning package ``package`` (a key of
+    `PACKAGES`); returns None: no check is left for a loader's start."""
     classes = _load(package)
     wrap_once(
         classes.connector, "restore_loops", functools.partial(_aligned_restore, classes=classes)
@@ -152,11 +142,9 @@ def _steps_class(packages: tuple[str, ...]) -> type[DetdataSteps]:
 
 # ------------------------------------------------------------------ restore
 def align_checkpoint(checkpoint: MutableMapping[str, Any], accumulation: int) -> None:
-    """Move a Lightning checkpoint (as loaded, before Lightning restores from it) to the start
-    of its optimizer step, in micro batches of ``accumulation`` per step: every detdata loader
-    state to the first position of ``global_step``, and the batch counters to the micro
-    batches of the whole steps before it (see the module doc). A checkpoint with no detdata
-    loader state is left as it is."""
+    """Move a loaded Lightning checkpoint to the start of its optimizer step, counted in
+    ``accumulation`` micro batches a step (module doc); one with no detdata state is left as
+    it is. `StateError` if its loaders disagree or do not belong to it."""
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
     states = fit.get("state_dict", {}).get("combined_loader", [])
     step = int(checkpoint.get("global_step", 0))
@@ -181,9 +169,8 @@ def _is_detdata(state: object) -> bool:
 
 
 def _step_start(states: list[Any], i: int, step: int) -> tuple[int, int]:
-    """Move ``states[i]`` (a detdata state) to the first position of optimizer ``step``: the
-    micro batches of the saving run's layout that takes back, and that layout's micro batches
-    per step."""
+    """Move ``states[i]`` to the first position of optimizer ``step``; returns (micro batches
+    taken back, micro batches per step), both in the saving run's layout."""
     saved = LoaderState.from_json(states[i])
     try:
         moved = saved.resumed(MidStep.REDO, at_step=step)
@@ -209,9 +196,8 @@ def _step_start(states: list[Any], i: int, step: int) -> tuple[int, int]:
 
 
 def _recount(progress: object, step: int, *, back: int, saved: int, now: int) -> None:
-    """Lightning's batch counters (``epoch_loop.batch_progress``, in the saving run's micro
-    batches: ``saved`` a step, ``back`` of them fetched into ``step``) as this run counts at
-    the start of ``step``: whole steps x ``now``."""
+    """Lightning's batch counters (``saved`` micro batches a step, ``back`` fetched into
+    ``step``) as this run counts at the start of ``step``: whole steps x ``now``."""
     if not isinstance(progress, MutableMapping):
         raise StateError(
             "the Lightning checkpoint has no epoch_loop.batch_progress to move to the start of "
@@ -264,8 +250,7 @@ def _whole_steps(counters: Any, part: str, step: int, back: int, per_step: int) 
 
 # ------------------------------------------------------------------ train start
 def check_fit(trainer: pl.Trainer, classes: _Package) -> None:
-    """Every `detdata.DataLoader` Lightning (the ``Trainer`` of ``classes``) trains on: batch
-    settings and position (see the module doc)."""
+    """The module doc's train-start checks of every `detdata.DataLoader` ``trainer`` fits."""
     combined = trainer.fit_loop._combined_loader
     loaders = [] if combined is None else list(combined.flattened)
     accumulation = _accumulation(trainer, int(trainer.current_epoch), classes)

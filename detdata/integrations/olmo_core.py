@@ -35,8 +35,7 @@ __all__ = ["OlmoCoreDataLoader", "olmo_batch"]
 def olmo_batch(
     batch: Mapping[str, torch.Tensor], sequence_length: int, key: str = "tokens"
 ) -> dict[str, torch.Tensor]:
-    """OLMo-core's batch (module doc; int64 copies) from a detdata batch of
-    ``sequence_length`` (+1) tokens a row; any other width is a `ConfigError`."""
+    """OLMo-core's batch (module doc; int64 copies); another width is a `ConfigError`."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
@@ -61,13 +60,11 @@ def olmo_batch(
 
 @refuses_renamed(read_ahead="batches_ahead")
 class OlmoCoreDataLoader(TextDataLoaderBase):
-    """An OLMo-core ``TextDataLoaderBase`` over a `detdata.DataLoader` (see the module doc).
+    """An OLMo-core ``TextDataLoaderBase`` over `loader`, a `detdata.DataLoader` (module doc).
 
     ``global_batch_size`` is in tokens (a multiple of ``sequence_length`` x the data-parallel
-    size); ``sequence_length`` defaults to the data's ``seq_len`` (`TokenWindows`).
-    ``dp_process_group`` (the train module's) gives ``dp_rank`` / ``dp_world_size`` when they
-    are not passed. ``loader`` is the underlying `detdata.DataLoader` (micro batch: this
-    rank's share of a step).
+    size); ``sequence_length`` defaults to the data's ``seq_len``; ``dp_process_group`` gives
+    ``dp_rank`` / ``dp_world_size`` when they are not passed.
     """
 
     def __init__(
@@ -129,7 +126,6 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
     # the global batch is fixed for the run ------------------------------------------------
     @property
     def global_batch_size(self) -> int:
-        """Tokens per optimizer step, all ranks together; fixed for the run."""
         return int(self._global_batch_size)
 
     @global_batch_size.setter
@@ -183,7 +179,6 @@ class OlmoCoreDataLoader(TextDataLoaderBase):
         return {"input_ids": torch.zeros((rows, self.sequence_length), dtype=torch.int64)}
 
     def state_dict(self) -> dict[str, Any]:
-        """detdata's JSON state (``"detdata"``) plus OLMo-core's epoch bookkeeping."""
         return {
             "detdata": self.loader.state_dict(),
             "epoch": self._epoch,

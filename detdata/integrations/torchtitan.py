@@ -50,11 +50,8 @@ def titan_batch(
     *,
     positions: bool = True,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """torchtitan's ``({"input": x, "positions": p}, labels)`` from a detdata batch of
-    ``seq_len + 1`` tokens a row (another width is a `ConfigError`): ``x`` the first
-    ``seq_len`` tokens, ``labels`` the last ``seq_len`` (int64 copies); ``positions`` (``0 ..
-    seq_len - 1`` in every row, omitted with ``positions=False``) lets torchtitan build the
-    causal masks of its flex / varlen attention."""
+    """torchtitan's batch (module doc; int64 copies) from rows of ``seq_len + 1`` tokens
+    (another width is a `ConfigError`); ``positions``: ``0 .. seq_len - 1`` in every row."""
     if key not in batch:
         raise ConfigError(
             f"the detdata batch has no {key!r} column (columns: {sorted(batch)}); "
@@ -75,11 +72,8 @@ def titan_batch(
 
 
 class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan is untyped
-    """A torchtitan ``BaseDataLoader`` (a DCP ``Stateful``) over a `detdata.DataLoader`.
-
-    Built by torchtitan's trainer from `Config`; also constructible directly with the same
-    keyword arguments the trainer passes. ``loader`` is the underlying `detdata.DataLoader`.
-    """
+    """A torchtitan ``BaseDataLoader`` (a DCP ``Stateful``) over `loader`, a
+    `detdata.DataLoader`, built by torchtitan's trainer from `Config`."""
 
     @refuses_renamed(read_ahead="batches_ahead")
     @dataclass(kw_only=True, slots=True)
@@ -159,8 +153,7 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
         )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        """torchtitan's batches; iterated by a torchtitan ``Trainer`` (its
-        ``batch_generator``), its settings are checked first (see the module doc)."""
+        """torchtitan's batches; a torchtitan ``Trainer`` iterating is checked first."""
         trainer = _titan_trainer(sys._getframe(1))
         if trainer is not None:
             self._check_trainer(trainer)
@@ -221,8 +214,7 @@ class TorchtitanDataLoader(BaseDataLoader):  # type: ignore[misc]  # torchtitan 
 
 
 def _titan_trainer(frame: FrameType | None) -> Any:
-    """The torchtitan ``Trainer`` whose method called ``iter()`` on the loader (its
-    ``batch_generator``: that frame's ``self``), or None (no torchtitan ``Trainer`` running)."""
+    """The torchtitan ``Trainer`` whose method (``frame``) called ``iter()``, or None."""
     module = sys.modules.get("torchtitan.trainer")
     owner = None if frame is None else frame.f_locals.get("self")
     if module is None or owner is None or not isinstance(owner, module.Trainer):

@@ -2,19 +2,13 @@
 Face transformers"): `DetdataTrainer`, or `DetdataTrainerMixin` in your own ``Trainer``
 subclass, with the loader as ``train_dataloader``.
 
-- ``get_train_dataloader()`` returns the loader itself, after checking the Trainer's batch
-  settings (``gradient_accumulation_steps x world_size x per_device_train_batch_size`` is the
-  global batch, ``per_device_train_batch_size`` the micro batch) and worker settings
-  (`check_worker_args`): `ConfigError` naming the fix;
-- each ``checkpoint-N`` folder gets ``detdata_loader.json``, the loader's state at the first
-  position of the Trainer's ``global_step`` (a checkpoint inside gradient accumulation
-  resumes by training that step whole);
-- a resume loads it, checks the loader stands at the start of the restored ``global_step``
-  (`StateError`) and lets the Trainer count the resumed epoch's steps without reading or
-  skipping a batch (its ``skip_first_batches`` is not applied to the loader).
-
-``len(loader)`` counts whole global steps' worth of micro batches, so optimizer step N holds
-detdata's step N.
+- ``get_train_dataloader()`` returns the loader itself once the Trainer's batch
+  (``check_trainer_batch``) and worker settings (`check_worker_args`) are checked
+  (`ConfigError` naming the fix);
+- each ``checkpoint-N`` folder gets `STATE_FILE`: the loader's state at the first position of
+  the Trainer's ``global_step`` (a checkpoint inside gradient accumulation retrains that step);
+- a resume loads it, checks it stands at the restored ``global_step`` (`StateError`), and
+  the Trainer's ``skip_first_batches`` is not applied to the loader.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ _SKIP: Final = "skip_first_batches"
 
 
 class DetdataTrainerMixin:
-    """The `DetdataTrainer` behaviour for a ``transformers.Trainer`` subclass of your own
-    (``class MyTrainer(DetdataTrainerMixin, Trainer)``); see the module doc."""
+    """``class MyTrainer(DetdataTrainerMixin, Trainer)``: the module doc's behaviour."""
 
     detdata_loader: DataLoader
 
@@ -60,8 +53,6 @@ class DetdataTrainerMixin:
 
     # ------------------------------------------------------------------ the loader
     def get_train_dataloader(self) -> Any:
-        """The detdata loader itself, once the Trainer's batch and worker settings are
-        checked."""
         args = self.args  # type: ignore[attr-defined]
         check_worker_args(args, self.detdata_loader)
         self.detdata_loader.check_trainer_batch(
@@ -143,19 +134,15 @@ class DetdataTrainerMixin:
 
     # ------------------------------------------------------------------ the epoch loop
     def _run_epoch(self, **kwargs: Any) -> Any:
-        """The Trainer's epoch, its ``skip_first_batches`` left out for the detdata loader (the
-        loader resumed at the position already; the Trainer still counts the skipped micro
-        batches, so its step and epoch counters are an uninterrupted run's)."""
+        """The Trainer's epoch without ``skip_first_batches`` on the detdata loader (already at
+        the position; the Trainer still counts the skipped micro batches)."""
         with _no_skip(self.detdata_loader, int(self.state.global_step)):  # type: ignore[attr-defined]
             return super()._run_epoch(**kwargs)  # type: ignore[misc]
 
 
 def check_worker_args(args: Any, loader: DataLoader) -> None:
-    """`ConfigError` for a ``TrainingArguments`` worker setting the Trainer would not apply:
-    ``dataloader_num_workers`` other than its default 0 and the loader's own ``num_workers``,
-    or ``dataloader_persistent_workers`` / ``_prefetch_factor`` / ``_multiprocessing_context``
-    set at all (the loader's own keywords decide; ``dataloader_pin_memory`` and
-    ``dataloader_drop_last`` change no sample and are left alone)."""
+    """`ConfigError` for a ``TrainingArguments`` worker setting the Trainer would not apply (the
+    loader's own keywords decide); ``dataloader_pin_memory`` / ``_drop_last`` change no sample."""
     workers = int(args.dataloader_num_workers)
     if workers not in (0, loader.num_workers):
         raise ConfigError(
@@ -182,8 +169,8 @@ def check_worker_args(args: Any, loader: DataLoader) -> None:
 
 @contextlib.contextmanager
 def _no_skip(loader: DataLoader, step: int) -> Iterator[None]:
-    """transformers' ``skip_first_batches`` returns ``loader`` as it is (after checking it stands
-    at the start of optimizer step ``step``); any other data loader is skipped as before."""
+    """transformers' ``skip_first_batches`` returns ``loader`` as it is (`StateError` unless it
+    stands at the start of optimizer ``step``); other data loaders are skipped as before."""
     original = getattr(hf_trainer, _SKIP)
 
     def skip(dataloader: Any, num_batches: int = 0) -> Any:
@@ -206,5 +193,4 @@ def _no_skip(loader: DataLoader, step: int) -> Iterator[None]:
 
 
 class DetdataTrainer(DetdataTrainerMixin, Trainer):  # type: ignore[misc]
-    """``transformers.Trainer`` over a `detdata.DataLoader` (``train_dataloader=``): exact
-    resume, whole-step epochs, batch settings checked (see the module doc)."""
+    """``transformers.Trainer`` over a `detdata.DataLoader` (``train_dataloader=``; module doc)."""

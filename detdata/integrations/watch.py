@@ -2,11 +2,8 @@
 supported framework (accelerate, PyTorch Lightning as ``pytorch_lightning`` or
 ``lightning.pytorch``) as soon as both detdata and the framework are imported, in either order.
 
-Importing this module imports no framework. A framework imported before detdata (or before a
-detdata loader or sampler is built) is watched at once; one imported later, right after its
-top-level package has finished importing: a finder on ``sys.meta_path`` (`_AfterImport`, added
-at ``import detdata``, removed once every framework is imported) lets the usual finders load the
-package unchanged, then starts the watch.
+Importing this module imports no framework. One imported later than detdata is watched right
+after its top-level package finishes importing (`_AfterImport` on ``sys.meta_path``).
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ log: Final = get_logger("detdata")
 _MARK: Final = "__detdata_watch__"
 
 
-#: the framework's top-level package -> (the integration module, its ``start_watch`` arguments):
-#: started once that package has finished importing. The unified ``lightning`` package imports
-#: ``lightning.pytorch`` (its own copy of PyTorch Lightning's classes) from its ``__init__``.
+#: the framework's top-level package -> (the integration module, its ``start_watch`` arguments);
+#: ``lightning`` imports ``lightning.pytorch`` from its ``__init__``.
 _FRAMEWORKS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "accelerate": ("detdata.integrations.accelerate", ()),
     "pytorch_lightning": ("detdata.integrations.lightning", ("pytorch_lightning",)),
@@ -40,9 +36,8 @@ _FRAMEWORKS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
 
 
 class ImportedFrameworks:
-    """A `FrameworkWatcher` over the watches of the frameworks imported so far: each
-    integration's ``start_watch`` wraps the framework's methods and returns the check of a
-    loader starting at position 0 (`FrameworkWatcher.check_start`), or None."""
+    """A `FrameworkWatcher` over the frameworks imported so far: each integration's
+    ``start_watch`` returns its check of a loader's start, or None."""
 
     def __init__(self) -> None:
         self._started: dict[str, Callable[[object], None] | None] = {}
@@ -83,11 +78,9 @@ def wrap_once(
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``after(name)`` once the top-level package ``name`` (one of ``names``) has been
-    imported: it finds the package's spec with the other finders (it answers None for a name
-    once seen) and wraps only its loader's ``exec_module`` (the module gets the original loader
-    back before its code runs); first on ``sys.meta_path`` from its construction until every
-    name was seen."""
+    """Calls ``after(name)`` once each top-level package of ``names`` has been imported: the
+    other finders find its spec, whose loader's ``exec_module`` is wrapped (the module gets the
+    original loader back before its code runs); on ``sys.meta_path`` until every name is seen."""
 
     def __init__(self, names: Sequence[str], after: Callable[[str], None]) -> None:
         self._pending = set(names)
@@ -127,8 +120,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _ThenStart(importlib.abc.Loader):
-    """``loader`` with ``then()`` run after its ``exec_module``; the module and its spec hold
-    ``loader`` itself (nothing after the import sees this wrapper)."""
+    """``loader`` with ``then()`` run after its ``exec_module`` (nothing after sees this)."""
 
     def __init__(
         self,

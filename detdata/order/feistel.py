@@ -102,10 +102,8 @@ _ONE: Final = np.uint64(1)
 def _feistel(
     x: U64Array, keys: U64Array, lo_bits: _Words, hi_bits: _Words, rounds: Iterable[int]
 ) -> U64Array:
-    """The Feistel rounds ``rounds`` of step 4, in that order, on ``x`` in scratch buffers:
-    round ``r`` xors ``keys[r]`` (a scalar, or an array shaped like ``x``); ``lo_bits`` /
-    ``hi_bits`` (the domain split) are scalars or arrays shaped like ``x``. Each round is
-    its own inverse (an xor), so the rounds in reverse order undo them."""
+    """The Feistel rounds ``rounds`` of step 4, in that order, on ``x``; ``keys[r]``, ``lo_bits``
+    and ``hi_bits`` are scalars or shaped like ``x``. Each round is its own inverse (an xor)."""
     lo_mask = (_ONE << lo_bits) - _ONE
     hi_mask = (_ONE << hi_bits) - _ONE
     lo = x & lo_mask
@@ -203,11 +201,9 @@ def _at(values: U64Array, index: IntArray) -> U64Array:
 def permute_many(
     x: U64Array, m: U64Array, keys: U64Array, bits: U64Array, *, step: Step = encrypt_many
 ) -> U64Array:
-    """The cycle-walking bijection on ``[0, m[e])`` under the round keys ``keys[:, e]`` for
-    each element ``x[e] < m[e]`` (step 6 with a per-element domain; ``bits[e] =
-    domain_bits(m[e])``): `permute` with ``m``, keys and bits per element (its inverse with
-    ``step=decrypt_many``). ``m``, ``bits`` (shape ``(1,)``) and ``keys`` (``(ROUNDS, 1)``)
-    may be one value for all."""
+    """Step 6 per element: the bijection on ``[0, m[e])`` under ``keys[:, e]`` of ``x[e] < m[e]``
+    (``bits[e] = domain_bits(m[e])``; its inverse with ``step=decrypt_many``). ``m``, ``bits``
+    (``(1,)``) and ``keys`` (``(ROUNDS, 1)``) may be one value for all."""
     lo_bits = bits // np.uint64(2)
     hi_bits = bits - lo_bits
     out = step(x, keys, lo_bits, hi_bits)
@@ -237,11 +233,9 @@ def _distinct_pairs(
 def permute_sources(
     indices: npt.NDArray[np.uint64], n: npt.NDArray[np.uint64], seeds: npt.NDArray[np.uint64]
 ) -> npt.NDArray[np.uint64]:
-    """``GlobalOrder(n[e], seeds[e]).ids(indices[e])`` for each element ``e`` at once: the
-    same bits, for elements of many orders (a mixture's sources) in one vectorised pass.
-
-    Keys are derived once per distinct ``(seed, epoch)``; the domain bits once per
-    distinct ``n``. ``n == 1`` gives 0 (cycle walking from 0 on a 4-value domain)."""
+    """``GlobalOrder(n[e], seeds[e]).ids(indices[e])`` for each element ``e``, the elements of
+    many orders (a mixture's sources) in one vectorised pass; keys derived once per distinct
+    ``(seed, epoch)``."""
     if indices.size > _CHUNK:  # bounded temporaries (keys: 64 bytes per element)
         out = np.empty_like(indices)
         for a in range(0, indices.size, _CHUNK):
@@ -257,12 +251,8 @@ def permute_sources(
 
 
 class GlobalOrder(PositionOrder):
-    """Global position -> sample id for ``num_samples`` samples under ``seed``.
-
-    Position ``g`` maps to ``perm(seed, epoch=g // n)(g % n)`` with ``perm`` the
-    ``feistel-v1`` bijection (see module docstring). Nothing of size ``n`` is
-    ever stored; any position costs the same.
-    """
+    """Global position -> sample id for ``num_samples`` samples under ``seed`` (``feistel-v1``,
+    module doc); nothing of size ``n`` is stored, any position costs the same."""
 
     algorithm: Final = ALGORITHM
 

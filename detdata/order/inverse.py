@@ -53,12 +53,9 @@ def positions_of(order: GlobalOrder, sample_id: int, *, until: int, start: int =
 
 
 def position_of_index(consumed: Consumed, index: int, *, until: int, after: int = 0) -> int | None:
-    """The global position ``g < until`` at which a source reads index ``index`` of its own
-    stream, or None if it is not reached before ``until``. ``consumed(p)`` is the source's
-    count of samples read by positions ``[0, p)`` (non-decreasing, +1 exactly at the
-    source's positions, e.g. from `MixtureSchedule.consumed`): binary search over
-    ``[after, until)``, O(log(until - after)) calls (``after``: a position known to be
-    at or before the answer, e.g. ``index`` itself or the previous epoch's answer + 1)."""
+    """The position ``g`` in ``[after, until)`` at which a source reads index ``index`` of its
+    stream, or None: binary search on `Consumed` (non-decreasing, +1 exactly at the source's
+    positions); ``after`` must be at or before the answer (``index`` itself always is)."""
     hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
     lo = check_count(after, "after", minimum=0, maximum=MAX_POSITION)
     if hi <= lo or consumed(hi) <= index or consumed(lo) > index:
@@ -79,13 +76,10 @@ def mixture_positions_of(
     """Every global position ``< until`` at which a `MixtureSchedule` delivers sample
     ``sample_id`` of source index ``source`` (whose own order is ``order``), ascending.
 
-    Per epoch of the source's own stream: one inversion of ``order`` gives the index ``i``
-    in the source's stream; its position is searched in a window around the estimate
-    from the phase's proportion (``|count_s(T) - p_s T| < depth + 4`` within a phase,
-    the bound of `detdata.order.mixing`), all windows in one vectorised
-    `MixtureSchedule.assign`. An index not found in its window (never, if the bound holds) falls
-    back to the exact binary search `position_of_index`. Cost: O(sources + depth / p_s)
-    per epoch of the source.
+    Per epoch of the source: ``order`` inverted gives the index in its stream, searched in a
+    window around its estimate (the bound of `detdata.order.mixing`), all windows in one
+    `MixtureSchedule.assign`; one not found (never, if the bound holds) falls back to
+    `position_of_index`. Cost: O(sources + depth / p_s) per epoch of the source.
     """
     hi = check_count(until, "until", minimum=0, maximum=MAX_POSITION)
     if hi == 0:

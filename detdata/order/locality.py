@@ -124,10 +124,8 @@ _LOOKUP_COST: Final = 0.15
 
 
 def _tables_pay(size: IntArray, bits: U64Array, count: int) -> bool:
-    """Whether `_walk_tables` (encrypt every value of each window's domain once, then walk
-    cycles by lookups) is cheaper than `permute_many` (encrypt the ``count`` positions,
-    then re-encrypt the pending ones pass after pass) for windows of ``size`` samples and
-    domains of ``2**bits``. Both give the same values; this only picks the faster one."""
+    """Whether `_walk_tables` is cheaper than `permute_many` for ``count`` positions in windows
+    of ``size`` samples and domains of ``2**bits`` (both give the same values)."""
     domain = np.left_shift(1, bits.astype(np.int64))
     walk = float(((domain - size) / domain).max())  # chance that one encryption walks on
     passes = 1.0 + math.log(max(count, 2)) / -math.log(max(walk, 1e-9))
@@ -151,11 +149,9 @@ def _starts(counts: IntArray) -> IntArray:
 def _walk_tables(
     offsets: IntArray, size: IntArray, keys: U64Array, bits: U64Array, inverse: IntArray
 ) -> IntArray:
-    """``P(size[w], keys[:, w])(offsets[e])`` for ``w = inverse[e]``: each window's Feistel
-    network applied once to every value of its domain ``[0, 2**bits[w])`` (windows of one
-    domain size as the rows of one 2-D pass, their keys broadcast along the rows), then
-    cycle walking as lookups in those tables (walking ``E`` from a value is following the
-    table from it). The same values as `permute_many`."""
+    """``P(size[w], keys[:, w])(offsets[e])`` for ``w = inverse[e]``, as `permute_many`: each
+    window's ``E`` applied once to its whole domain ``[0, 2**bits[w])`` (one 2-D pass per
+    domain size), then cycle walking as lookups in those tables."""
     starts = np.empty(size.size, dtype=np.int64)
     parts = []
     at = 0
@@ -182,13 +178,8 @@ def _walk_tables(
 
 
 class WindowedOrder(PositionOrder):
-    """Global position -> sample id under ``locality-v1`` (module docstring).
-
-    ``WindowedOrder(shard_sizes, seed, window_shards=k)``: the shards are permuted per
-    epoch, then the samples inside each window of ``k`` consecutive (permuted) shards.
-    Any position costs O(1) once its epoch's O(shards) tables exist; nothing of size
-    ``n`` is stored. Thread-safe; pickles without its caches.
-    """
+    """Global position -> sample id under ``locality-v1`` (module doc). Thread-safe; pickles
+    without its caches."""
 
     algorithm: Final = ALGORITHM
 
@@ -290,8 +281,7 @@ class WindowedOrder(PositionOrder):
     # ------------------------------------------------------------------ the reverse
     def positions_of(self, sample_id: int, *, until: int, start: int = 0) -> IntArray:
         """Every global position in ``[start, until)`` where ``sample_id`` is delivered,
-        ascending: one per epoch, by undoing steps 6-3 (the window's permutation inverted
-        by decryption with cycle walking). O(shards) per epoch (its tables), O(1) after."""
+        ascending (one per epoch): steps 6-3 undone, O(shards) per epoch (its tables)."""
         n = self.num_samples
         x, lo, hi, epochs = reverse_epochs(n, sample_id, start, until, most=_MAX_EPOCHS_INVERTED)
         shard = int(np.searchsorted(self._starts, x, side="right")) - 1

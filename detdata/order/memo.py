@@ -21,9 +21,8 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 Fn = Callable[[IntArray], tuple[IntArray, ...]]
-#: Positions per chunk: feistel-v1 costs ~0.17 us a position in calls of 4,096 and ~0.07 in
-#: calls of 8,192 (its cycle-walking passes cost ~0.4 ms a call whatever the size), and with
-#: process workers each worker computes every chunk and reads every other group of it.
+#: Positions per chunk: amortises feistel-v1's ~0.4 ms fixed cost a call (docs/benchmarks.md);
+#: with process workers each worker computes every chunk and reads every other group of it.
 CHUNK: Final = 8192
 
 

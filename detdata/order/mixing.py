@@ -69,9 +69,6 @@ e(16k+16) - e(16k)`` gives ``count_s - p_s T < d + min(j (1 - p_s), (16 - j) p_s
 and ``> -d - min(j p_s, (16 - j)(1 - p_s))``, both at most ``16 p_s (1 - p_s)``
 beyond ``d``. Across a schedule the deviation from the piecewise-linear target
 is below the sum of the per-phase bounds of the phases reached.
-
-**Cost** (not pinned): ``MixtureSchedule.assign`` is O(positions x depth + sources) per call,
-nothing of size ``blocks x sources`` (`_locate_chunk`); ``consumed`` is O(sources).
 """
 
 from __future__ import annotations
@@ -346,9 +343,8 @@ def _unique_sorted(values: IntArray) -> tuple[IntArray, IntArray]:
 
 
 def _locate_in_phase(phase: Phase, local: IntArray) -> tuple[IntArray, IntArray]:
-    """Source index and index in source for phase-local positions ``local`` (1-D):
-    O(positions x depth + sources) time; memory: the two outputs plus a bound (`_CHUNK`
-    positions at a time), whatever the number of positions or sources."""
+    """Source index and index in source for phase-local positions ``local`` (1-D), `_CHUNK`
+    positions at a time (bounded transient memory)."""
     src = np.empty(local.size, dtype=np.int64)
     index = np.empty(local.size, dtype=np.int64)
     for a in range(0, local.size, _CHUNK):
@@ -538,11 +534,8 @@ def check_positions(positions: npt.ArrayLike) -> IntArray:
 # ------------------------------------------------------------------ the schedule
 @dataclass(frozen=True)
 class MixtureSchedule:
-    """A mixture's phases: the source and index in source of every global position.
-
-    Pure: built from the root seed and exact integer weights only (no datasets);
-    sources are the indices ``0..S-1`` of the sorted source names.
-    """
+    """A mixture's phases: the source and index in source of every global position (module
+    doc); pure, no datasets."""
 
     phases: tuple[Phase, ...]
 
@@ -554,9 +547,8 @@ class MixtureSchedule:
     def build(
         cls, seed: int, starts: Sequence[int], weights: Sequence[tuple[int, ...]]
     ) -> MixtureSchedule:
-        """The schedule of phases at ``starts`` (checked by `check_schedule`) with integer
-        ``weights`` (from `normalize_weights`) under root ``seed``: each phase with its offsets
-        (samples of each source consumed before it), tree and block key (`next_phase`)."""
+        """Phases at ``starts`` (from `check_schedule`) with integer ``weights`` (from
+        `normalize_weights`) under root ``seed``."""
         phases: list[Phase] = []
         for start, w in zip(starts, weights, strict=True):
             phases.append(next_phase(phases, seed, start, w))
@@ -617,9 +609,8 @@ def schedule_to_json(schedule: MixtureSchedule, names: Sequence[str]) -> list[li
 
 
 def schedule_from_json(doc: object, names: Sequence[str]) -> tuple[PhaseSpec, ...]:
-    """The proportions of a saved `schedule_to_json` over the sources ``names`` (sorted), or
-    `ConfigError` (each phase must weight exactly ``names``, as `normalize_weights` checks
-    weights, zeros allowed)."""
+    """The proportions of a saved `schedule_to_json` over the sorted ``names``, or `ConfigError`
+    (`check_schedule`, then `normalize_weights` with zeros allowed)."""
     phases = []
     for i, (start, start_weights) in enumerate(check_schedule(doc)):
         where = f"saved mixture schedule[{i}]"

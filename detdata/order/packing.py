@@ -98,15 +98,10 @@ def build_offsets(
     progress: Callable[[int], None] | None = None,
     out: npt.NDArray[np.int64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """The packing index: a ``(2, N + 1)`` int64 array (16 bytes a document).
-
-    Row 0 (``offsets``): effective tokens before shuffled position ``k``. Row 1: the
-    corpus start ``starts[document(k)]`` of the document at shuffled position ``k``
-    (last entry: the corpus size), so reads need no permutation. ``extra`` is the
-    number of inserted tokens per document (BOS and/or EOS). Computed ``CHUNK``
-    documents at a time (memory: the output plus one chunk); ``progress(done)`` is
-    called after each chunk. ``out`` (``(2, N + 1)`` int64) receives the result.
-    """
+    """The packing index (step 3), ``(2, N + 1)`` int64, into ``out`` if given: row 0
+    ``offsets``, row 1 the corpus start of the document at each shuffled position (last
+    entry: the corpus size). ``extra``: BOS/EOS tokens a document. ``CHUNK`` documents at a
+    time, ``progress(done)`` after each."""
     n = int(starts.shape[0]) - 1
     result = np.empty((2, n + 1), dtype=np.int64) if out is None else out
     offsets, first = result[0], result[1]
@@ -135,13 +130,9 @@ def window_count(total: int, seq_len: int, labels: bool, tail: Tail) -> int:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The non-empty pieces of some windows, in window then stream order (1-D int64 arrays).
-
-    Piece ``j`` is ``count[j]`` effective tokens of the document at shuffled
-    position ``position[j]``, from ``offset[j]`` in that document, placed at
-    ``start[j]`` in requested window ``row[j]``; ``segment[j]`` numbers the pieces
-    of one window from 0.
-    """
+    """The non-empty pieces of some windows, in window then stream order: piece ``j`` is
+    ``count[j]`` effective tokens of the document at shuffled position ``position[j]``, from
+    ``offset[j]`` in it, at ``start[j]`` of requested window ``row[j]``, its ``segment[j]``."""
 
     row: IntArray
     position: IntArray
@@ -155,11 +146,8 @@ class Pieces:
 def locate(
     offsets: npt.NDArray[np.int64], windows: IntArray, *, seq_len: int, width: int
 ) -> Pieces:
-    """The pieces of ``windows`` (ids with ``w * seq_len < T``), each ``width`` tokens wide.
-
-    Two ``searchsorted`` calls find the first and last shuffled position each
-    window touches; stream positions at or past ``T`` (a padded tail) are in no piece.
-    """
+    """The pieces of ``windows`` (ids with ``w * seq_len < T``), each ``width`` tokens wide;
+    stream positions at or past ``T`` (a padded tail) are in no piece."""
     win = np.asarray(windows, dtype=np.int64)
     total = int(offsets[-1])
     s = win * seq_len
@@ -260,19 +248,10 @@ def packed_columns(
     max_segments: int,
     ramp: IntArray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The mask columns of ``pieces``: ``doc_index``, ``position_ids`` (``(rows, width)``
-    int32), ``cu_seqlens`` (``(rows, max_segments + 1)`` int32) and ``num_segments``
-    (``(rows,)`` int32), the same arrays, byte for byte, as the per-token
-    ``window_columns`` (tests/order/packing_per_token.py), without a per-token layout.
-
-    ``ramp``: optionally a cached ``arange`` (int32, or int64 past 2**31 tokens) at
-    least as long as the pieces' tokens, saving one pass and one allocation.
-
-    A window's pieces tile its first ``covered`` positions in order, so ``doc_index``
-    is each piece's segment repeated ``count`` times and ``position_ids`` a running
-    count restarting at each piece: O(tokens) in a few vectorised passes. Rows with
-    padding (``covered < width``, a padded tail) are placed through a mask.
-    """
+    """The step-5 columns of ``pieces`` (int32; ``doc_index``, ``position_ids`` ``(rows,
+    width)``), byte for byte the per-token ``window_columns`` (tests/order/packing_per_token.py)
+    in O(tokens) vectorised passes. ``ramp``: optionally a cached ``arange`` (int32, or int64
+    past 2**31 tokens) at least as long as the pieces' tokens."""
     rows = int(covered.size)
     total = int(pieces.count.sum())
     idx = np.int32 if rows * width < 2**31 else np.int64
@@ -304,13 +283,9 @@ def packed_columns(
 
 @dataclass(frozen=True)
 class CopyPlan:
-    """How to fill a flat ``(rows * width)`` token buffer from the corpus, per piece.
-
-    Corpus tokens ``[source[j], source[j] + count[j])`` go to flat positions
-    ``[target[j], target[j] + count[j])`` (every ``count`` >= 1: whole document pieces,
-    each inside one document, so inside one shard); BOS / EOS ids go to flat positions
-    ``bos_at`` / ``eos_at``. Positions in none of them are padding.
-    """
+    """How to fill a flat ``(rows * width)`` token buffer: corpus tokens ``[source[j],
+    source[j] + count[j])`` (``count >= 1``, inside one document, so one shard) go to
+    ``[target[j], ...)``; BOS / EOS ids to ``bos_at`` / ``eos_at``; the rest is padding."""
 
     source: IntArray
     target: IntArray
@@ -322,14 +297,8 @@ class CopyPlan:
 def copy_plan(
     pieces: Pieces, first: npt.NDArray[np.int64], *, width: int, bos: bool, eos: bool
 ) -> CopyPlan:
-    """The `CopyPlan` of ``pieces`` (``first``: row 1 of the packing index): the same
-    tokens as the per-token ``raw_tokens`` (tests/order/packing_per_token.py), as
-    contiguous ranges (O(pieces)).
-
-    The effective token at offset ``e`` of a document is the BOS for ``e = 0`` (with
-    BOS), the EOS for ``e = length - 1`` (with EOS), else corpus token
-    ``first + e - bos``.
-    """
+    """The `CopyPlan` of ``pieces`` (``first``: row 1 of the packing index), O(pieces): the
+    tokens of the per-token ``raw_tokens`` (tests/order/packing_per_token.py)."""
     at = pieces.row * width + pieces.start  # flat position of each piece's first token
     b = int(bos)
     end = pieces.offset + pieces.count

@@ -50,21 +50,16 @@ class CheckedThisBoot:
         self._known: set[str] = set()
         self._offset = 0
         self._lock = threading.Lock()
-        if self.enabled and trusted:
-            self._sweep(directory, PREFIX + str(found))
-
-    @staticmethod
-    def _sweep(directory: str, mine: str) -> None:
-        """Delete the records of other boots unchanged for `STALE_RECORD_S`."""
-        cutoff = time.time() - STALE_RECORD_S
+        if not (self.enabled and trusted):
+            return
+        cutoff = time.time() - STALE_RECORD_S  # other boots' records: stale ones are deleted
         with contextlib.suppress(OSError):
             for name in os.listdir(directory):
-                if not name.startswith(PREFIX) or name == mine:
-                    continue
                 path = os.path.join(directory, name)
-                with contextlib.suppress(OSError):
-                    if os.lstat(path).st_mtime < cutoff:
-                        os.unlink(path)
+                if name.startswith(PREFIX) and path != self._path:
+                    with contextlib.suppress(OSError):
+                        if os.lstat(path).st_mtime < cutoff:
+                            os.unlink(path)
 
     def has(self, name: str) -> bool:
         """Is the copy ``name`` known whole in this boot (this or another process)?"""

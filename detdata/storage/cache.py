@@ -34,6 +34,7 @@ from typing import Any, Final, Protocol
 
 import fsspec
 
+from detdata.base.checks import check_positive_int
 from detdata.base.errors import ConfigError, DetdataError, StorageError, VerificationError
 from detdata.base.hashing import PREFIX
 from detdata.base.redact import get_logger
@@ -48,7 +49,6 @@ from detdata.storage.cache_folder import (
     note_shared,
     owned_alone,
     reserved_bytes,
-    shared_reason,
 )
 from detdata.storage.digest import digest_chunks, full_digest_fd, quick_digest_fd
 from detdata.storage.fs import iter_chunks
@@ -113,7 +113,7 @@ _OPEN_COPY: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class ShardCache:
     """Verified copies of remote shards under ``directory``, at most ``max_bytes`` in total
-    (the module docstring). ``retry`` governs each ``chunk_bytes`` range read of a fill."""
+    (the module docstring). ``retry`` governs each 8 MiB range read of a fill."""
 
     def __init__(
         self,
@@ -121,13 +121,9 @@ class ShardCache:
         max_bytes: int,
         *,
         retry: RetryPolicy | None = None,
-        chunk_bytes: int = 8 << 20,
         verify_on_open: str = "quick",
     ) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ConfigError(f"cache max_bytes must be a positive integer, got {max_bytes!r}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ConfigError(f"cache chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        max_bytes = check_positive_int(max_bytes, "cache max_bytes")
         if verify_on_open not in VERIFY_ON_OPEN:
             raise ConfigError(
                 f"verify_on_open must be one of {VERIFY_ON_OPEN}, got {verify_on_open!r}"
@@ -137,7 +133,6 @@ class ShardCache:
             raise ConfigError(f"cache_dir must be a local directory, got {directory!r}")
         self.directory = os.path.abspath(directory.removeprefix("file://"))
         self.max_bytes = max_bytes
-        self.chunk_bytes = chunk_bytes
         self.verify_on_open = verify_on_open
         self.retry = check_policy(retry)
         self.stats = CacheStats()
@@ -182,29 +177,25 @@ class ShardCache:
         not stalls). A cache folder removed while in use is recreated, with a warning; one
         that cannot be written is a `StorageError` naming it.
         """
-        try:
-            return self._path(entry, fs, remote_path, url, background)
-        except OSError as exc:
-            if not self._is_mine(exc):
-                raise
-            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
-                raise self._unusable(exc) from exc
+        for again in (False, True):
             try:
-                self._make_layout()
-            except OSError as again:
-                raise self._unusable(again) from exc
-            log.warning(
-                "detdata: shard cache folder %s was removed while in use (%s); recreated it: "
-                "its copies are fetched again",
-                self.directory,
-                exc.strerror or exc,
-            )
-        try:
-            return self._path(entry, fs, remote_path, url, background)
-        except OSError as exc:
-            if self._is_mine(exc):
-                raise self._unusable(exc) from exc
-            raise
+                return self._path(entry, fs, remote_path, url, background)
+            except OSError as exc:
+                if not self._is_mine(exc):
+                    raise
+                if again or not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                    raise self._unusable(exc) from exc
+                try:
+                    self._make_layout()
+                except OSError as remade:
+                    raise self._unusable(remade) from exc
+                log.warning(
+                    "detdata: shard cache folder %s was removed while in use (%s); recreated "
+                    "it: its copies are fetched again",
+                    self.directory,
+                    exc.strerror or exc,
+                )
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def _is_mine(self, exc: OSError) -> bool:
         """Whether ``exc`` is about a file of this cache (not a storage client's error)."""
@@ -234,11 +225,11 @@ class ShardCache:
     def _make_layout(self) -> None:
         """Make the folders; ``shared``: why others can write them, or None."""
         make_layout(self.directory)
-        self.shared = shared_reason(self.directory)
         old = getattr(self, "_dirs", None)
         self._dirs = LayoutDirs(self.directory)
         if old is not None:
             old.close()
+        self.shared = self._dirs.shared_reason()
         note_shared(self.directory, self.shared)
 
     def _path(
@@ -361,10 +352,13 @@ class ShardCache:
         name = os.path.basename(path)
         trusted = self.shared is None and owned_alone(st)
         level = self.verify_on_open if trusted and self._boot.has(name) else "full"
-        problem = self._check_digest(fd, entry, st.st_size, level)
-        if problem is not None:
+        if level == "full":
+            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
+        else:
+            field, found, want = "quick digest", quick_digest_fd(fd, st.st_size), entry.quick
+        if found != want:
             forget_verified(path)
-            return problem
+            return f"{field} {found}, the manifest says {want}"
         remember_verified(path, st, seen_ns, entry.blake3, level)
         if level == "full" and trusted:  # read from disk and found whole: known whole
             self._boot.add(name)
@@ -379,13 +373,6 @@ class ShardCache:
             return True
         known = verified_identity(path)
         return known is not None and known[1] == inode
-
-    def _check_digest(self, fd: int, entry: CacheEntry, size: int, level: str) -> str | None:
-        if level == "full":
-            field, found, want = "blake3", full_digest_fd(fd), entry.blake3
-        else:
-            field, found, want = "quick digest", quick_digest_fd(fd, size), entry.quick
-        return None if found == want else f"{field} {found}, the manifest says {want}"
 
     # filling -----------------------------------------------------------------
     def _fill(
@@ -460,7 +447,7 @@ class ShardCache:
             st = os.stat(final)
         except FileNotFoundError:
             return
-        if (st.st_dev, st.st_ino) != tmp.identity():
+        if not os.path.samestat(st, os.fstat(tmp.fd)):
             return
         if self.shared is None:
             self._boot.add(os.path.basename(final))  # every byte hashed as written
@@ -493,19 +480,10 @@ class ShardCache:
                     written += len(data)
                     yield data
 
-            found = digest_chunks(
-                kept(
-                    iter_chunks(
-                        fs,
-                        remote_path,
-                        entry.bytes,
-                        policy=self.retry,
-                        shard=entry.path,
-                        url=url,
-                        chunk=self.chunk_bytes,
-                    )
-                )
+            chunks = iter_chunks(
+                fs, remote_path, entry.bytes, policy=self.retry, shard=entry.path, url=url
             )
+            found = digest_chunks(kept(chunks))
             try:
                 fh.flush()
                 if not self._boot.enabled:  # else not synced: the per-boot record covers it
@@ -536,8 +514,7 @@ class ShardCache:
                             self.max_bytes,
                             self.retry.deadline_s,
                         )
-                    tmp_fd = self._dirs.fd("tmp")  # locked at once:
-                    return TempFill(tmp_fd, tmp_dir, _hex(entry), entry.bytes)
+                    return TempFill(self._dirs.fd("tmp"), tmp_dir, _hex(entry), entry.bytes)
             time.sleep(pause)  # other fills hold the room: they finish or fail
             pause = min(0.05, pause * 2)
 
@@ -581,7 +558,6 @@ class ShardCache:
         remake = functools.partial(
             ShardCache,
             retry=self.retry,
-            chunk_bytes=self.chunk_bytes,
             verify_on_open=self.verify_on_open,
         )
         return remake, (self.directory, self.max_bytes)

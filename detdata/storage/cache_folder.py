@@ -67,27 +67,6 @@ def make_layout(directory: str) -> None:
         os.chmod(path, mode)  # mkdir's mode is cut by the umask; this one is not
 
 
-def shared_reason(directory: str) -> str | None:
-    """Why the cache folder ``directory`` is shared (see the module docstring), or None when it
-    is private. A layout folder that is a link or not a folder is a `StorageError`."""
-    found = [(directory, os.stat(directory))]
-    for sub in LAYOUT:
-        path = os.path.join(directory, sub)
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
-            raise _not_a_layout_folder(directory, path, kind)
-        found.append((path, st))
-    me = os.geteuid()
-    for path, st in found:
-        if st.st_uid != me:
-            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {me})"
-        if st.st_mode & _OTHERS_WRITE:
-            who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-            return f"{path} is writable by {who} (mode {stat.filemode(st.st_mode)})"
-    return None
-
-
 def drop_damaged(copy: str, shard: str) -> None:
     """Delete the damaged copy ``copy`` of ``shard``; one this user may not delete (another
     user's, in a folder with the sticky bit) is a `StorageError` naming it and its owner."""
@@ -140,10 +119,23 @@ class LayoutDirs:
             return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise _not_a_layout_folder(
-                    self.directory, path, "a symbolic link or a file"
-                ) from exc
+                kind = "a symbolic link" if os.path.islink(path) else "not a folder"
+                raise _not_a_layout_folder(self.directory, path, kind) from exc
             raise
+
+    def shared_reason(self) -> str | None:
+        """Why the cache folder is shared (see the module docstring), or None when it is
+        private: judged on the folder and the layout folders this object holds open."""
+        found = [(self.directory, os.stat(self.directory))]
+        found += [(os.path.join(self.directory, s), os.fstat(self._fds[s])) for s in LAYOUT]
+        me = os.geteuid()
+        for path, st in found:
+            if st.st_uid != me:
+                return f"{path} is owned by uid {st.st_uid}, not by this user (uid {me})"
+            if st.st_mode & _OTHERS_WRITE:
+                who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+                return f"{path} is writable by {who} (mode {stat.filemode(st.st_mode)})"
+        return None
 
     def fd(self, sub: str) -> int:
         """The descriptor of layout folder ``sub``, re-opened if the folder was made again
@@ -200,11 +192,6 @@ class TempFill:
         os.ftruncate(self.fd, 0)
         os.lseek(self.fd, 0, os.SEEK_SET)
 
-    def identity(self) -> tuple[int, int]:
-        """``(device, inode)`` of the file this fill wrote."""
-        st = os.fstat(self.fd)
-        return st.st_dev, st.st_ino
-
     def close(self) -> None:
         """Release the lock (the fill is over: renamed into ``objects/`` or deleted)."""
         let_go(self.fd)
@@ -213,14 +200,11 @@ class TempFill:
 def copies(directory: str) -> list[tuple[int, int, str]]:
     """``(mtime_ns, size, path)`` of each copy in ``objects/`` (the LRU order's input)."""
     found = []
-    objects = os.path.join(directory, "objects")
-    for name in os.listdir(objects):
-        path = os.path.join(objects, name)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        found.append((st.st_mtime_ns, st.st_size, path))
+    with os.scandir(os.path.join(directory, "objects")) as listing:
+        for item in listing:
+            with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                st = item.stat()  # through a link, as os.stat
+                found.append((st.st_mtime_ns, st.st_size, item.path))
     return found
 
 

@@ -147,8 +147,7 @@ def _join_before_fork() -> None:
         pending.wait()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_join_before_fork)
+os.register_at_fork(before=_join_before_fork)
 
 
 def start_read_files(reads: FileReads, *, threads: int = 1) -> PendingRead:

@@ -77,10 +77,6 @@ class FirstOpens:
             self.sizes[missing] = self._column[missing]
             self._filled[missing] = True  # after the sizes: another thread tests it first
 
-    def size(self, shard: int) -> int:
-        """The manifest's bytes of ``shard``."""
-        return int(self._column[shard])
-
     def __getstate__(self) -> None:
         raise TypeError("FirstOpens is per process and is not pickled")
 

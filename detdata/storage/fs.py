@@ -5,6 +5,7 @@ Digests of what is read are `detdata.storage.digest`'s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import os
 import posixpath
@@ -56,18 +57,14 @@ def filesystem(root: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSy
     try:
         fs, path = url_to_fs(root, **storage_options)
     except ImportError as exc:
-        raise _missing_backend(root, exc) from exc
+        scheme = root.split("://", 1)[0].lower() if is_url(root) else "file"
+        extra = SCHEME_EXTRAS.get(scheme)
+        install = f"pip install 'detdata[{extra}]'" if extra else "install the fsspec backend"
+        raise DependencyError(
+            f"root {redact_url(root)}: reading {scheme}:// URLs needs a package that cannot be "
+            f"imported ({redact_text(str(exc))}); hint: {install}"
+        ) from exc
     return fs, path.rstrip("/") if path != "/" else path
-
-
-def _missing_backend(root: str, exc: ImportError) -> DependencyError:
-    scheme = root.split("://", 1)[0].lower() if is_url(root) else "file"
-    extra = SCHEME_EXTRAS.get(scheme)
-    install = f"pip install 'detdata[{extra}]'" if extra else "install the fsspec backend"
-    return DependencyError(
-        f"root {redact_url(root)}: reading {scheme}:// URLs needs a package that cannot be "
-        f"imported ({redact_text(str(exc))}); hint: {install}"
-    )
 
 
 PATH_RULES: Final = (
@@ -88,7 +85,9 @@ def path_problem(rel: object) -> str | None:
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:
-        raw: object = os.fsencode(rel) if _surrogates_only(rel) else rel
+        raw: object = rel
+        with contextlib.suppress(UnicodeEncodeError):  # a non-UTF-8 file name: its bytes
+            raw = os.fsencode(rel)
         return (
             f"shard path {raw!r} is not valid UTF-8 (manifests are UTF-8 JSON; a file "
             "name in another encoding cannot be stored)"
@@ -107,15 +106,6 @@ def path_problem(rel: object) -> str | None:
             "segments are refused so no path escapes the root)"
         )
     return None
-
-
-def _surrogates_only(text: str) -> bool:
-    """True when ``text`` encodes with ``surrogateescape`` (a non-UTF-8 file name)."""
-    try:
-        os.fsencode(text)
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _absolute_reason(rel: str) -> str | None:
@@ -263,18 +253,6 @@ def cat_ranges_each(
     return list(sync(fs.loop, run_all, timeout=timeout * waves + 5.0))
 
 
-def read_range(
-    fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, *, timeout: float | None
-) -> bytes:
-    """Exactly bytes ``[start, end)`` of ``path``; `ShortRead` (transient) otherwise."""
-    if end <= start:
-        return b""
-    data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
-    if len(data) != end - start:
-        raise _short(start, end, path, len(data))
-    return bytes(data)
-
-
 def _short(start: int, end: int, url: str, got: int) -> ShortRead:
     return ShortRead(
         f"asked for bytes [{start}, {end}) of {redact_url(url)} ({end - start} bytes), got "
@@ -303,13 +281,18 @@ def range_retrying(
     shard: str,
     url: str,
 ) -> bytes:
-    """Exactly bytes ``[start, end)`` of ``path``, retried under ``policy``."""
-    return policy.run(
-        lambda t: read_range(fs, path, start, end, timeout=t),
-        what=f"reading bytes [{start}, {end})",
-        shard=shard,
-        url=url,
-    )
+    """Exactly bytes ``[start, end)`` of ``path``, retried under ``policy`` (a short answer
+    is a transient `ShortRead`)."""
+
+    def attempt(timeout: float | None) -> bytes:
+        data = call_fs(fs, "cat_file", path, start=start, end=end, timeout=timeout)
+        if len(data) != end - start:
+            raise _short(start, end, path, len(data))
+        return bytes(data)
+
+    if end <= start:
+        return b""
+    return policy.run(attempt, what=f"reading bytes [{start}, {end})", shard=shard, url=url)
 
 
 def iter_chunks(
@@ -347,26 +330,6 @@ def read_file_retrying(
     )
 
 
-def read_ranges_retrying(
-    fs: fsspec.AbstractFileSystem,
-    paths: list[str],
-    starts: list[int],
-    ends: list[int],
-    *,
-    policy: RetryPolicy,
-    shards: list[str],
-    urls: list[str],
-    what: str = "range read",
-) -> list[bytes]:
-    """Bytes ``[start, end)`` of each path, one ``cat_ranges`` call per attempt; failed or
-    short ranges are fetched again under ``policy`` (then `RetriesExhausted`); a permanent
-    error (missing object, permission denied) is a `StorageError` naming it at once."""
-    got = read_ranges_upto(
-        fs, paths, starts, ends, policy=policy, shards=shards, urls=urls, what=what, upto=False
-    )
-    return [b for b in got if isinstance(b, bytes)]
-
-
 def read_ranges_upto(
     fs: fsspec.AbstractFileSystem,
     paths: list[str],
@@ -379,9 +342,12 @@ def read_ranges_upto(
     what: str = "range read",
     upto: bool = True,
 ) -> list[bytes | BaseException]:
-    """`read_ranges_retrying`, but a short answer is kept (where the object ends first: for
-    checks that ask one byte past the expected end) and a permanent error of one range is
-    returned in its place, redacted (``upto`` False: `read_ranges_retrying`'s rules)."""
+    """Bytes ``[start, end)`` of each path, one ``cat_ranges`` call per attempt; failed
+    ranges are fetched again under ``policy`` (then `RetriesExhausted`). ``upto``: a short
+    answer is kept (where the object ends first: for checks that ask one byte past the
+    expected end) and a permanent error of one range is returned in its place, redacted;
+    else a short range is retried too and a permanent error (missing object, permission
+    denied) is a `StorageError` naming it at once."""
     out: list[bytes | BaseException | None] = [None] * len(paths)
     pending = list(range(len(paths)))
 
@@ -409,13 +375,11 @@ def read_ranges_upto(
                 if upto:
                     out[i] = err
                     continue
-                raise StorageError(
-                    redact_text(
-                        f"{what} failed for shard {shards[i]} at {urls[i]}: "
-                        f"{type(err).__name__}: {err}; hint: the object is missing or "
-                        "not readable; check the root URL, credentials and that the "
-                        "store still holds the manifest's shards"
-                    )
+                raise StorageError(  # its text is redacted when it is made (DetdataError)
+                    f"{what} failed for shard {shards[i]} at {urls[i]}: "
+                    f"{type(err).__name__}: {err}; hint: the object is missing or "
+                    "not readable; check the root URL, credentials and that the "
+                    "store still holds the manifest's shards"
                 ) from err
             failed.append(i)
             first = first or err

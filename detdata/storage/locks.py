@@ -57,22 +57,6 @@ def _holding(fd: int, stalled: Stalled | None = None) -> Iterator[None]:
         let_go(fd)
 
 
-def _take(fd: int, stalled: Stalled | None) -> None:
-    began = time.monotonic()
-    pause = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if stalled is None else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EINTR, errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-        if stalled is not None:
-            stalled(time.monotonic() - began)
-            time.sleep(pause)
-            pause = min(0.05, pause * 2)
-
-
 def open_lock_file(path: str, *, dir_fd: int | None = None) -> int:
     """A read-only descriptor on the regular file ``path`` (created if missing; relative to
     the folder ``dir_fd`` when given), never through a symbolic link: a `StorageError`
@@ -120,8 +104,20 @@ def hold(fd: int, stalled: Stalled | None = None) -> None:
     it lasts until `let_go(fd)` (at once on failure). A forked child closes its copy."""
     with _HELD_MUTEX:
         _HELD.add(fd)
+    began = time.monotonic()
+    pause = 0.001
     try:
-        _take(fd, stalled)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if stalled is None else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EINTR, errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+            if stalled is not None:
+                stalled(time.monotonic() - began)
+                time.sleep(pause)
+                pause = min(0.05, pause * 2)
     except BaseException:
         let_go(fd)
         raise

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from detdata.base.errors import ConfigError
-from detdata.storage.fs import read_ranges_retrying
+from detdata.storage.fs import read_ranges_upto
 from detdata.storage.retry import RetryPolicy
 
 #: Default waste bound: bytes fetched per file <= (1 + WASTE) x bytes needed.
@@ -107,10 +107,9 @@ def read_coalesced(
     shards: Sequence[str],
     urls: Sequence[str],
     what: str = "range read",
-    waste: float = WASTE,
 ) -> tuple[list[memoryview], FetchStats]:
     """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for every ``i`` (zero-copy views, input
-    order), coalesced per path and fetched with one `read_ranges_retrying`; and the counts."""
+    order), coalesced per path and fetched with one strict `read_ranges_upto`; and the counts."""
     n = len(paths)
     if not (len(starts) == len(ends) == len(shards) == len(urls) == n):
         raise ConfigError("read_coalesced: paths, starts, ends, shards and urls differ in length")
@@ -129,7 +128,7 @@ def read_coalesced(
     needed = 0
     for path, members in by_path.items():
         idx = np.asarray(members, dtype=np.int64)
-        plan = coalesce(a[idx], b[idx], waste=waste)
+        plan = coalesce(a[idx], b[idx])
         first = len(r_paths)
         k = plan.run_starts.size
         r_paths += [path] * k
@@ -140,10 +139,18 @@ def read_coalesced(
         where_run[idx] = plan.run_of + first
         where_off[idx] = plan.offset
         needed += plan.needed
-    blobs = read_ranges_retrying(
-        fs, r_paths, r_starts, r_ends, policy=policy, shards=r_shards, urls=r_urls, what=what
+    blobs = read_ranges_upto(
+        fs,
+        r_paths,
+        r_starts,
+        r_ends,
+        policy=policy,
+        shards=r_shards,
+        urls=r_urls,
+        what=what,
+        upto=False,
     )
-    views = [memoryview(blob) for blob in blobs]
+    views = [memoryview(blob) for blob in blobs if isinstance(blob, bytes)]  # all, or raised
     lengths = (b - a).tolist()
     out = [
         views[r][o : o + length]

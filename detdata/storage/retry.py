@@ -204,9 +204,7 @@ class RetryPolicy:
                 timeout = max(0.05, min(timeout, remaining))
             try:
                 return fn(timeout)
-            except BaseException as exc:
-                if not isinstance(exc, Exception):
-                    raise
+            except Exception as exc:  # not KeyboardInterrupt, SystemExit: they pass at once
                 scrub_exception(exc)  # client errors quote the URL, credentials included
                 status = denied_status(exc)
                 if status is not None:  # a retry cannot renew a signature: at once
@@ -222,14 +220,12 @@ class RetryPolicy:
             wait = self.delay(key, attempt - 1)
             out_of_time = elapsed + wait >= self.deadline_s
             if out_of_time or (self.max_attempts is not None and attempt >= self.max_attempts):
-                raise RetriesExhausted(
-                    redact_text(
-                        f"{what} failed for shard {shard_now} at {url_now}: {attempt} attempt(s) "
-                        f"in {elapsed:.2f}s (deadline {self.deadline_s:g}s); last error: "
-                        f"{type(last).__name__}: {last}; hint: check that the store is "
-                        "reachable and the object exists; a slow store may need a longer "
-                        "RetryPolicy(deadline_s=..., attempt_timeout_s=...)"
-                    ),
+                raise RetriesExhausted(  # its text is redacted when it is made (DetdataError)
+                    f"{what} failed for shard {shard_now} at {url_now}: {attempt} attempt(s) "
+                    f"in {elapsed:.2f}s (deadline {self.deadline_s:g}s); last error: "
+                    f"{type(last).__name__}: {last}; hint: check that the store is "
+                    "reachable and the object exists; a slow store may need a longer "
+                    "RetryPolicy(deadline_s=..., attempt_timeout_s=...)",
                     shard=shard_now,
                     url=url_now,
                     attempts=attempt,

@@ -113,9 +113,7 @@ def utime_remembered(path: str, ns: tuple[int, int] | None) -> None:
         os.close(fd)
     with _VERIFIED_MUTEX:
         known = _VERIFIED.get(path)
-        if known is None:
-            return
-        if known.stamp == before:
+        if known is not None and known.stamp == before:
             _VERIFIED[path] = known._replace(stamp=after)
         else:
             _VERIFIED.pop(path, None)

@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import threading
-from detdata.base.lazy import lazy_module
+from detdata.base.lazy import LazyModule
 names = ("pyarrow", "pyarrow.ipc", "pyarrow.parquet")
 attrs = {"pyarrow": "PythonFile", "pyarrow.ipc": "open_file", "pyarrow.parquet": "ParquetFile"}
-mods = [lazy_module(n, install="pyarrow") for n in names] * 3
+mods = [LazyModule(n, install="pyarrow") for n in names] * 3
 barrier = threading.Barrier(len(mods))
 errors = []
 def go(m):

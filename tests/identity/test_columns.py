@@ -31,7 +31,7 @@ from detdata import (
     build_manifest,
 )
 from detdata.identity import receipts
-from detdata.identity.columns import CHUNK, ShardTable, columns_path, encode_columns
+from detdata.identity.columns import CHUNK, ColumnsFile, ShardTable, columns_path, encode_columns
 from detdata.identity.formats import Format
 
 DATA = Path(__file__).parent / "data"
@@ -429,3 +429,46 @@ def test_a_forged_path_is_the_tie_s_error_and_nothing_outside_is_read(
     Path(columns_path(path)).write_bytes(forged)
     with pytest.raises(ManifestError, match=error):
         Manifest.load(path)
+
+
+def _version_1(data: bytes, paths: list[bytes]) -> bytes:
+    """``data`` (a version-2 file) laid out as version 1 wrote it: the paths as one UTF-8
+    blob (``paths``) and each path's end, every other section as written."""
+    import blake3
+
+    from detdata.base.canonical import canonical_json
+    from detdata.identity.columns import ALIGN, MAGIC
+
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    body = data[16 + hlen + 32 + 32 * -(-header["data_bytes"] // CHUNK) :]
+    raw = {name: body[at : at + size] for name, (at, size, _) in header["sections"].items()}
+    types = {name: spec[2] for name, spec in header["sections"].items()}
+    del raw["path_block_ends"], raw["path_blocks"], header["path_block"], header["path_block_raw"]
+    raw["path_ends"] = np.cumsum([0] + [len(p) for p in paths], dtype="<i8").tobytes()
+    raw["paths"] = b"".join(paths)
+    types.update(path_ends="<i8", paths="|u1")
+    layout, out = {}, b""
+    for name, section in raw.items():
+        layout[name] = [len(out), len(section), types[name]]
+        out += section + b"\0" * (-len(section) % ALIGN)
+    table = b"".join(blake3.blake3(out[i : i + CHUNK]).digest() for i in range(0, len(out), CHUNK))
+    header.update(version=1, data_bytes=len(out), sections=layout)
+    header["table_digest"] = blake3.blake3(table).hexdigest()
+    head = canonical_json(header)
+    return (
+        MAGIC + len(head).to_bytes(8, "little") + head + blake3.blake3(head).digest() + table + out
+    )
+
+
+def test_a_version_1_file_is_read_and_its_bad_paths_named(tmp_path: Path) -> None:
+    _tokens(tmp_path / "d")
+    built = build_manifest(str(tmp_path / "d"))
+    written = encode_columns(built.shards, {}, built.id, b"{}")
+    paths = [s.path.encode() for s in built.shards]
+    old = tmp_path / "v1.columns"
+    old.write_bytes(_version_1(written, paths))
+    assert list(ShardTable(ColumnsFile(str(old)))) == list(built.shards)
+    old.write_bytes(_version_1(written, [paths[0], b"\xff" + paths[1][1:], *paths[2:]]))
+    with pytest.raises(ManifestError, match=r"shard #1: path b'\\xff.*' is not UTF-8"):
+        list(ShardTable(ColumnsFile(str(old))))

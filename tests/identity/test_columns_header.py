@@ -1,4 +1,4 @@
-"""The fast form's header check (`detdata.identity.columns_header.parse_header`): the header a
+"""The fast form's header check (`detdata.identity.columns.parse_header`): the header a
 real ``Manifest.save`` writes is accepted as written, and each field a reader relies on,
 broken one at a time, is refused before any data is read with an error naming that field."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from detdata.base.errors import ManifestError
 from detdata.identity.build import build_manifest
-from detdata.identity.columns_header import parse_header
+from detdata.identity.columns import parse_header
 from tests.conftest import write_token_shards
 
 
@@ -78,3 +78,5 @@ def test_each_broken_field_is_refused_naming_it(written: bytes, case: str) -> No
 def test_a_header_that_is_not_json_is_refused() -> None:
     with pytest.raises(ManifestError, match="malformed header"):
         parse_header(b"{not json", ManifestError)
+    with pytest.raises(ManifestError, match="malformed header \\(a JSON list, not an object\\)"):
+        parse_header(b"[]", ManifestError)

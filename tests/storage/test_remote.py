@@ -32,7 +32,7 @@ from detdata.identity.build import build_manifest
 from detdata.identity.manifest import Manifest
 from detdata.identity.registry import Registry
 from detdata.loading.trace import compare, read_trace, step_digests
-from detdata.storage.fs import filesystem, read_ranges_retrying
+from detdata.storage.fs import filesystem, read_ranges_upto
 from detdata.storage.retry import RetriesExhausted, RetryPolicy
 from tests.faultproxy import FaultProxy, reset_all, schedule
 from tests.resume_checker import run_digests
@@ -143,7 +143,7 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
     fs, _ = filesystem(url)
     start = time.monotonic()
     with pytest.raises(StorageError, match=r"shard gone\.npy .*missing or not readable"):
-        read_ranges_retrying(
+        read_ranges_upto(
             fs,
             [f"{url}/gone.npy"],
             [0],
@@ -151,6 +151,7 @@ def test_missing_object_is_not_retried(http_root: tuple[Path, str]) -> None:
             policy=RetryPolicy(deadline_s=10),
             shards=["gone.npy"],
             urls=[f"{url}/gone.npy"],
+            upto=False,
         )
     assert time.monotonic() - start < 3.0  # a 404 is permanent: no 10 s of retries
 
