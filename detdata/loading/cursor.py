@@ -47,10 +47,8 @@ from detdata.order.choice import OrderLike
 _LOG: Final = get_logger("detdata")
 #: Checked fields whose change at a resume gives earlier positions another stream.
 STREAM_FIELDS: Final = (K_SEED, K_STREAM_SEED, K_MANIFESTS, K_DATA, K_ALGORITHM)
-#: Allowed changes after which the samples before the saved position are not the saved run's
-#: to re-derive (another stream or transform): such a resume is not attested; nor is one
-#: whose mixture or exclusions change at a position before an attested sample (a state
-#: saved inside a step, resumed at the step's start).
+#: Allowed changes after which the samples before the saved position cannot be re-derived
+#: (another stream or transform): such a resume is not attested (`Cursor._attestation_of`).
 _UNATTESTABLE: Final = (*STREAM_FIELDS, K_TRANSFORM)
 
 
@@ -102,8 +100,7 @@ class Definition:
 class Cursor:
     """The position of a loader in its run and what moves with it: ``samples_consumed``, the
     run's `Plan`, this rank's `Layout` (re-read at `bind`), the stream in force, the bound
-    ``total_samples`` and the generation that makes superseded iterators stale. It changes
-    only through its methods."""
+    ``total_samples`` and the generation that makes superseded iterators stale."""
 
     def __init__(
         self,
@@ -187,8 +184,8 @@ class Cursor:
         return self._layout.positions(self._consumed // self._layout.samples_per_micro_step)
 
     def stop(self) -> int | None:
-        """``total_samples`` as a `GroupSampler` counts it (micro step ``j`` begins at
-        ``j * m * D + offset``; it stops before ``j * m * D`` reaches the bound)."""
+        """``total_samples`` as a `GroupSampler` counts it: less this layout's ``offset``, as
+        micro step ``j`` begins at ``j * m * D + offset``."""
         return None if self._total is None else self._total - self._layout.offset
 
     def whole_steps(self, samples: int) -> int:

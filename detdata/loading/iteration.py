@@ -112,10 +112,8 @@ def _close(iterator: Iterator[Any], _generator: type[Generator[Any, Any, Any]] =
 
 
 def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
-    """This rank's micro batches from ``samples_consumed`` on. A batch is counted only once
-    it reaches the caller: any failure before leaves ``samples_consumed`` at it. Leaving the
-    loop closes the readers at once; after an abnormal end persistent workers are replaced
-    (`BatchSource.reset`: torch's iterator may be mid-transfer)."""
+    """This rank's micro batches from ``samples_consumed`` on; a failure before a batch
+    reaches the caller leaves ``samples_consumed`` at it. Leaving the loop closes the readers."""
     cursor = d.cursor
     close = _close  # reachable in ``finally`` at interpreter exit (see `_close`)
     batches: Iterator[Any] = iter(())
@@ -137,8 +135,7 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
             iterator = d.device.feed(batches)
             if not (yield from _deliver(d, iterator, generation, cache_ahead, stream)):
                 break
-            # the mixture weights changed: what was read ahead is dropped, the readers
-            # start again at the next batch with the stream now in force
+            # the mixture weights changed: drop what was read ahead, restart the readers
             if cache_ahead is not None:
                 cache_ahead.close()
                 cache_ahead = None
@@ -159,14 +156,13 @@ def _iterate(d: Delivery, generation: int) -> Generator[Any, None, None]:
 
 
 def open_cache_ahead(cursor: Cursor, read: ReadOptions) -> CacheAhead | None:
-    """A started `detdata.datasets.prefetch.CacheAhead` of the next ``read.steps_ahead`` micro
-    steps from the cursor's position on ``read.steps_ahead_connections`` threads, or None
-    (off, or nothing cached)."""
+    """A started `CacheAhead` of the next ``read.steps_ahead`` micro steps from the cursor's
+    position, or None (off, or nothing cached)."""
     steps = DEFAULT_STEPS_AHEAD if read.steps_ahead is None else read.steps_ahead
     if not steps:
         return None
     per = cursor.layout.samples_per_micro_step
-    stop = cursor.stop()  # micro step j begins at j * per + offset: stop before the bound
+    stop = cursor.stop()
     plan = CacheAhead(
         cursor.stream,
         cursor.layout.positions,

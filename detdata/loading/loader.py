@@ -1,9 +1,8 @@
 """`detdata.DataLoader`: a drop-in for torch's DataLoader with one-integer resume.
 
-The loader holds its parts and delegates (torchdata's ``Loader`` over its node chain): a
-`Cursor` (position, plan, layout, state), a `Lookup` (provenance), a `BatchSource` (inline,
-threads or worker processes), the `DeviceFeed` and a `RankTrace`; each ``iter()`` is a
-`LoaderIterator` over them. Its state counts samples *delivered* to the caller (`LoaderState`).
+The loader delegates to its parts: a `Cursor` (position, plan, layout, state), a `Lookup`
+(provenance), a `BatchSource`, the `DeviceFeed` and a `RankTrace`; each ``iter()`` is a
+`LoaderIterator` over them.
 """
 
 from __future__ import annotations
@@ -95,11 +94,9 @@ class DataLoader(RunSteps):
       (``torch_positional``): each a `ConfigError` naming detdata's argument
       (`detdata.loading.arguments.TORCH_ONLY`). Any other keyword is Python's ``TypeError``.
 
-    Readers run inline (``num_workers=0``, the next `GROUPS_AHEAD` groups hinted to the
-    stream), on threads (`WorkerMode`) or in worker processes (`detdata.loading.sources`);
-    a failed group is re-read batch by batch, so an error surfaces at the unreadable batch.
-    Memory in flight is about ``batches_ahead`` x micro-batch bytes x (``num_workers`` x
-    ``prefetch_factor`` + 1). ``steps_ahead`` None means `DEFAULT_STEPS_AHEAD`.
+    A failed read group is re-read batch by batch, so an error surfaces at the unreadable
+    batch. Memory in flight is about ``batches_ahead`` x micro-batch bytes x (``num_workers``
+    x ``prefetch_factor`` + 1). ``steps_ahead`` None means `DEFAULT_STEPS_AHEAD`.
 
     ``state_dict()`` is one JSON object; ``samples_consumed`` counts samples delivered to
     the callers of all ranks (batches read or copied ahead are not counted).
@@ -168,7 +165,6 @@ class DataLoader(RunSteps):
         )
         self._lookup = Lookup(self._cursor)
         self._collate_fn, self._pin_memory = collate_fn, bool(pin_memory)
-        # the device feed stages into its own reused pinned buffers; pinning would copy twice
         pin = self._pin_memory and opts.device.target is None
         workers: dict[str, Any] = {  # torch's worker keywords, as torch takes them
             "num_workers": self.num_workers,
@@ -240,14 +236,10 @@ class DataLoader(RunSteps):
         return tokens_consumed(self._cursor.stream, self._cursor.samples_consumed)
 
     def __len__(self) -> int:
-        """Micro batches of this rank per epoch, in whole global steps: a constant.
-
-        An epoch is the whole steps within one pass over a plain `OrderedStream`'s dataset
-        (at least one step), all of ``total_samples``, or the steps within ``2**62`` samples
-        for other streams, counted in micro batches (``/ (micro_batch_size * world_size)``):
-        a trainer stepping every ``global_batch / (micro_batch * world_size)`` batches and at
-        each epoch's end never takes a short step. Samples past the last whole step are not
-        lost: a new ``iter()`` continues at ``samples_consumed``.
+        """Micro batches of this rank per epoch, a constant of whole global steps (so a
+        trainer never takes a short step): all of ``total_samples``, else the whole steps in
+        one pass over a plain `OrderedStream`'s dataset (at least one) or in ``2**62``
+        samples. Samples past the last whole step are not lost: ``iter()`` continues.
         """
         per = self._cursor.layout_now().samples_per_micro_step  # as iteration binds it
         total = self._cursor.total_samples
@@ -320,8 +312,7 @@ class DataLoader(RunSteps):
 
     @property
     def sampler(self) -> EpochStart:
-        """Not a torch sampler (the data is sharded by rank already): it carries only
-        ``set_epoch``, which trainers call on ``loader.sampler``."""
+        """Not a torch sampler (the data is sharded by rank already): `EpochStart`."""
         return EpochStart(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -372,8 +363,8 @@ class DataLoader(RunSteps):
         ``ResumePolicy.allow``). Over a saved mixture, this loader's `Mixture` continues the
         saved one from the resume position (`Mixture.continue_from`): that mixture in force is
         what is compared, recorded and saved, so resuming again with the same weights changes
-        nothing. The layout may differ if the position is a micro-step boundary of it within
-        its step. An allowed ``global_batch_size`` change joins the state's ``history``, in
+        nothing. The layout may differ where the position is one of its micro-step boundaries.
+        An allowed ``global_batch_size`` change joins the state's ``history``, in
         effect from the saved step's start, so earlier steps keep their positions.
         """
         self._cursor.load_state_dict(state_dict, allow=allow, mid_step=mid_step, at_step=at_step)
@@ -428,8 +419,8 @@ class DataLoader(RunSteps):
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> LoaderIterator:
-        """This rank's micro batches from ``samples_consumed`` on (`LoaderIterator`); rank and
-        world size not given are (re)read from torch.distributed here."""
+        """This rank's micro batches from ``samples_consumed`` on; rank and world size not
+        given are (re)read from torch.distributed here."""
         self._cursor.bind()
         self._trace.follow(self._cursor.layout.rank)
         if self._cursor.samples_consumed == 0:
@@ -459,7 +450,6 @@ def _cursor(
     opts: LoaderOptions,
     collate_fn: Callable[[Batch], Any] | None,
 ) -> Cursor:
-    """The cursor of a fresh loader."""
     schedule = as_schedule(global_batch_size)
     constant = schedule.changes[0][1] if schedule.is_constant else None
     placement = Placement(constant, micro_batch_size, opts.rank, opts.world_size)
@@ -474,7 +464,6 @@ def _cursor(
 
 
 def _checked_options(options: LoaderOptions | None) -> LoaderOptions:
-    """``options``, or the defaults; anything else is a `ConfigError`."""
     if options is None:
         return LoaderOptions()
     if not isinstance(options, LoaderOptions):

@@ -1,8 +1,5 @@
-"""Which stream and which samples a `DataLoader` delivered at a position of its run, each
-answered with the stream and layout in force then (`DataLoader.provenance`,
-`DataLoader.positions_seen`, `DataLoader.stream_at`). A `Lookup` reads the run through a
-loader's `Cursor` and never moves it.
-"""
+"""What a `DataLoader` delivered at a position of its run, answered with the stream and
+layout in force then (`DataLoader.provenance`, `positions_seen`, `stream_at`)."""
 
 from __future__ import annotations
 

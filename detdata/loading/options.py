@@ -1,13 +1,9 @@
 """The `DataLoader`'s options beyond torch's keywords: frozen, keyword-only, self-validating.
 
-torch's own keywords stay top-level on `DataLoader`; everything detdata adds lives here:
-`LoaderOptions` (placement, bound, transform, trace) and its groups `ReadOptions`,
-`DeviceFeed` and `ResumePolicy`. Each checks its fields when made and stores them
-normalised; a bad value is a `ConfigError` naming the field (``ReadOptions.batches_ahead``),
-expected vs found, with a hint. Only ``transform`` can change a delivered byte. One word
-family names work done before it is asked for, ``*_ahead``; the former spellings
-(``read_ahead``, ``lookahead``, ``lookahead_connections``, ``prefetch``) are refused naming
-the new one (`refuses_renamed`); torch's ``prefetch_factor`` keeps torch's meaning.
+`LoaderOptions` and its groups `ReadOptions`, `DeviceFeed`, `ResumePolicy` check their fields
+when made and store them normalised; a bad value is a `ConfigError` naming the field
+(``ReadOptions.batches_ahead``), expected vs found, with a hint. Only ``transform`` can change
+a delivered byte. Former spellings of the ``*_ahead`` fields are refused naming the new one.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ if TYPE_CHECKING:
 
 #: ``ReadOptions.batches_ahead``'s upper bound: micro batches read with one batched read.
 MAX_BATCHES_AHEAD: Final = 64
-#: ``ReadOptions.steps_ahead_connections``' upper bound.
 MAX_STEPS_AHEAD_CONNECTIONS: Final = 256
 #: ``ReadOptions.steps_ahead``'s default: micro steps whose shards are filled into a shard
 #: cache ahead of the consumer (the window is cut where it would not fit the cache's bound).
@@ -144,8 +139,7 @@ class DeviceFeed:
         return cast("torch.device | None", self.device)
 
     def feed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` on ``device``, ``copies_ahead`` ahead (`device_batches`); as they are
-        without a device."""
+        """``batches`` on ``device`` (`device_batches`); as they are without a device."""
         if self.target is None:
             return batches
         from detdata.loading.device import device_batches
@@ -225,7 +219,6 @@ class ResumePolicy:
 def _of_type(
     label: str, value: object, kind: type | tuple[type, ...], expected: str, example: str
 ) -> None:
-    """A `ConfigError` naming ``label`` unless ``value`` is an instance of ``kind``."""
     if not isinstance(value, kind):
         raise ConfigError(
             f"{label} must be {expected}, got {type(value).__name__} {value!r:.60}; hint: {example}"

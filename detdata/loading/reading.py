@@ -96,8 +96,7 @@ def apply_transform(
 
 
 class GroupSampler(tud.Sampler[list[IntArray]]):
-    """Yields groups of up to ``size`` consecutive micro batches (position arrays) from
-    ``start``."""
+    """Groups of up to ``size`` consecutive micro batches (position arrays) from ``start``."""
 
     def __init__(self, layout: Layout, start: int, stop: int | None, size: int) -> None:
         self.layout = layout
@@ -116,8 +115,7 @@ class GroupSampler(tud.Sampler[list[IntArray]]):
 
 
 class SlotSampler(tud.Sampler[SlotTask]):
-    """The groups of a `GroupSampler` as `SlotTask` objects naming a free slot of
-    ``transport``."""
+    """A `GroupSampler`'s groups as `SlotTask` objects naming a free slot of ``transport``."""
 
     def __init__(self, groups: GroupSampler, transport: SlotTransport) -> None:
         self.groups = groups
@@ -178,12 +176,9 @@ def rows(batch: Any, a: int, b: int) -> Any:
 
 
 def own_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` in memory of its own, made by one thread (a numpy copy of its
-    bytes, any dtype) for contiguous CPU tensors; ``clone()`` otherwise.
-
-    ``clone()`` runs on torch's intra-op threads: on a busy machine their start-up and
-    contention made each copy of a 0.5 MB micro batch cost milliseconds, not microseconds.
-    """
+    """A copy of ``tensor`` in memory of its own: a numpy copy of a contiguous CPU tensor's
+    bytes, made by one thread (``clone()``, used otherwise, runs on torch's intra-op threads:
+    on a busy machine a 0.5 MB copy then costs milliseconds, not microseconds)."""
     cpu = tensor.device.type == "cpu" and not tensor.requires_grad
     if not cpu or not tensor.is_contiguous() or tensor.numel() == 0:
         return tensor.clone()

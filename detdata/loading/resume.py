@@ -65,10 +65,8 @@ def stream_in_force(
     position on: the one definition of "the mixture in force". ``data`` that continues the
     saved stream (`ContinuesFrom.continue_from`: a `Mixture` with the saved phases before
     the position and its weights after, an `Excluded` appending lists) is that
-    continuation; otherwise ``stream``, with the reason when it cannot continue. Weight
-    changes of the saved run's history are replayed first (`reweighting.replay`), so a
-    resume needs no controller. The checked fields are compared, recorded and saved from
-    this one stream, so a later resume with the same definition is no change."""
+    continuation; otherwise ``stream``, with the reason when it cannot continue. The saved
+    history's weight changes are replayed first, so a resume needs no controller."""
     changes = reweighting.recorded(saved.plan)
     if changes:  # weights changed during the saved run: its trajectory, replayed
         replayed = reweighting.replay(stream, changes)

@@ -5,10 +5,7 @@ torchdata's ``StatefulDataLoader`` over your own map-style dataset; each item is
 micro batch as the sample ids (or, over a `Mixture`, ``(source_name, sample_id)`` pairs)
 detdata's own DataLoader would read. Its state is one integer, global samples consumed
 (``StatefulDataLoader`` snapshots it per dispatched batch; with torch's DataLoader use
-`state_after`). `FrameworkBatchSampler` (``DeterministicBatchSampler.sharded_by_framework``)
-yields whole global micro steps for a framework that shards them itself (accelerate's
-``BatchSamplerShard``) and keeps the position. Sharding detdata's data twice, or not at all
-at world size > 1, is a `ConfigError`.
+`state_after`). `FrameworkBatchSampler`: for a framework that shards the batches itself.
 """
 
 from __future__ import annotations
@@ -159,8 +156,7 @@ class FrameworkBatchSampler:
         return total // self.batch_size
 
     def __iter__(self) -> Iterator[list[Any]]:
-        """The run's items from its first; `ConfigError` at world size > 1 unless the caller
-        splits each item among the processes."""
+        """The run's items from its first (`ConfigError`: see the class)."""
         dealer = _dealer(self)
         _, world = process_group_rank_world()
         if world > 1 and dealer is None:
@@ -225,9 +221,7 @@ class DeterministicBatchSampler(RunSteps):
         self._yielded = 0  # micro batches yielded by the current iterator
         frameworks.built()  # a framework integration watches the calls the user makes
 
-    #: ``sharded_by_framework(num_samples, *, global_batch_size, batch_size, seed=None,
-    #: total_samples=None)``: a `FrameworkBatchSampler`, the run's micro steps of ``batch_size``
-    #: samples (all processes together), for a framework that splits each among its processes
+    #: the run's whole micro steps, for a framework that splits each among its processes
     sharded_by_framework = FrameworkBatchSampler
 
     def _bind(self, consumed: int) -> None:
@@ -275,8 +269,7 @@ class DeterministicBatchSampler(RunSteps):
 
     def __iter__(self) -> Iterator[list[Any]]:
         """This rank's micro batches from ``samples_consumed`` on (rank and world size re-read
-        here); `ConfigError` when the caller deals the items to several processes (accelerate's
-        ``BatchSamplerShard``): they are this rank's slice already."""
+        here); `ConfigError` when the caller deals them to several processes again."""
         dealer = _dealer(self)
         self._bind(self.samples_consumed)  # counted with the layout they were yielded with
         if dealer is not None:

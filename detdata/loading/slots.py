@@ -6,9 +6,8 @@ prefetch_factor + 2`` slots in one anonymous, pre-reserved file (``memfd_create`
 leaks in ``/dev/shm``; a full filesystem is an ``OSError`` and a fallback, never a SIGBUS):
 the sampler hands each group a free slot (`SlotTransport.task`), the worker writes it and
 returns a small `SlotGroup`, the main process copies each micro batch out and frees the
-slot (`settle`). The ring reaches a worker once (a `MainRing` pickles as its descriptor);
-forked processes drop inherited rings. Until slots are sized, and for groups that do not
-fit, torch's transfer is used. Neither path changes a delivered byte.
+slot (`settle`). Until slots are sized, and for groups that do not fit, torch's transfer is
+used. Neither path changes a delivered byte.
 """
 
 from __future__ import annotations

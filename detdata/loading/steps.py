@@ -1,9 +1,7 @@
 """The optimizer step as a unit of the loader state (docs/design.md section 5).
 
-A state saved between two micro batches of gradient accumulation counts samples whose
-gradients no state dict carries. The state says where in its step it was saved
-(`StepPosition`, ``step_position``, derived from ``samples_consumed`` and ``history``), and a
-resume from inside a step re-delivers the step whole by default (`MidStep`).
+A state says where in its step it was saved (`StepPosition`, ``step_position``, derived from
+``samples_consumed`` and ``history``); a resume from inside a step: `MidStep`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 reads release the GIL, and batches need no inter-process transfer).
 
 Closing (or dropping) a `threaded_batches` generator cancels reads not yet started and
-waits for running ones, so no thread outlives it. Except when the cyclic garbage collector
-finalises it: the collector may run inside threading's own bookkeeping (holding its
-shutdown lock), where joining a thread deadlocks, so then the threads end on their own.
+waits for running ones, so no thread outlives it; except when the cyclic garbage collector
+finalises it (inside threading's shutdown lock joining deadlocks): the threads end alone.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Batches read in worker processes (`WorkerSource`: ``worker_mode="process"``): torch's
 ``DataLoader`` of worker processes, kept with ``persistent_workers`` when safe, started so a
-Ctrl-C in an iterator's start surfaces only as ``KeyboardInterrupt`` (`WorkerLoader`).
-
-torch registers an iterator's worker pids under ``id(iterator)`` (refusing a key already
-there) and removes them only if its ``_worker_pids_set`` flag was set: an interrupt between
-the two left an entry that failed a later iterator at the same address with ``ValueError:
-_set_worker_pids should be called only once`` (issue 40).
+Ctrl-C in an iterator's start surfaces only as ``KeyboardInterrupt`` (`WorkerLoader`; why:
+docs/guarantees.md, ``_set_worker_pids should be called only once``, issue 40).
 """
 
 from __future__ import annotations
@@ -31,12 +27,9 @@ from detdata.storage.fileread import set_read_threads
 def _init_worker(
     seed: int, rank: int, user_init: Callable[[int], None] | None, worker_id: int
 ) -> None:
-    # a terminal's Ctrl-C (SIGINT to the process group) is for the main process, which
-    # keeps or replaces the workers (`WorkerSource.batches`): a kept worker that died
-    # of it would cost the next iteration torch's "worker exited unexpectedly" error
+    # a terminal's Ctrl-C is for the main process, which keeps or replaces the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # forked with SIGINT blocked (`_WorkerIterator`): a Ctrl-C between the fork and the line
-    # above stayed pending and is now discarded, never the worker's end
+    # forked with SIGINT blocked (`_WorkerIterator`): one pending since is now discarded
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     seed64 = worker_seed(seed, rank, worker_id)  # python, numpy-legacy and torch globals
     random.seed(seed64)
@@ -53,11 +46,8 @@ def _identity(item: Any) -> Any:
 
 class WorkerSource:
     """Groups read in worker processes by torch's ``DataLoader``, handed over through
-    shared-memory slots with the default collate (`detdata.loading.slots`)
-    or as one tensor per column. With ``persistent_workers`` the workers are kept for the
-    next iteration of the same stream, layout and bound if the last one left them between two
-    groups; an interrupted call into torch's iterator (``_busy``) leaves them untrustworthy,
-    so the next iteration starts fresh ones."""
+    shared-memory slots with the default collate (`detdata.loading.slots`) or as one tensor
+    per column. Kept (``persistent_workers``) only as `_loader_for` says."""
 
     in_processes = True
 
@@ -79,15 +69,11 @@ class WorkerSource:
         self._groups: GroupSampler | None = None  # the sampler (or the slots') of `_loader`
         self._transport: SlotTransport | None = None
         self._built_for: RunSlice | None = None
-        # True from a call into torch's iterator (or the group it returns) until the batches
-        # reach the caller: still True at the next iteration means that call was interrupted
-        # (Ctrl-C, an error) and its persistent workers' state is unknown
-        self._busy = False
+        self._busy = False  # see `_worker_batches`
 
     @property
     def transport(self) -> SlotTransport | None:
-        """The shared-memory slots of the workers now (None: none started, or a
-        ``collate_fn``)."""
+        """The workers' shared-memory slots (None: none started, or a ``collate_fn``)."""
         return self._transport
 
     def batches(self, at: RunSlice) -> Iterator[Any]:
@@ -140,7 +126,8 @@ class WorkerSource:
 
     def _worker_batches(self, groups: Iterator[GroupRead | SlotGroup]) -> Iterator[Any]:
         """The batches of ``groups``; ``_busy`` is False only while a batch is with the caller,
-        so an interrupt or error inside torch leaves it True (`_loader_for`)."""
+        so an interrupt or error inside torch leaves it True: the persistent workers' state is
+        then unknown (`_loader_for`)."""
         while True:
             self._busy = True
             group = next(groups, None)
@@ -154,8 +141,7 @@ class WorkerSource:
 
 
 class WorkerLoader(tud.DataLoader[Any]):
-    """torch's ``DataLoader`` of worker processes (``num_workers > 0``: `batch_source`), whose
-    iterators are `_WorkerIterator`."""
+    """torch's ``DataLoader`` whose worker-process iterators are `_WorkerIterator`."""
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         self.check_worker_number_rationality()
