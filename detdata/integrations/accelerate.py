@@ -18,8 +18,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-from accelerate import Accelerator
-
 from detdata.base.errors import StateError
 from detdata.base.redact import get_logger
 from detdata.integrations.watch import wrap_once
@@ -127,7 +125,11 @@ _WATCH: Final = AcceleratorWatch()
 
 
 def start_watch() -> Callable[[object], None]:
-    """Wrap the module doc's three methods; returns `AcceleratorWatch.check_start`."""
+    """Wrap the module doc's three methods; returns `AcceleratorWatch.check_start`. accelerate
+    is imported here, not with this module: a direct import of this module before accelerate
+    would otherwise start the watch while this module is half made."""
+    from accelerate import Accelerator
+
     for name, hook, before in (
         ("load_state", _WATCH.loaded, False),
         ("register_for_checkpointing", _WATCH.registering, False),

@@ -344,6 +344,36 @@ def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path:
     assert "accelerator.register_for_checkpointing(loader)" in done.stdout
 
 
+_INTEGRATION_FIRST = _IMPORTED_FIRST.replace(
+    "from accelerate import Accelerator  # imported before detdata, as many scripts do\n"
+    "import detdata\n",
+    "import detdata\nimport detdata.integrations.accelerate  # the integration module first\n"
+    "from accelerate import Accelerator\n",
+)
+
+
+def test_the_integration_module_imported_before_accelerate_still_watches_it(
+    tmp_path: Path,
+) -> None:
+    """``import detdata.integrations.accelerate`` before accelerate itself (its watch then starts
+    when accelerate has finished importing, not while the integration module is half made):
+    no "could not start the watch" warning, and a ``load_state`` before any loader is built is
+    seen, so the loader that starts at position 0 is refused at its first batch."""
+    assert _INTEGRATION_FIRST != _IMPORTED_FIRST
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", _INTEGRATION_FIRST, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "could not start the watch" not in done.stderr, done.stderr[-3000:]
+    assert "refused: accelerator.load_state resumed the model" in done.stdout
+
+
 # ------------------------------------------------ accelerate's own gradient accumulation
 STEPS_SCRIPT = Path(__file__).with_name("accelerate_steps_script.py")
 STEPS: dict[str, Any] = {"global_batch": 8, "n": N, "seed": SEED}
