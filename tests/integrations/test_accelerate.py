@@ -326,20 +326,27 @@ except detdata.StateError as exc:
 """
 
 
-def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path: Path) -> None:
-    """``from accelerate import Accelerator`` before ``import detdata``, and ``load_state``
-    before the loader is built (one process, no launcher): the watch started at ``import
-    detdata``, so the loader that starts at position 0 is refused at its first batch."""
+def _one_process(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` run as one plain process (no launcher), its checkpoint folder under
+    ``tmp_path``; it must exit 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     done = subprocess.run(
-        [sys.executable, "-c", _IMPORTED_FIRST, str(tmp_path / "ckpt")],
+        [sys.executable, "-c", script, str(tmp_path / "ckpt")],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-6000:]
+    return done
+
+
+def test_accelerate_imported_before_detdata_is_watched_from_the_import(tmp_path: Path) -> None:
+    """``from accelerate import Accelerator`` before ``import detdata``, and ``load_state``
+    before the loader is built (one process, no launcher): the watch started at ``import
+    detdata``, so the loader that starts at position 0 is refused at its first batch."""
+    done = _one_process(_IMPORTED_FIRST, tmp_path)
     assert "refused: accelerator.load_state resumed the model" in done.stdout
     assert "accelerator.register_for_checkpointing(loader)" in done.stdout
 
@@ -360,16 +367,7 @@ def test_the_integration_module_imported_before_accelerate_still_watches_it(
     no "could not start the watch" warning, and a ``load_state`` before any loader is built is
     seen, so the loader that starts at position 0 is refused at its first batch."""
     assert _INTEGRATION_FIRST != _IMPORTED_FIRST
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    done = subprocess.run(
-        [sys.executable, "-c", _INTEGRATION_FIRST, str(tmp_path / "ckpt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-6000:]
+    done = _one_process(_INTEGRATION_FIRST, tmp_path)
     assert "could not start the watch" not in done.stderr, done.stderr[-3000:]
     assert "refused: accelerator.load_state resumed the model" in done.stdout
 
